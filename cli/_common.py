@@ -1,0 +1,44 @@
+"""What every command shares: loading a profile with --set overrides, and turning user errors into exit code 2."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Annotated, Iterator
+
+import typer
+from rich.console import Console
+
+from moe_tune.profiles import JobProfile, ProfileError, load_profile
+
+USER_ERROR_EXIT = 2
+
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="override a profile field: --set train.lr=1e-3 (repeatable; values parse as YAML)"),
+]
+ProfileArg = Annotated[str, typer.Argument(help="profile YAML path, or the name of a shipped profile (e.g. tiny)")]
+
+
+def fail(problems: list[str]) -> None:
+    """Print one line per problem and exit with code 2, no traceback."""
+    for line in problems:
+        err_console.print(f"error: {line}", markup=False)
+    raise typer.Exit(code=USER_ERROR_EXIT)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Catch user-input errors at the edge: ProfileError, and files the user named that cannot be read."""
+    try:
+        yield
+    except ProfileError as err:
+        fail(err.problems)
+
+
+def read_profile(path: str, overrides: list[str] | None) -> JobProfile:
+    with user_errors():
+        return load_profile(path, overrides or [])
+
+

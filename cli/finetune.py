@@ -1,0 +1,46 @@
+"""`moe-tune finetune PROFILE`: train the profile's model, print where the outputs are."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
+
+app = typer.Typer()
+
+SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+@app.command()
+def finetune(
+    profile: ProfileArg,
+    overrides: SetOption = None,
+    resume: Annotated[bool, typer.Option(help="continue from the newest complete checkpoint in output.dir")] = False,
+    quiet: Annotated[bool, typer.Option(help="no progress output")] = False,
+) -> None:
+    """Fine-tune with DeepSpeed ZeRO and LoRA (or full fine-tuning) as the profile says."""
+    job = read_profile(profile, overrides)
+    console = Console(highlight=False)
+    from moe_tune.engine.train.trainer import finetune as run
+
+    with user_errors():
+        result = run(job, resume=resume, show_progress=not quiet, console=console)
+    if not result.losses:
+        fail([f"--resume: the newest checkpoint is already at train.steps ({job.train.steps}); nothing to train"])
+    console.print(
+        f"trained steps {result.start_step + 1}-{result.last_step} in {result.elapsed_s:.1f}s: "
+        f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
+    )
+    console.print(f"metrics:     {result.metrics}")
+    console.print(f"checkpoint:  {result.checkpoint}")
+    if result.adapter:
+        console.print(f"adapter:     {result.adapter}")
+    if result.weights:
+        console.print(f"weights:     {result.weights}")
+    console.print(f"ds config:   {result.deepspeed_config}")
+    if result.interrupted_by:
+        console.print(f"stopped by {result.interrupted_by}; resume with: moe-tune finetune {profile} --resume")
+        raise typer.Exit(code=SIGNAL_EXIT.get(result.interrupted_by, 1))

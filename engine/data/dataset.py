@@ -1,0 +1,183 @@
+"""Training data: JSONL records -> token documents -> packed rows -> per-step batches.
+
+A document becomes (inputs, labels) with labels shifted by one inside the document. Documents are packed into rows
+of seq_len tokens; a row records where each piece starts, so every attention type keeps pieces apart (a document
+longer than the row room is cut, and its rest starts a new piece). Rows are a pure function of (data, seed, epoch),
+and the batch of step s is a pure function of s: resuming at step s replays exactly the same data.
+
+Shapes: R rows per micro-batch, L = seq_len, T = R * L packed tokens, N pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import DataProfile
+
+from .corpus import generate_corpus
+from .tokenizer import Tokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Document:
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass(frozen=True)
+class Row:
+    input_ids: list[int]  # [L]
+    labels: list[int]  # [L]
+    starts: list[int]  # piece starts inside the row, starts[0] == 0
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [1, T] int64
+    labels: torch.Tensor  # [1, T] int64, -100 where nothing is predicted
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def _record_document(record: object, where: str, profile: DataProfile, tok: Tokenizer) -> Document:
+    if not isinstance(record, dict):
+        raise ProfileError([f"{where}: a record must be a JSON object, got {type(record).__name__}"])
+    if profile.messages_field in record:
+        messages = record[profile.messages_field]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ProfileError(
+                [f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": str}}"]
+            )
+        ids, trained = ([tok.bos_id] if tok.bos_id is not None else []), []
+        trained = [False] * len(ids)
+        for piece, is_trained in tok.render_chat(messages):
+            ids += piece
+            trained += [is_trained] * len(piece)
+        ids.append(tok.eos_id)
+        trained.append(True)
+        labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])]
+        return Document(ids[:-1], labels)
+    if profile.text_field in record:
+        text = record[profile.text_field]
+        if not isinstance(text, str):
+            raise ProfileError([f"{where}: '{profile.text_field}' must be a string, got {type(text).__name__}"])
+        return text_document(text, tok)
+    raise ProfileError(
+        [f"{where}: a record needs a '{profile.text_field}' or a '{profile.messages_field}' key (has: {sorted(record)})"]
+    )
+
+
+def text_document(text: str, tok: Tokenizer) -> Document:
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + [tok.eos_id]
+    return Document(ids[:-1], ids[1:])
+
+
+def load_documents(profile: DataProfile, tok: Tokenizer) -> list[Document]:
+    """Every document of the profile's data; ProfileError naming the file and line for a bad record."""
+    if profile.path is None:
+        return [text_document(text, tok) for text in generate_corpus(profile.corpus_documents, profile.seed)]
+    documents, problems = [], []
+    with profile.path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{profile.path}:{line_no}"
+            try:
+                documents.append(_record_document(json.loads(line), where, profile, tok))
+            except json.JSONDecodeError as err:
+                problems.append(f"{where}: invalid JSON ({err.msg} at column {err.colno})")
+            except ProfileError as err:
+                problems.extend(err.problems)
+            if len(problems) >= 20:
+                problems.append(f"{profile.path}: stopping after 20 bad records")
+                break
+    if problems:
+        raise ProfileError(problems)
+    if not any(any(label != IGNORE_INDEX for label in d.labels) for d in documents):
+        raise ProfileError([f"data.path ('{profile.path}') must hold at least one token to train on"])
+    return documents
+
+
+def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]:
+    """Greedy packing in the given order; the last row is padded with an unlabelled piece."""
+    rows: list[Row] = []
+    ids: list[int] = []
+    labels: list[int] = []
+    starts: list[int] = []
+    for doc in documents:
+        pos = 0
+        while pos < len(doc.input_ids):
+            take = min(seq_len - len(ids), len(doc.input_ids) - pos)
+            starts.append(len(ids))
+            ids += doc.input_ids[pos : pos + take]
+            labels += doc.labels[pos : pos + take]
+            pos += take
+            if len(ids) == seq_len:
+                rows.append(Row(ids, labels, starts))
+                ids, labels, starts = [], [], []
+    if ids:
+        starts.append(len(ids))
+        room = seq_len - len(ids)
+        rows.append(Row(ids + [pad_id] * room, labels + [IGNORE_INDEX] * room, starts))
+    return rows
+
+
+def collate(rows: list[Row]) -> Batch:
+    """Rows side by side in one packed row [1, R * L]; every piece becomes a cu_seqlens segment."""
+    seq_len = len(rows[0].input_ids)
+    cu = [start + r * seq_len for r, row in enumerate(rows) for start in row.starts] + [len(rows) * seq_len]
+    return Batch(
+        input_ids=torch.tensor([sum((row.input_ids for row in rows), [])], dtype=torch.long),
+        labels=torch.tensor([sum((row.labels for row in rows), [])], dtype=torch.long),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+    )
+
+
+class PackedDataset:
+    """Epoch e shuffles the documents with seed + e and packs them; micro-batch i of the run is rows
+    [i * R * W, (i + 1) * R * W) of the endless row stream, of which rank r takes its R rows."""
+
+    def __init__(self, documents: list[Document], seq_len: int, pad_id: int, seed: int):
+        if not documents:
+            raise ProfileError(["data: the dataset has no documents"])
+        self.documents, self.seq_len, self.pad_id, self.seed = documents, seq_len, pad_id, seed
+        self._epoch_lengths: list[int] = []
+        self._cached: tuple[int, list[Row]] = (-1, [])
+
+    def rows_of_epoch(self, epoch: int) -> list[Row]:
+        if self._cached[0] != epoch:
+            order = list(range(len(self.documents)))
+            random.Random(self.seed + epoch).shuffle(order)
+            self._cached = (epoch, pack_rows([self.documents[i] for i in order], self.seq_len, self.pad_id))
+        return self._cached[1]
+
+    def _epoch_length(self, epoch: int) -> int:
+        # Epochs pack to slightly different row counts (the order changes the padding); learn each once.
+        while len(self._epoch_lengths) <= epoch:
+            self._epoch_lengths.append(len(self.rows_of_epoch(len(self._epoch_lengths))))
+        return self._epoch_lengths[epoch]
+
+    def row(self, index: int) -> Row:
+        epoch = 0
+        while index >= self._epoch_length(epoch):
+            index -= self._epoch_length(epoch)
+            epoch += 1
+        return self.rows_of_epoch(epoch)[index]
+
+    def micro_batch(self, micro_step: int, rows_per_rank: int, rank: int = 0, world_size: int = 1) -> Batch:
+        first = (micro_step * world_size + rank) * rows_per_rank
+        return collate([self.row(first + i) for i in range(rows_per_rank)])

@@ -1,0 +1,88 @@
+"""Tokenizers: the built-in byte-level one (the tiny default) and any tokenizer directory transformers can read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from moe_tune.profiles import ProfileError
+
+CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict]) -> list[tuple[list[int], bool]]:
+        """Token pieces of a conversation, each with whether it is trained on (assistant turns)."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255, then <bos> 256, <eos> 257, <pad> 258."""
+
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict]) -> list[tuple[list[int], bool]]:
+        return [
+            (self.encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"])), m["role"] == "assistant")
+            for m in messages
+        ]
+
+
+class HFTokenizer:
+    """A tokenizer directory read by transformers (local files only, no remote code)."""
+
+    def __init__(self, directory: Path):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ProfileError([f"data.tokenizer ('{directory}') needs transformers: pip install transformers"]) from None
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {first_line}"]) from None
+        self.vocab_size = len(self._tok)
+        self.bos_id = self._tok.bos_token_id
+        self.eos_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
+        self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def render_chat(self, messages: list[dict]) -> list[tuple[list[int], bool]]:
+        if not getattr(self._tok, "chat_template", None):
+            return [
+                (self.encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"])), m["role"] == "assistant")
+                for m in messages
+            ]
+        # Render growing prefixes with the checkpoint's template; each message owns the tokens it adds.
+        pieces, previous = [], []
+        for i, message in enumerate(messages):
+            ids = self._tok.apply_chat_template(messages[: i + 1], tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            pieces.append((ids[len(previous) :], message["role"] == "assistant"))
+            previous = ids
+        return pieces
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(Path(spec))

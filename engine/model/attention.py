@@ -1,0 +1,169 @@
+"""Token mixers: gated delta net (linear attention), top-k sparse attention and full gated attention.
+
+Shapes: T packed tokens of one row [1, T], D model dim, H query heads, G key/value heads, hd head dim; linear
+attention: Hk key heads of dim K, Hv value heads of dim V; indexer: HI heads of dim DI.
+Every layer takes a PackedBatch, whose cu_seqlens keep documents from seeing each other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_tune.ops.linear_attention import gated_delta_rule, kda
+from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
+from moe_tune.profiles.schema import ModelProfile
+
+from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Where the documents of a packed row start and end, computed once per forward."""
+
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+    positions: torch.Tensor  # [T] position inside the document
+    doc_ids: torch.Tensor  # [T] document index
+
+    def causal_mask(self) -> torch.Tensor:
+        """[T, T] bool: query t may see key s (same document, s <= t)."""
+        same_doc = self.doc_ids[:, None] == self.doc_ids[None, :]
+        idx = torch.arange(len(self.doc_ids), device=self.doc_ids.device)
+        return same_doc & (idx[None, :] <= idx[:, None])
+
+
+class GatedAttention(nn.Module):
+    """Softmax attention with GQA, q/k RMSNorm, partial RoPE and a sigmoid output gate (qwen3_next layout: q_proj
+    yields each head's query followed by its gate)."""
+
+    def __init__(self, cfg: ModelProfile):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)
+
+    def project(self, x: torch.Tensor, batch: PackedBatch):
+        """x [1, T, D] -> q [1, T, H, hd], k and v [1, T, G, hd], gate [1, T, H, hd]."""
+        t = x.shape[1]
+        q, gate = self.q_proj(x).view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        q = self.rotary(self.q_norm(q), batch.positions)
+        k = self.rotary(self.k_norm(k), batch.positions)
+        return q, k, v, gate
+
+    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
+        mask = batch.causal_mask()
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
+        return o.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        q, k, v, gate = self.project(x, batch)
+        o = self.attend(x, q, k, v, batch) * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(1, x.shape[1], -1))
+
+
+class SparseAttention(GatedAttention):
+    """Gated attention where each query sees only the keys picked by a DSA-style indexer (multi-head ReLU scores
+    weighted per head; single tokens or mean-pooled key blocks within a token budget)."""
+
+    def __init__(self, cfg: ModelProfile):
+        super().__init__(cfg)
+        spec = cfg.sparse_attention
+        assert spec is not None, "the schema requires model.sparse_attention for sparse layers"
+        self.index_heads, self.index_dim = spec.index_heads, spec.index_head_dim
+        self.block_size = spec.block_size
+        self.num_selected = spec.topk // spec.block_size
+        d = cfg.hidden_size
+        self.index_q_proj = nn.Linear(d, self.index_heads * self.index_dim, bias=False)
+        self.index_k_proj = nn.Linear(d, self.index_dim, bias=False)
+        self.index_weights_proj = nn.Linear(d, self.index_heads, bias=False)
+
+    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
+        t = x.shape[1]
+        # The indexer only chooses keys; as in DeepSeek's DSA it gets no gradient from the language-model loss.
+        with torch.no_grad():
+            q_idx = self.index_q_proj(x).view(1, t, self.index_heads, self.index_dim)
+            k_idx = self.index_k_proj(x)
+            w_idx = self.index_weights_proj(x) * self.index_heads**-0.5
+            indices = topk_indexer(
+                q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
+            )
+        indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+        return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with a recurrent state (qwen3_next's gated delta net; per-channel decay gives KDA).
+
+    g = -exp(A_log) * softplus(a + dt_bias) is the log decay, beta = sigmoid(b) the delta-rule step; q and k are
+    L2-normalised inside the op; the output is RMSNorm(o) * silu(z) per head.
+    """
+
+    def __init__(self, cfg: ModelProfile):
+        super().__init__()
+        spec = cfg.linear_attention
+        assert spec is not None, "the schema requires model.linear_attention for linear layers"
+        self.hk, self.hv = spec.num_key_heads, spec.num_value_heads
+        self.dk, self.dv = spec.key_head_dim, spec.value_head_dim
+        self.per_channel = spec.decay == "per_channel"
+        d = cfg.hidden_size
+        decay_width = self.hv * self.dk if self.per_channel else self.hv
+        self.q_proj = nn.Linear(d, self.hk * self.dk, bias=False)
+        self.k_proj = nn.Linear(d, self.hk * self.dk, bias=False)
+        self.v_proj = nn.Linear(d, self.hv * self.dv, bias=False)
+        self.z_proj = nn.Linear(d, self.hv * self.dv, bias=False)
+        self.b_proj = nn.Linear(d, self.hv, bias=False)
+        self.a_proj = nn.Linear(d, decay_width, bias=False)
+        self.conv = ShortConv(2 * self.hk * self.dk + self.hv * self.dv, spec.conv_kernel_size)
+        self.A_log = nn.Parameter(torch.empty(self.hv))
+        self.dt_bias = nn.Parameter(torch.empty(decay_width))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.hv * self.dv, d, bias=False)
+
+    def reset_decay_parameters(self) -> None:
+        # Decay rates spread over [1, 16) per head, as qwen3_next initialises them; dt_bias starts at 1.
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            self.dt_bias.fill_(1.0)
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        t = x.shape[1]
+        qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch.positions)
+        q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
+        group = self.hv // self.hk
+        q = q.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
+        k = k.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
+        v = v.view(1, t, self.hv, self.dv)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        a = self.a_proj(x).float() + self.dt_bias.float()
+        if self.per_channel:
+            g = -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk))
+            o, _ = kda(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+        else:
+            g = -self.A_log.float().exp() * F.softplus(a)
+            o, _ = gated_delta_rule(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+        z = self.z_proj(x).view(1, t, self.hv, self.dv)
+        return self.o_proj(self.norm(o, z).reshape(1, t, self.hv * self.dv))
+
+
+TOKEN_MIXERS = {"linear": GatedDeltaNet, "sparse": SparseAttention, "full": GatedAttention}
+
+
+def init_token_mixer(module: nn.Module, std: float) -> None:
+    """Init hook for the parts nn.Linear init does not cover."""
+    if isinstance(module, GatedDeltaNet):
+        module.reset_decay_parameters()
+        nn.init.normal_(module.conv.weight, std=1.0 / math.sqrt(module.conv.width))

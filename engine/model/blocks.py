@@ -1,0 +1,103 @@
+"""Model-agnostic building blocks: norms, rotary embedding, the short causal conv, packed-batch helpers.
+
+Shapes: T packed tokens (the model runs on one packed row [1, T] with cu_seqlens marking documents), D model dim,
+H heads, C channels, W conv width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; `one_plus` scales by (1 + w) with w starting at 0 (qwen3_next convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, one_plus: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.one_plus = one_plus
+        self.weight = nn.Parameter(torch.zeros(dim) if one_plus else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale = 1.0 + self.weight.float() if self.one_plus else self.weight.float()
+        return (normed * scale).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(x) * silu(z): the output norm of gated delta net layers, applied per head."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (super().forward(x).float() * F.silu(z.float())).to(x.dtype)
+
+
+def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of each packed token inside its own document: [T] int64."""
+    starts = cu_seqlens[:-1].long()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    offsets = torch.repeat_interleave(starts, lengths, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - offsets
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Index of the document each packed token belongs to: [T] int64."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on the first `rotary_dim` dims of each head (partial rotary), rotate-half convention."""
+
+    def __init__(self, head_dim: int, partial_rotary_factor: float, theta: float):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [1, T, H, hd]; positions: [T] (restart at every document)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        cos = torch.cat([freqs.cos(), freqs.cos()], -1)[None, :, None, :]
+        sin = torch.cat([freqs.sin(), freqs.sin()], -1)[None, :, None, :]
+        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+        return torch.cat([(rot * cos + rotated * sin).to(x.dtype), rest], -1)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv over time, reset at every document start, followed by SiLU.
+
+    Tap j reads the token j steps back; it is masked where that token lies in the previous document, which is
+    exactly a per-document conv with zero left padding.
+    """
+
+    def __init__(self, channels: int, width: int):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.empty(channels, width))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [1, T, C]; positions: [T] position inside the document."""
+        out = x * self.weight[:, -1]
+        for shift in range(1, self.width):
+            shifted = F.pad(x[:, :-shift], (0, 0, shift, 0)) if shift < x.shape[1] else torch.zeros_like(x)
+            keep = (positions >= shift).to(x.dtype)[None, :, None]
+            out = out + shifted * keep * self.weight[:, -1 - shift]
+        return F.silu(out)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,109 @@
+"""The decoder: layers declared one by one in the profile, each a token mixer and a channel mixer.
+
+Shapes: T packed tokens in one row [1, T] (documents separated by cu_seqlens [N + 1]), D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moe_tune.profiles.schema import LayerSpec, ModelProfile
+
+from .attention import TOKEN_MIXERS, PackedBatch, init_token_mixer
+from .blocks import RMSNorm, document_ids, document_positions
+from .moe import DenseMLP, MoEBlock, init_moe
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None  # language-model loss + aux losses (what backward runs on)
+    lm_loss: torch.Tensor | None  # mean next-token cross-entropy over labelled tokens
+    aux_loss: torch.Tensor  # sum of the MoE layers' weighted load-balancing losses
+    logits: torch.Tensor  # [1, T, V]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelProfile, spec: LayerSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
+        self.self_attn = TOKEN_MIXERS[spec.attention](cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
+        if spec.mlp == "moe":
+            assert cfg.moe is not None, "the schema requires model.moe for moe layers"
+            self.mlp: nn.Module = MoEBlock(cfg.hidden_size, cfg.moe)
+            self.aux_loss_coef = cfg.moe.aux_loss_coef
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.aux_loss_coef = 0.0
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        y, aux = self.mlp(self.post_attention_layernorm(x))
+        return x + y, aux * self.aux_loss_coef
+
+
+class MoECausalLM(nn.Module):
+    """Decoder-only language model over packed rows. `forward(input_ids, cu_seqlens, labels)`."""
+
+    def __init__(self, cfg: ModelProfile, activation_checkpointing: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic init from model.seed: normal(init_std) projections, ones/zeros norms."""
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(self.cfg.seed)
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(0.0 if module.one_plus else 1.0)
+            init_token_mixer(module, std)
+            init_moe(module, std)
+        torch.random.set_rng_state(gen_state)
+
+    def forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> CausalLMOutput:
+        """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
+        cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T."""
+        total = input_ids.shape[1]
+        batch = PackedBatch(cu_seqlens, document_positions(cu_seqlens, total), document_ids(cu_seqlens, total))
+        x = self.embed_tokens(input_ids)
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x, aux = checkpoint(layer, x, batch, use_reentrant=False)
+            else:
+                x, aux = layer(x, batch)
+            aux_total = aux_total + aux
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return CausalLMOutput(None, None, aux_total, logits)
+        lm_loss = F.cross_entropy(
+            logits.view(-1, logits.shape[-1]).float(), labels.view(-1), ignore_index=IGNORE_INDEX
+        )
+        return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [m for m in self.modules() if isinstance(m, MoEBlock)]
+
+
+def build_model(cfg: ModelProfile, activation_checkpointing: bool = False) -> MoECausalLM:
+    model = MoECausalLM(cfg, activation_checkpointing)
+    model.reset_parameters()
+    return model

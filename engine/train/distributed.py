@@ -1,0 +1,78 @@
+"""Process-group set-up for DeepSpeed, on a GPU cluster or one CPU process alike.
+
+The rendezvous follows the standard variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) that
+torchrun and the deepspeed launcher set; a bare `moe-tune finetune` becomes a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_environment() -> None:
+    """Must run before deepspeed is imported: DeepSpeed picks its accelerator at import time."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def init_distributed(backend: str = "auto") -> DistInfo:
+    prepare_environment()
+    import importlib
+
+    import deepspeed
+
+    # `import deepspeed.comm.torch` would bind the torch package that deepspeed.comm re-exports under that name.
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    # DeepSpeed compiles a shared-memory all-reduce op on the CPU accelerator's first init (~40 s); the gloo
+    # backend never uses it.
+    ds_comm_torch.build_shm_op = lambda: None
+    on_gpu = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if on_gpu else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    return DistInfo(
+        rank=torch.distributed.get_rank(),
+        world_size=torch.distributed.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+    )
+
+
+def shutdown_distributed() -> None:
+    """End every distributed run this way, or ranks can hang or warn at exit."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,32 @@
+"""The DeepSpeed config, generated from the profile; written next to the outputs as it was used."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_tune.profiles.schema import JobProfile
+
+
+def deepspeed_config(profile: JobProfile, world_size: int) -> dict[str, Any]:
+    train, parallel = profile.train, profile.parallel
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+        # DeepSpeed clips at 1.0 when this is absent: always say what the profile asks for.
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {
+            "stage": parallel.zero_stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
+        # The optimizer is a client torch.optim.AdamW over the trainable parameters only.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if train.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config

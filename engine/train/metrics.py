@@ -1,0 +1,100 @@
+"""Per-step metrics: a live progress bar (or log lines off a terminal), JSONL, and TensorBoard when installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to metrics.jsonl; on resume, drops lines past the resumed step first."""
+
+    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None):
+        self.path = path
+        if resume_step > 0 and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+        elif path.exists():
+            path.unlink()
+        self._file = path.open("a")
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(tensorboard_dir))
+            except ImportError:
+                self._tb = None
+
+    @property
+    def has_tensorboard(self) -> bool:
+        return self._tb is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressReporter:
+    """Rich progress bar with step, loss, tokens/s and ETA; plain log lines when stdout is not a terminal."""
+
+    def __init__(self, total_steps: int, start_step: int, log_every: int, enabled: bool, console: Console | None = None):
+        self.console = console or Console()
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total_steps
+        self._live = enabled and self.console.is_terminal
+        self._progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self._live,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+
+    def __enter__(self):
+        self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._progress.__exit__(*exc)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        self._progress.update(
+            self._task, completed=step, loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}"
+        )
+        if not self._live and (step % self.log_every == 0 or step == self.total or step == 1):
+            remaining = (self.total - step) * record["step_time_s"]
+            self.console.print(
+                f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"{record['tokens_per_s']:,.0f} tok/s  ETA {remaining:.0f}s",
+                highlight=False,
+            )
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message, highlight=False)

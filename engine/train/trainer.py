@@ -1,0 +1,293 @@
+"""`moe-tune finetune`: build the model from the profile, wrap it in DeepSpeed ZeRO, train, save.
+
+Outputs in profile.output.dir:
+  profile.yaml             the resolved profile          deepspeed_config.json  the DeepSpeed config used
+  metrics.jsonl            one record per step           tensorboard/           events (if installed)
+  checkpoints/step-N/      atomic, resumable             adapter/               PEFT adapter (LoRA runs)
+  model.safetensors        all weights (full fine-tune)  summary.json           losses, timings, paths
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile, TrainProfile
+
+from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
+from .distributed import DistInfo, init_distributed, shutdown_distributed
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    start_step: int
+    last_step: int
+    losses: list[float] = field(default_factory=list)
+    checkpoint: Path | None = None
+    adapter: Path | None = None
+    weights: Path | None = None
+    metrics: Path | None = None
+    deepspeed_config: Path | None = None
+    interrupted_by: str | None = None
+    elapsed_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "losses"}
+        data["first_loss"] = self.losses[0] if self.losses else None
+        data["final_loss"] = self.losses[-1] if self.losses else None
+        return data
+
+
+def lr_factor(step: int, train: TrainProfile) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return 1.0
+    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+    floor = train.min_lr_ratio
+    if train.lr_schedule == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class _StopSignal:
+    """SIGINT/SIGTERM ask the loop to checkpoint and exit after the current step."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _agree(flag: bool, dist: DistInfo) -> bool:
+    """True on every rank when any rank saw `flag`."""
+    if dist.world_size == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=dist.device)
+    torch.distributed.all_reduce(t)
+    return bool(t.item() > 0)
+
+
+def build_trainable_model(profile: JobProfile, dist: DistInfo):
+    """The model with LoRA injected (or all weights trainable), and its trainable parameters."""
+    from moe_tune.engine.lora import expert_lora_layer_type, inject_lora
+    from moe_tune.engine.model.model import build_model
+
+    model = build_model(profile.model, profile.memory.activation_checkpointing)
+    if profile.lora.enabled:
+        model = inject_lora(model, profile.lora)
+        if profile.parallel.zero_stage == 3:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            # The expert LoRA layer reads its adapters' parameters directly: ZeRO-3 must gather them all at once.
+            if any(isinstance(m, expert_lora_layer_type()) for m in model.modules()):
+                set_z3_leaf_modules(model, [expert_lora_layer_type()])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return model, trainable
+
+
+def _gathered_state(module: torch.nn.Module, only_trainable: bool) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of the module's parameters on the CPU, under any ZeRO stage."""
+    import deepspeed
+
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not only_trainable]
+    state = {}
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        for name, param in named:
+            state[name] = param.detach().to("cpu", copy=True).contiguous()
+    return state
+
+
+def export_weights(engine, profile: JobProfile, out: Path, is_main: bool) -> tuple[Path | None, Path | None]:
+    """Save the PEFT adapter (LoRA) or every weight as safetensors (full fine-tuning). Returns (adapter, weights)."""
+    module = engine.module
+    if profile.lora.enabled:
+        state = _gathered_state(module, only_trainable=True)
+        adapter_dir = out / "adapter"
+        if is_main:
+            module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
+        return adapter_dir, None
+    from safetensors.torch import save_file
+
+    state = _gathered_state(module, only_trainable=False)
+    path = out / "model.safetensors"
+    if is_main:
+        tmp = out / ".model.safetensors.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt", "moe_tune_profile": profile.name})
+        tmp.replace(path)
+    return None, path
+
+
+def finetune(
+    profile: JobProfile,
+    resume: bool = False,
+    show_progress: bool = True,
+    stop_after: int | None = None,
+    console=None,
+) -> RunResult:
+    """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written."""
+    dist = init_distributed(profile.parallel.backend)
+    try:
+        return _finetune(profile, dist, resume, show_progress, stop_after, console)
+    finally:
+        shutdown_distributed()
+
+
+def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:
+    import deepspeed
+
+    from moe_tune.engine.data.dataset import PackedDataset, load_documents
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    from .ds_config import deepspeed_config
+    from .metrics import MetricsWriter, ProgressReporter
+
+    train, out = profile.train, profile.output.dir
+    torch.manual_seed(train.seed)
+    tokenizer = load_tokenizer(profile.data.tokenizer)
+    if tokenizer.vocab_size > profile.model.vocab_size:
+        raise ProfileError(
+            [f"model.vocab_size ({profile.model.vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"]
+        )
+    dataset = PackedDataset(load_documents(profile.data, tokenizer), profile.data.seq_len, tokenizer.pad_id, profile.data.seed)
+
+    model, trainable = build_trainable_model(profile, dist)
+    optimizer = torch.optim.AdamW(
+        trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
+    ds_config = deepspeed_config(profile, dist.world_size)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+    )
+
+    ckpt_root = out / "checkpoints"
+    result = RunResult(output_dir=out, start_step=0, last_step=0)
+    if dist.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        result.deepspeed_config = out / "deepspeed_config.json"
+        write_json_atomic(result.deepspeed_config, ds_config)
+        (out / "profile.yaml").write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+    start_step = 0
+    if resume:
+        found = complete_checkpoints(ckpt_root)
+        if not found:
+            raise ProfileError([f"--resume: no complete checkpoint under {ckpt_root}"])
+        state = load_checkpoint(engine, found[-1])
+        start_step = state["step"]
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
+            block.selection_bias.copy_(torch.tensor(bias))
+    result.start_step = result.last_step = start_step
+    last_step = min(train.steps, stop_after) if stop_after is not None else train.steps
+
+    result.metrics = out / "metrics.jsonl"
+    tb_dir = out / "tensorboard" if profile.output.tensorboard else None
+    writer = MetricsWriter(result.metrics, start_step, tb_dir) if dist.is_main else None
+    reporter = ProgressReporter(train.steps, start_step, train.log_every, show_progress and dist.is_main, console)
+    rows = train.micro_batch_size
+    started = time.perf_counter()
+    with _StopSignal() as stop, reporter:
+        if start_step:
+            reporter.print(f"resumed from {ckpt_root / f'step-{start_step:07d}'} at step {start_step}")
+        for step in range(start_step, last_step):
+            t0 = time.perf_counter()
+            engine.train()
+            lm_losses, aux_losses, tokens = [], [], 0
+            for micro in range(train.gradient_accumulation_steps):
+                batch = dataset.micro_batch(
+                    step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
+                )
+                out_ = engine(
+                    input_ids=batch.input_ids.to(dist.device),
+                    cu_seqlens=batch.cu_seqlens.to(dist.device),
+                    labels=batch.labels.to(dist.device),
+                )
+                engine.backward(out_.loss)
+                engine.step()
+                lm_losses.append(out_.lm_loss.detach().float())
+                aux_losses.append(out_.aux_loss.detach().float())
+                tokens += batch.num_label_tokens
+            _update_moe_bias(engine, dist)
+            loss = torch.stack(lm_losses).mean()
+            aux = torch.stack(aux_losses).mean()
+            if dist.world_size > 1:
+                stats = torch.stack([loss, aux, torch.tensor(float(tokens), device=loss.device)])
+                torch.distributed.all_reduce(stats)
+                loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
+            step_time = time.perf_counter() - t0
+            grad_norm = engine.get_global_grad_norm()
+            record = {
+                "step": step + 1,
+                "loss": float(loss),
+                "aux_loss": float(aux),
+                "lr": train.lr * lr_factor(step, train),
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "tokens": tokens,
+                "tokens_per_s": tokens / step_time,
+                "step_time_s": step_time,
+            }
+            result.losses.append(record["loss"])
+            result.last_step = step + 1
+            if writer is not None:
+                writer.write(record)
+            reporter.update(record)
+            stopping = _agree(stop.received is not None, dist)
+            at_end = step + 1 == last_step
+            if stopping or at_end or (step + 1) % profile.output.save_every == 0:
+                result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist)
+            if stopping:
+                result.interrupted_by = stop.received or "signal on another rank"
+                break
+    result.elapsed_s = time.perf_counter() - started
+    if writer is not None:
+        writer.close()
+    if result.last_step == train.steps or result.interrupted_by:
+        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main)
+    if dist.is_main:
+        write_json_atomic(out / "summary.json", result.summary())
+    return result
+
+
+def _moe_blocks(engine) -> list:
+    from moe_tune.engine.model.moe import MoEBlock
+
+    return [m for m in engine.module.modules() if isinstance(m, MoEBlock)]
+
+
+def _update_moe_bias(engine, dist: DistInfo) -> None:
+    for block in _moe_blocks(engine):
+        if dist.world_size > 1:
+            torch.distributed.all_reduce(block.load_counts)
+        block.update_selection_bias()
+
+
+def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo) -> Path:
+    state = {
+        "step": step,
+        "profile_name": profile.name,
+        "torch_rng": torch.get_rng_state().tolist(),
+        "selection_bias": [b.selection_bias.tolist() for b in _moe_blocks(engine)],
+    }
+    return save_checkpoint(engine, root, step, state, profile.output.keep_last, dist.is_main)

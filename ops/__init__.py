@@ -1,0 +1,1 @@
+"""Fused ops: one folder per op, each with a pure-PyTorch reference and Triton kernels."""

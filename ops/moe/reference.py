@@ -1,0 +1,242 @@
+"""Pure-PyTorch MoE expert MLP, routing and load-balancing loss: the ground truth for the Triton kernels.
+
+Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token (top-k), r LoRA rank.
+Expert weights use the transformers 5 fused layout: w_gate_up [E, 2F, D] (gate rows first, then up), w_down [E, D, F].
+Expert e on a row x: h = silu(x W_gate^T) * (x W_up^T), y_e = h W_down^T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F_nn
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+# Keeps a sigmoid renormalisation finite when every chosen score underflows to 0 (same constant as DeepSeek-V3).
+SIGMOID_NORM_EPS = 1e-20
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 at least; fp64 inputs stay fp64 so that gradient checks in fp64 can be tight.
+    return torch.promote_types(dtype, torch.float32)
+
+
+# eq=False: a generated __eq__ would compare tensors elementwise and fail on the ambiguous truth value.
+@dataclass(frozen=True, eq=False)
+class ExpertLoRA:
+    """Per-expert LoRA on the two expert projections; delta on a projection W x is scaling * B (A x).
+
+    a_gate_up: [E, r, D], b_gate_up: [E, 2F, r]   adapter on w_gate_up, or both None
+    a_down:    [E, r, F], b_down:    [E, D, r]    adapter on w_down, or both None
+    scaling:   float, keyword (lora_alpha / r in PEFT terms)
+    """
+
+    a_gate_up: torch.Tensor | None = None
+    b_gate_up: torch.Tensor | None = None
+    a_down: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    scaling: float = field(kw_only=True)
+
+    @property
+    def has_gate_up(self) -> bool:
+        return self.a_gate_up is not None
+
+    @property
+    def has_down(self) -> bool:
+        return self.a_down is not None
+
+    def check(self, E: int, D: int, F: int) -> None:
+        """Raise ValueError naming the tensor when a shape does not fit experts of E x [D -> F -> D]."""
+        _check_pair("a_gate_up", self.a_gate_up, "b_gate_up", self.b_gate_up, E, d_in=D, d_out=2 * F)
+        _check_pair("a_down", self.a_down, "b_down", self.b_down, E, d_in=F, d_out=D)
+
+
+def _check_pair(
+    a_name: str, a: torch.Tensor | None, b_name: str, b: torch.Tensor | None, E: int, d_in: int, d_out: int
+) -> None:
+    if a is None and b is None:
+        return
+    if a is None or b is None:
+        given, missing = (a_name, b_name) if b is None else (b_name, a_name)
+        raise ValueError(f"ExpertLoRA.{given} is set but {missing} is None: give both or neither")
+    if a.dim() != 3 or a.shape[0] != E or a.shape[2] != d_in:
+        raise ValueError(f"ExpertLoRA.{a_name}: shape {tuple(a.shape)} must be [E, r, {d_in}] with E = {E}")
+    r = a.shape[1]
+    if tuple(b.shape) != (E, d_out, r):
+        raise ValueError(f"ExpertLoRA.{b_name}: shape {tuple(b.shape)} must be [E, {d_out}, r] = [{E}, {d_out}, {r}]")
+
+
+def _expert_mlp(
+    x_MD: torch.Tensor,
+    w_gate_up_2FD: torch.Tensor,
+    w_down_DF: torch.Tensor,
+    lora: ExpertLoRA | None,
+    e: int,
+) -> torch.Tensor:
+    """SwiGLU MLP of expert e on the M rows routed to it; every tensor already in the compute dtype."""
+    num_hidden = w_down_DF.shape[1]
+    gate_up_M2F = x_MD @ w_gate_up_2FD.T
+    if lora is not None and lora.has_gate_up:
+        gate_up_M2F = gate_up_M2F + lora.scaling * ((x_MD @ lora.a_gate_up[e].T) @ lora.b_gate_up[e].T)
+    gate_MF, up_MF = gate_up_M2F.split(num_hidden, dim=-1)
+    h_MF = F_nn.silu(gate_MF) * up_MF
+    y_MD = h_MF @ w_down_DF.T
+    if lora is not None and lora.has_down:
+        y_MD = y_MD + lora.scaling * ((h_MF @ lora.a_down[e].T) @ lora.b_down[e].T)
+    return y_MD
+
+
+def _lora_to(lora: ExpertLoRA | None, dtype: torch.dtype) -> ExpertLoRA | None:
+    if lora is None:
+        return None
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype)
+
+    return ExpertLoRA(
+        cast(lora.a_gate_up), cast(lora.b_gate_up), cast(lora.a_down), cast(lora.b_down), scaling=lora.scaling
+    )
+
+
+def moe_mlp_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    lora: ExpertLoRA | None = None,
+) -> torch.Tensor:
+    """Grouped MoE MLP: sort token-slots by expert, one matmul per expert on its rows, weighted index_add_ combine.
+
+    x: [N, D], topk_ids: [N, k] int64/int32, topk_weights: [N, k] float, w_gate_up: [E, 2F, D], w_down: [E, D, F].
+    Returns y: [N, D] in x.dtype, computed in fp32 (fp64 for fp64 inputs). Differentiable in every float input.
+    Reads the per-expert counts on the host: a training path for the CPU, not for CUDA.
+    """
+    top_k = topk_ids.shape[1]
+    num_experts = w_gate_up.shape[0]
+    dtype = _compute_dtype(x.dtype)
+    x_ND = x.to(dtype)
+    w_gate_up_E2FD = w_gate_up.to(dtype)
+    w_down_EDF = w_down.to(dtype)
+    lora = _lora_to(lora, dtype)
+
+    # Slot s = token * k + j; a stable sort keeps each expert's rows in token order.
+    ids_S = topk_ids.reshape(-1).long()
+    order_S = torch.argsort(ids_S, stable=True)
+    token_of_row_S = order_S // top_k
+    counts_E = torch.bincount(ids_S, minlength=num_experts)
+    x_sorted_SD = x_ND[token_of_row_S]
+
+    outputs = []
+    start = 0
+    for e, count in enumerate(counts_E.tolist()):
+        if count == 0:
+            continue
+        rows_MD = x_sorted_SD[start : start + count]
+        outputs.append(_expert_mlp(rows_MD, w_gate_up_E2FD[e], w_down_EDF[e], lora, e))
+        start += count
+    y_sorted_SD = torch.cat(outputs) if outputs else x_ND.new_zeros((0, x_ND.shape[1]))
+
+    weights_S = topk_weights.reshape(-1).to(dtype)[order_S]
+    y_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row_S, y_sorted_SD * weights_S[:, None])
+    return y_ND.to(x.dtype)
+
+
+def moe_mlp_loop_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    lora: ExpertLoRA | None = None,
+) -> torch.Tensor:
+    """Per-token oracle: for each token and each of its k slots, run the chosen expert on that one token.
+
+    Same shapes, dtypes and result as moe_mlp_ref; written with matrix-vector products and no sorting, for tests only.
+    """
+    dtype = _compute_dtype(x.dtype)
+    # Cast once up front: gradients then sum over slots in the compute dtype, not in the leaves' dtype.
+    x_ND, weights_Nk = x.to(dtype), topk_weights.to(dtype)
+    w_gate_up_E2FD, w_down_EDF = w_gate_up.to(dtype), w_down.to(dtype)
+    lora = _lora_to(lora, dtype)
+    num_hidden = w_down.shape[2]
+    rows = []
+    for t in range(x.shape[0]):
+        y_D = torch.zeros_like(x_ND[t])
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate_F = w_gate_up_E2FD[e, :num_hidden] @ x_ND[t]
+            up_F = w_gate_up_E2FD[e, num_hidden:] @ x_ND[t]
+            if lora is not None and lora.a_gate_up is not None:
+                delta_2F = lora.scaling * (lora.b_gate_up[e] @ (lora.a_gate_up[e] @ x_ND[t]))
+                gate_F = gate_F + delta_2F[:num_hidden]
+                up_F = up_F + delta_2F[num_hidden:]
+            h_F = gate_F * torch.sigmoid(gate_F) * up_F
+            out_D = w_down_EDF[e] @ h_F
+            if lora is not None and lora.a_down is not None:
+                out_D = out_D + lora.scaling * (lora.b_down[e] @ (lora.a_down[e] @ h_F))
+            y_D = y_D + weights_Nk[t, j] * out_D
+        rows.append(y_D)
+    if not rows:
+        return x.new_zeros(x.shape)
+    return torch.stack(rows).to(x.dtype)
+
+
+def topk_route(
+    logits: torch.Tensor,
+    top_k: int,
+    score_func: str = "softmax",
+    renormalize: bool = True,
+    selection_bias: torch.Tensor | None = None,
+    routed_scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick top_k experts per token and their combine weights.
+
+    logits: [N, E] float. selection_bias: [E] float or None, added to the scores for the choice only (aux-loss-free
+    balancing); the weights are always the unbiased scores. Defaults: softmax scores, renormalised, scaling 1.0.
+    Returns topk_ids [N, k] int64, topk_weights [N, k] fp32 (differentiable w.r.t. logits), scores [N, E] fp32.
+    """
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func ({score_func!r}) must be one of {', '.join(SCORE_FUNCS)}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits: shape {tuple(logits.shape)} must be [N, E]")
+    num_experts = logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must be in [1, E] = [1, {num_experts}]")
+    if selection_bias is not None and tuple(selection_bias.shape) != (num_experts,):
+        raise ValueError(f"selection_bias: shape {tuple(selection_bias.shape)} must be [E] = [{num_experts}]")
+
+    logits_NE = logits.float()
+    scores_NE = logits_NE.softmax(dim=-1) if score_func == "softmax" else logits_NE.sigmoid()
+    choice_NE = scores_NE.detach()
+    if selection_bias is not None:
+        choice_NE = choice_NE + selection_bias.detach().float()
+    topk_ids_Nk = choice_NE.topk(top_k, dim=-1).indices
+    topk_weights_Nk = scores_NE.gather(-1, topk_ids_Nk)
+    if renormalize:
+        denom_N1 = topk_weights_Nk.sum(dim=-1, keepdim=True)
+        if score_func == "sigmoid":
+            denom_N1 = denom_N1 + SIGMOID_NORM_EPS
+        topk_weights_Nk = topk_weights_Nk / denom_N1
+    return topk_ids_Nk, topk_weights_Nk * routed_scaling, scores_NE
+
+
+def switch_aux_loss(scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss E * sum_e f_e * P_e; 1.0 for perfectly uniform routing.
+
+    scores: [N, E] float (softmax probs or sigmoid scores), topk_ids: [N, k] int64/int32.
+    f_e: fraction of the N*k token-slots routed to e (no gradient); P_e: mean over tokens of the per-token normalised
+    score of e. Returns a scalar fp32, differentiable w.r.t. scores.
+    """
+    if scores.dim() != 2 or scores.shape[1] != num_experts:
+        raise ValueError(f"scores: shape {tuple(scores.shape)} must be [N, E] with E = num_experts = {num_experts}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != scores.shape[0]:
+        raise ValueError(f"topk_ids: shape {tuple(topk_ids.shape)} must be [N, k] with N = {scores.shape[0]}")
+    scores_NE = scores.float()
+    # Softmax rows already sum to 1, so normalising every row is exact for them and is what sigmoid scores need.
+    probs_NE = scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)
+    counts_E = torch.bincount(topk_ids.reshape(-1).long(), minlength=num_experts)
+    fraction_E = counts_E.float() / topk_ids.numel()
+    mean_prob_E = probs_NE.mean(dim=0)
+    return num_experts * (fraction_E * mean_prob_E).sum()

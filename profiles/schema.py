@@ -1,0 +1,250 @@
+"""The job profile: one pydantic model per concern, composed into JobProfile.
+
+Rules of the schema (STYLE.md): extra keys are refused, required fields have no default, every field is described.
+Cross-field rules live in `check_<rule>` validators grouped by concern. A validator reports every broken rule of
+its section at once: each line reads `@field (value) rule`, and the loader replaces `@` with the section's path, so
+the user reads `model.moe.top_k (9) must be <= model.moe.num_experts (8)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# The byte-level tokenizer's vocabulary: 256 bytes plus <bos>, <eos> and <pad>.
+BYTE_VOCAB_SIZE = 259
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+class LayerSpec(Strict):
+    attention: Literal["linear", "sparse", "full"] = Field(
+        description="token mixer: linear (gated delta rule with a recurrent state), sparse (top-k selected keys) "
+        "or full (gated softmax attention over every causal key)"
+    )
+    mlp: Literal["moe", "dense"] = Field("moe", description="channel mixer: routed experts (moe) or a dense SwiGLU")
+
+
+class LinearAttentionSpec(Strict):
+    num_key_heads: int = Field(ge=1, description="heads of q and k (shared by groups of value heads)")
+    num_value_heads: int = Field(ge=1, description="heads of v and of the recurrent state; a multiple of num_key_heads")
+    key_head_dim: int = Field(ge=1, description="K: dim of q and k per head")
+    value_head_dim: int = Field(ge=1, description="V: dim of v per head (may differ from K)")
+    conv_kernel_size: int = Field(4, ge=1, le=8, description="width of the short causal depthwise conv on q, k, v")
+    decay: Literal["scalar", "per_channel"] = Field(
+        "scalar", description="scalar: one log decay per head (gated delta rule); per_channel: one per key channel (KDA)"
+    )
+
+    @model_validator(mode="after")
+    def check_heads(self):
+        problems = []
+        if self.num_value_heads % self.num_key_heads:
+            problems.append(
+                f"@num_value_heads ({self.num_value_heads}) must be a multiple of @num_key_heads ({self.num_key_heads})"
+            )
+        _raise_if(problems)
+        return self
+
+
+class SparseAttentionSpec(Strict):
+    index_heads: int = Field(ge=1, description="HI: heads of the indexer that scores keys for each query")
+    index_head_dim: int = Field(ge=1, description="DI: dim of the indexer's query and key")
+    topk: int = Field(ge=1, description="token budget: keys each query attends to (block mode: topk / block_size blocks)")
+    block_size: int = Field(
+        1, ge=1, description="1: select single tokens; >1: select blocks of this many contiguous keys (mean-pooled scores)"
+    )
+
+    @model_validator(mode="after")
+    def check_budget(self):
+        problems = []
+        if self.topk % self.block_size:
+            problems.append(f"@topk ({self.topk}) must be a multiple of @block_size ({self.block_size})")
+        _raise_if(problems)
+        return self
+
+
+class MoESpec(Strict):
+    num_experts: int = Field(ge=1, description="E: routed experts per MoE layer")
+    top_k: int = Field(ge=1, description="k: experts each token is sent to")
+    expert_intermediate_size: int = Field(ge=1, description="F: hidden size of each routed SwiGLU expert")
+    score_func: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores from the logits")
+    renormalize: bool = Field(True, description="rescale the chosen experts' weights to sum to 1")
+    routed_scaling: float = Field(1.0, gt=0, description="factor on the routed experts' combined output")
+    aux_loss_coef: float = Field(0.0, ge=0, description="weight of the Switch load-balancing loss (0: off)")
+    bias_update_rate: float = Field(
+        0.0, ge=0, description="aux-loss-free balancing: step of the per-expert selection bias after each step (0: off)"
+    )
+    shared_expert_intermediate_size: int = Field(0, ge=0, description="hidden size of the shared expert (0: none)")
+    shared_expert_gate: bool = Field(True, description="scale the shared expert by sigmoid(x W) (qwen3_next style)")
+
+    @model_validator(mode="after")
+    def check_top_k(self):
+        problems = []
+        if self.top_k > self.num_experts:
+            problems.append(f"@top_k ({self.top_k}) must be <= @num_experts ({self.num_experts})")
+        _raise_if(problems)
+        return self
+
+
+class ModelProfile(Strict):
+    vocab_size: int = Field(ge=2, description="rows of the token embedding and the LM head")
+    hidden_size: int = Field(ge=1, description="D: model width")
+    layers: list[LayerSpec] = Field(min_length=1, description="the decoder, one entry per layer, bottom first")
+    num_attention_heads: int = Field(ge=1, description="query heads of the sparse and full attention layers")
+    num_key_value_heads: int = Field(ge=1, description="key/value heads (GQA); divides num_attention_heads")
+    head_dim: int = Field(ge=2, description="dim per attention head")
+    intermediate_size: int = Field(0, ge=0, description="hidden size of dense SwiGLU layers (needed if any mlp: dense)")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1, description="share of each head's dims that get RoPE")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="epsilon of every RMSNorm")
+    norm_one_plus: bool = Field(False, description="RMSNorm scales by (1 + w) with w initialised at 0 (qwen3_next)")
+    linear_attention: LinearAttentionSpec | None = Field(None, description="needed if any layer is linear")
+    sparse_attention: SparseAttentionSpec | None = Field(None, description="needed if any layer is sparse")
+    moe: MoESpec | None = Field(None, description="needed if any layer has mlp: moe")
+    init_std: float = Field(0.02, gt=0, description="std of the normal init of projections and embeddings")
+    seed: int = Field(0, description="seed of the weight init")
+
+    @model_validator(mode="after")
+    def check_sections_present(self):
+        problems = []
+        kinds = {layer.attention for layer in self.layers}
+        for kind, section in (("linear", self.linear_attention), ("sparse", self.sparse_attention)):
+            if kind in kinds and section is None:
+                problems.append(f"@{kind}_attention (None) must be set: a layer has attention: {kind}")
+        mlps = {layer.mlp for layer in self.layers}
+        if "moe" in mlps and self.moe is None:
+            problems.append("@moe (None) must be set: a layer has mlp: moe")
+        if "dense" in mlps and self.intermediate_size == 0:
+            problems.append("@intermediate_size (0) must be > 0: a layer has mlp: dense")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"@num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"@num_key_value_heads ({self.num_key_value_heads})"
+            )
+        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        if rotary_dim % 2:
+            problems.append(
+                f"@partial_rotary_factor ({self.partial_rotary_factor}) must give an even rotary dim "
+                f"(head_dim {self.head_dim} x factor = {rotary_dim})"
+            )
+        _raise_if(problems)
+        return self
+
+
+class DataProfile(Strict):
+    path: Path | None = Field(
+        None, description="JSONL file of {'text': ...} or {'messages': [{'role', 'content'}]} records; "
+        "None: the built-in generated corpus of the tiny default"
+    )
+    tokenizer: str = Field(
+        "byte", description="'byte' (built-in byte-level tokenizer) or a directory with tokenizer files (transformers)"
+    )
+    seq_len: int = Field(ge=8, description="tokens per packed row; documents are packed, never attending across")
+    text_field: str = Field("text", description="key of plain-text records")
+    messages_field: str = Field("messages", description="key of chat records (list of {role, content})")
+    corpus_documents: int = Field(2000, ge=1, description="documents of the built-in corpus (data.path: None)")
+    seed: int = Field(0, description="seed of the data order (and of the built-in corpus)")
+
+    @model_validator(mode="after")
+    def check_dataset(self):
+        problems = []
+        if self.path is not None:
+            if not self.path.is_file():
+                problems.append(f"@path ('{self.path}') must be an existing file")
+            elif not _has_content(self.path):
+                problems.append(f"@path ('{self.path}') must hold at least one record (the file is empty)")
+        if self.tokenizer != "byte" and not Path(self.tokenizer).is_dir():
+            problems.append(f"@tokenizer ('{self.tokenizer}') must be 'byte' or an existing directory")
+        _raise_if(problems)
+        return self
+
+
+def _has_content(path: Path) -> bool:
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
+
+
+class LoraProfile(Strict):
+    enabled: bool = Field(True, description="LoRA fine-tuning; false trains every weight (full fine-tuning)")
+    r: int = Field(8, ge=1, description="rank of every adapter")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="names of linear layers that get adapters (PEFT target_modules: suffixes of module names)",
+    )
+    experts: bool = Field(True, description="adapters on the routed experts too (per-expert A and B)")
+
+
+class ParallelProfile(Strict):
+    zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage for dense weights")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl on GPU")
+
+
+class MemoryProfile(Strict):
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
+
+
+class TrainProfile(Strict):
+    steps: int = Field(ge=1, description="optimizer steps")
+    micro_batch_size: int = Field(ge=1, description="packed rows per micro-batch per rank")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    lr: float = Field(gt=0, description="peak learning rate")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a share of the peak (cosine, linear)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: no clipping)")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="compute dtype of weights and activations")
+    seed: int = Field(0, description="seed of everything random during training")
+    log_every: int = Field(10, ge=1, description="steps between log lines when the console is not a terminal")
+
+    @model_validator(mode="after")
+    def check_schedule(self):
+        problems = []
+        if self.warmup_steps >= self.steps:
+            problems.append(f"@warmup_steps ({self.warmup_steps}) must be < @steps ({self.steps})")
+        if not all(0 <= b < 1 for b in self.betas):
+            problems.append(f"@betas ({list(self.betas)}) must each be in [0, 1)")
+        _raise_if(problems)
+        return self
+
+
+class OutputProfile(Strict):
+    dir: Path = Field(description="where metrics, checkpoints, the adapter and the DeepSpeed config go")
+    save_every: int = Field(100, ge=1, description="steps between checkpoints (one is also written at the end)")
+    keep_last: int = Field(2, ge=1, description="checkpoints kept; older ones are deleted")
+    tensorboard: bool = Field(True, description="also write TensorBoard events when tensorboard is installed")
+
+
+class JobProfile(Strict):
+    name: str = Field(description="job name, shown in logs and written to the outputs")
+    model: ModelProfile = Field(description="architecture of the model to fine-tune")
+    data: DataProfile = Field(description="training data and tokenizer")
+    lora: LoraProfile = Field(default_factory=LoraProfile, description="adapters (or full fine-tuning)")
+    parallel: ParallelProfile = Field(default_factory=ParallelProfile, description="distribution of the weights")
+    memory: MemoryProfile = Field(default_factory=MemoryProfile, description="what backward keeps or recomputes")
+    train: TrainProfile = Field(description="optimizer and schedule")
+    output: OutputProfile = Field(description="what is written where")
+
+    @model_validator(mode="after")
+    def check_tokenizer_fits_model(self):
+        problems = []
+        if self.data.tokenizer == "byte" and self.model.vocab_size < BYTE_VOCAB_SIZE:
+            problems.append(
+                f"model.vocab_size ({self.model.vocab_size}) must be >= {BYTE_VOCAB_SIZE} for data.tokenizer 'byte'"
+            )
+        if self.data.path is None and self.data.tokenizer != "byte":
+            problems.append(f"data.tokenizer ('{self.data.tokenizer}') must be 'byte' with the built-in corpus")
+        _raise_if(problems)
+        return self
