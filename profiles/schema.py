@@ -183,6 +183,10 @@ class LoraProfile(Strict):
         description="names of linear layers that get adapters (PEFT target_modules: suffixes of module names)",
     )
     experts: bool = Field(True, description="adapters on the routed experts too (per-expert A and B)")
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="modules trained in full and saved with the adapter (PEFT modules_to_save), e.g. [lm_head]",
+    )
 
 
 class ParallelProfile(Strict):

@@ -21,14 +21,17 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
 
     from .experts import GroupedExpertsLoRA
 
-    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+    module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear_names = sorted(
         {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     )
-    unknown = [t for t in profile.target_modules if t not in leaf_names or t not in linear_names]
+    unknown = [t for t in profile.target_modules if t not in linear_names]
     problems = [
         f"lora.target_modules ('{t}') must name a linear layer of the model (known: {', '.join(linear_names)})"
         for t in unknown
+    ]
+    problems += [
+        f"lora.modules_to_save ('{m}') must name a module of the model" for m in profile.modules_to_save if m not in module_names
     ]
     has_experts = any(isinstance(m, GroupedExperts) for m in model.modules())
     if profile.experts and not has_experts:
@@ -43,6 +46,7 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
         lora_alpha=profile.alpha,
         lora_dropout=profile.dropout,
         target_modules=targets,
+        modules_to_save=list(profile.modules_to_save) or None,
         bias="none",
     )
     config._register_custom_module({GroupedExperts: GroupedExpertsLoRA})

@@ -5,7 +5,7 @@ Shapes: T packed tokens in one row [1, T] (documents separated by cu_seqlens [N 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,9 @@ from .moe import DenseMLP, MoEBlock, init_moe
 IGNORE_INDEX = -100
 
 
-@dataclass
-class CausalLMOutput:
+class CausalLMOutput(NamedTuple):
+    """A named tuple, so ZeRO-3 hooks see the tensors inside."""
+
     loss: torch.Tensor | None  # language-model loss + aux losses (what backward runs on)
     lm_loss: torch.Tensor | None  # mean next-token cross-entropy over labelled tokens
     aux_loss: torch.Tensor  # sum of the MoE layers' weighted load-balancing losses

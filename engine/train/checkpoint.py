@@ -77,8 +77,20 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
     return final
 
 
+def _weights_only_load(path: str, map_location=None):
+    """DeepSpeed's checkpoint files through torch.load(weights_only=True): tensors, containers and the two
+    DeepSpeed classes its optimizer state holds, nothing else is unpickled."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]):
+        return torch.load(path, map_location=map_location, weights_only=True)
+
+
 def load_checkpoint(engine, path: Path) -> dict[str, Any]:
     """Restore engine and return the trainer state of a complete checkpoint."""
+    # DeepSpeed's own loader unpickles arbitrary objects (weights_only=False).
+    engine.checkpoint_engine.load = _weights_only_load
     load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     if load_path is None:
         raise FileNotFoundError(f"{path}: DeepSpeed found no loadable checkpoint there")

@@ -147,11 +147,23 @@ def finetune(
     console=None,
 ) -> RunResult:
     """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written."""
+    _quiet_third_party_noise()
     dist = init_distributed(profile.parallel.backend)
     try:
         return _finetune(profile, dist, resume, show_progress, stop_after, console)
     finally:
         shutdown_distributed()
+
+
+def _quiet_third_party_noise() -> None:
+    import logging
+    import warnings
+
+    # PEFT warns about every custom layer type; ours is registered on purpose.
+    warnings.filterwarnings("ignore", message="Unsupported layer type", module="peft")
+    # DeepSpeed 0.19.8 calls torch.distributed collectives that torch 2.13 deprecates.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
 def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:

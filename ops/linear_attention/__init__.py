@@ -1,0 +1,154 @@
+"""Linear attention with a recurrent state: the gated delta rule and its per-channel decay variant (KDA).
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences (B, or len(cu_seqlens) - 1 when packed).
+The math is in README.md; the ground truth in reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_tune.ops.common.dispatch import use_kernel
+from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
+
+__all__ = ["gated_delta_rule", "kda"]
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule: per head, S_t = exp(g_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = scale S_t^T q_t.
+
+    Args:
+        q: [B, T, H, K] bf16/fp16/fp32 queries.
+        k: [B, T, H, K] same dtype as q, keys (L2-normalised, or pass use_qk_l2norm_in_kernel=True).
+        v: [B, T, H, V] same dtype as q, values; V may differ from K.
+        g: [B, T, H] fp32 or q's dtype, log decay per head and token, <= 0 (not checked per element).
+        beta: [B, T, H] fp32 or q's dtype, write strength in (0, 1).
+        scale: output scale, default K ** -0.5.
+        initial_state: [N, H, K, V] fp32 state entering each sequence, default zeros.
+        output_final_state: also return the state after each sequence's last token.
+        cu_seqlens: [N + 1] int32/int64 starts of packed sequences (0, ..., T), only with B == 1; the state
+            restarts from that sequence's initial_state at every start, so no token sees another document.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
+
+    Returns:
+        o: [B, T, H, V] in q's dtype.
+        final_state: [N, H, K, V] fp32, or None unless output_final_state.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, is_per_channel=False)
+    return _apply(
+        "gated_delta_rule",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+    )
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi delta attention: the gated delta rule with one decay per key channel, S_t = diag(exp(g_t)) S_{t-1}.
+
+    Args and returns as in `gated_delta_rule`, except
+        g: [B, T, H, K] fp32 or q's dtype, log decay per key channel and token, <= 0 (not checked per element).
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, is_per_channel=True)
+    return _apply(
+        "kda",
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm_in_kernel,
+    )
+
+
+def _apply(op_name, q, k, v, g, beta, **options):
+    """The dispatch point of both ops: Triton kernel or the chunked reference."""
+    # has_kernel becomes True when the Triton kernel lands in this folder.
+    is_kernel = use_kernel(op_name, q, k, v, has_kernel=False)
+    # use_kernel never picks a kernel the op does not have (it raises when one is forced).
+    assert not is_kernel
+    return chunk_gated_delta_rule_ref(q, k, v, g, beta, **options)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, is_per_channel):
+    """ValueError naming the tensor, its shape and the rule, on the first input that breaks one."""
+    if q.ndim != 4:
+        raise ValueError(f"q: shape {tuple(q.shape)} must be [B, T, H, K]")
+    if not q.is_floating_point():
+        raise ValueError(f"q: dtype {q.dtype} must be floating point")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k: shape {tuple(k.shape)} must match q {tuple(q.shape)}")
+    if v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v: shape {tuple(v.shape)} must be [B, T, H, V] with B, T, H of q {tuple(q.shape)}")
+    if is_per_channel and g.shape != q.shape:
+        raise ValueError(f"g: shape {tuple(g.shape)} must be [B, T, H, K] {tuple(q.shape)}: kda decays per key channel")
+    if not is_per_channel and g.shape != q.shape[:3]:
+        raise ValueError(
+            f"g: shape {tuple(g.shape)} must be [B, T, H] {(B, T, H)}: one decay per head (per channel: use kda)"
+        )
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta: shape {tuple(beta.shape)} must be [B, T, H] {(B, T, H)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {x.dtype} must match q ({q.dtype})")
+    for name, x in (("g", g), ("beta", beta)):
+        if not x.is_floating_point():
+            raise ValueError(f"{name}: dtype {x.dtype} must be floating point")
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name}: device {x.device} must match q ({q.device})")
+
+    num_seqs = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires B == 1 (sequences packed along T), got q {tuple(q.shape)}")
+        if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: shape {tuple(cu_seqlens.shape)} must be [N + 1] with N >= 1")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens: dtype {cu_seqlens.dtype} must be int32 or int64")
+        # N + 1 numbers: copying them to the host is cheap next to the op.
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != T:
+            raise ValueError(f"cu_seqlens: must start at 0 and end at T ({T}), got {bounds[0]} ... {bounds[-1]}")
+        if any(end < start for start, end in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(f"cu_seqlens: must never decrease, got {bounds}")
+        num_seqs = len(bounds) - 1
+
+    if initial_state is not None and initial_state.shape != (num_seqs, H, K, v.shape[-1]):
+        raise ValueError(
+            f"initial_state: shape {tuple(initial_state.shape)} must be [N, H, K, V] {(num_seqs, H, K, v.shape[-1])}"
+        )

@@ -1,0 +1,67 @@
+"""The command line: exit codes, one-line errors without tracebacks, and what validate and schema print."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+from typer.testing import CliRunner
+
+from moe_tune.cli import app
+
+runner = CliRunner()
+
+
+def test_validate_prints_resolved_profile():
+    result = runner.invoke(app, ["validate", "tiny", "--set", "train.lr=0.002"])
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["train"]["lr"] == 0.002
+    # Defaults are filled in.
+    assert resolved["parallel"]["zero_stage"] == 3
+
+
+def test_validate_bad_profile_exits_2_with_one_line_per_problem(tmp_path):
+    result = runner.invoke(app, ["validate", "tiny", "--set", "model.moe.top_k=99", "--set", "train.lr=-1"])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        "error: model.moe.top_k (99) must be <= model.moe.num_experts (8)",
+        "error: train.lr (-1): input should be greater than 0",
+    ]
+
+
+def test_schema_is_json():
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["title"] == "JobProfile"
+
+
+def test_finetune_bad_input_has_no_traceback(tmp_path):
+    # A real process, as a user runs it: stderr must hold only the one-line error.
+    missing = tmp_path / "nope.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", str(missing)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {missing}: no such file, nor a shipped profile (shipped: tiny)"
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_finetune_bad_dataset_record_names_file_and_line(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n{"txt": "typo"}\nnot json\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--set", f"data.path={data}",
+         "--set", f"output.dir={tmp_path / 'out'}", "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {data}:2: a record needs a 'text' or a 'messages' key (has: ['txt'])",
+        f"error: {data}:3: invalid JSON (Expecting value at column 1)",
+    ]
+    assert "Traceback" not in proc.stderr
+    # Nothing was trained, so no checkpoint exists.
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -1,0 +1,157 @@
+"""Profile loading: every kind of bad input gives one line naming the field, the value and the rule."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_tune.profiles import JobProfile, ProfileError, json_schema, load_profile, resolve_profile_path
+from moe_tune.profiles.schema import Strict
+
+TINY = resolve_profile_path("tiny")
+
+
+def tiny_raw() -> dict:
+    return yaml.safe_load(TINY.read_text())
+
+
+def write(tmp_path: Path, raw: dict | str) -> Path:
+    path = tmp_path / "profile.yaml"
+    path.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    return path
+
+
+def problems_of(path, overrides=()) -> list[str]:
+    with pytest.raises(ProfileError) as info:
+        load_profile(path, list(overrides))
+    return info.value.problems
+
+
+def test_shipped_tiny_is_valid_and_hybrid():
+    profile = load_profile("tiny")
+    kinds = [layer.attention for layer in profile.model.layers]
+    assert kinds.count("linear") == 3 and kinds.count("sparse") == 1
+    assert profile.lora.enabled and profile.lora.experts
+    assert profile.data.path is None
+
+
+def test_shipped_name_resolves_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_profile_path("profiles/tiny.yaml") == TINY
+    assert load_profile("tiny").name == "tiny"
+
+
+def test_unreadable_file():
+    (line,) = problems_of("/nonexistent/dir/p.yaml")
+    assert line.startswith("/nonexistent/dir/p.yaml: no such file")
+
+
+def test_yaml_syntax_error_names_line_and_column(tmp_path):
+    path = write(tmp_path, "name: x\nmodel: [unclosed\n")
+    (line,) = problems_of(path)
+    assert line.startswith(f"{path}:3:1: YAML syntax error")
+
+
+def test_not_a_mapping(tmp_path):
+    (line,) = problems_of(write(tmp_path, "- a\n- b\n"))
+    assert "must be a YAML mapping" in line and "list" in line
+
+
+def test_every_error_listed_at_once(tmp_path):
+    raw = tiny_raw()
+    raw["model"]["hiden_size"] = 3  # unknown key
+    raw["train"]["lr"] = "fast"  # wrong type
+    raw["train"]["steps"] = 0  # out of range
+    raw["model"]["moe"]["top_k"] = 9  # inconsistent with num_experts 8
+    raw["data"]["path"] = str(tmp_path / "missing.jsonl")
+    problems = problems_of(write(tmp_path, raw))
+    assert problems == [
+        "model.moe.top_k (9) must be <= model.moe.num_experts (8)",
+        "model.hiden_size (3): unknown key (not in the schema: moe-tune schema)",
+        f"data.path ('{tmp_path / 'missing.jsonl'}') must be an existing file",
+        "train.steps (0): input should be greater than or equal to 1",
+        "train.lr ('fast'): input should be a valid number, unable to parse string as a number",
+    ]
+
+
+def test_empty_dataset(tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text("\n  \n")
+    (line,) = problems_of(TINY, [f"data.path={data}"])
+    assert line == f"data.path ('{data}') must hold at least one record (the file is empty)"
+
+
+def test_missing_required_field(tmp_path):
+    raw = tiny_raw()
+    del raw["train"]["lr"]
+    assert problems_of(write(tmp_path, raw)) == ["train.lr: required field is missing"]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.linear_attention.num_value_heads=3", "model.linear_attention.num_value_heads (3) must be a multiple"),
+        ("model.num_key_value_heads=3", "model.num_attention_heads (4) must be a multiple of model.num_key_value_heads"),
+        ("model.sparse_attention.block_size=5", "model.sparse_attention.topk (32) must be a multiple of"),
+        ("train.warmup_steps=300", "train.warmup_steps (300) must be < train.steps (300)"),
+        ("model.vocab_size=100", "model.vocab_size (100) must be >= 259 for data.tokenizer 'byte'"),
+        ("model.layers=[{attention: full, mlp: dense}]", "model.intermediate_size (0) must be > 0"),
+        ("lora.r=0", "lora.r (0): input should be greater than or equal to 1"),
+    ],
+    ids=["value-heads", "gqa", "block-budget", "warmup", "vocab", "dense-needs-size", "lora-rank"],
+)
+def test_rule_messages(override, expected):
+    problems = problems_of(TINY, [override])
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_layer_kind_in_yaml(tmp_path):
+    raw = tiny_raw()
+    raw["model"]["layers"][0]["attention"] = "conv"
+    (line,) = problems_of(write(tmp_path, raw))
+    assert line.startswith("model.layers.0.attention ('conv'): input should be 'linear', 'sparse' or 'full'")
+
+
+def test_overrides_parse_yaml_values():
+    profile = load_profile(TINY, ["train.lr=1e-3", "lora.target_modules=[q_proj]", "train.precision=bf16"])
+    assert profile.train.lr == 1e-3
+    assert profile.lora.target_modules == ["q_proj"]
+    assert profile.train.precision == "bf16"
+
+
+def test_override_into_a_scalar_is_refused():
+    (line,) = problems_of(TINY, ["train.lr.x=1"])
+    assert line == "--set 'train.lr.x=1': train.lr is not a section"
+
+
+def test_override_without_equals():
+    (line,) = problems_of(TINY, ["train.lr"])
+    assert line == "--set 'train.lr': must read path.to.field=value"
+
+
+def _models(model: type[Strict]):
+    yield model
+    for field in model.model_fields.values():
+        for candidate in getattr(field.annotation, "__args__", (field.annotation,)):
+            if isinstance(candidate, type) and issubclass(candidate, Strict):
+                yield from _models(candidate)
+            for inner in getattr(candidate, "__args__", ()):
+                if isinstance(inner, type) and issubclass(inner, Strict):
+                    yield from _models(inner)
+
+
+def test_every_field_is_described_and_extra_forbidden():
+    seen = set(_models(JobProfile))
+    assert len(seen) >= 10
+    for model in seen:
+        assert model.model_config["extra"] == "forbid", model.__name__
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_json_schema_is_serialisable_and_complete():
+    schema = json_schema()
+    text = json.dumps(schema)
+    assert set(schema["required"]) == {"name", "model", "data", "train", "output"}
+    assert "expert_intermediate_size" in text
