@@ -19,8 +19,6 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
 
     from moe_tune.engine.model.moe import GroupedExperts
 
-    from .experts import GroupedExpertsLoRA
-
     module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear_names = sorted(
         {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -49,8 +47,25 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
         modules_to_save=list(profile.modules_to_save) or None,
         bias="none",
     )
+    return get_peft_model(model, with_expert_lora(config))
+
+
+def with_expert_lora(config):
+    """Register the per-expert LoRA layer on a LoraConfig (PEFT does not store custom layers in its files)."""
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    from .experts import GroupedExpertsLoRA
+
     config._register_custom_module({GroupedExperts: GroupedExpertsLoRA})
-    return get_peft_model(model, config)
+    return config
+
+
+def load_adapter(model: nn.Module, directory, is_trainable: bool = False):
+    """Load a saved moe-tune adapter (PEFT files) onto `model` in one process."""
+    from peft import LoraConfig, PeftModel
+
+    config = with_expert_lora(LoraConfig.from_pretrained(str(directory)))
+    return PeftModel.from_pretrained(model, str(directory), config=config, is_trainable=is_trainable)
 
 
 def expert_lora_layer_type() -> type:

@@ -1,0 +1,90 @@
+"""Data: records become documents with shifted labels, packing keeps documents apart, batches depend on the step."""
+
+import json
+
+import pytest
+
+from moe_tune.engine.data.corpus import generate_corpus
+from moe_tune.engine.data.dataset import (
+    IGNORE_INDEX,
+    Document,
+    PackedDataset,
+    collate,
+    load_documents,
+    pack_rows,
+    text_document,
+)
+from moe_tune.engine.data.tokenizer import ByteTokenizer
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import DataProfile
+
+TOK = ByteTokenizer()
+
+
+def test_text_document_labels_are_next_tokens():
+    doc = text_document("abc", TOK)
+    assert doc.input_ids == [TOK.bos_id, 97, 98, 99]
+    assert doc.labels == [97, 98, 99, TOK.eos_id]
+
+
+def test_chat_record_trains_on_assistant_turns_only(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    (doc,) = load_documents(DataProfile(path=path, seq_len=16), TOK)
+    user_len = len("<|user|>\nhi\n")
+    assistant = TOK.encode("<|assistant|>\nyo\n") + [TOK.eos_id]
+    # Label t predicts token t + 1: the user turn (after <bos>) is masked, the assistant turn and <eos> are kept.
+    assert doc.labels[:user_len] == [IGNORE_INDEX] * user_len
+    assert doc.labels[user_len:] == assistant
+
+
+def test_packing_splits_long_documents_and_pads_the_last_row():
+    docs = [Document(list(range(10)), list(range(1, 11))), Document([20, 21, 22], [21, 22, 23])]
+    rows = pack_rows(docs, seq_len=8, pad_id=99)
+    assert [r.input_ids for r in rows] == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 20, 21, 22, 99, 99, 99]]
+    assert [r.starts for r in rows] == [[0], [0, 2, 5]]
+    assert rows[1].labels == [9, 10, 21, 22, 23, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+
+
+def test_collate_offsets_pieces_by_row():
+    docs = [Document(list(range(10)), list(range(1, 11))), Document([20, 21, 22], [21, 22, 23])]
+    batch = collate(pack_rows(docs, seq_len=8, pad_id=99))
+    assert batch.cu_seqlens.tolist() == [0, 8, 10, 13, 16]
+    assert batch.input_ids.shape == (1, 16)
+    assert batch.num_label_tokens == 13
+
+
+def test_batches_are_a_function_of_the_step_and_ranks_split_rows():
+    docs = [text_document(t, TOK) for t in generate_corpus(50, seed=3)]
+    a, b = PackedDataset(docs, 32, TOK.pad_id, seed=1), PackedDataset(docs, 32, TOK.pad_id, seed=1)
+    # Reading step 7 first (as a resumed run does) gives what a run reading steps in order gets.
+    late = b.micro_batch(7, rows_per_rank=2)
+    for step in range(7):
+        a.micro_batch(step, rows_per_rank=2)
+    assert a.micro_batch(7, rows_per_rank=2).input_ids.equal(late.input_ids)
+    # Two ranks of 2 rows each take exactly the 4 rows one rank of 4 takes.
+    whole = a.micro_batch(3, rows_per_rank=4).input_ids
+    halves = [a.micro_batch(3, rows_per_rank=2, rank=r, world_size=2).input_ids for r in range(2)]
+    assert whole.equal(halves[0].new_tensor(sum((h[0].tolist() for h in halves), [])).unsqueeze(0))
+    # Epochs reshuffle: far enough in, the rows differ from the first epoch's.
+    first_epoch = a.rows_of_epoch(0)
+    assert a.row(len(first_epoch)).input_ids == a.rows_of_epoch(1)[0].input_ids
+    assert a.rows_of_epoch(1)[0].input_ids != first_epoch[0].input_ids
+
+
+def test_corpus_is_deterministic():
+    assert generate_corpus(5, seed=0) == generate_corpus(5, seed=0)
+    assert generate_corpus(5, seed=0) != generate_corpus(5, seed=1)
+
+
+def test_bad_records_name_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": 3}\n[1]\n{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(ProfileError) as info:
+        load_documents(DataProfile(path=path, seq_len=16), TOK)
+    assert info.value.problems == [
+        f"{path}:1: 'text' must be a string, got int",
+        f"{path}:2: a record must be a JSON object, got list",
+        f"{path}:3: 'messages' must be a list of {{\"role\": str, \"content\": str}}",
+    ]
