@@ -5,3 +5,16 @@ import os
 # DeepSpeed picks its accelerator when first imported.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+# Rendezvous variables a run in this process may have set: a child process must pick its own.
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """Environment for a `moe-tune` child process: unbuffered, without this process's rendezvous."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

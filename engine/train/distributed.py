@@ -74,5 +74,8 @@ def init_distributed(backend: str = "auto") -> DistInfo:
 def shutdown_distributed() -> None:
     """End every distributed run this way, or ranks can hang or warn at exit."""
     if torch.distributed.is_initialized():
+        import deepspeed.comm
+
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        # DeepSpeed's own teardown also drops the groups it cached, so a later run in this process starts clean.
+        deepspeed.comm.destroy_process_group()

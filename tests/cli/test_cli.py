@@ -37,24 +37,24 @@ def test_schema_is_json():
     assert json.loads(result.stdout)["title"] == "JobProfile"
 
 
-def test_finetune_bad_input_has_no_traceback(tmp_path):
+def test_finetune_bad_input_has_no_traceback(tmp_path, child_env):
     # A real process, as a user runs it: stderr must hold only the one-line error.
     missing = tmp_path / "nope.yaml"
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_tune", "finetune", str(missing)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "moe_tune", "finetune", str(missing)], capture_output=True, text=True, timeout=120, env=child_env
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {missing}: no such file, nor a shipped profile (shipped: tiny)"
     assert "Traceback" not in proc.stderr + proc.stdout
 
 
-def test_finetune_bad_dataset_record_names_file_and_line(tmp_path):
+def test_finetune_bad_dataset_record_names_file_and_line(tmp_path, child_env):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "fine"}\n{"txt": "typo"}\nnot json\n')
     proc = subprocess.run(
         [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--set", f"data.path={data}",
          "--set", f"output.dir={tmp_path / 'out'}", "--quiet"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=child_env,
     )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

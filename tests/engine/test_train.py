@@ -1,0 +1,128 @@
+"""Training through DeepSpeed ZeRO-3 in one CPU process: equal to a plain PyTorch loop, exact resume, atomic
+checkpoints, clean stop on signals, and exports that load back."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_tune.engine.data.dataset import PackedDataset, load_documents
+from moe_tune.engine.data.tokenizer import load_tokenizer
+from moe_tune.engine.lora import load_adapter
+from moe_tune.engine.model.model import build_model
+from moe_tune.engine.train.checkpoint import complete_checkpoints
+from moe_tune.engine.train.trainer import build_trainable_model, finetune, lr_factor
+from moe_tune.profiles import load_profile
+
+SMALL = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "data.corpus_documents=200"]
+
+
+def small_profile(out, *extra):
+    return load_profile("tiny", [*SMALL, f"output.dir={out}", *extra])
+
+
+def plain_pytorch_losses(profile, steps):
+    """The same training written without DeepSpeed: the oracle for ZeRO-3 in one process."""
+    tok = load_tokenizer(profile.data.tokenizer)
+    data = PackedDataset(load_documents(profile.data, tok), profile.data.seq_len, tok.pad_id, profile.data.seed)
+    torch.manual_seed(profile.train.seed)
+    model, trainable = build_trainable_model(profile, dist=None)
+    opt = torch.optim.AdamW(
+        trainable, lr=profile.train.lr, betas=profile.train.betas, weight_decay=profile.train.weight_decay, foreach=False
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, profile.train))
+    losses = []
+    for step in range(steps):
+        batch = data.micro_batch(step, profile.train.micro_batch_size)
+        out = model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
+        out.loss.backward()
+        if profile.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, profile.train.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(out.lm_loss.item())
+    return losses
+
+
+def test_zero3_equals_plain_pytorch(tmp_path):
+    # A low clipping threshold so clipping is active on every step.
+    profile = small_profile(tmp_path, "train.steps=4", "train.grad_clip=0.5")
+    result = finetune(profile, show_progress=False)
+    expected = plain_pytorch_losses(profile, 4)
+    assert result.losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    config = json.loads((tmp_path / "deepspeed_config.json").read_text())
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["gradient_clipping"] == 0.5
+
+
+def test_resume_continues_with_identical_losses(tmp_path):
+    straight = finetune(small_profile(tmp_path / "a", "train.steps=6", "output.save_every=3"), show_progress=False)
+    split_profile = small_profile(tmp_path / "b", "train.steps=6", "output.save_every=3")
+    first = finetune(split_profile, show_progress=False, stop_after=3)
+    assert [p.name for p in complete_checkpoints(tmp_path / "b" / "checkpoints")] == ["step-0000003"]
+    # A crash mid-write leaves a temporary directory and a step directory without its state file: both ignored.
+    (tmp_path / "b" / "checkpoints" / ".incomplete-step-0000004").mkdir()
+    (tmp_path / "b" / "checkpoints" / "step-0000005").mkdir()
+    second = finetune(split_profile, show_progress=False, resume=True)
+    assert second.start_step == 3
+    assert first.losses + second.losses == straight.losses
+    assert not (tmp_path / "b" / "checkpoints" / ".incomplete-step-0000004").exists()
+    # The metrics file reads as one uninterrupted run.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_trained_adapter_loads_in_one_process(tmp_path):
+    profile = small_profile(tmp_path, "train.steps=8", "train.lr=0.01")
+    result = finetune(profile, show_progress=False)
+    tok = load_tokenizer("byte")
+    batch = PackedDataset(load_documents(profile.data, tok), 64, tok.pad_id, 0).micro_batch(0, 2)
+    base = build_model(profile.model).eval()
+    with torch.no_grad():
+        base_loss = base(batch.input_ids, batch.cu_seqlens, batch.labels).lm_loss.item()
+        tuned = load_adapter(build_model(profile.model), result.adapter).eval()
+        tuned_loss = tuned(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels).lm_loss.item()
+    assert base_loss == pytest.approx(result.losses[0], rel=1e-5)
+    assert tuned_loss < base_loss - 0.3
+
+
+def test_full_finetune_exports_every_weight(tmp_path):
+    profile = small_profile(tmp_path, "train.steps=2", "lora.enabled=false")
+    result = finetune(profile, show_progress=False)
+    assert result.adapter is None
+    state = load_file(str(result.weights))
+    model = build_model(profile.model)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, strict=False)
+    assert set(state) == {n for n, _ in model.named_parameters()}
+    changed = [k for k in state if not torch.equal(state[k], initial[k])]
+    # Full fine-tuning moves the backbone, not only an adapter.
+    assert any(".experts.w_gate_up" in k for k in changed) and any("embed_tokens" in k for k in changed)
+
+
+@pytest.mark.slow
+def test_sigint_checkpoints_and_exits_cleanly(tmp_path, child_env):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moe_tune", "finetune", "tiny", *[a for s in SMALL for a in ("--set", s)],
+           "--set", f"output.dir={out}", "--set", "train.steps=500", "--set", "output.save_every=1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    last_step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    (checkpoint,) = complete_checkpoints(out / "checkpoints")
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == last_step
+    assert "stopped by SIGINT" in stdout and "--resume" in stdout
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
