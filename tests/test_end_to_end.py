@@ -1,0 +1,36 @@
+"""The README's first command, as a user runs it: `moe-tune finetune profiles/tiny.yaml`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The first losses of profiles/tiny.yaml on the CI machine kind (x86-64 CPU, torch 2.13.0+cpu, fp32), recorded
+# 2026-11-29. Other CPUs may round differently; the tolerance allows for that, not for a change in the math.
+TINY_FIRST_LOSSES = [5.574028, 5.533927, 5.501511, 5.448941, 5.366996, 5.31216, 5.173923, 5.003232, 4.808245, 4.609937]
+
+
+@pytest.mark.slow
+def test_tiny_profile_learns_and_writes_everything(tmp_path, child_env):
+    out = tmp_path / "tiny"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", str(REPO / "profiles" / "tiny.yaml"), "--set", f"output.dir={out}"],
+        capture_output=True, text=True, timeout=600, env=child_env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, 301))
+    assert losses[:10] == pytest.approx(TINY_FIRST_LOSSES, rel=1e-4)
+    assert losses[-1] <= losses[0] / 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_loss"] == losses[-1] and summary["last_step"] == 300
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "checkpoints" / "step-0000300" / "trainer_state.json").is_file()
+    # The command tells the user where everything went.
+    for label in ("metrics:", "checkpoint:", "adapter:", "ds config:"):
+        assert label in proc.stdout

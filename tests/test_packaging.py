@@ -1,0 +1,34 @@
+"""The wheel: everything under one import package, the shipped YAML inside, the console script declared."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_wheel_holds_one_package_with_the_shipped_profiles(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=600,
+    )
+    (wheel,) = tmp_path.glob("moe_tune-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"moe_tune"}
+    for required in ("moe_tune/profiles/tiny.yaml", "moe_tune/cli/__init__.py", "moe_tune/engine/train/trainer.py",
+                     "moe_tune/ops/linear_attention/reference.py", "moe_tune/ops/moe/reference.py"):
+        assert required in names, required
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "moe-tune = moe_tune.cli:main" in entry_points
+
+
+def test_installed_package_finds_shipped_profile_outside_the_repo(tmp_path, monkeypatch):
+    from moe_tune.profiles import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    assert load_profile("tiny").name == "tiny"
