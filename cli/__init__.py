@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import finetune, profiles
+from . import finetune, plan, profiles
 
 app = typer.Typer(
     name="moe-tune",
@@ -15,6 +15,7 @@ app = typer.Typer(
 )
 app.add_typer(finetune.app)
 app.add_typer(profiles.app)
+app.add_typer(plan.app)
 
 
 def main() -> None:

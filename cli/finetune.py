@@ -20,14 +20,28 @@ def finetune(
     overrides: SetOption = None,
     resume: Annotated[bool, typer.Option(help="continue from the newest complete checkpoint in output.dir")] = False,
     quiet: Annotated[bool, typer.Option(help="no progress output")] = False,
+    nproc: Annotated[
+        int, typer.Option(min=1, help="start this many local ranks (as torchrun would); 1 runs in this process")
+    ] = 1,
 ) -> None:
     """Fine-tune with DeepSpeed ZeRO and LoRA (or full fine-tuning) as the profile says."""
     job = read_profile(profile, overrides)
     console = Console(highlight=False)
+    if nproc > 1:
+        from moe_tune.engine.parallel.launch import launch_local
+
+        argv = ["finetune", profile, *[a for o in overrides or [] for a in ("--set", o)]]
+        argv += ["--resume"] * resume + ["--quiet"] * quiet
+        outcome = launch_local(nproc, argv)
+        if outcome.returncode:
+            fail([outcome.message])
+        return
     from moe_tune.engine.train.trainer import finetune as run
 
     with user_errors():
         result = run(job, resume=resume, show_progress=not quiet, console=console)
+    if not result.is_main:
+        return
     if not result.losses:
         fail([f"--resume: the newest checkpoint is already at train.steps ({job.train.steps}); nothing to train"])
     console.print(

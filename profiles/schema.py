@@ -192,6 +192,14 @@ class LoraProfile(Strict):
 class ParallelProfile(Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage for dense weights")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl on GPU")
+    expert_parallel: int = Field(
+        1, ge=1, description="ranks that share the routed experts of a layer (each holds num_experts / this many); "
+        "the data-parallel size is world size / expert_parallel"
+    )
+    offload_optimizer: bool = Field(False, description="keep optimizer state in host memory (ZeRO offload)")
+    timeout_s: float = Field(
+        600.0, gt=0, description="a collective that waits longer than this (a rank died or hangs) ends the run"
+    )
 
 
 class MemoryProfile(Strict):
@@ -247,6 +255,11 @@ class JobProfile(Strict):
         if self.data.tokenizer == "byte" and self.model.vocab_size < BYTE_VOCAB_SIZE:
             problems.append(
                 f"model.vocab_size ({self.model.vocab_size}) must be >= {BYTE_VOCAB_SIZE} for data.tokenizer 'byte'"
+            )
+        ep = self.parallel.expert_parallel
+        if self.model.moe is not None and self.model.moe.num_experts % ep:
+            problems.append(
+                f"parallel.expert_parallel ({ep}) must divide model.moe.num_experts ({self.model.moe.num_experts})"
             )
         if self.data.path is None and self.data.tokenizer != "byte":
             problems.append(f"data.tokenizer ('{self.data.tokenizer}') must be 'byte' with the built-in corpus")

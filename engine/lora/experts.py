@@ -18,7 +18,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from moe_tune.engine.model.moe import GroupedExperts
+from moe_tune.engine.model.moe import GroupedExperts, expert_generator
 from moe_tune.ops.moe import ExpertLoRA
 
 
@@ -57,17 +57,25 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
         self.lora_bias[adapter_name] = False
         self.use_dora[adapter_name] = False
         self.lora_dropout[adapter_name] = nn.Identity()
-        weight = base.w_gate_up
-        factory = {"device": weight.device, "dtype": weight.dtype}
+        factory = {"device": base.w_gate_up.device, "dtype": base.w_gate_up.dtype}
         # A starts like PEFT's Linear A (kaiming-uniform, a=sqrt(5) -> bound 1/sqrt(fan_in)); B starts at zero so
-        # the adapter is a no-op, unless init_lora_weights is False (PEFT's convention for tests).
-        a_gate_up = torch.empty(num_experts, r, hidden, **factory).uniform_(-1, 1) / math.sqrt(hidden)
-        a_down = torch.empty(num_experts, r, inter, **factory).uniform_(-1, 1) / math.sqrt(inter)
-        b_gate_up = torch.zeros(num_experts, 2 * inter, r, **factory)
-        b_down = torch.zeros(num_experts, hidden, r, **factory)
-        if config.init_lora_weights is False:
-            b_gate_up.normal_(std=1.0 / r)
-            b_down.normal_(std=1.0 / r)
+        # the adapter is a no-op, unless init_lora_weights is False (PEFT's convention for tests). One draw from the
+        # global generator, then one generator per global expert: every expert-parallel layout gets the same init.
+        base_seed = int(torch.randint(0, 2**31 - 1, ()))
+        random_b = config.init_lora_weights is False
+        factors = {"a_gate_up": [], "a_down": [], "b_gate_up": [], "b_down": []}
+        for i in range(num_experts):
+            gen = expert_generator(base_seed, base.first_expert + i)
+            factors["a_gate_up"].append((torch.rand(r, hidden, generator=gen) * 2 - 1) / math.sqrt(hidden))
+            factors["a_down"].append((torch.rand(r, inter, generator=gen) * 2 - 1) / math.sqrt(inter))
+            b_gate_up, b_down = torch.zeros(2 * inter, r), torch.zeros(hidden, r)
+            if random_b:
+                b_gate_up, b_down = torch.randn(2 * inter, r, generator=gen) / r, torch.randn(hidden, r, generator=gen) / r
+            factors["b_gate_up"].append(b_gate_up)
+            factors["b_down"].append(b_down)
+        a_gate_up, a_down, b_gate_up, b_down = (
+            torch.stack(factors[name]).to(**factory) for name in ("a_gate_up", "a_down", "b_gate_up", "b_down")
+        )
         self.lora_A[adapter_name] = ExpertFactors(a_gate_up, a_down)
         self.lora_B[adapter_name] = ExpertFactors(b_gate_up, b_down)
         self.set_adapter(self.active_adapters)

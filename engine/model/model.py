@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
 from .attention import TOKEN_MIXERS, PackedBatch, init_token_mixer
@@ -31,14 +32,14 @@ class CausalLMOutput(NamedTuple):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelProfile, spec: LayerSpec):
+    def __init__(self, cfg: ModelProfile, spec: LayerSpec, layout: ExpertLayout | None = None, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.self_attn = TOKEN_MIXERS[spec.attention](cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         if spec.mlp == "moe":
             assert cfg.moe is not None, "the schema requires model.moe for moe layers"
-            self.mlp: nn.Module = MoEBlock(cfg.hidden_size, cfg.moe)
+            self.mlp: nn.Module = MoEBlock(cfg.hidden_size, cfg.moe, layout, layer_index=index)
             self.aux_loss_coef = cfg.moe.aux_loss_coef
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -53,18 +54,21 @@ class DecoderLayer(nn.Module):
 class MoECausalLM(nn.Module):
     """Decoder-only language model over packed rows. `forward(input_ids, cu_seqlens, labels)`."""
 
-    def __init__(self, cfg: ModelProfile, activation_checkpointing: bool = False):
+    def __init__(
+        self, cfg: ModelProfile, activation_checkpointing: bool = False, expert_layout: ExpertLayout | None = None
+    ):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, expert_layout, i) for i, spec in enumerate(cfg.layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Deterministic init from model.seed: normal(init_std) projections, ones/zeros norms."""
+        """Deterministic init from model.seed: normal(init_std) projections, ones/zeros norms; each routed expert
+        from its own generator, so every expert-parallel layout builds the same model."""
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(self.cfg.seed)
         std = self.cfg.init_std
@@ -74,14 +78,20 @@ class MoECausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.one_plus else 1.0)
             init_token_mixer(module, std)
-            init_moe(module, std)
+            init_moe(module, std, self.cfg.seed)
         torch.random.set_rng_state(gen_state)
 
     def forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_denominator: float | None = None,
     ) -> CausalLMOutput:
         """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
-        cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T."""
+        cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T.
+        loss_denominator: divide the summed cross-entropy by this instead of the local labelled-token count (data
+        parallel runs pass global count / world size, so averaging gradients over ranks gives the global mean)."""
         total = input_ids.shape[1]
         batch = PackedBatch(cu_seqlens, document_positions(cu_seqlens, total), document_ids(cu_seqlens, total))
         x = self.embed_tokens(input_ids)
@@ -95,16 +105,21 @@ class MoECausalLM(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return CausalLMOutput(None, None, aux_total, logits)
-        lm_loss = F.cross_entropy(
-            logits.view(-1, logits.shape[-1]).float(), labels.view(-1), ignore_index=IGNORE_INDEX
-        )
+        flat_logits, flat_labels = logits.view(-1, logits.shape[-1]).float(), labels.view(-1)
+        if loss_denominator is None:
+            lm_loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+        else:
+            lm_loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            lm_loss = lm_loss / loss_denominator
         return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
 
-def build_model(cfg: ModelProfile, activation_checkpointing: bool = False) -> MoECausalLM:
-    model = MoECausalLM(cfg, activation_checkpointing)
+def build_model(
+    cfg: ModelProfile, activation_checkpointing: bool = False, expert_layout: ExpertLayout | None = None
+) -> MoECausalLM:
+    model = MoECausalLM(cfg, activation_checkpointing, expert_layout)
     model.reset_parameters()
     return model

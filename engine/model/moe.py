@@ -8,21 +8,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_tune.engine.parallel.expert_parallel import ExpertLayout, dispatch_compute_combine
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.profiles.schema import MoESpec
 
 from .blocks import SwiGLU
 
 
-class GroupedExperts(nn.Module):
-    """E routed SwiGLU experts in the transformers 5 fused layout: w_gate_up [E, 2F, D] (gate rows first),
-    w_down [E, D, F]. The expert LoRA layer (engine/lora) wraps this module and passes its adapters in."""
+def expert_generator(*key: int) -> torch.Generator:
+    """A generator for one expert's random init: the same expert draws the same numbers on any layout."""
+    seed = 0
+    for part in key:
+        seed = (seed * 1_000_003 + part) % (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+
+class GroupedExperts(nn.Module):
+    """The routed SwiGLU experts this rank holds, in the transformers 5 fused layout: w_gate_up [E_local, 2F, D]
+    (gate rows first), w_down [E_local, D, F]; global expert `first_expert + i` is local expert i.
+    The expert LoRA layer (engine/lora) wraps this module and passes its adapters in."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first_expert: int = 0, layer_index: int = 0):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.first_expert, self.layer_index = first_expert, layer_index
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, seed: int) -> None:
+        for i in range(self.num_experts):
+            gen = expert_generator(seed, self.layer_index, self.first_expert + i)
+            self.w_gate_up[i].copy_(torch.randn(self.w_gate_up.shape[1:], generator=gen) * std)
+            self.w_down[i].copy_(torch.randn(self.w_down.shape[1:], generator=gen) * std)
 
     def forward(
         self,
@@ -41,11 +59,15 @@ class MoEBlock(nn.Module):
     trainer calls `update_selection_bias()` after each optimizer step with the loads counted in forward.
     """
 
-    def __init__(self, hidden: int, spec: MoESpec):
+    def __init__(self, hidden: int, spec: MoESpec, layout: ExpertLayout | None = None, layer_index: int = 0):
         super().__init__()
         self.spec = spec
+        self.layout = layout or ExpertLayout()
+        local = self.layout.local_experts(spec.num_experts)
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
-        self.experts = GroupedExperts(spec.num_experts, hidden, spec.expert_intermediate_size)
+        self.experts = GroupedExperts(
+            len(local), hidden, spec.expert_intermediate_size, first_expert=local.start, layer_index=layer_index
+        )
         self.shared_expert = (
             SwiGLU(hidden, spec.shared_expert_intermediate_size) if spec.shared_expert_intermediate_size else None
         )
@@ -71,7 +93,12 @@ class MoEBlock(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.load_counts += torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts).float()
-        y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x.dtype))
+        if self.layout.ep_size == 1:
+            y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x.dtype))
+        else:
+            y_TD = dispatch_compute_combine(
+                x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout
+            )
         if self.shared_expert is not None:
             shared = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:
@@ -98,8 +125,7 @@ class DenseMLP(SwiGLU):
         return super().forward(x), x.new_zeros((), dtype=torch.float32)
 
 
-def init_moe(module: nn.Module, std: float) -> None:
+def init_moe(module: nn.Module, std: float, seed: int) -> None:
     if isinstance(module, GroupedExperts):
-        nn.init.normal_(module.w_gate_up, std=std)
-        nn.init.normal_(module.w_down, std=std)
+        module.reset_parameters(std, seed)
 

@@ -6,6 +6,7 @@ torchrun and the deepspeed launcher set; a bare `moe-tune finetune` becomes a wo
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ def prepare_environment() -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def init_distributed(backend: str = "auto") -> DistInfo:
+def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
+    """Join (or create) the process group; a collective waiting longer than timeout_s fails instead of hanging."""
     prepare_environment()
     import importlib
 
@@ -60,7 +62,9 @@ def init_distributed(backend: str = "auto") -> DistInfo:
     if on_gpu:
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     return DistInfo(
         rank=torch.distributed.get_rank(),

@@ -27,6 +27,8 @@ def deepspeed_config(profile: JobProfile, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if parallel.offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if train.precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config

@@ -23,6 +23,14 @@ from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
 from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
+from moe_tune.engine.parallel.expert_parallel import (
+    ExpertLayout,
+    create_expert_layout,
+    gather_expert_tensor,
+    is_expert_parameter,
+    tag_expert_parameters,
+)
+
 from .distributed import DistInfo, init_distributed, shutdown_distributed
 
 
@@ -39,6 +47,7 @@ class RunResult:
     deepspeed_config: Path | None = None
     interrupted_by: str | None = None
     elapsed_s: float = 0.0
+    is_main: bool = True
 
     def summary(self) -> dict[str, Any]:
         data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "losses"}
@@ -89,12 +98,25 @@ def _agree(flag: bool, dist: DistInfo) -> bool:
     return bool(t.item() > 0)
 
 
-def build_trainable_model(profile: JobProfile, dist: DistInfo):
-    """The model with LoRA injected (or all weights trainable), and its trainable parameters."""
+def check_world(profile: JobProfile, world_size: int) -> None:
+    """Checks of the profile against the machine: the layout must use the ranks there are."""
+    ep = profile.parallel.expert_parallel
+    problems = []
+    if ep > world_size:
+        problems.append(f"parallel.expert_parallel ({ep}) must be <= the world size ({world_size})")
+    elif world_size % ep:
+        problems.append(f"parallel.expert_parallel ({ep}) must divide the world size ({world_size})")
+    if problems:
+        raise ProfileError(problems)
+
+
+def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = None):
+    """The model with LoRA injected (or all weights trainable), and its trainable parameters; routed experts are
+    tagged for their expert-data-parallel group when spread over several ranks."""
     from moe_tune.engine.lora import expert_lora_layer_type, inject_lora
     from moe_tune.engine.model.model import build_model
 
-    model = build_model(profile.model, profile.memory.activation_checkpointing)
+    model = build_model(profile.model, profile.memory.activation_checkpointing, layout)
     if profile.lora.enabled:
         model = inject_lora(model, profile.lora)
         if profile.parallel.zero_stage == 3:
@@ -103,34 +125,44 @@ def build_trainable_model(profile: JobProfile, dist: DistInfo):
             # The expert LoRA layer reads its adapters' parameters directly: ZeRO-3 must gather them all at once.
             if any(isinstance(m, expert_lora_layer_type()) for m in model.modules()):
                 set_z3_leaf_modules(model, [expert_lora_layer_type()])
+    if layout is not None and layout.ep_size > 1:
+        tag_expert_parameters(model, layout)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, trainable
 
 
-def _gathered_state(module: torch.nn.Module, only_trainable: bool) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors of the module's parameters on the CPU, under any ZeRO stage."""
+def _gathered_state(module: torch.nn.Module, only_trainable: bool, layout: ExpertLayout) -> dict[str, torch.Tensor]:
+    """Full tensors of the module's parameters on the CPU, under any ZeRO stage and expert layout: ZeRO partitions
+    are gathered first, then each expert tensor [E_local, ...] is assembled into [E, ...] across the expert group.
+    (deepspeed's zero_to_fp32 cannot consolidate this layout.) Every rank must call this."""
     import deepspeed
 
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not only_trainable]
     state = {}
-    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-        for name, param in named:
-            state[name] = param.detach().to("cpu", copy=True).contiguous()
+    for name, param in named:
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            full = param.detach()
+            if is_expert_parameter(param):
+                full = gather_expert_tensor(full, layout)
+            state[name] = full.to("cpu", copy=True).contiguous()
     return state
 
 
-def export_weights(engine, profile: JobProfile, out: Path, is_main: bool) -> tuple[Path | None, Path | None]:
-    """Save the PEFT adapter (LoRA) or every weight as safetensors (full fine-tuning). Returns (adapter, weights)."""
+def export_weights(
+    engine, profile: JobProfile, out: Path, is_main: bool, layout: ExpertLayout
+) -> tuple[Path | None, Path | None]:
+    """Save the PEFT adapter (LoRA) or every weight as safetensors (full fine-tuning), consolidated into the
+    single-process layout. Returns (adapter, weights)."""
     module = engine.module
     if profile.lora.enabled:
-        state = _gathered_state(module, only_trainable=True)
+        state = _gathered_state(module, only_trainable=True, layout=layout)
         adapter_dir = out / "adapter"
         if is_main:
             module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
         return adapter_dir, None
     from safetensors.torch import save_file
 
-    state = _gathered_state(module, only_trainable=False)
+    state = _gathered_state(module, only_trainable=False, layout=layout)
     path = out / "model.safetensors"
     if is_main:
         tmp = out / ".model.safetensors.tmp"
@@ -148,7 +180,7 @@ def finetune(
 ) -> RunResult:
     """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written."""
     _quiet_third_party_noise()
-    dist = init_distributed(profile.parallel.backend)
+    dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
         return _finetune(profile, dist, resume, show_progress, stop_after, console)
     finally:
@@ -184,7 +216,9 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         )
     dataset = PackedDataset(load_documents(profile.data, tokenizer), profile.data.seq_len, tokenizer.pad_id, profile.data.seed)
 
-    model, trainable = build_trainable_model(profile, dist)
+    check_world(profile, dist.world_size)
+    layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
+    model, trainable = build_trainable_model(profile, layout)
     optimizer = torch.optim.AdamW(
         trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
     )
@@ -195,7 +229,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     )
 
     ckpt_root = out / "checkpoints"
-    result = RunResult(output_dir=out, start_step=0, last_step=0)
+    result = RunResult(output_dir=out, start_step=0, last_step=0, is_main=dist.is_main)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         result.deepspeed_config = out / "deepspeed_config.json"
@@ -235,13 +269,14 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                     input_ids=batch.input_ids.to(dist.device),
                     cu_seqlens=batch.cu_seqlens.to(dist.device),
                     labels=batch.labels.to(dist.device),
+                    loss_denominator=_loss_denominator(batch.num_label_tokens, dist),
                 )
                 engine.backward(out_.loss)
                 engine.step()
                 lm_losses.append(out_.lm_loss.detach().float())
                 aux_losses.append(out_.aux_loss.detach().float())
                 tokens += batch.num_label_tokens
-            _update_moe_bias(engine, dist)
+            expert_load = _update_moe_bias(engine, dist)
             loss = torch.stack(lm_losses).mean()
             aux = torch.stack(aux_losses).mean()
             if dist.world_size > 1:
@@ -259,6 +294,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 "tokens": tokens,
                 "tokens_per_s": tokens / step_time,
                 "step_time_s": step_time,
+                "expert_load_max_over_mean": expert_load,
             }
             result.losses.append(record["loss"])
             result.last_step = step + 1
@@ -276,7 +312,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     if writer is not None:
         writer.close()
     if result.last_step == train.steps or result.interrupted_by:
-        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main)
+        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout)
     if dist.is_main:
         write_json_atomic(out / "summary.json", result.summary())
     return result
@@ -288,11 +324,26 @@ def _moe_blocks(engine) -> list:
     return [m for m in engine.module.modules() if isinstance(m, MoEBlock)]
 
 
-def _update_moe_bias(engine, dist: DistInfo) -> None:
+def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
+    """Global labelled tokens / world size: ranks holding fewer tokens weigh less, so the data-parallel average of
+    gradients is the gradient of the mean loss over the global batch."""
+    if dist.world_size == 1:
+        return None
+    count = torch.tensor([float(num_label_tokens)], device=dist.device)
+    torch.distributed.all_reduce(count)
+    return max(count.item(), 1.0) / dist.world_size
+
+
+def _update_moe_bias(engine, dist: DistInfo) -> list[float]:
+    """Reduce the step's expert loads over all ranks, update the selection biases; return max/mean load per layer."""
+    imbalance = []
     for block in _moe_blocks(engine):
         if dist.world_size > 1:
             torch.distributed.all_reduce(block.load_counts)
+        mean = block.load_counts.mean().item()
+        imbalance.append(round(block.load_counts.max().item() / mean, 4) if mean > 0 else 0.0)
         block.update_selection_bias()
+    return imbalance
 
 
 def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo) -> Path:

@@ -13,6 +13,11 @@ from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule", "kda"]
 
+# What the Triton kernels cover; anything else runs the reference (or raises under MOE_TUNE_KERNELS=triton).
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A program holds whole key rows in one tile: past 256 the [C, K] fp32 tiles of the backward spill registers.
+_KERNEL_MAX_KEY_DIM = 256
+
 
 def gated_delta_rule(
     q: torch.Tensor,
@@ -96,10 +101,17 @@ def kda(
 
 def _apply(op_name, q, k, v, g, beta, **options):
     """The dispatch point of both ops: Triton kernel or the chunked reference."""
-    # has_kernel becomes True when the Triton kernel lands in this folder.
-    is_kernel = use_kernel(op_name, q, k, v, has_kernel=False)
-    # use_kernel never picks a kernel the op does not have (it raises when one is forced).
-    assert not is_kernel
+    has_kernel = (
+        q.dtype in _KERNEL_DTYPES
+        and q.shape[-1] <= _KERNEL_MAX_KEY_DIM
+        # The interpreter's tl.dot returns garbage for bf16 operands (numpy has no bf16), and q sets the operand dtype.
+        and (q.is_cuda or q.dtype != torch.bfloat16)
+    )
+    if use_kernel(op_name, q, k, v, has_kernel=has_kernel):
+        # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
+        from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel
+
+        return gated_delta_rule_kernel(q, k, v, g, beta, **options)
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, **options)
 
 

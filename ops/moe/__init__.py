@@ -13,6 +13,7 @@ from moe_tune.ops.moe.reference import ExpertLoRA, moe_mlp_ref, switch_aux_loss,
 __all__ = ["ExpertLoRA", "moe_mlp", "switch_aux_loss", "topk_route"]
 
 _ID_DTYPES = (torch.int64, torch.int32)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def moe_mlp(
@@ -32,13 +33,28 @@ def moe_mlp(
     w_down:       [E, D, F] float
     lora:         ExpertLoRA or None (default): scaling * B (A x) added on either or both projections
     Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights and the LoRA tensors.
+    Runs the Triton kernels (kernels.py) when every tensor is on CUDA and every float is fp16/bf16/fp32, the
+    reference otherwise; MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
-    # No Triton kernel yet; dispatching anyway makes MOE_TUNE_KERNELS=triton fail loudly instead of running the
-    # reference silently.
-    use_kernel("moe_mlp", x, w_gate_up, has_kernel=False)
+    lora_tensors = (None,) * 4 if lora is None else (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)
+    has_kernel = _kernel_takes(x, topk_weights, w_gate_up, w_down, *lora_tensors)
+    if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, has_kernel=has_kernel):
+        # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
+        from moe_tune.ops.moe.autograd import MoEFunction
+
+        scaling = 1.0 if lora is None else float(lora.scaling)
+        return MoEFunction.apply(x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling)
     return moe_mlp_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
+
+
+def _kernel_takes(x: torch.Tensor, *floats: torch.Tensor | None) -> bool:
+    """Whether the Triton kernels run these inputs: every float tensor fp16/bf16/fp32 (fp64 stays on the reference)."""
+    if not all(t is None or t.dtype in _KERNEL_DTYPES for t in (x, *floats)):
+        return False
+    # The interpreter's tl.dot returns garbage for bf16 operands (numpy has no bf16), and x sets the operand dtype.
+    return x.is_cuda or x.dtype != torch.bfloat16
 
 
 def _check_inputs(

@@ -31,7 +31,7 @@ def plain_pytorch_losses(profile, steps):
     tok = load_tokenizer(profile.data.tokenizer)
     data = PackedDataset(load_documents(profile.data, tok), profile.data.seq_len, tok.pad_id, profile.data.seed)
     torch.manual_seed(profile.train.seed)
-    model, trainable = build_trainable_model(profile, dist=None)
+    model, trainable = build_trainable_model(profile)
     opt = torch.optim.AdamW(
         trainable, lr=profile.train.lr, betas=profile.train.betas, weight_decay=profile.train.weight_decay, foreach=False
     )

@@ -214,7 +214,7 @@ def test_public_op_runs_chunk_reference(op):
 
 
 def test_public_op_raises_when_kernel_forced(monkeypatch):
-    # No Triton kernel yet: an explicit request for one must fail, not fall back silently.
+    # fp64 has no Triton kernel: an explicit request for one must fail, not fall back silently.
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     with pytest.raises(RuntimeError, match="gated_delta_rule has no Triton kernel"):
         gated_delta_rule(**make_inputs())

@@ -193,7 +193,9 @@ def test_moe_mlp_matches_transformers_experts():
 def test_moe_mlp_dispatch_raises_when_triton_is_forced(monkeypatch):
     case = _make_case(4, 16, 32, 8, 2, torch.float32)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    with pytest.raises(RuntimeError, match="moe_mlp has no Triton kernel"):
+    # CPU tensors without the Triton interpreter: an explicit request for the kernel cannot run and must say so.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="moe_mlp got CPU tensors"):
         moe_mlp(**case)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "reference")
     assert moe_mlp(**case).shape == (4, 16)

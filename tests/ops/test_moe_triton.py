@@ -41,23 +41,14 @@ GUARD_ELEMENTS = 16 * 64
 GUARD_VALUE = 1234.5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_scalar_index():
-    # numpy >= 2.4 refuses int() of a 1-element 1-d array, which Triton 3.6's interpreter does for every scalar used
-    # as a loop bound (triton-lang/triton#9171, fixed upstream after 3.6): register __index__ the fixed way.
-    patch_lang_tensor = triton_interpreter._patch_lang_tensor
-
-    def patch_lang_tensor_fixed(tensor, scope):
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(triton_interpreter, "_patch_lang_tensor", patch_lang_tensor_fixed)
-        yield
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
 @pytest.fixture
 def kernel_path(monkeypatch):
+    assert isinstance(kernels._moe_gate_up_fwd_kernel, triton_interpreter.InterpretedFunction), (
+        "ops/moe/kernels.py was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
+    )
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 

@@ -1,0 +1,152 @@
+"""`moe-tune plan`: the data x expert layouts of a profile's model on N devices, with per-device memory and traffic."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
+
+if TYPE_CHECKING:
+    from moe_tune.engine.parallel.plan import Plan
+
+app = typer.Typer()
+
+MEMORY_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+MEMORY_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*", re.IGNORECASE)
+# Rich falls back to 80 columns when stdout is not a terminal; the table needs about this many.
+TABLE_WIDTH = 160
+
+
+def parse_memory(text: str) -> int | None:
+    """Bytes of '141GB', '80GiB', '1.5TB' (decimal GB/TB, binary GiB/TiB); None when it reads otherwise."""
+    match = MEMORY_PATTERN.fullmatch(text)
+    if match is None or match.group(2).lower() not in MEMORY_UNITS:
+        return None
+    size = round(float(match.group(1)) * MEMORY_UNITS[match.group(2).lower()])
+    return size if size > 0 else None
+
+
+def parse_devices(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() and int(text) > 0 else None
+
+
+def format_bytes(size: float) -> str:
+    """Decimal units, three significant digits: 43.2 GB, 302 MB, 1.25 TB."""
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"
+
+
+def format_count(count: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return f"{count:.0f}"
+
+
+def _summary(result: Plan) -> list[str]:
+    counts = result.parameters
+    head = f"{result.profile}: {format_count(counts.total)} parameters"
+    if result.num_experts:
+        head += (
+            f" = dense {format_count(counts.dense)} + routed experts {format_count(counts.experts)} "
+            f"({result.num_moe_layers} MoE layers x {result.num_experts} experts, {result.top_k} per token); "
+            f"{format_count(counts.active_per_token)} active per token"
+        )
+    lines = [head]
+    weights = f"{result.precision} weights {format_bytes(result.weight_bytes)}"
+    if result.lora_enabled:
+        frozen = "backbone frozen"
+        if result.modules_to_save:
+            frozen += f" but for full copies of {', '.join(result.modules_to_save)}"
+        lines.append(
+            f"{weights}; LoRA: {format_count(counts.trainable)} trainable parameters (dense "
+            f"{format_count(counts.lora_dense)}, experts {format_count(counts.lora_experts)}), {frozen}"
+        )
+    else:
+        lines.append(f"{weights}; full fine-tuning: every parameter trainable")
+    steps = result.gradient_accumulation_steps
+    lines.append(
+        f"{result.devices} devices of {format_bytes(result.device_memory)}; per device "
+        f"{result.tokens_per_micro_batch} tokens per micro-batch, {steps} micro-batch{'es' if steps > 1 else ''} "
+        "per step"
+    )
+    acts = result.activations
+    lines.append(
+        f"activations {format_bytes(acts.total)} = layers {format_bytes(acts.layers)} + head "
+        f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}"
+    )
+    return lines
+
+
+def _table(result: Plan) -> Table:
+    table = Table(title="per device, best layout first", title_justify="left")
+    for header in ("data x expert", "experts/dev", "dense", "experts", "LoRA", "grads", "optimizer", "activations",
+                   "gathered", "total", "fits", "all-to-all/step", "ZeRO-3/step"):  # fmt: skip
+        table.add_column(header, justify="left" if header == "data x expert" else "right", no_wrap=True)
+    for lay in result.layouts:
+        name = f"{lay.data_parallel} x {lay.expert_parallel}" + (" *" if lay.is_profile_layout else "")
+        sizes = (lay.dense_weights, lay.expert_weights, lay.lora_weights, lay.gradients, lay.optimizer,
+                 lay.activations, lay.gathered, lay.total)  # fmt: skip
+        fits = "[green]yes[/green]" if lay.fits else "[red]no[/red]"
+        traffic = (format_bytes(lay.all_to_all_per_step), format_bytes(lay.zero3_per_step))
+        table.add_row(name, str(lay.experts_per_device), *map(format_bytes, sizes), fits, *traffic)
+    return table
+
+
+@app.command()
+def plan(
+    profile: ProfileArg,
+    devices: Annotated[str, typer.Option("--devices", help="number of devices (GPUs) to lay the model out on")],
+    device_memory: Annotated[
+        str, typer.Option("--device-memory", help="memory of one device: 141GB, 80GiB, 1.5TB (GB/TB decimal)")
+    ] = "141GB",
+    overrides: SetOption = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the plan as JSON to this file")] = None,
+) -> None:
+    """Plan the data x expert layouts of the profile's model on N devices: per-device memory, traffic, fit."""
+    num_devices, memory = parse_devices(devices), parse_memory(device_memory)
+    problems = []
+    if num_devices is None:
+        problems.append(f"--devices ({devices!r}) must be a positive integer")
+    if memory is None:
+        problems.append(f"--device-memory ({device_memory!r}) must look like 141GB, 80GiB or 1.5TB")
+    if problems:
+        fail(problems)
+    job = read_profile(profile, overrides)
+    from moe_tune.engine.parallel.plan import plan_layouts
+
+    with user_errors():
+        result = plan_layouts(job, num_devices, memory)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = TABLE_WIDTH
+    for line in _summary(result):
+        console.print(line, markup=False)
+    console.print(_table(result))
+    ep = result.profile_expert_parallel
+    if any(lay.is_profile_layout for lay in result.layouts):
+        console.print(f"* the profile's layout (parallel.expert_parallel {ep})", markup=False)
+    else:
+        console.print(
+            f"note: the profile's parallel.expert_parallel ({ep}) does not divide --devices ({num_devices}): "
+            "not among these layouts",
+            markup=False,
+        )
+    if json_out is not None:
+        try:
+            json_out.write_text(json.dumps(result.as_dict(), indent=2) + "\n", encoding="utf-8")
+        except OSError as err:
+            fail([f"--json ({str(json_out)!r}): cannot write the plan ({err.strerror})"])
+        console.print(f"plan written to {json_out}", markup=False)

@@ -1,0 +1,94 @@
+"""`--nproc N`: start N local ranks of a command and watch them.
+
+Each rank is the same command with the standard rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), exactly what torchrun or the deepspeed launcher would set, so a profile runs the same under any of
+them. When a rank exits non-zero, the others get SIGTERM (then SIGKILL after a grace period) and the launcher
+returns that rank's code with a line naming it: no job waits forever on a dead peer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+# Seconds the surviving ranks get to write their checkpoint and exit after a peer failed or a signal came.
+GRACE_S = 30.0
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    returncode: int
+    failed_rank: int | None
+    message: str
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return env
+
+
+def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> LaunchResult:
+    """Run `python -m moe_tune *argv` as ranks 0..nproc-1 on this machine; return when all ended."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "moe_tune", *argv], env=rank_env(rank, nproc, port, env))
+        for rank in range(nproc)
+    ]
+
+    def forward_signal(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failed: int | None = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                if failed is None and p.poll() not in (None, 0):
+                    failed = rank
+                    _stop_all(procs)
+            time.sleep(POLL_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    codes = [p.returncode for p in procs]
+    if failed is None:
+        failed = next((r for r, c in enumerate(codes) if c != 0), None)
+    if failed is None:
+        return LaunchResult(0, None, f"all {nproc} ranks finished")
+    code = codes[failed]
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return LaunchResult(code if code > 0 else 1, failed, f"rank {failed} {how}; the other ranks were stopped")
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + GRACE_S
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(POLL_S)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,537 @@
+"""Plan a parallel layout on paper: parameter counts from the profile alone, then per-device memory and traffic for
+every data x expert layout of N devices. No model is built and torch is not imported, so a profile of trillions of
+parameters plans in milliseconds. docs/plan.md gives every formula.
+
+Symbols: N devices, ep expert-parallel size, dp = N / ep data-parallel size, E routed experts per MoE layer, k experts
+per token, D model dim, F expert hidden dim, T tokens per device per micro-batch (micro_batch_size x seq_len),
+b bytes per element of the training dtype, r LoRA rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile, LayerSpec, LoraProfile, ModelProfile
+
+__all__ = [
+    "Param",
+    "ParameterCounts",
+    "Layout",
+    "Plan",
+    "model_parameters",
+    "lora_parameters",
+    "count_parameters",
+    "activation_bytes",
+    "plan_layouts",
+]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+FP32_BYTES = 4
+# The sparse-attention indexer returns int32 key indices.
+INDEX_BYTES = 4
+# AdamW keeps two fp32 moments per trainable parameter, and an fp32 master copy when the weights are not fp32.
+ADAM_MOMENT_BYTES = 2 * FP32_BYTES
+MASTER_WEIGHT_BYTES = FP32_BYTES
+# The chunk length of the linear-attention kernel (ops/linear_attention DEFAULT_CHUNK_SIZE): its backward recomputes
+# one fp32 [K, V] state per chunk and head, and their gradients.
+LINEAR_ATTENTION_CHUNK = 64
+# Forward and backward each gather every ZeRO-3 partitioned parameter once per micro-batch.
+ZERO3_GATHERS_PER_MICRO_BATCH = 2
+# Dispatch and combine, in forward and again (as gradients) in backward.
+ALL_TO_ALLS_PER_LAYER = 4
+# Activation checkpointing re-runs each layer's forward in backward: dispatch and combine once more.
+ALL_TO_ALLS_PER_LAYER_RECOMPUTED = 6
+# PEFT's name for the adapter moe-tune injects (one adapter per run).
+ADAPTER_NAME = "default"
+# The module name that makes PEFT put the per-expert LoRA layer on the routed experts (engine/lora).
+EXPERTS_MODULE = "experts"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor, named as in `MoECausalLM.named_parameters()` (adapters as in the PeftModel, without
+    its `base_model.model.` prefix)."""
+
+    name: str
+    shape: tuple[int, ...]
+    # A routed-expert tensor [E, ...]: held by the expert-parallel rank of its expert, ZeRO-sharded over dp ranks.
+    is_expert: bool = False
+    # The weight [out, in] of an nn.Linear, which LoRA can target.
+    is_linear: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+
+def _linear(module: str, in_features: int, out_features: int) -> Param:
+    return Param(f"{module}.weight", (out_features, in_features), is_linear=True)
+
+
+def _norm(module: str, dim: int) -> Param:
+    return Param(f"{module}.weight", (dim,))
+
+
+def _token_mixer(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]:
+    d = cfg.hidden_size
+    if spec.attention == "linear":
+        la = cfg.linear_attention
+        assert la is not None, "the schema requires model.linear_attention for linear layers"
+        key_width, value_width = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+        decay_width = la.num_value_heads * la.key_head_dim if la.decay == "per_channel" else la.num_value_heads
+        return [
+            Param(f"{prefix}.A_log", (la.num_value_heads,)),
+            Param(f"{prefix}.dt_bias", (decay_width,)),
+            _linear(f"{prefix}.q_proj", d, key_width),
+            _linear(f"{prefix}.k_proj", d, key_width),
+            _linear(f"{prefix}.v_proj", d, value_width),
+            _linear(f"{prefix}.z_proj", d, value_width),
+            _linear(f"{prefix}.b_proj", d, la.num_value_heads),
+            _linear(f"{prefix}.a_proj", d, decay_width),
+            Param(f"{prefix}.conv.weight", (2 * key_width + value_width, la.conv_kernel_size)),
+            _norm(f"{prefix}.norm", la.value_head_dim),
+            _linear(f"{prefix}.o_proj", value_width, d),
+        ]
+    query_width = cfg.num_attention_heads * cfg.head_dim
+    kv_width = cfg.num_key_value_heads * cfg.head_dim
+    params = [
+        # q_proj yields each head's query and its output gate.
+        _linear(f"{prefix}.q_proj", d, 2 * query_width),
+        _linear(f"{prefix}.k_proj", d, kv_width),
+        _linear(f"{prefix}.v_proj", d, kv_width),
+        _linear(f"{prefix}.o_proj", query_width, d),
+        _norm(f"{prefix}.q_norm", cfg.head_dim),
+        _norm(f"{prefix}.k_norm", cfg.head_dim),
+    ]
+    if spec.attention == "sparse":
+        sa = cfg.sparse_attention
+        assert sa is not None, "the schema requires model.sparse_attention for sparse layers"
+        params += [
+            _linear(f"{prefix}.index_q_proj", d, sa.index_heads * sa.index_head_dim),
+            _linear(f"{prefix}.index_k_proj", d, sa.index_head_dim),
+            _linear(f"{prefix}.index_weights_proj", d, sa.index_heads),
+        ]
+    return params
+
+
+def _channel_mixer(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]:
+    d = cfg.hidden_size
+    if spec.mlp == "dense":
+        i = cfg.intermediate_size
+        return [
+            _linear(f"{prefix}.gate_proj", d, i),
+            _linear(f"{prefix}.up_proj", d, i),
+            _linear(f"{prefix}.down_proj", i, d),
+        ]
+    moe = cfg.moe
+    assert moe is not None, "the schema requires model.moe for moe layers"
+    e, f = moe.num_experts, moe.expert_intermediate_size
+    params = [
+        _linear(f"{prefix}.gate", d, e),
+        Param(f"{prefix}.{EXPERTS_MODULE}.w_gate_up", (e, 2 * f, d), is_expert=True),
+        Param(f"{prefix}.{EXPERTS_MODULE}.w_down", (e, d, f), is_expert=True),
+    ]
+    fs = moe.shared_expert_intermediate_size
+    if fs:
+        params += [
+            _linear(f"{prefix}.shared_expert.gate_proj", d, fs),
+            _linear(f"{prefix}.shared_expert.up_proj", d, fs),
+            _linear(f"{prefix}.shared_expert.down_proj", fs, d),
+        ]
+        if moe.shared_expert_gate:
+            params.append(_linear(f"{prefix}.shared_expert_gate", d, 1))
+    return params
+
+
+def model_parameters(cfg: ModelProfile) -> list[Param]:
+    """Every parameter of `build_model(cfg)` with its name and shape, from the profile alone."""
+    d = cfg.hidden_size
+    params = [Param("embed_tokens.weight", (cfg.vocab_size, d))]
+    for i, spec in enumerate(cfg.layers):
+        layer = f"layers.{i}"
+        params.append(_norm(f"{layer}.input_layernorm", d))
+        params += _token_mixer(cfg, spec, f"{layer}.self_attn")
+        params.append(_norm(f"{layer}.post_attention_layernorm", d))
+        params += _channel_mixer(cfg, spec, f"{layer}.mlp")
+    params += [_norm("norm", d), _linear("lm_head", d, cfg.vocab_size)]
+    return params
+
+
+def _module_paths(params: list[Param]) -> list[str]:
+    """Every module that holds a parameter, directly or below it, outermost first."""
+    paths: dict[str, None] = {}
+    for p in params:
+        parts = p.module.split(".")
+        for depth in range(1, len(parts) + 1):
+            paths.setdefault(".".join(parts[:depth]))
+    return list(paths)
+
+
+def _saved_modules(params: list[Param], lora: LoraProfile) -> list[str]:
+    """The modules PEFT wraps for `modules_to_save`: its rule is a plain suffix match on the module path (so `gate`
+    also matches `shared_expert_gate`); a module inside a wrapped one is not wrapped again."""
+    saved: list[str] = []
+    for path in _module_paths(params):
+        inside = any(path.startswith(f"{outer}.") for outer in saved)
+        if not inside and any(path.endswith(name) for name in lora.modules_to_save):
+            saved.append(path)
+    return saved
+
+
+def _is_target(module: str, target: str) -> bool:
+    # PEFT's target_modules rule: the whole path, or its last dotted components.
+    return module == target or module.endswith(f".{target}")
+
+
+def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
+    """The parameters LoRA adds to `params`: A [r, in] and B [out, r] per targeted linear; per-expert A and B of both
+    expert projections; a trainable copy of each module in modules_to_save. Raises ProfileError when a target names
+    no linear layer (the check engine.lora.inject_lora makes)."""
+    if not lora.enabled:
+        return []
+    linear_names = sorted({p.module.rsplit(".", 1)[-1] for p in params if p.is_linear})
+    problems = [
+        f"lora.target_modules ('{t}') must name a linear layer of the model (known: {', '.join(linear_names)})"
+        for t in lora.target_modules
+        if t not in linear_names
+    ]
+    if lora.experts and not any(p.is_expert for p in params):
+        problems.append("lora.experts (true) needs a layer with mlp: moe")
+    if not lora.target_modules and not lora.experts:
+        problems.append("lora.target_modules ([]) must name at least one module when lora.experts is false")
+    if problems:
+        raise ProfileError(problems)
+    saved = _saved_modules(params, lora)
+    r = lora.r
+    added: list[Param] = []
+    for path in saved:
+        for p in params:
+            if p.name.startswith(f"{path}."):
+                rest = p.name[len(path) + 1 :]
+                added.append(Param(f"{path}.modules_to_save.{ADAPTER_NAME}.{rest}", p.shape, is_expert=p.is_expert))
+    for p in params:
+        if any(p.module == path or p.module.startswith(f"{path}.") for path in saved):
+            continue
+        if p.is_linear and any(_is_target(p.module, t) for t in lora.target_modules):
+            out_features, in_features = p.shape
+            added.append(Param(f"{p.module}.lora_A.{ADAPTER_NAME}.weight", (r, in_features)))
+            added.append(Param(f"{p.module}.lora_B.{ADAPTER_NAME}.weight", (out_features, r)))
+        elif p.is_expert and lora.experts and p.name.endswith(".w_gate_up"):
+            e, two_f, d = p.shape
+            f = two_f // 2
+            added += [
+                Param(f"{p.module}.lora_A.{ADAPTER_NAME}.w_gate_up", (e, r, d), is_expert=True),
+                Param(f"{p.module}.lora_A.{ADAPTER_NAME}.w_down", (e, r, f), is_expert=True),
+                Param(f"{p.module}.lora_B.{ADAPTER_NAME}.w_gate_up", (e, two_f, r), is_expert=True),
+                Param(f"{p.module}.lora_B.{ADAPTER_NAME}.w_down", (e, d, r), is_expert=True),
+            ]
+    return added
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    dense: int  # every base parameter but the routed experts (embedding, attention, router, shared experts, head)
+    experts: int  # routed experts, all layers
+    total: int  # dense + experts
+    active_per_token: int  # dense + top_k of E routed experts in each MoE layer
+    lora_dense: int  # adapters on linear layers, plus trainable copies of modules_to_save
+    lora_experts: int  # per-expert adapters (and full copies of saved modules that hold routed experts)
+    trainable: int  # lora_dense + lora_experts with LoRA, else total
+    trainable_dense: int  # sharded over all devices
+    trainable_experts: int  # sharded over the expert-data-parallel group
+
+
+def count_parameters(cfg: ModelProfile, lora: LoraProfile) -> ParameterCounts:
+    """Exact parameter counts of the model and its adapters (what sum(p.numel()) gives after inject_lora)."""
+    base = model_parameters(cfg)
+    added = lora_parameters(base, lora)
+    experts = sum(p.numel for p in base if p.is_expert)
+    dense = sum(p.numel for p in base) - experts
+    lora_experts = sum(p.numel for p in added if p.is_expert)
+    lora_dense = sum(p.numel for p in added) - lora_experts
+    num_moe_layers = sum(layer.mlp == "moe" for layer in cfg.layers)
+    active_experts = 0
+    if cfg.moe is not None and num_moe_layers:
+        active_experts = experts // cfg.moe.num_experts * cfg.moe.top_k
+    trainable_dense, trainable_experts = (lora_dense, lora_experts) if lora.enabled else (dense, experts)
+    return ParameterCounts(
+        dense=dense,
+        experts=experts,
+        total=dense + experts,
+        active_per_token=dense + active_experts,
+        lora_dense=lora_dense,
+        lora_experts=lora_experts,
+        trainable=trainable_dense + trainable_experts,
+        trainable_dense=trainable_dense,
+        trainable_experts=trainable_experts,
+    )
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    layers: int  # what backward keeps of the decoder layers
+    head: int  # final norm and logits (in the training dtype, and their fp32 copy for the loss)
+    transient: int  # the linear-attention backward's recomputed chunk states and their gradients (one layer)
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.head + self.transient
+
+
+def _layer_activation_elems(
+    cfg: ModelProfile, spec: LayerSpec, num_tokens: int, lora_ranks: tuple[int, int]
+) -> tuple[int, int]:
+    """(elements in the training dtype, fp32/int32 elements) that backward keeps for one layer over T tokens.
+
+    lora_ranks: (adapted linear layers of this layer x r, r if the experts are adapted else 0).
+    """
+    t, d = num_tokens, cfg.hidden_size
+    # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves).
+    low = 4 * t * d
+    wide = 0
+    if spec.attention == "linear":
+        la = cfg.linear_attention
+        assert la is not None, "the schema requires model.linear_attention for linear layers"
+        conv_width = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+        value_width = la.num_value_heads * la.value_head_dim
+        decay_width = la.num_value_heads * la.key_head_dim if la.decay == "per_channel" else la.num_value_heads
+        # Conv input and output; q and k repeated to the value heads (the op's inputs; v is the conv output);
+        # z, the op's output o and the gated-norm output (o_proj's input).
+        low += 2 * t * conv_width + 2 * t * la.num_value_heads * la.key_head_dim + 3 * t * value_width
+        # beta, and the log decay before and after softplus, in fp32.
+        wide += t * (la.num_value_heads + 2 * decay_width)
+    else:
+        h, g, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # q_proj output (query and gate), k and v; q and k after norm and RoPE; attention output and gated output.
+        low += t * (2 * h * hd + 2 * g * hd) + t * (h + g) * hd + 2 * t * h * hd
+        # Softmax log-sum-exp per query head.
+        wide += t * h
+        if spec.attention == "sparse":
+            sa = cfg.sparse_attention
+            assert sa is not None, "the schema requires model.sparse_attention for sparse layers"
+            wide += t * (sa.topk // sa.block_size)
+    if spec.mlp == "dense":
+        # gate and up outputs, and their product (down_proj's input).
+        low += 3 * t * cfg.intermediate_size
+    else:
+        moe = cfg.moe
+        assert moe is not None, "the schema requires model.moe for moe layers"
+        k, f, fs = moe.top_k, moe.expert_intermediate_size, moe.shared_expert_intermediate_size
+        # Router scores and routing weights in fp32.
+        wide += t * moe.num_experts + t * k
+        # Dispatch buffer (the T k tokens the experts receive), gate_up output, SwiGLU product (w_down's input),
+        # expert outputs before the weighted combine.
+        low += t * k * d + t * k * 2 * f + t * k * f + t * k * d
+        # Shared expert: gate and up outputs, their product, the gate's logit.
+        low += 3 * t * fs + (t if fs and moe.shared_expert_gate else 0)
+        # Per-expert adapters: x A of both projections for each of the T k routed tokens.
+        low += t * k * 2 * lora_ranks[1]
+    # Linear adapters: x A for each adapted linear.
+    low += t * lora_ranks[0]
+    return low, wide
+
+
+def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list[tuple[int, int]]:
+    ranks = [[0, 0] for _ in cfg.layers]
+    for p in added:
+        parts = p.name.split(".")
+        if parts[0] != "layers" or f"lora_A.{ADAPTER_NAME}" not in p.name:
+            continue
+        index = int(parts[1])
+        if p.is_expert:
+            # One experts module has two A factors (gate_up and down); count the module once.
+            if p.name.endswith("w_gate_up"):
+                ranks[index][1] += r
+        else:
+            ranks[index][0] += r
+    return [(a, b) for a, b in ranks]
+
+
+def activation_bytes(job: JobProfile) -> ActivationBytes:
+    """What backward keeps per device for one micro-batch of micro_batch_size x seq_len tokens (docs/plan.md)."""
+    cfg = job.model
+    b = DTYPE_BYTES[job.train.precision]
+    t = job.train.micro_batch_size * job.data.seq_len
+    added = lora_parameters(model_parameters(cfg), job.lora)
+    ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
+    per_layer = []
+    for spec, lora_ranks in zip(cfg.layers, ranks):
+        low, wide = _layer_activation_elems(cfg, spec, t, lora_ranks)
+        per_layer.append(low * b + wide * FP32_BYTES)
+    if job.memory.activation_checkpointing:
+        # Each layer keeps only its input; backward recomputes one layer at a time.
+        layers = len(cfg.layers) * t * cfg.hidden_size * b + max(per_layer)
+    else:
+        layers = sum(per_layer)
+    head = 2 * t * cfg.hidden_size * b + t * cfg.vocab_size * (b + FP32_BYTES)
+    transient = 0
+    la = cfg.linear_attention
+    if la is not None and any(spec.attention == "linear" for spec in cfg.layers):
+        num_chunks = -(-t // LINEAR_ATTENTION_CHUNK)
+        transient = 2 * num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim * FP32_BYTES
+    return ActivationBytes(layers=layers, head=head, transient=transient)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One data x expert layout of N devices and what a device holds and moves under it (bytes)."""
+
+    data_parallel: int
+    expert_parallel: int
+    experts_per_device: int  # routed experts of each MoE layer this device's expert-parallel rank holds
+    is_profile_layout: bool  # the profile's parallel.expert_parallel
+    dense_weights: int
+    expert_weights: int
+    lora_weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    gathered: int  # the largest module ZeRO-3 gathers whole on this device
+    total: int
+    fits: bool
+    all_to_all_per_step: int  # bytes this device sends by all-to-all per optimizer step
+    zero3_per_step: int  # bytes this device receives in ZeRO-3 all-gathers and gradient reduce-scatters per step
+
+    @property
+    def traffic_per_step(self) -> int:
+        return self.all_to_all_per_step + self.zero3_per_step
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile: str
+    devices: int
+    device_memory: int
+    precision: str
+    tokens_per_micro_batch: int  # per device
+    gradient_accumulation_steps: int
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    lora_enabled: bool
+    modules_to_save: list[str]  # modules LoRA trains in full (lora.modules_to_save)
+    profile_expert_parallel: int
+    parameters: ParameterCounts
+    weight_bytes: int  # every base weight in the training dtype
+    activations: ActivationBytes
+    layouts: list[Layout] = field(default_factory=list)  # best first
+
+    def as_dict(self) -> dict:
+        """The plan as JSON-ready data (every size in bytes), what `moe-tune plan --json` writes."""
+        data = asdict(self)
+        data["activations"]["total"] = self.activations.total
+        for row, layout in zip(data["layouts"], self.layouts):
+            row["traffic_per_step"] = layout.traffic_per_step
+        return data
+
+
+def _gathered_bytes(params: list[Param], ep: int, weight_bytes: int) -> int:
+    """The largest module ZeRO-3 gathers at once: routed experts (with their adapters) count E / ep experts, because
+    the per-expert LoRA layer is a ZeRO-3 leaf that gathers its local experts and adapters together."""
+    per_module: dict[str, int] = {}
+    for p in params:
+        module = p.module
+        if p.is_expert:
+            module = p.name.split(f".{EXPERTS_MODULE}.", 1)[0] + f".{EXPERTS_MODULE}"
+            per_module[module] = per_module.get(module, 0) + p.numel // ep
+        else:
+            per_module[module] = per_module.get(module, 0) + p.numel
+    return max(per_module.values()) * weight_bytes
+
+
+def _divide(numerator: int, denominator: int) -> int:
+    # Bytes per device: a shard rounds up.
+    return -(-numerator // denominator)
+
+
+def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
+    """Every data x expert layout of `num_devices` (ep divides num_experts and num_devices), best first: those that
+    fit `device_memory` bytes, then the least traffic per step, then the least memory."""
+    if num_devices < 1:
+        raise ValueError(f"num_devices ({num_devices}) must be >= 1")
+    cfg = job.model
+    base = model_parameters(cfg)
+    added = lora_parameters(base, job.lora)
+    counts = count_parameters(cfg, job.lora)
+    acts = activation_bytes(job)
+    wb = DTYPE_BYTES[job.train.precision]
+    # Gradients are kept in the training dtype; fp32 weights are their own master copy.
+    gb = wb
+    optimizer_bytes = ADAM_MOMENT_BYTES + (MASTER_WEIGHT_BYTES if wb != FP32_BYTES else 0)
+    num_moe_layers = sum(layer.mlp == "moe" for layer in cfg.layers)
+    has_experts = cfg.moe is not None and num_moe_layers > 0
+    # Without routed experts the only layout is pure data parallelism.
+    num_experts = cfg.moe.num_experts if has_experts else 1
+    top_k = cfg.moe.top_k if has_experts else 0
+    tokens = job.train.micro_batch_size * job.data.seq_len
+    accumulation = job.train.gradient_accumulation_steps
+    all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER
+    all_params = base + added
+    layouts = []
+    for ep in range(1, num_devices + 1):
+        if num_devices % ep or num_experts % ep:
+            continue
+        dp = num_devices // ep
+        # Dense tensors are sharded over all N devices; a rank's E / ep experts over its dp expert-data-parallel
+        # peers, which is E / N experts' worth per device for every ep.
+        dense_weights = _divide(counts.dense * wb, num_devices)
+        expert_weights = _divide(counts.experts * wb, num_devices)
+        lora_weights = _divide(counts.lora_dense * wb, num_devices) + _divide(counts.lora_experts * wb, num_devices)
+        gradients = _divide(counts.trainable * gb, num_devices)
+        optimizer = _divide(counts.trainable * optimizer_bytes, num_devices)
+        gathered = _gathered_bytes(all_params, ep, wb)
+        total = dense_weights + expert_weights + lora_weights + gradients + optimizer + acts.total + gathered
+        leaving = (ep - 1) / ep
+        sent_per_layer = tokens * top_k * cfg.hidden_size * wb * leaving * all_to_alls
+        all_to_all = round(accumulation * num_moe_layers * sent_per_layer)
+        dense_all = counts.dense + counts.lora_dense
+        experts_all = counts.experts + counts.lora_experts
+        gather = ZERO3_GATHERS_PER_MICRO_BATCH * (
+            dense_all * wb * (num_devices - 1) / num_devices + experts_all * wb / ep * (dp - 1) / dp
+        )
+        reduce = counts.trainable_dense * gb * (num_devices - 1) / num_devices
+        reduce += counts.trainable_experts * gb / ep * (dp - 1) / dp
+        layouts.append(
+            Layout(
+                data_parallel=dp,
+                expert_parallel=ep,
+                experts_per_device=num_experts // ep if has_experts else 0,
+                is_profile_layout=ep == job.parallel.expert_parallel,
+                dense_weights=dense_weights,
+                expert_weights=expert_weights,
+                lora_weights=lora_weights,
+                gradients=gradients,
+                optimizer=optimizer,
+                activations=acts.total,
+                gathered=gathered,
+                total=total,
+                fits=total <= device_memory,
+                all_to_all_per_step=all_to_all,
+                zero3_per_step=round(accumulation * (gather + reduce)),
+            )
+        )
+    layouts.sort(key=lambda lay: (not lay.fits, lay.traffic_per_step, lay.total, lay.expert_parallel))
+    return Plan(
+        profile=job.name,
+        devices=num_devices,
+        device_memory=device_memory,
+        precision=job.train.precision,
+        tokens_per_micro_batch=tokens,
+        gradient_accumulation_steps=accumulation,
+        num_moe_layers=num_moe_layers,
+        num_experts=num_experts if has_experts else 0,
+        top_k=top_k,
+        lora_enabled=job.lora.enabled,
+        modules_to_save=list(job.lora.modules_to_save) if job.lora.enabled else [],
+        profile_expert_parallel=job.parallel.expert_parallel,
+        parameters=counts,
+        weight_bytes=counts.total * wb,
+        activations=acts,
+        layouts=layouts,
+    )

@@ -1,0 +1,144 @@
+"""Autograd wiring of the chunked gated delta rule kernels, per-head decay (kernels_fwd.py, kernels_bwd.py) and
+per-channel decay, KDA (kernels_kda.py plus the shared serial state kernels).
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunk slots, C chunk length;
+g is [B, T, H] per head or [B, T, H, K] per channel, its flattened form g_TH or g_THK.
+
+Saved for backward: the inputs themselves (no copies) and the chunk layout (three small int32 tensors).
+Recomputed in backward: G, (I + A)^-1, W and U (one parallel pass, cheaper than keeping [T, H, C + K + V] alive
+from forward to backward), then the per-chunk states and v_new (one serial pass at forward cost, written once and
+read once by the gradient kernel; keeping them from forward would hold [NC, H, K, V] per layer across the model).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd
+from moe_tune.ops.linear_attention.kernels_fwd import (
+    ChunkLayout,
+    chunk_state_fwd,
+    chunk_wy_fwd,
+    pick_config,
+    prepare_chunks,
+)
+from moe_tune.ops.linear_attention.kernels_kda import kda_grad, kda_wy_fwd
+
+
+class GatedDeltaRuleFunction(torch.autograd.Function):
+    """(o, final_state) = gated_delta_rule(q, k, v, g, beta, ...) or kda(...) on the Triton kernels; the shape of g
+    picks the variant.
+
+    Arguments as `moe_tune.ops.linear_attention.gated_delta_rule`, already checked, with scale a float.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        q_THK, k_THK = q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous()
+        v_THV = v.reshape(B * T, H, V).contiguous()
+        g_flat = g.reshape(B * T, *g.shape[2:]).contiguous()
+        beta_TH = beta.reshape(B * T, H).contiguous()
+        if initial_state is not None:
+            initial_state = initial_state.contiguous()
+        layout = prepare_chunks(cu_seqlens, B, T, device=q.device)
+        config = pick_config(q)
+        g_cumsum, w_THK, u_THV, qk_THC, _, _ = _wy_pass(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward=False
+        )
+        o_THV, final_state, _, _ = chunk_state_fwd(
+            q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+            output_final_state, qk_THC=qk_THC,
+        )  # fmt: skip
+        ctx.save_for_backward(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout.cu_seqlens, layout.chunk_offsets,
+            layout.chunk_map,
+        )  # fmt: skip
+        ctx.layout_sizes = (layout.num_slots, layout.chunk_size)
+        ctx.scale = scale
+        ctx.use_qk_l2norm = use_qk_l2norm
+        ctx.shape = (B, T, H, K, V)
+        return o_THV.view(B, T, H, V), final_state
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, final_state_grad):
+        q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, cu_seqlens, chunk_offsets, chunk_map = ctx.saved_tensors
+        B, T, H, K, V = ctx.shape
+        layout = ChunkLayout(cu_seqlens, chunk_offsets, chunk_map, *ctx.layout_sizes)
+        config = pick_config(q_THK)
+        scale, use_qk_l2norm = ctx.scale, ctx.use_qk_l2norm
+        is_per_channel = g_flat.ndim == 3
+        do_THV = do.reshape(B * T, H, V).contiguous()
+        if final_state_grad is not None:
+            final_state_grad = final_state_grad.contiguous()
+
+        g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC = _wy_pass(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward=True
+        )
+        _, _, states_NCHKV, v_new_THV = chunk_state_fwd(
+            q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+            output_final_state=False, compute_output=False, store_states=True,
+        )  # fmt: skip
+        del u_THV
+        state_grads_NCHKV, dv_new_THV, initial_state_grad = chunk_state_bwd(
+            q_THK, k_THK, w_THK, g_cumsum, do_THV, final_state_grad, layout, config, scale, use_qk_l2norm,
+            initial_state.dtype if initial_state is not None else None, qk_THC=qk_THC,
+        )  # fmt: skip
+        del w_THK, qk_THC
+        grad_args = (
+            q_THK, k_THK, v_THV, g_flat.dtype, beta_TH, g_cumsum, inverse_THC, states_NCHKV, state_grads_NCHKV,
+            v_new_THV, dv_new_THV, do_THV, layout, config, scale, use_qk_l2norm,
+        )  # fmt: skip
+        if is_per_channel:
+            grad_args = (*grad_args[:7], kk_THC, *grad_args[7:])
+            dq, dk, dv, dbeta, dg = kda_grad(*grad_args)
+        else:
+            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args)
+        return (
+            dq.view(B, T, H, K),
+            dk.view(B, T, H, K),
+            dv.view(B, T, H, V),
+            dg.view(B, T, H, *dg.shape[2:]),
+            dbeta.view(B, T, H),
+            None,
+            initial_state_grad,
+            None,
+            None,
+            None,
+        )
+
+
+def _wy_pass(q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward):
+    """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None) of either variant; the
+    per-head variant builds q k^T inside the state kernels and needs no k k^T in backward."""
+    if g_flat.ndim == 3:
+        return kda_wy_fwd(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward
+        )
+    g_cumsum_TH, w_THK, u_THV, inverse_THC = chunk_wy_fwd(
+        k_THK, v_THV, g_flat, beta_TH, layout, config, use_qk_l2norm, store_inverse=store_for_backward
+    )
+    return g_cumsum_TH, w_THK, u_THV, None, inverse_THC, None
+
+
+def gated_delta_rule_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel path of `gated_delta_rule` (g [B, T, H]) and of `kda` (g [B, T, H, K]); inputs already checked."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return GatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, use_qk_l2norm
+    )

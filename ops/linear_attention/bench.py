@@ -1,0 +1,224 @@
+"""Speed of the gated delta rule kernels on one CUDA device, beside what users would pick instead.
+
+Run on the GPU machine: python -m moe_tune.ops.linear_attention.bench
+Nothing runs at import. Every time is the median of triton.testing.do_bench (warm-up, then repeated runs on the
+same random inputs); forward+backward rows time one forward and one backward from a random output gradient.
+
+FLOPs are those of the chunked algorithm (chunk C, per chunk and head): q k^T, k k^T and W = (I + A)^-1 (beta k)
+are 2 C^2 K each, U and (q k^T) v_new 2 C^2 V each, W S, (q exp(G)) S and the state update 2 C K V each (the
+64 x 64 triangular inverse is left out); backward counts twice the forward. SDPA counts 2 T^2 D per head for the
+causal forward (half of the 4 T^2 D product) and 2.5 times that for its backward, as FlashAttention reports.
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N documents.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
+
+# The shape of shared/ANCHORS.md and of the targets in issue 5.
+ANCHOR_SHAPE = dict(batch_size=4, seq_len=8192, num_heads=16, head_dim_k=128, head_dim_v=128)
+NUM_DOCS = 8
+# Backward FLOPs as a multiple of forward FLOPs (see the module docstring).
+LINEAR_BWD_FLOP_FACTOR = 2.0
+SDPA_BWD_FLOP_FACTOR = 2.5
+
+
+def bench_linear_attention(
+    batch_size: int = ANCHOR_SHAPE["batch_size"],
+    seq_len: int = ANCHOR_SHAPE["seq_len"],
+    num_heads: int = ANCHOR_SHAPE["num_heads"],
+    head_dim_k: int = ANCHOR_SHAPE["head_dim_k"],
+    head_dim_v: int = ANCHOR_SHAPE["head_dim_v"],
+    dtype: torch.dtype = torch.bfloat16,
+    num_docs: int = NUM_DOCS,
+    include_reference: bool = True,
+) -> list[dict]:
+    """Rows of {case, impl, shape, dtype, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, max_abs_err, note} and the
+    machine (gpu, torch, triton, commit, date).
+
+    Cases: "gdn" (our kernel, our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same q, k, v
+    as the softmax yardstick), "kda" (our kernel, our reference, FLA's chunk_kda), and "varlen" (our gated delta rule
+    kernel on the B*T tokens as `num_docs` packed documents of mixed lengths, and as one document).
+    max_abs_err: the forward output's largest difference from our fp32 reference on the same inputs, so that a fast
+    but wrong row shows as such. A pass an implementation refuses leaves its columns out and says why in `note`.
+    KDA FLOPs are counted as the gated delta rule's (the per-channel decays add elementwise work, not products).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_linear_attention needs a CUDA device")
+    from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel
+
+    B, T, H, K, V = batch_size, seq_len, num_heads, head_dim_k, head_dim_v
+    machine = _machine()
+    rows = []
+
+    def add(case, impl, shape, fn, inputs, flops, expected_o=None, bwd_flop_factor=LINEAR_BWD_FLOP_FACTOR):
+        row = dict(case=case, impl=impl, shape=shape, dtype=str(dtype).removeprefix("torch."), **machine)
+        notes = []
+        # Forward and forward+backward apart: a library may run one and refuse the other (FLA's gated backward on
+        # Hopper with Triton 3.4-3.7.0).
+        for pass_name, flop_factor in (("fwd", 1.0), ("fwd_bwd", 1.0 + bwd_flop_factor)):
+            try:
+                ms, o = _time(fn, inputs, with_backward=pass_name == "fwd_bwd")
+            except Exception as error:  # noqa: BLE001 - a library that refuses to run is a result, not a crash
+                notes.append(f"{pass_name} refused: {type(error).__name__}: {str(error).strip()[:200]}")
+                # An out-of-memory reference (KDA's holds [B, H, 64, 64, K] decays per chunk) must not starve the
+                # rows after it.
+                torch.cuda.empty_cache()
+                continue
+            row[f"{pass_name}_ms"] = round(ms, 4)
+            row[f"{pass_name}_tflops"] = round(flops * flop_factor / ms * 1e-9, 1)
+            if expected_o is not None and pass_name == "fwd":
+                row["max_abs_err"] = (o.float() - expected_o).abs().max().item()
+        if notes:
+            row["note"] = "; ".join(notes)
+        rows.append(row)
+
+    def ours(**inputs):
+        return gated_delta_rule_kernel(**inputs, use_qk_l2norm=True)
+
+    def reference(**inputs):
+        return chunk_gated_delta_rule_ref(**inputs, use_qk_l2norm=True)
+
+    shape = f"B{B} T{T} H{H} K{K} V{V}"
+    inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=False)
+    flops = _chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
+    with torch.no_grad():
+        expected_o = reference(**inputs)[0].float()
+    add("gdn", "moe_tune triton", shape, ours, inputs, flops, expected_o)
+    if include_reference:
+        add("gdn", "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        chunk_gated_delta_rule = None
+    if chunk_gated_delta_rule is not None:
+
+        def fla_gdn(**inputs):
+            return chunk_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
+
+        add("gdn", "fla chunk_gated_delta_rule", shape, fla_gdn, inputs, flops, expected_o)
+
+    sdpa_inputs = {name: inputs[name].detach().transpose(1, 2).contiguous().requires_grad_() for name in "qkv"}
+    sdpa_flops = 2.0 * B * H * T * T * K
+    add("gdn", "torch sdpa causal (softmax yardstick)", shape, _sdpa, sdpa_inputs, sdpa_flops,
+        bwd_flop_factor=SDPA_BWD_FLOP_FACTOR)  # fmt: skip
+
+    kda_inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=True)
+    with torch.no_grad():
+        expected_kda_o = reference(**kda_inputs)[0].float()
+    add("kda", "moe_tune triton", shape, ours, kda_inputs, flops, expected_kda_o)
+    if include_reference:
+        add("kda", "moe_tune chunk reference (torch small ops)", shape, reference, kda_inputs, flops)
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        chunk_kda = None
+    if chunk_kda is not None:
+
+        def fla_kda(**inputs):
+            return chunk_kda(**inputs, use_qk_l2norm_in_kernel=True)
+
+        add("kda", "fla chunk_kda", shape, fla_kda, kda_inputs, flops, expected_kda_o)
+
+    num_tokens = B * T
+    packed = _make_inputs(1, num_tokens, H, K, V, dtype, is_per_channel=False)
+    doc_lengths = mixed_doc_lengths(num_tokens, num_docs)
+    for name, lengths in ((f"{num_docs} documents", doc_lengths), ("1 document", [num_tokens])):
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        varlen_flops = _chunk_flops(H, K, V, num_chunks=sum(-(-length // DEFAULT_CHUNK_SIZE) for length in lengths))
+        add("varlen", f"moe_tune triton, {name}", f"T{num_tokens} H{H} K{K} V{V} lengths {lengths}", ours,
+            dict(packed, cu_seqlens=cu_seqlens), varlen_flops)  # fmt: skip
+    return rows
+
+
+def mixed_doc_lengths(num_tokens: int, num_docs: int) -> list[int]:
+    """`num_docs` lengths summing to num_tokens, growing roughly geometrically, none a multiple of the chunk."""
+    weights = [1.6**i for i in range(num_docs)]
+    lengths = [max(1, int(num_tokens * w / sum(weights))) | 1 for w in weights[:-1]]
+    return [*lengths, num_tokens - sum(lengths)]
+
+
+def _chunk_flops(H: int, K: int, V: int, num_chunks: int) -> float:
+    C = DEFAULT_CHUNK_SIZE
+    per_chunk = 6 * C * C * K + 4 * C * C * V + 6 * C * K * V
+    return float(num_chunks * H * per_chunk)
+
+
+def _make_inputs(B, T, H, K, V, dtype, is_per_channel):
+    """Random inputs as a model makes them: raw q, k (normalised in the op), logsigmoid decays, sigmoid beta."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    g = F.logsigmoid(randn(B, T, H, K) if is_per_channel else randn(B, T, H))
+    inputs = dict(
+        q=randn(B, T, H, K).to(dtype),
+        k=randn(B, T, H, K).to(dtype),
+        v=randn(B, T, H, V).to(dtype),
+        g=g,
+        beta=torch.sigmoid(randn(B, T, H)).to(dtype),
+    )
+    for x in inputs.values():
+        x.requires_grad_()
+    return inputs
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
+
+
+def _time(fn, inputs, with_backward: bool) -> tuple[float, torch.Tensor]:
+    """Median ms of one forward (recording autograd, as in training), or of a forward and its backward."""
+    import triton.testing
+
+    leaves = [x for x in inputs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def forward():
+        return fn(**inputs)[0]
+
+    with torch.no_grad():
+        o = forward()
+    if not with_backward:
+        return triton.testing.do_bench(forward, return_mode="median"), o
+    do = torch.randn_like(o)
+
+    def forward_backward():
+        forward().backward(do)
+
+    return triton.testing.do_bench(forward_backward, grad_to_none=leaves, return_mode="median"), o
+
+
+def _machine() -> dict:
+    import triton
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        commit=commit,
+        date=datetime.date.today().isoformat(),
+    )
+
+
+if __name__ == "__main__":
+    for row in bench_linear_attention():
+        print(row)

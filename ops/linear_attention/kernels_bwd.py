@@ -1,0 +1,392 @@
+"""Triton backward of the chunked gated delta rule (one decay per head): two kernels and their launchers.
+
+Legend as in kernels_fwd.py: T packed tokens, H heads, K key dim, V value dim, N sequences, C chunk length (BT),
+NC chunk slots, G the log decay summed from the chunk start; per chunk S0 is the state entering it, S1 the state
+leaving it, q is scaled (and L2-normalised when asked), M[i, j] = exp(G_i - G_j) for j <= i.
+
+Forward of one chunk (kernels_fwd.py): v_new = U - W S0; o = (q exp(G)) S0 + (q k^T * M) v_new;
+S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new, with W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v.
+
+The backward runs after a recompute of the forward's WY pass and of its state pass with per-chunk states stored
+(kernels_fwd.chunk_wy_fwd, chunk_state_fwd(store_states=True)), then:
+1. `_chunk_state_bwd_kernel`, serial over each sequence's chunks in reverse, the state gradient dS [K, BV] in
+   registers (fp32): writes dS1 of every chunk, dv_new = (q k^T * M)^T do + (k exp(G_C - G)) dS1, and
+   dS0 = exp(G_C) dS1 + (q exp(G))^T do - W^T dv_new, the initial state's gradient at each sequence start.
+   With IS_PER_CHANNEL (KDA) the decays are [C, K] and (q k^T * M)^T is read transposed from the WY pass.
+2. `_chunk_grad_kernel`, one program per (chunk, head), all in parallel: dq, dk, dv, dbeta and dg from S0, dS1,
+   v_new and dv_new, through the triangular inverse ((I + A)^-1 is read back, not re-solved), the L2 norm, and
+   the cumulative sum of g (dg is the reverse cumulative sum of dG plus the gradient of G_C).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_tune.ops.linear_attention import kernels_fwd
+from moe_tune.ops.linear_attention.kernels_fwd import (
+    _L2NORM_EPS,
+    ChunkLayout,
+    KernelConfig,
+    _block,
+    _decays,
+    _l2norm_rows,
+    _load_decay,
+    _load_rows,
+    _load_rows_t,
+    _pair_decay,
+    _store_rows,
+    dot_precisions,
+)
+
+
+@triton.jit
+def _chunk_state_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    g_cumsum_ptr,
+    qk_ptr,
+    do_ptr,
+    final_state_grad_ptr,
+    cu_seqlens_ptr,
+    chunk_offsets_ptr,
+    initial_state_grad_ptr,
+    state_grads_ptr,
+    dv_new_ptr,
+    scale,
+    H,
+    K,
+    V,
+    IS_PER_CHANNEL: tl.constexpr,
+    HAS_FINAL_STATE_GRAD: tl.constexpr,
+    STORE_INITIAL_STATE_GRAD: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_h = tl.program_id(2)
+    dot_dtype = k_ptr.dtype.element_ty
+    bos = tl.load(cu_seqlens_ptr + i_n)
+    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    first_slot = tl.load(chunk_offsets_ptr + i_n)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    v0 = i_v * BV
+    offs_k = tl.arange(0, BK)
+    offs_v = v0 + tl.arange(0, BV)
+    state_offsets = offs_k[:, None] * V + offs_v[None, :]
+    state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    seq_head = (i_n * H + i_h).to(tl.int64) * K * V
+
+    if HAS_FINAL_STATE_GRAD:
+        dstate = tl.load(final_state_grad_ptr + seq_head + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        dstate = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for i_r in range(0, num_chunks):
+        i_t = num_chunks - 1 - i_r
+        t0 = bos + i_t * BT
+        num_valid = tl.minimum(eos - t0, BT)
+        slot_head = ((first_slot + i_t) * H + i_h).to(tl.int64) * K * V
+        dstate_out = dstate.to(state_grads_ptr.dtype.element_ty)
+        tl.store(state_grads_ptr + slot_head + state_offsets, dstate_out, mask=state_mask)
+        decay, decay_to_end, state_decay, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
+        q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        w = _load_rows(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
+        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        # (q k^T * M)^T as [j, i]: read transposed (per channel), or k q^T times M^T.
+        if IS_PER_CHANNEL:
+            kq = _load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+        else:
+            kq = tl.dot(k.to(dot_dtype), tl.trans(q.to(dot_dtype)), input_precision=DOT_PRECISION)
+            kq = (kq * _pair_decay(G, True, True, BT)).to(dot_dtype)
+        k_decayed = (k * decay_to_end).to(dot_dtype)
+        dv_new = tl.dot(kq, do, input_precision=DOT_PRECISION)
+        dv_new += tl.dot(k_decayed, dstate.to(dot_dtype), input_precision=DOT_PRECISION)
+        _store_rows(dv_new_ptr + i_h * V + v0, dv_new, t0, num_valid, H * V, V - v0, BT, BV)
+        q_decayed = (q * decay).to(dot_dtype)
+        dstate = dstate * state_decay + tl.dot(tl.trans(q_decayed), do, input_precision=DOT_PRECISION)
+        dstate -= tl.dot(tl.trans(w), dv_new.to(dot_dtype), input_precision=DOT_PRECISION)
+
+    if STORE_INITIAL_STATE_GRAD:
+        tl.store(initial_state_grad_ptr + seq_head + state_offsets, dstate, mask=state_mask)
+
+
+@triton.jit
+def _chunk_grad_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_cumsum_ptr,
+    inverse_ptr,
+    states_ptr,
+    state_grads_ptr,
+    v_new_ptr,
+    dv_new_ptr,
+    do_ptr,
+    chunk_map_ptr,
+    scratch_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    scale,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    G, G_last = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+    exp_G = tl.exp(G)
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
+        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
+        q = q * q_rstd[:, None]
+        k = k * k_rstd[:, None]
+    q_scaled = q * scale
+    q_dot = q_scaled.to(dot_dtype)
+    k_dot = k.to(dot_dtype)
+    inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    # Accumulated over V tiles: do S0^T, d(q k^T * M) before M in both orientations, v_new dS1^T, dW, the U part of
+    # d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1) per key row.
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dinverse = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    state_dstate = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        # States read transposed, [BV, BK].
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+        dstate_t = dstate_t.to(dot_dtype)
+        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        v_scaled = (v * beta[:, None]).to(dot_dtype)
+        dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
+        # d(diag(beta) v) = ((I + A)^-1)^T dU, and dU = dv_new.
+        dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
+        _store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
+        dbeta += tl.sum(v * dv_scaled, axis=1)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+
+    # Output: o = (q exp(G)) S0 + (q k^T * M) v_new.
+    dq = do_state * exp_G[:, None]
+    dG = tl.sum(q_scaled * dq, axis=1)
+    dqk = dqk * _pair_decay(G, True, False, BT)
+    dqk_t = dqk_t * _pair_decay(G, True, True, BT)
+    dq += tl.dot(dqk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    dk = tl.dot(dqk_t.to(dot_dtype), q_dot, input_precision=DOT_PRECISION)
+    qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
+    dG_pairs = dqk * qk
+    dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
+
+    # State leaving the chunk: S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new.
+    dk_end = dk_end * tl.exp(G_last - G)[:, None]
+    dk += dk_end
+    dG_end = tl.sum(k * dk_end, axis=1)
+    dG -= dG_end
+    dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
+
+    # WY factors: W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v, d(I + A)^-1 = dW K'^T + dU V'^T.
+    k_scaled = (k * (beta * exp_G)[:, None]).to(dot_dtype)
+    dw_dot = dw.to(dot_dtype)
+    dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
+    dinverse += tl.dot(dw_dot, tl.trans(k_scaled), input_precision=DOT_PRECISION)
+    # dA = -(I + A)^-T d(I + A)^-1 (I + A)^-T, strictly lower; times exp(G_i - G_j) it is the gradient of k_i^T k_j.
+    dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
+    dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
+    dkk = dA * _pair_decay(G, False, False, BT)
+    kk = tl.dot(k_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
+    dbeta += tl.sum(dkk * kk, axis=1)
+    dkk = dkk * beta[:, None]
+    dG_pairs = dkk * kk
+    dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
+    # dkk^T goes through memory (an L2-resident round trip): tl.trans of a dot result is the Hopper miscompile.
+    _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
+    tl.debug_barrier()
+    dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    dk += tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
+    k_dk_scaled = tl.sum(k * dk_scaled, axis=1)
+    dk += dk_scaled * (beta * exp_G)[:, None]
+    dbeta += exp_G * k_dk_scaled
+    dG += beta * exp_G * k_dk_scaled
+
+    # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C.
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last
+    dq = dq * scale
+    if USE_L2NORM:
+        dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
+        dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
+    _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
+    _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
+    tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
+
+
+def chunk_state_bwd(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    w_THK: torch.Tensor,
+    g_cumsum: torch.Tensor,
+    do_THV: torch.Tensor,
+    final_state_grad_NHKV: torch.Tensor | None,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+    initial_state_grad_dtype: torch.dtype | None,
+    qk_THC: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The reverse serial pass: dS1 of every chunk [NC, H, K, V] and dv_new [T, H, V] (fp32 for fp32 inputs, else
+    k's dtype), and the initial state's gradient [N, H, K, V] when initial_state_grad_dtype is given.
+
+    g_cumsum: [T, H] per head, or [T, H, K] per channel (KDA), with qk_THC the decayed causal q k^T of kda_wy_fwd.
+    """
+    T, H, K = k_THK.shape
+    V = do_THV.shape[-1]
+    N = layout.num_seqs
+    device = k_THK.device
+    state_grads_NCHKV = kernels_fwd._alloc((layout.num_slots, H, K, V), k_THK.dtype, device)
+    dv_new_THV = kernels_fwd._alloc((T, H, V), k_THK.dtype, device)
+    initial_state_grad_NHKV = None
+    if initial_state_grad_dtype is not None:
+        initial_state_grad_NHKV = kernels_fwd._alloc((N, H, K, V), initial_state_grad_dtype, device)
+    block_v = min(config.block_v_state, _block(V))
+    dot_precision, _ = dot_precisions(k_THK.dtype)
+    if N > 0:
+        _chunk_state_bwd_kernel[(triton.cdiv(V, block_v), N, H)](
+            q_THK,
+            k_THK,
+            w_THK,
+            g_cumsum,
+            qk_THC if qk_THC is not None else w_THK,
+            do_THV,
+            final_state_grad_NHKV if final_state_grad_NHKV is not None else w_THK,
+            layout.cu_seqlens,
+            layout.chunk_offsets,
+            initial_state_grad_NHKV if initial_state_grad_NHKV is not None else w_THK,
+            state_grads_NCHKV,
+            dv_new_THV,
+            scale,
+            H,
+            K=K,
+            V=V,
+            IS_PER_CHANNEL=g_cumsum.ndim == 3,
+            HAS_FINAL_STATE_GRAD=final_state_grad_NHKV is not None,
+            STORE_INITIAL_STATE_GRAD=initial_state_grad_NHKV is not None,
+            USE_L2NORM=use_qk_l2norm,
+            BT=layout.chunk_size,
+            BK=_block(K),
+            BV=block_v,
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages_state,
+        )
+    return state_grads_NCHKV, dv_new_THV, initial_state_grad_NHKV
+
+
+def chunk_grad(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_dtype: torch.dtype,
+    beta_TH: torch.Tensor,
+    g_cumsum_TH: torch.Tensor,
+    inverse_THC: torch.Tensor,
+    states_NCHKV: torch.Tensor,
+    state_grads_NCHKV: torch.Tensor,
+    v_new_THV: torch.Tensor,
+    dv_new_THV: torch.Tensor,
+    do_THV: torch.Tensor,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H] in g_dtype."""
+    T, H, K = k_THK.shape
+    V = v_THV.shape[-1]
+    C = layout.chunk_size
+    device = k_THK.device
+    dq_THK = kernels_fwd._alloc((T, H, K), q_THK.dtype, device)
+    dk_THK = kernels_fwd._alloc((T, H, K), k_THK.dtype, device)
+    dv_THV = kernels_fwd._alloc((T, H, V), v_THV.dtype, device)
+    dbeta_TH = kernels_fwd._alloc((T, H), beta_TH.dtype, device)
+    dg_TH = kernels_fwd._alloc((T, H), g_dtype, device)
+    scratch_THC = kernels_fwd._alloc((T, H, C), k_THK.dtype, device)
+    dot_precision, _ = dot_precisions(k_THK.dtype)
+    if layout.num_slots > 0:
+        _chunk_grad_kernel[(layout.num_slots, H)](
+            q_THK,
+            k_THK,
+            v_THV,
+            beta_TH,
+            g_cumsum_TH,
+            inverse_THC,
+            states_NCHKV,
+            state_grads_NCHKV,
+            v_new_THV,
+            dv_new_THV,
+            do_THV,
+            layout.chunk_map,
+            scratch_THC,
+            dq_THK,
+            dk_THK,
+            dv_THV,
+            dbeta_TH,
+            dg_TH,
+            scale,
+            H,
+            K=K,
+            V=V,
+            USE_L2NORM=use_qk_l2norm,
+            BT=C,
+            BK=_block(K),
+            BV=min(config.block_v_grad, _block(V)),
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps_grad,
+            num_stages=config.num_stages,
+        )
+    return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH

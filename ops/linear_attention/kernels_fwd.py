@@ -1,0 +1,538 @@
+"""Triton forward of the chunked gated delta rule (one decay per head): chunk layout, shared pieces, two kernels.
+
+Legend: T tokens of all sequences packed along time (B*T without cu_seqlens), H heads, K key dim, V value dim,
+N sequences, C chunk length (BT inside kernels), NC chunk slots (one per chunk of every sequence, plus unused ones
+at the end), BK/BV tile widths over K/V, G the log decay summed from the chunk start (inclusive).
+
+Every tensor is token-major and contiguous: x_THD[t, h, d] sits at (t * H + h) * D + d; per-chunk states
+states_NCHKV[c, h] are the [K, V] state entering chunk slot c. A batch of B equal sequences is the packed case with
+cu_seqlens = (0, T, 2T, ...), so one code path serves both.
+
+The forward is two launches:
+1. `_chunk_wy_fwd_kernel`, one program per (chunk, head), all in parallel: G, A = tril(beta k k^T exp(G_i - G_j)),
+   the inverse (I + A)^-1 (a 16-row forward substitution on the diagonal blocks, then three block products), and the
+   WY factors W = (I + A)^-1 diag(beta exp(G)) k and U = (I + A)^-1 diag(beta) v.
+2. `_chunk_state_fwd_kernel`, one program per (V tile, sequence, head), serial over the sequence's chunks with the
+   state [K, BV] in registers (fp32): v_new = U - W S, the output o = (q exp(G)) S + (q k^T * decay, causal) v_new,
+   then S = exp(G_C) S + (k exp(G_C - G))^T v_new. Per-chunk states are written only when the backward recomputes
+   them (store_states); the plain forward never writes them. With IS_PER_CHANNEL (KDA, kernels_kda.py) the decays
+   are [C, K] and the decayed causal q k^T is read from the WY pass instead of built here.
+
+Triton 3.4-3.7.0 on Hopper miscompiles tl.trans of a tl.dot result that feeds another tl.dot (fla-org/
+flash-linear-attention#640): the kernels here and in kernels_bwd.py only transpose tiles loaded from memory or built
+elementwise from them; a transposed product of computed tiles is computed as its own dot or read back from memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, L2NORM_EPS
+
+# Kernels read module globals only when they are constexpr.
+_L2NORM_EPS = tl.constexpr(L2NORM_EPS)
+
+# The chunk length C: 64 x 64 intra-chunk blocks fill a tensor-core tile and keep the triangular solve short.
+CHUNK_SIZE = DEFAULT_CHUNK_SIZE
+# Diagonal blocks of (I + A) inverted by forward substitution: 16 rows is the smallest tl.dot size, and four such
+# blocks merge exactly with one Neumann product (the off-block part N satisfies N^4 = 0).
+SUB_CHUNK_SIZE = 16
+# tl.dot needs every operand dimension to be at least 16.
+MIN_DOT_SIZE = 16
+# 32 value columns per state program: B4 H16 V128 gives 256 serial programs to fill 132 SMs, and the fp32 state
+# [128, 32] is 32 registers per thread at 4 warps.
+GPU_BLOCK_V_STATE = 32
+# The per-chunk gradient kernel loops over V in tiles of 64: two iterations at V = 128.
+GPU_BLOCK_V_GRAD = 64
+# The WY kernel loops over V in tiles of 64 for U.
+GPU_BLOCK_V_WY = 64
+# 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
+GPU_NUM_WARPS = 4
+# The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
+GPU_NUM_WARPS_GRAD = 8
+# Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
+GPU_NUM_STAGES_STATE = 2
+# The parallel kernels handle one chunk each: their short V loops have little to prefetch.
+GPU_NUM_STAGES = 1
+# The interpreter runs each program in Python: 16-wide V tiles make V = 32 take the multi-tile paths in CPU tests.
+INTERPRETER_BLOCK_V = MIN_DOT_SIZE
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch settings of one call, picked from the device."""
+
+    block_v_state: int
+    block_v_grad: int
+    block_v_wy: int
+    num_warps: int
+    num_warps_grad: int
+    num_stages_state: int
+    num_stages: int
+
+
+def pick_config(x: torch.Tensor) -> KernelConfig:
+    if not x.is_cuda:
+        # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
+        block_v = INTERPRETER_BLOCK_V
+        return KernelConfig(block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_stages_state=1, num_stages=1)
+    return KernelConfig(
+        GPU_BLOCK_V_STATE,
+        GPU_BLOCK_V_GRAD,
+        GPU_BLOCK_V_WY,
+        GPU_NUM_WARPS,
+        GPU_NUM_WARPS_GRAD,
+        GPU_NUM_STAGES_STATE,
+        GPU_NUM_STAGES,
+    )
+
+
+def dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """(operand dots, fp32 dots of the triangular inverse).
+
+    fp32 inputs get exact fp32 products, as the reference; 16-bit inputs multiply 16-bit operands (the precision
+    argument is then unused) and build the inverse in tf32, finer than the 16-bit W and U it feeds.
+    """
+    if dtype == torch.float32:
+        return "ieee", "ieee"
+    return "tf32", "tf32"
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests replace it to fill buffers with NaN and guard their ends)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _block(dim: int) -> int:
+    return max(MIN_DOT_SIZE, triton.next_power_of_2(dim))
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where every chunk of every sequence lives, built on the device without a host sync.
+
+    cu_seqlens: [N + 1] int32 sequence starts in the packed token axis.
+    chunk_offsets: [N + 1] int32, the first chunk slot of each sequence (slots of one sequence are consecutive).
+    chunk_map: [NC, 2] int32, (first token, number of tokens) of each chunk slot; unused slots have 0 tokens.
+    """
+
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_map: torch.Tensor
+    num_slots: int
+    chunk_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+def prepare_chunks(
+    cu_seqlens: torch.Tensor | None, batch_size: int, seq_len: int, chunk_size: int = CHUNK_SIZE, device=None
+) -> ChunkLayout:
+    """The chunk layout of `batch_size` sequences of `seq_len` tokens, or of the packed sequences of cu_seqlens."""
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(batch_size + 1, device=device) * seq_len
+        num_slots = batch_size * triton.cdiv(seq_len, chunk_size)
+        num_tokens = batch_size * seq_len
+    else:
+        num_tokens = seq_len
+        num_seqs = cu_seqlens.numel() - 1
+        # sum ceil(len / C) <= T // C + N: an upper bound known without reading cu_seqlens on the host.
+        num_slots = num_tokens // chunk_size + num_seqs
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+    chunk_offsets = torch.nn.functional.pad(chunks_per_seq.cumsum(0), (1, 0)).to(torch.int32)
+    slot = torch.arange(num_slots, device=cu_seqlens.device, dtype=torch.int32)
+    num_seqs = lengths.numel()
+    seq = torch.searchsorted(chunk_offsets[1:], slot, right=True).clamp(max=max(num_seqs - 1, 0))
+    first_token = cu_seqlens[seq] + (slot - chunk_offsets[seq]) * chunk_size
+    num_tokens_in_chunk = (cu_seqlens[seq + 1] - first_token).clamp(0, chunk_size)
+    chunk_map = torch.stack([first_token, num_tokens_in_chunk], dim=1).to(torch.int32).contiguous()
+    return ChunkLayout(cu_seqlens.contiguous(), chunk_offsets.contiguous(), chunk_map, num_slots, chunk_size)
+
+
+@triton.jit
+def _load_rows(ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
+    """[BT, BD] tile of rows t0 .. t0 + num_valid (zeros past them and past num_cols); ptr is at column 0."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    offsets = (t0 + rows[:, None]).to(tl.int64) * row_stride + cols[None, :]
+    mask = (rows[:, None] < num_valid) & (cols[None, :] < num_cols)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_rows_t(ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
+    """The transpose [BD, BT] of `_load_rows`, read transposed from memory."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    offsets = (t0 + rows[None, :]).to(tl.int64) * row_stride + cols[:, None]
+    mask = (rows[None, :] < num_valid) & (cols[:, None] < num_cols)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, x, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    offsets = (t0 + rows[:, None]).to(tl.int64) * row_stride + cols[None, :]
+    mask = (rows[:, None] < num_valid) & (cols[None, :] < num_cols)
+    tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _l2norm_rows(x, USE_L2NORM: tl.constexpr):
+    """fp32 x / sqrt(sum(x^2) + eps) per row when USE_L2NORM, else x in fp32."""
+    x = x.to(tl.float32)
+    if USE_L2NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + _L2NORM_EPS)[:, None]
+    return x
+
+
+@triton.jit
+def _load_decay(g_cumsum_ptr, t0, num_valid, H, BT: tl.constexpr):
+    """G [BT] fp32 of one chunk and its last value G_C; rows past the chunk's end repeat G_C, as zero-padded
+    tokens (g = 0) would, so every pairwise G_i - G_j with j <= i stays <= 0."""
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    G = tl.load(g_cumsum_ptr + (t0 + rows).to(tl.int64) * H, mask=is_valid, other=0.0)
+    G_last = tl.sum(tl.where(rows == num_valid - 1, G, 0.0), axis=0)
+    return tl.where(is_valid, G, G_last), G_last
+
+
+@triton.jit
+def _load_channel_decay(g_cumsum_ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BK: tl.constexpr):
+    """G [BT, BK] fp32 per key channel and its last row G_C [BK]; rows past the chunk's end repeat G_C."""
+    rows = tl.arange(0, BT)
+    G = _load_rows(g_cumsum_ptr, t0, num_valid, row_stride, num_cols, BT, BK)
+    G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
+    return tl.where((rows < num_valid)[:, None], G, G_last[None, :]), G_last
+
+
+@triton.jit
+def _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """The decays of one chunk, shaped to scale [BT, BK] rows and the [BK, BV] state: (exp(G), exp(G_C - G),
+    exp(G_C)) as ([BT, 1], [BT, 1], scalar) per head or ([BT, BK], [BT, BK], [BK, 1]) per channel, and G."""
+    if IS_PER_CHANNEL:
+        G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+        decay = tl.exp(G)
+        decay_to_end = tl.exp(G_last[None, :] - G)
+        state_decay = tl.exp(G_last)[:, None]
+    else:
+        G, G_last = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+        decay = tl.exp(G)[:, None]
+        decay_to_end = tl.exp(G_last - G)[:, None]
+        state_decay = tl.exp(G_last)
+    return decay, decay_to_end, state_decay, G
+
+
+@triton.jit
+def _pair_decay(G, IS_INCLUSIVE: tl.constexpr, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr):
+    """[BT, BT] exp(G_i - G_j) for j <= i (j < i unless IS_INCLUSIVE), 0 elsewhere; IS_TRANSPOSED gives [j, i].
+
+    The exponent is masked before the exp: for j > i it is positive and may overflow fp32.
+    """
+    rows = tl.arange(0, BT)
+    if IS_TRANSPOSED:
+        log_decay = G[None, :] - G[:, None]
+        if IS_INCLUSIVE:
+            mask = rows[None, :] >= rows[:, None]
+        else:
+            mask = rows[None, :] > rows[:, None]
+    else:
+        log_decay = G[:, None] - G[None, :]
+        if IS_INCLUSIVE:
+            mask = rows[:, None] >= rows[None, :]
+        else:
+            mask = rows[:, None] > rows[None, :]
+    return tl.where(mask, tl.exp(tl.where(mask, log_decay, 0.0)), 0.0)
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32.
+
+    The SB x SB diagonal blocks are inverted together, one row of each per step (forward substitution: row r of the
+    inverse is e_r minus A's row r times the rows above). With D that block-diagonal inverse and N = D A_off
+    (A_off: A below the diagonal blocks, so N^4 = 0 for BT <= 4 SB), (I + A)^-1 = (I - N)(I + N^2) D.
+    """
+    tl.static_assert(BT <= 4 * SB)
+    rows = tl.arange(0, BT)
+    is_diag = rows[:, None] == rows[None, :]
+    eye = tl.where(is_diag, 1.0, 0.0)
+    is_same_block = (rows[:, None] // SB) == (rows[None, :] // SB)
+    A_diag = tl.where(is_same_block, A, 0.0)
+    inv = eye
+    for r in range(1, SB):
+        is_row = (rows % SB) == r
+        # Row r of every diagonal block, each on its own block's columns (the blocks' columns do not overlap).
+        a_r = tl.sum(tl.where(is_row[:, None], A_diag, 0.0), axis=0)
+        new_row = -tl.sum(a_r[:, None] * inv, axis=0)
+        inv = tl.where(is_row[:, None] & is_same_block, new_row[None, :] + eye, inv)
+    if BT > SB:
+        A_off = tl.where((rows[:, None] // SB) > (rows[None, :] // SB), A, 0.0)
+        N = tl.dot(inv, A_off, input_precision=PRECISION)
+        N2 = tl.dot(N, N, input_precision=PRECISION)
+        inv = tl.dot(tl.dot(eye - N, eye + N2, input_precision=PRECISION), inv, input_precision=PRECISION)
+    return inv
+
+
+@triton.jit
+def _chunk_wy_fwd_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    chunk_map_ptr,
+    g_cumsum_ptr,
+    w_ptr,
+    u_ptr,
+    inverse_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    STORE_INVERSE: tl.constexpr,
+    BT: tl.constexpr,
+    SB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    g = tl.load(g_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    # Zero-padded g past the chunk's end: G there stays at its last value.
+    G = tl.cumsum(g, axis=0)
+    tl.store(g_cumsum_ptr + token_head, G, mask=is_valid)
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    k_dot = k.to(dot_dtype)
+    A = tl.dot(k_dot, tl.trans(k_dot), input_precision=DOT_PRECISION) * beta[:, None]
+    A = A * _pair_decay(G, False, False, BT)
+    inverse = _unit_lower_inverse(A, BT, SB, INV_PRECISION)
+    if STORE_INVERSE:
+        _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
+    inverse_dot = inverse.to(dot_dtype)
+
+    k_scaled = (k * (beta * tl.exp(G))[:, None]).to(dot_dtype)
+    w = tl.dot(inverse_dot, k_scaled, input_precision=DOT_PRECISION)
+    _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
+    for v0 in range(0, V, BV):
+        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        u = tl.dot(inverse_dot, (v * beta[:, None]).to(dot_dtype), input_precision=DOT_PRECISION)
+        _store_rows(u_ptr + i_h * V + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
+
+
+@triton.jit
+def _chunk_state_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    g_cumsum_ptr,
+    qk_ptr,
+    initial_state_ptr,
+    cu_seqlens_ptr,
+    chunk_offsets_ptr,
+    o_ptr,
+    final_state_ptr,
+    states_ptr,
+    v_new_ptr,
+    scale,
+    H,
+    K,
+    V,
+    IS_PER_CHANNEL: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    STORE_STATES: tl.constexpr,
+    COMPUTE_OUTPUT: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_h = tl.program_id(2)
+    dot_dtype = k_ptr.dtype.element_ty
+    bos = tl.load(cu_seqlens_ptr + i_n)
+    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    first_slot = tl.load(chunk_offsets_ptr + i_n)
+    num_chunks = tl.cdiv(eos - bos, BT)
+    v0 = i_v * BV
+    offs_k = tl.arange(0, BK)
+    offs_v = v0 + tl.arange(0, BV)
+    state_offsets = offs_k[:, None] * V + offs_v[None, :]
+    state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V)
+    seq_head = (i_n * H + i_h).to(tl.int64) * K * V
+
+    if HAS_INITIAL_STATE:
+        state = tl.load(initial_state_ptr + seq_head + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for i_t in range(0, num_chunks):
+        t0 = bos + i_t * BT
+        num_valid = tl.minimum(eos - t0, BT)
+        decay, decay_to_end, state_decay, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
+        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        w = _load_rows(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
+        u = _load_rows(u_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        if STORE_STATES:
+            slot_head = ((first_slot + i_t) * H + i_h).to(tl.int64) * K * V
+            tl.store(states_ptr + slot_head + state_offsets, state.to(states_ptr.dtype.element_ty), mask=state_mask)
+        state_dot = state.to(dot_dtype)
+        # u_j = beta_j times the delta-rule error of token j against the state entering the chunk.
+        v_new = u - tl.dot(w, state_dot, input_precision=DOT_PRECISION)
+        v_new_dot = v_new.to(dot_dtype)
+        if STORE_STATES:
+            _store_rows(v_new_ptr + i_h * V + v0, v_new, t0, num_valid, H * V, V - v0, BT, BV)
+        if COMPUTE_OUTPUT:
+            q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+            if IS_PER_CHANNEL:
+                # The decayed, causal q k^T of the WY kernel: per-channel decays do not factor out of the dot.
+                qk = _load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+            else:
+                qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+                qk = (qk * _pair_decay(G, True, False, BT)).to(dot_dtype)
+            o = tl.dot((q * decay).to(dot_dtype), state_dot, input_precision=DOT_PRECISION)
+            o += tl.dot(qk, v_new_dot, input_precision=DOT_PRECISION)
+            _store_rows(o_ptr + i_h * V + v0, o, t0, num_valid, H * V, V - v0, BT, BV)
+        # G_C - G_j <= 0: the decay from each token to the chunk's end never overflows.
+        k_decayed = (k * decay_to_end).to(dot_dtype)
+        state = state * state_decay + tl.dot(tl.trans(k_decayed), v_new_dot, input_precision=DOT_PRECISION)
+
+    if STORE_FINAL_STATE:
+        tl.store(final_state_ptr + seq_head + state_offsets, state, mask=state_mask)
+
+
+def chunk_wy_fwd(
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    use_qk_l2norm: bool,
+    store_inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """G [T, H] fp32, W [T, H, K] and U [T, H, V] in k's dtype (fp32 for fp32 inputs), (I + A)^-1 [T, H, C] or None."""
+    T, H, K = k_THK.shape
+    V = v_THV.shape[-1]
+    C = layout.chunk_size
+    device = k_THK.device
+    g_cumsum_TH = _alloc((T, H), torch.float32, device)
+    w_THK = _alloc((T, H, K), k_THK.dtype, device)
+    u_THV = _alloc((T, H, V), k_THK.dtype, device)
+    inverse_THC = _alloc((T, H, C), k_THK.dtype, device) if store_inverse else None
+    dot_precision, inv_precision = dot_precisions(k_THK.dtype)
+    if layout.num_slots > 0:
+        _chunk_wy_fwd_kernel[(layout.num_slots, H)](
+            k_THK,
+            v_THV,
+            g_TH,
+            beta_TH,
+            layout.chunk_map,
+            g_cumsum_TH,
+            w_THK,
+            u_THV,
+            inverse_THC if store_inverse else w_THK,
+            H,
+            K=K,
+            V=V,
+            USE_L2NORM=use_qk_l2norm,
+            STORE_INVERSE=store_inverse,
+            BT=C,
+            SB=SUB_CHUNK_SIZE,
+            BK=_block(K),
+            BV=min(config.block_v_wy, _block(V)),
+            DOT_PRECISION=dot_precision,
+            INV_PRECISION=inv_precision,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return g_cumsum_TH, w_THK, u_THV, inverse_THC
+
+
+def chunk_state_fwd(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    w_THK: torch.Tensor,
+    u_THV: torch.Tensor,
+    g_cumsum: torch.Tensor,
+    initial_state_NHKV: torch.Tensor | None,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+    output_final_state: bool,
+    compute_output: bool = True,
+    store_states: bool = False,
+    qk_THC: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The serial pass: o [T, H, V] in q's dtype, final state [N, H, K, V] fp32, and when store_states the states
+    entering every chunk [NC, H, K, V] and v_new [T, H, V] (fp32 for fp32 inputs, else k's dtype).
+
+    Per-channel decays (KDA): g_cumsumK is [T, H, K] and qk_THC the decayed causal q k^T of kda_wy_fwd."""
+    T, H, K = k_THK.shape
+    V = u_THV.shape[-1]
+    N = layout.num_seqs
+    device = k_THK.device
+    store_dtype = k_THK.dtype
+    o_THV = _alloc((T, H, V), q_THK.dtype, device) if compute_output else None
+    final_state_NHKV = _alloc((N, H, K, V), torch.float32, device) if output_final_state else None
+    states_NCHKV = _alloc((layout.num_slots, H, K, V), store_dtype, device) if store_states else None
+    v_new_THV = _alloc((T, H, V), store_dtype, device) if store_states else None
+    block_v = min(config.block_v_state, _block(V))
+    dot_precision, _ = dot_precisions(k_THK.dtype)
+    if N > 0:
+        _chunk_state_fwd_kernel[(triton.cdiv(V, block_v), N, H)](
+            q_THK,
+            k_THK,
+            w_THK,
+            u_THV,
+            g_cumsum,
+            qk_THC if qk_THC is not None else w_THK,
+            initial_state_NHKV if initial_state_NHKV is not None else w_THK,
+            layout.cu_seqlens,
+            layout.chunk_offsets,
+            o_THV if compute_output else w_THK,
+            final_state_NHKV if output_final_state else w_THK,
+            states_NCHKV if store_states else w_THK,
+            v_new_THV if store_states else w_THK,
+            scale,
+            H,
+            K=K,
+            V=V,
+            IS_PER_CHANNEL=g_cumsum.ndim == 3,
+            HAS_INITIAL_STATE=initial_state_NHKV is not None,
+            STORE_FINAL_STATE=output_final_state,
+            STORE_STATES=store_states,
+            COMPUTE_OUTPUT=compute_output,
+            USE_L2NORM=use_qk_l2norm,
+            BT=layout.chunk_size,
+            BK=_block(K),
+            BV=block_v,
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages_state,
+        )
+    return o_THV, final_state_NHKV, states_NCHKV, v_new_THV

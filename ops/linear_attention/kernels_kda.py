@@ -1,0 +1,481 @@
+"""Triton kernels of KDA (the gated delta rule with one decay per key channel) that differ from the per-head ones.
+
+Legend as in kernels_fwd.py; G [C, K] is the per-channel log decay summed from the chunk start (inclusive), SB the
+sub-chunk length, "later" and "earlier" the two tokens of a pair (i >= j).
+
+Per-channel decays do not factor out of a dot: sum_c x_ic y_jc exp(G_ic - G_jc) needs its own decay per pair and
+channel, and exp(G_i) * exp(-G_j) overflows fp32 (exp(-G_j) reaches exp(320) over one chunk of g = -5). So every
+such product is split by sub-chunk:
+- pairs in different sub-chunks: with r the first row of the later token's sub-chunk,
+  exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1; one tl.dot per sub-chunk over masked tiles;
+- pairs in one sub-chunk: exp(G_i - G_j) elementwise, one offset jj at a time: row i meets row SB * (i // SB) + jj,
+  re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile cannot be indexed by row.
+The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way.
+
+Kernels here: `_kda_wy_fwd_kernel` (G, the decayed k k^T and q k^T, (I + A)^-1, W, U) and `_kda_grad_kernel`
+(dq, dk, dv, dbeta, dg per chunk). The serial state passes are `_chunk_state_fwd_kernel` and
+`_chunk_state_bwd_kernel` with IS_PER_CHANNEL, which read the decayed causal q k^T written here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_tune.ops.linear_attention import kernels_fwd
+from moe_tune.ops.linear_attention.kernels_fwd import (
+    _L2NORM_EPS,
+    SUB_CHUNK_SIZE,
+    ChunkLayout,
+    KernelConfig,
+    _block,
+    _l2norm_rows,
+    _load_channel_decay,
+    _load_rows,
+    _load_rows_t,
+    _store_rows,
+    _unit_lower_inverse,
+    dot_precisions,
+)
+
+
+@triton.jit
+def _load_same_block_rows(ptr, t0, num_valid, row_stride, num_cols, jj, BT: tl.constexpr, BD: tl.constexpr,
+                          SB: tl.constexpr):  # fmt: skip
+    """[BT, BD]: row i holds chunk row SB * (i // SB) + jj (zeros past num_valid and num_cols)."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    partner = (rows // SB) * SB + jj
+    offsets = (t0 + partner[:, None]).to(tl.int64) * row_stride + cols[None, :]
+    mask = (partner[:, None] < num_valid) & (cols[None, :] < num_cols)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def _masked_exp(log_decay, mask):
+    """exp(log_decay) where mask, 0 elsewhere; the exponent is masked first (unmasked ones may overflow)."""
+    return tl.where(mask, tl.exp(tl.where(mask, log_decay, 0.0)), 0.0)
+
+
+@triton.jit
+def _row_of(x, r, BT: tl.constexpr):
+    """Row r [BD] of a [BT, BD] register tile."""
+    rows = tl.arange(0, BT)
+    return tl.sum(tl.where((rows == r)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _decayed_matmul(
+    D,
+    y,
+    G,
+    y_ptr,
+    g_cumsum_ptr,
+    t0,
+    num_valid,
+    row_stride,
+    K,
+    y_scale,
+    USE_L2NORM: tl.constexpr,
+    IS_TRANSPOSED: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    SB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """[BT, BK] fp32 Z with per-channel pair decays.
+
+    IS_TRANSPOSED False: Z_i = sum_{j <= i} D[i, j] y_j exp(G_i - G_j)   (D [BT, BT], zero above the diagonal).
+    IS_TRANSPOSED True:  Z_j = sum_{i >= j} D[j, i] y_i exp(G_i - G_j)   (D given as [j, i], zero below it).
+    y: [BT, BK] fp32 tile; y_ptr / g_cumsum_ptr: the same chunk's raw rows of y and G in memory, at column 0, read
+    back for pairs in one sub-chunk (L2-normalised when USE_L2NORM, then times y_scale, as y was).
+    """
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    dot_dtype = y_ptr.dtype.element_ty
+    D_dot = D.to(dot_dtype)
+    Z = tl.zeros([BT, BK], dtype=tl.float32)
+    for a in tl.static_range(1, BT // SB):
+        G_r = _row_of(G, a * SB, BT)
+        is_later = ((rows // SB) == a)[:, None]
+        is_earlier = (rows < a * SB)[:, None]
+        later_decay = _masked_exp(G - G_r[None, :], is_later)
+        earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
+        if IS_TRANSPOSED:
+            Z += earlier_decay * tl.dot(D_dot, (y * later_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+        else:
+            Z += later_decay * tl.dot(D_dot, (y * earlier_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+    for jj in range(0, SB):
+        partner = (rows // SB) * SB + jj
+        y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
+        y_partner = _l2norm_rows(y_partner, USE_L2NORM) * y_scale
+        G_partner = _load_same_block_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
+        d = tl.sum(tl.where(cols[None, :] == partner[:, None], D, 0.0), axis=1)
+        if IS_TRANSPOSED:
+            is_pair = ((partner >= rows) & (partner < num_valid))[:, None]
+            Z += d[:, None] * y_partner * _masked_exp(G_partner - G, is_pair)
+        else:
+            is_pair = ((partner <= rows) & (partner < num_valid))[:, None]
+            Z += d[:, None] * y_partner * _masked_exp(G - G_partner, is_pair)
+    return Z
+
+
+@triton.jit
+def _kda_wy_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    chunk_map_ptr,
+    g_cumsum_ptr,
+    w_ptr,
+    u_ptr,
+    qk_ptr,
+    inverse_ptr,
+    kk_ptr,
+    scale,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    STORE_FOR_BACKWARD: tl.constexpr,
+    BT: tl.constexpr,
+    SB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    # Zero-padded g past the chunk's end: G there stays at its last row.
+    G = tl.cumsum(g, axis=0)
+    _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
+    # The same-sub-chunk pairs below read G back from memory: other threads wrote it.
+    tl.debug_barrier()
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+
+    # kk[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) for j < i; qk the same with q_i, for j <= i.
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for a in tl.static_range(1, BT // SB):
+        G_r = _row_of(G, a * SB, BT)
+        later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
+        k_earlier = tl.trans((k * _masked_exp(G_r[None, :] - G, (rows < a * SB)[:, None])).to(dot_dtype))
+        kk += tl.dot((k * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
+        qk += tl.dot((q * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
+    for jj in range(0, SB):
+        partner = (rows // SB) * SB + jj
+        k_partner = _l2norm_rows(
+            _load_same_block_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB), USE_L2NORM
+        )
+        G_partner = _load_same_block_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB)
+        is_pair = (partner <= rows) & (partner < num_valid)
+        k_partner = k_partner * _masked_exp(G - G_partner, is_pair[:, None])
+        is_partner_col = cols[None, :] == partner[:, None]
+        kk = tl.where(is_partner_col & (partner < rows)[:, None], tl.sum(k * k_partner, axis=1)[:, None], kk)
+        qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q * k_partner, axis=1)[:, None], qk)
+    _store_rows(qk_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
+
+    inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
+    if STORE_FOR_BACKWARD:
+        _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
+        _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
+    inverse_dot = inverse.to(dot_dtype)
+    k_scaled = (k * tl.exp(G) * beta[:, None]).to(dot_dtype)
+    w = tl.dot(inverse_dot, k_scaled, input_precision=DOT_PRECISION)
+    _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
+    for v0 in range(0, V, BV):
+        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        u = tl.dot(inverse_dot, (v * beta[:, None]).to(dot_dtype), input_precision=DOT_PRECISION)
+        _store_rows(u_ptr + i_h * V + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
+
+
+@triton.jit
+def _kda_grad_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_cumsum_ptr,
+    inverse_ptr,
+    kk_ptr,
+    states_ptr,
+    state_grads_ptr,
+    v_new_ptr,
+    dv_new_ptr,
+    do_ptr,
+    chunk_map_ptr,
+    scratch_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    scale,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    SB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    exp_G = tl.exp(G)
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
+        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
+        q = q * q_rstd[:, None]
+        k = k * k_rstd[:, None]
+    q_scaled = q * scale
+    inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    # Accumulated over V tiles, as in _chunk_grad_kernel.
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dinverse = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    state_dstate = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+        dstate_t = dstate_t.to(dot_dtype)
+        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        v_scaled = (v * beta[:, None]).to(dot_dtype)
+        dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
+        dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
+        _store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
+        dbeta += tl.sum(v * dv_scaled, axis=1)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+
+    # Output: o = (q exp(G)) S0 + P v_new with P the decayed causal q k^T. d(decayed product)/dG per channel is
+    # x * dx for the later token and -y * dy for the earlier one.
+    dq = do_state * exp_G
+    dG = q_scaled * dq
+    is_causal = rows[:, None] >= rows[None, :]
+    dqk = tl.where(is_causal, dqk, 0.0)
+    dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
+    q_ptr_h = q_ptr + i_h * K
+    k_ptr_h = k_ptr + i_h * K
+    g_ptr_h = g_cumsum_ptr + i_h * K
+    dq_pairs = _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, USE_L2NORM, False,
+                               BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk = _decayed_matmul(dqk_t, q_scaled, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, USE_L2NORM, True,
+                         BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dq += dq_pairs
+    dG += q_scaled * dq_pairs - k * dk
+
+    # State leaving the chunk: S1 = diag(exp(G_C)) S0 + (k exp(G_C - G))^T v_new.
+    dk_end = dk_end * tl.exp(G_last[None, :] - G)
+    dk += dk_end
+    dG -= k * dk_end
+    dG_last = tl.sum(k * dk_end, axis=0) + tl.exp(G_last) * state_dstate
+
+    # WY factors, as in _chunk_grad_kernel, with A = diag(beta) kk and kk read back from the WY kernel.
+    k_scaled = k * (beta[:, None] * exp_G)
+    dw_dot = dw.to(dot_dtype)
+    dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
+    dinverse += tl.dot(dw_dot, tl.trans(k_scaled.to(dot_dtype)), input_precision=DOT_PRECISION)
+    dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
+    dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
+    dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
+    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
+    dbeta += tl.sum(dA * kk, axis=1)
+    dkk = dA * beta[:, None]
+    # dkk^T goes through memory: tl.trans of a dot result is the Hopper miscompile (kernels_fwd.py).
+    _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
+    tl.debug_barrier()
+    dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, USE_L2NORM, False,
+                               BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, USE_L2NORM, True,
+                                 BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk += dk_later + dk_earlier
+    dG += k * (dk_later - dk_earlier)
+    k_dk_scaled = k * dk_scaled * exp_G
+    dk += dk_scaled * (beta[:, None] * exp_G)
+    dbeta += tl.sum(k_dk_scaled, axis=1)
+    dG += beta[:, None] * k_dk_scaled
+
+    # G is the cumulative sum of g along the chunk, per channel.
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
+    dq = dq * scale
+    if USE_L2NORM:
+        dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
+        dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
+    _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
+    _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
+    tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
+
+
+def kda_wy_fwd(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_THK: torch.Tensor,
+    beta_TH: torch.Tensor,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+    store_for_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """G [T, H, K] fp32; W [T, H, K], U [T, H, V] and the decayed causal q k^T [T, H, C] in k's dtype (fp32 for fp32
+    inputs); with store_for_backward also (I + A)^-1 and the decayed k k^T (strictly lower) [T, H, C]."""
+    T, H, K = k_THK.shape
+    V = v_THV.shape[-1]
+    C = layout.chunk_size
+    device = k_THK.device
+    alloc = kernels_fwd._alloc
+    g_cumsum_THK = alloc((T, H, K), torch.float32, device)
+    w_THK = alloc((T, H, K), k_THK.dtype, device)
+    u_THV = alloc((T, H, V), k_THK.dtype, device)
+    qk_THC = alloc((T, H, C), k_THK.dtype, device)
+    inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
+    kk_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
+    dot_precision, inv_precision = dot_precisions(k_THK.dtype)
+    if layout.num_slots > 0:
+        _kda_wy_fwd_kernel[(layout.num_slots, H)](
+            q_THK,
+            k_THK,
+            v_THV,
+            g_THK,
+            beta_TH,
+            layout.chunk_map,
+            g_cumsum_THK,
+            w_THK,
+            u_THV,
+            qk_THC,
+            inverse_THC if store_for_backward else qk_THC,
+            kk_THC if store_for_backward else qk_THC,
+            scale,
+            H,
+            K=K,
+            V=V,
+            USE_L2NORM=use_qk_l2norm,
+            STORE_FOR_BACKWARD=store_for_backward,
+            BT=C,
+            SB=SUB_CHUNK_SIZE,
+            BK=_block(K),
+            BV=min(config.block_v_wy, _block(V)),
+            DOT_PRECISION=dot_precision,
+            INV_PRECISION=inv_precision,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC
+
+
+def kda_grad(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_dtype: torch.dtype,
+    beta_TH: torch.Tensor,
+    g_cumsum_THK: torch.Tensor,
+    inverse_THC: torch.Tensor,
+    kk_THC: torch.Tensor,
+    states_NCHKV: torch.Tensor,
+    state_grads_NCHKV: torch.Tensor,
+    v_new_THV: torch.Tensor,
+    dv_new_THV: torch.Tensor,
+    do_THV: torch.Tensor,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H, K] in g_dtype."""
+    T, H, K = k_THK.shape
+    V = v_THV.shape[-1]
+    C = layout.chunk_size
+    device = k_THK.device
+    alloc = kernels_fwd._alloc
+    dq_THK = alloc((T, H, K), q_THK.dtype, device)
+    dk_THK = alloc((T, H, K), k_THK.dtype, device)
+    dv_THV = alloc((T, H, V), v_THV.dtype, device)
+    dbeta_TH = alloc((T, H), beta_TH.dtype, device)
+    dg_THK = alloc((T, H, K), g_dtype, device)
+    scratch_THC = alloc((T, H, C), k_THK.dtype, device)
+    dot_precision, _ = dot_precisions(k_THK.dtype)
+    if layout.num_slots > 0:
+        _kda_grad_kernel[(layout.num_slots, H)](
+            q_THK,
+            k_THK,
+            v_THV,
+            beta_TH,
+            g_cumsum_THK,
+            inverse_THC,
+            kk_THC,
+            states_NCHKV,
+            state_grads_NCHKV,
+            v_new_THV,
+            dv_new_THV,
+            do_THV,
+            layout.chunk_map,
+            scratch_THC,
+            dq_THK,
+            dk_THK,
+            dv_THV,
+            dbeta_TH,
+            dg_THK,
+            scale,
+            H,
+            K=K,
+            V=V,
+            USE_L2NORM=use_qk_l2norm,
+            BT=C,
+            SB=SUB_CHUNK_SIZE,
+            BK=_block(K),
+            BV=min(config.block_v_grad, _block(V)),
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps_grad,
+            num_stages=config.num_stages,
+        )
+    return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK

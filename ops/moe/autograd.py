@@ -1,0 +1,111 @@
+"""Autograd wiring of the MoE expert MLP kernels (forward: kernels.moe_gate_up_fwd, kernels.moe_down_fwd).
+
+Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
+
+Saved for backward: the inputs themselves (no copies), the routing metadata (five int32 vectors), the gate/up
+pre-activations [S, 2F] and, with LoRA, the thin products x A^T and h A^T [S, r] in fp32.
+Recomputed: h = silu(gate) * up, in the first backward kernel, which loads gate and up anyway; keeping h [S, F]
+alive from forward to backward would cost a third more activation memory to save one elementwise pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moe_tune.ops.moe.kernels import (
+    MoERouting,
+    moe_down_bwd,
+    moe_down_fwd,
+    moe_expert_grad,
+    moe_gate_up_bwd,
+    moe_gate_up_fwd,
+    moe_routing,
+    pick_config,
+)
+
+# Positions in MoEFunction.forward's arguments, for ctx.needs_input_grad.
+_X, _IDS, _WEIGHTS, _W_GATE_UP, _W_DOWN, _A_GATE_UP, _B_GATE_UP, _A_DOWN, _B_DOWN = range(9)
+
+
+class MoEFunction(torch.autograd.Function):
+    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora) on the Triton kernels.
+
+    Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None) and scaling a float.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        a_gate_up: torch.Tensor | None,
+        b_gate_up: torch.Tensor | None,
+        a_down: torch.Tensor | None,
+        b_down: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        num_experts = w_gate_up.shape[0]
+        config = pick_config(x, num_tokens * top_k, num_experts)
+        routing = moe_routing(topk_ids, num_experts, config.block_m)
+        needs_grad = any(ctx.needs_input_grad)
+        h, gate_up, xa = moe_gate_up_fwd(
+            x, w_gate_up, a_gate_up, b_gate_up, scaling, routing, config, save_gate_up=needs_grad
+        )
+        y, ha = moe_down_fwd(h, topk_weights, w_down, a_down, b_down, scaling, routing, config, num_tokens)
+        if needs_grad:
+            ctx.save_for_backward(
+                x, topk_weights, w_gate_up, w_down, a_gate_up, b_gate_up, a_down, b_down, gate_up, xa, ha,
+                *routing.tensors(),
+            )  # fmt: skip
+        ctx.scaling, ctx.config, ctx.block_m, ctx.top_k = scaling, config, routing.block_m, top_k
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        x, topk_weights, w_gate_up, w_down, a_gate_up, b_gate_up, a_down, b_down, gate_up, xa, ha, *meta = (
+            ctx.saved_tensors
+        )
+        routing = MoERouting(*meta, block_m=ctx.block_m, top_k=ctx.top_k)
+        needs = ctx.needs_input_grad
+        scaling, config = ctx.scaling, ctx.config
+        num_tokens = x.shape[0]
+        dy = dy.to(x.dtype)
+
+        dgate_up, h, dha, dweights_S = moe_down_bwd(
+            dy, gate_up, topk_weights, w_down, a_down, b_down, scaling, routing, config,
+            store_h=needs[_W_DOWN] or needs[_A_DOWN],
+        )  # fmt: skip
+        d_w_down = d_a_down = d_b_down = None
+        if needs[_W_DOWN]:
+            d_w_down = moe_expert_grad(dy, h, w_down, routing, config, lhs_by_token=True, lhs_weights=topk_weights)
+        if needs[_A_DOWN]:
+            d_a_down = moe_expert_grad(dha, h, a_down, routing, config)
+        if needs[_B_DOWN]:
+            d_b_down = moe_expert_grad(
+                dy, ha, b_down, routing, config, lhs_by_token=True, lhs_weights=topk_weights, scale=scaling
+            )
+        # h is no longer needed: free it before the gate_up backward allocates dx.
+        del h
+
+        dx = dxa = None
+        if needs[_X] or needs[_A_GATE_UP]:
+            dx, dxa = moe_gate_up_bwd(
+                dgate_up, w_gate_up, a_gate_up, b_gate_up, scaling, routing, config, num_tokens,
+                compute_dx=needs[_X],
+            )  # fmt: skip
+        d_w_gate_up = d_a_gate_up = d_b_gate_up = None
+        if needs[_W_GATE_UP]:
+            d_w_gate_up = moe_expert_grad(dgate_up, x, w_gate_up, routing, config, rhs_by_token=True)
+        if needs[_A_GATE_UP]:
+            d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True)
+        if needs[_B_GATE_UP]:
+            d_b_gate_up = moe_expert_grad(dgate_up, xa, b_gate_up, routing, config, scale=scaling)
+
+        d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
+        return dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None

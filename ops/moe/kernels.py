@@ -1,0 +1,840 @@
+"""Triton kernels and launchers for the MoE expert MLP: routing metadata, two grouped GEMMs forward, their backward.
+
+Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank,
+S = N*k token-slots (slot s = t*k + j; a "row" is a slot's position after the stable sort by expert),
+T tiles of BLOCK_M rows in the worst-case grid, R the LoRA rank padded to a tl.dot size.
+
+Every grouped GEMM walks the tile map of `moe_routing`: program (tile, column block) reads its expert and first row
+from device memory and leaves at once when the tile has no work, so no launch needs the per-expert counts on the host.
+Token rows of x (and of dy) are gathered by index while loading; rows of the outputs are scattered back to slot order
+while storing; no permuted copy of an activation is ever made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs every dimension of its operands to be at least 16.
+MIN_DOT_SIZE = 16
+# The interpreter runs each program in Python: the smallest legal tile keeps CPU tests fast.
+INTERPRETER_BLOCK = MIN_DOT_SIZE
+# 128 rows x 128 columns per tile: two Hopper warpgroup MMAs, and each weight tile is reused across 128 token rows.
+GPU_BLOCK_M = 128
+GPU_BLOCK_N = 128
+# Experts averaging fewer rows than a 128-row tile (E256 top-16 at small N) waste most of it; 64 halves the padding.
+GPU_SMALL_BLOCK_M = 64
+# 64 bf16/fp16 elements are 128 bytes per row: one full cache line per load, three stages fit shared memory.
+GPU_BLOCK_K = 64
+# 8 warps = two warpgroups, one per 64-row half of a 128-row tile.
+GPU_NUM_WARPS = 8
+# Three stages hide global-memory latency behind the MMAs on Hopper and still leave room for two CTAs per SM.
+GPU_NUM_STAGES = 3
+# fp32 tiles take twice the registers and shared memory (exact fp32 dots run on FMA units, not tensor cores):
+# 64 x 64 tiles with 32-wide K steps and 4 warps keep them from spilling.
+GPU_FP32_BLOCK = 64
+GPU_FP32_BLOCK_K = 32
+GPU_FP32_NUM_WARPS = 4
+# A LoRA-rank side (16-32) leaves too little work for 8 warps.
+THIN_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes for one call; picked from the dtype, the device and the average rows per expert."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
+    if not x.is_cuda:
+        # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
+        block = INTERPRETER_BLOCK
+        return MoEConfig(block_m=block, block_n=block, block_k=block, num_warps=1, num_stages=1)
+    if x.dtype == torch.float32:
+        block = GPU_FP32_BLOCK
+        return MoEConfig(block, block, GPU_FP32_BLOCK_K, GPU_FP32_NUM_WARPS, GPU_NUM_STAGES)
+    mean_rows = num_slots / max(num_experts, 1)
+    block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
+    return MoEConfig(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
+
+
+def _dot_precision(*dtypes: torch.dtype) -> str:
+    """tl.dot input precision for fp32 operands, given the dtypes of the tensors that meet in the product."""
+    # Next to a 16-bit operand, tf32 (10-bit mantissa) loses nothing; all-fp32 products follow torch's matmul
+    # setting ("highest", the default, means exact fp32).
+    if any(dtype != torch.float32 for dtype in dtypes):
+        return "tf32"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _rank_block(rank: int) -> int:
+    return max(MIN_DOT_SIZE, triton.next_power_of_2(rank))
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests replace it to fill buffers with NaN and guard their ends)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    """Expert-sorted layout of the token-slots, built on the device without reading anything back to the host.
+
+    slot_of_row_S:  [S] int32   slot (t*k + j) of each expert-sorted row; the inverse permutation is applied by
+                                scattering rows to this index when storing, so no row_of_slot array is needed
+    token_of_row_S: [S] int32   token t of each row (slot // k)
+    offsets_E1:     [E+1] int32 rows of expert e are offsets[e] .. offsets[e+1]; counts are its differences
+    tile_expert_T:  [T] int32   expert of each BLOCK_M tile, -1 for a tile of the worst-case grid with no work
+    tile_row_T:     [T] int32   first row of each tile
+    """
+
+    slot_of_row_S: torch.Tensor
+    token_of_row_S: torch.Tensor
+    offsets_E1: torch.Tensor
+    tile_expert_T: torch.Tensor
+    tile_row_T: torch.Tensor
+    block_m: int
+    top_k: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_of_row_S.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.offsets_E1.shape[0] - 1
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_expert_T.shape[0]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.slot_of_row_S, self.token_of_row_S, self.offsets_E1, self.tile_expert_T, self.tile_row_T)
+
+
+def max_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of sum_e ceil(count_e / block_m) over any routing: the size of the grid, known on the host."""
+    # ceil(c / B) <= (c + B - 1) / B, and only non-empty experts (at most min(E, S) of them) add the B - 1.
+    return (num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m
+
+
+def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERouting:
+    """Sort the N*k token-slots by expert and tile each expert's rows; torch ops on the device, no host sync.
+
+    topk_ids: [N, k] int64/int32 with values in [0, E).
+    """
+    top_k = topk_ids.shape[1]
+    device = topk_ids.device
+    ids_S = topk_ids.reshape(-1).long()
+    num_slots = ids_S.shape[0]
+    # Stable, so each expert's rows stay in token order (the order the reference uses).
+    sorted_ids_S, slot_of_row_S = torch.sort(ids_S, stable=True)
+    # searchsorted on the sorted ids instead of bincount: CUDA bincount reads the largest id back to the host.
+    experts_E1 = torch.arange(num_experts + 1, device=device, dtype=torch.int64)
+    offsets_E1 = torch.searchsorted(sorted_ids_S, experts_E1)
+    counts_E = offsets_E1[1:] - offsets_E1[:-1]
+    tiles_E = (counts_E + block_m - 1) // block_m
+    tile_end_E = tiles_E.cumsum(0)
+    num_tiles = max_tiles(num_slots, num_experts, block_m)
+    tile_T = torch.arange(num_tiles, device=device, dtype=torch.int64)
+    # Tile t belongs to the expert whose tile range [end_{e-1}, end_e) holds it; empty experts own no range.
+    tile_expert_T = torch.searchsorted(tile_end_E, tile_T, right=True)
+    has_work_T = tile_expert_T < num_experts
+    expert_T = tile_expert_T.clamp(max=num_experts - 1)
+    first_tile_T = (tile_end_E - tiles_E)[expert_T]
+    tile_row_T = offsets_E1[expert_T] + (tile_T - first_tile_T) * block_m
+    return MoERouting(
+        slot_of_row_S=slot_of_row_S.to(torch.int32),
+        token_of_row_S=(slot_of_row_S // top_k).to(torch.int32),
+        offsets_E1=offsets_E1.to(torch.int32),
+        tile_expert_T=torch.where(has_work_T, tile_expert_T, -1).to(torch.int32),
+        tile_row_T=torch.where(has_work_T, tile_row_T, 0).to(torch.int32),
+        block_m=block_m,
+        top_k=top_k,
+    )
+
+
+@triton.jit
+def _tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
+    # 1-D grid, column blocks fastest: the programs of one row tile run together and share its gathered rows in L2,
+    # and the tiles of one expert follow each other and share its weights.
+    pid = tl.program_id(0)
+    num_col_blocks = tl.cdiv(num_cols, BLOCK_N)
+    return pid // num_col_blocks, pid % num_col_blocks
+
+
+@triton.jit
+def _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
+    row_start = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    return rows, rows < row_end
+
+
+# Forward GEMM 1: gate_up = x[token] @ w_gate_up[e]^T (+ LoRA), h = silu(gate) * up
+@triton.jit
+def _moe_gate_up_fwd_kernel(
+    x_ptr,  # [N, D]
+    w_ptr,  # [E, 2F, D]
+    a_ptr,  # [E, r, D] LoRA A on gate_up, unused without LoRA
+    b_ptr,  # [E, 2F, r] LoRA B on gate_up
+    h_ptr,  # out [S, F] rows in expert order
+    gate_up_ptr,  # out [S, 2F] pre-activations, written only when SAVE_GATE_UP
+    xa_ptr,  # out [S, r] fp32 x @ A^T, written by the first column block when HAS_LORA
+    token_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    D,
+    F,
+    rank,
+    scaling,
+    stride_xn,
+    stride_xd,
+    stride_we,
+    stride_wf,
+    stride_wd,
+    stride_ae,
+    stride_ar,
+    stride_ad,
+    stride_be,
+    stride_bf,
+    stride_br,
+    HAS_LORA: tl.constexpr,
+    SAVE_GATE_UP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = _tile_and_column_block(F, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < F
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
+
+    x_rows = x_ptr + tokens[:, None] * stride_xn
+    w_gate = w_ptr + expert * stride_we + cols[:, None] * stride_wf
+    w_up = w_gate + F * stride_wf
+    a_rows = a_ptr + expert * stride_ae + ranks[:, None] * stride_ar
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < D
+        x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        wg_tile = tl.load(w_gate + ks[None, :] * stride_wd, mask=w_mask, other=0.0).to(x_tile.dtype)
+        wu_tile = tl.load(w_up + ks[None, :] * stride_wd, mask=w_mask, other=0.0).to(x_tile.dtype)
+        acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
+        if HAS_LORA:
+            # The gathered x tile is reused for the thin x @ A^T product.
+            a_tile = tl.load(
+                a_rows + ks[None, :] * stride_ad, mask=rank_mask[:, None] & k_mask[None, :], other=0.0
+            ).to(x_tile.dtype)
+            acc_xa = tl.dot(x_tile, tl.trans(a_tile), acc_xa, input_precision=DOT_PRECISION)
+    if HAS_LORA:
+        b_gate = b_ptr + expert * stride_be + cols[None, :] * stride_bf + ranks[:, None] * stride_br
+        b_mask = rank_mask[:, None] & col_mask[None, :]
+        bg_tile = tl.load(b_gate, mask=b_mask, other=0.0).to(tl.float32)  # [R, N]
+        bu_tile = tl.load(b_gate + F * stride_bf, mask=b_mask, other=0.0).to(tl.float32)
+        xa_scaled = acc_xa * scaling
+        acc_gate = tl.dot(xa_scaled, bg_tile, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(xa_scaled, bu_tile, acc_up, input_precision=DOT_PRECISION)
+        if pid_n == 0:
+            tl.store(
+                xa_ptr + rows[:, None] * rank + ranks[None, :], acc_xa, mask=row_mask[:, None] & rank_mask[None, :]
+            )
+
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    tl.store(h_ptr + rows[:, None] * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    if SAVE_GATE_UP:
+        gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+        tl.store(gate_up_rows, acc_gate.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(gate_up_rows + F, acc_up.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Forward GEMM 2: y_slot = w_slot * (h @ w_down[e]^T (+ LoRA)), stored in slot order
+@triton.jit
+def _moe_down_fwd_kernel(
+    h_ptr,  # [S, F] expert order
+    w_ptr,  # [E, D, F]
+    a_ptr,  # [E, r, F] LoRA A on down
+    b_ptr,  # [E, D, r] LoRA B on down
+    weights_ptr,  # [S] routing weights in slot order
+    y_ptr,  # out [S, D] in slot order
+    ha_ptr,  # out [S, r] fp32 h @ A^T, expert order
+    slot_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    D,
+    F,
+    rank,
+    scaling,
+    stride_we,
+    stride_wd,
+    stride_wf,
+    stride_ae,
+    stride_ar,
+    stride_af,
+    stride_be,
+    stride_bd,
+    stride_br,
+    HAS_LORA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = _tile_and_column_block(D, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
+
+    h_rows = h_ptr + rows[:, None] * F
+    w_rows = w_ptr + expert * stride_we + cols[:, None] * stride_wd
+    a_rows = a_ptr + expert * stride_ae + ranks[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_ha = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < F
+        h_tile = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = tl.load(
+            w_rows + ks[None, :] * stride_wf, mask=col_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(h_tile.dtype)
+        acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
+        if HAS_LORA:
+            a_tile = tl.load(
+                a_rows + ks[None, :] * stride_af, mask=rank_mask[:, None] & k_mask[None, :], other=0.0
+            ).to(h_tile.dtype)
+            acc_ha = tl.dot(h_tile, tl.trans(a_tile), acc_ha, input_precision=DOT_PRECISION)
+    if HAS_LORA:
+        b_tile = tl.load(
+            b_ptr + expert * stride_be + cols[None, :] * stride_bd + ranks[:, None] * stride_br,
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [R, N]
+        acc = tl.dot(acc_ha * scaling, b_tile, acc, input_precision=DOT_PRECISION)
+        if pid_n == 0:
+            tl.store(
+                ha_ptr + rows[:, None] * rank + ranks[None, :], acc_ha, mask=row_mask[:, None] & rank_mask[None, :]
+            )
+
+    weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+    acc = acc * weights[:, None]
+    tl.store(
+        y_ptr + slots[:, None] * D + cols[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] (+ LoRA)), d(gate, up), d weights, h recomputed
+@triton.jit
+def _moe_down_bwd_kernel(
+    dy_ptr,  # [N, D]
+    w_ptr,  # [E, D, F]
+    a_ptr,  # [E, r, F]
+    b_ptr,  # [E, D, r]
+    gate_up_ptr,  # [S, 2F] pre-activations saved by the forward, expert order
+    weights_ptr,  # [S] slot order
+    dgate_up_ptr,  # out [S, 2F] expert order
+    h_ptr,  # out [S, F] expert order, recomputed from gate_up; written only when STORE_H
+    dha_ptr,  # out [S, r] fp32 d(h @ A^T), expert order
+    dweights_ptr,  # out [cdiv(F, BLOCK_N), S] fp32 per-column-block partial sums of <dy_token, y_slot / w_slot>
+    slot_of_row_ptr,
+    token_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    S,
+    D,
+    F,
+    rank,
+    scaling,
+    stride_dyn,
+    stride_dyd,
+    stride_we,
+    stride_wd,
+    stride_wf,
+    stride_ae,
+    stride_ar,
+    stride_af,
+    stride_be,
+    stride_bd,
+    stride_br,
+    HAS_LORA: tl.constexpr,
+    STORE_H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = _tile_and_column_block(F, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < F
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
+
+    dy_rows = dy_ptr + tokens[:, None] * stride_dyn
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
+    b_cols = b_ptr + expert * stride_be + ranks[None, :] * stride_br
+    # acc: dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh without w.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_dyb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < D
+        dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = tl.load(
+            w_cols + ks[:, None] * stride_wd, mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        ).to(dy_tile.dtype)  # [K, N]
+        acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
+        if HAS_LORA:
+            b_tile = tl.load(
+                b_cols + ks[:, None] * stride_bd, mask=k_mask[:, None] & rank_mask[None, :], other=0.0
+            ).to(dy_tile.dtype)  # [K, R]
+            acc_dyb = tl.dot(dy_tile, b_tile, acc_dyb, input_precision=DOT_PRECISION)
+
+    weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        dyb_scaled = acc_dyb * scaling
+        a_tile = tl.load(
+            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [R, N]
+        acc = tl.dot(dyb_scaled, a_tile, acc, input_precision=DOT_PRECISION)
+        if pid_n == 0:
+            tl.store(
+                dha_ptr + rows[:, None] * rank + ranks[None, :],
+                dyb_scaled * weights[:, None],
+                mask=row_mask[:, None] & rank_mask[None, :],
+            )
+
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+    gate = tl.load(gate_up_rows, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_rows + F, mask=out_mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
+    # <dy_token, y_slot unweighted> = <dy @ W_down (+ LoRA), h>, summed here over this block's F columns.
+    tl.store(dweights_ptr + pid_n * S + slots, tl.sum(acc * h, axis=1), mask=row_mask)
+    dh = acc * weights[:, None]
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dh * silu
+    dgate_up_rows = dgate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+    tl.store(dgate_up_rows, dgate.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dgate_up_rows + F, dup.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
+    if STORE_H:
+        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ LoRA), stored in slot order
+@triton.jit
+def _moe_gate_up_bwd_kernel(
+    dgate_up_ptr,  # [S, 2F] expert order
+    w_ptr,  # [E, 2F, D]
+    a_ptr,  # [E, r, D]
+    b_ptr,  # [E, 2F, r]
+    dx_ptr,  # out [S, D] slot order, written only when COMPUTE_DX
+    dxa_ptr,  # out [S, r] fp32 d(x @ A^T), expert order
+    slot_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    D,
+    F,
+    rank,
+    scaling,
+    stride_we,
+    stride_wf,
+    stride_wd,
+    stride_ae,
+    stride_ar,
+    stride_ad,
+    stride_be,
+    stride_bf,
+    stride_br,
+    HAS_LORA: tl.constexpr,
+    COMPUTE_DX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = _tile_and_column_block(D if COMPUTE_DX else BLOCK_N, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < D
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
+
+    # gate and up rows are contiguous in both dgate_up and w_gate_up, so one K loop runs over all 2F.
+    g_rows = dgate_up_ptr + rows[:, None] * (2 * F)
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wd
+    b_cols = b_ptr + expert * stride_be + ranks[None, :] * stride_br
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, 2 * F, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < 2 * F
+        g_tile = tl.load(g_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if COMPUTE_DX:
+            w_tile = tl.load(
+                w_cols + ks[:, None] * stride_wf, mask=k_mask[:, None] & col_mask[None, :], other=0.0
+            ).to(g_tile.dtype)  # [K, N]
+            acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
+        if HAS_LORA:
+            b_tile = tl.load(
+                b_cols + ks[:, None] * stride_bf, mask=k_mask[:, None] & rank_mask[None, :], other=0.0
+            ).to(g_tile.dtype)  # [K, R]
+            acc_gb = tl.dot(g_tile, b_tile, acc_gb, input_precision=DOT_PRECISION)
+    if HAS_LORA:
+        dxa = acc_gb * scaling
+        if COMPUTE_DX:
+            a_tile = tl.load(
+                a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_ad,
+                mask=rank_mask[:, None] & col_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [R, N]
+            acc = tl.dot(dxa, a_tile, acc, input_precision=DOT_PRECISION)
+        if pid_n == 0:
+            tl.store(dxa_ptr + rows[:, None] * rank + ranks[None, :], dxa, mask=row_mask[:, None] & rank_mask[None, :])
+    if COMPUTE_DX:
+        tl.store(
+            dx_ptr + slots[:, None] * D + cols[None, :],
+            acc.to(dx_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & col_mask[None, :],
+        )
+
+
+# Per-expert weight gradients: out[e] = scale * sum over the expert's rows of lhs_row^T rhs_row
+@triton.jit
+def _moe_expert_grad_kernel(
+    lhs_ptr,  # [*, P]: rows in expert order, or token rows gathered when LHS_BY_TOKEN
+    rhs_ptr,  # [*, Q]: likewise with RHS_BY_TOKEN
+    weights_ptr,  # [S] slot order, read when LHS_TIMES_WEIGHT
+    out_ptr,  # out [E, P, Q]
+    slot_of_row_ptr,
+    token_of_row_ptr,
+    offsets_ptr,
+    P,
+    Q,
+    scale,
+    stride_ln,
+    stride_lp,
+    stride_rn,
+    stride_rq,
+    stride_oe,
+    stride_op,
+    stride_oq,
+    LHS_BY_TOKEN: tl.constexpr,
+    RHS_BY_TOKEN: tl.constexpr,
+    LHS_TIMES_WEIGHT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # 1-D grid, expert slowest: the programs of one expert run together and read its rows from L2, not from memory
+    # once per output tile.
+    pid = tl.program_id(0)
+    num_q_blocks = tl.cdiv(Q, BLOCK_Q)
+    blocks_per_expert = tl.cdiv(P, BLOCK_P) * num_q_blocks
+    expert = (pid // blocks_per_expert).to(tl.int64)
+    pid_p = (pid % blocks_per_expert) // num_q_blocks
+    pid_q = pid % num_q_blocks
+    row_begin = tl.load(offsets_ptr + expert)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    p_mask = ps < P
+    q_mask = qs < Q
+    # One program reduces all rows of its expert in a fixed order: deterministic, no atomics, no partial buffers.
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for r0 in range(row_begin, row_end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        row_mask = rows < row_end
+        tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        lhs_rows = tokens if LHS_BY_TOKEN else rows.to(tl.int64)
+        rhs_rows = tokens if RHS_BY_TOKEN else rows.to(tl.int64)
+        lhs = tl.load(
+            lhs_ptr + lhs_rows[:, None] * stride_ln + ps[None, :] * stride_lp,
+            mask=row_mask[:, None] & p_mask[None, :],
+            other=0.0,
+        )  # [K, P]
+        rhs = tl.load(
+            rhs_ptr + rhs_rows[:, None] * stride_rn + qs[None, :] * stride_rq,
+            mask=row_mask[:, None] & q_mask[None, :],
+            other=0.0,
+        )  # [K, Q]
+        if UPCAST:
+            lhs = lhs.to(tl.float32)
+            rhs = rhs.to(tl.float32)
+        if LHS_TIMES_WEIGHT:
+            slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0)
+            weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+            lhs = (lhs.to(tl.float32) * weights[:, None]).to(rhs.dtype)
+        acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
+    out = out_ptr + expert * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq
+    tl.store(out, (acc * scale).to(out_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+
+
+def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else tuple(t.stride())
+
+
+def _lora_args(a: torch.Tensor | None, b: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
+    """(a, b, rank, BLOCK_R, has_lora); without LoRA the kernels get a dummy pointer and never read it."""
+    if a is None:
+        return fallback, fallback, 0, MIN_DOT_SIZE, False
+    rank = a.shape[1]
+    return a, b, rank, _rank_block(rank), True
+
+
+def _sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """[S, D] in slot order -> [N, D]: y[t] = sum_j per_slot[t*k + j], in a fixed order (deterministic)."""
+    if top_k == 1:
+        return per_slot_SD
+    return per_slot_SD.view(num_tokens, top_k, per_slot_SD.shape[1]).sum(dim=1)
+
+
+def moe_gate_up_fwd(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    a_gate_up: torch.Tensor | None,
+    b_gate_up: torch.Tensor | None,
+    scaling: float,
+    routing: MoERouting,
+    config: MoEConfig,
+    save_gate_up: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """h = silu(gate) * up per expert-sorted row.
+
+    Returns h [S, F] in x.dtype, gate_up [S, 2F] pre-activations (when save_gate_up) and xa [S, r] fp32 (with LoRA).
+    """
+    num_slots, model_dim = routing.num_slots, x.shape[1]
+    num_hidden = w_gate_up.shape[1] // 2
+    a, b, rank, block_r, has_lora = _lora_args(a_gate_up, b_gate_up, w_gate_up)
+    h = _alloc((num_slots, num_hidden), x.dtype, x.device)
+    gate_up = _alloc((num_slots, 2 * num_hidden), x.dtype, x.device) if save_gate_up else h
+    xa = _alloc((num_slots, rank), torch.float32, x.device) if has_lora else h
+    # Gate and up each take half of a tile's columns, so the two accumulators together match one GEMM tile.
+    block_n = max(MIN_DOT_SIZE, config.block_n // 2)
+    grid = (routing.num_tiles * triton.cdiv(num_hidden, block_n),)
+    if routing.num_tiles > 0:
+        _moe_gate_up_fwd_kernel[grid](
+            x, w_gate_up, a, b, h, gate_up, xa,
+            routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
+            model_dim, num_hidden, rank, scaling,
+            *x.stride(), *w_gate_up.stride(), *_strides3(a_gate_up), *_strides3(b_gate_up),
+            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=_dot_precision(x.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    return h, (gate_up if save_gate_up else None), (xa if has_lora else None)
+
+
+def moe_down_fwd(
+    h: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_down: torch.Tensor,
+    a_down: torch.Tensor | None,
+    b_down: torch.Tensor | None,
+    scaling: float,
+    routing: MoERouting,
+    config: MoEConfig,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y[t] = sum_j w[t, j] * (h @ w_down^T (+ LoRA)) over the token's slots.
+
+    Returns y [N, D] in h.dtype and ha [S, r] fp32 (with LoRA).
+    """
+    num_slots, num_hidden = h.shape
+    model_dim = w_down.shape[1]
+    a, b, rank, block_r, has_lora = _lora_args(a_down, b_down, w_down)
+    # Slot-order rows and a fixed-order sum over k instead of fp32 atomics into y: deterministic, one rounding per slot.
+    y_slot = _alloc((num_slots, model_dim), h.dtype, h.device)
+    ha = _alloc((num_slots, rank), torch.float32, h.device) if has_lora else y_slot
+    grid = (routing.num_tiles * triton.cdiv(model_dim, config.block_n),)
+    if routing.num_tiles > 0:
+        _moe_down_fwd_kernel[grid](
+            h, w_down, a, b, topk_weights.reshape(-1), y_slot, ha,
+            routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
+            model_dim, num_hidden, rank, scaling,
+            *w_down.stride(), *_strides3(a_down), *_strides3(b_down),
+            HAS_LORA=has_lora, DOT_PRECISION=_dot_precision(h.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    return _sum_slots(y_slot, num_tokens, routing.top_k), (ha if has_lora else None)
+
+
+def moe_down_bwd(
+    dy: torch.Tensor,
+    gate_up: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_down: torch.Tensor,
+    a_down: torch.Tensor | None,
+    b_down: torch.Tensor | None,
+    scaling: float,
+    routing: MoERouting,
+    config: MoEConfig,
+    store_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Backward of the down projection, the routing weights and SwiGLU.
+
+    Returns dgate_up [S, 2F] in gate_up.dtype, h [S, F] recomputed (when store_h), dha [S, r] fp32 (with LoRA) and
+    d topk_weights [S] fp32 in slot order.
+    """
+    num_slots, model_dim = routing.num_slots, dy.shape[1]
+    num_hidden = gate_up.shape[1] // 2
+    a, b, rank, block_r, has_lora = _lora_args(a_down, b_down, w_down)
+    dgate_up = _alloc((num_slots, 2 * num_hidden), gate_up.dtype, dy.device)
+    h = _alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else dgate_up
+    dha = _alloc((num_slots, rank), torch.float32, dy.device) if has_lora else dgate_up
+    # The SwiGLU-backward epilogue holds five fp32 tiles (acc, gate, up, sigmoid, dh): half-width tiles keep them in
+    # registers.
+    block_n = max(MIN_DOT_SIZE, config.block_n // 2)
+    num_col_blocks = triton.cdiv(num_hidden, block_n)
+    # Partial sums per column block, added up below in a fixed order: deterministic where atomics would not be.
+    dweights_partial = _alloc((num_col_blocks, num_slots), torch.float32, dy.device)
+    if routing.num_tiles > 0:
+        _moe_down_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
+            dy, w_down, a, b, gate_up, topk_weights.reshape(-1), dgate_up, h, dha, dweights_partial,
+            routing.slot_of_row_S, routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T,
+            routing.offsets_E1,
+            num_slots, model_dim, num_hidden, rank, scaling,
+            *dy.stride(), *w_down.stride(), *_strides3(a_down), *_strides3(b_down),
+            HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=_dot_precision(gate_up.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    return (
+        dgate_up,
+        h if store_h else None,
+        dha if has_lora else None,
+        dweights_partial.sum(dim=0),
+    )
+
+
+def moe_gate_up_bwd(
+    dgate_up: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    a_gate_up: torch.Tensor | None,
+    b_gate_up: torch.Tensor | None,
+    scaling: float,
+    routing: MoERouting,
+    config: MoEConfig,
+    num_tokens: int,
+    compute_dx: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Returns dx [N, D] (dgate_up.dtype) or None, dxa [S, r] fp32 or None."""
+    num_slots = routing.num_slots
+    num_hidden, model_dim = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
+    a, b, rank, block_r, has_lora = _lora_args(a_gate_up, b_gate_up, w_gate_up)
+    dx_slot = _alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device) if compute_dx else dgate_up
+    dxa = _alloc((num_slots, rank), torch.float32, dgate_up.device) if has_lora else dgate_up
+    # Without dx only the first column block runs, for the thin LoRA product.
+    num_col_blocks = triton.cdiv(model_dim, config.block_n) if compute_dx else 1
+    if routing.num_tiles > 0 and (compute_dx or has_lora):
+        _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
+            dgate_up, w_gate_up, a, b, dx_slot, dxa,
+            routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
+            model_dim, num_hidden, rank, scaling,
+            *w_gate_up.stride(), *_strides3(a_gate_up), *_strides3(b_gate_up),
+            HAS_LORA=has_lora, COMPUTE_DX=compute_dx, DOT_PRECISION=_dot_precision(dgate_up.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+    dx = _sum_slots(dx_slot, num_tokens, routing.top_k) if compute_dx else None
+    return dx, (dxa if has_lora else None)
+
+
+def moe_expert_grad(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    out_like: torch.Tensor,
+    routing: MoERouting,
+    config: MoEConfig,
+    lhs_by_token: bool = False,
+    rhs_by_token: bool = False,
+    lhs_weights: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """out[e] = scale * sum_{rows of e} (w_row * lhs_row)^T rhs_row, shaped and typed like out_like [E, P, Q].
+
+    lhs: [S, P] in expert order, or [N, P] read by token when lhs_by_token; rhs likewise [S or N, Q].
+    lhs_weights: [N, k] routing weights multiplied into the lhs rows, or None.
+    """
+    num_experts, dim_p, dim_q = out_like.shape
+    out = _alloc(tuple(out_like.shape), out_like.dtype, out_like.device)
+    # Mixed operands (a 16-bit activation against an fp32 LoRA intermediate) meet in fp32.
+    upcast = lhs.dtype != rhs.dtype
+    is_thin = min(dim_p, dim_q) < config.block_n
+    block_p = min(config.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_p)))
+    block_q = min(config.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_q)))
+    weights = lhs_weights.reshape(-1) if lhs_weights is not None else lhs
+    grid = (num_experts * triton.cdiv(dim_p, block_p) * triton.cdiv(dim_q, block_q),)
+    _moe_expert_grad_kernel[grid](
+        lhs, rhs, weights, out,
+        routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
+        dim_p, dim_q, scale,
+        *lhs.stride(), *rhs.stride(), *out.stride(),
+        LHS_BY_TOKEN=lhs_by_token, RHS_BY_TOKEN=rhs_by_token, LHS_TIMES_WEIGHT=lhs_weights is not None,
+        UPCAST=upcast, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
+        BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=config.block_k,
+        num_warps=min(config.num_warps, THIN_NUM_WARPS) if is_thin else config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+

@@ -1,0 +1,95 @@
+"""`moe-tune plan`: the table of layouts, the JSON it writes, and one-line errors for bad arguments."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from moe_tune.cli import app
+from moe_tune.cli.plan import parse_memory
+
+runner = CliRunner()
+
+
+def test_plan_prints_every_layout_best_first():
+    result = runner.invoke(app, ["plan", "seed-2p8t", "--devices", "128"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "2.78T parameters" in out and "bf16 weights 5.56 TB" in out
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    layouts = [row.split("│")[1].strip() for row in rows]
+    assert len(layouts) == 8 and "2 x 64 *" in layouts
+    seed_row = rows[layouts.index("2 x 64 *")]
+    assert seed_row.split("│")[2].strip() == "14" and "yes" in seed_row
+    assert "* the profile's layout (parallel.expert_parallel 64)" in out
+
+
+def test_plan_json_matches_the_table(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "seed-2p8t", "--devices", "128", "--device-memory", "141GB", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["devices"] == 128 and plan["device_memory"] == 141 * 10**9
+    assert plan["parameters"]["total"] == pytest.approx(2.8e12, rel=0.02)
+    rows = [row for row in result.stdout.splitlines() if row.startswith("│")]
+    table_order = [row.split("│")[1].strip().rstrip(" *") for row in rows]
+    assert [f"{lay['data_parallel']} x {lay['expert_parallel']}" for lay in plan["layouts"]] == table_order
+    (seed,) = [lay for lay in plan["layouts"] if lay["is_profile_layout"]]
+    layout = (seed["data_parallel"], seed["expert_parallel"], seed["experts_per_device"], seed["fits"])
+    assert layout == (2, 64, 14, True)
+    parts = ("dense_weights", "expert_weights", "lora_weights", "gradients", "optimizer", "activations", "gathered")
+    assert seed["total"] == sum(seed[p] for p in parts)
+
+
+def test_plan_takes_overrides(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "seed-2p8t", "--devices", "128", "--set", "train.precision=fp32", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    assert plan["weight_bytes"] == 4 * plan["parameters"]["total"]
+
+
+def test_plan_notes_a_profile_layout_that_does_not_divide_the_devices():
+    result = runner.invoke(app, ["plan", "seed-2p8t", "--devices", "96"])
+    assert result.exit_code == 0, result.output
+    assert "the profile's parallel.expert_parallel (64) does not divide --devices (96)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--devices", "0"], "error: --devices ('0') must be a positive integer"),
+        (["--devices", "many"], "error: --devices ('many') must be a positive integer"),
+        (["--devices", "8", "--device-memory", "141XB"],
+         "error: --device-memory ('141XB') must look like 141GB, 80GiB or 1.5TB"),
+        (["--devices", "8", "--device-memory", "0GB"],
+         "error: --device-memory ('0GB') must look like 141GB, 80GiB or 1.5TB"),
+        (["--devices", "8", "--set", "lora.target_modules=[qq_proj]"],
+         "error: lora.target_modules ('qq_proj') must name a linear layer of the model (known: a_proj, b_proj, "
+         "down_proj, gate, gate_proj, index_k_proj, index_q_proj, index_weights_proj, k_proj, lm_head, o_proj, "
+         "q_proj, shared_expert_gate, up_proj, v_proj, z_proj)"),
+        (["--devices", "8", "--json", "/nonexistent-dir/plan.json"],
+         "error: --json ('/nonexistent-dir/plan.json'): cannot write the plan (No such file or directory)"),
+    ],
+    ids=["zero-devices", "devices-not-a-number", "unknown-unit", "zero-memory", "bad-lora-target", "unwritable-json"],
+)
+def test_plan_bad_arguments_exit_2_with_one_line(args, message):
+    result = runner.invoke(app, ["plan", "tiny", *args])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [message]
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("141GB", 141 * 10**9),
+        ("80GiB", 80 * 2**30),
+        ("1.5TB", 15 * 10**11),
+        ("512 MiB", 512 * 2**20),
+        ("141gb", 141 * 10**9),
+    ],
+)
+def test_parse_memory(text, size):
+    assert parse_memory(text) == size

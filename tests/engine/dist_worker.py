@@ -1,0 +1,37 @@
+"""One rank of a multi-process test run (started by tests/engine/test_distributed.py with the rendezvous
+variables set). Trains `tiny` with the given overrides and, on rank 0, writes the losses as JSON."""
+
+import argparse
+import json
+import os
+
+from moe_tune.profiles import load_profile
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--result", required=True)
+parser.add_argument("--set", dest="overrides", action="append", default=[])
+parser.add_argument("--stop-after", type=int, default=None)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--untagged", action="store_true", help="skip the expert tags (the test that they matter)")
+parser.add_argument("--die-rank", type=int, default=None, help="this rank dies abruptly after its first step")
+args = parser.parse_args()
+
+if args.untagged:
+    import moe_tune.engine.train.trainer as trainer
+
+    trainer.tag_expert_parameters = lambda model, layout: 0
+if args.die_rank is not None and int(os.environ["RANK"]) == args.die_rank:
+    from moe_tune.engine.train import metrics
+
+    def die(self, record):
+        os._exit(9)
+
+    metrics.ProgressReporter.update = die
+
+from moe_tune.engine.train.trainer import finetune  # noqa: E402
+
+result = finetune(load_profile("tiny", args.overrides), show_progress=False, stop_after=args.stop_after,
+                  resume=args.resume)
+if result.is_main:
+    with open(args.result, "w") as f:
+        json.dump({"losses": result.losses, "start_step": result.start_step}, f)

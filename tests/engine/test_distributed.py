@@ -1,0 +1,147 @@
+"""Several gloo ranks on the CPU: ZeRO-3 for dense weights plus expert parallelism equals one process on the
+same global batch (losses and trained weights), resumes exactly, and stops when a rank dies."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_tune.engine.parallel.launch import _free_port, rank_env
+from moe_tune.engine.train.trainer import check_world
+from moe_tune.profiles import ProfileError, load_profile
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+# Small rows, active clipping, no aux loss (a per-rank Switch loss is not the global one). Adam turns rounding-level
+# gradient differences (ranks sum in other orders) into updates of size ~lr on parameters whose gradients are
+# near zero (fresh LoRA A factors): a moderate lr keeps those below the 1e-5 that the comparison demands.
+BASE = ["data.seq_len=64", "data.corpus_documents=200", "train.warmup_steps=1", "train.grad_clip=0.5",
+        "model.moe.aux_loss_coef=0", "train.lr=0.002", "output.save_every=1000"]
+HARD_TIMEOUT_S = 300
+
+
+def run_ranks(world, out, overrides, child_env, extra=()):
+    port = _free_port()
+    result = out / "result.json"
+    cmd = [sys.executable, str(WORKER), "--result", str(result), *extra,
+           *[a for o in [*BASE, f"output.dir={out}", *overrides] for a in ("--set", o)]]
+    procs = [subprocess.Popen(cmd, env=rank_env(r, world, port, child_env), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    return codes, logs, (json.loads(result.read_text()) if result.exists() else None)
+
+
+def single_process(tmp_path, child_env, rows, overrides):
+    codes, logs, result = run_ranks(1, tmp_path / "single", [f"train.micro_batch_size={rows}", *overrides], child_env)
+    assert codes == [0], logs[0][-3000:]
+    return result
+
+
+def adapter(out):
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+LAYOUTS = [
+    pytest.param(2, 2, [], id="ep2"),
+    pytest.param(4, 4, [], id="ep4"),
+    pytest.param(4, 2, ["parallel.offload_optimizer=true"], id="dp2xep2-offload"),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world, ep, extra", LAYOUTS)
+def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extra):
+    steps = ["train.steps=3"]
+    single = single_process(tmp_path, child_env, 2 * world, [*steps, *extra])
+    out = tmp_path / f"ep{ep}"
+    codes, logs, multi = run_ranks(
+        world, out, [*steps, *extra, "train.micro_batch_size=2", f"parallel.expert_parallel={ep}"], child_env
+    )
+    assert codes == [0] * world, logs[0][-3000:]
+    assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+    # The exported adapter is consolidated into the single-process layout (all experts) and equal to it.
+    one, many = adapter(tmp_path / "single"), adapter(out)
+    assert one.keys() == many.keys()
+    assert any(".experts.lora_A.w_gate_up" in k for k in one)
+    for key in one:
+        torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.dist
+def test_untagged_experts_train_wrong(tmp_path, child_env):
+    single = single_process(tmp_path, child_env, 4, ["train.steps=3"])
+    codes, logs, multi = run_ranks(
+        2, tmp_path / "untagged", ["train.steps=3", "train.micro_batch_size=2", "parallel.expert_parallel=2"],
+        child_env, extra=["--untagged"],
+    )
+    # Without the tags ZeRO-3 treats different experts as one replicated tensor: training goes wrong (or fails).
+    assert codes != [0, 0] or multi["losses"] != pytest.approx(single["losses"], rel=1e-4)
+
+
+@pytest.mark.dist
+def test_resume_under_expert_parallel(tmp_path, child_env):
+    common = ["train.steps=4", "train.micro_batch_size=2", "parallel.expert_parallel=2"]
+    codes, logs, straight = run_ranks(2, tmp_path / "a", common, child_env)
+    assert codes == [0, 0], logs[0][-3000:]
+    codes, logs, first = run_ranks(2, tmp_path / "b", common, child_env, extra=["--stop-after", "2"])
+    assert codes == [0, 0], logs[0][-3000:]
+    codes, logs, second = run_ranks(2, tmp_path / "b", common, child_env, extra=["--resume"])
+    assert codes == [0, 0], logs[0][-3000:]
+    assert second["start_step"] == 2
+    assert first["losses"] + second["losses"] == straight["losses"]
+
+
+@pytest.mark.dist
+def test_dead_rank_stops_the_job(tmp_path, child_env):
+    from moe_tune.engine.parallel.launch import launch_local
+
+    # Through the CLI launcher, as `moe-tune finetune --nproc 2` runs: rank 1 dies after its first step.
+    started = time.time()
+    codes, logs, _ = run_ranks(
+        2, tmp_path / "dead", ["train.steps=50", "train.micro_batch_size=2", "parallel.expert_parallel=2",
+                               "parallel.timeout_s=20"], child_env, extra=["--die-rank", "1"],
+    )
+    assert codes[1] == 9
+    assert codes[0] != 0, "the surviving rank must not hang or report success"
+    assert time.time() - started < HARD_TIMEOUT_S
+    assert launch_local  # the launcher's own handling is checked in test_launcher_names_the_failed_rank
+
+
+def test_launcher_names_the_failed_rank(monkeypatch):
+    from moe_tune.engine.parallel import launch
+
+    class FakeProc:
+        def __init__(self, code):
+            self.returncode, self.code = None, code
+
+        def poll(self):
+            self.returncode = self.code if self.code is not None else self.returncode
+            return self.returncode
+
+        def terminate(self):
+            self.code = -15
+
+        def kill(self):
+            self.code = -9
+
+        send_signal = terminate
+
+    procs = iter([FakeProc(None), FakeProc(3)])
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda *a, **k: next(procs))
+    result = launch.launch_local(2, ["finetune", "tiny"])
+    assert result.failed_rank == 1 and result.returncode == 3
+    assert result.message == "rank 1 exited with code 3; the other ranks were stopped"
+
+
+@pytest.mark.parametrize("ep, world, message", [
+    (2, 1, r"parallel.expert_parallel \(2\) must be <= the world size \(1\)"),
+    (2, 3, r"parallel.expert_parallel \(2\) must divide the world size \(3\)"),
+])
+def test_layout_must_fit_the_world(ep, world, message):
+    with pytest.raises(ProfileError, match=message):
+        check_world(load_profile("tiny", [f"parallel.expert_parallel={ep}"]), world)

@@ -1,0 +1,200 @@
+"""The layout planner: analytic parameter counts equal the built model's, the seed case plans as the design says,
+and the per-device formulas hold their invariants."""
+
+import time
+
+import pytest
+
+from moe_tune.engine.parallel.plan import (
+    LINEAR_ATTENTION_CHUNK,
+    activation_bytes,
+    count_parameters,
+    lora_parameters,
+    model_parameters,
+    plan_layouts,
+)
+from moe_tune.profiles import ProfileError, load_profile
+
+GB = 10**9
+
+# Small variants of the tiny profile, each reaching a different parameter layout.
+VARIANTS = {
+    "tiny": [],
+    "dense-mlp": [
+        "model.intermediate_size=96",
+        "model.layers=[{attention: linear, mlp: dense}, {attention: sparse, mlp: moe}]",
+    ],
+    "full-attention": ["model.layers=[{attention: full, mlp: moe}, {attention: linear, mlp: moe}]"],
+    "per-channel-decay": ["model.linear_attention.decay=per_channel"],
+    "block-sparse": ["model.sparse_attention.block_size=8", "model.sparse_attention.topk=32"],
+    # No shared expert gate: the shared expert's SwiGLU alone.
+    "ungated-shared-expert": ["model.moe.shared_expert_gate=false"],
+}
+# LoRA settings, each changing what PEFT adds.
+LORA_VARIANTS = {
+    "tiny": [],
+    "no-expert-adapters": ["lora.experts=false", "lora.modules_to_save=[]"],
+    # PEFT matches modules_to_save by plain suffix: `gate` also wraps every shared_expert_gate.
+    "save-routers": ["lora.modules_to_save=[gate]", "lora.r=4"],
+    # A saved module's linears get no adapter (PEFT excludes them from target_modules).
+    "save-mlp": ["lora.modules_to_save=[mlp]"],
+    "odd-targets": [
+        "lora.target_modules=[gate, lm_head, index_q_proj, a_proj, shared_expert_gate]",
+        "lora.modules_to_save=[norm]",
+    ],
+}
+
+
+def _numel(params) -> int:
+    return sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("overrides", VARIANTS.values(), ids=VARIANTS.keys())
+def test_model_parameters_match_the_built_model(overrides):
+    from moe_tune.engine.model.model import build_model
+
+    cfg = load_profile("tiny", overrides).model
+    model = build_model(cfg)
+    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert {p.name: p.shape for p in model_parameters(cfg)} == built
+    counts = count_parameters(cfg, load_profile("tiny", ["lora.enabled=false"]).lora)
+    expert_numel = _numel(p for name, p in model.named_parameters() if ".experts." in name)
+    assert counts.total == _numel(model.parameters())
+    assert counts.experts == expert_numel
+    assert counts.dense == counts.total - expert_numel
+    # Full fine-tuning: no adapters, every parameter trainable.
+    assert (counts.lora_dense, counts.lora_experts, counts.trainable) == (0, 0, counts.total)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [VARIANTS["tiny"], VARIANTS["dense-mlp"], *list(LORA_VARIANTS.values())[1:]],
+    ids=["tiny", "dense-mlp", *list(LORA_VARIANTS)[1:]],
+)
+def test_lora_counts_match_the_peft_model(overrides):
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.model.model import build_model
+
+    job = load_profile("tiny", overrides)
+    model = inject_lora(build_model(job.model), job.lora)
+    counts = count_parameters(job.model, job.lora)
+    assert counts.total + counts.lora_dense + counts.lora_experts == _numel(model.parameters())
+    trainable = {
+        name.removeprefix("base_model.model."): tuple(p.shape)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    added = lora_parameters(model_parameters(job.model), job.lora)
+    assert {p.name: p.shape for p in added} == trainable
+    assert counts.trainable == sum(map(_numel_of_shape, trainable.values()))
+    # Expert adapters, and full copies of saved modules that hold routed experts (save-mlp).
+    expert_trainable = sum(_numel_of_shape(s) for name, s in trainable.items() if ".experts." in name)
+    assert counts.lora_experts == expert_trainable
+
+
+def _numel_of_shape(shape) -> int:
+    size = 1
+    for dim in shape:
+        size *= dim
+    return size
+
+
+def test_active_parameters_count_top_k_experts_per_moe_layer():
+    cfg = load_profile("tiny").model
+    counts = count_parameters(cfg, load_profile("tiny").lora)
+    moe = cfg.moe
+    per_expert = 3 * cfg.hidden_size * moe.expert_intermediate_size
+    assert counts.experts == len(cfg.layers) * moe.num_experts * per_expert
+    assert counts.active_per_token == counts.dense + len(cfg.layers) * moe.top_k * per_expert
+
+
+def test_lora_target_that_names_no_linear_is_a_profile_error():
+    job = load_profile("tiny", ["lora.target_modules=[q_proj, qq_proj]"])
+    with pytest.raises(ProfileError, match=r"lora.target_modules \('qq_proj'\) must name a linear layer of the model"):
+        plan_layouts(job, 8, 80 * GB)
+
+
+def test_seed_profile_plans_to_the_design_case():
+    start = time.perf_counter()
+    job = load_profile("seed-2p8t")
+    plan = plan_layouts(job, 128, 141 * GB)
+    # Instant at trillions of parameters: nothing is built (it takes ~0.1 s; the bound leaves room for a busy CI).
+    assert time.perf_counter() - start < 2.0
+    counts = plan.parameters
+    assert counts.total == pytest.approx(2.8e12, rel=0.02)
+    assert plan.weight_bytes == 2 * counts.total
+    assert plan.weight_bytes == pytest.approx(5.6e12, rel=0.02)
+    assert (plan.num_experts, plan.top_k, plan.precision) == (896, 16, "bf16")
+    # LoRA with the backbone frozen: only adapters train.
+    assert plan.lora_enabled and plan.modules_to_save == []
+    assert counts.trainable == counts.lora_dense + counts.lora_experts < counts.total / 100
+    (seed_layout,) = [lay for lay in plan.layouts if (lay.data_parallel, lay.expert_parallel) == (2, 64)]
+    assert seed_layout.is_profile_layout
+    assert seed_layout.experts_per_device == 14
+    # About 95 GB per device (43.2 GB of experts, 47 GB of activations at 16384 tokens with checkpointing).
+    assert seed_layout.fits
+    assert 90 * GB < seed_layout.total < 100 * GB
+    # Layouts: every ep dividing both 896 and 128, fitting ones first.
+    assert sorted(lay.expert_parallel for lay in plan.layouts) == [1, 2, 4, 8, 16, 32, 64, 128]
+    fits = [lay.fits for lay in plan.layouts]
+    assert fits == sorted(fits, reverse=True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_per_device_state_shards_over_all_devices(precision):
+    job = load_profile("tiny", [f"train.precision={precision}", "lora.enabled=false"])
+    counts = count_parameters(job.model, job.lora)
+    wb = {"fp32": 4, "bf16": 2}[precision]
+    # AdamW: two fp32 moments, plus an fp32 master copy of bf16 weights.
+    optimizer_bytes = {"fp32": 8, "bf16": 12}[precision]
+    plan = plan_layouts(job, 8, 80 * GB)
+    assert sorted(lay.expert_parallel for lay in plan.layouts) == [1, 2, 4, 8]
+    for lay in plan.layouts:
+        assert lay.dense_weights == -(-counts.dense * wb // 8)
+        # E / ep experts ZeRO-sharded over dp = 8 / ep ranks: E / 8 experts' worth on every layout.
+        assert lay.expert_weights == -(-counts.experts * wb // 8)
+        assert lay.gradients == -(-counts.total * wb // 8)
+        assert lay.optimizer == -(-counts.total * optimizer_bytes // 8)
+        assert lay.experts_per_device == 8 // lay.expert_parallel
+
+
+def test_all_to_all_bytes_follow_the_formula():
+    job = load_profile("tiny", ["train.gradient_accumulation_steps=3"])
+    plan = plan_layouts(job, 8, 80 * GB)
+    cfg, train = job.model, job.train
+    tokens = train.micro_batch_size * job.data.seq_len
+    for lay in plan.layouts:
+        ep = lay.expert_parallel
+        # tokens x top_k x hidden x 4 bytes x share leaving the rank x (dispatch + combine, forward + backward)
+        expected = 3 * len(cfg.layers) * tokens * cfg.moe.top_k * cfg.hidden_size * 4 * (ep - 1) / ep * 4
+        assert lay.all_to_all_per_step == round(expected)
+    recomputed = plan_layouts(load_profile("tiny", ["memory.activation_checkpointing=true"]), 8, 80 * GB)
+    by_ep = {lay.expert_parallel: lay.all_to_all_per_step for lay in recomputed.layouts}
+    # The recomputed forward dispatches and combines once more.
+    assert by_ep[2] == round(len(cfg.layers) * tokens * cfg.moe.top_k * cfg.hidden_size * 4 * 0.5 * 6)
+
+
+def test_activations_scale_with_tokens_and_shrink_with_checkpointing():
+    # seq_len a multiple of the linear-attention chunk, so every term doubles exactly with the tokens.
+    short = activation_bytes(load_profile("tiny", ["data.seq_len=256"]))
+    long = activation_bytes(load_profile("tiny", ["data.seq_len=512"]))
+    assert long.total == 2 * short.total
+    checkpointed = activation_bytes(load_profile("tiny", ["data.seq_len=256", "memory.activation_checkpointing=true"]))
+    assert checkpointed.layers < short.layers
+    assert checkpointed.head == short.head
+
+
+def test_layouts_that_do_not_fit_come_last():
+    job = load_profile("tiny")
+    plan = plan_layouts(job, 8, 1)
+    assert not any(lay.fits for lay in plan.layouts)
+    generous = plan_layouts(job, 8, 80 * GB)
+    assert all(lay.fits for lay in generous.layouts)
+    traffic = [lay.traffic_per_step for lay in generous.layouts]
+    assert traffic == sorted(traffic)
+
+
+def test_chunk_constant_matches_the_kernel():
+    from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE
+
+    assert LINEAR_ATTENTION_CHUNK == DEFAULT_CHUNK_SIZE

@@ -1,0 +1,185 @@
+"""linear_attention Triton kernels on a CUDA device (gated delta rule and KDA): output, final state and every
+gradient against reference.py in bf16 and fp32, at odd and at realistic shapes, packed documents, NaN-filled
+buffers with guarded ends.
+
+Run on the GPU machine in its own session (tests/ops imports the kernels in interpreter mode):
+pytest -m gpu tests/gpu/test_linear_attention_gpu.py
+Triton 3.4-3.7.0 miscompiles some gated chunk backward kernels on Hopper (fla-org/flash-linear-attention#640): the
+interpreter tests cannot see that, these can.
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_tune.ops.linear_attention import gated_delta_rule, kda
+from moe_tune.ops.linear_attention import kernels_fwd
+from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# One table per dtype: rel_rms = ||actual - expected|| / ||expected|| per tensor, rel_max = max |actual - expected|
+# / max |expected| (catches one wrong row or chunk that an RMS over 8192 tokens would average away).
+# fp32: ieee dots against the fp64 reference, so only summation order and exp rounding differ.
+# bf16: W, U, the per-chunk states, v_new and every dot operand are bf16 (8 mantissa bits, 2e-3 per rounding),
+# against the fp32 reference on the same bf16 inputs; flash-linear-attention's own bf16 tests allow RMS ratios of
+# 5e-3 to 2e-2 for this op.
+TOLERANCES = {
+    torch.float32: dict(rel_rms=2e-5, rel_max=2e-4),
+    torch.bfloat16: dict(rel_rms=2e-2, rel_max=1e-1),
+}
+GUARD_ELEMENTS = 64 * 16 * 128
+GUARD_VALUE = 1234.5
+
+
+class GuardedBuffers:
+    """Replaces kernels_fwd._alloc: every buffer starts as NaN and is followed by GUARD_ELEMENTS of GUARD_VALUE."""
+
+    def __init__(self):
+        self.buffers: list[tuple[torch.Tensor, int, tuple]] = []
+
+    def alloc(self, shape, dtype, device):
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = torch.full((numel + GUARD_ELEMENTS,), float("nan"), dtype=dtype, device=device)
+        flat[numel:] = GUARD_VALUE
+        self.buffers.append((flat, numel, tuple(shape)))
+        return flat[:numel].view(shape)
+
+    def check(self):
+        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
+        for flat, numel, shape in self.buffers:
+            tail = flat[numel:]
+            assert bool((tail == GUARD_VALUE).all()), f"a kernel wrote past the end of a buffer of shape {shape}"
+
+
+@pytest.fixture
+def guarded(monkeypatch) -> GuardedBuffers:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernels_fwd._chunk_wy_fwd_kernel, InterpretedFunction):
+        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    buffers = GuardedBuffers()
+    monkeypatch.setattr(kernels_fwd, "_alloc", buffers.alloc)
+    return buffers
+
+
+def make_inputs(
+    B, T, H, K, V, *, dtype, is_per_channel=False, num_seqs=None, has_initial_state=True, max_decay=None, seed=0
+):
+    """Leaf CUDA tensors: unit-norm k, gates as a model makes them (logsigmoid, sigmoid), or uniform decays in
+    [-max_decay, 0]; g [B, T, H] per head or [B, T, H, K] per channel (KDA)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    g_shape = (B, T, H, K) if is_per_channel else (B, T, H)
+    if max_decay is None:
+        g = F.logsigmoid(randn(*g_shape))
+    else:
+        g = -max_decay * torch.rand(*g_shape, generator=gen, device="cuda")
+    inputs = dict(
+        q=randn(B, T, H, K),
+        k=F.normalize(randn(B, T, H, K), dim=-1),
+        v=randn(B, T, H, V),
+        g=g,
+        beta=torch.sigmoid(randn(B, T, H)),
+        initial_state=0.1 * randn(num_seqs or B, H, K, V) if has_initial_state else None,
+    )
+    return {
+        # g stays fp32 as models compute it; the rest takes the tested dtype.
+        name: None if x is None else (x if name in ("initial_state", "g") else x.to(dtype)).requires_grad_()
+        for name, x in inputs.items()
+    }
+
+
+def forward_and_grads(op, inputs, **options):
+    leaves = {name: x for name, x in inputs.items() if x is not None}
+    o, final_state = op(**inputs, output_final_state=True, **options)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, device="cuda").to(o.dtype)
+    dfinal = torch.randn(final_state.shape, generator=gen, device="cuda").to(final_state.dtype)
+    grads = torch.autograd.grad((o, final_state), list(leaves.values()), (do, dfinal))
+    results = {"o": o, "final_state": final_state, **{f"d{name}": grad for name, grad in zip(leaves, grads)}}
+    return {name: x.detach() for name, x in results.items()}
+
+
+def assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=False, cu_seqlens=None):
+    op = kda if inputs["g"].ndim == 4 else gated_delta_rule
+    actual = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens)
+    # fp32 inputs against fp64; 16-bit inputs against the fp32 reference on the same (rounded) values.
+    reference_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    as_reference = {
+        name: None if x is None else x.detach().to(reference_dtype).requires_grad_() for name, x in inputs.items()
+    }
+    expected = forward_and_grads(
+        chunk_gated_delta_rule_ref, as_reference, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens
+    )
+    errors = {}
+    for name in expected:
+        a, e = actual[name].double(), expected[name].double()
+        assert bool(a.isfinite().all()), f"{name}: non-finite values (an unwritten element or an overflow)"
+        errors[name] = dict(
+            rel_rms=((a - e).norm() / e.norm().clamp_min(1e-30)).item(),
+            rel_max=((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item(),
+        )
+    tolerance = TOLERANCES[dtype]
+    failed = {name: err for name, err in errors.items() if any(err[m] > tolerance[m] for m in tolerance)}
+    assert not failed, f"over {tolerance}: {failed}; all errors: {errors}"
+    guarded.check()
+
+
+ODD_CASES = [
+    pytest.param(dict(B=2, T=1, H=4, K=64, V=128), False, id="T1-K64-V128"),
+    pytest.param(dict(B=1, T=63, H=4, K=128, V=64), False, id="T63-K128-V64"),
+    pytest.param(dict(B=2, T=65, H=4, K=100, V=96), True, id="T65-K100-V96-l2norm"),
+    pytest.param(dict(B=1, T=130, H=4, K=128, V=128, has_initial_state=False), False, id="T130-no_h0"),
+    # 64 steps of up to -5 per chunk: exp(-G_j) alone would overflow fp32, the pairwise decays must not.
+    pytest.param(dict(B=1, T=1000, H=2, K=128, V=128, max_decay=5.0), False, id="T1000-strong_decay"),
+]
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, use_qk_l2norm", ODD_CASES)
+def test_odd_shapes_match_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel):
+    inputs = make_inputs(**shape, dtype=dtype, is_per_channel=is_per_channel)
+    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm)
+
+
+def test_anchor_shape_bf16_matches_reference(guarded):
+    # The shape of shared/ANCHORS.md and of the speed targets: B4 T8192 H16 K=V=128, forward and backward.
+    inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
+
+
+def test_kda_long_sequence_bf16_matches_reference(guarded):
+    # KDA at T8192 H16 K=V=128 with B1: the reference holds [B, H, 64, 64, K] pairwise decays per chunk for autograd
+    # (about 15 GB at B1), four times that at B4.
+    inputs = make_inputs(1, 8192, 16, 128, 128, dtype=torch.bfloat16, is_per_channel=True)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
+
+
+# Eight documents: lengths 1 and 63 (inside one chunk), 64 and 65 (at a chunk boundary), and long ones.
+DOC_LENGTHS = [1, 63, 64, 65, 700, 1500, 2047, 3753]
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype, num_heads", [(torch.float32, 4), (torch.bfloat16, 16)], ids=["fp32", "bf16"])
+def test_varlen_matches_reference(guarded, dtype, num_heads, is_per_channel):
+    cu_seqlens = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    # KDA's reference pads every document to the longest and holds [N, H, 64, 64, K] decays per chunk: fewer heads.
+    num_heads = num_heads // 4 if is_per_channel else num_heads
+    inputs = make_inputs(
+        1, sum(DOC_LENGTHS), num_heads, 128, 128, dtype=dtype, is_per_channel=is_per_channel, num_seqs=len(DOC_LENGTHS)
+    )
+    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=True, cu_seqlens=cu_seqlens)

@@ -1,0 +1,224 @@
+"""moe Triton kernels on CUDA: bf16 and fp32 forward and every gradient against the reference at realistic sizes,
+NaN-filled buffers with guarded ends, no host sync, determinism, and the issue's N16384 D2048 F1024 E64 top-8 shape.
+
+Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank.
+Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): pytest -m gpu tests/gpu
+"""
+
+import pytest
+import torch
+
+from moe_tune.ops.moe import ExpertLoRA, moe_mlp, topk_route
+from moe_tune.ops.moe.reference import moe_mlp_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+# One table per dtype, errors measured against the largest magnitude of each reference tensor (weight gradients
+# sum thousands of rows, so an element-relative bound would fail on their near-zero entries).
+# bf16: h, gate/up, d(gate/up) and per-slot outputs are rounded to bf16 between kernels (2^-9 relative each) while
+# the reference computes in fp32 from the same bf16 inputs. fp32: exact fp32 dots on both sides (torch's default
+# "highest" matmul precision), only the summation order differs.
+TOLERANCES = {
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+}
+RANK = 16
+LORA_SCALING = 2.0
+LORA_NAMES = ("a_gate_up", "b_gate_up", "a_down", "b_down")
+GUARD_ELEMENTS = 1 << 16
+GUARD_VALUE = 1234.5
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from moe_tune.ops.moe import kernels
+
+    if isinstance(kernels._moe_gate_up_fwd_kernel, InterpretedFunction):
+        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+class GuardedBuffers:
+    """Replaces kernels._alloc: every buffer starts as NaN and is followed by GUARD_ELEMENTS of GUARD_VALUE."""
+
+    def __init__(self):
+        self.buffers: list[tuple[torch.Tensor, int, tuple]] = []
+
+    def alloc(self, shape, dtype, device):
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = torch.full((numel + GUARD_ELEMENTS,), float("nan"), dtype=dtype, device=device)
+        flat[numel:] = GUARD_VALUE
+        self.buffers.append((flat, numel, tuple(shape)))
+        return flat[:numel].view(shape)
+
+    def check(self):
+        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
+        for flat, numel, shape in self.buffers:
+            is_intact = bool((flat[numel:] == GUARD_VALUE).all())
+            assert is_intact, f"a kernel wrote past the end of a buffer of shape {shape}"
+
+
+@pytest.fixture
+def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
+    from moe_tune.ops.moe import kernels
+
+    buffers = GuardedBuffers()
+    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
+    return buffers
+
+
+def _routing(pattern: str, gen: torch.Generator, num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
+    if pattern == "random":
+        return torch.rand(num_tokens, num_experts, generator=gen, device=DEVICE).argsort(dim=-1)[:, :top_k]
+    if pattern == "two_experts_only":
+        pair = torch.tensor([1, 4], device=DEVICE)
+        flips = torch.rand(num_tokens, generator=gen, device=DEVICE) < 0.5
+        return torch.stack([torch.where(flips, pair[0], pair[1]), torch.where(flips, pair[1], pair[0])], dim=1)
+    if pattern == "all_to_last":
+        return torch.full((num_tokens, top_k), num_experts - 1, device=DEVICE)
+    raise AssertionError(pattern)
+
+
+def _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype).requires_grad_()
+
+    case = dict(
+        x=randn(num_tokens, model_dim),
+        topk_ids=_routing(pattern, gen, num_tokens, num_experts, top_k),
+        topk_weights=torch.rand(num_tokens, top_k, generator=gen, device=DEVICE).to(dtype).requires_grad_(),
+        w_gate_up=randn(num_experts, 2 * hidden_dim, model_dim, scale=model_dim**-0.5),
+        w_down=randn(num_experts, model_dim, hidden_dim, scale=hidden_dim**-0.5),
+        lora=None,
+    )
+    if lora_on == "both":
+        case["lora"] = ExpertLoRA(
+            randn(num_experts, RANK, model_dim, scale=model_dim**-0.5),
+            randn(num_experts, 2 * hidden_dim, RANK, scale=RANK**-0.5),
+            randn(num_experts, RANK, hidden_dim, scale=hidden_dim**-0.5),
+            randn(num_experts, model_dim, RANK, scale=RANK**-0.5),
+            scaling=LORA_SCALING,
+        )
+    return case
+
+
+def _grad_inputs(case: dict) -> dict[str, torch.Tensor]:
+    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down")}
+    if case["lora"] is not None:
+        inputs.update({f"lora.{name}": getattr(case["lora"], name) for name in LORA_NAMES})
+    return {name: tensor for name, tensor in inputs.items() if tensor.requires_grad}
+
+
+def _run_with_grads(fn, case: dict, grad_y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    y = fn(**case)
+    inputs = _grad_inputs(case)
+    grads = torch.autograd.grad(y, list(inputs.values()), grad_y)
+    return y, dict(zip(inputs, grads))
+
+
+def _assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    tol = TOLERANCES[dtype]
+    atol = tol["atol"] * max(float(expected.abs().max()), 1e-6)
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=atol, rtol=tol["rtol"], msg=lambda m: f"{name}: {m}"
+    )
+
+
+def _assert_matches_reference(case: dict, dtype: torch.dtype) -> None:
+    num_tokens, model_dim = case["x"].shape
+    grad_y = torch.randn(num_tokens, model_dim, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
+    y, grads = _run_with_grads(moe_mlp, case, grad_y.to(dtype))
+    y_ref, grads_ref = _run_with_grads(moe_mlp_ref, case, grad_y.to(dtype))
+    assert y.dtype == dtype and y.shape == (num_tokens, model_dim)
+    _assert_close_scaled(y, y_ref, dtype, "y")
+    assert set(grads) == set(grads_ref)
+    for name, grad in grads.items():
+        assert grad.dtype == dtype, name
+        _assert_close_scaled(grad, grads_ref[name], dtype, f"grad {name}")
+
+
+# (N, D, F, E, k, routing)
+SHAPES = {
+    # Prime N and E, F = 384 not a multiple of the 128-column tile, D != F.
+    "prime_E7": (1531, 512, 384, 7, 3, "random"),
+    "empty_experts": (1024, 512, 256, 8, 2, "two_experts_only"),
+    # 1554 rows on one expert: 13 tiles of 128, the last one partial.
+    "one_expert_takes_all": (777, 256, 512, 6, 2, "all_to_last"),
+    "top1": (1000, 512, 256, 8, 1, "random"),
+    "topk_equals_E": (300, 256, 256, 4, 4, "random"),
+    # Dims that are not multiples of 16: masked K steps and unaligned rows.
+    "odd_dims": (513, 200, 136, 5, 2, "random"),
+    # 512 rows per expert on average: 128-row tiles.
+    "E64_top8": (4096, 1024, 512, 64, 8, "random"),
+    # 64 rows per expert on average: the 64-row tile config.
+    "E256_top16": (1024, 512, 256, 256, 16, "random"),
+}
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
+LORA_ON = [pytest.param("none", id="no_lora"), pytest.param("both", id="lora_both")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lora_on", LORA_ON)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_moe_mlp_kernel_matches_reference(guarded, shape, lora_on, dtype):
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, lora_on)
+    _assert_matches_reference(case, dtype)
+    guarded.check()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_mlp_kernel_frozen_base_weights(guarded, dtype):
+    # LoRA fine-tuning: only the adapters, x and the routing weights get gradients.
+    case = _make_case(2048, 512, 256, 16, 4, dtype, lora_on="both")
+    for name in ("w_gate_up", "w_down"):
+        case[name] = case[name].detach()
+    _assert_matches_reference(case, dtype)
+    guarded.check()
+
+
+def test_moe_mlp_kernel_has_no_host_sync(kernel_path):
+    case = _make_case(2048, 512, 256, 16, 4, torch.bfloat16, lora_on="both")
+    grad_y = torch.randn(2048, 512, device=DEVICE, dtype=torch.bfloat16)
+    # Compile outside the check: the first launch may query the device.
+    _run_with_grads(moe_mlp, case, grad_y)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run_with_grads(moe_mlp, case, grad_y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_moe_mlp_kernel_is_deterministic(kernel_path):
+    case = _make_case(4096, 1024, 512, 64, 8, torch.bfloat16, lora_on="both")
+    grad_y = torch.randn(4096, 1024, device=DEVICE, dtype=torch.bfloat16)
+    y1, grads1 = _run_with_grads(moe_mlp, case, grad_y)
+    y2, grads2 = _run_with_grads(moe_mlp, case, grad_y)
+    assert torch.equal(y1, y2)
+    for name in grads1:
+        assert torch.equal(grads1[name], grads2[name]), name
+
+
+def test_moe_mlp_kernel_issue_shape_bf16(kernel_path):
+    # The issue's target shape with a softmax router: N16384 D2048 F1024 E64 top-8, bf16.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k = 16384, 2048, 1024, 64, 8
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=DEVICE)
+    topk_ids, topk_weights, _ = topk_route(logits, top_k)
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype)
+    case["topk_ids"] = topk_ids
+    case["topk_weights"] = topk_weights.to(dtype).requires_grad_()
+    _assert_matches_reference(case, dtype)

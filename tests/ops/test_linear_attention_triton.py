@@ -1,0 +1,288 @@
+"""linear_attention Triton kernels in the interpreter: output, final state and every gradient against reference.py,
+odd lengths, packed documents, NaN-filled buffers with guarded ends, the chunk map, dispatch.
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
+"""
+
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+# Before triton or any kernel module is imported: @triton.jit picks the interpreter when it decorates.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton.runtime.interpreter as triton_interpreter  # noqa: E402
+
+from moe_tune.ops.linear_attention import gated_delta_rule, kda  # noqa: E402
+from moe_tune.ops.linear_attention import kernels_fwd  # noqa: E402
+from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction  # noqa: E402
+from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref  # noqa: E402
+
+# Only the decoration needed it session-wide: left set, every other test module's auto dispatch would take the
+# kernels on CPU tensors. The tests here set it again through the kernel_path fixture.
+if _INTERPRET_BEFORE is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+# One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
+# fp32 products and only the summation order differs (measured max error 7.7e-6 on gradients of magnitude 17).
+# fp16: W, U, the per-chunk states and v_new are rounded to fp16 between kernels and every dot takes fp16 operands,
+# while the reference keeps fp32 throughout (measured max error 9.9e-3 on dk of magnitude 17, 1.1e-3 on o).
+TOLERANCES = {
+    torch.float32: dict(atol=5e-5, rtol=5e-5),
+    torch.float16: dict(atol=2e-2, rtol=2e-2),
+}
+# Elements past the end of every kernel buffer: a whole 64-token chunk of the widest per-token tensor (H2 x V32).
+GUARD_ELEMENTS = 64 * 2 * 32
+GUARD_VALUE = 1234.5
+
+
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # Tiny tensors: intra-op threads only add synchronisation on a busy 2-core machine.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+class GuardedBuffers:
+    """Replaces kernels_fwd._alloc: every buffer starts as NaN (an unwritten element poisons the result) and is
+    followed by GUARD_ELEMENTS of GUARD_VALUE (a store past the end changes them)."""
+
+    def __init__(self):
+        self.buffers: list[tuple[torch.Tensor, int, tuple]] = []
+
+    def alloc(self, shape, dtype, device):
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = torch.full((numel + GUARD_ELEMENTS,), float("nan"), dtype=dtype, device=device)
+        flat[numel:] = GUARD_VALUE
+        self.buffers.append((flat, numel, tuple(shape)))
+        return flat[:numel].view(shape)
+
+    def check(self):
+        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
+        for flat, numel, shape in self.buffers:
+            tail = flat[numel:]
+            assert bool((tail == GUARD_VALUE).all()), f"a kernel wrote past the end of a buffer of shape {shape}"
+
+
+@pytest.fixture
+def guarded(monkeypatch) -> GuardedBuffers:
+    buffers = GuardedBuffers()
+    monkeypatch.setattr(kernels_fwd, "_alloc", buffers.alloc)
+    return buffers
+
+
+def make_inputs(
+    B,
+    T,
+    H=2,
+    K=16,
+    V=32,
+    *,
+    dtype=torch.float32,
+    is_per_channel=False,
+    num_seqs=None,
+    has_initial_state=True,
+    max_decay=1.0,
+    seed=0,
+):
+    """Leaf tensors requiring grad; k unit-norm (the delta rule is stable for beta |k|^2 < 2), initial state fp32,
+    g [B, T, H] per head or [B, T, H, K] per channel (KDA)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    inputs = dict(
+        q=randn(B, T, H, K),
+        k=F.normalize(randn(B, T, H, K), dim=-1),
+        v=randn(B, T, H, V),
+        # Log decay in [-max_decay, 0].
+        g=-max_decay * torch.rand(B, T, H, *((K,) if is_per_channel else ()), generator=gen, dtype=torch.float64),
+        beta=torch.rand(B, T, H, generator=gen, dtype=torch.float64).clamp(0.05, 0.95),
+        initial_state=randn(num_seqs or B, H, K, V) if has_initial_state else None,
+    )
+    return {
+        name: None if x is None else x.to(torch.float32 if name == "initial_state" else dtype).requires_grad_()
+        for name, x in inputs.items()
+    }
+
+
+def forward_and_grads(op, inputs, **options):
+    """o, final_state and the gradient of every input for fixed random cotangents, all as fp64."""
+    leaves = {name: x for name, x in inputs.items() if x is not None}
+    o, final_state = op(**inputs, output_final_state=True, **options)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+    dfinal = torch.randn(final_state.shape, generator=gen, dtype=torch.float64).to(final_state.dtype)
+    grads = torch.autograd.grad((o, final_state), list(leaves.values()), (do, dfinal))
+    results = {"o": o, "final_state": final_state, **{f"d{name}": grad for name, grad in zip(leaves, grads)}}
+    return {name: x.detach().double() for name, x in results.items()}
+
+
+def reference_in_fp64(inputs, **options):
+    as_fp64 = {name: None if x is None else x.detach().double().requires_grad_() for name, x in inputs.items()}
+    return forward_and_grads(chunk_gated_delta_rule_ref, as_fp64, **options)
+
+
+def assert_matches_reference(inputs, dtype, guarded, **options):
+    op = kda if inputs["g"].ndim == 4 else gated_delta_rule
+    actual = forward_and_grads(op, inputs, **options)
+    options = {"use_qk_l2norm": options.pop("use_qk_l2norm_in_kernel", False), **options}
+    expected = reference_in_fp64(inputs, **options)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+    guarded.check()
+
+
+FIXED_LENGTH_CASES = [
+    pytest.param(dict(B=2, T=1), {}, id="T1"),  # a single token: one chunk with one valid row
+    pytest.param(dict(B=1, T=63, has_initial_state=False), {}, id="T63-no_h0"),  # one token short of a chunk
+    pytest.param(dict(B=2, T=65), {"use_qk_l2norm_in_kernel": True}, id="T65-l2norm"),  # one token past a chunk
+    pytest.param(dict(B=1, T=130), {}, id="T130"),  # three chunks, the last with two tokens
+    pytest.param(dict(B=1, T=70, K=24, V=16), {}, id="K24-V16"),  # K > V, K not a power of two (masked K tile)
+    # 64 steps of up to -5: exp(-G_j) alone would overflow fp32, the pairwise decays must not.
+    pytest.param(dict(B=1, T=65, max_decay=5.0), {}, id="strong_decay"),
+]
+
+
+@pytest.mark.parametrize("shape, options", FIXED_LENGTH_CASES)
+def test_gated_delta_rule_fp32_matches_reference(kernel_path, guarded, shape, options):
+    inputs = make_inputs(**shape)
+    assert_matches_reference(inputs, torch.float32, guarded, **options)
+
+
+DOC_LENGTHS = [
+    # Shorter than a chunk, one short of a chunk, and one crossing a chunk boundary.
+    pytest.param([1, 63, 71], {"use_qk_l2norm_in_kernel": True}, True, id="1-63-71-l2norm"),
+    # An empty document keeps its initial state; a full chunk is followed by a three-token document.
+    pytest.param([64, 0, 3], {}, False, id="64-0-3-no_h0"),
+]
+
+
+@pytest.mark.parametrize("doc_lengths, options, has_initial_state", DOC_LENGTHS)
+def test_gated_delta_rule_varlen_matches_reference(kernel_path, guarded, doc_lengths, options, has_initial_state):
+    cu_seqlens = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    inputs = make_inputs(1, sum(doc_lengths), num_seqs=len(doc_lengths), has_initial_state=has_initial_state)
+    assert_matches_reference(inputs, torch.float32, guarded, cu_seqlens=cu_seqlens, **options)
+
+
+def test_gated_delta_rule_without_final_state(kernel_path, guarded):
+    # The training call: no state in or out, so the backward starts from a zero state gradient it never receives.
+    names = ("q", "k", "v", "g", "beta")
+    inputs = make_inputs(1, 65, has_initial_state=False)
+    as_fp64 = {name: inputs[name].detach().double().requires_grad_() for name in names}
+    o, final_state = gated_delta_rule(**inputs)
+    o_ref = chunk_gated_delta_rule_ref(**as_fp64)[0]
+    assert final_state is None
+    grads = torch.autograd.grad(o.sum(), [inputs[name] for name in names])
+    grads_ref = torch.autograd.grad(o_ref.sum(), list(as_fp64.values()))
+    for name, actual, expected in zip(("o", *names), (o, *grads), (o_ref, *grads_ref)):
+        torch.testing.assert_close(actual.double(), expected, **TOLERANCES[torch.float32], msg=lambda m: f"{name}: {m}")
+    guarded.check()
+
+
+FP16_CASES = [
+    pytest.param(dict(B=1, T=65), None, id="T65"),
+    pytest.param(dict(B=1, T=135, num_seqs=3), [0, 1, 64, 135], id="varlen-1-63-71"),
+]
+
+
+@pytest.mark.parametrize("shape, cu_seqlens", FP16_CASES)
+def test_gated_delta_rule_fp16_matches_reference(kernel_path, guarded, shape, cu_seqlens):
+    inputs = make_inputs(**shape, dtype=torch.float16)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+    assert_matches_reference(inputs, torch.float16, guarded, cu_seqlens=cu_seqlens)
+
+
+KDA_CASES = [
+    pytest.param(dict(B=2, T=1), {}, id="T1"),  # a single token: one chunk with one valid row
+    pytest.param(dict(B=1, T=65), {"use_qk_l2norm_in_kernel": True}, id="T65-l2norm"),  # one token past a chunk
+    pytest.param(dict(B=1, T=70, K=24, V=16, has_initial_state=False), {}, id="K24-V16-no_h0"),  # K > V, masked K
+    # Per channel, 64 steps of up to -6: exp(-G_j) alone would overflow fp32 in every sub-chunk split.
+    pytest.param(dict(B=1, T=130, H=1, max_decay=6.0), {}, id="T130-strong_decay"),
+]
+
+
+@pytest.mark.parametrize("shape, options", KDA_CASES)
+def test_kda_fp32_matches_reference(kernel_path, guarded, shape, options):
+    inputs = make_inputs(**shape, is_per_channel=True)
+    assert_matches_reference(inputs, torch.float32, guarded, **options)
+
+
+def test_kda_varlen_and_fp16_match_reference(kernel_path, guarded):
+    # Documents of 1, 63 and 71 tokens, fp16: the packed path and the 16-bit path of the per-channel kernels at once.
+    cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
+    inputs = make_inputs(1, 135, H=1, dtype=torch.float16, is_per_channel=True, num_seqs=3)
+    assert_matches_reference(inputs, torch.float16, guarded, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+
+
+def test_chunk_map_covers_every_chunk_once():
+    cu_seqlens = torch.tensor([0, 1, 1, 65, 200], dtype=torch.int32)
+    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200, chunk_size=64)
+    # 1 + 0 + 1 + 3 chunks within the bound T // C + N = 7 slots.
+    assert layout.num_slots == 7
+    assert layout.chunk_offsets.tolist() == [0, 1, 1, 2, 5]
+    assert layout.chunk_map.tolist() == [[0, 1], [1, 64], [65, 64], [129, 64], [193, 7], [257, 0], [321, 0]]
+
+
+def _spy_kernel(monkeypatch):
+    calls = []
+    apply = GatedDeltaRuleFunction.apply
+
+    def spy(*args):
+        calls.append(args[0].dtype)
+        return apply(*args)
+
+    monkeypatch.setattr(GatedDeltaRuleFunction, "apply", spy)
+    return calls
+
+
+def test_auto_runs_kernel_in_interpreter_and_reference_on_plain_cpu(monkeypatch):
+    calls = _spy_kernel(monkeypatch)
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    inputs = make_inputs(1, 4, has_initial_state=False)
+    gated_delta_rule(**inputs)
+    assert calls == [torch.float32]
+    # bf16 dots are wrong in the interpreter, so auto keeps CPU bf16 on the reference.
+    gated_delta_rule(**make_inputs(1, 4, dtype=torch.bfloat16, has_initial_state=False))
+    assert calls == [torch.float32]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    gated_delta_rule(**inputs)
+    assert calls == [torch.float32]
+
+
+@pytest.mark.parametrize(
+    "op, shape, dtype, interpret, message",
+    [
+        pytest.param(gated_delta_rule, {}, torch.float64, "1", "gated_delta_rule has no Triton kernel", id="fp64"),
+        pytest.param(gated_delta_rule, {"K": 272}, torch.float32, "1", "has no Triton kernel", id="K_over_256"),
+        pytest.param(gated_delta_rule, {}, torch.float32, "0", "gated_delta_rule got CPU tensors", id="no_interpreter"),
+        pytest.param(kda, {}, torch.float64, "1", "kda has no Triton kernel", id="kda-fp64"),
+    ],
+)
+def test_forced_kernel_raises_when_it_cannot_run(monkeypatch, op, shape, dtype, interpret, message):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    inputs = make_inputs(1, 4, dtype=dtype, is_per_channel=op is kda, **shape)
+    with pytest.raises(RuntimeError, match=message):
+        op(**inputs)
