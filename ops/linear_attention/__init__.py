@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_tune.ops.common.dispatch import use_kernel
+from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
 from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule", "kda"]
@@ -17,6 +17,11 @@ __all__ = ["gated_delta_rule", "kda"]
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A program holds whole key rows in one tile: past 256 the [C, K] fp32 tiles of the backward spill registers.
 _KERNEL_MAX_KEY_DIM = 256
+# What auto dispatch takes on a GPU: the envelope the H200 runs validated (2026-11-29, triton 3.6). There, bf16 with
+# K = V = 16 or 32 gave NaN, and an fp32 KDA case compiled for over 90 s; those run the reference unless
+# MOE_TUNE_KERNELS=triton asks for the kernel explicitly.
+_GPU_AUTO_DTYPES = (torch.float16, torch.bfloat16)
+_GPU_AUTO_MIN_HEAD_DIM = 64
 
 
 def gated_delta_rule(
@@ -107,6 +112,12 @@ def _apply(op_name, q, k, v, g, beta, **options):
         # The interpreter's tl.dot returns garbage for bf16 operands (numpy has no bf16), and q sets the operand dtype.
         and (q.is_cuda or q.dtype != torch.bfloat16)
     )
+    if q.is_cuda and kernel_mode() != "triton":
+        has_kernel = (
+            has_kernel
+            and q.dtype in _GPU_AUTO_DTYPES
+            and min(q.shape[-1], v.shape[-1]) >= _GPU_AUTO_MIN_HEAD_DIM
+        )
     if use_kernel(op_name, q, k, v, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel
