@@ -23,6 +23,9 @@ def finetune(
     nproc: Annotated[
         int, typer.Option(min=1, help="start this many local ranks (as torchrun would); 1 runs in this process")
     ] = 1,
+    local_rank: Annotated[
+        int | None, typer.Option("--local_rank", "--local-rank", hidden=True, help="set by the deepspeed launcher")
+    ] = None,
 ) -> None:
     """Fine-tune with DeepSpeed ZeRO and LoRA (or full fine-tuning) as the profile says."""
     job = read_profile(profile, overrides)

@@ -83,6 +83,10 @@ class MoESpec(Strict):
     bias_update_rate: float = Field(
         0.0, ge=0, description="aux-loss-free balancing: step of the per-expert selection bias after each step (0: off)"
     )
+    capacity_factor: float = Field(
+        0.0, ge=0, description="token-slots an expert takes per step, as a multiple of the even share N*k/E; "
+        "slots past it (latest tokens first) are dropped and counted (0: no limit)"
+    )
     shared_expert_intermediate_size: int = Field(0, ge=0, description="hidden size of the shared expert (0: none)")
     shared_expert_gate: bool = Field(True, description="scale the shared expert by sigmoid(x W) (qwen3_next style)")
 
@@ -237,6 +241,10 @@ class OutputProfile(Strict):
     save_every: int = Field(100, ge=1, description="steps between checkpoints (one is also written at the end)")
     keep_last: int = Field(2, ge=1, description="checkpoints kept; older ones are deleted")
     tensorboard: bool = Field(True, description="also write TensorBoard events when tensorboard is installed")
+    save_merged: bool = Field(
+        False, description="LoRA runs: also write merged.safetensors, the base weights with the adapters merged in "
+        "(assembled on rank 0: needs the whole model in its host memory)"
+    )
 
 
 class JobProfile(Strict):

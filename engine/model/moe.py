@@ -5,6 +5,8 @@ Shapes: T tokens, D model dim, E experts, F expert hidden dim, k experts per tok
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -76,6 +78,7 @@ class MoEBlock(nn.Module):
         )
         self.register_buffer("selection_bias", torch.zeros(spec.num_experts))
         self.register_buffer("load_counts", torch.zeros(spec.num_experts), persistent=False)
+        self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -90,6 +93,8 @@ class MoEBlock(nn.Module):
             selection_bias=bias,
             routed_scaling=self.spec.routed_scaling,
         )
+        if self.spec.capacity_factor > 0:
+            topk_weights = self._drop_over_capacity(topk_ids, topk_weights)
         if self.training:
             with torch.no_grad():
                 self.load_counts += torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts).float()
@@ -109,6 +114,18 @@ class MoEBlock(nn.Module):
         else:
             aux = logits_TE.new_zeros((), dtype=torch.float32)
         return y_TD.view(shape), aux
+
+    def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop
+        first): they leave the output, as in GShard/Switch. The dropped count accumulates in `dropped_slots`."""
+        num_slots = topk_ids.numel()
+        capacity = math.ceil(self.spec.capacity_factor * num_slots / self.spec.num_experts)
+        one_hot = torch.nn.functional.one_hot(topk_ids.reshape(-1), self.spec.num_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # [S] arrival order within the slot's expert
+        kept = (position < capacity).view_as(topk_weights)
+        if self.training:
+            self.dropped_slots += (~kept).sum().float()
+        return topk_weights * kept
 
     @torch.no_grad()
     def update_selection_bias(self) -> None:

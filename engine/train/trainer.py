@@ -154,21 +154,44 @@ def export_weights(
     """Save the PEFT adapter (LoRA) or every weight as safetensors (full fine-tuning), consolidated into the
     single-process layout. Returns (adapter, weights)."""
     module = engine.module
+    from safetensors.torch import save_file
+
     if profile.lora.enabled:
         state = _gathered_state(module, only_trainable=True, layout=layout)
         adapter_dir = out / "adapter"
         if is_main:
             module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
+        if profile.output.save_merged:
+            full_state = _gathered_state(module, only_trainable=False, layout=layout)
+            # Buffers (the experts' selection biases) are replicated, not sharded: take this rank's.
+            persistent = set(module.state_dict(keep_vars=True))
+            full_state.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
+            if is_main:
+                _save_atomic(save_file, _merged_state(profile, full_state), out / "merged.safetensors", profile)
         return adapter_dir, None
-    from safetensors.torch import save_file
 
     state = _gathered_state(module, only_trainable=False, layout=layout)
     path = out / "model.safetensors"
     if is_main:
-        tmp = out / ".model.safetensors.tmp"
-        save_file(state, str(tmp), metadata={"format": "pt", "moe_tune_profile": profile.name})
-        tmp.replace(path)
+        _save_atomic(save_file, state, path, profile)
     return None, path
+
+
+def _save_atomic(save_file, state: dict[str, torch.Tensor], path: Path, profile: JobProfile) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(state, str(tmp), metadata={"format": "pt", "moe_tune_profile": profile.name})
+    tmp.replace(path)
+
+
+def _merged_state(profile: JobProfile, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights with the adapters merged in, through PEFT's own merge on a single-process model."""
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.model.model import build_model
+
+    model = inject_lora(build_model(profile.model), profile.lora)
+    model.load_state_dict(full_state, strict=True)
+    merged = model.merge_and_unload()
+    return {name: t.contiguous() for name, t in merged.state_dict().items()}
 
 
 def finetune(
@@ -276,7 +299,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 lm_losses.append(out_.lm_loss.detach().float())
                 aux_losses.append(out_.aux_loss.detach().float())
                 tokens += batch.num_label_tokens
-            expert_load = _update_moe_bias(engine, dist)
+            expert_load, dropped_slots = _update_moe_bias(engine, dist)
             loss = torch.stack(lm_losses).mean()
             aux = torch.stack(aux_losses).mean()
             if dist.world_size > 1:
@@ -295,6 +318,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 "tokens_per_s": tokens / step_time,
                 "step_time_s": step_time,
                 "expert_load_max_over_mean": expert_load,
+                "dropped_token_slots": dropped_slots,
             }
             result.losses.append(record["loss"])
             result.last_step = step + 1
@@ -334,16 +358,20 @@ def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
     return max(count.item(), 1.0) / dist.world_size
 
 
-def _update_moe_bias(engine, dist: DistInfo) -> list[float]:
-    """Reduce the step's expert loads over all ranks, update the selection biases; return max/mean load per layer."""
-    imbalance = []
+def _update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
+    """Reduce the step's expert loads (and capacity drops) over all ranks, update the selection biases; return
+    max/mean load per layer and the token-slots dropped for capacity."""
+    imbalance, dropped = [], 0
     for block in _moe_blocks(engine):
         if dist.world_size > 1:
             torch.distributed.all_reduce(block.load_counts)
+            torch.distributed.all_reduce(block.dropped_slots)
         mean = block.load_counts.mean().item()
         imbalance.append(round(block.load_counts.max().item() / mean, 4) if mean > 0 else 0.0)
+        dropped += int(block.dropped_slots.item())
+        block.dropped_slots.zero_()
         block.update_selection_bias()
-    return imbalance
+    return imbalance, dropped
 
 
 def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo) -> Path:

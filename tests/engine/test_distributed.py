@@ -47,7 +47,7 @@ def adapter(out):
 
 
 LAYOUTS = [
-    pytest.param(2, 2, [], id="ep2"),
+    pytest.param(2, 2, ["output.save_merged=true"], id="ep2-merged"),
     pytest.param(4, 4, [], id="ep4"),
     pytest.param(4, 2, ["parallel.offload_optimizer=true"], id="dp2xep2-offload"),
 ]
@@ -70,6 +70,27 @@ def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extr
     assert any(".experts.lora_A.w_gate_up" in k for k in one)
     for key in one:
         torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+    if "output.save_merged=true" in extra:
+        one, many = (load_file(str(d / "merged.safetensors")) for d in (tmp_path / "single", out))
+        assert one.keys() == many.keys() and any(".experts.w_down" in k for k in one)
+        for key in one:
+            torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.dist
+def test_cli_nproc_launches_ranks(tmp_path, child_env):
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--nproc", "2", "--quiet",
+         *[a for o in [*BASE, "train.steps=2", "train.micro_batch_size=1", "parallel.expert_parallel=2",
+                       f"output.dir={out}"] for a in ("--set", o)]],
+        capture_output=True, text=True, timeout=HARD_TIMEOUT_S, env=child_env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Rank 0 alone reports; the run wrote one metrics record per step and a consolidated adapter.
+    assert proc.stdout.count("trained steps 1-2") == 1
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.dist

@@ -112,3 +112,24 @@ def test_moe_selection_bias_moves_choice_not_weight_and_update_rule():
     # Overloaded expert 0 goes down, the idle ones go up; counts reset.
     assert block.selection_bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
     assert block.load_counts.sum() == 0
+
+
+def test_capacity_factor_drops_latest_slots_and_counts_them():
+    spec = MoESpec(num_experts=4, top_k=1, expert_intermediate_size=8, capacity_factor=1.0)
+    block = MoEBlock(hidden=8, spec=spec).train()
+    unlimited = MoEBlock(hidden=8, spec=spec.model_copy(update={"capacity_factor": 0.0})).train()
+    unlimited.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        for b in (block, unlimited):
+            torch.nn.init.normal_(b.experts.w_gate_up)
+            torch.nn.init.normal_(b.experts.w_down)
+            b.gate.weight.zero_()
+            b.gate.weight[2].fill_(1.0)  # every token prefers expert 2
+        unlimited.load_state_dict(block.state_dict())
+    x = torch.rand(1, 8, 8) + 0.1
+    y, _ = block(x)
+    y_all, _ = unlimited(x)
+    # Capacity = 1.0 * 8 slots / 4 experts = 2: the first two tokens keep their expert, the other six are dropped.
+    assert block.dropped_slots.item() == 6
+    torch.testing.assert_close(y[0, :2], y_all[0, :2])
+    torch.testing.assert_close(y[0, 2:], torch.zeros_like(y[0, 2:]))

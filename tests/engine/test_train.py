@@ -126,3 +126,24 @@ def test_sigint_checkpoints_and_exits_cleanly(tmp_path, child_env):
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == last_step
     assert "stopped by SIGINT" in stdout and "--resume" in stdout
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_merged_export_equals_the_adapter(tmp_path):
+    profile = small_profile(tmp_path, "train.steps=3", "output.save_merged=true", "model.moe.bias_update_rate=0.01")
+    result = finetune(profile, show_progress=False)
+    tok = load_tokenizer("byte")
+    batch = PackedDataset(load_documents(profile.data, tok), 64, tok.pad_id, 0).micro_batch(1, 2)
+    merged = build_model(profile.model).eval()
+    merged.load_state_dict(load_file(str(tmp_path / "merged.safetensors")), strict=True)
+    # The trained selection biases travel with the merged weights (a PEFT adapter holds only adapter tensors).
+    biases = [layer.mlp.selection_bias for layer in merged.layers]
+    assert any(b.abs().sum() > 0 for b in biases)
+    base = build_model(profile.model)
+    for layer, bias in zip(base.layers, biases):
+        layer.mlp.selection_bias.copy_(bias)
+    adapted = load_adapter(base, result.adapter).eval()
+    with torch.no_grad():
+        expected = adapted(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens).logits
+        with adapted.disable_adapter():
+            assert (expected - adapted(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens).logits).abs().max() > 1e-3
+        torch.testing.assert_close(merged(batch.input_ids, batch.cu_seqlens).logits, expected, atol=1e-5, rtol=1e-5)
