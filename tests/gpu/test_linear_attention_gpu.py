@@ -11,6 +11,7 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
 import pytest
+from guarded_buffers import GuardedBuffers
 import torch
 import torch.nn.functional as F
 
@@ -34,29 +35,6 @@ TOLERANCES = {
     torch.bfloat16: dict(rel_rms=2e-2, rel_max=1e-1),
 }
 GUARD_ELEMENTS = 64 * 16 * 128
-GUARD_VALUE = 1234.5
-
-
-class GuardedBuffers:
-    """Replaces kernels_fwd._alloc: every buffer starts as NaN and is followed by GUARD_ELEMENTS of GUARD_VALUE."""
-
-    def __init__(self):
-        self.buffers: list[tuple[torch.Tensor, int, tuple]] = []
-
-    def alloc(self, shape, dtype, device):
-        numel = 1
-        for size in shape:
-            numel *= size
-        flat = torch.full((numel + GUARD_ELEMENTS,), float("nan"), dtype=dtype, device=device)
-        flat[numel:] = GUARD_VALUE
-        self.buffers.append((flat, numel, tuple(shape)))
-        return flat[:numel].view(shape)
-
-    def check(self):
-        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
-        for flat, numel, shape in self.buffers:
-            tail = flat[numel:]
-            assert bool((tail == GUARD_VALUE).all()), f"a kernel wrote past the end of a buffer of shape {shape}"
 
 
 @pytest.fixture
@@ -67,7 +45,7 @@ def guarded(monkeypatch) -> GuardedBuffers:
         pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    buffers = GuardedBuffers()
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels_fwd, "_alloc", buffers.alloc)
     return buffers
 

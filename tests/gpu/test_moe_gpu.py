@@ -6,6 +6,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 """
 
 import pytest
+from guarded_buffers import GuardedBuffers
 import torch
 
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp, topk_route
@@ -30,7 +31,6 @@ RANK = 16
 LORA_SCALING = 2.0
 LORA_NAMES = ("a_gate_up", "b_gate_up", "a_down", "b_down")
 GUARD_ELEMENTS = 1 << 16
-GUARD_VALUE = 1234.5
 
 
 @pytest.fixture
@@ -45,33 +45,11 @@ def kernel_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-class GuardedBuffers:
-    """Replaces kernels._alloc: every buffer starts as NaN and is followed by GUARD_ELEMENTS of GUARD_VALUE."""
-
-    def __init__(self):
-        self.buffers: list[tuple[torch.Tensor, int, tuple]] = []
-
-    def alloc(self, shape, dtype, device):
-        numel = 1
-        for size in shape:
-            numel *= size
-        flat = torch.full((numel + GUARD_ELEMENTS,), float("nan"), dtype=dtype, device=device)
-        flat[numel:] = GUARD_VALUE
-        self.buffers.append((flat, numel, tuple(shape)))
-        return flat[:numel].view(shape)
-
-    def check(self):
-        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
-        for flat, numel, shape in self.buffers:
-            is_intact = bool((flat[numel:] == GUARD_VALUE).all())
-            assert is_intact, f"a kernel wrote past the end of a buffer of shape {shape}"
-
-
 @pytest.fixture
 def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
     from moe_tune.ops.moe import kernels
 
-    buffers = GuardedBuffers()
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
     return buffers
 

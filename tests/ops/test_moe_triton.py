@@ -11,6 +11,7 @@ _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+from guarded_buffers import GuardedBuffers  # noqa: E402
 import torch  # noqa: E402
 import triton.runtime.interpreter as triton_interpreter  # noqa: E402
 
@@ -38,7 +39,6 @@ LORA_SCALING = 0.5
 LORA_NAMES = ("a_gate_up", "b_gate_up", "a_down", "b_down")
 # Elements past the end of every kernel buffer: a whole 16-row tile of the widest test tensor (2F = 64 columns).
 GUARD_ELEMENTS = 16 * 64
-GUARD_VALUE = 1234.5
 
 
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
@@ -53,32 +53,9 @@ def kernel_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-class GuardedBuffers:
-    """Replaces kernels._alloc: every buffer starts as NaN (an unwritten element poisons the result) and is followed
-    by GUARD_ELEMENTS of GUARD_VALUE (a store past the end changes them)."""
-
-    def __init__(self):
-        self.buffers: list[tuple[torch.Tensor, int, tuple]] = []
-
-    def alloc(self, shape, dtype, device):
-        numel = 1
-        for size in shape:
-            numel *= size
-        flat = torch.full((numel + GUARD_ELEMENTS,), float("nan"), dtype=dtype, device=device)
-        flat[numel:] = GUARD_VALUE
-        self.buffers.append((flat, numel, tuple(shape)))
-        return flat[:numel].view(shape)
-
-    def check(self):
-        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
-        for flat, numel, shape in self.buffers:
-            tail = flat[numel:]
-            assert bool((tail == GUARD_VALUE).all()), f"a kernel wrote past the end of a buffer of shape {shape}"
-
-
 @pytest.fixture
 def guarded(monkeypatch) -> GuardedBuffers:
-    buffers = GuardedBuffers()
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
     return buffers
 
