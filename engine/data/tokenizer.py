@@ -77,10 +77,14 @@ class HFTokenizer:
         # Render growing prefixes with the checkpoint's template; each message owns the tokens it adds.
         pieces, previous = [], []
         for i, message in enumerate(messages):
-            ids = self._tok.apply_chat_template(messages[: i + 1], tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            out = self._tok.apply_chat_template(messages[: i + 1], tokenize=True)
+            # transformers 5 returns a BatchEncoding (a mapping, not a dict); older versions a list of ids.
+            ids = list(out["input_ids"] if hasattr(out, "keys") else out)
             pieces.append((ids[len(previous) :], message["role"] == "assistant"))
             previous = ids
+        # The document already starts with <bos>: drop the one a template renders itself.
+        if pieces and self.bos_id is not None and pieces[0][0][:1] == [self.bos_id]:
+            pieces[0] = (pieces[0][0][1:], pieces[0][1])
         return pieces
 
 

@@ -51,7 +51,8 @@ def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None)
     """Run `python -m moe_tune *argv` as ranks 0..nproc-1 on this machine; return when all ended."""
     port = _free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-m", "moe_tune", *argv], env=rank_env(rank, nproc, port, env))
+        # -P: every rank imports the moe_tune this process runs, never a checkout in the working directory.
+        subprocess.Popen([sys.executable, "-P", "-m", "moe_tune", *argv], env=rank_env(rank, nproc, port, env))
         for rank in range(nproc)
     ]
 

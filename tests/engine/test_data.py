@@ -88,3 +88,35 @@ def test_bad_records_name_file_and_line(tmp_path):
         f"{path}:2: a record must be a JSON object, got list",
         f"{path}:3: 'messages' must be a list of {{\"role\": str, \"content\": str}}",
     ]
+
+
+def test_tokenizer_directory_with_chat_template(tmp_path):
+    # A tokenizer directory as a checkpoint ships it, built offline: word-level vocabulary and a chat template.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "hi", "yo", "user", "assistant"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(tmp_path / "tok")
+    loaded = load_tokenizer(str(tmp_path / "tok"))
+    assert loaded.encode("hi yo") == [3, 4]
+    assert (loaded.bos_id, loaded.eos_id, loaded.vocab_size) == (1, 2, 7)
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}))
+    (doc,) = load_documents(DataProfile(path=path, seq_len=16, tokenizer=str(tmp_path / "tok")), loaded)
+    # <s> user hi assistant yo </s>; labels keep only the assistant's turn and </s>.
+    assert doc.input_ids == [1, 5, 3, 6, 4]
+    assert doc.labels == [IGNORE_INDEX, IGNORE_INDEX, 6, 4, 2]
+
+
+def test_unreadable_tokenizer_directory_is_a_profile_error(tmp_path):
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ProfileError, match=r"data.tokenizer \('.*empty'\) cannot be loaded"):
+        load_tokenizer(str(tmp_path / "empty"))
