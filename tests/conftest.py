@@ -7,6 +7,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Triton fixes a kernel's mode (compiled or interpreted) when its module is first imported: tests/gpu, collected in
+# the same session as the interpreter tests of tests/ops, would decide it for both. Without a GPU they are skipped
+# at collection; on a GPU run them on their own: pytest -m gpu tests/gpu.
+collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 
 # Rendezvous variables a run in this process may have set: a child process must pick its own.
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")

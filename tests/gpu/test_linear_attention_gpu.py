@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
-from moe_tune.ops.linear_attention import kernels_fwd
 from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 pytestmark = [
@@ -40,6 +39,8 @@ GUARD_ELEMENTS = 64 * 16 * 128
 @pytest.fixture
 def guarded(monkeypatch) -> GuardedBuffers:
     from triton.runtime.interpreter import InterpretedFunction
+
+    from moe_tune.ops.linear_attention import kernels_fwd
 
     if isinstance(kernels_fwd._chunk_wy_fwd_kernel, InterpretedFunction):
         pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
