@@ -9,6 +9,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton decides at import whether @triton.jit functions (its own standard library's too) are interpreted. Without a
+# GPU, interpret from the start: DeepSpeed imports Triton long before the kernel tests do. Auto dispatch still takes
+# the reference on CPU tensors; only tests that force MOE_TUNE_KERNELS=triton run kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Triton fixes a kernel's mode (compiled or interpreted) when its module is first imported: tests/gpu, collected in
 # the same session as the interpreter tests of tests/ops, would decide it for both. Without a GPU they are skipped
 # at collection; on a GPU run them on their own: pytest -m gpu tests/gpu.

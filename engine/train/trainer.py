@@ -4,7 +4,9 @@ Outputs in profile.output.dir:
   profile.yaml             the resolved profile          deepspeed_config.json  the DeepSpeed config used
   metrics.jsonl            one record per step           tensorboard/           events (if installed)
   checkpoints/step-N/      atomic, resumable             adapter/               PEFT adapter (LoRA runs)
-  model.safetensors        all weights (full fine-tune)  summary.json           losses, timings, paths
+  model.safetensors        all weights (full fine-tune)  merged.safetensors     adapters merged (save_merged)
+  summary.json             losses, timings, paths
+Every export is consolidated into the single-process layout, whatever the expert-parallel layout of the run.
 """
 
 from __future__ import annotations
@@ -19,10 +21,6 @@ from typing import Any
 import torch
 import yaml
 
-from moe_tune.profiles import ProfileError
-from moe_tune.profiles.schema import JobProfile, TrainProfile
-
-from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
 from moe_tune.engine.parallel.expert_parallel import (
     ExpertLayout,
     create_expert_layout,
@@ -30,7 +28,10 @@ from moe_tune.engine.parallel.expert_parallel import (
     is_expert_parameter,
     tag_expert_parameters,
 )
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile, TrainProfile
 
+from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
 from .distributed import DistInfo, init_distributed, shutdown_distributed
 
 

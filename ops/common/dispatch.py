@@ -1,8 +1,9 @@
 """One dispatch point per op: Triton kernel or pure-PyTorch reference.
 
 `MOE_TUNE_KERNELS=reference|triton|auto` (default auto) forces the path for every op. auto takes the kernel when
-one exists and every input is on a CUDA device; an explicit `triton` that cannot run raises instead of falling back.
-The Triton interpreter (`TRITON_INTERPRET=1`) counts as able to run kernels on CPU tensors.
+one exists and every input is on a CUDA device, the reference everywhere else; an explicit `triton` that cannot run
+raises instead of falling back. Only an explicit `triton` runs kernels on CPU tensors, through the Triton
+interpreter (`TRITON_INTERPRET=1`): that is how the kernels are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -37,19 +38,19 @@ def use_kernel(op_name: str, *tensors: torch.Tensor, has_kernel: bool) -> bool:
     has_kernel: whether the op has a kernel for this case (dtype, options) at all.
     """
     mode = kernel_mode()
-    on_device = all(t.is_cuda for t in tensors if t is not None) or triton_interpreting()
+    on_cuda = all(t.is_cuda for t in tensors if t is not None)
     if mode == "reference":
         choice = False
     elif mode == "triton":
         if not has_kernel:
             raise RuntimeError(f"{KERNELS_ENV}=triton but {op_name} has no Triton kernel for these inputs")
-        if not on_device:
+        if not (on_cuda or triton_interpreting()):
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton but {op_name} got CPU tensors: run on a CUDA device or set TRITON_INTERPRET=1"
             )
         choice = True
     else:
-        choice = has_kernel and on_device
+        choice = has_kernel and on_cuda
     path = "triton" if choice else "reference"
     if (op_name, path) not in _logged_choices:
         _logged_choices.add((op_name, path))
