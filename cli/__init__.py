@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import finetune, plan, profiles
+from . import finetune, plan, profile, profiles
 
 app = typer.Typer(
     name="moe-tune",
@@ -16,6 +16,7 @@ app = typer.Typer(
 app.add_typer(finetune.app)
 app.add_typer(profiles.app)
 app.add_typer(plan.app)
+app.add_typer(profile.app)
 
 
 def main() -> None:

@@ -1,0 +1,12 @@
+"""Benchmarks of the fused ops: the shared harness behind `moe-tune profile --kernels` (see kernels.py)."""
+
+from moe_tune.engine.bench.kernels import (
+    OPS,
+    PRESETS,
+    REGRESSION_TOLERANCE,
+    ROW_KEYS,
+    find_regressions,
+    run_kernels,
+)
+
+__all__ = ["OPS", "PRESETS", "REGRESSION_TOLERANCE", "ROW_KEYS", "find_regressions", "run_kernels"]
