@@ -119,9 +119,7 @@ def test_resume_under_expert_parallel(tmp_path, child_env):
 
 @pytest.mark.dist
 def test_dead_rank_stops_the_job(tmp_path, child_env):
-    from moe_tune.engine.parallel.launch import launch_local
-
-    # Through the CLI launcher, as `moe-tune finetune --nproc 2` runs: rank 1 dies after its first step.
+    # Rank 1 dies abruptly after its first step; rank 0 must notice (gloo errors or parallel.timeout_s) and fail.
     started = time.time()
     codes, logs, _ = run_ranks(
         2, tmp_path / "dead", ["train.steps=50", "train.micro_batch_size=2", "parallel.expert_parallel=2",
@@ -130,7 +128,6 @@ def test_dead_rank_stops_the_job(tmp_path, child_env):
     assert codes[1] == 9
     assert codes[0] != 0, "the surviving rank must not hang or report success"
     assert time.time() - started < HARD_TIMEOUT_S
-    assert launch_local  # the launcher's own handling is checked in test_launcher_names_the_failed_rank
 
 
 def test_launcher_names_the_failed_rank(monkeypatch):
