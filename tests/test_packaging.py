@@ -26,9 +26,3 @@ def test_wheel_holds_one_package_with_the_shipped_profiles(tmp_path):
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "moe-tune = moe_tune.cli:main" in entry_points
 
-
-def test_installed_package_finds_shipped_profile_outside_the_repo(tmp_path, monkeypatch):
-    from moe_tune.profiles import load_profile
-
-    monkeypatch.chdir(tmp_path)
-    assert load_profile("tiny").name == "tiny"

@@ -25,6 +25,14 @@ class Tokenizer(Protocol):
         ...
 
 
+def render_plain_chat(encode, messages: list[dict]) -> list[tuple[list[int], bool]]:
+    """Messages in CHAT_TEMPLATE, for tokenizers without a chat template of their own; assistant turns trained on."""
+    return [
+        (encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"])), m["role"] == "assistant")
+        for m in messages
+    ]
+
+
 class ByteTokenizer:
     """UTF-8 bytes 0..255, then <bos> 256, <eos> 257, <pad> 258."""
 
@@ -38,10 +46,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def render_chat(self, messages: list[dict]) -> list[tuple[list[int], bool]]:
-        return [
-            (self.encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"])), m["role"] == "assistant")
-            for m in messages
-        ]
+        return render_plain_chat(self.encode, messages)
 
 
 class HFTokenizer:
@@ -70,10 +75,7 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict]) -> list[tuple[list[int], bool]]:
         if not getattr(self._tok, "chat_template", None):
-            return [
-                (self.encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"])), m["role"] == "assistant")
-                for m in messages
-            ]
+            return render_plain_chat(self.encode, messages)
         # Render growing prefixes with the checkpoint's template; each message owns the tokens it adds.
         pieces, previous = [], []
         for i, message in enumerate(messages):

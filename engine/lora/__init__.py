@@ -67,9 +67,3 @@ def load_adapter(model: nn.Module, directory, is_trainable: bool = False):
     config = with_expert_lora(LoraConfig.from_pretrained(str(directory)))
     return PeftModel.from_pretrained(model, str(directory), config=config, is_trainable=is_trainable)
 
-
-def expert_lora_layer_type() -> type:
-    """The class ZeRO-3 must treat as a leaf (its adapters live in children that its forward reads directly)."""
-    from .experts import GroupedExpertsLoRA
-
-    return GroupedExpertsLoRA

@@ -58,8 +58,9 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(x).view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
-        q = self.rotary(self.q_norm(q), batch.positions)
-        k = self.rotary(self.k_norm(k), batch.positions)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        q = self.rotary.rotate(self.q_norm(q), cos, sin)
+        k = self.rotary.rotate(self.k_norm(k), cos, sin)
         return q, k, v, gate
 
     def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:

@@ -57,11 +57,18 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [1, T, H, hd]; positions: [T] (restart at every document)."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [1, T, 1, rotary_dim] for positions [T] (restarting at every document)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
         cos = torch.cat([freqs.cos(), freqs.cos()], -1)[None, :, None, :]
         sin = torch.cat([freqs.sin(), freqs.sin()], -1)[None, :, None, :]
+        return cos, sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [1, T, H, hd]; positions: [T] (restart at every document)."""
+        return self.rotate(x, *self.cos_sin(positions))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)

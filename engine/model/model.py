@@ -113,8 +113,6 @@ class MoECausalLM(nn.Module):
             lm_loss = lm_loss / loss_denominator
         return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
 
-    def moe_blocks(self) -> list[MoEBlock]:
-        return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
 
 def build_model(

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from moe_tune.engine.train.distributed import free_port
 
 # Seconds the surviving ranks get to write their checkpoint and exit after a peer failed or a signal came.
 GRACE_S = 30.0
@@ -26,12 +27,6 @@ class LaunchResult:
     returncode: int
     failed_rank: int | None
     message: str
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -49,7 +44,7 @@ def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None 
 
 def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> LaunchResult:
     """Run `python -m moe_tune *argv` as ranks 0..nproc-1 on this machine; return when all ended."""
-    port = _free_port()
+    port = free_port()
     procs = [
         # -P: every rank imports the moe_tune this process runs, never a checkout in the working directory.
         subprocess.Popen([sys.executable, "-P", "-m", "moe_tune", *argv], env=rank_env(rank, nproc, port, env))

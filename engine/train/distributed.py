@@ -27,7 +27,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a rendezvous on this machine."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -40,7 +41,7 @@ def prepare_environment() -> None:
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:

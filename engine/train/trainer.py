@@ -114,7 +114,8 @@ def check_world(profile: JobProfile, world_size: int) -> None:
 def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = None):
     """The model with LoRA injected (or all weights trainable), and its trainable parameters; routed experts are
     tagged for their expert-data-parallel group when spread over several ranks."""
-    from moe_tune.engine.lora import expert_lora_layer_type, inject_lora
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.lora.experts import GroupedExpertsLoRA
     from moe_tune.engine.model.model import build_model
 
     model = build_model(profile.model, profile.memory.activation_checkpointing, layout)
@@ -124,8 +125,8 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
             from deepspeed.utils import set_z3_leaf_modules
 
             # The expert LoRA layer reads its adapters' parameters directly: ZeRO-3 must gather them all at once.
-            if any(isinstance(m, expert_lora_layer_type()) for m in model.modules()):
-                set_z3_leaf_modules(model, [expert_lora_layer_type()])
+            if any(isinstance(m, GroupedExpertsLoRA) for m in model.modules()):
+                set_z3_leaf_modules(model, [GroupedExpertsLoRA])
     if layout is not None and layout.ep_size > 1:
         tag_expert_parameters(model, layout)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -365,8 +366,10 @@ def _update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
     imbalance, dropped = [], 0
     for block in _moe_blocks(engine):
         if dist.world_size > 1:
-            torch.distributed.all_reduce(block.load_counts)
-            torch.distributed.all_reduce(block.dropped_slots)
+            stats = torch.cat([block.load_counts, block.dropped_slots.view(1)])
+            torch.distributed.all_reduce(stats)
+            block.load_counts.copy_(stats[:-1])
+            block.dropped_slots.copy_(stats[-1])
         mean = block.load_counts.mean().item()
         imbalance.append(round(block.load_counts.max().item() / mean, 4) if mean > 0 else 0.0)
         dropped += int(block.dropped_slots.item())

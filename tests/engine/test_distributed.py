@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_tune.engine.parallel.launch import _free_port, rank_env
+from moe_tune.engine.parallel.launch import rank_env
+from moe_tune.engine.train.distributed import free_port
 from moe_tune.engine.train.trainer import check_world
 from moe_tune.profiles import ProfileError, load_profile
 
@@ -25,7 +26,7 @@ HARD_TIMEOUT_S = 300
 
 
 def run_ranks(world, out, overrides, child_env, extra=()):
-    port = _free_port()
+    port = free_port()
     result = out / "result.json"
     cmd = [sys.executable, str(WORKER), "--result", str(result), *extra,
            *[a for o in [*BASE, f"output.dir={out}", *overrides] for a in ("--set", o)]]
