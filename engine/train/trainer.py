@@ -31,7 +31,7 @@ from moe_tune.engine.parallel.expert_parallel import (
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
-from .checkpoint import complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
+from .checkpoint import checkpoint_name, complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
 from .distributed import DistInfo, init_distributed, shutdown_distributed
 
 
@@ -281,7 +281,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     started = time.perf_counter()
     with _StopSignal() as stop, reporter:
         if start_step:
-            reporter.print(f"resumed from {ckpt_root / f'step-{start_step:07d}'} at step {start_step}")
+            reporter.print(f"resumed from {ckpt_root / checkpoint_name(start_step)} at step {start_step}")
         for step in range(start_step, last_step):
             t0 = time.perf_counter()
             engine.train()
