@@ -98,7 +98,10 @@ def _format_value(value: Any) -> str:
 def _format_errors(err: ValidationError) -> list[str]:
     lines = []
     for e in err.errors(include_url=False):
-        path = ".".join(str(p) for p in e["loc"])
+        loc = list(e["loc"])
+        if len(loc) > 1 and loc[0] == "model" and loc[1] in ("spec", "checkpoint"):
+            del loc[1]  # the tag of the `model:` union, not a field
+        path = ".".join(str(p) for p in loc)
         if e["type"] == "value_error":
             # Our check_<rule> validators: one line per broken rule, fields marked with '@'.
             message = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]

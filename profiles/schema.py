@@ -9,9 +9,9 @@ the user reads `model.moe.top_k (9) must be <= model.moe.num_experts (8)`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 # The byte-level tokenizer's vocabulary: 256 bytes plus <bos>, <eos> and <pad>.
 BYTE_VOCAB_SIZE = 259
@@ -114,8 +114,17 @@ class ModelProfile(Strict):
     linear_attention: LinearAttentionSpec | None = Field(None, description="needed if any layer is linear")
     sparse_attention: SparseAttentionSpec | None = Field(None, description="needed if any layer is sparse")
     moe: MoESpec | None = Field(None, description="needed if any layer has mlp: moe")
+    attention_output_gate: bool = Field(
+        True, description="full/sparse attention scale their output by sigmoid(gate), the gate coming from q_proj "
+        "(qwen3_next layout); false: plain softmax attention (qwen3_moe)"
+    )
+    tie_word_embeddings: bool = Field(False, description="the LM head shares the token embedding's weight")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of projections and embeddings")
     seed: int = Field(0, description="seed of the weight init")
+    checkpoint: Path | None = Field(
+        None, description="set by moe-tune when the architecture was read from a checkpoint's config.json; "
+        "the weights are then loaded from there"
+    )
 
     @model_validator(mode="after")
     def check_sections_present(self):
@@ -144,13 +153,50 @@ class ModelProfile(Strict):
         return self
 
 
+class CheckpointModel(Strict):
+    """`model: {checkpoint: DIR}`: the architecture comes from DIR/config.json (engine/families maps it)."""
+
+    checkpoint: Path = Field(
+        description="Hugging Face checkpoint directory: config.json, *.safetensors in the hub's key layout, and "
+        "usually the tokenizer files"
+    )
+
+    @model_validator(mode="after")
+    def check_checkpoint_dir(self):
+        problems = []
+        if not self.checkpoint.is_dir():
+            problems.append(f"@checkpoint ('{self.checkpoint}') must be an existing directory")
+        elif not (self.checkpoint / "config.json").is_file():
+            problems.append(f"@checkpoint ('{self.checkpoint}') must hold a config.json")
+        elif not any(self.checkpoint.glob("*.safetensors")):
+            problems.append(f"@checkpoint ('{self.checkpoint}') must hold *.safetensors weights")
+        _raise_if(problems)
+        return self
+
+
+def _model_kind(value: Any) -> str:
+    """`{checkpoint: DIR}` alone is a checkpoint reference; a section with the architecture is a spec (a resolved
+    profile keeps `checkpoint` next to the architecture read from it)."""
+    if isinstance(value, dict):
+        return "checkpoint" if "checkpoint" in value and "hidden_size" not in value else "spec"
+    return "checkpoint" if isinstance(value, CheckpointModel) else "spec"
+
+
+# The tag names the kind of `model:` section; the loader leaves it out of error paths.
+ModelSection = Annotated[
+    Union[Annotated[ModelProfile, Tag("spec")], Annotated[CheckpointModel, Tag("checkpoint")]],
+    Discriminator(_model_kind),
+]
+
+
 class DataProfile(Strict):
     path: Path | None = Field(
         None, description="JSONL file of {'text': ...} or {'messages': [{'role', 'content'}]} records; "
         "None: the built-in generated corpus of the tiny default"
     )
-    tokenizer: str = Field(
-        "byte", description="'byte' (built-in byte-level tokenizer) or a directory with tokenizer files (transformers)"
+    tokenizer: str | None = Field(
+        None, description="'byte' (built-in byte-level tokenizer) or a directory with tokenizer files (transformers); "
+        "unset: the checkpoint's own tokenizer with model.checkpoint, else 'byte'"
     )
     seq_len: int = Field(ge=8, description="tokens per packed row; documents are packed, never attending across")
     text_field: str = Field("text", description="key of plain-text records")
@@ -166,7 +212,7 @@ class DataProfile(Strict):
                 problems.append(f"@path ('{self.path}') must be an existing file")
             elif not _has_content(self.path):
                 problems.append(f"@path ('{self.path}') must hold at least one record (the file is empty)")
-        if self.tokenizer != "byte" and not Path(self.tokenizer).is_dir():
+        if self.tokenizer not in (None, "byte") and not Path(self.tokenizer).is_dir():
             problems.append(f"@tokenizer ('{self.tokenizer}') must be 'byte' or an existing directory")
         _raise_if(problems)
         return self
@@ -249,7 +295,9 @@ class OutputProfile(Strict):
 
 class JobProfile(Strict):
     name: str = Field(description="job name, shown in logs and written to the outputs")
-    model: ModelProfile = Field(description="architecture of the model to fine-tune")
+    model: ModelSection = Field(
+        description="architecture of the model to fine-tune, or {checkpoint: DIR} to start from a Hugging Face checkpoint"
+    )
     data: DataProfile = Field(description="training data and tokenizer")
     lora: LoraProfile = Field(default_factory=LoraProfile, description="adapters (or full fine-tuning)")
     parallel: ParallelProfile = Field(default_factory=ParallelProfile, description="distribution of the weights")
@@ -257,10 +305,25 @@ class JobProfile(Strict):
     train: TrainProfile = Field(description="optimizer and schedule")
     output: OutputProfile = Field(description="what is written where")
 
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer to load: data.tokenizer, else the checkpoint's directory, else 'byte'."""
+        if self.data.tokenizer is not None:
+            return self.data.tokenizer
+        if self.model.checkpoint is not None:
+            return str(self.model.checkpoint)
+        return "byte"
+
     @model_validator(mode="after")
     def check_tokenizer_fits_model(self):
         problems = []
-        if self.data.tokenizer == "byte" and self.model.vocab_size < BYTE_VOCAB_SIZE:
+        if isinstance(self.model, CheckpointModel):
+            # The architecture is not known before engine.families reads config.json; it re-validates then.
+            if self.data.path is None and self.data.tokenizer != "byte":
+                problems.append("data.path (None) must be set with model.checkpoint (the built-in corpus is byte-level)")
+            _raise_if(problems)
+            return self
+        if self.tokenizer == "byte" and self.model.vocab_size < BYTE_VOCAB_SIZE:
             problems.append(
                 f"model.vocab_size ({self.model.vocab_size}) must be >= {BYTE_VOCAB_SIZE} for data.tokenizer 'byte'"
             )
@@ -269,7 +332,7 @@ class JobProfile(Strict):
             problems.append(
                 f"parallel.expert_parallel ({ep}) must divide model.moe.num_experts ({self.model.moe.num_experts})"
             )
-        if self.data.path is None and self.data.tokenizer != "byte":
-            problems.append(f"data.tokenizer ('{self.data.tokenizer}') must be 'byte' with the built-in corpus")
+        if self.data.path is None and self.tokenizer != "byte":
+            problems.append(f"data.tokenizer ('{self.tokenizer}') must be 'byte' with the built-in corpus")
         _raise_if(problems)
         return self

@@ -38,13 +38,14 @@ class PackedBatch:
 
 class GatedAttention(nn.Module):
     """Softmax attention with GQA, q/k RMSNorm, partial RoPE and a sigmoid output gate (qwen3_next layout: q_proj
-    yields each head's query followed by its gate)."""
+    yields each head's query followed by its gate); without `attention_output_gate`, plain attention (qwen3_moe)."""
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * 2, bias=False)
+        self.gated = cfg.attention_output_gate
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * (2 if self.gated else 1), bias=False)
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
@@ -53,9 +54,12 @@ class GatedAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)
 
     def project(self, x: torch.Tensor, batch: PackedBatch):
-        """x [1, T, D] -> q [1, T, H, hd], k and v [1, T, G, hd], gate [1, T, H, hd]."""
+        """x [1, T, D] -> q [1, T, H, hd], k and v [1, T, G, hd], gate [1, T, H, hd] (None when ungated)."""
         t = x.shape[1]
-        q, gate = self.q_proj(x).view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        if self.gated:
+            q, gate = self.q_proj(x).view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q, gate = self.q_proj(x).view(1, t, self.num_heads, self.head_dim), None
         k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(batch.positions)
@@ -72,7 +76,9 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         q, k, v, gate = self.project(x, batch)
-        o = self.attend(x, q, k, v, batch) * torch.sigmoid(gate)
+        o = self.attend(x, q, k, v, batch)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(1, x.shape[1], -1))
 
 

@@ -64,6 +64,8 @@ class MoECausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, spec, expert_layout, i) for i, spec in enumerate(cfg.layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

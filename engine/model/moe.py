@@ -79,6 +79,9 @@ class MoEBlock(nn.Module):
         self.register_buffer("selection_bias", torch.zeros(spec.num_experts))
         self.register_buffer("load_counts", torch.zeros(spec.num_experts), persistent=False)
         self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
+        # Set by `moe-tune align --pin-routing`: the experts to use for the next forward [T, k] (the reference's
+        # choice); the weights still come from our own router scores at those experts.
+        self.pinned_topk_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
@@ -92,6 +95,7 @@ class MoEBlock(nn.Module):
             renormalize=self.spec.renormalize,
             selection_bias=bias,
             routed_scaling=self.spec.routed_scaling,
+            pinned_ids=self.pinned_topk_ids,
         )
         if self.spec.capacity_factor > 0:
             topk_weights = self._drop_over_capacity(topk_ids, topk_weights)

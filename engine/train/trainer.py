@@ -234,7 +234,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
 
     train, out = profile.train, profile.output.dir
     torch.manual_seed(train.seed)
-    tokenizer = load_tokenizer(profile.data.tokenizer)
+    tokenizer = load_tokenizer(profile.tokenizer)
     if tokenizer.vocab_size > profile.model.vocab_size:
         raise ProfileError(
             [f"model.vocab_size ({profile.model.vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"]

@@ -190,11 +190,14 @@ def topk_route(
     renormalize: bool = True,
     selection_bias: torch.Tensor | None = None,
     routed_scaling: float = 1.0,
+    pinned_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick top_k experts per token and their combine weights.
 
     logits: [N, E] float. selection_bias: [E] float or None, added to the scores for the choice only (aux-loss-free
     balancing); the weights are always the unbiased scores. Defaults: softmax scores, renormalised, scaling 1.0.
+    pinned_ids: [N, k] experts to use instead of choosing (alignment against a reference's routing); the weights
+    are computed at them as usual.
     Returns topk_ids [N, k] int64, topk_weights [N, k] fp32 (differentiable w.r.t. logits), scores [N, E] fp32.
     """
     if score_func not in SCORE_FUNCS:
@@ -212,7 +215,7 @@ def topk_route(
     choice_NE = scores_NE.detach()
     if selection_bias is not None:
         choice_NE = choice_NE + selection_bias.detach().float()
-    topk_ids_Nk = choice_NE.topk(top_k, dim=-1).indices
+    topk_ids_Nk = choice_NE.topk(top_k, dim=-1).indices if pinned_ids is None else pinned_ids.long()
     topk_weights_Nk = scores_NE.gather(-1, topk_ids_Nk)
     if renormalize:
         denom_N1 = topk_weights_Nk.sum(dim=-1, keepdim=True)

@@ -28,7 +28,7 @@ def small_profile(out, *extra):
 
 def plain_pytorch_losses(profile, steps):
     """The same training written without DeepSpeed: the oracle for ZeRO-3 in one process."""
-    tok = load_tokenizer(profile.data.tokenizer)
+    tok = load_tokenizer(profile.tokenizer)
     data = PackedDataset(load_documents(profile.data, tok), profile.data.seq_len, tok.pad_id, profile.data.seed)
     torch.manual_seed(profile.train.seed)
     model, trainable = build_trainable_model(profile)

@@ -1,0 +1,81 @@
+"""qwen3_moe: softmax attention with GQA and q/k RMSNorm, softmax top-k routed SwiGLU experts (no shared
+expert), dense SwiGLU on `mlp_only_layers` / off `decoder_sparse_step`.
+
+Checkpoint keys (hub layout): model.embed_tokens, model.layers.{i}.{input_layernorm, self_attn.{q,k,v,o}_proj,
+self_attn.{q,k}_norm, post_attention_layernorm, mlp.gate, mlp.experts.{e}.{gate,up,down}_proj | mlp.{gate,up,
+down}_proj}, model.norm, lm_head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from moe_tune.profiles.schema import LayerSpec, ModelProfile, MoESpec
+
+from .base import Family, HFConfig, Recipe, moe_layer_indices, stacked_experts, take
+
+
+class Qwen3Moe(Family):
+    model_types = ("qwen3_moe",)
+    reference_class = "Qwen3MoeForCausalLM"
+
+    def to_profile(self, config: dict[str, Any]) -> ModelProfile:
+        c = HFConfig(config)
+        c.expect("hidden_act", ["silu"])
+        c.expect("attention_bias", [False], False)
+        c.expect("use_sliding_window", [False], False)
+        num_layers = c.require("num_hidden_layers") or 0
+        num_experts = c.get("num_experts", c.get("num_local_experts", 0))
+        is_moe = moe_layer_indices(num_layers, c) if num_experts else [False] * num_layers
+        layers = [LayerSpec(attention="full", mlp="moe" if moe else "dense") for moe in is_moe]
+        moe = None
+        if any(is_moe):
+            moe = MoESpec(
+                num_experts=num_experts,
+                top_k=c.require("num_experts_per_tok"),
+                expert_intermediate_size=c.require("moe_intermediate_size"),
+                score_func="softmax",
+                renormalize=bool(c.get("norm_topk_prob", False)),
+            )
+        rope_theta = c.rope_theta()
+        hidden = c.require("hidden_size")
+        heads = c.require("num_attention_heads")
+        c.raise_problems()
+        return ModelProfile(
+            vocab_size=c.require("vocab_size"),
+            hidden_size=hidden,
+            layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or hidden // heads,
+            intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
+            rope_theta=rope_theta,
+            partial_rotary_factor=c.partial_rotary_factor(),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            norm_one_plus=False,
+            moe=moe,
+            attention_output_gate=False,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init_std=c.get("initializer_range", 0.02),
+        )
+
+    def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
+        return qwen_recipe(name, module)
+
+
+def qwen_recipe(name: str, module: nn.Module, prefix: str = "model.") -> Recipe:
+    """The naming the Qwen MoE families share: our module names are theirs under `prefix`, the routed experts are
+    stored per expert, and the selection bias is ours alone."""
+    if name == "lm_head.weight":
+        return take("lm_head.weight")
+    if name.endswith("mlp.selection_bias"):
+        return None
+    if name.endswith("mlp.experts.w_gate_up"):
+        base = prefix + name.removesuffix("w_gate_up")
+        return stacked_experts(module, lambda e: [f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"])
+    if name.endswith("mlp.experts.w_down"):
+        base = prefix + name.removesuffix("w_down")
+        return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
+    return take(prefix + name)
