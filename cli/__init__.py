@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import finetune, plan, profile, profiles
+from . import align, finetune, plan, profile, profiles
 
 app = typer.Typer(
     name="moe-tune",
@@ -17,6 +17,7 @@ app.add_typer(finetune.app)
 app.add_typer(profiles.app)
 app.add_typer(plan.app)
 app.add_typer(profile.app)
+app.add_typer(align.app)
 
 
 def main() -> None:

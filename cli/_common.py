@@ -31,14 +31,19 @@ def fail(problems: list[str]) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Catch user-input errors at the edge: ProfileError, and files the user named that cannot be read."""
+    from moe_tune.engine.families import UnsupportedModel
+
     try:
         yield
-    except ProfileError as err:
+    except (ProfileError, UnsupportedModel) as err:
         fail(err.problems)
 
 
 def read_profile(path: str, overrides: list[str] | None) -> JobProfile:
+    """Load and validate a profile; `model: {checkpoint: DIR}` comes back with the architecture read from DIR."""
+    from moe_tune.engine.families import resolve_job
+
     with user_errors():
-        return load_profile(path, overrides or [])
+        return resolve_job(load_profile(path, overrides or []))
 
 

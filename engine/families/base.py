@@ -125,13 +125,14 @@ class Family:
 # ---- recipes shared by the families ----------------------------------------------------------------------
 
 
-def take(key: str) -> Recipe:
-    return lambda get: get(key)
+class take:
+    """Recipe: the checkpoint tensor `key` as it is. Align pairs our module with the reference's through it."""
 
+    def __init__(self, key: str):
+        self.key = key
 
-def one_plus_to_plain(key: str) -> Recipe:
-    """A checkpoint norm stored as w in (1 + w) feeding our plain-scale norm."""
-    return lambda get: get(key) + 1.0
+    def __call__(self, get: TensorGetter) -> torch.Tensor:
+        return get(self.key)
 
 
 def concat(keys: list[str], dim: int = 0) -> Recipe:

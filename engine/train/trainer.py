@@ -119,6 +119,11 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
     from moe_tune.engine.model.model import build_model
 
     model = build_model(profile.model, profile.memory.activation_checkpointing, layout)
+    if profile.model.checkpoint is not None:
+        from moe_tune.engine.families import load_checkpoint_weights
+
+        # Each rank reads only its own experts; unread tensors can be reported only when one rank reads them all.
+        load_checkpoint_weights(model, profile.model, check_unread=layout is None or layout.ep_size == 1)
     if profile.lora.enabled:
         model = inject_lora(model, profile.lora)
         if profile.parallel.zero_stage == 3:
@@ -205,6 +210,9 @@ def finetune(
 ) -> RunResult:
     """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written."""
     _quiet_third_party_noise()
+    from moe_tune.engine.families import resolve_job
+
+    profile = resolve_job(profile)  # model: {checkpoint: DIR} -> the architecture in DIR/config.json
     dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
         return _finetune(profile, dist, resume, show_progress, stop_after, console)

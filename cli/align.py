@@ -1,0 +1,108 @@
+"""`moe-tune align`: compare our model layer by layer with the reference implementation, or with a golden trace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ._common import fail, read_profile, user_errors
+
+app = typer.Typer()
+
+
+@app.command()
+def align(
+    reference: Annotated[
+        Path | None, typer.Option("--reference", help="Hugging Face checkpoint directory (config.json + safetensors)")
+    ] = None,
+    batch: Annotated[
+        Path | None,
+        typer.Option("--batch", help='JSONL of documents, {"input_ids": [...]} or {"text": ...} per line '
+                     "(default: three random documents)"),
+    ] = None,
+    pin_routing: Annotated[
+        bool, typer.Option("--pin-routing", help="feed the reference's expert choice to moe-tune's routers")
+    ] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
+    golden: Annotated[
+        Path | None,
+        typer.Option("--golden", help="golden trace file: checked when it exists, recorded when it does not "
+                     "(compares moe-tune with itself, no reference run)"),
+    ] = None,
+    update_golden: Annotated[bool, typer.Option("--update-golden", help="re-record the golden trace")] = False,
+    profile: Annotated[
+        str | None, typer.Option("--profile", help="with --golden and no --reference: the profile whose model to trace")
+    ] = None,
+    logits_atol: Annotated[float, typer.Option(help="max abs difference of logits allowed")] = 1e-4,
+    kl: Annotated[float, typer.Option(help="max mean KL(reference || moe-tune) of next-token distributions")] = 1e-6,
+    loss_atol: Annotated[float, typer.Option(help="max abs difference of the loss")] = 1e-4,
+    grad_rtol: Annotated[float, typer.Option(help="max relative difference of LoRA gradients")] = 1e-3,
+) -> None:
+    """Numerical alignment, layer by layer: hidden states, logits (max abs, cosine, KL), loss, LoRA gradients.
+    Exit 0 within tolerance, 1 outside it, 2 on bad input."""
+    from moe_tune.engine.align import Tolerances, align_checkpoint, read_batch, run_golden
+    from moe_tune.engine.families import model_profile_from_checkpoint
+
+    problems = []
+    if reference is None and golden is None:
+        problems.append("--reference DIR or --golden FILE is required")
+    if reference is not None and not (reference / "config.json").is_file():
+        problems.append(f"--reference ('{reference}') must be a checkpoint directory with a config.json")
+    if pin_routing and golden is not None:
+        problems.append("--pin-routing compares with the reference: it does not apply to --golden")
+    if profile is not None and reference is not None:
+        problems.append("--profile and --reference both name the model: give one")
+    for name, value in (("--logits-atol", logits_atol), ("--kl", kl), ("--loss-atol", loss_atol), ("--grad-rtol", grad_rtol)):
+        if value < 0:
+            problems.append(f"{name} ({value}) must be >= 0")
+    if problems:
+        fail(problems)
+    tolerances = Tolerances(logits_max_abs=logits_atol, kl=kl, loss_abs=loss_atol, lora_grad_rel=grad_rtol)
+    console = Console(highlight=False)
+    with user_errors():
+        if golden is not None:
+            profile_model = read_profile(profile or "tiny", None).model if reference is None else None
+            report, written = run_golden(golden, reference, profile_model, batch, update_golden, tolerances)
+            if written:
+                console.print(f"recorded golden trace {golden}", markup=False)
+                return
+        else:
+            docs = None
+            if batch is not None:
+                _, _, cfg = model_profile_from_checkpoint(reference)
+                docs = read_batch(batch, cfg.vocab_size, reference)
+            report = align_checkpoint(reference, docs, pin_routing, tolerances)
+    if json_out is not None:
+        report.write_json(json_out)
+    print_report(console, report)
+    if not report.passed:
+        raise typer.Exit(code=1)
+
+
+def print_report(console: Console, report) -> None:
+    against = "golden trace" if report.model_type.startswith("golden") else "reference (transformers, fp32, eager)"
+    console.print(
+        f"{report.model_type}: moe-tune vs {against}, documents {report.documents}"
+        + (", routing pinned to the reference's" if report.pinned_routing else ""),
+        markup=False,
+    )
+    table = Table(show_edge=False)
+    for col in ("compared", "max abs", "relative"):
+        table.add_column(col, justify="left" if col == "compared" else "right")
+    for row in report.layers + [report.logits] + report.lora_grads:
+        table.add_row(row.name, f"{row.max_abs:.3e}", f"{row.rel:.3e}")
+    console.print(table)
+    console.print(
+        f"logits cosine {report.logits_cosine:.8f}  KL {report.kl:.3e}  "
+        f"loss {report.loss_ours:.6f} (reference {report.loss_reference:.6f})",
+        markup=False,
+    )
+    if report.passed:
+        console.print("aligned: within tolerance", markup=False)
+    else:
+        for line in report.failures:
+            console.print(f"NOT aligned: {line}", markup=False)

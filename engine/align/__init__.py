@@ -1,0 +1,53 @@
+"""`moe-tune align`: our model against the reference implementation (compare.py) and against a golden trace of
+itself (golden.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .compare import AlignReport, Row, Tolerances, align_checkpoint, default_documents, load_ours, read_batch
+from .golden import check_golden, record_golden
+
+__all__ = [
+    "AlignReport",
+    "Row",
+    "Tolerances",
+    "align_checkpoint",
+    "check_golden",
+    "default_documents",
+    "golden_model",
+    "read_batch",
+    "record_golden",
+    "run_golden",
+]
+
+
+def golden_model(reference: Path | None, profile_model=None):
+    """Our model for a golden trace: loaded from a checkpoint directory, or built from a profile's `model:` spec
+    (its weights come from model.seed, so the same profile always builds the same model)."""
+    from moe_tune.engine.families import model_profile_from_checkpoint
+    from moe_tune.engine.model.model import build_model
+
+    if reference is not None:
+        _, _, cfg = model_profile_from_checkpoint(reference)
+        return load_ours(cfg), cfg
+    return build_model(profile_model).eval(), profile_model
+
+
+def run_golden(
+    path: Path,
+    reference: Path | None = None,
+    profile_model=None,
+    batch: Path | None = None,
+    update: bool = False,
+    tolerances: Tolerances = Tolerances(),
+) -> tuple[AlignReport | None, bool]:
+    """Check the golden trace at `path`, or record it when it does not exist yet (or `update`).
+    Returns (the comparison, or None when recorded; whether a trace was written)."""
+    model, cfg = golden_model(reference, profile_model)
+    if path.exists() and not update:
+        return check_golden(model, path, tolerances), False
+    docs = read_batch(batch, cfg.vocab_size, reference) if batch is not None else default_documents(cfg.vocab_size)
+    description = {"model": str(reference) if reference is not None else "profile", "profile": cfg.model_dump(mode="json")}
+    record_golden(model, docs, path, description)
+    return None, True

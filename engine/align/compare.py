@@ -1,0 +1,328 @@
+"""Numerical alignment of moe-tune's model against the model's own published implementation (transformers).
+
+Both run in fp32 on the same weights (the checkpoint) and the same documents: ours on one packed row with
+cu_seqlens, the reference on each document alone (so packing is checked too). Compared: the hidden state after
+every decoder layer, the logits (max abs, cosine, KL), the loss, and the gradients of LoRA adapters put on the
+projections the two models share, with identical adapter weights on both sides.
+
+Shapes: T packed tokens, L tokens of one document, D model dim, V vocabulary, k experts per token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_tune.engine.families import Family, UnsupportedModel, load_checkpoint_weights, model_profile_from_checkpoint
+from moe_tune.engine.families.base import take
+from moe_tune.profiles.schema import ModelProfile
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    logits_max_abs: float = 1e-4
+    kl: float = 1e-6
+    loss_abs: float = 1e-4
+    lora_grad_rel: float = 1e-3  # max |g_ours - g_ref| / max |g_ref| per adapter tensor
+
+
+@dataclass
+class Row:
+    """One compared quantity: its name, max abs difference, and that relative to the reference's largest value."""
+
+    name: str
+    max_abs: float
+    rel: float
+
+
+@dataclass
+class AlignReport:
+    checkpoint: str
+    model_type: str
+    documents: list[int]  # token count of each document
+    pinned_routing: bool
+    layers: list[Row]
+    logits: Row
+    logits_cosine: float
+    kl: float
+    loss_reference: float
+    loss_ours: float
+    lora_grads: list[Row] = field(default_factory=list)
+    tolerances: Tolerances = field(default_factory=Tolerances)
+
+    @property
+    def failures(self) -> list[str]:
+        tol, out = self.tolerances, []
+        if not self.logits.max_abs <= tol.logits_max_abs:
+            out.append(f"logits max abs {self.logits.max_abs:.3g} > {tol.logits_max_abs:g}")
+        if not self.kl <= tol.kl:
+            out.append(f"KL {self.kl:.3g} > {tol.kl:g}")
+        if not abs(self.loss_ours - self.loss_reference) <= tol.loss_abs:
+            out.append(f"loss differs by {abs(self.loss_ours - self.loss_reference):.3g} > {tol.loss_abs:g}")
+        out += [
+            f"LoRA gradient {row.name} rel {row.rel:.3g} > {tol.lora_grad_rel:g}"
+            for row in self.lora_grads
+            if not row.rel <= tol.lora_grad_rel
+        ]
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["failures"] = self.failures
+        return data
+
+    def write_json(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        tmp.replace(path)
+
+
+def default_documents(vocab_size: int, lengths: tuple[int, ...] = (23, 9, 14), seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+
+
+def read_batch(path: Path, vocab_size: int, tokenizer_dir: Path | None = None) -> list[torch.Tensor]:
+    """Documents from a JSONL file: {"input_ids": [...]} or {"text": "..."} (tokenised with the checkpoint's
+    tokenizer) per line."""
+    docs, problems = [], []
+    tokenizer = None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UnsupportedModel([f"--batch {path}: cannot read ({err})"]) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            problems.append(f"--batch {path}:{number}: not valid JSON ({err.msg})")
+            continue
+        if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
+            ids = record["input_ids"]
+        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+            if tokenizer is None:
+                from moe_tune.engine.data.tokenizer import HFTokenizer
+
+                tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+            if tokenizer is None:
+                problems.append(f"--batch {path}:{number}: text records need the checkpoint's tokenizer")
+                continue
+            ids = tokenizer.encode(record["text"])
+        else:
+            problems.append(f"--batch {path}:{number}: must be {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}")
+            continue
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab_size]
+        if bad or len(ids) < 2:
+            problems.append(
+                f"--batch {path}:{number}: input_ids must be >= 2 ints in [0, {vocab_size})"
+                + (f" (got {bad[0]!r})" if bad else "")
+            )
+            continue
+        docs.append(torch.tensor(ids, dtype=torch.long))
+    if not docs and not problems:
+        problems.append(f"--batch {path}: holds no documents")
+    if problems:
+        raise UnsupportedModel(problems)
+    return docs
+
+
+def load_reference(directory: Path, family: Family) -> nn.Module:
+    """The checkpoint in its published implementation: fp32, eager attention, eager experts, no remote code."""
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    cls = getattr(transformers, family.reference_class)
+    model = cls.from_pretrained(
+        str(directory),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        local_files_only=True,
+        trust_remote_code=False,
+        **family.reference_kwargs(),
+    )
+    return model.eval()
+
+
+def load_ours(cfg: ModelProfile) -> nn.Module:
+    from moe_tune.engine.model.model import build_model
+
+    model = build_model(cfg)
+    load_checkpoint_weights(model, cfg)
+    return model.eval()
+
+
+def _submodule(model: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        model = getattr(model, part)
+    return model
+
+
+def _capture(modules: list[nn.Module], pick) -> tuple[list[list[torch.Tensor]], list]:
+    """Forward hooks appending pick(output) of module i to store[i] on every call."""
+    store: list[list[torch.Tensor]] = [[] for _ in modules]
+    handles = [
+        m.register_forward_hook(lambda _m, _i, out, i=i: store[i].append(pick(out).detach())) for i, m in enumerate(modules)
+    ]
+    return store, handles
+
+
+def _sum_loss(logits_LV: torch.Tensor, ids_L: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of one document (its last token predicts nothing)."""
+    return F.cross_entropy(logits_LV[:-1].float(), ids_L[1:], reduction="sum")
+
+
+def _lora_pairs(ours: nn.Module, cfg: ModelProfile, family: Family, targets: tuple[str, ...]) -> dict[str, str]:
+    """Our linear layers whose weight is a checkpoint tensor taken as is, named by suffix in `targets`, paired with
+    the reference module that holds that tensor: {our module name: reference module name}."""
+    pairs = {}
+    for name, module in ours.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            recipe = family.recipe(f"{name}.weight", module, cfg)
+            if isinstance(recipe, take) and recipe.key.endswith(".weight"):
+                pairs[name] = recipe.key.removesuffix(".weight")
+    return pairs
+
+
+def align_checkpoint(
+    directory: Path,
+    documents: list[torch.Tensor] | None = None,
+    pin_routing: bool = False,
+    tolerances: Tolerances = Tolerances(),
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    lora_rank: int = 4,
+) -> AlignReport:
+    """Run the reference and moe-tune on `documents` (default: three random documents) and compare them."""
+    from peft import LoraConfig, get_peft_model
+
+    from moe_tune.engine.model.moe import MoEBlock
+
+    directory = Path(directory)
+    family, config, cfg = model_profile_from_checkpoint(directory)
+    reference = load_reference(directory, family)
+    ours = load_ours(cfg)
+    docs = documents if documents is not None else default_documents(cfg.vocab_size)
+
+    # LoRA on the projections both models share, with the same random A and B (B nonzero so A gets gradients).
+    pairs = _lora_pairs(ours, cfg, family, lora_targets)
+    if pairs:
+        ours = get_peft_model(ours, LoraConfig(r=lora_rank, lora_alpha=2.0 * lora_rank, target_modules=sorted(pairs)))
+        reference = get_peft_model(
+            reference, LoraConfig(r=lora_rank, lora_alpha=2.0 * lora_rank, target_modules=sorted(pairs.values()))
+        )
+        gen = torch.Generator().manual_seed(1234)
+        ref_modules = dict(reference.base_model.model.named_modules())
+        our_modules = dict(ours.base_model.model.named_modules())
+        with torch.no_grad():
+            for our_name, ref_name in pairs.items():
+                for part in ("lora_A", "lora_B"):
+                    ref_w = getattr(ref_modules[ref_name], part)["default"].weight
+                    ref_w.copy_(torch.randn(ref_w.shape, generator=gen) * 0.1)
+                    getattr(our_modules[our_name], part)["default"].weight.copy_(ref_w)
+    ref_root = reference.base_model.model if pairs else reference
+    our_root = ours.base_model.model if pairs else ours
+
+    ref_layers = list(_submodule(ref_root, family.reference_layers))
+    our_layers = list(our_root.layers)
+    if len(ref_layers) != len(our_layers):
+        raise UnsupportedModel([f"{directory}: reference has {len(ref_layers)} layers, ours {len(our_layers)}"])
+    routers = [m for n, m in ref_root.named_modules() if n.endswith(family.reference_router_suffix)]
+    moe_blocks = [m for m in our_root.modules() if isinstance(m, MoEBlock)]
+
+    # Reference: each document alone; loss = summed token losses / all labelled tokens, as our packed loss.
+    labelled = sum(len(d) - 1 for d in docs)
+    ref_hidden, handles = _capture(ref_layers, family.reference_layer_output)
+    ref_routes, route_handles = _capture(routers, family.reference_topk_ids)
+    ref_logits, ref_loss = [], 0.0
+    try:
+        for doc in docs:
+            logits = reference(input_ids=doc[None]).logits[0]
+            loss = _sum_loss(logits, doc) / labelled
+            loss.backward()
+            ref_loss += loss.item()
+            ref_logits.append(logits.detach())
+    finally:
+        for h in handles + route_handles:
+            h.remove()
+
+    if pin_routing:
+        if len(routers) != len(moe_blocks):
+            raise UnsupportedModel([f"{directory}: {len(routers)} reference routers, {len(moe_blocks)} MoE layers"])
+        for block, routes in zip(moe_blocks, ref_routes):
+            block.pinned_topk_ids = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])
+
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
+    our_hidden, handles = _capture(our_layers, family.our_layer_output)
+    try:
+        out = ours(ids, cu, labels)
+        out.lm_loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for block in moe_blocks:
+            block.pinned_topk_ids = None
+
+    rows = []
+    for i, (ref_h, our_h) in enumerate(zip(ref_hidden, our_hidden)):
+        ref_cat = torch.cat([h.reshape(-1, *h.shape[2:]) for h in ref_h])
+        rows.append(_row(f"layer {i}", our_h[0].reshape(ref_cat.shape), ref_cat))
+    ref_all = torch.cat(ref_logits).float()
+    our_all = out.logits[0].detach().float()
+    logits_row = _row("logits", our_all, ref_all)
+    cosine = F.cosine_similarity(our_all.flatten(), ref_all.flatten(), dim=0).item()
+    ref_logp, our_logp = ref_all.log_softmax(-1), our_all.log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
+
+    grads = []
+    if pairs:
+        ref_modules = dict(ref_root.named_modules())
+        our_modules = dict(our_root.named_modules())
+        for our_name, ref_name in sorted(pairs.items()):
+            for part in ("lora_A", "lora_B"):
+                g_ref = getattr(ref_modules[ref_name], part)["default"].weight.grad
+                g_our = getattr(our_modules[our_name], part)["default"].weight.grad
+                grads.append(_row(f"{our_name}.{part}", g_our, g_ref))
+    return AlignReport(
+        checkpoint=str(directory),
+        model_type=str(config.get("model_type")),
+        documents=[len(d) for d in docs],
+        pinned_routing=pin_routing,
+        layers=rows,
+        logits=logits_row,
+        logits_cosine=cosine,
+        kl=max(kl, 0.0),
+        loss_reference=ref_loss,
+        loss_ours=out.lm_loss.item(),
+        lora_grads=grads,
+        tolerances=tolerances,
+    )
+
+
+def _row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None) -> Row:
+    if ours is None or ref is None:
+        missing = "ours" if ours is None else "reference"
+        return Row(f"{name} (no gradient in {missing})", float("inf"), float("inf"))
+    diff = (ours.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    return Row(name, diff, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
+

@@ -1,0 +1,102 @@
+"""Golden traces: our model's hidden states, logits and loss on a fixed batch, recorded once and checked after
+every change (a regression test of moe-tune against itself, no reference implementation needed).
+
+A trace is one safetensors file: the batch (input_ids [1, T], cu_seqlens [N + 1]), `layer.{i}` [T, D] hidden
+states, `logits` [T, V], `loss` []; its metadata holds the model profile it was recorded from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_tune.engine.families import UnsupportedModel
+
+from .compare import AlignReport, Row, Tolerances, _row
+
+
+def trace(model: nn.Module, docs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run `model` (ours, eval mode) on the documents packed in one row; return the trace tensors."""
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0).to(torch.int32)
+    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
+    hidden: list[torch.Tensor] = []
+    handles = [layer.register_forward_hook(lambda _m, _i, out: hidden.append(out[0][0].detach())) for layer in model.layers]
+    try:
+        with torch.no_grad():
+            out = model(ids, cu, labels)
+    finally:
+        for h in handles:
+            h.remove()
+    tensors = {"input_ids": ids, "cu_seqlens": cu, "logits": out.logits[0].float(), "loss": out.lm_loss.float()}
+    tensors.update({f"layer.{i}": h.float().contiguous() for i, h in enumerate(hidden)})
+    return tensors
+
+
+def record_golden(model: nn.Module, docs: list[torch.Tensor], path: Path, description: dict) -> dict[str, torch.Tensor]:
+    """Write the trace of `model` to `path` atomically (a half-written file never replaces a good one)."""
+    from safetensors.torch import save_file
+
+    tensors = trace(model, docs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"moe_tune_golden": json.dumps(description, default=str)})
+    tmp.replace(path)
+    return tensors
+
+
+def read_golden(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # safetensors raises its own types for foreign or truncated files
+        raise UnsupportedModel([f"--golden {path}: not a golden trace ({err})"]) from None
+    if "moe_tune_golden" not in meta or "logits" not in tensors:
+        raise UnsupportedModel([f"--golden {path}: not a golden trace (no moe_tune_golden metadata)"])
+    return tensors, json.loads(meta["moe_tune_golden"])
+
+
+def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Tolerances()) -> AlignReport:
+    """Run `model` on the batch stored in the trace and compare with the recorded values."""
+    golden, description = read_golden(path)
+    ids, cu = golden["input_ids"][0], golden["cu_seqlens"].long()
+    docs = [ids[int(a) : int(b)] for a, b in zip(cu[:-1], cu[1:])]
+    now = trace(model, docs)
+    layer_keys = sorted((k for k in golden if k.startswith("layer.")), key=lambda k: int(k.split(".")[1]))
+    if len(layer_keys) != sum(k.startswith("layer.") for k in now):
+        raise UnsupportedModel([f"--golden {path}: recorded {len(layer_keys)} layers, the model has a different count"])
+    rows = []
+    for key in layer_keys:
+        if now[key].shape != golden[key].shape:
+            raise UnsupportedModel([f"--golden {path}: {key} has shape {tuple(golden[key].shape)}, "
+                                    f"the model gives {tuple(now[key].shape)}"])
+        rows.append(_row(key.replace(".", " "), now[key], golden[key]))
+    if now["logits"].shape != golden["logits"].shape:
+        raise UnsupportedModel([f"--golden {path}: logits have shape {tuple(golden['logits'].shape)}, "
+                                f"the model gives {tuple(now['logits'].shape)}"])
+    ref_logp, our_logp = golden["logits"].log_softmax(-1), now["logits"].log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
+    return AlignReport(
+        checkpoint=str(path),
+        model_type=f"golden trace of {description.get('model', '?')}",
+        documents=[len(d) for d in docs],
+        pinned_routing=False,
+        layers=rows,
+        logits=_row("logits", now["logits"], golden["logits"]),
+        logits_cosine=torch.nn.functional.cosine_similarity(
+            now["logits"].flatten(), golden["logits"].flatten(), dim=0
+        ).item(),
+        kl=max(kl, 0.0),
+        loss_reference=golden["loss"].item(),
+        loss_ours=now["loss"].item(),
+        tolerances=tolerances,
+    )
+
+
+__all__ = ["check_golden", "record_golden", "read_golden", "trace", "Row"]

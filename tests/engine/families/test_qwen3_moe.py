@@ -1,0 +1,75 @@
+"""qwen3_moe from a transformers checkpoint: alignment with the reference, a wrong mapping caught, unsupported
+configs reported, and a short fine-tune whose first loss is the reference's."""
+
+import pytest
+import torch
+
+from moe_tune.engine.align import align_checkpoint
+from moe_tune.engine.families import UnsupportedModel, model_profile_from_checkpoint
+from moe_tune.engine.families import qwen3_moe as family_module
+from moe_tune.engine.families.base import stacked_experts
+
+from hf_tiny import tiny_qwen3_moe
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint(tiny_qwen3_moe())
+
+
+def test_profile_read_from_config(checkpoint):
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    assert [(layer.attention, layer.mlp) for layer in cfg.layers] == [("full", "dense"), ("full", "moe"), ("full", "moe")]
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.renormalize) == (7, 2, True)
+    assert cfg.rope_theta == 5000.0 and not cfg.attention_output_gate and cfg.checkpoint == checkpoint
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_aligned_with_transformers(checkpoint, pin):
+    report = align_checkpoint(checkpoint, pin_routing=pin)
+    assert report.passed, report.failures
+    assert len(report.layers) == 3 and max(row.rel for row in report.layers) < 1e-5
+    assert report.logits.max_abs < 1e-5 and report.kl < 1e-7
+    assert len(report.lora_grads) == 3 * 4 * 2  # q, k, v, o of every layer, A and B
+
+
+def test_swapped_gate_up_is_caught(checkpoint, monkeypatch):
+    def swapped(name, module):
+        if name.endswith("experts.w_gate_up"):
+            base = "model." + name.removesuffix("w_gate_up")
+            return stacked_experts(module, lambda e: [f"{base}{e}.up_proj.weight", f"{base}{e}.gate_proj.weight"])
+        return original(name, module)
+
+    original = family_module.qwen_recipe
+    monkeypatch.setattr(family_module, "qwen_recipe", swapped)
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert not report.passed
+    assert report.layers[0].max_abs < 1e-5  # the dense first layer is still right: the table points at layer 1
+    assert report.layers[1].max_abs > 1e-4 and report.logits.max_abs > report.tolerances.logits_max_abs
+
+
+def test_unsupported_config_names_the_field(tiny_checkpoint):
+    directory = tiny_checkpoint(tiny_qwen3_moe(hidden_act="gelu", attention_bias=True))
+    with pytest.raises(UnsupportedModel) as err:
+        model_profile_from_checkpoint(directory)
+    assert any("hidden_act ('gelu') is not mapped" in line for line in err.value.problems)
+    assert any("attention_bias (True) is not mapped" in line for line in err.value.problems)
+
+
+def test_unknown_model_type_lists_its_modules(checkpoint):
+    import json
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["model_type"] = "mystery_moe"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel) as err:
+        model_profile_from_checkpoint(checkpoint)
+    assert "model_type ('mystery_moe') is not mapped" in err.value.problems[0]
+    assert any(line.endswith("module not mapped: model.layers.*.mlp.experts.*.gate_proj.weight") for line in err.value.problems)
+
+
+def test_finetune_from_checkpoint_starts_at_the_reference_loss(checkpoint, short_finetune):
+    result, reference_first_loss = short_finetune(checkpoint)
+    assert len(result.losses) == 3
+    assert result.losses[0] == pytest.approx(reference_first_loss, rel=1e-5)
+    assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
