@@ -111,19 +111,28 @@ def check_world(profile: JobProfile, world_size: int) -> None:
         raise ProfileError(problems)
 
 
-def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = None):
+def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = None, ds_config: dict | None = None):
     """The model with LoRA injected (or all weights trainable), and its trainable parameters; routed experts are
-    tagged for their expert-data-parallel group when spread over several ranks."""
+    tagged for their expert-data-parallel group when spread over several ranks.
+
+    A model read from a checkpoint under ZeRO-3 (`ds_config` given) is built partitioned: no rank ever holds the
+    whole model (see build_partitioned), and the weights stream in one tensor at a time."""
     from moe_tune.engine.lora import inject_lora
     from moe_tune.engine.lora.experts import GroupedExpertsLoRA
     from moe_tune.engine.model.model import build_model
 
-    model = build_model(profile.model, profile.memory.activation_checkpointing, layout)
-    if profile.model.checkpoint is not None:
+    cfg = profile.model
+    if cfg.checkpoint is not None:
         from moe_tune.engine.families import load_checkpoint_weights
 
+        if ds_config is not None and profile.parallel.zero_stage == 3:
+            model = build_partitioned(cfg, ds_config, profile.memory.activation_checkpointing, layout)
+        else:
+            model = build_model(cfg, profile.memory.activation_checkpointing, layout)
         # Each rank reads only its own experts; unread tensors can be reported only when one rank reads them all.
-        load_checkpoint_weights(model, profile.model, check_unread=layout is None or layout.ep_size == 1)
+        load_checkpoint_weights(model, cfg, check_unread=layout is None or layout.ep_size == 1)
+    else:
+        model = build_model(cfg, profile.memory.activation_checkpointing, layout)
     if profile.lora.enabled:
         model = inject_lora(model, profile.lora)
         if profile.parallel.zero_stage == 3:
@@ -136,6 +145,28 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
         tag_expert_parameters(model, layout)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, trainable
+
+
+def build_partitioned(cfg, ds_config: dict, activation_checkpointing: bool, layout: ExpertLayout | None):
+    """Our model constructed under deepspeed.zero.Init, so each dense module is partitioned over the ranks as soon
+    as it is built, with no random init (the checkpoint overwrites every weight). Routed experts must not be
+    partitioned over the whole world (ZeRO-3 would then train them wrong): each MoE layer's experts are rebuilt
+    outside zero.Init, holding only this rank's E_local experts, and are tagged for their expert-data-parallel
+    group later, like the experts of a model built in full."""
+    import deepspeed
+
+    from moe_tune.engine.model.model import MoECausalLM
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = MoECausalLM(cfg, activation_checkpointing, layout)
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, GroupedExperts):
+                fresh = GroupedExperts(child.num_experts, child.hidden, child.intermediate, child.first_expert,
+                                       child.layer_index)
+                setattr(module, child_name, fresh)
+    return model
 
 
 def _gathered_state(module: torch.nn.Module, only_trainable: bool, layout: ExpertLayout) -> dict[str, torch.Tensor]:
@@ -251,12 +282,12 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
 
     check_world(profile, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
-    model, trainable = build_trainable_model(profile, layout)
+    ds_config = deepspeed_config(profile, dist.world_size)
+    model, trainable = build_trainable_model(profile, layout, ds_config)
     optimizer = torch.optim.AdamW(
         trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
-    ds_config = deepspeed_config(profile, dist.world_size)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )

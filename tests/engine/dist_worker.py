@@ -9,6 +9,7 @@ from moe_tune.profiles import load_profile
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--result", required=True)
+parser.add_argument("--profile", default="tiny")
 parser.add_argument("--set", dest="overrides", action="append", default=[])
 parser.add_argument("--stop-after", type=int, default=None)
 parser.add_argument("--resume", action="store_true")
@@ -28,10 +29,24 @@ if args.die_rank is not None and int(os.environ["RANK"]) == args.die_rank:
 
     metrics.ProgressReporter.update = die
 
-from moe_tune.engine.train.trainer import finetune  # noqa: E402
+import moe_tune.engine.train.trainer as trainer  # noqa: E402
 
-result = finetune(load_profile("tiny", args.overrides), show_progress=False, stop_after=args.stop_after,
-                  resume=args.resume)
+# The share of the dense weights this rank held right after a partitioned build (checkpoint models).
+held = {}
+build_partitioned = trainer.build_partitioned
+
+
+def recording_build(*a, **k):
+    model = build_partitioned(*a, **k)
+    dense = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    held["dense_share"] = sum(p.ds_tensor.numel() for p in dense) / sum(p.ds_numel for p in dense)
+    held["full_dense_tensors"] = sum(p.numel() > 0 for p in dense)
+    return model
+
+
+trainer.build_partitioned = recording_build
+result = trainer.finetune(load_profile(args.profile, args.overrides), show_progress=False,
+                          stop_after=args.stop_after, resume=args.resume)
 if result.is_main:
     with open(args.result, "w") as f:
-        json.dump({"losses": result.losses, "start_step": result.start_step}, f)
+        json.dump({"losses": result.losses, "start_step": result.start_step, **held}, f)

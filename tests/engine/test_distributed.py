@@ -25,11 +25,11 @@ BASE = ["data.seq_len=64", "data.corpus_documents=200", "train.warmup_steps=1", 
 HARD_TIMEOUT_S = 300
 
 
-def run_ranks(world, out, overrides, child_env, extra=()):
+def run_ranks(world, out, overrides, child_env, extra=(), base=BASE):
     port = free_port()
     result = out / "result.json"
     cmd = [sys.executable, str(WORKER), "--result", str(result), *extra,
-           *[a for o in [*BASE, f"output.dir={out}", *overrides] for a in ("--set", o)]]
+           *[a for o in [*base, f"output.dir={out}", *overrides] for a in ("--set", o)]]
     procs = [subprocess.Popen(cmd, env=rank_env(r, world, port, child_env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(world)]
     logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
@@ -76,6 +76,38 @@ def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extr
         assert one.keys() == many.keys() and any(".experts.w_down" in k for k in one)
         for key in one:
             torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.dist
+def test_checkpoint_model_under_expert_parallel_equals_one_process(tmp_path, child_env):
+    """A qwen3_moe checkpoint fine-tuned by 2 ranks (ZeRO-3, expert parallel 2): built partitioned (each rank holds
+    half of every dense tensor, never the whole model), experts read per rank, and the same losses and adapter
+    as one process."""
+    from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(num_experts=6), tmp_path / "qwen3_moe")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} about experts {i * 3}"}) + "\n" for i in range(60)))
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(json.dumps({
+        "name": "ckpt-ep", "model": {"checkpoint": str(checkpoint)},
+        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 48},
+        "train": {"steps": 3, "lr": 0.002, "micro_batch_size": 2, "grad_clip": 0.5},
+        "output": {"dir": str(tmp_path / "unused"), "tensorboard": False},
+    }))
+    extra = ["--profile", str(profile)]
+    codes, logs, single = run_ranks(1, tmp_path / "single", ["train.micro_batch_size=4"], child_env, extra, base=[])
+    assert codes == [0], logs[0][-3000:]
+    out = tmp_path / "ep2"
+    codes, logs, multi = run_ranks(2, out, ["parallel.expert_parallel=2"], child_env, extra, base=[])
+    assert codes == [0, 0], logs[0][-3000:]
+    assert single["dense_share"] == 1.0 and multi["dense_share"] == pytest.approx(0.5, abs=0.01)
+    assert multi["full_dense_tensors"] == 0
+    assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+    one, many = adapter(tmp_path / "single"), adapter(out)
+    assert one.keys() == many.keys()
+    for key in one:
+        torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.dist
