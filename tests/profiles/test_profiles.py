@@ -155,3 +155,22 @@ def test_json_schema_is_serialisable_and_complete():
     text = json.dumps(schema)
     assert set(schema["required"]) == {"name", "model", "data", "train", "output"}
     assert "expert_intermediate_size" in text
+
+
+def test_checkpoint_model_section(tmp_path):
+    from moe_tune.profiles import ProfileError, load_profile
+
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", [f"model={{checkpoint: {missing}}}", f"data.path={tmp_path / 'd.jsonl'}"])
+    assert f"model.checkpoint ('{missing}') must be an existing directory" in err.value.problems
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", [f"model={{checkpoint: {tmp_path / 'ckpt'}}}"])
+    assert f"model.checkpoint ('{tmp_path / 'ckpt'}') must hold a config.json" in err.value.problems
+    # With the built-in corpus (byte-level) a checkpoint's vocabulary cannot be assumed to fit.
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", [f"model={{checkpoint: {tmp_path / 'ckpt'}}}"])
+    assert err.value.problems == ["data.path (None) must be set with model.checkpoint (the built-in corpus is byte-level)"]

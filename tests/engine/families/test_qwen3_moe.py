@@ -73,3 +73,58 @@ def test_finetune_from_checkpoint_starts_at_the_reference_loss(checkpoint, short
     assert len(result.losses) == 3
     assert result.losses[0] == pytest.approx(reference_first_loss, rel=1e-5)
     assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_checkpoint_tokenizer_is_the_default(checkpoint, tmp_path):
+    """A profile naming only the checkpoint trains with the tokenizer saved beside the weights."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from typer.testing import CliRunner
+
+    from moe_tune.cli import app
+    from moe_tune.engine.families import resolve_job
+    from moe_tune.profiles import load_profile
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        checkpoint
+    )
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(f"w{(i * j) % 40}" for j in range(12))}) + "\n" for i in range(30)))
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(json.dumps({
+        "name": "words", "model": {"checkpoint": str(checkpoint)}, "data": {"path": str(data), "seq_len": 32},
+        "train": {"steps": 2, "micro_batch_size": 2, "lr": 1e-3}, "output": {"dir": str(tmp_path / "out")},
+    }))
+    job = resolve_job(load_profile(profile))
+    assert job.tokenizer == str(checkpoint) and job.model.num_attention_heads == 4
+    result = CliRunner().invoke(app, ["finetune", str(profile), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "trained steps 1-2" in result.stdout
+    # The resolved profile written beside the outputs carries the architecture read from config.json.
+    import yaml
+
+    written = yaml.safe_load((tmp_path / "out" / "profile.yaml").read_text())
+    assert written["model"]["checkpoint"] == str(checkpoint) and written["model"]["hidden_size"] == 32
+
+
+def test_missing_tensor_is_reported(checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    from moe_tune.engine.families import load_checkpoint_weights
+    from moe_tune.engine.model.model import build_model
+
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.2.self_attn.k_norm.weight"]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    with pytest.raises(UnsupportedModel) as err:
+        load_checkpoint_weights(build_model(cfg), cfg)
+    assert err.value.problems == [
+        f"{checkpoint}: tensor model.layers.2.self_attn.k_norm.weight is missing (needed for layers.2.self_attn.k_norm.weight)"
+    ]
