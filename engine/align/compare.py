@@ -202,6 +202,108 @@ def _lora_pairs(ours: nn.Module, cfg: ModelProfile, family: Family, targets: tup
     return pairs
 
 
+EXPERT_PARAMS = {"w_gate_up": "gate_up_proj", "w_down": "down_proj"}
+
+
+def _expert_pairs(ours: nn.Module, reference: nn.Module) -> dict[str, str]:
+    """Our grouped experts paired with the reference's fused experts module of the same MoE layer (in order),
+    where both hold the same weights in the same layout: {our module name: reference module name}. Families whose
+    reference stores experts differently simply get no expert pairs."""
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    our_experts = [(n, m) for n, m in ours.named_modules() if isinstance(m, GroupedExperts)]
+    ref_experts = [(n, m) for n, m in reference.named_modules()
+                   if all(isinstance(getattr(m, p, None), nn.Parameter) for p in EXPERT_PARAMS.values())]
+    pairs = {}
+    if len(our_experts) == len(ref_experts):
+        for (our_name, our_m), (ref_name, ref_m) in zip(our_experts, ref_experts):
+            if all(getattr(our_m, o).shape == getattr(ref_m, r).shape and torch.equal(getattr(our_m, o), getattr(ref_m, r))
+                   for o, r in EXPERT_PARAMS.items()):
+                pairs[our_name] = ref_name
+    return pairs
+
+
+class SharedAdapters:
+    """Identical LoRA adapters on both models: PEFT Linear adapters on the paired projections, and per-expert
+    adapters on paired experts (ours: GroupedExpertsLoRA A [E, r, in], B [E, out, r]; the reference: PEFT's
+    target_parameters wrapper, A [E*r, in] with expert e in rows e*r.., B [out, r*E] with expert e in columns
+    j*E + e). Random A and B (B non-zero so A gets a gradient)."""
+
+    def __init__(self, ours, reference, linear: dict[str, str], experts: dict[str, str], rank: int):
+        from peft import LoraConfig, get_peft_model
+
+        from moe_tune.engine.lora import with_expert_lora
+
+        self.linear, self.experts, self.rank = linear, experts, rank
+        alpha = 2.0 * rank
+        self.ours = get_peft_model(
+            ours, with_expert_lora(LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(linear) + sorted(experts)))
+        )
+        ref_params = [f"{name}.{p}" for name in sorted(experts.values()) for p in EXPERT_PARAMS.values()]
+        self.reference = get_peft_model(
+            reference,
+            LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(linear.values()) or None,
+                       target_parameters=ref_params or None),
+        )
+        self.our_modules = dict(self.ours.base_model.model.named_modules())
+        self.ref_modules = dict(self.reference.base_model.model.named_modules())
+        gen = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            for our_name, ref_name in linear.items():
+                for part in ("lora_A", "lora_B"):
+                    ref_w = getattr(self.ref_modules[ref_name], part)["default"].weight
+                    ref_w.copy_(torch.randn(ref_w.shape, generator=gen) * 0.1)
+                    getattr(self.our_modules[our_name], part)["default"].weight.copy_(ref_w)
+            for our_name, ref_name in experts.items():
+                for ours_p, ref_p in EXPERT_PARAMS.items():
+                    ours_a, ours_b = self._our_factors(our_name, ours_p)
+                    ours_a.copy_(torch.randn(ours_a.shape, generator=gen) * 0.1)
+                    ours_b.copy_(torch.randn(ours_b.shape, generator=gen) * 0.1)
+                    ref_a, ref_b = self._ref_factors(ref_name, ref_p)
+                    ref_a.copy_(self._to_ref_a(ours_a))
+                    ref_b.copy_(self._to_ref_b(ours_b))
+
+    def _our_factors(self, name: str, param: str):
+        module = self.our_modules[name]
+        return getattr(module.lora_A["default"], param), getattr(module.lora_B["default"], param)
+
+    def _ref_factors(self, name: str, param: str):
+        # PEFT nests one ParamWrapper per targeted parameter around the module; find the one wrapping `param`.
+        module = self.ref_modules[name]
+        while hasattr(module, "parameter_name"):
+            if module.parameter_name == param:
+                return module.lora_A["default"].weight, module.lora_B["default"].weight
+            module = module.base_layer
+        raise KeyError(f"{name}.{param}: no LoRA wrapper in the reference")
+
+    @staticmethod
+    def _to_ref_a(a_ERI: torch.Tensor) -> torch.Tensor:
+        return a_ERI.reshape(-1, a_ERI.shape[-1])
+
+    @staticmethod
+    def _to_ref_b(b_EOR: torch.Tensor) -> torch.Tensor:
+        return b_EOR.permute(1, 2, 0).reshape(b_EOR.shape[1], -1)
+
+    def gradient_rows(self) -> list[Row]:
+        rows = []
+        for our_name, ref_name in sorted(self.linear.items()):
+            for part in ("lora_A", "lora_B"):
+                g_ref = getattr(self.ref_modules[ref_name], part)["default"].weight.grad
+                g_our = getattr(self.our_modules[our_name], part)["default"].weight.grad
+                rows.append(_row(f"{our_name}.{part}", g_our, g_ref))
+        for our_name, ref_name in sorted(self.experts.items()):
+            for ours_p, ref_p in EXPERT_PARAMS.items():
+                ours_a, ours_b = self._our_factors(our_name, ours_p)
+                ref_a, ref_b = self._ref_factors(ref_name, ref_p)
+                rows.append(_row(f"{our_name}.lora_A.{ours_p}", _grad(ours_a, self._to_ref_a), ref_a.grad))
+                rows.append(_row(f"{our_name}.lora_B.{ours_p}", _grad(ours_b, self._to_ref_b), ref_b.grad))
+        return rows
+
+
+def _grad(param: torch.Tensor, convert) -> torch.Tensor | None:
+    return None if param.grad is None else convert(param.grad)
+
+
 def align_checkpoint(
     directory: Path,
     documents: list[torch.Tensor] | None = None,
@@ -211,34 +313,27 @@ def align_checkpoint(
     lora_rank: int = 4,
 ) -> AlignReport:
     """Run the reference and moe-tune on `documents` (default: three random documents) and compare them."""
-    from peft import LoraConfig, get_peft_model
+    import warnings
 
     from moe_tune.engine.model.moe import MoEBlock
 
+    # PEFT warns about our grouped-experts layer, which is registered with it on purpose.
+    warnings.filterwarnings("ignore", message="Unsupported layer type", module="peft")
     directory = Path(directory)
     family, config, cfg = model_profile_from_checkpoint(directory)
     reference = load_reference(directory, family)
     ours = load_ours(cfg)
     docs = documents if documents is not None else default_documents(cfg.vocab_size)
 
-    # LoRA on the projections both models share, with the same random A and B (B nonzero so A gets gradients).
-    pairs = _lora_pairs(ours, cfg, family, lora_targets)
-    if pairs:
-        ours = get_peft_model(ours, LoraConfig(r=lora_rank, lora_alpha=2.0 * lora_rank, target_modules=sorted(pairs)))
-        reference = get_peft_model(
-            reference, LoraConfig(r=lora_rank, lora_alpha=2.0 * lora_rank, target_modules=sorted(pairs.values()))
-        )
-        gen = torch.Generator().manual_seed(1234)
-        ref_modules = dict(reference.base_model.model.named_modules())
-        our_modules = dict(ours.base_model.model.named_modules())
-        with torch.no_grad():
-            for our_name, ref_name in pairs.items():
-                for part in ("lora_A", "lora_B"):
-                    ref_w = getattr(ref_modules[ref_name], part)["default"].weight
-                    ref_w.copy_(torch.randn(ref_w.shape, generator=gen) * 0.1)
-                    getattr(our_modules[our_name], part)["default"].weight.copy_(ref_w)
-    ref_root = reference.base_model.model if pairs else reference
-    our_root = ours.base_model.model if pairs else ours
+    # LoRA on the projections and experts both models share, with the same random A and B on both sides.
+    linear_pairs = _lora_pairs(ours, cfg, family, lora_targets)
+    expert_pairs = _expert_pairs(ours, reference)
+    adapters = None
+    if linear_pairs or expert_pairs:
+        adapters = SharedAdapters(ours, reference, linear_pairs, expert_pairs, lora_rank)
+        ours, reference = adapters.ours, adapters.reference
+    ref_root = reference.base_model.model if adapters else reference
+    our_root = ours.base_model.model if adapters else ours
 
     ref_layers = list(_submodule(ref_root, family.reference_layers))
     our_layers = list(our_root.layers)
@@ -293,15 +388,7 @@ def align_checkpoint(
     ref_logp, our_logp = ref_all.log_softmax(-1), our_all.log_softmax(-1)
     kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
 
-    grads = []
-    if pairs:
-        ref_modules = dict(ref_root.named_modules())
-        our_modules = dict(our_root.named_modules())
-        for our_name, ref_name in sorted(pairs.items()):
-            for part in ("lora_A", "lora_B"):
-                g_ref = getattr(ref_modules[ref_name], part)["default"].weight.grad
-                g_our = getattr(our_modules[our_name], part)["default"].weight.grad
-                grads.append(_row(f"{our_name}.{part}", g_our, g_ref))
+    grads = adapters.gradient_rows() if adapters else []
     return AlignReport(
         checkpoint=str(directory),
         model_type=str(config.get("model_type")),

@@ -30,7 +30,9 @@ def test_aligned_with_transformers(checkpoint, pin):
     assert report.passed, report.failures
     assert len(report.layers) == 3 and max(row.rel for row in report.layers) < 1e-5
     assert report.logits.max_abs < 1e-5 and report.kl < 1e-7
-    assert len(report.lora_grads) == 3 * 4 * 2  # q, k, v, o of every layer, A and B
+    # A and B of q, k, v, o in every layer, and of both projections of the experts of the 2 MoE layers.
+    assert len(report.lora_grads) == 3 * 4 * 2 + 2 * 2 * 2
+    assert max(row.rel for row in report.lora_grads) < 1e-5
 
 
 def test_swapped_gate_up_is_caught(checkpoint, monkeypatch):
