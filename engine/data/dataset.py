@@ -21,7 +21,9 @@ from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile
 
 from .corpus import generate_corpus
-from .tokenizer import Tokenizer
+from .images import ImageError, ImageSettings, image_patches, load_image
+from .multimodal import ImageRef, VisionTokens, render_multimodal_chat
+from .tokenizer import CHAT_TEMPLATE, Tokenizer
 
 IGNORE_INDEX = -100
 
@@ -30,6 +32,7 @@ IGNORE_INDEX = -100
 class Document:
     input_ids: list[int]
     labels: list[int]
+    images: tuple[ImageRef, ...] = ()  # in the order of their placeholders; such a document is never cut
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Row:
     input_ids: list[int]  # [L]
     labels: list[int]  # [L]
     starts: list[int]  # piece starts inside the row, starts[0] == 0
+    images: tuple[ImageRef, ...] = ()
 
 
 @dataclass
@@ -44,15 +48,64 @@ class Batch:
     input_ids: torch.Tensor  # [1, T] int64
     labels: torch.Tensor  # [1, T] int64, -100 where nothing is predicted
     cu_seqlens: torch.Tensor  # [N + 1] int32
+    pixel_values: torch.Tensor | None = None  # [P, C*Tp*p*p] fp32 patches of every image, in token order
+    image_grid_thw: torch.Tensor | None = None  # [I, 3] int64 (t, h, w) in patches
 
     @property
     def num_label_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
-def _record_document(record: object, where: str, profile: DataProfile, tok: Tokenizer) -> Document:
+@dataclass(frozen=True)
+class VisionInput:
+    """What image records need from the model: its image processor settings and image token ids."""
+
+    settings: ImageSettings
+    tokens: VisionTokens
+
+
+def _is_multimodal(record: dict, profile: DataProfile) -> bool:
+    messages = record.get(profile.messages_field)
+    return "images" in record or (
+        isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+    )
+
+
+def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):
+    if vision is None:
+        raise ProfileError([f"{where}: the record has images but the model has no vision tower (model.vision)"])
+    messages = record.get(profile.messages_field)
+    images = record.get("images", [])
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+    ):
+        raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": ...}}"])
+    if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+        raise ProfileError([f"{where}: 'images' must be a list of image paths"])
+    pieces, refs = render_multimodal_chat(
+        messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where
+    )
+    ids = [tok.bos_id] if tok.bos_id is not None else []
+    trained = [False] * len(ids)
+    for piece, is_trained in pieces:
+        ids += piece
+        trained += [is_trained] * len(piece)
+    ids.append(tok.eos_id)
+    trained.append(True)
+    labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])]
+    if len(ids) - 1 > profile.seq_len:
+        raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
+                            f"({profile.seq_len}); a document with images is never cut"])
+    return Document(ids[:-1], labels, tuple(refs))
+
+
+def _record_document(
+    record: object, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None = None
+) -> Document:
     if not isinstance(record, dict):
         raise ProfileError([f"{where}: a record must be a JSON object, got {type(record).__name__}"])
+    if _is_multimodal(record, profile):
+        return _image_document(record, where, profile, tok, vision)  # ImageError: the caller skips or reports
     if profile.messages_field in record:
         messages = record[profile.messages_field]
         if not isinstance(messages, list) or not all(
@@ -86,8 +139,12 @@ def text_document(text: str, tok: Tokenizer) -> Document:
     return Document(ids[:-1], ids[1:])
 
 
-def load_documents(profile: DataProfile, tok: Tokenizer) -> list[Document]:
-    """Every document of the profile's data; ProfileError naming the file and line for a bad record."""
+def load_documents(
+    profile: DataProfile, tok: Tokenizer, vision: VisionInput | None = None, skipped: list[str] | None = None
+) -> list[Document]:
+    """Every document of the profile's data; ProfileError naming the file and line for a bad record. With
+    data.bad_images 'skip', a record whose image is missing or broken is left out and its problem appended to
+    `skipped` instead."""
     if profile.path is None:
         return [text_document(text, tok) for text in generate_corpus(profile.corpus_documents, profile.seed)]
     documents, problems = [], []
@@ -97,11 +154,16 @@ def load_documents(profile: DataProfile, tok: Tokenizer) -> list[Document]:
                 continue
             where = f"{profile.path}:{line_no}"
             try:
-                documents.append(_record_document(json.loads(line), where, profile, tok))
+                documents.append(_record_document(json.loads(line), where, profile, tok, vision))
             except json.JSONDecodeError as err:
                 problems.append(f"{where}: invalid JSON ({err.msg} at column {err.colno})")
             except ProfileError as err:
                 problems.extend(err.problems)
+            except ImageError as err:
+                if profile.bad_images == "skip" and skipped is not None:
+                    skipped.append(str(err))
+                else:
+                    problems.append(str(err))
             if len(problems) >= 20:
                 problems.append(f"{profile.path}: stopping after 20 bad records")
                 break
@@ -113,12 +175,24 @@ def load_documents(profile: DataProfile, tok: Tokenizer) -> list[Document]:
 
 
 def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]:
-    """Greedy packing in the given order; the last row is padded with an unlabelled piece."""
+    """Greedy packing in the given order; the last row is padded with an unlabelled piece. A document with images
+    is never cut: when it does not fit the room left, the row is padded and it starts the next one."""
     rows: list[Row] = []
     ids: list[int] = []
     labels: list[int] = []
     starts: list[int] = []
+    images: list[ImageRef] = []
+
+    def pad_row():
+        starts.append(len(ids))
+        room = seq_len - len(ids)
+        rows.append(Row(ids + [pad_id] * room, labels + [IGNORE_INDEX] * room, list(starts), tuple(images)))
+
     for doc in documents:
+        if doc.images and len(doc.input_ids) > seq_len - len(ids) and ids:
+            pad_row()
+            ids, labels, starts, images = [], [], [], []
+        images += doc.images
         pos = 0
         while pos < len(doc.input_ids):
             take = min(seq_len - len(ids), len(doc.input_ids) - pos)
@@ -127,34 +201,43 @@ def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]
             labels += doc.labels[pos : pos + take]
             pos += take
             if len(ids) == seq_len:
-                rows.append(Row(ids, labels, starts))
-                ids, labels, starts = [], [], []
+                rows.append(Row(ids, labels, starts, tuple(images)))
+                ids, labels, starts, images = [], [], [], []
     if ids:
-        starts.append(len(ids))
-        room = seq_len - len(ids)
-        rows.append(Row(ids + [pad_id] * room, labels + [IGNORE_INDEX] * room, starts))
+        pad_row()
     return rows
 
 
-def collate(rows: list[Row]) -> Batch:
-    """Rows side by side in one packed row [1, R * L]; every piece becomes a cu_seqlens segment."""
+def collate(rows: list[Row], settings: ImageSettings | None = None) -> Batch:
+    """Rows side by side in one packed row [1, R * L]; every piece becomes a cu_seqlens segment. The rows' images
+    are read and cut into patches here (settings: the model's image processor)."""
     seq_len = len(rows[0].input_ids)
     cu = [start + r * seq_len for r, row in enumerate(rows) for start in row.starts] + [len(rows) * seq_len]
-    return Batch(
+    batch = Batch(
         input_ids=torch.tensor([sum((row.input_ids for row in rows), [])], dtype=torch.long),
         labels=torch.tensor([sum((row.labels for row in rows), [])], dtype=torch.long),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
     )
+    refs = [ref for row in rows for ref in row.images]
+    if refs:
+        assert settings is not None, "rows with images need the image settings"
+        patches = [image_patches(load_image(ref.path), settings) for ref in refs]
+        batch.pixel_values = torch.cat([p for p, _ in patches])
+        batch.image_grid_thw = torch.tensor([grid for _, grid in patches], dtype=torch.long)
+    return batch
 
 
 class PackedDataset:
     """Epoch e shuffles the documents with seed + e and packs them; micro-batch i of the run is rows
     [i * R * W, (i + 1) * R * W) of the endless row stream, of which rank r takes its R rows."""
 
-    def __init__(self, documents: list[Document], seq_len: int, pad_id: int, seed: int):
+    def __init__(
+        self, documents: list[Document], seq_len: int, pad_id: int, seed: int, image_settings: ImageSettings | None = None
+    ):
         if not documents:
             raise ProfileError(["data: the dataset has no documents"])
         self.documents, self.seq_len, self.pad_id, self.seed = documents, seq_len, pad_id, seed
+        self.image_settings = image_settings
         self._epoch_lengths: list[int] = []
         self._cached: tuple[int, list[Row]] = (-1, [])
 
@@ -180,4 +263,4 @@ class PackedDataset:
 
     def micro_batch(self, micro_step: int, rows_per_rank: int, rank: int = 0, world_size: int = 1) -> Batch:
         first = (micro_step * world_size + rank) * rows_per_rank
-        return collate([self.row(first + i) for i in range(rows_per_rank)])
+        return collate([self.row(first + i) for i in range(rows_per_rank)], self.image_settings)

@@ -1,0 +1,128 @@
+"""Images for the vision tower: load, resize to the checkpoint's dynamic resolution, normalise, cut into patches.
+
+The settings are the checkpoint's own (preprocessor_config.json of Qwen2-VL-style processors, as qwen3_5_moe and
+qwen4_exp ship them): each image is resized so both sides are multiples of patch_size * merge_size and its area
+lies within [min_pixels, max_pixels] (aspect ratio kept), rescaled to [0, 1], normalised by mean/std, and cut into
+patches of C x temporal_patch_size x patch_size x patch_size values (a still image repeats over the temporal
+patch), ordered so that each merge_size x merge_size block of neighbouring patches is contiguous (the patch merger
+folds exactly those into one language-model token).
+
+Shapes: P patches of one image, C channels, Tp temporal patch, p patch size, m merge size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used: unreadable, missing, or of an unusable shape. The message names the file."""
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_checkpoint(cls, directory: Path) -> ImageSettings:
+        """The image processor settings saved beside a checkpoint (preprocessor_config.json); defaults otherwise."""
+        path = Path(directory) / "preprocessor_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise ImageError(f"{path}: cannot read the image processor settings ({err})") from None
+        size = raw.get("size") or {}
+        default = cls()
+        return cls(
+            patch_size=int(raw.get("patch_size", default.patch_size)),
+            temporal_patch_size=int(raw.get("temporal_patch_size", default.temporal_patch_size)),
+            merge_size=int(raw.get("merge_size", default.merge_size)),
+            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or default.min_pixels),
+            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or default.max_pixels),
+            image_mean=tuple(raw.get("image_mean", default.image_mean)),
+            image_std=tuple(raw.get("image_std", default.image_std)),
+        )
+
+
+def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, int]:
+    """The resized (height, width): multiples of patch_size * merge_size, area within [min_pixels, max_pixels],
+    aspect ratio kept as closely as the grid allows."""
+    factor = settings.factor
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.0f} must be <= 200")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > settings.max_pixels:
+        beta = math.sqrt((height * width) / settings.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < settings.min_pixels:
+        beta = math.sqrt(settings.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def load_image(path: Path):
+    """An RGB PIL image; ImageError naming the file when it is missing or not an image."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise ImageError(f"{path}: reading images needs Pillow: pip install pillow") from None
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return img.convert("RGB")
+    except FileNotFoundError:
+        raise ImageError(f"{path}: no such image file") from None
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise ImageError(f"{path}: not a readable image ({type(err).__name__})") from None
+
+
+def image_patches(image, settings: ImageSettings) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """(patches [P, C*Tp*p*p] fp32, grid (t, h, w) in patches) of one PIL image."""
+    from PIL import Image
+
+    height, width = target_size(image.height, image.width, settings)
+    resized = image.resize((width, height), resample=Image.BICUBIC)
+    pixels = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
+    pixels = (pixels - np.asarray(settings.image_mean, dtype=np.float32)) / np.asarray(settings.image_std, dtype=np.float32)
+    pixels = pixels.transpose(2, 0, 1)  # [C, H, W]
+    p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    grid_h, grid_w = height // p, width // p
+    channels = pixels.shape[0]
+    blocks = pixels.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    blocks = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))
+    patches = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, channels * tp * p * p)
+    return torch.from_numpy(patches.copy()), (1, grid_h, grid_w)
+
+
+def image_token_count(grid: tuple[int, int, int], settings: ImageSettings) -> int:
+    """Language-model tokens one image becomes: its patches folded merge_size x merge_size at a time."""
+    t, h, w = grid
+    return t * h * w // settings.merge_size**2

@@ -1,0 +1,116 @@
+"""Image-text records: chat messages whose content mixes text and images, rendered into tokens with image
+placeholders, plus the images each document carries.
+
+Accepted forms of a message's content:
+  "a string"                                   plain text; each "<image>" in it takes the record's next image
+                                               from its "images" list
+  [{"type": "text", "text": "..."},            parts (OpenAI / transformers style); an image part names a local
+   {"type": "image", "image": "path.png"}]     file ("image", "path" or "url" key; paths relative to the JSONL file)
+An image becomes <vision_start> <image_token> x n <vision_end>, n = its patches / merge^2 (the vision tower's
+output rows for it); those tokens are never trained on.
+
+Shapes: P patches of an image; n its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_tune.profiles import ProfileError
+
+from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    path: Path
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    image: int
+    start: int
+    end: int
+
+
+def image_ref(path: Path, settings: ImageSettings) -> ImageRef:
+    """Open and fully decode the image once (a broken file fails here, at load time, not mid-epoch)."""
+    image = load_image(path)
+    _, grid = image_patches(image, settings)
+    return ImageRef(path, grid)
+
+
+def message_parts(content, images: list, where: str) -> list[tuple[str, object]]:
+    """A message's content as [("text", str) | ("image", path-like)], images taken in order from `images` for
+    "<image>" placeholders in string content."""
+    if isinstance(content, str):
+        parts: list[tuple[str, object]] = []
+        pieces = content.split(IMAGE_PLACEHOLDER)
+        for i, piece in enumerate(pieces):
+            if piece:
+                parts.append(("text", piece))
+            if i < len(pieces) - 1:
+                if not images:
+                    raise ProfileError([f"{where}: more {IMAGE_PLACEHOLDER} placeholders than entries in 'images'"])
+                parts.append(("image", images.pop(0)))
+        return parts
+    if not isinstance(content, list):
+        raise ProfileError([f"{where}: content must be a string or a list of parts, got {type(content).__name__}"])
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(("text", part["text"]))
+        elif kind == "image":
+            source = part.get("image", part.get("path", part.get("url")))
+            if not isinstance(source, str):
+                raise ProfileError([f"{where}: an image part needs an 'image' path string"])
+            if source.startswith(("http://", "https://")):
+                raise ProfileError([f"{where}: image '{source}' must be a local file (nothing is downloaded)"])
+            parts.append(("image", source))
+        else:
+            raise ProfileError([f"{where}: a content part must be {{'type': 'text', 'text': str}} or "
+                                f"{{'type': 'image', 'image': path}}, got {part!r:.80}"])
+    return parts
+
+
+def render_multimodal_chat(
+    messages: list[dict],
+    record_images: list,
+    encode,
+    chat_format: str,
+    settings: ImageSettings,
+    tokens: VisionTokens,
+    base_dir: Path,
+    where: str,
+) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
+    """Pieces (token ids, trained?) of a chat with images, in the plain chat format `chat_format` (with {role}
+    and {content}); images resolved against `base_dir` and measured. A missing or broken image raises
+    ImageError, a malformed record ProfileError; both name the record (and the file)."""
+    pieces: list[tuple[list[int], bool]] = []
+    refs: list[ImageRef] = []
+    queue = list(record_images)
+    for message in messages:
+        trained = message["role"] == "assistant"
+        prefix, suffix = chat_format.split("{content}")
+        pieces.append((encode(prefix.format(role=message["role"])), trained))
+        for kind, value in message_parts(message["content"], queue, where):
+            if kind == "text":
+                pieces.append((encode(value), trained))
+                continue
+            path = Path(value) if Path(value).is_absolute() else base_dir / value
+            try:
+                ref = image_ref(path, settings)
+            except ImageError as err:
+                raise ImageError(f"{where}: {err}") from None
+            refs.append(ref)
+            count = image_token_count(ref.grid, settings)
+            pieces.append(([tokens.start] + [tokens.image] * count + [tokens.end], False))
+        pieces.append((encode(suffix.format(role=message["role"])), trained))
+    if queue:
+        raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
+    return pieces, refs

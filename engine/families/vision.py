@@ -1,0 +1,63 @@
+"""The vision tower's tensors in the qwen3_5_moe / qwen4_exp checkpoint layout (model.visual.*), for the families
+that carry one, and its config (vision_config + the image token ids) as our VisionSpec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_tune.profiles.schema import VisionSpec
+
+from .base import HFConfig, Recipe, take
+
+# Our VisionTower's names -> the checkpoint's, below the tower's prefix.
+_RENAMES = {
+    "merger_norm": "merger.norm",
+    "merger_fc1": "merger.linear_fc1",
+    "merger_fc2": "merger.linear_fc2",
+    "qkv": "attn.qkv",
+    "proj": "attn.proj",
+    "linear_fc1": "mlp.linear_fc1",
+    "linear_fc2": "mlp.linear_fc2",
+}
+
+
+def vision_spec(config: dict[str, Any]) -> VisionSpec:
+    """VisionSpec from a multimodal config.json (vision_config and the top-level image token ids)."""
+    top = HFConfig(config)
+    c = HFConfig(config.get("vision_config") or {}, prefix="vision_config.")
+    rope = c.get("rope_parameters") or {}
+    c.expect("in_channels", [3], 3)
+    if rope.get("rope_type", "axial") != "axial":
+        c.problems.append(f"config.json: vision_config.rope_parameters.rope_type ({rope.get('rope_type')!r}) is not "
+                          "mapped: must be 'axial'")
+    spec = dict(
+        depth=c.require("depth"),
+        hidden_size=c.require("hidden_size"),
+        intermediate_size=c.require("intermediate_size"),
+        num_heads=c.require("num_heads"),
+        hidden_act=c.expect("hidden_act", ["gelu_pytorch_tanh", "gelu", "silu"], "gelu_pytorch_tanh"),
+        patch_size=c.require("patch_size"),
+        temporal_patch_size=c.get("temporal_patch_size", 2),
+        spatial_merge_size=c.get("spatial_merge_size", 2),
+        num_position_embeddings=c.require("num_position_embeddings"),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        image_token_id=top.require("image_token_id"),
+        vision_start_token_id=top.require("vision_start_token_id"),
+        vision_end_token_id=top.require("vision_end_token_id"),
+    )
+    top.problems.extend(c.problems)
+    top.raise_problems()
+    return VisionSpec(**spec)
+
+
+def vision_recipe(name: str, prefix: str = "model.visual.") -> Recipe:
+    """Recipe for our tensor `name` below `vision.` (the name without that prefix). The patch embedding is a
+    Conv3d with stride equal to its kernel in the checkpoint: the same map as our Linear over flattened patches."""
+    if name.startswith("patch_embed."):
+        key = prefix + "patch_embed.proj." + name.rsplit(".", 1)[1]
+        if name.endswith("weight"):
+            return lambda get: get(key).reshape(get(key).shape[0], -1)
+        return take(key)
+    parts = name.split(".")
+    parts = [_RENAMES.get(p, p) for p in parts]
+    return take(prefix + ".".join(parts))

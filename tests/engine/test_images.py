@@ -1,0 +1,149 @@
+"""Images in: preprocessing equal to the checkpoint's reference processor, image-text records rendered with
+placeholders, broken images reported or skipped, documents with images never cut by packing."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moe_tune.engine.data.dataset import VisionInput, collate, load_documents, pack_rows
+from moe_tune.engine.data.images import ImageError, ImageSettings, image_patches, load_image
+from moe_tune.engine.data.multimodal import VisionTokens
+from moe_tune.engine.data.tokenizer import ByteTokenizer
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import DataProfile
+
+PIL = pytest.importorskip("PIL.Image")
+SIZES = [(37, 91), (200, 120), (64, 64), (500, 333)]
+TOKENS = VisionTokens(image=300, start=301, end=302)
+
+
+def write_image(path, height, width, seed=0):
+    rng = np.random.default_rng(seed)
+    PIL.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture
+def reference_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32,
+                                    max_pixels=256 * 256)
+
+
+def test_patches_equal_the_reference_processor(tmp_path, reference_processor):
+    reference_processor.save_pretrained(tmp_path)
+    settings = ImageSettings.from_checkpoint(tmp_path)
+    assert (settings.patch_size, settings.merge_size, settings.max_pixels) == (16, 2, 256 * 256)
+    for i, (h, w) in enumerate(SIZES):
+        image = load_image(write_image(tmp_path / f"{i}.png", h, w, seed=i))
+        expected = reference_processor(images=[image], return_tensors="pt")
+        patches, grid = image_patches(image, settings)
+        assert [list(grid)] == expected["image_grid_thw"].tolist()
+        torch.testing.assert_close(patches, expected["pixel_values"], rtol=0, atol=1e-6)
+
+
+def vision(settings=None):
+    return VisionInput(settings or ImageSettings(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32),
+                       TOKENS)
+
+
+def data_profile(path, **extra):
+    return DataProfile(path=path, seq_len=512, **extra)
+
+
+def test_image_records_render_placeholders(tmp_path):
+    write_image(tmp_path / "a.png", 24, 40)
+    parts = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "what?"}]},
+        {"role": "assistant", "content": "a square"},
+    ]}
+    placeholder = {"messages": [{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "a square"}],
+                   "images": ["a.png"]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps(parts) + "\n" + json.dumps(placeholder) + "\n")
+    first, second = load_documents(data_profile(path), ByteTokenizer(), vision())
+    assert first == second
+    (ref,) = first.images
+    # 24 x 40 pixels -> 24 x 40 (multiples of 8) -> a 6 x 10 patch grid -> 15 tokens after 2 x 2 merging.
+    assert ref.grid == (1, 6, 10)
+    ids = first.input_ids
+    start = ids.index(TOKENS.start)
+    assert ids[start + 1 : start + 16] == [TOKENS.image] * 15 and ids[start + 16] == TOKENS.end
+    # Nothing of the image is trained on, the assistant's answer is.
+    image_positions = [i for i, t in enumerate(ids) if t in (TOKENS.start, TOKENS.image, TOKENS.end)]
+    assert all(first.labels[i - 1] == -100 for i in image_positions)
+    trained = [t for t, label in zip(ids[1:], first.labels) if label != -100]
+    assert ByteTokenizer().decode(trained) == "<|assistant|>\na square\n"
+
+
+def test_missing_and_broken_images_are_named_or_skipped(tmp_path):
+    write_image(tmp_path / "good.png", 16, 16)
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    rows = [
+        {"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}], "images": [n]}
+        for n in ("good.png", "missing.png", "broken.png")
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path), ByteTokenizer(), vision())
+    assert err.value.problems == [
+        f"{path}:2: {tmp_path / 'missing.png'}: no such image file",
+        f"{path}:3: {tmp_path / 'broken.png'}: not a readable image (UnidentifiedImageError)",
+    ]
+    skipped = []
+    docs = load_documents(data_profile(path, bad_images="skip"), ByteTokenizer(), vision(), skipped)
+    assert len(docs) == 1 and len(skipped) == 2 and "missing.png" in skipped[0]
+
+
+def test_malformed_image_records(tmp_path):
+    path = tmp_path / "data.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": "<image><image>"}], "images": ["a.png"]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "https://x/y.png"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path, bad_images="skip"), ByteTokenizer(), vision(), [])
+    assert err.value.problems == [
+        f"{path}:1: more <image> placeholders than entries in 'images'",
+        f"{path}:2: image 'https://x/y.png' must be a local file (nothing is downloaded)",
+        f"{path}:3: a content part must be {{'type': 'text', 'text': str}} or {{'type': 'image', 'image': path}}, "
+        "got {'type': 'video'}",
+    ]
+    with pytest.raises(ProfileError, match="the record has images but the model has no vision tower"):
+        load_documents(data_profile(path), ByteTokenizer(), None)
+
+
+def test_documents_with_images_are_never_cut(tmp_path):
+    write_image(tmp_path / "a.png", 32, 32)
+    records = [{"text": "x" * 30}] + [
+        {"messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "yes"}],
+         "images": ["a.png"]}
+    ] * 3
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = ImageSettings(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32)
+    docs = load_documents(DataProfile(path=path, seq_len=64), ByteTokenizer(), vision(settings))
+    image_doc_len = len(docs[1].input_ids)
+    assert 32 < image_doc_len <= 64  # one image document fits a row, two do not
+    rows = pack_rows(docs, 64, ByteTokenizer.pad_id)
+    for row in rows:
+        # Every image's placeholders are whole inside its row: starts, image tokens and ends pair up.
+        assert row.input_ids.count(TOKENS.start) == row.input_ids.count(TOKENS.end) == len(row.images)
+        assert row.input_ids.count(TOKENS.image) == 16 * len(row.images)
+    assert sum(len(r.images) for r in rows) == 3
+    batch = collate(rows, settings)
+    assert batch.image_grid_thw.tolist() == [[1, 8, 8]] * 3
+    assert batch.pixel_values.shape == (3 * 64, 3 * 2 * 4 * 4)
+    assert int((batch.input_ids == TOKENS.image).sum()) * 4 == batch.pixel_values.shape[0]
+
+
+def test_unreadable_preprocessor_config(tmp_path):
+    (tmp_path / "preprocessor_config.json").write_text("{not json")
+    with pytest.raises(ImageError, match="preprocessor_config.json: cannot read the image processor settings"):
+        ImageSettings.from_checkpoint(tmp_path)
