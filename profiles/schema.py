@@ -99,6 +99,42 @@ class MoESpec(Strict):
         return self
 
 
+class VisionSpec(Strict):
+    """The vision tower (qwen3_5_moe / qwen4_exp layout): patches -> ViT blocks -> merger into the text width; the
+    image's tokens in the text are vision_start, image_token x (patches / merge^2), vision_end."""
+
+    depth: int = Field(ge=1, description="ViT blocks")
+    hidden_size: int = Field(ge=1, description="Dv: width of the vision blocks")
+    intermediate_size: int = Field(ge=1, description="hidden size of each vision block's MLP")
+    num_heads: int = Field(ge=1, description="attention heads of the vision blocks (divides hidden_size)")
+    hidden_act: Literal["gelu_pytorch_tanh", "gelu", "silu"] = Field(
+        "gelu_pytorch_tanh", description="activation of the vision MLPs"
+    )
+    in_channels: int = Field(3, ge=1, description="colour channels of the pixels")
+    patch_size: int = Field(ge=1, description="p: patches are p x p pixels")
+    temporal_patch_size: int = Field(2, ge=1, description="frames per patch (a still image repeats)")
+    spatial_merge_size: int = Field(2, ge=1, description="m: m x m neighbouring patches become one text token")
+    num_position_embeddings: int = Field(ge=1, description="learned position table, a square grid resampled per image")
+    rope_theta: float = Field(10000.0, gt=0, description="base of the 2D rotary positions of the vision blocks")
+    image_token_id: int = Field(ge=0, description="token id of each image placeholder in the text")
+    vision_start_token_id: int = Field(ge=0, description="token id before an image's placeholders")
+    vision_end_token_id: int = Field(ge=0, description="token id after an image's placeholders")
+
+    @model_validator(mode="after")
+    def check_vision(self):
+        problems = []
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            problems.append(
+                f"@hidden_size ({self.hidden_size}) must be a multiple of 4 x @num_heads ({self.num_heads}) "
+                "(2D rotary positions split each head in four)"
+            )
+        side = int(self.num_position_embeddings**0.5)
+        if side * side != self.num_position_embeddings:
+            problems.append(f"@num_position_embeddings ({self.num_position_embeddings}) must be a square")
+        _raise_if(problems)
+        return self
+
+
 class ModelProfile(Strict):
     vocab_size: int = Field(ge=2, description="rows of the token embedding and the LM head")
     hidden_size: int = Field(ge=1, description="D: model width")
@@ -114,6 +150,7 @@ class ModelProfile(Strict):
     linear_attention: LinearAttentionSpec | None = Field(None, description="needed if any layer is linear")
     sparse_attention: SparseAttentionSpec | None = Field(None, description="needed if any layer is sparse")
     moe: MoESpec | None = Field(None, description="needed if any layer has mlp: moe")
+    vision: VisionSpec | None = Field(None, description="the vision tower, for image input (None: text only)")
     attention_output_gate: bool = Field(
         True, description="full/sparse attention scale their output by sigmoid(gate), the gate coming from q_proj "
         "(qwen3_next layout); false: plain softmax attention (qwen3_moe)"
@@ -202,6 +239,10 @@ class DataProfile(Strict):
     text_field: str = Field("text", description="key of plain-text records")
     messages_field: str = Field("messages", description="key of chat records (list of {role, content})")
     corpus_documents: int = Field(2000, ge=1, description="documents of the built-in corpus (data.path: None)")
+    bad_images: Literal["error", "skip"] = Field(
+        "error", description="a record whose image is missing or unreadable: error (stop before training, naming "
+        "the record and file) or skip (leave the record out and count it)"
+    )
     seed: int = Field(0, description="seed of the data order (and of the built-in corpus)")
 
     @model_validator(mode="after")
