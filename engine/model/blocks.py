@@ -27,11 +27,31 @@ class RMSNorm(nn.Module):
         return (normed * scale).to(x.dtype)
 
 
+class GroupedRMSNorm(RMSNorm):
+    """RMSNorm of each group of `group_size` channels on its own, scaled per channel (weight [num_groups *
+    group_size]); the hyper-connection streams are the groups."""
+
+    def __init__(self, num_groups: int, group_size: int, eps: float = 1e-6, one_plus: bool = False):
+        super().__init__(num_groups * group_size, eps, one_plus)
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float().unflatten(-1, (-1, self.group_size))
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        scale = 1.0 + self.weight.float() if self.one_plus else self.weight.float()
+        return (normed * scale).to(x.dtype)
+
+
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * silu(z): the output norm of gated delta net layers, applied per head."""
+    """RMSNorm(x) * act(z): the output norm of linear attention layers, applied per head; act is silu (gated delta
+    net) or sigmoid (Kimi's KDA)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, one_plus: bool = False, gate_activation: str = "silu"):
+        super().__init__(dim, eps, one_plus)
+        self.gate_activation = {"silu": F.silu, "sigmoid": torch.sigmoid}[gate_activation]
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (super().forward(x).float() * F.silu(z.float())).to(x.dtype)
+        return (super().forward(x).float() * self.gate_activation(z.float())).to(x.dtype)
 
 
 def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -49,17 +69,32 @@ def document_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE on the first `rotary_dim` dims of each head (partial rotary), rotate-half convention."""
+    """RoPE on the first `rotary_dim` dims of each head (partial rotary), rotate-half convention.
 
-    def __init__(self, head_dim: int, partial_rotary_factor: float, theta: float):
+    Multimodal RoPE (`mrope_section`, qwen3_5_moe / qwen4_exp): positions [3, T] give each token a (t, h, w)
+    position (equal for text tokens); frequency j takes stream h when j % 3 == 1 and j < 3 * section[1], stream w
+    when j % 3 == 2 and j < 3 * section[2], else stream t (the interleaved layout)."""
+
+    def __init__(
+        self, head_dim: int, partial_rotary_factor: float, theta: float, mrope_section: tuple[int, ...] | None = None
+    ):
         super().__init__()
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = mrope_section
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [1, T, 1, rotary_dim] for positions [T] (restarting at every document)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        """cos and sin [1, T, 1, rotary_dim] for positions [T] (restarting at every document), or [3, T] (t, h, w)
+        positions with multimodal RoPE."""
+        if positions.dim() == 2:
+            streams = positions.float()[:, :, None] * self.inv_freq  # [3, T, rotary_dim / 2]
+            freqs = streams[0].clone()
+            for stream in (1, 2):
+                picked = slice(stream, 3 * self.mrope_section[stream], 3)
+                freqs[:, picked] = streams[stream][:, picked]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim / 2]
         cos = torch.cat([freqs.cos(), freqs.cos()], -1)[None, :, None, :]
         sin = torch.cat([freqs.sin(), freqs.sin()], -1)[None, :, None, :]
         return cos, sin
@@ -78,22 +113,24 @@ class RotaryEmbedding(nn.Module):
 class ShortConv(nn.Module):
     """Depthwise causal conv over time, reset at every document start, followed by SiLU.
 
-    Tap j reads the token j steps back; it is masked where that token lies in the previous document, which is
-    exactly a per-document conv with zero left padding.
+    Tap j reads the token j * dilation steps back; it is masked where that token lies in the previous document,
+    which is exactly a per-document conv with zero left padding.
     """
 
-    def __init__(self, channels: int, width: int):
+    def __init__(self, channels: int, width: int, dilation: int = 1):
         super().__init__()
         self.width = width
+        self.dilation = dilation
         self.weight = nn.Parameter(torch.empty(channels, width))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [1, T, C]; positions: [T] position inside the document."""
         out = x * self.weight[:, -1]
-        for shift in range(1, self.width):
+        for tap in range(1, self.width):
+            shift = tap * self.dilation
             shifted = F.pad(x[:, :-shift], (0, 0, shift, 0)) if shift < x.shape[1] else torch.zeros_like(x)
             keep = (positions >= shift).to(x.dtype)[None, :, None]
-            out = out + shifted * keep * self.weight[:, -1 - shift]
+            out = out + shifted * keep * self.weight[:, -1 - tap]
         return F.silu(out)
 
 

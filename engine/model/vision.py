@@ -106,3 +106,32 @@ class VisionTower(nn.Module):
         m2 = self.spec.spatial_merge_size**2
         x = self.merger_norm(x).view(-1, x.shape[-1] * m2)
         return self.merger_fc2(F.gelu(self.merger_fc1(x)))
+
+
+def mrope_positions(
+    input_ids: torch.Tensor, cu_seqlens: torch.Tensor, grids: torch.Tensor | None, image_token_id: int, merge: int
+) -> torch.Tensor:
+    """(t, h, w) rotary positions [3, T] of a packed row [1, T], restarting at every document: text tokens count
+    up on all three streams; the tokens of an image (a run of image_token_id, t * h * w / merge^2 of them) sit on
+    its merged grid, offset by the position reached; after it the count resumes at that offset plus the larger
+    side of the merged grid (the Qwen3.5 / Qwen4 convention)."""
+    ids = input_ids.reshape(-1).tolist()
+    out = torch.empty(3, len(ids), dtype=torch.long)
+    grid_list = grids.tolist() if grids is not None else []
+    next_image = 0
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        pos, i = 0, start
+        while i < end:
+            if ids[i] != image_token_id:
+                out[:, i] = pos
+                pos, i = pos + 1, i + 1
+                continue
+            t, h, w = grid_list[next_image]
+            next_image += 1
+            gh, gw = h // merge, w // merge
+            count = t * gh * gw
+            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+            out[:, i : i + count] = torch.stack([tt, hh, ww]).reshape(3, -1) + pos
+            pos, i = pos + max(gh, gw), i + count
+    return out.to(input_ids.device)

@@ -80,3 +80,43 @@ def test_wrong_mapping_is_caught():
     grid = torch.tensor([[1, 4, 6]])
     pixels = torch.randn(24, 96)
     assert (ours(pixels, grid) - reference(pixels, grid_thw=grid).pooler_output).abs().max() > 1e-3
+
+
+def tiny_qwen3_5_config():
+    from transformers import Qwen3_5MoeConfig
+
+    text = dict(vocab_size=400, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                shared_expert_intermediate_size=8, linear_num_key_heads=1, linear_num_value_heads=1,
+                linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["full_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [3, 3, 2]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=1, patch_size=4, out_hidden_size=32,
+                  num_position_embeddings=16)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=300, vision_start_token_id=301,
+                            vision_end_token_id=302)
+
+
+def test_mrope_positions_and_rotary_equal_the_reference():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeModel, Qwen3_5MoeTextRotaryEmbedding
+
+    from moe_tune.engine.model.blocks import RotaryEmbedding
+    from moe_tune.engine.model.vision import mrope_positions
+
+    config = tiny_qwen3_5_config()
+    reference = Qwen3_5MoeModel(config)
+    docs = [[5, 6, 301] + [300] * 6 + [302, 7, 8, 301] + [300] * 2 + [302, 9], [4, 301] + [300] * 4 + [302, 3]]
+    grids = [torch.tensor([[1, 4, 6], [1, 2, 4]]), torch.tensor([[1, 4, 4]])]
+    expected = []
+    for doc, grid in zip(docs, grids):
+        ids = torch.tensor([doc])
+        positions, _ = reference.get_rope_index(ids, mm_token_type_ids=(ids == 300).int(), image_grid_thw=grid)
+        expected.append(positions[:, 0])
+    packed = torch.tensor([docs[0] + docs[1]])
+    cu = torch.tensor([0, len(docs[0]), len(docs[0]) + len(docs[1])])
+    ours = mrope_positions(packed, cu, torch.cat(grids), 300, 2)
+    assert torch.equal(ours, torch.cat(expected, dim=1))  # and each document restarts at 0
+    cos, sin = Qwen3_5MoeTextRotaryEmbedding(config.text_config)(torch.zeros(1, 1, 32), torch.cat(expected, 1)[:, None])
+    our_cos, our_sin = RotaryEmbedding(32, 0.5, 1000.0, (3, 3, 2)).cos_sin(ours)
+    torch.testing.assert_close(our_cos[0, :, 0], cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(our_sin[0, :, 0], sin[0], rtol=0, atol=1e-6)
