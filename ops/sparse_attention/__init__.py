@@ -19,6 +19,17 @@ from moe_tune.ops.sparse_attention.reference import INDEXER_ACTIVATIONS, sparse_
 __all__ = ["sparse_attention", "topk_indexer"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# What the Triton kernels cover; anything else runs the reference (or raises under MOE_TUNE_KERNELS=triton).
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A program holds a [G, K] query tile, a [G, V] accumulator and [64, K] key tiles in registers: past 256 they spill.
+_KERNEL_MAX_HEAD_DIM = 256
+# The indexer holds [BQ * HI, DI] queries in registers: past 256 they spill.
+_KERNEL_MAX_INDEX_DIM = 256
+
+
+def _kernel_dtype_ok(x: torch.Tensor) -> bool:
+    # The interpreter's tl.dot returns garbage for bf16 operands (numpy has no bf16): bf16 runs the kernel on CUDA only.
+    return x.dtype in _KERNEL_DTYPES and (x.is_cuda or x.dtype != torch.bfloat16)
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -120,8 +131,18 @@ def sparse_attention(
     _check_positive_int("block_size", block_size)
     _check_cu_seqlens(cu_seqlens, "q", q)
 
-    # No kernel yet: the dispatch point logs the choice and raises when MOE_TUNE_KERNELS=triton asks for one.
-    use_kernel("sparse_attention", q, k, v, has_kernel=False)
+    has_kernel = (
+        _kernel_dtype_ok(q)
+        and max(K, v.shape[3]) <= _KERNEL_MAX_HEAD_DIM
+        and q.numel() > 0
+        and v.numel() > 0
+        and indices.shape[-1] > 0
+    )
+    if use_kernel("sparse_attention", q, k, v, indices, has_kernel=has_kernel):
+        # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
+        from moe_tune.ops.sparse_attention.autograd import sparse_attention_kernel
+
+        return sparse_attention_kernel(q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=cu_seqlens)
     return sparse_attention_ref(q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=cu_seqlens)
 
 
@@ -134,6 +155,8 @@ def topk_indexer(
     activation: str = "relu",
     block_size: int = 1,
     cu_seqlens: torch.Tensor | None = None,
+    k_idx_is_pooled: bool = False,
+    always_keep_own_block: bool = True,
 ) -> torch.Tensor:
     """Pick, per query, the keys (or key blocks) that sparse_attention attends; no gradient.
 
@@ -152,6 +175,12 @@ def topk_indexer(
             scored with their mean-pooled k_idx and the topk - 1 best are kept.
         cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (requires B == 1). Default None: each row is
             one sequence.
+        k_idx_is_pooled: block mode only. True: k_idx already holds each block's key at the block's first row
+            (the model pooled and transformed it, as QSA's normed and rotated mean); other rows are not read.
+            Default False: blocks are scored with the mean of their rows' k_idx.
+        always_keep_own_block: block mode only. Default True: as above. False (QSA): the candidates are the
+            complete blocks the query sees, its own block included once complete, and the topk - 1 best are kept;
+            the query's own block is added only while incomplete (the tail), so the last slot may stay -1.
 
     Returns:
         indices: [B, T, topk] int32, ascending, -1 padded when fewer than topk candidates; ties go to the lower
@@ -177,8 +206,15 @@ def topk_indexer(
     _check_positive_int("block_size", block_size)
     _check_cu_seqlens(cu_seqlens, "q_idx", q_idx)
 
-    # No kernel yet: the dispatch point logs the choice and raises when MOE_TUNE_KERNELS=triton asks for one.
-    use_kernel("topk_indexer", q_idx, k_idx, w_idx, has_kernel=False)
+    has_kernel = _kernel_dtype_ok(q_idx) and DI <= _KERNEL_MAX_INDEX_DIM and q_idx.numel() > 0
+    if use_kernel("topk_indexer", q_idx, k_idx, w_idx, has_kernel=has_kernel):
+        from moe_tune.ops.sparse_attention.autograd import topk_indexer_kernel
+
+        return topk_indexer_kernel(
+            q_idx, k_idx, w_idx, topk=topk, scale=scale, activation=activation, block_size=block_size,
+            cu_seqlens=cu_seqlens, k_idx_is_pooled=k_idx_is_pooled, always_keep_own_block=always_keep_own_block,
+        )  # fmt: skip
     return topk_indexer_ref(
-        q_idx, k_idx, w_idx, topk=topk, scale=scale, activation=activation, block_size=block_size, cu_seqlens=cu_seqlens
-    )
+        q_idx, k_idx, w_idx, topk=topk, scale=scale, activation=activation, block_size=block_size, cu_seqlens=cu_seqlens,
+        k_idx_is_pooled=k_idx_is_pooled, always_keep_own_block=always_keep_own_block,
+    )  # fmt: skip

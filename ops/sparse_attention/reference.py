@@ -153,6 +153,8 @@ def topk_indexer_ref(
     activation: str = "relu",
     block_size: int = 1,
     cu_seqlens: torch.Tensor | None = None,
+    k_idx_is_pooled: bool = False,
+    always_keep_own_block: bool = True,
 ) -> torch.Tensor:
     """Top-k key positions (block_size 1) or block ids (block_size > 1) per query; not differentiable.
 
@@ -160,6 +162,9 @@ def topk_indexer_ref(
     -1 padded. Score of query t on key s: sum_h w[t, h] * act(scale * q_idx[t, h] . k_idx[s]), scale = DI**-0.5 by
     default. Block mode scores the mean-pooled keys of the complete blocks before the query's block, keeps the
     topk - 1 best of them, and always keeps the query's own block.
+    k_idx_is_pooled (block mode): k_idx already holds each block's key at the block's first row (other rows unused).
+    always_keep_own_block False (block mode, QSA): the topk - 1 best of the complete blocks the query sees (its own
+    block included once complete) plus its own block only while incomplete (the tail).
     """
     B, T, HI, DI = q_idx.shape
     scale = DI**-0.5 if scale is None else scale
@@ -178,7 +183,9 @@ def topk_indexer_ref(
             chosen_LS = select_top(scores_LL, pos_L[None, :] <= pos_L[:, None], topk)
             indices_BTS[b, start:end] = torch.where(chosen_LS >= 0, chosen_LS + start, -1).int()
         else:
-            indices_BTS[b, start:end] = select_blocks(q_LHD, w_LH, k_LD, topk, scale, activation, block_size).int()
+            indices_BTS[b, start:end] = select_blocks(
+                q_LHD, w_LH, k_LD, topk, scale, activation, block_size, k_idx_is_pooled, always_keep_own_block
+            ).int()
     return indices_BTS
 
 
@@ -190,15 +197,32 @@ def select_blocks(
     scale: float,
     activation: str,
     block_size: int,
+    k_idx_is_pooled: bool = False,
+    always_keep_own_block: bool = True,
 ) -> torch.Tensor:
-    """Block ids [L, topk] of one sequence: the query's own block plus the topk - 1 best complete earlier blocks."""
+    """Block ids [L, topk] of one sequence: the query's own block plus the topk - 1 best complete earlier blocks
+    (always_keep_own_block False: the topk - 1 best complete blocks up to the query, plus its own block only while
+    it is incomplete)."""
     L, DI = k_LD.shape
     num_blocks = math.ceil(L / block_size)
     num_complete = L // block_size
-    pooled_JD = k_LD[: num_complete * block_size].view(num_complete, block_size, DI).mean(dim=1)
+    if k_idx_is_pooled:
+        pooled_JD = k_LD[: num_complete * block_size : block_size]
+    else:
+        pooled_JD = k_LD[: num_complete * block_size].view(num_complete, block_size, DI).mean(dim=1)
     # The tail block has no pooled key: it is only ever a query's own block, whose score is overridden below.
     scores_LJ = F.pad(index_scores(q_LHD, w_LH, pooled_JD, scale, activation), (0, num_blocks - num_complete))
-    own_block_L1 = (torch.arange(L, device=k_LD.device) // block_size)[:, None]
+    pos_L1 = torch.arange(L, device=k_LD.device)[:, None]
+    own_block_L1 = pos_L1 // block_size
     block_J = torch.arange(num_blocks, device=k_LD.device)
+    if not always_keep_own_block:
+        # QSA: a complete own block competes like any other; the incomplete tail takes the last slot on top.
+        num_seen_complete_L1 = (pos_L1 + 1) // block_size
+        chosen_LS = select_top(scores_LJ, block_J < num_seen_complete_L1, topk - 1)
+        tail_L1 = torch.where(own_block_L1 < num_seen_complete_L1, -1, own_block_L1)
+        both_LS = torch.cat([chosen_LS, tail_L1], -1)
+        # Ascending with -1 padding last: -1 gets the sentinel num_blocks while sorting.
+        both_LS = torch.sort(torch.where(both_LS < 0, num_blocks, both_LS), dim=-1).values
+        return torch.where(both_LS == num_blocks, -1, both_LS)
     scores_LJ = scores_LJ.masked_fill(block_J == own_block_L1, float("inf"))
     return select_top(scores_LJ, block_J <= own_block_L1, topk)

@@ -282,6 +282,48 @@ def test_topk_indexer_breaks_ties_toward_lower_index(block_size):
         assert indices[0, t].tolist() == expected + [-1] * (topk - len(expected)), f"t={t}"
 
 
+def brute_force_qsa(q_idx, k_idx, topk, block_size, is_pooled, spans):
+    """QSA block choice query by query, as transformers' Qwen4ExpTextQSAIndexer makes it: the complete blocks up to
+    the query (its own once complete) scored by sum_h relu(q . key) / sqrt(DI), the topk - 1 best kept, plus the
+    incomplete tail block. Block keys: read at block starts (is_pooled) or the mean of the block's rows."""
+    B, T, HI, DI = q_idx.shape
+    out = torch.full((B, T, topk), -1, dtype=torch.int32)
+    for b, start, end in spans:
+        for t in range(start, end):
+            num_complete = (t - start + 1) // block_size
+            blocks = [k_idx[b, start + j * block_size : start + (j + 1) * block_size] for j in range(num_complete)]
+            keys = [block[0] if is_pooled else block.mean(0) for block in blocks]
+            scores = [(torch.relu(q_idx[b, t] @ key).sum() / math.sqrt(DI)).item() for key in keys]
+            chosen = sorted(range(num_complete), key=lambda j: (-scores[j], j))[: topk - 1]
+            if (t - start + 1) % block_size:
+                chosen.append((t - start) // block_size)
+            out[b, t, : len(chosen)] = torch.tensor(sorted(chosen), dtype=torch.int32)
+    return out
+
+
+@pytest.mark.parametrize(
+    "block_size, topk, is_pooled, is_varlen",
+    [
+        (4, 3, True, True),
+        (3, 2, False, False),
+        (4, 1, True, True),  # the tail slot only: complete own blocks leave every slot -1
+        (4, 16, True, True),  # topk > blocks per document
+    ],
+    ids=["pooled-varlen", "mean", "tail-only", "all-varlen"],
+)
+def test_topk_indexer_qsa_equals_brute_force(block_size, topk, is_pooled, is_varlen):
+    B, T = (1, CU_SEQLENS[-1]) if is_varlen else (2, 21)
+    cu_list = CU_SEQLENS if is_varlen else None
+    q_idx, k_idx, _ = make_indexer_inputs(B, T, 3, 8, torch.float64, has_weights=False)
+    indices = topk_indexer(
+        q_idx, k_idx, None, topk=topk, block_size=block_size, cu_seqlens=torch.tensor(cu_list) if is_varlen else None,
+        k_idx_is_pooled=is_pooled, always_keep_own_block=False,
+    )  # fmt: skip
+    expected = brute_force_qsa(q_idx, k_idx, topk, block_size, is_pooled, spans_of(B, T, cu_list))
+    assert indices.dtype == torch.int32 and indices.shape == (B, T, topk)
+    torch.testing.assert_close(indices, expected, atol=0, rtol=0)
+
+
 def _qkv(B=1, T=8, HQ=4, H=2, K=16, V=16, dtype=torch.float32):
     return torch.randn(B, T, HQ, K, dtype=dtype), torch.randn(B, T, H, K), torch.randn(B, T, H, V)
 
@@ -403,8 +445,11 @@ def test_topk_indexer_rejects_bad_inputs(args, match):
 
 
 def test_explicit_triton_request_raises_without_kernel(monkeypatch):
+    # The kernels cover fp32/fp16/bf16 (tests/ops/test_sparse_attention_triton.py); fp64 has none.
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    q, k, v = (x.double() for x in _qkv())
     with pytest.raises(RuntimeError, match="sparse_attention has no Triton kernel"):
-        sparse_attention(**_attention_args())
+        sparse_attention(**_attention_args(q=q, k=k, v=v))
     with pytest.raises(RuntimeError, match="topk_indexer has no Triton kernel"):
-        topk_indexer(**_indexer_args())
+        topk_indexer(**_indexer_args(q_idx=torch.randn(1, 8, 2, 4).double(), k_idx=torch.randn(1, 8, 4).double(),
+                                     w_idx=None))  # fmt: skip

@@ -1,0 +1,266 @@
+"""Triton backward of top-k sparse attention: dq query by query, dk and dv key tile by key tile, no atomics.
+
+Legend as kernels_fwd.py; R (query, head) rows of a backward tile = BQ queries x GP heads (GP = G padded to a
+power of two), BKT keys of a key tile, NS block slots, P (query, block) pairs.
+
+1. `_sparse_attn_bwd_dq_kernel`, one program per (query, kv head), the forward's loop again: p from the saved
+   lse, dp = do v^T, ds = p (dp - delta), dq += ds k. It also writes delta = rowsum(do * o) [NT, HQ] for step 2.
+2. `_sparse_attn_bwd_dkv_kernel`, one program per (key tile, kv head), owning its dk and dv rows outright: it
+   visits the queries that may have selected its keys, BQ at a time, and accumulates dv += p^T do and
+   dk += ds^T q in registers; one plain store at the end, no scatter pass and no atomics.
+   - Token level: key tile = BKT consecutive key positions of a row; queries = every later query of the sequence of
+     the tile's last key, tiles of BQ consecutive queries. Which (query, key) pairs were selected comes from the
+     selection bitmap of the canonicalisation; a query tile with no selected pair is skipped after reading its bits.
+   - Block level: key tile = (part of) one block slot; queries = exactly the queries that selected that block,
+     read from a key-sorted pair list (CSR: `block_pairs`, one stable sort of the canonical indices), so no
+     unselected query is ever visited.
+   The products are written key-major (sT = k q^T from a q tile loaded transposed), so no tile is ever transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_tune.ops.sparse_attention.kernels_fwd import LOG2E, AttentionConfig, num_steps, padded
+from moe_tune.ops.sparse_attention.kernels_select import BITS_PER_WORD, BlockSlots, SequenceLayout, dot_precision
+
+# Kernels read module globals only when they are constexpr.
+_BITS_PER_WORD = tl.constexpr(BITS_PER_WORD)
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests replace it to fill buffers with NaN and guard their ends)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _sparse_attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, idx_ptr, seq_start_ptr, dq_ptr, delta_ptr,
+    S, num_steps, qk_scale, scale,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BKEY: tl.constexpr, IS_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    rows = tl.arange(0, GP)
+    dk = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    is_row = rows < G
+    head_rows = t64 * (H * G) + h * G + rows
+    q = tl.load(q_ptr + head_rows[:, None] * K + dk[None, :], mask=is_row[:, None] & (dk[None, :] < K), other=0.0)
+    v_mask = is_row[:, None] & (dv[None, :] < V)
+    do = tl.load(do_ptr + head_rows[:, None] * V + dv[None, :], mask=v_mask, other=0.0)
+    o = tl.load(o_ptr + head_rows[:, None] * V + dv[None, :], mask=v_mask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + head_rows, delta, mask=is_row)
+    lse = tl.load(lse_ptr + head_rows, mask=is_row, other=0.0)
+    acc = tl.zeros([GP, BK], dtype=tl.float32)
+    idx_row = idx_ptr + (t64 * H_IDX + h % H_IDX) * S
+    seq_start = tl.load(seq_start_ptr + t)
+    steps_per_block = (BLOCK_SIZE + BKEY - 1) // BKEY
+    for step in range(num_steps):
+        if IS_BLOCK:
+            k0 = (step % steps_per_block) * BKEY + tl.arange(0, BKEY)
+            j = tl.load(idx_row + step // steps_per_block)
+            pos = seq_start + j * BLOCK_SIZE + k0
+            is_key = (j >= 0) & (k0 < BLOCK_SIZE) & (pos <= t)
+        else:
+            slots = step * BS + tl.arange(0, BS)
+            pos = tl.load(idx_row + slots, mask=slots < S, other=-1)
+            is_key = pos >= 0
+        if tl.max(is_key.to(tl.int32), axis=0) > 0:
+            pos64 = tl.where(is_key, pos, 0).to(tl.int64)
+            k_t = tl.load(
+                k_ptr + (pos64[None, :] * H + h) * K + dk[:, None], mask=is_key[None, :] & (dk[:, None] < K), other=0.0
+            )
+            p = tl.exp2(tl.dot(q, k_t, input_precision=PRECISION) * qk_scale - lse[:, None])
+            p = tl.where(is_key[None, :], p, 0.0)
+            v_t = tl.load(
+                v_ptr + (pos64[None, :] * H + h) * V + dv[:, None], mask=is_key[None, :] & (dv[:, None] < V), other=0.0
+            )
+            dp = tl.dot(do, v_t, input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            k_tile = tl.load(
+                k_ptr + (pos64[:, None] * H + h) * K + dk[None, :], mask=is_key[:, None] & (dk[None, :] < K), other=0.0
+            )
+            acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
+    tl.store(
+        dq_ptr + head_rows[:, None] * K + dk[None, :],
+        (acc * scale).to(dq_ptr.dtype.element_ty),
+        mask=is_row[:, None] & (dk[None, :] < K),
+    )
+
+
+@triton.jit
+def _sparse_attn_bwd_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    bits_ptr, seq_end_ptr,
+    slot_first_ptr, slot_len_ptr, pair_start_ptr, pair_end_ptr, pair_query_ptr,
+    T, NW, NS, NSUB, qk_scale, scale,
+    H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BKT: tl.constexpr, BQ: tl.constexpr, IS_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    h_idx = h % H_IDX
+    rows = tl.arange(0, BQ * GP)
+    row_query = rows // GP
+    row_head = rows % GP
+    keys = tl.arange(0, BKT)
+    dk = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    if IS_BLOCK:
+        slot = pid // NSUB
+        sub0 = (pid % NSUB) * BKT
+        num_tokens = tl.load(slot_len_ptr + slot)
+        k0 = tl.load(slot_first_ptr + slot) + sub0
+        is_key = sub0 + keys < num_tokens
+        pair_lo = tl.load(pair_start_ptr + h_idx * NS + slot)
+        num_queries = tl.where(sub0 < num_tokens, tl.load(pair_end_ptr + h_idx * NS + slot) - pair_lo, 0)
+    else:
+        tiles_per_row = tl.cdiv(T, BKT)
+        key_in_row0 = (pid % tiles_per_row) * BKT
+        row_base = (pid // tiles_per_row) * T
+        k0 = row_base + key_in_row0
+        is_key = key_in_row0 + keys < T
+        last_key = tl.minimum(k0 + BKT, row_base + T) - 1
+        num_queries = tl.load(seq_end_ptr + last_key) - k0
+        key_word = (key_in_row0 + keys) // _BITS_PER_WORD
+        key_bit = (key_in_row0 + keys) % _BITS_PER_WORD
+    pos64 = (k0 + keys).to(tl.int64)
+    k_tile = tl.load(
+        k_ptr + (pos64[:, None] * H + h) * K + dk[None, :], mask=is_key[:, None] & (dk[None, :] < K), other=0.0
+    )
+    v_tile = tl.load(
+        v_ptr + (pos64[:, None] * H + h) * V + dv[None, :], mask=is_key[:, None] & (dv[None, :] < V), other=0.0
+    )
+    dk_acc = tl.zeros([BKT, BK], dtype=tl.float32)
+    dv_acc = tl.zeros([BKT, BV], dtype=tl.float32)
+    for q0 in range(0, num_queries, BQ):
+        is_row = (q0 + row_query < num_queries) & (row_head < G)
+        if IS_BLOCK:
+            t_rows = tl.load(pair_query_ptr + pair_lo + q0 + row_query, mask=is_row, other=0)
+            is_pair = is_key[:, None] & is_row[None, :] & (k0 + keys[:, None] <= t_rows[None, :])
+        else:
+            t_rows = k0 + q0 + row_query
+            words = tl.load(
+                bits_ptr + (t_rows[None, :].to(tl.int64) * H_IDX + h_idx) * NW + key_word[:, None],
+                mask=is_key[:, None] & is_row[None, :],
+                other=0,
+            )
+            is_pair = ((words >> key_bit[:, None]) & 1) != 0
+        if tl.max(is_pair.to(tl.int32)) > 0:
+            head_rows = t_rows.to(tl.int64) * (H * G) + h * G + row_head
+            q_t = tl.load(
+                q_ptr + head_rows[None, :] * K + dk[:, None], mask=is_row[None, :] & (dk[:, None] < K), other=0.0
+            )
+            q_rows = tl.load(
+                q_ptr + head_rows[:, None] * K + dk[None, :], mask=is_row[:, None] & (dk[None, :] < K), other=0.0
+            )
+            do_t = tl.load(
+                do_ptr + head_rows[None, :] * V + dv[:, None], mask=is_row[None, :] & (dv[:, None] < V), other=0.0
+            )
+            do_rows = tl.load(
+                do_ptr + head_rows[:, None] * V + dv[None, :], mask=is_row[:, None] & (dv[None, :] < V), other=0.0
+            )
+            lse = tl.load(lse_ptr + head_rows, mask=is_row, other=0.0)
+            delta = tl.load(delta_ptr + head_rows, mask=is_row, other=0.0)
+            s_t = tl.dot(k_tile, q_t, input_precision=PRECISION) * qk_scale
+            p_t = tl.where(is_pair, tl.exp2(s_t - lse[None, :]), 0.0)
+            dv_acc += tl.dot(p_t.to(do_rows.dtype), do_rows, input_precision=PRECISION)
+            dp_t = tl.dot(v_tile, do_t, input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk_acc += tl.dot(ds_t.to(q_rows.dtype), q_rows, input_precision=PRECISION)
+    tl.store(
+        dk_ptr + (pos64[:, None] * H + h) * K + dk[None, :],
+        (dk_acc * scale).to(dk_ptr.dtype.element_ty),
+        mask=is_key[:, None] & (dk[None, :] < K),
+    )
+    tl.store(
+        dv_ptr + (pos64[:, None] * H + h) * V + dv[None, :],
+        dv_acc.to(dv_ptr.dtype.element_ty),
+        mask=is_key[:, None] & (dv[None, :] < V),
+    )
+
+
+def block_pairs(
+    canon_THS: torch.Tensor, layout: SequenceLayout, slots: BlockSlots
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (query, block) pairs of canonical block ids grouped by block: (pair_query [P] int32, ascending per block;
+    pair_start, pair_end [H', NS] int32, each block slot's range in pair_query). No host sync."""
+    NT, H_idx, S = canon_THS.shape
+    block_first = layout.seq_start.long()[:, None, None] + canon_THS.long() * slots.block_size
+    head = torch.arange(H_idx, device=canon_THS.device)[None, :, None]
+    # Unused slots sort to the end under a key no block has.
+    pair_key = torch.where(canon_THS >= 0, head * NT + block_first, H_idx * NT).flatten()
+    sorted_key, order = torch.sort(pair_key, stable=True)
+    pair_query = torch.div(order, H_idx * S, rounding_mode="floor").to(torch.int32)
+    slot_key = torch.arange(H_idx, device=canon_THS.device)[:, None] * NT + slots.first.long()[None, :]
+    pair_start = torch.searchsorted(sorted_key, slot_key).to(torch.int32)
+    pair_end = torch.searchsorted(sorted_key, slot_key, right=True).to(torch.int32)
+    return pair_query.contiguous(), pair_start.contiguous(), pair_end.contiguous()
+
+
+def sparse_attention_bwd(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    o_THV: torch.Tensor,
+    lse_TH: torch.Tensor,
+    do_THV: torch.Tensor,
+    canon_THS: torch.Tensor,
+    bits: torch.Tensor,
+    layout: SequenceLayout,
+    slots: BlockSlots | None,
+    block_size: int,
+    scale: float,
+    config: AttentionConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the inputs' dtype."""
+    NT, HQ, K = q_THK.shape
+    H, V = k_THK.shape[1], v_THV.shape[2]
+    G = HQ // H
+    H_idx, S = canon_THS.shape[1:]
+    device = q_THK.device
+    precision = dot_precision(q_THK.dtype)
+    dq = _alloc((NT, HQ, K), q_THK.dtype, device)
+    delta = _alloc((NT, HQ), torch.float32, device)
+    common = dict(H=H, G=G, GP=padded(G), H_IDX=H_idx, K=K, V=V, BK=padded(K), BV=padded(V), PRECISION=precision)
+    _sparse_attn_bwd_dq_kernel[(NT, H)](
+        q_THK, k_THK, v_THV, o_THV, do_THV, lse_TH, canon_THS, layout.seq_start, dq, delta,
+        S, num_steps(S, block_size, config), scale * LOG2E, scale,
+        BS=config.token_tile, BLOCK_SIZE=block_size, BKEY=config.block_key_tile, IS_BLOCK=block_size > 1,
+        **common, **config.launch,
+    )  # fmt: skip
+
+    dk = _alloc((NT, H, K), k_THK.dtype, device)
+    dv = _alloc((NT, H, V), v_THV.dtype, device)
+    key_tile = config.dkv_key_tile
+    group_rows = triton.next_power_of_2(G)
+    queries_per_tile = max(1, triton.cdiv(config.dkv_rows, group_rows))
+    T = layout.row_len
+    if block_size == 1:
+        num_sub, num_slots = 1, 1
+        grid = (triton.cdiv(NT, T) * triton.cdiv(T, key_tile), H)
+        pair_query = pair_start = pair_end = slot_first = slot_len = layout.seq_end
+    else:
+        num_sub = triton.cdiv(block_size, key_tile)
+        num_slots = slots.num_slots
+        grid = (num_slots * num_sub, H)
+        pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
+        slot_first, slot_len = slots.first, slots.length
+    common.update(GP=group_rows)
+    _sparse_attn_bwd_dkv_kernel[grid](
+        q_THK, k_THK, v_THV, do_THV, lse_TH, delta, dk, dv,
+        bits, layout.seq_end,
+        slot_first, slot_len, pair_start, pair_end, pair_query,
+        T, bits.shape[2], num_slots, num_sub, scale * LOG2E, scale,
+        BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=block_size > 1, **common, **config.launch_dkv,
+    )  # fmt: skip
+    return dq, dk, dv

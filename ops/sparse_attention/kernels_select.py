@@ -1,0 +1,429 @@
+"""Triton kernels that decide what each query attends: the fused top-k indexer and the index canonicalisation
+that the sparse attention kernels start from; plus the sequence and block layouts both build on the device.
+
+Legend: NT tokens of all rows packed along time (B * T; a batch of B rows is the packed case with cu_seqlens
+(0, T, 2T, ...)), T tokens of one row, N sequences, S selected slots per query, H' index heads of the indices
+(H, or 1 when one index set is shared by all kv heads), NU selectable units of a row (T keys, or ceil(T / bs)
+blocks), NW = ceil(NU / 32) bit words per query, NS block slots (every block of every sequence, then unused ones),
+HI indexer heads, DI indexer dim, M candidates of one query (its causal keys, or its complete earlier blocks).
+
+Canonical indices (`canonical_indices`): the attention kernels never see raw indices. One program per (query,
+index head) turns its S raw indices into int32 canonical ones: a flat key position (block_size 1) or a block id
+local to the sequence (block_size > 1), -1 where the raw index is unused, out of range, acausal, from another
+sequence, or a repeat of an earlier slot. Repeats are found without sorting: every kept unit sets its bit in the
+query's selection bitmap with an atomic OR, and a slot whose bit was already set is a repeat. The bitmap [NT, H', NW]
+is kept for the token-level backward, which reads it to know which (query, key) pairs were selected.
+
+Top-k indexer (`topk_indexer_fwd`): a persistent kernel; each program takes groups of BQ consecutive queries. Per
+group it streams candidate key tiles (k_idx rows, or the mean-pooled keys of complete blocks), scores them for all
+BQ x HI (query, head) rows with one tl.dot, applies the activation and the per-head weights, sums over heads, and
+writes the group's [BQ, M] scores, as int32 keys that order as the floats do, to its own scratch rows: [programs,
+BQ, T] int32 reused group after group, never a [T, T] matrix. Then an exact radix select on those keys (8 passes of
+4 bits, each a 16-bin histogram over the scratch rows) finds each query's k-th largest score and how many of the
+scores equal to it to keep, and a last pass emits the kept candidates in index order with a prefix sum. Ties therefore go to the lower
+index, -0.0 equals +0.0, and the output is ascending and -1 padded, exactly as reference.select_top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# tl.dot needs every operand dimension to be at least 16.
+MIN_DOT_SIZE = 16
+# Raw index slots per step of the canonicalisation kernel: 64 int32 per step keep loads 256 bytes wide.
+CANONICAL_BLOCK_SLOTS = 64
+# Bits per word of the selection bitmap (int32 words, atomic OR).
+BITS_PER_WORD = 32
+# Radix select: 4-bit digits, 8 passes over a 32-bit key; a 16-bin histogram is 16 reductions of a register tile.
+RADIX_BITS = 4
+RADIX_BINS = 1 << RADIX_BITS
+# Kernels read module globals only when they are constexpr.
+_RADIX_BITS = tl.constexpr(RADIX_BITS)
+_RADIX_BINS = tl.constexpr(RADIX_BINS)
+# GPU indexer: about 128 (query, head) rows per tl.dot (2 queries of 64 heads: the q tile stays in registers) ...
+GPU_INDEXER_ROWS = 128
+# ... against 64 candidate keys per step.
+GPU_INDEXER_KEY_TILE = 64
+# The selection passes read [BQ, 512 / BQ] keys per step: the [BQ, 512 / BQ, 16] histogram one-hot is 32 registers
+# per thread at 8 warps.
+GPU_SELECT_TILE_ELEMENTS = 512
+# Two resident programs per SM: the scratch rows of all of them (2 x 132 x BQ x T floats) stay in the 60 MB L2.
+GPU_INDEXER_PROGRAMS_PER_SM = 2
+GPU_NUM_WARPS_INDEXER = 8
+# The interpreter runs programs one after another: a few are enough, and small tiles make the tests take every loop.
+INTERPRETER_INDEXER_PROGRAMS = 3
+INTERPRETER_KEY_TILE = MIN_DOT_SIZE
+INTERPRETER_SELECT_TILE = MIN_DOT_SIZE
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer a kernel writes comes from here (tests fill it with NaN or poison and guard its end)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products, as the reference; 16-bit operands make the argument moot."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where every flat token's sequence starts and ends, built on the device without a host sync.
+
+    cu_seqlens: [N + 1] int32 over the NT flat tokens. seq_id, seq_start, seq_end: [NT] int32.
+    """
+
+    cu_seqlens: torch.Tensor
+    seq_id: torch.Tensor
+    seq_start: torch.Tensor
+    seq_end: torch.Tensor
+    row_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_start.numel()
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+def sequence_layout(cu_seqlens: torch.Tensor | None, batch_size: int, row_len: int, device) -> SequenceLayout:
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * row_len
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+    pos = torch.arange(batch_size * row_len, device=device, dtype=torch.int32)
+    # right=True puts a position equal to a boundary into the sequence that starts there (skips empty sequences).
+    seq_id = torch.searchsorted(cu_seqlens[1:], pos, right=True).clamp(max=cu_seqlens.numel() - 2)
+    seq_start = cu_seqlens[seq_id].contiguous()
+    seq_end = cu_seqlens[seq_id + 1].contiguous()
+    return SequenceLayout(cu_seqlens, seq_id.to(torch.int32).contiguous(), seq_start, seq_end, row_len)
+
+
+@dataclass(frozen=True)
+class BlockSlots:
+    """Every block of block_size tokens of every sequence, one slot each, built without a host sync.
+
+    first, length: [NS] int32 first flat token and token count (block_size, less for a tail, 0 for unused slots).
+    seq_first_slot: [NT] int32, the slot of block 0 of each token's sequence (block j of it is slot + j).
+    """
+
+    first: torch.Tensor
+    length: torch.Tensor
+    seq_first_slot: torch.Tensor
+    block_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.first.numel()
+
+
+def block_slots(layout: SequenceLayout, block_size: int) -> BlockSlots:
+    cu_seqlens = layout.cu_seqlens
+    num_seqs = layout.num_seqs
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    blocks_per_seq = (lengths + block_size - 1) // block_size
+    slot_offsets = F.pad(blocks_per_seq.cumsum(0), (1, 0)).to(torch.int32)
+    # sum ceil(len / bs) <= NT // bs + N: an upper bound known without reading cu_seqlens on the host.
+    num_slots = layout.num_tokens // block_size + num_seqs
+    slot = torch.arange(num_slots, device=cu_seqlens.device, dtype=torch.int32)
+    seq = torch.searchsorted(slot_offsets[1:], slot, right=True).clamp(max=num_seqs - 1)
+    first = cu_seqlens[seq] + (slot - slot_offsets[seq]) * block_size
+    length = (cu_seqlens[seq + 1] - first).clamp(0, block_size)
+    seq_first_slot = slot_offsets[layout.seq_id.long()]
+    return BlockSlots(
+        first.to(torch.int32).contiguous(),
+        length.to(torch.int32).contiguous(),
+        seq_first_slot.to(torch.int32).contiguous(),
+        block_size,
+    )
+
+
+@triton.jit
+def _canonical_indices_kernel(
+    idx_ptr,
+    canon_ptr,
+    bits_ptr,
+    seq_start_ptr,
+    T,
+    S,
+    NW,
+    H_IDX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_BLOCK: tl.constexpr,
+    BS: tl.constexpr,
+):
+    """One program per (flat query t, index head): raw indices [NT, H', S] -> canonical [NT, H', S] + bitmap."""
+    t = tl.program_id(0)
+    row = t.to(tl.int64) * H_IDX + tl.program_id(1)
+    seq_start = tl.load(seq_start_ptr + t).to(tl.int64)
+    row_base = (t // T).to(tl.int64) * T
+    own_block = (t - seq_start) // BLOCK_SIZE
+    slots = tl.arange(0, BS)
+    for s0 in range(0, S, BS):
+        in_row = s0 + slots < S
+        idx = tl.load(idx_ptr + row * S + s0 + slots, mask=in_row, other=-1).to(tl.int64)
+        if IS_BLOCK:
+            is_valid = in_row & (idx >= 0) & (idx <= own_block)
+            canon = idx
+        else:
+            canon = row_base + idx
+            is_valid = in_row & (idx >= 0) & (idx < T) & (canon >= seq_start) & (canon <= t)
+        # The bit of a unit: its key position in the row (token level) or its block id (block level).
+        unit = tl.where(is_valid, idx, 0).to(tl.int32)
+        bit = 1 << (unit % 32)
+        old = tl.atomic_or(bits_ptr + row * NW + unit // 32, bit, mask=is_valid)
+        is_first = is_valid & ((old & bit) == 0)
+        tl.store(canon_ptr + row * S + s0 + slots, tl.where(is_first, canon, -1).to(tl.int32), mask=in_row)
+
+
+def canonical_indices(
+    indices_THS: torch.Tensor, layout: SequenceLayout, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(canonical int32 [NT, H', S], selection bitmap int32 [NT, H', NW]) of raw indices [NT, H', S] (int32/64)."""
+    NT, H_idx, S = indices_THS.shape
+    T = layout.row_len
+    num_units = T if block_size == 1 else triton.cdiv(T, block_size)
+    num_words = triton.cdiv(num_units, BITS_PER_WORD)
+    canon = _alloc((NT, H_idx, S), torch.int32, indices_THS.device)
+    bits = torch.zeros((NT, H_idx, num_words), dtype=torch.int32, device=indices_THS.device)
+    _canonical_indices_kernel[(NT, H_idx)](
+        indices_THS, canon, bits, layout.seq_start, T, S, num_words,
+        H_IDX=H_idx, BLOCK_SIZE=block_size, IS_BLOCK=block_size > 1, BS=CANONICAL_BLOCK_SLOTS,
+    )  # fmt: skip
+    return canon, bits
+
+
+@triton.jit
+def _topk_indexer_kernel(
+    q_ptr,
+    key_ptr,
+    w_ptr,
+    first_ptr,
+    count_ptr,
+    tail_ptr,
+    out_ptr,
+    scratch_ptr,
+    NT,
+    T,
+    num_groups,
+    max_candidates,
+    topk,
+    select_k,
+    scale,
+    HI: tl.constexpr,
+    DI: tl.constexpr,
+    HIP: tl.constexpr,
+    DIP: tl.constexpr,
+    BQ: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_BLOCK: tl.constexpr,
+    IS_RELU: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Persistent: groups of BQ queries; scores into this program's scratch rows, radix select, ascending emit.
+
+    Query t's candidates are key table rows first[t] .. first[t] + count[t] - 1 (k_idx rows, or block keys). It keeps
+    the select_k best (topk, or topk - 1 in block mode) and then, in block mode, the block id tail[t] unless it is -1:
+    the query's own block, the largest id it may select, so it goes last.
+    """
+    pid = tl.program_id(0)
+    scratch = scratch_ptr + pid.to(tl.int64) * BQ * max_candidates
+    rows = tl.arange(0, BQ * HIP)
+    row_query = rows // HIP
+    row_head = rows % HIP
+    dims = tl.arange(0, DIP)
+    queries = tl.arange(0, BQ)
+    bins = tl.arange(0, _RADIX_BINS)
+    cols = tl.arange(0, BLOCK_M)
+    for group in range(pid, num_groups, tl.num_programs(0)):
+        t_rows = group * BQ + row_query
+        is_row = (t_rows < NT) & (row_head < HI)
+        row_offsets = (t_rows.to(tl.int64) * HI + row_head) * DI
+        q = tl.load(q_ptr + row_offsets[:, None] + dims[None, :], mask=is_row[:, None] & (dims[None, :] < DI), other=0)
+        q = q.to(key_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + t_rows.to(tl.int64) * HI + row_head, mask=is_row, other=0).to(tl.float32)
+        t_q = group * BQ + queries
+        is_query = t_q < NT
+        first = tl.load(first_ptr + t_q, mask=is_query, other=0)
+        count = tl.load(count_ptr + t_q, mask=is_query, other=0)
+        has_candidates = is_query & (count > 0)
+        lo = tl.min(tl.where(has_candidates, first, 2147483647), axis=0)
+        hi = tl.max(tl.where(has_candidates, first + count, 0), axis=0)
+
+        for p0 in range(lo, hi, BM):
+            keys = p0 + tl.arange(0, BM)
+            k_t = tl.load(
+                key_ptr + keys[None, :].to(tl.int64) * DI + dims[:, None],
+                mask=(keys[None, :] < hi) & (dims[:, None] < DI),
+                other=0,
+            )
+            logits = tl.dot(q, k_t, input_precision=PRECISION) * scale
+            if IS_RELU:
+                logits = tl.maximum(logits, 0.0)
+            weighted = tl.reshape(logits * w[:, None], [BQ, HIP, BM])
+            scores = tl.sum(weighted, axis=1)
+            # int32 keys that order as the fp32 scores do (-0.0 made +0.0): flip the magnitude bits of negatives.
+            bits = scores.to(tl.int32, bitcast=True)
+            bits = tl.where(bits == -2147483648, 0, bits)
+            order_key = tl.where(bits >= 0, bits, bits ^ 2147483647)
+            m = keys[None, :] - first[:, None]
+            is_candidate = is_query[:, None] & (m >= 0) & (m < count[:, None])
+            tl.store(scratch + queries[:, None] * max_candidates + m, order_key, mask=is_candidate)
+        # The scores written by every thread must be visible to every thread before they are read back.
+        tl.debug_barrier()
+
+        num_kept = tl.minimum(count, select_k)
+        needs_select = num_kept < count
+        threshold = tl.zeros([BQ], dtype=tl.int64)
+        num_left = num_kept.to(tl.int64)
+        max_count = tl.max(tl.where(needs_select, count, 0), axis=0)
+        if max_count > 0:
+            for radix_pass in tl.static_range(32 // _RADIX_BITS):
+                shift = 32 - _RADIX_BITS * (radix_pass + 1)
+                hist = tl.zeros([BQ, _RADIX_BINS], dtype=tl.int64)
+                for m0 in range(0, max_count, BLOCK_M):
+                    m = m0 + cols
+                    is_in = needs_select[:, None] & (m[None, :] < count[:, None])
+                    stored = tl.load(scratch + queries[:, None] * max_candidates + m[None, :], mask=is_in, other=0)
+                    key = stored.to(tl.int64) + 2147483648
+                    is_match = is_in & ((key >> (shift + _RADIX_BITS)) == threshold[:, None])
+                    digit = (key >> shift) & (_RADIX_BINS - 1)
+                    is_bin = is_match[:, :, None] & (digit[:, :, None] == bins[None, None, :])
+                    hist += tl.sum(is_bin.to(tl.int64), axis=1)
+                # above[q, d]: candidates of query q matching the prefix whose digit is larger than d.
+                above = tl.sum(tl.where(bins[None, None, :] > bins[None, :, None], hist[:, None, :], 0), axis=2)
+                is_chosen = (above < num_left[:, None]) & (above + hist >= num_left[:, None])
+                num_left -= tl.sum(tl.where(is_chosen, above, 0), axis=1)
+                threshold = threshold * _RADIX_BINS + tl.sum(tl.where(is_chosen, bins[None, :], 0), axis=1)
+
+        num_out = tl.zeros([BQ], dtype=tl.int32)
+        num_equal_seen = tl.zeros([BQ], dtype=tl.int64)
+        row_base = (t_q // T) * T
+        max_all = tl.max(tl.where(is_query, count, 0), axis=0)
+        for m0 in range(0, max_all, BLOCK_M):
+            m = m0 + cols
+            is_in = is_query[:, None] & (m[None, :] < count[:, None])
+            stored = tl.load(scratch + queries[:, None] * max_candidates + m[None, :], mask=is_in, other=0)
+            key = stored.to(tl.int64) + 2147483648
+            is_equal = is_in & needs_select[:, None] & (key == threshold[:, None])
+            equal_rank = num_equal_seen[:, None] + tl.cumsum(is_equal.to(tl.int64), axis=1) - 1
+            is_better = (key > threshold[:, None]) | (is_equal & (equal_rank < num_left[:, None]))
+            is_taken = is_in & (num_kept[:, None] > 0) & (~needs_select[:, None] | is_better)
+            pos = num_out[:, None] + tl.cumsum(is_taken.to(tl.int32), axis=1) - 1
+            if IS_BLOCK:
+                chosen = m[None, :] + 0 * first[:, None]
+            else:
+                chosen = first[:, None] + m[None, :] - row_base[:, None]
+            tl.store(out_ptr + t_q[:, None].to(tl.int64) * topk + pos, chosen.to(tl.int32), mask=is_taken)
+            num_out += tl.sum(is_taken.to(tl.int32), axis=1)
+            num_equal_seen += tl.sum(is_equal.to(tl.int64), axis=1)
+        if IS_BLOCK:
+            tail = tl.load(tail_ptr + t_q, mask=is_query, other=-1)
+            tl.store(out_ptr + t_q.to(tl.int64) * topk + num_out, tail, mask=is_query & (tail >= 0))
+            num_out += (tail >= 0).to(tl.int32)
+        for f0 in range(0, topk, BLOCK_M):
+            f = f0 + cols
+            is_pad = is_query[:, None] & (f[None, :] >= num_out[:, None]) & (f[None, :] < topk)
+            tl.store(out_ptr + t_q[:, None].to(tl.int64) * topk + f[None, :], -1, mask=is_pad)
+        # The next group overwrites the scratch rows this one has just read.
+        tl.debug_barrier()
+
+
+def pooled_block_keys(k_idx_TD: torch.Tensor, slots: BlockSlots, is_pooled: bool = False) -> torch.Tensor:
+    """fp32 [NS, DI] key of each complete block slot (rows of incomplete or unused slots are unused): the mean of its
+    k_idx rows, or with is_pooled the k_idx row at its first token (the model pooled it already).
+
+    The same ops as the reference (upcast, then mean over the block dim) so that equal inputs give equal keys.
+    """
+    compute_dtype = torch.promote_types(k_idx_TD.dtype, torch.float32)
+    last_row = k_idx_TD.shape[0] - 1
+    if is_pooled:
+        return k_idx_TD.to(compute_dtype)[slots.first.long().clamp(max=last_row)].contiguous()
+    bs = slots.block_size
+    rows = (slots.first.long()[:, None] + torch.arange(bs, device=k_idx_TD.device)).clamp(max=last_row)
+    return k_idx_TD.to(compute_dtype)[rows].mean(dim=1).contiguous()
+
+
+def topk_indexer_fwd(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    w_idx: torch.Tensor | None,
+    topk: int,
+    scale: float,
+    activation: str,
+    block_size: int,
+    cu_seqlens: torch.Tensor | None,
+    k_idx_is_pooled: bool = False,
+    always_keep_own_block: bool = True,
+) -> torch.Tensor:
+    """int32 [B, T, topk] as reference.topk_indexer_ref; inputs already checked (fp32/fp16/bf16).
+
+    Block mode: by default the candidates are the complete blocks before the query's own block, which is always kept;
+    with always_keep_own_block False (QSA) they are the complete blocks up to the query (its own block once complete)
+    and the own block is added only while incomplete."""
+    B, T, HI, DI = q_idx.shape
+    NT = B * T
+    device = q_idx.device
+    layout = sequence_layout(cu_seqlens, B, T, device)
+    q_THD = q_idx.reshape(NT, HI, DI).contiguous()
+    if w_idx is None:
+        w_TH = torch.ones(NT, HI, dtype=torch.float32, device=device)
+    else:
+        w_TH = w_idx.reshape(NT, HI).contiguous()
+    pos = torch.arange(NT, device=device, dtype=torch.int32)
+    if block_size == 1:
+        keys = k_idx.reshape(NT, DI).contiguous()
+        first = layout.seq_start
+        count = pos - layout.seq_start + 1
+        tail = count
+        max_candidates = T
+        select_k = topk
+    else:
+        slots = block_slots(layout, block_size)
+        keys = pooled_block_keys(k_idx.reshape(NT, DI), slots, is_pooled=k_idx_is_pooled)
+        first = slots.seq_first_slot
+        own_block = (pos - layout.seq_start) // block_size
+        if always_keep_own_block:
+            count, tail = own_block, own_block
+        else:
+            count = (pos - layout.seq_start + 1) // block_size
+            tail = torch.where(own_block < count, -1, own_block)
+        max_candidates = max(1, triton.cdiv(T, block_size))
+        select_k = topk - 1
+    precision = dot_precision(keys.dtype)
+
+    if q_idx.is_cuda:
+        hip = triton.next_power_of_2(HI)
+        bq = max(1, GPU_INDEXER_ROWS // max(hip, 1))
+        bq = max(bq, triton.cdiv(MIN_DOT_SIZE, hip))
+        key_tile = GPU_INDEXER_KEY_TILE
+        select_tile = max(MIN_DOT_SIZE, GPU_SELECT_TILE_ELEMENTS // bq)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        max_programs = GPU_INDEXER_PROGRAMS_PER_SM * num_sms
+        launch = dict(num_warps=GPU_NUM_WARPS_INDEXER, num_stages=1)
+    else:
+        hip = triton.next_power_of_2(HI)
+        bq = triton.next_power_of_2(max(1, triton.cdiv(MIN_DOT_SIZE, hip)))
+        key_tile = INTERPRETER_KEY_TILE
+        select_tile = INTERPRETER_SELECT_TILE
+        max_programs = INTERPRETER_INDEXER_PROGRAMS
+        launch = {}
+    num_groups = triton.cdiv(NT, bq)
+    num_programs = max(1, min(num_groups, max_programs))
+    scratch = torch.empty((num_programs, bq, max_candidates), dtype=torch.int32, device=device)
+    out = _alloc((NT, topk), torch.int32, device)
+    _topk_indexer_kernel[(num_programs,)](
+        q_THD, keys, w_TH, first, count, tail.to(torch.int32).contiguous(), out, scratch,
+        NT, T, num_groups, max_candidates, topk, select_k, scale,
+        HI=HI, DI=DI, HIP=hip, DIP=max(MIN_DOT_SIZE, triton.next_power_of_2(DI)), BQ=bq, BM=key_tile,
+        BLOCK_M=select_tile, IS_BLOCK=block_size > 1, IS_RELU=activation == "relu", PRECISION=precision,
+        **launch,
+    )  # fmt: skip
+    return out.view(B, T, topk)

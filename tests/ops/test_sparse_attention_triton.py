@@ -1,0 +1,306 @@
+"""sparse_attention and topk_indexer Triton kernels in the interpreter: output and every gradient against reference.py,
+index sets equal to the reference's top-k (ties included), GQA/MQA, K != V, odd lengths and blocks, packed documents,
+raw indices that are unused, out of range, acausal, from another document or repeated, NaN- or poison-filled
+buffers with guarded ends, dispatch.
+
+Shapes: B batch, T tokens, HQ query heads, H kv heads, K / V head dims, S selected slots, HI indexer heads, DI
+indexer dim, NT = B * T.
+"""
+
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+# Before triton or any kernel module is imported: @triton.jit picks the interpreter when it decorates.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from guarded_buffers import GUARD_VALUE, GuardedBuffers  # noqa: E402
+import torch  # noqa: E402
+
+from moe_tune.ops.sparse_attention import kernels_bwd, kernels_fwd, kernels_select  # noqa: E402
+from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer  # noqa: E402
+from moe_tune.ops.sparse_attention.autograd import SparseAttentionFunction  # noqa: E402
+from moe_tune.ops.sparse_attention.reference import sparse_attention_ref, topk_indexer_ref  # noqa: E402
+
+# Only the decoration needed it session-wide (see test_linear_attention_triton.py).
+if _INTERPRET_BEFORE is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+# One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
+# fp32 products, only the summation order and the online softmax's rescaling differ (measured max error 1e-6 on
+# values of magnitude 1-5). fp16: p and ds are rounded to fp16 before their products, every dot takes fp16
+# operands, and o is stored in fp16 (measured max error 2.4e-3 on dq of magnitude 3).
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+}
+# Elements past the end of every kernel buffer: a whole 16-row tile of the widest per-token tensor (HQ6 x V32).
+GUARD_ELEMENTS = 16 * 6 * 32
+# Integer buffers (indices) start as this, so an unwritten slot is neither a valid index nor -1.
+INT_POISON = -777
+
+
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    # Tiny tensors: intra-op threads only add synchronisation on a busy 2-core machine.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+class GuardedIntBuffers(GuardedBuffers):
+    """GuardedBuffers that also hands out integer buffers: poisoned with INT_POISON, guarded by GUARD_VALUE."""
+
+    def alloc(self, shape, dtype, device):
+        if dtype.is_floating_point:
+            return super().alloc(shape, dtype, device)
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = torch.full((numel + self.guard_elements,), INT_POISON, dtype=dtype, device=device)
+        flat[numel:] = int(GUARD_VALUE)
+        self.buffers.append((flat, numel, tuple(shape)))
+        return flat[:numel].view(shape)
+
+    def check(self):
+        assert self.buffers, "no kernel buffer was allocated: the kernel path did not run"
+        for flat, numel, shape in self.buffers:
+            guard = GUARD_VALUE if flat.dtype.is_floating_point else int(GUARD_VALUE)
+            assert bool((flat[numel:] == guard).all()), f"a kernel wrote past the end of a buffer of shape {shape}"
+
+
+@pytest.fixture
+def guarded(monkeypatch) -> GuardedIntBuffers:
+    buffers = GuardedIntBuffers(GUARD_ELEMENTS)
+    for module in (kernels_fwd, kernels_bwd, kernels_select):
+        monkeypatch.setattr(module, "_alloc", buffers.alloc)
+    return buffers
+
+
+def make_qkv(B, T, HQ, H, K, V, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(B, T, HQ, K), (B, T, H, K), (B, T, H, V)]
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for shape in shapes]
+
+
+def raw_indices(shape, num_units, seed=1):
+    """Random raw indices in [-2, num_units + 2): unused (-1, -2), out of range, acausal, repeated slots."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-2, num_units + 2, shape, generator=gen)
+
+
+def forward_and_grads(op, q, k, v, indices, **options):
+    o = op(q, k, v, indices, **options)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(o.dtype)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    return {name: x.detach().double() for name, x in zip(("o", "dq", "dk", "dv"), (o, *grads))}
+
+
+def assert_attention_matches_reference(q, k, v, indices, guarded, **options):
+    actual = forward_and_grads(sparse_attention, q, k, v, indices, **options)
+    as_fp64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected = forward_and_grads(sparse_attention_ref, *as_fp64, indices, **options)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCES[q.dtype], msg=lambda m: f"{name}: {m}")
+    guarded.check()
+
+
+ATTENTION_CASES = [
+    # GQA 4:2, K != V, T not a multiple of the 16-key tile, 18 raw slots (two tiles) many invalid or repeated.
+    pytest.param(dict(B=1, T=23, HQ=4, H=2, K=16, V=32), dict(S=18, block_size=1), None, id="token-gqa-K16-V32"),
+    # MQA with one index set shared by the kv head ([B, T, S]), two rows, K > V.
+    pytest.param(dict(B=2, T=17, HQ=4, H=1, K=32, V=16), dict(S=7, block_size=1, shared=True), None, id="token-mqa"),
+    # Packed documents: 1 token, empty, 11 and 10 tokens; absolute key positions cross document boundaries.
+    pytest.param(dict(B=1, T=22, HQ=2, H=1, K=16, V=16), dict(S=9, block_size=1), [0, 1, 1, 12, 22],
+                 id="token-varlen"),  # fmt: skip
+    # Blocks of 4 with a 3-token tail block.
+    pytest.param(dict(B=1, T=23, HQ=4, H=2, K=16, V=32), dict(S=4, block_size=4), None, id="block4-tail"),
+    # Block size 3 (not a power of two), G = 3 query heads per kv head, packed documents, shared indices.
+    pytest.param(dict(B=1, T=22, HQ=6, H=2, K=16, V=16), dict(S=3, block_size=3, shared=True), [0, 1, 1, 12, 22],
+                 id="block3-varlen-G3"),  # fmt: skip
+    # A block of 20 tokens spans two 16-key tiles in forward and backward.
+    pytest.param(dict(B=1, T=41, HQ=2, H=1, K=16, V=16), dict(S=2, block_size=20), None, id="block20-two-tiles"),
+]
+
+
+@pytest.mark.parametrize("shape, selection, cu_seqlens", ATTENTION_CASES)
+def test_sparse_attention_fp32_matches_reference(kernel_path, guarded, shape, selection, cu_seqlens):
+    q, k, v = make_qkv(**shape, dtype=torch.float32)
+    B, T, H = shape["B"], shape["T"], shape["H"]
+    block_size = selection["block_size"]
+    num_units = T if block_size == 1 else -(-T // block_size)
+    index_shape = (B, T, selection["S"]) if selection.get("shared") else (B, T, H, selection["S"])
+    indices = raw_indices(index_shape, num_units)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+    assert_attention_matches_reference(q, k, v, indices, guarded, block_size=block_size, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("block_size", [1, 4], ids=["token", "block4"])
+def test_sparse_attention_fp16_matches_reference(kernel_path, guarded, block_size):
+    q, k, v = make_qkv(1, 20, 2, 1, 16, 32, dtype=torch.float16)
+    num_units = 20 if block_size == 1 else 5
+    indices = raw_indices((1, 20, 1, 5), num_units)
+    cu_seqlens = torch.tensor([0, 5, 20], dtype=torch.int32)
+    assert_attention_matches_reference(q, k, v, indices, guarded, block_size=block_size, cu_seqlens=cu_seqlens)
+
+
+def test_sparse_attention_on_indexer_output_with_scale(kernel_path, guarded):
+    # The model's path: the indexer's ascending, -1 padded blocks (every query has fewer than 4 blocks early on),
+    # expanded to the kv heads, with an explicit softmax scale.
+    q, k, v = make_qkv(1, 21, 4, 2, 16, 16, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    indices = topk_indexer_ref(torch.randn(1, 21, 2, 16, generator=gen), torch.randn(1, 21, 16, generator=gen),
+                               topk=3, block_size=4)  # fmt: skip
+    indices = indices.unsqueeze(2).expand(-1, -1, 2, -1)
+    assert_attention_matches_reference(q, k, v, indices, guarded, block_size=4, scale=0.3)
+
+
+def test_canonical_indices_drop_invalid_and_repeated_slots(guarded):
+    # Query 5 of a document [2, 8): keys 2..5 are visible. Raw slots: a repeat, unused, acausal, another document's
+    # key, out of range, and a repeat across 64-slot steps.
+    layout = kernels_select.sequence_layout(torch.tensor([0, 2, 8], dtype=torch.int32), 1, 8, "cpu")
+    raw = torch.full((8, 1, 70), -1, dtype=torch.int64)
+    raw[5, 0, :8] = torch.tensor([3, 3, -1, 6, 1, 9, 5, 2])
+    raw[5, 0, 69] = 5
+    canon, bits = kernels_select.canonical_indices(raw, layout, block_size=1)
+    assert canon[5, 0, :8].tolist() == [3, -1, -1, -1, -1, -1, 5, 2]
+    assert canon[5, 0, 8:].eq(-1).all()
+    assert bits[5, 0].tolist() == [(1 << 2) | (1 << 3) | (1 << 5)]
+    guarded.check()
+
+
+def make_indexer_inputs(B, T, HI, DI, dtype, block_size=1, is_integer=True, seed=0):
+    """Integer-valued inputs make every score exact in both implementations, so selections (ties included) must be
+    identical; k_idx is a multiple of block_size so that its block means are exact too."""
+    gen = torch.Generator().manual_seed(seed)
+    if not is_integer:
+        return [torch.randn(shape, generator=gen).to(dtype) for shape in ((B, T, HI, DI), (B, T, DI), (B, T, HI))]
+    q_idx = torch.randint(-3, 4, (B, T, HI, DI), generator=gen)
+    k_idx = torch.randint(-3, 4, (B, T, DI), generator=gen) * block_size
+    w_idx = torch.randint(-2, 3, (B, T, HI), generator=gen)
+    return [x.to(dtype) for x in (q_idx, k_idx, w_idx)]
+
+
+def assert_indexer_matches_reference(guarded, q_idx, k_idx, w_idx, **options):
+    actual = topk_indexer(q_idx, k_idx, w_idx, **options)
+    expected = topk_indexer_ref(q_idx, k_idx, w_idx, **options)
+    assert actual.dtype == expected.dtype == torch.int32
+    mismatched = (actual != expected).any(dim=-1).nonzero().tolist()
+    assert not mismatched, f"{len(mismatched)} queries differ, first (b, t): {mismatched[:3]}"
+    guarded.check()
+
+
+INDEXER_CASES = [
+    # topk 8 of up to 40 causal keys: the first 8 queries have fewer candidates than topk (-1 padding).
+    pytest.param(dict(B=1, T=40, HI=2, DI=16), dict(topk=8), None, id="token-relu"),
+    # Two rows, 3 heads (padded to 4), no activation, no weights (all ones).
+    pytest.param(dict(B=2, T=23, HI=3, DI=16), dict(topk=5, activation="none", no_weights=True), None,
+                 id="token-none-no_weights"),  # fmt: skip
+    # Packed documents: 1 token, empty, 19 and 21 tokens; positions are absolute in the row.
+    pytest.param(dict(B=1, T=41, HI=2, DI=16), dict(topk=6), [0, 1, 1, 20, 41], id="token-varlen"),
+    # Blocks of 4 (10 blocks, the last incomplete): own block plus the 3 best complete earlier ones.
+    pytest.param(dict(B=1, T=39, HI=2, DI=16, block_size=4), dict(topk=4), None, id="block4"),
+    # Blocks of 3 in packed documents; a 1-token document selects only its own block.
+    pytest.param(dict(B=1, T=41, HI=4, DI=16, block_size=3), dict(topk=3), [0, 1, 1, 20, 41],
+                 id="block3-varlen"),  # fmt: skip
+    # QSA (always_keep_own_block False): complete blocks up to the query compete, its own block once complete;
+    # the incomplete tail block is added on top. k_idx holds each block's (already pooled) key at its first row.
+    pytest.param(dict(B=1, T=41, HI=2, DI=16, block_size=4), dict(topk=3, k_idx_is_pooled=True,
+                 always_keep_own_block=False), [0, 1, 1, 20, 41], id="block4-qsa-pooled-varlen"),  # fmt: skip
+    # QSA with mean-pooled blocks and topk 1: only the tail slot, -1 whenever the own block is complete.
+    pytest.param(dict(B=2, T=21, HI=2, DI=16, block_size=3), dict(topk=1, always_keep_own_block=False), None,
+                 id="block3-qsa-tail_only"),  # fmt: skip
+    # Random (non-integer) fp32 scores: no ties, exact order by value.
+    pytest.param(dict(B=1, T=40, HI=2, DI=16, is_integer=False), dict(topk=8), None, id="token-random-fp32"),
+]
+
+
+@pytest.mark.parametrize("shape, options, cu_seqlens", INDEXER_CASES)
+def test_topk_indexer_equals_reference(kernel_path, guarded, shape, options, cu_seqlens):
+    block_size = shape.pop("block_size", 1)
+    q_idx, k_idx, w_idx = make_indexer_inputs(**shape, dtype=torch.float32, block_size=block_size)
+    if options.pop("no_weights", False):
+        w_idx = None
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+    assert_indexer_matches_reference(
+        guarded, q_idx, k_idx, w_idx, block_size=block_size, cu_seqlens=cu_seqlens, **options
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 4], ids=["token", "block4"])
+def test_topk_indexer_fp16_equals_reference(kernel_path, guarded, block_size):
+    q_idx, k_idx, w_idx = make_indexer_inputs(1, 38, 2, 16, torch.float16, block_size=block_size)
+    assert_indexer_matches_reference(guarded, q_idx, k_idx, w_idx, topk=5, block_size=block_size)
+
+
+def test_topk_indexer_breaks_ties_toward_lower_index(kernel_path, guarded):
+    # Half the queries score every key 0 (relu of negative logits), with negative weights making some of them -0.0:
+    # ties everywhere, so the lowest positions win; the other half has ties among a few distinct integer scores.
+    q_idx, k_idx, w_idx = make_indexer_inputs(1, 36, 2, 16, torch.float32)
+    q_idx[:, ::2] = -1.0
+    k_idx = k_idx.abs() + 1
+    w_idx[:, ::4] = -1.0
+    assert_indexer_matches_reference(guarded, q_idx, k_idx, w_idx, topk=6)
+    ties_only = topk_indexer(q_idx, k_idx, w_idx, topk=6)[0, 20]
+    assert ties_only.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def _spy_kernel(monkeypatch):
+    calls = []
+    apply = SparseAttentionFunction.apply
+
+    def spy(*args):
+        calls.append(args[0].dtype)
+        return apply(*args)
+
+    monkeypatch.setattr(SparseAttentionFunction, "apply", spy)
+    return calls
+
+
+def test_auto_takes_the_kernel_only_on_cuda(monkeypatch):
+    # auto means "kernel on CUDA, reference elsewhere": on CPU tensors it takes the reference even when the
+    # interpreter could run the kernel (only an explicit MOE_TUNE_KERNELS=triton does that).
+    calls = _spy_kernel(monkeypatch)
+    q, k, v = make_qkv(1, 4, 2, 1, 16, 16, dtype=torch.float32)
+    indices = torch.zeros(1, 4, 1, 2, dtype=torch.int64)
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        sparse_attention(q, k, v, indices)
+    assert calls == []
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sparse_attention(q, k, v, indices)
+    assert calls == [torch.float32]
+
+
+@pytest.mark.parametrize(
+    "dtype, interpret, message",
+    [
+        pytest.param(torch.float64, "1", "has no Triton kernel", id="fp64"),
+        pytest.param(torch.float32, "0", "got CPU tensors", id="no_interpreter"),
+    ],
+)
+def test_forced_kernel_raises_when_it_cannot_run(monkeypatch, dtype, interpret, message):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q, k, v = make_qkv(1, 4, 2, 1, 16, 16, dtype=dtype)
+    with pytest.raises(RuntimeError, match=f"sparse_attention {message}"):
+        sparse_attention(q, k, v, torch.zeros(1, 4, 2, dtype=torch.int64))
+    q_idx, k_idx, w_idx = make_indexer_inputs(1, 4, 2, 16, dtype)
+    with pytest.raises(RuntimeError, match=f"topk_indexer {message}"):
+        topk_indexer(q_idx, k_idx, w_idx, topk=2)
