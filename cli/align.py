@@ -74,7 +74,7 @@ def align(
             docs = None
             if batch is not None:
                 _, _, cfg = model_profile_from_checkpoint(reference)
-                docs = read_batch(batch, cfg.vocab_size, reference)
+                docs = read_batch(batch, cfg, reference)
             report = align_checkpoint(reference, docs, pin_routing, tolerances)
     if json_out is not None:
         report.write_json(json_out)

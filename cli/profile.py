@@ -1,4 +1,6 @@
-"""`moe-tune profile --kernels`: time every registered op (fwd, fwd+bwd) beside its baselines; check a saved run."""
+"""`moe-tune profile PROFILE`: a few real training steps of a profile (throughput, latency, peak memory and the
+memory policy's metrics). `moe-tune profile --kernels`: time every registered op (fwd, fwd+bwd) beside its
+baselines; check a saved run."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import fail
+from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
 
 app = typer.Typer()
 
@@ -19,6 +21,8 @@ TABLE_WIDTH = 220
 # Notes wrap; this keeps them readable when the other columns are wide.
 NOTE_MIN_WIDTH = 40
 REGRESSION_EXIT = 1
+DEFAULT_STEPS = 3
+BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 
 
 def _format(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -78,11 +82,13 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{row['op']} / {row['case']} / {row['impl']}" for row in rows]
+    labels = [f"{row['op']} / {row['case']} / {row['impl']} / {row['shape']}" for row in rows]
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
     positions = range(len(rows))
     for offset, key in ((-0.2, "fwd_ms"), (0.2, "fwd_bwd_ms")):
-        ax.barh([p + offset for p in positions], [row[key] or 0 for row in rows], height=0.4, label=key)
+        # A pass not measured draws no bar (NaN), where 0 would break the log scale.
+        medians = [float("nan") if row[key] is None else row[key] for row in rows]
+        ax.barh([p + offset for p in positions], medians, height=0.4, label=key)
     ax.set_yticks(list(positions), labels, fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("median ms")
@@ -94,13 +100,109 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in BYTE_UNITS:
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} GB/s"
+
+
+def _steps_table(result: dict) -> Table:
+    """Two columns, one metric a row: the run first, then the memory policy's metrics."""
+    title = (
+        f"{result['profile']}: seq_len {result['seq_len']} x {result['micro_batch_size']}, {result['precision']}, "
+        f"{result['steps']} timed steps; {result['machine']} ({result['device']}), torch {result['torch']}, "
+        f"commit {result['commit']}, {result['date']}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric", justify="left", no_wrap=True)
+    table.add_column("median", justify="right")
+    memory = result["memory"]
+    hit_rate = memory.get("cache_hit_rate")
+    swap_fraction = result["swap_fraction_of_pinned"]
+    rows = [
+        ("memory policy", result["memory_policy"]),
+        ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
+        ("step latency", f"{result['step_time_s'] * 1e3:,.1f} ms"),
+        ("peak memory", _bytes(result["peak_memory_bytes"])),
+        ("saved on the GPU", _bytes(memory.get("gpu_saved_bytes"))),
+        ("saved in host memory", _bytes(memory.get("host_saved_bytes"))),
+        ("  of which moved by the budget", _bytes(memory.get("evicted_bytes"))),
+        ("recomputed", _bytes(memory.get("recomputed_bytes"))),
+        ("modules recomputed", "-" if memory.get("recomputations") is None else f"{memory['recomputations']:.0f}"),
+        ("cache hit rate", "-" if hit_rate is None else f"{hit_rate:.1%}"),
+        ("swap GPU -> host", _rate(memory.get("d2h_gb_per_s"))),
+        ("swap host -> GPU", _rate(memory.get("h2d_gb_per_s"))),
+        ("pinned copy host -> GPU / GPU -> host",
+         f"{_rate(result['pinned_h2d_gb_per_s'])} / {_rate(result['pinned_d2h_gb_per_s'])}"),
+        ("swap / pinned copy bandwidth", "-" if swap_fraction is None else f"{swap_fraction:.0%}"),
+        ("backward waited for swap-in",
+         "-" if memory.get("swap_wait_s") is None else f"{memory['swap_wait_s'] * 1e3:.1f} ms"),
+        ("host pool", _bytes(memory.get("host_pool_bytes"))),
+    ]  # fmt: skip
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _write_json(path: Path, data) -> None:
+    try:
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror})"])
+
+
+def _profile_steps(profile_arg: str, overrides: list[str] | None, steps: int, json_out: Path | None) -> None:
+    job = read_profile(profile_arg, overrides)
+    from moe_tune.engine.bench.steps import WARMUP_STEPS, profile_steps
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = TABLE_WIDTH
+
+    def on_step(index: int, is_warmup: bool, record: dict) -> None:
+        label = "warm-up" if is_warmup else "step"
+        console.print(f"{label} {index + 1}: {record['step_time_s'] * 1e3:,.1f} ms, loss {record['loss']:.4f}")
+
+    with user_errors():
+        result = profile_steps(job, steps, WARMUP_STEPS, on_step)
+    console.print(_steps_table(result))
+    if json_out is not None:
+        _write_json(json_out, result)
+        console.print(f"results written to {json_out}", markup=False)
+
+
 @app.command()
 def profile(
-    kernels: Annotated[bool, typer.Option("--kernels", help="time the fused ops (the only mode for now)")] = False,
+    profile_arg: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[PROFILE]", help="profile YAML path or shipped name: run a few of its training steps"
+        ),
+    ] = None,
+    overrides: SetOption = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="timed training steps (after one warm-up step)")] = (
+        DEFAULT_STEPS
+    ),
+    kernels: Annotated[bool, typer.Option("--kernels", help="time the fused ops instead of a profile")] = False,
     ops: Annotated[
         str | None, typer.Option("--ops", help="comma-separated ops to time (default: every registered op)")
     ] = None,
-    shapes: Annotated[str, typer.Option("--shapes", help="shape preset: small, or anchor (docs/PERF.md's)")] = "small",
+    shapes: Annotated[
+        str,
+        typer.Option(
+            "--shapes",
+            metavar="PRESET|SPEC",
+            help="small, anchor (docs/PERF.md's), or a SPEC naming every dimension of the chosen ops, e.g. "
+            "B4,T8192,H16,K128,V128 for gated_delta_rule,kda or N16384,D2048,F1024,E64,k8 for moe (docs/bench.md)",
+        ),
+    ] = "small",
     json_out: Annotated[Path | None, typer.Option("--json", help="write the rows as JSON to this file")] = None,
     baseline: Annotated[
         Path | None, typer.Option("--baseline", help="a saved --json run: exit 1 when a row got >10% slower")
@@ -109,18 +211,24 @@ def profile(
         Path | None, typer.Option("--plot", help="draw the medians into this PNG (needs matplotlib)")
     ] = None,
 ) -> None:
-    """Time each op's forward and forward+backward, with TFLOP/s, fraction of the measured peak and peak memory."""
-    if not kernels:
-        fail(["end-to-end profiling of a PROFILE is not built yet: pass --kernels to time the fused ops"])
-    from moe_tune.engine.bench import OPS, PRESETS, REGRESSION_TOLERANCE, find_regressions, run_kernels
+    """Profile a training run (PROFILE) or time each fused op's forward and forward+backward (--kernels)."""
+    if kernels == (profile_arg is not None):
+        fail(["pass a PROFILE (time its training steps) or --kernels (time the fused ops), not both or neither"])
+    if profile_arg is not None:
+        _profile_steps(profile_arg, overrides, steps, json_out)
+        return
+    from moe_tune.engine.bench import OPS, REGRESSION_TOLERANCE, find_regressions, parse_shapes, run_kernels
 
     problems = []
     try:
         op_names = parse_ops(ops, list(OPS))
     except ValueError as err:
         problems.append(str(err))
-    if shapes not in PRESETS:
-        problems.append(f"--shapes ({shapes!r}) must be one of {', '.join(PRESETS)}")
+        op_names = []
+    try:
+        parse_shapes(shapes, list(OPS) if op_names is None else op_names, label="--shapes")
+    except ValueError as err:
+        problems.append(str(err))
     if plot is not None:
         try:
             import matplotlib  # noqa: F401

@@ -27,11 +27,18 @@ def _raise_if(problems: list[str]) -> None:
 
 
 class LayerSpec(Strict):
-    attention: Literal["linear", "sparse", "full"] = Field(
-        description="token mixer: linear (gated delta rule with a recurrent state), sparse (top-k selected keys) "
-        "or full (gated softmax attention over every causal key)"
+    attention: Literal["linear", "sparse", "full", "kda", "mla", "mla_sparse", "qsa"] = Field(
+        description="token mixer: linear (gated delta rule with a recurrent state), sparse (top-k selected keys), "
+        "full (gated softmax attention over every causal key), kda (Kimi delta attention, per-channel decay), "
+        "mla (multi-head latent attention, model.mla) or mla_sparse (MLA over the keys DeepSeek's lightning "
+        "indexer picks, model.mla + model.sparse_attention) or qsa (gated attention over the key blocks QSA's "
+        "indexer picks, model.sparse_attention; qwen4_exp)"
     )
     mlp: Literal["moe", "dense"] = Field("moe", description="channel mixer: routed experts (moe) or a dense SwiGLU")
+    has_ngram_embedding: bool = Field(
+        False, description="hashed n-gram embeddings of the tokens are injected into the residual streams before "
+        "this layer (qwen4_exp's per-layer embeddings; needs model.ngram_embedding and model.hyper_connections)"
+    )
 
 
 class LinearAttentionSpec(Strict):
@@ -42,6 +49,9 @@ class LinearAttentionSpec(Strict):
     conv_kernel_size: int = Field(4, ge=1, le=8, description="width of the short causal depthwise conv on q, k, v")
     decay: Literal["scalar", "per_channel"] = Field(
         "scalar", description="scalar: one log decay per head (gated delta rule); per_channel: one per key channel (KDA)"
+    )
+    output_gate_activation: Literal["silu", "sigmoid"] = Field(
+        "silu", description="activation of the output gate z in RMSNorm(o) * act(z)"
     )
 
     @model_validator(mode="after")
@@ -55,10 +65,22 @@ class LinearAttentionSpec(Strict):
         return self
 
 
+class KDASpec(Strict):
+    """Kimi delta attention (Kimi Linear's KDA layers); its low-rank decay and output-gate projections have rank
+    head_dim, as in FLA's KimiDeltaAttention."""
+
+    num_heads: int = Field(ge=1, description="H: heads of q, k, v and of the recurrent state (no grouping)")
+    head_dim: int = Field(ge=1, description="K: dim of q, k and v per head (one dim for all three)")
+    conv_kernel_size: int = Field(4, ge=1, le=8, description="width of the short causal depthwise conv on q, k, v")
+
+
 class SparseAttentionSpec(Strict):
     index_heads: int = Field(ge=1, description="HI: heads of the indexer that scores keys for each query")
     index_head_dim: int = Field(ge=1, description="DI: dim of the indexer's query and key")
-    topk: int = Field(ge=1, description="token budget: keys each query attends to (block mode: topk / block_size blocks)")
+    topk: int = Field(
+        ge=1, description="token budget: keys each query attends to (block mode: topk / block_size blocks; qsa "
+        "layers: keys from complete blocks, the incomplete block the query sits in comes on top)"
+    )
     block_size: int = Field(
         1, ge=1, description="1: select single tokens; >1: select blocks of this many contiguous keys (mean-pooled scores)"
     )
@@ -89,12 +111,132 @@ class MoESpec(Strict):
     )
     shared_expert_intermediate_size: int = Field(0, ge=0, description="hidden size of the shared expert (0: none)")
     shared_expert_gate: bool = Field(True, description="scale the shared expert by sigmoid(x W) (qwen3_next style)")
+    n_group: int = Field(
+        1, ge=1, description="group-limited routing (DeepSeek-V3): experts split into this many equal groups; "
+        "1: no groups"
+    )
+    topk_group: int = Field(
+        1, ge=1, description="groups a token may use: the topk_group groups with the largest sum of their two best "
+        "(biased) scores; the top_k experts are chosen within them"
+    )
+    has_selection_bias: bool = Field(
+        False, description="add the selection_bias buffer to the scores for the choice even when it is not updated "
+        "(a checkpoint's trained correction bias, DeepSeek-V3's e_score_correction_bias); bias_update_rate > 0 "
+        "implies it"
+    )
 
     @model_validator(mode="after")
     def check_top_k(self):
         problems = []
         if self.top_k > self.num_experts:
             problems.append(f"@top_k ({self.top_k}) must be <= @num_experts ({self.num_experts})")
+        if self.num_experts % self.n_group:
+            problems.append(f"@n_group ({self.n_group}) must divide @num_experts ({self.num_experts})")
+        elif self.topk_group > self.n_group:
+            problems.append(f"@topk_group ({self.topk_group}) must be <= @n_group ({self.n_group})")
+        elif self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            problems.append(
+                f"@top_k ({self.top_k}) must be <= @topk_group ({self.topk_group}) x experts per group "
+                f"({self.num_experts // self.n_group})"
+            )
+        _raise_if(problems)
+        return self
+
+
+class YarnSpec(Strict):
+    """YaRN RoPE scaling (transformers' `rope_type: yarn`): low frequencies interpolated by `factor`, high ones kept,
+    a linear ramp between, and cos/sin scaled by `attention_factor`."""
+
+    factor: float = Field(gt=0, description="context extension factor (interpolated frequencies are divided by it)")
+    original_max_position_embeddings: int = Field(ge=1, description="context length of pretraining")
+    beta_fast: float = Field(32.0, gt=0, description="rotations above which a frequency is kept (extrapolated)")
+    beta_slow: float = Field(1.0, gt=0, description="rotations below which a frequency is interpolated")
+    attention_factor: float = Field(1.0, gt=0, description="scale on cos and sin (so on the rotary dims' logits)")
+    truncate: bool = Field(True, description="round the ramp's bounds to whole dims (floor low, ceil high)")
+
+
+class MLASpec(Strict):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi): queries from an optional low-rank latent, keys and values
+    expanded per head from one shared latent, plus a rotary part of the key shared by all heads."""
+
+    q_lora_rank: int | None = Field(
+        None, ge=1, description="rank of the query latent (q_a_proj -> RMSNorm -> q_b_proj); None: one q_proj"
+    )
+    kv_lora_rank: int = Field(ge=1, description="rank of the key/value latent (kv_a_proj_with_mqa -> RMSNorm)")
+    qk_nope_head_dim: int = Field(ge=0, description="per-head query/key dims without RoPE (from the latents)")
+    qk_rope_head_dim: int = Field(
+        ge=0, description="per-head query dims and shared key dims that carry the position (RoPE unless rope: none)"
+    )
+    v_head_dim: int = Field(ge=1, description="V: value dim per head")
+    rope: Literal["interleaved", "half", "none"] = Field(
+        "interleaved", description="RoPE on the rotary dims: interleaved pairs (DeepSeek, rope_interleave), "
+        "rotate-half, or none (Kimi's MLA: the rotary dims stay unrotated)"
+    )
+    softmax_scale: float | None = Field(
+        None, gt=0, description="attention logit scale; None: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5"
+    )
+    latent_norm_eps: float = Field(
+        1e-6, gt=0, description="epsilon of the RMSNorms on the q and kv latents (transformers' DeepSeek and Kimi "
+        "MLA keep the RMSNorm default here, not rms_norm_eps)"
+    )
+    yarn: YarnSpec | None = Field(None, description="YaRN scaling of the rotary dims (None: plain RoPE)")
+
+    @model_validator(mode="after")
+    def check_dims(self):
+        problems = []
+        if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
+            problems.append("@qk_nope_head_dim (0) must be > 0 when @qk_rope_head_dim is 0")
+        if self.rope != "none" and (self.qk_rope_head_dim == 0 or self.qk_rope_head_dim % 2):
+            problems.append(
+                f"@qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and > 0 with @rope ('{self.rope}')"
+            )
+        _raise_if(problems)
+        return self
+
+
+class HyperConnectionSpec(Strict):
+    """Hyper-connections (qwen4_exp): the decoder carries several residual streams; each sub-layer reads a gated mix
+    of the normed streams and adds its output back into every stream with a per-stream weight."""
+
+    num_streams: int = Field(ge=2, description="residual streams, each of width hidden_size")
+    mix_rank: int = Field(ge=1, description="rank of the low-rank projection that yields the per-channel mix weights")
+
+
+class NGramEmbeddingSpec(Strict):
+    """Hashed n-gram embeddings injected into the residual streams before some layers (qwen4_exp's per-layer
+    embeddings, PLE). Layer i's tables and hash multipliers depend on its rank among those layers."""
+
+    embed_dim: int = Field(
+        ge=1, description="width of a token's n-gram embedding: every hashed head's vector concatenated"
+    )
+    ngram_size: int = Field(
+        ge=2, description="largest n: the n-grams of orders 2..ngram_size ending at a token are hashed"
+    )
+    heads_per_ngram: int = Field(ge=1, description="independently hashed embedding tables per n-gram order")
+    vocab_size_base: int = Field(
+        ge=2, description="rows of each hashed table: a distinct prime, the next ones after this number"
+    )
+    vocab_size_multiple: int = Field(
+        ge=1, description="a layer's tables, stacked into one, are padded to a multiple of this"
+    )
+    hash_seed: int = Field(description="seed of the per-layer hash multipliers")
+    conv_kernel_size: int = Field(
+        ge=1, description="taps of the causal depthwise conv (dilation ngram_size) over the injected values"
+    )
+    boundary_token_id: int = Field(
+        ge=0, description="token (eos) that ends an n-gram context: n-grams never reach back across it (nor across "
+        "documents); it also fills the positions before a context starts"
+    )
+
+    @model_validator(mode="after")
+    def check_heads(self):
+        problems = []
+        num_heads = (self.ngram_size - 1) * self.heads_per_ngram
+        if self.embed_dim % num_heads:
+            problems.append(
+                f"@embed_dim ({self.embed_dim}) must be a multiple of the hashed heads ({num_heads} = "
+                f"(@ngram_size - 1) x @heads_per_ngram)"
+            )
         _raise_if(problems)
         return self
 
@@ -119,6 +261,10 @@ class VisionSpec(Strict):
     image_token_id: int = Field(ge=0, description="token id of each image placeholder in the text")
     vision_start_token_id: int = Field(ge=0, description="token id before an image's placeholders")
     vision_end_token_id: int = Field(ge=0, description="token id after an image's placeholders")
+    mrope_section: tuple[int, int, int] = Field(
+        (11, 11, 10), description="rotary frequencies (of the text attention) carrying the t, h and w positions of "
+        "image tokens, interleaved; they sum to half the rotary dim"
+    )
 
     @model_validator(mode="after")
     def check_vision(self):
@@ -148,8 +294,15 @@ class ModelProfile(Strict):
     rms_norm_eps: float = Field(1e-6, gt=0, description="epsilon of every RMSNorm")
     norm_one_plus: bool = Field(False, description="RMSNorm scales by (1 + w) with w initialised at 0 (qwen3_next)")
     linear_attention: LinearAttentionSpec | None = Field(None, description="needed if any layer is linear")
+    kda_attention: KDASpec | None = Field(None, description="needed if any layer is kda")
     sparse_attention: SparseAttentionSpec | None = Field(None, description="needed if any layer is sparse")
+    mla: MLASpec | None = Field(None, description="needed if any layer is mla or mla_sparse")
     moe: MoESpec | None = Field(None, description="needed if any layer has mlp: moe")
+    hyper_connections: HyperConnectionSpec | None = Field(
+        None, description="several residual streams mixed around each sub-layer (qwen4_exp); None: one residual "
+        "stream with pre-norms. With them the final norm is the streams' mixer"
+    )
+    ngram_embedding: NGramEmbeddingSpec | None = Field(None, description="needed if any layer has_ngram_embedding")
     vision: VisionSpec | None = Field(None, description="the vision tower, for image input (None: text only)")
     attention_output_gate: bool = Field(
         True, description="full/sparse attention scale their output by sigmoid(gate), the gate coming from q_proj "
@@ -167,7 +320,11 @@ class ModelProfile(Strict):
     def check_sections_present(self):
         problems = []
         kinds = {layer.attention for layer in self.layers}
-        for kind, section in (("linear", self.linear_attention), ("sparse", self.sparse_attention)):
+        for kind, section in (
+            ("linear", self.linear_attention),
+            ("sparse", self.sparse_attention),
+            ("kda", self.kda_attention),
+        ):
             if kind in kinds and section is None:
                 problems.append(f"@{kind}_attention (None) must be set: a layer has attention: {kind}")
         mlps = {layer.mlp for layer in self.layers}
@@ -181,11 +338,57 @@ class ModelProfile(Strict):
                 f"@num_key_value_heads ({self.num_key_value_heads})"
             )
         rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        if self.vision is not None and 2 * sum(self.vision.mrope_section) != rotary_dim:
+            problems.append(
+                f"@vision.mrope_section ({list(self.vision.mrope_section)}) must sum to half the rotary dim "
+                f"({rotary_dim // 2})"
+            )
         if rotary_dim % 2:
             problems.append(
                 f"@partial_rotary_factor ({self.partial_rotary_factor}) must give an even rotary dim "
                 f"(head_dim {self.head_dim} x factor = {rotary_dim})"
             )
+        _raise_if(problems)
+        return self
+
+    @model_validator(mode="after")
+    def check_mla(self):
+        problems = []
+        kinds = {layer.attention for layer in self.layers}
+        if kinds & {"mla", "mla_sparse"} and self.mla is None:
+            problems.append("@mla (None) must be set: a layer has attention: mla or mla_sparse")
+        if "mla_sparse" in kinds and self.mla is not None:
+            if self.sparse_attention is None:
+                problems.append("@sparse_attention (None) must be set: a layer has attention: mla_sparse")
+            elif self.sparse_attention.index_head_dim < self.mla.qk_rope_head_dim:
+                problems.append(
+                    f"@sparse_attention.index_head_dim ({self.sparse_attention.index_head_dim}) must be >= "
+                    f"@mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}): mla_sparse ropes that many indexer dims"
+                )
+            if self.mla.q_lora_rank is None:
+                problems.append("@mla.q_lora_rank (None) must be set: mla_sparse's indexer reads the query latent")
+        _raise_if(problems)
+        return self
+
+    @model_validator(mode="after")
+    def check_qsa_and_streams(self):
+        problems = []
+        if any(layer.attention == "qsa" for layer in self.layers):
+            rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+            if self.sparse_attention is None:
+                problems.append("@sparse_attention (None) must be set: a layer has attention: qsa")
+            elif self.sparse_attention.index_head_dim < rotary_dim:
+                problems.append(
+                    f"@sparse_attention.index_head_dim ({self.sparse_attention.index_head_dim}) must be >= the rotary "
+                    f"dim ({rotary_dim}): qsa ropes that many indexer dims"
+                )
+        if any(layer.has_ngram_embedding for layer in self.layers):
+            if self.ngram_embedding is None:
+                problems.append("@ngram_embedding (None) must be set: a layer has has_ngram_embedding: true")
+            if self.hyper_connections is None:
+                problems.append(
+                    "@hyper_connections (None) must be set: n-gram embeddings are injected into the residual streams"
+                )
         _raise_if(problems)
         return self
 
@@ -238,7 +441,19 @@ class DataProfile(Strict):
     seq_len: int = Field(ge=8, description="tokens per packed row; documents are packed, never attending across")
     text_field: str = Field("text", description="key of plain-text records")
     messages_field: str = Field("messages", description="key of chat records (list of {role, content})")
+    corpus: Literal["stories", "shapes"] = Field(
+        "stories", description="the built-in corpus when data.path is None: generated stories (text), or pictures "
+        "of coloured shapes with their descriptions (image-text, for models with model.vision)"
+    )
     corpus_documents: int = Field(2000, ge=1, description="documents of the built-in corpus (data.path: None)")
+    image_min_pixels: int | None = Field(
+        None, ge=1, description="images smaller than this many pixels are upscaled (None: the checkpoint's image "
+        "processor setting, else 56 x 56)"
+    )
+    image_max_pixels: int | None = Field(
+        None, ge=1, description="images larger than this many pixels are downscaled, aspect ratio kept (None: the "
+        "checkpoint's image processor setting, else 28 x 28 x 1280)"
+    )
     bad_images: Literal["error", "skip"] = Field(
         "error", description="a record whose image is missing or unreadable: error (stop before training, naming "
         "the record and file) or skip (leave the record out and count it)"
@@ -278,6 +493,13 @@ class LoraProfile(Strict):
         default_factory=list,
         description="modules trained in full and saved with the adapter (PEFT modules_to_save), e.g. [lm_head]",
     )
+    vision_tower: Literal["frozen", "lora", "trained"] = Field(
+        "frozen", description="models with a vision tower: its patch embedding and ViT blocks stay frozen, get "
+        "adapters (on the blocks' linear layers), or train in full"
+    )
+    vision_merger: Literal["frozen", "lora", "trained"] = Field(
+        "trained", description="models with a vision tower: the patch merger into the text width (usually trained)"
+    )
 
 
 class ParallelProfile(Strict):
@@ -293,8 +515,65 @@ class ParallelProfile(Strict):
     )
 
 
+# What backward gets from an operator class's saved tensors: kept (GPU, within the budget), recomputed, or copied
+# to host memory and back. docs/memory.md defines the classes, presets and tiers.
+OperatorChoice = Literal["save", "recompute", "offload"]
+_OPERATOR_CHOICE = "None: the preset's choice; save (GPU tier), recompute (in backward) or offload (host tier)"
+
+
 class MemoryProfile(Strict):
-    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer whole in backward (the coarsest policy; it replaces "
+        "preset and the operator classes, which must stay unset)"
+    )
+    preset: Literal["none", "balanced", "max-context"] = Field(
+        "none", description="none: save everything on the GPU; balanced: recompute norms and activations, offload "
+        "the experts' saved tensors; max-context: recompute attention, norms and activations, offload the rest, GPU "
+        "budget 0. Fields set below override the preset"
+    )
+    linear: OperatorChoice | None = Field(None, description=f"linear layers (LoRA included): {_OPERATOR_CHOICE}")
+    experts: OperatorChoice | None = Field(None, description=f"routed experts (grouped GEMM): {_OPERATOR_CHOICE}")
+    attention: OperatorChoice | None = Field(
+        None, description=f"token mixers (attention, linear attention and its states, short conv): {_OPERATOR_CHOICE}"
+    )
+    norm: OperatorChoice | None = Field(None, description=f"RMSNorms: {_OPERATOR_CHOICE}")
+    activation: OperatorChoice | None = Field(
+        None, description=f"SwiGLU activations (shared expert, dense MLP) and residual adds: {_OPERATOR_CHOICE}"
+    )
+    router: OperatorChoice | None = Field(
+        None, description=f"MoE router and gating (recompute reruns the whole MoE block): {_OPERATOR_CHOICE}"
+    )
+    gpu_budget_gb: float | None = Field(
+        None, ge=0, description="GPU memory (GB) for saved tensors kept on the GPU; past it the coldest (needed "
+        "latest in backward) move to host memory. None: the preset's (none and balanced: no budget; max-context: 0)"
+    )
+    prefetch_layers: int | None = Field(
+        None, ge=0, description="swap-in runs this many layers ahead of backward (0: on demand). None: the preset's (1)"
+    )
+    min_offload_mb: float | None = Field(
+        None, ge=0, description="smaller saved tensors stay on the GPU (not worth a copy). None: the preset's (1 MB)"
+    )
+
+    @model_validator(mode="after")
+    def check_checkpointing_alone(self):
+        problems = []
+        if self.activation_checkpointing:
+            if self.preset != "none":
+                problems.append(
+                    f"@activation_checkpointing (true) recomputes whole layers: @preset ('{self.preset}') must be "
+                    "'none' with it"
+                )
+            chosen = [name for name in _OPERATOR_FIELDS if getattr(self, name) is not None]
+            for name in chosen:
+                problems.append(
+                    f"@{name} ('{getattr(self, name)}') must be unset with @activation_checkpointing (true), "
+                    "which recomputes whole layers"
+                )
+        _raise_if(problems)
+        return self
+
+
+_OPERATOR_FIELDS = ("linear", "experts", "attention", "norm", "activation", "router")
 
 
 class TrainProfile(Strict):
@@ -368,6 +647,8 @@ class JobProfile(Strict):
             problems.append(
                 f"model.vocab_size ({self.model.vocab_size}) must be >= {BYTE_VOCAB_SIZE} for data.tokenizer 'byte'"
             )
+        if self.data.path is None and self.data.corpus == "shapes" and self.model.vision is None:
+            problems.append("data.corpus ('shapes') needs a model with a vision tower (model.vision)")
         ep = self.parallel.expert_parallel
         if self.model.moe is not None and self.model.moe.num_experts % ep:
             problems.append(

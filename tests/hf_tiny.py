@@ -60,3 +60,131 @@ def tiny_qwen3_moe(**overrides):
     )
     config.update(overrides)
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
+
+
+def tiny_deepseek_v3(**overrides):
+    """A 3-layer deepseek_v3 (dense first layer; 9 experts in 3 groups, 2 groups kept, top-3; 2 shared experts) with
+    MLA (q latent, interleaved RoPE) in transformers, random init."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=9, num_experts_per_tok=3,
+        n_group=3, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        rms_norm_eps=1e-5, max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
+    config.update(overrides)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**config))
+
+
+def tiny_deepseek_v32(**overrides):
+    """A 3-layer deepseek_v32: tiny_deepseek_v3's shape with DSA on every layer (8 indexer heads of dim 16, the
+    first 8 dims roped; 6 keys per query, fewer than the test documents hold)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=300, hidden_size=48, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2, n_routed_experts=9, num_experts_per_tok=3,
+        n_group=3, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        index_n_heads=8, index_head_dim=16, index_topk=6,
+        rms_norm_eps=1e-5, max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
+    config.update(overrides)
+    return DeepseekV32ForCausalLM(DeepseekV32Config(**config))
+
+
+# qwen3_next / qwen3_5_moe: K != V and two value heads per key head (the interleaved qkvz / ba groups matter), 5
+# experts top-2 with a gated shared expert, linear and full layers, rotary on half of each 16-dim head.
+QWEN_HYBRID_TEXT = dict(
+    vocab_size=320, hidden_size=48, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=5, num_experts_per_tok=2,
+    moe_intermediate_size=24, shared_expert_intermediate_size=20,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
+def tiny_qwen3_next(**overrides):
+    """A 4-layer qwen3_next (linear, full, linear with a dense MLP, full) in transformers, random init."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(QWEN_HYBRID_TEXT, mlp_only_layers=[2], intermediate_size=40, norm_topk_prob=True)
+    config.update(overrides)
+    return Qwen3NextForCausalLM(Qwen3NextConfig(**config))
+
+
+def tiny_qwen3_5_moe(**overrides):
+    """A qwen3_5_moe vision-language model (the hub layout: model.language_model.*, model.visual.*) whose
+    4-layer language model is QWEN_HYBRID_TEXT with an mrope_section over the 4 rotary frequencies; a 1-block
+    vision tower. `overrides` go to the text config."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    torch.manual_seed(0)
+    rope = dict(QWEN_HYBRID_TEXT["rope_parameters"], mrope_section=[2, 1, 1], mrope_interleaved=True)
+    text = dict(QWEN_HYBRID_TEXT, rope_parameters=rope)
+    text.update(overrides)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    # The image tokens inside the tiny vocabulary (the published ids are ~248k).
+    tokens = dict(image_token_id=text["vocab_size"] - 3, vision_start_token_id=text["vocab_size"] - 2,
+                  vision_end_token_id=text["vocab_size"] - 1)
+    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision, **tokens))
+
+
+def tiny_qwen3_5_moe_text(**overrides):
+    """The same language model saved on its own (Qwen3_5MoeForCausalLM: model_type qwen3_5_moe_text, model.*)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    config = dict(QWEN_HYBRID_TEXT)
+    config.update(overrides)
+    return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**config))
+
+
+# qwen4_exp: linear (with PLE), indexed (spelled full_attention, as real checkpoints do), linear (with PLE), indexed;
+# 3 residual streams; K != V with two value heads per key head; QSA keeps 2 blocks of 4 keys plus the tail, its
+# 12-dim index heads rotated on the attention's 8 rotary dims; 2-grams and 3-grams, 2 hashed heads each, into small
+# prime tables saved in 4 shards; eos (1) ends n-gram contexts; 5 experts top-2 with a gated shared expert.
+QWEN4_EXP_TEXT = dict(
+    vocab_size=320, hidden_size=32, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "indexed_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=5, num_experts_per_tok=2,
+    moe_intermediate_size=16, shared_expert_intermediate_size=24, hc_count=3, hc_lowrank=8, ple_layer_ids=[1, 3],
+    ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=4, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=8,
+    indexer_compress_ratio=4, eos_token_id=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+)
+
+
+def tiny_qwen4_exp(**overrides):
+    """A qwen4_exp vision-language model (the hub layout: model.language_model.*, model.visual.*) whose 4-layer
+    language model is QWEN4_EXP_TEXT; a 1-block vision tower. `overrides` go to the text config."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(QWEN4_EXP_TEXT)
+    text.update(overrides)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=4, num_position_embeddings=16)
+    tokens = dict(image_token_id=text["vocab_size"] - 3, vision_start_token_id=text["vocab_size"] - 2,
+                  vision_end_token_id=text["vocab_size"] - 1)
+    return Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text, vision_config=vision, **tokens))
+
+
+def tiny_qwen4_exp_text(**overrides):
+    """The same language model saved on its own (Qwen4ExpForCausalLM: model_type qwen4_exp_text, model.*)."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    torch.manual_seed(0)
+    config = dict(QWEN4_EXP_TEXT)
+    config.update(overrides)
+    return Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**config))

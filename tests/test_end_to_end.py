@@ -34,3 +34,22 @@ def test_tiny_profile_learns_and_writes_everything(tmp_path, child_env):
     # The command tells the user where everything went.
     for label in ("metrics:", "checkpoint:", "adapter:", "ds config:"):
         assert label in proc.stdout
+
+
+@pytest.mark.slow
+def test_tiny_vl_profile_learns_from_pictures(tmp_path, child_env):
+    """profiles/tiny-vl.yaml as shipped: generated pictures of coloured shapes; the loss drops visibly."""
+    out = tmp_path / "tiny-vl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", str(REPO / "profiles" / "tiny-vl.yaml"), "--quiet",
+         "--set", f"output.dir={out}"],
+        capture_output=True, text=True, timeout=900, env=child_env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 200
+    assert sum(losses[-10:]) / 10 <= sum(losses[:10]) / 10 / 4
+    pictures = sorted((out / "generated-data").glob("*.png"))
+    assert len(pictures) == 600
+    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert any("merger_fc1" in m for m in adapter["modules_to_save"])

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .compare import AlignReport, Row, Tolerances, align_checkpoint, default_documents, load_ours, read_batch
+from .compare import AlignReport, Document, Row, Tolerances, align_checkpoint, default_documents, load_ours, read_batch
 from .golden import check_golden, record_golden
 
 __all__ = [
     "AlignReport",
+    "Document",
     "Row",
     "Tolerances",
     "align_checkpoint",
@@ -47,7 +48,7 @@ def run_golden(
     model, cfg = golden_model(reference, profile_model)
     if path.exists() and not update:
         return check_golden(model, path, tolerances), False
-    docs = read_batch(batch, cfg.vocab_size, reference) if batch is not None else default_documents(cfg.vocab_size)
+    docs = read_batch(batch, cfg, reference) if batch is not None else default_documents(cfg)
     description = {"model": str(reference) if reference is not None else "profile", "profile": cfg.model_dump(mode="json")}
     record_golden(model, docs, path, description)
     return None, True

@@ -55,6 +55,7 @@ class AlignReport:
     loss_ours: float
     lora_grads: list[Row] = field(default_factory=list)
     tolerances: Tolerances = field(default_factory=Tolerances)
+    images: list[int] = field(default_factory=list)  # images in each document
 
     @property
     def failures(self) -> list[str]:
@@ -89,14 +90,52 @@ class AlignReport:
         tmp.replace(path)
 
 
-def default_documents(vocab_size: int, lengths: tuple[int, ...] = (23, 9, 14), seed: int = 0) -> list[torch.Tensor]:
+@dataclass
+class Document:
+    """One document to compare: token ids [L], and its images' patches [P, C*Tp*p*p] and grids [I, 3] if any."""
+
+    input_ids: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def default_documents(cfg: ModelProfile, lengths: tuple[int, ...] = (23, 9, 14), seed: int = 0) -> list[Document]:
+    """Three random documents; with a vision tower the last two carry one and two images (random patches) between
+    random text, so the comparison covers text-only and image rows packed together."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths]
+    docs = [Document(torch.randint(0, cfg.vocab_size, (n,), generator=gen)) for n in lengths]
+    spec = cfg.vision
+    if spec is None:
+        return docs
+    special = {spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id}
+    m = spec.spatial_merge_size
+    patch_dim = spec.in_channels * spec.temporal_patch_size * spec.patch_size**2
+    for doc, grids in zip(docs[1:], ([[1, 2 * m, 3 * m]], [[1, 2 * m, 2 * m], [1, m, 4 * m]])):
+        ids = [t for t in doc.input_ids.tolist() if t not in special]
+        pieces, cut = [], len(ids) // (len(grids) + 1)
+        for i, (t, h, w) in enumerate(grids):
+            pieces += ids[i * cut : (i + 1) * cut] + [spec.vision_start_token_id]
+            pieces += [spec.image_token_id] * (t * h * w // m**2) + [spec.vision_end_token_id]
+        pieces += ids[len(grids) * cut :]
+        doc.input_ids = torch.tensor(pieces)
+        grid = torch.tensor(grids)
+        doc.image_grid_thw = grid
+        doc.pixel_values = torch.randn(int(grid.prod(-1).sum()), patch_dim, generator=gen)
+    return docs
 
 
-def read_batch(path: Path, vocab_size: int, tokenizer_dir: Path | None = None) -> list[torch.Tensor]:
-    """Documents from a JSONL file: {"input_ids": [...]} or {"text": "..."} (tokenised with the checkpoint's
-    tokenizer) per line."""
+def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None) -> list[Document]:
+    """Documents from a JSONL file, one per line: {"input_ids": [...]} or {"text": "..."} (tokenised with the
+    checkpoint's tokenizer); a text may hold "<image>" placeholders filled from an "images" list of files (models
+    with a vision tower: each becomes <vision_start> <image> x n <vision_end>, n from the checkpoint's image
+    processor settings)."""
+    from moe_tune.engine.data.images import ImageError, ImageSettings, image_patches, image_token_count, load_image
+    from moe_tune.engine.data.multimodal import message_parts
+    from moe_tune.profiles import ProfileError
+
     docs, problems = [], []
     tokenizer = None
     try:
@@ -104,35 +143,62 @@ def read_batch(path: Path, vocab_size: int, tokenizer_dir: Path | None = None) -
     except (OSError, UnicodeDecodeError) as err:
         raise UnsupportedModel([f"--batch {path}: cannot read ({err})"]) from None
     for number, line in enumerate(lines, 1):
+        where = f"--batch {path}:{number}"
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            problems.append(f"--batch {path}:{number}: not valid JSON ({err.msg})")
+            problems.append(f"{where}: not valid JSON ({err.msg})")
             continue
+        doc = Document(torch.empty(0, dtype=torch.long))
         if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
             ids = record["input_ids"]
         elif isinstance(record, dict) and isinstance(record.get("text"), str):
-            if tokenizer is None:
+            if tokenizer is None and tokenizer_dir is not None:
                 from moe_tune.engine.data.tokenizer import HFTokenizer
 
-                tokenizer = HFTokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+                tokenizer = HFTokenizer(tokenizer_dir)
             if tokenizer is None:
-                problems.append(f"--batch {path}:{number}: text records need the checkpoint's tokenizer")
+                problems.append(f"{where}: text records need the checkpoint's tokenizer")
                 continue
-            ids = tokenizer.encode(record["text"])
+            images = record.get("images", [])
+            if images and cfg.vision is None:
+                problems.append(f"{where}: has images but the model has no vision tower")
+                continue
+            ids, pixels, grids = [], [], []
+            try:
+                for kind, value in message_parts(record["text"], list(images), where):
+                    if kind == "text":
+                        ids += tokenizer.encode(value)
+                        continue
+                    spec = cfg.vision
+                    settings = ImageSettings.from_checkpoint(tokenizer_dir)
+                    image_path = Path(value) if Path(value).is_absolute() else path.parent / value
+                    patches, grid = image_patches(load_image(image_path), settings)
+                    pixels.append(patches)
+                    grids.append(grid)
+                    count = image_token_count(grid, settings)
+                    ids += [spec.vision_start_token_id] + [spec.image_token_id] * count + [spec.vision_end_token_id]
+            except ProfileError as err:
+                problems += err.problems
+                continue
+            except ImageError as err:
+                problems.append(f"{where}: {err}")
+                continue
+            if pixels:
+                doc.pixel_values, doc.image_grid_thw = torch.cat(pixels), torch.tensor(grids)
         else:
-            problems.append(f"--batch {path}:{number}: must be {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}")
+            problems.append(f"{where}: must be {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}")
             continue
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab_size]
+        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < cfg.vocab_size]
         if bad or len(ids) < 2:
             problems.append(
-                f"--batch {path}:{number}: input_ids must be >= 2 ints in [0, {vocab_size})"
-                + (f" (got {bad[0]!r})" if bad else "")
+                f"{where}: input_ids must be >= 2 ints in [0, {cfg.vocab_size})" + (f" (got {bad[0]!r})" if bad else "")
             )
             continue
-        docs.append(torch.tensor(ids, dtype=torch.long))
+        doc.input_ids = torch.tensor(ids, dtype=torch.long)
+        docs.append(doc)
     if not docs and not problems:
         problems.append(f"--batch {path}: holds no documents")
     if problems:
@@ -183,6 +249,26 @@ def _capture(modules: list[nn.Module], pick) -> tuple[list[list[torch.Tensor]], 
         m.register_forward_hook(lambda _m, _i, out, i=i: store[i].append(pick(out).detach())) for i, m in enumerate(modules)
     ]
     return store, handles
+
+
+def _capture_inputs(layer: nn.Module, width: int) -> tuple[list[list[torch.Tensor]], list]:
+    """A forward pre-hook keeping the first `width` channels of the layer's input hidden state on every call (the
+    merged text and image embeddings when `layer` is the first decoder layer)."""
+    store: list[list[torch.Tensor]] = [[]]
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        store[0].append(hidden[..., :width].detach())
+
+    return store, [layer.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
+def _reference_inputs(doc: "Document", cfg: ModelProfile) -> dict[str, torch.Tensor]:
+    inputs = {"input_ids": doc.input_ids[None]}
+    if doc.pixel_values is not None:
+        inputs.update(pixel_values=doc.pixel_values, image_grid_thw=doc.image_grid_thw,
+                      mm_token_type_ids=(doc.input_ids[None] == cfg.vision.image_token_id).int())
+    return inputs
 
 
 def _sum_loss(logits_LV: torch.Tensor, ids_L: torch.Tensor) -> torch.Tensor:
@@ -306,7 +392,7 @@ def _grad(param: torch.Tensor, convert) -> torch.Tensor | None:
 
 def align_checkpoint(
     directory: Path,
-    documents: list[torch.Tensor] | None = None,
+    documents: list[Document] | list[torch.Tensor] | None = None,
     pin_routing: bool = False,
     tolerances: Tolerances = Tolerances(),
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -323,7 +409,8 @@ def align_checkpoint(
     family, config, cfg = model_profile_from_checkpoint(directory)
     reference = load_reference(directory, family)
     ours = load_ours(cfg)
-    docs = documents if documents is not None else default_documents(cfg.vocab_size)
+    docs = documents if documents is not None else default_documents(cfg)
+    docs = [d if isinstance(d, Document) else Document(d) for d in docs]
 
     # LoRA on the projections and experts both models share, with the same random A and B on both sides.
     linear_pairs = _lora_pairs(ours, cfg, family, lora_targets)
@@ -346,16 +433,21 @@ def align_checkpoint(
     labelled = sum(len(d) - 1 for d in docs)
     ref_hidden, handles = _capture(ref_layers, family.reference_layer_output)
     ref_routes, route_handles = _capture(routers, family.reference_topk_ids)
+    ref_embeds, embed_handles = _capture_inputs(ref_layers[0], cfg.hidden_size)
+    ref_vision, vision_handles = [], []
+    if cfg.vision is not None:
+        ref_vision, vision_handles = _capture([_submodule(ref_root, family.reference_vision)],
+                                              lambda out: out.pooler_output)
     ref_logits, ref_loss = [], 0.0
     try:
         for doc in docs:
-            logits = reference(input_ids=doc[None]).logits[0]
-            loss = _sum_loss(logits, doc) / labelled
+            logits = reference(**_reference_inputs(doc, cfg)).logits[0]
+            loss = _sum_loss(logits, doc.input_ids) / labelled
             loss.backward()
             ref_loss += loss.item()
             ref_logits.append(logits.detach())
     finally:
-        for h in handles + route_handles:
+        for h in handles + route_handles + embed_handles + vision_handles:
             h.remove()
 
     if pin_routing:
@@ -364,20 +456,34 @@ def align_checkpoint(
         for block, routes in zip(moe_blocks, ref_routes):
             block.pinned_topk_ids = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])
 
-    ids = torch.cat(docs)[None]
+    ids = torch.cat([d.input_ids for d in docs])[None]
     cu = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int32).cumsum(0).to(torch.int32)
-    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
+    labels = torch.cat([torch.cat([d.input_ids[1:], torch.tensor([-100])]) for d in docs])[None]
+    images = {}
+    with_images = [d for d in docs if d.pixel_values is not None]
+    if with_images:
+        images = {"pixel_values": torch.cat([d.pixel_values for d in with_images]),
+                  "image_grid_thw": torch.cat([d.image_grid_thw for d in with_images])}
     our_hidden, handles = _capture(our_layers, family.our_layer_output)
+    our_embeds, embed_handles = _capture_inputs(our_layers[0], cfg.hidden_size)
+    our_vision, vision_handles = [], []
+    if cfg.vision is not None and with_images:
+        our_vision, vision_handles = _capture([our_root.vision], lambda out: out)
     try:
-        out = ours(ids, cu, labels)
+        out = ours(ids, cu, labels, **images)
         out.lm_loss.backward()
     finally:
-        for h in handles:
+        for h in handles + embed_handles + vision_handles:
             h.remove()
         for block in moe_blocks:
             block.pinned_topk_ids = None
 
     rows = []
+    if with_images:
+        ref_features = torch.cat([f for f in ref_vision[0]])
+        rows.append(_row("vision features", our_vision[0][0], ref_features))
+        rows.append(_row("merged embeddings", our_embeds[0][0].reshape(-1, cfg.hidden_size),
+                         torch.cat([e.reshape(-1, cfg.hidden_size) for e in ref_embeds[0]])))
     for i, (ref_h, our_h) in enumerate(zip(ref_hidden, our_hidden)):
         ref_cat = torch.cat([h.reshape(-1, *h.shape[2:]) for h in ref_h])
         rows.append(_row(f"layer {i}", our_h[0].reshape(ref_cat.shape), ref_cat))
@@ -393,6 +499,7 @@ def align_checkpoint(
         checkpoint=str(directory),
         model_type=str(config.get("model_type")),
         documents=[len(d) for d in docs],
+        images=[0 if d.image_grid_thw is None else len(d.image_grid_thw) for d in docs],
         pinned_routing=pin_routing,
         layers=rows,
         logits=logits_row,

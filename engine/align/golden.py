@@ -1,8 +1,9 @@
 """Golden traces: our model's hidden states, logits and loss on a fixed batch, recorded once and checked after
 every change (a regression test of moe-tune against itself, no reference implementation needed).
 
-A trace is one safetensors file: the batch (input_ids [1, T], cu_seqlens [N + 1]), `layer.{i}` [T, D] hidden
-states, `logits` [T, V], `loss` []; its metadata holds the model profile it was recorded from.
+A trace is one safetensors file: the batch (input_ids [1, T], cu_seqlens [N + 1]; with images also pixel_values,
+image_grid_thw and images_per_document [N]), `layer.{i}` [T, D] hidden states, `logits` [T, V], `loss` []; its
+metadata holds the model profile it was recorded from.
 """
 
 from __future__ import annotations
@@ -15,25 +16,50 @@ from torch import nn
 
 from moe_tune.engine.families import UnsupportedModel
 
-from .compare import AlignReport, Row, Tolerances, _row
+from .compare import AlignReport, Document, Row, Tolerances, _row
 
 
-def trace(model: nn.Module, docs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def trace(model: nn.Module, docs: list[Document]) -> dict[str, torch.Tensor]:
     """Run `model` (ours, eval mode) on the documents packed in one row; return the trace tensors."""
-    ids = torch.cat(docs)[None]
+    ids = torch.cat([d.input_ids for d in docs])[None]
     cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0).to(torch.int32)
-    labels = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs])[None]
+    labels = torch.cat([torch.cat([d.input_ids[1:], torch.tensor([-100])]) for d in docs])[None]
+    images = {}
+    with_images = [d for d in docs if d.pixel_values is not None]
+    if with_images:
+        images = {"pixel_values": torch.cat([d.pixel_values for d in with_images]),
+                  "image_grid_thw": torch.cat([d.image_grid_thw for d in with_images])}
     hidden: list[torch.Tensor] = []
     handles = [layer.register_forward_hook(lambda _m, _i, out: hidden.append(out[0][0].detach())) for layer in model.layers]
     try:
         with torch.no_grad():
-            out = model(ids, cu, labels)
+            out = model(ids, cu, labels, **images)
     finally:
         for h in handles:
             h.remove()
-    tensors = {"input_ids": ids, "cu_seqlens": cu, "logits": out.logits[0].float(), "loss": out.lm_loss.float()}
+    tensors = {"input_ids": ids, "cu_seqlens": cu, "logits": out.logits[0].float(), "loss": out.lm_loss.float(),
+               **images}
+    if images:
+        tensors["images_per_document"] = torch.tensor([0 if d.image_grid_thw is None else len(d.image_grid_thw)
+                                                       for d in docs])
     tensors.update({f"layer.{i}": h.float().contiguous() for i, h in enumerate(hidden)})
     return tensors
+
+
+def _documents_of(golden: dict[str, torch.Tensor]) -> list[Document]:
+    """The batch a trace was recorded on, split back into documents with their images."""
+    ids, cu = golden["input_ids"][0], golden["cu_seqlens"].long()
+    docs = [Document(ids[int(a) : int(b)]) for a, b in zip(cu[:-1], cu[1:])]
+    if "pixel_values" in golden:
+        grids, pixels = golden["image_grid_thw"], golden["pixel_values"]
+        first_patch = [0] + grids.prod(-1).cumsum(0).tolist()
+        image = 0
+        for doc, count in zip(docs, golden["images_per_document"].tolist()):
+            if count:
+                doc.image_grid_thw = grids[image : image + count]
+                doc.pixel_values = pixels[first_patch[image] : first_patch[image + count]]
+                image += count
+    return docs
 
 
 def record_golden(model: nn.Module, docs: list[torch.Tensor], path: Path, description: dict) -> dict[str, torch.Tensor]:
@@ -65,9 +91,7 @@ def read_golden(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Tolerances()) -> AlignReport:
     """Run `model` on the batch stored in the trace and compare with the recorded values."""
     golden, description = read_golden(path)
-    ids, cu = golden["input_ids"][0], golden["cu_seqlens"].long()
-    docs = [ids[int(a) : int(b)] for a, b in zip(cu[:-1], cu[1:])]
-    now = trace(model, docs)
+    now = trace(model, _documents_of(golden))
     layer_keys = sorted((k for k in golden if k.startswith("layer.")), key=lambda k: int(k.split(".")[1]))
     if len(layer_keys) != sum(k.startswith("layer.") for k in now):
         raise UnsupportedModel([f"--golden {path}: recorded {len(layer_keys)} layers, the model has a different count"])
@@ -85,7 +109,7 @@ def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Toleranc
     return AlignReport(
         checkpoint=str(path),
         model_type=f"golden trace of {description.get('model', '?')}",
-        documents=[len(d) for d in docs],
+        documents=(golden["cu_seqlens"][1:] - golden["cu_seqlens"][:-1]).tolist(),
         pinned_routing=False,
         layers=rows,
         logits=_row("logits", now["logits"], golden["logits"]),

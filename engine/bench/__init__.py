@@ -5,8 +5,19 @@ from moe_tune.engine.bench.kernels import (
     PRESETS,
     REGRESSION_TOLERANCE,
     ROW_KEYS,
+    SHAPE_DIMS,
     find_regressions,
+    parse_shapes,
     run_kernels,
 )
 
-__all__ = ["OPS", "PRESETS", "REGRESSION_TOLERANCE", "ROW_KEYS", "find_regressions", "run_kernels"]
+__all__ = [
+    "OPS",
+    "PRESETS",
+    "REGRESSION_TOLERANCE",
+    "ROW_KEYS",
+    "SHAPE_DIMS",
+    "find_regressions",
+    "parse_shapes",
+    "run_kernels",
+]

@@ -1,8 +1,10 @@
 """The kernel benchmark behind `moe-tune profile --kernels`: one registry of ops, one row format, one baseline check.
 
-Adding an op is one entry in OPS: a name mapped to a function `(preset, run) -> list[dict]` that returns rows with
-ROW_KEYS (missing timings are None, `note` says why). `run` is the RunContext: device, measured peaks, the timer
-and a cache that entries sharing one bench call (gated_delta_rule and kda) use.
+Adding an op is one entry in OPS: a name mapped to a function `(shapes, run) -> list[dict]` that returns rows with
+ROW_KEYS (missing timings are None, `note` says why). `shapes` is a preset name, or, for an op that also lists its
+dimensions in SHAPE_DIMS, the dimensions of a free-form SPEC (`B4,T8192,H16,K128,V128`, see parse_shapes). `run`
+is the RunContext: device, measured peaks, the timer and a cache that entries sharing one bench call
+(gated_delta_rule and kda) use.
 
 On CUDA the MoE and linear attention entries call the per-op benches (ops/moe/bench.py, ops/linear_attention/bench.py:
 kernel, reference and the external baselines, medians of triton.testing.do_bench) and add peak memory and the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 PRESETS = ("small", "anchor")
+# One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
+SPEC_ITEM = re.compile(r"([A-Za-z]+)([1-9][0-9]*)")
 # A row got slower than the baseline when its median exceeds the saved one by more than this fraction.
 REGRESSION_TOLERANCE = 0.10
 TIMED_KEYS = ("fwd_ms", "fwd_bwd_ms")
@@ -61,11 +66,20 @@ LINEAR_ATTENTION_SHAPES = {
 }
 SPARSE_ATTENTION_SHAPES = {
     "small": dict(B=1, T=128, HQ=4, H=1, K=32, V=32, S=32),
-    "anchor": dict(B=1, T=8192, HQ=16, H=1, K=128, V=128, S=2048),
+    # None: ops/sparse_attention/bench.py's ATTENTION_CASES (issue 6's targets: T16384 block and token, T65536 block).
+    "anchor": None,
 }
+# CUDA cases of ops/sparse_attention/bench.py per preset: (case, T, block_size, S slots), and its shape overrides.
+SPARSE_ATTENTION_CUDA_SMALL = dict(
+    cases=(("block 4x16", 256, 16, 4), ("token 64", 256, 1, 64)),
+    batch_size=1, num_heads=4, num_kv_heads=1, head_dim_k=32, head_dim_v=32,
+)  # fmt: skip
+TOPK_INDEXER_CUDA_SMALL = dict(cases=(("token top-64", 1, 64), ("block top-4x16", 16, 4)), seq_len=256, num_heads=4,
+                               head_dim=32)  # fmt: skip
+TOPK_INDEXER_CPU_SHAPE = dict(B=1, T=128, HI=4, DI=32, topk=32)
+SPARSE_CPU_NOTE = "reference only on CPU (dense masked softmax in fp32); the Triton kernels run on CUDA"
 # Softmax attention backward FLOPs over forward, as FlashAttention reports (same factor as the linear attention bench).
 ATTENTION_BWD_FLOP_FACTOR = 2.5
-SPARSE_NOTE = "reference only: no sparse attention kernel exists yet (dense masked softmax in fp32)"
 
 
 @dataclass
@@ -126,7 +140,8 @@ def measure_peaks() -> Peaks:
 
 
 def time_ms(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_backward: bool, is_cuda: bool):
-    """(median ms, peak bytes or None) of fn() (autograd recording), or of fn() and a backward from a random grad."""
+    """(median ms, peak bytes or None) of fn() (autograd recording), or of fn() and a backward from a random grad;
+    the peak counts what one call allocates beyond what was allocated before it."""
     with torch.no_grad():
         out = fn()
     grad_out = torch.randn_like(out)
@@ -139,10 +154,17 @@ def time_ms(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_bac
     if is_cuda:
         from triton.testing import do_bench
 
+        ms = do_bench(step, grad_to_none=leaves, return_mode="median")
+        # The peak of one more call on its own, above what was allocated before it: do_bench's 256 MB cache-flush
+        # buffer and the inputs are not the op's.
+        for leaf in leaves:
+            leaf.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        ms = do_bench(step, grad_to_none=leaves, return_mode="median")
-        return ms, torch.cuda.max_memory_allocated()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return ms, torch.cuda.max_memory_allocated() - before
     for _ in range(CPU_WARMUP_CALLS):
         step()
     times, spent = [], 0.0
@@ -194,11 +216,15 @@ def _randn(*shape: int, gen: torch.Generator, device: str, dtype=torch.float32) 
     return torch.randn(*shape, generator=gen, device=device).to(dtype).requires_grad_()
 
 
-def bench_moe_op(preset: str, run: RunContext) -> list[dict]:
-    """MoE expert MLP. CUDA: ops/moe/bench.py's triton, reference and torch _grouped_mm rows; CPU: the reference."""
+def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
+    """MoE expert MLP. CUDA: ops/moe/bench.py's triton, reference and torch _grouped_mm rows; CPU: the reference.
+    A SPEC's N, D, F, E, k make one shape with uniform routing and no LoRA."""
     from moe_tune.ops.moe.bench import DEFAULT_SHAPES, bench_moe
 
-    shapes = MOE_SHAPES[preset] or DEFAULT_SHAPES
+    if isinstance(preset, dict):
+        shapes = [dict(preset, routing="uniform", lora_rank=0)]
+    else:
+        shapes = MOE_SHAPES[preset] or DEFAULT_SHAPES
     rows = []
     if run.is_cuda:
         # One bench_moe call per shape, so peak memory is that of the shape (the largest of its impls).
@@ -211,7 +237,7 @@ def bench_moe_op(preset: str, run: RunContext) -> list[dict]:
     from moe_tune.ops.moe.reference import moe_mlp_ref
 
     gen = torch.Generator().manual_seed(0)
-    for shape in MOE_SHAPES["small"]:
+    for shape in shapes if isinstance(preset, dict) else MOE_SHAPES["small"]:
         N, D, Fh, E, k = (shape[name] for name in ("N", "D", "F", "E", "k"))
         x = _randn(N, D, gen=gen, device="cpu")
         topk_ids = torch.rand(N, E, generator=gen).topk(k, dim=-1).indices
@@ -229,7 +255,9 @@ def bench_moe_op(preset: str, run: RunContext) -> list[dict]:
 
 def _moe_case(shape: dict) -> str:
     rank = shape.get("lora_rank", 0)
-    return shape["routing"] + (f" lora r{rank}" if rank else "")
+    # Without LoRA the experts train unless train_base=False (the frozen-expert baseline of the LoRA rows).
+    is_frozen = not rank and not shape.get("train_base", True)
+    return shape["routing"] + (f" lora r{rank}" if rank else "") + (" experts frozen" if is_frozen else "")
 
 
 def _moe_shape(shape: dict) -> str:
@@ -239,7 +267,8 @@ def _moe_shape(shape: dict) -> str:
 def _moe_row(result: dict, run: RunContext, peak: int) -> dict:
     notes = [f"max/mean expert load {result['max_over_mean_load']:.1f}"]
     if "rel_error" in result:
-        notes.append(f"rel err {result['rel_error']:.1e}" + ("" if result["correct"] else " WRONG"))
+        grads = f", grads {result['grad_error']:.2f} of tol" if "grad_error" in result else ""
+        notes.append(f"rel err {result['rel_error']:.1e}{grads}" + ("" if result["correct"] else " WRONG"))
     if "error" in result:
         notes.append(f"refused: {result['error']}")
     if result["lora_rank"] and not result["train_base"]:
@@ -249,21 +278,29 @@ def _moe_row(result: dict, run: RunContext, peak: int) -> dict:
                     peak_memory_bytes=peak, note="; ".join(notes), **values)  # fmt: skip
 
 
-def _linear_attention_cuda_rows(preset: str, run: RunContext) -> list[dict]:
-    """bench_linear_attention's rows, run once per harness run for both entries (gdn, kda and varlen cases)."""
-    if "linear_attention" not in run.cache:
+def _linear_attention_shape(shapes: str | dict[str, int]) -> dict | None:
+    """bench_linear_attention's shape arguments of a preset (None: its anchor defaults) or of SPEC dimensions."""
+    if isinstance(shapes, dict):
+        return dict(batch_size=shapes["B"], seq_len=shapes["T"], num_heads=shapes["H"], head_dim_k=shapes["K"],
+                    head_dim_v=shapes["V"])  # fmt: skip
+    return LINEAR_ATTENTION_SHAPES[shapes]
+
+
+def _linear_attention_cuda_rows(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """bench_linear_attention's rows, run once per harness run and shape for both entries (gdn, kda, varlen)."""
+    options = _linear_attention_shape(shapes) or {}
+    key = ("linear_attention", *sorted(options.items()))
+    if key not in run.cache:
         from moe_tune.ops.linear_attention.bench import bench_linear_attention
 
-        torch.cuda.reset_peak_memory_stats()
-        run.cache["linear_attention"] = (bench_linear_attention(**(LINEAR_ATTENTION_SHAPES[preset] or {})),
-                                         torch.cuda.max_memory_allocated())  # fmt: skip
-    return run.cache["linear_attention"]
+        run.cache[key] = bench_linear_attention(**options)
+    return run.cache[key]
 
 
 def _linear_attention_op(op: str, cases: tuple[str, ...], is_per_channel: bool):
-    def bench(preset: str, run: RunContext) -> list[dict]:
+    def bench(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
         if run.is_cuda:
-            results, peak = _linear_attention_cuda_rows(preset, run)
+            results = _linear_attention_cuda_rows(shapes, run)
             rows = []
             for result in results:
                 if result["case"] not in cases:
@@ -271,22 +308,21 @@ def _linear_attention_op(op: str, cases: tuple[str, ...], is_per_channel: bool):
                 notes = [result["note"]] if result.get("note") else []
                 if result.get("max_abs_err") is not None:
                     notes.insert(0, f"max abs err {result['max_abs_err']:.1e}")
-                # One bench call covers every linear attention row: its peak bounds each of them.
-                notes.append("peak memory of the whole linear attention bench")
-                values = {key: result.get(key) for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops")}
+                keys = ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_memory_bytes")
+                values = {key: result.get(key) for key in keys}
                 rows.append(make_row(op, result["case"], result["impl"], result["shape"], result["dtype"], run,
-                                     peak_memory_bytes=peak, note="; ".join(notes), **values))  # fmt: skip
+                                     note="; ".join(notes) or None, **values))  # fmt: skip
             return rows
-        return [_linear_attention_cpu_row(op, cases[0], is_per_channel, run)]
+        shape = _linear_attention_shape(shapes if isinstance(shapes, dict) else "small")
+        return [_linear_attention_cpu_row(op, cases[0], is_per_channel, run, shape)]
 
     return bench
 
 
-def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: RunContext) -> dict:
+def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: RunContext, shape: dict) -> dict:
     from moe_tune.ops.linear_attention.bench import LINEAR_BWD_FLOP_FACTOR, _chunk_flops
     from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
-    shape = LINEAR_ATTENTION_SHAPES["small"]
     B, T, H = shape["batch_size"], shape["seq_len"], shape["num_heads"]
     K, V = shape["head_dim_k"], shape["head_dim_v"]
     gen = torch.Generator().manual_seed(0)
@@ -305,25 +341,61 @@ def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: Run
 
 
 def bench_sparse_attention_op(preset: str, run: RunContext) -> list[dict]:
-    """Top-k sparse attention: the reference only (no kernel yet), each query over S random causal keys."""
+    """Top-k sparse attention. CUDA: ops/sparse_attention/bench.py's kernel, dense masked reference, naive gather,
+    SDPA dense causal and FLA's parallel_nsa (when importable) rows; CPU: the reference, each query over S random
+    causal keys."""
+    if run.is_cuda:
+        from moe_tune.ops.sparse_attention.bench import bench_sparse_attention
+
+        options = SPARSE_ATTENTION_CUDA_SMALL if preset == "small" else {}
+        return [_sparse_row("sparse_attention", result, run) for result in bench_sparse_attention(**options)]
     from moe_tune.ops.sparse_attention.reference import sparse_attention_ref
 
-    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
-    shape = SPARSE_ATTENTION_SHAPES[preset if run.is_cuda else "small"]
+    shape = SPARSE_ATTENTION_SHAPES["small"]
     B, T, HQ, H, K, V, S = (shape[name] for name in ("B", "T", "HQ", "H", "K", "V", "S"))
-    gen = torch.Generator(device=device).manual_seed(0)
-    q = _randn(B, T, HQ, K, gen=gen, device=device, dtype=dtype)
-    k = _randn(B, T, H, K, gen=gen, device=device, dtype=dtype)
-    v = _randn(B, T, H, V, gen=gen, device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    q = _randn(B, T, HQ, K, gen=gen, device="cpu")
+    k = _randn(B, T, H, K, gen=gen, device="cpu")
+    v = _randn(B, T, H, V, gen=gen, device="cpu")
     # Query t selects S of its t + 1 causal keys (repeats allowed; queries with t < S see fewer distinct keys).
-    positions_T1 = torch.arange(T, device=device)[:, None]
-    indices = (torch.rand(B, T, S, generator=gen, device=device) * (positions_T1 + 1)).long()
+    positions_T1 = torch.arange(T)[:, None]
+    indices = (torch.rand(B, T, S, generator=gen) * (positions_T1 + 1)).long()
     timed = _timed(lambda: sparse_attention_ref(q, k, v, indices), [q, k, v], run)
     # Useful work only: q k^T and p v over the S selected keys per query and head.
     flops = 2.0 * B * HQ * T * S * (K + V)
     return [make_row("sparse_attention", "token top-k", "reference (dense masked, fp32)",
-                     f"B{B} T{T} HQ{HQ} H{H} K{K} V{V} S{S}", dtype, run, fwd_flops=flops,
-                     bwd_flop_factor=ATTENTION_BWD_FLOP_FACTOR, note=SPARSE_NOTE, **timed)]  # fmt: skip
+                     f"B{B} T{T} HQ{HQ} H{H} K{K} V{V} S{S}", torch.float32, run, fwd_flops=flops,
+                     bwd_flop_factor=ATTENTION_BWD_FLOP_FACTOR, note=SPARSE_CPU_NOTE, **timed)]  # fmt: skip
+
+
+def bench_topk_indexer_op(preset: str, run: RunContext) -> list[dict]:
+    """Top-k indexer (no backward). CUDA: ops/sparse_attention/bench.py's fused kernel beside naive scores +
+    torch.topk; CPU: the reference."""
+    if run.is_cuda:
+        from moe_tune.ops.sparse_attention.bench import bench_topk_indexer
+
+        options = TOPK_INDEXER_CUDA_SMALL if preset == "small" else {}
+        return [_sparse_row("topk_indexer", result, run) for result in bench_topk_indexer(**options)]
+    from moe_tune.ops.sparse_attention.reference import topk_indexer_ref
+
+    B, T, HI, DI, topk = (TOPK_INDEXER_CPU_SHAPE[name] for name in ("B", "T", "HI", "DI", "topk"))
+    gen = torch.Generator().manual_seed(0)
+    q_idx, k_idx = torch.randn(B, T, HI, DI, generator=gen), torch.randn(B, T, DI, generator=gen)
+    w_idx = torch.randn(B, T, HI, generator=gen)
+    fwd_ms, _ = time_ms(lambda: topk_indexer_ref(q_idx, k_idx, w_idx, topk=topk).float(), [], False, False)
+    return [make_row("topk_indexer", "token top-k", "reference (brute-force scores + sort, fp32)",
+                     f"B{B} T{T} HI{HI} DI{DI} topk{topk}", torch.float32, run, fwd_ms=fwd_ms,
+                     fwd_flops=2.0 * HI * DI * T * (T + 1) / 2, note="no backward: the indexer is not trained")]
+
+
+def _sparse_row(op: str, result: dict, run: RunContext) -> dict:
+    notes = [result["note"]] if result.get("note") else []
+    if result.get("max_abs_err") is not None:
+        notes.insert(0, f"max abs err vs kernel {result['max_abs_err']:.1e}")
+    values = {key: result.get(key) for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops")}
+    return make_row(op, result["case"], result["impl"], result["shape"], result["dtype"], run,
+                    peak_memory_bytes=result.get("extra_peak_bytes"), note="; ".join(notes) or None,
+                    **values)  # fmt: skip
 
 
 # name -> function(preset, run) -> rows. Adding an op is one entry here.
@@ -332,32 +404,78 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "gated_delta_rule": _linear_attention_op("gated_delta_rule", ("gdn", "varlen"), is_per_channel=False),
     "kda": _linear_attention_op("kda", ("kda",), is_per_channel=True),
     "sparse_attention": bench_sparse_attention_op,
+    "topk_indexer": bench_topk_indexer_op,
+}
+# The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
+SHAPE_DIMS: dict[str, tuple[str, ...]] = {
+    "moe": ("N", "D", "F", "E", "k"),
+    "gated_delta_rule": ("B", "T", "H", "K", "V"),
+    "kda": ("B", "T", "H", "K", "V"),
 }
 
 
+def parse_shapes(text: str, ops: list[str], label: str = "shapes") -> str | dict[str, dict[str, int]]:
+    """A preset name as is, or a SPEC as each op's dimensions: comma-separated items, a dimension name and a positive
+    integer each (`B4,T8192,H16,K128,V128`), naming exactly the SHAPE_DIMS of every op in `ops`.
+
+    Raises ValueError naming `label`, the value and the rule it breaks.
+    """
+    if text in PRESETS:
+        return text
+    prefix = f"{label} ({text!r})"
+    dims = {}
+    for item in (item.strip() for item in text.split(",")):
+        match = SPEC_ITEM.fullmatch(item)
+        if match is None:
+            raise ValueError(
+                f"{prefix} must be a preset ({', '.join(PRESETS)}) or a SPEC of comma-separated dimensions such as "
+                f"B4,T8192,H16,K128,V128: {item!r} is not a dimension name followed by a positive integer"
+            )
+        if match.group(1) in dims:
+            raise ValueError(f"{prefix}: dimension {match.group(1)} is given twice")
+        dims[match.group(1)] = int(match.group(2))
+    per_op = {}
+    for op in ops:
+        if op not in SHAPE_DIMS:
+            raise ValueError(
+                f"{prefix}: {op} takes presets only ({', '.join(PRESETS)}); a SPEC fits {', '.join(SHAPE_DIMS)}"
+            )
+        expected = SHAPE_DIMS[op]
+        extra = [name for name in dims if name not in expected]
+        missing = [name for name in expected if name not in dims]
+        problems = [f"it has no {', '.join(extra)}"] if extra else []
+        problems += [f"missing {', '.join(missing)}"] if missing else []
+        if problems:
+            raise ValueError(f"{prefix}: {op} takes exactly {','.join(expected)} ({'; '.join(problems)})")
+        per_op[op] = {name: dims[name] for name in expected}
+    return per_op
+
+
 def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: Callable[[str], None] | None = None):
-    """Time the named ops (default: all of OPS) on `preset` shapes. Returns (rows, peaks, machine).
+    """Time the named ops (default: all of OPS) on `preset` shapes: a preset name or a SPEC (parse_shapes).
+    Returns (rows, peaks, machine).
 
     on_start(line) is told what the run does before it starts (the no-CUDA fallback, the measured peaks).
     """
-    if preset not in PRESETS:
-        raise ValueError(f"shapes ({preset!r}) must be one of {', '.join(PRESETS)}")
     names = list(OPS) if ops is None else ops
     unknown = [name for name in names if name not in OPS]
     if unknown:
         raise ValueError(f"ops ({', '.join(map(repr, unknown))}) must name registered ops: {', '.join(OPS)}")
+    shapes = parse_shapes(preset, names)
     say = on_start or (lambda line: None)
     is_cuda = torch.cuda.is_available()
     peaks = Peaks()
     if is_cuda:
         peaks = measure_peaks()
         say(f"measured peaks: bf16 GEMM {peaks.tflops:.0f} TFLOP/s, device copy {peaks.copy_gb_per_s:.0f} GB/s")
+    elif isinstance(shapes, dict):
+        say("no CUDA device: timing the pure-PyTorch references on the given shapes (time.perf_counter medians)")
     else:
         say("no CUDA device: timing the pure-PyTorch references on small shapes (time.perf_counter medians)")
     run = RunContext(is_cuda=is_cuda, peaks=peaks, machine=machine_info(is_cuda))
     rows = []
     for name in names:
-        rows += OPS[name](preset, run)
+        rows += OPS[name](shapes[name] if isinstance(shapes, dict) else shapes, run)
     return rows, peaks, run.machine
 
 

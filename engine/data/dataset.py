@@ -10,6 +10,7 @@ Shapes: R rows per micro-batch, L = seq_len, T = R * L packed tokens, N pieces.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from pathlib import Path
 import torch
 
 from moe_tune.profiles import ProfileError
-from moe_tune.profiles.schema import DataProfile
+from moe_tune.profiles.schema import DataProfile, ModelProfile
 
 from .corpus import generate_corpus
 from .images import ImageError, ImageSettings, image_patches, load_image
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat
+from .shapes import write_shapes_corpus
 from .tokenizer import CHAT_TEMPLATE, Tokenizer
 
 IGNORE_INDEX = -100
@@ -55,6 +57,13 @@ class Batch:
     def num_label_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
+    def model_inputs(self, device) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments for this batch, on `device`."""
+        inputs = {"input_ids": self.input_ids, "cu_seqlens": self.cu_seqlens, "labels": self.labels}
+        if self.pixel_values is not None:
+            inputs.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
+        return {k: v.to(device) for k, v in inputs.items()}
+
 
 @dataclass(frozen=True)
 class VisionInput:
@@ -62,6 +71,34 @@ class VisionInput:
 
     settings: ImageSettings
     tokens: VisionTokens
+
+
+def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
+    """The image settings and token ids of a model with a vision tower: the checkpoint's image processor settings
+    (preprocessor_config.json), else the tower's patch sizes with default pixel bounds; data.image_min/max_pixels
+    on top. None for a text-only model."""
+    spec = model.vision
+    if spec is None:
+        return None
+    if model.checkpoint is not None and (model.checkpoint / "preprocessor_config.json").is_file():
+        settings = ImageSettings.from_checkpoint(model.checkpoint)
+    else:
+        settings = ImageSettings(spec.patch_size, spec.temporal_patch_size, spec.spatial_merge_size)
+    if (settings.patch_size, settings.temporal_patch_size, settings.merge_size) != (
+        spec.patch_size, spec.temporal_patch_size, spec.spatial_merge_size
+    ):
+        raise ProfileError([f"{model.checkpoint}/preprocessor_config.json: patch_size/temporal_patch_size/merge_size "
+                            f"({settings.patch_size}/{settings.temporal_patch_size}/{settings.merge_size}) must equal "
+                            f"the vision tower's ({spec.patch_size}/{spec.temporal_patch_size}/"
+                            f"{spec.spatial_merge_size})"])
+    updates = {}
+    if data.image_min_pixels is not None:
+        updates["min_pixels"] = data.image_min_pixels
+    if data.image_max_pixels is not None:
+        updates["max_pixels"] = data.image_max_pixels
+    settings = dataclasses.replace(settings, **updates)
+    tokens = VisionTokens(spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
+    return VisionInput(settings, tokens)
 
 
 def _is_multimodal(record: dict, profile: DataProfile) -> bool:
@@ -140,12 +177,22 @@ def text_document(text: str, tok: Tokenizer) -> Document:
 
 
 def load_documents(
-    profile: DataProfile, tok: Tokenizer, vision: VisionInput | None = None, skipped: list[str] | None = None
+    profile: DataProfile,
+    tok: Tokenizer,
+    vision: VisionInput | None = None,
+    skipped: list[str] | None = None,
+    generated_dir: Path | None = None,
 ) -> list[Document]:
     """Every document of the profile's data; ProfileError naming the file and line for a bad record. With
     data.bad_images 'skip', a record whose image is missing or broken is left out and its problem appended to
-    `skipped` instead."""
-    if profile.path is None:
+    `skipped` instead. The built-in shapes corpus is written to `generated_dir` first."""
+    path = profile.path
+    if path is None and profile.corpus == "shapes":
+        if generated_dir is None:
+            raise ProfileError(["data.corpus ('shapes') is written to disk: give the loader a directory for it"])
+        path = write_shapes_corpus(generated_dir, profile.corpus_documents, profile.seed)
+        profile = profile.model_copy(update={"path": path})
+    elif path is None:
         return [text_document(text, tok) for text in generate_corpus(profile.corpus_documents, profile.seed)]
     documents, problems = [], []
     with profile.path.open(encoding="utf-8") as f:

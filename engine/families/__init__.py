@@ -33,8 +33,16 @@ __all__ = [
 
 def _registry() -> dict[str, Family]:
     from . import qwen3_moe
+    from . import qwen3_5_moe, qwen3_next
 
     families: list[Family] = [qwen3_moe.Qwen3Moe()]
+    families += [qwen3_next.Qwen3Next(), qwen3_5_moe.Qwen3_5Moe(), qwen3_5_moe.Qwen3_5MoeText()]
+    from . import kimi_linear
+    families += [kimi_linear.KimiLinear()]
+    from . import qwen4_exp
+    families += [qwen4_exp.Qwen4Exp(), qwen4_exp.Qwen4ExpText()]
+    from . import deepseek_v3, deepseek_v32
+    families += [deepseek_v3.DeepseekV3(), deepseek_v32.DeepseekV32()]
     return {t: f for f in families for t in f.model_types}
 
 
@@ -95,12 +103,16 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
     family = family_for(config, cfg.checkpoint)
     persistent = set(model.state_dict(keep_vars=True))
     problems: list[str] = []
+    loaded: set[int] = set()
     with CheckpointReader(cfg.checkpoint) as reader:
         for module_name, module in model.named_modules():
             tensors = list(module.named_parameters(recurse=False)) + [
                 (n, b) for n, b in module.named_buffers(recurse=False) if f"{module_name}.{n}".lstrip(".") in persistent
             ]
             for local_name, target in tensors:
+                if id(target) in loaded:
+                    continue  # a tied tensor (the LM head sharing the embedding) is loaded once, under its first name
+                loaded.add(id(target))
                 name = f"{module_name}.{local_name}".lstrip(".")
                 recipe = family.recipe(name, module, cfg)
                 if recipe is None:

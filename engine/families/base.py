@@ -90,6 +90,8 @@ class Family:
     # The reference's decoder layers (a dotted path to a ModuleList); their outputs are the hidden states
     # `moe-tune align` compares with our layers'.
     reference_layers: str = "model.layers"
+    # The reference's vision tower (a dotted path), whose pooled output align compares with ours.
+    reference_vision: str = "model.visual"
     # Checkpoint keys with these prefixes are not ours to load (e.g. a vision tower); never reported as unmapped.
     ignored_key_prefixes: tuple[str, ...] = ()
 

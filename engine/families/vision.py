@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_tune.profiles.schema import VisionSpec
+from pydantic import ValidationError
 
-from .base import HFConfig, Recipe, take
+from moe_tune.profiles.schema import ModelProfile, VisionSpec
+
+from .base import HFConfig, Recipe, UnsupportedModel, take
 
 # Our VisionTower's names -> the checkpoint's, below the tower's prefix.
 _RENAMES = {
@@ -61,3 +63,27 @@ def vision_recipe(name: str, prefix: str = "model.visual.") -> Recipe:
     parts = name.split(".")
     parts = [_RENAMES.get(p, p) for p in parts]
     return take(prefix + ".".join(parts))
+
+
+def with_vision(cfg: ModelProfile, config: dict[str, Any]) -> ModelProfile:
+    """`cfg` (the language model read from text_config) with the vision tower of a multimodal config, and the
+    multimodal rotary its image tokens use: (t, h, w) positions on interleaved frequency sections of the text
+    attention's rotary dims (text_config.rope_parameters.mrope_section). Unchanged without a vision_config."""
+    if not isinstance(config.get("vision_config"), dict):
+        return cfg
+    rope = (config.get("text_config") or {}).get("rope_parameters") or {}
+    section = tuple(rope.get("mrope_section", (11, 11, 10)))
+    problems = []
+    if not rope.get("mrope_interleaved", True):
+        problems.append("config.json: text_config.rope_parameters.mrope_interleaved (False) is not mapped: must be True")
+    if len(section) != 3:
+        problems.append(f"config.json: text_config.rope_parameters.mrope_section ({list(section)}) is not mapped: "
+                        "must have 3 entries")
+    if problems:
+        raise UnsupportedModel(problems)
+    vision = vision_spec(config).model_copy(update={"mrope_section": section})
+    try:
+        return ModelProfile.model_validate({**cfg.model_dump(), "vision": vision.model_dump()})
+    except ValidationError as err:
+        raise UnsupportedModel([f"config.json: not mapped: {e['msg'].removeprefix('Value error, ').replace('@', '')}"
+                                for e in err.errors()]) from None

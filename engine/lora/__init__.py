@@ -37,6 +37,9 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
     if problems:
         raise ProfileError(problems)
     targets = list(profile.target_modules) + ([EXPERTS_MODULE] if profile.experts else [])
+    to_save = list(profile.modules_to_save)
+    vision_targets, vision_saved = vision_parts(model, profile)
+    targets, to_save = [t for t in targets if t not in VISION_NAMES] + vision_targets, to_save + vision_saved
     if not targets:
         raise ProfileError(["lora.target_modules ([]) must name at least one module when lora.experts is false"])
     config = LoraConfig(
@@ -44,10 +47,45 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
         lora_alpha=profile.alpha,
         lora_dropout=profile.dropout,
         target_modules=targets,
-        modules_to_save=list(profile.modules_to_save) or None,
+        modules_to_save=to_save or None,
         bias="none",
     )
     return get_peft_model(model, with_expert_lora(config))
+
+
+# The vision tower's linear layers and merger (engine/model/vision.py): adapted or trained only as
+# lora.vision_tower / lora.vision_merger say, never through target_modules' name suffixes.
+VISION_NAMES = {"patch_embed", "qkv", "proj", "linear_fc1", "linear_fc2", "merger_norm", "merger_fc1", "merger_fc2"}
+MERGER = ("merger_norm", "merger_fc1", "merger_fc2")
+
+
+def vision_parts(model: nn.Module, profile: LoraProfile) -> tuple[list[str], list[str]]:
+    """(full names of vision linears that get adapters, full names of vision modules trained in full)."""
+    tower = getattr(model, "vision", None)
+    if tower is None:
+        return [], []
+    targets, saved = [], []
+    for name, module in tower.named_modules():
+        if not name:
+            continue
+        is_merger = name in MERGER
+        choice = profile.vision_merger if is_merger else profile.vision_tower
+        if choice == "lora" and isinstance(module, nn.Linear):
+            targets.append(f"vision.{name}")
+        elif choice == "trained" and (is_merger or name in ("patch_embed", "pos_embed") or name.count(".") == 1):
+            saved.append(f"vision.{name}")  # the merger parts, patch/pos embeddings and whole blocks
+    return targets, saved
+
+
+def freeze_vision_parts(model: nn.Module, profile: LoraProfile) -> None:
+    """Full fine-tuning: freeze the vision parts the profile keeps frozen (LoRA runs freeze through PEFT)."""
+    tower = getattr(model, "vision", None)
+    if tower is None:
+        return
+    for name, param in tower.named_parameters():
+        choice = profile.vision_merger if name.startswith(MERGER) else profile.vision_tower
+        if choice == "frozen":
+            param.requires_grad_(False)
 
 
 def with_expert_lora(config):

@@ -19,6 +19,8 @@ from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import ModelProfile
 
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv
+from .kda import KimiDeltaAttention
+from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,13 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # [N + 1] int32
     positions: torch.Tensor  # [T] position inside the document
     doc_ids: torch.Tensor  # [T] document index
+    token_ids: torch.Tensor | None = None  # [T] int64 input ids (n-gram embeddings hash them)
+    mrope_positions: torch.Tensor | None = None  # [3, T] (t, h, w) rotary positions when images are in the row
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """What the softmax attention layers rotate by: (t, h, w) positions with images, else `positions`."""
+        return self.mrope_positions if self.mrope_positions is not None else self.positions
 
     def causal_mask(self) -> torch.Tensor:
         """[T, T] bool: query t may see key s (same document, s <= t)."""
@@ -51,7 +60,8 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta)
+        mrope = cfg.vision.mrope_section if cfg.vision is not None else None
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta, mrope)
 
     def project(self, x: torch.Tensor, batch: PackedBatch):
         """x [1, T, D] -> q [1, T, H, hd], k and v [1, T, G, hd], gate [1, T, H, hd] (None when ungated)."""
@@ -62,7 +72,7 @@ class GatedAttention(nn.Module):
             q, gate = self.q_proj(x).view(1, t, self.num_heads, self.head_dim), None
         k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        cos, sin = self.rotary.cos_sin(batch.rotary_positions)
         q = self.rotary.rotate(self.q_norm(q), cos, sin)
         k = self.rotary.rotate(self.k_norm(k), cos, sin)
         return q, k, v, gate
@@ -112,6 +122,56 @@ class SparseAttention(GatedAttention):
         return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens)
 
 
+class QSAIndexer(nn.Module):
+    """qwen4_exp's QSA indexer: per query, the key blocks of `block_size` tokens to attend.
+
+    Block key: the mean of the block's raw indexer keys, RMS-normed, then rotated at the block's first position.
+    Score of query t on a block: sum_h relu(q_idx[t, h] . key) / sqrt(DI), q_idx normed and rotated at t. The
+    topk / block_size best complete blocks the query sees (its own once complete) are kept, plus the incomplete
+    block it sits in (the tail), so S = topk / block_size + 1 slots. The rotary dims are the attention's.
+    """
+
+    def __init__(self, cfg: ModelProfile):
+        super().__init__()
+        spec = cfg.sparse_attention
+        assert spec is not None, "the schema requires model.sparse_attention for qsa layers"
+        self.num_heads, self.head_dim, self.block_size = spec.index_heads, spec.index_head_dim, spec.block_size
+        self.num_selected = spec.topk // spec.block_size + 1
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.num_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
+        self.k_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch) -> torch.Tensor:
+        """x [1, T, D] -> block ids [1, T, S] local to each document (ops.sparse_attention's convention)."""
+        t = x.shape[1]
+        q_idx, k_idx = self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], -1)
+        cos, sin = rotary.cos_sin(batch.rotary_positions)
+        q_idx = rotary.rotate(self.q_layernorm(q_idx.view(1, t, self.num_heads, self.head_dim)), cos, sin)
+        # The key of the block starting at each row: rows where no complete block of the document starts are
+        # never read (the op reads block j at row o + j * block_size), so windows crossing documents do no harm.
+        windows_TD = F.pad(k_idx[0], (0, 0, 0, self.block_size - 1)).unfold(0, self.block_size, 1).mean(-1)
+        block_k = rotary.rotate(self.k_layernorm(windows_TD)[None, :, None, :], cos, sin)[:, :, 0]
+        return topk_indexer(
+            q_idx, block_k, None, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens,
+            k_idx_is_pooled=True, always_keep_own_block=False,
+        )  # fmt: skip
+
+
+class QSAAttention(GatedAttention):
+    """Gated attention where each query sees only the key blocks QSA's indexer picks (qwen4_exp)."""
+
+    def __init__(self, cfg: ModelProfile):
+        super().__init__(cfg)
+        self.indexer = QSAIndexer(cfg)
+
+    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
+        # The choice is a mask in the reference too: the indexer gets no gradient from the language-model loss.
+        with torch.no_grad():
+            indices = self.indexer(x, self.rotary, batch)
+        indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+        return sparse_attention(q, k, v, indices, block_size=self.indexer.block_size, cu_seqlens=batch.cu_seqlens)
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention with a recurrent state (qwen3_next's gated delta net; per-channel decay gives KDA).
 
@@ -137,7 +197,7 @@ class GatedDeltaNet(nn.Module):
         self.conv = ShortConv(2 * self.hk * self.dk + self.hv * self.dv, spec.conv_kernel_size)
         self.A_log = nn.Parameter(torch.empty(self.hv))
         self.dt_bias = nn.Parameter(torch.empty(decay_width))
-        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, gate_activation=spec.output_gate_activation)
         self.o_proj = nn.Linear(self.hv * self.dv, d, bias=False)
 
     def reset_decay_parameters(self) -> None:
@@ -166,7 +226,15 @@ class GatedDeltaNet(nn.Module):
         return self.o_proj(self.norm(o, z).reshape(1, t, self.hv * self.dv))
 
 
-TOKEN_MIXERS = {"linear": GatedDeltaNet, "sparse": SparseAttention, "full": GatedAttention}
+TOKEN_MIXERS = {
+    "linear": GatedDeltaNet,
+    "sparse": SparseAttention,
+    "full": GatedAttention,
+    "kda": KimiDeltaAttention,
+    "mla": MultiHeadLatentAttention,
+    "mla_sparse": SparseMultiHeadLatentAttention,
+    "qsa": QSAAttention,
+}
 
 
 def init_token_mixer(module: nn.Module, std: float) -> None:
@@ -174,3 +242,5 @@ def init_token_mixer(module: nn.Module, std: float) -> None:
     if isinstance(module, GatedDeltaNet):
         module.reset_decay_parameters()
         nn.init.normal_(module.conv.weight, std=1.0 / math.sqrt(module.conv.width))
+    elif isinstance(module, KimiDeltaAttention):
+        module.reset_decay_parameters()

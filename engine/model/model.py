@@ -10,14 +10,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from moe_tune.engine.memory import run_decoder_layer
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
 from .attention import TOKEN_MIXERS, PackedBatch, init_token_mixer
 from .blocks import RMSNorm, document_ids, document_positions
+from .hyper import HyperConnection, HyperDecoderLayer
 from .moe import DenseMLP, MoEBlock, init_moe
+from .ngram import init_ngram
+from .vision import VisionTower, mrope_positions
 
 IGNORE_INDEX = -100
 
@@ -61,9 +64,16 @@ class MoECausalLM(nn.Module):
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, expert_layout, i) for i, spec in enumerate(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
+        layer_class = HyperDecoderLayer if cfg.hyper_connections is not None else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(cfg, spec, expert_layout, i) for i, spec in enumerate(cfg.layers))
+        # With hyper-connections the final norm is the streams' mixer: it norms every stream and merges them.
+        self.norm = (
+            HyperConnection(cfg, has_injection=False)
+            if cfg.hyper_connections is not None
+            else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
+        )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.vision = VisionTower(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -77,10 +87,13 @@ class MoECausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(0.0 if module.one_plus else 1.0)
             init_token_mixer(module, std)
             init_moe(module, std, self.cfg.seed)
+            init_ngram(module)
         torch.random.set_rng_state(gen_state)
 
     def forward(
@@ -89,20 +102,32 @@ class MoECausalLM(nn.Module):
         cu_seqlens: torch.Tensor,
         labels: torch.Tensor | None = None,
         loss_denominator: float | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
         cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T.
         loss_denominator: divide the summed cross-entropy by this instead of the local labelled-token count (data
-        parallel runs pass global count / world size, so averaging gradients over ranks gives the global mean)."""
+        parallel runs pass global count / world size, so averaging gradients over ranks gives the global mean).
+        pixel_values [P, C*Tp*p*p], image_grid_thw [I, 3]: the row's images (engine/data/images.py), whose tokens
+        are the runs of model.vision.image_token_id in input_ids."""
         total = input_ids.shape[1]
-        batch = PackedBatch(cu_seqlens, document_positions(cu_seqlens, total), document_ids(cu_seqlens, total))
+        positions, doc_ids = document_positions(cu_seqlens, total), document_ids(cu_seqlens, total)
         x = self.embed_tokens(input_ids)
+        mrope = None
+        if self.vision is not None:
+            x = self._merge_images(x, input_ids, pixel_values, image_grid_thw)
+            if image_grid_thw is not None:  # without images every position stream is the token position
+                spec = self.cfg.vision
+                mrope = mrope_positions(input_ids, cu_seqlens, image_grid_thw, spec.image_token_id,
+                                        spec.spatial_merge_size)
+        batch = PackedBatch(cu_seqlens, positions, doc_ids, input_ids[0], mrope)
+        if self.cfg.hyper_connections is not None:
+            x = x.repeat(1, 1, self.cfg.hyper_connections.num_streams)  # every stream starts as the embedding
         aux_total = x.new_zeros((), dtype=torch.float32)
-        for layer in self.layers:
-            if self.activation_checkpointing and self.training:
-                x, aux = checkpoint(layer, x, batch, use_reentrant=False)
-            else:
-                x, aux = layer(x, batch)
+        for index, layer in enumerate(self.layers):
+            # Whole-layer recompute, selective caching (engine/memory) or plain, as the memory profile says.
+            x, aux = run_decoder_layer(self, index, layer, x, batch)
             aux_total = aux_total + aux
         logits = self.lm_head(self.norm(x))
         if labels is None:
@@ -114,6 +139,26 @@ class MoECausalLM(nn.Module):
             lm_loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
             lm_loss = lm_loss / loss_denominator
         return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
+
+    def _merge_images(self, x, input_ids, pixel_values, image_grid_thw) -> torch.Tensor:
+        """The vision tower's output rows replace the image tokens' embeddings, in order. A row without images
+        still runs the tower once on one blank image whose output is added times zero: under ZeRO-3 every rank
+        must run the same modules (their parameter gathers are collectives), and the tower's gradients exist."""
+        spec = self.cfg.vision
+        is_image = input_ids[0] == spec.image_token_id
+        if pixel_values is None:
+            m = spec.spatial_merge_size
+            grid = torch.tensor([[1, m, m]], device=x.device)
+            blank = torch.zeros(m * m, self.vision.patch_embed.in_features, device=x.device, dtype=x.dtype)
+            return x + 0.0 * self.vision(blank, grid).sum().to(x.dtype)
+        features = self.vision(pixel_values, image_grid_thw).to(x.dtype)  # [image tokens, D]
+        if features.shape[0] != int(is_image.sum()):
+            raise ValueError(
+                f"{int(is_image.sum())} image tokens in the row but the images give {features.shape[0]} embeddings"
+            )
+        x = x.clone()
+        x[0, is_image] = features
+        return x
 
 
 

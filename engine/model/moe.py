@@ -87,7 +87,7 @@ class MoEBlock(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         logits_TE = self.gate(x_TD)
-        bias = self.selection_bias if self.spec.bias_update_rate > 0 else None
+        bias = self.selection_bias if self.spec.bias_update_rate > 0 or self.spec.has_selection_bias else None
         topk_ids, topk_weights, scores_TE = topk_route(
             logits_TE,
             self.spec.top_k,
@@ -96,6 +96,8 @@ class MoEBlock(nn.Module):
             selection_bias=bias,
             routed_scaling=self.spec.routed_scaling,
             pinned_ids=self.pinned_topk_ids,
+            n_group=self.spec.n_group,
+            topk_group=self.spec.topk_group,
         )
         if self.spec.capacity_factor > 0:
             topk_weights = self._drop_over_capacity(topk_ids, topk_weights)

@@ -127,6 +127,8 @@ def mrope_positions(
                 out[:, i] = pos
                 pos, i = pos + 1, i + 1
                 continue
+            if next_image == len(grid_list):
+                raise ValueError(f"more runs of image tokens ({image_token_id}) in the row than images ({len(grid_list)})")
             t, h, w = grid_list[next_image]
             next_image += 1
             gh, gw = h // merge, w // merge

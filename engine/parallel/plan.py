@@ -98,6 +98,8 @@ def _token_mixer(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]
             _norm(f"{prefix}.norm", la.value_head_dim),
             _linear(f"{prefix}.o_proj", value_width, d),
         ]
+    if spec.attention in ("mla", "mla_sparse"):
+        return _latent_attention(cfg, spec, prefix)
     query_width = cfg.num_attention_heads * cfg.head_dim
     kv_width = cfg.num_key_value_heads * cfg.head_dim
     params = [
@@ -116,6 +118,39 @@ def _token_mixer(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]
             _linear(f"{prefix}.index_q_proj", d, sa.index_heads * sa.index_head_dim),
             _linear(f"{prefix}.index_k_proj", d, sa.index_head_dim),
             _linear(f"{prefix}.index_weights_proj", d, sa.index_heads),
+        ]
+    return params
+
+
+def _latent_attention(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]:
+    """Multi-head latent attention (engine/model/mla.py), with DeepSeek's lightning indexer on mla_sparse layers."""
+    mla = cfg.mla
+    assert mla is not None, "the schema requires model.mla for mla layers"
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    if mla.q_lora_rank is None:
+        params = [_linear(f"{prefix}.q_proj", d, h * qk_dim)]
+    else:
+        params = [
+            _linear(f"{prefix}.q_a_proj", d, mla.q_lora_rank),
+            _norm(f"{prefix}.q_a_layernorm", mla.q_lora_rank),
+            _linear(f"{prefix}.q_b_proj", mla.q_lora_rank, h * qk_dim),
+        ]
+    params += [
+        _linear(f"{prefix}.kv_a_proj_with_mqa", d, mla.kv_lora_rank + mla.qk_rope_head_dim),
+        _norm(f"{prefix}.kv_a_layernorm", mla.kv_lora_rank),
+        _linear(f"{prefix}.kv_b_proj", mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim)),
+        _linear(f"{prefix}.o_proj", h * mla.v_head_dim, d),
+    ]
+    if spec.attention == "mla_sparse":
+        sa = cfg.sparse_attention
+        assert sa is not None and mla.q_lora_rank is not None, "the schema checks mla_sparse"
+        params += [
+            _linear(f"{prefix}.indexer.wq_b", mla.q_lora_rank, sa.index_heads * sa.index_head_dim),
+            _linear(f"{prefix}.indexer.wk", d, sa.index_head_dim),
+            _norm(f"{prefix}.indexer.k_norm", sa.index_head_dim),
+            Param(f"{prefix}.indexer.k_norm.bias", (sa.index_head_dim,)),
+            _linear(f"{prefix}.indexer.weights_proj", d, sa.index_heads),
         ]
     return params
 
@@ -306,6 +341,21 @@ def _layer_activation_elems(
         low += 2 * t * conv_width + 2 * t * la.num_value_heads * la.key_head_dim + 3 * t * value_width
         # beta, and the log decay before and after softplus, in fp32.
         wide += t * (la.num_value_heads + 2 * decay_width)
+    elif spec.attention in ("mla", "mla_sparse"):
+        mla = cfg.mla
+        assert mla is not None, "the schema requires model.mla for mla layers"
+        h, rq, rkv = cfg.num_attention_heads, mla.q_lora_rank or 0, mla.kv_lora_rank
+        qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        # The q latent before and after its norm; q_proj/q_b_proj output; kv_a output and the normed kv latent;
+        # kv_b output (k nope and v); q and k after RoPE (the attention's inputs); the attention output.
+        low += t * (2 * rq + h * qk_dim + 2 * rkv + mla.qk_rope_head_dim + h * (mla.qk_nope_head_dim + mla.v_head_dim))
+        low += 2 * t * h * qk_dim + t * h * mla.v_head_dim
+        # Softmax log-sum-exp per head.
+        wide += t * h
+        if spec.attention == "mla_sparse":
+            sa = cfg.sparse_attention
+            assert sa is not None, "the schema requires model.sparse_attention for mla_sparse layers"
+            wide += t * (sa.topk // sa.block_size)
     else:
         h, g, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # q_proj output (query and gate), k and v; q and k after norm and RoPE; attention output and gated output.

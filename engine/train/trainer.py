@@ -47,6 +47,7 @@ class RunResult:
     metrics: Path | None = None
     deepspeed_config: Path | None = None
     interrupted_by: str | None = None
+    skipped_records: list[str] = field(default_factory=list)  # records left out (data.bad_images: skip), and why
     elapsed_s: float = 0.0
     is_main: bool = True
 
@@ -119,6 +120,7 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
     whole model (see build_partitioned), and the weights stream in one tensor at a time."""
     from moe_tune.engine.lora import inject_lora
     from moe_tune.engine.lora.experts import GroupedExpertsLoRA
+    from moe_tune.engine.memory import attach_activation_memory
     from moe_tune.engine.model.model import build_model
 
     cfg = profile.model
@@ -133,6 +135,10 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
         load_checkpoint_weights(model, cfg, check_unread=layout is None or layout.ep_size == 1)
     else:
         model = build_model(cfg, profile.memory.activation_checkpointing, layout)
+    if not profile.lora.enabled:
+        from moe_tune.engine.lora import freeze_vision_parts
+
+        freeze_vision_parts(model, profile.lora)
     if profile.lora.enabled:
         model = inject_lora(model, profile.lora)
         if profile.parallel.zero_stage == 3:
@@ -143,6 +149,8 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
                 set_z3_leaf_modules(model, [GroupedExpertsLoRA])
     if layout is not None and layout.ep_size > 1:
         tag_expert_parameters(model, layout)
+    # After LoRA: the memory policy classifies the adapter layers too (engine/memory).
+    attach_activation_memory(model, profile.memory)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, trainable
 
@@ -265,7 +273,8 @@ def _quiet_third_party_noise() -> None:
 def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:
     import deepspeed
 
-    from moe_tune.engine.data.dataset import PackedDataset, load_documents
+    from moe_tune.engine.data.dataset import PackedDataset, load_documents, vision_input
+    from moe_tune.engine.memory import find_activation_memory
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
     from .ds_config import deepspeed_config
@@ -278,12 +287,18 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         raise ProfileError(
             [f"model.vocab_size ({profile.model.vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"]
         )
-    dataset = PackedDataset(load_documents(profile.data, tokenizer), profile.data.seq_len, tokenizer.pad_id, profile.data.seed)
+    vision = vision_input(profile.model, profile.data)
+    skipped: list[str] = []
+    documents = load_documents(profile.data, tokenizer, vision, skipped, generated_dir=out / "generated-data")
+    dataset = PackedDataset(
+        documents, profile.data.seq_len, tokenizer.pad_id, profile.data.seed, vision.settings if vision else None
+    )
 
     check_world(profile, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
     ds_config = deepspeed_config(profile, dist.world_size)
     model, trainable = build_trainable_model(profile, layout, ds_config)
+    activation_memory = find_activation_memory(model)
     optimizer = torch.optim.AdamW(
         trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
     )
@@ -293,7 +308,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     )
 
     ckpt_root = out / "checkpoints"
-    result = RunResult(output_dir=out, start_step=0, last_step=0, is_main=dist.is_main)
+    result = RunResult(output_dir=out, start_step=0, last_step=0, is_main=dist.is_main, skipped_records=skipped)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         result.deepspeed_config = out / "deepspeed_config.json"
@@ -321,6 +336,8 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     with _StopSignal() as stop, reporter:
         if start_step:
             reporter.print(f"resumed from {ckpt_root / checkpoint_name(start_step)} at step {start_step}")
+        if skipped:
+            reporter.print(f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}")
         for step in range(start_step, last_step):
             t0 = time.perf_counter()
             engine.train()
@@ -330,10 +347,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                     step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
                 )
                 out_ = engine(
-                    input_ids=batch.input_ids.to(dist.device),
-                    cu_seqlens=batch.cu_seqlens.to(dist.device),
-                    labels=batch.labels.to(dist.device),
-                    loss_denominator=_loss_denominator(batch.num_label_tokens, dist),
+                    **batch.model_inputs(dist.device), loss_denominator=_loss_denominator(batch.num_label_tokens, dist)
                 )
                 engine.backward(out_.loss)
                 engine.step()
@@ -361,6 +375,8 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 "expert_load_max_over_mean": expert_load,
                 "dropped_token_slots": dropped_slots,
             }
+            if activation_memory is not None:
+                record.update(activation_memory.step_metrics())
             result.losses.append(record["loss"])
             result.last_step = step + 1
             if writer is not None:

@@ -41,14 +41,16 @@ def bench_linear_attention(
     num_docs: int = NUM_DOCS,
     include_reference: bool = True,
 ) -> list[dict]:
-    """Rows of {case, impl, shape, dtype, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, max_abs_err, note} and the
-    machine (gpu, torch, triton, commit, date).
+    """Rows of {case, impl, shape, dtype, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, peak_memory_bytes,
+    max_abs_err, note} and the machine (gpu, torch, triton, commit, date).
 
     Cases: "gdn" (our kernel, our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same q, k, v
     as the softmax yardstick), "kda" (our kernel, our reference, FLA's chunk_kda), and "varlen" (our gated delta rule
     kernel on the B*T tokens as `num_docs` packed documents of mixed lengths, and as one document).
     max_abs_err: the forward output's largest difference from our fp32 reference on the same inputs, so that a fast
-    but wrong row shows as such. A pass an implementation refuses leaves its columns out and says why in `note`.
+    but wrong row shows as such. peak_memory_bytes: the larger of the two passes' peaks, each the most allocated
+    during one untimed call above what was allocated before it (inputs and earlier cases excluded). A pass an
+    implementation refuses leaves its columns out and says why in `note`.
     KDA FLOPs are counted as the gated delta rule's (the per-channel decays add elementwise work, not products).
     """
     if not torch.cuda.is_available():
@@ -66,7 +68,7 @@ def bench_linear_attention(
         # Hopper with Triton 3.4-3.7.0).
         for pass_name, flop_factor in (("fwd", 1.0), ("fwd_bwd", 1.0 + bwd_flop_factor)):
             try:
-                ms, o = _time(fn, inputs, with_backward=pass_name == "fwd_bwd")
+                ms, o, peak = _time(fn, inputs, with_backward=pass_name == "fwd_bwd")
             except Exception as error:  # noqa: BLE001 - a library that refuses to run is a result, not a crash
                 notes.append(f"{pass_name} refused: {type(error).__name__}: {str(error).strip()[:200]}")
                 # An out-of-memory reference (KDA's holds [B, H, 64, 64, K] decays per chunk) must not starve the
@@ -74,6 +76,7 @@ def bench_linear_attention(
                 torch.cuda.empty_cache()
                 continue
             row[f"{pass_name}_ms"] = round(ms, 4)
+            row["peak_memory_bytes"] = max(row.get("peak_memory_bytes", 0), peak)
             row[f"{pass_name}_tflops"] = round(flops * flop_factor / ms * 1e-9, 1)
             if expected_o is not None and pass_name == "fwd":
                 row["max_abs_err"] = (o.float() - expected_o).abs().max().item()
@@ -176,8 +179,10 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True), None
 
 
-def _time(fn, inputs, with_backward: bool) -> tuple[float, torch.Tensor]:
-    """Median ms of one forward (recording autograd, as in training), or of a forward and its backward."""
+def _time(fn, inputs, with_backward: bool) -> tuple[float, torch.Tensor, int]:
+    """(median ms, forward output, peak bytes) of one forward (recording autograd, as in training), or of a forward
+    and its backward. The peak is that of one more call on its own, above what was allocated before it: do_bench's
+    256 MB cache-flush buffer is not the op's."""
     import triton.testing
 
     leaves = [x for x in inputs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -187,14 +192,26 @@ def _time(fn, inputs, with_backward: bool) -> tuple[float, torch.Tensor]:
 
     with torch.no_grad():
         o = forward()
-    if not with_backward:
-        return triton.testing.do_bench(forward, return_mode="median"), o
-    do = torch.randn_like(o)
+    if with_backward:
+        do = torch.randn_like(o)
 
-    def forward_backward():
-        forward().backward(do)
+        def step():
+            forward().backward(do)
 
-    return triton.testing.do_bench(forward_backward, grad_to_none=leaves, return_mode="median"), o
+    else:
+        step = forward
+    ms = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    for leaf in leaves:
+        leaf.grad = None
+    return ms, o, peak
 
 
 def _machine() -> dict:

@@ -77,21 +77,22 @@ class MoEFunction(torch.autograd.Function):
         num_tokens = x.shape[0]
         dy = dy.to(x.dtype)
 
-        dgate_up, h, dha, dweights_S = moe_down_bwd(
+        # h_weighted = w * h per row: the routing weight of dW_down and dA_down comes with it.
+        dgate_up, h_weighted, dha, dweights_S = moe_down_bwd(
             dy, gate_up, topk_weights, w_down, a_down, b_down, scaling, routing, config,
             store_h=needs[_W_DOWN] or needs[_A_DOWN],
         )  # fmt: skip
         d_w_down = d_a_down = d_b_down = None
         if needs[_W_DOWN]:
-            d_w_down = moe_expert_grad(dy, h, w_down, routing, config, lhs_by_token=True, lhs_weights=topk_weights)
+            d_w_down = moe_expert_grad(dy, h_weighted, w_down, routing, config, lhs_by_token=True)
         if needs[_A_DOWN]:
-            d_a_down = moe_expert_grad(dha, h, a_down, routing, config)
+            d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config)
         if needs[_B_DOWN]:
             d_b_down = moe_expert_grad(
                 dy, ha, b_down, routing, config, lhs_by_token=True, lhs_weights=topk_weights, scale=scaling
             )
-        # h is no longer needed: free it before the gate_up backward allocates dx.
-        del h
+        # h_weighted is no longer needed: free it before the gate_up backward allocates dx.
+        del h_weighted
 
         dx = dxa = None
         if needs[_X] or needs[_A_GATE_UP]:

@@ -12,6 +12,7 @@ while storing; no permuted copy of an activation is ever made.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -43,27 +44,79 @@ THIN_NUM_WARPS = 4
 
 
 @dataclass(frozen=True)
-class MoEConfig:
-    """Tile sizes for one call; picked from the dtype, the device and the average rows per expert."""
+class KernelConfig:
+    """Launch parameters of one kernel.
 
-    block_m: int
+    block_n: output columns per program (the gate_up kernels split them between gate and up; weight gradients: the
+             Q side of the [P, Q] output tile); block_p: the P side, weight gradients only (0 elsewhere);
+    block_k: reduction step; maxnreg: register cap per thread (None: the compiler's choice).
+    """
+
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    block_p: int = 0
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        # Only passed when set: the interpreter and older Triton launchers take no maxnreg.
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes for one call, per kernel; picked from the dtype, the device and the average rows per expert.
+
+    block_m: rows per tile of the routing tile map, shared by the four row-tiled GEMMs.
+    """
+
+    block_m: int
+    gate_up_fwd: KernelConfig
+    down_fwd: KernelConfig
+    down_bwd: KernelConfig
+    gate_up_bwd: KernelConfig
+    expert_grad: KernelConfig
+
+
+def uniform_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> MoEConfig:
+    """One tile shape for every kernel (weight gradients: block_n x block_n output tiles)."""
+    kernel = KernelConfig(block_n, block_k, num_warps, num_stages, block_p=block_n)
+    # The gate_up forward holds two accumulators (gate and up), the down backward's SwiGLU epilogue five fp32 tiles:
+    # half-width tiles keep them in registers.
+    half = KernelConfig(max(MIN_DOT_SIZE, block_n // 2), block_k, num_warps, num_stages)
+    return MoEConfig(block_m, gate_up_fwd=half, down_fwd=kernel, down_bwd=half, gate_up_bwd=kernel, expert_grad=kernel)
+
+
+_forced_config: MoEConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(config: MoEConfig):
+    """Within the block, every moe_mlp call on the kernels runs with `config` (benchmark sweeps, tests)."""
+    global _forced_config
+    previous, _forced_config = _forced_config, config
+    try:
+        yield config
+    finally:
+        _forced_config = previous
 
 
 def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
+    if _forced_config is not None:
+        return _forced_config
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block = INTERPRETER_BLOCK
-        return MoEConfig(block_m=block, block_n=block, block_k=block, num_warps=1, num_stages=1)
+        return uniform_config(block, block, block, num_warps=1, num_stages=1)
     if x.dtype == torch.float32:
-        block = GPU_FP32_BLOCK
-        return MoEConfig(block, block, GPU_FP32_BLOCK_K, GPU_FP32_NUM_WARPS, GPU_NUM_STAGES)
+        return uniform_config(GPU_FP32_BLOCK, GPU_FP32_BLOCK, GPU_FP32_BLOCK_K, GPU_FP32_NUM_WARPS, GPU_NUM_STAGES)
     mean_rows = num_slots / max(num_experts, 1)
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
-    return MoEConfig(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
+    return uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
 
 
 def _dot_precision(*dtypes: torch.dtype) -> str:
@@ -359,7 +412,7 @@ def _moe_down_fwd_kernel(
     )
 
 
-# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] (+ LoRA)), d(gate, up), d weights, h recomputed
+# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] (+ LoRA)), d(gate, up), d weights, w * h recomputed
 @triton.jit
 def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
@@ -369,8 +422,8 @@ def _moe_down_bwd_kernel(
     gate_up_ptr,  # [S, 2F] pre-activations saved by the forward, expert order
     weights_ptr,  # [S] slot order
     dgate_up_ptr,  # out [S, 2F] expert order
-    h_ptr,  # out [S, F] expert order, recomputed from gate_up; written only when STORE_H
-    dha_ptr,  # out [S, r] fp32 d(h @ A^T), expert order
+    h_ptr,  # out [S, F] expert order, w * h with h recomputed from gate_up; written only when STORE_H
+    dha_ptr,  # out [S, r] fp32 d(h @ A^T) / w, expert order
     dweights_ptr,  # out [cdiv(F, BLOCK_N), S] fp32 per-column-block partial sums of <dy_token, y_slot / w_slot>
     slot_of_row_ptr,
     token_of_row_ptr,
@@ -445,11 +498,9 @@ def _moe_down_bwd_kernel(
         ).to(tl.float32)  # [R, N]
         acc = tl.dot(dyb_scaled, a_tile, acc, input_precision=DOT_PRECISION)
         if pid_n == 0:
-            tl.store(
-                dha_ptr + rows[:, None] * rank + ranks[None, :],
-                dyb_scaled * weights[:, None],
-                mask=row_mask[:, None] & rank_mask[None, :],
-            )
+            # Unweighted: the routing weight is in the stored h (STORE_H), the other operand of dA.
+            dha_mask = row_mask[:, None] & rank_mask[None, :]
+            tl.store(dha_ptr + rows[:, None] * rank + ranks[None, :], dyb_scaled, mask=dha_mask)
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
@@ -461,13 +512,17 @@ def _moe_down_bwd_kernel(
     # <dy_token, y_slot unweighted> = <dy @ W_down (+ LoRA), h>, summed here over this block's F columns.
     tl.store(dweights_ptr + pid_n * S + slots, tl.sum(acc * h, axis=1), mask=row_mask)
     dh = acc * weights[:, None]
-    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    # silu'(g) * up = sig * up + h * (1 - sig): written through h so that the compiler keeps one copy of the SwiGLU
+    # tiles (sm_90, triton 3.6: 180 registers a thread, against 255 and spills for up * sig * (1 + g * (1 - sig))).
+    dgate = dh * (sig * up + h * (1.0 - sig))
     dup = dh * silu
     dgate_up_rows = dgate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
     tl.store(dgate_up_rows, dgate.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
     tl.store(dgate_up_rows + F, dup.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
     if STORE_H:
-        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+        # w * h: the weight gradients of the down projection read it as is, with no per-row scaling in their loop.
+        h_weighted = h * weights[:, None]
+        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=out_mask)
 
 
 # Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ LoRA), stored in slot order
@@ -668,9 +723,8 @@ def moe_gate_up_fwd(
     h = _alloc((num_slots, num_hidden), x.dtype, x.device)
     gate_up = _alloc((num_slots, 2 * num_hidden), x.dtype, x.device) if save_gate_up else h
     xa = _alloc((num_slots, rank), torch.float32, x.device) if has_lora else h
-    # Gate and up each take half of a tile's columns, so the two accumulators together match one GEMM tile.
-    block_n = max(MIN_DOT_SIZE, config.block_n // 2)
-    grid = (routing.num_tiles * triton.cdiv(num_hidden, block_n),)
+    kernel = config.gate_up_fwd
+    grid = (routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_gate_up_fwd_kernel[grid](
             x, w_gate_up, a, b, h, gate_up, xa,
@@ -678,8 +732,8 @@ def moe_gate_up_fwd(
             model_dim, num_hidden, rank, scaling,
             *x.stride(), *w_gate_up.stride(), *_strides3(a_gate_up), *_strides3(b_gate_up),
             HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=_dot_precision(x.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            **kernel.launch_options(),
         )  # fmt: skip
     return h, (gate_up if save_gate_up else None), (xa if has_lora else None)
 
@@ -705,7 +759,8 @@ def moe_down_fwd(
     # Slot-order rows and a fixed-order sum over k instead of fp32 atomics into y: deterministic, one rounding per slot.
     y_slot = _alloc((num_slots, model_dim), h.dtype, h.device)
     ha = _alloc((num_slots, rank), torch.float32, h.device) if has_lora else y_slot
-    grid = (routing.num_tiles * triton.cdiv(model_dim, config.block_n),)
+    kernel = config.down_fwd
+    grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_down_fwd_kernel[grid](
             h, w_down, a, b, topk_weights.reshape(-1), y_slot, ha,
@@ -713,8 +768,8 @@ def moe_down_fwd(
             model_dim, num_hidden, rank, scaling,
             *w_down.stride(), *_strides3(a_down), *_strides3(b_down),
             HAS_LORA=has_lora, DOT_PRECISION=_dot_precision(h.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            **kernel.launch_options(),
         )  # fmt: skip
     return _sum_slots(y_slot, num_tokens, routing.top_k), (ha if has_lora else None)
 
@@ -733,8 +788,10 @@ def moe_down_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Backward of the down projection, the routing weights and SwiGLU.
 
-    Returns dgate_up [S, 2F] in gate_up.dtype, h [S, F] recomputed (when store_h), dha [S, r] fp32 (with LoRA) and
-    d topk_weights [S] fp32 in slot order.
+    Returns dgate_up [S, 2F] in gate_up.dtype, w * h [S, F] recomputed and weighted by each row's routing weight
+    (when store_h), dha [S, r] fp32 (with LoRA, unweighted: d(h A^T) / w) and d topk_weights [S] fp32 in slot order.
+    The two down-projection gradients that contract over rows, dW = sum (w dy)^T h and dA = sum (w dha)^T h, take
+    the weight from w * h.
     """
     num_slots, model_dim = routing.num_slots, dy.shape[1]
     num_hidden = gate_up.shape[1] // 2
@@ -742,10 +799,8 @@ def moe_down_bwd(
     dgate_up = _alloc((num_slots, 2 * num_hidden), gate_up.dtype, dy.device)
     h = _alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else dgate_up
     dha = _alloc((num_slots, rank), torch.float32, dy.device) if has_lora else dgate_up
-    # The SwiGLU-backward epilogue holds five fp32 tiles (acc, gate, up, sigmoid, dh): half-width tiles keep them in
-    # registers.
-    block_n = max(MIN_DOT_SIZE, config.block_n // 2)
-    num_col_blocks = triton.cdiv(num_hidden, block_n)
+    kernel = config.down_bwd
+    num_col_blocks = triton.cdiv(num_hidden, kernel.block_n)
     # Partial sums per column block, added up below in a fixed order: deterministic where atomics would not be.
     dweights_partial = _alloc((num_col_blocks, num_slots), torch.float32, dy.device)
     if routing.num_tiles > 0:
@@ -756,8 +811,8 @@ def moe_down_bwd(
             num_slots, model_dim, num_hidden, rank, scaling,
             *dy.stride(), *w_down.stride(), *_strides3(a_down), *_strides3(b_down),
             HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=_dot_precision(gate_up.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            **kernel.launch_options(),
         )  # fmt: skip
     return (
         dgate_up,
@@ -785,7 +840,8 @@ def moe_gate_up_bwd(
     dx_slot = _alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device) if compute_dx else dgate_up
     dxa = _alloc((num_slots, rank), torch.float32, dgate_up.device) if has_lora else dgate_up
     # Without dx only the first column block runs, for the thin LoRA product.
-    num_col_blocks = triton.cdiv(model_dim, config.block_n) if compute_dx else 1
+    kernel = config.gate_up_bwd
+    num_col_blocks = triton.cdiv(model_dim, kernel.block_n) if compute_dx else 1
     if routing.num_tiles > 0 and (compute_dx or has_lora):
         _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
             dgate_up, w_gate_up, a, b, dx_slot, dxa,
@@ -793,8 +849,8 @@ def moe_gate_up_bwd(
             model_dim, num_hidden, rank, scaling,
             *w_gate_up.stride(), *_strides3(a_gate_up), *_strides3(b_gate_up),
             HAS_LORA=has_lora, COMPUTE_DX=compute_dx, DOT_PRECISION=_dot_precision(dgate_up.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_R=block_r,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            **kernel.launch_options(),
         )  # fmt: skip
     dx = _sum_slots(dx_slot, num_tokens, routing.top_k) if compute_dx else None
     return dx, (dxa if has_lora else None)
@@ -820,9 +876,10 @@ def moe_expert_grad(
     out = _alloc(tuple(out_like.shape), out_like.dtype, out_like.device)
     # Mixed operands (a 16-bit activation against an fp32 LoRA intermediate) meet in fp32.
     upcast = lhs.dtype != rhs.dtype
-    is_thin = min(dim_p, dim_q) < config.block_n
-    block_p = min(config.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_p)))
-    block_q = min(config.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_q)))
+    kernel = config.expert_grad
+    is_thin = min(dim_p, dim_q) < min(kernel.block_p, kernel.block_n)
+    block_p = min(kernel.block_p, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_p)))
+    block_q = min(kernel.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_q)))
     weights = lhs_weights.reshape(-1) if lhs_weights is not None else lhs
     grid = (num_experts * triton.cdiv(dim_p, block_p) * triton.cdiv(dim_q, block_q),)
     _moe_expert_grad_kernel[grid](
@@ -832,9 +889,10 @@ def moe_expert_grad(
         *lhs.stride(), *rhs.stride(), *out.stride(),
         LHS_BY_TOKEN=lhs_by_token, RHS_BY_TOKEN=rhs_by_token, LHS_TIMES_WEIGHT=lhs_weights is not None,
         UPCAST=upcast, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
-        BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=config.block_k,
-        num_warps=min(config.num_warps, THIN_NUM_WARPS) if is_thin else config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=kernel.block_k,
+        num_warps=min(kernel.num_warps, THIN_NUM_WARPS) if is_thin else kernel.num_warps,
+        num_stages=kernel.num_stages,
+        **({} if is_thin or kernel.maxnreg is None else dict(maxnreg=kernel.maxnreg)),
     )  # fmt: skip
     return out
 

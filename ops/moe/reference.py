@@ -1,6 +1,7 @@
 """Pure-PyTorch MoE expert MLP, routing and load-balancing loss: the ground truth for the Triton kernels.
 
-Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token (top-k), r LoRA rank.
+Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token (top-k), r LoRA rank;
+group-limited routing: G expert groups of e = E / G experts, g groups kept per token.
 Expert weights use the transformers 5 fused layout: w_gate_up [E, 2F, D] (gate rows first, then up), w_down [E, D, F].
 Expert e on a row x: h = silu(x W_gate^T) * (x W_up^T), y_e = h W_down^T.
 """
@@ -191,6 +192,8 @@ def topk_route(
     selection_bias: torch.Tensor | None = None,
     routed_scaling: float = 1.0,
     pinned_ids: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick top_k experts per token and their combine weights.
 
@@ -198,6 +201,9 @@ def topk_route(
     balancing); the weights are always the unbiased scores. Defaults: softmax scores, renormalised, scaling 1.0.
     pinned_ids: [N, k] experts to use instead of choosing (alignment against a reference's routing); the weights
     are computed at them as usual.
+    n_group, topk_group: group-limited choice (DeepSeek-V3): the E experts form n_group equal groups of consecutive
+    ids; each token keeps the topk_group groups with the largest sum of their two best choice scores (bias
+    included; the one score of a group of one) and picks its top_k experts inside them. Default 1, 1: no groups.
     Returns topk_ids [N, k] int64, topk_weights [N, k] fp32 (differentiable w.r.t. logits), scores [N, E] fp32.
     """
     if score_func not in SCORE_FUNCS:
@@ -209,12 +215,22 @@ def topk_route(
         raise ValueError(f"top_k ({top_k}) must be in [1, E] = [1, {num_experts}]")
     if selection_bias is not None and tuple(selection_bias.shape) != (num_experts,):
         raise ValueError(f"selection_bias: shape {tuple(selection_bias.shape)} must be [E] = [{num_experts}]")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_group ({n_group}) must be >= 1 and divide E ({num_experts})")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group ({topk_group}) must be in [1, n_group] = [1, {n_group}]")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(
+            f"top_k ({top_k}) must be <= topk_group ({topk_group}) x experts per group ({num_experts // n_group})"
+        )
 
     logits_NE = logits.float()
     scores_NE = logits_NE.softmax(dim=-1) if score_func == "softmax" else logits_NE.sigmoid()
     choice_NE = scores_NE.detach()
     if selection_bias is not None:
         choice_NE = choice_NE + selection_bias.detach().float()
+    if topk_group < n_group:
+        choice_NE = _keep_top_groups(choice_NE, n_group, topk_group)
     topk_ids_Nk = choice_NE.topk(top_k, dim=-1).indices if pinned_ids is None else pinned_ids.long()
     topk_weights_Nk = scores_NE.gather(-1, topk_ids_Nk)
     if renormalize:
@@ -223,6 +239,20 @@ def topk_route(
             denom_N1 = denom_N1 + SIGMOID_NORM_EPS
         topk_weights_Nk = topk_weights_Nk / denom_N1
     return topk_ids_Nk, topk_weights_Nk * routed_scaling, scores_NE
+
+
+# DeepSeek-V3 ranks a group of experts by the sum of its best this-many choice scores.
+GROUP_SCORE_TOP = 2
+
+
+def _keep_top_groups(choice_NE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """choice_NE with the experts outside each token's topk_group best groups set to -inf."""
+    num_tokens, num_experts = choice_NE.shape
+    choice_NGe = choice_NE.view(num_tokens, n_group, num_experts // n_group)
+    group_scores_NG = choice_NGe.topk(min(GROUP_SCORE_TOP, choice_NGe.shape[-1]), dim=-1).values.sum(dim=-1)
+    group_ids_Ng = group_scores_NG.topk(topk_group, dim=-1).indices
+    is_kept_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool).scatter_(1, group_ids_Ng, True)
+    return choice_NGe.masked_fill(~is_kept_NG[:, :, None], float("-inf")).view(num_tokens, num_experts)
 
 
 def switch_aux_loss(scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -215,6 +215,6 @@ def topk_indexer(
             cu_seqlens=cu_seqlens, k_idx_is_pooled=k_idx_is_pooled, always_keep_own_block=always_keep_own_block,
         )  # fmt: skip
     return topk_indexer_ref(
-        q_idx, k_idx, w_idx, topk=topk, scale=scale, activation=activation, block_size=block_size, cu_seqlens=cu_seqlens,
-        k_idx_is_pooled=k_idx_is_pooled, always_keep_own_block=always_keep_own_block,
+        q_idx, k_idx, w_idx, topk=topk, scale=scale, activation=activation, block_size=block_size,
+        cu_seqlens=cu_seqlens, k_idx_is_pooled=k_idx_is_pooled, always_keep_own_block=always_keep_own_block,
     )  # fmt: skip

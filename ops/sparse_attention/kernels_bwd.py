@@ -5,21 +5,27 @@ power of two), BKT keys of a key tile, NS block slots, P (query, block) pairs.
 
 1. `_sparse_attn_bwd_dq_kernel`, one program per (query, kv head), the forward's loop again: p from the saved
    lse, dp = do v^T, ds = p (dp - delta), dq += ds k. It also writes delta = rowsum(do * o) [NT, HQ] for step 2.
-2. `_sparse_attn_bwd_dkv_kernel`, one program per (key tile, kv head), owning its dk and dv rows outright: it
+2. `_sparse_attn_bwd_dkv_kernel`, one program per (key tile, kv head) (block level: per pair-list chunk): it
    visits the queries that may have selected its keys, BQ at a time, and accumulates dv += p^T do and
-   dk += ds^T q in registers; one plain store at the end, no scatter pass and no atomics.
+   dk += ds^T q in registers; no scatter pass and no atomics.
    - Token level: key tile = BKT consecutive key positions of a row; queries = every later query of the sequence of
      the tile's last key, tiles of BQ consecutive queries. Which (query, key) pairs were selected comes from the
      selection bitmap of the canonicalisation; a query tile with no selected pair is skipped after reading its bits.
    - Block level: key tile = (part of) one block slot; queries = exactly the queries that selected that block,
      read from a key-sorted pair list (CSR: `block_pairs`, one stable sort of the canonical indices), so no
-     unselected query is ever visited.
-   The products are written key-major (sT = k q^T from a q tile loaded transposed), so no tile is ever transposed.
+     unselected query is ever visited. The list is cut into chunks of at most dkv_chunk_pairs pairs
+     (`block_pair_chunks`), one program each, so that the early blocks, picked most, do not serialise the pass; each
+     writes fp32 partials and `_block_dkv_reduce_kernel` sums them per block in chunk order (deterministic).
+   The products are written key-major (sT = k q^T); q and do are loaded once and transposed in registers, never a
+   product (see kernels_fwd.py on the Triton bug).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -73,22 +79,20 @@ def _sparse_attn_bwd_dq_kernel(
             slots = step * BS + tl.arange(0, BS)
             pos = tl.load(idx_row + slots, mask=slots < S, other=-1)
             is_key = pos >= 0
-        if tl.max(is_key.to(tl.int32), axis=0) > 0:
-            pos64 = tl.where(is_key, pos, 0).to(tl.int64)
-            k_t = tl.load(
-                k_ptr + (pos64[None, :] * H + h) * K + dk[:, None], mask=is_key[None, :] & (dk[:, None] < K), other=0.0
-            )
-            p = tl.exp2(tl.dot(q, k_t, input_precision=PRECISION) * qk_scale - lse[:, None])
-            p = tl.where(is_key[None, :], p, 0.0)
-            v_t = tl.load(
-                v_ptr + (pos64[None, :] * H + h) * V + dv[:, None], mask=is_key[None, :] & (dv[:, None] < V), other=0.0
-            )
-            dp = tl.dot(do, v_t, input_precision=PRECISION)
-            ds = p * (dp - delta[:, None])
-            k_tile = tl.load(
-                k_ptr + (pos64[:, None] * H + h) * K + dk[None, :], mask=is_key[:, None] & (dk[None, :] < K), other=0.0
-            )
-            acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
+        # No branch (as in the forward): masked tiles add 0, and the next tile's loads can be pipelined.
+        pos64 = tl.where(is_key, pos, 0).to(tl.int64)
+        # One key tile serves both products: s = q k^T (k transposed in registers) and dq += ds k.
+        k_tile = tl.load(
+            k_ptr + (pos64[:, None] * H + h) * K + dk[None, :], mask=is_key[:, None] & (dk[None, :] < K), other=0.0
+        )
+        p = tl.exp2(tl.dot(q, tl.trans(k_tile), input_precision=PRECISION) * qk_scale - lse[:, None])
+        p = tl.where(is_key[None, :], p, 0.0)
+        v_t = tl.load(
+            v_ptr + (pos64[None, :] * H + h) * V + dv[:, None], mask=is_key[None, :] & (dv[:, None] < V), other=0.0
+        )
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION)
     tl.store(
         dq_ptr + head_rows[:, None] * K + dk[None, :],
         (acc * scale).to(dq_ptr.dtype.element_ty),
@@ -97,15 +101,40 @@ def _sparse_attn_bwd_dq_kernel(
 
 
 @triton.jit
+def _dkv_tile(
+    q_ptr, do_ptr, lse_ptr, delta_ptr, k_tile, v_tile, dk_acc, dv_acc, t_rows, is_row, is_pair, h, row_head, dk, dv,
+    qk_scale, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dk_acc += ds^T q and dv_acc += p^T do over one tile of R (query, head) rows, in key-major orientation."""
+    head_rows = t_rows.to(tl.int64) * (H * G) + h * G + row_head
+    q_rows = tl.load(q_ptr + head_rows[:, None] * K + dk[None, :], mask=is_row[:, None] & (dk[None, :] < K), other=0.0)
+    do_rows = tl.load(
+        do_ptr + head_rows[:, None] * V + dv[None, :], mask=is_row[:, None] & (dv[None, :] < V), other=0.0
+    )
+    lse = tl.load(lse_ptr + head_rows, mask=is_row, other=0.0)
+    delta = tl.load(delta_ptr + head_rows, mask=is_row, other=0.0)
+    # q and do are read once and transposed in registers (a loaded tile, not a product: see kernels_fwd.py).
+    s_t = tl.dot(k_tile, tl.trans(q_rows), input_precision=PRECISION) * qk_scale
+    p_t = tl.where(is_pair, tl.exp2(s_t - lse[None, :]), 0.0)
+    dv_acc += tl.dot(p_t.to(do_rows.dtype), do_rows, input_precision=PRECISION)
+    dp_t = tl.dot(v_tile, tl.trans(do_rows), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk_acc += tl.dot(ds_t.to(q_rows.dtype), q_rows, input_precision=PRECISION)
+    return dk_acc, dv_acc
+
+
+@triton.jit
 def _sparse_attn_bwd_dkv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     bits_ptr, seq_end_ptr,
-    slot_first_ptr, slot_len_ptr, pair_start_ptr, pair_end_ptr, pair_query_ptr,
-    T, NW, NS, NSUB, qk_scale, scale,
+    slot_first_ptr, slot_len_ptr, chunk_slot_ptr, chunk_pair_ptr, chunk_num_ptr, pair_query_ptr,
+    T, NW, NC, NSUB, qk_scale, scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKT: tl.constexpr, BQ: tl.constexpr, IS_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Token level: dk, dv of a key tile. Block level: fp32 partial dk, dv [H, NC, NSUB, BKT, K] of (part of) a block
+    slot over one chunk of its pair list (dk_ptr / dv_ptr are then the partial buffers, unscaled)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     h_idx = h % H_IDX
@@ -116,13 +145,14 @@ def _sparse_attn_bwd_dkv_kernel(
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
     if IS_BLOCK:
-        slot = pid // NSUB
+        chunk = pid // NSUB
         sub0 = (pid % NSUB) * BKT
+        slot = tl.load(chunk_slot_ptr + h_idx * NC + chunk)
         num_tokens = tl.load(slot_len_ptr + slot)
         k0 = tl.load(slot_first_ptr + slot) + sub0
         is_key = sub0 + keys < num_tokens
-        pair_lo = tl.load(pair_start_ptr + h_idx * NS + slot)
-        num_queries = tl.where(sub0 < num_tokens, tl.load(pair_end_ptr + h_idx * NS + slot) - pair_lo, 0)
+        pair_lo = tl.load(chunk_pair_ptr + h_idx * NC + chunk)
+        num_queries = tl.where(sub0 < num_tokens, tl.load(chunk_num_ptr + h_idx * NC + chunk), 0)
     else:
         tiles_per_row = tl.cdiv(T, BKT)
         key_in_row0 = (pid % tiles_per_row) * BKT
@@ -145,8 +175,13 @@ def _sparse_attn_bwd_dkv_kernel(
     for q0 in range(0, num_queries, BQ):
         is_row = (q0 + row_query < num_queries) & (row_head < G)
         if IS_BLOCK:
+            # Every listed query selected the block: no branch, so the loads of the next queries can be pipelined.
             t_rows = tl.load(pair_query_ptr + pair_lo + q0 + row_query, mask=is_row, other=0)
             is_pair = is_key[:, None] & is_row[None, :] & (k0 + keys[:, None] <= t_rows[None, :])
+            dk_acc, dv_acc = _dkv_tile(
+                q_ptr, do_ptr, lse_ptr, delta_ptr, k_tile, v_tile, dk_acc, dv_acc, t_rows, is_row, is_pair, h,
+                row_head, dk, dv, qk_scale, H, G, K, V, PRECISION,
+            )  # fmt: skip
         else:
             t_rows = k0 + q0 + row_query
             words = tl.load(
@@ -155,28 +190,55 @@ def _sparse_attn_bwd_dkv_kernel(
                 other=0,
             )
             is_pair = ((words >> key_bit[:, None]) & 1) != 0
-        if tl.max(is_pair.to(tl.int32)) > 0:
-            head_rows = t_rows.to(tl.int64) * (H * G) + h * G + row_head
-            q_t = tl.load(
-                q_ptr + head_rows[None, :] * K + dk[:, None], mask=is_row[None, :] & (dk[:, None] < K), other=0.0
-            )
-            q_rows = tl.load(
-                q_ptr + head_rows[:, None] * K + dk[None, :], mask=is_row[:, None] & (dk[None, :] < K), other=0.0
-            )
-            do_t = tl.load(
-                do_ptr + head_rows[None, :] * V + dv[:, None], mask=is_row[None, :] & (dv[:, None] < V), other=0.0
-            )
-            do_rows = tl.load(
-                do_ptr + head_rows[:, None] * V + dv[None, :], mask=is_row[:, None] & (dv[None, :] < V), other=0.0
-            )
-            lse = tl.load(lse_ptr + head_rows, mask=is_row, other=0.0)
-            delta = tl.load(delta_ptr + head_rows, mask=is_row, other=0.0)
-            s_t = tl.dot(k_tile, q_t, input_precision=PRECISION) * qk_scale
-            p_t = tl.where(is_pair, tl.exp2(s_t - lse[None, :]), 0.0)
-            dv_acc += tl.dot(p_t.to(do_rows.dtype), do_rows, input_precision=PRECISION)
-            dp_t = tl.dot(v_tile, do_t, input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk_acc += tl.dot(ds_t.to(q_rows.dtype), q_rows, input_precision=PRECISION)
+            # A query tile that selected none of these keys is skipped after reading its bits.
+            if tl.max(is_pair.to(tl.int32)) > 0:
+                dk_acc, dv_acc = _dkv_tile(
+                    q_ptr, do_ptr, lse_ptr, delta_ptr, k_tile, v_tile, dk_acc, dv_acc, t_rows, is_row, is_pair, h,
+                    row_head, dk, dv, qk_scale, H, G, K, V, PRECISION,
+                )  # fmt: skip
+    if IS_BLOCK:
+        part = ((h * NC + chunk).to(tl.int64) * NSUB + pid % NSUB) * BKT + keys
+        tl.store(dk_ptr + part[:, None] * BK + dk[None, :], dk_acc)
+        tl.store(dv_ptr + part[:, None] * BV + dv[None, :], dv_acc)
+    else:
+        tl.store(
+            dk_ptr + (pos64[:, None] * H + h) * K + dk[None, :],
+            (dk_acc * scale).to(dk_ptr.dtype.element_ty),
+            mask=is_key[:, None] & (dk[None, :] < K),
+        )
+        tl.store(
+            dv_ptr + (pos64[:, None] * H + h) * V + dv[None, :],
+            dv_acc.to(dv_ptr.dtype.element_ty),
+            mask=is_key[:, None] & (dv[None, :] < V),
+        )
+
+
+@triton.jit
+def _block_dkv_reduce_kernel(
+    part_dk_ptr, part_dv_ptr, dk_ptr, dv_ptr, slot_first_ptr, slot_len_ptr, chunk_offsets_ptr,
+    NS, NC, NSUB, scale,
+    H: tl.constexpr, H_IDX: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BKT: tl.constexpr,
+):  # fmt: skip
+    """One program per (block slot part, kv head): dk, dv = the sum of the slot's chunk partials, in chunk order."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = pid // NSUB
+    sub = pid % NSUB
+    keys = tl.arange(0, BKT)
+    dk = tl.arange(0, BK)
+    dv = tl.arange(0, BV)
+    offsets = chunk_offsets_ptr + (h % H_IDX) * (NS + 1) + slot
+    c0 = tl.load(offsets)
+    c1 = tl.load(offsets + 1)
+    dk_acc = tl.zeros([BKT, BK], dtype=tl.float32)
+    dv_acc = tl.zeros([BKT, BV], dtype=tl.float32)
+    for c in range(c0, c1):
+        part = ((h * NC + c).to(tl.int64) * NSUB + sub) * BKT + keys
+        dk_acc += tl.load(part_dk_ptr + part[:, None] * BK + dk[None, :])
+        dv_acc += tl.load(part_dv_ptr + part[:, None] * BV + dv[None, :])
+    is_key = sub * BKT + keys < tl.load(slot_len_ptr + slot)
+    pos64 = (tl.load(slot_first_ptr + slot) + sub * BKT + keys).to(tl.int64)
     tl.store(
         dk_ptr + (pos64[:, None] * H + h) * K + dk[None, :],
         (dk_acc * scale).to(dk_ptr.dtype.element_ty),
@@ -205,6 +267,45 @@ def block_pairs(
     pair_start = torch.searchsorted(sorted_key, slot_key).to(torch.int32)
     pair_end = torch.searchsorted(sorted_key, slot_key, right=True).to(torch.int32)
     return pair_query.contiguous(), pair_start.contiguous(), pair_end.contiguous()
+
+
+@dataclass(frozen=True)
+class PairChunks:
+    """The key-sorted pair lists cut into chunks of at most chunk_pairs pairs, at least one chunk per block slot, so
+    that the dk/dv programs get similar work however many queries picked a block (early blocks are picked most).
+
+    chunk_offsets: [H', NS + 1] int32, slot j's chunks are [chunk_offsets[j], chunk_offsets[j + 1]).
+    chunk_slot, chunk_pair, chunk_num: [H', NC] int32: a chunk's slot, first pair and pair count (0 past the end).
+    """
+
+    chunk_offsets: torch.Tensor
+    chunk_slot: torch.Tensor
+    chunk_pair: torch.Tensor
+    chunk_num: torch.Tensor
+
+
+def block_pair_chunks(
+    pair_start: torch.Tensor, pair_end: torch.Tensor, max_pairs: int, chunk_pairs: int
+) -> PairChunks:
+    """Chunks of the pair lists (pair_start, pair_end [H', NS]) without a host sync: NC is the bound
+    NS + ceil(max_pairs / chunk_pairs) on sum_j max(1, ceil(pairs_j / chunk_pairs))."""
+    H_idx, NS = pair_start.shape
+    num_pairs = (pair_end - pair_start).long()
+    num_chunks = torch.clamp((num_pairs + chunk_pairs - 1) // chunk_pairs, min=1)
+    chunk_offsets = F.pad(num_chunks.cumsum(1), (1, 0))
+    NC = NS + triton.cdiv(max_pairs, chunk_pairs)
+    chunk = torch.arange(NC, device=pair_start.device).expand(H_idx, NC).contiguous()
+    slot = torch.searchsorted(chunk_offsets[:, 1:].contiguous(), chunk, right=True)
+    is_chunk = slot < NS
+    slot = slot.clamp(max=NS - 1)
+    first = pair_start.long().gather(1, slot) + (chunk - chunk_offsets.gather(1, slot)) * chunk_pairs
+    num = (pair_end.long().gather(1, slot) - first).clamp(0, chunk_pairs)
+    return PairChunks(
+        chunk_offsets.to(torch.int32).contiguous(),
+        slot.to(torch.int32).contiguous(),
+        torch.where(is_chunk, first, 0).to(torch.int32).contiguous(),
+        torch.where(is_chunk, num, 0).to(torch.int32).contiguous(),
+    )
 
 
 def sparse_attention_bwd(
@@ -236,7 +337,7 @@ def sparse_attention_bwd(
         q_THK, k_THK, v_THV, o_THV, do_THV, lse_TH, canon_THS, layout.seq_start, dq, delta,
         S, num_steps(S, block_size, config), scale * LOG2E, scale,
         BS=config.token_tile, BLOCK_SIZE=block_size, BKEY=config.block_key_tile, IS_BLOCK=block_size > 1,
-        **common, **config.launch,
+        **common, **config.launch_dq,
     )  # fmt: skip
 
     dk = _alloc((NT, H, K), k_THK.dtype, device)
@@ -245,22 +346,36 @@ def sparse_attention_bwd(
     group_rows = triton.next_power_of_2(G)
     queries_per_tile = max(1, triton.cdiv(config.dkv_rows, group_rows))
     T = layout.row_len
-    if block_size == 1:
-        num_sub, num_slots = 1, 1
-        grid = (triton.cdiv(NT, T) * triton.cdiv(T, key_tile), H)
-        pair_query = pair_start = pair_end = slot_first = slot_len = layout.seq_end
-    else:
-        num_sub = triton.cdiv(block_size, key_tile)
-        num_slots = slots.num_slots
-        grid = (num_slots * num_sub, H)
-        pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
-        slot_first, slot_len = slots.first, slots.length
     common.update(GP=group_rows)
-    _sparse_attn_bwd_dkv_kernel[grid](
-        q_THK, k_THK, v_THV, do_THV, lse_TH, delta, dk, dv,
+    if block_size == 1:
+        grid = (triton.cdiv(NT, T) * triton.cdiv(T, key_tile), H)
+        unused = layout.seq_end
+        _sparse_attn_bwd_dkv_kernel[grid](
+            q_THK, k_THK, v_THV, do_THV, lse_TH, delta, dk, dv,
+            bits, layout.seq_end,
+            unused, unused, unused, unused, unused, unused,
+            T, bits.shape[2], 1, 1, scale * LOG2E, scale,
+            BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=False, **common, **config.launch_dkv,
+        )  # fmt: skip
+        return dq, dk, dv
+
+    num_sub = triton.cdiv(block_size, key_tile)
+    pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
+    chunks = block_pair_chunks(pair_start, pair_end, NT * S, config.dkv_chunk_pairs)
+    NC = chunks.chunk_slot.shape[1]
+    part_shape = (H, NC, num_sub, key_tile)
+    part_dk = torch.empty((*part_shape, common["BK"]), dtype=torch.float32, device=device)
+    part_dv = torch.empty((*part_shape, common["BV"]), dtype=torch.float32, device=device)
+    _sparse_attn_bwd_dkv_kernel[(NC * num_sub, H)](
+        q_THK, k_THK, v_THV, do_THV, lse_TH, delta, part_dk, part_dv,
         bits, layout.seq_end,
-        slot_first, slot_len, pair_start, pair_end, pair_query,
-        T, bits.shape[2], num_slots, num_sub, scale * LOG2E, scale,
-        BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=block_size > 1, **common, **config.launch_dkv,
+        slots.first, slots.length, chunks.chunk_slot, chunks.chunk_pair, chunks.chunk_num, pair_query,
+        T, bits.shape[2], NC, num_sub, scale * LOG2E, scale,
+        BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=True, **common, **config.launch_dkv,
+    )  # fmt: skip
+    _block_dkv_reduce_kernel[(slots.num_slots * num_sub, H)](
+        part_dk, part_dv, dk, dv, slots.first, slots.length, chunks.chunk_offsets,
+        slots.num_slots, NC, num_sub, scale,
+        H=H, H_IDX=H_idx, K=K, V=V, BK=common["BK"], BV=common["BV"], BKT=key_tile, **config.launch_dkv,
     )  # fmt: skip
     return dq, dk, dv

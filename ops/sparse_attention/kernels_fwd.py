@@ -11,8 +11,8 @@ are skipped. Writes o [NT, HQ, V] and the log2-domain log-sum-exp lse [NT, HQ] f
 (0 for a query without any key, whose output is 0).
 
 Triton 3.4-3.7.0 on Hopper miscompiles tl.trans of a tl.dot result that feeds another tl.dot (fla-org/
-flash-linear-attention#640): no kernel here or in kernels_bwd.py calls tl.trans; transposed operands are loaded
-transposed from memory.
+flash-linear-attention#640): no kernel here or in kernels_bwd.py transposes a product; the backward transposes only
+loaded tiles (k, q, do), so that each is read once.
 """
 
 from __future__ import annotations
@@ -33,13 +33,22 @@ GPU_TOKEN_TILE = 64
 # Block level: a 64-token block is one tile; larger blocks loop.
 GPU_BLOCK_KEY_TILE = 64
 GPU_NUM_WARPS_FWD = 4
+# The loop bodies have no branch, so Triton pipelines them. H200, issue 6's shapes (2026-11-29): forward 2 stages
+# 2.14 / 2.68 ms (block / token) against 2.17 / 3.02 at 3 stages and 2.84 / 4.57 at 8 warps; dq ran at 3 stages.
 GPU_NUM_STAGES_FWD = 2
+GPU_NUM_STAGES_DQ = 3
 # Backward key-major kernel: 64 keys x 64 (query, head) rows per step.
 GPU_DKV_KEY_TILE = 64
 GPU_DKV_ROWS = 64
-GPU_NUM_WARPS_DKV = 4
-# The interpreter: 16-wide tiles make the small test shapes take the multi-tile paths.
+# [64, 128] fp32 dk and dv accumulators plus k and v tiles: at 4 warps they spill (ptxas, sm_90a); 8 fit.
+GPU_NUM_WARPS_DKV = 8
+# Block level: a dk/dv program takes at most this many (query, block) pairs (256 steps of 4 queries); the early
+# blocks, picked by up to 3x the average number of queries, are split over several programs and summed in order.
+GPU_DKV_CHUNK_PAIRS = 1024
+# The interpreter: 16-wide tiles make the small test shapes take the multi-tile paths, and 5-pair chunks split the
+# pair lists of the test shapes' blocks unevenly.
 INTERPRETER_TILE = MIN_DOT_SIZE
+INTERPRETER_DKV_CHUNK_PAIRS = 5
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,9 @@ class AttentionConfig:
     block_key_tile: int
     dkv_key_tile: int
     dkv_rows: int
+    dkv_chunk_pairs: int
     launch: dict
+    launch_dq: dict
     launch_dkv: dict
 
 
@@ -56,14 +67,16 @@ def pick_config(x: torch.Tensor, block_size: int) -> AttentionConfig:
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         tile = INTERPRETER_TILE
-        return AttentionConfig(tile, tile, tile, tile, {}, {})
+        return AttentionConfig(tile, tile, tile, tile, INTERPRETER_DKV_CHUNK_PAIRS, {}, {}, {})
     key_tile = max(MIN_DOT_SIZE, min(GPU_BLOCK_KEY_TILE, triton.next_power_of_2(block_size)))
     return AttentionConfig(
         GPU_TOKEN_TILE,
         key_tile,
         GPU_DKV_KEY_TILE if block_size == 1 else key_tile,
         GPU_DKV_ROWS,
+        GPU_DKV_CHUNK_PAIRS,
         dict(num_warps=GPU_NUM_WARPS_FWD, num_stages=GPU_NUM_STAGES_FWD),
+        dict(num_warps=GPU_NUM_WARPS_FWD, num_stages=GPU_NUM_STAGES_DQ),
         dict(num_warps=GPU_NUM_WARPS_DKV, num_stages=1),
     )
 
@@ -113,23 +126,23 @@ def _sparse_attn_fwd_kernel(
             slots = step * BS + tl.arange(0, BS)
             pos = tl.load(idx_row + slots, mask=slots < S, other=-1)
             is_key = pos >= 0
-        # Unused slots (-1 padding of early queries) cost one load, not two products.
-        if tl.max(is_key.to(tl.int32), axis=0) > 0:
-            pos64 = tl.where(is_key, pos, 0).to(tl.int64)
-            k_t = tl.load(
-                k_ptr + (pos64[None, :] * H + h) * K + dk[:, None], mask=is_key[None, :] & (dk[:, None] < K), other=0.0
-            )
-            s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-            s = tl.where(is_key[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            v_tile = tl.load(
-                v_ptr + (pos64[:, None] * H + h) * V + dv[None, :], mask=is_key[:, None] & (dv[None, :] < V), other=0.0
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
-            m = m_new
+        # No branch around the products: a tile of unused slots (-1 padding of early queries) loads nothing and
+        # adds exp2(-inf) = 0, and a loop body without branches lets Triton pipeline the next tile's loads.
+        pos64 = tl.where(is_key, pos, 0).to(tl.int64)
+        k_t = tl.load(
+            k_ptr + (pos64[None, :] * H + h) * K + dk[:, None], mask=is_key[None, :] & (dk[:, None] < K), other=0.0
+        )
+        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        s = tl.where(is_key[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v_tile = tl.load(
+            v_ptr + (pos64[:, None] * H + h) * V + dv[None, :], mask=is_key[:, None] & (dv[None, :] < V), other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
+        m = m_new
     has_key = l > 0
     o = acc / tl.where(has_key, l, 1.0)[:, None]
     tl.store(

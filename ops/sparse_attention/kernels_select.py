@@ -18,10 +18,12 @@ Top-k indexer (`topk_indexer_fwd`): a persistent kernel; each program takes grou
 group it streams candidate key tiles (k_idx rows, or the mean-pooled keys of complete blocks), scores them for all
 BQ x HI (query, head) rows with one tl.dot, applies the activation and the per-head weights, sums over heads, and
 writes the group's [BQ, M] scores, as int32 keys that order as the floats do, to its own scratch rows: [programs,
-BQ, T] int32 reused group after group, never a [T, T] matrix. Then an exact radix select on those keys (8 passes of
-4 bits, each a 16-bin histogram over the scratch rows) finds each query's k-th largest score and how many of the
-scores equal to it to keep, and a last pass emits the kept candidates in index order with a prefix sum. Ties therefore go to the lower
-index, -0.0 equals +0.0, and the output is ascending and -1 padded, exactly as reference.select_top.
+BQ, T] int32 reused group after group, never a [T, T] matrix (queries with at most k candidates keep them all and are
+not scored). Then, one query at a time, an exact radix select on those keys: 8-bit digits from the top, each pass a
+256-bin tl.histogram of the digits of the keys sharing the prefix found so far, in chunks of the row; it stops once
+the k-th key's bin holds only kept keys (usually after 2 or 3 of the 4 passes). A last pass emits the kept candidates
+in index order with a prefix sum, keys equal to the k-th ranked by index. Ties therefore go to the lower index, -0.0
+equals +0.0, and the output is ascending and -1 padded, exactly as reference.select_top.
 """
 
 from __future__ import annotations
@@ -39,26 +41,29 @@ MIN_DOT_SIZE = 16
 CANONICAL_BLOCK_SLOTS = 64
 # Bits per word of the selection bitmap (int32 words, atomic OR).
 BITS_PER_WORD = 32
-# Radix select: 4-bit digits, 8 passes over a 32-bit key; a 16-bin histogram is 16 reductions of a register tile.
-RADIX_BITS = 4
+# Radix select: 8-bit digits, at most 4 passes over a 32-bit key, usually 2 or 3 (a pass stops the select once the
+# k-th key's prefix bin holds only kept keys); a 256-bin tl.histogram is 8 warp ballots per 32 keys.
+RADIX_BITS = 8
 RADIX_BINS = 1 << RADIX_BITS
 # Kernels read module globals only when they are constexpr.
 _RADIX_BITS = tl.constexpr(RADIX_BITS)
 _RADIX_BINS = tl.constexpr(RADIX_BINS)
-# GPU indexer: about 128 (query, head) rows per tl.dot (2 queries of 64 heads: the q tile stays in registers) ...
-GPU_INDEXER_ROWS = 128
+# GPU indexer: about 256 (query, head) rows per tl.dot (4 queries of 64 heads), so each key tile read from L2 serves
+# 4 queries: 13.7 ms against 15.6 ms at 128 rows (H200, T16384, HI64 DI128, top 2048; identical index sets) ...
+GPU_INDEXER_ROWS = 256
 # ... against 64 candidate keys per step.
 GPU_INDEXER_KEY_TILE = 64
-# The selection passes read [BQ, 512 / BQ] keys per step: the [BQ, 512 / BQ, 16] histogram one-hot is 32 registers
-# per thread at 8 warps.
-GPU_SELECT_TILE_ELEMENTS = 512
-# Two resident programs per SM: the scratch rows of all of them (2 x 132 x BQ x T floats) stay in the 60 MB L2.
+# The selection reads one query's keys 4096 at a time (16 per thread at 8 warps): 4 steps per pass at T = 16384.
+GPU_SELECT_CHUNK = 4096
+# Two resident programs per SM: the scratch rows of all of them (2 x 132 x BQ x T int32) stay in the 60 MB L2.
 GPU_INDEXER_PROGRAMS_PER_SM = 2
 GPU_NUM_WARPS_INDEXER = 8
+# Pipelining the key tiles of the scoring loop hides their L2 latency behind the previous tile's product.
+GPU_NUM_STAGES_INDEXER = 2
 # The interpreter runs programs one after another: a few are enough, and small tiles make the tests take every loop.
 INTERPRETER_INDEXER_PROGRAMS = 3
 INTERPRETER_KEY_TILE = MIN_DOT_SIZE
-INTERPRETER_SELECT_TILE = MIN_DOT_SIZE
+INTERPRETER_SELECT_CHUNK = MIN_DOT_SIZE
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -222,12 +227,13 @@ def _topk_indexer_kernel(
     DIP: tl.constexpr,
     BQ: tl.constexpr,
     BM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
     IS_BLOCK: tl.constexpr,
     IS_RELU: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Persistent: groups of BQ queries; scores into this program's scratch rows, radix select, ascending emit.
+    """Persistent: groups of BQ queries; scores into this program's scratch rows, then per query a radix select of
+    8-bit digits and an ascending emit.
 
     Query t's candidates are key table rows first[t] .. first[t] + count[t] - 1 (k_idx rows, or block keys). It keeps
     the select_k best (topk, or topk - 1 in block mode) and then, in block mode, the block id tail[t] unless it is -1:
@@ -241,7 +247,7 @@ def _topk_indexer_kernel(
     dims = tl.arange(0, DIP)
     queries = tl.arange(0, BQ)
     bins = tl.arange(0, _RADIX_BINS)
-    cols = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, CHUNK)
     for group in range(pid, num_groups, tl.num_programs(0)):
         t_rows = group * BQ + row_query
         is_row = (t_rows < NT) & (row_head < HI)
@@ -253,10 +259,10 @@ def _topk_indexer_kernel(
         is_query = t_q < NT
         first = tl.load(first_ptr + t_q, mask=is_query, other=0)
         count = tl.load(count_ptr + t_q, mask=is_query, other=0)
-        has_candidates = is_query & (count > 0)
-        lo = tl.min(tl.where(has_candidates, first, 2147483647), axis=0)
-        hi = tl.max(tl.where(has_candidates, first + count, 0), axis=0)
-
+        # Queries that keep all their candidates need no score.
+        needs_select = is_query & (count > select_k)
+        lo = tl.min(tl.where(needs_select, first, 2147483647), axis=0)
+        hi = tl.max(tl.where(needs_select, first + count, 0), axis=0)
         for p0 in range(lo, hi, BM):
             keys = p0 + tl.arange(0, BM)
             k_t = tl.load(
@@ -269,69 +275,87 @@ def _topk_indexer_kernel(
                 logits = tl.maximum(logits, 0.0)
             weighted = tl.reshape(logits * w[:, None], [BQ, HIP, BM])
             scores = tl.sum(weighted, axis=1)
-            # int32 keys that order as the fp32 scores do (-0.0 made +0.0): flip the magnitude bits of negatives.
+            # int32 keys whose signed order is the fp32 scores' (-0.0 made +0.0): flip the magnitude bits of negatives.
             bits = scores.to(tl.int32, bitcast=True)
             bits = tl.where(bits == -2147483648, 0, bits)
             order_key = tl.where(bits >= 0, bits, bits ^ 2147483647)
             m = keys[None, :] - first[:, None]
-            is_candidate = is_query[:, None] & (m >= 0) & (m < count[:, None])
+            is_candidate = needs_select[:, None] & (m >= 0) & (m < count[:, None])
             tl.store(scratch + queries[:, None] * max_candidates + m, order_key, mask=is_candidate)
         # The scores written by every thread must be visible to every thread before they are read back.
         tl.debug_barrier()
 
-        num_kept = tl.minimum(count, select_k)
-        needs_select = num_kept < count
-        threshold = tl.zeros([BQ], dtype=tl.int64)
-        num_left = num_kept.to(tl.int64)
-        max_count = tl.max(tl.where(needs_select, count, 0), axis=0)
-        if max_count > 0:
-            for radix_pass in tl.static_range(32 // _RADIX_BITS):
-                shift = 32 - _RADIX_BITS * (radix_pass + 1)
-                hist = tl.zeros([BQ, _RADIX_BINS], dtype=tl.int64)
-                for m0 in range(0, max_count, BLOCK_M):
-                    m = m0 + cols
-                    is_in = needs_select[:, None] & (m[None, :] < count[:, None])
-                    stored = tl.load(scratch + queries[:, None] * max_candidates + m[None, :], mask=is_in, other=0)
-                    key = stored.to(tl.int64) + 2147483648
-                    is_match = is_in & ((key >> (shift + _RADIX_BITS)) == threshold[:, None])
-                    digit = (key >> shift) & (_RADIX_BINS - 1)
-                    is_bin = is_match[:, :, None] & (digit[:, :, None] == bins[None, None, :])
-                    hist += tl.sum(is_bin.to(tl.int64), axis=1)
-                # above[q, d]: candidates of query q matching the prefix whose digit is larger than d.
-                above = tl.sum(tl.where(bins[None, None, :] > bins[None, :, None], hist[:, None, :], 0), axis=2)
-                is_chosen = (above < num_left[:, None]) & (above + hist >= num_left[:, None])
-                num_left -= tl.sum(tl.where(is_chosen, above, 0), axis=1)
-                threshold = threshold * _RADIX_BINS + tl.sum(tl.where(is_chosen, bins[None, :], 0), axis=1)
+        for qi in range(BQ):
+            t = group * BQ + qi
+            if t < NT:
+                first_t = tl.load(first_ptr + t)
+                count_t = tl.load(count_ptr + t)
+                row = scratch + qi * max_candidates
+                out_row = out_ptr + t.to(tl.int64) * topk
+                if IS_BLOCK:
+                    base = 0
+                else:
+                    base = first_t - (t // T) * T
+                num_kept = tl.minimum(count_t, select_k)
+                takes_all = count_t <= select_k
+                # Radix select on the signed keys, 8 bits a pass from the top: prefix is the k-th largest key
+                # shifted right by `shift`; num_left how many keys of that prefix are kept (the lower-indexed ones).
+                prefix = tl.zeros([], dtype=tl.int32)
+                shift = tl.zeros([], dtype=tl.int32)
+                num_left = num_kept
+                is_resolved = takes_all | (num_kept == 0)
+                for radix_pass in tl.static_range(32 // _RADIX_BITS):
+                    if not is_resolved:
+                        digit_shift = 32 - _RADIX_BITS * (radix_pass + 1)
+                        hist = tl.zeros([_RADIX_BINS], dtype=tl.int32)
+                        for m0 in range(0, count_t, CHUNK):
+                            m = m0 + cols
+                            is_match = m < count_t
+                            key = tl.load(row + m, mask=is_match, other=0)
+                            if radix_pass > 0:
+                                is_match = is_match & ((key >> (digit_shift + _RADIX_BITS)) == prefix)
+                            digit = (key >> digit_shift) & (_RADIX_BINS - 1)
+                            if radix_pass == 0:
+                                # The top digit holds the sign: flipping its top bit orders the digits as the keys.
+                                digit = digit ^ (_RADIX_BINS // 2)
+                            hist += tl.histogram(digit, _RADIX_BINS, mask=is_match)
+                        # above[d]: keys of the prefix whose digit is larger than d.
+                        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)
+                        is_chosen = (above < num_left) & (above + hist >= num_left)
+                        chosen = tl.sum(tl.where(is_chosen, bins, 0), axis=0)
+                        num_in_bin = tl.sum(tl.where(is_chosen, hist, 0), axis=0)
+                        num_left -= tl.sum(tl.where(is_chosen, above, 0), axis=0)
+                        if radix_pass == 0:
+                            prefix = chosen - _RADIX_BINS // 2
+                        else:
+                            prefix = prefix * _RADIX_BINS + chosen
+                        shift = tl.zeros([], dtype=tl.int32) + digit_shift
+                        # Every key of the chosen prefix is kept: the lower digits need not be looked at.
+                        is_resolved = num_in_bin == num_left
 
-        num_out = tl.zeros([BQ], dtype=tl.int32)
-        num_equal_seen = tl.zeros([BQ], dtype=tl.int64)
-        row_base = (t_q // T) * T
-        max_all = tl.max(tl.where(is_query, count, 0), axis=0)
-        for m0 in range(0, max_all, BLOCK_M):
-            m = m0 + cols
-            is_in = is_query[:, None] & (m[None, :] < count[:, None])
-            stored = tl.load(scratch + queries[:, None] * max_candidates + m[None, :], mask=is_in, other=0)
-            key = stored.to(tl.int64) + 2147483648
-            is_equal = is_in & needs_select[:, None] & (key == threshold[:, None])
-            equal_rank = num_equal_seen[:, None] + tl.cumsum(is_equal.to(tl.int64), axis=1) - 1
-            is_better = (key > threshold[:, None]) | (is_equal & (equal_rank < num_left[:, None]))
-            is_taken = is_in & (num_kept[:, None] > 0) & (~needs_select[:, None] | is_better)
-            pos = num_out[:, None] + tl.cumsum(is_taken.to(tl.int32), axis=1) - 1
-            if IS_BLOCK:
-                chosen = m[None, :] + 0 * first[:, None]
-            else:
-                chosen = first[:, None] + m[None, :] - row_base[:, None]
-            tl.store(out_ptr + t_q[:, None].to(tl.int64) * topk + pos, chosen.to(tl.int32), mask=is_taken)
-            num_out += tl.sum(is_taken.to(tl.int32), axis=1)
-            num_equal_seen += tl.sum(is_equal.to(tl.int64), axis=1)
-        if IS_BLOCK:
-            tail = tl.load(tail_ptr + t_q, mask=is_query, other=-1)
-            tl.store(out_ptr + t_q.to(tl.int64) * topk + num_out, tail, mask=is_query & (tail >= 0))
-            num_out += (tail >= 0).to(tl.int32)
-        for f0 in range(0, topk, BLOCK_M):
-            f = f0 + cols
-            is_pad = is_query[:, None] & (f[None, :] >= num_out[:, None]) & (f[None, :] < topk)
-            tl.store(out_ptr + t_q[:, None].to(tl.int64) * topk + f[None, :], -1, mask=is_pad)
+                num_out = 0
+                num_equal_seen = 0
+                for m0 in range(0, count_t, CHUNK):
+                    m = m0 + cols
+                    is_in = m < count_t
+                    key = tl.load(row + m, mask=is_in & ~takes_all, other=0)
+                    top = key >> shift
+                    is_equal = is_in & (top == prefix)
+                    equal_rank = num_equal_seen + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
+                    is_better = (top > prefix) | (is_equal & (equal_rank < num_left))
+                    is_taken = is_in & (num_kept > 0) & (takes_all | is_better)
+                    pos = num_out + tl.cumsum(is_taken.to(tl.int32), axis=0) - 1
+                    tl.store(out_row + pos, base + m, mask=is_taken)
+                    num_out += tl.sum(is_taken.to(tl.int32), axis=0)
+                    num_equal_seen += tl.sum(is_equal.to(tl.int32), axis=0)
+                if IS_BLOCK:
+                    tail = tl.load(tail_ptr + t)
+                    if tail >= 0:
+                        tl.store(out_row + num_out, tail)
+                        num_out += 1
+                for f0 in range(num_out - num_out % CHUNK, topk, CHUNK):
+                    f = f0 + cols
+                    tl.store(out_row + f, -1, mask=(f >= num_out) & (f < topk))
         # The next group overwrites the scratch rows this one has just read.
         tl.debug_barrier()
 
@@ -404,15 +428,15 @@ def topk_indexer_fwd(
         bq = max(1, GPU_INDEXER_ROWS // max(hip, 1))
         bq = max(bq, triton.cdiv(MIN_DOT_SIZE, hip))
         key_tile = GPU_INDEXER_KEY_TILE
-        select_tile = max(MIN_DOT_SIZE, GPU_SELECT_TILE_ELEMENTS // bq)
+        select_chunk = GPU_SELECT_CHUNK
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         max_programs = GPU_INDEXER_PROGRAMS_PER_SM * num_sms
-        launch = dict(num_warps=GPU_NUM_WARPS_INDEXER, num_stages=1)
+        launch = dict(num_warps=GPU_NUM_WARPS_INDEXER, num_stages=GPU_NUM_STAGES_INDEXER)
     else:
         hip = triton.next_power_of_2(HI)
         bq = triton.next_power_of_2(max(1, triton.cdiv(MIN_DOT_SIZE, hip)))
         key_tile = INTERPRETER_KEY_TILE
-        select_tile = INTERPRETER_SELECT_TILE
+        select_chunk = INTERPRETER_SELECT_CHUNK
         max_programs = INTERPRETER_INDEXER_PROGRAMS
         launch = {}
     num_groups = triton.cdiv(NT, bq)
@@ -423,7 +447,7 @@ def topk_indexer_fwd(
         q_THD, keys, w_TH, first, count, tail.to(torch.int32).contiguous(), out, scratch,
         NT, T, num_groups, max_candidates, topk, select_k, scale,
         HI=HI, DI=DI, HIP=hip, DIP=max(MIN_DOT_SIZE, triton.next_power_of_2(DI)), BQ=bq, BM=key_tile,
-        BLOCK_M=select_tile, IS_BLOCK=block_size > 1, IS_RELU=activation == "relu", PRECISION=precision,
+        CHUNK=select_chunk, IS_BLOCK=block_size > 1, IS_RELU=activation == "relu", PRECISION=precision,
         **launch,
     )  # fmt: skip
     return out.view(B, T, topk)

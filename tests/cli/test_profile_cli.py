@@ -8,7 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from moe_tune.cli.profile import app
-from moe_tune.engine.bench import ROW_KEYS
+from moe_tune.engine.bench import OPS, ROW_KEYS
 
 runner = CliRunner()
 
@@ -28,20 +28,19 @@ def moe_rows(tmp_path):
     return json.loads(out.read_text())
 
 
-def test_without_kernels_says_end_to_end_is_not_built():
-    result = runner.invoke(app, [])
+@pytest.mark.parametrize("args", [[], ["tiny", "--kernels"]], ids=["neither", "both"])
+def test_profile_or_kernels_but_not_both_is_one_line_exit_2(args):
+    result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: end-to-end profiling of a PROFILE is not built yet: pass --kernels to time the fused ops"
+        "error: pass a PROFILE (time its training steps) or --kernels (time the fused ops), not both or neither"
     ]
 
 
 def test_unknown_ops_are_one_line_exit_2():
     result = runner.invoke(app, ["--kernels", "--ops", "foo"])
     assert result.exit_code == 2
-    assert result.output.strip() == (
-        "error: --ops ('foo') must name registered ops: moe, gated_delta_rule, kda, sparse_attention"
-    )
+    assert result.output.strip() == f"error: --ops ('foo') must name registered ops: {', '.join(OPS)}"
 
 
 def test_cpu_moe_run_writes_rows_with_positive_medians(moe_rows):
@@ -82,3 +81,29 @@ def test_plot_without_matplotlib_is_one_line_exit_2(monkeypatch, tmp_path):
     assert result.output.strip().splitlines() == [
         f"error: --plot ('{tmp_path / 'p.png'}') needs matplotlib, which is not installed"
     ]
+
+
+def test_bad_shape_spec_is_one_line_exit_2():
+    result = runner.invoke(app, ["--kernels", "--ops", "gated_delta_rule", "--shapes", "B4,T8192,H16,K128"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --shapes ('B4,T8192,H16,K128'): gated_delta_rule takes exactly B,T,H,K,V (missing V)"
+    ]
+
+
+def test_shape_spec_runs_each_op_at_that_shape(tmp_path):
+    out = tmp_path / "spec.json"
+    args = ["--kernels", "--ops", "gated_delta_rule", "--shapes", "B1,T40,H1,K16,V8", "--json", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(out.read_text())
+    assert (row["op"], row["shape"], row["device"]) == ("gated_delta_rule", "B1 T40 H1 K16 V8", "cpu")
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "p.png"
+    result = runner.invoke(app, ["--kernels", "--ops", "moe", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    assert plot.read_bytes().startswith(b"\x89PNG")

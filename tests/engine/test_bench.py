@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_tune.engine.bench import OPS, ROW_KEYS, find_regressions, run_kernels
+from moe_tune.engine.bench import OPS, ROW_KEYS, SHAPE_DIMS, find_regressions, parse_shapes, run_kernels
 
 
 @pytest.fixture
@@ -13,7 +13,7 @@ def no_cuda(monkeypatch):
 
 
 def test_registry_names_every_op():
-    assert list(OPS) == ["moe", "gated_delta_rule", "kda", "sparse_attention"]
+    assert list(OPS) == ["moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer"]
 
 
 def test_unknown_op_is_refused_with_the_registered_names():
@@ -22,8 +22,45 @@ def test_unknown_op_is_refused_with_the_registered_names():
 
 
 def test_unknown_preset_is_refused():
-    with pytest.raises(ValueError, match=r"shapes \('huge'\) must be one of small, anchor"):
+    with pytest.raises(ValueError, match=r"shapes \('huge'\) must be a preset \(small, anchor\) or a SPEC .*'huge'"):
         run_kernels(["moe"], "huge")
+
+
+@pytest.mark.parametrize(
+    "spec, ops, message",
+    [
+        pytest.param("B4,T8k", ["kda"], r"'T8k' is not a dimension name followed by a positive integer", id="syntax"),
+        pytest.param("B0,T8", ["kda"], r"'B0' is not a dimension name followed by a positive integer", id="zero"),
+        pytest.param("B4,T8,B2", ["kda"], r"dimension B is given twice", id="twice"),
+        pytest.param("B4,T8,H2,K16", ["kda"], r"kda takes exactly B,T,H,K,V \(missing V\)", id="missing"),
+        # Names are case-sensitive: k is MoE's experts per token, K the key dim.
+        pytest.param("B4,T8,H2,k16,V16", ["gated_delta_rule"], r"B,T,H,K,V \(it has no k; missing K\)", id="case"),
+        pytest.param("B1,T8,H2,K16,V16", ["moe"], r"moe takes exactly N,D,F,E,k \(it has no B, T, H, K, V;", id="moe"),
+        pytest.param("B1,T8", ["sparse_attention"], r"sparse_attention takes presets only", id="no_spec"),
+    ],
+)
+def test_bad_shape_spec_names_the_value_and_the_rule(spec, ops, message):
+    with pytest.raises(ValueError, match=rf"shapes \('{spec}'\).*{message}"):
+        parse_shapes(spec, ops)
+
+
+def test_shape_spec_gives_each_op_its_dimensions():
+    assert parse_shapes("anchor", ["moe"]) == "anchor"
+    assert parse_shapes(" V8, K16,H2,T64,B1", ["gated_delta_rule", "kda"]) == {
+        op: dict(B=1, T=64, H=2, K=16, V=8) for op in ("gated_delta_rule", "kda")
+    }
+    assert set(SHAPE_DIMS) <= set(OPS)
+
+
+def test_cpu_run_of_a_spec_times_the_reference_at_that_shape(no_cuda):
+    said = []
+    rows, _, _ = run_kernels(["kda"], "B1,T40,H1,K16,V8", on_start=said.append)
+    assert said == [
+        "no CUDA device: timing the pure-PyTorch references on the given shapes (time.perf_counter medians)"
+    ]
+    (row,) = rows
+    assert (row["op"], row["shape"], row["dtype"]) == ("kda", "B1 T40 H1 K16 V8", "float32")
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
 
 
 def test_cpu_run_says_so_and_times_the_sparse_reference(no_cuda):
@@ -33,7 +70,7 @@ def test_cpu_run_says_so_and_times_the_sparse_reference(no_cuda):
     assert peaks.tflops is None and machine["device"] == "cpu"
     (row,) = rows
     assert tuple(row) == ROW_KEYS
-    assert row["op"] == "sparse_attention" and "no sparse attention kernel exists yet" in row["note"]
+    assert row["op"] == "sparse_attention" and "reference only on CPU" in row["note"]
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["fwd_tflops"] > 0
     assert row["fwd_peak_fraction"] is None and row["peak_memory_bytes"] is None
     assert row["commit"] and row["date"] and row["torch"] == torch.__version__

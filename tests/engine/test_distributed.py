@@ -111,6 +111,46 @@ def test_checkpoint_model_under_expert_parallel_equals_one_process(tmp_path, chi
 
 
 @pytest.mark.dist
+def test_images_on_one_rank_only(tmp_path, child_env):
+    """tiny-vl on 2 ranks (ZeRO-3, expert parallel 2) where a step gives one rank an image row and the other a
+    text row: nothing hangs (the tower runs on every rank) and the losses equal one process on the same rows."""
+    import numpy as np
+    from PIL import Image
+
+    from moe_tune.engine.data.dataset import PackedDataset, load_documents, vision_input
+    from moe_tune.engine.data.tokenizer import ByteTokenizer
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(tmp_path / f"{i}.png")
+        records.append({"messages": [{"role": "user", "content": "<image>name it"},
+                                     {"role": "assistant", "content": f"thing {i}"}], "images": [f"{i}.png"]})
+    records += [{"text": f"plain text number {i} here"} for i in range(14)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    overrides = ["train.steps=3", f"data.path={data}", "data.seq_len=96", "data.image_min_pixels=256",
+                 "data.image_max_pixels=256", "train.warmup_steps=1", "train.grad_clip=0.5", "train.lr=0.002",
+                 "model.moe.aux_loss_coef=0", "output.save_every=1000"]
+    from moe_tune.profiles import load_profile
+
+    job = load_profile("tiny-vl", overrides + ["output.dir=unused"])
+    vision = vision_input(job.model, job.data)
+    dataset = PackedDataset(load_documents(job.data, ByteTokenizer(), vision), 96, 258, job.data.seed, vision.settings)
+    has_image = [[bool(dataset.row(2 * step + r).images) for r in range(2)] for step in range(3)]
+    assert [True, False] in has_image or [False, True] in has_image, has_image
+    extra = ["--profile", "tiny-vl"]
+    codes, logs, single = run_ranks(1, tmp_path / "single", overrides + ["train.micro_batch_size=2"], child_env,
+                                    extra, base=[])
+    assert codes == [0], logs[0][-3000:]
+    codes, logs, multi = run_ranks(2, tmp_path / "ep2", overrides + ["train.micro_batch_size=1",
+                                                                     "parallel.expert_parallel=2"], child_env,
+                                   extra, base=[])
+    assert codes == [0, 0], logs[0][-3000:]
+    assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.dist
 def test_cli_nproc_launches_ranks(tmp_path, child_env):
     out = tmp_path / "cli"
     proc = subprocess.run(

@@ -25,11 +25,23 @@ LAYER_SETS = {
     "sparse-block": [{"attention": "sparse", "mlp": "moe"}],
     "full": [{"attention": "full", "mlp": "dense"}],
     "hybrid": [{"attention": "linear"}, {"attention": "sparse"}, {"attention": "full"}],
+    # qwen4_exp's blocks: residual streams, n-gram injection (contexts and the dilated conv restart per document),
+    # QSA's block choice.
+    "hyper-ngram-qsa": [{"attention": "linear", "has_ngram_embedding": True}, {"attention": "qsa"}],
 }
 EXTRA = {
     "linear-kda": {"intermediate_size": 48, "linear_attention": {**load_profile("tiny").model.linear_attention.model_dump(), "decay": "per_channel"}},
     "sparse-block": {"sparse_attention": {"index_heads": 2, "index_head_dim": 8, "topk": 8, "block_size": 4}},
     "full": {"intermediate_size": 48},
+    "hyper-ngram-qsa": {
+        "norm_one_plus": True,
+        "hyper_connections": {"num_streams": 3, "mix_rank": 8},
+        "ngram_embedding": {
+            "embed_dim": 16, "ngram_size": 3, "heads_per_ngram": 2, "vocab_size_base": 50, "vocab_size_multiple": 8,
+            "hash_seed": 7, "conv_kernel_size": 3, "boundary_token_id": 258,
+        },
+        "sparse_attention": {"index_heads": 2, "index_head_dim": 8, "topk": 8, "block_size": 4},
+    },
 }
 
 

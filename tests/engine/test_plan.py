@@ -29,6 +29,15 @@ VARIANTS = {
     "block-sparse": ["model.sparse_attention.block_size=8", "model.sparse_attention.topk=32"],
     # No shared expert gate: the shared expert's SwiGLU alone.
     "ungated-shared-expert": ["model.moe.shared_expert_gate=false"],
+    # DeepSeek's MLA: a query latent and the DSA indexer, then a plain q_proj.
+    "mla": [
+        "model.mla={q_lora_rank: 24, kv_lora_rank: 16, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10}",
+        "model.layers=[{attention: mla_sparse, mlp: moe}, {attention: mla, mlp: moe}]",
+    ],
+    "mla-q-proj": [
+        "model.mla={kv_lora_rank: 16, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10, rope: none}",
+        "model.layers=[{attention: mla, mlp: moe}, {attention: linear, mlp: moe}]",
+    ],
 }
 # LoRA settings, each changing what PEFT adds.
 LORA_VARIANTS = {

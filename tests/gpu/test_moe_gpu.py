@@ -166,6 +166,43 @@ def test_moe_mlp_kernel_frozen_base_weights(guarded, dtype):
     guarded.check()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_mlp_kernel_frozen_experts_without_lora(guarded, dtype):
+    # The baseline of the LoRA overhead target: experts frozen, no adapters; dx and d topk_weights only.
+    case = _make_case(2048, 512, 256, 16, 4, dtype)
+    for name in ("w_gate_up", "w_down"):
+        case[name] = case[name].detach()
+    _assert_matches_reference(case, dtype)
+    guarded.check()
+
+
+def _sweep_params() -> list:
+    from moe_tune.ops.moe.bench import sweep_candidates
+
+    return [
+        pytest.param(kernel, index, id=f"{kernel}-{index}")
+        for kernel, configs in sweep_candidates().items()
+        for index in range(len(configs))
+    ]
+
+
+@pytest.mark.parametrize("kernel, index", _sweep_params())
+def test_moe_mlp_kernel_sweep_candidates(guarded, kernel, index):
+    # Every launch config the bench sweep may pick, on the 128-row tile shape: outputs and all gradients.
+    import dataclasses
+
+    from moe_tune.ops.moe import kernels
+    from moe_tune.ops.moe.bench import sweep_candidates
+
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["E64_top8"]
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern)
+    default = kernels.pick_config(case["x"], num_tokens * top_k, num_experts)
+    config = dataclasses.replace(default, **{kernel: sweep_candidates()[kernel][index]})
+    with kernels.forced_config(config):
+        _assert_matches_reference(case, torch.bfloat16)
+    guarded.check()
+
+
 def test_moe_mlp_kernel_has_no_host_sync(kernel_path):
     case = _make_case(2048, 512, 256, 16, 4, torch.bfloat16, lora_on="both")
     grad_y = torch.randn(2048, 512, device=DEVICE, dtype=torch.bfloat16)

@@ -5,6 +5,7 @@ Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per tok
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -255,6 +256,73 @@ def test_topk_route_weights_gradient():
     torch.testing.assert_close(grad_logits, grad_logits_ref)
 
 
+def _brute_force_group_limited(choice_E: torch.Tensor, top_k: int, n_group: int, topk_group: int) -> set[int]:
+    """The top_k experts of one token by enumeration: the topk_group groups whose two best scores sum highest,
+    then the best top_k experts inside them."""
+    size = len(choice_E) // n_group
+    group_score = [sorted(choice_E[g * size : (g + 1) * size].tolist())[-2:] for g in range(n_group)]
+    best_groups = max(
+        itertools.combinations(range(n_group), topk_group), key=lambda gs: sum(sum(group_score[g]) for g in gs)
+    )
+    allowed = [e for g in best_groups for e in range(g * size, (g + 1) * size)]
+    best = max(itertools.combinations(allowed, top_k), key=lambda es: sum(choice_E[e].item() for e in es))
+    return set(best)
+
+
+@pytest.mark.parametrize(
+    "num_experts, top_k, n_group, topk_group",
+    [
+        (8, 2, 4, 2),
+        (21, 3, 7, 2),  # groups of 3, an odd group count
+        (12, 4, 3, 1),  # all k experts from one group
+        (6, 2, 6, 3),  # groups of one expert: the group score is that expert's score
+        (8, 3, 4, 4),  # every group kept: the plain top-k
+    ],
+    ids=["e8", "e21_odd_groups", "one_group_kept", "groups_of_one", "all_groups"],
+)
+def test_topk_route_group_limited_matches_brute_force(num_experts, top_k, n_group, topk_group):
+    gen = torch.Generator().manual_seed(num_experts * 7 + top_k)
+    logits = torch.randn(40, num_experts, generator=gen, dtype=torch.float64) * 3
+    bias = torch.randn(num_experts, generator=gen, dtype=torch.float64) * 0.5
+    ids, weights, scores = topk_route(
+        logits, top_k, "sigmoid", selection_bias=bias, routed_scaling=2.5, n_group=n_group, topk_group=topk_group
+    )
+    choice = scores + bias
+    for t in range(logits.shape[0]):
+        assert set(ids[t].tolist()) == _brute_force_group_limited(choice[t], top_k, n_group, topk_group), f"token {t}"
+    expected = scores.gather(-1, ids)
+    torch.testing.assert_close(weights, 2.5 * expected / expected.sum(-1, keepdim=True))
+    if topk_group < n_group and num_experts > n_group:
+        # Guards the test: the group limit must change some token's choice (groups of one never do).
+        plain_ids, _, _ = topk_route(logits, top_k, score_func="sigmoid", selection_bias=bias)
+        assert (ids.sort(-1).values != plain_ids.sort(-1).values).any()
+
+
+def test_topk_route_group_limited_matches_transformers_router():
+    # DeepSeek-V3's router (sigmoid, correction bias, groups ranked by their two best scores, renormalised, scaled).
+    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        hidden_size=16, n_routed_experts=12, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    )
+    router = modeling.DeepseekV3TopkRouter(config)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(12, 16, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(12, generator=gen) * 0.5)
+    x = torch.randn(30, 16, generator=gen)
+    logits_hf, weights_hf, ids_hf = router(x)
+    ids, weights, _ = topk_route(
+        logits_hf, 3, score_func="sigmoid", selection_bias=router.e_score_correction_bias, routed_scaling=2.5,
+        n_group=4, topk_group=2,
+    )
+    # transformers picks unsorted; compare the sets with their weights.
+    order_hf, order = ids_hf.argsort(-1), ids.argsort(-1)
+    assert torch.equal(ids_hf.gather(-1, order_hf), ids.gather(-1, order))
+    torch.testing.assert_close(weights.gather(-1, order), weights_hf.gather(-1, order_hf))
+
+
 def test_switch_aux_loss_uniform_is_one():
     num_experts = 4
     scores = torch.full((8, num_experts), 1 / num_experts)
@@ -393,6 +461,13 @@ def test_moe_mlp_rejects_bad_inputs(inputs, message):
             dict(selection_bias=torch.zeros(5)), r"selection_bias: shape \(5,\) must be \[E\] = \[4\]", id="bias"
         ),
         pytest.param(dict(logits=torch.zeros(4)), r"logits: shape \(4,\) must be \[N, E\]", id="logits_rank"),
+        pytest.param(dict(n_group=3), r"n_group \(3\) must be >= 1 and divide E \(4\)", id="n_group"),
+        pytest.param(dict(n_group=2, topk_group=3), r"topk_group \(3\) must be in \[1, n_group\]", id="topk_group"),
+        pytest.param(
+            dict(top_k=3, n_group=4, topk_group=2),
+            r"top_k \(3\) must be <= topk_group \(2\) x experts per group \(1\)",
+            id="group_budget",
+        ),
     ],
 )
 def test_topk_route_rejects_bad_inputs(kwargs, message):

@@ -194,6 +194,46 @@ def test_moe_mlp_kernel_frozen_base_weights(kernel_path, guarded):
     guarded.check()
 
 
+def test_moe_mlp_kernel_frozen_experts_without_lora(kernel_path, guarded):
+    # The baseline of the LoRA overhead target: experts frozen, no adapters, so only dx and d topk_weights run (the
+    # down backward stores no h, no weight-gradient kernel launches).
+    case = _make_case(37, 24, 20, 7, 3, torch.float32)
+    for name in ("w_gate_up", "w_down"):
+        case[name] = case[name].detach()
+    _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+
+
+# Every kernel with its own tile: gate/up and down-backward columns, down-forward and dx columns, weight-gradient P
+# and Q sides all differ, so a launcher that sized its grid from one kernel's config and its blocks from another's
+# would leave columns unwritten (NaN-filled buffers) and fail the oracle.
+PER_KERNEL_CONFIG = kernels.MoEConfig(
+    block_m=16,
+    gate_up_fwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
+    down_fwd=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1),
+    down_bwd=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1),
+    gate_up_bwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
+    expert_grad=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1, block_p=32),
+)
+
+
+@pytest.mark.parametrize("lora_on", [pytest.param("none", id="no_lora"), pytest.param("both", id="lora_both")])
+def test_moe_mlp_kernel_per_kernel_config(kernel_path, guarded, lora_on):
+    # D = 40 and F = 36: partial column blocks under each of the tile widths above.
+    case = _make_case(29, 40, 36, 5, 2, torch.float32, lora_on=lora_on)
+    with kernels.forced_config(PER_KERNEL_CONFIG):
+        _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+
+
+def test_forced_config_is_restored():
+    x = torch.zeros(4, 16)
+    default = kernels.pick_config(x, 8, 4)
+    with kernels.forced_config(PER_KERNEL_CONFIG):
+        assert kernels.pick_config(x, 8, 4) is PER_KERNEL_CONFIG
+    assert kernels.pick_config(x, 8, 4) == default
+
+
 def test_moe_mlp_kernel_strided_inputs_and_expanded_grad(kernel_path, guarded):
     # x a column slice, w_down transposed in memory, topk ids int32, and y.sum() giving a stride-0 dy.
     case = _make_case(13, 24, 20, 7, 3, torch.float32, lora_on="both")

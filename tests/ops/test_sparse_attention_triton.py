@@ -182,6 +182,24 @@ def test_canonical_indices_drop_invalid_and_repeated_slots(guarded):
     guarded.check()
 
 
+def test_block_pair_chunks_cover_every_pair_once():
+    # Two index heads, 3 block slots with 0, 7 and 3 pairs at most 3 per chunk: 1 + 3 + 1 chunks per head, every
+    # pair in exactly one chunk and in order, an empty slot still owning one (empty) chunk; past the end, 0 pairs.
+    pair_start = torch.tensor([[0, 0, 7], [10, 12, 12]], dtype=torch.int32)
+    pair_end = torch.tensor([[0, 7, 10], [12, 12, 13]], dtype=torch.int32)
+    chunks = kernels_bwd.block_pair_chunks(pair_start, pair_end, max_pairs=13, chunk_pairs=3)
+    assert chunks.chunk_offsets.tolist() == [[0, 1, 4, 5], [0, 1, 2, 3]]
+    num_chunks = chunks.chunk_slot.shape[1]
+    assert num_chunks >= 5
+    assert chunks.chunk_slot[0, :5].tolist() == [0, 1, 1, 1, 2]
+    assert chunks.chunk_pair[0, :5].tolist() == [0, 0, 3, 6, 7]
+    assert chunks.chunk_num[0, :5].tolist() == [0, 3, 3, 1, 3]
+    assert chunks.chunk_slot[1, :3].tolist() == [0, 1, 2]
+    assert chunks.chunk_pair[1, :3].tolist() == [10, 12, 12]
+    assert chunks.chunk_num[1, :3].tolist() == [2, 0, 1]
+    assert chunks.chunk_num[0, 5:].eq(0).all() and chunks.chunk_num[1, 3:].eq(0).all()
+
+
 def make_indexer_inputs(B, T, HI, DI, dtype, block_size=1, is_integer=True, seed=0):
     """Integer-valued inputs make every score exact in both implementations, so selections (ties included) must be
     identical; k_idx is a multiple of block_size so that its block means are exact too."""

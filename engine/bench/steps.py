@@ -1,0 +1,272 @@
+"""The end-to-end profile behind `moe-tune profile PROFILE`: real training steps of a profile (the trainer's model,
+LoRA, DeepSpeed ZeRO and optimizer), timed one by one, with peak memory and the memory policy's metrics.
+
+`profile_steps` returns one result dict (RESULT_KEYS); `StepRunner` is the loop it drives, also used by
+`memory_sweep` to find the longest sequence each memory preset trains. Nothing is written to output.dir.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from moe_tune.profiles.schema import JobProfile
+
+# Steps run before the timed ones: Triton compiles, autotunes and the allocator warms up there.
+WARMUP_STEPS = 1
+# Pinned copy probe: large enough to reach the link's sustained rate, small enough to pin quickly.
+COPY_PROBE_BYTES = 512 * 2**20
+COPY_PROBE_REPEATS = 5
+RESULT_KEYS = (
+    "profile", "seq_len", "micro_batch_size", "precision", "memory_policy", "steps", "losses",
+    "tokens_per_s", "step_time_s", "peak_memory_bytes", "memory",
+    "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
+    "device", "machine", "torch", "triton", "commit", "date",
+)  # fmt: skip
+
+
+class StepRunner:
+    """One process's training set-up for a profile, stepped by hand: `step()` runs one optimizer step."""
+
+    def __init__(self, profile: JobProfile):
+        import deepspeed
+
+        from moe_tune.engine.data.dataset import PackedDataset, load_documents
+        from moe_tune.engine.data.tokenizer import load_tokenizer
+        from moe_tune.engine.memory import find_activation_memory
+        from moe_tune.engine.parallel.expert_parallel import create_expert_layout
+        from moe_tune.engine.train.distributed import init_distributed
+        from moe_tune.engine.train.ds_config import deepspeed_config
+        from moe_tune.engine.train.trainer import (
+            _quiet_third_party_noise,
+            build_trainable_model,
+            check_world,
+            lr_factor,
+        )
+
+        _quiet_third_party_noise()
+        self.profile = profile
+        train = profile.train
+        self.dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
+        torch.manual_seed(train.seed)
+        tokenizer = load_tokenizer(profile.tokenizer)
+        self._documents, self._pad_id = load_documents(profile.data, tokenizer), tokenizer.pad_id
+        self.dataset = PackedDataset(self._documents, profile.data.seq_len, self._pad_id, profile.data.seed)
+        check_world(profile, self.dist.world_size)
+        layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
+        ds_config = deepspeed_config(profile, self.dist.world_size)
+        model, trainable = build_trainable_model(profile, layout, ds_config)
+        self.activation_memory = find_activation_memory(model)
+        optimizer = torch.optim.AdamW(
+            trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+        )
+        self.is_cuda = self.dist.device.type == "cuda"
+        self.steps_done = 0
+
+    def step(self) -> dict[str, Any]:
+        """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
+        train, device = self.profile.train, self.dist.device
+        self.engine.train()
+        self._sync()
+        t0 = time.perf_counter()
+        tokens, losses = 0, []
+        for micro in range(train.gradient_accumulation_steps):
+            batch = self.dataset.micro_batch(
+                self.steps_done * train.gradient_accumulation_steps + micro,
+                train.micro_batch_size, self.dist.rank, self.dist.world_size,
+            )  # fmt: skip
+            out = self.engine(
+                input_ids=batch.input_ids.to(device),
+                cu_seqlens=batch.cu_seqlens.to(device),
+                labels=batch.labels.to(device),
+            )
+            self.engine.backward(out.loss)
+            self.engine.step()
+            losses.append(out.lm_loss.detach().float())
+            tokens += batch.num_label_tokens
+        loss = float(torch.stack(losses).mean())
+        self._sync()
+        step_time = time.perf_counter() - t0
+        self.steps_done += 1
+        record = {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time}
+        if self.activation_memory is not None:
+            record.update(self.activation_memory.step_metrics())
+        return record
+
+    def set_seq_len(self, seq_len: int) -> None:
+        """Pack the same documents into rows of `seq_len` tokens from now on (the model does not change)."""
+        from moe_tune.engine.data.dataset import PackedDataset
+
+        self.dataset = PackedDataset(self._documents, seq_len, self._pad_id, self.profile.data.seed)
+
+    def _sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def close(self) -> None:
+        from moe_tune.engine.train.distributed import shutdown_distributed
+
+        self.engine = None
+        self.activation_memory = None
+        gc.collect()
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+        shutdown_distributed()
+
+
+def pinned_copy_bandwidth() -> tuple[float, float]:
+    """Median GB/s of a large copy from page-locked host memory to the GPU and back (the ceiling of swapping)."""
+    host = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    rates = {"h2d": [], "d2h": []}
+    for _ in range(COPY_PROBE_REPEATS):
+        for kind, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            rates[kind].append(COPY_PROBE_BYTES / (start.elapsed_time(end) / 1e3) / 1e9)
+    return statistics.median(rates["h2d"]), statistics.median(rates["d2h"])
+
+
+def _median_metrics(records: list[dict]) -> dict[str, Any]:
+    """Median over the timed steps of every memory_* metric (None when no step had it)."""
+    keys = [k for k in records[0] if k.startswith("memory_")]
+    merged = {}
+    for key in keys:
+        values = [r[key] for r in records if r.get(key) is not None]
+        merged[key.removeprefix("memory_")] = statistics.median(values) if values else None
+    return merged
+
+
+def profile_steps(profile: JobProfile, steps: int, warmup: int = WARMUP_STEPS, on_step=None) -> dict[str, Any]:
+    """Run `warmup` + `steps` training steps of `profile`; medians over the timed steps (RESULT_KEYS)."""
+    from moe_tune.engine.bench.kernels import machine_info
+    from moe_tune.engine.memory import resolve_policy
+
+    runner = StepRunner(profile)
+    try:
+        records = []
+        for index in range(warmup + steps):
+            if index == warmup and runner.is_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            record = runner.step()
+            if on_step is not None:
+                on_step(index, index < warmup, record)
+            if index >= warmup:
+                records.append(record)
+        peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
+        copy_rates = pinned_copy_bandwidth() if runner.is_cuda else (None, None)
+        is_cuda = runner.is_cuda
+    finally:
+        runner.close()
+    memory = _median_metrics(records) if "memory_gpu_saved_bytes" in records[0] else {}
+    swap_rates = [memory.get("h2d_gb_per_s"), memory.get("d2h_gb_per_s")]
+    swap_fraction = None
+    if copy_rates[0] is not None and all(r is not None for r in swap_rates):
+        swap_fraction = min(swap_rates[0] / copy_rates[0], swap_rates[1] / copy_rates[1])
+    policy = resolve_policy(profile.memory)
+    policy_text = (
+        "activation_checkpointing (whole layers)"
+        if profile.memory.activation_checkpointing
+        else f"{profile.memory.preset}: " + ", ".join(f"{k}={v}" for k, v in policy.classes.items())
+    )
+    return dict(
+        profile=profile.name,
+        seq_len=profile.data.seq_len,
+        micro_batch_size=profile.train.micro_batch_size,
+        precision=profile.train.precision,
+        memory_policy=policy_text,
+        steps=len(records),
+        losses=[r["loss"] for r in records],
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+        step_time_s=statistics.median(r["step_time_s"] for r in records),
+        peak_memory_bytes=peak,
+        memory=memory,
+        pinned_h2d_gb_per_s=copy_rates[0],
+        pinned_d2h_gb_per_s=copy_rates[1],
+        swap_fraction_of_pinned=swap_fraction,
+        **machine_info(is_cuda),
+    )
+
+
+def _is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def sweep_lengths(
+    profile: JobProfile, lengths: list[int], timed_length: int, timed_steps: int, on_line=print
+) -> dict[str, Any]:
+    """For one profile (its memory policy as set): median throughput and peak memory at `timed_length`, then the
+    longest of `lengths` (ascending) that trains a step, stopping at the first that runs out of memory.
+
+    One model for the whole ladder: rows are re-packed, the model is not rebuilt. Peak memory needs CUDA."""
+    from moe_tune.engine.bench.kernels import machine_info
+
+    runner = StepRunner(profile)
+    result: dict[str, Any] = dict(memory_policy=str(profile.memory.preset), timed_length=timed_length, ladder=[])
+    try:
+        runner.set_seq_len(timed_length)
+        records = []
+        for index in range(WARMUP_STEPS + timed_steps):
+            if index == WARMUP_STEPS:
+                _reset_peak(runner)
+            record = runner.step()
+            if index >= WARMUP_STEPS:
+                records.append(record)
+        result["timed"] = dict(
+            tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+            step_time_s=statistics.median(r["step_time_s"] for r in records),
+            step_times_s=[r["step_time_s"] for r in records],
+            losses=[r["loss"] for r in records],
+            peak_memory_bytes=_peak(runner),
+            memory=_median_metrics(records) if runner.activation_memory is not None else {},
+        )
+        on_line(f"{result['memory_policy']} @ {timed_length}: {result['timed']['tokens_per_s']:,.0f} tok/s, "
+                f"peak {_gb_text(result['timed']['peak_memory_bytes'])}")  # fmt: skip
+        result["max_trained_length"] = None
+        for seq_len in lengths:
+            runner.set_seq_len(seq_len)
+            _reset_peak(runner)
+            try:
+                record = runner.step()
+            except Exception as err:  # noqa: BLE001 - only out-of-memory ends the ladder; anything else re-raises
+                if not _is_out_of_memory(err):
+                    raise
+                result["ladder"].append(dict(seq_len=seq_len, outcome="out of memory"))
+                on_line(f"{result['memory_policy']} @ {seq_len}: out of memory")
+                break
+            step = dict(seq_len=seq_len, outcome="trained", step_time_s=record["step_time_s"],
+                        tokens_per_s=record["tokens_per_s"], peak_memory_bytes=_peak(runner),
+                        memory={k.removeprefix("memory_"): v for k, v in record.items()
+                                if k.startswith("memory_")})  # fmt: skip
+            result["ladder"].append(step)
+            result["max_trained_length"] = seq_len
+            on_line(f"{result['memory_policy']} @ {seq_len}: {record['step_time_s']:.2f} s, "
+                    f"peak {_gb_text(step['peak_memory_bytes'])}")  # fmt: skip
+    finally:
+        runner.close()
+    result.update(machine_info(runner.is_cuda))
+    return result
+
+
+def _reset_peak(runner: StepRunner) -> None:
+    if runner.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(runner: StepRunner) -> int | None:
+    return torch.cuda.max_memory_allocated() if runner.is_cuda else None
+
+
+def _gb_text(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e9:.1f} GB"

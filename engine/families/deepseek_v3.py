@@ -1,0 +1,183 @@
+"""deepseek_v3: multi-head latent attention (MLA, interleaved RoPE on the rotary dims), dense SwiGLU on the first
+`first_k_dense_replace` layers, then sigmoid-scored routed SwiGLU experts with an aux-loss-free correction bias,
+group-limited choice (n_group, topk_group), renormalised and scaled weights, and an ungated shared expert.
+
+Checkpoint keys (hub layout): model.embed_tokens, model.layers.{i}.{input_layernorm, post_attention_layernorm,
+self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj},
+mlp.{gate_proj, up_proj, down_proj} (dense layers) | mlp.{gate.weight, gate.e_score_correction_bias,
+experts.{e}.{gate,up,down}_proj, shared_experts.{gate,up,down}_proj}}, model.norm, lm_head.
+Our module names are theirs without `model.`, except the MoE layer's: selection_bias <- gate.e_score_correction_bias,
+experts.w_gate_up / w_down <- the per-expert projections stacked, shared_expert <- shared_experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import ValidationError
+from torch import nn
+
+from moe_tune.profiles import _format_errors
+from moe_tune.profiles.schema import LayerSpec, ModelProfile
+
+from .base import Family, HFConfig, Recipe, UnsupportedModel, stacked_experts, take
+
+PREFIX = "model."
+# Transformers drops DeepSeek-V3's multi-token-prediction layer (model.layers.61) when it loads; so do we.
+MTP_LAYER_PREFIX = "model.layers.61."
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context extended `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class DeepseekV3(Family):
+    model_types = ("deepseek_v3",)
+    reference_class = "DeepseekV3ForCausalLM"
+    ignored_key_prefixes = (MTP_LAYER_PREFIX,)
+
+    def to_profile(self, config: dict[str, Any]) -> ModelProfile:
+        c = HFConfig(config)
+        num_layers = c.require("num_hidden_layers") or 0
+        is_moe = self.moe_layers(c, num_layers)
+        heads = c.require("num_attention_heads")
+        c.expect("num_key_value_heads", [heads, None], heads, why="MLA expands keys and values for every head")
+        c.expect("hidden_act", ["silu"], "silu")
+        c.expect("attention_dropout", [0, 0.0], 0.0, why="no attention dropout")
+        c.expect("pretraining_tp", [1], 1)
+        c.expect("quantization_config", [None], why="weights must be unquantised (bf16/fp32), not fp8 blocks")
+        mla = self.mla_fields(c)
+        sparse = self.sparse_fields(c)
+        moe = self.moe_fields(c) if any(is_moe) else None
+        fields = dict(
+            vocab_size=c.require("vocab_size"),
+            hidden_size=c.require("hidden_size"),
+            layers=[LayerSpec(attention=self.attention_kind, mlp="moe" if m else "dense") for m in is_moe],
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=(mla["qk_nope_head_dim"] or 0) + (mla["qk_rope_head_dim"] or 0),
+            intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
+            rope_theta=self.rope_theta(c),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            norm_one_plus=False,
+            sparse_attention=sparse,
+            mla=mla,
+            moe=moe,
+            attention_output_gate=False,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init_std=c.get("initializer_range", 0.02),
+        )
+        c.raise_problems()
+        try:
+            return ModelProfile(**fields)
+        except ValidationError as err:
+            # Values transformers accepts but our architecture rules refuse (e.g. an odd RoPE dim).
+            raise UnsupportedModel([f"config.json: not mapped: {line}" for line in _format_errors(err)]) from None
+
+    # The layer kind of every decoder layer.
+    attention_kind = "mla"
+
+    def rope_kind(self, c: HFConfig) -> str:
+        return "interleaved" if c.get("rope_interleave", True) else "half"
+
+    def sparse_fields(self, c: HFConfig) -> dict[str, Any] | None:
+        return None
+
+    def moe_layers(self, c: HFConfig, num_layers: int) -> list[bool]:
+        c.expect("moe_layer_freq", [1], 1, why="transformers makes every layer from first_k_dense_replace on MoE")
+        first_dense = c.get("first_k_dense_replace", 3) or 0
+        return [i >= first_dense for i in range(num_layers)]
+
+    def mla_fields(self, c: HFConfig) -> dict[str, Any]:
+        c.expect("attention_bias", [False], False)
+        nope, rope = c.require("qk_nope_head_dim"), c.require("qk_rope_head_dim")
+        yarn, mscale = self.yarn_fields(c)
+        return dict(
+            q_lora_rank=c.get("q_lora_rank"),
+            kv_lora_rank=c.require("kv_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope,
+            v_head_dim=c.require("v_head_dim"),
+            rope=self.rope_kind(c),
+            # In transformers' order of operations: qk_head_dim ** -0.5 * mscale * mscale.
+            softmax_scale=(nope + rope) ** -0.5 * mscale * mscale if mscale != 1.0 and nope and rope else None,
+            # transformers' DeepSeek MLA norms both latents with the RMSNorm default epsilon, not rms_norm_eps.
+            latent_norm_eps=1e-6,
+            yarn=yarn,
+        )
+
+    @staticmethod
+    def rope_parameters(c: HFConfig) -> dict[str, Any]:
+        """rope_parameters (transformers 5), over the older rope_scaling of hub configs."""
+        return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+
+    def rope_theta(self, c: HFConfig) -> float:
+        return float(self.rope_parameters(c).get("rope_theta", c.get("rope_theta", 10000.0)))
+
+    def yarn_fields(self, c: HFConfig) -> tuple[dict[str, Any] | None, float]:
+        """YaRN as transformers applies it to DeepSeek's MLA: (the YarnSpec fields, or None for default RoPE; the
+        mscale whose square multiplies the softmax scale)."""
+        rope = self.rope_parameters(c)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "default":
+            return None, 1.0
+        if kind != "yarn":
+            c.problems.append(f"config.json: rope_parameters.rope_type ({kind!r}) is not mapped: must be one of "
+                              "['default', 'yarn']")
+            return None, 1.0
+        original = rope.get("original_max_position_embeddings")
+        if original is None:
+            c.problems.append("config.json: rope_parameters.original_max_position_embeddings is missing (yarn)")
+            return None, 1.0
+        factor = rope.get("factor") or c.get("max_position_embeddings", original) / original
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:
+            if mscale and mscale_all_dim:
+                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+            else:
+                attention_factor = yarn_mscale(factor)
+        fields = dict(
+            factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            attention_factor=attention_factor,
+            truncate=rope.get("truncate", True),
+        )
+        # transformers' MLA multiplies its softmax scale by mscale(factor, mscale_all_dim) squared.
+        return fields, yarn_mscale(rope.get("factor") or factor, mscale_all_dim) if mscale_all_dim else 1.0
+
+    def moe_fields(self, c: HFConfig) -> dict[str, Any]:
+        c.expect("scoring_func", ["sigmoid"], "sigmoid", why="transformers' DeepSeek-V3 router scores by sigmoid")
+        c.expect("topk_method", ["noaux_tc"], "noaux_tc", why="transformers' router is the group-limited noaux_tc")
+        expert_hidden = c.require("moe_intermediate_size") or 0
+        return dict(
+            num_experts=c.require("n_routed_experts"),
+            top_k=c.require("num_experts_per_tok"),
+            expert_intermediate_size=expert_hidden,
+            score_func="sigmoid",
+            renormalize=bool(c.get("norm_topk_prob", True)),
+            routed_scaling=float(c.get("routed_scaling_factor", 2.5)),
+            shared_expert_intermediate_size=(c.get("n_shared_experts", 1) or 0) * expert_hidden,
+            shared_expert_gate=False,
+            n_group=c.require("n_group"),
+            topk_group=c.require("topk_group"),
+            # The checkpoint's e_score_correction_bias shifts the choice even when fine-tuning does not update it.
+            has_selection_bias=True,
+        )
+
+    def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
+        if name == "lm_head.weight":
+            return take(PREFIX + "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        if name.endswith("mlp.selection_bias"):
+            return take(PREFIX + name.removesuffix("selection_bias") + "gate.e_score_correction_bias")
+        if name.endswith("mlp.experts.w_gate_up"):
+            base = PREFIX + name.removesuffix("w_gate_up")
+            return stacked_experts(module, lambda e: [f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"])
+        if name.endswith("mlp.experts.w_down"):
+            base = PREFIX + name.removesuffix("w_down")
+            return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
+        return take(PREFIX + name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))

@@ -1,0 +1,342 @@
+"""qwen4_exp (text part): gated delta net on 3 of 4 layers, gated attention over the key blocks the QSA indexer picks
+on the rest, hyper-connections (several residual streams), hashed n-gram per-layer embeddings (PLE) on some linear
+layers, and softmax top-k routed SwiGLU experts (renormalised) plus a sigmoid-gated shared expert on every layer.
+
+Two checkpoint layouts, by model_type:
+- qwen4_exp (the published vision-language checkpoint, Qwen4ExpForConditionalGeneration): config.json holds
+  text_config and vision_config; the decoder's keys are model.language_model.*, the LM head lm_head.weight, the
+  vision tower model.visual.* (our model.vision, engine/families/vision.py). Not loaded: mtp.* (multi-token
+  prediction).
+- qwen4_exp_text (a text-only Qwen4ExpForCausalLM saved by transformers): a flat config and model.* keys.
+
+Keys under the decoder prefix, with ours:
+- embed_tokens; hyper_connection_mixer.{hc_norm, input_mix_weight_down, input_mix_weight_up} -> norm.{norm,
+  mix_down, mix_up} (no final RMSNorm: the mixer norms the streams); lm_head.
+- layers.{i}.{attn,mlp}_hyper_connection.{hc_norm, input_mix_weight_down, input_mix_weight_up, block_inject_weight}
+  -> layers.{i}.{attn,mlp}_hyper_connection.{norm, mix_down, mix_up, inject_proj}; hc_norm is a (1 + w) RMSNorm per
+  stream (group_size = hidden_size).
+- linear layers: layers.{i}.linear_attn.{in_proj_qkv (rows [q | k | v]), in_proj_z, in_proj_b, in_proj_a, conv1d,
+  A_log, dt_bias, norm (plain w; gate activation output_gate_type or hidden_act), out_proj} -> layers.{i}.self_attn.
+- attention layers: layers.{i}.self_attn.{q_proj (each head's query then its gate), k_proj, v_proj, o_proj, q_norm,
+  k_norm, indexer.{index_qk_proj (rows [HI query heads | 1 key head]), q_layernorm, k_layernorm}}, the same names.
+- PLE layers: layers.{i}.ple.{ple_embedding.{ngram_embedding.shard_{p} (rows split in split_ngram_parts shards),
+  layer_multipliers, ngram_heads_vocab_sizes, ngram_heads_offsets}, key_proj, value_proj, norm_key, norm_query,
+  norm_conv, conv1d} -> layers.{i}.ngram.{embedding.{table, multipliers, table_sizes, table_offsets}, key_proj,
+  value_proj, key_norm, query_norm, conv_norm, conv}.
+- layers.{i}.mlp.{gate, experts.{e}.{gate,up,down}_proj, shared_expert.*, shared_expert_gate}, the same names.
+
+What `moe-tune align` compares after each decoder layer: the residual streams as both models carry them, [T, S * D]
+stream-major (transformers' layer output as is; ours the same layout).
+
+Shapes: D model dim, S streams, Hk/Hv linear key/value heads of dim K/V, HI indexer heads of dim DI.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from moe_tune.profiles.schema import LayerSpec, LinearAttentionSpec, ModelProfile
+
+from .base import Family, HFConfig, Recipe, UnsupportedModel, take
+from .qwen3_moe import qwen_recipe
+from .qwen3_next import grouped_rows, shared_linear_attention_recipe
+from .vision import vision_recipe, with_vision
+
+# transformers' layer_types and our token mixers; real checkpoints say full_attention for the indexed layers.
+LAYER_KINDS = {"linear_attention": "linear", "indexed_attention": "qsa", "full_attention": "qsa"}
+QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+# Our hyper-connection and n-gram parameter names -> theirs (under the layer's module).
+HYPER_NAMES = {
+    "norm.weight": "hc_norm.weight",
+    "mix_down.weight": "input_mix_weight_down.weight",
+    "mix_up.weight": "input_mix_weight_up.weight",
+    "inject_proj.weight": "block_inject_weight.weight",
+}
+NGRAM_NAMES = {
+    "embedding.multipliers": "ple_embedding.layer_multipliers",
+    "embedding.table_sizes": "ple_embedding.ngram_heads_vocab_sizes",
+    "embedding.table_offsets": "ple_embedding.ngram_heads_offsets",
+    "key_proj.weight": "key_proj.weight",
+    "value_proj.weight": "value_proj.weight",
+    "key_norm.weight": "norm_key.weight",
+    "query_norm.weight": "norm_query.weight",
+    "conv_norm.weight": "norm_conv.weight",
+}
+_LAYER_PARAM = re.compile(r"layers\.(\d+)\.([a-z_]+)\.(.+)")
+
+
+def layer_types(c: HFConfig, num_layers: int) -> list[str]:
+    """config.layer_types, or transformers' default (every full_attention_interval-th layer indexed, default 4)."""
+    types = c.get("layer_types")
+    if types is None:
+        interval = c.get("full_attention_interval", 4)
+        return ["indexed_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        c.problems.append(
+            f"config.json: {c.prefix}layer_types has {len(types)} entries, num_hidden_layers is {num_layers}"
+        )
+    for i, kind in enumerate(types):
+        if kind not in LAYER_KINDS:
+            c.problems.append(
+                f"config.json: {c.prefix}layer_types[{i}] ({kind!r}) is not mapped: must be one of {list(LAYER_KINDS)}"
+            )
+    return list(types)
+
+
+class Qwen4Exp(Family):
+    """The vision-language checkpoint: its language model and its vision tower (engine/families/vision.py)."""
+
+    model_types = ("qwen4_exp",)
+    # The checkpoint's own class: its module names are the checkpoint's keys (model.language_model.*), so align
+    # pairs LoRA adapters by key. On text its language model is the same computation as Qwen4ExpForCausalLM.
+    reference_class = "Qwen4ExpForConditionalGeneration"
+    reference_layers = "model.language_model.layers"
+    ignored_key_prefixes = ("mtp.",)
+    key_prefix = "model.language_model."
+
+    def text_config(self, config: dict[str, Any]) -> HFConfig:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            c = HFConfig({}, prefix="text_config.")
+            c.problems.append("config.json: text_config is missing (a qwen4_exp config holds the language model there)")
+            return c
+        c = HFConfig(text, prefix="text_config.")
+        top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+        if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):
+            c.problems.append(
+                f"config.json: tie_word_embeddings ({top_tie!r}) is not mapped: must equal "
+                f"text_config.tie_word_embeddings ({text_tie!r})"
+            )
+        return c
+
+    def to_profile(self, config: dict[str, Any]) -> ModelProfile:
+        c = self.text_config(config)
+        c.expect("hidden_act", ["silu"], "silu", why="the experts' and the linear layers' conv activation")
+        c.expect("output_gate_type", [None, "silu", "sigmoid"], None)
+        c.expect("attention_bias", [False], False)
+        c.expect("attention_dropout", [0, 0.0], 0.0, why="moe-tune has no attention dropout")
+        num_layers = c.require("num_hidden_layers") or 0
+        # None: a layer type we do not map (reported).
+        kinds = [LAYER_KINDS.get(kind) for kind in layer_types(c, num_layers)]
+        ngram_layers = self._ngram_layers(c, kinds)
+        head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // (c.get("num_attention_heads") or 1)
+        sparse = self._sparse_attention(c, int(head_dim * c.partial_rotary_factor())) if "qsa" in kinds else None
+        linear = self._linear_attention(c) if "linear" in kinds else None
+        eos = c.get("eos_token_id")
+        num_streams, mix_rank = c.get("hc_count", 4), c.get("hc_lowrank", 320)
+        if not (isinstance(num_streams, int) and num_streams >= 2):
+            c.problems.append(f"config.json: {c.prefix}hc_count ({num_streams!r}) is not mapped: must be an int >= 2")
+        moe = {f: c.require(f) for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+        shared = c.get("shared_expert_intermediate_size", 512)
+        # rope_type must be default. mrope_section / mrope_interleaved only matter when the three position streams
+        # (time, height, width) differ, i.e. for image tokens; for text the multimodal rotary is the plain one.
+        rope_theta, partial_rotary_factor = c.rope_theta(), c.partial_rotary_factor()
+        vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
+        c.raise_problems()
+        # Sections as dicts, validated here: our own rules (e.g. budget / block size) come back as lines naming them.
+        try:
+            text_model = ModelProfile(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                layers=[
+                    LayerSpec(attention=kind, mlp="moe", has_ngram_embedding=i in ngram_layers)
+                    for i, kind in enumerate(kinds)
+                ],
+                num_attention_heads=heads,
+                num_key_value_heads=c.get("num_key_value_heads", heads),
+                head_dim=head_dim,
+                rope_theta=rope_theta,
+                partial_rotary_factor=partial_rotary_factor,
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                norm_one_plus=True,
+                linear_attention=linear,
+                sparse_attention=sparse,
+                moe=dict(
+                    num_experts=moe["num_experts"],
+                    top_k=moe["num_experts_per_tok"],
+                    expert_intermediate_size=moe["moe_intermediate_size"],
+                    score_func="softmax",
+                    renormalize=bool(c.get("norm_topk_prob", True)),
+                    shared_expert_intermediate_size=shared,
+                    shared_expert_gate=True,
+                ),
+                hyper_connections=dict(num_streams=num_streams, mix_rank=mix_rank),
+                ngram_embedding=self._ngram_spec(c, hidden, eos) if ngram_layers else None,
+                attention_output_gate=True,
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                init_std=c.get("initializer_range", 0.02),
+            )
+        except ValidationError as err:
+            raise UnsupportedModel([_problem(c, e) for e in err.errors()]) from None
+        return with_vision(text_model, config)
+
+    def _linear_attention(self, c: HFConfig) -> dict[str, Any] | None:
+        """LinearAttentionSpec's fields (None when some are missing: reported)."""
+        fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+        values = {f: c.require(f) for f in fields}
+        if None in values.values():
+            return None
+        return dict(
+            num_key_heads=values["linear_num_key_heads"],
+            num_value_heads=values["linear_num_value_heads"],
+            key_head_dim=values["linear_key_head_dim"],
+            value_head_dim=values["linear_value_head_dim"],
+            conv_kernel_size=c.get("linear_conv_kernel_dim", 4),
+            decay="scalar",
+            output_gate_activation=c.get("output_gate_type") or c.get("hidden_act", "silu"),
+        )
+
+    def _sparse_attention(self, c: HFConfig, rotary_dim: int) -> dict[str, Any] | None:
+        """SparseAttentionSpec's fields from QSA's (None when some are missing: reported). transformers builds the
+        indexer on every attention layer, so all five are needed (it saves unset ones as null)."""
+        values = {f: c.get(f) for f in QSA_FIELDS}
+        missing = [f for f, value in values.items() if value is None]
+        for f in missing:
+            c.problems.append(f"config.json: {c.prefix}{f} is missing: the attention layers' QSA indexer needs it")
+        if missing:
+            return None
+        c.expect("indexer_kv_heads", [1], why="QSA scores blocks with one indexer key head")
+        budget, ratio = values["indexer_budget"], values["indexer_compress_ratio"]
+        if isinstance(budget, int) and isinstance(ratio, int) and ratio > 0 and budget % ratio:
+            c.problems.append(
+                f"config.json: {c.prefix}indexer_budget ({budget}) is not mapped: must be a multiple of "
+                f"indexer_compress_ratio ({ratio})"
+            )
+        if isinstance(values["indexer_head_dim"], int) and values["indexer_head_dim"] < rotary_dim:
+            c.problems.append(
+                f"config.json: {c.prefix}indexer_head_dim ({values['indexer_head_dim']}) is not mapped: must be >= "
+                f"the rotary dims ({rotary_dim} = head_dim x partial_rotary_factor), which QSA rotates"
+            )
+        return dict(
+            index_heads=values["indexer_n_heads"],
+            index_head_dim=values["indexer_head_dim"],
+            topk=values["indexer_budget"],
+            block_size=values["indexer_compress_ratio"],
+        )
+
+    def _ngram_layers(self, c: HFConfig, kinds: list[str]) -> set[int]:
+        """0-based layers with PLE (config.ple_layer_ids is 1-based); transformers runs PLE on linear layers only."""
+        ids = sorted(set(c.get("ple_layer_ids") or []))
+        layers = set()
+        for layer_id in ids:
+            if not (isinstance(layer_id, int) and 1 <= layer_id <= len(kinds)):
+                c.problems.append(
+                    f"config.json: {c.prefix}ple_layer_ids ({ids}) is not mapped: entries must be layer numbers in "
+                    f"[1, {len(kinds)}]"
+                )
+            elif kinds[layer_id - 1] not in ("linear", None):
+                c.problems.append(
+                    f"config.json: {c.prefix}ple_layer_ids ({ids}) is not mapped: layer {layer_id} is not a "
+                    "linear_attention layer"
+                )
+            else:
+                layers.add(layer_id - 1)
+        if layers and c.get("eos_token_id") in (None, []):
+            c.problems.append(f"config.json: {c.prefix}eos_token_id is missing: PLE n-gram contexts end at it")
+        num_heads = (c.get("ngram_size", 3) - 1) * c.get("heads_per_ngram", 8)
+        embed_dim = c.get("ple_embed_dim") or c.get("hidden_size") or 0
+        if layers and (num_heads < 1 or embed_dim % num_heads):
+            c.problems.append(
+                f"config.json: {c.prefix}ple_embed_dim ({embed_dim}) is not mapped: must be a multiple of the hashed "
+                f"heads ({num_heads} = (ngram_size - 1) x heads_per_ngram)"
+            )
+        return layers
+
+    def _ngram_spec(self, c: HFConfig, hidden: int, eos: int | list[int]) -> dict[str, Any]:
+        """NGramEmbeddingSpec's fields."""
+        return dict(
+            embed_dim=c.get("ple_embed_dim") or hidden,
+            ngram_size=c.get("ngram_size", 3),
+            heads_per_ngram=c.get("heads_per_ngram", 8),
+            vocab_size_base=c.get("ngram_vocab_size_base", 20_000_000),
+            vocab_size_multiple=c.get("make_ngram_vocab_size_divisible_by", 128),
+            hash_seed=c.get("seed", 1234),
+            conv_kernel_size=c.get("ple_conv_kernel_size", 4),
+            # transformers takes the first of a list of eos ids.
+            boundary_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
+        prefix = self.key_prefix
+        if name.startswith("vision."):
+            return vision_recipe(name.removeprefix("vision."), prefix="model.visual.")
+        if name.startswith("norm."):
+            return take(prefix + "hyper_connection_mixer." + HYPER_NAMES[name.removeprefix("norm.")])
+        match = _LAYER_PARAM.fullmatch(name)
+        if match is None:
+            return qwen_recipe(name, module, prefix=prefix)
+        index, part, param = int(match.group(1)), match.group(2), match.group(3)
+        layer = f"{prefix}layers.{index}."
+        if part in ("attn_hyper_connection", "mlp_hyper_connection"):
+            return take(f"{layer}{part}.{HYPER_NAMES[param]}")
+        if part == "ngram":
+            return self.ngram_recipe(param, layer + "ple.")
+        if part == "self_attn" and cfg.layers[index].attention == "linear":
+            return self.linear_attention_recipe(param, layer + "linear_attn.", cfg.linear_attention)
+        return qwen_recipe(name, module, prefix=prefix)
+
+    def linear_attention_recipe(self, param: str, layer: str, spec: LinearAttentionSpec) -> Recipe:
+        key_dim, value_dim = spec.num_key_heads * spec.key_head_dim, spec.num_value_heads * spec.value_head_dim
+        qkv_parts = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
+        if param in qkv_parts:
+            return grouped_rows(layer + "in_proj_qkv.weight", 1, [key_dim, key_dim, value_dim], qkv_parts[param])
+        if param in ("z_proj.weight", "b_proj.weight", "a_proj.weight"):
+            return take(layer + "in_proj_" + param[0] + ".weight")
+        return shared_linear_attention_recipe(param, layer)
+
+    def ngram_recipe(self, param: str, layer: str) -> Recipe:
+        if param == "conv.weight":
+            # nn.Conv1d depthwise weight [C, 1, W] -> ours [C, W]; tap W-1 is the current token in both.
+            return lambda get: get(layer + "conv1d.weight")[:, 0, :]
+        if param == "embedding.table.weight":
+            return sharded_rows(layer + "ple_embedding.ngram_embedding.")
+        return take(layer + NGRAM_NAMES[param])
+
+
+def _problem(c: HFConfig, error: dict[str, Any]) -> str:
+    """One line of a ModelProfile validation error: `@field` in our rule messages becomes the section's path."""
+    path = ".".join(map(str, error["loc"]))
+    section = f"model.{path}" if path else "model"
+    message = error["msg"].removeprefix("Value error, ")
+    where = f"config.json ({c.prefix.rstrip('.') or 'top level'})"
+    return f"{where}: {message.replace('@', section + '.')}" if "@" in message else f"{where}: {section}: {message}"
+
+
+def sharded_rows(base: str) -> Recipe:
+    """An embedding saved whole (`base`weight) or, as transformers saves qwen4_exp's n-gram tables, in row shards
+    `base`shard_{p}.weight, p = 0..split_ngram_parts - 1, concatenated back."""
+
+    def build(get) -> torch.Tensor:
+        try:
+            return get(base + "weight")
+        except KeyError:
+            pass
+        shards = []
+        while True:
+            try:
+                shards.append(get(f"{base}shard_{len(shards)}.weight"))
+            except KeyError:
+                break
+        if not shards:
+            raise KeyError(f"{base}shard_0.weight")
+        return torch.cat(shards)
+
+    return build
+
+
+class Qwen4ExpText(Qwen4Exp):
+    """A text-only Qwen4ExpForCausalLM checkpoint: flat config, model.* keys."""
+
+    model_types = ("qwen4_exp_text",)
+    reference_class = "Qwen4ExpForCausalLM"
+    reference_layers = "model.layers"
+    ignored_key_prefixes = ("mtp.",)
+    key_prefix = "model."
+
+    def text_config(self, config: dict[str, Any]) -> HFConfig:
+        return HFConfig(config)

@@ -1,0 +1,76 @@
+"""Kimi delta attention (KDA): the delta rule with one log decay per key channel, in Kimi Linear's layout.
+
+Shapes: T packed tokens of one row [1, T], D model dim, H heads, K head dim (q, k and v share it), R = K the rank
+of the low-rank decay and output-gate projections (FLA's KimiDeltaAttention fixes it to the head dim).
+
+Per token: q, k, v = SiLU(short causal conv(x W_q | x W_k | x W_v)); per-channel log decay
+g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias) <= 0; beta = sigmoid(b(x)); o = kda(q, k, v, g, beta) with q and k
+L2-normalised inside the op and scale K ** -0.5; output o_proj(RMSNorm(o) * sigmoid(g_b(g_a(x)))) per head.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_tune.ops.linear_attention import kda
+from moe_tune.profiles.schema import ModelProfile
+
+from .blocks import GatedRMSNorm, ShortConv
+
+if TYPE_CHECKING:
+    from .attention import PackedBatch
+
+# FLA's KDA init: dt = softplus(dt_bias) starts uniform in log space over [1e-3, 1e-1], decay rates over [1, 16).
+DT_INIT_RANGE = (1e-3, 1e-1)
+A_INIT_RANGE = (1.0, 16.0)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Token mixer of Kimi Linear's KDA layers. Module names are the checkpoint's (q_proj, f_a_proj, ...), so LoRA
+    target_modules read the same as for the Hugging Face model; `conv` is the q, k and v convs side by side."""
+
+    def __init__(self, cfg: ModelProfile):
+        super().__init__()
+        spec = cfg.kda_attention
+        assert spec is not None, "the schema requires model.kda_attention for kda layers"
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
+        d, width = cfg.hidden_size, spec.num_heads * spec.head_dim
+        self.q_proj = nn.Linear(d, width, bias=False)
+        self.k_proj = nn.Linear(d, width, bias=False)
+        self.v_proj = nn.Linear(d, width, bias=False)
+        self.conv = ShortConv(3 * width, spec.conv_kernel_size)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(width))
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(d, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, width, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_dim, cfg.rms_norm_eps, gate_activation="sigmoid")
+        self.o_proj = nn.Linear(width, d, bias=False)
+
+    @torch.no_grad()
+    def reset_decay_parameters(self) -> None:
+        """FLA's init of what nn.Linear init does not cover: A_log, dt_bias (inverse softplus of dt), the conv."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_INIT_RANGE).log())
+        low, high = (math.log(x) for x in DT_INIT_RANGE)
+        dt = torch.empty_like(self.dt_bias).uniform_(low, high).exp()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        nn.init.normal_(self.conv.weight, std=1.0 / math.sqrt(self.conv.width))
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch`."""
+        t, shape_THK = x.shape[1], (1, x.shape[1], self.num_heads, self.head_dim)
+        qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch.positions)
+        q, k, v = (part.reshape(shape_THK) for part in qkv.chunk(3, dim=-1))
+        a = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(shape_THK)
+        g = -self.A_log.float().exp()[:, None] * F.softplus(a)  # [1, T, H, K]
+        beta = torch.sigmoid(self.b_proj(x).float())  # [1, T, H]
+        o, _ = kda(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(shape_THK)
+        return self.o_proj(self.o_norm(o, gate).reshape(1, t, -1))

@@ -1,0 +1,135 @@
+"""deepseek_v32 (DeepSeek-V3.2-Exp) from a transformers checkpoint: deepseek_v3 with DSA on every layer, the
+lightning indexer choosing 6 keys per query (fewer than the documents hold, so sparsity shapes every later token).
+Alignment with the reference on one document and on a packed batch, the indexer shown to matter, wrong mappings
+caught, unsupported configs reported, and a short fine-tune whose first loss is the reference's."""
+
+import json
+
+import pytest
+import torch
+
+from moe_tune.engine.align import align_checkpoint
+from moe_tune.engine.align.compare import load_ours, load_reference
+from moe_tune.engine.families import UnsupportedModel, model_profile_from_checkpoint
+from moe_tune.engine.families.deepseek_v32 import DeepseekV32
+
+from hf_tiny import tiny_deepseek_v32
+
+MLA_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint(tiny_deepseek_v32())
+
+
+def test_profile_read_from_config(checkpoint):
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    assert [(layer.attention, layer.mlp) for layer in cfg.layers] == [
+        ("mla_sparse", "dense"), ("mla_sparse", "moe"), ("mla_sparse", "moe")
+    ]
+    sparse = cfg.sparse_attention
+    assert (sparse.index_heads, sparse.index_head_dim, sparse.topk, sparse.block_size) == (8, 16, 6, 1)
+    assert cfg.mla.rope == "interleaved" and cfg.mla.q_lora_rank == 24
+    assert (cfg.moe.n_group, cfg.moe.topk_group, cfg.moe.has_selection_bias) == (3, 2, True)
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["own_routing", "pinned_routing"])
+def test_packed_batch_aligned_with_transformers(checkpoint, pin):
+    report = align_checkpoint(checkpoint, pin_routing=pin, lora_targets=MLA_LORA_TARGETS)
+    assert report.passed, report.failures
+    assert len(report.layers) == 3 and max(row.max_abs for row in report.layers) < 1e-5
+    assert report.logits.max_abs <= 1e-4 and report.kl <= 1e-6
+    # q_a, q_b, kv_a, kv_b and o of every layer, A and B each; align adds the MoE layers' expert adapters.
+    assert len([row for row in report.lora_grads if ".self_attn." in row.name]) == 3 * 5 * 2
+    assert any(".experts." in row.name for row in report.lora_grads)
+
+
+def test_one_document_aligned_with_transformers(checkpoint):
+    document = torch.randint(0, 300, (31,), generator=torch.Generator().manual_seed(3))
+    report = align_checkpoint(checkpoint, documents=[document], lora_targets=MLA_LORA_TARGETS)
+    assert report.passed, report.failures
+    assert report.logits.max_abs <= 1e-4 and report.kl <= 1e-6
+
+
+def test_yarn_rope_aligned_with_transformers(tiny_checkpoint):
+    # The indexer ropes its keys with the same YaRN-scaled cos and sin as the attention.
+    yarn = {
+        "rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 8, "beta_slow": 1,
+    }
+    report = align_checkpoint(tiny_checkpoint(tiny_deepseek_v32(rope_parameters=yarn)), pin_routing=True)
+    assert report.passed, report.failures
+
+
+def test_indexer_selection_is_the_references(checkpoint):
+    # The keys our indexer picks are the reference's, query by query (the reference scores causal keys only when a
+    # query has more than index_topk of them; with fewer, every causal key is picked).
+    family, _, cfg = model_profile_from_checkpoint(checkpoint)
+    reference, ours = load_reference(checkpoint, family), load_ours(cfg)
+    document = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(5))
+    picked = {}
+    handles = [
+        reference.model.layers[1].self_attn.indexer.register_forward_hook(lambda _m, _i, out: picked.update(ref=out)),
+        ours.layers[1].self_attn.indexer.register_forward_hook(lambda _m, _i, out: picked.update(ours=out)),
+    ]
+    with torch.no_grad():
+        reference(input_ids=document[None])
+        ours(document[None], torch.tensor([0, 20], dtype=torch.int32))
+    for h in handles:
+        h.remove()
+    for t in range(20):
+        ours_t = {s for s in picked["ours"][0, t].tolist() if s >= 0}
+        ref_t = {s for s in picked["ref"][0, t].tolist() if s <= t}
+        assert ours_t == ref_t and len(ours_t) == min(t + 1, 6), t
+
+
+def test_dense_attention_in_place_of_the_indexer_is_caught(checkpoint, monkeypatch):
+    # Guards the alignment test: with every causal key selected, the model is measurably not the reference.
+    original = DeepseekV32.sparse_fields
+    monkeypatch.setattr(DeepseekV32, "sparse_fields", lambda self, c: original(self, c) | {"topk": 64})
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert not report.passed and report.layers[0].max_abs > 1e-4
+
+
+def test_indexer_rope_on_the_wrong_dims_is_caught(checkpoint, monkeypatch):
+    # The indexer ropes its first qk_rope_head_dim dims; roping the last ones instead picks other keys.
+    original = DeepseekV32.recipe
+
+    def flipped(self, name, module, cfg):
+        recipe = original(self, name, module, cfg)
+        if name.endswith("indexer.wq_b.weight"):
+            heads, dim = cfg.sparse_attention.index_heads, cfg.sparse_attention.index_head_dim
+            return lambda get: recipe(get).view(heads, dim, -1).flip(1).reshape(heads * dim, -1)
+        if name.endswith("indexer.wk.weight") or name.endswith("indexer.k_norm.weight") or name.endswith(
+            "indexer.k_norm.bias"
+        ):
+            return lambda get: recipe(get).flip(0)
+        return recipe
+
+    monkeypatch.setattr(DeepseekV32, "recipe", flipped)
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert not report.passed and report.layers[0].max_abs > 1e-4
+
+
+def test_unsupported_config_names_the_field(checkpoint):
+    path = checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    config.update(mlp_layer_types=["dense", "sparse"], layer_types=["indexed_attention", "full_attention", "x"],
+                  num_key_value_heads=2)
+    path.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel) as err:
+        model_profile_from_checkpoint(checkpoint)
+    problems = "\n".join(err.value.problems)
+    assert "mlp_layer_types (['dense', 'sparse']) is not mapped" in problems
+    assert "layer_types[1] ('full_attention') is not mapped" in problems
+    assert "num_key_value_heads (2) is not mapped" in problems
+
+
+def test_finetune_from_checkpoint_starts_at_the_reference_loss(checkpoint, short_finetune):
+    result, reference_first_loss = short_finetune(
+        checkpoint, lora={"target_modules": ["q_b_proj", "kv_b_proj", "o_proj"]}
+    )
+    assert len(result.losses) == 3
+    assert result.losses[0] == pytest.approx(reference_first_loss, rel=1e-5)
+    assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
