@@ -118,7 +118,7 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                 if recipe is None:
                     continue
                 try:
-                    value = recipe(reader.get)
+                    value = recipe(reader)
                 except KeyError as err:
                     problems.append(f"{cfg.checkpoint}: tensor {err.args[0]} is missing (needed for {name})")
                     continue

@@ -70,6 +70,16 @@ class CheckpointReader:
         self.read.add(key)
         return self._handles[self._where[key]].get_tensor(key)
 
+    __call__ = get  # the reader is the TensorGetter recipes call
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the tensor's first dim, read without reading the rest (one rank's experts of a
+        fused expert tensor)."""
+        if key not in self._where:
+            raise KeyError(key)
+        self.read.add(key)
+        return self._handles[self._where[key]].get_slice(key)[start:stop]
+
     def unread_patterns(self, ignore: tuple[str, ...] = ()) -> list[str]:
         """Key patterns (numbers as *) of tensors nothing read, except keys starting with an `ignore` prefix."""
         left = [k for k in self._where if k not in self.read and not k.startswith(ignore)]

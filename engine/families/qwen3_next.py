@@ -177,7 +177,8 @@ def fused_or_per_expert(name: str, module: nn.Module, prefix: str) -> Recipe:
     """Routed experts from either hub layout: fused per layer (mlp.experts.gate_up_proj [E, 2F, D] gate rows first,
     mlp.experts.down_proj [E, D, F]: transformers 5's own layout, and how the published Qwen3.5 MoE checkpoints
     store them) or one tensor per expert (mlp.experts.{e}.{gate,up,down}_proj.weight: what save_pretrained writes,
-    and the Qwen3-Next checkpoints). Only this rank's experts are kept (the fused tensor is read whole)."""
+    and the Qwen3-Next checkpoints). Only this rank's experts are read (rows of the fused tensor when the getter
+    can read rows, as the CheckpointReader does)."""
     fused_key = prefix + name.replace("experts.w_gate_up", "experts.gate_up_proj").replace(
         "experts.w_down", "experts.down_proj"
     )
@@ -186,10 +187,11 @@ def fused_or_per_expert(name: str, module: nn.Module, prefix: str) -> Recipe:
 
     def build(get) -> torch.Tensor:
         try:
-            fused = get(fused_key)
+            if hasattr(get, "rows"):
+                return get.rows(fused_key, first, first + count)
+            return get(fused_key)[first : first + count]
         except KeyError:
             return per_expert(get)
-        return fused[first : first + count]
 
     return build
 

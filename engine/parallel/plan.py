@@ -1,6 +1,7 @@
-"""Plan a parallel layout on paper: parameter counts from the profile alone, then per-device memory and traffic for
-every data x expert layout of N devices. No model is built and torch is not imported, so a profile of trillions of
-parameters plans in milliseconds. docs/plan.md gives every formula.
+"""Plan a parallel layout on paper: parameter shapes of the profile's model, then per-device memory and traffic for
+every data x expert layout of N devices. The model is built on torch's meta device (shapes only, no memory), so
+every block kind counts exactly and a profile of trillions of parameters plans in seconds. docs/plan.md
+gives every formula.
 
 Symbols: N devices, ep expert-parallel size, dp = N / ep data-parallel size, E routed experts per MoE layer, k experts
 per token, D model dim, F expert hidden dim, T tokens per device per micro-batch (micro_batch_size x seq_len),
@@ -70,132 +71,21 @@ class Param:
         return self.name.rsplit(".", 1)[0]
 
 
-def _linear(module: str, in_features: int, out_features: int) -> Param:
-    return Param(f"{module}.weight", (out_features, in_features), is_linear=True)
-
-
-def _norm(module: str, dim: int) -> Param:
-    return Param(f"{module}.weight", (dim,))
-
-
-def _token_mixer(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]:
-    d = cfg.hidden_size
-    if spec.attention == "linear":
-        la = cfg.linear_attention
-        assert la is not None, "the schema requires model.linear_attention for linear layers"
-        key_width, value_width = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
-        decay_width = la.num_value_heads * la.key_head_dim if la.decay == "per_channel" else la.num_value_heads
-        return [
-            Param(f"{prefix}.A_log", (la.num_value_heads,)),
-            Param(f"{prefix}.dt_bias", (decay_width,)),
-            _linear(f"{prefix}.q_proj", d, key_width),
-            _linear(f"{prefix}.k_proj", d, key_width),
-            _linear(f"{prefix}.v_proj", d, value_width),
-            _linear(f"{prefix}.z_proj", d, value_width),
-            _linear(f"{prefix}.b_proj", d, la.num_value_heads),
-            _linear(f"{prefix}.a_proj", d, decay_width),
-            Param(f"{prefix}.conv.weight", (2 * key_width + value_width, la.conv_kernel_size)),
-            _norm(f"{prefix}.norm", la.value_head_dim),
-            _linear(f"{prefix}.o_proj", value_width, d),
-        ]
-    if spec.attention in ("mla", "mla_sparse"):
-        return _latent_attention(cfg, spec, prefix)
-    query_width = cfg.num_attention_heads * cfg.head_dim
-    kv_width = cfg.num_key_value_heads * cfg.head_dim
-    params = [
-        # q_proj yields each head's query and its output gate.
-        _linear(f"{prefix}.q_proj", d, 2 * query_width),
-        _linear(f"{prefix}.k_proj", d, kv_width),
-        _linear(f"{prefix}.v_proj", d, kv_width),
-        _linear(f"{prefix}.o_proj", query_width, d),
-        _norm(f"{prefix}.q_norm", cfg.head_dim),
-        _norm(f"{prefix}.k_norm", cfg.head_dim),
-    ]
-    if spec.attention == "sparse":
-        sa = cfg.sparse_attention
-        assert sa is not None, "the schema requires model.sparse_attention for sparse layers"
-        params += [
-            _linear(f"{prefix}.index_q_proj", d, sa.index_heads * sa.index_head_dim),
-            _linear(f"{prefix}.index_k_proj", d, sa.index_head_dim),
-            _linear(f"{prefix}.index_weights_proj", d, sa.index_heads),
-        ]
-    return params
-
-
-def _latent_attention(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]:
-    """Multi-head latent attention (engine/model/mla.py), with DeepSeek's lightning indexer on mla_sparse layers."""
-    mla = cfg.mla
-    assert mla is not None, "the schema requires model.mla for mla layers"
-    d, h = cfg.hidden_size, cfg.num_attention_heads
-    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    if mla.q_lora_rank is None:
-        params = [_linear(f"{prefix}.q_proj", d, h * qk_dim)]
-    else:
-        params = [
-            _linear(f"{prefix}.q_a_proj", d, mla.q_lora_rank),
-            _norm(f"{prefix}.q_a_layernorm", mla.q_lora_rank),
-            _linear(f"{prefix}.q_b_proj", mla.q_lora_rank, h * qk_dim),
-        ]
-    params += [
-        _linear(f"{prefix}.kv_a_proj_with_mqa", d, mla.kv_lora_rank + mla.qk_rope_head_dim),
-        _norm(f"{prefix}.kv_a_layernorm", mla.kv_lora_rank),
-        _linear(f"{prefix}.kv_b_proj", mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim)),
-        _linear(f"{prefix}.o_proj", h * mla.v_head_dim, d),
-    ]
-    if spec.attention == "mla_sparse":
-        sa = cfg.sparse_attention
-        assert sa is not None and mla.q_lora_rank is not None, "the schema checks mla_sparse"
-        params += [
-            _linear(f"{prefix}.indexer.wq_b", mla.q_lora_rank, sa.index_heads * sa.index_head_dim),
-            _linear(f"{prefix}.indexer.wk", d, sa.index_head_dim),
-            _norm(f"{prefix}.indexer.k_norm", sa.index_head_dim),
-            Param(f"{prefix}.indexer.k_norm.bias", (sa.index_head_dim,)),
-            _linear(f"{prefix}.indexer.weights_proj", d, sa.index_heads),
-        ]
-    return params
-
-
-def _channel_mixer(cfg: ModelProfile, spec: LayerSpec, prefix: str) -> list[Param]:
-    d = cfg.hidden_size
-    if spec.mlp == "dense":
-        i = cfg.intermediate_size
-        return [
-            _linear(f"{prefix}.gate_proj", d, i),
-            _linear(f"{prefix}.up_proj", d, i),
-            _linear(f"{prefix}.down_proj", i, d),
-        ]
-    moe = cfg.moe
-    assert moe is not None, "the schema requires model.moe for moe layers"
-    e, f = moe.num_experts, moe.expert_intermediate_size
-    params = [
-        _linear(f"{prefix}.gate", d, e),
-        Param(f"{prefix}.{EXPERTS_MODULE}.w_gate_up", (e, 2 * f, d), is_expert=True),
-        Param(f"{prefix}.{EXPERTS_MODULE}.w_down", (e, d, f), is_expert=True),
-    ]
-    fs = moe.shared_expert_intermediate_size
-    if fs:
-        params += [
-            _linear(f"{prefix}.shared_expert.gate_proj", d, fs),
-            _linear(f"{prefix}.shared_expert.up_proj", d, fs),
-            _linear(f"{prefix}.shared_expert.down_proj", fs, d),
-        ]
-        if moe.shared_expert_gate:
-            params.append(_linear(f"{prefix}.shared_expert_gate", d, 1))
-    return params
-
-
 def model_parameters(cfg: ModelProfile) -> list[Param]:
-    """Every parameter of `build_model(cfg)` with its name and shape, from the profile alone."""
-    d = cfg.hidden_size
-    params = [Param("embed_tokens.weight", (cfg.vocab_size, d))]
-    for i, spec in enumerate(cfg.layers):
-        layer = f"layers.{i}"
-        params.append(_norm(f"{layer}.input_layernorm", d))
-        params += _token_mixer(cfg, spec, f"{layer}.self_attn")
-        params.append(_norm(f"{layer}.post_attention_layernorm", d))
-        params += _channel_mixer(cfg, spec, f"{layer}.mlp")
-    params += [_norm("norm", d), _linear("lm_head", d, cfg.vocab_size)]
-    return params
+    """Every parameter of `build_model(cfg)` with its name and shape: the model built on the meta device."""
+    import torch
+    from torch import nn
+
+    from moe_tune.engine.model.model import MoECausalLM
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    with torch.device("meta"):
+        model = MoECausalLM(cfg)
+    linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    experts = {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, GroupedExperts)
+               for p, _ in m.named_parameters()}
+    return [Param(name, tuple(p.shape), is_expert=name in experts, is_linear=name in linear)
+            for name, p in model.named_parameters()]
 
 
 def _module_paths(params: list[Param]) -> list[str]:

@@ -207,3 +207,17 @@ def test_chunk_constant_matches_the_kernel():
     from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE
 
     assert LINEAR_ATTENTION_CHUNK == DEFAULT_CHUNK_SIZE
+
+
+@pytest.mark.parametrize("builder", ["tiny_qwen4_exp", "tiny_deepseek_v32", "tiny_qwen3_5_moe"])
+def test_model_parameters_match_models_read_from_checkpoints(builder, tmp_path):
+    # Hyper-connections, n-gram tables, QSA and DSA indexers, MLA, the vision tower: every block kind counts exactly.
+    import hf_tiny
+
+    from moe_tune.engine.families import model_profile_from_checkpoint
+    from moe_tune.engine.model.model import build_model
+
+    checkpoint = hf_tiny.save_tiny_checkpoint(getattr(hf_tiny, builder)(), tmp_path / builder)
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    built = {name: tuple(p.shape) for name, p in build_model(cfg).named_parameters()}
+    assert {p.name: p.shape for p in model_parameters(cfg)} == built

@@ -201,3 +201,20 @@ def test_fused_expert_layout_matches_reference(checkpoint, reference, tmp_path):
     docs = documents((23, 9), VOCAB)
     with torch.no_grad():
         assert_matches(run_ours(load_ours(tmp_path), docs), run_reference(reference, docs))
+
+
+def test_fused_experts_read_only_this_ranks_rows(tmp_path):
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.families.checkpoint import CheckpointReader
+    from moe_tune.engine.families.qwen3_next import fused_or_per_expert
+
+    full = torch.arange(6 * 4 * 3, dtype=torch.float32).view(6, 4, 3)
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": full}, str(tmp_path / "model.safetensors"))
+    rank_experts = SimpleNamespace(first_expert=2, num_experts=3)  # the experts of rank 1 of 2 (E=6)
+    recipe = fused_or_per_expert("layers.0.mlp.experts.w_gate_up", rank_experts, "model.")
+    with CheckpointReader(tmp_path) as reader:
+        assert torch.equal(recipe(reader), full[2:5])
+        assert reader.read == {"model.layers.0.mlp.experts.gate_up_proj"}
