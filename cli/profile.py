@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
+from ._common import SetOption, fail, read_profile, user_errors
 
 app = typer.Typer()
 

@@ -102,6 +102,20 @@ class Document:
         return len(self.input_ids)
 
 
+def pack_documents(docs: list[Document]):
+    """Documents side by side in one row as our model takes them: input_ids [1, T], cu_seqlens [N + 1], next-token
+    labels [1, T] (-100 at each document's last token), and the images' pixel_values / image_grid_thw (or {})."""
+    ids = torch.cat([d.input_ids for d in docs])[None]
+    cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0).to(torch.int32)
+    labels = torch.cat([torch.cat([d.input_ids[1:], torch.tensor([-100])]) for d in docs])[None]
+    images = {}
+    with_images = [d for d in docs if d.pixel_values is not None]
+    if with_images:
+        images = {"pixel_values": torch.cat([d.pixel_values for d in with_images]),
+                  "image_grid_thw": torch.cat([d.image_grid_thw for d in with_images])}
+    return ids, cu, labels, images
+
+
 def default_documents(cfg: ModelProfile, lengths: tuple[int, ...] = (23, 9, 14), seed: int = 0) -> list[Document]:
     """Three random documents; with a vision tower the last two carry one and two images (random patches) between
     random text, so the comparison covers text-only and image rows packed together."""
@@ -456,14 +470,8 @@ def align_checkpoint(
         for block, routes in zip(moe_blocks, ref_routes):
             block.pinned_topk_ids = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])
 
-    ids = torch.cat([d.input_ids for d in docs])[None]
-    cu = torch.tensor([0] + [len(d) for d in docs], dtype=torch.int32).cumsum(0).to(torch.int32)
-    labels = torch.cat([torch.cat([d.input_ids[1:], torch.tensor([-100])]) for d in docs])[None]
-    images = {}
-    with_images = [d for d in docs if d.pixel_values is not None]
-    if with_images:
-        images = {"pixel_values": torch.cat([d.pixel_values for d in with_images]),
-                  "image_grid_thw": torch.cat([d.image_grid_thw for d in with_images])}
+    ids, cu, labels, images = pack_documents(docs)
+    with_images = bool(images)
     our_hidden, handles = _capture(our_layers, family.our_layer_output)
     our_embeds, embed_handles = _capture_inputs(our_layers[0], cfg.hidden_size)
     our_vision, vision_handles = [], []

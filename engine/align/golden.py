@@ -16,19 +16,12 @@ from torch import nn
 
 from moe_tune.engine.families import UnsupportedModel
 
-from .compare import AlignReport, Document, Row, Tolerances, _row
+from .compare import AlignReport, Document, Row, Tolerances, _row, pack_documents
 
 
 def trace(model: nn.Module, docs: list[Document]) -> dict[str, torch.Tensor]:
     """Run `model` (ours, eval mode) on the documents packed in one row; return the trace tensors."""
-    ids = torch.cat([d.input_ids for d in docs])[None]
-    cu = torch.tensor([0] + [len(d) for d in docs]).cumsum(0).to(torch.int32)
-    labels = torch.cat([torch.cat([d.input_ids[1:], torch.tensor([-100])]) for d in docs])[None]
-    images = {}
-    with_images = [d for d in docs if d.pixel_values is not None]
-    if with_images:
-        images = {"pixel_values": torch.cat([d.pixel_values for d in with_images]),
-                  "image_grid_thw": torch.cat([d.image_grid_thw for d in with_images])}
+    ids, cu, labels, images = pack_documents(docs)
     hidden: list[torch.Tensor] = []
     handles = [layer.register_forward_hook(lambda _m, _i, out: hidden.append(out[0][0].detach())) for layer in model.layers]
     try:

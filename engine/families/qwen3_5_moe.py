@@ -30,6 +30,23 @@ from .qwen3_next import Qwen3Next, grouped_rows, hybrid_profile, shared_linear_a
 from .vision import vision_recipe, with_vision
 
 
+def nested_text_config(config: dict[str, Any], model_type: str) -> HFConfig:
+    """The language model's config of a vision-language checkpoint (text_config), checked against the top level."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        c = HFConfig({}, prefix="text_config.")
+        c.problems.append(f"config.json: text_config is missing (a {model_type} config holds the language model there)")
+        return c
+    c = HFConfig(text, prefix="text_config.")
+    top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
+    if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):
+        c.problems.append(
+            f"config.json: tie_word_embeddings ({top_tie!r}) is not mapped: must equal "
+            f"text_config.tie_word_embeddings ({text_tie!r})"
+        )
+    return c
+
+
 class Qwen3_5Moe(Qwen3Next):
     """The vision-language checkpoint: its language model and its vision tower."""
 
@@ -42,13 +59,7 @@ class Qwen3_5Moe(Qwen3Next):
     key_prefix = "model.language_model."
 
     def text_config(self, config: dict[str, Any]) -> HFConfig:
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            c = HFConfig({}, prefix="text_config.")
-            c.problems.append(
-                "config.json: text_config is missing (a qwen3_5_moe config holds the language model there)"
-            )
-            return c
+        return nested_text_config(config, "qwen3_5_moe")
         c = HFConfig(text, prefix="text_config.")
         top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
         if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):

@@ -35,21 +35,23 @@ LAYER_KINDS = {"linear_attention": "linear", "full_attention": "full"}
 _LINEAR_PARAM = re.compile(r"layers\.(\d+)\.self_attn\.(.+)")
 
 
-def layer_types(c: HFConfig, num_layers: int) -> list[str]:
-    """config.layer_types, or the pattern transformers derives from full_attention_interval (every n-th layer
-    full, default 4) when a config predates layer_types."""
+def layer_types(
+    c: HFConfig, num_layers: int, known: dict[str, str] = LAYER_KINDS, periodic: str = "full_attention"
+) -> list[str]:
+    """config.layer_types, each checked against `known`, or the pattern transformers derives from
+    full_attention_interval (every n-th layer `periodic`, default 4, the rest linear) when a config has none."""
     types = c.get("layer_types")
     if types is None:
         interval = c.get("full_attention_interval", 4)
-        return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+        return [periodic if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
     if len(types) != num_layers:
         c.problems.append(
             f"config.json: {c.prefix}layer_types has {len(types)} entries, num_hidden_layers is {num_layers}"
         )
     for i, kind in enumerate(types):
-        if kind not in LAYER_KINDS:
+        if kind not in known:
             c.problems.append(
-                f"config.json: {c.prefix}layer_types[{i}] ({kind!r}) is not mapped: must be one of {list(LAYER_KINDS)}"
+                f"config.json: {c.prefix}layer_types[{i}] ({kind!r}) is not mapped: must be one of {list(known)}"
             )
     return list(types)
 

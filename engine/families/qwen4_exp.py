@@ -44,7 +44,8 @@ from moe_tune.profiles.schema import LayerSpec, LinearAttentionSpec, ModelProfil
 
 from .base import Family, HFConfig, Recipe, UnsupportedModel, take
 from .qwen3_moe import qwen_recipe
-from .qwen3_next import grouped_rows, shared_linear_attention_recipe
+from .qwen3_5_moe import nested_text_config
+from .qwen3_next import grouped_rows, layer_types, shared_linear_attention_recipe
 from .vision import vision_recipe, with_vision
 
 # transformers' layer_types and our token mixers; real checkpoints say full_attention for the indexed layers.
@@ -70,24 +71,6 @@ NGRAM_NAMES = {
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.([a-z_]+)\.(.+)")
 
 
-def layer_types(c: HFConfig, num_layers: int) -> list[str]:
-    """config.layer_types, or transformers' default (every full_attention_interval-th layer indexed, default 4)."""
-    types = c.get("layer_types")
-    if types is None:
-        interval = c.get("full_attention_interval", 4)
-        return ["indexed_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if len(types) != num_layers:
-        c.problems.append(
-            f"config.json: {c.prefix}layer_types has {len(types)} entries, num_hidden_layers is {num_layers}"
-        )
-    for i, kind in enumerate(types):
-        if kind not in LAYER_KINDS:
-            c.problems.append(
-                f"config.json: {c.prefix}layer_types[{i}] ({kind!r}) is not mapped: must be one of {list(LAYER_KINDS)}"
-            )
-    return list(types)
-
-
 class Qwen4Exp(Family):
     """The vision-language checkpoint: its language model and its vision tower (engine/families/vision.py)."""
 
@@ -100,11 +83,7 @@ class Qwen4Exp(Family):
     key_prefix = "model.language_model."
 
     def text_config(self, config: dict[str, Any]) -> HFConfig:
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            c = HFConfig({}, prefix="text_config.")
-            c.problems.append("config.json: text_config is missing (a qwen4_exp config holds the language model there)")
-            return c
+        return nested_text_config(config, "qwen4_exp")
         c = HFConfig(text, prefix="text_config.")
         top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
         if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):
@@ -122,7 +101,7 @@ class Qwen4Exp(Family):
         c.expect("attention_dropout", [0, 0.0], 0.0, why="moe-tune has no attention dropout")
         num_layers = c.require("num_hidden_layers") or 0
         # None: a layer type we do not map (reported).
-        kinds = [LAYER_KINDS.get(kind) for kind in layer_types(c, num_layers)]
+        kinds = [LAYER_KINDS.get(kind) for kind in layer_types(c, num_layers, LAYER_KINDS, "indexed_attention")]
         ngram_layers = self._ngram_layers(c, kinds)
         head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // (c.get("num_attention_heads") or 1)
         sparse = self._sparse_attention(c, int(head_dim * c.partial_rotary_factor())) if "qsa" in kinds else None

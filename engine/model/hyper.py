@@ -25,7 +25,7 @@ from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
 from .attention import TOKEN_MIXERS, PackedBatch
 from .blocks import GroupedRMSNorm
-from .moe import DenseMLP, MoEBlock
+from .moe import channel_mixer
 from .ngram import NGramInjection
 
 
@@ -75,13 +75,7 @@ class HyperDecoderLayer(nn.Module):
         self.attn_hyper_connection = HyperConnection(cfg)
         self.self_attn = TOKEN_MIXERS[spec.attention](cfg)
         self.mlp_hyper_connection = HyperConnection(cfg)
-        if spec.mlp == "moe":
-            assert cfg.moe is not None, "the schema requires model.moe for moe layers"
-            self.mlp: nn.Module = MoEBlock(cfg.hidden_size, cfg.moe, layout, layer_index=index)
-            self.aux_loss_coef = cfg.moe.aux_loss_coef
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-            self.aux_loss_coef = 0.0
+        self.mlp, self.aux_loss_coef = channel_mixer(cfg, spec, layout, index)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [1, T, S * D] streams -> (streams, weighted aux loss)."""

@@ -18,7 +18,7 @@ from moe_tune.profiles.schema import LayerSpec, ModelProfile
 from .attention import TOKEN_MIXERS, PackedBatch, init_token_mixer
 from .blocks import RMSNorm, document_ids, document_positions
 from .hyper import HyperConnection, HyperDecoderLayer
-from .moe import DenseMLP, MoEBlock, init_moe
+from .moe import channel_mixer, init_moe
 from .ngram import init_ngram
 from .vision import VisionTower, mrope_positions
 
@@ -40,13 +40,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.self_attn = TOKEN_MIXERS[spec.attention](cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
-        if spec.mlp == "moe":
-            assert cfg.moe is not None, "the schema requires model.moe for moe layers"
-            self.mlp: nn.Module = MoEBlock(cfg.hidden_size, cfg.moe, layout, layer_index=index)
-            self.aux_loss_coef = cfg.moe.aux_loss_coef
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-            self.aux_loss_coef = 0.0
+        self.mlp, self.aux_loss_coef = channel_mixer(cfg, spec, layout, index)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), batch)

@@ -148,6 +148,15 @@ class DenseMLP(SwiGLU):
         return super().forward(x), x.new_zeros((), dtype=torch.float32)
 
 
+def channel_mixer(cfg, spec, layout: ExpertLayout | None, index: int) -> tuple[nn.Module, float]:
+    """A decoder layer's channel mixer as its LayerSpec says (routed experts or a dense SwiGLU), and the weight of
+    its aux loss."""
+    if spec.mlp == "moe":
+        assert cfg.moe is not None, "the schema requires model.moe for moe layers"
+        return MoEBlock(cfg.hidden_size, cfg.moe, layout, layer_index=index), cfg.moe.aux_loss_coef
+    return DenseMLP(cfg.hidden_size, cfg.intermediate_size), 0.0
+
+
 def init_moe(module: nn.Module, std: float, seed: int) -> None:
     if isinstance(module, GroupedExperts):
         module.reset_parameters(std, seed)
