@@ -55,6 +55,10 @@ def finetune(
     console.print(f"checkpoint:  {result.checkpoint}")
     if result.adapter:
         console.print(f"adapter:     {result.adapter}")
+    if result.transformers_adapter:
+        console.print(f"for transformers + PEFT on the checkpoint: {result.transformers_adapter}")
+    elif result.transformers_adapter_problem:
+        console.print(f"no adapter for transformers: {result.transformers_adapter_problem}")
     if result.weights:
         console.print(f"weights:     {result.weights}")
     console.print(f"ds config:   {result.deepspeed_config}")

@@ -4,6 +4,7 @@ Outputs in profile.output.dir:
   profile.yaml             the resolved profile          deepspeed_config.json  the DeepSpeed config used
   metrics.jsonl            one record per step           tensorboard/           events (if installed)
   checkpoints/step-N/      atomic, resumable             adapter/               PEFT adapter (LoRA runs)
+  adapter-transformers/    the adapter for transformers + PEFT on the checkpoint (runs from a checkpoint)
   model.safetensors        all weights (full fine-tune)  merged.safetensors     adapters merged (save_merged)
   summary.json             losses, timings, paths
 Every export is consolidated into the single-process layout, whatever the expert-parallel layout of the run.
@@ -43,6 +44,9 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
     adapter: Path | None = None
+    # Checkpoint models: the adapter renamed for transformers + PEFT on the checkpoint, or why it could not be.
+    transformers_adapter: Path | None = None
+    transformers_adapter_problem: str | None = None
     weights: Path | None = None
     metrics: Path | None = None
     deepspeed_config: Path | None = None
@@ -195,10 +199,11 @@ def _gathered_state(module: torch.nn.Module, only_trainable: bool, layout: Exper
 
 
 def export_weights(
-    engine, profile: JobProfile, out: Path, is_main: bool, layout: ExpertLayout
+    engine, profile: JobProfile, out: Path, is_main: bool, layout: ExpertLayout, result: RunResult
 ) -> tuple[Path | None, Path | None]:
     """Save the PEFT adapter (LoRA) or every weight as safetensors (full fine-tuning), consolidated into the
-    single-process layout. Returns (adapter, weights)."""
+    single-process layout; for a checkpoint model also the adapter as transformers + PEFT load it on the
+    checkpoint (result.transformers_adapter). Returns (adapter, weights)."""
     module = engine.module
     from safetensors.torch import save_file
 
@@ -207,6 +212,8 @@ def export_weights(
         adapter_dir = out / "adapter"
         if is_main:
             module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
+            if profile.model.checkpoint is not None:
+                _export_for_transformers(module, state, profile, out, result)
         if profile.output.save_merged:
             full_state = _gathered_state(module, only_trainable=False, layout=layout)
             # Buffers (the experts' selection biases) are replicated, not sharded: take this rank's.
@@ -221,6 +228,28 @@ def export_weights(
     if is_main:
         _save_atomic(save_file, state, path, profile)
     return None, path
+
+
+def _export_for_transformers(module, state: dict[str, torch.Tensor], profile: JobProfile, out: Path, result) -> None:
+    """out/adapter-transformers: the adapter on the checkpoint's own module names (engine/families/export.py). A
+    model whose adapted layers have no place in the checkpoint's model gets the reason instead, not a failed run."""
+    from peft import get_peft_model_state_dict
+
+    from moe_tune.engine.families import UnsupportedModel, family_for
+    from moe_tune.engine.families.checkpoint import read_config
+    from moe_tune.engine.families.export import write_reference_adapter
+
+    cfg = profile.model
+    saved = get_peft_model_state_dict(module, state_dict=state)
+    try:
+        family = family_for(read_config(cfg.checkpoint))
+        result.transformers_adapter = write_reference_adapter(
+            module.base_model.model, saved, cfg, family, profile.lora, out / "adapter-transformers"
+        )
+    except UnsupportedModel as err:
+        result.transformers_adapter_problem = err.problems[0] + (
+            f" (and {len(err.problems) - 1} more)" if len(err.problems) > 1 else ""
+        )
 
 
 def _save_atomic(save_file, state: dict[str, torch.Tensor], path: Path, profile: JobProfile) -> None:
@@ -393,7 +422,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     if writer is not None:
         writer.close()
     if result.last_step == train.steps or result.interrupted_by:
-        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout)
+        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout, result)
     if dist.is_main:
         write_json_atomic(out / "summary.json", result.summary())
     return result

@@ -1,0 +1,139 @@
+"""A LoRA adapter trained on a checkpoint model, written so transformers + PEFT load it on the checkpoint itself.
+
+Our adapters sit on our module names; transformers' model has the checkpoint's. The family's recipes say where
+each of our weights comes from: an adapter on a linear layer whose weight is a checkpoint tensor taken as is
+(`take`) belongs on the transformers module holding that tensor; per-expert adapters become PEFT's
+`target_parameters` adapters on the fused `mlp.experts.gate_up_proj` / `down_proj` (A [E*r, in] with expert e in
+rows e*r.., B [out, r*E] with expert e in columns j*E + e). Adapters on layers the checkpoint stores fused with
+others (qwen3_next's in_proj_qkvz, say) have no such place: the export then names them and writes nothing.
+
+Shapes: E experts, r rank, F expert hidden dim, D model dim.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_tune.profiles.schema import ModelProfile
+
+from .base import Family, UnsupportedModel, take
+
+# Our grouped expert tensors and transformers' fused expert parameters, in the order PEFT nests their wrappers.
+EXPERT_PARAMS = (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj"))
+
+
+def reference_adapter(
+    module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The adapter `state` (our PEFT names, as save_pretrained writes them: `base_model.model.<module>.lora_A.weight`,
+    experts `...experts.lora_A.w_gate_up`) renamed and reshaped for the checkpoint's transformers model. `module` is
+    our model (the PeftModel's base model, any wrapper removed). Returns (state, target_modules, target_parameters).
+    UnsupportedModel lists every adapted layer that has no place in the checkpoint's model."""
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    modules = dict(module.named_modules())
+    out, targets, parameters, problems = {}, [], [], []
+    prefix = "base_model.model."
+    linear = {}
+    for key, tensor in state.items():
+        name = key.removeprefix(prefix)
+        if ".experts.lora_" in name:
+            continue
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}.weight"
+            if name.endswith(marker):
+                linear.setdefault(name.removesuffix(marker), {})[part] = tensor
+        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            problems.append(f"adapter tensor {name}: not a LoRA factor (modules_to_save has no place in the export)")
+    for our_name, factors in sorted(linear.items()):
+        base = modules.get(our_name)
+        recipe = family.recipe(f"{our_name}.weight", getattr(base, "base_layer", base), cfg) if base is not None else None
+        if not isinstance(recipe, take) or not recipe.key.endswith(".weight"):
+            problems.append(f"adapter on {our_name}: its weight is not one checkpoint tensor, so transformers has no "
+                            "module to carry it")
+            continue
+        ref_name = recipe.key.removesuffix(".weight")
+        targets.append(ref_name)
+        for part, tensor in factors.items():
+            out[f"{prefix}{ref_name}.{part}.weight"] = tensor
+    expert_names = sorted({k.removeprefix(prefix).split(".lora_")[0] for k in state if ".experts.lora_" in k})
+    for our_name in expert_names:
+        experts = modules.get(our_name)
+        experts = getattr(experts, "base_layer", experts)
+        if not isinstance(experts, GroupedExperts):
+            problems.append(f"adapter on {our_name}: not our grouped experts")
+            continue
+        ref_name = _reference_experts(family, our_name, experts, cfg)
+        if ref_name is None:
+            problems.append(f"adapter on {our_name}: the checkpoint's experts are not stored as one fused "
+                            "gate_up_proj / down_proj per layer that transformers would wrap")
+            continue
+        # PEFT nests one wrapper per targeted parameter, the first innermost: gate_up_proj under base_layer.
+        for depth, (ours, theirs) in enumerate(EXPERT_PARAMS):
+            a = state[f"{prefix}{our_name}.lora_A.{ours}"]  # [E, r, in]
+            b = state[f"{prefix}{our_name}.lora_B.{ours}"]  # [E, out, r]
+            where = f"{prefix}{ref_name}" + (".base_layer" if depth == 0 else "")
+            out[f"{where}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
+            out[f"{where}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+            parameters.append(f"{ref_name}.{theirs}")
+    if problems:
+        raise UnsupportedModel(problems)
+    return out, targets, parameters
+
+
+def _reference_experts(family: Family, our_name: str, experts: nn.Module, cfg: ModelProfile) -> str | None:
+    """The transformers module holding the fused experts of our layer: the checkpoint key prefix of the layer's
+    experts (per-expert keys `<prefix>.experts.{e}...` or fused `<prefix>.experts.gate_up_proj`), which
+    transformers 5 loads into one experts module with gate_up_proj [E, 2F, D] (gate rows first) and down_proj."""
+    probe = {}
+
+    def record(key: str) -> torch.Tensor:
+        probe.setdefault("key", key)
+        raise KeyError(key)
+
+    try:
+        family.recipe(f"{our_name}.w_gate_up", experts, cfg)(record)
+    except KeyError:
+        pass
+    key = probe.get("key")
+    if key is None or ".experts." not in key:
+        return None
+    return key.split(".experts.")[0] + ".experts"
+
+
+def write_reference_adapter(
+    module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family, lora, directory: Path
+) -> Path:
+    """Write the adapter for transformers + PEFT into `directory` (adapter_model.safetensors + adapter_config.json,
+    base_model_name_or_path the checkpoint), atomically: a temporary directory renamed at the end."""
+    from safetensors.torch import save_file
+
+    tensors, targets, parameters = reference_adapter(module, state, cfg, family)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(cfg.checkpoint),
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": targets,
+        "target_parameters": parameters or None,
+        "bias": "none",
+        "modules_to_save": None,
+    }
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    tmp.replace(directory)
+    return directory

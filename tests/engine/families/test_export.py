@@ -1,0 +1,56 @@
+"""The adapter trained on a checkpoint model loads in transformers + PEFT on the checkpoint itself and gives the
+logits of our model with the same adapter (attention and expert adapters); layers the checkpoint stores fused
+with others are named instead of exported wrongly."""
+
+import json
+
+import pytest
+import torch
+
+from moe_tune.engine.align.compare import load_ours, load_reference
+from moe_tune.engine.families import model_profile_from_checkpoint
+from moe_tune.engine.lora import load_adapter
+
+from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_moe, tiny_qwen3_next
+
+
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+@pytest.mark.parametrize(
+    "builder, targets",
+    [(tiny_qwen3_moe, ["q_proj", "k_proj", "v_proj", "o_proj"]), (tiny_deepseek_v3, MLA)],
+    ids=["qwen3_moe", "deepseek_v3"],
+)
+def test_adapter_loads_in_transformers_with_equal_logits(builder, targets, tmp_path, short_finetune):
+    from peft import PeftModel
+
+    checkpoint = save_tiny_checkpoint(builder(), tmp_path / "checkpoint")
+    # A large learning rate so the adapters move far from their no-op start.
+    result, _ = short_finetune(checkpoint, train={"steps": 3, "micro_batch_size": 2, "lr": 0.05},
+                               lora={"target_modules": targets})
+    exported = result.transformers_adapter
+    assert exported is not None and result.transformers_adapter_problem is None
+    config = json.loads((exported / "adapter_config.json").read_text())
+    assert config["target_parameters"]  # the experts' adapters, on transformers' fused expert parameters
+
+    family, _, cfg = model_profile_from_checkpoint(checkpoint)
+    ours = load_adapter(load_ours(cfg), result.adapter).eval()
+    reference = PeftModel.from_pretrained(load_reference(checkpoint, family), str(exported)).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits[0]
+        got = ours(ids, torch.tensor([0, 29], dtype=torch.int32)).logits[0]
+        base = load_ours(cfg)(ids, torch.tensor([0, 29], dtype=torch.int32)).logits[0]
+    assert (got - base).abs().max() > 1e-2  # the adapter changed the model
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_fused_checkpoint_projections_are_named_not_exported(tmp_path, short_finetune):
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_next(), tmp_path / "checkpoint")
+    # Adapters on the gated delta net's q_proj: qwen3_next stores it inside in_proj_qkvz.
+    result, _ = short_finetune(checkpoint, lora={"target_modules": ["q_proj"], "experts": False})
+    assert result.transformers_adapter is None
+    assert "self_attn.q_proj: its weight is not one checkpoint tensor" in result.transformers_adapter_problem
+    assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (result.output_dir / "adapter-transformers").exists()
