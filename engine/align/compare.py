@@ -298,7 +298,7 @@ def _lora_pairs(ours: nn.Module, cfg: ModelProfile, family: Family, targets: tup
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             recipe = family.recipe(f"{name}.weight", module, cfg)
             if isinstance(recipe, take) and recipe.key.endswith(".weight"):
-                pairs[name] = recipe.key.removesuffix(".weight")
+                pairs[name] = family.reference_name(recipe.key).removesuffix(".weight")
     return pairs
 
 

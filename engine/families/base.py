@@ -108,6 +108,18 @@ class Family:
         """The hidden state [1, T, D] after one of our decoder layers (they return (hidden, aux_loss))."""
         return output[0]
 
+    def reference_name(self, key: str) -> str:
+        """The name transformers gives the checkpoint tensor `key` once loaded: the key after transformers' own
+        renaming rules for this model type (kimi_linear's block_sparse_moe -> mlp, say); align pairs LoRA adapters
+        and the adapter export names modules through it."""
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        for rule in get_checkpoint_conversion_mapping(self.model_types[0]) or []:
+            if isinstance(rule, WeightRenaming):
+                key, _ = rule.rename_source_key(key)
+        return key
+
     def reference_kwargs(self) -> dict[str, Any]:
         """Extra from_pretrained arguments of the reference (fp32, eager attention and experts are always set)."""
         return {}

@@ -56,7 +56,7 @@ def reference_adapter(
             problems.append(f"adapter on {our_name}: its weight is not one checkpoint tensor, so transformers has no "
                             "module to carry it")
             continue
-        ref_name = recipe.key.removesuffix(".weight")
+        ref_name = family.reference_name(recipe.key).removesuffix(".weight")
         targets.append(ref_name)
         for part, tensor in factors.items():
             out[f"{prefix}{ref_name}.{part}.weight"] = tensor
@@ -102,7 +102,7 @@ def _reference_experts(family: Family, our_name: str, experts: nn.Module, cfg: M
     key = probe.get("key")
     if key is None or ".experts." not in key:
         return None
-    return key.split(".experts.")[0] + ".experts"
+    return family.reference_name(key.split(".experts.")[0] + ".experts.gate_up_proj").removesuffix(".gate_up_proj")
 
 
 def write_reference_adapter(
