@@ -4,8 +4,9 @@ Our adapters sit on our module names; transformers' model has the checkpoint's. 
 each of our weights comes from: an adapter on a linear layer whose weight is a checkpoint tensor taken as is
 (`take`) belongs on the transformers module holding that tensor; per-expert adapters become PEFT's
 `target_parameters` adapters on the fused `mlp.experts.gate_up_proj` / `down_proj` (A [E*r, in] with expert e in
-rows e*r.., B [out, r*E] with expert e in columns j*E + e). Adapters on layers the checkpoint stores fused with
-others (qwen3_next's in_proj_qkvz, say) have no such place: the export then names them and writes nothing.
+rows e*r.., B [out, r*E] with expert e in columns j*E + e); adapters on parts of one stored projection
+(qwen3_next's in_proj_qkvz) merge into one adapter on it. A layer with no such place makes the export name it and
+write nothing.
 
 Shapes: E experts, r rank, F expert hidden dim, D model dim.
 """
@@ -13,6 +14,7 @@ Shapes: E experts, r rank, F expert hidden dim, D model dim.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -28,11 +30,14 @@ EXPERT_PARAMS = (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj"))
 
 def reference_adapter(
     module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family
-) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+) -> tuple[dict[str, torch.Tensor], list[str], list[str], dict[str, int]]:
     """The adapter `state` (our PEFT names, as save_pretrained writes them: `base_model.model.<module>.lora_A.weight`,
     experts `...experts.lora_A.w_gate_up`) renamed and reshaped for the checkpoint's transformers model. `module` is
-    our model (the PeftModel's base model, any wrapper removed). Returns (state, target_modules, target_parameters).
-    UnsupportedModel lists every adapted layer that has no place in the checkpoint's model."""
+    our model (the PeftModel's base model, any wrapper removed). Adapters on several of our layers that read parts
+    of one stored projection (qwen3_next's in_proj_qkvz) become one adapter of rank m*r on it: A stacked, B placed
+    at each part's rows (zero elsewhere), alpha m*alpha so the scale alpha / r stays. Returns (state,
+    target_modules, target_parameters, {module: rank multiple}). UnsupportedModel lists every adapted layer that
+    has no place in the checkpoint's model."""
     from moe_tune.engine.model.moe import GroupedExperts
 
     modules = dict(module.named_modules())
@@ -49,9 +54,13 @@ def reference_adapter(
                 linear.setdefault(name.removesuffix(marker), {})[part] = tensor
         if not name.endswith((".lora_A.weight", ".lora_B.weight")):
             problems.append(f"adapter tensor {name}: not a LoRA factor (modules_to_save has no place in the export)")
+    fused: dict[str, list] = {}
     for our_name, factors in sorted(linear.items()):
         base = modules.get(our_name)
         recipe = family.recipe(f"{our_name}.weight", getattr(base, "base_layer", base), cfg) if base is not None else None
+        if hasattr(recipe, "row_indices") and recipe.key.endswith(".weight"):
+            fused.setdefault(recipe.key, []).append((recipe, factors))
+            continue
         if not isinstance(recipe, take) or not recipe.key.endswith(".weight"):
             problems.append(f"adapter on {our_name}: its weight is not one checkpoint tensor, so transformers has no "
                             "module to carry it")
@@ -60,6 +69,19 @@ def reference_adapter(
         targets.append(ref_name)
         for part, tensor in factors.items():
             out[f"{prefix}{ref_name}.{part}.weight"] = tensor
+    multiples = {}
+    for key, parts in sorted(fused.items()):
+        ref_name = family.reference_name(key).removesuffix(".weight")
+        a_parts = [factors["lora_A"] for _, factors in parts]
+        rank = a_parts[0].shape[0]
+        b = a_parts[0].new_zeros(parts[0][0].total_rows, rank * len(parts))
+        for j, (recipe, factors) in enumerate(parts):
+            b[recipe.row_indices(), j * rank : (j + 1) * rank] = factors["lora_B"]
+        out[f"{prefix}{ref_name}.lora_A.weight"] = torch.cat(a_parts)
+        out[f"{prefix}{ref_name}.lora_B.weight"] = b
+        targets.append(ref_name)
+        if len(parts) > 1:
+            multiples[ref_name] = len(parts)
     expert_names = sorted({k.removeprefix(prefix).split(".lora_")[0] for k in state if ".experts.lora_" in k})
     for our_name in expert_names:
         experts = modules.get(our_name)
@@ -82,7 +104,7 @@ def reference_adapter(
             parameters.append(f"{ref_name}.{theirs}")
     if problems:
         raise UnsupportedModel(problems)
-    return out, targets, parameters
+    return out, targets, parameters, multiples
 
 
 def _reference_experts(family: Family, our_name: str, experts: nn.Module, cfg: ModelProfile) -> str | None:
@@ -112,7 +134,7 @@ def write_reference_adapter(
     base_model_name_or_path the checkpoint), atomically: a temporary directory renamed at the end."""
     from safetensors.torch import save_file
 
-    tensors, targets, parameters = reference_adapter(module, state, cfg, family)
+    tensors, targets, parameters, multiples = reference_adapter(module, state, cfg, family)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -124,6 +146,10 @@ def write_reference_adapter(
         "target_parameters": parameters or None,
         "bias": "none",
         "modules_to_save": None,
+        # Fused projections carry several of our adapters: rank and alpha scaled alike (PEFT matches the keys as
+        # regexes against the end of module names).
+        "rank_pattern": {re.escape(name): lora.r * m for name, m in multiples.items()},
+        "alpha_pattern": {re.escape(name): lora.alpha * m for name, m in multiples.items()},
     }
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp")

@@ -160,19 +160,30 @@ class Qwen3Next(Family):
         return shared_linear_attention_recipe(param, layer)
 
 
-def grouped_rows(key: str, num_groups: int, sizes: list[int], part: int) -> Recipe:
-    """Rows of a projection stored as `num_groups` blocks of [part 0 | part 1 | ...] (`sizes` rows each): part
-    `part` of every block, blocks in order -> [num_groups * sizes[part], D]. A tensor of another row count comes
-    back whole, so the loader reports its shape against ours."""
+class grouped_rows:
+    """Recipe: rows of a projection stored as `num_groups` blocks of [part 0 | part 1 | ...] (`sizes` rows each):
+    part `part` of every block, blocks in order -> [num_groups * sizes[part], D]. A tensor of another row count
+    comes back whole, so the loader reports its shape against ours. The adapter export reads `row_indices`."""
 
-    def build(get) -> torch.Tensor:
-        w = get(key)
-        if w.dim() != 2 or w.shape[0] != num_groups * sum(sizes):
+    def __init__(self, key: str, num_groups: int, sizes: list[int], part: int):
+        self.key, self.num_groups, self.sizes, self.part = key, num_groups, list(sizes), part
+
+    def __call__(self, get) -> torch.Tensor:
+        w = get(self.key)
+        if w.dim() != 2 or w.shape[0] != self.num_groups * sum(self.sizes):
             return w
-        blocks = w.view(num_groups, sum(sizes), w.shape[-1]).split(sizes, dim=1)
-        return blocks[part].reshape(-1, w.shape[-1])
+        blocks = w.view(self.num_groups, sum(self.sizes), w.shape[-1]).split(self.sizes, dim=1)
+        return blocks[self.part].reshape(-1, w.shape[-1])
 
-    return build
+    def row_indices(self) -> torch.Tensor:
+        """Where our rows sit in the stored tensor: row i of ours is row row_indices()[i] of it."""
+        block, offset = sum(self.sizes), sum(self.sizes[: self.part])
+        within = torch.arange(self.sizes[self.part])
+        return torch.cat([g * block + offset + within for g in range(self.num_groups)])
+
+    @property
+    def total_rows(self) -> int:
+        return self.num_groups * sum(self.sizes)
 
 
 def fused_or_per_expert(name: str, module: nn.Module, prefix: str) -> Recipe:

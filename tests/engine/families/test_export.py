@@ -11,7 +11,7 @@ from moe_tune.engine.align.compare import load_ours, load_reference
 from moe_tune.engine.families import model_profile_from_checkpoint
 from moe_tune.engine.lora import load_adapter
 
-from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_moe, tiny_qwen3_next
+from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_5_moe_text, tiny_qwen3_moe, tiny_qwen3_next
 
 
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -63,11 +63,35 @@ def test_adapter_loads_in_transformers_with_equal_logits(builder, targets, tmp_p
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-def test_fused_checkpoint_projections_are_named_not_exported(tmp_path, short_finetune):
-    checkpoint = save_tiny_checkpoint(tiny_qwen3_next(), tmp_path / "checkpoint")
-    # Adapters on the gated delta net's q_proj: qwen3_next stores it inside in_proj_qkvz.
-    result, _ = short_finetune(checkpoint, lora={"target_modules": ["q_proj"], "experts": False})
+@pytest.mark.parametrize("builder", [tiny_qwen3_next, tiny_qwen3_5_moe_text], ids=["qwen3_next", "qwen3_5_moe"])
+def test_adapters_on_parts_of_fused_projections_merge(builder, tmp_path, short_finetune):
+    """Our gated delta net's q/k/v/z/b/a are parts of in_proj_qkvz / in_proj_ba (qwen3_next) or in_proj_qkv
+    (qwen3_5_moe): their adapters become one adapter of rank m*r on the stored projection, same logits."""
+    from peft import PeftModel
+
+    checkpoint = save_tiny_checkpoint(builder(), tmp_path / "checkpoint")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "z_proj", "b_proj", "a_proj"]
+    result, _ = short_finetune(checkpoint, train={"steps": 3, "micro_batch_size": 2, "lr": 0.05},
+                               lora={"target_modules": targets, "experts": False})
+    assert result.transformers_adapter is not None, result.transformers_adapter_problem
+    config = json.loads((result.transformers_adapter / "adapter_config.json").read_text())
+    assert any("in_proj_qkv" in name for name in config["rank_pattern"])
+    family, _, cfg = model_profile_from_checkpoint(checkpoint)
+    ours = load_adapter(load_ours(cfg), result.adapter).eval()
+    reference = PeftModel.from_pretrained(load_reference(checkpoint, family), str(result.transformers_adapter)).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits[0]
+        got = ours(ids, torch.tensor([0, 29], dtype=torch.int32)).logits[0]
+        base = load_ours(cfg)(ids, torch.tensor([0, 29], dtype=torch.int32)).logits[0]
+    assert (got - base).abs().max() > 1e-2
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_modules_to_save_are_named_not_exported(tmp_path, short_finetune):
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), tmp_path / "checkpoint")
+    result, _ = short_finetune(checkpoint, lora={"modules_to_save": ["lm_head"]})
     assert result.transformers_adapter is None
-    assert "self_attn.q_proj: its weight is not one checkpoint tensor" in result.transformers_adapter_problem
+    assert "modules_to_save has no place in the export" in result.transformers_adapter_problem
     assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert not (result.output_dir / "adapter-transformers").exists()
