@@ -214,6 +214,16 @@ def profile(
     """Profile a training run (PROFILE) or time each fused op's forward and forward+backward (--kernels)."""
     if kernels == (profile_arg is not None):
         fail(["pass a PROFILE (time its training steps) or --kernels (time the fused ops), not both or neither"])
+    # Options of the other mode would be ignored silently (a --baseline that can never fail, say): refuse them.
+    other_mode = (
+        {"--ops": ops, "--shapes": None if shapes == "small" else shapes, "--baseline": baseline, "--plot": plot}
+        if profile_arg is not None
+        else {"--steps": None if steps == DEFAULT_STEPS else steps, "--set": overrides or None}
+    )
+    mode = "a PROFILE" if profile_arg is not None else "--kernels"
+    misplaced = [f"{name} ({value}) does not apply with {mode}" for name, value in other_mode.items() if value is not None]
+    if misplaced:
+        fail(misplaced)
     if profile_arg is not None:
         _profile_steps(profile_arg, overrides, steps, json_out)
         return

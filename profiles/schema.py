@@ -563,10 +563,10 @@ class MemoryProfile(Strict):
                     f"@activation_checkpointing (true) recomputes whole layers: @preset ('{self.preset}') must be "
                     "'none' with it"
                 )
-            chosen = [name for name in _OPERATOR_FIELDS if getattr(self, name) is not None]
+            chosen = [name for name in _OPERATOR_FIELDS + _TIER_FIELDS if getattr(self, name) is not None]
             for name in chosen:
                 problems.append(
-                    f"@{name} ('{getattr(self, name)}') must be unset with @activation_checkpointing (true), "
+                    f"@{name} ({getattr(self, name)!r}) must be unset with @activation_checkpointing (true), "
                     "which recomputes whole layers"
                 )
         _raise_if(problems)
@@ -574,6 +574,8 @@ class MemoryProfile(Strict):
 
 
 _OPERATOR_FIELDS = ("linear", "experts", "attention", "norm", "activation", "router")
+# The offload tier's settings: meaningless when whole layers are recomputed.
+_TIER_FIELDS = ("gpu_budget_gb", "prefetch_layers", "min_offload_mb")
 
 
 class TrainProfile(Strict):

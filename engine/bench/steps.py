@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,8 @@ class StepRunner:
     def __init__(self, profile: JobProfile):
         import deepspeed
 
-        from moe_tune.engine.data.dataset import PackedDataset, load_documents
+        import tempfile
+
         from moe_tune.engine.data.tokenizer import load_tokenizer
         from moe_tune.engine.memory import find_activation_memory
         from moe_tune.engine.parallel.expert_parallel import create_expert_layout
@@ -43,6 +45,7 @@ class StepRunner:
         from moe_tune.engine.train.ds_config import deepspeed_config
         from moe_tune.engine.train.trainer import (
             _quiet_third_party_noise,
+            build_dataset,
             build_trainable_model,
             check_world,
             lr_factor,
@@ -54,8 +57,9 @@ class StepRunner:
         self.dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
         torch.manual_seed(train.seed)
         tokenizer = load_tokenizer(profile.tokenizer)
-        self._documents, self._pad_id = load_documents(profile.data, tokenizer), tokenizer.pad_id
-        self.dataset = PackedDataset(self._documents, profile.data.seq_len, self._pad_id, profile.data.seed)
+        # Nothing is written to output.dir: a generated corpus goes to a directory that lives as long as the runner.
+        self._generated = tempfile.TemporaryDirectory(prefix="moe-tune-profile-")
+        self.dataset, _ = build_dataset(profile, tokenizer, Path(self._generated.name))
         check_world(profile, self.dist.world_size)
         layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
         ds_config = deepspeed_config(profile, self.dist.world_size)
@@ -73,7 +77,9 @@ class StepRunner:
 
     def step(self) -> dict[str, Any]:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
-        train, device = self.profile.train, self.dist.device
+        from moe_tune.engine.train.trainer import _update_moe_bias, micro_step
+
+        train = self.profile.train
         self.engine.train()
         self._sync()
         t0 = time.perf_counter()
@@ -83,15 +89,10 @@ class StepRunner:
                 self.steps_done * train.gradient_accumulation_steps + micro,
                 train.micro_batch_size, self.dist.rank, self.dist.world_size,
             )  # fmt: skip
-            out = self.engine(
-                input_ids=batch.input_ids.to(device),
-                cu_seqlens=batch.cu_seqlens.to(device),
-                labels=batch.labels.to(device),
-            )
-            self.engine.backward(out.loss)
-            self.engine.step()
+            out = micro_step(self.engine, batch, self.dist)
             losses.append(out.lm_loss.detach().float())
             tokens += batch.num_label_tokens
+        _update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
         loss = float(torch.stack(losses).mean())
         self._sync()
         step_time = time.perf_counter() - t0
@@ -105,7 +106,8 @@ class StepRunner:
         """Pack the same documents into rows of `seq_len` tokens from now on (the model does not change)."""
         from moe_tune.engine.data.dataset import PackedDataset
 
-        self.dataset = PackedDataset(self._documents, seq_len, self._pad_id, self.profile.data.seed)
+        d = self.dataset
+        self.dataset = PackedDataset(d.documents, seq_len, d.pad_id, d.seed, d.image_settings)
 
     def _sync(self) -> None:
         if self.is_cuda:

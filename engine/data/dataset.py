@@ -22,7 +22,7 @@ from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile, ModelProfile
 
 from .corpus import generate_corpus
-from .images import ImageError, ImageSettings, image_patches, load_image
+from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat
 from .shapes import write_shapes_corpus
 from .tokenizer import CHAT_TEMPLATE, Tokenizer
@@ -69,8 +69,9 @@ class Batch:
 class VisionInput:
     """What image records need from the model: its image processor settings and image token ids."""
 
-    settings: ImageSettings
+    settings: ImageSettings | None  # None: `problem` says why images cannot be read (text records still can)
     tokens: VisionTokens
+    problem: str | None = None
 
 
 def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
@@ -80,8 +81,17 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
     spec = model.vision
     if spec is None:
         return None
-    if model.checkpoint is not None and (model.checkpoint / "preprocessor_config.json").is_file():
-        settings = ImageSettings.from_checkpoint(model.checkpoint)
+    tokens = VisionTokens(spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
+    if model.checkpoint is not None:
+        config = model.checkpoint / "preprocessor_config.json"
+        # Normalisation and pixel bounds differ between checkpoints (CLIP's or 0.5 / 0.5): never guess them.
+        if not config.is_file():
+            return VisionInput(None, tokens, f"{config}: missing; image records need the checkpoint's image processor "
+                                             "settings")
+        try:
+            settings = ImageSettings.from_checkpoint(model.checkpoint)
+        except (ImageError, TypeError, ValueError) as err:
+            return VisionInput(None, tokens, f"{config}: unusable image processor settings ({err})")
     else:
         settings = ImageSettings(spec.patch_size, spec.temporal_patch_size, spec.spatial_merge_size)
     if (settings.patch_size, settings.temporal_patch_size, settings.merge_size) != (
@@ -96,14 +106,12 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
         updates["min_pixels"] = data.image_min_pixels
     if data.image_max_pixels is not None:
         updates["max_pixels"] = data.image_max_pixels
-    settings = dataclasses.replace(settings, **updates)
-    tokens = VisionTokens(spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
-    return VisionInput(settings, tokens)
+    return VisionInput(dataclasses.replace(settings, **updates), tokens)
 
 
 def _is_multimodal(record: dict, profile: DataProfile) -> bool:
     messages = record.get(profile.messages_field)
-    return "images" in record or (
+    return bool(record.get("images")) or (
         isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
     )
 
@@ -111,6 +119,8 @@ def _is_multimodal(record: dict, profile: DataProfile) -> bool:
 def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):
     if vision is None:
         raise ProfileError([f"{where}: the record has images but the model has no vision tower (model.vision)"])
+    if vision.settings is None:
+        raise ProfileError([f"{where}: {vision.problem}"])
     messages = record.get(profile.messages_field)
     images = record.get("images", [])
     if not isinstance(messages, list) or not all(
@@ -201,7 +211,10 @@ def load_documents(
                 continue
             where = f"{profile.path}:{line_no}"
             try:
-                documents.append(_record_document(json.loads(line), where, profile, tok, vision))
+                document = _record_document(json.loads(line), where, profile, tok, vision)
+                if vision is not None:
+                    _check_vision_tokens(document, vision, where)
+                documents.append(document)
             except json.JSONDecodeError as err:
                 problems.append(f"{where}: invalid JSON ({err.msg} at column {err.colno})")
             except ProfileError as err:
@@ -219,6 +232,18 @@ def load_documents(
     if not any(any(label != IGNORE_INDEX for label in d.labels) for d in documents):
         raise ProfileError([f"data.path ('{profile.path}') must hold at least one token to train on"])
     return documents
+
+
+def _check_vision_tokens(doc: Document, vision: VisionInput, where: str) -> None:
+    """The image token ids may appear only where images put them: a text that tokenises into them (a literal
+    `<|image_pad|>`) would meet no image, or the wrong one."""
+    t = vision.tokens
+    expected = sum(image_token_count(ref.grid, vision.settings) for ref in doc.images) if doc.images else 0
+    found = doc.input_ids.count(t.image)
+    starts, ends = doc.input_ids.count(t.start), doc.input_ids.count(t.end)
+    if found != expected or starts != len(doc.images) or ends != len(doc.images):
+        raise ProfileError([f"{where}: the text holds the image token ids ({t.image}, {t.start} or {t.end}) outside "
+                            f"its images ({found} image tokens for {len(doc.images)} images); remove them from the text"])
 
 
 def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]:

@@ -97,6 +97,11 @@ def load_image(path: Path):
     try:
         with Image.open(path) as img:
             img.load()
+            if "A" in img.getbands() or "transparency" in img.info:
+                # As transformers' convert_to_rgb: transparent pixels over white, not their hidden colour.
+                rgba = img.convert("RGBA")
+                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                return Image.alpha_composite(background, rgba).convert("RGB")
             return img.convert("RGB")
     except FileNotFoundError:
         raise ImageError(f"{path}: no such image file") from None

@@ -124,7 +124,9 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                     continue
                 _copy_into(target, value, name, problems)
         if check_unread:
-            ignore = getattr(family, "ignored_key_prefixes", ())
+            ignore = tuple(getattr(family, "ignored_key_prefixes", ()))
+            if cfg.tie_word_embeddings:
+                ignore += ("lm_head.weight",)  # a tied head some checkpoints store anyway: transformers ignores it too
             problems += [f"{cfg.checkpoint}: module not mapped: {p}" for p in reader.unread_patterns(ignore)]
     if problems:
         raise UnsupportedModel(problems)

@@ -136,9 +136,6 @@ class Family:
         raise NotImplementedError
 
 
-# ---- recipes shared by the families ----------------------------------------------------------------------
-
-
 class take:
     """Recipe: the checkpoint tensor `key` as it is. Align pairs our module with the reference's through it."""
 

@@ -30,6 +30,18 @@ from .qwen3_next import Qwen3Next, grouped_rows, hybrid_profile, shared_linear_a
 from .vision import vision_recipe, with_vision
 
 
+def split_qkv_recipe(param: str, layer: str, spec: LinearAttentionSpec) -> Recipe:
+    """Our gated delta net parameter `param` from the un-fused Qwen3.5 layout under `layer`: in_proj_qkv rows
+    [q | k | v], in_proj_z / in_proj_b / in_proj_a as they are."""
+    key_dim, value_dim = spec.num_key_heads * spec.key_head_dim, spec.num_value_heads * spec.value_head_dim
+    qkv_parts = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
+    if param in qkv_parts:
+        return grouped_rows(layer + "in_proj_qkv.weight", 1, [key_dim, key_dim, value_dim], qkv_parts[param])
+    if param in ("z_proj.weight", "b_proj.weight", "a_proj.weight"):
+        return take(layer + "in_proj_" + param[0] + ".weight")
+    return shared_linear_attention_recipe(param, layer)
+
+
 def nested_text_config(config: dict[str, Any], model_type: str) -> HFConfig:
     """The language model's config of a vision-language checkpoint (text_config), checked against the top level."""
     text = config.get("text_config")
@@ -60,14 +72,6 @@ class Qwen3_5Moe(Qwen3Next):
 
     def text_config(self, config: dict[str, Any]) -> HFConfig:
         return nested_text_config(config, "qwen3_5_moe")
-        c = HFConfig(text, prefix="text_config.")
-        top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
-        if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):
-            c.problems.append(
-                f"config.json: tie_word_embeddings ({top_tie!r}) is not mapped: must equal "
-                f"text_config.tie_word_embeddings ({text_tie!r})"
-            )
-        return c
 
     def to_profile(self, config: dict[str, Any]) -> ModelProfile:
         c = self.text_config(config)
@@ -82,13 +86,7 @@ class Qwen3_5Moe(Qwen3Next):
         return super().recipe(name, module, cfg)
 
     def linear_attention_recipe(self, param: str, layer: str, spec: LinearAttentionSpec) -> Recipe:
-        key_dim, value_dim = spec.num_key_heads * spec.key_head_dim, spec.num_value_heads * spec.value_head_dim
-        qkv_parts = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
-        if param in qkv_parts:
-            return grouped_rows(layer + "in_proj_qkv.weight", 1, [key_dim, key_dim, value_dim], qkv_parts[param])
-        if param in ("z_proj.weight", "b_proj.weight", "a_proj.weight"):
-            return take(layer + "in_proj_" + param[0] + ".weight")
-        return shared_linear_attention_recipe(param, layer)
+        return split_qkv_recipe(param, layer, spec)
 
 
 class Qwen3_5MoeText(Qwen3_5Moe):

@@ -44,8 +44,8 @@ from moe_tune.profiles.schema import LayerSpec, LinearAttentionSpec, ModelProfil
 
 from .base import Family, HFConfig, Recipe, UnsupportedModel, take
 from .qwen3_moe import qwen_recipe
-from .qwen3_5_moe import nested_text_config
-from .qwen3_next import grouped_rows, layer_types, shared_linear_attention_recipe
+from .qwen3_5_moe import nested_text_config, split_qkv_recipe
+from .qwen3_next import layer_types
 from .vision import vision_recipe, with_vision
 
 # transformers' layer_types and our token mixers; real checkpoints say full_attention for the indexed layers.
@@ -84,14 +84,6 @@ class Qwen4Exp(Family):
 
     def text_config(self, config: dict[str, Any]) -> HFConfig:
         return nested_text_config(config, "qwen4_exp")
-        c = HFConfig(text, prefix="text_config.")
-        top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
-        if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):
-            c.problems.append(
-                f"config.json: tie_word_embeddings ({top_tie!r}) is not mapped: must equal "
-                f"text_config.tie_word_embeddings ({text_tie!r})"
-            )
-        return c
 
     def to_profile(self, config: dict[str, Any]) -> ModelProfile:
         c = self.text_config(config)
@@ -260,13 +252,7 @@ class Qwen4Exp(Family):
         return qwen_recipe(name, module, prefix=prefix)
 
     def linear_attention_recipe(self, param: str, layer: str, spec: LinearAttentionSpec) -> Recipe:
-        key_dim, value_dim = spec.num_key_heads * spec.key_head_dim, spec.num_value_heads * spec.value_head_dim
-        qkv_parts = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
-        if param in qkv_parts:
-            return grouped_rows(layer + "in_proj_qkv.weight", 1, [key_dim, key_dim, value_dim], qkv_parts[param])
-        if param in ("z_proj.weight", "b_proj.weight", "a_proj.weight"):
-            return take(layer + "in_proj_" + param[0] + ".weight")
-        return shared_linear_attention_recipe(param, layer)
+        return split_qkv_recipe(param, layer, spec)
 
     def ngram_recipe(self, param: str, layer: str) -> Recipe:
         if param == "conv.weight":

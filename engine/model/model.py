@@ -155,7 +155,6 @@ class MoECausalLM(nn.Module):
         return x
 
 
-
 def build_model(
     cfg: ModelProfile, activation_checkpointing: bool = False, expert_layout: ExpertLayout | None = None
 ) -> MoECausalLM:

@@ -115,25 +115,33 @@ def mrope_positions(
     up on all three streams; the tokens of an image (a run of image_token_id, t * h * w / merge^2 of them) sit on
     its merged grid, offset by the position reached; after it the count resumes at that offset plus the larger
     side of the merged grid (the Qwen3.5 / Qwen4 convention)."""
-    ids = input_ids.reshape(-1).tolist()
+    ids = input_ids.reshape(-1)
+    is_image = (ids == image_token_id).cpu()
     out = torch.empty(3, len(ids), dtype=torch.long)
     grid_list = grids.tolist() if grids is not None else []
     next_image = 0
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
-        pos, i = 0, start
-        while i < end:
-            if ids[i] != image_token_id:
-                out[:, i] = pos
-                pos, i = pos + 1, i + 1
+        # Runs of text and of image tokens: text runs count up in one arange, image runs take their grid.
+        flags = is_image[start:end]
+        change = torch.nonzero(flags[1:] != flags[:-1]).flatten().add(1).tolist()
+        pos = 0
+        for a, b in zip([0] + change, change + [end - start]):
+            if not bool(flags[a]):
+                out[:, start + a : start + b] = torch.arange(pos, pos + b - a)
+                pos += b - a
                 continue
-            if next_image == len(grid_list):
-                raise ValueError(f"more runs of image tokens ({image_token_id}) in the row than images ({len(grid_list)})")
-            t, h, w = grid_list[next_image]
-            next_image += 1
-            gh, gw = h // merge, w // merge
-            count = t * gh * gw
-            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-            out[:, i : i + count] = torch.stack([tt, hh, ww]).reshape(3, -1) + pos
-            pos, i = pos + max(gh, gw), i + count
+            i = a
+            while i < b:
+                if next_image == len(grid_list):
+                    raise ValueError(
+                        f"more runs of image tokens ({image_token_id}) in the row than images ({len(grid_list)})"
+                    )
+                t, h, w = grid_list[next_image]
+                next_image += 1
+                gh, gw = h // merge, w // merge
+                count = t * gh * gw
+                tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+                out[:, start + i : start + i + count] = torch.stack([tt, hh, ww]).reshape(3, -1) + pos
+                pos, i = pos + max(gh, gw), i + count
     return out.to(input_ids.device)

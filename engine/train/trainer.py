@@ -302,7 +302,6 @@ def _quiet_third_party_noise() -> None:
 def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:
     import deepspeed
 
-    from moe_tune.engine.data.dataset import PackedDataset, load_documents, vision_input
     from moe_tune.engine.memory import find_activation_memory
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
@@ -316,12 +315,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         raise ProfileError(
             [f"model.vocab_size ({profile.model.vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"]
         )
-    vision = vision_input(profile.model, profile.data)
-    skipped: list[str] = []
-    documents = load_documents(profile.data, tokenizer, vision, skipped, generated_dir=out / "generated-data")
-    dataset = PackedDataset(
-        documents, profile.data.seq_len, tokenizer.pad_id, profile.data.seed, vision.settings if vision else None
-    )
+    dataset, skipped = build_dataset(profile, tokenizer, out / "generated-data")
 
     check_world(profile, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
@@ -375,11 +369,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 batch = dataset.micro_batch(
                     step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
                 )
-                out_ = engine(
-                    **batch.model_inputs(dist.device), loss_denominator=_loss_denominator(batch.num_label_tokens, dist)
-                )
-                engine.backward(out_.loss)
-                engine.step()
+                out_ = micro_step(engine, batch, dist)
                 lm_losses.append(out_.lm_loss.detach().float())
                 aux_losses.append(out_.aux_loss.detach().float())
                 tokens += batch.num_label_tokens
@@ -432,6 +422,27 @@ def _moe_blocks(engine) -> list:
     from moe_tune.engine.model.moe import MoEBlock
 
     return [m for m in engine.module.modules() if isinstance(m, MoEBlock)]
+
+
+def build_dataset(profile: JobProfile, tokenizer, generated_dir: Path):
+    """The profile's packed dataset (images included for models with a vision tower; the built-in shapes corpus
+    written under `generated_dir`), and the records left out for bad images."""
+    from moe_tune.engine.data.dataset import PackedDataset, load_documents, vision_input
+
+    vision = vision_input(profile.model, profile.data)
+    skipped: list[str] = []
+    documents = load_documents(profile.data, tokenizer, vision, skipped, generated_dir=generated_dir)
+    settings = vision.settings if vision is not None else None
+    return PackedDataset(documents, profile.data.seq_len, tokenizer.pad_id, profile.data.seed, settings), skipped
+
+
+def micro_step(engine, batch, dist: DistInfo):
+    """Forward, backward and DeepSpeed's step on one micro-batch (the optimizer steps at the accumulation
+    boundary); returns the model's output."""
+    out = engine(**batch.model_inputs(dist.device), loss_denominator=_loss_denominator(batch.num_label_tokens, dist))
+    engine.backward(out.loss)
+    engine.step()
+    return out
 
 
 def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:

@@ -40,9 +40,42 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_profile_of_the_multimodal_default_feeds_its_images(tmp_path, monkeypatch):
+    """tiny-vl: the generated pictures go to a temporary directory (nothing to output.dir) and reach the vision
+    tower (the profile path shares the trainer's data and step)."""
+    from moe_tune.engine.model.vision import VisionTower
+
+    grids = []
+    forward = VisionTower.forward
+    monkeypatch.setattr(VisionTower, "forward", lambda self, pixels, grid: grids.append(grid.tolist()) or
+                        forward(self, pixels, grid))  # fmt: skip
+    out = tmp_path / "steps.json"
+    result = runner.invoke(app, ["tiny-vl", "--steps", "1", "--set", "data.corpus_documents=8",
+                                 "--set", "train.micro_batch_size=2", "--set", f"output.dir={tmp_path / 'o'}",
+                                 "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["tokens_per_s"] > 0
+    # Pictures of 32-48 pixels in 4-pixel patches: grids of 8 to 12 a side (a blank stand-in would be 2 x 2).
+    assert any(h >= 8 for call in grids for _, h, _ in call)
+    assert not (tmp_path / "o").exists()
+
+
 def test_bad_memory_setting_is_one_line_exit_2():
     result = runner.invoke(app, ["tiny", "--set", "memory.norm=drop"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "error: memory.norm ('drop'): input should be 'save', 'recompute' or 'offload'"
     ]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tiny", "--baseline", "old.json"], "error: --baseline (old.json) does not apply with a PROFILE"),
+        (["--kernels", "--steps", "5"], "error: --steps (5) does not apply with --kernels"),
+    ],
+)
+def test_options_of_the_other_mode_are_refused(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(message)

@@ -147,3 +147,37 @@ def test_unreadable_preprocessor_config(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ImageError, match="preprocessor_config.json: cannot read the image processor settings"):
         ImageSettings.from_checkpoint(tmp_path)
+
+
+def test_transparent_images_are_composited_on_white_like_the_reference(tmp_path, reference_processor):
+    rng = np.random.default_rng(3)
+    rgba = rng.integers(0, 255, (40, 56, 4), dtype=np.uint8)
+    PIL.fromarray(rgba, mode="RGBA").save(tmp_path / "t.png")
+    reference_processor.save_pretrained(tmp_path)
+    image = load_image(tmp_path / "t.png")
+    expected = reference_processor(images=[PIL.open(tmp_path / "t.png")], return_tensors="pt")
+    patches, _ = image_patches(image, ImageSettings.from_checkpoint(tmp_path))
+    torch.testing.assert_close(patches, expected["pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_empty_images_list_is_a_text_record(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                "images": []}) + "\n")
+    (doc,) = load_documents(data_profile(path), ByteTokenizer(), None)
+    assert doc.images == ()
+
+
+def test_image_token_ids_in_text_are_refused(tmp_path):
+    # The byte tokenizer cannot produce id 300; a tokenizer can (a literal <|image_pad|>): simulated by a record of
+    # ids through a text tokenizer whose encode returns them.
+    class Tokens(ByteTokenizer):
+        def encode(self, text):
+            return super().encode(text.replace("PAD", "")) + ([TOKENS.image] if "PAD" in text else [])
+
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "PAD"}, {"role": "assistant", "content": "x"}]})
+                    + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path), Tokens(), vision())
+    assert err.value.problems[0].startswith(f"{path}:1: the text holds the image token ids (300, 301 or 302)")

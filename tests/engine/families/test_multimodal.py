@@ -113,13 +113,29 @@ def test_finetune_on_images_starts_at_the_reference_loss(checkpoint, tmp_path):
     from moe_tune.engine.data.tokenizer import load_tokenizer
     from moe_tune.engine.families import resolve_job
     from moe_tune.engine.train.trainer import finetune
-    from moe_tune.profiles import validate_profile
+    from moe_tune.profiles import ProfileError, validate_profile
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     data = write_image_records(tmp_path, 6)
+    raw = {
+        "name": "vl", "model": {"checkpoint": str(checkpoint)},
+        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 96},
+        "train": {"steps": 3, "micro_batch_size": 2, "lr": 1e-3},
+        "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
+    }
+    # Without the checkpoint's image processor settings, image records are refused, naming the file.
+    (checkpoint / "preprocessor_config.json").unlink(missing_ok=True)
+    job = resolve_job(validate_profile(raw))
+    with pytest.raises(ProfileError) as err:
+        load_documents(job.data, load_tokenizer("byte"), vision_input(job.model, job.data))
+    assert err.value.problems[0] == (f"{data}:1: {checkpoint / 'preprocessor_config.json'}: missing; image records "
+                                     "need the checkpoint's image processor settings")
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                             max_pixels=32 * 32).save_pretrained(checkpoint)
     job = resolve_job(validate_profile({
         "name": "vl", "model": {"checkpoint": str(checkpoint)},
-        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 96, "image_min_pixels": 16 * 16,
-                 "image_max_pixels": 32 * 32},
+        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 96},
         "train": {"steps": 3, "micro_batch_size": 2, "lr": 1e-3},
         "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
         "lora": {"vision_tower": "lora", "vision_merger": "trained"},
