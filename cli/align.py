@@ -41,6 +41,9 @@ def align(
     kl: Annotated[float, typer.Option(help="max mean KL(reference || moe-tune) of next-token distributions")] = 1e-6,
     loss_atol: Annotated[float, typer.Option(help="max abs difference of the loss")] = 1e-4,
     grad_rtol: Annotated[float, typer.Option(help="max relative difference of LoRA gradients")] = 1e-3,
+    hidden_rtol: Annotated[
+        float, typer.Option(help="max relative difference of each layer's hidden state (and the vision rows)")
+    ] = 1e-4,
 ) -> None:
     """Numerical alignment, layer by layer: hidden states, logits (max abs, cosine, KL), loss, LoRA gradients.
     Exit 0 within tolerance, 1 outside it, 2 on bad input."""
@@ -56,12 +59,14 @@ def align(
         problems.append("--pin-routing compares with the reference: it does not apply to --golden")
     if profile is not None and reference is not None:
         problems.append("--profile and --reference both name the model: give one")
-    for name, value in (("--logits-atol", logits_atol), ("--kl", kl), ("--loss-atol", loss_atol), ("--grad-rtol", grad_rtol)):
+    for name, value in (("--logits-atol", logits_atol), ("--kl", kl), ("--loss-atol", loss_atol),
+                        ("--grad-rtol", grad_rtol), ("--hidden-rtol", hidden_rtol)):
         if value < 0:
             problems.append(f"{name} ({value}) must be >= 0")
     if problems:
         fail(problems)
-    tolerances = Tolerances(logits_max_abs=logits_atol, kl=kl, loss_abs=loss_atol, lora_grad_rel=grad_rtol)
+    tolerances = Tolerances(logits_max_abs=logits_atol, kl=kl, loss_abs=loss_atol, lora_grad_rel=grad_rtol,
+                            hidden_rel=hidden_rtol)
     console = Console(highlight=False)
     with user_errors():
         if golden is not None:

@@ -30,6 +30,7 @@ class Tolerances:
     kl: float = 1e-6
     loss_abs: float = 1e-4
     lora_grad_rel: float = 1e-3  # max |g_ours - g_ref| / max |g_ref| per adapter tensor
+    hidden_rel: float = 1e-4  # per layer (and vision features, merged embeddings): max abs / max |reference|
 
 
 @dataclass
@@ -66,6 +67,9 @@ class AlignReport:
             out.append(f"KL {self.kl:.3g} > {tol.kl:g}")
         if not abs(self.loss_ours - self.loss_reference) <= tol.loss_abs:
             out.append(f"loss differs by {abs(self.loss_ours - self.loss_reference):.3g} > {tol.loss_abs:g}")
+        out += [
+            f"{row.name} rel {row.rel:.3g} > {tol.hidden_rel:g}" for row in self.layers if not row.rel <= tol.hidden_rel
+        ]
         out += [
             f"LoRA gradient {row.name} rel {row.rel:.3g} > {tol.lora_grad_rel:g}"
             for row in self.lora_grads

@@ -78,6 +78,10 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
     rope = c.get("rope_parameters") or {}
     partial_rotary_factor = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
     vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
+    # No defaults of our own for these: transformers' class defaults (2 KV heads, head_dim 256, a 512-wide shared
+    # expert) differ from the usual fallbacks, and configs saved by transformers always list them.
+    kv_heads, head_dim = c.require("num_key_value_heads"), c.require("head_dim")
+    shared = c.require("shared_expert_intermediate_size") if moe else 0
     c.raise_problems()
     try:
         return ModelProfile(
@@ -88,8 +92,8 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
                 for kind, is_moe_layer in zip(kinds, is_moe)
             ],
             num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or hidden // heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
             rope_theta=rope_theta,
             partial_rotary_factor=partial_rotary_factor,
@@ -109,7 +113,7 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
                 expert_intermediate_size=moe["moe_intermediate_size"],
                 score_func="softmax",
                 renormalize=renormalize,
-                shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
+                shared_expert_intermediate_size=shared,
                 shared_expert_gate=True,
             ) if moe else None,
             attention_output_gate=True,

@@ -95,7 +95,8 @@ class Qwen4Exp(Family):
         # None: a layer type we do not map (reported).
         kinds = [LAYER_KINDS.get(kind) for kind in layer_types(c, num_layers, LAYER_KINDS, "indexed_attention")]
         ngram_layers = self._ngram_layers(c, kinds)
-        head_dim = c.get("head_dim") or (c.get("hidden_size") or 0) // (c.get("num_attention_heads") or 1)
+        # No fallbacks of our own: transformers' class defaults differ from them, and its saved configs list these.
+        head_dim = c.require("head_dim") or 1
         sparse = self._sparse_attention(c, int(head_dim * c.partial_rotary_factor())) if "qsa" in kinds else None
         linear = self._linear_attention(c) if "linear" in kinds else None
         eos = c.get("eos_token_id")
@@ -103,11 +104,12 @@ class Qwen4Exp(Family):
         if not (isinstance(num_streams, int) and num_streams >= 2):
             c.problems.append(f"config.json: {c.prefix}hc_count ({num_streams!r}) is not mapped: must be an int >= 2")
         moe = {f: c.require(f) for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
-        shared = c.get("shared_expert_intermediate_size", 512)
+        shared = c.require("shared_expert_intermediate_size")
         # rope_type must be default. mrope_section / mrope_interleaved only matter when the three position streams
         # (time, height, width) differ, i.e. for image tokens; for text the multimodal rotary is the plain one.
         rope_theta, partial_rotary_factor = c.rope_theta(), c.partial_rotary_factor()
         vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
+        kv_heads = c.require("num_key_value_heads")
         c.raise_problems()
         # Sections as dicts, validated here: our own rules (e.g. budget / block size) come back as lines naming them.
         try:
@@ -119,7 +121,7 @@ class Qwen4Exp(Family):
                     for i, kind in enumerate(kinds)
                 ],
                 num_attention_heads=heads,
-                num_key_value_heads=c.get("num_key_value_heads", heads),
+                num_key_value_heads=kv_heads,
                 head_dim=head_dim,
                 rope_theta=rope_theta,
                 partial_rotary_factor=partial_rotary_factor,

@@ -163,3 +163,24 @@ def test_rotary_share_defaults_to_a_quarter(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     _, _, cfg = model_profile_from_checkpoint(tmp_path)
     assert cfg.partial_rotary_factor == 0.25
+
+
+def test_fields_without_a_safe_default_are_required(tiny_checkpoint):
+    # transformers' class defaults (2 KV heads, head_dim 256, a 512-wide shared expert) are not what a fallback
+    # would guess: a config without them is refused, naming each.
+    import json
+
+    from hf_tiny import tiny_qwen3_next
+
+    directory = tiny_checkpoint(tiny_qwen3_next())
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("head_dim", "num_key_value_heads", "shared_expert_intermediate_size"):
+        config.pop(key)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel) as err:
+        model_profile_from_checkpoint(directory)
+    assert err.value.problems == [
+        "config.json: num_key_value_heads is missing",
+        "config.json: head_dim is missing",
+        "config.json: shared_expert_intermediate_size is missing",
+    ]
