@@ -9,11 +9,13 @@ steps.sweep_lengths) and the pinned copy bandwidth of the machine.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from moe_tune.engine.bench.steps import pinned_copy_bandwidth, sweep_lengths
+from moe_tune.engine.memory.policy import PRESETS
 from moe_tune.profiles import load_profile
 
 PROFILE = "bench-qwen3-next"
@@ -24,13 +26,26 @@ TIMED_STEPS = 3
 LENGTHS = (32768, 49152, 65536, 98304, 131072, 196608, 262144)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line; argparse would print its usage block first.
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m moe_tune.engine.bench.memory_sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, metavar="OUT.json", help="where the preset's result is written")
+    parser.add_argument("preset", nargs="?", default="none", choices=list(PRESETS), metavar="PRESET",
+                        help=f"one of {', '.join(PRESETS)} (default: none)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=v",
+                        help="override a profile field (repeatable)")
+    # Intermixed: PRESET may come after the --set options.
+    return parser.parse_intermixed_args(argv)
+
+
 def main(argv: list[str]) -> None:
-    out, preset, overrides = Path(argv[0]), argv[1] if len(argv) > 1 else "none", []
-    rest = argv[2:]
-    for flag, value in zip(rest[::2], rest[1::2]):
-        if flag != "--set":
-            raise SystemExit(f"usage: {__doc__.strip().splitlines()[2].strip()}")
-        overrides.append(value)
+    args = parse_args(argv)
+    out, preset, overrides = args.out, args.preset, args.overrides
     profile = load_profile(PROFILE, [f"memory.preset={preset}", *overrides])
     result = sweep_lengths(
         profile, list(LENGTHS), TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True)

@@ -23,7 +23,7 @@ from moe_tune.profiles.schema import DataProfile, ModelProfile
 
 from .corpus import generate_corpus
 from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
-from .multimodal import ImageRef, VisionTokens, render_multimodal_chat
+from .multimodal import ImageRef, VisionTokens, render_multimodal_chat, render_templated_multimodal_chat
 from .shapes import write_shapes_corpus
 from .tokenizer import CHAT_TEMPLATE, Tokenizer
 
@@ -129,9 +129,15 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": ...}}"])
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
-    pieces, refs = render_multimodal_chat(
-        messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where
-    )
+    if getattr(tok, "has_chat_template", False):
+        # The checkpoint's own template, as its text chats: a model trained on it sees images in its format.
+        pieces, refs = render_templated_multimodal_chat(
+            messages, images, tok.render_chat, vision.settings, vision.tokens, profile.path.parent, where
+        )
+    else:
+        pieces, refs = render_multimodal_chat(
+            messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where
+        )
     ids = [tok.bos_id] if tok.bos_id is not None else []
     trained = [False] * len(ids)
     for piece, is_trained in pieces:

@@ -114,3 +114,48 @@ def render_multimodal_chat(
     if queue:
         raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
     return pieces, refs
+
+
+def render_templated_multimodal_chat(
+    messages: list[dict],
+    record_images: list,
+    render_chat,
+    settings: ImageSettings,
+    tokens: VisionTokens,
+    base_dir: Path,
+    where: str,
+) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
+    """Pieces of a chat with images rendered by the tokenizer's own chat template (`render_chat`, the checkpoint's:
+    it writes each image part as its vision-start, one image token and vision-end), each image token then widened to
+    the image's n tokens. The template must render one image token per image, else the record is refused."""
+    queue = list(record_images)
+    templated, refs = [], []
+    for message in messages:
+        parts = message_parts(message["content"], queue, where)
+        content = []
+        for kind, value in parts:
+            if kind == "text":
+                content.append({"type": "text", "text": value})
+                continue
+            path = Path(value) if Path(value).is_absolute() else base_dir / value
+            try:
+                refs.append(image_ref(path, settings))
+            except ImageError as err:
+                raise ImageError(f"{where}: {err}") from None
+            content.append({"type": "image"})
+        templated.append({"role": message["role"], "content": content})
+    if queue:
+        raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
+    pieces = render_chat(templated)
+    placed = sum(piece.count(tokens.image) for piece, _ in pieces)
+    if placed != len(refs):
+        raise ProfileError([f"{where}: the tokenizer's chat template renders {placed} image tokens ({tokens.image}) "
+                            f"for {len(refs)} images: it must render each image part as one"])
+    counts = iter([image_token_count(ref.grid, settings) for ref in refs])
+    widened = []
+    for piece, trained in pieces:
+        ids = []
+        for token in piece:
+            ids += [token] * next(counts) if token == tokens.image else [token]
+        widened.append((ids, trained and tokens.image not in piece))
+    return widened, refs

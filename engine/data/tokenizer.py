@@ -73,8 +73,12 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
     def render_chat(self, messages: list[dict]) -> list[tuple[list[int], bool]]:
-        if not getattr(self._tok, "chat_template", None):
+        if not self.has_chat_template:
             return render_plain_chat(self.encode, messages)
         # Render growing prefixes with the checkpoint's template; each message owns the tokens it adds.
         pieces, previous = [], []

@@ -21,7 +21,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import MemoryProfile
 
-from .policy import MemoryPolicy, operator_class, resolve_policy
+from .policy import BYTES_PER_GB, MemoryPolicy, operator_class, resolve_policy
 from .store import TieredStore, is_parameter
 
 # Where the manager hangs on the model (a plain attribute: not a submodule, not in the state dict).
@@ -46,7 +46,6 @@ class ActivationMemory:
         for layer in layers:
             # The decoder layer is the scope of the saved-tensor hooks, never a region itself.
             self._instrument(layer, "activation", inside_region=False, is_layer=True)
-
 
     def _instrument(self, module: nn.Module, parent_class: str, inside_region: bool, is_layer: bool = False) -> None:
         own = operator_class(module)
@@ -80,7 +79,6 @@ class ActivationMemory:
         if module in self._region_set and self._in_forward and _checkpoint_enabled(module):
             self._end_counting()
         self.store.klass = self._class_stack.pop()
-
 
     def _begin_counting(self) -> None:
         """Between a region's checkpoint hooks and its code: count what the checkpoint drops, then hand it on.
@@ -124,7 +122,6 @@ class ActivationMemory:
                 for buffer, value in saved:
                     buffer.copy_(value)
 
-
     def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor, batch):
         if index == 0:
             self.store.begin_forward(x.device)
@@ -142,7 +139,9 @@ class ActivationMemory:
         return out
 
     def step_metrics(self) -> dict[str, float | int | None]:
-        """Metrics since the last call, as flat `memory_*` keys of a metrics.jsonl record."""
+        """Metrics since the last call, as flat `memory_*` keys of a metrics.jsonl record. Bytes, counts and times
+        are summed over every forward and backward since then (a step's micro-batches); the hit rate and bandwidths
+        are over all of them; the host pool's size is its size now."""
         s = self.store.take_stats()
         record = {
             "memory_gpu_saved_bytes": s.gpu_bytes,
@@ -152,8 +151,8 @@ class ActivationMemory:
             "memory_recomputed_modules": self._region_runs,
             "memory_recomputations": self._recomputations,
             "memory_cache_hit_rate": s.hits / s.unpacks if s.unpacks else None,
-            "memory_d2h_gb_per_s": s.d2h_bytes / s.d2h_s / 1e9 if s.d2h_bytes and s.d2h_s > 0 else None,
-            "memory_h2d_gb_per_s": s.h2d_bytes / s.h2d_s / 1e9 if s.h2d_bytes and s.h2d_s > 0 else None,
+            "memory_d2h_gb_per_s": s.d2h_bytes / s.d2h_s / BYTES_PER_GB if s.d2h_bytes and s.d2h_s > 0 else None,
+            "memory_h2d_gb_per_s": s.h2d_bytes / s.h2d_s / BYTES_PER_GB if s.h2d_bytes and s.h2d_s > 0 else None,
             "memory_swap_wait_s": s.wait_s,
             "memory_host_pool_bytes": self.store.pool.capacity_bytes if self.store.pool is not None else 0,
         }

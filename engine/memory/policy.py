@@ -50,10 +50,6 @@ class MemoryPolicy:
     prefetch_layers: int
     min_offload_bytes: int
 
-    @property
-    def recomputed(self) -> tuple[str, ...]:
-        return tuple(name for name in OPERATOR_CLASSES if self.classes[name] == "recompute")
-
     def choice(self, operator_class: str) -> str:
         return self.classes[operator_class]
 

@@ -87,7 +87,9 @@ class Entry:
         self.refs = 1  # saves of this tensor whose unpack is still to come
         self.nbytes = t.numel() * t.element_size()
         self.size, self.stride, self.dtype, self.dev = t.shape, t.stride(), t.dtype, t.device
-        self.device: torch.Tensor | None = t
+        # Detached: an op that saves its own output would otherwise close a cycle the garbage collector cannot see
+        # through (t.grad_fn -> saved variable -> Entry -> t), leaking the graph when backward never runs.
+        self.device: torch.Tensor | None = t.detach()
         self.host: torch.Tensor | None = None
         self.out_event = None
         self.fetched: torch.Tensor | None = None
@@ -96,14 +98,14 @@ class Entry:
 
 @dataclass
 class StepStats:
-    """What the store did since the last `take_stats()`."""
+    """What the store did since the last `take_stats()`: sums over every forward and backward in that time (a
+    training step's micro-batches)."""
 
     gpu_bytes: int = 0  # saved tensors left on the device at the end of forward
     host_bytes: int = 0  # saved tensors copied to the host tier (offloaded or evicted by the budget)
     evicted_bytes: int = 0  # of host_bytes, those the budget moved
     host_bytes_by_class: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPERATOR_CLASSES, 0))
     gpu_bytes_by_class: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPERATOR_CLASSES, 0))
-    offloaded: int = 0  # tensors copied out
     unpacks: int = 0  # saved tensors backward asked for
     hits: int = 0  # of those, found on the device or already on their way back (prefetched)
     d2h_bytes: int = 0
@@ -122,7 +124,8 @@ class TieredStore:
         self.is_cuda: bool | None = None
         self.pool: HostPool | None = None
         self._streams = None
-        self._timings: list = []  # CUDA: (kind, start event, end event, bytes) read at take_stats()
+        # CUDA: (kind, start event, end event, bytes) of copies and waits not yet added to the stats.
+        self._timings: list = []
         self.stats = StepStats()
         self._begin_forward_state()
         self._live_host: weakref.WeakSet[Entry] = weakref.WeakSet()
@@ -136,13 +139,12 @@ class TieredStore:
         self._by_layer: dict[int, list[weakref.ref]] = defaultdict(list)
         self._prefetched: set[int] = set()
         self._backward_started: set[int] = set()
-        # Tensors copied out during the current layer, held until it ends: autograd may save the same tensor again,
-        # and only a live tensor object is recognised as the same (its memory is freed when the layer ends).
+        # Tensors saved during the current layer, held until it ends: autograd may save the same tensor again, and only
+        # a live tensor object is recognised as the same (the memory of those copied out is freed when the layer ends).
         self._held: list[torch.Tensor] = []
 
     def end_layer(self) -> None:
         self._held.clear()
-
 
     def begin_forward(self, device: torch.device) -> None:
         if self.pool is None:
@@ -157,12 +159,18 @@ class TieredStore:
             # Copies into reused slots must follow the last step's copies out of them.
             d2h, h2d = self._streams
             d2h.wait_stream(h2d)
+            # Timings of a forward whose stats are never taken (backward never ran) must not pile up.
+            self._add_timings(wait=False)
         self._begin_forward_state()
 
     def end_forward(self) -> None:
         """Forward is done: count what stays on the device, start bringing back the layers backward needs first."""
-        for ref, _, entry in self._by_id.values():
-            if entry.device is not None:
+        # From the per-layer list, not _by_id: a dead tensor's id() can be reused, which replaces its entry there.
+        for refs in self._by_layer.values():
+            for ref in refs:
+                entry = ref()
+                if entry is None or entry.device is None:
+                    continue
                 self.stats.gpu_bytes += entry.nbytes
                 self.stats.gpu_bytes_by_class[entry.klass] += entry.nbytes
         self._by_id.clear()
@@ -179,6 +187,7 @@ class TieredStore:
             known[2].refs += 1
             return known[2]
         entry = Entry(t, self.layer, self.klass)
+        self._held.append(t)
         self._by_id[id(t)] = (weakref.ref(t), t._version, entry)
         self._by_layer[self.layer].append(weakref.ref(entry))
         movable = (
@@ -205,7 +214,7 @@ class TieredStore:
 
     @torch.no_grad()
     def _copy_out(self, entry: Entry) -> None:
-        t = entry.device.detach()
+        t = entry.device
         slot = self.pool.take(entry.nbytes)
         host = torch.empty(0, dtype=entry.dtype).set_(
             slot.untyped_storage(), slot.storage_offset() // _itemsize(entry.dtype), entry.size, entry.stride
@@ -226,15 +235,11 @@ class TieredStore:
             t0 = time.perf_counter()
             host.copy_(t)
             self.stats.d2h_s += time.perf_counter() - t0
-        if entry.layer == self.layer:
-            self._held.append(entry.device)
         entry.host, entry.device = host, None
         self._live_host.add(entry)
         self.stats.host_bytes += entry.nbytes
         self.stats.host_bytes_by_class[entry.klass] += entry.nbytes
         self.stats.d2h_bytes += entry.nbytes
-        self.stats.offloaded += 1
-
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -310,19 +315,30 @@ class TieredStore:
 
     def take_stats(self) -> StepStats:
         """The stats since the last call (on CUDA this waits for the copies, to read their timings)."""
-        if self._timings:
-            torch.cuda.synchronize()
-            for kind, start, end, _ in self._timings:
-                seconds = start.elapsed_time(end) / 1e3
-                if kind == "d2h":
-                    self.stats.d2h_s += seconds
-                elif kind == "h2d":
-                    self.stats.h2d_s += seconds
-                else:
-                    self.stats.wait_s += seconds
-            self._timings = []
+        self._add_timings(wait=True)
         stats, self.stats = self.stats, StepStats()
         return stats
+
+    def _add_timings(self, wait: bool) -> None:
+        """Add the GPU time of the recorded copies and waits to the stats: all of them (wait: after a synchronize),
+        or those already finished."""
+        if not self._timings:
+            return
+        if wait:
+            torch.cuda.synchronize()
+        pending = []
+        for kind, start, end, nbytes in self._timings:
+            if not wait and not end.query():
+                pending.append((kind, start, end, nbytes))
+                continue
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "d2h":
+                self.stats.d2h_s += seconds
+            elif kind == "h2d":
+                self.stats.h2d_s += seconds
+            else:
+                self.stats.wait_s += seconds
+        self._timings = pending
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -181,3 +181,61 @@ def test_image_token_ids_in_text_are_refused(tmp_path):
     with pytest.raises(ProfileError) as err:
         load_documents(data_profile(path), Tokens(), vision())
     assert err.value.problems[0].startswith(f"{path}:1: the text holds the image token ids (300, 301 or 302)")
+
+
+CHAT_TEMPLATE_WITH_IMAGES = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %} {{ p['text'] }} {% endif %}"
+    "{% endfor %}{% endif %} <|im_end|> {% endfor %}"
+)
+
+
+def test_image_chats_use_the_checkpoints_chat_template(tmp_path):
+    """A tokenizer with a chat template renders image records through it (as the checkpoint's model was trained);
+    each image's single placeholder token is widened to its n tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {f"w{i}": i for i in range(300)} | {t: 300 + i for i, t in enumerate(specials)}
+    vocab |= {"<unk>": 305, "user": 306, "assistant": 307, "what": 308, "square": 309, "<s>": 310, "</s>": 311}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=specials)
+    tok.chat_template = CHAT_TEMPLATE_WITH_IMAGES
+    tok.save_pretrained(tmp_path / "tok")
+    write_image(tmp_path / "a.png", 24, 40)
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image> what"},
+                                             {"role": "assistant", "content": "square"}], "images": ["a.png"]}) + "\n")
+    (doc,) = load_documents(data_profile(path), load_tokenizer(str(tmp_path / "tok")), vision())
+    # <s> <|im_start|> user <|vision_start|> <|image_pad|> x 15 <|vision_end|> what <|im_end|> <|im_start|> ...
+    assert doc.input_ids[:4] == [310, 303, 306, TOKENS.start]
+    assert doc.input_ids[4:19] == [TOKENS.image] * 15 and doc.input_ids[19] == TOKENS.end
+    assert doc.input_ids[20:22] == [308, 304]
+    trained = [t for t, label in zip(doc.input_ids[1:] + [311], doc.labels) if label != -100]
+    assert 309 in trained and TOKENS.image not in trained
+
+
+def test_a_chat_template_that_drops_images_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1, "</s>": 2}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>")
+    tok.chat_template = "{% for m in messages %}hi {% endfor %}"
+    tok.save_pretrained(tmp_path / "tok")
+    write_image(tmp_path / "a.png", 16, 16)
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>"}], "images": ["a.png"]}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path), load_tokenizer(str(tmp_path / "tok")), vision())
+    assert err.value.problems == [f"{path}:1: the tokenizer's chat template renders 0 image tokens (300) for 1 images: "
+                                  "it must render each image part as one"]

@@ -2,6 +2,7 @@
 CPU, where offload goes to a second pooled buffer); the metrics count what the policy moved and recomputed; the
 budget sinks the coldest tensors first; the size threshold holds; it runs under ZeRO-3 with LoRA."""
 
+import gc
 import json
 import weakref
 
@@ -10,6 +11,7 @@ import torch
 
 from moe_tune.engine.lora import inject_lora
 from moe_tune.engine.memory import OPERATOR_CLASSES, PRESETS, find_activation_memory, resolve_policy
+from moe_tune.engine.memory import store as store_module
 from moe_tune.engine.memory.store import TieredStore
 from moe_tune.engine.model.blocks import RMSNorm
 from moe_tune.engine.model.model import build_model
@@ -236,16 +238,52 @@ def test_recomputing_the_router_counts_expert_loads_once(batch):
     assert all(torch.equal(a, b) for a, b in zip(loads, managed_loads))
 
 
-def test_host_pool_is_allocated_once_and_reused(batch):
+# Small enough that one step of the tiny model (about 460 KB offloaded) spans many chunks.
+SMALL_HOST_CHUNK_BYTES = 8 * 2**10
+
+
+def record_host_slots(monkeypatch) -> list[int]:
+    """The host address of every tensor the store copies out, in order."""
+    addresses = []
+    copy_out = TieredStore._copy_out
+
+    def recording(self, entry):
+        copy_out(self, entry)
+        addresses.append(entry.host.data_ptr())
+
+    monkeypatch.setattr(TieredStore, "_copy_out", recording)
+    return addresses
+
+
+def test_host_pool_is_allocated_once_and_reused(batch, monkeypatch):
+    monkeypatch.setattr(store_module, "HOST_CHUNK_BYTES", SMALL_HOST_CHUNK_BYTES)
+    addresses = record_host_slots(monkeypatch)
     model = managed_model("memory.preset=max-context", ALL_SIZES)
     memory = find_activation_memory(model)
-    capacities = []
+    capacities, slots = [], []
     for _ in range(3):
         loss_and_grads(model, batch)
         model.zero_grad()
         memory.step_metrics()
         capacities.append((memory.store.pool.allocations, memory.store.pool.capacity_bytes))
-    assert capacities[0][0] >= 1 and capacities == [capacities[0]] * 3
+        slots.append(addresses[:])
+        addresses.clear()
+    assert capacities[0][0] > 1 and capacities == [capacities[0]] * 3
+    # Every step copies into the same slots, in the same order.
+    assert slots[0] and slots == [slots[0]] * 3
+
+
+def test_forward_without_backward_leaves_nothing_alive(batch):
+    # Under `none` every saved tensor stays on the device: an entry holding its tensor with the tensor's autograd
+    # history would close a cycle (the op that saved its own output) that outlives the dropped output.
+    model = managed_model("memory.preset=none", ALL_SIZES)
+    store = find_activation_memory(model).store
+    out = model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
+    entries = [ref for refs in store._by_layer.values() for ref in refs]
+    assert sum(ref() is not None for ref in entries) > 0
+    del out
+    gc.collect()
+    assert sum(ref() is not None for ref in entries) == 0
 
 
 def store_with(**memory):

@@ -1,5 +1,6 @@
-"""Selective caching on a GPU: the copy to host runs on its own stream beside compute, the page-locked pool is
-allocated once and reused, and every preset trains like saving everything within bf16 tolerance.
+"""Selective caching on a GPU: the copy to host runs on its own stream beside compute and reads the tensor before
+its memory is reused, the page-locked pool is allocated once and reused, policies that only copy train bitwise like
+saving everything, and those that recompute within bf16 tolerance.
 
 Run on a GPU machine: pytest -m gpu tests/gpu/test_memory_gpu.py
 """
@@ -7,7 +8,8 @@ Run on a GPU machine: pytest -m gpu tests/gpu/test_memory_gpu.py
 import pytest
 import torch
 
-from moe_tune.engine.memory import PRESETS, find_activation_memory, resolve_policy
+from moe_tune.engine.memory import OPERATOR_CLASSES, find_activation_memory, resolve_policy
+from moe_tune.engine.memory import store as store_module
 from moe_tune.engine.memory.store import TieredStore
 from moe_tune.engine.train.trainer import build_trainable_model
 from moe_tune.profiles import load_profile
@@ -21,6 +23,17 @@ BF16_REL_TOL = 1e-2
 OVERLAP_BYTES = 256 * 2**20
 OVERLAP_GEMM = 8192
 OVERLAP_GEMMS = 50
+# Small enough that one step of the tiny model spans many chunks of the pinned pool.
+SMALL_HOST_CHUNK_BYTES = 64 * 2**10
+# Policies that only move saved tensors (to the host and back, or nowhere): the same kernels on the same values, so
+# the reference's loss and gradients bit for bit.
+COPY_ONLY = {
+    "none": ("memory.preset=none",),
+    "budget-0": ("memory.gpu_budget_gb=0",),
+    "offload-all": tuple(f"memory.{klass}=offload" for klass in OPERATOR_CLASSES),
+}
+# Policies that recompute, held to the bf16 tolerance.
+RECOMPUTING = {"balanced": ("memory.preset=balanced",), "max-context": ("memory.preset=max-context",)}
 
 
 def test_copy_out_runs_beside_compute():
@@ -48,6 +61,28 @@ def test_copy_out_runs_beside_compute():
     store.end_forward()
     back = store.unpack(entry)
     assert torch.equal(back, saved)
+
+
+def test_copy_out_reads_the_tensor_before_its_memory_is_reused():
+    # The saved tensor is freed when its layer ends, while its copy to the host may still be running: the caching
+    # allocator must not hand that memory to the compute stream (which would overwrite it) before the copy has read it.
+    store = TieredStore(resolve_policy(MemoryProfile(experts="offload", min_offload_mb=0)), num_layers=1)
+    device = torch.device("cuda")
+    store.begin_forward(device)
+    store.layer, store.klass = 0, "experts"
+    saved = torch.randn(OVERLAP_BYTES // 4, device=device)
+    expected = saved.clone()
+    torch.cuda.synchronize()
+    entry = store.pack(saved)
+    del saved
+    store.end_layer()
+    # Allocated and written on the compute stream at once, while the copy runs: the freed memory would be the first
+    # the allocator hands out if the copy's stream did not hold it.
+    torch.empty_like(expected).fill_(float("nan"))
+    store.end_forward()
+    back = store.unpack(entry)
+    torch.cuda.synchronize()
+    assert torch.equal(back, expected)
 
 
 def _cuda_profile(*extra):
@@ -83,28 +118,58 @@ def _loss_and_grads(model, batch):
     return out.loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_pinned_pool_is_allocated_once_and_reused():
+def test_pinned_pool_is_allocated_once_and_reused(monkeypatch):
+    monkeypatch.setattr(store_module, "HOST_CHUNK_BYTES", SMALL_HOST_CHUNK_BYTES)
+    addresses = []
+    copy_out = TieredStore._copy_out
+
+    def recording(self, entry):
+        copy_out(self, entry)
+        addresses.append(entry.host.data_ptr())
+
+    monkeypatch.setattr(TieredStore, "_copy_out", recording)
     profile = _cuda_profile("memory.preset=max-context")
     model, batch = _bf16_model(profile), _batch(profile)
     memory = find_activation_memory(model)
-    seen = []
+    seen, slots = [], []
     for _ in range(3):
         _loss_and_grads(model, batch)
         model.zero_grad()
         metrics = memory.step_metrics()
         seen.append((memory.store.pool.allocations, memory.store.pool.capacity_bytes))
+        slots.append(addresses[:])
+        addresses.clear()
         assert metrics["memory_host_saved_bytes"] > 0 and metrics["memory_cache_hit_rate"] == 1.0
         assert metrics["memory_d2h_gb_per_s"] > 0 and metrics["memory_h2d_gb_per_s"] > 0
-    assert seen == [seen[0]] * 3
+    assert seen[0][0] > 1 and seen == [seen[0]] * 3
+    # Every step copies into the same page-locked slots, in the same order.
+    assert slots[0] and slots == [slots[0]] * 3
     assert all(chunk.is_pinned() for chunk in memory.store.pool.chunks)
 
 
-@pytest.mark.parametrize("memory", [f"memory.preset={p}" for p in PRESETS] + ["memory.gpu_budget_gb=0"])
-def test_presets_train_like_saving_everything_in_bf16(memory):
+def _assert_same(result, reference):
+    loss, grads = result
+    assert torch.equal(loss, reference[0]), (loss.item(), reference[0].item())
+    differing = [name for name in grads if not torch.equal(grads[name], reference[1][name])]
+    assert not differing, differing
+
+
+@pytest.mark.parametrize("memory", COPY_ONLY.values(), ids=COPY_ONLY.keys())
+def test_copy_only_policies_train_bitwise_like_saving_everything_in_bf16(memory):
+    reference_profile = _cuda_profile()
+    batch = _batch(reference_profile)
+    reference = _loss_and_grads(_bf16_model(reference_profile), batch)
+    # Bitwise equality means something only if saving everything reproduces itself bit for bit.
+    _assert_same(_loss_and_grads(_bf16_model(reference_profile), batch), reference)
+    _assert_same(_loss_and_grads(_bf16_model(_cuda_profile(*memory)), batch), reference)
+
+
+@pytest.mark.parametrize("memory", RECOMPUTING.values(), ids=RECOMPUTING.keys())
+def test_recomputing_presets_train_like_saving_everything_in_bf16(memory):
     reference_profile = _cuda_profile()
     batch = _batch(reference_profile)
     ref_loss, ref_grads = _loss_and_grads(_bf16_model(reference_profile), batch)
-    loss, grads = _loss_and_grads(_bf16_model(_cuda_profile(memory)), batch)
+    loss, grads = _loss_and_grads(_bf16_model(_cuda_profile(*memory)), batch)
     assert abs(loss - ref_loss) / abs(ref_loss) < BF16_REL_TOL
     for name, grad in grads.items():
         error = (grad - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-12)
