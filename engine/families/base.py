@@ -10,6 +10,7 @@ Shapes: E experts (E_local on this rank), F expert hidden dim, D model dim.
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -78,7 +79,7 @@ class HFConfig:
             raise UnsupportedModel(self.problems)
 
 
-class Family:
+class Family(ABC):
     """One Hugging Face model_type. Subclasses set the class attributes and implement `to_profile` and `recipe`."""
 
     model_types: tuple[str, ...] = ()
@@ -127,13 +128,14 @@ class Family:
     def text_config(self, config: dict[str, Any]) -> HFConfig:
         return HFConfig(config)
 
+    @abstractmethod
     def to_profile(self, config: dict[str, Any]) -> ModelProfile:
-        raise NotImplementedError
+        """Our architecture from config.json; UnsupportedModel listing every field it cannot map."""
 
+    @abstractmethod
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
         """How our tensor `name` (a parameter or persistent buffer of `module`, the module that owns it) is built.
         Raise KeyError for a name the family does not know (a bug: our model has something the mapping misses)."""
-        raise NotImplementedError
 
 
 class take:
