@@ -30,20 +30,22 @@ EXPERT_PARAMS = (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj"))
 
 def reference_adapter(
     module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family
-) -> tuple[dict[str, torch.Tensor], list[str], list[str], dict[str, int]]:
+) -> tuple[dict[str, torch.Tensor], list[str], list[str], dict[str, int], list[str]]:
     """The adapter `state` (our PEFT names, as save_pretrained writes them: `base_model.model.<module>.lora_A.weight`,
     experts `...experts.lora_A.w_gate_up`) renamed and reshaped for the checkpoint's transformers model. `module` is
     our model (the PeftModel's base model, any wrapper removed). Adapters on several of our layers that read parts
     of one stored projection (qwen3_next's in_proj_qkvz) become one adapter of rank m*r on it: A stacked, B placed
     at each part's rows (zero elsewhere), alpha m*alpha so the scale alpha / r stays. Returns (state,
-    target_modules, target_parameters, {module: rank multiple}). UnsupportedModel lists every adapted layer that
-    has no place in the checkpoint's model."""
+    target_modules, target_parameters, {module: rank multiple}, modules_to_save). Modules trained in full
+    (modules_to_save) go to the transformers modules their tensors were read from. UnsupportedModel lists every
+    adapted layer that has no place in the checkpoint's model."""
     from moe_tune.engine.model.moe import GroupedExperts
 
     modules = dict(module.named_modules())
     out, targets, parameters, problems = {}, [], [], []
     prefix = "base_model.model."
     linear = {}
+    saved_modules = set()
     for key, tensor in state.items():
         name = key.removeprefix(prefix)
         if ".experts.lora_" in name:
@@ -52,8 +54,20 @@ def reference_adapter(
             marker = f".{part}.weight"
             if name.endswith(marker):
                 linear.setdefault(name.removesuffix(marker), {})[part] = tensor
-        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
-            problems.append(f"adapter tensor {name}: not a LoRA factor (modules_to_save has no place in the export)")
+        if name.endswith((".lora_A.weight", ".lora_B.weight")):
+            continue
+        # A module trained in full (modules_to_save): each of its tensors goes to the transformers tensor it was
+        # read from as is, and that tensor's module is saved in full there too.
+        owner, _, local = name.rpartition(".")
+        target = modules.get(owner)
+        recipe = family.recipe(name, target, cfg) if target is not None else None
+        if not isinstance(recipe, take):
+            problems.append(f"adapter tensor {name}: trained in full but not one checkpoint tensor taken as is, so "
+                            "transformers has no module to carry it")
+            continue
+        ref_key = family.reference_name(recipe.key)
+        out[f"{prefix}{ref_key}"] = tensor
+        saved_modules.add(ref_key.rpartition(".")[0])
     fused: dict[str, list] = {}
     for our_name, factors in sorted(linear.items()):
         base = modules.get(our_name)
@@ -104,7 +118,7 @@ def reference_adapter(
             parameters.append(f"{ref_name}.{theirs}")
     if problems:
         raise UnsupportedModel(problems)
-    return out, targets, parameters, multiples
+    return out, targets, parameters, multiples, sorted(saved_modules)
 
 
 def _reference_experts(family: Family, our_name: str, experts: nn.Module, cfg: ModelProfile) -> str | None:
@@ -134,7 +148,7 @@ def write_reference_adapter(
     base_model_name_or_path the checkpoint), atomically: a temporary directory renamed at the end."""
     from safetensors.torch import save_file
 
-    tensors, targets, parameters, multiples = reference_adapter(module, state, cfg, family)
+    tensors, targets, parameters, multiples, saved_modules = reference_adapter(module, state, cfg, family)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -145,7 +159,7 @@ def write_reference_adapter(
         "target_modules": targets,
         "target_parameters": parameters or None,
         "bias": "none",
-        "modules_to_save": None,
+        "modules_to_save": saved_modules or None,
         # Fused projections carry several of our adapters: rank and alpha scaled alike (PEFT matches the keys as
         # regexes against the end of module names).
         "rank_pattern": {re.escape(name): lora.r * m for name, m in multiples.items()},

@@ -70,7 +70,9 @@ def vision_parts(model: nn.Module, profile: LoraProfile) -> tuple[list[str], lis
             continue
         is_merger = name in MERGER
         choice = profile.vision_merger if is_merger else profile.vision_tower
-        if choice == "lora" and isinstance(module, nn.Linear):
+        # LoRA on the ViT blocks' (and the merger's) linear layers; the patch embedding (a Conv3d in the checkpoints)
+        # stays as it is.
+        if choice == "lora" and isinstance(module, nn.Linear) and name != "patch_embed":
             targets.append(f"vision.{name}")
         elif choice == "trained" and (is_merger or name in ("patch_embed", "pos_embed") or name.count(".") == 1):
             saved.append(f"vision.{name}")  # the merger parts, patch/pos embeddings and whole blocks

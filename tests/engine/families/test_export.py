@@ -88,10 +88,54 @@ def test_adapters_on_parts_of_fused_projections_merge(builder, tmp_path, short_f
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-def test_modules_to_save_are_named_not_exported(tmp_path, short_finetune):
+def test_modules_trained_in_full_are_exported_as_modules_to_save(tmp_path, short_finetune):
+    from peft import PeftModel
+
     checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), tmp_path / "checkpoint")
-    result, _ = short_finetune(checkpoint, lora={"modules_to_save": ["lm_head"]})
-    assert result.transformers_adapter is None
-    assert "modules_to_save has no place in the export" in result.transformers_adapter_problem
-    assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
-    assert not (result.output_dir / "adapter-transformers").exists()
+    result, _ = short_finetune(checkpoint, train={"steps": 3, "micro_batch_size": 2, "lr": 0.05},
+                               lora={"modules_to_save": ["lm_head", "norm"], "experts": False})
+    assert result.transformers_adapter is not None, result.transformers_adapter_problem
+    config = json.loads((result.transformers_adapter / "adapter_config.json").read_text())
+    assert "lm_head" in config["modules_to_save"] and "model.norm" in config["modules_to_save"]
+    family, _, cfg = model_profile_from_checkpoint(checkpoint)
+    ours = load_adapter(load_ours(cfg), result.adapter).eval()
+    reference = PeftModel.from_pretrained(load_reference(checkpoint, family), str(result.transformers_adapter)).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits[0]
+        got = ours(ids, torch.tensor([0, 29], dtype=torch.int32)).logits[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_vision_parts_export_with_images(tmp_path):
+    """A qwen3_5_moe checkpoint with its vision tower: LoRA on the vision blocks, the merger trained in full; the
+    exported adapter on transformers' model gives our logits on documents with images."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    from moe_tune.engine.align.compare import _reference_inputs, default_documents, pack_documents
+    from moe_tune.engine.families.export import write_reference_adapter
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.profiles.schema import LoraProfile
+
+    from hf_tiny import tiny_qwen3_5_moe
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_5_moe(), tmp_path / "checkpoint")
+    family, _, cfg = model_profile_from_checkpoint(checkpoint)
+    lora = LoraProfile(r=4, alpha=8, target_modules=["q_proj", "o_proj"], experts=True, vision_tower="lora",
+                       vision_merger="trained")
+    torch.manual_seed(0)
+    ours = inject_lora(load_ours(cfg), lora)
+    with torch.no_grad():  # every adapter and the merger away from their start
+        for name, param in ours.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    state = get_peft_model_state_dict(ours)
+    exported = write_reference_adapter(ours.base_model.model, state, cfg, family, lora, tmp_path / "hf")
+    reference = PeftModel.from_pretrained(load_reference(checkpoint, family), str(exported)).eval()
+    docs = default_documents(cfg)
+    ids, cu, _, images = pack_documents(docs)
+    ours.eval()
+    with torch.no_grad():
+        got = ours(ids, cu, **images).logits[0]
+        expected = torch.cat([reference(**_reference_inputs(doc, cfg)).logits[0] for doc in docs])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
