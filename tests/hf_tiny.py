@@ -119,6 +119,11 @@ def tiny_qwen3_next(**overrides):
     return Qwen3NextForCausalLM(Qwen3NextConfig(**config))
 
 
+def image_token_ids(vocab_size: int) -> dict[str, int]:
+    """The image, vision-start and vision-end token ids inside a tiny vocabulary (the published ones are ~248k)."""
+    return dict(image_token_id=vocab_size - 3, vision_start_token_id=vocab_size - 2, vision_end_token_id=vocab_size - 1)
+
+
 def tiny_qwen3_5_moe(**overrides):
     """A qwen3_5_moe vision-language model (the hub layout: model.language_model.*, model.visual.*) whose
     4-layer language model is QWEN_HYBRID_TEXT with an mrope_section over the 4 rotary frequencies; a 1-block
@@ -131,10 +136,9 @@ def tiny_qwen3_5_moe(**overrides):
     text.update(overrides)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                   patch_size=4, num_position_embeddings=16)
-    # The image tokens inside the tiny vocabulary (the published ids are ~248k).
-    tokens = dict(image_token_id=text["vocab_size"] - 3, vision_start_token_id=text["vocab_size"] - 2,
-                  vision_end_token_id=text["vocab_size"] - 1)
-    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision, **tokens))
+    return Qwen3_5MoeForConditionalGeneration(
+        Qwen3_5MoeConfig(text_config=text, vision_config=vision, **image_token_ids(text["vocab_size"]))
+    )
 
 
 def tiny_qwen3_5_moe_text(**overrides):
@@ -175,9 +179,9 @@ def tiny_qwen4_exp(**overrides):
     text.update(overrides)
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
                   patch_size=4, num_position_embeddings=16)
-    tokens = dict(image_token_id=text["vocab_size"] - 3, vision_start_token_id=text["vocab_size"] - 2,
-                  vision_end_token_id=text["vocab_size"] - 1)
-    return Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text, vision_config=vision, **tokens))
+    return Qwen4ExpForConditionalGeneration(
+        Qwen4ExpConfig(text_config=text, vision_config=vision, **image_token_ids(text["vocab_size"]))
+    )
 
 
 def tiny_qwen4_exp_text(**overrides):
