@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
+from moe_tune.ops.common.dispatch import use_kernel
 from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule", "kda"]
@@ -17,11 +17,6 @@ __all__ = ["gated_delta_rule", "kda"]
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A program holds whole key rows in one tile: past 256 the [C, K] fp32 tiles of the backward spill registers.
 _KERNEL_MAX_KEY_DIM = 256
-# Auto dispatch never takes these kernels on a GPU: on the H200 (2026-11-29, triton 3.6, gated delta rule, bf16,
-# forward + backward against the fp32 reference) packed batches of 110 documents in T 16384 with H 32, K = V = 128 hit
-# an illegal memory access, 8 documents at that shape gave dk / dv / dg / dbeta off by ~25% (the forward was right),
-# and K = V = 16 gave NaN. Until the device tests pass at those shapes the GPU runs the chunked reference;
-# MOE_TUNE_KERNELS=triton still forces the kernels (for the benchmarks and the device tests).
 # The options the kernels implement; an option added to the public functions runs the reference whenever it is set
 # (not None or False) until the kernels learn it.
 _KERNEL_OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm")
@@ -116,8 +111,6 @@ def _apply(op_name, q, k, v, g, beta, **options):
         and (q.is_cuda or q.dtype != torch.bfloat16)
         and all(name in _KERNEL_OPTIONS or value is None or value is False for name, value in options.items())
     )
-    if q.is_cuda and kernel_mode() != "triton":
-        has_kernel = False  # see the note above _KERNEL_OPTIONS
     if use_kernel(op_name, q, k, v, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel

@@ -98,7 +98,6 @@ def _chunk_state_bwd_kernel(
         decay, decay_to_end, state_decay, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
         q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
         k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-        w = _load_rows(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         # (q k^T * M)^T as [j, i]: read transposed (per channel), or k q^T times M^T.
         if IS_PER_CHANNEL:
@@ -110,9 +109,24 @@ def _chunk_state_bwd_kernel(
         dv_new = tl.dot(kq, do, input_precision=DOT_PRECISION)
         dv_new += tl.dot(k_decayed, dstate.to(dot_dtype), input_precision=DOT_PRECISION)
         _store_rows(dv_new_ptr + i_h * V + v0, dv_new, t0, num_valid, H * V, V - v0, BT, BV)
-        q_decayed = (q * decay).to(dot_dtype)
-        dstate = dstate * state_decay + tl.dot(tl.trans(q_decayed), do, input_precision=DOT_PRECISION)
-        dstate -= tl.dot(tl.trans(w), dv_new.to(dot_dtype), input_precision=DOT_PRECISION)
+        q_t = _load_rows_t(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+        if USE_L2NORM:
+            q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + _L2NORM_EPS)[None, :]
+        q_t = q_t * scale
+        if IS_PER_CHANNEL:
+            q_t = q_t * tl.trans(decay)
+        else:
+            q_t = q_t * tl.exp(G)[None, :]
+        # The state update reads its operands from memory, not from registers: dv_new back from where it was just
+        # stored (an L2-resident round trip), (q exp(G))^T and W^T transposed. With them from registers (dv_new a dot
+        # result, q and W transposed with tl.trans), Triton 3.6 on the H200 gave state gradients that changed from run
+        # to run (up to 48% off) and illegal addresses at 110 documents; so did reusing the transposed q tile for
+        # k q^T. This form was checked on the device kernel by kernel, with bit-equal repeated runs.
+        tl.debug_barrier()
+        dv_new_mem = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        w_t = _load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
+        dstate = dstate * state_decay + tl.dot(q_t.to(dot_dtype), do, input_precision=DOT_PRECISION)
+        dstate -= tl.dot(w_t, dv_new_mem, input_precision=DOT_PRECISION)
 
     if STORE_INITIAL_STATE_GRAD:
         tl.store(initial_state_grad_ptr + seq_head + state_offsets, dstate, mask=state_mask)

@@ -328,14 +328,15 @@ def _chunk_wy_fwd_kernel(
     inverse = _unit_lower_inverse(A, BT, SB, INV_PRECISION)
     if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
-    inverse_dot = inverse.to(dot_dtype)
 
-    k_scaled = (k * (beta * tl.exp(G))[:, None]).to(dot_dtype)
-    w = tl.dot(inverse_dot, k_scaled, input_precision=DOT_PRECISION)
+    # W and U multiply the fp32 inverse with fp32 operands (tf32 for 16-bit inputs): with 16-bit operands, Triton 3.6
+    # on the H200 returned NaN for K or V below 64 (the inverse itself was right). They are 2 of the ~40 chunk FLOPs.
+    k_scaled = k * (beta * tl.exp(G))[:, None]
+    w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
     _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
     for v0 in range(0, V, BV):
         v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        u = tl.dot(inverse_dot, (v * beta[:, None]).to(dot_dtype), input_precision=DOT_PRECISION)
+        u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
         _store_rows(u_ptr + i_h * V + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
 
 

@@ -194,13 +194,13 @@ def _kda_wy_fwd_kernel(
     if STORE_FOR_BACKWARD:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
         _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
-    inverse_dot = inverse.to(dot_dtype)
-    k_scaled = (k * tl.exp(G) * beta[:, None]).to(dot_dtype)
-    w = tl.dot(inverse_dot, k_scaled, input_precision=DOT_PRECISION)
+    # fp32 operands, as in kernels_fwd._chunk_wy_fwd_kernel (16-bit ones gave NaN on the H200 for K or V below 64).
+    k_scaled = k * tl.exp(G) * beta[:, None]
+    w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
     _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
     for v0 in range(0, V, BV):
         v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        u = tl.dot(inverse_dot, (v * beta[:, None]).to(dot_dtype), input_precision=DOT_PRECISION)
+        u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
         _store_rows(u_ptr + i_h * V + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
 
 
