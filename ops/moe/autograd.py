@@ -2,10 +2,14 @@
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
 
-Saved for backward: the inputs themselves (no copies), the routing metadata (five int32 vectors), the gate/up
-pre-activations [S, 2F] and, with LoRA, the thin products x A^T and h A^T [S, r] in fp32.
+Saved for backward: the inputs themselves (no copies), the routing metadata (six int32 vectors), the gate/up
+pre-activations [S, 2F] and, with LoRA, the rank products x A^T and h A^T [S, r] in fp32.
 Recomputed: h = silu(gate) * up, in the first backward kernel, which loads gate and up anyway; keeping h [S, F]
 alive from forward to backward would cost a third more activation memory to save one elementwise pass.
+
+Backward order with LoRA on both projections: the down adapter's pass over dy (dy B_down per row, dB_down), the down
+backward (dgate_up, d topk_weights, dA_down in its epilogue), the gate_up adapter's pass over dgate_up
+(dgate_up B_gate_up per row, dB_gate_up), dx, then dA_gate_up = sum (s dgate_up B_gate_up)^T x.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from moe_tune.ops.moe.kernels import (
     moe_expert_grad,
     moe_gate_up_bwd,
     moe_gate_up_fwd,
+    moe_lora_bwd,
     moe_routing,
     pick_config,
 )
@@ -77,36 +82,40 @@ class MoEFunction(torch.autograd.Function):
         num_tokens = x.shape[0]
         dy = dy.to(x.dtype)
 
-        # h_weighted = w * h per row: the routing weight of dW_down and dA_down comes with it.
-        dgate_up, h_weighted, dha, dweights_S = moe_down_bwd(
-            dy, gate_up, topk_weights, w_down, a_down, b_down, scaling, routing, config,
-            store_h=needs[_W_DOWN] or needs[_A_DOWN],
+        # d(h A_down^T) / w per row, the down backward's LoRA term, and dB_down from the same read of dy.
+        dha = d_b_down = None
+        if a_down is not None:
+            dha, d_b_down = moe_lora_bwd(
+                dy, b_down, ha, scaling, routing, config, compute_gb=True, compute_db=needs[_B_DOWN],
+                g_by_token=True, g_weights=topk_weights,
+            )  # fmt: skip
+        # h_weighted = w * h per row: the routing weight of dW_down comes with it.
+        dgate_up, h_weighted, d_a_down, dweights_S = moe_down_bwd(
+            dy, gate_up, topk_weights, w_down, a_down, dha, routing, config,
+            store_h=needs[_W_DOWN], compute_da=needs[_A_DOWN],
         )  # fmt: skip
-        d_w_down = d_a_down = d_b_down = None
+        del dha
+        d_w_down = None
         if needs[_W_DOWN]:
             d_w_down = moe_expert_grad(dy, h_weighted, w_down, routing, config, lhs_by_token=True)
-        if needs[_A_DOWN]:
-            d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config)
-        if needs[_B_DOWN]:
-            d_b_down = moe_expert_grad(
-                dy, ha, b_down, routing, config, lhs_by_token=True, lhs_weights=topk_weights, scale=scaling
-            )
         # h_weighted is no longer needed: free it before the gate_up backward allocates dx.
         del h_weighted
 
-        dx = dxa = None
-        if needs[_X] or needs[_A_GATE_UP]:
-            dx, dxa = moe_gate_up_bwd(
-                dgate_up, w_gate_up, a_gate_up, b_gate_up, scaling, routing, config, num_tokens,
-                compute_dx=needs[_X],
+        # d(x A_gate_up^T) per row, for dx and dA_gate_up, and dB_gate_up from the same read of dgate_up.
+        dxa = d_b_gate_up = None
+        if a_gate_up is not None and (needs[_X] or needs[_A_GATE_UP] or needs[_B_GATE_UP]):
+            dxa, d_b_gate_up = moe_lora_bwd(
+                dgate_up, b_gate_up, xa, scaling, routing, config,
+                compute_gb=needs[_X] or needs[_A_GATE_UP], compute_db=needs[_B_GATE_UP],
             )  # fmt: skip
-        d_w_gate_up = d_a_gate_up = d_b_gate_up = None
+        dx = None
+        if needs[_X]:
+            dx = moe_gate_up_bwd(dgate_up, w_gate_up, a_gate_up, dxa, routing, config, num_tokens)
+        d_w_gate_up = d_a_gate_up = None
         if needs[_W_GATE_UP]:
             d_w_gate_up = moe_expert_grad(dgate_up, x, w_gate_up, routing, config, rhs_by_token=True)
         if needs[_A_GATE_UP]:
             d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True)
-        if needs[_B_GATE_UP]:
-            d_b_gate_up = moe_expert_grad(dgate_up, xa, b_gate_up, routing, config, scale=scaling)
 
         d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
         return dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None

@@ -61,6 +61,8 @@ def sweep_candidates() -> dict[str, list]:
     weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA).
     On the H200 (2026-11-29, docs/PERF.md) the capped down_bwd and the 256-column gate_up_bwd won alone, but the
     config built from them was slower end to end than pick_config's, which therefore stays.
+    The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
+    warps and stages that keep loads in flight; none of them was timed on a GPU before this list was written.
     """
     # Imported here: kernels.py must not be imported before tests/ops sets TRITON_INTERPRET (bench.py is imported by
     # the CPU harness too).
@@ -80,6 +82,17 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=128),
             KernelConfig(256, 64, num_warps=8, num_stages=3, block_p=128),
             KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=256),
+        ],
+        "lora_rows": [
+            KernelConfig(0, 128, num_warps=4, num_stages=3),
+            KernelConfig(0, 64, num_warps=4, num_stages=4),
+            KernelConfig(0, 256, num_warps=8, num_stages=2),
+        ],
+        "lora_bwd": [
+            KernelConfig(256, 32, num_warps=8, num_stages=3),
+            KernelConfig(128, 32, num_warps=4, num_stages=3),
+            KernelConfig(128, 64, num_warps=8, num_stages=3),
+            KernelConfig(512, 32, num_warps=8, num_stages=2),
         ],
     }
 
@@ -184,13 +197,21 @@ def lora_overheads(results: list[dict], impl: str = "triton") -> list[dict]:
 
 
 def sweep_kernel_configs(
-    shape: dict, candidates: dict[str, list], dtype: torch.dtype = torch.bfloat16, seed: int = 0, rep_ms: int = 100
+    shape: dict,
+    candidates: dict[str, list],
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    rep_ms: int = 100,
+    lora_rank: int = 16,
 ) -> list[dict]:
-    """Time each kernel of the full-training forward and backward alone under candidate launch configs.
+    """Time each kernel of the training forward and backward alone under candidate launch configs.
 
-    candidates: {MoEConfig field name (gate_up_fwd, down_fwd, down_bwd, gate_up_bwd, expert_grad): [KernelConfig]};
-    every other kernel keeps pick_config's choice. expert_grad is timed as dW_down + dW_gate_up.
-    Returns one dict per (kernel, candidate): kernel, config (the KernelConfig as a dict), ms (median), tflops.
+    candidates: {MoEConfig field name (gate_up_fwd, down_fwd, down_bwd, gate_up_bwd, expert_grad, lora_rows,
+    lora_bwd): [KernelConfig]}; every other kernel keeps pick_config's choice. expert_grad is timed as dW_down +
+    dW_gate_up, lora_rows as x A^T + h A^T, lora_bwd as the passes over dy and dgate_up (g B and dB of both
+    adapters, rank lora_rank).
+    Returns one dict per (kernel, candidate): kernel, config (the KernelConfig as a dict), ms (median), and tflops
+    (the GEMMs) or gb_per_s (the LoRA passes: the activation bytes they read, gathered rows counted once).
     """
     import dataclasses
 
@@ -199,40 +220,79 @@ def sweep_kernel_configs(
 
     from moe_tune.ops.moe import kernels as K
 
-    inputs, _, _ = _make_inputs(dict(shape, lora_rank=0, train_base=True), dtype, seed)
+    inputs, _, _ = _make_inputs(dict(shape, lora_rank=lora_rank, train_base=True), dtype, seed)
     x, topk_weights = inputs["x"].detach(), inputs["topk_weights"].detach()
     w_gate_up, w_down = inputs["w_gate_up"].detach(), inputs["w_down"].detach()
+    a_gate_up, b_gate_up, a_down, b_down = (getattr(inputs["lora"], name).detach() for name in LORA_NAMES)
     num_tokens, top_k = inputs["topk_ids"].shape
     base = K.pick_config(x, num_tokens * top_k, w_gate_up.shape[0])
     routing = K.moe_routing(inputs["topk_ids"], w_gate_up.shape[0], base.block_m)
     dy = torch.randn_like(x)
-    h, gate_up, _ = K.moe_gate_up_fwd(x, w_gate_up, None, None, 1.0, routing, base, save_gate_up=True)
-    dgate_up, h_weighted, _, _ = K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, 1.0, routing, base, True)
-    gemm_flops = 2 * num_tokens * top_k * shape["D"] * shape["F"]
+    h, gate_up, xa = K.moe_gate_up_fwd(x, w_gate_up, a_gate_up, b_gate_up, 1.0, routing, base, save_gate_up=True)
+    ha = K.moe_lora_rows(h, a_down, routing, base, u_by_token=False)
+    dgate_up, h_weighted, _, _ = K.moe_down_bwd(
+        dy, gate_up, topk_weights, w_down, None, None, routing, base, store_h=True, compute_da=False
+    )
+    num_slots = num_tokens * top_k
+    gemm_flops = 2 * num_slots * shape["D"] * shape["F"]
+    # The rows each LoRA pass reads: x and h (rank pass), dy and dgate_up (backward pass).
+    rows_bytes = num_slots * x.element_size()
     runs = {
-        "gate_up_fwd": (2, lambda c: K.moe_gate_up_fwd(x, w_gate_up, None, None, 1.0, routing, c, save_gate_up=True)),
-        "down_fwd": (1, lambda c: K.moe_down_fwd(h, topk_weights, w_down, None, None, 1.0, routing, c, num_tokens)),
-        "down_bwd": (1, lambda c: K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, 1.0, routing, c, True)),
+        "gate_up_fwd": (
+            2 * gemm_flops, 0,
+            lambda c: K.moe_gate_up_fwd(x, w_gate_up, None, None, 1.0, routing, c, save_gate_up=True),
+        ),
+        "down_fwd": (
+            gemm_flops, 0,
+            lambda c: K.moe_down_fwd(h, topk_weights, w_down, None, None, 1.0, routing, c, num_tokens),
+        ),
+        "down_bwd": (
+            gemm_flops, 0,
+            lambda c: K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, c, True, False),
+        ),
         "gate_up_bwd": (
-            2, lambda c: K.moe_gate_up_bwd(dgate_up, w_gate_up, None, None, 1.0, routing, c, num_tokens, True)
+            2 * gemm_flops, 0,
+            lambda c: K.moe_gate_up_bwd(dgate_up, w_gate_up, None, None, routing, c, num_tokens),
         ),
         "expert_grad": (
-            3,
+            3 * gemm_flops, 0,
             lambda c: (
                 K.moe_expert_grad(dy, h_weighted, w_down, routing, c, lhs_by_token=True),
                 K.moe_expert_grad(dgate_up, x, w_gate_up, routing, c, rhs_by_token=True),
             ),
         ),
+        "lora_rows": (
+            0, rows_bytes * (shape["D"] + shape["F"]),
+            lambda c: (
+                K.moe_lora_rows(x, a_gate_up, routing, c, u_by_token=True),
+                K.moe_lora_rows(h, a_down, routing, c, u_by_token=False),
+            ),
+        ),
+        "lora_bwd": (
+            0, rows_bytes * (shape["D"] + 2 * shape["F"]),
+            lambda c: (
+                K.moe_lora_bwd(
+                    dy, b_down, ha, LORA_SCALING, routing, c, compute_gb=True, compute_db=True, g_by_token=True,
+                    g_weights=topk_weights,
+                ),
+                K.moe_lora_bwd(
+                    dgate_up, b_gate_up, xa, LORA_SCALING, routing, c, compute_gb=True, compute_db=True
+                ),
+            ),
+        ),
     }  # fmt: skip
     rows = []
     for kernel, configs in candidates.items():
-        flop_factor, run = runs[kernel]
+        flops, num_bytes, run = runs[kernel]
         for candidate in configs:
             config = dataclasses.replace(base, **{kernel: candidate})
             row = dict(shape, kernel=kernel, config=dataclasses.asdict(candidate))
             try:
                 row["ms"] = do_bench(lambda: run(config), rep=rep_ms, return_mode="median")
-                row["tflops"] = flop_factor * gemm_flops / row["ms"] * 1e-9
+                if flops:
+                    row["tflops"] = flops / row["ms"] * 1e-9
+                else:
+                    row["gb_per_s"] = num_bytes / row["ms"] * 1e-6
             except (RuntimeError, ValueError, TritonError) as err:
                 # A config that does not fit the chip (shared memory, registers) is skipped, not fatal.
                 row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]

@@ -8,11 +8,17 @@ Every grouped GEMM walks the tile map of `moe_routing`: program (tile, column bl
 from device memory and leaves at once when the tile has no work, so no launch needs the per-expert counts on the host.
 Token rows of x (and of dy) are gathered by index while loading; rows of the outputs are scattered back to slot order
 while storing; no permuted copy of an activation is ever made.
+
+LoRA: each [S, r] rank product (x A^T, h A^T forward; dy B, dgate_up B backward) is computed once, by a thin pass
+before the big kernel that needs it, which then adds the rank-r update in its epilogue with one [rows, R] x [R, cols]
+dot. The backward thin pass also reduces dB from the gradient rows it reads; dA of the down projection is reduced
+in the down backward's epilogue, where h is recomputed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +27,8 @@ import triton.language as tl
 
 # tl.dot needs every dimension of its operands to be at least 16.
 MIN_DOT_SIZE = 16
+# A Hopper warpgroup MMA (wgmma) has at least 64 rows; Triton takes smaller products to the older MMA instructions.
+MIN_WGMMA_M = 64
 # The interpreter runs each program in Python: the smallest legal tile keeps CPU tests fast.
 INTERPRETER_BLOCK = MIN_DOT_SIZE
 # 128 rows x 128 columns per tile: two Hopper warpgroup MMAs, and each weight tile is reused across 128 token rows.
@@ -48,8 +56,10 @@ class KernelConfig:
     """Launch parameters of one kernel.
 
     block_n: output columns per program (the gate_up kernels split them between gate and up; weight gradients: the
-             Q side of the [P, Q] output tile); block_p: the P side, weight gradients only (0 elsewhere);
-    block_k: reduction step; maxnreg: register cap per thread (None: the compiler's choice).
+             Q side of the [P, Q] output tile; the LoRA backward pass: gradient columns; 0 for the LoRA rank pass,
+             whose output is the padded rank); block_p: the P side, weight gradients only (0 elsewhere);
+    block_k: reduction step (the LoRA backward pass: rows per step); maxnreg: register cap per thread (None: the
+             compiler's choice).
     """
 
     block_n: int
@@ -67,11 +77,26 @@ class KernelConfig:
         return options
 
 
+# The LoRA passes stream activation rows for 2r FLOP per element (memory-bound). Rank pass: 128-wide K steps (256
+# bytes of each gathered bf16 row per load), one warpgroup for the [rows, R] product, 108 KB of stages at 128-row
+# tiles (two CTAs per SM; sm_90 compile: 118 registers, no spills).
+GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, num_stages=3)
+# Backward pass: 256 gradient columns per program, so g B is summed from 8 fp32 partials at D = 2048 (the partials
+# are r fp32 per row each, 1/16 of a bf16 row of 2048); 32 rows a step keep the fp32 copy of the gradient tile that
+# the dB product reads at 32 registers a thread under 8 warps.
+GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=8, num_stages=3)
+# Columns per program of the per-expert sum of the down backward's dA partials: 1 KB of fp32 per tile row and load.
+TILE_SUM_BLOCK = 256
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Tile sizes for one call, per kernel; picked from the dtype, the device and the average rows per expert.
 
-    block_m: rows per tile of the routing tile map, shared by the four row-tiled GEMMs.
+    block_m: rows per tile of the routing tile map, shared by the four row-tiled GEMMs and the LoRA rank pass.
+    lora_rows: the LoRA rank pass (x A^T, h A^T: one program per row tile);
+    lora_bwd: the LoRA backward pass over an output gradient (g B per row and dB: one program per expert and
+              block_n gradient columns).
     """
 
     block_m: int
@@ -80,6 +105,8 @@ class MoEConfig:
     down_bwd: KernelConfig
     gate_up_bwd: KernelConfig
     expert_grad: KernelConfig
+    lora_rows: KernelConfig
+    lora_bwd: KernelConfig
 
 
 def uniform_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> MoEConfig:
@@ -88,7 +115,16 @@ def uniform_config(block_m: int, block_n: int, block_k: int, num_warps: int, num
     # The gate_up forward holds two accumulators (gate and up), the down backward's SwiGLU epilogue five fp32 tiles:
     # half-width tiles keep them in registers.
     half = KernelConfig(max(MIN_DOT_SIZE, block_n // 2), block_k, num_warps, num_stages)
-    return MoEConfig(block_m, gate_up_fwd=half, down_fwd=kernel, down_bwd=half, gate_up_bwd=kernel, expert_grad=kernel)
+    return MoEConfig(
+        block_m,
+        gate_up_fwd=half,
+        down_fwd=kernel,
+        down_bwd=half,
+        gate_up_bwd=kernel,
+        expert_grad=kernel,
+        lora_rows=KernelConfig(0, block_k, num_warps, num_stages),
+        lora_bwd=KernelConfig(block_n, block_k, num_warps, num_stages),
+    )
 
 
 _forced_config: MoEConfig | None = None
@@ -116,7 +152,8 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
         return uniform_config(GPU_FP32_BLOCK, GPU_FP32_BLOCK, GPU_FP32_BLOCK_K, GPU_FP32_NUM_WARPS, GPU_NUM_STAGES)
     mean_rows = num_slots / max(num_experts, 1)
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
-    return uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
+    config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
+    return dataclasses.replace(config, lora_rows=GPU_LORA_ROWS, lora_bwd=GPU_LORA_BWD)
 
 
 def _dot_precision(*dtypes: torch.dtype) -> str:
@@ -147,6 +184,7 @@ class MoERouting:
     offsets_E1:     [E+1] int32 rows of expert e are offsets[e] .. offsets[e+1]; counts are its differences
     tile_expert_T:  [T] int32   expert of each BLOCK_M tile, -1 for a tile of the worst-case grid with no work
     tile_row_T:     [T] int32   first row of each tile
+    tile_offsets_E1: [E+1] int32 tiles of expert e are tile_offsets[e] .. tile_offsets[e+1] (busy tiles come first)
     """
 
     slot_of_row_S: torch.Tensor
@@ -154,6 +192,7 @@ class MoERouting:
     offsets_E1: torch.Tensor
     tile_expert_T: torch.Tensor
     tile_row_T: torch.Tensor
+    tile_offsets_E1: torch.Tensor
     block_m: int
     top_k: int
 
@@ -170,7 +209,10 @@ class MoERouting:
         return self.tile_expert_T.shape[0]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.slot_of_row_S, self.token_of_row_S, self.offsets_E1, self.tile_expert_T, self.tile_row_T)
+        return (
+            self.slot_of_row_S, self.token_of_row_S, self.offsets_E1, self.tile_expert_T, self.tile_row_T,
+            self.tile_offsets_E1,
+        )  # fmt: skip
 
 
 def max_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -210,6 +252,7 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERo
         offsets_E1=offsets_E1.to(torch.int32),
         tile_expert_T=torch.where(has_work_T, tile_expert_T, -1).to(torch.int32),
         tile_row_T=torch.where(has_work_T, tile_row_T, 0).to(torch.int32),
+        tile_offsets_E1=torch.cat([tile_end_E.new_zeros(1), tile_end_E]).to(torch.int32),
         block_m=block_m,
         top_k=top_k,
     )
@@ -232,16 +275,64 @@ def _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
     return rows, rows < row_end
 
 
-# Forward GEMM 1: gate_up = x[token] @ w_gate_up[e]^T (+ LoRA), h = silu(gate) * up
+# LoRA rank pass: ua = u[row] @ A[e]^T once per row, read by every column block of the GEMM that adds ua B^T
+@triton.jit
+def _moe_lora_rows_kernel(
+    u_ptr,  # [*, K]: rows in expert order, or token rows gathered when U_BY_TOKEN
+    a_ptr,  # [E, r, K]
+    ua_ptr,  # out [S, r] fp32, expert order
+    token_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    K,
+    rank,
+    stride_un,
+    stride_uk,
+    stride_ae,
+    stride_ar,
+    stride_ak,
+    U_BY_TOKEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    u_rows = tokens if U_BY_TOKEN else rows
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
+
+    u_row_ptrs = u_ptr + u_rows[:, None] * stride_un
+    a_rows = a_ptr + expert * stride_ae + ranks[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        u_tile = tl.load(u_row_ptrs + ks[None, :] * stride_uk, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a_tile = tl.load(
+            a_rows + ks[None, :] * stride_ak, mask=rank_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(u_tile.dtype)  # [R, K]
+        acc = tl.dot(u_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
+    tl.store(ua_ptr + rows[:, None] * rank + ranks[None, :], acc, mask=row_mask[:, None] & rank_mask[None, :])
+
+
+# Forward GEMM 1: gate_up = x[token] @ w_gate_up[e]^T (+ s xa B^T), h = silu(gate) * up
 @triton.jit
 def _moe_gate_up_fwd_kernel(
     x_ptr,  # [N, D]
     w_ptr,  # [E, 2F, D]
-    a_ptr,  # [E, r, D] LoRA A on gate_up, unused without LoRA
-    b_ptr,  # [E, 2F, r] LoRA B on gate_up
+    b_ptr,  # [E, 2F, r] LoRA B on gate_up, unused without LoRA
+    xa_ptr,  # [S, r] fp32 x @ A^T from the rank pass, expert order
     h_ptr,  # out [S, F] rows in expert order
     gate_up_ptr,  # out [S, 2F] pre-activations, written only when SAVE_GATE_UP
-    xa_ptr,  # out [S, r] fp32 x @ A^T, written by the first column block when HAS_LORA
     token_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -255,9 +346,6 @@ def _moe_gate_up_fwd_kernel(
     stride_we,
     stride_wf,
     stride_wd,
-    stride_ae,
-    stride_ar,
-    stride_ad,
     stride_be,
     stride_bf,
     stride_br,
@@ -279,16 +367,12 @@ def _moe_gate_up_fwd_kernel(
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
-    ranks = tl.arange(0, BLOCK_R)
-    rank_mask = ranks < rank
 
     x_rows = x_ptr + tokens[:, None] * stride_xn
     w_gate = w_ptr + expert * stride_we + cols[:, None] * stride_wf
     w_up = w_gate + F * stride_wf
-    a_rows = a_ptr + expert * stride_ae + ranks[:, None] * stride_ar
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < D
@@ -298,24 +382,19 @@ def _moe_gate_up_fwd_kernel(
         wu_tile = tl.load(w_up + ks[None, :] * stride_wd, mask=w_mask, other=0.0).to(x_tile.dtype)
         acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
-        if HAS_LORA:
-            # The gathered x tile is reused for the thin x @ A^T product.
-            a_tile = tl.load(
-                a_rows + ks[None, :] * stride_ad, mask=rank_mask[:, None] & k_mask[None, :], other=0.0
-            ).to(x_tile.dtype)
-            acc_xa = tl.dot(x_tile, tl.trans(a_tile), acc_xa, input_precision=DOT_PRECISION)
     if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
+        xa = tl.load(
+            xa_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
+        )  # [M, R]
         b_gate = b_ptr + expert * stride_be + cols[None, :] * stride_bf + ranks[:, None] * stride_br
         b_mask = rank_mask[:, None] & col_mask[None, :]
         bg_tile = tl.load(b_gate, mask=b_mask, other=0.0).to(tl.float32)  # [R, N]
         bu_tile = tl.load(b_gate + F * stride_bf, mask=b_mask, other=0.0).to(tl.float32)
-        xa_scaled = acc_xa * scaling
+        xa_scaled = xa * scaling
         acc_gate = tl.dot(xa_scaled, bg_tile, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(xa_scaled, bu_tile, acc_up, input_precision=DOT_PRECISION)
-        if pid_n == 0:
-            tl.store(
-                xa_ptr + rows[:, None] * rank + ranks[None, :], acc_xa, mask=row_mask[:, None] & rank_mask[None, :]
-            )
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -326,16 +405,15 @@ def _moe_gate_up_fwd_kernel(
         tl.store(gate_up_rows + F, acc_up.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
 
 
-# Forward GEMM 2: y_slot = w_slot * (h @ w_down[e]^T (+ LoRA)), stored in slot order
+# Forward GEMM 2: y_slot = w_slot * (h @ w_down[e]^T (+ s ha B^T)), stored in slot order
 @triton.jit
 def _moe_down_fwd_kernel(
     h_ptr,  # [S, F] expert order
     w_ptr,  # [E, D, F]
-    a_ptr,  # [E, r, F] LoRA A on down
     b_ptr,  # [E, D, r] LoRA B on down
+    ha_ptr,  # [S, r] fp32 h @ A^T from the rank pass, expert order
     weights_ptr,  # [S] routing weights in slot order
     y_ptr,  # out [S, D] in slot order
-    ha_ptr,  # out [S, r] fp32 h @ A^T, expert order
     slot_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -347,9 +425,6 @@ def _moe_down_fwd_kernel(
     stride_we,
     stride_wd,
     stride_wf,
-    stride_ae,
-    stride_ar,
-    stride_af,
     stride_be,
     stride_bd,
     stride_br,
@@ -370,14 +445,10 @@ def _moe_down_fwd_kernel(
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < D
-    ranks = tl.arange(0, BLOCK_R)
-    rank_mask = ranks < rank
 
     h_rows = h_ptr + rows[:, None] * F
     w_rows = w_ptr + expert * stride_we + cols[:, None] * stride_wd
-    a_rows = a_ptr + expert * stride_ae + ranks[:, None] * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_ha = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < F
@@ -386,22 +457,18 @@ def _moe_down_fwd_kernel(
             w_rows + ks[None, :] * stride_wf, mask=col_mask[:, None] & k_mask[None, :], other=0.0
         ).to(h_tile.dtype)
         acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
-        if HAS_LORA:
-            a_tile = tl.load(
-                a_rows + ks[None, :] * stride_af, mask=rank_mask[:, None] & k_mask[None, :], other=0.0
-            ).to(h_tile.dtype)
-            acc_ha = tl.dot(h_tile, tl.trans(a_tile), acc_ha, input_precision=DOT_PRECISION)
     if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
+        ha = tl.load(
+            ha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
+        )  # [M, R]
         b_tile = tl.load(
             b_ptr + expert * stride_be + cols[None, :] * stride_bd + ranks[:, None] * stride_br,
             mask=rank_mask[:, None] & col_mask[None, :],
             other=0.0,
         ).to(tl.float32)  # [R, N]
-        acc = tl.dot(acc_ha * scaling, b_tile, acc, input_precision=DOT_PRECISION)
-        if pid_n == 0:
-            tl.store(
-                ha_ptr + rows[:, None] * rank + ranks[None, :], acc_ha, mask=row_mask[:, None] & rank_mask[None, :]
-            )
+        acc = tl.dot(ha * scaling, b_tile, acc, input_precision=DOT_PRECISION)
 
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
@@ -412,18 +479,102 @@ def _moe_down_fwd_kernel(
     )
 
 
-# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] (+ LoRA)), d(gate, up), d weights, w * h recomputed
+# LoRA backward pass over an output gradient g of a projection with adapter (A, B) and saved ua = u @ A^T:
+# partial gb = s * g[:, block] @ B[block] per column block (summed over blocks afterwards), dB = s * sum (w g)^T ua.
+@triton.jit
+def _moe_lora_bwd_kernel(
+    g_ptr,  # [*, Q]: rows in expert order, or token rows gathered when G_BY_TOKEN
+    b_ptr,  # [E, Q, r]
+    ua_ptr,  # [S, r] fp32, expert order, read when COMPUTE_DB
+    weights_ptr,  # [S] slot order, multiplied into g's rows for dB when G_TIMES_WEIGHT
+    gb_partial_ptr,  # out [cdiv(Q, BLOCK_Q), S, r] fp32, written when COMPUTE_GB
+    db_ptr,  # out [E, Q, r], written when COMPUTE_DB
+    slot_of_row_ptr,
+    token_of_row_ptr,
+    offsets_ptr,
+    S,
+    Q,
+    rank,
+    scale,
+    stride_gn,
+    stride_gq,
+    stride_be,
+    stride_bq,
+    stride_br,
+    stride_de,
+    stride_dq,
+    stride_dr,
+    G_BY_TOKEN: tl.constexpr,
+    G_TIMES_WEIGHT: tl.constexpr,
+    COMPUTE_GB: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    # 1-D grid, expert slowest, as in _moe_expert_grad_kernel: one program reduces all rows of its expert for its
+    # column block in a fixed order (dB without atomics) and reads each of those gradient elements once for both
+    # products.
+    pid = tl.program_id(0)
+    num_q_blocks = tl.cdiv(Q, BLOCK_Q)
+    expert = (pid // num_q_blocks).to(tl.int64)
+    pid_q = pid % num_q_blocks
+    row_begin = tl.load(offsets_ptr + expert)
+    row_end = tl.load(offsets_ptr + expert + 1)
+    qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_mask = qs < Q
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
+
+    b_tile = tl.load(
+        b_ptr + expert * stride_be + qs[:, None] * stride_bq + ranks[None, :] * stride_br,
+        mask=q_mask[:, None] & rank_mask[None, :],
+        other=0.0,
+    )  # [Q, R]
+    gb_partial = gb_partial_ptr + pid_q.to(tl.int64) * S * rank
+    acc_db = tl.zeros((BLOCK_Q, BLOCK_R), dtype=tl.float32)
+    for r0 in range(row_begin, row_end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        row_mask = rows < row_end
+        tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        rows = rows.to(tl.int64)
+        g_rows = tokens if G_BY_TOKEN else rows
+        g = tl.load(
+            g_ptr + g_rows[:, None] * stride_gn + qs[None, :] * stride_gq,
+            mask=row_mask[:, None] & q_mask[None, :],
+            other=0.0,
+        )  # [K, Q]
+        rank_rows_mask = row_mask[:, None] & rank_mask[None, :]
+        if COMPUTE_GB:
+            gb = tl.dot(g, b_tile.to(g.dtype), input_precision=DOT_PRECISION)  # [K, R]
+            tl.store(gb_partial + rows[:, None] * rank + ranks[None, :], gb * scale, mask=rank_rows_mask)
+        if COMPUTE_DB:
+            ua = tl.load(ua_ptr + rows[:, None] * rank + ranks[None, :], mask=rank_rows_mask, other=0.0)  # [K, R]
+            g_f32 = g.to(tl.float32)
+            if G_TIMES_WEIGHT:
+                slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0)
+                weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+                g_f32 = g_f32 * weights[:, None]
+            acc_db = tl.dot(tl.trans(g_f32), ua, acc_db, input_precision=DOT_PRECISION)
+    if COMPUTE_DB:
+        db = db_ptr + expert * stride_de + qs[:, None] * stride_dq + ranks[None, :] * stride_dr
+        tl.store(db, (acc_db * scale).to(db_ptr.dtype.element_ty), mask=q_mask[:, None] & rank_mask[None, :])
+
+
+# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed,
+# and this tile's share of dA_down = sum dha^T (w h)
 @triton.jit
 def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
     w_ptr,  # [E, D, F]
     a_ptr,  # [E, r, F]
-    b_ptr,  # [E, D, r]
+    dha_ptr,  # [S, r] fp32 d(h @ A^T) / w = s dy[token] @ B, expert order, from the LoRA backward pass
     gate_up_ptr,  # [S, 2F] pre-activations saved by the forward, expert order
     weights_ptr,  # [S] slot order
     dgate_up_ptr,  # out [S, 2F] expert order
     h_ptr,  # out [S, F] expert order, w * h with h recomputed from gate_up; written only when STORE_H
-    dha_ptr,  # out [S, r] fp32 d(h @ A^T) / w, expert order
+    da_partial_ptr,  # out [T, r, F] fp32 per-tile sums of dha^T (w h); written only when COMPUTE_DA
     dweights_ptr,  # out [cdiv(F, BLOCK_N), S] fp32 per-column-block partial sums of <dy_token, y_slot / w_slot>
     slot_of_row_ptr,
     token_of_row_ptr,
@@ -434,7 +585,6 @@ def _moe_down_bwd_kernel(
     D,
     F,
     rank,
-    scaling,
     stride_dyn,
     stride_dyd,
     stride_we,
@@ -443,16 +593,15 @@ def _moe_down_bwd_kernel(
     stride_ae,
     stride_ar,
     stride_af,
-    stride_be,
-    stride_bd,
-    stride_br,
     HAS_LORA: tl.constexpr,
     STORE_H: tl.constexpr,
+    COMPUTE_DA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_RA: tl.constexpr,
 ):
     tile, pid_n = _tile_and_column_block(F, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
@@ -465,15 +614,11 @@ def _moe_down_bwd_kernel(
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
-    ranks = tl.arange(0, BLOCK_R)
-    rank_mask = ranks < rank
 
     dy_rows = dy_ptr + tokens[:, None] * stride_dyn
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
-    b_cols = b_ptr + expert * stride_be + ranks[None, :] * stride_br
     # acc: dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh without w.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_dyb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < D
@@ -482,25 +627,20 @@ def _moe_down_bwd_kernel(
             w_cols + ks[:, None] * stride_wd, mask=k_mask[:, None] & col_mask[None, :], other=0.0
         ).to(dy_tile.dtype)  # [K, N]
         acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
-        if HAS_LORA:
-            b_tile = tl.load(
-                b_cols + ks[:, None] * stride_bd, mask=k_mask[:, None] & rank_mask[None, :], other=0.0
-            ).to(dy_tile.dtype)  # [K, R]
-            acc_dyb = tl.dot(dy_tile, b_tile, acc_dyb, input_precision=DOT_PRECISION)
 
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
     if HAS_LORA:
-        dyb_scaled = acc_dyb * scaling
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
+        dha = tl.load(
+            dha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
+        )  # [M, R]
         a_tile = tl.load(
             a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
             mask=rank_mask[:, None] & col_mask[None, :],
             other=0.0,
         ).to(tl.float32)  # [R, N]
-        acc = tl.dot(dyb_scaled, a_tile, acc, input_precision=DOT_PRECISION)
-        if pid_n == 0:
-            # Unweighted: the routing weight is in the stored h (STORE_H), the other operand of dA.
-            dha_mask = row_mask[:, None] & rank_mask[None, :]
-            tl.store(dha_ptr + rows[:, None] * rank + ranks[None, :], dyb_scaled, mask=dha_mask)
+        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
@@ -523,17 +663,33 @@ def _moe_down_bwd_kernel(
         # w * h: the weight gradients of the down projection read it as is, with no per-row scaling in their loop.
         h_weighted = h * weights[:, None]
         tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=out_mask)
+    if COMPUTE_DA:
+        # dA_down's share of this tile from the h in registers: [T, r, F] fp32 partials instead of writing w * h
+        # [S, F] in bf16 and reading it back (a quarter of the bytes at 128-row tiles and r = 16). dha^T has
+        # BLOCK_RA >= 64 rows (zero past the rank) so that the product is a warpgroup MMA reading w * h from shared
+        # memory; as a 16-row product the compiler recomputes the SwiGLU tiles in its operand layout and spills
+        # (sm_90, triton 3.6: 255 registers and 80 bytes of stack; this form 255 and none; without dA 172, so one
+        # 8-warp CTA per SM either way). Masked rows hold dha = 0 and h = 0.
+        ranks_da = tl.arange(0, BLOCK_RA)
+        rank_da_mask = ranks_da < rank
+        dha_t = tl.load(
+            dha_ptr + rows[None, :] * rank + ranks_da[:, None],
+            mask=rank_da_mask[:, None] & row_mask[None, :],
+            other=0.0,
+        )  # [RA, M]
+        da = tl.dot(dha_t, h * weights[:, None], input_precision=DOT_PRECISION)  # [RA, N]
+        da_rows = da_partial_ptr + tile.to(tl.int64) * rank * F + ranks_da[:, None] * F
+        tl.store(da_rows + cols[None, :], da, mask=rank_da_mask[:, None] & col_mask[None, :])
 
 
-# Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ LoRA), stored in slot order
+# Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ dxa A), stored in slot order
 @triton.jit
 def _moe_gate_up_bwd_kernel(
     dgate_up_ptr,  # [S, 2F] expert order
     w_ptr,  # [E, 2F, D]
     a_ptr,  # [E, r, D]
-    b_ptr,  # [E, 2F, r]
-    dx_ptr,  # out [S, D] slot order, written only when COMPUTE_DX
-    dxa_ptr,  # out [S, r] fp32 d(x @ A^T), expert order
+    dxa_ptr,  # [S, r] fp32 d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass
+    dx_ptr,  # out [S, D] slot order
     slot_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -541,25 +697,20 @@ def _moe_gate_up_bwd_kernel(
     D,
     F,
     rank,
-    scaling,
     stride_we,
     stride_wf,
     stride_wd,
     stride_ae,
     stride_ar,
     stride_ad,
-    stride_be,
-    stride_bf,
-    stride_br,
     HAS_LORA: tl.constexpr,
-    COMPUTE_DX: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    tile, pid_n = _tile_and_column_block(D if COMPUTE_DX else BLOCK_N, BLOCK_N)
+    tile, pid_n = _tile_and_column_block(D, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
@@ -569,46 +720,61 @@ def _moe_gate_up_bwd_kernel(
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < D
-    ranks = tl.arange(0, BLOCK_R)
-    rank_mask = ranks < rank
 
     # gate and up rows are contiguous in both dgate_up and w_gate_up, so one K loop runs over all 2F.
     g_rows = dgate_up_ptr + rows[:, None] * (2 * F)
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wd
-    b_cols = b_ptr + expert * stride_be + ranks[None, :] * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_gb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, 2 * F, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < 2 * F
         g_tile = tl.load(g_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if COMPUTE_DX:
-            w_tile = tl.load(
-                w_cols + ks[:, None] * stride_wf, mask=k_mask[:, None] & col_mask[None, :], other=0.0
-            ).to(g_tile.dtype)  # [K, N]
-            acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
-        if HAS_LORA:
-            b_tile = tl.load(
-                b_cols + ks[:, None] * stride_bf, mask=k_mask[:, None] & rank_mask[None, :], other=0.0
-            ).to(g_tile.dtype)  # [K, R]
-            acc_gb = tl.dot(g_tile, b_tile, acc_gb, input_precision=DOT_PRECISION)
+        w_tile = tl.load(
+            w_cols + ks[:, None] * stride_wf, mask=k_mask[:, None] & col_mask[None, :], other=0.0
+        ).to(g_tile.dtype)  # [K, N]
+        acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
-        dxa = acc_gb * scaling
-        if COMPUTE_DX:
-            a_tile = tl.load(
-                a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_ad,
-                mask=rank_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            ).to(tl.float32)  # [R, N]
-            acc = tl.dot(dxa, a_tile, acc, input_precision=DOT_PRECISION)
-        if pid_n == 0:
-            tl.store(dxa_ptr + rows[:, None] * rank + ranks[None, :], dxa, mask=row_mask[:, None] & rank_mask[None, :])
-    if COMPUTE_DX:
-        tl.store(
-            dx_ptr + slots[:, None] * D + cols[None, :],
-            acc.to(dx_ptr.dtype.element_ty),
-            mask=row_mask[:, None] & col_mask[None, :],
-        )
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
+        dxa = tl.load(
+            dxa_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
+        )  # [M, R]
+        a_tile = tl.load(
+            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_ad,
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [R, N]
+        acc = tl.dot(dxa, a_tile, acc, input_precision=DOT_PRECISION)
+    tl.store(
+        dx_ptr + slots[:, None] * D + cols[None, :],
+        acc.to(dx_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+# Per-expert sum of per-tile partials: out[e] = sum over the tiles of expert e of partial[tile], in tile order
+@triton.jit
+def _moe_tile_sum_kernel(
+    partial_ptr,  # [T, P] fp32
+    out_ptr,  # out [E, P], contiguous
+    tile_offsets_ptr,  # [E+1] int32
+    P,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_blocks = tl.cdiv(P, BLOCK)
+    expert = (pid // num_blocks).to(tl.int64)
+    cols = (pid % num_blocks) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < P
+    tile_begin = tl.load(tile_offsets_ptr + expert)
+    tile_end = tl.load(tile_offsets_ptr + expert + 1)
+    partial_row = partial_ptr + tile_begin.to(tl.int64) * P + cols
+    # An expert without rows owns no tile and gets zeros.
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for _ in range(tile_begin, tile_end):
+        acc += tl.load(partial_row, mask=col_mask, other=0.0)
+        partial_row += P
+    tl.store(out_ptr + expert * P + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 # Per-expert weight gradients: out[e] = scale * sum over the expert's rows of lhs_row^T rhs_row
@@ -688,12 +854,9 @@ def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else tuple(t.stride())
 
 
-def _lora_args(a: torch.Tensor | None, b: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
-    """(a, b, rank, BLOCK_R, has_lora); without LoRA the kernels get a dummy pointer and never read it."""
-    if a is None:
-        return fallback, fallback, 0, MIN_DOT_SIZE, False
-    rank = a.shape[1]
-    return a, b, rank, _rank_block(rank), True
+def _or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
+    return dummy if t is None else t
 
 
 def _sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -701,6 +864,87 @@ def _sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.
     if top_k == 1:
         return per_slot_SD
     return per_slot_SD.view(num_tokens, top_k, per_slot_SD.shape[1]).sum(dim=1)
+
+
+def moe_lora_rows(
+    u: torch.Tensor, a: torch.Tensor, routing: MoERouting, config: MoEConfig, u_by_token: bool
+) -> torch.Tensor:
+    """The LoRA rank product ua[row] = u[row] @ A[e]^T of every expert-sorted row, e the row's expert.
+
+    u: [S, K] in expert order, or [N, K] read at each row's token when u_by_token; a: [E, r, K].
+    Returns ua [S, r] fp32 in expert order.
+    """
+    num_slots, dim_k = routing.num_slots, u.shape[1]
+    rank = a.shape[1]
+    ua = _alloc((num_slots, rank), torch.float32, u.device)
+    kernel = config.lora_rows
+    if routing.num_tiles > 0:
+        _moe_lora_rows_kernel[(routing.num_tiles,)](
+            u, a, ua,
+            routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
+            dim_k, rank,
+            *u.stride(), *a.stride(),
+            U_BY_TOKEN=u_by_token, DOT_PRECISION=_dot_precision(u.dtype),
+            BLOCK_M=routing.block_m, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            **kernel.launch_options(),
+        )  # fmt: skip
+    return ua
+
+
+def moe_lora_bwd(
+    g: torch.Tensor,
+    b: torch.Tensor,
+    ua: torch.Tensor,
+    scale: float,
+    routing: MoERouting,
+    config: MoEConfig,
+    compute_gb: bool,
+    compute_db: bool,
+    g_by_token: bool = False,
+    g_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One pass over the output gradient g of a projection with LoRA: out += scale * ua B^T, ua = u A^T saved.
+
+    g: [S, Q] in expert order, or [N, Q] read at each row's token when g_by_token; b: [E, Q, r]; ua: [S, r] fp32.
+    g_weights: [N, k] routing weights multiplied into g's rows for dB (not for gb), or None.
+    Returns gb = scale * g[row] @ B[e] [S, r] fp32 in expert order (when compute_gb; d(ua) for the backward GEMM's
+    epilogue and for dA) and dB[e] = scale * sum_{rows of e} (w g_row)^T ua_row, shaped and typed like b (when
+    compute_db).
+    """
+    num_experts, dim_q, rank = b.shape
+    num_slots = routing.num_slots
+    kernel = config.lora_bwd
+    block_q = min(kernel.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_q)))
+    num_q_blocks = triton.cdiv(dim_q, block_q)
+    # Each program sums g B over its block_q columns only: the column blocks' [S, r] partials are added up below in a
+    # fixed order (deterministic where atomics would not be).
+    gb_partial = _alloc((num_q_blocks, num_slots, rank), torch.float32, g.device) if compute_gb else None
+    db = _alloc(tuple(b.shape), b.dtype, b.device) if compute_db else None
+    _moe_lora_bwd_kernel[(num_experts * num_q_blocks,)](
+        g, b, ua, _or_dummy(g_weights, ua).reshape(-1), _or_dummy(gb_partial, ua), _or_dummy(db, ua),
+        routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
+        num_slots, dim_q, rank, scale,
+        *g.stride(), *b.stride(), *_strides3(db),
+        G_BY_TOKEN=g_by_token, G_TIMES_WEIGHT=g_weights is not None, COMPUTE_GB=compute_gb, COMPUTE_DB=compute_db,
+        DOT_PRECISION=_dot_precision(g.dtype, ua.dtype),
+        BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+        **kernel.launch_options(),
+    )  # fmt: skip
+    gb = None
+    if compute_gb:
+        gb = gb_partial[0] if num_q_blocks == 1 else gb_partial.sum(dim=0)
+    return gb, db
+
+
+def _tile_sum(partial_T: torch.Tensor, out_like: torch.Tensor, routing: MoERouting) -> torch.Tensor:
+    """out[e] = sum over expert e's tiles of partial_T[tile] [T, ...] fp32, shaped and typed like out_like [E, ...]."""
+    num_experts = out_like.shape[0]
+    out = _alloc(tuple(out_like.shape), out_like.dtype, out_like.device)
+    size = out[0].numel()
+    _moe_tile_sum_kernel[(num_experts * triton.cdiv(size, TILE_SUM_BLOCK),)](
+        partial_T, out, routing.tile_offsets_E1, size, BLOCK=TILE_SUM_BLOCK, num_warps=THIN_NUM_WARPS
+    )
+    return out
 
 
 def moe_gate_up_fwd(
@@ -719,23 +963,24 @@ def moe_gate_up_fwd(
     """
     num_slots, model_dim = routing.num_slots, x.shape[1]
     num_hidden = w_gate_up.shape[1] // 2
-    a, b, rank, block_r, has_lora = _lora_args(a_gate_up, b_gate_up, w_gate_up)
+    has_lora = a_gate_up is not None
+    rank = a_gate_up.shape[1] if has_lora else 0
+    xa = moe_lora_rows(x, a_gate_up, routing, config, u_by_token=True) if has_lora else None
     h = _alloc((num_slots, num_hidden), x.dtype, x.device)
-    gate_up = _alloc((num_slots, 2 * num_hidden), x.dtype, x.device) if save_gate_up else h
-    xa = _alloc((num_slots, rank), torch.float32, x.device) if has_lora else h
+    gate_up = _alloc((num_slots, 2 * num_hidden), x.dtype, x.device) if save_gate_up else None
     kernel = config.gate_up_fwd
     grid = (routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_gate_up_fwd_kernel[grid](
-            x, w_gate_up, a, b, h, gate_up, xa,
+            x, w_gate_up, _or_dummy(b_gate_up, w_gate_up), _or_dummy(xa, h), h, _or_dummy(gate_up, h),
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
-            *x.stride(), *w_gate_up.stride(), *_strides3(a_gate_up), *_strides3(b_gate_up),
+            *x.stride(), *w_gate_up.stride(), *_strides3(b_gate_up),
             HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=_dot_precision(x.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
-    return h, (gate_up if save_gate_up else None), (xa if has_lora else None)
+    return h, gate_up, xa
 
 
 def moe_down_fwd(
@@ -755,23 +1000,24 @@ def moe_down_fwd(
     """
     num_slots, num_hidden = h.shape
     model_dim = w_down.shape[1]
-    a, b, rank, block_r, has_lora = _lora_args(a_down, b_down, w_down)
+    has_lora = a_down is not None
+    rank = a_down.shape[1] if has_lora else 0
+    ha = moe_lora_rows(h, a_down, routing, config, u_by_token=False) if has_lora else None
     # Slot-order rows and a fixed-order sum over k instead of fp32 atomics into y: deterministic, one rounding per slot.
     y_slot = _alloc((num_slots, model_dim), h.dtype, h.device)
-    ha = _alloc((num_slots, rank), torch.float32, h.device) if has_lora else y_slot
     kernel = config.down_fwd
     grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_down_fwd_kernel[grid](
-            h, w_down, a, b, topk_weights.reshape(-1), y_slot, ha,
+            h, w_down, _or_dummy(b_down, w_down), _or_dummy(ha, h), topk_weights.reshape(-1), y_slot,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
-            *w_down.stride(), *_strides3(a_down), *_strides3(b_down),
+            *w_down.stride(), *_strides3(b_down),
             HAS_LORA=has_lora, DOT_PRECISION=_dot_precision(h.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
-    return _sum_slots(y_slot, num_tokens, routing.top_k), (ha if has_lora else None)
+    return _sum_slots(y_slot, num_tokens, routing.top_k), ha
 
 
 def moe_down_bwd(
@@ -780,80 +1026,81 @@ def moe_down_bwd(
     topk_weights: torch.Tensor,
     w_down: torch.Tensor,
     a_down: torch.Tensor | None,
-    b_down: torch.Tensor | None,
-    scaling: float,
+    dha: torch.Tensor | None,
     routing: MoERouting,
     config: MoEConfig,
     store_h: bool,
+    compute_da: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Backward of the down projection, the routing weights and SwiGLU.
 
+    a_down: [E, r, F] and dha: [S, r] fp32 = scaling * dy[token] @ B_down (moe_lora_bwd; unweighted, d(h A^T) / w),
+    both None without LoRA on the down projection.
     Returns dgate_up [S, 2F] in gate_up.dtype, w * h [S, F] recomputed and weighted by each row's routing weight
-    (when store_h), dha [S, r] fp32 (with LoRA, unweighted: d(h A^T) / w) and d topk_weights [S] fp32 in slot order.
-    The two down-projection gradients that contract over rows, dW = sum (w dy)^T h and dA = sum (w dha)^T h, take
-    the weight from w * h.
+    (when store_h; dW_down = sum dy^T (w h) reads it), dA_down = sum_rows dha^T (w h) shaped and typed like a_down
+    (when compute_da) and d topk_weights [S] fp32 in slot order.
     """
+    has_lora = a_down is not None
+    assert has_lora == (dha is not None) and (has_lora or not compute_da), "dha and dA need the down adapter"
     num_slots, model_dim = routing.num_slots, dy.shape[1]
     num_hidden = gate_up.shape[1] // 2
-    a, b, rank, block_r, has_lora = _lora_args(a_down, b_down, w_down)
+    rank = a_down.shape[1] if has_lora else 0
     dgate_up = _alloc((num_slots, 2 * num_hidden), gate_up.dtype, dy.device)
-    h = _alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else dgate_up
-    dha = _alloc((num_slots, rank), torch.float32, dy.device) if has_lora else dgate_up
+    h = _alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else None
+    da_partial = _alloc((routing.num_tiles, rank, num_hidden), torch.float32, dy.device) if compute_da else None
     kernel = config.down_bwd
     num_col_blocks = triton.cdiv(num_hidden, kernel.block_n)
     # Partial sums per column block, added up below in a fixed order: deterministic where atomics would not be.
     dweights_partial = _alloc((num_col_blocks, num_slots), torch.float32, dy.device)
     if routing.num_tiles > 0:
         _moe_down_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
-            dy, w_down, a, b, gate_up, topk_weights.reshape(-1), dgate_up, h, dha, dweights_partial,
+            dy, w_down, _or_dummy(a_down, w_down), _or_dummy(dha, dgate_up), gate_up, topk_weights.reshape(-1),
+            dgate_up, _or_dummy(h, dgate_up), _or_dummy(da_partial, dgate_up), dweights_partial,
             routing.slot_of_row_S, routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T,
             routing.offsets_E1,
-            num_slots, model_dim, num_hidden, rank, scaling,
-            *dy.stride(), *w_down.stride(), *_strides3(a_down), *_strides3(b_down),
-            HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=_dot_precision(gate_up.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
-            **kernel.launch_options(),
+            num_slots, model_dim, num_hidden, rank,
+            *dy.stride(), *w_down.stride(), *_strides3(a_down),
+            HAS_LORA=has_lora, STORE_H=store_h, COMPUTE_DA=compute_da, DOT_PRECISION=_dot_precision(gate_up.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            BLOCK_RA=max(MIN_WGMMA_M, _rank_block(rank)), **kernel.launch_options(),
         )  # fmt: skip
-    return (
-        dgate_up,
-        h if store_h else None,
-        dha if has_lora else None,
-        dweights_partial.sum(dim=0),
-    )
+    d_a_down = _tile_sum(da_partial, a_down, routing) if compute_da else None
+    return dgate_up, h, d_a_down, dweights_partial.sum(dim=0)
 
 
 def moe_gate_up_bwd(
     dgate_up: torch.Tensor,
     w_gate_up: torch.Tensor,
     a_gate_up: torch.Tensor | None,
-    b_gate_up: torch.Tensor | None,
-    scaling: float,
+    dxa: torch.Tensor | None,
     routing: MoERouting,
     config: MoEConfig,
     num_tokens: int,
-    compute_dx: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Returns dx [N, D] (dgate_up.dtype) or None, dxa [S, r] fp32 or None."""
+) -> torch.Tensor:
+    """dx [N, D] in dgate_up.dtype.
+
+    a_gate_up: [E, r, D] and dxa: [S, r] fp32 = scaling * dgate_up @ B_gate_up (moe_lora_bwd), both None without
+    LoRA on the gate_up projection.
+    """
+    has_lora = a_gate_up is not None
+    assert has_lora == (dxa is not None), "dxa needs the gate_up adapter"
     num_slots = routing.num_slots
     num_hidden, model_dim = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
-    a, b, rank, block_r, has_lora = _lora_args(a_gate_up, b_gate_up, w_gate_up)
-    dx_slot = _alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device) if compute_dx else dgate_up
-    dxa = _alloc((num_slots, rank), torch.float32, dgate_up.device) if has_lora else dgate_up
-    # Without dx only the first column block runs, for the thin LoRA product.
+    rank = a_gate_up.shape[1] if has_lora else 0
+    dx_slot = _alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device)
     kernel = config.gate_up_bwd
-    num_col_blocks = triton.cdiv(model_dim, kernel.block_n) if compute_dx else 1
-    if routing.num_tiles > 0 and (compute_dx or has_lora):
+    num_col_blocks = triton.cdiv(model_dim, kernel.block_n)
+    if routing.num_tiles > 0:
         _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
-            dgate_up, w_gate_up, a, b, dx_slot, dxa,
+            dgate_up, w_gate_up, _or_dummy(a_gate_up, w_gate_up), _or_dummy(dxa, dgate_up), dx_slot,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
-            model_dim, num_hidden, rank, scaling,
-            *w_gate_up.stride(), *_strides3(a_gate_up), *_strides3(b_gate_up),
-            HAS_LORA=has_lora, COMPUTE_DX=compute_dx, DOT_PRECISION=_dot_precision(dgate_up.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=block_r,
+            model_dim, num_hidden, rank,
+            *w_gate_up.stride(), *_strides3(a_gate_up),
+            HAS_LORA=has_lora, DOT_PRECISION=_dot_precision(dgate_up.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
-    dx = _sum_slots(dx_slot, num_tokens, routing.top_k) if compute_dx else None
-    return dx, (dxa if has_lora else None)
+    return _sum_slots(dx_slot, num_tokens, routing.top_k)
 
 
 def moe_expert_grad(

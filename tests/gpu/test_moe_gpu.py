@@ -1,5 +1,6 @@
 """moe Triton kernels on CUDA: bf16 and fp32 forward and every gradient against the reference at realistic sizes,
-NaN-filled buffers with guarded ends, no host sync, determinism, and the issue's N16384 D2048 F1024 E64 top-8 shape.
+NaN-filled buffers with guarded ends, no host sync, determinism, and the issue's N16384 D2048 F1024 E64 top-8 shape;
+LoRA on one or both projections, at several ranks, with parts of the adapters frozen.
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank.
 Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): pytest -m gpu tests/gpu
@@ -66,7 +67,9 @@ def _routing(pattern: str, gen: torch.Generator, num_tokens: int, num_experts: i
     raise AssertionError(pattern)
 
 
-def _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0):
+def _make_case(
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0, rank=RANK
+):
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -80,21 +83,39 @@ def _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pat
         w_down=randn(num_experts, model_dim, hidden_dim, scale=hidden_dim**-0.5),
         lora=None,
     )
-    if lora_on == "both":
-        case["lora"] = ExpertLoRA(
-            randn(num_experts, RANK, model_dim, scale=model_dim**-0.5),
-            randn(num_experts, 2 * hidden_dim, RANK, scale=RANK**-0.5),
-            randn(num_experts, RANK, hidden_dim, scale=hidden_dim**-0.5),
-            randn(num_experts, model_dim, RANK, scale=RANK**-0.5),
-            scaling=LORA_SCALING,
-        )
+    if lora_on != "none":
+        pairs = {}
+        if lora_on in ("both", "gate_up"):
+            pairs["a_gate_up"] = randn(num_experts, rank, model_dim, scale=model_dim**-0.5)
+            pairs["b_gate_up"] = randn(num_experts, 2 * hidden_dim, rank, scale=rank**-0.5)
+        if lora_on in ("both", "down"):
+            pairs["a_down"] = randn(num_experts, rank, hidden_dim, scale=hidden_dim**-0.5)
+            pairs["b_down"] = randn(num_experts, model_dim, rank, scale=rank**-0.5)
+        case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
+    return case
+
+
+def _freeze(case: dict, names: tuple[str, ...]) -> dict:
+    """The case with the named tensors (x, w_gate_up, w_down, lora.<name>) detached: no gradient for them."""
+    case = dict(case)
+    pairs = {} if case["lora"] is None else {name: getattr(case["lora"], name) for name in LORA_NAMES}
+    for name in names:
+        if name.startswith("lora."):
+            pairs[name.removeprefix("lora.")] = pairs[name.removeprefix("lora.")].detach()
+        else:
+            case[name] = case[name].detach()
+    if case["lora"] is not None:
+        case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
     return case
 
 
 def _grad_inputs(case: dict) -> dict[str, torch.Tensor]:
     inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down")}
     if case["lora"] is not None:
-        inputs.update({f"lora.{name}": getattr(case["lora"], name) for name in LORA_NAMES})
+        for name in LORA_NAMES:
+            tensor = getattr(case["lora"], name)
+            if tensor is not None:
+                inputs[f"lora.{name}"] = tensor
     return {name: tensor for name, tensor in inputs.items() if tensor.requires_grad}
 
 
@@ -166,6 +187,37 @@ def test_moe_mlp_kernel_frozen_base_weights(guarded, dtype):
     guarded.check()
 
 
+# LoRA variants on the odd-dims shape (masked K steps, unaligned rows), bf16: (lora_on, rank, frozen tensors).
+LORA_VARIANTS = {
+    # LoRA training as the bench times it: experts frozen, x and the routing weights get gradients.
+    "frozen_experts_r16": ("both", 16, ("w_gate_up", "w_down")),
+    # One projection only: the other runs plain.
+    "gate_up_only": ("gate_up", 16, ("w_gate_up", "w_down")),
+    "down_only": ("down", 16, ("w_gate_up", "w_down")),
+    # Ranks that are not a power of 2 / wider than the 16-wide rank block.
+    "r8": ("both", 8, ("w_gate_up", "w_down")),
+    "r24": ("both", 24, ("w_gate_up", "w_down")),
+    "r64": ("both", 64, ("w_gate_up", "w_down")),
+    # LoRA-FA: A frozen (no dA passes); B and dx run.
+    "a_frozen": ("both", 16, ("w_gate_up", "w_down", "lora.a_gate_up", "lora.a_down")),
+    # Only B and the routing weights train: the gate_up LoRA pass computes dB alone, no dx.
+    "only_b": ("both", 16, ("x", "w_gate_up", "w_down", "lora.a_gate_up", "lora.a_down")),
+    # Every weight trains, the adapters too.
+    "all_trained": ("both", 16, ()),
+}
+
+
+@pytest.mark.parametrize("variant", list(LORA_VARIANTS))
+def test_moe_mlp_kernel_lora_variants(guarded, variant):
+    lora_on, rank, frozen = LORA_VARIANTS[variant]
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["odd_dims"]
+    case = _make_case(
+        num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern, lora_on, rank=rank
+    )
+    _assert_matches_reference(_freeze(case, frozen), torch.bfloat16)
+    guarded.check()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_mlp_kernel_frozen_experts_without_lora(guarded, dtype):
     # The baseline of the LoRA overhead target: experts frozen, no adapters; dx and d topk_weights only.
@@ -195,7 +247,11 @@ def test_moe_mlp_kernel_sweep_candidates(guarded, kernel, index):
     from moe_tune.ops.moe.bench import sweep_candidates
 
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["E64_top8"]
-    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern)
+    # The LoRA passes' candidates run with adapters on frozen experts, as LoRA training does.
+    lora_on = "both" if kernel.startswith("lora_") else "none"
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern, lora_on)
+    if lora_on != "none":
+        case = _freeze(case, ("w_gate_up", "w_down"))
     default = kernels.pick_config(case["x"], num_tokens * top_k, num_experts)
     config = dataclasses.replace(default, **{kernel: sweep_candidates()[kernel][index]})
     with kernels.forced_config(config):
@@ -237,3 +293,23 @@ def test_moe_mlp_kernel_issue_shape_bf16(kernel_path):
     case["topk_ids"] = topk_ids
     case["topk_weights"] = topk_weights.to(dtype).requires_grad_()
     _assert_matches_reference(case, dtype)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((16384, 2048, 1024, 64, 8), id="E64_top8"),
+        pytest.param((16384, 2048, 512, 256, 16), id="E256_top16"),
+    ],
+)
+def test_moe_mlp_kernel_issue_shapes_lora_bf16(kernel_path, shape):
+    # The LoRA target's shapes as the bench times them: LoRA r16 on both projections, experts frozen, softmax router.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k = shape
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=DEVICE)
+    topk_ids, topk_weights, _ = topk_route(logits, top_k)
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, lora_on="both")
+    case["topk_ids"] = topk_ids
+    case["topk_weights"] = topk_weights.to(dtype).requires_grad_()
+    _assert_matches_reference(_freeze(case, ("w_gate_up", "w_down")), dtype)

@@ -1,5 +1,5 @@
 """moe Triton kernels in the interpreter: forward and every gradient against the per-token oracle, odd routings,
-NaN-filled buffers with guarded ends, routing metadata, determinism, dispatch.
+NaN-filled buffers with guarded ends, the LoRA passes alone against torch, routing metadata, determinism, dispatch.
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
 """
@@ -75,7 +75,9 @@ def _routing(pattern: str, gen: torch.Generator, num_tokens: int, num_experts: i
     raise AssertionError(pattern)
 
 
-def _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0):
+def _make_case(
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0, rank=RANK
+):
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -93,11 +95,11 @@ def _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pat
         # B is random, not PEFT's zero init, so that the adapter changes the output and gets gradients to compare.
         pairs = {}
         if lora_on in ("both", "gate_up"):
-            pairs["a_gate_up"] = randn(num_experts, RANK, model_dim, scale=model_dim**-0.5)
-            pairs["b_gate_up"] = randn(num_experts, 2 * hidden_dim, RANK, scale=RANK**-0.5)
+            pairs["a_gate_up"] = randn(num_experts, rank, model_dim, scale=model_dim**-0.5)
+            pairs["b_gate_up"] = randn(num_experts, 2 * hidden_dim, rank, scale=rank**-0.5)
         if lora_on in ("both", "down"):
-            pairs["a_down"] = randn(num_experts, RANK, hidden_dim, scale=hidden_dim**-0.5)
-            pairs["b_down"] = randn(num_experts, model_dim, RANK, scale=RANK**-0.5)
+            pairs["a_down"] = randn(num_experts, rank, hidden_dim, scale=hidden_dim**-0.5)
+            pairs["b_down"] = randn(num_experts, model_dim, rank, scale=rank**-0.5)
         case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
     return case
 
@@ -204,6 +206,156 @@ def test_moe_mlp_kernel_frozen_experts_without_lora(kernel_path, guarded):
     guarded.check()
 
 
+# Which tensors of the adapters (and of x) are frozen: each turns a part of the LoRA backward off.
+PARTLY_FROZEN = {
+    # LoRA-FA: A frozen, so dA is skipped (no dA partials in the down backward, no dA_gate_up pass); B and dx run.
+    "a_frozen": ("lora.a_gate_up", "lora.a_down"),
+    # B frozen: the LoRA backward passes compute the per-row products and skip dB.
+    "b_frozen": ("lora.b_gate_up", "lora.b_down"),
+    # Only B and the routing weights train: the gate_up pass computes dB alone (no dx, no per-row product).
+    "only_b_and_weights": ("x", "lora.a_gate_up", "lora.a_down"),
+    # Only A trains besides the routing weights: the gate_up pass computes the per-row product for dA, no dB, no dx.
+    "only_a_and_weights": ("x", "lora.b_gate_up", "lora.b_down"),
+}
+
+
+@pytest.mark.parametrize("frozen", [pytest.param(names, id=case) for case, names in PARTLY_FROZEN.items()])
+def test_moe_mlp_kernel_partly_frozen_adapters(kernel_path, guarded, frozen):
+    case = _make_case(37, 24, 20, 7, 3, torch.float32, lora_on="both")
+    for name in ("w_gate_up", "w_down"):
+        case[name] = case[name].detach()
+    pairs = {name: getattr(case["lora"], name) for name in LORA_NAMES}
+    for name in frozen:
+        if name == "x":
+            case["x"] = case["x"].detach()
+        else:
+            pairs[name.removeprefix("lora.")] = pairs[name.removeprefix("lora.")].detach()
+    case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
+    _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+
+
+@pytest.mark.parametrize(
+    "rank",
+    [
+        pytest.param(1, id="r1"),  # one live column of the 16-wide rank block
+        pytest.param(20, id="r20"),  # padded to a 32-wide rank block
+    ],
+)
+def test_moe_mlp_kernel_lora_ranks(kernel_path, guarded, rank):
+    case = _make_case(37, 24, 20, 7, 3, torch.float32, lora_on="both", rank=rank)
+    _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+
+
+# The LoRA passes alone against torch, on routings with empty experts and with one expert over several tiles.
+# (N, E, k, routing)
+LORA_PASS_CASES = [
+    pytest.param(37, 7, 3, "random", id="prime_E7"),
+    pytest.param(12, 8, 2, "two_experts_only", id="empty_experts"),
+    pytest.param(21, 6, 2, "all_to_last", id="one_expert_takes_all"),
+]
+# 40 reduction elements or gradient columns: three 16-wide steps or blocks, the last one partial. Rank 5: a
+# 16-wide rank block with 11 masked columns.
+PASS_DIM = 40
+PASS_RANK = 5
+
+
+def _pass_setup(num_tokens: int, num_experts: int, top_k: int, pattern: str):
+    gen = torch.Generator().manual_seed(0)
+    topk_ids = _routing(pattern, gen, num_tokens, num_experts, top_k)
+    # CPU tensors: the interpreter's 16-row tiles.
+    config = kernels.pick_config(torch.zeros(1), num_tokens * top_k, num_experts)
+    routing = kernels.moe_routing(topk_ids, num_experts, config.block_m)
+    slot_S = routing.slot_of_row_S.long()
+    expert_S = topk_ids.reshape(-1)[slot_S]
+    return gen, config, routing, slot_S, expert_S, routing.token_of_row_S.long()
+
+
+@pytest.mark.parametrize("u_by_token", [pytest.param(True, id="x_by_token"), pytest.param(False, id="h_by_row")])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, pattern", LORA_PASS_CASES)
+def test_moe_lora_rows_matches_torch(kernel_path, guarded, num_tokens, num_experts, top_k, pattern, u_by_token):
+    gen, config, routing, _, expert_S, token_S = _pass_setup(num_tokens, num_experts, top_k, pattern)
+    u = torch.randn(num_tokens if u_by_token else num_tokens * top_k, PASS_DIM, generator=gen)
+    a = torch.randn(num_experts, PASS_RANK, PASS_DIM, generator=gen)
+    ua = kernels.moe_lora_rows(u, a, routing, config, u_by_token=u_by_token)
+    u_rows = u[token_S] if u_by_token else u
+    expected = torch.einsum("sk,srk->sr", u_rows.double(), a[expert_S].double())
+    assert ua.dtype == torch.float32
+    torch.testing.assert_close(ua.double(), expected, **TOLERANCES[torch.float32])
+    guarded.check()
+
+
+@pytest.mark.parametrize(
+    "compute_gb, compute_db",
+    [
+        pytest.param(True, True, id="gb_and_db"),
+        pytest.param(True, False, id="gb_only"),
+        pytest.param(False, True, id="db_only"),
+    ],
+)
+@pytest.mark.parametrize(
+    "g_by_token", [pytest.param(True, id="dy_by_token_weighted"), pytest.param(False, id="dgate_up_by_row")]
+)
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, pattern", LORA_PASS_CASES)
+def test_moe_lora_bwd_matches_torch(
+    kernel_path, guarded, num_tokens, num_experts, top_k, pattern, g_by_token, compute_gb, compute_db
+):
+    gen, config, routing, slot_S, expert_S, token_S = _pass_setup(num_tokens, num_experts, top_k, pattern)
+    num_slots, scale = num_tokens * top_k, 0.5
+    g = torch.randn(num_tokens if g_by_token else num_slots, PASS_DIM, generator=gen)
+    b = torch.randn(num_experts, PASS_DIM, PASS_RANK, generator=gen)
+    ua = torch.randn(num_slots, PASS_RANK, generator=gen)
+    # The down projection's pass reads dy by token and weights its rows for dB; the gate_up one reads dgate_up rows.
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen) if g_by_token else None
+    gb, db = kernels.moe_lora_bwd(
+        g, b, ua, scale, routing, config, compute_gb, compute_db, g_by_token=g_by_token, g_weights=topk_weights
+    )
+    g_rows = (g[token_S] if g_by_token else g).double()
+    if compute_gb:
+        expected_gb = scale * torch.einsum("sq,sqr->sr", g_rows, b[expert_S].double())
+        assert gb.dtype == torch.float32
+        torch.testing.assert_close(gb.double(), expected_gb, **TOLERANCES[torch.float32])
+    else:
+        assert gb is None
+    if compute_db:
+        weights_S = topk_weights.reshape(-1)[slot_S].double() if g_by_token else torch.ones(num_slots).double()
+        per_row = torch.einsum("sq,sr->sqr", weights_S[:, None] * g_rows, ua.double())
+        # Experts without rows get zeros, written by their programs (the buffers start as NaN).
+        expected_db = scale * torch.zeros(num_experts, PASS_DIM, PASS_RANK).double().index_add_(0, expert_S, per_row)
+        assert db.dtype == b.dtype and db.shape == b.shape
+        torch.testing.assert_close(db.double(), expected_db, **TOLERANCES[torch.float32])
+    else:
+        assert db is None
+    guarded.check()
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, top_k, pattern", LORA_PASS_CASES)
+def test_moe_down_bwd_lora_da_matches_torch(kernel_path, guarded, num_tokens, num_experts, top_k, pattern):
+    # dA_down from per-tile partials in the down backward's epilogue, summed over each expert's tiles; F = 20 spans
+    # two 16-column blocks.
+    gen, config, routing, slot_S, expert_S, token_S = _pass_setup(num_tokens, num_experts, top_k, pattern)
+    num_slots, model_dim, hidden_dim = num_tokens * top_k, 24, 20
+    dy = torch.randn(num_tokens, model_dim, generator=gen)
+    gate_up = torch.randn(num_slots, 2 * hidden_dim, generator=gen)
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    w_down = torch.randn(num_experts, model_dim, hidden_dim, generator=gen)
+    a_down = torch.randn(num_experts, PASS_RANK, hidden_dim, generator=gen)
+    dha = torch.randn(num_slots, PASS_RANK, generator=gen)
+    _, h_weighted, d_a_down, _ = kernels.moe_down_bwd(
+        dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=True, compute_da=True
+    )
+    gate, up = gate_up.double().split(hidden_dim, dim=1)
+    weights_S = topk_weights.reshape(-1)[slot_S].double()
+    expected_h_weighted = weights_S[:, None] * torch.nn.functional.silu(gate) * up
+    per_row = torch.einsum("sr,sf->srf", dha.double(), expected_h_weighted)
+    expected_da = torch.zeros(num_experts, PASS_RANK, hidden_dim).double().index_add_(0, expert_S, per_row)
+    torch.testing.assert_close(h_weighted.double(), expected_h_weighted, **TOLERANCES[torch.float32])
+    assert d_a_down.dtype == a_down.dtype
+    torch.testing.assert_close(d_a_down.double(), expected_da, **TOLERANCES[torch.float32])
+    guarded.check()
+
+
 # Every kernel with its own tile: gate/up and down-backward columns, down-forward and dx columns, weight-gradient P
 # and Q sides all differ, so a launcher that sized its grid from one kernel's config and its blocks from another's
 # would leave columns unwritten (NaN-filled buffers) and fail the oracle.
@@ -214,6 +366,8 @@ PER_KERNEL_CONFIG = kernels.MoEConfig(
     down_bwd=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1),
     gate_up_bwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
     expert_grad=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1, block_p=32),
+    lora_rows=kernels.KernelConfig(0, 32, num_warps=1, num_stages=1),
+    lora_bwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
 )
 
 
@@ -246,9 +400,11 @@ def test_moe_mlp_kernel_strided_inputs_and_expanded_grad(kernel_path, guarded):
     guarded.check()
 
 
-def test_moe_mlp_kernel_no_tokens(kernel_path):
-    # N = 0: an empty grid; y is empty and every weight gradient is zero.
-    case = _make_case(0, 16, 32, 4, 2, torch.float32)
+@pytest.mark.parametrize("lora_on", [pytest.param("none", id="no_lora"), pytest.param("both", id="lora_both")])
+def test_moe_mlp_kernel_no_tokens(kernel_path, lora_on):
+    # N = 0: empty row grids; y is empty and every weight gradient is zero (the per-expert LoRA passes still write
+    # their zero dB and dA).
+    case = _make_case(0, 16, 32, 4, 2, torch.float32, lora_on=lora_on)
     y, grads = _run_with_grads(moe_mlp, case, torch.zeros(0, 16))
     assert y.shape == (0, 16)
     assert all(bool((grad == 0).all()) for grad in grads.values())
@@ -298,6 +454,12 @@ def test_moe_routing_metadata(block_m):
         covered[first_row:end] += 1
     assert bool((covered == 1).all())
     assert num_busy_tiles == int(((counts_E + block_m - 1) // block_m).sum())
+    # Each expert's tiles are the range tile_offsets[e] .. tile_offsets[e + 1] of the tile map.
+    tiles_E = (counts_E + block_m - 1) // block_m
+    assert torch.equal(routing.tile_offsets_E1.long(), torch.cat([torch.zeros(1, dtype=torch.long), tiles_E.cumsum(0)]))
+    for e in range(num_experts):
+        begin, end = int(routing.tile_offsets_E1[e]), int(routing.tile_offsets_E1[e + 1])
+        assert bool((routing.tile_expert_T[begin:end] == e).all())
     assert routing.num_tiles == kernels.max_tiles(ids_S.numel(), num_experts, block_m) >= num_busy_tiles
     busy = routing.tile_expert_T >= 0
     # Busy tiles come first, so a grid larger than the work only adds programs that exit at once.
