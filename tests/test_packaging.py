@@ -21,7 +21,8 @@ def test_wheel_holds_one_package_with_the_shipped_profiles(tmp_path):
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top_level == {"moe_tune"}
     for required in ("moe_tune/profiles/tiny.yaml", "moe_tune/cli/__init__.py", "moe_tune/engine/train/trainer.py",
-                     "moe_tune/ops/linear_attention/reference.py", "moe_tune/ops/moe/reference.py"):
+                     "moe_tune/ops/linear_attention/reference.py", "moe_tune/ops/moe/reference.py",
+                     "moe_tune/ops/cross_entropy/reference.py"):
         assert required in names, required
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "moe-tune = moe_tune.cli:main" in entry_points

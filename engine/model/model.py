@@ -8,11 +8,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.engine.memory import run_decoder_layer
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
+from moe_tune.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
 from .attention import TOKEN_MIXERS, PackedBatch, init_token_mixer
@@ -29,9 +29,9 @@ class CausalLMOutput(NamedTuple):
     """A named tuple, so ZeRO-3 hooks see the tensors inside."""
 
     loss: torch.Tensor | None  # language-model loss + aux losses (what backward runs on)
-    lm_loss: torch.Tensor | None  # mean next-token cross-entropy over labelled tokens
+    lm_loss: torch.Tensor | None  # mean next-token cross-entropy over labelled tokens (0 when none is labelled)
     aux_loss: torch.Tensor  # sum of the MoE layers' weighted load-balancing losses
-    logits: torch.Tensor  # [1, T, V]
+    logits: torch.Tensor | None  # [1, T, V]; None when the loss was computed without them (see forward)
 
 
 class DecoderLayer(nn.Module):
@@ -98,13 +98,17 @@ class MoECausalLM(nn.Module):
         loss_denominator: float | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        return_logits: bool | None = None,
     ) -> CausalLMOutput:
         """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
         cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T.
         loss_denominator: divide the summed cross-entropy by this instead of the local labelled-token count (data
         parallel runs pass global count / world size, so averaging gradients over ranks gives the global mean).
         pixel_values [P, C*Tp*p*p], image_grid_thw [I, 3]: the row's images (engine/data/images.py), whose tokens
-        are the runs of model.vision.image_token_id in input_ids."""
+        are the runs of model.vision.image_token_id in input_ids.
+        return_logits: with labels, also return the [1, T, V] logits. None (default): in eval mode only; a training
+        forward with labels computes the loss chunk by chunk without them (ops/cross_entropy) whenever the head is
+        a plain linear layer (or PEFT's modules_to_save copy of one); other heads always return the logits."""
         total = input_ids.shape[1]
         positions, doc_ids = document_positions(cu_seqlens, total), document_ids(cu_seqlens, total)
         x = self.embed_tokens(input_ids)
@@ -123,14 +127,23 @@ class MoECausalLM(nn.Module):
             # Whole-layer recompute, selective caching (engine/memory) or plain, as the memory profile says.
             x, aux = run_decoder_layer(self, index, layer, x, batch)
             aux_total = aux_total + aux
-        logits = self.lm_head(self.norm(x))
+        hidden = self.norm(x)
         if labels is None:
-            return CausalLMOutput(None, None, aux_total, logits)
-        flat_logits, flat_labels = logits.view(-1, logits.shape[-1]).float(), labels.view(-1)
-        if loss_denominator is None:
-            lm_loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+            return CausalLMOutput(None, None, aux_total, self.lm_head(hidden))
+        flat_labels = labels.reshape(-1)
+        reduction = "mean" if loss_denominator is None else "sum"
+        wants_logits = not self.training if return_logits is None else return_logits
+        head = None if wants_logits else plain_linear_head(self.lm_head)
+        if head is not None:
+            # The [T, V] logits (and their gradient) never exist: at T 32K and V 150K they are ~20 GB in fp32.
+            logits = None
+            lm_loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, flat_labels, head.bias,
+                                           ignore_index=IGNORE_INDEX, reduction=reduction)
         else:
-            lm_loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            logits = self.lm_head(hidden)
+            lm_loss = cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat_labels,
+                                    ignore_index=IGNORE_INDEX, reduction=reduction)
+        if loss_denominator is not None:
             lm_loss = lm_loss / loss_denominator
         return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
 
@@ -153,6 +166,29 @@ class MoECausalLM(nn.Module):
         x = x.clone()
         x[0, is_image] = features
         return x
+
+
+def plain_linear_head(head: nn.Module) -> nn.Linear | None:
+    """The nn.Linear whose x W^T + b is the head's whole output, or None when the head computes more.
+
+    An nn.Linear (not a subclass with its own forward) is itself. PEFT's ModulesToSaveWrapper forwards to one
+    module, chosen as its forward chooses: the active adapter's trained copy, or the original when adapters are
+    disabled or the active one has no copy. A LoRA layer on the head (a low-rank term after dropout; merging it
+    into one weight would round a small update away in bf16) or any other module gives None: the caller computes
+    the full logits through the module. The weight is read outside the head's forward; under ZeRO-3 DeepSpeed's
+    engine gathers such a parameter on access (it registers it as an external parameter of the running module).
+    """
+    if isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward:
+        return head
+    if type(head).__module__.startswith("peft."):
+        from peft.utils.other import ModulesToSaveWrapper
+
+        if isinstance(head, ModulesToSaveWrapper):
+            active = head.active_adapters
+            if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
+                return plain_linear_head(head.original_module)
+            return plain_linear_head(head.modules_to_save[active[0]])
+    return None
 
 
 def build_model(

@@ -1,0 +1,139 @@
+"""Chunked cross-entropy over a linear head: one chunk of logits at a time, its gradients computed in the forward.
+
+Shapes: N tokens, D model dim, V vocabulary, C rows of one chunk (C <= chunk_size).
+Pure PyTorch: the two matmuls per chunk are the device's GEMMs, the rest is a handful of elementwise passes over
+one [C, V] chunk; there is no Triton kernel for this op (README.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moe_tune.ops.cross_entropy.reference import _compute_dtype
+
+# One chunk's logits (fp32) stay under 256 MiB; their gradient overwrites them in place, and each has one
+# low-precision copy for its matmul under bf16. At a 152K vocabulary that is 441 rows per chunk.
+CHUNK_LOGITS_BYTES = 256 * 2**20
+# Thinner chunks leave the [C, D] x [D, V] products too few rows to fill the GPU's matmul tiles.
+MIN_CHUNK_ROWS = 128
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
+    """Rows per chunk: as many as keep one chunk's fp32 logits within CHUNK_LOGITS_BYTES (never fewer than
+    MIN_CHUNK_ROWS), evened out over the chunks so that the last one is not a sliver."""
+    max_rows = max(MIN_CHUNK_ROWS, CHUNK_LOGITS_BYTES // (4 * vocab_size))
+    num_chunks = max(1, math.ceil(num_tokens / max_rows))
+    return max(1, math.ceil(num_tokens / num_chunks))
+
+
+def chunk_logits(hidden_CD: torch.Tensor, weight_VD: torch.Tensor, bias_V: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's logits [C, V]: the matmul in the inputs' dtype (as nn.Linear runs it), then fp32 (fp64 stays).
+
+    Every chunk's logits come from here: the tests wrap it to check that no call sees more than chunk_size rows.
+    """
+    if bias_V is None:
+        logits_CV = hidden_CD @ weight_VD.T
+    else:
+        logits_CV = torch.addmm(bias_V, hidden_CD, weight_VD.T)
+    return logits_CV.to(_compute_dtype(hidden_CD.dtype))
+
+
+def linear_cross_entropy_fwd(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_N: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    chunk_size: int,
+    needs_hidden_grad: bool,
+    needs_weight_grad: bool,
+    needs_bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The loss and its gradients (for a grad_output of 1), walking the tokens chunk_size rows at a time.
+
+    Per chunk, in fp32 (fp64 for fp64 inputs): logits, logsumexp, the labelled rows' loss, then in place over the
+    logits d loss / d logits = scale * (softmax - onehot) on labelled rows and 0 on ignored rows, with scale
+    1 / max(labelled tokens, 1) for "mean" and 1 for "sum". That gradient, cast to the inputs' dtype, feeds
+    grad_hidden = G W (written into the chunk's rows) and grad_weight += G^T hidden (accumulated in fp32).
+
+    Returns loss [] (fp32, fp64 for fp64 inputs), grad_hidden [N, D] in hidden's dtype, grad_weight [V, D] in
+    weight's dtype and grad_bias [V] in bias's dtype; a gradient that is not needed is None and never computed.
+    """
+    num_tokens = hidden_ND.shape[0]
+    dtype = _compute_dtype(hidden_ND.dtype)
+    is_labelled_N = labels_N != ignore_index
+    if reduction == "mean":
+        # A device tensor, not a Python number: no host sync to read the count.
+        scale = 1.0 / is_labelled_N.sum().clamp(min=1).to(dtype)
+    else:
+        scale = torch.ones((), dtype=dtype, device=hidden_ND.device)
+
+    loss = torch.zeros((), dtype=dtype, device=hidden_ND.device)
+    grad_hidden_ND = torch.empty_like(hidden_ND, memory_format=torch.contiguous_format) if needs_hidden_grad else None
+    grad_weight_VD = torch.zeros(weight_VD.shape, dtype=dtype, device=weight_VD.device) if needs_weight_grad else None
+    grad_bias_V = torch.zeros(bias_V.shape, dtype=dtype, device=bias_V.device) if needs_bias_grad else None
+    needs_any_grad = needs_hidden_grad or needs_weight_grad or needs_bias_grad
+
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        hidden_CD = hidden_ND[start:end]
+        logits_CV = chunk_logits(hidden_CD, weight_VD, bias_V)
+        is_labelled_C = is_labelled_N[start:end]
+        # Ignored rows read class 0 (any valid id); their loss and gradient are masked out below.
+        target_C1 = labels_N[start:end].masked_fill(~is_labelled_C, 0)[:, None]
+        lse_C = torch.logsumexp(logits_CV, dim=-1)
+        token_loss_C = lse_C - logits_CV.gather(1, target_C1)[:, 0]
+        loss += torch.where(is_labelled_C, token_loss_C, 0.0).sum()
+        if not needs_any_grad:
+            continue
+        # From here logits_CV holds the gradient: softmax, minus the one-hot target, times the row's weight.
+        grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+        grad_CV.scatter_add_(1, target_C1, torch.full_like(target_C1, -1, dtype=dtype))
+        grad_CV.mul_((is_labelled_C.to(dtype) * scale)[:, None])
+        if grad_bias_V is not None:
+            grad_bias_V += grad_CV.sum(dim=0)
+        # The matmul operand in the inputs' dtype, as autograd casts the gradient of `logits.float()` in the
+        # full-logits path; bf16 GEMMs are an order of magnitude faster than fp32 ones on the GPU.
+        grad_mm_CV = grad_CV.to(hidden_ND.dtype)
+        if grad_hidden_ND is not None:
+            torch.mm(grad_mm_CV, weight_VD, out=grad_hidden_ND[start:end])
+        if grad_weight_VD is not None:
+            if grad_mm_CV.dtype == dtype:
+                grad_weight_VD.addmm_(grad_mm_CV.T, hidden_CD)
+            else:
+                # Each chunk's product is rounded once to the inputs' dtype, the sum over chunks stays in fp32.
+                grad_weight_VD += grad_mm_CV.T @ hidden_CD
+
+    loss = loss * scale
+    if grad_weight_VD is not None:
+        grad_weight_VD = grad_weight_VD.to(weight_VD.dtype)
+    if grad_bias_V is not None:
+        grad_bias_V = grad_bias_V.to(bias_V.dtype)
+    return loss, grad_hidden_ND, grad_weight_VD, grad_bias_V
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Forward computes the loss and every needed gradient chunk by chunk (linear_cross_entropy_fwd) and saves
+    the gradients, never the logits; backward scales them by grad_output. Only one chunk's [C, V] logits exist
+    at any time."""
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, labels_N, bias_V, ignore_index, reduction, chunk_size):
+        needs_hidden_grad, needs_weight_grad, _, needs_bias_grad = ctx.needs_input_grad[:4]
+        loss, grad_hidden_ND, grad_weight_VD, grad_bias_V = linear_cross_entropy_fwd(
+            hidden_ND, weight_VD, labels_N, bias_V, ignore_index, reduction, chunk_size,
+            needs_hidden_grad, needs_weight_grad, needs_bias_grad,
+        )  # fmt: skip
+        ctx.save_for_backward(grad_hidden_ND, grad_weight_VD, grad_bias_V)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden_ND, grad_weight_VD, grad_bias_V = ctx.saved_tensors
+        # Out of place: a backward with retain_graph=True may run again on the same saved gradients. A 0-dim
+        # grad_loss is not rounded to a bf16 gradient's dtype first: the product is computed in fp32.
+        grads = [None if g is None else g * grad_loss for g in (grad_hidden_ND, grad_weight_VD, grad_bias_V)]
+        return grads[0], grads[1], None, grads[2], None, None, None
