@@ -1,5 +1,6 @@
-"""`moe-tune profile PROFILE`: a few real training steps of a profile (throughput, latency, peak memory and the
-memory policy's metrics). `moe-tune profile --kernels`: time every registered op (fwd, fwd+bwd) beside its
+"""`moe-tune profile PROFILE`: a few real training steps of a profile (throughput, latency, peak memory, MFU, the
+memory policy's metrics, a per-operator breakdown; `--against transformers` times the same steps of the
+transformers + PEFT baseline). `moe-tune profile --kernels`: time every registered op (fwd, fwd+bwd) beside its
 baselines; check a saved run."""
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _steps_table(result: dict) -> Table:
     """Two columns, one metric a row: the run first, then the memory policy's metrics."""
     title = (
         f"{result['profile']}: seq_len {result['seq_len']} x {result['micro_batch_size']}, {result['precision']}, "
-        f"{result['steps']} timed steps; {result['machine']} ({result['device']}), torch {result['torch']}, "
+        f"{result['warmup_steps']} warm-up + {result['steps']} timed steps; {result['machine']} ({result['device']}), "
+        f"torch {result['torch']}, "
         f"commit {result['commit']}, {result['date']}"
     )
     table = Table(title=title, title_justify="left")
@@ -128,9 +130,13 @@ def _steps_table(result: dict) -> Table:
     swap_fraction = result["swap_fraction_of_pinned"]
     rows = [
         ("memory policy", result["memory_policy"]),
+        ("parameters (trainable)", f"{result['parameters']:,} ({result['trainable_parameters']:,})"),
         ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
         ("step latency", f"{result['step_time_s'] * 1e3:,.1f} ms"),
         ("peak memory", _bytes(result["peak_memory_bytes"])),
+        ("model FLOPs per step", f"{result['model_flops_per_step']:.3g}"),
+        ("achieved", f"{result['achieved_tflops']:.3g} TFLOP/s"),
+        (f"MFU (of the measured GEMM peak, {result['peak_tflops']:.3g} TFLOP/s)", f"{result['mfu']:.1%}"),
         ("saved on the GPU", _bytes(memory.get("gpu_saved_bytes"))),
         ("saved in host memory", _bytes(memory.get("host_saved_bytes"))),
         ("  of which moved by the budget", _bytes(memory.get("evicted_bytes"))),
@@ -158,9 +164,96 @@ def _write_json(path: Path, data) -> None:
         fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror})"])
 
 
-def _profile_steps(profile_arg: str, overrides: list[str] | None, steps: int, json_out: Path | None) -> None:
+def _breakdown_table(breakdown: dict) -> Table:
+    """One op class a row: time in the profiled step and share of the step; then the heaviest ops by name."""
+    table = Table()
+    for header in ("op class", "ms", "share"):
+        table.add_column(header, justify="left" if header == "op class" else "right", no_wrap=True)
+    for row in breakdown["classes"]:
+        table.add_row(row["op_class"], f"{row['time_s'] * 1e3:,.1f}", f"{row['share']:.1%}")
+    return table
+
+
+def _top_ops_table(breakdown: dict) -> Table:
+    table = Table()
+    for header in ("op", "op class", "calls", "ms"):
+        table.add_column(header, justify="left" if header in ("op", "op class") else "right", no_wrap=True)
+    for row in breakdown["top_ops"]:
+        table.add_row(row["op"], row["op_class"], str(row["calls"]), f"{row['time_s'] * 1e3:,.1f}")
+    return table
+
+
+def _against_table(result: dict) -> Table:
+    """moe-tune's row and the baseline's, the same columns."""
+    other = result["against"]
+    table = Table()
+    headers = ("impl", "tokens/s", "step latency", "peak memory", "MFU", "trainable params", "first-step loss")
+    for header in headers:
+        table.add_column(header, justify="left" if header == "impl" else "right", no_wrap=True)
+    for impl, row in (("moe-tune", result), (other["impl"], other)):
+        table.add_row(impl, f"{row['tokens_per_s']:,.0f}", f"{row['step_time_s'] * 1e3:,.1f} ms",
+                      _bytes(row["peak_memory_bytes"]), f"{row['mfu']:.1%}", f"{row['trainable_parameters']:,}",
+                      f"{row['first_step_loss']:.4f}")  # fmt: skip
+    return table
+
+
+def _against_line(result: dict) -> str:
+    other = result["against"]
+    memory = "" if other["memory_ratio"] is None else f", {other['memory_ratio']:.2f}x the peak memory"
+    return f"moe-tune / {other['impl']}: {other['speedup']:.2f}x the tokens/s{memory}"
+
+
+def _steps_plot(result: dict, path: Path) -> None:
+    """The breakdown's shares as horizontal bars; beside them, with --against, tokens/s and peak memory of both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    other = result["against"]
+    fig, axes = plt.subplots(1, 2 if other else 1, figsize=(13 if other else 8, 5), squeeze=False)
+    classes = result["breakdown"]["classes"]
+    ax = axes[0][0]
+    ax.barh(range(len(classes)), [row["share"] * 100 for row in classes])
+    ax.set_yticks(range(len(classes)), [row["op_class"] for row in classes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("% of the step")
+    ax.set_title(f"{result['profile']}: one step ({result['breakdown']['timing']})", fontsize=9)
+    if other:
+        ax = axes[0][1]
+        names = ["moe-tune", other["impl"]]
+        rates = [result["tokens_per_s"], other["tokens_per_s"]]
+        bars = ax.bar(names, rates)
+        for bar, row in zip(bars, (result, other)):
+            label = f"MFU {row['mfu']:.1%}\npeak {_bytes(row['peak_memory_bytes'])}"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)  # fmt: skip
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{other['speedup']:.2f}x the tokens/s of {other['model_type']} in transformers", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"{result['machine']}, torch {result['torch']}, commit {result['commit']}, {result['date']}",
+                 fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _profile_steps(
+    profile_arg: str,
+    overrides: list[str] | None,
+    steps: int,
+    json_out: Path | None,
+    against: str | None,
+    plot: Path | None,
+) -> None:
     job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.steps import WARMUP_STEPS, profile_steps
+
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail([f"--plot ({str(plot)!r}) needs matplotlib, which is not installed"])
 
     console = Console(highlight=False)
     if not console.is_terminal:
@@ -168,14 +261,33 @@ def _profile_steps(profile_arg: str, overrides: list[str] | None, steps: int, js
 
     def on_step(index: int, is_warmup: bool, record: dict) -> None:
         label = "warm-up" if is_warmup else "step"
-        console.print(f"{label} {index + 1}: {record['step_time_s'] * 1e3:,.1f} ms, loss {record['loss']:.4f}")
+        console.print(f"{record['impl']} {label} {index + 1}: {record['step_time_s'] * 1e3:,.1f} ms, "
+                      f"loss {record['loss']:.4f}", markup=False)  # fmt: skip
 
+    # A baseline that cannot run (check_against) is refused before anything is built.
     with user_errors():
-        result = profile_steps(job, steps, WARMUP_STEPS, on_step)
+        result = profile_steps(job, steps, WARMUP_STEPS, on_step, against=against,
+                               on_line=lambda line: console.print(line, markup=False))  # fmt: skip
     console.print(_steps_table(result))
+    breakdown = result["breakdown"]
+    console.print(f"per-operator breakdown of one more step ({breakdown['timing']}; shares of "
+                  f"{breakdown['basis_s'] * 1e3:,.1f} ms):", markup=False)  # fmt: skip
+    console.print(_breakdown_table(breakdown))
+    console.print("the heaviest ops of that step:", markup=False)
+    console.print(_top_ops_table(breakdown))
+    other = result["against"]
+    if other is not None:
+        console.print(f"against {other['impl']} ({other['model_type']}, attention "
+                      f"{other['attention_implementation']}, experts {other['experts_implementation']}) on the same "
+                      "micro-batches:", markup=False)  # fmt: skip
+        console.print(_against_table(result))
+        console.print(_against_line(result), markup=False)
     if json_out is not None:
         _write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)
+    if plot is not None:
+        _steps_plot(result, plot)
+        console.print(f"plot written to {plot}", markup=False)
 
 
 @app.command()
@@ -187,9 +299,14 @@ def profile(
         ),
     ] = None,
     overrides: SetOption = None,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="timed training steps (after one warm-up step)")] = (
+    steps: Annotated[int, typer.Option("--steps", min=1, help="timed training steps (after two warm-up steps)")] = (
         DEFAULT_STEPS
     ),
+    against: Annotated[
+        str | None,
+        typer.Option("--against", metavar="BASELINE", help="also time the same steps of a baseline in this process: "
+                     "transformers (the architecture in transformers with PEFT LoRA on the same targets)"),
+    ] = None,
     kernels: Annotated[bool, typer.Option("--kernels", help="time the fused ops instead of a profile")] = False,
     ops: Annotated[
         str | None, typer.Option("--ops", help="comma-separated ops to time (default: every registered op)")
@@ -208,7 +325,9 @@ def profile(
         Path | None, typer.Option("--baseline", help="a saved --json run: exit 1 when a row got >10% slower")
     ] = None,
     plot: Annotated[
-        Path | None, typer.Option("--plot", help="draw the medians into this PNG (needs matplotlib)")
+        Path | None,
+        typer.Option("--plot", help="draw the medians (--kernels) or the breakdown and the comparison (PROFILE) into "
+                     "this PNG (needs matplotlib)"),
     ] = None,
 ) -> None:
     """Profile a training run (PROFILE) or time each fused op's forward and forward+backward (--kernels)."""
@@ -216,16 +335,16 @@ def profile(
         fail(["pass a PROFILE (time its training steps) or --kernels (time the fused ops), not both or neither"])
     # Options of the other mode would be ignored silently (a --baseline that can never fail, say): refuse them.
     other_mode = (
-        {"--ops": ops, "--shapes": None if shapes == "small" else shapes, "--baseline": baseline, "--plot": plot}
+        {"--ops": ops, "--shapes": None if shapes == "small" else shapes, "--baseline": baseline}
         if profile_arg is not None
-        else {"--steps": None if steps == DEFAULT_STEPS else steps, "--set": overrides or None}
+        else {"--steps": None if steps == DEFAULT_STEPS else steps, "--set": overrides or None, "--against": against}
     )
     mode = "a PROFILE" if profile_arg is not None else "--kernels"
     misplaced = [f"{name} ({value}) does not apply with {mode}" for name, value in other_mode.items() if value is not None]
     if misplaced:
         fail(misplaced)
     if profile_arg is not None:
-        _profile_steps(profile_arg, overrides, steps, json_out)
+        _profile_steps(profile_arg, overrides, steps, json_out, against, plot)
         return
     from moe_tune.engine.bench import OPS, REGRESSION_TOLERANCE, find_regressions, parse_shapes, run_kernels
 

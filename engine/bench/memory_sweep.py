@@ -46,7 +46,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     out, preset, overrides = args.out, args.preset, args.overrides
-    profile = load_profile(PROFILE, [f"memory.preset={preset}", *overrides])
+    # One row per step: the ladder sizes the row, and the benchmark profile trains B2 rows of 4096.
+    profile = load_profile(PROFILE, ["train.micro_batch_size=1", f"memory.preset={preset}", *overrides])
     result = sweep_lengths(
         profile, list(LENGTHS), TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True)
     )

@@ -1,5 +1,7 @@
 """The end-to-end profile behind `moe-tune profile PROFILE`: real training steps of a profile (the trainer's model,
-LoRA, DeepSpeed ZeRO and optimizer), timed one by one, with peak memory and the memory policy's metrics.
+LoRA, DeepSpeed ZeRO and optimizer), timed one by one, with peak memory, MFU (engine/bench/flops.py), the memory
+policy's metrics, a per-operator breakdown of one more step (engine/bench/breakdown.py) and, on request, the same
+steps of the transformers + PEFT baseline (engine/bench/against.py).
 
 `profile_steps` returns one result dict (RESULT_KEYS); `StepRunner` is the loop it drives, also used by
 `memory_sweep` to find the longest sequence each memory preset trains. Nothing is written to output.dir.
@@ -11,20 +13,28 @@ import gc
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from moe_tune.engine.bench.flops import piece_lengths
+from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-# Steps run before the timed ones: Triton compiles, autotunes and the allocator warms up there.
-WARMUP_STEPS = 1
+# Steps run before the timed ones: Triton compiles and autotunes in the first, the allocator settles in the second
+# (as in the baseline runs of shared/ANCHORS.md).
+WARMUP_STEPS = 2
+# Baselines `--against` can time.
+AGAINST = ("transformers",)
 # Pinned copy probe: large enough to reach the link's sustained rate, small enough to pin quickly.
 COPY_PROBE_BYTES = 512 * 2**20
 COPY_PROBE_REPEATS = 5
 RESULT_KEYS = (
-    "profile", "seq_len", "micro_batch_size", "precision", "memory_policy", "steps", "losses",
-    "tokens_per_s", "step_time_s", "peak_memory_bytes", "memory",
+    "profile", "seq_len", "micro_batch_size", "gradient_accumulation_steps", "precision", "memory_policy",
+    "warmup_steps", "steps", "first_step_loss", "losses",
+    "tokens_per_s", "step_time_s", "step_times_s", "peak_memory_bytes",
+    "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
+    "parameters", "trainable_parameters", "breakdown", "against", "memory",
     "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
     "device", "machine", "torch", "triton", "commit", "date",
 )  # fmt: skip
@@ -52,6 +62,9 @@ class StepRunner:
         )
 
         _quiet_third_party_noise()
+        # ZeRO-3 replaces torch.nn.functional.linear for good ("memory efficient linear"); close() puts it back, so
+        # what runs after this runner in the process (the --against baseline) runs torch's own.
+        self._functional_linear = torch.nn.functional.linear
         self.profile = profile
         train = profile.train
         self.dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
@@ -79,28 +92,32 @@ class StepRunner:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
         from moe_tune.engine.train.trainer import _update_moe_bias, micro_step
 
-        train = self.profile.train
         self.engine.train()
         self._sync()
         t0 = time.perf_counter()
-        tokens, losses = 0, []
-        for micro in range(train.gradient_accumulation_steps):
-            batch = self.dataset.micro_batch(
-                self.steps_done * train.gradient_accumulation_steps + micro,
-                train.micro_batch_size, self.dist.rank, self.dist.world_size,
-            )  # fmt: skip
+        tokens, losses, pieces = 0, [], []
+        for batch in self.micro_batches(self.steps_done, self.dist.rank, self.dist.world_size):
             out = micro_step(self.engine, batch, self.dist)
             losses.append(out.lm_loss.detach().float())
             tokens += batch.num_label_tokens
+            pieces += piece_lengths(batch.cu_seqlens)
         _update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
         loss = float(torch.stack(losses).mean())
         self._sync()
         step_time = time.perf_counter() - t0
         self.steps_done += 1
-        record = {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time}
+        record = {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
+                  "pieces": pieces}
         if self.activation_memory is not None:
             record.update(self.activation_memory.step_metrics())
         return record
+
+    def micro_batches(self, step: int, rank: int = 0, world_size: int = 1) -> list:
+        """The micro-batches `rank` trains in optimizer step `step` (what `step()` feeds, in order)."""
+        train = self.profile.train
+        first = step * train.gradient_accumulation_steps
+        return [self.dataset.micro_batch(first + micro, train.micro_batch_size, rank, world_size)
+                for micro in range(train.gradient_accumulation_steps)]  # fmt: skip
 
     def set_seq_len(self, seq_len: int) -> None:
         """Pack the same documents into rows of `seq_len` tokens from now on (the model does not change)."""
@@ -118,6 +135,7 @@ class StepRunner:
 
         self.engine = None
         self.activation_memory = None
+        torch.nn.functional.linear = self._functional_linear
         gc.collect()
         if self.is_cuda:
             torch.cuda.empty_cache()
@@ -150,27 +168,83 @@ def _median_metrics(records: list[dict]) -> dict[str, Any]:
     return merged
 
 
-def profile_steps(profile: JobProfile, steps: int, warmup: int = WARMUP_STEPS, on_step=None) -> dict[str, Any]:
-    """Run `warmup` + `steps` training steps of `profile`; medians over the timed steps (RESULT_KEYS)."""
+def check_against(profile: JobProfile, against: str) -> None:
+    """Refuse a baseline that cannot run before anything is built: ProfileError naming the field and the rule."""
+    import os
+
+    from moe_tune.engine.bench.against import check_buildable
+
+    if against not in AGAINST:
+        raise ProfileError([f"--against ({against!r}) must be one of: {', '.join(AGAINST)}"])
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ProfileError([f"--against {against} runs one process (WORLD_SIZE is {world_size}): run the profile "
+                            "without a launcher"])  # fmt: skip
+    check_buildable(profile)
+
+
+def profile_steps(
+    profile: JobProfile,
+    steps: int,
+    warmup: int = WARMUP_STEPS,
+    on_step: Callable[[int, bool, dict], None] | None = None,
+    against: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run `warmup` + `steps` training steps of `profile` and one more under the profiler; medians over the timed
+    steps, MFU, the breakdown (RESULT_KEYS). `against` ('transformers'): then the same steps of that baseline on
+    the same micro-batches, in this process, after ours is freed (result["against"]).
+
+    on_step(index, is_warmup, record) follows every step (record["impl"] says whose); on_line(text) says what
+    runs next."""
+    from moe_tune.engine.bench.breakdown import profiled_step
+    from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
     from moe_tune.engine.bench.kernels import machine_info
     from moe_tune.engine.memory import resolve_policy
+    from moe_tune.engine.parallel.plan import count_parameters
 
+    say = on_line or (lambda line: None)
+    if against is not None:
+        check_against(profile, against)
+    flop_model = FlopModel(profile.model, profile.lora)
     runner = StepRunner(profile)
+    all_records = []
     try:
-        records = []
         for index in range(warmup + steps):
             if index == warmup and runner.is_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            record = runner.step()
+            record = dict(runner.step(), impl="moe-tune")
             if on_step is not None:
                 on_step(index, index < warmup, record)
-            if index >= warmup:
-                records.append(record)
+            all_records.append(record)
+        records = all_records[warmup:]
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
         copy_rates = pinned_copy_bandwidth() if runner.is_cuda else (None, None)
-        is_cuda = runner.is_cuda
+        say("measuring the GEMM peak (the MFU denominator)")
+        peak_tflops = gemm_peak_tflops(runner.dist.device, profile.train.precision)
+        say("one more step under torch.profiler (the breakdown)")
+        breakdown = profiled_step(runner, statistics.median(r["step_time_s"] for r in records))
+        is_cuda, device = runner.is_cuda, runner.dist.device
+        # The baseline trains on the very micro-batches our steps trained on.
+        step_batches = [runner.micro_batches(step) for step in range(warmup + steps)] if against else []
     finally:
         runner.close()
+    mfu_rows = [_mfu(flop_model.step(r["pieces"]), r["step_time_s"], peak_tflops) for r in records]
+    baseline = None
+    if against is not None:
+        from moe_tune.engine.bench.against import run_transformers
+
+        def tell(index: int, is_warmup: bool, record: dict) -> None:
+            if on_step is not None:
+                on_step(index, is_warmup, dict(record, impl=against))
+
+        say(f"the same {warmup + steps} steps in {against}")
+        baseline = run_transformers(profile, step_batches, warmup, device, on_step=tell)
+        # transformers attends over each whole row (one piece of seq_len tokens per row).
+        rows_per_step = profile.train.micro_batch_size * profile.train.gradient_accumulation_steps
+        flops = flop_model.step([profile.data.seq_len] * rows_per_step)
+        baseline.update(_mfu(flops, baseline["step_time_s"], peak_tflops))
+        baseline.pop("model_flops_parts")
     memory = _median_metrics(records) if "memory_gpu_saved_bytes" in records[0] else {}
     swap_rates = [memory.get("h2d_gb_per_s"), memory.get("d2h_gb_per_s")]
     swap_fraction = None
@@ -182,23 +256,52 @@ def profile_steps(profile: JobProfile, steps: int, warmup: int = WARMUP_STEPS, o
         if profile.memory.activation_checkpointing
         else f"{profile.memory.preset}: " + ", ".join(f"{k}={v}" for k, v in policy.classes.items())
     )
+    counts = count_parameters(profile.model, profile.lora)
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in records)
+    against_result = None
+    if baseline is not None:
+        against_result = dict(
+            baseline,
+            speedup=tokens_per_s / baseline["tokens_per_s"],
+            memory_ratio=peak / baseline["peak_memory_bytes"] if peak and baseline["peak_memory_bytes"] else None,
+        )
     return dict(
         profile=profile.name,
         seq_len=profile.data.seq_len,
         micro_batch_size=profile.train.micro_batch_size,
+        gradient_accumulation_steps=profile.train.gradient_accumulation_steps,
         precision=profile.train.precision,
         memory_policy=policy_text,
+        warmup_steps=warmup,
         steps=len(records),
+        first_step_loss=all_records[0]["loss"],
         losses=[r["loss"] for r in records],
-        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+        tokens_per_s=tokens_per_s,
         step_time_s=statistics.median(r["step_time_s"] for r in records),
+        step_times_s=[r["step_time_s"] for r in records],
         peak_memory_bytes=peak,
+        model_flops_per_step=statistics.median(m["model_flops_per_step"] for m in mfu_rows),
+        model_flops_parts=mfu_rows[0]["model_flops_parts"],
+        achieved_tflops=statistics.median(m["achieved_tflops"] for m in mfu_rows),
+        peak_tflops=peak_tflops,
+        mfu=statistics.median(m["mfu"] for m in mfu_rows),
+        parameters=counts.total,
+        trainable_parameters=counts.trainable,
+        breakdown=breakdown,
+        against=against_result,
         memory=memory,
         pinned_h2d_gb_per_s=copy_rates[0],
         pinned_d2h_gb_per_s=copy_rates[1],
         swap_fraction_of_pinned=swap_fraction,
         **machine_info(is_cuda),
     )
+
+
+def _mfu(flops, step_time_s: float, peak_tflops: float) -> dict[str, Any]:
+    """A step's model FLOPs (total and per part), the rate it reached and its share of the GEMM peak."""
+    achieved = flops.total / step_time_s * 1e-12
+    return dict(model_flops_per_step=flops.total, model_flops_parts=dict(flops.training), achieved_tflops=achieved,
+                mfu=achieved / peak_tflops)  # fmt: skip
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

@@ -11,7 +11,7 @@ from moe_tune.engine.bench.steps import RESULT_KEYS
 
 runner = CliRunner()
 
-# A few seconds on 2 cores: one packed row of 32 tokens, one warm-up step and one timed step.
+# A few seconds on 2 cores: one packed row of 32 tokens, two warm-up steps and one timed step.
 TINY_STEPS = ["--steps", "1", "--set", "data.seq_len=32", "--set", "train.micro_batch_size=1",
               "--set", "data.corpus_documents=50"]  # fmt: skip
 

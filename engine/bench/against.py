@@ -1,0 +1,384 @@
+"""What a user would pick instead, timed in the same process: `moe-tune profile PROFILE --against transformers`.
+
+The profile's architecture is built in transformers (Qwen3MoeForCausalLM or Qwen3NextForCausalLM: the config is
+derived from the ModelProfile and mapped back by engine/families, so a profile transformers cannot express is
+refused naming the field), with PEFT LoRA on the same layers, and trained with AdamW on the same micro-batches,
+dtype and schedule as our run; timed like our steps (warm-up, then the median of the timed steps).
+
+Differences that stay (docs/bench.md, "--against transformers"):
+- LoRA targets go to the transformers module that computes the same thing: on qwen3_next's linear-attention layers
+  q_proj, k_proj, v_proj and z_proj are one fused in_proj_qkvz there (one adapter of rank r on all four), b_proj and
+  a_proj are in_proj_ba and o_proj is out_proj; routed experts get PEFT's `target_parameters` adapters on the fused
+  mlp.experts.gate_up_proj / down_proj (lora_A [E*r, in], lora_B [out, E*r]: the same counts as ours).
+- Rows are fed as [R, L] with plain causal attention per row (transformers does not keep packed documents apart);
+  labels are ours (next token inside each document), passed as transformers' already-shifted `shift_labels`.
+- transformers picks its own defaults (sdpa attention, grouped_mm experts where available), PEFT keeps adapters in
+  fp32 over bf16 weights, gradients are clipped with torch's clip_grad_norm_.
+
+Shapes: R rows per micro-batch, L seq_len, E experts, r LoRA rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile, ModelProfile
+
+# The model types the baseline builds: every layer full attention (qwen3_moe), or linear and full attention with a
+# gated shared expert (qwen3_next).
+MODEL_TYPES = ("qwen3_moe", "qwen3_next")
+LAYER_TYPES = {"linear": "linear_attention", "full": "full_attention"}
+# Fields that do not change the architecture: the init and where the weights came from. The aux loss weight maps
+# to router_aux_loss_coef, which the families do not read back.
+IGNORED_FIELDS = {"model.seed", "model.init_std", "model.checkpoint", "model.moe.aux_loss_coef"}
+# Our LoRA target names (module-name suffixes) and the transformers modules computing the same, per model type.
+TARGETS = {
+    "qwen3_moe": {name: (name,) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")},
+    "qwen3_next": {
+        "q_proj": ("q_proj", "in_proj_qkvz"), "k_proj": ("k_proj", "in_proj_qkvz"),
+        "v_proj": ("v_proj", "in_proj_qkvz"), "o_proj": ("o_proj", "out_proj"), "z_proj": ("in_proj_qkvz",),
+        "b_proj": ("in_proj_ba",), "a_proj": ("in_proj_ba",), "shared_expert_gate": ("shared_expert_gate",),
+        "lm_head": ("lm_head",),
+    },  # fmt: skip
+}
+# Targets transformers has a linear layer for but PEFT cannot reach: its transformers-5 conversion turns every
+# target ending in these names into target_parameters on the fused routed experts, so the shared expert and dense
+# MLPs would silently get no adapter (shared/ANCHORS.md) and the experts a second one.
+UNREACHABLE_TARGETS = ("gate_proj", "up_proj", "down_proj")
+SAVED_MODULES = ("lm_head", "embed_tokens")
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Positions transformers' configs are sized for (default RoPE does not depend on it).
+MIN_POSITIONS = 32768
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Longest value a refusal line quotes.
+QUOTE_CHARS = 60
+
+
+def _common_config(cfg: ModelProfile) -> dict[str, Any]:
+    """The fields qwen3_moe and qwen3_next configs share."""
+    moe = cfg.moe
+    config: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=len(cfg.layers),
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.init_std, hidden_act="silu",
+        attention_bias=False, attention_dropout=0.0, decoder_sparse_step=1, use_cache=False,
+        max_position_embeddings=MIN_POSITIONS, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        mlp_only_layers=[i for i, layer in enumerate(cfg.layers) if layer.mlp == "dense"],
+    )  # fmt: skip
+    if moe is not None:
+        config.update(
+            num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.expert_intermediate_size, norm_topk_prob=moe.renormalize,
+            router_aux_loss_coef=moe.aux_loss_coef, output_router_logits=moe.aux_loss_coef > 0,
+        )  # fmt: skip
+    else:
+        config.update(num_experts=0)
+    return config
+
+
+def _qwen3_moe_config(cfg: ModelProfile) -> tuple[dict[str, Any], list[str]]:
+    return _common_config(cfg), []
+
+
+def _qwen3_next_config(cfg: ModelProfile) -> tuple[dict[str, Any], list[str]]:
+    config = _common_config(cfg)
+    config["layer_types"] = [LAYER_TYPES[layer.attention] for layer in cfg.layers]
+    config["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    problems = []
+    if cfg.linear_attention is not None:
+        spec = cfg.linear_attention
+        config.update(
+            linear_num_key_heads=spec.num_key_heads, linear_num_value_heads=spec.num_value_heads,
+            linear_key_head_dim=spec.key_head_dim, linear_value_head_dim=spec.value_head_dim,
+            linear_conv_kernel_dim=spec.conv_kernel_size,
+        )  # fmt: skip
+    if cfg.moe is not None:
+        config["shared_expert_intermediate_size"] = cfg.moe.shared_expert_intermediate_size
+        if cfg.moe.shared_expert_intermediate_size == 0:
+            problems.append("model.moe.shared_expert_intermediate_size (0): transformers' qwen3_next always has a "
+                            "gated shared expert; --against transformers cannot build this model")  # fmt: skip
+    return config, problems
+
+
+CONFIGS: dict[str, Callable[[ModelProfile], tuple[dict[str, Any], list[str]]]] = {
+    "qwen3_moe": _qwen3_moe_config,
+    "qwen3_next": _qwen3_next_config,
+}
+
+
+def _flat(value: Any, path: str) -> dict[str, Any]:
+    """A model_dump flattened to dotted paths (lists and None stay leaves)."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{path}.{key}"))
+        return out
+    return {path: value}
+
+
+def _quote(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[: QUOTE_CHARS - 3] + "..."
+
+
+def _round_trip(model_type: str, config: dict[str, Any], cfg: ModelProfile) -> list[str]:
+    """Problems of building `cfg` as `model_type` from `config`: each field the family maps back differently from
+    the config transformers builds (so a field transformers drops or overrides is caught too)."""
+    import transformers
+
+    from moe_tune.engine.families import UnsupportedModel, family_for
+
+    built = transformers.AutoConfig.for_model(model_type, **config).to_dict()
+    try:
+        theirs = family_for({"model_type": model_type}).to_profile(built)
+    except UnsupportedModel as err:
+        return [f"model: transformers' {model_type} cannot express it: {line}" for line in err.problems]
+    ours_flat = _flat(cfg.model_dump(mode="json"), "model")
+    theirs_flat = _flat(theirs.model_dump(mode="json"), "model")
+    ignored = set(IGNORED_FIELDS)
+    if not any(layer.mlp == "dense" for layer in cfg.layers):
+        # Only dense layers read intermediate_size.
+        ignored.add("model.intermediate_size")
+    problems = []
+    for path in sorted(set(ours_flat) | set(theirs_flat)):
+        if path in ignored:
+            continue
+        ours, other = ours_flat.get(path), theirs_flat.get(path)
+        if ours != other:
+            problems.append(f"{path} ({_quote(ours)}): transformers' {model_type} builds {_quote(other)}; "
+                            "--against transformers cannot build this model")  # fmt: skip
+    return problems
+
+
+def transformers_config(cfg: ModelProfile) -> tuple[str, dict[str, Any]]:
+    """(model_type, config kwargs) of the transformers model with `cfg`'s architecture. Raises ProfileError naming
+    each field no supported model type expresses (those of the closest candidate)."""
+    kinds = {}
+    for index, layer in enumerate(cfg.layers):
+        kinds.setdefault(layer.attention, index)
+    unsupported = [
+        f"model.layers[{index}].attention ('{kind}'): --against transformers builds qwen3_moe (full attention) or "
+        f"qwen3_next (linear and full attention) models, which have no '{kind}' layers"
+        for kind, index in kinds.items() if kind not in LAYER_TYPES
+    ]  # fmt: skip
+    if unsupported:
+        raise ProfileError(unsupported)
+    candidates = ["qwen3_next"] if "linear" in kinds else ["qwen3_moe", "qwen3_next"]
+    attempts = []
+    for model_type in candidates:
+        config, problems = CONFIGS[model_type](cfg)
+        problems += _round_trip(model_type, config, cfg)
+        if not problems:
+            return model_type, config
+        attempts.append(problems)
+    raise ProfileError(min(attempts, key=len))
+
+
+def lora_targets(job: JobProfile, model_type: str) -> dict[str, Any]:
+    """PEFT LoraConfig arguments for the transformers model: our targets mapped to its module names, experts as
+    target_parameters. Raises ProfileError for a target transformers has no linear layer for."""
+    lora = job.lora
+    table = TARGETS[model_type]
+    problems = []
+    for name in lora.target_modules:
+        if name in UNREACHABLE_TARGETS:
+            problems.append(f"lora.target_modules ('{name}'): PEFT turns {name} targets of transformers' {model_type} "
+                            "into adapters on the routed experts, so its shared expert and dense MLPs cannot be "
+                            "adapted; --against transformers cannot match this target")  # fmt: skip
+        elif name not in table:
+            problems.append(f"lora.target_modules ('{name}'): transformers' {model_type} has no linear layer computing "
+                            "it (its router is not an nn.Linear); --against transformers cannot adapt it")  # fmt: skip
+    problems += [
+        f"lora.modules_to_save ('{name}'): --against transformers saves only {', '.join(SAVED_MODULES)}"
+        for name in lora.modules_to_save if name not in SAVED_MODULES
+    ]  # fmt: skip
+    if problems:
+        raise ProfileError(problems)
+    modules = sorted({mapped for name in lora.target_modules for mapped in table[name]})
+    return dict(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none", target_modules=modules,
+        target_parameters=list(EXPERT_PARAMETERS) if lora.experts and job.model.moe is not None else None,
+        modules_to_save=list(lora.modules_to_save) or None,
+    )  # fmt: skip
+
+
+def _with_lora(model: torch.nn.Module, job: JobProfile, model_type: str) -> torch.nn.Module:
+    """`model` wrapped by PEFT with `lora_targets`; PEFT's own refusals (targets it cannot convert) as ProfileError."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(job, model_type)
+    try:
+        return get_peft_model(model, LoraConfig(**targets))
+    except ValueError as err:
+        raise ProfileError([f"lora.target_modules ({list(job.lora.target_modules)}): PEFT refuses the transformers "
+                            f"targets {targets['target_modules']}: {err}"]) from None  # fmt: skip
+
+
+def check_buildable(job: JobProfile) -> str:
+    """Build the baseline on the meta device (shapes only, seconds even for billions of parameters), so that a
+    profile transformers or PEFT cannot take is refused before anything runs. Returns the model type."""
+    import transformers
+
+    from moe_tune.engine.families import family_for
+
+    model_type, config = transformers_config(job.model)
+    model_class = getattr(transformers, family_for({"model_type": model_type}).reference_class)
+    with torch.device("meta"):
+        model = model_class(transformers.AutoConfig.for_model(model_type, **config))
+        if job.lora.enabled:
+            _with_lora(model, job, model_type)
+    return model_type
+
+
+def build_transformers_model(job: JobProfile, device: torch.device):
+    """The transformers model of `job` (random init from job.model, or the checkpoint's weights when the profile
+    was read from one) with PEFT LoRA as `lora_targets` says (or every weight trainable without LoRA), in the
+    training dtype on `device`, in training mode. Returns (model, model_type)."""
+    import transformers
+
+    from moe_tune.engine.families import family_for
+
+    model_type, config = transformers_config(job.model)
+    family = family_for({"model_type": model_type})
+    model_class = getattr(transformers, family.reference_class)
+    dtype = DTYPES[job.train.precision]
+    config["max_position_embeddings"] = max(MIN_POSITIONS, job.data.seq_len)
+    torch.manual_seed(job.train.seed)
+    if job.model.checkpoint is not None:
+        from moe_tune.engine.families.checkpoint import read_config
+
+        saved_type = read_config(job.model.checkpoint).get("model_type")
+        if saved_type not in MODEL_TYPES:
+            raise ProfileError([f"model.checkpoint ('{job.model.checkpoint}'): --against transformers loads "
+                                f"{' or '.join(MODEL_TYPES)} checkpoints, not {saved_type!r}"])  # fmt: skip
+        model = model_class.from_pretrained(str(job.model.checkpoint), dtype=dtype, use_cache=False).to(device)
+    else:
+        with torch.device(device):
+            model = model_class(transformers.AutoConfig.for_model(model_type, **config)).to(dtype)
+    if job.lora.enabled:
+        model = _with_lora(model, job, model_type)
+    model.train()
+    return model, model_type
+
+
+def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(base parameters, trainable parameters): adapters and trained copies of saved modules are not base."""
+    base = sum(p.numel() for name, p in model.named_parameters()
+               if "lora_" not in name and ".modules_to_save." not in name)  # fmt: skip
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return base, trainable
+
+
+class TransformersRunner:
+    """The transformers model of a job with its optimizer and schedule, stepped by hand on our micro-batches."""
+
+    def __init__(self, job: JobProfile, device: torch.device):
+        from moe_tune.engine.train.trainer import lr_factor
+
+        self.job, self.device = job, device
+        self.model, self.model_type = build_transformers_model(job, device)
+        train = job.train
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, betas=train.betas,
+                                           weight_decay=train.weight_decay)  # fmt: skip
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
+        self.is_cuda = device.type == "cuda"
+        self.parameters, self.trainable_parameters = _parameter_counts(self.model)
+        config = self.model.config
+        self.attention_implementation = getattr(config, "_attn_implementation", None)
+        self.experts_implementation = getattr(config, "_experts_implementation", None)
+
+    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and labels [R, L] of one of our micro-batches (label t is the token after t)."""
+        rows, seq_len = self.job.train.micro_batch_size, self.job.data.seq_len
+        return batch.input_ids.view(rows, seq_len).to(self.device), batch.labels.view(rows, seq_len).to(self.device)
+
+    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        """(loss backward runs on, mean next-token loss) of one micro-batch. Our labels are already shifted: they go
+        in as transformers' `shift_labels` (`labels` alone would be shifted again, losing each row's last label)."""
+        out = self.model(input_ids=input_ids, labels=labels, shift_labels=labels, use_cache=False)
+        aux = getattr(out, "aux_loss", None)
+        lm = out.loss if aux is None else out.loss - self.model.config.router_aux_loss_coef * aux
+        return out.loss, lm
+
+    def step(self, batches: list) -> dict[str, Any]:
+        """One optimizer step over `batches` (the micro-batches of one of our steps)."""
+        train = self.job.train
+        self._sync()
+        start = time.perf_counter()
+        losses, tokens = [], 0
+        for batch in batches:
+            loss, lm = self.lm_loss(*self.inputs(batch))
+            (loss / len(batches)).backward()
+            losses.append(lm.detach().float())
+            tokens += batch.num_label_tokens
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = float(torch.stack(losses).mean())
+        self._sync()
+        step_time = time.perf_counter() - start
+        return {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time}
+
+    def _sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+
+def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device,
+                     on_step=None) -> dict[str, Any]:  # fmt: skip
+    """Build the transformers baseline and run one step per entry of `step_batches` (the first `warmup` untimed).
+    Returns its row: medians over the timed steps, peak memory (CUDA), parameter counts and what transformers
+    chose to run."""
+    import peft
+    import transformers
+
+    gc.collect()
+    is_cuda = device.type == "cuda"
+    if is_cuda:
+        torch.cuda.empty_cache()
+    # Whatever our run left allocated would count into the baseline's peak: shown next to it.
+    allocated_before = torch.cuda.memory_allocated() if is_cuda else None
+    runner = TransformersRunner(job, device)
+    all_records = []
+    try:
+        for index, batches in enumerate(step_batches):
+            if index == warmup and is_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            record = runner.step(batches)
+            if on_step is not None:
+                on_step(index, index < warmup, record)
+            all_records.append(record)
+        records = all_records[warmup:]
+        peak = torch.cuda.max_memory_allocated() if is_cuda else None
+    finally:
+        runner.model = runner.optimizer = runner.scheduler = runner.trainable = None
+        gc.collect()
+        if is_cuda:
+            torch.cuda.empty_cache()
+    return dict(
+        impl=f"transformers {transformers.__version__} + peft {peft.__version__}",
+        model_type=runner.model_type,
+        attention_implementation=runner.attention_implementation,
+        experts_implementation=runner.experts_implementation,
+        lora=lora_targets(job, runner.model_type) if job.lora.enabled else None,
+        steps=len(records),
+        losses=[r["loss"] for r in records],
+        first_step_loss=all_records[0]["loss"],
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+        step_time_s=statistics.median(r["step_time_s"] for r in records),
+        step_times_s=[r["step_time_s"] for r in records],
+        peak_memory_bytes=peak,
+        allocated_before_bytes=allocated_before,
+        parameters=runner.parameters,
+        trainable_parameters=runner.trainable_parameters,
+    )

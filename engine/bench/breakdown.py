@@ -1,0 +1,300 @@
+"""Per-operator time of one training step: which share of the step each op class takes (docs/bench.md, "Breakdown").
+
+One step runs under torch.profiler (CPU activities; CUDA too on a GPU). The model is not edited: forward hooks on
+its submodules open and close a `moe_tune::<class>` record_function range around each classified module, so every
+op its forward runs falls inside the range of the innermost classified module. Backward ops are attributed
+through autograd's sequence numbers: the profiler records the sequence number of the forward op that created each
+autograd node, and `autograd::engine::evaluate_function: <Node>` events carry the same number, so a node's backward
+counts to the class of its forward op (recomputed forwards in backward land in their own module ranges). lm_head
+and the loss are whatever the model's forward runs after its final norm; DeepSpeed's `engine.step` (gradient
+clipping, the optimizer, the ZeRO bookkeeping) is wrapped in an `optimizer step` range; collectives are recognised
+by name wherever they run.
+
+Time per class: on CPU the self time of its ops, over the profiled step's wall time; on CUDA the time of the
+kernels its ops launched, over the median step time measured without the profiler (the profiler slows the host, not
+the kernels). What no op covers (Python between ops, GPU idle while the host launches or waits) is `unattributed`;
+when overlapping streams make the covered time exceed the step, shares are taken of the covered time. Shares sum
+to 1.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+# The op classes, in the order tables and charts show them.
+OP_CLASSES = (
+    "linear attention", "full attention", "sparse attention", "MoE experts", "shared expert / dense MLP",
+    "router + dispatch", "all-to-all / collectives", "optimizer step", "norms", "lm_head + loss", "other",
+    "unattributed",
+)  # fmt: skip
+RANGE_PREFIX = "moe_tune::"
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+# torch.optim wraps every optimizer's step and zero_grad in a range named so.
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+# Collective ops and their backends' ranges (c10d ops, NCCL/Gloo work, the param-comms record), by name.
+COLLECTIVE = re.compile(
+    r"all_to_all|alltoall|all_gather|allgather|reduce_scatter|all_reduce|allreduce|broadcast|nccl|gloo|c10d::"
+    r"|record_param_comms",
+    re.IGNORECASE,
+)
+# The ops listed by name under the class table: the heaviest few.
+TOP_OPS = 15
+US_PER_S = 1e6
+
+
+def module_classes(root: nn.Module) -> dict[nn.Module, str]:
+    """The op class of every classified submodule of `root` (an MoECausalLM, LoRA-wrapped or not). Unlisted modules
+    (containers, the decoder layers' residual adds, embeddings) take their enclosing module's class."""
+    from peft.tuners.lora import LoraLayer
+
+    from moe_tune.engine.model.attention import GatedAttention, GatedDeltaNet, QSAAttention, SparseAttention
+    from moe_tune.engine.model.blocks import RMSNorm, SwiGLU
+    from moe_tune.engine.model.kda import KimiDeltaAttention
+    from moe_tune.engine.model.mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention
+    from moe_tune.engine.model.moe import GroupedExperts, MoEBlock
+
+    # Order matters: the sparse attentions subclass the dense ones; the expert LoRA layer is a LoraLayer.
+    table: tuple[tuple[tuple[type, ...], str], ...] = (
+        ((GroupedExperts,), "MoE experts"),
+        ((GatedDeltaNet, KimiDeltaAttention), "linear attention"),
+        ((SparseAttention, QSAAttention, SparseMultiHeadLatentAttention), "sparse attention"),
+        ((GatedAttention, MultiHeadLatentAttention), "full attention"),
+        ((RMSNorm,), "norms"),
+        ((SwiGLU,), "shared expert / dense MLP"),
+        ((MoEBlock,), "router + dispatch"),
+    )
+    classes = {}
+    for name, module in root.named_modules():
+        base = module.get_base_layer() if isinstance(module, LoraLayer) else module
+        label = next((label for types, label in table if isinstance(base, types)), None)
+        if name.endswith("shared_expert_gate"):
+            label = "shared expert / dense MLP"
+        elif name == "lm_head":
+            label = "lm_head + loss"
+        if label is not None:
+            classes[module] = label
+    return classes
+
+
+class _Ranges(threading.local):
+    """The open record_function ranges of this thread, innermost last, each under the key that closes it."""
+
+    def __init__(self):
+        self.stack: list[tuple[Any, Any]] = []
+
+    def open(self, key: Any, label: str) -> None:
+        from torch.autograd.profiler import record_function
+
+        handle = record_function(RANGE_PREFIX + label)
+        handle.__enter__()
+        self.stack.append((key, handle))
+
+    def close(self, key: Any) -> None:
+        """Close the range of `key` and any left open inside it (a forward that raised)."""
+        if not any(k is key for k, _ in self.stack):
+            return
+        while self.stack:
+            k, handle = self.stack.pop()
+            handle.__exit__(None, None, None)
+            if k is key:
+                return
+
+
+# The key of the loss range: opened when the final norm returns, closed when the model's forward returns.
+_LOSS = object()
+
+
+@contextmanager
+def class_ranges(root: nn.Module, classes: dict[nn.Module, str]) -> Iterator[None]:
+    """Forward hooks on `classes`' modules that wrap each call in its class's range, and a range from the end of
+    `root.norm` (the final norm) to the end of `root`'s forward: lm_head and the loss, however the model computes
+    them (through the lm_head module, or a fused linear cross-entropy on its weight). Removed on exit."""
+    ranges = _Ranges()
+    handles = []
+
+    def opener(label: str) -> Callable:
+        def pre_hook(module, args):
+            ranges.open(module, label)
+
+        return pre_hook
+
+    for module, label in classes.items():
+        handles.append(module.register_forward_pre_hook(opener(label)))
+        handles.append(module.register_forward_hook(lambda module, args, output: ranges.close(module)))
+    # A final norm recomputed in backward (after the model's forward returned) opens no loss range.
+    in_forward = threading.Event()
+
+    def open_loss(module, args, output):
+        if in_forward.is_set():
+            ranges.open(_LOSS, "lm_head + loss")
+
+    def close_loss(module, args, output):
+        in_forward.clear()
+        ranges.close(_LOSS)
+
+    handles.append(root.register_forward_pre_hook(lambda module, args: in_forward.set()))
+    handles.append(root.norm.register_forward_hook(open_loss))
+    handles.append(root.register_forward_hook(close_loss))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while ranges.stack:
+            ranges.stack.pop()[1].__exit__(None, None, None)
+
+
+@contextmanager
+def optimizer_range(engine) -> Iterator[None]:
+    """Wrap `engine.step` (DeepSpeed's: clipping, the optimizer, ZeRO's bookkeeping) in the optimizer range."""
+    from torch.autograd.profiler import record_function
+
+    original = engine.step
+
+    def step(*args, **kwargs):
+        with record_function(RANGE_PREFIX + "optimizer step"):
+            return original(*args, **kwargs)
+
+    engine.step = step
+    try:
+        yield
+    finally:
+        del engine.step
+
+
+def _own_class(event, inherited: str | None) -> str | None:
+    """The class an event sets for itself and its children, or `inherited`. Backward nodes are resolved later."""
+    name = event.name
+    if COLLECTIVE.search(name):
+        return "all-to-all / collectives"
+    if name.startswith(RANGE_PREFIX):
+        return name.removeprefix(RANGE_PREFIX)
+    if name.startswith(OPTIMIZER_PREFIXES):
+        return "optimizer step"
+    return inherited
+
+
+def _walk(roots, visit: Callable[[Any, Any], Any], state: Any) -> None:
+    """Depth-first over event trees: visit(event, parent state) returns the state its children get."""
+    pending = [(root, state) for root in reversed(roots)]
+    while pending:
+        event, parent_state = pending.pop()
+        own = visit(event, parent_state)
+        pending.extend((child, own) for child in reversed(event.cpu_children))
+
+
+def attribute(events) -> list[tuple[Any, str]]:
+    """(event, op class) for every CPU event of a profile: the innermost class range around it; a backward node's
+    subtree the class of the forward op that created the node (the latest forward op with its sequence number on
+    its forward thread); collectives and optimizer ranges by name; `other` where nothing applies."""
+    from torch.autograd import DeviceType
+
+    cpu_events = [e for e in events if e.device_type == DeviceType.CPU]
+    roots = [e for e in cpu_events if e.cpu_parent is None]
+    # Pass 1: classes of forward ops (outside any backward node), by (thread, sequence number).
+    forward: dict[tuple[int, int], tuple[float, str | None]] = {}
+
+    def visit_forward(event, state):
+        inherited, in_backward = state
+        if event.name.startswith(BACKWARD_PREFIX):
+            return (None, True)
+        own = _own_class(event, inherited)
+        if not in_backward and event.sequence_nr >= 0:
+            key = (event.thread, event.sequence_nr)
+            start = event.time_range.start
+            if key not in forward or forward[key][0] <= start:
+                forward[key] = (start, own)
+        return (own, in_backward)
+
+    _walk(roots, visit_forward, (None, False))
+    # Pass 2: every event's class.
+    result: list[tuple[Any, str]] = []
+
+    def visit(event, inherited):
+        if event.name.startswith(BACKWARD_PREFIX) and not COLLECTIVE.search(event.name):
+            thread = event.fwd_thread if event.fwd_thread else event.thread
+            created = forward.get((thread, event.sequence_nr))
+            own = created[1] if created is not None and created[1] is not None else inherited
+        else:
+            own = _own_class(event, inherited)
+        result.append((event, own or "other"))
+        return own
+
+    _walk(roots, visit, None)
+    return result
+
+
+def _event_time_us(event, is_cuda: bool) -> float:
+    """Self CPU time, or on CUDA the time of the kernels the op itself launched."""
+    if is_cuda:
+        return float(sum(kernel.duration for kernel in event.kernels))
+    return float(event.self_cpu_time_total)
+
+
+def shares(attributed: list[tuple[Any, str]], step_time_s: float, is_cuda: bool) -> dict[str, Any]:
+    """Seconds and share of the step per op class (OP_CLASSES order, `unattributed` the rest), and the heaviest
+    ops by name. The basis is `step_time_s`, or the covered time when that is larger (overlapping streams)."""
+    per_class: dict[str, float] = defaultdict(float)
+    per_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for event, label in attributed:
+        us = _event_time_us(event, is_cuda)
+        if us <= 0:
+            continue
+        per_class[label] += us
+        entry = per_op[(event.name, label)]
+        entry[0] += us
+        entry[1] += 1
+    covered_s = sum(per_class.values()) / US_PER_S
+    basis_s = max(step_time_s, covered_s)
+    per_class["unattributed"] = (basis_s - covered_s) * US_PER_S
+    rows = [dict(op_class=label, time_s=per_class.get(label, 0.0) / US_PER_S,
+                 share=per_class.get(label, 0.0) / US_PER_S / basis_s if basis_s > 0 else 0.0)
+            for label in OP_CLASSES]  # fmt: skip
+    heaviest = sorted(per_op.items(), key=lambda item: -item[1][0])[:TOP_OPS]
+    return dict(
+        basis_s=basis_s,
+        covered_s=covered_s,
+        classes=rows,
+        top_ops=[dict(op=name, op_class=label, time_s=us / US_PER_S, calls=int(calls))
+                 for (name, label), (us, calls) in heaviest],  # fmt: skip
+    )
+
+
+def find_model(engine_or_model: nn.Module) -> nn.Module:
+    """The MoECausalLM inside a DeepSpeed engine / PeftModel."""
+    from moe_tune.engine.model.model import MoECausalLM
+
+    for module in engine_or_model.modules():
+        if isinstance(module, MoECausalLM):
+            return module
+    raise AssertionError("no MoECausalLM inside the engine")
+
+
+def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
+    """One more training step of `runner` (a steps.StepRunner) under torch.profiler; the per-class breakdown.
+    `reference_step_s`: the median unprofiled step, the basis of kernel-time shares on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = find_model(runner.engine)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.is_cuda else [])
+    with class_ranges(model, module_classes(model)), optimizer_range(runner.engine):
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            record = runner.step()
+            wall_s = time.perf_counter() - start
+    attributed = attribute(prof.events())
+    result = shares(attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda)
+    result.update(
+        timing="kernel time (CUDA)" if runner.is_cuda else "self CPU time",
+        profiled_step_time_s=wall_s,
+        loss=record["loss"],
+    )
+    return result

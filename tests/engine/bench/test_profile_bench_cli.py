@@ -1,0 +1,79 @@
+"""`moe-tune profile PROFILE` with MFU, the breakdown, --against transformers, --json and --plot; one-line refusals."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from moe_tune.cli.profile import app
+from moe_tune.engine.bench.steps import RESULT_KEYS
+
+runner = CliRunner()
+
+# A qwen3_next-like model transformers can build: a linear and a full layer, routed experts and a shared expert.
+NEXT_LIKE = {
+    "name": "next-like",
+    "model": dict(
+        vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        partial_rotary_factor=0.5, norm_one_plus=True, layers=[{"attention": "linear"}, {"attention": "full"}],
+        linear_attention=dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8),
+        moe=dict(num_experts=4, top_k=2, expert_intermediate_size=16, shared_expert_intermediate_size=16),
+    ),
+    "data": {"seq_len": 32, "corpus_documents": 50},
+    "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "experts": True},
+    "train": {"steps": 8, "micro_batch_size": 2, "lr": 1.0e-3},
+    "output": {"dir": "out"},
+}  # fmt: skip
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_profile_against_transformers_reports_both_rows_the_breakdown_and_mfu(tmp_path):
+    profile = tmp_path / "next-like.yaml"
+    profile.write_text(yaml.safe_dump(dict(NEXT_LIKE, output={"dir": str(tmp_path / "out")})))
+    out, png = tmp_path / "steps.json", tmp_path / "steps.png"
+    result = runner.invoke(app, [str(profile), "--steps", "1", "--against", "transformers", "--json", str(out),
+                                 "--plot", str(png)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for text in ("MFU (of the measured GEMM peak", "per-operator breakdown of one more step", "linear attention",
+                 "transformers warm-up 1", "moe-tune / transformers"):  # fmt: skip
+        assert text in result.stdout, text
+    data = json.loads(out.read_text())
+    assert list(data) == list(RESULT_KEYS)
+    assert data["warmup_steps"] == 2 and data["steps"] == 1
+    assert data["mfu"] == pytest.approx(data["achieved_tflops"] / data["peak_tflops"])
+    assert data["achieved_tflops"] == pytest.approx(data["model_flops_per_step"] / data["step_time_s"] * 1e-12)
+    assert data["model_flops_per_step"] == pytest.approx(sum(data["model_flops_parts"].values()))
+    shares = [row["share"] for row in data["breakdown"]["classes"]]
+    assert sum(shares) == pytest.approx(1.0) and min(shares) >= 0
+    other = data["against"]
+    assert other["model_type"] == "qwen3_next" and other["steps"] == 1
+    assert other["speedup"] == pytest.approx(data["tokens_per_s"] / other["tokens_per_s"])
+    assert other["parameters"] == data["parameters"]
+    # The same micro-batches on both sides: the same labelled tokens per step.
+    assert other["tokens_per_s"] * other["step_time_s"] == pytest.approx(data["tokens_per_s"] * data["step_time_s"])
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tiny", "--against", "transformers"],
+         "error: model.layers[3].attention ('sparse'): --against transformers builds qwen3_moe (full attention) or "
+         "qwen3_next (linear and full attention) models, which have no 'sparse' layers"),
+        (["tiny", "--against", "torchtitan"], "error: --against ('torchtitan') must be one of: transformers"),
+        (["--kernels", "--against", "transformers"], "error: --against (transformers) does not apply with --kernels"),
+    ],
+    ids=["model-transformers-cannot-build", "unknown-baseline", "kernels-mode"],
+)  # fmt: skip
+def test_bad_against_is_one_line_exit_2(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [message]
