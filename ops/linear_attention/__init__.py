@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_tune.ops.common.dispatch import use_kernel
+from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
 from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule", "kda"]
@@ -111,6 +111,10 @@ def _apply(op_name, q, k, v, g, beta, **options):
         and (q.is_cuda or q.dtype != torch.bfloat16)
         and all(name in _KERNEL_OPTIONS or value is None or value is False for name, value in options.items())
     )
+    if q.is_cuda and q.dtype == torch.float32 and kernel_mode() != "triton":
+        # fp32 operands are exact ieee products, which Triton emits as FMA loops: KDA's kernels then spend minutes
+        # in ptxas on the H200 (docs/PERF.md). Training runs in bf16; fp32 on a GPU runs the reference unless forced.
+        has_kernel = False
     if use_kernel(op_name, q, k, v, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel

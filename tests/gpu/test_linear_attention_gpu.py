@@ -163,7 +163,8 @@ def test_auto_dispatch_takes_the_kernel_on_the_gpu(guarded, monkeypatch):
     monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
     for head_dim in (16, 64):
         gated_delta_rule(**make_inputs(1, 64, 2, head_dim, head_dim, dtype=torch.bfloat16, has_initial_state=False))
-    assert calls == [(1, 64, 2, 16), (1, 64, 2, 64)]
+    gated_delta_rule(**make_inputs(1, 64, 2, 64, 64, dtype=torch.float32, has_initial_state=False))
+    assert calls == [(1, 64, 2, 16), (1, 64, 2, 64)]  # fp32 ran the reference
 
 
 @pytest.mark.parametrize("num_docs", [8, 110])
