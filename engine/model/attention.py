@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from moe_tune.profiles.schema import ModelProfile
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv
 from .kda import KimiDeltaAttention
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention
+from .varlen import DocumentBuckets, packed_causal_attention
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,14 @@ class PackedBatch:
         """What the softmax attention layers rotate by: (t, h, w) positions with images, else `positions`."""
         return self.mrope_positions if self.mrope_positions is not None else self.positions
 
+    @cached_property
+    def document_buckets(self) -> DocumentBuckets:
+        """The row's documents grouped for full attention (computed at the first full-attention layer)."""
+        return DocumentBuckets.from_cu_seqlens(self.cu_seqlens)
+
     def causal_mask(self) -> torch.Tensor:
-        """[T, T] bool: query t may see key s (same document, s <= t)."""
+        """[T, T] bool: query t may see key s (same document, s <= t). The attention layers never build it (varlen.py);
+        tests compare against it."""
         same_doc = self.doc_ids[:, None] == self.doc_ids[None, :]
         idx = torch.arange(len(self.doc_ids), device=self.doc_ids.device)
         return same_doc & (idx[None, :] <= idx[:, None])
@@ -78,11 +86,7 @@ class GatedAttention(nn.Module):
         return q, k, v, gate
 
     def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
-        mask = batch.causal_mask()
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
-        )
-        return o.transpose(1, 2)
+        return packed_causal_attention(q, k, v, batch.document_buckets)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         q, k, v, gate = self.project(x, batch)

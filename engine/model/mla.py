@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import MLASpec, ModelProfile, YarnSpec
 
 from .blocks import RMSNorm, RotaryEmbedding
+from .varlen import packed_causal_attention
 
 if TYPE_CHECKING:
     from .attention import PackedBatch
@@ -142,10 +142,7 @@ class MultiHeadLatentAttention(nn.Module):
         return q_latent, q, k, v
 
     def attend(self, x, q_latent, q, k, v, cos_sin: CosSin | None, batch: PackedBatch) -> torch.Tensor:
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.causal_mask(), scale=self.scale
-        )
-        return o.transpose(1, 2)
+        return packed_causal_attention(q, k, v, batch.document_buckets, scale=self.scale)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None

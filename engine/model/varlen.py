@@ -1,0 +1,113 @@
+"""Causal softmax attention over packed documents without a [T, T] mask: documents grouped into buckets of padded
+lengths, one SDPA call per bucket (used by GatedAttention and the MLA layers).
+
+Shapes: B rows, T tokens per row, H query heads, G key/value heads, hd / hdv head dims, N documents, S padded slots
+(each document's tokens, then its padding, documents ordered by bucket).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Full attention pads each document at its end to a multiple of 2^(floor(log2 L) - PAD_BUCKET_BITS) tokens and runs
+# one causal SDPA call per padded length. A real query never sees the padding after it, so padding changes no
+# output. With 2 bits padding adds < 25% tokens to a document (< 1.57x its causal work) and the calls stay at 4 per
+# octave of document length (< 4 log2 T) however many documents a row holds; grouping by exact length would take up
+# to sqrt(2T) calls (256 at T = 32K), 1 bit up to 2.25x a document's work.
+PAD_BUCKET_BITS = 2
+
+
+def padded_length(length: int) -> int:
+    """The bucket of a document of `length` tokens: `length` rounded up to a multiple of its octave's step."""
+    step = 1 << max(length.bit_length() - 1 - PAD_BUCKET_BITS, 0)
+    return -(-length // step) * step
+
+
+@dataclass(frozen=True)
+class DocumentBuckets:
+    """Documents of packed rows grouped by padded length, so causal attention needs no [T, T] mask.
+
+    The slots hold the bucket of lengths[0] (counts[0] documents, each its tokens then its padding), then the next
+    bucket; inside a bucket the documents keep their order in the rows. Built on the host once per forward.
+    """
+
+    num_tokens: int  # T over all rows
+    lengths: tuple[int, ...]  # padded length of each bucket, ascending
+    counts: tuple[int, ...]  # documents in each bucket
+    gather: torch.Tensor | None  # [S] int64: the token each slot reads; None: slot s reads token s
+    scatter: torch.Tensor | None  # [T] int64: the slot holding each token's output; None: token t's is slot t
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, row_length: int | None = None) -> DocumentBuckets:
+        """cu_seqlens: [N + 1] int32 document starts over all tokens, rows one after the other (empty documents
+        allowed); row_length: the tokens of one row when they span several rows, each row end ending a document."""
+        bounds = cu_seqlens.long().cpu()
+        if bounds.ndim != 1 or len(bounds) < 2 or bounds[0] != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+            raise ValueError(f"cu_seqlens {bounds.tolist()} must start at 0 and never decrease")
+        num_tokens = int(bounds[-1])
+        if row_length is not None and (
+            num_tokens % row_length or not bool(torch.isin(torch.arange(0, num_tokens, row_length), bounds).all())
+        ):
+            raise ValueError(
+                f"cu_seqlens {bounds.tolist()} must end a document at every row end (rows of {row_length} tokens)"
+            )
+        lengths_N = bounds[1:] - bounds[:-1]
+        starts_N, lengths_N = bounds[:-1][lengths_N > 0], lengths_N[lengths_N > 0]
+        # Few distinct lengths (< sqrt(2T)): each is padded once, in Python, whose ints have bit_length.
+        distinct, which_N = torch.unique(lengths_N, return_inverse=True)
+        padded_N = torch.tensor([padded_length(n) for n in distinct.tolist()], dtype=torch.long)[which_N]
+        # Stable: documents of one bucket keep their order, so a row already in bucket order needs no gather.
+        order_N = torch.sort(padded_N, stable=True).indices
+        padded_N, lengths_N, starts_N = padded_N[order_N], lengths_N[order_N], starts_N[order_N]
+        lengths, counts = torch.unique_consecutive(padded_N, return_counts=True)
+        doc_S = torch.repeat_interleave(torch.arange(len(padded_N)), padded_N)
+        offset_S = torch.arange(len(doc_S)) - (torch.cumsum(padded_N, 0) - padded_N)[doc_S]
+        # Padding reads its document's last token: no zero row to append to q, k, v; no real query sees it and its
+        # gradient is exactly zero.
+        gather_S = starts_N[doc_S] + torch.minimum(offset_S, lengths_N[doc_S] - 1)
+        if len(gather_S) == num_tokens and bool((gather_S == torch.arange(num_tokens)).all()):
+            gather = scatter = None
+        else:
+            is_token_S = offset_S < lengths_N[doc_S]
+            scatter_T = torch.empty(num_tokens, dtype=torch.long)
+            scatter_T[gather_S[is_token_S]] = torch.arange(len(gather_S))[is_token_S]
+            gather, scatter = gather_S.to(cu_seqlens.device), scatter_T.to(cu_seqlens.device)
+        return cls(num_tokens, tuple(lengths.tolist()), tuple(counts.tolist()), gather, scatter)
+
+
+def packed_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: DocumentBuckets, scale: float | None = None
+) -> torch.Tensor:
+    """Causal softmax attention inside each document of packed rows, without a [T, T] mask: one SDPA call per
+    bucket of documents, with `is_causal` (the flash kernel on the GPU).
+
+    q: [B, T, H, hd], k: [B, T, G, hd], v: [B, T, G, hdv], float (G divides H); buckets: of the B * T tokens
+    (`DocumentBuckets.from_cu_seqlens(cu_seqlens, row_length=T)` when B > 1); scale: default 1 / sqrt(hd).
+    Returns [B, T, H, hdv] in q's dtype.
+    """
+    num_rows, row_length, num_heads = q.shape[:3]
+    num_tokens = num_rows * row_length
+    if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3] or num_heads % k.shape[2]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must have q's [B, T] and G heads "
+            "dividing q's H"
+        )
+    if buckets.num_tokens != num_tokens:
+        raise ValueError(f"buckets cover {buckets.num_tokens} tokens, q {tuple(q.shape)} has {num_tokens}")
+    q_S, k_S, v_S = (x.reshape(num_tokens, *x.shape[2:]) for x in (q, k, v))
+    if buckets.gather is not None:
+        q_S, k_S, v_S = (x.index_select(0, buckets.gather) for x in (q_S, k_S, v_S))
+    outputs, start = [], 0
+    for length, count in zip(buckets.lengths, buckets.counts):
+        q_b, k_b, v_b = (
+            x.narrow(0, start, count * length).unflatten(0, (count, length)).transpose(1, 2) for x in (q_S, k_S, v_S)
+        )  # [count, heads, length, dim]
+        o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
+        outputs.append(o_b.transpose(1, 2).reshape(count * length, num_heads, -1))
+        start += count * length
+    o_S = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    o_T = o_S if buckets.scatter is None else o_S.index_select(0, buckets.scatter)
+    return o_T.view(num_rows, row_length, num_heads, -1)
