@@ -5,23 +5,13 @@ tests/gpu/test_linear_attention_stages_gpu.py runs the same check in bf16 on the
 Shapes: T tokens, H heads, K key dim, V value dim.
 """
 
-import os
+import pytest
+from triton_interpreter_mode import interpreted_kernels
 
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-# Before any kernel module is imported: @triton.jit picks the interpreter when it decorates.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from linear_attention_stages import stage_errors  # noqa: E402
-
-from moe_tune.ops.linear_attention import kernels_bwd  # noqa: E402
-
-# As in test_linear_attention_triton.py: left set, other modules' auto dispatch would take the kernels on the CPU.
-if _INTERPRET_BEFORE is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+with interpreted_kernels():
+    from linear_attention_stages import stage_errors
+    import torch
+    from moe_tune.ops.linear_attention import kernels_bwd
 
 # Documents of 1, 63, 65 and 171 tokens: inside one chunk, across a boundary, several chunks.
 BOUNDS = [0, 1, 64, 129, 300]

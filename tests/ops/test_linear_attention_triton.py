@@ -4,29 +4,17 @@ odd lengths, packed documents, NaN-filled buffers with guarded ends, the chunk m
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
-import os
+import pytest
+from guarded_buffers import GuardedBuffers
+from triton_interpreter_mode import interpreted_kernels
 
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-# Before triton or any kernel module is imported: @triton.jit picks the interpreter when it decorates.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-from guarded_buffers import GuardedBuffers  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton.runtime.interpreter as triton_interpreter  # noqa: E402
-
-from moe_tune.ops.linear_attention import gated_delta_rule, kda  # noqa: E402
-from moe_tune.ops.linear_attention import kernels_fwd  # noqa: E402
-from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction  # noqa: E402
-from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref  # noqa: E402
-
-# Only the decoration needed it session-wide: left set, every other test module's auto dispatch would take the
-# kernels on CPU tensors. The tests here set it again through the kernel_path fixture.
-if _INTERPRET_BEFORE is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+with interpreted_kernels():
+    import torch
+    import torch.nn.functional as F
+    from moe_tune.ops.linear_attention import gated_delta_rule, kda
+    from moe_tune.ops.linear_attention import kernels_fwd
+    from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
+    from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 # One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
 # fp32 products and only the summation order differs (measured max error 7.7e-6 on gradients of magnitude 17).

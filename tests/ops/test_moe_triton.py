@@ -4,28 +4,17 @@ NaN-filled buffers with guarded ends, the LoRA passes alone against torch, routi
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
 """
 
-import os
+import pytest
+from guarded_buffers import GuardedBuffers
+from triton_interpreter_mode import interpreted_kernels
 
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-# Before triton or any kernel module is imported: @triton.jit picks the interpreter when it decorates.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-from guarded_buffers import GuardedBuffers  # noqa: E402
-import torch  # noqa: E402
-import triton.runtime.interpreter as triton_interpreter  # noqa: E402
-
-from moe_tune.ops.moe import ExpertLoRA, moe_mlp  # noqa: E402
-from moe_tune.ops.moe import kernels  # noqa: E402
-from moe_tune.ops.moe.autograd import MoEFunction  # noqa: E402
-from moe_tune.ops.moe.reference import moe_mlp_loop_ref  # noqa: E402
-
-# Only the decoration needed it session-wide: left set, every other test module's auto dispatch would take the
-# kernels on CPU tensors. The tests here set it again through the kernel_path fixture.
-if _INTERPRET_BEFORE is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+with interpreted_kernels():
+    import torch
+    import triton.runtime.interpreter as triton_interpreter
+    from moe_tune.ops.moe import ExpertLoRA, moe_mlp
+    from moe_tune.ops.moe import kernels
+    from moe_tune.ops.moe.autograd import MoEFunction
+    from moe_tune.ops.moe.reference import moe_mlp_loop_ref
 
 # One table per dtype. fp32: the interpreter's dots are fp32 products, only the summation order differs (measured
 # max error 8e-6 on gradients of magnitude 40). fp16: gate/up, h, d(gate/up) and the per-slot outputs are rounded to

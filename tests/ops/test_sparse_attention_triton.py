@@ -7,26 +7,16 @@ Shapes: B batch, T tokens, HQ query heads, H kv heads, K / V head dims, S select
 indexer dim, NT = B * T.
 """
 
-import os
+import pytest
+from guarded_buffers import GUARD_VALUE, GuardedBuffers
+from triton_interpreter_mode import interpreted_kernels
 
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-# Before triton or any kernel module is imported: @triton.jit picks the interpreter when it decorates.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-from guarded_buffers import GUARD_VALUE, GuardedBuffers  # noqa: E402
-import torch  # noqa: E402
-
-from moe_tune.ops.sparse_attention import kernels_bwd, kernels_fwd, kernels_select  # noqa: E402
-from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer  # noqa: E402
-from moe_tune.ops.sparse_attention.autograd import SparseAttentionFunction  # noqa: E402
-from moe_tune.ops.sparse_attention.reference import sparse_attention_ref, topk_indexer_ref  # noqa: E402
-
-# Only the decoration needed it session-wide (see test_linear_attention_triton.py).
-if _INTERPRET_BEFORE is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+with interpreted_kernels():
+    import torch
+    from moe_tune.ops.sparse_attention import kernels_bwd, kernels_fwd, kernels_select
+    from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
+    from moe_tune.ops.sparse_attention.autograd import SparseAttentionFunction
+    from moe_tune.ops.sparse_attention.reference import sparse_attention_ref, topk_indexer_ref
 
 # One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
 # fp32 products, only the summation order and the online softmax's rescaling differ (measured max error 1e-6 on
