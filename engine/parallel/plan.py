@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from moe_tune.ops.cross_entropy.autograd import default_chunk_size
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, LayerSpec, LoraProfile, ModelProfile
 
@@ -201,7 +202,7 @@ def count_parameters(cfg: ModelProfile, lora: LoraProfile) -> ParameterCounts:
 @dataclass(frozen=True)
 class ActivationBytes:
     layers: int  # what backward keeps of the decoder layers
-    head: int  # final norm and logits (in the training dtype, and their fp32 copy for the loss)
+    head: int  # final norm, and the loss's saved gradient and one chunk of logits (or all logits: LoRA on the head)
     transient: int  # the linear-attention backward's recomputed chunk states and their gradients (one layer)
 
     @property
@@ -293,6 +294,11 @@ def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list
     return [(a, b) for a, b in ranks]
 
 
+def _head_has_lora(lora: LoraProfile) -> bool:
+    """Whether a LoRA adapter sits on the LM head (PEFT matches target_modules as module-name suffixes)."""
+    return lora.enabled and "lm_head" in lora.target_modules
+
+
 def activation_bytes(job: JobProfile) -> ActivationBytes:
     """What backward keeps per device for one micro-batch of micro_batch_size x seq_len tokens (docs/plan.md)."""
     cfg = job.model
@@ -309,7 +315,15 @@ def activation_bytes(job: JobProfile) -> ActivationBytes:
         layers = len(cfg.layers) * t * cfg.hidden_size * b + max(per_layer)
     else:
         layers = sum(per_layer)
-    head = 2 * t * cfg.hidden_size * b + t * cfg.vocab_size * (b + FP32_BYTES)
+    head = 2 * t * cfg.hidden_size * b
+    if _head_has_lora(job.lora):
+        # The model computes the full logits through the adapted head: [T, V] in the training dtype and in fp32.
+        head += t * cfg.vocab_size * (b + FP32_BYTES)
+    else:
+        # The chunked cross-entropy (ops/cross_entropy) keeps d loss / d hidden [T, D] from its forward; one chunk's
+        # logits exist at a time, in fp32 and in the training dtype for the matmuls.
+        rows = min(t, default_chunk_size(t, cfg.vocab_size))
+        head += t * cfg.hidden_size * b + rows * cfg.vocab_size * (b + FP32_BYTES)
     transient = 0
     la = cfg.linear_attention
     if la is not None and any(spec.attention == "linear" for spec in cfg.layers):
