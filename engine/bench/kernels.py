@@ -78,6 +78,11 @@ TOPK_INDEXER_CUDA_SMALL = dict(cases=(("token top-64", 1, 64), ("block top-4x16"
                                head_dim=32)  # fmt: skip
 TOPK_INDEXER_CPU_SHAPE = dict(B=1, T=128, HI=4, DI=32, topk=32)
 SPARSE_CPU_NOTE = "reference only on CPU (dense masked softmax in fp32); the Triton kernels run on CUDA"
+CROSS_ENTROPY_SHAPES = {
+    "small": dict(N=512, D=64, V=4096),
+    # A 32K-token row over a Qwen3-size vocabulary: its full fp32 logits alone are 19.9 GB.
+    "anchor": dict(N=32768, D=2048, V=151936),
+}
 # Softmax attention backward FLOPs over forward, as FlashAttention reports (same factor as the linear attention bench).
 ATTENTION_BWD_FLOP_FACTOR = 2.5
 
@@ -398,6 +403,38 @@ def _sparse_row(op: str, result: dict, run: RunContext) -> dict:
                     **values)  # fmt: skip
 
 
+def bench_cross_entropy_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """The LM loss over a linear head: ops.cross_entropy.linear_cross_entropy (chunked, never the [N, V] logits)
+    beside the full-logits form users write (F.linear, then F.cross_entropy on fp32 logits), bf16 on CUDA and fp32
+    on the CPU, the head trained. The chunked op computes its gradients in the forward, so its fwd column already
+    holds most of its fwd+bwd work. Each note gives the loss's difference from the fp32 reference."""
+    from moe_tune.ops.cross_entropy import linear_cross_entropy
+    from moe_tune.ops.cross_entropy.reference import linear_cross_entropy_ref
+
+    shape = shapes if isinstance(shapes, dict) else CROSS_ENTROPY_SHAPES[shapes if run.is_cuda else "small"]
+    N, D, V = shape["N"], shape["D"], shape["V"]
+    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = _randn(N, D, gen=gen, device=device, dtype=dtype)
+    weight = (torch.randn(V, D, generator=gen, device=device) * D**-0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=gen, device=device)
+    with torch.no_grad():
+        expected = float(linear_cross_entropy_ref(hidden.float(), weight.float(), labels))
+    impls = {
+        "moe_tune chunked (ops.cross_entropy)": lambda: linear_cross_entropy(hidden, weight, labels),
+        "full logits (F.linear + F.cross_entropy)": lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels),
+    }
+    rows = []
+    for impl, loss_fn in impls.items():
+        with torch.no_grad():
+            loss = float(loss_fn())
+        timed = _timed(loss_fn, [hidden, weight], run)
+        timed["note"] = "; ".join(filter(None, [timed.get("note"), f"loss - fp32 reference {loss - expected:.1e}"]))
+        rows.append(make_row("cross_entropy", "lm head", impl, f"N{N} D{D} V{V}", dtype, run, fwd_flops=2 * N * D * V,
+                             **timed))  # fmt: skip
+    return rows
+
+
 # name -> function(preset, run) -> rows. Adding an op is one entry here.
 OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "moe": bench_moe_op,
@@ -405,12 +442,14 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "kda": _linear_attention_op("kda", ("kda",), is_per_channel=True),
     "sparse_attention": bench_sparse_attention_op,
     "topk_indexer": bench_topk_indexer_op,
+    "cross_entropy": bench_cross_entropy_op,
 }
 # The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
 SHAPE_DIMS: dict[str, tuple[str, ...]] = {
     "moe": ("N", "D", "F", "E", "k"),
     "gated_delta_rule": ("B", "T", "H", "K", "V"),
     "kda": ("B", "T", "H", "K", "V"),
+    "cross_entropy": ("N", "D", "V"),
 }
 
 

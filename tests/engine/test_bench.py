@@ -13,7 +13,7 @@ def no_cuda(monkeypatch):
 
 
 def test_registry_names_every_op():
-    assert list(OPS) == ["moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer"]
+    assert list(OPS) == ["moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy"]
 
 
 def test_unknown_op_is_refused_with_the_registered_names():
@@ -89,3 +89,15 @@ def test_regression_is_a_row_more_than_ten_percent_slower():
 
 def test_rows_without_a_match_or_a_timing_are_not_regressions():
     assert find_regressions([_row(impl="new"), _row(fwd_ms=None)], [_row(fwd_ms=0.1), _row(impl="other")]) == []
+
+
+def test_cross_entropy_entry_times_both_forms_and_checks_their_loss(no_cuda):
+    rows, _, _ = run_kernels(["cross_entropy"], "N40,D8,V64")
+    assert [row["impl"] for row in rows] == [
+        "moe_tune chunked (ops.cross_entropy)", "full logits (F.linear + F.cross_entropy)"
+    ]
+    for row in rows:
+        assert (row["op"], row["shape"], row["dtype"]) == ("cross_entropy", "N40 D8 V64", "float32")
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+        # The note carries the loss's difference from the fp32 full-logits reference.
+        assert abs(float(row["note"].rsplit(" ", 1)[1])) <= 1e-5
