@@ -79,6 +79,27 @@ def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extr
 
 
 @pytest.mark.dist
+def test_partitioned_lm_head_trains_as_in_one_process(tmp_path, child_env):
+    # A 2048-token vocabulary puts lm_head (2048 x 64) above ZeRO-3's persistence threshold: partitioned over the
+    # ranks, so the chunked loss (ops/cross_entropy) reads, and trains, a gathered head weight outside the head's own
+    # forward. The head is trained in full (modules_to_save): its gradients are not near zero, so Adam does not
+    # magnify rounding there (the fresh LoRA A factors, compared in the test above, would need a smaller lr).
+    overrides = ["train.steps=3", "model.vocab_size=2048"]
+    single = single_process(tmp_path, child_env, 4, overrides)
+    out = tmp_path / "ep2"
+    codes, logs, multi = run_ranks(
+        2, out, [*overrides, "train.micro_batch_size=2", "parallel.expert_parallel=2"], child_env
+    )
+    assert codes == [0, 0], logs[0][-3000:]
+    assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+    one, many = adapter(tmp_path / "single"), adapter(out)
+    heads = [key for key in one if "lm_head" in key]
+    assert heads and all(one[key].shape[0] == 2048 for key in heads if key.endswith("weight"))
+    for key in heads:
+        torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.dist
 def test_checkpoint_model_under_expert_parallel_equals_one_process(tmp_path, child_env):
     """A qwen3_moe checkpoint fine-tuned by 2 ranks (ZeRO-3, expert parallel 2): built partitioned (each rank holds
     half of every dense tensor, never the whole model), experts read per rank, and the same losses and adapter
