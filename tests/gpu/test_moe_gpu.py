@@ -12,6 +12,7 @@ import torch
 
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp, topk_route
 from moe_tune.ops.moe.reference import moe_mlp_ref
+from moe_cases import LORA_NAMES, make_case, run_with_grads
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +31,6 @@ TOLERANCES = {
 }
 RANK = 16
 LORA_SCALING = 2.0
-LORA_NAMES = ("a_gate_up", "b_gate_up", "a_down", "b_down")
 GUARD_ELEMENTS = 1 << 16
 
 
@@ -55,44 +55,8 @@ def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
     return buffers
 
 
-def _routing(pattern: str, gen: torch.Generator, num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
-    if pattern == "random":
-        return torch.rand(num_tokens, num_experts, generator=gen, device=DEVICE).argsort(dim=-1)[:, :top_k]
-    if pattern == "two_experts_only":
-        pair = torch.tensor([1, 4], device=DEVICE)
-        flips = torch.rand(num_tokens, generator=gen, device=DEVICE) < 0.5
-        return torch.stack([torch.where(flips, pair[0], pair[1]), torch.where(flips, pair[1], pair[0])], dim=1)
-    if pattern == "all_to_last":
-        return torch.full((num_tokens, top_k), num_experts - 1, device=DEVICE)
-    raise AssertionError(pattern)
-
-
-def _make_case(
-    num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0, rank=RANK
-):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype).requires_grad_()
-
-    case = dict(
-        x=randn(num_tokens, model_dim),
-        topk_ids=_routing(pattern, gen, num_tokens, num_experts, top_k),
-        topk_weights=torch.rand(num_tokens, top_k, generator=gen, device=DEVICE).to(dtype).requires_grad_(),
-        w_gate_up=randn(num_experts, 2 * hidden_dim, model_dim, scale=model_dim**-0.5),
-        w_down=randn(num_experts, model_dim, hidden_dim, scale=hidden_dim**-0.5),
-        lora=None,
-    )
-    if lora_on != "none":
-        pairs = {}
-        if lora_on in ("both", "gate_up"):
-            pairs["a_gate_up"] = randn(num_experts, rank, model_dim, scale=model_dim**-0.5)
-            pairs["b_gate_up"] = randn(num_experts, 2 * hidden_dim, rank, scale=rank**-0.5)
-        if lora_on in ("both", "down"):
-            pairs["a_down"] = randn(num_experts, rank, hidden_dim, scale=hidden_dim**-0.5)
-            pairs["b_down"] = randn(num_experts, model_dim, rank, scale=rank**-0.5)
-        case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
-    return case
+def _make_case(*args, rank=RANK, **kwargs) -> dict:
+    return make_case(*args, rank=rank, scaling=LORA_SCALING, device=DEVICE, **kwargs)
 
 
 def _freeze(case: dict, names: tuple[str, ...]) -> dict:
@@ -109,23 +73,6 @@ def _freeze(case: dict, names: tuple[str, ...]) -> dict:
     return case
 
 
-def _grad_inputs(case: dict) -> dict[str, torch.Tensor]:
-    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down")}
-    if case["lora"] is not None:
-        for name in LORA_NAMES:
-            tensor = getattr(case["lora"], name)
-            if tensor is not None:
-                inputs[f"lora.{name}"] = tensor
-    return {name: tensor for name, tensor in inputs.items() if tensor.requires_grad}
-
-
-def _run_with_grads(fn, case: dict, grad_y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    y = fn(**case)
-    inputs = _grad_inputs(case)
-    grads = torch.autograd.grad(y, list(inputs.values()), grad_y)
-    return y, dict(zip(inputs, grads))
-
-
 def _assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     tol = TOLERANCES[dtype]
     atol = tol["atol"] * max(float(expected.abs().max()), 1e-6)
@@ -137,8 +84,8 @@ def _assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, dtype: to
 def _assert_matches_reference(case: dict, dtype: torch.dtype) -> None:
     num_tokens, model_dim = case["x"].shape
     grad_y = torch.randn(num_tokens, model_dim, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
-    y, grads = _run_with_grads(moe_mlp, case, grad_y.to(dtype))
-    y_ref, grads_ref = _run_with_grads(moe_mlp_ref, case, grad_y.to(dtype))
+    y, grads = run_with_grads(moe_mlp, case, grad_y.to(dtype))
+    y_ref, grads_ref = run_with_grads(moe_mlp_ref, case, grad_y.to(dtype))
     assert y.dtype == dtype and y.shape == (num_tokens, model_dim)
     _assert_close_scaled(y, y_ref, dtype, "y")
     assert set(grads) == set(grads_ref)
@@ -263,11 +210,11 @@ def test_moe_mlp_kernel_has_no_host_sync(kernel_path):
     case = _make_case(2048, 512, 256, 16, 4, torch.bfloat16, lora_on="both")
     grad_y = torch.randn(2048, 512, device=DEVICE, dtype=torch.bfloat16)
     # Compile outside the check: the first launch may query the device.
-    _run_with_grads(moe_mlp, case, grad_y)
+    run_with_grads(moe_mlp, case, grad_y)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _run_with_grads(moe_mlp, case, grad_y)
+        run_with_grads(moe_mlp, case, grad_y)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -275,8 +222,8 @@ def test_moe_mlp_kernel_has_no_host_sync(kernel_path):
 def test_moe_mlp_kernel_is_deterministic(kernel_path):
     case = _make_case(4096, 1024, 512, 64, 8, torch.bfloat16, lora_on="both")
     grad_y = torch.randn(4096, 1024, device=DEVICE, dtype=torch.bfloat16)
-    y1, grads1 = _run_with_grads(moe_mlp, case, grad_y)
-    y2, grads2 = _run_with_grads(moe_mlp, case, grad_y)
+    y1, grads1 = run_with_grads(moe_mlp, case, grad_y)
+    y2, grads2 = run_with_grads(moe_mlp, case, grad_y)
     assert torch.equal(y1, y2)
     for name in grads1:
         assert torch.equal(grads1[name], grads2[name]), name

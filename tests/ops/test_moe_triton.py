@@ -15,6 +15,7 @@ with interpreted_kernels():
     from moe_tune.ops.moe import kernels
     from moe_tune.ops.moe.autograd import MoEFunction
     from moe_tune.ops.moe.reference import moe_mlp_loop_ref
+    from moe_cases import LORA_NAMES, make_case, route_pattern, run_with_grads
 
 # One table per dtype. fp32: the interpreter's dots are fp32 products, only the summation order differs (measured
 # max error 8e-6 on gradients of magnitude 40). fp16: gate/up, h, d(gate/up) and the per-slot outputs are rounded to
@@ -25,7 +26,6 @@ TOLERANCES = {
 }
 RANK = 4
 LORA_SCALING = 0.5
-LORA_NAMES = ("a_gate_up", "b_gate_up", "a_down", "b_down")
 # Elements past the end of every kernel buffer: a whole 16-row tile of the widest test tensor (2F = 64 columns).
 GUARD_ELEMENTS = 16 * 64
 
@@ -49,73 +49,16 @@ def guarded(monkeypatch) -> GuardedBuffers:
     return buffers
 
 
-def _routing(pattern: str, gen: torch.Generator, num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
-    if pattern == "random":
-        # Distinct experts per token, as a router picks them.
-        return torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=-1)[:, :top_k]
-    if pattern == "two_experts_only":
-        # Experts 1 and 4 only: every other expert is empty and owns no tile.
-        pair = torch.tensor([1, 4])
-        flips = torch.rand(num_tokens, generator=gen) < 0.5
-        return torch.stack([torch.where(flips, pair[0], pair[1]), torch.where(flips, pair[1], pair[0])], dim=1)
-    if pattern == "all_to_last":
-        # Every slot on the last expert: its rows span several tiles, the last one partial.
-        return torch.full((num_tokens, top_k), num_experts - 1)
-    raise AssertionError(pattern)
-
-
-def _make_case(
-    num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0, rank=RANK
-):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype).requires_grad_()
-
-    case = dict(
-        x=randn(num_tokens, model_dim),
-        topk_ids=_routing(pattern, gen, num_tokens, num_experts, top_k),
-        topk_weights=torch.rand(num_tokens, top_k, generator=gen).to(dtype).requires_grad_(),
-        w_gate_up=randn(num_experts, 2 * hidden_dim, model_dim, scale=model_dim**-0.5),
-        w_down=randn(num_experts, model_dim, hidden_dim, scale=hidden_dim**-0.5),
-        lora=None,
-    )
-    if lora_on != "none":
-        # B is random, not PEFT's zero init, so that the adapter changes the output and gets gradients to compare.
-        pairs = {}
-        if lora_on in ("both", "gate_up"):
-            pairs["a_gate_up"] = randn(num_experts, rank, model_dim, scale=model_dim**-0.5)
-            pairs["b_gate_up"] = randn(num_experts, 2 * hidden_dim, rank, scale=rank**-0.5)
-        if lora_on in ("both", "down"):
-            pairs["a_down"] = randn(num_experts, rank, hidden_dim, scale=hidden_dim**-0.5)
-            pairs["b_down"] = randn(num_experts, model_dim, rank, scale=rank**-0.5)
-        case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
-    return case
-
-
-def _grad_inputs(case: dict) -> dict[str, torch.Tensor]:
-    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down")}
-    if case["lora"] is not None:
-        for name in LORA_NAMES:
-            tensor = getattr(case["lora"], name)
-            if tensor is not None:
-                inputs[f"lora.{name}"] = tensor
-    return {name: tensor for name, tensor in inputs.items() if tensor.requires_grad}
-
-
-def _run_with_grads(fn, case: dict, grad_y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    y = fn(**case)
-    inputs = _grad_inputs(case)
-    grads = torch.autograd.grad(y, list(inputs.values()), grad_y)
-    return y, dict(zip(inputs, grads))
+def _make_case(*args, rank=RANK, **kwargs) -> dict:
+    return make_case(*args, rank=rank, scaling=LORA_SCALING, **kwargs)
 
 
 def _assert_matches_oracle(case: dict, dtype: torch.dtype, grad_y: torch.Tensor | None = None) -> None:
     num_tokens, model_dim = case["x"].shape
     if grad_y is None:
         grad_y = torch.randn(num_tokens, model_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
-    y, grads = _run_with_grads(moe_mlp, case, grad_y)
-    y_ref, grads_ref = _run_with_grads(moe_mlp_loop_ref, case, grad_y)
+    y, grads = run_with_grads(moe_mlp, case, grad_y)
+    y_ref, grads_ref = run_with_grads(moe_mlp_loop_ref, case, grad_y)
     tol = TOLERANCES[dtype]
     assert y.dtype == dtype and y.shape == (num_tokens, model_dim)
     torch.testing.assert_close(y, y_ref, **tol, msg=lambda m: f"y: {m}")
@@ -252,7 +195,7 @@ PASS_RANK = 5
 
 def _pass_setup(num_tokens: int, num_experts: int, top_k: int, pattern: str):
     gen = torch.Generator().manual_seed(0)
-    topk_ids = _routing(pattern, gen, num_tokens, num_experts, top_k)
+    topk_ids = route_pattern(pattern, gen, num_tokens, num_experts, top_k)
     # CPU tensors: the interpreter's 16-row tiles.
     config = kernels.pick_config(torch.zeros(1), num_tokens * top_k, num_experts)
     routing = kernels.moe_routing(topk_ids, num_experts, config.block_m)
@@ -394,7 +337,7 @@ def test_moe_mlp_kernel_no_tokens(kernel_path, lora_on):
     # N = 0: empty row grids; y is empty and every weight gradient is zero (the per-expert LoRA passes still write
     # their zero dB and dA).
     case = _make_case(0, 16, 32, 4, 2, torch.float32, lora_on=lora_on)
-    y, grads = _run_with_grads(moe_mlp, case, torch.zeros(0, 16))
+    y, grads = run_with_grads(moe_mlp, case, torch.zeros(0, 16))
     assert y.shape == (0, 16)
     assert all(bool((grad == 0).all()) for grad in grads.values())
 
@@ -403,8 +346,8 @@ def test_moe_mlp_kernel_is_deterministic(kernel_path):
     # No atomics anywhere: two runs agree bit for bit.
     case = _make_case(13, 24, 20, 7, 3, torch.float32, lora_on="both")
     grad_y = torch.randn(13, 24, generator=torch.Generator().manual_seed(1))
-    y1, grads1 = _run_with_grads(moe_mlp, case, grad_y)
-    y2, grads2 = _run_with_grads(moe_mlp, case, grad_y)
+    y1, grads1 = run_with_grads(moe_mlp, case, grad_y)
+    y2, grads2 = run_with_grads(moe_mlp, case, grad_y)
     assert torch.equal(y1, y2)
     for name in grads1:
         assert torch.equal(grads1[name], grads2[name]), name
