@@ -29,20 +29,23 @@ def route_pattern(pattern: str, gen: torch.Generator, num_tokens: int, num_exper
 
 def make_case(
     num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern="random", lora_on="none", seed=0, *,
-    rank: int, scaling: float, device: str = "cpu",
+    rank: int, scaling: float, device: str = "cpu", ids_dtype: torch.dtype = torch.int64,
 ) -> dict:  # fmt: skip
-    """moe_mlp's keyword arguments: x [N, D], topk_ids, topk_weights [N, k], w_gate_up [E, 2F, D], w_down [E, D, F]
-    in dtype, every float tensor a leaf that requires grad; lora: None, or ExpertLoRA on lora_on ("both", "gate_up",
-    "down") with rank r and scaling."""
+    """moe_mlp's keyword arguments: x [N, D], topk_ids [N, k] in ids_dtype, topk_weights [N, k], w_gate_up
+    [E, 2F, D], w_down [E, D, F] in dtype, every float tensor a leaf that requires grad; lora: None, or ExpertLoRA on
+    lora_on ("both", "gate_up", "down") with rank r and scaling. fp64 cases draw fp64 values."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype).requires_grad_()
+        return (torch.randn(*shape, generator=gen, device=device, dtype=draw_dtype) * scale).to(dtype).requires_grad_()
 
     case = dict(
         x=randn(num_tokens, model_dim),
-        topk_ids=route_pattern(pattern, gen, num_tokens, num_experts, top_k, device),
-        topk_weights=torch.rand(num_tokens, top_k, generator=gen, device=device).to(dtype).requires_grad_(),
+        topk_ids=route_pattern(pattern, gen, num_tokens, num_experts, top_k, device).to(ids_dtype),
+        topk_weights=torch.rand(num_tokens, top_k, generator=gen, device=device, dtype=draw_dtype)
+        .to(dtype)
+        .requires_grad_(),
         w_gate_up=randn(num_experts, 2 * hidden_dim, model_dim, scale=model_dim**-0.5),
         w_down=randn(num_experts, model_dim, hidden_dim, scale=hidden_dim**-0.5),
         lora=None,

@@ -13,6 +13,7 @@ import torch
 
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.ops.moe.reference import moe_mlp_loop_ref
+from moe_cases import make_case, run_with_grads
 
 # One table per dtype. fp64 runs in fp64 end to end; fp32 differs from the oracle only by summation order; bf16
 # inputs compute in fp32 on both paths, so outputs differ by at most a rounding step of the bf16 result.
@@ -28,81 +29,10 @@ DTYPES = [
 ]
 RANK = 4
 LORA_SCALING = 0.5
-LORA_NAMES = ("a_gate_up", "b_gate_up", "a_down", "b_down")
 
 
-def _distinct_ids(generator: torch.Generator, num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
-    # Distinct experts per token, as a real router picks them.
-    return torch.rand(num_tokens, num_experts, generator=generator).argsort(dim=-1)[:, :top_k]
-
-
-def _routing(pattern: str, generator: torch.Generator, num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
-    if pattern == "random":
-        return _distinct_ids(generator, num_tokens, num_experts, top_k)
-    if pattern == "two_experts_only":
-        # Experts 1 and 4 only: every other expert is empty and must be skipped without shifting the row ranges.
-        pair = torch.tensor([1, 4])
-        flips = torch.rand(num_tokens, generator=generator) < 0.5
-        return torch.stack([torch.where(flips, pair[0], pair[1]), torch.where(flips, pair[1], pair[0])], dim=1)
-    if pattern == "all_to_last":
-        # Every slot on the last expert: one range covers all rows and it ends exactly at N*k.
-        return torch.full((num_tokens, top_k), num_experts - 1)
-    raise AssertionError(pattern)
-
-
-def _make_case(
-    num_tokens: int,
-    model_dim: int,
-    hidden_dim: int,
-    num_experts: int,
-    top_k: int,
-    dtype: torch.dtype,
-    pattern: str = "random",
-    lora_on: str = "none",
-    ids_dtype: torch.dtype = torch.int64,
-    seed: int = 0,
-) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype).requires_grad_()
-
-    case = dict(
-        x=randn(num_tokens, model_dim),
-        topk_ids=_routing(pattern, gen, num_tokens, num_experts, top_k).to(ids_dtype),
-        topk_weights=torch.rand(num_tokens, top_k, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(),
-        w_gate_up=randn(num_experts, 2 * hidden_dim, model_dim, scale=model_dim**-0.5),
-        w_down=randn(num_experts, model_dim, hidden_dim, scale=hidden_dim**-0.5),
-        lora=None,
-    )
-    if lora_on != "none":
-        # B is random, not PEFT's zero init, so that the adapter changes the output and gets gradients to compare.
-        pairs = {}
-        if lora_on in ("both", "gate_up"):
-            pairs["a_gate_up"] = randn(num_experts, RANK, model_dim, scale=model_dim**-0.5)
-            pairs["b_gate_up"] = randn(num_experts, 2 * hidden_dim, RANK, scale=RANK**-0.5)
-        if lora_on in ("both", "down"):
-            pairs["a_down"] = randn(num_experts, RANK, hidden_dim, scale=hidden_dim**-0.5)
-            pairs["b_down"] = randn(num_experts, model_dim, RANK, scale=RANK**-0.5)
-        case["lora"] = ExpertLoRA(**pairs, scaling=LORA_SCALING)
-    return case
-
-
-def _grad_inputs(case: dict) -> dict[str, torch.Tensor]:
-    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down")}
-    if case["lora"] is not None:
-        for name in LORA_NAMES:
-            tensor = getattr(case["lora"], name)
-            if tensor is not None:
-                inputs[f"lora.{name}"] = tensor
-    return inputs
-
-
-def _run_with_grads(fn, case: dict, grad_y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    y = fn(**case)
-    inputs = _grad_inputs(case)
-    grads = torch.autograd.grad(y, list(inputs.values()), grad_y)
-    return y, dict(zip(inputs, grads))
+def _make_case(*args, **kwargs) -> dict:
+    return make_case(*args, rank=RANK, scaling=LORA_SCALING, **kwargs)
 
 
 CASES = [
@@ -136,8 +66,8 @@ def test_moe_mlp_matches_loop_ref(num_tokens, model_dim, hidden_dim, num_experts
     case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, lora_on)
     grad_y = torch.randn(num_tokens, model_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
 
-    y, grads = _run_with_grads(moe_mlp, case, grad_y)
-    y_ref, grads_ref = _run_with_grads(moe_mlp_loop_ref, case, grad_y)
+    y, grads = run_with_grads(moe_mlp, case, grad_y)
+    y_ref, grads_ref = run_with_grads(moe_mlp_loop_ref, case, grad_y)
 
     tol = TOLERANCES[dtype]
     assert y.dtype == dtype and y.shape == (num_tokens, model_dim)
