@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
+from moe_tune.profiles import _format_errors
 from moe_tune.profiles.schema import ModelProfile
 
 TensorGetter = Callable[[str], torch.Tensor]
@@ -77,6 +79,17 @@ class HFConfig:
     def raise_problems(self) -> None:
         if self.problems:
             raise UnsupportedModel(self.problems)
+
+    def profile(self, **fields: Any) -> ModelProfile:
+        """ModelProfile(**fields) once the problems collected so far are raised. Values transformers accepts but our
+        profile's rules refuse (value heads not a multiple of key heads, n_group not dividing the experts, an odd
+        RoPE dim) come back as one line each, naming the config section and our field."""
+        self.raise_problems()
+        try:
+            return ModelProfile(**fields)
+        except ValidationError as err:
+            where = f"config.json ({self.prefix.rstrip('.') or 'top level'})"
+            raise UnsupportedModel([f"{where}: not mapped: model.{line}" for line in _format_errors(err)]) from None
 
 
 class Family(ABC):

@@ -15,13 +15,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import ValidationError
 from torch import nn
 
-from moe_tune.profiles import _format_errors
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, UnsupportedModel, stacked_experts, take
+from .base import Family, HFConfig, Recipe, stacked_experts, take
 
 PREFIX = "model."
 # Transformers drops DeepSeek-V3's multi-token-prediction layer (model.layers.61) when it loads; so do we.
@@ -69,12 +67,7 @@ class DeepseekV3(Family):
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             init_std=c.get("initializer_range", 0.02),
         )
-        c.raise_problems()
-        try:
-            return ModelProfile(**fields)
-        except ValidationError as err:
-            # Values transformers accepts but our architecture rules refuse (e.g. an odd RoPE dim).
-            raise UnsupportedModel([f"config.json: not mapped: {line}" for line in _format_errors(err)]) from None
+        return c.profile(**fields)
 
     # The layer kind of every decoder layer.
     attention_kind = "mla"

@@ -22,13 +22,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
 from torch import nn
 
-from moe_tune.profiles import _format_errors
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, UnsupportedModel, concat, stacked_experts, take
+from .base import Family, HFConfig, Recipe, concat, stacked_experts, take
 
 # transformers' layer_types / mlp_layer_types values and our layer kinds.
 ATTENTION_KINDS = {"linear_attention": "kda", "full_attention": "mla"}
@@ -171,12 +169,7 @@ class KimiLinear(Family):
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             init_std=c.get("initializer_range", 0.02),
         )
-        c.raise_problems()
-        try:
-            return ModelProfile(**fields)
-        except ValidationError as err:
-            # Values transformers accepts but our architecture rules refuse (e.g. n_group not dividing the experts).
-            raise UnsupportedModel([f"config.json: not mapped: {line}" for line in _format_errors(err)]) from None
+        return c.profile(**fields)
 
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
         if name == "lm_head.weight":

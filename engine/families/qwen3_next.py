@@ -22,12 +22,11 @@ import re
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 from torch import nn
 
-from moe_tune.profiles.schema import LayerSpec, LinearAttentionSpec, ModelProfile, MoESpec
+from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, UnsupportedModel, moe_layer_indices, take
+from .base import Family, HFConfig, Recipe, moe_layer_indices, take
 from .qwen3_moe import qwen_recipe
 
 # transformers' layer_types values and our token mixers.
@@ -82,50 +81,42 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
     # expert) differ from the usual fallbacks, and configs saved by transformers always list them.
     kv_heads, head_dim = c.require("num_key_value_heads"), c.require("head_dim")
     shared = c.require("shared_expert_intermediate_size") if moe else 0
-    c.raise_problems()
-    try:
-        return ModelProfile(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            layers=[
-                LayerSpec(attention=LAYER_KINDS[kind], mlp="moe" if is_moe_layer else "dense")
-                for kind, is_moe_layer in zip(kinds, is_moe)
-            ],
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
-            rope_theta=rope_theta,
-            partial_rotary_factor=partial_rotary_factor,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            norm_one_plus=True,
-            linear_attention=LinearAttentionSpec(
-                num_key_heads=linear["linear_num_key_heads"],
-                num_value_heads=linear["linear_num_value_heads"],
-                key_head_dim=linear["linear_key_head_dim"],
-                value_head_dim=linear["linear_value_head_dim"],
-                conv_kernel_size=c.get("linear_conv_kernel_dim", 4),
-                decay="scalar",
-            ) if linear else None,
-            moe=MoESpec(
-                num_experts=moe["num_experts"],
-                top_k=moe["num_experts_per_tok"],
-                expert_intermediate_size=moe["moe_intermediate_size"],
-                score_func="softmax",
-                renormalize=renormalize,
-                shared_expert_intermediate_size=shared,
-                shared_expert_gate=True,
-            ) if moe else None,
-            attention_output_gate=True,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init_std=c.get("initializer_range", 0.02),
-        )
-    except ValidationError as err:
-        # A pydantic rule of our profile (e.g. value heads a multiple of key heads), in our field names.
-        where = f"config.json{' ' + c.prefix.rstrip('.') if c.prefix else ''}"
-        raise UnsupportedModel(
-            [f"{where}: not mapped: {e['msg'].removeprefix('Value error, ').replace('@', '')}" for e in err.errors()]
-        ) from None
+    return c.profile(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        layers=[
+            dict(attention=LAYER_KINDS.get(kind), mlp="moe" if is_moe_layer else "dense")
+            for kind, is_moe_layer in zip(kinds, is_moe)
+        ],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
+        rope_theta=rope_theta,
+        partial_rotary_factor=partial_rotary_factor,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+        norm_one_plus=True,
+        linear_attention=dict(
+            num_key_heads=linear["linear_num_key_heads"],
+            num_value_heads=linear["linear_num_value_heads"],
+            key_head_dim=linear["linear_key_head_dim"],
+            value_head_dim=linear["linear_value_head_dim"],
+            conv_kernel_size=c.get("linear_conv_kernel_dim", 4),
+            decay="scalar",
+        ) if linear else None,
+        moe=dict(
+            num_experts=moe["num_experts"],
+            top_k=moe["num_experts_per_tok"],
+            expert_intermediate_size=moe["moe_intermediate_size"],
+            score_func="softmax",
+            renormalize=renormalize,
+            shared_expert_intermediate_size=shared,
+            shared_expert_gate=True,
+        ) if moe else None,
+        attention_output_gate=True,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_std=c.get("initializer_range", 0.02),
+    )
 
 
 class Qwen3Next(Family):

@@ -37,12 +37,11 @@ import re
 from typing import Any
 
 import torch
-from pydantic import ValidationError
 from torch import nn
 
-from moe_tune.profiles.schema import LayerSpec, LinearAttentionSpec, ModelProfile
+from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, UnsupportedModel, take
+from .base import Family, HFConfig, Recipe, take
 from .qwen3_moe import qwen_recipe
 from .qwen3_5_moe import nested_text_config, split_qkv_recipe
 from .qwen3_next import layer_types
@@ -110,42 +109,39 @@ class Qwen4Exp(Family):
         rope_theta, partial_rotary_factor = c.rope_theta(), c.partial_rotary_factor()
         vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
         kv_heads = c.require("num_key_value_heads")
-        c.raise_problems()
-        # Sections as dicts, validated here: our own rules (e.g. budget / block size) come back as lines naming them.
-        try:
-            text_model = ModelProfile(
-                vocab_size=vocab,
-                hidden_size=hidden,
-                layers=[
-                    LayerSpec(attention=kind, mlp="moe", has_ngram_embedding=i in ngram_layers)
-                    for i, kind in enumerate(kinds)
-                ],
-                num_attention_heads=heads,
-                num_key_value_heads=kv_heads,
-                head_dim=head_dim,
-                rope_theta=rope_theta,
-                partial_rotary_factor=partial_rotary_factor,
-                rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-                norm_one_plus=True,
-                linear_attention=linear,
-                sparse_attention=sparse,
-                moe=dict(
-                    num_experts=moe["num_experts"],
-                    top_k=moe["num_experts_per_tok"],
-                    expert_intermediate_size=moe["moe_intermediate_size"],
-                    score_func="softmax",
-                    renormalize=bool(c.get("norm_topk_prob", True)),
-                    shared_expert_intermediate_size=shared,
-                    shared_expert_gate=True,
-                ),
-                hyper_connections=dict(num_streams=num_streams, mix_rank=mix_rank),
-                ngram_embedding=self._ngram_spec(c, hidden, eos) if ngram_layers else None,
-                attention_output_gate=True,
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                init_std=c.get("initializer_range", 0.02),
-            )
-        except ValidationError as err:
-            raise UnsupportedModel([_problem(c, e) for e in err.errors()]) from None
+        # Sections as dicts, validated by c.profile after the problems above: our own rules (e.g. budget / block
+        # size) come back as lines naming them.
+        text_model = c.profile(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            layers=[
+                dict(attention=kind, mlp="moe", has_ngram_embedding=i in ngram_layers)
+                for i, kind in enumerate(kinds)
+            ],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial_rotary_factor,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            norm_one_plus=True,
+            linear_attention=linear,
+            sparse_attention=sparse,
+            moe=dict(
+                num_experts=moe["num_experts"],
+                top_k=moe["num_experts_per_tok"],
+                expert_intermediate_size=moe["moe_intermediate_size"],
+                score_func="softmax",
+                renormalize=bool(c.get("norm_topk_prob", True)),
+                shared_expert_intermediate_size=shared,
+                shared_expert_gate=True,
+            ),
+            hyper_connections=dict(num_streams=num_streams, mix_rank=mix_rank),
+            ngram_embedding=self._ngram_spec(c, hidden, eos) if ngram_layers else None,
+            attention_output_gate=True,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init_std=c.get("initializer_range", 0.02),
+        )
         return with_vision(text_model, config)
 
     def _linear_attention(self, c: HFConfig) -> dict[str, Any] | None:
@@ -263,15 +259,6 @@ class Qwen4Exp(Family):
         if param == "embedding.table.weight":
             return sharded_rows(layer + "ple_embedding.ngram_embedding.")
         return take(layer + NGRAM_NAMES[param])
-
-
-def _problem(c: HFConfig, error: dict[str, Any]) -> str:
-    """One line of a ModelProfile validation error: `@field` in our rule messages becomes the section's path."""
-    path = ".".join(map(str, error["loc"]))
-    section = f"model.{path}" if path else "model"
-    message = error["msg"].removeprefix("Value error, ")
-    where = f"config.json ({c.prefix.rstrip('.') or 'top level'})"
-    return f"{where}: {message.replace('@', section + '.')}" if "@" in message else f"{where}: {section}: {message}"
 
 
 def sharded_rows(base: str) -> Recipe:
