@@ -105,7 +105,9 @@ class MoEBlock(nn.Module):
             topk_weights = self._drop_over_capacity(topk_ids, topk_weights)
         if self.training:
             with torch.no_grad():
-                self.load_counts += torch.bincount(topk_ids.flatten(), minlength=self.spec.num_experts).float()
+                # Not bincount: on a GPU it waits for the device to size its output. Adding ones is exact.
+                ids = topk_ids.flatten()
+                self.load_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.load_counts.dtype))
         if self.layout.ep_size == 1:
             y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x.dtype))
         else:
@@ -138,7 +140,9 @@ class MoEBlock(nn.Module):
     @torch.no_grad()
     def update_selection_bias(self) -> None:
         """DeepSeek-V3's aux-loss-free rule: raise the bias of under-loaded experts, lower the over-loaded."""
-        if self.spec.bias_update_rate > 0 and self.load_counts.sum() > 0:
+        # No loads counted: mean - counts is 0 everywhere and the bias stays (no test on the host, which would wait
+        # for the GPU).
+        if self.spec.bias_update_rate > 0:
             self.selection_bias += self.spec.bias_update_rate * torch.sign(self.load_counts.mean() - self.load_counts)
         self.load_counts.zero_()
 

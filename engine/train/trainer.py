@@ -458,19 +458,23 @@ def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
 def _update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
     """Reduce the step's expert loads (and capacity drops) over all ranks, update the selection biases; return
     max/mean load per layer and the token-slots dropped for capacity."""
-    imbalance, dropped = [], 0
+    per_block = []
     for block in _moe_blocks(engine):
         if dist.world_size > 1:
             stats = torch.cat([block.load_counts, block.dropped_slots.view(1)])
             torch.distributed.all_reduce(stats)
             block.load_counts.copy_(stats[:-1])
             block.dropped_slots.copy_(stats[-1])
-        mean = block.load_counts.mean().item()
-        imbalance.append(round(block.load_counts.max().item() / mean, 4) if mean > 0 else 0.0)
-        dropped += int(block.dropped_slots.item())
+        counts = block.load_counts
+        per_block.append(torch.stack([counts.mean(), counts.max(), block.dropped_slots.to(counts.dtype)]))
+        block.update_selection_bias()  # zeroes the counts: the stack above holds copies
         block.dropped_slots.zero_()
-        block.update_selection_bias()
-    return imbalance, dropped
+    if not per_block:
+        return [], 0
+    # One copy to the host for all layers (a .item() per value would wait for the GPU once per value).
+    values = torch.stack(per_block).tolist()
+    imbalance = [round(peak / mean, 4) if mean > 0 else 0.0 for mean, peak, _ in values]
+    return imbalance, int(sum(dropped for _, _, dropped in values))
 
 
 def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo) -> Path:

@@ -281,3 +281,25 @@ def test_bad_cu_seqlens_raise(shape, cu_seqlens, message):
     inputs = {name: x.detach() for name, x in make_inputs(**shape).items()}
     with pytest.raises(ValueError, match=message):
         gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
+
+
+def test_cu_seqlens_read_once_per_tensor_and_again_after_an_in_place_change(monkeypatch):
+    # Layers sharing one cu_seqlens copy it to the host once (each copy waits for the GPU); a change in place is
+    # seen, so the check cannot go stale.
+    import moe_tune.ops.linear_attention as la
+
+    inputs = {name: x.detach() for name, x in make_inputs(has_initial_state=False).items() if x is not None}
+    cu_seqlens = torch.tensor([0, 3, 8])
+    monkeypatch.setattr(la, "_last_bounds", None)
+    first, _ = gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
+    read = la._last_bounds[2]
+    second, _ = gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
+    assert torch.equal(first, second) and la._last_bounds[2] is read
+    assert read == [0, 3, 8]
+    # An equal tensor is another tensor: read again.
+    gated_delta_rule(**inputs, cu_seqlens=cu_seqlens.clone())
+    assert la._last_bounds[2] is not read
+    gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
+    cu_seqlens[1] = 9
+    with pytest.raises(ValueError, match=r"must never decrease, got \[0, 9, 8\]"):
+        gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
