@@ -1,7 +1,7 @@
 """The memory presets against each other on one GPU (docs/PERF.md, "Selective caching"): throughput and peak
 memory at one length, and the longest row each preset trains.
 
-    python -m moe_tune.engine.bench.memory_sweep OUT.json [PRESET] [--set a.b=v ...]
+    python -m moe_tune.engine.bench.memory_sweep OUT.json [PRESET] [--lengths N,N,...] [--set a.b=v ...]
 
 One preset per process (a clean allocator for each ladder); the JSON holds that preset's result (see
 steps.sweep_lengths) and the pinned copy bandwidth of the machine.
@@ -32,11 +32,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}\n")
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be comma-separated integers") from None
+    if not lengths or any(n <= 0 for n in lengths) or lengths != sorted(set(lengths)):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive and strictly ascending")
+    return lengths
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(prog="python -m moe_tune.engine.bench.memory_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, metavar="OUT.json", help="where the preset's result is written")
     parser.add_argument("preset", nargs="?", default="none", choices=list(PRESETS), metavar="PRESET",
                         help=f"one of {', '.join(PRESETS)} (default: none)")
+    parser.add_argument("--lengths", type=_lengths, default=list(LENGTHS), metavar="N,N,...",
+                        help=f"the ladder, ascending (default: {','.join(map(str, LENGTHS))})")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=v",
                         help="override a profile field (repeatable)")
     # Intermixed: PRESET may come after the --set options.
@@ -49,7 +61,7 @@ def main(argv: list[str]) -> None:
     # One row per step: the ladder sizes the row, and the benchmark profile trains B2 rows of 4096.
     profile = load_profile(PROFILE, ["train.micro_batch_size=1", f"memory.preset={preset}", *overrides])
     result = sweep_lengths(
-        profile, list(LENGTHS), TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True)
+        profile, args.lengths, TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True)
     )
     h2d, d2h = pinned_copy_bandwidth()
     result.update(pinned_h2d_gb_per_s=h2d, pinned_d2h_gb_per_s=d2h, overrides=overrides)

@@ -19,8 +19,9 @@ from torch import nn
 
 from .policy import OPERATOR_CLASSES, MemoryPolicy
 
-# Host buffers are carved from chunks of this size (a tensor larger than a chunk gets a chunk of its own size): few
-# page-locked allocations, each made once.
+# Host buffers are carved from chunks of this size, all alike (a power of two: torch's page-locked allocator rounds
+# every request up to one); a tensor larger than what is left of a chunk is stored in pieces over several. So the
+# pool is as large as one step's offloaded bytes, whatever the tensor sizes, and still fits when they change.
 HOST_CHUNK_BYTES = 256 * 2**20
 # Slots start at multiples of this: every dtype view is aligned, and copies start on a DMA-friendly boundary.
 HOST_ALIGN_BYTES = 512
@@ -61,19 +62,28 @@ class HostPool:
     def reset(self) -> None:
         self._chunk, self._offset = 0, 0
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 host buffer of nbytes."""
-        while self._chunk < len(self.chunks):
+    def take(self, nbytes: int) -> list[torch.Tensor]:
+        """uint8 host buffers that hold nbytes together, in order: one, or pieces over consecutive chunks."""
+        pieces = []
+        while nbytes > 0:
+            if self._chunk == len(self.chunks):
+                self.chunks.append(torch.empty(HOST_CHUNK_BYTES, dtype=torch.uint8, pin_memory=self.pin_memory))
+                self.allocations += 1
             chunk = self.chunks[self._chunk]
-            if self._offset + nbytes <= chunk.numel():
-                slot = chunk[self._offset : self._offset + nbytes]
-                self._offset += -(-nbytes // HOST_ALIGN_BYTES) * HOST_ALIGN_BYTES
-                return slot
-            self._chunk, self._offset = self._chunk + 1, 0
-        chunk = torch.empty(max(HOST_CHUNK_BYTES, nbytes), dtype=torch.uint8, pin_memory=self.pin_memory)
-        self.chunks.append(chunk)
-        self.allocations += 1
-        return self.take(nbytes)
+            size = min(nbytes, chunk.numel() - self._offset)
+            if size > 0:
+                pieces.append(chunk[self._offset : self._offset + size])
+                nbytes -= size
+                self._offset += -(-size // HOST_ALIGN_BYTES) * HOST_ALIGN_BYTES
+            if self._offset >= chunk.numel():
+                self._chunk, self._offset = self._chunk + 1, 0
+        return pieces
+
+
+def _byte_span(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a dense tensor (_is_dense) as one flat uint8 view, in memory order."""
+    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    return flat.view(torch.uint8)
 
 
 class Entry:
@@ -90,7 +100,7 @@ class Entry:
         # Detached: an op that saves its own output would otherwise close a cycle the garbage collector cannot see
         # through (t.grad_fn -> saved variable -> Entry -> t), leaking the graph when backward never runs.
         self.device: torch.Tensor | None = t.detach()
-        self.host: torch.Tensor | None = None
+        self.host: list[torch.Tensor] | None = None  # its bytes in host buffers (HostPool.take)
         self.out_event = None
         self.fetched: torch.Tensor | None = None
         self.in_event = None
@@ -215,17 +225,15 @@ class TieredStore:
     @torch.no_grad()
     def _copy_out(self, entry: Entry) -> None:
         t = entry.device
-        slot = self.pool.take(entry.nbytes)
-        host = torch.empty(0, dtype=entry.dtype).set_(
-            slot.untyped_storage(), slot.storage_offset() // _itemsize(entry.dtype), entry.size, entry.stride
-        )
+        host = self.pool.take(entry.nbytes)
+        src = _byte_span(t)
         if self.is_cuda:
             d2h, _ = self._streams
             start, end = _timing_events()
             d2h.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(d2h):
                 start.record()
-                host.copy_(t, non_blocking=True)
+                _copy_pieces(host, src, to_pieces=True, non_blocking=True)
                 end.record()
             # The caching allocator must not hand t's memory out again before the copy has read it.
             t.record_stream(d2h)
@@ -233,7 +241,7 @@ class TieredStore:
             self._timings.append(("d2h", start, end, entry.nbytes))
         else:
             t0 = time.perf_counter()
-            host.copy_(t)
+            _copy_pieces(host, src, to_pieces=True)
             self.stats.d2h_s += time.perf_counter() - t0
         entry.host, entry.device = host, None
         self._live_host.add(entry)
@@ -282,14 +290,14 @@ class TieredStore:
                 h2d.wait_event(entry.out_event)
                 start.record()
                 fetched = torch.empty_strided(entry.size, entry.stride, dtype=entry.dtype, device=entry.dev)
-                fetched.copy_(entry.host, non_blocking=True)
+                _copy_pieces(entry.host, _byte_span(fetched), to_pieces=False, non_blocking=True)
                 end.record()
             entry.in_event = end
             self._timings.append(("h2d", start, end, entry.nbytes))
         else:
             t0 = time.perf_counter()
             fetched = torch.empty_strided(entry.size, entry.stride, dtype=entry.dtype, device=entry.dev)
-            fetched.copy_(entry.host)
+            _copy_pieces(entry.host, _byte_span(fetched), to_pieces=False)
             self.stats.h2d_s += time.perf_counter() - t0
         entry.fetched = fetched
         self.stats.h2d_bytes += entry.nbytes
@@ -341,8 +349,16 @@ class TieredStore:
         self._timings = pending
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+def _copy_pieces(pieces: list[torch.Tensor], span: torch.Tensor, to_pieces: bool, non_blocking: bool = False) -> None:
+    """Copy a tensor's bytes (span) into its host pieces, or back."""
+    offset = 0
+    for piece in pieces:
+        part = span[offset : offset + piece.numel()]
+        if to_pieces:
+            piece.copy_(part, non_blocking=non_blocking)
+        else:
+            part.copy_(piece, non_blocking=non_blocking)
+        offset += piece.numel()
 
 
 def _timing_events():

@@ -249,7 +249,7 @@ def record_host_slots(monkeypatch) -> list[int]:
 
     def recording(self, entry):
         copy_out(self, entry)
-        addresses.append(entry.host.data_ptr())
+        addresses.append(tuple(piece.data_ptr() for piece in entry.host))
 
     monkeypatch.setattr(TieredStore, "_copy_out", recording)
     return addresses
@@ -271,6 +271,45 @@ def test_host_pool_is_allocated_once_and_reused(batch, monkeypatch):
     assert capacities[0][0] > 1 and capacities == [capacities[0]] * 3
     # Every step copies into the same slots, in the same order.
     assert slots[0] and slots == [slots[0]] * 3
+
+
+def test_host_pool_pieces_fill_chunks_in_order_and_keep_their_size_when_tensors_change(monkeypatch):
+    monkeypatch.setattr(store_module, "HOST_CHUNK_BYTES", 4096)
+    pool = store_module.HostPool(pin_memory=False)
+
+    def take_all(sizes):
+        pool.reset()
+        return [pool.take(n) for n in sizes]
+
+    # 3000 fits the first chunk; 5000 fills its rest (from the aligned 3072) and 3976 of the second, which leaves
+    # less than one alignment step there, so 100 opens a third.
+    pieces = take_all([3000, 5000, 100])
+    assert [[p.numel() for p in ps] for ps in pieces] == [[3000], [1024, 3976], [100]]
+    chunk_of = [0, 0, 1, 2]
+    flat = [p for ps in pieces for p in ps]
+    offsets = [p.data_ptr() - pool.chunks[c].data_ptr() for p, c in zip(flat, chunk_of)]
+    assert offsets == [0, 3072, 0, 0]
+    assert pool.allocations == 3 and pool.capacity_bytes == 3 * 4096
+    # Larger tensors next step (a longer sequence): the same chunks first, then one more; never a chunk per size.
+    pieces = take_all([9000, 4000])
+    assert [[p.numel() for p in ps] for ps in pieces] == [[4096, 4096, 808], [3072, 928]]
+    assert pool.allocations == 4 and pool.capacity_bytes == 4 * 4096
+    # Smaller again: nothing new.
+    take_all([4096, 4096, 100])
+    assert pool.allocations == 4
+
+
+def test_offloaded_tensor_in_pieces_comes_back_bitwise_with_its_strides(monkeypatch):
+    monkeypatch.setattr(store_module, "HOST_CHUNK_BYTES", 1024)
+    store = store_with(preset="max-context", min_offload_mb=0)
+    store.begin_forward(torch.device("cpu"))
+    store.klass = "linear"
+    # Dense but not contiguous (a transpose), 7 chunks' worth of fp64.
+    t = torch.randn(30, 29, dtype=torch.float64).t()
+    entry = store.pack(t)
+    assert entry.device is None and len(entry.host) > 1
+    back = store.unpack(entry)
+    assert back.stride() == t.stride() and torch.equal(back, t)
 
 
 def test_forward_without_backward_leaves_nothing_alive(batch):
