@@ -34,6 +34,7 @@ from moe_tune.profiles.schema import JobProfile, TrainProfile
 
 from .checkpoint import checkpoint_name, complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
 from .distributed import DistInfo, init_distributed, shutdown_distributed
+from .ds_config import deepspeed_config, zero_stage_note
 
 
 @dataclass
@@ -305,7 +306,6 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     from moe_tune.engine.memory import find_activation_memory
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
-    from .ds_config import deepspeed_config
     from .metrics import MetricsWriter, ProgressReporter
 
     train, out = profile.train, profile.output.dir
@@ -361,6 +361,8 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
             reporter.print(f"resumed from {ckpt_root / checkpoint_name(start_step)} at step {start_step}")
         if skipped:
             reporter.print(f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}")
+        if note := zero_stage_note(profile, dist.world_size, dist.device.type):
+            reporter.print(note)
         for step in range(start_step, last_step):
             t0 = time.perf_counter()
             engine.train()

@@ -16,6 +16,7 @@ from moe_tune.engine.data.tokenizer import load_tokenizer
 from moe_tune.engine.lora import load_adapter
 from moe_tune.engine.model.model import build_model
 from moe_tune.engine.train.checkpoint import complete_checkpoints
+from moe_tune.engine.train.ds_config import zero_stage_note
 from moe_tune.engine.train.trainer import build_trainable_model, finetune, lr_factor
 from moe_tune.profiles import load_profile
 
@@ -50,15 +51,27 @@ def plain_pytorch_losses(profile, steps):
     return losses
 
 
-def test_zero3_equals_plain_pytorch(tmp_path):
+@pytest.mark.parametrize("stage", [3, 2])  # 2: what the benchmark profiles run on their one GPU
+def test_zero_equals_plain_pytorch(tmp_path, stage):
     # A low clipping threshold so clipping is active on every step.
-    profile = small_profile(tmp_path, "train.steps=4", "train.grad_clip=0.5")
+    profile = small_profile(tmp_path, "train.steps=4", "train.grad_clip=0.5", f"parallel.zero_stage={stage}")
     result = finetune(profile, show_progress=False)
     expected = plain_pytorch_losses(profile, 4)
     assert result.losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     config = json.loads((tmp_path / "deepspeed_config.json").read_text())
-    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["stage"] == stage
     assert config["gradient_clipping"] == 0.5
+
+
+def test_zero3_on_one_gpu_gets_a_one_line_note():
+    profile = load_profile("tiny", [])
+    note = zero_stage_note(profile, 1, "cuda")
+    assert note.startswith("note: parallel.zero_stage 3 on one GPU") and "\n" not in note
+    assert note.endswith("on one GPU set parallel.zero_stage: 2")
+    # Several processes (sharding pays), the CPU, or stage 2 already: nothing to say.
+    assert zero_stage_note(profile, 2, "cuda") is None
+    assert zero_stage_note(profile, 1, "cpu") is None
+    assert zero_stage_note(load_profile("tiny", ["parallel.zero_stage=2"]), 1, "cuda") is None
 
 
 def test_resume_continues_with_identical_losses(tmp_path):
