@@ -8,7 +8,8 @@ autograd node, and `autograd::engine::evaluate_function: <Node>` events carry th
 counts to the class of its forward op (recomputed forwards in backward land in their own module ranges). lm_head
 and the loss are whatever the model's forward runs after its final norm; DeepSpeed's `engine.step` (gradient
 clipping, the optimizer, the ZeRO bookkeeping) is wrapped in an `optimizer step` range; collectives are recognised
-by name wherever they run.
+by name wherever they run; the selective-caching copies to and from host memory are `host-tier copies` (on a GPU
+they run on their own streams, overlapping the rest).
 
 Time per class: on CPU the self time of its ops, over the profiled step's wall time; on CUDA the time of the
 kernels its ops launched, over the median step time measured without the profiler (the profiler slows the host, not
@@ -29,11 +30,13 @@ from typing import Any
 
 from torch import nn
 
+from moe_tune.engine.memory.store import COPY_RANGE
+
 # The op classes, in the order tables and charts show them.
 OP_CLASSES = (
     "linear attention", "full attention", "sparse attention", "MoE experts", "shared expert / dense MLP",
-    "router + dispatch", "all-to-all / collectives", "optimizer step", "norms", "lm_head + loss", "other",
-    "unattributed",
+    "router + dispatch", "all-to-all / collectives", "optimizer step", "norms", "lm_head + loss",
+    "host-tier copies", "other", "unattributed",
 )  # fmt: skip
 RANGE_PREFIX = "moe_tune::"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -173,6 +176,8 @@ def optimizer_range(engine) -> Iterator[None]:
 def _own_class(event, inherited: str | None) -> str | None:
     """The class an event sets for itself and its children, or `inherited`. Backward nodes are resolved later."""
     name = event.name
+    if name == COPY_RANGE:
+        return "host-tier copies"
     if COLLECTIVE.search(name):
         return "all-to-all / collectives"
     if name.startswith(RANGE_PREFIX):

@@ -23,6 +23,8 @@ from .policy import OPERATOR_CLASSES, MemoryPolicy
 # every request up to one); a tensor larger than what is left of a chunk is stored in pieces over several. So the
 # pool is as large as one step's offloaded bytes, whatever the tensor sizes, and still fits when they change.
 HOST_CHUNK_BYTES = 256 * 2**20
+# The profiler range around every copy to or from the host tier (the per-operator breakdown counts them apart).
+COPY_RANGE = "moe_tune_memory::host tier copy"
 # Slots start at multiples of this: every dtype view is aligned, and copies start on a DMA-friendly boundary.
 HOST_ALIGN_BYTES = 512
 
@@ -352,13 +354,14 @@ class TieredStore:
 def _copy_pieces(pieces: list[torch.Tensor], span: torch.Tensor, to_pieces: bool, non_blocking: bool = False) -> None:
     """Copy a tensor's bytes (span) into its host pieces, or back."""
     offset = 0
-    for piece in pieces:
-        part = span[offset : offset + piece.numel()]
-        if to_pieces:
-            piece.copy_(part, non_blocking=non_blocking)
-        else:
-            part.copy_(piece, non_blocking=non_blocking)
-        offset += piece.numel()
+    with torch.profiler.record_function(COPY_RANGE):
+        for piece in pieces:
+            part = span[offset : offset + piece.numel()]
+            if to_pieces:
+                piece.copy_(part, non_blocking=non_blocking)
+            else:
+                part.copy_(piece, non_blocking=non_blocking)
+            offset += piece.numel()
 
 
 def _timing_events():

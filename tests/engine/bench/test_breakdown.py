@@ -51,19 +51,23 @@ def test_backward_nodes_count_to_the_class_of_their_forward_op():
     assert labels["aten::exp"] == labels["ExpBackward0"] == labels["SumBackward0"] == {"lm_head + loss"}
 
 
-def test_shares_of_a_tiny_step_sum_to_one_and_cover_its_classes(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def tiny_breakdown(*overrides: str) -> dict:
     from moe_tune.engine.bench.breakdown import profiled_step
     from moe_tune.engine.bench.steps import StepRunner
     from moe_tune.profiles import load_profile
 
-    job = load_profile("tiny", ["data.seq_len=32", "train.micro_batch_size=1", "data.corpus_documents=50"])
+    job = load_profile("tiny", ["data.seq_len=32", "train.micro_batch_size=1", "data.corpus_documents=50", *overrides])
     runner = StepRunner(job)
     try:
         runner.step()
-        result = profiled_step(runner, reference_step_s=1.0)
+        return profiled_step(runner, reference_step_s=1.0)
     finally:
         runner.close()
+
+
+def test_shares_of_a_tiny_step_sum_to_one_and_cover_its_classes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = tiny_breakdown()
     rows = {row["op_class"]: row for row in result["classes"]}
     assert list(rows) == list(OP_CLASSES)
     assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
@@ -74,9 +78,19 @@ def test_shares_of_a_tiny_step_sum_to_one_and_cover_its_classes(monkeypatch):
     for label in ("linear attention", "sparse attention", "MoE experts", "shared expert / dense MLP",
                   "router + dispatch", "norms", "lm_head + loss", "optimizer step"):  # fmt: skip
         assert rows[label]["time_s"] > 0, label
-    assert rows["full attention"]["time_s"] == 0
+    assert rows["full attention"]["time_s"] == 0 and rows["host-tier copies"]["time_s"] == 0
     # Ops cover most of a CPU step: what is left is Python between ops.
     assert rows["unattributed"]["share"] < 0.5
+
+
+def test_copies_to_the_host_tier_are_a_class_of_their_own(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = tiny_breakdown("memory.preset=max-context", "memory.min_offload_mb=0")
+    rows = {row["op_class"]: row for row in result["classes"]}
+    assert rows["host-tier copies"]["time_s"] > 0
+    assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
+    copies = [op for op in result["top_ops"] if op["op_class"] == "host-tier copies"]
+    assert all(op["op"].startswith(("aten::", "moe_tune_memory::")) for op in copies)
 
 
 def test_covered_time_beyond_the_step_becomes_the_basis():
