@@ -83,6 +83,11 @@ CROSS_ENTROPY_SHAPES = {
     # A 32K-token row over a Qwen3-size vocabulary: its full fp32 logits alone are 19.9 GB.
     "anchor": dict(N=32768, D=2048, V=151936),
 }
+RMS_NORM_SHAPES = {
+    "small": [dict(M=512, N=256)],
+    # The benchmark model's hidden norms (B2 T4096, hidden 2048) and its gated delta nets' per-head output norms.
+    "anchor": [dict(M=8192, N=2048), dict(M=8192 * 32, N=128)],
+}
 # Softmax attention backward FLOPs over forward, as FlashAttention reports (same factor as the linear attention bench).
 ATTENTION_BWD_FLOP_FACTOR = 2.5
 
@@ -435,6 +440,50 @@ def bench_cross_entropy_op(shapes: str | dict[str, int], run: RunContext) -> lis
     return rows
 
 
+def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """RMSNorm, plain (one_plus, as qwen3_next) and gated (silu): the Triton kernel (called directly, so it runs while
+    auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on CUDA; on the CPU the
+    reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
+    from moe_tune.ops.rms_norm.reference import rms_norm_ref
+
+    if isinstance(shapes, dict):
+        shape_list = [shapes]
+    else:
+        shape_list = RMS_NORM_SHAPES[shapes if run.is_cuda else "small"]
+    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in shape_list:
+        M, N = shape["M"], shape["N"]
+        x = _randn(M, N, gen=gen, device=device, dtype=dtype)
+        weight = _randn(N, gen=gen, device=device, dtype=dtype)
+        gate = _randn(M, N, gen=gen, device=device, dtype=dtype)
+        for case, z in (("plain", None), ("gated silu", gate)):
+            leaves = [x, weight] + ([z] if z is not None else [])
+            impls = {"reference (torch small ops)": lambda z=z: rms_norm_ref(x, weight, 1e-6, True, z)}
+            if run.is_cuda:
+                from moe_tune.ops.rms_norm.autograd import RMSNormFunction
+
+                impls = {"moe_tune triton": lambda z=z: RMSNormFunction.apply(x, weight, z, 1e-6, True, True), **impls}
+            # At the least: x (and z) read and y written forward; x, dy (and z) read, dx (and dz) written backward.
+            tensors = 2 if z is None else 3
+            fwd_bytes = tensors * M * N * x.element_size()
+            bwd_bytes = (tensors + 1 + (z is not None)) * M * N * x.element_size()
+            for impl, fn in impls.items():
+                timed = _timed(fn, leaves, run)
+                rates = []
+                if timed.get("fwd_ms"):
+                    rates.append(f"fwd {fwd_bytes / timed['fwd_ms'] * 1e-6:,.0f} GB/s")
+                if timed.get("fwd_bwd_ms"):
+                    rates.append(f"fwd+bwd {(fwd_bytes + bwd_bytes) / timed['fwd_bwd_ms'] * 1e-6:,.0f} GB/s")
+                note = f"moves at least {(fwd_bytes + bwd_bytes) / 1e6:,.3f} MB fwd+bwd"
+                if rates:
+                    note += f" ({', '.join(rates)})"
+                timed["note"] = "; ".join(filter(None, [timed.get("note"), note]))
+                rows.append(make_row("rms_norm", case, impl, f"M{M} N{N}", dtype, run, **timed))
+    return rows
+
+
 # name -> function(preset, run) -> rows. Adding an op is one entry here.
 OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "moe": bench_moe_op,
@@ -443,6 +492,7 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "sparse_attention": bench_sparse_attention_op,
     "topk_indexer": bench_topk_indexer_op,
     "cross_entropy": bench_cross_entropy_op,
+    "rms_norm": bench_rms_norm_op,
 }
 # The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
 SHAPE_DIMS: dict[str, tuple[str, ...]] = {
@@ -450,6 +500,7 @@ SHAPE_DIMS: dict[str, tuple[str, ...]] = {
     "gated_delta_rule": ("B", "T", "H", "K", "V"),
     "kda": ("B", "T", "H", "K", "V"),
     "cross_entropy": ("N", "D", "V"),
+    "rms_norm": ("M", "N"),
 }
 
 

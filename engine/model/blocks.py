@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.ops.rms_norm import rms_norm
+from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim; `one_plus` scales by (1 + w) with w starting at 0 (qwen3_next convention)."""
@@ -21,10 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if one_plus else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = 1.0 + self.weight.float() if self.one_plus else self.weight.float()
-        return (normed * scale).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.one_plus)
 
 
 class GroupedRMSNorm(RMSNorm):
@@ -48,10 +48,12 @@ class GatedRMSNorm(RMSNorm):
 
     def __init__(self, dim: int, eps: float = 1e-6, one_plus: bool = False, gate_activation: str = "silu"):
         super().__init__(dim, eps, one_plus)
-        self.gate_activation = {"silu": F.silu, "sigmoid": torch.sigmoid}[gate_activation]
+        if gate_activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"gate_activation ({gate_activation!r}) must be one of {', '.join(GATE_ACTIVATIONS)}")
+        self.gate_activation_name = gate_activation
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return (super().forward(x).float() * self.gate_activation(z.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.one_plus, gate=z, gate_activation=self.gate_activation_name)
 
 
 def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -13,7 +13,9 @@ def no_cuda(monkeypatch):
 
 
 def test_registry_names_every_op():
-    assert list(OPS) == ["moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy"]
+    assert list(OPS) == [
+        "moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy", "rms_norm"
+    ]
 
 
 def test_unknown_op_is_refused_with_the_registered_names():
@@ -101,3 +103,15 @@ def test_cross_entropy_entry_times_both_forms_and_checks_their_loss(no_cuda):
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
         # The note carries the loss's difference from the fp32 full-logits reference.
         assert abs(float(row["note"].rsplit(" ", 1)[1])) <= 1e-5
+
+
+def test_rms_norm_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
+    rows, _, _ = run_kernels(["rms_norm"], "M64,N32")
+    assert [(row["case"], row["impl"]) for row in rows] == [
+        ("plain", "reference (torch small ops)"), ("gated silu", "reference (torch small ops)")
+    ]
+    # fp32: plain moves x, y forward and x, dy, dx backward (5 x 64 x 32 x 4 bytes); gated adds z twice and dz.
+    for row, megabytes in zip(rows, ("0.041 MB", "0.066 MB")):
+        assert (row["op"], row["shape"], row["dtype"]) == ("rms_norm", "M64 N32", "float32")
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+        assert f"moves at least {megabytes} fwd+bwd (fwd " in row["note"]

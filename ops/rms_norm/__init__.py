@@ -1,0 +1,76 @@
+"""RMSNorm over the last dim, optionally gated: y = x / rms(x) * w [* act(z)], one Triton pass forward and one
+backward instead of about eight eager kernels forward and sixteen backward.
+
+Shapes: x [..., N]; weight [N]; gate x's shape. The math is in README.md; the ground truth in reference.py.
+
+Dispatch: the reference on the CPU. On a GPU the kernel runs only when forced (MOE_TUNE_KERNELS=triton) until its
+GPU test (tests/gpu/test_rms_norm_gpu.py) has passed on the H200: the kernels have been checked in the Triton
+interpreter only (docs/PERF.md). IS_AUTO_ON_CUDA turns auto dispatch on once they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
+from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS, rms_norm_ref
+
+__all__ = ["rms_norm"]
+
+# Whether auto dispatch takes the kernel on CUDA tensors (False: not yet checked on the device).
+IS_AUTO_ON_CUDA = False
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    is_one_plus: bool = False,
+    gate: torch.Tensor | None = None,
+    gate_activation: str = "silu",
+) -> torch.Tensor:
+    """RMSNorm of x over its last dim, scaled per channel, optionally multiplied by act(gate).
+
+    x:               [..., N] bf16/fp16/fp32 (fp64: the reference)
+    weight:          [N] any float dtype; the scale is weight, or 1 + weight when is_one_plus (default False)
+    eps:             added to mean(x^2) (default 1e-6)
+    gate:            x's shape and dtype, or None (default); y = norm(x) * act(gate)
+    gate_activation: "silu" (default; gated delta net) or "sigmoid" (KDA)
+    Returns y: x's shape and dtype. Statistics and products in fp32. Differentiable w.r.t. x, weight and gate;
+    the weight gradient is skipped when weight does not require one.
+    Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
+    """
+    _check_inputs(x, weight, eps, gate, gate_activation)
+    from moe_tune.ops.rms_norm.kernels import MAX_N
+
+    is_supported = x.dtype in _KERNEL_DTYPES and x.shape[-1] <= MAX_N
+    has_kernel = is_supported and (IS_AUTO_ON_CUDA or kernel_mode() == "triton")
+    if use_kernel("rms_norm", x, weight, gate, has_kernel=has_kernel):
+        from moe_tune.ops.rms_norm.autograd import RMSNormFunction
+
+        return RMSNormFunction.apply(x, weight, gate, float(eps), is_one_plus, gate_activation == "silu")
+    return rms_norm_ref(x, weight, eps, is_one_plus, gate, gate_activation)
+
+
+def _check_inputs(x, weight, eps, gate, gate_activation) -> None:
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x: shape {tuple(x.shape)} must be [..., N] with N >= 1")
+    if not x.is_floating_point():
+        raise ValueError(f"x: dtype {x.dtype} must be floating point")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} must be [N] {tuple(x.shape[-1:])}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight: dtype {weight.dtype} must be floating point")
+    if eps < 0:
+        raise ValueError(f"eps ({eps}) must be >= 0")
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"gate: shape {tuple(gate.shape)} must match x {tuple(x.shape)}")
+        if gate.dtype != x.dtype:
+            raise ValueError(f"gate: dtype {gate.dtype} must match x ({x.dtype})")
+    if gate_activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"gate_activation ({gate_activation!r}) must be one of {', '.join(GATE_ACTIVATIONS)}")
+    for name, t in (("weight", weight), ("gate", gate)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: device {t.device} must match x ({x.device})")

@@ -1,0 +1,75 @@
+"""Where a training step waits for the GPU: every wait is a point where the host stops queueing work, so the GPU
+idles while the host catches up. The benchmark profiles lost about 40 of them per step (docs/PERF.md, issue 9); this
+keeps them out. Counted with torch.cuda.set_sync_debug_mode("warn"), which warns at each synchronizing call.
+
+Run on the H200 on its own: pytest -m gpu tests/gpu
+"""
+
+import collections
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# The waits a step may have, by file of ours: copying the batch to the GPU (input ids, cu_seqlens, labels), the
+# document buckets of full attention read from cu_seqlens once per batch, the linear attention op's one read of
+# cu_seqlens per batch, and the one copy of the expert-load statistics per step.
+ALLOWED = {
+    "engine/data/dataset.py": 3,
+    "engine/model/varlen.py": 1,
+    "ops/linear_attention/__init__.py": 1,
+    "engine/train/trainer.py": 1,
+}
+
+
+def our_file(filename: str) -> str | None:
+    """The file's path from our package root (engine/..., ops/...), or None for anyone else's."""
+    import moe_tune.engine
+    import moe_tune.ops
+
+    path = Path(filename).resolve()
+    for package in (moe_tune.engine, moe_tune.ops):
+        root = Path(package.__file__).resolve().parent
+        if path.is_relative_to(root):
+            return f"{root.name}/{path.relative_to(root).as_posix()}"
+    return None
+
+
+def test_a_training_step_waits_for_the_gpu_only_where_allowed():
+    from moe_tune.engine.bench.steps import StepRunner
+    from moe_tune.profiles import load_profile
+
+    # The hybrid benchmark model's layer kinds (gated delta net, gated full attention, MoE with a shared expert)
+    # at a small width, ZeRO-2 as the benchmark profiles run.
+    overrides = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+                 "model.linear_attention.num_key_heads=2", "model.linear_attention.num_value_heads=4",
+                 "model.linear_attention.key_head_dim=64", "model.linear_attention.value_head_dim=64",
+                 "model.moe.expert_intermediate_size=128", "model.moe.shared_expert_intermediate_size=128",
+                 "model.vocab_size=4096", "data.seq_len=1024", "data.corpus_documents=2000"]  # fmt: skip
+    runner = StepRunner(load_profile("bench-qwen3-next", overrides))
+    try:
+        runner.step()
+        runner.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                runner.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        runner.close()
+    ours, theirs = collections.Counter(), collections.Counter()
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            name = our_file(warning.filename)
+            (ours if name else theirs)[name or f"{warning.filename}:{warning.lineno}"] += 1
+    # DeepSpeed's and torch's own waits (gradient clipping reads a norm) are listed, not judged.
+    over = {name: count for name, count in ours.items() if count > ALLOWED.get(name, 0)}
+    assert not over, f"waits for the GPU beyond the allowed ones: {over} (ours: {dict(ours)}, others: {dict(theirs)})"

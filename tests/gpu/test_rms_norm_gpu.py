@@ -1,0 +1,99 @@
+"""rms_norm's Triton kernels on CUDA: bf16 and fp32 forward and every gradient against the reference at the model's
+shapes, NaN-filled buffers with guarded ends, bitwise reruns. Until this file has passed on the H200, auto dispatch
+keeps the reference on CUDA (ops/rms_norm/__init__.py, IS_AUTO_ON_CUDA).
+
+Shapes: x [M, N]; the benchmark model (B2 T4096 = 8192 tokens): hidden norms [8192, 2048], per-head q/k norms
+[8192 * 16, 128], the gated delta net's gated output norm [8192 * 32, 128].
+Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): pytest -m gpu tests/gpu
+"""
+
+import pytest
+from guarded_buffers import GuardedBuffers
+import torch
+
+from moe_tune.ops.rms_norm import rms_norm
+from moe_tune.ops.rms_norm.reference import rms_norm_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+# Against the reference on fp64 copies of the inputs (it computes in fp32), relative to each tensor's largest
+# entry (dw sums thousands of rows). bf16: one rounding of each output (2^-9 relative). fp32: summation order only.
+TOLERANCES = {
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+}
+GUARD_ELEMENTS = 1 << 16
+
+# (shape, is_one_plus, gate activation or None)
+CASES = {
+    "hidden_2048": ((8192, 2048), True, None),
+    "qk_head_128": ((8192 * 16, 128), False, None),
+    "gated_silu_128": ((8192 * 32, 128), True, "silu"),
+    "gated_sigmoid_odd": ((1001, 100), False, "sigmoid"),
+    "wide_5000": ((37, 5000), False, None),
+}
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from moe_tune.ops.rms_norm import kernels
+
+    if isinstance(kernels._rms_norm_fwd_kernel, InterpretedFunction):
+        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
+    from moe_tune.ops.rms_norm import kernels
+
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
+    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
+    return buffers
+
+
+def make_case(shape, dtype, has_gate, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = (torch.randn(shape, generator=gen, device=DEVICE) * 3).to(dtype).requires_grad_()
+    weight = (torch.randn(shape[-1], generator=gen, device=DEVICE) * 0.5).to(dtype).requires_grad_()
+    gate = torch.randn(shape, generator=gen, device=DEVICE).to(dtype).requires_grad_() if has_gate else None
+    grad_y = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+    return x, weight, gate, grad_y
+
+
+def run(op, x, weight, gate, grad_y, **options):
+    leaves = [t for t in (x, weight, gate) if t is not None]
+    y = op(x, weight, gate=gate, **options)
+    return y, torch.autograd.grad(y, leaves, grad_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_kernel_matches_reference(guarded, case, dtype):
+    shape, is_one_plus, activation = case
+    x, weight, gate, grad_y = make_case(shape, dtype, activation is not None)
+    options = dict(eps=1e-6, is_one_plus=is_one_plus, gate_activation=activation or "silu")
+    y, grads = run(rms_norm, x, weight, gate, grad_y, **options)
+    as_fp64 = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, gate)]
+    y_ref, grads_ref = run(rms_norm_ref, *as_fp64, grad_y.double(), **options)
+    torch.cuda.synchronize()
+    guarded.check()
+    tol = TOLERANCES[dtype]
+    for name, out, ref in zip(("y", "dx", "dweight", "dgate"), (y, *grads), (y_ref, *grads_ref)):
+        assert out.dtype == dtype and out.shape == ref.shape, name
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out.double() / scale, ref / scale, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_reruns_are_bitwise_equal(kernel_path):
+    x, weight, gate, grad_y = make_case((8192 * 4, 128), torch.bfloat16, True)
+    first = run(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
+    second = run(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
+    assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))

@@ -1,0 +1,173 @@
+"""rms_norm: the reference against the formula in fp64, the Triton kernels in the interpreter against the reference
+(forward and every gradient, odd shapes, NaN-filled buffers with guarded ends), input checks and dispatch.
+
+Shapes: x [..., N] viewed as M rows of N channels.
+"""
+
+import pytest
+from guarded_buffers import GuardedBuffers
+from triton_interpreter_mode import interpreted_kernels
+
+with interpreted_kernels():
+    import torch
+    import triton.runtime.interpreter as triton_interpreter
+    from moe_tune.ops.rms_norm import kernels, rms_norm
+    from moe_tune.ops.rms_norm.reference import rms_norm_ref
+
+# Against the reference on fp64 copies of the inputs (it computes in fp32). fp32: only the summation order differs (measured at most 1.5e-6 on outputs of
+# magnitude 4). fp16: one rounding of the output (and, gated, the reference's extra rounding of the normalised
+# value); measured at most 2e-3 absolute on outputs of magnitude 4, 3.4e-4 relative on gradients.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+}
+# Past the end of every kernel buffer: a whole tile of the widest case.
+GUARD_ELEMENTS = 4096
+
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    assert isinstance(kernels._rms_norm_fwd_kernel, triton_interpreter.InterpretedFunction), (
+        "ops/rms_norm/kernels.py was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
+    )
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def guarded(monkeypatch) -> GuardedBuffers:
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
+    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
+    return buffers
+
+
+def make_case(shape, dtype, has_gate, seed=0, weight_requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_()
+    weight = (torch.randn(shape[-1], generator=gen) * 0.5).to(dtype).requires_grad_(weight_requires_grad)
+    gate = torch.randn(shape, generator=gen).to(dtype).requires_grad_() if has_gate else None
+    grad_y = torch.randn(shape, generator=gen).to(dtype)
+    return x, weight, gate, grad_y
+
+
+def run(op, x, weight, gate, grad_y, **options):
+    leaves = [t for t in (x, weight, gate) if t is not None and t.requires_grad]
+    y = op(x, weight, gate=gate, **options)
+    grads = torch.autograd.grad(y, leaves, grad_y)
+    return y, grads
+
+
+def as_fp64(*tensors):
+    return [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]
+
+
+# (shape, is_one_plus, gate_activation or None)
+CASES = {
+    # N not a power of two, three leading dims.
+    "N48_3d": ((5, 7, 48), False, None),
+    # 37 rows: not a multiple of any row tile; one_plus as qwen3_next's norms.
+    "N100_one_plus": ((37, 100), True, None),
+    # Per-head gated norm of a gated delta net (silu) with one_plus.
+    "gated_silu": ((3, 13, 64), True, "silu"),
+    # KDA's output norm (sigmoid gate).
+    "gated_sigmoid": ((70, 128), False, "sigmoid"),
+    # A model-width norm: one row per tile, the widest tile.
+    "N2048": ((6, 2048), True, None),
+    # Three channels: fewer than any tile (one channel is no test: there dx is pure rounding, 1 - x_hat^2).
+    "N3": ((9, 3), False, None),
+    # A single row.
+    "one_row": ((1, 96), False, "silu"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
+    shape, is_one_plus, activation = case
+    x, weight, gate, grad_y = make_case(shape, dtype, activation is not None)
+    options = dict(eps=1e-6, is_one_plus=is_one_plus, gate_activation=activation or "silu")
+    y, grads = run(rms_norm, x, weight, gate, grad_y, **options)
+    y_ref, grads_ref = run(rms_norm_ref, *as_fp64(x, weight, gate), grad_y.double(), **options)
+    guarded.check()
+    tol = TOLERANCES[dtype]
+    assert y.dtype == dtype and y.shape == shape
+    torch.testing.assert_close(y.double(), y_ref, **tol)
+    for name, grad, grad_ref in zip(("x", "weight", "gate"), grads, grads_ref):
+        assert grad.dtype == dtype and grad.shape == grad_ref.shape, name
+        # Relative to the gradient's largest entry (dw sums over every row).
+        scale = grad_ref.abs().max().item()
+        torch.testing.assert_close(grad.double() / scale, grad_ref / scale, **tol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def test_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded):
+    x, weight, gate, grad_y = make_case((11, 40), torch.float32, True, weight_requires_grad=False)
+    y, (dx, dgate) = run(rms_norm, x, weight, gate, grad_y)
+    _, (dx_ref, dgate_ref) = run(rms_norm_ref, x, weight, gate, grad_y)
+    torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(dgate, dgate_ref, **TOLERANCES[torch.float32])
+    # y, rstd, dx, dz: no [programs, N] buffer for dw.
+    assert [shape for _, _, shape in guarded.buffers] == [(11, 40), (11,), (11, 40), (11, 40)]
+
+
+def test_empty_input(kernel_path):
+    x, weight, _, _ = make_case((0, 32), torch.float32, False)
+    y = rms_norm(x, weight)
+    (dw,) = torch.autograd.grad(y.sum(), [weight], allow_unused=False) if y.requires_grad else (None,)
+    assert y.shape == (0, 32) and dw is not None and torch.equal(dw, torch.zeros(32))
+
+
+def test_kernel_is_deterministic(kernel_path):
+    x, weight, gate, grad_y = make_case((50, 72), torch.float16, True)
+    first = run(rms_norm, x, weight, gate, grad_y)
+    second = run(rms_norm, x, weight, gate, grad_y)
+    assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
+def test_reference_is_the_formula():
+    x, weight, gate, _ = make_case((4, 6, 10), torch.float64, True)
+    x, weight, gate = x.detach(), weight.detach(), gate.detach()
+    normed = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-5)
+    # fp64 inputs are computed in fp32 too, as transformers' RMSNorm does (the families' alignment depends on it).
+    fp32 = dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-5, is_one_plus=True), normed * (1 + weight), **fp32)
+    gated = rms_norm_ref(x, weight, 1e-5, gate=gate, gate_activation="sigmoid")
+    torch.testing.assert_close(gated, normed * weight * torch.sigmoid(gate), **fp32)
+    gated = rms_norm_ref(x, weight, 1e-5, gate=gate, gate_activation="silu")
+    torch.testing.assert_close(gated, normed * weight * gate * torch.sigmoid(gate), **fp32)
+
+
+def test_auto_runs_the_reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
+    x, weight, gate, _ = make_case((5, 16), torch.float32, True)
+    # Bitwise: the model's norms on the CPU are unchanged by the op.
+    assert torch.equal(rms_norm(x, weight, gate=gate), rms_norm_ref(x, weight, gate=gate))
+
+
+@pytest.mark.parametrize(
+    "dtype, width, message",
+    [(torch.float64, 16, "rms_norm has no Triton kernel"), (torch.float32, kernels.MAX_N + 1, "rms_norm has no")],
+    ids=["fp64", "too_wide"],
+)
+def test_forced_kernel_that_cannot_run_raises(kernel_path, dtype, width, message):
+    x, weight, _, _ = make_case((2, width), dtype, False)
+    with pytest.raises(RuntimeError, match=message):
+        rms_norm(x, weight)
+
+
+BAD_INPUTS = [
+    pytest.param(dict(weight=torch.ones(5)), r"weight: shape \(5,\) must be \[N\] \(8,\)", id="weight_shape"),
+    pytest.param(dict(gate=torch.ones(3, 7)), r"gate: shape \(3, 7\) must match x \(3, 8\)", id="gate_shape"),
+    pytest.param(dict(gate=torch.ones(3, 8, dtype=torch.float16)), r"gate: dtype torch.float16 must match x", id="gate_dtype"),
+    pytest.param(dict(gate_activation="gelu"), r"gate_activation \('gelu'\) must be one of silu, sigmoid", id="act"),
+    pytest.param(dict(eps=-1.0), r"eps \(-1.0\) must be >= 0", id="eps"),
+    pytest.param(dict(x=torch.ones(3, 8, dtype=torch.int64)), r"x: dtype torch.int64 must be floating point", id="x_int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad, message", BAD_INPUTS)
+def test_bad_inputs_raise(bad, message):
+    inputs = {"x": torch.ones(3, 8), "weight": torch.ones(8), **bad}
+    with pytest.raises(ValueError, match=message):
+        rms_norm(**inputs)
