@@ -41,8 +41,8 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self, std: float, seed: int) -> None:
         for i in range(self.num_experts):
             gen = expert_generator(seed, self.layer_index, self.first_expert + i)
-            # Drawn in place (no temporaries: a 2.8B-parameter model inits 2x faster), the same numbers as
-            # randn(...) * std.
+            # Drawn in place (no temporaries: bench-qwen3-next builds in 34 s instead of 50 on 2 cores), the same
+            # numbers as randn(...) * std.
             for weight in (self.w_gate_up.detach()[i], self.w_down.detach()[i]):
                 torch.randn(weight.shape, generator=gen, out=weight).mul_(std)
 

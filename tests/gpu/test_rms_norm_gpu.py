@@ -8,10 +8,10 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 """
 
 import pytest
-from guarded_buffers import GuardedBuffers
 import torch
+from kernel_fixtures import forced_kernel_path, guarded_outputs
 
-from moe_tune.ops.rms_norm import rms_norm
+from moe_tune.ops.rms_norm import kernels, rms_norm
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
 
 pytestmark = [
@@ -38,25 +38,8 @@ CASES = {
 }
 
 
-@pytest.fixture
-def kernel_path(monkeypatch):
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from moe_tune.ops.rms_norm import kernels
-
-    if isinstance(kernels._rms_norm_fwd_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
-@pytest.fixture
-def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
-    from moe_tune.ops.rms_norm import kernels
-
-    buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
-    return buffers
+kernel_path = forced_kernel_path(kernels, "_rms_norm_fwd_kernel", on_gpu=True)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
 
 
 def make_case(shape, dtype, has_gate, seed=0):

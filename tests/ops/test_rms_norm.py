@@ -5,12 +5,11 @@ Shapes: x [..., N] viewed as M rows of N channels.
 """
 
 import pytest
-from guarded_buffers import GuardedBuffers
+from kernel_fixtures import forced_kernel_path, guarded_outputs
 from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
-    import triton.runtime.interpreter as triton_interpreter
     from moe_tune.ops.rms_norm import kernels, rms_norm
     from moe_tune.ops.rms_norm.reference import rms_norm_ref
 
@@ -27,20 +26,8 @@ GUARD_ELEMENTS = 4096
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
-@pytest.fixture
-def kernel_path(monkeypatch):
-    assert isinstance(kernels._rms_norm_fwd_kernel, triton_interpreter.InterpretedFunction), (
-        "ops/rms_norm/kernels.py was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
-    )
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def guarded(monkeypatch) -> GuardedBuffers:
-    buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
-    return buffers
+kernel_path = forced_kernel_path(kernels, "_rms_norm_fwd_kernel", on_gpu=False)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
 
 
 def make_case(shape, dtype, has_gate, seed=0, weight_requires_grad=True):

@@ -1,0 +1,44 @@
+"""Fixtures the kernel tests build for their own kernels module: the forced Triton path and guarded output buffers.
+
+    kernel_path = forced_kernel_path(kernels, "_my_fwd_kernel", on_gpu=False)
+    guarded = guarded_outputs(kernels, guard_elements=4096)
+"""
+
+import pytest
+from guarded_buffers import GuardedBuffers
+
+
+def forced_kernel_path(kernels_module, kernel_name: str, on_gpu: bool):
+    """A fixture that forces MOE_TUNE_KERNELS=triton: through the interpreter (on_gpu False; the module must have
+    been imported with TRITON_INTERPRET=1) or compiled for the GPU (skipped when tests/ops imported the module in
+    interpreter mode first: run tests/gpu in its own session)."""
+
+    @pytest.fixture
+    def kernel_path(monkeypatch):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        is_interpreted = isinstance(getattr(kernels_module, kernel_name), InterpretedFunction)
+        if on_gpu and is_interpreted:
+            pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+        assert on_gpu or is_interpreted, (
+            f"{kernels_module.__name__} was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
+        )
+        monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+        if on_gpu:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    return kernel_path
+
+
+def guarded_outputs(kernels_module, guard_elements: int):
+    """A fixture that makes the module's `_alloc` hand out NaN-filled buffers with a guard region past the end."""
+
+    @pytest.fixture
+    def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
+        buffers = GuardedBuffers(guard_elements)
+        monkeypatch.setattr(kernels_module, "_alloc", buffers.alloc)
+        return buffers
+
+    return guarded
