@@ -10,13 +10,13 @@ steps.sweep_lengths) and the pinned copy bandwidth of the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from moe_tune.engine.bench.steps import pinned_copy_bandwidth, sweep_lengths
 from moe_tune.engine.memory.policy import PRESETS
-from moe_tune.profiles import load_profile
+from moe_tune.engine.train.checkpoint import write_json_atomic
+from moe_tune.profiles import ProfileError, load_profile
 
 PROFILE = "bench-qwen3-next"
 # Where throughput and peak memory are compared (every preset must fit there).
@@ -55,17 +55,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def _fail(*lines: str) -> None:
+    for line in lines:
+        print(f"python -m moe_tune.engine.bench.memory_sweep: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     out, preset, overrides = args.out, args.preset, args.overrides
-    # One row per step: the ladder sizes the row, and the benchmark profile trains B2 rows of 4096.
-    profile = load_profile(PROFILE, ["train.micro_batch_size=1", f"memory.preset={preset}", *overrides])
+    try:
+        # One row per step: the ladder sizes the row, and the benchmark profile trains B2 rows of 4096.
+        profile = load_profile(PROFILE, ["train.micro_batch_size=1", f"memory.preset={preset}", *overrides])
+    except ProfileError as err:
+        _fail(*err.problems)
+    if not _has_cuda():
+        # Peak memory and the pinned copy bandwidth are GPU measurements; on the CPU the ladder would say nothing.
+        _fail("needs a CUDA device: it measures peak GPU memory and pinned copies")
+    # Written after every measurement (complete: false until the end), so a run stopped by a time limit keeps
+    # what it measured.
+    def write(result: dict, is_complete: bool = False) -> None:
+        write_json_atomic(out, dict(result, overrides=overrides, complete=is_complete))
+
     result = sweep_lengths(
-        profile, args.lengths, TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True)
+        profile, args.lengths, TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True),
+        on_result=write,
     )
     h2d, d2h = pinned_copy_bandwidth()
-    result.update(pinned_h2d_gb_per_s=h2d, pinned_d2h_gb_per_s=d2h, overrides=overrides)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result.update(pinned_h2d_gb_per_s=h2d, pinned_d2h_gb_per_s=d2h)
+    write(result, is_complete=True)
     print(f"{preset}: max trained length {result['max_trained_length']}; pinned copy {h2d:.1f} / {d2h:.1f} GB/s")
 
 

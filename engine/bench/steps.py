@@ -309,12 +309,19 @@ def _is_out_of_memory(err: BaseException) -> bool:
 
 
 def sweep_lengths(
-    profile: JobProfile, lengths: list[int], timed_length: int, timed_steps: int, on_line=print
+    profile: JobProfile,
+    lengths: list[int],
+    timed_length: int,
+    timed_steps: int,
+    on_line=print,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """For one profile (its memory policy as set): median throughput and peak memory at `timed_length`, then the
     longest of `lengths` (ascending) that trains a step, stopping at the first that runs out of memory.
 
-    One model for the whole ladder: rows are re-packed, the model is not rebuilt. Peak memory needs CUDA."""
+    One model for the whole ladder: rows are re-packed, the model is not rebuilt. Peak memory needs CUDA.
+    `on_result` gets the result so far after the timed steps and after each rung (a run stopped from outside keeps
+    what it measured)."""
     from moe_tune.engine.bench.kernels import machine_info
 
     runner = StepRunner(profile)
@@ -339,6 +346,8 @@ def sweep_lengths(
         on_line(f"{result['memory_policy']} @ {timed_length}: {result['timed']['tokens_per_s']:,.0f} tok/s, "
                 f"peak {_gb_text(result['timed']['peak_memory_bytes'])}")  # fmt: skip
         result["max_trained_length"] = None
+        if on_result is not None:
+            on_result(result)
         for seq_len in lengths:
             runner.set_seq_len(seq_len)
             _reset_peak(runner)
@@ -349,6 +358,8 @@ def sweep_lengths(
                     raise
                 result["ladder"].append(dict(seq_len=seq_len, outcome="out of memory"))
                 on_line(f"{result['memory_policy']} @ {seq_len}: out of memory")
+                if on_result is not None:
+                    on_result(result)
                 break
             step = dict(seq_len=seq_len, outcome="trained", step_time_s=record["step_time_s"],
                         tokens_per_s=record["tokens_per_s"], peak_memory_bytes=_peak(runner),
@@ -358,6 +369,8 @@ def sweep_lengths(
             result["max_trained_length"] = seq_len
             on_line(f"{result['memory_policy']} @ {seq_len}: {record['step_time_s']:.2f} s, "
                     f"peak {_gb_text(step['peak_memory_bytes'])}")  # fmt: skip
+            if on_result is not None:
+                on_result(result)
     finally:
         runner.close()
     result.update(machine_info(runner.is_cuda))
