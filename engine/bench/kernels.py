@@ -88,6 +88,11 @@ RMS_NORM_SHAPES = {
     # The benchmark model's hidden norms (B2 T4096, hidden 2048) and its gated delta nets' per-head output norms.
     "anchor": [dict(M=8192, N=2048), dict(M=8192 * 32, N=128)],
 }
+CAUSAL_CONV_SHAPES = {
+    "small": [dict(T=512, C=256, W=4)],
+    # The benchmark model's gated delta net conv: q, k, v together over a packed row of B2 T4096.
+    "anchor": [dict(T=8192, C=8192, W=4)],
+}
 # Softmax attention backward FLOPs over forward, as FlashAttention reports (same factor as the linear attention bench).
 ATTENTION_BWD_FLOP_FACTOR = 2.5
 
@@ -484,6 +489,41 @@ def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dic
     return rows
 
 
+def bench_causal_conv_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """The short causal conv + SiLU over ~150-token documents: the Triton kernel (called directly, so it runs while
+    auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on CUDA; on the CPU the
+    reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
+    from moe_tune.engine.model.blocks import document_positions
+    from moe_tune.ops.causal_conv.reference import causal_conv_ref
+
+    shape_list = [shapes] if isinstance(shapes, dict) else CAUSAL_CONV_SHAPES[shapes if run.is_cuda else "small"]
+    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in shape_list:
+        T, C, W = shape["T"], shape["C"], shape["W"]
+        starts = list(range(0, T, 150)) + [T]
+        positions = document_positions(torch.tensor(starts, device=device), T)
+        x = _randn(1, T, C, gen=gen, device=device, dtype=dtype)
+        weight = _randn(C, W, gen=gen, device=device, dtype=dtype)
+        impls = {"reference (torch small ops)": lambda: causal_conv_ref(x, weight, positions)}
+        if run.is_cuda:
+            from moe_tune.ops.causal_conv.autograd import CausalConvFunction
+
+            impls = {"moe_tune triton": lambda: CausalConvFunction.apply(x, weight, positions, 1), **impls}
+        # At the least: x read and y written forward; x and dy read, dx written backward.
+        fwd_bytes, bwd_bytes = 2 * T * C * x.element_size(), 3 * T * C * x.element_size()
+        for impl, fn in impls.items():
+            timed = _timed(fn, [x, weight], run)
+            note = f"moves at least {(fwd_bytes + bwd_bytes) / 1e6:,.3f} MB fwd+bwd"
+            if timed.get("fwd_ms") and timed.get("fwd_bwd_ms"):
+                note += (f" (fwd {fwd_bytes / timed['fwd_ms'] * 1e-6:,.0f} GB/s, fwd+bwd "
+                         f"{(fwd_bytes + bwd_bytes) / timed['fwd_bwd_ms'] * 1e-6:,.0f} GB/s)")  # fmt: skip
+            timed["note"] = "; ".join(filter(None, [timed.get("note"), note]))
+            rows.append(make_row("causal_conv", "150-token documents", impl, f"T{T} C{C} W{W}", dtype, run, **timed))
+    return rows
+
+
 # name -> function(preset, run) -> rows. Adding an op is one entry here.
 OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "moe": bench_moe_op,
@@ -493,6 +533,7 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "topk_indexer": bench_topk_indexer_op,
     "cross_entropy": bench_cross_entropy_op,
     "rms_norm": bench_rms_norm_op,
+    "causal_conv": bench_causal_conv_op,
 }
 # The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
 SHAPE_DIMS: dict[str, tuple[str, ...]] = {
@@ -501,6 +542,7 @@ SHAPE_DIMS: dict[str, tuple[str, ...]] = {
     "kda": ("B", "T", "H", "K", "V"),
     "cross_entropy": ("N", "D", "V"),
     "rms_norm": ("M", "N"),
+    "causal_conv": ("T", "C", "W"),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.ops.causal_conv import causal_conv
 from moe_tune.ops.rms_norm import rms_norm
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 
@@ -127,13 +128,7 @@ class ShortConv(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [1, T, C]; positions: [T] position inside the document."""
-        out = x * self.weight[:, -1]
-        for tap in range(1, self.width):
-            shift = tap * self.dilation
-            shifted = F.pad(x[:, :-shift], (0, 0, shift, 0)) if shift < x.shape[1] else torch.zeros_like(x)
-            keep = (positions >= shift).to(x.dtype)[None, :, None]
-            out = out + shifted * keep * self.weight[:, -1 - tap]
-        return F.silu(out)
+        return causal_conv(x, self.weight, positions, self.dilation)
 
 
 class SwiGLU(nn.Module):

@@ -14,7 +14,8 @@ def no_cuda(monkeypatch):
 
 def test_registry_names_every_op():
     assert list(OPS) == [
-        "moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy", "rms_norm"
+        "moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy", "rms_norm",
+        "causal_conv",
     ]
 
 
@@ -115,3 +116,13 @@ def test_rms_norm_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
         assert (row["op"], row["shape"], row["dtype"]) == ("rms_norm", "M64 N32", "float32")
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
         assert f"moves at least {megabytes} fwd+bwd (fwd " in row["note"]
+
+
+def test_causal_conv_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
+    (row,) = run_kernels(["causal_conv"], "T300,C16,W4")[0]
+    assert (row["op"], row["impl"], row["shape"], row["dtype"]) == (
+        "causal_conv", "reference (torch small ops)", "T300 C16 W4", "float32"
+    )
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+    # fp32: x and y forward, x, dy and dx backward: 5 x 300 x 16 x 4 bytes.
+    assert row["note"].startswith("moves at least 0.096 MB fwd+bwd (fwd ")

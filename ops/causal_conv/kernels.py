@@ -1,0 +1,155 @@
+"""Triton kernels of the depthwise causal convolution + SiLU over packed documents.
+
+Shapes: x, y, dy, dx [B, T, C] contiguous; w [C, W]; positions [T] int; dpre [B, T, C] fp32; dw_partial
+[B * T-tiles, C, W] fp32. The math is in README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens x channels of one program's tile: 64 tokens reuse each loaded row for the W taps of the next rows; 128
+# channels make 256-byte bf16 row segments.
+BLOCK_T = 64
+BLOCK_C = 128
+# Taps a kernel unrolls (the models use 4; n-gram tables a few more).
+MAX_WIDTH = 8
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here (tests swap in guarded, NaN-filled buffers)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _conv_pre(
+    x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """pre for a [BLOCK_T, BLOCK_C] tile, fp32."""
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        shift = tap * dilation
+        src = rows - shift
+        keep = row_mask & (src >= 0) & (pos >= shift)
+        mask = keep[:, None] & col_mask[None, :]
+        offsets = base + src[:, None].to(tl.int64) * C + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols * W + (W - 1 - tap), mask=col_mask, other=0.0).to(tl.float32)
+        acc += x * w[None, :]
+    return acc
+
+
+@triton.jit
+def _causal_conv_fwd_kernel(
+    x_ptr, w_ptr, pos_ptr, y_ptr, T, C, dilation,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    base = tl.program_id(2).to(tl.int64) * T * C
+    row_mask = rows < T
+    col_mask = cols < C
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
+    pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
+    y = pre * tl.sigmoid(pre)
+    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _causal_conv_dpre_kernel(
+    x_ptr, w_ptr, pos_ptr, dy_ptr, dpre_ptr, T, C, dilation,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    base = tl.program_id(2).to(tl.int64) * T * C
+    row_mask = rows < T
+    col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
+    pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
+    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(pre)
+    tl.store(dpre_ptr + offsets, dy * sig * (1.0 + pre * (1.0 - sig)), mask=mask)
+
+
+@triton.jit
+def _causal_conv_bwd_kernel(
+    x_ptr, w_ptr, pos_ptr, dpre_ptr, dx_ptr, dw_partial_ptr, T, C, dilation, num_t_tiles,
+    W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    batch = tl.program_id(2)
+    base = batch.to(tl.int64) * T * C
+    row_mask = rows < T
+    col_mask = cols < C
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
+    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
+    dpre_here = tl.load(dpre_ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    partial_row = (batch * num_t_tiles + tile).to(tl.int64) * C * W
+    for tap in tl.static_range(W):
+        shift = tap * dilation
+        w = tl.load(w_ptr + cols * W + (W - 1 - tap), mask=col_mask, other=0.0).to(tl.float32)
+        # dx: the rows this row feeds through tap j, shift tokens ahead in the same document.
+        dst = rows + shift
+        dst_pos = tl.load(pos_ptr + dst, mask=row_mask & (dst < T), other=0)
+        feeds = row_mask & (dst < T) & (dst_pos >= shift)
+        dst_offsets = base + dst[:, None].to(tl.int64) * C + cols[None, :]
+        dpre = tl.load(dpre_ptr + dst_offsets, mask=feeds[:, None] & col_mask[None, :], other=0.0)
+        dx += dpre * w[None, :]
+        if HAS_DW:
+            # dw: this tile's rows against the tokens shift back.
+            src = rows - shift
+            reads = row_mask & (src >= 0) & (pos >= shift)
+            src_offsets = base + src[:, None].to(tl.int64) * C + cols[None, :]
+            x = tl.load(x_ptr + src_offsets, mask=reads[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+            dw = tl.sum(dpre_here * x, axis=0)
+            tl.store(dw_partial_ptr + partial_row + cols * W + (W - 1 - tap), dw, mask=col_mask)
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _grid(batch: int, tokens: int, channels: int) -> tuple[int, int, int]:
+    return triton.cdiv(tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C), batch
+
+
+def causal_conv_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, dilation: int) -> torch.Tensor:
+    """x: [B, T, C] contiguous; w: [C, W] contiguous; positions: [T]. Returns y [B, T, C] in x's dtype."""
+    batch, tokens, channels = x.shape
+    y = _alloc((batch, tokens, channels), x.dtype, x.device)
+    if x.numel() == 0:
+        return y
+    _causal_conv_fwd_kernel[_grid(batch, tokens, channels)](
+        x, w, positions, y, tokens, channels, dilation, W=w.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C
+    )
+    return y
+
+
+def causal_conv_bwd(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, dilation: int, needs_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dy, x: [B, T, C] contiguous. Returns dx [B, T, C] (x's dtype) and dw [C, W] fp32 (or None)."""
+    batch, tokens, channels = x.shape
+    width = w.shape[1]
+    dx = _alloc((batch, tokens, channels), x.dtype, x.device)
+    if x.numel() == 0:
+        return dx, torch.zeros(channels, width, dtype=torch.float32, device=x.device) if needs_dw else None
+    grid = _grid(batch, tokens, channels)
+    dpre = _alloc((batch, tokens, channels), torch.float32, x.device)
+    _causal_conv_dpre_kernel[grid](
+        x, w, positions, dy, dpre, tokens, channels, dilation, W=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C
+    )
+    num_t_tiles = grid[0]
+    dw_partial = _alloc((batch * num_t_tiles, channels, width), torch.float32, x.device) if needs_dw else None
+    _causal_conv_bwd_kernel[grid](
+        x, w, positions, dpre, dx, dw_partial if dw_partial is not None else dpre, tokens, channels, dilation,
+        num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    return dx, dw_partial.sum(0) if dw_partial is not None else None

@@ -1,0 +1,83 @@
+"""causal_conv's Triton kernels on CUDA: bf16 and fp32 forward and every gradient against the reference at the model's
+shapes, NaN-filled buffers with guarded ends, bitwise reruns. Until this file has passed on the H200, auto dispatch
+keeps the reference on CUDA (ops/causal_conv/__init__.py, IS_AUTO_ON_CUDA).
+
+Shapes: x [B, T, C]; the benchmark model's gated delta nets convolve q, k, v together: C = 2 * 16 * 128 + 32 * 128
+= 8192 channels over a packed row of 8192 tokens, width 4.
+Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): pytest -m gpu tests/gpu
+"""
+
+import pytest
+import torch
+from kernel_fixtures import forced_kernel_path, guarded_outputs
+
+from moe_tune.engine.model.blocks import document_positions
+from moe_tune.ops.causal_conv import causal_conv, kernels
+from moe_tune.ops.causal_conv.reference import causal_conv_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+# Against the reference on fp64 copies of the inputs, relative to each tensor's largest entry (dw sums every
+# token). bf16: one rounding of y and dx (2^-9 relative). fp32: summation order only.
+TOLERANCES = {
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+}
+GUARD_ELEMENTS = 1 << 16
+
+kernel_path = forced_kernel_path(kernels, "_causal_conv_fwd_kernel", on_gpu=True)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+
+# (batch, document lengths, channels, width, dilation)
+CASES = {
+    # The benchmark model's row: ~150-token documents (the built-in corpus), 8192 tokens, 8192 channels.
+    "bench_row": (1, [150] * 54 + [92], 8192, 4, 1),
+    # One document of 4096 tokens, KDA's 3 x 16 x 128 channels.
+    "kda_one_doc": (1, [4096], 6144, 4, 1),
+    # Documents of 1 and 63 tokens, odd channels, dilation 3 (n-gram tables).
+    "odd_dilated": (2, [1, 63, 700, 5], 1000, 4, 3),
+}
+
+
+def make_case(batch, lengths, channels, width, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    tokens = sum(lengths)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    positions = document_positions(cu_seqlens, tokens)
+    x = torch.randn(batch, tokens, channels, generator=gen, device=DEVICE).to(dtype).requires_grad_()
+    weight = (torch.randn(channels, width, generator=gen, device=DEVICE) * 0.5).to(dtype).requires_grad_()
+    grad_y = torch.randn(batch, tokens, channels, generator=gen, device=DEVICE).to(dtype)
+    return x, weight, positions, grad_y
+
+
+def run(op, x, weight, positions, grad_y, dilation):
+    y = op(x, weight, positions, dilation)
+    return y, torch.autograd.grad(y, [x, weight], grad_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_kernel_matches_reference(guarded, case, dtype):
+    batch, lengths, channels, width, dilation = case
+    x, weight, positions, grad_y = make_case(batch, lengths, channels, width, dtype)
+    y, grads = run(causal_conv, x, weight, positions, grad_y, dilation)
+    as_fp64 = [t.detach().double().requires_grad_() for t in (x, weight)]
+    y_ref, grads_ref = run(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
+    torch.cuda.synchronize()
+    guarded.check()
+    tol = TOLERANCES[dtype]
+    for name, out, ref in zip(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref)):
+        assert out.dtype == dtype and out.shape == ref.shape, name
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out.double() / scale, ref / scale, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_reruns_are_bitwise_equal(kernel_path):
+    x, weight, positions, grad_y = make_case(1, [150] * 54 + [92], 8192, 4, torch.bfloat16)
+    first = run(causal_conv, x, weight, positions, grad_y, 1)
+    second = run(causal_conv, x, weight, positions, grad_y, 1)
+    assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
