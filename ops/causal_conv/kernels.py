@@ -44,26 +44,11 @@ def _conv_pre(
 
 @triton.jit
 def _causal_conv_fwd_kernel(
-    x_ptr, w_ptr, pos_ptr, y_ptr, T, C, dilation,
-    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, w_ptr, pos_ptr, dy_ptr, out_ptr, T, C, dilation,
+    IS_DPRE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    base = tl.program_id(2).to(tl.int64) * T * C
-    row_mask = rows < T
-    col_mask = cols < C
-    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
-    pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
-    y = pre * tl.sigmoid(pre)
-    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
-def _causal_conv_dpre_kernel(
-    x_ptr, w_ptr, pos_ptr, dy_ptr, dpre_ptr, T, C, dilation,
-    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    """pre for one tile, then y = silu(pre) (forward), or dpre = dy * silu'(pre) in fp32 (IS_DPRE: the backward's
+    first pass, which recomputes pre instead of saving it)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     base = tl.program_id(2).to(tl.int64) * T * C
@@ -73,9 +58,12 @@ def _causal_conv_dpre_kernel(
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
     pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
     offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(pre)
-    tl.store(dpre_ptr + offsets, dy * sig * (1.0 + pre * (1.0 - sig)), mask=mask)
+    if IS_DPRE:
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, dy * sig * (1.0 + pre * (1.0 - sig)), mask=mask)
+    else:
+        tl.store(out_ptr + offsets, (pre * sig).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -127,8 +115,9 @@ def causal_conv_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, d
     if x.numel() == 0:
         return y
     _causal_conv_fwd_kernel[_grid(batch, tokens, channels)](
-        x, w, positions, y, tokens, channels, dilation, W=w.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C
-    )
+        x, w, positions, x, y, tokens, channels, dilation, IS_DPRE=False, W=w.shape[1], BLOCK_T=BLOCK_T,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip
     return y
 
 
@@ -143,9 +132,10 @@ def causal_conv_bwd(
         return dx, torch.zeros(channels, width, dtype=torch.float32, device=x.device) if needs_dw else None
     grid = _grid(batch, tokens, channels)
     dpre = _alloc((batch, tokens, channels), torch.float32, x.device)
-    _causal_conv_dpre_kernel[grid](
-        x, w, positions, dy, dpre, tokens, channels, dilation, W=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C
-    )
+    _causal_conv_fwd_kernel[grid](
+        x, w, positions, dy, dpre, tokens, channels, dilation, IS_DPRE=True, W=width, BLOCK_T=BLOCK_T,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip
     num_t_tiles = grid[0]
     dw_partial = _alloc((batch * num_t_tiles, channels, width), torch.float32, x.device) if needs_dw else None
     _causal_conv_bwd_kernel[grid](

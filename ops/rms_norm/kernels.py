@@ -27,11 +27,20 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# Threads per program: 4 warps hold a TILE_ELEMENTS tile at 32 fp32 values a thread; a single row wider than the
+# tile gets one more warp per 1024 channels (up to 16), so a thread never holds more than 32 values of it.
+MIN_WARPS, MAX_WARPS = 4, 16
+
+
 def block_sizes(num_channels: int) -> tuple[int, int]:
     """(BLOCK_M rows, BLOCK_N channels) of one program's tile."""
     block_n = triton.next_power_of_2(num_channels)
     block_m = max(1, min(64, TILE_ELEMENTS // block_n))
     return block_m, block_n
+
+
+def num_warps(block_m: int, block_n: int) -> int:
+    return min(MAX_WARPS, max(MIN_WARPS, block_m * block_n // 1024))
 
 
 @triton.jit
@@ -127,6 +136,7 @@ def rms_norm_fwd(
     _rms_norm_fwd_kernel[grid](
         x, w, z if z is not None else x, y, rstd, num_rows, num_channels, eps,
         HAS_GATE=z is not None, IS_SILU=is_silu, IS_ONE_PLUS=is_one_plus, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps(block_m, block_n),
     )  # fmt: skip
     return y, rstd
 
@@ -164,6 +174,6 @@ def rms_norm_bwd(
         dw_partial if dw_partial is not None else rstd,
         num_rows, num_channels, rows_per_program,
         HAS_GATE=z is not None, IS_SILU=is_silu, IS_ONE_PLUS=is_one_plus, HAS_DW=needs_dw,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps(block_m, block_n),
     )  # fmt: skip
     return dx, dw_partial.sum(0) if dw_partial is not None else None, dz
