@@ -452,6 +452,11 @@ def _kernels_forced(is_forced: bool):
             os.environ["MOE_TUNE_KERNELS"] = previous
 
 
+# Where the commit comes from when the code does not sit in a git checkout (installed from a wheel): set by whoever
+# built the wheel, e.g. MOE_TUNE_COMMIT=$(git rev-parse --short HEAD).
+COMMIT_ENV = "MOE_TUNE_COMMIT"
+
+
 def _commit() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     try:
@@ -460,7 +465,7 @@ def _commit() -> str:
         ).stdout.strip()
         is_dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get(COMMIT_ENV, "").strip() or "unknown"
     return commit + ("+dirty" if is_dirty.strip() else "")
 
 

@@ -126,3 +126,18 @@ def test_causal_conv_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
     # fp32: x and y forward, x, dy and dx backward: 5 x 300 x 16 x 4 bytes.
     assert row["note"].startswith("moves at least 0.096 MB fwd+bwd (fwd ")
+
+
+def test_commit_outside_a_checkout_comes_from_the_environment(monkeypatch):
+    import subprocess
+
+    from moe_tune.ops.moe import bench
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.delenv("MOE_TUNE_COMMIT", raising=False)
+    assert bench._commit() == "unknown"
+    monkeypatch.setenv("MOE_TUNE_COMMIT", " 2dbb528 ")
+    assert bench._commit() == "2dbb528"
