@@ -445,6 +445,20 @@ def bench_cross_entropy_op(shapes: str | dict[str, int], run: RunContext) -> lis
     return rows
 
 
+def _add_bytes_note(timed: dict, fwd_bytes: int, bwd_bytes: int) -> None:
+    """Append to a memory-bound row's note the bytes a forward + backward must move at the least, and the rates
+    the timed passes make of them."""
+    rates = []
+    if timed.get("fwd_ms"):
+        rates.append(f"fwd {fwd_bytes / timed['fwd_ms'] * 1e-6:,.0f} GB/s")
+    if timed.get("fwd_bwd_ms"):
+        rates.append(f"fwd+bwd {(fwd_bytes + bwd_bytes) / timed['fwd_bwd_ms'] * 1e-6:,.0f} GB/s")
+    note = f"moves at least {(fwd_bytes + bwd_bytes) / 1e6:,.3f} MB fwd+bwd"
+    if rates:
+        note += f" ({', '.join(rates)})"
+    timed["note"] = "; ".join(filter(None, [timed.get("note"), note]))
+
+
 def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
     """RMSNorm, plain (one_plus, as qwen3_next) and gated (silu): the Triton kernel (called directly, so it runs while
     auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on CUDA; on the CPU the
@@ -476,15 +490,7 @@ def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dic
             bwd_bytes = (tensors + 1 + (z is not None)) * M * N * x.element_size()
             for impl, fn in impls.items():
                 timed = _timed(fn, leaves, run)
-                rates = []
-                if timed.get("fwd_ms"):
-                    rates.append(f"fwd {fwd_bytes / timed['fwd_ms'] * 1e-6:,.0f} GB/s")
-                if timed.get("fwd_bwd_ms"):
-                    rates.append(f"fwd+bwd {(fwd_bytes + bwd_bytes) / timed['fwd_bwd_ms'] * 1e-6:,.0f} GB/s")
-                note = f"moves at least {(fwd_bytes + bwd_bytes) / 1e6:,.3f} MB fwd+bwd"
-                if rates:
-                    note += f" ({', '.join(rates)})"
-                timed["note"] = "; ".join(filter(None, [timed.get("note"), note]))
+                _add_bytes_note(timed, fwd_bytes, bwd_bytes)
                 rows.append(make_row("rms_norm", case, impl, f"M{M} N{N}", dtype, run, **timed))
     return rows
 
@@ -515,11 +521,7 @@ def bench_causal_conv_op(shapes: str | dict[str, int], run: RunContext) -> list[
         fwd_bytes, bwd_bytes = 2 * T * C * x.element_size(), 3 * T * C * x.element_size()
         for impl, fn in impls.items():
             timed = _timed(fn, [x, weight], run)
-            note = f"moves at least {(fwd_bytes + bwd_bytes) / 1e6:,.3f} MB fwd+bwd"
-            if timed.get("fwd_ms") and timed.get("fwd_bwd_ms"):
-                note += (f" (fwd {fwd_bytes / timed['fwd_ms'] * 1e-6:,.0f} GB/s, fwd+bwd "
-                         f"{(fwd_bytes + bwd_bytes) / timed['fwd_bwd_ms'] * 1e-6:,.0f} GB/s)")  # fmt: skip
-            timed["note"] = "; ".join(filter(None, [timed.get("note"), note]))
+            _add_bytes_note(timed, fwd_bytes, bwd_bytes)
             rows.append(make_row("causal_conv", "150-token documents", impl, f"T{T} C{C} W{W}", dtype, run, **timed))
     return rows
 

@@ -19,6 +19,8 @@ __all__ = ["causal_conv"]
 
 # Whether auto dispatch takes the kernel on CUDA tensors (False: not yet checked on the device).
 IS_AUTO_ON_CUDA = False
+# Taps the kernels unroll (the models use 4; n-gram tables a few more); wider convolutions run the reference.
+MAX_WIDTH = 8
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -36,8 +38,6 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, 
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, weight, positions, dilation)
-    from moe_tune.ops.causal_conv.kernels import MAX_WIDTH
-
     is_supported = x.dtype in _KERNEL_DTYPES and weight.shape[1] <= MAX_WIDTH
     has_kernel = is_supported and (IS_AUTO_ON_CUDA or kernel_mode() == "triton")
     if use_kernel("causal_conv", x, weight, positions, has_kernel=has_kernel):

@@ -14,8 +14,6 @@ import triton.language as tl
 # channels make 256-byte bf16 row segments.
 BLOCK_T = 64
 BLOCK_C = 128
-# Taps a kernel unrolls (the models use 4; n-gram tables a few more).
-MAX_WIDTH = 8
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-# Widest row a kernel takes in one tile (the model's norms are 128 to 8192 wide); wider rows run the reference.
-MAX_N = 16384
 # Elements of one [rows, N] fp32 tile a program holds: enough rows per program for narrow norms (per-head norms
 # of 128 channels get 32 rows), one row at a time for the widest, without spilling.
 TILE_ELEMENTS = 4096

@@ -10,8 +10,8 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
+from norm_conv_cases import causal_conv_case, run_causal_conv
 
-from moe_tune.engine.model.blocks import document_positions
 from moe_tune.ops.causal_conv import causal_conv, kernels
 from moe_tune.ops.causal_conv.reference import causal_conv_ref
 
@@ -43,30 +43,14 @@ CASES = {
 }
 
 
-def make_case(batch, lengths, channels, width, dtype, seed=0):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    tokens = sum(lengths)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
-    positions = document_positions(cu_seqlens, tokens)
-    x = torch.randn(batch, tokens, channels, generator=gen, device=DEVICE).to(dtype).requires_grad_()
-    weight = (torch.randn(channels, width, generator=gen, device=DEVICE) * 0.5).to(dtype).requires_grad_()
-    grad_y = torch.randn(batch, tokens, channels, generator=gen, device=DEVICE).to(dtype)
-    return x, weight, positions, grad_y
-
-
-def run(op, x, weight, positions, grad_y, dilation):
-    y = op(x, weight, positions, dilation)
-    return y, torch.autograd.grad(y, [x, weight], grad_y)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_reference(guarded, case, dtype):
     batch, lengths, channels, width, dilation = case
-    x, weight, positions, grad_y = make_case(batch, lengths, channels, width, dtype)
-    y, grads = run(causal_conv, x, weight, positions, grad_y, dilation)
+    x, weight, positions, grad_y = causal_conv_case(batch, lengths, channels, width, dtype, device=DEVICE)
+    y, grads = run_causal_conv(causal_conv, x, weight, positions, grad_y, dilation)
     as_fp64 = [t.detach().double().requires_grad_() for t in (x, weight)]
-    y_ref, grads_ref = run(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
+    y_ref, grads_ref = run_causal_conv(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
     torch.cuda.synchronize()
     guarded.check()
     tol = TOLERANCES[dtype]
@@ -77,7 +61,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
 
 
 def test_reruns_are_bitwise_equal(kernel_path):
-    x, weight, positions, grad_y = make_case(1, [150] * 54 + [92], 8192, 4, torch.bfloat16)
-    first = run(causal_conv, x, weight, positions, grad_y, 1)
-    second = run(causal_conv, x, weight, positions, grad_y, 1)
+    x, weight, positions, grad_y = causal_conv_case(1, [150] * 54 + [92], 8192, 4, torch.bfloat16, device=DEVICE)
+    first = run_causal_conv(causal_conv, x, weight, positions, grad_y, 1)
+    second = run_causal_conv(causal_conv, x, weight, positions, grad_y, 1)
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))

@@ -10,6 +10,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
+from norm_conv_cases import rms_norm_case, run_rms_norm
 
 from moe_tune.ops.rms_norm import kernels, rms_norm
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
@@ -42,30 +43,15 @@ kernel_path = forced_kernel_path(kernels, "_rms_norm_fwd_kernel", on_gpu=True)
 guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
 
 
-def make_case(shape, dtype, has_gate, seed=0):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = (torch.randn(shape, generator=gen, device=DEVICE) * 3).to(dtype).requires_grad_()
-    weight = (torch.randn(shape[-1], generator=gen, device=DEVICE) * 0.5).to(dtype).requires_grad_()
-    gate = torch.randn(shape, generator=gen, device=DEVICE).to(dtype).requires_grad_() if has_gate else None
-    grad_y = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
-    return x, weight, gate, grad_y
-
-
-def run(op, x, weight, gate, grad_y, **options):
-    leaves = [t for t in (x, weight, gate) if t is not None]
-    y = op(x, weight, gate=gate, **options)
-    return y, torch.autograd.grad(y, leaves, grad_y)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_reference(guarded, case, dtype):
     shape, is_one_plus, activation = case
-    x, weight, gate, grad_y = make_case(shape, dtype, activation is not None)
+    x, weight, gate, grad_y = rms_norm_case(shape, dtype, activation is not None, device=DEVICE)
     options = dict(eps=1e-6, is_one_plus=is_one_plus, gate_activation=activation or "silu")
-    y, grads = run(rms_norm, x, weight, gate, grad_y, **options)
+    y, grads = run_rms_norm(rms_norm, x, weight, gate, grad_y, **options)
     as_fp64 = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, gate)]
-    y_ref, grads_ref = run(rms_norm_ref, *as_fp64, grad_y.double(), **options)
+    y_ref, grads_ref = run_rms_norm(rms_norm_ref, *as_fp64, grad_y.double(), **options)
     torch.cuda.synchronize()
     guarded.check()
     tol = TOLERANCES[dtype]
@@ -76,7 +62,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
 
 
 def test_reruns_are_bitwise_equal(kernel_path):
-    x, weight, gate, grad_y = make_case((8192 * 4, 128), torch.bfloat16, True)
-    first = run(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
-    second = run(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
+    x, weight, gate, grad_y = rms_norm_case((8192 * 4, 128), torch.bfloat16, True, device=DEVICE)
+    first = run_rms_norm(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
+    second = run_rms_norm(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))

@@ -12,9 +12,9 @@ from triton_interpreter_mode import interpreted_kernels
 with interpreted_kernels():
     import torch
     import torch.nn.functional as F
-    from moe_tune.engine.model.blocks import document_positions
-    from moe_tune.ops.causal_conv import causal_conv, kernels
+    from moe_tune.ops.causal_conv import MAX_WIDTH, causal_conv, kernels
     from moe_tune.ops.causal_conv.reference import causal_conv_ref
+    from norm_conv_cases import causal_conv_case, run_causal_conv
 
 # Against the reference on fp64 copies of the inputs, relative to each tensor's largest entry (dw sums every
 # token). fp32: summation order only (measured at most 7e-7). fp16: one rounding of y and dx (measured 9e-4
@@ -30,23 +30,6 @@ pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 kernel_path = forced_kernel_path(kernels, "_causal_conv_fwd_kernel", on_gpu=False)
 guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
-
-
-def make_case(batch, lengths, channels, width, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = sum(lengths)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    positions = document_positions(cu_seqlens, tokens)
-    x = torch.randn(batch, tokens, channels, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(channels, width, generator=gen) * 0.5).to(dtype).requires_grad_()
-    grad_y = torch.randn(batch, tokens, channels, generator=gen).to(dtype)
-    return x, weight, positions, grad_y
-
-
-def run(op, x, weight, positions, grad_y, dilation):
-    leaves = [t for t in (x, weight) if t.requires_grad]
-    y = op(x, weight, positions, dilation)
-    return y, torch.autograd.grad(y, leaves, grad_y)
 
 
 # (batch, document lengths, channels, width, dilation)
@@ -69,10 +52,10 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
     batch, lengths, channels, width, dilation = case
-    x, weight, positions, grad_y = make_case(batch, lengths, channels, width, dtype)
-    y, grads = run(causal_conv, x, weight, positions, grad_y, dilation)
+    x, weight, positions, grad_y = causal_conv_case(batch, lengths, channels, width, dtype)
+    y, grads = run_causal_conv(causal_conv, x, weight, positions, grad_y, dilation)
     as_fp64 = [t.detach().double().requires_grad_() for t in (x, weight)]
-    y_ref, grads_ref = run(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
+    y_ref, grads_ref = run_causal_conv(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
     guarded.check()
     tol = TOLERANCES[dtype]
     for name, out, ref in zip(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref)):
@@ -82,24 +65,24 @@ def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
 
 
 def test_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded):
-    x, weight, positions, grad_y = make_case(1, [30, 40], 20, 4, torch.float32)
+    x, weight, positions, grad_y = causal_conv_case(1, [30, 40], 20, 4, torch.float32)
     weight.requires_grad_(False)
-    y, (dx,) = run(causal_conv, x, weight, positions, grad_y, 1)
-    _, (dx_ref,) = run(causal_conv_ref, x, weight, positions, grad_y, 1)
+    y, (dx,) = run_causal_conv(causal_conv, x, weight, positions, grad_y, 1)
+    _, (dx_ref,) = run_causal_conv(causal_conv_ref, x, weight, positions, grad_y, 1)
     torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
     # y, dx and the fp32 dpre: no [tiles, C, W] buffer for dw.
     assert [shape for _, _, shape in guarded.buffers] == [(1, 70, 20), (1, 70, 20), (1, 70, 20)]
 
 
 def test_kernel_is_deterministic(kernel_path):
-    x, weight, positions, grad_y = make_case(1, [50, 90], 72, 4, torch.float16)
-    first = run(causal_conv, x, weight, positions, grad_y, 1)
-    second = run(causal_conv, x, weight, positions, grad_y, 1)
+    x, weight, positions, grad_y = causal_conv_case(1, [50, 90], 72, 4, torch.float16)
+    first = run_causal_conv(causal_conv, x, weight, positions, grad_y, 1)
+    second = run_causal_conv(causal_conv, x, weight, positions, grad_y, 1)
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
 
 
 def test_reference_is_a_convolution_per_document():
-    x, weight, positions, _ = make_case(2, [3, 8, 5], 6, 4, torch.float64)
+    x, weight, positions, _ = causal_conv_case(2, [3, 8, 5], 6, 4, torch.float64)
     x, weight = x.detach(), weight.detach()
     pieces, start = [], 0
     for length in (3, 8, 5):
@@ -113,15 +96,15 @@ def test_reference_is_a_convolution_per_document():
 
 def test_auto_runs_the_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
-    x, weight, positions, _ = make_case(1, [7, 9], 12, 4, torch.float32)
+    x, weight, positions, _ = causal_conv_case(1, [7, 9], 12, 4, torch.float32)
     assert torch.equal(causal_conv(x, weight, positions), causal_conv_ref(x, weight, positions))
 
 
 @pytest.mark.parametrize(
-    "dtype, width", [(torch.float64, 4), (torch.float32, kernels.MAX_WIDTH + 1)], ids=["fp64", "too_wide"]
+    "dtype, width", [(torch.float64, 4), (torch.float32, MAX_WIDTH + 1)], ids=["fp64", "too_wide"]
 )
 def test_forced_kernel_that_cannot_run_raises(kernel_path, dtype, width):
-    x, weight, positions, _ = make_case(1, [10], 8, width, dtype)
+    x, weight, positions, _ = causal_conv_case(1, [10], 8, width, dtype)
     with pytest.raises(RuntimeError, match="causal_conv has no Triton kernel"):
         causal_conv(x, weight, positions)
 

@@ -10,8 +10,9 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
-    from moe_tune.ops.rms_norm import kernels, rms_norm
+    from moe_tune.ops.rms_norm import MAX_N, kernels, rms_norm
     from moe_tune.ops.rms_norm.reference import rms_norm_ref
+    from norm_conv_cases import rms_norm_case, run_rms_norm
 
 # Against the reference on fp64 copies of the inputs (it computes in fp32). fp32: only the summation order differs (measured at most 1.5e-6 on outputs of
 # magnitude 4). fp16: one rounding of the output (and, gated, the reference's extra rounding of the normalised
@@ -28,22 +29,6 @@ pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 kernel_path = forced_kernel_path(kernels, "_rms_norm_fwd_kernel", on_gpu=False)
 guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
-
-
-def make_case(shape, dtype, has_gate, seed=0, weight_requires_grad=True):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_()
-    weight = (torch.randn(shape[-1], generator=gen) * 0.5).to(dtype).requires_grad_(weight_requires_grad)
-    gate = torch.randn(shape, generator=gen).to(dtype).requires_grad_() if has_gate else None
-    grad_y = torch.randn(shape, generator=gen).to(dtype)
-    return x, weight, gate, grad_y
-
-
-def run(op, x, weight, gate, grad_y, **options):
-    leaves = [t for t in (x, weight, gate) if t is not None and t.requires_grad]
-    y = op(x, weight, gate=gate, **options)
-    grads = torch.autograd.grad(y, leaves, grad_y)
-    return y, grads
 
 
 def as_fp64(*tensors):
@@ -73,10 +58,10 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
     shape, is_one_plus, activation = case
-    x, weight, gate, grad_y = make_case(shape, dtype, activation is not None)
+    x, weight, gate, grad_y = rms_norm_case(shape, dtype, activation is not None)
     options = dict(eps=1e-6, is_one_plus=is_one_plus, gate_activation=activation or "silu")
-    y, grads = run(rms_norm, x, weight, gate, grad_y, **options)
-    y_ref, grads_ref = run(rms_norm_ref, *as_fp64(x, weight, gate), grad_y.double(), **options)
+    y, grads = run_rms_norm(rms_norm, x, weight, gate, grad_y, **options)
+    y_ref, grads_ref = run_rms_norm(rms_norm_ref, *as_fp64(x, weight, gate), grad_y.double(), **options)
     guarded.check()
     tol = TOLERANCES[dtype]
     assert y.dtype == dtype and y.shape == shape
@@ -89,9 +74,9 @@ def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
 
 
 def test_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded):
-    x, weight, gate, grad_y = make_case((11, 40), torch.float32, True, weight_requires_grad=False)
-    y, (dx, dgate) = run(rms_norm, x, weight, gate, grad_y)
-    _, (dx_ref, dgate_ref) = run(rms_norm_ref, x, weight, gate, grad_y)
+    x, weight, gate, grad_y = rms_norm_case((11, 40), torch.float32, True, weight_requires_grad=False)
+    y, (dx, dgate) = run_rms_norm(rms_norm, x, weight, gate, grad_y)
+    _, (dx_ref, dgate_ref) = run_rms_norm(rms_norm_ref, x, weight, gate, grad_y)
     torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
     torch.testing.assert_close(dgate, dgate_ref, **TOLERANCES[torch.float32])
     # y, rstd, dx, dz: no [programs, N] buffer for dw.
@@ -99,21 +84,21 @@ def test_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded
 
 
 def test_empty_input(kernel_path):
-    x, weight, _, _ = make_case((0, 32), torch.float32, False)
+    x, weight, _, _ = rms_norm_case((0, 32), torch.float32, False)
     y = rms_norm(x, weight)
     (dw,) = torch.autograd.grad(y.sum(), [weight], allow_unused=False) if y.requires_grad else (None,)
     assert y.shape == (0, 32) and dw is not None and torch.equal(dw, torch.zeros(32))
 
 
 def test_kernel_is_deterministic(kernel_path):
-    x, weight, gate, grad_y = make_case((50, 72), torch.float16, True)
-    first = run(rms_norm, x, weight, gate, grad_y)
-    second = run(rms_norm, x, weight, gate, grad_y)
+    x, weight, gate, grad_y = rms_norm_case((50, 72), torch.float16, True)
+    first = run_rms_norm(rms_norm, x, weight, gate, grad_y)
+    second = run_rms_norm(rms_norm, x, weight, gate, grad_y)
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
 
 
 def test_reference_is_the_formula():
-    x, weight, gate, _ = make_case((4, 6, 10), torch.float64, True)
+    x, weight, gate, _ = rms_norm_case((4, 6, 10), torch.float64, True)
     x, weight, gate = x.detach(), weight.detach(), gate.detach()
     normed = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-5)
     # fp64 inputs are computed in fp32 too, as transformers' RMSNorm does (the families' alignment depends on it).
@@ -127,18 +112,18 @@ def test_reference_is_the_formula():
 
 def test_auto_runs_the_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
-    x, weight, gate, _ = make_case((5, 16), torch.float32, True)
+    x, weight, gate, _ = rms_norm_case((5, 16), torch.float32, True)
     # Bitwise: the model's norms on the CPU are unchanged by the op.
     assert torch.equal(rms_norm(x, weight, gate=gate), rms_norm_ref(x, weight, gate=gate))
 
 
 @pytest.mark.parametrize(
     "dtype, width, message",
-    [(torch.float64, 16, "rms_norm has no Triton kernel"), (torch.float32, kernels.MAX_N + 1, "rms_norm has no")],
+    [(torch.float64, 16, "rms_norm has no Triton kernel"), (torch.float32, MAX_N + 1, "rms_norm has no")],
     ids=["fp64", "too_wide"],
 )
 def test_forced_kernel_that_cannot_run_raises(kernel_path, dtype, width, message):
-    x, weight, _, _ = make_case((2, width), dtype, False)
+    x, weight, _, _ = rms_norm_case((2, width), dtype, False)
     with pytest.raises(RuntimeError, match=message):
         rms_norm(x, weight)
 

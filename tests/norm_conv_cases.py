@@ -1,0 +1,43 @@
+"""Inputs and a forward + backward runner for the rms_norm and causal_conv tests, in the interpreter (CPU) and on the
+GPU: one builder each, so both test the same cases the same way."""
+
+import torch
+
+from moe_tune.engine.model.blocks import document_positions
+
+
+def rms_norm_case(shape, dtype, has_gate, device="cpu", seed=0, weight_requires_grad=True):
+    """x [..., N] (scaled by 3), weight [N], gate (or None), grad_y."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(shape, generator=gen, device=device) * 3).to(dtype).requires_grad_()
+    weight = (torch.randn(shape[-1], generator=gen, device=device) * 0.5).to(dtype)
+    weight.requires_grad_(weight_requires_grad)
+    gate = torch.randn(shape, generator=gen, device=device).to(dtype).requires_grad_() if has_gate else None
+    grad_y = torch.randn(shape, generator=gen, device=device).to(dtype)
+    return x, weight, gate, grad_y
+
+
+def run_rms_norm(op, x, weight, gate, grad_y, **options):
+    """y and the gradients of the inputs that require one (x, weight, gate order)."""
+    leaves = [t for t in (x, weight, gate) if t is not None and t.requires_grad]
+    y = op(x, weight, gate=gate, **options)
+    return y, torch.autograd.grad(y, leaves, grad_y)
+
+
+def causal_conv_case(batch, lengths, channels, width, dtype, device="cpu", seed=0):
+    """x [batch, sum(lengths), channels], weight [channels, width], positions of documents of `lengths`, grad_y."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = sum(lengths)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    positions = document_positions(cu_seqlens, tokens)
+    x = torch.randn(batch, tokens, channels, generator=gen, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(channels, width, generator=gen, device=device) * 0.5).to(dtype).requires_grad_()
+    grad_y = torch.randn(batch, tokens, channels, generator=gen, device=device).to(dtype)
+    return x, weight, positions, grad_y
+
+
+def run_causal_conv(op, x, weight, positions, grad_y, dilation):
+    """y and the gradients of x and weight (those that require one)."""
+    leaves = [t for t in (x, weight) if t.requires_grad]
+    y = op(x, weight, positions, dilation)
+    return y, torch.autograd.grad(y, leaves, grad_y)
