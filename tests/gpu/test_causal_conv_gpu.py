@@ -10,7 +10,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import causal_conv_case, run_causal_conv
+from norm_conv_cases import assert_close_to_reference, causal_conv_case, run_causal_conv
 
 from moe_tune.ops.causal_conv import causal_conv, kernels
 from moe_tune.ops.causal_conv.reference import causal_conv_ref
@@ -53,11 +53,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
     y_ref, grads_ref = run_causal_conv(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
     torch.cuda.synchronize()
     guarded.check()
-    tol = TOLERANCES[dtype]
-    for name, out, ref in zip(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref)):
-        assert out.dtype == dtype and out.shape == ref.shape, name
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(out.double() / scale, ref / scale, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_close_to_reference(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref), dtype, TOLERANCES[dtype])
 
 
 def test_reruns_are_bitwise_equal(kernel_path):

@@ -10,7 +10,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import rms_norm_case, run_rms_norm
+from norm_conv_cases import assert_close_to_reference, rms_norm_case, run_rms_norm
 
 from moe_tune.ops.rms_norm import kernels, rms_norm
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
@@ -54,11 +54,8 @@ def test_kernel_matches_reference(guarded, case, dtype):
     y_ref, grads_ref = run_rms_norm(rms_norm_ref, *as_fp64, grad_y.double(), **options)
     torch.cuda.synchronize()
     guarded.check()
-    tol = TOLERANCES[dtype]
-    for name, out, ref in zip(("y", "dx", "dweight", "dgate"), (y, *grads), (y_ref, *grads_ref)):
-        assert out.dtype == dtype and out.shape == ref.shape, name
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(out.double() / scale, ref / scale, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    names = ("y", "dx", "dweight", "dgate")[: 1 + len(grads)]
+    assert_close_to_reference(names, (y, *grads), (y_ref, *grads_ref), dtype, TOLERANCES[dtype])
 
 
 def test_reruns_are_bitwise_equal(kernel_path):

@@ -14,7 +14,7 @@ with interpreted_kernels():
     import torch.nn.functional as F
     from moe_tune.ops.causal_conv import MAX_WIDTH, causal_conv, kernels
     from moe_tune.ops.causal_conv.reference import causal_conv_ref
-    from norm_conv_cases import causal_conv_case, run_causal_conv
+    from norm_conv_cases import assert_close_to_reference, causal_conv_case, run_causal_conv
 
 # Against the reference on fp64 copies of the inputs, relative to each tensor's largest entry (dw sums every
 # token). fp32: summation order only (measured at most 7e-7). fp16: one rounding of y and dx (measured 9e-4
@@ -57,11 +57,7 @@ def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
     as_fp64 = [t.detach().double().requires_grad_() for t in (x, weight)]
     y_ref, grads_ref = run_causal_conv(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
     guarded.check()
-    tol = TOLERANCES[dtype]
-    for name, out, ref in zip(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref)):
-        assert out.dtype == dtype and out.shape == ref.shape, name
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(out.double() / scale, ref / scale, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_close_to_reference(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref), dtype, TOLERANCES[dtype])
 
 
 def test_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded):
