@@ -7,11 +7,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
+from ._common import ProfileArg, SetOption, err_console, fail, read_profile, user_errors
 
 app = typer.Typer()
 
 SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+# A non-finite loss or gradient norm stopped training (not a user-input error: those exit 2).
+DIVERGED_EXIT = 1
 
 
 @app.command()
@@ -39,10 +41,15 @@ def finetune(
         if outcome.returncode:
             fail([outcome.message])
         return
+    from moe_tune.engine.train.trainer import TrainingDiverged
     from moe_tune.engine.train.trainer import finetune as run
 
-    with user_errors():
-        result = run(job, resume=resume, show_progress=not quiet, console=console)
+    try:
+        with user_errors():
+            result = run(job, resume=resume, show_progress=not quiet, console=console)
+    except TrainingDiverged as err:
+        err_console.print(f"error: {err}", markup=False)
+        raise typer.Exit(code=DIVERGED_EXIT) from None
     if not result.is_main:
         return
     if not result.losses:

@@ -2,12 +2,13 @@
 
 import os
 
-# DeepSpeed picks its accelerator when first imported.
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# DeepSpeed picks its accelerator when first imported: the CPU one without a GPU (CI); on a GPU machine (pytest -m gpu
+# tests/gpu) CUDA's, or an engine there would keep its model on the CPU under an NCCL process group.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Triton decides at import whether @triton.jit functions (its own standard library's too) are interpreted. Without a
 # GPU, interpret from the start: DeepSpeed imports Triton long before the kernel tests do. Auto dispatch still takes

@@ -398,10 +398,16 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
             }
             if activation_memory is not None:
                 record.update(activation_memory.step_metrics())
-            result.losses.append(record["loss"])
-            result.last_step = step + 1
             if writer is not None:
                 writer.write(record)
+            try:
+                check_finite(record, result.checkpoint)
+            except TrainingDiverged:
+                if writer is not None:
+                    writer.close()
+                raise
+            result.losses.append(record["loss"])
+            result.last_step = step + 1
             reporter.update(record)
             stopping = _agree(stop.received is not None, dist)
             at_end = step + 1 == last_step
@@ -418,6 +424,25 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     if dist.is_main:
         write_json_atomic(out / "summary.json", result.summary())
     return result
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm is not finite: training stops before that step is checkpointed."""
+
+
+def check_finite(record: dict, last_checkpoint: Path | None) -> None:
+    """Raise TrainingDiverged when the step's loss or gradient norm (a metrics record) is inf or NaN.
+
+    bf16 runs without DeepSpeed's per-gradient overflow check (ds_config.py), so nothing skips such a step: its
+    update is already applied, and stopping here keeps it out of every checkpoint."""
+    bad = [f"{key} {record[key]}" for key in ("loss", "grad_norm")
+           if record.get(key) is not None and not math.isfinite(record[key])]  # fmt: skip
+    if bad:
+        kept = f"the last checkpoint, {last_checkpoint}, is intact" if last_checkpoint else "no checkpoint was written"
+        raise TrainingDiverged(
+            f"step {record['step']}: {' and '.join(bad)} not finite: training stopped before saving it ({kept}); "
+            "lower train.lr or set train.grad_clip"
+        )
 
 
 def _moe_blocks(engine) -> list:

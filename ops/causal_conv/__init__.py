@@ -3,9 +3,9 @@ layers): one Triton pass forward, two backward, instead of about four eager pass
 
 Shapes: x [B, T, C]; weight [C, W]; positions [T]. The math is in README.md; the ground truth in reference.py.
 
-Dispatch: the reference on the CPU. On a GPU the kernel runs only when forced (MOE_TUNE_KERNELS=triton) until its
-GPU test (tests/gpu/test_causal_conv_gpu.py) has passed on the H200: the kernels have been checked in the Triton
-interpreter only. IS_AUTO_ON_CUDA turns auto dispatch on once they are.
+Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernels are
+checked against the reference in the Triton interpreter (tests/ops/test_causal_conv.py) and in bf16 on the H200
+(tests/gpu/test_causal_conv_gpu.py); IS_AUTO_ON_CUDA = False would keep auto dispatch on the reference.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
 
 __all__ = ["causal_conv"]
 
-# Whether auto dispatch takes the kernel on CUDA tensors (False: not yet checked on the device).
-IS_AUTO_ON_CUDA = False
+# Whether auto dispatch takes the kernel on CUDA tensors: True since its GPU test passed on the H200 (bf16 against the
+# fp32 reference, every gradient; docs/PERF.md).
+IS_AUTO_ON_CUDA = True
 # Taps the kernels unroll (the models use 4; n-gram tables a few more); wider convolutions run the reference.
 MAX_WIDTH = 8
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -69,3 +69,19 @@ def test_finetune_bad_dataset_record_names_file_and_line(tmp_path, child_env):
     assert "Traceback" not in proc.stderr
     # Nothing was trained, so no checkpoint exists.
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_finetune_that_diverges_stops_with_one_line_and_exit_1(tmp_path, child_env):
+    # lr 1e30: step 2's loss is not finite (tests/engine/test_train.py); the run stops before saving step 2.
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--quiet", "--set", f"output.dir={out}",
+         "--set", "train.lr=1e30", "--set", "train.warmup_steps=0", "--set", "output.save_every=1",
+         "--set", "data.seq_len=64", "--set", "data.corpus_documents=200"],
+        capture_output=True, text=True, timeout=300, env=child_env,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 2: loss "), proc.stderr
+    assert f"the last checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact" in errors[0]
+    assert "Traceback" not in proc.stderr

@@ -8,11 +8,12 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from moe_tune.engine.lora import inject_lora
 from moe_tune.engine.memory import OPERATOR_CLASSES, PRESETS, find_activation_memory, resolve_policy
 from moe_tune.engine.memory import store as store_module
-from moe_tune.engine.memory.store import TieredStore
+from moe_tune.engine.memory.store import TieredStore, is_parameter
 from moe_tune.engine.model.blocks import RMSNorm
 from moe_tune.engine.model.model import build_model
 from moe_tune.engine.model.moe import MoEBlock
@@ -395,3 +396,20 @@ def test_bad_memory_values_are_one_line_each():
         "memory.norm ('save') must be unset with memory.activation_checkpointing (true), which recomputes whole "
         "layers",
     ]
+
+
+def test_is_parameter_agrees_with_isinstance():
+    class MyParameter(nn.Parameter):
+        pass
+
+    weight, activation = nn.Parameter(torch.randn(3, 4)), torch.randn(3, 4, requires_grad=True)
+    flagged = torch.randn(2)
+    flagged._is_param = True
+    cases = {"parameter": weight, "subclass": MyParameter(torch.randn(2)), "flagged": flagged,
+             "activation": activation, "activation view": activation.t(), "detached weight": weight.detach()}  # fmt: skip
+    for name, t in cases.items():
+        expected = isinstance(t, nn.Parameter)
+        assert is_parameter(t) == expected, name
+    # A view of a weight (linear saves weight.t()) counts as the weight.
+    assert is_parameter(weight.t()) and not isinstance(weight.t(), nn.Parameter)
+    assert [name for name, t in cases.items() if is_parameter(t)] == ["parameter", "subclass", "flagged"]

@@ -15,9 +15,9 @@ from moe_tune.engine.data.dataset import PackedDataset, load_documents
 from moe_tune.engine.data.tokenizer import load_tokenizer
 from moe_tune.engine.lora import load_adapter
 from moe_tune.engine.model.model import build_model
-from moe_tune.engine.train.checkpoint import complete_checkpoints
+from moe_tune.engine.train.checkpoint import checkpoint_name, complete_checkpoints
 from moe_tune.engine.train.ds_config import zero_stage_note
-from moe_tune.engine.train.trainer import build_trainable_model, finetune, lr_factor
+from moe_tune.engine.train.trainer import TrainingDiverged, build_trainable_model, check_finite, finetune, lr_factor
 from moe_tune.profiles import load_profile
 
 SMALL = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "data.corpus_documents=200"]
@@ -160,3 +160,24 @@ def test_merged_export_equals_the_adapter(tmp_path):
         with adapted.disable_adapter():
             assert (expected - adapted(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens).logits).abs().max() > 1e-3
         torch.testing.assert_close(merged(batch.input_ids, batch.cu_seqlens).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_non_finite_step_stops_training_before_it_is_saved(tmp_path):
+    # Adam moves every weight by about lr whatever the gradient: after step 1 the LoRA weights are ~1e30 and step 2's
+    # loss overflows. Step 1's checkpoint must stay the newest, and step 2 must be in the metrics for diagnosis.
+    profile = small_profile(tmp_path, "train.steps=4", "output.save_every=1", "train.lr=1e30", "train.warmup_steps=0")
+    with pytest.raises(TrainingDiverged, match=r"^step 2: loss (nan|inf).* not finite: .* checkpoint, .*step-0*1"):
+        finetune(profile, show_progress=False)
+    assert [c.name for c in complete_checkpoints(tmp_path / "checkpoints")] == [checkpoint_name(1)]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert torch.isfinite(torch.tensor(records[0]["loss"])) and not torch.isfinite(torch.tensor(records[1]["loss"]))
+
+
+def test_check_finite_names_what_is_not_finite():
+    check_finite({"step": 3, "loss": 1.5, "grad_norm": None}, None)
+    check_finite({"step": 3, "loss": 1.5, "grad_norm": 0.25}, None)
+    with pytest.raises(TrainingDiverged, match=r"^step 3: grad_norm inf not finite: .*no checkpoint was written"):
+        check_finite({"step": 3, "loss": 1.5, "grad_norm": float("inf")}, None)
+    with pytest.raises(TrainingDiverged, match=r"^step 3: loss nan and grad_norm nan not finite"):
+        check_finite({"step": 3, "loss": float("nan"), "grad_norm": float("nan")}, None)

@@ -57,7 +57,7 @@ def test_copy_out_runs_beside_compute():
     # The copy began and finished while the GEMMs were still running on the compute stream.
     assert compute_start.elapsed_time(copy_start) >= 0
     assert copy_end.elapsed_time(compute_end) > 0
-    assert entry.host.is_pinned() and entry.device is None
+    assert entry.host and all(piece.is_pinned() for piece in entry.host) and entry.device is None
     store.end_forward()
     back = store.unpack(entry)
     assert torch.equal(back, saved)
@@ -125,7 +125,7 @@ def test_pinned_pool_is_allocated_once_and_reused(monkeypatch):
 
     def recording(self, entry):
         copy_out(self, entry)
-        addresses.append(entry.host.data_ptr())
+        addresses.append(tuple(piece.data_ptr() for piece in entry.host))
 
     monkeypatch.setattr(TieredStore, "_copy_out", recording)
     profile = _cuda_profile("memory.preset=max-context")
