@@ -74,8 +74,16 @@ class DocumentBuckets:
             is_token_S = offset_S < lengths_N[doc_S]
             scatter_T = torch.empty(num_tokens, dtype=torch.long)
             scatter_T[gather_S[is_token_S]] = torch.arange(len(gather_S))[is_token_S]
-            gather, scatter = gather_S.to(cu_seqlens.device), scatter_T.to(cu_seqlens.device)
+            gather, scatter = _to_device(gather_S, cu_seqlens.device), _to_device(scatter_T, cu_seqlens.device)
         return cls(num_tokens, tuple(lengths.tolist()), tuple(counts.tolist()), gather, scatter)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through page-locked memory, so the host does not wait for the copy (a
+    copy from pageable memory waits for all the work queued before it)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def packed_causal_attention(

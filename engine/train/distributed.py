@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_tune.engine.train import ds_sync_free
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -56,6 +58,8 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     # DeepSpeed compiles a shared-memory all-reduce op on the CPU accelerator's first init (~40 s); the gloo
     # backend never uses it.
     ds_comm_torch.build_shm_op = lambda: None
+    # ZeRO stage 1/2's norm and clip without host round trips (ds_sync_free.py).
+    ds_sync_free.install()
     on_gpu = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"

@@ -1,0 +1,66 @@
+"""Two DeepSpeed 0.19.8 ZeRO stage 1/2 helpers, replaced by versions that never wait for the GPU.
+
+Each step DeepSpeed's stage 1/2 optimizer computes the gradient norm, then clips. Two of its helpers read a value
+back to the host on the way: `mask_nan_or_inf_with_val_inplace` builds its fill value with `torch.tensor(-1.0,
+device=...)` and fills with a tensor, and `unscale_and_clip_grads` asks `is_invalid_grad_norm(norm)` in Python.
+Each read makes the host wait until the GPU has run the whole backward, and the GPU then idles while the host
+issues the optimizer step: on the H200 that step took the host 21 ms against 4 ms of GPU work (bench-qwen3-moe,
+docs/PERF.md). The replacements compute the same values with tensor ops only:
+- the norm: inf and NaN become -1 (DeepSpeed's sentinel for an invalid norm), filled with a Python scalar;
+- the clip: an invalid norm (negative, inf or NaN) clips with an infinite norm, as DeepSpeed does (the update is
+  zero); a valid one gives the same clip factor from the same ops, so gradients come out bit for bit the same
+  (tests/engine/test_ds_sync_free.py). The trainer still stops on a non-finite gradient norm (trainer.check_finite).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+# The DeepSpeed release these replacements were written against (setup.cfg pins it exactly).
+DEEPSPEED_VERSION = "0.19.8"
+# DeepSpeed's own helpers, kept by install() (the tests compare against them).
+ORIGINALS: dict[str, object] = {}
+
+
+def mask_nan_or_inf_with_val_inplace(input: torch.Tensor, device=None, val: float = -1.0) -> None:
+    """DeepSpeed's helper of the same name (which ignores `val` and fills -1), without a host round trip."""
+    input.masked_fill_(input.isinf() | input.isnan(), -1.0)
+
+
+def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
+    """DeepSpeedZeroOptimizer.unscale_and_clip_grads, with the norm's validity decided on the device."""
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.0:
+        norm = total_norm if torch.is_tensor(total_norm) else torch.tensor(float(total_norm), dtype=torch.float)
+        is_valid = torch.isfinite(norm) & (norm >= 0)
+        # norm is in fact norm * scale
+        clip_norm = torch.where(is_valid, norm, torch.full_like(norm, float("inf")))
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad
+        clip = torch.clamp(clip, min=1.0)
+        combined_scale = clip * self.loss_scale
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            g.data.mul_(1.0 / combined_scale)
+
+
+def install() -> None:
+    """Put the replacements in place (idempotent). Raises RuntimeError on another DeepSpeed release, whose helpers
+    these were not checked against."""
+    import deepspeed
+
+    if deepspeed.__version__ != DEEPSPEED_VERSION:
+        raise RuntimeError(
+            f"deepspeed {deepspeed.__version__}: moe-tune's sync-free ZeRO helpers were checked against "
+            f"{DEEPSPEED_VERSION} only (pip install deepspeed=={DEEPSPEED_VERSION})"
+        )
+    stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    optimizer = stage_1_and_2.DeepSpeedZeroOptimizer
+    if not ORIGINALS:
+        ORIGINALS["mask_nan_or_inf_with_val_inplace"] = stage_1_and_2.mask_nan_or_inf_with_val_inplace
+        ORIGINALS["unscale_and_clip_grads"] = optimizer.unscale_and_clip_grads
+    stage_1_and_2.mask_nan_or_inf_with_val_inplace = mask_nan_or_inf_with_val_inplace
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
