@@ -1,4 +1,5 @@
-"""Two DeepSpeed 0.19.8 ZeRO stage 1/2 helpers, replaced by versions that never wait for the GPU.
+"""Two DeepSpeed 0.19.8 ZeRO stage 1/2 helpers (one of them also stage 3's), replaced by versions that never
+wait for the GPU.
 
 Each step DeepSpeed's stage 1/2 optimizer computes the gradient norm, then clips. Two of its helpers read a value
 back to the host on the way: `mask_nan_or_inf_with_val_inplace` builds its fill value with `torch.tensor(-1.0,
@@ -63,4 +64,8 @@ def install() -> None:
         ORIGINALS["mask_nan_or_inf_with_val_inplace"] = stage_1_and_2.mask_nan_or_inf_with_val_inplace
         ORIGINALS["unscale_and_clip_grads"] = optimizer.unscale_and_clip_grads
     stage_1_and_2.mask_nan_or_inf_with_val_inplace = mask_nan_or_inf_with_val_inplace
+    # Stage 3 shares the norm helper (its clip already stays on the device; its step still reads the norm once).
+    importlib.import_module("deepspeed.runtime.zero.stage3").mask_nan_or_inf_with_val_inplace = (
+        mask_nan_or_inf_with_val_inplace
+    )
     optimizer.unscale_and_clip_grads = unscale_and_clip_grads

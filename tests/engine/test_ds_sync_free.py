@@ -16,9 +16,10 @@ ORIGINAL_CLIP = ds_sync_free.ORIGINALS["unscale_and_clip_grads"]
 
 
 def test_install_replaced_deepspeeds_helpers():
-    from deepspeed.runtime.zero import stage_1_and_2
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
 
     assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is ds_sync_free.mask_nan_or_inf_with_val_inplace
+    assert stage3.mask_nan_or_inf_with_val_inplace is ds_sync_free.mask_nan_or_inf_with_val_inplace
     assert stage_1_and_2.DeepSpeedZeroOptimizer.unscale_and_clip_grads is ds_sync_free.unscale_and_clip_grads
     assert ORIGINAL_CLIP is not ds_sync_free.unscale_and_clip_grads
 
