@@ -1,5 +1,5 @@
-"""Inputs and a forward + backward runner for the rms_norm and causal_conv tests, in the interpreter (CPU) and on the
-GPU: one builder each, so both test the same cases the same way."""
+"""Inputs and a forward + backward runner for the rms_norm, causal_conv and rotary tests, in the interpreter (CPU)
+and on the GPU: one builder each, so both test the same cases the same way."""
 
 import torch
 
@@ -41,6 +41,29 @@ def run_causal_conv(op, x, weight, positions, grad_y, dilation):
     leaves = [t for t in (x, weight) if t.requires_grad]
     y = op(x, weight, positions, dilation)
     return y, torch.autograd.grad(y, leaves, grad_y)
+
+
+def rotary_case(shape, rotary_dim, dtype, equal_halves=True, device="cpu", seed=0):
+    """x [B, T, H, D] needing a gradient, cos/sin [T, R] fp32 from positions restarting at a document start, and
+    dy. equal_halves False: the second half of each table row gets other angles and a 1.5 scale."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = shape[1]
+    x = torch.randn(shape, generator=gen, device=device).to(dtype).requires_grad_()
+    positions = torch.cat([torch.arange(tokens // 3), torch.arange(tokens - tokens // 3)]).double().to(device)
+    half = rotary_dim // 2
+    angles = positions[:, None] * 10000.0 ** (-torch.arange(half, device=device).double() / half)
+    second, scale = (angles, 1.0) if equal_halves else (angles * 0.7 + 0.3, 1.5)
+    cos = torch.cat([angles.cos(), second.cos() * scale], -1).float()
+    sin = torch.cat([angles.sin(), second.sin() * scale], -1).float()
+    grad_y = torch.randn(shape, generator=gen, device=device).to(dtype)
+    return x, cos, sin, grad_y
+
+
+def run_rotary(op, x, cos, sin, grad_y):
+    """y and the gradient of x."""
+    y = op(x, cos, sin)
+    (dx,) = torch.autograd.grad(y, (x,), grad_y)
+    return y, dx
 
 
 def assert_close_to_reference(names, outputs, references, dtype, tolerance):

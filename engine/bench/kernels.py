@@ -93,6 +93,12 @@ CAUSAL_CONV_SHAPES = {
     # The benchmark model's gated delta net conv: q, k, v together over a packed row of B2 T4096.
     "anchor": [dict(T=8192, C=8192, W=4)],
 }
+ROTARY_SHAPES = {
+    "small": [dict(T=512, H=4, D=64, R=64)],
+    # The qwen3_moe-like benchmark model's queries (B2 T4096, 16 heads of 128, full rotary) and the hybrid's
+    # (a quarter of 256-dim heads).
+    "anchor": [dict(T=8192, H=16, D=128, R=128), dict(T=8192, H=16, D=256, R=64)],
+}
 # Softmax attention backward FLOPs over forward, as FlashAttention reports (same factor as the linear attention bench).
 ATTENTION_BWD_FLOP_FACTOR = 2.5
 
@@ -526,6 +532,38 @@ def bench_causal_conv_op(shapes: str | dict[str, int], run: RunContext) -> list[
     return rows
 
 
+def bench_rotary_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """Rotary embedding of one query tensor: the Triton kernel (called directly, so it runs while auto dispatch
+    still keeps the reference on CUDA) beside the eager reference, bf16 on CUDA; on the CPU the reference in fp32.
+    Each note gives the bytes one pass must move and the rate that makes."""
+    from moe_tune.ops.rotary.reference import rotary_ref
+
+    shape_list = [shapes] if isinstance(shapes, dict) else ROTARY_SHAPES[shapes if run.is_cuda else "small"]
+    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in shape_list:
+        T, H, D, R = shape["T"], shape["H"], shape["D"], shape["R"]
+        if R % 2 or R > D:
+            raise ValueError(f"rotary shape {shape}: R must be even and <= D")
+        x = _randn(1, T, H, D, gen=gen, device=device, dtype=dtype)
+        angles = torch.arange(T, device=device, dtype=torch.float32)[:, None] * torch.rand(R // 2, generator=gen,
+                                                                                         device=device)  # fmt: skip
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        impls = {"reference (torch small ops)": lambda: rotary_ref(x, cos, sin)}
+        if run.is_cuda:
+            from moe_tune.ops.rotary.autograd import RotaryFunction
+
+            impls = {"moe_tune triton": lambda: RotaryFunction.apply(x, cos, sin), **impls}
+        # At the least: x read and y written forward, dy read and dx written backward (the tables are small).
+        fwd_bytes = bwd_bytes = 2 * T * H * D * x.element_size()
+        for impl, fn in impls.items():
+            timed = _timed(fn, [x], run)
+            _add_bytes_note(timed, fwd_bytes, bwd_bytes)
+            rows.append(make_row("rotary", "positions 0..T-1", impl, f"T{T} H{H} D{D} R{R}", dtype, run, **timed))
+    return rows
+
+
 # name -> function(preset, run) -> rows. Adding an op is one entry here.
 OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "moe": bench_moe_op,
@@ -536,6 +574,7 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "cross_entropy": bench_cross_entropy_op,
     "rms_norm": bench_rms_norm_op,
     "causal_conv": bench_causal_conv_op,
+    "rotary": bench_rotary_op,
 }
 # The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
 SHAPE_DIMS: dict[str, tuple[str, ...]] = {
@@ -545,6 +584,7 @@ SHAPE_DIMS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("N", "D", "V"),
     "rms_norm": ("M", "N"),
     "causal_conv": ("T", "C", "W"),
+    "rotary": ("T", "H", "D", "R"),
 }
 
 

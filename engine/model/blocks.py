@@ -13,6 +13,7 @@ from torch import nn
 from moe_tune.ops.causal_conv import causal_conv
 from moe_tune.ops.rms_norm import rms_norm
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
+from moe_tune.ops.rotary import apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -107,10 +108,8 @@ class RotaryEmbedding(nn.Module):
         return self.rotate(x, *self.cos_sin(positions))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
-        return torch.cat([(rot * cos + rotated * sin).to(x.dtype), rest], -1)
+        """x [1, T, H, hd] rotated on its first rotary_dim dims by cos, sin [1, T, 1, rotary_dim] (ops.rotary)."""
+        return apply_rotary(x, cos, sin)
 
 
 class ShortConv(nn.Module):

@@ -15,7 +15,7 @@ def no_cuda(monkeypatch):
 def test_registry_names_every_op():
     assert list(OPS) == [
         "moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy", "rms_norm",
-        "causal_conv",
+        "causal_conv", "rotary",
     ]
 
 
@@ -141,3 +141,18 @@ def test_commit_outside_a_checkout_comes_from_the_environment(monkeypatch):
     assert bench._commit() == "unknown"
     monkeypatch.setenv("MOE_TUNE_COMMIT", " 2dbb528 ")
     assert bench._commit() == "2dbb528"
+
+
+def test_rotary_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
+    (row,) = run_kernels(["rotary"], "T100,H3,D32,R16")[0]
+    assert (row["op"], row["impl"], row["shape"], row["dtype"]) == (
+        "rotary", "reference (torch small ops)", "T100 H3 D32 R16", "float32"
+    )
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+    # fp32: x and y forward, dy and dx backward: 4 x 100 x 3 x 32 x 4 bytes.
+    assert row["note"].startswith("moves at least 0.154 MB fwd+bwd (fwd ")
+
+
+def test_rotary_spec_with_an_odd_rotary_dim_is_refused(no_cuda):
+    with pytest.raises(ValueError, match=r"R must be even and <= D"):
+        run_kernels(["rotary"], "T10,H1,D8,R3")

@@ -1,0 +1,63 @@
+"""rotary's Triton kernel on CUDA: bf16 and fp32 forward and input gradient against the reference at the model's
+shapes, NaN-filled buffers with guarded ends, bitwise reruns. Until this file has passed on the H200, auto dispatch
+keeps the reference on CUDA (ops/rotary/__init__.py, IS_AUTO_ON_CUDA).
+
+Shapes: x [B, T, H, D]; the benchmark models rotate q [1, 8192, 16, 128] and k [1, 8192, 4 or 2, 128] fully
+(qwen3_moe-like), or a quarter of 256-dim heads (qwen3_next-like).
+Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): pytest -m gpu tests/gpu
+"""
+
+import pytest
+import torch
+from kernel_fixtures import forced_kernel_path, guarded_outputs
+from norm_conv_cases import assert_close_to_reference, rotary_case, run_rotary
+
+from moe_tune.ops.rotary import apply_rotary, kernels
+from moe_tune.ops.rotary.reference import rotary_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = "cuda"
+# Against the reference on fp64 copies, relative to each tensor's largest entry. bf16: one rounding of y and dx
+# (2^-9 relative). fp32: an fma contraction apart.
+TOLERANCES = {
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+}
+GUARD_ELEMENTS = 1 << 16
+
+kernel_path = forced_kernel_path(kernels, "_rotary_kernel", on_gpu=True)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+
+# (B, T, H, D), R, equal table halves
+CASES = {
+    "moe_q": ((1, 8192, 16, 128), 128, True),
+    "moe_k": ((1, 8192, 4, 128), 128, True),
+    "next_q_partial": ((1, 8192, 16, 256), 64, True),
+    # Odd rows and dims, unequal halves (scaled or sectioned tables).
+    "odd_unequal": ((2, 1001, 5, 80), 48, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_kernel_matches_reference(guarded, case, dtype):
+    shape, rotary_dim, equal_halves = case
+    x, cos, sin, grad_y = rotary_case(shape, rotary_dim, dtype, equal_halves, device=DEVICE)
+    y, dx = run_rotary(apply_rotary, x, cos, sin, grad_y)
+    x64 = x.detach().double().requires_grad_()
+    y_ref, dx_ref = run_rotary(rotary_ref, x64, cos.double(), sin.double(), grad_y.double())
+    torch.cuda.synchronize()
+    guarded.check()
+    assert_close_to_reference(("y", "dx"), (y, dx), (y_ref, dx_ref), dtype, TOLERANCES[dtype])
+    assert torch.equal(y[..., rotary_dim:], x.detach()[..., rotary_dim:])
+
+
+def test_reruns_are_bitwise_equal(kernel_path):
+    x, cos, sin, grad_y = rotary_case((1, 8192, 16, 128), 128, torch.bfloat16, device=DEVICE)
+    first = run_rotary(apply_rotary, x, cos, sin, grad_y)
+    second = run_rotary(apply_rotary, x, cos, sin, grad_y)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
