@@ -39,7 +39,9 @@ def finetune(
         argv += ["--resume"] * resume + ["--quiet"] * quiet
         outcome = launch_local(nproc, argv)
         if outcome.returncode:
-            fail([outcome.message])
+            # The ranks printed their own errors; exit as the failed rank did (2: bad input, 1: diverged or crashed).
+            err_console.print(f"error: {outcome.message}", markup=False)
+            raise typer.Exit(code=outcome.returncode)
         return
     from moe_tune.engine.train.trainer import TrainingDiverged
     from moe_tune.engine.train.trainer import finetune as run

@@ -85,3 +85,15 @@ def test_finetune_that_diverges_stops_with_one_line_and_exit_1(tmp_path, child_e
     assert len(errors) == 1 and errors[0].startswith("error: step 2: loss "), proc.stderr
     assert f"the last checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact" in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_finetune_with_ranks_exits_as_the_failed_rank(monkeypatch):
+    from moe_tune.engine.parallel import launch
+
+    outcomes = iter([launch.LaunchResult(1, 0, "rank 0 exited with code 1; the other ranks were stopped"),
+                     launch.LaunchResult(2, 1, "rank 1 exited with code 2; the other ranks were stopped")])  # fmt: skip
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: next(outcomes))
+    for code, rank in ((1, 0), (2, 1)):
+        result = runner.invoke(app, ["finetune", "tiny", "--nproc", "2"])
+        assert result.exit_code == code
+        assert result.output.strip() == f"error: rank {rank} exited with code {code}; the other ranks were stopped"
