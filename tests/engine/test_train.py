@@ -16,7 +16,7 @@ from moe_tune.engine.data.tokenizer import load_tokenizer
 from moe_tune.engine.lora import load_adapter
 from moe_tune.engine.model.model import build_model
 from moe_tune.engine.train.checkpoint import checkpoint_name, complete_checkpoints
-from moe_tune.engine.train.ds_config import zero_stage_note
+from moe_tune.engine.train.ds_config import deepspeed_config, zero_stage_note
 from moe_tune.engine.train.trainer import TrainingDiverged, build_trainable_model, check_finite, finetune, lr_factor
 from moe_tune.profiles import load_profile
 
@@ -181,3 +181,11 @@ def test_check_finite_names_what_is_not_finite():
         check_finite({"step": 3, "loss": 1.5, "grad_norm": float("inf")}, None)
     with pytest.raises(TrainingDiverged, match=r"^step 3: loss nan and grad_norm nan not finite"):
         check_finite({"step": 3, "loss": float("nan"), "grad_norm": float("nan")}, None)
+
+
+def test_bf16_config_has_no_per_gradient_overflow_check():
+    # The check reads every gradient to the host each step; bf16 has no loss scale to adjust (check_finite stops
+    # a run whose loss or gradient norm is not finite instead).
+    bf16 = deepspeed_config(load_profile("tiny", ["train.precision=bf16"]), world_size=1)
+    assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert "bf16" not in deepspeed_config(load_profile("tiny", ["train.precision=fp32"]), world_size=1)
