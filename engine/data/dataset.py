@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from moe_tune.ops.common.host_copy import remember, to_device
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile, ModelProfile
 
@@ -62,7 +63,10 @@ class Batch:
         inputs = {"input_ids": self.input_ids, "cu_seqlens": self.cu_seqlens, "labels": self.labels}
         if self.pixel_values is not None:
             inputs.update(pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw)
-        return {k: v.to(device) for k, v in inputs.items()}
+        on_device = {k: to_device(v, device) for k, v in inputs.items()}
+        # The ops that plan on the host read the document bounds from here instead of from the GPU.
+        remember(on_device["cu_seqlens"], self.cu_seqlens)
+        return on_device
 
 
 @dataclass(frozen=True)

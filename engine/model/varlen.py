@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_tune.ops.common.host_copy import host_values, to_device
+
 # Full attention pads each document at its end to a multiple of 2^(floor(log2 L) - PAD_BUCKET_BITS) tokens and runs
 # one causal SDPA call per padded length. A real query never sees the padding after it, so padding changes no
 # output. With 2 bits padding adds < 25% tokens to a document (< 1.57x its causal work) and the calls stay at 4 per
@@ -44,7 +46,7 @@ class DocumentBuckets:
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, row_length: int | None = None) -> DocumentBuckets:
         """cu_seqlens: [N + 1] int32 document starts over all tokens, rows one after the other (empty documents
         allowed); row_length: the tokens of one row when they span several rows, each row end ending a document."""
-        bounds = cu_seqlens.long().cpu()
+        bounds = host_values(cu_seqlens).long()
         if bounds.ndim != 1 or len(bounds) < 2 or bounds[0] != 0 or bool((bounds[1:] < bounds[:-1]).any()):
             raise ValueError(f"cu_seqlens {bounds.tolist()} must start at 0 and never decrease")
         num_tokens = int(bounds[-1])
@@ -74,16 +76,8 @@ class DocumentBuckets:
             is_token_S = offset_S < lengths_N[doc_S]
             scatter_T = torch.empty(num_tokens, dtype=torch.long)
             scatter_T[gather_S[is_token_S]] = torch.arange(len(gather_S))[is_token_S]
-            gather, scatter = _to_device(gather_S, cu_seqlens.device), _to_device(scatter_T, cu_seqlens.device)
+            gather, scatter = to_device(gather_S, cu_seqlens.device), to_device(scatter_T, cu_seqlens.device)
         return cls(num_tokens, tuple(lengths.tolist()), tuple(counts.tolist()), gather, scatter)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through page-locked memory, so the host does not wait for the copy (a
-    copy from pageable memory waits for all the work queued before it)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def packed_causal_attention(

@@ -11,6 +11,7 @@ import weakref
 import torch
 
 from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
+from moe_tune.ops.common.host_copy import host_values
 from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
 __all__ = ["gated_delta_rule", "kda"]
@@ -136,7 +137,7 @@ def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
         ref, version, bounds = _last_bounds
         if ref() is cu_seqlens and cu_seqlens._version == version:
             return bounds
-    bounds = cu_seqlens.tolist()
+    bounds = host_values(cu_seqlens).tolist()
     _last_bounds = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
     return bounds
 
