@@ -314,7 +314,7 @@ def sweep_lengths(
     timed_length: int,
     timed_steps: int,
     on_line=print,
-    on_result: Callable[[dict[str, Any]], None] | None = None,
+    on_result: Callable[[dict[str, Any]], None] = lambda result: None,
 ) -> dict[str, Any]:
     """For one profile (its memory policy as set): median throughput and peak memory at `timed_length`, then the
     longest of `lengths` (ascending) that trains a step, stopping at the first that runs out of memory.
@@ -346,8 +346,7 @@ def sweep_lengths(
         on_line(f"{result['memory_policy']} @ {timed_length}: {result['timed']['tokens_per_s']:,.0f} tok/s, "
                 f"peak {_gb_text(result['timed']['peak_memory_bytes'])}")  # fmt: skip
         result["max_trained_length"] = None
-        if on_result is not None:
-            on_result(result)
+        on_result(result)
         for seq_len in lengths:
             runner.set_seq_len(seq_len)
             _reset_peak(runner)
@@ -358,8 +357,7 @@ def sweep_lengths(
                     raise
                 result["ladder"].append(dict(seq_len=seq_len, outcome="out of memory"))
                 on_line(f"{result['memory_policy']} @ {seq_len}: out of memory")
-                if on_result is not None:
-                    on_result(result)
+                on_result(result)
                 break
             step = dict(seq_len=seq_len, outcome="trained", step_time_s=record["step_time_s"],
                         tokens_per_s=record["tokens_per_s"], peak_memory_bytes=_peak(runner),
@@ -369,8 +367,7 @@ def sweep_lengths(
             result["max_trained_length"] = seq_len
             on_line(f"{result['memory_policy']} @ {seq_len}: {record['step_time_s']:.2f} s, "
                     f"peak {_gb_text(step['peak_memory_bytes'])}")  # fmt: skip
-            if on_result is not None:
-                on_result(result)
+            on_result(result)
     finally:
         runner.close()
     result.update(machine_info(runner.is_cuda))

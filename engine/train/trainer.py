@@ -356,69 +356,69 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     reporter = ProgressReporter(train.steps, start_step, train.log_every, show_progress and dist.is_main, console)
     rows = train.micro_batch_size
     started = time.perf_counter()
-    with _StopSignal() as stop, reporter:
-        if start_step:
-            reporter.print(f"resumed from {ckpt_root / checkpoint_name(start_step)} at step {start_step}")
-        if skipped:
-            reporter.print(f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}")
-        if note := zero_stage_note(profile, dist.world_size, dist.device.type):
-            reporter.print(note)
-        for step in range(start_step, last_step):
-            t0 = time.perf_counter()
-            engine.train()
-            lm_losses, aux_losses, tokens = [], [], 0
-            for micro in range(train.gradient_accumulation_steps):
-                batch = dataset.micro_batch(
-                    step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
+    # Closed however the loop ends (a diverged step raises): the metrics of every finished step are on disk.
+    try:
+        with _StopSignal() as stop, reporter:
+            if start_step:
+                reporter.print(f"resumed from {ckpt_root / checkpoint_name(start_step)} at step {start_step}")
+            if skipped:
+                reporter.print(
+                    f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}"
                 )
-                out_ = micro_step(engine, batch, dist)
-                lm_losses.append(out_.lm_loss.detach().float())
-                aux_losses.append(out_.aux_loss.detach().float())
-                tokens += batch.num_label_tokens
-            expert_load, dropped_slots = _update_moe_bias(engine, dist)
-            loss = torch.stack(lm_losses).mean()
-            aux = torch.stack(aux_losses).mean()
-            if dist.world_size > 1:
-                stats = torch.stack([loss, aux, torch.tensor(float(tokens), device=loss.device)])
-                torch.distributed.all_reduce(stats)
-                loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
-            step_time = time.perf_counter() - t0
-            grad_norm = engine.get_global_grad_norm()
-            record = {
-                "step": step + 1,
-                "loss": float(loss),
-                "aux_loss": float(aux),
-                "lr": train.lr * lr_factor(step, train),
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens": tokens,
-                "tokens_per_s": tokens / step_time,
-                "step_time_s": step_time,
-                "expert_load_max_over_mean": expert_load,
-                "dropped_token_slots": dropped_slots,
-            }
-            if activation_memory is not None:
-                record.update(activation_memory.step_metrics())
-            if writer is not None:
-                writer.write(record)
-            try:
-                check_finite(record, result.checkpoint)
-            except TrainingDiverged:
+            if note := zero_stage_note(profile, dist.world_size, dist.device.type):
+                reporter.print(note)
+            for step in range(start_step, last_step):
+                t0 = time.perf_counter()
+                engine.train()
+                lm_losses, aux_losses, tokens = [], [], 0
+                for micro in range(train.gradient_accumulation_steps):
+                    batch = dataset.micro_batch(
+                        step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
+                    )
+                    out_ = micro_step(engine, batch, dist)
+                    lm_losses.append(out_.lm_loss.detach().float())
+                    aux_losses.append(out_.aux_loss.detach().float())
+                    tokens += batch.num_label_tokens
+                expert_load, dropped_slots = _update_moe_bias(engine, dist)
+                loss = torch.stack(lm_losses).mean()
+                aux = torch.stack(aux_losses).mean()
+                if dist.world_size > 1:
+                    stats = torch.stack([loss, aux, torch.tensor(float(tokens), device=loss.device)])
+                    torch.distributed.all_reduce(stats)
+                    loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
+                step_time = time.perf_counter() - t0
+                grad_norm = engine.get_global_grad_norm()
+                record = {
+                    "step": step + 1,
+                    "loss": float(loss),
+                    "aux_loss": float(aux),
+                    "lr": train.lr * lr_factor(step, train),
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / step_time,
+                    "step_time_s": step_time,
+                    "expert_load_max_over_mean": expert_load,
+                    "dropped_token_slots": dropped_slots,
+                }
+                if activation_memory is not None:
+                    record.update(activation_memory.step_metrics())
                 if writer is not None:
-                    writer.close()
-                raise
-            result.losses.append(record["loss"])
-            result.last_step = step + 1
-            reporter.update(record)
-            stopping = _agree(stop.received is not None, dist)
-            at_end = step + 1 == last_step
-            if stopping or at_end or (step + 1) % profile.output.save_every == 0:
-                result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist)
-            if stopping:
-                result.interrupted_by = stop.received or "signal on another rank"
-                break
+                    writer.write(record)
+                check_finite(record, result.checkpoint)
+                result.losses.append(record["loss"])
+                result.last_step = step + 1
+                reporter.update(record)
+                stopping = _agree(stop.received is not None, dist)
+                at_end = step + 1 == last_step
+                if stopping or at_end or (step + 1) % profile.output.save_every == 0:
+                    result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist)
+                if stopping:
+                    result.interrupted_by = stop.received or "signal on another rank"
+                    break
+    finally:
+        if writer is not None:
+            writer.close()
     result.elapsed_s = time.perf_counter() - started
-    if writer is not None:
-        writer.close()
     if result.last_step == train.steps or result.interrupted_by:
         result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout, result)
     if dist.is_main:

@@ -5,7 +5,7 @@ Reading a device tensor on the host (`.tolist()`, `.cpu()`) waits until the GPU 
 it. The document bounds `cu_seqlens` are made on the host and copied to the GPU once per batch, then read back by
 the ops that plan on the host (full attention's document buckets, linear attention's chunk layout). The data path
 `remember`s its host copy beside the device tensor; `host_values` returns it while the device tensor is unchanged
-(same object, same version counter), and reads the device otherwise.
+(same object, same version counter), and otherwise reads the device once and remembers what it read.
 """
 
 from __future__ import annotations
@@ -31,13 +31,17 @@ def remember(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
 
 
 def host_values(t: torch.Tensor) -> torch.Tensor:
-    """t's values on the CPU: the remembered copy while t is the remembered, unmodified tensor, else t.cpu()."""
+    """t's values on the CPU: the remembered copy while t is the remembered, unmodified tensor; else t read from
+    its device, and remembered (the next layer asking for the same tensor does not wait again)."""
     entry = _copies.get(id(t))
     if entry is not None:
         ref, version, host = entry
         if ref() is t and t._version == version:
             return host
-    return t.cpu()
+    host = t.cpu()
+    if host is not t:
+        remember(t, host)
+    return host
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

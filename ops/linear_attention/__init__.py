@@ -6,8 +6,6 @@ The math is in README.md; the ground truth in reference.py.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
@@ -126,22 +124,6 @@ def _apply(op_name, q, k, v, g, beta, **options):
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, **options)
 
 
-# The last cu_seqlens read to the host: (weak reference, its version, its values). A model's linear attention
-# layers share one cu_seqlens tensor per batch, so only the first layer waits for the device to copy it.
-_last_bounds: tuple[weakref.ref, int, list[int]] | None = None
-
-
-def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    global _last_bounds
-    if _last_bounds is not None:
-        ref, version, bounds = _last_bounds
-        if ref() is cu_seqlens and cu_seqlens._version == version:
-            return bounds
-    bounds = host_values(cu_seqlens).tolist()
-    _last_bounds = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
-    return bounds
-
-
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, is_per_channel):
     """ValueError naming the tensor, its shape and the rule, on the first input that breaks one."""
     if q.ndim != 4:
@@ -179,7 +161,8 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, is_per_channel):
             raise ValueError(f"cu_seqlens: shape {tuple(cu_seqlens.shape)} must be [N + 1] with N >= 1")
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens: dtype {cu_seqlens.dtype} must be int32 or int64")
-        bounds = _host_bounds(cu_seqlens)
+        # The batch's host copy (ops/common/host_copy.py): no wait for the device, once per batch at most.
+        bounds = host_values(cu_seqlens).tolist()
         if bounds[0] != 0 or bounds[-1] != T:
             raise ValueError(f"cu_seqlens: must start at 0 and end at T ({T}), got {bounds[0]} ... {bounds[-1]}")
         if any(end < start for start, end in zip(bounds[:-1], bounds[1:])):

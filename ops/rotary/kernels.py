@@ -58,7 +58,9 @@ def _rotary_kernel(
         tl.store(y_row + R + k[None, :], rest, mask=rest_mask)
 
 
-def rotary_pass(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, is_backward: bool) -> torch.Tensor:
+def rotary_pass(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, is_backward: bool
+) -> torch.Tensor:
     """x [M, D] contiguous (dy for the backward); cos, sin [T, R] fp32 contiguous; num_heads H. Returns [M, D] in
     x's dtype."""
     num_rows, dim = x.shape

@@ -25,6 +25,29 @@ def test_remembered_copy_is_returned_until_the_tensor_changes():
     assert host_values(device_tensor).tolist() == [1, 4, 8]
 
 
+class DeviceLike(torch.Tensor):
+    """A CPU tensor that behaves as if it lived on a device: cpu() makes a copy and counts the reads."""
+
+    reads = 0
+
+    def cpu(self):
+        DeviceLike.reads += 1
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_a_device_tensor_is_read_once_and_again_after_an_in_place_change():
+    DeviceLike.reads = 0
+    t = torch.tensor([0, 3, 8]).as_subclass(DeviceLike)
+    first = host_values(t)
+    assert host_values(t) is first and first.tolist() == [0, 3, 8] and DeviceLike.reads == 1
+    # An equal tensor is another tensor: read on its own.
+    host_values(t.clone())
+    assert DeviceLike.reads == 2
+    with torch.no_grad():
+        t[1] = 9
+    assert host_values(t).tolist() == [0, 9, 8] and DeviceLike.reads == 3
+
+
 def test_entry_goes_with_the_device_tensor():
     device_tensor = torch.tensor([0, 5])
     remember(device_tensor, torch.tensor([0, 5]))
@@ -36,7 +59,8 @@ def test_entry_goes_with_the_device_tensor():
 
 
 def test_remember_refuses_a_copy_of_another_shape():
-    with pytest.raises(ValueError, match=r"host_tensor: cpu \(2,\) must be a CPU tensor of the device tensor's shape \(3,\)"):
+    message = r"host_tensor: cpu \(2,\) must be a CPU tensor of the device tensor's shape \(3,\)"
+    with pytest.raises(ValueError, match=message):
         remember(torch.zeros(3), torch.zeros(2))
 
 

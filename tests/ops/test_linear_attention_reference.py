@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_tune.ops.common.host_copy import host_values, remember
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
 from moe_tune.ops.linear_attention.reference import (
     chunk_gated_delta_rule_ref,
@@ -283,23 +284,20 @@ def test_bad_cu_seqlens_raise(shape, cu_seqlens, message):
         gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
 
 
-def test_cu_seqlens_read_once_per_tensor_and_again_after_an_in_place_change(monkeypatch):
-    # Layers sharing one cu_seqlens copy it to the host once (each copy waits for the GPU); a change in place is
-    # seen, so the check cannot go stale.
-    import moe_tune.ops.linear_attention as la
-
+def test_cu_seqlens_are_checked_from_the_host_copy_and_a_change_in_place_is_seen():
+    # The op checks the bounds on the host through ops/common/host_copy.py (a device tensor is read once, then
+    # remembered; tests/ops/test_host_copy.py). A remembered copy that disagrees shows that the check reads it; a
+    # change in place is seen, so the check cannot go stale.
     inputs = {name: x.detach() for name, x in make_inputs(has_initial_state=False).items() if x is not None}
     cu_seqlens = torch.tensor([0, 3, 8])
-    monkeypatch.setattr(la, "_last_bounds", None)
-    first, _ = gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
-    read = la._last_bounds[2]
+    remember(cu_seqlens, torch.tensor([0, 9, 8]))
+    with pytest.raises(ValueError, match=r"must never decrease, got \[0, 9, 8\]"):
+        gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
+    # An equal tensor is another tensor: its own values are read.
+    first, _ = gated_delta_rule(**inputs, cu_seqlens=cu_seqlens.clone())
+    cu_seqlens[1] = 3  # the same value, written in place: the remembered copy is stale now
     second, _ = gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
-    assert torch.equal(first, second) and la._last_bounds[2] is read
-    assert read == [0, 3, 8]
-    # An equal tensor is another tensor: read again.
-    gated_delta_rule(**inputs, cu_seqlens=cu_seqlens.clone())
-    assert la._last_bounds[2] is not read
-    gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)
+    assert torch.equal(first, second) and host_values(cu_seqlens).tolist() == [0, 3, 8]
     cu_seqlens[1] = 9
     with pytest.raises(ValueError, match=r"must never decrease, got \[0, 9, 8\]"):
         gated_delta_rule(**inputs, cu_seqlens=cu_seqlens)

@@ -63,7 +63,8 @@ def test_kernel_does_not_assume_equal_table_halves(kernel_path, guarded):
     # Scaled or sectioned tables: the halves differ, so the backward is the transpose, not the inverse rotation.
     x, cos, sin, grad_y = rotary_case((1, 19, 2, 64), 64, torch.float32, equal_halves=False)
     y, dx = run_rotary(apply_rotary, x, cos, sin, grad_y)
-    y_ref, dx_ref = run_rotary(rotary_ref, x.detach().double().requires_grad_(), cos.double(), sin.double(), grad_y.double())
+    x64 = x.detach().double().requires_grad_()
+    y_ref, dx_ref = run_rotary(rotary_ref, x64, cos.double(), sin.double(), grad_y.double())
     assert_close_to_reference(("y", "dx"), (y, dx), (y_ref, dx_ref), torch.float32, TOLERANCES[torch.float32])
 
 
@@ -73,7 +74,8 @@ def test_kernel_takes_the_models_table_shape_and_a_strided_x(kernel_path, guarde
     wide = torch.randn(1, 11, 3, 40)
     x = wide[..., :32].requires_grad_()  # not contiguous
     y = apply_rotary(x, cos, sin)
-    torch.testing.assert_close(y, rotary_ref(x.detach(), cos.reshape(11, 16), sin.reshape(11, 16)), rtol=1e-6, atol=1e-6)
+    expected = rotary_ref(x.detach(), cos.reshape(11, 16), sin.reshape(11, 16))
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_kernel_is_deterministic(kernel_path):
