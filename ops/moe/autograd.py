@@ -8,8 +8,11 @@ Recomputed: h = silu(gate) * up, in the first backward kernel, which loads gate 
 alive from forward to backward would cost a third more activation memory to save one elementwise pass.
 
 Backward order with LoRA on both projections: the down adapter's pass over dy (dy B_down per row, dB_down), the down
-backward (dgate_up, d topk_weights, dA_down in its epilogue), the gate_up adapter's pass over dgate_up
-(dgate_up B_gate_up per row, dB_gate_up), dx, then dA_gate_up = sum (s dgate_up B_gate_up)^T x.
+backward (dgate_up, d topk_weights, w * h), dA_down = sum (s dy B_down)^T (w h) from a thin pass over w * h, the
+gate_up adapter's pass over dgate_up (dgate_up B_gate_up per row, dB_gate_up), dx, then
+dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down once came out of the down backward's epilogue (no w * h written),
+but that kernel then needed 255 registers a thread and the pass was 0.4-0.6 ms slower at issue 7's shapes on the
+H200 (docs/PERF.md, sixth session).
 """
 
 from __future__ import annotations
@@ -89,11 +92,11 @@ class MoEFunction(torch.autograd.Function):
                 dy, b_down, ha, scaling, routing, config, compute_gb=True, compute_db=needs[_B_DOWN],
                 g_by_token=True, g_weights=topk_weights,
             )  # fmt: skip
-        # h_weighted = w * h per row: the routing weight of dW_down comes with it.
-        dgate_up, h_weighted, d_a_down, dweights_S = moe_down_bwd(
-            dy, gate_up, topk_weights, w_down, a_down, dha, routing, config,
-            store_h=needs[_W_DOWN], compute_da=needs[_A_DOWN],
-        )  # fmt: skip
+        # h_weighted = w * h per row: the routing weight of dW_down and dA_down comes with it.
+        dgate_up, h_weighted, dweights_S = moe_down_bwd(
+            dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=needs[_W_DOWN] or needs[_A_DOWN]
+        )
+        d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config) if needs[_A_DOWN] else None
         del dha
         d_w_down = None
         if needs[_W_DOWN]:

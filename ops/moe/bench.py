@@ -230,9 +230,7 @@ def sweep_kernel_configs(
     dy = torch.randn_like(x)
     h, gate_up, xa = K.moe_gate_up_fwd(x, w_gate_up, a_gate_up, b_gate_up, 1.0, routing, base, save_gate_up=True)
     ha = K.moe_lora_rows(h, a_down, routing, base, u_by_token=False)
-    dgate_up, h_weighted, _, _ = K.moe_down_bwd(
-        dy, gate_up, topk_weights, w_down, None, None, routing, base, store_h=True, compute_da=False
-    )
+    dgate_up, h_weighted, _ = K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, base, True)
     num_slots = num_tokens * top_k
     gemm_flops = 2 * num_slots * shape["D"] * shape["F"]
     # The rows each LoRA pass reads: x and h (rank pass), dy and dgate_up (backward pass).
@@ -248,7 +246,7 @@ def sweep_kernel_configs(
         ),
         "down_bwd": (
             gemm_flops, 0,
-            lambda c: K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, c, True, False),
+            lambda c: K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, c, True),
         ),
         "gate_up_bwd": (
             2 * gemm_flops, 0,

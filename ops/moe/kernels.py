@@ -27,8 +27,6 @@ import triton.language as tl
 
 # tl.dot needs every dimension of its operands to be at least 16.
 MIN_DOT_SIZE = 16
-# A Hopper warpgroup MMA (wgmma) has at least 64 rows; Triton takes smaller products to the older MMA instructions.
-MIN_WGMMA_M = 64
 # The interpreter runs each program in Python: the smallest legal tile keeps CPU tests fast.
 INTERPRETER_BLOCK = MIN_DOT_SIZE
 # 128 rows x 128 columns per tile: two Hopper warpgroup MMAs, and each weight tile is reused across 128 token rows.
@@ -85,8 +83,6 @@ GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, n
 # are r fp32 per row each, 1/16 of a bf16 row of 2048); 32 rows a step keep the fp32 copy of the gradient tile that
 # the dB product reads at 32 registers a thread under 8 warps.
 GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=8, num_stages=3)
-# Columns per program of the per-expert sum of the down backward's dA partials: 1 KB of fp32 per tile row and load.
-TILE_SUM_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -562,8 +558,7 @@ def _moe_lora_bwd_kernel(
         tl.store(db, (acc_db * scale).to(db_ptr.dtype.element_ty), mask=q_mask[:, None] & rank_mask[None, :])
 
 
-# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed,
-# and this tile's share of dA_down = sum dha^T (w h)
+# Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed
 @triton.jit
 def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
@@ -574,7 +569,6 @@ def _moe_down_bwd_kernel(
     weights_ptr,  # [S] slot order
     dgate_up_ptr,  # out [S, 2F] expert order
     h_ptr,  # out [S, F] expert order, w * h with h recomputed from gate_up; written only when STORE_H
-    da_partial_ptr,  # out [T, r, F] fp32 per-tile sums of dha^T (w h); written only when COMPUTE_DA
     dweights_ptr,  # out [cdiv(F, BLOCK_N), S] fp32 per-column-block partial sums of <dy_token, y_slot / w_slot>
     slot_of_row_ptr,
     token_of_row_ptr,
@@ -595,13 +589,11 @@ def _moe_down_bwd_kernel(
     stride_af,
     HAS_LORA: tl.constexpr,
     STORE_H: tl.constexpr,
-    COMPUTE_DA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_RA: tl.constexpr,
 ):
     tile, pid_n = _tile_and_column_block(F, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
@@ -663,23 +655,6 @@ def _moe_down_bwd_kernel(
         # w * h: the weight gradients of the down projection read it as is, with no per-row scaling in their loop.
         h_weighted = h * weights[:, None]
         tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=out_mask)
-    if COMPUTE_DA:
-        # dA_down's share of this tile from the h in registers: [T, r, F] fp32 partials instead of writing w * h
-        # [S, F] in bf16 and reading it back (a quarter of the bytes at 128-row tiles and r = 16). dha^T has
-        # BLOCK_RA >= 64 rows (zero past the rank) so that the product is a warpgroup MMA reading w * h from shared
-        # memory; as a 16-row product the compiler recomputes the SwiGLU tiles in its operand layout and spills
-        # (sm_90, triton 3.6: 255 registers and 80 bytes of stack; this form 255 and none; without dA 172, so one
-        # 8-warp CTA per SM either way). Masked rows hold dha = 0 and h = 0.
-        ranks_da = tl.arange(0, BLOCK_RA)
-        rank_da_mask = ranks_da < rank
-        dha_t = tl.load(
-            dha_ptr + rows[None, :] * rank + ranks_da[:, None],
-            mask=rank_da_mask[:, None] & row_mask[None, :],
-            other=0.0,
-        )  # [RA, M]
-        da = tl.dot(dha_t, h * weights[:, None], input_precision=DOT_PRECISION)  # [RA, N]
-        da_rows = da_partial_ptr + tile.to(tl.int64) * rank * F + ranks_da[:, None] * F
-        tl.store(da_rows + cols[None, :], da, mask=rank_da_mask[:, None] & col_mask[None, :])
 
 
 # Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ dxa A), stored in slot order
@@ -750,31 +725,6 @@ def _moe_gate_up_bwd_kernel(
         acc.to(dx_ptr.dtype.element_ty),
         mask=row_mask[:, None] & col_mask[None, :],
     )
-
-
-# Per-expert sum of per-tile partials: out[e] = sum over the tiles of expert e of partial[tile], in tile order
-@triton.jit
-def _moe_tile_sum_kernel(
-    partial_ptr,  # [T, P] fp32
-    out_ptr,  # out [E, P], contiguous
-    tile_offsets_ptr,  # [E+1] int32
-    P,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_blocks = tl.cdiv(P, BLOCK)
-    expert = (pid // num_blocks).to(tl.int64)
-    cols = (pid % num_blocks) * BLOCK + tl.arange(0, BLOCK)
-    col_mask = cols < P
-    tile_begin = tl.load(tile_offsets_ptr + expert)
-    tile_end = tl.load(tile_offsets_ptr + expert + 1)
-    partial_row = partial_ptr + tile_begin.to(tl.int64) * P + cols
-    # An expert without rows owns no tile and gets zeros.
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for _ in range(tile_begin, tile_end):
-        acc += tl.load(partial_row, mask=col_mask, other=0.0)
-        partial_row += P
-    tl.store(out_ptr + expert * P + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
 # Per-expert weight gradients: out[e] = scale * sum over the expert's rows of lhs_row^T rhs_row
@@ -936,17 +886,6 @@ def moe_lora_bwd(
     return gb, db
 
 
-def _tile_sum(partial_T: torch.Tensor, out_like: torch.Tensor, routing: MoERouting) -> torch.Tensor:
-    """out[e] = sum over expert e's tiles of partial_T[tile] [T, ...] fp32, shaped and typed like out_like [E, ...]."""
-    num_experts = out_like.shape[0]
-    out = _alloc(tuple(out_like.shape), out_like.dtype, out_like.device)
-    size = out[0].numel()
-    _moe_tile_sum_kernel[(num_experts * triton.cdiv(size, TILE_SUM_BLOCK),)](
-        partial_T, out, routing.tile_offsets_E1, size, BLOCK=TILE_SUM_BLOCK, num_warps=THIN_NUM_WARPS
-    )
-    return out
-
-
 def moe_gate_up_fwd(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -1030,24 +969,22 @@ def moe_down_bwd(
     routing: MoERouting,
     config: MoEConfig,
     store_h: bool,
-    compute_da: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Backward of the down projection, the routing weights and SwiGLU.
 
     a_down: [E, r, F] and dha: [S, r] fp32 = scaling * dy[token] @ B_down (moe_lora_bwd; unweighted, d(h A^T) / w),
     both None without LoRA on the down projection.
     Returns dgate_up [S, 2F] in gate_up.dtype, w * h [S, F] recomputed and weighted by each row's routing weight
-    (when store_h; dW_down = sum dy^T (w h) reads it), dA_down = sum_rows dha^T (w h) shaped and typed like a_down
-    (when compute_da) and d topk_weights [S] fp32 in slot order.
+    (when store_h; dW_down = sum dy^T (w h) and dA_down = sum dha^T (w h) read it) and d topk_weights [S] fp32 in
+    slot order.
     """
     has_lora = a_down is not None
-    assert has_lora == (dha is not None) and (has_lora or not compute_da), "dha and dA need the down adapter"
+    assert has_lora == (dha is not None), "dha needs the down adapter"
     num_slots, model_dim = routing.num_slots, dy.shape[1]
     num_hidden = gate_up.shape[1] // 2
     rank = a_down.shape[1] if has_lora else 0
     dgate_up = _alloc((num_slots, 2 * num_hidden), gate_up.dtype, dy.device)
     h = _alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else None
-    da_partial = _alloc((routing.num_tiles, rank, num_hidden), torch.float32, dy.device) if compute_da else None
     kernel = config.down_bwd
     num_col_blocks = triton.cdiv(num_hidden, kernel.block_n)
     # Partial sums per column block, added up below in a fixed order: deterministic where atomics would not be.
@@ -1055,17 +992,16 @@ def moe_down_bwd(
     if routing.num_tiles > 0:
         _moe_down_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
             dy, w_down, _or_dummy(a_down, w_down), _or_dummy(dha, dgate_up), gate_up, topk_weights.reshape(-1),
-            dgate_up, _or_dummy(h, dgate_up), _or_dummy(da_partial, dgate_up), dweights_partial,
+            dgate_up, _or_dummy(h, dgate_up), dweights_partial,
             routing.slot_of_row_S, routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T,
             routing.offsets_E1,
             num_slots, model_dim, num_hidden, rank,
             *dy.stride(), *w_down.stride(), *_strides3(a_down),
-            HAS_LORA=has_lora, STORE_H=store_h, COMPUTE_DA=compute_da, DOT_PRECISION=_dot_precision(gate_up.dtype),
+            HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=_dot_precision(gate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
-            BLOCK_RA=max(MIN_WGMMA_M, _rank_block(rank)), **kernel.launch_options(),
+            **kernel.launch_options(),
         )  # fmt: skip
-    d_a_down = _tile_sum(da_partial, a_down, routing) if compute_da else None
-    return dgate_up, h, d_a_down, dweights_partial.sum(dim=0)
+    return dgate_up, h, dweights_partial.sum(dim=0)
 
 
 def moe_gate_up_bwd(

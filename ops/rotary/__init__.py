@@ -5,9 +5,9 @@ products and a sum, the cast and the concatenation with the unrotated dims).
 Shapes: x [B, T, H, D]; cos, sin [T, R] with R even, R <= D. The math is in README.md; the ground truth in
 reference.py.
 
-Dispatch: the reference on the CPU. On a GPU the kernel runs only when forced (MOE_TUNE_KERNELS=triton) until its
-GPU test (tests/gpu/test_rotary_gpu.py) has passed on the H200: the kernel has been checked in the Triton
-interpreter only. IS_AUTO_ON_CUDA turns auto dispatch on once it is.
+Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernel is
+checked against the reference in the Triton interpreter (tests/ops/test_rotary.py) and in bf16 on the H200
+(tests/gpu/test_rotary_gpu.py); IS_AUTO_ON_CUDA = False would keep auto dispatch on the reference.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from moe_tune.ops.rotary.reference import rotary_ref
 
 __all__ = ["apply_rotary"]
 
-# Whether auto dispatch takes the kernel on CUDA tensors (False: not yet checked on the device).
-IS_AUTO_ON_CUDA = False
+# Whether auto dispatch takes the kernel on CUDA tensors: True since its GPU test passed on the H200 (sixth session,
+# docs/PERF.md).
+IS_AUTO_ON_CUDA = True
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -17,14 +17,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-# The waits a step may have, by file of ours: copying the batch to the GPU (input ids, cu_seqlens, labels), the
-# document buckets of full attention read from cu_seqlens once per batch, the linear attention op's one read of
-# cu_seqlens per batch, the one copy of the expert-load statistics per step, and the benchmark loop's read of the
-# step's loss.
+# The waits a step may have, by file of ours: the one copy of the expert-load statistics per step and the benchmark
+# loop's read of the step's loss. The batch reaches the GPU through pinned memory without a wait, and full
+# attention's buckets and linear attention's bounds read the batch's host copy of cu_seqlens (ops/common/host_copy.py):
+# on the H200 (sixth session) a step waited exactly at these two.
 ALLOWED = {
-    "engine/data/dataset.py": 3,
-    "engine/model/varlen.py": 1,
-    "ops/linear_attention/__init__.py": 1,
     "engine/train/trainer.py": 1,
     "engine/bench/steps.py": 1,
 }
@@ -72,6 +69,7 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
         if "synchroniz" in str(warning.message):
             name = our_file(warning.filename)
             (ours if name else theirs)[name or f"{warning.filename}:{warning.lineno}"] += 1
+    print(f"waits in one step: ours {dict(ours)}, others {dict(theirs)}")  # shown with -s: what ALLOWED bounds
     over = {name: count for name, count in ours.items() if count > ALLOWED.get(name, 0)}
     assert not over, f"waits for the GPU beyond the allowed ones: {over} (ours: {dict(ours)}, others: {dict(theirs)})"
     # DeepSpeed's ZeRO-2 step waits nowhere with its norm and clip helpers replaced (engine/train/ds_sync_free.py);

@@ -1,6 +1,6 @@
 """rotary's Triton kernel on CUDA: bf16 and fp32 forward and input gradient against the reference at the model's
-shapes, NaN-filled buffers with guarded ends, bitwise reruns. Until this file has passed on the H200, auto dispatch
-keeps the reference on CUDA (ops/rotary/__init__.py, IS_AUTO_ON_CUDA).
+shapes, NaN-filled buffers with guarded ends, bitwise reruns. Auto dispatch takes the kernel on CUDA since this
+file passed on the H200 (ops/rotary/__init__.py, IS_AUTO_ON_CUDA).
 
 Shapes: x [B, T, H, D]; the benchmark models rotate q [1, 8192, 16, 128] and k [1, 8192, 4 or 2, 128] fully
 (qwen3_moe-like), or a quarter of 256-dim heads (qwen3_next-like).

@@ -264,8 +264,8 @@ def test_moe_lora_bwd_matches_torch(
 
 @pytest.mark.parametrize("num_tokens, num_experts, top_k, pattern", LORA_PASS_CASES)
 def test_moe_down_bwd_lora_da_matches_torch(kernel_path, guarded, num_tokens, num_experts, top_k, pattern):
-    # dA_down from per-tile partials in the down backward's epilogue, summed over each expert's tiles; F = 20 spans
-    # two 16-column blocks.
+    # dA_down as the backward computes it: the down backward stores w * h (with LoRA on, whatever the weights
+    # need), and the per-expert gradient pass sums dha^T (w h); F = 20 spans two 16-column blocks.
     gen, config, routing, slot_S, expert_S, token_S = _pass_setup(num_tokens, num_experts, top_k, pattern)
     num_slots, model_dim, hidden_dim = num_tokens * top_k, 24, 20
     dy = torch.randn(num_tokens, model_dim, generator=gen)
@@ -274,9 +274,8 @@ def test_moe_down_bwd_lora_da_matches_torch(kernel_path, guarded, num_tokens, nu
     w_down = torch.randn(num_experts, model_dim, hidden_dim, generator=gen)
     a_down = torch.randn(num_experts, PASS_RANK, hidden_dim, generator=gen)
     dha = torch.randn(num_slots, PASS_RANK, generator=gen)
-    _, h_weighted, d_a_down, _ = kernels.moe_down_bwd(
-        dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=True, compute_da=True
-    )
+    _, h_weighted, _ = kernels.moe_down_bwd(dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, True)
+    d_a_down = kernels.moe_expert_grad(dha, h_weighted, a_down, routing, config)
     gate, up = gate_up.double().split(hidden_dim, dim=1)
     weights_S = topk_weights.reshape(-1)[slot_S].double()
     expected_h_weighted = weights_S[:, None] * torch.nn.functional.silu(gate) * up
