@@ -161,6 +161,13 @@ def _dot_precision(*dtypes: torch.dtype) -> str:
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
+def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the LoRA backward's rank products (d(x A^T), d(h A^T)): bf16 next to bf16 activations, so that the
+    GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the fp32 forms cost 0.5 ms of issue 7's
+    E64 r16 backward: docs/PERF.md, sixth session); fp32 otherwise (fp16 would underflow small gradients)."""
+    return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
+
+
 def _rank_block(rank: int) -> int:
     return max(MIN_DOT_SIZE, triton.next_power_of_2(rank))
 
@@ -504,6 +511,7 @@ def _moe_lora_bwd_kernel(
     G_TIMES_WEIGHT: tl.constexpr,
     COMPUTE_GB: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
+    DB_IN_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -552,7 +560,11 @@ def _moe_lora_bwd_kernel(
                 slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0)
                 weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
                 g_f32 = g_f32 * weights[:, None]
-            acc_db = tl.dot(tl.trans(g_f32), ua, acc_db, input_precision=DOT_PRECISION)
+            if DB_IN_BF16:
+                # bf16 operands: one warpgroup MMA instead of fp32 copies of both tiles and a tf32 product.
+                acc_db = tl.dot(tl.trans(g_f32.to(tl.bfloat16)), ua.to(tl.bfloat16), acc_db)
+            else:
+                acc_db = tl.dot(tl.trans(g_f32), ua, acc_db, input_precision=DOT_PRECISION)
     if COMPUTE_DB:
         db = db_ptr + expert * stride_de + qs[:, None] * stride_dq + ranks[None, :] * stride_dr
         tl.store(db, (acc_db * scale).to(db_ptr.dtype.element_ty), mask=q_mask[:, None] & rank_mask[None, :])
@@ -564,7 +576,7 @@ def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
     w_ptr,  # [E, D, F]
     a_ptr,  # [E, r, F]
-    dha_ptr,  # [S, r] fp32 d(h @ A^T) / w = s dy[token] @ B, expert order, from the LoRA backward pass
+    dha_ptr,  # [S, r] d(h @ A^T) / w = s dy[token] @ B, expert order, from the LoRA backward pass (rank_dtype)
     gate_up_ptr,  # [S, 2F] pre-activations saved by the forward, expert order
     weights_ptr,  # [S] slot order
     dgate_up_ptr,  # out [S, 2F] expert order
@@ -631,7 +643,7 @@ def _moe_down_bwd_kernel(
             a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
             mask=rank_mask[:, None] & col_mask[None, :],
             other=0.0,
-        ).to(tl.float32)  # [R, N]
+        ).to(dha.dtype)  # [R, N]
         acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
 
     out_mask = row_mask[:, None] & col_mask[None, :]
@@ -663,7 +675,7 @@ def _moe_gate_up_bwd_kernel(
     dgate_up_ptr,  # [S, 2F] expert order
     w_ptr,  # [E, 2F, D]
     a_ptr,  # [E, r, D]
-    dxa_ptr,  # [S, r] fp32 d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass
+    dxa_ptr,  # [S, r] d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass (rank_dtype)
     dx_ptr,  # out [S, D] slot order
     slot_of_row_ptr,
     tile_expert_ptr,
@@ -718,7 +730,7 @@ def _moe_gate_up_bwd_kernel(
             a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_ad,
             mask=rank_mask[:, None] & col_mask[None, :],
             other=0.0,
-        ).to(tl.float32)  # [R, N]
+        ).to(dxa.dtype)  # [R, N]
         acc = tl.dot(dxa, a_tile, acc, input_precision=DOT_PRECISION)
     tl.store(
         dx_ptr + slots[:, None] * D + cols[None, :],
@@ -857,9 +869,9 @@ def moe_lora_bwd(
 
     g: [S, Q] in expert order, or [N, Q] read at each row's token when g_by_token; b: [E, Q, r]; ua: [S, r] fp32.
     g_weights: [N, k] routing weights multiplied into g's rows for dB (not for gb), or None.
-    Returns gb = scale * g[row] @ B[e] [S, r] fp32 in expert order (when compute_gb; d(ua) for the backward GEMM's
-    epilogue and for dA) and dB[e] = scale * sum_{rows of e} (w g_row)^T ua_row, shaped and typed like b (when
-    compute_db).
+    Returns gb = scale * g[row] @ B[e] [S, r] in expert order, typed rank_dtype(g.dtype) (when compute_gb; d(ua) for
+    the backward GEMM's epilogue and for dA) and dB[e] = scale * sum_{rows of e} (w g_row)^T ua_row, shaped and typed
+    like b (when compute_db; bf16 products with fp32 sums when g is bf16).
     """
     num_experts, dim_q, rank = b.shape
     num_slots = routing.num_slots
@@ -876,13 +888,14 @@ def moe_lora_bwd(
         num_slots, dim_q, rank, scale,
         *g.stride(), *b.stride(), *_strides3(db),
         G_BY_TOKEN=g_by_token, G_TIMES_WEIGHT=g_weights is not None, COMPUTE_GB=compute_gb, COMPUTE_DB=compute_db,
+        DB_IN_BF16=g.dtype == torch.bfloat16,
         DOT_PRECISION=_dot_precision(g.dtype, ua.dtype),
         BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
         **kernel.launch_options(),
     )  # fmt: skip
     gb = None
     if compute_gb:
-        gb = gb_partial[0] if num_q_blocks == 1 else gb_partial.sum(dim=0)
+        gb = (gb_partial[0] if num_q_blocks == 1 else gb_partial.sum(dim=0)).to(rank_dtype(g.dtype))
     return gb, db
 
 
@@ -972,8 +985,8 @@ def moe_down_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Backward of the down projection, the routing weights and SwiGLU.
 
-    a_down: [E, r, F] and dha: [S, r] fp32 = scaling * dy[token] @ B_down (moe_lora_bwd; unweighted, d(h A^T) / w),
-    both None without LoRA on the down projection.
+    a_down: [E, r, F] and dha: [S, r] (rank_dtype) = scaling * dy[token] @ B_down (moe_lora_bwd; unweighted,
+    d(h A^T) / w), both None without LoRA on the down projection.
     Returns dgate_up [S, 2F] in gate_up.dtype, w * h [S, F] recomputed and weighted by each row's routing weight
     (when store_h; dW_down = sum dy^T (w h) and dA_down = sum dha^T (w h) read it) and d topk_weights [S] fp32 in
     slot order.
@@ -1015,8 +1028,8 @@ def moe_gate_up_bwd(
 ) -> torch.Tensor:
     """dx [N, D] in dgate_up.dtype.
 
-    a_gate_up: [E, r, D] and dxa: [S, r] fp32 = scaling * dgate_up @ B_gate_up (moe_lora_bwd), both None without
-    LoRA on the gate_up projection.
+    a_gate_up: [E, r, D] and dxa: [S, r] (rank_dtype) = scaling * dgate_up @ B_gate_up (moe_lora_bwd), both None
+    without LoRA on the gate_up projection.
     """
     has_lora = a_gate_up is not None
     assert has_lora == (dxa is not None), "dxa needs the gate_up adapter"

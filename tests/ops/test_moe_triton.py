@@ -311,6 +311,16 @@ def test_moe_mlp_kernel_per_kernel_config(kernel_path, guarded, lora_on):
     guarded.check()
 
 
+@pytest.mark.parametrize(
+    "activation_dtype, expected",
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)],
+)
+def test_rank_products_of_the_backward_follow_the_activations(activation_dtype, expected):
+    # bf16 next to bf16 (bf16 MMAs in the epilogues and dA passes); never fp16, whose range would underflow small
+    # gradients. The bf16 path itself is checked on the H200 (tests/gpu/test_moe_gpu.py, bf16 LoRA gradients).
+    assert kernels.rank_dtype(activation_dtype) == expected
+
+
 def test_forced_config_is_restored():
     x = torch.zeros(4, 16)
     default = kernels.pick_config(x, 8, 4)
