@@ -2,7 +2,7 @@
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
 
-Saved for backward: the inputs themselves (no copies), the routing metadata (six int32 vectors), the gate/up
+Saved for backward: the inputs themselves (no copies), the routing metadata (five int32 vectors), the gate/up
 pre-activations [S, 2F] and, with LoRA, the rank products x A^T and h A^T [S, r] in fp32.
 Recomputed: h = silu(gate) * up, in the first backward kernel, which loads gate and up anyway; keeping h [S, F]
 alive from forward to backward would cost a third more activation memory to save one elementwise pass.

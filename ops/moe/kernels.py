@@ -186,8 +186,7 @@ class MoERouting:
     token_of_row_S: [S] int32   token t of each row (slot // k)
     offsets_E1:     [E+1] int32 rows of expert e are offsets[e] .. offsets[e+1]; counts are its differences
     tile_expert_T:  [T] int32   expert of each BLOCK_M tile, -1 for a tile of the worst-case grid with no work
-    tile_row_T:     [T] int32   first row of each tile
-    tile_offsets_E1: [E+1] int32 tiles of expert e are tile_offsets[e] .. tile_offsets[e+1] (busy tiles come first)
+    tile_row_T:     [T] int32   first row of each tile (an expert's tiles are consecutive; busy tiles come first)
     """
 
     slot_of_row_S: torch.Tensor
@@ -195,7 +194,6 @@ class MoERouting:
     offsets_E1: torch.Tensor
     tile_expert_T: torch.Tensor
     tile_row_T: torch.Tensor
-    tile_offsets_E1: torch.Tensor
     block_m: int
     top_k: int
 
@@ -212,10 +210,7 @@ class MoERouting:
         return self.tile_expert_T.shape[0]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (
-            self.slot_of_row_S, self.token_of_row_S, self.offsets_E1, self.tile_expert_T, self.tile_row_T,
-            self.tile_offsets_E1,
-        )  # fmt: skip
+        return self.slot_of_row_S, self.token_of_row_S, self.offsets_E1, self.tile_expert_T, self.tile_row_T
 
 
 def max_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -255,7 +250,6 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERo
         offsets_E1=offsets_E1.to(torch.int32),
         tile_expert_T=torch.where(has_work_T, tile_expert_T, -1).to(torch.int32),
         tile_row_T=torch.where(has_work_T, tile_row_T, 0).to(torch.int32),
-        tile_offsets_E1=torch.cat([tile_end_E.new_zeros(1), tile_end_E]).to(torch.int32),
         block_m=block_m,
         top_k=top_k,
     )

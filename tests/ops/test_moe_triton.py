@@ -395,11 +395,11 @@ def test_moe_routing_metadata(block_m):
         covered[first_row:end] += 1
     assert bool((covered == 1).all())
     assert num_busy_tiles == int(((counts_E + block_m - 1) // block_m).sum())
-    # Each expert's tiles are the range tile_offsets[e] .. tile_offsets[e + 1] of the tile map.
+    # Each expert's tiles are one consecutive range of the tile map, in expert order.
     tiles_E = (counts_E + block_m - 1) // block_m
-    assert torch.equal(routing.tile_offsets_E1.long(), torch.cat([torch.zeros(1, dtype=torch.long), tiles_E.cumsum(0)]))
+    tile_end_E = tiles_E.cumsum(0)
     for e in range(num_experts):
-        begin, end = int(routing.tile_offsets_E1[e]), int(routing.tile_offsets_E1[e + 1])
+        begin, end = int(tile_end_E[e] - tiles_E[e]), int(tile_end_E[e])
         assert bool((routing.tile_expert_T[begin:end] == e).all())
     assert routing.num_tiles == kernels.max_tiles(ids_S.numel(), num_experts, block_m) >= num_busy_tiles
     busy = routing.tile_expert_T >= 0
