@@ -249,12 +249,14 @@ def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
     rows = []
     if run.is_cuda:
         # One bench_moe call per shape, so peak memory is that of the shape (the largest of its impls).
+        results, peaks = [], []
         for shape in shapes:
             torch.cuda.reset_peak_memory_stats()
-            results = bench_moe([shape])
-            peak = torch.cuda.max_memory_allocated()
-            rows += [_moe_row(result, run, peak) for result in results]
-        return rows
+            shape_results = bench_moe([shape])
+            results += shape_results
+            peaks += [torch.cuda.max_memory_allocated()] * len(shape_results)
+        notes = lora_overhead_notes(results)
+        return [_moe_row(result, run, peak, note) for result, peak, note in zip(results, peaks, notes)]
     from moe_tune.ops.moe.reference import moe_mlp_ref
 
     gen = torch.Generator().manual_seed(0)
@@ -285,7 +287,25 @@ def _moe_shape(shape: dict) -> str:
     return " ".join(f"{name}{shape[name]}" for name in ("N", "D", "F", "E", "k"))
 
 
-def _moe_row(result: dict, run: RunContext, peak: int) -> dict:
+def lora_overhead_notes(results: list[dict]) -> list[str | None]:
+    """For each bench_moe result, the note that puts a LoRA row (experts frozen) against the frozen-expert row of the
+    same shape and impl without LoRA (issue 7: LoRA r16 adds at most 20% to fwd+bwd); None for the other rows."""
+    from moe_tune.ops.moe.bench import lora_overheads
+
+    ratios = {}
+    for impl in dict.fromkeys(result["impl"] for result in results):
+        for overhead in lora_overheads(results, impl=impl):
+            key = tuple(overhead[name] for name in ("N", "D", "F", "E", "k", "routing", "lora_rank", "impl"))
+            ratios[key] = overhead["ratio"]
+    notes = []
+    for result in results:
+        key = tuple(result.get(name) for name in ("N", "D", "F", "E", "k", "routing", "lora_rank", "impl"))
+        ratio = ratios.get(key) if result.get("lora_rank") and not result.get("train_base") else None
+        notes.append(None if ratio is None else f"fwd+bwd {ratio:.3f}x the frozen-expert row without LoRA")
+    return notes
+
+
+def _moe_row(result: dict, run: RunContext, peak: int, lora_note: str | None = None) -> dict:
     notes = [f"max/mean expert load {result['max_over_mean_load']:.1f}"]
     if "rel_error" in result:
         grads = f", grads {result['grad_error']:.2f} of tol" if "grad_error" in result else ""
@@ -294,6 +314,8 @@ def _moe_row(result: dict, run: RunContext, peak: int) -> dict:
         notes.append(f"refused: {result['error']}")
     if result["lora_rank"] and not result["train_base"]:
         notes.append("expert weights frozen")
+    if lora_note:
+        notes.append(lora_note)
     values = {key: result.get(key) for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops")}
     return make_row("moe", _moe_case(result), result["impl"], _moe_shape(result), result["dtype"], run,
                     peak_memory_bytes=peak, note="; ".join(notes), **values)  # fmt: skip

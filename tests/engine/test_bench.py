@@ -156,3 +156,30 @@ def test_rotary_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
 def test_rotary_spec_with_an_odd_rotary_dim_is_refused(no_cuda):
     with pytest.raises(ValueError, match=r"R must be even and <= D"):
         run_kernels(["rotary"], "T10,H1,D8,R3")
+
+
+def test_lora_rows_carry_their_overhead_over_the_frozen_row():
+    # Issue 7's LoRA target compares a LoRA row (experts frozen) with the frozen-expert row of the same shape and impl
+    # without LoRA; trained-expert rows and rows of another shape or impl get no note.
+    from moe_tune.engine.bench.kernels import lora_overhead_notes
+
+    def result(impl, lora_rank, train_base, fwd_bwd_ms, E=64):
+        return dict(N=16, D=8, F=4, E=E, k=2, routing="uniform", impl=impl, lora_rank=lora_rank,
+                    train_base=train_base, fwd_bwd_ms=fwd_bwd_ms)  # fmt: skip
+
+    results = [
+        result("triton", 0, True, 13.0),
+        result("triton", 16, False, 10.0),
+        result("torch_grouped_mm", 16, False, 21.0),
+        result("triton", 0, False, 8.0),
+        result("torch_grouped_mm", 0, False, 16.0),
+        result("triton", 16, False, 12.0, E=256),
+    ]
+    assert lora_overhead_notes(results) == [
+        None,
+        "fwd+bwd 1.250x the frozen-expert row without LoRA",
+        "fwd+bwd 1.312x the frozen-expert row without LoRA",
+        None,
+        None,
+        None,
+    ]
