@@ -183,3 +183,25 @@ def test_lora_rows_carry_their_overhead_over_the_frozen_row():
         None,
         None,
     ]
+
+
+def test_moe_cuda_rows_carry_each_shapes_peak_and_the_lora_note(monkeypatch):
+    # The CUDA path without a GPU: bench_moe and the peak-memory probes stubbed, one call per shape.
+    from moe_tune.engine.bench import kernels as bench_kernels
+    from moe_tune.ops.moe import bench as moe_bench
+
+    shapes = [dict(N=16, D=8, F=4, E=4, k=2, routing="uniform", lora_rank=rank, train_base=False) for rank in (0, 16)]
+    peaks = iter([100, 200])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
+    fwd_bwd = {0: 8.0, 16: 9.6}
+    monkeypatch.setattr(moe_bench, "bench_moe", lambda shape_list: [
+        dict(shape_list[0], impl="triton", dtype="bfloat16", max_over_mean_load=1.0, fwd_ms=1.0,
+             fwd_bwd_ms=fwd_bwd[shape_list[0]["lora_rank"]]),
+    ])  # fmt: skip
+    monkeypatch.setattr(bench_kernels, "MOE_SHAPES", {"anchor": shapes})
+    run = bench_kernels.RunContext(is_cuda=True, peaks=bench_kernels.Peaks(None, None), machine={})
+    rows = bench_kernels.bench_moe_op("anchor", run)
+    assert [row["peak_memory_bytes"] for row in rows] == [100, 200]
+    assert "the frozen-expert row" not in rows[0]["note"]
+    assert rows[1]["note"].endswith("fwd+bwd 1.200x the frozen-expert row without LoRA")
