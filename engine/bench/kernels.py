@@ -292,15 +292,16 @@ def lora_overhead_notes(results: list[dict]) -> list[str | None]:
     same shape and impl without LoRA (issue 7: LoRA r16 adds at most 20% to fwd+bwd); None for the other rows."""
     from moe_tune.ops.moe.bench import lora_overheads
 
+    key_names = ("N", "D", "F", "E", "k", "routing", "lora_rank", "impl")
     ratios = {}
     for impl in dict.fromkeys(result["impl"] for result in results):
         for overhead in lora_overheads(results, impl=impl):
-            key = tuple(overhead[name] for name in ("N", "D", "F", "E", "k", "routing", "lora_rank", "impl"))
-            ratios[key] = overhead["ratio"]
+            ratios[tuple(overhead[name] for name in key_names)] = overhead["ratio"]
     notes = []
     for result in results:
-        key = tuple(result.get(name) for name in ("N", "D", "F", "E", "k", "routing", "lora_rank", "impl"))
-        ratio = ratios.get(key) if result.get("lora_rank") and not result.get("train_base") else None
+        # A LoRA row over trained experts has the same key as its frozen twin, so the frozen check stays.
+        is_lora_frozen = result.get("lora_rank") and not result.get("train_base")
+        ratio = ratios.get(tuple(result.get(name) for name in key_names)) if is_lora_frozen else None
         notes.append(None if ratio is None else f"fwd+bwd {ratio:.3f}x the frozen-expert row without LoRA")
     return notes
 
