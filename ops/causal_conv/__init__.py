@@ -5,7 +5,7 @@ Shapes: x [B, T, C]; weight [C, W]; positions [T]. The math is in README.md; the
 
 Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernels are
 checked against the reference in the Triton interpreter (tests/ops/test_causal_conv.py) and in bf16 on the H200
-(tests/gpu/test_causal_conv_gpu.py); IS_AUTO_ON_CUDA = False would keep auto dispatch on the reference.
+(tests/gpu/test_causal_conv_gpu.py).
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ from __future__ import annotations
 import torch
 
 from moe_tune.ops.causal_conv.reference import causal_conv_ref
-from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
+from moe_tune.ops.common.dispatch import use_kernel
 
 __all__ = ["causal_conv"]
 
-# Whether auto dispatch takes the kernel on CUDA tensors: True since its GPU test passed on the H200 (bf16 against the
-# fp32 reference, every gradient; docs/PERF.md).
-IS_AUTO_ON_CUDA = True
 # Taps the kernels unroll (the models use 4; n-gram tables a few more); wider convolutions run the reference.
 MAX_WIDTH = 8
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,8 +36,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, 
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, weight, positions, dilation)
-    is_supported = x.dtype in _KERNEL_DTYPES and weight.shape[1] <= MAX_WIDTH
-    has_kernel = is_supported and (IS_AUTO_ON_CUDA or kernel_mode() == "triton")
+    has_kernel = x.dtype in _KERNEL_DTYPES and weight.shape[1] <= MAX_WIDTH
     if use_kernel("causal_conv", x, weight, positions, has_kernel=has_kernel):
         from moe_tune.ops.causal_conv.autograd import CausalConvFunction
 

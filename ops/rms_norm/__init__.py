@@ -5,21 +5,18 @@ Shapes: x [..., N]; weight [N]; gate x's shape. The math is in README.md; the gr
 
 Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernels are
 checked against the reference in the Triton interpreter (tests/ops/test_rms_norm.py) and in bf16 on the H200
-(tests/gpu/test_rms_norm_gpu.py); IS_AUTO_ON_CUDA = False would keep auto dispatch on the reference.
+(tests/gpu/test_rms_norm_gpu.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
+from moe_tune.ops.common.dispatch import use_kernel
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS, rms_norm_ref
 
 __all__ = ["rms_norm"]
 
-# Whether auto dispatch takes the kernel on CUDA tensors: True since its GPU test passed on the H200 (bf16 against the
-# fp32 reference, every gradient; docs/PERF.md).
-IS_AUTO_ON_CUDA = True
 # Widest row the kernel takes in one tile (the model's norms are 128 to 8192 wide); wider rows run the reference.
 MAX_N = 16384
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,8 +42,7 @@ def rms_norm(
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, weight, eps, gate, gate_activation)
-    is_supported = x.dtype in _KERNEL_DTYPES and x.shape[-1] <= MAX_N
-    has_kernel = is_supported and (IS_AUTO_ON_CUDA or kernel_mode() == "triton")
+    has_kernel = x.dtype in _KERNEL_DTYPES and x.shape[-1] <= MAX_N
     if use_kernel("rms_norm", x, weight, gate, has_kernel=has_kernel):
         from moe_tune.ops.rms_norm.autograd import RMSNormFunction
 

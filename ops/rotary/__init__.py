@@ -7,21 +7,18 @@ reference.py.
 
 Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernel is
 checked against the reference in the Triton interpreter (tests/ops/test_rotary.py) and in bf16 on the H200
-(tests/gpu/test_rotary_gpu.py); IS_AUTO_ON_CUDA = False would keep auto dispatch on the reference.
+(tests/gpu/test_rotary_gpu.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
+from moe_tune.ops.common.dispatch import use_kernel
 from moe_tune.ops.rotary.reference import rotary_ref
 
 __all__ = ["apply_rotary"]
 
-# Whether auto dispatch takes the kernel on CUDA tensors: True since its GPU test passed on the H200 (sixth session,
-# docs/PERF.md).
-IS_AUTO_ON_CUDA = True
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -36,8 +33,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     cos, sin = _check_inputs(x, cos, sin)
-    is_supported = x.dtype in _KERNEL_DTYPES and not (cos.requires_grad or sin.requires_grad)
-    has_kernel = is_supported and (IS_AUTO_ON_CUDA or kernel_mode() == "triton")
+    has_kernel = x.dtype in _KERNEL_DTYPES and not (cos.requires_grad or sin.requires_grad)
     if use_kernel("rotary", x, cos, sin, has_kernel=has_kernel):
         from moe_tune.ops.rotary.autograd import RotaryFunction
 

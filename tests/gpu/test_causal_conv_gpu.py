@@ -1,6 +1,6 @@
 """causal_conv's Triton kernels on CUDA: bf16 and fp32 forward and every gradient against the reference at the model's
 shapes, NaN-filled buffers with guarded ends, bitwise reruns. Auto dispatch takes the kernel on CUDA since
-this file passed on the H200 (ops/causal_conv/__init__.py, IS_AUTO_ON_CUDA).
+this file passed on the H200 (ops/causal_conv/__init__.py).
 
 Shapes: x [B, T, C]; the benchmark model's gated delta nets convolve q, k, v together: C = 2 * 16 * 128 + 32 * 128
 = 8192 channels over a packed row of 8192 tokens, width 4.
@@ -10,7 +10,13 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import assert_close_to_reference, causal_conv_case, run_causal_conv
+from norm_conv_cases import (
+    GPU_GUARD_ELEMENTS,
+    GPU_TOLERANCES,
+    assert_close_to_reference,
+    causal_conv_case,
+    run_causal_conv,
+)
 
 from moe_tune.ops.causal_conv import causal_conv, kernels
 from moe_tune.ops.causal_conv.reference import causal_conv_ref
@@ -21,16 +27,9 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-# Against the reference on fp64 copies of the inputs, relative to each tensor's largest entry (dw sums every
-# token). bf16: one rounding of y and dx (2^-9 relative). fp32: summation order only.
-TOLERANCES = {
-    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-}
-GUARD_ELEMENTS = 1 << 16
 
 kernel_path = forced_kernel_path(kernels, "_causal_conv_fwd_kernel", on_gpu=True)
-guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS)
 
 # (batch, document lengths, channels, width, dilation)
 CASES = {
@@ -53,7 +52,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
     y_ref, grads_ref = run_causal_conv(causal_conv_ref, *as_fp64, positions, grad_y.double(), dilation)
     torch.cuda.synchronize()
     guarded.check()
-    assert_close_to_reference(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref), dtype, TOLERANCES[dtype])
+    assert_close_to_reference(("y", "dx", "dweight"), (y, *grads), (y_ref, *grads_ref), dtype, GPU_TOLERANCES[dtype])
 
 
 def test_reruns_are_bitwise_equal(kernel_path):

@@ -1,6 +1,6 @@
 """rotary's Triton kernel on CUDA: bf16 and fp32 forward and input gradient against the reference at the model's
 shapes, NaN-filled buffers with guarded ends, bitwise reruns. Auto dispatch takes the kernel on CUDA since this
-file passed on the H200 (ops/rotary/__init__.py, IS_AUTO_ON_CUDA).
+file passed on the H200 (ops/rotary/__init__.py).
 
 Shapes: x [B, T, H, D]; the benchmark models rotate q [1, 8192, 16, 128] and k [1, 8192, 4 or 2, 128] fully
 (qwen3_moe-like), or a quarter of 256-dim heads (qwen3_next-like).
@@ -10,7 +10,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import assert_close_to_reference, rotary_case, run_rotary
+from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_reference, rotary_case, run_rotary
 
 from moe_tune.ops.rotary import apply_rotary, kernels
 from moe_tune.ops.rotary.reference import rotary_ref
@@ -21,16 +21,9 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
-# Against the reference on fp64 copies, relative to each tensor's largest entry. bf16: one rounding of y and dx
-# (2^-9 relative). fp32: an fma contraction apart.
-TOLERANCES = {
-    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-}
-GUARD_ELEMENTS = 1 << 16
 
 kernel_path = forced_kernel_path(kernels, "_rotary_kernel", on_gpu=True)
-guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS)
 
 # (B, T, H, D), R, equal table halves
 CASES = {
@@ -52,7 +45,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
     y_ref, dx_ref = run_rotary(rotary_ref, x64, cos.double(), sin.double(), grad_y.double())
     torch.cuda.synchronize()
     guarded.check()
-    assert_close_to_reference(("y", "dx"), (y, dx), (y_ref, dx_ref), dtype, TOLERANCES[dtype])
+    assert_close_to_reference(("y", "dx"), (y, dx), (y_ref, dx_ref), dtype, GPU_TOLERANCES[dtype])
     assert torch.equal(y[..., rotary_dim:], x.detach()[..., rotary_dim:])
 
 
