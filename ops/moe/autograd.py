@@ -11,8 +11,8 @@ Backward order with LoRA on both projections: the down adapter's pass over dy (d
 backward (dgate_up, d topk_weights, w * h), dA_down = sum (s dy B_down)^T (w h) from a thin pass over w * h, the
 gate_up adapter's pass over dgate_up (dgate_up B_gate_up per row, dB_gate_up), dx, then
 dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down once came out of the down backward's epilogue (no w * h written),
-but that kernel then needed 255 registers a thread and the pass was 0.4-0.6 ms slower at issue 7's shapes on the
-H200 (docs/PERF.md, sixth session).
+but that kernel then needed 255 registers a thread and the LoRA fwd+bwd was 0.3-0.6 ms slower at issue 7's shapes
+on the H200 (docs/PERF.md, sixth session).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def sweep_candidates() -> dict[str, list]:
     config built from them was slower end to end than pick_config's, which therefore stays.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
-    the H200 (sixth session: 1.03 ms at E256 against 1.13-2.02 for the others, 0.715 ms at E64 with 128 columns at
+    the H200 (sixth session: 1.03 ms at E256 against 1.08-2.02 for the others, 0.715 ms at E64 with 128 columns at
     4 warps 0.711), so pick_config takes it.
     """
     # Imported here: kernels.py must not be imported before tests/ops sets TRITON_INTERPRET (bench.py is imported by

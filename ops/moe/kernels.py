@@ -163,8 +163,9 @@ def _dot_precision(*dtypes: torch.dtype) -> str:
 
 def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     """dtype of the LoRA backward's rank products (d(x A^T), d(h A^T)): bf16 next to bf16 activations, so that the
-    GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the fp32 forms cost 0.5 ms of issue 7's
-    E64 r16 backward: docs/PERF.md, sixth session); fp32 otherwise (fp16 would underflow small gradients)."""
+    GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the two dA passes alone: 0.23 -> 0.18 ms
+    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/PERF.md, sixth session); fp32 otherwise (fp16 would
+    underflow small gradients)."""
     return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
 
 
