@@ -258,24 +258,29 @@ def _pair_decay(G, IS_INCLUSIVE: tl.constexpr, IS_TRANSPOSED: tl.constexpr, BT: 
 def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
     """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32.
 
-    The SB x SB diagonal blocks are inverted together, one row of each per step (forward substitution: row r of the
-    inverse is e_r minus A's row r times the rows above). With D that block-diagonal inverse and N = D A_off
+    The BT / SB diagonal blocks of SB x SB are cut out as one [BT / SB, SB, SB] tensor and inverted together, one row
+    of each per step (forward substitution: row r of the inverse is e_r minus A's row r times the rows above), on a
+    quarter of the elements the whole [BT, BT] tile would hold. With D that block-diagonal inverse and N = D A_off
     (A_off: A below the diagonal blocks, so N^4 = 0 for BT <= 4 SB), (I + A)^-1 = (I - N)(I + N^2) D.
     """
     tl.static_assert(BT <= 4 * SB)
-    rows = tl.arange(0, BT)
-    is_diag = rows[:, None] == rows[None, :]
-    eye = tl.where(is_diag, 1.0, 0.0)
-    is_same_block = (rows[:, None] // SB) == (rows[None, :] // SB)
-    A_diag = tl.where(is_same_block, A, 0.0)
-    inv = eye
-    for r in range(1, SB):
-        is_row = (rows % SB) == r
-        # Row r of every diagonal block, each on its own block's columns (the blocks' columns do not overlap).
-        a_r = tl.sum(tl.where(is_row[:, None], A_diag, 0.0), axis=0)
-        new_row = -tl.sum(a_r[:, None] * inv, axis=0)
-        inv = tl.where(is_row[:, None] & is_same_block, new_row[None, :] + eye, inv)
+    NB: tl.constexpr = BT // SB
+    blocks = tl.arange(0, NB)
+    is_diag_block = blocks[:, None, None, None] == blocks[None, None, :, None]  # [NB, 1, NB, 1]
+    # A_diag[b, i, j] = A[b SB + i, b SB + j]: the other blocks of each block row are masked out of the sum.
+    A_diag = tl.sum(tl.where(is_diag_block, tl.reshape(A, (NB, SB, NB, SB)), 0.0), axis=2)
+    r = tl.arange(0, SB)
+    eye_b = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]  # [1, SB, SB]
+    inv_b = tl.broadcast_to(eye_b, (NB, SB, SB))
+    for i in range(1, SB):
+        is_row = (r == i)[None, :, None]
+        a_i = tl.sum(tl.where(is_row, A_diag, 0.0), axis=1)  # [NB, SB]: row i of every diagonal block
+        new_row = -tl.sum(a_i[:, :, None] * inv_b, axis=1)  # [NB, SB]
+        inv_b = tl.where(is_row, new_row[:, None, :] + eye_b, inv_b)
+    inv = tl.reshape(tl.where(is_diag_block, inv_b[:, :, None, :], 0.0), (BT, BT))
     if BT > SB:
+        rows = tl.arange(0, BT)
+        eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
         A_off = tl.where((rows[:, None] // SB) > (rows[None, :] // SB), A, 0.0)
         N = tl.dot(inv, A_off, input_precision=PRECISION)
         N2 = tl.dot(N, N, input_precision=PRECISION)
