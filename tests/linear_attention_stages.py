@@ -8,6 +8,7 @@ wrong gradient at the end (this is how the H200 miscompiles of docs/PERF.md were
   kernel's own states);
 - "state_bwd": the state gradients leaving each chunk (a reverse recomputation) and dv_new (from the kernel's own
   state gradients);
+- "output": the forward's parallel output pass (per-head decay), from the kernel's states and v_new;
 - "grad": dq, dk, dv, dg, dbeta as autograd of the chunk-local loss sum(o * do) + sum(S1 * dS1), given the kernel's
   S0 and dS1 (the total gradient of every token's inputs decomposes that way, chunk by chunk).
 `stage_errors` returns {stage: {tensor: relative max error}} and whether a second run of the passes was bit-equal.
@@ -167,6 +168,11 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
         "dv_new": _rel(slots.valid(slots.gather(dv_new)), slots.valid(dv_new_ref)),
     }
 
+    # The forward's parallel output pass, from the states and v_new the serial pass stored.
+    o_kernel = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
+    o_ref = (q_n * G_k.exp()[..., None]) @ states_k + ((q_n @ k_n.transpose(-1, -2)) * M) @ slots.gather(v_new)
+    errors["output"] = {"o": _rel(slots.valid(slots.gather(o_kernel)), slots.valid(o_ref))}
+
     kernel_grads = kernels_bwd.chunk_grad(
         q, k, v, g.dtype, beta, g_cumsum, inverse, states, state_grads, v_new, dv_new, do, layout, config, scale, True
     )
@@ -186,7 +192,8 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     grads_again = kernels_bwd.chunk_grad(
         q, k, v, g.dtype, beta, g_cumsum, inverse, states, again[0], v_new, again[1], do, layout, config, scale, True
     )
+    o_again = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
     repeat_equal = bool(torch.equal(again[0][used], state_grads[used])) and all(
-        torch.equal(a, b) for a, b in zip(grads_again, kernel_grads)
+        torch.equal(a, b) for a, b in zip((*grads_again, o_again), (*kernel_grads, o_kernel))
     )
     return errors, repeat_equal

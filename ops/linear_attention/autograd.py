@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd
 from moe_tune.ops.linear_attention.kernels_fwd import (
     ChunkLayout,
+    chunk_output,
     chunk_state_fwd,
     chunk_wy_fwd,
     pick_config,
@@ -48,10 +49,22 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         g_cumsum, w_THK, u_THV, qk_THC, _, _ = _wy_pass(
             q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward=False
         )
-        o_THV, final_state, _, _ = chunk_state_fwd(
-            q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-            output_final_state, qk_THC=qk_THC,
-        )  # fmt: skip
+        if g_flat.ndim == 2:
+            # Per-head decay: the serial pass only carries the state (storing it per chunk, with v_new) and a
+            # parallel kernel computes the output; the states are freed here, backward recomputes them.
+            _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
+                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+                output_final_state, compute_output=False, store_states=True,
+            )  # fmt: skip
+            o_THV = chunk_output(
+                q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm
+            )
+            del states_NCHKV, v_new_THV
+        else:
+            o_THV, final_state, _, _ = chunk_state_fwd(
+                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+                output_final_state, qk_THC=qk_THC,
+            )  # fmt: skip
         ctx.save_for_backward(
             q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout.cu_seqlens, layout.chunk_offsets,
             layout.chunk_map,

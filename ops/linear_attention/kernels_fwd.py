@@ -50,6 +50,11 @@ GPU_BLOCK_V_STATE = 32
 GPU_BLOCK_V_GRAD = 64
 # The WY kernel loops over V in tiles of 64 for U.
 GPU_BLOCK_V_WY = 64
+# The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head,
+# and 8 warps hold its tiles without spilling (sm_90 compile, triton 3.6: 204 registers; 4 warps: 255 and 56 bytes
+# of stack).
+GPU_BLOCK_V_OUTPUT = 128
+GPU_NUM_WARPS_OUTPUT = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
 GPU_NUM_WARPS = 4
 # The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
@@ -69,8 +74,10 @@ class KernelConfig:
     block_v_state: int
     block_v_grad: int
     block_v_wy: int
+    block_v_output: int
     num_warps: int
     num_warps_grad: int
+    num_warps_output: int
     num_stages_state: int
     num_stages: int
 
@@ -79,13 +86,18 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block_v = INTERPRETER_BLOCK_V
-        return KernelConfig(block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_stages_state=1, num_stages=1)
+        return KernelConfig(
+            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, num_stages_state=1,
+            num_stages=1,
+        )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
         GPU_BLOCK_V_GRAD,
         GPU_BLOCK_V_WY,
+        GPU_BLOCK_V_OUTPUT,
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
+        GPU_NUM_WARPS_OUTPUT,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
     )
@@ -428,6 +440,92 @@ def _chunk_state_fwd_kernel(
 
     if STORE_FINAL_STATE:
         tl.store(final_state_ptr + seq_head + state_offsets, state, mask=state_mask)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr,
+    k_ptr,
+    g_cumsum_ptr,
+    states_ptr,
+    v_new_ptr,
+    chunk_map_ptr,
+    o_ptr,
+    scale,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """o = (q exp(G)) S0 + (q k^T * M) v_new of one (chunk slot, head, V tile), in parallel over all of them, from the
+    state entering the chunk and v_new that the serial pass stored (per-head decay: q k^T is built here)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    decay, _, _, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, False, BT, BK)
+    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+    qk = (qk * _pair_decay(G, True, False, BT)).to(dot_dtype)
+    offs_k = tl.arange(0, BK)
+    offs_v = v0 + tl.arange(0, BV)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    # A slot past the last chunk (num_valid 0) stored no state: nothing is read or written for it.
+    state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V) & (num_valid > 0)
+    state = tl.load(states_ptr + slot_head + offs_k[:, None] * V + offs_v[None, :], mask=state_mask, other=0.0)
+    v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+    o = tl.dot((q * decay).to(dot_dtype), state.to(dot_dtype), input_precision=DOT_PRECISION)
+    o += tl.dot(qk, v_new, input_precision=DOT_PRECISION)
+    _store_rows(o_ptr + i_h * V + v0, o, t0, num_valid, H * V, V - v0, BT, BV)
+
+
+def chunk_output(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    g_cumsum_TH: torch.Tensor,
+    states_NCHKV: torch.Tensor,
+    v_new_THV: torch.Tensor,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """o [T, H, V] in q's dtype from the per-chunk states and v_new of chunk_state_fwd(store_states=True), per-head
+    decay (g_cumsum_TH [T, H]); one program per (chunk slot, head, V tile), all in parallel."""
+    T, H, K = q_THK.shape
+    V = v_new_THV.shape[-1]
+    o_THV = _alloc((T, H, V), q_THK.dtype, q_THK.device)
+    block_v = min(config.block_v_output, _block(V))
+    dot_precision, _ = dot_precisions(q_THK.dtype)
+    if layout.num_slots > 0:
+        _chunk_output_kernel[(layout.num_slots, H, triton.cdiv(V, block_v))](
+            q_THK,
+            k_THK,
+            g_cumsum_TH,
+            states_NCHKV,
+            v_new_THV,
+            layout.chunk_map,
+            o_THV,
+            scale,
+            H,
+            K=K,
+            V=V,
+            USE_L2NORM=use_qk_l2norm,
+            BT=layout.chunk_size,
+            BK=_block(K),
+            BV=block_v,
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps_output,
+            num_stages=config.num_stages,
+        )
+    return o_THV
 
 
 def chunk_wy_fwd(
