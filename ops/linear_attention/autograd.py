@@ -21,6 +21,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     chunk_output,
     chunk_state_fwd,
     chunk_wy_fwd,
+    has_output_kernel,
     pick_config,
     prepare_chunks,
 )
@@ -49,7 +50,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         g_cumsum, w_THK, u_THV, qk_THC, _, _ = _wy_pass(
             q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward=False
         )
-        if g_flat.ndim == 2:
+        if g_flat.ndim == 2 and has_output_kernel(k_THK.shape[-1], v_THV.shape[-1], config):
             # Per-head decay: the serial pass only carries the state (storing it per chunk, with v_new) and a
             # parallel kernel computes the output; the states are freed here, backward recomputes them.
             _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(

@@ -4,6 +4,8 @@ odd lengths, packed documents, NaN-filled buffers with guarded ends, the chunk m
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
+import dataclasses
+
 import pytest
 from guarded_buffers import GuardedBuffers
 from triton_interpreter_mode import interpreted_kernels
@@ -12,7 +14,7 @@ with interpreted_kernels():
     import torch
     import torch.nn.functional as F
     from moe_tune.ops.linear_attention import gated_delta_rule, kda
-    from moe_tune.ops.linear_attention import kernels_fwd
+    from moe_tune.ops.linear_attention import autograd, kernels_fwd
     from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
     from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
 
@@ -207,6 +209,29 @@ def test_chunk_map_covers_every_chunk_once():
     assert layout.num_slots == 7
     assert layout.chunk_offsets.tolist() == [0, 1, 1, 2, 5]
     assert layout.chunk_map.tolist() == [[0, 1], [1, 64], [65, 64], [129, 64], [193, 7], [257, 0], [321, 0]]
+
+
+@pytest.mark.parametrize("K, V, expected", [(16, 16, True), (16, 32, True), (128, 128, True), (32, 16, False),
+                                             (256, 128, False), (128, 64, False)])
+def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expected):
+    # The H200's tiles (V tile capped at GPU_BLOCK_V_OUTPUT): K 32 with V 16 read past shared memory there.
+    config = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), block_v_output=kernels_fwd.GPU_BLOCK_V_OUTPUT)
+    assert kernels_fwd.has_output_kernel(K, V, config) is expected
+
+
+@pytest.mark.parametrize("K, V, takes_output_kernel", [(16, 32, True), (32, 16, False)])
+def test_forward_takes_the_output_kernel_by_the_head_dims(kernel_path, monkeypatch, K, V, takes_output_kernel):
+    calls = []
+    output = autograd.chunk_output
+    monkeypatch.setattr(autograd, "chunk_output", lambda *args: calls.append(args) or output(*args))
+    inputs = make_inputs(1, 70, K=K, V=V)
+    o, final_state = gated_delta_rule(**inputs, output_final_state=True)
+    expected_o, expected_state = chunk_gated_delta_rule_ref(
+        **{name: x.detach() for name, x in inputs.items()}, output_final_state=True
+    )
+    assert len(calls) == int(takes_output_kernel)
+    torch.testing.assert_close(o, expected_o, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(final_state, expected_state, **TOLERANCES[torch.float32])
 
 
 def _spy_kernel(monkeypatch):
