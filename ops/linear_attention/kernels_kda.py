@@ -261,7 +261,7 @@ def _kda_grad_kernel(
     offs_k = tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
-    # Accumulated over V tiles, as in _chunk_grad_kernel.
+    # Accumulated over V tiles, as in _chunk_grad_output_kernel and _chunk_grad_wy_kernel.
     do_state = tl.zeros([BT, BK], dtype=tl.float32)
     dqk = tl.zeros([BT, BT], dtype=tl.float32)
     dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
@@ -316,7 +316,7 @@ def _kda_grad_kernel(
     dG -= k * dk_end
     dG_last = tl.sum(k * dk_end, axis=0) + tl.exp(G_last) * state_dstate
 
-    # WY factors, as in _chunk_grad_kernel, with A = diag(beta) kk and kk read back from the WY kernel.
+    # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the WY kernel.
     k_scaled = k * (beta[:, None] * exp_G)
     dw_dot = dw.to(dot_dtype)
     dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
