@@ -406,7 +406,7 @@ def kda_wy_fwd(
             BV=min(config.block_v_wy, _block(V)),
             DOT_PRECISION=dot_precision,
             INV_PRECISION=inv_precision,
-            num_warps=config.num_warps,
+            num_warps=config.num_warps_kda_wy,
             num_stages=config.num_stages,
         )
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC
