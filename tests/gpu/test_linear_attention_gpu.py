@@ -165,13 +165,29 @@ def test_kda_gate_in_kernel_bf16_matches_reference(guarded, shape, bounds):
 
     as_fp32 = {name: None if x is None else x.detach().float().requires_grad_() for name, x in inputs.items()}
     expected = forward_and_grads(reference, as_fp32, **options)
-    tolerance = TOLERANCES[torch.bfloat16]
+    # dA_log[h] and ddt_bias[h, k] are sums over tokens (and channels) of da times a weight: by the chain rule
+    # da * softplus(x) / sigmoid(x) and da, x = a + dt_bias. Those sums cancel (sum |term| is about 30x |sum| here), so
+    # the bf16 error of da they inherit is measured against the sum's scale, sum |term| (the bound of a sum's error
+    # for a given relative error per term), and the kernel's own sums must follow from its own da (tight: only da's
+    # bf16 rounding differs; a lost chunk or head would be some 30% off).
+    x = inputs["g"].detach().double() + inputs["dt_bias"].detach().double().view(H, K)
+    weights = {"dA_log": F.softplus(x) / torch.sigmoid(x), "ddt_bias": torch.ones_like(x)}
+    sum_dims = {"dA_log": (0, 1, 3), "ddt_bias": (0, 1)}
+    errors, consistency = {}, {}
     for name in expected:
         a, e = actual[name].double(), expected[name].double()
         assert bool(a.isfinite().all()), f"{name}: non-finite values"
-        rel_rms = ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
-        rel_max = ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
-        assert rel_rms <= tolerance["rel_rms"] and rel_max <= tolerance["rel_max"], (name, rel_rms, rel_max)
+        scale = e
+        if name in weights:
+            scale = (expected["dg"].double() * weights[name]).abs().sum(dim=sum_dims[name]).reshape(e.shape)
+            implied = (actual["dg"].double() * weights[name]).sum(dim=sum_dims[name]).reshape(e.shape)
+            consistency[name] = ((a - implied).norm() / implied.norm()).item()
+        errors[name] = dict(rel_rms=((a - e).norm() / scale.norm().clamp_min(1e-30)).item(),
+                            rel_max=((a - e).abs().max() / scale.abs().max().clamp_min(1e-30)).item())  # fmt: skip
+    tolerance = TOLERANCES[torch.bfloat16]
+    failed = {name: err for name, err in errors.items() if any(err[m] > tolerance[m] for m in tolerance)}
+    assert not failed, f"over {tolerance}: {failed}; all errors: {errors}"
+    assert all(err <= 1e-2 for err in consistency.values()), consistency
     guarded.check()
 
 
