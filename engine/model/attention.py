@@ -85,15 +85,14 @@ class GatedAttention(nn.Module):
         k = self.rotary.rotate(self.k_norm(k), cos, sin)
         return q, k, v, gate
 
-    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
-        return packed_causal_attention(q, k, v, batch.document_buckets)
+    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
+        """The heads' attention output [1, T, H, hd], times sigmoid(gate) when gated."""
+        o = packed_causal_attention(q, k, v, batch.document_buckets)
+        return o if gate is None else o * torch.sigmoid(gate)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         q, k, v, gate = self.project(x, batch)
-        o = self.attend(x, q, k, v, batch)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o.reshape(1, x.shape[1], -1))
+        return self.o_proj(self.attend(x, q, k, v, gate, batch).reshape(1, x.shape[1], -1))
 
 
 class SparseAttention(GatedAttention):
@@ -112,7 +111,7 @@ class SparseAttention(GatedAttention):
         self.index_k_proj = nn.Linear(d, self.index_dim, bias=False)
         self.index_weights_proj = nn.Linear(d, self.index_heads, bias=False)
 
-    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
+    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
         t = x.shape[1]
         # The indexer only chooses keys; as in DeepSeek's DSA it gets no gradient from the language-model loss.
         with torch.no_grad():
@@ -123,7 +122,8 @@ class SparseAttention(GatedAttention):
                 q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
             )
         indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
-        return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens)
+        # The output gate runs inside the sparse attention kernels (their forward's epilogue, dgate beside dq).
+        return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens, gate=gate)
 
 
 class QSAIndexer(nn.Module):
@@ -168,12 +168,14 @@ class QSAAttention(GatedAttention):
         super().__init__(cfg)
         self.indexer = QSAIndexer(cfg)
 
-    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
+    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
         # The choice is a mask in the reference too: the indexer gets no gradient from the language-model loss.
         with torch.no_grad():
             indices = self.indexer(x, self.rotary, batch)
         indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
-        return sparse_attention(q, k, v, indices, block_size=self.indexer.block_size, cu_seqlens=batch.cu_seqlens)
+        return sparse_attention(
+            q, k, v, indices, block_size=self.indexer.block_size, cu_seqlens=batch.cu_seqlens, gate=gate
+        )
 
 
 class GatedDeltaNet(nn.Module):

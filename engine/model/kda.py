@@ -14,7 +14,6 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.linear_attention import kda
@@ -68,9 +67,13 @@ class KimiDeltaAttention(nn.Module):
         t, shape_THK = x.shape[1], (1, x.shape[1], self.num_heads, self.head_dim)
         qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch.positions)
         q, k, v = (part.reshape(shape_THK) for part in qkv.chunk(3, dim=-1))
-        a = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(shape_THK)
-        g = -self.A_log.float().exp()[:, None] * F.softplus(a)  # [1, T, H, K]
+        a = self.f_b_proj(self.f_a_proj(x)).view(shape_THK)
         beta = torch.sigmoid(self.b_proj(x).float())  # [1, T, H]
-        o, _ = kda(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+        # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'
+        # WY pass; the reference applies it first).
+        o, _ = kda(
+            q, k, v, a, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=self.A_log, dt_bias=self.dt_bias,
+        )  # fmt: skip
         gate = self.g_b_proj(self.g_a_proj(x)).view(shape_THK)
         return self.o_proj(self.o_norm(o, gate).reshape(1, t, -1))

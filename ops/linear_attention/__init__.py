@@ -10,7 +10,7 @@ import torch
 
 from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
 from moe_tune.ops.common.host_copy import host_values
-from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
+from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
 
 __all__ = ["gated_delta_rule", "kda"]
 
@@ -20,7 +20,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_MAX_KEY_DIM = 256
 # The options the kernels implement; an option added to the public functions runs the reference whenever it is set
 # (not None or False) until the kernels learn it.
-_KERNEL_OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm")
+_KERNEL_OPTIONS = ("scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm", "A_log", "dt_bias")
 
 
 def gated_delta_rule(
@@ -81,13 +81,25 @@ def kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi delta attention: the gated delta rule with one decay per key channel, S_t = diag(exp(g_t)) S_{t-1}.
 
     Args and returns as in `gated_delta_rule`, except
-        g: [B, T, H, K] fp32 or q's dtype, log decay per key channel and token, <= 0 (not checked per element).
+        g: [B, T, H, K] fp32 or q's dtype, log decay per key channel and token, <= 0 (not checked per element);
+            with use_gate_in_kernel, the raw gate a instead.
+        use_gate_in_kernel: the log decay is -exp(A_log[h]) * softplus(a + dt_bias[h, :]), computed inside the
+            kernels (the WY pass; the gradient kernel returns da, dA_log and ddt_bias), as flash-linear-attention's
+            chunk_kda does: no [B, T, H, K] pass of the gate activation on either side.
+        A_log: [H] float (with use_gate_in_kernel).
+        dt_bias: [H * K] or [H, K] float (with use_gate_in_kernel).
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, is_per_channel=True)
+    _check_gate(q, use_gate_in_kernel, A_log, dt_bias)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
     return _apply(
         "kda",
         q,
@@ -100,7 +112,27 @@ def kda(
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
     )
+
+
+def _check_gate(q, use_gate_in_kernel, A_log, dt_bias):
+    """ValueError naming A_log or dt_bias, its shape and the rule, when they do not fit use_gate_in_kernel."""
+    if not use_gate_in_kernel:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log, dt_bias: given without use_gate_in_kernel=True (g is already the log decay)")
+        return
+    H, K = q.shape[2], q.shape[3]
+    for name, x, shapes in (("A_log", A_log, [(H,)]), ("dt_bias", dt_bias, [(H * K,), (H, K)])):
+        if x is None:
+            raise ValueError(f"{name}: required with use_gate_in_kernel=True")
+        if tuple(x.shape) not in shapes:
+            raise ValueError(f"{name}: shape {tuple(x.shape)} must be {' or '.join(str(list(s)) for s in shapes)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name}: dtype {x.dtype} must be floating point")
+        if x.device != q.device:
+            raise ValueError(f"{name}: device {x.device} must match q ({q.device})")
 
 
 def _apply(op_name, q, k, v, g, beta, **options):
@@ -120,7 +152,11 @@ def _apply(op_name, q, k, v, g, beta, **options):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel
 
-        return gated_delta_rule_kernel(q, k, v, g, beta, **{name: options[name] for name in _KERNEL_OPTIONS})
+        kernel_options = {name: value for name, value in options.items() if name in _KERNEL_OPTIONS}
+        return gated_delta_rule_kernel(q, k, v, g, beta, **kernel_options)
+    A_log, dt_bias = options.pop("A_log", None), options.pop("dt_bias", None)
+    if A_log is not None:
+        g = kda_gate_ref(g, A_log, dt_bias)
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, **options)
 
 

@@ -36,7 +36,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    def forward(
+        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, A_log, dt_bias
+    ):
         B, T, H, K = q.shape
         V = v.shape[-1]
         q_THK, k_THK = q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous()
@@ -47,8 +49,10 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             initial_state = initial_state.contiguous()
         layout = prepare_chunks(cu_seqlens, B, T, device=q.device)
         config = pick_config(q)
+        # KDA with the gate in the kernel: g is the raw gate a, the log decay -exp(A_log) softplus(a + dt_bias).
+        gate = None if A_log is None else (A_log.contiguous(), dt_bias.reshape(-1).contiguous())
         g_cumsum, w_THK, u_THV, qk_THC, _, _ = _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward=False
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, False, gate
         )
         if g_flat.ndim == 2 and has_output_kernel(k_THK.shape[-1], v_THV.shape[-1], config):
             # Per-head decay: the serial pass only carries the state (storing it per chunk, with v_new) and a
@@ -68,8 +72,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             )  # fmt: skip
         ctx.save_for_backward(
             q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout.cu_seqlens, layout.chunk_offsets,
-            layout.chunk_map,
+            layout.chunk_map, *(gate if gate is not None else (None, None)),
         )  # fmt: skip
+        ctx.dt_bias_shape = None if dt_bias is None else dt_bias.shape
         ctx.layout_sizes = (layout.num_slots, layout.chunk_size)
         ctx.scale = scale
         ctx.use_qk_l2norm = use_qk_l2norm
@@ -79,7 +84,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, do, final_state_grad):
-        q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, cu_seqlens, chunk_offsets, chunk_map = ctx.saved_tensors
+        (q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, cu_seqlens, chunk_offsets, chunk_map, A_log,
+         dt_bias) = ctx.saved_tensors  # fmt: skip
+        gate = None if A_log is None else (A_log, dt_bias)
         B, T, H, K, V = ctx.shape
         layout = ChunkLayout(cu_seqlens, chunk_offsets, chunk_map, *ctx.layout_sizes)
         config = pick_config(q_THK)
@@ -90,7 +97,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             final_state_grad = final_state_grad.contiguous()
 
         g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC = _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward=True
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, True, gate
         )
         _, _, states_NCHKV, v_new_THV = chunk_state_fwd(
             q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
@@ -106,9 +113,15 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             q_THK, k_THK, v_THV, g_flat.dtype, beta_TH, g_cumsum, inverse_THC, states_NCHKV, state_grads_NCHKV,
             v_new_THV, dv_new_THV, do_THV, layout, config, scale, use_qk_l2norm,
         )  # fmt: skip
+        dA_log = ddt_bias = None
         if is_per_channel:
             grad_args = (*grad_args[:7], kk_THC, *grad_args[7:])
-            dq, dk, dv, dbeta, dg = kda_grad(*grad_args)
+            dq, dk, dv, dbeta, dg, dA_log, ddt_bias = kda_grad(
+                *grad_args, gate=None if gate is None else (g_flat, *gate)
+            )
+            if gate is not None:
+                dA_log = dA_log.to(A_log.dtype)
+                ddt_bias = ddt_bias.to(dt_bias.dtype).reshape(ctx.dt_bias_shape)
         else:
             dq, dk, dv, dbeta, dg = chunk_grad(*grad_args)
         return (
@@ -122,15 +135,20 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             None,
             None,
             None,
+            dA_log,
+            ddt_bias,
         )
 
 
-def _wy_pass(q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward):
+def _wy_pass(
+    q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate=None
+):
     """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None) of either variant; the
-    per-head variant builds q k^T inside the state kernels and needs no k k^T in backward."""
+    per-head variant builds q k^T inside the state kernels and needs no k k^T in backward. gate: KDA's (A_log,
+    dt_bias) when g_flat is the raw gate."""
     if g_flat.ndim == 3:
         return kda_wy_fwd(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate
         )
     g_cumsum_TH, w_THK, u_THV, inverse_THC = chunk_wy_fwd(
         k_THK, v_THV, g_flat, beta_TH, layout, config, use_qk_l2norm, store_inverse=store_for_backward
@@ -149,10 +167,13 @@ def gated_delta_rule_kernel(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The kernel path of `gated_delta_rule` (g [B, T, H]) and of `kda` (g [B, T, H, K]); inputs already checked."""
+    """The kernel path of `gated_delta_rule` (g [B, T, H]) and of `kda` (g [B, T, H, K]); inputs already checked.
+    With A_log and dt_bias (kda only) g is the raw gate and the kernels compute the log decay from it."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return GatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, use_qk_l2norm
+        q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, use_qk_l2norm, A_log, dt_bias
     )

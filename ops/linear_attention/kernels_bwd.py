@@ -1,4 +1,4 @@
-"""Triton backward of the chunked gated delta rule (one decay per head): two kernels and their launchers.
+"""Triton backward of the chunked gated delta rule (one decay per head): three kernels and their launchers.
 
 Legend as in kernels_fwd.py: T packed tokens, H heads, K key dim, V value dim, N sequences, C chunk length (BT),
 NC chunk slots, G the log decay summed from the chunk start; per chunk S0 is the state entering it, S1 the state
@@ -13,9 +13,14 @@ The backward runs after a recompute of the forward's WY pass and of its state pa
    registers (fp32): writes dS1 of every chunk, dv_new = (q k^T * M)^T do + (k exp(G_C - G)) dS1, and
    dS0 = exp(G_C) dS1 + (q exp(G))^T do - W^T dv_new, the initial state's gradient at each sequence start.
    With IS_PER_CHANNEL (KDA) the decays are [C, K] and (q k^T * M)^T is read transposed from the WY pass.
-2. `_chunk_grad_kernel`, one program per (chunk, head), all in parallel: dq, dk, dv, dbeta and dg from S0, dS1,
-   v_new and dv_new, through the triangular inverse ((I + A)^-1 is read back, not re-solved), the L2 norm, and
-   the cumulative sum of g (dg is the reverse cumulative sum of dG plus the gradient of G_C).
+2. `_chunk_grad_output_kernel`, one program per (chunk, head), all in parallel: the output's part, dq (final) and
+   fp32 parts of dk and dG from S0, v_new and do.
+3. `_chunk_grad_wy_kernel`, one program per (chunk, head), all in parallel: dv, dbeta and the rest of dk and dG from
+   S0, dS1, v_new and dv_new through the triangular inverse ((I + A)^-1 is read back, not re-solved), then dk through
+   the L2 norm and dg (the reverse cumulative sum of dG plus the gradient of G_C). Kernels 2 and 3 were one kernel,
+   which carried six fp32 accumulators through its V loop with q and k loaded before it, and spilled 1,176 bytes
+   of stack a thread (sm_90 compile, triton 3.6, K = V = 128); split, the output kernel spills nothing and the WY
+   kernel 176 bytes, for one extra fp32 [T, H, K] round trip of dk's part.
 """
 
 from __future__ import annotations
@@ -133,25 +138,17 @@ def _chunk_state_bwd_kernel(
 
 
 @triton.jit
-def _chunk_grad_kernel(
+def _chunk_grad_output_kernel(
     q_ptr,
     k_ptr,
-    v_ptr,
-    beta_ptr,
     g_cumsum_ptr,
-    inverse_ptr,
     states_ptr,
-    state_grads_ptr,
     v_new_ptr,
-    dv_new_ptr,
     do_ptr,
     chunk_map_ptr,
-    scratch_ptr,
     dq_ptr,
-    dk_ptr,
-    dv_ptr,
-    dbeta_ptr,
-    dg_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
     scale,
     H,
     K,
@@ -162,6 +159,93 @@ def _chunk_grad_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """The output's part of one (chunk, head): dq (final), and dk and dG from o = (q exp(G)) S0 + (q k^T * M) v_new
+    (fp32, before the L2 norm; the WY kernel adds the rest)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+    G, _ = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    # Accumulated over V tiles: do S0^T and d(q k^T * M) before M in both orientations.
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        # States read transposed, [BV, BK].
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+
+    q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
+        q = q * q_rstd[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)[:, None]
+    q_scaled = q * scale
+    q_dot = q_scaled.to(dot_dtype)
+    k_dot = k.to(dot_dtype)
+    dq = do_state * tl.exp(G)[:, None]
+    dG = tl.sum(q_scaled * dq, axis=1)
+    dqk = dqk * _pair_decay(G, True, False, BT)
+    dqk_t = dqk_t * _pair_decay(G, True, True, BT)
+    dq += tl.dot(dqk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    dk = tl.dot(dqk_t.to(dot_dtype), q_dot, input_precision=DOT_PRECISION)
+    qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
+    dG_pairs = dqk * qk
+    dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
+
+    dq = dq * scale
+    if USE_L2NORM:
+        dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
+    _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
+    _store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    tl.store(dG_partial_ptr + token_head, dG, mask=rows < num_valid)
+
+
+@triton.jit
+def _chunk_grad_wy_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_cumsum_ptr,
+    inverse_ptr,
+    states_ptr,
+    state_grads_ptr,
+    v_new_ptr,
+    dv_new_ptr,
+    chunk_map_ptr,
+    scratch_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The rest of one (chunk, head), after the output kernel: the state leaving the chunk and the WY factors give
+    dv, dbeta and their parts of dk and dG; with the output kernel's parts added, dk through the L2 norm and dg."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -174,26 +258,13 @@ def _chunk_grad_kernel(
     G, G_last = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
     exp_G = tl.exp(G)
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
-    q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    if USE_L2NORM:
-        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
-        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
-        q = q * q_rstd[:, None]
-        k = k * k_rstd[:, None]
-    q_scaled = q * scale
-    q_dot = q_scaled.to(dot_dtype)
-    k_dot = k.to(dot_dtype)
     inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
 
     offs_k = tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
-    # Accumulated over V tiles: do S0^T, d(q k^T * M) before M in both orientations, v_new dS1^T, dW, the U part of
-    # d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1) per key row.
-    do_state = tl.zeros([BT, BK], dtype=tl.float32)
-    dqk = tl.zeros([BT, BT], dtype=tl.float32)
-    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    # Accumulated over V tiles: v_new dS1^T, dW, the U part of d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1)
+    # per key row.
     dk_end = tl.zeros([BT, BK], dtype=tl.float32)
     dw = tl.zeros([BT, BK], dtype=tl.float32)
     dinverse = tl.zeros([BT, BT], dtype=tl.float32)
@@ -201,7 +272,6 @@ def _chunk_grad_kernel(
     state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
-        # States read transposed, [BV, BK].
         state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
         state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
         state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
@@ -209,11 +279,7 @@ def _chunk_grad_kernel(
         dstate_t = dstate_t.to(dot_dtype)
         v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
-        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
-        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
         dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
         dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
         v_scaled = (v * beta[:, None]).to(dot_dtype)
@@ -224,22 +290,16 @@ def _chunk_grad_kernel(
         dbeta += tl.sum(v * dv_scaled, axis=1)
         state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
-    # Output: o = (q exp(G)) S0 + (q k^T * M) v_new.
-    dq = do_state * exp_G[:, None]
-    dG = tl.sum(q_scaled * dq, axis=1)
-    dqk = dqk * _pair_decay(G, True, False, BT)
-    dqk_t = dqk_t * _pair_decay(G, True, True, BT)
-    dq += tl.dot(dqk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
-    dk = tl.dot(dqk_t.to(dot_dtype), q_dot, input_precision=DOT_PRECISION)
-    qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
-    dG_pairs = dqk * qk
-    dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
+    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
+        k = k * k_rstd[:, None]
+    k_dot = k.to(dot_dtype)
 
     # State leaving the chunk: S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new.
     dk_end = dk_end * tl.exp(G_last - G)[:, None]
-    dk += dk_end
     dG_end = tl.sum(k * dk_end, axis=1)
-    dG -= dG_end
+    dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0) - dG_end
     dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
 
     # WY factors: W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v, d(I + A)^-1 = dW K'^T + dU V'^T.
@@ -260,20 +320,19 @@ def _chunk_grad_kernel(
     _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
     tl.debug_barrier()
     dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
-    dk += tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    dk = dk_end + tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
     dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
     k_dk_scaled = tl.sum(k * dk_scaled, axis=1)
     dk += dk_scaled * (beta * exp_G)[:, None]
     dbeta += exp_G * k_dk_scaled
     dG += beta * exp_G * k_dk_scaled
 
+    dk += _load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+
     # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C.
     dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last
-    dq = dq * scale
     if USE_L2NORM:
-        dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
         dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
-    _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
     _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
     tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
     tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
@@ -370,37 +429,21 @@ def chunk_grad(
     dbeta_TH = kernels_fwd._alloc((T, H), beta_TH.dtype, device)
     dg_TH = kernels_fwd._alloc((T, H), g_dtype, device)
     scratch_THC = kernels_fwd._alloc((T, H, C), k_THK.dtype, device)
+    # The output kernel's parts of dk and dG, fp32, summed into the WY kernel's.
+    dk_partial_THK = kernels_fwd._alloc((T, H, K), torch.float32, device)
+    dG_partial_TH = kernels_fwd._alloc((T, H), torch.float32, device)
     dot_precision, _ = dot_precisions(k_THK.dtype)
+    meta = dict(
+        K=K, V=V, USE_L2NORM=use_qk_l2norm, BT=C, BK=_block(K), BV=min(config.block_v_grad, _block(V)),
+        DOT_PRECISION=dot_precision, num_warps=config.num_warps_grad, num_stages=config.num_stages,
+    )  # fmt: skip
     if layout.num_slots > 0:
-        _chunk_grad_kernel[(layout.num_slots, H)](
-            q_THK,
-            k_THK,
-            v_THV,
-            beta_TH,
-            g_cumsum_TH,
-            inverse_THC,
-            states_NCHKV,
-            state_grads_NCHKV,
-            v_new_THV,
-            dv_new_THV,
-            do_THV,
-            layout.chunk_map,
-            scratch_THC,
-            dq_THK,
-            dk_THK,
-            dv_THV,
-            dbeta_TH,
-            dg_TH,
-            scale,
-            H,
-            K=K,
-            V=V,
-            USE_L2NORM=use_qk_l2norm,
-            BT=C,
-            BK=_block(K),
-            BV=min(config.block_v_grad, _block(V)),
-            DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps_grad,
-            num_stages=config.num_stages,
-        )
+        _chunk_grad_output_kernel[(layout.num_slots, H)](
+            q_THK, k_THK, g_cumsum_TH, states_NCHKV, v_new_THV, do_THV, layout.chunk_map,
+            dq_THK, dk_partial_THK, dG_partial_TH, scale, H, **meta,
+        )  # fmt: skip
+        _chunk_grad_wy_kernel[(layout.num_slots, H)](
+            k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV,
+            layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dk_THK, dv_THV, dbeta_TH, dg_TH, H, **meta,
+        )  # fmt: skip
     return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH

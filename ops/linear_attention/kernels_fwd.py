@@ -60,6 +60,9 @@ GPU_BLOCK_V_WY = 64
 # of stack).
 GPU_BLOCK_V_OUTPUT = 128
 GPU_NUM_WARPS_OUTPUT = 8
+# KDA's WY kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk next to the inverse: at 4 warps
+# it spilled 648 bytes of stack a thread, at 8 warps 24 (sm_90 compile, triton 3.6, K = V = 128).
+GPU_NUM_WARPS_KDA_WY = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
 GPU_NUM_WARPS = 4
 # The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
@@ -83,6 +86,7 @@ class KernelConfig:
     num_warps: int
     num_warps_grad: int
     num_warps_output: int
+    num_warps_kda_wy: int
     num_stages_state: int
     num_stages: int
 
@@ -92,8 +96,8 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
-            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, num_stages_state=1,
-            num_stages=1,
+            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, num_warps_kda_wy=1,
+            num_stages_state=1, num_stages=1,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -103,6 +107,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
+        GPU_NUM_WARPS_KDA_WY,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
     )

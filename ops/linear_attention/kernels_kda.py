@@ -53,6 +53,20 @@ def _load_same_block_rows(ptr, t0, num_valid, row_stride, num_cols, jj, BT: tl.c
 
 
 @triton.jit
+def _gate_terms(a, a_log_ptr, dt_bias_ptr, i_h, K, is_row, BK: tl.constexpr):
+    """For the raw gate a [BT, BK] of head i_h: (g, sigmoid(x), exp(A_log)) with x = a + dt_bias and the log decay
+    g = -exp(A_log) * softplus(x); g is 0 on rows outside is_row and on columns past K, as zero-padded g is."""
+    cols = tl.arange(0, BK)
+    is_col = cols < K
+    x = a + tl.load(dt_bias_ptr + i_h * K + cols, mask=is_col, other=0.0).to(tl.float32)[None, :]
+    # softplus(x) = max(x, 0) + log(1 + exp(-|x|)): no overflow for large x.
+    softplus = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+    a_exp = tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
+    g = tl.where(is_row[:, None] & is_col[None, :], -a_exp * softplus, 0.0)
+    return g, tl.sigmoid(x), a_exp
+
+
+@triton.jit
 def _masked_exp(log_decay, mask):
     """exp(log_decay) where mask, 0 elsewhere; the exponent is masked first (unmasked ones may overflow)."""
     return tl.where(mask, tl.exp(tl.where(mask, log_decay, 0.0)), 0.0)
@@ -126,7 +140,9 @@ def _kda_wy_fwd_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
+    g_ptr,  # the log decay g, or the raw gate a when GATE_IN_KERNEL
+    a_log_ptr,  # [H], read when GATE_IN_KERNEL
+    dt_bias_ptr,  # [H * K], read when GATE_IN_KERNEL
     beta_ptr,
     chunk_map_ptr,
     g_cumsum_ptr,
@@ -147,6 +163,7 @@ def _kda_wy_fwd_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INV_PRECISION: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -159,6 +176,8 @@ def _kda_wy_fwd_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
 
     g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if GATE_IN_KERNEL:
+        g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
     # Zero-padded g past the chunk's end: G there stays at its last row.
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
@@ -210,6 +229,9 @@ def _kda_grad_kernel(
     k_ptr,
     v_ptr,
     beta_ptr,
+    a_ptr,  # the raw gate, read when GATE_IN_KERNEL
+    a_log_ptr,
+    dt_bias_ptr,
     g_cumsum_ptr,
     inverse_ptr,
     kk_ptr,
@@ -224,7 +246,9 @@ def _kda_grad_kernel(
     dk_ptr,
     dv_ptr,
     dbeta_ptr,
-    dg_ptr,
+    dg_ptr,  # dg, or da when GATE_IN_KERNEL
+    da_log_partial_ptr,  # [NC, H] fp32, written when GATE_IN_KERNEL
+    ddt_bias_partial_ptr,  # [NC, H, K] fp32, written when GATE_IN_KERNEL
     scale,
     H,
     K,
@@ -235,6 +259,7 @@ def _kda_grad_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -261,7 +286,7 @@ def _kda_grad_kernel(
     offs_k = tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
-    # Accumulated over V tiles, as in _chunk_grad_kernel.
+    # Accumulated over V tiles, as in _chunk_grad_output_kernel and _chunk_grad_wy_kernel.
     do_state = tl.zeros([BT, BK], dtype=tl.float32)
     dqk = tl.zeros([BT, BT], dtype=tl.float32)
     dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
@@ -316,7 +341,7 @@ def _kda_grad_kernel(
     dG -= k * dk_end
     dG_last = tl.sum(k * dk_end, axis=0) + tl.exp(G_last) * state_dstate
 
-    # WY factors, as in _chunk_grad_kernel, with A = diag(beta) kk and kk read back from the WY kernel.
+    # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the WY kernel.
     k_scaled = k * (beta[:, None] * exp_G)
     dw_dot = dw.to(dot_dtype)
     dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
@@ -350,6 +375,16 @@ def _kda_grad_kernel(
         dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
     _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
     _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    if GATE_IN_KERNEL:
+        # g = -exp(A_log) softplus(a + dt_bias): da = -dg exp(A_log) sigmoid(a + dt_bias), dA_log = sum dg g and
+        # ddt_bias = sum over tokens of da, summed here per chunk (the caller adds the chunks up in a fixed order).
+        a = _load_rows(a_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+        g_raw, sig, a_exp = _gate_terms(a, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
+        da = tl.where(is_valid[:, None], -dg * a_exp * sig, 0.0)
+        tl.store(da_log_partial_ptr + i_c * H + i_h, tl.sum(tl.sum(dg * g_raw, axis=1), axis=0))
+        cols = tl.arange(0, BK)
+        tl.store(ddt_bias_partial_ptr + (i_c * H + i_h) * K + cols, tl.sum(da, axis=0), mask=cols < K)
+        dg = da
     _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
     tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
 
@@ -365,9 +400,13 @@ def kda_wy_fwd(
     scale: float,
     use_qk_l2norm: bool,
     store_for_backward: bool,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """G [T, H, K] fp32; W [T, H, K], U [T, H, V] and the decayed causal q k^T [T, H, C] in k's dtype (fp32 for fp32
-    inputs); with store_for_backward also (I + A)^-1 and the decayed k k^T (strictly lower) [T, H, C]."""
+    inputs); with store_for_backward also (I + A)^-1 and the decayed k k^T (strictly lower) [T, H, C].
+
+    gate: (A_log [H], dt_bias [H * K]) when g_THK is the raw gate a, the log decay being
+    -exp(A_log) * softplus(a + dt_bias), computed in the kernel."""
     T, H, K = k_THK.shape
     V = v_THV.shape[-1]
     C = layout.chunk_size
@@ -386,6 +425,7 @@ def kda_wy_fwd(
             k_THK,
             v_THV,
             g_THK,
+            *(gate if gate is not None else (g_THK, g_THK)),
             beta_TH,
             layout.chunk_map,
             g_cumsum_THK,
@@ -406,7 +446,8 @@ def kda_wy_fwd(
             BV=min(config.block_v_wy, _block(V)),
             DOT_PRECISION=dot_precision,
             INV_PRECISION=inv_precision,
-            num_warps=config.num_warps,
+            GATE_IN_KERNEL=gate is not None,
+            num_warps=config.num_warps_kda_wy,
             num_stages=config.num_stages,
         )
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC
@@ -430,8 +471,13 @@ def kda_grad(
     config: KernelConfig,
     scale: float,
     use_qk_l2norm: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H, K] in g_dtype."""
+    gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H, K] in g_dtype.
+
+    gate: (a [T, H, K], A_log [H], dt_bias [H * K]) when the kernel computed the log decay from the raw gate a: the
+    fifth gradient is then da, and dA_log [H] and ddt_bias [H * K] (fp32) follow it; without a gate they are None.
+    """
     T, H, K = k_THK.shape
     V = v_THV.shape[-1]
     C = layout.chunk_size
@@ -443,6 +489,9 @@ def kda_grad(
     dbeta_TH = alloc((T, H), beta_TH.dtype, device)
     dg_THK = alloc((T, H, K), g_dtype, device)
     scratch_THC = alloc((T, H, C), k_THK.dtype, device)
+    # Per chunk slot, summed below in slot order (deterministic where atomics would not be).
+    da_log_partial = alloc((layout.num_slots, H), torch.float32, device) if gate is not None else None
+    ddt_bias_partial = alloc((layout.num_slots, H, K), torch.float32, device) if gate is not None else None
     dot_precision, _ = dot_precisions(k_THK.dtype)
     if layout.num_slots > 0:
         _kda_grad_kernel[(layout.num_slots, H)](
@@ -450,6 +499,7 @@ def kda_grad(
             k_THK,
             v_THV,
             beta_TH,
+            *(gate if gate is not None else (g_cumsum_THK,) * 3),
             g_cumsum_THK,
             inverse_THC,
             kk_THC,
@@ -465,6 +515,7 @@ def kda_grad(
             dv_THV,
             dbeta_TH,
             dg_THK,
+            *((da_log_partial, ddt_bias_partial) if gate is not None else (dg_THK, dg_THK)),
             scale,
             H,
             K=K,
@@ -475,7 +526,10 @@ def kda_grad(
             BK=_block(K),
             BV=min(config.block_v_grad, _block(V)),
             DOT_PRECISION=dot_precision,
+            GATE_IN_KERNEL=gate is not None,
             num_warps=config.num_warps_grad,
             num_stages=config.num_stages,
         )
-    return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK
+    if gate is None:
+        return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, None, None
+    return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, da_log_partial.sum(0), ddt_bias_partial.sum(0).reshape(H * K)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 # flash-linear-attention's l2norm: x / sqrt(sum(x^2) + eps).
 L2NORM_EPS = 1e-6
@@ -48,6 +49,14 @@ def recurrent_gated_delta_rule_ref(
     return _run_sequences(
         _recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm
     )
+
+
+def kda_gate_ref(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """KDA's log decay from its raw gate a [B, T, H, K]: -exp(A_log[h]) * softplus(a + dt_bias[h, :]), in fp32 (fp64
+    for fp64 inputs)."""
+    H, K = a.shape[2], a.shape[3]
+    dtype = torch.promote_types(a.dtype, torch.float32)
+    return -A_log.to(dtype).exp()[:, None] * F.softplus(a.to(dtype) + dt_bias.to(dtype).view(H, K))
 
 
 def chunk_gated_delta_rule_ref(

@@ -86,6 +86,7 @@ def sparse_attention(
     block_size: int = 1,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over the union of its selected keys that are causal and in its sequence.
 
@@ -101,9 +102,12 @@ def sparse_attention(
         scale: softmax scale. Default K**-0.5.
         cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (requires B == 1). Default None: each row is
             one sequence.
+        gate: [B, T, HQ, V], q's dtype: the output gate, o * sigmoid(gate), fused into the kernels (the forward's
+            epilogue; dgate beside dq). Default None: no gate.
 
     Returns:
-        o: [B, T, HQ, V] in q's dtype; 0 for a query with no valid selected key. Differentiable w.r.t. q, k, v.
+        o: [B, T, HQ, V] in q's dtype; 0 for a query with no valid selected key. Differentiable w.r.t. q, k, v and
+        gate.
     """
     _check_float_tensor("q", q, 4, "[B, T, HQ, K]")
     _check_float_tensor("k", k, 4, "[B, T, H, K]")
@@ -130,6 +134,11 @@ def sparse_attention(
         raise ValueError(f"indices: device ({indices.device}) must match q's ({q.device})")
     _check_positive_int("block_size", block_size)
     _check_cu_seqlens(cu_seqlens, "q", q)
+    if gate is not None:
+        _check_float_tensor("gate", gate, 4, "[B, T, HQ, V]")
+        if gate.shape != (*q.shape[:3], v.shape[3]):
+            raise ValueError(f"gate: shape {_shape(gate)} must be [B, T, HQ, V] = {(*q.shape[:3], v.shape[3])}")
+        _check_same_dtype_device("gate", gate, "q", q)
 
     has_kernel = (
         _kernel_dtype_ok(q)
@@ -142,8 +151,10 @@ def sparse_attention(
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.sparse_attention.autograd import sparse_attention_kernel
 
-        return sparse_attention_kernel(q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=cu_seqlens)
-    return sparse_attention_ref(q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=cu_seqlens)
+        return sparse_attention_kernel(
+            q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=cu_seqlens, gate=gate
+        )
+    return sparse_attention_ref(q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=cu_seqlens, gate=gate)
 
 
 def topk_indexer(

@@ -32,7 +32,7 @@ class SparseAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, indices, block_size, scale, cu_seqlens):
+    def forward(ctx, q, k, v, indices, block_size, scale, cu_seqlens, gate):
         B, T, HQ, K = q.shape
         H, V = k.shape[2], v.shape[3]
         NT = B * T
@@ -45,10 +45,13 @@ class SparseAttentionFunction(torch.autograd.Function):
             indices_BTHS.reshape(NT, indices_BTHS.shape[2], indices_BTHS.shape[3]).contiguous(), layout, block_size
         )
         config = pick_config(q, block_size)
-        o_THV, lse = sparse_attention_fwd(q_THK, k_THK, v_THV, canon, layout.seq_start, block_size, scale, config)
+        gate_THV = None if gate is None else gate.reshape(NT, HQ, V).contiguous()
+        o_THV, lse = sparse_attention_fwd(
+            q_THK, k_THK, v_THV, canon, layout.seq_start, block_size, scale, config, gate_THV
+        )
         ctx.save_for_backward(
             q_THK, k_THK, v_THV, o_THV, lse, canon, bits, layout.cu_seqlens, layout.seq_id, layout.seq_start,
-            layout.seq_end,
+            layout.seq_end, gate_THV,
         )  # fmt: skip
         ctx.block_size, ctx.scale, ctx.shape = block_size, scale, (B, T, HQ, H, K, V)
         return o_THV.view(B, T, HQ, V)
@@ -56,17 +59,20 @@ class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, do):
-        q_THK, k_THK, v_THV, o_THV, lse, canon, bits, cu_seqlens, seq_id, seq_start, seq_end = ctx.saved_tensors
+        q_THK, k_THK, v_THV, o_THV, lse, canon, bits, cu_seqlens, seq_id, seq_start, seq_end, gate_THV = (
+            ctx.saved_tensors
+        )
         B, T, HQ, H, K, V = ctx.shape
         block_size = ctx.block_size
         layout = SequenceLayout(cu_seqlens, seq_id, seq_start, seq_end, T)
         slots = block_slots(layout, block_size) if block_size > 1 else None
         do_THV = do.reshape(B * T, HQ, V).contiguous()
-        dq, dk, dv = sparse_attention_bwd(
+        dq, dk, dv, dgate = sparse_attention_bwd(
             q_THK, k_THK, v_THV, o_THV, lse, do_THV, canon, bits, layout, slots, block_size, ctx.scale,
-            pick_config(q_THK, block_size),
+            pick_config(q_THK, block_size), gate_THV,
         )  # fmt: skip
-        return dq.view(B, T, HQ, K), dk.view(B, T, H, K), dv.view(B, T, H, V), None, None, None, None
+        dgate = None if dgate is None else dgate.view(B, T, HQ, V)
+        return dq.view(B, T, HQ, K), dk.view(B, T, H, K), dv.view(B, T, H, V), None, None, None, None, dgate
 
 
 def sparse_attention_kernel(
@@ -77,10 +83,11 @@ def sparse_attention_kernel(
     block_size: int = 1,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel path of `sparse_attention`; inputs already checked."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return SparseAttentionFunction.apply(q, k, v, indices, block_size, float(scale), cu_seqlens)
+    return SparseAttentionFunction.apply(q, k, v, indices, block_size, float(scale), cu_seqlens, gate)
 
 
 @torch.no_grad()

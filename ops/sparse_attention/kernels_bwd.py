@@ -43,13 +43,17 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 @triton.jit
 def _sparse_attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, idx_ptr, seq_start_ptr, dq_ptr, delta_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, idx_ptr, seq_start_ptr, gate_ptr, dq_ptr, delta_ptr, dgate_ptr,
+    do_attn_ptr,
     S, num_steps, qk_scale, scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BKEY: tl.constexpr, IS_BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """GATED: o is the gated output o_g = o_attn * sigmoid(gate); delta = rowsum(do * o_g) is the same sum for the
+    attention's own gradient do_attn = do * sigmoid(gate), written here for the dk/dv kernel with dgate =
+    do * o_g * (1 - sigmoid(gate))."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -60,10 +64,17 @@ def _sparse_attn_bwd_dq_kernel(
     head_rows = t64 * (H * G) + h * G + rows
     q = tl.load(q_ptr + head_rows[:, None] * K + dk[None, :], mask=is_row[:, None] & (dk[None, :] < K), other=0.0)
     v_mask = is_row[:, None] & (dv[None, :] < V)
-    do = tl.load(do_ptr + head_rows[:, None] * V + dv[None, :], mask=v_mask, other=0.0)
-    o = tl.load(o_ptr + head_rows[:, None] * V + dv[None, :], mask=v_mask, other=0.0)
+    v_offsets = head_rows[:, None] * V + dv[None, :]
+    do = tl.load(do_ptr + v_offsets, mask=v_mask, other=0.0)
+    o = tl.load(o_ptr + v_offsets, mask=v_mask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     tl.store(delta_ptr + head_rows, delta, mask=is_row)
+    if GATED:
+        sig = tl.sigmoid(tl.load(gate_ptr + v_offsets, mask=v_mask, other=0.0).to(tl.float32))
+        dgate = do.to(tl.float32) * o.to(tl.float32) * (1.0 - sig)
+        tl.store(dgate_ptr + v_offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=v_mask)
+        do = (do.to(tl.float32) * sig).to(do.dtype)
+        tl.store(do_attn_ptr + v_offsets, do, mask=v_mask)
     lse = tl.load(lse_ptr + head_rows, mask=is_row, other=0.0)
     acc = tl.zeros([GP, BK], dtype=tl.float32)
     idx_row = idx_ptr + (t64 * H_IDX + h % H_IDX) * S
@@ -322,8 +333,9 @@ def sparse_attention_bwd(
     block_size: int,
     scale: float,
     config: AttentionConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the inputs' dtype."""
+    gate_THV: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dq, dk, dv, dgate) in the inputs' dtype; o_THV is the forward's (gated) output, dgate None without a gate."""
     NT, HQ, K = q_THK.shape
     H, V = k_THK.shape[1], v_THV.shape[2]
     G = HQ // H
@@ -332,12 +344,17 @@ def sparse_attention_bwd(
     precision = dot_precision(q_THK.dtype)
     dq = _alloc((NT, HQ, K), q_THK.dtype, device)
     delta = _alloc((NT, HQ), torch.float32, device)
+    gated = gate_THV is not None
+    # With the gate, the dq kernel writes the attention's own output gradient do * sigmoid(gate) for the dk/dv kernel.
+    dgate = _alloc((NT, HQ, V), gate_THV.dtype, device) if gated else None
+    do_attn = _alloc((NT, HQ, V), do_THV.dtype, device) if gated else do_THV
     common = dict(H=H, G=G, GP=padded(G), H_IDX=H_idx, K=K, V=V, BK=padded(K), BV=padded(V), PRECISION=precision)
     _sparse_attn_bwd_dq_kernel[(NT, H)](
-        q_THK, k_THK, v_THV, o_THV, do_THV, lse_TH, canon_THS, layout.seq_start, dq, delta,
+        q_THK, k_THK, v_THV, o_THV, do_THV, lse_TH, canon_THS, layout.seq_start, gate_THV if gated else do_THV,
+        dq, delta, dgate if gated else dq, do_attn,
         S, num_steps(S, block_size, config), scale * LOG2E, scale,
         BS=config.token_tile, BLOCK_SIZE=block_size, BKEY=config.block_key_tile, IS_BLOCK=block_size > 1,
-        **common, **config.launch_dq,
+        GATED=gated, **common, **config.launch_dq,
     )  # fmt: skip
 
     dk = _alloc((NT, H, K), k_THK.dtype, device)
@@ -351,13 +368,13 @@ def sparse_attention_bwd(
         grid = (triton.cdiv(NT, T) * triton.cdiv(T, key_tile), H)
         unused = layout.seq_end
         _sparse_attn_bwd_dkv_kernel[grid](
-            q_THK, k_THK, v_THV, do_THV, lse_TH, delta, dk, dv,
+            q_THK, k_THK, v_THV, do_attn, lse_TH, delta, dk, dv,
             bits, layout.seq_end,
             unused, unused, unused, unused, unused, unused,
             T, bits.shape[2], 1, 1, scale * LOG2E, scale,
             BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=False, **common, **config.launch_dkv,
         )  # fmt: skip
-        return dq, dk, dv
+        return dq, dk, dv, dgate
 
     num_sub = triton.cdiv(block_size, key_tile)
     pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
@@ -367,7 +384,7 @@ def sparse_attention_bwd(
     part_dk = torch.empty((*part_shape, common["BK"]), dtype=torch.float32, device=device)
     part_dv = torch.empty((*part_shape, common["BV"]), dtype=torch.float32, device=device)
     _sparse_attn_bwd_dkv_kernel[(NC * num_sub, H)](
-        q_THK, k_THK, v_THV, do_THV, lse_TH, delta, part_dk, part_dv,
+        q_THK, k_THK, v_THV, do_attn, lse_TH, delta, part_dk, part_dv,
         bits, layout.seq_end,
         slots.first, slots.length, chunks.chunk_slot, chunks.chunk_pair, chunks.chunk_num, pair_query,
         T, bits.shape[2], NC, num_sub, scale * LOG2E, scale,
@@ -378,4 +395,4 @@ def sparse_attention_bwd(
         slots.num_slots, NC, num_sub, scale,
         H=H, H_IDX=H_idx, K=K, V=V, BK=common["BK"], BV=common["BV"], BKT=key_tile, **config.launch_dkv,
     )  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, dgate

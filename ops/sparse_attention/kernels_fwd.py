@@ -92,14 +92,15 @@ def padded(dim: int) -> int:
 
 @triton.jit
 def _sparse_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, seq_start_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, seq_start_ptr, gate_ptr, o_ptr, lse_ptr,
     S, num_steps, qk_scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BKEY: tl.constexpr, IS_BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """num_steps: cdiv(S, BS) tiles of slots (token level) or S x cdiv(bs, BKEY) key tiles (block level)."""
+    """num_steps: cdiv(S, BS) tiles of slots (token level) or S x cdiv(bs, BKEY) key tiles (block level).
+    GATED: o is multiplied by sigmoid(gate) [NT, HQ, V] before it is stored (the output gate, fused)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -145,11 +146,11 @@ def _sparse_attn_fwd_kernel(
         m = m_new
     has_key = l > 0
     o = acc / tl.where(has_key, l, 1.0)[:, None]
-    tl.store(
-        o_ptr + head_rows[:, None] * V + dv[None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=is_row[:, None] & (dv[None, :] < V),
-    )
+    o_offsets = head_rows[:, None] * V + dv[None, :]
+    o_mask = is_row[:, None] & (dv[None, :] < V)
+    if GATED:
+        o = o * tl.sigmoid(tl.load(gate_ptr + o_offsets, mask=o_mask, other=0.0).to(tl.float32))
+    tl.store(o_ptr + o_offsets, o.to(o_ptr.dtype.element_ty), mask=o_mask)
     tl.store(lse_ptr + head_rows, tl.where(has_key, m + tl.log2(tl.where(has_key, l, 1.0)), 0.0), mask=is_row)
 
 
@@ -169,8 +170,10 @@ def sparse_attention_fwd(
     block_size: int,
     scale: float,
     config: AttentionConfig,
+    gate_THV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [NT, HQ, V] in q's dtype, lse [NT, HQ] fp32 in log2 units) over canonical indices [NT, H', S]."""
+    """(o [NT, HQ, V] in q's dtype, times sigmoid(gate_THV) when given, and lse [NT, HQ] fp32 in log2 units, of the
+    ungated attention) over canonical indices [NT, H', S]."""
     NT, HQ, K = q_THK.shape
     H, V = k_THK.shape[1], v_THV.shape[2]
     G = HQ // H
@@ -178,10 +181,10 @@ def sparse_attention_fwd(
     o = _alloc((NT, HQ, V), q_THK.dtype, q_THK.device)
     lse = _alloc((NT, HQ), torch.float32, q_THK.device)
     _sparse_attn_fwd_kernel[(NT, H)](
-        q_THK, k_THK, v_THV, canon_THS, seq_start, o, lse,
+        q_THK, k_THK, v_THV, canon_THS, seq_start, o if gate_THV is None else gate_THV, o, lse,
         S, num_steps(S, block_size, config), scale * LOG2E,
         H=H, G=G, GP=padded(G), H_IDX=canon_THS.shape[1], K=K, V=V, BK=padded(K), BV=padded(V),
         BS=config.token_tile, BLOCK_SIZE=block_size, BKEY=config.block_key_tile, IS_BLOCK=block_size > 1,
-        PRECISION=dot_precision(q_THK.dtype), **config.launch,
+        GATED=gate_THV is not None, PRECISION=dot_precision(q_THK.dtype), **config.launch,
     )  # fmt: skip
     return o, lse

@@ -88,11 +88,14 @@ def sparse_attention_ref(
     block_size: int = 1,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of each query over its selected causal keys; dense under a mask. Differentiable in q, k, v.
+    """Softmax attention of each query over its selected causal keys; dense under a mask. Differentiable in q, k, v
+    and gate.
 
-    q [B, T, HQ, K], k [B, T, H, K], v [B, T, H, V], indices [B, T, H, S] or [B, T, S] (shared by all kv heads)
-    -> o [B, T, HQ, V] in q's dtype. Query head h reads kv head h // (HQ // H). A query with no key outputs 0.
+    q [B, T, HQ, K], k [B, T, H, K], v [B, T, H, V], indices [B, T, H, S] or [B, T, S] (shared by all kv heads),
+    gate [B, T, HQ, V] or None -> o [B, T, HQ, V] in q's dtype, times sigmoid(gate) when given. Query head h reads
+    kv head h // (HQ // H). A query with no key outputs 0.
     """
     B, T, HQ, K = q.shape
     H = k.shape[2]
@@ -114,6 +117,8 @@ def sparse_attention_ref(
     scores_BQTT = scores_BQTT.masked_fill(~has_key_BQT1, 0.0)
     probs_BQTT = torch.softmax(scores_BQTT, dim=-1) * has_key_BQT1
     o_BTQV = torch.einsum("bhts,bshv->bthv", probs_BQTT, v_BTQV)
+    if gate is not None:
+        o_BTQV = o_BTQV * torch.sigmoid(gate.to(compute_dtype))
     return o_BTQV.to(q.dtype)
 
 

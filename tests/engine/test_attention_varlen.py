@@ -190,8 +190,9 @@ def test_errors_name_the_rule():
 class MaskedGatedAttention(GatedAttention):
     """GatedAttention as it was: SDPA over the row with the dense causal mask."""
 
-    def attend(self, x, q, k, v, batch: PackedBatch) -> torch.Tensor:
-        return masked_attention(q, k, v, [batch.cu_seqlens.diff().tolist()])
+    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
+        o = masked_attention(q, k, v, [batch.cu_seqlens.diff().tolist()])
+        return o if gate is None else o * torch.sigmoid(gate)
 
 
 @pytest.mark.parametrize("is_gated", [True, False], ids=["output-gate", "plain"])

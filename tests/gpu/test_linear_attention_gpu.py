@@ -10,13 +10,15 @@ interpreter tests cannot see that, these can.
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
+import math
+
 import pytest
 from guarded_buffers import GuardedBuffers
 import torch
 import torch.nn.functional as F
 
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
-from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
+from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -133,6 +135,60 @@ ODD_CASES = [
 def test_odd_shapes_match_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel):
     inputs = make_inputs(**shape, dtype=dtype, is_per_channel=is_per_channel)
     assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm)
+
+
+@pytest.mark.parametrize(
+    "shape, bounds",
+    [
+        pytest.param(dict(T=1000, H=4, K=128, V=128), None, id="K128"),
+        pytest.param(dict(T=512, H=4, K=16, V=16), [0, 5, 130, 300, 512], id="K16-varlen"),
+    ],
+)
+def test_kda_gate_in_kernel_bf16_matches_reference(guarded, shape, bounds):
+    # KDA with the log decay -exp(A_log) softplus(a + dt_bias) computed in the kernels (FLA's KDA init, raw gates of
+    # std 2), against the reference applying the same gate first: every gradient, dA_log and ddt_bias included.
+    cu_seqlens = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    inputs = make_inputs(1, **shape, dtype=torch.bfloat16, is_per_channel=True,
+                         num_seqs=None if bounds is None else len(bounds) - 1)  # fmt: skip
+    H, K = shape["H"], shape["K"]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    inputs["g"] = (2 * torch.randn(inputs["g"].shape, generator=gen, device="cuda")).bfloat16().requires_grad_()
+    inputs["A_log"] = torch.empty(H, device="cuda").uniform_(1, 16, generator=gen).log().requires_grad_()
+    dt = torch.empty(H * K, device="cuda").uniform_(math.log(1e-3), math.log(0.1), generator=gen).exp()
+    inputs["dt_bias"] = (dt + torch.log(-torch.expm1(-dt))).requires_grad_()
+    options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    actual = forward_and_grads(kda, inputs, use_gate_in_kernel=True, **options)
+
+    def reference(q, k, v, g, beta, initial_state, A_log, dt_bias, use_qk_l2norm_in_kernel, **rest):
+        return chunk_gated_delta_rule_ref(q, k, v, kda_gate_ref(g, A_log, dt_bias), beta, initial_state=initial_state,
+                                          use_qk_l2norm=use_qk_l2norm_in_kernel, **rest)  # fmt: skip
+
+    as_fp32 = {name: None if x is None else x.detach().float().requires_grad_() for name, x in inputs.items()}
+    expected = forward_and_grads(reference, as_fp32, **options)
+    # dA_log[h] and ddt_bias[h, k] are sums over tokens (and channels) of da times a weight: by the chain rule
+    # da * softplus(x) / sigmoid(x) and da, x = a + dt_bias. Those sums cancel (sum |term| is about 30x |sum| here), so
+    # the bf16 error of da they inherit is measured against the sum's scale, sum |term| (the bound of a sum's error
+    # for a given relative error per term), and the kernel's own sums must follow from its own da (tight: only da's
+    # bf16 rounding differs; a lost chunk or head would be some 30% off).
+    x = inputs["g"].detach().double() + inputs["dt_bias"].detach().double().view(H, K)
+    weights = {"dA_log": F.softplus(x) / torch.sigmoid(x), "ddt_bias": torch.ones_like(x)}
+    sum_dims = {"dA_log": (0, 1, 3), "ddt_bias": (0, 1)}
+    errors, consistency = {}, {}
+    for name in expected:
+        a, e = actual[name].double(), expected[name].double()
+        assert bool(a.isfinite().all()), f"{name}: non-finite values"
+        scale = e
+        if name in weights:
+            scale = (expected["dg"].double() * weights[name]).abs().sum(dim=sum_dims[name]).reshape(e.shape)
+            implied = (actual["dg"].double() * weights[name]).sum(dim=sum_dims[name]).reshape(e.shape)
+            consistency[name] = ((a - implied).norm() / implied.norm()).item()
+        errors[name] = dict(rel_rms=((a - e).norm() / scale.norm().clamp_min(1e-30)).item(),
+                            rel_max=((a - e).abs().max() / scale.abs().max().clamp_min(1e-30)).item())  # fmt: skip
+    tolerance = TOLERANCES[torch.bfloat16]
+    failed = {name: err for name, err in errors.items() if any(err[m] > tolerance[m] for m in tolerance)}
+    assert not failed, f"over {tolerance}: {failed}; all errors: {errors}"
+    assert all(err <= 1e-2 for err in consistency.values()), consistency
+    guarded.check()
 
 
 SMALL_HEAD_CASES = [

@@ -159,6 +159,38 @@ def test_issue_shape_at_smaller_T_bf16_matches_reference(guarded, block_size, S)
     assert_attention_matches_reference(q, k, v, indices, guarded, block_size=block_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size, S", [(1, 100), (64, 4)], ids=["token", "block64"])
+def test_gated_sparse_attention_matches_reference(guarded, block_size, S, dtype):
+    # The output gate fused into the kernels: o * sigmoid(gate), dgate beside dq, dk, dv; GQA 8:2, K != V, packed.
+    lengths = [1, 63, 700, 236]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    T = sum(lengths)
+    q, k, v = make_qkv(1, T, 8, 2, 64, 128, dtype=dtype)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    gate = (4 * torch.randn(1, T, 8, 128, generator=gen, device="cuda")).to(dtype).requires_grad_()
+    num_units = T if block_size == 1 else -(-T // block_size)
+    indices = raw_indices((1, T, 2, S), num_units)
+    options = dict(block_size=block_size, cu_seqlens=cu_seqlens)
+
+    def run(op, leaves):
+        o = op(*leaves[:3], indices, gate=leaves[3], **options)
+        do = torch.randn(o.shape, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda").to(o.dtype)
+        return dict(zip(("o", "dq", "dk", "dv", "dgate"), (o, *torch.autograd.grad(o, leaves, do))))
+
+    actual = run(sparse_attention, [q, k, v, gate])
+    reference_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    expected = run(sparse_attention_ref, [x.detach().to(reference_dtype).requires_grad_() for x in (q, k, v, gate)])
+    tolerance = TOLERANCES[dtype]
+    for name in expected:
+        a, e = actual[name].double(), expected[name].double()
+        assert bool(a.isfinite().all()), f"{name}: non-finite values"
+        rel_rms = ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+        rel_max = ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        assert rel_rms <= tolerance["rel_rms"] and rel_max <= tolerance["rel_max"], (name, rel_rms, rel_max)
+    guarded.check()
+
+
 @pytest.mark.parametrize(
     "T, HI, DI, topk, block_size, cu_seqlens",
     [

@@ -265,6 +265,42 @@ def test_mixed_dtypes_raise():
         gated_delta_rule(**inputs)
 
 
+BAD_GATES = [
+    pytest.param(dict(use_gate_in_kernel=True, dt_bias=torch.zeros(32)), r"A_log: required", id="no-A_log"),
+    pytest.param(
+        dict(use_gate_in_kernel=True, A_log=torch.zeros(3), dt_bias=torch.zeros(32)),
+        r"A_log: shape \(3,\) must be \[2\]",
+        id="A_log-heads",
+    ),
+    pytest.param(
+        dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(16)),
+        r"dt_bias: shape \(16,\) must be \[32\] or \[2, 16\]",
+        id="dt_bias-width",
+    ),
+    pytest.param(dict(A_log=torch.zeros(2), dt_bias=torch.zeros(32)), r"given without use_gate_in_kernel=True",
+                 id="without-flag"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("options, message", BAD_GATES)
+def test_bad_kda_gates_raise(options, message):
+    inputs = {name: x.detach() for name, x in make_inputs(is_per_channel=True).items()}
+    with pytest.raises(ValueError, match=message):
+        kda(**inputs, **options)
+
+
+def test_kda_gate_in_kernel_equals_the_gate_applied_first():
+    # The reference path: use_gate_in_kernel computes -exp(A_log) softplus(a + dt_bias), then the same op.
+    inputs = {name: x.detach() for name, x in make_inputs(is_per_channel=True).items()}
+    a = torch.randn(inputs["g"].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    A_log, dt_bias = torch.tensor([0.5, 2.0]), torch.linspace(-4, 1, 32)
+    g = -A_log.double().exp()[:, None] * torch.nn.functional.softplus(a + dt_bias.double().view(2, 16))
+    gated = kda(**{**inputs, "g": a}, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, output_final_state=True)
+    plain = kda(**{**inputs, "g": g}, output_final_state=True)
+    for x, y in zip(gated, plain):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
 BAD_CU_SEQLENS = [
     pytest.param(dict(B=2), torch.tensor([0, 8]), r"cu_seqlens requires B == 1", id="B2"),
     pytest.param({}, torch.tensor([0.0, 8.0]), r"cu_seqlens: dtype torch.float32 must be int32 or int64", id="float"),

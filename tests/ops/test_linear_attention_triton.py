@@ -5,6 +5,7 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
 import dataclasses
+import math
 
 import pytest
 from guarded_buffers import GuardedBuffers
@@ -16,7 +17,7 @@ with interpreted_kernels():
     from moe_tune.ops.linear_attention import gated_delta_rule, kda
     from moe_tune.ops.linear_attention import autograd, kernels_fwd
     from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
-    from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
+    from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
 
 # One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
 # fp32 products and only the summation order differs (measured max error 7.7e-6 on gradients of magnitude 17).
@@ -200,6 +201,47 @@ def test_kda_varlen_and_fp16_match_reference(kernel_path, guarded):
     cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
     inputs = make_inputs(1, 135, H=1, dtype=torch.float16, is_per_channel=True, num_seqs=3)
     assert_matches_reference(inputs, torch.float16, guarded, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("dtype, shape, doc_lengths", [
+    pytest.param(torch.float32, dict(T=130, K=24, V=16), None, id="fp32-T130-K24"),
+    pytest.param(torch.float32, dict(T=70), [1, 63, 6], id="fp32-varlen"),
+    pytest.param(torch.float16, dict(T=65), None, id="fp16-T65"),
+])  # fmt: skip
+def test_kda_gate_in_kernel_matches_reference(kernel_path, guarded, dtype, shape, doc_lengths):
+    # The log decay -exp(A_log) softplus(a + dt_bias) computed in the kernels, against the reference applying the
+    # same gate first: o, the final state and the gradients of q, k, v, a, beta, the initial state, A_log, dt_bias.
+    num_seqs = None if doc_lengths is None else len(doc_lengths)
+    inputs = make_inputs(1, **shape, dtype=dtype, is_per_channel=True, num_seqs=num_seqs)
+    H, K = inputs["q"].shape[2], inputs["q"].shape[3]
+    gen = torch.Generator().manual_seed(5)
+    # FLA's KDA init (decay rates in [1, 16), dt = softplus(dt_bias) in [1e-3, 0.1]) and raw gates of std 2:
+    # a + dt_bias from about -13 to 4, softplus's flat tail and its curved part, log decays down to about -60.
+    inputs["g"] = (2 * torch.randn(inputs["g"].shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    A_log = torch.empty(H, dtype=torch.float64).uniform_(1, 16, generator=gen).log().float().requires_grad_()
+    dt = torch.empty(H * K, dtype=torch.float64).uniform_(math.log(1e-3), math.log(0.1), generator=gen).exp()
+    dt_bias = (dt + torch.log(-torch.expm1(-dt))).float().requires_grad_()
+    options = {}
+    if doc_lengths is not None:
+        options["cu_seqlens"] = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    actual = forward_and_grads(
+        kda, {**inputs, "A_log": A_log, "dt_bias": dt_bias}, use_gate_in_kernel=True, **options
+    )
+
+    def reference(q, k, v, g, beta, initial_state, A_log, dt_bias, **rest):
+        return chunk_gated_delta_rule_ref(
+            q, k, v, kda_gate_ref(g, A_log, dt_bias), beta, initial_state=initial_state, **rest
+        )
+
+    as_fp64 = {name: None if x is None else x.detach().double().requires_grad_() for name, x in inputs.items()}
+    expected = forward_and_grads(
+        reference, {**as_fp64, "A_log": A_log.detach().double().requires_grad_(),
+                    "dt_bias": dt_bias.detach().double().requires_grad_()}, **options,
+    )  # fmt: skip
+    assert actual.keys() == expected.keys() and {"dA_log", "ddt_bias", "dg"} <= actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+    guarded.check()
 
 
 def test_chunk_map_covers_every_chunk_once():

@@ -405,6 +405,16 @@ def _indexer_args(**changes):
             r"cu_seqlens: dtype \(torch.float32\) must be int32 or int64",
             id="cu-seqlens-dtype",
         ),
+        pytest.param(
+            _attention_args(gate=torch.randn(1, 8, 2, 16)),
+            r"gate: shape \(1, 8, 2, 16\) must be \[B, T, HQ, V\] = \(1, 8, 4, 16\)",
+            id="gate-heads",
+        ),
+        pytest.param(
+            _attention_args(gate=torch.randn(1, 8, 4, 16, dtype=torch.float64)),
+            r"gate: dtype \(torch.float64\) must match q's \(torch.float32\)",
+            id="gate-dtype",
+        ),
     ],
 )
 def test_sparse_attention_rejects_bad_inputs(args, match):

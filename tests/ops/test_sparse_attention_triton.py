@@ -158,6 +158,44 @@ def test_sparse_attention_on_indexer_output_with_scale(kernel_path, guarded):
     assert_attention_matches_reference(q, k, v, indices, guarded, block_size=4, scale=0.3)
 
 
+GATED_CASES = [
+    # GQA 4:2, K != V, raw slots; the gate's large magnitudes put sigmoid near 0 and 1 too.
+    pytest.param(dict(B=1, T=23, HQ=4, H=2, K=16, V=32), 1, None, torch.float32, id="token-gqa-fp32"),
+    pytest.param(dict(B=1, T=22, HQ=6, H=2, K=16, V=16), 3, [0, 1, 1, 12, 22], torch.float32, id="block3-varlen-fp32"),
+    pytest.param(dict(B=1, T=20, HQ=2, H=1, K=16, V=32), 1, [0, 5, 20], torch.float16, id="token-varlen-fp16"),
+    pytest.param(dict(B=1, T=20, HQ=2, H=1, K=16, V=32), 4, None, torch.float16, id="block4-fp16"),
+]
+
+
+@pytest.mark.parametrize("shape, block_size, cu_seqlens, dtype", GATED_CASES)
+def test_gated_sparse_attention_matches_reference(kernel_path, guarded, shape, block_size, cu_seqlens, dtype):
+    # The output gate fused into the kernels: o * sigmoid(gate), and dgate beside dq, dk, dv (the dk/dv kernel gets
+    # do * sigmoid(gate) from the dq kernel).
+    q, k, v = make_qkv(**shape, dtype=dtype)
+    B, T, HQ, H, V = (shape[n] for n in ("B", "T", "HQ", "H", "V"))
+    gate = (4 * torch.randn(B, T, HQ, V, generator=torch.Generator().manual_seed(4), dtype=torch.float64))
+    gate = gate.to(dtype).requires_grad_()
+    num_units = T if block_size == 1 else -(-T // block_size)
+    indices = raw_indices((B, T, H, 6), num_units)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+
+    def run(op, leaves):
+        o = op(*leaves[:3], indices, block_size=block_size, cu_seqlens=cu_seqlens, gate=leaves[3])
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(o.dtype)
+        grads = torch.autograd.grad(o, leaves, do)
+        return {name: x.detach().double() for name, x in zip(("o", "dq", "dk", "dv", "dgate"), (o, *grads))}
+
+    actual = run(sparse_attention, [q, k, v, gate])
+    expected = run(sparse_attention_ref, [x.detach().double().requires_grad_() for x in (q, k, v, gate)])
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+    guarded.check()
+    # The gate mattered: the same inputs without it give another output.
+    ungated = sparse_attention(q, k, v, indices, block_size=block_size, cu_seqlens=cu_seqlens)
+    assert not torch.allclose(ungated.double(), actual["o"], atol=1e-2)
+
+
 def test_canonical_indices_drop_invalid_and_repeated_slots(guarded):
     # Query 5 of a document [2, 8): keys 2..5 are visible. Raw slots: a repeat, unused, acausal, another document's
     # key, out of range, and a repeat across 64-slot steps.
