@@ -8,8 +8,15 @@ channel, and exp(G_i) * exp(-G_j) overflows fp32 (exp(-G_j) reaches exp(320) ove
 such product is split by sub-chunk:
 - pairs in different sub-chunks: with r the first row of the later token's sub-chunk,
   exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1; one tl.dot per sub-chunk over masked tiles;
-- pairs in one sub-chunk: exp(G_i - G_j) elementwise, one offset jj at a time: row i meets row SB * (i // SB) + jj,
-  re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile cannot be indexed by row.
+- pairs in one sub-chunk, when the chunk's decays are mild enough (below): the same dot with r the first row of the
+  pair's own sub-chunk, exp(G_i - G_r) <= 1 and exp(G_r - G_j) <= exp(span), span the largest G_r - G_j of any
+  sub-chunk and channel of the chunk; the pairs above the diagonal that this dot also forms are masked after it.
+  It holds while exp(span) fits the dot's operand type with room for the sum: span <= FAST_SPAN_BOUND (60: e^60 =
+  1e26 against bf16's and fp32's 3e38) or FAST_SPAN_BOUND_FP16 (8: e^8 = 3e3 against fp16's 6.5e4, and e^-8 stays
+  a normal fp16 number);
+- pairs in one sub-chunk otherwise: exp(G_i - G_j) elementwise, one offset jj at a time: row i meets row
+  SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile cannot be
+  indexed by row. Each program (one chunk and head) takes one path or the other as its span says.
 The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way.
 
 Kernels here: `_kda_wy_fwd_kernel` (G, the decayed k k^T and q k^T, (I + A)^-1, W, U) and `_kda_grad_kernel`
@@ -79,6 +86,69 @@ def _row_of(x, r, BT: tl.constexpr):
     return tl.sum(tl.where((rows == r)[:, None], x, 0.0), axis=0)
 
 
+# The largest span (G at a sub-chunk's first row minus G at one of its rows, any channel) for which pairs within a
+# sub-chunk take a tensor-core dot: e^span must fit the dot's operand type (module docstring). Read at each launch.
+FAST_SPAN_BOUND = 60.0
+FAST_SPAN_BOUND_FP16 = 8.0
+
+
+def fast_span_bound(dtype: torch.dtype) -> float:
+    return FAST_SPAN_BOUND_FP16 if dtype == torch.float16 else FAST_SPAN_BOUND
+
+
+@triton.jit
+def _subchunk_span(G, BT: tl.constexpr, SB: tl.constexpr):
+    """max over sub-chunks, their rows and channels of G[first row of the sub-chunk] - G[row] (>= 0: g <= 0)."""
+    rows = tl.arange(0, BT)
+    span = tl.max(tl.max(tl.where((rows < SB)[:, None], _row_of(G, 0, BT)[None, :] - G, 0.0), axis=1), axis=0)
+    for a in tl.static_range(1, BT // SB):
+        in_a = ((rows // SB) == a)[:, None]
+        span_a = tl.max(tl.max(tl.where(in_a, _row_of(G, a * SB, BT)[None, :] - G, 0.0), axis=1), axis=0)
+        span = tl.maximum(span, span_a)
+    return span
+
+
+@triton.jit
+def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
+    row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes). The dots take y_ptr's
+    element type."""
+    rows = tl.arange(0, BT)
+    dot_dtype = y_ptr.dtype.element_ty
+    D_dot = D.to(dot_dtype)
+    Z = tl.zeros([BT, BK], dtype=tl.float32)
+    for a in tl.static_range(0, BT // SB):
+        G_r = _row_of(G, a * SB, BT)
+        is_later = ((rows // SB) == a)[:, None]
+        is_earlier = (rows < a * SB + own_rows)[:, None]
+        later_decay = _masked_exp(G - G_r[None, :], is_later)
+        earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
+        if IS_TRANSPOSED:
+            Z += earlier_decay * tl.dot(D_dot, (y * later_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+        else:
+            Z += later_decay * tl.dot(D_dot, (y * earlier_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+    return Z
+
+
+@triton.jit
+def _kk_qk_dots(q, k, G, k_ptr, own_rows, BT: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The WY pass's decayed k k^T and q k^T [BT, BT] over pairs in different sub-chunks, and with own_rows = SB also
+    over pairs within one (then including those above the diagonal: the caller masks them); dots in k_ptr's type."""
+    rows = tl.arange(0, BT)
+    dot_dtype = k_ptr.dtype.element_ty
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    for a in tl.static_range(0, BT // SB):
+        G_r = _row_of(G, a * SB, BT)
+        later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
+        is_earlier = (rows < a * SB + own_rows)[:, None]
+        k_earlier = tl.trans((k * _masked_exp(G_r[None, :] - G, is_earlier)).to(dot_dtype))
+        kk += tl.dot((k * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
+        qk += tl.dot((q * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
+    return kk, qk
+
+
 @triton.jit
 def _decayed_matmul(
     D,
@@ -91,6 +161,7 @@ def _decayed_matmul(
     row_stride,
     K,
     y_scale,
+    is_mild,
     USE_L2NORM: tl.constexpr,
     IS_TRANSPOSED: tl.constexpr,
     BT: tl.constexpr,
@@ -103,24 +174,15 @@ def _decayed_matmul(
     IS_TRANSPOSED False: Z_i = sum_{j <= i} D[i, j] y_j exp(G_i - G_j)   (D [BT, BT], zero above the diagonal).
     IS_TRANSPOSED True:  Z_j = sum_{i >= j} D[j, i] y_i exp(G_i - G_j)   (D given as [j, i], zero below it).
     y: [BT, BK] fp32 tile; y_ptr / g_cumsum_ptr: the same chunk's raw rows of y and G in memory, at column 0, read
-    back for pairs in one sub-chunk (L2-normalised when USE_L2NORM, then times y_scale, as y was).
+    back for pairs in one sub-chunk (L2-normalised when USE_L2NORM, then times y_scale, as y was) unless is_mild
+    (the chunk's span within the bound: those pairs take the dots too).
     """
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
-    dot_dtype = y_ptr.dtype.element_ty
-    D_dot = D.to(dot_dtype)
-    Z = tl.zeros([BT, BK], dtype=tl.float32)
-    for a in tl.static_range(1, BT // SB):
-        G_r = _row_of(G, a * SB, BT)
-        is_later = ((rows // SB) == a)[:, None]
-        is_earlier = (rows < a * SB)[:, None]
-        later_decay = _masked_exp(G - G_r[None, :], is_later)
-        earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
-        if IS_TRANSPOSED:
-            Z += earlier_decay * tl.dot(D_dot, (y * later_decay).to(dot_dtype), input_precision=DOT_PRECISION)
-        else:
-            Z += later_decay * tl.dot(D_dot, (y * earlier_decay).to(dot_dtype), input_precision=DOT_PRECISION)
-    for jj in range(0, SB):
+    # As in the WY kernel: no branch between the two paths, the loop runs no step when the dots took its pairs.
+    own_rows = tl.where(is_mild, SB, 0)
+    Z = _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED, BT, BK, SB, DOT_PRECISION)
+    for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
         y_partner = _l2norm_rows(y_partner, USE_L2NORM) * y_scale
@@ -164,6 +226,7 @@ def _kda_wy_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     INV_PRECISION: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
+    FAST_SPAN: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -183,20 +246,17 @@ def _kda_wy_fwd_kernel(
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
     # The same-sub-chunk pairs below read G back from memory: other threads wrote it.
     tl.debug_barrier()
+    is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
 
-    # kk[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) for j < i; qk the same with q_i, for j <= i.
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for a in tl.static_range(1, BT // SB):
-        G_r = _row_of(G, a * SB, BT)
-        later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
-        k_earlier = tl.trans((k * _masked_exp(G_r[None, :] - G, (rows < a * SB)[:, None])).to(dot_dtype))
-        kk += tl.dot((k * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
-        qk += tl.dot((q * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
-    for jj in range(0, SB):
+    # kk[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) for j < i; qk the same with q_i, for j <= i. With mild decays the
+    # dots take the pairs within a sub-chunk too (own_rows = SB) and the elementwise loop runs no step; otherwise
+    # (own_rows = 0) the loop takes them. No branch: the two paths' tiles would not share registers.
+    own_rows = tl.where(is_mild, SB, 0)
+    kk, qk = _kk_qk_dots(q, k, G, k_ptr, own_rows, BT, SB, DOT_PRECISION)
+    for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         k_partner = _l2norm_rows(
             _load_same_block_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB), USE_L2NORM
@@ -207,6 +267,9 @@ def _kda_wy_fwd_kernel(
         is_partner_col = cols[None, :] == partner[:, None]
         kk = tl.where(is_partner_col & (partner < rows)[:, None], tl.sum(k * k_partner, axis=1)[:, None], kk)
         qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q * k_partner, axis=1)[:, None], qk)
+    # The dots' pairs above the diagonal (mild decays) go; the loop wrote none.
+    kk = tl.where(rows[:, None] > cols[None, :], kk, 0.0)
+    qk = tl.where(rows[:, None] >= cols[None, :], qk, 0.0)
     _store_rows(qk_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
 
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
@@ -260,6 +323,7 @@ def _kda_grad_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
+    FAST_SPAN: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -271,6 +335,8 @@ def _kda_grad_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
 
     G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring).
+    is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
     exp_G = tl.exp(G)
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
     q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
@@ -328,9 +394,9 @@ def _kda_grad_kernel(
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
     g_ptr_h = g_cumsum_ptr + i_h * K
-    dq_pairs = _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, USE_L2NORM, False,
+    dq_pairs = _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM, False,
                                BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk = _decayed_matmul(dqk_t, q_scaled, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, USE_L2NORM, True,
+    dk = _decayed_matmul(dqk_t, q_scaled, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM, True,
                          BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dq += dq_pairs
     dG += q_scaled * dq_pairs - k * dk
@@ -356,9 +422,9 @@ def _kda_grad_kernel(
     _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
     tl.debug_barrier()
     dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
-    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, USE_L2NORM, False,
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM, False,
                                BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, USE_L2NORM, True,
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM, True,
                                  BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later + dk_earlier
     dG += k * (dk_later - dk_earlier)
@@ -447,6 +513,7 @@ def kda_wy_fwd(
             DOT_PRECISION=dot_precision,
             INV_PRECISION=inv_precision,
             GATE_IN_KERNEL=gate is not None,
+            FAST_SPAN=fast_span_bound(k_THK.dtype),
             num_warps=config.num_warps_kda_wy,
             num_stages=config.num_stages,
         )
@@ -527,6 +594,7 @@ def kda_grad(
             BV=min(config.block_v_grad, _block(V)),
             DOT_PRECISION=dot_precision,
             GATE_IN_KERNEL=gate is not None,
+            FAST_SPAN=fast_span_bound(k_THK.dtype),
             num_warps=config.num_warps_grad,
             num_stages=config.num_stages,
         )

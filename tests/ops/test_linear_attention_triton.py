@@ -15,7 +15,7 @@ with interpreted_kernels():
     import torch
     import torch.nn.functional as F
     from moe_tune.ops.linear_attention import gated_delta_rule, kda
-    from moe_tune.ops.linear_attention import autograd, kernels_fwd
+    from moe_tune.ops.linear_attention import autograd, kernels_fwd, kernels_kda
     from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
     from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
 
@@ -201,6 +201,40 @@ def test_kda_varlen_and_fp16_match_reference(kernel_path, guarded):
     cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
     inputs = make_inputs(1, 135, H=1, dtype=torch.float16, is_per_channel=True, num_seqs=3)
     assert_matches_reference(inputs, torch.float16, guarded, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+
+
+def mild_then_strong_decays(dtype):
+    """KDA inputs of three chunks: the first with decays of at most 0.25 per token (a sub-chunk's span <= 3.75, within
+    both bounds: pairs in one sub-chunk by dots), the second of up to 30 (spans up to 450: elementwise), the third
+    two tokens of mild ones."""
+    inputs = make_inputs(1, 130, dtype=dtype, is_per_channel=True)
+    gen = torch.Generator().manual_seed(7)
+    g = -0.25 * torch.rand(inputs["g"].shape, generator=gen, dtype=torch.float64)
+    g[:, 64:128] *= 120.0
+    inputs["g"] = g.to(dtype).requires_grad_()
+    return inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("within_sub_chunk", ["by_span", "elementwise_only"])
+def test_kda_pairs_within_a_sub_chunk_both_paths_match_reference(
+    kernel_path, guarded, monkeypatch, dtype, within_sub_chunk
+):
+    # Each program takes pairs within a sub-chunk by tensor-core dots when its chunk's decays are mild and
+    # elementwise otherwise (kernels_kda's module docstring); "elementwise_only" sets the bounds below every span.
+    if within_sub_chunk == "elementwise_only":
+        monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND", -1.0)
+        monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND_FP16", -1.0)
+    assert_matches_reference(mild_then_strong_decays(dtype), dtype, guarded, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+def test_kda_dot_path_needs_its_span_bound(kernel_path, guarded, monkeypatch):
+    # The bound is what keeps exp(G_r - G_j) finite: without it the strong chunk's dots overflow (e^450 in fp32).
+    monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND", float("inf"))
+    o, _ = kda(**mild_then_strong_decays(torch.float32), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert not bool(o[:, 64:128].isfinite().all())
+    assert bool(o[:, :64].isfinite().all())
 
 
 @pytest.mark.parametrize("dtype, shape, doc_lengths", [
