@@ -59,7 +59,8 @@ class GatedAttention(nn.Module):
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         d = cfg.hidden_size
         self.gated = cfg.attention_output_gate
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * (2 if self.gated else 1), bias=False)

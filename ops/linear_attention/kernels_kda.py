@@ -394,10 +394,10 @@ def _kda_grad_kernel(
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
     g_ptr_h = g_cumsum_ptr + i_h * K
-    dq_pairs = _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM, False,
-                               BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk = _decayed_matmul(dqk_t, q_scaled, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM, True,
-                         BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dq_pairs = _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk = _decayed_matmul(dqk_t, q_scaled, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM,
+                         True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dq += dq_pairs
     dG += q_scaled * dq_pairs - k * dk
 
@@ -422,10 +422,10 @@ def _kda_grad_kernel(
     _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
     tl.debug_barrier()
     dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
-    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM, False,
-                               BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM, True,
-                                 BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+                                 True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later + dk_earlier
     dG += k * (dk_later - dk_earlier)
     k_dk_scaled = k * dk_scaled * exp_G

@@ -228,7 +228,9 @@ def test_kda_pairs_within_a_sub_chunk_both_paths_match_reference(
     assert_matches_reference(mild_then_strong_decays(dtype), dtype, guarded, use_qk_l2norm_in_kernel=True)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning"
+)
 def test_kda_dot_path_needs_its_span_bound(kernel_path, guarded, monkeypatch):
     # The bound is what keeps exp(G_r - G_j) finite: without it the strong chunk's dots overflow (e^450 in fp32).
     monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND", float("inf"))
