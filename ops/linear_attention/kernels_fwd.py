@@ -63,6 +63,11 @@ GPU_NUM_WARPS_OUTPUT = 8
 # KDA's WY kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk next to the inverse: at 4 warps
 # it spilled 648 bytes of stack a thread, at 8 warps 24 (sm_90 compile, triton 3.6, K = V = 128).
 GPU_NUM_WARPS_KDA_WY = 8
+# KDA's two gradient kernels (kernels_kda.py), sm_90 compile, triton 3.6, K = V = 128: the WY kernel spills 224
+# bytes of stack a thread at 8 warps (16: 304, 4: 2,080), the products kernel 536 (16: 392 at half the registers a
+# thread, 4: 2,648); the single kernel they replace spilled 3,784 at 8 warps.
+GPU_NUM_WARPS_KDA_GRAD_WY = 8
+GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
 GPU_NUM_WARPS = 4
 # The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
@@ -87,6 +92,8 @@ class KernelConfig:
     num_warps_grad: int
     num_warps_output: int
     num_warps_kda_wy: int
+    num_warps_kda_grad_wy: int
+    num_warps_kda_grad_products: int
     num_stages_state: int
     num_stages: int
 
@@ -97,6 +104,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
             block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, num_warps_kda_wy=1,
+            num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
             num_stages_state=1, num_stages=1,
         )
     return KernelConfig(
@@ -108,6 +116,8 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
         GPU_NUM_WARPS_KDA_WY,
+        GPU_NUM_WARPS_KDA_GRAD_WY,
+        GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
     )
