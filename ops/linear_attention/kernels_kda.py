@@ -147,7 +147,9 @@ def _kk_qk_dots(q, k, G, k_ptr, own_rows, BT: tl.constexpr, SB: tl.constexpr, DO
     dot_dtype = k_ptr.dtype.element_ty
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     qk = tl.zeros([BT, BT], dtype=tl.float32)
-    for a in tl.static_range(0, BT // SB):
+    # A loop, not tl.static_range, as in _decayed_dots (sm_90 compile, triton 3.6: no stack in the WY kernel against
+    # 128 and 200 bytes a thread unrolled).
+    for a in range(0, BT // SB):
         G_r = _row_of(G, a * SB, BT)
         later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
         is_earlier = (rows < a * SB + own_rows)[:, None]
