@@ -208,45 +208,35 @@ def _decayed_matmul(
 
 
 @triton.jit
-def _kda_wy_fwd_kernel(
+def _kda_pairs_kernel(
     q_ptr,
     k_ptr,
-    v_ptr,
     g_ptr,  # the log decay g, or the raw gate a when GATE_IN_KERNEL
     a_log_ptr,  # [H], read when GATE_IN_KERNEL
     dt_bias_ptr,  # [H * K], read when GATE_IN_KERNEL
-    beta_ptr,
     chunk_map_ptr,
     g_cumsum_ptr,
-    w_ptr,
-    u_ptr,
     qk_ptr,
-    inverse_ptr,
     kk_ptr,
     scale,
     H,
     K,
-    V,
     USE_L2NORM: tl.constexpr,
-    STORE_FOR_BACKWARD: tl.constexpr,
     BT: tl.constexpr,
     SB: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    INV_PRECISION: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     FAST_SPAN: tl.constexpr,
 ):
+    """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
-    dot_dtype = k_ptr.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     is_valid = rows < num_valid
-    token_head = (t0 + rows).to(tl.int64) * H + i_h
 
     g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if GATE_IN_KERNEL:
@@ -257,7 +247,6 @@ def _kda_wy_fwd_kernel(
     # The same-sub-chunk pairs below read G back from memory: other threads wrote it.
     tl.debug_barrier()
     is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
-    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
 
@@ -281,12 +270,48 @@ def _kda_wy_fwd_kernel(
     kk = tl.where(rows[:, None] > cols[None, :], kk, 0.0)
     qk = tl.where(rows[:, None] >= cols[None, :], qk, 0.0)
     _store_rows(qk_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
+    _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
 
+
+@triton.jit
+def _kda_wy_fwd_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    chunk_map_ptr,
+    g_cumsum_ptr,
+    kk_ptr,
+    w_ptr,
+    u_ptr,
+    inverse_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    STORE_INVERSE: tl.constexpr,
+    BT: tl.constexpr,
+    SB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
+):
+    """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
-    if STORE_FOR_BACKWARD:
+    if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
-        _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
     # fp32 operands, as in kernels_fwd._chunk_wy_fwd_kernel (16-bit ones gave NaN on the H200 for K or V below 64).
+    G = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     k_scaled = k * tl.exp(G) * beta[:, None]
     w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
     _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
@@ -542,7 +567,12 @@ def kda_wy_fwd(
     gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """G [T, H, K] fp32; W [T, H, K], U [T, H, V] and the decayed causal q k^T [T, H, C] in k's dtype (fp32 for fp32
-    inputs); with store_for_backward also (I + A)^-1 and the decayed k k^T (strictly lower) [T, H, C].
+    inputs), the decayed k k^T (strictly lower) [T, H, C] fp32; with store_for_backward also (I + A)^-1 [T, H, C].
+
+    Two kernels: the pairs kernel (G, q k^T, k k^T: per-channel decays, sub-chunk dots) then the WY kernel (the
+    inverse, W, U), so that each runs at its own warp count. One kernel at 8 warps spent 41% of its instructions in the
+    inverse's row loop, 4.4x the per-head WY kernel's instructions at 4 warps (ncu on the H200, docs/PERF.md).
+    k k^T passes between them in fp32, as the inverse had it in registers.
 
     gate: (A_log [H], dt_bias [H * K]) when g_THK is the raw gate a, the log decay being
     -exp(A_log) * softplus(a + dt_bias), computed in the kernel."""
@@ -555,41 +585,22 @@ def kda_wy_fwd(
     w_THK = alloc((T, H, K), k_THK.dtype, device)
     u_THV = alloc((T, H, V), k_THK.dtype, device)
     qk_THC = alloc((T, H, C), k_THK.dtype, device)
+    kk_THC = alloc((T, H, C), torch.float32, device)
     inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
-    kk_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
+    meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
     if layout.num_slots > 0:
-        _kda_wy_fwd_kernel[(layout.num_slots, H)](
-            q_THK,
-            k_THK,
-            v_THV,
-            g_THK,
-            *(gate if gate is not None else (g_THK, g_THK)),
-            beta_TH,
-            layout.chunk_map,
-            g_cumsum_THK,
-            w_THK,
-            u_THV,
-            qk_THC,
-            inverse_THC if store_for_backward else qk_THC,
-            kk_THC if store_for_backward else qk_THC,
-            scale,
-            H,
-            K=K,
-            V=V,
-            USE_L2NORM=use_qk_l2norm,
-            STORE_FOR_BACKWARD=store_for_backward,
-            BT=C,
-            SB=SUB_CHUNK_SIZE,
-            BK=_block(K),
-            BV=min(config.block_v_wy, _block(V)),
-            DOT_PRECISION=dot_precision,
-            INV_PRECISION=inv_precision,
-            GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype),
-            num_warps=config.num_warps_kda_wy,
-            num_stages=config.num_stages,
-        )
+        grid = (layout.num_slots, H)
+        _kda_pairs_kernel[grid](
+            q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
+            qk_THC, kk_THC, scale, H, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
+            FAST_SPAN=fast_span_bound(k_THK.dtype), num_warps=config.num_warps_kda_pairs, **meta,
+        )  # fmt: skip
+        _kda_wy_fwd_kernel[grid](
+            k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
+            inverse_THC if store_for_backward else kk_THC, H, V=V, STORE_INVERSE=store_for_backward,
+            BV=min(config.block_v_wy, _block(V)), INV_PRECISION=inv_precision, num_warps=config.num_warps, **meta,
+        )  # fmt: skip
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC
 
 
