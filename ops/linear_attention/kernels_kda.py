@@ -115,6 +115,24 @@ def _subchunk_span(G, BT: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
+def _split_dot(x, x_hi, x_lo, y, dot_dtype, DOT_PRECISION: tl.constexpr):
+    """x @ y for fp32 tiles by 16-bit tensor-core dots at near-fp32 accuracy (x_hi, x_lo: x split as below, given by
+    the caller, which reuses them): each operand as its 16-bit rounding plus the 16-bit rounding of the remainder,
+    and the three products that matter (the remainders' own is 2^-16 of the result); one exact dot for fp32 inputs.
+
+    The backward's decayed products need it: dg sums each pair's term twice with opposite signs (at the later and the
+    earlier token) and the chunk's reverse cumsum cancels them; with one bf16 dot the two roundings differ and dg's
+    relative RMS error against the fp32 reference was 3.8% (H200, strong decays; 0.3% with fp32 arithmetic)."""
+    if DOT_PRECISION == "ieee":
+        return tl.dot(x, y, input_precision=DOT_PRECISION)
+    y_hi = y.to(dot_dtype)
+    y_lo = (y - y_hi.to(tl.float32)).to(dot_dtype)
+    acc = tl.dot(x_hi, y_lo)
+    acc = tl.dot(x_lo, y_hi, acc)
+    return tl.dot(x_hi, y_hi, acc)
+
+
+@triton.jit
 def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
@@ -122,7 +140,8 @@ def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.
     element type."""
     rows = tl.arange(0, BT)
     dot_dtype = y_ptr.dtype.element_ty
-    D_dot = D.to(dot_dtype)
+    D_hi = D.to(dot_dtype)
+    D_lo = (D - D_hi.to(tl.float32)).to(dot_dtype)
     Z = tl.zeros([BT, BK], dtype=tl.float32)
     # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
     # (sm_90 compile, triton 3.6: 1,904 bytes of stack a thread in the single gradient kernel against 3,784).
@@ -133,9 +152,9 @@ def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.
         later_decay = _masked_exp(G - G_r[None, :], is_later)
         earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
         if IS_TRANSPOSED:
-            Z += earlier_decay * tl.dot(D_dot, (y * later_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+            Z += earlier_decay * _split_dot(D, D_hi, D_lo, y * later_decay, dot_dtype, DOT_PRECISION)
         else:
-            Z += later_decay * tl.dot(D_dot, (y * earlier_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+            Z += later_decay * _split_dot(D, D_hi, D_lo, y * earlier_decay, dot_dtype, DOT_PRECISION)
     return Z
 
 
@@ -147,9 +166,9 @@ def _kk_qk_dots(q, k, G, k_ptr, own_rows, BT: tl.constexpr, SB: tl.constexpr, DO
     dot_dtype = k_ptr.dtype.element_ty
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     qk = tl.zeros([BT, BT], dtype=tl.float32)
-    # A loop, not tl.static_range, as in _decayed_dots (sm_90 compile, triton 3.6: no stack in the WY kernel against
-    # 128 and 200 bytes a thread unrolled).
-    for a in range(0, BT // SB):
+    # Unrolled (sm_90 compile: 16 bytes of stack a thread at 8 warps; as a loop none), the pairs kernel took 1.15 ms
+    # a launch against 1.62 as a loop (H200, B4 T8192 H16 K=V=128 bf16, docs/PERF.md).
+    for a in tl.static_range(0, BT // SB):
         G_r = _row_of(G, a * SB, BT)
         later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
         is_earlier = (rows < a * SB + own_rows)[:, None]
