@@ -60,12 +60,13 @@ GPU_BLOCK_V_WY = 64
 # of stack).
 GPU_BLOCK_V_OUTPUT = 128
 GPU_NUM_WARPS_OUTPUT = 8
-# KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk: with the inverse in the
-# same kernel, 4 warps spilled 648 bytes of stack a thread and 8 warps 24 (sm_90 compile, triton 3.6, K = V = 128).
+# KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
+# K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
+# 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
 GPU_NUM_WARPS_KDA_PAIRS = 8
-# KDA's two gradient kernels (kernels_kda.py), sm_90 compile, triton 3.6, K = V = 128: the WY kernel spills 224
-# bytes of stack a thread at 8 warps (16: 304, 4: 2,080), the products kernel 536 (16: 392 at half the registers a
-# thread, 4: 2,648); the single kernel they replace spilled 3,784 at 8 warps.
+# KDA's two gradient kernels (kernels_kda.py), sm_90 compile, triton 3.6, K = V = 128: the WY kernel spills 200
+# bytes of stack a thread at 8 warps (16: 304, 4: 2,080), the products kernel 568 (with 16-bit dot operands 536; 16
+# warps: 392 at half the registers a thread, 4: 2,648); the single kernel they replace spilled 3,784 at 8 warps.
 GPU_NUM_WARPS_KDA_GRAD_WY = 8
 GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.

@@ -17,15 +17,17 @@ such product is split by sub-chunk:
 - pairs in one sub-chunk otherwise: exp(G_i - G_j) elementwise, one offset jj at a time: row i meets row
   SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile cannot be
   indexed by row. Each program (one chunk and head) takes one path or the other as its span says.
-The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way.
+The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way, with
+fp32 operands in the dots (tf32 for 16-bit inputs; `_decayed_dots` says why).
 
-Kernels here: `_kda_wy_fwd_kernel` (G, the decayed k k^T and q k^T, (I + A)^-1, W, U) and the per-chunk gradient
-in two kernels, as kernels_bwd.py splits the per-head one: `_kda_grad_wy_kernel` (the state and WY terms: dv, dbeta,
-and for the next kernel fp32 parts of dk and dG, the gradient of G_C and dkk) then `_kda_grad_products_kernel` (the
-output's terms and the four decayed products dP k, dP^T q, dkk k, dkk^T k: dq, dk, dg). They were one kernel, which
-spilled 3,784 bytes of stack a thread (sm_90 compile, triton 3.6, K = V = 128, 8 warps); split, 224 and 536, for an
-fp32 [T, H, K] round trip of dk's and of dG's parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k,
-the states and v_new read by both kernels.
+Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1,
+W, U at 4 warps, as the per-head WY kernel; in one kernel at 8 warps the inverse's row loop took 41% of the
+instructions, ncu on the H200), and the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head
+one: `_kda_grad_wy_kernel` (the state and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the
+gradient of G_C and dkk) then `_kda_grad_products_kernel` (the output's terms and the four decayed products dP k,
+dP^T q, dkk k, dkk^T k: dq, dk, dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
+compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
+parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
 The serial state passes are `_chunk_state_fwd_kernel` and `_chunk_state_bwd_kernel` with IS_PER_CHANNEL, which read
 the decayed causal q k^T written here.
 """
@@ -115,33 +117,18 @@ def _subchunk_span(G, BT: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _split_dot(x, x_hi, x_lo, y, dot_dtype, DOT_PRECISION: tl.constexpr):
-    """x @ y for fp32 tiles by 16-bit tensor-core dots at near-fp32 accuracy (x_hi, x_lo: x split as below, given by
-    the caller, which reuses them): each operand as its 16-bit rounding plus the 16-bit rounding of the remainder,
-    and the three products that matter (the remainders' own is 2^-16 of the result); one exact dot for fp32 inputs.
-
-    The backward's decayed products need it: dg sums each pair's term twice with opposite signs (at the later and the
-    earlier token) and the chunk's reverse cumsum cancels them; with one bf16 dot the two roundings differ and dg's
-    relative RMS error against the fp32 reference was 3.8% (H200, strong decays; 0.3% with fp32 arithmetic)."""
-    if DOT_PRECISION == "ieee":
-        return tl.dot(x, y, input_precision=DOT_PRECISION)
-    y_hi = y.to(dot_dtype)
-    y_lo = (y - y_hi.to(tl.float32)).to(dot_dtype)
-    acc = tl.dot(x_hi, y_lo)
-    acc = tl.dot(x_lo, y_hi, acc)
-    return tl.dot(x_hi, y_hi, acc)
-
-
-@triton.jit
-def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
-    row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes). The dots take y_ptr's
-    element type."""
+    row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes).
+
+    The dots take fp32 operands (tf32 products for 16-bit inputs, exact ones for fp32), not 16-bit ones as the
+    forward's: dg counts each pair's term twice with opposite signs (at the later and at the earlier token) and the
+    chunk's reverse cumsum cancels them, so the two must round alike. With bf16 operands dg's relative RMS error
+    against the fp32 reference was 3.8% (H200, KDA test with decays up to 5 a token; 1.9% with logsigmoid decays),
+    with tf32 0.6% (0.4%), with fp32 arithmetic 0.3%; the gradient kernel took 4.4 instead of 3.2 ms a launch
+    (B4 T8192 H16 K=V=128, docs/PERF.md)."""
     rows = tl.arange(0, BT)
-    dot_dtype = y_ptr.dtype.element_ty
-    D_hi = D.to(dot_dtype)
-    D_lo = (D - D_hi.to(tl.float32)).to(dot_dtype)
     Z = tl.zeros([BT, BK], dtype=tl.float32)
     # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
     # (sm_90 compile, triton 3.6: 1,904 bytes of stack a thread in the single gradient kernel against 3,784).
@@ -152,9 +139,9 @@ def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.
         later_decay = _masked_exp(G - G_r[None, :], is_later)
         earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
         if IS_TRANSPOSED:
-            Z += earlier_decay * _split_dot(D, D_hi, D_lo, y * later_decay, dot_dtype, DOT_PRECISION)
+            Z += earlier_decay * tl.dot(D, y * later_decay, input_precision=DOT_PRECISION)
         else:
-            Z += later_decay * _split_dot(D, D_hi, D_lo, y * earlier_decay, dot_dtype, DOT_PRECISION)
+            Z += later_decay * tl.dot(D, y * earlier_decay, input_precision=DOT_PRECISION)
     return Z
 
 
@@ -210,7 +197,7 @@ def _decayed_matmul(
     cols = tl.arange(0, BT)
     # As in the WY kernel: no branch between the two paths, the loop runs no step when the dots took its pairs.
     own_rows = tl.where(is_mild, SB, 0)
-    Z = _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED, BT, BK, SB, DOT_PRECISION)
+    Z = _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED, BT, BK, SB, DOT_PRECISION)
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
