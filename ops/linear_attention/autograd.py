@@ -144,7 +144,7 @@ def _wy_pass(
     q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate=None
 ):
     """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None) of either variant; the
-    per-head variant builds q k^T inside the state kernels and needs no k k^T in backward. gate: KDA's (A_log,
+    per-head variant builds q k^T inside the state kernels and needs no k k^T in backward (KDA returns both always). gate: KDA's (A_log,
     dt_bias) when g_flat is the raw gate."""
     if g_flat.ndim == 3:
         return kda_wy_fwd(

@@ -60,9 +60,15 @@ GPU_BLOCK_V_WY = 64
 # of stack).
 GPU_BLOCK_V_OUTPUT = 128
 GPU_NUM_WARPS_OUTPUT = 8
-# KDA's WY kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk next to the inverse: at 4 warps
-# it spilled 648 bytes of stack a thread, at 8 warps 24 (sm_90 compile, triton 3.6, K = V = 128).
-GPU_NUM_WARPS_KDA_WY = 8
+# KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
+# K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
+# 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
+GPU_NUM_WARPS_KDA_PAIRS = 8
+# KDA's two gradient kernels (kernels_kda.py), sm_90 compile, triton 3.6, K = V = 128: the WY kernel spills 200
+# bytes of stack a thread at 8 warps (16: 304, 4: 2,080), the products kernel 568 (with 16-bit dot operands 536; 16
+# warps: 392 at half the registers a thread, 4: 2,648); the single kernel they replace spilled 3,784 at 8 warps.
+GPU_NUM_WARPS_KDA_GRAD_WY = 8
+GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
 GPU_NUM_WARPS = 4
 # The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
@@ -86,7 +92,9 @@ class KernelConfig:
     num_warps: int
     num_warps_grad: int
     num_warps_output: int
-    num_warps_kda_wy: int
+    num_warps_kda_pairs: int
+    num_warps_kda_grad_wy: int
+    num_warps_kda_grad_products: int
     num_stages_state: int
     num_stages: int
 
@@ -96,7 +104,9 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
-            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, num_warps_kda_wy=1,
+            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1,
+            num_warps_kda_pairs=1,
+            num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
             num_stages_state=1, num_stages=1,
         )
     return KernelConfig(
@@ -107,7 +117,9 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
-        GPU_NUM_WARPS_KDA_WY,
+        GPU_NUM_WARPS_KDA_PAIRS,
+        GPU_NUM_WARPS_KDA_GRAD_WY,
+        GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
     )

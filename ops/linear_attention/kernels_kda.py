@@ -17,11 +17,19 @@ such product is split by sub-chunk:
 - pairs in one sub-chunk otherwise: exp(G_i - G_j) elementwise, one offset jj at a time: row i meets row
   SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile cannot be
   indexed by row. Each program (one chunk and head) takes one path or the other as its span says.
-The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way.
+The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way, with
+fp32 operands in the dots (tf32 for 16-bit inputs; `_decayed_dots` says why).
 
-Kernels here: `_kda_wy_fwd_kernel` (G, the decayed k k^T and q k^T, (I + A)^-1, W, U) and `_kda_grad_kernel`
-(dq, dk, dv, dbeta, dg per chunk). The serial state passes are `_chunk_state_fwd_kernel` and
-`_chunk_state_bwd_kernel` with IS_PER_CHANNEL, which read the decayed causal q k^T written here.
+Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1,
+W, U at 4 warps, as the per-head WY kernel; in one kernel at 8 warps the inverse's row loop took 41% of the
+instructions, ncu on the H200), and the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head
+one: `_kda_grad_wy_kernel` (the state and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the
+gradient of G_C and dkk) then `_kda_grad_products_kernel` (the output's terms and the four decayed products dP k,
+dP^T q, dkk k, dkk^T k: dq, dk, dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
+compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
+parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
+The serial state passes are `_chunk_state_fwd_kernel` and `_chunk_state_bwd_kernel` with IS_PER_CHANNEL, which read
+the decayed causal q k^T written here.
 """
 
 from __future__ import annotations
@@ -109,25 +117,31 @@ def _subchunk_span(G, BT: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+def _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                   SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
-    row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes). The dots take y_ptr's
-    element type."""
+    row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes).
+
+    The dots take fp32 operands (tf32 products for 16-bit inputs, exact ones for fp32), not 16-bit ones as the
+    forward's: dg counts each pair's term twice with opposite signs (at the later and at the earlier token) and the
+    chunk's reverse cumsum cancels them, so the two must round alike. With bf16 operands dg's relative RMS error
+    against the fp32 reference was 3.8% (H200, KDA test with decays up to 5 a token; 1.9% with logsigmoid decays),
+    with tf32 0.6% (0.4%), with fp32 arithmetic 0.3%; the gradient kernel took 4.4 instead of 3.2 ms a launch
+    (B4 T8192 H16 K=V=128, docs/PERF.md)."""
     rows = tl.arange(0, BT)
-    dot_dtype = y_ptr.dtype.element_ty
-    D_dot = D.to(dot_dtype)
     Z = tl.zeros([BT, BK], dtype=tl.float32)
-    for a in tl.static_range(0, BT // SB):
+    # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
+    # (sm_90 compile, triton 3.6: 1,904 bytes of stack a thread in the single gradient kernel against 3,784).
+    for a in range(0, BT // SB):
         G_r = _row_of(G, a * SB, BT)
         is_later = ((rows // SB) == a)[:, None]
         is_earlier = (rows < a * SB + own_rows)[:, None]
         later_decay = _masked_exp(G - G_r[None, :], is_later)
         earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
         if IS_TRANSPOSED:
-            Z += earlier_decay * tl.dot(D_dot, (y * later_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+            Z += earlier_decay * tl.dot(D, y * later_decay, input_precision=DOT_PRECISION)
         else:
-            Z += later_decay * tl.dot(D_dot, (y * earlier_decay).to(dot_dtype), input_precision=DOT_PRECISION)
+            Z += later_decay * tl.dot(D, y * earlier_decay, input_precision=DOT_PRECISION)
     return Z
 
 
@@ -139,6 +153,8 @@ def _kk_qk_dots(q, k, G, k_ptr, own_rows, BT: tl.constexpr, SB: tl.constexpr, DO
     dot_dtype = k_ptr.dtype.element_ty
     kk = tl.zeros([BT, BT], dtype=tl.float32)
     qk = tl.zeros([BT, BT], dtype=tl.float32)
+    # Unrolled (sm_90 compile: 16 bytes of stack a thread at 8 warps; as a loop none), the pairs kernel took 1.15 ms
+    # a launch against 1.62 as a loop (H200, B4 T8192 H16 K=V=128 bf16, docs/PERF.md).
     for a in tl.static_range(0, BT // SB):
         G_r = _row_of(G, a * SB, BT)
         later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
@@ -181,7 +197,7 @@ def _decayed_matmul(
     cols = tl.arange(0, BT)
     # As in the WY kernel: no branch between the two paths, the loop runs no step when the dots took its pairs.
     own_rows = tl.where(is_mild, SB, 0)
-    Z = _decayed_dots(D, y, G, y_ptr, own_rows, IS_TRANSPOSED, BT, BK, SB, DOT_PRECISION)
+    Z = _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED, BT, BK, SB, DOT_PRECISION)
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
@@ -198,45 +214,35 @@ def _decayed_matmul(
 
 
 @triton.jit
-def _kda_wy_fwd_kernel(
+def _kda_pairs_kernel(
     q_ptr,
     k_ptr,
-    v_ptr,
     g_ptr,  # the log decay g, or the raw gate a when GATE_IN_KERNEL
     a_log_ptr,  # [H], read when GATE_IN_KERNEL
     dt_bias_ptr,  # [H * K], read when GATE_IN_KERNEL
-    beta_ptr,
     chunk_map_ptr,
     g_cumsum_ptr,
-    w_ptr,
-    u_ptr,
     qk_ptr,
-    inverse_ptr,
     kk_ptr,
     scale,
     H,
     K,
-    V,
     USE_L2NORM: tl.constexpr,
-    STORE_FOR_BACKWARD: tl.constexpr,
     BT: tl.constexpr,
     SB: tl.constexpr,
     BK: tl.constexpr,
-    BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    INV_PRECISION: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     FAST_SPAN: tl.constexpr,
 ):
+    """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
-    dot_dtype = k_ptr.dtype.element_ty
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
     is_valid = rows < num_valid
-    token_head = (t0 + rows).to(tl.int64) * H + i_h
 
     g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if GATE_IN_KERNEL:
@@ -247,7 +253,6 @@ def _kda_wy_fwd_kernel(
     # The same-sub-chunk pairs below read G back from memory: other threads wrote it.
     tl.debug_barrier()
     is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
-    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
 
@@ -271,12 +276,48 @@ def _kda_wy_fwd_kernel(
     kk = tl.where(rows[:, None] > cols[None, :], kk, 0.0)
     qk = tl.where(rows[:, None] >= cols[None, :], qk, 0.0)
     _store_rows(qk_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
+    _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
 
+
+@triton.jit
+def _kda_wy_fwd_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    chunk_map_ptr,
+    g_cumsum_ptr,
+    kk_ptr,
+    w_ptr,
+    u_ptr,
+    inverse_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    STORE_INVERSE: tl.constexpr,
+    BT: tl.constexpr,
+    SB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
+):
+    """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
-    if STORE_FOR_BACKWARD:
+    if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
-        _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
     # fp32 operands, as in kernels_fwd._chunk_wy_fwd_kernel (16-bit ones gave NaN on the H200 for K or V below 64).
+    G = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     k_scaled = k * tl.exp(G) * beta[:, None]
     w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
     _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
@@ -287,14 +328,10 @@ def _kda_wy_fwd_kernel(
 
 
 @triton.jit
-def _kda_grad_kernel(
-    q_ptr,
+def _kda_grad_wy_kernel(
     k_ptr,
     v_ptr,
     beta_ptr,
-    a_ptr,  # the raw gate, read when GATE_IN_KERNEL
-    a_log_ptr,
-    dt_bias_ptr,
     g_cumsum_ptr,
     inverse_ptr,
     kk_ptr,
@@ -302,13 +339,115 @@ def _kda_grad_kernel(
     state_grads_ptr,
     v_new_ptr,
     dv_new_ptr,
-    do_ptr,
     chunk_map_ptr,
-    scratch_ptr,
-    dq_ptr,
-    dk_ptr,
     dv_ptr,
     dbeta_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dG_last_ptr,
+    dkk_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The state and WY terms of one (chunk, head): dv and dbeta (final); for the products kernel, fp32, the state's
+    and the WY factors' parts of dk and dG [BT, BK] (before the L2 norm), the gradient of G_C [BK] and dkk [BT, BT]
+    (the gradient of the decayed k k^T, times beta)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    # Accumulated over V tiles: v_new dS1^T, dW, the U part of d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1)
+    # per key row.
+    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dinverse = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    state_dstate = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+        dstate_t = dstate_t.to(dot_dtype)
+        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        v_scaled = (v * beta[:, None]).to(dot_dtype)
+        dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
+        # d(diag(beta) v) = ((I + A)^-1)^T dU, and dU = dv_new; the inverse read per tile (L1/L2-resident).
+        inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+        dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
+        _store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
+        dbeta += tl.sum(v * dv_scaled, axis=1)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+
+    # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the WY kernel; the
+    # inverse is read again here (held through the loop, it spilled). This order spilled least of those tried
+    # (sm_90 compile).
+    G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    exp_G = tl.exp(G)
+    dw_dot = dw.to(dot_dtype)
+    inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    k_scaled = (k * (beta[:, None] * exp_G)).to(dot_dtype)
+    dinverse += tl.dot(dw_dot, tl.trans(k_scaled), input_precision=DOT_PRECISION)
+    dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
+    dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
+    dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
+    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
+    dbeta += tl.sum(dA * kk, axis=1)
+    _store_rows(dkk_ptr + i_h * BT, dA * beta[:, None], t0, num_valid, H * BT, BT, BT, BT)
+    dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
+    # State leaving the chunk: S1 = diag(exp(G_C)) S0 + (k exp(G_C - G))^T v_new.
+    dk_end = dk_end * tl.exp(G_last[None, :] - G)
+    dG_last = tl.sum(k * dk_end, axis=0) + tl.exp(G_last) * state_dstate
+    tl.store(dG_last_ptr + (i_c * H + i_h) * K + offs_k, dG_last, mask=offs_k < K)
+    k_dk_scaled = k * dk_scaled * exp_G
+    dbeta += tl.sum(k_dk_scaled, axis=1)
+    tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
+    dk = dk_end + dk_scaled * (beta[:, None] * exp_G)
+    _store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    dG = beta[:, None] * k_dk_scaled - k * dk_end
+    _store_rows(dG_partial_ptr + i_h * K, dG, t0, num_valid, H * K, K, BT, BK)
+
+
+@triton.jit
+def _kda_grad_products_kernel(
+    q_ptr,
+    k_ptr,
+    a_ptr,  # the raw gate, read when GATE_IN_KERNEL
+    a_log_ptr,
+    dt_bias_ptr,
+    g_cumsum_ptr,
+    states_ptr,
+    v_new_ptr,
+    do_ptr,
+    chunk_map_ptr,
+    dkk_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dG_last_ptr,
+    dq_ptr,
+    dk_ptr,
     dg_ptr,  # dg, or da when GATE_IN_KERNEL
     da_log_partial_ptr,  # [NC, H] fp32, written when GATE_IN_KERNEL
     ddt_bias_partial_ptr,  # [NC, H, K] fp32, written when GATE_IN_KERNEL
@@ -325,6 +464,10 @@ def _kda_grad_kernel(
     GATE_IN_KERNEL: tl.constexpr,
     FAST_SPAN: tl.constexpr,
 ):
+    """The rest of one (chunk, head), after the WY kernel: the output's terms from o = (q exp(G)) S0 + P v_new (P the
+    decayed causal q k^T) with dq (final), and the four decayed products (dP k, dP^T q, dkk k, dkk^T k) with their
+    parts of dk and dG; with the WY kernel's parts added, dk through the L2 norm and dg (or da and the gate's partial
+    sums)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -332,114 +475,76 @@ def _kda_grad_kernel(
     dot_dtype = k_ptr.dtype.element_ty
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
-    token_head = (t0 + rows).to(tl.int64) * H + i_h
-
-    G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring).
-    is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
-    exp_G = tl.exp(G)
-    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
-    q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    if USE_L2NORM:
-        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
-        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
-        q = q * q_rstd[:, None]
-        k = k * k_rstd[:, None]
-    q_scaled = q * scale
-    inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
 
     offs_k = tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
-    # Accumulated over V tiles, as in _chunk_grad_output_kernel and _chunk_grad_wy_kernel.
+    # Accumulated over V tiles: do S0^T and dP before its decays in both orientations.
     do_state = tl.zeros([BT, BK], dtype=tl.float32)
     dqk = tl.zeros([BT, BT], dtype=tl.float32)
     dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
-    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
-    dw = tl.zeros([BT, BK], dtype=tl.float32)
-    dinverse = tl.zeros([BT, BT], dtype=tl.float32)
-    dbeta = tl.zeros([BT], dtype=tl.float32)
-    state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
         offs_v = v0 + tl.arange(0, BV)
         state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
         state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
         state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
-        dstate_t = dstate_t.to(dot_dtype)
         v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
         do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
         dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
         dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
-        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
-        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
-        v_scaled = (v * beta[:, None]).to(dot_dtype)
-        dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
-        dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
-        _store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
-        dbeta += tl.sum(v * dv_scaled, axis=1)
-        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
-    # Output: o = (q exp(G)) S0 + P v_new with P the decayed causal q k^T. d(decayed product)/dG per channel is
-    # x * dx for the later token and -y * dy for the earlier one.
-    dq = do_state * exp_G
-    dG = q_scaled * dq
-    is_causal = rows[:, None] >= rows[None, :]
-    dqk = tl.where(is_causal, dqk, 0.0)
-    dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
+    G, _ = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring).
+    is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
     g_ptr_h = g_cumsum_ptr + i_h * K
-    dq_pairs = _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
-                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk = _decayed_matmul(dqk_t, q_scaled, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM,
-                         True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dq += dq_pairs
-    dG += q_scaled * dq_pairs - k * dk
-
-    # State leaving the chunk: S1 = diag(exp(G_C)) S0 + (k exp(G_C - G))^T v_new.
-    dk_end = dk_end * tl.exp(G_last[None, :] - G)
-    dk += dk_end
-    dG -= k * dk_end
-    dG_last = tl.sum(k * dk_end, axis=0) + tl.exp(G_last) * state_dstate
-
-    # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the WY kernel.
-    k_scaled = k * (beta[:, None] * exp_G)
-    dw_dot = dw.to(dot_dtype)
-    dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
-    dinverse += tl.dot(dw_dot, tl.trans(k_scaled.to(dot_dtype)), input_precision=DOT_PRECISION)
-    dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
-    dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
-    dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
-    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
-    dbeta += tl.sum(dA * kk, axis=1)
-    dkk = dA * beta[:, None]
-    # dkk^T goes through memory: tl.trans of a dot result is the Hopper miscompile (kernels_fwd.py).
-    _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
-    tl.debug_barrier()
-    dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
-    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
-                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
-                                 True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    dk += dk_later + dk_earlier
-    dG += k * (dk_later - dk_earlier)
-    k_dk_scaled = k * dk_scaled * exp_G
-    dk += dk_scaled * (beta[:, None] * exp_G)
-    dbeta += tl.sum(k_dk_scaled, axis=1)
-    dG += beta[:, None] * k_dk_scaled
-
-    # G is the cumulative sum of g along the chunk, per channel.
-    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
+    # Output: d(decayed product)/dG per channel is x * dx for the later token and -y * dy for the earlier one. q and
+    # k are loaded where they are needed, not held through the other products.
+    dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
+    dq = do_state * tl.exp(G)
+    k = _l2norm_rows(_load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    dq += _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+                          False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    q = _load_rows(q_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
+        q = q * q_rstd[:, None]
+    dG = q * scale * dq
     dq = dq * scale
     if USE_L2NORM:
         dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
-        dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
     _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
+    dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
+    dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM,
+                         True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    k = _load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
+        k = k * k_rstd[:, None]
+    dG -= k * dk
+
+    # WY: dkk (the WY kernel's) times the decayed k in both orientations; dkk^T read transposed, in k's dtype as the
+    # single kernel's scratch round trip had it (no tl.trans of a dot result: the Hopper miscompile, kernels_fwd.py).
+    dkk = _load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk += dk_later
+    dG += k * dk_later
+    dkk_t = _load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+                                 True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk += dk_earlier
+    dG -= k * dk_earlier
+    dk += _load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    dG += _load_rows(dG_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+
+    # G is the cumulative sum of g along the chunk, per channel.
+    dG_last = tl.load(dG_last_ptr + (i_c * H + i_h) * K + offs_k, mask=offs_k < K, other=0.0)
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
+    if USE_L2NORM:
+        dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
     _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
     if GATE_IN_KERNEL:
         # g = -exp(A_log) softplus(a + dt_bias): da = -dg exp(A_log) sigmoid(a + dt_bias), dA_log = sum dg g and
@@ -452,7 +557,6 @@ def _kda_grad_kernel(
         tl.store(ddt_bias_partial_ptr + (i_c * H + i_h) * K + cols, tl.sum(da, axis=0), mask=cols < K)
         dg = da
     _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
-    tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
 
 
 def kda_wy_fwd(
@@ -469,7 +573,12 @@ def kda_wy_fwd(
     gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """G [T, H, K] fp32; W [T, H, K], U [T, H, V] and the decayed causal q k^T [T, H, C] in k's dtype (fp32 for fp32
-    inputs); with store_for_backward also (I + A)^-1 and the decayed k k^T (strictly lower) [T, H, C].
+    inputs), the decayed k k^T (strictly lower) [T, H, C] fp32; with store_for_backward also (I + A)^-1 [T, H, C].
+
+    Two kernels: the pairs kernel (G, q k^T, k k^T: per-channel decays, sub-chunk dots) then the WY kernel (the
+    inverse, W, U), so that each runs at its own warp count. One kernel at 8 warps spent 41% of its instructions in the
+    inverse's row loop, 4.4x the per-head WY kernel's instructions at 4 warps (ncu on the H200, docs/PERF.md).
+    k k^T passes between them in fp32, as the inverse had it in registers.
 
     gate: (A_log [H], dt_bias [H * K]) when g_THK is the raw gate a, the log decay being
     -exp(A_log) * softplus(a + dt_bias), computed in the kernel."""
@@ -482,41 +591,22 @@ def kda_wy_fwd(
     w_THK = alloc((T, H, K), k_THK.dtype, device)
     u_THV = alloc((T, H, V), k_THK.dtype, device)
     qk_THC = alloc((T, H, C), k_THK.dtype, device)
+    kk_THC = alloc((T, H, C), torch.float32, device)
     inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
-    kk_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
+    meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
     if layout.num_slots > 0:
-        _kda_wy_fwd_kernel[(layout.num_slots, H)](
-            q_THK,
-            k_THK,
-            v_THV,
-            g_THK,
-            *(gate if gate is not None else (g_THK, g_THK)),
-            beta_TH,
-            layout.chunk_map,
-            g_cumsum_THK,
-            w_THK,
-            u_THV,
-            qk_THC,
-            inverse_THC if store_for_backward else qk_THC,
-            kk_THC if store_for_backward else qk_THC,
-            scale,
-            H,
-            K=K,
-            V=V,
-            USE_L2NORM=use_qk_l2norm,
-            STORE_FOR_BACKWARD=store_for_backward,
-            BT=C,
-            SB=SUB_CHUNK_SIZE,
-            BK=_block(K),
-            BV=min(config.block_v_wy, _block(V)),
-            DOT_PRECISION=dot_precision,
-            INV_PRECISION=inv_precision,
-            GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype),
-            num_warps=config.num_warps_kda_wy,
-            num_stages=config.num_stages,
-        )
+        grid = (layout.num_slots, H)
+        _kda_pairs_kernel[grid](
+            q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
+            qk_THC, kk_THC, scale, H, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
+            FAST_SPAN=fast_span_bound(k_THK.dtype), num_warps=config.num_warps_kda_pairs, **meta,
+        )  # fmt: skip
+        _kda_wy_fwd_kernel[grid](
+            k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
+            inverse_THC if store_for_backward else kk_THC, H, V=V, STORE_INVERSE=store_for_backward,
+            BV=min(config.block_v_wy, _block(V)), INV_PRECISION=inv_precision, num_warps=config.num_warps, **meta,
+        )  # fmt: skip
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC
 
 
@@ -555,49 +645,34 @@ def kda_grad(
     dv_THV = alloc((T, H, V), v_THV.dtype, device)
     dbeta_TH = alloc((T, H), beta_TH.dtype, device)
     dg_THK = alloc((T, H, K), g_dtype, device)
-    scratch_THC = alloc((T, H, C), k_THK.dtype, device)
+    # From the WY kernel to the products kernel, fp32: its parts of dk and dG, the gradient of G_C per chunk slot, and
+    # dkk (its transpose is read transposed: no tl.trans of a dot result, the Hopper miscompile in kernels_fwd.py).
+    dk_partial_THK = alloc((T, H, K), torch.float32, device)
+    dG_partial_THK = alloc((T, H, K), torch.float32, device)
+    dG_last_NCHK = alloc((layout.num_slots, H, K), torch.float32, device)
+    dkk_THC = alloc((T, H, C), torch.float32, device)
     # Per chunk slot, summed below in slot order (deterministic where atomics would not be).
     da_log_partial = alloc((layout.num_slots, H), torch.float32, device) if gate is not None else None
     ddt_bias_partial = alloc((layout.num_slots, H, K), torch.float32, device) if gate is not None else None
     dot_precision, _ = dot_precisions(k_THK.dtype)
+    meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, BK=_block(K), DOT_PRECISION=dot_precision,
+                num_stages=config.num_stages)  # fmt: skip
+    block_v = min(config.block_v_grad, _block(V))
+    fast_span = fast_span_bound(k_THK.dtype)
     if layout.num_slots > 0:
-        _kda_grad_kernel[(layout.num_slots, H)](
-            q_THK,
-            k_THK,
-            v_THV,
-            beta_TH,
-            *(gate if gate is not None else (g_cumsum_THK,) * 3),
-            g_cumsum_THK,
-            inverse_THC,
-            kk_THC,
-            states_NCHKV,
-            state_grads_NCHKV,
-            v_new_THV,
-            dv_new_THV,
-            do_THV,
-            layout.chunk_map,
-            scratch_THC,
-            dq_THK,
-            dk_THK,
-            dv_THV,
-            dbeta_TH,
-            dg_THK,
-            *((da_log_partial, ddt_bias_partial) if gate is not None else (dg_THK, dg_THK)),
-            scale,
-            H,
-            K=K,
-            V=V,
-            USE_L2NORM=use_qk_l2norm,
-            BT=C,
-            SB=SUB_CHUNK_SIZE,
-            BK=_block(K),
-            BV=min(config.block_v_grad, _block(V)),
-            DOT_PRECISION=dot_precision,
-            GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype),
-            num_warps=config.num_warps_grad,
-            num_stages=config.num_stages,
-        )
+        grid = (layout.num_slots, H)
+        _kda_grad_wy_kernel[grid](
+            k_THK, v_THV, beta_TH, g_cumsum_THK, inverse_THC, kk_THC, states_NCHKV, state_grads_NCHKV, v_new_THV,
+            dv_new_THV, layout.chunk_map, dv_THV, dbeta_TH, dk_partial_THK, dG_partial_THK, dG_last_NCHK, dkk_THC,
+            H, V=V, BV=block_v, num_warps=config.num_warps_kda_grad_wy, **meta,
+        )  # fmt: skip
+        _kda_grad_products_kernel[grid](
+            q_THK, k_THK, *(gate if gate is not None else (g_cumsum_THK,) * 3), g_cumsum_THK, states_NCHKV,
+            v_new_THV, do_THV, layout.chunk_map, dkk_THC, dk_partial_THK, dG_partial_THK, dG_last_NCHK,
+            dq_THK, dk_THK, dg_THK, *((da_log_partial, ddt_bias_partial) if gate is not None else (dg_THK, dg_THK)),
+            scale, H, V=V, SB=SUB_CHUNK_SIZE, BV=block_v, GATE_IN_KERNEL=gate is not None, FAST_SPAN=fast_span,
+            num_warps=config.num_warps_kda_grad_products, **meta,
+        )  # fmt: skip
     if gate is None:
         return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, None, None
     return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, da_log_partial.sum(0), ddt_bias_partial.sum(0).reshape(H * K)
