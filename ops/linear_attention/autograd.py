@@ -54,15 +54,16 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         g_cumsum, w_THK, u_THV, qk_THC, _, _ = _wy_pass(
             q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, False, gate
         )
-        if g_flat.ndim == 2 and has_output_kernel(k_THK.shape[-1], v_THV.shape[-1], config):
-            # Per-head decay: the serial pass only carries the state (storing it per chunk, with v_new) and a
-            # parallel kernel computes the output; the states are freed here, backward recomputes them.
+        if has_output_kernel(k_THK.shape[-1], v_THV.shape[-1], config):
+            # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
+            # computes the output (KDA: from the decayed q k^T of the WY pass); the states are freed here, backward
+            # recomputes them.
             _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
                 output_final_state, compute_output=False, store_states=True,
             )  # fmt: skip
             o_THV = chunk_output(
-                q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm
+                q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC
             )
             del states_NCHKV, v_new_THV
         else:

@@ -469,6 +469,7 @@ def _chunk_output_kernel(
     q_ptr,
     k_ptr,
     g_cumsum_ptr,
+    qk_ptr,  # [T, H, BT] the decayed causal q k^T (KDA's pairs kernel), read when IS_PER_CHANNEL
     states_ptr,
     v_new_ptr,
     chunk_map_ptr,
@@ -477,6 +478,7 @@ def _chunk_output_kernel(
     H,
     K,
     V,
+    IS_PER_CHANNEL: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
@@ -484,18 +486,22 @@ def _chunk_output_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """o = (q exp(G)) S0 + (q k^T * M) v_new of one (chunk slot, head, V tile), in parallel over all of them, from the
-    state entering the chunk and v_new that the serial pass stored (per-head decay: q k^T is built here)."""
+    state entering the chunk and v_new that the serial pass stored. Per-head decay: q k^T is built here; per-channel
+    (KDA): read, decayed and masked, from the pairs kernel."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     dot_dtype = k_ptr.dtype.element_ty
-    decay, _, _, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, False, BT, BK)
+    decay, _, _, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
     q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
-    qk = (qk * _pair_decay(G, True, False, BT)).to(dot_dtype)
+    if IS_PER_CHANNEL:
+        qk = _load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    else:
+        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+        qk = (qk * _pair_decay(G, True, False, BT)).to(dot_dtype)
     offs_k = tl.arange(0, BK)
     offs_v = v0 + tl.arange(0, BV)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
@@ -509,7 +515,7 @@ def _chunk_output_kernel(
 
 
 def has_output_kernel(K: int, V: int, config: KernelConfig) -> bool:
-    """Whether the forward computes the output in the parallel kernel (per-head decay), given the head dims.
+    """Whether the forward computes the output in the parallel kernel (either decay), given the head dims.
 
     Only when its V tile is at least as wide as its K tile: at K 32 with V 16, triton 3.6 compiled the output
     kernel into one that reads past its shared memory on the H200 (compute-sanitizer memcheck, 2026-11-30, at 8 and
@@ -530,9 +536,11 @@ def chunk_output(
     config: KernelConfig,
     scale: float,
     use_qk_l2norm: bool,
+    qk_THC: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """o [T, H, V] in q's dtype from the per-chunk states and v_new of chunk_state_fwd(store_states=True), per-head
-    decay (g_cumsum_TH [T, H]); one program per (chunk slot, head, V tile), all in parallel."""
+    """o [T, H, V] in q's dtype from the per-chunk states and v_new of chunk_state_fwd(store_states=True); one
+    program per (chunk slot, head, V tile), all in parallel. Per-head decay: g_cumsum_TH [T, H]; per-channel (KDA):
+    [T, H, K] with qk_THC the decayed causal q k^T of kda_wy_fwd."""
     T, H, K = q_THK.shape
     V = v_new_THV.shape[-1]
     o_THV = _alloc((T, H, V), q_THK.dtype, q_THK.device)
@@ -543,6 +551,7 @@ def chunk_output(
             q_THK,
             k_THK,
             g_cumsum_TH,
+            qk_THC if qk_THC is not None else q_THK,
             states_NCHKV,
             v_new_THV,
             layout.chunk_map,
@@ -551,6 +560,7 @@ def chunk_output(
             H,
             K=K,
             V=V,
+            IS_PER_CHANNEL=g_cumsum_TH.ndim == 3,
             USE_L2NORM=use_qk_l2norm,
             BT=layout.chunk_size,
             BK=_block(K),
