@@ -56,7 +56,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         )
         if has_output_kernel(k_THK.shape[-1], v_THV.shape[-1], config):
             # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
-            # computes the output (KDA: from the decayed q k^T of the WY pass); the states are freed here, backward
+            # computes the output (KDA: from the pairs kernel's decayed q k^T); the states are freed here, backward
             # recomputes them.
             _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
@@ -145,8 +145,8 @@ def _wy_pass(
     q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate=None
 ):
     """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None) of either variant; the
-    per-head variant builds q k^T inside the state kernels and needs no k k^T in backward (KDA returns both always). gate: KDA's (A_log,
-    dt_bias) when g_flat is the raw gate."""
+    per-head variant builds q k^T inside the state and output kernels and needs no k k^T in backward (KDA returns
+    both always). gate: KDA's (A_log, dt_bias) when g_flat is the raw gate."""
     if g_flat.ndim == 3:
         return kda_wy_fwd(
             q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate

@@ -105,9 +105,8 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
             block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1,
-            num_warps_kda_pairs=1,
-            num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
-            num_stages_state=1, num_stages=1,
+            num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1, num_stages_state=1,
+            num_stages=1,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,

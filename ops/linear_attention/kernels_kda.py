@@ -28,8 +28,8 @@ gradient of G_C and dkk) then `_kda_grad_products_kernel` (the output's terms an
 dP^T q, dkk k, dkk^T k: dq, dk, dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
 compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
 parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
-The serial state passes are `_chunk_state_fwd_kernel` and `_chunk_state_bwd_kernel` with IS_PER_CHANNEL, which read
-the decayed causal q k^T written here.
+The serial state passes are `_chunk_state_fwd_kernel` and `_chunk_state_bwd_kernel` with IS_PER_CHANNEL, and the
+forward's `_chunk_output_kernel` with IS_PER_CHANNEL: they read the decayed causal q k^T the pairs kernel writes.
 """
 
 from __future__ import annotations
@@ -406,7 +406,7 @@ def _kda_grad_wy_kernel(
         dbeta += tl.sum(v * dv_scaled, axis=1)
         state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
-    # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the WY kernel; the
+    # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the pairs kernel; the
     # inverse is read again here (held through the loop, it spilled). This order spilled least of those tried
     # (sm_90 compile).
     G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)

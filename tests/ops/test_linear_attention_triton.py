@@ -297,13 +297,18 @@ def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expe
     assert kernels_fwd.has_output_kernel(K, V, config) is expected
 
 
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("K, V, takes_output_kernel", [(16, 32, True), (32, 16, False)])
-def test_forward_takes_the_output_kernel_by_the_head_dims(kernel_path, monkeypatch, K, V, takes_output_kernel):
+def test_forward_takes_the_output_kernel_by_the_head_dims(
+    kernel_path, monkeypatch, K, V, takes_output_kernel, is_per_channel
+):
+    # Either decay: KDA's output kernel reads the pairs kernel's decayed q k^T instead of building it.
     calls = []
     output = autograd.chunk_output
     monkeypatch.setattr(autograd, "chunk_output", lambda *args: calls.append(args) or output(*args))
-    inputs = make_inputs(1, 70, K=K, V=V)
-    o, final_state = gated_delta_rule(**inputs, output_final_state=True)
+    inputs = make_inputs(1, 70, K=K, V=V, is_per_channel=is_per_channel)
+    op = kda if is_per_channel else gated_delta_rule
+    o, final_state = op(**inputs, output_final_state=True)
     expected_o, expected_state = chunk_gated_delta_rule_ref(
         **{name: x.detach() for name, x in inputs.items()}, output_final_state=True
     )
