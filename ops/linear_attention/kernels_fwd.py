@@ -367,15 +367,22 @@ def _chunk_wy_fwd_kernel(
     if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
 
-    # W and U multiply the fp32 inverse with fp32 operands (tf32 for 16-bit inputs): with 16-bit operands, Triton 3.6
-    # on the H200 returned NaN for K or V below 64 (the inverse itself was right). They are 2 of the ~40 chunk FLOPs.
-    k_scaled = k * (beta * tl.exp(G))[:, None]
+    _store_w_u(inverse, k * (beta * tl.exp(G))[:, None], beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0,
+               num_valid, H, K, V, BT, BK, BV, INV_PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _store_w_u(inverse, k_scaled, beta, v_ptr, w_ptr, u_ptr, t0, num_valid, H, K, V, BT: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, INV_PRECISION: tl.constexpr):  # fmt: skip
+    """W = (I + A)^-1 (k beta exp(G)) and U = (I + A)^-1 (v beta) of one chunk, stored (pointers at the head's
+    column 0). fp32 operands (tf32 for 16-bit inputs): with 16-bit operands, Triton 3.6 on the H200 returned NaN for K
+    or V below 64 (the inverse itself was right). They are 2 of the ~40 chunk FLOPs."""
     w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
-    _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
+    _store_rows(w_ptr, w, t0, num_valid, H * K, K, BT, BK)
     for v0 in range(0, V, BV):
-        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        v = _load_rows(v_ptr + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
         u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
-        _store_rows(u_ptr + i_h * V + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
+        _store_rows(u_ptr + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
 
 
 @triton.jit

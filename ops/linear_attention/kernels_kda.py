@@ -50,6 +50,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     _load_rows,
     _load_rows_t,
     _store_rows,
+    _store_w_u,
     _unit_lower_inverse,
     dot_precisions,
 )
@@ -321,16 +322,10 @@ def _kda_wy_fwd_kernel(
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
     if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
-    # fp32 operands, as in kernels_fwd._chunk_wy_fwd_kernel (16-bit ones gave NaN on the H200 for K or V below 64).
     G = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    k_scaled = k * tl.exp(G) * beta[:, None]
-    w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
-    _store_rows(w_ptr + i_h * K, w, t0, num_valid, H * K, K, BT, BK)
-    for v0 in range(0, V, BV):
-        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
-        _store_rows(u_ptr + i_h * V + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
+    _store_w_u(inverse, k * tl.exp(G) * beta[:, None], beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0,
+               num_valid, H, K, V, BT, BK, BV, INV_PRECISION)  # fmt: skip
 
 
 @triton.jit
