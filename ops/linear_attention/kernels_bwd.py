@@ -138,6 +138,31 @@ def _chunk_state_bwd_kernel(
 
 
 @triton.jit
+def _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, dot_dtype,
+                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles: do S0^T [BT, BK] and
+    do v_new^T [BT, BT] in both orientations (P's gradient before its decays and mask; the transpose as its own dot,
+    not tl.trans of a dot result). The states are read transposed, [BV, BK]."""
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+    return do_state, dqk, dqk_t
+
+
+@triton.jit
 def _chunk_grad_output_kernel(
     q_ptr,
     k_ptr,
@@ -170,24 +195,8 @@ def _chunk_grad_output_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
     G, _ = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
 
-    offs_k = tl.arange(0, BK)
-    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
-    has_chunk = num_valid > 0
-    # Accumulated over V tiles: do S0^T and d(q k^T * M) before M in both orientations.
-    do_state = tl.zeros([BT, BK], dtype=tl.float32)
-    dqk = tl.zeros([BT, BT], dtype=tl.float32)
-    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        # States read transposed, [BV, BK].
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
-        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
-        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+    do_state, dqk, dqk_t = _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
+                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.linear_attention import kernels_fwd
+from moe_tune.ops.linear_attention.kernels_bwd import _output_grad_products
 from moe_tune.ops.linear_attention.kernels_fwd import (
     _L2NORM_EPS,
     SUB_CHUNK_SIZE,
@@ -477,23 +478,8 @@ def _kda_grad_products_kernel(
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
 
-    offs_k = tl.arange(0, BK)
-    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
-    has_chunk = num_valid > 0
-    # Accumulated over V tiles: do S0^T and dP before its decays in both orientations.
-    do_state = tl.zeros([BT, BK], dtype=tl.float32)
-    dqk = tl.zeros([BT, BT], dtype=tl.float32)
-    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
-        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
-        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+    do_state, dqk, dqk_t = _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
+                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     G, _ = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
     # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring).
@@ -542,6 +528,7 @@ def _kda_grad_products_kernel(
     dG += _load_rows(dG_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
 
     # G is the cumulative sum of g along the chunk, per channel.
+    offs_k = tl.arange(0, BK)
     dG_last = tl.load(dG_last_ptr + (i_c * H + i_h) * K + offs_k, mask=offs_k < K, other=0.0)
     dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
     if USE_L2NORM:
