@@ -191,6 +191,19 @@ def prepare_chunks(
 
 
 @triton.jit
+def _load_chunk_state_t(ptr, i_c, i_h, num_valid, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """[BV, BK]: V tile v0 of the per-chunk state (or its gradient) of slot i_c and head i_h, stored [NS, H, K, V],
+    read transposed; zeros for a slot holding no chunk (it stored nothing)."""
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    offs_v = v0 + tl.arange(0, BV)
+    offsets = offs_k[None, :] * V + offs_v[:, None]
+    mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+    return tl.load(ptr + slot_head + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_rows(ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
     """[BT, BD] tile of rows t0 .. t0 + num_valid (zeros past them and past num_cols); ptr is at column 0."""
     rows = tl.arange(0, BT)

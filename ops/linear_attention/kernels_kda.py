@@ -48,6 +48,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     _block,
     _l2norm_rows,
     _load_channel_decay,
+    _load_chunk_state_t,
     _load_rows,
     _load_rows_t,
     _store_rows,
@@ -372,8 +373,6 @@ def _kda_grad_wy_kernel(
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
 
     offs_k = tl.arange(0, BK)
-    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
-    has_chunk = num_valid > 0
     # Accumulated over V tiles: v_new dS1^T, dW, the U part of d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1)
     # per key row.
     dk_end = tl.zeros([BT, BK], dtype=tl.float32)
@@ -382,12 +381,8 @@ def _kda_grad_wy_kernel(
     dbeta = tl.zeros([BT], dtype=tl.float32)
     state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
-        dstate_t = dstate_t.to(dot_dtype)
+        state_t = _load_chunk_state_t(states_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
+        dstate_t = _load_chunk_state_t(state_grads_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
         v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
