@@ -550,16 +550,17 @@ def _moe_lora_bwd_kernel(
             tl.store(gb_partial + rows[:, None] * rank + ranks[None, :], gb * scale, mask=rank_rows_mask)
         if COMPUTE_DB:
             ua = tl.load(ua_ptr + rows[:, None] * rank + ranks[None, :], mask=rank_rows_mask, other=0.0)  # [K, R]
-            g_f32 = g.to(tl.float32)
             if G_TIMES_WEIGHT:
+                # (w g)^T ua = g^T (w ua): the weight goes on the rank-wide tile, so g reaches both dots as loaded
+                # (a g tile rescaled in registers made the compiler load it without asynchronous copies).
                 slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0)
                 weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-                g_f32 = g_f32 * weights[:, None]
+                ua = ua * weights[:, None]
             if DB_IN_BF16:
                 # bf16 operands: one warpgroup MMA instead of fp32 copies of both tiles and a tf32 product.
-                acc_db = tl.dot(tl.trans(g_f32.to(tl.bfloat16)), ua.to(tl.bfloat16), acc_db)
+                acc_db = tl.dot(tl.trans(g), ua.to(tl.bfloat16), acc_db)
             else:
-                acc_db = tl.dot(tl.trans(g_f32), ua, acc_db, input_precision=DOT_PRECISION)
+                acc_db = tl.dot(tl.trans(g.to(tl.float32)), ua, acc_db, input_precision=DOT_PRECISION)
     if COMPUTE_DB:
         db = db_ptr + expert * stride_de + qs[:, None] * stride_dq + ranks[None, :] * stride_dr
         tl.store(db, (acc_db * scale).to(db_ptr.dtype.element_ty), mask=q_mask[:, None] & rank_mask[None, :])
