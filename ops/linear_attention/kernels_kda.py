@@ -90,13 +90,6 @@ def _masked_exp(log_decay, mask):
     return tl.where(mask, tl.exp(tl.where(mask, log_decay, 0.0)), 0.0)
 
 
-@triton.jit
-def _row_of(x, r, BT: tl.constexpr):
-    """Row r [BD] of a [BT, BD] register tile."""
-    rows = tl.arange(0, BT)
-    return tl.sum(tl.where((rows == r)[:, None], x, 0.0), axis=0)
-
-
 # The largest span (G at a sub-chunk's first row minus G at one of its rows, any channel) for which pairs within a
 # sub-chunk take a tensor-core dot: e^span must fit the dot's operand type (module docstring). Read at each launch.
 FAST_SPAN_BOUND = 60.0
@@ -108,20 +101,20 @@ def fast_span_bound(dtype: torch.dtype) -> float:
 
 
 @triton.jit
-def _subchunk_span(G, BT: tl.constexpr, SB: tl.constexpr):
-    """max over sub-chunks, their rows and channels of G[first row of the sub-chunk] - G[row] (>= 0: g <= 0)."""
+def _subchunk_first_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, BT: tl.constexpr, BK: tl.constexpr,
+                         SB: tl.constexpr):  # fmt: skip
+    """[BT, BK] G at the first row of each row's sub-chunk (>= G there: g <= 0), read from g_cumsum_ptr (the chunk's
+    rows, at column 0; rows past the chunk's end take its last row, where G stays)."""
     rows = tl.arange(0, BT)
-    span = tl.max(tl.max(tl.where((rows < SB)[:, None], _row_of(G, 0, BT)[None, :] - G, 0.0), axis=1), axis=0)
-    for a in tl.static_range(1, BT // SB):
-        in_a = ((rows // SB) == a)[:, None]
-        span_a = tl.max(tl.max(tl.where(in_a, _row_of(G, a * SB, BT)[None, :] - G, 0.0), axis=1), axis=0)
-        span = tl.maximum(span, span_a)
-    return span
+    cols = tl.arange(0, BK)
+    first = tl.minimum((rows // SB) * SB, num_valid - 1)
+    offsets = (t0 + first).to(tl.int64)[:, None] * row_stride + cols[None, :]
+    return tl.load(g_cumsum_ptr + offsets, mask=(first >= 0)[:, None] & (cols < K)[None, :], other=0.0)
 
 
 @triton.jit
-def _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                  SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows, IS_TRANSPOSED: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
     row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes).
 
@@ -136,7 +129,7 @@ def _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constex
     # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
     # (sm_90 compile, triton 3.6: 1,904 bytes of stack a thread in the single gradient kernel against 3,784).
     for a in range(0, BT // SB):
-        G_r = _row_of(G, a * SB, BT)
+        G_r = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * SB, BK)
         is_later = ((rows // SB) == a)[:, None]
         is_earlier = (rows < a * SB + own_rows)[:, None]
         later_decay = _masked_exp(G - G_r[None, :], is_later)
@@ -149,9 +142,22 @@ def _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED: tl.constexpr, BT: tl.constex
 
 
 @triton.jit
-def _kk_qk_dots(q, k, G, k_ptr, own_rows, BT: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, r, BK: tl.constexpr):
+    """[BK] G at chunk row r, or at the chunk's last row when r is past its end (G stays there)."""
+    cols = tl.arange(0, BK)
+    row = tl.minimum(r, num_valid - 1)
+    return tl.load(g_cumsum_ptr + (t0 + row).to(tl.int64) * row_stride + cols, mask=(cols < K) & (row >= 0), other=0.0)
+
+
+@triton.jit
+def _kk_qk_dots(q, k, G, later_decay_all, g_cumsum_ptr, t0, num_valid, row_stride, K, k_ptr, own_rows,
+                BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The WY pass's decayed k k^T and q k^T [BT, BT] over pairs in different sub-chunks, and with own_rows = SB also
-    over pairs within one (then including those above the diagonal: the caller masks them); dots in k_ptr's type."""
+    over pairs within one (then including those above the diagonal: the caller masks them); dots in k_ptr's type.
+
+    later_decay_all: exp(G - G at the first row of each row's sub-chunk) [BT, BK]; G's rows are read back from
+    g_cumsum_ptr (the chunk's, at column 0), written by this program before a barrier: a load instead of a reduction
+    over the register tile per sub-chunk."""
     rows = tl.arange(0, BT)
     dot_dtype = k_ptr.dtype.element_ty
     kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -159,8 +165,8 @@ def _kk_qk_dots(q, k, G, k_ptr, own_rows, BT: tl.constexpr, SB: tl.constexpr, DO
     # Unrolled (sm_90 compile: 16 bytes of stack a thread at 8 warps; as a loop none), the pairs kernel took 1.15 ms
     # a launch against 1.62 as a loop (H200, B4 T8192 H16 K=V=128 bf16, docs/PERF.md).
     for a in tl.static_range(0, BT // SB):
-        G_r = _row_of(G, a * SB, BT)
-        later_decay = _masked_exp(G - G_r[None, :], ((rows // SB) == a)[:, None])
+        G_r = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * SB, BK)
+        later_decay = tl.where(((rows // SB) == a)[:, None], later_decay_all, 0.0)
         is_earlier = (rows < a * SB + own_rows)[:, None]
         k_earlier = tl.trans((k * _masked_exp(G_r[None, :] - G, is_earlier)).to(dot_dtype))
         kk += tl.dot((k * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
@@ -200,7 +206,8 @@ def _decayed_matmul(
     cols = tl.arange(0, BT)
     # As in the WY kernel: no branch between the two paths, the loop runs no step when the dots took its pairs.
     own_rows = tl.where(is_mild, SB, 0)
-    Z = _decayed_dots(D, y, G, own_rows, IS_TRANSPOSED, BT, BK, SB, DOT_PRECISION)
+    Z = _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows, IS_TRANSPOSED, BT, BK, SB,
+                      DOT_PRECISION)  # fmt: skip
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
@@ -253,9 +260,13 @@ def _kda_pairs_kernel(
     # Zero-padded g past the chunk's end: G there stays at its last row.
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
-    # The same-sub-chunk pairs below read G back from memory: other threads wrote it.
+    # G's rows are read back below (each sub-chunk's first row; the same-sub-chunk pairs' partners): other threads
+    # wrote them.
     tl.debug_barrier()
-    is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
+    # G at the first row of each row's sub-chunk (>= G: g <= 0), for the chunk's span and the later tokens' decays.
+    G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
+    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
+    later_decay_all = tl.exp(G - G_first)
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
 
@@ -263,7 +274,8 @@ def _kda_pairs_kernel(
     # dots take the pairs within a sub-chunk too (own_rows = SB) and the elementwise loop runs no step; otherwise
     # (own_rows = 0) the loop takes them. No branch: the two paths' tiles would not share registers.
     own_rows = tl.where(is_mild, SB, 0)
-    kk, qk = _kk_qk_dots(q, k, G, k_ptr, own_rows, BT, SB, DOT_PRECISION)
+    kk, qk = _kk_qk_dots(q, k, G, later_decay_all, g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, k_ptr, own_rows,
+                         BT, BK, SB, DOT_PRECISION)  # fmt: skip
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         k_partner = _l2norm_rows(
@@ -477,8 +489,10 @@ def _kda_grad_products_kernel(
                                                  dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     G, _ = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring).
-    is_mild = _subchunk_span(G, BT, SB) <= FAST_SPAN
+    # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring): the largest
+    # span of G within a sub-chunk, any channel.
+    G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
+    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
     g_ptr_h = g_cumsum_ptr + i_h * K
