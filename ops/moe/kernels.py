@@ -485,7 +485,7 @@ def _moe_lora_bwd_kernel(
     b_ptr,  # [E, Q, r]
     ua_ptr,  # [S, r] fp32, expert order, read when COMPUTE_DB
     weights_ptr,  # [S] slot order, multiplied into g's rows for dB when G_TIMES_WEIGHT
-    gb_partial_ptr,  # out [cdiv(Q, BLOCK_Q), S, r] fp32, written when COMPUTE_GB
+    gb_partial_ptr,  # out [cdiv(Q, BLOCK_Q), S, r] rank dtype, written when COMPUTE_GB
     db_ptr,  # out [E, Q, r], written when COMPUTE_DB
     slot_of_row_ptr,
     token_of_row_ptr,
@@ -876,7 +876,9 @@ def moe_lora_bwd(
     num_q_blocks = triton.cdiv(dim_q, block_q)
     # Each program sums g B over its block_q columns only: the column blocks' [S, r] partials are added up below in a
     # fixed order (deterministic where atomics would not be).
-    gb_partial = _alloc((num_q_blocks, num_slots, rank), torch.float32, g.device) if compute_gb else None
+    # bf16 partials next to bf16 gradients (the sum accumulates in fp32 and gb is bf16 anyway): half the bytes.
+    gb_dtype = rank_dtype(g.dtype)
+    gb_partial = _alloc((num_q_blocks, num_slots, rank), gb_dtype, g.device) if compute_gb else None
     db = _alloc(tuple(b.shape), b.dtype, b.device) if compute_db else None
     _moe_lora_bwd_kernel[(num_experts * num_q_blocks,)](
         g, b, ua, _or_dummy(g_weights, ua).reshape(-1), _or_dummy(gb_partial, ua), _or_dummy(db, ua),
@@ -891,7 +893,7 @@ def moe_lora_bwd(
     )  # fmt: skip
     gb = None
     if compute_gb:
-        gb = (gb_partial[0] if num_q_blocks == 1 else gb_partial.sum(dim=0)).to(rank_dtype(g.dtype))
+        gb = gb_partial[0] if num_q_blocks == 1 else gb_partial.sum(dim=0)
     return gb, db
 
 
