@@ -240,7 +240,7 @@ def _randn(*shape: int, gen: torch.Generator, device: str, dtype=torch.float32) 
 def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
     """MoE expert MLP. CUDA: ops/moe/bench.py's triton, reference and torch _grouped_mm rows; CPU: the reference.
     A SPEC's N, D, F, E, k make one shape with uniform routing and no LoRA."""
-    from moe_tune.ops.moe.bench import DEFAULT_SHAPES, bench_moe
+    from moe_tune.ops.moe.bench import DEFAULT_SHAPES, bench_moe, lora_overhead
 
     if isinstance(preset, dict):
         shapes = [dict(preset, routing="uniform", lora_rank=0)]
@@ -255,7 +255,9 @@ def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
             shape_results = bench_moe([shape])
             results += shape_results
             peaks += [torch.cuda.max_memory_allocated()] * len(shape_results)
-        notes = lora_overhead_notes(results)
+        # The LoRA target's ratio from both trainings timed by turns (ops/moe/bench.py's lora_overhead).
+        lora_shapes = [shape for shape in shapes if shape.get("lora_rank") and not shape.get("train_base")]
+        notes = lora_overhead_notes(results, [lora_overhead(shape) for shape in lora_shapes])
         return [_moe_row(result, run, peak, note) for result, peak, note in zip(results, peaks, notes)]
     from moe_tune.ops.moe.reference import moe_mlp_ref
 
@@ -287,22 +289,35 @@ def _moe_shape(shape: dict) -> str:
     return " ".join(f"{name}{shape[name]}" for name in ("N", "D", "F", "E", "k"))
 
 
-def lora_overhead_notes(results: list[dict]) -> list[str | None]:
-    """For each bench_moe result, the note that puts a LoRA row (experts frozen) against the frozen-expert row of the
-    same shape and impl without LoRA (issue 7: LoRA r16 adds at most 20% to fwd+bwd); None for the other rows."""
+def lora_overhead_notes(results: list[dict], alternating: list[dict] = ()) -> list[str | None]:
+    """For each bench_moe result, the note that puts a LoRA row (experts frozen) against frozen-expert training of the
+    same shape without LoRA (issue 7: LoRA r16 adds at most 20% to fwd+bwd); None for the other rows.
+
+    alternating: ops/moe/bench.py's lora_overhead results (the triton kernels, both trainings timed by turns); a
+    triton row with one gets its ratio, every other LoRA row the ratio of its own single timing over the frozen row's
+    of the same shape and impl.
+    """
     from moe_tune.ops.moe.bench import lora_overheads
 
-    key_names = ("N", "D", "F", "E", "k", "routing", "lora_rank", "impl")
+    shape_names = ("N", "D", "F", "E", "k", "routing", "lora_rank")
+    key_names = (*shape_names, "impl")
     ratios = {}
     for impl in dict.fromkeys(result["impl"] for result in results):
         for overhead in lora_overheads(results, impl=impl):
-            ratios[tuple(overhead[name] for name in key_names)] = overhead["ratio"]
+            ratios[tuple(overhead[name] for name in key_names)] = (
+                f"fwd+bwd {overhead['ratio']:.3f}x the frozen-expert row without LoRA"
+            )
+    for overhead in alternating:
+        ratios[(*(overhead[name] for name in shape_names), "triton")] = (
+            f"fwd+bwd {overhead['ratio']:.3f}x frozen experts without LoRA ({overhead['lora_ms']:.2f} against "
+            f"{overhead['frozen_ms']:.2f} ms, medians of {overhead['passes']} passes timing the two by turns; "
+            f"per pass {min(overhead['pass_ratios']):.3f}-{max(overhead['pass_ratios']):.3f}x)"
+        )
     notes = []
     for result in results:
         # A LoRA row over trained experts has the same key as its frozen twin, so the frozen check stays.
         is_lora_frozen = result.get("lora_rank") and not result.get("train_base")
-        ratio = ratios.get(tuple(result.get(name) for name in key_names)) if is_lora_frozen else None
-        notes.append(None if ratio is None else f"fwd+bwd {ratio:.3f}x the frozen-expert row without LoRA")
+        notes.append(ratios.get(tuple(result.get(name) for name in key_names)) if is_lora_frozen else None)
     return notes
 
 
