@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import statistics
 import subprocess
@@ -118,6 +119,7 @@ def bench_moe(
     extra_impls: dict | None = None,
     check_grads: bool = True,
     rep_ms: int = 100,
+    passes: int = 3,
 ) -> list[dict]:
     """Time forward and forward+backward of each implementation on each shape; one dict per (shape, impl).
 
@@ -125,13 +127,13 @@ def bench_moe(
     train_base (default: True without LoRA, False with it), zipf_exponent. Default DEFAULT_SHAPES.
     impls: names from IMPLS; extra_impls: more {name: fn} with moe_mlp's signature (a kernel under another config,
     an older version), run with MOE_TUNE_KERNELS=triton. check_grads: compare every gradient with the reference's
-    (GRAD_ATOL/GRAD_RTOL) before timing. rep_ms: do_bench's repetition time per measurement.
+    (GRAD_ATOL/GRAD_RTOL) before timing. rep_ms: do_bench's repetition time per measurement; passes: how many
+    do_bench calls each (impl, fwd or fwd+bwd) gets, the impls of a shape timed by turns; rows report the median.
     Returns dicts with the shape, impl, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, max_over_mean_load,
     rel_error (vs the reference, forward output), grad_error (the largest |g - g_ref| / (atol + rtol |g_ref|), <= 1
     passes), correct, error (the message when an impl refused), and the machine: gpu, torch, triton, commit, date.
     """
     import triton
-    from triton.testing import do_bench
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_moe needs a CUDA device")
@@ -152,12 +154,14 @@ def bench_moe(
         with torch.no_grad():
             y_ref = moe_mlp_ref(**inputs).float()
         grads_ref = _grads(moe_mlp_ref, inputs, leaves, grad_y) if check_grads else None
+        rows, timers = [], {}
         for impl, fn in fns.items():
             row = dict(shape, impl=impl, dtype=str(dtype).removeprefix("torch."), max_over_mean_load=max_over_mean)
             row.setdefault("lora_rank", 0)
             row["train_base"] = shape.get("train_base", row["lora_rank"] == 0)
+            is_forced = impl != "reference" and impl != "torch_grouped_mm"
             try:
-                with _kernels_forced(impl != "reference" and impl != "torch_grouped_mm"):
+                with _kernels_forced(is_forced):
                     with torch.no_grad():
                         y = fn(**inputs).float()
                     row["rel_error"] = float((y - y_ref).abs().max() / y_ref.abs().max().clamp_min(1e-12))
@@ -165,20 +169,26 @@ def bench_moe(
                     if grads_ref is not None:
                         row["grad_error"] = _grad_error(_grads(fn, inputs, leaves, grad_y), grads_ref)
                         row["correct"] = row["correct"] and row["grad_error"] <= 1.0
-                    row["fwd_ms"] = do_bench(
-                        lambda: fn(**inputs), grad_to_none=leaves, rep=rep_ms, return_mode="median"
-                    )
-                    row["fwd_bwd_ms"] = do_bench(
-                        lambda: fn(**inputs).backward(grad_y), grad_to_none=leaves, rep=rep_ms, return_mode="median"
-                    )
-            except (RuntimeError, NotImplementedError, AttributeError, TypeError) as err:
+            except _REFUSALS as err:
                 row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+            else:
+                for key, step in (
+                    ("fwd_ms", lambda fn=fn, inputs=inputs: fn(**inputs)),
+                    ("fwd_bwd_ms", lambda fn=fn, inputs=inputs, grad_y=grad_y: fn(**inputs).backward(grad_y)),
+                ):
+                    timers[(len(rows), key)] = _median_timer(step, leaves, rep_ms, is_forced, row)
+            rows.append(row)
+        # Every impl and pass timed by turns: a slow spell of the machine falls on all of them, not on one row.
+        for (index, key), times in alternating_times(timers, passes).items():
+            if "error" not in rows[index]:
+                rows[index][key] = statistics.median(times)
+        for row in rows:
             if "fwd_ms" in row:
                 row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
             if "fwd_bwd_ms" in row:
                 row["fwd_bwd_tflops"] = 3 * fwd_flops / row["fwd_bwd_ms"] * 1e-9
             results.append(row | machine)
-        del inputs, leaves, y_ref, grads_ref
+        del inputs, leaves, y_ref, grads_ref, timers
         torch.cuda.empty_cache()
     return results
 
@@ -207,6 +217,26 @@ def lora_overheads(results: list[dict], impl: str = "triton") -> list[dict]:
                  ratio=row["fwd_bwd_ms"] / base["fwd_bwd_ms"])
         )  # fmt: skip
     return overheads
+
+
+# What an implementation may raise when it refuses a case (torch._grouped_mm outside bf16, a kernel outside its
+# limits): recorded in the row's error, not fatal to the run.
+_REFUSALS = (RuntimeError, NotImplementedError, AttributeError, TypeError)
+
+
+def _median_timer(step: Callable[[], object], leaves, rep_ms: int, is_forced: bool, row: dict) -> Callable[[], float]:
+    """A timer for alternating_times: do_bench's median of step(); a refusal goes to row["error"] (NaN returned)."""
+    from triton.testing import do_bench
+
+    def timer() -> float:
+        try:
+            with _kernels_forced(is_forced):
+                return do_bench(step, grad_to_none=leaves, rep=rep_ms, return_mode="median")
+        except _REFUSALS as err:
+            row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+            return math.nan
+
+    return timer
 
 
 def alternating_times(timers: dict[str, Callable[[], float]], passes: int) -> dict[str, list[float]]:
