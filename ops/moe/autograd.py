@@ -30,6 +30,7 @@ from moe_tune.ops.moe.kernels import (
     moe_lora_bwd,
     moe_routing,
     pick_config,
+    row_chunks,
 )
 
 # Positions in MoEFunction.forward's arguments, for ctx.needs_input_grad.
@@ -84,19 +85,22 @@ class MoEFunction(torch.autograd.Function):
         scaling, config = ctx.scaling, ctx.config
         num_tokens = x.shape[0]
         dy = dy.to(x.dtype)
+        has_lora = a_gate_up is not None or a_down is not None
+        # The row chunks of the passes that sum each expert's rows into a LoRA-sized output (dB, dA), built once.
+        chunks = row_chunks(routing, config) if has_lora else None
 
         # d(h A_down^T) / w per row, the down backward's LoRA term, and dB_down from the same read of dy.
         dha = d_b_down = None
         if a_down is not None:
             dha, d_b_down = moe_lora_bwd(
                 dy, b_down, ha, scaling, routing, config, compute_gb=True, compute_db=needs[_B_DOWN],
-                g_by_token=True, g_weights=topk_weights,
+                g_by_token=True, g_weights=topk_weights, chunks=chunks,
             )  # fmt: skip
         # h_weighted = w * h per row: the routing weight of dW_down and dA_down comes with it.
         dgate_up, h_weighted, dweights_S = moe_down_bwd(
             dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=needs[_W_DOWN] or needs[_A_DOWN]
         )
-        d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config) if needs[_A_DOWN] else None
+        d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config, chunks=chunks) if needs[_A_DOWN] else None
         del dha
         d_w_down = None
         if needs[_W_DOWN]:
@@ -109,7 +113,7 @@ class MoEFunction(torch.autograd.Function):
         if a_gate_up is not None and (needs[_X] or needs[_A_GATE_UP] or needs[_B_GATE_UP]):
             dxa, d_b_gate_up = moe_lora_bwd(
                 dgate_up, b_gate_up, xa, scaling, routing, config,
-                compute_gb=needs[_X] or needs[_A_GATE_UP], compute_db=needs[_B_GATE_UP],
+                compute_gb=needs[_X] or needs[_A_GATE_UP], compute_db=needs[_B_GATE_UP], chunks=chunks,
             )  # fmt: skip
         dx = None
         if needs[_X]:
@@ -118,7 +122,7 @@ class MoEFunction(torch.autograd.Function):
         if needs[_W_GATE_UP]:
             d_w_gate_up = moe_expert_grad(dgate_up, x, w_gate_up, routing, config, rhs_by_token=True)
         if needs[_A_GATE_UP]:
-            d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True)
+            d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True, chunks=chunks)
 
         d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
         return dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None

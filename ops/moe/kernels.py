@@ -47,6 +47,14 @@ GPU_FP32_BLOCK_K = 32
 GPU_FP32_NUM_WARPS = 4
 # A LoRA-rank side (16-32) leaves too little work for 8 warps.
 THIN_NUM_WARPS = 4
+# Passes that sum an expert's rows into a small output (dB, dA) split each expert's rows into chunks of this many
+# times the mean rows per expert: under uniform routing every expert fits one chunk (no partial sums), while one with
+# Zipf routing's 7.7x the mean (issue 7's E64 shape) spreads over 4 programs instead of running 7.7x as long as the
+# others: on the H200 (tenth session), LoRA r16 over Zipf routing cost 1.28x the frozen-expert training against
+# 1.14x uniform with one program per expert.
+CHUNK_MEAN_ROWS = 2
+# Elements of a per-expert output per program of the chunk sum.
+SUM_CHUNKS_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -220,6 +228,32 @@ def max_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
     return (num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m
 
 
+def _tile_map(offsets_E1: torch.Tensor, num_slots: int, block: int) -> tuple[torch.Tensor, ...]:
+    """Cut each expert's rows (offsets_E1: [E+1] int64) into tiles of `block` rows, on the device.
+
+    Returns tile_expert_T [T] int32 (-1 past the busy tiles), tile_row_T [T] int32 (first row), first_tile_E1 [E+1]
+    int32 (expert e owns tiles first[e] .. first[e+1]), T = max_tiles(num_slots, E, block).
+    """
+    num_experts = offsets_E1.shape[0] - 1
+    device = offsets_E1.device
+    counts_E = offsets_E1[1:] - offsets_E1[:-1]
+    tiles_E = (counts_E + block - 1) // block
+    tile_end_E = tiles_E.cumsum(0)
+    tile_T = torch.arange(max_tiles(num_slots, num_experts, block), device=device, dtype=torch.int64)
+    # Tile t belongs to the expert whose tile range [end_{e-1}, end_e) holds it; empty experts own no range.
+    tile_expert_T = torch.searchsorted(tile_end_E, tile_T, right=True)
+    has_work_T = tile_expert_T < num_experts
+    expert_T = tile_expert_T.clamp(max=num_experts - 1)
+    first_tile_E = tile_end_E - tiles_E
+    tile_row_T = offsets_E1[expert_T] + (tile_T - first_tile_E[expert_T]) * block
+    first_tile_E1 = torch.cat([first_tile_E, tile_end_E[-1:]])
+    return (
+        torch.where(has_work_T, tile_expert_T, -1).to(torch.int32),
+        torch.where(has_work_T, tile_row_T, 0).to(torch.int32),
+        first_tile_E1.to(torch.int32),
+    )
+
+
 def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERouting:
     """Sort the N*k token-slots by expert and tile each expert's rows; torch ops on the device, no host sync.
 
@@ -234,26 +268,52 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERo
     # searchsorted on the sorted ids instead of bincount: CUDA bincount reads the largest id back to the host.
     experts_E1 = torch.arange(num_experts + 1, device=device, dtype=torch.int64)
     offsets_E1 = torch.searchsorted(sorted_ids_S, experts_E1)
-    counts_E = offsets_E1[1:] - offsets_E1[:-1]
-    tiles_E = (counts_E + block_m - 1) // block_m
-    tile_end_E = tiles_E.cumsum(0)
-    num_tiles = max_tiles(num_slots, num_experts, block_m)
-    tile_T = torch.arange(num_tiles, device=device, dtype=torch.int64)
-    # Tile t belongs to the expert whose tile range [end_{e-1}, end_e) holds it; empty experts own no range.
-    tile_expert_T = torch.searchsorted(tile_end_E, tile_T, right=True)
-    has_work_T = tile_expert_T < num_experts
-    expert_T = tile_expert_T.clamp(max=num_experts - 1)
-    first_tile_T = (tile_end_E - tiles_E)[expert_T]
-    tile_row_T = offsets_E1[expert_T] + (tile_T - first_tile_T) * block_m
+    tile_expert_T, tile_row_T, _ = _tile_map(offsets_E1, num_slots, block_m)
     return MoERouting(
         slot_of_row_S=slot_of_row_S.to(torch.int32),
         token_of_row_S=(slot_of_row_S // top_k).to(torch.int32),
         offsets_E1=offsets_E1.to(torch.int32),
-        tile_expert_T=torch.where(has_work_T, tile_expert_T, -1).to(torch.int32),
-        tile_row_T=torch.where(has_work_T, tile_row_T, 0).to(torch.int32),
+        tile_expert_T=tile_expert_T,
+        tile_row_T=tile_row_T,
         block_m=block_m,
         top_k=top_k,
     )
+
+
+@dataclass(frozen=True)
+class RowChunks:
+    """Each expert's rows cut into chunks of at most chunk_rows, for the kernels that sum over an expert's rows into a
+    small per-expert output (the LoRA backward pass's dB, the dA passes): one program per chunk (and output block)
+    instead of one per expert, so a skewed expert's rows spread over several programs. An expert with one chunk has
+    its output stored by that chunk's program; the chunks of a split expert store fp32 partials, which
+    `_moe_sum_chunks_kernel` adds up in chunk order (deterministic), and which also zeroes experts with no rows.
+
+    chunk_expert_C: [C] int32 expert of each chunk, -1 past the busy ones; chunk_row_C: [C] int32 its first row;
+    first_chunk_E1: [E+1] int32, expert e owns chunks first[e] .. first[e+1].
+    """
+
+    chunk_expert_C: torch.Tensor
+    chunk_row_C: torch.Tensor
+    first_chunk_E1: torch.Tensor
+    chunk_rows: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_expert_C.shape[0]
+
+
+def chunk_rows_for(num_slots: int, num_experts: int, config: MoEConfig) -> int:
+    """Rows per chunk: CHUNK_MEAN_ROWS times an expert's mean rows, a whole number of both reduction steps."""
+    step = max(config.lora_bwd.block_k, config.expert_grad.block_k)
+    mean_rows = triton.cdiv(max(num_slots, 1), max(num_experts, 1))
+    return triton.cdiv(CHUNK_MEAN_ROWS * mean_rows, step) * step
+
+
+def row_chunks(routing: MoERouting, config: MoEConfig) -> RowChunks:
+    """The chunks of chunk_rows_for(...) rows of every expert; torch ops on the device, no host sync."""
+    chunk_rows = chunk_rows_for(routing.num_slots, routing.num_experts, config)
+    chunk_expert_C, chunk_row_C, first_chunk_E1 = _tile_map(routing.offsets_E1.long(), routing.num_slots, chunk_rows)
+    return RowChunks(chunk_expert_C, chunk_row_C, first_chunk_E1, chunk_rows)
 
 
 @triton.jit
@@ -486,10 +546,15 @@ def _moe_lora_bwd_kernel(
     ua_ptr,  # [S, r] fp32, expert order, read when COMPUTE_DB
     weights_ptr,  # [S] slot order, multiplied into g's rows for dB when G_TIMES_WEIGHT
     gb_partial_ptr,  # out [cdiv(Q, BLOCK_Q), S, r] rank dtype, written when COMPUTE_GB
-    db_ptr,  # out [E, Q, r], written when COMPUTE_DB
+    db_ptr,  # out [E, Q, r], written when COMPUTE_DB (by the chunk of an expert with one chunk)
+    db_partial_ptr,  # out [C, Q, r] fp32, written when COMPUTE_DB by the chunks of split experts
     slot_of_row_ptr,
     token_of_row_ptr,
     offsets_ptr,
+    chunk_expert_ptr,
+    chunk_row_ptr,
+    first_chunk_ptr,
+    chunk_rows,
     S,
     Q,
     rank,
@@ -512,15 +577,20 @@ def _moe_lora_bwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    # 1-D grid, expert slowest, as in _moe_expert_grad_kernel: one program reduces all rows of its expert for its
-    # column block in a fixed order (dB without atomics) and reads each of those gradient elements once for both
-    # products.
+    # 1-D grid, chunk slowest, as in _moe_expert_grad_kernel: one program reduces the rows of one chunk of an expert
+    # (RowChunks) for its column block in a fixed order (dB without atomics) and reads each of those gradient
+    # elements once for both products.
     pid = tl.program_id(0)
     num_q_blocks = tl.cdiv(Q, BLOCK_Q)
-    expert = (pid // num_q_blocks).to(tl.int64)
+    chunk = pid // num_q_blocks
     pid_q = pid % num_q_blocks
-    row_begin = tl.load(offsets_ptr + expert)
-    row_end = tl.load(offsets_ptr + expert + 1)
+    expert = tl.load(chunk_expert_ptr + chunk)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    row_begin = tl.load(chunk_row_ptr + chunk)
+    row_end = tl.minimum(row_begin + chunk_rows, tl.load(offsets_ptr + expert + 1))
+    is_split = tl.load(first_chunk_ptr + expert + 1) - tl.load(first_chunk_ptr + expert) > 1
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_mask = qs < Q
     ranks = tl.arange(0, BLOCK_R)
@@ -562,8 +632,13 @@ def _moe_lora_bwd_kernel(
             else:
                 acc_db = tl.dot(tl.trans(g.to(tl.float32)), ua, acc_db, input_precision=DOT_PRECISION)
     if COMPUTE_DB:
-        db = db_ptr + expert * stride_de + qs[:, None] * stride_dq + ranks[None, :] * stride_dr
-        tl.store(db, (acc_db * scale).to(db_ptr.dtype.element_ty), mask=q_mask[:, None] & rank_mask[None, :])
+        db_mask = q_mask[:, None] & rank_mask[None, :]
+        if is_split:
+            db_partial = db_partial_ptr + chunk.to(tl.int64) * Q * rank + qs[:, None] * rank + ranks[None, :]
+            tl.store(db_partial, acc_db * scale, mask=db_mask)
+        else:
+            db = db_ptr + expert * stride_de + qs[:, None] * stride_dq + ranks[None, :] * stride_dr
+            tl.store(db, (acc_db * scale).to(db_ptr.dtype.element_ty), mask=db_mask)
 
 
 # Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed
@@ -742,9 +817,14 @@ def _moe_expert_grad_kernel(
     rhs_ptr,  # [*, Q]: likewise with RHS_BY_TOKEN
     weights_ptr,  # [S] slot order, read when LHS_TIMES_WEIGHT
     out_ptr,  # out [E, P, Q]
+    partial_ptr,  # out [C, P, Q] fp32, written by the chunks of split experts when SPLIT_ROWS
     slot_of_row_ptr,
     token_of_row_ptr,
     offsets_ptr,
+    chunk_expert_ptr,  # RowChunks, read when SPLIT_ROWS
+    chunk_row_ptr,
+    first_chunk_ptr,
+    chunk_rows,
     P,
     Q,
     scale,
@@ -759,26 +839,36 @@ def _moe_expert_grad_kernel(
     RHS_BY_TOKEN: tl.constexpr,
     LHS_TIMES_WEIGHT: tl.constexpr,
     UPCAST: tl.constexpr,
+    SPLIT_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # 1-D grid, expert slowest: the programs of one expert run together and read its rows from L2, not from memory
-    # once per output tile.
+    # 1-D grid, expert (or chunk, SPLIT_ROWS) slowest: the programs of one expert run together and read its rows from
+    # L2, not from memory once per output tile.
     pid = tl.program_id(0)
     num_q_blocks = tl.cdiv(Q, BLOCK_Q)
     blocks_per_expert = tl.cdiv(P, BLOCK_P) * num_q_blocks
-    expert = (pid // blocks_per_expert).to(tl.int64)
     pid_p = (pid % blocks_per_expert) // num_q_blocks
     pid_q = pid % num_q_blocks
-    row_begin = tl.load(offsets_ptr + expert)
-    row_end = tl.load(offsets_ptr + expert + 1)
+    if SPLIT_ROWS:
+        chunk = pid // blocks_per_expert
+        expert = tl.load(chunk_expert_ptr + chunk)
+        if expert < 0:
+            return
+        expert = expert.to(tl.int64)
+        row_begin = tl.load(chunk_row_ptr + chunk)
+        row_end = tl.minimum(row_begin + chunk_rows, tl.load(offsets_ptr + expert + 1))
+    else:
+        expert = (pid // blocks_per_expert).to(tl.int64)
+        row_begin = tl.load(offsets_ptr + expert)
+        row_end = tl.load(offsets_ptr + expert + 1)
     ps = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     qs = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     p_mask = ps < P
     q_mask = qs < Q
-    # One program reduces all rows of its expert in a fixed order: deterministic, no atomics, no partial buffers.
+    # One program reduces all rows of its expert (or chunk) in a fixed order: deterministic, no atomics.
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for r0 in range(row_begin, row_end, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
@@ -804,8 +894,53 @@ def _moe_expert_grad_kernel(
             weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
             lhs = (lhs.to(tl.float32) * weights[:, None]).to(rhs.dtype)
         acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
-    out = out_ptr + expert * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq
-    tl.store(out, (acc * scale).to(out_ptr.dtype.element_ty), mask=p_mask[:, None] & q_mask[None, :])
+    out_mask = p_mask[:, None] & q_mask[None, :]
+    is_split = False
+    if SPLIT_ROWS:
+        is_split = tl.load(first_chunk_ptr + expert + 1) - tl.load(first_chunk_ptr + expert) > 1
+    if is_split:
+        partial = partial_ptr + chunk.to(tl.int64) * P * Q + ps[:, None] * Q + qs[None, :]
+        tl.store(partial, acc * scale, mask=out_mask)
+    else:
+        out = out_ptr + expert * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq
+        tl.store(out, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# The per-expert outputs of split experts: out[e] = sum of its chunks' fp32 partials, in chunk order; zeros for an
+# expert without rows; nothing for an expert with one chunk (that chunk's program stored it).
+@triton.jit
+def _moe_sum_chunks_kernel(
+    partial_ptr,  # [C, M] fp32
+    out_ptr,  # out [E, M]
+    first_chunk_ptr,
+    M,
+    BLOCK: tl.constexpr,
+):
+    expert = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < M
+    first = tl.load(first_chunk_ptr + expert)
+    last = tl.load(first_chunk_ptr + expert + 1)
+    if last - first == 1:
+        return
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    partial = partial_ptr + first.to(tl.int64) * M + cols
+    for _ in range(first, last):
+        acc += tl.load(partial, mask=col_mask, other=0.0)
+        partial += M
+    tl.store(out_ptr + expert * M + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _sum_chunks(partial: torch.Tensor, out: torch.Tensor, chunks: RowChunks) -> None:
+    """Complete `out` [E, ...] (contiguous) from the fp32 partials [C, ...] of its split experts."""
+    num_experts = out.shape[0]
+    per_expert = out[0].numel() if num_experts else 0
+    if not per_expert:
+        return
+    block = min(SUM_CHUNKS_BLOCK, triton.next_power_of_2(per_expert))
+    _moe_sum_chunks_kernel[(num_experts, triton.cdiv(per_expert, block))](
+        partial, out, chunks.first_chunk_E1, per_expert, BLOCK=block, num_warps=THIN_NUM_WARPS
+    )
 
 
 def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
@@ -860,11 +995,13 @@ def moe_lora_bwd(
     compute_db: bool,
     g_by_token: bool = False,
     g_weights: torch.Tensor | None = None,
+    chunks: RowChunks | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One pass over the output gradient g of a projection with LoRA: out += scale * ua B^T, ua = u A^T saved.
 
     g: [S, Q] in expert order, or [N, Q] read at each row's token when g_by_token; b: [E, Q, r]; ua: [S, r] fp32.
-    g_weights: [N, k] routing weights multiplied into g's rows for dB (not for gb), or None.
+    g_weights: [N, k] routing weights multiplied into g's rows for dB (not for gb), or None. chunks: row_chunks(routing,
+    config), built here when None (the backward builds it once for all its passes).
     Returns gb = scale * g[row] @ B[e] [S, r] in expert order, typed rank_dtype(g.dtype) (when compute_gb; d(ua) for
     the backward GEMM's epilogue and for dA) and dB[e] = scale * sum_{rows of e} (w g_row)^T ua_row, shaped and typed
     like b (when compute_db; bf16 products with fp32 sums when g is bf16).
@@ -879,10 +1016,16 @@ def moe_lora_bwd(
     # bf16 partials next to bf16 gradients (the sum accumulates in fp32 and gb is bf16 anyway): half the bytes.
     gb_dtype = rank_dtype(g.dtype)
     gb_partial = _alloc((num_q_blocks, num_slots, rank), gb_dtype, g.device) if compute_gb else None
-    db = _alloc(tuple(b.shape), b.dtype, b.device) if compute_db else None
-    _moe_lora_bwd_kernel[(num_experts * num_q_blocks,)](
+    chunks = row_chunks(routing, config) if chunks is None else chunks
+    db = db_partial = None
+    if compute_db:
+        db = _alloc(tuple(b.shape), b.dtype, b.device)
+        db_partial = _alloc((chunks.num_chunks, dim_q, rank), torch.float32, b.device)
+    _moe_lora_bwd_kernel[(chunks.num_chunks * num_q_blocks,)](
         g, b, ua, _or_dummy(g_weights, ua).reshape(-1), _or_dummy(gb_partial, ua), _or_dummy(db, ua),
+        _or_dummy(db_partial, ua),
         routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
+        chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows,
         num_slots, dim_q, rank, scale,
         *g.stride(), *b.stride(), *_strides3(db),
         G_BY_TOKEN=g_by_token, G_TIMES_WEIGHT=g_weights is not None, COMPUTE_GB=compute_gb, COMPUTE_DB=compute_db,
@@ -891,6 +1034,8 @@ def moe_lora_bwd(
         BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
         **kernel.launch_options(),
     )  # fmt: skip
+    if compute_db:
+        _sum_chunks(db_partial, db, chunks)
     gb = None
     if compute_gb:
         gb = gb_partial[0] if num_q_blocks == 1 else gb_partial.sum(dim=0)
@@ -1060,11 +1205,14 @@ def moe_expert_grad(
     rhs_by_token: bool = False,
     lhs_weights: torch.Tensor | None = None,
     scale: float = 1.0,
+    chunks: RowChunks | None = None,
 ) -> torch.Tensor:
     """out[e] = scale * sum_{rows of e} (w_row * lhs_row)^T rhs_row, shaped and typed like out_like [E, P, Q].
 
     lhs: [S, P] in expert order, or [N, P] read by token when lhs_by_token; rhs likewise [S or N, Q].
     lhs_weights: [N, k] routing weights multiplied into the lhs rows, or None.
+    A thin output (a LoRA rank side, too few output tiles per expert to spread a skewed expert's rows) is reduced by
+    row chunks (chunks: row_chunks(routing, config), built here when None); a weight gradient by expert.
     """
     num_experts, dim_p, dim_q = out_like.shape
     out = _alloc(tuple(out_like.shape), out_like.dtype, out_like.device)
@@ -1075,18 +1223,27 @@ def moe_expert_grad(
     block_p = min(kernel.block_p, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_p)))
     block_q = min(kernel.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_q)))
     weights = lhs_weights.reshape(-1) if lhs_weights is not None else lhs
-    grid = (num_experts * triton.cdiv(dim_p, block_p) * triton.cdiv(dim_q, block_q),)
+    partial = None
+    if is_thin:
+        chunks = row_chunks(routing, config) if chunks is None else chunks
+        partial = _alloc((chunks.num_chunks, dim_p, dim_q), torch.float32, out.device)
+    split = (chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows) if is_thin else (
+        routing.offsets_E1, routing.offsets_E1, routing.offsets_E1, 0)
+    num_programs = chunks.num_chunks if is_thin else num_experts
+    grid = (num_programs * triton.cdiv(dim_p, block_p) * triton.cdiv(dim_q, block_q),)
     _moe_expert_grad_kernel[grid](
-        lhs, rhs, weights, out,
-        routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
+        lhs, rhs, weights, out, _or_dummy(partial, out),
+        routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1, *split,
         dim_p, dim_q, scale,
         *lhs.stride(), *rhs.stride(), *out.stride(),
         LHS_BY_TOKEN=lhs_by_token, RHS_BY_TOKEN=rhs_by_token, LHS_TIMES_WEIGHT=lhs_weights is not None,
-        UPCAST=upcast, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
+        UPCAST=upcast, SPLIT_ROWS=is_thin, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
         BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=kernel.block_k,
         num_warps=min(kernel.num_warps, THIN_NUM_WARPS) if is_thin else kernel.num_warps,
         num_stages=kernel.num_stages,
         **({} if is_thin or kernel.maxnreg is None else dict(maxnreg=kernel.maxnreg)),
     )  # fmt: skip
+    if is_thin:
+        _sum_chunks(partial, out, chunks)
     return out
 

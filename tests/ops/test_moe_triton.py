@@ -407,6 +407,34 @@ def test_moe_routing_metadata(block_m):
     assert bool(busy[: num_busy_tiles].all()) and not bool(busy[num_busy_tiles:].any())
 
 
+def test_row_chunks_cover_each_experts_rows():
+    # Skewed as above, 87 slots over 7 experts (mean 13 rows): chunks of 2 x 13 rows rounded up to the 16-row
+    # reduction step = 32; expert 3 (51 rows) spans two chunks, experts 0 and 6 own none.
+    num_experts, top_k = 7, 3
+    gen = torch.Generator().manual_seed(0)
+    topk_ids = torch.tensor([1, 2, 3, 3, 3, 4, 5, 3, 3])[torch.randint(0, 9, (29, top_k), generator=gen)]
+    config = kernels.pick_config(torch.zeros(1), topk_ids.numel(), num_experts)
+    routing = kernels.moe_routing(topk_ids, num_experts, config.block_m)
+    chunks = kernels.row_chunks(routing, config)
+    assert chunks.chunk_rows == 32
+    offsets = routing.offsets_E1.tolist()
+    first = chunks.first_chunk_E1.tolist()
+    covered = torch.zeros(topk_ids.numel(), dtype=torch.long)
+    for chunk, (expert, row) in enumerate(zip(chunks.chunk_expert_C.tolist(), chunks.chunk_row_C.tolist())):
+        if expert < 0:
+            assert chunk >= first[-1]
+            continue
+        assert first[expert] <= chunk < first[expert + 1]
+        end = min(row + chunks.chunk_rows, offsets[expert + 1])
+        assert offsets[expert] <= row < end
+        covered[row:end] += 1
+    assert bool((covered == 1).all())
+    counts = [offsets[e + 1] - offsets[e] for e in range(num_experts)]
+    assert [first[e + 1] - first[e] for e in range(num_experts)] == [-(-c // 32) for c in counts]
+    assert max(counts) > chunks.chunk_rows and counts[0] == counts[6] == 0
+    assert chunks.num_chunks == kernels.max_tiles(topk_ids.numel(), num_experts, chunks.chunk_rows)
+
+
 def test_max_tiles_is_an_upper_bound():
     # Worst case: every non-empty expert holds one row more than a multiple of the tile.
     block_m, num_experts = 16, 5
