@@ -895,14 +895,14 @@ def _moe_expert_grad_kernel(
             lhs = (lhs.to(tl.float32) * weights[:, None]).to(rhs.dtype)
         acc = tl.dot(tl.trans(lhs), rhs, acc, input_precision=DOT_PRECISION)
     out_mask = p_mask[:, None] & q_mask[None, :]
-    is_split = False
+    out = out_ptr + expert * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq
     if SPLIT_ROWS:
-        is_split = tl.load(first_chunk_ptr + expert + 1) - tl.load(first_chunk_ptr + expert) > 1
-    if is_split:
-        partial = partial_ptr + chunk.to(tl.int64) * P * Q + ps[:, None] * Q + qs[None, :]
-        tl.store(partial, acc * scale, mask=out_mask)
+        if tl.load(first_chunk_ptr + expert + 1) - tl.load(first_chunk_ptr + expert) > 1:
+            partial = partial_ptr + chunk.to(tl.int64) * P * Q + ps[:, None] * Q + qs[None, :]
+            tl.store(partial, acc * scale, mask=out_mask)
+        else:
+            tl.store(out, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        out = out_ptr + expert * stride_oe + ps[:, None] * stride_op + qs[None, :] * stride_oq
         tl.store(out, (acc * scale).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
