@@ -37,7 +37,6 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     _block,
     _decays,
     _l2norm_rows,
-    _load_chunk_state_t,
     _load_decay,
     _load_rows,
     _load_rows_t,
@@ -143,12 +142,20 @@ def _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid
                           BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles: do S0^T [BT, BK] and
     do v_new^T [BT, BT] in both orientations (P's gradient before its decays and mask; the transpose as its own dot,
-    not tl.trans of a dot result)."""
+    not tl.trans of a dot result). The states are read transposed, [BV, BK]: written out here rather than through
+    _load_chunk_state_t, with which KDA's gradient products kernel compiled to another sm_90 binary (11,048
+    instructions, 568 bytes of stack) than the one run on the H200 (11,064, 608)."""
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
     do_state = tl.zeros([BT, BK], dtype=tl.float32)
     dqk = tl.zeros([BT, BT], dtype=tl.float32)
     dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        state_t = _load_chunk_state_t(states_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
         v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)

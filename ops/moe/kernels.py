@@ -11,8 +11,10 @@ while storing; no permuted copy of an activation is ever made.
 
 LoRA: each [S, r] rank product (x A^T, h A^T forward; dy B, dgate_up B backward) is computed once, by a thin pass
 before the big kernel that needs it, which then adds the rank-r update in its epilogue with one [rows, R] x [R, cols]
-dot. The backward thin pass also reduces dB from the gradient rows it reads; dA of the down projection is reduced
-in the down backward's epilogue, where h is recomputed.
+dot. The backward thin pass also reduces dB from the gradient rows it reads; dA of both adapters comes from the
+per-expert gradient kernel over the rank products and x (or the w * h the down backward stores). These four
+reductions into LoRA-sized outputs run one program per row chunk of an expert (RowChunks), not per expert, so a
+skewed expert's rows spread over several programs; split experts' partials are summed by _moe_sum_chunks_kernel.
 """
 
 from __future__ import annotations
