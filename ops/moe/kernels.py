@@ -1023,19 +1023,20 @@ def moe_lora_bwd(
     if compute_db:
         db = _alloc(tuple(b.shape), b.dtype, b.device)
         db_partial = _alloc((chunks.num_chunks, dim_q, rank), torch.float32, b.device)
-    _moe_lora_bwd_kernel[(chunks.num_chunks * num_q_blocks,)](
-        g, b, ua, _or_dummy(g_weights, ua).reshape(-1), _or_dummy(gb_partial, ua), _or_dummy(db, ua),
-        _or_dummy(db_partial, ua),
-        routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
-        chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows,
-        num_slots, dim_q, rank, scale,
-        *g.stride(), *b.stride(), *_strides3(db),
-        G_BY_TOKEN=g_by_token, G_TIMES_WEIGHT=g_weights is not None, COMPUTE_GB=compute_gb, COMPUTE_DB=compute_db,
-        DB_IN_BF16=g.dtype == torch.bfloat16,
-        DOT_PRECISION=_dot_precision(g.dtype, ua.dtype),
-        BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
-        **kernel.launch_options(),
-    )  # fmt: skip
+    if chunks.num_chunks > 0:
+        _moe_lora_bwd_kernel[(chunks.num_chunks * num_q_blocks,)](
+            g, b, ua, _or_dummy(g_weights, ua).reshape(-1), _or_dummy(gb_partial, ua), _or_dummy(db, ua),
+            _or_dummy(db_partial, ua),
+            routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
+            chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows,
+            num_slots, dim_q, rank, scale,
+            *g.stride(), *b.stride(), *_strides3(db),
+            G_BY_TOKEN=g_by_token, G_TIMES_WEIGHT=g_weights is not None, COMPUTE_GB=compute_gb, COMPUTE_DB=compute_db,
+            DB_IN_BF16=g.dtype == torch.bfloat16,
+            DOT_PRECISION=_dot_precision(g.dtype, ua.dtype),
+            BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            **kernel.launch_options(),
+        )  # fmt: skip
     if compute_db:
         _sum_chunks(db_partial, db, chunks)
     gb = None
@@ -1229,22 +1230,28 @@ def moe_expert_grad(
     if is_thin:
         chunks = row_chunks(routing, config) if chunks is None else chunks
         partial = _alloc((chunks.num_chunks, dim_p, dim_q), torch.float32, out.device)
-    split = (chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows) if is_thin else (
-        routing.offsets_E1, routing.offsets_E1, routing.offsets_E1, 0)
-    num_programs = chunks.num_chunks if is_thin else num_experts
+    if is_thin:
+        split = (chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows)
+        num_programs = chunks.num_chunks
+    else:
+        # Not read (SPLIT_ROWS off): any int32 vectors and row count.
+        split = (routing.offsets_E1, routing.offsets_E1, routing.offsets_E1, 0)
+        num_programs = num_experts
     grid = (num_programs * triton.cdiv(dim_p, block_p) * triton.cdiv(dim_q, block_q),)
-    _moe_expert_grad_kernel[grid](
-        lhs, rhs, weights, out, _or_dummy(partial, out),
-        routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1, *split,
-        dim_p, dim_q, scale,
-        *lhs.stride(), *rhs.stride(), *out.stride(),
-        LHS_BY_TOKEN=lhs_by_token, RHS_BY_TOKEN=rhs_by_token, LHS_TIMES_WEIGHT=lhs_weights is not None,
-        UPCAST=upcast, SPLIT_ROWS=is_thin, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
-        BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=kernel.block_k,
-        num_warps=min(kernel.num_warps, THIN_NUM_WARPS) if is_thin else kernel.num_warps,
-        num_stages=kernel.num_stages,
-        **({} if is_thin or kernel.maxnreg is None else dict(maxnreg=kernel.maxnreg)),
-    )  # fmt: skip
+    # No rows (an expert-parallel rank that received no tokens) leaves no chunk: nothing to launch, zeros below.
+    if grid[0] > 0:
+        _moe_expert_grad_kernel[grid](
+            lhs, rhs, weights, out, _or_dummy(partial, out),
+            routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1, *split,
+            dim_p, dim_q, scale,
+            *lhs.stride(), *rhs.stride(), *out.stride(),
+            LHS_BY_TOKEN=lhs_by_token, RHS_BY_TOKEN=rhs_by_token, LHS_TIMES_WEIGHT=lhs_weights is not None,
+            UPCAST=upcast, SPLIT_ROWS=is_thin, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
+            BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=kernel.block_k,
+            num_warps=min(kernel.num_warps, THIN_NUM_WARPS) if is_thin else kernel.num_warps,
+            num_stages=kernel.num_stages,
+            **({} if is_thin or kernel.maxnreg is None else dict(maxnreg=kernel.maxnreg)),
+        )  # fmt: skip
     if is_thin:
         _sum_chunks(partial, out, chunks)
     return out
