@@ -7,10 +7,11 @@ and prints a table. Implementations:
   triton            moe_mlp with MOE_TUNE_KERNELS=triton (the kernels of this folder)
   reference         moe_mlp_ref: sort, one matmul pair per expert, index_add_ (computes in fp32)
   torch_grouped_mm  permute + torch._grouped_mm (groups padded to GROUPED_MM_ALIGN_ROWS) + weighted index_add
-Times are medians of triton.testing.do_bench. The forward runs with autograd on (a training forward, saving what
-backward needs); forward+backward adds y.backward(dy). FLOPs: 2*N*k*D*3F for the forward (gate_up's 2F columns and
-down's F), three times that for forward+backward, whatever the impl saves: LoRA products are not counted, so
-TFLOP/s compares the same work across implementations.
+Times are medians of triton.testing.do_bench calls, the impls of a shape timed by turns (`passes` calls each, the
+median reported; `lora_overhead` alternates LoRA and frozen-expert training the same way). The forward runs with
+autograd on (a training forward, saving what backward needs); forward+backward adds y.backward(dy). FLOPs: 2*N*k*D*3F
+for the forward (gate_up's 2F columns and down's F), three times that for forward+backward, whatever the impl saves:
+LoRA products are not counted, so TFLOP/s compares the same work across implementations.
 """
 
 from __future__ import annotations
