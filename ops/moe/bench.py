@@ -92,6 +92,11 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=128),
             KernelConfig(256, 64, num_warps=8, num_stages=3, block_p=128),
             KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=256),
+            # Both operands of a weight gradient sit behind a row-index load, which takes pipeline stages of its
+            # own: at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory (64 KB; 2 and 4 stages
+            # the same), where every other GEMM here keeps 3; 5-6 stages give 3 buffers (96 KB), 7-8 give 4 (128 KB).
+            KernelConfig(128, 64, num_warps=8, num_stages=5, block_p=128),
+            KernelConfig(128, 64, num_warps=8, num_stages=7, block_p=128),
         ],
         "lora_rows": [
             KernelConfig(0, 128, num_warps=4, num_stages=3),
