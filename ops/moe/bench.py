@@ -57,7 +57,7 @@ GRAD_RTOL = 2e-2
 IMPLS = ("triton", "reference", "torch_grouped_mm")
 # LoRA overhead: LoRA and frozen-expert fwd+bwd timed by turns, this many do_bench calls each. On the H200 about one
 # call in four ran 5-10% slow as a whole (tenth session: LoRA r16 at E256 11.3 ms in most calls, 12.0-12.4 in every
-# fourth, frozen rows alike), so a ratio of two single calls moved by as much; the median over turns drops those.
+# fourth, not the host), so a ratio of two single calls moved by as much; the median over turns drops those.
 LORA_OVERHEAD_PASSES = 8
 
 
