@@ -1008,7 +1008,7 @@ def moe_lora_bwd(
     the backward GEMM's epilogue and for dA) and dB[e] = scale * sum_{rows of e} (w g_row)^T ua_row, shaped and typed
     like b (when compute_db; bf16 products with fp32 sums when g is bf16).
     """
-    num_experts, dim_q, rank = b.shape
+    _, dim_q, rank = b.shape
     num_slots = routing.num_slots
     kernel = config.lora_bwd
     block_q = min(kernel.block_n, max(MIN_DOT_SIZE, triton.next_power_of_2(dim_q)))
