@@ -68,7 +68,9 @@ def sweep_candidates() -> dict[str, list]:
     SM; capped at 128 it spills 240 bytes but fits two. gate_up_bwd with 256 columns, and 128 x 256 or 256 x 128
     weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA).
     On the H200 (2026-11-29, docs/PERF.md) the capped down_bwd and the 256-column gate_up_bwd won alone, but the
-    config built from them was slower end to end than pick_config's, which therefore stays.
+    config built from them was slower end to end than pick_config's. The eleventh session's run (2026-11-30) timed
+    the capped down_bwd with 5-stage weight gradients end to end by turns: E64 trained 12.35 ms against 13.16 for
+    the previous default (kernel time 11.97 against 12.59 ms), so pick_config takes both.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
     the H200 (sixth session: 1.03 ms at E256 against 1.08-2.02 for the others, 0.715 ms at E64 with 128 columns at
@@ -80,8 +82,8 @@ def sweep_candidates() -> dict[str, list]:
 
     return {
         "down_bwd": [
-            KernelConfig(64, 64, num_warps=8, num_stages=3),
             KernelConfig(64, 64, num_warps=8, num_stages=3, maxnreg=128),
+            KernelConfig(64, 64, num_warps=8, num_stages=3),
             KernelConfig(64, 64, num_warps=8, num_stages=4, maxnreg=128),
         ],
         "gate_up_bwd": [
@@ -89,13 +91,13 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(256, 64, num_warps=8, num_stages=3),
         ],
         "expert_grad": [
-            KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=128),
-            KernelConfig(256, 64, num_warps=8, num_stages=3, block_p=128),
-            KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=256),
             # Both operands of a weight gradient sit behind a row-index load, which takes pipeline stages of its
             # own: at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory (64 KB; 2 and 4 stages
             # the same), where every other GEMM here keeps 3; 5-6 stages give 3 buffers (96 KB), 7-8 give 4 (128 KB).
             KernelConfig(128, 64, num_warps=8, num_stages=5, block_p=128),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=128),
+            KernelConfig(256, 64, num_warps=8, num_stages=3, block_p=128),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, block_p=256),
             KernelConfig(128, 64, num_warps=8, num_stages=7, block_p=128),
         ],
         "lora_rows": [

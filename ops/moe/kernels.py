@@ -93,6 +93,12 @@ GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, n
 # are r fp32 per row each, 1/16 of a bf16 row of 2048), 32 rows a step, 4 warps: alone on the H200 (sixth session,
 # bf16 dB products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps, 0.715 / 0.714 at E64 top-8.
 GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, num_stages=3)
+# The down-projection backward needs 180 registers a thread, one 8-warp CTA per SM; capped at 128 (sm_90 compile: 240
+# bytes spilled) two fit.
+GPU_DOWN_BWD_MAXNREG = 128
+# Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
+# at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory, at 5 stages 3 (96 KB), as the other GEMMs.
+GPU_EXPERT_GRAD_STAGES = 5
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,15 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
     mean_rows = num_slots / max(num_experts, 1)
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
     config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
-    return dataclasses.replace(config, lora_rows=GPU_LORA_ROWS, lora_bwd=GPU_LORA_BWD)
+    # Each change alone and both together, end to end against the torch pipeline by turns on the H200 (eleventh
+    # session, docs/PERF.md): E64 trained fwd+bwd 13.16 ms with neither, 12.63 with the 5 stages, 12.35 with both.
+    return dataclasses.replace(
+        config,
+        down_bwd=dataclasses.replace(config.down_bwd, maxnreg=GPU_DOWN_BWD_MAXNREG),
+        expert_grad=dataclasses.replace(config.expert_grad, num_stages=GPU_EXPERT_GRAD_STAGES),
+        lora_rows=GPU_LORA_ROWS,
+        lora_bwd=GPU_LORA_BWD,
+    )
 
 
 def _dot_precision(*dtypes: torch.dtype) -> str:
