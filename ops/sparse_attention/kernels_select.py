@@ -14,16 +14,18 @@ sequence, or a repeat of an earlier slot. Repeats are found without sorting: eve
 query's selection bitmap with an atomic OR, and a slot whose bit was already set is a repeat. The bitmap [NT, H', NW]
 is kept for the token-level backward, which reads it to know which (query, key) pairs were selected.
 
-Top-k indexer (`topk_indexer_fwd`): a persistent kernel; each program takes groups of BQ consecutive queries. Per
-group it streams candidate key tiles (k_idx rows, or the mean-pooled keys of complete blocks), scores them for all
+Top-k indexer (`topk_indexer_fwd`): two kernels per slab of consecutive queries, the slab's scratch rows reused slab
+after slab, never a [T, T] matrix. `_indexer_scores_kernel`, one program per (group of BQ queries, span of candidate
+key rows): streams candidate key tiles (k_idx rows, or the mean-pooled keys of complete blocks), scores them for all
 BQ x HI (query, head) rows with one tl.dot, applies the activation and the per-head weights, sums over heads, and
-writes the group's [BQ, M] scores, as int32 keys that order as the floats do, to its own scratch rows: [programs,
-BQ, T] int32 reused group after group, never a [T, T] matrix (queries with at most k candidates keep them all and are
-not scored). Then, one query at a time, an exact radix select on those keys: 8-bit digits from the top, each pass a
-256-bin tl.histogram of the digits of the keys sharing the prefix found so far, in chunks of the row; it stops once
-the k-th key's bin holds only kept keys (usually after 2 or 3 of the 4 passes). A last pass emits the kept candidates
-in index order with a prefix sum, keys equal to the k-th ranked by index. Ties therefore go to the lower index, -0.0
-equals +0.0, and the output is ascending and -1 padded, exactly as reference.select_top.
+writes the scores, as int32 keys that order as the floats do, to the queries' scratch rows (queries with at most k
+candidates keep them all and are not scored). `_topk_select_kernel`, one program per query: an exact radix select on
+those keys, digits of DIGIT_BITS from the top, each pass a tl.histogram of the digits of the keys sharing the prefix
+found so far, in chunks of the row; it stops once the k-th key's bin holds only kept keys. A last pass emits the kept
+candidates in index order with a prefix sum, keys equal to the k-th ranked by index. Ties therefore go to the lower
+index, -0.0 equals +0.0, and the output is ascending and -1 padded, exactly as reference.select_top. One query per
+selecting program (about 15 resident per SM at 48 registers) rather than a fused kernel's selection inside the
+scoring program (one resident per SM) keeps enough selections in flight to hide their latency.
 """
 
 from __future__ import annotations
@@ -41,29 +43,41 @@ MIN_DOT_SIZE = 16
 CANONICAL_BLOCK_SLOTS = 64
 # Bits per word of the selection bitmap (int32 words, atomic OR).
 BITS_PER_WORD = 32
-# Radix select: 8-bit digits, at most 4 passes over a 32-bit key, usually 2 or 3 (a pass stops the select once the
-# k-th key's prefix bin holds only kept keys); a 256-bin tl.histogram is 8 warp ballots per 32 keys.
-RADIX_BITS = 8
-RADIX_BINS = 1 << RADIX_BITS
-# Kernels read module globals only when they are constexpr.
-_RADIX_BITS = tl.constexpr(RADIX_BITS)
-_RADIX_BINS = tl.constexpr(RADIX_BINS)
+# Radix select: digits of DIGIT_BITS, the first pass taking the 32 % DIGIT_BITS top bits (all DIGIT_BITS when it
+# divides 32); a pass stops the select once the k-th key's prefix bin holds only kept keys. A tl.histogram of 2^b bins
+# costs each thread about b + (2^b / 32) * (2b + 2) instructions per 32 keys (b warp ballots, then a mask and a
+# popcount per bin it owns): at 8 bits 152 per pass and 2-3 passes, at 5 bits 17 per pass and 4-6 passes.
 # GPU indexer: about 256 (query, head) rows per tl.dot (4 queries of 64 heads), so each key tile read from L2 serves
 # 4 queries: 13.7 ms against 15.6 ms at 128 rows (H200, T16384, HI64 DI128, top 2048; identical index sets) ...
 GPU_INDEXER_ROWS = 256
-# ... against 64 candidate keys per step.
+# fp32 keys (the pooled block keys, fp32 inputs) are scored by exact fp32 products on the FMA units, whose [rows, DI]
+# query tile lives in registers: at 256 rows the sm_90 compile spills 12 KB a thread; at 32 (HI16) none.
+GPU_INDEXER_ROWS_FP32 = 32
+# ... against 64 candidate keys per step, ...
 GPU_INDEXER_KEY_TILE = 64
-# The selection reads one query's keys 4096 at a time (16 per thread at 8 warps): 4 steps per pass at T = 16384.
-GPU_SELECT_CHUNK = 4096
-# Two resident programs per SM: the scratch rows of all of them (2 x 132 x BQ x T int32) stay in the 60 MB L2.
-GPU_INDEXER_PROGRAMS_PER_SM = 2
+# ... 1024 candidate keys per scoring program (16 steps): the program's query tile (up to 64 KB) is loaded once for
+# them.
+GPU_INDEXER_SPAN = 1024
 GPU_NUM_WARPS_INDEXER = 8
 # Pipelining the key tiles of the scoring loop hides their L2 latency behind the previous tile's product.
 GPU_NUM_STAGES_INDEXER = 2
-# The interpreter runs programs one after another: a few are enough, and small tiles make the tests take every loop.
-INTERPRETER_INDEXER_PROGRAMS = 3
+# Queries scored, then selected, per pair of launches: as many as fill this much scratch (4 bytes a candidate, 4096
+# queries of T16384 token candidates, all queries at block level), reused slab after slab. One query per selecting
+# program, so a slab is also the selection's grid (4096 programs; H200, T16384 HI16, 8-bit digits, 1024-key steps at
+# 8 warps: 4.22 ms against 4.40 at 2048 queries and 4.79 at 1024).
+GPU_SELECT_SCRATCH_BYTES = 256 << 20
+# The selection reads one query's keys 512 at a time (4 per thread at 4 warps; sm_90 compile: 48 registers), in
+# 5-bit digits. H200, T16384 HI16 (HI4): 3.65 (2.87) ms; 1024 keys 3.65 (2.88), 2048 keys 4.43 (3.70), 1024 keys
+# at 8 warps 3.75 (2.97); 4-bit digits 3.67-3.74 (2.90-2.99), 8-bit 4.03 (3.26).
+GPU_SELECT_CHUNK = 512
+GPU_NUM_WARPS_SELECT = 4
+GPU_SELECT_DIGIT_BITS = 5
+# The interpreter runs programs one after another: small tiles, spans and slabs make the tests take every loop.
 INTERPRETER_KEY_TILE = MIN_DOT_SIZE
+INTERPRETER_INDEXER_SPAN = 2 * MIN_DOT_SIZE
 INTERPRETER_SELECT_CHUNK = MIN_DOT_SIZE
+INTERPRETER_SLAB_QUERIES = 2 * MIN_DOT_SIZE
+INTERPRETER_SELECT_DIGIT_BITS = 5
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -205,20 +219,16 @@ def canonical_indices(
 
 
 @triton.jit
-def _topk_indexer_kernel(
+def _indexer_scores_kernel(
     q_ptr,
     key_ptr,
     w_ptr,
     first_ptr,
     count_ptr,
-    tail_ptr,
-    out_ptr,
     scratch_ptr,
     NT,
-    T,
-    num_groups,
+    group0,
     max_candidates,
-    topk,
     select_k,
     scale,
     HI: tl.constexpr,
@@ -227,43 +237,40 @@ def _topk_indexer_kernel(
     DIP: tl.constexpr,
     BQ: tl.constexpr,
     BM: tl.constexpr,
-    CHUNK: tl.constexpr,
-    IS_BLOCK: tl.constexpr,
+    SPAN: tl.constexpr,
     IS_RELU: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Persistent: groups of BQ queries; scores into this program's scratch rows, then per query a radix select of
-    8-bit digits and an ascending emit.
+    """Program (g, s): the BQ queries of group group0 + g against the s-th SPAN candidate keys of the group's range.
 
-    Query t's candidates are key table rows first[t] .. first[t] + count[t] - 1 (k_idx rows, or block keys). It keeps
-    the select_k best (topk, or topk - 1 in block mode) and then, in block mode, the block id tail[t] unless it is -1:
-    the query's own block, the largest id it may select, so it goes last.
+    Query t's candidates are key table rows first[t] .. first[t] + count[t] - 1 (k_idx rows, or block keys); their
+    scores go to scratch row t - group0 * BQ as int32 keys that order as the floats do. Queries that keep all their
+    candidates (count <= select_k) need no score and get none.
     """
-    pid = tl.program_id(0)
-    scratch = scratch_ptr + pid.to(tl.int64) * BQ * max_candidates
-    rows = tl.arange(0, BQ * HIP)
-    row_query = rows // HIP
-    row_head = rows % HIP
-    dims = tl.arange(0, DIP)
+    group = group0 + tl.program_id(0)
     queries = tl.arange(0, BQ)
-    bins = tl.arange(0, _RADIX_BINS)
-    cols = tl.arange(0, CHUNK)
-    for group in range(pid, num_groups, tl.num_programs(0)):
+    t_q = group * BQ + queries
+    is_query = t_q < NT
+    first = tl.load(first_ptr + t_q, mask=is_query, other=0)
+    count = tl.load(count_ptr + t_q, mask=is_query, other=0)
+    needs_select = is_query & (count > select_k)
+    hi = tl.max(tl.where(needs_select, first + count, 0), axis=0)
+    # lo = hi when no query of the group needs a score: every program of the group then has nothing to do.
+    lo = tl.min(tl.where(needs_select, first, hi), axis=0)
+    start = lo + tl.program_id(1) * SPAN
+    if start < hi:
+        rows = tl.arange(0, BQ * HIP)
+        row_query = rows // HIP
+        row_head = rows % HIP
+        dims = tl.arange(0, DIP)
         t_rows = group * BQ + row_query
         is_row = (t_rows < NT) & (row_head < HI)
         row_offsets = (t_rows.to(tl.int64) * HI + row_head) * DI
         q = tl.load(q_ptr + row_offsets[:, None] + dims[None, :], mask=is_row[:, None] & (dims[None, :] < DI), other=0)
         q = q.to(key_ptr.dtype.element_ty)
         w = tl.load(w_ptr + t_rows.to(tl.int64) * HI + row_head, mask=is_row, other=0).to(tl.float32)
-        t_q = group * BQ + queries
-        is_query = t_q < NT
-        first = tl.load(first_ptr + t_q, mask=is_query, other=0)
-        count = tl.load(count_ptr + t_q, mask=is_query, other=0)
-        # Queries that keep all their candidates need no score.
-        needs_select = is_query & (count > select_k)
-        lo = tl.min(tl.where(needs_select, first, 2147483647), axis=0)
-        hi = tl.max(tl.where(needs_select, first + count, 0), axis=0)
-        for p0 in range(lo, hi, BM):
+        scratch = scratch_ptr + (queries[:, None] + (group - group0) * BQ).to(tl.int64) * max_candidates
+        for p0 in range(start, tl.minimum(start + SPAN, hi), BM):
             keys = p0 + tl.arange(0, BM)
             k_t = tl.load(
                 key_ptr + keys[None, :].to(tl.int64) * DI + dims[:, None],
@@ -281,83 +288,106 @@ def _topk_indexer_kernel(
             order_key = tl.where(bits >= 0, bits, bits ^ 2147483647)
             m = keys[None, :] - first[:, None]
             is_candidate = needs_select[:, None] & (m >= 0) & (m < count[:, None])
-            tl.store(scratch + queries[:, None] * max_candidates + m, order_key, mask=is_candidate)
-        # The scores written by every thread must be visible to every thread before they are read back.
-        tl.debug_barrier()
+            tl.store(scratch + m, order_key, mask=is_candidate)
 
-        for qi in range(BQ):
-            t = group * BQ + qi
-            if t < NT:
-                first_t = tl.load(first_ptr + t)
-                count_t = tl.load(count_ptr + t)
-                row = scratch + qi * max_candidates
-                out_row = out_ptr + t.to(tl.int64) * topk
-                if IS_BLOCK:
-                    base = 0
-                else:
-                    base = first_t - (t // T) * T
-                num_kept = tl.minimum(count_t, select_k)
-                takes_all = count_t <= select_k
-                # Radix select on the signed keys, 8 bits a pass from the top: prefix is the k-th largest key
-                # shifted right by `shift`; num_left how many keys of that prefix are kept (the lower-indexed ones).
-                prefix = tl.zeros([], dtype=tl.int32)
-                shift = tl.zeros([], dtype=tl.int32)
-                num_left = num_kept
-                is_resolved = takes_all | (num_kept == 0)
-                for radix_pass in tl.static_range(32 // _RADIX_BITS):
-                    if not is_resolved:
-                        digit_shift = 32 - _RADIX_BITS * (radix_pass + 1)
-                        hist = tl.zeros([_RADIX_BINS], dtype=tl.int32)
-                        for m0 in range(0, count_t, CHUNK):
-                            m = m0 + cols
-                            is_match = m < count_t
-                            key = tl.load(row + m, mask=is_match, other=0)
-                            if radix_pass > 0:
-                                is_match = is_match & ((key >> (digit_shift + _RADIX_BITS)) == prefix)
-                            digit = (key >> digit_shift) & (_RADIX_BINS - 1)
-                            if radix_pass == 0:
-                                # The top digit holds the sign: flipping its top bit orders the digits as the keys.
-                                digit = digit ^ (_RADIX_BINS // 2)
-                            hist += tl.histogram(digit, _RADIX_BINS, mask=is_match)
-                        # above[d]: keys of the prefix whose digit is larger than d.
-                        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)
-                        is_chosen = (above < num_left) & (above + hist >= num_left)
-                        chosen = tl.sum(tl.where(is_chosen, bins, 0), axis=0)
-                        num_in_bin = tl.sum(tl.where(is_chosen, hist, 0), axis=0)
-                        num_left -= tl.sum(tl.where(is_chosen, above, 0), axis=0)
-                        if radix_pass == 0:
-                            prefix = chosen - _RADIX_BINS // 2
-                        else:
-                            prefix = prefix * _RADIX_BINS + chosen
-                        shift = tl.zeros([], dtype=tl.int32) + digit_shift
-                        # Every key of the chosen prefix is kept: the lower digits need not be looked at.
-                        is_resolved = num_in_bin == num_left
 
-                num_out = 0
-                num_equal_seen = 0
+@triton.jit
+def _topk_select_kernel(
+    first_ptr,
+    count_ptr,
+    tail_ptr,
+    out_ptr,
+    scratch_ptr,
+    NT,
+    T,
+    t0,
+    max_candidates,
+    topk,
+    select_k,
+    CHUNK: tl.constexpr,
+    DIGIT_BITS: tl.constexpr,
+    IS_BLOCK: tl.constexpr,
+):
+    """One program per query t0 + pid: a radix select of 8-bit digits over its scratch row, then an ascending emit.
+
+    The query keeps the select_k best of its count[t] candidates (topk, or topk - 1 in block mode) and then, in block
+    mode, the block id tail[t] unless it is -1: the query's own block, the largest id it may select, so it goes last.
+    """
+    t = t0 + tl.program_id(0)
+    if t < NT:
+        BINS: tl.constexpr = 1 << DIGIT_BITS
+        bins = tl.arange(0, BINS)
+        cols = tl.arange(0, CHUNK)
+        first_t = tl.load(first_ptr + t)
+        count_t = tl.load(count_ptr + t)
+        row = scratch_ptr + tl.program_id(0).to(tl.int64) * max_candidates
+        out_row = out_ptr + t.to(tl.int64) * topk
+        if IS_BLOCK:
+            base = 0
+        else:
+            base = first_t - (t // T) * T
+        num_kept = tl.minimum(count_t, select_k)
+        takes_all = count_t <= select_k
+        # Radix select on the signed keys, DIGIT_BITS a pass from the top (the first pass takes the FIRST_BITS that
+        # remain, sign bit included): prefix is the k-th largest key shifted right by `shift`; num_left how many keys
+        # of that prefix are kept (the lower-indexed ones).
+        FIRST_BITS: tl.constexpr = 32 - DIGIT_BITS * ((32 - 1) // DIGIT_BITS)
+        prefix = tl.zeros([], dtype=tl.int32)
+        shift = tl.zeros([], dtype=tl.int32)
+        num_left = num_kept
+        is_resolved = takes_all | (num_kept == 0)
+        for radix_pass in tl.static_range((32 - 1) // DIGIT_BITS + 1):
+            if not is_resolved:
+                digit_shift = 32 - FIRST_BITS - DIGIT_BITS * radix_pass
+                hist = tl.zeros([BINS], dtype=tl.int32)
                 for m0 in range(0, count_t, CHUNK):
                     m = m0 + cols
-                    is_in = m < count_t
-                    key = tl.load(row + m, mask=is_in & ~takes_all, other=0)
-                    top = key >> shift
-                    is_equal = is_in & (top == prefix)
-                    equal_rank = num_equal_seen + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
-                    is_better = (top > prefix) | (is_equal & (equal_rank < num_left))
-                    is_taken = is_in & (num_kept > 0) & (takes_all | is_better)
-                    pos = num_out + tl.cumsum(is_taken.to(tl.int32), axis=0) - 1
-                    tl.store(out_row + pos, base + m, mask=is_taken)
-                    num_out += tl.sum(is_taken.to(tl.int32), axis=0)
-                    num_equal_seen += tl.sum(is_equal.to(tl.int32), axis=0)
-                if IS_BLOCK:
-                    tail = tl.load(tail_ptr + t)
-                    if tail >= 0:
-                        tl.store(out_row + num_out, tail)
-                        num_out += 1
-                for f0 in range(num_out - num_out % CHUNK, topk, CHUNK):
-                    f = f0 + cols
-                    tl.store(out_row + f, -1, mask=(f >= num_out) & (f < topk))
-        # The next group overwrites the scratch rows this one has just read.
-        tl.debug_barrier()
+                    is_match = m < count_t
+                    key = tl.load(row + m, mask=is_match, other=0)
+                    if radix_pass > 0:
+                        is_match = is_match & ((key >> (digit_shift + DIGIT_BITS)) == prefix)
+                        digit = (key >> digit_shift) & (BINS - 1)
+                    else:
+                        # The top digit holds the sign: flipping its top bit orders the digits as the keys.
+                        digit = ((key >> digit_shift) & ((1 << FIRST_BITS) - 1)) ^ (1 << (FIRST_BITS - 1))
+                    hist += tl.histogram(digit, BINS, mask=is_match)
+                # above[d]: keys of the prefix whose digit is larger than d.
+                above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)
+                is_chosen = (above < num_left) & (above + hist >= num_left)
+                chosen = tl.sum(tl.where(is_chosen, bins, 0), axis=0)
+                num_in_bin = tl.sum(tl.where(is_chosen, hist, 0), axis=0)
+                num_left -= tl.sum(tl.where(is_chosen, above, 0), axis=0)
+                if radix_pass == 0:
+                    prefix = chosen - (1 << (FIRST_BITS - 1))
+                else:
+                    prefix = prefix * BINS + chosen
+                shift = tl.zeros([], dtype=tl.int32) + digit_shift
+                # Every key of the chosen prefix is kept: the lower digits need not be looked at.
+                is_resolved = num_in_bin == num_left
+
+        num_out = 0
+        num_equal_seen = 0
+        for m0 in range(0, count_t, CHUNK):
+            m = m0 + cols
+            is_in = m < count_t
+            key = tl.load(row + m, mask=is_in & ~takes_all, other=0)
+            top = key >> shift
+            is_equal = is_in & (top == prefix)
+            equal_rank = num_equal_seen + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
+            is_better = (top > prefix) | (is_equal & (equal_rank < num_left))
+            is_taken = is_in & (num_kept > 0) & (takes_all | is_better)
+            pos = num_out + tl.cumsum(is_taken.to(tl.int32), axis=0) - 1
+            tl.store(out_row + pos, base + m, mask=is_taken)
+            num_out += tl.sum(is_taken.to(tl.int32), axis=0)
+            num_equal_seen += tl.sum(is_equal.to(tl.int32), axis=0)
+        if IS_BLOCK:
+            tail = tl.load(tail_ptr + t)
+            if tail >= 0:
+                tl.store(out_row + num_out, tail)
+                num_out += 1
+        for f0 in range(num_out - num_out % CHUNK, topk, CHUNK):
+            f = f0 + cols
+            tl.store(out_row + f, -1, mask=(f >= num_out) & (f < topk))
 
 
 def pooled_block_keys(k_idx_TD: torch.Tensor, slots: BlockSlots, is_pooled: bool = False) -> torch.Tensor:
@@ -423,31 +453,39 @@ def topk_indexer_fwd(
         select_k = topk - 1
     precision = dot_precision(keys.dtype)
 
+    hip = triton.next_power_of_2(HI)
     if q_idx.is_cuda:
-        hip = triton.next_power_of_2(HI)
-        bq = max(1, GPU_INDEXER_ROWS // max(hip, 1))
+        rows = GPU_INDEXER_ROWS_FP32 if keys.dtype == torch.float32 else GPU_INDEXER_ROWS
+        bq = max(1, rows // max(hip, 1))
         bq = max(bq, triton.cdiv(MIN_DOT_SIZE, hip))
-        key_tile = GPU_INDEXER_KEY_TILE
-        select_chunk = GPU_SELECT_CHUNK
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        max_programs = GPU_INDEXER_PROGRAMS_PER_SM * num_sms
-        launch = dict(num_warps=GPU_NUM_WARPS_INDEXER, num_stages=GPU_NUM_STAGES_INDEXER)
+        key_tile, span = GPU_INDEXER_KEY_TILE, GPU_INDEXER_SPAN
+        select_chunk, digit_bits = GPU_SELECT_CHUNK, GPU_SELECT_DIGIT_BITS
+        slab_queries = GPU_SELECT_SCRATCH_BYTES // (4 * max_candidates)
+        score_launch = dict(num_warps=GPU_NUM_WARPS_INDEXER, num_stages=GPU_NUM_STAGES_INDEXER)
+        select_launch = dict(num_warps=GPU_NUM_WARPS_SELECT)
     else:
-        hip = triton.next_power_of_2(HI)
         bq = triton.next_power_of_2(max(1, triton.cdiv(MIN_DOT_SIZE, hip)))
-        key_tile = INTERPRETER_KEY_TILE
-        select_chunk = INTERPRETER_SELECT_CHUNK
-        max_programs = INTERPRETER_INDEXER_PROGRAMS
-        launch = {}
+        key_tile, span = INTERPRETER_KEY_TILE, INTERPRETER_INDEXER_SPAN
+        select_chunk, slab_queries, digit_bits = (
+            INTERPRETER_SELECT_CHUNK, INTERPRETER_SLAB_QUERIES, INTERPRETER_SELECT_DIGIT_BITS
+        )
+        score_launch = select_launch = {}
     num_groups = triton.cdiv(NT, bq)
-    num_programs = max(1, min(num_groups, max_programs))
-    scratch = torch.empty((num_programs, bq, max_candidates), dtype=torch.int32, device=device)
+    slab_groups = max(1, min(num_groups, slab_queries // bq))
+    # A group's candidates lie within max_candidates + bq - 1 key rows (it may straddle two packed sequences).
+    num_spans = triton.cdiv(max_candidates + bq, span)
+    scratch = torch.empty((slab_groups * bq, max_candidates), dtype=torch.int32, device=device)
     out = _alloc((NT, topk), torch.int32, device)
-    _topk_indexer_kernel[(num_programs,)](
-        q_THD, keys, w_TH, first, count, tail.to(torch.int32).contiguous(), out, scratch,
-        NT, T, num_groups, max_candidates, topk, select_k, scale,
-        HI=HI, DI=DI, HIP=hip, DIP=max(MIN_DOT_SIZE, triton.next_power_of_2(DI)), BQ=bq, BM=key_tile,
-        CHUNK=select_chunk, IS_BLOCK=block_size > 1, IS_RELU=activation == "relu", PRECISION=precision,
-        **launch,
-    )  # fmt: skip
+    tail = tail.to(torch.int32).contiguous()
+    for group0 in range(0, num_groups, slab_groups):
+        groups = min(slab_groups, num_groups - group0)
+        _indexer_scores_kernel[(groups, num_spans)](
+            q_THD, keys, w_TH, first, count, scratch, NT, group0, max_candidates, select_k, scale,
+            HI=HI, DI=DI, HIP=hip, DIP=max(MIN_DOT_SIZE, triton.next_power_of_2(DI)), BQ=bq, BM=key_tile,
+            SPAN=span, IS_RELU=activation == "relu", PRECISION=precision, **score_launch,
+        )  # fmt: skip
+        _topk_select_kernel[(groups * bq,)](
+            first, count, tail, out, scratch, NT, T, group0 * bq, max_candidates, topk, select_k,
+            CHUNK=select_chunk, DIGIT_BITS=digit_bits, IS_BLOCK=block_size > 1, **select_launch,
+        )  # fmt: skip
     return out.view(B, T, topk)

@@ -305,6 +305,16 @@ def test_topk_indexer_breaks_ties_toward_lower_index(kernel_path, guarded):
     assert ties_only.tolist() == [0, 1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("digit_bits", [3, 4, 8])
+def test_topk_indexer_digit_widths_equal_reference(kernel_path, guarded, monkeypatch, digit_bits):
+    # The select at other digit widths than the default 5: 3 and 8 leave a first pass of 2 and 8 bits, 4 one of 4.
+    # Packed documents, ties among integer scores and signed scores (negative weights) in one batch.
+    monkeypatch.setattr(kernels_select, "INTERPRETER_SELECT_DIGIT_BITS", digit_bits)
+    q_idx, k_idx, w_idx = make_indexer_inputs(1, 41, 2, 16, torch.float32)
+    cu_seqlens = torch.tensor([0, 1, 1, 20, 41], dtype=torch.int32)
+    assert_indexer_matches_reference(guarded, q_idx, k_idx, w_idx, topk=6, cu_seqlens=cu_seqlens)
+
+
 def _spy_kernel(monkeypatch):
     calls = []
     apply = SparseAttentionFunction.apply
