@@ -315,6 +315,45 @@ def test_topk_indexer_digit_widths_equal_reference(kernel_path, guarded, monkeyp
     assert_indexer_matches_reference(guarded, q_idx, k_idx, w_idx, topk=6, cu_seqlens=cu_seqlens)
 
 
+def _top_positions_ref(keys_RM: torch.Tensor, counts: list[int], k: int) -> torch.Tensor:
+    """Ascending positions of each row's k largest keys among its first counts[r] (ties to the lower position),
+    -1 padded: the selection the indexer's select kernel makes on its scratch rows."""
+    out = torch.full((keys_RM.shape[0], k), -1, dtype=torch.int32)
+    for r, count in enumerate(counts):
+        order = sorted(range(count), key=lambda m: (-int(keys_RM[r, m]), m))[:k]
+        out[r, : len(order)] = torch.tensor(sorted(order), dtype=torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("pattern", ["random", "ties", "sample_trap"])
+@pytest.mark.parametrize("sample", [0, 16], ids=["full_row", "bracketed"])
+def test_topk_select_kernel_on_crafted_keys(kernel_path, pattern, sample):
+    # The select alone, on int32 keys written straight into its scratch rows. "sample_trap" puts the largest keys
+    # exactly where a 16-key sample picks (every 200 // 16 = 12.5th position), so the sample's bracket misses the
+    # k-th key and the kernel must fall back to the full row; "ties" leaves 7 distinct keys for 200 candidates.
+    num_rows, num_keys, k = 6, 200, 37
+    counts = [200, 199, 150, 101, 38, 37]
+    gen = torch.Generator().manual_seed(3)
+    if pattern == "random":
+        keys = torch.randint(-(2**31), 2**31 - 1, (num_rows, num_keys), generator=gen, dtype=torch.int64)
+    elif pattern == "ties":
+        keys = torch.randint(-3, 4, (num_rows, num_keys), generator=gen)
+    else:
+        keys = torch.randint(0, 1000, (num_rows, num_keys), generator=gen)
+        for r, count in enumerate(counts):
+            picks = torch.arange(16) * count // 16
+            keys[r, picks] = 10**6 + torch.arange(16)
+    keys = keys.to(torch.int32)
+    out = torch.full((num_rows, k), INT_POISON, dtype=torch.int32)
+    first = torch.zeros(num_rows, dtype=torch.int32)
+    kernels_select._topk_select_kernel[(num_rows,)](
+        first, torch.tensor(counts, dtype=torch.int32), first, out, keys.clone(), torch.empty_like(keys),
+        num_rows, num_keys, 0, num_keys, k, k,
+        CHUNK=16, DIGIT_BITS=5, SAMPLE=sample, MARGIN=2, IS_BLOCK=False,
+    )  # fmt: skip
+    assert torch.equal(out, _top_positions_ref(keys, counts, k))
+
+
 def _spy_kernel(monkeypatch):
     calls = []
     apply = SparseAttentionFunction.apply
