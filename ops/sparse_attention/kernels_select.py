@@ -423,23 +423,37 @@ def _topk_select_kernel(
                 # Every key of the chosen prefix is kept: the lower digits need not be looked at.
                 is_resolved = num_in_bin == num_left
 
-        # Kept: keys above the bracket, bracketed keys above the prefix, and the first num_left bracketed keys of it.
+        # Kept: keys above the bracket, bracketed keys above the prefix, and the first num_left bracketed keys of it:
+        # all of them when the select resolved (the k-th key's bin held only kept keys), so the ranks among equal keys
+        # (a second prefix sum per step) are needed only when it ran out of digits on ties.
         num_out = 0
-        num_equal_seen = 0
-        for m0 in range(0, count_t, CHUNK):
-            m = m0 + cols
-            is_in = m < count_t
-            key = tl.load(row + m, mask=is_in & ~takes_all, other=0)
-            top = key >> shift
-            is_bracketed = is_in & (key >= lo_bound) & (key <= hi_bound)
-            is_equal = is_bracketed & (top == prefix)
-            equal_rank = num_equal_seen + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
-            is_better = (key > hi_bound) | (is_bracketed & (top > prefix)) | (is_equal & (equal_rank < num_left))
-            is_taken = is_in & (num_kept > 0) & (takes_all | is_better)
-            pos = num_out + tl.cumsum(is_taken.to(tl.int32), axis=0) - 1
-            tl.store(out_row + pos, base + m, mask=is_taken)
-            num_out += tl.sum(is_taken.to(tl.int32), axis=0)
-            num_equal_seen += tl.sum(is_equal.to(tl.int32), axis=0)
+        if is_resolved:
+            for m0 in range(0, count_t, CHUNK):
+                m = m0 + cols
+                is_in = m < count_t
+                key = tl.load(row + m, mask=is_in & ~takes_all, other=0)
+                is_bracketed = is_in & (key >= lo_bound) & (key <= hi_bound)
+                is_better = (key > hi_bound) | (is_bracketed & ((key >> shift) >= prefix))
+                is_taken = is_in & (num_kept > 0) & (takes_all | is_better)
+                pos = num_out + tl.cumsum(is_taken.to(tl.int32), axis=0) - 1
+                tl.store(out_row + pos, base + m, mask=is_taken)
+                num_out += tl.sum(is_taken.to(tl.int32), axis=0)
+        else:
+            num_equal_seen = 0
+            for m0 in range(0, count_t, CHUNK):
+                m = m0 + cols
+                is_in = m < count_t
+                key = tl.load(row + m, mask=is_in, other=0)
+                top = key >> shift
+                is_bracketed = is_in & (key >= lo_bound) & (key <= hi_bound)
+                is_equal = is_bracketed & (top == prefix)
+                equal_rank = num_equal_seen + tl.cumsum(is_equal.to(tl.int32), axis=0) - 1
+                is_better = (key > hi_bound) | (is_bracketed & (top > prefix)) | (is_equal & (equal_rank < num_left))
+                is_taken = is_in & is_better
+                pos = num_out + tl.cumsum(is_taken.to(tl.int32), axis=0) - 1
+                tl.store(out_row + pos, base + m, mask=is_taken)
+                num_out += tl.sum(is_taken.to(tl.int32), axis=0)
+                num_equal_seen += tl.sum(is_equal.to(tl.int32), axis=0)
         if IS_BLOCK:
             tail = tl.load(tail_ptr + t)
             if tail >= 0:
