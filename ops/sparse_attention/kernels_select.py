@@ -23,11 +23,12 @@ candidates keep them all and are not scored). `_topk_select_kernel`, one program
 sample of the keys brackets the k-th key, and one pass counts the keys above the bracket and copies those inside it
 (about 1/8 of the row) to a second scratch row; then an exact radix select on the copy (on the whole row when the
 bracket missed the k-th key), digits of DIGIT_BITS from the top, each pass a tl.histogram of the digits of the keys
-sharing the prefix found so far, in chunks of the row; it stops once the k-th key's bin holds only kept keys. A last pass emits the kept
-candidates in index order with a prefix sum, keys equal to the k-th ranked by index. Ties therefore go to the lower
-index, -0.0 equals +0.0, and the output is ascending and -1 padded, exactly as reference.select_top. One query per
-selecting program (about 15 resident per SM at 48 registers) rather than a fused kernel's selection inside the
-scoring program (one resident per SM) keeps enough selections in flight to hide their latency.
+sharing the prefix found so far, in chunks of the row; it stops once the k-th key's bin holds only kept keys. A last
+pass emits the kept candidates in index order with a prefix sum, keys equal to the k-th ranked by index. Ties
+therefore go to the lower index, -0.0 equals +0.0, and the output is ascending and -1 padded, exactly as
+reference.select_top. One query per selecting program (about 15 resident per SM at 48 registers) rather than a fused
+kernel's selection inside the scoring program (one resident per SM) keeps enough selections in flight to hide their
+latency.
 """
 
 from __future__ import annotations
@@ -52,21 +53,22 @@ BITS_PER_WORD = 32
 # GPU indexer: about 256 (query, head) rows per tl.dot (4 queries of 64 heads), so each key tile read from L2 serves
 # 4 queries: 13.7 ms against 15.6 ms at 128 rows (H200, T16384, HI64 DI128, top 2048; identical index sets) ...
 GPU_INDEXER_ROWS = 256
-# fp32 keys (the pooled block keys, fp32 inputs) are scored by exact fp32 products on the FMA units, whose [rows, DI]
-# query tile lives in registers: at 256 rows the sm_90 compile spills 12 KB a thread; at 32 (HI16) none.
-GPU_INDEXER_ROWS_FP32 = 32
 # ... against 64 candidate keys per step, ...
 GPU_INDEXER_KEY_TILE = 64
 # ... 1024 candidate keys per scoring program (16 steps): the program's query tile (up to 64 KB) is loaded once for
 # them.
 GPU_INDEXER_SPAN = 1024
+# fp32 keys (the pooled block keys, fp32 inputs) are scored by exact fp32 products on the FMA units, whose [rows, DI]
+# query tile lives in registers: at 256 rows the sm_90 compile spills 12 KB a thread; at 32 (HI16) none (H200, T16384
+# HI16 block top-32: 1.75 ms against 4.97 at 64 rows and 11.02 at 256).
+GPU_INDEXER_ROWS_FP32 = 32
 GPU_NUM_WARPS_INDEXER = 8
 # Pipelining the key tiles of the scoring loop hides their L2 latency behind the previous tile's product.
 GPU_NUM_STAGES_INDEXER = 2
 # Queries scored, then selected, per pair of launches: as many as fill this much scratch (4 bytes a candidate, 4096
-# queries of T16384 token candidates, all queries at block level), reused slab after slab. One query per selecting
-# program, so a slab is also the selection's grid (4096 programs; H200, T16384 HI16, 8-bit digits, 1024-key steps at
-# 8 warps: 4.22 ms against 4.40 at 2048 queries and 4.79 at 1024).
+# queries of T16384 token candidates, all queries at block level; the sampled select's copies take as much again),
+# reused slab after slab. One query per selecting program, so a slab is also the selection's grid (4096 programs;
+# H200, T16384 HI16, 8-bit digits, 1024-key steps at 8 warps: 4.22 ms against 4.40 at 2048 queries and 4.79 at 1024).
 GPU_SELECT_SCRATCH_BYTES = 256 << 20
 # The selection reads one query's keys 512 at a time (4 per thread at 4 warps; sm_90 compile: 48 registers), in
 # 5-bit digits. H200, T16384 HI16 (HI4): 3.65 (2.87) ms; 1024 keys 3.65 (2.88), 2048 keys 4.43 (3.70), 1024 keys
@@ -534,7 +536,8 @@ def topk_indexer_fwd(
         bq = max(bq, triton.cdiv(MIN_DOT_SIZE, hip))
         key_tile, span = GPU_INDEXER_KEY_TILE, GPU_INDEXER_SPAN
         select_chunk, digit_bits = GPU_SELECT_CHUNK, GPU_SELECT_DIGIT_BITS
-        sample_keys, sample_margin, sample_min_candidates = GPU_SELECT_SAMPLE, GPU_SELECT_MARGIN, GPU_SAMPLE_MIN_CANDIDATES
+        sample_keys, sample_margin = GPU_SELECT_SAMPLE, GPU_SELECT_MARGIN
+        sample_min_candidates = GPU_SAMPLE_MIN_CANDIDATES
         slab_queries = GPU_SELECT_SCRATCH_BYTES // (4 * max_candidates)
         score_launch = dict(num_warps=GPU_NUM_WARPS_INDEXER, num_stages=GPU_NUM_STAGES_INDEXER)
         select_launch = dict(num_warps=GPU_NUM_WARPS_SELECT)
