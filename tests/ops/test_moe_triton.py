@@ -329,6 +329,24 @@ def test_forced_config_is_restored():
     assert kernels.pick_config(x, 8, 4) == default
 
 
+def test_sweep_candidates_start_with_the_bf16_gpu_choice():
+    # bench.sweep_candidates() promises that the first candidate of each kernel is what pick_config launches for bf16
+    # on a GPU (the sweep's baseline). A stand-in for a CUDA tensor takes pick_config's GPU branch on this machine;
+    # block_p is only read by the weight gradients.
+    import dataclasses
+    from types import SimpleNamespace
+
+    from moe_tune.ops.moe.bench import sweep_candidates
+
+    cuda_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    config = kernels.pick_config(cuda_bf16, 16384 * 8, 64)
+    for name, candidates in sweep_candidates().items():
+        chosen = getattr(config, name)
+        if name != "expert_grad":
+            chosen = dataclasses.replace(chosen, block_p=0)
+        assert candidates[0] == chosen, name
+
+
 def test_moe_mlp_kernel_strided_inputs_and_expanded_grad(kernel_path, guarded):
     # x a column slice, w_down transposed in memory, topk ids int32, and y.sum() giving a stride-0 dy.
     case = _make_case(13, 24, 20, 7, 3, torch.float32, lora_on="both")
