@@ -197,7 +197,8 @@ def test_gated_sparse_attention_matches_reference(guarded, block_size, S, dtype)
         pytest.param(3000, 64, 128, 512, 1, None, id="token-HI64"),
         pytest.param(3000, 64, 128, 8, 64, None, id="block64-HI64"),
         pytest.param(2500, 8, 64, 300, 1, [0, 1, 700, 2500], id="token-varlen"),
-        # Up to 6000 candidates: the selection reads a query's keys in two 4096-key chunks per pass.
+        # Up to 6000 candidates: rows of 4096 or more take the sampled bracket (integer scores: ties across it), and
+        # every pass reads a query's keys in many 512-key steps.
         pytest.param(6000, 8, 64, 2048, 1, None, id="token-two-chunks"),
         pytest.param(2500, 8, 64, 6, 32, [0, 1, 700, 2500], id="block32-varlen"),
         # QSA: pooled block keys given at each block's first row, own block only while incomplete.
