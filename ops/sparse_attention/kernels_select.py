@@ -26,9 +26,9 @@ bracket missed the k-th key), digits of DIGIT_BITS from the top, each pass a tl.
 sharing the prefix found so far, in chunks of the row; it stops once the k-th key's bin holds only kept keys. A last
 pass emits the kept candidates in index order with a prefix sum, keys equal to the k-th ranked by index. Ties
 therefore go to the lower index, -0.0 equals +0.0, and the output is ascending and -1 padded, exactly as
-reference.select_top. One query per selecting program (about 15 resident per SM at 48 registers) rather than a fused
-kernel's selection inside the scoring program (one resident per SM) keeps enough selections in flight to hide their
-latency.
+reference.select_top. One query per selecting program (10 resident per SM by registers: 48 x 128 threads) rather than
+a fused kernel's selection inside the scoring program (one resident per SM) keeps enough selections in flight to hide
+their latency.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ CANONICAL_BLOCK_SLOTS = 64
 # Bits per word of the selection bitmap (int32 words, atomic OR).
 BITS_PER_WORD = 32
 # Radix select: digits of DIGIT_BITS, the first pass taking the 32 % DIGIT_BITS top bits (all DIGIT_BITS when it
-# divides 32); a pass stops the select once the k-th key's prefix bin holds only kept keys. A tl.histogram of 2^b bins
-# costs each thread about b + (2^b / 32) * (2b + 2) instructions per 32 keys (b warp ballots, then a mask and a
-# popcount per bin it owns): at 8 bits 152 per pass and 2-3 passes, at 5 bits 17 per pass and 4-6 passes.
+# divides 32); a pass stops the select once the k-th key's prefix bin holds only kept keys. Why narrow digits pay, an
+# estimate from the shape of Triton's tl.histogram lowering (b warp ballots, then a mask and a popcount per bin a
+# thread owns), not an instruction count: about b + (2^b / 32) * (2b + 2) instructions a thread per 32 keys, 152 per
+# pass at 8 bits against 17 at 5, for more passes. Measured: 5 bits beat 8 by about 10% (docs/PERF.md).
 # GPU indexer: about 256 (query, head) rows per tl.dot (4 queries of 64 heads), so each key tile read from L2 serves
 # 4 queries: 13.7 ms against 15.6 ms at 128 rows (H200, T16384, HI64 DI128, top 2048; identical index sets) ...
 GPU_INDEXER_ROWS = 256
