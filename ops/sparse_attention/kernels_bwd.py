@@ -5,17 +5,18 @@ power of two), BKT keys of a key tile, NS block slots, P (query, block) pairs.
 
 1. `_sparse_attn_bwd_dq_kernel`, one program per (query, kv head), the forward's loop again: p from the saved
    lse, dp = do v^T, ds = p (dp - delta), dq += ds k. It also writes delta = rowsum(do * o) [NT, HQ] for step 2.
-2. `_sparse_attn_bwd_dkv_kernel`, one program per (key tile, kv head) (block level: per pair-list chunk): it
-   visits the queries that may have selected its keys, BQ at a time, and accumulates dv += p^T do and
-   dk += ds^T q in registers; no scatter pass and no atomics.
+2. `_sparse_attn_bwd_dkv_kernel`, one program per (chunk of a key tile's queries, kv head): it visits the queries
+   that may have selected its keys, BQ at a time, and accumulates dv += p^T do and dk += ds^T q in registers; no
+   atomics. Each key tile's query list is cut into chunks of at most dkv_chunk_pairs queries (`pair_chunks`), so
+   that the tiles visited by the most queries do not serialise the pass; every program writes fp32 partials and
+   `_dkv_reduce_kernel` sums them per key tile in chunk order (deterministic).
    - Token level: key tile = BKT consecutive key positions of a row; queries = every later query of the sequence of
-     the tile's last key, tiles of BQ consecutive queries. Which (query, key) pairs were selected comes from the
-     selection bitmap of the canonicalisation; a query tile with no selected pair is skipped after reading its bits.
+     the tile's last key, consecutive. Which (query, key) pairs were selected comes from the selection bitmap of
+     the canonicalisation: the BKT / 32 words of each query row, one load per (row, word). The products run for
+     every visited query tile (no branch, so the loads of the next tile can be pipelined).
    - Block level: key tile = (part of) one block slot; queries = exactly the queries that selected that block,
      read from a key-sorted pair list (CSR: `block_pairs`, one stable sort of the canonical indices), so no
-     unselected query is ever visited. The list is cut into chunks of at most dkv_chunk_pairs pairs
-     (`block_pair_chunks`), one program each, so that the early blocks, picked most, do not serialise the pass; each
-     writes fp32 partials and `_block_dkv_reduce_kernel` sums them per block in chunk order (deterministic).
+     unselected query is ever visited.
    The products are written key-major (sT = k q^T); q and do are loaded once and transposed in registers, never a
    product (see kernels_fwd.py on the Triton bug).
 """
@@ -136,16 +137,16 @@ def _dkv_tile(
 
 @triton.jit
 def _sparse_attn_bwd_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    bits_ptr, seq_end_ptr,
-    slot_first_ptr, slot_len_ptr, chunk_slot_ptr, chunk_pair_ptr, chunk_num_ptr, pair_query_ptr,
-    T, NW, NC, NSUB, qk_scale, scale,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, part_dk_ptr, part_dv_ptr,
+    bits_ptr, slot_first_ptr, slot_len_ptr, chunk_slot_ptr, chunk_pair_ptr, chunk_num_ptr, pair_query_ptr,
+    T, NW, NC, NSUB, qk_scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKT: tl.constexpr, BQ: tl.constexpr, IS_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Token level: dk, dv of a key tile. Block level: fp32 partial dk, dv [H, NC, NSUB, BKT, K] of (part of) a block
-    slot over one chunk of its pair list (dk_ptr / dv_ptr are then the partial buffers, unscaled)."""
+    """fp32 partial dk (unscaled), dv [H, NC, NSUB, BKT, BK / BV] of (part NSUB of) a key slot over one chunk of its
+    queries. Token level: a slot is a key tile, a chunk's queries are chunk_num consecutive queries from chunk_pair
+    (NSUB 1). Block level: a slot is a block, a chunk lists chunk_num queries at pair_query[chunk_pair:]."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     h_idx = h % H_IDX
@@ -155,25 +156,20 @@ def _sparse_attn_bwd_dkv_kernel(
     keys = tl.arange(0, BKT)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
-    if IS_BLOCK:
-        chunk = pid // NSUB
-        sub0 = (pid % NSUB) * BKT
-        slot = tl.load(chunk_slot_ptr + h_idx * NC + chunk)
-        num_tokens = tl.load(slot_len_ptr + slot)
-        k0 = tl.load(slot_first_ptr + slot) + sub0
-        is_key = sub0 + keys < num_tokens
-        pair_lo = tl.load(chunk_pair_ptr + h_idx * NC + chunk)
-        num_queries = tl.where(sub0 < num_tokens, tl.load(chunk_num_ptr + h_idx * NC + chunk), 0)
-    else:
-        tiles_per_row = tl.cdiv(T, BKT)
-        key_in_row0 = (pid % tiles_per_row) * BKT
-        row_base = (pid // tiles_per_row) * T
-        k0 = row_base + key_in_row0
-        is_key = key_in_row0 + keys < T
-        last_key = tl.minimum(k0 + BKT, row_base + T) - 1
-        num_queries = tl.load(seq_end_ptr + last_key) - k0
-        key_word = (key_in_row0 + keys) // _BITS_PER_WORD
-        key_bit = (key_in_row0 + keys) % _BITS_PER_WORD
+    chunk = pid // NSUB
+    sub0 = (pid % NSUB) * BKT
+    slot = tl.load(chunk_slot_ptr + h_idx * NC + chunk)
+    num_tokens = tl.load(slot_len_ptr + slot)
+    k0 = tl.load(slot_first_ptr + slot) + sub0
+    is_key = sub0 + keys < num_tokens
+    pair_lo = tl.load(chunk_pair_ptr + h_idx * NC + chunk)
+    num_queries = tl.where(sub0 < num_tokens, tl.load(chunk_num_ptr + h_idx * NC + chunk), 0)
+    if not IS_BLOCK:
+        # Key tiles never cross a row: the bitmap's words count key positions from the row's start.
+        key_in_row = k0 % T + keys
+        word0 = (k0 % T) // _BITS_PER_WORD
+        key_word = (key_in_row // _BITS_PER_WORD - word0)[:, None]
+        key_bit = (key_in_row % _BITS_PER_WORD)[:, None]
     pos64 = (k0 + keys).to(tl.int64)
     k_tile = tl.load(
         k_ptr + (pos64[:, None] * H + h) * K + dk[None, :], mask=is_key[:, None] & (dk[None, :] < K), other=0.0
@@ -186,52 +182,34 @@ def _sparse_attn_bwd_dkv_kernel(
     for q0 in range(0, num_queries, BQ):
         is_row = (q0 + row_query < num_queries) & (row_head < G)
         if IS_BLOCK:
-            # Every listed query selected the block: no branch, so the loads of the next queries can be pipelined.
             t_rows = tl.load(pair_query_ptr + pair_lo + q0 + row_query, mask=is_row, other=0)
+            # Every listed query selected the block.
             is_pair = is_key[:, None] & is_row[None, :] & (k0 + keys[:, None] <= t_rows[None, :])
-            dk_acc, dv_acc = _dkv_tile(
-                q_ptr, do_ptr, lse_ptr, delta_ptr, k_tile, v_tile, dk_acc, dv_acc, t_rows, is_row, is_pair, h,
-                row_head, dk, dv, qk_scale, H, G, K, V, PRECISION,
-            )  # fmt: skip
         else:
-            t_rows = k0 + q0 + row_query
-            words = tl.load(
-                bits_ptr + (t_rows[None, :].to(tl.int64) * H_IDX + h_idx) * NW + key_word[:, None],
-                mask=is_key[:, None] & is_row[None, :],
-                other=0,
-            )
-            is_pair = ((words >> key_bit[:, None]) & 1) != 0
-            # A query tile that selected none of these keys is skipped after reading its bits.
-            if tl.max(is_pair.to(tl.int32)) > 0:
-                dk_acc, dv_acc = _dkv_tile(
-                    q_ptr, do_ptr, lse_ptr, delta_ptr, k_tile, v_tile, dk_acc, dv_acc, t_rows, is_row, is_pair, h,
-                    row_head, dk, dv, qk_scale, H, G, K, V, PRECISION,
-                )  # fmt: skip
-    if IS_BLOCK:
-        part = ((h * NC + chunk).to(tl.int64) * NSUB + pid % NSUB) * BKT + keys
-        tl.store(dk_ptr + part[:, None] * BK + dk[None, :], dk_acc)
-        tl.store(dv_ptr + part[:, None] * BV + dv[None, :], dv_acc)
-    else:
-        tl.store(
-            dk_ptr + (pos64[:, None] * H + h) * K + dk[None, :],
-            (dk_acc * scale).to(dk_ptr.dtype.element_ty),
-            mask=is_key[:, None] & (dk[None, :] < K),
-        )
-        tl.store(
-            dv_ptr + (pos64[:, None] * H + h) * V + dv[None, :],
-            dv_acc.to(dv_ptr.dtype.element_ty),
-            mask=is_key[:, None] & (dv[None, :] < V),
-        )
+            t_rows = pair_lo + q0 + row_query
+            word_ptr = bits_ptr + (t_rows.to(tl.int64) * H_IDX + h_idx) * NW + word0
+            words = tl.zeros([BKT, BQ * GP], dtype=tl.int32)
+            for j in tl.static_range((BKT + _BITS_PER_WORD - 1) // _BITS_PER_WORD):
+                word = tl.load(word_ptr + j, mask=is_row & (word0 + j < NW), other=0)
+                words = tl.where(key_word == j, word[None, :], words)
+            is_pair = is_key[:, None] & (((words >> key_bit) & 1) != 0)
+        dk_acc, dv_acc = _dkv_tile(
+            q_ptr, do_ptr, lse_ptr, delta_ptr, k_tile, v_tile, dk_acc, dv_acc, t_rows, is_row, is_pair, h,
+            row_head, dk, dv, qk_scale, H, G, K, V, PRECISION,
+        )  # fmt: skip
+    part = ((h * NC + chunk).to(tl.int64) * NSUB + pid % NSUB) * BKT + keys
+    tl.store(part_dk_ptr + part[:, None] * BK + dk[None, :], dk_acc)
+    tl.store(part_dv_ptr + part[:, None] * BV + dv[None, :], dv_acc)
 
 
 @triton.jit
-def _block_dkv_reduce_kernel(
+def _dkv_reduce_kernel(
     part_dk_ptr, part_dv_ptr, dk_ptr, dv_ptr, slot_first_ptr, slot_len_ptr, chunk_offsets_ptr,
     NS, NC, NSUB, scale,
     H: tl.constexpr, H_IDX: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKT: tl.constexpr,
 ):  # fmt: skip
-    """One program per (block slot part, kv head): dk, dv = the sum of the slot's chunk partials, in chunk order."""
+    """One program per (key slot part, kv head): dk, dv = the sum of the slot's chunk partials, in chunk order."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     slot = pid // NSUB
@@ -262,6 +240,25 @@ def _block_dkv_reduce_kernel(
     )
 
 
+def key_tiles(NT: int, T: int, key_tile: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key tiles of rows of T tokens, key_tile keys each (less at a row's end): (first flat key, key count),
+    [NT / T * ceil(T / key_tile)] int32 each."""
+    tiles_per_row = triton.cdiv(T, key_tile)
+    tile = torch.arange(NT // T * tiles_per_row, device=device, dtype=torch.int32)
+    key_in_row = tile % tiles_per_row * key_tile
+    first = tile // tiles_per_row * T + key_in_row
+    return first.contiguous(), (T - key_in_row).clamp(max=key_tile).to(torch.int32).contiguous()
+
+
+def token_chunking(NT: int, T: int, key_tile: int, min_chunk: int, max_chunks: int) -> tuple[int, int]:
+    """(max_pairs, chunk_pairs) of the token-level key tiles: tile j of a row is visited by at most T - j * key_tile
+    queries (exactly that many without packed documents); chunks take at least min_chunk queries and more when
+    needed to keep their number near max_chunks."""
+    tiles_per_row = triton.cdiv(T, key_tile)
+    max_pairs = NT // T * (tiles_per_row * T - key_tile * tiles_per_row * (tiles_per_row - 1) // 2)
+    return max_pairs, max(min_chunk, triton.cdiv(max_pairs, max_chunks))
+
+
 def block_pairs(
     canon_THS: torch.Tensor, layout: SequenceLayout, slots: BlockSlots
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,8 +279,9 @@ def block_pairs(
 
 @dataclass(frozen=True)
 class PairChunks:
-    """The key-sorted pair lists cut into chunks of at most chunk_pairs pairs, at least one chunk per block slot, so
-    that the dk/dv programs get similar work however many queries picked a block (early blocks are picked most).
+    """The pair lists of the key slots (blocks, or key tiles at token level) cut into chunks of at most chunk_pairs
+    pairs, at least one chunk per slot, so that the dk/dv programs get similar work however many queries visit a
+    slot (early blocks are picked most; at token level, early key tiles are visited by the most queries).
 
     chunk_offsets: [H', NS + 1] int32, slot j's chunks are [chunk_offsets[j], chunk_offsets[j + 1]).
     chunk_slot, chunk_pair, chunk_num: [H', NC] int32: a chunk's slot, first pair and pair count (0 past the end).
@@ -295,7 +293,7 @@ class PairChunks:
     chunk_num: torch.Tensor
 
 
-def block_pair_chunks(
+def pair_chunks(
     pair_start: torch.Tensor, pair_end: torch.Tensor, max_pairs: int, chunk_pairs: int
 ) -> PairChunks:
     """Chunks of the pair lists (pair_start, pair_end [H', NS]) without a host sync: NC is the bound
@@ -357,42 +355,38 @@ def sparse_attention_bwd(
         GATED=gated, **common, **config.launch_dq,
     )  # fmt: skip
 
-    dk = _alloc((NT, H, K), k_THK.dtype, device)
-    dv = _alloc((NT, H, V), v_THV.dtype, device)
     key_tile = config.dkv_key_tile
     group_rows = triton.next_power_of_2(G)
     queries_per_tile = max(1, triton.cdiv(config.dkv_rows, group_rows))
-    T = layout.row_len
     common.update(GP=group_rows)
+    T = layout.row_len
     if block_size == 1:
-        grid = (triton.cdiv(NT, T) * triton.cdiv(T, key_tile), H)
-        unused = layout.seq_end
-        _sparse_attn_bwd_dkv_kernel[grid](
-            q_THK, k_THK, v_THV, do_attn, lse_TH, delta, dk, dv,
-            bits, layout.seq_end,
-            unused, unused, unused, unused, unused, unused,
-            T, bits.shape[2], 1, 1, scale * LOG2E, scale,
-            BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=False, **common, **config.launch_dkv,
-        )  # fmt: skip
-        return dq, dk, dv, dgate
-
-    num_sub = triton.cdiv(block_size, key_tile)
-    pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
-    chunks = block_pair_chunks(pair_start, pair_end, NT * S, config.dkv_chunk_pairs)
+        slot_first, slot_len, num_sub = *key_tiles(NT, T, key_tile, device), 1
+        # A key tile's queries: from its first key to the end of the sequence of its last key.
+        pair_start = slot_first[None, :].expand(H_idx, -1).contiguous()
+        pair_end = layout.seq_end[(slot_first + slot_len - 1).long()][None, :].expand(H_idx, -1).contiguous()
+        max_pairs, chunk_pairs = token_chunking(NT, T, key_tile, config.dkv_chunk_pairs, config.dkv_token_chunks)
+        pair_query = layout.seq_end  # unused at token level
+    else:
+        slot_first, slot_len, num_sub = slots.first, slots.length, triton.cdiv(block_size, key_tile)
+        pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
+        max_pairs, chunk_pairs = NT * S, config.dkv_chunk_pairs
+    chunks = pair_chunks(pair_start, pair_end, max_pairs, chunk_pairs)
     NC = chunks.chunk_slot.shape[1]
     part_shape = (H, NC, num_sub, key_tile)
     part_dk = torch.empty((*part_shape, common["BK"]), dtype=torch.float32, device=device)
     part_dv = torch.empty((*part_shape, common["BV"]), dtype=torch.float32, device=device)
     _sparse_attn_bwd_dkv_kernel[(NC * num_sub, H)](
         q_THK, k_THK, v_THV, do_attn, lse_TH, delta, part_dk, part_dv,
-        bits, layout.seq_end,
-        slots.first, slots.length, chunks.chunk_slot, chunks.chunk_pair, chunks.chunk_num, pair_query,
-        T, bits.shape[2], NC, num_sub, scale * LOG2E, scale,
-        BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=True, **common, **config.launch_dkv,
+        bits, slot_first, slot_len, chunks.chunk_slot, chunks.chunk_pair, chunks.chunk_num, pair_query,
+        T, bits.shape[2], NC, num_sub, scale * LOG2E,
+        BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=block_size > 1, **common, **config.launch_dkv,
     )  # fmt: skip
-    _block_dkv_reduce_kernel[(slots.num_slots * num_sub, H)](
-        part_dk, part_dv, dk, dv, slots.first, slots.length, chunks.chunk_offsets,
-        slots.num_slots, NC, num_sub, scale,
+    dk = _alloc((NT, H, K), k_THK.dtype, device)
+    dv = _alloc((NT, H, V), v_THV.dtype, device)
+    _dkv_reduce_kernel[(slot_first.numel() * num_sub, H)](
+        part_dk, part_dv, dk, dv, slot_first, slot_len, chunks.chunk_offsets,
+        slot_first.numel(), NC, num_sub, scale,
         H=H, H_IDX=H_idx, K=K, V=V, BK=common["BK"], BV=common["BV"], BKT=key_tile, **config.launch_dkv,
     )  # fmt: skip
     return dq, dk, dv, dgate

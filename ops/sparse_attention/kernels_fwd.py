@@ -37,18 +37,29 @@ GPU_NUM_WARPS_FWD = 4
 # 2.14 / 2.68 ms (block / token) against 2.17 / 3.02 at 3 stages and 2.84 / 4.57 at 8 warps; dq ran at 3 stages.
 GPU_NUM_STAGES_FWD = 2
 GPU_NUM_STAGES_DQ = 3
-# Backward key-major kernel: 64 keys x 64 (query, head) rows per step.
-GPU_DKV_KEY_TILE = 64
+# Backward key-major kernel: 64 (query, head) rows per step; token level 128 keys a tile, block level one block (at
+# most 64 keys). At 64 keys Triton laid the [64, 64] products over 8 warps of 16 rows (warpsPerCTA [8, 1], sm_90
+# TTGIR), both warpgroups on the same rows. H200, issue 6's token shape (2026-11-30, dk/dv kernel alone): 13.60 ms at
+# 64 keys with the old skip branch, 11.61 without it, 9.36 at 64 keys on 4 warps with 2 stages; 6.07 ms at 128 keys
+# in query chunks (op fwd+bwd 11.91 ms against 12.15 for that 4-warp variant, 13.90 at 2 stages, 18.65 at 128 rows).
+GPU_DKV_KEY_TILE = 128
 GPU_DKV_ROWS = 64
-# [64, 128] fp32 dk and dv accumulators plus k and v tiles: at 4 warps they spill (ptxas, sm_90a); 8 fit.
+# 8 warps: the [128, 128] fp32 dk and dv accumulators are 128 registers a thread (ptxas sm_90a: 254 in all, no
+# spill).
 GPU_NUM_WARPS_DKV = 8
-# Block level: a dk/dv program takes at most this many (query, block) pairs (256 steps of 4 queries); the early
-# blocks, picked by up to 3x the average number of queries, are split over several programs and summed in order.
+# A dk/dv program takes at most this many (query, key tile) pairs (256 steps of 4 queries): block level, the early
+# blocks, picked by up to 3x the average number of queries, are split over several programs; token level, every
+# key tile's queries run to the end of its sequence, so the first tiles of a row would serialise the pass. The
+# programs write fp32 partials that a second kernel sums in order (deterministic).
 GPU_DKV_CHUNK_PAIRS = 1024
+# Token level: at most about this many chunks a launch (longer sequences take longer chunks), so the fp32 partials
+# stay near NT x 1 KB (K = V = 128) plus this many chunks of [128, 256] fp32 (128 MB).
+GPU_DKV_TOKEN_CHUNKS = 1024
 # The interpreter: 16-wide tiles make the small test shapes take the multi-tile paths, and 5-pair chunks split the
-# pair lists of the test shapes' blocks unevenly.
+# pair lists of the test shapes' blocks and key tiles unevenly.
 INTERPRETER_TILE = MIN_DOT_SIZE
 INTERPRETER_DKV_CHUNK_PAIRS = 5
+INTERPRETER_DKV_TOKEN_CHUNKS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class AttentionConfig:
     dkv_key_tile: int
     dkv_rows: int
     dkv_chunk_pairs: int
+    dkv_token_chunks: int
     launch: dict
     launch_dq: dict
     launch_dkv: dict
@@ -67,7 +79,9 @@ def pick_config(x: torch.Tensor, block_size: int) -> AttentionConfig:
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         tile = INTERPRETER_TILE
-        return AttentionConfig(tile, tile, tile, tile, INTERPRETER_DKV_CHUNK_PAIRS, {}, {}, {})
+        return AttentionConfig(
+            tile, tile, tile, tile, INTERPRETER_DKV_CHUNK_PAIRS, INTERPRETER_DKV_TOKEN_CHUNKS, {}, {}, {}
+        )
     key_tile = max(MIN_DOT_SIZE, min(GPU_BLOCK_KEY_TILE, triton.next_power_of_2(block_size)))
     return AttentionConfig(
         GPU_TOKEN_TILE,
@@ -75,6 +89,7 @@ def pick_config(x: torch.Tensor, block_size: int) -> AttentionConfig:
         GPU_DKV_KEY_TILE if block_size == 1 else key_tile,
         GPU_DKV_ROWS,
         GPU_DKV_CHUNK_PAIRS,
+        GPU_DKV_TOKEN_CHUNKS,
         dict(num_warps=GPU_NUM_WARPS_FWD, num_stages=GPU_NUM_STAGES_FWD),
         dict(num_warps=GPU_NUM_WARPS_FWD, num_stages=GPU_NUM_STAGES_DQ),
         dict(num_warps=GPU_NUM_WARPS_DKV, num_stages=1),

@@ -7,13 +7,15 @@ Shapes: B batch, T tokens, HQ query heads, H kv heads, K / V head dims, S select
 indexer dim, NT = B * T.
 """
 
+import dataclasses
+
 import pytest
 from guarded_buffers import GUARD_VALUE, GuardedBuffers
 from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
-    from moe_tune.ops.sparse_attention import kernels_bwd, kernels_fwd, kernels_select
+    from moe_tune.ops.sparse_attention import autograd, kernels_bwd, kernels_fwd, kernels_select
     from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
     from moe_tune.ops.sparse_attention.autograd import SparseAttentionFunction
     from moe_tune.ops.sparse_attention.reference import sparse_attention_ref, topk_indexer_ref
@@ -158,6 +160,36 @@ def test_sparse_attention_on_indexer_output_with_scale(kernel_path, guarded):
     assert_attention_matches_reference(q, k, v, indices, guarded, block_size=4, scale=0.3)
 
 
+@pytest.mark.parametrize("key_tile", [32, 64, 128])
+def test_token_dkv_key_tiles_of_several_bitmap_words(kernel_path, guarded, monkeypatch, key_tile):
+    # The GPU's token-level dk/dv key tiles span 2 (64 keys) or 4 (128) words of each query's selection bitmap; a
+    # tile of 32 is one word. 150 tokens in two rows of 75 give tiles cut by each row's end, packed documents split
+    # tiles inside a row, and chunks of 5 queries split every tile's query list.
+    real_pick_config = autograd.pick_config
+
+    def pick_config(x, block_size):
+        return dataclasses.replace(real_pick_config(x, block_size), dkv_key_tile=key_tile)
+
+    monkeypatch.setattr(autograd, "pick_config", pick_config)
+    q, k, v = make_qkv(2, 75, 2, 1, 16, 16, dtype=torch.float32)
+    indices = raw_indices((2, 75, 1, 40), 75)
+    assert_attention_matches_reference(q, k, v, indices, guarded)
+    q, k, v = make_qkv(1, 150, 2, 1, 16, 16, dtype=torch.float32, seed=5)
+    indices = raw_indices((1, 150, 1, 40), 150)
+    cu_seqlens = torch.tensor([0, 40, 41, 97, 150], dtype=torch.int32)
+    assert_attention_matches_reference(q, k, v, indices, guarded, cu_seqlens=cu_seqlens)
+
+
+def test_token_chunking_bounds_the_pairs_and_the_chunks():
+    # Rows of T = 300 tokens in key tiles of 128: 300 + 172 + 44 queries visit the three tiles of a row.
+    assert kernels_bwd.token_chunking(600, 300, 128, min_chunk=5, max_chunks=1 << 30) == (2 * 516, 5)
+    # Long rows: chunks grow so that at most about max_chunks exist, never below min_chunk.
+    max_pairs, chunk = kernels_bwd.token_chunking(65536, 65536, 128, min_chunk=1024, max_chunks=1024)
+    assert max_pairs == sum(65536 - 128 * j for j in range(512)) and chunk == -(-max_pairs // 1024) > 1024
+    # Issue 6's row: 1,056,768 pairs, chunks of 1032 queries.
+    assert kernels_bwd.token_chunking(16384, 16384, 128, min_chunk=1024, max_chunks=1024) == (1056768, 1032)
+
+
 GATED_CASES = [
     # GQA 4:2, K != V, raw slots; the gate's large magnitudes put sigmoid near 0 and 1 too.
     pytest.param(dict(B=1, T=23, HQ=4, H=2, K=16, V=32), 1, None, torch.float32, id="token-gqa-fp32"),
@@ -210,12 +242,12 @@ def test_canonical_indices_drop_invalid_and_repeated_slots(guarded):
     guarded.check()
 
 
-def test_block_pair_chunks_cover_every_pair_once():
+def test_pair_chunks_cover_every_pair_once():
     # Two index heads, 3 block slots with 0, 7 and 3 pairs at most 3 per chunk: 1 + 3 + 1 chunks per head, every
     # pair in exactly one chunk and in order, an empty slot still owning one (empty) chunk; past the end, 0 pairs.
     pair_start = torch.tensor([[0, 0, 7], [10, 12, 12]], dtype=torch.int32)
     pair_end = torch.tensor([[0, 7, 10], [12, 12, 13]], dtype=torch.int32)
-    chunks = kernels_bwd.block_pair_chunks(pair_start, pair_end, max_pairs=13, chunk_pairs=3)
+    chunks = kernels_bwd.pair_chunks(pair_start, pair_end, max_pairs=13, chunk_pairs=3)
     assert chunks.chunk_offsets.tolist() == [[0, 1, 4, 5], [0, 1, 2, 3]]
     num_chunks = chunks.chunk_slot.shape[1]
     assert num_chunks >= 5
