@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_tune.ops.common.host_copy import host_values, to_device
 
@@ -20,6 +21,26 @@ from moe_tune.ops.common.host_copy import host_values, to_device
 # octave of document length (< 4 log2 T) however many documents a row holds; grouping by exact length would take up
 # to sqrt(2T) calls (256 at T = 32K), 1 bit up to 2.25x a document's work.
 PAD_BUCKET_BITS = 2
+# Full attention never takes cuDNN's SDPA kernel, which torch 2.11 tries first on Hopper and which builds an
+# execution plan on the host for every new shape. The buckets' shapes change with each batch's documents, so every
+# call waited for a plan: on the H200 (2026-11-30, bench-qwen3-next, torch 2.11), 345 of the 460 ms a step the GPU
+# sat idle were gaps before the launches of cuDNN's attention forward and backward. Flash and memory-efficient
+# attention take any shape as it comes; on the CPU nothing changes (it has no cuDNN attention).
+_NON_CUDNN_BACKENDS = (
+    (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+    (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+    (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled),
+)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
+    """F.scaled_dot_product_attention(q, k, v, **options) with cuDNN's kernel left out; the other kernels as the
+    caller enabled them (unless cuDNN's is the only one enabled)."""
+    enabled = [backend for backend, is_enabled in _NON_CUDNN_BACKENDS if is_enabled()]
+    if not enabled or not torch.backends.cuda.cudnn_sdp_enabled():
+        return F.scaled_dot_product_attention(q, k, v, **options)
+    with sdpa_kernel(enabled):
+        return F.scaled_dot_product_attention(q, k, v, **options)
 
 
 def padded_length(length: int) -> int:
@@ -84,7 +105,7 @@ def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: DocumentBuckets, scale: float | None = None
 ) -> torch.Tensor:
     """Causal softmax attention inside each document of packed rows, without a [T, T] mask: one SDPA call per
-    bucket of documents, with `is_causal` (the flash kernel on the GPU).
+    bucket of documents, with `is_causal` (the flash kernel on the GPU, never cuDNN's: see `sdpa`).
 
     q: [B, T, H, hd], k: [B, T, G, hd], v: [B, T, G, hdv], float (G divides H); buckets: of the B * T tokens
     (`DocumentBuckets.from_cu_seqlens(cu_seqlens, row_length=T)` when B > 1); scale: default 1 / sqrt(hd).
@@ -107,7 +128,7 @@ def packed_causal_attention(
         q_b, k_b, v_b = (
             x.narrow(0, start, count * length).unflatten(0, (count, length)).transpose(1, 2) for x in (q_S, k_S, v_S)
         )  # [count, heads, length, dim]
-        o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
+        o_b = sdpa(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
         outputs.append(o_b.transpose(1, 2).reshape(count * length, num_heads, -1))
         start += count * length
     o_S = outputs[0] if len(outputs) == 1 else torch.cat(outputs)

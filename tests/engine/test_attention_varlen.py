@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_tune.engine.model.attention import GatedAttention, PackedBatch
 from moe_tune.engine.model.varlen import PAD_BUCKET_BITS, DocumentBuckets, packed_causal_attention, padded_length
@@ -140,6 +141,31 @@ def test_every_call_is_causal_without_a_mask(monkeypatch):
     # [documents, heads, padded length, dim] per bucket: 2, 5, 9 + 10, 33 -> 2, 5, 10 (two documents), 40
     assert [shape[:3] for shape, _, _ in calls] == [(1, 4, 2), (1, 4, 5), (2, 4, 10), (1, 4, 40)]
     assert all(mask is None and is_causal for _, mask, is_causal in calls)
+
+
+def test_calls_leave_out_cudnn_and_keep_the_callers_other_choices(monkeypatch):
+    # cuDNN's SDPA plans every new shape on the host (the buckets' shapes change every batch): off inside our calls,
+    # back on after them; a caller's restriction (math only here) still holds inside.
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((cuda_sdp.cudnn_sdp_enabled(), cuda_sdp.flash_sdp_enabled(), cuda_sdp.math_sdp_enabled()))
+        return real(q, k, v, **kwargs)
+
+    cuda_sdp = torch.backends.cuda
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    rows = LAYOUTS["padded-out-of-order"]
+    q, k, v = random_qkv(rows, (4, 2), torch.float32)
+    buckets = DocumentBuckets.from_cu_seqlens(packed_cu_seqlens(rows))
+    assert cuda_sdp.cudnn_sdp_enabled() and cuda_sdp.flash_sdp_enabled()
+    packed_causal_attention(q, k, v, buckets)
+    assert seen and all(flags == (False, True, True) for flags in seen), seen
+    assert cuda_sdp.cudnn_sdp_enabled()
+    seen.clear()
+    with sdpa_kernel([SDPBackend.MATH]):
+        packed_causal_attention(q, k, v, buckets)
+    assert seen and all(flags == (False, False, True) for flags in seen), seen
 
 
 @pytest.mark.parametrize(
