@@ -1,7 +1,8 @@
 """Triton backward of top-k sparse attention: dq query by query, dk and dv key tile by key tile, no atomics.
 
 Legend as kernels_fwd.py; R (query, head) rows of a backward tile = BQ queries x GP heads (GP = G padded to a
-power of two), BKT keys of a key tile, NS block slots, P (query, block) pairs.
+power of two), BKT keys of a key tile, NS key slots (blocks; at token level, key tiles), NC chunks of the slots'
+query lists, P (query, block) pairs.
 
 1. `_sparse_attn_bwd_dq_kernel`, one program per (query, kv head), the forward's loop again: p from the saved
    lse, dp = do v^T, ds = p (dp - delta), dq += ds k. It also writes delta = rowsum(do * o) [NT, HQ] for step 2.

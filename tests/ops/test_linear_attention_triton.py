@@ -18,6 +18,15 @@ with interpreted_kernels():
     from moe_tune.ops.linear_attention import autograd, kernels_fwd, kernels_kda
     from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
     from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _unit_lower_inverse_kernel(a_ptr, out_ptr, BT: tl.constexpr, SB: tl.constexpr):
+        rows = tl.arange(0, BT)
+        offsets = rows[:, None] * BT + rows[None, :]
+        inverse = kernels_fwd._unit_lower_inverse(tl.load(a_ptr + offsets), BT, SB, "ieee")
+        tl.store(out_ptr + offsets, inverse)
 
 # One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
 # fp32 products and only the summation order differs (measured max error 7.7e-6 on gradients of magnitude 17).
@@ -278,6 +287,20 @@ def test_kda_gate_in_kernel_matches_reference(kernel_path, guarded, dtype, shape
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
     guarded.check()
+
+
+@pytest.mark.parametrize("BT", [16, 32, 64])
+def test_unit_lower_inverse_equals_the_exact_inverse(BT):
+    # The WY pass's (I + A)^-1: doubling products on the 16 x 16 diagonal blocks, then the Neumann merge. Entries of
+    # A up to 0.5 make every power of a block matter (the layer's A rarely reaches its high powers, so the
+    # end-to-end tests would not notice one missing).
+    gen = torch.Generator().manual_seed(0)
+    A = ((torch.rand(BT, BT, generator=gen, dtype=torch.float64) - 0.5)).tril(-1)
+    expected = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + A)
+    actual = torch.empty(BT, BT)
+    _unit_lower_inverse_kernel[(1,)](A.float().contiguous(), actual, BT=BT, SB=16)
+    error = (actual.double() - expected).abs().max() / expected.abs().max()
+    assert error < 1e-5, f"relative error {error:.1e}"
 
 
 def test_chunk_map_covers_every_chunk_once():
