@@ -60,6 +60,11 @@ GPU_BLOCK_V_WY = 64
 # of stack).
 GPU_BLOCK_V_OUTPUT = 128
 GPU_NUM_WARPS_OUTPUT = 8
+# ... capped at 128 registers a thread for the per-head decay, so that two programs share an SM (uncapped: 202
+# registers, one program; the cap spills 212 bytes a thread). H200, B4 T8192 H16 K=V=128 bf16 (2026-11-30): kernel
+# 0.500 -> 0.403 ms, outputs bitwise equal, gated delta rule forward 1.538 -> 1.451 ms; a cap of 168 (still one
+# program) 0.523. The WY pass gained nothing from caps (168: 0.567, 128: 0.789 ms against 0.549).
+GPU_MAXNREG_OUTPUT = 128
 # KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
 # K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
 # 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
@@ -92,6 +97,7 @@ class KernelConfig:
     num_warps: int
     num_warps_grad: int
     num_warps_output: int
+    maxnreg_output: int | None
     num_warps_kda_pairs: int
     num_warps_kda_grad_wy: int
     num_warps_kda_grad_products: int
@@ -104,7 +110,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
-            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1,
+            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, maxnreg_output=None,
             num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1, num_stages_state=1,
             num_stages=1,
         )
@@ -116,6 +122,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
+        GPU_MAXNREG_OUTPUT,
         GPU_NUM_WARPS_KDA_PAIRS,
         GPU_NUM_WARPS_KDA_GRAD_WY,
         GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
@@ -589,6 +596,9 @@ def chunk_output(
             DOT_PRECISION=dot_precision,
             num_warps=config.num_warps_output,
             num_stages=config.num_stages,
+            # Per-head decay only (KDA's forward did not gain: 2.82 -> 2.84 ms); only passed when set: the
+            # interpreter's launcher takes no maxnreg.
+            **({} if config.maxnreg_output is None or qk_THC is not None else dict(maxnreg=config.maxnreg_output)),
         )
     return o_THV
 

@@ -321,6 +321,30 @@ def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expe
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+def test_output_kernel_register_cap_only_for_the_per_head_decay(kernel_path, monkeypatch, is_per_channel):
+    # The GPU launch caps the output kernel at GPU_MAXNREG_OUTPUT registers for the gated delta rule (two programs
+    # an SM; measured faster on the H200), not for KDA (no gain measured); the interpreter takes no cap.
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append(options)
+
+    monkeypatch.setattr(kernels_fwd, "_chunk_output_kernel", Recorder())
+    gpu = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), maxnreg_output=kernels_fwd.GPU_MAXNREG_OUTPUT)
+    T, H, K, V = 70, 2, 16, 16
+    layout = kernels_fwd.prepare_chunks(None, 1, T)
+    qk = torch.zeros(T, H, 64) if is_per_channel else None
+    g_cumsum = torch.zeros(T, H, K) if is_per_channel else torch.zeros(T, H)
+    args = (torch.zeros(T, H, K), torch.zeros(T, H, K), g_cumsum, torch.zeros(layout.num_slots, H, K, V),
+            torch.zeros(T, H, V), layout)  # fmt: skip
+    kernels_fwd.chunk_output(*args, gpu, 1.0, True, qk)
+    kernels_fwd.chunk_output(*args, kernels_fwd.pick_config(torch.empty(0)), 1.0, True, qk)
+    assert kernels_fwd.GPU_MAXNREG_OUTPUT == 128
+    assert [options.get("maxnreg") for options in launches] == [None if is_per_channel else 128, None]
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("K, V, takes_output_kernel", [(16, 32, True), (32, 16, False)])
 def test_forward_takes_the_output_kernel_by_the_head_dims(
     kernel_path, monkeypatch, K, V, takes_output_kernel, is_per_channel
