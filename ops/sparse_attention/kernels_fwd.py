@@ -39,7 +39,7 @@ GPU_NUM_STAGES_FWD = 2
 GPU_NUM_STAGES_DQ = 3
 # Backward key-major kernel: 64 (query, head) rows per step; token level 128 keys a tile, block level one block (at
 # most 64 keys). At 64 keys Triton laid the [64, 64] products over 8 warps of 16 rows (warpsPerCTA [8, 1], sm_90
-# TTGIR), both warpgroups on the same rows. H200, issue 6's token shape (2026-11-30, dk/dv kernel alone): 13.60 ms at
+# TTGIR), a layout that puts both warpgroups on the same 64 rows (read off the layout, not profiled). H200, issue 6's token shape (2026-11-30, dk/dv kernel alone): 13.60 ms at
 # 64 keys with the old skip branch, 11.61 without it, 9.36 at 64 keys on 4 warps with 2 stages; 6.07 ms at 128 keys
 # in query chunks (op fwd+bwd 11.91 ms against 12.15 for that 4-warp variant, 13.90 at 2 stages, 18.65 at 128 rows).
 GPU_DKV_KEY_TILE = 128

@@ -6,6 +6,7 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 
 import dataclasses
 import math
+import types
 
 import pytest
 from guarded_buffers import GuardedBuffers
@@ -331,7 +332,10 @@ def test_output_kernel_register_cap_only_for_the_per_head_decay(kernel_path, mon
             return lambda *args, **options: launches.append(options)
 
     monkeypatch.setattr(kernels_fwd, "_chunk_output_kernel", Recorder())
-    gpu = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), maxnreg_output=kernels_fwd.GPU_MAXNREG_OUTPUT)
+    # pick_config's GPU branch reads nothing but is_cuda; its tiles are then narrowed to the interpreter's.
+    on_gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    assert on_gpu.maxnreg_output == kernels_fwd.GPU_MAXNREG_OUTPUT
+    gpu = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), maxnreg_output=on_gpu.maxnreg_output)
     T, H, K, V = 70, 2, 16, 16
     layout = kernels_fwd.prepare_chunks(None, 1, T)
     qk = torch.zeros(T, H, 64) if is_per_channel else None
