@@ -103,26 +103,33 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     slots = _Slots(layout, T)
     errors = {}
 
-    g_cumsum, w, u, inverse = kernels_fwd.chunk_wy_fwd(k, v, g, beta, layout, config, True, store_inverse=True)
+    # As the op runs them: the WY pass hands the serial pass k exp(G_C - G) where has_k_end allows it.
+    store_k_end = kernels_fwd.has_k_end(K)
+    g_cumsum, w, u, inverse, k_end = kernels_fwd.chunk_wy_fwd(
+        k, v, g, beta, layout, config, True, store_inverse=True, store_k_end=store_k_end
+    )
     inputs = [slots.gather(x) for x in (q, k, v, g, beta)]
     _, _, (G_ref, inverse_ref, W_ref, U_ref) = _chunk_forward(
         *inputs, scale, torch.zeros(slots.count, H, K, v.shape[-1], device=q.device), slots
-    )
-    errors["wy"] = {
-        "G": _rel(slots.valid(slots.gather(g_cumsum)), slots.valid(G_ref)),
-        "inverse": _rel(slots.valid(slots.gather(inverse)), slots.valid(inverse_ref)),
-        "W": _rel(slots.valid(slots.gather(w)), slots.valid(W_ref)),
-        "U": _rel(slots.valid(slots.gather(u)), slots.valid(U_ref)),
-    }
-
-    _, _, states, v_new = kernels_fwd.chunk_state_fwd(
-        q, k, w, u, g_cumsum, None, layout, config, scale, True, False, compute_output=False, store_states=True
     )
     W_k, U_k, G_k = slots.gather(w), slots.gather(u), slots.gather(g_cumsum)
     k_n = l2norm(inputs[1])
     last = (slots.num_valid - 1).clamp(min=0)
     G_last = G_k.gather(2, last[:, None, None].expand(-1, H, 1)).squeeze(2)  # [NS, H]
     k_to_end = k_n * torch.exp(G_last[..., None] - G_k)[..., None] * slots.mask[:, None, :, None]
+    errors["wy"] = {
+        "G": _rel(slots.valid(slots.gather(g_cumsum)), slots.valid(G_ref)),
+        "inverse": _rel(slots.valid(slots.gather(inverse)), slots.valid(inverse_ref)),
+        "W": _rel(slots.valid(slots.gather(w)), slots.valid(W_ref)),
+        "U": _rel(slots.valid(slots.gather(u)), slots.valid(U_ref)),
+    }
+    if store_k_end:
+        errors["wy"]["k_end"] = _rel(slots.valid(slots.gather(k_end)), slots.valid(k_to_end))
+
+    _, _, states, v_new = kernels_fwd.chunk_state_fwd(
+        q, k, w, u, g_cumsum, None, layout, config, scale, True, False, compute_output=False, store_states=True,
+        k_end_THK=k_end,
+    )  # fmt: skip
     states_k = states.float()
     states_ref = torch.zeros_like(states_k)
     state = torch.zeros_like(states_k[0])

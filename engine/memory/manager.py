@@ -173,11 +173,14 @@ def _checkpoint_enabled(module: nn.Module) -> bool:
 
 def attach_activation_memory(model: nn.Module, memory: MemoryProfile) -> ActivationMemory | None:
     """Put the profile's selective caching on the decoder layers of `model` (PEFT and LoRA layers already in place).
-    None when `memory.activation_checkpointing` asks for whole-layer recomputation instead."""
-    if memory.activation_checkpointing:
+    None when `memory.activation_checkpointing` asks for whole-layer recomputation instead, or when the policy keeps
+    every saved tensor where autograd leaves it (`none`, no budget): then the layers run without the saved-tensor hooks,
+    whose host time (about 15 us a saved tensor, 680 tensors a step in bench-qwen3-next) buys nothing there."""
+    policy = resolve_policy(memory)
+    if memory.activation_checkpointing or policy.keeps_everything:
         return None
     lm = _language_model(model)
-    manager = ActivationMemory(lm.layers, resolve_policy(memory))
+    manager = ActivationMemory(lm.layers, policy)
     setattr(lm, MANAGER_ATTR, manager)
     return manager
 

@@ -53,6 +53,11 @@ class MemoryPolicy:
     def choice(self, operator_class: str) -> str:
         return self.classes[operator_class]
 
+    @property
+    def keeps_everything(self) -> bool:
+        """Every class saved and no GPU budget: nothing moves or is recomputed."""
+        return self.gpu_budget_bytes is None and all(choice == "save" for choice in self.classes.values())
+
 
 def resolve_policy(memory: MemoryProfile) -> MemoryPolicy:
     """The preset with the profile's explicit fields laid over it."""

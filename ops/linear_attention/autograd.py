@@ -21,6 +21,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     chunk_output,
     chunk_state_fwd,
     chunk_wy_fwd,
+    has_k_end,
     has_output_kernel,
     pick_config,
     prepare_chunks,
@@ -51,17 +52,20 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         config = pick_config(q)
         # KDA with the gate in the kernel: g is the raw gate a, the log decay -exp(A_log) softplus(a + dt_bias).
         gate = None if A_log is None else (A_log.contiguous(), dt_bias.reshape(-1).contiguous())
-        g_cumsum, w_THK, u_THV, qk_THC, _, _ = _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, False, gate
-        )
-        if has_output_kernel(k_THK.shape[-1], v_THV.shape[-1], config):
+        output_kernel = has_output_kernel(K, V, config)
+        g_cumsum, w_THK, u_THV, qk_THC, _, _, k_end_THK = _wy_pass(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, False, gate,
+            store_k_end=output_kernel and has_k_end(K),
+        )  # fmt: skip
+        if output_kernel:
             # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
             # computes the output (KDA: from the pairs kernel's decayed q k^T); the states are freed here, backward
             # recomputes them.
             _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-                output_final_state, compute_output=False, store_states=True,
+                output_final_state, compute_output=False, store_states=True, k_end_THK=k_end_THK,
             )  # fmt: skip
+            del k_end_THK
             o_THV = chunk_output(
                 q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC
             )
@@ -97,14 +101,15 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         if final_state_grad is not None:
             final_state_grad = final_state_grad.contiguous()
 
-        g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC = _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, True, gate
-        )
+        g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = _wy_pass(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, True, gate,
+            store_k_end=has_k_end(K),
+        )  # fmt: skip
         _, _, states_NCHKV, v_new_THV = chunk_state_fwd(
             q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-            output_final_state=False, compute_output=False, store_states=True,
+            output_final_state=False, compute_output=False, store_states=True, k_end_THK=k_end_THK,
         )  # fmt: skip
-        del u_THV
+        del u_THV, k_end_THK
         state_grads_NCHKV, dv_new_THV, initial_state_grad = chunk_state_bwd(
             q_THK, k_THK, w_THK, g_cumsum, do_THV, final_state_grad, layout, config, scale, use_qk_l2norm,
             initial_state.dtype if initial_state is not None else None, qk_THC=qk_THC,
@@ -142,19 +147,23 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 
 
 def _wy_pass(
-    q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate=None
-):
-    """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None) of either variant; the
-    per-head variant builds q k^T inside the state and output kernels and needs no k k^T in backward (KDA returns
-    both always). gate: KDA's (A_log, dt_bias) when g_flat is the raw gate."""
+    q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate=None,
+    store_k_end=False,
+):  # fmt: skip
+    """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None, k exp(G_C - G) or None)
+    of either variant; the per-head variant builds q k^T inside the state and output kernels and needs no k k^T in
+    backward (KDA returns both always). gate: KDA's (A_log, dt_bias) when g_flat is the raw gate. store_k_end: the
+    serial pass's decayed k, for chunk_state_fwd without the output."""
     if g_flat.ndim == 3:
         return kda_wy_fwd(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate
-        )
-    g_cumsum_TH, w_THK, u_THV, inverse_THC = chunk_wy_fwd(
-        k_THK, v_THV, g_flat, beta_TH, layout, config, use_qk_l2norm, store_inverse=store_for_backward
-    )
-    return g_cumsum_TH, w_THK, u_THV, None, inverse_THC, None
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate,
+            store_k_end=store_k_end,
+        )  # fmt: skip
+    g_cumsum_TH, w_THK, u_THV, inverse_THC, k_end_THK = chunk_wy_fwd(
+        k_THK, v_THV, g_flat, beta_TH, layout, config, use_qk_l2norm, store_inverse=store_for_backward,
+        store_k_end=store_k_end,
+    )  # fmt: skip
+    return g_cumsum_TH, w_THK, u_THV, None, inverse_THC, None, k_end_THK
 
 
 def gated_delta_rule_kernel(

@@ -82,6 +82,9 @@ GPU_NUM_WARPS_GRAD = 8
 GPU_NUM_STAGES_STATE = 2
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
+# The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
+GPU_WU_16BIT = True
+WU_16BIT_MIN_DIM = 64
 # The interpreter runs each program in Python: 16-wide V tiles make V = 32 take the multi-tile paths in CPU tests.
 INTERPRETER_BLOCK_V = MIN_DOT_SIZE
 
@@ -103,6 +106,7 @@ class KernelConfig:
     num_warps_kda_grad_products: int
     num_stages_state: int
     num_stages: int
+    wu_16bit: bool
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
@@ -112,7 +116,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         return KernelConfig(
             block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, maxnreg_output=None,
             num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1, num_stages_state=1,
-            num_stages=1,
+            num_stages=1, wu_16bit=True,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -128,6 +132,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
+        GPU_WU_16BIT,
     )
 
 
@@ -286,6 +291,17 @@ def _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL: tl.constexpr
 
 
 @triton.jit
+def _state_decay(g_cumsum_ptr, i_h, t_last, H, K, IS_PER_CHANNEL: tl.constexpr, BK: tl.constexpr):
+    """exp(G_C) of the chunk whose last token is t_last, shaped as `_decays` gives it (scalar, or [BK, 1])."""
+    if IS_PER_CHANNEL:
+        offs_k = tl.arange(0, BK)
+        G_last = tl.load(g_cumsum_ptr + (t_last.to(tl.int64) * H + i_h) * K + offs_k, mask=offs_k < K, other=0.0)
+        return tl.exp(G_last)[:, None]
+    else:
+        return tl.exp(tl.load(g_cumsum_ptr + t_last.to(tl.int64) * H + i_h))
+
+
+@triton.jit
 def _pair_decay(G, IS_INCLUSIVE: tl.constexpr, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr):
     """[BT, BT] exp(G_i - G_j) for j <= i (j < i unless IS_INCLUSIVE), 0 elsewhere; IS_TRANSPOSED gives [j, i].
 
@@ -354,17 +370,20 @@ def _chunk_wy_fwd_kernel(
     w_ptr,
     u_ptr,
     inverse_ptr,
+    k_end_ptr,
     H,
     K,
     V,
     USE_L2NORM: tl.constexpr,
     STORE_INVERSE: tl.constexpr,
+    STORE_K_END: tl.constexpr,
     BT: tl.constexpr,
     SB: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INV_PRECISION: tl.constexpr,
+    WU_16BIT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -382,6 +401,10 @@ def _chunk_wy_fwd_kernel(
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
 
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    if STORE_K_END:
+        # k exp(G_C - G), the state update's operand, as the state pass computed it (same ops, same rounding).
+        G_last = tl.sum(tl.where(rows == num_valid - 1, G, 0.0), axis=0)
+        _store_rows(k_end_ptr + i_h * K, k * tl.exp(G_last - G)[:, None], t0, num_valid, H * K, K, BT, BK)
     k_dot = k.to(dot_dtype)
     A = tl.dot(k_dot, tl.trans(k_dot), input_precision=DOT_PRECISION) * beta[:, None]
     A = A * _pair_decay(G, False, False, BT)
@@ -390,21 +413,42 @@ def _chunk_wy_fwd_kernel(
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
 
     _store_w_u(inverse, k * (beta * tl.exp(G))[:, None], beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0,
-               num_valid, H, K, V, BT, BK, BV, INV_PRECISION)  # fmt: skip
+               num_valid, H, K, V, BT, BK, BV, INV_PRECISION, WU_16BIT)  # fmt: skip
 
 
 @triton.jit
 def _store_w_u(inverse, k_scaled, beta, v_ptr, w_ptr, u_ptr, t0, num_valid, H, K, V, BT: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, INV_PRECISION: tl.constexpr):  # fmt: skip
+               BK: tl.constexpr, BV: tl.constexpr, INV_PRECISION: tl.constexpr, WU_16BIT: tl.constexpr):  # fmt: skip
     """W = (I + A)^-1 (k beta exp(G)) and U = (I + A)^-1 (v beta) of one chunk, stored (pointers at the head's
-    column 0). fp32 operands (tf32 for 16-bit inputs): with 16-bit operands, Triton 3.6 on the H200 returned NaN for K
-    or V below 64 (the inverse itself was right). They are 2 of the ~40 chunk FLOPs."""
-    w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
+    column 0). WU_16BIT (see `wu_operands_16bit`): operands rounded to the stored dtype (W and U are stored in it);
+    else fp32 operands (tf32 for 16-bit inputs)."""
+    if WU_16BIT:
+        op_dtype = w_ptr.dtype.element_ty
+        inverse_op = inverse.to(op_dtype)
+        w = tl.dot(inverse_op, k_scaled.to(op_dtype))
+    else:
+        inverse_op = inverse
+        w = tl.dot(inverse, k_scaled, input_precision=INV_PRECISION)
     _store_rows(w_ptr, w, t0, num_valid, H * K, K, BT, BK)
     for v0 in range(0, V, BV):
         v = _load_rows(v_ptr + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
+        if WU_16BIT:
+            u = tl.dot(inverse_op, (v * beta[:, None]).to(op_dtype))
+        else:
+            u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
         _store_rows(u_ptr + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
+
+
+def wu_operands_16bit(dtype: torch.dtype, K: int, V: int, config: KernelConfig) -> bool:
+    """Whether the WY pass multiplies W's and U's operands in the 16-bit input dtype (as flash-linear-attention's
+    recompute_w_u does) rather than tf32: only for K and V tiles of at least 64. With 16-bit operands, Triton 3.6 on
+    the H200 returned NaN for K or V below 64 (the inverse itself was right); fp32 inputs keep exact products."""
+    return (
+        config.wu_16bit
+        and dtype in (torch.float16, torch.bfloat16)
+        and _block(K) >= WU_16BIT_MIN_DIM
+        and min(config.block_v_wy, _block(V)) >= WU_16BIT_MIN_DIM
+    )
 
 
 @triton.jit
@@ -422,11 +466,13 @@ def _chunk_state_fwd_kernel(
     final_state_ptr,
     states_ptr,
     v_new_ptr,
+    k_end_ptr,
     scale,
     H,
     K,
     V,
     IS_PER_CHANNEL: tl.constexpr,
+    HAS_K_END: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     STORE_STATES: tl.constexpr,
@@ -440,6 +486,8 @@ def _chunk_state_fwd_kernel(
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
     i_h = tl.program_id(2)
+    # With k exp(G_C - G) from the WY pass, the loop reads that and G_C only (the fused output needs q, k and G).
+    tl.static_assert(not (HAS_K_END and COMPUTE_OUTPUT))
     dot_dtype = k_ptr.dtype.element_ty
     bos = tl.load(cu_seqlens_ptr + i_n)
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
@@ -460,8 +508,16 @@ def _chunk_state_fwd_kernel(
     for i_t in range(0, num_chunks):
         t0 = bos + i_t * BT
         num_valid = tl.minimum(eos - t0, BT)
-        decay, decay_to_end, state_decay, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
-        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        if HAS_K_END:
+            state_decay = _state_decay(g_cumsum_ptr, i_h, t0 + num_valid - 1, H, K, IS_PER_CHANNEL, BK)
+            k_decayed = _load_rows(k_end_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
+        else:
+            decay, decay_to_end, state_decay, G = _decays(
+                g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK
+            )
+            k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+            # G_C - G_j <= 0: the decay from each token to the chunk's end never overflows.
+            k_decayed = (k * decay_to_end).to(dot_dtype)
         w = _load_rows(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         u = _load_rows(u_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
         if STORE_STATES:
@@ -484,8 +540,6 @@ def _chunk_state_fwd_kernel(
             o = tl.dot((q * decay).to(dot_dtype), state_dot, input_precision=DOT_PRECISION)
             o += tl.dot(qk, v_new_dot, input_precision=DOT_PRECISION)
             _store_rows(o_ptr + i_h * V + v0, o, t0, num_valid, H * V, V - v0, BT, BV)
-        # G_C - G_j <= 0: the decay from each token to the chunk's end never overflows.
-        k_decayed = (k * decay_to_end).to(dot_dtype)
         state = state * state_decay + tl.dot(tl.trans(k_decayed), v_new_dot, input_precision=DOT_PRECISION)
 
     if STORE_FINAL_STATE:
@@ -554,6 +608,17 @@ def has_output_kernel(K: int, V: int, config: KernelConfig) -> bool:
     return min(config.block_v_output, _block(V)) >= _block(K)
 
 
+def has_k_end(K: int) -> bool:
+    """Whether the WY pass hands the serial state pass k exp(G_C - G) (store_k_end), given the key head dim.
+
+    Only when K fills its tile (a power of two): at K 100 (tile 128) on the H200 (triton 3.6, 2026-11-30) the states
+    came out 71% off in RMS and a later launch hit an illegal address, while every power of two the GPU tests run (16,
+    32, 64, 128) gave the states of the path that computes the decayed k in the loop; the interpreter is right at K
+    100, so it is the compiled kernel. Other K take that path.
+    """
+    return K == _block(K)
+
+
 def chunk_output(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -612,8 +677,10 @@ def chunk_wy_fwd(
     config: KernelConfig,
     use_qk_l2norm: bool,
     store_inverse: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """G [T, H] fp32, W [T, H, K] and U [T, H, V] in k's dtype (fp32 for fp32 inputs), (I + A)^-1 [T, H, C] or None."""
+    store_k_end: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """G [T, H] fp32, W [T, H, K] and U [T, H, V] in k's dtype (fp32 for fp32 inputs), (I + A)^-1 [T, H, C] or None,
+    and k exp(G_C - G) [T, H, K] (k L2-normed when use_qk_l2norm; k's dtype) for chunk_state_fwd or None."""
     T, H, K = k_THK.shape
     V = v_THV.shape[-1]
     C = layout.chunk_size
@@ -622,6 +689,7 @@ def chunk_wy_fwd(
     w_THK = _alloc((T, H, K), k_THK.dtype, device)
     u_THV = _alloc((T, H, V), k_THK.dtype, device)
     inverse_THC = _alloc((T, H, C), k_THK.dtype, device) if store_inverse else None
+    k_end_THK = _alloc((T, H, K), k_THK.dtype, device) if store_k_end else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
     if layout.num_slots > 0:
         _chunk_wy_fwd_kernel[(layout.num_slots, H)](
@@ -634,21 +702,24 @@ def chunk_wy_fwd(
             w_THK,
             u_THV,
             inverse_THC if store_inverse else w_THK,
+            k_end_THK if store_k_end else w_THK,
             H,
             K=K,
             V=V,
             USE_L2NORM=use_qk_l2norm,
             STORE_INVERSE=store_inverse,
+            STORE_K_END=store_k_end,
             BT=C,
             SB=SUB_CHUNK_SIZE,
             BK=_block(K),
             BV=min(config.block_v_wy, _block(V)),
             DOT_PRECISION=dot_precision,
             INV_PRECISION=inv_precision,
+            WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-    return g_cumsum_TH, w_THK, u_THV, inverse_THC
+    return g_cumsum_TH, w_THK, u_THV, inverse_THC, k_end_THK
 
 
 def chunk_state_fwd(
@@ -666,11 +737,16 @@ def chunk_state_fwd(
     compute_output: bool = True,
     store_states: bool = False,
     qk_THC: torch.Tensor | None = None,
+    k_end_THK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The serial pass: o [T, H, V] in q's dtype, final state [N, H, K, V] fp32, and when store_states the states
     entering every chunk [NC, H, K, V] and v_new [T, H, V] (fp32 for fp32 inputs, else k's dtype).
 
-    Per-channel decays (KDA): g_cumsumK is [T, H, K] and qk_THC the decayed causal q k^T of kda_wy_fwd."""
+    Per-channel decays (KDA): g_cumsumK is [T, H, K] and qk_THC the decayed causal q k^T of kda_wy_fwd.
+    k_end_THK: k exp(G_C - G) from the WY pass (store_k_end), without compute_output: the loop then reads it and
+    G_C instead of k and G (no L2 norm or decay in the serial loop)."""
+    if k_end_THK is not None and compute_output:
+        raise ValueError("chunk_state_fwd: k_end_THK is for the pass without the output (compute_output=False)")
     T, H, K = k_THK.shape
     V = u_THV.shape[-1]
     N = layout.num_seqs
@@ -697,11 +773,13 @@ def chunk_state_fwd(
             final_state_NHKV if output_final_state else w_THK,
             states_NCHKV if store_states else w_THK,
             v_new_THV if store_states else w_THK,
+            k_end_THK if k_end_THK is not None else w_THK,
             scale,
             H,
             K=K,
             V=V,
             IS_PER_CHANNEL=g_cumsum.ndim == 3,
+            HAS_K_END=k_end_THK is not None,
             HAS_INITIAL_STATE=initial_state_NHKV is not None,
             STORE_FINAL_STATE=output_final_state,
             STORE_STATES=store_states,

@@ -55,6 +55,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     _store_w_u,
     _unit_lower_inverse,
     dot_precisions,
+    wu_operands_16bit,
 )
 
 
@@ -305,16 +306,19 @@ def _kda_wy_fwd_kernel(
     w_ptr,
     u_ptr,
     inverse_ptr,
+    k_end_ptr,
     H,
     K,
     V,
     USE_L2NORM: tl.constexpr,
     STORE_INVERSE: tl.constexpr,
+    STORE_K_END: tl.constexpr,
     BT: tl.constexpr,
     SB: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     INV_PRECISION: tl.constexpr,
+    WU_16BIT: tl.constexpr,
 ):
     """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head)."""
     i_c = tl.program_id(0)
@@ -338,8 +342,12 @@ def _kda_wy_fwd_kernel(
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
     G = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
     k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    if STORE_K_END:
+        # k exp(G_C - G) per channel, the state update's operand, as the state pass computed it.
+        G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
+        _store_rows(k_end_ptr + i_h * K, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
     _store_w_u(inverse, k * tl.exp(G) * beta[:, None], beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0,
-               num_valid, H, K, V, BT, BK, BV, INV_PRECISION)  # fmt: skip
+               num_valid, H, K, V, BT, BK, BV, INV_PRECISION, WU_16BIT)  # fmt: skip
 
 
 @triton.jit
@@ -568,9 +576,11 @@ def kda_wy_fwd(
     use_qk_l2norm: bool,
     store_for_backward: bool,
     gate: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    store_k_end: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """G [T, H, K] fp32; W [T, H, K], U [T, H, V] and the decayed causal q k^T [T, H, C] in k's dtype (fp32 for fp32
-    inputs), the decayed k k^T (strictly lower) [T, H, C] fp32; with store_for_backward also (I + A)^-1 [T, H, C].
+    inputs), the decayed k k^T (strictly lower) [T, H, C] fp32; with store_for_backward also (I + A)^-1 [T, H, C]
+    (else None); with store_k_end k exp(G_C - G) [T, H, K] in k's dtype for chunk_state_fwd (else None).
 
     Two kernels: the pairs kernel (G, q k^T, k k^T: per-channel decays, sub-chunk dots) then the WY kernel (the
     inverse, W, U), so that each runs at its own warp count. One kernel at 8 warps spent 41% of its instructions in the
@@ -590,6 +600,7 @@ def kda_wy_fwd(
     qk_THC = alloc((T, H, C), k_THK.dtype, device)
     kk_THC = alloc((T, H, C), torch.float32, device)
     inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
+    k_end_THK = alloc((T, H, K), k_THK.dtype, device) if store_k_end else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
     meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
     if layout.num_slots > 0:
@@ -601,10 +612,12 @@ def kda_wy_fwd(
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](
             k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
-            inverse_THC if store_for_backward else kk_THC, H, V=V, STORE_INVERSE=store_for_backward,
-            BV=min(config.block_v_wy, _block(V)), INV_PRECISION=inv_precision, num_warps=config.num_warps, **meta,
+            inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, V=V,
+            STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_wy, _block(V)),
+            INV_PRECISION=inv_precision,
+            WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), num_warps=config.num_warps, **meta,
         )  # fmt: skip
-    return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC
+    return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK
 
 
 def kda_grad(

@@ -85,7 +85,8 @@ def assert_bitwise(result, reference):
 def run(batch, *memory):
     model = managed_model(*memory)
     result = loss_and_grads(model, batch)
-    return result, find_activation_memory(model).step_metrics(), model
+    manager = find_activation_memory(model)
+    return result, None if manager is None else manager.step_metrics(), model
 
 
 @pytest.mark.parametrize("klass", OPERATOR_CLASSES)
@@ -112,6 +113,16 @@ def test_budget_and_no_prefetch_train_like_saving_everything(batch, reference):
     result, metrics, _ = run(batch, "memory.gpu_budget_gb=0.000002", "memory.prefetch_layers=0", ALL_SIZES)
     assert_bitwise(result, reference)
     assert metrics["memory_evicted_bytes"] > 0
+
+
+@pytest.mark.parametrize("memory, attached", [
+    (("memory.preset=none",), False),  # keeps everything: plain autograd, no saved-tensor hooks
+    (("memory.preset=none", "memory.gpu_budget_gb=1000"), True),  # a budget: the store must see every tensor
+    (("memory.preset=none", "memory.norm=recompute"), True),
+    (("memory.preset=balanced",), True),
+])  # fmt: skip
+def test_manager_attached_only_when_the_policy_moves_or_recomputes(memory, attached):
+    assert (find_activation_memory(managed_model(*memory)) is not None) is attached
 
 
 def test_whole_layer_checkpointing_still_trains_like_saving_everything(batch, reference):
@@ -314,9 +325,10 @@ def test_offloaded_tensor_in_pieces_comes_back_bitwise_with_its_strides(monkeypa
 
 
 def test_forward_without_backward_leaves_nothing_alive(batch):
-    # Under `none` every saved tensor stays on the device: an entry holding its tensor with the tensor's autograd
-    # history would close a cycle (the op that saved its own output) that outlives the dropped output.
-    model = managed_model("memory.preset=none", ALL_SIZES)
+    # Under a budget never reached every saved tensor stays on the device: an entry holding its tensor with the
+    # tensor's autograd history would close a cycle (the op that saved its own output) that outlives the dropped
+    # output.
+    model = managed_model("memory.gpu_budget_gb=1000", ALL_SIZES)
     store = find_activation_memory(model).store
     out = model(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, labels=batch.labels)
     entries = [ref for refs in store._by_layer.values() for ref in refs]

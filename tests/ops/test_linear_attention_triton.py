@@ -191,6 +191,53 @@ def test_gated_delta_rule_fp16_matches_reference(kernel_path, guarded, shape, cu
     assert_matches_reference(inputs, torch.float16, guarded, cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+def test_16bit_wu_operands_match_reference(kernel_path, guarded, monkeypatch, is_per_channel):
+    # K = V = 64 with the GPU's U tile of 64: the WY pass multiplies W's and U's operands in fp16
+    # (wu_operands_16bit), as on the GPU.
+    def wide_wy_tile(x):
+        return dataclasses.replace(kernels_fwd.pick_config(x), block_v_wy=kernels_fwd.GPU_BLOCK_V_WY)
+
+    monkeypatch.setattr(autograd, "pick_config", wide_wy_tile)
+    inputs = make_inputs(1, 70, H=1, K=64, V=64, dtype=torch.float16, is_per_channel=is_per_channel)
+    assert kernels_fwd.wu_operands_16bit(torch.float16, 64, 64, wide_wy_tile(inputs["k"]))
+    assert_matches_reference(inputs, torch.float16, guarded, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("K, takes_k_end", [(16, True), (12, False)])
+def test_state_pass_reads_the_decayed_k_only_for_full_key_tiles(kernel_path, monkeypatch, is_per_channel, K,
+                                                                  takes_k_end):  # fmt: skip
+    # The forward (with the output kernel: K's tile no wider than the interpreter's V tile of 16) and the backward's
+    # recomputation both run the serial pass; K 12 (a tile of 16) keeps the decay in its loop (has_k_end: what the
+    # H200 got wrong at K 100).
+    calls = []
+    chunk_state_fwd = autograd.chunk_state_fwd
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("k_end_THK") is not None)
+        return chunk_state_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "chunk_state_fwd", recording)
+    inputs = make_inputs(1, 70, K=K, V=32, is_per_channel=is_per_channel)
+    assert kernels_fwd.has_output_kernel(K, 32, kernels_fwd.pick_config(inputs["q"]))
+    op = kda if is_per_channel else gated_delta_rule
+    o, _ = op(**inputs, use_qk_l2norm_in_kernel=True)
+    o.sum().backward()
+    assert calls == [takes_k_end, takes_k_end]
+    assert kernels_fwd.has_k_end(K) is takes_k_end and not kernels_fwd.has_k_end(100)
+
+
+@pytest.mark.parametrize("dtype, K, V, expected", [
+    (torch.bfloat16, 128, 128, True), (torch.float16, 64, 64, True), (torch.bfloat16, 128, 32, False),
+    (torch.bfloat16, 32, 128, False), (torch.float32, 128, 128, False),
+])  # fmt: skip
+def test_wu_operands_16bit_only_for_16bit_inputs_and_wide_tiles(dtype, K, V, expected):
+    gpu = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), block_v_wy=kernels_fwd.GPU_BLOCK_V_WY)
+    assert kernels_fwd.wu_operands_16bit(dtype, K, V, gpu) is expected
+    assert not kernels_fwd.wu_operands_16bit(dtype, K, V, dataclasses.replace(gpu, wu_16bit=False))
+
+
 KDA_CASES = [
     pytest.param(dict(B=2, T=1), {}, id="T1"),  # a single token: one chunk with one valid row
     pytest.param(dict(B=1, T=65), {"use_qk_l2norm_in_kernel": True}, id="T65-l2norm"),  # one token past a chunk
