@@ -11,9 +11,11 @@ cu_seqlens = (0, T, 2T, ...), so one code path serves both.
 The forward is three launches (two for KDA and for head dims whose V tile is narrower than their K tile):
 1. `_chunk_wy_fwd_kernel`, one program per (chunk, head), all in parallel: G, A = tril(beta k k^T exp(G_i - G_j)),
    the inverse (I + A)^-1 (the [C / 16, 16, 16] diagonal blocks by doubling products, then three block
-   products), and the WY factors W = (I + A)^-1 diag(beta exp(G)) k and U = (I + A)^-1 diag(beta) v.
+   products), the WY factors W = (I + A)^-1 diag(beta exp(G)) k and U = (I + A)^-1 diag(beta) v, and (store_k_end)
+   the serial pass's operand k exp(G_C - G).
 2. `_chunk_state_fwd_kernel`, one program per (V tile, sequence, head), serial over the sequence's chunks with the
-   state [K, BV] in registers (fp32): v_new = U - W S, then S = exp(G_C) S + (k exp(G_C - G))^T v_new. It writes the
+   state [K, BV] in registers (fp32): v_new = U - W S, then S = exp(G_C) S + (k exp(G_C - G))^T v_new, the decayed
+   k read from the WY pass (HAS_K_END, power-of-two K) or built in the loop. It writes the
    state entering each chunk and v_new (store_states), which the backward's recomputation also uses; in the fused
    form (compute_output) it computes the output o = (q exp(G)) S + (q k^T * decay, causal) v_new itself and stores
    no states. With IS_PER_CHANNEL (KDA, kernels_kda.py) the decays are [C, K], the decayed causal q k^T is read from

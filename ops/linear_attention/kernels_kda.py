@@ -21,7 +21,8 @@ The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) an
 fp32 operands in the dots (tf32 for 16-bit inputs; `_decayed_dots` says why).
 
 Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1,
-W, U at 4 warps, as the per-head WY kernel; in one kernel at 8 warps the inverse's row loop took 41% of the
+W, U, and for power-of-two K the serial pass's k exp(G_C - G) per channel, at 4 warps, as the per-head WY kernel; in
+one kernel at 8 warps the inverse's row loop took 41% of the
 instructions, ncu on the H200), and the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head
 one: `_kda_grad_wy_kernel` (the state and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the
 gradient of G_C and dkk) then `_kda_grad_products_kernel` (the output's terms and the four decayed products dP k,
