@@ -147,7 +147,14 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
         "v_new": _rel(slots.valid(slots.gather(v_new)), slots.valid(v_new_ref)),
     }
 
-    state_grads, dv_new, _ = kernels_bwd.chunk_state_bwd(q, k, w, g_cumsum, do, None, layout, config, scale, True, None)
+    # As the op runs it: with the decayed k, the reverse pass reads prepared operands too.
+    prepared = None
+    if store_k_end:
+        q_dec, qk = kernels_bwd.prepare_state_bwd(q, k, g_cumsum, layout, config, scale, True, store_qk=True)
+        prepared = (k_end, q_dec, qk)
+    state_grads, dv_new, _ = kernels_bwd.chunk_state_bwd(
+        q, k, w, g_cumsum, do, None, layout, config, scale, True, None, prepared=prepared
+    )
     do_c = slots.gather(do)
     q_n = l2norm(inputs[0]) * scale
     C = slots.C
@@ -195,7 +202,9 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
         )
     }
 
-    again = kernels_bwd.chunk_state_bwd(q, k, w, g_cumsum, do, None, layout, config, scale, True, None)
+    again = kernels_bwd.chunk_state_bwd(
+        q, k, w, g_cumsum, do, None, layout, config, scale, True, None, prepared=prepared
+    )
     grads_again = kernels_bwd.chunk_grad(
         q, k, v, g.dtype, beta, g_cumsum, inverse, states, again[0], v_new, again[1], do, layout, config, scale, True
     )

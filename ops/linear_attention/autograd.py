@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd
+from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd, prepare_state_bwd
 from moe_tune.ops.linear_attention.kernels_fwd import (
     ChunkLayout,
     chunk_output,
@@ -109,12 +109,20 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
             output_final_state=False, compute_output=False, store_states=True, k_end_THK=k_end_THK,
         )  # fmt: skip
-        del u_THV, k_end_THK
+        del u_THV
+        prepared = None
+        if k_end_THK is not None:
+            # The reverse serial pass reads its decayed operands as the forward's does (has_k_end's K only).
+            q_dec_THK, qk_prepared = prepare_state_bwd(
+                q_THK, k_THK, g_cumsum, layout, config, scale, use_qk_l2norm, store_qk=qk_THC is None
+            )
+            prepared = (k_end_THK, q_dec_THK, qk_THC if qk_THC is not None else qk_prepared)
+            del k_end_THK, q_dec_THK, qk_prepared
         state_grads_NCHKV, dv_new_THV, initial_state_grad = chunk_state_bwd(
             q_THK, k_THK, w_THK, g_cumsum, do_THV, final_state_grad, layout, config, scale, use_qk_l2norm,
-            initial_state.dtype if initial_state is not None else None, qk_THC=qk_THC,
+            initial_state.dtype if initial_state is not None else None, qk_THC=qk_THC, prepared=prepared,
         )  # fmt: skip
-        del w_THK, qk_THC
+        del w_THK, qk_THC, prepared
         grad_args = (
             q_THK, k_THK, v_THV, g_flat.dtype, beta_TH, g_cumsum, inverse_THC, states_NCHKV, state_grads_NCHKV,
             v_new_THV, dv_new_THV, do_THV, layout, config, scale, use_qk_l2norm,

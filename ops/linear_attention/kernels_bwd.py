@@ -41,6 +41,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     _load_rows,
     _load_rows_t,
     _pair_decay,
+    _state_decay,
     _store_rows,
     dot_precisions,
 )
@@ -53,6 +54,8 @@ def _chunk_state_bwd_kernel(
     w_ptr,
     g_cumsum_ptr,
     qk_ptr,
+    k_end_ptr,
+    q_dec_ptr,
     do_ptr,
     final_state_grad_ptr,
     cu_seqlens_ptr,
@@ -65,6 +68,7 @@ def _chunk_state_bwd_kernel(
     K,
     V,
     IS_PER_CHANNEL: tl.constexpr,
+    HAS_PREPARED: tl.constexpr,
     HAS_FINAL_STATE_GRAD: tl.constexpr,
     STORE_INITIAL_STATE_GRAD: tl.constexpr,
     USE_L2NORM: tl.constexpr,
@@ -100,28 +104,40 @@ def _chunk_state_bwd_kernel(
         slot_head = ((first_slot + i_t) * H + i_h).to(tl.int64) * K * V
         dstate_out = dstate.to(state_grads_ptr.dtype.element_ty)
         tl.store(state_grads_ptr + slot_head + state_offsets, dstate_out, mask=state_mask)
-        decay, decay_to_end, state_decay, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
-        q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
         do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        # (q k^T * M)^T as [j, i]: read transposed (per channel), or k q^T times M^T.
-        if IS_PER_CHANNEL:
+        if HAS_PREPARED:
+            # The decayed operands from parallel passes (prepare_state_bwd, the WY pass's k exp(G_C - G)): no norm
+            # and no exp in the loop but exp(G_C).
+            state_decay = _state_decay(g_cumsum_ptr, i_h, t0 + num_valid - 1, H, K, IS_PER_CHANNEL, BK)
             kq = _load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+            k_decayed = _load_rows(k_end_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         else:
-            kq = tl.dot(k.to(dot_dtype), tl.trans(q.to(dot_dtype)), input_precision=DOT_PRECISION)
-            kq = (kq * _pair_decay(G, True, True, BT)).to(dot_dtype)
-        k_decayed = (k * decay_to_end).to(dot_dtype)
+            decay, decay_to_end, state_decay, G = _decays(
+                g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK
+            )
+            q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+            k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+            # (q k^T * M)^T as [j, i]: read transposed (per channel), or k q^T times M^T.
+            if IS_PER_CHANNEL:
+                kq = _load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+            else:
+                kq = tl.dot(k.to(dot_dtype), tl.trans(q.to(dot_dtype)), input_precision=DOT_PRECISION)
+                kq = (kq * _pair_decay(G, True, True, BT)).to(dot_dtype)
+            k_decayed = (k * decay_to_end).to(dot_dtype)
         dv_new = tl.dot(kq, do, input_precision=DOT_PRECISION)
         dv_new += tl.dot(k_decayed, dstate.to(dot_dtype), input_precision=DOT_PRECISION)
         _store_rows(dv_new_ptr + i_h * V + v0, dv_new, t0, num_valid, H * V, V - v0, BT, BV)
-        q_t = _load_rows_t(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-        if USE_L2NORM:
-            q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + _L2NORM_EPS)[None, :]
-        q_t = q_t * scale
-        if IS_PER_CHANNEL:
-            q_t = q_t * tl.trans(decay)
+        if HAS_PREPARED:
+            q_t = _load_rows_t(q_dec_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
         else:
-            q_t = q_t * tl.exp(G)[None, :]
+            q_t = _load_rows_t(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+            if USE_L2NORM:
+                q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + _L2NORM_EPS)[None, :]
+            q_t = q_t * scale
+            if IS_PER_CHANNEL:
+                q_t = q_t * tl.trans(decay)
+            else:
+                q_t = q_t * tl.exp(G)[None, :]
         # The state update reads its operands from memory, not from registers: dv_new back from where it was just
         # stored (an L2-resident round trip), (q exp(G))^T and W^T transposed. With them from registers (dv_new a dot
         # result, q and W transposed with tl.trans), Triton 3.6 on the H200 gave state gradients that changed from run
@@ -135,6 +151,41 @@ def _chunk_state_bwd_kernel(
 
     if STORE_INITIAL_STATE_GRAD:
         tl.store(initial_state_grad_ptr + seq_head + state_offsets, dstate, mask=state_mask)
+
+
+@triton.jit
+def _prepare_state_bwd_kernel(
+    q_ptr,
+    k_ptr,
+    g_cumsum_ptr,
+    chunk_map_ptr,
+    q_dec_ptr,
+    qk_ptr,
+    scale,
+    H,
+    K,
+    IS_PER_CHANNEL: tl.constexpr,
+    STORE_QK: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (chunk slot, head), in parallel: the reverse serial pass's q exp(G) (q scaled, normed when asked; per
+    channel for KDA) and, with STORE_QK (per-head decay), the decayed causal q k^T [C, C] its dv_new reads (KDA's
+    comes from the pairs kernel)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    decay, _, _, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
+    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+    _store_rows(q_dec_ptr + i_h * K, q * decay, t0, num_valid, H * K, K, BT, BK)
+    if STORE_QK:
+        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+        _store_rows(qk_ptr + i_h * BT, qk * _pair_decay(G, True, False, BT), t0, num_valid, H * BT, BT, BT, BT)
 
 
 @triton.jit
@@ -364,11 +415,14 @@ def chunk_state_bwd(
     use_qk_l2norm: bool,
     initial_state_grad_dtype: torch.dtype | None,
     qk_THC: torch.Tensor | None = None,
+    prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The reverse serial pass: dS1 of every chunk [NC, H, K, V] and dv_new [T, H, V] (fp32 for fp32 inputs, else
     k's dtype), and the initial state's gradient [N, H, K, V] when initial_state_grad_dtype is given.
 
     g_cumsum: [T, H] per head, or [T, H, K] per channel (KDA), with qk_THC the decayed causal q k^T of kda_wy_fwd.
+    prepared: (k exp(G_C - G) from the WY pass, then prepare_state_bwd's q exp(G) and decayed causal q k^T): the
+    loop reads them instead of norming q and k and building the decays itself.
     """
     T, H, K = k_THK.shape
     V = do_THV.shape[-1]
@@ -381,6 +435,8 @@ def chunk_state_bwd(
         initial_state_grad_NHKV = kernels_fwd._alloc((N, H, K, V), initial_state_grad_dtype, device)
     block_v = min(config.block_v_state, _block(V))
     dot_precision, _ = dot_precisions(k_THK.dtype)
+    if prepared is not None:
+        k_end_THK, q_dec_THK, qk_THC = prepared
     if N > 0:
         _chunk_state_bwd_kernel[(triton.cdiv(V, block_v), N, H)](
             q_THK,
@@ -388,6 +444,8 @@ def chunk_state_bwd(
             w_THK,
             g_cumsum,
             qk_THC if qk_THC is not None else w_THK,
+            k_end_THK if prepared is not None else w_THK,
+            q_dec_THK if prepared is not None else w_THK,
             do_THV,
             final_state_grad_NHKV if final_state_grad_NHKV is not None else w_THK,
             layout.cu_seqlens,
@@ -400,6 +458,7 @@ def chunk_state_bwd(
             K=K,
             V=V,
             IS_PER_CHANNEL=g_cumsum.ndim == 3,
+            HAS_PREPARED=prepared is not None,
             HAS_FINAL_STATE_GRAD=final_state_grad_NHKV is not None,
             STORE_INITIAL_STATE_GRAD=initial_state_grad_NHKV is not None,
             USE_L2NORM=use_qk_l2norm,
@@ -411,6 +470,46 @@ def chunk_state_bwd(
             num_stages=config.num_stages_state,
         )
     return state_grads_NCHKV, dv_new_THV, initial_state_grad_NHKV
+
+
+def prepare_state_bwd(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    g_cumsum: torch.Tensor,
+    layout: ChunkLayout,
+    config: KernelConfig,
+    scale: float,
+    use_qk_l2norm: bool,
+    store_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q exp(G) [T, H, K] (q scaled, L2-normed when asked; G per head [T, H] or per channel [T, H, K]) and, when
+    store_qk, the decayed causal q k^T [T, H, C] (per head), in k's dtype: chunk_state_bwd's prepared operands."""
+    T, H, K = k_THK.shape
+    C = layout.chunk_size
+    q_dec_THK = kernels_fwd._alloc((T, H, K), k_THK.dtype, k_THK.device)
+    qk_THC = kernels_fwd._alloc((T, H, C), k_THK.dtype, k_THK.device) if store_qk else None
+    dot_precision, _ = dot_precisions(k_THK.dtype)
+    if layout.num_slots > 0:
+        _prepare_state_bwd_kernel[(layout.num_slots, H)](
+            q_THK,
+            k_THK,
+            g_cumsum,
+            layout.chunk_map,
+            q_dec_THK,
+            qk_THC if store_qk else q_dec_THK,
+            scale,
+            H,
+            K=K,
+            IS_PER_CHANNEL=g_cumsum.ndim == 3,
+            STORE_QK=store_qk,
+            USE_L2NORM=use_qk_l2norm,
+            BT=C,
+            BK=_block(K),
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return q_dec_THK, qk_THC
 
 
 def chunk_grad(

@@ -206,25 +206,31 @@ def test_16bit_wu_operands_match_reference(kernel_path, guarded, monkeypatch, is
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("K, takes_k_end", [(16, True), (12, False)])
-def test_state_pass_reads_the_decayed_k_only_for_full_key_tiles(kernel_path, monkeypatch, is_per_channel, K,
+def test_state_passes_read_the_decayed_k_only_for_full_key_tiles(kernel_path, monkeypatch, is_per_channel, K,
                                                                   takes_k_end):  # fmt: skip
     # The forward (with the output kernel: K's tile no wider than the interpreter's V tile of 16) and the backward's
     # recomputation both run the serial pass; K 12 (a tile of 16) keeps the decay in its loop (has_k_end: what the
     # H200 got wrong at K 100).
     calls = []
-    chunk_state_fwd = autograd.chunk_state_fwd
+    chunk_state_fwd, chunk_state_bwd = autograd.chunk_state_fwd, autograd.chunk_state_bwd
 
     def recording(*args, **kwargs):
         calls.append(kwargs.get("k_end_THK") is not None)
         return chunk_state_fwd(*args, **kwargs)
 
+    def recording_bwd(*args, **kwargs):
+        calls.append(kwargs.get("prepared") is not None)
+        return chunk_state_bwd(*args, **kwargs)
+
     monkeypatch.setattr(autograd, "chunk_state_fwd", recording)
+    monkeypatch.setattr(autograd, "chunk_state_bwd", recording_bwd)
     inputs = make_inputs(1, 70, K=K, V=32, is_per_channel=is_per_channel)
     assert kernels_fwd.has_output_kernel(K, 32, kernels_fwd.pick_config(inputs["q"]))
     op = kda if is_per_channel else gated_delta_rule
     o, _ = op(**inputs, use_qk_l2norm_in_kernel=True)
     o.sum().backward()
-    assert calls == [takes_k_end, takes_k_end]
+    # Forward, the backward's recomputation, the reverse pass (prepared operands with the decayed k).
+    assert calls == [takes_k_end] * 3
     assert kernels_fwd.has_k_end(K) is takes_k_end and not kernels_fwd.has_k_end(100)
 
 
