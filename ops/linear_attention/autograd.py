@@ -8,6 +8,8 @@ Saved for backward: the inputs themselves (no copies) and the chunk layout (thre
 Recomputed in backward: G, (I + A)^-1, W and U (one parallel pass, cheaper than keeping [T, H, C + K + V] alive
 from forward to backward), then the per-chunk states and v_new (one serial pass at forward cost, written once and
 read once by the gradient kernel; keeping them from forward would hold [NC, H, K, V] per layer across the model).
+For power-of-two K (`has_k_end`) both serial passes read their decayed operands from parallel passes: the WY pass's
+k exp(G_C - G) and, in backward, prepare_state_bwd's q exp(G) and decayed causal q k^T (KDA's from its pairs kernel).
 """
 
 from __future__ import annotations
