@@ -165,12 +165,18 @@ def _write_json(path: Path, data) -> None:
 
 
 def _breakdown_table(breakdown: dict) -> Table:
-    """One op class a row: time in the profiled step and share of the step; then the heaviest ops by name."""
+    """One op class a row: time in the profiled step and share of the step; on CUDA also the device work its ops
+    launched and their host time in the profiled step (on the CPU the time is the host time)."""
+    from moe_tune.engine.bench.breakdown import CUDA_TIMING
+
+    on_cuda = breakdown["timing"] == CUDA_TIMING
+    headers = ("op class", "ms", "share", *(("launches", "host ms") if on_cuda else ()))
     table = Table()
-    for header in ("op class", "ms", "share"):
+    for header in headers:
         table.add_column(header, justify="left" if header == "op class" else "right", no_wrap=True)
     for row in breakdown["classes"]:
-        table.add_row(row["op_class"], f"{row['time_s'] * 1e3:,.1f}", f"{row['share']:.1%}")
+        host = (f"{row['launches']:,}", f"{row['host_s'] * 1e3:,.1f}") if on_cuda else ()
+        table.add_row(row["op_class"], f"{row['time_s'] * 1e3:,.1f}", f"{row['share']:.1%}", *host)
     return table
 
 

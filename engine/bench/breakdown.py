@@ -15,7 +15,10 @@ Time per class: on CPU the self time of its ops, over the profiled step's wall t
 kernels its ops launched, over the median step time measured without the profiler (the profiler slows the host, not
 the kernels). What no op covers (Python between ops, GPU idle while the host launches or waits) is `unattributed`;
 when overlapping streams make the covered time exceed the step, shares are taken of the covered time. Shares sum
-to 1.
+to 1. Beside the time, each class's host side in the profiled step: the device work its ops launched (kernels,
+copies, memsets: `launches`) and its ops' self CPU time (`host_s`, inflated by the profiler alike for every class);
+`unattributed`'s host time is the profiled step's wall time no op covers (Python between ops). Where the GPU idles
+for the host (a large `unattributed` on CUDA), these say which class's launches and host work hold the step back.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ COLLECTIVE = re.compile(
     r"|record_param_comms",
     re.IGNORECASE,
 )
+# What a breakdown's times are (its `timing`).
+CUDA_TIMING = "kernel time (CUDA)"
+CPU_TIMING = "self CPU time"
 # The ops listed by name under the class table: the heaviest few.
 TOP_OPS = 15
 US_PER_S = 1e6
@@ -244,12 +250,21 @@ def _event_time_us(event, is_cuda: bool) -> float:
     return float(event.self_cpu_time_total)
 
 
-def shares(attributed: list[tuple[Any, str]], step_time_s: float, is_cuda: bool) -> dict[str, Any]:
-    """Seconds and share of the step per op class (OP_CLASSES order, `unattributed` the rest), and the heaviest
-    ops by name. The basis is `step_time_s`, or the covered time when that is larger (overlapping streams)."""
+def shares(
+    attributed: list[tuple[Any, str]], step_time_s: float, is_cuda: bool, host_wall_s: float | None = None
+) -> dict[str, Any]:
+    """Seconds and share of the step per op class (OP_CLASSES order, `unattributed` the rest), each class's
+    launches and host seconds, and the heaviest ops by name. The basis is `step_time_s`, or the covered time when
+    that is larger (overlapping streams). host_wall_s: the profiled step's wall time (unattributed's host time is
+    what no op's self CPU time covers of it; 0 without it)."""
     per_class: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    host_us: dict[str, float] = defaultdict(float)
     per_op: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for event, label in attributed:
+        host_us[label] += float(event.self_cpu_time_total)
+        if is_cuda:
+            launches[label] += len(event.kernels)
         us = _event_time_us(event, is_cuda)
         if us <= 0:
             continue
@@ -260,8 +275,11 @@ def shares(attributed: list[tuple[Any, str]], step_time_s: float, is_cuda: bool)
     covered_s = sum(per_class.values()) / US_PER_S
     basis_s = max(step_time_s, covered_s)
     per_class["unattributed"] = (basis_s - covered_s) * US_PER_S
+    if host_wall_s is not None:
+        host_us["unattributed"] = max(host_wall_s * US_PER_S - sum(host_us.values()), 0.0)
     rows = [dict(op_class=label, time_s=per_class.get(label, 0.0) / US_PER_S,
-                 share=per_class.get(label, 0.0) / US_PER_S / basis_s if basis_s > 0 else 0.0)
+                 share=per_class.get(label, 0.0) / US_PER_S / basis_s if basis_s > 0 else 0.0,
+                 launches=launches.get(label, 0), host_s=host_us.get(label, 0.0) / US_PER_S)
             for label in OP_CLASSES]  # fmt: skip
     heaviest = sorted(per_op.items(), key=lambda item: -item[1][0])[:TOP_OPS]
     return dict(
@@ -296,9 +314,9 @@ def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
             record = runner.step()
             wall_s = time.perf_counter() - start
     attributed = attribute(prof.events())
-    result = shares(attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda)
+    result = shares(attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda, host_wall_s=wall_s)
     result.update(
-        timing="kernel time (CUDA)" if runner.is_cuda else "self CPU time",
+        timing=CUDA_TIMING if runner.is_cuda else CPU_TIMING,
         profiled_step_time_s=wall_s,
         loss=record["loss"],
     )

@@ -81,6 +81,10 @@ def test_shares_of_a_tiny_step_sum_to_one_and_cover_its_classes(monkeypatch):
     assert rows["full attention"]["time_s"] == 0 and rows["host-tier copies"]["time_s"] == 0
     # Ops cover most of a CPU step: what is left is Python between ops.
     assert rows["unattributed"]["share"] < 0.5
+    # On the CPU the time is the host time, and nothing is launched.
+    for label, row in rows.items():
+        assert row["launches"] == 0
+        assert row["host_s"] == pytest.approx(row["time_s"], rel=1e-6, abs=1e-9), label
 
 
 def test_copies_to_the_host_tier_are_a_class_of_their_own(monkeypatch):
@@ -91,6 +95,51 @@ def test_copies_to_the_host_tier_are_a_class_of_their_own(monkeypatch):
     assert sum(row["share"] for row in rows.values()) == pytest.approx(1.0)
     copies = [op for op in result["top_ops"] if op["op_class"] == "host-tier copies"]
     assert all(op["op"].startswith(("aten::", "moe_tune_memory::")) for op in copies)
+
+
+def test_cuda_shares_count_launches_and_host_time_per_class():
+    class Kernel:
+        def __init__(self, us):
+            self.duration = us
+
+    class Event:
+        def __init__(self, name, kernel_us, host_us):
+            self.name, self.kernels, self.self_cpu_time_total = name, [Kernel(us) for us in kernel_us], host_us
+
+    attributed = [
+        (Event("aten::mm", [300.0, 200.0], 40.0), "MoE experts"),
+        (Event("aten::mul", [100.0], 25.0), "MoE experts"),
+        (Event("aten::add", [50.0, 50.0, 100.0], 60.0), "norms"),
+        (Event("aten::view", [], 5.0), "other"),  # host work without a launch
+    ]
+    result = shares(attributed, step_time_s=0.002, is_cuda=True, host_wall_s=0.0003)
+    rows = {row["op_class"]: row for row in result["classes"]}
+    assert (rows["MoE experts"]["launches"], rows["norms"]["launches"], rows["other"]["launches"]) == (3, 3, 0)
+    assert rows["MoE experts"]["time_s"] == pytest.approx(600e-6) and rows["norms"]["time_s"] == pytest.approx(200e-6)
+    assert rows["MoE experts"]["host_s"] == pytest.approx(65e-6) and rows["other"]["host_s"] == pytest.approx(5e-6)
+    # The step's idle GPU time is unattributed; so is the profiled step's host time no op covers (300 - 130 us).
+    assert rows["unattributed"]["time_s"] == pytest.approx(0.002 - 800e-6)
+    assert rows["unattributed"]["host_s"] == pytest.approx(170e-6)
+    assert rows["unattributed"]["launches"] == 0
+
+
+def test_breakdown_table_shows_launches_and_host_time_on_cuda_only():
+    from rich.console import Console
+
+    from moe_tune.cli.profile import _breakdown_table
+    from moe_tune.engine.bench.breakdown import CPU_TIMING, CUDA_TIMING
+
+    classes = [dict(op_class=label, time_s=0.001, share=1 / len(OP_CLASSES), launches=7, host_s=0.0025)
+               for label in OP_CLASSES]  # fmt: skip
+
+    def rendered(timing):
+        console = Console(record=True, width=200)
+        console.print(_breakdown_table(dict(classes=classes, timing=timing)))
+        return console.export_text()
+
+    cuda, cpu = rendered(CUDA_TIMING), rendered(CPU_TIMING)
+    assert "launches" in cuda and "host ms" in cuda and "2.5" in cuda
+    assert "launches" not in cpu and "host ms" not in cpu and "2.5" not in cpu
 
 
 def test_covered_time_beyond_the_step_becomes_the_basis():
