@@ -187,6 +187,8 @@ def _prepare_state_bwd_kernel(
     _store_rows(q_dec_ptr + i_h * K, q * decay, t0, num_valid, H * K, K, BT, BK)
     if STORE_QK:
         k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        # _decayed_qk's two lines, written out: through it this kernel compiled to other sm_90 code (the same
+        # operations scheduled otherwise) than the binary checked on the H200; the forward's kernels compile alike.
         qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
         _store_rows(qk_ptr + i_h * BT, qk * _pair_decay(G, True, False, BT), t0, num_valid, H * BT, BT, BT, BT)
 

@@ -326,6 +326,14 @@ def _pair_decay(G, IS_INCLUSIVE: tl.constexpr, IS_TRANSPOSED: tl.constexpr, BT: 
 
 
 @triton.jit
+def _decayed_qk(q, k, G, dot_dtype, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BT, BT] fp32 (q k^T)[i, j] exp(G_i - G_j) for j <= i, 0 above: the output's intra-chunk pairs (per-head
+    decay; q and k already scaled and normed as the caller wants), products in dot_dtype."""
+    qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+    return qk * _pair_decay(G, True, False, BT)
+
+
+@triton.jit
 def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
     """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32.
 
@@ -537,8 +545,7 @@ def _chunk_state_fwd_kernel(
                 # The decayed, causal q k^T of the WY kernel: per-channel decays do not factor out of the dot.
                 qk = _load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
             else:
-                qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
-                qk = (qk * _pair_decay(G, True, False, BT)).to(dot_dtype)
+                qk = _decayed_qk(q, k, G, dot_dtype, BT, DOT_PRECISION).to(dot_dtype)
             o = tl.dot((q * decay).to(dot_dtype), state_dot, input_precision=DOT_PRECISION)
             o += tl.dot(qk, v_new_dot, input_precision=DOT_PRECISION)
             _store_rows(o_ptr + i_h * V + v0, o, t0, num_valid, H * V, V - v0, BT, BV)
@@ -584,8 +591,7 @@ def _chunk_output_kernel(
         qk = _load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
     else:
         k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-        qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
-        qk = (qk * _pair_decay(G, True, False, BT)).to(dot_dtype)
+        qk = _decayed_qk(q, k, G, dot_dtype, BT, DOT_PRECISION).to(dot_dtype)
     offs_k = tl.arange(0, BK)
     offs_v = v0 + tl.arange(0, BV)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
