@@ -7,6 +7,7 @@ Shapes: B rows, T tokens per row, H query heads, G key/value heads, hd / hdv hea
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,9 @@ from moe_tune.ops.common.host_copy import host_values, to_device
 PAD_BUCKET_BITS = 2
 # Full attention never takes cuDNN's SDPA kernel, which torch 2.11 tries first on Hopper and which builds an
 # execution plan on the host for every new shape. The buckets' shapes change with each batch's documents, so every
-# call waited for a plan: on the H200 (2026-11-30, bench-qwen3-next, torch 2.11), one profiled step of 561 ms had the
-# GPU idle for 460 ms, 345 of them in gaps before the launches of cuDNN's attention forward and backward. Flash and memory-efficient
-# attention take any shape as it comes; on the CPU nothing changes (it has no cuDNN attention).
+# call waited for a plan: on the H200 (2026-11-30, bench-qwen3-next, torch 2.11), one profiled step of 561 ms had
+# the GPU idle for 460 ms, 345 of them in gaps before the launches of cuDNN's attention forward and backward. Flash
+# and memory-efficient attention take any shape as it comes; on the CPU nothing changes (it has no cuDNN attention).
 _NON_CUDNN_BACKENDS = (
     (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
     (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
@@ -33,14 +34,14 @@ _NON_CUDNN_BACKENDS = (
 )
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> torch.Tensor:
-    """F.scaled_dot_product_attention(q, k, v, **options) with cuDNN's kernel left out; the other kernels as the
-    caller enabled them (unless cuDNN's is the only one enabled)."""
+def without_cudnn_sdpa() -> AbstractContextManager:
+    """A context in which F.scaled_dot_product_attention leaves cuDNN's kernel out and takes the others as the caller
+    enabled them (unchanged when cuDNN's is off or the only one enabled). Entered once around a loop of calls (the
+    buckets, the images), not per call: entering sets the backends' flags on the host."""
     enabled = [backend for backend, is_enabled in _NON_CUDNN_BACKENDS if is_enabled()]
     if not enabled or not torch.backends.cuda.cudnn_sdp_enabled():
-        return F.scaled_dot_product_attention(q, k, v, **options)
-    with sdpa_kernel(enabled):
-        return F.scaled_dot_product_attention(q, k, v, **options)
+        return nullcontext()
+    return sdpa_kernel(enabled)
 
 
 def padded_length(length: int) -> int:
@@ -105,7 +106,7 @@ def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: DocumentBuckets, scale: float | None = None
 ) -> torch.Tensor:
     """Causal softmax attention inside each document of packed rows, without a [T, T] mask: one SDPA call per
-    bucket of documents, with `is_causal` (the flash kernel on the GPU, never cuDNN's: see `sdpa`).
+    bucket of documents, with `is_causal` (the flash kernel on the GPU, never cuDNN's: see `without_cudnn_sdpa`).
 
     q: [B, T, H, hd], k: [B, T, G, hd], v: [B, T, G, hdv], float (G divides H); buckets: of the B * T tokens
     (`DocumentBuckets.from_cu_seqlens(cu_seqlens, row_length=T)` when B > 1); scale: default 1 / sqrt(hd).
@@ -124,13 +125,15 @@ def packed_causal_attention(
     if buckets.gather is not None:
         q_S, k_S, v_S = (x.index_select(0, buckets.gather) for x in (q_S, k_S, v_S))
     outputs, start = [], 0
-    for length, count in zip(buckets.lengths, buckets.counts):
-        q_b, k_b, v_b = (
-            x.narrow(0, start, count * length).unflatten(0, (count, length)).transpose(1, 2) for x in (q_S, k_S, v_S)
-        )  # [count, heads, length, dim]
-        o_b = sdpa(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
-        outputs.append(o_b.transpose(1, 2).reshape(count * length, num_heads, -1))
-        start += count * length
+    with without_cudnn_sdpa():
+        for length, count in zip(buckets.lengths, buckets.counts):
+            q_b, k_b, v_b = (
+                x.narrow(0, start, count * length).unflatten(0, (count, length)).transpose(1, 2)
+                for x in (q_S, k_S, v_S)
+            )  # [count, heads, length, dim]
+            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
+            outputs.append(o_b.transpose(1, 2).reshape(count * length, num_heads, -1))
+            start += count * length
     o_S = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     o_T = o_S if buckets.scatter is None else o_S.index_select(0, buckets.scatter)
     return o_T.view(num_rows, row_length, num_heads, -1)

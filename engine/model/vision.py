@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_tune.engine.model.varlen import sdpa
+from moe_tune.engine.model.varlen import without_cudnn_sdpa
 from moe_tune.profiles.schema import VisionSpec
 
 ACTIVATIONS = {
@@ -48,9 +48,10 @@ class VisionBlock(nn.Module):
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x_PD.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x_PD.dtype)
         outs = []
-        for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-            o = sdpa(q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1))
-            outs.append(o.transpose(0, 1).reshape(len(q_i), -1))
+        with without_cudnn_sdpa():
+            for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+                o = F.scaled_dot_product_attention(q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1))
+                outs.append(o.transpose(0, 1).reshape(len(q_i), -1))
         x_PD = x_PD + self.proj(torch.cat(outs))
         return x_PD + self.linear_fc2(self.act(self.linear_fc1(self.norm2(x_PD))))
 
