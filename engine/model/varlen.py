@@ -1,5 +1,6 @@
-"""Causal softmax attention over packed documents without a [T, T] mask: documents grouped into buckets of padded
-lengths, one SDPA call per bucket (used by GatedAttention and the MLA layers).
+"""Causal softmax attention over packed documents without a [T, T] mask (used by GatedAttention and the MLA layers):
+on a GPU with the flash kernel and equal q and v head dims, one variable-length flash call over all documents;
+otherwise documents grouped into buckets of padded lengths, one SDPA call per bucket.
 
 Shapes: B rows, T tokens per row, H query heads, G key/value heads, hd / hdv head dims, N documents, S padded slots
 (each document's tokens, then its padding, documents ordered by bucket).
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,57 @@ def without_cudnn_sdpa() -> AbstractContextManager:
     return sdpa_kernel(enabled)
 
 
+# The variable-length flash kernel's limits (flash-attention 2 as vendored in torch): 16-bit inputs, one head dim
+# for q, k and v, a multiple of 8 up to 256, an Ampere or newer GPU.
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _flash_capable(device: torch.device) -> bool:
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def flash_varlen_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether packed_causal_attention takes one variable-length flash call: CUDA inputs of one 16-bit dtype, q's
+    head dim equal to v's, a multiple of 8 up to 256, and flash attention enabled (SDPA's own switch, so
+    `sdpa_kernel` without FLASH_ATTENTION sends the call to the buckets)."""
+    head_dim = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in FLASH_DTYPES
+        and k.dtype == v.dtype == q.dtype
+        and v.shape[-1] == head_dim
+        and head_dim % 8 == 0
+        and head_dim <= FLASH_MAX_HEAD_DIM
+        and torch.backends.cuda.flash_sdp_enabled()
+        and _flash_capable(q.device)
+    )
+
+
+class _FlashVarlenCausal(torch.autograd.Function):
+    """Causal attention inside each document of [T, heads, hd] tensors: aten's variable-length flash forward and
+    backward (GQA native: k and v keep their G heads, their gradients summed over each group by the kernel)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bounds: torch.Tensor, max_length: int, scale: float | None):
+        o, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, bounds, bounds, max_length, max_length, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, o, lse, bounds, rng_state, unused)
+        ctx.max_length, ctx.scale = max_length, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, bounds, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            do.contiguous(), q, k, v, o, lse, bounds, bounds, ctx.max_length, ctx.max_length, 0.0, True,
+            rng_state, unused, scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
+
+
 def padded_length(length: int) -> int:
     """The bucket of a document of `length` tokens: `length` rounded up to a multiple of its octave's step."""
     step = 1 << max(length.bit_length() - 1 - PAD_BUCKET_BITS, 0)
@@ -52,17 +106,18 @@ def padded_length(length: int) -> int:
 
 @dataclass(frozen=True)
 class DocumentBuckets:
-    """Documents of packed rows grouped by padded length, so causal attention needs no [T, T] mask.
+    """The documents of packed rows, for causal attention without a [T, T] mask: their bounds (the flash path), and
+    on first use their grouping by padded length (the buckets' path).
 
     The slots hold the bucket of lengths[0] (counts[0] documents, each its tokens then its padding), then the next
     bucket; inside a bucket the documents keep their order in the rows. Built on the host once per forward.
     """
 
     num_tokens: int  # T over all rows
-    lengths: tuple[int, ...]  # padded length of each bucket, ascending
-    counts: tuple[int, ...]  # documents in each bucket
-    gather: torch.Tensor | None  # [S] int64: the token each slot reads; None: slot s reads token s
-    scatter: torch.Tensor | None  # [T] int64: the slot holding each token's output; None: token t's is slot t
+    bounds: torch.Tensor  # [N' + 1] int32 on cu_seqlens' device: the starts of the non-empty documents, then T
+    max_length: int  # tokens of the longest document
+    starts: torch.Tensor  # [N'] int64 on the host: where each non-empty document starts
+    doc_lengths: torch.Tensor  # [N'] int64 on the host: its tokens
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, row_length: int | None = None) -> DocumentBuckets:
@@ -80,6 +135,17 @@ class DocumentBuckets:
             )
         lengths_N = bounds[1:] - bounds[:-1]
         starts_N, lengths_N = bounds[:-1][lengths_N > 0], lengths_N[lengths_N > 0]
+        if len(starts_N) == len(bounds) - 1 and cu_seqlens.dtype == torch.int32:
+            device_bounds = cu_seqlens
+        else:
+            device_bounds = to_device(torch.cat([starts_N, bounds[-1:]]).int(), cu_seqlens.device)
+        max_length = int(lengths_N.max()) if len(lengths_N) else 0
+        return cls(num_tokens, device_bounds, max_length, starts_N, lengths_N)
+
+    @functools.cached_property
+    def _plan(self) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor | None, torch.Tensor | None]:
+        """(lengths, counts, gather, scatter): see the properties of those names."""
+        starts_N, lengths_N, num_tokens = self.starts, self.doc_lengths, self.num_tokens
         # Few distinct lengths (< sqrt(2T)): each is padded once, in Python, whose ints have bit_length.
         distinct, which_N = torch.unique(lengths_N, return_inverse=True)
         padded_N = torch.tensor([padded_length(n) for n in distinct.tolist()], dtype=torch.long)[which_N]
@@ -98,15 +164,36 @@ class DocumentBuckets:
             is_token_S = offset_S < lengths_N[doc_S]
             scatter_T = torch.empty(num_tokens, dtype=torch.long)
             scatter_T[gather_S[is_token_S]] = torch.arange(len(gather_S))[is_token_S]
-            gather, scatter = to_device(gather_S, cu_seqlens.device), to_device(scatter_T, cu_seqlens.device)
-        return cls(num_tokens, tuple(lengths.tolist()), tuple(counts.tolist()), gather, scatter)
+            gather, scatter = to_device(gather_S, self.bounds.device), to_device(scatter_T, self.bounds.device)
+        return tuple(lengths.tolist()), tuple(counts.tolist()), gather, scatter
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The padded length of each bucket, ascending."""
+        return self._plan[0]
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The documents in each bucket."""
+        return self._plan[1]
+
+    @property
+    def gather(self) -> torch.Tensor | None:
+        """[S] int64: the token each slot reads; None: slot s reads token s."""
+        return self._plan[2]
+
+    @property
+    def scatter(self) -> torch.Tensor | None:
+        """[T] int64: the slot holding each token's output; None: token t's is slot t."""
+        return self._plan[3]
 
 
 def packed_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: DocumentBuckets, scale: float | None = None
 ) -> torch.Tensor:
-    """Causal softmax attention inside each document of packed rows, without a [T, T] mask: one SDPA call per
-    bucket of documents, with `is_causal` (the flash kernel on the GPU, never cuDNN's: see `without_cudnn_sdpa`).
+    """Causal softmax attention inside each document of packed rows, without a [T, T] mask: one variable-length
+    flash call where `flash_varlen_applies`, else one SDPA call per bucket of documents, with `is_causal` (never
+    cuDNN's kernel: see `without_cudnn_sdpa`).
 
     q: [B, T, H, hd], k: [B, T, G, hd], v: [B, T, G, hdv], float (G divides H); buckets: of the B * T tokens
     (`DocumentBuckets.from_cu_seqlens(cu_seqlens, row_length=T)` when B > 1); scale: default 1 / sqrt(hd).
@@ -122,6 +209,10 @@ def packed_causal_attention(
     if buckets.num_tokens != num_tokens:
         raise ValueError(f"buckets cover {buckets.num_tokens} tokens, q {tuple(q.shape)} has {num_tokens}")
     q_S, k_S, v_S = (x.reshape(num_tokens, *x.shape[2:]) for x in (q, k, v))
+    if flash_varlen_applies(q, k, v) and num_tokens:
+        q_S, k_S, v_S = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_S, k_S, v_S))
+        o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, buckets.bounds, buckets.max_length, scale)
+        return o_T.view(num_rows, row_length, num_heads, -1)
     if buckets.gather is not None:
         q_S, k_S, v_S = (x.index_select(0, buckets.gather) for x in (q_S, k_S, v_S))
     outputs, start = [], 0

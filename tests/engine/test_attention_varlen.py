@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_tune.engine.model.attention import GatedAttention, PackedBatch
-from moe_tune.engine.model.varlen import PAD_BUCKET_BITS, DocumentBuckets, packed_causal_attention, padded_length
+from moe_tune.engine.model.varlen import (
+    PAD_BUCKET_BITS,
+    DocumentBuckets,
+    flash_varlen_applies,
+    packed_causal_attention,
+    padded_length,
+)
 from moe_tune.engine.model.blocks import document_ids, document_positions
 from moe_tune.profiles import load_profile
 from moe_tune.profiles.schema import ModelProfile
@@ -198,6 +204,28 @@ def test_empty_documents_are_skipped():
     with_empty = DocumentBuckets.from_cu_seqlens(torch.tensor([0, 0, 3, 3, 7], dtype=torch.int32))
     plain = DocumentBuckets.from_cu_seqlens(torch.tensor([0, 3, 7], dtype=torch.int32))
     assert torch.equal(packed_causal_attention(q, k, v, with_empty), packed_causal_attention(q, k, v, plain))
+
+
+def test_flash_bounds_leave_out_empty_documents():
+    # The flash path reads the non-empty documents' bounds and the longest document; int32 bounds without empty
+    # documents are the caller's own tensor (no copy), and the buckets are planned only when asked for.
+    with_empty = DocumentBuckets.from_cu_seqlens(torch.tensor([0, 0, 3, 3, 7, 12, 12], dtype=torch.int32))
+    assert with_empty.bounds.dtype == torch.int32 and with_empty.bounds.tolist() == [0, 3, 7, 12]
+    assert with_empty.max_length == 5
+    plain_cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    plain = DocumentBuckets.from_cu_seqlens(plain_cu)
+    assert plain.bounds is plain_cu and plain.max_length == 4
+    assert "_plan" not in vars(plain)
+    assert plain.counts == (1, 1) and "_plan" in vars(plain)
+    assert DocumentBuckets.from_cu_seqlens(torch.tensor([0, 5, 9])).bounds.dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flash_path_is_for_cuda_only(dtype):
+    # On the CPU every call takes the buckets, even in the flash kernel's dtypes and head dims (the GPU side of the
+    # rule: tests/gpu/test_attention_gpu.py).
+    q, k, v = (torch.zeros(1, 8, h, 16, dtype=dtype) for h in (4, 2, 2))
+    assert flash_varlen_applies(q, k, v) is False
 
 
 def test_errors_name_the_rule():
