@@ -57,16 +57,13 @@ GPU_BLOCK_V_STATE = 32
 GPU_BLOCK_V_GRAD = 64
 # The WY kernel loops over V in tiles of 64 for U.
 GPU_BLOCK_V_WY = 64
-# The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head,
-# and 8 warps hold its tiles without spilling (sm_90 compile, triton 3.6: 204 registers; 4 warps: 255 and 56 bytes
-# of stack).
+# The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head.
+# It loops over K in tiles of GPU_BLOCK_K_OUTPUT, pipelined over GPU_NUM_STAGES_OUTPUT stages.
 GPU_BLOCK_V_OUTPUT = 128
-GPU_NUM_WARPS_OUTPUT = 8
-# ... capped at 128 registers a thread for the per-head decay, so that two programs share an SM (uncapped: 202
-# registers, one program; the cap spills 212 bytes a thread). H200, B4 T8192 H16 K=V=128 bf16 (2026-11-30): kernel
-# 0.500 -> 0.403 ms, outputs bitwise equal, gated delta rule forward 1.538 -> 1.451 ms; a cap of 168 (still one
-# program) 0.523. The WY pass gained nothing from caps (168: 0.567, 128: 0.789 ms against 0.549).
-GPU_MAXNREG_OUTPUT = 128
+GPU_BLOCK_K_OUTPUT = 64
+GPU_NUM_WARPS_OUTPUT = 4
+GPU_NUM_STAGES_OUTPUT = 2
+GPU_MAXNREG_OUTPUT = None
 # KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
 # K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
 # 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
@@ -99,6 +96,7 @@ class KernelConfig:
     block_v_grad: int
     block_v_wy: int
     block_v_output: int
+    block_k_output: int
     num_warps: int
     num_warps_grad: int
     num_warps_output: int
@@ -108,6 +106,7 @@ class KernelConfig:
     num_warps_kda_grad_products: int
     num_stages_state: int
     num_stages: int
+    num_stages_output: int
     wu_16bit: bool
 
 
@@ -116,15 +115,16 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
-            block_v, block_v, block_v, block_v, num_warps=1, num_warps_grad=1, num_warps_output=1, maxnreg_output=None,
-            num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1, num_stages_state=1,
-            num_stages=1, wu_16bit=True,
+            block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
+            num_warps_output=1, maxnreg_output=None, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1,
+            num_warps_kda_grad_products=1, num_stages_state=1, num_stages=1, num_stages_output=1, wu_16bit=True,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
         GPU_BLOCK_V_GRAD,
         GPU_BLOCK_V_WY,
         GPU_BLOCK_V_OUTPUT,
+        GPU_BLOCK_K_OUTPUT,
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
@@ -134,6 +134,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
+        GPU_NUM_STAGES_OUTPUT,
         GPU_WU_16BIT,
     )
 
@@ -577,30 +578,56 @@ def _chunk_output_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """o = (q exp(G)) S0 + (q k^T * M) v_new of one (chunk slot, head, V tile), in parallel over all of them, from the
-    state entering the chunk and v_new that the serial pass stored. Per-head decay: q k^T is built here; per-channel
-    (KDA): read, decayed and masked, from the pairs kernel."""
+    state entering the chunk and v_new that the serial pass stored.
+
+    A loop over K in tiles of BK (pipelined by the launch's stages) takes the products of the raw q and k; q's and k's
+    L2 norms, the scale and the per-head decays are row and column factors, applied once after it. Per-channel decay
+    (KDA): q exp(G) per tile, and q k^T read, decayed and masked, from the pairs kernel."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     dot_dtype = k_ptr.dtype.element_ty
-    decay, _, _, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
-    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-    if IS_PER_CHANNEL:
-        qk = _load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
-    else:
-        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-        qk = _decayed_qk(q, k, G, dot_dtype, BT, DOT_PRECISION).to(dot_dtype)
     offs_k = tl.arange(0, BK)
     offs_v = v0 + tl.arange(0, BV)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     # A slot past the last chunk (num_valid 0) stored no state: nothing is read or written for it.
-    state_mask = (offs_k[:, None] < K) & (offs_v[None, :] < V) & (num_valid > 0)
-    state = tl.load(states_ptr + slot_head + offs_k[:, None] * V + offs_v[None, :], mask=state_mask, other=0.0)
+    has_chunk = num_valid > 0
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    q_sq = tl.zeros([BT], dtype=tl.float32)
+    k_sq = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        q = _load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+        state_mask = (k0 + offs_k[:, None] < K) & (offs_v[None, :] < V) & has_chunk
+        state = tl.load(
+            states_ptr + slot_head + (k0 + offs_k[:, None]) * V + offs_v[None, :], mask=state_mask, other=0.0
+        )
+        if USE_L2NORM:
+            q_sq += tl.sum(q.to(tl.float32) * q.to(tl.float32), axis=1)
+        if IS_PER_CHANNEL:
+            G = _load_rows(g_cumsum_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+            q = q.to(tl.float32) * tl.exp(G)
+        else:
+            k = _load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+            if USE_L2NORM:
+                k_sq += tl.sum(k.to(tl.float32) * k.to(tl.float32), axis=1)
+            qk += tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+        o += tl.dot(q.to(dot_dtype), state.to(dot_dtype), input_precision=DOT_PRECISION)
+    q_factor = tl.full([BT], scale, tl.float32)
+    if USE_L2NORM:
+        q_factor = q_factor * tl.rsqrt(q_sq + _L2NORM_EPS)
+    if IS_PER_CHANNEL:
+        qk = _load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
+    else:
+        G, _ = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+        qk = qk * q_factor[:, None] * _pair_decay(G, True, False, BT)
+        if USE_L2NORM:
+            qk = qk * tl.rsqrt(k_sq + _L2NORM_EPS)[None, :]
+        q_factor = q_factor * tl.exp(G)
     v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-    o = tl.dot((q * decay).to(dot_dtype), state.to(dot_dtype), input_precision=DOT_PRECISION)
-    o += tl.dot(qk, v_new, input_precision=DOT_PRECISION)
+    o = o * q_factor[:, None] + tl.dot(qk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
     _store_rows(o_ptr + i_h * V + v0, o, t0, num_valid, H * V, V - v0, BT, BV)
 
 
@@ -664,14 +691,13 @@ def chunk_output(
             IS_PER_CHANNEL=g_cumsum_TH.ndim == 3,
             USE_L2NORM=use_qk_l2norm,
             BT=layout.chunk_size,
-            BK=_block(K),
+            BK=min(config.block_k_output, _block(K)),
             BV=block_v,
             DOT_PRECISION=dot_precision,
             num_warps=config.num_warps_output,
-            num_stages=config.num_stages,
-            # Per-head decay only (KDA's forward did not gain: 2.82 -> 2.84 ms); only passed when set: the
-            # interpreter's launcher takes no maxnreg.
-            **({} if config.maxnreg_output is None or qk_THC is not None else dict(maxnreg=config.maxnreg_output)),
+            num_stages=config.num_stages_output,
+            # Only passed when set: the interpreter's launcher takes no maxnreg.
+            **({} if config.maxnreg_output is None else dict(maxnreg=config.maxnreg_output)),
         )
     return o_THV
 
