@@ -58,12 +58,17 @@ GPU_BLOCK_V_GRAD = 64
 # The WY kernel loops over V in tiles of 64 for U.
 GPU_BLOCK_V_WY = 64
 # The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head.
-# It loops over K in tiles of GPU_BLOCK_K_OUTPUT, pipelined over GPU_NUM_STAGES_OUTPUT stages.
+# It loops over K in tiles of 64 at 4 warps. H200, B4 T8192 H16 K=V=128 bf16, triton 3.6 (2026-11-30, the kernel
+# alone over 26 launch settings): 0.282 ms per-head decay, 0.252 KDA, against 0.407 / 0.368 for the single-tile
+# kernel it replaced (8 warps, 128 registers). The per-head loop is not pipelined: at 4 warps with 2 or 3 stages
+# (and at K tiles of 32) triton 3.6 compiled it wrong on the H200 (outputs 9-20% off the fp32 reference in their
+# largest entry, not the same bits from run to run), while every 1-stage and every 8-warp launch gave the reference's
+# 4.7e-3 (8 warps at 3 stages: 0.268 ms). KDA's loop (one product an iteration) ran right at every setting: 2 stages.
 GPU_BLOCK_V_OUTPUT = 128
 GPU_BLOCK_K_OUTPUT = 64
 GPU_NUM_WARPS_OUTPUT = 4
-GPU_NUM_STAGES_OUTPUT = 2
-GPU_MAXNREG_OUTPUT = None
+GPU_NUM_STAGES_OUTPUT = 1
+GPU_NUM_STAGES_OUTPUT_KDA = 2
 # KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
 # K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
 # 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
@@ -100,13 +105,13 @@ class KernelConfig:
     num_warps: int
     num_warps_grad: int
     num_warps_output: int
-    maxnreg_output: int | None
     num_warps_kda_pairs: int
     num_warps_kda_grad_wy: int
     num_warps_kda_grad_products: int
     num_stages_state: int
     num_stages: int
     num_stages_output: int
+    num_stages_output_kda: int
     wu_16bit: bool
 
 
@@ -116,8 +121,8 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
             block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
-            num_warps_output=1, maxnreg_output=None, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1,
-            num_warps_kda_grad_products=1, num_stages_state=1, num_stages=1, num_stages_output=1, wu_16bit=True,
+            num_warps_output=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
+            num_stages_state=1, num_stages=1, num_stages_output=1, num_stages_output_kda=1, wu_16bit=True,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -128,13 +133,13 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
-        GPU_MAXNREG_OUTPUT,
         GPU_NUM_WARPS_KDA_PAIRS,
         GPU_NUM_WARPS_KDA_GRAD_WY,
         GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
         GPU_NUM_STAGES_STATE,
         GPU_NUM_STAGES,
         GPU_NUM_STAGES_OUTPUT,
+        GPU_NUM_STAGES_OUTPUT_KDA,
         GPU_WU_16BIT,
     )
 
@@ -695,9 +700,7 @@ def chunk_output(
             BV=block_v,
             DOT_PRECISION=dot_precision,
             num_warps=config.num_warps_output,
-            num_stages=config.num_stages_output,
-            # Only passed when set: the interpreter's launcher takes no maxnreg.
-            **({} if config.maxnreg_output is None else dict(maxnreg=config.maxnreg_output)),
+            num_stages=config.num_stages_output if qk_THC is None else config.num_stages_output_kda,
         )
     return o_THV
 

@@ -375,9 +375,9 @@ def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expe
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-def test_output_kernel_register_cap_only_for_the_per_head_decay(kernel_path, monkeypatch, is_per_channel):
-    # The GPU launch caps the output kernel at GPU_MAXNREG_OUTPUT registers for the gated delta rule (two programs
-    # an SM; measured faster on the H200), not for KDA (no gain measured); the interpreter takes no cap.
+def test_output_kernel_pipelines_its_k_loop_only_for_kda(kernel_path, monkeypatch, is_per_channel):
+    # On the H200 triton 3.6 compiled the per-head decay's pipelined K loop wrong at 4 warps (kernels_fwd.py, at
+    # GPU_NUM_STAGES_OUTPUT): the GPU launch pipelines KDA's loop only; the interpreter takes one stage for both.
     launches = []
 
     class Recorder:
@@ -385,11 +385,9 @@ def test_output_kernel_register_cap_only_for_the_per_head_decay(kernel_path, mon
             return lambda *args, **options: launches.append(options)
 
     monkeypatch.setattr(kernels_fwd, "_chunk_output_kernel", Recorder())
-    # pick_config's GPU branch reads nothing but is_cuda; its tiles are then narrowed to the interpreter's.
-    on_gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
-    assert on_gpu.maxnreg_output == kernels_fwd.GPU_MAXNREG_OUTPUT
-    gpu = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), maxnreg_output=on_gpu.maxnreg_output)
-    T, H, K, V = 70, 2, 16, 16
+    # pick_config's GPU branch reads nothing but is_cuda.
+    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    T, H, K, V = 70, 2, 128, 128
     layout = kernels_fwd.prepare_chunks(None, 1, T)
     qk = torch.zeros(T, H, 64) if is_per_channel else None
     g_cumsum = torch.zeros(T, H, K) if is_per_channel else torch.zeros(T, H)
@@ -397,8 +395,11 @@ def test_output_kernel_register_cap_only_for_the_per_head_decay(kernel_path, mon
             torch.zeros(T, H, V), layout)  # fmt: skip
     kernels_fwd.chunk_output(*args, gpu, 1.0, True, qk)
     kernels_fwd.chunk_output(*args, kernels_fwd.pick_config(torch.empty(0)), 1.0, True, qk)
-    assert kernels_fwd.GPU_MAXNREG_OUTPUT == 128
-    assert [options.get("maxnreg") for options in launches] == [None if is_per_channel else 128, None]
+    assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT, kernels_fwd.GPU_NUM_STAGES_OUTPUT_KDA) == (1, 2)
+    assert [(options["num_stages"], options["BK"], options["num_warps"]) for options in launches] == [
+        (2 if is_per_channel else 1, 64, 4),
+        (1, kernels_fwd.MIN_DOT_SIZE, 1),
+    ]
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
