@@ -51,7 +51,7 @@ def plain_pytorch_losses(profile, steps):
     return losses
 
 
-@pytest.mark.parametrize("stage", [3, 2])  # 2: what the benchmark profiles run on their one GPU
+@pytest.mark.parametrize("stage", [3, 2, 1])  # 1: what the benchmark profiles run on their one GPU
 def test_zero_equals_plain_pytorch(tmp_path, stage):
     # A low clipping threshold so clipping is active on every step.
     profile = small_profile(tmp_path, "train.steps=4", "train.grad_clip=0.5", f"parallel.zero_stage={stage}")
@@ -63,15 +63,18 @@ def test_zero_equals_plain_pytorch(tmp_path, stage):
     assert config["gradient_clipping"] == 0.5
 
 
-def test_zero3_on_one_gpu_gets_a_one_line_note():
-    profile = load_profile("tiny", [])
+@pytest.mark.parametrize("stage, what", [(3, "gradients and dense weights"), (2, "gradients")])
+def test_zero_2_and_3_on_one_gpu_get_a_one_line_note(stage, what):
+    profile = load_profile("tiny", [f"parallel.zero_stage={stage}"])
     note = zero_stage_note(profile, 1, "cuda")
-    assert note.startswith("note: parallel.zero_stage 3 on one GPU") and "\n" not in note
-    assert note.endswith("on one GPU set parallel.zero_stage: 2")
-    # Several processes (sharding pays), the CPU, or stage 2 already: nothing to say.
+    assert note.startswith(f"note: parallel.zero_stage {stage} on one GPU partitions the {what} over")
+    assert "\n" not in note
+    assert note.endswith("on one GPU set parallel.zero_stage: 1")
+    # Several processes (sharding pays), the CPU, or stage 0 or 1 already: nothing to say.
     assert zero_stage_note(profile, 2, "cuda") is None
     assert zero_stage_note(profile, 1, "cpu") is None
-    assert zero_stage_note(load_profile("tiny", ["parallel.zero_stage=2"]), 1, "cuda") is None
+    for quiet in (0, 1):
+        assert zero_stage_note(load_profile("tiny", [f"parallel.zero_stage={quiet}"]), 1, "cuda") is None
 
 
 def test_resume_continues_with_identical_losses(tmp_path):

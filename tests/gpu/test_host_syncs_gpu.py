@@ -45,7 +45,7 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
     from moe_tune.profiles import load_profile
 
     # The hybrid benchmark model's layer kinds (gated delta net, gated full attention, MoE with a shared expert)
-    # at a small width, ZeRO-2 as the benchmark profiles run.
+    # at a small width, ZeRO stage 1 as the benchmark profiles run.
     overrides = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_key_value_heads=2",
                  "model.linear_attention.num_key_heads=2", "model.linear_attention.num_value_heads=4",
                  "model.linear_attention.key_head_dim=64", "model.linear_attention.value_head_dim=64",
@@ -72,7 +72,7 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
     print(f"waits in one step: ours {dict(ours)}, others {dict(theirs)}")  # shown with -s: what ALLOWED bounds
     over = {name: count for name, count in ours.items() if count > ALLOWED.get(name, 0)}
     assert not over, f"waits for the GPU beyond the allowed ones: {over} (ours: {dict(ours)}, others: {dict(theirs)})"
-    # DeepSpeed's ZeRO-2 step waits nowhere with its norm and clip helpers replaced (engine/train/ds_sync_free.py);
+    # DeepSpeed's ZeRO-1 step waits nowhere with its norm and clip helpers replaced (engine/train/ds_sync_free.py);
     # torch's own (the loop's synchronize) are listed, not judged.
     deepspeeds = {name: count for name, count in theirs.items() if "deepspeed" in name}
     assert not deepspeeds, f"DeepSpeed waits for the GPU: {deepspeeds} (others: {dict(theirs)})"
