@@ -374,6 +374,52 @@ def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expe
     assert kernels_fwd.has_output_kernel(K, V, config) is expected
 
 
+def _output_from_states(q, k, g_cumsum, states, v_new, layout, scale, qk):
+    """The output kernel's result in fp32 torch, chunk by chunk: o = (q^ exp(G)) S0 + (q^ k^T * M) v_new with q^ the
+    scaled, L2-normed q (per-head decay), or + qk v_new with qk as given (per channel)."""
+    q_n = F.normalize(q.double(), dim=-1, eps=0) * scale
+    k_n = F.normalize(k.double(), dim=-1, eps=0)
+    o = torch.zeros(*q.shape[:2], v_new.shape[-1], dtype=torch.float64)
+    for slot, (t0, n) in enumerate(layout.chunk_map.tolist()):
+        if n == 0:
+            continue
+        rows = slice(t0, t0 + n)
+        G = g_cumsum[rows].double()
+        S0 = states[slot].double()
+        if G.ndim == 3:
+            inter = torch.einsum("thk,hkv->thv", q_n[rows] * G.exp(), S0)
+            pairs = qk[rows, :, :n].double().permute(1, 0, 2)  # [H, t, s]
+        else:
+            inter = torch.einsum("thk,hkv->thv", q_n[rows] * G.exp()[..., None], S0)
+            decay = (G.T[:, :, None] - G.T[:, None, :]).exp()  # [H, t, s]
+            pairs = torch.einsum("thk,shk->hts", q_n[rows], k_n[rows]) * decay * torch.ones(n, n).tril()
+        o[rows] = inter + torch.einsum("hts,shv->thv", pairs, v_new[rows].double())
+    return o
+
+
+@pytest.mark.parametrize("K", [48, 100])
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+def test_output_kernel_k_loop_over_several_tiles(kernel_path, guarded, is_per_channel, K):
+    # The forward's op tests take the output kernel only where K fits one interpreter tile; here the kernel runs
+    # directly at K 48 (three 16-wide tiles) and K 100 (seven, the last one 4 wide), with a chunk cut short.
+    gen = torch.Generator().manual_seed(0)
+    T, H, V, scale = 150, 2, 32, 0.3
+    layout = kernels_fwd.prepare_chunks(None, 1, T)
+    config = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), block_v_output=32)
+    assert min(config.block_k_output, 128) == 16 and config.block_v_output == V
+    q, k = (torch.randn(T, H, K, generator=gen) for _ in range(2))
+    log_decay = -0.2 * torch.rand(T, H, *((K,) if is_per_channel else ()), generator=gen)
+    # G restarts at every chunk, as the WY pass writes it.
+    g_cumsum = torch.cat([chunk.cumsum(0) for chunk in log_decay.split(64)])
+    states = torch.randn(layout.num_slots, H, K, V, generator=gen)
+    v_new = torch.randn(T, H, V, generator=gen)
+    qk = torch.randn(T, H, 64, generator=gen).tril() if is_per_channel else None
+    o = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True, qk)
+    expected = _output_from_states(q, k, g_cumsum, states, v_new, layout, scale, qk)
+    torch.testing.assert_close(o.double(), expected, **TOLERANCES[torch.float32])
+    guarded.check()
+
+
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 def test_output_kernel_pipelines_its_k_loop_only_for_kda(kernel_path, monkeypatch, is_per_channel):
     # On the H200 triton 3.6 compiled the per-head decay's pipelined K loop wrong at 4 warps (kernels_fwd.py, at
