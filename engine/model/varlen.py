@@ -8,10 +8,9 @@ Shapes: B rows, T tokens per row, H query heads, G key/value heads, hd / hdv hea
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-
-import functools
 
 import torch
 import torch.nn.functional as F
