@@ -273,7 +273,7 @@ def _profile_steps(
     # A baseline that cannot run (check_against) is refused before anything is built.
     with user_errors():
         result = profile_steps(job, steps, WARMUP_STEPS, on_step, against=against,
-                               on_line=lambda line: console.print(line, markup=False))  # fmt: skip
+                               on_line=lambda line: console.print(line, markup=False, soft_wrap=True))  # fmt: skip
     console.print(_steps_table(result))
     breakdown = result["breakdown"]
     console.print(f"per-operator breakdown of one more step ({breakdown['timing']}; shares of "

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
+from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
@@ -208,6 +209,9 @@ def profile_steps(
         check_against(profile, against)
     flop_model = FlopModel(profile.model, profile.lora)
     runner = StepRunner(profile)
+    # The same hint finetune prints: ZeRO-2 and -3 on one GPU process cost host time and save nothing.
+    if note := ds_config.zero_stage_note(profile, runner.dist.world_size, runner.dist.device.type):
+        say(note)
     all_records = []
     try:
         for index in range(warmup + steps):

@@ -62,6 +62,26 @@ def test_profile_against_transformers_reports_both_rows_the_breakdown_and_mfu(tm
     assert not (tmp_path / "out").exists()
 
 
+def test_profile_says_when_the_zero_stage_costs_a_single_gpu_time(tmp_path, monkeypatch):
+    # The note finetune prints for ZeRO-2 or -3 in one GPU process, from the same rule (ds_config.zero_stage_note);
+    # the machine here has no GPU, so the rule is asked as if the process ran on one.
+    from moe_tune.engine.train import ds_config
+
+    asked = []
+    rule = ds_config.zero_stage_note
+    monkeypatch.setattr(ds_config, "zero_stage_note",
+                        lambda job, world_size, device_type: asked.append((world_size, device_type))
+                        or rule(job, world_size, "cuda"))  # fmt: skip
+    profile = tmp_path / "next-like.yaml"
+    profile.write_text(yaml.safe_dump(dict(NEXT_LIKE, output={"dir": str(tmp_path / "out")})))
+    result = runner.invoke(app, [str(profile), "--steps", "1", "--set", "parallel.zero_stage=2"])
+    assert result.exit_code == 0, result.output
+    assert asked == [(1, "cpu")]
+    note = next(line for line in result.stdout.splitlines() if line.startswith("note: "))
+    assert note.startswith("note: parallel.zero_stage 2 on one GPU partitions the gradients over a single rank")
+    assert note.endswith("on one GPU set parallel.zero_stage: 1")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
