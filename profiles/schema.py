@@ -514,6 +514,18 @@ class ParallelProfile(Strict):
         600.0, gt=0, description="a collective that waits longer than this (a rank died or hangs) ends the run"
     )
 
+    @model_validator(mode="after")
+    def check_expert_parallel(self):
+        # Sharded experts are reduced over their expert-data-parallel group through ZeRO-3's partition tags
+        # (engine/parallel); DeepSpeed's stages 0-2 reduce such tagged parameters only through its own MoE groups,
+        # which moe-tune does not create (each failed inside DeepSpeed on 2 gloo ranks, deepspeed 0.19.8).
+        if self.expert_parallel > 1 and self.zero_stage != 3:
+            _raise_if([
+                f"@zero_stage ({self.zero_stage}) must be 3 when @expert_parallel ({self.expert_parallel}) > 1 "
+                "(stages 0-2 do not reduce sharded experts' gradients)"
+            ])
+        return self
+
 
 # What backward gets from an operator class's saved tensors: kept (GPU, within the budget), recomputed, or copied
 # to host memory and back. docs/memory.md defines the classes, presets and tiers.

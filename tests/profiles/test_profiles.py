@@ -98,8 +98,11 @@ def test_missing_required_field(tmp_path):
         ("model.vocab_size=100", "model.vocab_size (100) must be >= 259 for data.tokenizer 'byte'"),
         ("model.layers=[{attention: full, mlp: dense}]", "model.intermediate_size (0) must be > 0"),
         ("lora.r=0", "lora.r (0): input should be greater than or equal to 1"),
+        ("parallel={zero_stage: 1, expert_parallel: 2}",
+         "parallel.zero_stage (1) must be 3 when parallel.expert_parallel (2) > 1 (stages 0-2 do not reduce sharded "
+         "experts' gradients)"),
     ],
-    ids=["value-heads", "gqa", "block-budget", "warmup", "vocab", "dense-needs-size", "lora-rank"],
+    ids=["value-heads", "gqa", "block-budget", "warmup", "vocab", "dense-needs-size", "lora-rank", "ep-needs-zero3"],
 )
 def test_rule_messages(override, expected):
     problems = problems_of(TINY, [override])
