@@ -1,5 +1,6 @@
-"""Several gloo ranks on the CPU: ZeRO-3 for dense weights plus expert parallelism equals one process on the
-same global batch (losses and trained weights), resumes exactly, and stops when a rank dies."""
+"""Several gloo ranks on the CPU: ZeRO-3 for dense weights plus expert parallelism (and ZeRO-1 data parallelism)
+equals one process on the same global batch (losses and trained weights), resumes exactly, and stops when a rank
+dies."""
 
 import json
 import subprocess
@@ -51,6 +52,9 @@ LAYOUTS = [
     pytest.param(2, 2, ["output.save_merged=true"], id="ep2-merged"),
     pytest.param(4, 4, [], id="ep4"),
     pytest.param(4, 2, ["parallel.offload_optimizer=true"], id="dp2xep2-offload"),
+    # The benchmark profiles' stage on several ranks without expert parallelism (the profile rule refuses
+    # expert_parallel > 1 below stage 3).
+    pytest.param(2, 1, ["parallel.zero_stage=1"], id="dp2-zero1"),
 ]
 
 
