@@ -515,15 +515,20 @@ class ParallelProfile(Strict):
     )
 
     @model_validator(mode="after")
-    def check_expert_parallel(self):
+    def check_zero_stage(self):
+        problems = []
         # Sharded experts are reduced over their expert-data-parallel group through ZeRO-3's partition tags
         # (engine/parallel); DeepSpeed's stages 0-2 reduce such tagged parameters only through its own MoE groups,
         # which moe-tune does not create (each failed inside DeepSpeed on 2 gloo ranks, deepspeed 0.19.8).
         if self.expert_parallel > 1 and self.zero_stage != 3:
-            _raise_if([
+            problems.append(
                 f"@zero_stage ({self.zero_stage}) must be 3 when @expert_parallel ({self.expert_parallel}) > 1 "
                 "(stages 0-2 do not reduce sharded experts' gradients)"
-            ])
+            )
+        # DeepSpeed reads the offload setting only inside ZeRO (stage >= 1); at stage 0 it would be ignored silently.
+        if self.offload_optimizer and self.zero_stage == 0:
+            problems.append("@offload_optimizer (True) needs @zero_stage >= 1 (got 0): stage 0 has no ZeRO optimizer")
+        _raise_if(problems)
         return self
 
 

@@ -101,8 +101,11 @@ def test_missing_required_field(tmp_path):
         ("parallel={zero_stage: 1, expert_parallel: 2}",
          "parallel.zero_stage (1) must be 3 when parallel.expert_parallel (2) > 1 (stages 0-2 do not reduce sharded "
          "experts' gradients)"),
+        ("parallel={zero_stage: 0, offload_optimizer: true}",
+         "parallel.offload_optimizer (True) needs parallel.zero_stage >= 1 (got 0): stage 0 has no ZeRO optimizer"),
     ],
-    ids=["value-heads", "gqa", "block-budget", "warmup", "vocab", "dense-needs-size", "lora-rank", "ep-needs-zero3"],
+    ids=["value-heads", "gqa", "block-budget", "warmup", "vocab", "dense-needs-size", "lora-rank", "ep-needs-zero3",
+         "offload-needs-zero"],
 )
 def test_rule_messages(override, expected):
     problems = problems_of(TINY, [override])
