@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_tune.engine.train import ds_sync_free
+from moe_tune.profiles import ProfileError
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     on_gpu = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if on_gpu else "gloo"
+    elif backend == "nccl" and not (on_gpu and torch.distributed.is_nccl_available()):
+        why = "torch here is built without NCCL" if on_gpu else "this machine has no CUDA GPU"
+        raise ProfileError([f"parallel.backend ('nccl') needs a CUDA GPU and NCCL: {why} (use auto or gloo)"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
         torch.cuda.set_device(local_rank)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -69,6 +71,20 @@ def test_finetune_bad_dataset_record_names_file_and_line(tmp_path, child_env):
     assert "Traceback" not in proc.stderr
     # Nothing was trained, so no checkpoint exists.
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule's other side: a GPU with NCCL takes the backend")
+def test_finetune_nccl_without_a_gpu_is_one_line_and_exit_2(tmp_path, child_env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--set", "parallel.backend=nccl",
+         "--set", f"output.dir={tmp_path / 'out'}", "--quiet"],
+        capture_output=True, text=True, timeout=300, env=child_env,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "error: parallel.backend ('nccl') needs a CUDA GPU and NCCL: this machine has no CUDA GPU (use auto or gloo)"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_finetune_that_diverges_stops_with_one_line_and_exit_1(tmp_path, child_env):
