@@ -557,12 +557,15 @@ def _kernels_forced(is_forced: bool):
             os.environ["MOE_TUNE_KERNELS"] = previous
 
 
-# Where the commit comes from when the code does not sit in a git checkout (installed from a wheel): set by whoever
-# built the wheel, e.g. MOE_TUNE_COMMIT=$(git rev-parse --short HEAD).
+# The commit results name, when set: for code outside a git checkout (installed from a wheel) or in a copy whose git
+# metadata is not the tree's (a working tree copied onto a GPU machine), e.g. MOE_TUNE_COMMIT=$(git rev-parse --short
+# HEAD) where the tree came from. Unset: git's own answer for this file's checkout.
 COMMIT_ENV = "MOE_TUNE_COMMIT"
 
 
 def _commit() -> str:
+    if named := os.environ.get(COMMIT_ENV, "").strip():
+        return named
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(
@@ -570,7 +573,7 @@ def _commit() -> str:
         ).stdout.strip()
         is_dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get(COMMIT_ENV, "").strip() or "unknown"
+        return "unknown"
     return commit + ("+dirty" if is_dirty.strip() else "")
 
 

@@ -143,6 +143,23 @@ def test_commit_outside_a_checkout_comes_from_the_environment(monkeypatch):
     assert bench._commit() == "2dbb528"
 
 
+def test_commit_named_in_the_environment_wins_over_git(monkeypatch):
+    # A working tree copied onto another machine keeps stale git metadata: whoever copied it names the commit.
+    import subprocess
+
+    from moe_tune.ops.moe import bench
+
+    def stale_git(args, **kwargs):
+        answer = "a08730c\n" if args[:2] == ["git", "rev-parse"] else " M engine/model/varlen.py\n"
+        return subprocess.CompletedProcess(args, 0, stdout=answer, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", stale_git)
+    monkeypatch.delenv("MOE_TUNE_COMMIT", raising=False)
+    assert bench._commit() == "a08730c+dirty"
+    monkeypatch.setenv("MOE_TUNE_COMMIT", "3173e12")
+    assert bench._commit() == "3173e12"
+
+
 def test_rotary_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
     (row,) = run_kernels(["rotary"], "T100,H3,D32,R16")[0]
     assert (row["op"], row["impl"], row["shape"], row["dtype"]) == (
