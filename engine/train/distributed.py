@@ -47,6 +47,17 @@ def prepare_environment() -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
+def resolve_backend(backend: str, on_gpu: bool, has_nccl: bool) -> str:
+    """The profile's parallel.backend for this machine: auto is nccl on a GPU, else gloo; ProfileError for nccl
+    where it cannot run (before anything is initialised or written)."""
+    if backend == "auto":
+        return "nccl" if on_gpu else "gloo"
+    if backend == "nccl" and not (on_gpu and has_nccl):
+        why = "torch here is built without NCCL" if on_gpu else "this machine has no CUDA GPU"
+        raise ProfileError([f"parallel.backend ('nccl') needs a CUDA GPU and NCCL: {why} (use auto or gloo)"])
+    return backend
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join (or create) the process group; a collective waiting longer than timeout_s fails instead of hanging."""
     prepare_environment()
@@ -62,11 +73,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     # ZeRO stage 1/2's norm and clip without host round trips (ds_sync_free.py).
     ds_sync_free.install()
     on_gpu = torch.cuda.is_available()
-    if backend == "auto":
-        backend = "nccl" if on_gpu else "gloo"
-    elif backend == "nccl" and not (on_gpu and torch.distributed.is_nccl_available()):
-        why = "torch here is built without NCCL" if on_gpu else "this machine has no CUDA GPU"
-        raise ProfileError([f"parallel.backend ('nccl') needs a CUDA GPU and NCCL: {why} (use auto or gloo)"])
+    backend = resolve_backend(backend, on_gpu, torch.distributed.is_nccl_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
         torch.cuda.set_device(local_rank)

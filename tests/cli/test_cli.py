@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -73,18 +72,38 @@ def test_finetune_bad_dataset_record_names_file_and_line(tmp_path, child_env):
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule's other side: a GPU with NCCL takes the backend")
 def test_finetune_nccl_without_a_gpu_is_one_line_and_exit_2(tmp_path, child_env):
+    # No GPU visible to the child, so this runs the same on a GPU machine.
     proc = subprocess.run(
         [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--set", "parallel.backend=nccl",
          "--set", f"output.dir={tmp_path / 'out'}", "--quiet"],
-        capture_output=True, text=True, timeout=300, env=child_env,
+        capture_output=True, text=True, timeout=300, env=dict(child_env, CUDA_VISIBLE_DEVICES=""),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         "error: parallel.backend ('nccl') needs a CUDA GPU and NCCL: this machine has no CUDA GPU (use auto or gloo)"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "backend, on_gpu, has_nccl, expected",
+    [("auto", True, True, "nccl"), ("auto", False, False, "gloo"), ("gloo", True, True, "gloo"),
+     ("nccl", True, True, "nccl"), ("nccl", True, False, "torch here is built without NCCL"),
+     ("nccl", False, True, "this machine has no CUDA GPU")],
+)  # fmt: skip
+def test_backend_resolution(backend, on_gpu, has_nccl, expected):
+    from moe_tune.engine.train.distributed import resolve_backend
+    from moe_tune.profiles import ProfileError
+
+    if expected in ("nccl", "gloo"):
+        assert resolve_backend(backend, on_gpu, has_nccl) == expected
+    else:
+        with pytest.raises(ProfileError) as err:
+            resolve_backend(backend, on_gpu, has_nccl)
+        assert err.value.problems == [
+            f"parallel.backend ('nccl') needs a CUDA GPU and NCCL: {expected} (use auto or gloo)"
+        ]
 
 
 def test_finetune_that_diverges_stops_with_one_line_and_exit_1(tmp_path, child_env):

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from moe_tune.engine.model import varlen
 from moe_tune.engine.model.attention import GatedAttention, PackedBatch
 from moe_tune.engine.model.varlen import (
     PAD_BUCKET_BITS,
@@ -221,10 +222,12 @@ def test_flash_bounds_leave_out_empty_documents():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_flash_path_is_for_cuda_only(dtype):
-    # On the CPU every call takes the buckets, even in the flash kernel's dtypes and head dims (the GPU side of the
-    # rule: tests/gpu/test_attention_gpu.py).
+def test_flash_path_is_for_cuda_only(dtype, monkeypatch):
+    # On the CPU every call takes the buckets, even in the flash kernel's dtypes and head dims and with a device
+    # that could run it (the GPU side of the rule: tests/gpu/test_attention_gpu.py).
+    monkeypatch.setattr(varlen, "_flash_capable", lambda device: True)
     q, k, v = (torch.zeros(1, 8, h, 16, dtype=dtype) for h in (4, 2, 2))
+    assert torch.backends.cuda.flash_sdp_enabled()
     assert flash_varlen_applies(q, k, v) is False
 
 
