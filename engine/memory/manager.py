@@ -53,6 +53,10 @@ class ActivationMemory:
         is_region = own is not None and not inside_region and not is_layer and self.policy.choice(own) == "recompute"
         if is_region:
             self._make_region(module)
+        if hasattr(module, "saves_op_intermediates") and self.policy.choice(klass) == "offload":
+            # A token mixer whose op could keep its kernels' intermediates (several times its inputs' bytes) would
+            # send them over PCIe too: its backward recomputes them instead.
+            module.saves_op_intermediates = False
         if own is not None:
             module.register_forward_pre_hook(self._class_pre_hook(own))
             module.register_forward_hook(self._class_post_hook, always_call=True, prepend=True)

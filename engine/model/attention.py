@@ -186,6 +186,11 @@ class GatedDeltaNet(nn.Module):
     L2-normalised inside the op; the output is RMSNorm(o) * silu(z) per head.
     """
 
+    # Whether the op keeps its kernels' per-chunk states and WY factors for backward instead of recomputing them
+    # (ops.linear_attention's save_intermediates): faster when saved tensors stay on the GPU; the memory manager
+    # turns it off where this class's saved tensors go to host memory (engine/memory).
+    saves_op_intermediates = True
+
     def __init__(self, cfg: ModelProfile):
         super().__init__()
         spec = cfg.linear_attention
@@ -225,10 +230,16 @@ class GatedDeltaNet(nn.Module):
         a = self.a_proj(x).float() + self.dt_bias.float()
         if self.per_channel:
             g = -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk))
-            o, _ = kda(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+            o, _ = kda(
+                q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
+                save_intermediates=self.saves_op_intermediates,
+            )  # fmt: skip
         else:
             g = -self.A_log.float().exp() * F.softplus(a)
-            o, _ = gated_delta_rule(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+            o, _ = gated_delta_rule(
+                q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
+                save_intermediates=self.saves_op_intermediates,
+            )  # fmt: skip
         z = self.z_proj(x).view(1, t, self.hv, self.dv)
         return self.o_proj(self.norm(o, z).reshape(1, t, self.hv * self.dv))
 

@@ -33,6 +33,9 @@ class KimiDeltaAttention(nn.Module):
     """Token mixer of Kimi Linear's KDA layers. Module names are the checkpoint's (q_proj, f_a_proj, ...), so LoRA
     target_modules read the same as for the Hugging Face model; `conv` is the q, k and v convs side by side."""
 
+    # As GatedDeltaNet's: keep the op's intermediates for backward unless the memory manager offloads this class.
+    saves_op_intermediates = True
+
     def __init__(self, cfg: ModelProfile):
         super().__init__()
         spec = cfg.kda_attention
@@ -73,7 +76,7 @@ class KimiDeltaAttention(nn.Module):
         # WY pass; the reference applies it first).
         o, _ = kda(
             q, k, v, a, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=self.A_log, dt_bias=self.dt_bias,
+            A_log=self.A_log, dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
         gate = self.g_b_proj(self.g_a_proj(x)).view(shape_THK)
         return self.o_proj(self.o_norm(o, gate).reshape(1, t, -1))

@@ -4,10 +4,13 @@ per-channel decay, KDA (kernels_kda.py plus the shared serial state kernels).
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunk slots, C chunk length;
 g is [B, T, H] per head or [B, T, H, K] per channel, its flattened form g_TH or g_THK.
 
-Saved for backward: the inputs themselves (no copies) and the chunk layout (three small int32 tensors).
-Recomputed in backward: G, (I + A)^-1, W and U (one parallel pass, cheaper than keeping [T, H, C + K + V] alive
-from forward to backward), then the per-chunk states and v_new (one serial pass at forward cost, written once and
-read once by the gradient kernel; keeping them from forward would hold [NC, H, K, V] per layer across the model).
+Saved for backward: the inputs themselves (no copies) and the chunk layout (three small int32 tensors). Then one
+of two modes (the op's save_intermediates):
+- recompute (default): backward reruns the WY pass (G, (I + A)^-1, W, U) and the serial state pass (the states
+  entering every chunk and v_new) before its own kernels: one parallel and one serial pass at forward cost;
+- save: forward keeps what it already wrote (G, W, the states, v_new, k exp(G_C - G); KDA also its decayed q k^T and
+  k k^T) and has the WY pass store (I + A)^-1 too, and backward starts from them: about [T, H, C + 2K + V] 16-bit
+  values and the fp32 G per layer plus [NC, H, K, V] of states, held from forward to backward, for two fewer passes.
 For power-of-two K (`has_k_end`) both serial passes read their decayed operands from parallel passes: the WY pass's
 k exp(G_C - G) and, in backward, prepare_state_bwd's q exp(G) and decayed causal q k^T (KDA's from its pairs kernel).
 """
@@ -40,8 +43,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, A_log, dt_bias
-    ):
+        ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
+        save_intermediates,
+    ):  # fmt: skip
         B, T, H, K = q.shape
         V = v.shape[-1]
         q_THK, k_THK = q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous()
@@ -55,31 +59,38 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         # KDA with the gate in the kernel: g is the raw gate a, the log decay -exp(A_log) softplus(a + dt_bias).
         gate = None if A_log is None else (A_log.contiguous(), dt_bias.reshape(-1).contiguous())
         output_kernel = has_output_kernel(K, V, config)
-        g_cumsum, w_THK, u_THV, qk_THC, _, _, k_end_THK = _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, False, gate,
-            store_k_end=output_kernel and has_k_end(K),
+        # Nothing to keep when no input needs a gradient (inference, or timing the forward alone).
+        is_saving = save_intermediates and any(ctx.needs_input_grad)
+        g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = _wy_pass(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, is_saving, gate,
+            store_k_end=(output_kernel or is_saving) and has_k_end(K),
         )  # fmt: skip
         if output_kernel:
             # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
-            # computes the output (KDA: from the pairs kernel's decayed q k^T); the states are freed here, backward
-            # recomputes them.
+            # computes the output (KDA: from the pairs kernel's decayed q k^T).
             _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
                 output_final_state, compute_output=False, store_states=True, k_end_THK=k_end_THK,
             )  # fmt: skip
-            del k_end_THK
+            del u_THV
+            if not is_saving:
+                del k_end_THK
             o_THV = chunk_output(
                 q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC
             )
-            del states_NCHKV, v_new_THV
         else:
-            o_THV, final_state, _, _ = chunk_state_fwd(
+            # The serial pass computes the output (and, when saving, stores the states and v_new too); the decayed
+            # k is then stored for backward only: this pass, computing the output, builds its own in the loop.
+            o_THV, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-                output_final_state, qk_THC=qk_THC,
+                output_final_state, store_states=is_saving, qk_THC=qk_THC,
             )  # fmt: skip
+        # Not saving: the passes' outputs are freed on return and backward recomputes them.
+        kept = (g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV) if is_saving else ()
+        ctx.num_kept = len(kept)
         ctx.save_for_backward(
             q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout.cu_seqlens, layout.chunk_offsets,
-            layout.chunk_map, *(gate if gate is not None else (None, None)),
+            layout.chunk_map, *(gate if gate is not None else (None, None)), *kept,
         )  # fmt: skip
         ctx.dt_bias_shape = None if dt_bias is None else dt_bias.shape
         ctx.layout_sizes = (layout.num_slots, layout.chunk_size)
@@ -91,8 +102,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, do, final_state_grad):
+        saved = ctx.saved_tensors
         (q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, cu_seqlens, chunk_offsets, chunk_map, A_log,
-         dt_bias) = ctx.saved_tensors  # fmt: skip
+         dt_bias) = saved[: len(saved) - ctx.num_kept]  # fmt: skip
         gate = None if A_log is None else (A_log, dt_bias)
         B, T, H, K, V = ctx.shape
         layout = ChunkLayout(cu_seqlens, chunk_offsets, chunk_map, *ctx.layout_sizes)
@@ -103,15 +115,19 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         if final_state_grad is not None:
             final_state_grad = final_state_grad.contiguous()
 
-        g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, True, gate,
-            store_k_end=has_k_end(K),
-        )  # fmt: skip
-        _, _, states_NCHKV, v_new_THV = chunk_state_fwd(
-            q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-            output_final_state=False, compute_output=False, store_states=True, k_end_THK=k_end_THK,
-        )  # fmt: skip
-        del u_THV
+        if ctx.num_kept:
+            g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV = saved[-ctx.num_kept :]
+        else:
+            g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = _wy_pass(
+                q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, True, gate,
+                store_k_end=has_k_end(K),
+            )  # fmt: skip
+            _, _, states_NCHKV, v_new_THV = chunk_state_fwd(
+                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+                output_final_state=False, compute_output=False, store_states=True, k_end_THK=k_end_THK,
+            )  # fmt: skip
+            del u_THV
+        del saved
         prepared = None
         if k_end_THK is not None:
             # The reverse serial pass reads its decayed operands as the forward's does (has_k_end's K only).
@@ -153,6 +169,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             None,
             dA_log,
             ddt_bias,
+            None,
         )
 
 
@@ -189,11 +206,14 @@ def gated_delta_rule_kernel(
     use_qk_l2norm: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    save_intermediates: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernel path of `gated_delta_rule` (g [B, T, H]) and of `kda` (g [B, T, H, K]); inputs already checked.
-    With A_log and dt_bias (kda only) g is the raw gate and the kernels compute the log decay from it."""
+    With A_log and dt_bias (kda only) g is the raw gate and the kernels compute the log decay from it.
+    save_intermediates: keep the forward's passes for backward instead of recomputing them (module docstring)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return GatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, use_qk_l2norm, A_log, dt_bias
+        q, k, v, g, beta, float(scale), initial_state, output_final_state, cu_seqlens, use_qk_l2norm, A_log, dt_bias,
+        save_intermediates,
     )

@@ -44,8 +44,9 @@ def bench_linear_attention(
     """Rows of {case, impl, shape, dtype, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, peak_memory_bytes,
     max_abs_err, note} and the machine (gpu, torch, triton, commit, date).
 
-    Cases: "gdn" (our kernel, our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same q, k, v
-    as the softmax yardstick), "kda" (our kernel, our reference, FLA's chunk_kda), and "varlen" (our gated delta rule
+    Cases: "gdn" (our kernel as the model calls it, keeping the forward's passes for backward, and recomputing them
+    there as the op does by default; our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same q, k, v
+    as the softmax yardstick), "kda" (our kernel both ways, our reference, FLA's chunk_kda), and "varlen" (our gated delta rule
     kernel on the B*T tokens as `num_docs` packed documents of mixed lengths, and as one document).
     max_abs_err: the forward output's largest difference from our fp32 reference on the same inputs, so that a fast
     but wrong row shows as such. peak_memory_bytes: the larger of the two passes' peaks, each the most allocated
@@ -84,7 +85,11 @@ def bench_linear_attention(
             row["note"] = "; ".join(notes)
         rows.append(row)
 
+    # As the model's layers call it (their saved tensors on the GPU): the forward's passes kept for backward.
     def ours(**inputs):
+        return gated_delta_rule_kernel(**inputs, use_qk_l2norm=True, save_intermediates=True)
+
+    def ours_recomputing(**inputs):
         return gated_delta_rule_kernel(**inputs, use_qk_l2norm=True)
 
     def reference(**inputs):
@@ -96,6 +101,7 @@ def bench_linear_attention(
     with torch.no_grad():
         expected_o = reference(**inputs)[0].float()
     add("gdn", "moe_tune triton", shape, ours, inputs, flops, expected_o)
+    add("gdn", "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
     if include_reference:
         add("gdn", "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
     try:
@@ -118,6 +124,7 @@ def bench_linear_attention(
     with torch.no_grad():
         expected_kda_o = reference(**kda_inputs)[0].float()
     add("kda", "moe_tune triton", shape, ours, kda_inputs, flops, expected_kda_o)
+    add("kda", "moe_tune triton, recomputing in backward", shape, ours_recomputing, kda_inputs, flops, expected_kda_o)
     if include_reference:
         add("kda", "moe_tune chunk reference (torch small ops)", shape, reference, kda_inputs, flops)
     try:

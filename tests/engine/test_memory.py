@@ -125,6 +125,20 @@ def test_manager_attached_only_when_the_policy_moves_or_recomputes(memory, attac
     assert (find_activation_memory(managed_model(*memory)) is not None) is attached
 
 
+@pytest.mark.parametrize("memory, saves", [
+    ((), True),  # the tiny profile's own policy
+    (("memory.attention=save",), True),
+    (("memory.attention=recompute",), True),  # the recomputed forward keeps them for its own backward
+    (("memory.attention=offload",), False),  # they would cross PCIe: recomputed in backward instead
+    (("memory.preset=max-context",), True),
+])  # fmt: skip
+def test_linear_attention_keeps_its_kernels_intermediates_unless_offloaded(memory, saves):
+    from moe_tune.engine.model.attention import GatedDeltaNet
+
+    mixers = [m for m in managed_model(*memory).modules() if isinstance(m, GatedDeltaNet)]
+    assert mixers and all(m.saves_op_intermediates is saves for m in mixers)
+
+
 def test_whole_layer_checkpointing_still_trains_like_saving_everything(batch, reference):
     torch.manual_seed(0)
     model, _ = build_trainable_model(tiny_profile("memory.activation_checkpointing=true"))

@@ -247,6 +247,21 @@ def test_repeated_runs_are_bitwise_equal(guarded, is_per_channel):
     guarded.check()
 
 
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("T, V", [(8192, 128), (1000, 64)], ids=["T8192-V128", "T1000-V64-serial_output"])
+def test_saved_intermediates_give_the_recomputed_gradients(guarded, is_per_channel, T, V):
+    # save_intermediates keeps what the forward's kernels wrote; the compiled kernels must give the recomputation's
+    # bits (8 packed documents; V 64 takes the serial pass that writes the output and, saving, the states).
+    num_heads = 8 if is_per_channel else 32
+    inputs = make_inputs(1, T, num_heads, 128, V, dtype=torch.bfloat16, is_per_channel=is_per_channel, num_seqs=8)
+    bounds = torch.linspace(0, T, 9).round().to(torch.int32).to("cuda")
+    op = kda if is_per_channel else gated_delta_rule
+    recomputed = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
+    saved = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
+    assert [name for name in recomputed if not torch.equal(saved[name], recomputed[name])] == []
+    guarded.check()
+
+
 def test_anchor_shape_bf16_matches_reference(guarded):
     # The shape of shared/ANCHORS.md and of the speed targets: B4 T8192 H16 K=V=128, forward and backward.
     inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)

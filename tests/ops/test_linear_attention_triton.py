@@ -234,6 +234,69 @@ def test_state_passes_read_the_decayed_k_only_for_full_key_tiles(kernel_path, mo
     assert kernels_fwd.has_k_end(K) is takes_k_end and not kernels_fwd.has_k_end(100)
 
 
+SAVED_CASES = [
+    # The output kernel and the WY pass's decayed k (K's tile no wider than the interpreter's V tile).
+    pytest.param(16, 32, torch.float32, id="K16-V32-output_kernel"),
+    # V's tile narrower than K's: the serial pass writes the output and, when saving, the states too.
+    pytest.param(32, 16, torch.float32, id="K32-V16-serial_output"),
+    # K not a power of two: no decayed k from the WY pass, either way.
+    pytest.param(12, 32, torch.float32, id="K12-V32-no_k_end"),
+    pytest.param(16, 32, torch.float16, id="K16-V32-fp16"),
+]
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("K, V, dtype", SAVED_CASES)
+def test_saved_intermediates_give_the_recomputed_gradients(kernel_path, guarded, monkeypatch, is_per_channel, K, V,
+                                                           dtype):  # fmt: skip
+    # The same kernels on the same inputs: keeping the forward's passes must give the recomputation's bits, with the
+    # WY and serial state passes run once (forward) instead of twice; documents of 1, 63 and 6 tokens.
+    calls = []
+    wy_pass, chunk_state_fwd = autograd._wy_pass, autograd.chunk_state_fwd
+
+    def recording_wy(*args, **kwargs):
+        calls.append("wy")
+        return wy_pass(*args, **kwargs)
+
+    def recording_state(*args, **kwargs):
+        calls.append("state")
+        return chunk_state_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "_wy_pass", recording_wy)
+    monkeypatch.setattr(autograd, "chunk_state_fwd", recording_state)
+    cu_seqlens = torch.tensor([0, 1, 64, 70], dtype=torch.int32)
+    inputs = make_inputs(1, 70, K=K, V=V, dtype=dtype, is_per_channel=is_per_channel, num_seqs=3)
+    op = kda if is_per_channel else gated_delta_rule
+    options = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    recomputed = forward_and_grads(op, inputs, **options)
+    assert calls == ["wy", "state"] * 2
+    calls.clear()
+    saved = forward_and_grads(op, inputs, save_intermediates=True, **options)
+    assert calls == ["wy", "state"]
+    assert saved.keys() == recomputed.keys()
+    for name in recomputed:
+        assert torch.equal(saved[name], recomputed[name]), name
+    guarded.check()
+
+
+def test_saved_intermediates_are_kept_only_when_a_gradient_is_needed(kernel_path):
+    inputs = {name: x.detach() for name, x in make_inputs(1, 70).items()}
+    stored = []
+
+    def recording_wy(*args, **kwargs):
+        stored.append(args[9])  # store_for_backward
+        return wy_pass(*args, **kwargs)
+
+    wy_pass = autograd._wy_pass
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autograd, "_wy_pass", recording_wy)
+        o, _ = gated_delta_rule(**inputs, save_intermediates=True)
+        inputs["q"].requires_grad_()
+        o_grad, _ = gated_delta_rule(**inputs, save_intermediates=True)
+    assert stored == [False, True]
+    assert o.grad_fn is None and torch.equal(o, o_grad.detach())
+
+
 @pytest.mark.parametrize("dtype, K, V, expected", [
     (torch.bfloat16, 128, 128, True), (torch.float16, 64, 64, True), (torch.bfloat16, 128, 32, False),
     (torch.bfloat16, 32, 128, False), (torch.float32, 128, 128, False),
