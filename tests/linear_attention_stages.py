@@ -183,7 +183,7 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     }
 
     # The forward's parallel output pass, from the states and v_new the serial pass stored.
-    o_kernel = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
+    o_kernel, _, _ = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
     o_ref = (q_n * G_k.exp()[..., None]) @ states_k + ((q_n @ k_n.transpose(-1, -2)) * M) @ slots.gather(v_new)
     errors["output"] = {"o": _rel(slots.valid(slots.gather(o_kernel)), slots.valid(o_ref))}
 
@@ -208,7 +208,7 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     grads_again = kernels_bwd.chunk_grad(
         q, k, v, g.dtype, beta, g_cumsum, inverse, states, again[0], v_new, again[1], do, layout, config, scale, True
     )
-    o_again = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
+    o_again, _, _ = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
     repeat_equal = bool(torch.equal(again[0][used], state_grads[used])) and all(
         torch.equal(a, b) for a, b in zip((*grads_again, o_again), (*kernel_grads, o_kernel))
     )

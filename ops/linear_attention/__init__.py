@@ -54,9 +54,9 @@ def gated_delta_rule(
             restarts from that sequence's initial_state at every start, so no token sees another document.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K first (eps 1e-6).
         save_intermediates: kernel path only (the reference ignores it): keep the forward's WY factors, per-chunk
-            states and v_new for backward instead of recomputing them there; backward skips two passes (about 15%
-            of the gated delta rule's forward + backward at B4 T8192 H16 K=V=128) for about (C + 2K + V) T H 16-bit
-            values plus the [NC, H, K, V] states per call held until backward (C = 64, NC ~ T / 64).
+            states and v_new (and the reverse pass's prepared operands) for backward instead of recomputing them
+            there: backward skips up to three passes (docs/PERF.md has the times) for about (2C + 3K + V) T H
+            16-bit values plus the [NC, H, K, V] states per call held until backward (C = 64, NC ~ T / 64).
 
     Returns:
         o: [B, T, H, V] in q's dtype.

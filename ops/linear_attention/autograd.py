@@ -9,8 +9,9 @@ of two modes (the op's save_intermediates):
 - recompute (default): backward reruns the WY pass (G, (I + A)^-1, W, U) and the serial state pass (the states
   entering every chunk and v_new) before its own kernels: one parallel and one serial pass at forward cost;
 - save: forward keeps what it already wrote (G, W, the states, v_new, k exp(G_C - G); KDA also its decayed q k^T and
-  k k^T) and has the WY pass store (I + A)^-1 too, and backward starts from them: about [T, H, C + 2K + V] 16-bit
-  values and the fp32 G per layer plus [NC, H, K, V] of states, held from forward to backward, for two fewer passes.
+  k k^T), has the WY pass store (I + A)^-1 too and, with the decayed k, the output kernel the reverse pass's prepared
+  q exp(G) and decayed q k^T; backward starts from them: about [T, H, 2C + 3K + V] 16-bit values and the fp32 G per
+  layer plus [NC, H, K, V] of states, held from forward to backward, for three fewer passes.
 For power-of-two K (`has_k_end`) both serial passes read their decayed operands from parallel passes: the WY pass's
 k exp(G_C - G) and, in backward, prepare_state_bwd's q exp(G) and decayed causal q k^T (KDA's from its pairs kernel).
 """
@@ -75,9 +76,12 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             del u_THV
             if not is_saving:
                 del k_end_THK
-            o_THV = chunk_output(
-                q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC
-            )
+            # Saving with the decayed k (the reverse pass's prepared path): the output kernel also writes the
+            # prepared q exp(G) and decayed q k^T, and backward runs no prepare_state_bwd.
+            o_THV, q_dec_THK, qk_prepared = chunk_output(
+                q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC,
+                store_bwd_operands=is_saving and k_end_THK is not None,
+            )  # fmt: skip
         else:
             # The serial pass computes the output (and, when saving, stores the states and v_new too); the decayed
             # k is then stored for backward only: this pass, computing the output, builds its own in the loop.
@@ -85,8 +89,13 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
                 output_final_state, store_states=is_saving, qk_THC=qk_THC,
             )  # fmt: skip
+            q_dec_THK = qk_prepared = None
         # Not saving: the passes' outputs are freed on return and backward recomputes them.
-        kept = (g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV) if is_saving else ()
+        kept = (
+            (g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV, q_dec_THK, qk_prepared)
+            if is_saving
+            else ()
+        )
         ctx.num_kept = len(kept)
         ctx.save_for_backward(
             q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout.cu_seqlens, layout.chunk_offsets,
@@ -115,8 +124,10 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         if final_state_grad is not None:
             final_state_grad = final_state_grad.contiguous()
 
+        q_dec_THK = qk_prepared = None
         if ctx.num_kept:
-            g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV = saved[-ctx.num_kept :]
+            (g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV, q_dec_THK,
+             qk_prepared) = saved[-ctx.num_kept :]  # fmt: skip
         else:
             g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = _wy_pass(
                 q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, True, gate,
@@ -131,9 +142,10 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         prepared = None
         if k_end_THK is not None:
             # The reverse serial pass reads its decayed operands as the forward's does (has_k_end's K only).
-            q_dec_THK, qk_prepared = prepare_state_bwd(
-                q_THK, k_THK, g_cumsum, layout, config, scale, use_qk_l2norm, store_qk=qk_THC is None
-            )
+            if q_dec_THK is None:
+                q_dec_THK, qk_prepared = prepare_state_bwd(
+                    q_THK, k_THK, g_cumsum, layout, config, scale, use_qk_l2norm, store_qk=qk_THC is None
+                )
             prepared = (k_end_THK, q_dec_THK, qk_THC if qk_THC is not None else qk_prepared)
             del k_end_THK, q_dec_THK, qk_prepared
         state_grads_NCHKV, dv_new_THV, initial_state_grad = chunk_state_bwd(

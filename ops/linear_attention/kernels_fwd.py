@@ -32,6 +32,7 @@ elementwise from them; a transposed product of computed tiles is computed as its
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -184,10 +185,41 @@ class ChunkLayout:
         return self.cu_seqlens.numel() - 1
 
 
+# Layouts of recent calls, newest last. Every linear attention layer of a model step packs the same cu_seqlens, and
+# building a layout is about 20 small device ops a call (on the H200 about 0.05 ms of launches against a 4 ms op).
+_LAYOUT_CACHE_SIZE = 8
+_layout_cache: OrderedDict[tuple, tuple[torch.Tensor | None, ChunkLayout]] = OrderedDict()
+
+
 def prepare_chunks(
     cu_seqlens: torch.Tensor | None, batch_size: int, seq_len: int, chunk_size: int = CHUNK_SIZE, device=None
 ) -> ChunkLayout:
-    """The chunk layout of `batch_size` sequences of `seq_len` tokens, or of the packed sequences of cu_seqlens."""
+    """The chunk layout of `batch_size` sequences of `seq_len` tokens, or of the packed sequences of cu_seqlens.
+
+    The same cu_seqlens tensor (the same object, not changed in place since) or the same fixed-length shape and
+    device gives the same layout object back; the layout's tensors are only read, by every kernel."""
+    if cu_seqlens is not None and cu_seqlens.is_inference():
+        # Inference tensors keep no version counter to tell an in-place change.
+        return _build_chunks(cu_seqlens, batch_size, seq_len, chunk_size, device)
+    if cu_seqlens is None:
+        key = (None, 0, batch_size, seq_len, chunk_size, str(torch.device(device or "cpu")))
+    else:
+        # The entry holds the tensor itself, so its id is not reused while the entry lives.
+        key = (id(cu_seqlens), cu_seqlens._version, batch_size, seq_len, chunk_size, str(cu_seqlens.device))
+    entry = _layout_cache.get(key)
+    if entry is not None and entry[0] is cu_seqlens:
+        _layout_cache.move_to_end(key)
+        return entry[1]
+    layout = _build_chunks(cu_seqlens, batch_size, seq_len, chunk_size, device)
+    _layout_cache[key] = (cu_seqlens, layout)
+    if len(_layout_cache) > _LAYOUT_CACHE_SIZE:
+        _layout_cache.popitem(last=False)
+    return layout
+
+
+def _build_chunks(
+    cu_seqlens: torch.Tensor | None, batch_size: int, seq_len: int, chunk_size: int, device
+) -> ChunkLayout:
     if cu_seqlens is None:
         cu_seqlens = torch.arange(batch_size + 1, device=device) * seq_len
         num_slots = batch_size * triton.cdiv(seq_len, chunk_size)
@@ -571,12 +603,15 @@ def _chunk_output_kernel(
     v_new_ptr,
     chunk_map_ptr,
     o_ptr,
+    q_dec_ptr,
+    qk_out_ptr,
     scale,
     H,
     K,
     V,
     IS_PER_CHANNEL: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    STORE_BWD_OPERANDS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -587,7 +622,11 @@ def _chunk_output_kernel(
 
     A loop over K in tiles of BK (pipelined by the launch's stages) takes the products of the raw q and k; q's and k's
     L2 norms, the scale and the per-head decays are row and column factors, applied once after it. Per-channel decay
-    (KDA): q exp(G) per tile, and q k^T read, decayed and masked, from the pairs kernel."""
+    (KDA): q exp(G) per tile, and q k^T read, decayed and masked, from the pairs kernel.
+
+    STORE_BWD_OPERANDS (the op saving its intermediates): the first V tile's program also writes the reverse serial
+    pass's prepared operands, q exp(G) (scaled, normed) and, per head, the decayed causal q k^T it just built, so
+    that backward needs no prepare_state_bwd pass (q is read again for that, from L2)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
@@ -634,6 +673,15 @@ def _chunk_output_kernel(
     v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
     o = o * q_factor[:, None] + tl.dot(qk.to(dot_dtype), v_new, input_precision=DOT_PRECISION)
     _store_rows(o_ptr + i_h * V + v0, o, t0, num_valid, H * V, V - v0, BT, BV)
+    if STORE_BWD_OPERANDS:
+        if v0 == 0:
+            for k0 in range(0, K, BK):
+                q = _load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+                if IS_PER_CHANNEL:
+                    q = q * tl.exp(_load_rows(g_cumsum_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK))
+                _store_rows(q_dec_ptr + i_h * K + k0, q * q_factor[:, None], t0, num_valid, H * K, K - k0, BT, BK)
+            if not IS_PER_CHANNEL:
+                _store_rows(qk_out_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
 
 
 def has_output_kernel(K: int, V: int, config: KernelConfig) -> bool:
@@ -670,13 +718,19 @@ def chunk_output(
     scale: float,
     use_qk_l2norm: bool,
     qk_THC: torch.Tensor | None = None,
-) -> torch.Tensor:
+    store_bwd_operands: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """o [T, H, V] in q's dtype from the per-chunk states and v_new of chunk_state_fwd(store_states=True); one
     program per (chunk slot, head, V tile), all in parallel. Per-head decay: g_cumsum_TH [T, H]; per-channel (KDA):
-    [T, H, K] with qk_THC the decayed causal q k^T of kda_wy_fwd."""
+    [T, H, K] with qk_THC the decayed causal q k^T of kda_wy_fwd. With store_bwd_operands also what
+    kernels_bwd.prepare_state_bwd would write, in k's dtype: q exp(G) [T, H, K] and (per head) the decayed causal
+    q k^T [T, H, C]; else None, None."""
     T, H, K = q_THK.shape
     V = v_new_THV.shape[-1]
+    C = layout.chunk_size
     o_THV = _alloc((T, H, V), q_THK.dtype, q_THK.device)
+    q_dec_THK = _alloc((T, H, K), k_THK.dtype, q_THK.device) if store_bwd_operands else None
+    qk_out_THC = _alloc((T, H, C), k_THK.dtype, q_THK.device) if store_bwd_operands and qk_THC is None else None
     block_v = min(config.block_v_output, _block(V))
     dot_precision, _ = dot_precisions(q_THK.dtype)
     if layout.num_slots > 0:
@@ -689,20 +743,23 @@ def chunk_output(
             v_new_THV,
             layout.chunk_map,
             o_THV,
+            q_dec_THK if store_bwd_operands else o_THV,
+            qk_out_THC if qk_out_THC is not None else o_THV,
             scale,
             H,
             K=K,
             V=V,
             IS_PER_CHANNEL=g_cumsum_TH.ndim == 3,
             USE_L2NORM=use_qk_l2norm,
-            BT=layout.chunk_size,
+            STORE_BWD_OPERANDS=store_bwd_operands,
+            BT=C,
             BK=min(config.block_k_output, _block(K)),
             BV=block_v,
             DOT_PRECISION=dot_precision,
             num_warps=config.num_warps_output,
             num_stages=config.num_stages_output if qk_THC is None else config.num_stages_output_kda,
         )
-    return o_THV
+    return o_THV, q_dec_THK, qk_out_THC
 
 
 def chunk_wy_fwd(

@@ -94,9 +94,9 @@ def forward_and_grads(op, inputs, **options):
     return {name: x.detach() for name, x in results.items()}
 
 
-def assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=False, cu_seqlens=None):
+def assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=False, cu_seqlens=None, **options):
     op = kda if inputs["g"].ndim == 4 else gated_delta_rule
-    actual = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens)
+    actual = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, **options)
     # fp32 inputs against fp64; 16-bit inputs against the fp32 reference on the same (rounded) values.
     reference_dtype = torch.float64 if dtype == torch.float32 else torch.float32
     as_reference = {
@@ -249,17 +249,24 @@ def test_repeated_runs_are_bitwise_equal(guarded, is_per_channel):
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("T, V", [(8192, 128), (1000, 64)], ids=["T8192-V128", "T1000-V64-serial_output"])
-def test_saved_intermediates_give_the_recomputed_gradients(guarded, is_per_channel, T, V):
-    # save_intermediates keeps what the forward's kernels wrote; the compiled kernels must give the recomputation's
-    # bits (8 packed documents; V 64 takes the serial pass that writes the output and, saving, the states).
+def test_saved_intermediates_match_reference(guarded, is_per_channel, T, V):
+    # save_intermediates: backward from what the forward's kernels wrote (at V 128 the output kernel's prepared
+    # operands too; V 64 takes the serial pass that writes the output and, saving, the states), 8 packed documents;
+    # two runs bitwise equal.
     num_heads = 8 if is_per_channel else 32
     inputs = make_inputs(1, T, num_heads, 128, V, dtype=torch.bfloat16, is_per_channel=is_per_channel, num_seqs=8)
     bounds = torch.linspace(0, T, 9).round().to(torch.int32).to("cuda")
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, cu_seqlens=bounds,
+                             save_intermediates=True)  # fmt: skip
     op = kda if is_per_channel else gated_delta_rule
-    recomputed = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
-    saved = forward_and_grads(op, inputs, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
-    assert [name for name in recomputed if not torch.equal(saved[name], recomputed[name])] == []
-    guarded.check()
+    options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
+    first, second = (forward_and_grads(op, inputs, **options) for _ in range(2))
+    assert [name for name in first if not torch.equal(first[name], second[name])] == []
+
+
+def test_anchor_shape_saved_intermediates_bf16_matches_reference(guarded):
+    inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, save_intermediates=True)
 
 
 def test_anchor_shape_bf16_matches_reference(guarded):

@@ -235,47 +235,52 @@ def test_state_passes_read_the_decayed_k_only_for_full_key_tiles(kernel_path, mo
 
 
 SAVED_CASES = [
-    # The output kernel and the WY pass's decayed k (K's tile no wider than the interpreter's V tile).
-    pytest.param(16, 32, torch.float32, id="K16-V32-output_kernel"),
+    # The output kernel, the WY pass's decayed k and the output kernel's prepared operands (K's tile no wider than the
+    # interpreter's V tile): no prepare_state_bwd in backward.
+    pytest.param(16, 32, torch.float32, True, id="K16-V32-output_kernel"),
     # V's tile narrower than K's: the serial pass writes the output and, when saving, the states too.
-    pytest.param(32, 16, torch.float32, id="K32-V16-serial_output"),
-    # K not a power of two: no decayed k from the WY pass, either way.
-    pytest.param(12, 32, torch.float32, id="K12-V32-no_k_end"),
-    pytest.param(16, 32, torch.float16, id="K16-V32-fp16"),
+    pytest.param(32, 16, torch.float32, False, id="K32-V16-serial_output"),
+    # K not a power of two: no decayed k from the WY pass and no prepared operands, either way.
+    pytest.param(12, 32, torch.float32, False, id="K12-V32-no_k_end"),
+    pytest.param(16, 32, torch.float16, True, id="K16-V32-fp16"),
 ]
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("K, V, dtype", SAVED_CASES)
-def test_saved_intermediates_give_the_recomputed_gradients(kernel_path, guarded, monkeypatch, is_per_channel, K, V,
-                                                           dtype):  # fmt: skip
-    # The same kernels on the same inputs: keeping the forward's passes must give the recomputation's bits, with the
-    # WY and serial state passes run once (forward) instead of twice; documents of 1, 63 and 6 tokens.
+@pytest.mark.parametrize("K, V, dtype, skips_prepare", SAVED_CASES)
+def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guarded, monkeypatch, is_per_channel, K,
+                                                               V, dtype, skips_prepare):  # fmt: skip
+    # Keeping the forward's passes: the WY and serial state passes run once (forward) instead of twice, and where the
+    # output kernel wrote the reverse pass's operands no prepare pass runs; documents of 1, 63 and 6 tokens.
     calls = []
-    wy_pass, chunk_state_fwd = autograd._wy_pass, autograd.chunk_state_fwd
 
-    def recording_wy(*args, **kwargs):
-        calls.append("wy")
-        return wy_pass(*args, **kwargs)
+    def recording(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
 
-    def recording_state(*args, **kwargs):
-        calls.append("state")
-        return chunk_state_fwd(*args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(autograd, "_wy_pass", recording_wy)
-    monkeypatch.setattr(autograd, "chunk_state_fwd", recording_state)
+    for name in ("_wy_pass", "chunk_state_fwd", "prepare_state_bwd"):
+        monkeypatch.setattr(autograd, name, recording(name, getattr(autograd, name)))
     cu_seqlens = torch.tensor([0, 1, 64, 70], dtype=torch.int32)
     inputs = make_inputs(1, 70, K=K, V=V, dtype=dtype, is_per_channel=is_per_channel, num_seqs=3)
     op = kda if is_per_channel else gated_delta_rule
     options = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     recomputed = forward_and_grads(op, inputs, **options)
-    assert calls == ["wy", "state"] * 2
+    has_prepare = kernels_fwd.has_k_end(K)
+    assert calls == ["_wy_pass", "chunk_state_fwd"] * 2 + ["prepare_state_bwd"] * has_prepare
     calls.clear()
     saved = forward_and_grads(op, inputs, save_intermediates=True, **options)
-    assert calls == ["wy", "state"]
-    assert saved.keys() == recomputed.keys()
-    for name in recomputed:
-        assert torch.equal(saved[name], recomputed[name]), name
+    assert calls == ["_wy_pass", "chunk_state_fwd"] + ["prepare_state_bwd"] * (has_prepare and not skips_prepare)
+    expected = reference_in_fp64(inputs, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+    for name in expected:
+        torch.testing.assert_close(saved[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+        if skips_prepare:
+            # Only the prepared operands' rounding differs (the output kernel scales raw products after its loop).
+            torch.testing.assert_close(saved[name], recomputed[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+        else:
+            assert torch.equal(saved[name], recomputed[name]), name
     guarded.check()
 
 
@@ -429,6 +434,26 @@ def test_chunk_map_covers_every_chunk_once():
     assert layout.chunk_map.tolist() == [[0, 1], [1, 64], [65, 64], [129, 64], [193, 7], [257, 0], [321, 0]]
 
 
+def test_chunk_layout_is_reused_for_the_same_cu_seqlens_until_it_changes():
+    cu_seqlens = torch.tensor([0, 1, 1, 65, 200], dtype=torch.int32)
+    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200)
+    assert kernels_fwd.prepare_chunks(cu_seqlens, 1, 200) is layout
+    # Equal values in another tensor: built again (the cache goes by the tensor, never by an id that could be reused).
+    assert kernels_fwd.prepare_chunks(cu_seqlens.clone(), 1, 200) is not layout
+    # Changed in place: built again, from the new values.
+    cu_seqlens[1:4] = torch.tensor([64, 64, 64], dtype=torch.int32)
+    changed = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200)
+    assert changed is not layout and changed.chunk_offsets.tolist() == [0, 1, 1, 1, 4]
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 200], dtype=torch.int32)
+        assert kernels_fwd.prepare_chunks(frozen, 1, 200) is not kernels_fwd.prepare_chunks(frozen, 1, 200)
+    fixed = kernels_fwd.prepare_chunks(None, 2, 70)
+    assert kernels_fwd.prepare_chunks(None, 2, 70) is fixed and kernels_fwd.prepare_chunks(None, 2, 71) is not fixed
+    for _ in range(kernels_fwd._LAYOUT_CACHE_SIZE):
+        kernels_fwd.prepare_chunks(None, 1, 1000 + _)
+    assert kernels_fwd.prepare_chunks(None, 2, 70) is not fixed, "the oldest entry is evicted"
+
+
 @pytest.mark.parametrize("K, V, expected", [(16, 16, True), (16, 32, True), (128, 128, True), (32, 16, False),
                                              (256, 128, False), (128, 64, False)])
 def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expected):
@@ -477,7 +502,7 @@ def test_output_kernel_k_loop_over_several_tiles(kernel_path, guarded, is_per_ch
     states = torch.randn(layout.num_slots, H, K, V, generator=gen)
     v_new = torch.randn(T, H, V, generator=gen)
     qk = torch.randn(T, H, 64, generator=gen).tril() if is_per_channel else None
-    o = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True, qk)
+    o, _, _ = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True, qk)
     expected = _output_from_states(q, k, g_cumsum, states, v_new, layout, scale, qk)
     torch.testing.assert_close(o.double(), expected, **TOLERANCES[torch.float32])
     guarded.check()
@@ -519,7 +544,7 @@ def test_forward_takes_the_output_kernel_by_the_head_dims(
     # Either decay: KDA's output kernel reads the pairs kernel's decayed q k^T instead of building it.
     calls = []
     output = autograd.chunk_output
-    monkeypatch.setattr(autograd, "chunk_output", lambda *args: calls.append(args) or output(*args))
+    monkeypatch.setattr(autograd, "chunk_output", lambda *args, **kwargs: calls.append(args) or output(*args, **kwargs))
     inputs = make_inputs(1, 70, K=K, V=V, is_per_channel=is_per_channel)
     op = kda if is_per_channel else gated_delta_rule
     o, final_state = op(**inputs, output_final_state=True)
