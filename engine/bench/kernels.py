@@ -467,8 +467,11 @@ def bench_cross_entropy_op(shapes: str | dict[str, int], run: RunContext) -> lis
     """The LM loss over a linear head: ops.cross_entropy.linear_cross_entropy (chunked, never the [N, V] logits)
     beside the full-logits form users write (F.linear, then F.cross_entropy on fp32 logits), bf16 on CUDA and fp32
     on the CPU, the head trained. The chunked op computes its gradients in the forward, so its fwd column already
-    holds most of its fwd+bwd work. Each note gives the loss's difference from the fp32 reference."""
+    holds most of its fwd+bwd work. On CUDA the op's row runs its Triton kernel over each chunk, and one more row
+    forces the chunked path's PyTorch passes over fp32 logits (use_kernel False) beside it; on the CPU the op's row
+    is that path already. Each note gives the loss's difference from the fp32 reference."""
     from moe_tune.ops.cross_entropy import linear_cross_entropy
+    from moe_tune.ops.cross_entropy.autograd import LinearCrossEntropyFunction, default_chunk_size
     from moe_tune.ops.cross_entropy.reference import linear_cross_entropy_ref
 
     shape = shapes if isinstance(shapes, dict) else CROSS_ENTROPY_SHAPES[shapes if run.is_cuda else "small"]
@@ -480,10 +483,14 @@ def bench_cross_entropy_op(shapes: str | dict[str, int], run: RunContext) -> lis
     labels = torch.randint(0, V, (N,), generator=gen, device=device)
     with torch.no_grad():
         expected = float(linear_cross_entropy_ref(hidden.float(), weight.float(), labels))
-    impls = {
-        "moe_tune chunked (ops.cross_entropy)": lambda: linear_cross_entropy(hidden, weight, labels),
-        "full logits (F.linear + F.cross_entropy)": lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels),
-    }
+    impls = {"moe_tune chunked (ops.cross_entropy)": lambda: linear_cross_entropy(hidden, weight, labels)}
+    if run.is_cuda:
+        torch_rows = default_chunk_size(N, V)
+        impls["moe_tune chunked, torch passes (use_kernel False)"] = lambda: LinearCrossEntropyFunction.apply(
+            hidden, weight, labels, None, -100, "mean", torch_rows, False
+        )
+    full_logits = "full logits (F.linear + F.cross_entropy)"
+    impls[full_logits] = lambda: F.cross_entropy(F.linear(hidden, weight).float(), labels)
     rows = []
     for impl, loss_fn in impls.items():
         with torch.no_grad():

@@ -1,22 +1,37 @@
 """cross_entropy ops: the chunked linear cross-entropy against F.cross_entropy on full logits (loss and every
-gradient), its memory property (no [N, V] tensor), the skipped gradients, dispatch, errors; and the LM loss of
-engine/model/model.py that uses it.
+gradient), its memory property (no [N, V] tensor), the skipped gradients, dispatch, errors; its Triton kernel path
+in the interpreter (fp32 and fp16, odd shapes, NaN-filled buffers with guarded ends, bitwise reruns, dispatch); and
+the LM loss of engine/model/model.py that uses it.
 
 Shapes: N tokens, D model dim, V vocabulary, C chunk rows.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
-import torch.nn.functional as F
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+import logging
 
-from moe_tune.ops.cross_entropy import autograd as chunked
-from moe_tune.ops.cross_entropy import cross_entropy, linear_cross_entropy
-from moe_tune.ops.cross_entropy.autograd import CHUNK_LOGITS_BYTES, MIN_CHUNK_ROWS, default_chunk_size
-from moe_tune.ops.cross_entropy.reference import linear_cross_entropy_ref
+import pytest
+from kernel_fixtures import forced_kernel_path, guarded_outputs
+from triton_interpreter_mode import interpreted_kernels
+
+with interpreted_kernels():
+    import torch
+    import torch.nn.functional as F
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import moe_tune.ops.cross_entropy as ce_op
+    from moe_tune.ops.cross_entropy import autograd as chunked
+    from moe_tune.ops.cross_entropy import cross_entropy, kernels, linear_cross_entropy
+    from moe_tune.ops.cross_entropy.autograd import (
+        CHUNK_LOGITS_BYTES,
+        MIN_CHUNK_ROWS,
+        LinearCrossEntropyFunction,
+        default_chunk_size,
+    )
+    from moe_tune.ops.cross_entropy.reference import linear_cross_entropy_ref
+
+pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 IGNORE = -100
 # A grad_output other than 1: backward must scale the gradients saved by the forward.
@@ -167,15 +182,18 @@ def test_cross_entropy_on_logits_has_the_same_conventions():
 
 
 class _OutputShapes(TorchDispatchMode):
-    """Records the shape of every tensor each aten op returns (views included)."""
+    """Records the shape (and dtype) of every tensor each aten op returns (views included)."""
 
     def __init__(self):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[torch.dtype] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.shapes += [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.shapes += [tuple(t.shape) for t in tensors]
+        self.dtypes += [t.dtype for t in tensors]
         return out
 
 
@@ -281,7 +299,7 @@ def test_reference_path_when_the_environment_asks(monkeypatch):
     loss = linear_cross_entropy(hidden, weight, labels, bias)
     assert not calls
     torch.testing.assert_close(loss, _full_logits_ce(hidden, weight, labels, bias))
-    # auto and triton take the chunked path: it has no kernel to force, and it runs anywhere.
+    # auto and triton take the chunked Function (fp64 with a bias gradient: its torch path, test_kernel_dispatch).
     for mode in ("auto", "triton"):
         monkeypatch.setenv("MOE_TUNE_KERNELS", mode)
         linear_cross_entropy(hidden, weight, labels, bias)
@@ -324,6 +342,274 @@ def test_errors_name_the_tensor_and_the_rule(change, match):
     args = _error_case() | change
     with pytest.raises(ValueError, match=match):
         linear_cross_entropy(**args)
+
+
+# The Triton kernel path, in the interpreter: fp32 and fp16 (bf16 arithmetic is NaN there; bf16 runs on the GPU,
+# tests/gpu/test_cross_entropy_gpu.py).
+
+# Past the end of the per-token loss buffer and of every chunk's logits: more than a whole BLOCK_V tile.
+GUARD_ELEMENTS = 2 * kernels.BLOCK_V
+
+kernel_path = forced_kernel_path(kernels, "_cross_entropy_chunk_kernel", on_gpu=False)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+
+# (N, D, V, chunk_size)
+KERNEL_SHAPES = [
+    pytest.param(37, 16, 50, 8, id="V_under_block_N_not_multiple_of_chunk"),  # one partial tile; last chunk 5 rows
+    pytest.param(13, 8, 2 * kernels.BLOCK_V + 905, 5, id="V_not_multiple_of_block"),  # three tiles, the last partial
+    pytest.param(6, 8, kernels.BLOCK_V, 4, id="V_one_full_block"),  # no masked column at all
+    pytest.param(7, 8, 11, 1, id="chunk_of_one_row"),  # every chunk a single program
+    pytest.param(5, 16, 50, 64, id="chunk_larger_than_N"),
+]
+KERNEL_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+
+
+def _kernel_labels(num_tokens: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """Random labels with the first and last class ids present, every third token from the third ignored."""
+    labels = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+    labels[0] = vocab - 1
+    if num_tokens > 1:
+        labels[1] = 0
+    labels[2::3] = IGNORE
+    return labels
+
+
+def _assert_matches_reference(loss, grads, hidden, weight, bias, labels, reduction):
+    """The kernel path's loss and gradients (None where not needed) against the full logits, by the tables above:
+    fp32 against F.cross_entropy in fp32, fp16 against the fp32 reference on the same rounded inputs."""
+    dtype = hidden.dtype
+    if dtype == torch.float32:
+        ref_loss, ref_grads = _loss_and_grads(_full_logits_ce, hidden, weight, bias, labels, reduction=reduction)
+        torch.testing.assert_close(loss, ref_loss, **EXACT_TOLERANCES[dtype])
+    else:
+        up = [None if t is None else t.detach().float().requires_grad_(t.requires_grad) for t in (hidden, weight, bias)]
+        ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, *up, labels, reduction=reduction)
+        tol = LOW_PRECISION_TOLERANCES[dtype]
+        torch.testing.assert_close(loss, ref_loss, atol=tol["loss"] * ref_loss.abs().item(), rtol=0)
+    assert loss.dtype == torch.float32
+    for name, grad, ref in zip(("hidden", "weight"), grads, ref_grads):
+        assert (grad is None) == (ref is None), name
+        if grad is None:
+            continue
+        assert grad.dtype == dtype, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(grad, ref, **EXACT_TOLERANCES[dtype], msg=lambda m, name=name: f"{name}: {m}")
+        else:
+            atol = LOW_PRECISION_TOLERANCES[dtype]["grad"] * ref.abs().max().item()
+            torch.testing.assert_close(grad.float(), ref, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("num_tokens, model_dim, vocab, chunk_size", KERNEL_SHAPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_path_matches_full_logits(
+    guarded, num_tokens, model_dim, vocab, chunk_size, reduction, dtype, nan_fresh_outputs
+):
+    # A frozen bias: added by the logits' matmul, no bias gradient (that case takes the torch path).
+    hidden, weight, bias, _ = _case(num_tokens, model_dim, vocab, dtype)
+    labels = _kernel_labels(num_tokens, vocab)
+    _requiring_grad(hidden, weight)
+    loss, grads = _loss_and_grads(
+        linear_cross_entropy, hidden, weight, bias, labels, reduction=reduction, chunk_size=chunk_size
+    )
+    guarded.check()
+    num_chunks = -(-num_tokens // chunk_size)
+    # The per-token losses, then one logits buffer per chunk: the kernel path ran and wrote nothing past them.
+    assert len(guarded.buffers) == 1 + num_chunks and guarded.buffers[0][2] == (num_tokens,)
+    assert all(shape[1] == vocab for _, _, shape in guarded.buffers[1:])
+    _assert_matches_reference(loss, grads[:2], hidden, weight, bias, labels, reduction)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_path_computes_only_the_needed_gradient(guarded, frozen, dtype, nan_fresh_outputs):
+    num_tokens, model_dim, vocab = 23, 8, 37
+    hidden, weight, _, _ = _case(num_tokens, model_dim, vocab, dtype, has_bias=False)
+    labels = _kernel_labels(num_tokens, vocab)
+    trained = _requiring_grad(weight if frozen == "hidden" else hidden)[0]
+    with _OutputShapes() as recorder:
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8)
+        (loss * GRAD_SCALE).backward()
+    guarded.check()
+    assert (hidden if frozen == "hidden" else weight).grad is None
+    # A [V, D] product only for a trained weight, an [N, D] one only for a trained hidden.
+    assert ((vocab, model_dim) in recorder.shapes) == (frozen == "hidden")
+    assert ((num_tokens, model_dim) in recorder.shapes) == (frozen == "weight")
+    grads = [trained.grad, None] if frozen == "weight" else [None, trained.grad]
+    _assert_matches_reference(loss.detach(), grads, hidden, weight, None, labels, "mean")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_path_under_no_grad_writes_only_the_loss(guarded, dtype):
+    hidden, weight, bias, _ = _case(19, 8, 29, dtype)
+    labels = _kernel_labels(19, 29)
+    _requiring_grad(hidden, weight)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, labels, bias, chunk_size=8)
+        # The chunks' logits are left as the matmul wrote them: no gradient pass over them.
+        for (flat, numel, shape), start in zip(guarded.buffers[1:], range(0, 19, 8), strict=True):
+            expected = chunked.chunk_logits(hidden[start : start + shape[0]], weight, bias)
+            assert torch.equal(flat[:numel].view(shape), expected)
+    guarded.check()
+    assert not loss.requires_grad
+    ref_loss = linear_cross_entropy_ref(*[t.detach().float() for t in (hidden, weight)], labels, bias.float())
+    if dtype == torch.float32:
+        torch.testing.assert_close(loss, ref_loss, **EXACT_TOLERANCES[dtype])
+    else:
+        atol = LOW_PRECISION_TOLERANCES[dtype]["loss"] * ref_loss.abs().item()
+        torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_path_with_nothing_labelled_gives_zero_loss_and_zero_gradients(guarded, reduction, dtype):
+    hidden, weight, _, labels = _case(20, 8, 13, dtype, "none_labelled", has_bias=False)
+    _requiring_grad(hidden, weight)
+    loss, grads = _loss_and_grads(linear_cross_entropy, hidden, weight, None, labels, reduction=reduction,
+                                  chunk_size=8)  # fmt: skip
+    guarded.check()
+    assert loss.item() == 0.0
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads[:2])
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_path_agrees_with_the_torch_path(kernel_path, dtype):
+    # The same dL/dz: softmax - onehot in fp32, rounded once to the inputs' dtype, so the paths differ only by
+    # the order of the row sums in logsumexp. Bounds: fp32 a few ulps; fp16 one rounding step of dL/dz (2^-11)
+    # where the two land on either side of a rounding boundary. Measured: loss 0 and 8e-8 relative, gradients
+    # 1.5e-7 (fp32) and 4.2e-6 (fp16) of the largest entry.
+    num_tokens, model_dim, vocab, chunk_size = 40, 16, 300, 16
+    hidden, weight, _, _ = _case(num_tokens, model_dim, vocab, dtype, has_bias=False)
+    labels = _kernel_labels(num_tokens, vocab)
+    _requiring_grad(hidden, weight)
+    results = {}
+    for use_kernel in (True, False):
+        apply = lambda h, w, y, b, use_kernel=use_kernel: LinearCrossEntropyFunction.apply(  # noqa: E731
+            h, w, y, b, IGNORE, "mean", chunk_size, use_kernel
+        )
+        results[use_kernel] = _loss_and_grads(apply, hidden, weight, None, labels)
+    (loss, grads), (torch_loss, torch_grads) = results[True], results[False]
+    torch.testing.assert_close(loss, torch_loss, atol=0, rtol=1e-6)
+    grad_tolerance = 1e-6 if dtype == torch.float32 else 5e-4
+    for grad, ref in zip(grads[:2], torch_grads[:2]):
+        torch.testing.assert_close(grad.float(), ref.float(), atol=grad_tolerance * ref.abs().max().item(), rtol=0)
+
+
+def test_kernel_path_reruns_are_bitwise_equal(kernel_path):
+    hidden, weight, bias, _ = _case(29, 16, kernels.BLOCK_V + 77, torch.float16)
+    labels = _kernel_labels(29, kernels.BLOCK_V + 77)
+    _requiring_grad(hidden, weight)
+    first = _loss_and_grads(linear_cross_entropy, hidden, weight, bias, labels, chunk_size=8)
+    second = _loss_and_grads(linear_cross_entropy, hidden, weight, bias, labels, chunk_size=8)
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1][:2], second[1][:2]))
+
+
+def test_kernel_path_holds_one_chunk_of_logits_in_the_inputs_dtype(kernel_path):
+    num_tokens, model_dim, vocab, chunk_size = 50, 8, 37, 16
+    hidden, weight, _, labels = _case(num_tokens, model_dim, vocab, torch.float16, has_bias=False)
+    _requiring_grad(hidden, weight)
+    with _OutputShapes() as recorder:
+        linear_cross_entropy(hidden, weight, labels, chunk_size=chunk_size).backward()
+    # The interpreter copies each kernel argument's bytes to the host and back (uint8): not the op's tensors.
+    floats = [(s, d) for s, d in zip(recorder.shapes, recorder.dtypes) if d.is_floating_point]
+    assert max(_numel(s) for s, _ in floats) == chunk_size * vocab
+    # No fp32 copy of a chunk: every [C, V] tensor is fp16 (the chunk's logits, then dL/dz in place).
+    assert {d for s, d in floats if s[-1:] == (vocab,) and _numel(s) > vocab} == {torch.float16}
+
+
+def test_kernel_path_chunks_hold_the_budget_in_the_inputs_dtype(kernel_path, monkeypatch):
+    # A budget of 10 fp32 rows: the torch path takes 10 rows per chunk, the kernel path at fp16 twice that.
+    num_tokens, model_dim, vocab = 40, 8, 50
+    monkeypatch.setattr(chunked, "CHUNK_LOGITS_BYTES", 10 * vocab * 4)
+    monkeypatch.setattr(chunked, "MIN_CHUNK_ROWS", 1)
+    rows_seen = []
+    real_chunk_logits = chunked.chunk_logits
+
+    def counting_chunk_logits(hidden_CD, *args):
+        rows_seen.append(hidden_CD.shape[0])
+        return real_chunk_logits(hidden_CD, *args)
+
+    monkeypatch.setattr(chunked, "chunk_logits", counting_chunk_logits)
+    for dtype, bias_grad, expected in [
+        (torch.float16, False, [20, 20]),
+        (torch.float32, False, [10, 10, 10, 10]),
+        # A bias gradient: the torch path and its fp32 rows.
+        (torch.float16, True, [10, 10, 10, 10]),
+    ]:
+        rows_seen.clear()
+        hidden, weight, bias, labels = _case(num_tokens, model_dim, vocab, dtype)
+        _requiring_grad(hidden, weight, bias if bias_grad else None)
+        linear_cross_entropy(hidden, weight, labels, bias)
+        assert rows_seen == expected, (dtype, bias_grad)
+
+
+def test_default_chunk_size_counts_the_bytes_of_the_held_logits():
+    for num_tokens, vocab in [(32768, 151936), (8192, 32000), (5, 151936)]:
+        fp32_rows = default_chunk_size(num_tokens, vocab)
+        bf16_rows = default_chunk_size(num_tokens, vocab, bytes_per_logit=2)
+        assert bf16_rows * vocab * 2 <= CHUNK_LOGITS_BYTES or bf16_rows <= MIN_CHUNK_ROWS
+        assert fp32_rows <= bf16_rows <= max(2 * fp32_rows, num_tokens)
+    # The benchmark shape: four chunks of fp32 logits, two of bf16 ones.
+    assert default_chunk_size(8192, 32000) == 2048 and default_chunk_size(8192, 32000, 2) == 4096
+
+
+def _path_spies(monkeypatch) -> dict[str, int]:
+    """Counts the chunk loops each path runs."""
+    calls = {"kernel": 0, "torch": 0}
+    for name, key in (("_kernel_chunks", "kernel"), ("_torch_chunks", "torch")):
+        real = getattr(chunked, name)
+
+        def spy(*args, real=real, key=key):
+            calls[key] += 1
+            return real(*args)
+
+        monkeypatch.setattr(chunked, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "mode, dtype, bias_grad, expected",
+    [
+        pytest.param("auto", torch.float32, False, "torch", id="auto_cpu_torch"),  # CPU tensors: no kernel under auto
+        pytest.param("triton", torch.float32, False, "kernel", id="triton_fp32_kernel"),
+        pytest.param("triton", torch.float16, False, "kernel", id="triton_fp16_kernel"),
+        pytest.param("triton", torch.float32, True, "torch", id="triton_bias_grad_torch"),  # dL/db: the torch path
+        pytest.param("triton", torch.float64, False, "torch", id="triton_fp64_torch"),  # no fp64 kernel
+    ],
+)
+def test_kernel_dispatch(monkeypatch, kernel_path, mode, dtype, bias_grad, expected):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", mode)
+    calls = _path_spies(monkeypatch)
+    hidden, weight, bias, labels = _case(20, 8, 13, dtype)
+    _requiring_grad(hidden, weight, bias if bias_grad else None)
+    loss, grads = _loss_and_grads(linear_cross_entropy, hidden, weight, bias, labels, chunk_size=8)
+    assert calls == {"kernel": int(expected == "kernel"), "torch": int(expected == "torch")}
+    assert (grads[2] is None) == (not bias_grad)
+    # The path's numbers are checked above; here only that it gives the loss.
+    ref_loss = linear_cross_entropy_ref(*[t.detach().double() for t in (hidden, weight)], labels, bias.double())
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-3 * ref_loss.item(), rtol=0)
+
+
+def test_kernel_dispatch_logs_the_path_once(monkeypatch, kernel_path, caplog):
+    monkeypatch.setattr(ce_op, "_logged_paths", set())
+    hidden, weight, _, labels = _case(20, 8, 13, torch.float32, has_bias=False)
+    with caplog.at_level(logging.INFO, logger="moe_tune.ops"):
+        for _ in range(2):
+            linear_cross_entropy(hidden, weight, labels)
+        monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
+        linear_cross_entropy(hidden, weight, labels)
+    assert [r.getMessage() for r in caplog.records] == [
+        "linear_cross_entropy: chunked triton path (MOE_TUNE_KERNELS=triton)",
+        "linear_cross_entropy: chunked path (MOE_TUNE_KERNELS=auto)",
+    ]
+
+
+def test_forced_kernel_on_cpu_without_the_interpreter_raises(monkeypatch, kernel_path):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    hidden, weight, _, labels = _case(6, 4, 9, torch.float32, has_bias=False)
+    with pytest.raises(RuntimeError, match="MOE_TUNE_KERNELS=triton but linear_cross_entropy got CPU tensors"):
+        linear_cross_entropy(hidden, weight, labels)
 
 
 # The LM loss of engine/model/model.py: chunked in training, full logits when asked or when the head is not plain.
