@@ -1,4 +1,7 @@
-"""LoRA injection through PEFT: linear adapters by target_modules, per-expert adapters by our custom layer."""
+"""LoRA injection through PEFT: linear adapters by target_modules, per-expert adapters by our custom layer.
+
+PEFT's linear LoRA layers then get the fast path of fused.py (one autograd node for the adapter, PEFT's own forward
+whenever the fast path does not apply)."""
 
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ EXPERTS_MODULE = "experts"
 def inject_lora(model: nn.Module, profile: LoraProfile):
     """Wrap `model` in a PeftModel with adapters on profile.target_modules (and the routed experts).
 
-    Raises ProfileError when a target names no module of the model. Only adapter parameters stay trainable.
+    Raises ProfileError when a target names no module of the model. Only adapter parameters stay trainable. PEFT's
+    linear LoRA layers take the fast path of fused.py.
     """
     from peft import LoraConfig, get_peft_model
 
     from moe_tune.engine.model.moe import GroupedExperts
+
+    from .fused import use_fused_lora
 
     module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear_names = sorted(
@@ -50,7 +56,9 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
         modules_to_save=to_save or None,
         bias="none",
     )
-    return get_peft_model(model, with_expert_lora(config))
+    peft_model = get_peft_model(model, with_expert_lora(config))
+    use_fused_lora(peft_model)
+    return peft_model
 
 
 # The vision tower's linear layers and merger (engine/model/vision.py): adapted or trained only as
@@ -101,9 +109,13 @@ def with_expert_lora(config):
 
 
 def load_adapter(model: nn.Module, directory, is_trainable: bool = False):
-    """Load a saved moe-tune adapter (PEFT files) onto `model` in one process."""
+    """Load a saved moe-tune adapter (PEFT files) onto `model` in one process; linear adapters take fused.py's path."""
     from peft import LoraConfig, PeftModel
 
+    from .fused import use_fused_lora
+
     config = with_expert_lora(LoraConfig.from_pretrained(str(directory)))
-    return PeftModel.from_pretrained(model, str(directory), config=config, is_trainable=is_trainable)
+    peft_model = PeftModel.from_pretrained(model, str(directory), config=config, is_trainable=is_trainable)
+    use_fused_lora(peft_model)
+    return peft_model
 
