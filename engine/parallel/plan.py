@@ -36,8 +36,8 @@ INDEX_BYTES = 4
 # AdamW keeps two fp32 moments per trainable parameter, and an fp32 master copy when the weights are not fp32.
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES
 MASTER_WEIGHT_BYTES = FP32_BYTES
-# The chunk length of the linear-attention kernel (ops/linear_attention DEFAULT_CHUNK_SIZE): its backward recomputes
-# one fp32 [K, V] state per chunk and head, and their gradients.
+# The chunk length of the linear-attention kernel (ops/linear_attention DEFAULT_CHUNK_SIZE): it keeps one [K, V]
+# state per chunk and head for backward, which holds their gradients.
 LINEAR_ATTENTION_CHUNK = 64
 # Forward and backward each gather every ZeRO-3 partitioned parameter once per micro-batch.
 ZERO3_GATHERS_PER_MICRO_BATCH = 2
@@ -203,7 +203,7 @@ def count_parameters(cfg: ModelProfile, lora: LoraProfile) -> ParameterCounts:
 class ActivationBytes:
     layers: int  # what backward keeps of the decoder layers
     head: int  # final norm, and the loss's saved gradient and one chunk of logits (or all logits: LoRA on the head)
-    transient: int  # the linear-attention backward's recomputed chunk states and their gradients (one layer)
+    transient: int  # the linear-attention backward's state gradients, and states recomputed if offloaded (one layer)
 
     @property
     def total(self) -> int:
@@ -232,6 +232,14 @@ def _layer_activation_elems(
         low += 2 * t * conv_width + 2 * t * la.num_value_heads * la.key_head_dim + 3 * t * value_width
         # beta, and the log decay before and after softplus, in fp32.
         wide += t * (la.num_value_heads + 2 * decay_width)
+        # The op's kernel intermediates, kept for backward (ops/linear_attention's save_intermediates, which the
+        # layers pass unless their class is offloaded): W, k exp(G_C - G) and q exp(G) [T, Hv, K], v_new [T, Hv, V],
+        # the inverse and the decayed q k^T [T, Hv, C] (KDA: its q k^T and k k^T), the states entering every chunk
+        # [ceil(T / C), Hv, K, V], and G (the summed log decay) in fp32.
+        num_chunks = -(-t // LINEAR_ATTENTION_CHUNK)
+        low += t * la.num_value_heads * (3 * la.key_head_dim + la.value_head_dim + 2 * LINEAR_ATTENTION_CHUNK)
+        low += num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim
+        wide += t * decay_width
     elif spec.attention in ("mla", "mla_sparse"):
         mla = cfg.mla
         assert mla is not None, "the schema requires model.mla for mla layers"
@@ -328,7 +336,7 @@ def activation_bytes(job: JobProfile) -> ActivationBytes:
     la = cfg.linear_attention
     if la is not None and any(spec.attention == "linear" for spec in cfg.layers):
         num_chunks = -(-t // LINEAR_ATTENTION_CHUNK)
-        transient = 2 * num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim * FP32_BYTES
+        transient = 2 * num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim * b
     return ActivationBytes(layers=layers, head=head, transient=transient)
 
 

@@ -284,6 +284,27 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
     guarded.check()
 
 
+def test_saved_intermediates_take_the_bytes_docs_plan_counts(kernel_path):
+    # docs/plan.md (engine/parallel/plan.py) counts T H (3K + V + 2C) + ceil(T / C) H K V values in the inputs' dtype
+    # and T H fp32 (G) for a layer that keeps them; the op must save exactly that much more than without.
+    T, H, K, V, C = 128, 2, 16, 32, kernels_fwd.CHUNK_SIZE
+
+    def saved_bytes(**options):
+        storages = {}
+
+        def pack(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        inputs = make_inputs(1, T, H=H, K=K, V=V, dtype=torch.float16, has_initial_state=False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True, **options)
+        return sum(storages.values())
+
+    expected = (T * H * (3 * K + V + 2 * C) + -(-T // C) * H * K * V) * 2 + T * H * 4
+    assert saved_bytes(save_intermediates=True) - saved_bytes() == expected
+
+
 def test_saved_intermediates_are_kept_only_when_a_gradient_is_needed(kernel_path):
     inputs = {name: x.detach() for name, x in make_inputs(1, 70).items()}
     stored = []
