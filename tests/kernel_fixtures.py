@@ -8,6 +8,19 @@ import pytest
 from guarded_buffers import GuardedBuffers
 
 
+def is_interpreted(kernel) -> bool:
+    """Whether a @triton.jit kernel was built in interpreter mode (its module imported under TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def skip_if_interpreted(kernel) -> None:
+    """Skip a GPU test whose kernels tests/ops imported in interpreter mode first in this session."""
+    if is_interpreted(kernel):
+        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+
+
 def forced_kernel_path(kernels_module, kernel_name: str, on_gpu: bool):
     """A fixture that forces MOE_TUNE_KERNELS=triton: through the interpreter (on_gpu False; the module must have
     been imported with TRITON_INTERPRET=1) or compiled for the GPU (skipped when tests/ops imported the module in
@@ -15,12 +28,10 @@ def forced_kernel_path(kernels_module, kernel_name: str, on_gpu: bool):
 
     @pytest.fixture
     def kernel_path(monkeypatch):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        is_interpreted = isinstance(getattr(kernels_module, kernel_name), InterpretedFunction)
-        if on_gpu and is_interpreted:
-            pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
-        assert on_gpu or is_interpreted, (
+        kernel = getattr(kernels_module, kernel_name)
+        if on_gpu:
+            skip_if_interpreted(kernel)
+        assert on_gpu or is_interpreted(kernel), (
             f"{kernels_module.__name__} was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
         )
         monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")

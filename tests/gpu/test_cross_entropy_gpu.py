@@ -8,7 +8,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 
 import pytest
 import torch
-from kernel_fixtures import guarded_outputs
+from kernel_fixtures import guarded_outputs, skip_if_interpreted
 
 from moe_tune.ops.cross_entropy import kernels, linear_cross_entropy
 from moe_tune.ops.cross_entropy.autograd import LinearCrossEntropyFunction, default_chunk_size
@@ -42,10 +42,7 @@ CASES = {
 @pytest.fixture
 def kernel_path(monkeypatch):
     """Auto dispatch on CUDA tensors, the kernels compiled for the GPU; counts the kernel's launches."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kernels._cross_entropy_chunk_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+    skip_if_interpreted(kernels._cross_entropy_chunk_kernel)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launches = []
