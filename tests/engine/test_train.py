@@ -192,3 +192,17 @@ def test_bf16_config_has_no_per_gradient_overflow_check():
     bf16 = deepspeed_config(load_profile("tiny", ["train.precision=bf16"]), world_size=1)
     assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": False}
     assert "bf16" not in deepspeed_config(load_profile("tiny", ["train.precision=fp32"]), world_size=1)
+
+
+@pytest.mark.parametrize("stage, takes_fast_path", [(1, True), (3, False)])
+def test_bf16_training_takes_the_lora_fast_path_unless_zero_3(tmp_path, monkeypatch, stage, takes_fast_path):
+    # PEFT creates adapters in the base weights' dtype at injection (fp32 here) and DeepSpeed casts the model to bf16
+    # after: adapters and inputs then agree, so the fast path applies; ZeRO-3 partitions the adapters (PEFT's path).
+    from moe_tune.engine.lora import fused
+
+    dtypes = []
+    apply = fused.LoraDeltaFunction.apply
+    monkeypatch.setattr(fused.LoraDeltaFunction, "apply", lambda x, *args: dtypes.append(x.dtype) or apply(x, *args))
+    profile = small_profile(tmp_path, "train.precision=bf16", f"parallel.zero_stage={stage}", "train.steps=2")
+    finetune(profile, show_progress=False)
+    assert set(dtypes) == ({torch.bfloat16} if takes_fast_path else set())
