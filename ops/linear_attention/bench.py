@@ -45,9 +45,10 @@ def bench_linear_attention(
     max_abs_err, note} and the machine (gpu, torch, triton, commit, date).
 
     Cases: "gdn" (our kernel as the model calls it, keeping the forward's passes for backward, and recomputing them
-    there as the op does by default; our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same q, k, v
-    as the softmax yardstick), "kda" (our kernel both ways, our reference, FLA's chunk_kda), and "varlen" (our gated delta rule
-    kernel on the B*T tokens as `num_docs` packed documents of mixed lengths, and as one document).
+    there as the op does by default; our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same
+    q, k, v as the softmax yardstick), "kda" (our kernel both ways, our reference, FLA's chunk_kda), and "varlen"
+    (our gated delta rule kernel, keeping its passes, on the B*T tokens as `num_docs` packed documents of mixed
+    lengths, and as one document).
     max_abs_err: the forward output's largest difference from our fp32 reference on the same inputs, so that a fast
     but wrong row shows as such. peak_memory_bytes: the larger of the two passes' peaks, each the most allocated
     during one untimed call above what was allocated before it (inputs and earlier cases excluded). A pass an
