@@ -166,16 +166,22 @@ def _write_json(path: Path, data) -> None:
 
 def _breakdown_table(breakdown: dict) -> Table:
     """One op class a row: time in the profiled step and share of the step; on CUDA also the device work its ops
-    launched and their host time in the profiled step (on the CPU the time is the host time)."""
+    launched, their host time and the GPU's idle time right before that work, in the profiled step (on the CPU the
+    time is the host time)."""
     from moe_tune.engine.bench.breakdown import CUDA_TIMING
 
     on_cuda = breakdown["timing"] == CUDA_TIMING
-    headers = ("op class", "ms", "share", *(("launches", "host ms") if on_cuda else ()))
+    headers = ("op class", "ms", "share", *(("launches", "host ms", "GPU idle before ms") if on_cuda else ()))
     table = Table()
     for header in headers:
         table.add_column(header, justify="left" if header == "op class" else "right", no_wrap=True)
     for row in breakdown["classes"]:
-        host = (f"{row['launches']:,}", f"{row['host_s'] * 1e3:,.1f}") if on_cuda else ()
+        idle = row.get("gpu_idle_before_s")
+        host = (
+            (f"{row['launches']:,}", f"{row['host_s'] * 1e3:,.1f}", "" if idle is None else f"{idle * 1e3:,.1f}")
+            if on_cuda
+            else ()
+        )
         table.add_row(row["op_class"], f"{row['time_s'] * 1e3:,.1f}", f"{row['share']:.1%}", *host)
     return table
 

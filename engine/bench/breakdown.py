@@ -250,13 +250,41 @@ def _event_time_us(event, is_cuda: bool) -> float:
     return float(event.self_cpu_time_total)
 
 
+def gpu_idle_before(events, attributed: list[tuple[Any, str]]) -> dict[str, float]:
+    """Microseconds the device sat idle right before each class's device work, in the profiled step.
+
+    The device events (kernels, copies, memsets of every stream) in start order; wherever one starts after all
+    earlier ones have ended, the gap counts to the class of the op that launched it (the CPU event whose id its
+    `linked_correlation_id` names; `other` when none is attributed). The GPU waited there for the host to issue that
+    class's work, so this says which class's host side holds the step back. Gaps are those of the profiled step:
+    the profiler slows the host, so they are larger than in an unprofiled step, alike for every class."""
+    from torch.autograd import DeviceType
+
+    # The ops the profiler gave device work to (it links a device event to its op by that op's id).
+    label_of = {event.id: label for event, label in attributed if event.kernels}
+    device = sorted((e for e in events if e.device_type != DeviceType.CPU), key=lambda e: e.time_range.start)
+    idle: dict[str, float] = defaultdict(float)
+    busy_until: float | None = None
+    for event in device:
+        start, end = event.time_range.start, event.time_range.end
+        if busy_until is not None and start > busy_until:
+            idle[label_of.get(event.linked_correlation_id, "other")] += start - busy_until
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return dict(idle)
+
+
 def shares(
-    attributed: list[tuple[Any, str]], step_time_s: float, is_cuda: bool, host_wall_s: float | None = None
+    attributed: list[tuple[Any, str]],
+    step_time_s: float,
+    is_cuda: bool,
+    host_wall_s: float | None = None,
+    idle_before_us: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Seconds and share of the step per op class (OP_CLASSES order, `unattributed` the rest), each class's
     launches and host seconds, and the heaviest ops by name. The basis is `step_time_s`, or the covered time when
     that is larger (overlapping streams). host_wall_s: the profiled step's wall time (unattributed's host time is
-    what no op's self CPU time covers of it; 0 without it)."""
+    what no op's self CPU time covers of it; 0 without it). idle_before_us (CUDA): `gpu_idle_before`'s result, each
+    class's `gpu_idle_before_s`."""
     per_class: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
     host_us: dict[str, float] = defaultdict(float)
@@ -281,6 +309,9 @@ def shares(
                  share=per_class.get(label, 0.0) / US_PER_S / basis_s if basis_s > 0 else 0.0,
                  launches=launches.get(label, 0), host_s=host_us.get(label, 0.0) / US_PER_S)
             for label in OP_CLASSES]  # fmt: skip
+    if idle_before_us is not None:
+        for row in rows:
+            row["gpu_idle_before_s"] = idle_before_us.get(row["op_class"], 0.0) / US_PER_S
     heaviest = sorted(per_op.items(), key=lambda item: -item[1][0])[:TOP_OPS]
     return dict(
         basis_s=basis_s,
@@ -313,8 +344,13 @@ def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
             start = time.perf_counter()
             record = runner.step()
             wall_s = time.perf_counter() - start
-    attributed = attribute(prof.events())
-    result = shares(attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda, host_wall_s=wall_s)
+    events = prof.events()
+    attributed = attribute(events)
+    idle = gpu_idle_before(events, attributed) if runner.is_cuda else None
+    result = shares(
+        attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda, host_wall_s=wall_s,
+        idle_before_us=idle,
+    )  # fmt: skip
     result.update(
         timing=CUDA_TIMING if runner.is_cuda else CPU_TIMING,
         profiled_step_time_s=wall_s,

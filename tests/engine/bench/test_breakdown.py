@@ -123,14 +123,14 @@ def test_cuda_shares_count_launches_and_host_time_per_class():
     assert rows["unattributed"]["launches"] == 0
 
 
-def test_breakdown_table_shows_launches_and_host_time_on_cuda_only():
+def test_breakdown_table_shows_launches_host_time_and_idle_on_cuda_only():
     from rich.console import Console
 
     from moe_tune.cli.profile import _breakdown_table
     from moe_tune.engine.bench.breakdown import CPU_TIMING, CUDA_TIMING
 
-    classes = [dict(op_class=label, time_s=0.001, share=1 / len(OP_CLASSES), launches=7, host_s=0.0025)
-               for label in OP_CLASSES]  # fmt: skip
+    classes = [dict(op_class=label, time_s=0.001, share=1 / len(OP_CLASSES), launches=7, host_s=0.0025,
+                    gpu_idle_before_s=0.0042) for label in OP_CLASSES]  # fmt: skip
 
     def rendered(timing):
         console = Console(record=True, width=200)
@@ -139,7 +139,8 @@ def test_breakdown_table_shows_launches_and_host_time_on_cuda_only():
 
     cuda, cpu = rendered(CUDA_TIMING), rendered(CPU_TIMING)
     assert "launches" in cuda and "host ms" in cuda and "2.5" in cuda
-    assert "launches" not in cpu and "host ms" not in cpu and "2.5" not in cpu
+    assert "GPU idle before ms" in cuda and "4.2" in cuda
+    assert "launches" not in cpu and "host ms" not in cpu and "2.5" not in cpu and "4.2" not in cpu
 
 
 def test_covered_time_beyond_the_step_becomes_the_basis():
@@ -152,3 +153,46 @@ def test_covered_time_beyond_the_step_becomes_the_basis():
     rows = {row["op_class"]: row for row in result["classes"]}
     assert result["basis_s"] == 3.0
     assert rows["MoE experts"]["share"] == 1.0 and rows["unattributed"]["share"] == 0.0
+
+
+def test_gpu_idle_counts_to_the_class_whose_work_ends_the_gap():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from moe_tune.engine.bench.breakdown import gpu_idle_before
+
+    def op(event_id, kernels):
+        return SimpleNamespace(id=event_id, kernels=kernels, device_type=DeviceType.CPU)
+
+    def device(linked, start, end):
+        return SimpleNamespace(
+            linked_correlation_id=linked, device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end)
+        )
+
+    mm, norm, view, launcher = op(1, ["k"]), op(2, ["k"]), op(9, []), op(4, ["k"])
+    # An op without device work has the id a launch links to: it must not take that launch's gap.
+    attributed = [(mm, "MoE experts"), (norm, "norms"), (view, "full attention"), (launcher, "optimizer step")]
+    events = [
+        device(2, 130.0, 140.0),  # after a 20 us gap: norms
+        device(1, 0.0, 100.0),  # the first event: no gap before it
+        device(1, 105.0, 110.0),  # 5 us: MoE experts
+        device(4, 108.0, 109.0),  # overlaps (another stream): no gap
+        device(4, 150.0, 160.0),  # 10 us: optimizer step
+        device(9, 170.0, 171.0),  # 5 us, launched by no op with device work that the attribution saw: other
+        device(2, 160.0, 165.0),  # starts when the last one ends: no gap
+    ]
+    idle = gpu_idle_before(events + [mm, norm], attributed)
+    assert idle == {"norms": 20.0, "MoE experts": 5.0, "optimizer step": 10.0, "other": 5.0}
+
+
+def test_shares_report_the_idle_before_each_class_only_when_given():
+    class Event:
+        name, kernels, self_cpu_time_total = "aten::mm", (), 1.0
+
+    attributed = [(Event(), "MoE experts")]
+    with_idle = shares(attributed, 0.001, True, idle_before_us={"norms": 250.0})
+    rows = {row["op_class"]: row for row in with_idle["classes"]}
+    assert rows["norms"]["gpu_idle_before_s"] == pytest.approx(250e-6)
+    assert rows["MoE experts"]["gpu_idle_before_s"] == 0.0
+    assert all("gpu_idle_before_s" not in row for row in shares(attributed, 0.001, True)["classes"])
