@@ -206,3 +206,39 @@ def test_bf16_training_takes_the_lora_fast_path_unless_zero_3(tmp_path, monkeypa
     profile = small_profile(tmp_path, "train.precision=bf16", f"parallel.zero_stage={stage}", "train.steps=2")
     finetune(profile, show_progress=False)
     assert set(dtypes) == ({torch.bfloat16} if takes_fast_path else set())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_bias_update_of_all_layers_at_once_equals_each_layers_own(dtype):
+    """trainer._update_moe_bias (stacked loads, foreach updates) against MoEBlock.update_selection_bias layer by
+    layer: the same biases bit for bit, loads and drops zeroed, and the per-layer max/mean and drop count."""
+    import copy
+    import types
+
+    from moe_tune.engine.model.moe import MoEBlock
+    from moe_tune.engine.train.trainer import _update_moe_bias
+    from moe_tune.profiles.schema import MoESpec
+
+    spec = MoESpec(num_experts=7, top_k=2, expert_intermediate_size=8, bias_update_rate=0.01)
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.nn.ModuleList(MoEBlock(16, spec, layer_index=i) for i in range(3)).to(dtype)
+    for i, block in enumerate(blocks):
+        block.selection_bias.copy_(torch.randn(7, generator=gen))
+        block.load_counts.copy_(torch.randint(0, 50, (7,), generator=gen).float())
+        block.dropped_slots.fill_(3.0 * i)
+    blocks[1].load_counts.zero_()  # no loads counted: the bias stays
+    initial = [block.selection_bias.clone() for block in blocks]
+    expected = copy.deepcopy(blocks)
+    want = []
+    for block in expected:
+        counts = block.load_counts
+        mean, peak = counts.mean().item(), counts.max().item()
+        want.append((round(peak / mean, 4) if mean > 0 else 0.0, block.dropped_slots.item()))
+        block.update_selection_bias()
+    engine = types.SimpleNamespace(module=blocks)
+    imbalance, dropped = _update_moe_bias(engine, types.SimpleNamespace(world_size=1))
+    assert imbalance == [w[0] for w in want] and dropped == int(sum(w[1] for w in want)) == 9
+    for ours, theirs in zip(blocks, expected, strict=True):
+        assert torch.equal(ours.selection_bias, theirs.selection_bias)
+        assert not ours.load_counts.any() and ours.dropped_slots.item() == 0
+    assert not torch.equal(blocks[0].selection_bias, initial[0]) and torch.equal(blocks[1].selection_bias, initial[1])
