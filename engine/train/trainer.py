@@ -507,14 +507,13 @@ def _update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
             torch.distributed.all_reduce(stats)
             counts_LE, dropped_L = stats[:, :-1], stats[:, -1]
         mean_L = counts_LE.mean(dim=1)
-        rates = [block.spec.bias_update_rate for block in blocks]
-        if any(rate > 0 for rate in rates):
-            # MoEBlock.update_selection_bias for every layer: bias += rate * sign(mean - counts).
-            # The rates in the counts' dtype, as a Python float times those counts rounds them.
-            rates_L = torch.tensor(rates, dtype=counts_LE.dtype, device=counts_LE.device)
-            step_LE = torch.sign(mean_L[:, None] - counts_LE) * rates_L[:, None]
-            updated = [i for i, rate in enumerate(rates) if rate > 0]
-            torch._foreach_add_([blocks[i].selection_bias for i in updated], [step_LE[i] for i in updated])
+        # Every MoE layer takes the profile's one `model.moe`, so one rate.
+        rate = blocks[0].spec.bias_update_rate
+        if rate > 0:
+            # MoEBlock.update_selection_bias for every layer: bias += rate * sign(mean - counts), the product
+            # rounded to the counts' dtype as there.
+            step_LE = torch.sign(mean_L[:, None] - counts_LE).mul_(rate)
+            torch._foreach_add_([block.selection_bias for block in blocks], list(step_LE.unbind(0)))
         # One copy to the host for all layers (a .item() per value would wait for the GPU once per value).
         values = torch.stack([mean_L, counts_LE.amax(dim=1), dropped_L], dim=1)
         torch._foreach_zero_(loads + dropped)
