@@ -260,3 +260,30 @@ def test_moe_mlp_kernel_issue_shapes_lora_bf16(kernel_path, shape):
     case["topk_ids"] = topk_ids
     case["topk_weights"] = topk_weights.to(dtype).requires_grad_()
     _assert_matches_reference(_freeze(case, ("w_gate_up", "w_down")), dtype)
+
+
+@pytest.mark.parametrize("num_experts, skew", [(64, None), (61, "one"), (256, "empty_ends"), (1, None)])
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_routing_kernels_match_torch_bitwise(num_experts, skew, block):
+    """The routing metadata and tile maps of the Triton kernels against their torch versions, on the device (the
+    moe_mlp tests above would only see a wrong map through the outputs)."""
+    from moe_tune.ops.moe import kernels
+
+    gen = torch.Generator(device=DEVICE).manual_seed(num_experts + block)
+    num_tokens, top_k = 16384, min(8, num_experts)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen, device=DEVICE)
+    if skew == "one":
+        ids[: num_tokens * 3 // 4] = 5  # three quarters of the slots on one expert
+    elif skew == "empty_ends":
+        ids = ids.clamp(1, num_experts - 2)
+    sorted_ids, sort_index = torch.sort(ids.reshape(-1), stable=True)
+    ours = kernels._routing_metadata(sorted_ids, sort_index, num_experts, top_k, block)
+    theirs = kernels._routing_metadata_torch(sorted_ids, sort_index, num_experts, top_k, block)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
+    offsets = theirs[2].long()
+    for chunk_rows in (block, 512, 4096):
+        ours_map = kernels._tile_map(offsets, sorted_ids.numel(), chunk_rows)
+        theirs_map = kernels._tile_map_torch(offsets, sorted_ids.numel(), chunk_rows)
+        for a, b in zip(ours_map, theirs_map, strict=True):
+            assert torch.equal(a, b)

@@ -42,10 +42,43 @@ def kernel_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+# int32 has no NaN: a fresh routing-metadata buffer holds INDEX_FILL (no expert, row or tile is below -1) and is
+# followed by INDEX_GUARD.
+INDEX_FILL = -7
+INDEX_GUARD = 0x5EED
+
+
+class GuardedMoEBuffers(GuardedBuffers):
+    """GuardedBuffers for the float buffers (`kernels._alloc`), and likewise for the int32 routing metadata
+    (`kernels._alloc_index`)."""
+
+    def __init__(self, guard_elements: int):
+        super().__init__(guard_elements)
+        self.index_buffers: list[tuple[torch.Tensor, int, tuple]] = []
+
+    def alloc_index(self, shape, device):
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = torch.full((numel + self.guard_elements,), INDEX_FILL, dtype=torch.int32, device=device)
+        flat[numel:] = INDEX_GUARD
+        self.index_buffers.append((flat, numel, tuple(shape)))
+        return flat[:numel].view(shape)
+
+    def check(self):
+        assert self.buffers or self.index_buffers, "no kernel buffer was allocated: the kernel path did not run"
+        if self.buffers:
+            super().check()
+        for flat, numel, shape in self.index_buffers:
+            is_intact = bool((flat[numel:] == INDEX_GUARD).all())
+            assert is_intact, f"a kernel wrote past the end of an int32 buffer of shape {shape}"
+
+
 @pytest.fixture
-def guarded(monkeypatch) -> GuardedBuffers:
-    buffers = GuardedBuffers(GUARD_ELEMENTS)
+def guarded(monkeypatch) -> GuardedMoEBuffers:
+    buffers = GuardedMoEBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
+    monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
     return buffers
 
 
@@ -460,6 +493,111 @@ def test_max_tiles_is_an_upper_bound():
     assert sum(-(-c // block_m) for c in counts) <= kernels.max_tiles(sum(counts), num_experts, block_m)
     assert kernels.max_tiles(3, 64, block_m) == 3
     assert kernels.max_tiles(0, 8, block_m) == 0
+
+
+# Rows per expert for the routing-metadata kernels against their torch versions: (counts_E, k).
+ROUTING_COUNTS = {
+    # Prime E = 7, experts 0, 3 and 6 empty (the first and the last too), 56 rows.
+    "first_and_last_empty_E7": ([0, 5, 17, 0, 33, 1, 0], 2),
+    # Every row on one expert: it owns every busy tile (10 steps of the tile loop at block 16 and step 2).
+    "one_expert_takes_all": ([0, 0, 0, 300, 0, 0, 0, 0], 3),
+    # Prime E = 61, every fifth expert empty, 240 rows: a block of 64 expert lanes per program.
+    "prime_E61": ([(7 * e) % 10 if e % 5 else 0 for e in range(61)], 3),
+    "E1": ([77], 1),
+    # N = 0: no slots, no tiles; every offset and first tile is 0.
+    "no_slots": ([0, 0, 0, 0], 2),
+    # Counts that are whole multiples of the 16- and 64-row blocks: no partial tile at those sizes.
+    "whole_tiles": ([64, 128, 0, 192], 2),
+}
+BLOCKS = [pytest.param(block, id=f"block{block}") for block in (16, 64, 128)]
+
+
+def _offsets(counts_E: list[int]) -> torch.Tensor:
+    """[E+1] int64 row offsets of experts with these row counts."""
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(counts_E, dtype=torch.long).cumsum(0)])
+
+
+def _topk_ids(counts_E: list[int], top_k: int) -> torch.Tensor:
+    """[N, k] int64 ids, shuffled, with counts_E[e] slots on expert e."""
+    ids_S = torch.repeat_interleave(torch.arange(len(counts_E)), torch.tensor(counts_E))
+    ids_S = ids_S[torch.randperm(ids_S.numel(), generator=torch.Generator().manual_seed(0))]
+    return ids_S.view(-1, top_k)
+
+
+def _assert_equal_int32(got: tuple, expected: tuple, names: tuple[str, ...]) -> None:
+    for name, tensor, reference in zip(names, got, expected, strict=True):
+        assert tensor.dtype == torch.int32, name
+        assert torch.equal(tensor, reference), f"{name}: {tensor.tolist()} != {reference.tolist()}"
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("counts_E, top_k", list(ROUTING_COUNTS.values()), ids=list(ROUTING_COUNTS))
+@pytest.mark.parametrize(
+    "tile_step",
+    [
+        pytest.param(kernels.TILE_MAP_STEP, id="step_default"),
+        # Two tiles a step: every expert with more than two tiles, and the no-work tail, loop several times.
+        pytest.param(2, id="step2"),
+    ],
+)
+def test_tile_map_kernel_matches_torch(kernel_path, guarded, monkeypatch, counts_E, top_k, block, tile_step):
+    monkeypatch.setattr(kernels, "TILE_MAP_STEP", tile_step)
+    offsets_E1 = _offsets(counts_E)
+    num_slots = sum(counts_E)
+    expected = kernels._tile_map_torch(offsets_E1, num_slots, block)
+    # int32 offsets as row_chunks passes them (MoERouting's), int64 as the torch version takes them.
+    for offsets in (offsets_E1.to(torch.int32), offsets_E1):
+        got = kernels._tile_map(offsets, num_slots, block)
+        _assert_equal_int32(got, expected, ("tile_expert", "tile_row", "first_tile"))
+    assert got[0].shape == (kernels.max_tiles(num_slots, len(counts_E), block),)
+    guarded.check()
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("counts_E, top_k", list(ROUTING_COUNTS.values()), ids=list(ROUTING_COUNTS))
+@pytest.mark.parametrize(
+    "block_s",
+    [
+        pytest.param(kernels.ROUTING_BLOCK_S, id="slots_default"),
+        # 16 slots a program: more programs than E+1 (up to 19), the ones past E only cast their slots.
+        pytest.param(16, id="slots16"),
+    ],
+)
+def test_moe_routing_kernel_matches_torch(kernel_path, guarded, monkeypatch, counts_E, top_k, block, block_s):
+    monkeypatch.setattr(kernels, "ROUTING_BLOCK_S", block_s)
+    monkeypatch.setattr(kernels, "TILE_MAP_STEP", 4)
+    topk_ids = _topk_ids(counts_E, top_k)
+    num_experts = len(counts_E)
+    sorted_ids_S, sort_index_S = torch.sort(topk_ids.reshape(-1), stable=True)
+    expected = kernels._routing_metadata_torch(sorted_ids_S, sort_index_S, num_experts, top_k, block)
+    names = ("slot_of_row", "token_of_row", "offsets", "tile_expert", "tile_row")
+    # int32 ids are sorted as given (no cast): the same rows as int64 ids.
+    for ids_dtype in (torch.int64, torch.int32):
+        routing = kernels.moe_routing(topk_ids.to(ids_dtype), num_experts, block)
+        _assert_equal_int32(routing.tensors(), expected, names)
+    guarded.check()
+
+
+class _NoLaunch:
+    """Stands in for a kernel that must not launch."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a routing kernel ran on CPU tensors without the interpreter")
+
+
+def test_routing_metadata_takes_torch_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernels, "_moe_routing_kernel", _NoLaunch())
+    monkeypatch.setattr(kernels, "_moe_tile_map_kernel", _NoLaunch())
+    counts_E, top_k = ROUTING_COUNTS["first_and_last_empty_E7"]
+    topk_ids = _topk_ids(counts_E, top_k)
+    config = kernels.pick_config(torch.zeros(1), topk_ids.numel(), len(counts_E))
+    routing = kernels.moe_routing(topk_ids, len(counts_E), config.block_m)
+    chunks = kernels.row_chunks(routing, config)
+    assert torch.equal(routing.offsets_E1.long(), _offsets(counts_E))
+    expected = kernels._tile_map_torch(_offsets(counts_E), topk_ids.numel(), chunks.chunk_rows)
+    got = (chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1)
+    _assert_equal_int32(got, expected, ("chunk_expert", "chunk_row", "first_chunk"))
 
 
 def _spy_kernel(monkeypatch) -> list:
