@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
+from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import ModelProfile
 
@@ -226,16 +227,19 @@ class GatedDeltaNet(nn.Module):
         q = q.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
         k = k.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
         v = v.view(1, t, self.hv, self.dv)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        a = self.a_proj(x).float() + self.dt_bias.float()
         if self.per_channel:
+            beta = torch.sigmoid(self.b_proj(x).float())
+            a = self.a_proj(x).float() + self.dt_bias.float()
             g = -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk))
             o, _ = kda(
                 q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
                 save_intermediates=self.saves_op_intermediates,
             )  # fmt: skip
         else:
-            g = -self.A_log.float().exp() * F.softplus(a)
+            # Both gates in one kernel each way (eight to ten eager ops otherwise). b_proj runs first, as before: the
+            # order of the projections sets the order in which x's gradient adds up their parts.
+            b = self.b_proj(x)
+            g, beta = gdn_gates(self.a_proj(x), b, self.A_log, self.dt_bias)
             o, _ = gated_delta_rule(
                 q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
                 save_intermediates=self.saves_op_intermediates,

@@ -14,6 +14,7 @@ import math
 
 import pytest
 from guarded_buffers import GuardedBuffers
+from kernel_fixtures import skip_if_interpreted
 import torch
 import torch.nn.functional as F
 
@@ -296,3 +297,40 @@ def test_varlen_matches_reference(guarded, dtype, num_heads, is_per_channel):
         1, sum(DOC_LENGTHS), num_heads, 128, 128, dtype=dtype, is_per_channel=is_per_channel, num_seqs=len(DOC_LENGTHS)
     )
     assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=True, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("params_trainable", [False, True], ids=["frozen", "trainable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dtype):
+    """ops.linear_attention.gates on the device at the benchmark model's shape (T8192, 32 heads): g, beta and every
+    gradient against the fp64 reference on the same inputs, with a's values across softplus's threshold."""
+    from moe_tune.ops.linear_attention import kernels_gates
+    from moe_tune.ops.linear_attention.gates import gdn_gates, gdn_gates_ref
+
+    skip_if_interpreted(kernels_gates._gdn_gates_fwd_kernel)
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    buffers = GuardedBuffers(guard_elements=1 << 14)
+    monkeypatch.setattr(kernels_gates, "_alloc", buffers.alloc)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    T, H = 8192, 32
+    a = (torch.randn(1, T, H, device="cuda", generator=gen) * 12).to(dtype).requires_grad_()
+    b = (torch.randn(1, T, H, device="cuda", generator=gen) * 4).to(dtype).requires_grad_()
+    A_log = (torch.rand(H, device="cuda", generator=gen) * math.log(16)).requires_grad_(params_trainable)
+    dt_bias = (1 + 0.5 * torch.randn(H, device="cuda", generator=gen)).requires_grad_(params_trainable)
+    grad_g, grad_beta = (torch.randn(1, T, H, device="cuda", generator=gen) for _ in range(2))
+
+    def run(op, *inputs):
+        leaves = [t for t in inputs if t.requires_grad]
+        g, beta = op(*inputs)
+        grads = torch.autograd.grad((g * grad_g).sum() + (beta * grad_beta).sum(), leaves)
+        return [g, beta, *grads]
+
+    ours = run(gdn_gates, a, b, A_log, dt_bias)
+    buffers.check()
+    exact = run(lambda *x: gdn_gates_ref(*x, compute_dtype=torch.float64), a, b, A_log, dt_bias)
+    # fp32 math on both sides; the input gradients are rounded to the input dtype (bf16: 2^-9 relative).
+    rtol = 8e-3 if dtype == torch.bfloat16 else 2e-5
+    for name, got, want in zip(["g", "beta", "da", "db", "dA_log", "ddt_bias"], ours, exact):
+        assert got.dtype == (torch.float32 if name in ("g", "beta", "dA_log", "ddt_bias") else dtype), name
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= rtol, f"{name}: {err:.2e}"
