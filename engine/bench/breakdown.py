@@ -250,25 +250,30 @@ def _event_time_us(event, is_cuda: bool) -> float:
     return float(event.self_cpu_time_total)
 
 
-def gpu_idle_before(events, attributed: list[tuple[Any, str]]) -> dict[str, float]:
-    """Microseconds the device sat idle right before each class's device work, in the profiled step.
-
-    The device events (kernels, copies, memsets of every stream) in start order; wherever one starts after all
-    earlier ones have ended, the gap counts to the class of the op that launched it (the CPU event whose id its
-    `linked_correlation_id` names; `other` when none is attributed). The GPU waited there for the host to issue that
-    class's work, so this says which class's host side holds the step back. Gaps are those of the profiled step:
-    the profiler slows the host, so they are larger than in an unprofiled step, alike for every class."""
+def device_spans(prof) -> list[tuple[float, float, int]]:
+    """(start us, end us, linked correlation id) of every device event (kernels, copies, memsets) of a finished
+    torch.profiler run, from its raw Kineto events: the FunctionEvents of torch 2.11 do not keep the link."""
     from torch.autograd import DeviceType
 
+    return [(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.linked_correlation_id())
+            for e in prof.profiler.kineto_results.events() if e.device_type() != DeviceType.CPU]  # fmt: skip
+
+
+def gpu_idle_before(spans: list[tuple[float, float, int]], attributed: list[tuple[Any, str]]) -> dict[str, float]:
+    """Microseconds the device sat idle right before each class's device work, in the profiled step.
+
+    spans: `device_spans` (every stream's kernels, copies and memsets). In start order, wherever one starts after
+    all earlier ones have ended, the gap counts to the class of the op that launched it (the CPU event whose id its
+    linked correlation id names; `other` when none is attributed). The GPU waited there for the host to issue that
+    class's work, so this says which class's host side holds the step back. Gaps are those of the profiled step:
+    the profiler slows the host, so they are larger than in an unprofiled step, alike for every class."""
     # The ops the profiler gave device work to (it links a device event to its op by that op's id).
     label_of = {event.id: label for event, label in attributed if event.kernels}
-    device = sorted((e for e in events if e.device_type != DeviceType.CPU), key=lambda e: e.time_range.start)
     idle: dict[str, float] = defaultdict(float)
     busy_until: float | None = None
-    for event in device:
-        start, end = event.time_range.start, event.time_range.end
+    for start, end, linked in sorted(spans):
         if busy_until is not None and start > busy_until:
-            idle[label_of.get(event.linked_correlation_id, "other")] += start - busy_until
+            idle[label_of.get(linked, "other")] += start - busy_until
         busy_until = end if busy_until is None else max(busy_until, end)
     return dict(idle)
 
@@ -346,7 +351,7 @@ def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
             wall_s = time.perf_counter() - start
     events = prof.events()
     attributed = attribute(events)
-    idle = gpu_idle_before(events, attributed) if runner.is_cuda else None
+    idle = gpu_idle_before(device_spans(prof), attributed) if runner.is_cuda else None
     result = shares(
         attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda, host_wall_s=wall_s,
         idle_before_us=idle,

@@ -158,31 +158,24 @@ def test_covered_time_beyond_the_step_becomes_the_basis():
 def test_gpu_idle_counts_to_the_class_whose_work_ends_the_gap():
     from types import SimpleNamespace
 
-    from torch.autograd import DeviceType
-
     from moe_tune.engine.bench.breakdown import gpu_idle_before
 
     def op(event_id, kernels):
-        return SimpleNamespace(id=event_id, kernels=kernels, device_type=DeviceType.CPU)
-
-    def device(linked, start, end):
-        return SimpleNamespace(
-            linked_correlation_id=linked, device_type=DeviceType.CUDA, time_range=SimpleNamespace(start=start, end=end)
-        )
+        return SimpleNamespace(id=event_id, kernels=kernels)
 
     mm, norm, view, launcher = op(1, ["k"]), op(2, ["k"]), op(9, []), op(4, ["k"])
     # An op without device work has the id a launch links to: it must not take that launch's gap.
     attributed = [(mm, "MoE experts"), (norm, "norms"), (view, "full attention"), (launcher, "optimizer step")]
-    events = [
-        device(2, 130.0, 140.0),  # after a 20 us gap: norms
-        device(1, 0.0, 100.0),  # the first event: no gap before it
-        device(1, 105.0, 110.0),  # 5 us: MoE experts
-        device(4, 108.0, 109.0),  # overlaps (another stream): no gap
-        device(4, 150.0, 160.0),  # 10 us: optimizer step
-        device(9, 170.0, 171.0),  # 5 us, launched by no op with device work that the attribution saw: other
-        device(2, 160.0, 165.0),  # starts when the last one ends: no gap
+    spans = [  # (start, end, linked correlation id), not in start order
+        (130.0, 140.0, 2),  # after a 20 us gap: norms
+        (0.0, 100.0, 1),  # the first event: no gap before it
+        (105.0, 110.0, 1),  # 5 us: MoE experts
+        (108.0, 109.0, 4),  # overlaps (another stream): no gap
+        (150.0, 160.0, 4),  # 10 us: optimizer step
+        (170.0, 171.0, 9),  # 5 us, launched by no op with device work that the attribution saw: other
+        (160.0, 165.0, 2),  # starts when the last one ends: no gap
     ]
-    idle = gpu_idle_before(events + [mm, norm], attributed)
+    idle = gpu_idle_before(spans, attributed)
     assert idle == {"norms": 20.0, "MoE experts": 5.0, "optimizer step": 10.0, "other": 5.0}
 
 
