@@ -194,6 +194,14 @@ def test_bf16_config_has_no_per_gradient_overflow_check():
     assert "bf16" not in deepspeed_config(load_profile("tiny", ["train.precision=fp32"]), world_size=1)
 
 
+@pytest.mark.parametrize("stage, world_size, contiguous", [(1, 1, False), (1, 2, True), (2, 1, True), (3, 1, True)])
+def test_contiguous_gradients_only_off_for_stage_1_in_one_process(stage, world_size, contiguous):
+    # One process at stage 1 skips DeepSpeed's two gradient copies a tensor (test_zero_equals_plain_pytorch trains
+    # with the generated config at every stage); stage 2 partitions into that buffer, and several ranks keep it.
+    config = deepspeed_config(load_profile("tiny", [f"parallel.zero_stage={stage}"]), world_size=world_size)
+    assert config["zero_optimization"]["contiguous_gradients"] is contiguous
+
+
 @pytest.mark.parametrize("stage, takes_fast_path", [(1, True), (3, False)])
 def test_bf16_training_takes_the_lora_fast_path_unless_zero_3(tmp_path, monkeypatch, stage, takes_fast_path):
     # PEFT creates adapters in the base weights' dtype at injection (fp32 here) and DeepSpeed casts the model to bf16
