@@ -131,12 +131,10 @@ def _softplus_parts(x, THRESHOLD: tl.constexpr):
 
 
 @triton.jit
-def _gdn_gates_fwd_kernel(
-    a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
-    M, H,
-    THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def _load_tile(a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, pid, M, H, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program pid's [BLOCK_M, BLOCK_H] tile: its offsets and masks, -exp(A_log) [BLOCK_H], x = a + dt_bias and b
+    (fp32)."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     heads = tl.arange(0, BLOCK_H)
     head_mask = heads < H
     mask = (rows < M)[:, None] & head_mask[None, :]
@@ -145,7 +143,19 @@ def _gdn_gates_fwd_kernel(
     dt_bias = tl.load(dt_bias_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    softplus, _ = _softplus_parts(a + dt_bias[None, :], THRESHOLD)
+    return offsets, mask, head_mask, neg_rate, a + dt_bias[None, :], b
+
+
+@triton.jit
+def _gdn_gates_fwd_kernel(
+    a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, g_ptr, beta_ptr,
+    M, H,
+    THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    offsets, mask, _, neg_rate, x, b = _load_tile(
+        a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, tl.program_id(0), M, H, BLOCK_M, BLOCK_H
+    )
+    softplus, _ = _softplus_parts(x, THRESHOLD)
     tl.store(g_ptr + offsets, neg_rate[None, :] * softplus, mask=mask)
     tl.store(beta_ptr + offsets, tl.sigmoid(b), mask=mask)
 
@@ -157,19 +167,14 @@ def _gdn_gates_bwd_kernel(
     HAS_PARAM_GRADS: tl.constexpr, THRESHOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offsets, mask, head_mask, neg_rate, x, b = _load_tile(
+        a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, pid, M, H, BLOCK_M, BLOCK_H
+    )
     heads = tl.arange(0, BLOCK_H)
-    head_mask = heads < H
-    mask = (rows < M)[:, None] & head_mask[None, :]
-    offsets = rows[:, None].to(tl.int64) * H + heads[None, :]
-    neg_rate = -tl.exp(tl.load(A_log_ptr + heads, mask=head_mask, other=0.0).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     # Masked elements load dg = 0: they add nothing to the sums below.
     dg = tl.load(dg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dbeta = tl.load(dbeta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    softplus, slope = _softplus_parts(a + dt_bias[None, :], THRESHOLD)
+    softplus, slope = _softplus_parts(x, THRESHOLD)
     # In torch's order: mul's backward, then softplus's.
     da = (dg * neg_rate[None, :]) * slope
     tl.store(da_ptr + offsets, da.to(da_ptr.dtype.element_ty), mask=mask)
