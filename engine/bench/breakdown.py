@@ -18,7 +18,9 @@ when overlapping streams make the covered time exceed the step, shares are taken
 to 1. Beside the time, each class's host side in the profiled step: the device work its ops launched (kernels,
 copies, memsets: `launches`) and its ops' self CPU time (`host_s`, inflated by the profiler alike for every class);
 `unattributed`'s host time is the profiled step's wall time no op covers (Python between ops). Where the GPU idles
-for the host (a large `unattributed` on CUDA), these say which class's launches and host work hold the step back.
+for the host (a large `unattributed` on CUDA), these say which class's launches and host work hold the step back;
+on CUDA `gpu_idle_before_s` says where the GPU waited: the gaps in its timeline, each counted to the class whose
+work ends the gap.
 """
 
 from __future__ import annotations
@@ -349,8 +351,7 @@ def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
             start = time.perf_counter()
             record = runner.step()
             wall_s = time.perf_counter() - start
-    events = prof.events()
-    attributed = attribute(events)
+    attributed = attribute(prof.events())
     idle = gpu_idle_before(device_spans(prof), attributed) if runner.is_cuda else None
     result = shares(
         attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda, host_wall_s=wall_s,
