@@ -52,6 +52,7 @@ def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
 
     buffers = GuardedBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
+    monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
     return buffers
 
 

@@ -42,41 +42,9 @@ def kernel_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-# int32 has no NaN: a fresh routing-metadata buffer holds INDEX_FILL (no expert, row or tile is below -1) and is
-# followed by INDEX_GUARD.
-INDEX_FILL = -7
-INDEX_GUARD = 0x5EED
-
-
-class GuardedMoEBuffers(GuardedBuffers):
-    """GuardedBuffers for the float buffers (`kernels._alloc`), and likewise for the int32 routing metadata
-    (`kernels._alloc_index`)."""
-
-    def __init__(self, guard_elements: int):
-        super().__init__(guard_elements)
-        self.index_buffers: list[tuple[torch.Tensor, int, tuple]] = []
-
-    def alloc_index(self, shape, device):
-        numel = 1
-        for size in shape:
-            numel *= size
-        flat = torch.full((numel + self.guard_elements,), INDEX_FILL, dtype=torch.int32, device=device)
-        flat[numel:] = INDEX_GUARD
-        self.index_buffers.append((flat, numel, tuple(shape)))
-        return flat[:numel].view(shape)
-
-    def check(self):
-        assert self.buffers or self.index_buffers, "no kernel buffer was allocated: the kernel path did not run"
-        if self.buffers:
-            super().check()
-        for flat, numel, shape in self.index_buffers:
-            is_intact = bool((flat[numel:] == INDEX_GUARD).all())
-            assert is_intact, f"a kernel wrote past the end of an int32 buffer of shape {shape}"
-
-
 @pytest.fixture
-def guarded(monkeypatch) -> GuardedMoEBuffers:
-    buffers = GuardedMoEBuffers(GUARD_ELEMENTS)
+def guarded(monkeypatch) -> GuardedBuffers:
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
     monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
     return buffers
