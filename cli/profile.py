@@ -130,6 +130,7 @@ def _steps_table(result: dict) -> Table:
     swap_fraction = result["swap_fraction_of_pinned"]
     rows = [
         ("memory policy", result["memory_policy"]),
+        ("MoE blocks in CUDA graphs", str(result["graphed_moe_blocks"])),
         ("parameters (trainable)", f"{result['parameters']:,} ({result['trainable_parameters']:,})"),
         ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
         ("step latency", f"{result['step_time_s'] * 1e3:,.1f} ms"),

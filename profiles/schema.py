@@ -609,6 +609,11 @@ class TrainProfile(Strict):
     precision: Literal["fp32", "bf16"] = Field("fp32", description="compute dtype of weights and activations")
     seed: int = Field(0, description="seed of everything random during training")
     log_every: int = Field(10, ge=1, description="steps between log lines when the console is not a terminal")
+    cuda_graphs: Union[bool, Literal["auto"]] = Field(
+        "auto", description="replay each MoE block's forward and backward as CUDA graphs (one GPU's step waits on "
+        "the host's launches; the same kernels as eager): auto where the run allows it (a CUDA device, ZeRO stage "
+        "1-2, expert_parallel 1, memory preset none without checkpointing), true (or an error saying why not), false"
+    )
 
     @model_validator(mode="after")
     def check_schedule(self):

@@ -36,6 +36,7 @@ from typing import Any
 from torch import nn
 
 from moe_tune.engine.memory.store import COPY_RANGE
+from moe_tune.engine.train.graphs import GRAPHED_ATTR
 
 # The op classes, in the order tables and charts show them.
 OP_CLASSES = (
@@ -86,7 +87,10 @@ def module_classes(root: nn.Module) -> dict[nn.Module, str]:
     for name, module in root.named_modules():
         base = module.get_base_layer() if isinstance(module, LoraLayer) else module
         label = next((label for types, label in table if isinstance(base, types)), None)
-        if name.endswith("shared_expert_gate"):
+        if getattr(module, GRAPHED_ATTR, False):
+            # A graphed MoE block (train.cuda_graphs) runs its router and shared expert inside the experts' graph.
+            label = "MoE experts"
+        elif name.endswith("shared_expert_gate"):
             label = "shared expert / dense MLP"
         elif name == "lm_head":
             label = "lm_head + loss"

@@ -32,6 +32,7 @@ COPY_PROBE_BYTES = 512 * 2**20
 COPY_PROBE_REPEATS = 5
 RESULT_KEYS = (
     "profile", "seq_len", "micro_batch_size", "gradient_accumulation_steps", "precision", "memory_policy",
+    "graphed_moe_blocks",
     "warmup_steps", "steps", "first_step_loss", "losses",
     "tokens_per_s", "step_time_s", "step_times_s", "peak_memory_bytes",
     "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
@@ -54,6 +55,7 @@ class StepRunner:
         from moe_tune.engine.parallel.expert_parallel import create_expert_layout
         from moe_tune.engine.train.distributed import init_distributed
         from moe_tune.engine.train.ds_config import deepspeed_config
+        from moe_tune.engine.train.graphs import check_cuda_graphs
         from moe_tune.engine.train.trainer import (
             _quiet_third_party_noise,
             build_dataset,
@@ -76,6 +78,7 @@ class StepRunner:
         self.dataset, _ = build_dataset(profile, tokenizer, Path(self._generated.name))
         check_world(profile, self.dist.world_size)
         layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
+        check_cuda_graphs(profile, self.dist.device.type, layout.ep_size)
         ds_config = deepspeed_config(profile, self.dist.world_size)
         model, trainable = build_trainable_model(profile, layout, ds_config)
         self.activation_memory = find_activation_memory(model)
@@ -88,12 +91,18 @@ class StepRunner:
         )
         self.is_cuda = self.dist.device.type == "cuda"
         self.steps_done = 0
+        # The MoE blocks' CUDA graphs (train.cuda_graphs), captured at the first step for its micro-batch shape and
+        # again after set_seq_len (the memory sweep's peaks must not hold a previous length's graph memory).
+        self._expert_parallel = layout.ep_size
+        self.graphs = None
+        self._graphs_tokens = None
 
     def step(self) -> dict[str, Any]:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
         from moe_tune.engine.train.trainer import _update_moe_bias, micro_step
 
         self.engine.train()
+        self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
         self._sync()
         t0 = time.perf_counter()
         tokens, losses, pieces = 0, [], []
@@ -112,6 +121,25 @@ class StepRunner:
         if self.activation_memory is not None:
             record.update(self.activation_memory.step_metrics())
         return record
+
+    def _capture_graphs(self, tokens: int) -> None:
+        from moe_tune.engine.train.graphs import maybe_graph_moe_blocks
+
+        if tokens == self._graphs_tokens:
+            return
+        self._release_graphs()
+        self.graphs = maybe_graph_moe_blocks(
+            self.engine.module, self.profile, self.dist.device, self._expert_parallel, tokens
+        )
+        self._graphs_tokens = tokens
+
+    def _release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        self._graphs_tokens = None
 
     def micro_batches(self, step: int, rank: int = 0, world_size: int = 1) -> list:
         """The micro-batches `rank` trains in optimizer step `step` (what `step()` feeds, in order)."""
@@ -134,6 +162,7 @@ class StepRunner:
     def close(self) -> None:
         from moe_tune.engine.train.distributed import shutdown_distributed
 
+        self._release_graphs()
         self.engine = None
         self.activation_memory = None
         torch.nn.functional.linear = self._functional_linear
@@ -229,6 +258,7 @@ def profile_steps(
         say("one more step under torch.profiler (the breakdown)")
         breakdown = profiled_step(runner, statistics.median(r["step_time_s"] for r in records))
         is_cuda, device = runner.is_cuda, runner.dist.device
+        graphed_blocks = len(runner.graphs.blocks) if runner.graphs is not None else 0
         # The baseline trains on the very micro-batches our steps trained on.
         step_batches = [runner.micro_batches(step) for step in range(warmup + steps)] if against else []
     finally:
@@ -276,6 +306,7 @@ def profile_steps(
         gradient_accumulation_steps=profile.train.gradient_accumulation_steps,
         precision=profile.train.precision,
         memory_policy=policy_text,
+        graphed_moe_blocks=graphed_blocks,
         warmup_steps=warmup,
         steps=len(records),
         first_step_loss=all_records[0]["loss"],

@@ -306,6 +306,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     from moe_tune.engine.memory import find_activation_memory
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
+    from .graphs import check_cuda_graphs, maybe_graph_moe_blocks
     from .metrics import MetricsWriter, ProgressReporter
 
     train, out = profile.train, profile.output.dir
@@ -319,6 +320,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
 
     check_world(profile, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
+    check_cuda_graphs(profile, dist.device.type, layout.ep_size)
     ds_config = deepspeed_config(profile, dist.world_size)
     model, trainable = build_trainable_model(profile, layout, ds_config)
     activation_memory = find_activation_memory(model)
@@ -348,6 +350,10 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
             block.selection_bias.copy_(torch.tensor(bias))
     result.start_step = result.last_step = start_step
+    # After loading: a graph replays the weights' addresses as captured.
+    graphs = maybe_graph_moe_blocks(
+        engine.module, profile, dist.device, layout.ep_size, train.micro_batch_size * profile.data.seq_len
+    )
     last_step = min(train.steps, stop_after) if stop_after is not None else train.steps
 
     result.metrics = out / "metrics.jsonl"
@@ -367,6 +373,8 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 )
             if note := zero_stage_note(profile, dist.world_size, dist.device.type):
                 reporter.print(note)
+            if graphs is not None and dist.is_main:
+                reporter.print(graphs.note())
             for step in range(start_step, last_step):
                 t0 = time.perf_counter()
                 engine.train()
