@@ -2,9 +2,10 @@
 
 One GPU's training step is held by the host's launch rate (docs/PERF.md, issue 9): the MoE block (router, routed
 experts with their adapters, shared expert) issues about 80 launches a layer and a step, none of which depends on
-the batch's document bounds, so its work is the same every step for a fixed micro-batch shape. torch's
-`make_graphed_callables` captures every block's forward and backward once (all in one memory pool, in the order a
-step runs them: forwards first to last, backwards last to first); a step then replays two graphs a block.
+the batch's document bounds, so its work is the same every step for a fixed micro-batch shape. Every block's
+forward and backward are captured once (as torch's `make_graphed_callables` does: warm-up runs on a side stream, one
+memory pool, captures in the order a step runs them), differentiating with respect to leaves that share the
+parameters' memory (`_BlockCapture` says why); a step then replays two graphs a block.
 
 The kernels a replay runs are the ones eager mode runs, on the same inputs: results are bitwise the same
 (tests/gpu/test_cuda_graphs_gpu.py). Where a block's forward differs from the captured one (another input shape or
@@ -114,31 +115,122 @@ def graph_moe_blocks(
     `dtype`; each block's forward then replays its graph for such inputs and runs eagerly for others."""
     if any(hasattr(block, GRAPHED_ATTR) for block in blocks):
         raise RuntimeError("MoE blocks already graphed: release() the previous capture first")
-    eager = [block.forward for block in blocks]
-    samples = tuple((torch.randn(shape, dtype=dtype, device=device, requires_grad=True),) for _ in blocks)
+    # A hook inside a block would run at capture only, never at replay.
+    hooked = [name for block in blocks for name, m in block.named_modules()
+              if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]  # fmt: skip
+    if hooked:
+        raise RuntimeError(f"cannot graph MoE blocks with module hooks (on {hooked[:3]})")
     for block in blocks:
         block.train()
     # Counted loads of the warm-up runs are not the step's: restored after capture (replays count their own).
     counts = [(buffer, buffer.clone()) for block in blocks for buffer in (block.load_counts, block.dropped_slots)]
-    torch.cuda.make_graphed_callables(
-        tuple(blocks), samples, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
-    )
+    captures = [_BlockCapture(block, torch.randn(shape, dtype=dtype, device=device)) for block in blocks]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for capture in captures:
+            capture.warm_up()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    # One pool for all graphs, captured in a step's order (forwards first to last, backwards last to first), so
+    # that what one graph frees and another reuses is dead by the time the other replays.
+    pool = torch.cuda.graph_pool_handle()
+    for capture in captures:
+        capture.capture_forward(pool)
+    for capture in reversed(captures):
+        capture.capture_backward(pool)
     with torch.no_grad():
         for buffer, value in counts:
             buffer.copy_(value)
-    for block, eager_forward in zip(blocks, eager):
-        block.forward = _replay_or_eager(block, block.forward, eager_forward, samples[0][0])
-        setattr(block, GRAPHED_ATTR, True)
+    for capture in captures:
+        capture.install()
     return GraphedBlocks(list(blocks), shape, dtype)
 
 
-def _replay_or_eager(block: nn.Module, graphed, eager, sample: torch.Tensor):
-    shape, dtype, device = sample.shape, sample.dtype, sample.device
+class _BlockCapture:
+    """One block's forward and backward graphs, and the autograd Function that replays them.
 
-    def forward(x: torch.Tensor):
-        if (block.training and x.shape == shape and x.dtype == dtype and x.device == device
-                and block.pinned_topk_ids is None):  # fmt: skip
-            return graphed(x)
-        return eager(x)
+    The graphs differentiate with respect to fresh leaves that share the trainable parameters' memory (not the
+    parameters themselves): a parameter's gradient accumulator may be an older autograd node bound to the stream it
+    was made on (DeepSpeed's set-up leaves such nodes alive), and a capture cannot wait on another stream. The
+    replayed gradients reach the real parameters through the Function's inputs, outside any capture."""
 
-    return forward
+    def __init__(self, block: nn.Module, sample: torch.Tensor):
+        self.block = block
+        self.eager = block.forward
+        self.names = [n for n, p in block.named_parameters() if p.requires_grad]
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.sample = sample
+
+    def _leaves(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.sample.detach().requires_grad_()
+        return x, [p.detach().requires_grad_() for p in self.params]
+
+    def _forward(self, x: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = torch.func.functional_call(self.block, dict(zip(self.names, leaves)), (x,))
+        flat, self.spec = torch.utils._pytree.tree_flatten(outputs)
+        return flat
+
+    def _grads(self, outputs, inputs, grads_out) -> tuple[torch.Tensor | None, ...]:
+        differentiable = [(o, g) for o, g in zip(outputs, grads_out) if o.requires_grad]
+        return torch.autograd.grad(
+            [o for o, _ in differentiable], inputs, [g for _, g in differentiable], allow_unused=True
+        )
+
+    def warm_up(self) -> None:
+        for _ in range(WARMUP_ITERS):
+            x, leaves = self._leaves()
+            outputs = self._forward(x, leaves)
+            self._grads(outputs, [x, *leaves], [torch.empty_like(o) for o in outputs])
+
+    def capture_forward(self, pool) -> None:
+        self.x, self.leaves = self._leaves()
+        self.fwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.fwd_graph, pool=pool):
+            self.outputs = self._forward(self.x, self.leaves)
+
+    def capture_backward(self, pool) -> None:
+        self.grads_out = [torch.empty_like(o) for o in self.outputs]
+        self.bwd_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.bwd_graph, pool=pool):
+            grads = self._grads(self.outputs, [self.x, *self.leaves], self.grads_out)
+        self.grads_in = tuple(None if g is None else g.detach() for g in grads)
+        self.outputs = [o.detach() for o in self.outputs]
+
+    def install(self) -> None:
+        capture = self
+
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, *params):
+                if x.data_ptr() != capture.x.data_ptr():
+                    capture.x.detach().copy_(x)
+                capture.fwd_graph.replay()
+                # Fresh aliases of the static outputs: autograd sets a grad_fn on what forward returns.
+                return tuple(o.detach() for o in capture.outputs)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *grads):
+                for static, grad in zip(capture.grads_out, grads):
+                    if static.data_ptr() != grad.data_ptr():
+                        static.copy_(grad)
+                capture.bwd_graph.replay()
+                return tuple(None if g is None else g.detach() for g in capture.grads_in)
+
+        block, sample = self.block, self.sample
+
+        def forward(x: torch.Tensor):
+            if (block.training and x.shape == sample.shape and x.dtype == sample.dtype and x.device == sample.device
+                    and block.pinned_topk_ids is None):  # fmt: skip
+                # The graphs read the parameters where they were at capture (ZeRO-1/2 update them in place).
+                assert all(p.data_ptr() == leaf.data_ptr() for p, leaf in zip(capture.params, capture.leaves)), (
+                    "a graphed MoE block's parameters moved after capture"
+                )
+                outputs = Replay.apply(x, *capture.params)
+                return torch.utils._pytree.tree_unflatten(list(outputs), capture.spec)
+            return capture.eager(x)
+
+        block.forward = forward
+        setattr(block, GRAPHED_ATTR, True)
