@@ -620,3 +620,48 @@ def test_forced_kernel_raises_when_it_cannot_run(monkeypatch, op, shape, dtype, 
     inputs = make_inputs(1, 4, dtype=dtype, is_per_channel=op is kda, **shape)
     with pytest.raises(RuntimeError, match=message):
         op(**inputs)
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize(
+    "K, V, save_intermediates",
+    [
+        (16, 32, False),  # output kernel, recomputing in backward
+        (16, 32, True),  # output kernel, the forward's passes kept
+        (32, 16, True),  # V tile narrower than the K tile: the serial pass writes the output
+    ],
+)
+def test_head_groups_are_bitwise_one_group(kernel_path, guarded, monkeypatch, is_per_channel, K, V,
+                                           save_intermediates):  # fmt: skip
+    # The forward's passes per group of heads (on a GPU each group on its own stream): each kernel launch covers a
+    # head range from its head offset; 5 heads in 3 groups of 1, 2 and 2, documents of 1, 63 and 1030 tokens (the
+    # last long enough for groups: 17 chunks).
+    cu_seqlens = torch.tensor([0, 1, 64, 1094], dtype=torch.int32)
+    inputs = make_inputs(1, 1094, H=5, K=K, V=V, is_per_channel=is_per_channel, num_seqs=3)
+    op = kda if is_per_channel else gated_delta_rule
+    options = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, save_intermediates=save_intermediates)
+    monkeypatch.setattr(kernels_fwd, "MIN_CHUNKS_FOR_HEAD_GROUPS", 5)
+    one_group = forward_and_grads(op, inputs, **options)
+    launches = []
+    for name in ("chunk_wy_fwd", "kda_wy_fwd", "chunk_state_fwd", "chunk_output"):
+        def recording(*args, _fn=getattr(autograd, name), **kwargs):
+            launches.append(kwargs.get("heads"))
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(autograd, name, recording)
+    monkeypatch.setattr(kernels_fwd, "INTERPRETER_HEAD_GROUPS", 3)
+    grouped = forward_and_grads(op, inputs, **options)
+    # Allocation (an empty range), then the three groups.
+    assert {(0, 0), (0, 1), (1, 3), (3, 5)} <= set(launches), launches
+    for name in one_group:
+        assert torch.equal(grouped[name], one_group[name]), name
+    guarded.check()
+
+
+def test_head_groups_need_long_sequences():
+    layout = types.SimpleNamespace(num_seqs=2, num_slots=2 * kernels_fwd.MIN_CHUNKS_FOR_HEAD_GROUPS)
+    config = types.SimpleNamespace(head_groups=4)
+    assert autograd.head_groups(6, layout, config) == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert autograd.head_groups(2, layout, config) == [(0, 1), (1, 2)]  # never more groups than heads
+    layout.num_slots -= 1
+    assert autograd.head_groups(6, layout, config) == [(0, 6)]
