@@ -18,13 +18,10 @@ k exp(G_C - G) and, in backward, prepare_state_bwd's q exp(G) and decayed causal
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd, prepare_state_bwd
-from moe_tune.ops.linear_attention import kernels_fwd
 from moe_tune.ops.linear_attention.kernels_fwd import (
     ChunkLayout,
     chunk_output,
@@ -65,11 +62,34 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         output_kernel = has_output_kernel(K, V, config)
         # Nothing to keep when no input needs a gradient (inference, or timing the forward alone).
         is_saving = save_intermediates and any(ctx.needs_input_grad)
-        (o_THV, final_state, g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV,
-         q_dec_THK, qk_prepared) = forward_passes(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout, config, scale, use_qk_l2norm,
-            output_final_state, is_saving, gate, output_kernel,
+        g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = _wy_pass(
+            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, is_saving, gate,
+            store_k_end=(output_kernel or is_saving) and has_k_end(K),
         )  # fmt: skip
+        if output_kernel:
+            # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
+            # computes the output (KDA: from the pairs kernel's decayed q k^T).
+            _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
+                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+                output_final_state, compute_output=False, store_states=True, k_end_THK=k_end_THK,
+            )  # fmt: skip
+            del u_THV
+            if not is_saving:
+                del k_end_THK
+            # Saving with the decayed k (the reverse pass's prepared path): the output kernel also writes the
+            # prepared q exp(G) and decayed q k^T, and backward runs no prepare_state_bwd.
+            o_THV, q_dec_THK, qk_prepared = chunk_output(
+                q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC,
+                store_bwd_operands=is_saving and k_end_THK is not None,
+            )  # fmt: skip
+        else:
+            # The serial pass computes the output (and, when saving, stores the states and v_new too); the decayed
+            # k is then stored for backward only: this pass, computing the output, builds its own in the loop.
+            o_THV, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
+                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
+                output_final_state, store_states=is_saving, qk_THC=qk_THC,
+            )  # fmt: skip
+            q_dec_THK = qk_prepared = None
         # Not saving: the passes' outputs are freed on return and backward recomputes them.
         kept = (
             (g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV, q_dec_THK, qk_prepared)
@@ -165,114 +185,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         )
 
 
-def forward_passes(
-    q_THK, k_THK, v_THV, g_flat, beta_TH, initial_state, layout, config, scale, use_qk_l2norm, output_final_state,
-    is_saving, gate, output_kernel,
-):  # fmt: skip
-    """The forward's passes (WY, serial state, output), per group of heads when `head_groups` says so: (o, final
-    state, G, W, decayed q k^T, (I + A)^-1, k k^T, k exp(G_C - G), states, v_new, q exp(G), prepared q k^T), the
-    ones not kept for backward None.
-
-    Heads are independent: each group runs the three passes on its own stream (on a GPU) into slices of the same
-    buffers, so one group's serial pass, a few programs per SM, runs beside the others' parallel passes. The kernels
-    and each head's arithmetic are the same as in one group: the outputs are bitwise equal."""
-    H = q_THK.shape[1]
-    groups = head_groups(H, layout, config)
-    store_k_end = (output_kernel or is_saving) and has_k_end(q_THK.shape[2])
-
-    def wy(heads, outputs=None):
-        return _wy_pass(
-            q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, is_saving, gate,
-            store_k_end=store_k_end, heads=heads, outputs=outputs,
-        )  # fmt: skip
-
-    def state(heads, w_THK, u_THV, g_cumsum, qk_THC, k_end_THK, outputs=None):
-        if output_kernel:
-            # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
-            # computes the output (KDA: from the pairs kernel's decayed q k^T).
-            return chunk_state_fwd(
-                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-                output_final_state, compute_output=False, store_states=True, k_end_THK=k_end_THK, heads=heads,
-                outputs=outputs,
-            )  # fmt: skip
-        # The serial pass computes the output (and, when saving, stores the states and v_new too); the decayed k
-        # is then stored for backward only: this pass, computing the output, builds its own in the loop.
-        return chunk_state_fwd(
-            q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-            output_final_state, store_states=is_saving, qk_THC=qk_THC, heads=heads, outputs=outputs,
-        )  # fmt: skip
-
-    def output(heads, g_cumsum, states_NCHKV, v_new_THV, qk_THC, k_end_THK, outputs=None):
-        # Saving with the decayed k (the reverse pass's prepared path): the output kernel also writes the prepared
-        # q exp(G) and decayed q k^T, and backward runs no prepare_state_bwd.
-        return chunk_output(
-            q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC,
-            store_bwd_operands=is_saving and k_end_THK is not None, heads=heads, outputs=outputs,
-        )  # fmt: skip
-
-    # One group: each pass allocates and launches over all heads. Several: every buffer is allocated on the caller's
-    # stream first (an empty head range launches nothing), then each group fills its heads' slices.
-    first = None if len(groups) == 1 else (0, 0)
-    wy_out = wy(first)
-    g_cumsum, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = wy_out
-    state_out = state(first, w_THK, u_THV, g_cumsum, qk_THC, k_end_THK)
-    o_THV, final_state, states_NCHKV, v_new_THV = state_out
-    output_out = output(first, g_cumsum, states_NCHKV, v_new_THV, qk_THC, k_end_THK) if output_kernel else None
-    if len(groups) > 1:
-        with _group_streams(len(groups), q_THK.device) as streams:
-            for heads, stream in zip(groups, streams):
-                with stream:
-                    wy(heads, wy_out)
-                    state(heads, w_THK, u_THV, g_cumsum, qk_THC, k_end_THK, state_out)
-                    if output_kernel:
-                        output(heads, g_cumsum, states_NCHKV, v_new_THV, qk_THC, k_end_THK, output_out)
-    q_dec_THK = qk_prepared = None
-    if output_kernel:
-        o_THV, q_dec_THK, qk_prepared = output_out
-    if not is_saving:
-        k_end_THK = None
-    return (o_THV, final_state, g_cumsum, w_THK, qk_THC, inverse_THC, kk_THC, k_end_THK, states_NCHKV, v_new_THV,
-            q_dec_THK, qk_prepared)  # fmt: skip
-
-
-def head_groups(H: int, layout: ChunkLayout, config) -> list[tuple[int, int]]:
-    """Head ranges [h0, h1) of the forward's groups: config.head_groups of them (at most H) when the sequences are
-    long enough for the serial pass to matter, else one."""
-    num_groups = min(config.head_groups, H)
-    if layout.num_seqs == 0 or layout.num_slots < kernels_fwd.MIN_CHUNKS_FOR_HEAD_GROUPS * layout.num_seqs:
-        num_groups = 1
-    bounds = [H * i // num_groups for i in range(num_groups + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-# Side streams of the head groups, per device, made once.
-_STREAMS: dict[torch.device, list] = {}
-
-
-@contextmanager
-def _group_streams(count: int, device: torch.device):
-    """`count` stream contexts: the caller's stream off CUDA (the interpreter runs the groups in turn); else side
-    streams that first wait for the caller's stream, which waits for all of them on exit (so the caller may free or
-    read any buffer right after, and the allocator's reuse of the inputs stays ordered after the groups' reads)."""
-    if device.type != "cuda":
-        yield [nullcontext()] * count
-        return
-    streams = _STREAMS.setdefault(device, [])
-    while len(streams) < count:
-        streams.append(torch.cuda.Stream(device))
-    caller = torch.cuda.current_stream(device)
-    for stream in streams[:count]:
-        stream.wait_stream(caller)
-    try:
-        yield [torch.cuda.stream(stream) for stream in streams[:count]]
-    finally:
-        for stream in streams[:count]:
-            caller.wait_stream(stream)
-
-
 def _wy_pass(
     q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate=None,
-    store_k_end=False, heads=None, outputs=None,
+    store_k_end=False,
 ):  # fmt: skip
     """(G, W, U, decayed causal q k^T or None, (I + A)^-1 or None, decayed k k^T or None, k exp(G_C - G) or None)
     of either variant; the per-head variant builds q k^T inside the state and output kernels and needs no k k^T in
@@ -281,14 +196,11 @@ def _wy_pass(
     if g_flat.ndim == 3:
         return kda_wy_fwd(
             q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, store_for_backward, gate,
-            store_k_end=store_k_end, heads=heads, outputs=outputs,
+            store_k_end=store_k_end,
         )  # fmt: skip
-    if outputs is not None:
-        # This variant's outputs as it returns them (None where it keeps no decayed q k^T or k k^T).
-        outputs = (outputs[0], outputs[1], outputs[2], outputs[4], outputs[6])
     g_cumsum_TH, w_THK, u_THV, inverse_THC, k_end_THK = chunk_wy_fwd(
         k_THK, v_THV, g_flat, beta_TH, layout, config, use_qk_l2norm, store_inverse=store_for_backward,
-        store_k_end=store_k_end, heads=heads, outputs=outputs,
+        store_k_end=store_k_end,
     )  # fmt: skip
     return g_cumsum_TH, w_THK, u_THV, None, inverse_THC, None, k_end_THK
 

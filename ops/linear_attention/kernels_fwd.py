@@ -92,13 +92,6 @@ GPU_WU_16BIT = True
 WU_16BIT_MIN_DIM = 64
 # The interpreter runs each program in Python: 16-wide V tiles make V = 32 take the multi-tile paths in CPU tests.
 INTERPRETER_BLOCK_V = MIN_DOT_SIZE
-# The forward's three passes run per group of heads, each group on its own stream (autograd.forward_passes): while
-# one group's serial state pass holds a few programs per SM, the others' parallel passes fill the rest.
-GPU_HEAD_GROUPS = 4
-# The interpreter has no streams: one group (tests set more to check the head offsets).
-INTERPRETER_HEAD_GROUPS = 1
-# Below this many chunks per sequence the serial pass is short and the extra launches cost more than they hide.
-MIN_CHUNKS_FOR_HEAD_GROUPS = 16
 
 
 @dataclass(frozen=True)
@@ -121,7 +114,6 @@ class KernelConfig:
     num_stages_output: int
     num_stages_output_kda: int
     wu_16bit: bool
-    head_groups: int
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
@@ -132,7 +124,6 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
             block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
             num_warps_output=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
             num_stages_state=1, num_stages=1, num_stages_output=1, num_stages_output_kda=1, wu_16bit=True,
-            head_groups=INTERPRETER_HEAD_GROUPS,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -151,7 +142,6 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_STAGES_OUTPUT,
         GPU_NUM_STAGES_OUTPUT_KDA,
         GPU_WU_16BIT,
-        GPU_HEAD_GROUPS,
     )
 
 
@@ -431,7 +421,6 @@ def _chunk_wy_fwd_kernel(
     inverse_ptr,
     k_end_ptr,
     H,
-    head0,  # first head of this launch (programs cover heads head0 .. head0 + grid's head count - 1)
     K,
     V,
     USE_L2NORM: tl.constexpr,
@@ -446,7 +435,7 @@ def _chunk_wy_fwd_kernel(
     WU_16BIT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1) + head0
+    i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     dot_dtype = k_ptr.dtype.element_ty
@@ -529,7 +518,6 @@ def _chunk_state_fwd_kernel(
     k_end_ptr,
     scale,
     H,
-    head0,  # first head of this launch (programs cover heads head0 .. head0 + grid's head count - 1)
     K,
     V,
     IS_PER_CHANNEL: tl.constexpr,
@@ -546,7 +534,7 @@ def _chunk_state_fwd_kernel(
 ):
     i_v = tl.program_id(0)
     i_n = tl.program_id(1)
-    i_h = tl.program_id(2) + head0
+    i_h = tl.program_id(2)
     # With k exp(G_C - G) from the WY pass, the loop reads that and G_C only (the fused output needs q, k and G).
     tl.static_assert(not (HAS_K_END and COMPUTE_OUTPUT))
     dot_dtype = k_ptr.dtype.element_ty
@@ -620,7 +608,6 @@ def _chunk_output_kernel(
     qk_out_ptr,
     scale,
     H,
-    head0,  # first head of this launch (programs cover heads head0 .. head0 + grid's head count - 1)
     K,
     V,
     IS_PER_CHANNEL: tl.constexpr,
@@ -642,7 +629,7 @@ def _chunk_output_kernel(
     pass's prepared operands, q exp(G) (scaled, normed) and, per head, the decayed causal q k^T it just built, so
     that backward needs no prepare_state_bwd pass (q is read again for that, from L2)."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1) + head0
+    i_h = tl.program_id(1)
     v0 = tl.program_id(2) * BV
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
@@ -733,8 +720,6 @@ def chunk_output(
     use_qk_l2norm: bool,
     qk_THC: torch.Tensor | None = None,
     store_bwd_operands: bool = False,
-    heads: tuple[int, int] | None = None,
-    outputs: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """o [T, H, V] in q's dtype from the per-chunk states and v_new of chunk_state_fwd(store_states=True); one
     program per (chunk slot, head, V tile), all in parallel. Per-head decay: g_cumsum_TH [T, H]; per-channel (KDA):
@@ -744,18 +729,13 @@ def chunk_output(
     T, H, K = q_THK.shape
     V = v_new_THV.shape[-1]
     C = layout.chunk_size
-    if outputs is None:
-        outputs = (
-            _alloc((T, H, V), q_THK.dtype, q_THK.device),
-            _alloc((T, H, K), k_THK.dtype, q_THK.device) if store_bwd_operands else None,
-            _alloc((T, H, C), k_THK.dtype, q_THK.device) if store_bwd_operands and qk_THC is None else None,
-        )
-    o_THV, q_dec_THK, qk_out_THC = outputs
-    head0, head_end = heads or (0, H)
+    o_THV = _alloc((T, H, V), q_THK.dtype, q_THK.device)
+    q_dec_THK = _alloc((T, H, K), k_THK.dtype, q_THK.device) if store_bwd_operands else None
+    qk_out_THC = _alloc((T, H, C), k_THK.dtype, q_THK.device) if store_bwd_operands and qk_THC is None else None
     block_v = min(config.block_v_output, _block(V))
     dot_precision, _ = dot_precisions(q_THK.dtype)
-    if layout.num_slots > 0 and head_end > head0:
-        _chunk_output_kernel[(layout.num_slots, head_end - head0, triton.cdiv(V, block_v))](
+    if layout.num_slots > 0:
+        _chunk_output_kernel[(layout.num_slots, H, triton.cdiv(V, block_v))](
             q_THK,
             k_THK,
             g_cumsum_TH,
@@ -768,7 +748,6 @@ def chunk_output(
             qk_out_THC if qk_out_THC is not None else o_THV,
             scale,
             H,
-            head0,
             K=K,
             V=V,
             IS_PER_CHANNEL=g_cumsum_TH.ndim == 3,
@@ -794,8 +773,6 @@ def chunk_wy_fwd(
     use_qk_l2norm: bool,
     store_inverse: bool,
     store_k_end: bool = False,
-    heads: tuple[int, int] | None = None,
-    outputs: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """G [T, H] fp32, W [T, H, K] and U [T, H, V] in k's dtype (fp32 for fp32 inputs), (I + A)^-1 [T, H, C] or None,
     and k exp(G_C - G) [T, H, K] (k L2-normed when use_qk_l2norm; k's dtype) for chunk_state_fwd or None."""
@@ -803,19 +780,14 @@ def chunk_wy_fwd(
     V = v_THV.shape[-1]
     C = layout.chunk_size
     device = k_THK.device
-    if outputs is None:
-        outputs = (
-            _alloc((T, H), torch.float32, device),
-            _alloc((T, H, K), k_THK.dtype, device),
-            _alloc((T, H, V), k_THK.dtype, device),
-            _alloc((T, H, C), k_THK.dtype, device) if store_inverse else None,
-            _alloc((T, H, K), k_THK.dtype, device) if store_k_end else None,
-        )
-    g_cumsum_TH, w_THK, u_THV, inverse_THC, k_end_THK = outputs
-    head0, head_end = heads or (0, H)
+    g_cumsum_TH = _alloc((T, H), torch.float32, device)
+    w_THK = _alloc((T, H, K), k_THK.dtype, device)
+    u_THV = _alloc((T, H, V), k_THK.dtype, device)
+    inverse_THC = _alloc((T, H, C), k_THK.dtype, device) if store_inverse else None
+    k_end_THK = _alloc((T, H, K), k_THK.dtype, device) if store_k_end else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
-    if layout.num_slots > 0 and head_end > head0:
-        _chunk_wy_fwd_kernel[(layout.num_slots, head_end - head0)](
+    if layout.num_slots > 0:
+        _chunk_wy_fwd_kernel[(layout.num_slots, H)](
             k_THK,
             v_THV,
             g_TH,
@@ -827,7 +799,6 @@ def chunk_wy_fwd(
             inverse_THC if store_inverse else w_THK,
             k_end_THK if store_k_end else w_THK,
             H,
-            head0,
             K=K,
             V=V,
             USE_L2NORM=use_qk_l2norm,
@@ -862,8 +833,6 @@ def chunk_state_fwd(
     store_states: bool = False,
     qk_THC: torch.Tensor | None = None,
     k_end_THK: torch.Tensor | None = None,
-    heads: tuple[int, int] | None = None,
-    outputs: tuple | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The serial pass: o [T, H, V] in q's dtype, final state [N, H, K, V] fp32, and when store_states the states
     entering every chunk [NC, H, K, V] and v_new [T, H, V] (fp32 for fp32 inputs, else k's dtype).
@@ -878,19 +847,14 @@ def chunk_state_fwd(
     N = layout.num_seqs
     device = k_THK.device
     store_dtype = k_THK.dtype
-    if outputs is None:
-        outputs = (
-            _alloc((T, H, V), q_THK.dtype, device) if compute_output else None,
-            _alloc((N, H, K, V), torch.float32, device) if output_final_state else None,
-            _alloc((layout.num_slots, H, K, V), store_dtype, device) if store_states else None,
-            _alloc((T, H, V), store_dtype, device) if store_states else None,
-        )
-    o_THV, final_state_NHKV, states_NCHKV, v_new_THV = outputs
-    head0, head_end = heads or (0, H)
+    o_THV = _alloc((T, H, V), q_THK.dtype, device) if compute_output else None
+    final_state_NHKV = _alloc((N, H, K, V), torch.float32, device) if output_final_state else None
+    states_NCHKV = _alloc((layout.num_slots, H, K, V), store_dtype, device) if store_states else None
+    v_new_THV = _alloc((T, H, V), store_dtype, device) if store_states else None
     block_v = min(config.block_v_state, _block(V))
     dot_precision, _ = dot_precisions(k_THK.dtype)
-    if N > 0 and head_end > head0:
-        _chunk_state_fwd_kernel[(triton.cdiv(V, block_v), N, head_end - head0)](
+    if N > 0:
+        _chunk_state_fwd_kernel[(triton.cdiv(V, block_v), N, H)](
             q_THK,
             k_THK,
             w_THK,
@@ -907,7 +871,6 @@ def chunk_state_fwd(
             k_end_THK if k_end_THK is not None else w_THK,
             scale,
             H,
-            head0,
             K=K,
             V=V,
             IS_PER_CHANNEL=g_cumsum.ndim == 3,

@@ -238,7 +238,6 @@ def _kda_pairs_kernel(
     kk_ptr,
     scale,
     H,
-    head0,  # first head of this launch
     K,
     USE_L2NORM: tl.constexpr,
     BT: tl.constexpr,
@@ -250,7 +249,7 @@ def _kda_pairs_kernel(
 ):
     """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head)."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1) + head0
+    i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     rows = tl.arange(0, BT)
@@ -310,7 +309,6 @@ def _kda_wy_fwd_kernel(
     inverse_ptr,
     k_end_ptr,
     H,
-    head0,  # first head of this launch
     K,
     V,
     USE_L2NORM: tl.constexpr,
@@ -325,7 +323,7 @@ def _kda_wy_fwd_kernel(
 ):
     """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head)."""
     i_c = tl.program_id(0)
-    i_h = tl.program_id(1) + head0
+    i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     rows = tl.arange(0, BT)
@@ -580,8 +578,6 @@ def kda_wy_fwd(
     store_for_backward: bool,
     gate: tuple[torch.Tensor, torch.Tensor] | None = None,
     store_k_end: bool = False,
-    heads: tuple[int, int] | None = None,
-    outputs: tuple | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """G [T, H, K] fp32; W [T, H, K], U [T, H, V] and the decayed causal q k^T [T, H, C] in k's dtype (fp32 for fp32
     inputs), the decayed k k^T (strictly lower) [T, H, C] fp32; with store_for_backward also (I + A)^-1 [T, H, C]
@@ -599,30 +595,25 @@ def kda_wy_fwd(
     C = layout.chunk_size
     device = k_THK.device
     alloc = kernels_fwd._alloc
-    if outputs is None:
-        outputs = (
-            alloc((T, H, K), torch.float32, device),
-            alloc((T, H, K), k_THK.dtype, device),
-            alloc((T, H, V), k_THK.dtype, device),
-            alloc((T, H, C), k_THK.dtype, device),
-            alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None,
-            alloc((T, H, C), torch.float32, device),
-            alloc((T, H, K), k_THK.dtype, device) if store_k_end else None,
-        )
-    g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK = outputs
-    head0, head_end = heads or (0, H)
+    g_cumsum_THK = alloc((T, H, K), torch.float32, device)
+    w_THK = alloc((T, H, K), k_THK.dtype, device)
+    u_THV = alloc((T, H, V), k_THK.dtype, device)
+    qk_THC = alloc((T, H, C), k_THK.dtype, device)
+    kk_THC = alloc((T, H, C), torch.float32, device)
+    inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
+    k_end_THK = alloc((T, H, K), k_THK.dtype, device) if store_k_end else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
     meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
-    if layout.num_slots > 0 and head_end > head0:
-        grid = (layout.num_slots, head_end - head0)
+    if layout.num_slots > 0:
+        grid = (layout.num_slots, H)
         _kda_pairs_kernel[grid](
             q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
-            qk_THC, kk_THC, scale, H, head0, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
+            qk_THC, kk_THC, scale, H, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
             FAST_SPAN=fast_span_bound(k_THK.dtype), num_warps=config.num_warps_kda_pairs, **meta,
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](
             k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
-            inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, head0, V=V,
+            inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, V=V,
             STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_wy, _block(V)),
             INV_PRECISION=inv_precision,
             WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), num_warps=config.num_warps, **meta,

@@ -334,25 +334,3 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert got.dtype == (torch.float32 if name in ("g", "beta", "dA_log", "ddt_bias") else dtype), name
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err <= rtol, f"{name}: {err:.2e}"
-
-
-@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("save_intermediates", [False, True], ids=["recompute", "save"])
-def test_head_groups_on_streams_are_bitwise_one_group(guarded, monkeypatch, is_per_channel, save_intermediates):
-    # The forward's passes per group of heads, each group on its own stream (autograd.forward_passes): the same
-    # kernels on the same heads, so bitwise what one group computes, also with the groups' kernels running at once.
-    # 3 groups of 16 heads (6, 5, 5), 4 packed documents.
-    from moe_tune.ops.linear_attention import kernels_fwd
-
-    inputs = make_inputs(1, 8192, 16, 128, 128, dtype=torch.bfloat16, is_per_channel=is_per_channel, num_seqs=4)
-    bounds = torch.tensor([0, 1, 4000, 4063, 8192], dtype=torch.int32, device="cuda")
-    op = kda if is_per_channel else gated_delta_rule
-    options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=save_intermediates)
-    monkeypatch.setattr(kernels_fwd, "GPU_HEAD_GROUPS", 1)
-    one_group = forward_and_grads(op, inputs, **options)
-    monkeypatch.setattr(kernels_fwd, "GPU_HEAD_GROUPS", 3)
-    monkeypatch.setattr(kernels_fwd, "MIN_CHUNKS_FOR_HEAD_GROUPS", 1)
-    for _ in range(2):
-        grouped = forward_and_grads(op, inputs, **options)
-        assert [name for name in one_group if not torch.equal(grouped[name], one_group[name])] == []
-    guarded.check()
