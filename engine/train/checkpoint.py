@@ -78,12 +78,14 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
 
 
 def _weights_only_load(path: str, map_location=None):
-    """DeepSpeed's checkpoint files through torch.load(weights_only=True): tensors, containers and the two
-    DeepSpeed classes its optimizer state holds, nothing else is unpickled."""
+    """DeepSpeed's checkpoint files through torch.load(weights_only=True): tensors, containers and the DeepSpeed
+    classes its optimizer state holds (the ZeRO stage, the loss scalers, and ZeRO-1/2's parameter slice mappings, a
+    dataclass of two ints), nothing else is unpickled."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
-    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler]):
+    with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]):
         return torch.load(path, map_location=map_location, weights_only=True)
 
 
