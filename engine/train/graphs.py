@@ -18,6 +18,8 @@ saved-tensor hooks and recomputation.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,16 +42,20 @@ class GraphedBlocks:
     blocks: list[nn.Module]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    captures: list[_BlockCapture]
 
     def note(self) -> str:
         return f"CUDA graphs: {len(self.blocks)} MoE blocks captured for micro-batches of {self.shape[1]} tokens"
 
     def release(self) -> None:
-        """Give the blocks their eager forward back; the graphs and their memory pool go with the last reference."""
+        """Give the blocks their eager forward back and destroy the graphs now (their memory pool goes with them)."""
         for block in self.blocks:
             del block.forward
             delattr(block, GRAPHED_ATTR)
-        self.blocks = []
+        for capture in self.captures:
+            capture.drop()
+        self.blocks, self.captures = [], []
+        gc.collect()
 
 
 def graph_blockers(profile: JobProfile, device_type: str, expert_parallel: int) -> list[str]:
@@ -136,16 +142,32 @@ def graph_moe_blocks(
     # One pool for all graphs, captured in a step's order (forwards first to last, backwards last to first), so
     # that what one graph frees and another reuses is dead by the time the other replays.
     pool = torch.cuda.graph_pool_handle()
-    for capture in captures:
-        capture.capture_forward(pool)
-    for capture in reversed(captures):
-        capture.capture_backward(pool)
+    with _no_collection_during_capture():
+        for capture in captures:
+            capture.capture_forward(pool)
+        for capture in reversed(captures):
+            capture.capture_backward(pool)
     with torch.no_grad():
         for buffer, value in counts:
             buffer.copy_(value)
     for capture in captures:
         capture.install()
-    return GraphedBlocks(list(blocks), shape, dtype)
+    return GraphedBlocks(list(blocks), shape, dtype, captures)
+
+
+@contextmanager
+def _no_collection_during_capture():
+    """Python's cycle collector off while capturing, after one collection: garbage it would free mid-capture (an
+    unreleased earlier graph, whose replay Function sits in a reference cycle) destroys CUDA graphs and their memory,
+    which invalidates the capture (seen on the H200: a second capture in one process failed at a random op)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _BlockCapture:
@@ -183,6 +205,12 @@ class _BlockCapture:
             x, leaves = self._leaves()
             outputs = self._forward(x, leaves)
             self._grads(outputs, [x, *leaves], [torch.empty_like(o) for o in outputs])
+
+    def drop(self) -> None:
+        """Destroy the graphs and the static buffers now rather than whenever the replay Function's cycle is
+        collected."""
+        self.fwd_graph = self.bwd_graph = None
+        self.outputs = self.grads_out = self.grads_in = []
 
     def capture_forward(self, pool) -> None:
         self.x, self.leaves = self._leaves()
