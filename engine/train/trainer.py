@@ -310,6 +310,8 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     from .metrics import MetricsWriter, ProgressReporter
 
     train, out = profile.train, profile.output.dir
+    # Refused before anything is read or written.
+    check_cuda_graphs(profile, dist.device.type, profile.parallel.expert_parallel)
     torch.manual_seed(train.seed)
     tokenizer = load_tokenizer(profile.tokenizer)
     if tokenizer.vocab_size > profile.model.vocab_size:
@@ -320,7 +322,6 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
 
     check_world(profile, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
-    check_cuda_graphs(profile, dist.device.type, layout.ep_size)
     ds_config = deepspeed_config(profile, dist.world_size)
     model, trainable = build_trainable_model(profile, layout, ds_config)
     activation_memory = find_activation_memory(model)
