@@ -135,9 +135,9 @@ class StepRunner:
 
     def _release_graphs(self) -> None:
         if self.graphs is not None:
+            # release() has destroyed the graphs; their pool's memory goes back to the device here.
             self.graphs.release()
             self.graphs = None
-            gc.collect()
             torch.cuda.empty_cache()
         self._graphs_tokens = None
 

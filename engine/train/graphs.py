@@ -37,24 +37,25 @@ GRAPHED_ATTR = "_moe_tune_cuda_graph"
 
 @dataclass
 class GraphedBlocks:
-    """What `graph_moe_blocks` captured: the blocks (with their eager forwards) and the input shape they replay for."""
+    """What `graph_moe_blocks` captured: one capture a block, and the tokens per micro-batch they replay for."""
 
-    blocks: list[nn.Module]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
     captures: list[_BlockCapture]
+    tokens: int
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return [capture.block for capture in self.captures]
 
     def note(self) -> str:
-        return f"CUDA graphs: {len(self.blocks)} MoE blocks captured for micro-batches of {self.shape[1]} tokens"
+        return f"CUDA graphs: {len(self.captures)} MoE blocks captured for micro-batches of {self.tokens} tokens"
 
     def release(self) -> None:
         """Give the blocks their eager forward back and destroy the graphs now (their memory pool goes with them)."""
-        for block in self.blocks:
-            del block.forward
-            delattr(block, GRAPHED_ATTR)
         for capture in self.captures:
+            del capture.block.forward
+            delattr(capture.block, GRAPHED_ATTR)
             capture.drop()
-        self.blocks, self.captures = [], []
+        self.captures = []
         gc.collect()
 
 
@@ -152,7 +153,7 @@ def graph_moe_blocks(
             buffer.copy_(value)
     for capture in captures:
         capture.install()
-    return GraphedBlocks(list(blocks), shape, dtype, captures)
+    return GraphedBlocks(captures, shape[1])
 
 
 @contextmanager

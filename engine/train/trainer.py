@@ -456,11 +456,11 @@ def check_finite(record: dict, last_checkpoint: Path | None) -> None:
 
 def _moe_blocks(engine) -> list:
     """The model's MoE blocks, found once per engine (walking every module each step costs host time)."""
-    from moe_tune.engine.model.moe import MoEBlock
+    from .graphs import moe_blocks
 
     blocks = getattr(engine, "_moe_tune_moe_blocks", None)
     if blocks is None:
-        blocks = [m for m in engine.module.modules() if isinstance(m, MoEBlock)]
+        blocks = moe_blocks(engine.module)
         engine._moe_tune_moe_blocks = blocks
     return blocks
 

@@ -83,3 +83,25 @@ def test_finetune_with_graphs_on_cpu_exits_2_before_building(tmp_path):
     ]
     # Refused before anything was written.
     assert not (tmp_path / "run").exists()
+
+
+def test_release_gives_each_block_its_eager_forward_back_and_drops_the_graphs():
+    # The bookkeeping of GraphedBlocks without CUDA: stand-in captures in place of recorded graphs.
+    import types
+
+    from moe_tune.engine.model.model import build_model
+    from moe_tune.engine.train.graphs import GraphedBlocks, moe_blocks
+
+    blocks = moe_blocks(build_model(load_profile("tiny").model))
+    dropped = []
+    captures = []
+    for block in blocks:
+        block.forward = lambda x: "replayed"
+        setattr(block, GRAPHED_ATTR, True)
+        captures.append(types.SimpleNamespace(block=block, drop=lambda block=block: dropped.append(block)))
+    graphs = GraphedBlocks(captures, tokens=64)
+    assert graphs.blocks == blocks
+    assert graphs.note() == f"CUDA graphs: {len(blocks)} MoE blocks captured for micro-batches of 64 tokens"
+    graphs.release()
+    assert dropped == blocks and graphs.blocks == []
+    assert not any("forward" in vars(b) or hasattr(b, GRAPHED_ATTR) for b in blocks)
