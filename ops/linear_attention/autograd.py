@@ -75,7 +75,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             # compute each chunk's output as soon as its state is stored (KDA: from the pairs kernel's q k^T).
             o_THV, final_state, states_NCHKV, v_new_THV, q_dec_THK, qk_prepared = chunk_state_output(
                 q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-                output_final_state, qk_THC=qk_THC, k_end_THK=k_end_THK, store_bwd_operands=store_bwd_operands,
+                output_final_state, qk_THC, k_end_THK, store_bwd_operands,
             )  # fmt: skip
             del u_THV
             if not is_saving:

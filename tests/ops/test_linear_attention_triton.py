@@ -213,30 +213,23 @@ def test_state_passes_read_the_decayed_k_only_for_full_key_tiles(kernel_path, mo
     # H200 got wrong at K 100).
     calls = []
     chunk_state_fwd, chunk_state_bwd = autograd.chunk_state_fwd, autograd.chunk_state_bwd
-    chunk_state_output = autograd.chunk_state_output
 
     def recording(*args, **kwargs):
         calls.append(kwargs.get("k_end_THK") is not None)
         return chunk_state_fwd(*args, **kwargs)
-
-    def recording_overlapped(*args, **kwargs):
-        calls.append(kwargs.get("k_end_THK") is not None)
-        return chunk_state_output(*args, **kwargs)
 
     def recording_bwd(*args, **kwargs):
         calls.append(kwargs.get("prepared") is not None)
         return chunk_state_bwd(*args, **kwargs)
 
     monkeypatch.setattr(autograd, "chunk_state_fwd", recording)
-    monkeypatch.setattr(autograd, "chunk_state_output", recording_overlapped)
     monkeypatch.setattr(autograd, "chunk_state_bwd", recording_bwd)
     inputs = make_inputs(1, 70, K=K, V=32, is_per_channel=is_per_channel)
     assert kernels_fwd.has_output_kernel(K, 32, kernels_fwd.pick_config(inputs["q"]))
     op = kda if is_per_channel else gated_delta_rule
     o, _ = op(**inputs, use_qk_l2norm_in_kernel=True)
     o.sum().backward()
-    # Forward (the serial pass and the output in one launch), the backward's recomputation, the reverse pass
-    # (prepared operands with the decayed k).
+    # Forward, the backward's recomputation, the reverse pass (prepared operands with the decayed k).
     assert calls == [takes_k_end] * 3
     assert kernels_fwd.has_k_end(K) is takes_k_end and not kernels_fwd.has_k_end(100)
 
@@ -268,7 +261,7 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
 
         return wrapper
 
-    for name in ("_wy_pass", "chunk_state_fwd", "chunk_state_output", "prepare_state_bwd"):
+    for name in ("_wy_pass", "chunk_state_fwd", "prepare_state_bwd"):
         monkeypatch.setattr(autograd, name, recording(name, getattr(autograd, name)))
     cu_seqlens = torch.tensor([0, 1, 64, 70], dtype=torch.int32)
     inputs = make_inputs(1, 70, K=K, V=V, dtype=dtype, is_per_channel=is_per_channel, num_seqs=3)
@@ -276,14 +269,10 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
     options = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     recomputed = forward_and_grads(op, inputs, **options)
     has_prepare = kernels_fwd.has_k_end(K)
-    # Where the output kernel runs, forward's serial pass and output are one launch (chunk_state_output).
-    serial_fwd = "chunk_state_output" if kernels_fwd.has_output_kernel(K, V, kernels_fwd.pick_config(inputs["q"])) else (
-        "chunk_state_fwd"
-    )
-    assert calls == ["_wy_pass", serial_fwd, "_wy_pass", "chunk_state_fwd"] + ["prepare_state_bwd"] * has_prepare
+    assert calls == ["_wy_pass", "chunk_state_fwd"] * 2 + ["prepare_state_bwd"] * has_prepare
     calls.clear()
     saved = forward_and_grads(op, inputs, save_intermediates=True, **options)
-    assert calls == ["_wy_pass", serial_fwd] + ["prepare_state_bwd"] * (has_prepare and not skips_prepare)
+    assert calls == ["_wy_pass", "chunk_state_fwd"] + ["prepare_state_bwd"] * (has_prepare and not skips_prepare)
     expected = reference_in_fp64(inputs, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
     for name in expected:
         torch.testing.assert_close(saved[name], expected[name], **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
@@ -568,92 +557,6 @@ def test_output_kernel_pipelines_its_k_loop_only_for_kda(kernel_path, monkeypatc
     ]
 
 
-@pytest.mark.parametrize("block_v_state", [16, 32], ids=["state_tile16", "state_tile32"])
-@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-def test_state_and_output_in_one_launch_equal_the_two_launches(kernel_path, guarded, is_per_channel, block_v_state):
-    # chunk_state_output against chunk_state_fwd then chunk_output on the same WY pass: documents of 1, 63, 0 and 71
-    # tokens (an empty one, unused slots at the end), an initial and a final state, the backward's prepared operands,
-    # V 48 in three output tiles of 16 and serial V tiles of 16 (three ready counts a chunk) or 32 (two, the last
-    # one half masked). Every value equal, unwritten slots' NaN included; nothing written past a buffer's end.
-    T, H, K, V = 135, 2, 16, 48
-    cu_seqlens = torch.tensor([0, 1, 64, 64, 135], dtype=torch.int32)
-    inputs = {name: x.detach() for name, x in make_inputs(
-        1, T, H=H, K=K, V=V, is_per_channel=is_per_channel, num_seqs=4).items()}  # fmt: skip
-    q, k, v = (inputs[name][0] for name in "qkv")
-    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, T)
-    config = dataclasses.replace(kernels_fwd.pick_config(q), block_v_state_overlap=block_v_state)
-    g_cumsum, w, u, qk, _, _, k_end = autograd._wy_pass(
-        q, k, v, inputs["g"][0], inputs["beta"][0], layout, config, 0.25, True, True, store_k_end=True
-    )
-    common = (q, k, w, u, g_cumsum, inputs["initial_state"], layout, config, 0.25, True, True)
-    _, final_state, states, v_new = kernels_fwd.chunk_state_fwd(
-        *common, compute_output=False, store_states=True, k_end_THK=k_end
-    )
-    o, q_dec, qk_prepared = kernels_fwd.chunk_output(
-        q, k, g_cumsum, states, v_new, layout, config, 0.25, True, qk, store_bwd_operands=True
-    )
-    overlapped = kernels_fwd.chunk_state_output(*common, qk_THC=qk, k_end_THK=k_end, store_bwd_operands=True)
-    separate = (o, final_state, states, v_new, q_dec, qk_prepared)
-    assert (qk_prepared is None) is is_per_channel
-    for name, actual, expected in zip(("o", "final_state", "states", "v_new", "q_dec", "qk"), overlapped, separate):
-        if expected is None:
-            assert actual is None, name
-        else:
-            torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
-    # The unused slots at the end stay unwritten (NaN) in both.
-    assert bool(states[layout.chunk_map[:, 1] == 0].isnan().all()) and bool(states[:4].isfinite().all())
-    guarded.check()
-
-
-def test_chunk_order_puts_each_sequences_chunks_by_their_index():
-    # Two sequences of 130 tokens (3 chunks each): first chunks first; packed documents of 1, 0, 64 and 135 tokens
-    # with the unused slots (bound T // C + N = 7 slots for 5 chunks) last.
-    assert kernels_fwd.prepare_chunks(None, 2, 130).chunk_order.tolist() == [0, 3, 1, 4, 2, 5]
-    cu_seqlens = torch.tensor([0, 1, 1, 65, 200], dtype=torch.int32)
-    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200)
-    assert layout.chunk_order.tolist() == [0, 1, 2, 3, 4, 5, 6]
-    cu_seqlens = torch.tensor([0, 135, 136, 200], dtype=torch.int32)
-    # Slots (bound 200 // 64 + 3 = 6): doc 0 chunks 0-2, doc 1 chunk 0, doc 2 chunk 0, one unused.
-    assert kernels_fwd.prepare_chunks(cu_seqlens, 1, 200).chunk_order.tolist() == [0, 3, 4, 1, 2, 5]
-
-
-def test_state_and_output_in_one_launch_refuses_a_layout_without_its_order():
-    layout = kernels_fwd.prepare_chunks(None, 1, 70)
-    rebuilt = kernels_fwd.ChunkLayout(layout.cu_seqlens, layout.chunk_offsets, layout.chunk_map, layout.num_slots, 64)
-    x = torch.zeros(70, 1, 16)
-    with pytest.raises(ValueError, match="no chunk_order"):
-        kernels_fwd.chunk_state_output(
-            x, x, x, x, torch.zeros(70, 1), None, rebuilt, kernels_fwd.pick_config(x), 1.0, False, False
-        )
-
-
-@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-def test_state_and_output_launch_pipelines_the_output_loop_only_for_kda(monkeypatch, is_per_channel):
-    # One launch holds both loops: the serial loop takes the state pass's stages and the output's K loop the output
-    # kernel's (one for the per-head decay, which triton 3.6 compiled wrong pipelined on the H200), each loop's own.
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **options: launches.append((grid, options))
-
-    monkeypatch.setattr(kernels_fwd, "_chunk_state_output_kernel", Recorder())
-    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
-    T, H, K, V = 8192, 2, 128, 128
-    layout = kernels_fwd.prepare_chunks(None, 2, T)
-    x = torch.zeros(2 * T, H, K)
-    g_cumsum = torch.zeros(2 * T, H, K) if is_per_channel else torch.zeros(2 * T, H)
-    qk = torch.zeros(2 * T, H, 64) if is_per_channel else None
-    kernels_fwd.chunk_state_output(x, x, x, x, g_cumsum, None, layout, gpu, 1.0, True, False, qk_THC=qk)
-    [(grid, options)] = launches
-    serial = V // gpu.block_v_state_overlap * 2 * H
-    assert grid == (serial + layout.num_slots * H * (V // gpu.block_v_output),)
-    assert (options["STATE_STAGES"], options["OUTPUT_STAGES"]) == (
-        gpu.num_stages_state, 2 if is_per_channel else 1
-    )
-    assert options["num_stages"] == max(options["STATE_STAGES"], options["OUTPUT_STAGES"])
-
-
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("K, V, takes_output_kernel", [(16, 32, True), (32, 16, False)])
 def test_forward_takes_the_output_kernel_by_the_head_dims(
@@ -661,11 +564,8 @@ def test_forward_takes_the_output_kernel_by_the_head_dims(
 ):
     # Either decay: KDA's output kernel reads the pairs kernel's decayed q k^T instead of building it.
     calls = []
-    for name in ("chunk_output", "chunk_state_output"):
-        launcher = getattr(autograd, name)
-        monkeypatch.setattr(
-            autograd, name, lambda *args, _launcher=launcher, **kwargs: calls.append(args) or _launcher(*args, **kwargs)
-        )
+    output = autograd.chunk_output
+    monkeypatch.setattr(autograd, "chunk_output", lambda *args, **kwargs: calls.append(args) or output(*args, **kwargs))
     inputs = make_inputs(1, 70, K=K, V=V, is_per_channel=is_per_channel)
     op = kda if is_per_channel else gated_delta_rule
     o, final_state = op(**inputs, output_final_state=True)
