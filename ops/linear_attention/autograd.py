@@ -26,7 +26,6 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     ChunkLayout,
     chunk_output,
     chunk_state_fwd,
-    chunk_state_output,
     chunk_wy_fwd,
     has_k_end,
     has_output_kernel,
@@ -67,20 +66,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             q_THK, k_THK, v_THV, g_flat, beta_TH, layout, config, scale, use_qk_l2norm, is_saving, gate,
             store_k_end=(output_kernel or is_saving) and has_k_end(K),
         )  # fmt: skip
-        # Saving with the decayed k (the reverse pass's prepared path): the output's programs also write the prepared
-        # q exp(G) and decayed q k^T, and backward runs no prepare_state_bwd.
-        store_bwd_operands = is_saving and k_end_THK is not None
-        if output_kernel and config.overlap_state_output:
-            # One launch: the serial pass carries the state (storing it per chunk, with v_new) while other programs
-            # compute each chunk's output as soon as its state is stored (KDA: from the pairs kernel's q k^T).
-            o_THV, final_state, states_NCHKV, v_new_THV, q_dec_THK, qk_prepared = chunk_state_output(
-                q_THK, k_THK, w_THK, u_THV, g_cumsum, initial_state, layout, config, scale, use_qk_l2norm,
-                output_final_state, qk_THC, k_end_THK, store_bwd_operands,
-            )  # fmt: skip
-            del u_THV
-            if not is_saving:
-                del k_end_THK
-        elif output_kernel:
+        if output_kernel:
             # The serial pass only carries the state (storing it per chunk, with v_new) and a parallel kernel
             # computes the output (KDA: from the pairs kernel's decayed q k^T).
             _, final_state, states_NCHKV, v_new_THV = chunk_state_fwd(
@@ -90,9 +76,11 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
             del u_THV
             if not is_saving:
                 del k_end_THK
+            # Saving with the decayed k (the reverse pass's prepared path): the output kernel also writes the
+            # prepared q exp(G) and decayed q k^T, and backward runs no prepare_state_bwd.
             o_THV, q_dec_THK, qk_prepared = chunk_output(
                 q_THK, k_THK, g_cumsum, states_NCHKV, v_new_THV, layout, config, scale, use_qk_l2norm, qk_THC,
-                store_bwd_operands=store_bwd_operands,
+                store_bwd_operands=is_saving and k_end_THK is not None,
             )  # fmt: skip
         else:
             # The serial pass computes the output (and, when saving, stores the states and v_new too); the decayed

@@ -90,15 +90,8 @@ GPU_NUM_STAGES = 1
 # The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
 GPU_WU_16BIT = True
 WU_16BIT_MIN_DIM = 64
-# The serial pass and the output in one launch (chunk_state_output): to be measured on the H200.
-GPU_OVERLAP_STATE_OUTPUT = True
-GPU_BLOCK_V_STATE_OVERLAP = 64
-GPU_NUM_WARPS_OVERLAP = 4
 # The interpreter runs each program in Python: 16-wide V tiles make V = 32 take the multi-tile paths in CPU tests.
 INTERPRETER_BLOCK_V = MIN_DOT_SIZE
-# The interpreter runs the programs one after another in launch order, so the overlapped launch's serial programs
-# all finish before its output programs start: the same values, checked by the CPU tests.
-INTERPRETER_OVERLAP_STATE_OUTPUT = True
 
 
 @dataclass(frozen=True)
@@ -121,10 +114,6 @@ class KernelConfig:
     num_stages_output: int
     num_stages_output_kda: int
     wu_16bit: bool
-    # The serial pass and the output in one launch (chunk_state_output), its serial programs' V tile and its warps.
-    overlap_state_output: bool
-    block_v_state_overlap: int
-    num_warps_overlap: int
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
@@ -135,7 +124,6 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
             block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
             num_warps_output=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
             num_stages_state=1, num_stages=1, num_stages_output=1, num_stages_output_kda=1, wu_16bit=True,
-            overlap_state_output=INTERPRETER_OVERLAP_STATE_OUTPUT, block_v_state_overlap=block_v, num_warps_overlap=1,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -154,9 +142,6 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_STAGES_OUTPUT,
         GPU_NUM_STAGES_OUTPUT_KDA,
         GPU_WU_16BIT,
-        GPU_OVERLAP_STATE_OUTPUT,
-        GPU_BLOCK_V_STATE_OVERLAP,
-        GPU_NUM_WARPS_OVERLAP,
     )
 
 
@@ -187,9 +172,6 @@ class ChunkLayout:
     cu_seqlens: [N + 1] int32 sequence starts in the packed token axis.
     chunk_offsets: [N + 1] int32, the first chunk slot of each sequence (slots of one sequence are consecutive).
     chunk_map: [NC, 2] int32, (first token, number of tokens) of each chunk slot; unused slots have 0 tokens.
-    chunk_order: [NC] int32, the slots ordered by their chunk's index within its sequence (stable; unused slots
-    last): the order in which the serial pass finishes them (`chunk_state_output`). None in a layout rebuilt from
-    saved tensors (backward does not need it).
     """
 
     cu_seqlens: torch.Tensor
@@ -197,7 +179,6 @@ class ChunkLayout:
     chunk_map: torch.Tensor
     num_slots: int
     chunk_size: int
-    chunk_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -259,12 +240,7 @@ def _build_chunks(
     first_token = cu_seqlens[seq] + (slot - chunk_offsets[seq]) * chunk_size
     num_tokens_in_chunk = (cu_seqlens[seq + 1] - first_token).clamp(0, chunk_size)
     chunk_map = torch.stack([first_token, num_tokens_in_chunk], dim=1).to(torch.int32).contiguous()
-    # Unused slots (past the last sequence's chunks) sort after every used one: their index runs past the count.
-    index_in_seq = torch.where(num_tokens_in_chunk > 0, slot - chunk_offsets[seq], num_slots)
-    chunk_order = torch.sort(index_in_seq, stable=True).indices.to(torch.int32)
-    return ChunkLayout(
-        cu_seqlens.contiguous(), chunk_offsets.contiguous(), chunk_map, num_slots, chunk_size, chunk_order
-    )
+    return ChunkLayout(cu_seqlens.contiguous(), chunk_offsets.contiguous(), chunk_map, num_slots, chunk_size)
 
 
 @triton.jit
@@ -556,60 +532,11 @@ def _chunk_state_fwd_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    _state_pass(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, w_ptr, u_ptr, g_cumsum_ptr, qk_ptr,
-        initial_state_ptr, cu_seqlens_ptr, chunk_offsets_ptr, o_ptr, final_state_ptr, states_ptr, v_new_ptr, k_end_ptr,
-        q_ptr, scale, H, K, V, IS_PER_CHANNEL, HAS_K_END, HAS_INITIAL_STATE, STORE_FINAL_STATE, STORE_STATES,
-        COMPUTE_OUTPUT, USE_L2NORM, False, None, BT, BK, BV, DOT_PRECISION,
-    )  # fmt: skip
-
-
-@triton.jit
-def _state_pass(
-    i_v,
-    i_n,
-    i_h,
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    u_ptr,
-    g_cumsum_ptr,
-    qk_ptr,
-    initial_state_ptr,
-    cu_seqlens_ptr,
-    chunk_offsets_ptr,
-    o_ptr,
-    final_state_ptr,
-    states_ptr,
-    v_new_ptr,
-    k_end_ptr,
-    ready_ptr,
-    scale,
-    H,
-    K,
-    V,
-    IS_PER_CHANNEL: tl.constexpr,
-    HAS_K_END: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr,
-    STORE_STATES: tl.constexpr,
-    COMPUTE_OUTPUT: tl.constexpr,
-    USE_L2NORM: tl.constexpr,
-    SIGNAL_READY: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The serial pass of V tile i_v, sequence i_n and head i_h (`_chunk_state_fwd_kernel`'s program).
-
-    SIGNAL_READY (the overlapped pass, `_chunk_state_output_kernel`): after storing a chunk's entering state and
-    v_new, the program adds 1 to that (chunk slot, head)'s count at ready_ptr, with release semantics once every
-    thread of the program has stored. LOOP_STAGES: the chunk loop's pipeline depth (None: the launch's)."""
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)
+    i_h = tl.program_id(2)
     # With k exp(G_C - G) from the WY pass, the loop reads that and G_C only (the fused output needs q, k and G).
     tl.static_assert(not (HAS_K_END and COMPUTE_OUTPUT))
-    tl.static_assert(not SIGNAL_READY or STORE_STATES)
     dot_dtype = k_ptr.dtype.element_ty
     bos = tl.load(cu_seqlens_ptr + i_n)
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
@@ -627,7 +554,7 @@ def _state_pass(
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
 
-    for i_t in tl.range(0, num_chunks, num_stages=LOOP_STAGES):
+    for i_t in range(0, num_chunks):
         t0 = bos + i_t * BT
         num_valid = tl.minimum(eos - t0, BT)
         if HAS_K_END:
@@ -651,11 +578,6 @@ def _state_pass(
         v_new_dot = v_new.to(dot_dtype)
         if STORE_STATES:
             _store_rows(v_new_ptr + i_h * V + v0, v_new, t0, num_valid, H * V, V - v0, BT, BV)
-        if SIGNAL_READY:
-            # Every thread's stores come before the one thread's release (the barrier orders them within the
-            # program; the release makes them visible to the GPU before the count).
-            tl.debug_barrier()
-            tl.atomic_add(ready_ptr + (first_slot + i_t) * H + i_h, 1, sem="release", scope="gpu")
         if COMPUTE_OUTPUT:
             q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
             if IS_PER_CHANNEL:
@@ -696,51 +618,19 @@ def _chunk_output_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    _output_tile(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2) * BV, q_ptr, k_ptr, g_cumsum_ptr, qk_ptr, states_ptr,
-        v_new_ptr, chunk_map_ptr, o_ptr, q_dec_ptr, qk_out_ptr, scale, H, K, V, IS_PER_CHANNEL, USE_L2NORM,
-        STORE_BWD_OPERANDS, None, BT, BK, BV, DOT_PRECISION,
-    )  # fmt: skip
+    """o = (q exp(G)) S0 + (q k^T * M) v_new of one (chunk slot, head, V tile), in parallel over all of them, from the
+    state entering the chunk and v_new that the serial pass stored.
 
-
-@triton.jit
-def _output_tile(
-    i_c,
-    i_h,
-    v0,
-    q_ptr,
-    k_ptr,
-    g_cumsum_ptr,
-    qk_ptr,
-    states_ptr,
-    v_new_ptr,
-    chunk_map_ptr,
-    o_ptr,
-    q_dec_ptr,
-    qk_out_ptr,
-    scale,
-    H,
-    K,
-    V,
-    IS_PER_CHANNEL: tl.constexpr,
-    USE_L2NORM: tl.constexpr,
-    STORE_BWD_OPERANDS: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """o = (q exp(G)) S0 + (q k^T * M) v_new of one (chunk slot i_c, head i_h, V tile at v0), from the state entering
-    the chunk and v_new that the serial pass stored (`_chunk_output_kernel`'s program).
-
-    A loop over K in tiles of BK (pipelined LOOP_STAGES deep; None: the launch's stages) takes the products of the
-    raw q and k; q's and k's L2 norms, the scale and the per-head decays are row and column factors, applied once
-    after it. Per-channel decay (KDA): q exp(G) per tile, and q k^T read, decayed and masked, from the pairs kernel.
+    A loop over K in tiles of BK (pipelined by the launch's stages) takes the products of the raw q and k; q's and k's
+    L2 norms, the scale and the per-head decays are row and column factors, applied once after it. Per-channel decay
+    (KDA): q exp(G) per tile, and q k^T read, decayed and masked, from the pairs kernel.
 
     STORE_BWD_OPERANDS (the op saving its intermediates): the first V tile's program also writes the reverse serial
     pass's prepared operands, q exp(G) (scaled, normed) and, per head, the decayed causal q k^T it just built, so
     that backward needs no prepare_state_bwd pass (q is read again for that, from L2)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     dot_dtype = k_ptr.dtype.element_ty
@@ -753,7 +643,7 @@ def _output_tile(
     qk = tl.zeros([BT, BT], dtype=tl.float32)
     q_sq = tl.zeros([BT], dtype=tl.float32)
     k_sq = tl.zeros([BT], dtype=tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=LOOP_STAGES):
+    for k0 in range(0, K, BK):
         q = _load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
         state_mask = (k0 + offs_k[:, None] < K) & (offs_v[None, :] < V) & has_chunk
         state = tl.load(
@@ -793,87 +683,6 @@ def _output_tile(
                 _store_rows(q_dec_ptr + i_h * K + k0, q * q_factor[:, None], t0, num_valid, H * K, K - k0, BT, BK)
             if not IS_PER_CHANNEL:
                 _store_rows(qk_out_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
-
-
-@triton.jit
-def _chunk_state_output_kernel(
-    q_ptr,
-    k_ptr,
-    w_ptr,
-    u_ptr,
-    g_cumsum_ptr,
-    qk_ptr,
-    initial_state_ptr,
-    cu_seqlens_ptr,
-    chunk_offsets_ptr,
-    chunk_map_ptr,
-    chunk_order_ptr,
-    sync_ptr,
-    o_ptr,
-    final_state_ptr,
-    states_ptr,
-    v_new_ptr,
-    k_end_ptr,
-    q_dec_ptr,
-    qk_out_ptr,
-    scale,
-    N,
-    H,
-    K,
-    V,
-    IS_PER_CHANNEL: tl.constexpr,
-    HAS_K_END: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr,
-    USE_L2NORM: tl.constexpr,
-    STORE_BWD_OPERANDS: tl.constexpr,
-    STATE_STAGES: tl.constexpr,
-    OUTPUT_STAGES: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV_STATE: tl.constexpr,
-    BK_OUTPUT: tl.constexpr,
-    BV_OUTPUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """The serial state pass and the output in one launch, the output of each chunk computed while the serial pass
-    goes on with the next ones (`chunk_state_output`).
-
-    Programs take their role from a counter (sync_ptr[0]), not from program_id: the first cdiv(V, BV_STATE) N H to
-    arrive run the serial pass of one (V tile, sequence, head) and count each chunk's state and v_new as ready at
-    sync_ptr[1 + slot H + head]; the rest compute the output of one (chunk slot, head, V tile), in chunk_order (the
-    slots by their index within their sequence, so the first chunks of every sequence come first), each waiting
-    until every V tile of its chunk's state is ready. A program waits only for programs that arrived before it, which
-    are running or done and never wait themselves, so the launch cannot deadlock whatever order the GPU starts
-    programs in."""
-    pid = tl.atomic_add(sync_ptr, 1)
-    ready_ptr = sync_ptr + 1
-    num_v_state = tl.cdiv(V, BV_STATE)
-    num_serial = num_v_state * N * H
-    if pid < num_serial:
-        i_nh = pid // num_v_state
-        _state_pass(
-            pid % num_v_state, i_nh // H, i_nh % H, q_ptr, k_ptr, w_ptr, u_ptr, g_cumsum_ptr, qk_ptr,
-            initial_state_ptr, cu_seqlens_ptr, chunk_offsets_ptr, o_ptr, final_state_ptr, states_ptr, v_new_ptr,
-            k_end_ptr, ready_ptr, scale, H, K, V, IS_PER_CHANNEL, HAS_K_END, HAS_INITIAL_STATE, STORE_FINAL_STATE,
-            True, False, USE_L2NORM, True, STATE_STAGES, BT, BK, BV_STATE, DOT_PRECISION,
-        )  # fmt: skip
-    else:
-        num_v_output = tl.cdiv(V, BV_OUTPUT)
-        item = pid - num_serial
-        i_ch = item // num_v_output
-        i_c = tl.load(chunk_order_ptr + i_ch // H)
-        i_h = i_ch % H
-        if tl.load(chunk_map_ptr + 2 * i_c + 1) > 0:
-            flag_ptr = ready_ptr + i_c * H + i_h
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-            while ready < num_v_state:
-                ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-        _output_tile(
-            i_c, i_h, (item % num_v_output) * BV_OUTPUT, q_ptr, k_ptr, g_cumsum_ptr, qk_ptr, states_ptr, v_new_ptr,
-            chunk_map_ptr, o_ptr, q_dec_ptr, qk_out_ptr, scale, H, K, V, IS_PER_CHANNEL, USE_L2NORM,
-            STORE_BWD_OPERANDS, OUTPUT_STAGES, BT, BK_OUTPUT, BV_OUTPUT, DOT_PRECISION,
-        )  # fmt: skip
 
 
 def has_output_kernel(K: int, V: int, config: KernelConfig) -> bool:
@@ -1079,92 +888,3 @@ def chunk_state_fwd(
             num_stages=config.num_stages_state,
         )
     return o_THV, final_state_NHKV, states_NCHKV, v_new_THV
-
-
-def chunk_state_output(
-    q_THK: torch.Tensor,
-    k_THK: torch.Tensor,
-    w_THK: torch.Tensor,
-    u_THV: torch.Tensor,
-    g_cumsum: torch.Tensor,
-    initial_state_NHKV: torch.Tensor | None,
-    layout: ChunkLayout,
-    config: KernelConfig,
-    scale: float,
-    use_qk_l2norm: bool,
-    output_final_state: bool,
-    qk_THC: torch.Tensor | None = None,
-    k_end_THK: torch.Tensor | None = None,
-    store_bwd_operands: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """chunk_state_fwd(compute_output=False, store_states=True) and chunk_output in one launch, each chunk's output
-    computed beside the serial pass as soon as its state is stored (`_chunk_state_output_kernel`); the same values.
-
-    Returns (o, final state or None, states [NC, H, K, V], v_new [T, H, V], q exp(G) or None, decayed q k^T or None)
-    with chunk_state_fwd's and chunk_output's dtypes; the layout must carry its chunk_order (prepare_chunks')."""
-    if layout.chunk_order is None:
-        raise ValueError("chunk_state_output: the layout has no chunk_order (build it with prepare_chunks)")
-    T, H, K = k_THK.shape
-    V = u_THV.shape[-1]
-    N = layout.num_seqs
-    device = k_THK.device
-    store_dtype = k_THK.dtype
-    o_THV = _alloc((T, H, V), q_THK.dtype, device)
-    final_state_NHKV = _alloc((N, H, K, V), torch.float32, device) if output_final_state else None
-    states_NCHKV = _alloc((layout.num_slots, H, K, V), store_dtype, device)
-    v_new_THV = _alloc((T, H, V), store_dtype, device)
-    q_dec_THK = _alloc((T, H, K), k_THK.dtype, device) if store_bwd_operands else None
-    qk_out_THC = (
-        _alloc((T, H, layout.chunk_size), k_THK.dtype, device) if store_bwd_operands and qk_THC is None else None
-    )
-    block_v_state = min(config.block_v_state_overlap, _block(V))
-    block_v_output = min(config.block_v_output, _block(V))
-    num_programs = triton.cdiv(V, block_v_state) * N * H + layout.num_slots * H * triton.cdiv(V, block_v_output)
-    dot_precision, _ = dot_precisions(k_THK.dtype)
-    output_stages = config.num_stages_output if qk_THC is None else config.num_stages_output_kda
-    if N > 0:
-        # The arrival counter, then one ready count per (chunk slot, head).
-        sync = torch.zeros(1 + layout.num_slots * H, dtype=torch.int32, device=device)
-        _chunk_state_output_kernel[(num_programs,)](
-            q_THK,
-            k_THK,
-            w_THK,
-            u_THV,
-            g_cumsum,
-            qk_THC if qk_THC is not None else w_THK,
-            initial_state_NHKV if initial_state_NHKV is not None else w_THK,
-            layout.cu_seqlens,
-            layout.chunk_offsets,
-            layout.chunk_map,
-            layout.chunk_order,
-            sync,
-            o_THV,
-            final_state_NHKV if output_final_state else w_THK,
-            states_NCHKV,
-            v_new_THV,
-            k_end_THK if k_end_THK is not None else w_THK,
-            q_dec_THK if store_bwd_operands else o_THV,
-            qk_out_THC if qk_out_THC is not None else o_THV,
-            scale,
-            N,
-            H,
-            K=K,
-            V=V,
-            IS_PER_CHANNEL=g_cumsum.ndim == 3,
-            HAS_K_END=k_end_THK is not None,
-            HAS_INITIAL_STATE=initial_state_NHKV is not None,
-            STORE_FINAL_STATE=output_final_state,
-            USE_L2NORM=use_qk_l2norm,
-            STORE_BWD_OPERANDS=store_bwd_operands,
-            STATE_STAGES=config.num_stages_state,
-            OUTPUT_STAGES=output_stages,
-            BT=layout.chunk_size,
-            BK=_block(K),
-            BV_STATE=block_v_state,
-            BK_OUTPUT=min(config.block_k_output, _block(K)),
-            BV_OUTPUT=block_v_output,
-            DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps_overlap,
-            num_stages=max(config.num_stages_state, output_stages),
-        )
-    return o_THV, final_state_NHKV, states_NCHKV, v_new_THV, q_dec_THK, qk_out_THC
