@@ -10,8 +10,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # The first losses of profiles/tiny.yaml on the CI machine kind (x86-64 CPU, torch 2.13.0+cpu, fp32), recorded
-# 2026-11-29. Other CPUs may round differently; the tolerance allows for that, not for a change in the math.
-TINY_FIRST_LOSSES = [5.575307, 5.559716, 5.513578, 5.465619, 5.397954, 5.323175, 5.203993, 5.056869, 4.894193, 4.698942]
+# 2026-11-30 after the linear attention's conv init became transformers' (engine/model/attention.py,
+# init_token_mixer). Other CPUs may round differently; the tolerance allows for that, not for a change in the math.
+TINY_FIRST_LOSSES = [5.581572, 5.564034, 5.520739, 5.450155, 5.380165, 5.287124, 5.135157, 4.989759, 4.824519, 4.631061]
 
 
 @pytest.mark.slow

@@ -58,12 +58,12 @@ class KimiDeltaAttention(nn.Module):
 
     @torch.no_grad()
     def reset_decay_parameters(self) -> None:
-        """FLA's init of what nn.Linear init does not cover: A_log, dt_bias (inverse softplus of dt), the conv."""
+        """FLA's init of the gate's parameters: A_log and dt_bias (inverse softplus of dt); the conv is
+        attention.init_token_mixer's."""
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_INIT_RANGE).log())
         low, high = (math.log(x) for x in DT_INIT_RANGE)
         dt = torch.empty_like(self.dt_bias).uniform_(low, high).exp()
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        nn.init.normal_(self.conv.weight, std=1.0 / math.sqrt(self.conv.width))
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch`."""

@@ -56,19 +56,25 @@ MIN_DOT_SIZE = 16
 GPU_BLOCK_V_STATE = 32
 # The per-chunk gradient kernel loops over V in tiles of 64: two iterations at V = 128.
 GPU_BLOCK_V_GRAD = 64
-# The WY kernel loops over V in tiles of 64 for U.
-GPU_BLOCK_V_WY = 64
+# The per-head WY kernel loops over V in tiles of 128 for U (once at V = 128), KDA's pairs kernel in tiles of 64.
+# H200, B4 T8192 H16 K=V=128 bf16, the WY pass alone (2026-11-30, eighteenth session): 0.349 ms at 128 against
+# 0.372 at 64 (storing the inverse: 0.368 against 0.391), the same bits; 2-4 stages no faster.
+GPU_BLOCK_V_WY = 128
+GPU_BLOCK_V_KDA_WY = 64
 # The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head.
-# It loops over K in tiles of 64 at 4 warps. H200, B4 T8192 H16 K=V=128 bf16, triton 3.6 (2026-11-30, the kernel
-# alone over 26 launch settings): 0.282 ms per-head decay, 0.252 KDA, against 0.407 / 0.368 for the single-tile
-# kernel it replaced (8 warps, 128 registers). The per-head loop is not pipelined: at 4 warps with 2 or 3 stages
-# (and at K tiles of 32) triton 3.6 compiled it wrong on the H200 (outputs 9-20% off the fp32 reference in their
-# largest entry, not the same bits from run to run), while every 1-stage and every 8-warp launch gave the reference's
-# 4.7e-3 (8 warps at 3 stages: 0.268 ms). KDA's loop (one product an iteration) ran right at every setting: 2 stages.
+# It loops over K in tiles of 64. H200, B4 T8192 H16 K=V=128 bf16, triton 3.6 (2026-11-30, the kernel alone over
+# 26 launch settings): 0.282 ms per-head decay at 4 warps and 1 stage, 0.252 KDA at 4 warps and 2 stages, against
+# 0.407 / 0.368 for the single-tile kernel it replaced (8 warps, 128 registers). The per-head loop pipelined at 4
+# warps (2 or 3 stages, or K tiles of 32) triton 3.6 compiled wrong on the H200 (outputs 9-20% off the fp32
+# reference in their largest entry, not the same bits from run to run), while every 1-stage and every 8-warp launch
+# gave the reference's 4.7e-3. The per-head loop runs at 8 warps and 3 stages: 0.268 ms then, 0.267 against 0.280
+# at 4 warps and 1 stage in the eighteenth session (the same bits). KDA's loop (one product an iteration) ran right
+# at every setting; at 8 warps and 3 stages it took 0.309 ms.
 GPU_BLOCK_V_OUTPUT = 128
 GPU_BLOCK_K_OUTPUT = 64
-GPU_NUM_WARPS_OUTPUT = 4
-GPU_NUM_STAGES_OUTPUT = 1
+GPU_NUM_WARPS_OUTPUT = 8
+GPU_NUM_WARPS_OUTPUT_KDA = 4
+GPU_NUM_STAGES_OUTPUT = 3
 GPU_NUM_STAGES_OUTPUT_KDA = 2
 # KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
 # K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
@@ -85,6 +91,19 @@ GPU_NUM_WARPS = 4
 GPU_NUM_WARPS_GRAD = 8
 # Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
 GPU_NUM_STAGES_STATE = 2
+# The forward's serial pass that stores the states (beside the output kernel, and the backward's recomputation),
+# 16-bit inputs with K up to 128 (`state_fwd_launch`): the widest V tile of these that still gives at least
+# GPU_MIN_STATE_PROGRAMS programs (V tiles x sequences x heads; the H200 has 132 SMs), deeper pipelines, and 8 warps
+# for KDA's tiles of 64. H200, triton 3.6, K=V=128 bf16, the pass alone (2026-11-30, eighteenth session; every
+# setting the same bits): B4 T8192 H16 per-head decay 0.259 ms at V tiles of 64, 4 warps, 4 stages (0.339 at the
+# landed 32, 4 warps, 2 stages; 0.275 at 3 stages; 0.383 at 32 and 4 stages), KDA 0.287 at 64, 8 warps, 3 stages
+# (0.320 landed; 0.360 at 4 warps); one 32K-token document (16 sequence-heads) 0.595 ms per-head at tiles of 16, 4
+# stages (0.889 landed, 0.831 at 64), KDA 0.821 (0.875 landed).
+GPU_BLOCK_V_STATE_FWD = (64, 32, 16)
+GPU_MIN_STATE_PROGRAMS = 128
+GPU_NUM_STAGES_STATE_FWD = 4
+GPU_NUM_STAGES_STATE_FWD_KDA = 3
+GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
 # The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
@@ -106,6 +125,7 @@ class KernelConfig:
     num_warps: int
     num_warps_grad: int
     num_warps_output: int
+    num_warps_output_kda: int
     num_warps_kda_pairs: int
     num_warps_kda_grad_wy: int
     num_warps_kda_grad_products: int
@@ -114,6 +134,13 @@ class KernelConfig:
     num_stages_output: int
     num_stages_output_kda: int
     wu_16bit: bool
+    block_v_kda_wy: int
+    # The forward's state-storing serial pass (state_fwd_launch).
+    block_v_state_fwd: tuple[int, ...]
+    min_state_programs: int
+    num_stages_state_fwd: int
+    num_stages_state_fwd_kda: int
+    num_warps_state_fwd_kda_wide: int
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
@@ -122,8 +149,10 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         block_v = INTERPRETER_BLOCK_V
         return KernelConfig(
             block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
-            num_warps_output=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1, num_warps_kda_grad_products=1,
-            num_stages_state=1, num_stages=1, num_stages_output=1, num_stages_output_kda=1, wu_16bit=True,
+            num_warps_output=1, num_warps_output_kda=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1,
+            num_warps_kda_grad_products=1, num_stages_state=1, num_stages=1, num_stages_output=1,
+            num_stages_output_kda=1, wu_16bit=True, block_v_kda_wy=block_v, block_v_state_fwd=(block_v,),
+            min_state_programs=1, num_stages_state_fwd=1, num_stages_state_fwd_kda=1, num_warps_state_fwd_kda_wide=1,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -134,6 +163,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS,
         GPU_NUM_WARPS_GRAD,
         GPU_NUM_WARPS_OUTPUT,
+        GPU_NUM_WARPS_OUTPUT_KDA,
         GPU_NUM_WARPS_KDA_PAIRS,
         GPU_NUM_WARPS_KDA_GRAD_WY,
         GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
@@ -142,6 +172,12 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_STAGES_OUTPUT,
         GPU_NUM_STAGES_OUTPUT_KDA,
         GPU_WU_16BIT,
+        GPU_BLOCK_V_KDA_WY,
+        GPU_BLOCK_V_STATE_FWD,
+        GPU_MIN_STATE_PROGRAMS,
+        GPU_NUM_STAGES_STATE_FWD,
+        GPU_NUM_STAGES_STATE_FWD_KDA,
+        GPU_NUM_WARPS_STATE_FWD_KDA_WIDE,
     )
 
 
@@ -734,6 +770,13 @@ def chunk_output(
     qk_out_THC = _alloc((T, H, C), k_THK.dtype, q_THK.device) if store_bwd_operands and qk_THC is None else None
     block_v = min(config.block_v_output, _block(V))
     dot_precision, _ = dot_precisions(q_THK.dtype)
+    if qk_THC is not None:
+        num_warps, num_stages = config.num_warps_output_kda, config.num_stages_output_kda
+    elif q_THK.element_size() == 2:
+        num_warps, num_stages = config.num_warps_output, config.num_stages_output
+    else:
+        # fp32 tiles, twice the shared memory a stage: the launch measured before the eighteenth session.
+        num_warps, num_stages = config.num_warps, 1
     if layout.num_slots > 0:
         _chunk_output_kernel[(layout.num_slots, H, triton.cdiv(V, block_v))](
             q_THK,
@@ -757,8 +800,8 @@ def chunk_output(
             BK=min(config.block_k_output, _block(K)),
             BV=block_v,
             DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps_output,
-            num_stages=config.num_stages_output if qk_THC is None else config.num_stages_output_kda,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     return o_THV, q_dec_THK, qk_out_THC
 
@@ -851,7 +894,11 @@ def chunk_state_fwd(
     final_state_NHKV = _alloc((N, H, K, V), torch.float32, device) if output_final_state else None
     states_NCHKV = _alloc((layout.num_slots, H, K, V), store_dtype, device) if store_states else None
     v_new_THV = _alloc((T, H, V), store_dtype, device) if store_states else None
-    block_v = min(config.block_v_state, _block(V))
+    if compute_output or k_THK.element_size() != 2 or _block(K) > 128:
+        # The serial pass writing the output, fp32 inputs, wide keys: the settings measured for them.
+        block_v, num_warps, num_stages = min(config.block_v_state, _block(V)), config.num_warps, config.num_stages_state
+    else:
+        block_v, num_warps, num_stages = state_fwd_launch(config, V, N * H, is_per_channel=g_cumsum.ndim == 3)
     dot_precision, _ = dot_precisions(k_THK.dtype)
     if N > 0:
         _chunk_state_fwd_kernel[(triton.cdiv(V, block_v), N, H)](
@@ -884,7 +931,20 @@ def chunk_state_fwd(
             BK=_block(K),
             BV=block_v,
             DOT_PRECISION=dot_precision,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages_state,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     return o_THV, final_state_NHKV, states_NCHKV, v_new_THV
+
+
+def state_fwd_launch(config: KernelConfig, V: int, num_seq_heads: int, is_per_channel: bool) -> tuple[int, int, int]:
+    """(V tile, warps, stages) of the forward's state-storing serial pass for 16-bit inputs with K up to 128: the
+    widest of config.block_v_state_fwd (capped at V's tile) that gives at least config.min_state_programs programs
+    (V tiles x sequence-heads), else the narrowest; 8 warps for KDA's tiles of 64 and up (GPU_BLOCK_V_STATE_FWD)."""
+    tiles = [min(tile, _block(V)) for tile in config.block_v_state_fwd]
+    block_v = next((tile for tile in tiles if triton.cdiv(V, tile) * num_seq_heads >= config.min_state_programs),
+                   tiles[-1])  # fmt: skip
+    if is_per_channel:
+        num_warps = config.num_warps_state_fwd_kda_wide if block_v >= 64 else config.num_warps
+        return block_v, num_warps, config.num_stages_state_fwd_kda
+    return block_v, config.num_warps, config.num_stages_state_fwd

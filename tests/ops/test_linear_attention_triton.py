@@ -530,9 +530,9 @@ def test_output_kernel_k_loop_over_several_tiles(kernel_path, guarded, is_per_ch
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-def test_output_kernel_pipelines_its_k_loop_only_for_kda(kernel_path, monkeypatch, is_per_channel):
+def test_output_kernel_pipelines_the_per_head_loop_only_at_8_warps(kernel_path, monkeypatch, is_per_channel):
     # On the H200 triton 3.6 compiled the per-head decay's pipelined K loop wrong at 4 warps (kernels_fwd.py, at
-    # GPU_NUM_STAGES_OUTPUT): the GPU launch pipelines KDA's loop only; the interpreter takes one stage for both.
+    # GPU_NUM_STAGES_OUTPUT): the GPU launch pipelines it at 8 warps only, KDA's at 4; the interpreter takes one stage.
     launches = []
 
     class Recorder:
@@ -550,11 +550,81 @@ def test_output_kernel_pipelines_its_k_loop_only_for_kda(kernel_path, monkeypatc
             torch.zeros(T, H, V), layout)  # fmt: skip
     kernels_fwd.chunk_output(*args, gpu, 1.0, True, qk)
     kernels_fwd.chunk_output(*args, kernels_fwd.pick_config(torch.empty(0)), 1.0, True, qk)
-    assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT, kernels_fwd.GPU_NUM_STAGES_OUTPUT_KDA) == (1, 2)
+    as_bf16 = [x.bfloat16() if x.is_floating_point() else x for x in args[:5]]
+    kernels_fwd.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk)
+    assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT, kernels_fwd.GPU_NUM_WARPS_OUTPUT) == (3, 8)
+    assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT_KDA, kernels_fwd.GPU_NUM_WARPS_OUTPUT_KDA) == (2, 4)
+    # fp32 on the GPU, the interpreter, 16 bits on the GPU (fp32 tiles keep the 4-warp unpipelined per-head launch).
     assert [(options["num_stages"], options["BK"], options["num_warps"]) for options in launches] == [
-        (2 if is_per_channel else 1, 64, 4),
+        (2, 64, 4) if is_per_channel else (1, 64, 4),
         (1, kernels_fwd.MIN_DOT_SIZE, 1),
+        (2, 64, 4) if is_per_channel else (3, 64, 8),
     ]
+
+
+@pytest.mark.parametrize("V, num_seq_heads, is_per_channel, expected", [
+    pytest.param(128, 64, False, (64, 4, 4), id="B4-H16-gdn"),  # the anchor shape: 128 programs of 64
+    pytest.param(128, 64, True, (64, 8, 3), id="B4-H16-kda"),  # KDA's tiles of 64 at 8 warps
+    pytest.param(128, 32, False, (32, 4, 4), id="B2-H16"),  # 64 programs of 64: tiles of 32 give 128
+    pytest.param(128, 16, True, (16, 4, 3), id="B1-H16-kda"),  # one long document: tiles of 16, 4 warps
+    pytest.param(128, 4, False, (16, 4, 4), id="B1-H4"),  # too few at any tile: the narrowest
+    pytest.param(32, 1000, False, (32, 4, 4), id="V32-many_documents"),  # capped at V's tile
+])  # fmt: skip
+def test_state_fwd_launch_takes_the_widest_tile_with_enough_programs(V, num_seq_heads, is_per_channel, expected):
+    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    assert kernels_fwd.state_fwd_launch(gpu, V, num_seq_heads, is_per_channel) == expected
+
+
+@pytest.mark.parametrize("dtype, compute_output, K, tuned", [
+    (torch.float16, False, 128, True), (torch.float16, True, 128, False), (torch.float32, False, 128, False),
+    (torch.float16, False, 256, False),
+])  # fmt: skip
+def test_state_fwd_takes_the_tuned_launch_only_where_it_was_measured(monkeypatch, dtype, compute_output, K, tuned):
+    # 16-bit inputs, K up to 128, the state-storing pass: state_fwd_launch's settings; otherwise the landed ones
+    # (fp32 tiles at 4 stages would not fit the H200's shared memory).
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append((grid, options))
+
+    monkeypatch.setattr(kernels_fwd, "_chunk_state_fwd_kernel", Recorder())
+    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    B, T, H, V = 4, 128, 16, 128
+    layout = kernels_fwd.prepare_chunks(None, B, T)
+    x = torch.zeros(B * T, H, K, dtype=dtype)
+    kernels_fwd.chunk_state_fwd(x, x, x, torch.zeros(B * T, H, V, dtype=dtype), torch.zeros(B * T, H), None, layout,
+                                gpu, 1.0, False, False, compute_output=compute_output,
+                                store_states=not compute_output)  # fmt: skip
+    [(grid, options)] = launches
+    settings = (options["BV"], options["num_warps"], options["num_stages"])
+    assert settings == ((64, 4, 4) if tuned else (32, 4, 2))
+    assert grid == (V // options["BV"], B, H)
+
+
+def test_state_fwd_values_do_not_depend_on_the_v_tile(kernel_path, guarded):
+    # The tuned launch changes the V tile with the number of sequence-heads: V tiles of 16 and 32 give the same
+    # states, v_new and final state (fp16 inputs, V 48: the last tile of 32 half masked; documents of 1, 63, 71).
+    cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
+    inputs = {name: x.detach() for name, x in make_inputs(1, 135, K=16, V=48, dtype=torch.float16, num_seqs=3).items()}
+    q, k, v = (inputs[name][0] for name in "qkv")
+    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 135)
+    config = kernels_fwd.pick_config(q)
+    g_cumsum, w, u, _, _, _, k_end = autograd._wy_pass(
+        q, k, v, inputs["g"][0], inputs["beta"][0], layout, config, 0.25, True, False, store_k_end=True
+    )
+    results = []
+    for tiles in ((16,), (32,)):
+        tiled = dataclasses.replace(config, block_v_state_fwd=tiles)
+        assert kernels_fwd.state_fwd_launch(tiled, 48, 3, False)[0] == tiles[0]
+        results.append(kernels_fwd.chunk_state_fwd(
+            q, k, w, u, g_cumsum, inputs["initial_state"], layout, tiled, 0.25, True, True, compute_output=False,
+            store_states=True, k_end_THK=k_end,
+        )[1:])  # fmt: skip
+    for name, a, b in zip(("final_state", "states", "v_new"), *results):
+        # The unused slot at the end stays unwritten: NaN in both (guarded buffers).
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+    guarded.check()
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
