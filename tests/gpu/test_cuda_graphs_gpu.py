@@ -49,7 +49,13 @@ def _bf16_blocks():
         # LoRA B factors start at zero: perturbed, every adapter gradient is non-zero.
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.02)
-    model = model.to(device="cuda", dtype=torch.bfloat16).train()
+    model = model.to(device="cuda").train()
+    with torch.no_grad():
+        # As DeepSpeed's bf16 cast: parameters only. The buffers (the MoE load counts among them) stay fp32, where
+        # counting goes past 256 (bf16 counts stop there, and the loads comparison would see saturated counts).
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    assert all(buffer.dtype != torch.bfloat16 for buffer in model.buffers())
     return model, moe_blocks(model)
 
 
