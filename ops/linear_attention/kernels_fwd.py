@@ -56,11 +56,11 @@ MIN_DOT_SIZE = 16
 GPU_BLOCK_V_STATE = 32
 # The per-chunk gradient kernel loops over V in tiles of 64: two iterations at V = 128.
 GPU_BLOCK_V_GRAD = 64
-# The per-head WY kernel loops over V in tiles of 128 for U (once at V = 128), KDA's pairs kernel in tiles of 64.
-# H200, B4 T8192 H16 K=V=128 bf16, the WY pass alone (2026-11-30, eighteenth session): 0.349 ms at 128 against
+# The WY kernels loop over V in tiles of 64 for U; the per-head one with 16-bit inputs in tiles of 128 (once at V =
+# 128). H200, B4 T8192 H16 K=V=128 bf16, the WY pass alone (2026-11-30, eighteenth session): 0.349 ms at 128 against
 # 0.372 at 64 (storing the inverse: 0.368 against 0.391), the same bits; 2-4 stages no faster.
-GPU_BLOCK_V_WY = 128
-GPU_BLOCK_V_KDA_WY = 64
+GPU_BLOCK_V_WY = 64
+GPU_BLOCK_V_WY_16BIT = 128
 # The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head.
 # It loops over K in tiles of 64. H200, B4 T8192 H16 K=V=128 bf16, triton 3.6 (2026-11-30, the kernel alone over
 # 26 launch settings): 0.282 ms per-head decay at 4 warps and 1 stage, 0.252 KDA at 4 warps and 2 stages, against
@@ -134,7 +134,7 @@ class KernelConfig:
     num_stages_output: int
     num_stages_output_kda: int
     wu_16bit: bool
-    block_v_kda_wy: int
+    block_v_wy_16bit: int
     # The forward's state-storing serial pass (state_fwd_launch).
     block_v_state_fwd: tuple[int, ...]
     min_state_programs: int
@@ -151,7 +151,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
             block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
             num_warps_output=1, num_warps_output_kda=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1,
             num_warps_kda_grad_products=1, num_stages_state=1, num_stages=1, num_stages_output=1,
-            num_stages_output_kda=1, wu_16bit=True, block_v_kda_wy=block_v, block_v_state_fwd=(block_v,),
+            num_stages_output_kda=1, wu_16bit=True, block_v_wy_16bit=block_v, block_v_state_fwd=(block_v,),
             min_state_programs=1, num_stages_state_fwd=1, num_stages_state_fwd_kda=1, num_warps_state_fwd_kda_wide=1,
         )
     return KernelConfig(
@@ -172,7 +172,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_STAGES_OUTPUT,
         GPU_NUM_STAGES_OUTPUT_KDA,
         GPU_WU_16BIT,
-        GPU_BLOCK_V_KDA_WY,
+        GPU_BLOCK_V_WY_16BIT,
         GPU_BLOCK_V_STATE_FWD,
         GPU_MIN_STATE_PROGRAMS,
         GPU_NUM_STAGES_STATE_FWD,
@@ -532,7 +532,7 @@ def wu_operands_16bit(dtype: torch.dtype, K: int, V: int, config: KernelConfig) 
         config.wu_16bit
         and dtype in (torch.float16, torch.bfloat16)
         and _block(K) >= WU_16BIT_MIN_DIM
-        and min(config.block_v_wy, _block(V)) >= WU_16BIT_MIN_DIM
+        and min(config.block_v_wy, config.block_v_wy_16bit, _block(V)) >= WU_16BIT_MIN_DIM
     )
 
 
@@ -850,7 +850,7 @@ def chunk_wy_fwd(
             BT=C,
             SB=SUB_CHUNK_SIZE,
             BK=_block(K),
-            BV=min(config.block_v_wy, _block(V)),
+            BV=min(config.block_v_wy_16bit if k_THK.element_size() == 2 else config.block_v_wy, _block(V)),
             DOT_PRECISION=dot_precision,
             INV_PRECISION=inv_precision,
             WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config),

@@ -614,7 +614,7 @@ def kda_wy_fwd(
         _kda_wy_fwd_kernel[grid](
             k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
             inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, V=V,
-            STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_kda_wy, _block(V)),
+            STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_wy, _block(V)),
             INV_PRECISION=inv_precision,
             WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), num_warps=config.num_warps, **meta,
         )  # fmt: skip

@@ -196,7 +196,10 @@ def test_16bit_wu_operands_match_reference(kernel_path, guarded, monkeypatch, is
     # K = V = 64 with the GPU's U tile of 64: the WY pass multiplies W's and U's operands in fp16
     # (wu_operands_16bit), as on the GPU.
     def wide_wy_tile(x):
-        return dataclasses.replace(kernels_fwd.pick_config(x), block_v_wy=kernels_fwd.GPU_BLOCK_V_WY)
+        return dataclasses.replace(
+            kernels_fwd.pick_config(x), block_v_wy=kernels_fwd.GPU_BLOCK_V_WY,
+            block_v_wy_16bit=kernels_fwd.GPU_BLOCK_V_WY_16BIT,
+        )
 
     monkeypatch.setattr(autograd, "pick_config", wide_wy_tile)
     inputs = make_inputs(1, 70, H=1, K=64, V=64, dtype=torch.float16, is_per_channel=is_per_channel)
@@ -328,7 +331,7 @@ def test_saved_intermediates_are_kept_only_when_a_gradient_is_needed(kernel_path
     (torch.bfloat16, 32, 128, False), (torch.float32, 128, 128, False),
 ])  # fmt: skip
 def test_wu_operands_16bit_only_for_16bit_inputs_and_wide_tiles(dtype, K, V, expected):
-    gpu = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), block_v_wy=kernels_fwd.GPU_BLOCK_V_WY)
+    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
     assert kernels_fwd.wu_operands_16bit(dtype, K, V, gpu) is expected
     assert not kernels_fwd.wu_operands_16bit(dtype, K, V, dataclasses.replace(gpu, wu_16bit=False))
 
