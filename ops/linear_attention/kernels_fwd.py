@@ -68,8 +68,10 @@ GPU_BLOCK_V_WY_16BIT = 128
 # warps (2 or 3 stages, or K tiles of 32) triton 3.6 compiled wrong on the H200 (outputs 9-20% off the fp32
 # reference in their largest entry, not the same bits from run to run), while every 1-stage and every 8-warp launch
 # gave the reference's 4.7e-3. The per-head loop runs at 8 warps and 3 stages: 0.268 ms then, 0.267 against 0.280
-# at 4 warps and 1 stage in the eighteenth session (the same bits). KDA's loop (one product an iteration) ran right
-# at every setting; at 8 warps and 3 stages it took 0.309 ms.
+# at 4 warps and 1 stage in the eighteenth session (the same bits). But its variant that also stores the backward's
+# operands (store_bwd_operands), compiled at 8 warps and 3 stages, gave outputs 1.1e-2 off the fp32 reference in the
+# harness (4.9e-4 at 4 warps and 1 stage): that variant keeps 4 warps and 1 stage. KDA's loop (one product an
+# iteration) ran right at every setting; at 8 warps and 3 stages it took 0.309 ms.
 GPU_BLOCK_V_OUTPUT = 128
 GPU_BLOCK_K_OUTPUT = 64
 GPU_NUM_WARPS_OUTPUT = 8
@@ -772,10 +774,12 @@ def chunk_output(
     dot_precision, _ = dot_precisions(q_THK.dtype)
     if qk_THC is not None:
         num_warps, num_stages = config.num_warps_output_kda, config.num_stages_output_kda
-    elif q_THK.element_size() == 2:
+    elif q_THK.element_size() == 2 and not store_bwd_operands:
         num_warps, num_stages = config.num_warps_output, config.num_stages_output
     else:
-        # fp32 tiles, twice the shared memory a stage: the launch measured before the eighteenth session.
+        # fp32 tiles (twice the shared memory a stage), or the variant that also stores the backward's operands:
+        # the launch measured before the eighteenth session. That variant at 8 warps and 3 stages came out wrong on
+        # the H200 (forward output 1.1e-2 off the fp32 reference against 4.9e-4; GPU_NUM_STAGES_OUTPUT).
         num_warps, num_stages = config.num_warps, 1
     if layout.num_slots > 0:
         _chunk_output_kernel[(layout.num_slots, H, triton.cdiv(V, block_v))](

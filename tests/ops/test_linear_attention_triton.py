@@ -555,13 +555,16 @@ def test_output_kernel_pipelines_the_per_head_loop_only_at_8_warps(kernel_path, 
     kernels_fwd.chunk_output(*args, kernels_fwd.pick_config(torch.empty(0)), 1.0, True, qk)
     as_bf16 = [x.bfloat16() if x.is_floating_point() else x for x in args[:5]]
     kernels_fwd.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk)
+    kernels_fwd.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk, store_bwd_operands=True)
     assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT, kernels_fwd.GPU_NUM_WARPS_OUTPUT) == (3, 8)
     assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT_KDA, kernels_fwd.GPU_NUM_WARPS_OUTPUT_KDA) == (2, 4)
-    # fp32 on the GPU, the interpreter, 16 bits on the GPU (fp32 tiles keep the 4-warp unpipelined per-head launch).
+    # fp32 on the GPU, the interpreter, 16 bits on the GPU, 16 bits storing the backward's operands (fp32 tiles and
+    # the storing variant keep the 4-warp unpipelined per-head launch).
     assert [(options["num_stages"], options["BK"], options["num_warps"]) for options in launches] == [
         (2, 64, 4) if is_per_channel else (1, 64, 4),
         (1, kernels_fwd.MIN_DOT_SIZE, 1),
         (2, 64, 4) if is_per_channel else (3, 64, 8),
+        (2, 64, 4) if is_per_channel else (1, 64, 4),
     ]
 
 
