@@ -262,10 +262,10 @@ def init_token_mixer(module: nn.Module, std: float) -> None:
     """Init hook for the parts nn.Linear init does not cover.
 
     The linear attention's short conv starts as transformers' qwen3_next and kimi_linear start theirs (their generic
-    Conv1d init: normal(init_std)), so a random model here and the one `moe-tune profile --against transformers` builds
-    share it. With normal(1 / sqrt(width)) instead (0.5 at width 4, before 2026-12-01), the conv amplified the
-    projections 25x over transformers' at init and a random model learned more slowly than transformers' did on the
-    same rows (docs/bench.md, "Losses")."""
+    Conv1d init: normal(init_std)), so a random model here and the one `moe-tune profile --against transformers`
+    builds share it. With normal(1 / sqrt(width)) instead (0.5 at width 4, until the eighteenth session,
+    2026-11-30), the conv amplified the projections 25x over transformers' at init and a random model learned more
+    slowly than transformers' did on the same rows (docs/bench.md, "Losses")."""
     if isinstance(module, GatedDeltaNet):
         module.reset_decay_parameters()
         nn.init.normal_(module.conv.weight, std=std)
