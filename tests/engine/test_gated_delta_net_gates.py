@@ -47,7 +47,6 @@ def layer_case(num_value_heads, seed=0):
     layer.reset_decay_parameters()
     with torch.no_grad():
         layer.conv.weight.normal_(std=1.0 / math.sqrt(layer.conv.width))
-    with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
         # a + dt_bias over about [-60, 70]: both sides of the softplus threshold (20) and its tail.
