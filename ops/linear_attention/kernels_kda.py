@@ -297,94 +297,6 @@ def _kda_pairs_kernel(
 
 
 @triton.jit
-def _kda_pairs_wy_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,  # the log decay g, or the raw gate a when GATE_IN_KERNEL
-    a_log_ptr,  # [H], read when GATE_IN_KERNEL
-    dt_bias_ptr,  # [H * K], read when GATE_IN_KERNEL
-    beta_ptr,
-    chunk_map_ptr,
-    g_cumsum_ptr,
-    qk_ptr,
-    kk_ptr,
-    w_ptr,
-    u_ptr,
-    inverse_ptr,
-    k_end_ptr,
-    scale,
-    H,
-    K,
-    V,
-    USE_L2NORM: tl.constexpr,
-    STORE_KK: tl.constexpr,
-    STORE_INVERSE: tl.constexpr,
-    STORE_K_END: tl.constexpr,
-    BT: tl.constexpr,
-    SB: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INV_PRECISION: tl.constexpr,
-    WU_16BIT: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr,
-    FAST_SPAN: tl.constexpr,
-):
-    """The pairs kernel and the WY kernel in one program per (chunk, head): k k^T stays in registers (stored only for
-    backward, STORE_KK), G and k are not read back."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_map_ptr + 2 * i_c)
-    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
-    is_valid = rows < num_valid
-
-    g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    if GATE_IN_KERNEL:
-        g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
-    G = tl.cumsum(g, axis=0)
-    _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
-    tl.debug_barrier()
-    G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
-    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
-    later_decay_all = tl.exp(G - G_first)
-    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-    own_rows = tl.where(is_mild, SB, 0)
-    kk, qk = _kk_qk_dots(q, k, G, later_decay_all, g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, k_ptr, own_rows,
-                         BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    for jj in range(0, SB - own_rows):
-        partner = (rows // SB) * SB + jj
-        k_partner = _l2norm_rows(
-            _load_same_block_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB), USE_L2NORM
-        )
-        G_partner = _load_same_block_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB)
-        is_pair = (partner <= rows) & (partner < num_valid)
-        k_partner = k_partner * _masked_exp(G - G_partner, is_pair[:, None])
-        is_partner_col = cols[None, :] == partner[:, None]
-        kk = tl.where(is_partner_col & (partner < rows)[:, None], tl.sum(k * k_partner, axis=1)[:, None], kk)
-        qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q * k_partner, axis=1)[:, None], qk)
-    kk = tl.where(rows[:, None] > cols[None, :], kk, 0.0)
-    qk = tl.where(rows[:, None] >= cols[None, :], qk, 0.0)
-    _store_rows(qk_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
-    if STORE_KK:
-        _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
-
-    token_head = (t0 + rows).to(tl.int64) * H + i_h
-    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
-    inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
-    if STORE_INVERSE:
-        _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
-    if STORE_K_END:
-        G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
-        _store_rows(k_end_ptr + i_h * K, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
-    _store_w_u(inverse, k * tl.exp(G) * beta[:, None], beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0,
-               num_valid, H, K, V, BT, BK, BV, INV_PRECISION, WU_16BIT)  # fmt: skip
-
-
-@triton.jit
 def _kda_wy_fwd_kernel(
     k_ptr,
     v_ptr,
@@ -653,10 +565,6 @@ def _kda_grad_products_kernel(
     _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
 
 
-FUSED_PAIRS_WY = True
-FUSED_BLOCK_V = 64
-
-
 def kda_wy_fwd(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -691,23 +599,12 @@ def kda_wy_fwd(
     w_THK = alloc((T, H, K), k_THK.dtype, device)
     u_THV = alloc((T, H, V), k_THK.dtype, device)
     qk_THC = alloc((T, H, C), k_THK.dtype, device)
-    kk_THC = alloc((T, H, C), torch.float32, device) if store_for_backward or not FUSED_PAIRS_WY else None
+    kk_THC = alloc((T, H, C), torch.float32, device)
     inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
     k_end_THK = alloc((T, H, K), k_THK.dtype, device) if store_k_end else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
     meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
-    if layout.num_slots > 0 and FUSED_PAIRS_WY:
-        _kda_pairs_wy_kernel[(layout.num_slots, H)](
-            q_THK, k_THK, v_THV, g_THK, *(gate if gate is not None else (g_THK, g_THK)), beta_TH, layout.chunk_map,
-            g_cumsum_THK, qk_THC, kk_THC if store_for_backward else qk_THC, w_THK, u_THV,
-            inverse_THC if store_for_backward else qk_THC,
-            k_end_THK if store_k_end else qk_THC, scale, H, V=V, STORE_KK=store_for_backward,
-            STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(FUSED_BLOCK_V, _block(V)),
-            DOT_PRECISION=dot_precision, INV_PRECISION=inv_precision,
-            WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype), num_warps=config.num_warps_kda_pairs, **meta,
-        )  # fmt: skip
-    elif layout.num_slots > 0:
+    if layout.num_slots > 0:
         grid = (layout.num_slots, H)
         _kda_pairs_kernel[grid](
             q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
