@@ -106,6 +106,7 @@ GPU_MIN_STATE_PROGRAMS = 128
 GPU_NUM_STAGES_STATE_FWD = 4
 GPU_NUM_STAGES_STATE_FWD_KDA = 3
 GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
+GPU_INVERSE_DOTS_16BIT = "fp16"
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
 # The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
@@ -143,6 +144,7 @@ class KernelConfig:
     num_stages_state_fwd: int
     num_stages_state_fwd_kda: int
     num_warps_state_fwd_kda_wide: int
+    inverse_dots_16bit: str
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
@@ -155,6 +157,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
             num_warps_kda_grad_products=1, num_stages_state=1, num_stages=1, num_stages_output=1,
             num_stages_output_kda=1, wu_16bit=True, block_v_wy_16bit=block_v, block_v_state_fwd=(block_v,),
             min_state_programs=1, num_stages_state_fwd=1, num_stages_state_fwd_kda=1, num_warps_state_fwd_kda_wide=1,
+            inverse_dots_16bit=GPU_INVERSE_DOTS_16BIT,
         )
     return KernelConfig(
         GPU_BLOCK_V_STATE,
@@ -180,6 +183,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_STAGES_STATE_FWD,
         GPU_NUM_STAGES_STATE_FWD_KDA,
         GPU_NUM_WARPS_STATE_FWD_KDA_WIDE,
+        GPU_INVERSE_DOTS_16BIT,
     )
 
 
@@ -411,7 +415,20 @@ def _decayed_qk(q, k, G, dot_dtype, BT: tl.constexpr, DOT_PRECISION: tl.constexp
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.constexpr):
+def _inverse_dot(x, y, DOTS: tl.constexpr):
+    """fp32 x @ y for the triangular inverse: DOTS "fp16" rounds both operands to fp16, else it is tl.dot's
+    input_precision ("tf32", "ieee")."""
+    if DOTS == "fp16":
+        z = tl.dot(x.to(tl.float16), y.to(tl.float16))
+    elif DOTS == "bf16":
+        z = tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
+    else:
+        z = tl.dot(x, y, input_precision=DOTS)
+    return z
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr):
     """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32.
 
     The BT / SB diagonal blocks of SB x SB are cut out as one [BT / SB, SB, SB] tensor and inverted together by
@@ -433,16 +450,16 @@ def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, PRECISION: tl.con
     power = A_diag
     for j in tl.static_range(1, 6):
         if (1 << j) < SB:
-            power = tl.dot(power, power, input_precision=PRECISION)  # L^(2^j)
-            inv_b += tl.dot(inv_b, power, input_precision=PRECISION)
+            power = _inverse_dot(power, power, DOTS)  # L^(2^j)
+            inv_b += _inverse_dot(inv_b, power, DOTS)
     inv = tl.reshape(tl.where(is_diag_block, inv_b[:, :, None, :], 0.0), (BT, BT))
     if BT > SB:
         rows = tl.arange(0, BT)
         eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
         A_off = tl.where((rows[:, None] // SB) > (rows[None, :] // SB), A, 0.0)
-        N = tl.dot(inv, A_off, input_precision=PRECISION)
-        N2 = tl.dot(N, N, input_precision=PRECISION)
-        inv = tl.dot(tl.dot(eye - N, eye + N2, input_precision=PRECISION), inv, input_precision=PRECISION)
+        N = _inverse_dot(inv, A_off, DOTS)
+        N2 = _inverse_dot(N, N, DOTS)
+        inv = _inverse_dot(_inverse_dot(eye - N, eye + N2, DOTS), inv, DOTS)
     return inv
 
 
@@ -470,6 +487,7 @@ def _chunk_wy_fwd_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INV_PRECISION: tl.constexpr,
+    INV_DOTS: tl.constexpr,
     WU_16BIT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -495,7 +513,7 @@ def _chunk_wy_fwd_kernel(
     k_dot = k.to(dot_dtype)
     A = tl.dot(k_dot, tl.trans(k_dot), input_precision=DOT_PRECISION) * beta[:, None]
     A = A * _pair_decay(G, False, False, BT)
-    inverse = _unit_lower_inverse(A, BT, SB, INV_PRECISION)
+    inverse = _unit_lower_inverse(A, BT, SB, INV_DOTS)
     if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
 
@@ -524,6 +542,14 @@ def _store_w_u(inverse, k_scaled, beta, v_ptr, w_ptr, u_ptr, t0, num_valid, H, K
         else:
             u = tl.dot(inverse, v * beta[:, None], input_precision=INV_PRECISION)
         _store_rows(u_ptr + v0, u, t0, num_valid, H * V, V - v0, BT, BV)
+
+
+def inverse_dots(dtype: torch.dtype, use_qk_l2norm: bool, config: KernelConfig) -> str:
+    """The triangular inverse's dots (`_inverse_dot`): exact for fp32 inputs; for 16-bit inputs with L2-normed keys
+    config.inverse_dots_16bit, else tf32."""
+    if dtype == torch.float32:
+        return "ieee"
+    return config.inverse_dots_16bit if use_qk_l2norm else "tf32"
 
 
 def wu_operands_16bit(dtype: torch.dtype, K: int, V: int, config: KernelConfig) -> bool:
@@ -857,6 +883,7 @@ def chunk_wy_fwd(
             BV=min(config.block_v_wy_16bit if k_THK.element_size() == 2 else config.block_v_wy, _block(V)),
             DOT_PRECISION=dot_precision,
             INV_PRECISION=inv_precision,
+            INV_DOTS=inverse_dots(k_THK.dtype, use_qk_l2norm, config),
             WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config),
             num_warps=config.num_warps,
             num_stages=config.num_stages,

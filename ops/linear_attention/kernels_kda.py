@@ -56,6 +56,7 @@ from moe_tune.ops.linear_attention.kernels_fwd import (
     _store_w_u,
     _unit_lower_inverse,
     dot_precisions,
+    inverse_dots,
     wu_operands_16bit,
 )
 
@@ -325,9 +326,7 @@ def _kda_pairs_rows_kernel(
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
-    rows = tl.arange(0, BT)
-    is_valid = rows < num_valid
-    dot_dtype = k_ptr.dtype.element_ty
+    is_valid = tl.arange(0, BT) < num_valid
 
     g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if GATE_IN_KERNEL:
@@ -338,41 +337,52 @@ def _kda_pairs_rows_kernel(
     G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
     is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
     own_rows = tl.where(is_mild, SB, 0)
-    sub = tl.arange(0, SB)
     for a in tl.static_range(0, BT // SB):
-        NJ: tl.constexpr = (a + 1) * SB if a < 2 else BT
-        r0: tl.constexpr = a * SB
-        cols = tl.arange(0, NJ)
-        is_row = (r0 + sub) < num_valid
-        k_a = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
-        q_a = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
-        q_a = q_a * scale
-        G_a = _load_rows(g_cumsum_ptr + i_h * K, t0 + r0, num_valid - r0, H * K, K, SB, BK)
-        G_r = _load_g_row(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, r0, BK)
-        later = _masked_exp(G_a - G_r[None, :], is_row[:, None])
-        k_j = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, NJ, BK), USE_L2NORM)
-        G_j = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, NJ, BK)
-        k_earlier = tl.trans((k_j * _masked_exp(G_r[None, :] - G_j, (cols < r0 + own_rows)[:, None])).to(dot_dtype))
-        kk = tl.dot((k_a * later).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
-        qk = tl.dot((q_a * later).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
-        for jj in range(0, SB - own_rows):
-            partner = r0 + jj
-            k_p = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0 + partner, num_valid - partner, H * K, K, 1, BK),
-                               USE_L2NORM)  # fmt: skip
-            G_p = _load_rows(g_cumsum_ptr + i_h * K, t0 + partner, num_valid - partner, H * K, K, 1, BK)
-            is_pair = ((r0 + sub) >= partner) & (partner < num_valid) & is_row
-            k_p = k_p * _masked_exp(G_a - G_p, is_pair[:, None])
-            is_partner_col = (cols == partner)[None, :]
-            kk = tl.where(is_partner_col & ((r0 + sub) > partner)[:, None], tl.sum(k_a * k_p, axis=1)[:, None], kk)
-            qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q_a * k_p, axis=1)[:, None], qk)
-        kk = tl.where((r0 + sub)[:, None] > cols[None, :], kk, 0.0)
-        qk = tl.where((r0 + sub)[:, None] >= cols[None, :], qk, 0.0)
-        _store_rows(qk_ptr + i_h * BT, qk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
-        _store_rows(kk_ptr + i_h * BT, kk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
-        if NJ < BT:
-            zeros = tl.zeros([SB, BT], dtype=tl.float32)
-            _store_rows(qk_ptr + i_h * BT + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
-            _store_rows(kk_ptr + i_h * BT + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
+        # The first NJ rows, a power of two covering sub-chunk a's: 16, 32, 64, 64.
+        _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT, kk_ptr + i_h * BT,
+                         t0, num_valid, H, K, scale, own_rows, a * SB, SB << (a - a // 3), USE_L2NORM, BT, SB, BK,
+                         DOT_PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _pairs_row_block(q_ptr, k_ptr, g_cumsum_ptr, qk_ptr, kk_ptr, t0, num_valid, H, K, scale, own_rows,
+                     r0: tl.constexpr, NJ: tl.constexpr, USE_L2NORM: tl.constexpr, BT: tl.constexpr, SB: tl.constexpr,
+                     BK: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """Rows r0 .. r0 + SB of the decayed causal q k^T and strictly lower k k^T against the chunk's first NJ rows,
+    stored with zeros up to BT columns (pointers at the head's column 0)."""
+    dot_dtype = k_ptr.dtype.element_ty
+    sub = tl.arange(0, SB)
+    cols = tl.arange(0, NJ)
+    is_row = (r0 + sub) < num_valid
+    k_a = _l2norm_rows(_load_rows(k_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
+    q_a = _l2norm_rows(_load_rows(q_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
+    q_a = q_a * scale
+    G_a = _load_rows(g_cumsum_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK)
+    G_r = _load_g_row(g_cumsum_ptr, t0, num_valid, H * K, K, r0, BK)
+    later = _masked_exp(G_a - G_r[None, :], is_row[:, None])
+    k_j = _l2norm_rows(_load_rows(k_ptr, t0, num_valid, H * K, K, NJ, BK), USE_L2NORM)
+    G_j = _load_rows(g_cumsum_ptr, t0, num_valid, H * K, K, NJ, BK)
+    k_earlier = tl.trans((k_j * _masked_exp(G_r[None, :] - G_j, (cols < r0 + own_rows)[:, None])).to(dot_dtype))
+    kk = tl.dot((k_a * later).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
+    qk = tl.dot((q_a * later).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
+    for jj in range(0, SB - own_rows):
+        partner = r0 + jj
+        k_p = _l2norm_rows(_load_rows(k_ptr, t0 + partner, num_valid - partner, H * K, K, 1, BK),
+                           USE_L2NORM)  # fmt: skip
+        G_p = _load_rows(g_cumsum_ptr, t0 + partner, num_valid - partner, H * K, K, 1, BK)
+        is_pair = ((r0 + sub) >= partner) & (partner < num_valid) & is_row
+        k_p = k_p * _masked_exp(G_a - G_p, is_pair[:, None])
+        is_partner_col = (cols == partner)[None, :]
+        kk = tl.where(is_partner_col & ((r0 + sub) > partner)[:, None], tl.sum(k_a * k_p, axis=1)[:, None], kk)
+        qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q_a * k_p, axis=1)[:, None], qk)
+    kk = tl.where((r0 + sub)[:, None] > cols[None, :], kk, 0.0)
+    qk = tl.where((r0 + sub)[:, None] >= cols[None, :], qk, 0.0)
+    _store_rows(qk_ptr, qk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
+    _store_rows(kk_ptr, kk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
+    if NJ < BT:
+        zeros = tl.zeros([SB, BT], dtype=tl.float32)
+        _store_rows(qk_ptr + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
+        _store_rows(kk_ptr + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
 
 
 @triton.jit
@@ -398,6 +408,7 @@ def _kda_wy_fwd_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     INV_PRECISION: tl.constexpr,
+    INV_DOTS: tl.constexpr,
     WU_16BIT: tl.constexpr,
     EYE_DOT: tl.constexpr,
 ):
@@ -412,13 +423,13 @@ def _kda_wy_fwd_kernel(
 
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
     kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
-    if EYE_DOT and INV_PRECISION == "tf32":
+    if EYE_DOT and INV_DOTS == "tf32":
         # Through a tf32 product with the identity (kk rounded to tf32, as the inverse's own tf32 products round it):
         # the tile then has the dot-result register layout the inverse's row loop runs well on, 121 instructions a
         # step a warp against 329 on the layout a load gives (sm_90 compile, 4 warps; 15 steps a chunk).
         eye = tl.where(rows[:, None] == tl.arange(0, BT)[None, :], 1.0, 0.0)
         kk = tl.dot(kk, eye, input_precision=INV_PRECISION)
-    inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_PRECISION)
+    inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)
     if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
     G = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
@@ -700,7 +711,7 @@ def kda_wy_fwd(
             k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
             inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, V=V,
             STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_wy, _block(V)),
-            INV_PRECISION=inv_precision, EYE_DOT=EYE_DOT,
+            INV_PRECISION=inv_precision, EYE_DOT=EYE_DOT, INV_DOTS=inverse_dots(k_THK.dtype, use_qk_l2norm, config),
             WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), num_warps=config.num_warps, **meta,
         )  # fmt: skip
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK
