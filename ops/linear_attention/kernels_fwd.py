@@ -429,37 +429,38 @@ def _inverse_dot(x, y, DOTS: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr):
-    """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32.
+    """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32, by block forward substitution with the block
+    size doubling: with T_s the inverse of I + (A's s x s diagonal blocks) (T_1 = I) and A_s the part of A in the
+    lower-left s x s block of each 2s x 2s diagonal block, T_2s = T_s - T_s A_s T_s (N = T_s A_s has N^2 = 0, so
+    (I + N)^-1 = I - N). Every product is of bounded factors (T's blocks and A's), so the rounding of 16-bit dot
+    operands stays at their precision.
 
-    The BT / SB diagonal blocks of SB x SB are cut out as one [BT / SB, SB, SB] tensor and inverted together by
-    doubling: with L a block (strictly lower, so L^SB = 0), (I + L)^-1 = (I - L)(I + L^2)(I + L^4)...(I + L^(SB/2)),
-    2 log2(SB) - 2 batched [SB, SB] products (6 at SB 16) instead of SB - 1 substitution steps that each cut a row
-    out of the register tile (H200, B4 T8192 H16 K=V=128 bf16: WY pass 0.795 -> 0.568 ms). With D that block-diagonal
-    inverse and N = D A_off (A_off: A below the diagonal blocks, so N^4 = 0 for BT <= 4 SB),
-    (I + A)^-1 = (I - N)(I + N^2) D.
-    """
-    tl.static_assert((BT <= 4 * SB) & (SB <= 64))
+    Doubling the powers of A instead ((I + L)^-1 = (I - L)(I + L^2)(I + L^4)..., then a Neumann merge) took the same
+    number of products but cancels large intermediate powers: keys at cosine ~0.9 with beta near 1 gave W 60x off the
+    fp64 one and NaN outputs (H200, docs/PERF.md, nineteenth session). Levels up to SB run batched on the [BT / SB,
+    SB, SB] diagonal blocks, the last ones (s >= SB) on the [BT, BT] tile."""
     NB: tl.constexpr = BT // SB
     blocks = tl.arange(0, NB)
     is_diag_block = blocks[:, None, None, None] == blocks[None, None, :, None]  # [NB, 1, NB, 1]
     # A_diag[b, i, j] = A[b SB + i, b SB + j]: the other blocks of each block row are masked out of the sum.
     A_diag = tl.sum(tl.where(is_diag_block, tl.reshape(A, (NB, SB, NB, SB)), 0.0), axis=2)
     r = tl.arange(0, SB)
-    eye_b = tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]  # [1, SB, SB]
-    inv_b = eye_b - A_diag
-    power = A_diag
-    for j in tl.static_range(1, 6):
-        if (1 << j) < SB:
-            power = _inverse_dot(power, power, DOTS)  # L^(2^j)
-            inv_b += _inverse_dot(inv_b, power, DOTS)
+    i = r[:, None]
+    j = r[None, :]
+    # T_2: the 2 x 2 diagonal blocks of (I + A)^-1 are I - A there.
+    inv_b = tl.where(i == j, 1.0, 0.0)[None, :, :] - tl.where(((i // 2) == (j // 2))[None, :, :], A_diag, 0.0)
+    for e in tl.static_range(1, 7):
+        if (1 << e) < SB:
+            A_s = tl.where((((i >> (e + 1)) == (j >> (e + 1))) & ((i >> e) > (j >> e)))[None, :, :], A_diag, 0.0)
+            inv_b -= _inverse_dot(_inverse_dot(inv_b, A_s, DOTS), inv_b, DOTS)
     inv = tl.reshape(tl.where(is_diag_block, inv_b[:, :, None, :], 0.0), (BT, BT))
-    if BT > SB:
-        rows = tl.arange(0, BT)
-        eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-        A_off = tl.where((rows[:, None] // SB) > (rows[None, :] // SB), A, 0.0)
-        N = _inverse_dot(inv, A_off, DOTS)
-        N2 = _inverse_dot(N, N, DOTS)
-        inv = _inverse_dot(_inverse_dot(eye - N, eye + N2, DOTS), inv, DOTS)
+    rows = tl.arange(0, BT)
+    ii = rows[:, None]
+    jj = rows[None, :]
+    for e in tl.static_range(1, 8):
+        if ((1 << e) >= SB) and ((1 << e) < BT):
+            A_s = tl.where(((ii >> (e + 1)) == (jj >> (e + 1))) & ((ii >> e) > (jj >> e)), A, 0.0)
+            inv -= _inverse_dot(_inverse_dot(inv, A_s, DOTS), inv, DOTS)
     return inv
 
 
