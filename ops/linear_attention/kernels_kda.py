@@ -153,31 +153,6 @@ def _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, r, BK: tl.constexpr)
 
 
 @triton.jit
-def _kk_qk_dots(q, k, G, later_decay_all, g_cumsum_ptr, t0, num_valid, row_stride, K, k_ptr, own_rows,
-                BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """The WY pass's decayed k k^T and q k^T [BT, BT] over pairs in different sub-chunks, and with own_rows = SB also
-    over pairs within one (then including those above the diagonal: the caller masks them); dots in k_ptr's type.
-
-    later_decay_all: exp(G - G at the first row of each row's sub-chunk) [BT, BK]; G's rows are read back from
-    g_cumsum_ptr (the chunk's, at column 0), written by this program before a barrier: a load instead of a reduction
-    over the register tile per sub-chunk."""
-    rows = tl.arange(0, BT)
-    dot_dtype = k_ptr.dtype.element_ty
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    # Unrolled (sm_90 compile: 16 bytes of stack a thread at 8 warps; as a loop none), the pairs kernel took 1.15 ms
-    # a launch against 1.62 as a loop (H200, B4 T8192 H16 K=V=128 bf16, docs/PERF.md).
-    for a in tl.static_range(0, BT // SB):
-        G_r = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * SB, BK)
-        later_decay = tl.where(((rows // SB) == a)[:, None], later_decay_all, 0.0)
-        is_earlier = (rows < a * SB + own_rows)[:, None]
-        k_earlier = tl.trans((k * _masked_exp(G_r[None, :] - G, is_earlier)).to(dot_dtype))
-        kk += tl.dot((k * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
-        qk += tl.dot((q * later_decay).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
-    return kk, qk
-
-
-@triton.jit
 def _decayed_matmul(
     D,
     y,
@@ -247,77 +222,7 @@ def _kda_pairs_kernel(
     DOT_PRECISION: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     FAST_SPAN: tl.constexpr,
-):
-    """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_map_ptr + 2 * i_c)
-    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
-    is_valid = rows < num_valid
-
-    g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    if GATE_IN_KERNEL:
-        g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
-    # Zero-padded g past the chunk's end: G there stays at its last row.
-    G = tl.cumsum(g, axis=0)
-    _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
-    # G's rows are read back below (each sub-chunk's first row; the same-sub-chunk pairs' partners): other threads
-    # wrote them.
-    tl.debug_barrier()
-    # G at the first row of each row's sub-chunk (>= G: g <= 0), for the chunk's span and the later tokens' decays.
-    G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
-    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
-    later_decay_all = tl.exp(G - G_first)
-    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-
-    # kk[i, j] = sum_c k_ic k_jc exp(G_ic - G_jc) for j < i; qk the same with q_i, for j <= i. With mild decays the
-    # dots take the pairs within a sub-chunk too (own_rows = SB) and the elementwise loop runs no step; otherwise
-    # (own_rows = 0) the loop takes them. No branch: the two paths' tiles would not share registers.
-    own_rows = tl.where(is_mild, SB, 0)
-    kk, qk = _kk_qk_dots(q, k, G, later_decay_all, g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, k_ptr, own_rows,
-                         BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    for jj in range(0, SB - own_rows):
-        partner = (rows // SB) * SB + jj
-        k_partner = _l2norm_rows(
-            _load_same_block_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB), USE_L2NORM
-        )
-        G_partner = _load_same_block_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, jj, BT, BK, SB)
-        is_pair = (partner <= rows) & (partner < num_valid)
-        k_partner = k_partner * _masked_exp(G - G_partner, is_pair[:, None])
-        is_partner_col = cols[None, :] == partner[:, None]
-        kk = tl.where(is_partner_col & (partner < rows)[:, None], tl.sum(k * k_partner, axis=1)[:, None], kk)
-        qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q * k_partner, axis=1)[:, None], qk)
-    # The dots' pairs above the diagonal (mild decays) go; the loop wrote none.
-    kk = tl.where(rows[:, None] > cols[None, :], kk, 0.0)
-    qk = tl.where(rows[:, None] >= cols[None, :], qk, 0.0)
-    _store_rows(qk_ptr + i_h * BT, qk, t0, num_valid, H * BT, BT, BT, BT)
-    _store_rows(kk_ptr + i_h * BT, kk, t0, num_valid, H * BT, BT, BT, BT)
-
-
-@triton.jit
-def _kda_pairs_rows_kernel(
-    q_ptr,
-    k_ptr,
-    g_ptr,  # the log decay g, or the raw gate a when GATE_IN_KERNEL
-    a_log_ptr,  # [H], read when GATE_IN_KERNEL
-    dt_bias_ptr,  # [H * K], read when GATE_IN_KERNEL
-    chunk_map_ptr,
-    g_cumsum_ptr,
-    qk_ptr,
-    kk_ptr,
-    scale,
-    H,
-    K,
-    USE_L2NORM: tl.constexpr,
-    BT: tl.constexpr,
-    SB: tl.constexpr,
-    BK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    GATE_IN_KERNEL: tl.constexpr,
-    FAST_SPAN: tl.constexpr,
+    HALF_BLOCKS: tl.constexpr,
 ):
     """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head), by sub-chunk rows: the rows of
     sub-chunk a meet the chunk's first NJ rows (16, 32, 64, 64) in one [SB, NJ] dot each for k k^T and q k^T."""
@@ -334,14 +239,22 @@ def _kda_pairs_rows_kernel(
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
     tl.debug_barrier()
-    G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
-    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
-    own_rows = tl.where(is_mild, SB, 0)
-    for a in tl.static_range(0, BT // SB):
-        # The first NJ rows, a power of two covering sub-chunk a's: 16, 32, 64, 64.
-        _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT, kk_ptr + i_h * BT,
-                         t0, num_valid, H, K, scale, own_rows, a * SB, SB << (a - a // 3), USE_L2NORM, BT, SB, BK,
-                         DOT_PRECISION)  # fmt: skip
+    G_half = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, 2 * SB)
+    half_span = tl.max(tl.max(G_half - G, axis=1), axis=0)
+    if (half_span <= FAST_SPAN) & HALF_BLOCKS:
+        for a in tl.static_range(0, 2):
+            _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
+                             kk_ptr + i_h * BT, t0, num_valid, H, K, scale, 2 * SB, a * 2 * SB, (2 * SB) << a,
+                             USE_L2NORM, BT, 2 * SB, BK, DOT_PRECISION)  # fmt: skip
+    else:
+        G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
+        is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
+        own_rows = tl.where(is_mild, SB, 0)
+        for a in tl.static_range(0, BT // SB):
+            # The first NJ rows, a power of two covering sub-chunk a's: 16, 32, 64, 64.
+            _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
+                             kk_ptr + i_h * BT, t0, num_valid, H, K, scale, own_rows, a * SB, SB << (a - a // 3),
+                             USE_L2NORM, BT, SB, BK, DOT_PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -410,7 +323,6 @@ def _kda_wy_fwd_kernel(
     INV_PRECISION: tl.constexpr,
     INV_DOTS: tl.constexpr,
     WU_16BIT: tl.constexpr,
-    EYE_DOT: tl.constexpr,
 ):
     """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head)."""
     i_c = tl.program_id(0)
@@ -423,7 +335,7 @@ def _kda_wy_fwd_kernel(
 
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
     kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
-    if EYE_DOT and INV_DOTS == "tf32":
+    if INV_DOTS == "tf32":
         # Through a tf32 product with the identity (kk rounded to tf32, as the inverse's own tf32 products round it):
         # the tile then has the dot-result register layout the inverse's row loop runs well on, 121 instructions a
         # step a warp against 329 on the layout a load gives (sm_90 compile, 4 warps; 15 steps a chunk).
@@ -656,9 +568,7 @@ def _kda_grad_products_kernel(
     _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
 
 
-PAIRS_BY_ROWS = True
-PAIRS_WARPS = 0
-EYE_DOT = True
+HALF_BLOCKS = True
 
 
 def kda_wy_fwd(
@@ -702,16 +612,16 @@ def kda_wy_fwd(
     meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
     if layout.num_slots > 0:
         grid = (layout.num_slots, H)
-        (_kda_pairs_rows_kernel if PAIRS_BY_ROWS else _kda_pairs_kernel)[grid](
+        _kda_pairs_kernel[grid](
             q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
             qk_THC, kk_THC, scale, H, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype), num_warps=PAIRS_WARPS or config.num_warps_kda_pairs, **meta,
+            FAST_SPAN=fast_span_bound(k_THK.dtype), HALF_BLOCKS=HALF_BLOCKS, num_warps=config.num_warps_kda_pairs, **meta,
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](
             k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
             inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, V=V,
             STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_wy, _block(V)),
-            INV_PRECISION=inv_precision, EYE_DOT=EYE_DOT, INV_DOTS=inverse_dots(k_THK.dtype, use_qk_l2norm, config),
+            INV_PRECISION=inv_precision, INV_DOTS=inverse_dots(k_THK.dtype, use_qk_l2norm, config),
             WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), num_warps=config.num_warps, **meta,
         )  # fmt: skip
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK
