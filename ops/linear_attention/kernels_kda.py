@@ -223,6 +223,7 @@ def _kda_pairs_kernel(
     GATE_IN_KERNEL: tl.constexpr,
     FAST_SPAN: tl.constexpr,
     HALF_BLOCKS: tl.constexpr,
+    WHOLE_BLOCK: tl.constexpr,
 ):
     """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head), by sub-chunk rows: the rows of
     sub-chunk a meet the chunk's first NJ rows (16, 32, 64, 64) in one [SB, NJ] dot each for k k^T and q k^T."""
@@ -241,7 +242,13 @@ def _kda_pairs_kernel(
     tl.debug_barrier()
     G_half = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, 2 * SB)
     half_span = tl.max(tl.max(G_half - G, axis=1), axis=0)
-    if (half_span <= FAST_SPAN) & HALF_BLOCKS:
+    G_whole = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, BT)
+    whole_span = tl.max(tl.max(G_whole - G, axis=1), axis=0)
+    if (whole_span <= FAST_SPAN) & WHOLE_BLOCK:
+        _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
+                         kk_ptr + i_h * BT, t0, num_valid, H, K, scale, BT, 0, BT, USE_L2NORM, BT, BT, BK,
+                         DOT_PRECISION)  # fmt: skip
+    elif (half_span <= FAST_SPAN) & HALF_BLOCKS:
         for a in tl.static_range(0, 2):
             _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                              kk_ptr + i_h * BT, t0, num_valid, H, K, scale, 2 * SB, a * 2 * SB, (2 * SB) << a,
@@ -569,6 +576,7 @@ def _kda_grad_products_kernel(
 
 
 HALF_BLOCKS = True
+WHOLE_BLOCK = True
 
 
 def kda_wy_fwd(
@@ -615,7 +623,7 @@ def kda_wy_fwd(
         _kda_pairs_kernel[grid](
             q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
             qk_THC, kk_THC, scale, H, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype), HALF_BLOCKS=HALF_BLOCKS, num_warps=config.num_warps_kda_pairs, **meta,
+            FAST_SPAN=fast_span_bound(k_THK.dtype), HALF_BLOCKS=HALF_BLOCKS, WHOLE_BLOCK=WHOLE_BLOCK, num_warps=config.num_warps_kda_pairs, **meta,
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](
             k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
