@@ -97,10 +97,13 @@ def _masked_exp(log_decay, mask):
 # sub-chunk take a tensor-core dot: e^span must fit the dot's operand type (module docstring). Read at each launch.
 FAST_SPAN_BOUND = 60.0
 FAST_SPAN_BOUND_FP16 = 8.0
+FAST_SPAN_BOUND_NORMED = 80.0
 
 
-def fast_span_bound(dtype: torch.dtype) -> float:
-    return FAST_SPAN_BOUND_FP16 if dtype == torch.float16 else FAST_SPAN_BOUND
+def fast_span_bound(dtype: torch.dtype, is_normed: bool = False) -> float:
+    if dtype == torch.float16:
+        return FAST_SPAN_BOUND_FP16
+    return FAST_SPAN_BOUND_NORMED if is_normed else FAST_SPAN_BOUND
 
 
 @triton.jit
@@ -208,14 +211,18 @@ def _kda_pairs_kernel(
     g_ptr,  # the log decay g, or the raw gate a when GATE_IN_KERNEL
     a_log_ptr,  # [H], read when GATE_IN_KERNEL
     dt_bias_ptr,  # [H * K], read when GATE_IN_KERNEL
+    beta_ptr,
     chunk_map_ptr,
     g_cumsum_ptr,
     qk_ptr,
     kk_ptr,
+    k_beta_ptr,
+    k_end_ptr,
     scale,
     H,
     K,
     USE_L2NORM: tl.constexpr,
+    STORE_K_END: tl.constexpr,
     BT: tl.constexpr,
     SB: tl.constexpr,
     BK: tl.constexpr,
@@ -232,23 +239,34 @@ def _kda_pairs_kernel(
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
-    is_valid = tl.arange(0, BT) < num_valid
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
 
     g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if GATE_IN_KERNEL:
         g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
+    # The WY kernel's operands that take G per channel: W's k beta exp(G) and the serial pass's k exp(G_C - G).
+    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    beta = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H + i_h, mask=is_valid, other=0.0).to(tl.float32)
+    _store_rows(k_beta_ptr + i_h * K, k * tl.exp(G) * beta[:, None], t0, num_valid, H * K, K, BT, BK)
+    if STORE_K_END:
+        G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
+        _store_rows(k_end_ptr + i_h * K, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
+    # G's rows are read back below (each block's first row; the same-sub-chunk pairs' partners): other threads
+    # wrote them.
     tl.debug_barrier()
-    G_half = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, 2 * SB)
-    half_span = tl.max(tl.max(G_half - G, axis=1), axis=0)
-    G_whole = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, BT)
-    whole_span = tl.max(tl.max(G_whole - G, axis=1), axis=0)
-    if (whole_span <= FAST_SPAN) & WHOLE_BLOCK:
+    # The largest block whose decay span (G at its first row minus G at one of its rows, any channel) is within the
+    # bound: the whole chunk, its halves, or its sub-chunks (the last also with an elementwise loop).
+    G_0 = _load_g_row(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, 0, BK)
+    if (tl.max(tl.max(G_0[None, :] - G, axis=1), axis=0) <= FAST_SPAN) & WHOLE_BLOCK:
         _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                          kk_ptr + i_h * BT, t0, num_valid, H, K, scale, BT, 0, BT, USE_L2NORM, BT, BT, BK,
                          DOT_PRECISION)  # fmt: skip
-    elif (half_span <= FAST_SPAN) & HALF_BLOCKS:
+    elif (tl.max(tl.max(tl.where((rows < 2 * SB)[:, None], G_0[None, :],
+                                 _load_g_row(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, 2 * SB, BK)[None, :])
+                        - G, axis=1), axis=0) <= FAST_SPAN) & HALF_BLOCKS:  # fmt: skip
         for a in tl.static_range(0, 2):
             _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                              kk_ptr + i_h * BT, t0, num_valid, H, K, scale, 2 * SB, a * 2 * SB, (2 * SB) << a,
@@ -307,22 +325,18 @@ def _pairs_row_block(q_ptr, k_ptr, g_cumsum_ptr, qk_ptr, kk_ptr, t0, num_valid, 
 
 @triton.jit
 def _kda_wy_fwd_kernel(
-    k_ptr,
+    k_beta_ptr,
     v_ptr,
     beta_ptr,
     chunk_map_ptr,
-    g_cumsum_ptr,
     kk_ptr,
     w_ptr,
     u_ptr,
     inverse_ptr,
-    k_end_ptr,
     H,
     K,
     V,
-    USE_L2NORM: tl.constexpr,
     STORE_INVERSE: tl.constexpr,
-    STORE_K_END: tl.constexpr,
     BT: tl.constexpr,
     SB: tl.constexpr,
     BK: tl.constexpr,
@@ -351,14 +365,11 @@ def _kda_wy_fwd_kernel(
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)
     if STORE_INVERSE:
         _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
-    G = _load_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    if STORE_K_END:
-        # k exp(G_C - G) per channel, the state update's operand, as the state pass computed it.
-        G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
-        _store_rows(k_end_ptr + i_h * K, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
-    _store_w_u(inverse, k * tl.exp(G) * beta[:, None], beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0,
-               num_valid, H, K, V, BT, BK, BV, INV_PRECISION, WU_16BIT)  # fmt: skip
+    # k beta exp(G) from the pairs kernel (in W's dtype when W's operands are 16-bit, else fp32), possibly in W's own
+    # buffer: each W element is written after the loads of its own column, which it depends on.
+    k_beta = _load_rows(k_beta_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    _store_w_u(inverse, k_beta, beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0, num_valid, H, K, V, BT, BK,
+               BV, INV_PRECISION, WU_16BIT)  # fmt: skip
 
 
 @triton.jit
@@ -617,20 +628,26 @@ def kda_wy_fwd(
     inverse_THC = alloc((T, H, C), k_THK.dtype, device) if store_for_backward else None
     k_end_THK = alloc((T, H, K), k_THK.dtype, device) if store_k_end else None
     dot_precision, inv_precision = dot_precisions(k_THK.dtype)
-    meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
+    wu_16bit = wu_operands_16bit(k_THK.dtype, K, V, config)
+    # W's operand k beta exp(G), from the pairs kernel to the WY kernel, rounded as the W product takes it: in W's own
+    # buffer where it has W's dtype.
+    k_beta_THK = w_THK if wu_16bit or k_THK.dtype == torch.float32 else alloc((T, H, K), torch.float32, device)
+    meta = dict(K=K, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
     if layout.num_slots > 0:
         grid = (layout.num_slots, H)
         _kda_pairs_kernel[grid](
-            q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), layout.chunk_map, g_cumsum_THK,
-            qk_THC, kk_THC, scale, H, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype), HALF_BLOCKS=HALF_BLOCKS, WHOLE_BLOCK=WHOLE_BLOCK, num_warps=config.num_warps_kda_pairs, **meta,
+            q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), beta_TH, layout.chunk_map,
+            g_cumsum_THK, qk_THC, kk_THC, k_beta_THK, k_end_THK if store_k_end else k_beta_THK, scale, H,
+            STORE_K_END=store_k_end, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
+            FAST_SPAN=fast_span_bound(k_THK.dtype, use_qk_l2norm), HALF_BLOCKS=HALF_BLOCKS, WHOLE_BLOCK=WHOLE_BLOCK,
+            USE_L2NORM=use_qk_l2norm, num_warps=config.num_warps_kda_pairs, **meta,
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](
-            k_THK, v_THV, beta_TH, layout.chunk_map, g_cumsum_THK, kk_THC, w_THK, u_THV,
-            inverse_THC if store_for_backward else kk_THC, k_end_THK if store_k_end else kk_THC, H, V=V,
-            STORE_INVERSE=store_for_backward, STORE_K_END=store_k_end, BV=min(config.block_v_wy, _block(V)),
+            k_beta_THK, v_THV, beta_TH, layout.chunk_map, kk_THC, w_THK, u_THV,
+            inverse_THC if store_for_backward else kk_THC, H, V=V,
+            STORE_INVERSE=store_for_backward, BV=min(config.block_v_wy, _block(V)),
             INV_PRECISION=inv_precision, INV_DOTS=inverse_dots(k_THK.dtype, use_qk_l2norm, config),
-            WU_16BIT=wu_operands_16bit(k_THK.dtype, K, V, config), num_warps=config.num_warps, **meta,
+            WU_16BIT=wu_16bit, num_warps=config.num_warps, **meta,
         )  # fmt: skip
     return g_cumsum_THK, w_THK, u_THV, qk_THC, inverse_THC, kk_THC, k_end_THK
 
