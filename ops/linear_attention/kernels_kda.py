@@ -231,6 +231,7 @@ def _kda_pairs_kernel(
     FAST_SPAN: tl.constexpr,
     HALF_BLOCKS: tl.constexpr,
     WHOLE_BLOCK: tl.constexpr,
+    OPERANDS_AT_END: tl.constexpr,
 ):
     """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head), by sub-chunk rows: the rows of
     sub-chunk a meet the chunk's first NJ rows (16, 32, 64, 64) in one [SB, NJ] dot each for k k^T and q k^T."""
@@ -247,13 +248,9 @@ def _kda_pairs_kernel(
         g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
-    # The WY kernel's operands that take G per channel: W's k beta exp(G) and the serial pass's k exp(G_C - G).
-    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    beta = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H + i_h, mask=is_valid, other=0.0).to(tl.float32)
-    _store_rows(k_beta_ptr + i_h * K, k * tl.exp(G) * beta[:, None], t0, num_valid, H * K, K, BT, BK)
-    if STORE_K_END:
-        G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
-        _store_rows(k_end_ptr + i_h * K, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
+    if not OPERANDS_AT_END:
+        _wy_operands(k_ptr + i_h * K, beta_ptr, k_beta_ptr + i_h * K, k_end_ptr + i_h * K, G, t0, num_valid, H, K, i_h,
+                     USE_L2NORM, STORE_K_END, BT, BK)  # fmt: skip
     # G's rows are read back below (each block's first row; the same-sub-chunk pairs' partners): other threads
     # wrote them.
     tl.debug_barrier()
@@ -280,6 +277,24 @@ def _kda_pairs_kernel(
             _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                              kk_ptr + i_h * BT, t0, num_valid, H, K, scale, own_rows, a * SB, SB << (a - a // 3),
                              USE_L2NORM, BT, SB, BK, DOT_PRECISION)  # fmt: skip
+    if OPERANDS_AT_END:
+        _wy_operands(k_ptr + i_h * K, beta_ptr, k_beta_ptr + i_h * K, k_end_ptr + i_h * K, G, t0, num_valid, H, K, i_h,
+                     USE_L2NORM, STORE_K_END, BT, BK)  # fmt: skip
+
+
+@triton.jit
+def _wy_operands(k_ptr, beta_ptr, k_beta_ptr, k_end_ptr, G, t0, num_valid, H, K, i_h, USE_L2NORM: tl.constexpr,
+                 STORE_K_END: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """The WY kernel's operands that take G per channel: W's k beta exp(G) and the serial pass's k exp(G_C - G)
+    (pointers at the head's column 0)."""
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    k = _l2norm_rows(_load_rows(k_ptr, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    beta = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H + i_h, mask=is_valid, other=0.0).to(tl.float32)
+    _store_rows(k_beta_ptr, k * tl.exp(G) * beta[:, None], t0, num_valid, H * K, K, BT, BK)
+    if STORE_K_END:
+        G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
+        _store_rows(k_end_ptr, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
 
 
 @triton.jit
@@ -588,6 +603,7 @@ def _kda_grad_products_kernel(
 
 HALF_BLOCKS = True
 WHOLE_BLOCK = True
+OPERANDS_AT_END = True
 
 
 def kda_wy_fwd(
@@ -639,7 +655,7 @@ def kda_wy_fwd(
             q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), beta_TH, layout.chunk_map,
             g_cumsum_THK, qk_THC, kk_THC, k_beta_THK, k_end_THK if store_k_end else k_beta_THK, scale, H,
             STORE_K_END=store_k_end, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype, use_qk_l2norm), HALF_BLOCKS=HALF_BLOCKS, WHOLE_BLOCK=WHOLE_BLOCK,
+            FAST_SPAN=fast_span_bound(k_THK.dtype, use_qk_l2norm), HALF_BLOCKS=HALF_BLOCKS, WHOLE_BLOCK=WHOLE_BLOCK, OPERANDS_AT_END=OPERANDS_AT_END,
             USE_L2NORM=use_qk_l2norm, num_warps=config.num_warps_kda_pairs, **meta,
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](
