@@ -10,8 +10,8 @@ cu_seqlens = (0, T, 2T, ...), so one code path serves both.
 
 The forward is three launches (two for KDA and for head dims whose V tile is narrower than their K tile):
 1. `_chunk_wy_fwd_kernel`, one program per (chunk, head), all in parallel: G, A = tril(beta k k^T exp(G_i - G_j)),
-   the inverse (I + A)^-1 (the [C / 16, 16, 16] diagonal blocks by doubling products, then three block
-   products), the WY factors W = (I + A)^-1 diag(beta exp(G)) k and U = (I + A)^-1 diag(beta) v, and (store_k_end)
+   the inverse (I + A)^-1 (block forward substitution, the block size doubling: `_unit_lower_inverse`), the WY
+   factors W = (I + A)^-1 diag(beta exp(G)) k and U = (I + A)^-1 diag(beta) v, and (store_k_end)
    the serial pass's operand k exp(G_C - G).
 2. `_chunk_state_fwd_kernel`, one program per (V tile, sequence, head), serial over the sequence's chunks with the
    state [K, BV] in registers (fp32): v_new = U - W S, then S = exp(G_C) S + (k exp(G_C - G))^T v_new, the decayed
@@ -106,6 +106,11 @@ GPU_MIN_STATE_PROGRAMS = 128
 GPU_NUM_STAGES_STATE_FWD = 4
 GPU_NUM_STAGES_STATE_FWD_KDA = 3
 GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
+# The triangular inverse's products for 16-bit inputs with L2-normed keys (`inverse_dots`): fp16 operands, whose
+# 10-bit mantissa is tf32's, at twice the tensor-core rate and half the bytes. Every factor is bounded (|A| <= 1 for
+# normed keys, beta <= 1, decays <= 1; the inverse's blocks stay near 1), well inside fp16's range. H200, B4 T8192
+# H16 K=V=128 bf16 (nineteenth session): WY pass 0.296 ms against 0.332 in tf32, W and U as far from the fp64 ones
+# (RMS 2.3e-3, the bf16 rounding of W and U).
 GPU_INVERSE_DOTS_16BIT = "fp16"
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
@@ -420,8 +425,6 @@ def _inverse_dot(x, y, DOTS: tl.constexpr):
     input_precision ("tf32", "ieee")."""
     if DOTS == "fp16":
         z = tl.dot(x.to(tl.float16), y.to(tl.float16))
-    elif DOTS == "bf16":
-        z = tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16))
     else:
         z = tl.dot(x, y, input_precision=DOTS)
     return z

@@ -5,25 +5,27 @@ sub-chunk length, "later" and "earlier" the two tokens of a pair (i >= j).
 
 Per-channel decays do not factor out of a dot: sum_c x_ic y_jc exp(G_ic - G_jc) needs its own decay per pair and
 channel, and exp(G_i) * exp(-G_j) overflows fp32 (exp(-G_j) reaches exp(320) over one chunk of g = -5). So every
-such product is split by sub-chunk:
-- pairs in different sub-chunks: with r the first row of the later token's sub-chunk,
-  exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), both factors <= 1; one tl.dot per sub-chunk over masked tiles;
-- pairs in one sub-chunk, when the chunk's decays are mild enough (below): the same dot with r the first row of the
-  pair's own sub-chunk, exp(G_i - G_r) <= 1 and exp(G_r - G_j) <= exp(span), span the largest G_r - G_j of any
-  sub-chunk and channel of the chunk; the pairs above the diagonal that this dot also forms are masked after it.
-  It holds while exp(span) fits the dot's operand type with room for the sum: span <= FAST_SPAN_BOUND (60: e^60 =
-  1e26 against bf16's and fp32's 3e38) or FAST_SPAN_BOUND_FP16 (8: e^8 = 3e3 against fp16's 6.5e4, and e^-8 stays
-  a normal fp16 number);
-- pairs in one sub-chunk otherwise: exp(G_i - G_j) elementwise, one offset jj at a time: row i meets row
-  SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile cannot be
-  indexed by row. Each program (one chunk and head) takes one path or the other as its span says.
-The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split the same way, with
-fp32 operands in the dots (tf32 for 16-bit inputs; `_decayed_dots` says why).
+such product is split by blocks of rows, with r the first row of the later token's block:
+exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j), the first factor <= 1, the second <= 1 for earlier blocks and at
+most exp(span) within the block, span the largest G_r - G_j of the block and any channel. One tl.dot per block takes
+its rows against every earlier row and its own; the pairs above the diagonal that it also forms are masked after it.
+It holds while exp(span) fits the dot's operand type with room for the sum, span <= FAST_SPAN:
+- FAST_SPAN_BOUND (60: e^60 = 1e26 against bf16's and fp32's 3e38) in general;
+- FAST_SPAN_BOUND_NORMED (80) for the forward's products of L2-normed q and k: each entry is then at most e^span
+  (Cauchy-Schwarz over the channels), e^80 = 6e34, and e^-80 = 2e-35 stays a normal bf16 or fp32 number;
+- FAST_SPAN_BOUND_FP16 (8: e^8 = 3e3 against fp16's 6.5e4, and e^-8 stays a normal fp16 number).
+The forward's pairs kernel takes the largest blocks within the bound (the whole chunk, its halves, or its 16-row
+sub-chunks); past it even for a sub-chunk, the pairs within each sub-chunk go elementwise, one offset jj at a time:
+row i meets row SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile
+cannot be indexed by row. Each program (one chunk and head) takes its path as its spans say.
+The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split by sub-chunk the same
+way (bound 60 or 8: their operands are not normed), with fp32 operands in the dots (tf32 for 16-bit inputs;
+`_decayed_dots` says why).
 
-Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1,
-W, U, and for power-of-two K the serial pass's k exp(G_C - G) per channel, at 4 warps, as the per-head WY kernel; in
-one kernel at 8 warps the inverse's row loop took 41% of the
-instructions, ncu on the H200), and the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head
+Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, W's operand k beta exp(G) and for power-of-two K
+the serial pass's k exp(G_C - G) per channel; 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1, W, U, at 4 warps, as
+the per-head WY kernel; one kernel of both at 8 warps took 1.78 ms against 1.54 for the two, nineteenth session),
+and the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head
 one: `_kda_grad_wy_kernel` (the state and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the
 gradient of G_C and dkk) then `_kda_grad_products_kernel` (the output's terms and the four decayed products dP k,
 dP^T q, dkk k, dkk^T k: dq, dk, dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
@@ -229,12 +231,17 @@ def _kda_pairs_kernel(
     DOT_PRECISION: tl.constexpr,
     GATE_IN_KERNEL: tl.constexpr,
     FAST_SPAN: tl.constexpr,
-    HALF_BLOCKS: tl.constexpr,
-    WHOLE_BLOCK: tl.constexpr,
-    OPERANDS_AT_END: tl.constexpr,
 ):
-    """G, and the decayed causal q k^T and strictly lower k k^T of one (chunk, head), by sub-chunk rows: the rows of
-    sub-chunk a meet the chunk's first NJ rows (16, 32, 64, 64) in one [SB, NJ] dot each for k k^T and q k^T."""
+    """G, the decayed causal q k^T and strictly lower k k^T, and the WY kernel's k beta exp(G) and k exp(G_C - G) of
+    one (chunk, head).
+
+    The products go by row blocks (`_pairs_row_block`): a block's rows meet every earlier row and their own in one dot
+    per product, with r the block's first row. The blocks are the largest of the whole chunk, its two halves and its
+    four sub-chunks whose decay span is within FAST_SPAN; the sub-chunks' rows meet the chunk's first NJ = 16, 32,
+    64, 64 rows, and past the bound they take their own rows by the elementwise loop. H200, B4 T8192 H16 K=V=128
+    bf16, g = logsigmoid(randn) (the harness's; the whole chunk within a span of 80): 0.91 ms a launch, writing W's
+    operand and the decayed k too, against 1.01 for the masked [64, 64] tiles of all four sub-chunks and 0.47 ms of
+    the WY kernel's then (docs/PERF.md, nineteenth session)."""
     tl.static_assert(BT == 4 * SB)
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -248,22 +255,21 @@ def _kda_pairs_kernel(
         g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
-    if not OPERANDS_AT_END:
-        _wy_operands(k_ptr + i_h * K, beta_ptr, k_beta_ptr + i_h * K, k_end_ptr + i_h * K, G, t0, num_valid, H, K, i_h,
-                     USE_L2NORM, STORE_K_END, BT, BK)  # fmt: skip
     # G's rows are read back below (each block's first row; the same-sub-chunk pairs' partners): other threads
     # wrote them.
     tl.debug_barrier()
     # The largest block whose decay span (G at its first row minus G at one of its rows, any channel) is within the
-    # bound: the whole chunk, its halves, or its sub-chunks (the last also with an elementwise loop).
+    # bound: the whole chunk, its halves, or its sub-chunks (these also by an elementwise loop, past the bound).
     G_0 = _load_g_row(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, 0, BK)
-    if (tl.max(tl.max(G_0[None, :] - G, axis=1), axis=0) <= FAST_SPAN) & WHOLE_BLOCK:
+    whole_span = tl.max(tl.max(G_0[None, :] - G, axis=1), axis=0)
+    G_halves = tl.where((rows < 2 * SB)[:, None], G_0[None, :],
+                        _load_g_row(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, 2 * SB, BK)[None, :])  # fmt: skip
+    half_span = tl.max(tl.max(G_halves - G, axis=1), axis=0)
+    if whole_span <= FAST_SPAN:
         _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                          kk_ptr + i_h * BT, t0, num_valid, H, K, scale, BT, 0, BT, USE_L2NORM, BT, BT, BK,
                          DOT_PRECISION)  # fmt: skip
-    elif (tl.max(tl.max(tl.where((rows < 2 * SB)[:, None], G_0[None, :],
-                                 _load_g_row(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, 2 * SB, BK)[None, :])
-                        - G, axis=1), axis=0) <= FAST_SPAN) & HALF_BLOCKS:  # fmt: skip
+    elif half_span <= FAST_SPAN:
         for a in tl.static_range(0, 2):
             _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                              kk_ptr + i_h * BT, t0, num_valid, H, K, scale, 2 * SB, a * 2 * SB, (2 * SB) << a,
@@ -277,9 +283,10 @@ def _kda_pairs_kernel(
             _pairs_row_block(q_ptr + i_h * K, k_ptr + i_h * K, g_cumsum_ptr + i_h * K, qk_ptr + i_h * BT,
                              kk_ptr + i_h * BT, t0, num_valid, H, K, scale, own_rows, a * SB, SB << (a - a // 3),
                              USE_L2NORM, BT, SB, BK, DOT_PRECISION)  # fmt: skip
-    if OPERANDS_AT_END:
-        _wy_operands(k_ptr + i_h * K, beta_ptr, k_beta_ptr + i_h * K, k_end_ptr + i_h * K, G, t0, num_valid, H, K, i_h,
-                     USE_L2NORM, STORE_K_END, BT, BK)  # fmt: skip
+    # After the blocks: computed before them, k's tile stayed live through them (H200, B4 T8192 H16: pairs kernel
+    # 0.967 against 0.912 ms).
+    _wy_operands(k_ptr + i_h * K, beta_ptr, k_beta_ptr + i_h * K, k_end_ptr + i_h * K, G, t0, num_valid, H, K, i_h,
+                 USE_L2NORM, STORE_K_END, BT, BK)  # fmt: skip
 
 
 @triton.jit
@@ -360,7 +367,8 @@ def _kda_wy_fwd_kernel(
     INV_DOTS: tl.constexpr,
     WU_16BIT: tl.constexpr,
 ):
-    """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head)."""
+    """(I + A)^-1 with A = diag(beta) kk (kk from the pairs kernel, fp32), W and U of one (chunk, head); W's operand
+    k beta exp(G) is the pairs kernel's too."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -373,8 +381,9 @@ def _kda_wy_fwd_kernel(
     kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
     if INV_DOTS == "tf32":
         # Through a tf32 product with the identity (kk rounded to tf32, as the inverse's own tf32 products round it):
-        # the tile then has the dot-result register layout the inverse's row loop runs well on, 121 instructions a
-        # step a warp against 329 on the layout a load gives (sm_90 compile, 4 warps; 15 steps a chunk).
+        # the tile then has a dot result's register layout. Made for an earlier inverse's row loop (121 instructions a
+        # step a warp against 329 on the layout a load gives, sm_90 compile, 4 warps); with the inverse by products
+        # still 0.546 against 0.582 ms without it (H200, B4 T8192 H16, nineteenth session). The fp16 inverse skips it.
         eye = tl.where(rows[:, None] == tl.arange(0, BT)[None, :], 1.0, 0.0)
         kk = tl.dot(kk, eye, input_precision=INV_PRECISION)
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)
@@ -601,11 +610,6 @@ def _kda_grad_products_kernel(
     _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
 
 
-HALF_BLOCKS = True
-WHOLE_BLOCK = True
-OPERANDS_AT_END = True
-
-
 def kda_wy_fwd(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -624,10 +628,10 @@ def kda_wy_fwd(
     inputs), the decayed k k^T (strictly lower) [T, H, C] fp32; with store_for_backward also (I + A)^-1 [T, H, C]
     (else None); with store_k_end k exp(G_C - G) [T, H, K] in k's dtype for chunk_state_fwd (else None).
 
-    Two kernels: the pairs kernel (G, q k^T, k k^T: per-channel decays, sub-chunk dots) then the WY kernel (the
-    inverse, W, U), so that each runs at its own warp count. One kernel at 8 warps spent 41% of its instructions in the
-    inverse's row loop, 4.4x the per-head WY kernel's instructions at 4 warps (ncu on the H200, docs/PERF.md).
-    k k^T passes between them in fp32, as the inverse had it in registers.
+    Two kernels: the pairs kernel (G, q k^T, k k^T by row blocks; W's operand k beta exp(G) and k exp(G_C - G), the
+    two products with per-channel decays) then the WY kernel (the inverse, W, U), so that each runs at its own warp
+    count (one kernel at 8 warps: 1.78 ms against 1.54, docs/PERF.md). k k^T passes between them in fp32; W's operand
+    in W's dtype through W's own buffer where W's products take 16-bit operands (else in fp32 scratch).
 
     gate: (A_log [H], dt_bias [H * K]) when g_THK is the raw gate a, the log decay being
     -exp(A_log) * softplus(a + dt_bias), computed in the kernel."""
@@ -655,7 +659,7 @@ def kda_wy_fwd(
             q_THK, k_THK, g_THK, *(gate if gate is not None else (g_THK, g_THK)), beta_TH, layout.chunk_map,
             g_cumsum_THK, qk_THC, kk_THC, k_beta_THK, k_end_THK if store_k_end else k_beta_THK, scale, H,
             STORE_K_END=store_k_end, DOT_PRECISION=dot_precision, GATE_IN_KERNEL=gate is not None,
-            FAST_SPAN=fast_span_bound(k_THK.dtype, use_qk_l2norm), HALF_BLOCKS=HALF_BLOCKS, WHOLE_BLOCK=WHOLE_BLOCK, OPERANDS_AT_END=OPERANDS_AT_END,
+            FAST_SPAN=fast_span_bound(k_THK.dtype, use_qk_l2norm),
             USE_L2NORM=use_qk_l2norm, num_warps=config.num_warps_kda_pairs, **meta,
         )  # fmt: skip
         _kda_wy_fwd_kernel[grid](

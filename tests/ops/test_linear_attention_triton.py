@@ -23,10 +23,10 @@ with interpreted_kernels():
     import triton.language as tl
 
     @triton.jit
-    def _unit_lower_inverse_kernel(a_ptr, out_ptr, BT: tl.constexpr, SB: tl.constexpr):
+    def _unit_lower_inverse_kernel(a_ptr, out_ptr, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr):
         rows = tl.arange(0, BT)
         offsets = rows[:, None] * BT + rows[None, :]
-        inverse = kernels_fwd._unit_lower_inverse(tl.load(a_ptr + offsets), BT, SB, "ieee")
+        inverse = kernels_fwd._unit_lower_inverse(tl.load(a_ptr + offsets), BT, SB, DOTS)
         tl.store(out_ptr + offsets, inverse)
 
 # One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
@@ -379,6 +379,7 @@ def test_kda_pairs_within_a_sub_chunk_both_paths_match_reference(
     # elementwise otherwise (kernels_kda's module docstring); "elementwise_only" sets the bounds below every span.
     if within_sub_chunk == "elementwise_only":
         monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND", -1.0)
+        monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND_NORMED", -1.0)
         monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND_FP16", -1.0)
     assert_matches_reference(mild_then_strong_decays(dtype), dtype, guarded, use_qk_l2norm_in_kernel=True)
 
@@ -389,9 +390,41 @@ def test_kda_pairs_within_a_sub_chunk_both_paths_match_reference(
 def test_kda_dot_path_needs_its_span_bound(kernel_path, guarded, monkeypatch):
     # The bound is what keeps exp(G_r - G_j) finite: without it the strong chunk's dots overflow (e^450 in fp32).
     monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND", float("inf"))
+    monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND_NORMED", float("inf"))
     o, _ = kda(**mild_then_strong_decays(torch.float32), output_final_state=True, use_qk_l2norm_in_kernel=True)
     assert not bool(o[:, 64:128].isfinite().all())
     assert bool(o[:, :64].isfinite().all())
+
+
+def blocks_by_span(dtype):
+    """KDA inputs of four chunks and a 7-token tail whose per-token decays (0.9-1.0 of d, every channel) put each
+    chunk's span in another path of the pairs kernel: the whole chunk as one block, its halves, its sub-chunks by
+    dots, its sub-chunks elementwise (d = 0.8 B / 63, 0.8 B / 31, 0.8 B / 15, 2 B / 15 for the forward's bound B)."""
+    bound = kernels_kda.fast_span_bound(dtype, is_normed=True)
+    decays = [0.8 * bound / 63, 0.8 * bound / 31, 0.8 * bound / 15, 2 * bound / 15, 0.8 * bound / 63]
+    inputs = make_inputs(1, 4 * 64 + 7, is_per_channel=True, dtype=dtype)
+    gen = torch.Generator().manual_seed(11)
+    scale = 0.9 + 0.1 * torch.rand(inputs["g"].shape, generator=gen, dtype=torch.float64)
+    per_token = torch.tensor([decays[t // 64] for t in range(4 * 64 + 7)], dtype=torch.float64)
+    inputs["g"] = (-scale * per_token[None, :, None, None]).to(dtype).requires_grad_()
+    # Each chunk's spans (G at a block's first row minus G at its last) pick its path as the docstring says.
+    G = inputs["g"].detach().double()[0, : 4 * 64].reshape(4, 64, -1).cumsum(1)
+    spans = {rows: (G[:, 0:64 - rows + 1:rows] - G[:, rows - 1::rows]).amax(dim=(1, 2)) for rows in (64, 32, 16)}
+    expected_paths = [
+        spans[64][0] <= bound,
+        spans[64][1] > bound >= spans[32][1],
+        spans[32][2] > bound >= spans[16][2],
+        spans[16][3] > bound,
+    ]
+    assert all(bool(path) for path in expected_paths), spans
+    return inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_pairs_by_every_block_size_match_reference(kernel_path, guarded, dtype):
+    # One chunk on each path of the pairs kernel (whole, halves, sub-chunks, elementwise), with L2-normed q and k (the
+    # forward's larger bound).
+    assert_matches_reference(blocks_by_span(dtype), dtype, guarded, use_qk_l2norm_in_kernel=True)
 
 
 @pytest.mark.parametrize("dtype, shape, doc_lengths", [
@@ -435,18 +468,47 @@ def test_kda_gate_in_kernel_matches_reference(kernel_path, guarded, dtype, shape
     guarded.check()
 
 
+def correlated_keys_matrix(BT, gen):
+    """A = beta tril(k k^T, -1) of unit keys at cosine ~0.9 and beta near 1, no decay: the exact inverse stays near
+    1 in every entry, while the powers of A grow to ~1e3 (what broke the doubling products this replaced)."""
+    k = F.normalize(torch.randn(1, 128, generator=gen, dtype=torch.float64)
+                    + 0.3 * torch.randn(BT, 128, generator=gen, dtype=torch.float64), dim=-1)  # fmt: skip
+    beta = 0.9 + 0.1 * torch.rand(BT, 1, generator=gen, dtype=torch.float64)
+    return (beta * (k @ k.T)).tril(-1)
+
+
+# Bounds on the largest error relative to the largest entry: fp32 products ("ieee", measured <= 1.7e-7) and fp16
+# operands ("fp16", the 16-bit inputs' inverse; measured <= 1.2e-3). The doubling products this replaced gave 2.3e-4
+# and 0.74 on the correlated keys at BT 64.
+INVERSE_BOUNDS = {"ieee": 1e-6, "fp16": 3e-3}
+
+
+@pytest.mark.parametrize("dots", ["ieee", "fp16"])
+@pytest.mark.parametrize("case", ["uniform", "correlated_keys"])
 @pytest.mark.parametrize("BT", [16, 32, 64])
-def test_unit_lower_inverse_equals_the_exact_inverse(BT):
-    # The WY pass's (I + A)^-1: doubling products on the 16 x 16 diagonal blocks, then the Neumann merge. Entries of
-    # A up to 0.5 make every power of a block matter (the layer's A rarely reaches its high powers, so the
-    # end-to-end tests would not notice one missing).
+def test_unit_lower_inverse_equals_the_exact_inverse(BT, case, dots):
+    # The WY pass's (I + A)^-1 by block forward substitution. Uniform entries up to 0.5 reach every level of the
+    # substitution; correlated keys make the powers of A large, so a form that cancels them loses the result.
     gen = torch.Generator().manual_seed(0)
-    A = ((torch.rand(BT, BT, generator=gen, dtype=torch.float64) - 0.5)).tril(-1)
+    if case == "uniform":
+        A = ((torch.rand(BT, BT, generator=gen, dtype=torch.float64) - 0.5)).tril(-1)
+    else:
+        A = correlated_keys_matrix(BT, gen)
     expected = torch.linalg.inv(torch.eye(BT, dtype=torch.float64) + A)
     actual = torch.empty(BT, BT)
-    _unit_lower_inverse_kernel[(1,)](A.float().contiguous(), actual, BT=BT, SB=16)
+    _unit_lower_inverse_kernel[(1,)](A.float().contiguous(), actual, BT=BT, SB=16, DOTS=dots)
     error = (actual.double() - expected).abs().max() / expected.abs().max()
-    assert error < 1e-5, f"relative error {error:.1e}"
+    assert error < INVERSE_BOUNDS[dots], f"relative error {error:.1e}"
+
+
+@pytest.mark.parametrize("dtype, use_qk_l2norm, expected", [
+    (torch.float32, True, "ieee"), (torch.float32, False, "ieee"), (torch.bfloat16, True, "fp16"),
+    (torch.float16, True, "fp16"), (torch.bfloat16, False, "tf32"),
+])  # fmt: skip
+def test_inverse_takes_fp16_products_only_for_16bit_inputs_with_normed_keys(dtype, use_qk_l2norm, expected):
+    # fp16 operands need the factors' range: keys the op norms itself bound A's entries by beta <= 1.
+    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    assert kernels_fwd.inverse_dots(dtype, use_qk_l2norm, gpu) == expected
 
 
 def test_chunk_map_covers_every_chunk_once():
