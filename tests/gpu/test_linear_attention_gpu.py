@@ -283,6 +283,45 @@ def test_kda_long_sequence_bf16_matches_reference(guarded):
     assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
 
 
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+def test_correlated_keys_bf16_match_reference(guarded, is_per_channel):
+    # Keys at cosine ~0.9 within each head, beta near 1, almost no decay: (I + A)^-1 stays near 1 in every entry but
+    # the powers of A grow to ~1e3. The doubling products the inverse once took cancelled them and gave NaN outputs
+    # here (H200, docs/PERF.md, nineteenth session); block substitution multiplies only bounded factors.
+    B, T, H, K, V = 1, 1000, 2, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    g_shape = (B, T, H, K) if is_per_channel else (B, T, H)
+    inputs = dict(
+        q=randn(B, T, H, K).to(torch.bfloat16),
+        k=(randn(1, 1, H, K) + 0.3 * randn(B, T, H, K)).to(torch.bfloat16),
+        v=randn(B, T, H, V).to(torch.bfloat16),
+        g=-1e-3 * torch.rand(*g_shape, generator=gen, device="cuda"),
+        beta=(0.9 + 0.1 * torch.rand(B, T, H, generator=gen, device="cuda")).to(torch.bfloat16),
+        initial_state=0.1 * randn(B, H, K, V),
+    )
+    inputs = {name: x.requires_grad_() for name, x in inputs.items()}
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
+
+
+def test_kda_pairs_by_every_block_size_bf16_match_reference(guarded):
+    # Four chunks whose decay spans put each on another path of the pairs kernel (the whole chunk as one block, its
+    # halves, its sub-chunks by dots, its sub-chunks elementwise), as tests/ops' CPU test of the same name.
+    from moe_tune.ops.linear_attention import kernels_kda
+
+    bound = kernels_kda.fast_span_bound(torch.bfloat16, is_normed=True)
+    decays = torch.tensor([0.8 * bound / 63, 0.8 * bound / 31, 0.8 * bound / 15, 2 * bound / 15], device="cuda")
+    inputs = make_inputs(1, 4 * 64 + 7, 2, 128, 128, dtype=torch.bfloat16, is_per_channel=True)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    per_token = decays[torch.arange(4 * 64 + 7, device="cuda").clamp(max=4 * 64 - 1) // 64]
+    scale = 0.9 + 0.1 * torch.rand(inputs["g"].shape, generator=gen, device="cuda")
+    inputs["g"] = (-scale * per_token[None, :, None, None]).requires_grad_()
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
+
+
 # Eight documents: lengths 1 and 63 (inside one chunk), 64 and 65 (at a chunk boundary), and long ones.
 DOC_LENGTHS = [1, 63, 64, 65, 700, 1500, 2047, 3753]
 
