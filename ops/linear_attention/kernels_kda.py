@@ -253,6 +253,7 @@ def _kda_pairs_kernel(
     g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if GATE_IN_KERNEL:
         g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
+    # Zero-padded g past the chunk's end: G there stays at its last row.
     G = tl.cumsum(g, axis=0)
     _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
     # G's rows are read back below (each block's first row; the same-sub-chunk pairs' partners): other threads
