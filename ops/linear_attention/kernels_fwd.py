@@ -109,8 +109,8 @@ GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
 # The triangular inverse's products for 16-bit inputs with L2-normed keys (`inverse_dots`): fp16 operands, whose
 # 10-bit mantissa is tf32's, at twice the tensor-core rate and half the bytes. A's entries are at most 1 in magnitude
 # (normed keys, beta <= 1, decays <= 1) and the inverse's were at most 1.0 in every case measured (fp64, random,
-# correlated, and beta-1 keys), far inside fp16's 6.5e4. H200, B4 T8192 H16 K=V=128 bf16 (nineteenth session): WY pass 0.296 ms
-# against 0.332 in tf32, W and U as far from the fp64 ones (RMS 2.3e-3: the bf16 rounding of W and U).
+# correlated, and beta-1 keys), far inside fp16's 6.5e4. H200, B4 T8192 H16 K=V=128 bf16 (nineteenth session): WY
+# pass 0.296 ms against 0.332 in tf32, W and U as far from the fp64 ones (RMS 2.3e-3: the bf16 rounding of W and U).
 GPU_INVERSE_DOTS_16BIT = "fp16"
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1

@@ -240,8 +240,8 @@ def _kda_pairs_kernel(
     four sub-chunks whose decay span is within FAST_SPAN; the sub-chunks' rows meet the chunk's first NJ = 16, 32,
     64, 64 rows, and past the bound they take their own rows by the elementwise loop. H200, B4 T8192 H16 K=V=128
     bf16, g = logsigmoid(randn) (the harness's; the whole chunk within a span of 80): 0.91 ms a launch, writing W's
-    operand and the decayed k too, against 1.01 for the masked [64, 64] tiles of all four sub-chunks and 0.47 ms of
-    the WY kernel's then (docs/PERF.md, nineteenth session)."""
+    operand and the decayed k too, against 1.01 for the masked [64, 64] tiles of all four sub-chunks; the WY kernel,
+    which made those operands then, went from 0.47 to 0.24 ms (docs/PERF.md, nineteenth session)."""
     tl.static_assert(BT == 4 * SB)
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -383,8 +383,9 @@ def _kda_wy_fwd_kernel(
     if INV_DOTS == "tf32":
         # Through a tf32 product with the identity (kk rounded to tf32, as the inverse's own tf32 products round it):
         # the tile then has a dot result's register layout. Made for an earlier inverse's row loop (121 instructions a
-        # step a warp against 329 on the layout a load gives, sm_90 compile, 4 warps); with the inverse by products
-        # still 0.546 against 0.582 ms without it (H200, B4 T8192 H16, nineteenth session). The fp16 inverse skips it.
+        # step a warp against 329 on the layout a load gives, sm_90 compile, 4 warps); with the doubling inverse that
+        # came after the row loop, still 0.546 against 0.582 ms without it (H200, B4 T8192 H16, nineteenth session,
+        # call 2); not re-timed with the substitution inverse. The fp16 inverse skips it.
         eye = tl.where(rows[:, None] == tl.arange(0, BT)[None, :], 1.0, 0.0)
         kk = tl.dot(kk, eye, input_precision=INV_PRECISION)
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)
