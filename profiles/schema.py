@@ -8,6 +8,8 @@ the user reads `model.moe.top_k (9) must be <= model.moe.num_experts (8)`.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -17,8 +19,20 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 BYTE_VOCAB_SIZE = 259
 
 
+# Sizes and counts: tensor dims, token ids and step counts stay within int32, as kernels' index math and
+# tokenizers' ids do; a larger one is a typo, not a model.
+MAX_SIZE = 2**31 - 1
+# Seeds are 64-bit: torch.manual_seed takes up to 2**64 - 1, and a seed plus an epoch or a layer offset must fit.
+MAX_SEED = 2**63 - 1
+# A collective's timeout becomes a datetime.timedelta and torch's int64 milliseconds: a year is long enough.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+# Decoder layers: the largest model shipped has 56; every layer is built (and planned) one by one.
+MAX_LAYERS = 1024
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # No float field takes inf or nan: each would overflow or poison the run later.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 def _raise_if(problems: list[str]) -> None:
@@ -42,10 +56,12 @@ class LayerSpec(Strict):
 
 
 class LinearAttentionSpec(Strict):
-    num_key_heads: int = Field(ge=1, description="heads of q and k (shared by groups of value heads)")
-    num_value_heads: int = Field(ge=1, description="heads of v and of the recurrent state; a multiple of num_key_heads")
-    key_head_dim: int = Field(ge=1, description="K: dim of q and k per head")
-    value_head_dim: int = Field(ge=1, description="V: dim of v per head (may differ from K)")
+    num_key_heads: int = Field(ge=1, le=MAX_SIZE, description="heads of q and k (shared by groups of value heads)")
+    num_value_heads: int = Field(
+        ge=1, le=MAX_SIZE, description="heads of v and of the recurrent state; a multiple of num_key_heads"
+    )
+    key_head_dim: int = Field(ge=1, le=MAX_SIZE, description="K: dim of q and k per head")
+    value_head_dim: int = Field(ge=1, le=MAX_SIZE, description="V: dim of v per head (may differ from K)")
     conv_kernel_size: int = Field(4, ge=1, le=8, description="width of the short causal depthwise conv on q, k, v")
     decay: Literal["scalar", "per_channel"] = Field(
         "scalar", description="scalar: one log decay per head (gated delta rule); per_channel: one per key channel (KDA)"
@@ -69,20 +85,23 @@ class KDASpec(Strict):
     """Kimi delta attention (Kimi Linear's KDA layers); its low-rank decay and output-gate projections have rank
     head_dim, as in FLA's KimiDeltaAttention."""
 
-    num_heads: int = Field(ge=1, description="H: heads of q, k, v and of the recurrent state (no grouping)")
-    head_dim: int = Field(ge=1, description="K: dim of q, k and v per head (one dim for all three)")
+    num_heads: int = Field(
+        ge=1, le=MAX_SIZE, description="H: heads of q, k, v and of the recurrent state (no grouping)"
+    )
+    head_dim: int = Field(ge=1, le=MAX_SIZE, description="K: dim of q, k and v per head (one dim for all three)")
     conv_kernel_size: int = Field(4, ge=1, le=8, description="width of the short causal depthwise conv on q, k, v")
 
 
 class SparseAttentionSpec(Strict):
-    index_heads: int = Field(ge=1, description="HI: heads of the indexer that scores keys for each query")
-    index_head_dim: int = Field(ge=1, description="DI: dim of the indexer's query and key")
+    index_heads: int = Field(ge=1, le=MAX_SIZE, description="HI: heads of the indexer that scores keys for each query")
+    index_head_dim: int = Field(ge=1, le=MAX_SIZE, description="DI: dim of the indexer's query and key")
     topk: int = Field(
-        ge=1, description="token budget: keys each query attends to (block mode: topk / block_size blocks; qsa "
-        "layers: keys from complete blocks, the incomplete block the query sits in comes on top)"
+        ge=1, le=MAX_SIZE, description="token budget: keys each query attends to (block mode: topk / block_size "
+        "blocks; qsa layers: keys from complete blocks, the incomplete block the query sits in comes on top)"
     )
     block_size: int = Field(
-        1, ge=1, description="1: select single tokens; >1: select blocks of this many contiguous keys (mean-pooled scores)"
+        1, ge=1, le=MAX_SIZE, description="1: select single tokens; >1: select blocks of this many contiguous keys "
+        "(mean-pooled scores)"
     )
 
     @model_validator(mode="after")
@@ -95,9 +114,9 @@ class SparseAttentionSpec(Strict):
 
 
 class MoESpec(Strict):
-    num_experts: int = Field(ge=1, description="E: routed experts per MoE layer")
-    top_k: int = Field(ge=1, description="k: experts each token is sent to")
-    expert_intermediate_size: int = Field(ge=1, description="F: hidden size of each routed SwiGLU expert")
+    num_experts: int = Field(ge=1, le=MAX_SIZE, description="E: routed experts per MoE layer")
+    top_k: int = Field(ge=1, le=MAX_SIZE, description="k: experts each token is sent to")
+    expert_intermediate_size: int = Field(ge=1, le=MAX_SIZE, description="F: hidden size of each routed SwiGLU expert")
     score_func: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores from the logits")
     renormalize: bool = Field(True, description="rescale the chosen experts' weights to sum to 1")
     routed_scaling: float = Field(1.0, gt=0, description="factor on the routed experts' combined output")
@@ -109,15 +128,17 @@ class MoESpec(Strict):
         0.0, ge=0, description="token-slots an expert takes per step, as a multiple of the even share N*k/E; "
         "slots past it (latest tokens first) are dropped and counted (0: no limit)"
     )
-    shared_expert_intermediate_size: int = Field(0, ge=0, description="hidden size of the shared expert (0: none)")
+    shared_expert_intermediate_size: int = Field(
+        0, ge=0, le=MAX_SIZE, description="hidden size of the shared expert (0: none)"
+    )
     shared_expert_gate: bool = Field(True, description="scale the shared expert by sigmoid(x W) (qwen3_next style)")
     n_group: int = Field(
-        1, ge=1, description="group-limited routing (DeepSeek-V3): experts split into this many equal groups; "
-        "1: no groups"
+        1, ge=1, le=MAX_SIZE, description="group-limited routing (DeepSeek-V3): experts split into this many equal "
+        "groups; 1: no groups"
     )
     topk_group: int = Field(
-        1, ge=1, description="groups a token may use: the topk_group groups with the largest sum of their two best "
-        "(biased) scores; the top_k experts are chosen within them"
+        1, ge=1, le=MAX_SIZE, description="groups a token may use: the topk_group groups with the largest sum of "
+        "their two best (biased) scores; the top_k experts are chosen within them"
     )
     has_selection_bias: bool = Field(
         False, description="add the selection_bias buffer to the scores for the choice even when it is not updated "
@@ -148,7 +169,7 @@ class YarnSpec(Strict):
     a linear ramp between, and cos/sin scaled by `attention_factor`."""
 
     factor: float = Field(gt=0, description="context extension factor (interpolated frequencies are divided by it)")
-    original_max_position_embeddings: int = Field(ge=1, description="context length of pretraining")
+    original_max_position_embeddings: int = Field(ge=1, le=MAX_SIZE, description="context length of pretraining")
     beta_fast: float = Field(32.0, gt=0, description="rotations above which a frequency is kept (extrapolated)")
     beta_slow: float = Field(1.0, gt=0, description="rotations below which a frequency is interpolated")
     attention_factor: float = Field(1.0, gt=0, description="scale on cos and sin (so on the rotary dims' logits)")
@@ -160,14 +181,20 @@ class MLASpec(Strict):
     expanded per head from one shared latent, plus a rotary part of the key shared by all heads."""
 
     q_lora_rank: int | None = Field(
-        None, ge=1, description="rank of the query latent (q_a_proj -> RMSNorm -> q_b_proj); None: one q_proj"
+        None, ge=1, le=MAX_SIZE, description="rank of the query latent (q_a_proj -> RMSNorm -> q_b_proj); None: one "
+        "q_proj"
     )
-    kv_lora_rank: int = Field(ge=1, description="rank of the key/value latent (kv_a_proj_with_mqa -> RMSNorm)")
-    qk_nope_head_dim: int = Field(ge=0, description="per-head query/key dims without RoPE (from the latents)")
+    kv_lora_rank: int = Field(
+        ge=1, le=MAX_SIZE, description="rank of the key/value latent (kv_a_proj_with_mqa -> RMSNorm)"
+    )
+    qk_nope_head_dim: int = Field(
+        ge=0, le=MAX_SIZE, description="per-head query/key dims without RoPE (from the latents)"
+    )
     qk_rope_head_dim: int = Field(
-        ge=0, description="per-head query dims and shared key dims that carry the position (RoPE unless rope: none)"
+        ge=0, le=MAX_SIZE, description="per-head query dims and shared key dims that carry the position (RoPE unless "
+        "rope: none)"
     )
-    v_head_dim: int = Field(ge=1, description="V: value dim per head")
+    v_head_dim: int = Field(ge=1, le=MAX_SIZE, description="V: value dim per head")
     rope: Literal["interleaved", "half", "none"] = Field(
         "interleaved", description="RoPE on the rotary dims: interleaved pairs (DeepSeek, rope_interleave), "
         "rotate-half, or none (Kimi's MLA: the rotary dims stay unrotated)"
@@ -198,8 +225,10 @@ class HyperConnectionSpec(Strict):
     """Hyper-connections (qwen4_exp): the decoder carries several residual streams; each sub-layer reads a gated mix
     of the normed streams and adds its output back into every stream with a per-stream weight."""
 
-    num_streams: int = Field(ge=2, description="residual streams, each of width hidden_size")
-    mix_rank: int = Field(ge=1, description="rank of the low-rank projection that yields the per-channel mix weights")
+    num_streams: int = Field(ge=2, le=MAX_SIZE, description="residual streams, each of width hidden_size")
+    mix_rank: int = Field(
+        ge=1, le=MAX_SIZE, description="rank of the low-rank projection that yields the per-channel mix weights"
+    )
 
 
 class NGramEmbeddingSpec(Strict):
@@ -207,25 +236,28 @@ class NGramEmbeddingSpec(Strict):
     embeddings, PLE). Layer i's tables and hash multipliers depend on its rank among those layers."""
 
     embed_dim: int = Field(
-        ge=1, description="width of a token's n-gram embedding: every hashed head's vector concatenated"
+        ge=1, le=MAX_SIZE, description="width of a token's n-gram embedding: every hashed head's vector concatenated"
     )
     ngram_size: int = Field(
-        ge=2, description="largest n: the n-grams of orders 2..ngram_size ending at a token are hashed"
+        ge=2, le=MAX_SIZE, description="largest n: the n-grams of orders 2..ngram_size ending at a token are hashed"
     )
-    heads_per_ngram: int = Field(ge=1, description="independently hashed embedding tables per n-gram order")
+    heads_per_ngram: int = Field(
+        ge=1, le=MAX_SIZE, description="independently hashed embedding tables per n-gram order"
+    )
     vocab_size_base: int = Field(
-        ge=2, description="rows of each hashed table: a distinct prime, the next ones after this number"
+        ge=2, le=MAX_SIZE, description="rows of each hashed table: a distinct prime, the next ones after this number"
     )
     vocab_size_multiple: int = Field(
-        ge=1, description="a layer's tables, stacked into one, are padded to a multiple of this"
+        ge=1, le=MAX_SIZE, description="a layer's tables, stacked into one, are padded to a multiple of this"
     )
-    hash_seed: int = Field(description="seed of the per-layer hash multipliers")
+    hash_seed: int = Field(ge=0, le=MAX_SEED, description="seed of the per-layer hash multipliers")
     conv_kernel_size: int = Field(
-        ge=1, description="taps of the causal depthwise conv (dilation ngram_size) over the injected values"
+        ge=1, le=MAX_SIZE, description="taps of the causal depthwise conv (dilation ngram_size) over the injected "
+        "values"
     )
     boundary_token_id: int = Field(
-        ge=0, description="token (eos) that ends an n-gram context: n-grams never reach back across it (nor across "
-        "documents); it also fills the positions before a context starts"
+        ge=0, le=MAX_SIZE, description="token (eos) that ends an n-gram context: n-grams never reach back across it "
+        "(nor across documents); it also fills the positions before a context starts"
     )
 
     @model_validator(mode="after")
@@ -245,22 +277,26 @@ class VisionSpec(Strict):
     """The vision tower (qwen3_5_moe / qwen4_exp layout): patches -> ViT blocks -> merger into the text width; the
     image's tokens in the text are vision_start, image_token x (patches / merge^2), vision_end."""
 
-    depth: int = Field(ge=1, description="ViT blocks")
-    hidden_size: int = Field(ge=1, description="Dv: width of the vision blocks")
-    intermediate_size: int = Field(ge=1, description="hidden size of each vision block's MLP")
-    num_heads: int = Field(ge=1, description="attention heads of the vision blocks (divides hidden_size)")
+    depth: int = Field(ge=1, le=MAX_SIZE, description="ViT blocks")
+    hidden_size: int = Field(ge=1, le=MAX_SIZE, description="Dv: width of the vision blocks")
+    intermediate_size: int = Field(ge=1, le=MAX_SIZE, description="hidden size of each vision block's MLP")
+    num_heads: int = Field(ge=1, le=MAX_SIZE, description="attention heads of the vision blocks (divides hidden_size)")
     hidden_act: Literal["gelu_pytorch_tanh", "gelu", "silu"] = Field(
         "gelu_pytorch_tanh", description="activation of the vision MLPs"
     )
-    in_channels: int = Field(3, ge=1, description="colour channels of the pixels")
-    patch_size: int = Field(ge=1, description="p: patches are p x p pixels")
-    temporal_patch_size: int = Field(2, ge=1, description="frames per patch (a still image repeats)")
-    spatial_merge_size: int = Field(2, ge=1, description="m: m x m neighbouring patches become one text token")
-    num_position_embeddings: int = Field(ge=1, description="learned position table, a square grid resampled per image")
+    in_channels: int = Field(3, ge=1, le=MAX_SIZE, description="colour channels of the pixels")
+    patch_size: int = Field(ge=1, le=MAX_SIZE, description="p: patches are p x p pixels")
+    temporal_patch_size: int = Field(2, ge=1, le=MAX_SIZE, description="frames per patch (a still image repeats)")
+    spatial_merge_size: int = Field(
+        2, ge=1, le=MAX_SIZE, description="m: m x m neighbouring patches become one text token"
+    )
+    num_position_embeddings: int = Field(
+        ge=1, le=MAX_SIZE, description="learned position table, a square grid resampled per image"
+    )
     rope_theta: float = Field(10000.0, gt=0, description="base of the 2D rotary positions of the vision blocks")
-    image_token_id: int = Field(ge=0, description="token id of each image placeholder in the text")
-    vision_start_token_id: int = Field(ge=0, description="token id before an image's placeholders")
-    vision_end_token_id: int = Field(ge=0, description="token id after an image's placeholders")
+    image_token_id: int = Field(ge=0, le=MAX_SIZE, description="token id of each image placeholder in the text")
+    vision_start_token_id: int = Field(ge=0, le=MAX_SIZE, description="token id before an image's placeholders")
+    vision_end_token_id: int = Field(ge=0, le=MAX_SIZE, description="token id after an image's placeholders")
     mrope_section: tuple[int, int, int] = Field(
         (11, 11, 10), description="rotary frequencies (of the text attention) carrying the t, h and w positions of "
         "image tokens, interleaved; they sum to half the rotary dim"
@@ -282,13 +318,21 @@ class VisionSpec(Strict):
 
 
 class ModelProfile(Strict):
-    vocab_size: int = Field(ge=2, description="rows of the token embedding and the LM head")
-    hidden_size: int = Field(ge=1, description="D: model width")
-    layers: list[LayerSpec] = Field(min_length=1, description="the decoder, one entry per layer, bottom first")
-    num_attention_heads: int = Field(ge=1, description="query heads of the sparse and full attention layers")
-    num_key_value_heads: int = Field(ge=1, description="key/value heads (GQA); divides num_attention_heads")
-    head_dim: int = Field(ge=2, description="dim per attention head")
-    intermediate_size: int = Field(0, ge=0, description="hidden size of dense SwiGLU layers (needed if any mlp: dense)")
+    vocab_size: int = Field(ge=2, le=MAX_SIZE, description="rows of the token embedding and the LM head")
+    hidden_size: int = Field(ge=1, le=MAX_SIZE, description="D: model width")
+    layers: list[LayerSpec] = Field(
+        min_length=1, max_length=MAX_LAYERS, description="the decoder, one entry per layer, bottom first"
+    )
+    num_attention_heads: int = Field(
+        ge=1, le=MAX_SIZE, description="query heads of the sparse and full attention layers"
+    )
+    num_key_value_heads: int = Field(
+        ge=1, le=MAX_SIZE, description="key/value heads (GQA); divides num_attention_heads"
+    )
+    head_dim: int = Field(ge=2, le=MAX_SIZE, description="dim per attention head")
+    intermediate_size: int = Field(
+        0, ge=0, le=MAX_SIZE, description="hidden size of dense SwiGLU layers (needed if any mlp: dense)"
+    )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
     partial_rotary_factor: float = Field(1.0, gt=0, le=1, description="share of each head's dims that get RoPE")
     rms_norm_eps: float = Field(1e-6, gt=0, description="epsilon of every RMSNorm")
@@ -310,7 +354,7 @@ class ModelProfile(Strict):
     )
     tie_word_embeddings: bool = Field(False, description="the LM head shares the token embedding's weight")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of projections and embeddings")
-    seed: int = Field(0, description="seed of the weight init")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the weight init")
     checkpoint: Path | None = Field(
         None, description="set by moe-tune when the architecture was read from a checkpoint's config.json; "
         "the weights are then loaded from there"
@@ -438,50 +482,104 @@ class DataProfile(Strict):
         None, description="'byte' (built-in byte-level tokenizer) or a directory with tokenizer files (transformers); "
         "unset: the checkpoint's own tokenizer with model.checkpoint, else 'byte'"
     )
-    seq_len: int = Field(ge=8, description="tokens per packed row; documents are packed, never attending across")
+    seq_len: int = Field(
+        ge=8, le=MAX_SIZE, description="tokens per packed row; documents are packed, never attending across"
+    )
     text_field: str = Field("text", description="key of plain-text records")
     messages_field: str = Field("messages", description="key of chat records (list of {role, content})")
+    roles: dict[str, str] = Field(
+        default_factory=dict, description="record role names mapped onto the chat roles system, user and assistant, "
+        "e.g. {human: user, gpt: assistant} (ShareGPT); a message whose role is none of those after the mapping is "
+        "an error naming its record"
+    )
     corpus: Literal["stories", "shapes"] = Field(
         "stories", description="the built-in corpus when data.path is None: generated stories (text), or pictures "
         "of coloured shapes with their descriptions (image-text, for models with model.vision)"
     )
-    corpus_documents: int = Field(2000, ge=1, description="documents of the built-in corpus (data.path: None)")
+    corpus_documents: int = Field(
+        2000, ge=1, le=MAX_SIZE, description="documents of the built-in corpus (data.path: None)"
+    )
     image_min_pixels: int | None = Field(
-        None, ge=1, description="images smaller than this many pixels are upscaled (None: the checkpoint's image "
-        "processor setting, else 56 x 56)"
+        None, ge=1, le=MAX_SIZE, description="images smaller than this many pixels are upscaled (None: the "
+        "checkpoint's image processor setting, else 56 x 56)"
     )
     image_max_pixels: int | None = Field(
-        None, ge=1, description="images larger than this many pixels are downscaled, aspect ratio kept (None: the "
-        "checkpoint's image processor setting, else 28 x 28 x 1280)"
+        None, ge=1, le=MAX_SIZE, description="images larger than this many pixels are downscaled, aspect ratio kept "
+        "(None: the checkpoint's image processor setting, else 28 x 28 x 1280)"
     )
     bad_images: Literal["error", "skip"] = Field(
         "error", description="a record whose image is missing or unreadable: error (stop before training, naming "
         "the record and file) or skip (leave the record out and count it)"
     )
-    seed: int = Field(0, description="seed of the data order (and of the built-in corpus)")
+    allow_paths_outside: bool = Field(
+        False, description="image paths in records may leave the data file's folder: absolute paths, '..' and "
+        "symlinks leading outside it (false: such a record is an error naming it)"
+    )
+    max_record_bytes: int = Field(
+        64 * 2**20, ge=1, description="the largest JSONL record (one line, in bytes); a longer line is an error "
+        "naming it, read no further than this"
+    )
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the data order (and of the built-in corpus)")
 
     @model_validator(mode="after")
     def check_dataset(self):
-        problems = []
+        problems = _role_problems(self.roles)
         if self.path is not None:
-            if not self.path.is_file():
-                problems.append(f"@path ('{self.path}') must be an existing file")
-            elif not _has_content(self.path):
-                problems.append(f"@path ('{self.path}') must hold at least one record (the file is empty)")
+            problems += _data_file_problems(self.path)
         if self.tokenizer not in (None, "byte") and not Path(self.tokenizer).is_dir():
             problems.append(f"@tokenizer ('{self.tokenizer}') must be 'byte' or an existing directory")
         _raise_if(problems)
         return self
 
 
+def _role_problems(roles: dict[str, str]) -> list[str]:
+    """data.roles maps record roles onto the roles every chat template knows."""
+    chat_roles = ("system", "user", "assistant")
+    return [f"@roles.{name} ({role!r}) must be one of {', '.join(chat_roles)}"
+            for name, role in roles.items() if role not in chat_roles]
+
+
+_FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
+               stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode that is not a regular file's is, for messages: 'a FIFO', 'a directory', ..."""
+    return next((name for test, name in _FILE_KINDS.items() if test(mode)), "a special file")
+
+
+def _data_file_problems(path: Path) -> list[str]:
+    """data.path must be a readable regular file (a FIFO or device would block or never end) holding a record."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return [f"@path ('{path}') must be an existing file"]
+    except (OSError, ValueError) as err:
+        return [f"@path ('{path}') cannot be read ({getattr(err, 'strerror', None) or err})"]
+    if not stat.S_ISREG(mode):
+        return [f"@path ('{path}') must be a regular file, not {file_kind(mode)}"]
+    try:
+        if not _has_content(path):
+            return [f"@path ('{path}') must hold at least one record (the file is empty)"]
+    except OSError as err:
+        return [f"@path ('{path}') cannot be read ({err.strerror or err})"]
+    return []
+
+
 def _has_content(path: Path) -> bool:
+    # In blocks: a file of one huge line must not be read whole here.
     with path.open("rb") as f:
-        return any(line.strip() for line in f)
+        head = f.read(1 << 20).removeprefix(b"\xef\xbb\xbf")
+        while head:
+            if head.strip():
+                return True
+            head = f.read(1 << 20)
+    return False
 
 
 class LoraProfile(Strict):
     enabled: bool = Field(True, description="LoRA fine-tuning; false trains every weight (full fine-tuning)")
-    r: int = Field(8, ge=1, description="rank of every adapter")
+    r: int = Field(8, ge=1, le=MAX_SIZE, description="rank of every adapter")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
     target_modules: list[str] = Field(
@@ -506,12 +604,13 @@ class ParallelProfile(Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage for dense weights")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl on GPU")
     expert_parallel: int = Field(
-        1, ge=1, description="ranks that share the routed experts of a layer (each holds num_experts / this many); "
-        "the data-parallel size is world size / expert_parallel"
+        1, ge=1, le=MAX_SIZE, description="ranks that share the routed experts of a layer (each holds num_experts / "
+        "this many); the data-parallel size is world size / expert_parallel"
     )
     offload_optimizer: bool = Field(False, description="keep optimizer state in host memory (ZeRO offload)")
     timeout_s: float = Field(
-        600.0, gt=0, description="a collective that waits longer than this (a rank died or hangs) ends the run"
+        600.0, gt=0, le=MAX_TIMEOUT_S, description="a collective that waits longer than this (a rank died or hangs) "
+        "ends the run"
     )
 
     @model_validator(mode="after")
@@ -565,7 +664,8 @@ class MemoryProfile(Strict):
         "latest in backward) move to host memory. None: the preset's (none and balanced: no budget; max-context: 0)"
     )
     prefetch_layers: int | None = Field(
-        None, ge=0, description="swap-in runs this many layers ahead of backward (0: on demand). None: the preset's (1)"
+        None, ge=0, le=MAX_SIZE, description="swap-in runs this many layers ahead of backward (0: on demand). None: "
+        "the preset's (1)"
     )
     min_offload_mb: float | None = Field(
         None, ge=0, description="smaller saved tensors stay on the GPU (not worth a copy). None: the preset's (1 MB)"
@@ -596,19 +696,21 @@ _TIER_FIELDS = ("gpu_budget_gb", "prefetch_layers", "min_offload_mb")
 
 
 class TrainProfile(Strict):
-    steps: int = Field(ge=1, description="optimizer steps")
-    micro_batch_size: int = Field(ge=1, description="packed rows per micro-batch per rank")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    steps: int = Field(ge=1, le=MAX_SIZE, description="optimizer steps")
+    micro_batch_size: int = Field(ge=1, le=MAX_SIZE, description="packed rows per micro-batch per rank")
+    gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_SIZE, description="micro-batches per optimizer step")
     lr: float = Field(gt=0, description="peak learning rate")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
+    warmup_steps: int = Field(0, ge=0, le=MAX_SIZE, description="linear warm-up steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a share of the peak (cosine, linear)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: no clipping)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="compute dtype of weights and activations")
-    seed: int = Field(0, description="seed of everything random during training")
-    log_every: int = Field(10, ge=1, description="steps between log lines when the console is not a terminal")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of everything random during training")
+    log_every: int = Field(
+        10, ge=1, le=MAX_SIZE, description="steps between log lines when the console is not a terminal"
+    )
     cuda_graphs: Union[bool, Literal["auto"]] = Field(
         "auto", description="replay each MoE block's forward and backward as CUDA graphs (one GPU's step waits on "
         "the host's launches; the same kernels as eager): auto where the run allows it (a CUDA device, ZeRO stage "
@@ -628,8 +730,10 @@ class TrainProfile(Strict):
 
 class OutputProfile(Strict):
     dir: Path = Field(description="where metrics, checkpoints, the adapter and the DeepSpeed config go")
-    save_every: int = Field(100, ge=1, description="steps between checkpoints (one is also written at the end)")
-    keep_last: int = Field(2, ge=1, description="checkpoints kept; older ones are deleted")
+    save_every: int = Field(
+        100, ge=1, le=MAX_SIZE, description="steps between checkpoints (one is also written at the end)"
+    )
+    keep_last: int = Field(2, ge=1, le=MAX_SIZE, description="checkpoints kept; older ones are deleted")
     tensorboard: bool = Field(True, description="also write TensorBoard events when tensorboard is installed")
     save_merged: bool = Field(
         False, description="LoRA runs: also write merged.safetensors, the base weights with the adapters merged in "

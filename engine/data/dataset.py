@@ -11,8 +11,13 @@ Shapes: R rows per micro-batch, L = seq_len, T = R * L packed tokens, N pieces.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import os
 import random
+import stat
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +25,9 @@ import torch
 
 from moe_tune.ops.common.host_copy import remember, to_device
 from moe_tune.profiles import ProfileError
-from moe_tune.profiles.schema import DataProfile, ModelProfile
+from moe_tune.profiles.schema import DataProfile, ModelProfile, file_kind
 
+from .chat import canonical_messages, chat_tokens
 from .corpus import generate_corpus
 from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat, render_templated_multimodal_chat
@@ -29,6 +35,9 @@ from .shapes import write_shapes_corpus
 from .tokenizer import CHAT_TEMPLATE, Tokenizer
 
 IGNORE_INDEX = -100
+UTF8_BOM = b"\xef\xbb\xbf"
+# Block size for reading past a record longer than data.max_record_bytes.
+SKIP_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -133,27 +142,28 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": ...}}"])
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
+    messages = canonical_messages(messages, profile.roles, where)
     if getattr(tok, "has_chat_template", False):
         # The checkpoint's own template, as its text chats: a model trained on it sees images in its format.
         pieces, refs = render_templated_multimodal_chat(
-            messages, images, tok.render_chat, vision.settings, vision.tokens, profile.path.parent, where
+            messages, images, tok.render_chat, vision.settings, vision.tokens, profile.path.parent, where,
+            profile.allow_paths_outside,
         )
     else:
         pieces, refs = render_multimodal_chat(
-            messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where
+            messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
+            profile.allow_paths_outside,
         )
-    ids = [tok.bos_id] if tok.bos_id is not None else []
-    trained = [False] * len(ids)
-    for piece, is_trained in pieces:
-        ids += piece
-        trained += [is_trained] * len(piece)
-    ids.append(tok.eos_id)
-    trained.append(True)
-    labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])]
+    ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant")
     if len(ids) - 1 > profile.seq_len:
         raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
                             f"({profile.seq_len}); a document with images is never cut"])
-    return Document(ids[:-1], labels, tuple(refs))
+    return _chat_document(ids, trained, tuple(refs))
+
+
+def _chat_document(ids: list[int], trained: list[bool], images: tuple[ImageRef, ...] = ()) -> Document:
+    """Label t is token t + 1 where that token is trained."""
+    return Document(ids[:-1], [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])], images)
 
 
 def _record_document(
@@ -172,15 +182,9 @@ def _record_document(
             raise ProfileError(
                 [f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": str}}"]
             )
-        ids, trained = ([tok.bos_id] if tok.bos_id is not None else []), []
-        trained = [False] * len(ids)
-        for piece, is_trained in tok.render_chat(messages):
-            ids += piece
-            trained += [is_trained] * len(piece)
-        ids.append(tok.eos_id)
-        trained.append(True)
-        labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])]
-        return Document(ids[:-1], labels)
+        messages = canonical_messages(messages, profile.roles, where)
+        ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
+        return _chat_document(*chat_tokens(tok.render_chat(messages, where), tok, ends_with_assistant))
     if profile.text_field in record:
         text = record[profile.text_field]
         if not isinstance(text, str):
@@ -215,18 +219,14 @@ def load_documents(
     elif path is None:
         return [text_document(text, tok) for text in generate_corpus(profile.corpus_documents, profile.seed)]
     documents, problems = [], []
-    with profile.path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with _open_data_file(profile.path) as f:
+        for line_no, line, problem in jsonl_lines(f, profile.max_record_bytes):
             where = f"{profile.path}:{line_no}"
             try:
-                document = _record_document(json.loads(line), where, profile, tok, vision)
-                if vision is not None:
-                    _check_vision_tokens(document, vision, where)
-                documents.append(document)
-            except json.JSONDecodeError as err:
-                problems.append(f"{where}: invalid JSON ({err.msg} at column {err.colno})")
+                if problem is not None:
+                    raise ProfileError([f"{where}: {problem}"])
+                if line.strip():
+                    documents.append(_line_document(line, where, profile, tok, vision))
             except ProfileError as err:
                 problems.extend(err.problems)
             except ImageError as err:
@@ -242,6 +242,83 @@ def load_documents(
     if not any(any(label != IGNORE_INDEX for label in d.labels) for d in documents):
         raise ProfileError([f"data.path ('{profile.path}') must hold at least one token to train on"])
     return documents
+
+
+def _line_document(line: str, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):
+    try:
+        document = _record_document(parse_record(line, where), where, profile, tok, vision)
+    except RecursionError:
+        # Parsed, yet too deep for what reads it next (a repr in a message, a template).
+        raise ProfileError([f"{where}: {_too_deep()}"]) from None
+    except UnicodeEncodeError as err:
+        # JSON escapes can spell lone surrogates ("\ud800"), which no tokenizer encodes.
+        raise ProfileError([f"{where}: the record holds {err.object[err.start:err.end]!r}, not a Unicode character "
+                            f"({err.reason})"]) from None
+    if vision is not None:
+        _check_vision_tokens(document, vision, where)
+    return document
+
+
+def _open_data_file(path: Path):
+    """The data file, opened for reading in binary. Without blocking: a FIFO swapped in after the profile was
+    checked would wait for a writer; it is refused instead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError) as err:
+        raise ProfileError([f"data.path ('{path}') cannot be read ({getattr(err, 'strerror', None) or err})"]) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ProfileError([f"data.path ('{path}') must be a regular file, not {file_kind(mode)}"])
+    return os.fdopen(fd, "rb")
+
+
+def jsonl_lines(f, max_record_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, None) for each line of a binary JSONL file, or (line number, None, problem) for a line
+    longer than max_record_bytes (read past in blocks, never held whole) or not UTF-8 (the problem names the byte
+    and its offset in the line and in the file). A UTF-8 byte-order mark opening the file is dropped."""
+    offset = 0
+    for line_no in itertools.count(1):
+        # Two more bytes than a record may hold: the record is too long exactly when its line without "\r\n" is.
+        raw = f.readline(max_record_bytes + 2)
+        if not raw:
+            return
+        start, offset = offset, offset + len(raw)
+        if line_no == 1 and raw.startswith(UTF8_BOM):
+            raw, start = raw[len(UTF8_BOM):], start + len(UTF8_BOM)
+        record = raw.removesuffix(b"\n").removesuffix(b"\r")
+        if len(record) > max_record_bytes:
+            size, tail = len(raw), raw[-2:]
+            while not tail.endswith(b"\n") and (chunk := f.readline(SKIP_BLOCK_BYTES)):
+                offset, size, tail = offset + len(chunk), size + len(chunk), (tail + chunk)[-2:]
+            size -= len(tail) - len(tail.removesuffix(b"\n").removesuffix(b"\r"))
+            yield line_no, None, (f"the record ({size} bytes) is larger than data.max_record_bytes "
+                                  f"({max_record_bytes})")
+            continue
+        try:
+            text = record.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield line_no, None, (f"not UTF-8 ({err.reason}: byte 0x{record[err.start]:02x} at byte offset "
+                                  f"{err.start} of the line, {start + err.start} of the file)")
+            continue
+        yield line_no, text, None
+
+
+def parse_record(line: str, where: str) -> object:
+    """One JSONL line parsed; ProfileError naming the record when it is not JSON or nested too deeply."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ProfileError([f"{where}: invalid JSON ({err.msg} at column {err.colno})"]) from None
+    except RecursionError:
+        raise ProfileError([f"{where}: {_too_deep()}"]) from None
+    except ValueError as err:
+        # An integer literal longer than Python converts (sys.set_int_max_str_digits).
+        raise ProfileError([f"{where}: invalid JSON ({err})"]) from None
+
+
+def _too_deep() -> str:
+    return f"JSON nested too deeply (deeper than Python's recursion limit, {sys.getrecursionlimit()} levels)"
 
 
 def _check_vision_tokens(doc: Document, vision: VisionInput, where: str) -> None:
@@ -303,10 +380,25 @@ def collate(rows: list[Row], settings: ImageSettings | None = None) -> Batch:
     refs = [ref for row in rows for ref in row.images]
     if refs:
         assert settings is not None, "rows with images need the image settings"
-        patches = [image_patches(load_image(ref.path), settings) for ref in refs]
+        patches = [_read_image_again(ref, settings) for ref in refs]
         batch.pixel_values = torch.cat([p for p, _ in patches])
         batch.image_grid_thw = torch.tensor([grid for _, grid in patches], dtype=torch.long)
     return batch
+
+
+def _read_image_again(ref: ImageRef, settings: ImageSettings) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """An image measured when the dataset was read, read again for its batch. Gone or changed, it stops the run
+    (ProfileError), even under data.bad_images: skip: the rows were packed around its tokens."""
+    record = f"{ref.where}: " if ref.where else ""
+    retry = "restore it and resume with --resume (the checkpoints written so far are kept)"
+    try:
+        patches, grid = image_patches(load_image(ref.path), settings)
+    except ImageError as err:
+        raise ProfileError([f"{record}{err}, after the dataset was read; {retry}"]) from None
+    if grid != ref.grid:
+        raise ProfileError([f"{record}{ref.path}: changed after the dataset was read (a {grid[1]} x {grid[2]} patch "
+                            f"grid, was {ref.grid[1]} x {ref.grid[2]}); {retry}"])
+    return patches, grid
 
 
 class PackedDataset:

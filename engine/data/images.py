@@ -14,11 +14,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from moe_tune.profiles.schema import file_kind
+
+# Pillow's own decompression-bomb bound (Image.MAX_IMAGE_PIXELS), fixed here so a process that lifts Pillow's global
+# still refuses them: 89.5 M pixels decode to ~270 MB of RGB; every image is downscaled to max_pixels anyway.
+MAX_IMAGE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -89,24 +98,52 @@ def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, 
 
 
 def load_image(path: Path):
-    """An RGB PIL image; ImageError naming the file when it is missing or not an image."""
+    """An RGB PIL image; ImageError naming the file when it is missing, not a regular file (a FIFO, device or
+    directory is never opened), larger than MAX_IMAGE_PIXELS (checked on the header, before decoding) or not an
+    image."""
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image
     except ImportError:
         raise ImageError(f"{path}: reading images needs Pillow: pip install pillow") from None
     try:
-        with Image.open(path) as img:
-            img.load()
-            if "A" in img.getbands() or "transparency" in img.info:
-                # As transformers' convert_to_rgb: transparent pixels over white, not their hidden colour.
-                rgba = img.convert("RGBA")
-                background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                return Image.alpha_composite(background, rgba).convert("RGB")
-            return img.convert("RGB")
+        # Stat first: opening some devices acts on them. Then open without blocking (a FIFO swapped in meanwhile
+        # would wait for a writer) and check what was opened.
+        _check_regular(os.stat(path).st_mode, path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except ImageError:
+        raise
     except FileNotFoundError:
         raise ImageError(f"{path}: no such image file") from None
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise ImageError(f"{path}: not a readable image ({type(err).__name__})") from None
+    except (OSError, ValueError) as err:
+        raise ImageError(f"{path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(os.fstat(fd).st_mode, path)
+        try:
+            with warnings.catch_warnings():
+                # Pillow's warning would come first; the check below refuses those images, naming their size.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(f) as img:
+                    if img.width * img.height > MAX_IMAGE_PIXELS:
+                        raise ImageError(f"{path}: {img.width} x {img.height} pixels, more than the "
+                                         f"{MAX_IMAGE_PIXELS} an image may have (a decompression bomb?)")
+                    img.load()
+                    if "A" in img.getbands() or "transparency" in img.info:
+                        # As transformers' convert_to_rgb: transparent pixels over white, not their hidden colour.
+                        rgba = img.convert("RGBA")
+                        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                        return Image.alpha_composite(background, rgba).convert("RGB")
+                    return img.convert("RGB")
+        except ImageError:
+            raise
+        except Image.DecompressionBombError as err:
+            raise ImageError(f"{path}: more than the {MAX_IMAGE_PIXELS} pixels an image may have ({err})") from None
+        except Exception as err:  # noqa: BLE001 - Pillow's decoders raise many types on malformed files
+            raise ImageError(f"{path}: not a readable image ({type(err).__name__})") from None
+
+
+def _check_regular(mode: int, path: Path) -> None:
+    if not stat.S_ISREG(mode):
+        raise ImageError(f"{path}: not a regular file ({file_kind(mode)}); an image must be one")
 
 
 def image_patches(image, settings: ImageSettings) -> tuple[torch.Tensor, tuple[int, int, int]]:

@@ -14,7 +14,8 @@ Shapes: P patches of an image; n its tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_tune.profiles import ProfileError
@@ -28,6 +29,8 @@ IMAGE_PLACEHOLDER = "<image>"
 class ImageRef:
     path: Path
     grid: tuple[int, int, int]  # (t, h, w) in patches
+    # The record that names it (file:line), for errors when it is read again mid-run; not part of its identity.
+    where: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,29 @@ class VisionTokens:
     end: int
 
 
-def image_ref(path: Path, settings: ImageSettings) -> ImageRef:
+def image_ref(path: Path, settings: ImageSettings, where: str = "") -> ImageRef:
     """Open and fully decode the image once (a broken file fails here, at load time, not mid-epoch)."""
     image = load_image(path)
     _, grid = image_patches(image, settings)
-    return ImageRef(path, grid)
+    return ImageRef(path, grid, where)
+
+
+def resolve_image_path(value: str, base_dir: Path, where: str, allow_outside: bool = False) -> Path:
+    """The file a record's image path names, symlinks followed: relative paths against `base_dir` (the data file's
+    folder). Unless `allow_outside` (data.allow_paths_outside), it must lie inside base_dir: an absolute path, a
+    `..` escape or a symlink leading out is refused with a ProfileError naming the record (file:line)."""
+    allow = "(set data.allow_paths_outside: true to allow)"
+    if "\0" in value:
+        raise ProfileError([f"{where}: image {value!r} holds a NUL character"])
+    path = Path(value)
+    if path.is_absolute() and not allow_outside:
+        raise ProfileError([f"{where}: image '{value}' is an absolute path; image paths are relative to the data "
+                            f"folder {base_dir} {allow}"])
+    resolved = Path(os.path.realpath(base_dir / path))
+    root = Path(os.path.realpath(base_dir))
+    if not allow_outside and not resolved.is_relative_to(root):
+        raise ProfileError([f"{where}: image '{value}' resolves outside the data folder {root} {allow}"])
+    return resolved
 
 
 def message_parts(content, images: list, where: str) -> list[tuple[str, object]]:
@@ -87,9 +108,10 @@ def render_multimodal_chat(
     tokens: VisionTokens,
     base_dir: Path,
     where: str,
+    allow_outside: bool = False,
 ) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
     """Pieces (token ids, trained?) of a chat with images, in the plain chat format `chat_format` (with {role}
-    and {content}); images resolved against `base_dir` and measured. A missing or broken image raises
+    and {content}); images resolved by resolve_image_path and measured. A missing or broken image raises
     ImageError, a malformed record ProfileError; both name the record (and the file)."""
     pieces: list[tuple[list[int], bool]] = []
     refs: list[ImageRef] = []
@@ -102,9 +124,9 @@ def render_multimodal_chat(
             if kind == "text":
                 pieces.append((encode(value), trained))
                 continue
-            path = Path(value) if Path(value).is_absolute() else base_dir / value
+            path = resolve_image_path(value, base_dir, where, allow_outside)
             try:
-                ref = image_ref(path, settings)
+                ref = image_ref(path, settings, where)
             except ImageError as err:
                 raise ImageError(f"{where}: {err}") from None
             refs.append(ref)
@@ -124,6 +146,7 @@ def render_templated_multimodal_chat(
     tokens: VisionTokens,
     base_dir: Path,
     where: str,
+    allow_outside: bool = False,
 ) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
     """Pieces of a chat with images rendered by the tokenizer's own chat template (`render_chat`, the checkpoint's:
     it writes each image part as its vision-start, one image token and vision-end), each image token then widened to
@@ -137,16 +160,16 @@ def render_templated_multimodal_chat(
             if kind == "text":
                 content.append({"type": "text", "text": value})
                 continue
-            path = Path(value) if Path(value).is_absolute() else base_dir / value
+            path = resolve_image_path(value, base_dir, where, allow_outside)
             try:
-                refs.append(image_ref(path, settings))
+                refs.append(image_ref(path, settings, where))
             except ImageError as err:
                 raise ImageError(f"{where}: {err}") from None
             content.append({"type": "image"})
         templated.append({"role": message["role"], "content": content})
     if queue:
         raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
-    pieces = render_chat(templated)
+    pieces = render_chat(templated, where)
     placed = sum(piece.count(tokens.image) for piece, _ in pieces)
     if placed != len(refs):
         raise ProfileError([f"{where}: the tokenizer's chat template renders {placed} image tokens ({tokens.image}) "
@@ -154,8 +177,12 @@ def render_templated_multimodal_chat(
     counts = iter([image_token_count(ref.grid, settings) for ref in refs])
     widened = []
     for piece, trained in pieces:
-        ids = []
         for token in piece:
-            ids += [token] * next(counts) if token == tokens.image else [token]
-        widened.append((ids, trained and tokens.image not in piece))
+            # An image's tokens are never trained; the text around them keeps its piece's mark.
+            ids = [token] * next(counts) if token == tokens.image else [token]
+            is_trained = trained and token not in (tokens.image, tokens.start, tokens.end)
+            if widened and widened[-1][1] == is_trained:
+                widened[-1][0].extend(ids)
+            else:
+                widened.append((ids, is_trained))
     return widened, refs
