@@ -32,7 +32,7 @@ from moe_tune.engine.parallel.expert_parallel import (
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
-from .checkpoint import checkpoint_name, complete_checkpoints, load_checkpoint, save_checkpoint, write_json_atomic
+from .checkpoint import resume_checkpoint, run_signature, save_checkpoint, write_json_atomic
 from .distributed import DistInfo, init_distributed, shutdown_distributed
 from .ds_config import deepspeed_config, zero_stage_note
 
@@ -53,6 +53,7 @@ class RunResult:
     deepspeed_config: Path | None = None
     interrupted_by: str | None = None
     skipped_records: list[str] = field(default_factory=list)  # records left out (data.bad_images: skip), and why
+    resume_notes: list[str] = field(default_factory=list)  # checkpoints skipped on --resume (and why), notes
     elapsed_s: float = 0.0
     is_main: bool = True
 
@@ -276,15 +277,26 @@ def finetune(
     show_progress: bool = True,
     stop_after: int | None = None,
     console=None,
+    overwrite: bool = False,
 ) -> RunResult:
-    """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written."""
+    """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written.
+    `overwrite` replaces a previous run's outputs in output.dir, which is refused otherwise (run_dir.py)."""
     _quiet_third_party_noise()
     from moe_tune.engine.families import resolve_job
+
+    from .run_dir import claim_output_dir
 
     profile = resolve_job(profile)  # model: {checkpoint: DIR} -> the architecture in DIR/config.json
     dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
-        return _finetune(profile, dist, resume, show_progress, stop_after, console)
+        # Locked and checked before anything is read or written; released however the run ends.
+        with claim_output_dir(profile.output.dir, dist, resume, overwrite) as notes:
+            if show_progress and dist.is_main:
+                from rich.console import Console
+
+                for note in notes:
+                    (console or Console()).print(note, markup=False, highlight=False)
+            return _finetune(profile, dist, resume, show_progress, stop_after, console)
     finally:
         shutdown_distributed()
 
@@ -308,10 +320,12 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
 
     from .graphs import check_cuda_graphs, maybe_graph_moe_blocks
     from .metrics import MetricsWriter, ProgressReporter
+    from .resources import check_memory_fits
 
     train, out = profile.train, profile.output.dir
     # Refused before anything is read or written.
     check_cuda_graphs(profile, dist.device.type, profile.parallel.expert_parallel)
+    check_memory_fits(profile, dist.world_size, dist.device)
     torch.manual_seed(train.seed)
     tokenizer = load_tokenizer(profile.tokenizer)
     if tokenizer.vocab_size > profile.model.vocab_size:
@@ -341,11 +355,10 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         write_json_atomic(result.deepspeed_config, ds_config)
         (out / "profile.yaml").write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     start_step = 0
+    resumed_from = None
     if resume:
-        found = complete_checkpoints(ckpt_root)
-        if not found:
-            raise ProfileError([f"--resume: no complete checkpoint under {ckpt_root}"])
-        state = load_checkpoint(engine, found[-1])
+        signature = run_signature(profile, dist.world_size)
+        resumed_from, state, result.resume_notes = resume_checkpoint(engine, ckpt_root, signature, dist.device)
         start_step = state["step"]
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
@@ -363,11 +376,14 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     reporter = ProgressReporter(train.steps, start_step, train.log_every, show_progress and dist.is_main, console)
     rows = train.micro_batch_size
     started = time.perf_counter()
+    watched = watched_weights(engine.module)
     # Closed however the loop ends (a diverged step raises): the metrics of every finished step are on disk.
     try:
         with _StopSignal() as stop, reporter:
-            if start_step:
-                reporter.print(f"resumed from {ckpt_root / checkpoint_name(start_step)} at step {start_step}")
+            if resume:
+                for note in result.resume_notes + (writer.notes if writer is not None else []):
+                    reporter.print(note)
+                reporter.print(f"resumed from {resumed_from} at step {start_step}")
             if skipped:
                 reporter.print(
                     f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}"
@@ -395,6 +411,8 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                     stats = torch.stack([loss, aux, torch.tensor(float(tokens), device=loss.device)])
                     torch.distributed.all_reduce(stats)
                     loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
+                if tokens == 0:
+                    raise ProfileError([untrained_step_message(step + 1, profile, dist.world_size)])
                 step_time = time.perf_counter() - t0
                 grad_norm = engine.get_global_grad_norm()
                 record = {
@@ -413,7 +431,10 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                     record.update(activation_memory.step_metrics())
                 if writer is not None:
                     writer.write(record)
-                check_finite(record, result.checkpoint)
+                # A resumed run that has not saved yet still has the checkpoint it resumed from.
+                intact = result.checkpoint or resumed_from
+                check_finite(record, intact)
+                check_finite_weights(step + 1, watched, dist, intact)
                 result.losses.append(record["loss"])
                 result.last_step = step + 1
                 reporter.update(record)
@@ -435,8 +456,20 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     return result
 
 
+def untrained_step_message(step: int, profile: JobProfile, world_size: int) -> str:
+    """Why a step whose rows hold no trained token (every label masked) stops the run: its loss is 0 / 0."""
+    train, data = profile.train, profile.data
+    rows = train.micro_batch_size * train.gradient_accumulation_steps * world_size
+    first = (step - 1) * rows
+    return (f"step {step}: none of its {rows} rows (rows {first}..{first + rows - 1} of the packed data, "
+            f"data.seq_len {data.seq_len}) holds a token to train on: records without assistant tokens, or prompts "
+            "cut into rows of data.seq_len, leave every label there masked; drop such records, or raise data.seq_len "
+            f"or train.micro_batch_size (step {step} is not saved)")
+
+
 class TrainingDiverged(RuntimeError):
-    """A step's loss or gradient norm is not finite: training stops before that step is checkpointed."""
+    """A step's loss, gradient norm or updated weights are not finite: training stops before that step is
+    checkpointed."""
 
 
 def check_finite(record: dict, last_checkpoint: Path | None) -> None:
@@ -447,10 +480,57 @@ def check_finite(record: dict, last_checkpoint: Path | None) -> None:
     bad = [f"{key} {record[key]}" for key in ("loss", "grad_norm")
            if record.get(key) is not None and not math.isfinite(record[key])]  # fmt: skip
     if bad:
-        kept = f"the last checkpoint, {last_checkpoint}, is intact" if last_checkpoint else "no checkpoint was written"
         raise TrainingDiverged(
-            f"step {record['step']}: {' and '.join(bad)} not finite: training stopped before saving it ({kept}); "
-            "lower train.lr or set train.grad_clip"
+            f"step {record['step']}: {' and '.join(bad)} not finite: training stopped before saving it "
+            f"({_kept(last_checkpoint)}); lower train.lr or set train.grad_clip"
+        )
+
+
+def _kept(last_checkpoint: Path | None) -> str:
+    return f"the last checkpoint, {last_checkpoint}, is intact" if last_checkpoint else "no checkpoint was written"
+
+
+def watched_weights(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, int]]:
+    """The trainable parameters with the number of elements this rank updates: under ZeRO-3 the valid head of its
+    partition `ds_tensor` (the tail is uninitialised padding), else the whole tensor."""
+    watched = []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        part = getattr(param, "ds_tensor", None)
+        if part is None:
+            watched.append((name, param, param.numel()))
+            continue
+        size = part.numel()
+        rank = torch.distributed.get_rank(group=param.ds_process_group) if torch.distributed.is_initialized() else 0
+        watched.append((name, param, max(0, min(size, param.ds_numel - rank * size))))
+    return watched
+
+
+def check_finite_weights(step: int, watched: list, dist: DistInfo, last_checkpoint: Path | None) -> None:
+    """Raise TrainingDiverged naming the first trainable parameter the step left inf or NaN (lr=inf does so with a
+    finite loss and gradient norm). Each rank reads only what it updates (watched_weights), without gathering:
+    one fused max-abs reduction, one all-reduce of the first bad index, one read to the host."""
+    tensors, positions = [], []
+    for index, (_, param, valid) in enumerate(watched):
+        if valid:
+            part = getattr(param, "ds_tensor", None)
+            tensors.append(param.detach() if part is None else part.narrow(0, 0, valid))
+            positions.append(index)
+    first = torch.tensor(len(watched), device=dist.device)
+    if tensors:
+        with torch.no_grad():
+            # inf-norm: inf or NaN exactly when an element is; an L2 norm would overflow on large finite weights.
+            bad = ~torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))).float())
+            at = torch.tensor(positions, device=bad.device)
+            first = torch.where(bad, at, len(watched)).min().to(dist.device)
+    if dist.world_size > 1:
+        torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
+    index = int(first.item())
+    if index < len(watched):
+        raise TrainingDiverged(
+            f"step {step}: parameter {watched[index][0]} is not finite after the optimizer step (loss and "
+            f"gradient norm were): training stopped before saving it ({_kept(last_checkpoint)}); lower train.lr"
         )
 
 
@@ -537,5 +617,7 @@ def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo) ->
         "profile_name": profile.name,
         "torch_rng": torch.get_rng_state().tolist(),
         "selection_bias": [b.selection_bias.tolist() for b in _moe_blocks(engine)],
+        # Compared on --resume: a checkpoint of another architecture or layout is refused naming the fields.
+        "signature": run_signature(profile, dist.world_size),
     }
     return save_checkpoint(engine, root, step, state, profile.output.keep_last, dist.is_main)

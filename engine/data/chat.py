@@ -1,0 +1,130 @@
+"""Chat records: role names mapped onto the canonical roles, conversations rendered through a chat template into
+token pieces that say which tokens are trained (the assistant's), and the document's closing end-of-sequence.
+
+A template with `{% generation %}` blocks marks the assistant's tokens itself: the conversation is rendered once and
+the marked spans are trained. A template without them is rendered by growing prefixes (each message owns the tokens
+it adds), which holds only when rendering more turns never changes the earlier ones; that is checked, and a
+conversation whose earlier turns the template rewrites (Qwen3 drops the think blocks of all but the last assistant
+turn) is refused rather than trained on the wrong tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+
+from moe_tune.profiles import ProfileError
+
+CANONICAL_ROLES = ("system", "user", "assistant")
+# transformers' own test for a template that can return the assistant tokens mask.
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Pieces = list[tuple[list[int], bool]]
+
+
+def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: str) -> list[dict]:
+    """The messages with their roles mapped through `roles` (data.roles); ProfileError naming the record and every
+    role that is not system, user or assistant after the mapping."""
+    mapped = [m if m["role"] not in roles else {**m, "role": roles[m["role"]]} for m in messages]
+    unknown = list(dict.fromkeys(m["role"] for m in mapped if m["role"] not in CANONICAL_ROLES))
+    if unknown:
+        named = ", ".join(repr(role) for role in unknown)
+        example = ", ".join(f"{_yaml_key(role)}: {_likely_role(role)}" for role in unknown)
+        noun = "role" if len(unknown) == 1 else "roles"
+        raise ProfileError([f"{where}: message {noun} {named} must be one of {', '.join(CANONICAL_ROLES)}; map record "
+                            f"roles onto them with data.roles, e.g. --set 'data.roles={{{example}}}'"])
+    return mapped
+
+
+def _likely_role(role: str) -> str:
+    lowered = role.strip().lower()
+    if lowered in CANONICAL_ROLES:
+        return lowered
+    return {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}.get(lowered, "user")
+
+
+def _yaml_key(role: str) -> str:
+    return role if re.fullmatch(r"[A-Za-z_][\w-]*", role) else repr(role)
+
+
+def has_generation_blocks(template: str) -> bool:
+    return bool(GENERATION_BLOCK.search(template))
+
+
+def pieces_from_mask(ids: list[int], mask: list[int]) -> Pieces:
+    """Runs of equal mask values as pieces (token ids, trained?)."""
+    pieces: Pieces = []
+    for token, is_trained in zip(ids, mask):
+        if pieces and pieces[-1][1] == bool(is_trained):
+            pieces[-1][0].append(token)
+        else:
+            pieces.append(([token], bool(is_trained)))
+    return pieces
+
+
+def render_by_prefixes(
+    render: Callable[[list[dict], bool], list[int]],
+    messages: list[dict],
+    where: str,
+    closes_turn: Callable[[int], bool],
+    is_blank: Callable[[int], bool],
+) -> Pieces:
+    """Pieces of a conversation rendered by growing prefixes (`render(messages, add_generation_prompt)` -> ids): each
+    message owns the tokens its prefix adds; an assistant message's tokens are trained from the end of the generation
+    prompt (when that renders as a prefix) to its closing token (`closes_turn`), blank tokens after it not. Every
+    prefix must render as a prefix of the whole conversation, else ProfileError naming the turn."""
+    full = render(messages, False)
+    pieces: Pieces = []
+    previous: list[int] = []
+    for turn, message in enumerate(messages, 1):
+        ids = full if turn == len(messages) else render(messages[:turn], False)
+        if ids != full[: len(ids)] or len(ids) < len(previous):
+            at = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
+            raise ProfileError([
+                f"{where}: the chat template renders turn {turn} ({message['role']}) differently once later turns "
+                f"follow (token {at} changes): the assistant's tokens cannot be found by rendering growing prefixes; "
+                "use a tokenizer whose chat template marks them with {% generation %} ... {% endgeneration %}"
+            ])
+        if message["role"] != "assistant":
+            pieces.append((ids[len(previous) :], False))
+            previous = ids
+            continue
+        start = len(previous)
+        prompted = render(messages[: turn - 1], True) if turn > 1 else []
+        if start <= len(prompted) <= len(ids) and prompted == ids[: len(prompted)]:
+            start = len(prompted)
+        end = len(ids)
+        while end > start and is_blank(ids[end - 1]):
+            end -= 1
+        if not (end > start and closes_turn(ids[end - 1])):
+            end = len(ids)
+        pieces += [(ids[len(previous) : start], False), (ids[start:end], True), (ids[end:], False)]
+        previous = ids
+    return [piece for piece in pieces if piece[0]]
+
+
+def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool) -> tuple[list[int], list[bool]]:
+    """Token ids of a rendered conversation and whether each is trained: <bos> first when the tokenizer has one;
+    a last assistant turn gets a trained <eos> unless the template closed it with a special token itself, so the
+    end of a turn is never trained twice."""
+    ids = [tok.bos_id] if tok.bos_id is not None else []
+    trained = [False] * len(ids)
+    for piece, is_trained in pieces:
+        ids += piece
+        trained += [is_trained] * len(piece)
+    if ends_with_assistant and not template_closes_turn(ids, tok):
+        ids.append(tok.eos_id)
+        trained.append(True)
+    return ids, trained
+
+
+def template_closes_turn(ids: list[int], tok) -> bool:
+    """Whether the last token of the rendering that is not blank is a special token (an end of turn such as
+    <|im_end|> or the tokenizer's <eos>)."""
+    special = tok.special_ids
+    for token in reversed(ids[-8:]):
+        if token in special:
+            return token != tok.bos_id
+        if not tok.is_blank(token):
+            return False
+    return False

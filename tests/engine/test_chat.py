@@ -1,0 +1,442 @@
+"""Chat records: roles mapped or refused, conversations rendered once with the template's own assistant spans (or by
+checked growing prefixes), no end of turn trained twice, and no step or dataset without a token to train on.
+
+The chat templates below are written for the tests and behave as the published ones do: qwen3 (think blocks kept
+only after the last user turn, the last assistant turn always gets one; turns closed by <|im_end|>), deepseek_v3
+(<bos> rendered by the template, assistant turns closed by the <eos> itself, earlier turns rewritten without their
+reasoning) and kimi (a default system turn, every turn closed by its own <|im_end|>, which is not the <eos>). Each
+comes with `{% generation %}` markers around the assistant's tokens and without them.
+"""
+
+import json
+import pytest
+
+from moe_tune.engine.data.chat import canonical_messages
+from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents
+from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
+from moe_tune.profiles import ProfileError, load_profile
+from moe_tune.profiles.schema import DataProfile
+
+GEN, END_GEN = "{% generation %}", "{% endgeneration %}"
+
+QWEN3 = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' }}@GEN"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- content }}{%- endif %}"
+    "{{- '<|im_end|>' }}@END{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+DEEPSEEK_V3 = (
+    "{{- bos_token }}"
+    "{%- set ns = namespace(system='', last_query=-1) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{%- set ns.system = m.content %}{%- endif %}"
+    "{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{{- ns.system }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- set content = m.content %}"
+    "{%- if loop.index0 < ns.last_query and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1] %}{%- endif %}"
+    "{{- '<｜Assistant｜>' }}@GEN{{- content + '<｜end▁of▁sentence｜>' }}@END"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
+)
+
+KIMI = (
+    "{%- if messages|length == 0 or messages[0].role != 'system' %}"
+    "{{- '<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{{- '<|im_assistant|>assistant<|im_middle|>' }}@GEN{{- m.content + '<|im_end|>' }}@END"
+    "{%- else %}{{- '<|im_' + m.role + '|>' + m.role + '<|im_middle|>' + m.content + '<|im_end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_assistant|>assistant<|im_middle|>' }}{%- endif %}"
+)
+
+# family: (template, bos, eos, special tokens)
+FAMILIES = {
+    "qwen3": (QWEN3, None, "<|im_end|>", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+    # A base checkpoint's tokenizer: its <eos> is not the token that closes the template's turns.
+    "qwen3_base": (QWEN3, None, "<|endoftext|>", ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+    "deepseek_v3": (DEEPSEEK_V3, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+                    ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]),
+    "kimi": (KIMI, "[BOS]", "[EOS]",
+             ["[BOS]", "[EOS]", "<|im_end|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]),
+}  # fmt: skip
+CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+
+
+def save_tokenizer(directory, family: str, marked: bool):
+    """A character-level tokenizer with the family's special tokens and chat template, saved as a checkpoint ships
+    it (built offline)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    template, bos, eos, specials = FAMILIES[family]
+    vocab = {"<unk>": 0} | {c: i + 1 for i, c in enumerate(CHARS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token=bos, eos_token=eos)
+    tok.add_special_tokens({"additional_special_tokens": [t for t in specials if t not in (bos, eos)]})
+    # As in Qwen3 and DeepSeek-R1: added tokens that are not special.
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.chat_template = template.replace("@GEN", GEN if marked else "").replace("@END", END_GEN if marked else "")
+    tok.save_pretrained(directory)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """(family, marked) -> (our tokenizer, transformers' own, the directory)."""
+    made = {}
+    for family in FAMILIES:
+        for marked in (True, False):
+            directory = tmp_path_factory.mktemp(f"{family}-{'marked' if marked else 'plain'}")
+            raw = save_tokenizer(directory, family, marked)
+            made[family, marked] = (load_tokenizer(str(directory)), raw, directory)
+    return made
+
+
+def write_records(path, *conversations, key="messages"):
+    path.write_text("".join(json.dumps({key: c}) + "\n" for c in conversations))
+    return path
+
+
+def document(tmp_path, tok, messages, tokenizer="byte", **data):
+    path = write_records(tmp_path / "chat.jsonl", messages)
+    (doc,) = load_documents(DataProfile(path=path, seq_len=4096, tokenizer=tokenizer, **data), tok)
+    return doc
+
+
+def trained_ids(doc) -> list[int]:
+    return [label for label in doc.labels if label != IGNORE_INDEX]
+
+
+def trained_runs(doc, tok) -> list[str]:
+    """The trained text, one string per run of trained labels."""
+    runs, current = [], []
+    for label in doc.labels + [IGNORE_INDEX]:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    return runs
+
+
+def reference(raw, messages):
+    """transformers' rendering and assistant mask of a template with {% generation %} blocks."""
+    out = raw.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def expected_document(raw, messages):
+    """(input_ids, labels) as the reference mask makes them: <bos> once, label t is token t + 1 where masked in."""
+    ids, mask = reference(raw, messages)
+    if raw.bos_token_id is not None and ids[:1] == [raw.bos_token_id]:
+        ids, mask = ids[1:], mask[1:]
+    bos = [raw.bos_token_id] if raw.bos_token_id is not None else []
+    ids, mask = bos + ids, [0] * len(bos) + mask
+    return ids[:-1], [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
+
+
+SHAREGPT = [{"role": "human", "content": "question zero"}, {"role": "gpt", "content": "hello there"}]
+CANONICAL = [{"role": "user", "content": "question zero"}, {"role": "assistant", "content": "hello there"}]
+MULTI_TURN = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "<think>\nplan one\n</think>\n\nanswer one"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "<think>\nplan two\n</think>\n\nanswer two"},
+]
+
+
+# Roles
+
+
+@pytest.mark.parametrize("roles, record_roles", [
+    ({"human": "user", "gpt": "assistant"}, ("human", "gpt")),
+    ({"Human": "user", "Assistant": "assistant"}, ("Human", "Assistant")),  # case variants are mapped, not guessed
+    ({"USER": "user", "ASSISTANT": "assistant"}, ("USER", "ASSISTANT")),
+    ({"gpt": "assistant"}, ("user", "gpt")),  # a mapping may cover only some roles
+    ({"user": "user", "bot": "assistant", "instructions": "system"}, ("user", "bot")),
+])  # fmt: skip
+@pytest.mark.parametrize("tokenizer", ["byte", "qwen3", "kimi"])
+def test_mapped_roles_train_as_the_canonical_ones(tmp_path, tokenizers, roles, record_roles, tokenizer):
+    tok, name = (ByteTokenizer(), "byte") if tokenizer == "byte" else (
+        tokenizers[tokenizer, True][0], str(tokenizers[tokenizer, True][2]))
+    mapped = [{"role": r, "content": m["content"]} for r, m in zip(record_roles, CANONICAL)]
+    got = document(tmp_path, tok, mapped, name, roles=roles)
+    assert got == document(tmp_path, tok, CANONICAL, name)
+    assert "hello there" in "".join(trained_runs(got, tok)) and "question" not in "".join(trained_runs(got, tok))
+
+
+@pytest.mark.parametrize("role", [
+    "human", "gpt", "Assistant", "USER", "System", " assistant", "assistant\n", "", "bot", "tool", "function",
+    "\x1b[31massistant", "assistant\u202e",  # controls and bidirectional marks are echoed escaped
+])  # fmt: skip
+@pytest.mark.parametrize("tokenizer", ["byte", "qwen3"])
+def test_unknown_roles_are_refused_naming_the_record_and_role(tmp_path, tokenizers, role, tokenizer):
+    tok, name = (ByteTokenizer(), "byte") if tokenizer == "byte" else (
+        tokenizers[tokenizer, True][0], str(tokenizers[tokenizer, True][2]))
+    path = write_records(tmp_path / "d.jsonl", CANONICAL, [{"role": "user", "content": "hi"}, {"role": role,
+                                                                                              "content": "x"}])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64, tokenizer=name), tok)
+    (line,) = err.value.problems
+    shown = repr(role).replace("\u202e", "\\u202e")
+    assert line.startswith(f"{path}:2: message role {shown} must be one of system, user, assistant; map record "
+                           "roles onto them with data.roles, e.g. --set 'data.roles={")
+    assert "\x1b" not in line and "\u202e" not in line and "\n" not in line
+
+
+def test_every_record_with_unknown_roles_is_reported_with_all_its_roles(tmp_path):
+    path = write_records(tmp_path / "d.jsonl", SHAREGPT, CANONICAL, SHAREGPT[:1])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64), ByteTokenizer())
+    assert [p.split(" must")[0] for p in err.value.problems] == [
+        f"{path}:1: message roles 'human', 'gpt'", f"{path}:3: message role 'human'"]
+    # The hint is the mapping that fixes the data.
+    assert err.value.problems[0].endswith("--set 'data.roles={human: user, gpt: assistant}'")
+
+
+@pytest.mark.parametrize("user, assistant", [("human", "gpt"), ("user", "Assistant"), ("User", "assistant")])
+def test_unknown_roles_in_image_records_are_refused_too(tmp_path, user, assistant):
+    from test_images import data_profile, vision, write_image
+
+    write_image(tmp_path / "a.png", 16, 16)
+    record = {"messages": [{"role": user, "content": "<image> what"}, {"role": assistant, "content": "a square"}],
+              "images": ["a.png"]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    unknown = [r for r in (user, assistant) if r not in ("user", "assistant")]
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path), ByteTokenizer(), vision())
+    named = ", ".join(repr(r) for r in unknown)
+    assert err.value.problems[0].startswith(f"{path}:1: message role{'s' * (len(unknown) > 1)} {named} must be one of")
+    # Mapped, the record loads with its image.
+    (doc,) = load_documents(data_profile(path, roles={user: "user", assistant: "assistant"}), ByteTokenizer(),
+                            vision())
+    assert len(doc.images) == 1 and "a square" in ByteTokenizer().decode(trained_ids(doc))
+
+
+@pytest.mark.parametrize("value", ["bot", "Assistant", "", "tool", "user "])
+def test_roles_mapping_must_name_a_chat_role(value):
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", [f"data.roles={json.dumps({'human': 'user', 'gpt': value})}", "data.path=/nonexistent"])
+    # Reported together with the profile's other problems.
+    assert err.value.problems == [f"data.roles.gpt ({value!r}) must be one of system, user, assistant",
+                                  "data.path ('/nonexistent') must be an existing file"]
+
+
+def test_canonical_messages_keep_the_rest_of_each_message():
+    messages = [{"role": "human", "content": [{"type": "text", "text": "hi"}], "name": "x"}]
+    assert canonical_messages(messages, {"human": "user"}, "f:1") == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "x"}]
+    assert messages[0]["role"] == "human"
+
+
+# Rendering: the whole conversation once, the template's own assistant spans
+
+
+CONVERSATIONS = {
+    "single": CANONICAL,
+    "system": [{"role": "system", "content": "be brief"}, *CANONICAL],
+    "multi_turn_think": MULTI_TURN,
+    "multi_turn_plain": [CANONICAL[0], CANONICAL[1], {"role": "user", "content": "and?"},
+                         {"role": "assistant", "content": "done"}],
+    "ends_with_user": [*CANONICAL, {"role": "user", "content": "thanks"}],
+    "agent_turns": [CANONICAL[0], {"role": "assistant", "content": "step"},
+                    {"role": "assistant", "content": "<think>\nmore\n</think>\n\nfinal"}],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_are_the_templates_own_assistant_mask(tmp_path, tokenizers, family, conversation):
+    tok, raw, directory = tokenizers[family, True]
+    messages = CONVERSATIONS[conversation]
+    doc = document(tmp_path, tok, messages, str(directory))
+    input_ids, labels = expected_document(raw, messages)
+    # Every template here closes the assistant's turns with a special token: nothing is appended.
+    assert (doc.input_ids, doc.labels) == (input_ids, labels)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_assistant_turn_is_trained_once_and_nothing_else(tmp_path, tokenizers, family):
+    tok, _, directory = tokenizers[family, True]
+    trained = "".join(trained_runs(document(tmp_path, tok, MULTI_TURN, str(directory)), tok))
+    for answer in ("answer one", "answer two"):
+        assert trained.count(answer) == 1
+    # Only the last turn keeps its reasoning (qwen3, deepseek_v3); kimi's template keeps the content as given.
+    assert trained.count("plan two") == 1
+    assert trained.count("plan one") == (1 if family == "kimi" else 0)
+    for text in ("be brief", "question", "user", "Kimi"):
+        assert text not in trained
+
+
+@pytest.mark.parametrize("family, conversation", [
+    (family, conversation) for family in FAMILIES for conversation in ("single", "system", "ends_with_user")
+    # qwen3 gives the last assistant turn an empty think block: it holds as a prefix only while last.
+    if not (family.startswith("qwen3") and conversation == "ends_with_user")
+])  # fmt: skip
+def test_templates_without_generation_blocks_train_what_the_marked_ones_mark(tmp_path, tokenizers, family,
+                                                                             conversation):
+    """Growing prefixes, where they hold: the assistant's tokens from after the generation prompt to its closing
+    token, as the same template with {% generation %} blocks marks them."""
+    tok = tokenizers[family, False][0]
+    messages = CONVERSATIONS[conversation]
+    doc = document(tmp_path, tok, messages, str(tokenizers[family, False][2]))
+    assert (doc.input_ids, doc.labels) == expected_document(tokenizers[family, True][1], messages)
+
+
+@pytest.mark.parametrize("conversation", ["multi_turn_think", "multi_turn_plain"])
+def test_kimi_multi_turn_holds_as_prefixes(tmp_path, tokenizers, conversation):
+    messages = CONVERSATIONS[conversation]
+    doc = document(tmp_path, tokenizers["kimi", False][0], messages, str(tokenizers["kimi", False][2]))
+    assert (doc.input_ids, doc.labels) == expected_document(tokenizers["kimi", True][1], messages)
+
+
+@pytest.mark.parametrize("family, conversation, turn", [
+    ("qwen3", "multi_turn_think", 3),  # the first answer's think block is dropped once a user turn follows
+    ("qwen3", "multi_turn_plain", 2),  # the last assistant turn gets an empty think block, earlier ones do not
+    ("qwen3", "ends_with_user", 2),
+    ("qwen3_base", "multi_turn_think", 3),
+    ("qwen3", "agent_turns", 2),  # an agent turn without reasoning gets an empty think block only while last
+    ("deepseek_v3", "multi_turn_think", 3),  # reasoning dropped from turns before the last user turn
+])  # fmt: skip
+def test_templates_that_rewrite_earlier_turns_are_refused_without_generation_blocks(tmp_path, tokenizers, family,
+                                                                                    conversation, turn):
+    tok, _, directory = tokenizers[family, False]
+    path = write_records(tmp_path / "d.jsonl", CANONICAL, CONVERSATIONS[conversation])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=4096, tokenizer=str(directory)), tok)
+    assert err.value.problems == [
+        f"{path}:2: the chat template renders turn {turn} (assistant) differently once later turns follow (token "
+        f"{err.value.problems[0].split('(token ')[1].split(' changes')[0]} changes): the assistant's tokens cannot be "
+        "found by rendering growing prefixes; use a tokenizer whose chat template marks them with {% generation %} "
+        "... {% endgeneration %}"
+    ]
+
+
+def test_a_template_that_raises_is_one_line_naming_the_record(tmp_path):
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "kimi", True)
+    raw.chat_template = ("{%- for m in messages %}{%- if loop.index0 % 2 == 0 and m.role != 'user' %}"
+                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{%- endif %}"
+                         "{{ m.content }}{%- endfor %}")
+    raw.save_pretrained(directory)
+    path = write_records(tmp_path / "d.jsonl", [CANONICAL[1], CANONICAL[0]])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64, tokenizer=str(directory)), load_tokenizer(str(directory)))
+    assert err.value.problems == [f"{path}:1: the chat template of data.tokenizer cannot render the conversation: "
+                                  "'Conversation roles must alternate user/assistant'"]
+
+
+# Double end of turn
+
+
+@pytest.mark.parametrize("marked", [True, False])
+@pytest.mark.parametrize("family, closing", [
+    ("qwen3", "<|im_end|>"), ("qwen3_base", "<|im_end|>"), ("deepseek_v3", "<｜end▁of▁sentence｜>"), ("kimi", "<|im_end|>"),
+])  # fmt: skip
+def test_an_end_of_turn_is_trained_once_per_assistant_turn(tmp_path, tokenizers, family, closing, marked):
+    tok, raw, directory = tokenizers[family, marked]
+    messages = CONVERSATIONS["single" if not marked else "multi_turn_think"]
+    doc = document(tmp_path, tok, messages, str(directory))
+    turns = sum(m["role"] == "assistant" for m in messages)
+    closing_id = raw.convert_tokens_to_ids(closing)
+    trained = trained_ids(doc)
+    assert trained.count(closing_id) == turns
+    # Nothing after the last closing token is trained, and the <eos> is never trained on its own.
+    assert trained[-1] == closing_id and trained.count(tok.eos_id) == (turns if tok.eos_id == closing_id else 0)
+    assert tok.eos_id not in doc.input_ids[-1:] or tok.eos_id == closing_id
+
+
+def test_a_template_that_does_not_close_its_turns_gets_an_eos(tmp_path):
+    # The byte tokenizer's plain format ends turns with a newline: <eos> is appended and trained, once.
+    doc = document(tmp_path, ByteTokenizer(), CONVERSATIONS["multi_turn_plain"])
+    assert trained_ids(doc).count(ByteTokenizer.eos_id) == 1 and doc.labels[-1] == ByteTokenizer.eos_id
+    # After a user turn nothing is appended: the model is not taught to end the conversation there.
+    doc = document(tmp_path, ByteTokenizer(), CONVERSATIONS["ends_with_user"])
+    assert ByteTokenizer.eos_id not in doc.input_ids + doc.labels and doc.labels[-1] == IGNORE_INDEX
+
+
+# Nothing to train on
+
+
+@pytest.mark.parametrize("records, roles", [
+    ([[{"role": "user", "content": "hi"}]], {}),
+    ([[{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]] * 3, {}),
+    ([SHAREGPT, SHAREGPT], {"human": "user", "gpt": "user"}),  # a mapping that leaves no assistant turn
+    ([SHAREGPT], {"human": "user", "gpt": "system"}),
+])  # fmt: skip
+@pytest.mark.parametrize("tokenizer", ["byte", "kimi"])
+def test_a_dataset_without_a_token_to_train_on_is_refused(tmp_path, tokenizers, records, roles, tokenizer):
+    tok, name = (ByteTokenizer(), "byte") if tokenizer == "byte" else (
+        tokenizers[tokenizer, True][0], str(tokenizers[tokenizer, True][2]))
+    path = write_records(tmp_path / "d.jsonl", *records)
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64, tokenizer=name, roles=roles), tok)
+    assert err.value.problems == [f"data.path ('{path}') must hold at least one token to train on"]
+
+
+def test_a_step_without_a_token_to_train_on_stops_the_run(tmp_path):
+    """A prompt longer than a row fills the first step's rows with masked labels: the step is refused (exit 2), not
+    trained as 0 / 0, and nothing of it is saved."""
+    long_prompt = [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y"}]
+    path = write_records(tmp_path / "d.jsonl", long_prompt)
+    result = finetune_cli(path, tmp_path / "out", "data.seq_len=64", "train.micro_batch_size=2", "train.steps=2",
+                          "train.warmup_steps=0")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "error: step 1: none of its 2 rows (rows 0..1 of the packed data, data.seq_len 64) holds a token to train on: "
+        "records without assistant tokens, or prompts cut into rows of data.seq_len, leave every label there masked; "
+        "drop such records, or raise data.seq_len or train.micro_batch_size (step 1 is not saved)"
+    )
+    assert not list((tmp_path / "out").glob("checkpoints/*"))
+
+
+def test_finetune_on_sharegpt_roles_exits_2_naming_the_record(tmp_path):
+    path = write_records(tmp_path / "d.jsonl", CANONICAL, SHAREGPT)
+    result = finetune_cli(path, tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: {path}:2: message roles 'human', 'gpt' must be one of system, user, assistant; map record roles onto "
+        "them with data.roles, e.g. --set 'data.roles={human: user, gpt: assistant}'"
+    )
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    # With the mapping the hint gives, the same data is read (and a bad mapping is refused in one line).
+    result = finetune_cli(path, tmp_path / "out", "data.roles={human: user, gpt: bot}")
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "error: data.roles.gpt ('bot') must be one of system, user, assistant")
+
+
+def finetune_cli(data, out, *overrides):
+    from typer.testing import CliRunner
+
+    from moe_tune.cli import app
+
+    sets = [a for o in (f"data.path={data}", f"output.dir={out}", *overrides) for a in ("--set", o)]
+    return CliRunner().invoke(app, ["finetune", "tiny", "--quiet", *sets])
