@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from ._common import ProfileArg, SetOption, err_console, fail, read_profile, user_errors
+from ._common import USER_ERROR_EXIT, ProfileArg, SetOption, err_console, fail, read_profile, user_errors
 
 app = typer.Typer()
 
@@ -21,6 +23,9 @@ def finetune(
     profile: ProfileArg,
     overrides: SetOption = None,
     resume: Annotated[bool, typer.Option(help="continue from the newest complete checkpoint in output.dir")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="replace a previous run's outputs in output.dir (other files there are kept)")
+    ] = False,
     quiet: Annotated[bool, typer.Option(help="no progress output")] = False,
     nproc: Annotated[
         int, typer.Option(min=1, help="start this many local ranks (as torchrun would); 1 runs in this process")
@@ -30,28 +35,36 @@ def finetune(
     ] = None,
 ) -> None:
     """Fine-tune with DeepSpeed ZeRO and LoRA (or full fine-tuning) as the profile says."""
+    if resume and overwrite:
+        fail(["--resume and --overwrite contradict each other: --resume continues the run in output.dir, "
+              "--overwrite deletes it; give one"])  # fmt: skip
     job = read_profile(profile, overrides)
     console = Console(highlight=False)
     if nproc > 1:
         from moe_tune.engine.parallel.launch import launch_local
 
         argv = ["finetune", profile, *[a for o in overrides or [] for a in ("--set", o)]]
-        argv += ["--resume"] * resume + ["--quiet"] * quiet
+        argv += ["--resume"] * resume + ["--overwrite"] * overwrite + ["--quiet"] * quiet
         outcome = launch_local(nproc, argv)
         if outcome.returncode:
             # The ranks printed their own errors; exit as the failed rank did (2: bad input, 1: diverged or crashed).
             err_console.print(f"error: {outcome.message}", markup=False)
             raise typer.Exit(code=outcome.returncode)
         return
+    from moe_tune.engine.train.checkpoint import CheckpointWriteError
     from moe_tune.engine.train.trainer import TrainingDiverged
     from moe_tune.engine.train.trainer import finetune as run
 
     try:
         with user_errors():
-            result = run(job, resume=resume, show_progress=not quiet, console=console)
+            result = run(job, resume=resume, show_progress=not quiet, console=console, overwrite=overwrite)
     except TrainingDiverged as err:
         err_console.print(f"error: {err}", markup=False)
         raise typer.Exit(code=DIVERGED_EXIT) from None
+    except CheckpointWriteError as err:
+        # A full disk or a failed write: the checkpoints already there are kept; exit 2 as for any refusal.
+        err_console.print(f"error: {err}", markup=False)
+        raise typer.Exit(code=USER_ERROR_EXIT) from None
     if not result.is_main:
         return
     if not result.losses:
@@ -72,5 +85,16 @@ def finetune(
         console.print(f"weights:     {result.weights}")
     console.print(f"ds config:   {result.deepspeed_config}")
     if result.interrupted_by:
-        console.print(f"stopped by {result.interrupted_by}; resume with: moe-tune finetune {profile} --resume")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        hint = resume_command(profile, overrides, quiet, world_size)
+        # soft_wrap: one line however long, so that it can be copied as printed.
+        console.print(f"stopped by {result.interrupted_by}; resume with: {hint}", markup=False, soft_wrap=True)
         raise typer.Exit(code=SIGNAL_EXIT.get(result.interrupted_by, 1))
+
+
+def resume_command(profile: str, overrides: list[str] | None, quiet: bool, world_size: int) -> str:
+    """The command that resumes this run: the same profile and every --set override (shell-quoted), run from the
+    same directory; `--nproc` with the run's world size when it had several ranks."""
+    words = ["moe-tune", "finetune", profile, *[w for o in overrides or [] for w in ("--set", o)], "--resume"]
+    words += ["--quiet"] * quiet + (["--nproc", str(world_size)] if world_size > 1 else [])
+    return shlex.join(words)

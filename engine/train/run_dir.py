@@ -1,0 +1,239 @@
+"""One run per output.dir: checked and locked before anything is read or written.
+
+`output.dir/.lock` is created atomically (O_CREAT | O_EXCL) by the main rank and names its holder (pid, host, start
+time); a second run into the directory is refused while the holder lives. A lock whose pid is dead on this host is
+taken over (with a note); a lock from another host is respected, as its pid cannot be checked from here. Under the
+lock, a directory holding a previous run's results is refused unless the run resumes it (`--resume`) or replaces
+them (`--overwrite`, which deletes moe-tune's own outputs only, never other files), so checkpoints of one run are
+never mixed with metrics of another.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from moe_tune.profiles import ProfileError
+
+from .distributed import DistInfo
+
+LOCK_NAME = ".lock"
+# Results of a run: their presence means the directory holds a run that a new one would mix with.
+RUN_RESULTS = (
+    "metrics.jsonl", "summary.json", "checkpoints", "adapter", "adapter-transformers", "model.safetensors",
+    "merged.safetensors", "tensorboard",
+)  # fmt: skip
+# Written by every run before its first step (the run's settings and its generated corpus): replaced, not mixed.
+RUN_SETTINGS = ("profile.yaml", "deepspeed_config.json", "generated-data")
+# Files written atomically through `.NAME.tmp` (checkpoint.write_json_atomic, trainer._save_atomic).
+TMP_FORMAT = ".{}.tmp"
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror.lower() if err.strerror else str(err)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # The pid exists under another user.
+        return True
+    return True
+
+
+def _read_lock(path: Path) -> dict | None:
+    """The holder recorded in a lock file, or None when the file cannot be read as one."""
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(holder, dict) and isinstance(holder.get("pid"), int) and isinstance(holder.get("host"), str):
+        return holder
+    return None
+
+
+class RunDirLock:
+    """`output.dir/.lock`, held by this process from acquire() to release()."""
+
+    def __init__(self, out: Path, created_dir: bool = False):
+        self.out = out
+        # This run created the directory: release() removes it again if nothing was written into it.
+        self.created_dir = created_dir
+        self.path = out / LOCK_NAME
+        self.holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "token": uuid.uuid4().hex,
+        }
+        self.note: str | None = None
+
+    def _create(self) -> bool:
+        """Create the lock file with our holder; False when one exists."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.holder, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def acquire(self) -> None:
+        """Take the lock or raise ProfileError naming its holder; a dead holder on this host is replaced."""
+        where = f"output.dir ({self.out})"
+        try:
+            if self._create():
+                return
+            holder = _read_lock(self.path)
+            if holder is None:
+                raise ProfileError([
+                    f"{where} is locked by {self.path}, which does not name a holder (pid and host): if no run uses "
+                    "this directory, delete that file"
+                ])  # fmt: skip
+            who = f"pid {holder['pid']} on host {holder['host']}, started {holder.get('started', '?')}"
+            here = socket.gethostname()
+            if holder["host"] != here:
+                raise ProfileError([
+                    f"{where} is in use by another run: {who} ({self.path}); a lock from another host is respected, "
+                    "as its pid cannot be checked from here: if that run is gone, delete the lock"
+                ])  # fmt: skip
+            if _pid_alive(holder["pid"]):
+                raise ProfileError([f"{where} is in use by another run: {who} ({self.path}); one run per output.dir"])
+            self._take_over(holder)
+            self.note = f"note: took over the lock of a run that is gone ({who}) in {self.out}"
+        except OSError as err:
+            raise ProfileError([f"{where} is not writable: cannot create {self.path} ({_reason(err)})"]) from None
+
+    def _take_over(self, stale: dict) -> None:
+        """Replace a stale lock; a run that replaced it first keeps it (the renamed file is checked and put back)."""
+        moved = self.out / f"{LOCK_NAME}.stale-{self.holder['token']}"
+        try:
+            os.rename(self.path, moved)
+        except FileNotFoundError:
+            moved = None
+        if moved is not None and _read_lock(moved) != stale:
+            # Another run took the stale lock over between our read and our rename: its lock goes back.
+            try:
+                os.link(moved, self.path)
+            finally:
+                moved.unlink()
+            self.acquire()
+            return
+        if moved is not None:
+            moved.unlink()
+        if not self._create():
+            # Another run created its lock after ours was removed: acquire() now names it.
+            self.acquire()
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours, and the directory if this run created it and left it empty."""
+        if _read_lock(self.path) == self.holder:
+            self.path.unlink(missing_ok=True)
+        if self.created_dir:
+            try:
+                self.out.rmdir()
+            except OSError:
+                pass
+
+
+def previous_run_outputs(out: Path) -> list[str]:
+    """Results of an earlier run in `out` (RUN_RESULTS present), in a stable order."""
+    return [name for name in RUN_RESULTS if os.path.lexists(out / name)]
+
+
+def remove_run_outputs(out: Path) -> list[str]:
+    """Delete what moe-tune writes into `out` (results, settings and their temporaries); other files stay. A symlink
+    is removed, never followed. Returns the names removed."""
+    removed = []
+    for name in (*RUN_RESULTS, *RUN_SETTINGS):
+        for entry in (out / name, out / TMP_FORMAT.format(name)):
+            if entry.is_symlink() or entry.is_file():
+                entry.unlink()
+            elif entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                continue
+            removed.append(entry.name)
+    return removed
+
+
+def check_output_dir(out: Path, resume: bool, overwrite: bool) -> tuple[RunDirLock, list[str]]:
+    """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, a
+    directory in use by another run, or one holding a previous run's results without resume or overwrite. Returns
+    the held lock and notes to print (a lock taken over, the outputs --overwrite removed)."""
+    where = f"output.dir ({out})"
+    if resume and overwrite:
+        raise ProfileError(["--resume and --overwrite contradict each other: --resume continues the run in "
+                            f"{out}, --overwrite deletes it; give one"])  # fmt: skip
+    if os.path.lexists(out) and not out.is_dir():
+        kind = "a file" if out.is_file() else "not a directory"
+        raise ProfileError([f"{where} is {kind}: output.dir must be a directory (or a path to create)"])
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ProfileError([f"{where} cannot be created: {_reason(err)}"]) from None
+    lock = RunDirLock(out, created_dir=created)
+    try:
+        lock.acquire()
+    except ProfileError:
+        lock.release()
+        raise
+    notes = [lock.note] if lock.note else []
+    try:
+        if not resume:
+            found = previous_run_outputs(out)
+            if found and not overwrite:
+                raise ProfileError([
+                    f"{where} holds a previous run ({', '.join(found)}): continue it with --resume, replace its "
+                    "outputs with --overwrite, or choose another output.dir"
+                ])  # fmt: skip
+            if found:
+                removed = remove_run_outputs(out)
+                notes.append(f"note: --overwrite removed the previous run's {', '.join(removed)} from {out}")
+    except ProfileError:
+        lock.release()
+        raise
+    except OSError as err:
+        lock.release()
+        raise ProfileError([f"{where}: cannot remove the previous run's outputs ({_reason(err)})"]) from None
+    return lock, notes
+
+
+@contextmanager
+def claim_output_dir(out: Path, dist: DistInfo, resume: bool, overwrite: bool) -> Iterator[list[str]]:
+    """check_output_dir on the main rank, which alone holds the lock until the block exits (however it exits);
+    every rank raises the same ProfileError when the main rank refuses. Yields the notes to print."""
+    lock, notes, problems = None, [], []
+    if dist.is_main:
+        try:
+            lock, notes = check_output_dir(out, resume, overwrite)
+        except ProfileError as err:
+            problems = err.problems
+    if dist.world_size > 1:
+        shared = [problems]
+        torch.distributed.broadcast_object_list(shared, src=0, device=dist.device)
+        problems = shared[0]
+    if problems:
+        if lock is not None:
+            lock.release()
+        raise ProfileError(problems)
+    try:
+        yield notes
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,129 @@
+"""`moe-tune finetune` guards its output.dir (one run at a time, no mixing with a previous run), stops on non-finite
+weights with exit 1, and prints a resume command that resumes the same run."""
+
+import json
+import os
+import shlex
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+import moe_tune.engine.train.trainer as trainer
+from moe_tune.cli import app
+from moe_tune.cli.finetune import resume_command
+from moe_tune.engine.train.checkpoint import complete_checkpoints
+from moe_tune.engine.train.run_dir import LOCK_NAME
+
+runner = CliRunner()
+SMALL = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=0", "data.corpus_documents=200"]
+
+
+def finetune_args(out, *extra):
+    return ["finetune", "tiny", "--quiet", *[a for o in [*SMALL, f"output.dir={out}", *extra] for a in ("--set", o)]]
+
+
+def errors(result):
+    assert "Traceback" not in result.output
+    return [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_resume_with_overwrite_is_refused(tmp_path):
+    result = runner.invoke(app, [*finetune_args(tmp_path / "out"), "--resume", "--overwrite"])
+    assert result.exit_code == 2
+    assert errors(result) == ["error: --resume and --overwrite contradict each other: --resume continues the run in "
+                              "output.dir, --overwrite deletes it; give one"]  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["a file", "locked by a live run", "a previous run"])
+def test_an_unusable_output_dir_is_one_line_exit_2_before_anything_is_written(tmp_path, case):
+    out = tmp_path / "out"
+    if case == "a file":
+        out.write_text("keep")
+        expected = f"error: output.dir ({out}) is a file: output.dir must be a directory (or a path to create)"
+    elif case == "locked by a live run":
+        out.mkdir()
+        (out / LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "t"}))
+        expected = (f"error: output.dir ({out}) is in use by another run: pid {os.getpid()} on host "
+                    f"{socket.gethostname()}, started t ({out / LOCK_NAME}); one run per output.dir")  # fmt: skip
+    else:
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        (out / "checkpoints").mkdir()
+        expected = (f"error: output.dir ({out}) holds a previous run (metrics.jsonl, checkpoints): continue it with "
+                    "--resume, replace its outputs with --overwrite, or choose another output.dir")  # fmt: skip
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    result = runner.invoke(app, finetune_args(out))
+    assert result.exit_code == 2, result.output
+    assert errors(result) == [expected]
+    # Nothing was written: no generated corpus, no profile, the lock and the previous run untouched.
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def poison_step(step: int, monkeypatch):
+    """Leave an inf in a LoRA weight after optimizer step `step`, as a diverging update would."""
+    real, calls = trainer.micro_step, []
+
+    def poisoned(engine, batch, dist):
+        out = real(engine, batch, dist)
+        calls.append(1)
+        if len(calls) == step:
+            param = next(p for n, p in engine.module.named_parameters() if "lora_B" in n)
+            getattr(param, "ds_tensor", param).data.view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(trainer, "micro_step", poisoned)
+
+
+def test_overwrite_replaces_the_previous_run_and_non_finite_weights_exit_1(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step-0000009").mkdir(parents=True)
+    (out / "checkpoints" / "step-0000009" / "trainer_state.json").write_text('{"step": 9}')
+    (out / "metrics.jsonl").write_text('{"step": 9}\n')
+    (out / "my-notes.txt").write_text("mine")
+    poison_step(2, monkeypatch)
+    result = runner.invoke(app, [*finetune_args(out, "train.steps=3", "output.save_every=1"), "--overwrite"])
+    assert result.exit_code == 1, result.output
+    (line,) = errors(result)
+    # The old run's step 9 is gone: the intact checkpoint named is this run's step 1.
+    assert line.startswith("error: step 2: parameter ") and "is not finite after the optimizer step" in line
+    assert f"(the last checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact)" in line
+    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-0000001"]
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (out / "my-notes.txt").read_text() == "mine" and not (out / LOCK_NAME).exists()
+
+
+OVERRIDES = ["train.lr=2e-3", "lora.target_modules=[q_proj, v_proj]", "name=it's a \"run\"", "data.seed=$HOME"]
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_resume_command_quotes_every_override(world_size):
+    command = resume_command("my profile.yaml", OVERRIDES, quiet=True, world_size=world_size)
+    words = ["moe-tune", "finetune", "my profile.yaml", *[w for o in OVERRIDES for w in ("--set", o)], "--resume",
+             "--quiet", *(["--nproc", "4"] if world_size > 1 else [])]  # fmt: skip
+    assert shlex.split(command) == words
+    assert resume_command("tiny", None, quiet=False, world_size=1) == "moe-tune finetune tiny --resume"
+
+
+def test_the_printed_resume_command_resumes_the_same_run(tmp_path, monkeypatch):
+    overrides = [*OVERRIDES[:3], f"output.dir={tmp_path / 'a run'}"]
+    runs = []
+
+    def fake_finetune(job, resume=False, overwrite=False, **kwargs):
+        runs.append((job, resume))
+        return trainer.RunResult(output_dir=job.output.dir, start_step=0, last_step=2, losses=[2.0, 1.5],
+                                 interrupted_by="SIGINT")  # fmt: skip
+
+    monkeypatch.setattr(trainer, "finetune", fake_finetune)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    first = runner.invoke(app, ["finetune", "tiny", *[a for o in overrides for a in ("--set", o)]])
+    assert first.exit_code == 130, first.output
+    (hint,) = [line.split("resume with: ", 1)[1] for line in first.stdout.splitlines() if "resume with: " in line]
+    words = shlex.split(hint)
+    assert words[:2] == ["moe-tune", "finetune"]
+    second = runner.invoke(app, words[1:])
+    assert second.exit_code == 130, second.output
+    (job, resume), (again, resumed) = runs
+    assert (resume, resumed) == (False, True)
+    assert again == job and again.name == "it's a \"run\"" and again.lora.target_modules == ["q_proj", "v_proj"]

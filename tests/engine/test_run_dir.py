@@ -1,0 +1,241 @@
+"""One run per output.dir (engine/train/run_dir.py): the lock and the checks made before anything is written."""
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_tune.engine.train import run_dir
+from moe_tune.engine.train.distributed import DistInfo
+from moe_tune.engine.train.run_dir import LOCK_NAME, RUN_RESULTS, RUN_SETTINGS, check_output_dir, claim_output_dir
+from moe_tune.profiles import ProfileError
+
+HOST = socket.gethostname()
+
+
+def write_lock(out, pid, host=HOST):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": "2026-01-01T00:00:00+00:00"}))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_lock_is_created_with_its_holder_and_released(tmp_path):
+    out = tmp_path / "run"
+    lock, notes = check_output_dir(out, resume=False, overwrite=False)
+    holder = json.loads((out / LOCK_NAME).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == HOST and holder["started"]
+    assert notes == []
+    (out / "metrics.jsonl").write_text("")
+    lock.release()
+    assert not (out / LOCK_NAME).exists() and out.is_dir()
+
+
+@pytest.mark.parametrize("holder", ["this process", "a sleeping process"])
+def test_a_lock_held_by_a_live_pid_is_refused(tmp_path, holder, sleeper):
+    pid = os.getpid() if holder == "this process" else sleeper
+    write_lock(tmp_path, pid)
+    with pytest.raises(ProfileError, match=rf"^output.dir \({tmp_path}\) is in use by another run: pid {pid} on host "
+                                           rf"{HOST}, started 2026-01-01"):  # fmt: skip
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    # The holder's lock is untouched.
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == pid
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_stale_lock_of_a_dead_pid_is_taken_over_with_a_note(tmp_path, resume):
+    pid = dead_pid()
+    write_lock(tmp_path, pid)
+    lock, notes = check_output_dir(tmp_path, resume=resume, overwrite=False)
+    assert notes == [f"note: took over the lock of a run that is gone (pid {pid} on host {HOST}, started "
+                     f"2026-01-01T00:00:00+00:00) in {tmp_path}"]  # fmt: skip
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert not list(tmp_path.glob(".lock.stale-*"))
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("pid", ["dead", "live"])
+def test_a_lock_from_another_host_is_respected(tmp_path, pid):
+    write_lock(tmp_path, dead_pid() if pid == "dead" else os.getpid(), host="other-host")
+    with pytest.raises(ProfileError, match=r"is in use by another run: pid \d+ on host other-host.*another host is "
+                                           r"respected"):  # fmt: skip
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("content", ["", "{not json", '{"pid": "12", "host": "h"}', "[1, 2]", "directory"])
+def test_a_lock_that_names_no_holder_is_refused(tmp_path, content):
+    if content == "directory":
+        (tmp_path / LOCK_NAME).mkdir()
+    else:
+        (tmp_path / LOCK_NAME).write_text(content)
+    with pytest.raises(ProfileError, match=r"is locked by .*\.lock, which does not name a holder"):
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_second_claim_while_the_first_holds_is_refused(tmp_path):
+    first, _ = check_output_dir(tmp_path, resume=False, overwrite=False)
+    with pytest.raises(ProfileError, match=rf"in use by another run: pid {os.getpid()}"):
+        check_output_dir(tmp_path, resume=True, overwrite=False)
+    first.release()
+    check_output_dir(tmp_path, resume=True, overwrite=False)[0].release()
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink to a file", "fifo", "parent is a file"])
+def test_an_output_dir_that_is_not_a_directory_is_refused(tmp_path, kind):
+    target = tmp_path / "out"
+    if kind == "file":
+        target.write_text("keep me")
+    elif kind == "symlink to a file":
+        (tmp_path / "f").write_text("keep me")
+        target.symlink_to(tmp_path / "f")
+    elif kind == "fifo":
+        os.mkfifo(target)
+    else:
+        (tmp_path / "f").write_text("keep me")
+        target = tmp_path / "f" / "out"
+    if kind == "parent is a file":
+        message = rf"^output.dir \({target}\) cannot be created: not a directory$"
+    else:
+        message = rf"^output.dir \({target}\) is (a file|not a directory): output.dir must be a directory"
+    with pytest.raises(ProfileError, match=message):
+        check_output_dir(target, resume=False, overwrite=False)
+    if kind != "fifo":
+        assert (tmp_path / ("f" if kind != "file" else "out")).read_text() == "keep me"
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+def test_an_output_dir_where_the_lock_cannot_be_written_is_refused(tmp_path, monkeypatch, code):
+    # Tests run as root, where a chmod does not stop writes: the failure the kernel gives is simulated.
+    real_open = os.open
+
+    def failing_open(path, flags, *args):
+        if str(path).endswith(LOCK_NAME):
+            raise OSError(code, os.strerror(code))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(run_dir.os, "open", failing_open)
+    with pytest.raises(ProfileError, match=rf"^output.dir \({tmp_path}\) is not writable: cannot create "
+                                           rf"{tmp_path / LOCK_NAME} \({os.strerror(code).lower()}\)$"):  # fmt: skip
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+@pytest.mark.parametrize("where", ["the directory", "its parent"])
+def test_a_read_only_output_dir_is_refused(tmp_path, where):
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        target = locked if where == "the directory" else locked / "out"
+        with pytest.raises(ProfileError, match=r"is not writable|cannot be created: permission denied"):
+            check_output_dir(target, resume=False, overwrite=False)
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.parametrize("result", RUN_RESULTS)
+def test_a_previous_run_is_refused_without_resume_or_overwrite(tmp_path, result):
+    (tmp_path / result).write_text("") if "." in result else (tmp_path / result).mkdir()
+    with pytest.raises(ProfileError, match=rf"^output.dir \({tmp_path}\) holds a previous run \({result}\): continue "
+                                           r"it with --resume, replace its outputs with --overwrite"):  # fmt: skip
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    assert (tmp_path / result).exists() and not (tmp_path / LOCK_NAME).exists()
+    check_output_dir(tmp_path, resume=True, overwrite=False)[0].release()
+    assert (tmp_path / result).exists()
+
+
+def test_settings_and_other_files_alone_are_not_a_previous_run(tmp_path):
+    # profile.yaml, deepspeed_config.json and generated-data are written by a run refused before its first step;
+    # other files (the user's data) are never moe-tune's to judge.
+    for name in (*RUN_SETTINGS, "data.jsonl"):
+        (tmp_path / name).write_text("x")
+    check_output_dir(tmp_path, resume=False, overwrite=False)[0].release()
+
+
+def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("metrics.jsonl", "summary.json", "profile.yaml", ".summary.json.tmp", "model.safetensors"):
+        (out / name).write_text("old")
+    (out / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (out / "adapter").symlink_to(outside)  # removed as a link, never followed
+    (out / "data.jsonl").write_text("user data")
+    (out / "notes").mkdir()
+    lock, notes = check_output_dir(out, resume=False, overwrite=True)
+    lock.release()
+    assert sorted(p.name for p in out.iterdir()) == ["data.jsonl", "notes"]
+    assert (outside / "precious.txt").read_text() == "keep"
+    assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, summary.json, .summary.json.tmp, "
+                     f"checkpoints, adapter, model.safetensors, profile.yaml from {out}"]  # fmt: skip
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path):
+    with pytest.raises(ProfileError, match=r"^--resume and --overwrite contradict each other"):
+        check_output_dir(tmp_path / "out", resume=True, overwrite=True)
+    assert not (tmp_path / "out").exists()
+
+
+def dist_info(rank, world_size):
+    return DistInfo(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+
+
+def test_the_claim_is_released_however_the_run_ends_and_an_empty_new_dir_goes(tmp_path):
+    out = tmp_path / "new"
+    with pytest.raises(RuntimeError, match="boom"):
+        with claim_output_dir(out, dist_info(0, 1), resume=False, overwrite=False):
+            assert (out / LOCK_NAME).is_file()
+            raise RuntimeError("boom")
+    # Created by the refused run and left empty: removed again, nothing is left behind.
+    assert not out.exists()
+    with claim_output_dir(out, dist_info(0, 1), resume=False, overwrite=False):
+        (out / "metrics.jsonl").write_text("{}\n")
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_lock_that_is_no_longer_ours_is_not_removed(tmp_path):
+    lock, _ = check_output_dir(tmp_path, resume=False, overwrite=False)
+    write_lock(tmp_path, 12345, host="other-host")
+    lock.release()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == "other-host"
+
+
+@pytest.mark.parametrize("main_says", [[], ["output.dir (x) is a file: output.dir must be a directory"]])
+def test_other_ranks_take_no_lock_and_share_the_main_ranks_verdict(tmp_path, monkeypatch, main_says):
+    def broadcast(objects, src, device):
+        assert src == 0
+        objects[0] = main_says
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+    write_lock(tmp_path, os.getpid())  # held: rank 1 must not look at it
+    if main_says:
+        with pytest.raises(ProfileError) as err:
+            with claim_output_dir(tmp_path, dist_info(1, 2), resume=False, overwrite=False):
+                pass
+        assert err.value.problems == main_says
+    else:
+        with claim_output_dir(tmp_path, dist_info(1, 2), resume=False, overwrite=False) as notes:
+            assert notes == []
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
