@@ -10,13 +10,43 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+def _record_step(line: str) -> int | None:
+    """The step of a metrics line, or None when the line is not a record (torn by a crash mid-write, or garbage)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def kept_metrics_lines(text: str, resume_step: int) -> tuple[list[str], list[str]]:
+    """The lines of metrics.jsonl a run resumed at `resume_step` keeps (records up to that step), and one note per
+    line dropped that is not a record: a torn last line (a crash mid-write) or a damaged line elsewhere."""
+    lines = text.split("\n")
+    torn_last = not text.endswith("\n")
+    kept, notes = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        step = _record_step(line)
+        if step is None:
+            where = "its last line, cut short by a crash" if torn_last and number == len(lines) else f"line {number}"
+            notes.append(f"note: metrics.jsonl: dropped {where}, which is not a JSON record with an integer step")
+        elif step <= resume_step:
+            kept.append(line)
+    return kept, notes
+
+
 class MetricsWriter:
-    """Appends one JSON object per step to metrics.jsonl; on resume, drops lines past the resumed step first."""
+    """Appends one JSON object per step to metrics.jsonl; on resume, drops lines past the resumed step first (and
+    lines that are not records, each with a note in `notes`)."""
 
     def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None):
         self.path = path
+        self.notes: list[str] = []
         if resume_step > 0 and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            kept, self.notes = kept_metrics_lines(path.read_text(errors="replace"), resume_step)
             tmp = path.with_name(f".{path.name}.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
@@ -97,4 +127,5 @@ class ProgressReporter:
 
     def print(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message, highlight=False)
+            # One line per message, however long (a path, a reason): wrapping would split what a reader greps for.
+            self.console.print(message, highlight=False, soft_wrap=True, markup=False)
