@@ -17,7 +17,7 @@ from torch import nn
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import CheckpointModel, JobProfile, ModelProfile
 
-from .base import Family, UnsupportedModel, key_pattern
+from .base import Family, UnsupportedModel, key_pattern, show
 from .checkpoint import CheckpointReader, read_config
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "supported_model_types",
     "resolve_job",
     "model_profile_from_checkpoint",
+    "check_checkpoint",
     "load_checkpoint_weights",
 ]
 
@@ -52,11 +53,11 @@ def supported_model_types() -> list[str]:
 
 def family_for(config: dict[str, Any], directory: Path | None = None) -> Family:
     model_type = config.get("model_type")
-    family = _registry().get(model_type)
+    family = _registry().get(model_type) if isinstance(model_type, str) else None
     if family is not None:
         return family
     problems = [
-        f"config.json: model_type ({model_type!r}) is not mapped: must be one of {supported_model_types()}"
+        f"config.json: model_type ({show(model_type)}) is not mapped: must be one of {supported_model_types()}"
     ]
     if directory is not None:
         with contextlib.suppress(UnsupportedModel), CheckpointReader(directory) as reader:
@@ -75,15 +76,33 @@ def model_profile_from_checkpoint(directory: Path) -> tuple[Family, dict[str, An
     return family, config, cfg.model_copy(update={"checkpoint": Path(directory)})
 
 
+def check_checkpoint(directory: Path) -> None:
+    """Read config.json and check the weight files (inside the folder, safetensors only, readable, holding what the
+    index says) before anything loads them: UnsupportedModel listing the problems of both at once."""
+    problems: list[str] = []
+    try:
+        model_profile_from_checkpoint(directory)
+    except UnsupportedModel as err:
+        problems += err.problems
+    try:
+        CheckpointReader(directory).close()
+    except UnsupportedModel as err:
+        problems += [line for line in err.problems if line not in problems]
+    if problems:
+        raise UnsupportedModel(problems)
+
+
 def resolve_job(job: JobProfile) -> JobProfile:
     """The job with `model: {checkpoint: DIR}` replaced by the architecture read from DIR (re-validated, so the
     profile's cross-section rules see it). Jobs with an architecture spec come back unchanged."""
     if not isinstance(job.model, CheckpointModel):
         return job
     try:
+        check_checkpoint(job.model.checkpoint)
         _, _, cfg = model_profile_from_checkpoint(job.model.checkpoint)
     except UnsupportedModel as err:
-        raise ProfileError([f"model.checkpoint ('{job.model.checkpoint}'): {line}" for line in err.problems]) from None
+        where = f"model.checkpoint ({show(str(job.model.checkpoint))})"
+        raise ProfileError([f"{where}: {line}" for line in err.problems]) from None
     from moe_tune.profiles import validate_profile
 
     raw = job.model_dump(mode="json")

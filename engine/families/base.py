@@ -9,9 +9,11 @@ Shapes: E experts (E_local on this rank), F expert hidden dim, D model dim.
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,50 +37,223 @@ class UnsupportedModel(ValueError):
         super().__init__("\n".join(problems))
 
 
-class HFConfig:
-    """config.json (or its text part) with the fields a family reads recorded, and rules checked all at once."""
+# The largest count or size a config may give: a tensor dim beyond int32, or more layers than this, is no model
+# (and lists built per layer must stay small).
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 10_000
 
-    def __init__(self, data: dict[str, Any], prefix: str = ""):
+
+@dataclass(frozen=True)
+class Rule:
+    """The type (and range) of a config.json value. kind: int, float, bool, str, dict, int_list, str_list."""
+
+    kind: str
+    least: float | None = None
+    most: float | None = None
+    # Floats: the exclusive lower bound (eps, theta, scales are > 0).
+    above: float | None = None
+
+    def broken(self, value: Any) -> str | None:
+        """The rule `value` breaks, or None."""
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                return "must be an integer"
+            return self._range(value)
+        if self.kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return "must be a number"
+            if not math.isfinite(value):
+                return "must be a finite number"
+            if self.above is not None and value <= self.above:
+                return f"must be > {self.above:g}"
+            return self._range(value)
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else "must be true or false"
+        if self.kind == "str":
+            return None if isinstance(value, str) else "must be a string"
+        if self.kind == "dict":
+            return None if isinstance(value, dict) else "must be a JSON object"
+        if self.kind in ("int_list", "str_list"):
+            if not isinstance(value, list):
+                return "must be a list"
+            entry = Rule("int", self.least, self.most) if self.kind == "int_list" else Rule("str")
+            for i, item in enumerate(value):
+                why = entry.broken(item)
+                if why is not None:
+                    return f"entry [{i}] ({show(item)}) {why}"
+            return None
+        raise AssertionError(f"unknown rule kind {self.kind}")
+
+    def _range(self, value: float) -> str | None:
+        if self.least is not None and value < self.least:
+            return f"must be >= {self.least:g}"
+        if self.most is not None and value > self.most:
+            return f"must be <= {self.most:g}"
+        return None
+
+
+def _count(least: int = 1, most: int = MAX_SIZE) -> Rule:
+    return Rule("int", least, most)
+
+
+_POSITIVE = Rule("float", above=0.0)
+_NUMBER = Rule("float")
+_FLAG = Rule("bool")
+_SECTION = Rule("dict")
+# The rules of every config key a family reads, by key name (the same name means the same thing in every family
+# and section). A family may tighten a rule where it reads the key (num_experts >= 1 where every layer is MoE).
+CONFIG_RULES: dict[str, Rule] = {
+    **{key: _count() for key in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "moe_intermediate_size", "num_experts_per_tok",
+        "num_experts_per_token", "n_group", "num_expert_group", "topk_group", "n_routed_experts",
+        "decoder_sparse_step", "full_attention_interval", "moe_layer_freq", "linear_num_key_heads",
+        "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_num_heads",
+        "linear_head_dim", "num_heads", "q_lora_rank", "kv_lora_rank", "v_head_dim", "index_n_heads",
+        "index_head_dim", "index_topk", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget",
+        "indexer_compress_ratio", "hc_lowrank", "ple_embed_dim", "heads_per_ngram", "make_ngram_vocab_size_divisible_by",
+        "ple_conv_kernel_size", "split_ngram_parts", "max_position_embeddings", "original_max_position_embeddings",
+        "depth", "patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings", "in_channels",
+        "out_hidden_size",
+    )},
+    **{key: _count(0) for key in (
+        "intermediate_size", "num_experts", "num_local_experts", "shared_expert_intermediate_size", "n_shared_experts",
+        "num_shared_experts", "first_k_dense_replace", "qk_nope_head_dim", "qk_rope_head_dim", "image_token_id",
+        "vision_start_token_id", "vision_end_token_id", "num_nextn_predict_layers",
+    )},
+    "vocab_size": _count(2),
+    "head_dim": _count(2),
+    "num_hidden_layers": _count(1, MAX_LAYERS),
+    "ngram_size": _count(2),
+    "ngram_vocab_size_base": _count(2),
+    "linear_conv_kernel_dim": _count(1, 8),
+    "short_conv_kernel_size": _count(1, 8),
+    "seed": Rule("int", -MAX_SIZE, 2**64),
+    **{key: _POSITIVE for key in (
+        "rms_norm_eps", "initializer_range", "rope_theta", "routed_scaling_factor", "factor", "beta_fast",
+        "beta_slow", "attention_factor",
+    )},
+    "partial_rotary_factor": Rule("float", most=1.0, above=0.0),
+    **{key: _NUMBER for key in ("mscale", "mscale_all_dim", "attention_dropout")},
+    **{key: _FLAG for key in (
+        "tie_word_embeddings", "norm_topk_prob", "moe_renormalize", "attention_bias", "use_sliding_window",
+        "rope_interleave", "mla_use_nope", "use_grouped_topk", "truncate", "mrope_interleaved", "attn_output_gate",
+    )},
+    **{key: Rule("str") for key in ("model_type", "hidden_act", "rope_type", "type", "output_gate_type", "scoring_func",
+                                    "topk_method", "moe_router_activation_func")},
+    **{key: _SECTION for key in ("rope_parameters", "rope_scaling", "linear_attn_config", "text_config", "vision_config")},
+    "mlp_only_layers": Rule("int_list", 0, MAX_LAYERS),
+    "ple_layer_ids": Rule("int_list", 1, MAX_LAYERS),
+    "full_attn_layers": Rule("int_list", 1, MAX_LAYERS),
+    "kda_layers": Rule("int_list", 1, MAX_LAYERS),
+    "mrope_section": Rule("int_list", 0, MAX_SIZE),
+    "layer_types": Rule("str_list"),
+    "mlp_layer_types": Rule("str_list"),
+}
+# A config.json larger than this is no config (the largest published ones are a few hundred KB).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+def show(value: Any) -> str:
+    """A config value as it goes into a message: repr, with control and bidirectional characters escaped (repr
+    escapes every non-printable character), cut to 60 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = "null" if value is None else repr(value)
+    except (ValueError, RecursionError):
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class HFConfig:
+    """config.json (or one of its sections) with every value a family reads checked against its rule
+    (CONFIG_RULES), and all problems collected to be raised at once. A section shares its parent's problems."""
+
+    def __init__(self, data: dict[str, Any], prefix: str = "", problems: list[str] | None = None):
         self.data = data
         self.prefix = prefix
-        self.problems: list[str] = []
+        self.problems: list[str] = [] if problems is None else problems
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.data.get(key, default)
+    def _report(self, key: str, value: Any, why: str) -> None:
+        self.problems.append(f"config.json: {self.prefix}{key} ({show(value)}) {why}")
 
-    def require(self, key: str) -> Any:
+    def _checked(self, key: str, value: Any, least: float | None, most: float | None) -> tuple[bool, Any]:
+        rule = CONFIG_RULES.get(key)
+        if rule is None:
+            return True, value
+        if least is not None or most is not None:
+            rule = Rule(rule.kind, rule.least if least is None else least, rule.most if most is None else most,
+                        rule.above)
+        why = rule.broken(value)
+        if why is not None:
+            self._report(key, value, why)
+            return False, None
+        return True, value
+
+    def get(self, key: str, default: Any = None, least: float | None = None, most: float | None = None) -> Any:
+        """The value, checked against its rule; `default` when it is absent or null, or (reported) breaks the rule.
+        `least` / `most` tighten the rule's range."""
+        value = self.data.get(key)
+        if value is None:
+            return default
+        ok, value = self._checked(key, value, least, most)
+        return value if ok else default
+
+    def require(self, key: str, least: float | None = None, most: float | None = None) -> Any:
+        """The value, checked against its rule; None (reported) when it is missing, null or breaks the rule."""
         if key not in self.data:
             self.problems.append(f"config.json: {self.prefix}{key} is missing")
             return None
-        return self.data[key]
+        value = self.data[key]
+        if value is None and key in CONFIG_RULES:
+            self._report(key, value, CONFIG_RULES[key].broken(None))
+            return None
+        return self._checked(key, value, least, most)[1]
 
     def expect(self, key: str, allowed: Iterable[Any], default: Any = None, why: str = "") -> Any:
-        """Report the field unless its value (or the default when absent) is one of `allowed`."""
+        """Report the field unless its value (or the default when absent) is one of `allowed` (of the same type:
+        1 is not True, 0 is not False)."""
         value = self.data.get(key, default)
         allowed = list(allowed)
-        if value not in allowed:
+        if not any(value == a and type(value) is type(a) or (value == a and {type(value), type(a)} <= {int, float})
+                   for a in allowed):
             rule = f"must be one of {allowed}" if len(allowed) > 1 else f"must be {allowed[0]!r}"
             self.problems.append(
-                f"config.json: {self.prefix}{key} ({value!r}) is not mapped: {rule}{f' ({why})' if why else ''}"
+                f"config.json: {self.prefix}{key} ({show(value)}) is not mapped: {rule}{f' ({why})' if why else ''}"
             )
         return value
 
-    def rope_theta(self, default: float = 10000.0) -> float:
-        params = self.data.get("rope_parameters") or {}
-        scaling = self.data.get("rope_scaling") or {}
-        kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if kind not in ("default", None):
-            self.problems.append(f"config.json: {self.prefix}rope_parameters.rope_type ({kind!r}) is not mapped: "
-                                 "must be 'default'")
-        return float(params.get("rope_theta", self.data.get("rope_theta", default)))
+    def section(self, key: str) -> HFConfig:
+        """The nested object `key` (empty when absent or null; reported when not an object), checked the same way."""
+        value = self.get(key)
+        return HFConfig(value if isinstance(value, dict) else {}, f"{self.prefix}{key}.", self.problems)
 
-    def partial_rotary_factor(self) -> float:
-        params = self.data.get("rope_parameters") or {}
-        return float(params.get("partial_rotary_factor", self.data.get("partial_rotary_factor", 1.0)))
+    def at_most(self, key: str, value: Any, limit_key: str, limit: Any) -> None:
+        """Report `key` unless value <= the value of `limit_key` (both read already; None: reported already)."""
+        if isinstance(value, int) and isinstance(limit, int) and value > limit:
+            self.problems.append(
+                f"config.json: {self.prefix}{key} ({value}) must be <= {self.prefix}{limit_key} ({limit})"
+            )
+
+    def rope(self) -> HFConfig:
+        """rope_parameters (transformers 5) over the older rope_scaling, as one section."""
+        scaling, params = self.section("rope_scaling"), self.section("rope_parameters")
+        return HFConfig({**scaling.data, **params.data}, f"{self.prefix}rope_parameters.", self.problems)
+
+    def rope_theta(self, default: float = 10000.0) -> float:
+        rope = self.rope()
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", None):
+            self.problems.append(f"config.json: {self.prefix}rope_parameters.rope_type ({show(kind)}) is not mapped: "
+                                 "must be 'default'")
+        return float(rope.get("rope_theta", self.get("rope_theta", default)))
+
+    def partial_rotary_factor(self, default: float = 1.0) -> float:
+        return float(self.rope().get("partial_rotary_factor", self.get("partial_rotary_factor", default)))
 
     def raise_problems(self) -> None:
         if self.problems:
-            raise UnsupportedModel(self.problems)
+            raise UnsupportedModel(list(dict.fromkeys(self.problems)))
 
     def profile(self, **fields: Any) -> ModelProfile:
         """ModelProfile(**fields) once the problems collected so far are raised. Values transformers accepts but our
@@ -187,6 +362,6 @@ def key_pattern(key: str) -> str:
 def moe_layer_indices(num_layers: int, config: HFConfig, first_dense: int = 0) -> list[bool]:
     """Which layers are MoE under the qwen/deepseek conventions (mlp_only_layers, decoder_sparse_step,
     first_k_dense_replace)."""
-    only_dense = set(config.get("mlp_only_layers") or [])
-    step = config.get("decoder_sparse_step") or 1
+    only_dense = set(config.get("mlp_only_layers", []))
+    step = config.get("decoder_sparse_step", 1)
     return [i >= first_dense and i not in only_dense and (i + 1) % step == 0 for i in range(num_layers)]

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, stacked_experts, take
+from .base import Family, HFConfig, Recipe, show, stacked_experts, take
 
 PREFIX = "model."
 # Transformers drops DeepSeek-V3's multi-token-prediction layer (model.layers.61) when it loads; so do we.
@@ -64,7 +64,7 @@ class DeepseekV3(Family):
             mla=mla,
             moe=moe,
             attention_output_gate=False,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
             init_std=c.get("initializer_range", 0.02),
         )
         return c.profile(**fields)
@@ -101,23 +101,18 @@ class DeepseekV3(Family):
             yarn=yarn,
         )
 
-    @staticmethod
-    def rope_parameters(c: HFConfig) -> dict[str, Any]:
-        """rope_parameters (transformers 5), over the older rope_scaling of hub configs."""
-        return {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-
     def rope_theta(self, c: HFConfig) -> float:
-        return float(self.rope_parameters(c).get("rope_theta", c.get("rope_theta", 10000.0)))
+        return float(c.rope().get("rope_theta", c.get("rope_theta", 10000.0)))
 
     def yarn_fields(self, c: HFConfig) -> tuple[dict[str, Any] | None, float]:
         """YaRN as transformers applies it to DeepSeek's MLA: (the YarnSpec fields, or None for default RoPE; the
         mscale whose square multiplies the softmax scale)."""
-        rope = self.rope_parameters(c)
+        rope = c.rope()
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind == "default":
             return None, 1.0
         if kind != "yarn":
-            c.problems.append(f"config.json: rope_parameters.rope_type ({kind!r}) is not mapped: must be one of "
+            c.problems.append(f"config.json: rope_parameters.rope_type ({show(kind)}) is not mapped: must be one of "
                               "['default', 'yarn']")
             return None, 1.0
         original = rope.get("original_max_position_embeddings")
@@ -147,17 +142,22 @@ class DeepseekV3(Family):
         c.expect("scoring_func", ["sigmoid"], "sigmoid", why="transformers' DeepSeek-V3 router scores by sigmoid")
         c.expect("topk_method", ["noaux_tc"], "noaux_tc", why="transformers' router is the group-limited noaux_tc")
         expert_hidden = c.require("moe_intermediate_size") or 0
+        num_experts, top_k = c.require("n_routed_experts"), c.require("num_experts_per_tok")
+        n_group, topk_group = c.require("n_group"), c.require("topk_group")
+        c.at_most("num_experts_per_tok", top_k, "n_routed_experts", num_experts)
+        c.at_most("n_group", n_group, "n_routed_experts", num_experts)
+        c.at_most("topk_group", topk_group, "n_group", n_group)
         return dict(
-            num_experts=c.require("n_routed_experts"),
-            top_k=c.require("num_experts_per_tok"),
+            num_experts=num_experts,
+            top_k=top_k,
             expert_intermediate_size=expert_hidden,
             score_func="sigmoid",
-            renormalize=bool(c.get("norm_topk_prob", True)),
+            renormalize=c.get("norm_topk_prob", True),
             routed_scaling=float(c.get("routed_scaling_factor", 2.5)),
-            shared_expert_intermediate_size=(c.get("n_shared_experts", 1) or 0) * expert_hidden,
+            shared_expert_intermediate_size=c.get("n_shared_experts", 1) * expert_hidden,
             shared_expert_gate=False,
-            n_group=c.require("n_group"),
-            topk_group=c.require("topk_group"),
+            n_group=n_group,
+            topk_group=topk_group,
             # The checkpoint's e_score_correction_bias shifts the choice even when fine-tuning does not update it.
             has_selection_bias=True,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import HFConfig
+from .base import HFConfig, show
 from .deepseek_v3 import DeepseekV3
 
 
@@ -27,14 +27,14 @@ class DeepseekV32(DeepseekV3):
         for i, kind in enumerate(c.get("layer_types") or []):
             if kind != "indexed_attention":
                 c.problems.append(
-                    f"config.json: layer_types[{i}] ({kind!r}) is not mapped: must be 'indexed_attention'"
+                    f"config.json: layer_types[{i}] ({show(kind)}) is not mapped: must be 'indexed_attention'"
                 )
         types = c.get("mlp_layer_types")
         if types is None:
             first_dense = min(c.get("first_k_dense_replace", 3), num_layers)
             types = ["dense"] * first_dense + ["sparse"] * (num_layers - first_dense)
         if len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
-            c.problems.append(f"config.json: mlp_layer_types ({types!r}) is not mapped: must list 'dense' or "
+            c.problems.append(f"config.json: mlp_layer_types ({show(types)}) is not mapped: must list 'dense' or "
                               f"'sparse' for each of the {num_layers} layers")
             return [False] * num_layers
         return [kind == "sparse" for kind in types]

@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, concat, stacked_experts, take
+from .base import Family, HFConfig, Recipe, concat, show, stacked_experts, take
 
 # transformers' layer_types / mlp_layer_types values and our layer kinds.
 ATTENTION_KINDS = {"linear_attention": "kda", "full_attention": "mla"}
@@ -34,11 +34,11 @@ MLP_KINDS = {"dense": "dense", "sparse": "moe"}
 _LAYER_PARAM = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(.+)")
 
 
-def _first(c: HFConfig, names: tuple[str, ...], default: Any) -> Any:
+def _first(c: HFConfig, names: tuple[str, ...], default: Any, least: int | None = None) -> Any:
     """The value under the first of `names` present in config.json (transformers' attribute-mapped name first)."""
     for name in names:
-        if name in c.data:
-            return c.data[name]
+        if c.data.get(name) is not None:
+            return c.get(name, default, least=least)
     return default
 
 
@@ -48,7 +48,7 @@ def _check_kinds(c: HFConfig, key: str, kinds: list[Any], allowed: dict[str, str
     for i, kind in enumerate(kinds):
         if kind not in allowed:
             c.problems.append(
-                f"config.json: {c.prefix}{key}[{i}] ({kind!r}) is not mapped: must be one of {list(allowed)}"
+                f"config.json: {c.prefix}{key}[{i}] ({show(kind)}) is not mapped: must be one of {list(allowed)}"
             )
 
 
@@ -56,11 +56,11 @@ def layer_types(c: HFConfig, num_layers: int) -> list[str]:
     """transformers' precedence: layer_types > linear_attn_config's 1-based full_attn_layers / kda_layers > every
     4th layer full (layers 4, 8, ...)."""
     types = c.get("layer_types")
-    linear_cfg = c.get("linear_attn_config") or {}
-    if types is None and "full_attn_layers" in linear_cfg and "kda_layers" in linear_cfg:
+    linear_cfg = c.section("linear_attn_config")
+    if types is None and "full_attn_layers" in linear_cfg.data and "kda_layers" in linear_cfg.data:
         types = [None] * num_layers
         for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
-            for layer in linear_cfg[key]:
+            for layer in linear_cfg.get(key, []):
                 if 1 <= layer <= num_layers:
                     types[layer - 1] = kind
                 else:
@@ -111,7 +111,7 @@ class KimiLinear(Family):
 
         kda = None
         if "linear_attention" in kinds:
-            linear_cfg = c.get("linear_attn_config") or {}
+            linear_cfg = c.section("linear_attn_config")
             kda = dict(
                 num_heads=linear_cfg.get("num_heads", c.get("linear_num_heads", 32)),
                 head_dim=linear_cfg.get("head_dim", c.get("linear_head_dim", 128)),
@@ -132,15 +132,19 @@ class KimiLinear(Family):
         moe = None
         if "sparse" in mlps:
             n_group, topk_group = _first(c, ("num_expert_group", "n_group"), 1), c.get("topk_group", 1)
+            c.at_most("topk_group", topk_group, "num_expert_group", n_group)
             if topk_group < n_group:
                 c.expect("use_grouped_topk", [True], True, why="transformers always routes through the groups")
             expert_size = c.get("moe_intermediate_size", 1024)
+            num_experts = _first(c, ("num_experts", "num_local_experts"), 256, least=1)
+            top_k = _first(c, ("num_experts_per_token", "num_experts_per_tok"), 8)
+            c.at_most("num_experts_per_tok", top_k, "num_experts", num_experts)
             moe = dict(
-                num_experts=_first(c, ("num_experts", "num_local_experts"), 256),
-                top_k=_first(c, ("num_experts_per_token", "num_experts_per_tok"), 8),
+                num_experts=num_experts,
+                top_k=top_k,
                 expert_intermediate_size=expert_size,
                 score_func="sigmoid",
-                renormalize=bool(_first(c, ("moe_renormalize", "norm_topk_prob"), True)),
+                renormalize=_first(c, ("moe_renormalize", "norm_topk_prob"), True),
                 routed_scaling=c.get("routed_scaling_factor", 2.446),
                 n_group=n_group,
                 topk_group=topk_group,
@@ -166,7 +170,7 @@ class KimiLinear(Family):
             mla=mla,
             moe=moe,
             attention_output_gate=False,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
             init_std=c.get("initializer_range", 0.02),
         )
         return c.profile(**fields)

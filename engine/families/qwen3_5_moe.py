@@ -44,14 +44,12 @@ def split_qkv_recipe(param: str, layer: str, spec: LinearAttentionSpec) -> Recip
 
 def nested_text_config(config: dict[str, Any], model_type: str) -> HFConfig:
     """The language model's config of a vision-language checkpoint (text_config), checked against the top level."""
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        c = HFConfig({}, prefix="text_config.")
-        c.problems.append(f"config.json: text_config is missing (a {model_type} config holds the language model there)")
-        return c
-    c = HFConfig(text, prefix="text_config.")
-    top_tie, text_tie = config.get("tie_word_embeddings"), text.get("tie_word_embeddings")
-    if top_tie is not None and text_tie is not None and bool(top_tie) != bool(text_tie):
+    top = HFConfig(config)
+    if config.get("text_config") is None:
+        top.problems.append(f"config.json: text_config is missing (a {model_type} config holds the language model there)")
+    c = top.section("text_config")
+    top_tie, text_tie = top.get("tie_word_embeddings"), c.get("tie_word_embeddings")
+    if top_tie is not None and text_tie is not None and top_tie != text_tie:
         c.problems.append(
             f"config.json: tie_word_embeddings ({top_tie!r}) is not mapped: must equal "
             f"text_config.tie_word_embeddings ({text_tie!r})"

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from moe_tune.profiles.schema import LayerSpec, ModelProfile, MoESpec
+from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
 from .base import Family, HFConfig, Recipe, moe_layer_indices, stacked_experts, take
 
@@ -32,19 +32,20 @@ class Qwen3Moe(Family):
         layers = [LayerSpec(attention="full", mlp="moe" if moe else "dense") for moe in is_moe]
         moe = None
         if any(is_moe):
-            moe = MoESpec(
+            top_k = c.require("num_experts_per_tok")
+            c.at_most("num_experts_per_tok", top_k, "num_experts", num_experts)
+            moe = dict(
                 num_experts=num_experts,
-                top_k=c.require("num_experts_per_tok"),
+                top_k=top_k,
                 expert_intermediate_size=c.require("moe_intermediate_size"),
                 score_func="softmax",
-                renormalize=bool(c.get("norm_topk_prob", False)),
+                renormalize=c.get("norm_topk_prob", False),
             )
         rope_theta = c.rope_theta()
-        hidden = c.require("hidden_size")
-        heads = c.require("num_attention_heads")
+        vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
         c.raise_problems()
-        return ModelProfile(
-            vocab_size=c.require("vocab_size"),
+        return c.profile(
+            vocab_size=vocab,
             hidden_size=hidden,
             layers=layers,
             num_attention_heads=heads,
@@ -57,7 +58,7 @@ class Qwen3Moe(Family):
             norm_one_plus=False,
             moe=moe,
             attention_output_gate=False,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
             init_std=c.get("initializer_range", 0.02),
         )
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, moe_layer_indices, take
+from .base import Family, HFConfig, Recipe, moe_layer_indices, show, take
 from .qwen3_moe import qwen_recipe
 
 # transformers' layer_types values and our token mixers.
@@ -50,7 +50,7 @@ def layer_types(
     for i, kind in enumerate(types):
         if kind not in known:
             c.problems.append(
-                f"config.json: {c.prefix}layer_types[{i}] ({kind!r}) is not mapped: must be one of {list(known)}"
+                f"config.json: {c.prefix}layer_types[{i}] ({show(kind)}) is not mapped: must be one of {list(known)}"
             )
     return list(types)
 
@@ -66,7 +66,9 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
     num_layers = c.require("num_hidden_layers") or 0
     kinds = layer_types(c, num_layers)
     moe_fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-    moe = {f: c.require(f) for f in moe_fields} if any(is_moe) else {}
+    moe = {f: c.require(f, least=1) for f in moe_fields} if any(is_moe) else {}
+    if moe:
+        c.at_most("num_experts_per_tok", moe["num_experts_per_tok"], "num_experts", moe["num_experts"])
     linear_fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     linear = {f: c.require(f) for f in linear_fields} if "linear_attention" in kinds else {}
     # RoPE: rope_type must be default. qwen3_5_moe's mrope_section / mrope_interleaved only matter when the three
@@ -74,8 +76,7 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
     # position and the multimodal rotary is the plain one.
     rope_theta = c.rope_theta()
     # transformers defaults these configs to a quarter of each head rotated (Qwen3NextConfig.__post_init__).
-    rope = c.get("rope_parameters") or {}
-    partial_rotary_factor = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
+    partial_rotary_factor = c.partial_rotary_factor(0.25)
     vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
     # No defaults of our own for these: transformers' class defaults (2 KV heads, head_dim 256, a 512-wide shared
     # expert) differ from the usual fallbacks, and configs saved by transformers always list them.
@@ -114,7 +115,7 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
             shared_expert_gate=True,
         ) if moe else None,
         attention_output_gate=True,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=c.get("tie_word_embeddings", False),
         init_std=c.get("initializer_range", 0.02),
     )
 
@@ -130,7 +131,7 @@ class Qwen3Next(Family):
         c = self.text_config(config)
         num_layers = c.get("num_hidden_layers") or 0
         is_moe = moe_layer_indices(num_layers, c) if c.get("num_experts", 0) else [False] * num_layers
-        return hybrid_profile(c, is_moe, renormalize=bool(c.get("norm_topk_prob", True)))
+        return hybrid_profile(c, is_moe, renormalize=c.get("norm_topk_prob", True))
 
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
         match = _LINEAR_PARAM.fullmatch(name)

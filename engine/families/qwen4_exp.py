@@ -41,7 +41,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, take
+from .base import MAX_SIZE, Family, HFConfig, Recipe, show, take
 from .qwen3_moe import qwen_recipe
 from .qwen3_5_moe import nested_text_config, split_qkv_recipe
 from .qwen3_next import layer_types
@@ -100,9 +100,11 @@ class Qwen4Exp(Family):
         linear = self._linear_attention(c) if "linear" in kinds else None
         eos = c.get("eos_token_id")
         num_streams, mix_rank = c.get("hc_count", 4), c.get("hc_lowrank", 320)
-        if not (isinstance(num_streams, int) and num_streams >= 2):
-            c.problems.append(f"config.json: {c.prefix}hc_count ({num_streams!r}) is not mapped: must be an int >= 2")
-        moe = {f: c.require(f) for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+        if not (isinstance(num_streams, int) and not isinstance(num_streams, bool) and 2 <= num_streams <= MAX_SIZE):
+            c.problems.append(f"config.json: {c.prefix}hc_count ({show(num_streams)}) is not mapped: must be an int "
+                              f"in [2, {MAX_SIZE}]")
+        moe = {f: c.require(f, least=1) for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+        c.at_most("num_experts_per_tok", moe["num_experts_per_tok"], "num_experts", moe["num_experts"])
         shared = c.require("shared_expert_intermediate_size")
         # rope_type must be default. mrope_section / mrope_interleaved only matter when the three position streams
         # (time, height, width) differ, i.e. for image tokens; for text the multimodal rotary is the plain one.
@@ -132,14 +134,14 @@ class Qwen4Exp(Family):
                 top_k=moe["num_experts_per_tok"],
                 expert_intermediate_size=moe["moe_intermediate_size"],
                 score_func="softmax",
-                renormalize=bool(c.get("norm_topk_prob", True)),
+                renormalize=c.get("norm_topk_prob", True),
                 shared_expert_intermediate_size=shared,
                 shared_expert_gate=True,
             ),
             hyper_connections=dict(num_streams=num_streams, mix_rank=mix_rank),
             ngram_embedding=self._ngram_spec(c, hidden, eos) if ngram_layers else None,
             attention_output_gate=True,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
             init_std=c.get("initializer_range", 0.02),
         )
         return with_vision(text_model, config)
@@ -205,8 +207,13 @@ class Qwen4Exp(Family):
                 )
             else:
                 layers.add(layer_id - 1)
-        if layers and c.get("eos_token_id") in (None, []):
+        eos = c.get("eos_token_id")
+        if layers and eos in (None, []):
             c.problems.append(f"config.json: {c.prefix}eos_token_id is missing: PLE n-gram contexts end at it")
+        elif layers and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                for i in (eos if isinstance(eos, list) else [eos])):
+            c.problems.append(f"config.json: {c.prefix}eos_token_id ({show(eos)}) must be a token id (an integer >= 0) "
+                              "or a list of them")
         num_heads = (c.get("ngram_size", 3) - 1) * c.get("heads_per_ngram", 8)
         embed_dim = c.get("ple_embed_dim") or c.get("hidden_size") or 0
         if layers and (num_heads < 1 or embed_dim % num_heads):
@@ -227,7 +234,7 @@ class Qwen4Exp(Family):
             hash_seed=c.get("seed", 1234),
             conv_kernel_size=c.get("ple_conv_kernel_size", 4),
             # transformers takes the first of a list of eos ids.
-            boundary_token_id=eos[0] if isinstance(eos, list) else eos,
+            boundary_token_id=eos[0] if isinstance(eos, list) and eos else eos,
         )
 
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:

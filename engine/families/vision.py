@@ -7,9 +7,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from moe_tune.profiles import _format_errors
 from moe_tune.profiles.schema import ModelProfile, VisionSpec
 
-from .base import HFConfig, Recipe, UnsupportedModel, take
+from .base import HFConfig, Recipe, UnsupportedModel, show, take
 
 # Our VisionTower's names -> the checkpoint's, below the tower's prefix.
 _RENAMES = {
@@ -26,16 +27,16 @@ _RENAMES = {
 def vision_spec(config: dict[str, Any]) -> VisionSpec:
     """VisionSpec from a multimodal config.json (vision_config and the top-level image token ids)."""
     top = HFConfig(config)
-    c = HFConfig(config.get("vision_config") or {}, prefix="vision_config.")
-    rope = c.get("rope_parameters") or {}
+    c = top.section("vision_config")
+    rope = c.section("rope_parameters")
     c.expect("in_channels", [3], 3)
     if rope.get("rope_type", "axial") != "axial":
-        c.problems.append(f"config.json: vision_config.rope_parameters.rope_type ({rope.get('rope_type')!r}) is not "
-                          "mapped: must be 'axial'")
+        c.problems.append(f"config.json: vision_config.rope_parameters.rope_type ({show(rope.get('rope_type'))}) is "
+                          "not mapped: must be 'axial'")
     spec = dict(
         depth=c.require("depth"),
         hidden_size=c.require("hidden_size"),
-        intermediate_size=c.require("intermediate_size"),
+        intermediate_size=c.require("intermediate_size", least=1),
         num_heads=c.require("num_heads"),
         hidden_act=c.expect("hidden_act", ["gelu_pytorch_tanh", "gelu", "silu"], "gelu_pytorch_tanh"),
         patch_size=c.require("patch_size"),
@@ -47,9 +48,11 @@ def vision_spec(config: dict[str, Any]) -> VisionSpec:
         vision_start_token_id=top.require("vision_start_token_id"),
         vision_end_token_id=top.require("vision_end_token_id"),
     )
-    top.problems.extend(c.problems)
     top.raise_problems()
-    return VisionSpec(**spec)
+    try:
+        return VisionSpec(**spec)
+    except ValidationError as err:
+        raise UnsupportedModel([f"config.json: not mapped: vision.{line}" for line in _format_errors(err)]) from None
 
 
 def vision_recipe(name: str, prefix: str = "model.visual.") -> Recipe:
@@ -69,18 +72,19 @@ def with_vision(cfg: ModelProfile, config: dict[str, Any]) -> ModelProfile:
     """`cfg` (the language model read from text_config) with the vision tower of a multimodal config, and the
     multimodal rotary its image tokens use: (t, h, w) positions on interleaved frequency sections of the text
     attention's rotary dims (text_config.rope_parameters.mrope_section). Unchanged without a vision_config."""
-    if not isinstance(config.get("vision_config"), dict):
+    top = HFConfig(config)
+    if top.get("vision_config") is None:
+        top.raise_problems()
         return cfg
-    rope = (config.get("text_config") or {}).get("rope_parameters") or {}
-    section = tuple(rope.get("mrope_section", (11, 11, 10)))
-    problems = []
+    rope = HFConfig(config, problems=top.problems).section("text_config").section("rope_parameters")
+    section = tuple(rope.get("mrope_section", [11, 11, 10]))
     if not rope.get("mrope_interleaved", True):
-        problems.append("config.json: text_config.rope_parameters.mrope_interleaved (False) is not mapped: must be True")
+        rope.problems.append("config.json: text_config.rope_parameters.mrope_interleaved (False) is not mapped: "
+                             "must be True")
     if len(section) != 3:
-        problems.append(f"config.json: text_config.rope_parameters.mrope_section ({list(section)}) is not mapped: "
-                        "must have 3 entries")
-    if problems:
-        raise UnsupportedModel(problems)
+        rope.problems.append(f"config.json: text_config.rope_parameters.mrope_section ({show(list(section))}) is not "
+                             "mapped: must have 3 entries")
+    rope.raise_problems()
     vision = vision_spec(config).model_copy(update={"mrope_section": section})
     try:
         return ModelProfile.model_validate({**cfg.model_dump(), "vision": vision.model_dump()})
