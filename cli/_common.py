@@ -8,7 +8,7 @@ from typing import Annotated, Iterator
 import typer
 from rich.console import Console
 
-from moe_tune.profiles import JobProfile, ProfileError, load_profile
+from moe_tune.profiles import JobProfile, ProfileError, bounded_line, load_profile
 
 USER_ERROR_EXIT = 2
 
@@ -21,10 +21,18 @@ SetOption = Annotated[
 ProfileArg = Annotated[str, typer.Argument(help="profile YAML path, or the name of a shipped profile (e.g. tiny)")]
 
 
+# Problems printed at most: past them one line counts the rest (a hostile profile can hold 100k unknown keys).
+MAX_PRINTED_PROBLEMS = 200
+
+
 def fail(problems: list[str]) -> None:
-    """Print one line per problem and exit with code 2, no traceback."""
-    for line in problems:
-        err_console.print(f"error: {line}", markup=False)
+    """Print one line per problem and exit with code 2, no traceback. Control and bidirectional characters in a
+    problem are printed as escapes, never raw; each line is bounded in length (ProfileError's rules)."""
+    lines = [bounded_line(str(line)) for line in problems]
+    for line in lines[:MAX_PRINTED_PROBLEMS]:
+        err_console.print(f"error: {line}", markup=False, highlight=False, emoji=False)
+    if len(lines) > MAX_PRINTED_PROBLEMS:
+        err_console.print(f"error: ... and {len(lines) - MAX_PRINTED_PROBLEMS} more problems", markup=False)
     raise typer.Exit(code=USER_ERROR_EXIT)
 
 

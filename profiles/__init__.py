@@ -3,25 +3,63 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .schema import JobProfile
+from .schema import CheckpointModel, JobProfile, ModelProfile, _model_kind
 
-__all__ = ["JobProfile", "ProfileError", "load_profile", "resolve_profile_path", "shipped_profiles", "json_schema"]
+__all__ = [
+    "JobProfile",
+    "ProfileError",
+    "bounded_line",
+    "escape_controls",
+    "load_profile",
+    "resolve_profile_path",
+    "shipped_profiles",
+    "json_schema",
+]
 
 SHIPPED_DIR = Path(__file__).resolve().parent
 
+# A profile is a page of settings (the largest shipped one is ~5 KB): larger files are refused unread.
+MAX_PROFILE_BYTES = 1 << 20
+# Nodes and scalar characters after YAML aliases are expanded: a small file must not expand into gigabytes.
+MAX_PROFILE_NODES = 100_000
+MAX_PROFILE_CHARS = 4 << 20
+# Nesting of mappings and lists (profiles use fewer than 10 levels; the YAML composer recurses once per level).
+MAX_PROFILE_DEPTH = 64
+# One problem line: a key or value echoed in it cannot make it longer than this.
+MAX_PROBLEM_CHARS = 1000
+
+# C0 and C1 controls (newlines and tabs included: a problem is one line), DEL, and the Unicode line separators and
+# bidirectional controls, which would let an echoed key or value rewrite how the rest of the line reads.
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with control and bidirectional characters written as escapes (`\\x1b`, `\\u202e`); idempotent."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
+def bounded_line(line: str) -> str:
+    """`line` as it may be printed: controls escaped, at most MAX_PROBLEM_CHARS characters and a count of the rest."""
+    line = escape_controls(line)
+    if len(line) <= MAX_PROBLEM_CHARS:
+        return line
+    return f"{line[:MAX_PROBLEM_CHARS]}... ({len(line) - MAX_PROBLEM_CHARS} more characters)"
+
 
 class ProfileError(ValueError):
-    """Bad user input in a profile. `problems` holds one line per broken rule: field path, value and rule."""
+    """Bad user input in a profile. `problems` holds one line per broken rule: field path, value and rule (control
+    characters escaped, each line bounded in length)."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
+        self.problems = [bounded_line(str(line)) for line in problems]
+        super().__init__("\n".join(self.problems))
 
 
 def shipped_profiles() -> list[str]:
@@ -42,13 +80,169 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
     )
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+class _Refused(Exception):
+    """A profile the loader will not build (too large, too deep, recursive); the message is the problem line."""
+
+
+try:
+    # libyaml's scanner and parser read a dense 1 MB profile ~5x faster than PyYAML's own; the composer below stays
+    # PyYAML's Python one, which counts.
+    from yaml._yaml import CParser as _EventParser
+except ImportError:
+
+    class _EventParser(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser):
+        def __init__(self, text: str):
+            yaml.reader.Reader.__init__(self, text)
+            yaml.scanner.Scanner.__init__(self)
+            yaml.parser.Parser.__init__(self)
+
+
+class _ProfileLoader(yaml.composer.Composer, _EventParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+    """The safe loader (yaml.SafeLoader's constructor and resolver) with a composer that counts while it composes:
+    nesting depth, and the nodes and scalar characters the document would have with every alias expanded (an alias
+    costs what it names, so a bomb is refused before it is built); an alias inside what it names (a recursive
+    structure) is refused."""
+
+    def __init__(self, text: str, source: str):
+        _EventParser.__init__(self, text)
+        yaml.composer.Composer.__init__(self)
+        yaml.constructor.SafeConstructor.__init__(self)
+        yaml.resolver.Resolver.__init__(self)
+        self.source = source
+        self.depth = 0
+        self.num_nodes = 0
+        self.num_chars = 0
+        # id(node) -> (nodes, chars) of the node expanded; absent while the node is being composed.
+        self.expanded: dict[int, tuple[int, int]] = {}
+
+    def _where(self, mark) -> str:
+        return f"{self.source}:{mark.line + 1}" if mark is not None else self.source
+
+    def _grow(self, num_nodes: int, num_chars: int, mark) -> None:
+        self.num_nodes += num_nodes
+        self.num_chars += num_chars
+        if self.num_nodes > MAX_PROFILE_NODES:
+            raise _Refused(
+                f"{self._where(mark)}: the profile expands to more than {MAX_PROFILE_NODES} YAML nodes (aliases "
+                "repeat what they name): refused"
+            )
+        if self.num_chars > MAX_PROFILE_CHARS:
+            raise _Refused(
+                f"{self._where(mark)}: the profile expands to more than {MAX_PROFILE_CHARS} characters of values "
+                "(aliases repeat what they name): refused"
+            )
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            node = self.anchors.get(event.anchor)
+            if node is not None:
+                size = self.expanded.get(id(node))
+                if size is None:
+                    raise _Refused(
+                        f"{self._where(event.start_mark)}: alias *{event.anchor} is inside the node it names "
+                        "(a recursive structure): refused"
+                    )
+                self._grow(*size, event.start_mark)
+            return super().compose_node(parent, index)
+        if self.depth >= MAX_PROFILE_DEPTH:
+            raise _Refused(
+                f"{self._where(self.peek_event().start_mark)}: nested deeper than {MAX_PROFILE_DEPTH} levels: refused"
+            )
+        self.depth += 1
+        before = (self.num_nodes, self.num_chars)
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        self._grow(1, len(node.value) if isinstance(node, yaml.ScalarNode) else 0, node.start_mark)
+        self.expanded[id(node)] = (self.num_nodes - before[0], self.num_chars - before[1])
+        return node
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError as err:
+            # Python refuses decimal integers of more than 4300 digits.
+            raise yaml.constructor.ConstructorError(None, None, f"integer out of range ({err})", node.start_mark)
+
+
+_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _duplicate_keys(root: yaml.Node, source: str) -> list[str]:
+    """One line per key given twice in one mapping, at any depth (a merge `<<:` may be overridden: not counted).
+    Each node is visited once, so aliases cost nothing more."""
+    problems: list[tuple[int, str]] = []
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple[str, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, (*path, str(i))) for i, child in reversed(list(enumerate(node.value))))
+        elif isinstance(node, yaml.MappingNode):
+            first_line: dict[tuple[str, str], int] = {}
+            children = []
+            for key, value in node.value:
+                if key.tag == _MERGE_TAG:
+                    continue
+                name = str(key.value) if isinstance(key, yaml.ScalarNode) else f"<{key.id}>"
+                line = key.start_mark.line + 1
+                identity = (key.tag, name)
+                if isinstance(key, yaml.ScalarNode) and identity in first_line:
+                    dotted = _format_key(".".join((*path, name)))
+                    problems.append((line, f"{source}:{line}: duplicate key '{dotted}' (first given at line "
+                                     f"{first_line[identity]}): a key may appear once in a mapping"))
+                elif isinstance(key, yaml.ScalarNode):
+                    first_line[identity] = line
+                children.append((value, (*path, name)))
+            stack.extend(reversed(children))
+    return [line for _, line in sorted(problems)]
+
+
+def _load_yaml(text: str, source: str) -> tuple[Any, list[str]]:
+    """Parse one YAML document with the safe loader under the caps; returns the data and the duplicate-key problems.
+    Raises _Refused or yaml.YAMLError."""
+    loader = _ProfileLoader(text, source)
     try:
-        text = path.read_text(encoding="utf-8")
+        root = loader.get_single_node()
+        if root is None:
+            return None, []
+        duplicates = _duplicate_keys(root, source)
+        return loader.construct_document(root), duplicates
+    finally:
+        loader.dispose()
+
+
+def _format_key(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The profile's top-level mapping, and the problems that do not stop validation (duplicate keys)."""
+    try:
+        # Anything but a regular file (a FIFO, a device) could block or never end.
+        if not path.is_file():
+            raise ProfileError([f"{path}: cannot read the profile (not a regular file)"])
+        size = path.stat().st_size
+        if size > MAX_PROFILE_BYTES:
+            raise ProfileError(
+                [f"{path}: the profile is {size} bytes, more than the {MAX_PROFILE_BYTES} bytes a profile may be"]
+            )
+        with path.open("rb") as f:
+            data = f.read(MAX_PROFILE_BYTES + 1)
+        if len(data) > MAX_PROFILE_BYTES:
+            raise ProfileError([f"{path}: the profile grew past {MAX_PROFILE_BYTES} bytes while it was read"])
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ProfileError([f"{path}: cannot read the profile ({err})"]) from None
     try:
-        raw = yaml.safe_load(text)
+        raw, problems = _load_yaml(text, str(path))
+    except _Refused as err:
+        raise ProfileError([str(err)]) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -58,40 +252,66 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raw = {}
     if not isinstance(raw, dict):
         raise ProfileError([f"{path}: the profile must be a YAML mapping of sections, got {type(raw).__name__}"])
-    return raw
+    return raw, problems
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b=value` overrides; values are parsed as YAML (`train.lr=1e-3`, `lora.target_modules=[q_proj]`)."""
+def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Apply `a.b=value` overrides in place (a later one wins); returns one problem per override that cannot apply.
+    Values parse as YAML through the profile loader and its caps; text that is not YAML stays a string."""
     problems = []
     for item in overrides:
         key, sep, value = item.partition("=")
+        label = f"--set {_format_value(item)}"
         if not sep or not key.strip():
-            problems.append(f"--set {item!r}: must read path.to.field=value")
+            problems.append(f"{label}: must read path.to.field=value")
+            continue
+        parts = key.strip().split(".")
+        if len(parts) > MAX_PROFILE_DEPTH:
+            problems.append(f"{label}: the path has more than {MAX_PROFILE_DEPTH} parts")
+            continue
+        if len(value) > MAX_PROFILE_BYTES:
+            problems.append(f"{label}: the value has {len(value)} characters, more than {MAX_PROFILE_BYTES}")
             continue
         try:
-            parsed = yaml.safe_load(value)
+            parsed, duplicates = _load_yaml(value, label)
+        except _Refused as err:
+            problems.append(str(err))
+            continue
         except yaml.YAMLError:
-            parsed = value
+            parsed, duplicates = value, []
+        if duplicates:
+            problems.extend(duplicates)
+            continue
         node = raw
-        parts = key.strip().split(".")
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                problems.append(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+                problems.append(f"{label}: {'.'.join(parts[: depth + 1])} is not a section")
                 break
             node = child
         else:
             node[parts[-1]] = parsed
+    return problems
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides; values are parsed as YAML (`train.lr=1e-3`, `lora.target_modules=[q_proj]`)."""
+    problems = _override_problems(raw, overrides)
     if problems:
         raise ProfileError(problems)
     return raw
 
 
 def _format_value(value: Any) -> str:
-    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    # An int of more bits than any field takes: Python will not print one of more than 4300 digits.
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    except (ValueError, RecursionError):
+        text = f"<a {type(value).__name__}>"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -101,7 +321,7 @@ def _format_errors(err: ValidationError) -> list[str]:
         loc = list(e["loc"])
         if len(loc) > 1 and loc[0] == "model" and loc[1] in ("spec", "checkpoint"):
             del loc[1]  # the tag of the `model:` union, not a field
-        path = ".".join(str(p) for p in loc)
+        path = _format_key(".".join(str(p) for p in loc))
         if e["type"] == "value_error":
             # Our check_<rule> validators: one line per broken rule, fields marked with '@'.
             message = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
@@ -116,18 +336,77 @@ def _format_errors(err: ValidationError) -> list[str]:
     return lines
 
 
+def _section_class(annotation: Any, raw: Any) -> type[BaseModel] | None:
+    """The pydantic model a field's raw value is validated as: the field's model, the model of an optional one, or
+    for `model:` the kind its tag picks."""
+    candidates = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+    for arg in get_args(annotation):
+        candidates += [a for a in get_args(arg) if isinstance(a, type) and issubclass(a, BaseModel)]
+    if len(candidates) > 1 and CheckpointModel in candidates:
+        return CheckpointModel if _model_kind(raw) == "checkpoint" else ModelProfile
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _hidden_rule_problems(cls: type[BaseModel], raw: Any, prefix: str = "") -> list[str]:
+    """The check_<rule> validators of `cls` (and of its sections, depth first) that pydantic skipped because a field
+    is invalid, run on the fields that are valid; a rule that reads an invalid field is skipped (that field's own
+    problem is reported). Without this one bad field would hide every rule of the sections around it."""
+    if not isinstance(raw, dict):
+        return []
+    values: dict[str, Any] = {}
+    problems = []
+    for name, field in cls.model_fields.items():
+        if name not in raw:
+            if not field.is_required():
+                values[name] = field.get_default(call_default_factory=True)
+            continue
+        try:
+            values[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(raw[name])
+        except ValidationError:
+            section = _section_class(field.annotation, raw[name])
+            if section is not None:
+                problems += _hidden_rule_problems(section, raw[name], f"{prefix}{name}.")
+    if len(values) == len(cls.model_fields) and raw.keys() <= cls.model_fields.keys():
+        # Every field is valid and none is unknown: pydantic has run this model's rules.
+        return problems
+    partial = cls.model_construct(**values)
+    # model_construct fills an invalid field with its default: remove it, so a rule reading it is skipped.
+    for name in cls.model_fields.keys() - values.keys():
+        partial.__dict__.pop(name, None)
+    for decorator in cls.__pydantic_decorators__.model_validators.values():
+        if decorator.info.mode != "after":
+            continue
+        try:
+            decorator.func(partial)
+        except ValueError as err:
+            problems += [line.replace("@", prefix) for line in str(err).splitlines()]
+        except (AttributeError, TypeError):
+            continue
+    return problems
+
+
 def validate_profile(raw: dict[str, Any]) -> JobProfile:
     try:
         return JobProfile.model_validate(raw)
     except ValidationError as err:
-        raise ProfileError(_format_errors(err)) from None
+        problems = _format_errors(err)
+        problems += [line for line in _hidden_rule_problems(JobProfile, raw) if line not in problems]
+        raise ProfileError(problems) from None
 
 
 def load_profile(name_or_path: str | Path, overrides: list[str] | None = None) -> JobProfile:
-    """Read, override and validate a profile; raise ProfileError listing every problem at once."""
+    """Read, override and validate a profile; raise ProfileError listing every problem at once: duplicate keys,
+    overrides that cannot apply and the schema's problems together."""
     path = resolve_profile_path(name_or_path)
-    raw = apply_overrides(_read_yaml(path), overrides or [])
-    return validate_profile(raw)
+    raw, problems = _read_yaml(path)
+    problems += _override_problems(raw, overrides or [])
+    try:
+        profile = validate_profile(raw)
+    except ProfileError as err:
+        problems += err.problems
+    if problems:
+        raise ProfileError(problems)
+    return profile
 
 
 def json_schema() -> dict[str, Any]:
