@@ -453,7 +453,9 @@ class CheckpointModel(Strict):
         elif not (self.checkpoint / "config.json").is_file():
             problems.append(f"@checkpoint ('{self.checkpoint}') must hold a config.json")
         elif not any(self.checkpoint.glob("*.safetensors")):
-            problems.append(f"@checkpoint ('{self.checkpoint}') must hold *.safetensors weights")
+            pickles = sorted(p.name for p in self.checkpoint.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+            found = f" (found {', '.join(pickles[:3])}: moe-tune reads only safetensors, never pickles)" if pickles else ""
+            problems.append(f"@checkpoint ('{self.checkpoint}') must hold *.safetensors weights{found}")
         _raise_if(problems)
         return self
 
@@ -516,8 +518,8 @@ class DataProfile(Strict):
         "symlinks leading outside it (false: such a record is an error naming it)"
     )
     max_record_bytes: int = Field(
-        64 * 2**20, ge=1, description="the largest JSONL record (one line, in bytes); a longer line is an error "
-        "naming it, read no further than this"
+        64 * 2**20, ge=1, le=MAX_SIZE, description="the largest JSONL record (one line, in bytes): a longer line is "
+        "an error naming it, and is never held in memory whole (64 MiB: over ten times a million-token text)"
     )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the data order (and of the built-in corpus)")
 
