@@ -101,7 +101,8 @@ def resolve_job(job: JobProfile) -> JobProfile:
         check_checkpoint(job.model.checkpoint)
         _, _, cfg = model_profile_from_checkpoint(job.model.checkpoint)
     except UnsupportedModel as err:
-        where = f"model.checkpoint ({show(str(job.model.checkpoint))})"
+        # repr: control and bidirectional characters escaped; a path is never cut.
+        where = f"model.checkpoint ({str(job.model.checkpoint)!r})"
         raise ProfileError([f"{where}: {line}" for line in err.problems]) from None
     from moe_tune.profiles import validate_profile
 

@@ -65,7 +65,7 @@ class Rule:
             if not math.isfinite(value):
                 return "must be a finite number"
             if self.above is not None and value <= self.above:
-                return f"must be > {self.above:g}"
+                return f"must be > {_bound(self.above)}"
             return self._range(value)
         if self.kind == "bool":
             return None if isinstance(value, bool) else "must be true or false"
@@ -74,22 +74,27 @@ class Rule:
         if self.kind == "dict":
             return None if isinstance(value, dict) else "must be a JSON object"
         if self.kind in ("int_list", "str_list"):
+            what = "must be a list of integers" if self.kind == "int_list" else "must be a list of strings"
             if not isinstance(value, list):
-                return "must be a list"
+                return what
             entry = Rule("int", self.least, self.most) if self.kind == "int_list" else Rule("str")
             for i, item in enumerate(value):
                 why = entry.broken(item)
                 if why is not None:
-                    return f"entry [{i}] ({show(item)}) {why}"
+                    return f"{what}: entry [{i}] ({show(item)}) {why}"
             return None
         raise AssertionError(f"unknown rule kind {self.kind}")
 
     def _range(self, value: float) -> str | None:
         if self.least is not None and value < self.least:
-            return f"must be >= {self.least:g}"
+            return f"must be >= {_bound(self.least)}"
         if self.most is not None and value > self.most:
-            return f"must be <= {self.most:g}"
+            return f"must be <= {_bound(self.most)}"
         return None
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
 
 
 def _count(least: int = 1, most: int = MAX_SIZE) -> Rule:
@@ -149,8 +154,6 @@ CONFIG_RULES: dict[str, Rule] = {
     "layer_types": Rule("str_list"),
     "mlp_layer_types": Rule("str_list"),
 }
-# A config.json larger than this is no config (the largest published ones are a few hundred KB).
-MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def show(value: Any) -> str:

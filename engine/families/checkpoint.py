@@ -29,21 +29,25 @@ def read_json_file(path: Path, max_bytes: int) -> Any:
     """The JSON value in the regular file `path` of at most `max_bytes`; UnsupportedModel in one line naming it."""
     try:
         info = path.stat()
-        if not stat.S_ISREG(info.st_mode):
-            raise UnsupportedModel([f"{path}: must be a regular file"])
-        if info.st_size > max_bytes:
-            raise UnsupportedModel([f"{path}: {info.st_size} bytes, more than the {max_bytes} this file may hold"])
-        with path.open("rb") as f:
-            raw = f.read(max_bytes + 1)
-        if len(raw) > max_bytes:
-            raise UnsupportedModel([f"{path}: more than the {max_bytes} bytes this file may hold"])
-        return json.loads(raw.decode("utf-8"))
+        size = info.st_size
+        if stat.S_ISREG(info.st_mode) and size <= max_bytes:
+            with path.open("rb") as f:
+                raw = f.read(max_bytes + 1)
+            size = len(raw)
     except OSError as err:
         raise UnsupportedModel([f"{path}: cannot read ({err.strerror or err})"]) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsupportedModel([f"{path}: must be a regular file"])
+    if size > max_bytes:
+        raise UnsupportedModel([f"{path}: {size} bytes, more than the {max_bytes} this file may hold"])
+    try:
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise UnsupportedModel([f"{path}: not UTF-8 (byte offset {err.start})"]) from None
     except json.JSONDecodeError as err:
         raise UnsupportedModel([f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})"]) from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise UnsupportedModel([f"{path}: not valid JSON ({show(str(err))})"]) from None
     except RecursionError:
         raise UnsupportedModel([f"{path}: JSON nested too deeply"]) from None
 

@@ -41,7 +41,8 @@ class DeepseekV3(Family):
         num_layers = c.require("num_hidden_layers") or 0
         is_moe = self.moe_layers(c, num_layers)
         heads = c.require("num_attention_heads")
-        c.expect("num_key_value_heads", [heads, None], heads, why="MLA expands keys and values for every head")
+        if heads is not None:
+            c.expect("num_key_value_heads", [heads, None], heads, why="MLA expands keys and values for every head")
         c.expect("hidden_act", ["silu"], "silu")
         c.expect("attention_dropout", [0, 0.0], 0.0, why="no attention dropout")
         c.expect("pretraining_tp", [1], 1)

@@ -107,7 +107,8 @@ class KimiLinear(Family):
             for kind, mlp in zip(kinds, mlps)
         ]
         heads = c.require("num_attention_heads")
-        c.expect("num_key_value_heads", [heads, None], heads, why="MLA expands keys and values for every head")
+        if heads is not None:
+            c.expect("num_key_value_heads", [heads, None], heads, why="MLA expands keys and values for every head")
 
         kda = None
         if "linear_attention" in kinds:

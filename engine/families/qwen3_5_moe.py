@@ -48,6 +48,8 @@ def nested_text_config(config: dict[str, Any], model_type: str) -> HFConfig:
     if config.get("text_config") is None:
         top.problems.append(f"config.json: text_config is missing (a {model_type} config holds the language model there)")
     c = top.section("text_config")
+    # Without its text_config nothing else of the language model can be read.
+    top.raise_problems()
     top_tie, text_tie = top.get("tie_word_embeddings"), c.get("tie_word_embeddings")
     if top_tie is not None and text_tie is not None and top_tie != text_tie:
         c.problems.append(

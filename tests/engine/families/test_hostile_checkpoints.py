@@ -1,0 +1,437 @@
+"""Untrusted Hugging Face checkpoint folders: every bad config.json value is one line naming its key, weight files
+stay inside the checkpoint folder, pickles are never opened, damaged files are named; no traceback, all at once.
+
+The tiny checkpoints are written once per module; each case edits a copy of config.json or of the weight index."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from moe_tune.engine.families import UnsupportedModel, check_checkpoint, model_profile_from_checkpoint, resolve_job
+from moe_tune.engine.families import checkpoint as checkpoint_module
+from moe_tune.engine.families.base import MAX_LAYERS, MAX_SIZE
+from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
+from moe_tune.profiles import ProfileError, validate_profile
+
+from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_5_moe, tiny_qwen3_moe, tiny_qwen3_next
+
+BUILDERS = {
+    "qwen3_moe": tiny_qwen3_moe,
+    "deepseek_v3": tiny_deepseek_v3,
+    "qwen3_next": tiny_qwen3_next,
+    "qwen3_5_moe": tiny_qwen3_5_moe,
+}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """`written(family)` -> the saved tiny checkpoint of that family (built once per module)."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = save_tiny_checkpoint(BUILDERS[family](), tmp_path_factory.mktemp(family) / "checkpoint")
+        return cache[family]
+
+    return get
+
+
+def config_of(written, family: str) -> dict:
+    return json.loads((written(family) / "config.json").read_text())
+
+
+def problems_of(directory: Path) -> list[str]:
+    with pytest.raises(UnsupportedModel) as err:
+        check_checkpoint(directory)
+    return err.value.problems
+
+
+def edited_config(written, tmp_path: Path, family: str, edit) -> list[str]:
+    """The problems of a copy of `family`'s checkpoint whose config.json went through `edit` (a function of the
+    dict)."""
+    directory = shutil.copytree(written(family), tmp_path / "edited")
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    return problems_of(directory)
+
+
+# ---- config.json values ----------------------------------------------------------------------------------------
+
+# (family, key) of integers every family reads; the least value each takes.
+INT_KEYS = [
+    ("qwen3_moe", "hidden_size", 1),
+    ("qwen3_moe", "num_attention_heads", 1),
+    ("qwen3_moe", "num_hidden_layers", 1),
+    ("qwen3_moe", "num_experts_per_tok", 1),
+    ("qwen3_moe", "moe_intermediate_size", 1),
+    ("qwen3_moe", "vocab_size", 2),
+    ("deepseek_v3", "n_routed_experts", 1),
+    ("deepseek_v3", "kv_lora_rank", 1),
+    ("qwen3_next", "num_experts_per_tok", 1),
+    ("qwen3_next", "linear_num_key_heads", 1),
+]
+# Hostile values and the rule each breaks (None: the least value of the key).
+INT_VALUES = [
+    ("8", "must be an integer"),  # a string that looks like one
+    (None, "must be an integer"),
+    (0, None),
+    (-1, None),
+    (1.5, "must be an integer"),
+    (True, "must be an integer"),  # JSON true is not 1
+    (8.0, "must be an integer"),
+    (1e30, "must be an integer"),  # JSON 1e30 is a float
+    (10**25, "too large"),  # an integer past int32
+    ([8], "must be an integer"),
+    ({"value": 8}, "must be an integer"),
+]
+
+
+@pytest.mark.parametrize("family, key, least", INT_KEYS, ids=[f"{f}-{k}" for f, k, _ in INT_KEYS])
+@pytest.mark.parametrize("value, rule", INT_VALUES, ids=[repr(v)[:12] for v, _ in INT_VALUES])
+def test_bad_integer_is_one_line_naming_the_key(written, tmp_path, family, key, least, value, rule):
+    directory = tmp_path / "config-only"
+    directory.mkdir()
+    config = config_of(written, family)
+    config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel) as err:
+        model_profile_from_checkpoint(directory)
+    if rule is None:
+        rule = f"must be >= {least}"
+    elif rule == "too large":
+        rule = f"must be <= {MAX_LAYERS if key == 'num_hidden_layers' else MAX_SIZE}"
+    lines = [line for line in err.value.problems if line.startswith(f"config.json: {key} (")]
+    assert len(lines) == 1, err.value.problems
+    assert lines[0].endswith(rule), lines[0]
+    # Nothing else is reported about it under our own profile's names.
+    assert not any("model." in line for line in err.value.problems), err.value.problems
+
+
+def test_values_are_shown_escaped_and_cut(written, tmp_path):
+    def edit(config):
+        config["hidden_size"] = "\u202e8\x1b[2J" + "x" * 200
+        config["num_attention_heads"] = 10**100
+
+    problems = edited_config(written, tmp_path, "qwen3_moe", edit)
+    hidden = next(line for line in problems if "hidden_size" in line)
+    assert "\\u202e8\\x1b[2J" in hidden and "\x1b" not in hidden and "\u202e" not in hidden
+    assert re.fullmatch(r"config\.json: hidden_size \('.{50,56}\.\.\.\) must be an integer", hidden), hidden
+    assert "config.json: num_attention_heads (<an integer of 333 bits>) must be <= 2147483647" in problems
+    # An integer of more digits than Python converts: the file is refused in one line.
+    directory = tmp_path / "digits"
+    directory.mkdir()
+    (directory / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": ' + "9" * 5000 + "}")
+    with pytest.raises(UnsupportedModel, match=r"config\.json: not valid JSON \('Exceeds the limit"):
+        read_config(directory)
+
+
+@pytest.mark.parametrize(
+    "family, edit, expected",
+    [
+        ("qwen3_moe", {"num_experts_per_tok": 8}, "config.json: num_experts_per_tok (8) must be <= num_experts (7)"),
+        ("deepseek_v3", {"num_experts_per_tok": 10},
+         "config.json: num_experts_per_tok (10) must be <= n_routed_experts (9)"),
+        ("deepseek_v3", {"topk_group": 4}, "config.json: topk_group (4) must be <= n_group (3)"),
+        ("deepseek_v3", {"n_group": 10}, "config.json: n_group (10) must be <= n_routed_experts (9)"),
+        ("qwen3_next", {"num_experts_per_tok": 6}, "config.json: num_experts_per_tok (6) must be <= num_experts (5)"),
+    ],
+    ids=["qwen3_moe-top_k", "deepseek_v3-top_k", "deepseek_v3-topk_group", "deepseek_v3-n_group", "qwen3_next-top_k"],
+)
+def test_top_k_above_the_experts(written, tmp_path, family, edit, expected):
+    assert expected in edited_config(written, tmp_path, family, lambda c: c.update(edit))
+
+
+def test_several_bad_keys_are_all_reported(written, tmp_path):
+    def edit(config):
+        config.update(hidden_size="32", num_attention_heads=0, vocab_size=None, rms_norm_eps="x",
+                      tie_word_embeddings="false", mlp_only_layers=[0, "1"], rope_parameters="default")
+
+    problems = edited_config(written, tmp_path, "qwen3_moe", edit)
+    assert problems == [
+        "config.json: mlp_only_layers ([0, '1']) must be a list of integers: entry [1] ('1') must be an integer",
+        "config.json: rope_parameters ('default') must be a JSON object",
+        "config.json: vocab_size (null) must be an integer",
+        "config.json: hidden_size ('32') must be an integer",
+        "config.json: num_attention_heads (0) must be >= 1",
+        "config.json: rms_norm_eps ('x') must be a number",
+        "config.json: tie_word_embeddings ('false') must be true or false",
+    ]
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda c: c.update(text_config="qwen"), "config.json: text_config ('qwen') must be a JSON object"),
+        (lambda c: c.update(vision_config=[1]), "config.json: vision_config ([1]) must be a JSON object"),
+        (lambda c: c["text_config"].update(num_attention_heads="4"),
+         "config.json: text_config.num_attention_heads ('4') must be an integer"),
+        (lambda c: c["text_config"]["rope_parameters"].update(rope_theta=float("nan")),
+         "config.json: text_config.rope_parameters.rope_theta (nan) must be a finite number"),
+        (lambda c: c["text_config"]["rope_parameters"].update(partial_rotary_factor=2),
+         "config.json: text_config.rope_parameters.partial_rotary_factor (2) must be <= 1"),
+        (lambda c: c["vision_config"].update(depth=-3), "config.json: vision_config.depth (-3) must be >= 1"),
+        (lambda c: c.update(image_token_id="319"), "config.json: image_token_id ('319') must be an integer"),
+    ],
+    ids=["text_config", "vision_config", "nested-int", "nan", "range", "vision-int", "top-level-of-nested"],
+)
+def test_nested_sections_name_their_path(written, tmp_path, edit, expected):
+    assert expected in edited_config(written, tmp_path, "qwen3_5_moe", edit)
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"{not json", r"config\.json:1:2: not valid JSON"),
+        (b"[1, 2]", r"config\.json: must hold a JSON object, got list"),
+        (b'"model"', r"config\.json: must hold a JSON object, got str"),
+        (b"\xff\xfe{}", r"config\.json: not UTF-8 \(byte offset 0\)"),
+        (b"[" * 200_000 + b"]" * 200_000, r"config\.json: JSON nested too deeply"),
+        (b'{"model_type": ["qwen3_moe"]}', r"config\.json: model_type \(\['qwen3_moe'\]\) is not mapped"),
+    ],
+    ids=["not-json", "list", "string", "not-utf8", "deep", "model_type-list"],
+)
+def test_config_file_that_is_no_config(tmp_path, content, expected):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(UnsupportedModel) as err:
+        model_profile_from_checkpoint(tmp_path)
+    assert len(err.value.problems) == 1 and re.search(expected, err.value.problems[0]), err.value.problems
+
+
+def test_config_file_too_large_or_not_a_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "MAX_CONFIG_BYTES", 1000)
+    (tmp_path / "config.json").write_text(json.dumps({"pad": "x" * 2000}))
+    with pytest.raises(UnsupportedModel, match=r"config\.json: 2\d{3} bytes, more than the 1000"):
+        read_config(tmp_path)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")  # opening it for reading would wait for a writer forever
+    with pytest.raises(UnsupportedModel, match=r"config\.json: must be a regular file"):
+        read_config(fifo)
+
+
+# ---- weight files ------------------------------------------------------------------------------------------------
+
+
+class Sharded:
+    """A checkpoint folder whose weights are listed in model.safetensors.index.json."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+        with CheckpointReader(directory) as reader:
+            self.keys = reader.keys()
+        self.write({key: "model.safetensors" for key in self.keys})
+
+    def write(self, weight_map) -> None:
+        """Rewrite the index's weight_map."""
+        index = {"metadata": {}, "weight_map": weight_map}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.fixture
+def sharded(written, tmp_path):
+    """A copy of the qwen3_moe checkpoint with an index."""
+    return Sharded(shutil.copytree(written("qwen3_moe"), tmp_path / "ckpt"))
+
+
+OUTSIDE = [
+    ("../x.safetensors", "leads outside the checkpoint folder"),  # an existing safetensors file one folder up
+    ("sub/../../x.safetensors", "leads outside the checkpoint folder"),
+    ("/etc/passwd", "must be a path relative to the checkpoint folder"),
+    ("C:\\weights\\x.safetensors", "must be a path relative to the checkpoint folder"),
+    ("..", "leads outside the checkpoint folder"),
+]
+
+
+@pytest.mark.parametrize("entry, rule", OUTSIDE, ids=[e for e, _ in OUTSIDE])
+def test_weight_map_entry_outside_the_folder_is_refused(sharded, entry, rule):
+    shutil.copy(sharded.dir / "model.safetensors", sharded.dir.parent / "x.safetensors")
+    key = sharded.keys[0]
+    sharded.write({**{k: "model.safetensors" for k in sharded.keys}, key: entry})
+    problems = problems_of(sharded.dir)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{sharded.dir / 'model.safetensors.index.json'}: weight_map['{key}'] ({entry!r}) ")
+    assert rule in problems[0]
+
+
+def test_all_entries_naming_one_outside_file_are_one_line(sharded):
+    shutil.copy(sharded.dir / "model.safetensors", sharded.dir.parent / "x.safetensors")
+    sharded.write({k: "../x.safetensors" for k in sharded.keys})
+    problems = problems_of(sharded.dir)
+    assert len(problems) == 1 and problems[0].endswith(f"(and {len(sharded.keys) - 1} more entries naming it)")
+
+
+def test_symlinks_inside_to_outside_refused_inside_to_inside_allowed(sharded):
+    shutil.copy(sharded.dir / "model.safetensors", sharded.dir.parent / "x.safetensors")
+    (sharded.dir / "escape.safetensors").symlink_to(sharded.dir.parent / "x.safetensors")
+    (sharded.dir / "sub").mkdir()
+    (sharded.dir / "sub" / "inner.safetensors").symlink_to(sharded.dir / "model.safetensors")
+    sharded.write({k: "escape.safetensors" for k in sharded.keys})
+    problems = problems_of(sharded.dir)
+    assert len(problems) == 1 and "('escape.safetensors') leads outside the checkpoint folder" in problems[0]
+    assert f"a symlink to {(sharded.dir.parent / 'x.safetensors').resolve()}" in problems[0]
+    sharded.write({k: "sub/inner.safetensors" for k in sharded.keys})
+    check_checkpoint(sharded.dir)
+    # Without an index the *.safetensors files are confined the same way.
+    (sharded.dir / "model.safetensors.index.json").unlink()
+    (sharded.dir / "model.safetensors").unlink()
+    problems = problems_of(sharded.dir)
+    assert problems == [f"{sharded.dir / 'escape.safetensors'}: leads outside the checkpoint folder {sharded.dir.resolve()} "
+                        f"(a symlink to {(sharded.dir.parent / 'x.safetensors').resolve()}); weight files must lie inside it"]
+
+
+def test_hub_cache_snapshot_links_into_its_blobs(written, tmp_path):
+    """A hub cache snapshot (models--org--name/snapshots/REV/*, links into ../../blobs) is read in place."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(written("qwen3_moe") / name, repo / "blobs" / f"sha-{name}")
+        (snapshot / name).symlink_to(Path("../../blobs") / f"sha-{name}")
+    check_checkpoint(snapshot)
+
+
+@pytest.mark.parametrize("entry", [5, None, ["model.safetensors"], {"file": "model.safetensors"}, ""],
+                         ids=["int", "null", "list", "object", "empty"])
+def test_weight_map_entry_not_a_file_name(sharded, entry):
+    key = sharded.keys[-1]
+    sharded.write({**{k: "model.safetensors" for k in sharded.keys}, key: entry})
+    problems = problems_of(sharded.dir)
+    assert problems == [f"{sharded.dir / 'model.safetensors.index.json'}: weight_map['{key}'] "
+                        f"({'null' if entry is None else repr(entry)}) must be a file name (a non-empty string)"]
+
+
+@pytest.mark.parametrize(
+    "index, expected",
+    [
+        ("{", "model.safetensors.index.json:1:2: not valid JSON"),
+        ("[]", "model.safetensors.index.json: weight_map (null) must be a JSON object"),
+        ('{"weight_map": ["model.safetensors"]}', "weight_map (['model.safetensors']) must be a JSON object"),
+    ],
+    ids=["not-json", "no-weight_map", "weight_map-list"],
+)
+def test_index_that_is_no_index(sharded, index, expected):
+    (sharded.dir / "model.safetensors.index.json").write_text(index)
+    problems = problems_of(sharded.dir)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_index_naming_a_missing_shard_or_tensor(sharded):
+    sharded.write({**{k: "model.safetensors" for k in sharded.keys}, sharded.keys[0]: "model-00002.safetensors",
+                   "model.layers.9.extra.weight": "model.safetensors"})
+    problems = problems_of(sharded.dir)
+    assert problems == [f"{sharded.dir / 'model.safetensors.index.json'}: weight_map['{sharded.keys[0]}'] "
+                        "('model-00002.safetensors') names a file that does not exist"]
+    sharded.write({**{k: "model.safetensors" for k in sharded.keys}, "model.layers.9.extra.weight": "model.safetensors"})
+    problems = problems_of(sharded.dir)
+    assert problems == [f"{sharded.dir / 'model.safetensors.index.json'}: 1 tensors the weight_map puts in "
+                        "'model.safetensors' are not in that file (first: 'model.layers.9.extra.weight')"]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],  # truncated in the tensor data
+        lambda data: data[:20],  # truncated in the header
+        lambda data: b"\x00" * 8 + data[8:],  # header length zero
+        lambda data: (2**62).to_bytes(8, "little") + data[8:],  # header length past the file
+        lambda data: data[:8] + b"<" * 16 + data[24:],  # header not JSON
+        lambda data: b"",
+    ],
+    ids=["half", "header-cut", "zero-header", "huge-header", "garbage-header", "empty"],
+)
+def test_damaged_safetensors_is_one_line_naming_the_file(sharded, damage):
+    path = sharded.dir / "model.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    problems = problems_of(sharded.dir)
+    assert len(problems) == 1 and problems[0].startswith(f"{path}: not a readable safetensors file"), problems
+
+
+class Payload:
+    """Unpickling this creates `marker`: what a hostile pytorch_model.bin could run."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "consolidated.00.pth"])
+def test_pickle_weights_are_never_opened(written, tmp_path, name):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    shutil.copy(written("qwen3_moe") / "config.json", directory)
+    marker = tmp_path / "pwned"
+    # torch.save's format: torch.load(weights_only=False) would run the payload.
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, directory / name)
+    problems = problems_of(directory)
+    assert problems == [f"{directory / name}: weights in a pickle format ({name}) are not read: moe-tune reads only "
+                        "*.safetensors (never unpickles); convert the checkpoint"]
+    with pytest.raises(ProfileError) as err:
+        validate_profile(profile(directory, tmp_path))
+    assert err.value.problems == [f"model.checkpoint ('{directory}') must hold *.safetensors weights (found {name}: "
+                                  "moe-tune reads only safetensors, never pickles)"]
+    assert not marker.exists()
+
+
+# ---- through the profile and the command line --------------------------------------------------------------------
+
+
+def profile(checkpoint: Path, tmp_path: Path) -> dict:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    return {
+        "name": "hostile",
+        "model": {"checkpoint": str(checkpoint)},
+        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 16},
+        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-4},
+        "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
+    }
+
+
+def test_resolve_job_reports_config_and_weights_together(sharded, tmp_path):
+    config = json.loads((sharded.dir / "config.json").read_text())
+    config.update(num_attention_heads=0, num_experts_per_tok=70)
+    (sharded.dir / "config.json").write_text(json.dumps(config))
+    sharded.write({k: "../x.safetensors" for k in sharded.keys})
+    with pytest.raises(ProfileError) as err:
+        resolve_job(validate_profile(profile(sharded.dir, tmp_path)))
+    where = f"model.checkpoint ('{sharded.dir}'): "
+    assert [line.removeprefix(where).split(" (")[0] for line in err.value.problems] == [
+        "config.json: num_experts_per_tok",
+        "config.json: num_attention_heads",
+        f"{sharded.dir / 'model.safetensors.index.json'}: weight_map['{sharded.keys[0]}']",
+    ]
+    assert all(line.startswith(where) for line in err.value.problems)
+
+
+def test_validate_cli_exits_2_one_line_per_problem(written, tmp_path):
+    from moe_tune.cli import app
+
+    directory = shutil.copytree(written("deepseek_v3"), tmp_path / "ckpt")
+    config = json.loads((directory / "config.json").read_text())
+    config.update(hidden_size="48", num_attention_heads=None, n_routed_experts=0, num_experts_per_tok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile(directory, tmp_path)))
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    where = f"error: model.checkpoint ('{directory}'): config.json: "
+    assert result.stderr.strip().splitlines() == [
+        f"{where}num_attention_heads (null) must be an integer",
+        f"{where}n_routed_experts (0) must be >= 1",
+        f"{where}num_experts_per_tok (True) must be an integer",
+        f"{where}hidden_size ('48') must be an integer",
+    ]
+    assert "Traceback" not in result.output
