@@ -157,15 +157,12 @@ class _ProfileLoader(yaml.composer.Composer, _EventParser, yaml.constructor.Safe
         self.expanded[id(node)] = (self.num_nodes - before[0], self.num_chars - before[1])
         return node
 
-    def construct_yaml_int(self, node):
+    def construct_object(self, node, deep=False):
         try:
-            return super().construct_yaml_int(node)
-        except ValueError as err:
-            # Python refuses decimal integers of more than 4300 digits.
-            raise yaml.constructor.ConstructorError(None, None, f"integer out of range ({err})", node.start_mark)
-
-
-_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as err:
+            # A scalar its tag cannot hold: a decimal integer of more than 4300 digits, a 13th month, `!!int x`.
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read {node.value!r:.60} ({err})", node.start_mark)
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -247,7 +244,8 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ProfileError([f"{where}: YAML syntax error: {problem}"]) from None
+        kind = "value" if isinstance(err, yaml.constructor.ConstructorError) else "syntax"
+        raise ProfileError([f"{where}: YAML {kind} error: {problem}"]) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

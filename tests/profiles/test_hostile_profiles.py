@@ -253,9 +253,19 @@ def test_integers_too_long_to_print_are_named_not_printed(tmp_path):
     # Python prints no int of more than 4300 digits; hex has no such limit when parsed.
     (line,) = problems_of(TINY, ["train.seed=0x" + "f" * 20_000])
     assert line.startswith("train.seed (<an integer of 80000 bits>): input should be less than or equal to")
-    path = write(tmp_path, TINY.read_text() + "extra: " + "9" * 5000 + "\n")
+
+
+@pytest.mark.parametrize(
+    "value, reason",
+    [("9" * 5000, "Exceeds the limit (4300 digits)"), ("2020-13-45", "month must be in 1..12"),
+     ("!!int x", "invalid literal for int()"), ("!!float abc", "could not convert string to float"),
+     ("2020-01-01T99:00:00", "hour must be in 0..23")],
+    ids=["5000-digits", "13th-month", "int-tag", "float-tag", "25th-hour"],
+)  # fmt: skip
+def test_values_yaml_cannot_build_are_one_line(tmp_path, value, reason):
+    path = write(tmp_path, TINY.read_text() + f"extra: {value}\n")
     (line,) = problems_of(path)
-    assert line.startswith(f"{path}:") and "integer out of range" in line
+    assert line.startswith(f"{path}:") and ": YAML value error: cannot read " in line and reason in line
 
 
 # --- everything at once ---------------------------------------------------------------------------------------------
