@@ -10,8 +10,11 @@ turn) is refused rather than trained on the wrong tokens.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
+from functools import lru_cache
+from itertools import groupby
 
 from moe_tune.profiles import ProfileError
 
@@ -44,9 +47,11 @@ def _likely_role(role: str) -> str:
 
 
 def _yaml_key(role: str) -> str:
-    return role if re.fullmatch(r"[A-Za-z_][\w-]*", role) else repr(role)
+    # A YAML double-quoted string is JSON's: it writes any role, controls escaped, inside the hint's shell quotes.
+    return role if re.fullmatch(r"[A-Za-z_][\w-]*", role) else json.dumps(role)
 
 
+@lru_cache(maxsize=8)
 def has_generation_blocks(template: str) -> bool:
     return bool(GENERATION_BLOCK.search(template))
 
@@ -54,11 +59,11 @@ def has_generation_blocks(template: str) -> bool:
 def pieces_from_mask(ids: list[int], mask: list[int]) -> Pieces:
     """Runs of equal mask values as pieces (token ids, trained?)."""
     pieces: Pieces = []
-    for token, is_trained in zip(ids, mask):
-        if pieces and pieces[-1][1] == bool(is_trained):
-            pieces[-1][0].append(token)
-        else:
-            pieces.append(([token], bool(is_trained)))
+    start = 0
+    for is_trained, run in groupby(mask, key=bool):
+        end = start + sum(1 for _ in run)
+        pieces.append((ids[start:end], is_trained))
+        start = end
     return pieces
 
 

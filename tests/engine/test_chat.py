@@ -407,8 +407,10 @@ def test_a_step_without_a_token_to_train_on_stops_the_run(tmp_path):
     trained as 0 / 0, and nothing of it is saved."""
     long_prompt = [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y"}]
     path = write_records(tmp_path / "d.jsonl", long_prompt)
+    # One full-attention layer: the step is what is tested, not the model.
     result = finetune_cli(path, tmp_path / "out", "data.seq_len=64", "train.micro_batch_size=2", "train.steps=2",
-                          "train.warmup_steps=0")
+                          "train.warmup_steps=0", "model.layers=[{attention: full, mlp: moe}]",
+                          "lora.target_modules=[q_proj, v_proj]")
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == (
         "error: step 1: none of its 2 rows (rows 0..1 of the packed data, data.seq_len 64) holds a token to train on: "
