@@ -187,9 +187,12 @@ class TestRecordSize:
         ]
         assert Reads.longest <= SKIP_BLOCK_BYTES
 
-    def test_the_limit_is_positive(self, tmp_path):
-        with pytest.raises(ValueError, match="max_record_bytes"):
-            DataProfile(path=None, seq_len=64, max_record_bytes=0)
+    @pytest.mark.parametrize("limit, rule", [(0, "greater than or equal to 1"), (-1, "greater than or equal to 1"),
+                                             (10**25, "less than or equal to 2147483647")])
+    def test_the_limit_is_a_positive_int32(self, limit, rule):
+        with pytest.raises(ProfileError) as err:
+            load_profile("tiny", [f"data.max_record_bytes={limit}"])
+        assert err.value.problems == [f"data.max_record_bytes ({limit}): input should be {rule}"]
 
 
 class TestMalformedJson:
