@@ -24,10 +24,18 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per run: the model is tiny, and two-thread parallel regions crawl on a busy two-core machine.
+os.environ["OMP_NUM_THREADS"] = "1"
 for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"):
     os.environ.pop(var, None)
 
-import deepspeed  # noqa: E402,F401  (imported once here, shared by every forked run)
+import importlib  # noqa: E402
+
+# Imported once here, shared by every forked run: what a run would otherwise import on its way (seconds each).
+for module in ("deepspeed", "peft", "torch._dynamo", "torch._inductor.compile_fx",
+               "deepspeed.runtime.zero.muon.original_muon", "moe_tune.engine.lora", "moe_tune.engine.lora.experts",
+               "moe_tune.engine.model.model", "moe_tune.engine.data.dataset", "moe_tune.engine.memory"):  # fmt: skip
+    importlib.import_module(module)
 
 from moe_tune.cli import app  # noqa: E402
 from moe_tune.engine.train import trainer  # noqa: E402,F401
@@ -62,12 +70,13 @@ def command(out: Path, steps: int, resume: bool) -> list[str]:
 
 
 def start(args: list[str], log: Path) -> int:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     pid = os.fork()
     if pid:
+        os.close(fd)
         return pid
     code = 1
     try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         sys.stdout.reconfigure(line_buffering=True)
@@ -96,8 +105,15 @@ PHASE_FILES = ["", "*model_states.pt", "*optim_states.pt", "*trainer_state.json*
 JITTER_S = 0.005
 
 
-def write_in_progress(root: Path) -> str | None:
-    temps = sorted(root.glob(f"{TMP_PREFIX}step-*")) if root.is_dir() else []
+def write_in_progress(root: Path, since_ns: int) -> str | None:
+    """The checkpoint whose temporary folder was made after since_ns (not one a killed run left behind)."""
+    temps = []
+    for path in sorted(root.glob(f"{TMP_PREFIX}step-*")) if root.is_dir() else []:
+        try:
+            if path.stat().st_ctime_ns > since_ns:
+                temps.append(path)
+        except FileNotFoundError:
+            pass
     return temps[0].name[len(TMP_PREFIX):] if temps else None
 
 
@@ -117,6 +133,7 @@ def run(args: list[str], log: Path, root: Path, kill_at_save: int | None = None,
         rng: random.Random | None = None) -> dict:
     """Run one child; with kill_at_save, SIGKILL it once its kill_at_save-th checkpoint write has reached PHASES[phase]
     (or completed), after a random delay of up to JITTER_S. Reports the child's CPU seconds too."""
+    started_ns = time.time_ns()
     pid = start(args, log)
     began = time.monotonic()
     seen: list[str] = []
@@ -125,7 +142,7 @@ def run(args: list[str], log: Path, root: Path, kill_at_save: int | None = None,
         if done:
             return {"killed": False, "rc": exit_code(status), "s": time.monotonic() - began,
                     "cpu_s": usage.ru_utime + usage.ru_stime}  # fmt: skip
-        name = write_in_progress(root)
+        name = write_in_progress(root, started_ns)
         if name is not None and name not in seen:
             seen.append(name)
         if kill_at_save is not None and len(seen) >= kill_at_save:
