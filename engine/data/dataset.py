@@ -147,12 +147,12 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         # The checkpoint's own template, as its text chats: a model trained on it sees images in its format.
         pieces, refs = render_templated_multimodal_chat(
             messages, images, tok.render_chat, vision.settings, vision.tokens, profile.path.parent, where,
-            profile.allow_paths_outside,
+            allow_outside=profile.allow_paths_outside,
         )
     else:
         pieces, refs = render_multimodal_chat(
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
-            profile.allow_paths_outside,
+            allow_outside=profile.allow_paths_outside,
         )
     ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant")
     if len(ids) - 1 > profile.seq_len:
