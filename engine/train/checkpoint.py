@@ -33,14 +33,14 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 # Hashing reads files in 8 MiB blocks; several files are hashed at once (hashlib releases the GIL).
 _BLOCK = 8 << 20
 _HASH_THREADS = 8
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # Below this many free bytes a write failure without an errno (torch's zip writer) is a full disk.
 _NEARLY_FULL = 1 << 20
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (a full disk, a failed write): its temporary folder is removed, the previous
-    checkpoints are kept, and the run stops with one line naming the last intact checkpoint."""
+    """A checkpoint (or the metrics) could not be written, a full disk or a failed write: its temporary folder is
+    removed, the previous checkpoints are kept, and the run stops with one line naming the last intact checkpoint."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -109,7 +109,7 @@ def write_manifest(folder: Path) -> None:
 
 def _describe_write_error(err: BaseException, root: Path, name: str, last_intact: Path | None) -> str:
     kept = f"the last intact checkpoint is {last_intact}" if last_intact else "no checkpoint was written before"
-    no_space = isinstance(err, OSError) and err.errno in _NO_SPACE
+    no_space = isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS
     if not no_space:
         try:
             no_space = shutil.disk_usage(root).free < _NEARLY_FULL

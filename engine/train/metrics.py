@@ -9,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .checkpoint import NO_SPACE_ERRNOS, CheckpointWriteError
+
 
 def _record_step(line: str) -> int | None:
     """The step of a metrics line, or None when the line is not a record (torn by a crash mid-write, or garbage)."""
@@ -48,7 +50,12 @@ class MetricsWriter:
         if resume_step > 0 and path.exists():
             kept, self.notes = kept_metrics_lines(path.read_text(errors="replace"), resume_step)
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
+            try:
+                tmp.write_text("".join(line + "\n" for line in kept))
+            except OSError as err:
+                tmp.unlink(missing_ok=True)
+                self._refuse_full_disk(err, "rewriting it for the resume")
+                raise
             tmp.replace(path)
         elif path.exists():
             path.unlink()
@@ -66,16 +73,32 @@ class MetricsWriter:
     def has_tensorboard(self) -> bool:
         return self._tb is not None
 
+    def _refuse_full_disk(self, err: OSError, doing: str) -> None:
+        if err.errno in NO_SPACE_ERRNOS:
+            raise CheckpointWriteError(
+                f"no space left on {self.path.parent} while {doing} ({self.path.name}); the checkpoints already "
+                "written are kept"
+            ) from None
+
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:
+            self._refuse_full_disk(err, f"writing the metrics of step {record['step']}")
+            raise
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"train/{key}", value, record["step"])
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as err:
+            # A full disk was reported by write(); the buffered rest of a torn line is dropped on resume.
+            if err.errno not in NO_SPACE_ERRNOS:
+                raise
         if self._tb is not None:
             self._tb.close()
 

@@ -5,6 +5,7 @@ fault test: kill -9 during checkpoint writes and truncated files, then --resume,
 
 import errno
 import json
+import os
 import pickle
 import re
 import shutil
@@ -478,3 +479,29 @@ def test_kill_9_during_checkpoint_writes_and_truncated_files_resume_like_an_unin
     faulty, reference = report["faulty_losses"], report["reference_losses"]
     assert list(faulty) == list(reference) == [str(step) for step in range(1, len(reference) + 1)]
     assert faulty == reference
+
+
+class FullDisk:
+    """A file whose writes fail as on a full disk (or over quota)."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def write(self, text):
+        raise OSError(self.code, os.strerror(self.code))
+
+    flush = close = lambda self: None
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, code):
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", resume_step=0, tensorboard_dir=None)
+    writer.write({"step": 1, "loss": 1.0})
+    writer._file.close()
+    writer._file = FullDisk(code)
+    with pytest.raises(CheckpointWriteError) as err:
+        writer.write({"step": 2, "loss": 1.0})
+    assert str(err.value) == (f"no space left on {tmp_path} while writing the metrics of step 2 (metrics.jsonl); "
+                              "the checkpoints already written are kept")  # fmt: skip
+    writer.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
