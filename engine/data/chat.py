@@ -124,12 +124,11 @@ def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool) -> tuple[list[in
 
 
 def template_closes_turn(ids: list[int], tok) -> bool:
-    """Whether the last token of the rendering that is not blank is a special token (an end of turn such as
-    <|im_end|> or the tokenizer's <eos>)."""
-    special = tok.special_ids
+    """Whether the last token of the rendering that is not blank is a special token that can end a turn (such as
+    <|im_end|> or the tokenizer's <eos>; not <bos>, nor a <pad> other than the <eos>)."""
     for token in reversed(ids[-8:]):
-        if token in special:
-            return token != tok.bos_id
+        if token in tok.special_ids:
+            return token != tok.bos_id and (token != tok.pad_id or token == tok.eos_id)
         if not tok.is_blank(token):
             return False
     return False

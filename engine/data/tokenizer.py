@@ -79,7 +79,9 @@ class HFTokenizer:
         self.eos_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         added = self._tok.added_tokens_decoder
-        self.special_ids = frozenset(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
+        # <unk> stands for text the vocabulary lacks: it never closes a turn.
+        special = set(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
+        self.special_ids = frozenset(special - {self._tok.unk_token_id})
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

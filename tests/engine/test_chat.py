@@ -374,6 +374,25 @@ def test_an_end_of_turn_is_trained_once_per_assistant_turn(tmp_path, tokenizers,
     assert tok.eos_id not in doc.input_ids[-1:] or tok.eos_id == closing_id
 
 
+@pytest.mark.parametrize("marked", [True, False])
+@pytest.mark.parametrize("answer", ["fine", "fine\n\n", "caf\u00e9"])  # é is <unk> here: no end of turn
+def test_a_template_without_an_end_of_turn_token_gets_one_trained_eos(tmp_path, marked, answer):
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "kimi", marked)
+    raw.chat_template = ("{%- for m in messages %}{{- m.role + ': ' }}{%- if m.role == 'assistant' %}@GEN"
+                         "{{- m.content }}@END{%- else %}{{- m.content }}{%- endif %}{{- '\n' }}{%- endfor %}")
+    raw.chat_template = raw.chat_template.replace("@GEN", GEN if marked else "").replace("@END", END_GEN if marked
+                                                                                           else "")
+    raw.save_pretrained(directory)
+    tok = load_tokenizer(str(directory))
+    messages = [CANONICAL[0], {"role": "assistant", "content": answer}]
+    doc = document(tmp_path, tok, messages, str(directory))
+    assert trained_ids(doc).count(tok.eos_id) == 1 and doc.labels[-1] == tok.eos_id
+    # Without a generation prompt in the template, the plain one trains the turn's header too.
+    assert tok.decode(trained_ids(doc)[:-1]) in (answer.replace("\u00e9", "<unk>"),
+                                                 f"assistant: {answer}\n".replace("\u00e9", "<unk>"))
+
+
 def test_a_template_that_does_not_close_its_turns_gets_an_eos(tmp_path):
     # The byte tokenizer's plain format ends turns with a newline: <eos> is appended and trained, once.
     doc = document(tmp_path, ByteTokenizer(), CONVERSATIONS["multi_turn_plain"])
