@@ -142,6 +142,7 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": ...}}"])
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
+    _check_image_count(messages, images, where, profile.seq_len)
     messages = canonical_messages(messages, profile.roles, where)
     if getattr(tok, "has_chat_template", False):
         # The checkpoint's own template, as its text chats: a model trained on it sees images in its format.
@@ -242,6 +243,17 @@ def load_documents(
     if not any(any(label != IGNORE_INDEX for label in d.labels) for d in documents):
         raise ProfileError([f"data.path ('{profile.path}') must hold at least one token to train on"])
     return documents
+
+
+def _check_image_count(messages: list[dict], images: list, where: str, seq_len: int) -> None:
+    """Refuse a record with more images than its document could fit before any is decoded (a line of a million
+    "<image>" would decode for hours): each takes at least 3 tokens (start, one image token, end)."""
+    parts = sum(isinstance(part, dict) and part.get("type") == "image"
+                for m in messages if isinstance(m["content"], list) for part in m["content"])  # fmt: skip
+    count = len(images) + parts
+    if 3 * count > seq_len:
+        raise ProfileError([f"{where}: {count} images need at least {3 * count} tokens, more than data.seq_len "
+                            f"({seq_len}); a document with images is never cut"])
 
 
 def _line_document(line: str, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):

@@ -303,6 +303,43 @@ class TestImageFiles:
             assert len(docs) == 1 and skipped[:3] == expected and len(skipped) == 4
 
 
+class TestImageCount:
+    """A record's images are counted before any is decoded: each needs >= 3 tokens of the row (seq_len 512)."""
+
+    @staticmethod
+    def record(form, count):
+        if form == "placeholders":
+            return {"messages": [{"role": "user", "content": "<image>" * count}, {"role": "assistant", "content": "ok"}],
+                    "images": ["a.png"] * count}
+        parts = [{"type": "image", "image": "a.png"}] * count
+        return {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]}
+
+    @pytest.mark.parametrize("form", ["placeholders", "parts"])
+    @pytest.mark.parametrize("count", [171, 100_000])
+    def test_more_than_fit_are_refused_before_decoding(self, tmp_path, form, count):
+        write_image(tmp_path / "a.png", 8, 8)
+        path = write_records(tmp_path / "d.jsonl", [self.record(form, count)])
+        found = within(10, lambda: problems(path))
+        assert found == [f"{path}:1: {count} images need at least {3 * count} tokens, more than data.seq_len (512); "
+                         "a document with images is never cut"]
+
+    @pytest.mark.parametrize("form", ["placeholders", "parts"])
+    @pytest.mark.parametrize("count", [100, 170])
+    def test_fewer_are_decoded(self, tmp_path, form, count):
+        write_image(tmp_path / "a.png", 8, 8)
+        path = write_records(tmp_path / "d.jsonl", [self.record(form, count)])
+        # One token per image: 3 per image in all, as the count assumes.
+        vision = VisionInput(ImageSettings(patch_size=1, merge_size=1, min_pixels=1, max_pixels=1), TOKENS)
+        profile = DataProfile(path=path, seq_len=512)
+        if count == 100:
+            (doc,) = load_documents(profile, TOK, vision)
+            assert len(doc.images) == count
+        else:
+            # Decoded and measured: the chat's text tokens on top of the images' 510 do not fit.
+            with pytest.raises(ProfileError, match=f"^{path}:1: needs 5[0-9][0-9] tokens with its images, more than"):
+                load_documents(profile, TOK, vision)
+
+
 class TestImageGoneMidRun:
     def dataset(self, tmp_path):
         image = write_image(tmp_path / "a.png", 16, 16)
