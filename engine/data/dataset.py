@@ -208,7 +208,8 @@ def load_documents(
     skipped: list[str] | None = None,
     generated_dir: Path | None = None,
 ) -> list[Document]:
-    """Every document of the profile's data; ProfileError naming the file and line for a bad record. With
+    """Every document of the profile's data; ProfileError naming the file and line for a bad record (not UTF-8,
+    longer than data.max_record_bytes, not JSON or nested too deeply, malformed, an image path outside). With
     data.bad_images 'skip', a record whose image is missing or broken is left out and its problem appended to
     `skipped` instead. The built-in shapes corpus is written to `generated_dir` first."""
     path = profile.path
