@@ -25,14 +25,18 @@ ProfileArg = Annotated[str, typer.Argument(help="profile YAML path, or the name 
 MAX_PRINTED_PROBLEMS = 200
 
 
+def print_error(line: str) -> None:
+    """Print `error: line` on stderr: control and bidirectional characters as escapes, never raw, the line bounded
+    in length (profiles.bounded_line), no rich markup or emoji codes."""
+    err_console.print(f"error: {bounded_line(str(line))}", markup=False, highlight=False, emoji=False)
+
+
 def fail(problems: list[str]) -> None:
-    """Print one line per problem and exit with code 2, no traceback. Control and bidirectional characters in a
-    problem are printed as escapes, never raw; each line is bounded in length (ProfileError's rules)."""
-    lines = [bounded_line(str(line)) for line in problems]
-    for line in lines[:MAX_PRINTED_PROBLEMS]:
-        err_console.print(f"error: {line}", markup=False, highlight=False, emoji=False)
-    if len(lines) > MAX_PRINTED_PROBLEMS:
-        err_console.print(f"error: ... and {len(lines) - MAX_PRINTED_PROBLEMS} more problems", markup=False)
+    """Print one line per problem (print_error) and exit with code 2, no traceback."""
+    for line in problems[:MAX_PRINTED_PROBLEMS]:
+        print_error(line)
+    if len(problems) > MAX_PRINTED_PROBLEMS:
+        print_error(f"... and {len(problems) - MAX_PRINTED_PROBLEMS} more problems")
     raise typer.Exit(code=USER_ERROR_EXIT)
 
 
