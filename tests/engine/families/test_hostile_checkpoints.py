@@ -435,3 +435,32 @@ def test_validate_cli_exits_2_one_line_per_problem(written, tmp_path):
         f"{where}hidden_size ('48') must be an integer",
     ]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("hostile", ["pickle", "escape"])
+def test_align_refuses_before_the_reference_opens_anything(written, tmp_path, monkeypatch, hostile):
+    """`moe-tune align --reference DIR` checks the folder before transformers reads it (it would follow the index
+    out of the folder, or unpickle a .bin where no safetensors are)."""
+    from moe_tune.cli import app
+    from moe_tune.engine.align import compare
+
+    opened = []
+    monkeypatch.setattr(compare, "load_reference", lambda directory, family: opened.append(directory))
+
+    directory = tmp_path / "ckpt"
+    marker = tmp_path / "pwned"
+    if hostile == "pickle":
+        directory.mkdir()
+        shutil.copy(written("qwen3_moe") / "config.json", directory)
+        torch.save({"model.embed_tokens.weight": Payload(marker)}, directory / "pytorch_model.bin")
+        expected = f"error: {directory / 'pytorch_model.bin'}: weights in a pickle format"
+    else:
+        shutil.copytree(written("qwen3_moe"), directory)
+        shutil.move(directory / "model.safetensors", tmp_path / "x.safetensors")
+        Sharded.write(type("At", (), {"dir": directory})(), {"model.embed_tokens.weight": "../x.safetensors"})
+        expected = f"error: {directory / 'model.safetensors.index.json'}: weight_map['model.embed_tokens.weight']"
+    result = CliRunner().invoke(app, ["align", "--reference", str(directory)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+    assert "Traceback" not in result.output and not marker.exists() and not opened
