@@ -120,7 +120,8 @@ class HFTokenizer:
         else:
 
             def render(prefix: list[dict], add_generation_prompt: bool) -> list[int]:
-                return list(self._apply_template(prefix, where, add_generation_prompt=add_generation_prompt)["input_ids"])
+                out = self._apply_template(prefix, where, add_generation_prompt=add_generation_prompt)
+                return list(out["input_ids"])
 
             pieces = render_by_prefixes(render, messages, where, lambda t: t in self.special_ids, self.is_blank)
         # The document already starts with <bos>: drop the one a template renders itself.
