@@ -54,7 +54,8 @@ def test_an_unusable_output_dir_is_one_line_exit_2_before_anything_is_written(tm
         expected = (f"error: output.dir ({out}) holds a previous run (metrics.jsonl, checkpoints): continue it with "
                     "--resume, replace its outputs with --overwrite, or choose another output.dir")  # fmt: skip
     before = sorted(str(p) for p in tmp_path.rglob("*"))
-    result = runner.invoke(app, finetune_args(out))
+    # One step: a refusal that failed would train it and fail this test quickly.
+    result = runner.invoke(app, finetune_args(out, "train.steps=1"))
     assert result.exit_code == 2, result.output
     assert errors(result) == [expected]
     # Nothing was written: no generated corpus, no profile, the lock and the previous run untouched.
