@@ -151,7 +151,7 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
     with a vision tower: each becomes <vision_start> <image> x n <vision_end>, n from the checkpoint's image
     processor settings)."""
     from moe_tune.engine.data.images import ImageError, ImageSettings, image_patches, image_token_count, load_image
-    from moe_tune.engine.data.multimodal import message_parts
+    from moe_tune.engine.data.multimodal import message_parts, resolve_image_path
     from moe_tune.profiles import ProfileError
 
     docs, problems = [], []
@@ -168,6 +168,10 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
             record = json.loads(line)
         except json.JSONDecodeError as err:
             problems.append(f"{where}: not valid JSON ({err.msg})")
+            continue
+        except (RecursionError, ValueError) as err:
+            # Nested past the recursion limit, or an integer literal longer than Python converts.
+            problems.append(f"{where}: not valid JSON ({type(err).__name__})")
             continue
         doc = Document(torch.empty(0, dtype=torch.long))
         if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
@@ -192,7 +196,7 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
                         continue
                     spec = cfg.vision
                     settings = ImageSettings.from_checkpoint(tokenizer_dir)
-                    image_path = Path(value) if Path(value).is_absolute() else path.parent / value
+                    image_path = resolve_image_path(value, path.parent, where)
                     patches, grid = image_patches(load_image(image_path), settings)
                     pixels.append(patches)
                     grids.append(grid)

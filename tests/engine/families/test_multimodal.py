@@ -151,3 +151,34 @@ def test_finetune_on_images_starts_at_the_reference_loss(checkpoint, tmp_path):
     adapter = json.loads((result.output_dir / "adapter" / "adapter_config.json").read_text())
     assert any("vision.blocks.0.qkv" in t for t in adapter["target_modules"])
     assert any("merger_fc1" in m for m in adapter["modules_to_save"])
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "../outside.png",  # a parent-folder escape
+        "sub/../../outside.png",  # an escape through a subfolder
+        "link.png",  # a symlink inside pointing outside
+        "ABSOLUTE",  # an absolute path
+    ],
+)
+def test_align_batch_images_stay_in_the_batch_folder(checkpoint, tmp_path, image):
+    from moe_tune.engine.align.compare import read_batch
+    from moe_tune.engine.families import UnsupportedModel
+
+    folder = tmp_path / "batch"
+    folder.mkdir()
+    outside = tmp_path / "outside.png"
+    PIL.new("RGB", (32, 32), (200, 10, 10)).save(outside)
+    (folder / "link.png").symlink_to(outside)
+    value = str(outside) if image == "ABSOLUTE" else image
+    batch = folder / "batch.jsonl"
+    batch.write_text(json.dumps({"text": "a picture: <image>", "images": [value]}) + "\n")
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    with pytest.raises(UnsupportedModel, match=r"batch\.jsonl:1: image .* (resolves outside|is an absolute path)"):
+        read_batch(batch, cfg, checkpoint)
+    # The same picture inside the folder is read.
+    PIL.new("RGB", (32, 32), (200, 10, 10)).save(folder / "inside.png")
+    batch.write_text(json.dumps({"text": "a picture: <image>", "images": ["inside.png"]}) + "\n")
+    (document,) = read_batch(batch, cfg, checkpoint)
+    assert document.pixel_values is not None
