@@ -244,9 +244,14 @@ def _check_state(state: Any, step: int) -> str | None:
     rng = state.get("torch_rng")
     if not (isinstance(rng, list) and rng and all(isinstance(v, int) and 0 <= v < 256 for v in rng)):
         problems.append("'torch_rng' is missing or not a list of bytes")
+    elif len(rng) != torch.get_rng_state().numel():
+        problems.append(f"'torch_rng' holds {len(rng)} bytes, torch's CPU generator state has "
+                        f"{torch.get_rng_state().numel()}")  # fmt: skip
     bias = state.get("selection_bias", [])
-    if not (isinstance(bias, list) and all(isinstance(b, list) for b in bias)):
-        problems.append("'selection_bias' is not a list of lists")
+    if not (isinstance(bias, list) and all(
+        isinstance(b, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) for b in bias
+    )):  # fmt: skip
+        problems.append("'selection_bias' is not a list of lists of numbers")
     return f"{STATE_FILE}: {'; '.join(problems)}" if problems else None
 
 
@@ -386,9 +391,12 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
-def resume_checkpoint(engine, root: Path, signature: dict[str, Any], device) -> tuple[Path, dict[str, Any], list[str]]:
+def resume_checkpoint(
+    engine, root: Path, signature: dict[str, Any], device, bias_sizes: list[int] | None = None
+) -> tuple[Path, dict[str, Any], list[str]]:
     """Load the newest checkpoint under root that verifies and loads; return it, its trainer state, and one line per
-    checkpoint skipped (and why) or note.
+    checkpoint skipped (and why) or note. `bias_sizes`: the length of each MoE layer's selection bias in the model,
+    which the state's must match.
 
     ProfileError (one line per field) when that checkpoint was trained with another model, LoRA or parallel layout
     than `signature` says; ProfileError listing every checkpoint and why when none can be loaded."""
@@ -414,6 +422,12 @@ def resume_checkpoint(engine, root: Path, signature: dict[str, Any], device) -> 
                     f"--resume: {path} was trained with {key} {was}, the profile says {now}"
                     for key, was, now in differences
                 ])  # fmt: skip
+        saved_sizes = [len(b) for b in verdict.state.get("selection_bias", [])]
+        if bias_sizes is not None and saved_sizes != bias_sizes:
+            problem = f"{STATE_FILE}: 'selection_bias' has sizes {saved_sizes}, the model's MoE layers {bias_sizes}"
+            lines.append(f"skipped {path}: {problem}")
+            reasons.append(f"--resume: {path}: {problem}")
+            continue
         try:
             state = load_checkpoint(engine, path)
             problem = None

@@ -358,7 +358,10 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     resumed_from = None
     if resume:
         signature = run_signature(profile, dist.world_size)
-        resumed_from, state, result.resume_notes = resume_checkpoint(engine, ckpt_root, signature, dist.device)
+        bias_sizes = [block.selection_bias.numel() for block in _moe_blocks(engine)]
+        resumed_from, state, result.resume_notes = resume_checkpoint(
+            engine, ckpt_root, signature, dist.device, bias_sizes
+        )
         start_step = state["step"]
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):

@@ -69,7 +69,8 @@ class FakeEngine:
 
 
 def trainer_state(step: int, signature=TINY_SIGNATURE) -> dict:
-    return {"step": step, "torch_rng": list(range(16)), "selection_bias": [[0.0, 0.1]], "signature": signature}
+    return {"step": step, "torch_rng": torch.get_rng_state().tolist(), "selection_bias": [[0.0, 0.1]],
+            "signature": signature}  # fmt: skip
 
 
 def save_steps(root: Path, steps, engine=None, keep_last: int = 10, signature=TINY_SIGNATURE) -> FakeEngine:
@@ -161,13 +162,16 @@ SIZE_RULE = r"is \d+ bytes, the manifest says \d+"
         (edit_state(lambda s: {**s, "step": 7}), rf"{STATE_FILE}: 'step' is 7, the folder's name says 2"),
         (edit_state(lambda s: {**s, "torch_rng": "abc"}), rf"{STATE_FILE}: 'torch_rng' is missing or not a list"),
         (edit_state(lambda s: {**s, "torch_rng": [300]}), rf"{STATE_FILE}: 'torch_rng' is missing or not a list"),
+        (edit_state(lambda s: {**s, "torch_rng": [1, 2]}),
+         rf"{STATE_FILE}: 'torch_rng' holds 2 bytes, torch's CPU generator state has \d+"),
+        (edit_state(lambda s: {**s, "selection_bias": [["a"]]}), rf"{STATE_FILE}: 'selection_bias' is not a list"),
         (edit_state(lambda s: {**s, "selection_bias": {"a": 1}}), rf"{STATE_FILE}: 'selection_bias' is not a list"),
     ],
     ids=["trunc-model", "trunc-optim", "trunc-state", "trunc-manifest", "empty-model", "missing-shard",
          "flipped-model", "flipped-state", "no-manifest", "no-state", "empty-dir", "manifest-files-str",
          "manifest-empty", "manifest-list", "manifest-escape", "manifest-absolute", "state-not-json",
          "state-list", "state-no-step", "state-step-str", "state-step-other", "state-rng-str", "state-rng-range",
-         "state-bias-dict"],  # fmt: skip
+         "state-rng-length", "state-bias-str", "state-bias-dict"],  # fmt: skip
 )
 def test_resume_skips_a_damaged_newest_checkpoint_naming_why(tmp_path, damage, reason):
     engine = save_steps(tmp_path, [1, 2])
@@ -178,6 +182,15 @@ def test_resume_skips_a_damaged_newest_checkpoint_naming_why(tmp_path, damage, r
     assert engine.loaded == [checkpoint_name(1)]
     assert len(lines) == 1
     assert re.fullmatch(rf"skipped {re.escape(str(newest))}: {reason}.*", lines[0]), lines[0]
+
+
+def test_selection_biases_that_do_not_fit_the_model_are_skipped(tmp_path):
+    engine = save_steps(tmp_path, [1])
+    save_checkpoint(engine, tmp_path, 2, {**trainer_state(2), "selection_bias": [[0.0] * 3]}, 10, is_main=True)
+    path, _, lines = resume_checkpoint(engine, tmp_path, TINY_SIGNATURE, "cpu", bias_sizes=[2])
+    assert path.name == checkpoint_name(1)
+    assert lines == [f"skipped {tmp_path / checkpoint_name(2)}: {STATE_FILE}: 'selection_bias' has sizes [3], the "
+                     "model's MoE layers [2]"]  # fmt: skip
 
 
 def test_when_no_checkpoint_verifies_each_is_listed_with_its_reason(tmp_path):
