@@ -238,6 +238,13 @@ class HFConfig:
                 f"config.json: {self.prefix}{key} ({value}) must be <= {self.prefix}{limit_key} ({limit})"
             )
 
+    def multiple_of(self, key: str, value: Any, divisor_key: str, divisor: Any) -> None:
+        """Report `key` unless value is a multiple of the value of `divisor_key` (both read already; None: reported
+        already)."""
+        if isinstance(value, int) and isinstance(divisor, int) and divisor >= 1 and value % divisor:
+            self.problems.append(f"config.json: {self.prefix}{key} ({value}) must be a multiple of "
+                                 f"{self.prefix}{divisor_key} ({divisor})")
+
     def rope(self) -> HFConfig:
         """rope_parameters (transformers 5) over the older rope_scaling, as one section."""
         scaling, params = self.section("rope_scaling"), self.section("rope_parameters")

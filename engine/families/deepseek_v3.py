@@ -146,7 +146,7 @@ class DeepseekV3(Family):
         num_experts, top_k = c.require("n_routed_experts"), c.require("num_experts_per_tok")
         n_group, topk_group = c.require("n_group"), c.require("topk_group")
         c.at_most("num_experts_per_tok", top_k, "n_routed_experts", num_experts)
-        c.at_most("n_group", n_group, "n_routed_experts", num_experts)
+        c.multiple_of("n_routed_experts", num_experts, "n_group", n_group)
         c.at_most("topk_group", topk_group, "n_group", n_group)
         return dict(
             num_experts=num_experts,

@@ -43,12 +43,14 @@ class Qwen3Moe(Family):
             )
         rope_theta = c.rope_theta()
         vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
+        kv_heads = c.get("num_key_value_heads", heads)
+        c.multiple_of("num_attention_heads", heads, "num_key_value_heads", kv_heads)
         return c.profile(
             vocab_size=vocab,
             hidden_size=hidden,
             layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads", heads),
+            num_key_value_heads=kv_heads,
             head_dim=c.get("head_dim") or (hidden // heads if hidden and heads else None),
             intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
             rope_theta=rope_theta,

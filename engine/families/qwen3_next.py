@@ -81,6 +81,10 @@ def hybrid_profile(c: HFConfig, is_moe: list[bool], renormalize: bool) -> ModelP
     # No defaults of our own for these: transformers' class defaults (2 KV heads, head_dim 256, a 512-wide shared
     # expert) differ from the usual fallbacks, and configs saved by transformers always list them.
     kv_heads, head_dim = c.require("num_key_value_heads"), c.require("head_dim")
+    c.multiple_of("num_attention_heads", heads, "num_key_value_heads", kv_heads)
+    if linear:
+        c.multiple_of("linear_num_value_heads", linear["linear_num_value_heads"], "linear_num_key_heads",
+                      linear["linear_num_key_heads"])
     shared = c.require("shared_expert_intermediate_size") if moe else 0
     return c.profile(
         vocab_size=vocab,

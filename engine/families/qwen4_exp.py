@@ -111,6 +111,7 @@ class Qwen4Exp(Family):
         rope_theta, partial_rotary_factor = c.rope_theta(), c.partial_rotary_factor()
         vocab, hidden, heads = c.require("vocab_size"), c.require("hidden_size"), c.require("num_attention_heads")
         kv_heads = c.require("num_key_value_heads")
+        c.multiple_of("num_attention_heads", heads, "num_key_value_heads", kv_heads)
         # Sections as dicts, validated by c.profile after the problems above: our own rules (e.g. budget / block
         # size) come back as lines naming them.
         text_model = c.profile(
@@ -152,6 +153,8 @@ class Qwen4Exp(Family):
         values = {f: c.require(f) for f in fields}
         if None in values.values():
             return None
+        c.multiple_of("linear_num_value_heads", values["linear_num_value_heads"], "linear_num_key_heads",
+                      values["linear_num_key_heads"])
         return dict(
             num_key_heads=values["linear_num_key_heads"],
             num_value_heads=values["linear_num_value_heads"],

@@ -142,12 +142,17 @@ def test_values_are_shown_escaped_and_cut(written, tmp_path):
         ("deepseek_v3", {"num_experts_per_tok": 10},
          "config.json: num_experts_per_tok (10) must be <= n_routed_experts (9)"),
         ("deepseek_v3", {"topk_group": 4}, "config.json: topk_group (4) must be <= n_group (3)"),
-        ("deepseek_v3", {"n_group": 10}, "config.json: n_group (10) must be <= n_routed_experts (9)"),
+        ("deepseek_v3", {"n_group": 2}, "config.json: n_routed_experts (9) must be a multiple of n_group (2)"),
+        ("qwen3_moe", {"num_key_value_heads": 3},
+         "config.json: num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+        ("qwen3_next", {"linear_num_value_heads": 3},
+         "config.json: linear_num_value_heads (3) must be a multiple of linear_num_key_heads (2)"),
         ("qwen3_next", {"num_experts_per_tok": 6}, "config.json: num_experts_per_tok (6) must be <= num_experts (5)"),
     ],
-    ids=["qwen3_moe-top_k", "deepseek_v3-top_k", "deepseek_v3-topk_group", "deepseek_v3-n_group", "qwen3_next-top_k"],
+    ids=["qwen3_moe-top_k", "deepseek_v3-top_k", "deepseek_v3-topk_group", "deepseek_v3-n_group", "qwen3_moe-kv_heads",
+         "qwen3_next-linear_heads", "qwen3_next-top_k"],
 )
-def test_top_k_above_the_experts(written, tmp_path, family, edit, expected):
+def test_rules_across_keys_name_the_config_keys(written, tmp_path, family, edit, expected):
     assert expected in edited_config(written, tmp_path, family, lambda c: c.update(edit))
 
 
