@@ -454,7 +454,8 @@ class CheckpointModel(Strict):
             problems.append(f"@checkpoint ('{self.checkpoint}') must hold a config.json")
         elif not any(self.checkpoint.glob("*.safetensors")):
             pickles = sorted(p.name for p in self.checkpoint.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-            found = f" (found {', '.join(pickles[:3])}: moe-tune reads only safetensors, never pickles)" if pickles else ""
+            found = f" (found {', '.join(pickles[:3])}: moe-tune reads only safetensors, never pickles)"
+            found = found if pickles else ""
             problems.append(f"@checkpoint ('{self.checkpoint}') must hold *.safetensors weights{found}")
         _raise_if(problems)
         return self

@@ -46,7 +46,9 @@ def nested_text_config(config: dict[str, Any], model_type: str) -> HFConfig:
     """The language model's config of a vision-language checkpoint (text_config), checked against the top level."""
     top = HFConfig(config)
     if config.get("text_config") is None:
-        top.problems.append(f"config.json: text_config is missing (a {model_type} config holds the language model there)")
+        top.problems.append(
+            f"config.json: text_config is missing (a {model_type} config holds the language model there)"
+        )
     c = top.section("text_config")
     # Without its text_config nothing else of the language model can be read.
     top.raise_problems()

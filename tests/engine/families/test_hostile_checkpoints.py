@@ -290,8 +290,9 @@ def test_symlinks_inside_to_outside_refused_inside_to_inside_allowed(sharded):
     (sharded.dir / "model.safetensors.index.json").unlink()
     (sharded.dir / "model.safetensors").unlink()
     problems = problems_of(sharded.dir)
-    assert problems == [f"{sharded.dir / 'escape.safetensors'}: leads outside the checkpoint folder {sharded.dir.resolve()} "
-                        f"(a symlink to {(sharded.dir.parent / 'x.safetensors').resolve()}); weight files must lie inside it"]
+    target = (sharded.dir.parent / "x.safetensors").resolve()
+    assert problems == [f"{sharded.dir / 'escape.safetensors'}: leads outside the checkpoint folder "
+                        f"{sharded.dir.resolve()} (a symlink to {target}); weight files must lie inside it"]
 
 
 def test_hub_cache_snapshot_links_into_its_blobs(written, tmp_path):
@@ -337,7 +338,8 @@ def test_index_naming_a_missing_shard_or_tensor(sharded):
     problems = problems_of(sharded.dir)
     assert problems == [f"{sharded.dir / 'model.safetensors.index.json'}: weight_map['{sharded.keys[0]}'] "
                         "('model-00002.safetensors') names a file that does not exist"]
-    sharded.write({**{k: "model.safetensors" for k in sharded.keys}, "model.layers.9.extra.weight": "model.safetensors"})
+    extra = "model.layers.9.extra.weight"
+    sharded.write({**{k: "model.safetensors" for k in sharded.keys}, extra: "model.safetensors"})
     problems = problems_of(sharded.dir)
     assert problems == [f"{sharded.dir / 'model.safetensors.index.json'}: 1 tensors the weight_map puts in "
                         "'model.safetensors' are not in that file (first: 'model.layers.9.extra.weight')"]
