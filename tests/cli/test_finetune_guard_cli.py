@@ -2,6 +2,7 @@
 weights with exit 1, and prints a resume command that resumes the same run."""
 
 import json
+import math
 import os
 import shlex
 import socket
@@ -62,36 +63,33 @@ def test_an_unusable_output_dir_is_one_line_exit_2_before_anything_is_written(tm
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
-def poison_step(step: int, monkeypatch):
-    """Leave an inf in a LoRA weight after optimizer step `step`, as a diverging update would."""
-    real, calls = trainer.micro_step, []
+def test_overwrite_replaces_the_previous_run_and_lr_inf_exits_1_before_saving(tmp_path, monkeypatch):
+    # lr=inf gives a finite loss and gradient norm at step 1 and non-finite weights after it. It is set past the
+    # schema (whose bounds on train.lr are not what this tests) where the command reads the profile.
+    import moe_tune.cli.finetune as command
 
-    def poisoned(engine, batch, dist):
-        out = real(engine, batch, dist)
-        calls.append(1)
-        if len(calls) == step:
-            param = next(p for n, p in engine.module.named_parameters() if "lora_B" in n)
-            getattr(param, "ds_tensor", param).data.view(-1)[0] = float("inf")
-        return out
+    read_profile = command.read_profile
 
-    monkeypatch.setattr(trainer, "micro_step", poisoned)
+    def with_lr_inf(path, overrides):
+        job = read_profile(path, overrides)
+        return job.model_copy(update={"train": job.train.model_copy(update={"lr": float("inf")})})
 
-
-def test_overwrite_replaces_the_previous_run_and_non_finite_weights_exit_1(tmp_path, monkeypatch):
+    monkeypatch.setattr(command, "read_profile", with_lr_inf)
     out = tmp_path / "out"
     (out / "checkpoints" / "step-0000009").mkdir(parents=True)
     (out / "checkpoints" / "step-0000009" / "trainer_state.json").write_text('{"step": 9}')
     (out / "metrics.jsonl").write_text('{"step": 9}\n')
     (out / "my-notes.txt").write_text("mine")
-    poison_step(2, monkeypatch)
-    result = runner.invoke(app, [*finetune_args(out, "train.steps=3", "output.save_every=1"), "--overwrite"])
+    result = runner.invoke(app, [*finetune_args(out, "train.steps=2", "output.save_every=1"), "--overwrite"])
     assert result.exit_code == 1, result.output
+    # The old run's step 9 is gone, and is not named as intact.
     (line,) = errors(result)
-    # The old run's step 9 is gone: the intact checkpoint named is this run's step 1.
-    assert line.startswith("error: step 2: parameter ") and "is not finite after the optimizer step" in line
-    assert f"(the last checkpoint, {out / 'checkpoints' / 'step-0000001'}, is intact)" in line
-    assert [p.name for p in complete_checkpoints(out / "checkpoints")] == ["step-0000001"]
-    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert line.startswith("error: step 1: parameter ")
+    assert line.endswith("is not finite after the optimizer step (loss and gradient norm were): training stopped "
+                         "before saving it (no checkpoint was written); lower train.lr")  # fmt: skip
+    assert complete_checkpoints(out / "checkpoints") == []
+    (record,) = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 1 and math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
     assert (out / "my-notes.txt").read_text() == "mine" and not (out / LOCK_NAME).exists()
 
 

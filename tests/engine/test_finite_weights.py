@@ -63,18 +63,6 @@ def test_zero3_partitions_are_read_up_to_their_padding():
         check_finite_weights(1, watched, ONE, None)
 
 
-def test_lr_inf_stops_at_the_first_step_with_finite_loss(tmp_path):
-    # The schema's bounds on train.lr are not what this tests: lr=inf is set past them.
-    profile = small_profile(tmp_path, "train.steps=2", "output.save_every=1")
-    profile = profile.model_copy(update={"train": profile.train.model_copy(update={"lr": float("inf")})})
-    with pytest.raises(TrainingDiverged, match=r"^step 1: parameter \S*lora\S* is not finite .*no checkpoint was "
-                                               r"written"):  # fmt: skip
-        finetune(profile, show_progress=False)
-    (record,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert torch.isfinite(torch.tensor([record["loss"], record["grad_norm"]])).all()
-    assert complete_checkpoints(tmp_path / "checkpoints") == []
-
-
 def poison_after(calls: int, monkeypatch):
     """micro_step that, on its `calls`-th call, leaves an inf in a LoRA weight as a diverging update would."""
     real = trainer.micro_step
