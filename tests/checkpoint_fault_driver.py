@@ -215,13 +215,16 @@ def main() -> None:
     steps_cap = opts.kills + len(KINDS) + 4
     report: dict = {"kills": [], "truncations": [], "settings": SETTINGS}
 
-    # Kills: every run dies during a checkpoint write, at a random part of it.
+    # Kills: every run dies during a checkpoint write, each part of a write aimed at (in a random order), at a random
+    # moment within it.
+    aims = [i % len(PHASES) for i in range(opts.kills)]
+    rng.shuffle(aims)
     for i in range(opts.kills):
         expected = newest_verified(root)
         log = logs / f"kill-{i:02d}.log"
         # The first run dies in its second write (so that a checkpoint exists to resume), every other in its first.
         record = run(command(out, steps_cap, resume=i > 0), log, root, kill_at_save=1 if i else 2,
-                     phase=rng.randrange(len(PHASES)), rng=rng)  # fmt: skip
+                     phase=aims[i], rng=rng)  # fmt: skip
         record.update(expected=expected, resumed=resumed_from(log) if i > 0 else None,
                       after=verdicts(root), log=log.read_text()[-2000:])  # fmt: skip
         report["kills"].append(record)
@@ -241,6 +244,21 @@ def main() -> None:
                       resumed=resumed_from(log), log=log.read_text()[-3000:])  # fmt: skip
         report["truncations"].append(record)
 
+    # Refusals through the command line (exit 2, one line each): another LoRA rank; then no checkpoint that verifies.
+    report["refusals"] = []
+    log = logs / "refuse-lora-r.log"
+    record = run([*command(out, steps_cap, resume=True), "--set", "lora.r=8"], log, root)
+    report["refusals"].append({"what": "lora.r", "rc": record["rc"], "cpu_s": record["cpu_s"],
+                               "log": log.read_text()[-3000:], "newest": checkpoint_dirs(root)[-1].name})  # fmt: skip
+    damaged = checkpoint_dirs(root)
+    for folder in damaged:
+        damage("model states", next(folder.glob("*model_states.pt")), marker)
+    log = logs / "refuse-none-verifies.log"
+    record = run(command(out, steps_cap, resume=True), log, root)
+    report["refusals"].append({"what": "none verifies", "rc": record["rc"], "cpu_s": record["cpu_s"],
+                               "log": log.read_text()[-3000:],
+                               "damaged": [folder.name for folder in damaged]})  # fmt: skip
+
     # An uninterrupted run of as many steps: the reference for every loss.
     final_step = max(losses(out))
     ref = work / "reference"
@@ -248,7 +266,7 @@ def main() -> None:
     report["reference_rc"] = record["rc"]
     report["reference_log"] = (logs / "reference.log").read_text()[-2000:]
     report["payload_ran"] = marker.exists()
-    children = report["kills"] + report["truncations"] + [record]
+    children = report["kills"] + report["truncations"] + report["refusals"] + [record]
     report["children_cpu_s"] = round(sum(r["cpu_s"] for r in children), 1)
     report["faulty_losses"] = losses(out)
     report["reference_losses"] = losses(ref)

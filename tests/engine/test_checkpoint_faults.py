@@ -479,8 +479,10 @@ def test_kill_9_during_checkpoint_writes_and_truncated_files_resume_like_an_unin
         assert "Traceback" not in k["log"] and "skipped" not in k["log"], k["log"]
         if k["expected"] is not None:
             assert k["resumed"] == k["expected"], k["log"]
-    # Some kills land mid-write (a temporary left behind), not only between writes.
-    assert sum(bool(k["left"]) for k in kills) >= 3, kills
+    # Every part of a write is aimed at, and most kills land mid-write (a temporary left behind).
+    assert {k["aimed_at"] for k in kills} == {"folder", "model states", "optimizer states", "trainer state",
+                                              "manifest", "renamed"}  # fmt: skip
+    assert sum(bool(k["left"]) for k in kills) >= 5, kills
     for t in report["truncations"]:
         assert t["rc"] == 0 and "Traceback" not in t["log"], t["log"]
         newest = t["truncated"].split("/")[0]
@@ -488,6 +490,17 @@ def test_kill_9_during_checkpoint_writes_and_truncated_files_resume_like_an_unin
         assert t["resumed"] == t["expected"] and t["resumed"] != newest, t
     assert [t["kind"] for t in report["truncations"]][-1] == "pickle payload" and not report["payload_ran"]
     assert "refused: a file holds pickled objects" in report["truncations"][-1]["log"]
+    # Through the command line: exit 2, one line per problem, no traceback.
+    lora, none = report["refusals"]
+    checkpoints = tmp_path / "faulty" / "checkpoints"
+    assert lora["rc"] == 2 and "Traceback" not in lora["log"], lora["log"]
+    assert (f"error: --resume: {checkpoints / lora['newest']} was trained with lora.r 16, the profile says 8\n"
+            in lora["log"]), lora["log"]  # fmt: skip
+    errors = [line for line in none["log"].splitlines() if line.startswith("error: ")]
+    assert none["rc"] == 2 and "Traceback" not in none["log"], none["log"]
+    assert errors[0] == f"error: --resume: no checkpoint under {checkpoints} verifies and loads"
+    assert [line.split(": ")[2] for line in errors[1:]] == [str(checkpoints / d) for d in reversed(none["damaged"])]
+    assert all(re.search(r"model_states.pt is \d+ bytes, the manifest says \d+$", line) for line in errors[1:])
     assert report["reference_rc"] == 0, report["reference_log"]
     faulty, reference = report["faulty_losses"], report["reference_losses"]
     assert list(faulty) == list(reference) == [str(step) for step in range(1, len(reference) + 1)]
