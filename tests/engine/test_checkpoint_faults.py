@@ -148,7 +148,8 @@ SIZE_RULE = r"is \d+ bytes, the manifest says \d+"
         (lambda f: (f / MANIFEST_FILE).unlink(), rf"{MANIFEST_FILE} is missing"),  # its state says it had one
         (lambda f: [(f / n).unlink() for n in (MANIFEST_FILE, STATE_FILE)], rf"{STATE_FILE} is missing"),
         (lambda f: [p.unlink() for p in f.iterdir()], rf"{STATE_FILE} is missing"),  # an empty step folder
-        (manifest_text('{"files": "all of them"}'), rf"{MANIFEST_FILE} does not list files as \{{path, size, sha256\}}"),
+        (manifest_text('{"files": "all of them"}'),
+         rf"{MANIFEST_FILE} does not list files as \{{path, size, sha256\}}"),
         (manifest_text('{"files": []}'), rf"{MANIFEST_FILE} does not list files"),
         (manifest_text("[1, 2]"), rf"{MANIFEST_FILE} does not list files"),
         (manifest_text('{"files": [{"path": "../../x", "size": 1, "sha256": "0"}]}'),
@@ -297,7 +298,8 @@ def test_a_pickle_payload_in_a_checkpoint_is_refused_and_never_run(tmp_path, fil
          ["model.layers.length 4, the profile says 1", "model.layers[1].attention \"linear\", the profile says "
           "(not set)"]),
         (["model.layers=[{attention: linear, mlp: moe}, {attention: linear, mlp: moe}, {attention: linear, mlp: "
-          "moe}, {attention: full, mlp: moe}]"], 1, ["model.layers[3].attention \"sparse\", the profile says \"full\""]),
+          "moe}, {attention: full, mlp: moe}]"], 1,
+         ['model.layers[3].attention "sparse", the profile says "full"']),
         (["lora.r=8"], 1, ["lora.r 16, the profile says 8"]),
         # Long values are shortened to 80 characters.
         (["lora.target_modules=[q_proj]"], 1, ['lora.target_modules ["q_proj", "k_proj", "v_proj", "o_proj", '
