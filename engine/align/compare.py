@@ -245,6 +245,7 @@ def load_reference(directory: Path, family: Family) -> nn.Module:
         experts_implementation="eager",
         local_files_only=True,
         trust_remote_code=False,
+        use_safetensors=True,
         **family.reference_kwargs(),
     )
     return model.eval()

@@ -258,7 +258,10 @@ def build_transformers_model(job: JobProfile, device: torch.device):
         if saved_type not in MODEL_TYPES:
             raise ProfileError([f"model.checkpoint ('{job.model.checkpoint}'): --against transformers loads "
                                 f"{' or '.join(MODEL_TYPES)} checkpoints, not {saved_type!r}"])  # fmt: skip
-        model = model_class.from_pretrained(str(job.model.checkpoint), dtype=dtype, use_cache=False).to(device)
+        model = model_class.from_pretrained(
+            str(job.model.checkpoint), dtype=dtype, use_cache=False, local_files_only=True, trust_remote_code=False,
+            use_safetensors=True,
+        ).to(device)
     else:
         with torch.device(device):
             model = model_class(transformers.AutoConfig.for_model(model_type, **config)).to(dtype)
