@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import USER_ERROR_EXIT, ProfileArg, SetOption, err_console, fail, read_profile, user_errors
+from ._common import USER_ERROR_EXIT, ProfileArg, SetOption, fail, print_error, read_profile, user_errors
 
 app = typer.Typer()
 
@@ -48,7 +48,7 @@ def finetune(
         outcome = launch_local(nproc, argv)
         if outcome.returncode:
             # The ranks printed their own errors; exit as the failed rank did (2: bad input, 1: diverged or crashed).
-            err_console.print(f"error: {outcome.message}", markup=False)
+            print_error(outcome.message)
             raise typer.Exit(code=outcome.returncode)
         return
     from moe_tune.engine.train.checkpoint import CheckpointWriteError
@@ -59,11 +59,11 @@ def finetune(
         with user_errors():
             result = run(job, resume=resume, show_progress=not quiet, console=console, overwrite=overwrite)
     except TrainingDiverged as err:
-        err_console.print(f"error: {err}", markup=False)
+        print_error(str(err))
         raise typer.Exit(code=DIVERGED_EXIT) from None
     except CheckpointWriteError as err:
         # A full disk or a failed write: the checkpoints already there are kept; exit 2 as for any refusal.
-        err_console.print(f"error: {err}", markup=False)
+        print_error(str(err))
         raise typer.Exit(code=USER_ERROR_EXIT) from None
     if not result.is_main:
         return

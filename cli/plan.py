@@ -36,8 +36,15 @@ def parse_memory(text: str) -> int | None:
     return size if size > 0 else None
 
 
+# More devices than any cluster has; past it the count is a typo (and its digits could outgrow int()).
+MAX_DEVICES = 2**24
+
+
 def parse_devices(text: str) -> int | None:
-    return int(text) if text.strip().isdigit() and int(text) > 0 else None
+    text = text.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(MAX_DEVICES)):
+        return None
+    return int(text) if 0 < int(text) <= MAX_DEVICES else None
 
 
 def format_bytes(size: float) -> str:
@@ -119,7 +126,7 @@ def plan(
     num_devices, memory = parse_devices(devices), parse_memory(device_memory)
     problems = []
     if num_devices is None:
-        problems.append(f"--devices ({devices!r}) must be a positive integer")
+        problems.append(f"--devices ({devices[:60]!r}) must be an integer from 1 to {MAX_DEVICES}")
     if memory is None:
         problems.append(f"--device-memory ({device_memory!r}) must look like 141GB, 80GiB or 1.5TB")
     if problems:

@@ -56,6 +56,7 @@ class StepRunner:
         from moe_tune.engine.train.distributed import init_distributed
         from moe_tune.engine.train.ds_config import deepspeed_config
         from moe_tune.engine.train.graphs import check_cuda_graphs
+        from moe_tune.engine.train.resources import check_memory_fits
         from moe_tune.engine.train.trainer import (
             _quiet_third_party_noise,
             build_dataset,
@@ -71,6 +72,7 @@ class StepRunner:
         self.profile = profile
         train = profile.train
         self.dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
+        check_memory_fits(profile, self.dist.world_size, self.dist.device)
         torch.manual_seed(train.seed)
         tokenizer = load_tokenizer(profile.tokenizer)
         # Nothing is written to output.dir: a generated corpus goes to a directory that lives as long as the runner.

@@ -436,7 +436,8 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER
     all_params = base + added
     layouts = []
-    for ep in range(1, num_devices + 1):
+    # ep divides num_experts: no layout has more expert-parallel ranks than experts.
+    for ep in range(1, min(num_devices, num_experts) + 1):
         if num_devices % ep or num_experts % ep:
             continue
         dp = num_devices // ep

@@ -57,11 +57,21 @@ def test_plan_notes_a_profile_layout_that_does_not_divide_the_devices():
     assert "the profile's parallel.expert_parallel (64) does not divide --devices (96)" in result.stdout
 
 
+def test_plan_of_the_most_devices_takes_no_longer_than_a_few_layouts():
+    # The layouts are the expert-parallel sizes dividing both the experts and the devices: never a loop over N.
+    result = runner.invoke(app, ["plan", "tiny", "--devices", "16777216"])
+    assert result.exit_code == 0, result.output
+    assert "16777216 devices" in result.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--devices", "0"], "error: --devices ('0') must be a positive integer"),
-        (["--devices", "many"], "error: --devices ('many') must be a positive integer"),
+        (["--devices", "0"], "error: --devices ('0') must be an integer from 1 to 16777216"),
+        (["--devices", "many"], "error: --devices ('many') must be an integer from 1 to 16777216"),
+        (["--devices", "16777217"], "error: --devices ('16777217') must be an integer from 1 to 16777216"),
+        (["--devices", "9" * 5000], "error: --devices ('" + "9" * 60 + "') must be an integer from 1 to 16777216"),
+        (["--devices", "\u0663"], "error: --devices ('\u0663') must be an integer from 1 to 16777216"),
         (["--devices", "8", "--device-memory", "141XB"],
          "error: --device-memory ('141XB') must look like 141GB, 80GiB or 1.5TB"),
         (["--devices", "8", "--device-memory", "0GB"],
@@ -73,7 +83,8 @@ def test_plan_notes_a_profile_layout_that_does_not_divide_the_devices():
         (["--devices", "8", "--json", "/nonexistent-dir/plan.json"],
          "error: --json ('/nonexistent-dir/plan.json'): cannot write the plan (No such file or directory)"),
     ],
-    ids=["zero-devices", "devices-not-a-number", "unknown-unit", "zero-memory", "bad-lora-target", "unwritable-json"],
+    ids=["zero-devices", "devices-not-a-number", "devices-past-the-cap", "devices-of-5000-digits", "arabic-digit",
+         "unknown-unit", "zero-memory", "bad-lora-target", "unwritable-json"],
 )
 def test_plan_bad_arguments_exit_2_with_one_line(args, message):
     result = runner.invoke(app, ["plan", "tiny", *args])

@@ -68,6 +68,15 @@ def test_bad_memory_setting_is_one_line_exit_2():
     ]
 
 
+def test_a_model_too_large_for_this_rank_is_one_line_exit_2(tmp_path):
+    # ~3 TB of weights and optimizer state: refused before the dataset or the model is built.
+    result = runner.invoke(app, ["tiny", *TINY_STEPS, "--set", "model.vocab_size=2000000000",
+                                 "--set", f"output.dir={tmp_path}"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("error: model (vocab_size 2000000000, hidden_size 64, 4 layers) needs ~")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
