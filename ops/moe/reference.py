@@ -269,7 +269,10 @@ def switch_aux_loss(scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: i
     scores_NE = scores.float()
     # Softmax rows already sum to 1, so normalising every row is exact for them and is what sigmoid scores need.
     probs_NE = scores_NE / (scores_NE.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)
-    counts_E = torch.bincount(topk_ids.reshape(-1).long(), minlength=num_experts)
+    # scatter_add into E counts, not bincount: bincount sizes its output on the host (a wait for the GPU, and an
+    # error inside a CUDA graph capture of the MoE block).
+    ids = topk_ids.reshape(-1).long()
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     fraction_E = counts_E.float() / topk_ids.numel()
     mean_prob_E = probs_NE.mean(dim=0)
     return num_experts * (fraction_E * mean_prob_E).sum()

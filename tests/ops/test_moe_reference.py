@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
-from moe_tune.ops.moe.reference import moe_mlp_loop_ref
+from moe_tune.ops.moe.reference import SIGMOID_NORM_EPS, moe_mlp_loop_ref
 from moe_cases import make_case, run_with_grads
 
 # One table per dtype. fp64 runs in fp64 end to end; fp32 differs from the oracle only by summation order; bf16
@@ -261,6 +261,18 @@ def test_switch_aux_loss_uniform_is_one():
     # Balanced counts give 1 whatever the scores, since the mean scores sum to 1.
     uneven_scores = torch.randn(8, num_experts, generator=torch.Generator().manual_seed(0)).softmax(dim=-1)
     torch.testing.assert_close(switch_aux_loss(uneven_scores, ids, num_experts), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("num_experts, num_tokens, k", [(8, 37, 2), (64, 5, 8), (3, 1, 1)])  # some experts unused
+def test_switch_aux_loss_counts_every_slot_as_the_formula_says(dtype, num_experts, num_tokens, k):
+    gen = torch.Generator().manual_seed(num_experts)
+    scores = torch.rand(num_tokens, num_experts, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, num_experts, (num_tokens, k), generator=gen).to(dtype)
+    counts = torch.tensor([(ids == e).sum().item() for e in range(num_experts)], dtype=torch.float64)
+    probs = scores / (scores.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)
+    expected = num_experts * ((counts / ids.numel()) * probs.mean(dim=0)).sum()
+    torch.testing.assert_close(switch_aux_loss(scores, ids, num_experts).double(), expected, rtol=1e-6, atol=0)
 
 
 def test_switch_aux_loss_skewed_is_larger():
