@@ -49,7 +49,7 @@ def adapter(out):
 
 
 LAYOUTS = [
-    pytest.param(2, 2, ["output.save_merged=true"], id="ep2-merged"),
+    pytest.param(2, 2, [], id="ep2"),
     pytest.param(4, 4, [], id="ep4"),
     pytest.param(4, 2, ["parallel.offload_optimizer=true"], id="dp2xep2-offload"),
     # The benchmark profiles' stage on several ranks without expert parallelism (the profile rule refuses
@@ -61,7 +61,7 @@ LAYOUTS = [
 @pytest.mark.dist
 @pytest.mark.parametrize("world, ep, extra", LAYOUTS)
 def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extra):
-    steps = ["train.steps=3"]
+    steps = ["train.steps=3", "output.save_merged=true"]
     single = single_process(tmp_path, child_env, 2 * world, [*steps, *extra])
     out = tmp_path / f"ep{ep}"
     codes, logs, multi = run_ranks(
@@ -69,17 +69,20 @@ def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extr
     )
     assert codes == [0] * world, logs[0][-3000:]
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
-    # The exported adapter is consolidated into the single-process layout (all experts) and equal to it.
+    # The exported adapter is consolidated into the single-process layout (all experts) and equal to it. A LoRA A
+    # factor's first updates follow gradients near 0 (B starts at 0) that Adam normalises: an element whose
+    # gradient is rounding noise moves by up to the lr either way, so the A factors are compared through what they
+    # do, the merged weights W + s B A, below.
     one, many = adapter(tmp_path / "single"), adapter(out)
     assert one.keys() == many.keys()
     assert any(".experts.lora_A.w_gate_up" in k for k in one)
     for key in one:
-        torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
-    if "output.save_merged=true" in extra:
-        one, many = (load_file(str(d / "merged.safetensors")) for d in (tmp_path / "single", out))
-        assert one.keys() == many.keys() and any(".experts.w_down" in k for k in one)
-        for key in one:
+        if ".lora_A." not in key:
             torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+    one, many = (load_file(str(d / "merged.safetensors")) for d in (tmp_path / "single", out))
+    assert one.keys() == many.keys() and any(".experts.w_down" in k for k in one)
+    for key in one:
+        torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.dist
