@@ -690,10 +690,26 @@ def test_state_fwd_values_do_not_depend_on_the_v_tile(kernel_path, guarded):
             q, k, w, u, g_cumsum, inputs["initial_state"], layout, tiled, 0.25, True, True, compute_output=False,
             store_states=True, k_end_THK=k_end,
         )[1:])  # fmt: skip
+    # Each column of a dot reduces the same products whatever the tile: bitwise, unless the interpreter's numpy
+    # matmul rounds a column differently by the width of its output (OpenBLAS on some CPUs, e.g. AMD EPYC: a few
+    # fp32 ulps); then within that rounding. A masking bug in the half-masked tile differs by whole values.
+    tolerance = {"rtol": 0, "atol": 0} if _dots_are_column_independent(q.device) else {"rtol": 1e-5, "atol": 1e-6}
     for name, a, b in zip(("final_state", "states", "v_new"), *results):
         # The unused slot at the end stays unwritten: NaN in both (guarded buffers).
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, **tolerance, equal_nan=True, msg=lambda m: f"{name}: {m}")
     guarded.check()
+
+
+def _dots_are_column_independent(device: torch.device) -> bool:
+    """Whether a fp32 matmul's columns come out the same at output widths 16 and 32 where the kernels' dots run:
+    on a GPU (Triton's dots), always; in the interpreter, as numpy's matmul on this CPU does."""
+    if device.type == "cuda":
+        return True
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((64, 64), dtype=np.float32), rng.standard_normal((64, 32), dtype=np.float32)
+    return np.array_equal(a @ b[:, :16], (a @ b)[:, :16])
 
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
