@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .distributed import any_rank
+
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 PREFIX = "step-"
@@ -120,15 +122,6 @@ def _describe_write_error(err: BaseException, root: Path, name: str, last_intact
     return f"could not write checkpoint {name} under {root}: {_one_line(err)}; {kept}"
 
 
-def _any_rank(flag: bool, device) -> bool:
-    """True on every rank when any rank saw `flag` (a collective: every rank must call it)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(t)
-    return bool(t.item() > 0)
-
-
 def _barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -157,12 +150,12 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
             tmp_root.mkdir()
         except OSError as err:
             failure = err
-    if not _any_rank(failure is not None, device):
+    if not any_rank(failure is not None, device):
         try:
             engine.save_checkpoint(str(tmp_root), tag=name, save_latest=False)
         except (OSError, RuntimeError) as err:
             failure = err
-    if not _any_rank(failure is not None, device) and is_main:
+    if not any_rank(failure is not None, device) and is_main:
         try:
             write_json_atomic(tmp_root / name / STATE_FILE, {"format": STATE_FORMAT, **state})
             write_manifest(tmp_root / name)
@@ -175,7 +168,7 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
             _fsync_dir(root)
         except OSError as err:
             failure = err
-    if _any_rank(failure is not None, device):
+    if any_rank(failure is not None, device):
         if is_main:
             shutil.rmtree(tmp_root, ignore_errors=True)
             if renamed:
@@ -433,7 +426,7 @@ def resume_checkpoint(
             problem = None
         except ValueError as err:
             problem = str(err)
-        if _any_rank(problem is not None, device):
+        if any_rank(problem is not None, device):
             problem = problem or "another rank could not load it"
             lines.append(f"skipped {path}: {problem}")
             reasons.append(f"--resume: {path}: {problem}")

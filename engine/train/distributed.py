@@ -99,3 +99,12 @@ def shutdown_distributed() -> None:
         torch.distributed.barrier()
         # DeepSpeed's own teardown also drops the groups it cached, so a later run in this process starts clean.
         deepspeed.comm.destroy_process_group()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when any rank saw `flag` (a collective where several ranks run: every rank must call it)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(t)
+    return bool(t.item() > 0)

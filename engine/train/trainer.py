@@ -33,7 +33,7 @@ from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
 from .checkpoint import resume_checkpoint, run_signature, save_checkpoint, write_json_atomic
-from .distributed import DistInfo, init_distributed, shutdown_distributed
+from .distributed import DistInfo, any_rank, init_distributed, shutdown_distributed
 from .ds_config import deepspeed_config, zero_stage_note
 
 
@@ -95,15 +95,6 @@ class _StopSignal:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _agree(flag: bool, dist: DistInfo) -> bool:
-    """True on every rank when any rank saw `flag`."""
-    if dist.world_size == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=dist.device)
-    torch.distributed.all_reduce(t)
-    return bool(t.item() > 0)
 
 
 def check_world(profile: JobProfile, world_size: int) -> None:
@@ -441,7 +432,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 result.losses.append(record["loss"])
                 result.last_step = step + 1
                 reporter.update(record)
-                stopping = _agree(stop.received is not None, dist)
+                stopping = any_rank(stop.received is not None, dist.device)
                 at_end = step + 1 == last_step
                 if stopping or at_end or (step + 1) % profile.output.save_every == 0:
                     result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist)
