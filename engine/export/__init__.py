@@ -1,0 +1,55 @@
+"""`moe-tune export`: a trained run written as a Hugging Face checkpoint folder in the hub's key layout.
+
+The writer (hub.py) reads the trained model from a *state source*, one tensor at a time, and writes every key of
+the base checkpoint (sharded safetensors + index, the base's config, tokenizer and processor files). Sources:
+
+- sources.py: the run's final state (`adapter/` over the base checkpoint, or `model.safetensors` of a full
+  fine-tune);
+- zero.py: a `checkpoints/step-N` folder of a ZeRO-3 + expert-parallel run, read tensor by tensor.
+
+The interface every source implements (StateSource below):
+
+  names() -> list[str]
+      Our single-process names: the keys of `build_model(cfg).state_dict()` (no PEFT prefix, no `base_layer`),
+      every parameter and persistent buffer (tied tensors under each of their names, as state_dict lists them).
+  read(name) -> torch.Tensor
+      That tensor, whole (routed experts as full [E, ...] tensors, every expert), on the CPU, in the dtype it was
+      trained in. With merged=True on a LoRA run: the base weight with the adapter merged in,
+      W + (alpha / r) * B @ A per linear layer and per expert (merge_lora below, PEFT's merge), and a module trained
+      in full (modules_to_save) as trained. With merged=False: the base weight as it was (the adapter comes from
+      adapter_state()). Full fine-tuning: the trained weight. Each call reads only what that tensor needs.
+  adapter_state() -> dict[str, torch.Tensor] | None
+      LoRA runs: the adapter's tensors as PEFT's save_pretrained names them (get_peft_model_state_dict):
+      `base_model.model.<name>.lora_A.weight` / `.lora_B.weight`, experts `base_model.model.<...>.experts.lora_A.
+      w_gate_up` [E, r, D] (`w_down` [E, r, F]; lora_B [E, 2F, r] / [E, D, r]), modules_to_save tensors as
+      `base_model.model.<name>`. None for full fine-tuning. Small (adapters only).
+  close() -> None
+      Releases open files. Sources are context managers.
+
+The writer needs nothing else from a source: the model profile (ModelProfile, with `.checkpoint` the base folder)
+and the LoRA settings come from the run's profile.yaml (RunInfo in sources.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class StateSource(Protocol):
+    def names(self) -> list[str]: ...
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None: ...
+
+    def close(self) -> None: ...
+
+
+def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`weight` with one adapter merged in, in weight's dtype: W + scaling * B @ A, computed in fp32. A linear layer:
+    W [out, in], A [r, in], B [out, r]. Grouped experts: W [E, out, in], A [E, r, in], B [E, out, r] (per expert)."""
+    delta = torch.matmul(b.float(), a.float()) * scaling
+    return (weight.float() + delta).to(weight.dtype)
