@@ -1,0 +1,85 @@
+"""The reference stays the reference: transformers' own PyTorch paths, whatever kernels are importable.
+
+transformers picks an external implementation (flash-linear-attention's Triton kernels, causal-conv1d) for some
+functions of its modeling files when it imports them (`use_kernel_func_from_hub_with_fallback` in
+transformers/integrations/hub_kernels.py): the module-level name then calls the external package, and the pure
+PyTorch function it decorates is only reachable as the wrapper's `__wrapped__`. `pure_torch_paths()` rebinds those
+names to the PyTorch functions for as long as it is held, so `moe-tune align` compares against the model's own
+definition (and runs on a CPU with FLA installed), and restores them on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import sys
+from collections.abc import Iterator
+from types import FunctionType, ModuleType
+
+# The modeling modules of the supported families that route functions through the fallback wrapper; imported on
+# entry so their names exist before the reference model is built.
+KERNEL_MODULES = (
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "transformers.models.kimi_linear.modeling_kimi_linear",
+    "transformers.models.qwen4_exp.modeling_qwen4_exp",
+)
+
+
+def _is_fallback_wrapper(value: object) -> bool:
+    """A function made by transformers' use_kernel_func_from_hub_with_fallback (its inner `wrapped`)."""
+    if not isinstance(value, FunctionType) or not hasattr(value, "__wrapped__"):
+        return False
+    code = value.__code__
+    return code.co_name == "wrapped" and code.co_filename.endswith("hub_kernels.py")
+
+
+def external_paths(modules: list[ModuleType] | None = None) -> dict[tuple[str, str], str]:
+    """{(module, name): the implementing function's module} for every wrapped name whose implementation is not
+    transformers' own PyTorch function (FLA or causal-conv1d was importable when the module was imported)."""
+    found = {}
+    for module in modules if modules is not None else _modeling_modules():
+        for name, value in list(vars(module).items()):
+            if not _is_fallback_wrapper(value):
+                continue
+            closure = dict(zip(value.__code__.co_freevars, (c.cell_contents for c in value.__closure__ or ())))
+            implementation = closure.get("implementation")
+            if closure.get("is_new_implementation") and implementation is not None:
+                found[(module.__name__, name)] = getattr(implementation, "__module__", None) or "?"
+    return found
+
+
+def _modeling_modules() -> list[ModuleType]:
+    for name in KERNEL_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    return [m for n, m in list(sys.modules.items())
+            if n.startswith("transformers.models.") and ".modeling_" in n and isinstance(m, ModuleType)]
+
+
+@contextlib.contextmanager
+def pure_torch_paths() -> Iterator[dict[tuple[str, str], str]]:
+    """Within: every fallback-wrapped name of transformers' modeling modules calls transformers' PyTorch function.
+    Yields what was replaced ({(module, name): external module}, empty when nothing external is importable)."""
+    modules = _modeling_modules()
+    replaced = external_paths(modules)
+    saved = []
+    try:
+        for module in modules:
+            for name, value in list(vars(module).items()):
+                if _is_fallback_wrapper(value):
+                    saved.append((module, name, value))
+                    setattr(module, name, inspect.unwrap(value))
+        yield replaced
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def describe(replaced: dict[tuple[str, str], str]) -> str:
+    """One line for the align report: which paths the reference ran."""
+    if not replaced:
+        return "transformers' PyTorch paths"
+    packages = sorted({origin.split(".")[0] for origin in replaced.values()})
+    return f"transformers' PyTorch paths ({', '.join(packages)} importable, not used)"
