@@ -27,7 +27,14 @@ The interface every source implements (StateSource below):
       Releases open files. Sources are context managers.
 
 The writer needs nothing else from a source: the model profile (ModelProfile, with `.checkpoint` the base folder)
-and the LoRA settings come from the run's profile.yaml (RunInfo in sources.py).
+and the LoRA settings come from the run's profile.yaml (RunInfo in sources.py: `run.run_dir`, `run.profile`
+(JobProfile), `run.cfg` (its ModelProfile)).
+
+The step reader's entry point, which `moe-tune export --step N` calls (zero.py):
+
+  open_step(run: RunInfo, step: int, merged: bool) -> StateSource
+      The source of `run.run_dir / checkpoints / step-NNNNNNN` (verified against its manifest). ProfileError, one
+      line each, when the step does not exist or does not verify. merged as for read() above.
 """
 
 from __future__ import annotations
