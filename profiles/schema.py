@@ -53,6 +53,18 @@ class LayerSpec(Strict):
         False, description="hashed n-gram embeddings of the tokens are injected into the residual streams before "
         "this layer (qwen4_exp's per-layer embeddings; needs model.ngram_embedding and model.hyper_connections)"
     )
+    sliding_window: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="attention: full only: each query sees only the last this many keys of "
+        "its document, itself included (gpt_oss's sliding_attention layers); None: every causal key"
+    )
+
+    @model_validator(mode="after")
+    def check_sliding_window(self):
+        problems = []
+        if self.sliding_window is not None and self.attention != "full":
+            problems.append(f"@sliding_window ({self.sliding_window}) needs @attention: full (got '{self.attention}')")
+        _raise_if(problems)
+        return self
 
 
 class LinearAttentionSpec(Strict):
@@ -145,6 +157,18 @@ class MoESpec(Strict):
         "(a checkpoint's trained correction bias, DeepSeek-V3's e_score_correction_bias); bias_update_rate > 0 "
         "implies it"
     )
+    router_bias: bool = Field(False, description="the router's linear layer has a bias (gpt_oss)")
+    expert_bias: bool = Field(
+        False, description="the routed experts' gate/up and down projections have biases (gpt_oss); the down bias "
+        "is added before the routing weight"
+    )
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = Field(
+        "swiglu", description="the routed experts' activation: swiglu, silu(gate) * up; clamped_swiglu (gpt_oss), "
+        "gate clamped above at swiglu_limit, up to [-swiglu_limit, swiglu_limit], then "
+        "gate * sigmoid(swiglu_alpha * gate) * (up + 1)"
+    )
+    swiglu_alpha: float = Field(1.702, gt=0, description="clamped_swiglu: the sigmoid's gain")
+    swiglu_limit: float = Field(7.0, gt=0, description="clamped_swiglu: the clamp on gate and up")
 
     @model_validator(mode="after")
     def check_top_k(self):
@@ -352,6 +376,23 @@ class ModelProfile(Strict):
         True, description="full/sparse attention scale their output by sigmoid(gate), the gate coming from q_proj "
         "(qwen3_next layout); false: plain softmax attention (qwen3_moe)"
     )
+    attention_qk_norm: bool = Field(
+        True, description="full/sparse attention RMSNorm each head's query and key before RoPE (qwen3); false: no "
+        "q/k norm (mixtral)"
+    )
+    attention_bias: bool = Field(
+        False, description="the q, k and v projections of full/sparse attention carry a bias (GLM-4.5)"
+    )
+    attention_output_bias: bool = Field(
+        False, description="o_proj of the full/sparse/qsa attention layers carries a bias (gpt_oss)"
+    )
+    attention_sinks: bool = Field(
+        False, description="full attention layers learn one sink logit per query head, an extra term in the "
+        "softmax's denominator that takes share from every key (gpt_oss); not with sparse or qsa layers"
+    )
+    rope_yarn: YarnSpec | None = Field(
+        None, description="YaRN scaling of the full/sparse/qsa attention's rotary dims (None: plain RoPE)"
+    )
     tie_word_embeddings: bool = Field(False, description="the LM head shares the token embedding's weight")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of projections and embeddings")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the weight init")
@@ -376,6 +417,11 @@ class ModelProfile(Strict):
             problems.append("@moe (None) must be set: a layer has mlp: moe")
         if "dense" in mlps and self.intermediate_size == 0:
             problems.append("@intermediate_size (0) must be > 0: a layer has mlp: dense")
+        if self.attention_sinks and kinds & {"sparse", "qsa"}:
+            problems.append(
+                f"@attention_sinks (True) needs no sparse or qsa layer: a layer has attention: "
+                f"{sorted(kinds & {'sparse', 'qsa'})[0]}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append(
                 f"@num_attention_heads ({self.num_attention_heads}) must be a multiple of "

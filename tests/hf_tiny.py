@@ -192,3 +192,61 @@ def tiny_qwen4_exp_text(**overrides):
     config = dict(QWEN4_EXP_TEXT)
     config.update(overrides)
     return Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**config))
+
+
+def tiny_mixtral(**overrides):
+    """A 2-layer mixtral (5 experts top-2, softmax renormalised; GQA with 12-dim heads wider than hidden / heads) in
+    transformers, random init."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, num_local_experts=5, num_experts_per_tok=2, rms_norm_eps=1e-5,
+        max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
+    config.update(overrides)
+    return MixtralForCausalLM(MixtralConfig(**config))
+
+
+def tiny_glm4_moe(**overrides):
+    """A 3-layer glm4_moe (dense first layer; 8 experts in 4 groups, 2 groups kept, top-3, sigmoid scores with the
+    correction bias, scaled by 2.5; 2 shared experts) with q/k/v biases, q/k RMSNorm and RoPE on half of each
+    16-dim head, in transformers, random init."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
+        n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5},
+    )
+    config.update(overrides)
+    return Glm4MoeForCausalLM(Glm4MoeConfig(**config))
+
+
+def tiny_gpt_oss(**overrides):
+    """A 3-layer gpt_oss (sliding, full, sliding; a window of 8 keys, shorter than the align documents; 5 experts
+    top-2; GQA with 16-dim heads; YaRN over an original context of 16, so the ramp splits the 8 frequencies) in
+    transformers, random init. The SwiGLU limit (0.1) is within the tiny experts' pre-activations, so both clamps
+    act; the sinks start at N(0, 1.5), so each takes a real share of its head's softmax."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rms_norm_eps=1e-5,
+        max_position_embeddings=64, swiglu_limit=0.1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 16},
+    )
+    config.update(overrides)
+    model = GptOssForCausalLM(GptOssConfig(**config))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.5)
+    return model

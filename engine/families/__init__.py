@@ -44,6 +44,10 @@ def _registry() -> dict[str, Family]:
     families += [qwen4_exp.Qwen4Exp(), qwen4_exp.Qwen4ExpText()]
     from . import deepseek_v3, deepseek_v32
     families += [deepseek_v3.DeepseekV3(), deepseek_v32.DeepseekV32()]
+    from . import gpt_oss
+    families += [gpt_oss.GptOss()]
+    from . import glm4_moe, mixtral
+    families += [mixtral.Mixtral(), glm4_moe.Glm4Moe()]
     return {t: f for f in families for t in f.model_types}
 
 

@@ -17,11 +17,12 @@ from torch import nn
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
 from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
-from moe_tune.profiles.schema import ModelProfile
+from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv
 from .kda import KimiDeltaAttention
-from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention
+from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
+from .selection import PinnableSelection
 from .varlen import DocumentBuckets, packed_causal_attention
 
 
@@ -55,22 +56,30 @@ class PackedBatch:
 
 class GatedAttention(nn.Module):
     """Softmax attention with GQA, q/k RMSNorm, partial RoPE and a sigmoid output gate (qwen3_next layout: q_proj
-    yields each head's query followed by its gate); without `attention_output_gate`, plain attention (qwen3_moe)."""
+    yields each head's query followed by its gate); without `attention_output_gate`, plain attention (qwen3_moe).
+    `attention_qk_norm: false` drops the q/k norm (mixtral); `attention_bias` gives q, k and v a bias (GLM-4.5)."""
 
-    def __init__(self, cfg: ModelProfile):
+    def __init__(self, cfg: ModelProfile, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         d = cfg.hidden_size
         self.gated = cfg.attention_output_gate
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * (2 if self.gated else 1), bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
+        has_bias = cfg.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim * (2 if self.gated else 1), bias=has_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=has_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=has_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=cfg.attention_output_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus) if cfg.attention_qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus) if cfg.attention_qk_norm else None
         mrope = cfg.vision.mrope_section if cfg.vision is not None else None
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta, mrope)
+        if cfg.rope_yarn is None:
+            self.rotary = RotaryEmbedding(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta, mrope)
+        else:
+            self.rotary = YarnRotary(self.head_dim, cfg.partial_rotary_factor, cfg.rope_theta, cfg.rope_yarn, mrope)
+        # gpt_oss: sliding-window layers and one learned sink logit per head (engine/model/varlen.py).
+        self.sliding_window = sliding_window
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
 
     def project(self, x: torch.Tensor, batch: PackedBatch):
         """x [1, T, D] -> q [1, T, H, hd], k and v [1, T, G, hd], gate [1, T, H, hd] (None when ungated)."""
@@ -81,14 +90,14 @@ class GatedAttention(nn.Module):
             q, gate = self.q_proj(x).view(1, t, self.num_heads, self.head_dim), None
         k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(batch.rotary_positions)
-        q = self.rotary.rotate(self.q_norm(q), cos, sin)
-        k = self.rotary.rotate(self.k_norm(k), cos, sin)
-        return q, k, v, gate
+        return self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin), v, gate
 
     def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
         """The heads' attention output [1, T, H, hd], times sigmoid(gate) when gated."""
-        o = packed_causal_attention(q, k, v, batch.document_buckets)
+        o = packed_causal_attention(q, k, v, batch.document_buckets, sinks=self.sinks, window=self.sliding_window)
         return o if gate is None else o * torch.sigmoid(gate)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -96,7 +105,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(self.attend(x, q, k, v, gate, batch).reshape(1, x.shape[1], -1))
 
 
-class SparseAttention(GatedAttention):
+class SparseAttention(PinnableSelection, GatedAttention):
     """Gated attention where each query sees only the keys picked by a DSA-style indexer (multi-head ReLU scores
     weighted per head; single tokens or mean-pooled key blocks within a token budget)."""
 
@@ -122,12 +131,13 @@ class SparseAttention(GatedAttention):
             indices = topk_indexer(
                 q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
             )
+            indices = self.pin_selection(indices)
         indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
         # The output gate runs inside the sparse attention kernels (their forward's epilogue, dgate beside dq).
         return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens, gate=gate)
 
 
-class QSAIndexer(nn.Module):
+class QSAIndexer(PinnableSelection, nn.Module):
     """qwen4_exp's QSA indexer: per query, the key blocks of `block_size` tokens to attend.
 
     Block key: the mean of the block's raw indexer keys, RMS-normed, then rotated at the block's first position.
@@ -156,10 +166,11 @@ class QSAIndexer(nn.Module):
         # never read (the op reads block j at row o + j * block_size), so windows crossing documents do no harm.
         windows_TD = F.pad(k_idx[0], (0, 0, 0, self.block_size - 1)).unfold(0, self.block_size, 1).mean(-1)
         block_k = rotary.rotate(self.k_layernorm(windows_TD)[None, :, None, :], cos, sin)[:, :, 0]
-        return topk_indexer(
+        indices = topk_indexer(
             q_idx, block_k, None, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens,
             k_idx_is_pooled=True, always_keep_own_block=False,
         )  # fmt: skip
+        return self.pin_selection(indices)
 
 
 class QSAAttention(GatedAttention):
@@ -247,6 +258,21 @@ class GatedDeltaNet(nn.Module):
         return self.o_proj(self.norm(o, z).reshape(1, t, self.hv * self.dv))
 
 
+class YarnRotary(RotaryEmbedding):
+    """RoPE with YaRN's frequencies (engine/model/mla.py's yarn_inv_freq), cos and sin scaled by its attention
+    factor, as transformers applies `rope_type: yarn` to softmax attention (gpt_oss)."""
+
+    def __init__(self, head_dim: int, partial_rotary_factor: float, theta: float, yarn: YarnSpec,
+                 mrope_section: tuple[int, ...] | None = None):
+        super().__init__(head_dim, partial_rotary_factor, theta, mrope_section)
+        self.inv_freq.copy_(yarn_inv_freq(self.rotary_dim, theta, yarn))
+        self.attention_factor = yarn.attention_factor
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = super().cos_sin(positions)
+        return cos * self.attention_factor, sin * self.attention_factor
+
+
 TOKEN_MIXERS = {
     "linear": GatedDeltaNet,
     "sparse": SparseAttention,
@@ -258,6 +284,13 @@ TOKEN_MIXERS = {
 }
 
 
+def build_token_mixer(cfg: ModelProfile, spec: LayerSpec) -> nn.Module:
+    """The token mixer of a layer as its LayerSpec says (a full layer with its sliding window, if any)."""
+    if spec.sliding_window is not None:
+        return GatedAttention(cfg, sliding_window=spec.sliding_window)
+    return TOKEN_MIXERS[spec.attention](cfg)
+
+
 def init_token_mixer(module: nn.Module, std: float) -> None:
     """Init hook for the parts nn.Linear init does not cover.
 
@@ -266,6 +299,8 @@ def init_token_mixer(module: nn.Module, std: float) -> None:
     builds share it. With normal(1 / sqrt(width)) instead (0.5 at width 4, until the eighteenth session,
     2026-11-30), the conv amplified the projections 25x over transformers' at init and a random model learned more
     slowly than transformers' did on the same rows (docs/bench.md, "Losses")."""
+    if isinstance(module, GatedAttention) and module.sinks is not None:
+        nn.init.normal_(module.sinks, std=std)
     if isinstance(module, GatedDeltaNet):
         module.reset_decay_parameters()
         nn.init.normal_(module.conv.weight, std=std)

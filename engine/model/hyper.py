@@ -23,7 +23,7 @@ from torch import nn
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .attention import TOKEN_MIXERS, PackedBatch
+from .attention import PackedBatch, build_token_mixer
 from .blocks import GroupedRMSNorm
 from .moe import channel_mixer
 from .ngram import NGramInjection
@@ -73,7 +73,7 @@ class HyperDecoderLayer(nn.Module):
         ngram_rank = sum(layer.has_ngram_embedding for layer in cfg.layers[:index])
         self.ngram = NGramInjection(cfg, ngram_rank) if spec.has_ngram_embedding else None
         self.attn_hyper_connection = HyperConnection(cfg)
-        self.self_attn = TOKEN_MIXERS[spec.attention](cfg)
+        self.self_attn = build_token_mixer(cfg, spec)
         self.mlp_hyper_connection = HyperConnection(cfg)
         self.mlp, self.aux_loss_coef = channel_mixer(cfg, spec, layout, index)
 

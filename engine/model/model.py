@@ -15,7 +15,7 @@ from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .attention import TOKEN_MIXERS, PackedBatch, init_token_mixer
+from .attention import PackedBatch, build_token_mixer, init_token_mixer
 from .blocks import RMSNorm, document_ids, document_positions
 from .hyper import HyperConnection, HyperDecoderLayer
 from .moe import channel_mixer, init_moe
@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelProfile, spec: LayerSpec, layout: ExpertLayout | None = None, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
-        self.self_attn = TOKEN_MIXERS[spec.attention](cfg)
+        self.self_attn = build_token_mixer(cfg, spec)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.mlp, self.aux_loss_coef = channel_mixer(cfg, spec, layout, index)
 

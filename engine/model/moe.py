@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout, dispatch_compute_combine
-from moe_tune.ops.moe import ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
+from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.profiles.schema import MoESpec
 
 from .blocks import SwiGLU
@@ -27,15 +27,33 @@ def expert_generator(*key: int) -> torch.Generator:
 
 class GroupedExperts(nn.Module):
     """The routed SwiGLU experts this rank holds, in the transformers 5 fused layout: w_gate_up [E_local, 2F, D]
-    (gate rows first), w_down [E_local, D, F]; global expert `first_expert + i` is local expert i.
-    The expert LoRA layer (engine/lora) wraps this module and passes its adapters in."""
+    (gate rows first), w_down [E_local, D, F]; global expert `first_expert + i` is local expert i. gpt_oss's experts
+    add biases b_gate_up [E_local, 2F] (gate first) and b_down [E_local, D] (`has_bias`) and take the clamped SwiGLU.
+    The expert LoRA layer (engine/lora) wraps this module and passes its adapters in; the biases stay as they are."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, first_expert: int = 0, layer_index: int = 0):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        first_expert: int = 0,
+        layer_index: int = 0,
+        has_bias: bool = False,
+        clamped_swiglu: ClampedSwiGLU | None = None,
+    ):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.first_expert, self.layer_index = first_expert, layer_index
+        self.has_bias, self.clamped_swiglu = has_bias, clamped_swiglu
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if has_bias else None
+        self.b_down = nn.Parameter(torch.empty(num_experts, hidden)) if has_bias else None
+
+    def rebuilt(self) -> GroupedExperts:
+        """A fresh module of the same experts and options (the trainer rebuilds experts outside ZeRO-3's init)."""
+        return GroupedExperts(self.num_experts, self.hidden, self.intermediate, self.first_expert, self.layer_index,
+                              self.has_bias, self.clamped_swiglu)
 
     @torch.no_grad()
     def reset_parameters(self, std: float, seed: int) -> None:
@@ -45,6 +63,9 @@ class GroupedExperts(nn.Module):
             # numbers as randn(...) * std.
             for weight in (self.w_gate_up.detach()[i], self.w_down.detach()[i]):
                 torch.randn(weight.shape, generator=gen, out=weight).mul_(std)
+        if self.has_bias:
+            self.b_gate_up.zero_()
+            self.b_down.zero_()
 
     def forward(
         self,
@@ -53,7 +74,8 @@ class GroupedExperts(nn.Module):
         topk_weights: torch.Tensor,
         lora: ExpertLoRA | None = None,
     ) -> torch.Tensor:
-        return moe_mlp(x_TD, topk_ids, topk_weights, self.w_gate_up, self.w_down, lora=lora)
+        return moe_mlp(x_TD, topk_ids, topk_weights, self.w_gate_up, self.w_down, lora=lora, b_gate_up=self.b_gate_up,
+                       b_down=self.b_down, clamped_swiglu=self.clamped_swiglu)
 
 
 class MoEBlock(nn.Module):
@@ -68,9 +90,13 @@ class MoEBlock(nn.Module):
         self.spec = spec
         self.layout = layout or ExpertLayout()
         local = self.layout.local_experts(spec.num_experts)
-        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=spec.router_bias)
+        clamped = None
+        if spec.expert_activation == "clamped_swiglu":
+            clamped = ClampedSwiGLU(spec.swiglu_alpha, spec.swiglu_limit)
         self.experts = GroupedExperts(
-            len(local), hidden, spec.expert_intermediate_size, first_expert=local.start, layer_index=layer_index
+            len(local), hidden, spec.expert_intermediate_size, first_expert=local.start, layer_index=layer_index,
+            has_bias=spec.expert_bias, clamped_swiglu=clamped,
         )
         self.shared_expert = (
             SwiGLU(hidden, spec.shared_expert_intermediate_size) if spec.shared_expert_intermediate_size else None

@@ -188,7 +188,13 @@ class DocumentBuckets:
 
 
 def packed_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: DocumentBuckets, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    buckets: DocumentBuckets,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention inside each document of packed rows, without a [T, T] mask: one variable-length
     flash call where `flash_varlen_applies`, else one SDPA call per bucket of documents, with `is_causal` (never
@@ -196,6 +202,10 @@ def packed_causal_attention(
 
     q: [B, T, H, hd], k: [B, T, G, hd], v: [B, T, G, hdv], float (G divides H); buckets: of the B * T tokens
     (`DocumentBuckets.from_cu_seqlens(cu_seqlens, row_length=T)` when B > 1); scale: default 1 / sqrt(hd).
+    sinks: [H] float or None (default): each head's learned sink logit, one more term exp(sink) in the softmax's
+    denominator (gpt_oss). window: None (default) or the keys a query sees, itself included (keys s with
+    t - window < s <= t). With either, every device takes the buckets, each with a [L, L (+1)] boolean mask
+    (`_banded_sink_attention`).
     Returns [B, T, H, hdv] in q's dtype.
     """
     num_rows, row_length, num_heads = q.shape[:3]
@@ -208,7 +218,12 @@ def packed_causal_attention(
     if buckets.num_tokens != num_tokens:
         raise ValueError(f"buckets cover {buckets.num_tokens} tokens, q {tuple(q.shape)} has {num_tokens}")
     q_S, k_S, v_S = (x.reshape(num_tokens, *x.shape[2:]) for x in (q, k, v))
-    if flash_varlen_applies(q, k, v) and num_tokens:
+    if window is not None and window < 1:
+        raise ValueError(f"window ({window}) must be >= 1 or None")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks: shape {tuple(sinks.shape)} must be [H] = [{num_heads}]")
+    is_plain = sinks is None and window is None
+    if is_plain and flash_varlen_applies(q, k, v) and num_tokens:
         q_S, k_S, v_S = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_S, k_S, v_S))
         o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, buckets.bounds, buckets.max_length, scale)
         return o_T.view(num_rows, row_length, num_heads, -1)
@@ -221,9 +236,55 @@ def packed_causal_attention(
                 x.narrow(0, start, count * length).unflatten(0, (count, length)).transpose(1, 2)
                 for x in (q_S, k_S, v_S)
             )  # [count, heads, length, dim]
-            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
+            if is_plain:
+                o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                o_b = _banded_sink_attention(q_b, k_b, v_b, scale, sinks, window)
             outputs.append(o_b.transpose(1, 2).reshape(count * length, num_heads, -1))
             start += count * length
     o_S = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     o_T = o_S if buckets.scatter is None else o_S.index_select(0, buckets.scatter)
     return o_T.view(num_rows, row_length, num_heads, -1)
+
+
+# The sink's extra channel pads q and k by this many dims, so that head dims that were multiples of 8 stay so (the
+# fused SDPA kernels want it; the math kernel would take any width).
+SINK_CHANNELS = 8
+
+
+def _banded_sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    sinks: torch.Tensor | None,
+    window: int | None,
+) -> torch.Tensor:
+    """One bucket's attention with a sliding window and / or sinks: q [C, H, L, hd], k [C, G, L, hd], v [C, G, L,
+    hdv] -> [C, H, L, hdv].
+
+    Query i sees key j when j <= i and i - j < window. A sink is one more key that every query sees, with value 0
+    and logit sinks[h]: q gains a channel of ones, that key holds sinks[h] / scale there and zeros elsewhere, every
+    other key a zero (so their logits are unchanged). The sink is per query head, so k and v are expanded to H heads.
+    """
+    length, head_dim = q.shape[2], q.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
+    idx = torch.arange(length, device=q.device)
+    allowed_LL = idx[None, :] <= idx[:, None]
+    if window is not None:
+        allowed_LL &= idx[:, None] - idx[None, :] < window
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_LL, scale=scale, enable_gqa=True)
+    count, num_heads = q.shape[:2]
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    extra = q.new_zeros(count, num_heads, length, SINK_CHANNELS)
+    q = torch.cat([q, extra.narrow(-1, 0, 1) + 1, extra.narrow(-1, 1, SINK_CHANNELS - 1)], -1)
+    k = torch.cat([k, extra], -1)
+    sink_key = torch.cat([
+        q.new_zeros(num_heads, head_dim), (sinks / scale).to(q.dtype)[:, None], q.new_zeros(num_heads, SINK_CHANNELS - 1)
+    ], -1)  # fmt: skip
+    k = torch.cat([sink_key[None, :, None, :].expand(count, -1, -1, -1), k], 2)
+    v = torch.cat([v.new_zeros(count, num_heads, 1, v.shape[-1]), v], 2)
+    allowed_LL = torch.cat([allowed_LL.new_ones(length, 1), allowed_LL], 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_LL, scale=scale)

@@ -5,7 +5,7 @@ Outputs in profile.output.dir:
   metrics.jsonl            one record per step           tensorboard/           events (if installed)
   checkpoints/step-N/      atomic, resumable             adapter/               PEFT adapter (LoRA runs)
   adapter-transformers/    the adapter for transformers + PEFT on the checkpoint (runs from a checkpoint)
-  model.safetensors        all weights (full fine-tune)  merged.safetensors     adapters merged (save_merged)
+  model.safetensors        all weights (full fine-tune)  merged/                adapters merged, hub layout (save_merged)
   summary.json             losses, timings, paths
 Every export is consolidated into the single-process layout, whatever the expert-parallel layout of the run.
 """
@@ -48,6 +48,9 @@ class RunResult:
     # Checkpoint models: the adapter renamed for transformers + PEFT on the checkpoint, or why it could not be.
     transformers_adapter: Path | None = None
     transformers_adapter_problem: str | None = None
+    # output.save_merged: the merged model in the hub's layout (out/merged), or why the model has none.
+    merged: Path | None = None
+    merged_problem: str | None = None
     weights: Path | None = None
     metrics: Path | None = None
     deepspeed_config: Path | None = None
@@ -168,9 +171,7 @@ def build_partitioned(cfg, ds_config: dict, activation_checkpointing: bool, layo
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, GroupedExperts):
-                fresh = GroupedExperts(child.num_experts, child.hidden, child.intermediate, child.first_expert,
-                                       child.layer_index)
-                setattr(module, child_name, fresh)
+                setattr(module, child_name, child.rebuilt())
     return model
 
 
@@ -213,7 +214,7 @@ def export_weights(
             persistent = set(module.state_dict(keep_vars=True))
             full_state.update({n: b.detach().cpu() for n, b in module.named_buffers() if n in persistent})
             if is_main:
-                _save_atomic(save_file, _merged_state(profile, full_state), out / "merged.safetensors", profile)
+                _export_merged(profile, _merged_state(profile, full_state), out / "merged", result)
         return adapter_dir, None
 
     state = _gathered_state(module, only_trainable=False, layout=layout)
@@ -249,6 +250,24 @@ def _save_atomic(save_file, state: dict[str, torch.Tensor], path: Path, profile:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(state, str(tmp), metadata={"format": "pt", "moe_tune_profile": profile.name})
     tmp.replace(path)
+
+
+def _export_merged(profile: JobProfile, merged: dict[str, torch.Tensor], directory: Path, result) -> None:
+    """out/merged: the merged weights as `moe-tune export --merge` writes them (the hub's layout, engine/export),
+    or the reason a model has no such layout (result.merged_problem), not a failed run."""
+    import shutil
+
+    from moe_tune.engine.export.hub import DEFAULT_SHARD_SIZE, export_hub, parse_size
+    from moe_tune.engine.export.sources import DictSource
+    from moe_tune.engine.families import UnsupportedModel
+
+    if directory.exists():
+        shutil.rmtree(directory)
+    try:
+        result.merged = export_hub(DictSource(merged), profile.model, directory, parse_size(DEFAULT_SHARD_SIZE),
+                                   profile.train.precision)
+    except (ProfileError, UnsupportedModel) as err:
+        result.merged_problem = err.problems[0] + (f" (and {len(err.problems) - 1} more)" if len(err.problems) > 1 else "")
 
 
 def _merged_state(profile: JobProfile, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

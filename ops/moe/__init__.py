@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from moe_tune.ops.common.dispatch import use_kernel
-from moe_tune.ops.moe.reference import ExpertLoRA, moe_mlp_ref, switch_aux_loss, topk_route
+from moe_tune.ops.moe.reference import ClampedSwiGLU, ExpertLoRA, moe_mlp_ref, switch_aux_loss, topk_route
 
-__all__ = ["ExpertLoRA", "moe_mlp", "switch_aux_loss", "topk_route"]
+__all__ = ["ClampedSwiGLU", "ExpertLoRA", "moe_mlp", "switch_aux_loss", "topk_route"]
 
 _ID_DTYPES = (torch.int64, torch.int32)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -23,6 +23,10 @@ def moe_mlp(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     lora: ExpertLoRA | None = None,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamped_swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with SwiGLU experts (transformers 5 layout).
 
@@ -32,21 +36,42 @@ def moe_mlp(
     w_gate_up:    [E, 2F, D] float, gate rows first, then up
     w_down:       [E, D, F] float
     lora:         ExpertLoRA or None (default): scaling * B (A x) added on either or both projections
+    b_gate_up:    [E, 2F] float or None (default): bias of the gate/up projection (gpt_oss)
+    b_down:       [E, D] float or None (default): bias of the down projection, added before the routing weight
+    clamped_swiglu: ClampedSwiGLU or None (default: silu(gate) * up): gpt_oss's clamped activation
     Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights and the LoRA tensors.
     Runs the Triton kernels (kernels.py) when every tensor is on CUDA and every float is fp16/bf16/fp32, the
-    reference otherwise; MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).
+    reference otherwise (always with biases or the clamped activation, which the kernels do not take); MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
+    _check_gpt_oss_inputs(w_gate_up, b_gate_up, b_down, clamped_swiglu)
     lora_tensors = (None,) * 4 if lora is None else (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)
-    has_kernel = _kernel_takes(x, topk_weights, w_gate_up, w_down, *lora_tensors)
+    is_plain = b_gate_up is None and b_down is None and clamped_swiglu is None
+    has_kernel = is_plain and _kernel_takes(x, topk_weights, w_gate_up, w_down, *lora_tensors)
     if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.moe.autograd import MoEFunction
 
         scaling = 1.0 if lora is None else float(lora.scaling)
         return MoEFunction.apply(x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling)
-    return moe_mlp_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
+    return moe_mlp_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
+                       clamped_swiglu=clamped_swiglu)
+
+
+def _check_gpt_oss_inputs(
+    w_gate_up: torch.Tensor,
+    b_gate_up: torch.Tensor | None,
+    b_down: torch.Tensor | None,
+    clamped_swiglu: ClampedSwiGLU | None,
+) -> None:
+    num_experts, two_f, model_dim = w_gate_up.shape
+    for name, bias, shape in (("b_gate_up", b_gate_up, (num_experts, two_f)), ("b_down", b_down, (num_experts, model_dim))):
+        if bias is not None and (tuple(bias.shape) != shape or not bias.is_floating_point()):
+            raise ValueError(f"{name}: shape {tuple(bias.shape)} dtype {bias.dtype} must be a float {list(shape)} "
+                             "to match w_gate_up")
+    if clamped_swiglu is not None and not isinstance(clamped_swiglu, ClampedSwiGLU):
+        raise ValueError(f"clamped_swiglu: {type(clamped_swiglu).__name__} must be a ClampedSwiGLU or None")
 
 
 def _kernel_takes(x: torch.Tensor, *floats: torch.Tensor | None) -> bool:

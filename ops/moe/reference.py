@@ -3,7 +3,8 @@
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token (top-k), r LoRA rank;
 group-limited routing: G expert groups of e = E / G experts, g groups kept per token.
 Expert weights use the transformers 5 fused layout: w_gate_up [E, 2F, D] (gate rows first, then up), w_down [E, D, F].
-Expert e on a row x: h = silu(x W_gate^T) * (x W_up^T), y_e = h W_down^T.
+Expert e on a row x: h = silu(x W_gate^T) * (x W_up^T), y_e = h W_down^T. gpt_oss's experts add biases (b_gate_up
+[E, 2F], b_down [E, D]) and take the clamped SwiGLU (ClampedSwiGLU) instead.
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ class ExpertLoRA:
         _check_pair("a_down", self.a_down, "b_down", self.b_down, E, d_in=F, d_out=D)
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt_oss's expert activation: gate clamped above at `limit`, up clamped to [-limit, limit], then
+    h = gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, clamped: ClampedSwiGLU | None) -> torch.Tensor:
+    """h from the gate and up halves: silu(gate) * up, or the clamped SwiGLU."""
+    if clamped is None:
+        return F_nn.silu(gate) * up
+    gate = gate.clamp(max=clamped.limit)
+    up = up.clamp(-clamped.limit, clamped.limit)
+    return gate * torch.sigmoid(gate * clamped.alpha) * (up + 1)
+
+
 def _check_pair(
     a_name: str, a: torch.Tensor | None, b_name: str, b: torch.Tensor | None, E: int, d_in: int, d_out: int
 ) -> None:
@@ -74,17 +93,24 @@ def _expert_mlp(
     w_down_DF: torch.Tensor,
     lora: ExpertLoRA | None,
     e: int,
+    b_gate_up_2F: torch.Tensor | None = None,
+    b_down_D: torch.Tensor | None = None,
+    clamped: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """SwiGLU MLP of expert e on the M rows routed to it; every tensor already in the compute dtype."""
     num_hidden = w_down_DF.shape[1]
     gate_up_M2F = x_MD @ w_gate_up_2FD.T
     if lora is not None and lora.has_gate_up:
         gate_up_M2F = gate_up_M2F + lora.scaling * ((x_MD @ lora.a_gate_up[e].T) @ lora.b_gate_up[e].T)
+    if b_gate_up_2F is not None:
+        gate_up_M2F = gate_up_M2F + b_gate_up_2F
     gate_MF, up_MF = gate_up_M2F.split(num_hidden, dim=-1)
-    h_MF = F_nn.silu(gate_MF) * up_MF
+    h_MF = expert_activation(gate_MF, up_MF, clamped)
     y_MD = h_MF @ w_down_DF.T
     if lora is not None and lora.has_down:
         y_MD = y_MD + lora.scaling * ((h_MF @ lora.a_down[e].T) @ lora.b_down[e].T)
+    if b_down_D is not None:
+        y_MD = y_MD + b_down_D
     return y_MD
 
 
@@ -107,10 +133,15 @@ def moe_mlp_ref(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     lora: ExpertLoRA | None = None,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamped_swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """Grouped MoE MLP: sort token-slots by expert, one matmul per expert on its rows, weighted index_add_ combine.
 
-    x: [N, D], topk_ids: [N, k] int64/int32, topk_weights: [N, k] float, w_gate_up: [E, 2F, D], w_down: [E, D, F].
+    x: [N, D], topk_ids: [N, k] int64/int32, topk_weights: [N, k] float, w_gate_up: [E, 2F, D], w_down: [E, D, F];
+    b_gate_up: [E, 2F], b_down: [E, D] or None; clamped_swiglu: the activation, None for silu(gate) * up.
     Returns y: [N, D] in x.dtype, computed in fp32 (fp64 for fp64 inputs). Differentiable in every float input.
     Reads the per-expert counts on the host: a training path for the CPU, not for CUDA.
     """
@@ -121,6 +152,8 @@ def moe_mlp_ref(
     w_gate_up_E2FD = w_gate_up.to(dtype)
     w_down_EDF = w_down.to(dtype)
     lora = _lora_to(lora, dtype)
+    b_gate_up_E2F = None if b_gate_up is None else b_gate_up.to(dtype)
+    b_down_ED = None if b_down is None else b_down.to(dtype)
 
     # Slot s = token * k + j; a stable sort keeps each expert's rows in token order.
     ids_S = topk_ids.reshape(-1).long()
@@ -135,7 +168,11 @@ def moe_mlp_ref(
         if count == 0:
             continue
         rows_MD = x_sorted_SD[start : start + count]
-        outputs.append(_expert_mlp(rows_MD, w_gate_up_E2FD[e], w_down_EDF[e], lora, e))
+        outputs.append(_expert_mlp(
+            rows_MD, w_gate_up_E2FD[e], w_down_EDF[e], lora, e,
+            None if b_gate_up_E2F is None else b_gate_up_E2F[e], None if b_down_ED is None else b_down_ED[e],
+            clamped_swiglu,
+        ))  # fmt: skip
         start += count
     y_sorted_SD = torch.cat(outputs) if outputs else x_ND.new_zeros((0, x_ND.shape[1]))
 
@@ -151,6 +188,10 @@ def moe_mlp_loop_ref(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     lora: ExpertLoRA | None = None,
+    *,
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    clamped_swiglu: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """Per-token oracle: for each token and each of its k slots, run the chosen expert on that one token.
 
@@ -173,8 +214,19 @@ def moe_mlp_loop_ref(
                 delta_2F = lora.scaling * (lora.b_gate_up[e] @ (lora.a_gate_up[e] @ x_ND[t]))
                 gate_F = gate_F + delta_2F[:num_hidden]
                 up_F = up_F + delta_2F[num_hidden:]
-            h_F = gate_F * torch.sigmoid(gate_F) * up_F
+            if b_gate_up is not None:
+                gate_F = gate_F + b_gate_up[e, :num_hidden].to(dtype)
+                up_F = up_F + b_gate_up[e, num_hidden:].to(dtype)
+            if clamped_swiglu is None:
+                h_F = gate_F * torch.sigmoid(gate_F) * up_F
+            else:
+                gate_F = torch.minimum(gate_F, gate_F.new_tensor(clamped_swiglu.limit))
+                up_F = torch.maximum(torch.minimum(up_F, up_F.new_tensor(clamped_swiglu.limit)),
+                                     up_F.new_tensor(-clamped_swiglu.limit))
+                h_F = gate_F * torch.sigmoid(clamped_swiglu.alpha * gate_F) * (up_F + 1)
             out_D = w_down_EDF[e] @ h_F
+            if b_down is not None:
+                out_D = out_D + b_down[e].to(dtype)
             if lora is not None and lora.a_down is not None:
                 out_D = out_D + lora.scaling * (lora.b_down[e] @ (lora.a_down[e] @ h_F))
             y_D = y_D + weights_Nk[t, j] * out_D
