@@ -175,3 +175,59 @@ class DeepseekV3(Family):
             base = PREFIX + name.removesuffix("w_down")
             return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
         return take(PREFIX + name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
+
+    def to_config(self, model: ModelProfile) -> dict[str, Any]:
+        """config.json of this model type for `model`: the inverse of to_profile, written from what transformers
+        runs (MLA on every layer, dense layers first, sigmoid group routing with a correction bias and an ungated
+        shared expert). deepseek_v32 reads the indexer fields and mlp_layer_types too; deepseek_v3 ignores them.
+        Fields it has no place for are left out; engine/families/hub_config.py reads the config back and names
+        what differs."""
+        mla, moe, sparse = model.mla, model.moe, model.sparse_attention
+        is_dense = [layer.mlp == "dense" for layer in model.layers]
+        leading_dense = next((i for i, dense in enumerate(is_dense) if not dense), len(is_dense))
+        config: dict[str, Any] = dict(
+            model_type=self.model_types[0],
+            vocab_size=model.vocab_size,
+            hidden_size=model.hidden_size,
+            num_hidden_layers=len(model.layers),
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_attention_heads,
+            first_k_dense_replace=leading_dense,
+            mlp_layer_types=["dense" if dense else "sparse" for dense in is_dense],
+            moe_layer_freq=1,
+            rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+            rms_norm_eps=model.rms_norm_eps,
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            tie_word_embeddings=model.tie_word_embeddings,
+            initializer_range=model.init_std,
+        )
+        if model.intermediate_size:
+            config["intermediate_size"] = model.intermediate_size
+        if mla:
+            config.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                          qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
+                          v_head_dim=mla.v_head_dim, rope_interleave=mla.rope == "interleaved")
+            if mla.yarn:
+                yarn = mla.yarn
+                config["rope_parameters"] = dict(
+                    rope_type="yarn", rope_theta=model.rope_theta, factor=yarn.factor,
+                    original_max_position_embeddings=yarn.original_max_position_embeddings,
+                    beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow, attention_factor=yarn.attention_factor,
+                    truncate=yarn.truncate,
+                )
+        if moe:
+            # The shared expert is n_shared_experts routed experts wide; transformers always builds one, so without
+            # it the default count reads back.
+            shared = moe.shared_expert_intermediate_size // moe.expert_intermediate_size
+            config.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                          moe_intermediate_size=moe.expert_intermediate_size,
+                          n_group=moe.n_group, topk_group=moe.topk_group, norm_topk_prob=moe.renormalize,
+                          routed_scaling_factor=moe.routed_scaling, scoring_func="sigmoid", topk_method="noaux_tc")
+            if shared:
+                config["n_shared_experts"] = shared
+        if sparse:
+            config.update(index_n_heads=sparse.index_heads, index_head_dim=sparse.index_head_dim,
+                          index_topk=sparse.topk)
+        return config

@@ -211,3 +211,52 @@ class KimiLinear(Family):
         if param.startswith("shared_expert."):
             return take(block + "shared_experts." + param.removeprefix("shared_expert."))
         return take(block + param)
+
+    def to_config(self, model: ModelProfile) -> dict[str, Any]:
+        """config.json of a transformers kimi_linear for `model`: the inverse of to_profile, written from what
+        transformers runs (KDA and RoPE-less MLA layers, plain norms, sigmoid group routing with a correction bias
+        and an ungated shared expert). Fields it has no place for are left out; engine/families/hub_config.py
+        reads the config back and names what differs."""
+        kda, mla, moe = model.kda_attention, model.mla, model.moe
+        config: dict[str, Any] = dict(
+            model_type="kimi_linear",
+            vocab_size=model.vocab_size,
+            hidden_size=model.hidden_size,
+            num_hidden_layers=len(model.layers),
+            layer_types=["linear_attention" if layer.attention == "kda" else "full_attention"
+                         for layer in model.layers],
+            mlp_layer_types=["sparse" if layer.mlp == "moe" else "dense" for layer in model.layers],
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_attention_heads,
+            rms_norm_eps=model.rms_norm_eps,
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            tie_word_embeddings=model.tie_word_embeddings,
+            initializer_range=model.init_std,
+            num_nextn_predict_layers=0,
+            # transformers' defaults are Kimi's own token ids, outside a smaller vocabulary.
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        if model.intermediate_size:
+            config["intermediate_size"] = model.intermediate_size
+        if kda:
+            config.update(linear_num_heads=kda.num_heads, linear_head_dim=kda.head_dim,
+                          linear_conv_kernel_dim=kda.conv_kernel_size)
+        if mla:
+            config.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                          qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim,
+                          v_head_dim=mla.v_head_dim)
+        if moe:
+            # The shared expert is n_shared_experts routed experts wide; transformers always builds one, so without
+            # it the default count reads back.
+            shared = moe.shared_expert_intermediate_size // moe.expert_intermediate_size
+            config.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                          moe_intermediate_size=moe.expert_intermediate_size,
+                          n_group=moe.n_group, topk_group=moe.topk_group, use_grouped_topk=True,
+                          norm_topk_prob=moe.renormalize, routed_scaling_factor=moe.routed_scaling)
+            if shared:
+                config["n_shared_experts"] = shared
+        return config

@@ -66,6 +66,9 @@ class Qwen3Moe(Family):
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
         return qwen_recipe(name, module)
 
+    def to_config(self, model: ModelProfile) -> dict[str, Any]:
+        return qwen3_moe_config(model)
+
 
 def qwen_recipe(name: str, module: nn.Module, prefix: str = "model.") -> Recipe:
     """The naming the Qwen MoE families share: our module names are theirs under `prefix`, the routed experts are
@@ -81,3 +84,35 @@ def qwen_recipe(name: str, module: nn.Module, prefix: str = "model.") -> Recipe:
         base = prefix + name.removesuffix("w_down")
         return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
     return take(prefix + name)
+
+
+def qwen3_moe_config(model: ModelProfile) -> dict[str, Any]:
+    """config.json of a transformers qwen3_moe for `model`, written from what Qwen3MoeForCausalLM runs: full
+    attention with whole-head RoPE, plain norms, softmax routing without shared experts or a selection bias. Fields
+    it has no place for are left out; engine/families/hub_config.py reads the config back and names what differs."""
+    moe = model.moe
+    config: dict[str, Any] = dict(
+        model_type="qwen3_moe",
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        num_hidden_layers=len(model.layers),
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        rms_norm_eps=model.rms_norm_eps,
+        hidden_act="silu",
+        attention_bias=False,
+        use_sliding_window=False,
+        tie_word_embeddings=model.tie_word_embeddings,
+        initializer_range=model.init_std,
+        mlp_only_layers=[i for i, layer in enumerate(model.layers) if layer.mlp == "dense"],
+        decoder_sparse_step=1,
+        num_experts=moe.num_experts if moe else 0,
+    )
+    if model.intermediate_size:
+        config["intermediate_size"] = model.intermediate_size
+    if moe:
+        config.update(num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.expert_intermediate_size,
+                      norm_topk_prob=moe.renormalize)
+    return config

@@ -159,6 +159,10 @@ class Qwen3Next(Family):
             return grouped_rows(layer + "in_proj_ba.weight", hk, [group, group], ba_parts[proj])
         return shared_linear_attention_recipe(param, layer)
 
+    def to_config(self, model: ModelProfile) -> dict[str, Any]:
+        """The flat (text-only) config.json of this model type for `model`."""
+        return {"model_type": self.model_types[0], **hybrid_config(model)}
+
 
 class grouped_rows:
     """Recipe: rows of a projection stored as `num_groups` blocks of [part 0 | part 1 | ...] (`sizes` rows each):
@@ -222,3 +226,44 @@ def shared_linear_attention_recipe(param: str, layer: str) -> Recipe:
     if param in ("A_log", "dt_bias"):
         return take(layer + param)
     raise KeyError(param)
+
+
+def hybrid_config(model: ModelProfile) -> dict[str, Any]:
+    """The text config of a transformers qwen3_next-style model for `model` (the inverse of hybrid_profile), written
+    from what transformers runs: gated delta net and gated full attention layers, (1 + w) norms, softmax routing
+    with a sigmoid-gated shared expert. Fields it has no place for are left out; engine/families/hub_config.py
+    reads the config back and names what differs."""
+    linear, moe = model.linear_attention, model.moe
+    config: dict[str, Any] = dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        num_hidden_layers=len(model.layers),
+        layer_types=["linear_attention" if layer.attention == "linear" else "full_attention" for layer in model.layers],
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta,
+                         "partial_rotary_factor": model.partial_rotary_factor},
+        rms_norm_eps=model.rms_norm_eps,
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=model.tie_word_embeddings,
+        initializer_range=model.init_std,
+        mlp_only_layers=[i for i, layer in enumerate(model.layers) if layer.mlp == "dense"],
+        decoder_sparse_step=1,
+        num_experts=moe.num_experts if moe else 0,
+    )
+    if model.intermediate_size:
+        config["intermediate_size"] = model.intermediate_size
+    if linear:
+        config.update(linear_num_key_heads=linear.num_key_heads, linear_num_value_heads=linear.num_value_heads,
+                      linear_key_head_dim=linear.key_head_dim, linear_value_head_dim=linear.value_head_dim,
+                      linear_conv_kernel_dim=linear.conv_kernel_size)
+    if moe:
+        config.update(num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.expert_intermediate_size,
+                      norm_topk_prob=moe.renormalize)
+        # transformers always builds the shared expert: without one, its default width reads back.
+        if moe.shared_expert_intermediate_size:
+            config["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    return config
