@@ -304,3 +304,59 @@ class Qwen4ExpText(Qwen4Exp):
 
     def text_config(self, config: dict[str, Any]) -> HFConfig:
         return HFConfig(config)
+
+    def to_config(self, model: ModelProfile) -> dict[str, Any]:
+        """The flat config.json of a Qwen4ExpForCausalLM for `model`: the inverse of to_profile, written from what
+        transformers runs (gated delta net and QSA layers, hyper-connections, PLE on linear layers, every layer
+        MoE with a gated shared expert). Fields it has no place for are left out; engine/families/hub_config.py
+        reads the config back and names what differs."""
+        linear, sparse, moe = model.linear_attention, model.sparse_attention, model.moe
+        streams, ngram = model.hyper_connections, model.ngram_embedding
+        config: dict[str, Any] = dict(
+            model_type=self.model_types[0],
+            vocab_size=model.vocab_size,
+            hidden_size=model.hidden_size,
+            num_hidden_layers=len(model.layers),
+            # transformers keys its masks by "indexed_attention".
+            layer_types=["linear_attention" if layer.attention == "linear" else "indexed_attention"
+                         for layer in model.layers],
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+            head_dim=model.head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta,
+                             "partial_rotary_factor": model.partial_rotary_factor},
+            rms_norm_eps=model.rms_norm_eps,
+            hidden_act="silu",
+            attention_bias=False,
+            attention_dropout=0.0,
+            tie_word_embeddings=model.tie_word_embeddings,
+            initializer_range=model.init_std,
+            # transformers runs PLE on linear layers only.
+            ple_layer_ids=[i + 1 for i, layer in enumerate(model.layers)
+                           if layer.has_ngram_embedding and layer.attention == "linear"],
+        )
+        if streams:
+            config.update(hc_count=streams.num_streams, hc_lowrank=streams.mix_rank)
+        if linear:
+            config.update(linear_num_key_heads=linear.num_key_heads, linear_num_value_heads=linear.num_value_heads,
+                          linear_key_head_dim=linear.key_head_dim, linear_value_head_dim=linear.value_head_dim,
+                          linear_conv_kernel_dim=linear.conv_kernel_size,
+                          output_gate_type=linear.output_gate_activation)
+        if sparse:
+            config.update(indexer_n_heads=sparse.index_heads, indexer_kv_heads=1,
+                          indexer_head_dim=sparse.index_head_dim, indexer_budget=sparse.topk,
+                          indexer_compress_ratio=sparse.block_size)
+        if moe:
+            config.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                          moe_intermediate_size=moe.expert_intermediate_size, norm_topk_prob=moe.renormalize)
+            # transformers always builds the shared expert: without one, its default width reads back.
+            if moe.shared_expert_intermediate_size:
+                config["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+        if ngram and config["ple_layer_ids"]:
+            # One row shard per table: the reader takes whole or sharded tables alike.
+            config.update(ple_embed_dim=ngram.embed_dim, ngram_size=ngram.ngram_size,
+                          heads_per_ngram=ngram.heads_per_ngram, ngram_vocab_size_base=ngram.vocab_size_base,
+                          make_ngram_vocab_size_divisible_by=ngram.vocab_size_multiple, seed=ngram.hash_seed,
+                          ple_conv_kernel_size=ngram.conv_kernel_size, eos_token_id=ngram.boundary_token_id,
+                          split_ngram_parts=1)
+        return config
