@@ -97,6 +97,44 @@ class _FlashVarlenCausal(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _FlashVarlenWindowSinks(torch.autograd.Function):
+    """_FlashVarlenCausal with a sliding window (flash's own: window_size_left = window - 1) and / or one sink logit
+    per head [H]. The sink is a key of value 0: o' = o exp(lse - lse') with lse' = logaddexp(lse, sink). Flash's
+    backward run on (o', lse') is the backward of that softmax over the keys and the sink (its P is exp(s - lse'),
+    its D = rowsum(do . o') has no term from a zero value), and dsink = -sum_t exp(sink - lse'_t) (do'_t . o'_t)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, bounds: torch.Tensor, max_length: int, scale: float | None, window: int | None):
+        left, right = (window - 1, 0) if window is not None else (-1, -1)
+        o, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, bounds, bounds, max_length, max_length, 0.0, True, False, scale=scale,
+            window_size_left=left, window_size_right=right,
+        )  # fmt: skip
+        if sinks is not None:
+            # lse: [H, T] fp32.
+            lse_with_sink = torch.logaddexp(lse, sinks.float()[:, None])
+            o = (o.float() * torch.exp(lse - lse_with_sink).transpose(0, 1)[..., None]).to(o.dtype)
+            lse = lse_with_sink
+        ctx.save_for_backward(q, k, v, o, lse, bounds, rng_state, unused, sinks)
+        ctx.max_length, ctx.scale, ctx.window_sizes = max_length, scale, (left, right)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, bounds, rng_state, unused, sinks = ctx.saved_tensors
+        do = do.contiguous()
+        left, right = ctx.window_sizes
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            do, q, k, v, o, lse, bounds, bounds, ctx.max_length, ctx.max_length, 0.0, True, rng_state, unused,
+            scale=ctx.scale, window_size_left=left, window_size_right=right,
+        )  # fmt: skip
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            do_dot_o = (do.float() * o.float()).sum(-1).transpose(0, 1)  # [H, T]
+            dsinks = -(torch.exp(sinks.float()[:, None] - lse) * do_dot_o).sum(1).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
 def padded_length(length: int) -> int:
     """The bucket of a document of `length` tokens: `length` rounded up to a multiple of its octave's step."""
     step = 1 << max(length.bit_length() - 1 - PAD_BUCKET_BITS, 0)
@@ -204,7 +242,8 @@ def packed_causal_attention(
     (`DocumentBuckets.from_cu_seqlens(cu_seqlens, row_length=T)` when B > 1); scale: default 1 / sqrt(hd).
     sinks: [H] float or None (default): each head's learned sink logit, one more term exp(sink) in the softmax's
     denominator (gpt_oss). window: None (default) or the keys a query sees, itself included (keys s with
-    t - window < s <= t). With either, every device takes the buckets, each with a [L, L (+1)] boolean mask
+    t - window < s <= t). With either, the flash call takes flash's window and corrects its output by the sink
+    through its log-sum-exp (`_FlashVarlenWindowSinks`); the buckets take a [L, L (+1)] boolean mask each
     (`_banded_sink_attention`).
     Returns [B, T, H, hdv] in q's dtype.
     """
@@ -223,9 +262,14 @@ def packed_causal_attention(
     if sinks is not None and tuple(sinks.shape) != (num_heads,):
         raise ValueError(f"sinks: shape {tuple(sinks.shape)} must be [H] = [{num_heads}]")
     is_plain = sinks is None and window is None
-    if is_plain and flash_varlen_applies(q, k, v) and num_tokens:
+    if flash_varlen_applies(q, k, v) and num_tokens:
         q_S, k_S, v_S = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_S, k_S, v_S))
-        o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, buckets.bounds, buckets.max_length, scale)
+        if is_plain:
+            o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, buckets.bounds, buckets.max_length, scale)
+        else:
+            o_T = _FlashVarlenWindowSinks.apply(
+                q_S, k_S, v_S, sinks, buckets.bounds, buckets.max_length, scale, window
+            )
         return o_T.view(num_rows, row_length, num_heads, -1)
     if buckets.gather is not None:
         q_S, k_S, v_S = (x.index_select(0, buckets.gather) for x in (q_S, k_S, v_S))

@@ -205,7 +205,7 @@ def _dense_attention(q, k, v, cu_seqlens, sinks, window):
         qd, kd, vd = q[0, a:b].transpose(0, 1), k[0, a:b].transpose(0, 1), v[0, a:b].transpose(0, 1)
         kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
         scores = qd @ kd.transpose(1, 2) * q.shape[-1] ** -0.5
-        i = torch.arange(b - a)
+        i = torch.arange(b - a, device=q.device)
         allowed = i[None, :] <= i[:, None]
         if window is not None:
             allowed &= i[:, None] - i[None, :] < window
@@ -237,6 +237,34 @@ def test_packed_attention_with_sinks_and_window(lengths, window, has_sinks):
     expected_grads = torch.autograd.grad(expected, leaves, grad)
     for got, want in zip(ours_grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 1, 128], ids=["sinks", "window 1 sinks", "window 128 sinks"])
+@pytest.mark.parametrize("path", ["flash", "buckets"])
+def test_packed_attention_with_sinks_on_cuda(window, path):
+    """bf16 on the GPU (the flash call with the log-sum-exp sink correction, or the masked SDPA buckets) against the
+    fp64 dense reference: within bf16 rounding, forward and every gradient."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [300, 45, 700, 129, 1]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total, heads, kv_heads, dim = int(cu[-1]), 8, 2, 64
+    q, k, v = (torch.randn(1, total, h, dim, generator=gen, dtype=torch.float64).cuda()
+               for h in (heads, kv_heads, kv_heads))
+    sinks = (torch.randn(heads, generator=gen, dtype=torch.float64) * 2).cuda()
+    grad = torch.randn(1, total, heads, dim, generator=gen, dtype=torch.float64).cuda()
+    leaves64 = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    expected = _dense_attention(*leaves64[:3], cu, leaves64[3], window)
+    expected_grads = torch.autograd.grad(expected, leaves64, grad)
+    leaves = [t.to(torch.bfloat16 if i < 3 else torch.float32).requires_grad_() for i, t in enumerate((q, k, v, sinks))]
+    backends = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if path == "buckets" else [SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(backends):
+        ours = packed_causal_attention(*leaves[:3], DocumentBuckets.from_cu_seqlens(cu), sinks=leaves[3], window=window)
+        ours_grads = torch.autograd.grad(ours, leaves, grad.to(torch.bfloat16))
+    for got, want in zip((ours, *ours_grads), (expected, *expected_grads)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
 
 
 @pytest.mark.parametrize("bad, match", [
