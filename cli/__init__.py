@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from . import align, finetune, plan, profile, profiles
+from . import align, export, finetune, plan, profile, profiles
+from . import onboard
 
 app = typer.Typer(
     name="moe-tune",
@@ -18,6 +19,8 @@ app.add_typer(profiles.app)
 app.add_typer(plan.app)
 app.add_typer(profile.app)
 app.add_typer(align.app)
+app.add_typer(onboard.app)
+app.add_typer(export.app)
 
 
 def main() -> None:

@@ -1,0 +1,39 @@
+"""`moe-tune export`: a finished run written as a Hugging Face checkpoint folder (or PEFT adapter) in the hub's
+layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ._common import user_errors
+
+app = typer.Typer()
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a finetune output.dir")],
+    merge: Annotated[
+        bool, typer.Option("--merge", help="LoRA runs: the base weights with the adapters merged in (default: the "
+                           "PEFT adapter on the checkpoint's module names)")
+    ] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="a new or empty folder (default: RUN_DIR/export, or export-merged)")
+    ] = None,
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", help="largest safetensors shard, e.g. 500MB, 5GB")
+    ] = "5GB",
+    step: Annotated[
+        int | None, typer.Option("--step", help="export checkpoints/step-N instead of the run's final state")
+    ] = None,
+) -> None:
+    """Write the run as a checkpoint folder transformers loads (AutoModelForCausalLM.from_pretrained): the base
+    checkpoint's config, tokenizer and processor files, the weights in its key layout as sharded safetensors."""
+    from moe_tune.engine.export.hub import export_run
+
+    with user_errors():
+        written = export_run(run_dir, merge, out, max_shard_size, step)
+    typer.echo(f"exported to {written}")

@@ -1,0 +1,386 @@
+"""Writing a state source (engine/export/__init__.py) as a Hugging Face checkpoint folder in the hub's key layout.
+
+The family's recipes say how each of our tensors is built from checkpoint tensors, by pure rearrangement (take,
+concat, stacked_experts, grouped_rows, slices, reshapes). They are inverted without knowing them: run on a getter
+whose tensors hold the flat index of each of their elements (int64), a recipe returns, for each element of our
+tensor, where it sits among the checkpoint keys it read; our values are scattered there. Every key of the base
+checkpoint is written, in its dtype and under its name (a key no recipe reads, such as mtp.*, as it is), in
+shards of at most --max-shard-size with model.safetensors.index.json; one shard is held in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import ModelProfile
+
+from . import StateSource
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD_SIZE = "5GB"
+# The files of a checkpoint folder besides its weights that a loader reads: copied as they are.
+COPIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+)  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+
+
+def parse_size(text: str, what: str = "--max-shard-size") -> int:
+    """"500MB" / "5GB" / "2GiB" / "1000" (bytes) -> bytes; ProfileError naming `what` otherwise."""
+    match = _SIZE.match(str(text))
+    size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()]) if match else 0
+    if size < 1:
+        raise ProfileError([f"{what} ({str(text)!r}) must be a positive size such as 500MB or 5GB"])
+    return size
+
+
+@dataclass
+class KeyInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Layout:
+    """The keys to write: name -> shape and dtype, in the base checkpoint's order; `base(key)` its stored value
+    (None for a model that has no base checkpoint: every element must then come from our state)."""
+
+    keys: dict[str, KeyInfo]
+    reader: object | None = None
+
+    def base(self, key: str) -> torch.Tensor | None:
+        return None if self.reader is None else self.reader.get(key)
+
+
+def checkpoint_layout(reader) -> Layout:
+    keys = {}
+    for key in reader.keys():
+        view = reader._handles[reader._where[key]].get_slice(key)
+        keys[key] = KeyInfo(tuple(view.get_shape()), _DTYPES[view.get_dtype()])
+    return Layout(keys, reader)
+
+
+class _Tracer:
+    """A getter for recipes: tensors of the layout's shapes (meta tensors, or each element's global index)."""
+
+    def __init__(self, layout: Layout, indices: bool, offsets: dict[str, int] | None = None):
+        self.layout, self.indices, self.offsets = layout, indices, offsets
+        self.read: list[str] = []
+
+    def __call__(self, key: str) -> torch.Tensor:
+        info = self.layout.keys.get(key)
+        if info is None:
+            raise KeyError(key)
+        if key not in self.read:
+            self.read.append(key)
+        if not self.indices:
+            return torch.empty(info.shape, dtype=torch.float32, device="meta")
+        start = self.offsets[key]
+        return torch.arange(start, start + info.numel, dtype=torch.int64).view(info.shape)
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self(key)[start:stop]
+
+
+@dataclass
+class _Plan:
+    """Per key, our tensors written into it (with the recipe that reads it); keys our model does not read."""
+
+    writers: dict[str, list[str]] = field(default_factory=dict)
+    recipes: dict[str, object] = field(default_factory=dict)
+    reads: dict[str, list[str]] = field(default_factory=dict)
+    unplaced: list[str] = field(default_factory=list)
+
+
+def plan_export(model: nn.Module, cfg: ModelProfile, family, layout: Layout, names: list[str]) -> _Plan:
+    """Which keys each of our tensors is built from (traced on meta tensors). A name whose recipe is None has no
+    place in the checkpoint (ours alone); a tied name whose recipe reads a key the checkpoint lacks is skipped."""
+    from moe_tune.engine.families.base import take
+
+    plan = _Plan()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    problems = []
+    for name in names:
+        module = model.get_submodule(name.rpartition(".")[0])
+        recipe = family.recipe(name, module, cfg)
+        if recipe is None:
+            plan.unplaced.append(name)
+            continue
+        tracer = _Tracer(layout, indices=False)
+        try:
+            out = recipe(tracer)
+        except KeyError as err:
+            tied = name in params and any(o != name and p is params[name] for o, p in params.items())
+            if not tied:
+                problems.append(f"{name}: the checkpoint has no tensor {err.args[0]} to write it into")
+            continue
+        expected = tuple(params[name].shape) if name in params else tuple(model.get_buffer(name).shape)
+        if tuple(out.shape) != expected:
+            problems.append(f"{name}: its recipe builds {tuple(out.shape)} from {tracer.read}, ours is {expected}")
+            continue
+        if isinstance(recipe, take) and layout.keys[recipe.key].shape != expected:
+            problems.append(f"{name}: {recipe.key} has shape {layout.keys[recipe.key].shape}, ours {expected}")
+            continue
+        plan.recipes[name] = recipe
+        plan.reads[name] = tracer.read
+        for key in tracer.read:
+            plan.writers.setdefault(key, []).append(name)
+    if problems:
+        raise ProfileError(problems)
+    return plan
+
+
+class _Positions:
+    """Where each element of our tensor sits in the keys its recipe reads (computed once per tensor)."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.name = None
+        self.ids = None
+        self.offsets: dict[str, int] = {}
+
+    def of(self, name: str, recipe, keys: list[str]) -> torch.Tensor:
+        if name != self.name:
+            offsets, total = {}, 0
+            for key in keys:
+                offsets[key] = total
+                total += self.layout.keys[key].numel
+            self.offsets = offsets
+            ids = recipe(_Tracer(self.layout, indices=True, offsets=offsets)).reshape(-1)
+            self.sorted, self.order = torch.sort(ids)
+            self.name = name
+        return self.sorted, self.order
+
+    def within(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in `key`'s flat tensor, the elements of ours that go there)."""
+        start = self.offsets[key]
+        bounds = torch.tensor([start, start + self.layout.keys[key].numel])
+        lo, hi = torch.searchsorted(self.sorted, bounds).tolist()
+        return self.sorted[lo:hi] - start, self.order[lo:hi]
+
+
+def write_hub_checkpoint(
+    source: StateSource,
+    cfg: ModelProfile,
+    family,
+    layout: Layout,
+    out: Path,
+    max_shard_bytes: int,
+    config: dict | None = None,
+    copy_from: Path | None = None,
+) -> Path:
+    """Write `source` into the folder `out` (created through a temporary sibling, then renamed): the keys of
+    `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own), the index,
+    config.json (`config`, or copied) and the loader files of `copy_from`."""
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.families.base import take
+
+    from .sources import meta_model
+
+    model = meta_model(cfg)
+    plan = plan_export(model, cfg, family, layout, source.names())
+    # Tensors of ours alone (a routing bias the checkpoint type has no key for) must be at their neutral zero, or
+    # the exported model would compute something else.
+    trained = [name for name in plan.unplaced if source.read(name).any()]
+    if trained:
+        raise ProfileError([f"{name}: trained (non-zero), but {family.model_types[0]} checkpoints have no tensor for it "
+                            "(a routing bias updated by model.moe.bias_update_rate); the exported model would route "
+                            "differently" for name in trained])
+    if layout.reader is None:
+        missing = [k for k in layout.keys if k not in plan.writers]
+        if missing:
+            raise ProfileError([f"key {k}: no tensor of ours is written into it" for k in missing[:5]])
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, info in layout.keys.items():
+        if shards[-1] and size + info.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += info.nbytes
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    positions = _Positions(layout)
+    cached: tuple[str | None, torch.Tensor | None] = (None, None)
+    weight_map, total = {}, 0
+    count = len(shards)
+    for i, keys in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        tensors = {}
+        for key in keys:
+            info = layout.keys[key]
+            value = layout.base(key)
+            writers = plan.writers.get(key, [])
+            if value is None:
+                value = torch.zeros(info.shape, dtype=info.dtype)
+            flat = None
+            for name in writers:
+                if cached[0] != name:
+                    cached = (name, source.read(name).detach().to("cpu"))
+                ours = cached[1]
+                recipe = plan.recipes[name]
+                if isinstance(recipe, take):
+                    value = ours.to(info.dtype).reshape(info.shape).clone()
+                    flat = None
+                    continue
+                if flat is None:
+                    value = value.contiguous().clone()
+                    flat = value.view(-1)
+                positions.of(name, recipe, plan.reads[name])
+                where, which = positions.within(key)
+                flat[where] = ours.reshape(-1)[which].to(info.dtype)
+            tensors[key] = value.contiguous()
+            weight_map[key] = file_name
+            total += info.nbytes
+        save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    if copy_from is not None:
+        copy_loader_files(Path(copy_from), tmp)
+    if config is not None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()  # only an empty folder is ever replaced (the CLI refuses a non-empty one)
+    tmp.replace(out)
+    return out
+
+
+def copy_loader_files(base: Path, dest: Path, names: tuple[str, ...] = COPIED_FILES) -> list[str]:
+    """Copy `names` that exist in `base` into `dest`: regular files inside `base` only (a hub cache snapshot's
+    links into its blobs folder count as inside). Returns the names copied."""
+    from moe_tune.engine.families.checkpoint import confined_file, weight_roots
+
+    roots = weight_roots(base)
+    copied = []
+    for name in names:
+        if not (base / name).exists() and not (base / name).is_symlink():
+            continue
+        path, why = confined_file(base, name, roots)
+        if path is None or not stat.S_ISREG(path.stat().st_mode):
+            continue
+        shutil.copyfile(path, dest / name)
+        copied.append(name)
+    return copied
+
+
+def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_bytes: int, precision: str = "fp32") -> Path:
+    """The checkpoint folder of `source` (a model read from a checkpoint, or built from a profile that a
+    transformers model type expresses, its tensors in `precision`) in `out`."""
+    from moe_tune.engine.families import UnsupportedModel, family_for
+    from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
+
+    if cfg.checkpoint is not None:
+        family = family_for(read_config(cfg.checkpoint), cfg.checkpoint)
+        with CheckpointReader(cfg.checkpoint) as reader:
+            return write_hub_checkpoint(source, cfg, family, checkpoint_layout(reader), out, max_shard_bytes,
+                                        copy_from=cfg.checkpoint)
+    try:
+        from moe_tune.engine.families.hub_config import hub_config_for_profile
+    except ImportError:
+        raise ProfileError(["model: built from a profile, and this moe-tune has no transformers config for "
+                            "profile-built models; export needs a run from a checkpoint"]) from None
+    try:
+        family, config, keys = hub_config_for_profile(cfg, precision)
+    except UnsupportedModel as err:
+        raise ProfileError([f"model: not exportable as a transformers model: {line}" for line in err.problems]) from None
+    layout = Layout({k: KeyInfo(tuple(shape), dtype) for k, (shape, dtype) in keys.items()})
+    return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config)
+
+
+def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str = DEFAULT_SHARD_SIZE,
+               step: int | None = None) -> Path:
+    """`moe-tune export`: the run in `run_dir` (its final state, or checkpoints/step-`step`) written into `out`
+    (default run_dir/export, or export-merged): a checkpoint folder in the hub's layout (full fine-tuning, or
+    LoRA with `merge`), or the PEFT adapter on the checkpoint's module names (LoRA without `merge`). ProfileError,
+    one line per problem, before anything is written."""
+    from .sources import FinalState, read_run
+
+    run_dir = Path(run_dir)
+    problems = []
+    try:
+        max_shard_bytes = parse_size(max_shard_size)
+    except ProfileError as err:
+        problems += err.problems
+    if step is not None and step < 1:
+        problems.append(f"--step ({step}) must be >= 1")
+    try:
+        run = read_run(run_dir, need_final=step is None)
+    except ProfileError as err:
+        raise ProfileError(problems + err.problems) from None
+    lora = run.profile.lora.enabled
+    if out is None:
+        out = run_dir / ("export-merged" if merge and lora else "export")
+    out = Path(out)
+    resolved = out.resolve()
+    if resolved.is_relative_to((run_dir / "checkpoints").resolve()):
+        problems.append(f"--out ({str(out)!r}) lies inside the run's checkpoints folder; choose another folder")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        problems.append(f"--out ({str(out)!r}) exists and is not a folder")
+    elif out.is_dir() and any(out.iterdir()):
+        problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
+    if lora and not merge and run.cfg.checkpoint is None:
+        problems.append("the run's model is built from a profile: its adapter has no checkpoint module names to go "
+                        "on; export it with --merge")
+    if problems:
+        raise ProfileError(problems)
+    if step is not None:
+        from .zero import open_step
+
+        source = open_step(run, step, merge or not lora)
+    else:
+        source = FinalState(run, merged=merge or not lora)
+    with source:
+        if lora and not merge:
+            return write_adapter(run, source.adapter_state(), out)
+        return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision)
+
+
+def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path) -> Path:
+    """The PEFT adapter on the checkpoint's module names (engine/families/export.py), and the base's loader files."""
+    from moe_tune.engine.families import family_for
+    from moe_tune.engine.families.checkpoint import read_config
+    from moe_tune.engine.families.export import write_reference_adapter
+
+    from .sources import meta_model
+
+    cfg = run.cfg
+    family = family_for(read_config(cfg.checkpoint), cfg.checkpoint)
+    written = write_reference_adapter(meta_model(cfg), adapter, cfg, family, run.profile.lora, out)
+    # The tokenizer and processor files, not the model's config: the folder is an adapter, not a model.
+    copy_loader_files(Path(cfg.checkpoint), written, COPIED_FILES[2:])
+    return written

@@ -1,0 +1,203 @@
+"""State sources of a finished run (the interface: engine/export/__init__.py): its final state on disk, or a state
+held in memory (the trainer's `output.save_merged`).
+
+A LoRA run's final state is the base checkpoint (read through the family's recipes, one tensor at a time) with
+`adapter/` merged in tensor by tensor; a full fine-tune's is `model.safetensors` (our names already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile, ModelProfile
+
+from . import merge_lora
+
+ADAPTER_PREFIX = "base_model.model."
+
+
+@dataclass
+class RunInfo:
+    """A finished run's folder and its resolved profile (profile.yaml: the model as the run built it)."""
+
+    run_dir: Path
+    profile: JobProfile
+
+    @property
+    def cfg(self) -> ModelProfile:
+        return self.profile.model
+
+
+def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
+    """The run in `run_dir`; ProfileError (one line each) when there is no run there or, with `need_final`, it
+    has not written its final state (summary.json and the adapter / weights)."""
+    from moe_tune.profiles import validate_profile
+
+    run_dir = Path(run_dir)
+    profile_file = run_dir / "profile.yaml"
+    if not run_dir.is_dir():
+        raise ProfileError([f"{run_dir}: no such folder (RUN_DIR must be a finetune output.dir)"])
+    if not profile_file.is_file():
+        raise ProfileError([f"{run_dir}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"])
+    try:
+        raw = yaml.safe_load(profile_file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ProfileError([f"{profile_file}: not readable as the run's profile ({str(err).splitlines()[0]})"]) from None
+    profile = validate_profile(raw)
+    if profile.model.checkpoint is not None and not isinstance(profile.model, ModelProfile):
+        raise ProfileError([f"{profile_file}: model must be the resolved architecture"])
+    run = RunInfo(run_dir, profile)
+    if need_final:
+        final = run_dir / ("adapter/adapter_model.safetensors" if profile.lora.enabled else "model.safetensors")
+        if not (run_dir / "summary.json").is_file() or not final.is_file():
+            raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {final.relative_to(run_dir)}); "
+                                "export a checkpoint with --step N, or finish it with finetune --resume"])
+    return run
+
+
+def meta_model(cfg: ModelProfile) -> nn.Module:
+    """Our model's module tree without storage: the recipes need its modules (expert ranges), never its values."""
+    from moe_tune.engine.model.model import MoECausalLM
+
+    with torch.device("meta"):
+        return MoECausalLM(cfg)
+
+
+def owner(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def lora_scaling(profile: JobProfile) -> float:
+    return profile.lora.alpha / profile.lora.r
+
+
+class DictSource:
+    """A state already in memory, in our names (the trainer's merged state)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor] | None = None):
+        self.state, self.adapter = state, adapter
+
+    def names(self) -> list[str]:
+        return list(self.state)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        return self.adapter
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class FinalState:
+    """A finished run's final state. LoRA: base weights from the checkpoint (or, for a profile-built model, our
+    seeded init) and, with `merged`, adapter/ merged in per tensor. Full fine-tuning: model.safetensors."""
+
+    def __init__(self, run: RunInfo, merged: bool):
+        from safetensors import safe_open
+
+        self.run, self.merged = run, merged
+        self.cfg = run.cfg
+        self.model = meta_model(self.cfg)
+        self._names = list(self.model.state_dict())
+        self._reader = None
+        self._adapter = None
+        self._init_state = None
+        self._weights = None
+        if self.cfg.checkpoint is not None:
+            from moe_tune.engine.families import family_for
+            from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
+
+            self.family = family_for(read_config(self.cfg.checkpoint), self.cfg.checkpoint)
+            self._reader = CheckpointReader(self.cfg.checkpoint)
+        if not run.profile.lora.enabled:
+            self._weights = safe_open(str(run.run_dir / "model.safetensors"), framework="pt")
+            self._weight_names = set(self._weights.keys())
+            return
+        from safetensors.torch import load_file
+
+        self._adapter = load_file(str(run.run_dir / "adapter" / "adapter_model.safetensors"))
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def base(self, name: str) -> torch.Tensor:
+        """Our tensor `name` before training (LoRA runs: the frozen weight)."""
+        if self._reader is None:
+            if self._init_state is None:
+                # A profile-built model's base weights are its seeded init (the whole model, built once).
+                from moe_tune.engine.model.model import build_model
+
+                self._init_state = build_model(self.cfg).state_dict()
+            return self._init_state[name]
+        recipe = self.family.recipe(name, owner(self.model, name), self.cfg)
+        if recipe is None:
+            return torch.zeros_like(self.model.state_dict()[name], device="cpu")
+        try:
+            return recipe(self._reader)
+        except KeyError:
+            # A tied head the checkpoint stores only once: the embedding, read under its own name.
+            tied = self._tied_name(name)
+            if tied is None:
+                raise
+            return self.base(tied)
+
+    def _tied_name(self, name: str) -> str | None:
+        target = self.model.get_parameter(name) if name in dict(self.model.named_parameters()) else None
+        for other, param in self.model.named_parameters(remove_duplicate=False):
+            if other != name and param is target:
+                return other
+        return None
+
+    def read(self, name: str) -> torch.Tensor:
+        if self._weights is not None:
+            if name in self._weight_names:
+                return self._weights.get_tensor(name)
+            return self.base(name)  # a buffer model.safetensors does not hold (it holds the parameters)
+        saved = self._adapter.get(ADAPTER_PREFIX + name)
+        if saved is not None:
+            return saved  # a module trained in full (modules_to_save)
+        weight = self.base(name)
+        if not self.merged:
+            return weight
+        return merged_weight(name, weight, self._adapter, lora_scaling(self.run.profile))
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        return self._adapter
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._weights = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def merged_weight(name: str, weight: torch.Tensor, adapter: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+    """Our tensor `name` with its adapter (if any) merged: linear `<m>.weight` from `<m>.lora_A.weight` /
+    `.lora_B.weight`, grouped experts `<m>.w_gate_up` / `w_down` from `<m>.lora_A.w_gate_up` ... per expert."""
+    module, _, param = name.rpartition(".")
+    if param == "weight":
+        a, b = (adapter.get(f"{ADAPTER_PREFIX}{module}.{part}.weight") for part in ("lora_A", "lora_B"))
+    else:
+        a, b = (adapter.get(f"{ADAPTER_PREFIX}{module}.{part}.{param}") for part in ("lora_A", "lora_B"))
+    if a is None or b is None:
+        return weight
+    return merge_lora(weight, a, b, scaling)
