@@ -27,6 +27,15 @@ from .base import Family, UnsupportedModel, take
 # Our grouped expert tensors and transformers' fused expert parameters, in the order PEFT nests their wrappers.
 EXPERT_PARAMS = (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj"))
 
+# Module names that PEFT, loading an adapter on a transformers 5 MoE model (qwen3_moe, qwen3_next, deepseek_v3/v32,
+# glm4_moe, mixtral), reads as per-expert projections of transformers 4: a target_modules entry ending in one of them
+# is rewritten to the fused experts' parameters (rank doubled for gate_proj + up_proj) and the module named loses its
+# adapter (peft.utils.transformers_weight_conversion; a regex target_modules is resolved to leaf names first, so it
+# is rewritten too). Adapters on modules of these names (dense MLPs, shared experts, routers) are therefore written
+# as target_parameters on the module's weight: PEFT passes those through unchanged and its ParamWrapper on a 2-D
+# weight is the same LoRA (A [r, in], B [out, r], W + scale B A).
+REWRITTEN_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"})
+
 
 def reference_adapter(
     module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family
@@ -80,7 +89,10 @@ def reference_adapter(
                             "module to carry it")
             continue
         ref_name = family.reference_name(recipe.key).removesuffix(".weight")
-        targets.append(ref_name)
+        if ref_name.rpartition(".")[2] in REWRITTEN_NAMES:
+            parameters.append(f"{ref_name}.weight")
+        else:
+            targets.append(ref_name)
         for part, tensor in factors.items():
             out[f"{prefix}{ref_name}.{part}.weight"] = tensor
     multiples = {}
@@ -155,7 +167,8 @@ def write_reference_adapter(
         "base_model_name_or_path": str(cfg.checkpoint),
         "r": lora.r,
         "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
+        # PEFT refuses dropout on parameter targets (it cannot be factored out of W + B A); at inference it is a no-op.
+        "lora_dropout": 0.0 if parameters else lora.dropout,
         "target_modules": targets,
         "target_parameters": parameters or None,
         "bias": "none",

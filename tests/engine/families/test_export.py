@@ -11,7 +11,10 @@ from moe_tune.engine.align.compare import load_ours, load_reference
 from moe_tune.engine.families import model_profile_from_checkpoint
 from moe_tune.engine.lora import load_adapter
 
-from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_5_moe_text, tiny_qwen3_moe, tiny_qwen3_next
+from hf_tiny import (
+    save_tiny_checkpoint, tiny_deepseek_v3, tiny_deepseek_v32, tiny_qwen3_5_moe, tiny_qwen3_5_moe_text, tiny_qwen3_moe,
+    tiny_qwen3_next, tiny_qwen4_exp,
+)
 
 
 MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -139,3 +142,105 @@ def test_vision_parts_export_with_images(tmp_path):
         got = ours(ids, cu, **images).logits[0]
         expected = torch.cat([reference(**_reference_inputs(doc, cfg)).logits[0] for doc in docs])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+# Every family's tiny checkpoint: dense MLP layers (qwen3_moe, qwen3_next, deepseek_v3/v32, kimi_linear), shared
+# experts (deepseek, kimi, the qwen hybrids), vision-language hub layouts (qwen3_5_moe, qwen4_exp).
+TARGET_FAMILIES = {
+    "qwen3_moe": tiny_qwen3_moe, "qwen3_next": tiny_qwen3_next, "qwen3_5_moe": tiny_qwen3_5_moe,
+    "deepseek_v3": tiny_deepseek_v3, "deepseek_v32": tiny_deepseek_v32, "kimi_linear": tiny_kimi_linear,
+    "qwen4_exp": tiny_qwen4_exp,
+}
+MLP = ["gate_proj", "up_proj", "down_proj"]
+NOT_ATTENTION = {*MLP, "gate", "shared_expert_gate", "lm_head"}
+# lora.target_modules takes any linear layer name of our model, lora.experts adds the routed experts: the attention
+# (and every other non-MLP linear), the MLP names with and without the experts, one MLP name alone (PEFT's own
+# conversion refuses gate_proj without up_proj), every linear layer with the experts (routers and lm_head included).
+TARGET_SETS = {
+    "attention": (lambda names: sorted(set(names) - NOT_ATTENTION), False),
+    "mlp": (lambda names: MLP, False),
+    "mlp+experts": (lambda names: MLP, True),
+    "gate_proj+experts": (lambda names: ["gate_proj"], True),
+    "all+experts": (lambda names: names, True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TARGET_FAMILIES))
+def family_pair(request, tmp_path_factory):
+    """(checkpoint, family, cfg, our model, transformers' model, ids, our base logits) of one family, built once."""
+    from moe_tune.engine.align.reference import pure_torch_paths
+
+    directory = tmp_path_factory.mktemp(request.param) / "checkpoint"
+    with pure_torch_paths(), torch.no_grad():
+        checkpoint = save_tiny_checkpoint(TARGET_FAMILIES[request.param](), directory)
+        family, _, cfg = model_profile_from_checkpoint(checkpoint)
+        ours, reference = load_ours(cfg), load_reference(checkpoint, family)
+        ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        base = ours(ids, torch.tensor([0, 16], dtype=torch.int32)).logits[0]
+    return checkpoint, family, cfg, ours, reference, ids, base
+
+
+def _adapted(model: torch.nn.Module) -> list[str]:
+    """Names of the modules carrying a LoRA adapter, wrappers that PEFT nests for several parameters counted once."""
+    from peft.tuners.lora import LoraLayer
+
+    return [name for name, m in model.named_modules() if isinstance(m, LoraLayer) and not name.endswith(".base_layer")]
+
+
+@pytest.mark.parametrize("target_set", sorted(TARGET_SETS))
+def test_adapter_targets_reach_exactly_their_modules(family_pair, target_set, tmp_path):
+    """Whatever lora.target_modules / lora.experts name, the exported adapter loads with PeftModel.from_pretrained on
+    transformers' model with every tensor in place (no missing, unexpected or resized key: PEFT's rewrite of MLP
+    names onto the fused experts does not apply), each of our adapted MLP modules and expert blocks has its
+    counterpart and nothing else is adapted, and the logits (fp32) equal our model's with the same adapter."""
+    import copy
+
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from moe_tune.engine.align.reference import pure_torch_paths
+    from moe_tune.engine.families.export import write_reference_adapter
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.profiles.schema import LoraProfile
+
+    checkpoint, family, cfg, base_ours, base_reference, ids, base = family_pair
+    names = sorted({n.rpartition(".")[2] for n, m in base_ours.named_modules() if isinstance(m, torch.nn.Linear)})
+    pick, experts = TARGET_SETS[target_set]
+    # dropout is a no-op at inference; PEFT refuses it on parameter targets, so the export writes it as 0 there.
+    lora = LoraProfile(r=2, alpha=6, dropout=0.1, target_modules=pick(names), experts=experts)
+    ours = inject_lora(copy.deepcopy(base_ours), lora)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # every adapter factor random, B included, so each adapter changes the output
+        for param in ours.parameters():
+            if param.requires_grad:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
+    state = get_peft_model_state_dict(ours, save_embedding_layers=False)
+    exported = write_reference_adapter(ours.base_model.model, state, cfg, family, lora,
+                                       tmp_path / "adapter")
+    written = load_file(str(exported / "adapter_model.safetensors"))
+    with pure_torch_paths(), torch.no_grad():
+        reference = PeftModel.from_pretrained(copy.deepcopy(base_reference), str(exported)).eval()
+        expected = reference(input_ids=ids).logits[0]
+        got = ours.eval()(ids, torch.tensor([0, ids.shape[1]], dtype=torch.int32)).logits[0]
+
+    loaded = get_peft_model_state_dict(reference, save_embedding_layers=False)  # lm_head adapted: not its weight
+    assert sorted(loaded) == sorted(written)
+    for key, tensor in written.items():
+        assert loaded[key].shape == tensor.shape, key
+        torch.testing.assert_close(loaded[key], tensor, rtol=0, atol=0, msg=key)
+    theirs = _adapted(reference)
+    mine = _adapted(ours)
+    for leaf in [*MLP, "gate", "experts"]:
+        assert sum(n.endswith(f".{leaf}") for n in theirs) == sum(n.endswith(f".{leaf}") for n in mine), leaf
+    assert (got - base).abs().max() > 1e-2  # the adapter changes our model
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_rewritten_names_cover_peft_conversion():
+    """PEFT's transformers-5 conversion rewrites these module names of target_modules onto fused experts; the export
+    writes adapters on modules so named as parameter targets, so the set must cover every name PEFT rewrites."""
+    from moe_tune.engine.families.export import REWRITTEN_NAMES
+
+    conversion = pytest.importorskip("peft.utils.transformers_weight_conversion")
+    mapping = getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {})
+    assert {name for names in mapping.values() for name in names} <= REWRITTEN_NAMES
