@@ -25,7 +25,8 @@ def align(
                      "(default: three random documents)"),
     ] = None,
     pin_routing: Annotated[
-        bool, typer.Option("--pin-routing", help="feed the reference's expert choice to moe-tune's routers")
+        bool, typer.Option("--pin-routing", help="feed the reference's expert choice to moe-tune's routers and its "
+                           "sparse attention indexers' key choice to ours")
     ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report as JSON here")] = None,
     golden: Annotated[
@@ -93,11 +94,15 @@ def align(
 
 def print_report(console: Console, report) -> None:
     against = "golden trace" if report.model_type.startswith("golden") else "reference (transformers, fp32, eager)"
+    pinned = [what for what, is_pinned in (("routing", report.pinned_routing),
+                                           ("sparse attention selections", report.pinned_selection)) if is_pinned]
     console.print(
         f"{report.model_type}: moe-tune vs {against}, documents {report.documents}"
-        + (", routing pinned to the reference's" if report.pinned_routing else ""),
+        + (f", {' and '.join(pinned)} pinned to the reference's" if pinned else ""),
         markup=False,
     )
+    if report.reference_paths:
+        console.print(f"reference: {report.reference_paths}", markup=False)
     table = Table(show_edge=False)
     for col in ("compared", "max abs", "relative"):
         table.add_column(col, justify="left" if col == "compared" else "right")
@@ -109,6 +114,16 @@ def print_report(console: Console, report) -> None:
         f"loss {report.loss_ours:.6f} (reference {report.loss_reference:.6f})",
         markup=False,
     )
+    when = " before pinning" if report.pinned_selection else ""
+    for selection in report.selections:
+        console.print(
+            f"layer {selection.layer} sparse attention: {selection.differed} of {selection.rows} query rows chose "
+            f"other keys than the reference{when}",
+            markup=False,
+        )
+    if not report.pinned_selection and any(selection.differed for selection in report.selections):
+        console.print("(a different selection changes every later row; --pin-routing feeds the reference's "
+                      "selection to ours, so the attention itself is compared)", markup=False)
     if report.passed:
         console.print("aligned: within tolerance", markup=False)
     else:

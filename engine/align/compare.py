@@ -3,7 +3,9 @@
 Both run in fp32 on the same weights (the checkpoint) and the same documents: ours on one packed row with
 cu_seqlens, the reference on each document alone (so packing is checked too). Compared: the hidden state after
 every decoder layer, the logits (max abs, cosine, KL), the loss, and the gradients of LoRA adapters put on the
-projections the two models share, with identical adapter weights on both sides.
+projections the two models share, with identical adapter weights on both sides; for top-k sparse attention, the
+keys each query's indexer chose. The reference always runs transformers' own PyTorch paths (reference.py), whatever
+kernel packages are importable.
 
 Shapes: T packed tokens, L tokens of one document, D model dim, V vocabulary, k experts per token.
 """
@@ -11,6 +13,7 @@ Shapes: T packed tokens, L tokens of one document, D model dim, V vocabulary, k 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.engine.align.reference import describe, external_paths, pure_torch_paths
 from moe_tune.engine.families import Family, UnsupportedModel, load_checkpoint_weights, model_profile_from_checkpoint
 from moe_tune.engine.families.base import take
 from moe_tune.profiles.schema import ModelProfile
@@ -43,6 +47,16 @@ class Row:
 
 
 @dataclass
+class Selection:
+    """The keys one sparse attention layer's indexer chose, ours against the reference's: `rows` query rows compared,
+    `differed` of them chose another set (before pinning, when the selection was pinned to the reference's)."""
+
+    layer: int
+    rows: int
+    differed: int
+
+
+@dataclass
 class AlignReport:
     checkpoint: str
     model_type: str
@@ -57,6 +71,9 @@ class AlignReport:
     lora_grads: list[Row] = field(default_factory=list)
     tolerances: Tolerances = field(default_factory=Tolerances)
     images: list[int] = field(default_factory=list)  # images in each document
+    selections: list[Selection] = field(default_factory=list)  # one per sparse attention layer
+    pinned_selection: bool = False  # our indexers took the reference's selection
+    reference_paths: str = ""  # which implementation the reference ran (reference.describe)
 
     @property
     def failures(self) -> list[str]:
@@ -229,7 +246,8 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
 
 
 def load_reference(directory: Path, family: Family) -> nn.Module:
-    """The checkpoint in its published implementation: fp32, eager attention, eager experts, no remote code."""
+    """The checkpoint in its published implementation: fp32, eager attention, eager experts, no remote code; built,
+    and run at every forward, on transformers' own PyTorch paths (never flash-linear-attention or causal-conv1d)."""
     import warnings
 
     import transformers
@@ -238,17 +256,45 @@ def load_reference(directory: Path, family: Family) -> nn.Module:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     cls = getattr(transformers, family.reference_class)
-    model = cls.from_pretrained(
-        str(directory),
-        dtype=torch.float32,
-        attn_implementation="eager",
-        experts_implementation="eager",
-        local_files_only=True,
-        trust_remote_code=False,
-        use_safetensors=True,
-        **family.reference_kwargs(),
-    )
+    with pure_torch_paths():
+        model = cls.from_pretrained(
+            str(directory),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            experts_implementation="eager",
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            **family.reference_kwargs(),
+        )
+    hold_pure_torch_paths(model)
     return model.eval()
+
+
+def hold_pure_torch_paths(model: nn.Module) -> None:
+    """Every forward of `model` (and so of a PEFT model wrapping it) runs under pure_torch_paths, the backward of
+    what it records included; the paths are restored when the forward returns or raises."""
+    held = []
+
+    def enter(_module, _args):
+        context = pure_torch_paths()
+        context.__enter__()
+        held.append(context)
+
+    def leave(_module, _args, _output):
+        if held:
+            held.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+
+
+def reference_paths(model: nn.Module) -> str:
+    """What the reference ran, for the report: transformers' PyTorch paths, and the external packages its modeling
+    module would have called outside pure_torch_paths."""
+    import sys
+
+    return describe(external_paths([sys.modules[type(model).__module__]]))
 
 
 def load_ours(cfg: ModelProfile) -> nn.Module:
@@ -413,6 +459,68 @@ def _grad(param: torch.Tensor, convert) -> torch.Tensor | None:
     return None if param.grad is None else convert(param.grad)
 
 
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int | None:
+    found = _LAYER_NUMBER.search(f"{name}.")
+    return int(found.group(1)) if found else None
+
+
+def _indexer_pairs(our_root: nn.Module, ref_root: nn.Module, family: Family, directory: Path):
+    """[(layer, our indexer, the reference's indexer)] of every sparse attention layer, paired by layer number: ours
+    are the PinnableSelection modules, the reference's the modules named by the family's reference_indexer_suffix."""
+    from moe_tune.engine.model.selection import PinnableSelection
+
+    ours = {_layer_of(n): m for n, m in our_root.named_modules() if isinstance(m, PinnableSelection)}
+    if not ours:
+        return []
+    suffix = getattr(family, "reference_indexer_suffix", "")
+    refs = {_layer_of(n): m for n, m in ref_root.named_modules() if suffix and n.endswith(suffix)}
+    if None in ours or None in refs or sorted(ours) != sorted(refs):
+        raise UnsupportedModel([f"{directory}: sparse attention in layers {sorted(k for k in ours if k is not None)}, "
+                                f"reference indexers ('{suffix}') in layers {sorted(k for k in refs if k is not None)}"])
+    return [(i, ours[i], refs[i]) for i in sorted(ours)]
+
+
+def _our_selected_keys(indices_1TS: torch.Tensor, block_size: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Bool [T, T] (query, key) of our indexer's choice over the packed row: causal keys of the query's document."""
+    from moe_tune.ops.sparse_attention.reference import selected_key_mask
+
+    return selected_key_mask(indices_1TS[:, :, None, :], block_size, cu_seqlens)[0, 0]
+
+
+def _pinned_indices(layer: int, ref_keys: list[torch.Tensor], block_size: int, slots: int,
+                    cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The reference's choice (bool [L, L] per document) as our indexer's output, int32 [1, T, slots]: key positions
+    in the packed row (block_size 1) or block ids local to the document. UnsupportedModel where our indices cannot
+    say it (more keys than slots, part of a block)."""
+    bounds = cu_seqlens.tolist()
+    out = torch.full((1, bounds[-1], slots), -1, dtype=torch.int32)
+    for keys_LL, start in zip(ref_keys, bounds[:-1]):
+        for t in range(keys_LL.shape[0]):
+            chosen = keys_LL[t].nonzero().flatten()
+            units = chosen + start if block_size == 1 else torch.unique(chosen // block_size)
+            if len(units) > slots:
+                raise UnsupportedModel([f"layer {layer}: the reference's indexer chose {len(units)} units for query "
+                                        f"{t}, more than our {slots} slots"])
+            out[0, start + t, : len(units)] = units.to(torch.int32)
+    mask = _our_selected_keys(out, block_size, cu_seqlens)
+    for keys_LL, a, b in zip(ref_keys, bounds[:-1], bounds[1:]):
+        if not torch.equal(mask[a:b, a:b], keys_LL):
+            raise UnsupportedModel([f"layer {layer}: the reference's indexer chose keys that our block-size "
+                                    f"{block_size} indices cannot express"])
+    return out
+
+
+def _count_differing_rows(layer: int, ours_TT: torch.Tensor, ref_keys: list[torch.Tensor],
+                          cu_seqlens: torch.Tensor) -> Selection:
+    bounds = cu_seqlens.tolist()
+    differed = sum(int((ours_TT[a:b, a:b] != keys_LL).any(-1).sum())
+                   for keys_LL, a, b in zip(ref_keys, bounds[:-1], bounds[1:]))
+    return Selection(layer=layer, rows=bounds[-1], differed=differed)
+
+
 def align_checkpoint(
     directory: Path,
     documents: list[Document] | list[torch.Tensor] | None = None,
@@ -420,8 +528,21 @@ def align_checkpoint(
     tolerances: Tolerances = Tolerances(),
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     lora_rank: int = 4,
+    pin_selection: bool | None = None,
 ) -> AlignReport:
-    """Run the reference and moe-tune on `documents` (default: three random documents) and compare them."""
+    """Run the reference and moe-tune on `documents` (default: three random documents) and compare them. The whole
+    run holds pure_torch_paths: the reference is transformers' PyTorch definition whatever is importable.
+    pin_routing: our routers take the reference's experts; pin_selection (default: as pin_routing) our sparse
+    attention indexers take the reference's keys. A pinned selection hides a wrong indexer from the numbers; the
+    report's `selections` still count the rows where ours chose differently."""
+    pin_selection = pin_routing if pin_selection is None else pin_selection
+    with pure_torch_paths():
+        return _align_checkpoint(directory, documents, pin_routing, pin_selection, tolerances, lora_targets,
+                                 lora_rank)
+
+
+def _align_checkpoint(directory, documents, pin_routing, pin_selection, tolerances, lora_targets,
+                      lora_rank) -> AlignReport:
     import warnings
 
     from moe_tune.engine.model.moe import MoEBlock
@@ -451,11 +572,14 @@ def align_checkpoint(
         raise UnsupportedModel([f"{directory}: reference has {len(ref_layers)} layers, ours {len(our_layers)}"])
     routers = [m for n, m in ref_root.named_modules() if n.endswith(family.reference_router_suffix)]
     moe_blocks = [m for m in our_root.modules() if isinstance(m, MoEBlock)]
+    indexers = _indexer_pairs(our_root, ref_root, family, directory)
 
     # Reference: each document alone; loss = summed token losses / all labelled tokens, as our packed loss.
     labelled = sum(len(d) - 1 for d in docs)
     ref_hidden, handles = _capture(ref_layers, family.reference_layer_output)
     ref_routes, route_handles = _capture(routers, family.reference_topk_ids)
+    ref_keys, key_handles = _capture([ref for _, _, ref in indexers],
+                                     lambda out: family.reference_selected_keys(out))
     ref_embeds, embed_handles = _capture_inputs(ref_layers[0], cfg.hidden_size)
     ref_vision, vision_handles = [], []
     if cfg.vision is not None:
@@ -470,16 +594,21 @@ def align_checkpoint(
             ref_loss += loss.item()
             ref_logits.append(logits.detach())
     finally:
-        for h in handles + route_handles + embed_handles + vision_handles:
+        for h in handles + route_handles + key_handles + embed_handles + vision_handles:
             h.remove()
 
+    ids, cu, labels, images = pack_documents(docs)
+    for (layer, ours_indexer, _), keys in zip(indexers, ref_keys):
+        ours_indexer.selection_log = []
+        if pin_selection:
+            ours_indexer.pinned_indices = _pinned_indices(layer, keys, ours_indexer.block_size,
+                                                          ours_indexer.num_selected, cu)
     if pin_routing:
         if len(routers) != len(moe_blocks):
             raise UnsupportedModel([f"{directory}: {len(routers)} reference routers, {len(moe_blocks)} MoE layers"])
         for block, routes in zip(moe_blocks, ref_routes):
             block.pinned_topk_ids = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])
 
-    ids, cu, labels, images = pack_documents(docs)
     with_images = bool(images)
     our_hidden, handles = _capture(our_layers, family.our_layer_output)
     our_embeds, embed_handles = _capture_inputs(our_layers[0], cfg.hidden_size)
@@ -494,6 +623,14 @@ def align_checkpoint(
             h.remove()
         for block in moe_blocks:
             block.pinned_topk_ids = None
+        own_choices = []
+        for _, ours_indexer, _ in indexers:
+            own_choices.append(ours_indexer.selection_log)
+            ours_indexer.selection_log = ours_indexer.pinned_indices = None
+    selections = [
+        _count_differing_rows(layer, _our_selected_keys(choice[0], ours_indexer.block_size, cu), keys, cu)
+        for (layer, ours_indexer, _), keys, choice in zip(indexers, ref_keys, own_choices)
+    ]
 
     rows = []
     if with_images:
@@ -518,6 +655,7 @@ def align_checkpoint(
         documents=[len(d) for d in docs],
         images=[0 if d.image_grid_thw is None else len(d.image_grid_thw) for d in docs],
         pinned_routing=pin_routing,
+        pinned_selection=pin_selection and bool(indexers),
         layers=rows,
         logits=logits_row,
         logits_cosine=cosine,
@@ -526,6 +664,8 @@ def align_checkpoint(
         loss_ours=out.lm_loss.item(),
         lora_grads=grads,
         tolerances=tolerances,
+        selections=selections,
+        reference_paths=reference_paths(ref_root),
     )
 
 

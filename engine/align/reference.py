@@ -18,13 +18,18 @@ from collections.abc import Iterator
 from types import FunctionType, ModuleType
 
 # The modeling modules of the supported families that route functions through the fallback wrapper; imported on
-# entry so their names exist before the reference model is built.
+# entry so their names exist before the reference model is built (a model built inside the context is covered).
 KERNEL_MODULES = (
     "transformers.models.qwen3_next.modeling_qwen3_next",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "transformers.models.kimi_linear.modeling_kimi_linear",
     "transformers.models.qwen4_exp.modeling_qwen4_exp",
 )
+
+
+# The wrappers a held pure_torch_paths() has replaced, {(module name, name): wrapper}: external_paths() still sees
+# what a module would call outside it.
+_held: dict[tuple[str, str], FunctionType] = {}
 
 
 def _is_fallback_wrapper(value: object) -> bool:
@@ -41,6 +46,7 @@ def external_paths(modules: list[ModuleType] | None = None) -> dict[tuple[str, s
     found = {}
     for module in modules if modules is not None else _modeling_modules():
         for name, value in list(vars(module).items()):
+            value = _held.get((module.__name__, name), value)
             if not _is_fallback_wrapper(value):
                 continue
             closure = dict(zip(value.__code__.co_freevars, (c.cell_contents for c in value.__closure__ or ())))
@@ -70,16 +76,22 @@ def pure_torch_paths() -> Iterator[dict[tuple[str, str], str]]:
             for name, value in list(vars(module).items()):
                 if _is_fallback_wrapper(value):
                     saved.append((module, name, value))
+                    _held[(module.__name__, name)] = value
                     setattr(module, name, inspect.unwrap(value))
         yield replaced
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+            _held.pop((module.__name__, name), None)
+
+
+# Import names of the external packages, as their distributions are called (what a user installs).
+DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
 
 
 def describe(replaced: dict[tuple[str, str], str]) -> str:
     """One line for the align report: which paths the reference ran."""
     if not replaced:
         return "transformers' PyTorch paths"
-    packages = sorted({origin.split(".")[0] for origin in replaced.values()})
+    packages = sorted({DISTRIBUTIONS.get(p, p) for p in (origin.split(".")[0] for origin in replaced.values())})
     return f"transformers' PyTorch paths ({', '.join(packages)} importable, not used)"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import HFConfig, show
 from .deepseek_v3 import DeepseekV3
 
@@ -19,6 +21,16 @@ class DeepseekV32(DeepseekV3):
     model_types = ("deepseek_v32",)
     reference_class = "DeepseekV32ForCausalLM"
     attention_kind = "mla_sparse"
+    # align: the reference's lightning indexers (one per layer), whose choice --pin-routing feeds to ours.
+    reference_indexer_suffix = "self_attn.indexer"
+
+    def reference_selected_keys(self, output: torch.Tensor) -> torch.Tensor:
+        """Bool [L, L] (query, key) from the reference indexer's top-k key positions [1, L, min(index_topk, L)] of
+        one document; the acausal keys torch.topk adds for a query with fewer than index_topk keys are dropped."""
+        indices_LK = output[0].long()
+        length = indices_LK.shape[0]
+        chosen = torch.zeros(length, length, dtype=torch.bool).scatter_(1, indices_LK.cpu(), True)
+        return chosen & torch.ones(length, length, dtype=torch.bool).tril()
 
     def rope_kind(self, c: HFConfig) -> str:
         return "interleaved"

@@ -80,6 +80,14 @@ class Qwen4Exp(Family):
     reference_layers = "model.language_model.layers"
     ignored_key_prefixes = ("mtp.",)
     key_prefix = "model.language_model."
+    # align: the reference's QSA indexers (one per attention layer), whose choice --pin-routing feeds to ours.
+    reference_indexer_suffix = "self_attn.indexer"
+
+    def reference_selected_keys(self, output: torch.Tensor) -> torch.Tensor:
+        """Bool [L, L] (query, key) of one document from the reference QSA indexer's selection mask [1, 1, L, L]
+        (whole chosen blocks plus the query's incomplete tail block, causal keys only)."""
+        length = output.shape[-1]
+        return output[0, 0].cpu() & torch.ones(length, length, dtype=torch.bool).tril()
 
     def text_config(self, config: dict[str, Any]) -> HFConfig:
         return nested_text_config(config, "qwen4_exp")

@@ -30,6 +30,7 @@ from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import MLASpec, ModelProfile, YarnSpec
 
 from .blocks import RMSNorm, RotaryEmbedding
+from .selection import PinnableSelection
 from .varlen import packed_causal_attention
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(o.reshape(1, x.shape[1], self.num_heads * self.v_dim))
 
 
-class LightningIndexer(nn.Module):
+class LightningIndexer(PinnableSelection, nn.Module):
     """DeepSeek-V3.2's DSA indexer: picks the keys each query attends to; it gets no gradient (run under no_grad).
 
     Query heads come from the MLA query latent (wq_b), one key per token from x (wk, then a LayerNorm); the first
@@ -181,10 +182,11 @@ class LightningIndexer(nn.Module):
         if cos_sin is not None:
             q, k = self.rotary.rotate(q, *cos_sin), self.rotary.rotate(k, *cos_sin)
         w = self.weights_proj(x) * self.num_heads**-0.5
-        return topk_indexer(
+        indices = topk_indexer(
             q, k.view(1, t, self.head_dim), w, topk=self.num_selected, block_size=self.block_size,
             cu_seqlens=batch.cu_seqlens,
         )
+        return self.pin_selection(indices)
 
 
 class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):

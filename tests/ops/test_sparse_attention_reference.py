@@ -463,3 +463,51 @@ def test_explicit_triton_request_raises_without_kernel(monkeypatch):
     with pytest.raises(RuntimeError, match="topk_indexer has no Triton kernel"):
         topk_indexer(**_indexer_args(q_idx=torch.randn(1, 8, 2, 4).double(), k_idx=torch.randn(1, 8, 4).double(),
                                      w_idx=None))  # fmt: skip
+
+
+def relu_tie_inputs(T, HI, DI, block_size, seed=7):
+    """Integer indexer inputs, most dot products negative: after the ReLU many candidates score exactly 0 and others
+    equal small integers, so the topk-th and the next candidate often tie. Keys are constant over each block, so
+    block means are exact, and every score is exact whatever the summation order."""
+    gen = torch.Generator().manual_seed(seed)
+    q_idx = torch.randint(-3, 2, (1, T, HI, DI), generator=gen).double()
+    k_idx = torch.randint(-1, 2, (1, -(-T // block_size), DI), generator=gen).double()
+    k_idx = k_idx.repeat_interleave(block_size, dim=1)[:, :T].contiguous()
+    w_idx = torch.randint(1, 3, (1, T, HI), generator=gen).double()
+    return q_idx, k_idx, w_idx
+
+
+def count_straddling_ties(q_idx, k_idx, w_idx, topk, spans):
+    """Token queries whose topk-th and (topk + 1)-th best causal scores are equal (where the tie rule decides)."""
+    count = 0
+    for _, start, end in spans:
+        for t in range(start, end):
+            scores = sorted((sum(w_idx[0, t, h].item() * max(0.0, (q_idx[0, t, h] @ k_idx[0, s]).item())
+                                 for h in range(q_idx.shape[2])) for s in range(start, t + 1)), reverse=True)
+            count += len(scores) > topk and scores[topk - 1] == scores[topk]
+    return count
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "block_size, topk, qsa",
+    [(1, 5, False), (1, 2, False), (3, 3, False), (4, 3, True), (3, 2, True)],
+    ids=["tok5", "tok2", "blk3", "qsa-blk4", "qsa-blk3"],
+)
+def test_relu_zero_ties_go_to_the_lower_index(dtype, block_size, topk, qsa):
+    # 3 heads of dim 12 (16 for QSA: its scale 1/4 is exact), packed documents of odd lengths (1, 0, 8, 13, 15).
+    T = CU_SEQLENS[-1]
+    q_idx, k_idx, w_idx = relu_tie_inputs(T, 3, 16 if qsa else 12, block_size)
+    q_idx, k_idx, w_idx = (x.to(dtype) for x in (q_idx, k_idx, w_idx))
+    spans = spans_of(1, T, CU_SEQLENS)
+    cu_seqlens = torch.tensor(CU_SEQLENS)
+    if qsa:
+        indices = topk_indexer(q_idx, k_idx, None, topk=topk, block_size=block_size, cu_seqlens=cu_seqlens,
+                               always_keep_own_block=False)
+        expected = brute_force_qsa(q_idx, k_idx, topk, block_size, False, spans)
+    else:
+        indices = topk_indexer(q_idx, k_idx, w_idx, topk=topk, scale=1.0, block_size=block_size, cu_seqlens=cu_seqlens)
+        expected = brute_force_indexer(q_idx, k_idx, w_idx, topk, 1.0, "relu", block_size, spans)
+        if block_size == 1:
+            assert count_straddling_ties(q_idx, k_idx, w_idx, topk, spans) >= 3  # the rule is what decides
+    torch.testing.assert_close(indices, expected, atol=0, rtol=0)

@@ -1,7 +1,12 @@
 """deepseek_v32 (DeepSeek-V3.2-Exp) from a transformers checkpoint: deepseek_v3 with DSA on every layer, the
 lightning indexer choosing 6 keys per query (fewer than the documents hold, so sparsity shapes every later token).
 Alignment with the reference on one document and on a packed batch, the indexer shown to matter, wrong mappings
-caught, unsupported configs reported, and a short fine-tune whose first loss is the reference's."""
+caught, unsupported configs reported, and a short fine-tune whose first loss is the reference's.
+
+With 3 indexer heads and index_topk 12 (below the 23- and 14-token documents) many index scores are exactly 0 after
+the ReLU and the 12th and 13th best tie in some query rows, where torch.topk and our rule (the lower key index wins)
+pick different keys: align reports those rows, and --pin-routing (the reference's selection fed to our indexers)
+aligns exactly."""
 
 import json
 
@@ -12,8 +17,9 @@ from moe_tune.engine.align import align_checkpoint
 from moe_tune.engine.align.compare import load_ours, load_reference
 from moe_tune.engine.families import UnsupportedModel, model_profile_from_checkpoint
 from moe_tune.engine.families.deepseek_v32 import DeepseekV32
+from moe_tune.engine.model import mla
 
-from hf_tiny import tiny_deepseek_v32
+from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v32
 
 MLA_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
@@ -21,6 +27,18 @@ MLA_LORA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "
 @pytest.fixture
 def checkpoint(tiny_checkpoint):
     return tiny_checkpoint(tiny_deepseek_v32())
+
+
+@pytest.fixture(scope="module")
+def few_heads(tmp_path_factory):
+    """3 indexer heads, 12 keys per query: ties between the 12th and 13th best keys occur."""
+    directory = tmp_path_factory.mktemp("dsv32") / "few_heads"
+    return save_tiny_checkpoint(tiny_deepseek_v32(index_n_heads=3, index_topk=12), directory)
+
+
+@pytest.fixture(scope="module")
+def few_heads_reports(few_heads):
+    return {pin: align_checkpoint(few_heads, pin_routing=pin, lora_targets=MLA_LORA_TARGETS) for pin in (False, True)}
 
 
 def test_profile_read_from_config(checkpoint):
@@ -43,6 +61,60 @@ def test_packed_batch_aligned_with_transformers(checkpoint, pin):
     # q_a, q_b, kv_a, kv_b and o of every layer, A and B each; align adds the MoE layers' expert adapters.
     assert len([row for row in report.lora_grads if ".self_attn." in row.name]) == 3 * 5 * 2
     assert any(".experts." in row.name for row in report.lora_grads)
+
+
+def test_tied_selections_reported_then_pinned_to_alignment(few_heads_reports):
+    own, pinned = few_heads_reports[False], few_heads_reports[True]
+    assert [s.layer for s in own.selections] == [s.layer for s in pinned.selections] == [0, 1, 2]
+    assert all(s.rows == 46 for s in own.selections + pinned.selections)
+    # Layer 0 sees the same input in both runs, so the same rows differ before pinning; a tie is there to break.
+    assert own.selections[0].differed == pinned.selections[0].differed >= 1
+    assert not own.passed
+    assert pinned.pinned_selection and pinned.passed, pinned.failures
+    assert max(row.rel for row in pinned.layers) < 1e-5 and pinned.kl <= 1e-6
+    assert any(".experts." in row.name for row in pinned.lora_grads)
+
+
+def test_pinned_selection_is_in_the_json(few_heads_reports, tmp_path):
+    few_heads_reports[True].write_json(tmp_path / "report.json")
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["pinned_selection"] is True
+    assert [row["layer"] for row in data["selections"]] == [0, 1, 2]
+    assert data["selections"][0]["differed"] == few_heads_reports[True].selections[0].differed
+    assert data["reference_paths"].startswith("transformers' PyTorch paths")
+
+
+def swap_one_key(topk_indexer, row: int):
+    """topk_indexer whose selection for query `row` (of the packed batch) has its first key replaced by the most
+    recent causal key it did not select: the attention math stays right, the selection does not."""
+
+    def perturbed(*args, **kwargs):
+        indices = topk_indexer(*args, **kwargs).clone()
+        chosen = set(indices[0, row].tolist())
+        indices[0, row, 0] = max(s for s in range(row + 1) if s not in chosen)
+        return indices.sort(dim=-1).values
+
+    return perturbed
+
+
+@pytest.mark.parametrize("perturb", [False, True], ids=["references_selection", "one_key_swapped"])
+def test_a_perturbed_selection_fails_alignment(checkpoint, monkeypatch, perturb):
+    # 8 heads, 6 keys: no ties, so our own selection is the reference's; query row 20 of the first (23-token)
+    # document has 21 causal keys. Experts pinned, the selection ours.
+    if perturb:
+        monkeypatch.setattr(mla, "topk_indexer", swap_one_key(mla.topk_indexer, row=20))
+    report = align_checkpoint(checkpoint, pin_routing=True, pin_selection=False)
+    assert report.selections[0].differed == (1 if perturb else 0)
+    assert report.passed is not perturb, report.failures
+    if perturb:
+        assert report.layers[0].rel > 1e-4
+
+
+def test_pinning_replaces_a_perturbed_selection(checkpoint, monkeypatch):
+    monkeypatch.setattr(mla, "topk_indexer", swap_one_key(mla.topk_indexer, row=20))
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert report.passed, report.failures
+    assert report.selections[0].differed == 1  # counted before the reference's selection replaced it
 
 
 def test_one_document_aligned_with_transformers(checkpoint):
@@ -88,7 +160,7 @@ def test_dense_attention_in_place_of_the_indexer_is_caught(checkpoint, monkeypat
     # Guards the alignment test: with every causal key selected, the model is measurably not the reference.
     original = DeepseekV32.sparse_fields
     monkeypatch.setattr(DeepseekV32, "sparse_fields", lambda self, c: original(self, c) | {"topk": 64})
-    report = align_checkpoint(checkpoint, pin_routing=True)
+    report = align_checkpoint(checkpoint, pin_routing=True, pin_selection=False)
     assert not report.passed and report.layers[0].max_abs > 1e-4
 
 
@@ -108,8 +180,9 @@ def test_indexer_rope_on_the_wrong_dims_is_caught(checkpoint, monkeypatch):
         return recipe
 
     monkeypatch.setattr(DeepseekV32, "recipe", flipped)
-    report = align_checkpoint(checkpoint, pin_routing=True)
+    report = align_checkpoint(checkpoint, pin_routing=True, pin_selection=False)
     assert not report.passed and report.layers[0].max_abs > 1e-4
+    assert report.selections[0].differed > 5
 
 
 def test_unsupported_config_names_the_field(checkpoint):
