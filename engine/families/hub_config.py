@@ -81,9 +81,15 @@ def hub_config_for_profile(model: ModelProfile, precision: str = "fp32") -> tupl
 
 
 def candidate_types() -> list[str]:
+    """The types tried, in order: those whose family (or, vision-language, whose text twin's) has a to_config."""
     supported = supported_model_types()
-    later = sorted(t for t in supported if t not in CANDIDATES and hasattr(family_for({"model_type": t}), "to_config"))
-    return [t for t in CANDIDATES if t in supported] + later
+
+    def writes(model_type: str) -> bool:
+        writer = VISION_TWINS.get(model_type, model_type)
+        return writer in supported and hasattr(family_for({"model_type": writer}), "to_config")
+
+    later = sorted(t for t in supported if t not in CANDIDATES)
+    return [t for t in (*CANDIDATES, *later) if t in supported and writes(t)]
 
 
 def attempt(family: Family, model_type: str, model: ModelProfile, dtype: torch.dtype
