@@ -95,8 +95,9 @@ def candidate_types() -> list[str]:
 def attempt(family: Family, model_type: str, model: ModelProfile, dtype: torch.dtype
             ) -> tuple[dict[str, Any], list[str], bool]:
     """(config.json as transformers writes it, what it does not express, whether reading it back failed)."""
+    written = write_config(model_type, model)
     try:
-        config = transformers_config(family, write_config(model_type, model), dtype)
+        config = transformers_config(family, written, dtype)
     # Config classes validate their fields each their own way (ValueError, huggingface_hub's validation errors).
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
