@@ -20,6 +20,8 @@ from moe_tune.ops.moe.reference import moe_mlp_loop_ref
 from hf_tiny import save_tiny_checkpoint, tiny_gpt_oss
 
 WINDOW = 8  # tiny_gpt_oss's sliding window; align's default documents are 23, 9 and 14 tokens
+# One document of 20 tokens, past the window, for the aligns that only need to see a mapping break (or hold).
+ONE_DOCUMENT = [torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(11))]
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,8 @@ def test_wrong_mapping_is_caught(checkpoint, monkeypatch, wrong):
         monkeypatch.setattr(GptOss, "to_profile", _shift_window(-1 if "-" in wrong else 1))
     else:
         monkeypatch.setattr(family_module, "deinterleave", lambda gate_up, dim=1: gate_up)
-    report = align_checkpoint(checkpoint, pin_routing=True)
+    # No LoRA adapters: the hidden states and logits are what a wrong mapping breaks.
+    report = align_checkpoint(checkpoint, ONE_DOCUMENT, pin_routing=True, lora_targets=())
     assert not report.passed
     assert report.logits.max_abs > report.tolerances.logits_max_abs
     # Layer 0 is a sliding layer with sinks and MoE: every wrong mapping shows there already.
@@ -190,7 +193,7 @@ def test_mxfp4_checkpoint_loads_dequantized_and_aligns(tmp_path):
     theirs = theirs.transpose(1, 2)  # [E, 2F, D], gate and up rows interleaved
     ours_w = ours.layers[1].mlp.experts.w_gate_up.detach()
     assert torch.equal(ours_w, torch.cat([theirs[:, 0::2], theirs[:, 1::2]], 1))
-    report = align_checkpoint(directory, pin_routing=True)
+    report = align_checkpoint(directory, ONE_DOCUMENT, pin_routing=True, lora_targets=())
     assert report.passed, report.failures
 
 
@@ -350,3 +353,19 @@ def test_moe_mlp_refuses_bad_biases(bad, match):
     x, ids, weights = torch.randn(3, 4), torch.tensor([[0], [1], [0]]), torch.ones(3, 1)
     with pytest.raises(ValueError, match=match):
         moe_mlp(x, ids, weights, torch.randn(2, 6, 4), torch.randn(2, 4, 3), **bad)
+
+
+def test_lora_keeps_biases_and_sinks_frozen(checkpoint):
+    """LoRA runs adapt the experts' weights (per-expert adapters) and the targeted projections; the expert, router
+    and attention biases and the sinks are base parameters, frozen (PEFT bias: none)."""
+    from moe_tune.engine.align.compare import load_ours
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.profiles.schema import LoraProfile
+
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    model = inject_lora(load_ours(cfg), LoraProfile(target_modules=["q_proj", "o_proj"]))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in name for name in trainable)
+    assert any("experts.lora_A" in name for name in trainable)
+    frozen = {name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if not p.requires_grad}
+    assert {"b_gate_up", "b_down", "bias", "sinks"} <= frozen
