@@ -272,5 +272,8 @@ def _line(where: str, mine: Any, read_back: Any, model_type: str) -> str:
 
 def _brief(value: Any) -> str:
     """A section as its fields (`num_streams=2, mix_rank=8`), anything else as `show` writes it."""
-    text = ", ".join(f"{k}={show(v)}" for k, v in value.items() if v is not None) if isinstance(value, dict) else show(value)
+    if isinstance(value, dict):
+        text = ", ".join(f"{k}={show(v)}" for k, v in value.items() if v is not None)
+    else:
+        text = show(value)
     return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
