@@ -38,6 +38,9 @@ FAMILIES = [
     ("deepseek_v32", hf_tiny.tiny_deepseek_v32),
     ("kimi_linear", getattr(hf_tiny, "tiny_kimi_linear", tiny_kimi_linear)),
     ("qwen4_exp", hf_tiny.tiny_qwen4_exp),
+    ("mixtral", hf_tiny.tiny_mixtral),
+    ("glm4_moe", hf_tiny.tiny_glm4_moe),
+    ("gpt_oss", hf_tiny.tiny_gpt_oss),
 ]
 # Short documents keep align quick; vision families still get their images in the second and third.
 DOCUMENT_LENGTHS = (13, 7, 9)
