@@ -369,3 +369,24 @@ def test_lora_keeps_biases_and_sinks_frozen(checkpoint):
     assert any("experts.lora_A" in name for name in trainable)
     frozen = {name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if not p.requires_grad}
     assert {"b_gate_up", "b_down", "bias", "sinks"} <= frozen
+
+
+@pytest.mark.parametrize("change, line", [
+    ({"layers": [{"attention": "linear", "sliding_window": 8}]},
+     "model.layers.0.sliding_window (8) needs model.layers.0.attention: full (got 'linear')"),
+    ({"layers": [{"attention": "qsa", "sliding_window": 4}]},
+     "model.layers.0.sliding_window (4) needs model.layers.0.attention: full (got 'qsa')"),
+    ({"layers": [{"attention": "full", "sliding_window": 0}]}, "model.layers.0.sliding_window"),
+    ({"layers": [{"attention": "sparse"}], "sparse_attention": {"index_heads": 1, "index_head_dim": 8, "topk": 4}},
+     "model.attention_sinks (True) needs no sparse or qsa layer: a layer has attention: sparse"),
+])
+def test_profile_refuses_windows_and_sinks_where_they_do_not_apply(checkpoint, change, line):
+    """The schema's rules for the new fields, as `moe-tune validate` reports them (one line, the field's path)."""
+    from moe_tune.profiles import ProfileError, validate_profile
+
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    model = {**cfg.model_dump(mode="json", exclude={"checkpoint"}), **change}
+    raw = {"name": "rules", "model": model, "data": {"seq_len": 32}, "train": {"steps": 1}}
+    with pytest.raises(ProfileError) as err:
+        validate_profile(raw)
+    assert any(line in problem for problem in err.value.problems), err.value.problems
