@@ -5,7 +5,7 @@ Each family's `to_config(model)` writes the config.json of a ModelProfile (the i
 written from what transformers runs). The candidate types are tried in a fixed order; a config counts only when the
 family's `to_profile` reads it back as the same architecture (every field of `model_dump()` but those that do not
 change what the model computes). When no candidate does, UnsupportedModel names, for the closest candidate (the
-fewest differences), each field and value it cannot express.
+fewest layer kinds it lacks, then the fewest differences), each field and value it cannot express.
 
 The key layout is what transformers' save_pretrained writes for that config: the model built on the meta device,
 tied weights dropped, and transformers' load-time conversions reverted (qwen3_moe's fused experts saved one tensor
@@ -42,8 +42,8 @@ MOE_TRAINING_ONLY = ("aux_loss_coef", "bias_update_rate", "capacity_factor")
 # Layer kinds that read head_dim, num_key_value_heads, partial_rotary_factor and attention_output_gate.
 SOFTMAX_KINDS = {"full", "sparse", "qsa"}
 MLA_KINDS = {"mla", "mla_sparse"}
-# The layer field and values that read each model field: a field missing (None or 0) only because the layers that
-# read it are not expressed is not a line of its own.
+# The layer field and values that read each model field: without such layers the field is not architecture, and a
+# field missing (None or 0) only because the layers that read it are not expressed is not a line of its own.
 READ_BY_LAYERS = {
     "linear_attention": ("attention", {"linear"}), "kda_attention": ("attention", {"kda"}),
     "sparse_attention": ("attention", {"sparse", "qsa", "mla_sparse"}), "mla": ("attention", MLA_KINDS),
@@ -174,19 +174,9 @@ def architecture(model: ModelProfile) -> dict[str, Any]:
     for field in NOT_ARCHITECTURE:
         arch.pop(field)
     kinds = {layer.attention for layer in model.layers}
-    unused = {
-        "linear_attention": "linear" not in kinds,
-        "kda_attention": "kda" not in kinds,
-        "sparse_attention": not kinds & {"sparse", "qsa", "mla_sparse"},
-        "mla": not kinds & MLA_KINDS,
-        "moe": all(layer.mlp != "moe" for layer in model.layers),
-        "ngram_embedding": not any(layer.has_ngram_embedding for layer in model.layers),
-    }
-    for section, is_unused in unused.items():
-        if is_unused:
-            arch[section] = None
-    if all(layer.mlp != "dense" for layer in model.layers):
-        arch["intermediate_size"] = 0
+    for name, (field, values) in READ_BY_LAYERS.items():
+        if not any(getattr(layer, field) in values for layer in model.layers):
+            arch[name] = 0 if name == "intermediate_size" else None
     if not kinds & SOFTMAX_KINDS:
         for field in ("head_dim", "num_key_value_heads", "partial_rotary_factor", "attention_output_gate"):
             arch.pop(field)
