@@ -8,6 +8,11 @@ rows e*r.., B [out, r*E] with expert e in columns j*E + e); adapters on parts of
 (qwen3_next's in_proj_qkvz) merge into one adapter on it. A layer with no such place makes the export name it and
 write nothing.
 
+Each target names exactly one module or parameter by its full path (PEFT matches list entries exactly or as a suffix
+after a dot), so an adapter reaches its module and no other: attention and other linear layers in target_modules;
+modules whose names PEFT would rewrite onto the fused experts (dense MLPs, shared experts, routers: PARAMETER_TARGETS)
+and the experts themselves in target_parameters.
+
 Shapes: E experts, r rank, F expert hidden dim, D model dim.
 """
 
@@ -35,6 +40,11 @@ EXPERT_PARAMS = (("w_gate_up", "gate_up_proj"), ("w_down", "down_proj"))
 # as target_parameters on the module's weight: PEFT passes those through unchanged and its ParamWrapper on a 2-D
 # weight is the same LoRA (A [r, in], B [out, r], W + scale B A).
 REWRITTEN_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"})
+# Routers are transformers modules of their own (not nn.Linear), which PEFT adapts only through their weight.
+PARAMETER_TARGETS = REWRITTEN_NAMES | {"router"}
+# transformers models whose fused gate_up_proj [E, D, 2F] interleaves gate and up (gate 2j, up 2j + 1); the others
+# store [E, 2F, D], gate first as ours. PEFT's factors are the same either way (A [E*r, in], B [out, r*E]).
+INTERLEAVED_GATE_UP = frozenset({"GptOssForCausalLM"})
 
 
 def reference_adapter(
@@ -89,7 +99,7 @@ def reference_adapter(
                             "module to carry it")
             continue
         ref_name = family.reference_name(recipe.key).removesuffix(".weight")
-        if ref_name.rpartition(".")[2] in REWRITTEN_NAMES:
+        if ref_name.rpartition(".")[2] in PARAMETER_TARGETS:
             parameters.append(f"{ref_name}.weight")
         else:
             targets.append(ref_name)
@@ -124,6 +134,8 @@ def reference_adapter(
         for depth, (ours, theirs) in enumerate(EXPERT_PARAMS):
             a = state[f"{prefix}{our_name}.lora_A.{ours}"]  # [E, r, in]
             b = state[f"{prefix}{our_name}.lora_B.{ours}"]  # [E, out, r]
+            if ours == "w_gate_up" and family.reference_class in INTERLEAVED_GATE_UP:
+                b = torch.stack(b.chunk(2, dim=1), dim=2).flatten(1, 2)  # gate rows j, up rows F + j -> 2j, 2j + 1
             where = f"{prefix}{ref_name}" + (".base_layer" if depth == 0 else "")
             out[f"{where}.lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
             out[f"{where}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
