@@ -3,13 +3,15 @@
 The family's recipes say how each of our tensors is built from checkpoint tensors, by pure rearrangement (take,
 concat, stacked_experts, grouped_rows, slices, reshapes). They are inverted without knowing them: run on a getter
 whose tensors hold the flat index of each of their elements (int64), a recipe returns, for each element of our
-tensor, where it sits among the checkpoint keys it read; our values are scattered there. Every key of the base
+tensor, where it sits among the checkpoint keys it read; our values are scattered there (grouped experts one
+expert at a time, so the index tensors stay the size of one expert). Every key of the base
 checkpoint is written, in its dtype and under its name (a key no recipe reads, such as mtp.*, as it is), in
 shards of at most --max-shard-size with model.safetensors.index.json; one shard is held in memory at a time.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -109,22 +111,51 @@ class _Tracer:
         return torch.arange(start, start + info.numel, dtype=torch.int64).view(info.shape)
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        return self(key)[start:stop]
+        """Rows [start, stop) of the key's first dim, without building the rest (one expert of a fused tensor)."""
+        info = self.layout.keys.get(key)
+        if info is None:
+            raise KeyError(key)
+        if key not in self.read:
+            self.read.append(key)
+        start, stop = min(start, info.shape[0]), min(max(start, stop), info.shape[0])
+        shape = (stop - start, *info.shape[1:])
+        if not self.indices:
+            return torch.empty(shape, dtype=torch.float32, device="meta")
+        row = info.numel // max(info.shape[0], 1)
+        first = self.offsets[key] + start * row
+        return torch.arange(first, first + (stop - start) * row, dtype=torch.int64).view(shape)
 
 
 @dataclass
 class _Plan:
-    """Per key, our tensors written into it (with the recipe that reads it); keys our model does not read."""
+    """Per key, the parts of our tensors written into it; each part's recipe and the keys it reads; our tensors that
+    have no key (ours alone). A part is (name, None), or (name, e) for expert e of a grouped expert tensor, so that
+    the index tensors of one part stay the size of one expert."""
 
-    writers: dict[str, list[str]] = field(default_factory=dict)
-    recipes: dict[str, object] = field(default_factory=dict)
-    reads: dict[str, list[str]] = field(default_factory=dict)
+    writers: dict[str, list[tuple[str, int | None]]] = field(default_factory=dict)
+    recipes: dict[tuple[str, int | None], object] = field(default_factory=dict)
+    reads: dict[tuple[str, int | None], list[str]] = field(default_factory=dict)
     unplaced: list[str] = field(default_factory=list)
 
 
+def _parts(module: nn.Module, name: str) -> list[tuple[int | None, nn.Module]]:
+    """(part, the module its recipe is asked with): each expert of grouped experts alone, as an expert-parallel
+    rank holding one expert would load it; anything else whole."""
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    if not isinstance(module, GroupedExperts):
+        return [(None, module)]
+    parts = []
+    for e in range(module.num_experts):
+        one = copy.copy(module)
+        one.first_expert, one.num_experts = module.first_expert + e, 1
+        parts.append((e, one))
+    return parts
+
+
 def plan_export(model: nn.Module, cfg: ModelProfile, family, layout: Layout, names: list[str]) -> _Plan:
-    """Which keys each of our tensors is built from (traced on meta tensors). A name whose recipe is None has no
-    place in the checkpoint (ours alone); a tied name whose recipe reads a key the checkpoint lacks is skipped."""
+    """Which keys each part of our tensors is built from (traced on meta tensors). A name whose recipe is None has
+    no place in the checkpoint (ours alone); a tied name whose recipe reads a key the checkpoint lacks is skipped."""
     from moe_tune.engine.families.base import take
 
     plan = _Plan()
@@ -132,45 +163,46 @@ def plan_export(model: nn.Module, cfg: ModelProfile, family, layout: Layout, nam
     problems = []
     for name in names:
         module = model.get_submodule(name.rpartition(".")[0])
-        recipe = family.recipe(name, module, cfg)
-        if recipe is None:
+        if family.recipe(name, module, cfg) is None:
             plan.unplaced.append(name)
             continue
-        tracer = _Tracer(layout, indices=False)
-        try:
-            out = recipe(tracer)
-        except KeyError as err:
-            tied = name in params and any(o != name and p is params[name] for o, p in params.items())
-            if not tied:
-                problems.append(f"{name}: the checkpoint has no tensor {err.args[0]} to write it into")
-            continue
-        expected = tuple(params[name].shape) if name in params else tuple(model.get_buffer(name).shape)
-        if tuple(out.shape) != expected:
-            problems.append(f"{name}: its recipe builds {tuple(out.shape)} from {tracer.read}, ours is {expected}")
-            continue
-        if isinstance(recipe, take) and layout.keys[recipe.key].shape != expected:
-            problems.append(f"{name}: {recipe.key} has shape {layout.keys[recipe.key].shape}, ours {expected}")
-            continue
-        plan.recipes[name] = recipe
-        plan.reads[name] = tracer.read
-        for key in tracer.read:
-            plan.writers.setdefault(key, []).append(name)
+        shape = tuple(params[name].shape) if name in params else tuple(model.get_buffer(name).shape)
+        for part, asked in _parts(module, name):
+            recipe = family.recipe(name, asked, cfg)
+            expected = shape if part is None else (1, *shape[1:])
+            tracer = _Tracer(layout, indices=False)
+            try:
+                out = recipe(tracer)
+            except KeyError as err:
+                tied = name in params and any(o != name and p is params[name] for o, p in params.items())
+                if not tied:
+                    problems.append(f"{name}: the checkpoint has no tensor {err.args[0]} to write it into")
+                break
+            if tuple(out.shape) != expected:
+                problems.append(f"{name}: its recipe builds {tuple(out.shape)} from {tracer.read}, ours is {expected}")
+                break
+            if isinstance(recipe, take) and layout.keys[recipe.key].shape != expected:
+                problems.append(f"{name}: {recipe.key} has shape {layout.keys[recipe.key].shape}, ours {expected}")
+                break
+            plan.recipes[(name, part)] = recipe
+            plan.reads[(name, part)] = tracer.read
+            for key in tracer.read:
+                plan.writers.setdefault(key, []).append((name, part))
     if problems:
         raise ProfileError(problems)
     return plan
 
 
 class _Positions:
-    """Where each element of our tensor sits in the keys its recipe reads (computed once per tensor)."""
+    """Where each element of a part of our tensor sits in the keys its recipe reads (computed once per part)."""
 
     def __init__(self, layout: Layout):
         self.layout = layout
-        self.name = None
-        self.ids = None
+        self.part = None
         self.offsets: dict[str, int] = {}
 
-    def of(self, name: str, recipe, keys: list[str]) -> torch.Tensor:
-        if name != self.name:
+    def of(self, part, recipe, keys: list[str]) -> None:
+        if part != self.part:
             offsets, total = {}, 0
             for key in keys:
                 offsets[key] = total
@@ -178,11 +210,10 @@ class _Positions:
             self.offsets = offsets
             ids = recipe(_Tracer(self.layout, indices=True, offsets=offsets)).reshape(-1)
             self.sorted, self.order = torch.sort(ids)
-            self.name = name
-        return self.sorted, self.order
+            self.part = part
 
     def within(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions in `key`'s flat tensor, the elements of ours that go there)."""
+        """(positions in `key`'s flat tensor, the elements of the part that go there)."""
         start = self.offsets[key]
         bounds = torch.tensor([start, start + self.layout.keys[key].numel])
         lo, hi = torch.searchsorted(self.sorted, bounds).tolist()
@@ -248,11 +279,11 @@ def write_hub_checkpoint(
             if value is None:
                 value = torch.zeros(info.shape, dtype=info.dtype)
             flat = None
-            for name in writers:
+            for name, part in writers:
                 if cached[0] != name:
                     cached = (name, source.read(name).detach().to("cpu"))
-                ours = cached[1]
-                recipe = plan.recipes[name]
+                ours = cached[1] if part is None else cached[1][part : part + 1]
+                recipe = plan.recipes[(name, part)]
                 if isinstance(recipe, take):
                     value = ours.to(info.dtype).reshape(info.shape).clone()
                     flat = None
@@ -260,7 +291,7 @@ def write_hub_checkpoint(
                 if flat is None:
                     value = value.contiguous().clone()
                     flat = value.view(-1)
-                positions.of(name, recipe, plan.reads[name])
+                positions.of((name, part), recipe, plan.reads[(name, part)])
                 where, which = positions.within(key)
                 flat[where] = ours.reshape(-1)[which].to(info.dtype)
             tensors[key] = value.contiguous()

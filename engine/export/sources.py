@@ -37,6 +37,8 @@ class RunInfo:
 def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     """The run in `run_dir`; ProfileError (one line each) when there is no run there or, with `need_final`, it
     has not written its final state (summary.json and the adapter / weights)."""
+    from moe_tune.engine.families import resolve_job
+    from moe_tune.engine.train.run_dir import LOCK_NAME
     from moe_tune.profiles import validate_profile
 
     run_dir = Path(run_dir)
@@ -49,16 +51,34 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
         raw = yaml.safe_load(profile_file.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise ProfileError([f"{profile_file}: not readable as the run's profile ({str(err).splitlines()[0]})"]) from None
-    profile = validate_profile(raw)
-    if profile.model.checkpoint is not None and not isinstance(profile.model, ModelProfile):
-        raise ProfileError([f"{profile_file}: model must be the resolved architecture"])
+    try:
+        profile = resolve_job(validate_profile(raw))
+    except ProfileError as err:
+        raise ProfileError([f"{profile_file}: {line}" for line in err.problems]) from None
     run = RunInfo(run_dir, profile)
+    if (run_dir / LOCK_NAME).exists():
+        raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); export it once the run has ended"])
     if need_final:
         final = run_dir / ("adapter/adapter_model.safetensors" if profile.lora.enabled else "model.safetensors")
         if not (run_dir / "summary.json").is_file() or not final.is_file():
             raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {final.relative_to(run_dir)}); "
                                 "export a checkpoint with --step N, or finish it with finetune --resume"])
+        last = _last_step(run_dir / "summary.json")
+        if last is not None and last < profile.train.steps:
+            raise ProfileError([f"{run_dir}: the run stopped at step {last} of train.steps {profile.train.steps}; "
+                                f"export that state with --step {last}, or finish it with finetune --resume"])
     return run
+
+
+def _last_step(summary: Path) -> int | None:
+    """summary.json's last_step (None when it does not say)."""
+    import json
+
+    try:
+        value = json.loads(summary.read_text()).get("last_step")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def meta_model(cfg: ModelProfile) -> nn.Module:

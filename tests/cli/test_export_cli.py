@@ -59,8 +59,9 @@ def test_export_exits_0_and_names_the_folder(run_dir, tmp_path):
         (["{run}", "--out", "{tmp}/busy"], "error: --out ('{tmp}/busy') exists and is not empty"),
         (["{run}", "--max-shard-size", "5XB"], "error: --max-shard-size ('5XB') must be a positive size"),
         (["{run}", "--step", "0"], "error: --step (0) must be >= 1"),
+        (["{run}", "--step", "7"], "error: --step 7: no checkpoint {run}/checkpoints/step-"),
     ],
-    ids=["no-folder", "no-run", "out-in-checkpoints", "out-not-empty", "shard-size", "step-0"],
+    ids=["no-folder", "no-run", "out-in-checkpoints", "out-not-empty", "shard-size", "step-0", "no-step"],
 )
 def test_bad_input_exits_2_in_one_line(run_dir, tmp_path, args, message):
     (tmp_path / "busy").mkdir()

@@ -36,15 +36,20 @@ def tiny_kimi_linear():
 
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# Targets without the names of dense MLP layers (gate_proj, up_proj, down_proj), whose transformers adapter
-# engine/families/export.py is being fixed to place; the experts' adapters are on (lora.experts).
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# The experts' adapters are on (lora.experts); dense MLP and shared-expert names (MLP) where a family has both.
 FAMILIES = {
-    "qwen3_moe": (hf_tiny.tiny_qwen3_moe, ATTENTION),
+    "qwen3_moe": (hf_tiny.tiny_qwen3_moe, ATTENTION + MLP),
     "qwen3_next": (hf_tiny.tiny_qwen3_next, ATTENTION + ["z_proj", "b_proj", "a_proj"]),
     "qwen3_5_moe": (hf_tiny.tiny_qwen3_5_moe, ATTENTION + ["z_proj"]),
-    "deepseek_v3": (hf_tiny.tiny_deepseek_v3, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
-    "kimi_linear": (tiny_kimi_linear, ATTENTION + ["f_a_proj", "kv_b_proj"]),
+    "deepseek_v3": (hf_tiny.tiny_deepseek_v3, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                               *MLP]),
+    "kimi_linear": (tiny_kimi_linear, ATTENTION + ["f_a_proj", "kv_b_proj", "gate_proj", "down_proj"]),
     "qwen4_exp": (hf_tiny.tiny_qwen4_exp, ATTENTION),
+    # Experts stored transposed with gate/up interleaved, biases, sinks: the recipes invert through transposes.
+    "gpt_oss": (hf_tiny.tiny_gpt_oss, ATTENTION),
+    "mixtral": (hf_tiny.tiny_mixtral, ATTENTION),
+    "glm4_moe": (hf_tiny.tiny_glm4_moe, ATTENTION),
 }
 
 
@@ -302,4 +307,128 @@ def test_bad_input_is_refused_before_writing(full_run, tmp_path):
     unfinished.mkdir()
     (unfinished / "profile.yaml").write_text((full_run / "profile.yaml").read_text())
     refused(r"the run has not finished \(no summary.json or no model.safetensors\)", unfinished, False, None)
+    (unfinished / "model.safetensors").symlink_to(full_run / "model.safetensors")
+    (unfinished / "summary.json").write_text(json.dumps({"last_step": 1}))
+    refused(r"the run stopped at step 1 of train.steps 2; export that state with --step 1", unfinished, False, None)
+    (unfinished / ".lock").write_text("{}")
+    refused(r"a run holds this folder \(.lock\); export it once the run has ended", unfinished, False, None)
+    (unfinished / "profile.yaml").write_text("train: {lr: -1}\n")
+    refused(r"profile.yaml: ", unfinished, False, None)
     assert not (unfinished / "export").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    """A qwen3_moe checkpoint stored in bf16, with an extra key no recipe reads (an MTP head's, as DeepSeek's)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("bf16") / "checkpoint"
+    model = hf_tiny.tiny_qwen3_moe()
+    hf_tiny.perturb_(model)
+    model.to(torch.bfloat16).save_pretrained(str(directory))
+    (path,) = directory.glob("*.safetensors")
+    tensors = load_file(str(path))
+    tensors["mtp.0.proj.weight"] = torch.arange(6, dtype=torch.bfloat16).view(2, 3)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return directory
+
+
+def test_keys_keep_the_checkpoint_dtype_and_unread_keys_are_copied(bf16_checkpoint, tmp_path):
+    from moe_tune.engine.export.hub import export_hub
+    from moe_tune.engine.export.sources import DictSource
+    from moe_tune.engine.families.base import UnsupportedModel
+
+    _, _, cfg = model_profile_from_checkpoint(bf16_checkpoint)
+    with pytest.raises(UnsupportedModel, match="module not mapped: mtp"):
+        load_ours(cfg)  # the extra key is not ours to load
+    from moe_tune.engine.families import load_checkpoint_weights
+    from moe_tune.engine.model.model import build_model
+
+    ours = build_model(cfg)
+    load_checkpoint_weights(ours, cfg, check_unread=False)
+    state = {name: t.float() * 1.5 for name, t in ours.state_dict().items()}
+    out = export_hub(DictSource(state), cfg, tmp_path / "out", 10**9)
+    written, base = tensors_of(out), tensors_of(bf16_checkpoint)
+    assert written.keys() == base.keys()
+    assert all(t.dtype == torch.bfloat16 for t in written.values())
+    assert torch.equal(written["mtp.0.proj.weight"], base["mtp.0.proj.weight"])
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    if key in base:  # per-expert keys: expert 3's up rows of our w_gate_up
+        torch.testing.assert_close(written[key], (state["layers.1.mlp.experts.w_gate_up"][3, 16:]).bfloat16())
+    torch.testing.assert_close(written["model.norm.weight"], base["model.norm.weight"] * 1.5, rtol=1e-2, atol=0)
+
+
+def test_a_trained_tensor_the_checkpoint_has_no_key_for_is_refused(bf16_checkpoint, tmp_path):
+    """A routing bias updated in training (qwen3_moe checkpoints have no tensor for it) would be silently dropped:
+    refused by name, nothing written."""
+    from moe_tune.engine.export.hub import export_hub
+    from moe_tune.engine.export.sources import DictSource, meta_model
+
+    _, _, cfg = model_profile_from_checkpoint(bf16_checkpoint)
+    state = {name: torch.zeros(t.shape) for name, t in meta_model(cfg).state_dict().items()}
+    state["layers.2.mlp.selection_bias"] = torch.full_like(state["layers.2.mlp.selection_bias"], 0.25)
+    with pytest.raises(ProfileError, match=r"^layers\.2\.mlp\.selection_bias: trained \(non-zero\), but qwen3_moe "
+                       r"checkpoints have no tensor for it"):
+        export_hub(DictSource(state), cfg, tmp_path / "out", 10**9)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.tmp").exists()
+
+
+def test_only_regular_files_inside_the_checkpoint_are_copied(tmp_path):
+    from moe_tune.engine.export.hub import copy_loader_files
+
+    base, dest = tmp_path / "base", tmp_path / "dest"
+    base.mkdir()
+    dest.mkdir()
+    (tmp_path / "secret").write_text("outside")
+    (base / "tokenizer.json").symlink_to(tmp_path / "secret")  # leads outside the checkpoint
+    (base / "chat_template.jinja").mkdir()  # not a regular file
+    (base / "vocab.json").symlink_to(base / "missing")  # dangling
+    (base / "tokenizer_config.json").write_text("{}")
+    (base / "merges.txt").symlink_to(base / "tokenizer_config.json")  # a link inside the folder
+    (base / "notes.txt").write_text("not a loader file")
+    assert copy_loader_files(base, dest) == ["tokenizer_config.json", "merges.txt"]
+    assert sorted(p.name for p in dest.iterdir()) == ["merges.txt", "tokenizer_config.json"]
+    assert not (dest / "merges.txt").is_symlink()
+
+
+def test_fused_expert_layout_round_trips(tmp_path):
+    """A checkpoint storing each layer's experts fused (gate_up_proj [E, 2F, D], down_proj [E, D, F], as the
+    published Qwen3.5 MoE checkpoints do) is written back fused, each expert's rows where the loader reads them:
+    the exported folder loads back as exactly our state."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from moe_tune.engine.export.hub import export_hub
+    from moe_tune.engine.export.sources import DictSource
+    from moe_tune.engine.families import load_checkpoint_weights
+    from moe_tune.engine.model.model import build_model
+
+    checkpoint = hf_tiny.save_tiny_checkpoint(hf_tiny.tiny_qwen3_5_moe_text(), tmp_path / "checkpoint")
+    tensors = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+        path.unlink()
+    (checkpoint / INDEX_NAME).unlink(missing_ok=True)
+    per_expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key in [k for k in tensors if per_expert.match(k)]:
+        prefix, e, proj = per_expert.match(key).groups()
+        experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = tensors.pop(key)
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]])
+                                                         for e in order])
+        tensors[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
+    assert experts
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    gen = torch.Generator().manual_seed(3)
+    state = {name: t + torch.randn(t.shape, generator=gen) for name, t in load_ours(cfg).state_dict().items()}
+    state = {name: (t if not name.endswith("selection_bias") else torch.zeros_like(t)) for name, t in state.items()}
+    out = export_hub(DictSource(state), cfg, tmp_path / "out", 10**9)
+    assert tensors_of(out).keys() == tensors.keys()
+    back = build_model(cfg.model_copy(update={"checkpoint": out}))
+    load_checkpoint_weights(back, cfg.model_copy(update={"checkpoint": out}))
+    for name, value in back.state_dict().items():
+        assert torch.equal(value, state[name]), name
