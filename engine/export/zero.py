@@ -210,9 +210,10 @@ class ZeroCheckpoint:
         return list(self.entries) + [n for n in self.shared if n not in self.entries]
 
     def shape(self, name: str) -> torch.Size:
-        entry = self.entries[self.shared.get(name, name)] if name not in self.entries else self.entries[name]
-        return torch.Size([entry.local_shape[0] * entry.positions, *entry.local_shape[1:]]) if entry.local_shape \
-            else entry.local_shape
+        entry = self.entries[name if name in self.entries else self.shared[name]]
+        if entry.positions == 1:
+            return entry.local_shape
+        return torch.Size([entry.local_shape[0] * entry.positions, *entry.local_shape[1:]])
 
     def read(self, name: str) -> torch.Tensor:
         """The saved tensor `name`, whole (experts: every position's experts, [E, ...]), in its trained dtype."""
