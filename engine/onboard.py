@@ -154,7 +154,7 @@ def kernel_reason(choice: bool, has_kernel: bool, on_cuda: bool, mode: str) -> s
     if choice:
         return "CUDA"
     if not has_kernel:
-        return "no kernel for these inputs (dtype or size)"
+        return "no kernel for these inputs (dtype, size or options)"
     return "no CUDA device"
 
 
@@ -208,13 +208,18 @@ def traced_dispatch(model: nn.Module) -> Iterator[list[OpUse]]:
     original_ce = model_module.linear_cross_entropy
 
     def linear_cross_entropy(hidden, *args, **kwargs):
-        mode = dispatch.kernel_mode()
+        # The head's own rules (ops/cross_entropy): the kernel for 16/32-bit floats on CUDA or the interpreter,
+        # PyTorch passes over chunks elsewhere, the reference when forced.
+        mode, where = dispatch.kernel_mode(), stack[-1] or "lm_head"
+        takes_kernel = hidden.dtype in (torch.float16, torch.bfloat16, torch.float32) and (
+            hidden.is_cuda or (mode == "triton" and dispatch.triton_interpreting()))
         if mode == "reference":
-            use = OpUse(stack[-1] or "lm_head", "linear_cross_entropy", "reference", "MOE_TUNE_KERNELS=reference")
-        elif hidden.is_cuda or (mode == "triton" and dispatch.triton_interpreting()):
-            use = OpUse(stack[-1] or "lm_head", "linear_cross_entropy", "kernel", kernel_reason(True, True, hidden.is_cuda, mode))
+            use = OpUse(where, "linear_cross_entropy", "reference", "MOE_TUNE_KERNELS=reference")
+        elif takes_kernel:
+            use = OpUse(where, "linear_cross_entropy", "kernel", kernel_reason(True, True, hidden.is_cuda, mode))
         else:
-            use = OpUse(stack[-1] or "lm_head", "linear_cross_entropy", "torch", "chunked PyTorch: no CUDA device")
+            why = "no kernel for this dtype" if hidden.is_cuda else "no CUDA device"
+            use = OpUse(where, "linear_cross_entropy", "torch", f"chunked PyTorch: {why}")
         uses.append(use)
         return original_ce(hidden, *args, **kwargs)
 
@@ -244,7 +249,9 @@ def training_device() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def map_layers(cfg, family, device: torch.device, dtype: torch.dtype, documents=None) -> tuple[list[LayerMap], list[OpUse]]:
+def map_layers(
+    cfg, family, device: torch.device, dtype: torch.dtype, documents=None
+) -> tuple[list[LayerMap], list[OpUse]]:
     """Our model loaded from the checkpoint (UnsupportedModel naming every tensor that does not map), run forward
     once on `device` in `dtype` over packed documents with labels: each decoder layer's blocks and the ops they ran."""
     from moe_tune.engine.align.compare import default_documents, load_ours, pack_documents
@@ -449,7 +456,8 @@ def onboard(
     num_devices = devices if devices is not None else max(torch.cuda.device_count(), 1)
     memory = device_memory
     if memory is None:
-        memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else DEFAULT_DEVICE_MEMORY
+        on_gpu = torch.cuda.is_available()
+        memory = torch.cuda.get_device_properties(0).total_memory if on_gpu else DEFAULT_DEVICE_MEMORY
     with tempfile.TemporaryDirectory(prefix="moe-tune-onboard-") as scratch:
         on_stage("plan")
         report.plan = run_plan(directory, num_devices, memory, Path(scratch) / "out")

@@ -57,8 +57,8 @@ def test_unsupported_checkpoint_exits_2_listing_it_without_traceback(tmp_path, c
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert f"error: {llama}: 30 things moe-tune does not map" in proc.stderr
-    for line in ("config.json: model_type ('llama') is not mapped", "module not mapped: model.layers.*.mlp.up_proj.weight",
-                 "config.json: intermediate_size (48) is not mapped", "not supported:"):
+    for line in ("config.json: model_type ('llama') is not mapped", "config.json: intermediate_size (48) is not mapped",
+                 "module not mapped: model.layers.*.mlp.up_proj.weight", "not supported:"):
         assert line in proc.stdout, line
     report = json.loads(out.read_text())
     assert report["exit_code"] == 2 and len(report["unsupported"]) == 30

@@ -42,6 +42,7 @@ FAMILIES = [
     ("glm4_moe", hf_tiny.tiny_glm4_moe),
     ("gpt_oss", hf_tiny.tiny_gpt_oss),
 ]
+NO_KERNEL = "no kernel for these inputs (dtype, size or options)"
 # Short documents keep align quick; vision families still get their images in the second and third.
 DOCUMENT_LENGTHS = (13, 7, 9)
 
@@ -81,9 +82,9 @@ def test_every_family_maps_plans_and_aligns(name, builder, checkpoints):
         for block in ("self_attn", "mlp"):
             assert any(op["module"].startswith(f"layers.{layer['index']}.{block}") for op in layer["ops"]), block
         assert all(op["path"] in PATHS and op["reason"] for op in layer["ops"])
-    # On the CPU the fused ops take their reference, and say why.
-    assert {op["reason"] for layer in data["layers"] for op in layer["ops"] if op["path"] == "reference"} == {
-        "no CUDA device"}
+    # On the CPU the fused ops take their reference, and say why (gpt_oss's biased, clamped experts have no kernel).
+    reasons = {op["reason"] for layer in data["layers"] for op in layer["ops"] if op["path"] == "reference"}
+    assert "no CUDA device" in reasons and reasons <= {"no CUDA device", NO_KERNEL}
     assert any(op["op"] == "linear_cross_entropy" for op in data["model_ops"])
     assert data["mapping"]["status"] == "ok"
     assert data["plan"]["status"] == "ok" and data["plan"]["result"]["suggested"]["expert_parallel"] >= 1
@@ -97,7 +98,8 @@ def test_every_family_maps_plans_and_aligns(name, builder, checkpoints):
     [
         ("auto", False, True, False, "no CUDA device"),
         ("auto", True, True, True, "CUDA"),
-        ("auto", False, False, True, "no kernel for these inputs (dtype or size)"),
+        ("auto", False, False, True, NO_KERNEL),
+        ("auto", False, False, False, NO_KERNEL),
         ("reference", False, True, True, "MOE_TUNE_KERNELS=reference"),
         ("triton", True, True, True, "MOE_TUNE_KERNELS=triton"),
         ("triton", True, True, False, "MOE_TUNE_KERNELS=triton (Triton interpreter)"),
