@@ -75,6 +75,11 @@ def expert_weight(base: str, name: str, module: nn.Module) -> Recipe:
                 scales = _expert_rows(get, key + "_scales", first, count)
             except KeyError:
                 raise plain_missing from None
+            if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+                # A getter of something other than the stored bytes (the export tracing where each value goes):
+                # dequantization is not a rearrangement, so MXFP4 experts cannot be written back.
+                raise KeyError(f"{key} (the checkpoint stores it as MXFP4 {key}_blocks and _scales, which moe-tune "
+                               "reads but does not write)")
             # One expert at a time in bf16 (exact): a 120b layer's gate_up in fp32 at once would be 8.5 GB.
             weight = torch.stack([dequantize_mxfp4(b, s, torch.bfloat16) for b, s in zip(blocks, scales)])
         return deinterleave(weight) if name == "gate_up_proj" else weight

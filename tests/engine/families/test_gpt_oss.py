@@ -390,3 +390,26 @@ def test_profile_refuses_windows_and_sinks_where_they_do_not_apply(checkpoint, c
     with pytest.raises(ProfileError) as err:
         validate_profile(raw)
     assert any(line in problem for problem in err.value.problems), err.value.problems
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.int64], ids=["stored bytes", "float", "int64"])
+def test_mxfp4_recipe_reads_bytes_and_refuses_anything_else(dtype):
+    """The MXFP4 recipe dequantizes uint8 blocks and scales; any other getter (export's tracer of where each value
+    goes, a checkpoint storing them in another dtype) gets a KeyError naming the key and why, which the loader and
+    `moe-tune export` turn into one line each (dequantization cannot be written back)."""
+    from types import SimpleNamespace
+
+    base = "model.layers.0.mlp.experts."
+    stored = {base + "gate_up_proj_blocks": torch.full((2, 6, 1, 16), 0x21, dtype=dtype),
+              base + "gate_up_proj_scales": torch.full((2, 6, 1), 127, dtype=dtype)}
+
+    def get(key):
+        return stored[key]
+
+    recipe = family_module.expert_weight(base, "gate_up_proj", SimpleNamespace(first_expert=1, num_experts=1))
+    if dtype == torch.uint8:
+        # Code 1 (0.5) in each low nibble, code 2 (1.0) in each high one, scale 2^0; gate rows (even) first.
+        assert torch.equal(recipe(get).float(), torch.tensor([0.5, 1.0] * 16).expand(1, 6, 32))
+    else:
+        with pytest.raises(KeyError, match=r"gate_up_proj \(the checkpoint stores it as MXFP4 .*_blocks and _scales"):
+            recipe(get)
