@@ -145,16 +145,34 @@ def test_a_step_that_is_not_there_lists_those_that_are(full_zero3, tmp_path, ste
         open_step(read_run(run_dir), step, merged=True)
 
 
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.dist
-def test_expert_parallel_checkpoint_reads_as_the_final_state(tmp_path, child_env):
-    """Two gloo ranks, ZeRO-3, expert parallel 2, LoRA on attention and experts: each rank holds half of the
-    experts and half of every dense slice; the step read back in one process equals the adapter the run
-    consolidated at its end, and every merged tensor its final state's, bitwise."""
+def test_expert_parallel_checkpoint_reads_and_exports_as_the_final_state(tmp_path, child_env):
+    """A qwen3_moe checkpoint fine-tuned by two gloo ranks, ZeRO-3, expert parallel 2, LoRA on attention and
+    experts: each rank holds half of the experts and half of every dense slice. The step read back in one process
+    equals the adapter the run consolidated at its end and every tensor of its final state, bitwise, and exports
+    the same bytes (merged model and adapter) as the final state does."""
+    from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+
+    from moe_tune.engine.export.hub import export_run
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(num_experts=6), tmp_path / "qwen3_moe")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} about experts {i * 3}"}) + "\n" for i in range(40)))
     out = tmp_path / "ep2"
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(json.dumps({
+        "name": "export-ep2", "model": {"checkpoint": str(checkpoint)},
+        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 48},
+        "lora": {"experts": True}, "parallel": {"expert_parallel": 2},
+        "train": {"steps": 2, "lr": 0.002, "micro_batch_size": 2, "grad_clip": 0.5},
+        "output": {"dir": str(out), "tensorboard": False, "save_every": 1},
+    }))  # fmt: skip
     port = free_port()
-    cmd = [sys.executable, str(WORKER), "--result", str(out / "result.json"),
-           *[a for o in [*RUN, f"output.dir={out}", "train.micro_batch_size=1", "parallel.expert_parallel=2"]
-             for a in ("--set", o)]]  # fmt: skip
+    cmd = [sys.executable, str(WORKER), "--result", str(tmp_path / "result.json"), "--profile", str(profile)]
     procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port, child_env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
     logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
@@ -163,3 +181,9 @@ def test_expert_parallel_checkpoint_reads_as_the_final_state(tmp_path, child_env
     assert sorted(p.name for p in step.glob("*optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert_reads_final_state(out, 2)
+    for merge in (True, False):
+        final = export_run(out, merge, tmp_path / f"final-{merge}")
+        from_step = export_run(out, merge, tmp_path / f"step-{merge}", step=2)
+        written = folder_bytes(final)
+        assert any(name.endswith(".safetensors") for name in written)
+        assert folder_bytes(from_step) == written, merge
