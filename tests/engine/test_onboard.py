@@ -214,3 +214,16 @@ def test_broken_mapping_fails_alignment_and_exits_1(checkpoints, monkeypatch):
     assert report.exit_code == 1 and report.unsupported == []
     assert report.mapping.status == "ok" and report.align.status == "failed"
     assert any(line.startswith("layer 1 rel") for line in report.align.problems), report.align.problems
+
+
+def test_a_forced_path_that_cannot_run_fails_its_stages_not_the_command(checkpoints, monkeypatch):
+    # Triton forced on CPU tensors without the interpreter: every op refuses; each stage says so in its section.
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    checkpoint = checkpoints("qwen3_moe", hf_tiny.tiny_qwen3_moe)
+    report = onboard(checkpoint, profile_steps=0, documents=short_documents(checkpoint))
+    assert report.exit_code == 1 and report.unsupported == []
+    assert report.mapping.status == "failed" and report.align.status == "failed"
+    for stage in (report.mapping, report.align):
+        assert len(stage.problems) == 1 and "MOE_TUNE_KERNELS=triton but" in stage.problems[0], stage.problems
+    assert report.plan.status == "ok"
