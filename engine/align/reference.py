@@ -67,7 +67,8 @@ def _modeling_modules() -> list[ModuleType]:
 @contextlib.contextmanager
 def pure_torch_paths() -> Iterator[dict[tuple[str, str], str]]:
     """Within: every fallback-wrapped name of transformers' modeling modules calls transformers' PyTorch function.
-    Yields what was replaced ({(module, name): external module}, empty when nothing external is importable)."""
+    Yields what the names would call outside it ({(module, name): external module}, empty when nothing external
+    is importable), an enclosing pure_torch_paths' replacements included."""
     modules = _modeling_modules()
     replaced = external_paths(modules)
     saved = []

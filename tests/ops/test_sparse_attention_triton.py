@@ -431,3 +431,21 @@ def test_forced_kernel_raises_when_it_cannot_run(monkeypatch, dtype, interpret, 
     q_idx, k_idx, w_idx = make_indexer_inputs(1, 4, 2, 16, dtype)
     with pytest.raises(RuntimeError, match=f"topk_indexer {message}"):
         topk_indexer(q_idx, k_idx, w_idx, topk=2)
+
+
+@pytest.mark.parametrize(
+    "block_size, options",
+    [(1, dict(topk=5)), (1, dict(topk=2)), (3, dict(topk=3)),
+     (4, dict(topk=3, k_idx_is_pooled=True, always_keep_own_block=False))],
+    ids=["tok5", "tok2", "blk3", "qsa-blk4-pooled"],
+)
+def test_topk_indexer_relu_zero_ties_equal_reference(kernel_path, guarded, block_size, options):
+    # 3 heads (padded to 4) of dim 12 (padded to 16), mostly negative queries: after the ReLU most candidates score
+    # exactly 0 (some -0.0 through negative weights), so the topk-th and next candidates tie in many rows, where the
+    # rule (the lower index wins) decides; packed documents of odd lengths (1, 0, 20, 17).
+    q_idx, k_idx, w_idx = make_indexer_inputs(1, 38, 3, 12, torch.float32, block_size=block_size, seed=5)
+    q_idx = q_idx - 2.0
+    w_idx[:, 1::3] = -1.0
+    cu_seqlens = torch.tensor([0, 1, 1, 21, 38], dtype=torch.int32)
+    assert_indexer_matches_reference(guarded, q_idx, k_idx, w_idx, block_size=block_size, cu_seqlens=cu_seqlens,
+                                     **options)

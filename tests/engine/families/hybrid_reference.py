@@ -25,12 +25,18 @@ GRAD_REL = 1e-3
 
 
 def load_reference(directory: Path) -> nn.Module:
-    """The checkpoint as transformers' causal LM: fp32, eager attention and experts."""
+    """The checkpoint as transformers' causal LM: fp32, eager attention and experts, on transformers' own PyTorch
+    paths (flash-linear-attention, when installed, is not used: align's reference)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-    )
+    from moe_tune.engine.align.compare import hold_pure_torch_paths
+    from moe_tune.engine.align.reference import pure_torch_paths
+
+    with pure_torch_paths():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        )
+    hold_pure_torch_paths(model)
     return model.eval()
 
 

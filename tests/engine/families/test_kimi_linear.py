@@ -93,9 +93,15 @@ def checkpoint(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     def build():
-        model = transformers.KimiLinearForCausalLM.from_pretrained(
-            str(checkpoint), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-        )
+        from moe_tune.engine.align.compare import hold_pure_torch_paths
+        from moe_tune.engine.align.reference import pure_torch_paths
+
+        # transformers' own PyTorch paths, flash-linear-attention installed or not (align's reference).
+        with pure_torch_paths():
+            model = transformers.KimiLinearForCausalLM.from_pretrained(
+                str(checkpoint), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+            )
+        hold_pure_torch_paths(model)
         return model.eval()
 
     return _cached("reference", str(checkpoint), build)

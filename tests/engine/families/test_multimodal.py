@@ -182,3 +182,14 @@ def test_align_batch_images_stay_in_the_batch_folder(checkpoint, tmp_path, image
     batch.write_text(json.dumps({"text": "a picture: <image>", "images": ["inside.png"]}) + "\n")
     (document,) = read_batch(batch, cfg, checkpoint)
     assert document.pixel_values is not None
+
+
+def test_qsa_with_one_indexer_head_aligns_pinned_on_images_and_text(tmp_path):
+    # One QSA indexer head, 2 blocks of 4 kept: many blocks score exactly 0 after the ReLU and the 2nd and 3rd best
+    # tie, where torch.topk and our rule (the lower block wins) may differ; the reference's choice, pinned, aligns.
+    checkpoint = save_tiny_checkpoint(tiny_qwen4_exp(indexer_n_heads=1), tmp_path / "qwen4_exp")
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert report.pinned_selection and report.passed, report.failures
+    assert [s.layer for s in report.selections] == [1, 3]
+    assert sum(s.differed for s in report.selections) > 0  # ties were there to break
+    assert report.images == [0, 1, 2] and report.logits.max_abs < 1e-5

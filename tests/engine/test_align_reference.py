@@ -1,0 +1,92 @@
+"""The reference stays the reference: with flash-linear-attention importable (CI installs it, as users of the
+linear-attention families do), align builds and runs transformers' own PyTorch paths, says so in its report, and
+aligns on a CPU, where FLA's Triton kernels cannot run. pure_torch_paths() restores what it rebinds."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from moe_tune.engine.align import align_checkpoint
+from moe_tune.engine.align.reference import describe, external_paths, pure_torch_paths
+
+from hf_tiny import save_tiny_checkpoint, tiny_qwen3_next
+
+FAKE_MODULE = "transformers.models.fake_kernels.modeling_fake_kernels"
+
+
+@pytest.fixture
+def fake_modeling_module(monkeypatch):
+    """A modeling module whose `root` went through transformers' fallback decorator with an importable 'package'
+    (math.sqrt stands in for an FLA kernel), registered where pure_torch_paths looks."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    def root(x):
+        return x ** 0.5 + 1000.0  # distinguishable from math.sqrt
+
+    module = types.ModuleType(FAKE_MODULE)
+    module.root = use_kernel_func_from_hub_with_fallback("sqrt", "math")(root)
+    module.plain = root
+    monkeypatch.setitem(sys.modules, FAKE_MODULE, module)
+    return module, root
+
+
+def test_pure_torch_paths_rebinds_and_restores(fake_modeling_module):
+    module, root = fake_modeling_module
+    wrapper = module.root
+    assert wrapper(4.0) == 2.0  # math.sqrt: the external implementation outside the context
+    with pure_torch_paths() as replaced:
+        assert module.root is root and module.root(4.0) == 1002.0
+        assert replaced[(FAKE_MODULE, "root")] == "math"
+        # Still named while held (the report is written inside the context).
+        assert external_paths([module]) == {(FAKE_MODULE, "root"): "math"}
+        with pure_torch_paths() as nested:
+            assert module.root is root and nested[(FAKE_MODULE, "root")] == "math"
+        assert module.root is root  # the nested exit restores only what it replaced itself: nothing
+    assert module.root is wrapper and module.plain is root
+
+
+def test_pure_torch_paths_restores_when_the_body_raises(fake_modeling_module):
+    module, root = fake_modeling_module
+    wrapper = module.root
+    with pytest.raises(RuntimeError, match="inside"):
+        with pure_torch_paths():
+            assert module.root is root
+            raise RuntimeError("inside")
+    assert module.root is wrapper
+    assert external_paths([module]) == {(FAKE_MODULE, "root"): "math"}
+
+
+@pytest.mark.parametrize("replaced, line", [
+    ({}, "transformers' PyTorch paths"),
+    ({("m", "a"): "fla.ops.kda", ("m", "b"): "causal_conv1d.cpp"},
+     "transformers' PyTorch paths (causal-conv1d, flash-linear-attention importable, not used)"),
+])
+def test_describe_names_the_distributions(replaced, line):
+    assert describe(replaced) == line
+
+
+def tiny_kimi_linear():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+        vocab_size=320, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+        v_head_dim=10, linear_num_heads=3, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], q_lora_rank=None,
+        num_local_experts=5, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+    ))
+
+
+@pytest.mark.parametrize("builder", [tiny_qwen3_next, tiny_kimi_linear], ids=["qwen3_next", "kimi_linear"])
+def test_align_with_fla_installed_runs_transformers_pytorch_paths(builder, tmp_path):
+    pytest.importorskip("fla", reason="flash-linear-attention is in the test extra (CI has it)")
+    checkpoint = save_tiny_checkpoint(builder(), tmp_path / "checkpoint")
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert report.passed, report.failures
+    assert report.reference_paths.startswith("transformers' PyTorch paths (")
+    assert "flash-linear-attention importable, not used" in report.reference_paths
+    # Outside align the modeling module calls FLA again (as the GPU baseline of `profile --against` wants).
+    assert any(origin.startswith("fla") for origin in external_paths().values())
