@@ -20,6 +20,7 @@ Shapes: R rows per micro-batch, L seq_len, E experts, r LoRA rank.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -27,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from moe_tune.engine.align.reference import describe, pure_torch_paths
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -342,16 +344,28 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
     """Build the transformers baseline and run one step per entry of `step_batches` (the first `warmup` untimed).
     Returns its row: medians over the timed steps, peak memory (CUDA), parameter counts and what transformers
     chose to run."""
-    import peft
-    import transformers
-
     gc.collect()
     is_cuda = device.type == "cuda"
     if is_cuda:
         torch.cuda.empty_cache()
     # Whatever our run left allocated would count into the baseline's peak: shown next to it.
     allocated_before = torch.cuda.memory_allocated() if is_cuda else None
-    runner = TransformersRunner(job, device)
+    # On a GPU transformers runs what it picks (flash-linear-attention's kernels where installed: its best); on a
+    # CPU those Triton kernels cannot run, so it runs its own PyTorch paths, as align's reference does.
+    paths = contextlib.nullcontext({}) if is_cuda else pure_torch_paths()
+    with paths as replaced:
+        runner = TransformersRunner(job, device)
+        return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced)
+
+
+def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced) -> dict[str, Any]:
+    import peft
+    import transformers
+
+    job = runner.job
+    # The functions pure_torch_paths rebound in the model's own modeling module (named in `impl`).
+    model_module = type(getattr(runner.model, "get_base_model", lambda: runner.model)()).__module__
+    own = {key: origin for key, origin in replaced.items() if key[0] == model_module}
     all_records = []
     try:
         for index, batches in enumerate(step_batches):
@@ -369,7 +383,7 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
         if is_cuda:
             torch.cuda.empty_cache()
     return dict(
-        impl=f"transformers {transformers.__version__} + peft {peft.__version__}",
+        impl=f"transformers {transformers.__version__} + peft {peft.__version__}" + (f", {describe(own)}" if own else ""),
         model_type=runner.model_type,
         attention_implementation=runner.attention_implementation,
         experts_implementation=runner.experts_implementation,

@@ -1,6 +1,7 @@
 """The transformers + PEFT baseline of `moe-tune profile --against transformers` (engine/bench/against.py): the
 architecture it builds, its adapters, its first loss against ours from the same checkpoint, and its refusals."""
 
+import importlib.util
 import json
 import random
 
@@ -152,3 +153,6 @@ def test_first_step_loss_equals_ours_from_the_same_checkpoint(tmp_path, monkeypa
     assert other["parameters"] == result["parameters"]
     assert other["speedup"] == pytest.approx(result["tokens_per_s"] / other["tokens_per_s"])
     assert other["lora"]["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    # On a CPU flash-linear-attention's Triton kernels cannot run: transformers' PyTorch paths run, and say so.
+    fla_in_use = make is tiny_qwen3_next and importlib.util.find_spec("fla") is not None
+    assert ("flash-linear-attention importable, not used" in other["impl"]) is fla_in_use

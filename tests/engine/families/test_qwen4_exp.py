@@ -169,9 +169,12 @@ def test_wrong_mapping_is_caught(checkpoint, monkeypatch, first_wrong_layer):
         monkeypatch.setattr(family_module, "sharded_rows", reversed_shards(family_module.sharded_rows))
     else:
         monkeypatch.setattr(family_module, "qwen_recipe", swap_indexer_norms(family_module.qwen_recipe))
-    report = align_checkpoint(checkpoint, documents=documents((29, 18)), pin_routing=True)
+    # Experts pinned; the block selection stays ours (a pinned one would hide the wrong indexer).
+    report = align_checkpoint(checkpoint, documents=documents((29, 18)), pin_routing=True, pin_selection=False)
     assert not report.passed
     assert all(row.rel <= HIDDEN_REL for row in report.layers[:first_wrong_layer])
+    if first_wrong_layer == 1:
+        assert report.selections[0].differed > 0  # the swapped norms change which blocks layer 1 picks
     assert report.layers[first_wrong_layer].rel > 1e-3
     assert report.logits.max_abs > LOGITS_MAX_ABS
 
