@@ -51,9 +51,9 @@ def test_profile_read_from_config(checkpoint):
     assert cfg.rope_theta == 5000.0 and cfg.partial_rotary_factor == 1.0 and cfg.rms_norm_eps == 1e-5
 
 
-@pytest.mark.parametrize("pin", [False, True], ids=["own_routing", "pinned_routing"])
-def test_packed_batch_aligned_with_transformers(checkpoint, pin):
-    report = align_checkpoint(checkpoint, pin_routing=pin)
+def test_packed_batch_aligned_with_transformers(checkpoint):
+    # Our own routing (the wrong-mapping tests below run pinned, so the router hooks are exercised too).
+    report = align_checkpoint(checkpoint)
     assert report.passed, report.failures
     assert len(report.layers) == 2 and max(row.rel for row in report.layers) < 1e-5
     assert report.logits.max_abs < 1e-5 and report.kl < 1e-7
@@ -62,14 +62,18 @@ def test_packed_batch_aligned_with_transformers(checkpoint, pin):
     assert max(row.rel for row in report.lora_grads) < 1e-5
 
 
-# Mixtral-8x7B's config.json: rope_theta at the top level and no rope_parameters (transformers reads either); with
-# no theta at all both sides take MixtralConfig's default.
-@pytest.mark.parametrize("theta", [5000.0, None], ids=["top_level_theta", "default_theta"])
-def test_flat_hub_config_aligned(checkpoint, tmp_path, theta):
-    directory = _copy_with_config(checkpoint, tmp_path / "flat", rope_parameters=None, rope_theta=theta,
-                                  torch_dtype="bfloat16", transformers_version="4.36.0.dev0")
+# Mixtral-8x7B's config.json: rope_theta at the top level and no rope_parameters (transformers reads either).
+def test_flat_hub_config_read(config):
+    flat = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 1234.0}
+    assert Mixtral().to_profile(flat).rope_theta == 1234.0
+
+
+def test_default_rope_theta_aligned(checkpoint, tmp_path):
+    # No theta anywhere: both sides take MixtralConfig's default.
+    directory = _copy_with_config(checkpoint, tmp_path / "flat", rope_parameters=None, torch_dtype="bfloat16",
+                                  transformers_version="4.36.0.dev0")
     _, _, cfg = model_profile_from_checkpoint(directory)
-    assert cfg.rope_theta == (theta or MIXTRAL_ROPE_THETA)
+    assert cfg.rope_theta == MIXTRAL_ROPE_THETA
     report = align_checkpoint(directory, pin_routing=True)
     assert report.passed, report.failures
 
@@ -106,7 +110,7 @@ def test_sliding_window_aligned_with_transformers(windowed_checkpoint):
     assert max(row.rel for row in report.layers) < 1e-5 and report.logits.max_abs < 1e-5
 
 
-@pytest.mark.parametrize("window", [WINDOW - 1, WINDOW + 1, None], ids=["one_key_fewer", "one_key_more", "none"])
+@pytest.mark.parametrize("window", [WINDOW - 1, None], ids=["one_key_fewer", "no_window"])
 def test_wrong_sliding_window_is_caught(windowed_checkpoint, monkeypatch, window):
     original = Mixtral.to_profile
 
@@ -120,17 +124,13 @@ def test_wrong_sliding_window_is_caught(windowed_checkpoint, monkeypatch, window
     assert not report.passed and report.layers[0].max_abs > 1e-4
 
 
-@pytest.mark.parametrize(
-    "what", ["swapped_w1_w3", "not_renormalised", "wrong_rope_theta"],
-)
+@pytest.mark.parametrize("what", ["swapped_w1_w3", "not_renormalised"])
 def test_wrong_mapping_is_caught(checkpoint, monkeypatch, what):
     if what == "swapped_w1_w3":
         monkeypatch.setattr(Mixtral, "recipe", _swapped_gate_up(Mixtral.recipe))
-    elif what == "not_renormalised":
+    else:
         cfg = model_profile_from_checkpoint(checkpoint)[2]
         monkeypatch.setattr(Mixtral, "to_profile", _profile_changed(moe=cfg.moe.model_copy(update={"renormalize": False})))
-    else:
-        monkeypatch.setattr(Mixtral, "to_profile", _profile_changed(rope_theta=10000.0))
     report = align_checkpoint(checkpoint, pin_routing=True)
     assert not report.passed
     assert report.layers[0].max_abs > 1e-4 and report.logits.max_abs > report.tolerances.logits_max_abs
