@@ -102,7 +102,7 @@ def print_report(console: Console, report) -> None:
         markup=False,
     )
     if report.reference_paths:
-        console.print(f"reference: {report.reference_paths}", markup=False)
+        console.print(f"reference: {report.reference_paths}", markup=False, soft_wrap=True)
     table = Table(show_edge=False)
     for col in ("compared", "max abs", "relative"):
         table.add_column(col, justify="left" if col == "compared" else "right")
@@ -120,6 +120,7 @@ def print_report(console: Console, report) -> None:
             f"layer {selection.layer} sparse attention: {selection.differed} of {selection.rows} query rows chose "
             f"other keys than the reference{when}",
             markup=False,
+            soft_wrap=True,
         )
     if not report.pinned_selection and any(selection.differed for selection in report.selections):
         console.print("(a different selection changes every later row; --pin-routing feeds the reference's "

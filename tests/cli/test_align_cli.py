@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from moe_tune.cli import app
 
-from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v32, tiny_qwen3_moe
 
 runner = CliRunner()
 
@@ -23,8 +23,10 @@ def test_aligned_checkpoint_exits_0_and_writes_json(checkpoint, tmp_path):
     result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--pin-routing", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "aligned: within tolerance" in result.stdout
+    assert "reference: transformers' PyTorch paths\n" in result.stdout
     report = json.loads(out.read_text())
     assert report["passed"] and report["pinned_routing"] and report["model_type"] == "qwen3_moe"
+    assert report["selections"] == [] and report["pinned_selection"] is False
     assert [row["name"] for row in report["layers"]] == ["layer 0", "layer 1", "layer 2"]
     assert report["logits"]["max_abs"] <= 1e-4 and report["kl"] <= 1e-6
 
@@ -104,3 +106,18 @@ def test_not_a_golden_trace_exits_2(tmp_path):
     result = runner.invoke(app, ["align", "--golden", str(bogus)])
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: --golden {bogus}: not a golden trace")
+
+
+def test_sparse_attention_selections_pinned_and_counted(tmp_path):
+    # 3 indexer heads, 12 keys per query below the 23-token document: tied selections differ before pinning.
+    checkpoint = save_tiny_checkpoint(tiny_deepseek_v32(index_n_heads=3, index_topk=12), tmp_path / "dsv32")
+    out = tmp_path / "report.json"
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--pin-routing", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "routing and sparse attention selections pinned to the reference's" in result.stdout
+    report = json.loads(out.read_text())
+    for row in report["selections"]:
+        line = (f"layer {row['layer']} sparse attention: {row['differed']} of 46 query rows chose other keys than "
+                "the reference before pinning")
+        assert line in result.stdout
+    assert sum(row["differed"] for row in report["selections"]) >= 1
