@@ -81,8 +81,12 @@ def finetune(
         console.print(f"for transformers + PEFT on the checkpoint: {result.transformers_adapter}")
     elif result.transformers_adapter_problem:
         console.print(f"no adapter for transformers: {result.transformers_adapter_problem}")
+    if result.merged:
+        console.print(f"merged:      {result.merged} (for transformers: AutoModelForCausalLM.from_pretrained)")
+    elif result.merged_problem:
+        console.print(f"no merged model: {result.merged_problem}")
     if result.weights:
-        console.print(f"weights:     {result.weights}")
+        console.print(f"weights:     {result.weights} (moe-tune's names; `moe-tune export` writes the hub's layout)")
     console.print(f"ds config:   {result.deepspeed_config}")
     if result.interrupted_by:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -250,3 +250,27 @@ def tiny_gpt_oss(**overrides):
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 1.5)
     return model
+
+
+def mxfp4_checkpoint(checkpoint: Path, directory: Path) -> Path:
+    """The checkpoint with its expert weights replaced by random MXFP4 blocks and scales (values 2^-5 .. 6 * 2^-3),
+    as the hub's gpt-oss stores them; transformers dequantizes them at load (quantization_config.dequantize)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        num_experts, cols, rows = tensors.pop(key).shape  # stored [E, in, out]; the blocks are [E, out, in / 32, 16]
+        tensors[f"{key}_blocks"] = torch.randint(0, 256, (num_experts, rows, cols // 32, 16), generator=gen,
+                                                 dtype=torch.uint8)
+        tensors[f"{key}_scales"] = torch.randint(122, 125, (num_experts, rows, cols // 32), generator=gen,
+                                                 dtype=torch.uint8)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "dequantize": True}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

@@ -92,6 +92,50 @@ def checkpoint_layout(reader) -> Layout:
     return Layout(keys, reader)
 
 
+class DequantizedLayout(Layout):
+    """A checkpoint layout whose MXFP4 expert tensors (`<key>_blocks` + `<key>_scales`, uint8) are written as the
+    plain tensor `<key>` transformers loads unquantized: [E, in, out] (the blocks hold [E, out, in]), in the dtype of
+    the key's bias (the checkpoint's float dtype), bf16 without one. Its base value is the dequantized blocks."""
+
+    def __init__(self, layout: Layout, quantized: dict[str, KeyInfo]):
+        keys = {}
+        for key, info in layout.keys.items():
+            plain = key.removesuffix("_blocks")
+            if plain in quantized:
+                keys[plain] = quantized[plain]
+            elif key.removesuffix("_scales") not in quantized:
+                keys[key] = info
+        super().__init__(keys, layout.reader)
+        self.quantized = quantized
+
+    def base(self, key: str) -> torch.Tensor | None:
+        if key not in self.quantized:
+            return super().base(key)
+        from moe_tune.engine.families.gpt_oss import dequantize_mxfp4
+
+        blocks, scales = self.reader.get(key + "_blocks"), self.reader.get(key + "_scales")
+        dtype = self.quantized[key].dtype
+        return torch.stack([dequantize_mxfp4(b, s, dtype).transpose(0, 1) for b, s in zip(blocks, scales)])
+
+
+def mxfp4_keys(layout: Layout) -> dict[str, KeyInfo]:
+    """The plain keys of the layout's MXFP4 pairs (`<key>_blocks` [E, out, in / 32, 16] and `<key>_scales`
+    [E, out, in / 32], both uint8, and no `<key>`): their unquantized shape [E, in, out] and dtype."""
+    found = {}
+    for key, info in layout.keys.items():
+        plain = key.removesuffix("_blocks")
+        scales = layout.keys.get(plain + "_scales")
+        if plain == key or plain in layout.keys or scales is None or len(info.shape) != 4:
+            continue
+        if info.dtype != torch.uint8 or scales.dtype != torch.uint8 or scales.shape != info.shape[:3]:
+            continue
+        bias = layout.keys.get(plain + "_bias")
+        dtype = bias.dtype if bias is not None and bias.dtype.is_floating_point else torch.bfloat16
+        experts, out, groups, pairs = info.shape
+        found[plain] = KeyInfo((experts, groups * pairs * 2, out), dtype)
+    return found
+
+
 class _Tracer:
     """A getter for recipes: tensors of the layout's shapes (meta tensors, or each element's global index)."""
 
@@ -338,7 +382,14 @@ def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_byte
     if cfg.checkpoint is not None:
         family = family_for(read_config(cfg.checkpoint), cfg.checkpoint)
         with CheckpointReader(cfg.checkpoint) as reader:
-            return write_hub_checkpoint(source, cfg, family, checkpoint_layout(reader), out, max_shard_bytes,
+            layout, config = checkpoint_layout(reader), None
+            quantized = mxfp4_keys(layout)
+            if quantized:
+                # MXFP4 experts were dequantized at load and trained so: written unquantized, and the config no
+                # longer says they are quantized.
+                layout = DequantizedLayout(layout, quantized)
+                config = {k: v for k, v in read_config(cfg.checkpoint).items() if k != "quantization_config"}
+            return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
                                         copy_from=cfg.checkpoint)
     try:
         from moe_tune.engine.families.hub_config import hub_config_for_profile

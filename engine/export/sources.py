@@ -132,7 +132,10 @@ class FinalState:
         self.run, self.merged = run, merged
         self.cfg = run.cfg
         self.model = meta_model(self.cfg)
-        self._names = list(self.model.state_dict())
+        # Base weights are read in the dtype our model holds them in (a bf16 checkpoint, or MXFP4 experts dequantized
+        # to bf16, trained in fp32), so a merge rounds once, when the writer stores the key's dtype.
+        self._dtypes = {name: t.dtype for name, t in self.model.state_dict().items()}
+        self._names = list(self._dtypes)
         self._reader = None
         self._adapter = None
         self._init_state = None
@@ -167,7 +170,7 @@ class FinalState:
         if recipe is None:
             return torch.zeros_like(self.model.state_dict()[name], device="cpu")
         try:
-            return recipe(self._reader)
+            return recipe(self._reader).to(self._dtypes[name])
         except KeyError:
             # A tied head the checkpoint stores only once: the embedding, read under its own name.
             tied = self._tied_name(name)

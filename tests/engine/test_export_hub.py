@@ -53,13 +53,14 @@ FAMILIES = {
 }
 
 
-def job_for(root: Path, builder, lora: dict):
+def job_for(root: Path, builder, lora: dict, checkpoint: Path | None = None):
     """The resolved profile of a 2-step run from `builder`'s tiny checkpoint (saved under root/checkpoint, with a
-    tokenizer_config.json that export must copy)."""
+    tokenizer_config.json that export must copy), or from `checkpoint` when given."""
     from moe_tune.engine.families import resolve_job
     from moe_tune.profiles import validate_profile
 
-    checkpoint = hf_tiny.save_tiny_checkpoint(builder(), root / "checkpoint")
+    if checkpoint is None:
+        checkpoint = hf_tiny.save_tiny_checkpoint(builder(), root / "checkpoint")
     (checkpoint / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i}: moe-tune packs and trains {i * 7}"}) + "\n"
@@ -84,7 +85,7 @@ def finetune_run(root: Path, builder, lora: dict) -> Path:
     return root / "run"
 
 
-def trained_run(root: Path, builder, lora: dict) -> Path:
+def trained_run(root: Path, builder, lora: dict, checkpoint: Path | None = None) -> Path:
     """The output.dir of a finished run, written without training (the trainer costs ~10 s a family): the
     checkpoint's model with LoRA adapters whose B factors are random (linear and per-expert), saved as the trainer
     saves them, or every weight perturbed for full fine-tuning; profile.yaml and summary.json."""
@@ -93,7 +94,7 @@ def trained_run(root: Path, builder, lora: dict) -> Path:
 
     from moe_tune.engine.lora import inject_lora
 
-    job = job_for(root, builder, lora)
+    job = job_for(root, builder, lora, checkpoint)
     run = root / "run"
     run.mkdir()
     (run / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
@@ -432,3 +433,31 @@ def test_fused_expert_layout_round_trips(tmp_path):
     load_checkpoint_weights(back, cfg.model_copy(update={"checkpoint": out}))
     for name, value in back.state_dict().items():
         assert torch.equal(value, state[name]), name
+
+
+def test_mxfp4_base_exports_dequantized_experts(tmp_path):
+    """A gpt_oss run from an MXFP4 checkpoint (experts dequantized at load, trained so) exports its experts
+    unquantized, [E, in, out] in the checkpoint's float dtype, and drops quantization_config: transformers loads it
+    with no missing or unexpected keys and gives our logits."""
+    plain = hf_tiny.save_tiny_checkpoint(hf_tiny.tiny_gpt_oss(intermediate_size=32, num_hidden_layers=2,
+                                                              layer_types=["sliding_attention", "full_attention"]),
+                                         tmp_path / "plain")
+    base = hf_tiny.mxfp4_checkpoint(plain, tmp_path / "mxfp4")
+    (base / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    lora_run = trained_run(tmp_path, None, {"target_modules": ATTENTION, "experts": True}, checkpoint=base)
+    cfg = read_run(lora_run).cfg
+    out = export_run(lora_run, merge=True, out=None)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config == {k: v for k, v in json.loads((base / "config.json").read_text()).items()
+                      if k != "quantization_config"}
+    stored = tensors_of(out)
+    assert not [k for k in stored if k.endswith(("_blocks", "_scales"))]
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert stored[key].dtype == stored[key + "_bias"].dtype == torch.float32
+    got, info = transformers_logits(out, base)
+    assert_loads_cleanly(info)
+    ours = load_adapter(load_ours(cfg), lora_run / "adapter").eval()
+    expected = ours_logits(ours)
+    assert (expected - ours_logits(load_ours(cfg))).abs().max() > 1e-2  # the expert adapters moved the model
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)

@@ -17,7 +17,7 @@ from moe_tune.engine.model.varlen import DocumentBuckets, packed_causal_attentio
 from moe_tune.ops.moe import ClampedSwiGLU, moe_mlp
 from moe_tune.ops.moe.reference import moe_mlp_loop_ref
 
-from hf_tiny import save_tiny_checkpoint, tiny_gpt_oss
+from hf_tiny import mxfp4_checkpoint, save_tiny_checkpoint, tiny_gpt_oss
 
 WINDOW = 8  # tiny_gpt_oss's sliding window; align's default documents are 23, 9 and 14 tokens
 # One document of 20 tokens, past the window, for the aligns that only need to see a mapping break (or hold).
@@ -152,29 +152,6 @@ def test_dequantize_mxfp4_equals_transformers(shape):
     assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), theirs)
 
 
-def _mxfp4_checkpoint(checkpoint, directory):
-    """The checkpoint with its expert weights replaced by random MXFP4 blocks and scales (values 2^-5 .. 6 * 2^-3),
-    as the hub's gpt-oss stores them; transformers dequantizes them at load (quantization_config.dequantize)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(checkpoint, directory)
-    tensors = load_file(str(directory / "model.safetensors"))
-    gen = torch.Generator().manual_seed(7)
-    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        num_experts, cols, rows = tensors.pop(key).shape  # stored [E, in, out]; the blocks are [E, out, in / 32, 16]
-        tensors[f"{key}_blocks"] = torch.randint(0, 256, (num_experts, rows, cols // 32, 16), generator=gen,
-                                                 dtype=torch.uint8)
-        tensors[f"{key}_scales"] = torch.randint(122, 125, (num_experts, rows, cols // 32), generator=gen,
-                                                 dtype=torch.uint8)
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "dequantize": True}
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 def test_mxfp4_checkpoint_loads_dequantized_and_aligns(tmp_path):
     from safetensors.torch import load_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -184,7 +161,7 @@ def test_mxfp4_checkpoint_loads_dequantized_and_aligns(tmp_path):
     # MXFP4 packs 32 input values a group: the expert hidden size must be a multiple of 32 for down_proj.
     plain = save_tiny_checkpoint(tiny_gpt_oss(intermediate_size=32, num_hidden_layers=2,
                                               layer_types=["sliding_attention", "full_attention"]), tmp_path / "plain")
-    directory = _mxfp4_checkpoint(plain, tmp_path / "mxfp4")
+    directory = mxfp4_checkpoint(plain, tmp_path / "mxfp4")
     _, _, cfg = model_profile_from_checkpoint(directory)
     ours = load_ours(cfg)
     stored = load_file(str(directory / "model.safetensors"))
