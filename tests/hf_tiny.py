@@ -274,3 +274,21 @@ def mxfp4_checkpoint(checkpoint: Path, directory: Path) -> Path:
     config["quantization_config"] = {"quant_method": "mxfp4", "dequantize": True}
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def tiny_kimi_linear(**overrides):
+    """A 4-layer kimi_linear (KDA on three layers, MLA on the last; a dense first MLP; 7 experts top-2, one shared)
+    in transformers, random init."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=320, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+        v_head_dim=10, linear_num_heads=3, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], q_lora_rank=None, num_local_experts=7,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+    )
+    config.update(overrides)
+    return KimiLinearForCausalLM(KimiLinearConfig(**config))

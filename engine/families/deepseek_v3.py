@@ -164,17 +164,7 @@ class DeepseekV3(Family):
         )
 
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
-        if name == "lm_head.weight":
-            return take(PREFIX + "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-        if name.endswith("mlp.selection_bias"):
-            return take(PREFIX + name.removesuffix("selection_bias") + "gate.e_score_correction_bias")
-        if name.endswith("mlp.experts.w_gate_up"):
-            base = PREFIX + name.removesuffix("w_gate_up")
-            return stacked_experts(module, lambda e: [f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"])
-        if name.endswith("mlp.experts.w_down"):
-            base = PREFIX + name.removesuffix("w_down")
-            return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
-        return take(PREFIX + name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
+        return deepseek_recipe(name, module, cfg)
 
     def to_config(self, model: ModelProfile) -> dict[str, Any]:
         """config.json of this model type for `model`: the inverse of to_profile, written from what transformers
@@ -231,3 +221,21 @@ class DeepseekV3(Family):
             config.update(index_n_heads=sparse.index_heads, index_head_dim=sparse.index_head_dim,
                           index_topk=sparse.topk)
         return config
+
+
+
+def deepseek_recipe(name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
+    """Our tensor `name` from the DeepSeek-V3 key layout (glm4_moe stores its tensors alike): our names under
+    `model.`, the router's correction bias as our selection bias, per-expert gate/up/down stacked into our grouped
+    experts, `shared_experts` for our shared expert."""
+    if name == "lm_head.weight":
+        return take(PREFIX + "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+    if name.endswith("mlp.selection_bias"):
+        return take(PREFIX + name.removesuffix("selection_bias") + "gate.e_score_correction_bias")
+    if name.endswith("mlp.experts.w_gate_up"):
+        base = PREFIX + name.removesuffix("w_gate_up")
+        return stacked_experts(module, lambda e: [f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"])
+    if name.endswith("mlp.experts.w_down"):
+        base = PREFIX + name.removesuffix("w_down")
+        return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
+    return take(PREFIX + name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))

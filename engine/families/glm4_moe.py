@@ -22,9 +22,9 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, stacked_experts, take
+from .base import Family, HFConfig, Recipe
+from .deepseek_v3 import deepseek_recipe
 
-PREFIX = "model."
 # transformers' Glm4MoeConfig sets partial_rotary_factor 0.5 where config.json gives none.
 GLM_PARTIAL_ROTARY_FACTOR = 0.5
 # The multi-token-prediction layer of GLM-4.5 / 4.6 (92 decoder layers) and GLM-4.5-Air (46): transformers'
@@ -95,15 +95,5 @@ class Glm4Moe(Family):
         )
 
     def recipe(self, name: str, module: nn.Module, cfg: ModelProfile) -> Recipe:
-        if name == "lm_head.weight":
-            return take(PREFIX + "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-        if name.endswith("mlp.selection_bias"):
-            return take(PREFIX + name.removesuffix("selection_bias") + "gate.e_score_correction_bias")
-        if name.endswith("mlp.experts.w_gate_up"):
-            base = PREFIX + name.removesuffix("w_gate_up")
-            return stacked_experts(module, lambda e: [f"{base}{e}.gate_proj.weight", f"{base}{e}.up_proj.weight"])
-        if name.endswith("mlp.experts.w_down"):
-            base = PREFIX + name.removesuffix("w_down")
-            return stacked_experts(module, lambda e: [f"{base}{e}.down_proj.weight"])
-        return take(PREFIX + name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
+        return deepseek_recipe(name, module, cfg)
 

@@ -11,7 +11,7 @@ import torch
 from moe_tune.engine.align import align_checkpoint
 from moe_tune.engine.align.reference import describe, external_paths, pure_torch_paths
 
-from hf_tiny import save_tiny_checkpoint, tiny_qwen3_next
+from hf_tiny import save_tiny_checkpoint, tiny_kimi_linear, tiny_qwen3_next
 
 FAKE_MODULE = "transformers.models.fake_kernels.modeling_fake_kernels"
 
@@ -67,20 +67,12 @@ def test_describe_names_the_distributions(replaced, line):
     assert describe(replaced) == line
 
 
-def tiny_kimi_linear():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
-        vocab_size=320, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
-        v_head_dim=10, linear_num_heads=3, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], q_lora_rank=None,
-        num_local_experts=5, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-    ))
+def two_layer_kimi_linear():
+    return tiny_kimi_linear(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                            mlp_layer_types=["dense", "sparse"], num_local_experts=5)
 
 
-@pytest.mark.parametrize("builder", [tiny_qwen3_next, tiny_kimi_linear], ids=["qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("builder", [tiny_qwen3_next, two_layer_kimi_linear], ids=["qwen3_next", "kimi_linear"])
 def test_align_with_fla_installed_runs_transformers_pytorch_paths(builder, tmp_path):
     pytest.importorskip("fla", reason="flash-linear-attention is in the test extra (CI has it)")
     checkpoint = save_tiny_checkpoint(builder(), tmp_path / "checkpoint")

@@ -21,20 +21,6 @@ from moe_tune.engine.lora import load_adapter
 from moe_tune.profiles import ProfileError
 
 
-def tiny_kimi_linear():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
-        vocab_size=320, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
-        v_head_dim=10, linear_num_heads=3, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], q_lora_rank=None, num_local_experts=7,
-        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-    ))
-
-
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 # The experts' adapters are on (lora.experts); dense MLP and shared-expert names (MLP) where a family has both.
@@ -44,7 +30,7 @@ FAMILIES = {
     "qwen3_5_moe": (hf_tiny.tiny_qwen3_5_moe, ATTENTION + ["z_proj"]),
     "deepseek_v3": (hf_tiny.tiny_deepseek_v3, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                                                *MLP]),
-    "kimi_linear": (tiny_kimi_linear, ATTENTION + ["f_a_proj", "kv_b_proj", "gate_proj", "down_proj"]),
+    "kimi_linear": (hf_tiny.tiny_kimi_linear, ATTENTION + ["f_a_proj", "kv_b_proj", "gate_proj", "down_proj"]),
     "qwen4_exp": (hf_tiny.tiny_qwen4_exp, ATTENTION),
     # Experts stored transposed with gate/up interleaved, biases, sinks: the recipes invert through transposes.
     "gpt_oss": (hf_tiny.tiny_gpt_oss, ATTENTION),

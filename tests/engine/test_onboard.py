@@ -14,21 +14,6 @@ from moe_tune.engine.families import model_profile_from_checkpoint
 from moe_tune.engine.onboard import PATHS, check_supported, kernel_reason, onboard, run_plan
 
 
-def tiny_kimi_linear():
-    """A 4-layer kimi_linear (KDA on three layers, MLA on the last; a dense first MLP) in transformers."""
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
-        vocab_size=320, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
-        v_head_dim=10, linear_num_heads=3, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], q_lora_rank=None, num_local_experts=7,
-        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-    ))
-
-
 # Every supported family's tiny checkpoint: (id, builder). Families added later append their builder here.
 FAMILIES = [
     ("qwen3_moe", hf_tiny.tiny_qwen3_moe),
@@ -36,7 +21,7 @@ FAMILIES = [
     ("qwen3_5_moe", hf_tiny.tiny_qwen3_5_moe),
     ("deepseek_v3", hf_tiny.tiny_deepseek_v3),
     ("deepseek_v32", hf_tiny.tiny_deepseek_v32),
-    ("kimi_linear", getattr(hf_tiny, "tiny_kimi_linear", tiny_kimi_linear)),
+    ("kimi_linear", hf_tiny.tiny_kimi_linear),
     ("qwen4_exp", hf_tiny.tiny_qwen4_exp),
     ("mixtral", hf_tiny.tiny_mixtral),
     ("glm4_moe", hf_tiny.tiny_glm4_moe),

@@ -12,8 +12,8 @@ from moe_tune.engine.families import model_profile_from_checkpoint
 from moe_tune.engine.lora import load_adapter
 
 from hf_tiny import (
-    save_tiny_checkpoint, tiny_deepseek_v3, tiny_deepseek_v32, tiny_glm4_moe, tiny_gpt_oss, tiny_mixtral,
-    tiny_qwen3_5_moe, tiny_qwen3_5_moe_text, tiny_qwen3_moe, tiny_qwen3_next, tiny_qwen4_exp,
+    save_tiny_checkpoint, tiny_deepseek_v3, tiny_deepseek_v32, tiny_glm4_moe, tiny_gpt_oss, tiny_kimi_linear,
+    tiny_mixtral, tiny_qwen3_5_moe, tiny_qwen3_5_moe_text, tiny_qwen3_moe, tiny_qwen3_next, tiny_qwen4_exp,
 )
 
 
@@ -21,20 +21,6 @@ MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 # KDA and MLA projections, the dense first layer: modules transformers renames on load (block_sparse_moe -> mlp,
 # f_a_proj -> forget_gate.f_a_proj).
 KIMI = ["q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "kv_b_proj", "gate_proj", "down_proj"]
-
-
-def tiny_kimi_linear():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
-        vocab_size=320, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
-        v_head_dim=10, linear_num_heads=3, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], q_lora_rank=None, num_local_experts=7,
-        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-    ))
 
 
 @pytest.mark.parametrize(
