@@ -18,6 +18,10 @@ The interface every source implements (StateSource below):
       W + (alpha / r) * B @ A per linear layer and per expert (merge_lora below, PEFT's merge), and a module trained
       in full (modules_to_save) as trained. With merged=False: the base weight as it was (the adapter comes from
       adapter_state()). Full fine-tuning: the trained weight. Each call reads only what that tensor needs.
+  read_expert(name, e) -> torch.Tensor   (optional)
+      Expert e of a grouped expert tensor, [1, ...], reading nothing of the other experts: the writer then holds
+      one expert at a time rather than a layer's [E, ...] (every source here has it: a checkpoint step copies the
+      expert from only the rank slices that hold it).
   adapter_state() -> dict[str, torch.Tensor] | None
       LoRA runs: the adapter's tensors as PEFT's save_pretrained names them (get_peft_model_state_dict):
       `base_model.model.<name>.lora_A.weight` / `.lora_B.weight`, experts `base_model.model.<...>.experts.lora_A.

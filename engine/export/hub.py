@@ -311,6 +311,7 @@ def write_hub_checkpoint(
     tmp.mkdir(parents=True)
     positions = _Positions(layout)
     cached: tuple[str | None, torch.Tensor | None] = (None, None)
+    experts: dict[tuple[str, int], torch.Tensor] = {}  # the few experts last read alone (their keys are adjacent)
     weight_map, total = {}, 0
     count = len(shards)
     for i, keys in enumerate(shards):
@@ -324,9 +325,16 @@ def write_hub_checkpoint(
                 value = torch.zeros(info.shape, dtype=info.dtype)
             flat = None
             for name, part in writers:
-                if cached[0] != name:
-                    cached = (name, source.read(name).detach().to("cpu"))
-                ours = cached[1] if part is None else cached[1][part : part + 1]
+                if part is not None and hasattr(source, "read_expert"):
+                    if (name, part) not in experts:
+                        if len(experts) >= 4:
+                            experts.pop(next(iter(experts)))
+                        experts[(name, part)] = source.read_expert(name, part).detach().to("cpu")
+                    ours = experts[(name, part)]
+                else:
+                    if cached[0] != name:
+                        cached = (name, source.read(name).detach().to("cpu"))
+                    ours = cached[1] if part is None else cached[1][part : part + 1]
                 recipe = plan.recipes[(name, part)]
                 if isinstance(recipe, take):
                     value = ours.to(info.dtype).reshape(info.shape).clone()

@@ -7,6 +7,7 @@ A LoRA run's final state is the base checkpoint (read through the family's recip
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,9 @@ class DictSource:
     def read(self, name: str) -> torch.Tensor:
         return self.state[name]
 
+    def read_expert(self, name: str, expert: int) -> torch.Tensor:
+        return self.state[name][expert : expert + 1]
+
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         return self.adapter
 
@@ -157,16 +161,23 @@ class FinalState:
     def names(self) -> list[str]:
         return list(self._names)
 
-    def base(self, name: str) -> torch.Tensor:
-        """Our tensor `name` before training (LoRA runs: the frozen weight)."""
+    def base(self, name: str, expert: int | None = None) -> torch.Tensor:
+        """Our tensor `name` before training (LoRA runs: the frozen weight); with `expert`, only that expert of a
+        grouped expert tensor ([1, ...]), read alone from the checkpoint."""
         if self._reader is None:
             if self._init_state is None:
                 # A profile-built model's base weights are its seeded init (the whole model, built once).
                 from moe_tune.engine.model.model import build_model
 
                 self._init_state = build_model(self.cfg).state_dict()
-            return self._init_state[name]
-        recipe = self.family.recipe(name, owner(self.model, name), self.cfg)
+            value = self._init_state[name]
+            return value if expert is None else value[expert : expert + 1]
+        module = owner(self.model, name)
+        if expert is not None:
+            # The recipe asked as by an expert-parallel rank that holds this one expert.
+            module = copy.copy(module)
+            module.first_expert, module.num_experts = module.first_expert + expert, 1
+        recipe = self.family.recipe(name, module, self.cfg)
         if recipe is None:
             return torch.zeros_like(self.model.state_dict()[name], device="cpu")
         try:
@@ -176,7 +187,7 @@ class FinalState:
             tied = self._tied_name(name)
             if tied is None:
                 raise
-            return self.base(tied)
+            return self.base(tied, expert)
 
     def _tied_name(self, name: str) -> str | None:
         target = self.model.get_parameter(name) if name in dict(self.model.named_parameters()) else None
@@ -198,6 +209,18 @@ class FinalState:
             return weight
         return merged_weight(name, weight, self._adapter, lora_scaling(self.run.profile))
 
+    def read_expert(self, name: str, expert: int) -> torch.Tensor:
+        """Expert `expert` of the grouped expert tensor `name`, [1, ...], without reading the others."""
+        if self._weights is not None and name in self._weight_names:
+            return self._weights.get_slice(name)[expert : expert + 1]
+        saved = self._adapter.get(ADAPTER_PREFIX + name) if self._adapter is not None else None
+        if saved is not None:
+            return saved[expert : expert + 1]  # grouped experts trained in full (modules_to_save)
+        weight = self.base(name, expert)
+        if not self.merged:
+            return weight
+        return merged_weight(name, weight, self._adapter, lora_scaling(self.run.profile), expert)
+
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         return self._adapter
 
@@ -213,9 +236,11 @@ class FinalState:
         self.close()
 
 
-def merged_weight(name: str, weight: torch.Tensor, adapter: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+def merged_weight(name: str, weight: torch.Tensor, adapter: dict[str, torch.Tensor], scaling: float,
+                  expert: int | None = None) -> torch.Tensor:
     """Our tensor `name` with its adapter (if any) merged: linear `<m>.weight` from `<m>.lora_A.weight` /
-    `.lora_B.weight`, grouped experts `<m>.w_gate_up` / `w_down` from `<m>.lora_A.w_gate_up` ... per expert."""
+    `.lora_B.weight`, grouped experts `<m>.w_gate_up` / `w_down` from `<m>.lora_A.w_gate_up` ... per expert
+    (`expert`: `weight` is that one expert, [1, ...])."""
     module, _, param = name.rpartition(".")
     if param == "weight":
         a, b = (adapter.get(f"{ADAPTER_PREFIX}{module}.{part}.weight") for part in ("lora_A", "lora_B"))
@@ -223,4 +248,6 @@ def merged_weight(name: str, weight: torch.Tensor, adapter: dict[str, torch.Tens
         a, b = (adapter.get(f"{ADAPTER_PREFIX}{module}.{part}.{param}") for part in ("lora_A", "lora_B"))
     if a is None or b is None:
         return weight
+    if expert is not None:
+        a, b = a[expert : expert + 1], b[expert : expert + 1]
     return merge_lora(weight, a, b, scaling)

@@ -236,6 +236,31 @@ class ZeroCheckpoint:
                 flat[base:base + length].copy_(piece.flat[piece.offset:piece.offset + length])
         return out
 
+    def read_rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Rows [first, first + count) of the saved tensor's first dim (one expert of [E, ...]), copied from only the
+        slices that hold them."""
+        if name not in self.entries and name in self.shared:
+            name = self.shared[name]
+        entry = self.entries[name]
+        shape = tuple(self.shape(name))
+        if entry.whole is not None:
+            out = self._new((count, *shape[1:]), entry.dtype)
+            return out.copy_(entry.whole[first : first + count])
+        row = math.prod(shape[1:])
+        lo, hi = first * row, (first + count) * row
+        local = math.prod(entry.local_shape)
+        out = self._new((count, *shape[1:]), entry.dtype)
+        flat = out.view(-1)
+        for piece in entry.slices:
+            size = math.ceil(local / piece.count)
+            start = piece.index * size
+            length = min(size, local - start)
+            begin = piece.position * local + start  # where this slice's elements sit in the whole tensor
+            a, b = max(begin, lo), min(begin + length, hi)
+            if length > 0 and a < b:
+                flat[a - lo : b - lo].copy_(piece.flat[piece.offset + a - begin : piece.offset + b - begin])
+        return out
+
     def _new(self, shape, dtype) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
         size = out.numel() * out.element_size()
@@ -326,6 +351,16 @@ class StepState:
         if not (self.lora and self.merged) or kind == "trained":
             return weight
         return merged_weight(name, weight, self.adapter_state(), self.scaling)
+
+    def read_expert(self, name: str, expert: int) -> torch.Tensor:
+        from .sources import merged_weight
+
+        saved = self._weights[name]
+        weight = self.checkpoint.read_rows(saved, expert, 1)
+        kind, _ = _map_name(saved)
+        if not (self.lora and self.merged) or kind == "trained":
+            return weight
+        return merged_weight(name, weight, self.adapter_state(), self.scaling, expert)
 
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         if not self.lora:

@@ -447,3 +447,21 @@ def test_mxfp4_base_exports_dequantized_experts(tmp_path):
     expected = ours_logits(ours)
     assert (expected - ours_logits(load_ours(cfg))).abs().max() > 1e-2  # the expert adapters moved the model
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_final_state_export_reads_one_expert_at_a_time(tmp_path, monkeypatch):
+    """The writer asks the final state for each routed expert alone (read_expert), never for a layer's [E, ...]:
+    host memory holds one shard and a few experts, whatever the expert count."""
+    lora_run = trained_run(tmp_path, hf_tiny.tiny_qwen3_moe, {"target_modules": ATTENTION})
+    whole, alone = [], []
+    original_read, original_expert = FinalState.read, FinalState.read_expert
+    monkeypatch.setattr(FinalState, "read", lambda self, name: whole.append(name) or original_read(self, name))
+    monkeypatch.setattr(FinalState, "read_expert",
+                        lambda self, name, e: alone.append((name, e)) or original_expert(self, name, e))
+    out = export_run(lora_run, merge=True, out=None, max_shard_size="40KB")
+    assert whole and not [n for n in whole if ".experts." in n]
+    assert {e for name, e in alone if name.endswith("layers.1.mlp.experts.w_gate_up")} == set(range(7))
+    got, info = transformers_logits(out, read_run(lora_run).cfg.checkpoint)
+    assert_loads_cleanly(info)
+    expected = ours_logits(load_adapter(load_ours(read_run(lora_run).cfg), lora_run / "adapter").eval())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
