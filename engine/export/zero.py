@@ -49,16 +49,12 @@ EXPERT_FAMILY = "autoep_expert"
 
 
 def _load(path: Path):
-    """A DeepSpeed file through torch.load(weights_only=True, mmap=True): tensors, containers and the DeepSpeed
-    classes its optimizer state holds (the ZeRO stage, the loss scalers, ZeRO-1/2's slice mappings), nothing
-    else is unpickled; the tensors stay in the file until read."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    """A DeepSpeed file through the trainer's weights-only loader (nothing but tensor data and DeepSpeed's own
+    state classes is unpickled), memory-mapped: the tensors stay in the file until read."""
+    from moe_tune.engine.train.checkpoint import weights_only_load
 
     try:
-        with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return weights_only_load(str(path), map_location="cpu", mmap=True)
     except pickle.UnpicklingError as err:
         shown = next((line for line in str(err).splitlines() if "GLOBAL" in line), str(err).splitlines()[0])
         raise ProfileError([f"{path}: refused, it holds pickled objects other than tensor data ({shown.strip()})"]) \

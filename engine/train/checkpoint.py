@@ -298,16 +298,16 @@ def verify_checkpoint(path: Path) -> Verdict:
     return verdict
 
 
-def _weights_only_load(path: str, map_location=None):
+def weights_only_load(path: str, map_location=None, mmap: bool = False):
     """DeepSpeed's checkpoint files through torch.load(weights_only=True): tensors, containers and the DeepSpeed
     classes its optimizer state holds (the ZeRO stage, the loss scalers, and ZeRO-1/2's parameter slice mappings, a
-    dataclass of two ints), nothing else is unpickled."""
+    dataclass of two ints), nothing else is unpickled. `mmap`: tensors stay in the file until read."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
     with torch.serialization.safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]):
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def load_checkpoint(engine, path: Path) -> dict[str, Any]:
@@ -316,7 +316,7 @@ def load_checkpoint(engine, path: Path) -> dict[str, Any]:
     Raises ValueError with one line when DeepSpeed cannot load it: a file holding anything but tensor data (a
     pickled object is refused, never executed), a truncated archive, missing keys."""
     # DeepSpeed's own loader unpickles arbitrary objects (weights_only=False).
-    engine.checkpoint_engine.load = _weights_only_load
+    engine.checkpoint_engine.load = weights_only_load
     try:
         load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     except pickle.UnpicklingError as err:
