@@ -378,3 +378,20 @@ def moe_layer_indices(num_layers: int, config: HFConfig, first_dense: int = 0) -
     only_dense = set(config.get("mlp_only_layers", []))
     step = config.get("decoder_sparse_step", 1)
     return [i >= first_dense and i not in only_dense and (i + 1) % step == 0 for i in range(num_layers)]
+
+
+def common_config(model: ModelProfile) -> dict[str, Any]:
+    """The config.json fields every family's to_config writes alike for a profile-built model: sizes, the norm, the
+    SwiGLU activation, no attention bias or dropout, tying and the init scale."""
+    return dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        num_hidden_layers=len(model.layers),
+        num_attention_heads=model.num_attention_heads,
+        rms_norm_eps=model.rms_norm_eps,
+        hidden_act="silu",
+        attention_bias=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=model.tie_word_embeddings,
+        initializer_range=model.init_std,
+    )

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, show, stacked_experts, take
+from .base import Family, HFConfig, Recipe, common_config, show, stacked_experts, take
 
 PREFIX = "model."
 # Transformers drops DeepSeek-V3's multi-token-prediction layer (model.layers.61) when it loads; so do we.
@@ -176,22 +176,13 @@ class DeepseekV3(Family):
         is_dense = [layer.mlp == "dense" for layer in model.layers]
         leading_dense = next((i for i, dense in enumerate(is_dense) if not dense), len(is_dense))
         config: dict[str, Any] = dict(
+            **common_config(model),
             model_type=self.model_types[0],
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            num_hidden_layers=len(model.layers),
-            num_attention_heads=model.num_attention_heads,
             num_key_value_heads=model.num_attention_heads,
             first_k_dense_replace=leading_dense,
             mlp_layer_types=["dense" if dense else "sparse" for dense in is_dense],
             moe_layer_freq=1,
             rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-            rms_norm_eps=model.rms_norm_eps,
-            hidden_act="silu",
-            attention_bias=False,
-            attention_dropout=0.0,
-            tie_word_embeddings=model.tie_word_embeddings,
-            initializer_range=model.init_std,
         )
         if model.intermediate_size:
             config["intermediate_size"] = model.intermediate_size

@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, concat, show, stacked_experts, take
+from .base import Family, HFConfig, Recipe, common_config, concat, show, stacked_experts, take
 
 # transformers' layer_types / mlp_layer_types values and our layer kinds.
 ATTENTION_KINDS = {"linear_attention": "kda", "full_attention": "mla"}
@@ -219,21 +219,12 @@ class KimiLinear(Family):
         reads the config back and names what differs."""
         kda, mla, moe = model.kda_attention, model.mla, model.moe
         config: dict[str, Any] = dict(
+            **common_config(model),
             model_type="kimi_linear",
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            num_hidden_layers=len(model.layers),
             layer_types=["linear_attention" if layer.attention == "kda" else "full_attention"
                          for layer in model.layers],
             mlp_layer_types=["sparse" if layer.mlp == "moe" else "dense" for layer in model.layers],
-            num_attention_heads=model.num_attention_heads,
             num_key_value_heads=model.num_attention_heads,
-            rms_norm_eps=model.rms_norm_eps,
-            hidden_act="silu",
-            attention_bias=False,
-            attention_dropout=0.0,
-            tie_word_embeddings=model.tie_word_embeddings,
-            initializer_range=model.init_std,
             num_nextn_predict_layers=0,
             # transformers' defaults are Kimi's own token ids, outside a smaller vocabulary.
             pad_token_id=None,

@@ -14,7 +14,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, moe_layer_indices, stacked_experts, take
+from .base import Family, HFConfig, Recipe, common_config, moe_layer_indices, stacked_experts, take
 
 
 class Qwen3Moe(Family):
@@ -92,20 +92,12 @@ def qwen3_moe_config(model: ModelProfile) -> dict[str, Any]:
     it has no place for are left out; engine/families/hub_config.py reads the config back and names what differs."""
     moe = model.moe
     config: dict[str, Any] = dict(
+        **common_config(model),
         model_type="qwen3_moe",
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        num_hidden_layers=len(model.layers),
-        num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_key_value_heads,
         head_dim=model.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-        rms_norm_eps=model.rms_norm_eps,
-        hidden_act="silu",
-        attention_bias=False,
         use_sliding_window=False,
-        tie_word_embeddings=model.tie_word_embeddings,
-        initializer_range=model.init_std,
         mlp_only_layers=[i for i, layer in enumerate(model.layers) if layer.mlp == "dense"],
         decoder_sparse_step=1,
         num_experts=moe.num_experts if moe else 0,

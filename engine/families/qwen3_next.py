@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, moe_layer_indices, show, take
+from .base import Family, HFConfig, Recipe, common_config, moe_layer_indices, show, take
 from .qwen3_moe import qwen_recipe
 
 # transformers' layer_types values and our token mixers.
@@ -235,21 +235,12 @@ def hybrid_config(model: ModelProfile) -> dict[str, Any]:
     reads the config back and names what differs."""
     linear, moe = model.linear_attention, model.moe
     config: dict[str, Any] = dict(
-        vocab_size=model.vocab_size,
-        hidden_size=model.hidden_size,
-        num_hidden_layers=len(model.layers),
+        **common_config(model),
         layer_types=["linear_attention" if layer.attention == "linear" else "full_attention" for layer in model.layers],
-        num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_key_value_heads,
         head_dim=model.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta,
                          "partial_rotary_factor": model.partial_rotary_factor},
-        rms_norm_eps=model.rms_norm_eps,
-        hidden_act="silu",
-        attention_bias=False,
-        attention_dropout=0.0,
-        tie_word_embeddings=model.tie_word_embeddings,
-        initializer_range=model.init_std,
         mlp_only_layers=[i for i, layer in enumerate(model.layers) if layer.mlp == "dense"],
         decoder_sparse_step=1,
         num_experts=moe.num_experts if moe else 0,

@@ -41,7 +41,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import MAX_SIZE, Family, HFConfig, Recipe, show, take
+from .base import Family, HFConfig, MAX_SIZE, Recipe, common_config, show, take
 from .qwen3_moe import qwen_recipe
 from .qwen3_5_moe import nested_text_config, split_qkv_recipe
 from .qwen3_next import layer_types
@@ -321,24 +321,15 @@ class Qwen4ExpText(Qwen4Exp):
         linear, sparse, moe = model.linear_attention, model.sparse_attention, model.moe
         streams, ngram = model.hyper_connections, model.ngram_embedding
         config: dict[str, Any] = dict(
+            **common_config(model),
             model_type=self.model_types[0],
-            vocab_size=model.vocab_size,
-            hidden_size=model.hidden_size,
-            num_hidden_layers=len(model.layers),
             # transformers keys its masks by "indexed_attention".
             layer_types=["linear_attention" if layer.attention == "linear" else "indexed_attention"
                          for layer in model.layers],
-            num_attention_heads=model.num_attention_heads,
             num_key_value_heads=model.num_key_value_heads,
             head_dim=model.head_dim,
             rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta,
                              "partial_rotary_factor": model.partial_rotary_factor},
-            rms_norm_eps=model.rms_norm_eps,
-            hidden_act="silu",
-            attention_bias=False,
-            attention_dropout=0.0,
-            tie_word_embeddings=model.tie_word_embeddings,
-            initializer_range=model.init_std,
             # transformers runs PLE on linear layers only.
             ple_layer_ids=[i + 1 for i, layer in enumerate(model.layers)
                            if layer.has_ngram_embedding and layer.attention == "linear"],
