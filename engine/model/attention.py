@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +20,18 @@ from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 
-from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv
+from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
 from .kda import KimiDeltaAttention
+from .kv_cache import (
+    GrowingCache, cached_attention, causal_keys, mean_pooled_blocks, one_document_batch, select_cached_blocks,
+    select_cached_keys, selected_keys,
+)
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
 from .varlen import DocumentBuckets, packed_causal_attention
+
+if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,44 @@ class GatedAttention(nn.Module):
         q, k, v, gate = self.project(x, batch)
         return self.o_proj(self.attend(x, q, k, v, gate, batch).reshape(1, x.shape[1], -1))
 
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x [1, T, D] continuing the sequence of step.state(self) -> [1, T, D], the rows forward() gives over the
+        whole sequence as one document. The prefill (empty state) runs forward()'s attention; later calls project
+        only their own tokens and attend over the cache (engine/model/kv_cache.py). State: "k", "v" [M, G, hd]
+        (a sliding window keeps its last window - 1 keys between calls) and the position of the first kept key."""
+        batch = one_document_batch(step.positions)
+        q, k, v, gate = self.project(x, batch)
+        o = self.attend_cached(x, q, k, v, gate, batch, step.state(self))
+        return self.o_proj(o.reshape(1, x.shape[1], -1))
+
+    def cache_keys_values(self, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, state: dict):
+        """Appends this call's k and v [1, T, G, hd] to the state's caches; returns (is_prefill, k and v [M, G, hd],
+        the positions [M] of the cached keys)."""
+        is_prefill = not state
+        if is_prefill:
+            assert int(batch.positions[0]) == 0, "a prefill starts its document at position 0"
+            state.update(k=GrowingCache(), v=GrowingCache(), first_position=0)
+        k_cache, v_cache = state["k"].append(k[0]), state["v"].append(v[0])
+        key_positions = state["first_position"] + torch.arange(len(k_cache), device=k.device)
+        return is_prefill, k_cache, v_cache, key_positions
+
+    def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
+        """attend() for the tokens of one cached call: q, k, v, gate of those tokens -> [1, T, H, hd]."""
+        is_prefill, k_cache, v_cache, key_positions = self.cache_keys_values(k, v, batch, state)
+        if is_prefill:
+            o = self.attend(x, q, k, v, gate, batch)
+        else:
+            allowed_TM = causal_keys(batch.positions, key_positions, self.sliding_window)
+            gate_THV = None if gate is None else gate[0]
+            o = cached_attention(q[0], k_cache, v_cache, allowed_TM, sinks=self.sinks, gate=gate_THV)[None]
+        if self.sliding_window is not None:
+            # Later queries sit past this call's last token: they see at most its last window - 1 keys.
+            num_kept = min(self.sliding_window - 1, len(k_cache))
+            state["k"].keep_last(num_kept)
+            state["v"].keep_last(num_kept)
+            state["first_position"] = int(key_positions[-1]) + 1 - num_kept
+        return o
+
 
 class SparseAttention(PinnableSelection, GatedAttention):
     """Gated attention where each query sees only the keys picked by a DSA-style indexer (multi-head ReLU scores
@@ -121,13 +167,16 @@ class SparseAttention(PinnableSelection, GatedAttention):
         self.index_k_proj = nn.Linear(d, self.index_dim, bias=False)
         self.index_weights_proj = nn.Linear(d, self.index_heads, bias=False)
 
-    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
+    def index_inputs(self, x: torch.Tensor):
+        """The indexer's queries [1, T, HI, DI], keys [1, T, DI] and head weights [1, T, HI] of x [1, T, D]."""
         t = x.shape[1]
+        q_idx = self.index_q_proj(x).view(1, t, self.index_heads, self.index_dim)
+        return q_idx, self.index_k_proj(x), self.index_weights_proj(x) * self.index_heads**-0.5
+
+    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
         # The indexer only chooses keys; as in DeepSeek's DSA it gets no gradient from the language-model loss.
         with torch.no_grad():
-            q_idx = self.index_q_proj(x).view(1, t, self.index_heads, self.index_dim)
-            k_idx = self.index_k_proj(x)
-            w_idx = self.index_weights_proj(x) * self.index_heads**-0.5
+            q_idx, k_idx, w_idx = self.index_inputs(x)
             indices = topk_indexer(
                 q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
             )
@@ -135,6 +184,30 @@ class SparseAttention(PinnableSelection, GatedAttention):
         indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
         # The output gate runs inside the sparse attention kernels (their forward's epilogue, dgate beside dq).
         return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens, gate=gate)
+
+    def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
+        """The cached call's attention; the state adds "index_k" [M, DI], the indexer's keys (block mode pools them
+        per call as the full forward does). Selection is not pinned here: pinning is `moe-tune align`'s."""
+        is_prefill, k_cache, v_cache, _ = self.cache_keys_values(k, v, batch, state)
+        q_idx, k_idx, w_idx = self.index_inputs(x)
+        index_keys = state.setdefault("index_k", GrowingCache()).append(k_idx[0])
+        if is_prefill:
+            indices = topk_indexer(
+                q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
+            )
+            indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+            return sparse_attention(
+                q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens, gate=gate
+            )
+        if self.block_size == 1:
+            chosen_TS = select_cached_keys(q_idx[0], w_idx[0], index_keys, batch.positions, self.num_selected)
+        else:
+            chosen_TS = select_cached_blocks(
+                q_idx[0], w_idx[0], mean_pooled_blocks(index_keys, self.block_size), batch.positions,
+                self.num_selected, self.block_size, always_keep_own_block=True,
+            )  # fmt: skip
+        allowed_TM = selected_keys(chosen_TS, batch.positions, len(k_cache), self.block_size)
+        return cached_attention(q[0], k_cache, v_cache, allowed_TM, gate=None if gate is None else gate[0])[None]
 
 
 class QSAIndexer(PinnableSelection, nn.Module):
@@ -156,8 +229,9 @@ class QSAIndexer(PinnableSelection, nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.k_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch) -> torch.Tensor:
-        """x [1, T, D] -> block ids [1, T, S] local to each document (ops.sparse_attention's convention)."""
+    def project(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch):
+        """x [1, T, D] -> normed and rotated queries [1, T, HI, DI], raw keys [1, T, DI] and the key of the block
+        starting at each row [1, T, DI]."""
         t = x.shape[1]
         q_idx, k_idx = self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], -1)
         cos, sin = rotary.cos_sin(batch.rotary_positions)
@@ -166,11 +240,48 @@ class QSAIndexer(PinnableSelection, nn.Module):
         # never read (the op reads block j at row o + j * block_size), so windows crossing documents do no harm.
         windows_TD = F.pad(k_idx[0], (0, 0, 0, self.block_size - 1)).unfold(0, self.block_size, 1).mean(-1)
         block_k = rotary.rotate(self.k_layernorm(windows_TD)[None, :, None, :], cos, sin)[:, :, 0]
-        indices = topk_indexer(
+        return q_idx, k_idx, block_k
+
+    def choose(self, q_idx: torch.Tensor, block_k: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        return topk_indexer(
             q_idx, block_k, None, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens,
             k_idx_is_pooled=True, always_keep_own_block=False,
         )  # fmt: skip
-        return self.pin_selection(indices)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch) -> torch.Tensor:
+        """x [1, T, D] -> block ids [1, T, S] local to each document (ops.sparse_attention's convention)."""
+        q_idx, _, block_k = self.project(x, rotary, batch)
+        return self.pin_selection(self.choose(q_idx, block_k, batch))
+
+    def select_cached(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch, state: dict) -> torch.Tensor:
+        """forward() for the tokens of one cached call: block ids [T, S]. State: "block_k" [J, DI], the normed and
+        rotated key of each complete block, and "tail_k" [< block_size, DI], the raw keys of the incomplete one."""
+        if not state:
+            q_idx, k_idx, block_k = self.project(x, rotary, batch)
+            num_complete = x.shape[1] // self.block_size
+            state.update(block_k=GrowingCache(), tail_k=GrowingCache())
+            state["block_k"].append(block_k[0, : num_complete * self.block_size : self.block_size])
+            state["tail_k"].append(k_idx[0, num_complete * self.block_size :])
+            return self.choose(q_idx, block_k, batch)[0]
+        t = x.shape[1]
+        q_idx, k_idx = self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], -1)
+        cos, sin = rotary.cos_sin(batch.rotary_positions)
+        q_idx = rotary.rotate(self.q_layernorm(q_idx.view(1, t, self.num_heads, self.head_dim)), cos, sin)
+        raw_k = state["tail_k"].append(k_idx[0])
+        num_new = len(raw_k) // self.block_size
+        if num_new:
+            # Pooled as forward() pools its windows: [J, DI, block_size] means.
+            pooled_JD = raw_k[: num_new * self.block_size].unfold(0, self.block_size, self.block_size).mean(-1)
+            first = state["block_k"].length
+            starts = (first + torch.arange(num_new, device=x.device)) * self.block_size
+            block_cos, block_sin = rotary.cos_sin(starts)
+            block_k = rotary.rotate(self.k_layernorm(pooled_JD)[None, :, None, :], block_cos, block_sin)[0, :, 0]
+            state["block_k"].append(block_k)
+            state["tail_k"].keep_last(len(raw_k) - num_new * self.block_size)
+        return select_cached_blocks(
+            q_idx[0], None, state["block_k"].rows, batch.positions, self.num_selected, self.block_size,
+            always_keep_own_block=False,
+        )  # fmt: skip
 
 
 class QSAAttention(GatedAttention):
@@ -188,6 +299,17 @@ class QSAAttention(GatedAttention):
         return sparse_attention(
             q, k, v, indices, block_size=self.indexer.block_size, cu_seqlens=batch.cu_seqlens, gate=gate
         )
+
+    def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
+        """The cached call's attention; the state adds "indexer", the indexer's own (QSAIndexer.select_cached)."""
+        is_prefill, k_cache, v_cache, _ = self.cache_keys_values(k, v, batch, state)
+        chosen_TS = self.indexer.select_cached(x, self.rotary, batch, state.setdefault("indexer", {}))
+        block_size = self.indexer.block_size
+        if is_prefill:
+            indices = chosen_TS[None, :, None, :].expand(-1, -1, self.num_kv_heads, -1)
+            return sparse_attention(q, k, v, indices, block_size=block_size, cu_seqlens=batch.cu_seqlens, gate=gate)
+        allowed_TM = selected_keys(chosen_TS, batch.positions, len(k_cache), block_size)
+        return cached_attention(q[0], k_cache, v_cache, allowed_TM, gate=None if gate is None else gate[0])[None]
 
 
 class GatedDeltaNet(nn.Module):
@@ -230,30 +352,47 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        t = x.shape[1]
-        qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch.positions)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        q, k, v = self._heads(self.conv(qkv, batch.positions))
+        g, beta = self._gates(x)
+        op = kda if self.per_channel else gated_delta_rule
+        o, _ = op(
+            q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
+            save_intermediates=self.saves_op_intermediates,
+        )  # fmt: skip
+        return self._output(x, o)
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x [1, T, D] continuing one sequence -> [1, T, D]; state: the conv's last inputs and the recurrent state."""
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        q, k, v = self._heads(self.conv.forward_cached(qkv, step))
+        g, beta = self._gates(x)
+        return self._output(x, delta_rule_cached(step.state(self), q, k, v, g, beta))
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [1, T, 2 Hk K + Hv V] -> q, k [1, T, Hv, K] (key heads repeated per group) and
+        v [1, T, Hv, V]."""
+        t = qkv.shape[1]
         q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
         group = self.hv // self.hk
         q = q.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
         k = k.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
-        v = v.view(1, t, self.hv, self.dv)
+        return q, k, v.view(1, t, self.hv, self.dv)
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log decay g [1, T, Hv] (per channel: [1, T, Hv, K]) and beta [1, T, Hv], fp32."""
+        t = x.shape[1]
         if self.per_channel:
             beta = torch.sigmoid(self.b_proj(x).float())
             a = self.a_proj(x).float() + self.dt_bias.float()
-            g = -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk))
-            o, _ = kda(
-                q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
-                save_intermediates=self.saves_op_intermediates,
-            )  # fmt: skip
-        else:
-            # Both gates in one kernel each way (eight to ten eager ops otherwise). b_proj runs first, as before: the
-            # order of the projections sets the order in which x's gradient adds up their parts.
-            b = self.b_proj(x)
-            g, beta = gdn_gates(self.a_proj(x), b, self.A_log, self.dt_bias)
-            o, _ = gated_delta_rule(
-                q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
-                save_intermediates=self.saves_op_intermediates,
-            )  # fmt: skip
+            return -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk)), beta
+        # Both gates in one kernel each way (eight to ten eager ops otherwise). b_proj runs first, as before: the
+        # order of the projections sets the order in which x's gradient adds up their parts.
+        b = self.b_proj(x)
+        return gdn_gates(self.a_proj(x), b, self.A_log, self.dt_bias)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
         z = self.z_proj(x).view(1, t, self.hv, self.dv)
         return self.o_proj(self.norm(o, z).reshape(1, t, self.hv * self.dv))
 

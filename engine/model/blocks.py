@@ -6,14 +6,21 @@ H heads, C channels, W conv width.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.causal_conv import causal_conv
+from moe_tune.ops.linear_attention import gated_delta_rule, kda
+from moe_tune.ops.linear_attention.reference import kda_gate_ref, recurrent_gated_delta_rule_ref
 from moe_tune.ops.rms_norm import rms_norm
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 from moe_tune.ops.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
 
 
 class RMSNorm(nn.Module):
@@ -128,6 +135,59 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [1, T, C]; positions: [T] position inside the document."""
         return causal_conv(x, self.weight, positions, self.dilation)
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x: [1, T, C], the step's tokens of one sequence -> [1, T, C], the rows `forward` gives them over the whole
+        sequence. The state keeps the last (W - 1) * dilation inputs, all a later token's taps can reach."""
+        state = step.state(self)
+        history = state.get("inputs")  # [1, h, C], h <= reach
+        window = x if history is None else torch.cat([history, x], 1)
+        num_history = window.shape[1] - x.shape[1]
+        positions = torch.arange(step.start - num_history, step.start + x.shape[1], device=x.device)
+        y = causal_conv(window, self.weight, positions, self.dilation)[:, num_history:]
+        reach = (self.width - 1) * self.dilation
+        # A copy: a slice would keep the whole prompt's inputs alive.
+        state["inputs"] = window[:, max(0, window.shape[1] - reach) :].clone()
+        return y
+
+
+def delta_rule_cached(
+    state: dict,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The linear attention ops (ops.linear_attention) over T tokens continuing one sequence whose recurrent state
+    [1, H, K, V] fp32 is `state["recurrent"]` (absent: zeros), which is replaced by the state after them.
+
+    q, k: [1, T, H, K]; v: [1, T, H, V]; g: [1, T, H] (gated delta rule) or [1, T, H, K] (KDA; with A_log [H] and
+    dt_bias, the raw gate as `kda(use_gate_in_kernel=True)` takes it); beta [1, T, H]; q and k are L2-normalised
+    here. One token runs the recurrence itself (the reference's definition, fp32); more run the chunked op.
+    Returns o [1, T, H, V] in q's dtype.
+    """
+    initial = state.get("recurrent")
+    is_per_channel = g.ndim == 4
+    if q.shape[1] == 1:
+        if A_log is not None:
+            g = kda_gate_ref(g, A_log, dt_bias)
+        o, state["recurrent"] = recurrent_gated_delta_rule_ref(
+            q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm=True
+        )
+        return o
+    if is_per_channel:
+        gate = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias} if A_log is not None else {}
+        o, state["recurrent"] = kda(
+            q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True, **gate
+        )
+    else:
+        o, state["recurrent"] = gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+    return o
 
 
 class SwiGLU(nn.Module):

@@ -19,9 +19,11 @@ from torch import nn
 from moe_tune.ops.linear_attention import kda
 from moe_tune.profiles.schema import ModelProfile
 
-from .blocks import GatedRMSNorm, ShortConv
+from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 
 if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
+
     from .attention import PackedBatch
 
 # FLA's KDA init: dt = softplus(dt_bias) starts uniform in log space over [1e-3, 1e-1], decay rates over [1, 16).
@@ -67,16 +69,36 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch`."""
-        t, shape_THK = x.shape[1], (1, x.shape[1], self.num_heads, self.head_dim)
-        qkv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), batch.positions)
-        q, k, v = (part.reshape(shape_THK) for part in qkv.chunk(3, dim=-1))
-        a = self.f_b_proj(self.f_a_proj(x)).view(shape_THK)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [1, T, H]
+        q, k, v = self._heads(self.conv(self._qkv(x), batch.positions))
+        a, beta = self._gates(x)
         # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'
         # WY pass; the reference applies it first).
         o, _ = kda(
             q, k, v, a, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=self.A_log, dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
-        gate = self.g_b_proj(self.g_a_proj(x)).view(shape_THK)
-        return self.o_proj(self.o_norm(o, gate).reshape(1, t, -1))
+        return self._output(x, o)
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x [1, T, D] continuing one sequence -> [1, T, D]; state: the conv's last inputs and the recurrent state."""
+        q, k, v = self._heads(self.conv.forward_cached(self._qkv(x), step))
+        a, beta = self._gates(x)
+        return self._output(x, delta_rule_cached(step.state(self), q, k, v, a, beta, self.A_log, self.dt_bias))
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [1, T, 3 H K] -> q, k, v [1, T, H, K]."""
+        shape_THK = (1, qkv.shape[1], self.num_heads, self.head_dim)
+        q, k, v = (part.reshape(shape_THK) for part in qkv.chunk(3, dim=-1))
+        return q, k, v
+
+    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw decay gate a [1, T, H, K] (x's dtype) and beta [1, T, H] fp32."""
+        a = self.f_b_proj(self.f_a_proj(x)).view(1, x.shape[1], self.num_heads, self.head_dim)
+        return a, torch.sigmoid(self.b_proj(x).float())
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        gate = self.g_b_proj(self.g_a_proj(x)).view(1, x.shape[1], self.num_heads, self.head_dim)
+        return self.o_proj(self.o_norm(o, gate).reshape(1, x.shape[1], -1))
