@@ -30,10 +30,16 @@ from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import MLASpec, ModelProfile, YarnSpec
 
 from .blocks import RMSNorm, RotaryEmbedding
+from .kv_cache import (
+    QUERY_CHUNK, GrowingCache, causal_keys, masked_softmax, mean_pooled_blocks, one_document_batch,
+    select_cached_blocks, select_cached_keys, selected_keys,
+)
 from .selection import PinnableSelection
 from .varlen import packed_causal_attention
 
 if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
+
     from .attention import PackedBatch
 
 # DeepSeek-V3.2's indexer normalises its key with a LayerNorm of this fixed epsilon (not rms_norm_eps).
@@ -124,8 +130,9 @@ class MultiHeadLatentAttention(nn.Module):
             return rotate_interleaved(x, *cos_sin)
         return self.rotary.rotate(x, *cos_sin)
 
-    def project(self, x: torch.Tensor, cos_sin: CosSin | None):
-        """x [1, T, D] -> q latent [1, T, Rq] (None without q_lora_rank), q and k [1, T, H, Dn + Dr], v [1, T, H, V]."""
+    def project_query(self, x: torch.Tensor, cos_sin: CosSin | None):
+        """x [1, T, D] -> q latent [1, T, Rq] (None without q_lora_rank), q_nope [1, T, H, Dn], rotated q_rope
+        [1, T, H, Dr]."""
         t = x.shape[1]
         if self.q_lora_rank is None:
             q_latent, q = None, self.q_proj(x)
@@ -133,13 +140,27 @@ class MultiHeadLatentAttention(nn.Module):
             q_latent = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_latent)
         q_nope, q_rope = q.view(1, t, self.num_heads, self.qk_dim).split([self.nope_dim, self.rope_dim], -1)
+        return q_latent, q_nope, self._rotate(q_rope, cos_sin)
+
+    def project_latent(self, x: torch.Tensor, cos_sin: CosSin | None):
+        """x [1, T, D] -> normed kv latent [1, T, Rkv] and the rotated rope key [1, T, 1, Dr] (one for all heads)."""
+        t = x.shape[1]
         kv_latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(1, t, self.num_heads, self.nope_dim + self.v_dim)
+        return self.kv_a_layernorm(kv_latent), self._rotate(k_rope.view(1, t, 1, self.rope_dim), cos_sin)
+
+    def expand_latent(self, q_nope, q_rope, latent, k_rope):
+        """The per-head q and k [1, T, H, Dn + Dr] and v [1, T, H, V] from project_query's and project_latent's parts."""
+        t = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(1, t, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
-        # One rope key for all heads.
-        k_rope = self._rotate(k_rope.view(1, t, 1, self.rope_dim), cos_sin).expand(-1, -1, self.num_heads, -1)
-        q = torch.cat([q_nope, self._rotate(q_rope, cos_sin)], -1)
-        k = torch.cat([k_nope, k_rope], -1)
+        q = torch.cat([q_nope, q_rope], -1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, self.num_heads, -1)], -1)
+        return q, k, v
+
+    def project(self, x: torch.Tensor, cos_sin: CosSin | None):
+        """x [1, T, D] -> q latent [1, T, Rq] (None without q_lora_rank), q and k [1, T, H, Dn + Dr], v [1, T, H, V]."""
+        q_latent, q_nope, q_rope = self.project_query(x, cos_sin)
+        q, k, v = self.expand_latent(q_nope, q_rope, *self.project_latent(x, cos_sin))
         return q_latent, q, k, v
 
     def attend(self, x, q_latent, q, k, v, cos_sin: CosSin | None, batch: PackedBatch) -> torch.Tensor:
@@ -150,6 +171,66 @@ class MultiHeadLatentAttention(nn.Module):
         q_latent, q, k, v = self.project(x, cos_sin)
         o = self.attend(x, q_latent, q, k, v, cos_sin, batch)
         return self.o_proj(o.reshape(1, x.shape[1], self.num_heads * self.v_dim))
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x [1, T, D] continuing the sequence of step.state(self) -> [1, T, D], the rows forward() gives over the
+        whole sequence as one document. The prefill (empty state) runs forward()'s attention; later calls attend in
+        the latent space (kv_b_proj absorbed into the query and the output, as DeepSeek decodes), so the cache holds
+        per token only the normed kv latent "latent" [M, Rkv] and the rotated rope key "rope_k" [M, Dr]."""
+        t = x.shape[1]
+        batch = one_document_batch(step.positions)
+        cos_sin = self.rotary.cos_sin(step.positions) if self.rotary is not None else None
+        q_latent, q_nope, q_rope = self.project_query(x, cos_sin)
+        latent, k_rope = self.project_latent(x, cos_sin)
+        state = step.state(self)
+        is_prefill = not state
+        if is_prefill:
+            assert step.start == 0, "a prefill starts its document at position 0"
+            state.update(latent=GrowingCache(), rope_k=GrowingCache())
+        latents_MR = state["latent"].append(latent[0])
+        rope_keys_MR = state["rope_k"].append(k_rope[0, :, 0])
+        if is_prefill:
+            q, k, v = self.expand_latent(q_nope, q_rope, latent, k_rope)
+            o = self.attend_prefill(x, q_latent, q, k, v, cos_sin, batch, state)
+        else:
+            allowed_TM = self.cached_keys(x, q_latent, cos_sin, batch, len(latents_MR), state)
+            o = self.latent_attention(q_nope[0], q_rope[0], latents_MR, rope_keys_MR, allowed_TM, state)[None]
+        return self.o_proj(o.reshape(1, t, self.num_heads * self.v_dim))
+
+    def attend_prefill(self, x, q_latent, q, k, v, cos_sin: CosSin | None, batch: PackedBatch, state: dict):
+        return self.attend(x, q_latent, q, k, v, cos_sin, batch)
+
+    def cached_keys(self, x, q_latent, cos_sin: CosSin | None, batch: PackedBatch, num_keys: int, state: dict):
+        """[T, M] bool: the cached keys each new query attends."""
+        return causal_keys(batch.positions, torch.arange(num_keys, device=x.device))
+
+    def absorbed_weights(self, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight split into its key part [Rkv, H, Dn] and value part [Rkv, H, V], fp32, kept in the
+        state. Read by running kv_b_proj on the identity (it has no bias), so a LoRA-wrapped kv_b_proj gives its
+        merged weight."""
+        if "kv_b_weight" not in state:
+            latent = state["latent"].rows
+            eye_RR = torch.eye(self.kv_lora_rank, dtype=latent.dtype, device=latent.device)
+            weight = self.kv_b_proj(eye_RR).float().view(self.kv_lora_rank, self.num_heads, -1)
+            state["kv_b_weight"] = weight.split([self.nope_dim, self.v_dim], -1)
+        return state["kv_b_weight"]
+
+    def latent_attention(self, q_nope, q_rope, latents_MR, rope_keys_MR, allowed_TM, state: dict) -> torch.Tensor:
+        """Attention of T new queries (q_nope [T, H, Dn], rotated q_rope [T, H, Dr]) over the cached latents
+        [M, Rkv] and rope keys [M, Dr], fp32: the score of key m is (q_nope W_k) . latent_m + q_rope . rope_k_m and
+        the output (sum_m p_m latent_m) W_v. Returns [T, H, V] in q's dtype."""
+        w_k_RHN, w_v_RHV = self.absorbed_weights(state)
+        latents_MR, rope_keys_MR = latents_MR.float(), rope_keys_MR.float()
+        outputs = []
+        for first in range(0, q_nope.shape[0], QUERY_CHUNK):
+            chunk = slice(first, first + QUERY_CHUNK)
+            q_latent_THR = torch.einsum("thn,rhn->thr", q_nope[chunk].float(), w_k_RHN)
+            scores_HTM = torch.einsum("thr,mr->htm", q_latent_THR, latents_MR)
+            scores_HTM = scores_HTM + torch.einsum("thd,md->htm", q_rope[chunk].float(), rope_keys_MR)
+            probs_HTM = masked_softmax(scores_HTM * self.scale, allowed_TM[chunk])
+            o_THR = torch.einsum("htm,mr->thr", probs_HTM, latents_MR)
+            outputs.append(torch.einsum("thr,rhv->thv", o_THR, w_v_RHV))
+        return torch.cat(outputs).to(q_nope.dtype)
 
 
 class LightningIndexer(PinnableSelection, nn.Module):
@@ -173,20 +254,40 @@ class LightningIndexer(PinnableSelection, nn.Module):
         # Rotates the first Dr dims of a wider head; the rest pass through.
         self.rotary = LatentRotary(mla, cfg.rope_theta) if mla.rope != "none" else None
 
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin: CosSin | None, batch: PackedBatch):
-        """x [1, T, D], q_latent [1, T, Rq] -> selected key positions [1, T, S] int32 (-1: unused slot)."""
+    def project(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin: CosSin | None):
+        """x [1, T, D], q_latent [1, T, Rq] -> queries [1, T, HI, DI], keys [1, T, DI], head weights [1, T, HI]."""
         t = x.shape[1]
         q = self.wq_b(q_latent).view(1, t, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).view(1, t, 1, self.head_dim)
         if cos_sin is not None:
             q, k = self.rotary.rotate(q, *cos_sin), self.rotary.rotate(k, *cos_sin)
-        w = self.weights_proj(x) * self.num_heads**-0.5
-        indices = topk_indexer(
-            q, k.view(1, t, self.head_dim), w, topk=self.num_selected, block_size=self.block_size,
-            cu_seqlens=batch.cu_seqlens,
+        return q, k.view(1, t, self.head_dim), self.weights_proj(x) * self.num_heads**-0.5
+
+    def choose(self, q, k, w, batch: PackedBatch) -> torch.Tensor:
+        return topk_indexer(
+            q, k, w, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens,
         )
-        return self.pin_selection(indices)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin: CosSin | None, batch: PackedBatch):
+        """x [1, T, D], q_latent [1, T, Rq] -> selected key positions [1, T, S] int32 (-1: unused slot)."""
+        return self.pin_selection(self.choose(*self.project(x, q_latent, cos_sin), batch))
+
+    @torch.no_grad()
+    def select_cached(self, x, q_latent, cos_sin: CosSin | None, batch: PackedBatch, state: dict) -> torch.Tensor:
+        """forward() for the tokens of one cached call: [T, S] key positions (block ids in block mode). State: "k"
+        [M, DI], the normed and rotated keys (block mode pools them per call as the full forward does)."""
+        is_prefill = not state
+        q, k, w = self.project(x, q_latent, cos_sin)
+        keys_MD = state.setdefault("k", GrowingCache()).append(k[0])
+        if is_prefill:
+            return self.choose(q, k, w, batch)[0]
+        if self.block_size == 1:
+            return select_cached_keys(q[0], w[0], keys_MD, batch.positions, self.num_selected)
+        return select_cached_blocks(
+            q[0], w[0], mean_pooled_blocks(keys_MD, self.block_size), batch.positions, self.num_selected,
+            self.block_size, always_keep_own_block=True,
+        )  # fmt: skip
 
 
 class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
@@ -197,7 +298,18 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
         self.indexer = LightningIndexer(cfg)
 
     def attend(self, x, q_latent, q, k, v, cos_sin: CosSin | None, batch: PackedBatch) -> torch.Tensor:
-        indices = self.indexer(x, q_latent, cos_sin, batch)
+        return self.attend_selected(q, k, v, self.indexer(x, q_latent, cos_sin, batch), batch)
+
+    def attend_selected(self, q, k, v, indices: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return sparse_attention(
             q, k, v, indices, block_size=self.indexer.block_size, scale=self.scale, cu_seqlens=batch.cu_seqlens
         )
+
+    def attend_prefill(self, x, q_latent, q, k, v, cos_sin: CosSin | None, batch: PackedBatch, state: dict):
+        """The state adds "indexer", the indexer's own (LightningIndexer.select_cached)."""
+        indices = self.indexer.select_cached(x, q_latent, cos_sin, batch, state.setdefault("indexer", {}))
+        return self.attend_selected(q, k, v, indices[None], batch)
+
+    def cached_keys(self, x, q_latent, cos_sin: CosSin | None, batch: PackedBatch, num_keys: int, state: dict):
+        chosen_TS = self.indexer.select_cached(x, q_latent, cos_sin, batch, state["indexer"])
+        return selected_keys(chosen_TS, batch.positions, num_keys, self.indexer.block_size)
