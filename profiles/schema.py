@@ -522,10 +522,48 @@ ModelSection = Annotated[
 ]
 
 
+DataFormat = Literal["auto", "text", "messages", "alpaca", "sharegpt"]
+_DATA_FILE = ("a data file: JSONL (one record a line), a JSON array of records ('[' first), Parquet (.parquet), or "
+              "a folder written by datasets' save_to_disk (one split's folder of a DatasetDict)")
+# A source's weight copies its documents into every epoch: more than this is a schedule (train.epochs), not a mix.
+MAX_SOURCE_WEIGHT = 100.0
+
+
+class DataSource(Strict):
+    path: Path = Field(description=_DATA_FILE)
+    weight: float = Field(
+        1.0, gt=0, le=MAX_SOURCE_WEIGHT, description="documents of this source per epoch: each of its n documents "
+        "floor(weight) times, plus round((weight - floor(weight)) * n) of them (half up) once more, chosen with "
+        "data.seed without repeats: 1 each once, 2 each twice, 0.5 a seeded half; a source left with no document "
+        "is an error"
+    )
+    format: DataFormat | None = Field(None, description="the format of this source's records; None: data.format")
+
+
 class DataProfile(Strict):
     path: Path | None = Field(
-        None, description="JSONL file of {'text': ...} or {'messages': [{'role', 'content'}]} records; "
-        "None: the built-in generated corpus of the tiny default"
+        None, description=f"{_DATA_FILE}; records in data.format. None (and no data.sources): the built-in "
+        "generated corpus of the tiny default"
+    )
+    sources: list[DataSource] | None = Field(
+        None, min_length=1, description="several data files mixed by weight, instead of data.path: "
+        "[{path, weight, format}]"
+    )
+    format: DataFormat = Field(
+        "auto", description="the records' format: text {text}, messages {messages: [{role, content}], images?}, "
+        "alpaca {instruction, input?, output, system?, history?} (user: instruction + '\\n' + input when input is "
+        "not empty), sharegpt {conversations: [{from, value}], system?} (roles through data.roles, else human: user, "
+        "gpt: assistant, system: system); auto: each source's first record decides (messages, conversations, "
+        "instruction + output, text: the first found) and every record of the source must match it"
+    )
+    eval_path: Path | None = Field(
+        None, description=f"the evaluation records, {_DATA_FILE[2:]}, in data.format; a training document equal to "
+        "one of them (same tokens) is left out of training"
+    )
+    eval_fraction: float | None = Field(
+        None, gt=0, lt=1, description="instead of data.eval_path: hold out this fraction of each source's distinct "
+        "documents (round half up, chosen with data.seed, before weights; every copy of a held-out document is held "
+        "out) for evaluation; both sides must keep at least one"
     )
     tokenizer: str | None = Field(
         None, description="'byte' (built-in byte-level tokenizer) or a directory with tokenizer files (transformers); "
@@ -542,11 +580,11 @@ class DataProfile(Strict):
         "an error naming its record"
     )
     corpus: Literal["stories", "shapes"] = Field(
-        "stories", description="the built-in corpus when data.path is None: generated stories (text), or pictures "
+        "stories", description="the built-in corpus when neither data.path nor data.sources is set: generated stories (text), or pictures "
         "of coloured shapes with their descriptions (image-text, for models with model.vision)"
     )
     corpus_documents: int = Field(
-        2000, ge=1, le=MAX_SIZE, description="documents of the built-in corpus (data.path: None)"
+        2000, ge=1, le=MAX_SIZE, description="documents of the built-in corpus (no data.path nor data.sources)"
     )
     image_min_pixels: int | None = Field(
         None, ge=1, le=MAX_SIZE, description="images smaller than this many pixels are upscaled (None: the "
@@ -565,20 +603,122 @@ class DataProfile(Strict):
         "symlinks leading outside it (false: such a record is an error naming it)"
     )
     max_record_bytes: int = Field(
-        64 * 2**20, ge=1, le=MAX_SIZE, description="the largest JSONL record (one line, in bytes): a longer line is "
-        "an error naming it, and is never held in memory whole (64 MiB: over ten times a million-token text)"
+        64 * 2**20, ge=1, le=MAX_SIZE, description="the largest record in bytes (a JSONL line, a JSON array's item, "
+        "a Parquet or saved dataset row as JSON): a larger one is an error naming it, and a JSON file's is never "
+        "held in memory whole (64 MiB: over ten times a million-token text)"
     )
-    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the data order (and of the built-in corpus)")
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="seed of the data order, of data.eval_fraction's held-out records, of the "
+        "documents a fractional data.sources weight picks (and of the built-in corpus)"
+    )
+    train_on: Literal["assistant", "all"] = Field(
+        "assistant", description="chat records: the tokens trained on: assistant (each assistant turn's content and "
+        "the token closing it) or all (every token of the conversation: system and user turns, headers; never an "
+        "image's tokens). Text records are always trained in full"
+    )
+    train_on_assistant_header: bool = Field(
+        False, description="chat records with train_on: assistant: also train each assistant turn's header, the "
+        "tokens the chat template's generation prompt adds before it (e.g. '<|im_start|>assistant\\n'; "
+        "'<|assistant|>\\n' in the built-in format); train_on: all trains them anyway"
+    )
+    chat_template: str | None = Field(
+        None, description="the Jinja chat template chat records are rendered with, instead of the tokenizer's: the "
+        "template's text, or the path of a .jinja file (a one-line value ending in .jinja without '{{' or '{%'; a "
+        "regular UTF-8 file of at most 1 MiB). Rendered in transformers' sandboxed Jinja environment (needs "
+        "transformers), with the byte tokenizer too. None: the tokenizer's own template, else the built-in format "
+        "'<|role|>\\ncontent\\n'"
+    )
+
+    @model_validator(mode="after")
+    def check_chat_template(self):
+        if self.chat_template is not None:
+            _raise_if(read_chat_template(self.chat_template, "@chat_template", compile=True)[1])
+        return self
+
+    @property
+    def uses_corpus(self) -> bool:
+        """No data.path nor data.sources: the built-in corpus."""
+        return self.path is None and self.sources is None
 
     @model_validator(mode="after")
     def check_dataset(self):
         problems = _role_problems(self.roles)
+        if self.path is not None and self.sources is not None:
+            problems.append("@path and @sources are two ways to name the data: give one of them")
         if self.path is not None:
             problems += _data_file_problems(self.path)
+        for i, source in enumerate(self.sources or []):
+            problems += _data_file_problems(source.path, f"@sources.{i}.path")
+        if self.eval_path is not None and self.eval_fraction is not None:
+            problems.append(f"@eval_path and @eval_fraction ({self.eval_fraction}) are two ways to choose the "
+                            "evaluation records: give at most one of them")
+        if self.eval_path is not None:
+            problems += _data_file_problems(self.eval_path, "@eval_path")
         if self.tokenizer not in (None, "byte") and not Path(self.tokenizer).is_dir():
             problems.append(f"@tokenizer ('{self.tokenizer}') must be 'byte' or an existing directory")
         _raise_if(problems)
         return self
+
+
+# A chat template file larger than this is refused: published chat templates are a few tens of KiB.
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def is_chat_template_path(value: str) -> bool:
+    """data.chat_template's rule: one line ending in .jinja, holding no Jinja tag, names a file; else it is the
+    template's text."""
+    return value.endswith(".jinja") and "\n" not in value and "{{" not in value and "{%" not in value
+
+
+def read_chat_template(value: str, field: str, compile: bool = False) -> tuple[str | None, list[str]]:
+    """(the template's text, problems): the value itself, or the .jinja file it names (a regular UTF-8 file of at
+    most MAX_CHAT_TEMPLATE_BYTES); with `compile`, a Jinja syntax error is a problem too. Problems name `field`."""
+    shown = f"{field} ('{value}')" if is_chat_template_path(value) else f"{field} (inline template)"
+    text = value
+    if is_chat_template_path(value):
+        try:
+            fd = os.open(value, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            return None, [f"{shown} must name an existing .jinja file (a one-line value ending in .jinja is a path; "
+                          "anything else is the template's text)"]
+        except (OSError, ValueError) as err:
+            return None, [f"{shown} cannot be read ({getattr(err, 'strerror', None) or err})"]
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            return None, [f"{shown} must be a regular file, not {file_kind(mode)}"]
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+        try:
+            text = raw.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError as err:
+            return None, [f"{shown} must be UTF-8 text (not at byte {err.start}: {err.reason})"]
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_CHAT_TEMPLATE_BYTES:
+        return None, [f"{shown} must be at most {MAX_CHAT_TEMPLATE_BYTES} bytes (1 MiB)"]
+    if not text.strip():
+        return None, [f"{shown} must be a Jinja template or the path of a .jinja file, not empty"]
+    if compile:
+        problem = _jinja_problem(text)
+        if problem:
+            return None, [f"{shown}: {problem}"]
+    return text, []
+
+
+def _jinja_problem(text: str) -> str | None:
+    # transformers' own sandboxed environment: its {% generation %} tag and filters parse as they will render.
+    try:
+        import jinja2
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return "a chat template needs transformers (its sandboxed Jinja renderer): pip install transformers"
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as err:
+        message = " ".join(str(err.message).split())
+        return f"Jinja syntax error on line {err.lineno} of the template: {message:.200}"
+    except RecursionError:
+        return "the template is nested too deeply to parse"
+    return None
 
 
 def _role_problems(roles: dict[str, str]) -> list[str]:
@@ -597,21 +737,27 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _FILE_KINDS.items() if test(mode)), "a special file")
 
 
-def _data_file_problems(path: Path) -> list[str]:
-    """data.path must be a readable regular file (a FIFO or device would block or never end) holding a record."""
+def _data_file_problems(path: Path, field: str = "@path") -> list[str]:
+    """A data path must be a readable regular file (a FIFO or device would block or never end) holding a record, or
+    a folder written by datasets' save_to_disk (its own files are checked when it is read)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return [f"@path ('{path}') must be an existing file"]
+        return [f"{field} ('{path}') must be an existing file"]
     except (OSError, ValueError) as err:
-        return [f"@path ('{path}') cannot be read ({getattr(err, 'strerror', None) or err})"]
+        return [f"{field} ('{path}') cannot be read ({getattr(err, 'strerror', None) or err})"]
+    if stat.S_ISDIR(mode):
+        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
+            return []
+        return [f"{field} ('{path}') must be a regular file or a folder written by datasets' save_to_disk (this "
+                "directory has no state.json or dataset_dict.json)"]
     if not stat.S_ISREG(mode):
-        return [f"@path ('{path}') must be a regular file, not {file_kind(mode)}"]
+        return [f"{field} ('{path}') must be a regular file, not {file_kind(mode)}"]
     try:
         if not _has_content(path):
-            return [f"@path ('{path}') must hold at least one record (the file is empty)"]
+            return [f"{field} ('{path}') must hold at least one record (the file is empty)"]
     except OSError as err:
-        return [f"@path ('{path}') cannot be read ({err.strerror or err})"]
+        return [f"{field} ('{path}') cannot be read ({err.strerror or err})"]
     return []
 
 
@@ -745,12 +891,24 @@ _TIER_FIELDS = ("gpu_budget_gb", "prefetch_layers", "min_offload_mb")
 
 
 class TrainProfile(Strict):
-    steps: int = Field(ge=1, le=MAX_SIZE, description="optimizer steps")
+    steps: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="optimizer steps; set this or epochs, not both (a step may end in the "
+        "next epoch: the shuffled rows of one epoch run on into the next)"
+    )
+    epochs: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="passes over the training rows instead of steps: the steps are "
+        "ceil(rows of the epochs / (micro_batch_size x gradient_accumulation_steps x ranks)), so every row is "
+        "trained at least this many times (the last step's remaining rows come from the next epoch's order)"
+    )
     micro_batch_size: int = Field(ge=1, le=MAX_SIZE, description="packed rows per micro-batch per rank")
     gradient_accumulation_steps: int = Field(1, ge=1, le=MAX_SIZE, description="micro-batches per optimizer step")
     lr: float = Field(gt=0, description="peak learning rate")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warm-up")
     warmup_steps: int = Field(0, ge=0, le=MAX_SIZE, description="linear warm-up steps")
+    warmup_ratio: float | None = Field(
+        None, ge=0, lt=1, description="warm-up as a share of the run's steps (floor(ratio x steps)) instead of "
+        "warmup_steps, which must then stay 0"
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a share of the peak (cosine, linear)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
@@ -765,12 +923,27 @@ class TrainProfile(Strict):
         "the host's launches; the same kernels as eager): auto where the run allows it (a CUDA device, ZeRO stage "
         "1-2, expert_parallel 1, memory preset none without checkpointing), true (or an error saying why not), false"
     )
+    eval_every: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="with eval data (data.eval_path or data.eval_fraction): steps between "
+        "evaluations, plus one after the last step; None: every output.save_every steps, so each checkpoint has "
+        "its eval loss"
+    )
+    eval_batches: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="micro-batches (micro_batch_size rows on every rank) per evaluation, "
+        "the first ones of the eval rows each time; None: all the eval rows"
+    )
 
     @model_validator(mode="after")
     def check_schedule(self):
         problems = []
-        if self.warmup_steps >= self.steps:
+        if (self.steps is None) == (self.epochs is None):
+            problems.append(f"@steps ({self.steps}) and @epochs ({self.epochs}): set exactly one of them (set the "
+                            "other to null to switch)")
+        elif self.steps is not None and self.warmup_steps >= self.steps:
             problems.append(f"@warmup_steps ({self.warmup_steps}) must be < @steps ({self.steps})")
+        if self.warmup_ratio is not None and self.warmup_steps:
+            problems.append(f"@warmup_ratio ({self.warmup_ratio}) and @warmup_steps ({self.warmup_steps}): set at "
+                            "most one of them")
         if not all(0 <= b < 1 for b in self.betas):
             problems.append(f"@betas ({list(self.betas)}) must each be in [0, 1)")
         _raise_if(problems)
@@ -783,11 +956,43 @@ class OutputProfile(Strict):
         100, ge=1, le=MAX_SIZE, description="steps between checkpoints (one is also written at the end)"
     )
     keep_last: int = Field(2, ge=1, le=MAX_SIZE, description="checkpoints kept; older ones are deleted")
-    tensorboard: bool = Field(True, description="also write TensorBoard events when tensorboard is installed")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="experiment trackers that also get every metrics record (metrics.jsonl is always written); "
+        "each needs its extra: pip install 'moe-tune[tensorboard]' (or wandb, mlflow)",
+    )
+    run_name: str | None = Field(
+        None, min_length=1, description="the run's name in W&B and MLflow (default: the profile's name)"
+    )
+    wandb_project: str = Field(
+        "moe-tune", min_length=1, description="W&B project (the mode comes from WANDB_MODE: online, offline)"
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, min_length=1, description="MLflow tracking URI (default: a file store in output.dir/mlruns)"
+    )
+    mlflow_experiment: str = Field("moe-tune", min_length=1, description="MLflow experiment name")
     save_merged: bool = Field(
         False, description="LoRA runs: also write merged.safetensors, the base weights with the adapters merged in "
         "(assembled on rank 0: needs the whole model in its host memory)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_no_tensorboard_flag(cls, data: Any) -> Any:
+        # The old switch wrote nothing when tensorboard was absent; report_to refuses instead (one spelling).
+        if isinstance(data, dict) and "tensorboard" in data:
+            value = data["tensorboard"]
+            hint = "add tensorboard to @report_to" if value is True else "delete it (@report_to defaults to [])"
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ValueError(f"@tensorboard ({shown}) was replaced by @report_to: {hint}")
+        return data
+
+    @model_validator(mode="after")
+    def check_report_to_once(self):
+        repeated = sorted({name for name in self.report_to if self.report_to.count(name) > 1})
+        if repeated:
+            _raise_if([f"@report_to ({', '.join(repeated)}) must name each tracker once"])
+        return self
 
 
 class JobProfile(Strict):
@@ -816,7 +1021,7 @@ class JobProfile(Strict):
         problems = []
         if isinstance(self.model, CheckpointModel):
             # The architecture is not known before engine.families reads config.json; it re-validates then.
-            if self.data.path is None and self.data.tokenizer != "byte":
+            if self.data.uses_corpus and self.data.tokenizer != "byte":
                 problems.append("data.path (None) must be set with model.checkpoint (the built-in corpus is byte-level)")
             _raise_if(problems)
             return self
@@ -824,14 +1029,14 @@ class JobProfile(Strict):
             problems.append(
                 f"model.vocab_size ({self.model.vocab_size}) must be >= {BYTE_VOCAB_SIZE} for data.tokenizer 'byte'"
             )
-        if self.data.path is None and self.data.corpus == "shapes" and self.model.vision is None:
+        if self.data.uses_corpus and self.data.corpus == "shapes" and self.model.vision is None:
             problems.append("data.corpus ('shapes') needs a model with a vision tower (model.vision)")
         ep = self.parallel.expert_parallel
         if self.model.moe is not None and self.model.moe.num_experts % ep:
             problems.append(
                 f"parallel.expert_parallel ({ep}) must divide model.moe.num_experts ({self.model.moe.num_experts})"
             )
-        if self.data.path is None and self.tokenizer != "byte":
+        if self.data.uses_corpus and self.tokenizer != "byte":
             problems.append(f"data.tokenizer ('{self.tokenizer}') must be 'byte' with the built-in corpus")
         _raise_if(problems)
         return self

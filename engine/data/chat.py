@@ -1,28 +1,83 @@
 """Chat records: role names mapped onto the canonical roles, conversations rendered through a chat template into
-token pieces that say which tokens are trained (the assistant's), and the document's closing end-of-sequence.
+token pieces that say which tokens are trained (the assistant's, optionally their headers, or all: data.train_on),
+and the document's closing end-of-sequence.
 
 A template with `{% generation %}` blocks marks the assistant's tokens itself: the conversation is rendered once and
 the marked spans are trained. A template without them is rendered by growing prefixes (each message owns the tokens
 it adds), which holds only when rendering more turns never changes the earlier ones; that is checked, and a
 conversation whose earlier turns the template rewrites (Qwen3 drops the think blocks of all but the last assistant
-turn) is refused rather than trained on the wrong tokens.
+turn) is refused rather than trained on the wrong tokens. With data.train_on: all the conversation is rendered once and
+every token is trained.
+
+A template given in the profile (data.chat_template) replaces the tokenizer's; it is rendered by transformers'
+sandboxed Jinja environment, so a template cannot reach Python objects beyond the data it is given.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import groupby
 
 from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import DataProfile, is_chat_template_path, read_chat_template
 
 CANONICAL_ROLES = ("system", "user", "assistant")
 # transformers' own test for a template that can return the assistant tokens mask.
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 Pieces = list[tuple[list[int], bool]]
+# render(messages, add_generation_prompt, with_mask) -> (token ids, the template's assistant mask or None)
+Render = Callable[[list[dict], bool, bool], tuple[list[int], list[int] | None]]
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat records are rendered and which of their tokens are trained (data.train_on,
+    data.train_on_assistant_header, data.chat_template)."""
+
+    train_on: str = "assistant"  # "assistant" | "all"
+    train_header: bool = False
+    template: str | None = None  # the template's text; None: the tokenizer's own (or the built-in format)
+
+    @property
+    def trains_all(self) -> bool:
+        return self.train_on == "all"
+
+
+DEFAULT_CHAT_OPTIONS = ChatOptions()
+
+
+def chat_options(data: DataProfile) -> ChatOptions:
+    """The chat options of a DataProfile, its template read (ProfileError naming data.chat_template when the file
+    changed since the profile was checked)."""
+    template = data.chat_template
+    if template is not None:
+        template = _template_text(template, *_file_stamp(template))
+    return ChatOptions(data.train_on, data.train_on_assistant_header, template)
+
+
+def _file_stamp(value: str) -> tuple:
+    # A template file is read again when it changes; inline text needs no stamp.
+    if not is_chat_template_path(value):
+        return ()
+    try:
+        st = os.stat(value)
+    except (OSError, ValueError):
+        return ()
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+@lru_cache(maxsize=8)
+def _template_text(value: str, *stamp) -> str:
+    text, problems = read_chat_template(value, "data.chat_template")
+    if problems:
+        raise ProfileError(problems)
+    return text
 
 
 def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: str) -> list[dict]:
@@ -67,17 +122,74 @@ def pieces_from_mask(ids: list[int], mask: list[int]) -> Pieces:
     return pieces
 
 
+def render_conversation(
+    render: Render,
+    messages: list[dict],
+    where: str,
+    options: ChatOptions,
+    has_blocks: bool,
+    closes_turn: Callable[[int], bool],
+    is_blank: Callable[[int], bool],
+) -> Pieces:
+    """Pieces of a conversation rendered by a chat template, trained as `options` say: train_on all renders it once
+    and trains every token; a template with {% generation %} blocks is rendered once and its marked spans trained
+    (with their headers: mark_headers); any other is rendered by growing prefixes (render_by_prefixes)."""
+    if options.trains_all:
+        ids, _ = render(messages, False, False)
+        return [(ids, True)] if ids else []
+    if has_blocks:
+        ids, mask = render(messages, False, True)
+        if options.train_header:
+            mask = mark_headers(render, messages, ids, mask, where)
+        return pieces_from_mask(ids, mask)
+    return render_by_prefixes(lambda prefix, prompt: render(prefix, prompt, False)[0], messages, where, closes_turn,
+                              is_blank, options.train_header)
+
+
+def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: list[int], where: str) -> list[int]:
+    """The template's assistant mask with each marked span's header marked too: the tokens the generation prompt adds
+    to the conversation before an assistant turn (render(prefix, True) past render(prefix, False)), where they are
+    rendered right before the span. ProfileError naming the record when no span has one."""
+    headers = set()
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            plain, prompted = render(messages[:turn], False, False)[0], render(messages[:turn], True, False)[0]
+        except ProfileError:
+            # A template that cannot render this prefix alone gives no header from it; other turns may.
+            continue
+        if len(prompted) > len(plain) and prompted[: len(plain)] == plain:
+            headers.add(tuple(prompted[len(plain) :]))
+    marked = list(mask)
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    found = False
+    for start in starts:
+        for header in sorted(headers, key=len, reverse=True):
+            if start >= len(header) and tuple(ids[start - len(header) : start]) == header:
+                marked[start - len(header) : start] = [1] * len(header)
+                found = True
+                break
+    if starts and not found:
+        raise ProfileError([f"{where}: data.train_on_assistant_header (true) needs the assistant header before the "
+                            "tokens the chat template marks with {% generation %}, but its generation prompt is not "
+                            "rendered there; set data.train_on_assistant_header: false"])
+    return marked
+
+
 def render_by_prefixes(
     render: Callable[[list[dict], bool], list[int]],
     messages: list[dict],
     where: str,
     closes_turn: Callable[[int], bool],
     is_blank: Callable[[int], bool],
+    train_header: bool = False,
 ) -> Pieces:
     """Pieces of a conversation rendered by growing prefixes (`render(messages, add_generation_prompt)` -> ids): each
     message owns the tokens its prefix adds; an assistant message's tokens are trained from the end of the generation
-    prompt (when that renders as a prefix) to its closing token (`closes_turn`), blank tokens after it not. Every
-    prefix must render as a prefix of the whole conversation, else ProfileError naming the turn."""
+    prompt (when that renders as a prefix; from its start with `train_header`, and always when it does not) to its
+    closing token (`closes_turn`), blank tokens after it not. Every prefix must render as a prefix of the whole
+    conversation, else ProfileError naming the turn."""
     full = render(messages, False)
     pieces: Pieces = []
     previous: list[int] = []
@@ -103,7 +215,7 @@ def render_by_prefixes(
             end -= 1
         if not (end > start and closes_turn(ids[end - 1])):
             end = len(ids)
-        pieces += [(ids[len(previous) : start], False), (ids[start:end], True), (ids[end:], False)]
+        pieces += [(ids[len(previous) : start], train_header), (ids[start:end], True), (ids[end:], False)]
         previous = ids
     return [piece for piece in pieces if piece[0]]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from moe_tune.profiles import ProfileError
 
+from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions
 from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -109,17 +110,20 @@ def render_multimodal_chat(
     base_dir: Path,
     where: str,
     allow_outside: bool = False,
+    options: ChatOptions = DEFAULT_CHAT_OPTIONS,
 ) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
     """Pieces (token ids, trained?) of a chat with images, in the plain chat format `chat_format` (with {role}
-    and {content}); images resolved by resolve_image_path and measured. A missing or broken image raises
-    ImageError, a malformed record ProfileError; both name the record (and the file)."""
+    and {content}), trained as `options` say (as render_plain_chat: the assistant's text, its header with
+    train_header, all text with train_on all); images resolved by resolve_image_path and measured. A missing or
+    broken image raises ImageError, a malformed record ProfileError; both name the record (and the file)."""
     pieces: list[tuple[list[int], bool]] = []
     refs: list[ImageRef] = []
     queue = list(record_images)
     for message in messages:
-        trained = message["role"] == "assistant"
+        trained = options.trains_all or message["role"] == "assistant"
         prefix, suffix = chat_format.split("{content}")
-        pieces.append((encode(prefix.format(role=message["role"])), trained))
+        pieces.append((encode(prefix.format(role=message["role"])), trained and (options.trains_all or
+                                                                               options.train_header)))
         for kind, value in message_parts(message["content"], queue, where):
             if kind == "text":
                 pieces.append((encode(value), trained))
@@ -147,10 +151,12 @@ def render_templated_multimodal_chat(
     base_dir: Path,
     where: str,
     allow_outside: bool = False,
+    options: ChatOptions = DEFAULT_CHAT_OPTIONS,
 ) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
-    """Pieces of a chat with images rendered by the tokenizer's own chat template (`render_chat`, the checkpoint's:
-    it writes each image part as its vision-start, one image token and vision-end), each image token then widened to
-    the image's n tokens. The template must render one image token per image, else the record is refused."""
+    """Pieces of a chat with images rendered by a chat template (`render_chat` with `options`: data.chat_template,
+    else the checkpoint's; it writes each image part as its vision-start, one image token and vision-end), each image
+    token then widened to the image's n tokens. The template must render one image token per image, else the record
+    is refused."""
     queue = list(record_images)
     templated, refs = [], []
     for message in messages:
@@ -169,11 +175,12 @@ def render_templated_multimodal_chat(
         templated.append({"role": message["role"], "content": content})
     if queue:
         raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
-    pieces = render_chat(templated, where)
+    pieces = render_chat(templated, where, options)
     placed = sum(piece.count(tokens.image) for piece, _ in pieces)
     if placed != len(refs):
-        raise ProfileError([f"{where}: the tokenizer's chat template renders {placed} image tokens ({tokens.image}) "
-                            f"for {len(refs)} images: it must render each image part as one"])
+        source = "data.chat_template" if options.template is not None else "the tokenizer's chat template"
+        raise ProfileError([f"{where}: {source} renders {placed} image tokens ({tokens.image}) for {len(refs)} images: "
+                            "it must render each image part as one"])
     counts = iter([image_token_count(ref.grid, settings) for ref in refs])
     widened = []
     for piece, trained in pieces:

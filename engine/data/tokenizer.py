@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
 from moe_tune.profiles import ProfileError
 
-from .chat import has_generation_blocks, pieces_from_mask, render_by_prefixes
+from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions, Pieces, has_generation_blocks, render_conversation
 
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 
@@ -27,18 +29,58 @@ class Tokenizer(Protocol):
         """Whether the token decodes to whitespace only."""
         ...
 
-    def render_chat(self, messages: list[dict], where: str = "") -> list[tuple[list[int], bool]]:
-        """Token pieces of a conversation of canonical roles, each with whether it is trained on (the assistant's
-        tokens); ProfileError naming `where` (the record) when the chat template cannot render it faithfully."""
+    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+        """Token pieces of a conversation of canonical roles, each with whether it is trained on (as `options`
+        say: the assistant's tokens, with their headers, or all); ProfileError naming `where` (the record) when the
+        chat template cannot render it faithfully."""
         ...
 
 
-def render_plain_chat(encode, messages: list[dict]) -> list[tuple[list[int], bool]]:
-    """Messages in CHAT_TEMPLATE, for tokenizers without a chat template of their own; assistant turns trained on."""
-    return [
-        (encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"])), m["role"] == "assistant")
-        for m in messages
-    ]
+def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+    """Messages in CHAT_TEMPLATE, for tokenizers without a chat template: the assistant's content and the newline
+    closing it trained, its header '<|assistant|>\\n' only with options.train_header (every token with train_on all).
+    Each message is encoded whole; where its header's tokens do not open it, the header is trained with the turn."""
+    header_format = CHAT_TEMPLATE.split("{content}")[0]
+    pieces: Pieces = []
+    for m in messages:
+        is_trained = options.trains_all or m["role"] == "assistant"
+        ids = encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"]))
+        header = encode(header_format.format(role=m["role"]))
+        cut = len(header) if ids[: len(header)] == header else 0
+        pieces += [(ids[:cut], is_trained and (options.trains_all or options.train_header)), (ids[cut:], is_trained)]
+    return [piece for piece in pieces if piece[0]]
+
+
+def render_template_text(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool,
+                         where: str, **special_tokens) -> tuple[str, list[bool] | None]:
+    """A conversation rendered to text by data.chat_template in transformers' sandboxed Jinja environment, and with
+    `with_mask` which characters its {% generation %} blocks mark; ProfileError naming the record and the field."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    with template_errors(where, "data.chat_template"):
+        (text,), indices = render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=add_generation_prompt,
+            return_assistant_tokens_mask=with_mask, **special_tokens,
+        )
+    if not with_mask:
+        return text, None
+    mask = [False] * len(text)
+    for start, end in indices[0]:
+        mask[start:end] = [True] * (end - start)
+    return text, mask
+
+
+@contextmanager
+def template_errors(where: str, source: str) -> Iterator[None]:
+    """Errors of a chat template's rendering (its own raise_exception, a sandbox refusal, a bad value) as one
+    ProfileError line naming the record and the template."""
+    import jinja2
+
+    try:
+        yield
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ProfileError([f"{where}: {source} cannot render the conversation: {first_line!r:.200}"]) from None
 
 
 class ByteTokenizer:
@@ -57,8 +99,23 @@ class ByteTokenizer:
     def is_blank(self, token: int) -> bool:
         return token < 256 and chr(token).isspace()
 
-    def render_chat(self, messages: list[dict], where: str = "") -> list[tuple[list[int], bool]]:
-        return render_plain_chat(self.encode, messages)
+    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+        if options.template is None:
+            return render_plain_chat(self.encode, messages, options)
+        template = options.template
+
+        def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
+            # Special tokens are ids, not text, here: the template renders them empty; <bos> and a closing <eos>
+            # are added around the rendering (chat_tokens).
+            text, char_mask = render_template_text(template, prefix, add_generation_prompt, with_mask, where,
+                                                   bos_token="", eos_token="")
+            ids = self.encode(text)
+            if char_mask is None:
+                return ids, None
+            return ids, [int(m) for ch, m in zip(text, char_mask) for _ in range(len(ch.encode("utf-8")))]
+
+        return render_conversation(render, messages, where, options, has_generation_blocks(template),
+                                   lambda t: t in self.special_ids, self.is_blank)
 
 
 class HFTokenizer:
@@ -96,38 +153,29 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def _apply_template(self, messages: list[dict], where: str, **options) -> dict:
-        import jinja2
-
+    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+        if options.template is None and not self.has_chat_template:
+            return render_plain_chat(self.encode, messages, options)
+        source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
         try:
-            return self._tok.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ProfileError([f"{where}: the chat template of data.tokenizer cannot render the conversation: "
-                                f"{first_line!r:.200}"]) from None
-
-    def render_chat(self, messages: list[dict], where: str = "") -> list[tuple[list[int], bool]]:
-        if not self.has_chat_template:
-            return render_plain_chat(self.encode, messages)
-        try:
-            template = self._tok.get_chat_template()
+            template = self._tok.get_chat_template(options.template)
         except ValueError as err:
             raise ProfileError([f"data.tokenizer: no usable chat template ({str(err).strip()[:200]!r})"]) from None
-        if has_generation_blocks(template):
-            # The template marks the assistant's tokens: one rendering of the whole conversation.
-            out = self._apply_template(messages, where, return_assistant_tokens_mask=True)
-            pieces = pieces_from_mask(list(out["input_ids"]), list(out["assistant_masks"]))
-        else:
 
-            def render(prefix: list[dict], add_generation_prompt: bool) -> list[int]:
-                out = self._apply_template(prefix, where, add_generation_prompt=add_generation_prompt)
-                return list(out["input_ids"])
+        def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
+            with template_errors(where, source):
+                out = self._tok.apply_chat_template(
+                    prefix, chat_template=options.template, tokenize=True, return_dict=True,
+                    add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=with_mask,
+                )
+            return list(out["input_ids"]), list(out["assistant_masks"]) if with_mask else None
 
-            pieces = render_by_prefixes(render, messages, where, lambda t: t in self.special_ids, self.is_blank)
+        pieces = render_conversation(render, messages, where, options, has_generation_blocks(template),
+                                     lambda t: t in self.special_ids, self.is_blank)
         # The document already starts with <bos>: drop the one a template renders itself.
         if pieces and self.bos_id is not None and pieces[0][0][:1] == [self.bos_id]:
             pieces[0] = (pieces[0][0][1:], pieces[0][1])
-        return pieces
+        return [piece for piece in pieces if piece[0]]
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

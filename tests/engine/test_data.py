@@ -32,11 +32,12 @@ def test_chat_record_trains_on_assistant_turns_only(tmp_path):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     path.write_text(json.dumps({"messages": messages}) + "\n")
     (doc,) = load_documents(DataProfile(path=path, seq_len=16), TOK)
-    user_len = len("<|user|>\nhi\n")
-    assistant = TOK.encode("<|assistant|>\nyo\n") + [TOK.eos_id]
-    # Label t predicts token t + 1: the user turn (after <bos>) is masked, the assistant turn and <eos> are kept.
-    assert doc.labels[:user_len] == [IGNORE_INDEX] * user_len
-    assert doc.labels[user_len:] == assistant
+    untrained = len("<|user|>\nhi\n<|assistant|>\n")
+    assistant = TOK.encode("yo\n") + [TOK.eos_id]
+    # Label t predicts token t + 1: the user turn (after <bos>) and the assistant's header are masked (data.train_on:
+    # assistant), the assistant's content and <eos> are kept.
+    assert doc.labels[:untrained] == [IGNORE_INDEX] * untrained
+    assert doc.labels[untrained:] == assistant
 
 
 def test_packing_splits_long_documents_and_pads_the_last_row():

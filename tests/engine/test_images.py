@@ -76,7 +76,7 @@ def test_image_records_render_placeholders(tmp_path):
     image_positions = [i for i, t in enumerate(ids) if t in (TOKENS.start, TOKENS.image, TOKENS.end)]
     assert all(first.labels[i - 1] == -100 for i in image_positions)
     trained = [t for t, label in zip(ids[1:], first.labels) if label != -100]
-    assert ByteTokenizer().decode(trained) == "<|assistant|>\na square\n"
+    assert ByteTokenizer().decode(trained) == "a square\n"
 
 
 def test_missing_and_broken_images_are_named_or_skipped(tmp_path):

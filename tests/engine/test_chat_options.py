@@ -1,0 +1,348 @@
+"""Chat options: data.train_on (assistant | all), data.train_on_assistant_header and data.chat_template, on every
+rendering path (the built-in format of the byte tokenizer, templates with {% generation %} blocks, templates rendered
+by growing prefixes, image chats), each trained-token mask compared with one computed by hand or by transformers'
+return_assistant_tokens_mask; and the profile's template: read, checked, sandboxed.
+
+The tiny tokenizers and templates are test_chat.py's.
+"""
+
+import json
+import re
+
+import pytest
+
+from moe_tune.engine.data.chat import ChatOptions, chat_options, chat_tokens
+from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents
+from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
+from moe_tune.profiles import ProfileError, load_profile
+from moe_tune.profiles.schema import DataProfile
+from test_chat import END_GEN, FAMILIES, GEN, KIMI, MULTI_TURN, QWEN3, save_tokenizer
+
+BYTE = ByteTokenizer()
+# What each family's generation prompt adds: the assistant header.
+HEADERS = {"qwen3": "<|im_start|>assistant\n", "qwen3_base": "<|im_start|>assistant\n", "deepseek_v3": "<｜Assistant｜>",
+           "kimi": "<|im_assistant|>assistant<|im_middle|>"}  # fmt: skip
+CAFE = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "caf\u00e9?"},
+        {"role": "assistant", "content": "cr\u00e8me br\u00fbl\u00e9e"}, {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "th\u00e9"}]  # fmt: skip
+
+
+def marked(template: str) -> str:
+    return template.replace("@GEN", GEN).replace("@END", END_GEN)
+
+
+def plain(template: str) -> str:
+    return template.replace("@GEN", "").replace("@END", "")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """(family, marked) -> (our tokenizer, transformers' own), and 'bare': kimi's tokens without a chat template."""
+    made = {}
+    for family in FAMILIES:
+        for is_marked in (True, False):
+            directory = tmp_path_factory.mktemp(f"{family}-{is_marked}")
+            raw = save_tokenizer(directory, family, is_marked)
+            made[family, is_marked] = (load_tokenizer(str(directory)), raw)
+    directory = tmp_path_factory.mktemp("bare")
+    raw = save_tokenizer(directory, "kimi", True)
+    raw.chat_template = None
+    raw.save_pretrained(directory)
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    made["bare"] = (load_tokenizer(str(directory)), raw)
+    return made
+
+
+def rendered(tok, messages, **options) -> tuple[list[int], list[bool]]:
+    """(token ids, trained?) of a conversation as a document holds them: <bos> first, <eos> where appended."""
+    pieces = tok.render_chat(messages, "f.jsonl:1", ChatOptions(**options))
+    return chat_tokens(pieces, tok, messages[-1]["role"] == "assistant")
+
+
+def by_hand(raw, messages, header: str | None = None, train_all: bool = False) -> tuple[list[int], list[bool]]:
+    """transformers' rendering of a {% generation %} template and its assistant mask, the <bos> put first once;
+    with `header`, the header's tokens right before each masked span marked too; with train_all, every token."""
+    out = raw.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+    if header is not None:
+        head = raw.encode(header, add_special_tokens=False)
+        starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+        assert starts
+        for start in starts:
+            assert ids[start - len(head) : start] == head
+            mask[start - len(head) : start] = [True] * len(head)
+    if train_all:
+        mask = [True] * len(ids)
+    if raw.bos_token_id is not None:
+        if ids[:1] == [raw.bos_token_id]:
+            ids, mask = ids[1:], mask[1:]
+        ids, mask = [raw.bos_token_id] + ids, [False] + mask
+    return ids, mask
+
+
+def segments(*parts: tuple[str, bool], eos: bool) -> tuple[list[int], list[bool]]:
+    """The byte tokenizer's document of text parts (text, trained?), <bos> first and a trained <eos> last."""
+    ids, trained = [BYTE.bos_id], [False]
+    for text, is_trained in parts:
+        encoded = BYTE.encode(text)
+        ids += encoded
+        trained += [is_trained] * len(encoded)
+    if eos:
+        ids.append(BYTE.eos_id)
+        trained.append(True)
+    return ids, trained
+
+
+# The built-in format (byte tokenizer): '<|role|>\n' header, then 'content\n'
+
+
+@pytest.mark.parametrize("options, header, content, other", [
+    ({}, False, True, False),
+    ({"train_header": True}, True, True, False),
+    ({"train_on": "all"}, True, True, True),
+    ({"train_on": "all", "train_header": True}, True, True, True),
+])  # fmt: skip
+def test_the_built_in_format_trains_what_the_options_say(options, header, content, other):
+    parts = []
+    for m in CAFE:
+        is_assistant = m["role"] == "assistant"
+        parts += [(f"<|{m['role']}|>\n", header if is_assistant else other),
+                  (m["content"] + "\n", content if is_assistant else other)]
+    assert rendered(BYTE, CAFE, **options) == segments(*parts, eos=True)
+
+
+# Templates with {% generation %} blocks: the template's mask, its headers, or all
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_blocks_with_the_header_add_the_generation_prompt_before_each_span(tokenizers, family):
+    tok, raw = tokenizers[family, True]
+    assert rendered(tok, MULTI_TURN) == by_hand(raw, MULTI_TURN)
+    assert rendered(tok, MULTI_TURN, train_header=True) == by_hand(raw, MULTI_TURN, HEADERS[family])
+
+
+@pytest.mark.parametrize("is_marked", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_on_all_trains_every_token_of_the_rendering(tokenizers, family, is_marked):
+    """With or without generation blocks (qwen3's and deepseek's plain templates cannot be rendered by prefixes for
+    this conversation: rendered once, nothing has to be found)."""
+    tok, _ = tokenizers[family, is_marked]
+    raw = tokenizers[family, True][1]
+    expected = by_hand(raw, MULTI_TURN, train_all=True)
+    assert rendered(tok, MULTI_TURN, train_on="all") == expected
+    assert rendered(tok, MULTI_TURN, train_on="all", train_header=True) == expected
+
+
+def test_a_header_the_template_does_not_render_before_its_span_is_refused(tmp_path):
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "kimi", True)
+    # The generation prompt says '<|im_assistant|>' but the turns open with '<|im_middle|>'.
+    raw.chat_template = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_middle|>' }}{% generation %}"
+                         "{{- m.content + '<|im_end|>' }}{% endgeneration %}{%- else %}{{- m.content }}{%- endif %}"
+                         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_assistant|>' }}{%- endif %}")
+    raw.save_pretrained(directory)
+    tok = load_tokenizer(str(directory))
+    with pytest.raises(ProfileError) as err:
+        rendered(tok, MULTI_TURN, train_header=True)
+    assert err.value.problems == [
+        "f.jsonl:1: data.train_on_assistant_header (true) needs the assistant header before the tokens the chat "
+        "template marks with {% generation %}, but its generation prompt is not rendered there; set "
+        "data.train_on_assistant_header: false"]
+    # Without the header the same template trains its spans.
+    assert sum(rendered(tok, MULTI_TURN)[1]) > 0
+
+
+# Templates without generation blocks: growing prefixes, the header from the generation prompt
+
+
+@pytest.mark.parametrize("family, messages", [
+    ("kimi", MULTI_TURN),
+    ("qwen3", MULTI_TURN[:3]),  # qwen3 rewrites earlier turns: one answer holds as prefixes
+    ("deepseek_v3", MULTI_TURN[:3]),
+])  # fmt: skip
+@pytest.mark.parametrize("header", [False, True])
+def test_prefix_rendering_trains_what_the_generation_blocks_mark(tokenizers, family, messages, header):
+    tok = tokenizers[family, False][0]
+    raw = tokenizers[family, True][1]
+    assert rendered(tok, messages, train_header=header) == by_hand(raw, messages, HEADERS[family] if header else None)
+
+
+# The profile's chat template
+
+
+def test_the_profiles_template_replaces_the_tokenizers(tokenizers):
+    """qwen3's plain template refuses this conversation; the marked one given as data.chat_template renders it (and a
+    tokenizer without any template takes one the same way)."""
+    tok, raw = tokenizers["qwen3", False]
+    with pytest.raises(ProfileError, match="renders turn 3"):
+        rendered(tok, MULTI_TURN)
+    reference = tokenizers["qwen3", True][1]
+    for header in (False, True):
+        assert rendered(tok, MULTI_TURN, template=marked(QWEN3), train_header=header) == by_hand(
+            reference, MULTI_TURN, HEADERS["qwen3"] if header else None)
+    bare, _ = tokenizers["bare"]
+    assert bare.has_chat_template is False
+    assert rendered(bare, MULTI_TURN, template=marked(KIMI)) == by_hand(tokenizers["kimi", True][1], MULTI_TURN)
+
+
+BYTE_TEMPLATE = ("{%- for m in messages %}{{- '[' + m.role + ']' }}{%- if m.role == 'assistant' %}@GEN"
+                 "{{- m.content + ' </s>' }}@END{%- else %}{{- m.content }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- '[assistant]' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("options, header, content, other", [
+    ({}, False, True, False),
+    ({"train_header": True}, True, True, False),
+    ({"train_on": "all"}, True, True, True),
+])  # fmt: skip
+@pytest.mark.parametrize("is_marked", [True, False])
+def test_the_byte_tokenizer_renders_the_profiles_template(options, header, content, other, is_marked):
+    """Non-ASCII text: the template's character spans become byte spans. Marked: content and ' </s>' trained, the
+    newline after it not; by prefixes: to the turn's end, the newline included (bytes close no turn)."""
+    template = marked(BYTE_TEMPLATE) if is_marked else plain(BYTE_TEMPLATE)
+    parts = []
+    for m in CAFE:
+        if m["role"] != "assistant":
+            parts += [(f"[{m['role']}]", other), (m["content"] + "\n", other)]
+            continue
+        newline = content if not is_marked else other
+        parts += [(f"[{m['role']}]", header), (m["content"] + " </s>", content), ("\n", newline)]
+    assert rendered(BYTE, CAFE, template=template, **options) == segments(*parts, eos=True)
+
+
+def test_chat_template_inline_and_from_a_file_train_the_same(tmp_path, tokenizers):
+    path = tmp_path / "qwen3.jinja"
+    path.write_text(marked(QWEN3))
+    tok, _ = tokenizers["qwen3", False]
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
+    docs = {}
+    for name, value in (("inline", marked(QWEN3)), ("file", str(path))):
+        profile = DataProfile(path=data, seq_len=4096, chat_template=value, train_on_assistant_header=True)
+        assert chat_options(profile) == ChatOptions("assistant", True, marked(QWEN3))
+        (docs[name],) = load_documents(profile, tok)
+    ids, mask = by_hand(tokenizers["qwen3", True][1], MULTI_TURN, HEADERS["qwen3"])
+    assert docs["inline"] == docs["file"]
+    assert (docs["file"].input_ids, docs["file"].labels) == (ids[:-1], [t if m else IGNORE_INDEX
+                                                                        for t, m in zip(ids[1:], mask[1:])])
+    # A file edited after the profile was read is read again.
+    path.write_text(marked(KIMI).replace("<|im_", "<|x_"))
+    assert chat_options(DataProfile(path=data, seq_len=64, chat_template=str(path))).template != marked(QWEN3)
+
+
+@pytest.mark.parametrize("escape", [
+    "{{ cycler.__init__.__globals__.os.system('touch @MARKER') }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{{ raise_exception.__globals__['os'] }}",
+    "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
+    "{{ messages.append({'role': 'user'}) }}",  # the environment is immutable too
+    "{{ lipsum.__globals__['os'].system('touch @MARKER') }}",
+])  # fmt: skip
+@pytest.mark.parametrize("tokenizer", ["byte", "kimi"])
+def test_a_template_reaching_out_of_the_sandbox_is_refused_naming_the_record(tmp_path, tokenizers, escape, tokenizer):
+    marker = tmp_path / "escaped"
+    template = escape.replace("@MARKER", str(marker))
+    tok = BYTE if tokenizer == "byte" else tokenizers["kimi", True][0]
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), tok)
+    (line,) = err.value.problems
+    assert line.startswith(f"{data}:1: data.chat_template cannot render the conversation: "), line
+    assert re.search(r"unsafe|cannot store|immutable|not safely callable|Security", line), line
+    assert not marker.exists()
+
+
+# Image chats: the built-in format and a template, trained as the options say
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({}, "a square\n"),
+    ({"train_on_assistant_header": True}, "<|assistant|>\na square\n"),
+    ({"train_on": "all"}, "<|user|>\nwhat?\n<|assistant|>\na square\n"),
+])  # fmt: skip
+def test_image_chats_in_the_built_in_format_train_as_text_chats(tmp_path, options, expected):
+    from test_images import TOKENS, data_profile, vision, write_image
+
+    write_image(tmp_path / "a.png", 16, 16)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>what?"},
+                                             {"role": "assistant", "content": "a square"}], "images": ["a.png"]}) + "\n")
+    (doc,) = load_documents(data_profile(path, **options), BYTE, vision())
+    trained = [t for t, label in zip(doc.input_ids[1:] + [BYTE.eos_id], doc.labels) if label != IGNORE_INDEX]
+    # Image tokens are never trained, whatever train_on says; decode drops them (and <eos>).
+    assert not set(trained) & {TOKENS.image, TOKENS.start, TOKENS.end}
+    assert BYTE.decode(trained) == expected and trained[-1] == BYTE.eos_id
+
+
+def test_image_chats_with_the_byte_tokenizer_and_a_profile_template_are_refused(tmp_path):
+    from test_images import data_profile, vision, write_image
+
+    write_image(tmp_path / "a.png", 16, 16)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>what?"},
+                                             {"role": "assistant", "content": "a square"}], "images": ["a.png"]}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path, chat_template=plain(BYTE_TEMPLATE)), BYTE, vision())
+    assert err.value.problems == [f"{path}:1: data.chat_template cannot place image tokens with the byte tokenizer (its "
+                                  "tokens are bytes); image records with data.tokenizer 'byte' use the built-in "
+                                  "format: unset data.chat_template"]
+
+
+# The schema: what data.chat_template may be, each refusal one line naming the field
+
+
+def test_a_value_ending_in_jinja_is_a_path_and_anything_else_is_inline(tmp_path):
+    from moe_tune.profiles.schema import is_chat_template_path
+
+    assert is_chat_template_path("templates/chat.jinja") and is_chat_template_path(str(tmp_path / "a b.jinja"))
+    for inline in ("{{ messages }}.jinja", "{% for m in messages %}x{% endfor %}", "chat.jinja\n", "plain text",
+                   "chat.jinja2"):
+        assert not is_chat_template_path(inline), inline
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "too_large", "not_utf8", "empty", "syntax", "fifo"])
+def test_a_bad_chat_template_is_one_line_naming_the_field(tmp_path, kind):
+    import os
+
+    path = tmp_path / "chat.jinja"
+    value = str(path)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "too_large":
+        path.write_text("x" * (2**20 + 1))
+    elif kind == "not_utf8":
+        path.write_bytes(b"{{ messages }}\xff")
+    elif kind == "empty":
+        value = "  \n"
+    elif kind == "syntax":
+        path.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", [f"data.chat_template={json.dumps(value)}"])
+    (line,) = err.value.problems
+    shown = f"data.chat_template ('{path}')"
+    assert line == {
+        "missing": f"{shown} must name an existing .jinja file (a one-line value ending in .jinja is a path; anything "
+                   "else is the template's text)",
+        "directory": f"{shown} must be a regular file, not a directory",
+        "fifo": f"{shown} must be a regular file, not a FIFO",
+        "too_large": f"{shown} must be at most 1048576 bytes (1 MiB)",
+        "not_utf8": f"{shown} must be UTF-8 text (not at byte 14: invalid start byte)",
+        "empty": "data.chat_template (inline template) must be a Jinja template or the path of a .jinja file, not empty",
+        "syntax": f"{shown}: Jinja syntax error on line 2 of the template: unexpected '}}'",
+    }[kind]
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("train_on", "everything", "input should be 'assistant' or 'all'"),
+    ("train_on", "Assistant", "input should be 'assistant' or 'all'"),
+    ("train_on_assistant_header", "maybe", "input should be a valid boolean"),
+])  # fmt: skip
+def test_train_on_options_name_their_field(field, value, rule):
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", [f"data.{field}={value}"])
+    assert err.value.problems == [f"data.{field} ('{value}'): {rule}, unable to interpret input" if "boolean" in rule
+                                  else f"data.{field} ('{value}'): {rule}"]
