@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Callable
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -17,10 +18,16 @@ from ._common import SetOption, fail, read_profile, user_errors
 
 app = typer.Typer()
 
-# Rich falls back to 80 columns when stdout is not a terminal; the table needs about this many.
+# Rich falls back to 80 columns when stdout is not a terminal; the profile tables need about this many.
 TABLE_WIDTH = 220
-# Notes wrap; this keeps them readable when the other columns are wide.
-NOTE_MIN_WIDTH = 40
+# profile --kernels fits a terminal this wide (wrapping cells, notes as footnotes) unless --wide.
+KERNELS_WIDTH = 120
+# --wide: each row on one line, however long its note.
+WIDE_WIDTH = 1000
+# Characters between two columns of the narrow kernels table (padding and rule).
+COLUMN_GAP = 3
+# The columns that say what a kernels row measured.
+TEXT_KEYS = ("op", "case", "impl", "shape", "dtype")
 REGRESSION_EXIT = 1
 DEFAULT_STEPS = 3
 BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
@@ -30,27 +37,76 @@ def _format(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def _table(rows: list[dict]) -> Table:
+def _kernel_columns(rows: list[dict], wide: bool) -> list[tuple[str, Callable[[dict], str]]]:
+    """(header, cell of a row) of the kernels table, without the measured columns no row has a value in (on the
+    CPU: % of peak and peak memory). Narrow (not `wide`): op and case share a cell, as do shape and dtype, and the
+    % of peak follows the TFLOP/s."""
+    has_peak = any(row[f"{key}_peak_fraction"] is not None for row in rows for key in ("fwd", "fwd_bwd"))
+    if wide:
+        columns: list[tuple[str, Callable[[dict], str]]] = [(k, lambda row, k=k: str(row[k])) for k in TEXT_KEYS]
+    else:
+        columns = [("op\ncase", lambda row: f"{row['op']}\n{row['case']}"), ("impl", lambda row: str(row["impl"])),
+                   ("shape\ndtype", lambda row: f"{row['shape']}\n{row['dtype']}")]  # fmt: skip
+    for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+        columns.append((f"{label}\nms", lambda row, key=key: _format(row[f"{key}_ms"], ".3f")))
+        if has_peak:
+            columns.append((f"{label}\nTFLOP/s\n(% peak)", lambda row, key=key: (
+                f"{_format(row[f'{key}_tflops'], '.3g')} ({_format(row[f'{key}_peak_fraction'], '.0%')})")))
+        else:
+            columns.append((f"{label}\nTFLOP/s", lambda row, key=key: _format(row[f"{key}_tflops"], ".3g")))
+    columns.append(("peak mem\nGB", lambda row: _format(row["peak_memory_bytes"], ".2f", scale=1e-9)))
+    num_text = 3 if not wide else len(TEXT_KEYS)
+    return [column for i, column in enumerate(columns) if i < num_text or any(column[1](row) != "-" for row in rows)]
+
+
+def _column_widths(cells: list[list[str]], headers: list[str], num_text: int, width: int) -> list[int]:
+    """Widths that fit `width` columns of the console: each measured column as wide as its widest line, the text
+    columns shrunk in proportion to their widest lines, never below their longest word (a word is never cut)."""
+    lines = [[line for text in (header, *(row[i] for row in cells)) for line in text.split("\n")]
+             for i, header in enumerate(headers)]  # fmt: skip
+    natural = [max(len(line) for line in column) for column in lines]
+    least = [max(len(word) for line in column for word in line.split() or [""]) for column in lines]
+    room = width - COLUMN_GAP * (len(headers) - 1) - sum(natural[num_text:])
+    text_natural = sum(natural[:num_text])
+    if text_natural <= room:
+        return natural
+    shrunk = [max(least[i], natural[i] * room // text_natural) for i in range(num_text)]
+    return shrunk + natural[num_text:]
+
+
+def _table(rows: list[dict], wide: bool = False, width: int = KERNELS_WIDTH) -> tuple[Table, list[str]]:
+    """The kernels table and the lines printed below it. Narrow (default): cells wrap between words to fit `width`
+    columns, and each note is a numbered footnote below the table (the same note once), its number after the impl;
+    wide: a column each for op, case, shape and dtype, every cell on one line, the notes in the last column."""
     machine = rows[0]
     title = (
         f"{machine['machine']} ({machine['device']}), torch {machine['torch']}, triton {machine['triton']}, "
         f"commit {machine['commit']}, {machine['date']}"
     )
-    table = Table(title=title, title_justify="left")
-    headers = ("op", "case", "impl", "shape", "dtype", "fwd ms", "TFLOP/s (% peak)", "fwd+bwd ms",
-               "TFLOP/s (% peak)", "peak mem GB", "note")  # fmt: skip
-    for header in headers:
-        is_text = header in ("op", "case", "impl", "shape", "dtype", "note")
-        table.add_column(header, justify="left" if is_text else "right", no_wrap=header != "note",
-                         min_width=NOTE_MIN_WIDTH if header == "note" else None)  # fmt: skip
-    for row in rows:
-        timings = []
-        for key in ("fwd", "fwd_bwd"):
-            throughput = f"{_format(row[f'{key}_tflops'], '.3g')} ({_format(row[f'{key}_peak_fraction'], '.0%')})"
-            timings += [_format(row[f"{key}_ms"], ".3f"), throughput]
-        table.add_row(row["op"], row["case"], row["impl"], row["shape"], row["dtype"], *timings,
-                      _format(row["peak_memory_bytes"], ".2f", scale=1e-9), row["note"] or "")  # fmt: skip
-    return table
+    columns = _kernel_columns(rows, wide)
+    num_text = len(TEXT_KEYS) if wide else 3
+    cells = [[cell(row) for _, cell in columns] for row in rows]
+    notes: dict[str, int] = {}
+    if wide:
+        table = Table(title=title, title_justify="left")
+        for index, (header, _) in enumerate(columns):
+            table.add_column(header, justify="left" if index < num_text else "right", no_wrap=True)
+        if any(row["note"] for row in rows):
+            table.add_column("note", justify="left", no_wrap=True)
+            cells = [row_cells + [row["note"] or ""] for row_cells, row in zip(cells, rows)]
+    else:
+        for row_cells, row in zip(cells, rows):
+            if row["note"]:
+                row_cells[1] += f" [{notes.setdefault(row['note'], len(notes) + 1)}]"
+        headers = [header for header, _ in columns]
+        widths = _column_widths(cells, headers, num_text, width)
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      collapse_padding=True)  # fmt: skip
+        for index, header in enumerate(headers):
+            table.add_column(header, justify="left" if index < num_text else "right", width=widths[index])
+    for row_cells in cells:
+        table.add_row(*row_cells)
+    return table, [f"[{number}] {note}" for note, number in notes.items()]
 
 
 def parse_ops(text: str | None, registered: list[str]) -> list[str] | None:
@@ -342,13 +398,17 @@ def profile(
         typer.Option("--plot", help="draw the medians (--kernels) or the breakdown and the comparison (PROFILE) into "
                      "this PNG (needs matplotlib)"),
     ] = None,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="--kernels: one line per row with its note, wider than 120 columns")
+    ] = False,
 ) -> None:
     """Profile a training run (PROFILE) or time each fused op's forward and forward+backward (--kernels)."""
     if kernels == (profile_arg is not None):
         fail(["pass a PROFILE (time its training steps) or --kernels (time the fused ops), not both or neither"])
     # Options of the other mode would be ignored silently (a --baseline that can never fail, say): refuse them.
     other_mode = (
-        {"--ops": ops, "--shapes": None if shapes == "small" else shapes, "--baseline": baseline}
+        {"--ops": ops, "--shapes": None if shapes == "small" else shapes, "--baseline": baseline,
+         "--wide": wide or None}
         if profile_arg is not None
         else {"--steps": None if steps == DEFAULT_STEPS else steps, "--set": overrides or None, "--against": against}
     )
@@ -381,23 +441,31 @@ def profile(
     saved = _read_baseline(baseline) if baseline is not None else None
 
     console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = TABLE_WIDTH
-    rows, _, _ = run_kernels(op_names, shapes, on_start=lambda line: console.print(line, markup=False))
-    console.print(_table(rows))
+    if wide:
+        console.width = WIDE_WIDTH
+    elif not console.is_terminal:
+        console.width = KERNELS_WIDTH
+    # Lines other than the table are never wrapped: a reader greps them, copies paths out of them.
+    rows, _, _ = run_kernels(op_names, shapes,
+                             on_start=lambda line: console.print(line, markup=False, soft_wrap=True))
+    table, footnotes = _table(rows, wide, console.width)
+    console.print(table)
+    for line in footnotes:
+        console.print(line, markup=False)
     if json_out is not None:
         try:
             json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
         except OSError as err:
             fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
-        console.print(f"rows written to {json_out}", markup=False)
+        console.print(f"rows written to {json_out}", markup=False, soft_wrap=True)
     if plot is not None:
         _plot(rows, plot)
-        console.print(f"plot written to {plot}", markup=False)
+        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)
     if saved is not None:
         regressions = find_regressions(rows, saved)
         for line in regressions:
-            console.print(f"slower than {baseline}: {line}", markup=False)
+            console.print(f"slower than {baseline}: {line}", markup=False, soft_wrap=True)
         if regressions:
             raise typer.Exit(code=REGRESSION_EXIT)
-        console.print(f"no row slower than {baseline} by more than {REGRESSION_TOLERANCE:.0%}", markup=False)
+        console.print(f"no row slower than {baseline} by more than {REGRESSION_TOLERANCE:.0%}", markup=False,
+                      soft_wrap=True)

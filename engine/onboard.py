@@ -320,7 +320,7 @@ def onboarding_profile(directory: Path, seq_len: int, precision: str, out_dir: P
         "data": {"tokenizer": "byte", "seq_len": seq_len, "corpus_documents": PROFILE_DOCUMENTS},
         "lora": {"target_modules": lora_targets(cfg)},
         "train": {"steps": 1_000, "micro_batch_size": 1, "lr": 1e-4, "precision": precision},
-        "output": {"dir": str(out_dir), "tensorboard": False},
+        "output": {"dir": str(out_dir)},
     }
     return resolve_job(validate_profile(raw))
 

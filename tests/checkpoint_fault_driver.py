@@ -53,7 +53,7 @@ from moe_tune.engine.train.checkpoint import (  # noqa: E402
 SETTINGS = [
     "model.layers=[{attention: linear, mlp: moe}, {attention: sparse, mlp: moe}]",
     "data.seq_len=32", "data.corpus_documents=40", "train.micro_batch_size=1", "train.warmup_steps=1",
-    "train.lr_schedule=constant", "output.save_every=1", "output.keep_last=2", "output.tensorboard=false",
+    "train.lr_schedule=constant", "output.save_every=1", "output.keep_last=2",
 ]  # fmt: skip
 # The newest checkpoint's files, one kind at a time: (kind, glob).
 KINDS = [("model states", "*model_states.pt"), ("optimizer states", "*optim_states.pt"),

@@ -1,15 +1,17 @@
-"""Per-step metrics: a live progress bar (or log lines off a terminal), JSONL, and TensorBoard when installed."""
+"""Per-step metrics: a live progress bar (or log lines off a terminal), JSONL, and the trackers of
+output.report_to (loggers.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .checkpoint import NO_SPACE_ERRNOS, CheckpointWriteError
+from .loggers import Tracker, close_trackers, scalars
 
 
 def _record_step(line: str) -> int | None:
@@ -41,14 +43,25 @@ def kept_metrics_lines(text: str, resume_step: int) -> tuple[list[str], list[str
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to metrics.jsonl; on resume, drops lines past the resumed step first (and
-    lines that are not records, each with a note in `notes`)."""
+    """Appends one JSON object per record to metrics.jsonl and hands it to each tracker (loggers.Tracker); on
+    resume, drops lines past the resumed step first (and lines that are not records, each with a note in `notes`).
+    close(status) finishes the trackers' runs."""
 
-    def __init__(self, path: Path, resume_step: int, tensorboard_dir: Path | None):
+    def __init__(self, path: Path, resume_step: int, trackers: Sequence[Tracker] = ()):
         self.path = path
-        self.notes: list[str] = []
+        self.trackers = list(trackers)
+        self.notes: list[str] = [t.note for t in self.trackers if t.note]
+        try:
+            self._open(resume_step)
+        except BaseException:
+            close_trackers(self.trackers, "failed")
+            raise
+
+    def _open(self, resume_step: int) -> None:
+        path = self.path
         if resume_step > 0 and path.exists():
-            kept, self.notes = kept_metrics_lines(path.read_text(errors="replace"), resume_step)
+            kept, dropped = kept_metrics_lines(path.read_text(errors="replace"), resume_step)
+            self.notes += dropped
             tmp = path.with_name(f".{path.name}.tmp")
             try:
                 tmp.write_text("".join(line + "\n" for line in kept))
@@ -60,18 +73,6 @@ class MetricsWriter:
         elif path.exists():
             path.unlink()
         self._file = path.open("a")
-        self._tb = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(tensorboard_dir))
-            except ImportError:
-                self._tb = None
-
-    @property
-    def has_tensorboard(self) -> bool:
-        return self._tb is not None
 
     def _refuse_full_disk(self, err: OSError, doing: str) -> None:
         if err.errno in NO_SPACE_ERRNOS:
@@ -87,20 +88,43 @@ class MetricsWriter:
         except OSError as err:
             self._refuse_full_disk(err, f"writing the metrics of step {record['step']}")
             raise
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, record["step"])
+        values = scalars(record)
+        for tracker in self.trackers:
+            tracker.log(record["step"], values)
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
         try:
             self._file.close()
         except OSError as err:
             # A full disk was reported by write(); the buffered rest of a torn line is dropped on resume.
             if err.errno not in NO_SPACE_ERRNOS:
                 raise
-        if self._tb is not None:
-            self._tb.close()
+        finally:
+            close_trackers(self.trackers, status)
+
+
+def processed_tokens(batch, seq_len: int, pad_id: int) -> int:
+    """The tokens of a micro-batch that the model runs forward and backward for a document: every position of its
+    rows but the padding that fills the end of a row (the row's last piece, when it is all pad ids and unlabelled:
+    engine.data.dataset.pack_rows). `batch`: a dataset Batch of rows of `seq_len` packed side by side."""
+    from moe_tune.engine.data.dataset import IGNORE_INDEX
+
+    ids_RL = batch.input_ids.view(-1, seq_len)
+    labels_RL = batch.labels.view(-1, seq_len)
+    starts = batch.cu_seqlens[:-1].tolist()
+    total = ids_RL.numel()
+    for row in range(ids_RL.shape[0]):
+        last = max(start for start in starts if start < (row + 1) * seq_len) - row * seq_len
+        is_padding = bool((ids_RL[row, last:] == pad_id).all() and (labels_RL[row, last:] == IGNORE_INDEX).all())
+        total -= (seq_len - last) if is_padding else 0
+    return total
+
+
+def token_rates(record: dict[str, Any]) -> str:
+    """`1,234 trained / 2,345 processed` (tokens/s) of a metrics record; the trained rate alone in older records."""
+    trained = f"{record['tokens_per_s']:,.0f} trained"
+    processed = record.get("processed_tokens_per_s")
+    return trained + (f" / {processed:,.0f} processed" if processed is not None else "")
 
 
 class ProgressReporter:
@@ -116,15 +140,19 @@ class ProgressReporter:
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
             BarColumn(),
+            TextColumn("epoch {task.fields[epoch]}"),
             TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[eval]}"),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
             console=self.console,
             disable=not self._live,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=start_step, loss="-", tps="-", eval="", epoch="-"
+        )
 
     def __enter__(self):
         self._progress.__enter__()
@@ -138,15 +166,28 @@ class ProgressReporter:
             return
         step = record["step"]
         self._progress.update(
-            self._task, completed=step, loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}"
+            self._task, completed=step, loss=f"{record['loss']:.4f}", tps=token_rates(record),
+            epoch=f"{record['epoch']:.2f}" if "epoch" in record else "-",
         )
         if not self._live and (step % self.log_every == 0 or step == self.total or step == 1):
             remaining = (self.total - step) * record["step_time_s"]
+            epoch = f"  epoch {record['epoch']:.2f}" if "epoch" in record else ""
             self.console.print(
-                f"step {step}/{self.total}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                f"{record['tokens_per_s']:,.0f} tok/s  ETA {remaining:.0f}s",
+                f"step {step}/{self.total}{epoch}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"{token_rates(record)} tok/s  ETA {remaining:.0f}s",
                 highlight=False,
+                soft_wrap=True,
             )
+
+    def report_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation (a metrics record with eval_loss): one log line, and its loss beside the bar."""
+        if not self.enabled:
+            return
+        self._progress.update(self._task, eval=f"eval {record['eval_loss']:.4f}")
+        self.print(
+            f"eval at step {record['step']}: loss {record['eval_loss']:.4f}  perplexity "
+            f"{record['eval_perplexity']:.4g}  ({record['eval_tokens']:,} tokens, {record['eval_time_s']:.1f}s)"
+        )
 
     def print(self, message: str) -> None:
         if self.enabled:

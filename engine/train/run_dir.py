@@ -30,7 +30,7 @@ LOCK_NAME = ".lock"
 # Results of a run: their presence means the directory holds a run that a new one would mix with.
 RUN_RESULTS = (
     "metrics.jsonl", "summary.json", "checkpoints", "adapter", "adapter-transformers", "model.safetensors",
-    "merged", "merged.safetensors", "export", "export-merged", "tensorboard",
+    "merged", "merged.safetensors", "export", "export-merged", "tensorboard", "loggers.json",
 )  # fmt: skip
 # Written by every run before its first step (the run's settings and its generated corpus): replaced, not mixed.
 RUN_SETTINGS = ("profile.yaml", "deepspeed_config.json", "generated-data")

@@ -2,7 +2,7 @@
 
 Outputs in profile.output.dir:
   profile.yaml             the resolved profile          deepspeed_config.json  the DeepSpeed config used
-  metrics.jsonl            one record per step           tensorboard/           events (if installed)
+  metrics.jsonl            one record per step           tensorboard/           events (output.report_to)
   checkpoints/step-N/      atomic, resumable             adapter/               PEFT adapter (LoRA runs)
   adapter-transformers/    the adapter for transformers + PEFT on the checkpoint (runs from a checkpoint)
   model.safetensors        all weights (full fine-tune)  merged/                adapters merged, hub layout (save_merged)
@@ -32,9 +32,10 @@ from moe_tune.engine.parallel.expert_parallel import (
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
-from .checkpoint import resume_checkpoint, run_signature, save_checkpoint, write_json_atomic
+from .checkpoint import best_checkpoint, resume_checkpoint, run_signature, save_checkpoint, write_json_atomic
 from .distributed import DistInfo, any_rank, init_distributed, shutdown_distributed
 from .ds_config import deepspeed_config, zero_stage_note
+from .loggers import check_report_to
 
 
 @dataclass
@@ -59,21 +60,70 @@ class RunResult:
     resume_notes: list[str] = field(default_factory=list)  # checkpoints skipped on --resume (and why), notes
     elapsed_s: float = 0.0
     is_main: bool = True
+    # The run's optimizer steps: train.steps, or what train.epochs gives (run_steps).
+    total_steps: int = 0
+    epochs: int | None = None
+    # Evaluation (eval data given): the last eval and the best so far (over the whole run, resumes included), and
+    # the checkpoint with the lowest eval loss, which output.keep_last pruning keeps.
+    eval_loss: float | None = None
+    eval_step: int | None = None
+    best_eval_loss: float | None = None
+    best_eval_step: int | None = None
+    best_checkpoint: Path | None = None
+    eval_rows: int | None = None
 
     def summary(self) -> dict[str, Any]:
         data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "losses"}
         data["first_loss"] = self.losses[0] if self.losses else None
         data["final_loss"] = self.losses[-1] if self.losses else None
+        data["eval_perplexity"] = perplexity(self.eval_loss) if self.eval_loss is not None else None
         return data
 
 
-def lr_factor(step: int, train: TrainProfile) -> float:
-    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warm-up, then the schedule."""
-    if step < train.warmup_steps:
-        return (step + 1) / train.warmup_steps
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows a float."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def warmup_steps_of(train: TrainProfile, total_steps: int) -> int:
+    """train.warmup_steps, or floor(train.warmup_ratio x the run's steps)."""
+    return math.floor(train.warmup_ratio * total_steps) if train.warmup_ratio is not None else train.warmup_steps
+
+
+def run_steps(train: TrainProfile, dataset, world_size: int) -> int:
+    """The run's optimizer steps: train.steps, or for train.epochs the steps that cover every row of those epochs
+    (a step takes micro_batch_size x gradient_accumulation_steps rows on each rank; the last one may run into the
+    next epoch). ProfileError when the warm-up does not fit."""
+    if train.steps is not None:
+        return train.steps
+    rows = dataset.rows_in_epochs(train.epochs)
+    rows_per_step = train.micro_batch_size * train.gradient_accumulation_steps * world_size
+    total = math.ceil(rows / rows_per_step)
+    warmup = warmup_steps_of(train, total)
+    if warmup >= total:
+        raise ProfileError([
+            f"train.warmup_steps ({warmup}) must be < the {total} steps that train.epochs ({train.epochs}) gives "
+            f"({rows} rows / {rows_per_step} rows a step: micro_batch_size {train.micro_batch_size} x "
+            f"gradient_accumulation_steps {train.gradient_accumulation_steps} x {world_size} ranks)"
+        ])  # fmt: skip
+    return total
+
+
+def lr_factor(step: int, train: TrainProfile, total_steps: int | None = None) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based): linear warm-up, then the schedule over
+    `total_steps` (default train.steps; a train.epochs run passes run_steps)."""
+    total = train.steps if total_steps is None else total_steps
+    if total is None:
+        raise ValueError("lr_factor: train.epochs sets no step count; pass total_steps (run_steps)")
+    warmup = warmup_steps_of(train, total)
+    if step < warmup:
+        return (step + 1) / warmup
     if train.lr_schedule == "constant":
         return 1.0
-    progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+    progress = (step - warmup) / max(1, total - warmup)
     floor = train.min_lr_ratio
     if train.lr_schedule == "linear":
         return floor + (1 - floor) * (1 - progress)
@@ -193,7 +243,8 @@ def _gathered_state(module: torch.nn.Module, only_trainable: bool, layout: Exper
 
 
 def export_weights(
-    engine, profile: JobProfile, out: Path, is_main: bool, layout: ExpertLayout, result: RunResult
+    engine, profile: JobProfile, out: Path, is_main: bool, layout: ExpertLayout, result: RunResult,
+    data_summary=None,
 ) -> tuple[Path | None, Path | None]:
     """Save the PEFT adapter (LoRA) or every weight as safetensors (full fine-tuning), consolidated into the
     single-process layout; for a checkpoint model also the adapter as transformers + PEFT load it on the
@@ -201,11 +252,15 @@ def export_weights(
     module = engine.module
     from safetensors.torch import save_file
 
+    from .model_card import write_model_card
+
     if profile.lora.enabled:
         state = _gathered_state(module, only_trainable=True, layout=layout)
         adapter_dir = out / "adapter"
         if is_main:
             module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
+            # Over PEFT's generic card: what was trained on what (engine/train/model_card.py).
+            write_model_card(adapter_dir, profile, result, data_summary)
             if profile.model.checkpoint is not None:
                 _export_for_transformers(module, state, profile, out, result)
         if profile.output.save_merged:
@@ -297,6 +352,7 @@ def finetune(
     from .run_dir import claim_output_dir
 
     profile = resolve_job(profile)  # model: {checkpoint: DIR} -> the architecture in DIR/config.json
+    check_report_to(profile.output.report_to)
     dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
         # Locked and checked before anything is read or written; released however the run ends.
@@ -329,7 +385,9 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
     from .graphs import check_cuda_graphs, maybe_graph_moe_blocks
-    from .metrics import MetricsWriter, ProgressReporter
+    from .banner import start_banner
+    from .loggers import open_trackers
+    from .metrics import MetricsWriter, ProgressReporter, processed_tokens
     from .resources import check_memory_fits
 
     train, out = profile.train, profile.output.dir
@@ -342,9 +400,13 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         raise ProfileError(
             [f"model.vocab_size ({profile.model.vocab_size}) must be >= the tokenizer's ({tokenizer.vocab_size})"]
         )
-    dataset, skipped = build_dataset(profile, tokenizer, out / "generated-data")
+    dataset, eval_data, data_summary, skipped = build_dataset(profile, tokenizer, out / "generated-data")
 
     check_world(profile, dist.world_size)
+    total_steps = run_steps(train, dataset, dist.world_size)
+    eval_every = eval_interval(profile, eval_data)
+    if eval_data is not None:
+        check_eval_tokens(eval_data, train, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
     ds_config = deepspeed_config(profile, dist.world_size)
     model, trainable = build_trainable_model(profile, layout, ds_config)
@@ -352,13 +414,16 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     optimizer = torch.optim.AdamW(
         trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, total_steps))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )
 
     ckpt_root = out / "checkpoints"
-    result = RunResult(output_dir=out, start_step=0, last_step=0, is_main=dist.is_main, skipped_records=skipped)
+    result = RunResult(output_dir=out, start_step=0, last_step=0, is_main=dist.is_main, skipped_records=skipped,
+                       total_steps=total_steps, epochs=train.epochs)  # fmt: skip
+    if eval_data is not None:
+        result.eval_rows = eval_data.epoch_length(0)
     if dist.is_main:
         out.mkdir(parents=True, exist_ok=True)
         result.deepspeed_config = out / "deepspeed_config.json"
@@ -376,17 +441,17 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
             block.selection_bias.copy_(torch.tensor(bias))
+        _restore_eval_state(result, state, ckpt_root)
     result.start_step = result.last_step = start_step
     # After loading: a graph replays the weights' addresses as captured.
     graphs = maybe_graph_moe_blocks(
         engine.module, profile, dist.device, layout.ep_size, train.micro_batch_size * profile.data.seq_len
     )
-    last_step = min(train.steps, stop_after) if stop_after is not None else train.steps
+    last_step = min(total_steps, stop_after) if stop_after is not None else total_steps
 
     result.metrics = out / "metrics.jsonl"
-    tb_dir = out / "tensorboard" if profile.output.tensorboard else None
-    writer = MetricsWriter(result.metrics, start_step, tb_dir) if dist.is_main else None
-    reporter = ProgressReporter(train.steps, start_step, train.log_every, show_progress and dist.is_main, console)
+    writer = MetricsWriter(result.metrics, start_step, open_trackers(profile, start_step)) if dist.is_main else None
+    reporter = ProgressReporter(total_steps, start_step, train.log_every, show_progress and dist.is_main, console)
     rows = train.micro_batch_size
     started = time.perf_counter()
     watched = watched_weights(engine.module)
@@ -405,10 +470,17 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 reporter.print(note)
             if graphs is not None and dist.is_main:
                 reporter.print(graphs.note())
+            for note in eval_notes(profile, eval_data):
+                reporter.print(note)
+            rows_per_step = rows * train.gradient_accumulation_steps * dist.world_size
+            for line in start_banner(profile, out, dist.device, dist.world_size, total_steps, start_step, data_summary,
+                                     len(dataset.documents), train.epochs, result.eval_rows,
+                                     [t.where for t in writer.trackers] if writer is not None else ()):  # fmt: skip
+                reporter.print(line)
             for step in range(start_step, last_step):
                 t0 = time.perf_counter()
                 engine.train()
-                lm_losses, aux_losses, tokens = [], [], 0
+                lm_losses, aux_losses, tokens, processed = [], [], 0, 0
                 for micro in range(train.gradient_accumulation_steps):
                     batch = dataset.micro_batch(
                         step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
@@ -417,13 +489,16 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                     lm_losses.append(out_.lm_loss.detach().float())
                     aux_losses.append(out_.aux_loss.detach().float())
                     tokens += batch.num_label_tokens
+                    processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
                 expert_load, dropped_slots = _update_moe_bias(engine, dist)
                 loss = torch.stack(lm_losses).mean()
                 aux = torch.stack(aux_losses).mean()
                 if dist.world_size > 1:
-                    stats = torch.stack([loss, aux, torch.tensor(float(tokens), device=loss.device)])
+                    counts = torch.tensor([float(tokens), float(processed)], device=loss.device)
+                    stats = torch.cat([torch.stack([loss, aux]), counts])
                     torch.distributed.all_reduce(stats)
                     loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
+                    processed = int(stats[3].item())
                 if tokens == 0:
                     raise ProfileError([untrained_step_message(step + 1, profile, dist.world_size)])
                 step_time = time.perf_counter() - t0
@@ -432,13 +507,18 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                     "step": step + 1,
                     "loss": float(loss),
                     "aux_loss": float(aux),
-                    "lr": train.lr * lr_factor(step, train),
+                    "lr": train.lr * lr_factor(step, train, total_steps),
                     "grad_norm": float(grad_norm) if grad_norm is not None else None,
                     "tokens": tokens,
                     "tokens_per_s": tokens / step_time,
+                    # Every token of the step's rows (all ranks) the model ran through, padding excluded.
+                    "processed_tokens": processed,
+                    "processed_tokens_per_s": processed / step_time,
                     "step_time_s": step_time,
                     "expert_load_max_over_mean": expert_load,
                     "dropped_token_slots": dropped_slots,
+                    # Epochs of training rows done after this step (1.5: half-way through the second).
+                    "epoch": round(dataset.epoch_progress((step + 1) * rows_per_step), 6),
                 }
                 if activation_memory is not None:
                     record.update(activation_memory.step_metrics())
@@ -453,17 +533,27 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
                 reporter.update(record)
                 stopping = any_rank(stop.received is not None, dist.device)
                 at_end = step + 1 == last_step
+                step_eval = None
+                if eval_every is not None and not stopping and (
+                    (step + 1) % eval_every == 0 or step + 1 == total_steps
+                ):
+                    step_eval = _run_eval(engine, eval_data, train, dist, step + 1, result, writer, reporter)
                 if stopping or at_end or (step + 1) % profile.output.save_every == 0:
-                    result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist)
+                    result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist, step_eval, result)
+                    if step_eval is not None and dist.is_main:
+                        best = best_checkpoint(ckpt_root, step + 1)
+                        result.best_checkpoint = best[0] if best is not None else None
                 if stopping:
                     result.interrupted_by = stop.received or "signal on another rank"
                     break
     finally:
         if writer is not None:
-            writer.close()
+            status = "interrupted" if result.interrupted_by else "finished" if result.last_step == last_step else "failed"
+            writer.close(status)
     result.elapsed_s = time.perf_counter() - started
-    if result.last_step == train.steps or result.interrupted_by:
-        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout, result)
+    if result.last_step == total_steps or result.interrupted_by:
+        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout, result,
+                                                        data_summary)  # fmt: skip
     if dist.is_main:
         write_json_atomic(out / "summary.json", result.summary())
     return result
@@ -559,15 +649,20 @@ def _moe_blocks(engine) -> list:
 
 
 def build_dataset(profile: JobProfile, tokenizer, generated_dir: Path):
-    """The profile's packed dataset (images included for models with a vision tower; the built-in shapes corpus
-    written under `generated_dir`), and the records left out for bad images."""
-    from moe_tune.engine.data.dataset import PackedDataset, load_documents, vision_input
+    """(train, eval, summary, skipped): the profile's packed training rows (shuffled per epoch; images included for
+    models with a vision tower; the built-in shapes corpus written under `generated_dir`), the held-out eval rows
+    packed once in their order (None without eval data), the data summary, and the records left out for bad
+    images."""
+    from moe_tune.engine.data import dataset as data
 
-    vision = vision_input(profile.model, profile.data)
+    vision = data.vision_input(profile.model, profile.data)
     skipped: list[str] = []
-    documents = load_documents(profile.data, tokenizer, vision, skipped, generated_dir=generated_dir)
+    splits = data.load_splits(profile.data, tokenizer, vision, skipped, generated_dir=generated_dir)
     settings = vision.settings if vision is not None else None
-    return PackedDataset(documents, profile.data.seq_len, tokenizer.pad_id, profile.data.seed, settings), skipped
+    seq_len, pad, seed = profile.data.seq_len, tokenizer.pad_id, profile.data.seed
+    train = data.PackedDataset(splits.train, seq_len, pad, seed, settings)
+    held_out = data.PackedDataset(splits.eval, seq_len, pad, seed, settings, shuffle=False) if splits.eval else None
+    return train, held_out, splits.summary, skipped
 
 
 def micro_step(engine, batch, dist: DistInfo):
@@ -577,6 +672,35 @@ def micro_step(engine, batch, dist: DistInfo):
     engine.backward(out.loss)
     engine.step()
     return out
+
+
+def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[float, int, int]:
+    """(mean next-token cross-entropy over every labelled eval token, those tokens, micro-batches run): the eval
+    rows split over the ranks as training rows are, the first train.eval_batches micro-batches (all by default).
+    Every rank runs the same micro-batches (empty rows past the end of the eval set), so the collectives of ZeRO-3
+    and of expert parallelism match; the summed losses and token counts are reduced exactly over the ranks. Eval
+    mode (no dropout, no expert loads counted, no aux loss) and no gradients; the training mode is restored."""
+    rows = train.micro_batch_size
+    num_batches = math.ceil(eval_data.epoch_length(0) / (rows * dist.world_size))
+    if train.eval_batches is not None:
+        num_batches = min(num_batches, train.eval_batches)
+    total = torch.zeros(2, dtype=torch.float64, device=dist.device)  # [summed loss, labelled tokens]
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        with torch.no_grad():
+            for index in range(num_batches):
+                batch = eval_data.eval_micro_batch(index, rows, dist.rank, dist.world_size)
+                # A sum over this rank's labelled tokens (divided by 1); the logits stay chunked (return_logits).
+                out = engine(**batch.model_inputs(dist.device), loss_denominator=1.0, return_logits=False)
+                total[0] += out.lm_loss.double()
+                total[1] += batch.num_label_tokens
+    finally:
+        engine.train(was_training)
+    if dist.world_size > 1:
+        torch.distributed.all_reduce(total)
+    summed, tokens = total.tolist()
+    return (summed / tokens if tokens else math.nan), int(tokens), num_batches
 
 
 def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
@@ -624,12 +748,91 @@ def _update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
     return imbalance, int(sum(dropped for _, _, dropped in values))
 
 
-def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo) -> Path:
+def eval_interval(profile: JobProfile, eval_data) -> int | None:
+    """Steps between evaluations: train.eval_every, by default output.save_every; None without eval data."""
+    if eval_data is None:
+        return None
+    return profile.train.eval_every or profile.output.save_every
+
+
+def eval_notes(profile: JobProfile, eval_data) -> list[str]:
+    """Eval settings that do nothing in this run, and checkpoints that cannot be the best one, one line each."""
+    train, notes = profile.train, []
+    if eval_data is None:
+        for name in ("eval_every", "eval_batches"):
+            if getattr(train, name) is not None:
+                notes.append(f"note: train.{name} ({getattr(train, name)}) is ignored: there is no eval data "
+                             "(data.eval_path or data.eval_fraction)")
+    elif train.eval_every is not None and profile.output.save_every % train.eval_every:
+        notes.append(f"note: train.eval_every ({train.eval_every}) does not divide output.save_every "
+                     f"({profile.output.save_every}): checkpoints at steps without an eval cannot be kept as the best")
+    return notes
+
+
+def check_eval_tokens(eval_data, train: TrainProfile, world_size: int) -> None:
+    """ProfileError when the eval rows an evaluation reads hold no labelled token (its loss would be 0 / 0)."""
+    rows = eval_data.rows_of_epoch(0)
+    per_batch = train.micro_batch_size * world_size
+    read = rows if train.eval_batches is None else rows[: train.eval_batches * per_batch]
+    from moe_tune.engine.data.dataset import IGNORE_INDEX
+
+    if not any(label != IGNORE_INDEX for row in read for label in row.labels):
+        where = "" if len(read) == len(rows) else f" (the first {len(read)} rows, train.eval_batches {train.eval_batches})"
+        raise ProfileError([f"data: the eval rows{where} hold no token to evaluate: every label is masked (records "
+                            "without assistant tokens?)"])
+
+
+def _run_eval(engine, eval_data, train: TrainProfile, dist: DistInfo, step: int, result: RunResult, writer,
+              reporter) -> float:  # fmt: skip
+    """Evaluate after `step`: a metrics record, a log line, the run's last and best eval; returns the loss."""
+    started = time.perf_counter()
+    loss, tokens, batches = evaluate(engine, eval_data, train, dist)
+    record = {
+        "step": step,
+        "eval_loss": loss,
+        "eval_perplexity": perplexity(loss),
+        "eval_tokens": tokens,
+        "eval_batches": batches,
+        "eval_time_s": time.perf_counter() - started,
+    }
+    if writer is not None:
+        writer.write(record)
+    result.eval_loss, result.eval_step = loss, step
+    if result.best_eval_loss is None or loss < result.best_eval_loss:
+        result.best_eval_loss, result.best_eval_step = loss, step
+    reporter.report_eval(record)
+    return loss
+
+
+def _restore_eval_state(result: RunResult, state: dict, root: Path) -> None:
+    """A resumed run's last and best eval and its best checkpoint, as the checkpoint it resumed from knew them."""
+    for key, loss_field, step_field in (("last_eval", "eval_loss", "eval_step"),
+                                        ("best_eval", "best_eval_loss", "best_eval_step")):  # fmt: skip
+        saved = state.get(key)
+        if isinstance(saved, dict):
+            setattr(result, loss_field, saved.get("loss"))
+            setattr(result, step_field, saved.get("step"))
+    best = best_checkpoint(root, state["step"])
+    result.best_checkpoint = best[0] if best is not None else None
+
+
+def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo, eval_loss: float | None = None,
+          result: RunResult | None = None) -> Path:  # fmt: skip
+    evals = {}
+    if result is not None:
+        evals = {
+            "last_eval": {"step": result.eval_step, "loss": result.eval_loss} if result.eval_step else None,
+            "best_eval": {"step": result.best_eval_step, "loss": result.best_eval_loss} if result.best_eval_step
+            else None,
+        }  # fmt: skip
     state = {
         "step": step,
         "profile_name": profile.name,
         "torch_rng": torch.get_rng_state().tolist(),
         "selection_bias": [b.selection_bias.tolist() for b in _moe_blocks(engine)],
+        # This step's eval loss (None: no eval at this step): pruning keeps the checkpoint with the lowest.
+        "eval_loss": eval_loss,
+        **evals,
         # Compared on --resume: a checkpoint of another architecture or layout is refused naming the fields.
         "signature": run_signature(profile, dist.world_size),
     }

@@ -330,7 +330,7 @@ def test_a_checkpoint_of_another_architecture_or_layout_is_refused_naming_the_fi
 def test_what_may_change_on_resume_does_and_train_settings_get_a_note(tmp_path):
     engine = save_steps(tmp_path, [1])
     same = run_signature(load_profile("tiny", ["train.steps=900", "output.save_every=3", "output.keep_last=1",
-                                               f"output.dir={tmp_path}", "output.tensorboard=false"]), 1)  # fmt: skip
+                                               f"output.dir={tmp_path}"]), 1)  # fmt: skip
     assert resume_checkpoint(engine, tmp_path, same, "cpu")[2] == []
     changed = run_signature(load_profile("tiny", ["train.lr=0.001", "data.seed=5"]), 1)
     lines = resume_checkpoint(engine, tmp_path, changed, "cpu")[2]
@@ -456,7 +456,7 @@ def test_a_damaged_metrics_line_is_dropped_naming_its_line(bad):
 def test_metrics_writer_resumes_over_a_torn_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(("\n".join(RECORDS) + "\n" + '{"step": 4, "lo').encode() + b"\xff")
-    writer = MetricsWriter(path, resume_step=2, tensorboard_dir=None)
+    writer = MetricsWriter(path, resume_step=2)
     writer.write({"step": 3, "loss": 1.0})
     writer.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
@@ -523,7 +523,7 @@ class FullDisk:
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
 def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, code):
-    writer = MetricsWriter(tmp_path / "metrics.jsonl", resume_step=0, tensorboard_dir=None)
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", resume_step=0)
     writer.write({"step": 1, "loss": 1.0})
     writer._file.close()
     writer._file = FullDisk(code)

@@ -129,7 +129,7 @@ def test_checkpoint_model_under_expert_parallel_equals_one_process(tmp_path, chi
         "name": "ckpt-ep", "model": {"checkpoint": str(checkpoint)},
         "data": {"path": str(data), "tokenizer": "byte", "seq_len": 48},
         "train": {"steps": 3, "lr": 0.002, "micro_batch_size": 2, "grad_clip": 0.5},
-        "output": {"dir": str(tmp_path / "unused"), "tensorboard": False},
+        "output": {"dir": str(tmp_path / "unused")},
     }))
     extra = ["--profile", str(profile)]
     codes, logs, single = run_ranks(1, tmp_path / "single", ["train.micro_batch_size=4"], child_env, extra, base=[])

@@ -57,7 +57,7 @@ def job_for(root: Path, builder, lora: dict, checkpoint: Path | None = None):
         "data": {"path": str(data), "tokenizer": "byte", "seq_len": 32},
         # A large learning rate so the adapters move far from their no-op start.
         "train": {"steps": 2, "micro_batch_size": 1, "lr": 0.05},
-        "output": {"dir": str(root / "run"), "tensorboard": False, "save_merged": lora.get("enabled", True)},
+        "output": {"dir": str(root / "run"), "save_merged": lora.get("enabled", True)},
         "lora": lora,
     }
     return resolve_job(validate_profile(raw))

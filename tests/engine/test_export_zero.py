@@ -174,7 +174,7 @@ def test_expert_parallel_checkpoint_reads_and_exports_as_the_final_state(tmp_pat
         "data": {"path": str(data), "tokenizer": "byte", "seq_len": 48},
         "lora": {"experts": True}, "parallel": {"expert_parallel": 2},
         "train": {"steps": 2, "lr": 0.002, "micro_batch_size": 2, "grad_clip": 0.5},
-        "output": {"dir": str(out), "tensorboard": False, "save_every": 1},
+        "output": {"dir": str(out), "save_every": 1},
     }))  # fmt: skip
     port = free_port()
     cmd = [sys.executable, str(WORKER), "--result", str(tmp_path / "result.json"), "--profile", str(profile)]

@@ -392,7 +392,7 @@ def test_tensors_under_the_threshold_stay_on_the_device():
 
 def test_zero3_with_lora_trains_like_saving_everything(tmp_path):
     common = ["data.seq_len=32", "train.micro_batch_size=1", "data.corpus_documents=50", "train.steps=2",
-              "train.warmup_steps=1", "output.tensorboard=false"]  # fmt: skip
+              "train.warmup_steps=1"]  # fmt: skip
     saved = finetune(load_profile("tiny", [*common, f"output.dir={tmp_path / 'a'}"]), show_progress=False)
     managed = finetune(
         load_profile("tiny", [*common, f"output.dir={tmp_path / 'b'}", "memory.preset=max-context", ALL_SIZES]),

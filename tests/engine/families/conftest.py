@@ -45,7 +45,7 @@ def short_finetune(tmp_path):
             "model": {"checkpoint": str(checkpoint)},
             "data": {"path": str(data), "tokenizer": "byte", "seq_len": 48},
             "train": {"steps": 3, "micro_batch_size": 2, "lr": 1e-3},
-            "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
+            "output": {"dir": str(tmp_path / "out")},
         }
         raw.update(sections)
         job = resolve_job(validate_profile(raw))

@@ -403,7 +403,7 @@ def profile(checkpoint: Path, tmp_path: Path) -> dict:
         "model": {"checkpoint": str(checkpoint)},
         "data": {"path": str(data), "tokenizer": "byte", "seq_len": 16},
         "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-4},
-        "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
+        "output": {"dir": str(tmp_path / "out")},
     }
 
 

@@ -122,7 +122,7 @@ def test_finetune_on_images_starts_at_the_reference_loss(checkpoint, tmp_path):
         "name": "vl", "model": {"checkpoint": str(checkpoint)},
         "data": {"path": str(data), "tokenizer": "byte", "seq_len": 96},
         "train": {"steps": 3, "micro_batch_size": 2, "lr": 1e-3},
-        "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
+        "output": {"dir": str(tmp_path / "out")},
     }
     # Without the checkpoint's image processor settings, image records are refused, naming the file.
     (checkpoint / "preprocessor_config.json").unlink(missing_ok=True)
@@ -137,7 +137,7 @@ def test_finetune_on_images_starts_at_the_reference_loss(checkpoint, tmp_path):
         "name": "vl", "model": {"checkpoint": str(checkpoint)},
         "data": {"path": str(data), "tokenizer": "byte", "seq_len": 96},
         "train": {"steps": 3, "micro_batch_size": 2, "lr": 1e-3},
-        "output": {"dir": str(tmp_path / "out"), "tensorboard": False},
+        "output": {"dir": str(tmp_path / "out")},
         "lora": {"vision_tower": "lora", "vision_merger": "trained"},
     }))
     vision = vision_input(job.model, job.data)
