@@ -580,8 +580,9 @@ class DataProfile(Strict):
         "an error naming its record"
     )
     corpus: Literal["stories", "shapes"] = Field(
-        "stories", description="the built-in corpus when neither data.path nor data.sources is set: generated stories (text), or pictures "
-        "of coloured shapes with their descriptions (image-text, for models with model.vision)"
+        "stories", description="the built-in corpus when neither data.path nor data.sources is set: generated "
+        "stories (text), or pictures of coloured shapes with their descriptions (image-text, for models with "
+        "model.vision)"
     )
     corpus_documents: int = Field(
         2000, ge=1, le=MAX_SIZE, description="documents of the built-in corpus (no data.path nor data.sources)"

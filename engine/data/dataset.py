@@ -1,4 +1,5 @@
-"""Training data: JSONL records -> token documents -> packed rows -> per-step batches.
+"""Training data: records of data files (engine/data/readers.py) in a format (engine/data/formats.py) -> token
+documents, split into training and evaluation -> packed rows -> per-step batches.
 
 A document becomes (inputs, labels) with labels shifted by one inside the document. Documents are packed into rows
 of seq_len tokens; a row records where each piece starts, so every attention type keeps pieces apart (a document
@@ -11,13 +12,10 @@ Shapes: R rows per micro-batch, L = seq_len, T = R * L packed tokens, N pieces.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
-import os
+import hashlib
+import math
 import random
-import stat
-import sys
-from collections.abc import Iterator
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,19 +23,18 @@ import torch
 
 from moe_tune.ops.common.host_copy import remember, to_device
 from moe_tune.profiles import ProfileError
-from moe_tune.profiles.schema import DataProfile, ModelProfile, file_kind
+from moe_tune.profiles.schema import DataProfile, ModelProfile
 
-from .chat import canonical_messages, chat_tokens
+from .chat import canonical_messages, chat_options, chat_tokens
 from .corpus import generate_corpus
+from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
 from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat, render_templated_multimodal_chat
+from .readers import SKIP_BLOCK_BYTES, UTF8_BOM, Refused, jsonl_lines, open_records, too_deep  # noqa: F401
 from .shapes import write_shapes_corpus
 from .tokenizer import CHAT_TEMPLATE, Tokenizer
 
 IGNORE_INDEX = -100
-UTF8_BOM = b"\xef\xbb\xbf"
-# Block size for reading past a record longer than data.max_record_bytes.
-SKIP_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -144,16 +141,21 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
     _check_image_count(messages, images, where, profile.seq_len)
     messages = canonical_messages(messages, profile.roles, where)
-    if getattr(tok, "has_chat_template", False):
-        # The checkpoint's own template, as its text chats: a model trained on it sees images in its format.
+    options = chat_options(profile)
+    if options.template is not None and not hasattr(tok, "has_chat_template"):
+        raise ProfileError([f"{where}: data.chat_template cannot place image tokens with the byte tokenizer (its "
+                            "tokens are bytes); image records with data.tokenizer 'byte' use the built-in format: "
+                            "unset data.chat_template"])
+    if options.template is not None or getattr(tok, "has_chat_template", False):
+        # The checkpoint's own template (or the profile's), as its text chats: the model sees images in its format.
         pieces, refs = render_templated_multimodal_chat(
             messages, images, tok.render_chat, vision.settings, vision.tokens, profile.path.parent, where,
-            allow_outside=profile.allow_paths_outside,
+            allow_outside=profile.allow_paths_outside, options=options,
         )
     else:
         pieces, refs = render_multimodal_chat(
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
-            allow_outside=profile.allow_paths_outside,
+            allow_outside=profile.allow_paths_outside, options=options,
         )
     ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant")
     if len(ids) - 1 > profile.seq_len:
@@ -185,7 +187,8 @@ def _record_document(
             )
         messages = canonical_messages(messages, profile.roles, where)
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
-        return _chat_document(*chat_tokens(tok.render_chat(messages, where), tok, ends_with_assistant))
+        pieces = tok.render_chat(messages, where, chat_options(profile))
+        return _chat_document(*chat_tokens(pieces, tok, ends_with_assistant))
     if profile.text_field in record:
         text = record[profile.text_field]
         if not isinstance(text, str):
@@ -201,6 +204,110 @@ def text_document(text: str, tok: Tokenizer) -> Document:
     return Document(ids[:-1], ids[1:])
 
 
+@dataclass(frozen=True)
+class SplitCounts:
+    documents: int = 0
+    tokens: int = 0  # input tokens
+    trained_tokens: int = 0  # of them labelled: trained on (train) or scored (eval)
+
+    def __add__(self, other: SplitCounts) -> SplitCounts:
+        return SplitCounts(self.documents + other.documents, self.tokens + other.tokens,
+                           self.trained_tokens + other.trained_tokens)  # fmt: skip
+
+    @staticmethod
+    def of(documents: list[Document]) -> SplitCounts:
+        return SplitCounts(len(documents), sum(len(d.input_ids) for d in documents),
+                           sum(sum(label != IGNORE_INDEX for label in d.labels) for d in documents))  # fmt: skip
+
+    def __str__(self) -> str:
+        share = f" ({100 * self.trained_tokens / self.tokens:.0f}%)" if self.tokens else ""
+        return f"{self.documents} documents, {self.tokens} tokens, {self.trained_tokens} trained{share}"
+
+
+@dataclass(frozen=True)
+class SourceSummary:
+    """One data source as read: what was chosen and counted."""
+
+    path: str  # the file or folder; "built-in corpus (stories)" for the generated one
+    role: str  # "train" (data.path, data.sources, the built-in corpus) or "eval" (data.eval_path)
+    kind: str  # JSONL, JSON array, Parquet, saved dataset or generated
+    format: FormatChoice | None  # None: no record was read
+    weight: float
+    records: int  # records read, the refused ones (data.bad_images: skip) included
+    refused: tuple[str, ...]  # "file:where: why" of the records left out (data.bad_images: skip)
+    train: SplitCounts  # weights applied
+    eval: SplitCounts  # held out (data.eval_fraction) or read (data.eval_path)
+    held_out: int = 0  # distinct documents held out by data.eval_fraction
+    dropped: int = 0  # documents left out of training: equal to an evaluation document
+
+    def line(self) -> str:
+        what = f"{self.kind}, {self.format}" if self.format else self.kind
+        notes = [f"weight {self.weight:g}"] if self.weight != 1 else []
+        notes += [f"{len(self.refused)} refused"] if self.refused else []
+        notes += [f"{self.held_out} held out"] if self.held_out else []
+        notes += [f"{self.dropped} left out as equal to an eval document"] if self.dropped else []
+        counts = self.eval if self.role == "eval" else self.train
+        extra = f" ({', '.join(notes)})" if notes else ""
+        return f"{self.role} {self.path}: {what}: {self.records} records{extra} -> {counts}"
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    sources: tuple[SourceSummary, ...]
+    eval_from: str | None  # "data.eval_path ('...')", "data.eval_fraction (0.1)" or None
+
+    @property
+    def train(self) -> SplitCounts:
+        return sum((s.train for s in self.sources), SplitCounts())
+
+    @property
+    def eval(self) -> SplitCounts:
+        return sum((s.eval for s in self.sources), SplitCounts())
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.sources)
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        return tuple(line for s in self.sources for line in s.refused)
+
+    def lines(self) -> list[str]:
+        """The summary for a terminal: a line per source, then the totals."""
+        lines = [source.line() for source in self.sources]
+        lines.append(f"train: {self.train}")
+        if self.eval_from is not None:
+            lines.append(f"eval: {self.eval} ({self.eval_from})")
+        return lines
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    train: list[Document]  # weights applied, in source order
+    eval: list[Document]  # each held-out or evaluation record once; [] without data.eval_path / eval_fraction
+    summary: DataSummary
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: Path | None  # None: the built-in stories corpus
+    field: str  # the profile field naming it, for messages (data.path, data.sources.0.path, data.eval_path)
+    role: str  # "train" or "eval"
+    format: str  # data.format or the source's own
+    format_field: str
+    weight: float = 1.0
+    weight_field: str = ""
+
+
+@dataclass
+class _Read:
+    source: _Source
+    kind: str
+    format: FormatChoice | None
+    documents: list[Document]
+    refused: list[str]
+
+
 def load_documents(
     profile: DataProfile,
     tok: Tokenizer,
@@ -208,42 +315,231 @@ def load_documents(
     skipped: list[str] | None = None,
     generated_dir: Path | None = None,
 ) -> list[Document]:
-    """Every document of the profile's data; ProfileError naming the file and line for a bad record (not UTF-8,
-    longer than data.max_record_bytes, not JSON or nested too deeply, malformed, an image path outside). With
-    data.bad_images 'skip', a record whose image is missing or broken is left out and its problem appended to
-    `skipped` instead. The built-in shapes corpus is written to `generated_dir` first."""
-    path = profile.path
-    if path is None and profile.corpus == "shapes":
+    """The training documents of the profile's data (load_splits(...).train)."""
+    return load_splits(profile, tok, vision, skipped, generated_dir).train
+
+
+def load_splits(
+    profile: DataProfile,
+    tok: Tokenizer,
+    vision: VisionInput | None = None,
+    skipped: list[str] | None = None,
+    generated_dir: Path | None = None,
+    max_problems: int = 20,
+) -> DataSplits:
+    """Every document of the profile's data, split into training and evaluation documents, and what was read.
+
+    ProfileError lists every bad record (up to `max_problems`, then a line saying it stopped), each naming the file
+    and record: not UTF-8, larger than data.max_record_bytes, not JSON or nested too deeply, not of the source's
+    format, malformed, an image path outside its folder. With data.bad_images 'skip', a record whose image is missing
+    or broken is left out, counted in the summary and appended to `skipped`. The built-in shapes corpus is written to
+    `generated_dir` first.
+
+    Evaluation documents: data.eval_path's, or data.eval_fraction of each training source's distinct documents
+    (round half up; chosen with data.seed before weights; every copy of a chosen document goes). Training never holds
+    a document equal to an evaluation document (same tokens and labels). Then each training source's weight w gives
+    floor(w) copies of each of its n documents plus round((w - floor(w)) * n) of them chosen with data.seed."""
+    sources = _sources(profile, generated_dir)
+    problems: list[str] = []
+    reads = []
+    for source in sources:
+        reads.append(_read_source(source, profile, tok, vision, problems, max_problems))
+        if len(problems) > max_problems:
+            break
+    if problems:
+        raise ProfileError(problems)
+    if skipped is not None:
+        skipped += [line for read in reads for line in read.refused]
+    split = _split(reads, profile)
+    summaries, train, evaluation = [], [], []
+    for read, (kept, held_out, dropped) in zip(reads, split):
+        if read.source.role == "eval":
+            evaluation += read.documents
+            summaries.append(_summary(read, [], read.documents))
+            continue
+        documents = _weighted(kept, read.source, profile.seed, len(summaries))
+        if kept and not documents:
+            problems.append(f"{read.source.weight_field} ({read.source.weight:g}) leaves none of the {len(kept)} "
+                            f"documents of {read.source.path}: raise it (round((weight - floor(weight)) * n) are kept)")
+        train += documents
+        evaluation += held_out
+        summaries.append(_summary(read, documents, held_out, len(held_out), dropped))
+    problems += _split_problems(profile, split, train, evaluation)
+    if problems:
+        raise ProfileError(problems)
+    return DataSplits(train, evaluation, DataSummary(tuple(summaries), _eval_from(profile)))
+
+
+def _sources(profile: DataProfile, generated_dir: Path | None) -> list[_Source]:
+    fmt = profile.format
+    if profile.sources is not None:
+        sources = [_Source(s.path, f"data.sources.{i}.path", "train", s.format or fmt,
+                           f"data.sources.{i}.format" if s.format else "data.format", s.weight,
+                           f"data.sources.{i}.weight") for i, s in enumerate(profile.sources)]  # fmt: skip
+    elif profile.path is not None:
+        sources = [_Source(profile.path, "data.path", "train", fmt, "data.format")]
+    elif profile.corpus == "shapes":
         if generated_dir is None:
             raise ProfileError(["data.corpus ('shapes') is written to disk: give the loader a directory for it"])
         path = write_shapes_corpus(generated_dir, profile.corpus_documents, profile.seed)
-        profile = profile.model_copy(update={"path": path})
-    elif path is None:
-        return [text_document(text, tok) for text in generate_corpus(profile.corpus_documents, profile.seed)]
-    documents, problems = [], []
-    with _open_data_file(profile.path) as f:
-        for line_no, line, problem in jsonl_lines(f, profile.max_record_bytes):
-            where = f"{profile.path}:{line_no}"
+        sources = [_Source(path, "data.corpus", "train", "messages", "data.corpus")]
+    else:
+        sources = [_Source(None, "data.corpus", "train", "text", "data.corpus")]
+    if profile.eval_path is not None:
+        sources.append(_Source(profile.eval_path, "data.eval_path", "eval", fmt, "data.format"))
+    return sources
+
+
+def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None,
+                 problems: list[str], max_problems: int) -> _Read:  # fmt: skip
+    """The documents of one source; its bad records are appended to `problems` (at most max_problems in all)."""
+    if source.path is None:
+        texts = generate_corpus(profile.corpus_documents, profile.seed)
+        return _Read(source, "generated", FormatChoice("text", "built-in corpus"),
+                     [text_document(text, tok) for text in texts], [])  # fmt: skip
+    read = _Read(source, "", None, [], [])
+    try:
+        records = open_records(source.path, source.field, profile.max_record_bytes, profile.allow_paths_outside)
+    except ProfileError as err:
+        problems += err.problems
+        return read
+    read.kind = records.kind
+    # Image paths in records resolve against their own source's folder.
+    source_profile = profile.model_copy(update={"path": source.path})
+    is_auto = source.format == "auto"
+    if not is_auto:
+        read.format = FormatChoice(source.format, source.format_field)
+        column = column_problems(source.format, profile, records.columns, source.path)
+        if column:
+            problems += column
+            return read
+    first_where = ""
+    num_records = 0
+    pairs = iter(records)
+    try:
+        for where, record in pairs:
+            num_records += 1
             try:
-                if problem is not None:
-                    raise ProfileError([f"{where}: {problem}"])
-                if line.strip():
-                    documents.append(_line_document(line, where, profile, tok, vision))
+                if isinstance(record, Refused):
+                    raise ProfileError([f"{where}: {record.reason}"])
+                if is_auto:
+                    detected = detect_format(record, profile)
+                    if detected is None:
+                        raise ProfileError([f"{where}: {no_format(record, profile)}"])
+                    if read.format is None:
+                        read.format, first_where = FormatChoice(detected, f"first record has "
+                                                                f"{format_keys(detected, profile)}"), where
+                        column = column_problems(detected, profile, records.columns, source.path)
+                        if column:
+                            problems += column
+                            return read
+                    elif not same_family(detected, read.format.name):
+                        raise ProfileError([
+                            f"{where}: a {detected} record (has {format_keys(detected, profile)}) in a source of "
+                            f"{read.format.name} records (as {first_where}); a source holds one format: put each "
+                            "format in its own data.sources entry"
+                        ])
+                record = to_record(record, detected if is_auto else read.format.name, profile, where)
+                read.documents.append(_checked_document(record, where, source_profile, tok, vision))
             except ProfileError as err:
-                problems.extend(err.problems)
+                problems += err.problems
             except ImageError as err:
-                if profile.bad_images == "skip" and skipped is not None:
-                    skipped.append(str(err))
+                if profile.bad_images == "skip":
+                    read.refused.append(str(err))
                 else:
                     problems.append(str(err))
-            if len(problems) >= 20:
-                problems.append(f"{profile.path}: stopping after 20 bad records")
-                break
-    if problems:
-        raise ProfileError(problems)
-    if not any(any(label != IGNORE_INDEX for label in d.labels) for d in documents):
-        raise ProfileError([f"data.path ('{profile.path}') must hold at least one token to train on"])
-    return documents
+            if len(problems) >= max_problems:
+                problems.append(f"{source.path}: stopping after {max_problems} bad records")
+                return read
+    finally:
+        if hasattr(pairs, "close"):
+            pairs.close()
+    if num_records == 0:
+        problems.append(f"{source.field} ('{source.path}') holds no records (an empty {records.kind})")
+    return read
+
+
+def _document_key(doc: Document) -> bytes:
+    """Equal documents (tokens, labels and images) have equal keys."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(array("q", doc.input_ids).tobytes())
+    digest.update(b"|")
+    digest.update(array("q", doc.labels).tobytes())
+    for ref in doc.images:
+        digest.update(b"|" + str(ref.path).encode("utf-8", "surrogateescape"))
+    return digest.digest()
+
+
+def _split(reads: list[_Read], profile: DataProfile) -> list[tuple[list[Document], list[Document], int]]:
+    """Per source: (documents kept for training, documents it holds out for evaluation, each once; documents left out
+    of training as equal to another source's evaluation document)."""
+    eval_keys = {_document_key(d) for read in reads if read.source.role == "eval" for d in read.documents}
+    keys = [[_document_key(d) for d in read.documents] if eval_keys or profile.eval_fraction is not None else []
+            for read in reads]  # fmt: skip
+    held: list[dict[bytes, Document]] = [{} for _ in reads]
+    if profile.eval_fraction is not None:
+        for index, read in enumerate(reads):
+            distinct = list(dict.fromkeys(keys[index]))
+            count = math.floor(profile.eval_fraction * len(distinct) + 0.5)
+            chosen = set(random.Random(f"{profile.seed}:eval:{index}").sample(distinct, count))
+            # A document another source already holds out is evaluated once.
+            held[index] = {k: d for k, d in zip(keys[index], read.documents) if k in chosen and k not in eval_keys}
+            eval_keys |= chosen
+    split = []
+    for index, read in enumerate(reads):
+        if read.source.role == "eval" or not eval_keys:
+            split.append((read.documents, [], 0))
+            continue
+        kept = [d for k, d in zip(keys[index], read.documents) if k not in eval_keys]
+        own = sum(k in held[index] for k in keys[index])
+        split.append((kept, list(held[index].values()), len(read.documents) - len(kept) - own))
+    return split
+
+
+def _weighted(documents: list[Document], source: _Source, seed: int, index: int) -> list[Document]:
+    whole = math.floor(source.weight)
+    extra = math.floor((source.weight - whole) * len(documents) + 0.5)
+    picked = sorted(random.Random(f"{seed}:weight:{index}").sample(range(len(documents)), extra))
+    return documents * whole + [documents[i] for i in picked]
+
+
+def _split_problems(profile: DataProfile, split: list[tuple[list[Document], list[Document], int]],
+                    train: list[Document], evaluation: list[Document]) -> list[str]:  # fmt: skip
+    has_label = lambda docs: any(any(label != IGNORE_INDEX for label in d.labels) for d in docs)  # noqa: E731
+    if profile.eval_fraction is not None:
+        held = len(evaluation)
+        kept = sum(len(set(map(_document_key, documents))) for documents, _, _ in split)
+        if held == 0 or kept == 0:
+            side = "evaluation" if held == 0 else "training"
+            return [f"data.eval_fraction ({profile.eval_fraction:g}) holds out {held} of {held + kept} distinct "
+                    f"documents: {side} needs at least one (each source holds out fraction x its distinct documents, "
+                    "rounded half up)"]
+    problems = []
+    if not has_label(train):
+        named = f"data.path ('{profile.path}')" if profile.path is not None else "data.sources"
+        problems.append(f"{named} must hold at least one token to train on")
+    if evaluation and not has_label(evaluation):
+        named = f"data.eval_path ('{profile.eval_path}')" if profile.eval_path is not None else \
+            f"data.eval_fraction ({profile.eval_fraction:g})'s held-out documents"
+        problems.append(f"{named} must hold at least one token to evaluate on")
+    return problems
+
+
+def _eval_from(profile: DataProfile) -> str | None:
+    if profile.eval_path is not None:
+        return f"data.eval_path ('{profile.eval_path}')"
+    if profile.eval_fraction is not None:
+        return f"data.eval_fraction ({profile.eval_fraction:g}) of each source, chosen with data.seed"
+    return None
+
+
+def _summary(read: _Read, train: list[Document], held_out: list[Document], distinct_held: int = 0,
+             dropped: int = 0) -> SourceSummary:  # fmt: skip
+    source = read.source
+    path = str(source.path) if source.path is not None else "built-in corpus (stories)"
+    return SourceSummary(path, source.role, read.kind, read.format, source.weight,
+                         len(read.documents) + len(read.refused), tuple(read.refused),
+                         SplitCounts.of(train), SplitCounts.of(held_out), distinct_held, dropped)  # fmt: skip
 
 
 def _check_image_count(messages: list[dict], images: list, where: str, seq_len: int) -> None:
@@ -257,12 +553,12 @@ def _check_image_count(messages: list[dict], images: list, where: str, seq_len: 
                             f"({seq_len}); a document with images is never cut"])
 
 
-def _line_document(line: str, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):
+def _checked_document(record: dict, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):
     try:
-        document = _record_document(parse_record(line, where), where, profile, tok, vision)
+        document = _record_document(record, where, profile, tok, vision)
     except RecursionError:
         # Parsed, yet too deep for what reads it next (a repr in a message, a template).
-        raise ProfileError([f"{where}: {_too_deep()}"]) from None
+        raise ProfileError([f"{where}: {too_deep()}"]) from None
     except UnicodeEncodeError as err:
         # JSON escapes can spell lone surrogates ("\ud800"), which no tokenizer encodes.
         raise ProfileError([f"{where}: the record holds {err.object[err.start:err.end]!r}, not a Unicode character "
@@ -270,68 +566,6 @@ def _line_document(line: str, where: str, profile: DataProfile, tok: Tokenizer, 
     if vision is not None:
         _check_vision_tokens(document, vision, where)
     return document
-
-
-def _open_data_file(path: Path):
-    """The data file, opened for reading in binary. Without blocking: a FIFO swapped in after the profile was
-    checked would wait for a writer; it is refused instead."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except (OSError, ValueError) as err:
-        raise ProfileError([f"data.path ('{path}') cannot be read ({getattr(err, 'strerror', None) or err})"]) from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ProfileError([f"data.path ('{path}') must be a regular file, not {file_kind(mode)}"])
-    return os.fdopen(fd, "rb")
-
-
-def jsonl_lines(f, max_record_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:
-    """(line number, text, None) for each line of a binary JSONL file, or (line number, None, problem) for a line
-    longer than max_record_bytes (read past in blocks, never held whole) or not UTF-8 (the problem names the byte
-    and its offset in the line and in the file). A UTF-8 byte-order mark opening the file is dropped."""
-    offset = 0
-    for line_no in itertools.count(1):
-        # Two more bytes than a record may hold: the record is too long exactly when its line without "\r\n" is.
-        raw = f.readline(max_record_bytes + 2)
-        if not raw:
-            return
-        start, offset = offset, offset + len(raw)
-        if line_no == 1 and raw.startswith(UTF8_BOM):
-            raw, start = raw[len(UTF8_BOM):], start + len(UTF8_BOM)
-        record = raw.removesuffix(b"\n").removesuffix(b"\r")
-        if len(record) > max_record_bytes:
-            size, tail = len(raw), raw[-2:]
-            while not tail.endswith(b"\n") and (chunk := f.readline(SKIP_BLOCK_BYTES)):
-                offset, size, tail = offset + len(chunk), size + len(chunk), (tail + chunk)[-2:]
-            size -= len(tail) - len(tail.removesuffix(b"\n").removesuffix(b"\r"))
-            yield line_no, None, (f"the record ({size} bytes) is larger than data.max_record_bytes "
-                                  f"({max_record_bytes})")
-            continue
-        try:
-            text = record.decode("utf-8")
-        except UnicodeDecodeError as err:
-            yield line_no, None, (f"not UTF-8 ({err.reason}: byte 0x{record[err.start]:02x} at byte offset "
-                                  f"{err.start} of the line, {start + err.start} of the file)")
-            continue
-        yield line_no, text, None
-
-
-def parse_record(line: str, where: str) -> object:
-    """One JSONL line parsed; ProfileError naming the record when it is not JSON or nested too deeply."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ProfileError([f"{where}: invalid JSON ({err.msg} at column {err.colno})"]) from None
-    except RecursionError:
-        raise ProfileError([f"{where}: {_too_deep()}"]) from None
-    except ValueError as err:
-        # An integer literal longer than Python converts (sys.set_int_max_str_digits).
-        raise ProfileError([f"{where}: invalid JSON ({err})"]) from None
-
-
-def _too_deep() -> str:
-    return f"JSON nested too deeply (deeper than Python's recursion limit, {sys.getrecursionlimit()} levels)"
 
 
 def _check_vision_tokens(doc: Document, vision: VisionInput, where: str) -> None:
@@ -415,39 +649,67 @@ def _read_image_again(ref: ImageRef, settings: ImageSettings) -> tuple[torch.Ten
 
 
 class PackedDataset:
-    """Epoch e shuffles the documents with seed + e and packs them; micro-batch i of the run is rows
-    [i * R * W, (i + 1) * R * W) of the endless row stream, of which rank r takes its R rows."""
+    """Epoch e shuffles the documents with seed + e and packs them (shuffle=False: every epoch keeps the given
+    order, as the eval rows do); micro-batch i of the run is rows [i * R * W, (i + 1) * R * W) of the endless row
+    stream, of which rank r takes its R rows. A micro-batch may span two epochs."""
 
     def __init__(
-        self, documents: list[Document], seq_len: int, pad_id: int, seed: int, image_settings: ImageSettings | None = None
-    ):
+        self, documents: list[Document], seq_len: int, pad_id: int, seed: int,
+        image_settings: ImageSettings | None = None, shuffle: bool = True,
+    ):  # fmt: skip
         if not documents:
             raise ProfileError(["data: the dataset has no documents"])
         self.documents, self.seq_len, self.pad_id, self.seed = documents, seq_len, pad_id, seed
         self.image_settings = image_settings
+        self.shuffle = shuffle
         self._epoch_lengths: list[int] = []
         self._cached: tuple[int, list[Row]] = (-1, [])
 
     def rows_of_epoch(self, epoch: int) -> list[Row]:
         if self._cached[0] != epoch:
             order = list(range(len(self.documents)))
-            random.Random(self.seed + epoch).shuffle(order)
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
             self._cached = (epoch, pack_rows([self.documents[i] for i in order], self.seq_len, self.pad_id))
         return self._cached[1]
 
-    def _epoch_length(self, epoch: int) -> int:
-        # Epochs pack to slightly different row counts (the order changes the padding); learn each once.
+    def epoch_length(self, epoch: int) -> int:
+        """Rows of epoch `epoch` (0-based). Epochs pack to slightly different row counts (the order changes the
+        padding); each is packed once to learn it."""
         while len(self._epoch_lengths) <= epoch:
             self._epoch_lengths.append(len(self.rows_of_epoch(len(self._epoch_lengths))))
         return self._epoch_lengths[epoch]
 
-    def row(self, index: int) -> Row:
+    def rows_in_epochs(self, num_epochs: int) -> int:
+        """Rows of the first `num_epochs` epochs together."""
+        return sum(self.epoch_length(e) for e in range(num_epochs))
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(epoch, row within that epoch) of row `index` of the endless stream."""
         epoch = 0
-        while index >= self._epoch_length(epoch):
-            index -= self._epoch_length(epoch)
+        while index >= self.epoch_length(epoch):
+            index -= self.epoch_length(epoch)
             epoch += 1
-        return self.rows_of_epoch(epoch)[index]
+        return epoch, index
+
+    def epoch_progress(self, rows_done: int) -> float:
+        """Epochs completed after the first `rows_done` rows of the stream: 1.5 is half-way through the second."""
+        epoch, offset = self.locate(rows_done)
+        return epoch + offset / self.epoch_length(epoch)
+
+    def row(self, index: int) -> Row:
+        epoch, offset = self.locate(index)
+        return self.rows_of_epoch(epoch)[offset]
 
     def micro_batch(self, micro_step: int, rows_per_rank: int, rank: int = 0, world_size: int = 1) -> Batch:
         first = (micro_step * world_size + rank) * rows_per_rank
         return collate([self.row(first + i) for i in range(rows_per_rank)], self.image_settings)
+
+    def eval_micro_batch(self, micro_step: int, rows_per_rank: int, rank: int = 0, world_size: int = 1) -> Batch:
+        """Like micro_batch over the first epoch only, each row once: a row past its end is an empty row (padding,
+        no label), so every rank runs the same micro-batches whatever the eval set's size."""
+        rows = self.rows_of_epoch(0)
+        first = (micro_step * world_size + rank) * rows_per_rank
+        empty = Row([self.pad_id] * self.seq_len, [IGNORE_INDEX] * self.seq_len, [0])
+        return collate([rows[i] if i < len(rows) else empty for i in range(first, first + rows_per_rank)],
+                       self.image_settings)  # fmt: skip

@@ -64,7 +64,8 @@ def test_finetune_bad_dataset_record_names_file_and_line(tmp_path, child_env):
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: {data}:2: a record needs a 'text' or a 'messages' key (has: ['txt'])",
+        f"error: {data}:2: a record needs a 'text' or a 'messages' key, or alpaca's 'instruction' and 'output', "
+        "or sharegpt's 'conversations' (has: ['txt'])",
         f"error: {data}:3: invalid JSON (Expecting value at column 1)",
     ]
     assert "Traceback" not in proc.stderr

@@ -32,6 +32,8 @@ TOKENS = VisionTokens(image=300, start=301, end=302)
 SETTINGS = ImageSettings(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32)
 VISION = VisionInput(SETTINGS, TOKENS)
 TOK = ByteTokenizer()
+NO_FORMAT = ("a record needs a 'text' or a 'messages' key, or alpaca's 'instruction' and 'output', or sharegpt's "
+             "'conversations' (has: ['txt'])")
 
 
 def problems(path, **data):
@@ -148,7 +150,7 @@ class TestRecordSize:
         # The record under test is the second; the third is read with its right line number after it.
         path.write_bytes(ok + ending + self.record(size) + ending + b'{"txt": 1}' + ending)
         found = problems(path, max_record_bytes=self.LIMIT)
-        expected_last = f"{path}:3: a record needs a 'text' or a 'messages' key (has: ['txt'])"
+        expected_last = f"{path}:3: {NO_FORMAT}"
         if size <= self.LIMIT:
             assert found == [expected_last]
         else:
@@ -160,7 +162,7 @@ class TestRecordSize:
         path = tmp_path / "d.jsonl"
         path.write_bytes(b'{"txt": 1}\n' + self.record(size))
         found = problems(path, max_record_bytes=self.LIMIT)
-        assert found[0] == f"{path}:1: a record needs a 'text' or a 'messages' key (has: ['txt'])"
+        assert found[0] == f"{path}:1: {NO_FORMAT}"
         assert found[1:] == ([] if size <= self.LIMIT else [
             f"{path}:2: the record ({size} bytes) is larger than data.max_record_bytes ({self.LIMIT})"
         ])
@@ -233,7 +235,12 @@ def test_data_path_must_be_a_regular_file(tmp_path, kind):
     path, described = special_files(tmp_path)[kind]
     with pytest.raises(ProfileError) as err:
         within(10, lambda: load_profile("tiny", [f"data.path={path}"]))
-    assert err.value.problems == [f"data.path ('{path}') must be a regular file, not {described}"]
+    if kind == "directory":
+        # A folder is data only when datasets' save_to_disk wrote it.
+        assert err.value.problems == [f"data.path ('{path}') must be a regular file or a folder written by datasets' "
+                                      "save_to_disk (this directory has no state.json or dataset_dict.json)"]
+    else:
+        assert err.value.problems == [f"data.path ('{path}') must be a regular file, not {described}"]
 
 
 def bomb_png(path, width, height, valid=True):

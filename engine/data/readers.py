@@ -1,0 +1,436 @@
+"""Data files -> (where, record) pairs: JSONL, JSON arrays, Parquet, and folders written by `datasets`' save_to_disk.
+
+`where` names the record for messages: `file:LINE` (JSONL), `file:[I]` (JSON array), `file:row I` (Parquet, saved
+dataset; rows count from 0 like the array's items). A record that cannot be read (not UTF-8, larger than
+data.max_record_bytes, not JSON) comes as a `Refused` in place of the record, so the caller reports it and reads on;
+a file that cannot be read at all is a ProfileError of one line naming it.
+
+Memory: JSONL and JSON arrays are read in blocks; one record (at most data.max_record_bytes) plus one block
+(1 MiB) is held at a time, never the file. Parquet files and saved datasets are read TABLE_BATCH_ROWS rows at a time
+(pyarrow decodes one row group's pages of the columns at once; a saved dataset's Arrow files are memory-mapped);
+each row is held to the same data.max_record_bytes, counted as the bytes of its JSON form.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+import re
+import stat
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import file_kind
+
+UTF8_BOM = b"\xef\xbb\xbf"
+# Block size for reading past a record longer than data.max_record_bytes, and for scanning JSON arrays.
+SKIP_BLOCK_BYTES = 1 << 20
+# Rows of a Parquet file or saved dataset turned into records at once: small enough that a batch of records near
+# data.max_record_bytes stays bounded, large enough that pyarrow's per-batch cost is amortised.
+TABLE_BATCH_ROWS = 64
+# state.json and dataset_dict.json of a saved dataset are a few hundred bytes; a larger one is not datasets'.
+MAX_DATASET_JSON_BYTES = 1 << 20
+INSTALL_HINT = "pip install 'moe-tune[data]'"
+
+# Bytes that change a JSON array's structure outside strings, and those that end or escape inside a string.
+_STRUCTURE = re.compile(rb'[\[\]{},"]')
+_STRING_STOP = re.compile(rb'["\\]')
+_BLANK = b" \t\r\n"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A record that could not be read; `reason` completes the line `where: reason`."""
+
+    reason: str
+
+
+@dataclass
+class Records:
+    """The records of one data file or folder: iterate for (where, record | Refused) pairs. `columns` maps the column
+    names of a table (Parquet, saved dataset) to their kind ('string', 'list', 'null' or the Arrow type); None for
+    JSON files, whose records have no common schema."""
+
+    path: Path
+    kind: str  # 'JSONL', 'JSON array', 'Parquet' or 'saved dataset'
+    columns: dict[str, str] | None = None
+    _pairs: Iterator[tuple[str, object]] = field(default=iter(()), repr=False)
+
+    def __iter__(self) -> Iterator[tuple[str, object]]:
+        return self._pairs
+
+
+def open_records(path: Path, field_name: str, max_record_bytes: int, allow_outside: bool = False) -> Records:
+    """The records of `path` (named `field_name` in messages, e.g. data.path): a folder written by save_to_disk, a
+    `.parquet` file, a JSON array (first byte that is not blank: '['), else JSONL."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise ProfileError([f"{field_name} ('{path}') cannot be read ({reason})"]) from None
+    if stat.S_ISDIR(mode):
+        return _saved_dataset(path, max_record_bytes, allow_outside)
+    if path.suffix.lower() == ".parquet":
+        return _parquet(path, field_name, max_record_bytes)
+    f = open_data_file(path, field_name)
+    if _first_byte(f) == b"[":
+        return Records(path, "JSON array", None, json_array_records(f, path, max_record_bytes))
+    f.seek(0)
+    return Records(path, "JSONL", None, _jsonl_records(f, path, max_record_bytes))
+
+
+def open_data_file(path: Path, field_name: str = "data.path"):
+    """The data file, opened for reading in binary. Without blocking: a FIFO swapped in after the profile was
+    checked would wait for a writer; it is refused instead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "strerror", None) or err
+        raise ProfileError([f"{field_name} ('{path}') cannot be read ({reason})"]) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ProfileError([f"{field_name} ('{path}') must be a regular file, not {file_kind(mode)}"])
+    return os.fdopen(fd, "rb")
+
+
+def _first_byte(f) -> bytes:
+    """The file's first byte that is not blank (a UTF-8 byte-order mark skipped), read in blocks."""
+    raw = f.read(max(SKIP_BLOCK_BYTES, len(UTF8_BOM)))
+    block = raw.removeprefix(UTF8_BOM)
+    while raw:
+        stripped = block.lstrip(_BLANK)
+        if stripped:
+            return stripped[:1]
+        raw = block = f.read(SKIP_BLOCK_BYTES)
+    return b""
+
+
+def _jsonl_records(f, path: Path, max_record_bytes: int) -> Iterator[tuple[str, object]]:
+    """JSONL: one record per line; blank lines are skipped. A file whose first record is not JSON is not JSONL (a
+    pretty-printed JSON object, a binary file): it stops after that one line."""
+    with f:
+        is_first = True
+        for line_no, line, problem in jsonl_lines(f, max_record_bytes):
+            where = f"{path}:{line_no}"
+            if problem is not None:
+                yield where, Refused(problem)
+                is_first = False
+                continue
+            if not line.strip():
+                continue
+            record = json_record(line)
+            if is_first and isinstance(record, Refused) and record.reason.startswith("invalid JSON"):
+                yield where, Refused(f"{record.reason}; a data file holds one JSON record per line (JSONL), a JSON "
+                                     "array of records ('[' first), a .parquet file or a save_to_disk folder")
+                return
+            is_first = False
+            yield where, record
+
+
+def jsonl_lines(f, max_record_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, None) for each line of a binary JSONL file, or (line number, None, problem) for a line
+    longer than max_record_bytes (read past in blocks, never held whole) or not UTF-8 (the problem names the byte
+    and its offset in the line and in the file). A UTF-8 byte-order mark opening the file is dropped."""
+    offset = 0
+    for line_no in itertools.count(1):
+        # Two more bytes than a record may hold: the record is too long exactly when its line without "\r\n" is.
+        raw = f.readline(max_record_bytes + 2)
+        if not raw:
+            return
+        start, offset = offset, offset + len(raw)
+        if line_no == 1 and raw.startswith(UTF8_BOM):
+            raw, start = raw[len(UTF8_BOM):], start + len(UTF8_BOM)
+        record = raw.removesuffix(b"\n").removesuffix(b"\r")
+        if len(record) > max_record_bytes:
+            size, tail = len(raw), raw[-2:]
+            while not tail.endswith(b"\n") and (chunk := f.readline(SKIP_BLOCK_BYTES)):
+                offset, size, tail = offset + len(chunk), size + len(chunk), (tail + chunk)[-2:]
+            size -= len(tail) - len(tail.removesuffix(b"\n").removesuffix(b"\r"))
+            yield line_no, None, too_large(size, max_record_bytes)
+            continue
+        try:
+            text = record.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield line_no, None, (f"not UTF-8 ({err.reason}: byte 0x{record[err.start]:02x} at byte offset "
+                                  f"{err.start} of the line, {start + err.start} of the file)")
+            continue
+        yield line_no, text, None
+
+
+def too_large(size: int, max_record_bytes: int) -> str:
+    return f"the record ({size} bytes) is larger than data.max_record_bytes ({max_record_bytes})"
+
+
+def json_record(text: str) -> object:
+    """One record's JSON text parsed, or Refused saying why it is not JSON or nested too deeply."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return Refused(f"invalid JSON ({err.msg} at column {err.colno})")
+    except RecursionError:
+        return Refused(too_deep())
+    except ValueError as err:
+        # An integer literal longer than Python converts (sys.set_int_max_str_digits).
+        return Refused(f"invalid JSON ({err})")
+
+
+def too_deep() -> str:
+    return f"JSON nested too deeply (deeper than Python's recursion limit, {sys.getrecursionlimit()} levels)"
+
+
+class _ArrayScan:
+    """The bytes of one JSON array's items, found by tracking strings and nesting; an item's bytes are kept only
+    while they fit max_record_bytes (past that only counted). UTF-8 never puts an ASCII byte inside a multi-byte
+    character, so scanning bytes for the ASCII structure is exact."""
+
+    def __init__(self, max_record_bytes: int):
+        self.limit = max_record_bytes
+        self.item: bytearray | None = bytearray()
+        self.size = 0
+        self.start = 0  # file offset of the item's first byte
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.item is not None:
+            if self.size > self.limit:
+                self.item = None
+            else:
+                self.item += chunk
+
+    def take(self) -> tuple[bytearray | None, int, int]:
+        taken = self.item, self.size, self.start
+        self.item, self.size = bytearray(), 0
+        return taken
+
+
+def json_array_records(f, path: Path, max_record_bytes: int) -> Iterator[tuple[str, object]]:
+    """The items of a file holding one JSON array, named `file:[I]`, read in blocks (see the module's memory note).
+    The array must close (a truncated file is refused at the item it ends in) and nothing may follow it."""
+    with f:
+        f.seek(0)
+        scan = _ArrayScan(max_record_bytes)
+        index = depth = 0
+        is_open = is_closed = in_string = is_escaped = has_item = False
+        offset = 0  # file offset of the block
+        block = f.read(max(SKIP_BLOCK_BYTES, len(UTF8_BOM)))
+        pos = len(UTF8_BOM) if block.startswith(UTF8_BOM) else 0
+        while block:
+            while pos < len(block):
+                if is_closed:
+                    rest = block[pos:].lstrip(_BLANK)
+                    if rest:
+                        at = offset + len(block) - len(rest)
+                        yield str(path), Refused(f"data after the JSON array's closing ']' (byte offset {at}); a JSON "
+                                                 "data file holds one array of records")
+                        return
+                    break
+                if not is_open:
+                    rest = block[pos:].lstrip(_BLANK)
+                    pos = len(block) - len(rest)
+                    if rest:
+                        # open_records saw '[' first.
+                        is_open, pos = True, pos + 1
+                    continue
+                if in_string:
+                    if is_escaped:
+                        scan.add(block[pos:pos + 1])
+                        pos, is_escaped = pos + 1, False
+                        continue
+                    match = _STRING_STOP.search(block, pos)
+                    end = match.end() if match else len(block)
+                    scan.add(block[pos:end])
+                    if match:
+                        in_string = block[match.start()] != ord('"')
+                        is_escaped = in_string
+                    pos = end
+                    continue
+                match = _STRUCTURE.search(block, pos)
+                end = match.start() if match else len(block)
+                plain = block[pos:end]
+                if not has_item:
+                    stripped = plain.lstrip(_BLANK)
+                    if stripped:
+                        has_item, scan.start = True, offset + end - len(stripped)
+                    plain = stripped
+                scan.add(plain)
+                if not match:
+                    pos = end
+                    continue
+                char = block[end:end + 1]
+                pos = end + 1
+                if depth == 0 and char in (b",", b"]"):
+                    if has_item:
+                        yield f"{path}:[{index}]", _array_item(*scan.take(), max_record_bytes)
+                        index += 1
+                    elif char == b"," or index > 0:
+                        yield f"{path}:[{index}]", Refused(f"invalid JSON (no record before the '{char.decode()}' at "
+                                                           f"byte offset {offset + end})")
+                        index += 1
+                    has_item, is_closed = False, char == b"]"
+                    continue
+                if not has_item:
+                    has_item, scan.start = True, offset + end
+                scan.add(char)
+                if char == b'"':
+                    in_string = True
+                elif char in (b"[", b"{"):
+                    depth += 1
+                elif char in (b"]", b"}") and depth > 0:
+                    depth -= 1
+            offset, pos = offset + len(block), 0
+            block = f.read(SKIP_BLOCK_BYTES)
+        if not is_closed:
+            where = f"{path}:[{index}]" if has_item else str(path)
+            yield where, Refused("the file ends inside the JSON array (no closing ']': the file is truncated)")
+
+
+def _array_item(item: bytearray | None, size: int, start: int, max_record_bytes: int) -> object:
+    if item is None:
+        return Refused(too_large(size, max_record_bytes))
+    try:
+        text = item.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Refused(f"not UTF-8 ({err.reason}: byte 0x{item[err.start]:02x} at byte offset {err.start} of the "
+                       f"record, {start + err.start} of the file)")
+    return json_record(text)
+
+
+def require(module: str, reading: str, path: Path):
+    """An optional library (the `data` extra), or a one-line ProfileError naming the pip extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ProfileError([f"{path}: reading {reading} needs the '{module.split('.')[0]}' library: "
+                            f"{INSTALL_HINT}"]) from None
+
+
+def column_kinds(schema) -> dict[str, str]:
+    """A pyarrow schema's columns as 'string', 'list', 'null' or the Arrow type's name."""
+    import pyarrow as pa
+
+    def kind(t) -> str:
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+            return "string"
+        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or \
+                pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
+            return "list"
+        if pa.types.is_null(t):
+            return "null"
+        return str(t)
+
+    return {f.name: kind(f.type) for f in schema}
+
+
+def _table_rows(batches, path: Path, max_record_bytes: int) -> Iterator[tuple[str, object]]:
+    """Rows of Arrow record batches as records `file:row I`; an unreadable batch (a corrupt page) ends the file."""
+    row = 0
+    try:
+        for batch in batches:
+            for record in batch.to_pylist():
+                size = _json_size(record)
+                yield f"{path}:row {row}", (record if size <= max_record_bytes else
+                                            Refused(too_large(size, max_record_bytes)))
+                row += 1
+    except Exception as err:  # pyarrow raises ArrowException subclasses, OSError and others for corrupt pages
+        yield f"{path}:row {row}", Refused(f"unreadable ({type(err).__name__}: {_first_line(err)})")
+
+
+def _json_size(record: object) -> int:
+    try:
+        return len(json.dumps(record, ensure_ascii=False, default=repr).encode("utf-8", "surrogatepass"))
+    except (ValueError, RecursionError):
+        return 0
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else "no message"
+
+
+def _parquet(path: Path, field_name: str, max_record_bytes: int) -> Records:
+    parquet = require("pyarrow.parquet", "a Parquet file", path)
+    f = open_data_file(path, field_name)
+    try:
+        table = parquet.ParquetFile(f)
+        columns = column_kinds(table.schema_arrow)
+    except Exception as err:  # pyarrow's ArrowInvalid and friends for a file that is not Parquet
+        f.close()
+        raise ProfileError([f"{path}: not a readable Parquet file ({_first_line(err)})"]) from None
+
+    def rows():
+        with f:
+            yield from _table_rows(table.iter_batches(batch_size=TABLE_BATCH_ROWS), path, max_record_bytes)
+
+    return Records(path, "Parquet", columns, rows())
+
+
+def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Records:
+    """A folder written by datasets' Dataset.save_to_disk, read with load_from_disk (local files only). Its Arrow
+    files must lie inside the folder; a DatasetDict folder is refused naming its splits (give one split's folder)."""
+    splits = _dataset_json(path / "dataset_dict.json", path)
+    if splits is not None:
+        names = splits.get("splits") if isinstance(splits, dict) else None
+        listed = ", ".join(str(n) for n in names) if isinstance(names, list) and names else "none listed"
+        example = f"{path}/{names[0]}" if isinstance(names, list) and names and isinstance(names[0], str) else \
+            f"{path}/train"
+        raise ProfileError([f"{path}: a DatasetDict folder (splits: {listed}); name one split's folder, e.g. "
+                            f"'{example}'"])
+    state = _dataset_json(path / "state.json", path)
+    if state is None:
+        raise ProfileError([f"{path}: a folder must be one written by datasets' save_to_disk (it has no state.json "
+                            "or dataset_dict.json)"])
+    files = state.get("_data_files") if isinstance(state, dict) else None
+    if not isinstance(files, list) or not files or not all(
+        isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files
+    ):
+        raise ProfileError([f"{path}/state.json: must list the dataset's Arrow files (_data_files), as "
+                            "save_to_disk writes it"])
+    root = Path(os.path.realpath(path))
+    for entry in files:
+        name = entry["filename"]
+        resolved = Path(os.path.realpath(path / name)) if "\0" not in name else None
+        if resolved is None or not (allow_outside or resolved.is_relative_to(root)):
+            raise ProfileError([f"{path}/state.json: data file {name!r} lies outside the dataset folder "
+                                "(set data.allow_paths_outside: true to allow)"])
+        if not resolved.is_file():
+            raise ProfileError([f"{path}/state.json: data file {name!r} is missing or not a regular file"])
+    datasets = require("datasets", "a save_to_disk folder", path)
+    try:
+        dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
+        columns = column_kinds(dataset.data.schema)
+    except Exception as err:  # datasets and pyarrow raise many kinds for a damaged folder
+        raise ProfileError([f"{path}: not a readable save_to_disk folder ({type(err).__name__}: "
+                            f"{_first_line(err)})"]) from None
+    if not isinstance(dataset, datasets.Dataset):
+        raise ProfileError([f"{path}: a save_to_disk folder holding a {type(dataset).__name__}, not a Dataset"])
+    # with_format("arrow") reads the rows as saved (indices applied), images and other features undecoded.
+    batches = (batch for table in dataset.with_format("arrow").iter(batch_size=TABLE_BATCH_ROWS)
+               for batch in table.to_batches())
+    return Records(path, "saved dataset", columns, _table_rows(batches, path, max_record_bytes))
+
+
+def _dataset_json(path: Path, folder: Path) -> object | None:
+    """A saved dataset's small JSON file, None when absent; ProfileError when it is not a small JSON file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ProfileError([f"{path}: cannot be read ({err.strerror or err})"]) from None
+    if not stat.S_ISREG(mode):
+        raise ProfileError([f"{path}: must be a regular file, not {file_kind(mode)}"])
+    with open_data_file(path, str(path)) as f:
+        raw = f.read(MAX_DATASET_JSON_BYTES + 1)
+    if len(raw) > MAX_DATASET_JSON_BYTES:
+        raise ProfileError([f"{path}: larger than {MAX_DATASET_JSON_BYTES} bytes; {folder} is not a save_to_disk "
+                            "folder"])
+    record = json_record(raw.decode("utf-8", "replace"))
+    if isinstance(record, Refused):
+        raise ProfileError([f"{path}: {record.reason}; {folder} is not a save_to_disk folder"])
+    return record
