@@ -1,24 +1,42 @@
-"""`moe-tune validate` and `moe-tune schema`: check a profile, print the schema."""
+"""`moe-tune validate` and `moe-tune schema`: check a profile and its data, print the schema."""
 
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 import yaml
 from rich.console import Console
 
-from ._common import ProfileArg, SetOption, read_profile
+from moe_tune.profiles import bounded_line
+
+from ._common import ProfileArg, SetOption, err_console, read_profile, user_errors
 
 app = typer.Typer()
 
 
+NoDataOption = Annotated[
+    bool, typer.Option("--no-data", help="check the profile only; do not read the data (large datasets)")
+]
+
+
 @app.command()
-def validate(profile: ProfileArg, overrides: SetOption = None) -> None:
-    """Check a profile and print it resolved (defaults filled in); exit 2 listing every problem."""
+def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOption = False) -> None:
+    """Check a profile and print it resolved (defaults filled in) on stdout; then read its data as finetune would and
+    report it on stderr (records, tokens, trained tokens per source); exit 2 listing every problem."""
     job = read_profile(profile, overrides)
     Console(highlight=False).print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="", markup=False)
-    Console(stderr=True, highlight=False).print(f"{profile}: valid", markup=False)
+    if no_data:
+        err_console.print(f"{profile}: valid (data not read: --no-data)", markup=False)
+        return
+    from moe_tune.engine.data.survey import survey_data
+
+    with user_errors():
+        survey = survey_data(job)
+    for line in survey.lines():
+        err_console.print(f"data: {bounded_line(line)}", markup=False, emoji=False)
+    err_console.print(f"{profile}: valid", markup=False)
 
 
 @app.command()

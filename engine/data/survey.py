@@ -1,0 +1,88 @@
+"""What `moe-tune validate` reports about a profile's data: the checks finetune makes on it before training (the
+tokenizer fits the model, every record reads, something is trained), then per source and in total the records,
+documents, tokens and trained tokens, with the records left out.
+
+Nothing is written: the built-in shapes corpus is generated into a temporary folder, removed afterwards.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile
+
+from .chat import ChatOptions, chat_options
+from .dataset import DataSummary, load_splits, vision_input
+from .tokenizer import load_tokenizer
+
+# Bad records collected before reading stops: every one is listed up to here (the terminal prints the first ones and
+# counts the rest); past it, memory would grow with a file of nothing but bad records.
+MAX_PROBLEMS = 100_000
+
+
+@dataclass(frozen=True)
+class DataSurvey:
+    tokenizer: str  # the tokenizer as the profile resolves it ('byte' or a directory)
+    vocab_size: int
+    model_vocab_size: int
+    chat: ChatOptions
+    has_own_template: bool  # the tokenizer has a chat template
+    summary: DataSummary
+    skipped: list[str] = field(default_factory=list)  # records left out under data.bad_images: skip
+
+    def lines(self, max_refused: int = 20) -> list[str]:
+        """The report for a terminal: the tokenizer and chat options, a line per source and the totals (from
+        DataSummary.lines), then the records left out (up to `max_refused`, then a count of the rest)."""
+        lines = [f"tokenizer {self.tokenizer}: {self.vocab_size} tokens (model.vocab_size {self.model_vocab_size})"]
+        # A text record is trained in full whatever the chat options say.
+        if any(s.format is not None and s.format.name != "text" for s in self.summary.sources):
+            lines.append(f"chat records: {describe_chat(self.chat, self.has_own_template)}")
+        lines += self.summary.lines()
+        refused = list(self.summary.refused) or self.skipped
+        if refused:
+            lines.append(f"{len(refused)} records left out (data.bad_images: skip):")
+            lines += [f"  {line}" for line in refused[:max_refused]]
+            if len(refused) > max_refused:
+                lines.append(f"  ... and {len(refused) - max_refused} more")
+        return lines
+
+
+def describe_chat(options: ChatOptions, has_own_template: bool) -> str:
+    """How chat records are rendered and trained, in words."""
+    if options.template is not None:
+        template = "rendered by data.chat_template"
+    elif has_own_template:
+        template = "rendered by the tokenizer's chat template"
+    else:
+        template = "rendered in the built-in format <|role|>\\n...\\n"
+    if options.trains_all:
+        return f"{template}, every token trained (data.train_on: all)"
+    header = "with" if options.train_header else "without"
+    return f"{template}, assistant turns trained {header} their header (data.train_on: assistant)"
+
+
+def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS) -> DataSurvey:
+    """Read the profile's data as finetune does (profile resolved by engine.families.resolve_job) and count it.
+    ProfileError lists every problem finetune would refuse the data for: a tokenizer larger than the model's
+    vocabulary, each bad record (file:line and why, up to `max_problems`), nothing to train on."""
+    tok = load_tokenizer(profile.tokenizer)
+    problems = []
+    if tok.vocab_size > profile.model.vocab_size:
+        problems.append(f"model.vocab_size ({profile.model.vocab_size}) must be >= the tokenizer's ({tok.vocab_size})")
+    options = chat_options(profile.data)
+    skipped: list[str] = []
+    try:
+        vision = vision_input(profile.model, profile.data)
+        with tempfile.TemporaryDirectory(prefix="moe-tune-validate-") as generated:
+            splits = load_splits(profile.data, tok, vision, skipped, generated_dir=Path(generated),
+                                 max_problems=max_problems)
+    except ProfileError as err:
+        raise ProfileError(problems + err.problems) from None
+    if problems:
+        raise ProfileError(problems)
+    has_own_template = bool(getattr(tok, "has_chat_template", False))
+    return DataSurvey(profile.tokenizer, tok.vocab_size, profile.model.vocab_size, options, has_own_template,
+                      splits.summary, skipped)

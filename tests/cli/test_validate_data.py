@@ -1,0 +1,152 @@
+"""`moe-tune validate` reads the data as finetune would: its report's counts equal a hand count, and it exits 2 (one
+line per problem, no traceback) on what finetune would refuse; --no-data skips the reading. The resolved YAML stays
+alone on stdout."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from moe_tune.cli import app
+from moe_tune.engine.data.tokenizer import ByteTokenizer
+
+runner = CliRunner()
+BYTE = ByteTokenizer()
+CHATS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "caf\u00e9"},
+     {"role": "user", "content": "thanks"}],
+]  # fmt: skip
+
+
+def write(path, *records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def validate(data, *overrides):
+    sets = [a for o in (f"data.path={data}", *overrides) for a in ("--set", o)]
+    return runner.invoke(app, ["validate", "tiny", *sets])
+
+
+def hand_count(chats, header: bool, train_all: bool) -> tuple[int, int]:
+    """(input tokens, trained tokens) of chats in the built-in format '<|role|>\\ncontent\\n' on bytes: <bos>, the
+    turns, <eos> after a last assistant turn; a document of n ids has n - 1 inputs and labels."""
+    tokens = trained = 0
+    for chat in chats:
+        ends_with_assistant = chat[-1]["role"] == "assistant"
+        ids = 1 + ends_with_assistant
+        labelled = ends_with_assistant
+        for m in chat:
+            head, body = len(f"<|{m['role']}|>\n".encode()), len((m["content"] + "\n").encode())
+            ids += head + body
+            if m["role"] == "assistant":
+                labelled += body + head * header
+        tokens += ids - 1
+        trained += ids - 1 if train_all else labelled
+    return tokens, trained
+
+
+@pytest.mark.parametrize("overrides, header, train_all", [
+    ((), False, False),
+    (("data.train_on_assistant_header=true",), True, False),
+    (("data.train_on=all",), False, True),
+])  # fmt: skip
+def test_the_report_counts_what_a_hand_count_gives(tmp_path, overrides, header, train_all):
+    data = write(tmp_path / "d.jsonl", *({"messages": c} for c in CHATS))
+    result = validate(data, *overrides)
+    assert result.exit_code == 0, result.output
+    # stdout holds the resolved profile alone.
+    assert yaml.safe_load(result.stdout)["data"]["path"] == str(data)
+    tokens, trained = hand_count(CHATS, header, train_all)
+    lines = result.stderr.splitlines()
+    counts = f"2 documents, {tokens} tokens, {trained} trained ({100 * trained / tokens:.0f}%)"
+    # The format's wording is the loader's (DataSummary); the counts are checked here.
+    (source,) = [line for line in lines if line.startswith(f"data: train {data}: JSONL, messages (")]
+    assert source.endswith(f"): 2 records -> {counts}"), source
+    assert f"data: train: {counts}" in lines
+    assert "data: tokenizer byte: 259 tokens (model.vocab_size 259)" in lines
+    header_words = "with" if header else "without"
+    chat = ("every token trained (data.train_on: all)" if train_all else
+            f"assistant turns trained {header_words} their header (data.train_on: assistant)")
+    assert f"data: chat records: rendered in the built-in format <|role|>\\n...\\n, {chat}" in lines
+    assert lines[-1] == "tiny: valid"
+
+
+def test_the_survey_counts_equal_the_documents(tmp_path):
+    from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents
+    from moe_tune.engine.data.survey import survey_data
+    from moe_tune.profiles import load_profile
+
+    data = write(tmp_path / "d.jsonl", *({"messages": c} for c in CHATS))
+    job = load_profile("tiny", [f"data.path={data}"])
+    survey = survey_data(job)
+    documents = load_documents(job.data, BYTE)
+    assert (survey.summary.train.documents, survey.summary.train.tokens, survey.summary.train.trained_tokens) == (
+        len(documents), sum(len(d.input_ids) for d in documents),
+        sum(label != IGNORE_INDEX for d in documents for label in d.labels)) == (2, *hand_count(CHATS, False, False))
+
+
+def test_bad_records_exit_2_naming_file_and_line(tmp_path):
+    data = write(tmp_path / "d.jsonl", {"text": "fine"}, {"txt": "typo"}, "not json", {"text": 3})
+    result = validate(data)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.splitlines()
+    assert [line.split(": ", 2)[1] for line in lines] == [f"{data}:{n}" for n in (2, 3, 4)], lines
+    assert lines[1] == f"error: {data}:3: invalid JSON (Expecting value at column 1)"
+    assert "Traceback" not in result.output
+
+
+def test_every_bad_record_is_counted_past_the_ones_printed(tmp_path):
+    data = write(tmp_path / "d.jsonl", {"text": "fine"}, *(["not json"] * 250))
+    result = validate(data)
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"error: {data}:2: invalid JSON (Expecting value at column 1)"
+    assert len(lines) == 201 and lines[-1] == "error: ... and 50 more problems"
+
+
+def test_data_with_nothing_to_train_on_exits_2(tmp_path):
+    data = write(tmp_path / "d.jsonl", {"messages": [{"role": "user", "content": "hi"}]},
+                 {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]})
+    result = validate(data)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"error: data.path ('{data}') must hold at least one token to train on"]
+    # The user turns are trained with data.train_on: all.
+    assert validate(data, "data.train_on=all").exit_code == 0
+
+
+def test_a_tokenizer_larger_than_the_model_is_reported_with_the_records(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from test_chat import save_tokenizer
+
+    raw = save_tokenizer(tmp_path / "tok", "kimi", True)
+    data = write(tmp_path / "d.jsonl", {"messages": CHATS[0]}, "{")
+    result = validate(data, f"data.tokenizer={tmp_path / 'tok'}", "model.vocab_size=64")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: model.vocab_size (64) must be >= the tokenizer's ({len(raw)})",
+        f"error: {data}:2: invalid JSON (Expecting property name enclosed in double quotes at column 2)",
+    ]
+
+
+def test_no_data_skips_reading_it(tmp_path):
+    data = write(tmp_path / "d.jsonl", "not json")
+    assert validate(data).exit_code == 2
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--set", f"data.path={data}"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["tiny: valid (data not read: --no-data)"]
+    assert yaml.safe_load(result.stdout)["data"]["path"] == str(data)
+
+
+def test_the_report_names_the_profiles_chat_template(tmp_path):
+    template = write(tmp_path / "chat.jinja", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    data = write(tmp_path / "d.jsonl", *({"messages": c} for c in CHATS))
+    result = validate(data, f"data.chat_template={template}")
+    assert result.exit_code == 0, result.output
+    assert ("data: chat records: rendered by data.chat_template, assistant turns trained without their header "
+            "(data.train_on: assistant)") in result.stderr.splitlines()
