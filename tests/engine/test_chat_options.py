@@ -346,3 +346,41 @@ def test_train_on_options_name_their_field(field, value, rule):
         load_profile("tiny", [f"data.{field}={value}"])
     assert err.value.problems == [f"data.{field} ('{value}'): {rule}, unable to interpret input" if "boolean" in rule
                                   else f"data.{field} ('{value}'): {rule}"]
+
+
+def test_image_chats_through_a_template_train_every_token_but_the_images_with_train_on_all(tmp_path):
+    """The checkpoint's template (test_images' word-level tokenizer), with a generation prompt: assistant turns with or
+    without their header, or every token; an image's tokens never."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from test_images import CHAT_TEMPLATE_WITH_IMAGES, TOKENS, data_profile, vision, write_image
+
+    specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {f"w{i}": i for i in range(300)} | {t: 300 + i for i, t in enumerate(specials)}
+    vocab |= {"<unk>": 305, "user": 306, "assistant": 307, "what": 308, "square": 309, "<s>": 310, "</s>": 311}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=specials)
+    raw.chat_template = CHAT_TEMPLATE_WITH_IMAGES + "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+    raw.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    write_image(tmp_path / "a.png", 24, 40)
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image> what"},
+                                             {"role": "assistant", "content": "square"}], "images": ["a.png"]}) + "\n")
+    image = {TOKENS.image, TOKENS.start, TOKENS.end}
+    expected = {
+        "assistant": [309, 304],  # square <|im_end|>
+        "header": [303, 307, 309, 304],  # <|im_start|> assistant square <|im_end|>
+        # <|im_start|> user [image] what <|im_end|> <|im_start|> assistant square <|im_end|>
+        "all": [303, 306, 308, 304, 303, 307, 309, 304],
+    }
+    for name, options in (("assistant", {}), ("header", {"train_on_assistant_header": True}),
+                          ("all", {"train_on": "all"})):
+        (doc,) = load_documents(data_profile(path, **options), tok, vision())
+        assert doc.input_ids.count(TOKENS.image) == 15
+        trained = [label for label in doc.labels if label != IGNORE_INDEX]
+        assert trained == expected[name], name
+        assert not image & set(trained)
