@@ -1,0 +1,98 @@
+"""`moe-tune generate RUN_DIR|PROFILE`: try a fine-tuned model; the reply streams to stdout as it is generated, the
+model note and the speed go to stderr."""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Annotated
+
+import typer
+
+from ._common import err_console, fail, user_errors
+
+app = typer.Typer()
+
+
+@app.command()
+def generate(
+    target: Annotated[
+        str, typer.Argument(help="a finetune output.dir, or a profile (YAML path or shipped name): the run in its "
+                            "output.dir when finished, else its base model")
+    ],
+    prompt: Annotated[str | None, typer.Option("--prompt", help="one prompt; the reply is printed")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="talk on stdin, turn by turn, history kept")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens generated at most per reply")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy (the default); > 0 samples")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="sample from the smallest set of tokens holding this "
+                                         "probability mass, in (0, 1]")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="the sampling generator's seed")] = 0,
+    system: Annotated[str | None, typer.Option("--system", help="a system message before the conversation")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="the prompt as it is, no chat template (for models trained on "
+                                      "plain text); stops only at <eos>")] = False,
+) -> None:
+    """Generate from a run's final weights (LoRA adapters merged) with the chat template applied; cached decoding
+    (key/value caches, recurrent states). Greedy unless --temperature > 0."""
+    from moe_tune.engine.generate.session import option_problems
+
+    problems = []
+    if (prompt is None) == (not chat):
+        problems.append("give --prompt TEXT or --chat (one of them)")
+    if chat and raw:
+        problems.append("--raw sends one prompt as it is; --chat renders turns through the chat template: give one")
+    if raw and system is not None:
+        problems.append("--system needs the chat template; --raw sends the prompt as it is: give one")
+    problems += option_problems(max_new_tokens, temperature, top_p)
+    if problems:
+        fail(problems)
+
+    from moe_tune.engine.generate.session import load_session
+
+    with user_errors():
+        session = load_session(target)
+    err_console.print(session.note, markup=False, highlight=False)
+    base = [{"role": "system", "content": system}] if system is not None else []
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    if not chat:
+        with user_errors():
+            ids = session.prompt(text=prompt) if raw else session.prompt(messages=base + [{"role": "user", "content": prompt}])
+        reply(session, ids, stop=True, **options)
+        return
+    err_console.print("chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends",
+                      markup=False, highlight=False)
+    history = list(base)
+    while True:
+        if sys.stdin.isatty():
+            err_console.print("> ", end="", markup=False, highlight=False)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        with user_errors():
+            ids = session.prompt(messages=history)
+        text = reply(session, ids, stop=True, **options)
+        history.append({"role": "assistant", "content": text})
+
+
+def reply(session, ids: list[int], stop: bool, **options) -> str:
+    """Generate after `ids`, streaming the text to stdout; the speed line on stderr. Returns the text."""
+    result = session.generate(ids, stop=stop, on_text=write, **options)
+    write("\n")
+    ended = "a stop token" if result.stopped else f"--max-new-tokens ({options['max_new_tokens']})"
+    err_console.print(
+        f"{len(result.ids)} tokens in {result.elapsed_s:.2f} s ({result.tokens_per_s:.1f} tokens/s after the first, "
+        f"first after {result.first_token_s:.2f} s; prompt {result.prompt_tokens} tokens); ended by {ended}",
+        markup=False, highlight=False,
+    )
+    return result.text
+
+
+# Terminal controls a model may emit (escape sequences, bidirectional overrides): shown escaped, never obeyed.
+_KEEP = re.compile(r"([\n\t])")
+
+
+def write(text: str) -> None:
+    from moe_tune.profiles import escape_controls
+
+    sys.stdout.write("".join(p if _KEEP.fullmatch(p) else escape_controls(p) for p in _KEEP.split(text)))
+    sys.stdout.flush()

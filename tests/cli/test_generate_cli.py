@@ -1,0 +1,271 @@
+"""`moe-tune generate RUN_DIR|PROFILE`: the run's final weights load (LoRA merged, full fine-tune), the prompt is
+rendered as training renders a conversation up to the assistant's reply, the reply streams as it is generated (never
+half a character, never a piece of a word twice), a chat keeps its history, and bad input is one line, exit 2, no
+traceback. (Token parity with transformers: tests/engine/families/test_generate_parity.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from moe_tune.cli import app
+from moe_tune.engine.data.chat import ChatOptions, chat_tokens
+from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
+from moe_tune.engine.generate.session import TextStream, load_session, prompt_ids, resolve_target, stop_ids
+from moe_tune.profiles import ProfileError, load_profile
+
+runner = CliRunner()
+CPU = torch.device("cpu")
+SPEED_LINE = re.compile(r"^\d+ tokens in \d+\.\d\d s \(\d+\.\d tokens/s after the first")
+
+
+def tiny_job(out, lora: bool = True):
+    overrides = ["train.steps=2", "train.warmup_steps=1", "data.seq_len=32", f"output.dir={out}"]
+    return load_profile("tiny", overrides + ([] if lora else ["lora.enabled=false"]))
+
+
+def write_run(out, lora: bool = True):
+    """A finished run of the tiny profile written without training (training costs ~20 s): profile.yaml,
+    summary.json and the final weights as the trainer saves them, the adapters' B factors random (LoRA, the LM head
+    trained in full as the profile says) or every weight perturbed (full fine-tune). Returns (profile, the model with
+    those weights, unmerged)."""
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.model.model import build_model
+
+    job = tiny_job(out, lora)
+    out.mkdir(parents=True)
+    (out / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    (out / "summary.json").write_text(json.dumps({"last_step": 2, "interrupted_by": None}) + "\n")
+    model = build_model(job.model)
+    gen = torch.Generator().manual_seed(1)
+    if not lora:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(out / "model.safetensors"))
+        return job, model.eval()
+    model = inject_lora(model, job.lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+            elif "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    model.save_pretrained(str(out / "adapter"), safe_serialization=True)
+    return job, model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("generate") / "run"
+    job, model = write_run(out)
+    return out, model
+
+
+@pytest.fixture(scope="module")
+def session(lora_run):
+    return load_session(str(lora_run[0]), device=CPU)
+
+
+def logits_of(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), torch.tensor([0, len(ids)], dtype=torch.int32)).logits[0]
+
+
+def test_the_runs_final_weights_are_loaded(lora_run, session, tmp_path):
+    run, trained = lora_run
+    ids = list(b"The final weights")
+    assert session.note.startswith(f"model: the run in {run} (LoRA adapters merged, step 2); on cpu, float32")
+    torch.testing.assert_close(logits_of(session.model, ids), logits_of(trained, ids), rtol=0, atol=1e-4)
+    _, full = write_run(tmp_path / "full", lora=False)
+    full_session = load_session(str(tmp_path / "full"), device=CPU)
+    assert "(full fine-tune, step 2)" in full_session.note
+    torch.testing.assert_close(logits_of(full_session.model, ids), logits_of(full, ids), rtol=0, atol=1e-5)
+
+
+def test_prompt_streams_the_reply_and_prints_the_speed(lora_run, session):
+    run, _ = lora_run
+    result = runner.invoke(app, ["generate", str(run), "--prompt", "Once upon a time", "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(f"model: the run in {run}") and SPEED_LINE.match(lines[-1]), lines
+    assert "Traceback" not in result.output
+    # The same greedy reply as the engine gives, controls escaped; the pieces arrive one by one.
+    pieces = []
+    expected = session.generate(session.prompt(messages=[{"role": "user", "content": "Once upon a time"}]), 8,
+                                on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == expected.text
+    from moe_tune.cli.generate import write
+
+    assert f"{len(expected.ids)} tokens in" in lines[-1]
+    with pytest.MonkeyPatch.context() as patch:
+        written = []
+        patch.setattr("sys.stdout.write", written.append)
+        write(expected.text)
+    assert result.stdout == written[0] + "\n"
+
+
+def test_chat_keeps_the_history_and_ends_on_an_empty_line(lora_run, monkeypatch):
+    from moe_tune.engine.generate.session import Session
+
+    run, _ = lora_run
+    asked = []
+    original = Session.prompt
+    monkeypatch.setattr(Session, "prompt", lambda self, messages=None, text=None: asked.append(
+        [dict(m) for m in messages]) or original(self, messages, text))
+    result = runner.invoke(app, ["generate", str(run), "--chat", "--max-new-tokens", "3", "--system", "Be brief."],
+                           input="first\nsecond\n\nnever read\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[1] == "chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends"
+    assert sum(bool(SPEED_LINE.match(line)) for line in lines) == 2
+    assert [[m["role"] for m in turn] for turn in asked] == [["system", "user"], ["system", "user", "assistant", "user"]]
+    assert asked[1][:2] == asked[0] and asked[1][3]["content"] == "second"
+
+
+def stream_all(decode, ids) -> list[str]:
+    stream = TextStream(decode)
+    return [stream.push(i) for i in ids] + [stream.flush()]
+
+
+@pytest.mark.parametrize("text", ["plain ascii", "é漢字🙂 mixed", "🙂", "a\u202eb\n\tc"], ids=["ascii", "multibyte", "emoji",
+                                                                                            "controls"])
+def test_stream_never_prints_half_a_character(text):
+    tok = ByteTokenizer()
+    pieces = stream_all(tok.decode, tok.encode(text))
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_prints_each_word_piece_once_with_its_space():
+    # A SentencePiece-like decoder: "▁" is a space, dropped at the start of the decoded text only.
+    vocab = ["▁Hello", "▁wor", "ld", "!", "▁again"]
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+    pieces = stream_all(decode, [0, 1, 2, 3, 4])
+    assert pieces[:5] == ["Hello", " wor", "ld", "!", " again"] and "".join(pieces) == "Hello world! again"
+
+
+def test_stream_holds_invalid_bytes_until_the_end():
+    tok = ByteTokenizer()
+    assert "".join(stream_all(tok.decode, [0xE6, 0xBC, ord("a")])) == "\ufffda"
+    assert stream_all(tok.decode, [0xE6, 0xBC]) == ["", "", "\ufffd"]
+
+
+QWEN_LIKE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+REPLY = {"role": "assistant", "content": "Hello!"}
+
+
+def char_tokenizer(directory, eos: str, bos: str | None = None):
+    """A character-level tokenizer with <|im_start|> / <|im_end|> and a Qwen-like chat template, saved offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    core = Tokenizer(models.WordLevel({"<unk>": 0} | {c: i + 1 for i, c in enumerate(chars)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token=eos, bos_token=bos)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]})
+    tok.chat_template = QWEN_LIKE
+    tok.save_pretrained(directory)
+    return load_tokenizer(str(directory)), tok
+
+
+def assert_prompt_opens_the_training_document(tok, options=ChatOptions()):
+    """The prompt is the training document of the conversation with the reply, up to the reply's content."""
+    prompt = prompt_ids(tok, CONVERSATION, options=options)
+    document, _ = chat_tokens(tok.render_chat(CONVERSATION + [REPLY], "record", options), tok, True)
+    assert document[: len(prompt)] == prompt and tok.decode(document[len(prompt):]).startswith("Hello!")
+    return prompt
+
+
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"], ids=["chat-eos", "base-eos"])
+def test_the_prompt_is_the_templates_with_the_generation_prompt(tmp_path, eos):
+    tok, raw = char_tokenizer(tmp_path, eos)
+    prompt = assert_prompt_opens_the_training_document(tok)
+    assert prompt == raw.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    job = tiny_job(tmp_path / "out")
+    ends = stop_ids(tok, job)
+    assert set(ends) == {raw.convert_tokens_to_ids("<|im_end|>"), raw.convert_tokens_to_ids(eos)}
+
+
+def test_the_prompt_of_the_built_in_format_and_of_a_profile_template():
+    tok = ByteTokenizer()
+    prompt = assert_prompt_opens_the_training_document(tok)
+    assert tok.decode(prompt) == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n" and prompt[0] == tok.bos_id
+    assert_prompt_opens_the_training_document(tok, ChatOptions(template=QWEN_LIKE))
+    assert prompt_ids(tok, text="raw text") == [tok.bos_id, *b"raw text"]
+    assert stop_ids(tok, tiny_job("unused")) == (tok.eos_id,)
+
+
+def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path):
+    run, _ = lora_run
+    for out, expected in [(run, f"model: the run in output.dir {run} (LoRA adapters merged, step 2)"),
+                          (tmp_path / "none", f"model: the base model of {{profile}} (its seeded random init, model.seed "
+                                              f"0, untrained); output.dir {tmp_path / 'none'} holds no run")]:
+        profile = tmp_path / "p.yaml"
+        profile.write_text(yaml.safe_dump(tiny_job(out).model_dump(mode="json")))
+        loaded = resolve_target(str(profile))
+        assert loaded.note == expected.format(profile=profile)
+        assert loaded.run_dir == (run if out == run else None)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}/none", "--prompt", "x"], "{tmp}/none: no such run folder or profile file, nor a shipped profile"),
+        (["{tmp}", "--prompt", "x"], "{tmp}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"),
+        (["{unfinished}", "--prompt", "x"], "{unfinished}: no final weights (no adapter/adapter_model.safetensors): the "
+         "run did not finish; finish it with `moe-tune finetune PROFILE --resume`, or write checkpoint step 2 for "
+         "transformers with `moe-tune export {unfinished} --step 2`"),
+        (["{locked}", "--prompt", "x"], "{locked}: a run holds this folder (.lock); try it once the run has ended"),
+        (["{tmp}/bad.yaml", "--prompt", "x"], "model: required field is missing"),
+        (["{run}", "--prompt", "x", "--chat"], "give --prompt TEXT or --chat (one of them)"),
+        (["{run}"], "give --prompt TEXT or --chat (one of them)"),
+        (["{run}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens (0) must be >= 1"),
+        (["{run}", "--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens (-3) must be >= 1"),
+        (["{run}", "--prompt", "x", "--temperature", "-0.5"], "--temperature (-0.5) must be a finite number >= 0"),
+        (["{run}", "--prompt", "x", "--temperature", "nan"], "--temperature (nan) must be a finite number >= 0"),
+        (["{run}", "--prompt", "x", "--temperature", "inf"], "--temperature (inf) must be a finite number >= 0"),
+        (["{run}", "--prompt", "x", "--top-p", "0"], "--top-p (0.0) must be in (0, 1]"),
+        (["{run}", "--prompt", "x", "--top-p", "1.01"], "--top-p (1.01) must be in (0, 1]"),
+        (["{run}", "--prompt", "x", "--top-p", "nan"], "--top-p (nan) must be in (0, 1]"),
+        (["{run}", "--chat", "--raw"], "--raw sends one prompt as it is; --chat renders turns"),
+        (["{run}", "--prompt", "x", "--raw", "--system", "s"], "--system needs the chat template"),
+    ],
+    ids=["no-folder", "no-run", "unfinished", "locked", "bad-profile", "prompt-and-chat", "neither", "max-new-0",
+         "max-new-negative", "temperature-negative", "temperature-nan", "temperature-inf", "top-p-0", "top-p-above-1",
+         "top-p-nan", "raw-chat", "raw-system"],
+)
+def test_bad_input_exits_2_in_one_line(lora_run, tmp_path, args, message):
+    run, _ = lora_run
+    unfinished, locked = tmp_path / "unfinished", tmp_path / "locked"
+    for folder in (unfinished, locked):
+        folder.mkdir()
+        shutil.copy(run / "profile.yaml", folder)
+    (unfinished / "checkpoints" / "step-0000002").mkdir(parents=True)
+    shutil.copytree(run / "adapter", locked / "adapter")
+    (locked / ".lock").write_text("{}")
+    (tmp_path / "bad.yaml").write_text("name: bad\nbogus: 1\n")
+    fill = {"tmp": tmp_path, "run": run, "unfinished": unfinished, "locked": locked}
+    result = runner.invoke(app, ["generate", *(a.format(**fill) for a in args)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("error: " + message.format(**fill)), lines
+    assert all(line.startswith("error: ") for line in lines) and (len(lines) == 1 or "bad.yaml" in args[0]), lines
+    assert "Traceback" not in result.output and result.stdout == ""
