@@ -16,6 +16,8 @@ Shapes: T packed tokens, S streams, D model dim, R mix rank.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,9 @@ from .attention import PackedBatch, build_token_mixer
 from .blocks import GroupedRMSNorm
 from .moe import channel_mixer
 from .ngram import NGramInjection
+
+if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
 
 
 class HyperConnection(nn.Module):
@@ -86,3 +91,13 @@ class HyperDecoderLayer(nn.Module):
         h, weights = self.mlp_hyper_connection.read(x)
         y, aux = self.mlp(h)
         return HyperConnection.write(x, y, weights), aux * self.aux_loss_coef
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x: [1, T, S * D] streams of the step's tokens -> the streams after this layer; the token mixer and the
+        n-gram injection continue from their states, the channel mixer runs without capacity limits."""
+        if self.ngram is not None:
+            x = x + self.ngram.forward_cached(x, step)
+        h, weights = self.attn_hyper_connection.read(x)
+        x = HyperConnection.write(x, self.self_attn.forward_cached(h, step), weights)
+        h, weights = self.mlp_hyper_connection.read(x)
+        return HyperConnection.write(x, self.mlp.forward_inference(h), weights)

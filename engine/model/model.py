@@ -5,7 +5,7 @@ Shapes: T packed tokens in one row [1, T] (documents separated by cu_seqlens [N 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from .hyper import HyperConnection, HyperDecoderLayer
 from .moe import channel_mixer, init_moe
 from .ngram import init_ngram
 from .vision import VisionTower, mrope_positions
+
+if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
 
 IGNORE_INDEX = -100
 
@@ -46,6 +49,12 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), batch)
         y, aux = self.mlp(self.post_attention_layernorm(x))
         return x + y, aux * self.aux_loss_coef
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x: [1, T, D] of the step's tokens -> [1, T, D]: the token mixer continues from its state, the channel
+        mixer runs without capacity limits (engine/generate)."""
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), step)
+        return x + self.mlp.forward_inference(self.post_attention_layernorm(x))
 
 
 class MoECausalLM(nn.Module):
@@ -146,6 +155,17 @@ class MoECausalLM(nn.Module):
         if loss_denominator is not None:
             lm_loss = lm_loss / loss_denominator
         return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
+
+    def forward_cached(self, input_ids: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """input_ids [1, T] continuing one text sequence (step's tokens) -> logits [1, T, V], the rows `forward` gives
+        over the whole sequence; engine/generate/decode.py runs it. No images: rotary positions are token positions
+        (and a text row never uses the vision tower's output)."""
+        x = self.embed_tokens(input_ids)
+        if self.cfg.hyper_connections is not None:
+            x = x.repeat(1, 1, self.cfg.hyper_connections.num_streams)
+        for layer in self.layers:
+            x = layer.forward_cached(x, step)
+        return self.lm_head(self.norm(x))
 
     def _merge_images(self, x, input_ids, pixel_values, image_grid_thw) -> torch.Tensor:
         """The vision tower's output rows replace the image tokens' embeddings, in order. A row without images

@@ -114,6 +114,31 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
+        logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD)
+        if self.spec.capacity_factor > 0:
+            topk_weights = self._drop_over_capacity(topk_ids, topk_weights)
+        if self.training:
+            with torch.no_grad():
+                # Not bincount: on a GPU it waits for the device to size its output. Adding ones is exact.
+                ids = topk_ids.flatten()
+                self.load_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.load_counts.dtype))
+        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights)
+        if self.spec.aux_loss_coef > 0 and self.training:
+            aux = switch_aux_loss(scores_TE, topk_ids, self.spec.num_experts)
+        else:
+            aux = logits_TE.new_zeros((), dtype=torch.float32)
+        return y_TD.view(shape), aux
+
+    def forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        """The output alone, as the exported model computes it: every token gets its top-k experts whatever other
+        tokens run with it (no capacity limit: it only steers training, and transformers' models have none); no
+        load counts, no aux loss."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        _, topk_ids, topk_weights, _ = self._route(x_TD)
+        return self._experts_and_shared(x_TD, topk_ids, topk_weights).view(x.shape)
+
+    def _route(self, x_TD: torch.Tensor):
+        """Router logits [T, E], chosen experts [T, k], their weights [T, k] and the scores [T, E]."""
         logits_TE = self.gate(x_TD)
         bias = self.selection_bias if self.spec.bias_update_rate > 0 or self.spec.has_selection_bias else None
         topk_ids, topk_weights, scores_TE = topk_route(
@@ -127,15 +152,12 @@ class MoEBlock(nn.Module):
             n_group=self.spec.n_group,
             topk_group=self.spec.topk_group,
         )
-        if self.spec.capacity_factor > 0:
-            topk_weights = self._drop_over_capacity(topk_ids, topk_weights)
-        if self.training:
-            with torch.no_grad():
-                # Not bincount: on a GPU it waits for the device to size its output. Adding ones is exact.
-                ids = topk_ids.flatten()
-                self.load_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.load_counts.dtype))
+        return logits_TE, topk_ids, topk_weights, scores_TE
+
+    def _experts_and_shared(self, x_TD, topk_ids, topk_weights) -> torch.Tensor:
+        """The routed experts' weighted sum plus the (gated) shared expert: [T, D]."""
         if self.layout.ep_size == 1:
-            y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x.dtype))
+            y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype))
         else:
             y_TD = dispatch_compute_combine(
                 x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout
@@ -145,11 +167,7 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_expert_gate(x_TD))
             y_TD = y_TD + shared
-        if self.spec.aux_loss_coef > 0 and self.training:
-            aux = switch_aux_loss(scores_TE, topk_ids, self.spec.num_experts)
-        else:
-            aux = logits_TE.new_zeros((), dtype=torch.float32)
-        return y_TD.view(shape), aux
+        return y_TD
 
     def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop
@@ -178,6 +196,9 @@ class DenseMLP(SwiGLU):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         return super().forward(x), x.new_zeros((), dtype=torch.float32)
+
+    def forward_inference(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
 
 
 def channel_mixer(cfg, spec, layout: ExpertLayout | None, index: int) -> tuple[nn.Module, float]:

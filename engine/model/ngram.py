@@ -13,6 +13,7 @@ order x heads_per_ngram), E embedding width (HN x its per-head dim).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from moe_tune.profiles.schema import ModelProfile, NGramEmbeddingSpec
 
 from .attention import PackedBatch
 from .blocks import GroupedRMSNorm, ShortConv
+
+if TYPE_CHECKING:
+    from moe_tune.engine.generate.cache import DecodeStep
 
 # transformers' hash constants (splitmix64 and the per-layer seed stride): the tables are trained against them.
 _MASK64 = (1 << 64) - 1
@@ -103,7 +107,23 @@ class NGramEmbedding(nn.Module):
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         assert batch.token_ids is not None, "n-gram embeddings need the token ids in the PackedBatch"
-        shifted = self.context(batch.token_ids, batch)
+        return self.embed(self.context(batch.token_ids, batch))
+
+    def forward_cached(self, step: DecodeStep) -> torch.Tensor:
+        """The n-gram vectors [1, T, E] of the step's tokens; the state keeps the last N - 1 token ids (all an
+        n-gram of a later token reaches back to; a boundary token among them still cuts it)."""
+        state = step.state(self)
+        history = state.get("token_ids", step.token_ids[:0])
+        ids = torch.cat([history, step.token_ids])
+        num_history = len(history)
+        positions = torch.arange(step.start - num_history, step.start + len(step.token_ids), device=ids.device)
+        whole = torch.tensor([0, len(ids)], dtype=torch.int32, device=ids.device)
+        shifted = self.context(ids, PackedBatch(whole, positions, torch.zeros_like(positions), ids))
+        state["token_ids"] = ids[max(0, len(ids) - (self.ngram_size - 1)) :].clone()
+        return self.embed([part[num_history:] for part in shifted])
+
+    def embed(self, shifted: list[torch.Tensor]) -> torch.Tensor:
+        """The vectors [1, T, E] of the n-grams whose tokens are shifted[j] = the token j steps back ([T] each)."""
         mixed = shifted[0] * self.multipliers[0]
         ids_per_order = []
         for order in range(2, self.ngram_size + 1):
@@ -138,15 +158,23 @@ class NGramInjection(nn.Module):
         self.conv = ShortConv(width, spec.conv_kernel_size, dilation=spec.ngram_size)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        gated = self._gated(x, self.embedding(batch))
+        return gated + self.conv(self.conv_norm(gated), batch.positions)
+
+    def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+        """x [1, T, S * D] streams of the step's tokens -> what `forward` adds to them over the whole sequence."""
+        gated = self._gated(x, self.embedding.forward_cached(step))
+        return gated + self.conv.forward_cached(self.conv_norm(gated), step)
+
+    def _gated(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The value of n-gram vectors e [1, T, E], gated per stream of x [1, T, S * D]: [1, T, S * D]."""
         t = x.shape[1]
         streams = (1, t, self.num_streams, self.hidden)
-        e = self.embedding(batch)
         key = self.key_norm(self.key_proj(e)).view(streams)
         query = self.query_norm(x).view(streams)
         gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)  # [1, T, S, 1]
         gate = gate.abs().clamp_min(_GATE_FLOOR).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * self.value_proj(e)[:, :, None, :]).reshape(1, t, -1)
-        return gated + self.conv(self.conv_norm(gated), batch.positions)
+        return (torch.sigmoid(gate) * self.value_proj(e)[:, :, None, :]).reshape(1, t, -1)
 
 
 def init_ngram(module: nn.Module) -> None:

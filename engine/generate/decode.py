@@ -1,0 +1,141 @@
+"""The decode loop: a cached forward over the next tokens of one sequence, and generation token by token.
+
+How decoding works. A DecodeCache holds one state dict per module that carries context. The first call (the
+prefill) runs the whole prompt at once and leaves in each state what later tokens need; every later call runs only
+its new tokens (one while generating) and extends the states:
+- softmax attention (full, sparse, qsa, mla): the keys and values of every token so far (the indexers' keys too);
+- linear attention (gated delta net, KDA): the recurrent state [H, K, V] fp32 after the last token (the prefill runs
+  the chunked op with output_final_state; one token runs the recurrence S <- decay S + beta k (v - S^T k)^T itself)
+  and the short conv's last (W - 1) inputs;
+- n-gram injection (qwen4_exp): the last N - 1 token ids and its dilated conv's last (W - 1) N inputs;
+- hyper-connections, norms and channel mixers: nothing (they act on each token alone). The MoE layers route every
+  token to its own top-k experts without the training-time capacity limit and count no loads.
+Each row of the logits equals the row the full forward (`model(input_ids, cu_seqlens)` over the whole sequence as one
+document) gives, up to rounding.
+
+Shapes: T tokens of this call, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from moe_tune.engine.model.model import MoECausalLM
+from moe_tune.profiles import ProfileError
+
+from .cache import DecodeCache, DecodeStep
+
+
+def find_causal_lm(model: nn.Module) -> MoECausalLM:
+    """The MoECausalLM itself, or the one inside a wrapper (PEFT's PeftModel, adapters merged or not: the LoRA layers
+    sit inside it, so calling it runs them)."""
+    if isinstance(model, MoECausalLM):
+        return model
+    for module in model.modules():
+        if isinstance(module, MoECausalLM):
+            return module
+    raise TypeError(f"{type(model).__name__} holds no MoECausalLM to decode with")
+
+
+def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+    """input_ids [1, T] int64, the next T tokens of the sequence whose states `cache` holds (empty: the prefill) ->
+    logits [1, T, V] fp32. Advances cache.num_tokens by T. Runs without autograd; text only (ProfileError naming
+    the image token when one is in input_ids)."""
+    lm = find_causal_lm(model)
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} must be [1, T] with T >= 1")
+    vision = lm.cfg.vision
+    if vision is not None:
+        image_at = (input_ids[0] == vision.image_token_id).nonzero().flatten().tolist()
+        if image_at:
+            position = cache.num_tokens + image_at[0]
+            raise ProfileError([
+                f"prompt: token {position} is the image token ({vision.image_token_id}): generate decodes text "
+                "prompts only (images in prompts are not supported)"
+            ])
+    step = DecodeStep.next(cache, input_ids[0])
+    with torch.no_grad():
+        logits = lm.forward_cached(input_ids, step).float()
+    cache.num_tokens += input_ids.shape[1]
+    return logits
+
+
+def check_generate_options(
+    prompt_ids: list[int], vocab_size: int, max_new_tokens: int, temperature: float, top_p: float
+) -> list[str]:
+    """One line per option that generate_ids refuses: name, value and rule."""
+    problems = []
+    if not prompt_ids:
+        problems.append("prompt: empty (generation needs at least one prompt token)")
+    outside = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if outside:
+        problems.append(f"prompt: token id {outside[0]} must be in [0, {vocab_size}) (the model's vocabulary)")
+    if max_new_tokens < 0:
+        problems.append(f"max_new_tokens ({max_new_tokens}) must be >= 0")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        problems.append(f"temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        problems.append(f"top_p ({top_p}) must be in (0, 1] (1: no nucleus filter)")
+    return problems
+
+
+def choose_token(
+    logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
+    """The next token from one row of logits [V] fp32: the argmax at temperature 0; else a draw from
+    softmax(logits / temperature) restricted to the nucleus (the most likely tokens whose probabilities first reach
+    top_p together, at least one), with `generator`."""
+    if temperature == 0:
+        return int(logits_V.argmax())
+    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+    if top_p < 1:
+        sorted_V, order_V = probs_V.sort(descending=True)
+        # A token is in the nucleus when the tokens before it hold less than top_p.
+        is_kept_V = (sorted_V.cumsum(0) - sorted_V) < top_p
+        probs_V = torch.zeros_like(probs_V).scatter(0, order_V[is_kept_V], sorted_V[is_kept_V])
+    return int(torch.multinomial(probs_V, 1, generator=generator))
+
+
+def generate_ids(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    stop_ids: Iterable[int] = (),
+    seed: int = 0,
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
+    """The tokens generated after prompt_ids (the prompt not included), at most max_new_tokens of them.
+
+    Greedy at temperature 0; otherwise sampled with a torch.Generator seeded with `seed` on the model's device (the
+    same seed, model and device give the same tokens). Generation stops after the first token in stop_ids, which is
+    included in the result (as transformers' generate keeps its eos token) and passed to on_token like every other
+    token, as it is chosen. The prompt runs as one prefill; each new token is one cached step (no re-run of the
+    sequence). Raises ProfileError with one line per refused option (empty prompt, ids outside the vocabulary,
+    negative max_new_tokens or temperature, top_p outside (0, 1], the image token in a prompt).
+    """
+    lm = find_causal_lm(model)
+    problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p)
+    if problems:
+        raise ProfileError(problems)
+    device = lm.embed_tokens.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    stop = set(stop_ids)
+    cache = DecodeCache()
+    generated: list[int] = []
+    next_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    while len(generated) < max_new_tokens:
+        logits_V = forward_cached(model, next_ids, cache)[0, -1]
+        token = choose_token(logits_V, temperature, top_p, generator)
+        generated.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in stop:
+            break
+        next_ids = torch.tensor([[token]], dtype=torch.long, device=device)
+    return generated

@@ -1,0 +1,303 @@
+"""Cached decoding (engine/generate): a prefill then token-by-token steps give the rows of the full forward over the
+whole sequence, for each recurrent mixer and for whole models; generate_ids is the argmax chain of full re-runs;
+sampling is seeded; stop ids end it; bad options are refused."""
+
+import pytest
+import torch
+
+from moe_tune.engine.generate import DecodeCache, DecodeStep, forward_cached, generate_ids
+from moe_tune.engine.lora import inject_lora
+from moe_tune.engine.model.attention import GatedDeltaNet, PackedBatch
+from moe_tune.engine.model.blocks import ShortConv, document_ids, document_positions
+from moe_tune.engine.model.kda import KimiDeltaAttention
+from moe_tune.engine.model.model import build_model
+from moe_tune.engine.model.moe import MoEBlock
+from moe_tune.engine.model.ngram import NGramInjection
+from moe_tune.profiles import ProfileError, load_profile
+from moe_tune.profiles.schema import ModelProfile
+
+# fp32 on the CPU: the cached rows differ from the full forward's by summation order only.
+MIXER_TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+MODEL_TOLERANCE = {"atol": 2e-5, "rtol": 1e-5}
+
+NGRAM = {
+    "embed_dim": 16, "ngram_size": 3, "heads_per_ngram": 2, "vocab_size_base": 50, "vocab_size_multiple": 8,
+    "hash_seed": 7, "conv_kernel_size": 3, "boundary_token_id": 258,
+}  # fmt: skip
+HYPER = {"norm_one_plus": True, "hyper_connections": {"num_streams": 3, "mix_rank": 8}, "ngram_embedding": NGRAM}
+KDA = {"kda_attention": {"num_heads": 2, "head_dim": 16}}
+SMALL_BLOCKS = {"sparse_attention": {"index_heads": 2, "index_head_dim": 8, "topk": 8, "block_size": 4}}
+PER_CHANNEL = {**load_profile("tiny").model.linear_attention.model_dump(), "decay": "per_channel"}
+
+PROFILES = {
+    "tiny": ([], {}),  # the shipped tiny profile as it is (linear x 3, sparse)
+    "qwen3_next": ([{"attention": "linear"}, {"attention": "full"}, {"attention": "linear", "mlp": "dense"}],
+                   {"norm_one_plus": True, "intermediate_size": 48}),
+    "kimi_linear": ([{"attention": "kda"}, {"attention": "full", "mlp": "dense"}, {"attention": "kda"}],
+                    {**KDA, "intermediate_size": 48}),
+    "linear-per-channel": ([{"attention": "linear"}], {"linear_attention": PER_CHANNEL}),
+    "hyper-ngram-recurrent": ([{"attention": "linear", "has_ngram_embedding": True}, {"attention": "kda"},
+                               {"attention": "kda", "has_ngram_embedding": True}], {**HYPER, **KDA}),
+    "qwen4_exp": ([{"attention": "linear", "has_ngram_embedding": True}, {"attention": "qsa"},
+                   {"attention": "linear", "has_ngram_embedding": True}], {**HYPER, **SMALL_BLOCKS}),
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # Decoding runs many small ops: intra-op threads only add synchronisation (this file ran 10x slower with 2
+    # threads on a busy 2-core machine).
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+def model_cfg(layers, **overrides) -> ModelProfile:
+    base = load_profile("tiny").model.model_dump()
+    if layers:
+        base["layers"] = layers
+    base.update(overrides)
+    return ModelProfile.model_validate(base)
+
+
+def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter moved off its init, so zero-initialised pieces (the n-gram conv, norm offsets) matter."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return module.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: perturbed(build_model(model_cfg(layers, **extra))) for name, (layers, extra) in PROFILES.items()}
+
+
+def one_document(total: int) -> PackedBatch:
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    return PackedBatch(cu, document_positions(cu, total), document_ids(cu, total))
+
+
+def run_cached(call, total: int, split: list[int]) -> torch.Tensor:
+    """call(start, stop, step) over the chunks of `split` (the rest one token at a time), outputs joined on dim 1."""
+    cache, outputs, start = DecodeCache(), [], 0
+    for size in split + [1] * (total - sum(split)):
+        step = DecodeStep.next(cache, torch.arange(start, start + size))
+        outputs.append(call(start, start + size, step))
+        cache.num_tokens += size
+        start += size
+    return torch.cat(outputs, 1)
+
+
+# (tokens, prefill lengths; the rest one token at a time). 67 is odd and spans two 64-token chunks of the op.
+SPLITS = {
+    "tokens-from-the-first": (9, [1]),
+    "prefill-5": (9, [5]),
+    "chunks-after-tokens": (67, [3, 1, 1, 60]),  # a prefill with T > 1 continuing a state, across a chunk boundary
+}
+
+
+def mixer(kind: str) -> tuple[torch.nn.Module, int]:
+    """A recurrent token mixer and its input width."""
+    torch.manual_seed(3)
+    if kind == "short-conv-dilated":
+        conv = ShortConv(12, width=4, dilation=3)
+        torch.nn.init.normal_(conv.weight)
+        return conv.eval(), 12
+    if kind == "kda":
+        layer = KimiDeltaAttention(model_cfg([{"attention": "kda"}], **KDA))
+    else:
+        overrides = {"linear_attention": PER_CHANNEL} if kind == "linear-per-channel" else {}
+        layer = GatedDeltaNet(model_cfg([{"attention": "linear"}], **overrides))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.2)
+        layer.A_log.uniform_(-1, 1)
+    return layer.eval(), 64
+
+
+@pytest.mark.parametrize("split", list(SPLITS.values()), ids=list(SPLITS))
+@pytest.mark.parametrize("kind", ["linear", "linear-per-channel", "kda", "short-conv-dilated"])
+def test_mixer_prefill_then_steps_equal_full_forward(kind, split):
+    total, split = split
+    layer, width = mixer(kind)
+    x = torch.randn(1, total, width)
+    batch = one_document(total)
+    with torch.no_grad():
+        if isinstance(layer, ShortConv):
+            full = layer(x, batch.positions)
+        else:
+            full = layer(x, batch)
+        cached = run_cached(lambda a, b, step: layer.forward_cached(x[:, a:b], step), total, split)
+    torch.testing.assert_close(cached, full, **MIXER_TOLERANCE)
+
+
+@pytest.mark.parametrize("split", [[1], [9], [2, 3, 1, 5]], ids=["prefill-1", "prefill-9", "chunks"])
+def test_ngram_injection_cached_equals_full_forward(split):
+    cfg = model_cfg([{"attention": "linear", "has_ngram_embedding": True}], **HYPER)
+    layer = NGramInjection(cfg, 0).eval()
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.2)
+    total = 23
+    ids = torch.randint(0, cfg.vocab_size, (total,))
+    ids[[6, 7, 15]] = NGRAM["boundary_token_id"]  # boundaries cut the n-grams, also right after each other
+    x = torch.randn(1, total, 3 * cfg.hidden_size)
+    cu = torch.tensor([0, total], dtype=torch.int32)
+    batch = PackedBatch(cu, document_positions(cu, total), document_ids(cu, total), ids)
+    with torch.no_grad():
+        full = layer(x, batch)
+
+        def call(a, b, step):
+            step.token_ids = ids[a:b]
+            return layer.forward_cached(x[:, a:b], step)
+
+        cached = run_cached(call, total, split)
+    torch.testing.assert_close(cached, full, **MIXER_TOLERANCE)
+
+
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, torch.tensor([0, ids.shape[1]], dtype=torch.int32)).logits.float()
+
+
+def cached_logits(model, ids: torch.Tensor, split: list[int]) -> torch.Tensor:
+    cache, outputs, start = DecodeCache(), [], 0
+    for size in split + [1] * (ids.shape[1] - sum(split)):
+        outputs.append(forward_cached(model, ids[:, start : start + size], cache))
+        start += size
+    assert cache.num_tokens == ids.shape[1]
+    return torch.cat(outputs, 1)
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_model_cached_logits_equal_full_forward(models, name):
+    model = models[name]
+    torch.manual_seed(5)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 11))
+    if model.cfg.ngram_embedding is not None:
+        ids[0, 4] = NGRAM["boundary_token_id"]
+    # A prefill, a continuation of 3 tokens, then single tokens (single-token prefills: the mixer tests).
+    torch.testing.assert_close(cached_logits(model, ids, [5, 3]), full_logits(model, ids), **MODEL_TOLERANCE)
+
+
+def test_peft_model_decodes_with_adapters_merged_or_not():
+    profile = load_profile("tiny")
+    model = inject_lora(build_model(profile.model), profile.lora)
+    torch.manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                p.normal_(std=0.05)
+    model.eval()
+    ids = torch.randint(0, profile.model.vocab_size, (1, 7))
+    with torch.no_grad():
+        adapted = model(input_ids=ids, cu_seqlens=torch.tensor([0, 7], dtype=torch.int32)).logits
+        with model.disable_adapter():
+            plain = cached_logits(model, ids, [4])
+    assert (adapted - plain).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(cached_logits(model, ids, [4]), adapted, **MODEL_TOLERANCE)
+    merged = model.merge_and_unload()
+    torch.testing.assert_close(cached_logits(merged, ids, [4]), adapted, **MODEL_TOLERANCE)
+
+
+def test_moe_decodes_without_capacity_limits_and_leaves_training_statistics():
+    layers = [{"attention": "linear"}, {"attention": "linear"}]
+    moe = {**load_profile("tiny").model.moe.model_dump(), "capacity_factor": 0.5, "bias_update_rate": 0.1}
+    limited = perturbed(build_model(model_cfg(layers, moe=moe)))
+    unlimited = build_model(model_cfg(layers, moe={**moe, "capacity_factor": 0.0})).eval()
+    unlimited.load_state_dict(limited.state_dict())
+    blocks = [m for m in limited.modules() if isinstance(m, MoEBlock)]
+    with torch.no_grad():
+        for block in blocks:
+            block.selection_bias.normal_()  # the biased choice is part of inference
+    unlimited.load_state_dict(limited.state_dict())
+    ids = torch.randint(0, 259, (1, 12))
+    # A factor of 0.5 drops slots in the full forward: what decoding must not do.
+    assert (full_logits(limited, ids) - full_logits(unlimited, ids)).abs().max() > 1e-3
+    limited.train()  # decoding a model left in training mode still counts nothing
+    biases = [b.selection_bias.clone() for b in blocks]
+    torch.testing.assert_close(cached_logits(limited, ids, [7]), full_logits(unlimited, ids), **MODEL_TOLERANCE)
+    for block, bias in zip(blocks, biases):
+        assert block.load_counts.sum() == 0 and block.dropped_slots == 0
+        torch.testing.assert_close(block.selection_bias, bias, atol=0, rtol=0)
+
+
+def argmax_chain(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """The slow reference: the full forward re-run over the whole sequence for every new token."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(full_logits(model, torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+PROMPT = [5, 17, 200, 3, 99]
+
+
+@pytest.fixture(scope="module")
+def greedy(models):
+    """Greedy generation of 5 tokens after PROMPT on the tiny model, and the tokens streamed."""
+    streamed = []
+    return generate_ids(models["tiny"], PROMPT, 5, on_token=streamed.append), streamed
+
+
+def test_greedy_generation_is_the_argmax_chain(models, greedy):
+    got, streamed = greedy
+    assert got == argmax_chain(models["tiny"], PROMPT, 5)
+    assert streamed == got
+
+
+def test_sampling_is_reproducible_under_its_seed(models, greedy):
+    model = models["tiny"]
+    first = generate_ids(model, PROMPT, 5, temperature=1.0, seed=11)
+    assert generate_ids(model, PROMPT, 5, temperature=1.0, seed=11) == first
+    assert generate_ids(model, PROMPT, 5, temperature=1.0, seed=12) != first
+    # A nucleus holding only the likeliest token is greedy decoding.
+    assert generate_ids(model, PROMPT, 5, temperature=1.0, top_p=1e-6, seed=11) == greedy[0]
+
+
+def test_generation_ends_after_a_stop_id_which_it_keeps(models, greedy):
+    chain = greedy[0]
+    stop = chain[2]
+    streamed = []
+    got = generate_ids(models["tiny"], PROMPT, 5, stop_ids=(stop, 258), on_token=streamed.append)
+    assert got == chain[: chain.index(stop) + 1] and streamed == got
+    assert generate_ids(models["tiny"], PROMPT, 0) == []
+
+
+@pytest.mark.parametrize(
+    "prompt, options, message",
+    [
+        ([], {}, r"prompt: empty"),
+        ([3, 259], {}, r"prompt: token id 259 must be in \[0, 259\)"),
+        ([3, -1], {}, r"prompt: token id -1 must be in"),
+        ([3], {"max_new_tokens": -1}, r"max_new_tokens \(-1\) must be >= 0"),
+        ([3], {"temperature": -0.5}, r"temperature \(-0.5\) must be a finite number >= 0"),
+        ([3], {"temperature": float("nan")}, r"temperature \(nan\) must be"),
+        ([3], {"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
+        ([3], {"top_p": 1.5}, r"top_p \(1.5\) must be in \(0, 1\]"),
+    ],
+)
+def test_bad_options_are_refused(models, prompt, options, message):
+    options = {"max_new_tokens": 3, **options}
+    with pytest.raises(ProfileError, match=message):
+        generate_ids(models["tiny"], prompt, **options)
+
+
+def test_bad_options_are_reported_together(models):
+    with pytest.raises(ProfileError) as error:
+        generate_ids(models["tiny"], [], -1, temperature=-1.0, top_p=2.0)
+    assert len(error.value.problems) == 4
+
+
+def test_vision_model_decodes_text_and_refuses_image_tokens():
+    cfg = load_profile("tiny-vl").model
+    model = perturbed(build_model(cfg))
+    ids = torch.randint(0, 259, (1, 7))
+    torch.testing.assert_close(cached_logits(model, ids, [5]), full_logits(model, ids), **MODEL_TOLERANCE)
+    image = cfg.vision.image_token_id
+    with pytest.raises(ProfileError, match=rf"prompt: token 2 is the image token \({image}\): generate decodes text"):
+        generate_ids(model, [4, 5, image, 6], 2)
