@@ -455,7 +455,8 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
         if hasattr(pairs, "close"):
             pairs.close()
     if num_records == 0:
-        problems.append(f"{source.field} ('{source.path}') holds no records (an empty {records.kind})")
+        empty = {"JSON array": "an empty JSON array", "JSONL": "only blank lines"}.get(records.kind, "no rows")
+        problems.append(f"{source.field} ('{source.path}') holds no records ({empty})")
     return read
 
 

@@ -36,6 +36,8 @@ TABLE_BATCH_ROWS = 64
 # state.json and dataset_dict.json of a saved dataset are a few hundred bytes; a larger one is not datasets'.
 MAX_DATASET_JSON_BYTES = 1 << 20
 INSTALL_HINT = "pip install 'moe-tune[data]'"
+DATA_FILES = ("a data file holds one JSON record per line (JSONL), a JSON array of records ('[' first), a .parquet "
+              "file or a save_to_disk folder")
 
 # Bytes that change a JSON array's structure outside strings, and those that end or escape inside a string.
 _STRUCTURE = re.compile(rb'[\[\]{},"]')
@@ -112,25 +114,20 @@ def _first_byte(f) -> bytes:
 
 
 def _jsonl_records(f, path: Path, max_record_bytes: int) -> Iterator[tuple[str, object]]:
-    """JSONL: one record per line; blank lines are skipped. A file whose first record is not JSON is not JSONL (a
-    pretty-printed JSON object, a binary file): it stops after that one line."""
+    """JSONL: one record per line; blank lines are skipped. A file whose first record is not UTF-8 or not JSON is
+    not JSONL (a pretty-printed JSON object, a compressed or binary file): it stops after that one line."""
     with f:
         is_first = True
         for line_no, line, problem in jsonl_lines(f, max_record_bytes):
-            where = f"{path}:{line_no}"
-            if problem is not None:
-                yield where, Refused(problem)
-                is_first = False
+            if problem is None and not line.strip():
                 continue
-            if not line.strip():
-                continue
-            record = json_record(line)
-            if is_first and isinstance(record, Refused) and record.reason.startswith("invalid JSON"):
-                yield where, Refused(f"{record.reason}; a data file holds one JSON record per line (JSONL), a JSON "
-                                     "array of records ('[' first), a .parquet file or a save_to_disk folder")
+            record = Refused(problem) if problem is not None else json_record(line)
+            if is_first and isinstance(record, Refused) and not record.reason.startswith("the record ("):
+                hint = f"; {DATA_FILES}" if record.reason.startswith("invalid JSON") else ""
+                yield f"{path}:{line_no}", Refused(record.reason + hint)
                 return
             is_first = False
-            yield where, record
+            yield f"{path}:{line_no}", record
 
 
 def jsonl_lines(f, max_record_bytes: int) -> Iterator[tuple[int, str | None, str | None]]:

@@ -522,3 +522,54 @@ def test_summary_lines(tmp_path):
     assert lines[1].startswith("train: 4 documents, ")
     assert lines[2].startswith("eval: 2 documents, ") and lines[2].endswith("(data.eval_fraction (0.5) of each source, "
                                                                            "chosen with data.seed)")
+
+
+def test_alpaca_and_sharegpt_records_carry_images(tmp_path):
+    """Image paths of any format and file kind resolve against the source's own folder, as JSONL messages do."""
+    np = pytest.importorskip("numpy")
+    image = pytest.importorskip("PIL.Image")
+    from moe_tune.engine.data.dataset import VisionInput
+    from moe_tune.engine.data.images import ImageSettings
+    from moe_tune.engine.data.multimodal import VisionTokens
+
+    vision = VisionInput(ImageSettings(patch_size=4, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32),
+                         VisionTokens(image=300, start=301, end=302))
+    folder = tmp_path / "sub"
+    folder.mkdir()
+    image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(folder / "a.png")
+    records = [{"instruction": "<image>what?", "output": "dark", "images": ["a.png"]},
+               {"conversations": [{"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "dark"}],
+                "images": ["a.png"]}]
+    expected = {"messages": chat(("user", "<image>what?"), ("assistant", "dark")), "images": ["a.png"]}
+    data = [profile(sources=[{"path": write_parquet(folder / "a.parquet", records[:1])},
+                             {"path": write_json(folder / "s.json", records[1:])}]),
+            profile(path=write_jsonl(folder / "m.jsonl", [expected, expected]))]
+    got, want = (load_documents(d, TOK, vision) for d in data)
+    assert got == want and len(got[0].images) == 1
+    # A record's image outside its source's folder is refused, naming it.
+    outside = write_parquet(tmp_path / "b.parquet", [dict(records[0], images=["../sub/a.png"])])
+    with pytest.raises(ProfileError, match=r"b\.parquet:row 0: image '\.\./sub/a\.png' resolves outside the data "
+                                           r"folder"):
+        load_documents(profile(path=outside), TOK, vision)
+
+
+@pytest.mark.parametrize("first", [b"\x1f\x8b\x08\x00binary\n", b"{\n", b"\xff\xfe{\x00\n"], ids=["gzip", "pretty",
+                                                                                                 "utf-16"])
+def test_a_file_that_is_not_jsonl_is_one_line(tmp_path, first):
+    """A first line that is not a JSON record (compressed, pretty-printed, another encoding) stops the file."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(first + b"garbage\n" * 50)
+    (line,) = refusals(path=path)
+    assert line.startswith(f"{path}:1: ")
+
+
+@pytest.mark.parametrize("kind", ["parquet", "saved"])
+def test_a_table_without_rows(tmp_path, kind):
+    table = pa.table({"text": pa.array([], pa.string())})
+    if kind == "parquet":
+        path = tmp_path / "d.parquet"
+        pq.write_table(table, path)
+    else:
+        path = tmp_path / "d"
+        datasets.Dataset(table).save_to_disk(str(path))
+    assert refusals(path=path) == [f"data.path ('{path}') holds no records (no rows)"]
