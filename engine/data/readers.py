@@ -383,7 +383,7 @@ def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Re
         raise ProfileError([f"{path}: a folder must be one written by datasets' save_to_disk (it has no state.json "
                             "or dataset_dict.json)"])
     files = state.get("_data_files") if isinstance(state, dict) else None
-    if not isinstance(files, list) or not files or not all(
+    if not isinstance(files, list) or not all(
         isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files
     ):
         raise ProfileError([f"{path}/state.json: must list the dataset's Arrow files (_data_files), as "
@@ -397,6 +397,9 @@ def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Re
                                 "(set data.allow_paths_outside: true to allow)"])
         if not resolved.is_file():
             raise ProfileError([f"{path}/state.json: data file {name!r} is missing or not a regular file"])
+    if not files:
+        # datasets cannot load a dataset of no Arrow files (no rows); the caller says it holds no records.
+        return Records(path, "saved dataset", None, iter(()))
     datasets = require("datasets", "a save_to_disk folder", path)
     try:
         dataset = datasets.load_from_disk(str(path), keep_in_memory=False)
