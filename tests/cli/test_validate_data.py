@@ -150,3 +150,41 @@ def test_the_report_names_the_profiles_chat_template(tmp_path):
     assert result.exit_code == 0, result.output
     assert ("data: chat records: rendered by data.chat_template, assistant turns trained without their header "
             "(data.train_on: assistant)") in result.stderr.splitlines()
+
+
+@pytest.mark.parametrize("vocab_size", [300, 64])
+def test_a_checkpoints_own_tokenizer_is_read_as_finetune_reads_it(tmp_path, vocab_size):
+    """model.checkpoint: the job resolved from config.json, the tokenizer and chat template from the checkpoint's
+    folder; a tokenizer larger than the checkpoint's vocabulary is refused."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+    from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+    from test_chat import save_tokenizer
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(vocab_size=vocab_size), tmp_path / "ckpt")
+    raw = save_tokenizer(checkpoint, "qwen3", True)
+    data = write(tmp_path / "d.jsonl", *({"messages": c} for c in CHATS))
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump({"name": "ckpt", "model": {"checkpoint": str(checkpoint)},
+                                       "data": {"path": str(data), "seq_len": 64},
+                                       "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3},
+                                       "output": {"dir": str(tmp_path / "out")}}))
+    result = runner.invoke(app, ["validate", str(profile)])
+    if vocab_size < len(raw):
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [
+            f"error: model.vocab_size ({vocab_size}) must be >= the tokenizer's ({len(raw)})"]
+        return
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert f"data: tokenizer {checkpoint}: {len(raw)} tokens (model.vocab_size {vocab_size})" in lines
+    assert ("data: chat records: rendered by the tokenizer's chat template, assistant turns trained without their "
+            "header (data.train_on: assistant)") in lines
+    # transformers' rendering and assistant mask of each chat (no <bos>; the template closes its turns itself).
+    rendered = [raw.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+                for c in CHATS]
+    tokens = sum(len(out["input_ids"]) - 1 for out in rendered)
+    trained = sum(sum(out["assistant_masks"]) for out in rendered)
+    assert f"data: train: 2 documents, {tokens} tokens, {trained} trained ({100 * trained / tokens:.0f}%)" in lines
