@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import pickle
 import re
@@ -133,7 +134,7 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
     Raises CheckpointWriteError on every rank when any write fails; the temporary folder is removed and the
     checkpoints already there are kept. Pruning to keep_last runs only after the new checkpoint is complete and
     counts the checkpoints up to `step` (newer ones, left by a resume from an older checkpoint, are replaced when
-    their step is saved again)."""
+    their step is saved again); the one with the lowest eval loss (best_checkpoint) is kept besides them."""
     name = checkpoint_name(step)
     tmp_root = root / f"{TMP_PREFIX}{name}"
     final = root / name
@@ -183,13 +184,36 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
         lineage = [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step]
         # Older step folders without a trainer state are leftovers no resume can load.
         leftovers = [p for p in checkpoint_dirs(root) if checkpoint_step(p) < step and not (p / STATE_FILE).exists()]
-        for old in lineage[:-keep_last] + leftovers:
+        best = best_checkpoint(root, step)
+        for old in [p for p in lineage[:-keep_last] if best is None or p != best[0]] + leftovers:
             # Renamed first: a crash mid-delete leaves a temporary to sweep, not a half-deleted checkpoint.
             doomed = root / f"{TMP_PREFIX}pruned-{old.name}"
             os.replace(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)
     _barrier()
     return final
+
+
+def checkpoint_eval_loss(path: Path) -> float | None:
+    """The eval loss a checkpoint's trainer state records for its step (None: no eval then, or unreadable)."""
+    state, problem = _read_json(path / STATE_FILE)
+    loss = state.get("eval_loss") if problem is None and isinstance(state, dict) else None
+    return float(loss) if _is_number(loss) and math.isfinite(loss) else None
+
+
+def best_checkpoint(root: Path, up_to_step: int) -> tuple[Path, float] | None:
+    """The complete checkpoint up to `up_to_step` with the lowest eval loss (the earliest of equals) and that loss;
+    None when none records one. Read from the checkpoints themselves, so a resumed run knows it too."""
+    best = None
+    for path in complete_checkpoints(root):
+        loss = checkpoint_eval_loss(path) if checkpoint_step(path) <= up_to_step else None
+        if loss is not None and (best is None or loss < best[1]):
+            best = (path, loss)
+    return best
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _one_line(err: BaseException) -> str:
@@ -245,6 +269,8 @@ def _check_state(state: Any, step: int) -> str | None:
         isinstance(b, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) for b in bias
     )):  # fmt: skip
         problems.append("'selection_bias' is not a list of lists of numbers")
+    if state.get("eval_loss") is not None and not _is_number(state["eval_loss"]):
+        problems.append(f"'eval_loss' is {state['eval_loss']!r}, not a number")
     return f"{STATE_FILE}: {'; '.join(problems)}" if problems else None
 
 
@@ -330,10 +356,11 @@ def load_checkpoint(engine, path: Path) -> dict[str, Any]:
 
 def run_signature(profile, world_size: int) -> dict[str, dict[str, Any]]:
     """What a checkpoint must share with the profile that resumes it (`fixed`: model, LoRA, parallel layout), and
-    what may change but is worth a note (`noted`: train and data settings; train.steps and output.* change freely)."""
+    what may change but is worth a note (`noted`: train and data settings; train.steps, train.epochs and output.*
+    change freely)."""
     model = profile.model.model_dump(mode="json", exclude={"checkpoint"})
     layout = {"expert_parallel": profile.parallel.expert_parallel, "zero_stage": profile.parallel.zero_stage}
-    train = profile.train.model_dump(mode="json", exclude={"steps"})
+    train = profile.train.model_dump(mode="json", exclude={"steps", "epochs"})
     return {
         "fixed": {"model": model, "lora": profile.lora.model_dump(mode="json"), "parallel": layout,
                   "world_size": world_size},

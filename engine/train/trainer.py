@@ -7,6 +7,7 @@ Outputs in profile.output.dir:
   adapter-transformers/    the adapter for transformers + PEFT on the checkpoint (runs from a checkpoint)
   model.safetensors        all weights (full fine-tune)  merged/                adapters merged, hub layout (save_merged)
   summary.json             losses, timings, paths
+  loggers.json             W&B / MLflow run ids          wandb/, mlruns/        their local files (output.report_to)
 Every export is consolidated into the single-process layout, whatever the expert-parallel layout of the run.
 """
 
@@ -798,7 +799,7 @@ def _run_eval(engine, eval_data, train: TrainProfile, dist: DistInfo, step: int,
     if writer is not None:
         writer.write(record)
     result.eval_loss, result.eval_step = loss, step
-    if result.best_eval_loss is None or loss < result.best_eval_loss:
+    if math.isfinite(loss) and (result.best_eval_loss is None or loss < result.best_eval_loss):
         result.best_eval_loss, result.best_eval_step = loss, step
     reporter.report_eval(record)
     return loss
