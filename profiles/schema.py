@@ -576,8 +576,8 @@ class DataProfile(Strict):
     messages_field: str = Field("messages", description="key of chat records (list of {role, content})")
     roles: dict[str, str] = Field(
         default_factory=dict, description="record role names mapped onto the chat roles system, user and assistant, "
-        "e.g. {human: user, gpt: assistant} (ShareGPT); a message whose role is none of those after the mapping is "
-        "an error naming its record"
+        "e.g. {bot: assistant}; data.format sharegpt maps human, gpt and system itself unless named here; a message "
+        "whose role is none of those after the mapping is an error naming its record"
     )
     corpus: Literal["stories", "shapes"] = Field(
         "stories", description="the built-in corpus when neither data.path nor data.sources is set: generated "
