@@ -188,3 +188,14 @@ def test_a_checkpoints_own_tokenizer_is_read_as_finetune_reads_it(tmp_path, voca
     tokens = sum(len(out["input_ids"]) - 1 for out in rendered)
     trained = sum(sum(out["assistant_masks"]) for out in rendered)
     assert f"data: train: 2 documents, {tokens} tokens, {trained} trained ({100 * trained / tokens:.0f}%)" in lines
+
+
+def test_eval_records_are_reported_apart(tmp_path):
+    train = write(tmp_path / "train.jsonl", {"text": "three"}, {"text": "four"})
+    held = write(tmp_path / "eval.jsonl", {"text": "one"}, {"text": "two"})
+    result = validate(train, f"data.eval_path={held}")
+    assert result.exit_code == 0, result.output
+    # A text document of n characters: <bos> and n inputs, n + 1 labels (the <eos> last), every one trained.
+    lines = result.stderr.splitlines()
+    assert "data: train: 2 documents, 11 tokens, 11 trained (100%)" in lines
+    assert any(line.startswith("data: eval: 2 documents, 8 tokens, 8 trained (100%)") for line in lines), lines
