@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from moe_tune.ops.sparse_attention.reference import index_scores, select_top
 
+from .varlen import without_cudnn_sdpa
+
 # New queries attended at once over the cache: bounds the [H, chunk, M] fp32 scores of a long continuation.
 QUERY_CHUNK = 256
 
@@ -110,12 +112,15 @@ def cached_attention(
     q: [T, H, K], k: [M, G, K], v: [M, G, V] (query head h reads kv head h // (H / G)); allowed_TM: [T, M] bool;
     scale: default K**-0.5; sinks: [H] or None, one more logit per head whose value is 0 (gpt_oss); gate: [T, H, V]
     or None, the output times sigmoid(gate). A query that sees no key (and no sink) gets 0. Returns [T, H, V] in
-    q's dtype.
+    q's dtype. On CUDA without sinks: one SDPA call (its fused kernels read the cache in its own dtype and keep the
+    scores in fp32); every query must see a key (as causal, windowed and top-k choices always do).
     """
     num_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
+    if q.is_cuda and sinks is None:
+        return sdpa_cached_attention(q, k, v, allowed_TM, scale, gate)
     k32, v32 = k.float(), v.float()
     outputs = []
     for first in range(0, num_queries, QUERY_CHUNK):
@@ -135,6 +140,23 @@ def cached_attention(
             o_THV = o_THV * torch.sigmoid(gate[first : first + QUERY_CHUNK].float())
         outputs.append(o_THV)
     return torch.cat(outputs).to(q.dtype)
+
+
+def sdpa_cached_attention(q, k, v, allowed_TM, scale: float, gate: torch.Tensor | None) -> torch.Tensor:
+    """cached_attention through SDPA: the queries of each kv head's group are rows of that head, so k and v [M, G, .]
+    are read as they are (no copy per query head)."""
+    num_queries, num_heads, _ = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    # [1, G, J * T, K]: row j * T + t is query head g * J + j at token t.
+    q_1GRK = q.unflatten(1, (num_kv_heads, group)).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * num_queries, -1)
+    k_1GMK, v_1GMV = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]
+    with without_cudnn_sdpa():
+        o_1GRV = F.scaled_dot_product_attention(q_1GRK, k_1GMK, v_1GMV, attn_mask=allowed_TM.repeat(group, 1), scale=scale)
+    o_THV = o_1GRV[0].unflatten(1, (group, num_queries)).permute(2, 0, 1, 3).flatten(1, 2)
+    if gate is not None:
+        o_THV = (o_THV.float() * torch.sigmoid(gate.float())).to(q.dtype)
+    return o_THV
 
 
 def select_cached_keys(

@@ -85,7 +85,7 @@ def build_mixer(name: str) -> nn.Module:
 
 
 def full_forward(mixer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    cu = torch.tensor([0, x.shape[1]], dtype=torch.int32)
+    cu = torch.tensor([0, x.shape[1]], dtype=torch.int32, device=x.device)
     batch = PackedBatch(cu, document_positions(cu, x.shape[1]), document_ids(cu, x.shape[1]))
     return mixer(x, batch)
 
@@ -94,8 +94,8 @@ def cached_forward(mixer: nn.Module, x: torch.Tensor, schedule: list[int]) -> tu
     """The rows of cached calls of `schedule` tokens each, concatenated."""
     cache, outputs, start = DecodeCache(), [], 0
     for num_tokens in schedule:
-        positions = torch.arange(start, start + num_tokens)
-        step = DecodeStep(positions, torch.zeros(num_tokens, dtype=torch.long), cache)
+        positions = torch.arange(start, start + num_tokens, device=x.device)
+        step = DecodeStep(positions, torch.zeros_like(positions), cache)
         outputs.append(mixer.forward_cached(x[:, start : start + num_tokens], step))
         start += num_tokens
         cache.num_tokens = start
