@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from moe_tune.profiles import escape_controls
+
 from ._common import err_console, fail, user_errors
 
 app = typer.Typer()
@@ -28,8 +30,8 @@ def generate(
                                          "probability mass, in (0, 1]")] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="the sampling generator's seed")] = 0,
     system: Annotated[str | None, typer.Option("--system", help="a system message before the conversation")] = None,
-    raw: Annotated[bool, typer.Option("--raw", help="the prompt as it is, no chat template (for models trained on "
-                                      "plain text); stops only at <eos>")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="the prompt as it is after <bos>, no chat template (for models "
+                                      "trained on plain text)")] = False,
 ) -> None:
     """Generate from a run's final weights (LoRA adapters merged) with the chat template applied; cached decoding
     (key/value caches, recurrent states). Greedy unless --temperature > 0."""
@@ -50,12 +52,13 @@ def generate(
 
     with user_errors():
         session = load_session(target)
-    err_console.print(session.note, markup=False, highlight=False)
+    err_console.print(escape_controls(session.note), markup=False, highlight=False)
     base = [{"role": "system", "content": system}] if system is not None else []
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     if not chat:
         with user_errors():
-            ids = session.prompt(text=prompt) if raw else session.prompt(messages=base + [{"role": "user", "content": prompt}])
+            messages = base + [{"role": "user", "content": prompt}]
+            ids = session.prompt(text=prompt) if raw else session.prompt(messages=messages)
         reply(session, ids, stop=True, **options)
         return
     err_console.print("chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends",
@@ -76,7 +79,8 @@ def generate(
 
 def reply(session, ids: list[int], stop: bool, **options) -> str:
     """Generate after `ids`, streaming the text to stdout; the speed line on stderr. Returns the text."""
-    result = session.generate(ids, stop=stop, on_text=write, **options)
+    with user_errors():
+        result = session.generate(ids, stop=stop, on_text=write, **options)
     write("\n")
     ended = "a stop token" if result.stopped else f"--max-new-tokens ({options['max_new_tokens']})"
     err_console.print(
@@ -92,7 +96,5 @@ _KEEP = re.compile(r"([\n\t])")
 
 
 def write(text: str) -> None:
-    from moe_tune.profiles import escape_controls
-
     sys.stdout.write("".join(p if _KEEP.fullmatch(p) else escape_controls(p) for p in _KEEP.split(text)))
     sys.stdout.flush()

@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_tune.engine.data.chat import DEFAULT_CHAT_OPTIONS, ChatOptions
+from moe_tune.engine.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-from moe_tune.engine.data.chat import DEFAULT_CHAT_OPTIONS, ChatOptions
-from moe_tune.engine.data.tokenizer import CHAT_TEMPLATE, Tokenizer
+from .decode import generate_ids
 
 # A rendering's last tokens searched for the special token that closes a turn (as chat.template_closes_turn).
 TURN_END_WINDOW = 8
@@ -173,7 +174,7 @@ def load_model(loaded: Loaded, device: torch.device) -> nn.Module:
     dtype = DTYPES[profile.train.precision] if device.type == "cuda" else torch.float32
     if loaded.run_dir is None and cfg.checkpoint is None and device.type == "cpu" and dtype == torch.float32:
         return build_model(cfg).eval()
-    # Built in place, uninitialised values overwritten below: no fp32 copy of a bf16 model ever exists.
+    # Built on the device in its dtype (PyTorch's default init, overwritten below): no fp32 copy of a bf16 model.
     with torch.device(device), default_dtype(dtype):
         model = MoECausalLM(cfg)
     for module in model.modules():
@@ -317,10 +318,6 @@ class Session:
     stop_ids: tuple[int, ...] = field(default=())
     options: ChatOptions = DEFAULT_CHAT_OPTIONS
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
     def prompt(self, messages: list[dict] | None = None, text: str | None = None) -> list[int]:
         """prompt_ids for this tokenizer; ProfileError when it renders to no token."""
         ids = prompt_ids(self.tok, messages, text, self.options)
@@ -343,19 +340,18 @@ class Session:
         text grows."""
         stream = TextStream(self.tok.decode)
         stops = self.stop_ids if stop else ()
-        chosen: list[int] = []
         first: list[float] = []
         started = time.perf_counter()
 
         def on_token(token: int) -> None:
             if not first:
                 first.append(time.perf_counter() - started)
-            chosen.append(token)
             if token not in stops and on_text is not None and (piece := stream.push(token)):
                 on_text(piece)
 
         with torch.inference_mode():
-            out = generate_ids(self.model, ids, max_new_tokens, temperature, top_p, stops, seed, on_token)
+            out = generate_ids(self.model, ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                               stop_ids=stops, seed=seed, on_token=on_token)
         elapsed = time.perf_counter() - started
         stopped = bool(out) and out[-1] in stops
         out = out[:-1] if stopped else out
@@ -380,40 +376,3 @@ def load_session(target: str, device: torch.device | None = None) -> Session:
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     return Session(model, tok, loaded.profile, device, f"{loaded.note}; on {device.type}, {dtype}",
                    stop_ids(tok, loaded.profile, options), options)
-
-
-def generate_ids(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, stop_ids=(), seed=0, on_token=None):
-    """decode.generate_ids (cached decoding)."""
-    try:
-        from moe_tune.engine.generate import decode
-    except ImportError:
-        return stand_in_generate_ids(model, prompt_ids, max_new_tokens, temperature, top_p, stop_ids, seed, on_token)
-    return decode.generate_ids(model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                               stop_ids=stop_ids, seed=seed, on_token=on_token)
-
-
-def stand_in_generate_ids(model, prompt_ids, max_new_tokens, temperature, top_p, stop_ids, seed, on_token):
-    """STAND-IN until decode.py lands: the full forward re-run per token."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    ids = list(prompt_ids)
-    out = []
-    for _ in range(max_new_tokens):
-        x = torch.tensor([ids], device=device)
-        cu = torch.tensor([0, len(ids)], dtype=torch.int32, device=device)
-        logits = model(x, cu).logits[0, -1].float().cpu()
-        if temperature == 0:
-            token = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / temperature, -1)
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < top_p
-            sorted_p = sorted_p * keep
-            token = int(order[torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)])
-        ids.append(token)
-        out.append(token)
-        if on_token is not None:
-            on_token(token)
-        if token in stop_ids:
-            break
-    return out

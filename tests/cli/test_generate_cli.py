@@ -18,7 +18,7 @@ from moe_tune.cli import app
 from moe_tune.engine.data.chat import ChatOptions, chat_tokens
 from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
 from moe_tune.engine.generate.session import TextStream, load_session, prompt_ids, resolve_target, stop_ids
-from moe_tune.profiles import ProfileError, load_profile
+from moe_tune.profiles import load_profile
 
 runner = CliRunner()
 CPU = torch.device("cpu")
@@ -127,7 +127,8 @@ def test_chat_keeps_the_history_and_ends_on_an_empty_line(lora_run, monkeypatch)
     lines = result.stderr.strip().splitlines()
     assert lines[1] == "chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends"
     assert sum(bool(SPEED_LINE.match(line)) for line in lines) == 2
-    assert [[m["role"] for m in turn] for turn in asked] == [["system", "user"], ["system", "user", "assistant", "user"]]
+    roles = [[m["role"] for m in turn] for turn in asked]
+    assert roles == [["system", "user"], ["system", "user", "assistant", "user"]]
     assert asked[1][:2] == asked[0] and asked[1][3]["content"] == "second"
 
 
@@ -136,8 +137,8 @@ def stream_all(decode, ids) -> list[str]:
     return [stream.push(i) for i in ids] + [stream.flush()]
 
 
-@pytest.mark.parametrize("text", ["plain ascii", "é漢字🙂 mixed", "🙂", "a\u202eb\n\tc"], ids=["ascii", "multibyte", "emoji",
-                                                                                            "controls"])
+@pytest.mark.parametrize("text", ["plain ascii", "é漢字🙂 mixed", "🙂", "a\u202eb\n\tc"],
+                         ids=["ascii", "multibyte", "emoji", "controls"])
 def test_stream_never_prints_half_a_character(text):
     tok = ByteTokenizer()
     pieces = stream_all(tok.decode, tok.encode(text))
@@ -207,7 +208,8 @@ def test_the_prompt_is_the_templates_with_the_generation_prompt(tmp_path, eos):
 def test_the_prompt_of_the_built_in_format_and_of_a_profile_template():
     tok = ByteTokenizer()
     prompt = assert_prompt_opens_the_training_document(tok)
-    assert tok.decode(prompt) == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n" and prompt[0] == tok.bos_id
+    assert prompt[0] == tok.bos_id
+    assert tok.decode(prompt) == "<|system|>\nBe brief.\n<|user|>\nHi there\n<|assistant|>\n"
     assert_prompt_opens_the_training_document(tok, ChatOptions(template=QWEN_LIKE))
     assert prompt_ids(tok, text="raw text") == [tok.bos_id, *b"raw text"]
     assert stop_ids(tok, tiny_job("unused")) == (tok.eos_id,)
@@ -215,9 +217,10 @@ def test_the_prompt_of_the_built_in_format_and_of_a_profile_template():
 
 def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path):
     run, _ = lora_run
+    base = (f"model: the base model of {{profile}} (its seeded random init, model.seed 0, untrained); output.dir "
+            f"{tmp_path / 'none'} holds no run")
     for out, expected in [(run, f"model: the run in output.dir {run} (LoRA adapters merged, step 2)"),
-                          (tmp_path / "none", f"model: the base model of {{profile}} (its seeded random init, model.seed "
-                                              f"0, untrained); output.dir {tmp_path / 'none'} holds no run")]:
+                          (tmp_path / "none", base)]:
         profile = tmp_path / "p.yaml"
         profile.write_text(yaml.safe_dump(tiny_job(out).model_dump(mode="json")))
         loaded = resolve_target(str(profile))
@@ -230,8 +233,8 @@ def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path
     [
         (["{tmp}/none", "--prompt", "x"], "{tmp}/none: no such run folder or profile file, nor a shipped profile"),
         (["{tmp}", "--prompt", "x"], "{tmp}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"),
-        (["{unfinished}", "--prompt", "x"], "{unfinished}: no final weights (no adapter/adapter_model.safetensors): the "
-         "run did not finish; finish it with `moe-tune finetune PROFILE --resume`, or write checkpoint step 2 for "
+        (["{unfinished}", "--prompt", "x"], "{unfinished}: no final weights (no adapter/adapter_model.safetensors): "
+         "the run did not finish; finish it with `moe-tune finetune PROFILE --resume`, or write checkpoint step 2 for "
          "transformers with `moe-tune export {unfinished} --step 2`"),
         (["{locked}", "--prompt", "x"], "{locked}: a run holds this folder (.lock); try it once the run has ended"),
         (["{tmp}/bad.yaml", "--prompt", "x"], "model: required field is missing"),
