@@ -317,19 +317,48 @@ def test_eval_without_labelled_tokens_is_refused():
 def test_eval_on_two_ranks_equals_one_process(tmp_path, child_env):
     """ZeRO-3 and expert parallel 2 on 2 gloo ranks, the eval rows odd in number (rank 1 runs an empty row last):
     the same eval loss as one process on the same rows."""
-    from test_distributed import run_ranks
+    from test_distributed import Forks
+
+    from moe_tune.engine.parallel.launch import rank_env
+    from moe_tune.engine.train.distributed import free_port
 
     assert len(pack_rows(eval_documents(), 56, TOK.pad_id)) % 2 == 1
     base = [*SMALL, "train.steps=1", "train.epochs=null", "train.warmup_steps=0", "model.moe.aux_loss_coef=0",
             "train.gradient_accumulation_steps=1", f"data.eval_path={write_eval_file(tmp_path)}"]
     summaries = []
-    for world, overrides in ((1, ["train.micro_batch_size=2"]),
-                             (2, ["train.micro_batch_size=1", "parallel.expert_parallel=2"])):
-        out = tmp_path / f"world{world}"
-        codes, logs, _ = run_ranks(world, out, [*base, *overrides], child_env, base=[])
-        assert codes == [0] * world, logs[0][-3000:]
-        summaries.append(json.loads((out / "summary.json").read_text()))
+    forks = Forks(child_env)
+    try:
+        for world, overrides in ((1, ["train.micro_batch_size=2"]),
+                                 (2, ["train.micro_batch_size=1", "parallel.expert_parallel=2"])):
+            out = tmp_path / f"world{world}"
+            logs = [tmp_path / f"world{world}-rank{r}.log" for r in range(world)]
+            args = ["--result", str(tmp_path / f"world{world}.json"),
+                    *[a for o in [*base, *overrides, f"output.dir={out}"] for a in ("--set", o)]]
+            port = free_port()
+            codes = forks.run([rank_env(r, world, port, child_env) for r in range(world)], args, logs)
+            assert codes == [0] * world, logs[0].read_text()[-3000:]
+            summaries.append(json.loads((out / "summary.json").read_text()))
+    finally:
+        forks.close()
     one, two = summaries
     assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5, abs=1e-6)
     assert two["eval_step"] == one["eval_step"] == 1
+
+
+@pytest.mark.parametrize("overrides, has_eval, interval, notes", [
+    ([], False, None, []),
+    (["train.eval_every=5", "train.eval_batches=2"], False, None,
+     ["note: train.eval_every (5) is ignored: there is no eval data (data.eval_path or data.eval_fraction)",
+      "note: train.eval_batches (2) is ignored: there is no eval data (data.eval_path or data.eval_fraction)"]),
+    ([], True, 100, []),  # by default every checkpoint (output.save_every) has its eval
+    (["train.eval_every=25"], True, 25, []),
+    (["train.eval_every=30"], True, 30,
+     ["note: train.eval_every (30) does not divide output.save_every (100): checkpoints at steps without an eval "
+      "cannot be kept as the best"]),
+])
+def test_eval_interval_and_notes(overrides, has_eval, interval, notes):
+    profile = load_profile("tiny", ["output.save_every=100", *overrides])
+    eval_data = PackedDataset(eval_documents(), 56, TOK.pad_id, seed=0, shuffle=False) if has_eval else None
+    assert trainer.eval_interval(profile, eval_data) == interval
+    assert trainer.eval_notes(profile, eval_data) == notes
