@@ -56,9 +56,6 @@ class GrowingCache:
     def rows(self) -> torch.Tensor | None:
         return None if self.buffer is None else self.buffer[: self.length]
 
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.length * self.buffer[0].numel() * self.buffer.element_size()
-
 
 def one_document_batch(positions: torch.Tensor):
     """The PackedBatch of T tokens forming one document at `positions` [T] (the prefill's: 0 .. T - 1)."""

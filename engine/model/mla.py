@@ -205,21 +205,23 @@ class MultiHeadLatentAttention(nn.Module):
         return causal_keys(batch.positions, torch.arange(num_keys, device=x.device))
 
     def absorbed_weights(self, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's weight split into its key part [Rkv, H, Dn] and value part [Rkv, H, V], fp32, kept in the
-        state. Read by running kv_b_proj on the identity (it has no bias), so a LoRA-wrapped kv_b_proj gives its
-        merged weight."""
+        """kv_b_proj's weight split into its key part [Rkv, H, Dn] and value part [Rkv, H, V], kept in the state. A
+        plain nn.Linear's weight is read in place; any wrapper of it (LoRA) is run once on the identity (kv_b_proj has
+        no bias), which gives its merged weight in the model's dtype."""
         if "kv_b_weight" not in state:
-            latent = state["latent"].rows
-            eye_RR = torch.eye(self.kv_lora_rank, dtype=latent.dtype, device=latent.device)
-            weight = self.kv_b_proj(eye_RR).float().view(self.kv_lora_rank, self.num_heads, -1)
-            state["kv_b_weight"] = weight.split([self.nope_dim, self.v_dim], -1)
+            if type(self.kv_b_proj) is nn.Linear:
+                weight_RX = self.kv_b_proj.weight.T
+            else:
+                latent = state["latent"].rows
+                weight_RX = self.kv_b_proj(torch.eye(self.kv_lora_rank, dtype=latent.dtype, device=latent.device))
+            state["kv_b_weight"] = weight_RX.unflatten(1, (self.num_heads, -1)).split([self.nope_dim, self.v_dim], -1)
         return state["kv_b_weight"]
 
     def latent_attention(self, q_nope, q_rope, latents_MR, rope_keys_MR, allowed_TM, state: dict) -> torch.Tensor:
         """Attention of T new queries (q_nope [T, H, Dn], rotated q_rope [T, H, Dr]) over the cached latents
         [M, Rkv] and rope keys [M, Dr], fp32: the score of key m is (q_nope W_k) . latent_m + q_rope . rope_k_m and
         the output (sum_m p_m latent_m) W_v. Returns [T, H, V] in q's dtype."""
-        w_k_RHN, w_v_RHV = self.absorbed_weights(state)
+        w_k_RHN, w_v_RHV = (w.float() for w in self.absorbed_weights(state))
         latents_MR, rope_keys_MR = latents_MR.float(), rope_keys_MR.float()
         outputs = []
         for first in range(0, q_nope.shape[0], QUERY_CHUNK):

@@ -194,8 +194,8 @@ def test_decoding_projects_each_token_once(name):
     _, cache = cached_forward(mixer, x, SCHEDULES["chunks"])
     expected = {name: LENGTH for name in counter.rows}
     if "kv_b_proj" in expected:
-        # The prefill expands its 8 latents; decoding reads kv_b_proj's weight once (run on the [Rkv, Rkv] identity).
-        expected["kv_b_proj"] = 8 + mixer.kv_lora_rank
+        # Only the prefill's 8 latents are expanded; decoding absorbs kv_b_proj's weight into the query and output.
+        expected["kv_b_proj"] = 8
     assert counter.rows == expected
     (state,) = [s for s in cache.states.values() if "k" in s or "latent" in s]
     if "latent" in state:
