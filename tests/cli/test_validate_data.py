@@ -199,3 +199,23 @@ def test_eval_records_are_reported_apart(tmp_path):
     lines = result.stderr.splitlines()
     assert "data: train: 2 documents, 11 tokens, 11 trained (100%)" in lines
     assert any(line.startswith("data: eval: 2 documents, 8 tokens, 8 trained (100%)") for line in lines), lines
+
+
+def test_records_left_out_for_bad_images_are_listed_and_refused_without_skip(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    data = write(tmp_path / "d.jsonl", *({"messages": [{"role": "user", "content": "<image>what?"},
+                                                       {"role": "assistant", "content": "black"}], "images": [name]}
+                                         for name in ("a.png", "missing.png")))
+    sets = ["--set", f"data.path={data}"]
+    result = runner.invoke(app, ["validate", "tiny-vl", *sets, "--set", "data.bad_images=skip"])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    missing = f"{data}:2: {tmp_path / 'missing.png'}: no such image file"
+    assert lines[-3:] == ["data: 1 records left out (data.bad_images: skip):", f"data:   {missing}", "tiny-vl: valid"]
+    # "<|assistant|>\n" is not trained: "black\n" and <eos>.
+    assert any(line.startswith("data: train: 1 documents, ") and line.endswith(" 7 trained (17%)") for line in lines)
+    result = runner.invoke(app, ["validate", "tiny-vl", *sets])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [f"error: {missing}"]
