@@ -16,8 +16,8 @@ sandboxed Jinja environment, so a template cannot reach Python objects beyond th
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
