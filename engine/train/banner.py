@@ -57,10 +57,10 @@ def start_banner(
     data = data_lines(summary, train_documents)
     lines += [f"data:     {data[0]}", *(f"          {line}" for line in data[1:])]
     if eval_rows is not None:
-        lines.append(f"eval:     {eval_rows:,} rows of {profile.data.seq_len} tokens")
+        lines.append(f"eval:     {eval_rows:,} row{'s' if eval_rows != 1 else ''} of {profile.data.seq_len} tokens")
     rows_per_step = train.micro_batch_size * train.gradient_accumulation_steps * world_size
     steps = f"steps:    {total_steps:,}" + (f" ({epochs} epochs)" if epochs is not None else "")
-    steps += f", {rows_per_step:,} rows of {profile.data.seq_len} tokens a step"
+    steps += f", {rows_per_step:,} row{'s' if rows_per_step != 1 else ''} of {profile.data.seq_len} tokens a step"
     if start_step:
         steps += f", resuming after step {start_step:,}"
     lines.append(steps)

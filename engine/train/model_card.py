@@ -82,6 +82,10 @@ def data_lines(profile: JobProfile, summary: Any) -> list[str]:
     return lines
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
 def _loss(value: float | None) -> str:
     if value is None:
         return "-"
@@ -97,7 +101,8 @@ def training_lines(profile: JobProfile, result: Any) -> list[str]:
     lines = [
         f"- steps: {result.last_step} of {steps}" + (f" ({epochs} epochs)" if epochs is not None else "")
         + (f", stopped by {result.interrupted_by}" if getattr(result, "interrupted_by", None) else ""),
-        f"- batch: {train.micro_batch_size} rows x {train.gradient_accumulation_steps} accumulation steps a rank",
+        f"- batch per rank: {_count(train.micro_batch_size, 'row')} x "
+        f"{_count(train.gradient_accumulation_steps, 'accumulation step')}",
         f"- optimizer: AdamW, lr {train.lr:g} ({train.lr_schedule}), weight decay {train.weight_decay:g}",
         f"- precision: {train.precision}; ZeRO stage {profile.parallel.zero_stage}, expert-parallel "
         f"{profile.parallel.expert_parallel}",

@@ -267,9 +267,12 @@ def test_start_banner_names_folder_devices_layout_data_steps_and_trackers(tmp_pa
     assert "eval:     5 rows of 128 tokens" in text
     assert "steps:    120 (3 epochs), 16 rows of 128 tokens a step" in text
     assert lines[-1] == f"logging:  {tmp_path / 'metrics.jsonl'}, tensorboard --logdir x"
-    bare = start_banner(profile, tmp_path, torch.device("cpu"), 1, 10, 4, None, 40)
-    assert "data:     40 training documents" in bare and "eval:" not in "\n".join(bare)
-    assert "steps:    10, 4 rows of 128 tokens a step, resuming after step 4" in bare
+    bare = start_banner(profile.model_copy(update={"train": profile.train.model_copy(update={"micro_batch_size": 1})}),
+                        tmp_path, torch.device("cpu"), 1, 10, 4, None, 40, eval_rows=1)
+    assert "data:     40 training documents" in bare and "eval:     1 row of 128 tokens" in bare
+    assert "steps:    10, 1 row of 128 tokens a step, resuming after step 4" in bare
+    without_eval = start_banner(profile, tmp_path, torch.device("cpu"), 1, 10)
+    assert not any(line.startswith("eval:") for line in without_eval) and "data:     -" in without_eval
 
 
 def test_model_card_says_what_was_trained_on_what(tmp_path):
@@ -286,6 +289,7 @@ def test_model_card_says_what_was_trained_on_what(tmp_path):
         "- routed experts: not adapted (frozen)",
         "- train chat.jsonl: JSONL, sharegpt (first record has conversations): 40 records -> 40 documents",
         "- steps: 30 of 30 (2 epochs)",
+        "- batch per rank: 4 rows x 1 accumulation step",
         "- precision: fp32; ZeRO stage 3, expert-parallel 1",
         "- final train loss: 2.5000 (perplexity 12.18)",
         "- eval loss (step 30): 2.7500 (perplexity 15.64)",
