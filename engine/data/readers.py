@@ -43,6 +43,8 @@ DATA_FILES = ("a data file holds one JSON record per line (JSONL), a JSON array 
 _STRUCTURE = re.compile(rb'[\[\]{},"]')
 _STRING_STOP = re.compile(rb'["\\]')
 _BLANK = b" \t\r\n"
+_NOT_BLANK_TEXT = re.compile(r"[^ \t\r\n]")
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,11 @@ class Records:
 
     path: Path
     kind: str  # 'JSONL', 'JSON array', 'Parquet' or 'saved dataset'
-    columns: dict[str, str] | None = None
-    _pairs: Iterator[tuple[str, object]] = field(default=iter(()), repr=False)
+    columns: dict[str, str] | None
+    pairs: Iterator[tuple[str, object]] = field(repr=False)
 
     def __iter__(self) -> Iterator[tuple[str, object]]:
-        return self._pairs
+        return self.pairs
 
 
 def open_records(path: Path, field_name: str, max_record_bytes: int, allow_outside: bool = False) -> Records:
@@ -218,7 +220,21 @@ def json_array_records(f, path: Path, max_record_bytes: int) -> Iterator[tuple[s
         block = f.read(max(SKIP_BLOCK_BYTES, len(UTF8_BOM)))
         pos = len(UTF8_BOM) if block.startswith(UTF8_BOM) else 0
         while block:
+            # Fast path: whole items parsed by json's C decoder from the block's text; after its first miss in a
+            # block (an item cut by the block's end, a bad item) the byte scan goes on to the block's end.
+            text, text_at, text_pos, is_fast = "", -1, 0, True
             while pos < len(block):
+                if is_fast and is_open and not (is_closed or in_string or has_item or depth):
+                    if text_at != pos:
+                        text, text_at, text_pos = _valid_text(block, pos), pos, 0
+                    fast = _next_item(text, text_pos, max_record_bytes)
+                    if fast is not None:
+                        record, chars, used, terminator = fast
+                        yield f"{path}:[{index}]", record
+                        index, pos, is_closed = index + 1, pos + used, terminator == "]"
+                        text_at, text_pos = pos, text_pos + chars
+                        continue
+                    is_fast = False
                 if is_closed:
                     rest = block[pos:].lstrip(_BLANK)
                     if rest:
@@ -285,6 +301,35 @@ def json_array_records(f, path: Path, max_record_bytes: int) -> Iterator[tuple[s
         if not is_closed:
             where = f"{path}:[{index}]" if has_item else str(path)
             yield where, Refused("the file ends inside the JSON array (no closing ']': the file is truncated)")
+
+
+def _valid_text(block: bytes, start: int) -> str:
+    """block[start:] as text, up to its first byte that is not UTF-8 (or a character cut by the block's end)."""
+    try:
+        return block[start:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        return block[start:start + err.start].decode("utf-8")
+
+
+def _next_item(text: str, start: int, max_record_bytes: int) -> tuple[object, int, int, str] | None:
+    """The fast path of a JSON array's scan: (record, characters used, bytes used, ',' or ']') when text[start:]
+    opens with one whole well-formed item within max_record_bytes followed by its ',' or ']'; None leaves the item to
+    the byte scan, which also names its problem."""
+    first = _NOT_BLANK_TEXT.search(text, start)
+    if first is None or text[first.start()] in ",]":
+        return None
+    try:
+        record, end = _DECODER.raw_decode(text, first.start())
+    except (ValueError, RecursionError):
+        return None
+    after = _NOT_BLANK_TEXT.search(text, end)
+    if after is None or text[after.start()] not in ",]":
+        return None
+    size = len(text[first.start():after.start()].encode("utf-8"))
+    if size > max_record_bytes:
+        return None
+    used = after.start() + 1 - start
+    return record, used, len(text[start:after.start() + 1].encode("utf-8")), text[after.start()]
 
 
 def _array_item(item: bytearray | None, size: int, start: int, max_record_bytes: int) -> object:

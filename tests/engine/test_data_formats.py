@@ -236,6 +236,25 @@ class TestFileKinds:
             monkeypatch.setattr(readers, "SKIP_BLOCK_BYTES", block)
             assert list(readers.open_records(path, "data.path", 1000)) == expected
 
+    def test_json_array_fast_path_and_byte_scan_agree(self, tmp_path, monkeypatch):
+        """Whole items go through json's decoder, the rest (items cut by a block's end, bad items) through the byte
+        scan: the same records and the same problems at every block size."""
+        raw = ('[{"text": "a \\"q\\" [b], {c}"}, 7, "s", [1, {"y": "]"}], {"text": "é😀"}, {"a": 1} {"b": 2}, '
+               '{"text": "\\\\"}, {bad}, {"text": "x"}  ,  {"text": ""}]')
+        path = tmp_path / "d.json"
+        path.write_text(raw)
+        reads = []
+        for block in [1, 2, 3, 5, 7, 16, 64, 1 << 20]:
+            monkeypatch.setattr(readers, "SKIP_BLOCK_BYTES", block)
+            reads.append(list(readers.open_records(path, "data.path", 1000)))
+        assert all(read == reads[-1] for read in reads)
+        records = [r for _, r in reads[-1]]
+        assert records[:5] == [{"text": 'a "q" [b], {c}'}, 7, "s", [1, {"y": "]"}], {"text": "é😀"}]
+        assert records[5] == readers.Refused("invalid JSON (Extra data at column 10)")
+        assert records[6:] == [{"text": "\\"}, readers.Refused("invalid JSON (Expecting property name enclosed in "
+                                                                 "double quotes at column 2)"), {"text": "x"},
+                               {"text": ""}]
+
     def test_json_array_holds_one_record_at_a_time(self, tmp_path):
         """Items past data.max_record_bytes are counted, never kept: the scan's buffer never exceeds the limit."""
         scan_add = readers._ArrayScan.add
