@@ -626,8 +626,8 @@ class DataProfile(Strict):
         None, description="the Jinja chat template chat records are rendered with, instead of the tokenizer's: the "
         "template's text, or the path of a .jinja file (a one-line value ending in .jinja without '{{' or '{%', "
         "relative to the working directory as data.path; a regular UTF-8 file of at most 1 MiB). Rendered in "
-        "transformers' sandboxed Jinja environment (needs transformers), with the byte tokenizer too. None: the tokenizer's own template, else the built-in format "
-        "'<|role|>\\ncontent\\n'"
+        "transformers' sandboxed Jinja environment (needs transformers), with the byte tokenizer too. None: the "
+        "tokenizer's own template, else the built-in format '<|role|>\\ncontent\\n'"
     )
 
     @model_validator(mode="after")
