@@ -6,7 +6,7 @@ data.max_record_bytes, not JSON) comes as a `Refused` in place of the record, so
 a file that cannot be read at all is a ProfileError of one line naming it.
 
 Memory: JSONL and JSON arrays are read in blocks; one record (at most data.max_record_bytes) plus one block
-(1 MiB) is held at a time, never the file. Parquet files and saved datasets are read TABLE_BATCH_ROWS rows at a time
+(1 MiB, and its text for the JSON array's fast path) is held at a time, never the file. Parquet files and saved datasets are read TABLE_BATCH_ROWS rows at a time
 (pyarrow decodes one row group's pages of the columns at once; a saved dataset's Arrow files are memory-mapped);
 each row is held to the same data.max_record_bytes, counted as the bytes of its JSON form.
 """
