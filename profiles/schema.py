@@ -554,7 +554,8 @@ class DataProfile(Strict):
         "alpaca {instruction, input?, output, system?, history?} (user: instruction + '\\n' + input when input is "
         "not empty), sharegpt {conversations: [{from, value}], system?} (roles through data.roles, else human: user, "
         "gpt: assistant, system: system); auto: each source's first record decides (messages, conversations, "
-        "instruction + output, text: the first found) and every record of the source must match it"
+        "instruction + output, text: the first found) and every record of the source must match it (text and messages "
+        "records may share one)"
     )
     eval_path: Path | None = Field(
         None, description=f"the evaluation records, {_DATA_FILE[2:]}, in data.format; a training document equal to "
