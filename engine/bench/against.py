@@ -284,7 +284,7 @@ def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 class TransformersRunner:
     """The transformers model of a job with its optimizer and schedule, stepped by hand on our micro-batches."""
 
-    def __init__(self, job: JobProfile, device: torch.device):
+    def __init__(self, job: JobProfile, device: torch.device, total_steps: int):
         from moe_tune.engine.train.trainer import lr_factor
 
         self.job, self.device = job, device
@@ -293,7 +293,7 @@ class TransformersRunner:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, betas=train.betas,
                                            weight_decay=train.weight_decay)  # fmt: skip
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train, total_steps))
         self.is_cuda = device.type == "cuda"
         self.parameters, self.trainable_parameters = _parameter_counts(self.model)
         config = self.model.config
@@ -339,9 +339,10 @@ class TransformersRunner:
             torch.cuda.synchronize()
 
 
-def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device,
+def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device, total_steps: int,
                      on_step=None) -> dict[str, Any]:  # fmt: skip
-    """Build the transformers baseline and run one step per entry of `step_batches` (the first `warmup` untimed).
+    """Build the transformers baseline and run one step per entry of `step_batches` (the first `warmup` untimed),
+    its lr schedule over `total_steps` as ours.
     Returns its row: medians over the timed steps, peak memory (CUDA), parameter counts and what transformers
     chose to run."""
     gc.collect()
@@ -354,7 +355,7 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
     # CPU those Triton kernels cannot run, so it runs its own PyTorch paths, as align's reference does.
     paths = contextlib.nullcontext({}) if is_cuda else pure_torch_paths()
     with paths as replaced:
-        runner = TransformersRunner(job, device)
+        runner = TransformersRunner(job, device, total_steps)
         return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced)
 
 

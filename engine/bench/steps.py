@@ -63,6 +63,7 @@ class StepRunner:
             build_trainable_model,
             check_world,
             lr_factor,
+            run_steps,
         )
 
         _quiet_third_party_noise()
@@ -77,7 +78,9 @@ class StepRunner:
         tokenizer = load_tokenizer(profile.tokenizer)
         # Nothing is written to output.dir: a generated corpus goes to a directory that lives as long as the runner.
         self._generated = tempfile.TemporaryDirectory(prefix="moe-tune-profile-")
-        self.dataset, _ = build_dataset(profile, tokenizer, Path(self._generated.name))
+        self.dataset, _, _, _ = build_dataset(profile, tokenizer, Path(self._generated.name))
+        # The schedule of the whole run the profile describes (train.steps, or what train.epochs gives).
+        self.total_steps = run_steps(train, self.dataset, self.dist.world_size)
         check_world(profile, self.dist.world_size)
         layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
         check_cuda_graphs(profile, self.dist.device.type, layout.ep_size)
@@ -87,7 +90,7 @@ class StepRunner:
         optimizer = torch.optim.AdamW(
             trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, self.total_steps))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
         )
@@ -275,7 +278,7 @@ def profile_steps(
                 on_step(index, is_warmup, dict(record, impl=against))
 
         say(f"the same {warmup + steps} steps in {against}")
-        baseline = run_transformers(profile, step_batches, warmup, device, on_step=tell)
+        baseline = run_transformers(profile, step_batches, warmup, device, runner.total_steps, on_step=tell)
         # transformers attends over each whole row (one piece of seq_len tokens per row).
         rows_per_step = profile.train.micro_batch_size * profile.train.gradient_accumulation_steps
         flops = flop_model.step([profile.data.seq_len] * rows_per_step)

@@ -64,22 +64,29 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
         if not (run_dir / "summary.json").is_file() or not final.is_file():
             raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {final.relative_to(run_dir)}); "
                                 "export a checkpoint with --step N, or finish it with finetune --resume"])
-        last = _last_step(run_dir / "summary.json")
-        if last is not None and last < profile.train.steps:
-            raise ProfileError([f"{run_dir}: the run stopped at step {last} of train.steps {profile.train.steps}; "
+        last, total = _summary_steps(run_dir / "summary.json")
+        total = total if total is not None else profile.train.steps
+        if last is not None and total is not None and last < total:
+            raise ProfileError([f"{run_dir}: the run stopped at step {last} of its {total} steps; "
                                 f"export that state with --step {last}, or finish it with finetune --resume"])
     return run
 
 
-def _last_step(summary: Path) -> int | None:
-    """summary.json's last_step (None when it does not say)."""
+def _summary_steps(summary: Path) -> tuple[int | None, int | None]:
+    """summary.json's last_step and total_steps (the run's steps, train.epochs' included); None where it does not
+    say."""
     import json
 
     try:
-        value = json.loads(summary.read_text()).get("last_step")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+        data = json.loads(summary.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    last, total = (data.get(key) for key in ("last_step", "total_steps"))
+    last = last if isinstance(last, int) and not isinstance(last, bool) and last >= 0 else None
+    total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+    return last, total
 
 
 def meta_model(cfg: ModelProfile) -> nn.Module:

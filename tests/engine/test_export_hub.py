@@ -296,7 +296,11 @@ def test_bad_input_is_refused_before_writing(full_run, tmp_path):
     refused(r"the run has not finished \(no summary.json or no model.safetensors\)", unfinished, False, None)
     (unfinished / "model.safetensors").symlink_to(full_run / "model.safetensors")
     (unfinished / "summary.json").write_text(json.dumps({"last_step": 1}))
-    refused(r"the run stopped at step 1 of train.steps 2; export that state with --step 1", unfinished, False, None)
+    refused(r"the run stopped at step 1 of its 2 steps; export that state with --step 1", unfinished, False, None)
+    # A train.epochs run: its step count is summary.json's total_steps, not train.steps.
+    (unfinished / "summary.json").write_text(json.dumps({"last_step": 2, "total_steps": 3}))
+    refused(r"the run stopped at step 2 of its 3 steps; export that state with --step 2", unfinished, False, None)
+    (unfinished / "summary.json").write_text(json.dumps({"last_step": 1}))
     (unfinished / ".lock").write_text("{}")
     refused(r"a run holds this folder \(.lock\); export it once the run has ended", unfinished, False, None)
     (unfinished / "profile.yaml").write_text("train: {lr: -1}\n")
