@@ -26,16 +26,6 @@ TOLERANCES = {
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Tensors here are tiny and the recurrence is a loop of small ops: intra-op threads only add synchronisation
-    # (the file ran 4x slower with 2 threads on a busy 2-core machine).
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 def make_inputs(
     B=1,
     T=8,

@@ -44,15 +44,6 @@ GUARD_ELEMENTS = 64 * 2 * 32
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny tensors: intra-op threads only add synchronisation on a busy 2-core machine.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture
 def kernel_path(monkeypatch):
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
