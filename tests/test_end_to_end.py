@@ -1,4 +1,7 @@
-"""The README's first command, as a user runs it: `moe-tune finetune profiles/tiny.yaml`."""
+"""The README's first command, as a user runs it: `moe-tune finetune profiles/tiny.yaml`.
+
+Its multimodal sibling is in test_end_to_end_vl.py: `--dist loadfile` runs one file on one worker, and these two
+minutes-long runs are the last files it hands out (it orders files by their number of tests)."""
 
 import json
 import subprocess
@@ -16,8 +19,15 @@ TINY_FIRST_LOSSES = [5.581572, 5.564034, 5.520739, 5.450155, 5.380165, 5.287124,
 
 
 # Steps of the shipped profile's run here: its 300 take minutes on CI's 2 cores, and the first losses do not depend
-# on the step count (they fall in the linear warm-up, whose length is the profile's).
-TINY_STEPS = 60
+# on the step count (they fall in the linear warm-up, whose length is the profile's). The loss halves by step 21
+# (5.58 -> 2.47 in a run of 60).
+TINY_STEPS = 30
+
+
+def one_thread(env: dict[str, str]) -> dict[str, str]:
+    """One intra-op thread: the tests run on two workers on CI's two cores, and a second thread waiting for a busy
+    core slows each step of a tiny model many times over."""
+    return {**env, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
@@ -26,7 +36,7 @@ def test_tiny_profile_learns_and_writes_everything(tmp_path, child_env):
     proc = subprocess.run(
         [sys.executable, "-m", "moe_tune", "finetune", str(REPO / "profiles" / "tiny.yaml"), "--set", f"output.dir={out}",
          "--set", f"train.steps={TINY_STEPS}"],
-        capture_output=True, text=True, timeout=600, env=child_env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=600, env=one_thread(child_env), cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -41,22 +51,3 @@ def test_tiny_profile_learns_and_writes_everything(tmp_path, child_env):
     # The command tells the user where everything went.
     for label in ("metrics:", "checkpoint:", "adapter:", "ds config:"):
         assert label in proc.stdout
-
-
-@pytest.mark.slow
-def test_tiny_vl_profile_learns_from_pictures(tmp_path, child_env):
-    """profiles/tiny-vl.yaml as shipped: generated pictures of coloured shapes; the loss drops visibly."""
-    out = tmp_path / "tiny-vl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_tune", "finetune", str(REPO / "profiles" / "tiny-vl.yaml"), "--quiet",
-         "--set", f"output.dir={out}"],
-        capture_output=True, text=True, timeout=900, env=child_env, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 200
-    assert sum(losses[-10:]) / 10 <= sum(losses[:10]) / 10 / 4
-    pictures = sorted((out / "generated-data").glob("*.png"))
-    assert len(pictures) == 600
-    adapter = json.loads((out / "adapter" / "adapter_config.json").read_text())
-    assert any("merger_fc1" in m for m in adapter["modules_to_save"])
