@@ -3,6 +3,9 @@ equals one process on the same global batch (losses and trained weights), resume
 dies."""
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +20,7 @@ from moe_tune.engine.train.distributed import free_port
 from moe_tune.engine.train.trainer import check_world
 from moe_tune.profiles import ProfileError, load_profile
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+FORKS = Path(__file__).with_name("dist_forks.py")
 # Small rows, active clipping, no aux loss (a per-rank Switch loss is not the global one). Adam turns rounding-level
 # gradient differences (ranks sum in other orders) into updates of size ~lr on parameters whose gradients are
 # near zero (fresh LoRA A factors): a moderate lr keeps those below the 1e-5 that the comparison demands.
@@ -26,22 +29,70 @@ BASE = ["data.seq_len=64", "data.corpus_documents=200", "train.warmup_steps=1", 
 HARD_TIMEOUT_S = 300
 
 
+class Forks:
+    """One dist_forks.py process, which forks the ranks of every run of this module (see its docstring)."""
+
+    def __init__(self, env):
+        self.proc = subprocess.Popen([sys.executable, str(FORKS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, start_new_session=True)  # fmt: skip
+
+    def run(self, envs, args, logs):
+        self.proc.stdin.write(json.dumps({"envs": envs, "args": args, "logs": [str(log) for log in logs]}) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], HARD_TIMEOUT_S)[0]:
+            self.close()
+            raise TimeoutError(f"the ranks did not end within {HARD_TIMEOUT_S} s")
+        answer = self.proc.stdout.readline()
+        assert answer, f"dist_forks.py ended with code {self.proc.wait()}"
+        return json.loads(answer)["codes"]
+
+    def close(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+forks: Forks | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_forks():
+    yield
+    if forks is not None:
+        forks.close()
+
+
 def run_ranks(world, out, overrides, child_env, extra=(), base=BASE):
+    global forks
+    if forks is None or forks.proc.poll() is not None:
+        forks = Forks(child_env)
     port = free_port()
-    result = out / "result.json"
-    cmd = [sys.executable, str(WORKER), "--result", str(result), *extra,
-           *[a for o in [*base, f"output.dir={out}", *overrides] for a in ("--set", o)]]
-    procs = [subprocess.Popen(cmd, env=rank_env(r, world, port, child_env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
-    codes = [p.returncode for p in procs]
-    return codes, logs, (json.loads(result.read_text()) if result.exists() else None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result, logs = out / "result.json", [out.with_name(f"{out.name}-rank{r}.log") for r in range(world)]
+    settings = [a for o in [*base, f"output.dir={out}", *overrides] for a in ("--set", o)]
+    args = ["--result", str(result), *extra, *settings]
+    codes = forks.run([rank_env(r, world, port, child_env) for r in range(world)], args, logs)
+    return codes, [log.read_text() for log in logs], (json.loads(result.read_text()) if result.exists() else None)
 
 
-def single_process(tmp_path, child_env, rows, overrides):
-    codes, logs, result = run_ranks(1, tmp_path / "single", [f"train.micro_batch_size={rows}", *overrides], child_env)
+# Runs that several tests compare against, made once per module: (world, overrides) -> (codes, logs, result, out).
+shared_runs = {}
+
+
+def shared_run(world, overrides, child_env, tmp_path_factory):
+    key = (world, tuple(overrides))
+    if key not in shared_runs:
+        out = tmp_path_factory.mktemp("shared") / "out"
+        shared_runs[key] = (*run_ranks(world, out, overrides, child_env), out)
+    return shared_runs[key]
+
+
+def single_process(tmp_path_factory, child_env, rows, overrides):
+    """The losses and output folder of one process training `rows` rows a step."""
+    codes, logs, result, out = shared_run(1, [f"train.micro_batch_size={rows}", *overrides], child_env,
+                                          tmp_path_factory)  # fmt: skip
     assert codes == [0], logs[0][-3000:]
-    return result
+    return result, out
 
 
 def adapter(out):
@@ -60,26 +111,24 @@ LAYOUTS = [
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world, ep, extra", LAYOUTS)
-def test_expert_parallel_equals_one_process(tmp_path, child_env, world, ep, extra):
+def test_expert_parallel_equals_one_process(tmp_path_factory, child_env, world, ep, extra):
     steps = ["train.steps=3", "output.save_merged=true"]
-    single = single_process(tmp_path, child_env, 2 * world, [*steps, *extra])
-    out = tmp_path / f"ep{ep}"
-    codes, logs, multi = run_ranks(
-        world, out, [*steps, *extra, "train.micro_batch_size=2", f"parallel.expert_parallel={ep}"], child_env
-    )
+    single, single_out = single_process(tmp_path_factory, child_env, 2 * world, [*steps, *extra])
+    multi_overrides = [*steps, *extra, "train.micro_batch_size=2", f"parallel.expert_parallel={ep}"]
+    codes, logs, multi, out = shared_run(world, multi_overrides, child_env, tmp_path_factory)
     assert codes == [0] * world, logs[0][-3000:]
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
     # The exported adapter is consolidated into the single-process layout (all experts) and equal to it. A LoRA A
     # factor's first updates follow gradients near 0 (B starts at 0) that Adam normalises: an element whose
     # gradient is rounding noise moves by up to the lr either way, so the A factors are compared through what they
     # do, the merged weights W + s B A, below.
-    one, many = adapter(tmp_path / "single"), adapter(out)
+    one, many = adapter(single_out), adapter(out)
     assert one.keys() == many.keys()
     assert any(".experts.lora_A.w_gate_up" in k for k in one)
     for key in one:
         if ".lora_A." not in key:
             torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
-    one, many = (merged_weights(d) for d in (tmp_path / "single", out))
+    one, many = (merged_weights(d) for d in (single_out, out))
     assert one.keys() == many.keys() and any(".experts.w_down" in k for k in one)
     for key in one:
         torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
@@ -94,20 +143,20 @@ def merged_weights(out):
 
 
 @pytest.mark.dist
-def test_partitioned_lm_head_trains_as_in_one_process(tmp_path, child_env):
+def test_partitioned_lm_head_trains_as_in_one_process(tmp_path, tmp_path_factory, child_env):
     # A 2048-token vocabulary puts lm_head (2048 x 64) above ZeRO-3's persistence threshold: partitioned over the
     # ranks, so the chunked loss (ops/cross_entropy) reads, and trains, a gathered head weight outside the head's own
     # forward. The head is trained in full (modules_to_save): its gradients are not near zero, so Adam does not
     # magnify rounding there (the fresh LoRA A factors, compared in the test above, would need a smaller lr).
     overrides = ["train.steps=3", "model.vocab_size=2048"]
-    single = single_process(tmp_path, child_env, 4, overrides)
+    single, single_out = single_process(tmp_path_factory, child_env, 4, overrides)
     out = tmp_path / "ep2"
     codes, logs, multi = run_ranks(
         2, out, [*overrides, "train.micro_batch_size=2", "parallel.expert_parallel=2"], child_env
     )
     assert codes == [0, 0], logs[0][-3000:]
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
-    one, many = adapter(tmp_path / "single"), adapter(out)
+    one, many = adapter(single_out), adapter(out)
     heads = [key for key in one if "lm_head" in key]
     assert heads and all(one[key].shape[0] == 2048 for key in heads if key.endswith("weight"))
     for key in heads:
@@ -203,8 +252,9 @@ def test_cli_nproc_launches_ranks(tmp_path, child_env):
 
 
 @pytest.mark.dist
-def test_untagged_experts_train_wrong(tmp_path, child_env):
-    single = single_process(tmp_path, child_env, 4, ["train.steps=3"])
+def test_untagged_experts_train_wrong(tmp_path, tmp_path_factory, child_env):
+    # The one-process run of test_expert_parallel_equals_one_process[ep2] (its merged export changes no loss).
+    single, _ = single_process(tmp_path_factory, child_env, 4, ["train.steps=3", "output.save_merged=true"])
     codes, logs, multi = run_ranks(
         2, tmp_path / "untagged", ["train.steps=3", "train.micro_batch_size=2", "parallel.expert_parallel=2"],
         child_env, extra=["--untagged"],
@@ -214,9 +264,10 @@ def test_untagged_experts_train_wrong(tmp_path, child_env):
 
 
 @pytest.mark.dist
-def test_resume_under_expert_parallel(tmp_path, child_env):
-    common = ["train.steps=4", "train.micro_batch_size=2", "parallel.expert_parallel=2"]
-    codes, logs, straight = run_ranks(2, tmp_path / "a", common, child_env)
+def test_resume_under_expert_parallel(tmp_path, tmp_path_factory, child_env):
+    # The straight run is test_expert_parallel_equals_one_process[ep2]'s; this one stops after 2 of its 3 steps.
+    common = ["train.steps=3", "output.save_merged=true", "train.micro_batch_size=2", "parallel.expert_parallel=2"]
+    codes, logs, straight, _ = shared_run(2, common, child_env, tmp_path_factory)
     assert codes == [0, 0], logs[0][-3000:]
     codes, logs, first = run_ranks(2, tmp_path / "b", common, child_env, extra=["--stop-after", "2"])
     assert codes == [0, 0], logs[0][-3000:]
