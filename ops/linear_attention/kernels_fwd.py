@@ -46,8 +46,8 @@ _L2NORM_EPS = tl.constexpr(L2NORM_EPS)
 
 # The chunk length C: 64 x 64 intra-chunk blocks fill a tensor-core tile and keep the triangular solve short.
 CHUNK_SIZE = DEFAULT_CHUNK_SIZE
-# Diagonal blocks of (I + A) inverted by doubling products: 16 rows is the smallest tl.dot size, and four such
-# blocks merge exactly with one Neumann product (the off-block part N satisfies N^4 = 0).
+# The triangular inverse's substitution levels below 16 rows run batched on the [C / 16, 16, 16] diagonal blocks
+# (16 is the smallest tl.dot size); the levels from 16 rows up run on the whole [C, C] tile (`_unit_lower_inverse`).
 SUB_CHUNK_SIZE = 16
 # tl.dot needs every operand dimension to be at least 16.
 MIN_DOT_SIZE = 16
@@ -56,22 +56,14 @@ MIN_DOT_SIZE = 16
 GPU_BLOCK_V_STATE = 32
 # The per-chunk gradient kernel loops over V in tiles of 64: two iterations at V = 128.
 GPU_BLOCK_V_GRAD = 64
-# The WY kernels loop over V in tiles of 64 for U; the per-head one with 16-bit inputs in tiles of 128 (once at V =
-# 128). H200, B4 T8192 H16 K=V=128 bf16, the WY pass alone (2026-11-30, eighteenth session): 0.349 ms at 128 against
-# 0.372 at 64 (storing the inverse: 0.368 against 0.391), the same bits; 2-4 stages no faster.
+# The WY kernels loop over V in tiles of 64 for U; the per-head one with 16-bit inputs in tiles of 128: 0.349 against
+# 0.372 ms for the WY pass alone on the H200, B4 T8192 H16 K=V=128 bf16 (docs/PERF.md, linear attention).
 GPU_BLOCK_V_WY = 64
 GPU_BLOCK_V_WY_16BIT = 128
-# The output kernel builds q k^T once per program: one V tile of 128 at V = 128 builds it once per chunk and head.
-# It loops over K in tiles of 64. H200, B4 T8192 H16 K=V=128 bf16, triton 3.6 (2026-11-30, the kernel alone over
-# 26 launch settings): 0.282 ms per-head decay at 4 warps and 1 stage, 0.252 KDA at 4 warps and 2 stages, against
-# 0.407 / 0.368 for the single-tile kernel it replaced (8 warps, 128 registers). The per-head loop pipelined at 4
-# warps (2 or 3 stages, or K tiles of 32) triton 3.6 compiled wrong on the H200 (outputs 9-20% off the fp32
-# reference in their largest entry, not the same bits from run to run), while every 1-stage and every 8-warp launch
-# gave the reference's 4.7e-3. The per-head loop runs at 8 warps and 3 stages: 0.268 ms then, 0.267 against 0.280
-# at 4 warps and 1 stage in the eighteenth session (the same bits). But its variant that also stores the backward's
-# operands (store_bwd_operands), compiled at 8 warps and 3 stages, gave outputs 1.1e-2 off the fp32 reference in the
-# harness (4.9e-4 at 4 warps and 1 stage): that variant keeps 4 warps and 1 stage. KDA's loop (one product an
-# iteration) ran right at every setting; at 8 warps and 3 stages it took 0.309 ms.
+# The output kernel builds q k^T once per V tile (one tile of 128 at V = 128) and loops over K in tiles of 64; the
+# fastest launches that compile right on triton 3.6 (the per-head loop at 4 warps and 2-3 stages does not), H200, B4
+# T8192 H16 K=V=128 bf16: per-head 8 warps, 3 stages (0.267 ms), KDA 4 warps, 2 stages (0.252 ms); docs/PERF.md,
+# linear attention.
 GPU_BLOCK_V_OUTPUT = 128
 GPU_BLOCK_K_OUTPUT = 64
 GPU_NUM_WARPS_OUTPUT = 8
@@ -96,11 +88,8 @@ GPU_NUM_STAGES_STATE = 2
 # The forward's serial pass that stores the states (beside the output kernel, and the backward's recomputation),
 # 16-bit inputs with K up to 128 (`state_fwd_launch`): the widest V tile of these that still gives at least
 # GPU_MIN_STATE_PROGRAMS programs (V tiles x sequences x heads; the H200 has 132 SMs), deeper pipelines, and 8 warps
-# for KDA's tiles of 64. H200, triton 3.6, K=V=128 bf16, the pass alone (2026-11-30, eighteenth session; every
-# setting the same bits): B4 T8192 H16 per-head decay 0.259 ms at V tiles of 64, 4 warps, 4 stages (0.339 at the
-# landed 32, 4 warps, 2 stages; 0.275 at 3 stages; 0.383 at 32 and 4 stages), KDA 0.287 at 64, 8 warps, 3 stages
-# (0.320 landed; 0.360 at 4 warps); one 32K-token document (16 sequence-heads) 0.595 ms per-head at tiles of 16, 4
-# stages (0.889 landed, 0.831 at 64), KDA 0.821 (0.875 landed).
+# for KDA's tiles of 64: the fastest settings of the pass alone on the H200, K=V=128 bf16, at B4 T8192 H16 (per-head
+# 0.259 ms, KDA 0.287) and at one 32K-token document (per-head 0.595 ms, KDA 0.821); docs/PERF.md, linear attention.
 GPU_BLOCK_V_STATE_FWD = (64, 32, 16)
 GPU_MIN_STATE_PROGRAMS = 128
 GPU_NUM_STAGES_STATE_FWD = 4
@@ -109,8 +98,8 @@ GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
 # The triangular inverse's products for 16-bit inputs with L2-normed keys (`inverse_dots`): fp16 operands, whose
 # 10-bit mantissa is tf32's, at twice the tensor-core rate and half the bytes. A's entries are at most 1 in magnitude
 # (normed keys, beta <= 1, decays <= 1) and the inverse's were at most 1.0 in every case measured (fp64, random,
-# correlated, and beta-1 keys), far inside fp16's 6.5e4. H200, B4 T8192 H16 K=V=128 bf16 (nineteenth session): WY
-# pass 0.296 ms against 0.332 in tf32, W and U as far from the fp64 ones (RMS 2.3e-3: the bf16 rounding of W and U).
+# correlated, and beta-1 keys), far inside fp16's 6.5e4. H200, B4 T8192 H16 K=V=128 bf16: WY pass 0.296 ms against
+# 0.332 in tf32, W and U as far from the fp64 ones (docs/PERF.md, linear attention).
 GPU_INVERSE_DOTS_16BIT = "fp16"
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
@@ -233,8 +222,8 @@ class ChunkLayout:
 
 
 # Layouts of recent calls, newest last. Every linear attention layer of a model step packs the same cu_seqlens, and
-# building a layout is about 20 small device ops a call: with the cache the op at B4 T8192 H16 K=V=128 went from
-# 1.052 to 0.990 ms forward and 4.810 to 4.734 fwd+bwd on the H200 (docs/PERF.md, fifteenth session).
+# building a layout is about 20 small device ops a call: the cache saves 0.06 ms of the op's forward at B4 T8192 H16
+# K=V=128 on the H200 (docs/PERF.md, linear attention).
 _LAYOUT_CACHE_SIZE = 8
 _layout_cache: OrderedDict[tuple, tuple[torch.Tensor | None, ChunkLayout]] = OrderedDict()
 
@@ -438,10 +427,10 @@ def _unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexp
     (I + N)^-1 = I - N). Every product is of bounded factors (T's blocks and A's), so the rounding of 16-bit dot
     operands stays at their precision.
 
-    Doubling the powers of A instead ((I + L)^-1 = (I - L)(I + L^2)(I + L^4)..., then a Neumann merge) took the same
-    number of products but cancels large intermediate powers: keys at cosine ~0.9 with beta near 1 gave W 60x off the
-    fp64 one and NaN outputs (H200, docs/PERF.md, nineteenth session). Levels up to SB run batched on the [BT / SB,
-    SB, SB] diagonal blocks, the last ones (s >= SB) on the [BT, BT] tile."""
+    Doubling the powers of A instead ((I + L)^-1 = (I - L)(I + L^2)(I + L^4)..., then a Neumann merge) takes the same
+    number of products but cancels large intermediate powers: keys at cosine ~0.9 with beta near 1 give W 60x off the
+    fp64 one and NaN outputs (docs/PERF.md, linear attention). Levels below SB run batched on the [BT / SB, SB, SB]
+    diagonal blocks, the others (s >= SB) on the [BT, BT] tile."""
     NB: tl.constexpr = BT // SB
     blocks = tl.arange(0, NB)
     is_diag_block = blocks[:, None, None, None] == blocks[None, None, :, None]  # [NB, 1, NB, 1]
@@ -757,9 +746,9 @@ def has_output_kernel(K: int, V: int, config: KernelConfig) -> bool:
     """Whether the forward computes the output in the parallel kernel (either decay), given the head dims.
 
     Only when its V tile is at least as wide as its K tile: at K 32 with V 16, triton 3.6 compiled the output
-    kernel into one that reads past its shared memory on the H200 (compute-sanitizer memcheck, 2026-11-30, at 8 and
-    at 4 warps; it surfaced as an illegal address in a later kernel). Of the GPU tests' other shapes, the one with a
-    narrower V tile (K 128, V 64) ran clean, as did all with V tiles as wide as their K tiles; the rule keeps to the
+    kernel into one that reads past its shared memory on the H200 (compute-sanitizer memcheck, at 8 and at 4 warps;
+    it surfaced as an illegal address in a later kernel). Of the GPU tests' other shapes, the one with a narrower V
+    tile (K 128, V 64) ran clean, as did all with V tiles as wide as their K tiles; the rule keeps to the
     side of what was seen clean. Other shapes take the serial pass that also writes the output.
     """
     return min(config.block_v_output, _block(V)) >= _block(K)
@@ -768,10 +757,10 @@ def has_output_kernel(K: int, V: int, config: KernelConfig) -> bool:
 def has_k_end(K: int) -> bool:
     """Whether the WY pass hands the serial state pass k exp(G_C - G) (store_k_end), given the key head dim.
 
-    Only when K fills its tile (a power of two): at K 100 (tile 128) on the H200 (triton 3.6, 2026-11-30) the states
-    came out 71% off in RMS and a later launch hit an illegal address, while every power of two the GPU tests run (16,
-    32, 64, 128) gave the states of the path that computes the decayed k in the loop; the interpreter is right at K
-    100, so it is the compiled kernel. Other K take that path.
+    Only when K fills its tile (a power of two): at K 100 (tile 128) on the H200 (triton 3.6) the states came out
+    71% off in RMS and a later launch hit an illegal address, while every power of two the GPU tests run (16, 32, 64,
+    128) gave the states of the path that computes the decayed k in the loop; the interpreter is right at K 100, so
+    it is the compiled kernel. Other K take that path.
     """
     return K == _block(K)
 
@@ -808,8 +797,8 @@ def chunk_output(
         num_warps, num_stages = config.num_warps_output, config.num_stages_output
     else:
         # fp32 tiles (twice the shared memory a stage), or the variant that also stores the backward's operands:
-        # the launch measured before the eighteenth session. That variant at 8 warps and 3 stages came out wrong on
-        # the H200 (forward output 1.1e-2 off the fp32 reference against 4.9e-4; GPU_NUM_STAGES_OUTPUT).
+        # that variant at 8 warps and 3 stages compiles wrong on the H200 (forward output 1.1e-2 off the fp32
+        # reference against 4.9e-4 at 4 warps and 1 stage; docs/PERF.md, linear attention).
         num_warps, num_stages = config.num_warps, 1
     if layout.num_slots > 0:
         _chunk_output_kernel[(layout.num_slots, H, triton.cdiv(V, block_v))](

@@ -24,11 +24,11 @@ way (bound 60 or 8: their operands are not normed), with fp32 operands in the do
 
 Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, W's operand k beta exp(G) and for power-of-two K
 the serial pass's k exp(G_C - G) per channel; 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1, W, U, at 4 warps, as
-the per-head WY kernel; one kernel of both at 8 warps took 1.78 ms against 1.54 for the two, nineteenth session),
-and the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head
-one: `_kda_grad_wy_kernel` (the state and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the
-gradient of G_C and dkk) then `_kda_grad_products_kernel` (the output's terms and the four decayed products dP k,
-dP^T q, dkk k, dkk^T k: dq, dk, dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
+the per-head WY kernel; one kernel of both at 8 warps took 1.78 ms against 1.54 for the two, docs/PERF.md), and
+the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head one: `_kda_grad_wy_kernel` (the state
+and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the gradient of G_C and dkk) then
+`_kda_grad_products_kernel` (the output's terms and the four decayed products dP k, dP^T q, dkk k, dkk^T k: dq, dk,
+dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
 compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
 parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
 The serial state passes are `_chunk_state_fwd_kernel` and `_chunk_state_bwd_kernel` with IS_PER_CHANNEL, and the
@@ -241,7 +241,7 @@ def _kda_pairs_kernel(
     64, 64 rows, and past the bound they take their own rows by the elementwise loop. H200, B4 T8192 H16 K=V=128
     bf16, g = logsigmoid(randn) (the harness's; the whole chunk within a span of 80): 0.91 ms a launch, writing W's
     operand and the decayed k too, against 1.01 for the masked [64, 64] tiles of all four sub-chunks; the WY kernel,
-    which made those operands then, went from 0.47 to 0.24 ms (docs/PERF.md, nineteenth session)."""
+    without those operands to make, 0.24 against 0.47 ms (docs/PERF.md, linear attention)."""
     tl.static_assert(BT == 4 * SB)
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -382,10 +382,8 @@ def _kda_wy_fwd_kernel(
     kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
     if INV_DOTS == "tf32":
         # Through a tf32 product with the identity (kk rounded to tf32, as the inverse's own tf32 products round it):
-        # the tile then has a dot result's register layout. Made for an earlier inverse's row loop (121 instructions a
-        # step a warp against 329 on the layout a load gives, sm_90 compile, 4 warps); with the doubling inverse that
-        # came after the row loop, still 0.546 against 0.582 ms without it (H200, B4 T8192 H16, nineteenth session,
-        # call 2); not re-timed with the substitution inverse. The fp16 inverse skips it.
+        # the tile then has a dot result's register layout; timed with the powers-doubling inverse only (0.546 against
+        # 0.582 ms, H200, B4 T8192 H16), not with the substitution one. The fp16 inverse skips it.
         eye = tl.where(rows[:, None] == tl.arange(0, BT)[None, :], 1.0, 0.0)
         kk = tl.dot(kk, eye, input_precision=INV_PRECISION)
     inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)

@@ -10,9 +10,9 @@ alive from forward to backward would cost a third more activation memory to save
 Backward order with LoRA on both projections: the down adapter's pass over dy (dy B_down per row, dB_down), the down
 backward (dgate_up, d topk_weights, w * h), dA_down = sum (s dy B_down)^T (w h) from a thin pass over w * h, the
 gate_up adapter's pass over dgate_up (dgate_up B_gate_up per row, dB_gate_up), dx, then
-dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down once came out of the down backward's epilogue (no w * h written),
-but that kernel then needed 255 registers a thread and the LoRA fwd+bwd was 0.3-0.6 ms slower at issue 7's shapes
-on the H200 (docs/PERF.md, sixth session).
+dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down from the down backward's epilogue instead (no w * h written)
+needs 255 registers a thread and makes the LoRA fwd+bwd 0.3-0.6 ms slower at issue 7's shapes on the H200
+(docs/PERF.md, MoE).
 """
 
 from __future__ import annotations

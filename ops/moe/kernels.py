@@ -54,8 +54,8 @@ THIN_NUM_WARPS = 4
 # Passes that sum an expert's rows into a small output (dB, dA) split each expert's rows into chunks of this many
 # times the mean rows per expert: under uniform routing every expert fits one chunk (no partial sums), while one with
 # Zipf routing's 7.7x the mean (issue 7's E64 shape) spreads over 4 programs instead of running 7.7x as long as the
-# others: on the H200 (tenth session), LoRA r16 over Zipf routing cost 1.28x the frozen-expert training against
-# 1.14x uniform with one program per expert.
+# others: with one program per expert, LoRA r16 over Zipf routing cost 1.28x the frozen-expert training against 1.14x
+# uniform on the H200 (docs/PERF.md, MoE).
 CHUNK_MEAN_ROWS = 2
 # Elements of a per-expert output per program of the chunk sum.
 SUM_CHUNKS_BLOCK = 1024
@@ -96,8 +96,8 @@ class KernelConfig:
 # tiles (two CTAs per SM; sm_90 compile: 118 registers, no spills).
 GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, num_stages=3)
 # Backward pass: 256 gradient columns per program, so g B is summed from 8 fp32 partials at D = 2048 (the partials
-# are r fp32 per row each, 1/16 of a bf16 row of 2048), 32 rows a step, 4 warps: alone on the H200 (sixth session,
-# bf16 dB products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps, 0.715 / 0.714 at E64 top-8.
+# are r fp32 per row each, 1/16 of a bf16 row of 2048), 32 rows a step, 4 warps: alone on the H200 (bf16 dB
+# products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps (docs/PERF.md, MoE).
 GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, num_stages=3)
 # The down-projection backward needs 180 registers a thread, one 8-warp CTA per SM; capped at 128 (sm_90 compile: 240
 # bytes spilled) two fit.
@@ -171,8 +171,8 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
     mean_rows = num_slots / max(num_experts, 1)
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
     config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
-    # End to end by turns on the H200 (eleventh session, docs/PERF.md): E64 trained fwd+bwd 13.16 ms with neither,
-    # 12.63 with the 5 stages, 12.35 with both; kernel time 12.59 against 11.97 ms (the down backward 2.78 -> 2.08).
+    # The register cap and the 5 stages: E64 trained fwd+bwd 12.35 against 13.16 ms without either, the down backward
+    # 2.08 against 2.78 (H200, docs/PERF.md, MoE).
     return dataclasses.replace(
         config,
         down_bwd=dataclasses.replace(config.down_bwd, maxnreg=GPU_DOWN_BWD_MAXNREG),
@@ -194,7 +194,7 @@ def _dot_precision(*dtypes: torch.dtype) -> str:
 def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     """dtype of the LoRA backward's rank products (d(x A^T), d(h A^T)): bf16 next to bf16 activations, so that the
     GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the two dA passes alone: 0.23 -> 0.18 ms
-    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/PERF.md, sixth session); fp32 otherwise (fp16 would
+    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/PERF.md, MoE); fp32 otherwise (fp16 would
     underflow small gradients)."""
     return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
 
