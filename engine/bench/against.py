@@ -51,7 +51,7 @@ TARGETS = {
 }
 # Targets transformers has a linear layer for but PEFT cannot reach: its transformers-5 conversion turns every
 # target ending in these names into target_parameters on the fused routed experts, so the shared expert and dense
-# MLPs would silently get no adapter (shared/ANCHORS.md) and the experts a second one.
+# MLPs would silently get no adapter (PEFT 0.21; docs/bench.md, "--against transformers") and the experts a second one.
 UNREACHABLE_TARGETS = ("gate_proj", "up_proj", "down_proj")
 SAVED_MODULES = ("lm_head", "embed_tokens")
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

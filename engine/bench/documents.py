@@ -3,7 +3,7 @@
     python -m moe_tune.engine.bench.documents OUT.jsonl --seq-len 4096 [--count 64] [--seed 0]
 
 The built-in corpus holds ~150-token stories, so a row of a benchmark profile packs dozens of documents, while the
-transformers baseline (and shared/ANCHORS.md's runs) attend over whole rows. With this file (`--set
+transformers baseline attends over whole rows. With this file (`--set
 data.path=OUT.jsonl`) every row is one document of seq_len tokens under the byte tokenizer (<bos> and seq_len - 1
 bytes; the labels are those bytes and <eos>), so both see the same causal attention over the whole row.
 """

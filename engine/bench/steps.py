@@ -22,8 +22,7 @@ from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-# Steps run before the timed ones: Triton compiles and autotunes in the first, the allocator settles in the second
-# (as in the baseline runs of shared/ANCHORS.md).
+# Steps run before the timed ones: Triton compiles and autotunes in the first, the allocator settles in the second.
 WARMUP_STEPS = 2
 # Baselines `--against` can time.
 AGAINST = ("transformers",)
