@@ -7,6 +7,8 @@ Every layer takes a PackedBatch, whose cu_seqlens keep documents from seeing eac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +20,6 @@ from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 
-from .batch import PackedBatch
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
 from .kda import KimiDeltaAttention
 from .kv_cache import (
@@ -27,10 +28,38 @@ from .kv_cache import (
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
-from .varlen import packed_causal_attention
+from .varlen import DocumentBuckets, packed_causal_attention
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Where the documents of a packed row start and end, computed once per forward."""
+
+    cu_seqlens: torch.Tensor  # [N + 1] int32
+    positions: torch.Tensor  # [T] position inside the document
+    doc_ids: torch.Tensor  # [T] document index
+    token_ids: torch.Tensor | None = None  # [T] int64 input ids (n-gram embeddings hash them)
+    mrope_positions: torch.Tensor | None = None  # [3, T] (t, h, w) rotary positions when images are in the row
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """What the softmax attention layers rotate by: (t, h, w) positions with images, else `positions`."""
+        return self.mrope_positions if self.mrope_positions is not None else self.positions
+
+    @cached_property
+    def document_buckets(self) -> DocumentBuckets:
+        """The row's documents grouped for full attention (computed at the first full-attention layer)."""
+        return DocumentBuckets.from_cu_seqlens(self.cu_seqlens)
+
+    def causal_mask(self) -> torch.Tensor:
+        """[T, T] bool: query t may see key s (same document, s <= t). The attention layers never build it (varlen.py);
+        tests compare against it."""
+        same_doc = self.doc_ids[:, None] == self.doc_ids[None, :]
+        idx = torch.arange(len(self.doc_ids), device=self.doc_ids.device)
+        return same_doc & (idx[None, :] <= idx[:, None])
 
 
 class GatedAttention(nn.Module):
@@ -406,8 +435,9 @@ def init_token_mixer(module: nn.Module, std: float) -> None:
 
     The linear attention's short conv starts as transformers' qwen3_next and kimi_linear start theirs (their generic
     Conv1d init: normal(init_std)), so a random model here and the one `moe-tune profile --against transformers`
-    builds share it. With normal(1 / sqrt(width)) instead (0.5 at width 4), the conv amplified the projections 25x over transformers' at init and a random model learned more
-    slowly than transformers' did on the same rows (docs/bench.md, "Losses")."""
+    builds share it. With normal(1 / sqrt(width)) instead (0.5 at width 4), the conv amplified the projections 25x
+    over transformers' at init and a random model learned more slowly than transformers' did on the same rows
+    (docs/bench.md, "Losses")."""
     if isinstance(module, GatedAttention) and module.sinks is not None:
         nn.init.normal_(module.sinks, std=std)
     if isinstance(module, GatedDeltaNet):
