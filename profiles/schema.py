@@ -957,7 +957,10 @@ class OutputProfile(Strict):
     save_every: int = Field(
         100, ge=1, le=MAX_SIZE, description="steps between checkpoints (one is also written at the end)"
     )
-    keep_last: int = Field(2, ge=1, le=MAX_SIZE, description="checkpoints kept; older ones are deleted")
+    keep_last: int = Field(
+        2, ge=1, le=MAX_SIZE, description="checkpoints kept; older ones are deleted, except the one with the lowest "
+        "eval loss (with eval data)"
+    )
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=list,
         description="experiment trackers that also get every metrics record (metrics.jsonl is always written); "
@@ -974,8 +977,8 @@ class OutputProfile(Strict):
     )
     mlflow_experiment: str = Field("moe-tune", min_length=1, description="MLflow experiment name")
     save_merged: bool = Field(
-        False, description="LoRA runs: also write merged.safetensors, the base weights with the adapters merged in "
-        "(assembled on rank 0: needs the whole model in its host memory)"
+        False, description="LoRA runs: also write merged/, the model with the adapters merged in as `moe-tune export "
+        "--merge` writes it (assembled on rank 0: needs the whole model in its host memory)"
     )
 
     @model_validator(mode="before")
