@@ -73,8 +73,13 @@ def finetune(
         f"trained steps {result.start_step + 1}-{result.last_step} in {result.elapsed_s:.1f}s: "
         f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
     )
+    if result.eval_loss is not None:
+        best = f"; best {result.best_eval_loss:.4f} at step {result.best_eval_step}" if result.best_eval_step else ""
+        console.print(f"eval loss:   {result.eval_loss:.4f} at step {result.eval_step}{best}")
     console.print(f"metrics:     {result.metrics}")
     console.print(f"checkpoint:  {result.checkpoint}")
+    if result.best_checkpoint and result.best_checkpoint != result.checkpoint:
+        console.print(f"best:        {result.best_checkpoint} (lowest eval loss)")
     if result.adapter:
         console.print(f"adapter:     {result.adapter}")
     if result.transformers_adapter:
