@@ -101,3 +101,19 @@ def test_greedy_generate_equals_transformers_on_the_merged_export(run_dir):
     with torch.no_grad():
         logits = load_ours(session.profile.model)(ids, torch.tensor([0, ids.shape[1]], dtype=torch.int32)).logits
     assert logits[0, len(prompt) - 1 : -1].argmax(-1).tolist() != ours.ids
+    # A profile whose output.dir holds no run means its base model: the checkpoint's weights.
+    import yaml
+
+    profile = run_dir.parent / "base.yaml"
+    raw = session.profile.model_dump(mode="json") | {"model": {"checkpoint": str(checkpoint_of(session))}}
+    raw["output"]["dir"] = str(run_dir.parent / "no-run")
+    profile.write_text(yaml.safe_dump(raw))
+    base = load_session(str(profile), device=torch.device("cpu"))
+    assert base.note.startswith(f"model: the base model of {profile} (the weights of {checkpoint_of(session)})")
+    with torch.no_grad():
+        torch.testing.assert_close(base.model(ids, torch.tensor([0, ids.shape[1]], dtype=torch.int32)).logits, logits,
+                                   rtol=0, atol=1e-5)
+
+
+def checkpoint_of(session) -> Path:
+    return session.profile.model.checkpoint
