@@ -271,7 +271,7 @@ def test_anchor_shape_saved_intermediates_bf16_matches_reference(guarded):
 
 
 def test_anchor_shape_bf16_matches_reference(guarded):
-    # The shape of shared/ANCHORS.md and of the speed targets: B4 T8192 H16 K=V=128, forward and backward.
+    # The shape of the speed targets (docs/PERF.md, linear attention): B4 T8192 H16 K=V=128, forward and backward.
     inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)
     assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
 

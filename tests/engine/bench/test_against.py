@@ -36,7 +36,7 @@ def built_in_transformers(job, model_type):
     [("bench-qwen3-next", "qwen3_next", 2.82), ("bench-qwen3-moe", "qwen3_moe", 2.63)],
 )
 def test_bench_profiles_build_the_anchor_models_in_transformers(name, model_type, billions):
-    """shared/ANCHORS.md's models (2.82B and 2.63B parameters) with the same trainable adapters in both."""
+    """The benchmark models (2.82B and 2.63B parameters) with the same trainable adapters in both."""
     from moe_tune.engine.bench.against import _parameter_counts
 
     job = load_profile(name)

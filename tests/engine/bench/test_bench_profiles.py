@@ -1,4 +1,4 @@
-"""The shipped benchmark profiles (shared/ANCHORS.md's set-up) and the long documents that fill their rows."""
+"""The shipped benchmark profiles (docs/bench.md, "Benchmark profiles") and the long documents that fill their rows."""
 
 import pytest
 
