@@ -7,8 +7,8 @@ leaving it, q is scaled (and L2-normalised when asked), M[i, j] = exp(G_i - G_j)
 Forward of one chunk (kernels_fwd.py): v_new = U - W S0; o = (q exp(G)) S0 + (q k^T * M) v_new;
 S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new, with W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v.
 
-The backward runs after a recompute of the forward's WY pass and of its state pass with per-chunk states stored
-(kernels_fwd.chunk_wy_fwd, chunk_state_fwd(store_states=True)), then:
+The backward runs on the forward's WY pass and its state pass with per-chunk states stored (kernels_fwd.chunk_wy_fwd,
+chunk_state_fwd(store_states=True)): kept from the forward (save_intermediates) or else recomputed, then:
 1. `_chunk_state_bwd_kernel`, serial over each sequence's chunks in reverse, the state gradient dS [K, BV] in
    registers (fp32): writes dS1 of every chunk, dv_new = (q k^T * M)^T do + (k exp(G_C - G)) dS1, and
    dS0 = exp(G_C) dS1 + (q exp(G))^T do - W^T dv_new, the initial state's gradient at each sequence start.

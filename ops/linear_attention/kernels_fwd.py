@@ -8,7 +8,8 @@ Every tensor is token-major and contiguous: x_THD[t, h, d] sits at (t * H + h) *
 states_NCHKV[c, h] are the [K, V] state entering chunk slot c. A batch of B equal sequences is the packed case with
 cu_seqlens = (0, T, 2T, ...), so one code path serves both.
 
-The forward is three launches (two for KDA and for head dims whose V tile is narrower than their K tile):
+The forward is three launches (two for head dims whose V tile is narrower than their K tile, `has_output_kernel`;
+KDA runs its pairs kernel before the WY pass, kernels_kda.py):
 1. `_chunk_wy_fwd_kernel`, one program per (chunk, head), all in parallel: G, A = tril(beta k k^T exp(G_i - G_j)),
    the inverse (I + A)^-1 (block forward substitution, the block size doubling: `_unit_lower_inverse`), the WY
    factors W = (I + A)^-1 diag(beta exp(G)) k and U = (I + A)^-1 diag(beta) v, and (store_k_end)
@@ -18,12 +19,13 @@ The forward is three launches (two for KDA and for head dims whose V tile is nar
    k read from the WY pass (HAS_K_END, power-of-two K) or built in the loop. It writes the
    state entering each chunk and v_new (store_states), which the backward's recomputation also uses; in the fused
    form (compute_output) it computes the output o = (q exp(G)) S + (q k^T * decay, causal) v_new itself and stores
-   no states. With IS_PER_CHANNEL (KDA, kernels_kda.py) the decays are [C, K], the decayed causal q k^T is read from
-   the WY pass, and the fused form is the one taken.
+   the states only when the backward keeps them. With IS_PER_CHANNEL (KDA, kernels_kda.py) the decays are [C, K]
+   and the decayed causal q k^T is read from KDA's pairs kernel, in either form.
 3. `_chunk_output_kernel`, one program per (chunk, head, V tile), all in parallel: the same output from the stored
-   state and v_new, building q k^T itself. Out of the serial pass, the output's products run on every SM even when
-   few sequences run the serial pass (H200, B4 T8192 H16 K=V=128: serial pass 0.44 ms storing states against 1.11
-   ms with the output, output kernel 0.50 ms; one 32K-token document's forward 2.67 against 4.62 ms).
+   state and v_new, building q k^T itself (per-head decay). Out of the serial pass, the output's products run on
+   every SM even when few sequences run the serial pass (H200, B4 T8192 H16 K=V=128: serial pass 0.44 ms storing
+   states against 1.11 ms with the output, output kernel 0.50 ms; one 32K-token document's forward 2.67 against
+   4.62 ms).
 
 Triton 3.4-3.7.0 on Hopper miscompiles tl.trans of a tl.dot result that feeds another tl.dot (fla-org/
 flash-linear-attention#640): the kernels here and in kernels_bwd.py only transpose tiles loaded from memory or built
