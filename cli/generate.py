@@ -15,6 +15,8 @@ from ._common import err_console, fail, user_errors
 
 app = typer.Typer()
 
+INTERRUPTED_EXIT = 130
+
 
 @app.command()
 def generate(
@@ -55,15 +57,25 @@ def generate(
     err_console.print(escape_controls(session.note), markup=False, highlight=False)
     base = [{"role": "system", "content": system}] if system is not None else []
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    if not chat:
-        with user_errors():
-            messages = base + [{"role": "user", "content": prompt}]
-            ids = session.prompt(text=prompt) if raw else session.prompt(messages=messages)
-        reply(session, ids, stop=True, **options)
-        return
+    try:
+        if chat:
+            converse(session, base, options)
+        else:
+            with user_errors():
+                messages = base + [{"role": "user", "content": prompt}]
+                ids = session.prompt(text=prompt) if raw else session.prompt(messages=messages)
+            reply(session, ids, stop=True, **options)
+    except KeyboardInterrupt:
+        # Ctrl-C stops the reply or the chat: no traceback, the shell's code for SIGINT.
+        write("\n")
+        raise typer.Exit(code=INTERRUPTED_EXIT) from None
+
+
+def converse(session, history: list[dict], options: dict) -> None:
+    """The --chat loop: each line from stdin is a user turn answered with the whole conversation as the prompt."""
     err_console.print("chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends",
                       markup=False, highlight=False)
-    history = list(base)
+    history = list(history)
     while True:
         if sys.stdin.isatty():
             err_console.print("> ", end="", markup=False, highlight=False)

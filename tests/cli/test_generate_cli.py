@@ -132,6 +132,18 @@ def test_chat_keeps_the_history_and_ends_on_an_empty_line(lora_run, monkeypatch)
     assert asked[1][:2] == asked[0] and asked[1][3]["content"] == "second"
 
 
+def test_ctrl_c_ends_the_reply_without_a_traceback(lora_run, monkeypatch):
+    from moe_tune.engine.generate.session import Session
+
+    def interrupted(self, ids, max_new_tokens, on_text=None, **options):
+        on_text("partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Session, "generate", interrupted)
+    result = runner.invoke(app, ["generate", str(lora_run[0]), "--prompt", "x"])
+    assert result.exit_code == 130 and result.stdout == "partial\n" and "Traceback" not in result.output
+
+
 def stream_all(decode, ids) -> list[str]:
     stream = TextStream(decode)
     return [stream.push(i) for i in ids] + [stream.flush()]
