@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moe_tune.ops.sparse_attention.reference import index_scores, select_top
 
+from .batch import PackedBatch
 from .varlen import without_cudnn_sdpa
 
 # New queries attended at once over the cache: bounds the [H, chunk, M] fp32 scores of a long continuation.
@@ -57,10 +58,8 @@ class GrowingCache:
         return None if self.buffer is None else self.buffer[: self.length]
 
 
-def one_document_batch(positions: torch.Tensor):
+def one_document_batch(positions: torch.Tensor) -> PackedBatch:
     """The PackedBatch of T tokens forming one document at `positions` [T] (the prefill's: 0 .. T - 1)."""
-    from .attention import PackedBatch
-
     num_tokens = positions.numel()
     cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=positions.device)
     return PackedBatch(cu_seqlens, positions, torch.zeros_like(positions))
@@ -184,6 +183,7 @@ def select_cached_blocks(
 
     always_keep_own_block True (DSA): the query's own block plus the topk - 1 best complete blocks before it.
     False (QSA): the topk - 1 best complete blocks it sees, its own once complete, plus its own while incomplete.
+    block_size 1 (either): the topk best keys up to the query, as the op selects tokens.
     """
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
     w_TH = torch.ones(q_THD.shape[:2], device=q_THD.device) if w_TH is None else w_TH
@@ -195,6 +195,9 @@ def select_cached_blocks(
         index_scores(q_THD.float(), w_TH.float(), block_keys_JD.float(), scale, "relu"), (0, num_blocks - num_complete)
     )
     block_J = torch.arange(num_blocks, device=q_THD.device)
+    if block_size == 1:
+        # The op's token mode: the topk best keys up to the query, its own among the candidates, no tail slot.
+        return select_top(scores_TJ, block_J <= pos_T1, topk)
     if not always_keep_own_block:
         num_seen_complete_T1 = (pos_T1 + 1) // block_size
         chosen_TS = select_top(scores_TJ, block_J < num_seen_complete_T1, topk - 1)

@@ -49,6 +49,8 @@ CASES = {
     "qsa-block-4": (
         {"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4))
     ),
+    # block_size 1: the op selects tokens (topk + 1 of them, the query's own among the candidates), no tail slot.
+    "qsa-token": ({"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6))),
     "qsa-block-3-yarn": (
         {"attention": "qsa"},
         dict(rope_yarn=YARN, sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6, block_size=3)),
@@ -66,7 +68,9 @@ CASES = {
         dict(mla=MLA, sparse_attention=dict(index_heads=4, index_head_dim=16, topk=6, block_size=2)),
     ),
 }
-SPARSE_CASES = ["sparse-token", "sparse-block", "qsa-block-4", "qsa-block-3-yarn", "mla-sparse-token", "mla-sparse-block"]
+SPARSE_CASES = [
+    "sparse-token", "sparse-block", "qsa-block-4", "qsa-token", "qsa-block-3-yarn", "mla-sparse-token", "mla-sparse-block"
+]
 
 
 def build_mixer(name: str) -> nn.Module:

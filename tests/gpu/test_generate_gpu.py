@@ -1,0 +1,128 @@
+"""Cached decoding on CUDA: the prefill runs the training forward's Triton kernels, the steps the cached paths; in fp32
+the rows equal the full forward's and greedy generation is the argmax chain of full re-runs; in bf16 the cached rows
+are as close to the fp32 forward as the bf16 full forward is; `moe-tune generate` runs a LoRA run on the GPU in its
+train.precision.
+
+Run on the H200 on its own: pytest -m gpu tests/gpu
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from moe_tune.engine.generate import DecodeCache, forward_cached, generate_ids
+from moe_tune.engine.model.model import build_model
+from moe_tune.profiles import load_profile
+from moe_tune.profiles.schema import ModelProfile
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEVICE = torch.device("cuda")
+KDA = {"kda_attention": {"num_heads": 2, "head_dim": 16}}
+NGRAM = {
+    "embed_dim": 16, "ngram_size": 3, "heads_per_ngram": 2, "vocab_size_base": 50, "vocab_size_multiple": 8,
+    "hash_seed": 7, "conv_kernel_size": 3, "boundary_token_id": 258,
+}  # fmt: skip
+# Layer mixes of the families' kinds on the tiny profile's widths.
+MODELS = {
+    "tiny": ([], {}),  # linear x 3, then top-k sparse attention with a budget below the prompt
+    "qwen3_next": ([{"attention": "linear"}, {"attention": "full"}, {"attention": "linear", "mlp": "dense"}],
+                   {"norm_one_plus": True, "intermediate_size": 48}),
+    "kimi_linear": ([{"attention": "kda"}, {"attention": "full", "mlp": "dense"}, {"attention": "kda"}],
+                    {**KDA, "intermediate_size": 48}),
+    "qwen4_exp": ([{"attention": "linear", "has_ngram_embedding": True}, {"attention": "qsa"}],
+                  {"norm_one_plus": True, "hyper_connections": {"num_streams": 3, "mix_rank": 8},
+                   "ngram_embedding": NGRAM}),
+}  # fmt: skip
+# Longer than linear attention's 64-token chunks and the sparse budgets; decoded past a chunk boundary.
+PROMPT, STEPS = 150, 40
+
+
+def model_of(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    layers, extra = MODELS[name]
+    base = load_profile("tiny").model.model_dump()
+    if layers:
+        base["layers"] = layers
+    base.update(extra)
+    model = build_model(ModelProfile.model_validate(base))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # off the init, so zero-initialised pieces matter
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(DEVICE, dtype).eval()
+
+
+def tokens(count: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, count), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+
+@torch.no_grad()
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32, device=DEVICE)
+    return model(ids, cu).logits[0].float()
+
+
+@torch.no_grad()
+def cached_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    cache = DecodeCache()
+    rows = [forward_cached(model, ids[:, :PROMPT], cache)[0]]
+    rows += [forward_cached(model, ids[:, t : t + 1], cache)[0] for t in range(PROMPT, ids.shape[1])]
+    return torch.cat(rows).float()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp32_cached_rows_equal_the_full_forward(name):
+    model, ids = model_of(name), tokens(PROMPT + STEPS)
+    full, cached = full_logits(model, ids), cached_logits(model, ids)
+    torch.testing.assert_close(cached, full, atol=1e-4 * full.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bf16_cached_rows_are_as_close_as_the_bf16_forward(name):
+    ids = tokens(PROMPT + STEPS)
+    truth = full_logits(model_of(name), ids)
+    model = model_of(name, torch.bfloat16)
+    full_error = (full_logits(model, ids) - truth).abs().mean().item()
+    cached_error = (cached_logits(model, ids) - truth).abs().mean().item()
+    assert cached_error <= 1.5 * full_error + 1e-4, (cached_error, full_error)
+
+
+@pytest.mark.parametrize("name", ["tiny", "qwen3_next"])
+def test_greedy_generation_is_the_argmax_chain(name):
+    model, prompt = model_of(name), tokens(PROMPT)[0].tolist()
+    chain = list(prompt)
+    for _ in range(16):
+        chain.append(int(full_logits(model, torch.tensor([chain], device=DEVICE))[-1].argmax()))
+    assert generate_ids(model, prompt, 16) == chain[len(prompt) :]
+
+
+def test_cli_generates_from_a_bf16_lora_run_on_the_gpu(tmp_path):
+    from moe_tune.engine.lora import inject_lora
+
+    run = tmp_path / "run"
+    job = load_profile("tiny", ["train.steps=2", "train.warmup_steps=1", "train.precision=bf16", f"output.dir={run}"])
+    run.mkdir()
+    (run / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    (run / "summary.json").write_text(json.dumps({"last_step": 2}) + "\n")
+    model = inject_lora(build_model(job.model), job.lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.3)
+    model.save_pretrained(str(run / "adapter"), safe_serialization=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_tune", "generate", str(run), "--prompt", "Once upon a time",
+         "--max-new-tokens", "24"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"model: the run in {run} (LoRA adapters merged, step 2); on cuda, bfloat16" in result.stderr
+    assert re.search(r"^\d+ tokens in \d+\.\d\d s .*; ended by ", result.stderr, re.MULTILINE), result.stderr
