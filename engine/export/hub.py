@@ -28,6 +28,12 @@ from moe_tune.profiles.schema import ModelProfile
 from . import StateSource
 
 INDEX_NAME = "model.safetensors.index.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Loader files whose "chat_template" entry a transformers 5 processor prefers to chat_template.jinja (and an older
+# tokenizer, to nothing else): the entry is removed where the run's own template is written.
+TEMPLATE_CONFIGS = ("tokenizer_config.json", "processor_config.json")
+# The legacy processor template, read before chat_template.jinja: left out where the run's own template is written.
+LEGACY_TEMPLATE_FILE = "chat_template.json"
 DEFAULT_SHARD_SIZE = "5GB"
 # The files of a checkpoint folder besides its weights that a loader reads: copied as they are.
 COPIED_FILES = (
@@ -273,10 +279,11 @@ def write_hub_checkpoint(
     max_shard_bytes: int,
     config: dict | None = None,
     copy_from: Path | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write `source` into the folder `out` (created through a temporary sibling, then renamed): the keys of
     `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own), the index,
-    config.json (`config`, or copied) and the loader files of `copy_from`."""
+    config.json (`config`, or copied), the loader files of `copy_from` and `chat_template` (write_chat_template)."""
     from safetensors.torch import save_file
 
     from moe_tune.engine.families.base import take
@@ -355,6 +362,8 @@ def write_hub_checkpoint(
     (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     if copy_from is not None:
         copy_loader_files(Path(copy_from), tmp)
+    if chat_template is not None:
+        write_chat_template(tmp, chat_template)
     if config is not None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if out.exists():
@@ -381,9 +390,39 @@ def copy_loader_files(base: Path, dest: Path, names: tuple[str, ...] = COPIED_FI
     return copied
 
 
-def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_bytes: int, precision: str = "fp32") -> Path:
+def write_chat_template(folder: Path, template: str) -> None:
+    """`template` (the text of the run's data.chat_template) as the template transformers 5 renders from `folder`:
+    chat_template.jinja, which AutoTokenizer prefers to tokenizer_config.json's entry; that entry, the processor's
+    (processor_config.json) and the legacy chat_template.json, which AutoProcessor prefers to the .jinja file, are
+    removed."""
+    folder = Path(folder)
+    (folder / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    (folder / LEGACY_TEMPLATE_FILE).unlink(missing_ok=True)
+    for name in TEMPLATE_CONFIGS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(config, dict) and "chat_template" in config:
+            del config["chat_template"]
+            path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def run_chat_template(profile) -> str | None:
+    """The text of the run's data.chat_template (its .jinja file read), None without one."""
+    from moe_tune.engine.data.chat import chat_options
+
+    return chat_options(profile.data).template
+
+
+def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_bytes: int, precision: str = "fp32",
+               chat_template: str | None = None) -> Path:
     """The checkpoint folder of `source` (a model read from a checkpoint, or built from a profile that a
-    transformers model type expresses, its tensors in `precision`) in `out`."""
+    transformers model type expresses, its tensors in `precision`) in `out`, with `chat_template` (the run's
+    data.chat_template) in place of the checkpoint's."""
     from moe_tune.engine.families import UnsupportedModel, family_for
     from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
 
@@ -398,7 +437,7 @@ def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_byte
                 layout = DequantizedLayout(layout, quantized)
                 config = {k: v for k, v in read_config(cfg.checkpoint).items() if k != "quantization_config"}
             return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
-                                        copy_from=cfg.checkpoint)
+                                        copy_from=cfg.checkpoint, chat_template=chat_template)
     try:
         from moe_tune.engine.families.hub_config import hub_config_for_profile
     except ImportError:
@@ -409,7 +448,8 @@ def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_byte
     except UnsupportedModel as err:
         raise ProfileError([f"model: not exportable as a transformers model: {line}" for line in err.problems]) from None
     layout = Layout({k: KeyInfo(tuple(shape), dtype) for k, (shape, dtype) in keys.items()})
-    return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config)
+    return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
+                                chat_template=chat_template)
 
 
 def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str = DEFAULT_SHARD_SIZE,
@@ -446,6 +486,10 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     if lora and not merge and run.cfg.checkpoint is None:
         problems.append("the run's model is built from a profile: its adapter has no checkpoint module names to go "
                         "on; export it with --merge")
+    try:
+        chat_template = run_chat_template(run.profile)
+    except ProfileError as err:
+        problems += err.problems
     if problems:
         raise ProfileError(problems)
     if step is not None:
@@ -456,12 +500,13 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
         source = FinalState(run, merged=merge or not lora)
     with source:
         if lora and not merge:
-            return write_adapter(run, source.adapter_state(), out)
-        return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision)
+            return write_adapter(run, source.adapter_state(), out, chat_template)
+        return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template)
 
 
-def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path) -> Path:
-    """The PEFT adapter on the checkpoint's module names (engine/families/export.py), and the base's loader files."""
+def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_template: str | None = None) -> Path:
+    """The PEFT adapter on the checkpoint's module names (engine/families/export.py), the base's loader files and
+    `chat_template` (the run's data.chat_template)."""
     from moe_tune.engine.families import family_for
     from moe_tune.engine.families.checkpoint import read_config
     from moe_tune.engine.families.export import write_reference_adapter
@@ -473,4 +518,6 @@ def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path) -> Path:
     written = write_reference_adapter(meta_model(cfg), adapter, cfg, family, run.profile.lora, out)
     # The tokenizer and processor files, not the model's config: the folder is an adapter, not a model.
     copy_loader_files(Path(cfg.checkpoint), written, COPIED_FILES[2:])
+    if chat_template is not None:
+        write_chat_template(written, chat_template)
     return written

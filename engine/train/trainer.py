@@ -313,7 +313,7 @@ def _export_merged(profile: JobProfile, merged: dict[str, torch.Tensor], directo
     or the reason a model has no such layout (result.merged_problem), not a failed run."""
     import shutil
 
-    from moe_tune.engine.export.hub import DEFAULT_SHARD_SIZE, export_hub, parse_size
+    from moe_tune.engine.export.hub import DEFAULT_SHARD_SIZE, export_hub, parse_size, run_chat_template
     from moe_tune.engine.export.sources import DictSource
     from moe_tune.engine.families import UnsupportedModel
 
@@ -321,7 +321,7 @@ def _export_merged(profile: JobProfile, merged: dict[str, torch.Tensor], directo
         shutil.rmtree(directory)
     try:
         result.merged = export_hub(DictSource(merged), profile.model, directory, parse_size(DEFAULT_SHARD_SIZE),
-                                   profile.train.precision)
+                                   profile.train.precision, run_chat_template(profile))
     except (ProfileError, UnsupportedModel) as err:
         result.merged_problem = err.problems[0] + (f" (and {len(err.problems) - 1} more)" if len(err.problems) > 1 else "")
 
