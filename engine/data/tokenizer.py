@@ -35,6 +35,12 @@ class Tokenizer(Protocol):
         chat template cannot render it faithfully."""
         ...
 
+    def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
+                   where: str) -> list[int] | None:
+        """The ids of a conversation rendered by the chat template rendering uses (options.template, else the
+        tokenizer's own), with the generation prompt when asked; None when there is none (the built-in format)."""
+        ...
+
 
 def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
     """Messages in CHAT_TEMPLATE, for tokenizers without a chat template: the assistant's content and the newline
@@ -117,6 +123,15 @@ class ByteTokenizer:
         return render_conversation(render, messages, where, options, has_generation_blocks(template),
                                    lambda t: t in self.special_ids, self.is_blank)
 
+    def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
+                   where: str) -> list[int] | None:
+        if options.template is None:
+            return None
+        # Special tokens are ids, not text, here: the template renders them empty.
+        text, _ = render_template_text(options.template, messages, add_generation_prompt, False, where,
+                                       bos_token="", eos_token="")
+        return self.encode(text)
+
 
 class HFTokenizer:
     """A tokenizer directory read by transformers (local files only, no remote code)."""
@@ -176,6 +191,16 @@ class HFTokenizer:
         if pieces and self.bos_id is not None and pieces[0][0][:1] == [self.bos_id]:
             pieces[0] = (pieces[0][0][1:], pieces[0][1])
         return [piece for piece in pieces if piece[0]]
+
+    def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
+                   where: str) -> list[int] | None:
+        if options.template is None and not self.has_chat_template:
+            return None
+        source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
+        with template_errors(where, source):
+            out = self._tok.apply_chat_template(messages, chat_template=options.template, tokenize=True,
+                                                return_dict=True, add_generation_prompt=add_generation_prompt)
+        return list(out["input_ids"])
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -235,24 +235,7 @@ def render_template(tok: Tokenizer, options: ChatOptions, messages: list[dict],
                     add_generation_prompt: bool) -> list[int] | None:
     """`messages` rendered by the chat template tokenization uses (data.chat_template, else the tokenizer's own), as
     data/tokenizer.py renders training records; None when neither exists (the built-in plain format)."""
-    from moe_tune.engine.data.tokenizer import render_template_text, template_errors
-
-    source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
-    # The transformers tokenizer inside an HFTokenizer; the byte tokenizer has none.
-    inner = getattr(tok, "_tok", None)
-    if inner is None:
-        if options.template is None:
-            return None
-        # Special tokens are ids, not text, for the byte tokenizer: the template renders them empty.
-        text, _ = render_template_text(options.template, messages, add_generation_prompt, False, "the prompt",
-                                       bos_token="", eos_token="")
-        return tok.encode(text)
-    if options.template is None and not getattr(inner, "chat_template", None):
-        return None
-    with template_errors("the prompt", source):
-        out = inner.apply_chat_template(messages, chat_template=options.template, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
-    return list(out["input_ids"])
+    return tok.render_ids(messages, options, add_generation_prompt, "the prompt")
 
 
 def prompt_ids(tok: Tokenizer, messages: list[dict] | None = None, text: str | None = None,
