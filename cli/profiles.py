@@ -24,7 +24,8 @@ NoDataOption = Annotated[
 @app.command()
 def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOption = False) -> None:
     """Check a profile and print it resolved (defaults filled in) on stdout; then read its data as finetune would and
-    report it on stderr (records, tokens, trained tokens per source); exit 2 listing every problem."""
+    report it on stderr (records, tokens, trained tokens per source, the optimizer steps); exit 2 listing every
+    problem."""
     job = read_profile(profile, overrides)
     Console(highlight=False).print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="", markup=False)
     if no_data:
@@ -36,6 +37,8 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
         survey = survey_data(job)
     for line in survey.lines():
         err_console.print(f"data: {bounded_line(line)}", markup=False, emoji=False)
+    if survey.schedule is not None:
+        err_console.print(survey.schedule.line(), markup=False)
     err_console.print(f"{profile}: valid", markup=False)
 
 

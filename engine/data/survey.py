@@ -1,6 +1,7 @@
 """What `moe-tune validate` reports about a profile's data: the checks finetune makes on it before training (the
-tokenizer fits the model, every record reads, something is trained), then per source and in total the records,
-documents, tokens and trained tokens, with the records left out.
+tokenizer fits the model, every record reads, something is trained, the warm-up fits the steps train.epochs gives),
+then per source and in total the records, documents, tokens and trained tokens, with the records left out, and the
+run's optimizer steps.
 
 Nothing is written: the built-in shapes corpus is generated into a temporary folder, removed afterwards.
 """
@@ -15,12 +16,30 @@ from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
 from .chat import ChatOptions, chat_options
-from .dataset import DataSummary, load_splits, vision_input
+from .dataset import DataSummary, PackedDataset, load_splits, vision_input
 from .tokenizer import load_tokenizer
 
 # Bad records collected before reading stops: every one is listed up to here (the terminal prints the first ones and
 # counts the rest); past it, memory would grow with a file of nothing but bad records.
 MAX_PROBLEMS = 100_000
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The run's optimizer steps as finetune derives them on one rank (run_steps): train.steps, or the steps that
+    cover train.epochs' packed rows."""
+
+    steps: int
+    epochs: int | None = None
+    rows: int | None = None  # rows in those epochs
+    seq_len: int | None = None
+
+    def line(self) -> str:
+        if self.epochs is None:
+            return f"steps: {self.steps}"
+        epochs = "1 epoch" if self.epochs == 1 else f"{self.epochs} epochs"
+        rows = "1 row" if self.rows == 1 else f"{self.rows} rows"
+        return f"steps: {self.steps} for {epochs} on one rank ({rows} of {self.seq_len} tokens)"
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,7 @@ class DataSurvey:
     has_own_template: bool  # the tokenizer has a chat template
     summary: DataSummary
     skipped: list[str] = field(default_factory=list)  # records left out under data.bad_images: skip
+    schedule: Schedule | None = None  # the run's steps (None: not counted)
 
     def lines(self, max_refused: int = 20) -> list[str]:
         """The report for a terminal: the tokenizer and chat options, a line per source and the totals (from
@@ -85,4 +105,17 @@ def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS) -> DataSu
         raise ProfileError(problems)
     has_own_template = bool(getattr(tok, "has_chat_template", False))
     return DataSurvey(profile.tokenizer, tok.vocab_size, profile.model.vocab_size, options, has_own_template,
-                      splits.summary, skipped)
+                      splits.summary, skipped, schedule_of(profile, splits.train, tok.pad_id, vision))
+
+
+def schedule_of(profile: JobProfile, documents: list, pad_id: int, vision) -> Schedule:
+    """The run's steps on one rank: the training documents packed as the trainer packs them (build_dataset) and
+    counted by its run_steps; ProfileError (run_steps') when the warm-up does not fit them."""
+    from moe_tune.engine.train.trainer import run_steps
+
+    train = profile.train
+    if train.epochs is None:
+        return Schedule(run_steps(train, None, 1))
+    data = profile.data
+    dataset = PackedDataset(documents, data.seq_len, pad_id, data.seed, vision.settings if vision is not None else None)
+    return Schedule(run_steps(train, dataset, 1), train.epochs, dataset.rows_in_epochs(train.epochs), data.seq_len)

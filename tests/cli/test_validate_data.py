@@ -214,8 +214,76 @@ def test_records_left_out_for_bad_images_are_listed_and_refused_without_skip(tmp
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
     missing = f"{data}:2: {tmp_path / 'missing.png'}: no such image file"
-    assert lines[-3:] == ["data: 1 records left out (data.bad_images: skip):", f"data:   {missing}", "tiny-vl: valid"]
+    assert lines[-4:] == ["data: 1 records left out (data.bad_images: skip):", f"data:   {missing}", "steps: 200",
+                          "tiny-vl: valid"]
     # "<|assistant|>\n" is not trained: "black\n" and <eos>.
     assert any(line.startswith("data: train: 1 documents, ") and line.endswith(" 7 trained (17%)") for line in lines)
     result = runner.invoke(app, ["validate", "tiny-vl", *sets])
     assert result.exit_code == 2 and result.stderr.splitlines() == [f"error: {missing}"]
+
+
+def epochs_rows(data, epochs: int, seq_len: int) -> int:
+    """Rows of `epochs` epochs of the tiny profile's data packed as the trainer packs them, on one rank."""
+    from moe_tune.engine.data.dataset import PackedDataset, load_documents
+    from moe_tune.profiles import load_profile
+
+    job = load_profile("tiny", [f"data.path={data}", f"data.seq_len={seq_len}"])
+    dataset = PackedDataset(load_documents(job.data, BYTE), seq_len, BYTE.pad_id, job.data.seed)
+    return dataset.rows_in_epochs(epochs)
+
+
+TEXTS = [{"text": f"document {i}: " + "moe " * (i % 7)} for i in range(40)]
+
+
+@pytest.mark.parametrize("epochs, micro_batch, accumulation", [
+    (1, 4, 1),
+    (3, 4, 1),  # later epochs pack in another order
+    (2, 3, 2),  # a step of 6 rows, the last one short
+])  # fmt: skip
+def test_epochs_report_the_steps_they_give(tmp_path, epochs, micro_batch, accumulation):
+    import math
+
+    data = write(tmp_path / "d.jsonl", *TEXTS)
+    result = validate(data, "train.steps=null", f"train.epochs={epochs}", "train.warmup_steps=0", "data.seq_len=32",
+                      f"train.micro_batch_size={micro_batch}", f"train.gradient_accumulation_steps={accumulation}")
+    assert result.exit_code == 0, result.output
+    rows = epochs_rows(data, epochs, 32)
+    steps = math.ceil(rows / (micro_batch * accumulation))
+    word = "epoch" if epochs == 1 else "epochs"
+    assert result.stderr.splitlines()[-2:] == [f"steps: {steps} for {epochs} {word} on one rank ({rows} rows of 32 "
+                                               "tokens)", "tiny: valid"]
+
+
+def test_steps_are_reported_as_given(tmp_path):
+    result = validate(write(tmp_path / "d.jsonl", *TEXTS), "train.steps=7", "train.warmup_steps=0")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[-2:] == ["steps: 7", "tiny: valid"]
+
+
+@pytest.mark.parametrize("warmup_offset, ratio, is_refused", [
+    (0, None, True),  # warm-up = the steps
+    (1, None, True),
+    (-1, None, False),
+    (None, 0.99, False),  # floor(0.99 x steps) < steps: a ratio (< 1) always fits
+])  # fmt: skip
+def test_a_warmup_the_epochs_steps_cannot_hold_exits_2(tmp_path, warmup_offset, ratio, is_refused):
+    import math
+
+    data = write(tmp_path / "d.jsonl", *TEXTS)
+    rows = epochs_rows(data, 1, 32)
+    steps = math.ceil(rows / 4)
+    overrides = ["train.steps=null", "train.epochs=1", "data.seq_len=32"]
+    if ratio is None:
+        overrides.append(f"train.warmup_steps={steps + warmup_offset}")
+    else:
+        overrides += ["train.warmup_steps=0", f"train.warmup_ratio={ratio}"]
+    result = validate(data, *overrides)
+    if not is_refused:
+        assert result.exit_code == 0, result.output
+        assert result.stderr.splitlines()[-2].startswith(f"steps: {steps} for 1 epoch")
+        return
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: train.warmup_steps ({steps + warmup_offset}) must be < the {steps} steps that train.epochs (1) gives "
+        f"({rows} rows / 4 rows a step: micro_batch_size 4 x gradient_accumulation_steps 1 x 1 ranks)"]
+    assert "Traceback" not in result.output
