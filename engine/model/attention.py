@@ -7,8 +7,6 @@ Every layer takes a PackedBatch, whose cu_seqlens keep documents from seeing eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +18,7 @@ from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 
+from .batch import PackedBatch
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
 from .kda import KimiDeltaAttention
 from .kv_cache import (
@@ -28,38 +27,10 @@ from .kv_cache import (
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
-from .varlen import DocumentBuckets, packed_causal_attention
+from .varlen import packed_causal_attention
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Where the documents of a packed row start and end, computed once per forward."""
-
-    cu_seqlens: torch.Tensor  # [N + 1] int32
-    positions: torch.Tensor  # [T] position inside the document
-    doc_ids: torch.Tensor  # [T] document index
-    token_ids: torch.Tensor | None = None  # [T] int64 input ids (n-gram embeddings hash them)
-    mrope_positions: torch.Tensor | None = None  # [3, T] (t, h, w) rotary positions when images are in the row
-
-    @property
-    def rotary_positions(self) -> torch.Tensor:
-        """What the softmax attention layers rotate by: (t, h, w) positions with images, else `positions`."""
-        return self.mrope_positions if self.mrope_positions is not None else self.positions
-
-    @cached_property
-    def document_buckets(self) -> DocumentBuckets:
-        """The row's documents grouped for full attention (computed at the first full-attention layer)."""
-        return DocumentBuckets.from_cu_seqlens(self.cu_seqlens)
-
-    def causal_mask(self) -> torch.Tensor:
-        """[T, T] bool: query t may see key s (same document, s <= t). The attention layers never build it (varlen.py);
-        tests compare against it."""
-        same_doc = self.doc_ids[:, None] == self.doc_ids[None, :]
-        idx = torch.arange(len(self.doc_ids), device=self.doc_ids.device)
-        return same_doc & (idx[None, :] <= idx[:, None])
 
 
 class GatedAttention(nn.Module):

@@ -25,7 +25,8 @@ from torch import nn
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .attention import PackedBatch, build_token_mixer
+from .attention import build_token_mixer
+from .batch import PackedBatch
 from .blocks import GroupedRMSNorm
 from .moe import channel_mixer
 from .ngram import NGramInjection

@@ -24,7 +24,7 @@ from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
 
-    from .attention import PackedBatch
+    from .batch import PackedBatch
 
 # FLA's KDA init: dt = softplus(dt_bias) starts uniform in log space over [1e-3, 1e-1], decay rates over [1, 16).
 DT_INIT_RANGE = (1e-3, 1e-1)

@@ -40,7 +40,7 @@ from .varlen import packed_causal_attention
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
 
-    from .attention import PackedBatch
+    from .batch import PackedBatch
 
 # DeepSeek-V3.2's indexer normalises its key with a LayerNorm of this fixed epsilon (not rms_norm_eps).
 INDEXER_KEY_NORM_EPS = 1e-6

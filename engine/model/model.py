@@ -15,7 +15,8 @@ from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .attention import PackedBatch, build_token_mixer, init_token_mixer
+from .attention import build_token_mixer, init_token_mixer
+from .batch import PackedBatch
 from .blocks import RMSNorm, document_ids, document_positions
 from .hyper import HyperConnection, HyperDecoderLayer
 from .moe import channel_mixer, init_moe

@@ -20,7 +20,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import ModelProfile, NGramEmbeddingSpec
 
-from .attention import PackedBatch
+from .batch import PackedBatch
 from .blocks import GroupedRMSNorm, ShortConv
 
 if TYPE_CHECKING:
