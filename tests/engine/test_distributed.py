@@ -244,7 +244,8 @@ def test_cli_nproc_launches_ranks(tmp_path, child_env):
         [sys.executable, "-m", "moe_tune", "finetune", "tiny", "--nproc", "2", "--quiet",
          *[a for o in [*BASE, "train.steps=2", "train.micro_batch_size=1", "parallel.expert_parallel=2",
                        f"output.dir={out}"] for a in ("--set", o)]],
-        capture_output=True, text=True, timeout=HARD_TIMEOUT_S, env=child_env,
+        # One intra-op thread a rank, as dist_forks.py gives the other runs' ranks.
+        capture_output=True, text=True, timeout=HARD_TIMEOUT_S, env={**child_env, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Rank 0 alone reports; the run wrote one metrics record per step and a consolidated adapter.
