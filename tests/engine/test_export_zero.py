@@ -178,7 +178,9 @@ def test_expert_parallel_checkpoint_reads_and_exports_as_the_final_state(tmp_pat
     }))  # fmt: skip
     port = free_port()
     cmd = [sys.executable, str(WORKER), "--result", str(tmp_path / "result.json"), "--profile", str(profile)]
-    procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port, child_env), stdout=subprocess.PIPE,
+    # One intra-op thread a rank: CI runs the suite on two workers on two cores.
+    env = {**child_env, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port, env), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
     logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:]
