@@ -1,0 +1,204 @@
+"""`moe-tune profile --kernels`: time every registered op (fwd, fwd+bwd) beside its baselines, print the table, check
+a saved run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from ._common import fail
+
+# profile --kernels fits a terminal this wide (wrapping cells, notes as footnotes) unless --wide.
+KERNELS_WIDTH = 120
+# --wide: each row on one line, however long its note.
+WIDE_WIDTH = 1000
+# Characters between two columns of the narrow kernels table (padding and rule).
+COLUMN_GAP = 3
+# The columns that say what a kernels row measured.
+TEXT_KEYS = ("op", "case", "impl", "shape", "dtype")
+REGRESSION_EXIT = 1
+
+
+def _format(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _kernel_columns(rows: list[dict], wide: bool) -> list[tuple[str, Callable[[dict], str]]]:
+    """(header, cell of a row) of the kernels table, without the measured columns no row has a value in (on the
+    CPU: % of peak and peak memory). Narrow (not `wide`): op and case share a cell, as do shape and dtype, and the
+    % of peak follows the TFLOP/s."""
+    has_peak = any(row[f"{key}_peak_fraction"] is not None for row in rows for key in ("fwd", "fwd_bwd"))
+    if wide:
+        columns: list[tuple[str, Callable[[dict], str]]] = [(k, lambda row, k=k: str(row[k])) for k in TEXT_KEYS]
+    else:
+        columns = [("op\ncase", lambda row: f"{row['op']}\n{row['case']}"), ("impl", lambda row: str(row["impl"])),
+                   ("shape\ndtype", lambda row: f"{row['shape']}\n{row['dtype']}")]  # fmt: skip
+    for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+        columns.append((f"{label}\nms", lambda row, key=key: _format(row[f"{key}_ms"], ".3f")))
+        if has_peak:
+            columns.append((f"{label}\nTFLOP/s\n(% peak)", lambda row, key=key: (
+                f"{_format(row[f'{key}_tflops'], '.3g')} ({_format(row[f'{key}_peak_fraction'], '.0%')})")))
+        else:
+            columns.append((f"{label}\nTFLOP/s", lambda row, key=key: _format(row[f"{key}_tflops"], ".3g")))
+    columns.append(("peak mem\nGB", lambda row: _format(row["peak_memory_bytes"], ".2f", scale=1e-9)))
+    num_text = 3 if not wide else len(TEXT_KEYS)
+    return [column for i, column in enumerate(columns) if i < num_text or any(column[1](row) != "-" for row in rows)]
+
+
+def _column_widths(cells: list[list[str]], headers: list[str], num_text: int, width: int) -> list[int]:
+    """Widths that fit `width` columns of the console: each measured column as wide as its widest line, the text
+    columns shrunk in proportion to their widest lines, never below their longest word (a word is never cut)."""
+    lines = [[line for text in (header, *(row[i] for row in cells)) for line in text.split("\n")]
+             for i, header in enumerate(headers)]  # fmt: skip
+    natural = [max(len(line) for line in column) for column in lines]
+    least = [max(len(word) for line in column for word in line.split() or [""]) for column in lines]
+    room = width - COLUMN_GAP * (len(headers) - 1) - sum(natural[num_text:])
+    text_natural = sum(natural[:num_text])
+    if text_natural <= room:
+        return natural
+    shrunk = [max(least[i], natural[i] * room // text_natural) for i in range(num_text)]
+    return shrunk + natural[num_text:]
+
+
+def kernels_table(rows: list[dict], wide: bool = False, width: int = KERNELS_WIDTH) -> tuple[Table, list[str]]:
+    """The kernels table and the lines printed below it. Narrow (default): cells wrap between words to fit `width`
+    columns, and each note is a numbered footnote below the table (the same note once), its number after the impl;
+    wide: a column each for op, case, shape and dtype, every cell on one line, the notes in the last column."""
+    machine = rows[0]
+    title = (
+        f"{machine['machine']} ({machine['device']}), torch {machine['torch']}, triton {machine['triton']}, "
+        f"commit {machine['commit']}, {machine['date']}"
+    )
+    columns = _kernel_columns(rows, wide)
+    num_text = len(TEXT_KEYS) if wide else 3
+    cells = [[cell(row) for _, cell in columns] for row in rows]
+    notes: dict[str, int] = {}
+    if wide:
+        table = Table(title=title, title_justify="left")
+        for index, (header, _) in enumerate(columns):
+            table.add_column(header, justify="left" if index < num_text else "right", no_wrap=True)
+        if any(row["note"] for row in rows):
+            table.add_column("note", justify="left", no_wrap=True)
+            cells = [row_cells + [row["note"] or ""] for row_cells, row in zip(cells, rows)]
+    else:
+        for row_cells, row in zip(cells, rows):
+            if row["note"]:
+                row_cells[1] += f" [{notes.setdefault(row['note'], len(notes) + 1)}]"
+        headers = [header for header, _ in columns]
+        widths = _column_widths(cells, headers, num_text, width)
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      collapse_padding=True)  # fmt: skip
+        for index, header in enumerate(headers):
+            table.add_column(header, justify="left" if index < num_text else "right", width=widths[index])
+    for row_cells in cells:
+        table.add_row(*row_cells)
+    return table, [f"[{number}] {note}" for note, number in notes.items()]
+
+
+def parse_ops(text: str | None, registered: list[str]) -> list[str] | None:
+    """The op names of a comma-separated list; None (all) when not given. Raises ValueError naming the unknown."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in registered]
+    if unknown or not names:
+        raise ValueError(f"--ops ({text!r}) must name registered ops: {', '.join(registered)}")
+    return names
+
+
+def _read_baseline(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        fail([f"--baseline ({str(path)!r}): cannot read it ({err.strerror})"])
+    except json.JSONDecodeError as err:
+        fail([f"--baseline ({str(path)!r}): not JSON ({err.msg}, line {err.lineno})"])
+    if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+        fail([f"--baseline ({str(path)!r}) must be a list of rows as --json writes them"])
+    return data
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Horizontal bars of the fwd and fwd+bwd medians per row, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{row['op']} / {row['case']} / {row['impl']} / {row['shape']}" for row in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
+    positions = range(len(rows))
+    for offset, key in ((-0.2, "fwd_ms"), (0.2, "fwd_bwd_ms")):
+        # A pass not measured draws no bar (NaN), where 0 would break the log scale.
+        medians = [float("nan") if row[key] is None else row[key] for row in rows]
+        ax.barh([p + offset for p in positions], medians, height=0.4, label=key)
+    ax.set_yticks(list(positions), labels, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("median ms")
+    first = rows[0]
+    ax.set_title(f"{first['machine']}, commit {first['commit']}, {first['date']}", fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | None, plot: Path | None,
+        wide: bool) -> None:
+    """Time the chosen ops beside their baselines, print the table; exit 1 when a row is slower than --baseline."""
+    from moe_tune.engine.bench import OPS, REGRESSION_TOLERANCE, find_regressions, parse_shapes, run_kernels
+
+    problems = []
+    try:
+        op_names = parse_ops(ops, list(OPS))
+    except ValueError as err:
+        problems.append(str(err))
+        op_names = []
+    try:
+        parse_shapes(shapes, list(OPS) if op_names is None else op_names, label="--shapes")
+    except ValueError as err:
+        problems.append(str(err))
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            problems.append(f"--plot ({str(plot)!r}) needs matplotlib, which is not installed")
+    if problems:
+        fail(problems)
+    saved = _read_baseline(baseline) if baseline is not None else None
+
+    console = Console(highlight=False)
+    if wide:
+        console.width = WIDE_WIDTH
+    elif not console.is_terminal:
+        console.width = KERNELS_WIDTH
+    # Lines other than the table are never wrapped: a reader greps them, copies paths out of them.
+    rows, _, _ = run_kernels(op_names, shapes,
+                             on_start=lambda line: console.print(line, markup=False, soft_wrap=True))
+    table, footnotes = kernels_table(rows, wide, console.width)
+    console.print(table)
+    for line in footnotes:
+        console.print(line, markup=False)
+    if json_out is not None:
+        try:
+            json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+        except OSError as err:
+            fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
+        console.print(f"rows written to {json_out}", markup=False, soft_wrap=True)
+    if plot is not None:
+        _plot(rows, plot)
+        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)
+    if saved is not None:
+        regressions = find_regressions(rows, saved)
+        for line in regressions:
+            console.print(f"slower than {baseline}: {line}", markup=False, soft_wrap=True)
+        if regressions:
+            raise typer.Exit(code=REGRESSION_EXIT)
+        console.print(f"no row slower than {baseline} by more than {REGRESSION_TOLERANCE:.0%}", markup=False,
+                      soft_wrap=True)

@@ -1,0 +1,220 @@
+"""`moe-tune profile PROFILE`: a few real training steps of a profile (throughput, latency, peak memory, MFU, the
+memory policy's metrics, a per-operator breakdown; `--against transformers` times the same steps of the
+transformers + PEFT baseline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ._common import fail, read_profile, user_errors
+
+# Rich falls back to 80 columns when stdout is not a terminal; the profile tables need about this many.
+TABLE_WIDTH = 220
+BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in BYTE_UNITS:
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} GB/s"
+
+
+def _steps_table(result: dict) -> Table:
+    """Two columns, one metric a row: the run first, then the memory policy's metrics."""
+    title = (
+        f"{result['profile']}: seq_len {result['seq_len']} x {result['micro_batch_size']}, {result['precision']}, "
+        f"{result['warmup_steps']} warm-up + {result['steps']} timed steps; {result['machine']} ({result['device']}), "
+        f"torch {result['torch']}, "
+        f"commit {result['commit']}, {result['date']}"
+    )
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric", justify="left", no_wrap=True)
+    table.add_column("median", justify="right")
+    memory = result["memory"]
+    hit_rate = memory.get("cache_hit_rate")
+    swap_fraction = result["swap_fraction_of_pinned"]
+    rows = [
+        ("memory policy", result["memory_policy"]),
+        ("MoE blocks in CUDA graphs", str(result["graphed_moe_blocks"])),
+        ("parameters (trainable)", f"{result['parameters']:,} ({result['trainable_parameters']:,})"),
+        ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
+        ("step latency", f"{result['step_time_s'] * 1e3:,.1f} ms"),
+        ("peak memory", _bytes(result["peak_memory_bytes"])),
+        ("model FLOPs per step", f"{result['model_flops_per_step']:.3g}"),
+        ("achieved", f"{result['achieved_tflops']:.3g} TFLOP/s"),
+        (f"MFU (of the measured GEMM peak, {result['peak_tflops']:.3g} TFLOP/s)", f"{result['mfu']:.1%}"),
+        ("saved on the GPU", _bytes(memory.get("gpu_saved_bytes"))),
+        ("saved in host memory", _bytes(memory.get("host_saved_bytes"))),
+        ("  of which moved by the budget", _bytes(memory.get("evicted_bytes"))),
+        ("recomputed", _bytes(memory.get("recomputed_bytes"))),
+        ("modules recomputed", "-" if memory.get("recomputations") is None else f"{memory['recomputations']:.0f}"),
+        ("cache hit rate", "-" if hit_rate is None else f"{hit_rate:.1%}"),
+        ("swap GPU -> host", _rate(memory.get("d2h_gb_per_s"))),
+        ("swap host -> GPU", _rate(memory.get("h2d_gb_per_s"))),
+        ("pinned copy host -> GPU / GPU -> host",
+         f"{_rate(result['pinned_h2d_gb_per_s'])} / {_rate(result['pinned_d2h_gb_per_s'])}"),
+        ("swap / pinned copy bandwidth", "-" if swap_fraction is None else f"{swap_fraction:.0%}"),
+        ("backward waited for swap-in",
+         "-" if memory.get("swap_wait_s") is None else f"{memory['swap_wait_s'] * 1e3:.1f} ms"),
+        ("host pool", _bytes(memory.get("host_pool_bytes"))),
+    ]  # fmt: skip
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _write_json(path: Path, data) -> None:
+    try:
+        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror})"])
+
+
+def breakdown_table(breakdown: dict) -> Table:
+    """One op class a row: time in the profiled step and share of the step; on CUDA also the device work its ops
+    launched, their host time and the GPU's idle time right before that work, in the profiled step (on the CPU the
+    time is the host time)."""
+    from moe_tune.engine.bench.breakdown import CUDA_TIMING
+
+    on_cuda = breakdown["timing"] == CUDA_TIMING
+    headers = ("op class", "ms", "share", *(("launches", "host ms", "GPU idle before ms") if on_cuda else ()))
+    table = Table()
+    for header in headers:
+        table.add_column(header, justify="left" if header == "op class" else "right", no_wrap=True)
+    for row in breakdown["classes"]:
+        idle = row.get("gpu_idle_before_s")
+        host = (
+            (f"{row['launches']:,}", f"{row['host_s'] * 1e3:,.1f}", "" if idle is None else f"{idle * 1e3:,.1f}")
+            if on_cuda
+            else ()
+        )
+        table.add_row(row["op_class"], f"{row['time_s'] * 1e3:,.1f}", f"{row['share']:.1%}", *host)
+    return table
+
+
+def _top_ops_table(breakdown: dict) -> Table:
+    table = Table()
+    for header in ("op", "op class", "calls", "ms"):
+        table.add_column(header, justify="left" if header in ("op", "op class") else "right", no_wrap=True)
+    for row in breakdown["top_ops"]:
+        table.add_row(row["op"], row["op_class"], str(row["calls"]), f"{row['time_s'] * 1e3:,.1f}")
+    return table
+
+
+def _against_table(result: dict) -> Table:
+    """moe-tune's row and the baseline's, the same columns."""
+    other = result["against"]
+    table = Table()
+    headers = ("impl", "tokens/s", "step latency", "peak memory", "MFU", "trainable params", "first-step loss")
+    for header in headers:
+        table.add_column(header, justify="left" if header == "impl" else "right", no_wrap=True)
+    for impl, row in (("moe-tune", result), (other["impl"], other)):
+        table.add_row(impl, f"{row['tokens_per_s']:,.0f}", f"{row['step_time_s'] * 1e3:,.1f} ms",
+                      _bytes(row["peak_memory_bytes"]), f"{row['mfu']:.1%}", f"{row['trainable_parameters']:,}",
+                      f"{row['first_step_loss']:.4f}")  # fmt: skip
+    return table
+
+
+def _against_line(result: dict) -> str:
+    other = result["against"]
+    memory = "" if other["memory_ratio"] is None else f", {other['memory_ratio']:.2f}x the peak memory"
+    return f"moe-tune / {other['impl']}: {other['speedup']:.2f}x the tokens/s{memory}"
+
+
+def _steps_plot(result: dict, path: Path) -> None:
+    """The breakdown's shares as horizontal bars; beside them, with --against, tokens/s and peak memory of both."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    other = result["against"]
+    fig, axes = plt.subplots(1, 2 if other else 1, figsize=(13 if other else 8, 5), squeeze=False)
+    classes = result["breakdown"]["classes"]
+    ax = axes[0][0]
+    ax.barh(range(len(classes)), [row["share"] * 100 for row in classes])
+    ax.set_yticks(range(len(classes)), [row["op_class"] for row in classes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("% of the step")
+    ax.set_title(f"{result['profile']}: one step ({result['breakdown']['timing']})", fontsize=9)
+    if other:
+        ax = axes[0][1]
+        names = ["moe-tune", other["impl"]]
+        rates = [result["tokens_per_s"], other["tokens_per_s"]]
+        bars = ax.bar(names, rates)
+        for bar, row in zip(bars, (result, other)):
+            label = f"MFU {row['mfu']:.1%}\npeak {_bytes(row['peak_memory_bytes'])}"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)  # fmt: skip
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{other['speedup']:.2f}x the tokens/s of {other['model_type']} in transformers", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"{result['machine']}, torch {result['torch']}, commit {result['commit']}, {result['date']}",
+                 fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run(
+    profile_arg: str,
+    overrides: list[str] | None,
+    steps: int,
+    json_out: Path | None,
+    against: str | None,
+    plot: Path | None,
+) -> None:
+    """Run a few training steps of the profile and print (and write) what they measured."""
+    job = read_profile(profile_arg, overrides)
+    from moe_tune.engine.bench.steps import WARMUP_STEPS, profile_steps
+
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail([f"--plot ({str(plot)!r}) needs matplotlib, which is not installed"])
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = TABLE_WIDTH
+
+    def on_step(index: int, is_warmup: bool, record: dict) -> None:
+        label = "warm-up" if is_warmup else "step"
+        console.print(f"{record['impl']} {label} {index + 1}: {record['step_time_s'] * 1e3:,.1f} ms, "
+                      f"loss {record['loss']:.4f}", markup=False)  # fmt: skip
+
+    # A baseline that cannot run (check_against) is refused before anything is built.
+    with user_errors():
+        result = profile_steps(job, steps, WARMUP_STEPS, on_step, against=against,
+                               on_line=lambda line: console.print(line, markup=False, soft_wrap=True))  # fmt: skip
+    console.print(_steps_table(result))
+    breakdown = result["breakdown"]
+    console.print(f"per-operator breakdown of one more step ({breakdown['timing']}; shares of "
+                  f"{breakdown['basis_s'] * 1e3:,.1f} ms):", markup=False)  # fmt: skip
+    console.print(breakdown_table(breakdown))
+    console.print("the heaviest ops of that step:", markup=False)
+    console.print(_top_ops_table(breakdown))
+    other = result["against"]
+    if other is not None:
+        console.print(f"against {other['impl']} ({other['model_type']}, attention "
+                      f"{other['attention_implementation']}, experts {other['experts_implementation']}) on the same "
+                      "micro-batches:", markup=False)  # fmt: skip
+        console.print(_against_table(result))
+        console.print(_against_line(result), markup=False)
+    if json_out is not None:
+        _write_json(json_out, result)
+        console.print(f"results written to {json_out}", markup=False)
+    if plot is not None:
+        _steps_plot(result, plot)
+        console.print(f"plot written to {plot}", markup=False)
