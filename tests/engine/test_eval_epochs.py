@@ -362,3 +362,31 @@ def test_eval_interval_and_notes(overrides, has_eval, interval, notes):
     eval_data = PackedDataset(eval_documents(), 56, TOK.pad_id, seed=0, shuffle=False) if has_eval else None
     assert trainer.eval_interval(profile, eval_data) == interval
     assert trainer.eval_notes(profile, eval_data) == notes
+
+
+def test_processed_tokens_and_the_model_card(straight, tmp_path):
+    """metrics.jsonl's processed tokens are the step's rows counted by hand (every position but a row's closing
+    padding), and the adapter's model card names the data sources, the steps and summary.json's final loss."""
+    out, profile, _ = straight
+    dataset, _, data_summary, _ = trainer.build_dataset(profile, TOK, tmp_path)
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    for record in steps:
+        rows = [dataset.row((record["step"] - 1) * 2 + i) for i in range(2)]
+        hand = 0
+        for row in rows:
+            tail = slice(row.starts[-1], None)
+            is_padding = set(row.input_ids[tail]) == {TOK.pad_id} and set(row.labels[tail]) == {IGNORE_INDEX}
+            hand += row.starts[-1] if is_padding else len(row.input_ids)
+        assert record["processed_tokens"] == hand, record["step"]
+        assert record["processed_tokens_per_s"] == pytest.approx(hand / record["step_time_s"], rel=1e-9)
+    # 7 steps of 2 rows are the two epochs' 14 rows: every document's tokens twice, the padding not at all.
+    assert sum(r["processed_tokens"] for r in steps) == 2 * sum(len(d.input_ids) for d in dataset.documents)
+    assert sum(r["processed_tokens"] for r in steps) < 14 * 56
+    summary = json.loads((out / "summary.json").read_text())
+    card = (out / "adapter" / "README.md").read_text().splitlines()
+    assert [f"- {line}" for line in data_summary.lines()] == card[card.index("## Data") + 2:][:len(data_summary.lines())]
+    assert any("built-in corpus (stories)" in line for line in card)
+    assert any(str(profile.data.eval_path) in line for line in card)
+    assert f"- steps: {summary['last_step']} of {summary['total_steps']} (2 epochs)" in card
+    assert summary["last_step"] == 7
+    assert any(line.startswith(f"- final train loss: {summary['final_loss']:.4f} (perplexity ") for line in card)
