@@ -384,7 +384,8 @@ def test_processed_tokens_and_the_model_card(straight, tmp_path):
     assert sum(r["processed_tokens"] for r in steps) < 14 * 56
     summary = json.loads((out / "summary.json").read_text())
     card = (out / "adapter" / "README.md").read_text().splitlines()
-    assert [f"- {line}" for line in data_summary.lines()] == card[card.index("## Data") + 2:][:len(data_summary.lines())]
+    data_lines = card[card.index("## Data") + 2:][:len(data_summary.lines())]
+    assert data_lines == [f"- {line}" for line in data_summary.lines()]
     assert any("built-in corpus (stories)" in line for line in card)
     assert any(str(profile.data.eval_path) in line for line in card)
     assert f"- steps: {summary['last_step']} of {summary['total_steps']} (2 epochs)" in card
