@@ -2,8 +2,12 @@
 
 import os
 
-import pytest
-import torch
+# One intra-op thread per test process (set before torch is imported; children inherit it): the suite runs on two
+# xdist workers on CI's two cores, and tiny models lose more to thread synchronisation than they gain.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # DeepSpeed picks its accelerator when first imported: the CPU one without a GPU (CI); on a GPU machine (pytest -m gpu
 # tests/gpu) CUDA's, or an engine there would keep its model on the CPU under an NCCL process group.
