@@ -4,7 +4,6 @@ from moe_tune.engine.memory.manager import (
     ActivationMemory,
     attach_activation_memory,
     find_activation_memory,
-    run_decoder_layer,
 )
 from moe_tune.engine.memory.policy import (
     CHOICES,
@@ -25,5 +24,4 @@ __all__ = [
     "find_activation_memory",
     "operator_class",
     "resolve_policy",
-    "run_decoder_layer",
 ]

@@ -19,13 +19,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from moe_tune.engine.model.model import ACTIVATION_MEMORY_ATTR, MoECausalLM
 from moe_tune.profiles.schema import MemoryProfile
 
 from .policy import BYTES_PER_GB, MemoryPolicy, operator_class, resolve_policy
 from .store import TieredStore, is_parameter
-
-# Where the manager hangs on the model (a plain attribute: not a submodule, not in the state dict).
-MANAGER_ATTR = "activation_memory"
 
 
 class ActivationMemory:
@@ -186,33 +184,16 @@ def attach_activation_memory(model: nn.Module, memory: MemoryProfile) -> Activat
         return None
     lm = _language_model(model)
     manager = ActivationMemory(lm.layers, policy)
-    setattr(lm, MANAGER_ATTR, manager)
+    setattr(lm, ACTIVATION_MEMORY_ATTR, manager)
     return manager
 
 
 def find_activation_memory(model: nn.Module) -> ActivationMemory | None:
-    return getattr(_language_model(model), MANAGER_ATTR, None)
+    return getattr(_language_model(model), ACTIVATION_MEMORY_ATTR, None)
 
 
 def _language_model(model: nn.Module) -> nn.Module:
-    from moe_tune.engine.model.model import MoECausalLM
-
     for module in model.modules():
         if isinstance(module, MoECausalLM):
             return module
     raise TypeError(f"no MoECausalLM inside {type(model).__name__}")
-
-
-def run_decoder_layer(model: nn.Module, index: int, layer: nn.Module, x: torch.Tensor, batch):
-    """One decoder layer of `model`'s forward, under the model's memory policy: the whole layer recomputed
-    (memory.activation_checkpointing), selective caching (a manager attached), or plain."""
-    if not (model.training and torch.is_grad_enabled()):
-        return layer(x, batch)
-    if model.activation_checkpointing:
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(layer, x, batch, use_reentrant=False)
-    manager: ActivationMemory | None = getattr(model, MANAGER_ATTR, None)
-    if manager is None:
-        return layer(x, batch)
-    return manager.run_layer(index, layer, x, batch)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from moe_tune.engine.memory import run_decoder_layer
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
@@ -27,6 +26,9 @@ if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
 
 IGNORE_INDEX = -100
+# Where engine/memory attaches its selective-caching manager (a plain attribute: not a submodule, not in the state
+# dict).
+ACTIVATION_MEMORY_ATTR = "activation_memory"
 
 
 class CausalLMOutput(NamedTuple):
@@ -56,6 +58,22 @@ class DecoderLayer(nn.Module):
         mixer runs without capacity limits (engine/generate)."""
         x = x + self.self_attn.forward_cached(self.input_layernorm(x), step)
         return x + self.mlp.forward_inference(self.post_attention_layernorm(x))
+
+
+def run_decoder_layer(model: nn.Module, index: int, layer: nn.Module, x: torch.Tensor, batch):
+    """One decoder layer of `model`'s forward, under the model's memory policy: the whole layer recomputed
+    (memory.activation_checkpointing), selective caching (a manager attached), or plain."""
+    if not (model.training and torch.is_grad_enabled()):
+        return layer(x, batch)
+    if model.activation_checkpointing:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(layer, x, batch, use_reentrant=False)
+    # engine/memory's ActivationMemory, attached by attach_activation_memory.
+    manager = getattr(model, ACTIVATION_MEMORY_ATTR, None)
+    if manager is None:
+        return layer(x, batch)
+    return manager.run_layer(index, layer, x, batch)
 
 
 class MoECausalLM(nn.Module):

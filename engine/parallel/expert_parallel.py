@@ -53,38 +53,6 @@ def create_expert_layout(ep_size: int, world_size: int) -> ExpertLayout:
     return ExpertLayout(ep_size=ep_size, ep_rank=dist.get_rank(group=group), group=group)
 
 
-def tag_expert_parameters(model: nn.Module, layout: ExpertLayout) -> int:
-    """Tag routed-expert parameters (and their per-expert adapters) for the expert-data-parallel group, as
-    deepspeed 0.19.8's AutoEP does. Returns how many parameters were tagged."""
-    from deepspeed.utils import groups
-
-    from moe_tune.engine.model.moe import GroupedExperts
-
-    # ZeRO-3 partitions each parameter over this group when deepspeed.initialize converts it.
-    expert_data_group = groups._get_expert_data_parallel_group(layout.group_name)
-    tagged = 0
-    for module in model.modules():
-        if not isinstance(module, GroupedExperts):
-            continue
-        holder = _expert_holder(model, module)
-        for param in holder.parameters():
-            param.allreduce = False
-            param.group_name = layout.group_name
-            param.ds_zero_placement_family = EXPERT_FAMILY
-            param.ds_zero_partition_group_name = layout.group_name
-            param.ds_zero_partition_process_group = expert_data_group
-            tagged += 1
-    return tagged
-
-
-def _expert_holder(model: nn.Module, experts: nn.Module) -> nn.Module:
-    """The experts module itself, or the LoRA layer wrapping it (whose adapters live with the experts)."""
-    for module in model.modules():
-        if getattr(module, "base_layer", None) is experts:
-            return module
-    return experts
-
-
 def is_expert_parameter(param: nn.Parameter) -> bool:
     return getattr(param, "ds_zero_placement_family", None) == EXPERT_FAMILY
 

@@ -28,8 +28,8 @@ from moe_tune.engine.parallel.expert_parallel import (
     create_expert_layout,
     gather_expert_tensor,
     is_expert_parameter,
-    tag_expert_parameters,
 )
+from moe_tune.engine.parallel.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
