@@ -8,7 +8,7 @@ recomputation, no padding, no masked-out attention pairs):
 - the attention core over the keys each query sees inside its document: full attention 2 * H * (K + V) per
   (query, key) pair of the causal triangle; sparse attention min(topk, keys visible) keys per query; the indexers
   2 * HI * DI per key (or key block) visible; linear attention the chunked algorithm's (6 C K + 4 C V + 6 K V) per
-  token and head (C = 64, ops/linear_attention/bench.py counts the same);
+  token and head (C = 64, engine/bench/linear_attention_op.py counts the same);
 - LoRA adapters: 2 * r * (in + out) per token and adapted linear; per-expert adapters for the top-k experts.
 Norms, activations, rotary, short convolutions, softmax, top-k, embeddings and the vision tower are not counted.
 
@@ -166,7 +166,7 @@ class FlopModel:
         cfg = self.cfg
         heads = cfg.num_attention_heads
         if kind in LINEAR_KINDS:
-            from moe_tune.ops.linear_attention.bench import _chunk_flops
+            from moe_tune.engine.bench.linear_attention_op import _chunk_flops
             from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE
 
             if kind == "linear":

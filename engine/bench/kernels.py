@@ -6,8 +6,8 @@ dimensions in SHAPE_DIMS, the dimensions of a free-form SPEC (`B4,T8192,H16,K128
 is the RunContext: device, measured peaks, the timer and a cache that entries sharing one bench call
 (gated_delta_rule and kda) use.
 
-On CUDA the MoE and linear attention entries call the per-op benches (ops/moe/bench.py, ops/linear_attention/bench.py:
-kernel, reference and the external baselines, medians of triton.testing.do_bench) and add peak memory and the
+On CUDA the MoE and linear attention entries call the per-op benches (moe_op.py, linear_attention_op.py beside this
+file: kernel, reference and the external baselines, medians of triton.testing.do_bench) and add peak memory and the
 fraction of the peaks measured at start (a large bf16 GEMM, a large device copy). Without CUDA every entry times
 its pure-PyTorch reference on the small shapes with time.perf_counter medians; peak fraction and memory are None.
 
@@ -56,20 +56,20 @@ PEAK_COPY_BYTES = 2**30
 # Small shapes run on a CPU in well under a second per pass; anchor shapes are those of docs/PERF.md.
 MOE_SHAPES = {
     "small": [dict(N=128, D=64, F=32, E=4, k=2, routing="uniform", lora_rank=0)],
-    # None: ops/moe/bench.py's DEFAULT_SHAPES (issue 7's targets).
+    # None: engine/bench/moe_op.py's DEFAULT_SHAPES (issue 7's targets).
     "anchor": None,
 }
 LINEAR_ATTENTION_SHAPES = {
     "small": dict(batch_size=1, seq_len=128, num_heads=2, head_dim_k=64, head_dim_v=64, num_docs=4),
-    # None: ops/linear_attention/bench.py's ANCHOR_SHAPE with its 8 documents.
+    # None: engine/bench/linear_attention_op.py's ANCHOR_SHAPE with its 8 documents.
     "anchor": None,
 }
 SPARSE_ATTENTION_SHAPES = {
     "small": dict(B=1, T=128, HQ=4, H=1, K=32, V=32, S=32),
-    # None: ops/sparse_attention/bench.py's ATTENTION_CASES (issue 6's targets: T16384 block and token, T65536 block).
+    # None: sparse_attention_op.py's ATTENTION_CASES (issue 6's targets: T16384 block and token, T65536 block).
     "anchor": None,
 }
-# CUDA cases of ops/sparse_attention/bench.py per preset: (case, T, block_size, S slots), and its shape overrides.
+# CUDA cases of engine/bench/sparse_attention_op.py per preset: (case, T, block_size, S slots), and its shape overrides.
 SPARSE_ATTENTION_CUDA_SMALL = dict(
     cases=(("block 4x16", 256, 16, 4), ("token 64", 256, 1, 64)),
     batch_size=1, num_heads=4, num_kv_heads=1, head_dim_k=32, head_dim_v=32,
@@ -130,7 +130,7 @@ def machine_info(is_cuda: bool) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    from moe_tune.ops.moe.bench import _commit
+    from moe_tune.engine.bench.moe_op import _commit
 
     if is_cuda:
         machine = torch.cuda.get_device_name()
@@ -241,9 +241,9 @@ def _randn(*shape: int, gen: torch.Generator, device: str, dtype=torch.float32) 
 
 
 def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
-    """MoE expert MLP. CUDA: ops/moe/bench.py's triton, reference and torch _grouped_mm rows; CPU: the reference.
+    """MoE expert MLP. CUDA: engine/bench/moe_op.py's triton, reference and torch _grouped_mm rows; CPU: the reference.
     A SPEC's N, D, F, E, k make one shape with uniform routing and no LoRA."""
-    from moe_tune.ops.moe.bench import DEFAULT_SHAPES, bench_moe, lora_overhead
+    from moe_tune.engine.bench.moe_op import DEFAULT_SHAPES, bench_moe, lora_overhead
 
     if isinstance(preset, dict):
         shapes = [dict(preset, routing="uniform", lora_rank=0)]
@@ -258,7 +258,7 @@ def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
             shape_results = bench_moe([shape])
             results += shape_results
             peaks += [torch.cuda.max_memory_allocated()] * len(shape_results)
-        # The LoRA target's ratio from both trainings timed by turns (ops/moe/bench.py's lora_overhead).
+        # The LoRA target's ratio from both trainings timed by turns (engine/bench/moe_op.py's lora_overhead).
         lora_shapes = [shape for shape in shapes if shape.get("lora_rank") and not shape.get("train_base")]
         notes = lora_overhead_notes(results, [lora_overhead(shape) for shape in lora_shapes])
         return [_moe_row(result, run, peak, note) for result, peak, note in zip(results, peaks, notes)]
@@ -296,11 +296,11 @@ def lora_overhead_notes(results: list[dict], alternating: list[dict] = ()) -> li
     """For each bench_moe result, the note that puts a LoRA row (experts frozen) against frozen-expert training of the
     same shape without LoRA (issue 7: LoRA r16 adds at most 20% to fwd+bwd); None for the other rows.
 
-    alternating: ops/moe/bench.py's lora_overhead results (the triton kernels, both trainings timed by turns); a
+    alternating: engine/bench/moe_op.py's lora_overhead results (the triton kernels, both trainings timed by turns); a
     triton row with one gets its ratio, every other LoRA row the ratio of its own single timing over the frozen row's
     of the same shape and impl.
     """
-    from moe_tune.ops.moe.bench import lora_overheads
+    from moe_tune.engine.bench.moe_op import lora_overheads
 
     shape_names = ("N", "D", "F", "E", "k", "routing", "lora_rank")
     key_names = (*shape_names, "impl")
@@ -353,7 +353,7 @@ def _linear_attention_cuda_rows(shapes: str | dict[str, int], run: RunContext) -
     options = _linear_attention_shape(shapes) or {}
     key = ("linear_attention", *sorted(options.items()))
     if key not in run.cache:
-        from moe_tune.ops.linear_attention.bench import bench_linear_attention
+        from moe_tune.engine.bench.linear_attention_op import bench_linear_attention
 
         run.cache[key] = bench_linear_attention(**options)
     return run.cache[key]
@@ -382,7 +382,7 @@ def _linear_attention_op(op: str, cases: tuple[str, ...], is_per_channel: bool):
 
 
 def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: RunContext, shape: dict) -> dict:
-    from moe_tune.ops.linear_attention.bench import LINEAR_BWD_FLOP_FACTOR, _chunk_flops
+    from moe_tune.engine.bench.linear_attention_op import LINEAR_BWD_FLOP_FACTOR, _chunk_flops
     from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
     B, T, H = shape["batch_size"], shape["seq_len"], shape["num_heads"]
@@ -403,11 +403,11 @@ def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: Run
 
 
 def bench_sparse_attention_op(preset: str, run: RunContext) -> list[dict]:
-    """Top-k sparse attention. CUDA: ops/sparse_attention/bench.py's kernel, dense masked reference, naive gather,
+    """Top-k sparse attention. CUDA: engine/bench/sparse_attention_op.py's kernel, dense masked reference, naive gather,
     SDPA dense causal and FLA's parallel_nsa (when importable) rows; CPU: the reference, each query over S random
     causal keys."""
     if run.is_cuda:
-        from moe_tune.ops.sparse_attention.bench import bench_sparse_attention
+        from moe_tune.engine.bench.sparse_attention_op import bench_sparse_attention
 
         options = SPARSE_ATTENTION_CUDA_SMALL if preset == "small" else {}
         return [_sparse_row("sparse_attention", result, run) for result in bench_sparse_attention(**options)]
@@ -431,10 +431,10 @@ def bench_sparse_attention_op(preset: str, run: RunContext) -> list[dict]:
 
 
 def bench_topk_indexer_op(preset: str, run: RunContext) -> list[dict]:
-    """Top-k indexer (no backward). CUDA: ops/sparse_attention/bench.py's fused kernel beside naive scores +
+    """Top-k indexer (no backward). CUDA: engine/bench/sparse_attention_op.py's fused kernel beside naive scores +
     torch.topk; CPU: the reference."""
     if run.is_cuda:
-        from moe_tune.ops.sparse_attention.bench import bench_topk_indexer
+        from moe_tune.engine.bench.sparse_attention_op import bench_topk_indexer
 
         if preset == "small":
             results = bench_topk_indexer(**TOPK_INDEXER_CUDA_SMALL)

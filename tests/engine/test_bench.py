@@ -131,7 +131,7 @@ def test_causal_conv_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
 def test_commit_outside_a_checkout_comes_from_the_environment(monkeypatch):
     import subprocess
 
-    from moe_tune.ops.moe import bench
+    from moe_tune.engine.bench import moe_op as bench
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
@@ -147,7 +147,7 @@ def test_commit_named_in_the_environment_wins_over_git(monkeypatch):
     # A working tree copied onto another machine keeps stale git metadata: whoever copied it names the commit.
     import subprocess
 
-    from moe_tune.ops.moe import bench
+    from moe_tune.engine.bench import moe_op as bench
 
     def stale_git(args, **kwargs):
         answer = "a08730c\n" if args[:2] == ["git", "rev-parse"] else " M engine/model/varlen.py\n"
@@ -205,7 +205,7 @@ def test_lora_rows_carry_their_overhead_over_the_frozen_row():
 def test_moe_cuda_rows_carry_each_shapes_peak_and_the_lora_note(monkeypatch):
     # The CUDA path without a GPU: bench_moe and the peak-memory probes stubbed, one call per shape.
     from moe_tune.engine.bench import kernels as bench_kernels
-    from moe_tune.ops.moe import bench as moe_bench
+    from moe_tune.engine.bench import moe_op as moe_bench
 
     shapes = [dict(N=16, D=8, F=4, E=4, k=2, routing="uniform", lora_rank=rank, train_base=False) for rank in (0, 16)]
     peaks = iter([100, 200])
@@ -237,7 +237,7 @@ def test_moe_cuda_rows_carry_each_shapes_peak_and_the_lora_note(monkeypatch):
 
 
 def test_alternating_times_calls_the_timers_by_turns():
-    from moe_tune.ops.moe.bench import alternating_times
+    from moe_tune.engine.bench.moe_op import alternating_times
 
     calls = []
 
@@ -258,7 +258,7 @@ def test_alternating_times_calls_the_timers_by_turns():
 
 
 def test_lora_overhead_refuses_a_shape_without_lora():
-    from moe_tune.ops.moe.bench import lora_overhead
+    from moe_tune.engine.bench.moe_op import lora_overhead
 
     with pytest.raises(ValueError, match=r"lora_rank \(0\) must be positive"):
         lora_overhead(dict(N=16, D=8, F=4, E=4, k=2, routing="uniform", lora_rank=0))

@@ -177,7 +177,7 @@ def test_moe_mlp_kernel_frozen_experts_without_lora(guarded, dtype):
 
 
 def _sweep_params() -> list:
-    from moe_tune.ops.moe.bench import sweep_candidates
+    from moe_tune.engine.bench.moe_op import sweep_candidates
 
     return [
         pytest.param(kernel, index, id=f"{kernel}-{index}")
@@ -192,7 +192,7 @@ def test_moe_mlp_kernel_sweep_candidates(guarded, kernel, index):
     import dataclasses
 
     from moe_tune.ops.moe import kernels
-    from moe_tune.ops.moe.bench import sweep_candidates
+    from moe_tune.engine.bench.moe_op import sweep_candidates
 
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["E64_top8"]
     # The LoRA passes' candidates run with adapters on frozen experts, as LoRA training does.

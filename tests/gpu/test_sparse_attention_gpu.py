@@ -111,7 +111,7 @@ def raw_indices(shape, num_units, seed=1):
 
 def causal_indices(B, T, H, S, block_size, seed=1):
     """Distinct causal keys (or earlier blocks plus the own block) per query, ascending, as the indexer emits."""
-    from moe_tune.ops.sparse_attention.bench import random_indices
+    from moe_tune.engine.bench.sparse_attention_op import random_indices
 
     return torch.cat([random_indices(T, block_size, S, "cuda", seed=seed + b) for b in range(B)]).expand(B, T, H, S)
 

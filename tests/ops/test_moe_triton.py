@@ -337,7 +337,7 @@ def test_sweep_candidates_start_with_the_bf16_gpu_choice():
     import dataclasses
     from types import SimpleNamespace
 
-    from moe_tune.ops.moe.bench import sweep_candidates
+    from moe_tune.engine.bench.moe_op import sweep_candidates
 
     cuda_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     config = kernels.pick_config(cuda_bf16, 16384 * 8, 64)

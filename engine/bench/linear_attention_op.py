@@ -1,6 +1,6 @@
 """Speed of the gated delta rule kernels on one CUDA device, beside what users would pick instead.
 
-Run on the GPU machine: python -m moe_tune.ops.linear_attention.bench
+Run on the GPU machine: python -m moe_tune.engine.bench.linear_attention_op
 Nothing runs at import. Every time is the median of triton.testing.do_bench (warm-up, then repeated runs on the
 same random inputs); forward+backward rows time one forward and one backward from a random output gradient.
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
-# The shape of shared/ANCHORS.md and of the targets in issue 5.
+# The shape of issue 5's targets (docs/PERF.md, linear attention).
 ANCHOR_SHAPE = dict(batch_size=4, seq_len=8192, num_heads=16, head_dim_k=128, head_dim_v=128)
 NUM_DOCS = 8
 # Backward FLOPs as a multiple of forward FLOPs (see the module docstring).

@@ -1,6 +1,6 @@
 """Speed of the sparse attention and top-k indexer kernels on one CUDA device, beside what users would pick instead.
 
-Run on the GPU machine: python -m moe_tune.ops.sparse_attention.bench (or `moe-tune profile --kernels --ops
+Run on the GPU machine: python -m moe_tune.engine.bench.sparse_attention_op (or `moe-tune profile --kernels --ops
 sparse_attention,topk_indexer --shapes anchor`). Nothing runs at import. Every time is the median of
 triton.testing.do_bench; forward+backward rows time one forward and one backward from a random output gradient.
 

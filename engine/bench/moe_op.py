@@ -2,9 +2,9 @@
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k slots.
 
-`bench_moe(shapes)` runs on the GPU (nothing runs at import); `python -m moe_tune.ops.moe.bench` times DEFAULT_SHAPES
-and prints a table. Implementations:
-  triton            moe_mlp with MOE_TUNE_KERNELS=triton (the kernels of this folder)
+`bench_moe(shapes)` runs on the GPU (nothing runs at import); `python -m moe_tune.engine.bench.moe_op` times
+DEFAULT_SHAPES and prints a table. Implementations:
+  triton            moe_mlp with MOE_TUNE_KERNELS=triton (the kernels of ops/moe)
   reference         moe_mlp_ref: sort, one matmul pair per expert, index_add_ (computes in fp32)
   torch_grouped_mm  permute + torch._grouped_mm (groups padded to GROUPED_MM_ALIGN_ROWS) + weighted index_add
 Times are medians of triton.testing.do_bench calls, the impls of a shape timed by turns (`passes` calls each, the
@@ -56,8 +56,8 @@ GRAD_ATOL = 2e-2
 GRAD_RTOL = 2e-2
 IMPLS = ("triton", "reference", "torch_grouped_mm")
 # LoRA overhead: LoRA and frozen-expert fwd+bwd timed by turns, this many do_bench calls each. On the H200 about one
-# call in four ran 5-10% slow as a whole (tenth session: LoRA r16 at E256 11.3 ms in most calls, 12.0-12.4 in every
-# fourth, not the host), so a ratio of two single calls moved by as much; the median over turns drops those.
+# call in four runs 5-10% slow as a whole (LoRA r16 at E256: 11.3 ms in most calls, 12.0-12.4 in every fourth, not
+# the host), so a ratio of two single calls moves by as much; the median over turns drops those.
 LORA_OVERHEAD_PASSES = 8
 
 
@@ -67,14 +67,12 @@ def sweep_candidates() -> dict[str, list]:
     From sm_90 compile reports (triton 3.6): down_bwd needs 180 registers a thread, which leaves one 8-warp CTA per
     SM; capped at 128 it spills 240 bytes but fits two. gate_up_bwd with 256 columns, and 128 x 256 or 256 x 128
     weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA).
-    On the H200 (2026-11-29, docs/PERF.md) the capped down_bwd and the 256-column gate_up_bwd won alone, but the
-    config built from them was slower end to end than pick_config's. The eleventh session's run (2026-11-30) timed
-    the capped down_bwd with 5-stage weight gradients end to end by turns: E64 trained 12.35 ms against 13.16 for
-    the previous default (kernel time 11.97 against 12.59 ms), so pick_config takes both.
+    On the H200 the capped down_bwd and the 256-column gate_up_bwd win alone, but the config built from both is
+    slower end to end than pick_config's; the capped down_bwd with 5-stage weight gradients, timed end to end by
+    turns, trains E64 in 12.35 ms against 13.16 without them (docs/PERF.md, MoE), so pick_config takes those two.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
-    the H200 (sixth session: 1.03 ms at E256 against 1.08-2.02 for the others, 0.715 ms at E64 with 128 columns at
-    4 warps 0.711), so pick_config takes it.
+    the H200 (1.03 ms at E256 against 1.08-2.02 for the others; docs/PERF.md, MoE), so pick_config takes it.
     """
     # Imported here: kernels.py must not be imported before tests/ops sets TRITON_INTERPRET (bench.py is imported by
     # the CPU harness too).

@@ -1,0 +1,185 @@
+"""The layers' import rule, read from the source with ast (nothing is imported): ops -> torch, triton, the standard
+library and moe_tune.ops; engine -> ops and profiles, never cli; profiles -> nothing of ours above it; cli -> engine
+and profiles, never ops. Imports inside functions and under TYPE_CHECKING count too. And engine's modules import
+each other without a cycle, so its layers read top-down."""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("cli", "engine", "ops", "profiles")
+
+# Per package: the modules of ours it may import, and the third-party top-level modules it may import (None: any).
+RULES = {
+    "ops": (("moe_tune.ops",), ("torch", "triton")),
+    "engine": (("moe_tune.engine", "moe_tune.ops", "moe_tune.profiles"), None),
+    "profiles": (("moe_tune.profiles",), None),
+    "cli": (("moe_tune.cli", "moe_tune.engine", "moe_tune.profiles"), None),
+}
+RULE_TEXT = {
+    "ops": "ops/ imports only torch, triton, the standard library and moe_tune.ops",
+    "engine": "engine/ imports moe_tune.engine, moe_tune.ops and moe_tune.profiles, never moe_tune.cli",
+    "profiles": "profiles/ imports nothing of ours but moe_tune.profiles",
+    "cli": "cli/ imports moe_tune.engine and moe_tune.profiles (ops only behind engine)",
+}
+
+
+def module_name(path: Path) -> tuple[str, bool]:
+    """`engine/model/attention.py` -> ("moe_tune.engine.model.attention", False); a package's __init__ -> its name."""
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts = parts[:-1]
+    return "moe_tune." + ".".join(parts), is_package
+
+
+def imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    """The absolute module names one import statement names (`from X import y` also names X.y: y may be a module)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module
+    return [source] + [f"{source}.{alias.name}" for alias in node.names]
+
+
+def all_imports(path: Path):
+    """(line, absolute module name) for every import in the file, at any depth."""
+    module, is_package = module_name(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = imported_names(node, module, is_package)
+            if isinstance(node, ast.ImportFrom):
+                # `from X import y` is judged by X (y shares X's package), `from moe_tune import y` by moe_tune.y.
+                names = names[1:] if names[0] == "moe_tune" else names[:1]
+            for name in names:
+                yield node.lineno, name
+
+
+def is_ours(name: str) -> bool:
+    return name == "moe_tune" or name.startswith("moe_tune.")
+
+
+def violation(package: str, name: str) -> bool:
+    allowed_ours, allowed_third_party = RULES[package]
+    if is_ours(name):
+        return not any(name == prefix or name.startswith(prefix + ".") for prefix in allowed_ours)
+    top = name.split(".")[0]
+    if top in sys.stdlib_module_names or allowed_third_party is None:
+        return False
+    return top not in allowed_third_party
+
+
+def violations(package: str) -> list[str]:
+    found = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        for line, name in all_imports(path):
+            if violation(package, name):
+                found.append(f"{path.relative_to(REPO)}:{line}: imports {name} ({RULE_TEXT[package]})")
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_layer_imports_only_what_its_rule_allows(package):
+    assert list((REPO / package).rglob("*.py")), f"{package}/ has no modules: the test would check nothing"
+    found = violations(package)
+    assert not found, "\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(("package", "name", "is_violation"), [
+    ("ops", "fla.ops.kda", True),  # a third-party kernel library
+    ("ops", "numpy", True),
+    ("ops", "moe_tune.engine.model", True),
+    ("ops", "moe_tune", True),
+    ("ops", "subprocess", False),  # the standard library
+    ("ops", "triton.language", False),
+    ("ops", "moe_tune.ops.common", False),
+    ("engine", "moe_tune.cli", True),
+    ("engine", "moe_tune.cli._common", True),
+    ("engine", "moe_tune.client", True),  # a prefix of a name is not the package
+    ("engine", "fla.ops.kda", False),
+    ("engine", "moe_tune.profiles.schema", False),
+    ("profiles", "moe_tune.engine.data", True),
+    ("profiles", "moe_tune.ops", True),
+    ("profiles", "transformers", False),
+    ("cli", "moe_tune.ops.moe", True),
+    ("cli", "moe_tune.engine.bench", False),
+])
+def test_the_rule_judges_each_kind_of_import(package, name, is_violation):
+    assert violation(package, name) is is_violation
+
+
+def test_relative_and_nested_imports_are_resolved_and_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "ops" / "moe").mkdir(parents=True)
+    (tmp_path / "ops" / "__init__.py").write_text("")
+    (tmp_path / "ops" / "moe" / "__init__.py").write_text("from .kernels import moe_fwd\n")
+    (tmp_path / "ops" / "moe" / "kernels.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ...engine import model\n"
+        "def f():\n    import os, fla\n    from ..common import jit\n"
+    )
+    assert violations("ops") == [
+        f"ops/moe/kernels.py:3: imports moe_tune.engine ({RULE_TEXT['ops']})",
+        f"ops/moe/kernels.py:5: imports fla ({RULE_TEXT['ops']})",
+    ]
+
+
+def import_graph(package: str) -> dict[str, dict[str, int]]:
+    """module -> {module of the same package it imports: first line}. Imports inside functions and under
+    TYPE_CHECKING count: a deferred import hides a loop from the interpreter, not from a reader."""
+    paths = {module_name(path)[0]: path for path in (REPO / package).rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        _, is_package = module_name(path)
+        edges = graph[module] = {}
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))):
+            for name in imported_names(node, module, is_package):
+                # A package's submodule importing its own package (for a sibling) is no cycle of the layers.
+                if name in paths and name != module and not module.startswith(name + "."):
+                    edges[name] = min(edges.get(name, node.lineno), node.lineno)
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None."""
+    state = {}
+    stack = []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_engine_imports_have_no_cycle():
+    graph = import_graph("engine")
+    cycle = find_cycle(graph)
+    if cycle:
+        steps = [f"{a.removeprefix('moe_tune.')}:{graph[a][b]} imports {b.removeprefix('moe_tune.')}"
+                 for a, b in zip(cycle, cycle[1:])]
+        pytest.fail("engine's imports form a cycle (its layers must read top-down):\n" + "\n".join(steps))
+
+
+def test_a_cycle_is_found():
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 2, "b": 3}}) is None
