@@ -429,7 +429,7 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         out.mkdir(parents=True, exist_ok=True)
         result.deepspeed_config = out / "deepspeed_config.json"
         write_json_atomic(result.deepspeed_config, ds_config)
-        (out / "profile.yaml").write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+        (out / "profile.yaml").write_text(yaml.safe_dump(resolved_profile_dump(profile), sort_keys=False))
     start_step = 0
     resumed_from = None
     if resume:
@@ -558,6 +558,18 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
     if dist.is_main:
         write_json_atomic(out / "summary.json", result.summary())
     return result
+
+
+def resolved_profile_dump(profile: JobProfile) -> dict:
+    """The profile as the run uses it, for profile.yaml: a data.chat_template .jinja file is replaced by its text, so
+    that export and generate render prompts as training did, whatever becomes of the file."""
+    from moe_tune.engine.data.chat import chat_options
+    from moe_tune.profiles.schema import is_chat_template_path
+
+    dumped = profile.model_dump(mode="json")
+    if profile.data.chat_template is not None and is_chat_template_path(profile.data.chat_template):
+        dumped["data"]["chat_template"] = chat_options(profile.data).template
+    return dumped
 
 
 def untrained_step_message(step: int, profile: JobProfile, world_size: int) -> str:

@@ -161,3 +161,21 @@ def test_save_merged_writes_the_profiles_template(checkpoint, tmp_path):
     assert tok.apply_chat_template(MESSAGES, tokenize=False) == tok.apply_chat_template(
         MESSAGES, tokenize=False, chat_template=PROFILE_TEMPLATE)
     assert (tmp_path / "run" / "merged" / "chat_template.jinja").read_text() == PROFILE_TEMPLATE
+
+
+def test_the_runs_profile_yaml_holds_the_template_text(tmp_path):
+    """A run's profile.yaml carries the text of a .jinja data.chat_template (export and generate need no file); an
+    inline template, or none, is written as given."""
+    from moe_tune.engine.train.trainer import resolved_profile_dump
+    from moe_tune.profiles import load_profile, validate_profile
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(PROFILE_TEMPLATE)
+    with_file = load_profile("tiny", [f"data.chat_template={template}"])
+    dumped = resolved_profile_dump(with_file)
+    assert dumped["data"]["chat_template"] == PROFILE_TEMPLATE
+    # What profile.yaml holds reads back as the same template, inline.
+    assert validate_profile(dumped).data.chat_template == PROFILE_TEMPLATE
+    inline = load_profile("tiny", [f"data.chat_template={json.dumps(PROFILE_TEMPLATE)}"])
+    assert resolved_profile_dump(inline)["data"]["chat_template"] == PROFILE_TEMPLATE
+    assert resolved_profile_dump(load_profile("tiny"))["data"]["chat_template"] is None
