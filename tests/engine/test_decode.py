@@ -43,16 +43,6 @@ PROFILES = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # Decoding runs many small ops: intra-op threads only add synchronisation (this file ran 10x slower with 2
-    # threads on a busy 2-core machine).
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 def model_cfg(layers, **overrides) -> ModelProfile:
     base = load_profile("tiny").model.model_dump()
     if layers:

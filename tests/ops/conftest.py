@@ -1,17 +1,6 @@
-"""Shared by the tests of ops/: one intra-op thread; the Triton interpreter's fix."""
+"""Shared by the tests of ops/: the Triton interpreter's fix."""
 
 import pytest
-import torch
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tensors here are tiny: intra-op threads only add synchronisation, and CI runs two test workers on two cores
-    # (test_linear_attention_reference.py ran 4x slower with 2 threads on a busy 2-core machine).
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="module")

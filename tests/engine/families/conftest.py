@@ -10,17 +10,6 @@ import pytest
 from hf_tiny import reference_loss, save_tiny_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Tiny models: intra-op threads only add synchronisation, and CI runs two test workers on two cores.
-    import torch
-
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture
 def tiny_checkpoint(tmp_path):
     """`tiny_checkpoint(model)` -> directory of the saved, perturbed checkpoint."""
