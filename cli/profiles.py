@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 import yaml
-from rich.console import Console
 
 from moe_tune.profiles import bounded_line
 
@@ -27,7 +26,8 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
     report it on stderr (records, tokens, trained tokens per source, the optimizer steps); exit 2 listing every
     problem."""
     job = read_profile(profile, overrides)
-    Console(highlight=False).print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="", markup=False)
+    # Written as it is: a console would wrap lines longer than the terminal (a long path) and break the YAML.
+    typer.echo(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), nl=False)
     if no_data:
         err_console.print(f"{profile}: valid (data not read: --no-data)", markup=False)
         return

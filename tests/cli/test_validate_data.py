@@ -143,6 +143,17 @@ def test_no_data_skips_reading_it(tmp_path):
     assert yaml.safe_load(result.stdout)["data"]["path"] == str(data)
 
 
+@pytest.mark.parametrize("name_length", [100, 250])
+def test_the_resolved_yaml_holds_long_values_whole(tmp_path, name_length):
+    """stdout is the resolved profile as YAML whatever the terminal's width: a path longer than a line reads back."""
+    folder = tmp_path / ("d" * name_length)
+    folder.mkdir()
+    data = write(folder / "data.jsonl", {"text": "one document"})
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--set", f"data.path={data}"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout)["data"]["path"] == str(data)
+
+
 def test_the_report_names_the_profiles_chat_template(tmp_path):
     template = write(tmp_path / "chat.jinja", "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     data = write(tmp_path / "d.jsonl", *({"messages": c} for c in CHATS))
