@@ -123,9 +123,13 @@ def phase_of(root: Path, name: str) -> int:
     if not inner.is_dir():
         return len(PHASES) - 1 if (root / name).is_dir() else 0
     reached = 0
-    for index, pattern in enumerate(PHASE_FILES[1:], start=1):
-        if any(inner.glob(pattern)):
-            reached = index
+    try:
+        for index, pattern in enumerate(PHASE_FILES[1:], start=1):
+            if any(inner.glob(pattern)):
+                reached = index
+    except FileNotFoundError:
+        # The child renamed (or removed) the folder between the checks: look again.
+        return phase_of(root, name)
     return reached
 
 
