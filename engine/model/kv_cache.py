@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from moe_tune.ops.sparse_attention.reference import index_scores, select_top
+from moe_tune.ops.sparse_attention.reference import index_scores, select_from_block_scores, select_top
 
 from .batch import PackedBatch
 from .varlen import without_cudnn_sdpa
@@ -189,24 +189,14 @@ def select_cached_blocks(
     w_TH = torch.ones(q_THD.shape[:2], device=q_THD.device) if w_TH is None else w_TH
     num_complete = block_keys_JD.shape[0]
     pos_T1 = query_positions[:, None]
-    own_block_T1 = pos_T1 // block_size
     num_blocks = max(num_complete, int(query_positions.max()) // block_size + 1)
     scores_TJ = F.pad(
         index_scores(q_THD.float(), w_TH.float(), block_keys_JD.float(), scale, "relu"), (0, num_blocks - num_complete)
     )
-    block_J = torch.arange(num_blocks, device=q_THD.device)
     if block_size == 1:
         # The op's token mode: the topk best keys up to the query, its own among the candidates, no tail slot.
-        return select_top(scores_TJ, block_J <= pos_T1, topk)
-    if not always_keep_own_block:
-        num_seen_complete_T1 = (pos_T1 + 1) // block_size
-        chosen_TS = select_top(scores_TJ, block_J < num_seen_complete_T1, topk - 1)
-        tail_T1 = torch.where(own_block_T1 < num_seen_complete_T1, -1, own_block_T1)
-        both_TS = torch.cat([chosen_TS, tail_T1], -1)
-        both_TS = torch.sort(torch.where(both_TS < 0, num_blocks, both_TS), dim=-1).values
-        return torch.where(both_TS == num_blocks, -1, both_TS)
-    scores_TJ = scores_TJ.masked_fill(block_J == own_block_T1, float("inf"))
-    return select_top(scores_TJ, block_J <= own_block_T1, topk)
+        return select_top(scores_TJ, torch.arange(num_blocks, device=q_THD.device) <= pos_T1, topk)
+    return select_from_block_scores(scores_TJ, pos_T1, topk, block_size, always_keep_own_block)
 
 
 def mean_pooled_blocks(keys_MD: torch.Tensor, block_size: int) -> torch.Tensor:

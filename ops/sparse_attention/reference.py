@@ -218,8 +218,17 @@ def select_blocks(
     # The tail block has no pooled key: it is only ever a query's own block, whose score is overridden below.
     scores_LJ = F.pad(index_scores(q_LHD, w_LH, pooled_JD, scale, activation), (0, num_blocks - num_complete))
     pos_L1 = torch.arange(L, device=k_LD.device)[:, None]
+    return select_from_block_scores(scores_LJ, pos_L1, topk, block_size, always_keep_own_block)
+
+
+def select_from_block_scores(
+    scores_LJ: torch.Tensor, pos_L1: torch.Tensor, topk: int, block_size: int, always_keep_own_block: bool = True
+) -> torch.Tensor:
+    """Block ids [L, topk] (ascending, -1 padded) of queries at positions pos_L1 [L, 1] of their sequence, given their
+    scores on every block of it [L, J] (a block without a pooled key: any value, never read): select_blocks' rule."""
+    num_blocks = scores_LJ.shape[-1]
     own_block_L1 = pos_L1 // block_size
-    block_J = torch.arange(num_blocks, device=k_LD.device)
+    block_J = torch.arange(num_blocks, device=scores_LJ.device)
     if not always_keep_own_block:
         # QSA: a complete own block competes like any other; the incomplete tail takes the last slot on top.
         num_seen_complete_L1 = (pos_L1 + 1) // block_size
