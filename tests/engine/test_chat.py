@@ -108,9 +108,9 @@ def save_tokenizer(directory, family: str, marked: bool):
     return tok
 
 
-@pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory):
-    """(family, marked) -> (our tokenizer, transformers' own, the directory)."""
+def save_tokenizers(tmp_path_factory) -> dict:
+    """(family, marked) -> (our tokenizer, transformers' own, the directory), for every family, with and without
+    {% generation %} markers."""
     made = {}
     for family in FAMILIES:
         for marked in (True, False):
@@ -118,6 +118,11 @@ def tokenizers(tmp_path_factory):
             raw = save_tokenizer(directory, family, marked)
             made[family, marked] = (load_tokenizer(str(directory)), raw, directory)
     return made
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    return save_tokenizers(tmp_path_factory)
 
 
 def write_records(path, *conversations, key="messages"):

@@ -16,7 +16,7 @@ from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents
 from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
 from moe_tune.profiles import ProfileError, load_profile
 from moe_tune.profiles.schema import DataProfile
-from test_chat import END_GEN, FAMILIES, GEN, KIMI, MULTI_TURN, QWEN3, save_tokenizer
+from test_chat import END_GEN, FAMILIES, GEN, KIMI, MULTI_TURN, QWEN3, save_tokenizer, save_tokenizers
 
 BYTE = ByteTokenizer()
 # What each family's generation prompt adds: the assistant header.
@@ -38,12 +38,7 @@ def plain(template: str) -> str:
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     """(family, marked) -> (our tokenizer, transformers' own), and 'bare': kimi's tokens without a chat template."""
-    made = {}
-    for family in FAMILIES:
-        for is_marked in (True, False):
-            directory = tmp_path_factory.mktemp(f"{family}-{is_marked}")
-            raw = save_tokenizer(directory, family, is_marked)
-            made[family, is_marked] = (load_tokenizer(str(directory)), raw)
+    made = {key: (tok, raw) for key, (tok, raw, _) in save_tokenizers(tmp_path_factory).items()}
     directory = tmp_path_factory.mktemp("bare")
     raw = save_tokenizer(directory, "kimi", True)
     raw.chat_template = None
