@@ -23,7 +23,7 @@ from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rul
 from .kda import KimiDeltaAttention
 from .kv_cache import (
     GrowingCache, cached_attention, causal_keys, mean_pooled_blocks, one_document_batch, select_cached_blocks,
-    select_cached_keys, selected_keys,
+    selected_keys,
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
@@ -144,10 +144,11 @@ class SparseAttention(PinnableSelection, GatedAttention):
         q_idx = self.index_q_proj(x).view(1, t, self.index_heads, self.index_dim)
         return q_idx, self.index_k_proj(x), self.index_weights_proj(x) * self.index_heads**-0.5
 
-    def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
+    def attend(self, x, q, k, v, gate, batch: PackedBatch, index_inputs=None) -> torch.Tensor:
+        """index_inputs: index_inputs(x) when the caller has them already."""
         # The indexer only chooses keys; as in DeepSeek's DSA it gets no gradient from the language-model loss.
         with torch.no_grad():
-            q_idx, k_idx, w_idx = self.index_inputs(x)
+            q_idx, k_idx, w_idx = self.index_inputs(x) if index_inputs is None else index_inputs
             indices = topk_indexer(
                 q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
             )
@@ -158,25 +159,17 @@ class SparseAttention(PinnableSelection, GatedAttention):
 
     def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
         """The cached call's attention; the state adds "index_k" [M, DI], the indexer's keys (block mode pools them
-        per call as the full forward does). Selection is not pinned here: pinning is `moe-tune align`'s."""
+        per call as the full forward does)."""
         is_prefill, k_cache, v_cache, _ = self.cache_keys_values(k, v, batch, state)
-        q_idx, k_idx, w_idx = self.index_inputs(x)
+        with torch.no_grad():
+            q_idx, k_idx, w_idx = self.index_inputs(x)
         index_keys = state.setdefault("index_k", GrowingCache()).append(k_idx[0])
         if is_prefill:
-            indices = topk_indexer(
-                q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size, cu_seqlens=batch.cu_seqlens
-            )
-            indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
-            return sparse_attention(
-                q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens, gate=gate
-            )
-        if self.block_size == 1:
-            chosen_TS = select_cached_keys(q_idx[0], w_idx[0], index_keys, batch.positions, self.num_selected)
-        else:
-            chosen_TS = select_cached_blocks(
-                q_idx[0], w_idx[0], mean_pooled_blocks(index_keys, self.block_size), batch.positions,
-                self.num_selected, self.block_size, always_keep_own_block=True,
-            )  # fmt: skip
+            return self.attend(x, q, k, v, gate, batch, (q_idx, k_idx, w_idx))
+        chosen_TS = select_cached_blocks(
+            q_idx[0], w_idx[0], mean_pooled_blocks(index_keys, self.block_size), batch.positions, self.num_selected,
+            self.block_size, always_keep_own_block=True,
+        )  # fmt: skip
         allowed_TM = selected_keys(chosen_TS, batch.positions, len(k_cache), self.block_size)
         return cached_attention(q[0], k_cache, v_cache, allowed_TM, gate=None if gate is None else gate[0])[None]
 
@@ -200,13 +193,18 @@ class QSAIndexer(PinnableSelection, nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
         self.k_layernorm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_one_plus)
 
-    def project(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch):
-        """x [1, T, D] -> normed and rotated queries [1, T, HI, DI], raw keys [1, T, DI] and the key of the block
-        starting at each row [1, T, DI]."""
+    def project_queries(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch):
+        """x [1, T, D] -> normed and rotated queries [1, T, HI, DI], raw keys [1, T, DI], and the rows' (cos, sin)."""
         t = x.shape[1]
         q_idx, k_idx = self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], -1)
         cos, sin = rotary.cos_sin(batch.rotary_positions)
         q_idx = rotary.rotate(self.q_layernorm(q_idx.view(1, t, self.num_heads, self.head_dim)), cos, sin)
+        return q_idx, k_idx, (cos, sin)
+
+    def project(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch):
+        """x [1, T, D] -> normed and rotated queries [1, T, HI, DI], raw keys [1, T, DI] and the key of the block
+        starting at each row [1, T, DI]."""
+        q_idx, k_idx, (cos, sin) = self.project_queries(x, rotary, batch)
         # The key of the block starting at each row: rows where no complete block of the document starts are
         # never read (the op reads block j at row o + j * block_size), so windows crossing documents do no harm.
         windows_TD = F.pad(k_idx[0], (0, 0, 0, self.block_size - 1)).unfold(0, self.block_size, 1).mean(-1)
@@ -234,10 +232,7 @@ class QSAIndexer(PinnableSelection, nn.Module):
             state["block_k"].append(block_k[0, : num_complete * self.block_size : self.block_size])
             state["tail_k"].append(k_idx[0, num_complete * self.block_size :])
             return self.choose(q_idx, block_k, batch)[0]
-        t = x.shape[1]
-        q_idx, k_idx = self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], -1)
-        cos, sin = rotary.cos_sin(batch.rotary_positions)
-        q_idx = rotary.rotate(self.q_layernorm(q_idx.view(1, t, self.num_heads, self.head_dim)), cos, sin)
+        q_idx, k_idx, _ = self.project_queries(x, rotary, batch)
         raw_k = state["tail_k"].append(k_idx[0])
         num_new = len(raw_k) // self.block_size
         if num_new:

@@ -185,6 +185,9 @@ def select_cached_blocks(
     False (QSA): the topk - 1 best complete blocks it sees, its own once complete, plus its own while incomplete.
     block_size 1 (either): the topk best keys up to the query, as the op selects tokens.
     """
+    if block_size == 1:
+        # The op's token mode: the topk best keys up to the query, its own among the candidates, no tail slot.
+        return select_cached_keys(q_THD, w_TH, block_keys_JD, query_positions, topk, scale)
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
     w_TH = torch.ones(q_THD.shape[:2], device=q_THD.device) if w_TH is None else w_TH
     num_complete = block_keys_JD.shape[0]
@@ -193,13 +196,13 @@ def select_cached_blocks(
     scores_TJ = F.pad(
         index_scores(q_THD.float(), w_TH.float(), block_keys_JD.float(), scale, "relu"), (0, num_blocks - num_complete)
     )
-    if block_size == 1:
-        # The op's token mode: the topk best keys up to the query, its own among the candidates, no tail slot.
-        return select_top(scores_TJ, torch.arange(num_blocks, device=q_THD.device) <= pos_T1, topk)
     return select_from_block_scores(scores_TJ, pos_T1, topk, block_size, always_keep_own_block)
 
 
 def mean_pooled_blocks(keys_MD: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The mean key of each complete block [J, D], as ops.sparse_attention's reference pools raw keys."""
+    """The mean key of each complete block [J, D], as ops.sparse_attention's reference pools raw keys (block_size 1:
+    the keys themselves)."""
+    if block_size == 1:
+        return keys_MD
     num_complete = keys_MD.shape[0] // block_size
     return keys_MD[: num_complete * block_size].float().view(num_complete, block_size, keys_MD.shape[-1]).mean(dim=1)

@@ -32,7 +32,7 @@ from moe_tune.profiles.schema import MLASpec, ModelProfile, YarnSpec
 from .blocks import RMSNorm, RotaryEmbedding
 from .kv_cache import (
     QUERY_CHUNK, GrowingCache, causal_keys, masked_softmax, mean_pooled_blocks, one_document_batch,
-    select_cached_blocks, select_cached_keys, selected_keys,
+    select_cached_blocks, selected_keys,
 )
 from .selection import PinnableSelection
 from .varlen import packed_causal_attention
@@ -284,8 +284,6 @@ class LightningIndexer(PinnableSelection, nn.Module):
         keys_MD = state.setdefault("k", GrowingCache()).append(k[0])
         if is_prefill:
             return self.choose(q, k, w, batch)[0]
-        if self.block_size == 1:
-            return select_cached_keys(q[0], w[0], keys_MD, batch.positions, self.num_selected)
         return select_cached_blocks(
             q[0], w[0], mean_pooled_blocks(keys_MD, self.block_size), batch.positions, self.num_selected,
             self.block_size, always_keep_own_block=True,

@@ -18,6 +18,7 @@ import math
 import os
 import time
 import warnings
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -78,7 +79,7 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return params
 
 
-class Tracker:
+class Tracker(ABC):
     """One experiment tracker's run. `where` says where it logs (for the start banner), `note` what a resume did."""
 
     name = ""
@@ -86,11 +87,11 @@ class Tracker:
     note: str | None = None
     run_id: str | None = None
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def log(self, step: int, values: dict[str, float]) -> None: ...
 
-    def close(self, status: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self, status: str) -> None: ...
 
 
 class TensorBoardTracker(Tracker):
