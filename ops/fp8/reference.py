@@ -1,0 +1,121 @@
+"""FP8 e4m3 block quantization in pure PyTorch: the layouts and the rounding every FP8 kernel must reproduce.
+
+Weights (the hub's FP8 checkpoints, `quantization_config: {quant_method: fp8, weight_block_size: [128, 128]}`):
+a weight W [..., O, I] is stored as W_q float8_e4m3fn [..., O, I] and scale_inv fp32 [..., R, C] with
+W[o, i] = W_q[o, i] * scale_inv[o // 128, i // 128]. With `row_segments` (a fused weight made of several hub
+tensors stacked along O, as w_gate_up = [gate_proj; up_proj]) the row blocks restart at every segment: segment s's
+rows get their own ceil(rows_s / 128) scale rows, in order.
+
+Activations (the GEMM operand that is not the weight, along its reduction dim K) are quantized at run time in
+groups of 1 x 128: x [..., K] -> x_q float8_e4m3fn [..., K], scale fp32 [..., G] with x ~ x_q[k] * scale[k // 128];
+`segments` restarts the groups likewise (the gate and up halves of a gradient [S, 2F]).
+
+One rounding rule for both: scale = max(amax, AMAX_FLOOR) / 448 over the block or group, q = round_to_nearest_even(
+clamp(x / scale, -448, 448)) in float8_e4m3fn.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+# Largest finite float8_e4m3fn value.
+E4M3_MAX = 448.0
+# The hub's FP8 checkpoints' block edge (weight_block_size [128, 128]) and the activation group width.
+BLOCK = 128
+# An all-zero block or group still gets a finite, nonzero scale (its values quantize to 0).
+AMAX_FLOOR = 1e-12
+
+
+def num_blocks(size: int, segments: Sequence[int] | None = None) -> int:
+    """Scale entries along a dim of `size` elements: ceil(size / 128), or the sum over its segments."""
+    if segments is None:
+        return math.ceil(size / BLOCK)
+    if sum(segments) != size or any(s <= 0 for s in segments):
+        raise ValueError(f"segments {list(segments)} must be positive and sum to the dim's size {size}")
+    return sum(math.ceil(s / BLOCK) for s in segments)
+
+
+def block_index(size: int, segments: Sequence[int] | None = None) -> torch.Tensor:
+    """[size] int64: the scale entry of each index along a dim (blocks of 128 restarting at every segment)."""
+    parts, first = [], 0
+    for seg in segments if segments is not None else [size]:
+        parts.append(first + torch.arange(seg) // BLOCK)
+        first += math.ceil(seg / BLOCK)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _scales(amax: torch.Tensor) -> torch.Tensor:
+    return amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+
+
+def _to_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (values.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight(
+    w: torch.Tensor, row_segments: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_q float8_e4m3fn [..., O, I], scale_inv fp32 [..., R, ceil(I/128)]) of a float weight w [..., O, I] in
+    128 x 128 blocks (rows restarting at every row segment). Dims need not be multiples of 128."""
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"w: shape {tuple(w.shape)} dtype {w.dtype} must be a float [..., O, I]")
+    rows, cols = w.shape[-2:]
+    row_of = block_index(rows, row_segments).to(w.device)
+    col_of = block_index(cols).to(w.device)
+    num_r, num_c = num_blocks(rows, row_segments), num_blocks(cols)
+    lead = w.shape[:-2]
+    amax = torch.zeros(*lead, num_r, num_c, dtype=torch.float32, device=w.device)
+    absw = w.detach().abs().float()
+    # amax over each block: max over the block's columns, then over its rows (scatter_reduce handles segments).
+    col_max = torch.zeros(*lead, rows, num_c, dtype=torch.float32, device=w.device)
+    col_max.scatter_reduce_(-1, col_of.expand(*lead, rows, cols), absw, reduce="amax", include_self=True)
+    amax.scatter_reduce_(-2, row_of[:, None].expand(*lead, rows, num_c), col_max, reduce="amax", include_self=True)
+    scale_inv = _scales(amax)
+    full_scale = scale_inv[..., row_of, :][..., col_of]
+    return _to_fp8(w, full_scale), scale_inv
+
+
+def dequantize_weight(
+    w_q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    row_segments: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W [..., O, I] in `dtype` (fp32 default) from W_q float8_e4m3fn [..., O, I] and its block scales."""
+    rows, cols = w_q.shape[-2:]
+    expected = (*w_q.shape[:-2], num_blocks(rows, row_segments), num_blocks(cols))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"scale_inv: shape {tuple(scale_inv.shape)} must be {list(expected)} for a weight of "
+                         f"shape {tuple(w_q.shape)} in 128 x 128 blocks")
+    row_of = block_index(rows, row_segments).to(w_q.device)
+    col_of = block_index(cols).to(w_q.device)
+    full_scale = scale_inv.float()[..., row_of, :][..., col_of]
+    return (w_q.float() * full_scale).to(dtype)
+
+
+def quantize_groups(
+    x: torch.Tensor, segments: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q float8_e4m3fn [..., K], scale fp32 [..., G]) of x [..., K] in groups of 128 along the last dim."""
+    size = x.shape[-1]
+    group_of = block_index(size, segments).to(x.device)
+    amax = torch.zeros(*x.shape[:-1], num_blocks(size, segments), dtype=torch.float32, device=x.device)
+    amax.scatter_reduce_(-1, group_of.expand(x.shape), x.detach().abs().float(), reduce="amax", include_self=True)
+    scale = _scales(amax)
+    return _to_fp8(x, scale[..., group_of]), scale
+
+
+def dequantize_groups(
+    x_q: torch.Tensor, scale: torch.Tensor, segments: Sequence[int] | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    group_of = block_index(x_q.shape[-1], segments).to(x_q.device)
+    return (x_q.float() * scale.float()[..., group_of]).to(dtype)
+
+
+def fake_quantize_groups(x: torch.Tensor, segments: Sequence[int] | None = None) -> torch.Tensor:
+    """x as the FP8 GEMMs see it, in fp32: quantized in 1 x 128 groups along the last dim and dequantized."""
+    return dequantize_groups(*quantize_groups(x, segments), segments=segments)
