@@ -41,6 +41,8 @@ def num_blocks(size: int, segments: Sequence[int] | None = None) -> int:
 
 def block_index(size: int, segments: Sequence[int] | None = None) -> torch.Tensor:
     """[size] int64: the scale entry of each index along a dim (blocks of 128 restarting at every segment)."""
+    # Raises on segments that do not fit the dim.
+    num_blocks(size, segments)
     parts, first = [], 0
     for seg in segments if segments is not None else [size]:
         parts.append(first + torch.arange(seg) // BLOCK)
@@ -119,3 +121,38 @@ def dequantize_groups(
 def fake_quantize_groups(x: torch.Tensor, segments: Sequence[int] | None = None) -> torch.Tensor:
     """x as the FP8 GEMMs see it, in fp32: quantized in 1 x 128 groups along the last dim and dequantized."""
     return dequantize_groups(*quantize_groups(x, segments), segments=segments)
+
+
+class Fp8LinearRefFunction(torch.autograd.Function):
+    """y = fq(x) @ deq(W)^T + bias; dx = fq(dy) @ deq(W); dbias = sum of dy; in fp32, no gradient to W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale_inv, bias):
+        w = dequantize_weight(weight, scale_inv)
+        y = fake_quantize_groups(x) @ w.T
+        if bias is not None:
+            y = y + bias.float()
+        ctx.save_for_backward(weight, scale_inv)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        weight, scale_inv = ctx.saved_tensors
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (fake_quantize_groups(grad_y) @ dequantize_weight(weight, scale_inv)).to(grad_y.dtype)
+        dbias = None
+        if ctx.needs_input_grad[3]:
+            dbias = grad_y.float().reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return dx, None, None, dbias
+
+
+def fp8_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The FP8 linear in fp32: x [..., I] quantized in 1 x 128 groups along I, times the dequantized weight [O, I]
+    (float8_e4m3fn with scale_inv [ceil(O/128), ceil(I/128)]), plus bias [O]; returns [..., O] in x's dtype.
+    Backward: dx = fq(dy) @ deq(W) with dy quantized in groups along O, dbias = dy summed over rows; no weight
+    gradient."""
+    return Fp8LinearRefFunction.apply(x, weight, scale_inv, bias)
