@@ -102,6 +102,11 @@ ROTARY_SHAPES = {
     # (a quarter of 256-dim heads).
     "anchor": [dict(T=8192, H=16, D=128, R=128), dict(T=8192, H=16, D=256, R=64)],
 }
+FP8_LINEAR_SHAPES = {
+    "small": [dict(M=256, I=384, O=640)],
+    # None: engine/bench/fp8_op.py's DEFAULT_SHAPES (issue 35's 30B-A3B projections over 8192 tokens).
+    "anchor": None,
+}
 # Softmax attention backward FLOPs over forward, as FlashAttention reports (same factor as the linear attention bench).
 ATTENTION_BWD_FLOP_FACTOR = 2.5
 
@@ -615,6 +620,40 @@ def bench_rotary_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]
     return rows
 
 
+def bench_fp8_linear_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """The dense linear through a frozen FP8 weight (128 x 128 block scales), forward and input gradient. CUDA:
+    engine/bench/fp8_op.py's Triton rows beside bf16 F.linear (cuBLAS), bf16 x; CPU: fp8_linear_ref in fp32. Each
+    CUDA note gives the largest error relative to the exact fp32 product (and, for the kernels, to the reference)."""
+    if isinstance(shapes, dict):
+        shape_list = [shapes]
+    else:
+        shape_list = FP8_LINEAR_SHAPES[shapes if run.is_cuda else "small"]
+    if run.is_cuda:
+        from moe_tune.engine.bench.fp8_op import DEFAULT_SHAPES, bench_fp8_linear
+
+        rows = []
+        for result in bench_fp8_linear(shape_list or DEFAULT_SHAPES):
+            note = f"max rel err vs exact fp32 product {result['rel_err_exact']:.1e}"
+            if result.get("rel_err_ref") is not None:
+                note += f", vs fp8_linear_ref {result['rel_err_ref']:.1e}"
+            values = {key: result[key] for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops")}
+            rows.append(make_row("fp8_linear", "frozen weight", result["impl"], result["shape"], result["dtype"], run,
+                                 note=note, **values))  # fmt: skip
+        return rows
+    from moe_tune.ops.fp8.reference import fp8_linear_ref, quantize_weight
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for shape in shape_list:
+        M, I, O = shape["M"], shape["I"], shape["O"]
+        x = _randn(M, I, gen=gen, device="cpu")
+        weight, scale_inv = quantize_weight(torch.randn(O, I, generator=gen) * I**-0.5)
+        timed = _timed(lambda: fp8_linear_ref(x, weight, scale_inv), [x], run)
+        rows.append(make_row("fp8_linear", "frozen weight", "reference (dequantize, fp32)", f"M{M} I{I} O{O}",
+                             torch.float32, run, fwd_flops=2 * M * I * O, bwd_flop_factor=1.0, **timed))  # fmt: skip
+    return rows
+
+
 # name -> function(preset, run) -> rows. Adding an op is one entry here.
 OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "moe": bench_moe_op,
@@ -626,6 +665,7 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "rms_norm": bench_rms_norm_op,
     "causal_conv": bench_causal_conv_op,
     "rotary": bench_rotary_op,
+    "fp8_linear": bench_fp8_linear_op,
 }
 # The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
 SHAPE_DIMS: dict[str, tuple[str, ...]] = {
@@ -636,6 +676,7 @@ SHAPE_DIMS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("M", "N"),
     "causal_conv": ("T", "C", "W"),
     "rotary": ("T", "H", "D", "R"),
+    "fp8_linear": ("M", "I", "O"),
 }
 
 

@@ -11,6 +11,7 @@ layout Hopper's FP8 tensor cores take.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -41,7 +42,8 @@ SCALE_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch of _fp8_gemm_kernel: a [block_m, block_n] output tile, K in steps of 128 (one scale block)."""
+    """One launch of _fp8_gemm_kernel: a [block_m, block_n] output tile, K in steps of 128 (one scale block);
+    block_n divides 128, so a tile's columns share one weight scale per K step."""
 
     block_m: int
     block_n: int
@@ -180,7 +182,8 @@ def _fp8_gemm_kernel(
     # [BLOCK_K, BLOCK_N] with K contiguous: the K-major B operand of FP8 MMAs.
     b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]
     a_scale_ptrs = a_scale_ptr + rows_a * stride_as_m
-    b_scale_ptrs = b_scale_ptr + (rows_b // BLOCK_K) * stride_bs_r
+    # A column tile never straddles a 128-row weight block (BLOCK_N divides 128): one weight scale per K step.
+    b_scale_ptrs = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bs_r
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -193,7 +196,7 @@ def _fp8_gemm_kernel(
             partial = tl.dot(a, b)
         else:
             partial = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        acc += partial * a_scale[:, None] * b_scale[None, :]
+        acc += partial * (a_scale * b_scale)[:, None]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -203,7 +206,23 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+_forced_gemm_config: GemmConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_gemm_config(config: GemmConfig):
+    """Within the block, every fp8_gemm call without its own config runs with `config` (benchmark sweeps, tests)."""
+    global _forced_gemm_config
+    previous, _forced_gemm_config = _forced_gemm_config, config
+    try:
+        yield config
+    finally:
+        _forced_gemm_config = previous
+
+
 def pick_gemm_config(num_rows: int, is_cuda: bool) -> GemmConfig:
+    if _forced_gemm_config is not None:
+        return _forced_gemm_config
     if not is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         return INTERPRETER_GEMM
@@ -232,6 +251,7 @@ def fp8_gemm(
         return c
     assert a_q.stride(1) == 1 and b_q.stride(1) == 1, "fp8_gemm operands need contiguous rows"
     config = config or pick_gemm_config(num_rows, a_q.is_cuda)
+    assert BLOCK % config.block_n == 0, f"block_n ({config.block_n}) must divide the weight block {BLOCK}"
     grid = (triton.cdiv(num_rows, config.block_m) * triton.cdiv(num_cols, config.block_n),)
     _fp8_gemm_kernel[grid](
         a_q, a_scale, b_q, b_scale, bias if bias is not None else a_scale, c,

@@ -15,7 +15,7 @@ def no_cuda(monkeypatch):
 def test_registry_names_every_op():
     assert list(OPS) == [
         "moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy", "rms_norm",
-        "causal_conv", "rotary",
+        "causal_conv", "rotary", "fp8_linear",
     ]
 
 

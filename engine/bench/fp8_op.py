@@ -1,0 +1,125 @@
+"""Benchmark of the dense block-scaled FP8 linear on CUDA: ops.fp8's Triton kernels against bf16 F.linear (cuBLAS).
+
+Shapes: M rows (tokens), I in_features, O out_features; the weight is frozen in every impl (a LoRA or frozen-base
+fine-tune), so forward+backward is the forward and the input gradient.
+
+`bench_fp8_linear(shapes)` runs on the GPU (nothing runs at import); `python -m moe_tune.engine.bench.fp8_op` times
+DEFAULT_SHAPES and prints one JSON line per row. Implementations:
+  triton      ops.fp8's Fp8LinearFunction: x quantized in 1 x 128 groups, block-scaled FP8 GEMM on FP8 tensor cores;
+              backward: dy quantized in groups along O, the same GEMM over W_q^T
+  torch_bf16  F.linear on the bf16 weight (cuBLAS), what a bf16 base runs
+`configs` adds one triton row per named GemmConfig. Times are medians of triton.testing.do_bench. FLOPs: 2*M*I*O
+forward, twice that forward+backward. Each row carries its error against the exact product fp32 x @ deq(W)^T
+(rel_err_exact: FP8 activation quantization shows there) and, for triton rows, against fp8_linear_ref
+(rel_err_ref: the kernels' own error); both relative to the largest reference value, forward output and dx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+from typing import Callable
+
+import torch
+import torch.nn.functional as F_nn
+
+# The frozen projections of issue 35's 30B-A3B (hidden 2048) over B1 T8192: q (2048 -> 4096), o (4096 -> 2048),
+# and an expert-width projection (2048 -> 768).
+DEFAULT_SHAPES = (dict(M=8192, I=2048, O=4096), dict(M=8192, I=4096, O=2048), dict(M=8192, I=2048, O=768))
+IMPLS = ("triton", "torch_bf16")
+
+
+def bench_fp8_linear(
+    shapes: list[dict] | tuple[dict, ...] = DEFAULT_SHAPES,
+    dtype: torch.dtype = torch.bfloat16,
+    configs: dict | None = None,
+    seed: int = 0,
+    rep_ms: int = 100,
+) -> list[dict]:
+    """One dict per (shape, impl): M, I, O, shape, impl, dtype, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops,
+    rel_err_exact, rel_err_ref (triton rows), and the machine (gpu, torch, triton, date).
+
+    configs: {name: ops.fp8.kernels.GemmConfig}, each timed as one more triton row ("triton <name>").
+    """
+    import triton
+    from triton.testing import do_bench
+
+    from moe_tune.ops.fp8 import dequantize_weight, fp8_linear_ref, quantize_weight
+    from moe_tune.ops.fp8.autograd import Fp8LinearFunction
+    from moe_tune.ops.fp8.kernels import forced_gemm_config
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_fp8_linear needs a CUDA device")
+    machine = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    results = []
+    for shape in shapes:
+        M, I, O = shape["M"], shape["I"], shape["O"]
+        x = torch.randn(M, I, generator=gen, device="cuda").to(dtype).requires_grad_()
+        w = torch.randn(O, I, generator=gen, device="cuda") * I**-0.5
+        w_q, scale_inv = quantize_weight(w)
+        w_deq = dequantize_weight(w_q, scale_inv)
+        w_bf16 = w_deq.to(dtype)
+        grad_y = torch.randn(M, O, generator=gen, device="cuda").to(dtype)
+        y_exact, dx_exact = x.detach().float() @ w_deq.T, grad_y.float() @ w_deq
+        y_ref, dx_ref = _forward_backward(lambda: fp8_linear_ref(x.float(), w_q, scale_inv), x, grad_y.float())
+        def fp8_fn(x=x, w_q=w_q, scale_inv=scale_inv):
+            return Fp8LinearFunction.apply(x, w_q, scale_inv, None)
+
+        # impl -> (fn, GemmConfig or None: the default launch)
+        impls: dict[str, tuple[Callable[[], torch.Tensor], object]] = {
+            "triton": (fp8_fn, None),
+            "torch_bf16": (lambda: F_nn.linear(x, w_bf16), None),
+        }
+        for name, config in (configs or {}).items():
+            impls[f"triton {name}"] = (fp8_fn, config)
+        fwd_flops = 2 * M * I * O
+        for impl, (fn, config) in impls.items():
+            launch = (lambda config=config: forced_gemm_config(config)) if config else contextlib.nullcontext
+            with launch():
+                y, dx = _forward_backward(fn, x, grad_y)
+            row = dict(M=M, I=I, O=O, shape=f"M{M} I{I} O{O}", impl=impl, dtype=str(dtype).removeprefix("torch."))
+            row["rel_err_exact"] = max(_rel_err(y, y_exact), _rel_err(dx, dx_exact))
+            if impl.startswith("triton"):
+                row["rel_err_ref"] = max(_rel_err(y, y_ref), _rel_err(dx, dx_ref))
+
+            def step(fn=fn, launch=launch, with_backward=False):
+                with launch():
+                    y = fn()
+                    if with_backward:
+                        y.backward(grad_y)
+
+            row["fwd_ms"] = do_bench(step, rep=rep_ms, return_mode="median")
+            row["fwd_bwd_ms"] = do_bench(lambda: step(with_backward=True), rep=rep_ms, grad_to_none=[x],
+                                         return_mode="median")  # fmt: skip
+            row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
+            row["fwd_bwd_tflops"] = 2 * fwd_flops / row["fwd_bwd_ms"] * 1e-9
+            results.append(row | machine)
+        del x, w, w_q, w_deq, w_bf16, grad_y, y_exact, dx_exact, y_ref, dx_ref
+        torch.cuda.empty_cache()
+    return results
+
+
+def _forward_backward(fn, x: torch.Tensor, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, dx) of one call, in fp32."""
+    x.grad = None
+    y = fn()
+    y.backward(grad_y)
+    dx = x.grad.float()
+    x.grad = None
+    return y.detach().float(), dx
+
+
+def _rel_err(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.float() - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+
+
+def main() -> None:
+    for row in bench_fp8_linear():
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
