@@ -64,7 +64,9 @@ def bench_fp8_linear(
         w_bf16 = w_deq.to(dtype)
         grad_y = torch.randn(M, O, generator=gen, device="cuda").to(dtype)
         y_exact, dx_exact = x.detach().float() @ w_deq.T, grad_y.float() @ w_deq
-        y_ref, dx_ref = _forward_backward(lambda: fp8_linear_ref(x.float(), w_q, scale_inv), x, grad_y.float())
+        x32 = x.detach().float().requires_grad_()
+        y_ref, dx_ref = _forward_backward(lambda: fp8_linear_ref(x32, w_q, scale_inv), x32, grad_y.float())
+
         def fp8_fn(x=x, w_q=w_q, scale_inv=scale_inv):
             return Fp8LinearFunction.apply(x, w_q, scale_inv, None)
 
@@ -97,7 +99,7 @@ def bench_fp8_linear(
             row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
             row["fwd_bwd_tflops"] = 2 * fwd_flops / row["fwd_bwd_ms"] * 1e-9
             results.append(row | machine)
-        del x, w, w_q, w_deq, w_bf16, grad_y, y_exact, dx_exact, y_ref, dx_ref
+        del x, x32, w, w_q, w_deq, w_bf16, grad_y, y_exact, dx_exact, y_ref, dx_ref
         torch.cuda.empty_cache()
     return results
 
