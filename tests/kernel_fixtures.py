@@ -15,22 +15,26 @@ def is_interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def skip_if_interpreted(kernel) -> None:
-    """Skip a GPU test whose kernels tests/ops imported in interpreter mode first in this session."""
+INTERPRETED_ON_GPU = "the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session"
+
+
+def fail_if_interpreted(kernel) -> None:
+    """Fail a GPU test whose kernels tests/ops imported in interpreter mode first in this session: a GPU run that
+    did not run its kernels must not pass."""
     if is_interpreted(kernel):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+        pytest.fail(INTERPRETED_ON_GPU)
 
 
 def forced_kernel_path(kernels_module, kernel_name: str, on_gpu: bool):
     """A fixture that forces MOE_TUNE_KERNELS=triton: through the interpreter (on_gpu False; the module must have
-    been imported with TRITON_INTERPRET=1) or compiled for the GPU (skipped when tests/ops imported the module in
+    been imported with TRITON_INTERPRET=1) or compiled for the GPU (failing when tests/ops imported the module in
     interpreter mode first: run tests/gpu in its own session)."""
 
     @pytest.fixture
     def kernel_path(monkeypatch):
         kernel = getattr(kernels_module, kernel_name)
         if on_gpu:
-            skip_if_interpreted(kernel)
+            fail_if_interpreted(kernel)
         assert on_gpu or is_interpreted(kernel), (
             f"{kernels_module.__name__} was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
         )

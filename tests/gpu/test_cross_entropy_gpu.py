@@ -8,7 +8,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 
 import pytest
 import torch
-from kernel_fixtures import guarded_outputs, skip_if_interpreted
+from kernel_fixtures import fail_if_interpreted, guarded_outputs
 
 from moe_tune.ops.cross_entropy import kernels, linear_cross_entropy
 from moe_tune.ops.cross_entropy.autograd import LinearCrossEntropyFunction, default_chunk_size
@@ -42,7 +42,7 @@ CASES = {
 @pytest.fixture
 def kernel_path(monkeypatch):
     """Auto dispatch on CUDA tensors, the kernels compiled for the GPU; counts the kernel's launches."""
-    skip_if_interpreted(kernels._cross_entropy_chunk_kernel)
+    fail_if_interpreted(kernels._cross_entropy_chunk_kernel)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launches = []

@@ -14,7 +14,7 @@ import math
 
 import pytest
 from guarded_buffers import GuardedBuffers
-from kernel_fixtures import skip_if_interpreted
+from kernel_fixtures import INTERPRETED_ON_GPU, fail_if_interpreted
 import torch
 import torch.nn.functional as F
 
@@ -46,7 +46,7 @@ def guarded(monkeypatch) -> GuardedBuffers:
     from moe_tune.ops.linear_attention import kernels_fwd
 
     if isinstance(kernels_fwd._chunk_wy_fwd_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+        pytest.fail(INTERPRETED_ON_GPU)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     buffers = GuardedBuffers(GUARD_ELEMENTS)
@@ -347,7 +347,7 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
     from moe_tune.ops.linear_attention import kernels_gates
     from moe_tune.ops.linear_attention.gates import gdn_gates, gdn_gates_ref
 
-    skip_if_interpreted(kernels_gates._gdn_gates_fwd_kernel)
+    fail_if_interpreted(kernels_gates._gdn_gates_fwd_kernel)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     buffers = GuardedBuffers(guard_elements=1 << 14)
     monkeypatch.setattr(kernels_gates, "_alloc", buffers.alloc)

@@ -8,6 +8,7 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 
 import pytest
 from guarded_buffers import GuardedBuffers
+from kernel_fixtures import INTERPRETED_ON_GPU
 import torch
 
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp, topk_route
@@ -41,7 +42,7 @@ def kernel_path(monkeypatch):
     from moe_tune.ops.moe import kernels
 
     if isinstance(kernels._moe_gate_up_fwd_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+        pytest.fail(INTERPRETED_ON_GPU)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 

@@ -12,6 +12,7 @@ Shapes: B batch, T tokens, HQ query heads, H kv heads, K / V head dims, S slots,
 
 import pytest
 from guarded_buffers import GUARD_VALUE, GuardedBuffers
+from kernel_fixtures import INTERPRETED_ON_GPU
 import torch
 
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
@@ -62,7 +63,7 @@ def guarded(monkeypatch) -> GuardedIntBuffers:
     from moe_tune.ops.sparse_attention import kernels_bwd, kernels_fwd, kernels_select
 
     if isinstance(kernels_fwd._sparse_attn_fwd_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
+        pytest.fail(INTERPRETED_ON_GPU)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     buffers = GuardedIntBuffers(GUARD_ELEMENTS)
