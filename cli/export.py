@@ -29,11 +29,18 @@ def export(
     step: Annotated[
         int | None, typer.Option("--step", help="export checkpoints/step-N instead of the run's final state")
     ] = None,
+    precision: Annotated[
+        str, typer.Option("--precision", help="auto: the base checkpoint's dtypes, an FP8 base dequantized (merged "
+                          "weights are never re-quantized: fp8 is refused)")
+    ] = "auto",
 ) -> None:
     """Write the run as a checkpoint folder transformers loads (AutoModelForCausalLM.from_pretrained): the base
     checkpoint's config, tokenizer and processor files, the weights in its key layout as sharded safetensors."""
     from moe_tune.engine.export.hub import export_run
 
+    notes: list[str] = []
     with user_errors():
-        written = export_run(run_dir, merge, out, max_shard_size, step)
+        written = export_run(run_dir, merge, out, max_shard_size, step, precision, notes)
+    for note in notes:
+        typer.echo(note)
     typer.echo(f"exported to {written}")

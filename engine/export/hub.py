@@ -124,6 +124,52 @@ class DequantizedLayout(Layout):
         return torch.stack([dequantize_mxfp4(b, s, dtype).transpose(0, 1) for b, s in zip(blocks, scales)])
 
 
+class Fp8DequantizedLayout(Layout):
+    """A checkpoint layout whose FP8 tensors (float8_e4m3fn `<key>` with fp32 `<key>_scale_inv`, the hub's 128 x 128
+    blocks) are written as the plain tensor `<key>` in `dtype` (the checkpoint's float dtype), with no scale: a model
+    transformers loads unquantized. Its base value is the key dequantized."""
+
+    def __init__(self, layout: Layout, quantized: set[str], dtype: torch.dtype):
+        from .fp8 import SCALE_SUFFIX
+
+        scales = {key + SCALE_SUFFIX for key in quantized}
+        keys = {key: (KeyInfo(info.shape, dtype) if key in quantized else info)
+                for key, info in layout.keys.items() if key not in scales}
+        super().__init__(keys, layout.reader)
+        self.quantized = quantized
+
+    def base(self, key: str) -> torch.Tensor | None:
+        if key not in self.quantized:
+            return super().base(key)
+        from moe_tune.ops.fp8 import dequantize_weight
+
+        from .fp8 import SCALE_SUFFIX
+
+        scale = self.reader.get(key + SCALE_SUFFIX).float()
+        return dequantize_weight(self.reader.get(key), scale, dtype=self.keys[key].dtype)
+
+
+def fp8_keys(layout: Layout) -> set[str]:
+    """The layout's FP8 weights: float8_e4m3fn keys with a `<key>_scale_inv` beside them."""
+    from .fp8 import SCALE_SUFFIX
+
+    return {key for key, info in layout.keys.items()
+            if info.dtype == torch.float8_e4m3fn and key + SCALE_SUFFIX in layout.keys}
+
+
+def float_dtype(layout: Layout, skip: set[str] = frozenset()) -> torch.dtype:
+    """The dtype most of the layout's floating tensors (but `skip` and FP8 block scales) are stored in; bf16 when
+    there are none."""
+    from .fp8 import SCALE_SUFFIX
+
+    counts: dict[torch.dtype, int] = {}
+    for key, info in layout.keys.items():
+        if key in skip or key.endswith(SCALE_SUFFIX) or not info.dtype.is_floating_point or info.dtype.itemsize < 2:
+            continue
+        counts[info.dtype] = counts.get(info.dtype, 0) + info.numel
+    return max(counts, key=counts.get) if counts else torch.bfloat16
+
+
 def mxfp4_keys(layout: Layout) -> dict[str, KeyInfo]:
     """The plain keys of the layout's MXFP4 pairs (`<key>_blocks` [E, out, in / 32, 16] and `<key>_scales`
     [E, out, in / 32], both uint8, and no `<key>`): their unquantized shape [E, in, out] and dtype."""
@@ -280,10 +326,12 @@ def write_hub_checkpoint(
     config: dict | None = None,
     copy_from: Path | None = None,
     chat_template: str | None = None,
+    readme: str | None = None,
 ) -> Path:
     """Write `source` into the folder `out` (created through a temporary sibling, then renamed): the keys of
     `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own), the index,
-    config.json (`config`, or copied), the loader files of `copy_from` and `chat_template` (write_chat_template)."""
+    config.json (`config`, or copied), the loader files of `copy_from`, `chat_template` (write_chat_template) and
+    `readme` as README.md (the model card)."""
     from safetensors.torch import save_file
 
     from moe_tune.engine.families.base import take
@@ -366,6 +414,8 @@ def write_hub_checkpoint(
         write_chat_template(tmp, chat_template)
     if config is not None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if readme is not None:
+        (tmp / "README.md").write_text(readme, encoding="utf-8")
     if out.exists():
         out.rmdir()  # only an empty folder is ever replaced (the CLI refuses a non-empty one)
     tmp.replace(out)
@@ -419,25 +469,45 @@ def run_chat_template(profile) -> str | None:
 
 
 def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_bytes: int, precision: str = "fp32",
-               chat_template: str | None = None) -> Path:
+               chat_template: str | None = None, notes: list[str] | None = None) -> Path:
     """The checkpoint folder of `source` (a model read from a checkpoint, or built from a profile that a
     transformers model type expresses, its tensors in `precision`) in `out`, with `chat_template` (the run's
-    data.chat_template) in place of the checkpoint's."""
+    data.chat_template) in place of the checkpoint's. An FP8-base run's source reads as its bf16-base model
+    (engine/export/fp8.py): it is written unquantized, and `notes` gets the line saying so (also the folder's
+    README.md)."""
     from moe_tune.engine.families import UnsupportedModel, family_for
     from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
+
+    from .fp8 import bf16_base, fp8_model_card, is_fp8_base, merged_precision_note
+
+    fp8_run, cfg = is_fp8_base(cfg), bf16_base(cfg)
+
+    def card(dtype: torch.dtype) -> str | None:
+        if not fp8_run:
+            return None
+        note = merged_precision_note(str(dtype).removeprefix("torch."))
+        if notes is not None:
+            notes.append(note)
+        return fp8_model_card(cfg, note)
 
     if cfg.checkpoint is not None:
         family = family_for(read_config(cfg.checkpoint), cfg.checkpoint)
         with CheckpointReader(cfg.checkpoint) as reader:
             layout, config = checkpoint_layout(reader), None
             quantized = mxfp4_keys(layout)
+            fp8 = fp8_keys(layout)
+            dtype = float_dtype(layout, fp8)
             if quantized:
                 # MXFP4 experts were dequantized at load and trained so: written unquantized, and the config no
                 # longer says they are quantized.
                 layout = DequantizedLayout(layout, quantized)
                 config = {k: v for k, v in read_config(cfg.checkpoint).items() if k != "quantization_config"}
+            elif fp8:
+                # FP8 weights: written dequantized (with the adapters merged) in the checkpoint's float dtype.
+                layout = Fp8DequantizedLayout(layout, fp8, dtype)
+                config = {k: v for k, v in read_config(cfg.checkpoint).items() if k != "quantization_config"}
             return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
-                                        copy_from=cfg.checkpoint, chat_template=chat_template)
+                                        copy_from=cfg.checkpoint, chat_template=chat_template, readme=card(dtype))
     try:
         from moe_tune.engine.families.hub_config import hub_config_for_profile
     except ImportError:
@@ -449,19 +519,21 @@ def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_byte
         raise ProfileError([f"model: not exportable as a transformers model: {line}" for line in err.problems]) from None
     layout = Layout({k: KeyInfo(tuple(shape), dtype) for k, (shape, dtype) in keys.items()})
     return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
-                                chat_template=chat_template)
+                                chat_template=chat_template, readme=card(float_dtype(layout)))
 
 
 def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str = DEFAULT_SHARD_SIZE,
-               step: int | None = None) -> Path:
+               step: int | None = None, precision: str = "auto", notes: list[str] | None = None) -> Path:
     """`moe-tune export`: the run in `run_dir` (its final state, or checkpoints/step-`step`) written into `out`
     (default run_dir/export, or export-merged): a checkpoint folder in the hub's layout (full fine-tuning, or
-    LoRA with `merge`), or the PEFT adapter on the checkpoint's module names (LoRA without `merge`). ProfileError,
-    one line per problem, before anything is written."""
+    LoRA with `merge`), or the PEFT adapter on the checkpoint's module names (LoRA without `merge`). `precision`
+    auto: the base checkpoint's dtypes, FP8 weights dequantized (fp8 is refused: engine/export/fp8.py). Lines worth
+    printing go to `notes`. ProfileError, one line per problem, before anything is written."""
+    from .fp8 import precision_problems
     from .sources import FinalState, read_run
 
     run_dir = Path(run_dir)
-    problems = []
+    problems = precision_problems(precision)
     try:
         max_shard_bytes = parse_size(max_shard_size)
     except ProfileError as err:
@@ -501,7 +573,7 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     with source:
         if lora and not merge:
             return write_adapter(run, source.adapter_state(), out, chat_template)
-        return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template)
+        return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template, notes)
 
 
 def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_template: str | None = None) -> Path:

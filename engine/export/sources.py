@@ -135,17 +135,23 @@ class DictSource:
 
 class FinalState:
     """A finished run's final state. LoRA: base weights from the checkpoint (or, for a profile-built model, our
-    seeded init) and, with `merged`, adapter/ merged in per tensor. Full fine-tuning: model.safetensors."""
+    seeded init) and, with `merged`, adapter/ merged in per tensor. Full fine-tuning: model.safetensors. An FP8-base
+    run reads as its bf16-base model: its names, each FP8 weight as the run held it, dequantized to fp32."""
 
     def __init__(self, run: RunInfo, merged: bool):
         from safetensors import safe_open
 
+        from .fp8 import DequantizingReader, bf16_base, fp8_weights
+
         self.run, self.merged = run, merged
-        self.cfg = run.cfg
+        # An FP8-base run reads as its bf16-base model, each FP8 weight dequantized (engine/export/fp8.py).
+        self.fp8 = fp8_weights(run.cfg)
+        self.cfg = bf16_base(run.cfg)
         self.model = meta_model(self.cfg)
         # Base weights are read in the dtype our model holds them in (a bf16 checkpoint, or MXFP4 experts dequantized
         # to bf16, trained in fp32), so a merge rounds once, when the writer stores the key's dtype.
         self._dtypes = {name: t.dtype for name, t in self.model.state_dict().items()}
+        self._shapes = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
         self._names = list(self._dtypes)
         self._reader = None
         self._adapter = None
@@ -157,6 +163,7 @@ class FinalState:
 
             self.family = family_for(read_config(self.cfg.checkpoint), self.cfg.checkpoint)
             self._reader = CheckpointReader(self.cfg.checkpoint)
+            self._getter = DequantizingReader(self._reader)
         if not run.profile.lora.enabled:
             self._weights = safe_open(str(run.run_dir / "model.safetensors"), framework="pt")
             self._weight_names = set(self._weights.keys())
@@ -173,11 +180,18 @@ class FinalState:
         grouped expert tensor ([1, ...]), read alone from the checkpoint."""
         if self._reader is None:
             if self._init_state is None:
-                # A profile-built model's base weights are its seeded init (the whole model, built once).
+                # A profile-built model's base weights are its seeded init (the whole model, built once), FP8
+                # weights quantized as the run's build quantized them.
                 from moe_tune.engine.model.model import build_model
 
-                self._init_state = build_model(self.cfg).state_dict()
-            value = self._init_state[name]
+                self._init_state = build_model(self.run.cfg).state_dict()
+            weight = self.fp8.get(name)
+            if weight is None:
+                value = self._init_state[name]
+            else:
+                from .fp8 import dequantized
+
+                value = dequantized(self._init_state[name], self._init_state[weight.scale_name], weight)
             return value if expert is None else value[expert : expert + 1]
         module = owner(self.model, name)
         if expert is not None:
@@ -188,7 +202,10 @@ class FinalState:
         if recipe is None:
             return torch.zeros_like(self.model.state_dict()[name], device="cpu")
         try:
-            return recipe(self._reader).to(self._dtypes[name])
+            from .fp8 import checkpoint_base
+
+            shape = (1, *self._shapes[name][1:]) if expert is not None else self._shapes[name]
+            return checkpoint_base(self._getter, recipe, self.fp8.get(name), shape).to(self._dtypes[name])
         except KeyError:
             # A tied head the checkpoint stores only once: the embedding, read under its own name.
             tied = self._tied_name(name)
@@ -258,3 +275,53 @@ def merged_weight(name: str, weight: torch.Tensor, adapter: dict[str, torch.Tens
     if expert is not None:
         a, b = a[expert : expert + 1], b[expert : expert + 1]
     return merge_lora(weight, a, b, scaling)
+
+
+class DequantizedSource:
+    """A state source over the FP8 model's names (FP8 weights as bits) seen as the bf16-base model: its FP8 weights
+    dequantized to fp32 and, with `merged`, the adapter merged in fp32 (engine/export/__init__.py's interface)."""
+
+    def __init__(self, inner, cfg: ModelProfile, merged: bool, scaling: float):
+        from .fp8 import bf16_base, fp8_weights
+
+        self.inner, self.merged, self.scaling = inner, merged, scaling
+        self.fp8 = fp8_weights(cfg)
+        self._names = list(meta_model(bf16_base(cfg)).state_dict())
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def _base(self, name: str, expert: int | None) -> torch.Tensor:
+        from .fp8 import dequantized
+
+        read = self.inner.read if expert is None else (lambda n: self.inner.read_expert(n, expert))
+        weight = self.fp8.get(name)
+        if weight is None:
+            return read(name)
+        return dequantized(read(name), read(weight.scale_name), weight)
+
+    def read(self, name: str) -> torch.Tensor:
+        value = self._base(name, None)
+        adapter = self.inner.adapter_state()
+        if not self.merged or adapter is None:
+            return value
+        return merged_weight(name, value, adapter, self.scaling)
+
+    def read_expert(self, name: str, expert: int) -> torch.Tensor:
+        value = self._base(name, expert)
+        adapter = self.inner.adapter_state()
+        if not self.merged or adapter is None:
+            return value
+        return merged_weight(name, value, adapter, self.scaling, expert)
+
+    def adapter_state(self) -> dict[str, torch.Tensor] | None:
+        return self.inner.adapter_state()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -26,7 +26,8 @@ into its output, which is the one full-size allocation per read (`ZeroCheckpoint
 
 LoRA runs: the checkpoint holds the frozen base weights too, so the source needs nothing but the step folder:
 read(name) is the base weight (merged=True: with its adapter merged in, engine/export/sources.py merged_weight), a
-module trained in full (modules_to_save) as trained; adapter_state() the adapter in PEFT's saved names.
+module trained in full (modules_to_save) as trained; adapter_state() the adapter in PEFT's saved names. An FP8-base
+run's step reads as its bf16-base model (engine/export/fp8.py): the FP8 bits and scales dequantized, then merged.
 """
 
 from __future__ import annotations
@@ -387,10 +388,37 @@ def _tied(model: torch.nn.Module) -> dict[str, str]:
     return tied
 
 
-def open_step(run, step: int, merged: bool) -> StepState:
-    """The state of `run` (sources.RunInfo) at checkpoints/step-`step`, after verifying it against its manifest.
-    ProfileError, one line per problem: no such checkpoint, one that does not verify, a layout it cannot read."""
+def peft_state_source(state: dict[str, torch.Tensor], cfg, scaling: float):
+    """A PeftModel's full state in its saved names (the trainer's gathered parameters and buffers) as the merged
+    state source of an FP8-base run: our names, FP8 weights dequantized, adapters merged per tensor
+    (fp8.DequantizedSource)."""
+    from .sources import DequantizedSource, DictSource, meta_model
+
+    ours: dict[str, torch.Tensor] = {}
+    adapter: dict[str, torch.Tensor] = {}
+    for saved, tensor in state.items():
+        kind, name = _map_name(saved)
+        if kind == "adapter":
+            adapter[name] = tensor
+        elif kind == "trained":
+            adapter[PEFT_PREFIX + name] = tensor
+            ours[name] = tensor
+        elif kind == "weight" or name not in ours:
+            ours[name] = tensor
+    for name, target in _tied(meta_model(cfg)).items():
+        if name not in ours and target in ours:
+            ours[name] = ours[target]
+    return DequantizedSource(DictSource(ours, adapter), cfg, True, scaling)
+
+
+def open_step(run, step: int, merged: bool):
+    """The state of `run` (sources.RunInfo) at checkpoints/step-`step`, after verifying it against its manifest: a
+    StepState, or for an FP8-base run its bf16-base view (fp8.DequantizedSource). ProfileError, one line per problem:
+    no such checkpoint, one that does not verify, a layout it cannot read."""
     from moe_tune.engine.train.checkpoint import checkpoint_dirs, checkpoint_name, checkpoint_step, verify_checkpoint
+
+    from .fp8 import is_fp8_base
+    from .sources import DequantizedSource
 
     root = Path(run.run_dir) / "checkpoints"
     folder = root / checkpoint_name(step)
@@ -407,4 +435,9 @@ def open_step(run, step: int, merged: bool) -> StepState:
     if not (isinstance(world, int) and isinstance(ep, int) and 0 < ep <= world and world % ep == 0):
         raise ProfileError([f"--step {step}: {folder}: world size {world!r} and expert_parallel {ep!r} are not a "
                             "layout export can read"])  # fmt: skip
+    if is_fp8_base(run.cfg):
+        # FP8 base weights are stored as their bits: read raw, then dequantized and merged as a bf16 base's.
+        from .sources import lora_scaling
+
+        return DequantizedSource(StepState(run, folder, False, world, ep), run.cfg, merged, lora_scaling(run.profile))
     return StepState(run, folder, merged, world, ep)

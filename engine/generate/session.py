@@ -5,7 +5,9 @@ rendered through the chat template with the generation prompt, tokens chosen by 
 What loads:
 - RUN_DIR, a finetune output.dir: the model of its profile.yaml with its final weights; LoRA adapters merged in per
   tensor (W + alpha / r * B @ A, engine/export/sources.FinalState, the same weights `moe-tune export --merge`
-  writes), or model.safetensors of a full fine-tune. Read with safetensors only.
+  writes), or model.safetensors of a full fine-tune. Read with safetensors only. An FP8-base run
+  (`model.base_precision: fp8`) keeps its base FP8 and its adapters unmerged beside it: the trained model itself, in
+  the memory it trained in.
 - PROFILE: the run in its output.dir when that has final weights, else the base model the profile describes (the
   checkpoint's weights, or the seeded init of a profile-built model).
 On a GPU the model runs on cuda with parameters in train.precision and buffers in fp32, as DeepSpeed trains it; on a
@@ -27,6 +29,7 @@ from torch import nn
 
 from moe_tune.engine.data.chat import DEFAULT_CHAT_OPTIONS, ChatOptions
 from moe_tune.engine.data.tokenizer import CHAT_TEMPLATE, Tokenizer
+from moe_tune.engine.export.fp8 import is_fp8_base
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
@@ -135,6 +138,8 @@ def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
     summary = read_summary(run_dir / "summary.json")
     last, stopped_by = summary.get("last_step"), summary.get("interrupted_by")
     kind = "LoRA adapters merged" if profile.lora.enabled else "full fine-tune"
+    if profile.lora.enabled and is_fp8_base(profile.model):
+        kind = "FP8 base with its LoRA adapters beside it, unmerged"
     at = f"step {last}" if isinstance(last, int) and not isinstance(last, bool) else "its final step"
     if stopped_by:
         return profile, f"{kind}; stopped by {stopped_by} at {at}: its weights there"
@@ -181,6 +186,8 @@ def load_model(loaded: Loaded, device: torch.device) -> nn.Module:
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_floating_point():
                 module._buffers[name] = buf.float()
+    if loaded.run_dir is not None and profile.lora.enabled and is_fp8_base(cfg):
+        return fp8_base_with_adapter(model, loaded, dtype).eval()
     if loaded.run_dir is not None:
         from moe_tune.engine.export.sources import FinalState, RunInfo
 
@@ -195,6 +202,29 @@ def load_model(loaded: Loaded, device: torch.device) -> nn.Module:
         init = build_model(cfg).state_dict()
         copy_state(model, list(init), init.__getitem__)
     return model.eval()
+
+
+def fp8_base_with_adapter(model: nn.Module, loaded: Loaded, dtype: torch.dtype) -> nn.Module:
+    """An FP8-base LoRA run as it trained: `model` (built FP8) filled with the base as the run loaded it (the
+    checkpoint, quantized at load where stored in floating point, or the seeded init quantized), and adapter/ on it
+    unmerged, so the frozen weights stay FP8 (half the bytes of a merged bf16 copy) and every forward is the trained
+    model's."""
+    from moe_tune.engine.lora import load_adapter
+
+    cfg = loaded.profile.model
+    if cfg.checkpoint is not None:
+        from moe_tune.engine.families import load_checkpoint_weights
+
+        load_checkpoint_weights(model, cfg)
+    else:
+        from moe_tune.engine.model.model import build_model
+
+        # The seeded init is drawn on the CPU (as training builds it) and quantized there.
+        init = build_model(cfg).state_dict()
+        copy_state(model, list(init), init.__getitem__)
+    # The adapters in the model's dtype, as the trainer's mixed precision holds them.
+    with default_dtype(dtype):
+        return load_adapter(model, loaded.run_dir / "adapter")
 
 
 def copy_state(model: nn.Module, names: list[str], read: Callable[[str], torch.Tensor]) -> None:

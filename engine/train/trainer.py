@@ -308,33 +308,39 @@ def _save_atomic(save_file, state: dict[str, torch.Tensor], path: Path, profile:
     tmp.replace(path)
 
 
-def _export_merged(profile: JobProfile, merged: dict[str, torch.Tensor], directory: Path, result) -> None:
-    """out/merged: the merged weights as `moe-tune export --merge` writes them (the hub's layout, engine/export),
-    or the reason a model has no such layout (result.merged_problem), not a failed run."""
+def _export_merged(profile: JobProfile, merged, directory: Path, result) -> None:
+    """out/merged: the merged weights (a state source, engine/export) as `moe-tune export --merge` writes them (the
+    hub's layout), or the reason a model has no such layout (result.merged_problem), not a failed run."""
     import shutil
 
     from moe_tune.engine.export.hub import DEFAULT_SHARD_SIZE, export_hub, parse_size, run_chat_template
-    from moe_tune.engine.export.sources import DictSource
     from moe_tune.engine.families import UnsupportedModel
 
     if directory.exists():
         shutil.rmtree(directory)
     try:
-        result.merged = export_hub(DictSource(merged), profile.model, directory, parse_size(DEFAULT_SHARD_SIZE),
+        result.merged = export_hub(merged, profile.model, directory, parse_size(DEFAULT_SHARD_SIZE),
                                    profile.train.precision, run_chat_template(profile))
     except (ProfileError, UnsupportedModel) as err:
         result.merged_problem = err.problems[0] + (f" (and {len(err.problems) - 1} more)" if len(err.problems) > 1 else "")
 
 
-def _merged_state(profile: JobProfile, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's weights with the adapters merged in, through PEFT's own merge on a single-process model."""
+def _merged_state(profile: JobProfile, full_state: dict[str, torch.Tensor]):
+    """The base model's weights with the adapters merged in, as a state source (engine/export): through PEFT's own
+    merge on a single-process model; an FP8 base dequantized and merged per tensor in fp32 (engine/export/fp8.py)."""
+    from moe_tune.engine.export.fp8 import is_fp8_base
+    from moe_tune.engine.export.sources import DictSource, lora_scaling
     from moe_tune.engine.lora import inject_lora
     from moe_tune.engine.model.model import build_model
 
+    if is_fp8_base(profile.model):
+        from moe_tune.engine.export.zero import peft_state_source
+
+        return peft_state_source(full_state, profile.model, lora_scaling(profile))
     model = inject_lora(build_model(profile.model), profile.lora)
     model.load_state_dict(full_state, strict=True)
     merged = model.merge_and_unload()
-    return {name: t.contiguous() for name, t in merged.state_dict().items()}
+    return DictSource({name: t.contiguous() for name, t in merged.state_dict().items()})
 
 
 def finetune(
