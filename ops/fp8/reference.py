@@ -11,7 +11,7 @@ groups of 1 x 128: x [..., K] -> x_q float8_e4m3fn [..., K], scale fp32 [..., G]
 `segments` restarts the groups likewise (the gate and up halves of a gradient [S, 2F]).
 
 One rounding rule for both: scale = max(amax, AMAX_FLOOR) / 448 over the block or group, q = round_to_nearest_even(
-clamp(x / scale, -448, 448)) in float8_e4m3fn.
+clamp(x / scale, -448, 448)) in float8_e4m3fn; both divisions correctly rounded fp32 quotients on every device.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def block_index(size: int, segments: Sequence[int] | None = None) -> torch.Tenso
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
-    return amax.float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+    # A tensor divisor: divided by a Python float, CUDA tensors get amax * (1 / 448), one ulp off the CPU's quotient.
+    return amax.float().clamp(min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX, dtype=torch.float32)
 
 
 def _to_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,17 @@ def test_weight_block_scale_is_amax_over_448(shape):
     assert values_of(w_q).abs().max() == E4M3_MAX
 
 
+def test_scales_and_values_are_correctly_rounded_quotients():
+    gen = torch.Generator().manual_seed(4)
+    x = ramp(64, 1280, gen=gen)
+    x_q, scale = quantize_groups(x)
+    amax = x.abs().reshape(64, 10, 128).amax(-1)
+    # fp32 operands: the fp64 quotient rounded to fp32 is the correctly rounded fp32 quotient.
+    assert torch.equal(scale, (amax.double() / E4M3_MAX).float())
+    quotient = (x.double() / scale.repeat_interleave(128, -1).double()).float()
+    assert torch.equal(values_of(x_q), quotient.to(FP8_DTYPE).float())
+
+
 @pytest.mark.parametrize("row_segments", [None, (200, 100)], ids=["plain", "segments"])
 def test_dequantize_recovers_within_e4m3_precision(row_segments):
     gen = torch.Generator().manual_seed(2)
