@@ -53,13 +53,14 @@ class GemmConfig:
     group_m: int = 8
 
 
-# 128 x 128 tiles, K step 128: 32 KB of FP8 operands a stage, 4 stages in flight; two warpgroups per tile.
+# 128 x 128 tiles, K step 128: 32 KB of FP8 operands a stage, 4 stages in flight; two warpgroups per tile. As fast
+# as or faster than 3 or 5 stages, 64 x 128 and 128 x 64 tiles at M 8192 on the H200 (engine/bench/fp8_op.py).
 GPU_GEMM = GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
 # Few rows (decoding, small batches): 64-row tiles waste less of the tile, one warpgroup.
 GPU_SMALL_M_GEMM = GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=4)
 GPU_SMALL_M = 64
-# The interpreter runs each program in Python: few programs keep CPU tests fast; 64 columns make the per-column
-# weight scales of one tile come from more than one tile per 128-row weight block.
+# The interpreter runs each program in Python: few programs keep CPU tests fast; with 64 columns two column tiles
+# read each weight scale row, so CPU tests see the tile-to-scale-row indexing.
 INTERPRETER_GEMM = GemmConfig(block_m=32, block_n=64, num_warps=1, num_stages=1, group_m=2)
 
 
