@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moe_tune.ops.common.dispatch import use_kernel
+from moe_tune.ops.fp8.reference import FP8_DTYPE, num_blocks
 from moe_tune.ops.moe.reference import ClampedSwiGLU, ExpertLoRA, moe_mlp_ref, switch_aux_loss, topk_route
 
 __all__ = ["ClampedSwiGLU", "ExpertLoRA", "moe_mlp", "switch_aux_loss", "topk_route"]
@@ -27,6 +28,8 @@ def moe_mlp(
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
     clamped_swiglu: ClampedSwiGLU | None = None,
+    gate_up_scale_inv: torch.Tensor | None = None,
+    down_scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with SwiGLU experts (transformers 5 layout).
 
@@ -39,15 +42,36 @@ def moe_mlp(
     b_gate_up:    [E, 2F] float or None (default): bias of the gate/up projection (gpt_oss)
     b_down:       [E, D] float or None (default): bias of the down projection, added before the routing weight
     clamped_swiglu: ClampedSwiGLU or None (default: silu(gate) * up): gpt_oss's clamped activation
-    Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights and the LoRA tensors.
+    gate_up_scale_inv: [E, 2*ceil(F/128), ceil(D/128)] fp32 and down_scale_inv: [E, ceil(D/128), ceil(F/128)] fp32,
+                  or both None (default): the 128 x 128 block scales of frozen FP8 experts, w_gate_up and w_down then
+                  float8_e4m3fn (gate and up halves with their own scale rows). Every GEMM through them quantizes
+                  its other operand in 1 x 128 groups (ops/moe/README.md, FP8); no gradient reaches them.
+    Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones) and the LoRA
+    tensors.
     Runs the Triton kernels (kernels.py) when every tensor is on CUDA and every float is fp16/bf16/fp32, the
     reference otherwise (always with biases or the clamped activation, which the kernels do not take); MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
     _check_gpt_oss_inputs(w_gate_up, b_gate_up, b_down, clamped_swiglu)
+    is_fp8 = _check_fp8_inputs(w_gate_up, w_down, gate_up_scale_inv, down_scale_inv)
     lora_tensors = (None,) * 4 if lora is None else (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)
     is_plain = b_gate_up is None and b_down is None and clamped_swiglu is None
+    if is_fp8:
+        has_kernel = is_plain and _kernel_takes(x, topk_weights, *lora_tensors)
+        if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv,
+                      *lora_tensors, has_kernel=has_kernel):
+            from moe_tune.ops.moe.autograd import MoEFp8Function
+
+            scaling = 1.0 if lora is None else float(lora.scaling)
+            return MoEFp8Function.apply(
+                x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv, *lora_tensors,
+                scaling,
+            )  # fmt: skip
+        return moe_mlp_ref(
+            x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
+            clamped_swiglu=clamped_swiglu, gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv,
+        )  # fmt: skip
     has_kernel = is_plain and _kernel_takes(x, topk_weights, w_gate_up, w_down, *lora_tensors)
     if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
@@ -72,6 +96,49 @@ def _check_gpt_oss_inputs(
                              "to match w_gate_up")
     if clamped_swiglu is not None and not isinstance(clamped_swiglu, ClampedSwiGLU):
         raise ValueError(f"clamped_swiglu: {type(clamped_swiglu).__name__} must be a ClampedSwiGLU or None")
+
+
+def _check_fp8_inputs(
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_up_scale_inv: torch.Tensor | None,
+    down_scale_inv: torch.Tensor | None,
+) -> bool:
+    """Whether the experts are FP8 (both weights float8_e4m3fn with their block scales); raises ValueError naming
+    every tensor that breaks the rule (independent problems together, one line each)."""
+    num_experts, two_f, model_dim = w_gate_up.shape
+    num_hidden = two_f // 2
+    is_fp8 = {"w_gate_up": w_gate_up.dtype == FP8_DTYPE, "w_down": w_down.dtype == FP8_DTYPE}
+    scales = {"gate_up_scale_inv": gate_up_scale_inv, "down_scale_inv": down_scale_inv}
+    if not any(is_fp8.values()) and all(scale is None for scale in scales.values()):
+        return False
+    problems = []
+    if not all(is_fp8.values()):
+        problems.extend(
+            f"{name}: dtype {weight.dtype} must be float8_e4m3fn like the other expert weight (both FP8 or neither)"
+            for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)) if not is_fp8[name]
+        )
+    expected = {
+        "gate_up_scale_inv": (num_experts, num_blocks(two_f, (num_hidden, num_hidden)), num_blocks(model_dim)),
+        "down_scale_inv": (num_experts, num_blocks(model_dim), num_blocks(num_hidden)),
+    }
+    for name, scale in scales.items():
+        if scale is None:
+            problems.append(f"{name}: None, but FP8 expert weights need their block scales {list(expected[name])} fp32")
+        elif tuple(scale.shape) != expected[name] or scale.dtype != torch.float32:
+            problems.append(
+                f"{name}: shape {tuple(scale.shape)} dtype {scale.dtype} must be fp32 {list(expected[name])} "
+                "(128 x 128 blocks, the gate and up halves with their own rows)"
+            )
+    for name, weight in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if is_fp8[name] and weight.requires_grad:
+            problems.append(f"{name}: FP8 expert weights are frozen: requires_grad must be False")
+    for name, scale in scales.items():
+        if scale is not None and scale.requires_grad:
+            problems.append(f"{name}: block scales are frozen: requires_grad must be False")
+    if problems:
+        raise ValueError("\n".join(problems))
+    return True
 
 
 def _kernel_takes(x: torch.Tensor, *floats: torch.Tensor | None) -> bool:

@@ -28,9 +28,18 @@ from moe_tune.ops.moe.kernels import (
     moe_gate_up_bwd,
     moe_gate_up_fwd,
     moe_lora_bwd,
+    moe_lora_rows,
     moe_routing,
     pick_config,
     row_chunks,
+)
+from moe_tune.ops.moe.kernels_fp8 import (
+    fp8_down_bwd,
+    fp8_down_fwd,
+    fp8_gate_up_bwd,
+    fp8_gate_up_fwd,
+    pick_fp8_config,
+    quantize_rows,
 )
 
 # Positions in MoEFunction.forward's arguments, for ctx.needs_input_grad.
@@ -126,3 +135,108 @@ class MoEFunction(torch.autograd.Function):
 
         d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
         return dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None
+
+
+class MoEFp8Function(torch.autograd.Function):
+    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=..., down_scale_inv=...)
+    on the FP8 kernels (kernels_fp8.py) and kernels.py's routing and LoRA passes.
+
+    Arguments as moe_mlp, with the FP8 weights' block scales after the weights, the LoRA tensors one by one (each may
+    be None) and scaling a float. The FP8 weights and their scales get no gradient.
+    Saved for backward: as MoEFunction, plus the scales; x is quantized once per token in forward, dy once per token
+    in backward, h and d gate_up per row by a pass over each.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w_gate_up: torch.Tensor,
+        w_down: torch.Tensor,
+        gate_up_scale_inv: torch.Tensor,
+        down_scale_inv: torch.Tensor,
+        a_gate_up: torch.Tensor | None,
+        b_gate_up: torch.Tensor | None,
+        a_down: torch.Tensor | None,
+        b_down: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        num_tokens, top_k = topk_ids.shape
+        num_experts = w_gate_up.shape[0]
+        config = pick_config(x, num_tokens * top_k, num_experts)
+        fp8_config = pick_fp8_config(x)
+        routing = moe_routing(topk_ids, num_experts, config.block_m)
+        needs_grad = any(ctx.needs_input_grad)
+        x_q, x_scale = quantize_rows(x)
+        xa = moe_lora_rows(x, a_gate_up, routing, config, u_by_token=True) if a_gate_up is not None else None
+        h, gate_up = fp8_gate_up_fwd(
+            x, x_q, x_scale, w_gate_up, gate_up_scale_inv, b_gate_up, xa, scaling, routing, fp8_config,
+            save_gate_up=needs_grad,
+        )  # fmt: skip
+        del x_q, x_scale
+        ha = moe_lora_rows(h, a_down, routing, config, u_by_token=False) if a_down is not None else None
+        h_q, h_scale = quantize_rows(h)
+        y = fp8_down_fwd(
+            h, h_q, h_scale, topk_weights, w_down, down_scale_inv, b_down, ha, scaling, routing, fp8_config, num_tokens
+        )
+        if needs_grad:
+            ctx.save_for_backward(
+                x, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv, a_gate_up, b_gate_up, a_down,
+                b_down, gate_up, xa, ha, *routing.tensors(),
+            )  # fmt: skip
+        ctx.scaling, ctx.config, ctx.fp8_config, ctx.block_m, ctx.top_k = (
+            scaling, config, fp8_config, routing.block_m, top_k
+        )
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy: torch.Tensor):
+        (x, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv, a_gate_up, b_gate_up, a_down, b_down,
+         gate_up, xa, ha, *meta) = ctx.saved_tensors  # fmt: skip
+        routing = MoERouting(*meta, block_m=ctx.block_m, top_k=ctx.top_k)
+        needs = ctx.needs_input_grad
+        scaling, config, fp8_config = ctx.scaling, ctx.config, ctx.fp8_config
+        num_tokens = x.shape[0]
+        dy = dy.to(x.dtype)
+        has_lora = a_gate_up is not None or a_down is not None
+        chunks = row_chunks(routing, config) if has_lora else None
+        needs_a_down, needs_b_down = needs[_FP8_A_DOWN], needs[_FP8_B_DOWN]
+        needs_a_gate_up, needs_b_gate_up = needs[_FP8_A_GATE_UP], needs[_FP8_B_GATE_UP]
+
+        dha = d_b_down = None
+        if a_down is not None:
+            dha, d_b_down = moe_lora_bwd(
+                dy, b_down, ha, scaling, routing, config, compute_gb=True, compute_db=needs_b_down,
+                g_by_token=True, g_weights=topk_weights, chunks=chunks,
+            )  # fmt: skip
+        dy_q, dy_scale = quantize_rows(dy)
+        dgate_up, h_weighted, dweights_S = fp8_down_bwd(
+            dy_q, dy_scale, gate_up, topk_weights, w_down, down_scale_inv, a_down, dha, routing, fp8_config,
+            store_h=needs_a_down,
+        )  # fmt: skip
+        del dy_q, dy_scale
+        d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config, chunks=chunks) if needs_a_down else None
+        del dha, h_weighted
+
+        dxa = d_b_gate_up = None
+        if a_gate_up is not None and (needs[_X] or needs_a_gate_up or needs_b_gate_up):
+            dxa, d_b_gate_up = moe_lora_bwd(
+                dgate_up, b_gate_up, xa, scaling, routing, config,
+                compute_gb=needs[_X] or needs_a_gate_up, compute_db=needs_b_gate_up, chunks=chunks,
+            )  # fmt: skip
+        dx = None
+        if needs[_X]:
+            dx = fp8_gate_up_bwd(dgate_up, w_gate_up, gate_up_scale_inv, a_gate_up, dxa, routing, fp8_config, num_tokens)
+        d_a_gate_up = None
+        if needs_a_gate_up:
+            d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True, chunks=chunks)
+
+        d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
+        return (dx, None, d_topk_weights, None, None, None, None, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None)
+
+
+# Positions of the LoRA tensors in MoEFp8Function.forward's arguments (x, ids and weights as in MoEFunction).
+_FP8_A_GATE_UP, _FP8_B_GATE_UP, _FP8_A_DOWN, _FP8_B_DOWN = range(7, 11)

@@ -182,7 +182,7 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
     )
 
 
-def _dot_precision(*dtypes: torch.dtype) -> str:
+def dot_precision(*dtypes: torch.dtype) -> str:
     """tl.dot input precision for fp32 operands, given the dtypes of the tensors that meet in the product."""
     # Next to a 16-bit operand, tf32 (10-bit mantissa) loses nothing; all-fp32 products follow torch's matmul
     # setting ("highest", the default, means exact fp32).
@@ -199,7 +199,7 @@ def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
 
 
-def _rank_block(rank: int) -> int:
+def rank_block(rank: int) -> int:
     return max(MIN_DOT_SIZE, triton.next_power_of_2(rank))
 
 
@@ -506,7 +506,7 @@ def row_chunks(routing: MoERouting, config: MoEConfig) -> RowChunks:
 
 
 @triton.jit
-def _tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
+def tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
     # 1-D grid, column blocks fastest: the programs of one row tile run together and share its gathered rows in L2,
     # and the tiles of one expert follow each other and share its weights.
     pid = tl.program_id(0)
@@ -515,7 +515,7 @@ def _tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
+def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
     row_start = tl.load(tile_row_ptr + tile)
     row_end = tl.load(offsets_ptr + expert + 1)
     rows = row_start + tl.arange(0, BLOCK_M)
@@ -550,7 +550,7 @@ def _moe_lora_rows_kernel(
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
     u_rows = tokens if U_BY_TOKEN else rows
@@ -604,12 +604,12 @@ def _moe_gate_up_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    tile, pid_n = _tile_and_column_block(F, BLOCK_N)
+    tile, pid_n = tile_and_column_block(F, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -682,12 +682,12 @@ def _moe_down_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    tile, pid_n = _tile_and_column_block(D, BLOCK_N)
+    tile, pid_n = tile_and_column_block(D, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -867,12 +867,12 @@ def _moe_down_bwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    tile, pid_n = _tile_and_column_block(F, BLOCK_N)
+    tile, pid_n = tile_and_column_block(F, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
@@ -957,12 +957,12 @@ def _moe_gate_up_bwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    tile, pid_n = _tile_and_column_block(D, BLOCK_N)
+    tile, pid_n = tile_and_column_block(D, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
         return
     expert = expert.to(tl.int64)
-    rows, row_mask = _tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1132,16 +1132,16 @@ def _sum_chunks(partial: torch.Tensor, out: torch.Tensor, chunks: RowChunks) -> 
     )
 
 
-def _strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
+def strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
     return (0, 0, 0) if t is None else tuple(t.stride())
 
 
-def _or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
     return dummy if t is None else t
 
 
-def _sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+def sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """[S, D] in slot order -> [N, D]: y[t] = sum_j per_slot[t*k + j], in a fixed order (deterministic)."""
     if top_k == 1:
         return per_slot_SD
@@ -1166,8 +1166,8 @@ def moe_lora_rows(
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             dim_k, rank,
             *u.stride(), *a.stride(),
-            U_BY_TOKEN=u_by_token, DOT_PRECISION=_dot_precision(u.dtype),
-            BLOCK_M=routing.block_m, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            U_BY_TOKEN=u_by_token, DOT_PRECISION=dot_precision(u.dtype),
+            BLOCK_M=routing.block_m, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
     return ua
@@ -1212,16 +1212,16 @@ def moe_lora_bwd(
         db_partial = _alloc((chunks.num_chunks, dim_q, rank), torch.float32, b.device)
     if chunks.num_chunks > 0:
         _moe_lora_bwd_kernel[(chunks.num_chunks * num_q_blocks,)](
-            g, b, ua, _or_dummy(g_weights, ua).reshape(-1), _or_dummy(gb_partial, ua), _or_dummy(db, ua),
-            _or_dummy(db_partial, ua),
+            g, b, ua, or_dummy(g_weights, ua).reshape(-1), or_dummy(gb_partial, ua), or_dummy(db, ua),
+            or_dummy(db_partial, ua),
             routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1,
             chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1, chunks.chunk_rows,
             num_slots, dim_q, rank, scale,
-            *g.stride(), *b.stride(), *_strides3(db),
+            *g.stride(), *b.stride(), *strides3(db),
             G_BY_TOKEN=g_by_token, G_TIMES_WEIGHT=g_weights is not None, COMPUTE_GB=compute_gb, COMPUTE_DB=compute_db,
             DB_IN_BF16=g.dtype == torch.bfloat16,
-            DOT_PRECISION=_dot_precision(g.dtype, ua.dtype),
-            BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            DOT_PRECISION=dot_precision(g.dtype, ua.dtype),
+            BLOCK_Q=block_q, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
     if compute_db:
@@ -1257,12 +1257,12 @@ def moe_gate_up_fwd(
     grid = (routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_gate_up_fwd_kernel[grid](
-            x, w_gate_up, _or_dummy(b_gate_up, w_gate_up), _or_dummy(xa, h), h, _or_dummy(gate_up, h),
+            x, w_gate_up, or_dummy(b_gate_up, w_gate_up), or_dummy(xa, h), h, or_dummy(gate_up, h),
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
-            *x.stride(), *w_gate_up.stride(), *_strides3(b_gate_up),
-            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=_dot_precision(x.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            *x.stride(), *w_gate_up.stride(), *strides3(b_gate_up),
+            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=dot_precision(x.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
     return h, gate_up, xa
@@ -1294,15 +1294,15 @@ def moe_down_fwd(
     grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_down_fwd_kernel[grid](
-            h, w_down, _or_dummy(b_down, w_down), _or_dummy(ha, h), topk_weights.reshape(-1), y_slot,
+            h, w_down, or_dummy(b_down, w_down), or_dummy(ha, h), topk_weights.reshape(-1), y_slot,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
-            *w_down.stride(), *_strides3(b_down),
-            HAS_LORA=has_lora, DOT_PRECISION=_dot_precision(h.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            *w_down.stride(), *strides3(b_down),
+            HAS_LORA=has_lora, DOT_PRECISION=dot_precision(h.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
-    return _sum_slots(y_slot, num_tokens, routing.top_k), ha
+    return sum_slots(y_slot, num_tokens, routing.top_k), ha
 
 
 def moe_down_bwd(
@@ -1337,14 +1337,14 @@ def moe_down_bwd(
     dweights_partial = _alloc((num_col_blocks, num_slots), torch.float32, dy.device)
     if routing.num_tiles > 0:
         _moe_down_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
-            dy, w_down, _or_dummy(a_down, w_down), _or_dummy(dha, dgate_up), gate_up, topk_weights.reshape(-1),
-            dgate_up, _or_dummy(h, dgate_up), dweights_partial,
+            dy, w_down, or_dummy(a_down, w_down), or_dummy(dha, dgate_up), gate_up, topk_weights.reshape(-1),
+            dgate_up, or_dummy(h, dgate_up), dweights_partial,
             routing.slot_of_row_S, routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T,
             routing.offsets_E1,
             num_slots, model_dim, num_hidden, rank,
-            *dy.stride(), *w_down.stride(), *_strides3(a_down),
-            HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=_dot_precision(gate_up.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            *dy.stride(), *w_down.stride(), *strides3(a_down),
+            HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=dot_precision(gate_up.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
     return dgate_up, h, dweights_partial.sum(dim=0)
@@ -1374,15 +1374,15 @@ def moe_gate_up_bwd(
     num_col_blocks = triton.cdiv(model_dim, kernel.block_n)
     if routing.num_tiles > 0:
         _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
-            dgate_up, w_gate_up, _or_dummy(a_gate_up, w_gate_up), _or_dummy(dxa, dgate_up), dx_slot,
+            dgate_up, w_gate_up, or_dummy(a_gate_up, w_gate_up), or_dummy(dxa, dgate_up), dx_slot,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank,
-            *w_gate_up.stride(), *_strides3(a_gate_up),
-            HAS_LORA=has_lora, DOT_PRECISION=_dot_precision(dgate_up.dtype),
-            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=_rank_block(rank),
+            *w_gate_up.stride(), *strides3(a_gate_up),
+            HAS_LORA=has_lora, DOT_PRECISION=dot_precision(dgate_up.dtype),
+            BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
-    return _sum_slots(dx_slot, num_tokens, routing.top_k)
+    return sum_slots(dx_slot, num_tokens, routing.top_k)
 
 
 def moe_expert_grad(
@@ -1428,12 +1428,12 @@ def moe_expert_grad(
     # No rows (an expert-parallel rank that received no tokens) leaves no chunk: nothing to launch, zeros below.
     if grid[0] > 0:
         _moe_expert_grad_kernel[grid](
-            lhs, rhs, weights, out, _or_dummy(partial, out),
+            lhs, rhs, weights, out, or_dummy(partial, out),
             routing.slot_of_row_S, routing.token_of_row_S, routing.offsets_E1, *split,
             dim_p, dim_q, scale,
             *lhs.stride(), *rhs.stride(), *out.stride(),
             LHS_BY_TOKEN=lhs_by_token, RHS_BY_TOKEN=rhs_by_token, LHS_TIMES_WEIGHT=lhs_weights is not None,
-            UPCAST=upcast, SPLIT_ROWS=is_thin, DOT_PRECISION=_dot_precision(lhs.dtype, rhs.dtype),
+            UPCAST=upcast, SPLIT_ROWS=is_thin, DOT_PRECISION=dot_precision(lhs.dtype, rhs.dtype),
             BLOCK_P=block_p, BLOCK_Q=block_q, BLOCK_K=kernel.block_k,
             num_warps=min(kernel.num_warps, THIN_NUM_WARPS) if is_thin else kernel.num_warps,
             num_stages=kernel.num_stages,
