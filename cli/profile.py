@@ -66,6 +66,13 @@ def profile(
     wide: Annotated[
         bool, typer.Option("--wide", help="--kernels: one line per row with its note, wider than 120 columns")
     ] = False,
+    load_checkpoint: Annotated[
+        Path | None,
+        typer.Option("--load-checkpoint", metavar="DIR",
+                     help="with a PROFILE: instead of training steps, write a synthetic checkpoint of its model in "
+                     "the hub's FP8 layout into DIR (unless DIR holds it already) and time loading it: GB/s, peak "
+                     "host memory against the shard size"),
+    ] = None,
 ) -> None:
     """Profile a training run (PROFILE) or time each fused op's forward and forward+backward (--kernels)."""
     if kernels == (profile_arg is not None):
@@ -75,13 +82,21 @@ def profile(
         {"--ops": ops, "--shapes": None if shapes == "small" else shapes, "--baseline": baseline,
          "--wide": wide or None}
         if profile_arg is not None
-        else {"--steps": None if steps == DEFAULT_STEPS else steps, "--set": overrides or None, "--against": against}
+        else {"--steps": None if steps == DEFAULT_STEPS else steps, "--set": overrides or None, "--against": against,
+              "--load-checkpoint": load_checkpoint}
     )
     mode = "a PROFILE" if profile_arg is not None else "--kernels"
     misplaced = [f"{name} ({value}) does not apply with {mode}" for name, value in other_mode.items() if value is not None]
+    if load_checkpoint is not None and profile_arg is not None:
+        # The load benchmark runs no training step: options of the steps would be ignored.
+        misplaced += [f"{name} ({value}) does not apply with --load-checkpoint" for name, value in
+                      {"--steps": None if steps == DEFAULT_STEPS else steps, "--against": against,
+                       "--plot": plot}.items() if value is not None]  # fmt: skip
     if misplaced:
         fail(misplaced)
-    if profile_arg is not None:
+    if load_checkpoint is not None and profile_arg is not None:
+        profile_steps.run_load(profile_arg, overrides, load_checkpoint, json_out)
+    elif profile_arg is not None:
         profile_steps.run(profile_arg, overrides, steps, json_out, against, plot)
     else:
         profile_kernels.run(ops, shapes, json_out, baseline, plot, wide)

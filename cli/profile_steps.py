@@ -126,6 +126,13 @@ def _against_table(result: dict) -> Table:
     return table
 
 
+def out_of_memory_line(result: dict) -> str:
+    """The line that stands for the baseline's row when it ran out of memory."""
+    other = result["against"]
+    return (f"against {other['impl']} ({other['model_type']}): out of memory ({other['out_of_memory']}) on "
+            f"{result['machine']}; no row to compare")
+
+
 def _against_line(result: dict) -> str:
     other = result["against"]
     memory = "" if other["memory_ratio"] is None else f", {other['memory_ratio']:.2f}x the peak memory"
@@ -140,6 +147,8 @@ def _steps_plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     other = result["against"]
+    if other is not None and other["out_of_memory"] is not None:
+        other = None
     fig, axes = plt.subplots(1, 2 if other else 1, figsize=(13 if other else 8, 5), squeeze=False)
     classes = result["breakdown"]["classes"]
     ax = axes[0][0]
@@ -206,7 +215,9 @@ def run(
     console.print("the heaviest ops of that step:", markup=False)
     console.print(_top_ops_table(breakdown))
     other = result["against"]
-    if other is not None:
+    if other is not None and other["out_of_memory"] is not None:
+        console.print(out_of_memory_line(result), markup=False)
+    elif other is not None:
         console.print(f"against {other['impl']} ({other['model_type']}, attention "
                       f"{other['attention_implementation']}, experts {other['experts_implementation']}) on the same "
                       "micro-batches:", markup=False)  # fmt: skip
@@ -218,3 +229,45 @@ def run(
     if plot is not None:
         _steps_plot(result, plot)
         console.print(f"plot written to {plot}", markup=False)
+
+
+def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_out: Path | None) -> None:
+    """`--load-checkpoint DIR`: write (unless there) and load the profile model's synthetic FP8 checkpoint; print
+    and write what the load measured."""
+    job = read_profile(profile_arg, overrides)
+    from moe_tune.engine.bench.load_op import run_load_benchmark
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = TABLE_WIDTH
+    with user_errors():
+        result = run_load_benchmark(job, folder, on_line=lambda line: console.print(line, markup=False))
+    title = (f"{result['profile']}: loading {result['checkpoint']}; {result['machine']} ({result['device']}), "
+             f"torch {result['torch']}, commit {result['commit']}, {result['date']}")
+    table = Table(title=title, title_justify="left")
+    table.add_column("metric", justify="left", no_wrap=True)
+    table.add_column("value", justify="right")
+    growth = result["peak_rss_growth_over_max_shard"]
+    rows = [
+        ("checkpoint", f"{_bytes(result['checkpoint_bytes'])} in {result['num_shards']} shards (largest "
+                       f"{_bytes(result['max_shard_bytes'])}), {result['num_tensors']:,} tensors, "
+                       f"{result['num_fp8_tensors']:,} FP8"),
+        ("written", "-" if result["write_s"] is None else f"{result['write_s']:,.1f} s, "
+                                                          f"{_rate(result['write_gb_per_s'])}"),
+        ("load", f"{result['load_s']:,.1f} s, {_rate(result['load_gb_per_s'])}"),
+        ("host memory before the load", _bytes(result["rss_before_bytes"])),
+        ("peak host memory in the load" + ("" if result["peak_rss_reset"] else " (whole process)"),
+         _bytes(result["peak_rss_bytes"])),
+        ("  growth / largest shard", "-" if growth is None else f"{_bytes(result['peak_rss_growth_bytes'])} = "
+                                                                 f"{growth:.2f} shards"),
+        ("  peak anonymous / file-backed (shard pages)",
+         f"{_bytes(result['peak_rss_anon_bytes'])} / {_bytes(result['peak_rss_file_bytes'])}"),
+        ("page cache dropped before the load", "yes" if result["page_cache_dropped"] else "no"),
+    ]  # fmt: skip
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    if json_out is not None:
+        _write_json(json_out, result)
+        console.print(f"results written to {json_out}", markup=False)
+

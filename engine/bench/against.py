@@ -14,6 +14,10 @@ Differences that stay (docs/bench.md, "--against transformers"):
   labels are ours (next token inside each document), passed as transformers' already-shifted `shift_labels`.
 - transformers picks its own defaults (sdpa attention, grouped_mm experts where available), PEFT keeps adapters in
   fp32 over bf16 weights, gradients are clipped with torch's clip_grad_norm_.
+- With `model.base_precision: fp8` the baseline's base weights are in the training dtype: transformers + PEFT cannot
+  put LoRA on FP8 weights, so a user of an FP8 checkpoint runs it dequantized (base_precision_note says so).
+- A baseline that runs out of memory (building the model or in a step) gives a row that says where
+  (`out_of_memory`), not an error: ours has been measured by then.
 
 Shapes: R rows per micro-batch, L seq_len, E experts, r LoRA rank.
 """
@@ -39,6 +43,8 @@ LAYER_TYPES = {"linear": "linear_attention", "full": "full_attention"}
 # Fields that do not change the architecture: the init and where the weights came from. The aux loss weight maps
 # to router_aux_loss_coef, which the families do not read back.
 IGNORED_FIELDS = {"model.seed", "model.init_std", "model.checkpoint", "model.moe.aux_loss_coef"}
+# The base weights' storage is not architecture: the baseline keeps them in the training dtype (base_precision_note).
+IGNORED_FIELDS |= {"model.base_precision"}
 # Our LoRA target names (module-name suffixes) and the transformers modules computing the same, per model type.
 TARGETS = {
     "qwen3_moe": {name: (name,) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")},
@@ -223,6 +229,14 @@ def _with_lora(model: torch.nn.Module, job: JobProfile, model_type: str) -> torc
                             f"targets {targets['target_modules']}: {err}"]) from None  # fmt: skip
 
 
+def base_precision_note(job: JobProfile) -> str | None:
+    """The line that says the baseline's base weights are not ours (None when they are)."""
+    if job.model.base_precision != "fp8":
+        return None
+    return (f"note: model.base_precision fp8: the transformers baseline keeps its base weights in "
+            f"{job.train.precision} (transformers + PEFT cannot put LoRA on FP8 weights)")  # fmt: skip
+
+
 def check_buildable(job: JobProfile) -> str:
     """Build the baseline on the meta device (shapes only, seconds even for billions of parameters), so that a
     profile transformers or PEFT cannot take is refused before anything runs. Returns the model type."""
@@ -355,24 +369,59 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
     # CPU those Triton kernels cannot run, so it runs its own PyTorch paths, as align's reference does.
     paths = contextlib.nullcontext({}) if is_cuda else pure_torch_paths()
     with paths as replaced:
-        runner = TransformersRunner(job, device, total_steps)
+        try:
+            runner = TransformersRunner(job, device, total_steps)
+        except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row; anything else re-raises
+            if not is_out_of_memory(err):
+                raise
+            gc.collect()
+            if is_cuda:
+                torch.cuda.empty_cache()
+            return _out_of_memory_row(job, "building the model", 0, allocated_before)
         return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced)
 
 
-def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced) -> dict[str, Any]:
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is the device running out of memory (torch's error, or a library's own message)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _impl_name(own: dict | None = None) -> str:
     import peft
     import transformers
 
+    return f"transformers {transformers.__version__} + peft {peft.__version__}" + (f", {describe(own)}" if own else "")
+
+
+def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_before: int | None) -> dict[str, Any]:
+    """The baseline's row when it ran out of memory `where`: no timings, the steps it finished."""
+    model_type, _ = transformers_config(job.model)
+    return dict(
+        impl=_impl_name(), model_type=model_type, attention_implementation=None, experts_implementation=None,
+        lora=lora_targets(job, model_type) if job.lora.enabled else None, steps=steps_done, losses=[],
+        first_step_loss=None, tokens_per_s=None, step_time_s=None, step_times_s=[], peak_memory_bytes=None,
+        allocated_before_bytes=allocated_before, parameters=None, trainable_parameters=None, out_of_memory=where,
+    )  # fmt: skip
+
+
+def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced) -> dict[str, Any]:
     job = runner.job
     # The functions pure_torch_paths rebound in the model's own modeling module (named in `impl`).
     model_module = type(getattr(runner.model, "get_base_model", lambda: runner.model)()).__module__
     own = {key: origin for key, origin in replaced.items() if key[0] == model_module}
     all_records = []
+    out_of_memory = None
     try:
         for index, batches in enumerate(step_batches):
             if index == warmup and is_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            record = runner.step(batches)
+            try:
+                record = runner.step(batches)
+            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
+                if not is_out_of_memory(err):
+                    raise
+                out_of_memory = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
+                break
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
@@ -383,8 +432,10 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         gc.collect()
         if is_cuda:
             torch.cuda.empty_cache()
+    if out_of_memory is not None:
+        return _out_of_memory_row(job, out_of_memory, max(len(all_records) - warmup, 0), allocated_before)
     return dict(
-        impl=f"transformers {transformers.__version__} + peft {peft.__version__}" + (f", {describe(own)}" if own else ""),
+        impl=_impl_name(own),
         model_type=runner.model_type,
         attention_implementation=runner.attention_implementation,
         experts_implementation=runner.experts_implementation,
@@ -399,4 +450,5 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         allocated_before_bytes=allocated_before,
         parameters=runner.parameters,
         trainable_parameters=runner.trainable_parameters,
+        out_of_memory=None,
     )

@@ -239,7 +239,11 @@ def profile_steps(
 
     say = on_line or (lambda line: None)
     if against is not None:
+        from moe_tune.engine.bench.against import base_precision_note
+
         check_against(profile, against)
+        if note := base_precision_note(profile):
+            say(note)
     flop_model = FlopModel(profile.model, profile.lora)
     runner = StepRunner(profile)
     # The same hint finetune prints: ZeRO-2 and -3 on one GPU process cost host time and save nothing.
@@ -281,8 +285,11 @@ def profile_steps(
         # transformers attends over each whole row (one piece of seq_len tokens per row).
         rows_per_step = profile.train.micro_batch_size * profile.train.gradient_accumulation_steps
         flops = flop_model.step([profile.data.seq_len] * rows_per_step)
-        baseline.update(_mfu(flops, baseline["step_time_s"], peak_tflops))
-        baseline.pop("model_flops_parts")
+        if baseline["out_of_memory"] is None:
+            baseline.update(_mfu(flops, baseline["step_time_s"], peak_tflops))
+            baseline.pop("model_flops_parts")
+        else:
+            baseline.update(model_flops_per_step=flops.total, achieved_tflops=None, mfu=None)
     memory = _median_metrics(records) if "memory_gpu_saved_bytes" in records[0] else {}
     swap_rates = [memory.get("h2d_gb_per_s"), memory.get("d2h_gb_per_s")]
     swap_fraction = None
@@ -300,7 +307,7 @@ def profile_steps(
     if baseline is not None:
         against_result = dict(
             baseline,
-            speedup=tokens_per_s / baseline["tokens_per_s"],
+            speedup=tokens_per_s / baseline["tokens_per_s"] if baseline["tokens_per_s"] else None,
             memory_ratio=peak / baseline["peak_memory_bytes"] if peak and baseline["peak_memory_bytes"] else None,
         )
     return dict(
@@ -343,10 +350,6 @@ def _mfu(flops, step_time_s: float, peak_tflops: float) -> dict[str, Any]:
                 mfu=achieved / peak_tflops)  # fmt: skip
 
 
-def _is_out_of_memory(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
 def sweep_lengths(
     profile: JobProfile,
     lengths: list[int],
@@ -361,6 +364,7 @@ def sweep_lengths(
     One model for the whole ladder: rows are re-packed, the model is not rebuilt. Peak memory needs CUDA.
     `on_result` gets the result so far after the timed steps and after each rung (a run stopped from outside keeps
     what it measured)."""
+    from moe_tune.engine.bench.against import is_out_of_memory
     from moe_tune.engine.bench.kernels import machine_info
 
     runner = StepRunner(profile)
@@ -392,7 +396,7 @@ def sweep_lengths(
             try:
                 record = runner.step()
             except Exception as err:  # noqa: BLE001 - only out-of-memory ends the ladder; anything else re-raises
-                if not _is_out_of_memory(err):
+                if not is_out_of_memory(err):
                     raise
                 result["ladder"].append(dict(seq_len=seq_len, outcome="out of memory"))
                 on_line(f"{result['memory_policy']} @ {seq_len}: out of memory")
