@@ -292,3 +292,49 @@ def tiny_kimi_linear(**overrides):
     )
     config.update(overrides)
     return KimiLinearForCausalLM(KimiLinearConfig(**config))
+
+
+# Weights an FP8 release keeps in floating point (transformers' FP8 layers replace only the linear projections):
+# embeddings, the LM head, norms, routers and gates by name; any weight with a dim under one 128 block by size.
+FP8_KEPT = ("embed_tokens.weight", "lm_head.weight", "norm.weight", "mlp.gate.weight", "shared_expert_gate.weight")
+
+
+def write_fp8_checkpoint(src_dir: Path, dst_dir: Path) -> Path:
+    """The checkpoint at `src_dir` in the hub's FP8 layout at `dst_dir`: every 2-D projection weight with both dims
+    >= 128 becomes float8_e4m3fn with fp32 `<key>_scale_inv` blocks (ops.fp8.quantize_weight), the rest stays as
+    saved; config.json gets quantization_config {quant_method: fp8, weight_block_size: [128, 128]} listing the
+    linear modules kept in modules_to_not_convert. Other files are copied as they are."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moe_tune.ops.fp8 import BLOCK, quantize_weight
+
+    shutil.copytree(src_dir, dst_dir)
+    kept, scale_keys = [], {}
+    for shard in sorted(dst_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        for key in list(tensors):
+            weight = tensors[key]
+            if weight.dim() != 2 or not key.endswith(".weight") or "conv1d" in key:
+                continue
+            if key.endswith(FP8_KEPT) or min(weight.shape) < BLOCK:
+                kept.append(key.removesuffix(".weight"))
+                continue
+            tensors[key], tensors[f"{key}_scale_inv"] = quantize_weight(weight)
+            scale_keys[f"{key}_scale_inv"] = shard.name
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path = dst_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"].update(scale_keys)
+        index_path.write_text(json.dumps(index, indent=2))
+    config_path = dst_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic", "modules_to_not_convert": sorted(kept)}
+    config_path.write_text(json.dumps(config, indent=2))
+    return dst_dir

@@ -1,7 +1,8 @@
 """Numerical alignment of moe-tune's model against the model's own published implementation (transformers).
 
 Both run in fp32 on the same weights (the checkpoint) and the same documents: ours on one packed row with
-cu_seqlens, the reference on each document alone (so packing is checked too). Compared: the hidden state after
+cu_seqlens, the reference on each document alone (so packing is checked too). An FP8 checkpoint's reference runs on
+its dequantized weights and ours in FP8 (model.base_precision fp8), compared with FP8_TOLERANCES. Compared: the hidden state after
 every decoder layer, the logits (max abs, cosine, KL), the loss, and the gradients of LoRA adapters put on the
 projections the two models share, with identical adapter weights on both sides; for top-k sparse attention, the
 keys each query's indexer chose. The reference always runs transformers' own PyTorch paths (reference.py), whatever
@@ -12,8 +13,10 @@ Shapes: T packed tokens, L tokens of one document, D model dim, V vocabulary, k 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_tune.engine.align.reference import describe, external_paths, pure_torch_paths
+from moe_tune.engine.align.reference import describe, external_paths, pure_torch_paths, write_dequantized_checkpoint
 from moe_tune.engine.families import Family, UnsupportedModel, load_checkpoint_weights, model_profile_from_checkpoint
-from moe_tune.engine.families.base import take
+from moe_tune.engine.families.base import is_fp8_checkpoint, take
+from moe_tune.engine.families.checkpoint import read_config
 from moe_tune.profiles.schema import ModelProfile
 
 
@@ -35,6 +39,24 @@ class Tolerances:
     loss_abs: float = 1e-4
     lora_grad_rel: float = 1e-3  # max |g_ours - g_ref| / max |g_ref| per adapter tensor
     hidden_rel: float = 1e-4  # per layer (and vision features, merged embeddings): max abs / max |reference|
+
+    def for_fp8_base(self) -> Tolerances:
+        """These tolerances for a model whose base weights are FP8: every field left at the fp32 default takes the
+        FP8 default (FP8_TOLERANCES), a field set otherwise stays."""
+        default = Tolerances()
+        return Tolerances(**{name: getattr(FP8_TOLERANCES if value == getattr(default, name) else self, name)
+                             for name, value in vars(self).items()})
+
+
+# With model.base_precision fp8 our model computes every GEMM through a frozen FP8 weight on operands quantized in
+# 1 x 128 groups (e4m3: 3 mantissa bits, up to 2^-4 relative rounding per element), while the reference runs the
+# same dequantized weights on fp32 activations: the differences are that activation rounding (with the reference's
+# inputs to our FP8 linears rounded alike, the logits agree within 5e-7). Measured with routing pinned on the tiny
+# FP8 checkpoints of tests/engine/families/test_fp8_checkpoints.py (qwen3_moe, qwen3_next, deepseek_v3), largest of
+# the three: layer rel 8.1e-2, logits max abs 1.6e-1, KL 1.7e-4, loss 2.6e-3, LoRA gradient rel 4.8e-1 (gradients
+# pass the rounding twice: forward, and dy into every FP8 GEMM's input gradient). Each tolerance is about twice
+# that. Without pinning, the rounding flips near-tied expert choices and rows then differ by far more.
+FP8_TOLERANCES = Tolerances(logits_max_abs=0.32, kl=3.5e-4, loss_abs=5.5e-3, lora_grad_rel=1.0, hidden_rel=0.16)
 
 
 @dataclass
@@ -256,9 +278,14 @@ def load_reference(directory: Path, family: Family) -> nn.Module:
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     cls = getattr(transformers, family.reference_class)
-    with pure_torch_paths():
+    with contextlib.ExitStack() as stack, pure_torch_paths():
+        source = Path(directory)
+        if is_fp8_checkpoint(read_config(source)):
+            # transformers' FP8 layers run only on a GPU: the reference is its model on the dequantized weights.
+            temporary = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-tune-align-")))
+            source = write_dequantized_checkpoint(source, temporary)
         model = cls.from_pretrained(
-            str(directory),
+            str(source),
             dtype=torch.float32,
             attn_implementation="eager",
             experts_implementation="eager",
@@ -372,10 +399,22 @@ def _expert_pairs(ours: nn.Module, reference: nn.Module) -> dict[str, str]:
     pairs = {}
     if len(our_experts) == len(ref_experts):
         for (our_name, our_m), (ref_name, ref_m) in zip(our_experts, ref_experts):
-            if all(getattr(our_m, o).shape == getattr(ref_m, r).shape and torch.equal(getattr(our_m, o), getattr(ref_m, r))
+            weights = _expert_weights(our_m)
+            if all(weights[o].shape == getattr(ref_m, r).shape and torch.equal(weights[o], getattr(ref_m, r))
                    for o, r in EXPERT_PARAMS.items()):
                 pairs[our_name] = ref_name
     return pairs
+
+
+def _expert_weights(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """Our grouped experts' w_gate_up and w_down as the weights they stand for (FP8 experts dequantized, fp32)."""
+    if not getattr(experts, "fp8", False):
+        return {name: getattr(experts, name) for name in EXPERT_PARAMS}
+    from moe_tune.ops.fp8 import dequantize_weight
+
+    gate_up, gate_up_scale, down, down_scale = experts.fp8_tensors()
+    return {"w_gate_up": dequantize_weight(gate_up, gate_up_scale, experts.gate_up_segments),
+            "w_down": dequantize_weight(down, down_scale)}
 
 
 class SharedAdapters:
@@ -551,6 +590,8 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     warnings.filterwarnings("ignore", message="Unsupported layer type", module="peft")
     directory = Path(directory)
     family, config, cfg = model_profile_from_checkpoint(directory)
+    if getattr(cfg, "base_precision", "bf16") == "fp8":
+        tolerances = tolerances.for_fp8_base()
     reference = load_reference(directory, family)
     ours = load_ours(cfg)
     docs = documents if documents is not None else default_documents(cfg)

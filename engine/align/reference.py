@@ -15,6 +15,7 @@ import importlib
 import inspect
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import FunctionType, ModuleType
 
 # The modeling modules of the supported families that route functions through the fallback wrapper; imported on
@@ -96,3 +97,35 @@ def describe(replaced: dict[tuple[str, str], str]) -> str:
         return "transformers' PyTorch paths"
     packages = sorted({DISTRIBUTIONS.get(p, p) for p in (origin.split(".")[0] for origin in replaced.values())})
     return f"transformers' PyTorch paths ({', '.join(packages)} importable, not used)"
+
+
+def write_dequantized_checkpoint(directory: Path, out: Path) -> Path:
+    """The FP8 checkpoint at `directory` with every FP8 weight dequantized to fp32 (ops.fp8.dequantize_weight of the
+    stored bits and block scales) and its `_scale_inv` dropped, config.json without quantization_config, in `out`:
+    what transformers' model runs as the reference (its FP8 layers have no CPU path), on exactly the weights the
+    FP8 bits stand for. One shard per source shard, written as it is read."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.families.checkpoint import SCALE_SUFFIX, CheckpointReader, WeightGetter, read_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = read_config(directory)
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    weight_map: dict[str, str] = {}
+    with CheckpointReader(directory) as reader:
+        get = WeightGetter(reader)
+        by_file: dict[str, list[str]] = {}
+        for key in reader.keys():
+            if not key.endswith(SCALE_SUFFIX):
+                by_file.setdefault(reader.file_of(key).name, []).append(key)
+        for index, (name, keys) in enumerate(sorted(by_file.items())):
+            shard = f"model-{index + 1:05d}-of-{len(by_file):05d}.safetensors"
+            save_file({key: get(key).contiguous() for key in keys}, str(out / shard), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(keys, shard))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out

@@ -17,8 +17,8 @@ from torch import nn
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import CheckpointModel, JobProfile, ModelProfile
 
-from .base import Family, UnsupportedModel, key_pattern, show
-from .checkpoint import CheckpointReader, read_config
+from .base import Family, UnsupportedModel, is_fp8_checkpoint, key_pattern, quantization_problems, show
+from .checkpoint import SCALE_SUFFIX, CheckpointReader, WeightGetter, fp8_tensor_problems, read_config
 
 __all__ = [
     "Family",
@@ -74,22 +74,39 @@ def family_for(config: dict[str, Any], directory: Path | None = None) -> Family:
 
 
 def model_profile_from_checkpoint(directory: Path) -> tuple[Family, dict[str, Any], ModelProfile]:
+    """(family, config.json, our model profile). An FP8 checkpoint's profile has base_precision fp8: its weights
+    stay in their own precision (a profile may still ask for bf16, see resolve_job)."""
     config = read_config(directory)
     family = family_for(config, directory)
-    cfg = family.to_profile(config)
-    return family, config, cfg.model_copy(update={"checkpoint": Path(directory)})
+    problems = [] if family.reads_own_quantization else quantization_problems(config)
+    try:
+        cfg = family.to_profile(config)
+    except UnsupportedModel as err:
+        raise UnsupportedModel(problems + [line for line in err.problems if line not in problems]) from None
+    if problems:
+        raise UnsupportedModel(problems)
+    update: dict[str, Any] = {"checkpoint": Path(directory)}
+    if is_fp8_checkpoint(config) and "base_precision" in ModelProfile.model_fields:
+        update["base_precision"] = "fp8"
+    return family, config, cfg.model_copy(update=update)
 
 
 def check_checkpoint(directory: Path) -> None:
     """Read config.json and check the weight files (inside the folder, safetensors only, readable, holding what the
-    index says) before anything loads them: UnsupportedModel listing the problems of both at once."""
+    index says; FP8 weights with their block scales: fp8_tensor_problems) before anything loads them:
+    UnsupportedModel listing the problems of both at once."""
     problems: list[str] = []
+    config = None
     try:
+        config = read_config(directory)
         model_profile_from_checkpoint(directory)
     except UnsupportedModel as err:
         problems += err.problems
     try:
-        CheckpointReader(directory).close()
+        with CheckpointReader(directory) as reader:
+            # A quantization_config refused above says why the tensors are not read; no line per tensor.
+            if config is not None and not quantization_problems(config):
+                problems += fp8_tensor_problems(reader, is_fp8_checkpoint(config))
     except UnsupportedModel as err:
         problems += [line for line in err.problems if line not in problems]
     if problems:
@@ -112,6 +129,9 @@ def resolve_job(job: JobProfile) -> JobProfile:
 
     raw = job.model_dump(mode="json")
     raw["model"] = cfg.model_dump(mode="json")
+    # The profile's own base_precision wins over the checkpoint's (a bf16 run from an FP8 checkpoint dequantizes).
+    if "base_precision" in job.model.model_fields_set:
+        raw["model"]["base_precision"] = job.model.base_precision
     return validate_profile(raw)
 
 
@@ -121,32 +141,56 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
     Each routed-expert tensor holds only this rank's experts, so only those are read. Parameters already
     partitioned by ZeRO-3 are gathered one at a time while they are written. `check_unread`: report checkpoint
     tensors nothing mapped (only meaningful when this rank reads every expert, i.e. without expert parallelism).
+
+    FP8 (our uint8 `X` with its int32 `X_scale_inv`, the bits of float8_e4m3fn weights and fp32 block scales): an
+    FP8 checkpoint's bits and scales are copied as stored, never through a floating copy; a tensor the checkpoint
+    keeps in floating point is quantized here (ops.fp8.quantize_weight, one expert at a time). Our floating tensors
+    read an FP8 checkpoint's weights dequantized. Where our rows of a stored FP8 tensor split its 128-row blocks
+    (a part of a fused projection not aligned to 128 rows), that tensor is dequantized and quantized again, and a
+    warning says which.
     """
+    import warnings
+
     assert cfg.checkpoint is not None, "load_checkpoint_weights needs a model profile read from a checkpoint"
     config = read_config(cfg.checkpoint)
     family = family_for(config, cfg.checkpoint)
     persistent = set(model.state_dict(keep_vars=True))
     problems: list[str] = []
+    requantized: list[str] = []
     loaded: set[int] = set()
     with CheckpointReader(cfg.checkpoint) as reader:
+        problems += fp8_tensor_problems(reader, is_fp8_checkpoint(config))
+        if problems:
+            raise UnsupportedModel(problems)
+        get = WeightGetter(reader)
         for module_name, module in model.named_modules():
             tensors = list(module.named_parameters(recurse=False)) + [
                 (n, b) for n, b in module.named_buffers(recurse=False) if f"{module_name}.{n}".lstrip(".") in persistent
             ]
+            owned = dict(tensors)
             for local_name, target in tensors:
                 if id(target) in loaded:
                     continue  # a tied tensor (the LM head sharing the embedding) is loaded once, under its first name
                 loaded.add(id(target))
+                if _fp8_partner(local_name.removesuffix(SCALE_SUFFIX), owned) is target:
+                    continue  # an FP8 weight's scales: written with the weight
                 name = f"{module_name}.{local_name}".lstrip(".")
                 recipe = family.recipe(name, module, cfg)
                 if recipe is None:
                     continue
+                scale_target = _fp8_partner(local_name, owned)
                 try:
-                    value = recipe(reader)
+                    if scale_target is None:
+                        _copy_into(target, recipe(get), name, problems)
+                        continue
+                    loaded.add(id(scale_target))
+                    shape = tuple(getattr(target, "ds_shape", target.shape))
+                    w_q, scale = _fp8_value(recipe, get, shape, _row_segments(local_name, shape), name, requantized)
                 except KeyError as err:
                     problems.append(f"{cfg.checkpoint}: tensor {err.args[0]} is missing (needed for {name})")
                     continue
-                _copy_into(target, value, name, problems)
+                _copy_into(target, w_q, name, problems)
+                _copy_into(scale_target, scale, name + SCALE_SUFFIX, problems)
         if check_unread:
             ignore = tuple(getattr(family, "ignored_key_prefixes", ()))
             if cfg.tie_word_embeddings:
@@ -154,6 +198,48 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
             problems += [f"{cfg.checkpoint}: module not mapped: {p}" for p in reader.unread_patterns(ignore)]
     if problems:
         raise UnsupportedModel(problems)
+    if requantized:
+        more = f" and {len(requantized) - 1} more" if len(requantized) > 1 else ""
+        warnings.warn(f"{cfg.checkpoint}: {requantized[0]}{more}: FP8 weights whose 128-row blocks our rows split, "
+                      "dequantized and quantized again at load (within one FP8 rounding of the stored values)",
+                      stacklevel=2)
+
+
+def _fp8_partner(local_name: str, owned: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The int32 block scales `<local_name>_scale_inv` of our FP8 tensor `local_name` (uint8), or None."""
+    weight, scale = owned.get(local_name), owned.get(local_name + SCALE_SUFFIX)
+    if weight is None or scale is None or weight.dtype != torch.uint8 or scale.dtype != torch.int32:
+        return None
+    return scale
+
+
+def _row_segments(local_name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    # The fused routed experts' w_gate_up [E, 2F, D]: the gate and up halves keep their own scale rows.
+    return (shape[-2] // 2, shape[-2] // 2) if local_name == "w_gate_up" else None
+
+
+def _fp8_value(recipe, get: WeightGetter, shape: tuple[int, ...], segments, name: str,
+               requantized: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_q float8_e4m3fn, scale_inv fp32) of our FP8 tensor `name`: the checkpoint's bits when the recipe can take
+    them as stored with scales in our block layout, else the recipe's floating tensor quantized (one expert at a
+    time for grouped experts), noted in `requantized` when that tensor was FP8 in the checkpoint."""
+    from moe_tune.ops.fp8 import num_blocks, quantize_weight
+
+    scale_shape = (*shape[:-2], num_blocks(shape[-2], segments), num_blocks(shape[-1]))
+    stored = recipe.quantized(get) if hasattr(recipe, "quantized") else None
+    if stored is not None and tuple(stored[0].shape) != shape:
+        return stored  # the loader reports the shape against ours
+    if stored is not None and tuple(stored[1].shape) == scale_shape:
+        return stored
+    get.dequantized = []
+    if hasattr(recipe, "expert"):
+        parts = [quantize_weight(recipe.expert(get, i), segments) for i in range(recipe.count)]
+        value = torch.stack([w for w, _ in parts]), torch.stack([s for _, s in parts])
+    else:
+        value = quantize_weight(recipe(get), segments)
+    if get.dequantized:
+        requantized.append(f"{name} (from {get.dequantized[0]})")
+    return value
 
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str, problems: list[str]) -> None:
@@ -161,6 +247,11 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str, problems: l
     if tuple(value.shape) != shape:
         problems.append(f"checkpoint tensor for {name} has shape {tuple(value.shape)}, the model expects {shape}")
         return
+    # Our FP8 tensors hold bits: float8_e4m3fn weights as uint8, fp32 scales as int32.
+    if target.dtype == torch.uint8 and value.dtype == torch.float8_e4m3fn:
+        value = value.view(torch.uint8)
+    elif target.dtype == torch.int32 and value.dtype == torch.float32:
+        value = value.view(torch.int32)
     gathered = contextlib.nullcontext()
     if hasattr(target, "ds_id"):
         import deepspeed

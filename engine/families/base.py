@@ -280,6 +280,59 @@ class HFConfig:
             raise UnsupportedModel([f"{where}: not mapped: model.{line}" for line in _format_errors(err)]) from None
 
 
+# The quantized layout moe-tune reads (a family may read one of its own instead: gpt_oss's MXFP4 experts): the hub's
+# FP8 checkpoints, float8_e4m3fn weights in 128 x 128 blocks with fp32 `<name>_scale_inv`.
+FP8_METHOD = "fp8"
+FP8_BLOCK_SIZE = [128, 128]
+FP8_RULE = "moe-tune reads quant_method fp8 with weight_block_size [128, 128]"
+# The other fields of an fp8 quantization_config that change what the tensors mean, and the values read.
+FP8_FIELDS = {
+    "activation_scheme": ["dynamic"],  # static activation scales (input_scale tensors) are not read
+    "scale_fmt": ["float"],  # ue8m0 (float8_e8m0fnu) scales: DeepSeek-V4's layout
+    "expert_dtype": ["fp8"],  # fp4-packed experts: DeepSeek-V4's layout
+    "fmt": ["e4m3"],  # DeepSeek-V3's own spelling of the element format
+}
+
+
+def quantization_config(config: dict[str, Any]) -> tuple[str, Any]:
+    """(where, value) of config.json's quantization_config: at the top level, or under text_config (where
+    transformers puts a vision-language model's); ("", None) when there is none."""
+    if config.get("quantization_config") is not None:
+        return "quantization_config", config["quantization_config"]
+    text = config.get("text_config")
+    if isinstance(text, dict) and text.get("quantization_config") is not None:
+        return "text_config.quantization_config", text["quantization_config"]
+    return "", None
+
+
+def quantization_problems(config: dict[str, Any]) -> list[str]:
+    """One line per field of config.json's quantization_config that is not the FP8 block layout moe-tune reads."""
+    where, quant = quantization_config(config)
+    if quant is None:
+        return []
+    if not isinstance(quant, dict):
+        return [f"config.json: {where} ({show(quant)}) is not read: must be a JSON object; {FP8_RULE}"]
+    problems = []
+    method = quant.get("quant_method")
+    if method != FP8_METHOD:
+        problems.append(f"config.json: {where}.quant_method ({show(method)}) is not read: {FP8_RULE}")
+        return problems
+    block = quant.get("weight_block_size")
+    if block != FP8_BLOCK_SIZE or any(isinstance(b, bool) or not isinstance(b, int) for b in block):
+        problems.append(f"config.json: {where}.weight_block_size ({show(block)}) is not read: {FP8_RULE}")
+    for key, allowed in FP8_FIELDS.items():
+        if key in quant and quant[key] not in allowed:
+            problems.append(f"config.json: {where}.{key} ({show(quant[key])}) is not read: must be "
+                            f"{allowed[0]!r}; {FP8_RULE}")
+    return problems
+
+
+def is_fp8_checkpoint(config: dict[str, Any]) -> bool:
+    """Whether config.json declares the hub's FP8 block layout (quantization_problems says what else it may be)."""
+    _, quant = quantization_config(config)
+    return isinstance(quant, dict) and quant.get("quant_method") == FP8_METHOD
+
+
 class Family(ABC):
     """One Hugging Face model_type. Subclasses set the class attributes and implement `to_profile` and `recipe`."""
 
@@ -296,6 +349,9 @@ class Family(ABC):
     reference_vision: str = "model.visual"
     # Checkpoint keys with these prefixes are not ours to load (e.g. a vision tower); never reported as unmapped.
     ignored_key_prefixes: tuple[str, ...] = ()
+    # The family's to_profile reads config.json's quantization_config itself (a layout of its own, as gpt_oss's
+    # MXFP4 experts) instead of the shared FP8 check.
+    reads_own_quantization: bool = False
 
     def reference_topk_ids(self, output: Any) -> torch.Tensor:
         """The experts the reference's router chose, [T, k], from its forward output (transformers 5 routers
@@ -339,6 +395,11 @@ class Family(ABC):
         Raise KeyError for a name the family does not know (a bug: our model has something the mapping misses)."""
 
 
+# An FP8 weight as the hub stores it: (W_q float8_e4m3fn [..., O, I], scale_inv fp32 [..., R, C]), with
+# W[o, i] = W_q[o, i] * scale_inv[o // 128, i // 128] (ops/fp8/reference.py; R restarts at row segments).
+Fp8Weight = tuple[torch.Tensor, torch.Tensor]
+
+
 class take:
     """Recipe: the checkpoint tensor `key` as it is. Align pairs our module with the reference's through it."""
 
@@ -348,20 +409,57 @@ class take:
     def __call__(self, get: TensorGetter) -> torch.Tensor:
         return get(self.key)
 
+    def quantized(self, get) -> Fp8Weight | None:
+        """The stored FP8 bits and scales (None when the checkpoint keeps this tensor unquantized)."""
+        return get.fp8(self.key)
+
+
+def fp8_row_gather(weight: Fp8Weight, rows: torch.Tensor) -> Fp8Weight | None:
+    """Rows `rows` [N] of a stored FP8 weight [O, I] as a weight of its own: its bits, and for each 128-row block
+    of ours the scale row of the stored block it lies in. None when one of our blocks takes rows of two stored blocks
+    (the parts of a fused projection not aligned to 128 rows): no scale row fits it."""
+    from moe_tune.ops.fp8 import BLOCK
+
+    w_q, scale = weight
+    stored_block = rows // BLOCK
+    first_rows = stored_block[::BLOCK]  # the stored block of the first row of each of our blocks
+    if not torch.equal(stored_block, first_rows.repeat_interleave(BLOCK)[: len(rows)]):
+        return None
+    return w_q[rows], scale[first_rows]
+
 
 def concat(keys: list[str], dim: int = 0) -> Recipe:
     return lambda get: torch.cat([get(k) for k in keys], dim)
 
 
-def stacked_experts(module: nn.Module, keys_of_expert: Callable[[int], list[str]], dim: int = 0) -> Recipe:
-    """Grouped expert tensor [E_local, ...] of the experts this rank holds (global ids first_expert + i): each
-    expert's checkpoint tensors concatenated along `dim` (gate rows then up rows for w_gate_up)."""
-    first, count = module.first_expert, module.num_experts
+class stacked_experts:
+    """Recipe: grouped expert tensor [E_local, ...] of the experts this rank holds (global ids first_expert + i):
+    each expert's checkpoint tensors concatenated along `dim` (gate rows then up rows for w_gate_up). FP8 pieces
+    keep their own scale rows, in order: w_gate_up's scales are [gate rows; up rows], row_segments (F, F)."""
 
-    def build(get: TensorGetter) -> torch.Tensor:
-        return torch.stack([torch.cat([get(k) for k in keys_of_expert(first + i)], dim) for i in range(count)])
+    def __init__(self, module: nn.Module, keys_of_expert: Callable[[int], list[str]], dim: int = 0):
+        self.first, self.count = module.first_expert, module.num_experts
+        self.keys_of_expert, self.dim = keys_of_expert, dim
 
-    return build
+    def expert(self, get: TensorGetter, i: int) -> torch.Tensor:
+        """Local expert i's tensor (its pieces concatenated)."""
+        return torch.cat([get(k) for k in self.keys_of_expert(self.first + i)], self.dim)
+
+    def __call__(self, get: TensorGetter) -> torch.Tensor:
+        return torch.stack([self.expert(get, i) for i in range(self.count)])
+
+    def quantized(self, get) -> Fp8Weight | None:
+        """The experts' stored FP8 bits and scales stacked (None unless every piece is FP8 and they join by rows)."""
+        if self.dim != 0:
+            return None
+        weights, scales = [], []
+        for i in range(self.count):
+            pieces = [get.fp8(k) for k in self.keys_of_expert(self.first + i)]
+            if any(p is None for p in pieces):
+                return None
+            weights.append(torch.cat([w for w, _ in pieces]))
+            scales.append(torch.cat([s for _, s in pieces]))
+        return torch.stack(weights), torch.stack(scales)
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")

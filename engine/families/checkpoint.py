@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import UnsupportedModel, key_pattern, show
+from .base import FP8_RULE, UnsupportedModel, key_pattern, show
 
 # Larger than any real file of its kind by far (configs are KBs; DeepSeek-V3's index, ~91k tensors, is ~9 MB):
 # beyond this a file is refused before it is parsed.
@@ -208,6 +208,16 @@ class CheckpointReader:
         self.read.add(key)
         return self._handles[self._where[key]].get_slice(key)[start:stop]
 
+    def dtype(self, key: str) -> str:
+        """The stored dtype as safetensors names it (BF16, F8_E4M3, ...), read from the header alone."""
+        return self._handles[self._where[key]].get_slice(key).get_dtype()
+
+    def shape(self, key: str) -> list[int]:
+        return self._handles[self._where[key]].get_slice(key).get_shape()
+
+    def file_of(self, key: str) -> Path:
+        return self.directory / self._where[key]
+
     def unread_patterns(self, ignore: tuple[str, ...] = ()) -> list[str]:
         """Key patterns (numbers as *) of tensors nothing read, except keys starting with an `ignore` prefix."""
         left = [k for k in self._where if k not in self.read and not k.startswith(ignore)]
@@ -221,3 +231,104 @@ class CheckpointReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# The hub's FP8 checkpoints: `<name>` float8_e4m3fn with its block scales in `<name>_scale_inv` (fp32).
+SCALE_SUFFIX = "_scale_inv"
+FP8_STORED = "F8_E4M3"
+# safetensors dtypes of the scales: fp32 as the hub writes them; bf16/fp16 scales widen to fp32 exactly.
+SCALE_STORED = ("F32", "BF16", "F16")
+
+
+def fp8_tensor_problems(reader: CheckpointReader, is_fp8: bool) -> list[str]:
+    """One line per kind of FP8 tensor the reader cannot take (per key pattern, its first key named): FP8 weights in
+    a checkpoint whose config.json declares no FP8 layout, another FP8 format than e4m3, a weight without its scale
+    or a scale without its weight, a scale not [..., ceil(O/128), ceil(I/128)] fp32. Reads headers only."""
+    from moe_tune.ops.fp8 import num_blocks
+
+    found: dict[tuple[str, str], list] = {}
+
+    def report(key: str, why: str) -> None:
+        found.setdefault((key_pattern(key), why), [key, 0])[1] += 1
+
+    for key in reader.keys():
+        dtype = reader.dtype(key)
+        if key.endswith(SCALE_SUFFIX):
+            weight = key.removesuffix(SCALE_SUFFIX)
+            if weight not in reader:
+                report(key, f"is a block scale without its weight {weight}")
+            elif dtype not in SCALE_STORED:
+                report(key, f"is {dtype}: block scales must be floating point (F32)")
+            continue
+        if not dtype.startswith("F8") and key + SCALE_SUFFIX not in reader:
+            continue
+        if not is_fp8:
+            report(key, f"is {dtype} but config.json declares no FP8 layout ({FP8_RULE})")
+        elif dtype != FP8_STORED:
+            report(key, f"is {dtype}: FP8 weights must be {FP8_STORED} (float8_e4m3fn) with fp32 block scales")
+        elif key + SCALE_SUFFIX not in reader:
+            report(key, f"is {FP8_STORED} without its block scales {key + SCALE_SUFFIX}")
+        else:
+            shape, scale_shape = reader.shape(key), reader.shape(key + SCALE_SUFFIX)
+            expected = [*shape[:-2], num_blocks(shape[-2]), num_blocks(shape[-1])] if len(shape) >= 2 else None
+            if expected is None:
+                report(key, f"has shape {shape}: FP8 weights must be at least 2-D")
+            elif scale_shape != expected:
+                report(key, f"has shape {shape} but its scales {key + SCALE_SUFFIX} have {scale_shape}, not "
+                       f"{expected} (one per 128 x 128 block)")
+    return [f"{reader.file_of(first)}: tensor {first} {why}" + (f" (and {count - 1} more like it)" if count > 1 else "")
+            for (_, why), (first, count) in found.items()]
+
+
+class WeightGetter:
+    """What the loader hands the recipes: the reader's tensors by key, FP8 weights (a key with `<key>_scale_inv`)
+    dequantized to fp32 (`get`, `rows`: for our tensors kept in floating point) or as stored (`fp8`, `fp8_rows`: bits
+    and scales for our FP8 tensors, never a floating copy)."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        # Keys of the FP8 weights read dequantized, in order (the loader notes a requantized one).
+        self.dequantized: list[str] = []
+
+    def is_fp8(self, key: str) -> bool:
+        return key + SCALE_SUFFIX in self.reader
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.reader
+
+    def __call__(self, key: str) -> torch.Tensor:
+        quantized = self.fp8(key)
+        if quantized is None:
+            return self.reader.get(key)
+        self.dequantized.append(key)
+        return _dequantize(*quantized)
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        quantized = self.fp8_rows(key, start, stop)
+        if quantized is None:
+            return self.reader.rows(key, start, stop)
+        self.dequantized.append(key)
+        return _dequantize(*quantized)
+
+    def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(W_q float8_e4m3fn, scale_inv fp32) of an FP8 weight; None when `key` is stored unquantized."""
+        if key not in self.reader:
+            raise KeyError(key)
+        if not self.is_fp8(key):
+            return None
+        return self.reader.get(key), self.reader.get(key + SCALE_SUFFIX).float()
+
+    def fp8_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8() of rows [start, stop) of the first dim (one rank's experts of a fused [E, O, I] tensor)."""
+        if key not in self.reader:
+            raise KeyError(key)
+        if not self.is_fp8(key):
+            return None
+        scale = self.reader.rows(key + SCALE_SUFFIX, start, stop).float()
+        return self.reader.rows(key, start, stop), scale
+
+
+def _dequantize(w_q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    from moe_tune.ops.fp8 import dequantize_weight
+
+    return dequantize_weight(w_q, scale_inv)

@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, common_config, show, stacked_experts, take
+from .base import Family, HFConfig, Recipe, common_config, quantization_problems, show, stacked_experts, take
 
 PREFIX = "model."
 # Transformers drops DeepSeek-V3's multi-token-prediction layer (model.layers.61) when it loads; so do we.
@@ -46,7 +46,7 @@ class DeepseekV3(Family):
         c.expect("hidden_act", ["silu"], "silu")
         c.expect("attention_dropout", [0, 0.0], 0.0, why="no attention dropout")
         c.expect("pretraining_tp", [1], 1)
-        c.expect("quantization_config", [None], why="weights must be unquantised (bf16/fp32), not fp8 blocks")
+        c.problems += quantization_problems(config)
         mla = self.mla_fields(c)
         sparse = self.sparse_fields(c)
         moe = self.moe_fields(c) if any(is_moe) else None

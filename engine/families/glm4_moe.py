@@ -22,7 +22,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe
+from .base import Family, HFConfig, Recipe, quantization_problems
 from .deepseek_v3 import deepseek_recipe
 
 # transformers' Glm4MoeConfig sets partial_rotary_factor 0.5 where config.json gives none.
@@ -41,7 +41,7 @@ class Glm4Moe(Family):
         c = HFConfig(config)
         c.expect("hidden_act", ["silu"], "silu")
         c.expect("attention_dropout", [0, 0.0], 0.0, why="no attention dropout")
-        c.expect("quantization_config", [None], why="weights must be unquantised (bf16/fp32), not fp8 blocks")
+        c.problems += quantization_problems(config)
         use_qk_norm = c.expect("use_qk_norm", [False, True], False)
         c.get("num_nextn_predict_layers")
         num_layers = c.require("num_hidden_layers") or 0

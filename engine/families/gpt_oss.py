@@ -97,6 +97,7 @@ class GptOss(Family):
     model_types = ("gpt_oss",)
     reference_class = "GptOssForCausalLM"
     reference_router_suffix = "mlp.router"
+    reads_own_quantization = True  # MXFP4 experts, dequantized at load
 
     def to_profile(self, config: dict[str, Any]) -> ModelProfile:
         c = HFConfig(config)

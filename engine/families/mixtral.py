@@ -16,7 +16,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
 
-from .base import MAX_SIZE, Family, HFConfig, Recipe, Rule, show, stacked_experts, take
+from .base import MAX_SIZE, Family, HFConfig, Recipe, Rule, quantization_problems, show, stacked_experts, take
 
 PREFIX = "model."
 # transformers' MixtralConfig.default_theta: the base of configs that give none.
@@ -34,7 +34,7 @@ class Mixtral(Family):
         c.expect("hidden_act", ["silu"], "silu")
         c.expect("attention_dropout", [0, 0.0], 0.0, why="no attention dropout")
         c.expect("router_jitter_noise", [0, 0.0], 0.0, why="no router jitter: training would not be transformers'")
-        c.expect("quantization_config", [None], why="weights must be unquantised (bf16/fp32)")
+        c.problems += quantization_problems(config)
         num_layers = c.require("num_hidden_layers") or 0
         # The same window on every layer: each query sees the last `sliding_window` keys of its document, itself
         # included (transformers' sliding_window_causal_mask_function).

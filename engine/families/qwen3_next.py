@@ -26,7 +26,7 @@ from torch import nn
 
 from moe_tune.profiles.schema import LinearAttentionSpec, ModelProfile
 
-from .base import Family, HFConfig, Recipe, common_config, moe_layer_indices, show, take
+from .base import Family, Fp8Weight, HFConfig, Recipe, common_config, fp8_row_gather, moe_layer_indices, show, take
 from .qwen3_moe import qwen_recipe
 
 # transformers' layer_types values and our token mixers.
@@ -179,6 +179,14 @@ class grouped_rows:
         blocks = w.view(self.num_groups, sum(self.sizes), w.shape[-1]).split(self.sizes, dim=1)
         return blocks[self.part].reshape(-1, w.shape[-1])
 
+    def quantized(self, get) -> Fp8Weight | None:
+        """Our rows of the stored FP8 weight with their scale rows (None: stored unquantized, or our parts split its
+        128-row blocks; the loader then quantizes our rows again)."""
+        stored = get.fp8(self.key)
+        if stored is None or stored[0].dim() != 2 or stored[0].shape[0] != self.total_rows:
+            return stored
+        return fp8_row_gather(stored, self.row_indices())
+
     def row_indices(self) -> torch.Tensor:
         """Where our rows sit in the stored tensor: row i of ours is row row_indices()[i] of it."""
         block, offset = sum(self.sizes), sum(self.sizes[: self.part])
@@ -196,21 +204,43 @@ def fused_or_per_expert(name: str, module: nn.Module, prefix: str) -> Recipe:
     store them) or one tensor per expert (mlp.experts.{e}.{gate,up,down}_proj.weight: what save_pretrained writes,
     and the Qwen3-Next checkpoints). Only this rank's experts are read (rows of the fused tensor when the getter
     can read rows, as the CheckpointReader does)."""
-    fused_key = prefix + name.replace("experts.w_gate_up", "experts.gate_up_proj").replace(
-        "experts.w_down", "experts.down_proj"
-    )
-    per_expert = qwen_recipe(name, module, prefix=prefix)
-    first, count = module.first_expert, module.num_experts
+    return FusedOrPerExpert(name, module, prefix)
 
-    def build(get) -> torch.Tensor:
+
+class FusedOrPerExpert:
+    """Recipe of fused_or_per_expert; FP8 experts come as stored in either layout (fused: the rows of this rank's
+    experts of the weight and of its `_scale_inv`)."""
+
+    def __init__(self, name: str, module: nn.Module, prefix: str):
+        self.fused_key = prefix + name.replace("experts.w_gate_up", "experts.gate_up_proj").replace(
+            "experts.w_down", "experts.down_proj"
+        )
+        self.per_expert = qwen_recipe(name, module, prefix=prefix)
+        self.first, self.count = module.first_expert, module.num_experts
+
+    def _expert_rows(self, get, start: int, stop: int) -> torch.Tensor:
+        if hasattr(get, "rows"):
+            return get.rows(self.fused_key, start, stop)
+        return get(self.fused_key)[start:stop]
+
+    def __call__(self, get) -> torch.Tensor:
         try:
-            if hasattr(get, "rows"):
-                return get.rows(fused_key, first, first + count)
-            return get(fused_key)[first : first + count]
+            return self._expert_rows(get, self.first, self.first + self.count)
         except KeyError:
-            return per_expert(get)
+            return self.per_expert(get)
 
-    return build
+    def expert(self, get, i: int) -> torch.Tensor:
+        """Local expert i alone."""
+        try:
+            return self._expert_rows(get, self.first + i, self.first + i + 1)[0]
+        except KeyError:
+            return self.per_expert.expert(get, i)
+
+    def quantized(self, get) -> Fp8Weight | None:
+        try:
+            return get.fp8_rows(self.fused_key, self.first, self.first + self.count)
+        except KeyError:
+            return self.per_expert.quantized(get)
 
 
 def shared_linear_attention_recipe(param: str, layer: str) -> Recipe:

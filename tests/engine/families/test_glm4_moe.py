@@ -184,9 +184,9 @@ UNSUPPORTED = {
                                 "false"),
     "attention_dropout": ({"attention_dropout": 0.1}, "config.json: attention_dropout (0.1) is not mapped: must be "
                           "one of [0, 0.0] (no attention dropout)"),
-    "quantization_config": ({"quantization_config": {"quant_method": "fp8"}}, "config.json: quantization_config "
-                            "({'quant_method': 'fp8'}) is not mapped: must be None (weights must be unquantised "
-                            "(bf16/fp32), not fp8 blocks)"),
+    "quantization_config": ({"quantization_config": {"quant_method": "fp8"}}, "config.json: quantization_config."
+                            "weight_block_size (null) is not read: moe-tune reads quant_method fp8 with "
+                            "weight_block_size [128, 128]"),
     "rope_type": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0}},
                   "config.json: rope_parameters.rope_type ('yarn') is not mapped: must be 'default'"),
     "no_shared_expert": ({"n_shared_experts": 0}, "config.json: n_shared_experts (0) must be >= 1"),

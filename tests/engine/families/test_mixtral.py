@@ -146,9 +146,9 @@ UNSUPPORTED = {
                             "must be one of [0, 0.0] (no router jitter: training would not be transformers')"),
     "attention_dropout": ({"attention_dropout": 0.1}, "config.json: attention_dropout (0.1) is not mapped: must be "
                           "one of [0, 0.0] (no attention dropout)"),
-    "quantization_config": ({"quantization_config": {"quant_method": "awq"}}, "config.json: quantization_config "
-                            "({'quant_method': 'awq'}) is not mapped: must be None (weights must be unquantised "
-                            "(bf16/fp32))"),
+    "quantization_config": ({"quantization_config": {"quant_method": "awq"}}, "config.json: quantization_config."
+                            "quant_method ('awq') is not read: moe-tune reads quant_method fp8 with weight_block_size "
+                            "[128, 128]"),
     "rope_type": ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 2.0}},
                   "config.json: rope_parameters.rope_type ('dynamic') is not mapped: must be 'default'"),
     "top_k_over_experts": ({"num_experts_per_tok": 6}, "config.json: num_experts_per_tok (6) must be <= "
