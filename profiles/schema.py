@@ -341,6 +341,15 @@ class VisionSpec(Strict):
         return self
 
 
+BasePrecision = Literal["bf16", "fp8"]
+BASE_PRECISION_DOC = (
+    "precision of the frozen base weights: bf16 (the run's dtype), or fp8: attention projections, dense MLPs, shared "
+    "and routed experts stored as FP8 e4m3 in 128x128 blocks with fp32 scales (the hub's FP8 checkpoint layout; "
+    "half the bytes), embeddings, norms, routers, the LM head, linears with a dim < 128 and trained modules staying "
+    "in the run's dtype; LoRA runs only (FP8 weights take no gradient)"
+)
+
+
 class ModelProfile(Strict):
     vocab_size: int = Field(ge=2, le=MAX_SIZE, description="rows of the token embedding and the LM head")
     hidden_size: int = Field(ge=1, le=MAX_SIZE, description="D: model width")
@@ -396,6 +405,7 @@ class ModelProfile(Strict):
     tie_word_embeddings: bool = Field(False, description="the LM head shares the token embedding's weight")
     init_std: float = Field(0.02, gt=0, description="std of the normal init of projections and embeddings")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the weight init")
+    base_precision: BasePrecision = Field("bf16", description=BASE_PRECISION_DOC)
     checkpoint: Path | None = Field(
         None, description="set by moe-tune when the architecture was read from a checkpoint's config.json; "
         "the weights are then loaded from there"
@@ -490,6 +500,7 @@ class CheckpointModel(Strict):
         description="Hugging Face checkpoint directory: config.json, *.safetensors in the hub's key layout, and "
         "usually the tokenizer files"
     )
+    base_precision: BasePrecision = Field("bf16", description=BASE_PRECISION_DOC)
 
     @model_validator(mode="after")
     def check_checkpoint_dir(self):
@@ -1020,6 +1031,15 @@ class JobProfile(Strict):
         if self.model.checkpoint is not None:
             return str(self.model.checkpoint)
         return "byte"
+
+    @model_validator(mode="after")
+    def check_fp8_base_is_frozen(self):
+        if self.model.base_precision == "fp8" and not self.lora.enabled:
+            raise ValueError(
+                "model.base_precision ('fp8') needs lora.enabled (true): FP8 base weights are frozen and take no "
+                "gradient, so full fine-tuning (lora.enabled false) needs model.base_precision 'bf16'"
+            )
+        return self
 
     @model_validator(mode="after")
     def check_tokenizer_fits_model(self):

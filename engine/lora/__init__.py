@@ -21,6 +21,7 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
     """
     from peft import LoraConfig, get_peft_model
 
+    from moe_tune.engine.model.fp8 import dequantize_modules
     from moe_tune.engine.model.moe import GroupedExperts
 
     from .fused import use_fused_lora
@@ -44,6 +45,8 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
         raise ProfileError(problems)
     targets = list(profile.target_modules) + ([EXPERTS_MODULE] if profile.experts else [])
     to_save = list(profile.modules_to_save)
+    # Trained in full, so never FP8: an FP8 module named here is dequantized before PEFT copies it.
+    dequantize_modules(model, to_save)
     vision_targets, vision_saved = vision_parts(model, profile)
     targets, to_save = [t for t in targets if t not in VISION_NAMES] + vision_targets, to_save + vision_saved
     if not targets:
@@ -112,9 +115,12 @@ def load_adapter(model: nn.Module, directory, is_trainable: bool = False):
     """Load a saved moe-tune adapter (PEFT files) onto `model` in one process; linear adapters take fused.py's path."""
     from peft import LoraConfig, PeftModel
 
+    from moe_tune.engine.model.fp8 import dequantize_modules
+
     from .fused import use_fused_lora
 
     config = with_expert_lora(LoraConfig.from_pretrained(str(directory)))
+    dequantize_modules(model, sorted(config.modules_to_save or ()))
     peft_model = PeftModel.from_pretrained(model, str(directory), config=config, is_trainable=is_trainable)
     use_fused_lora(peft_model)
     return peft_model

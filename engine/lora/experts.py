@@ -18,8 +18,20 @@ import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from moe_tune.engine.model.fp8 import Fp8Linear
 from moe_tune.engine.model.moe import GroupedExperts, expert_generator
 from moe_tune.ops.moe import ExpertLoRA
+
+
+def check_not_fp8(base: nn.Module, what: str) -> None:
+    """Refuse to merge adapters into (or out of) frozen FP8 weights: the sum would round to FP8's 3 mantissa bits
+    and overwrite the base's exact bits. Merged exports dequantize the base first (engine/export)."""
+    if isinstance(base, Fp8Linear) or (isinstance(base, GroupedExperts) and base.fp8):
+        raise ValueError(
+            f"cannot {what} LoRA adapters into FP8 base weights (model.base_precision fp8) in place: it would round "
+            "the update to FP8 and change the frozen base; merge into dequantized weights instead (moe-tune export "
+            "--merge does)"
+        )
 
 
 class ExpertFactors(nn.Module):
@@ -57,7 +69,10 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
         self.lora_bias[adapter_name] = False
         self.use_dora[adapter_name] = False
         self.lora_dropout[adapter_name] = nn.Identity()
-        factory = {"device": base.w_gate_up.device, "dtype": base.w_gate_up.dtype}
+        # FP8 experts hold bits (uint8): their factors take the run's floating dtype, as PEFT's linear adapters on an
+        # Fp8Linear do (PEFT moves adapters to a base weight's dtype only when it is floating).
+        dtype = torch.get_default_dtype() if base.fp8 else base.w_gate_up.dtype
+        factory = {"device": base.w_gate_up.device, "dtype": dtype}
         # A starts like PEFT's Linear A (kaiming-uniform, a=sqrt(5) -> bound 1/sqrt(fan_in)); B starts at zero so
         # the adapter is a no-op, unless init_lora_weights is False (PEFT's convention for tests). One draw from the
         # global generator, then one generator per global expert: every expert-parallel layout gets the same init.
@@ -112,6 +127,7 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
         from peft.tuners.tuners_utils import check_adapters_to_merge
 
         base: GroupedExperts = self.get_base_layer()
+        check_not_fp8(base, "merge")
         for adapter in check_adapters_to_merge(self, adapter_names):
             if adapter not in self.lora_A:
                 continue
@@ -126,6 +142,7 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
 
     def unmerge(self) -> None:
         base: GroupedExperts = self.get_base_layer()
+        check_not_fp8(base, "unmerge")
         while self.merged_adapters:
             adapter = self.merged_adapters.pop()
             delta_gate_up, delta_down = self.get_delta_weight(adapter)

@@ -19,6 +19,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 
+from .experts import check_not_fp8
+
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scaling: float, like: torch.Tensor) -> torch.Tensor:
     """scaling * (a @ b) in one GEMM launch (torch.mm has no alpha). `like` only gives addmm a tensor of the
@@ -84,6 +86,14 @@ class FusedLoraLinear(PeftLinear):
             delta = nn.functional.linear(nn.functional.linear(x, lora_a), lora_b) * scaling
             return (base_out + delta).to(base_out.dtype)
         return LoraDeltaFunction.apply(x, lora_a, lora_b, base_out, scaling)
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        check_not_fp8(self.get_base_layer(), "merge")
+        super().merge(safe_merge=safe_merge, adapter_names=adapter_names)
+
+    def unmerge(self) -> None:
+        check_not_fp8(self.get_base_layer(), "unmerge")
+        super().unmerge()
 
     def _fast_path_weights(self, x: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter, float] | None:
         """(A, B, scaling) of the one active adapter when the fast path computes what PEFT's forward would, else

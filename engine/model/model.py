@@ -17,6 +17,7 @@ from moe_tune.profiles.schema import LayerSpec, ModelProfile
 from .attention import build_token_mixer, init_token_mixer
 from .batch import PackedBatch
 from .blocks import RMSNorm, document_ids, document_positions
+from .fp8 import Fp8Linear, convert_to_fp8
 from .hyper import HyperConnection, HyperDecoderLayer
 from .moe import channel_mixer, init_moe
 from .ngram import init_ngram
@@ -87,7 +88,14 @@ class MoECausalLM(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layer_class = HyperDecoderLayer if cfg.hyper_connections is not None else DecoderLayer
-        self.layers = nn.ModuleList(layer_class(cfg, spec, expert_layout, i) for i, spec in enumerate(cfg.layers))
+        self.layers = nn.ModuleList()
+        for i, spec in enumerate(cfg.layers):
+            layer = layer_class(cfg, spec, expert_layout, i)
+            if cfg.base_precision == "fp8":
+                # Layer by layer, so no more than one layer's float projections exist at a time (the routed experts
+                # are built FP8 already).
+                convert_to_fp8(layer, f"layers.{i}.")
+            self.layers.append(layer)
         # With hyper-connections the final norm is the streams' mixer: it norms every stream and merges them.
         self.norm = (
             HyperConnection(cfg, has_injection=False)
@@ -107,7 +115,12 @@ class MoECausalLM(nn.Module):
         torch.manual_seed(self.cfg.seed)
         std = self.cfg.init_std
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, Fp8Linear):
+                # The float layer's numbers (the same draws from the same generator), quantized.
+                module.quantize_from(torch.empty(module.out_features, module.in_features).normal_(0.0, std))
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()

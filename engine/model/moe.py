@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout, dispatch_compute_combine
+from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, num_blocks, quantize_weight
 from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.profiles.schema import MoESpec
 
@@ -29,7 +30,13 @@ class GroupedExperts(nn.Module):
     """The routed SwiGLU experts this rank holds, in the transformers 5 fused layout: w_gate_up [E_local, 2F, D]
     (gate rows first), w_down [E_local, D, F]; global expert `first_expert + i` is local expert i. gpt_oss's experts
     add biases b_gate_up [E_local, 2F] (gate first) and b_down [E_local, D] (`has_bias`) and take the clamped SwiGLU.
-    The expert LoRA layer (engine/lora) wraps this module and passes its adapters in; the biases stay as they are."""
+    The expert LoRA layer (engine/lora) wraps this module and passes its adapters in; the biases stay as they are.
+
+    `fp8` (model.base_precision fp8): the weights are frozen FP8 e4m3 in 128 x 128 blocks, stored as bits so that
+    no mixed-precision cast touches them: w_gate_up uint8 [E_local, 2F, D] with w_gate_up_scale_inv int32
+    [E_local, 2*ceil(F/128), ceil(D/128)] (gate and up rows scaled apart), w_down uint8 [E_local, D, F] with
+    w_down_scale_inv int32 [E_local, ceil(D/128), ceil(F/128)] (the bits of the fp32 scales); fp8_tensors() views
+    them as float8_e4m3fn and fp32."""
 
     def __init__(
         self,
@@ -40,25 +47,89 @@ class GroupedExperts(nn.Module):
         layer_index: int = 0,
         has_bias: bool = False,
         clamped_swiglu: ClampedSwiGLU | None = None,
+        fp8: bool = False,
     ):
         super().__init__()
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.first_expert, self.layer_index = first_expert, layer_index
-        self.has_bias, self.clamped_swiglu = has_bias, clamped_swiglu
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.has_bias, self.clamped_swiglu, self.fp8 = has_bias, clamped_swiglu, fp8
+        if fp8:
+            bits, frozen = {"dtype": torch.uint8}, {"requires_grad": False}
+            scale_rows = num_blocks(2 * intermediate, (intermediate, intermediate))
+            self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **bits), **frozen)
+            self.w_gate_up_scale_inv = nn.Parameter(
+                _unit_scale_bits(num_experts, scale_rows, num_blocks(hidden)), **frozen
+            )
+            self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **bits), **frozen)
+            self.w_down_scale_inv = nn.Parameter(
+                _unit_scale_bits(num_experts, num_blocks(hidden), num_blocks(intermediate)), **frozen
+            )
+        else:
+            self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+            self.w_down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.b_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if has_bias else None
         self.b_down = nn.Parameter(torch.empty(num_experts, hidden)) if has_bias else None
 
     def rebuilt(self) -> GroupedExperts:
         """A fresh module of the same experts and options (the trainer rebuilds experts outside ZeRO-3's init)."""
         return GroupedExperts(self.num_experts, self.hidden, self.intermediate, self.first_expert, self.layer_index,
-                              self.has_bias, self.clamped_swiglu)
+                              self.has_bias, self.clamped_swiglu, self.fp8)
+
+    def fp8_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FP8 experts: (w_gate_up float8_e4m3fn, its scale_inv fp32, w_down float8_e4m3fn, its scale_inv fp32),
+        views of the parameters' bits."""
+        assert self.fp8, "fp8_tensors: these experts are not FP8"
+        return (self.w_gate_up.view(FP8_DTYPE), self.w_gate_up_scale_inv.view(torch.float32),
+                self.w_down.view(FP8_DTYPE), self.w_down_scale_inv.view(torch.float32))  # fmt: skip
+
+    @property
+    def gate_up_segments(self) -> tuple[int, int]:
+        """w_gate_up's row segments: the gate and up halves get their own scale rows."""
+        return (self.intermediate, self.intermediate)
+
+    @torch.no_grad()
+    def set_quantized_expert(self, index: int, gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             down: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """Store local expert `index`'s (W_q float8_e4m3fn, scale_inv fp32) pairs: gate_up [2F, D] with
+        [2*ceil(F/128), ceil(D/128)], down [D, F] with [ceil(D/128), ceil(F/128)]."""
+        assert self.fp8, "set_quantized_expert: these experts are not FP8"
+        for pair, weight, scale in ((gate_up, self.w_gate_up, self.w_gate_up_scale_inv),
+                                    (down, self.w_down, self.w_down_scale_inv)):  # fmt: skip
+            if pair is None:
+                continue
+            w_q, scale_inv = pair
+            if w_q.dtype != FP8_DTYPE or w_q.shape != weight.shape[1:] or scale_inv.shape != scale.shape[1:]:
+                raise ValueError(f"expert weights: shape {tuple(w_q.shape)} dtype {w_q.dtype} with scales "
+                                 f"{tuple(scale_inv.shape)} must be {list(weight.shape[1:])} {FP8_DTYPE} with "
+                                 f"{list(scale.shape[1:])}")  # fmt: skip
+            weight[index].copy_(w_q.view(torch.uint8))
+            scale[index].copy_(scale_inv.float().contiguous().view(torch.int32))
+
+    def dequantized_twin(self) -> GroupedExperts:
+        """The same experts with float weights (fp32): FP8 experts dequantized, biases copied."""
+        twin = GroupedExperts(self.num_experts, self.hidden, self.intermediate, self.first_expert, self.layer_index,
+                              self.has_bias, self.clamped_swiglu)  # fmt: skip
+        with torch.no_grad():
+            w_gate_up, gate_up_scale, w_down, down_scale = self.fp8_tensors()
+            twin.w_gate_up.copy_(dequantize_weight(w_gate_up, gate_up_scale, self.gate_up_segments))
+            twin.w_down.copy_(dequantize_weight(w_down, down_scale))
+            if self.has_bias:
+                twin.b_gate_up.copy_(self.b_gate_up)
+                twin.b_down.copy_(self.b_down)
+        return twin
 
     @torch.no_grad()
     def reset_parameters(self, std: float, seed: int) -> None:
         for i in range(self.num_experts):
             gen = expert_generator(seed, self.layer_index, self.first_expert + i)
+            if self.fp8:
+                # The numbers of the float init, one expert's tensor at a time, quantized as drawn.
+                gate_up = torch.randn(self.w_gate_up.shape[1:], generator=gen).mul_(std)
+                gate_up_pair = quantize_weight(gate_up, self.gate_up_segments)
+                del gate_up
+                down = torch.randn(self.w_down.shape[1:], generator=gen).mul_(std)
+                self.set_quantized_expert(i, gate_up_pair, quantize_weight(down))
+                continue
             # Drawn in place (no temporaries: bench-qwen3-next builds in 34 s instead of 50 on 2 cores), the same
             # numbers as randn(...) * std.
             for weight in (self.w_gate_up.detach()[i], self.w_down.detach()[i]):
@@ -74,8 +145,18 @@ class GroupedExperts(nn.Module):
         topk_weights: torch.Tensor,
         lora: ExpertLoRA | None = None,
     ) -> torch.Tensor:
+        if self.fp8:
+            w_gate_up, gate_up_scale_inv, w_down, down_scale_inv = self.fp8_tensors()
+            return moe_mlp(x_TD, topk_ids, topk_weights, w_gate_up, w_down, lora=lora, b_gate_up=self.b_gate_up,
+                           b_down=self.b_down, clamped_swiglu=self.clamped_swiglu,
+                           gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv)  # fmt: skip
         return moe_mlp(x_TD, topk_ids, topk_weights, self.w_gate_up, self.w_down, lora=lora, b_gate_up=self.b_gate_up,
                        b_down=self.b_down, clamped_swiglu=self.clamped_swiglu)
+
+
+def _unit_scale_bits(*shape: int) -> torch.Tensor:
+    """int32 [*shape]: the bits of fp32 ones (unit scales until the init or a checkpoint writes them)."""
+    return torch.ones(shape, dtype=torch.float32).view(torch.int32)
 
 
 class MoEBlock(nn.Module):
@@ -85,7 +166,9 @@ class MoEBlock(nn.Module):
     trainer calls `update_selection_bias()` after each optimizer step with the loads counted in forward.
     """
 
-    def __init__(self, hidden: int, spec: MoESpec, layout: ExpertLayout | None = None, layer_index: int = 0):
+    def __init__(
+        self, hidden: int, spec: MoESpec, layout: ExpertLayout | None = None, layer_index: int = 0, fp8: bool = False
+    ):
         super().__init__()
         self.spec = spec
         self.layout = layout or ExpertLayout()
@@ -96,7 +179,7 @@ class MoEBlock(nn.Module):
             clamped = ClampedSwiGLU(spec.swiglu_alpha, spec.swiglu_limit)
         self.experts = GroupedExperts(
             len(local), hidden, spec.expert_intermediate_size, first_expert=local.start, layer_index=layer_index,
-            has_bias=spec.expert_bias, clamped_swiglu=clamped,
+            has_bias=spec.expert_bias, clamped_swiglu=clamped, fp8=fp8,
         )
         self.shared_expert = (
             SwiGLU(hidden, spec.shared_expert_intermediate_size) if spec.shared_expert_intermediate_size else None
@@ -206,7 +289,8 @@ def channel_mixer(cfg, spec, layout: ExpertLayout | None, index: int) -> tuple[n
     its aux loss."""
     if spec.mlp == "moe":
         assert cfg.moe is not None, "the schema requires model.moe for moe layers"
-        return MoEBlock(cfg.hidden_size, cfg.moe, layout, layer_index=index), cfg.moe.aux_loss_coef
+        fp8 = cfg.base_precision == "fp8"
+        return MoEBlock(cfg.hidden_size, cfg.moe, layout, layer_index=index, fp8=fp8), cfg.moe.aux_loss_coef
     return DenseMLP(cfg.hidden_size, cfg.intermediate_size), 0.0
 
 

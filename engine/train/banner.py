@@ -52,7 +52,8 @@ def start_banner(
         f"output:   {out}",
         f"devices:  {device_line(device, world_size)}",
         f"layout:   world size {world_size}, data-parallel {world_size}, expert-parallel {ep} (expert-data-parallel "
-        f"{world_size // ep}), ZeRO stage {parallel.zero_stage}, precision {train.precision}",
+        f"{world_size // ep}), ZeRO stage {parallel.zero_stage}, precision {train.precision}"
+        + (", FP8 base weights" if profile.model.base_precision == "fp8" else ""),
     ]
     data = data_lines(summary, train_documents)
     lines += [f"data:     {data[0]}", *(f"          {line}" for line in data[1:])]
