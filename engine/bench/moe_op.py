@@ -65,9 +65,9 @@ GRAD_ATOL = 2e-2
 GRAD_RTOL = 2e-2
 # FP8 rows against the FP8 reference: the kernels quantize h, gate_up and d gate_up after their bf16 rounding, which
 # moves some elements one FP8 step; the bf16 row of tests/gpu/test_moe_fp8_gpu.py's table.
-FP8_MAX_REL_ERROR = 4e-2
-FP8_GRAD_ATOL = 4e-2
-FP8_GRAD_RTOL = 4e-2
+FP8_MAX_REL_ERROR = 5e-2
+FP8_GRAD_ATOL = 5e-2
+FP8_GRAD_RTOL = 5e-2
 IMPLS = ("triton", "reference", "torch_grouped_mm")
 # LoRA overhead: LoRA and frozen-expert fwd+bwd timed by turns, this many do_bench calls each. On the H200 about one
 # call in four runs 5-10% slow as a whole (LoRA r16 at E256: 11.3 ms in most calls, 12.0-12.4 in every fourth, not
@@ -133,6 +133,28 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(256, 32, num_warps=4, num_stages=5),
             KernelConfig(256, 32, num_warps=4, num_stages=7),
         ],
+    }
+
+
+def fp8_candidates() -> dict:
+    """Launch configs of the FP8 kernels (kernels_fp8.Fp8Config) the FP8 sweep times end to end, by name; the first is
+    pick_fp8_config's choice at 128-row tiles. One warpgroup with 64-row tiles keeps more CTAs per SM in flight
+    while each waits for its MMA before the per-step scaling (the block scales split every 128-wide K step)."""
+    from moe_tune.ops.moe.kernels import KernelConfig
+    from moe_tune.ops.moe.kernels_fp8 import Fp8Config
+
+    def config(block_m, gate_up_n, down_bwd_n, num_warps, num_stages):
+        half = KernelConfig(gate_up_n, 128, num_warps, num_stages)
+        return Fp8Config(
+            block_m, gate_up_fwd=half, down_fwd=KernelConfig(128, 128, num_warps, num_stages),
+            down_bwd=KernelConfig(down_bwd_n, 128, num_warps, num_stages),
+            gate_up_bwd=KernelConfig(128, 128, num_warps, num_stages),
+        )  # fmt: skip
+
+    return {
+        "m128_w8_s3": config(128, 64, 64, 8, 3),
+        "m64_w4_s4": config(64, 64, 64, 4, 4),
+        "m64_w4_s3_n128": config(64, 128, 128, 4, 3),
     }
 
 

@@ -166,8 +166,8 @@ class MoEFp8Function(torch.autograd.Function):
         num_tokens, top_k = topk_ids.shape
         num_experts = w_gate_up.shape[0]
         config = pick_config(x, num_tokens * top_k, num_experts)
-        fp8_config = pick_fp8_config(x)
-        routing = moe_routing(topk_ids, num_experts, config.block_m)
+        fp8_config = pick_fp8_config(x, num_tokens * top_k, num_experts)
+        routing = moe_routing(topk_ids, num_experts, fp8_config.block_m)
         needs_grad = any(ctx.needs_input_grad)
         x_q, x_scale = quantize_rows(x)
         xa = moe_lora_rows(x, a_gate_up, routing, config, u_by_token=True) if a_gate_up is not None else None

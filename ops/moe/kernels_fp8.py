@@ -14,6 +14,7 @@ unquantized x, h, dy and d gate_up as it does with bf16 weights.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ import triton.language as tl
 
 from moe_tune.ops.fp8.reference import AMAX_FLOOR, BLOCK, E4M3_MAX, FP8_DTYPE, num_blocks, quantize_groups
 from moe_tune.ops.moe.kernels import (
+    GPU_SMALL_BLOCK_M,
+    INTERPRETER_BLOCK,
     KernelConfig,
     MoERouting,
     dot_precision,
@@ -36,6 +39,7 @@ from moe_tune.ops.moe.kernels import (
 # Output columns of the gate_up forward (two fp32 accumulators, gate and up) and of the down backward (five fp32
 # SwiGLU tiles in its epilogue): 64 keeps them in registers at 128-row tiles; the other two GEMMs take 128.
 GPU_HALF_BLOCK_N = 64
+GPU_BLOCK_M = 128
 GPU_BLOCK_N = 128
 GPU_NUM_WARPS = 8
 # A 128 x 128 FP8 K step is 16 KB per operand: three stages of both fit twice per SM.
@@ -49,28 +53,58 @@ QUANTIZE_NUM_WARPS = 4
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """Launch parameters of the four FP8 GEMMs (block_k is always 128, the scale block); block_m comes from the
-    routing."""
+    """Launch parameters of the four FP8 GEMMs (their block_k is always 128, the scale block) and the rows per tile of
+    the routing they walk (block_m; the LoRA rank passes share it)."""
 
+    block_m: int
     gate_up_fwd: KernelConfig
     down_fwd: KernelConfig
     down_bwd: KernelConfig
     gate_up_bwd: KernelConfig
 
 
-def pick_fp8_config(x: torch.Tensor) -> Fp8Config:
+_forced_fp8_config: Fp8Config | None = None
+
+
+@contextlib.contextmanager
+def forced_fp8_config(config: Fp8Config):
+    """Within the block, every FP8 moe_mlp call on the kernels runs with `config` (benchmark sweeps, tests)."""
+    global _forced_fp8_config
+    previous, _forced_fp8_config = _forced_fp8_config, config
+    try:
+        yield config
+    finally:
+        _forced_fp8_config = previous
+
+
+def pick_fp8_config(x: torch.Tensor, num_slots: int, num_experts: int) -> Fp8Config:
+    if _forced_fp8_config is not None:
+        return _forced_fp8_config
     if not x.is_cuda:
         # The interpreter; K steps stay 128 wide (the scale blocks).
         small = KernelConfig(INTERPRETER_BLOCK_N, BLOCK, num_warps=1, num_stages=1)
-        return Fp8Config(small, small, small, small)
+        return Fp8Config(INTERPRETER_BLOCK, small, small, small, small)
     half = KernelConfig(GPU_HALF_BLOCK_N, BLOCK, GPU_NUM_WARPS, GPU_NUM_STAGES)
     full = KernelConfig(GPU_BLOCK_N, BLOCK, GPU_NUM_WARPS, GPU_NUM_STAGES)
-    return Fp8Config(gate_up_fwd=half, down_fwd=full, down_bwd=half, gate_up_bwd=full)
+    # Experts averaging fewer rows than a 128-row tile waste most of it (kernels.py's rule).
+    block_m = GPU_BLOCK_M if num_slots / max(num_experts, 1) >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
+    return Fp8Config(block_m, gate_up_fwd=half, down_fwd=full, down_bwd=half, gate_up_bwd=full)
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every float buffer a kernel of this module writes, FP8 ones aside (tests fill them with NaN and guard them)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def k_major(w: torch.Tensor) -> torch.Tensor:
+    """w [E, P, Q] FP8 with the same shape and values, P contiguous (a transposed copy, E x P x Q bytes).
+
+    The backward GEMMs reduce over P; Hopper's FP8 MMA reads both operands K-major from shared memory, and a
+    Q-contiguous weight tile is transposed in registers on every step instead (the dx GEMM took 3.9x its bf16 time
+    that way at E64 top-8 on the H200, docs/PERF.md, MoE FP8); the copy costs one pass over the layer's weight.
+    """
+    # Through uint8: the copy kernels of every torch version take it.
+    return w.view(torch.uint8).transpose(1, 2).contiguous().transpose(1, 2).view(w.dtype)
 
 
 def _fp8_dot_on(t: torch.Tensor) -> bool:
@@ -609,6 +643,7 @@ def fp8_down_bwd(
     num_slots, model_dim = routing.num_slots, w_down.shape[1]
     num_hidden = gate_up.shape[1] // 2
     rank = a_down.shape[1] if has_lora else 0
+    w_down = k_major(w_down)
     dgate_up = _alloc((num_slots, 2 * num_hidden), gate_up.dtype, gate_up.device)
     h = _alloc((num_slots, num_hidden), gate_up.dtype, gate_up.device) if store_h else None
     kernel = config.down_bwd
@@ -649,6 +684,7 @@ def fp8_gate_up_bwd(
     num_hidden, model_dim = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     rank = a_gate_up.shape[1] if has_lora else 0
     g_q, g_scale = quantize_rows(dgate_up, (num_hidden, num_hidden))
+    w_gate_up = k_major(w_gate_up)
     dx_slot = _alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device)
     kernel = config.gate_up_bwd
     if routing.num_tiles > 0:
