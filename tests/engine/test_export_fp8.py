@@ -24,13 +24,15 @@ from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight
 from moe_tune.profiles import ProfileError
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# Two layers: a dense MLP (128 wide) under the first, four routed experts of width 128 under the second.
-SHAPE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128, head_dim=32, num_hidden_layers=2,
+# Two layers: a dense MLP (128 wide) under the first, four routed experts under the second, of width 160 (not a
+# multiple of 128: the gate and up halves of w_gate_up get scale rows of their own).
+SHAPE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=160, head_dim=32, num_hidden_layers=2,
              num_experts=4)
 IDS = torch.randint(0, 259, (1, 21), generator=torch.Generator().manual_seed(0))
-# Our FP8 model (activations quantized in 1 x 128 groups) against the same weights unquantized in fp32: the
-# logits' largest difference over their largest magnitude (measured ~0.02 on these models).
-FP8_ACTIVATION_TOL = 0.06
+# Our FP8 model (GEMM inputs quantized in 1 x 128 groups) against the same weights with unquantized inputs, fp32:
+# the logits' relative Frobenius error (measured 0.039-0.041 on the checkpoint runs, 0.011 on the profile run; one
+# e4m3 rounding is up to 6% of a value).
+FP8_ACTIVATION_TOL = 0.08
 # The requantized merge's delta is measured at |delta| = 1% of |W| (in real fine-tunes it is smaller still).
 DELTA_SHARE = 0.01
 
@@ -114,7 +116,7 @@ def runs(checkpoints, tmp_path_factory):
     finetune(load_profile("tiny", [
         "model.hidden_size=128", "model.layers=[{attention: full, mlp: dense}, {attention: full, mlp: moe}]",
         "model.intermediate_size=128", "model.head_dim=32", "model.partial_rotary_factor=1.0",
-        "model.attention_output_gate=false", "model.moe.num_experts=4", "model.moe.expert_intermediate_size=128",
+        "model.attention_output_gate=false", "model.moe.num_experts=4", "model.moe.expert_intermediate_size=160",
         "model.moe.shared_expert_intermediate_size=0", "model.base_precision=fp8", "train.steps=2", "train.lr=0.02",
         "train.warmup_steps=0", "train.micro_batch_size=1", "data.seq_len=64", "data.corpus_documents=40",
         "lora.modules_to_save=[]", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
@@ -214,6 +216,10 @@ def test_merged_export_is_the_dequantized_base_plus_the_delta(kind, runs, merged
             torch.testing.assert_close(again[key], value, rtol=0, atol=1e-6, msg=key)
 
 
+def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
 def transformers_logits(directory: Path, adapter: Path | None = None) -> torch.Tensor:
     import transformers
 
@@ -260,28 +266,59 @@ def test_exported_model_in_transformers_gives_our_logits(kind, runs, merged):
     torch.testing.assert_close(got, logits(dequantized_twin(run_dir)), rtol=0, atol=1e-4)
     ours = logits(trained(run_dir))
     base = logits(base_model(read_run(run_dir).cfg).eval())
-    assert (ours - base).abs().max() > 3 * FP8_ACTIVATION_TOL * ours.abs().max()  # the adapters moved the model
-    assert (got - ours).abs().max() <= FP8_ACTIVATION_TOL * ours.abs().max()
+    assert relative(base, ours) > 3 * FP8_ACTIVATION_TOL  # the adapters moved the model
+    assert relative(got, ours) <= FP8_ACTIVATION_TOL
+
+
+def dequantized_checkpoint(checkpoint: Path, out: Path) -> Path:
+    """The FP8 checkpoint with every FP8 weight dequantized (ops.fp8's rule, fp32) and no scales or
+    quantization_config. transformers 5.24's own CPU dequantization infers the block height from the scale grid
+    (160 rows over 2 scale rows: blocks of 80), which is wrong for dims that are not multiples of 128."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(checkpoint, out)
+    for path in out.glob("*.safetensors"):
+        tensors = tensors_of_file(path)
+        for key in [k for k in tensors if k + "_scale_inv" in tensors]:
+            tensors[key] = dequantize_weight(tensors[key], tensors.pop(key + "_scale_inv"))
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def tensors_of_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
 
 
 @pytest.mark.parametrize("kind", ["fp8-checkpoint", "quantized-at-load"])
-def test_adapter_export_round_trip(kind, runs, merged, checkpoints):
+def test_adapter_export_round_trip(kind, runs, merged, checkpoints, tmp_path):
     """The adapter export names the run's checkpoint as its base; on it in transformers + PEFT (an FP8 checkpoint
-    dequantized by transformers on a CPU) it gives the merged export's logits; adapter/ loads on our FP8 model again
-    as the model that wrote it."""
+    dequantized) it gives the merged export's logits; adapter/ loads on our FP8 model again as the model that wrote
+    it."""
     run_dir, written = runs[kind]
     checkpoint = read_run(run_dir).cfg.checkpoint
     adapter = export_run(run_dir, merge=False, out=run_dir.parent / "adapter-export")
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(checkpoint)
     assert checkpoint == checkpoints[0 if kind == "quantized-at-load" else 1]
-    on_checkpoint = transformers_logits(checkpoint, adapter)
     exported = transformers_logits(merged[kind][0])
     if kind == "fp8-checkpoint":
+        on_checkpoint = transformers_logits(dequantized_checkpoint(checkpoint, tmp_path / "dequantized"), adapter)
         torch.testing.assert_close(on_checkpoint, exported, rtol=0, atol=1e-4)
     else:
-        # transformers runs the bf16 checkpoint unquantized: the adapters the same, the base off by FP8 rounding.
-        assert (on_checkpoint - exported).abs().max() <= FP8_ACTIVATION_TOL * exported.abs().max()
+        # The checkpoint is stored unquantized: transformers + PEFT on it is our bf16-base model with the adapter.
+        from moe_tune.engine.export.fp8 import bf16_base
+        from moe_tune.engine.lora import load_adapter
+
+        unquantized = load_adapter(base_model(bf16_base(read_run(run_dir).cfg)), run_dir / "adapter").eval()
+        torch.testing.assert_close(transformers_logits(checkpoint, adapter), logits(unquantized), rtol=0, atol=1e-4)
     torch.testing.assert_close(logits(trained(run_dir)), logits(written), rtol=0, atol=0)
 
 
