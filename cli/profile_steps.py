@@ -260,8 +260,9 @@ def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_o
          _bytes(result["peak_rss_bytes"])),
         ("  growth / largest shard", "-" if growth is None else f"{_bytes(result['peak_rss_growth_bytes'])} = "
                                                                  f"{growth:.2f} shards"),
-        ("  peak anonymous / file-backed (shard pages)",
-         f"{_bytes(result['peak_rss_anon_bytes'])} / {_bytes(result['peak_rss_file_bytes'])}"),
+        ("  anonymous before / peak", f"{_bytes(result['rss_anon_before_bytes'])} / "
+                                      f"{_bytes(result['peak_rss_anon_bytes'])}"),
+        ("  file-backed peak (mapped shard pages)", _bytes(result["peak_rss_file_bytes"])),
         ("page cache dropped before the load", "yes" if result["page_cache_dropped"] else "no"),
     ]  # fmt: skip
     for name, value in rows:

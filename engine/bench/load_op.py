@@ -59,7 +59,8 @@ DRAW_BYTES = 256 * 2**20
 RESULT_KEYS = (
     "profile", "checkpoint", "checkpoint_bytes", "num_tensors", "num_fp8_tensors", "num_shards", "max_shard_bytes",
     "write_s", "write_gb_per_s", "load_s", "load_gb_per_s", "rss_before_bytes", "peak_rss_bytes",
-    "peak_rss_growth_bytes", "peak_rss_anon_bytes", "peak_rss_file_bytes", "peak_rss_growth_over_max_shard",
+    "peak_rss_growth_bytes", "peak_rss_growth_over_max_shard", "rss_anon_before_bytes", "peak_rss_anon_bytes",
+    "peak_rss_file_bytes",
     "peak_rss_reset", "page_cache_dropped", "device", "machine", "torch", "triton", "commit", "date",
 )  # fmt: skip
 
@@ -336,7 +337,7 @@ def load_synthetic_checkpoint(folder: Path, device: torch.device) -> dict[str, A
     if is_cuda:
         torch.cuda.synchronize()
     dropped = _drop_page_cache(folder)
-    before = _status_bytes(("VmRSS",))["VmRSS"]
+    before = _status_bytes(("VmRSS", "RssAnon"))
     is_reset = _reset_peak_rss()
     sampler = _RssSampler()
     sampler.start()
@@ -350,7 +351,8 @@ def load_synthetic_checkpoint(folder: Path, device: torch.device) -> dict[str, A
         peaks = sampler.stop()
     peak = _status_bytes(("VmHWM",))["VmHWM"]
     del model
-    return dict(load_s=seconds, rss_before_bytes=before, peak_rss_bytes=peak,
+    return dict(load_s=seconds, rss_before_bytes=before["VmRSS"], rss_anon_before_bytes=before["RssAnon"],
+                peak_rss_bytes=peak,
                 peak_rss_anon_bytes=peaks["RssAnon"], peak_rss_file_bytes=peaks["RssFile"], peak_rss_reset=is_reset,
                 page_cache_dropped=dropped)  # fmt: skip
 
@@ -400,9 +402,10 @@ def run_load_benchmark(job: JobProfile, folder: Path, shard_bytes: int = SHARD_B
         rss_before_bytes=loaded["rss_before_bytes"],
         peak_rss_bytes=loaded["peak_rss_bytes"],
         peak_rss_growth_bytes=growth,
+        peak_rss_growth_over_max_shard=None if growth is None else growth / sizes["max_shard_bytes"],
+        rss_anon_before_bytes=loaded["rss_anon_before_bytes"],
         peak_rss_anon_bytes=loaded["peak_rss_anon_bytes"],
         peak_rss_file_bytes=loaded["peak_rss_file_bytes"],
-        peak_rss_growth_over_max_shard=None if growth is None else growth / sizes["max_shard_bytes"],
         peak_rss_reset=loaded["peak_rss_reset"],
         page_cache_dropped=loaded["page_cache_dropped"],
         **machine_info(device.type == "cuda"),

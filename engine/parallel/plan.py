@@ -107,42 +107,24 @@ def model_parameters(cfg: ModelProfile) -> list[Param]:
             for name, p in model.named_parameters()]  # fmt: skip
 
 
-# Below this many input or output features a linear stays in the training dtype (qwen3_next's b_proj and a_proj):
-# one 128-wide block would hold the whole dim.
-FP8_MIN_FEATURES = 128
-
-
 def fp8_weight_scales(model) -> dict[str, tuple[int, ...]]:
-    """The base weights `model.base_precision: fp8` stores in FP8, each with the shape of its fp32 block scales:
-    every nn.Linear of each layer's token mixer and channel mixer (attention projections, dense MLPs, shared
-    experts) with at least FP8_MIN_FEATURES inputs and outputs, but not the routers (MoEBlock.gate,
-    shared_expert_gate); the routed experts' w_gate_up (gate and up rows scaled apart) and w_down. Embeddings,
-    lm_head, norms, hyper-connection mixers, n-gram tables and the vision tower stay in the training dtype.
-    Trained modules (lora.modules_to_save) are removed by fp8_parameters."""
-    from torch import nn
-
-    from moe_tune.engine.model.moe import GroupedExperts, MoEBlock
+    """The base weights `model.base_precision: fp8` stores in FP8 (the modules engine/model/fp8.py's
+    fp8_base_modules chooses: attention projections, dense MLPs, shared and routed experts; not routers, embeddings,
+    lm_head, norms or linears with a dim < 128), each with the shape of its fp32 block scales; the routed experts'
+    w_gate_up has its gate and up rows scaled apart. Trained modules (lora.modules_to_save) are removed by
+    fp8_parameters, as inject_lora dequantizes them."""
+    from moe_tune.engine.model.fp8 import fp8_base_modules
+    from moe_tune.engine.model.moe import GroupedExperts
 
     scales: dict[str, tuple[int, ...]] = {}
-    for index, layer in enumerate(model.layers):
-        routers = {id(m.gate) for m in layer.modules() if isinstance(m, MoEBlock)}
-        routers |= {id(m.shared_expert_gate) for m in layer.modules() if isinstance(m, MoEBlock)}
-        for part in ("self_attn", "mlp"):
-            mixer = getattr(layer, part, None)
-            if mixer is None:
-                continue
-            for name, m in mixer.named_modules(prefix=f"layers.{index}.{part}"):
-                if isinstance(m, GroupedExperts):
-                    e, two_f, d = m.w_gate_up.shape
-                    f = two_f // 2
-                    scales[f"{name}.w_gate_up"] = (e, num_blocks(two_f, (f, f)), num_blocks(d))
-                    scales[f"{name}.w_down"] = (e, num_blocks(d), num_blocks(f))
-                elif (
-                    isinstance(m, nn.Linear)
-                    and id(m) not in routers
-                    and min(m.in_features, m.out_features) >= FP8_MIN_FEATURES
-                ):
-                    scales[f"{name}.weight"] = (num_blocks(m.out_features), num_blocks(m.in_features))
+    for name, m in fp8_base_modules(model).items():
+        if isinstance(m, GroupedExperts):
+            e, two_f, d = m.w_gate_up.shape
+            f = two_f // 2
+            scales[f"{name}.w_gate_up"] = (e, num_blocks(two_f, (f, f)), num_blocks(d))
+            scales[f"{name}.w_down"] = (e, num_blocks(d), num_blocks(f))
+        else:
+            scales[f"{name}.weight"] = (num_blocks(m.out_features), num_blocks(m.in_features))
     return scales
 
 
@@ -219,14 +201,18 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
 
 def fp8_parameters(params: list[Param], cfg: ModelProfile, lora: LoraProfile) -> list[Param]:
     """The base weights stored in FP8: none with `model.base_precision: bf16`; with fp8 those fp8_weight_scales
-    names, but for the modules LoRA trains in full (lora.modules_to_save)."""
+    names, but for those in a module LoRA trains in full (named by lora.modules_to_save as inject_lora matches it)."""
+    from moe_tune.engine.model.fp8 import matches_module_name
+
     if cfg.base_precision != "fp8":
         return []
-    saved = _saved_modules(params, lora) if lora.enabled else []
-    return [
-        p for p in params
-        if p.fp8_scale_shape is not None and not any(p.name.startswith(f"{path}.") for path in saved)
-    ]  # fmt: skip
+    saved = list(lora.modules_to_save) if lora.enabled else []
+
+    def is_saved(module: str) -> bool:
+        parts = module.split(".")
+        return any(matches_module_name(".".join(parts[:depth]), saved) for depth in range(1, len(parts) + 1))
+
+    return [p for p in params if p.fp8_scale_shape is not None and not is_saved(p.module)]
 
 
 @dataclass(frozen=True)
