@@ -7,6 +7,10 @@ the base checkpoint (sharded safetensors + index, the base's config, tokenizer a
   fine-tune);
 - zero.py: a `checkpoints/step-N` folder of a ZeRO-3 + expert-parallel run, read tensor by tensor.
 
+A run trained on FP8 base weights (`model.base_precision: fp8`) is read as its bf16-base model: names without the
+`*_scale_inv` tensors, each FP8 weight dequantized to fp32 as the run held it (fp8.py; sources.DequantizedSource over
+a step or the trainer's state), and written unquantized.
+
 The interface every source implements (StateSource below):
 
   names() -> list[str]
