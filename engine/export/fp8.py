@@ -93,40 +93,9 @@ def quantized_roundtrip(w: torch.Tensor, row_segments: tuple[int, ...] | None) -
     return dequantize_weight(*quantize_weight(w.float(), row_segments), row_segments)
 
 
-class DequantizingReader:
-    """A CheckpointReader whose FP8 tensors (float8_e4m3fn `<key>` with `<key>_scale_inv`) read dequantized in fp32,
-    for the recipes of the bf16 model; `fp8(key)` / `fp8_rows` give them as stored (None for a tensor stored
-    unquantized), for the recipes that can take the stored bits (engine/families/base.py `quantized`)."""
-
-    def __init__(self, reader):
-        self.reader = reader
-
-    def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        value = self.reader.get(key)
-        if value.dtype != FP8_DTYPE:
-            return None
-        return value, self.reader.get(key + SCALE_SUFFIX).float()
-
-    def fp8_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        value = self.reader.rows(key, start, stop)
-        if value.dtype != FP8_DTYPE:
-            return None
-        return value, self.reader.rows(key + SCALE_SUFFIX, start, stop).float()
-
-    def __call__(self, key: str) -> torch.Tensor:
-        stored = self.fp8(key)
-        return self.reader.get(key) if stored is None else dequantize_weight(*stored)
-
-    get = __call__
-
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        stored = self.fp8_rows(key, start, stop)
-        return self.reader.rows(key, start, stop) if stored is None else dequantize_weight(*stored)
-
-
-def checkpoint_base(reader: DequantizingReader, recipe, weight: Fp8Weight | None,
-                    shape: tuple[int, ...]) -> torch.Tensor:
-    """Our tensor `shape` from the checkpoint as the run's loader (engine/families load_checkpoint_weights) made it:
+def checkpoint_base(reader, recipe, weight: Fp8Weight | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Our tensor `shape` from the checkpoint as the run's loader (engine/families load_checkpoint_weights) made it,
+    read through the loader's getter (`reader`: engine/families/checkpoint.py WeightGetter):
     an FP8 weight the recipe takes as stored (bits and scales in our block layout) dequantized; any other FP8
     weight (a bf16 checkpoint's, or FP8 blocks our rows split) from the recipe's floating tensor, quantized as the
     loader quantizes it and dequantized."""

@@ -141,7 +141,7 @@ class FinalState:
     def __init__(self, run: RunInfo, merged: bool):
         from safetensors import safe_open
 
-        from .fp8 import DequantizingReader, bf16_base, fp8_weights
+        from .fp8 import bf16_base, fp8_weights
 
         self.run, self.merged = run, merged
         # An FP8-base run reads as its bf16-base model, each FP8 weight dequantized (engine/export/fp8.py).
@@ -159,11 +159,12 @@ class FinalState:
         self._weights = None
         if self.cfg.checkpoint is not None:
             from moe_tune.engine.families import family_for
-            from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
+            from moe_tune.engine.families.checkpoint import CheckpointReader, WeightGetter, read_config
 
             self.family = family_for(read_config(self.cfg.checkpoint), self.cfg.checkpoint)
             self._reader = CheckpointReader(self.cfg.checkpoint)
-            self._getter = DequantizingReader(self._reader)
+            # The loader's getter: FP8 keys dequantized for recipes, or as stored for the FP8 weights it copies.
+            self._getter = WeightGetter(self._reader)
         if not run.profile.lora.enabled:
             self._weights = safe_open(str(run.run_dir / "model.safetensors"), framework="pt")
             self._weight_names = set(self._weights.keys())
