@@ -34,8 +34,9 @@ CANDIDATES = (
 )
 # Vision-language types: config.json nests their text twin's config under text_config, next to vision_config.
 VISION_TWINS = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text"}
-# Fields that do not change what the model computes: where the weights came from and how they were initialised.
-NOT_ARCHITECTURE = ("checkpoint", "seed", "init_std")
+# Fields that are not the architecture config.json states: where the weights came from, how they were initialised,
+# and the base weights' storage precision (an FP8 checkpoint says it in quantization_config, beside the config).
+NOT_ARCHITECTURE = ("checkpoint", "seed", "init_std", "base_precision")
 # MoE fields that only steer training (the balancing loss, the bias update, dropped slots); a bias that was
 # updated is architecture, as moe.has_selection_bias.
 MOE_TRAINING_ONLY = ("aux_loss_coef", "bias_update_rate", "capacity_factor")
@@ -172,7 +173,7 @@ def architecture(model: ModelProfile) -> dict[str, Any]:
     training-only fields."""
     arch = model.model_dump(mode="json")
     for field in NOT_ARCHITECTURE:
-        arch.pop(field)
+        arch.pop(field, None)
     kinds = {layer.attention for layer in model.layers}
     for name, (field, values) in READ_BY_LAYERS.items():
         if not any(getattr(layer, field) in values for layer in model.layers):

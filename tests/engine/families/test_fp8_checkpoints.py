@@ -371,3 +371,55 @@ def test_align_catches_a_perturbed_norm(pairs, monkeypatch):
     monkeypatch.setattr(qwen3_moe, "qwen_recipe", perturbed)
     report = align_checkpoint(fp8, pin_routing=True)
     assert not report.passed and report.layers[1].rel > FP8_TOLERANCES.hidden_rel, report.layers
+
+
+def test_finetune_from_an_fp8_checkpoint_under_zero3(pairs, short_finetune):
+    """ZeRO-3 (in this process) builds the model partitioned and the FP8 bits stream into the partitioned tensors:
+    the first loss is the dequantized reference's within the FP8 loss tolerance, and the adapters train."""
+    _, fp8 = pairs("qwen3_moe")
+    result, reference_first_loss = short_finetune(fp8)
+    assert len(result.losses) == 3
+    assert abs(result.losses[0] - reference_first_loss) <= FP8_TOLERANCES.loss_abs, (result.losses, reference_first_loss)
+    assert result.losses[0] != reference_first_loss  # FP8 activations: not the fp32 reference's exact loss
+
+
+@pytest.mark.parametrize("layout", [None, ExpertLayout(ep_size=2, ep_rank=1)], ids=["one_rank", "rank_1_of_2"])
+def test_fused_fp8_experts_read_as_stored(pairs, tmp_path, layout):
+    """qwen3_next's experts stored fused (mlp.experts.gate_up_proj [E, 2F, D] float8 with gate_up_proj_scale_inv
+    [E, 2F/128, D/128], down_proj likewise): our experts hold those bits and scale rows, this rank's rows only, the
+    same as from the per-expert layout."""
+    _, fp8 = pairs("qwen3_next")
+    base = "model.layers.{}.mlp.experts."
+
+    def fuse(tensors):
+        for layer in range(2):
+            prefix = base.format(layer)
+            for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+                for suffix in ("", "_scale_inv"):
+                    experts = [torch.cat([tensors.pop(f"{prefix}{e}.{p}.weight{suffix}") for p in parts]) for e in range(4)]
+                    tensors[f"{prefix}{fused}{suffix}"] = torch.stack(experts)
+
+    directory = _edited(fp8, tmp_path, tensors=fuse)
+    fused, _ = _load(directory, "fp8", layout, check_unread=layout is None)
+    per_expert, _ = _load(fp8, "fp8", layout, check_unread=layout is None)
+    stored = _file_tensors(directory)
+    first = 0 if layout is None else 2
+    for layer in range(2):
+        experts = fused.layers[layer].mlp.experts
+        key = base.format(layer) + "gate_up_proj"
+        assert torch.equal(experts.w_gate_up, _bits(stored[key][first : first + experts.num_experts]))
+        assert torch.equal(experts.w_gate_up_scale_inv, _bits(stored[key + "_scale_inv"][first : first + experts.num_experts]))
+        for name, tensor in experts.named_parameters():
+            assert torch.equal(tensor, dict(per_expert.layers[layer].mlp.experts.named_parameters())[name]), name
+
+
+def test_an_fp8_base_is_not_architecture_for_the_hub_config(pairs):
+    """A profile with base_precision fp8 writes the same config.json as its bf16 twin (its FP8 layout is stated
+    by quantization_config, not by the architecture)."""
+    from moe_tune.engine.families.hub_config import hub_config_for_profile
+
+    _, fp8 = pairs("qwen3_moe")
+    cfg = model_profile_from_checkpoint(fp8)[2]
+    family, config, _ = hub_config_for_profile(cfg)
+    assert family.model_types == ("qwen3_moe",)
+    assert config == hub_config_for_profile(cfg.model_copy(update={"base_precision": "bf16"}))[1]
