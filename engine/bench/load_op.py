@@ -208,12 +208,13 @@ def _write_shard(path: Path, keys: list[str], layout, generator: torch.Generator
 
 
 def write_synthetic_checkpoint(cfg: ModelProfile, out: Path, shard_bytes: int = SHARD_BYTES, seed: int = 0,
-                               device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
+                               device: torch.device | None = None, hub_layout=None) -> dict[str, Any]:  # fmt: skip
     """Write the hub FP8 checkpoint of `cfg`'s model (random values drawn on `device`, the GPU when there is one:
-    tens of GB of random bytes are its work) into the folder `out` (created; must be empty or new). Returns the
-    checkpoint's bytes, tensor counts, shards and the seconds it took."""
+    tens of GB of random bytes are its work) into the folder `out` (created; must be empty or new). `hub_layout`:
+    hub_fp8_layout(cfg) when the caller has it. Returns the checkpoint's bytes, tensor counts, shards and the
+    seconds it took."""
     out = Path(out)
-    config, layout = hub_fp8_layout(cfg)
+    config, layout = hub_fp8_layout(cfg) if hub_layout is None else hub_layout
     shards = shard_plan(layout, shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
     if device is None:
@@ -383,8 +384,11 @@ def run_load_benchmark(job: JobProfile, folder: Path, shard_bytes: int = SHARD_B
     if has_checkpoint:
         on_line(f"{folder} holds the synthetic FP8 checkpoint of this model: loading it")
     else:
+        # A model no transformers type expresses is refused here, before anything is written.
+        hub_layout = hub_fp8_layout(job.model)
         on_line(f"writing the synthetic FP8 checkpoint of {job.name} into {folder}")
-        write_s = write_synthetic_checkpoint(job.model, folder, shard_bytes, device=device)["write_s"]
+        write_s = write_synthetic_checkpoint(job.model, folder, shard_bytes, device=device,
+                                             hub_layout=hub_layout)["write_s"]
     sizes = _folder_sizes(folder)
     on_line(f"loading {sizes['checkpoint_bytes'] / 1e9:.2f} GB in {sizes['num_shards']} shards on {device.type}")
     loaded = load_synthetic_checkpoint(folder, device)

@@ -176,3 +176,13 @@ def test_load_checkpoint_with_kernels_is_one_line_exit_2(tmp_path):
     assert result.exit_code == 2
     line = f"error: --load-checkpoint ({tmp_path}) does not apply with --kernels"
     assert result.stderr.strip().splitlines() == [line]
+
+
+def test_model_without_a_hub_layout_is_refused_before_writing(tmp_path):
+    # tiny has sparse-attention layers: no transformers type expresses it, so there is no hub checkpoint to write.
+    result = runner.invoke(app, ["profile", "tiny", "--load-checkpoint", str(tmp_path / "ck")])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == ("error: model: no transformers type expresses it, so no hub checkpoint: model.layers[3]"
+                        ".attention ('sparse'): qwen3_next has no 'sparse' attention layers")  # fmt: skip
+    assert "writing" not in result.stdout and not (tmp_path / "ck").exists()
