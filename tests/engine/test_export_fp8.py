@@ -220,6 +220,49 @@ def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).norm() / expected.norm())
 
 
+def with_headroom(checkpoint: Path) -> Path:
+    """The FP8 checkpoint's weights quantized again with scales 1.5x ours (largest |W_q| ~299, not 448, as a
+    quantizer keeping headroom writes them): quantizing its dequantized blocks once more changes them, so only a
+    reader that keeps the stored bits gets them back."""
+    from safetensors.torch import save_file
+
+    from moe_tune.ops.fp8 import BLOCK
+
+    for path in checkpoint.glob("*.safetensors"):
+        tensors = tensors_of_file(path)
+        for key in [k for k in tensors if k + "_scale_inv" in tensors]:
+            scale = tensors[key + "_scale_inv"] * 1.5
+            full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: tensors[key].shape[0],
+                                                                                   : tensors[key].shape[1]]
+            w = dequantize_weight(tensors[key], tensors[key + "_scale_inv"])
+            tensors[key], tensors[key + "_scale_inv"] = (w / full).to(FP8_DTYPE), scale
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return checkpoint
+
+
+def test_the_export_reads_the_base_the_run_loaded(tmp_path):
+    """qwen3_next whose in_proj_qkvz rows split its 128-row blocks (the loader quantizes q and k again from the
+    dequantized rows, keeps v and z and the rest as stored), from a checkpoint whose blocks change when quantized
+    again: the export's base of every FP8 weight is the loaded model's FP8 tensors dequantized, bit for bit."""
+    import warnings
+
+    from moe_tune.engine.export.sources import FinalState
+
+    plain = hf_tiny.save_tiny_checkpoint(hf_tiny.tiny_qwen3_next(
+        hidden_size=128, num_hidden_layers=1, mlp_only_layers=[], layer_types=["linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=4, moe_intermediate_size=128, shared_expert_intermediate_size=128), tmp_path / "plain")
+    fp8 = with_headroom(hf_tiny.write_fp8_checkpoint(plain, tmp_path / "fp8"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_dir, written = written_run(tmp_path, job_for(tmp_path, {"checkpoint": str(fp8)}))
+    loaded = expected_merged(written, 0.0)
+    assert {"layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight"} <= set(loaded)
+    with FinalState(read_run(run_dir), merged=False) as source:
+        for name, value in loaded.items():
+            assert torch.equal(source.read(name), value), name
+
+
 def transformers_logits(directory: Path, adapter: Path | None = None) -> torch.Tensor:
     import transformers
 
