@@ -374,8 +374,9 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
         except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row; anything else re-raises
             if not is_out_of_memory(err):
                 raise
-            gc.collect()
             if is_cuda:
+                # What the partly built model held goes back to the device.
+                gc.collect()
                 torch.cuda.empty_cache()
             return _out_of_memory_row(job, "building the model", 0, allocated_before)
         return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced)
