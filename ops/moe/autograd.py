@@ -144,7 +144,8 @@ class MoEFp8Function(torch.autograd.Function):
     Arguments as moe_mlp, with the FP8 weights' block scales after the weights, the LoRA tensors one by one (each may
     be None) and scaling a float. The FP8 weights and their scales get no gradient.
     Saved for backward: as MoEFunction, plus the scales; x is quantized once per token in forward, dy once per token
-    in backward, h and d gate_up per row by a pass over each.
+    in backward, h and d gate_up per row by a pass over each. The backward GEMMs read a K-major copy of each FP8
+    weight, made per call (kernels_fp8.k_major).
     """
 
     @staticmethod

@@ -37,13 +37,20 @@ from moe_tune.ops.moe.kernels import (
 )
 
 # Output columns of the gate_up forward (two fp32 accumulators, gate and up) and of the down backward (five fp32
-# SwiGLU tiles in its epilogue): 64 keeps them in registers at 128-row tiles; the other two GEMMs take 128.
+# SwiGLU tiles in its epilogue): 64 keeps them in registers; the other two GEMMs take 128.
 GPU_HALF_BLOCK_N = 64
-GPU_BLOCK_M = 128
 GPU_BLOCK_N = 128
-GPU_NUM_WARPS = 8
-# A 128 x 128 FP8 K step is 16 KB per operand: three stages of both fit twice per SM.
-GPU_NUM_STAGES = 3
+# 16-bit activations: 64-row tiles on one warpgroup, 4 stages (24-32 KB each). Every 128-wide K step waits for its MMA
+# before the block scales apply, so more, smaller CTAs per SM keep the tensor cores busier: E64 top-8 LoRA r16
+# fwd+bwd 10.97 ms against 11.69 with 128-row tiles on two warpgroups, E512 top-10 16.16 against 17.12 (H200,
+# engine/bench/moe_op.py fp8_candidates).
+GPU_BLOCK_M = 64
+GPU_NUM_WARPS = 4
+GPU_NUM_STAGES = 4
+# fp32 activations keep the config the full GPU test file ran with: 128-row tiles, two warpgroups, 3 stages.
+GPU_FP32_BLOCK_M = 128
+GPU_FP32_NUM_WARPS = 8
+GPU_FP32_NUM_STAGES = 3
 # The interpreter runs each program in Python and each tile op in numpy: wide column blocks mean few programs.
 INTERPRETER_BLOCK_N = 64
 # Rows per program of the quantization pass: 32 x 128 elements.
@@ -84,10 +91,14 @@ def pick_fp8_config(x: torch.Tensor, num_slots: int, num_experts: int) -> Fp8Con
         # The interpreter; K steps stay 128 wide (the scale blocks).
         small = KernelConfig(INTERPRETER_BLOCK_N, BLOCK, num_warps=1, num_stages=1)
         return Fp8Config(INTERPRETER_BLOCK, small, small, small, small)
-    half = KernelConfig(GPU_HALF_BLOCK_N, BLOCK, GPU_NUM_WARPS, GPU_NUM_STAGES)
-    full = KernelConfig(GPU_BLOCK_N, BLOCK, GPU_NUM_WARPS, GPU_NUM_STAGES)
-    # Experts averaging fewer rows than a 128-row tile waste most of it (kernels.py's rule).
-    block_m = GPU_BLOCK_M if num_slots / max(num_experts, 1) >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
+    if x.dtype == torch.float32:
+        warps, stages = GPU_FP32_NUM_WARPS, GPU_FP32_NUM_STAGES
+        # Experts averaging fewer rows than a 128-row tile waste most of it (kernels.py's rule).
+        block_m = GPU_FP32_BLOCK_M if num_slots / max(num_experts, 1) >= GPU_FP32_BLOCK_M else GPU_SMALL_BLOCK_M
+    else:
+        warps, stages, block_m = GPU_NUM_WARPS, GPU_NUM_STAGES, GPU_BLOCK_M
+    half = KernelConfig(GPU_HALF_BLOCK_N, BLOCK, warps, stages)
+    full = KernelConfig(GPU_BLOCK_N, BLOCK, warps, stages)
     return Fp8Config(block_m, gate_up_fwd=half, down_fwd=full, down_bwd=half, gate_up_bwd=full)
 
 
@@ -100,8 +111,9 @@ def k_major(w: torch.Tensor) -> torch.Tensor:
     """w [E, P, Q] FP8 with the same shape and values, P contiguous (a transposed copy, E x P x Q bytes).
 
     The backward GEMMs reduce over P; Hopper's FP8 MMA reads both operands K-major from shared memory, and a
-    Q-contiguous weight tile is transposed in registers on every step instead (the dx GEMM took 3.9x its bf16 time
-    that way at E64 top-8 on the H200, docs/PERF.md, MoE FP8); the copy costs one pass over the layer's weight.
+    Q-contiguous weight tile is transposed on every step instead (the dx GEMM took 3.9x its bf16 time
+    that way at E64 top-8 on the H200: 7.7 against 2.0 ms); the copy costs one pass over the layer's weight (2.2 ms
+    for both weights there, torch's byte-wise transposed copy).
     """
     # Through uint8: the copy kernels of every torch version take it.
     return w.view(torch.uint8).transpose(1, 2).contiguous().transpose(1, 2).view(w.dtype)

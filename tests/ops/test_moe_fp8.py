@@ -283,3 +283,16 @@ def test_fp8_inputs_refused(edit, messages):
     assert len(lines) == len(messages), lines
     for line, message in zip(lines, messages):
         assert re.match(message, line), (message, line)
+
+
+@pytest.mark.parametrize("dtype, index", [(torch.bfloat16, 0), (torch.float16, 0), (torch.float32, 1)])
+def test_fp8_sweep_candidates_start_with_the_gpu_choices(dtype, index):
+    # engine/bench/moe_op.fp8_candidates promises its first two are pick_fp8_config's GPU choices (16-bit, fp32) at
+    # the benchmark shapes. A stand-in for a CUDA tensor takes the GPU branch on this machine.
+    from types import SimpleNamespace
+
+    from moe_tune.engine.bench.moe_op import fp8_candidates
+
+    cuda_x = SimpleNamespace(is_cuda=True, dtype=dtype)
+    chosen = kernels_fp8.pick_fp8_config(cuda_x, 16384 * 8, 64)
+    assert list(fp8_candidates().values())[index] == chosen
