@@ -121,7 +121,7 @@ def runs(checkpoints, tmp_path_factory):
         "train.warmup_steps=0", "train.micro_batch_size=1", "data.seq_len=64", "data.corpus_documents=40",
         "lora.modules_to_save=[]", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
         "down_proj]",
-        "output.save_merged=true", "output.save_every=1", f"output.dir={out}"]),
+        "output.save_merged=true", "output.save_every=2", f"output.dir={out}"]),
         show_progress=False)
     found["profile"] = (out, None)
     return found
