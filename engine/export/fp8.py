@@ -130,19 +130,20 @@ def merged_precision_note(dtype_name: str) -> str:
 def fp8_model_card(cfg: ModelProfile, note: str) -> str:
     """README.md of an FP8-base merged export: what the weights are."""
     base = f"`{cfg.checkpoint}`" if cfg.checkpoint is not None else "the profile's architecture (seeded init)"
-    return f"# Merged LoRA fine-tune (moe-tune)\n\n- base model: {base}, its weights in FP8\n- {note}\n"
+    return (f"# Merged LoRA fine-tune (moe-tune)\n\n- base model: {base}, trained on in FP8 "
+            f"(model.base_precision: fp8)\n- {note}\n")
 
 
 PRECISIONS = ("auto", "fp8")
-# Why an FP8 merged export is not offered: requantizing W + delta rounds the delta away where it is small beside W
-# (tests/engine/test_export_fp8.py measures it on a tiny FP8 run: test_requantization_loses_the_delta).
-FP8_EXPORT_REFUSAL = (
-    "--precision fp8 is refused: re-quantizing W + LoRA delta to FP8 in 128x128 blocks rounds the delta away (on a "
-    "tiny run {lost} of it is lost where it is 1% of W); export the adapter (without --merge) to serve it on the FP8 "
-    "base checkpoint, or the merged model unquantized (--precision auto)"
-)
-# The measured share of the delta lost (relative Frobenius error) at |delta| = 1% of |W|, and at 4% on a trained run.
+# Why no export is re-quantized to FP8: rounding W + delta to e4m3 rounds away a delta small beside W. The figure is
+# the relative Frobenius error of a LoRA delta of 1% of |W| after requantization, measured on a tiny FP8 run
+# (tests/engine/test_export_fp8.py test_requantization_loses_the_delta, which checks it).
 DELTA_LOST = "91%"
+FP8_EXPORT_REFUSAL = (
+    "--precision fp8 is refused: an export is never re-quantized to FP8, since rounding W + delta to e4m3 in 128x128 "
+    "blocks rounds the fine-tune's change away (on a tiny run {lost} of a LoRA delta of 1% of |W| is lost); serve the "
+    "adapter (export without --merge) on the FP8 base checkpoint, or export unquantized (--precision auto)"
+)
 
 
 def precision_problems(precision: str) -> list[str]:
@@ -150,5 +151,6 @@ def precision_problems(precision: str) -> list[str]:
     if precision == "fp8":
         return [FP8_EXPORT_REFUSAL.format(lost=DELTA_LOST)]
     if precision not in PRECISIONS:
-        return [f"--precision ({precision!r}) must be auto (the base checkpoint's dtypes; FP8 weights dequantized)"]
+        return [f"--precision ({precision!r}) must be auto (the base checkpoint's dtypes, FP8 weights dequantized; "
+                "fp8 is refused)"]
     return []
