@@ -42,14 +42,14 @@ def bf16_base(cfg: ModelProfile) -> ModelProfile:
 
 
 @dataclass(frozen=True)
-class Fp8Weight:
+class Fp8BaseWeight:
     """An FP8 base weight of the run's model: its scale's name and the row segments of its blocks."""
 
     scale_name: str
     row_segments: tuple[int, ...] | None
 
 
-def fp8_weights(cfg: ModelProfile) -> dict[str, Fp8Weight]:
+def fp8_weights(cfg: ModelProfile) -> dict[str, Fp8BaseWeight]:
     """Our name of every weight the run's model holds in FP8 -> its scale and row segments; {} for a bf16 base.
     Read off the model itself (a weight with a `<name>_scale_inv` beside it), so it is the model's own rule."""
     if not is_fp8_base(cfg):
@@ -59,7 +59,7 @@ def fp8_weights(cfg: ModelProfile) -> dict[str, Fp8Weight]:
     with torch.device("meta"):
         state = MoECausalLM(cfg).state_dict()
     found = {}
-    for scale_name, scale in state.items():
+    for scale_name in state:
         if not scale_name.endswith(SCALE_SUFFIX):
             continue
         name = scale_name.removesuffix(SCALE_SUFFIX)
@@ -68,7 +68,7 @@ def fp8_weights(cfg: ModelProfile) -> dict[str, Fp8Weight]:
         if name.rpartition(".")[2] == GATE_UP:
             half = weight.shape[-2] // 2
             segments = (half, half)
-        found[name] = Fp8Weight(scale_name, segments)
+        found[name] = Fp8BaseWeight(scale_name, segments)
     return found
 
 
@@ -82,7 +82,7 @@ def as_fp8(bits: torch.Tensor, scale_bits: torch.Tensor) -> tuple[torch.Tensor, 
     return w_q, scale
 
 
-def dequantized(bits: torch.Tensor, scale_bits: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def dequantized(bits: torch.Tensor, scale_bits: torch.Tensor, weight: Fp8BaseWeight) -> torch.Tensor:
     """The fp32 weight an FP8 base weight stands for."""
     w_q, scale = as_fp8(bits, scale_bits)
     return dequantize_weight(w_q, scale, weight.row_segments)
@@ -93,7 +93,7 @@ def quantized_roundtrip(w: torch.Tensor, row_segments: tuple[int, ...] | None) -
     return dequantize_weight(*quantize_weight(w.float(), row_segments), row_segments)
 
 
-def checkpoint_base(reader, recipe, weight: Fp8Weight | None, shape: tuple[int, ...]) -> torch.Tensor:
+def checkpoint_base(reader, recipe, weight: Fp8BaseWeight | None, shape: tuple[int, ...]) -> torch.Tensor:
     """Our tensor `shape` from the checkpoint as the run's loader (engine/families load_checkpoint_weights) made it,
     read through the loader's getter (`reader`: engine/families/checkpoint.py WeightGetter):
     an FP8 weight the recipe takes as stored (bits and scales in our block layout) dequantized; any other FP8
