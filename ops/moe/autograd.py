@@ -230,7 +230,9 @@ class MoEFp8Function(torch.autograd.Function):
             )  # fmt: skip
         dx = None
         if needs[_X]:
-            dx = fp8_gate_up_bwd(dgate_up, w_gate_up, gate_up_scale_inv, a_gate_up, dxa, routing, fp8_config, num_tokens)
+            dx = fp8_gate_up_bwd(
+                dgate_up, w_gate_up, gate_up_scale_inv, a_gate_up, dxa, routing, fp8_config, num_tokens
+            )
         d_a_gate_up = None
         if needs_a_gate_up:
             d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True, chunks=chunks)

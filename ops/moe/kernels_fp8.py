@@ -68,6 +68,10 @@ class Fp8Config:
     down_fwd: KernelConfig
     down_bwd: KernelConfig
     gate_up_bwd: KernelConfig
+    # The backward GEMMs: True, FP8 MMAs over a K-major copy of the weights made per call (k_major); False, the
+    # weights read as stored and their codes (and the other operand's) converted to bf16 for bf16 MMAs, the same
+    # exact products at bf16's MMA rate and no copy.
+    is_backward_k_major: bool = True
 
 
 _forced_fp8_config: Fp8Config | None = None
@@ -119,17 +123,22 @@ def k_major(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8).transpose(1, 2).contiguous().transpose(1, 2).view(w.dtype)
 
 
-def _fp8_dot_on(t: torch.Tensor) -> bool:
-    """FP8 tensor-core dots on the GPU; fp32 dots of the dequantized FP8 values in the interpreter, whose FP8 dot
-    does not run (both are exact products: an FP8 value has a 4-bit significand)."""
-    return t.is_cuda
+def _dot_mode(t: torch.Tensor, is_fp8_mma: bool = True) -> str:
+    """How a kernel multiplies FP8 codes: "fp8" tensor-core MMAs, or "bf16" MMAs of the codes converted (exact), on
+    the GPU; "fp32" dots of the codes in the interpreter, whose FP8 and bf16 dots do not run. All three are exact
+    products (an FP8 value has a 4-bit significand) summed in fp32."""
+    if not t.is_cuda:
+        return "fp32"
+    return "fp8" if is_fp8_mma else "bf16"
 
 
 @triton.jit
-def _scaled_dot(a, b, FP8_DOT: tl.constexpr):
+def _scaled_dot(a, b, DOT_MODE: tl.constexpr):
     # [M, K] x [K, N] of FP8 operands, fp32 result.
-    if FP8_DOT:
+    if DOT_MODE == "fp8":
         return tl.dot(a, b)
+    elif DOT_MODE == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
@@ -221,7 +230,7 @@ def _fp8_gate_up_fwd_kernel(
     stride_br,
     HAS_LORA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -259,8 +268,8 @@ def _fp8_gate_up_fwd_kernel(
         x_scale = tl.load(xs_rows + kb, mask=row_mask, other=0.0)
         sg = tl.load(s_gate + kb * stride_sd, mask=col_mask, other=0.0)
         su = tl.load(s_up + kb * stride_sd, mask=col_mask, other=0.0)
-        acc_gate += _scaled_dot(x_tile, tl.trans(wg_tile), FP8_DOT) * (x_scale[:, None] * sg[None, :])
-        acc_up += _scaled_dot(x_tile, tl.trans(wu_tile), FP8_DOT) * (x_scale[:, None] * su[None, :])
+        acc_gate += _scaled_dot(x_tile, tl.trans(wg_tile), DOT_MODE) * (x_scale[:, None] * sg[None, :])
+        acc_up += _scaled_dot(x_tile, tl.trans(wu_tile), DOT_MODE) * (x_scale[:, None] * su[None, :])
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
@@ -313,7 +322,7 @@ def _fp8_down_fwd_kernel(
     stride_bd,
     stride_br,
     HAS_LORA: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -344,7 +353,7 @@ def _fp8_down_fwd_kernel(
         w_tile = tl.load(w_rows + ks[None, :] * stride_wf, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         h_scale = tl.load(hs_rows + kb, mask=row_mask, other=0.0)
         w_scale = tl.load(s_cols + kb * stride_sf, mask=col_mask, other=0.0)
-        acc += _scaled_dot(h_tile, tl.trans(w_tile), FP8_DOT) * (h_scale[:, None] * w_scale[None, :])
+        acc += _scaled_dot(h_tile, tl.trans(w_tile), DOT_MODE) * (h_scale[:, None] * w_scale[None, :])
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
@@ -401,7 +410,7 @@ def _fp8_down_bwd_kernel(
     stride_af,
     HAS_LORA: tl.constexpr,
     STORE_H: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -434,7 +443,7 @@ def _fp8_down_bwd_kernel(
         w_tile = tl.load(w_cols + ks[:, None] * stride_wd, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         dy_scale = tl.load(dys_rows + kb, mask=row_mask, other=0.0)
         w_scale = tl.load(s_cols + kb * stride_sd, mask=col_mask, other=0.0)
-        acc += _scaled_dot(dy_tile, w_tile, FP8_DOT) * (dy_scale[:, None] * w_scale[None, :])
+        acc += _scaled_dot(dy_tile, w_tile, DOT_MODE) * (dy_scale[:, None] * w_scale[None, :])
 
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
     if HAS_LORA:
@@ -497,7 +506,7 @@ def _fp8_gate_up_bwd_kernel(
     stride_ar,
     stride_ad,
     HAS_LORA: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    DOT_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -531,7 +540,7 @@ def _fp8_gate_up_bwd_kernel(
         w_tile = tl.load(w_cols + ks[:, None] * stride_wf, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         g_scale = tl.load(gs_rows + step, mask=row_mask, other=0.0)
         w_scale = tl.load(s_cols + step * stride_sf, mask=col_mask, other=0.0)
-        acc += _scaled_dot(g_tile, w_tile, FP8_DOT) * (g_scale[:, None] * w_scale[None, :])
+        acc += _scaled_dot(g_tile, w_tile, DOT_MODE) * (g_scale[:, None] * w_scale[None, :])
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
@@ -583,7 +592,7 @@ def fp8_gate_up_fwd(
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
             *w_gate_up.stride(), *gate_up_scale_inv.stride(), *strides3(b_gate_up),
-            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, FP8_DOT=_fp8_dot_on(x),
+            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_MODE=_dot_mode(x),
             DOT_PRECISION=dot_precision(x.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=BLOCK, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
@@ -623,7 +632,7 @@ def fp8_down_fwd(
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
             *w_down.stride(), *down_scale_inv.stride(), *strides3(b_down),
-            HAS_LORA=has_lora, FP8_DOT=_fp8_dot_on(h), DOT_PRECISION=dot_precision(h.dtype),
+            HAS_LORA=has_lora, DOT_MODE=_dot_mode(h), DOT_PRECISION=dot_precision(h.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=BLOCK, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
@@ -655,7 +664,8 @@ def fp8_down_bwd(
     num_slots, model_dim = routing.num_slots, w_down.shape[1]
     num_hidden = gate_up.shape[1] // 2
     rank = a_down.shape[1] if has_lora else 0
-    w_down = k_major(w_down)
+    if config.is_backward_k_major:
+        w_down = k_major(w_down)
     dgate_up = _alloc((num_slots, 2 * num_hidden), gate_up.dtype, gate_up.device)
     h = _alloc((num_slots, num_hidden), gate_up.dtype, gate_up.device) if store_h else None
     kernel = config.down_bwd
@@ -669,7 +679,7 @@ def fp8_down_bwd(
             routing.offsets_E1,
             num_slots, model_dim, num_hidden, rank,
             *w_down.stride(), *down_scale_inv.stride(), *strides3(a_down),
-            HAS_LORA=has_lora, STORE_H=store_h, FP8_DOT=_fp8_dot_on(gate_up),
+            HAS_LORA=has_lora, STORE_H=store_h, DOT_MODE=_dot_mode(gate_up, config.is_backward_k_major),
             DOT_PRECISION=dot_precision(gate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=BLOCK, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
@@ -696,7 +706,8 @@ def fp8_gate_up_bwd(
     num_hidden, model_dim = w_gate_up.shape[1] // 2, w_gate_up.shape[2]
     rank = a_gate_up.shape[1] if has_lora else 0
     g_q, g_scale = quantize_rows(dgate_up, (num_hidden, num_hidden))
-    w_gate_up = k_major(w_gate_up)
+    if config.is_backward_k_major:
+        w_gate_up = k_major(w_gate_up)
     dx_slot = _alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device)
     kernel = config.gate_up_bwd
     if routing.num_tiles > 0:
@@ -706,7 +717,8 @@ def fp8_gate_up_bwd(
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank,
             *w_gate_up.stride(), *gate_up_scale_inv.stride(), *strides3(a_gate_up),
-            HAS_LORA=has_lora, FP8_DOT=_fp8_dot_on(dgate_up), DOT_PRECISION=dot_precision(dgate_up.dtype),
+            HAS_LORA=has_lora, DOT_MODE=_dot_mode(dgate_up, config.is_backward_k_major),
+            DOT_PRECISION=dot_precision(dgate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=BLOCK, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip

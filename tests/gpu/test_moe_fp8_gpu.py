@@ -183,7 +183,9 @@ def test_fp8_kernel_has_no_host_sync(kernel_path):
 def _candidate_params() -> list:
     from moe_tune.engine.bench.moe_op import fp8_candidates
 
-    return [pytest.param(name, shape, id=f"{name}-{shape}") for name in fp8_candidates() for shape in ("odd_dims", "E64_top8")]
+    return [
+        pytest.param(name, shape, id=f"{name}-{shape}") for name in fp8_candidates() for shape in ("odd_dims", "E64_top8")
+    ]
 
 
 @pytest.mark.parametrize("name, shape", _candidate_params())

@@ -5,6 +5,7 @@ experts, k = 1, LoRA on both, one or no projection), and the refusals.
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -112,7 +113,8 @@ def fp8_loop_oracle(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_
             e = int(topk_ids[t, j])
             gate_up_2F = _FqMatvec.apply(x_ND[t], w_gate_up_E2FD[e], halves)
             if lora is not None and lora.a_gate_up is not None:
-                gate_up_2F = gate_up_2F + lora.scaling * (lora.b_gate_up[e].float() @ (lora.a_gate_up[e].float() @ x_ND[t]))
+                xa_r = lora.a_gate_up[e].float() @ x_ND[t]
+                gate_up_2F = gate_up_2F + lora.scaling * (lora.b_gate_up[e].float() @ xa_r)
             gate_F, up_F = gate_up_2F[:num_hidden], gate_up_2F[num_hidden:]
             h_F = gate_F * torch.sigmoid(gate_F) * up_F
             y_D = y_D + _WeightedFqDown.apply(h_F, weights_Nk[t, j], w_down_EDF[e])
@@ -124,7 +126,9 @@ def fp8_loop_oracle(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_
 
 def _assert_close_scaled(actual, expected, tol, name):
     atol = tol["atol"] * max(float(expected.detach().abs().max()), 1e-6)
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=tol["rtol"], msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=atol, rtol=tol["rtol"], msg=lambda m: f"{name}: {m}"
+    )
 
 
 def _assert_matches(fn, fn_expected, case, tol, dtype):
@@ -157,7 +161,9 @@ def _case_params(pairs):
     return [pytest.param(*SHAPES[shape], lora_on, id=f"{shape}-{lora_on}") for shape, lora_on in pairs]
 
 
-ORACLE_CASES = _case_params([("D200_F72", "both"), ("F130", "gate_up"), ("empty_experts", "down"), ("top1_D72", "none")])
+ORACLE_CASES = _case_params(
+    [("D200_F72", "both"), ("F130", "gate_up"), ("empty_experts", "down"), ("top1_D72", "none")]
+)
 
 
 @pytest.mark.parametrize("num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern, lora_on", ORACLE_CASES)
@@ -194,6 +200,18 @@ def test_fp8_kernel_matches_reference(
 ):
     case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, lora_on)
     _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
+    guarded.check()
+
+
+@pytest.mark.parametrize("shape", ["D200_F72", "F130"])
+def test_fp8_kernel_backward_reads_weights_as_stored(kernel_path, guarded, shape):
+    # Fp8Config.is_backward_k_major False: the backward GEMMs read the FP8 weights with their stored strides (no
+    # K-major copy); on the GPU their codes meet in bf16 MMAs.
+    config = dataclasses.replace(kernels_fp8.pick_fp8_config(torch.zeros(1), 1, 1), is_backward_k_major=False)
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    with kernels_fp8.forced_fp8_config(config):
+        _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
     guarded.check()
 
 
