@@ -423,3 +423,23 @@ def test_an_fp8_base_is_not_architecture_for_the_hub_config(pairs):
     family, config, _ = hub_config_for_profile(cfg)
     assert family.model_types == ("qwen3_moe",)
     assert config == hub_config_for_profile(cfg.model_copy(update={"base_precision": "bf16"}))[1]
+
+
+def test_align_catches_one_wrong_scale_block(pairs, monkeypatch):
+    """One 128 x 128 block of an attention projection read with twice its scale (the block's bits right)."""
+    _, fp8 = pairs("qwen3_moe")
+    quantized = family_base.take.quantized
+
+    def doubled(self, get):
+        value = quantized(self, get)
+        if value is not None and self.key == "model.layers.1.self_attn.o_proj.weight":
+            scale = value[1].clone()
+            scale[0, 0] *= 2
+            return value[0], scale
+        return value
+
+    monkeypatch.setattr(family_base.take, "quantized", doubled)
+    report = align_checkpoint(fp8, pin_routing=True)
+    assert not report.passed
+    assert report.layers[0].rel <= FP8_TOLERANCES.hidden_rel
+    assert report.layers[1].rel > 2 * FP8_TOLERANCES.hidden_rel, report.layers
