@@ -314,3 +314,24 @@ def test_fp8_sweep_candidates_start_with_the_gpu_choices(dtype, index):
     cuda_x = SimpleNamespace(is_cuda=True, dtype=dtype)
     chosen = kernels_fp8.pick_fp8_config(cuda_x, 16384 * 8, 64)
     assert list(fp8_candidates().values())[index] == chosen
+
+
+def test_fp8_reference_takes_gpt_oss_biases_and_activation(monkeypatch):
+    # gpt_oss's biases and clamped SwiGLU stay on the reference with FP8 weights: b_down adds sum_j w_j b_down[e]
+    # to y (after the FP8 GEMM, weighted), zero biases change nothing, and the clamped activation changes h.
+    from moe_tune.ops.moe import ClampedSwiGLU
+
+    case = make_fp8_case(9, 136, 40, 4, 2, torch.float32)
+    b_down = torch.randn(4, 136, generator=torch.Generator().manual_seed(3))
+    y = moe_mlp(**case)
+    zero = moe_mlp(**case, b_gate_up=torch.zeros(4, 80), b_down=torch.zeros(4, 136))
+    torch.testing.assert_close(zero, y, atol=0, rtol=0)
+    shifted = moe_mlp(**case, b_down=b_down)
+    expected_shift = (case["topk_weights"][:, :, None] * b_down[case["topk_ids"]]).sum(dim=1)
+    torch.testing.assert_close(shifted - y, expected_shift, atol=1e-5, rtol=1e-5)
+    clamped = moe_mlp(**case, clamped_swiglu=ClampedSwiGLU())
+    assert not torch.allclose(clamped, y)
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match="moe_mlp has no Triton kernel for these inputs"):
+        moe_mlp(**case, b_down=b_down)
