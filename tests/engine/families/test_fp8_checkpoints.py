@@ -443,3 +443,22 @@ def test_align_catches_one_wrong_scale_block(pairs, monkeypatch):
     assert not report.passed
     assert report.layers[0].rel <= FP8_TOLERANCES.hidden_rel
     assert report.layers[1].rel > 2 * FP8_TOLERANCES.hidden_rel, report.layers
+
+
+def test_align_cli_on_fp8_checkpoints(pairs, tmp_path):
+    """`moe-tune align` on an FP8 checkpoint: exit 0 under the FP8 tolerances (in the JSON report); a refused
+    quantization config: exit 2, one error line naming the field, no traceback."""
+    from typer.testing import CliRunner
+
+    from moe_tune.cli import app
+
+    _, fp8 = pairs("qwen3_moe")
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["align", "--reference", str(fp8), "--pin-routing", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["tolerances"] == vars(FP8_TOLERANCES)
+    directory = _edited(fp8, tmp_path, config={"quantization_config": {**FP8, "weight_block_size": [64, 64]}})
+    result = CliRunner().invoke(app, ["align", "--reference", str(directory)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "quantization_config.weight_block_size ([64, 64]) is not read" in lines[0], lines
