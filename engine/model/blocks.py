@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.causal_conv import causal_conv
+from moe_tune.ops.fp8 import BLOCK, E4M3_MAX, FP8_DTYPE, quantize_weight
+from moe_tune.ops.fp8.reference import AMAX_FLOOR
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
 from moe_tune.ops.linear_attention.reference import kda_gate_ref, recurrent_gated_delta_rule_ref
 from moe_tune.ops.rms_norm import rms_norm
@@ -201,3 +203,20 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def quantize_blocks(w: torch.Tensor, row_segments: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.fp8.quantize_weight(w, row_segments), bit for bit, about 8x faster when every row segment and the column
+    dim are multiples of 128 (the blocks are then a reshape: no scatter, no full-size scale tensor); the random init
+    of an FP8 model quantizes every weight it draws. Other shapes take quantize_weight itself."""
+    rows, cols = w.shape[-2:]
+    segments = row_segments if row_segments is not None else (rows,)
+    if cols % BLOCK or any(seg % BLOCK for seg in segments) or not w.is_floating_point():
+        return quantize_weight(w, row_segments)
+    lead = w.shape[:-2]
+    blocks = w.detach().float().reshape(*lead, rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    # The reference's rounding rule: a tensor divisor, then round to nearest even in float8_e4m3fn.
+    scale_inv = amax.clamp(min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
+    w_q = (blocks / scale_inv[..., :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return w_q.reshape(w.shape), scale_inv

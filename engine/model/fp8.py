@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, fp8_linear, num_blocks, quantize_weight
+from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, fp8_linear, num_blocks
 
 from .attention import TOKEN_MIXERS
-from .blocks import SwiGLU
+from .blocks import SwiGLU, quantize_blocks
 from .moe import GroupedExperts
 
 # Storage dtypes of the FP8 weight's bits and of its fp32 scales' bits (never cast by mixed precision).
@@ -93,8 +93,8 @@ class Fp8Linear(nn.Linear):
 
     @torch.no_grad()
     def quantize_from(self, w: torch.Tensor) -> None:
-        """Store a float weight w [O, I] quantized in 128 x 128 blocks (ops.fp8.quantize_weight)."""
-        self.set_quantized(*quantize_weight(w))
+        """Store a float weight w [O, I] quantized in 128 x 128 blocks (ops.fp8.quantize_weight's rule)."""
+        self.set_quantized(*quantize_blocks(w))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight W [O, I] the FP8 bits stand for, in `dtype`."""

@@ -17,7 +17,7 @@ from torch import nn
 from moe_tune.engine.lora import inject_lora, load_adapter
 from moe_tune.engine.lora.experts import GroupedExpertsLoRA
 from moe_tune.engine.model.attention import TOKEN_MIXERS
-from moe_tune.engine.model.blocks import SwiGLU
+from moe_tune.engine.model.blocks import SwiGLU, quantize_blocks
 from moe_tune.engine.model.fp8 import Fp8Linear, fp8_base_modules
 from moe_tune.engine.model.model import build_model
 from moe_tune.engine.model.moe import GroupedExperts, expert_generator
@@ -177,6 +177,22 @@ def test_init_is_the_bf16_init_quantized():
     for name, param in fp8.named_parameters():
         if param.is_floating_point():
             assert torch.equal(param, float_state[name]), name
+
+
+@pytest.mark.parametrize("shape, segments", [
+    ((256, 384), None),
+    ((2, 512, 256), (256, 256)),  # experts' w_gate_up: gate and up scaled apart
+    ((256, 200), None),  # columns not a multiple of 128: the reference path
+    ((2, 320, 128), (160, 160)),  # segments not multiples of 128
+    ((130, 128), None),
+])  # fmt: skip
+def test_quantize_blocks_is_quantize_weight_bit_for_bit(shape, segments):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 0.02
+    w[..., :128, :128] = 0.0  # an all-zero block: the floor scale
+    w[..., -1, -1] = 1000.0  # beyond e4m3's range once scaled: the clamp
+    fast_q, fast_scale = quantize_blocks(w, segments)
+    ref_q, ref_scale = quantize_weight(w, segments)
+    assert torch.equal(fast_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(fast_scale, ref_scale)
 
 
 def test_expert_init_on_any_layout():
