@@ -132,7 +132,14 @@ def resolve_job(job: JobProfile) -> JobProfile:
     # The profile's own base_precision wins over the checkpoint's (a bf16 run from an FP8 checkpoint dequantizes).
     if "base_precision" in job.model.model_fields_set:
         raw["model"]["base_precision"] = job.model.base_precision
-    return validate_profile(raw)
+    try:
+        return validate_profile(raw)
+    except ProfileError as err:
+        if raw["model"].get("base_precision") != "fp8" or "base_precision" in job.model.model_fields_set:
+            raise
+        # The profile never said fp8: name where it came from.
+        came = "model.base_precision ('fp8', from the checkpoint's FP8 quantization_config)"
+        raise ProfileError([line.replace("model.base_precision ('fp8')", came, 1) for line in err.problems]) from None
 
 
 def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: bool = True) -> None:

@@ -128,6 +128,29 @@ def test_the_profiles_base_precision_wins(pairs, tmp_path, asked, expected):
     assert job.model.base_precision == expected and job.model.hidden_size == 128
 
 
+def test_full_finetuning_from_an_fp8_checkpoint_needs_bf16(pairs, tmp_path):
+    from moe_tune.engine.families import resolve_job
+    from moe_tune.profiles import ProfileError, validate_profile
+
+    _, fp8 = pairs("qwen3_moe")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a"}\n')
+
+    def job(model):
+        return resolve_job(validate_profile({
+            "name": "x", "model": model, "data": {"path": str(data), "tokenizer": "byte", "seq_len": 16},
+            "lora": {"enabled": False}, "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3},
+            "output": {"dir": str(tmp_path / "out")},
+        }))
+
+    with pytest.raises(ProfileError) as err:
+        job({"checkpoint": str(fp8)})
+    assert len(err.value.problems) == 1
+    assert err.value.problems[0].startswith("model.base_precision ('fp8', from the checkpoint's FP8 "
+                                            "quantization_config) needs lora.enabled"), err.value.problems
+    assert job({"checkpoint": str(fp8), "base_precision": "bf16"}).model.base_precision == "bf16"
+
+
 def test_fp8_bits_in_equal_the_files_bits(pairs):
     """Every FP8 tensor of ours holds the file's bits; the experts' gate and up scale rows in order (row_segments
     (F, F): 2 + 2 rows for F = 160); tensors the file keeps floating stay floating and equal."""
