@@ -288,6 +288,10 @@ REFUSALS = {
         lambda c: c["w_gate_up"].requires_grad_(),
         [r"w_gate_up: FP8 expert weights are frozen: requires_grad must be False"],
     ),
+    "scale_requires_grad": (
+        lambda c: c["down_scale_inv"].requires_grad_(),
+        [r"down_scale_inv: block scales are frozen: requires_grad must be False"],
+    ),
 }
 
 
