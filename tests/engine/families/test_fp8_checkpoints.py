@@ -34,7 +34,14 @@ from moe_tune.engine.model.model import build_model
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.ops.fp8 import dequantize_weight, quantize_weight
 
-from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_moe, tiny_qwen3_next, write_fp8_checkpoint
+from hf_tiny import (
+    save_tiny_checkpoint,
+    tiny_deepseek_v3,
+    tiny_qwen3_5_moe,
+    tiny_qwen3_moe,
+    tiny_qwen3_next,
+    write_fp8_checkpoint,
+)
 
 # The experts' gate projections x8: their SwiGLU runs in silu's curved range (pre-activations of order 1) and the
 # gate and up scale rows differ about 8x, so swapping them changes the expert outputs by far more than FP8 rounding
@@ -56,6 +63,15 @@ WIDE = {
                                             num_hidden_layers=2, n_routed_experts=4, n_group=2, topk_group=1,
                                             num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=128,
                                             kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
+    # The vision-language layout (model.language_model.*, a floating 1-block vision tower), text as qwen3_next's.
+    "qwen3_5_moe": lambda: tiny_qwen3_5_moe(hidden_size=128, num_hidden_layers=2, head_dim=32,
+                                            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                                            linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=64,
+                                            num_experts=4, moe_intermediate_size=128,
+                                            shared_expert_intermediate_size=160,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2],
+                                                             "mrope_interleaved": True}),
     # in_proj_qkvz's groups are [q 64 | k 64 | v 128 | z 128] rows: our q and k rows split its 128-row blocks.
     "qwen3_next_split": lambda: tiny_qwen3_next(hidden_size=128, num_hidden_layers=1, mlp_only_layers=[],
                                                 layer_types=["linear_attention"], linear_num_key_heads=2,
@@ -348,6 +364,21 @@ def test_align_on_fp8_checkpoints_passes_with_the_fp8_tolerances(pairs, name):
     assert report.tolerances == FP8_TOLERANCES
     assert report.passed, report.failures
     assert report.lora_grads
+
+
+def test_vision_language_fp8_checkpoint_with_the_config_under_text_config(pairs, tmp_path):
+    """qwen3_5_moe with quantization_config under text_config: an FP8 checkpoint all the same; the vision tower
+    stays floating (its rows exact), the language model FP8 within the FP8 tolerances."""
+    _, fp8 = pairs("qwen3_5_moe")
+    config = json.loads((fp8 / "config.json").read_text())
+    directory = _edited(fp8, tmp_path, config={"quantization_config": None,
+                                               "text_config": {**config["text_config"],
+                                                               "quantization_config": config["quantization_config"]}})
+    assert model_profile_from_checkpoint(directory)[2].base_precision == "fp8"
+    report = align_checkpoint(directory, pin_routing=True)
+    assert report.passed, report.failures
+    rows = {row.name: row.rel for row in report.layers}
+    assert rows["vision features"] < 1e-5 and rows["merged embeddings"] < 1e-5, rows
 
 
 def test_align_with_bf16_base_on_fp8_checkpoint_is_exact(pairs, monkeypatch):
