@@ -16,6 +16,7 @@ from torch import nn
 
 from moe_tune.engine.lora import inject_lora, load_adapter
 from moe_tune.engine.lora.experts import GroupedExpertsLoRA
+from moe_tune.engine.memory import attach_activation_memory
 from moe_tune.engine.model.attention import TOKEN_MIXERS
 from moe_tune.engine.model.blocks import SwiGLU, quantize_blocks
 from moe_tune.engine.model.fp8 import Fp8Linear, fp8_base_modules
@@ -23,7 +24,7 @@ from moe_tune.engine.model.model import build_model
 from moe_tune.engine.model.moe import GroupedExperts, expert_generator
 from moe_tune.ops.fp8 import fake_quantize_groups, quantize_weight
 from moe_tune.profiles import ProfileError, load_profile, validate_profile
-from moe_tune.profiles.schema import LoraProfile, ModelProfile
+from moe_tune.profiles.schema import LoraProfile, MemoryProfile, ModelProfile
 
 # A small model whose projections reach 128 wide (the rule's smallest FP8 dim) and whose narrower ones do not.
 WIDE = {
@@ -252,6 +253,46 @@ def test_fp8_modules_compute_their_dequantized_weights():
     weights = torch.rand(64, 2, generator=torch.Generator().manual_seed(2))
     y, twin = experts(x, ids, weights), experts.dequantized_twin()(x, ids, weights)
     assert (y - twin).norm() / twin.norm() < TWIN_TOLERANCE["experts"]
+
+
+def test_fp8_linear_backward_reads_the_parameters_as_they_are_then():
+    # ZeRO-3 releases a weight after forward and gathers it into new storage for backward: backward must read the
+    # parameter then (a backward that reads forward's storage kept it alive all along).
+    layer = Fp8Linear(256, 128, bias=False)
+    layer.quantize_from(torch.randn(128, 256))
+    x = torch.randn(4, 256, requires_grad=True)
+    y = layer(x)
+    bits, scale = layer.weight.data.clone(), layer.weight_scale_inv.data.clone()
+    layer.weight.data = torch.empty(0, dtype=torch.uint8)
+    layer.weight_scale_inv.data = torch.empty(0, dtype=torch.int32)
+    layer.weight.data, layer.weight_scale_inv.data = bits.flip(0), scale.flip(0)  # other bits in new storage
+    dy = torch.randn(4, 128)
+    y.backward(dy)
+    expected = fake_quantize_groups(dy) @ layer.dequantized()
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def memory_run(memory: MemoryProfile):
+    layers = [{"attention": "full", "mlp": "moe"}, {"attention": "linear", "mlp": "dense"}]
+    torch.manual_seed(0)
+    lora = LoraProfile(r=4, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj"])
+    model = inject_lora(build_model(wide_cfg(layers), memory.activation_checkpointing), lora)
+    attach_activation_memory(model, memory)
+    ids = torch.randint(0, 259, (1, 32), generator=torch.Generator().manual_seed(1))
+    out = model.train()(input_ids=ids, cu_seqlens=torch.tensor([0, 32], dtype=torch.int32), labels=ids)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("memory", [{"preset": "balanced"}, {"preset": "max-context"},
+                                    {"activation_checkpointing": True}], ids=str)  # fmt: skip
+def test_memory_policies_give_the_same_gradients_on_fp8(memory):
+    # Recomputed and offloaded layers over FP8 weights (whose saved weights are kept as parameters).
+    loss, grads = memory_run(MemoryProfile(**memory))
+    plain_loss, plain_grads = memory_run(MemoryProfile(preset="none"))
+    assert loss == plain_loss and grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], rtol=0, atol=0, msg=name)
 
 
 def test_lora_on_fp8_base_adapters_in_the_run_dtype(tmp_path):
