@@ -302,10 +302,26 @@ REFUSED_CONFIGS = {
     "static_activations": ({"quantization_config": {**FP8, "activation_scheme": "static"}},
                            r"activation_scheme \('static'\) is not read: must be 'dynamic'"),
     "ue8m0_scales": ({"quantization_config": {**FP8, "scale_fmt": "ue8m0"}}, r"scale_fmt \('ue8m0'\)"),
+    "fp4_experts": ({"quantization_config": {**FP8, "expert_dtype": "fp4"}}, r"expert_dtype \('fp4'\)"),
+    "e5m2_format": ({"quantization_config": {**FP8, "fmt": "e5m2"}}, r"fmt \('e5m2'\) is not read: must be 'e4m3'"),
+    "no_method": ({"quantization_config": {"weight_block_size": [128, 128]}}, r"quant_method \(null\)"),
     "not_an_object": ({"quantization_config": "fp8"}, r"quantization_config \('fp8'\) is not read: must be a JSON"),
     "under_text_config": ({"text_config": {"quantization_config": {**FP8, "weight_block_size": [64, 64]}}},
                           r"text_config\.quantization_config\.weight_block_size \(\[64, 64\]\)"),
 }
+
+
+@pytest.mark.parametrize("quantization_config", [
+    # DeepSeek-V3's and Qwen3's FP8 releases, as their config.json spell it.
+    {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "model.layers.1.mlp.gate"],
+     "quant_method": "fp8", "weight_block_size": [128, 128]},
+], ids=["deepseek_v3", "qwen3"])
+def test_published_fp8_configs_are_read(pairs, tmp_path, quantization_config):
+    _, fp8 = pairs("qwen3_moe")
+    directory = _edited(fp8, tmp_path, config={"quantization_config": quantization_config})
+    check_checkpoint(directory)
+    assert model_profile_from_checkpoint(directory)[2].base_precision == "fp8"
 
 
 @pytest.mark.parametrize("case", list(REFUSED_CONFIGS))
