@@ -6,6 +6,7 @@ H heads, C channels, W conv width.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -220,3 +221,40 @@ def quantize_blocks(w: torch.Tensor, row_segments: tuple[int, ...] | None = None
     scale_inv = amax.clamp(min=AMAX_FLOOR) / amax.new_full((), E4M3_MAX)
     w_q = (blocks / scale_inv[..., :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return w_q.reshape(w.shape), scale_inv
+
+
+@contextmanager
+def saved_as_parameters(*params: nn.Parameter):
+    """Within the block, a tensor autograd saves that is one of `params` under another dtype (an FP8 weight's
+    float8 view of its uint8 bits: a dtype view, which autograd does not track as a view of the parameter) is kept
+    as the parameter and viewed again when backward reads it; every other saved tensor goes to the hooks in force
+    around the block (engine/memory's tiering, activation checkpointing), as without it.
+
+    Under ZeRO-3 a kept view would hold the storage gathered for forward until backward (and never see the one
+    gathered for backward); engine/memory would take it for an activation and copy it to the host."""
+    # torch has no public getter for the hooks in force; this one private call reads them (as engine/memory does).
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t: torch.Tensor):
+        for param in params:
+            if t.shape == param.shape and t.numel() and t.data_ptr() == param.data_ptr():
+                return _ParameterView(param, t.dtype)
+        return outer_pack(t) if outer_pack is not None else t
+
+    def unpack(packed):
+        if isinstance(packed, _ParameterView):
+            return packed.param.view(packed.dtype)
+        return outer_unpack(packed) if outer_unpack is not None else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+class _ParameterView:
+    """A saved tensor kept as (parameter, dtype)."""
+
+    __slots__ = ("param", "dtype")
+
+    def __init__(self, param: nn.Parameter, dtype: torch.dtype):
+        self.param, self.dtype = param, dtype

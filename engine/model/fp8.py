@@ -20,7 +20,7 @@ from torch import nn
 from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, fp8_linear, num_blocks
 
 from .attention import TOKEN_MIXERS
-from .blocks import SwiGLU, quantize_blocks
+from .blocks import SwiGLU, quantize_blocks, saved_as_parameters
 from .moe import GroupedExperts
 
 # Storage dtypes of the FP8 weight's bits and of its fp32 scales' bits (never cast by mixed precision).
@@ -101,25 +101,9 @@ class Fp8Linear(nn.Linear):
         return dequantize_weight(*self.fp8_tensors(), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # What fp8_linear saves for backward (its weight and scale views) is kept as the parameters and viewed again
-        # in backward: a saved view would hold the storage ZeRO-3 gathered for forward until backward, and miss the
-        # one it gathers for backward.
-        with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+        # fp8_linear saves its weight and scale views: kept as the parameters (ZeRO-3 regathers them for backward).
+        with saved_as_parameters(self.weight, self.weight_scale_inv):
             return fp8_linear(x, *self.fp8_tensors(), self.bias)
-
-    def _pack_saved(self, t: torch.Tensor):
-        # A dtype view is no autograd view (no _base): it is the parameter's memory under another dtype.
-        for param in (self.weight, self.weight_scale_inv):
-            if t.shape == param.shape and t.numel() and t.data_ptr() == param.data_ptr():
-                return (param, t.dtype)
-        return t
-
-    @staticmethod
-    def _unpack_saved(packed):
-        if isinstance(packed, tuple):
-            param, dtype = packed
-            return param.view(dtype)
-        return packed
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8"

@@ -15,7 +15,7 @@ from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, num_blocks
 from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.profiles.schema import MoESpec
 
-from .blocks import SwiGLU, quantize_blocks
+from .blocks import SwiGLU, quantize_blocks, saved_as_parameters
 
 
 def expert_generator(*key: int) -> torch.Generator:
@@ -147,9 +147,12 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         if self.fp8:
             w_gate_up, gate_up_scale_inv, w_down, down_scale_inv = self.fp8_tensors()
-            return moe_mlp(x_TD, topk_ids, topk_weights, w_gate_up, w_down, lora=lora, b_gate_up=self.b_gate_up,
-                           b_down=self.b_down, clamped_swiglu=self.clamped_swiglu,
-                           gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv)  # fmt: skip
+            # The kernels save the weights' float8 views: kept as the parameters (ZeRO-3 regathers them for backward;
+            # engine/memory never takes them for activations).
+            with saved_as_parameters(self.w_gate_up, self.w_gate_up_scale_inv, self.w_down, self.w_down_scale_inv):
+                return moe_mlp(x_TD, topk_ids, topk_weights, w_gate_up, w_down, lora=lora, b_gate_up=self.b_gate_up,
+                               b_down=self.b_down, clamped_swiglu=self.clamped_swiglu,
+                               gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv)  # fmt: skip
         return moe_mlp(x_TD, topk_ids, topk_weights, self.w_gate_up, self.w_down, lora=lora, b_gate_up=self.b_gate_up,
                        b_down=self.b_down, clamped_swiglu=self.clamped_swiglu)
 

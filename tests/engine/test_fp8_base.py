@@ -18,11 +18,11 @@ from moe_tune.engine.lora import inject_lora, load_adapter
 from moe_tune.engine.lora.experts import GroupedExpertsLoRA
 from moe_tune.engine.memory import attach_activation_memory
 from moe_tune.engine.model.attention import TOKEN_MIXERS
-from moe_tune.engine.model.blocks import SwiGLU, quantize_blocks
+from moe_tune.engine.model.blocks import SwiGLU, quantize_blocks, saved_as_parameters
 from moe_tune.engine.model.fp8 import Fp8Linear, fp8_base_modules
 from moe_tune.engine.model.model import build_model
 from moe_tune.engine.model.moe import GroupedExperts, expert_generator
-from moe_tune.ops.fp8 import fake_quantize_groups, quantize_weight
+from moe_tune.ops.fp8 import FP8_DTYPE, fake_quantize_groups, quantize_weight
 from moe_tune.profiles import ProfileError, load_profile, validate_profile
 from moe_tune.profiles.schema import LoraProfile, MemoryProfile, ModelProfile
 
@@ -270,6 +270,39 @@ def test_fp8_linear_backward_reads_the_parameters_as_they_are_then():
     y.backward(dy)
     expected = fake_quantize_groups(dy) @ layer.dequantized()
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+class _ScaleByBits(torch.autograd.Function):
+    """y = x * w (w an FP8 view): saves w and x, as the FP8 kernels save their weight views and inputs."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w.float()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy * w.float(), None
+
+
+def test_saved_as_parameters_keeps_weights_and_hands_the_rest_on():
+    bits = nn.Parameter(torch.full((4, 128), 0.5).to(FP8_DTYPE).view(torch.uint8), requires_grad=False)
+    x = torch.randn(4, 128, requires_grad=True)
+    seen = []
+
+    def outer_pack(t):
+        seen.append(t)
+        return ("outer", t)
+
+    with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda packed: packed[1]):
+        with saved_as_parameters(bits):
+            y = _ScaleByBits.apply(x, bits.view(FP8_DTYPE))
+    # The activation reached the hooks around the block (engine/memory, checkpointing); the weight view did not.
+    assert len(seen) == 1 and seen[0] is x
+    bits.data = torch.full((4, 128), 2.0).to(FP8_DTYPE).view(torch.uint8)  # regathered into new storage
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((4, 128), 2.0))
 
 
 def memory_run(memory: MemoryProfile):
