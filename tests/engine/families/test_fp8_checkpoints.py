@@ -532,3 +532,26 @@ def test_align_cli_on_fp8_checkpoints(pairs, tmp_path):
     assert result.exit_code == 2 and "Traceback" not in result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "quantization_config.weight_block_size ([64, 64]) is not read" in lines[0], lines
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_next", "deepseek_v3", "qwen3_5_moe"])
+def test_fp8_tensors_stand_for_the_weights_read_dequantized(pairs, name):
+    """Every FP8 tensor of ours (bits and scale rows, whatever recipe took it: whole, grouped rows, stacked experts)
+    dequantizes to exactly what the same checkpoint loads as with base_precision bf16."""
+    from moe_tune.engine.model.fp8 import Fp8Linear
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    _, fp8 = pairs(name)
+    ours, _ = _load(fp8, "fp8")
+    floating = dict(_load(fp8, "bf16")[0].named_parameters())
+    checked = 0
+    for module_name, module in ours.named_modules():
+        if isinstance(module, Fp8Linear):
+            assert torch.equal(module.dequantized(), floating[f"{module_name}.weight"]), module_name
+            checked += 1
+        elif isinstance(module, GroupedExperts) and module.fp8:
+            twin = module.dequantized_twin()
+            for param in ("w_gate_up", "w_down"):
+                assert torch.equal(getattr(twin, param), floating[f"{module_name}.{param}"]), (module_name, param)
+            checked += 1
+    assert checked >= 8
