@@ -1,7 +1,9 @@
 """Reading a Hugging Face checkpoint directory: config.json and safetensors shards, one tensor at a time.
 
 Only safetensors are read (never pickles). Tensors are opened lazily, so a rank reads only what it loads: its
-local experts, and each dense tensor as it is copied in.
+local experts, and each dense tensor as it is copied in. FP8 checkpoints (float8_e4m3fn `<name>` with fp32
+`<name>_scale_inv` blocks) are checked from the headers (fp8_tensor_problems) and read through WeightGetter: as
+stored for our FP8 tensors, dequantized for our floating ones.
 """
 
 from __future__ import annotations
