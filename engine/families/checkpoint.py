@@ -260,7 +260,7 @@ def fp8_tensor_problems(reader: CheckpointReader, is_fp8: bool) -> list[str]:
             if weight not in reader:
                 report(key, f"is a block scale without its weight {weight}")
             elif dtype not in SCALE_STORED:
-                report(key, f"is {dtype}: block scales must be floating point (F32)")
+                report(key, f"is {dtype}: block scales must be F32 (or BF16, F16)")
             continue
         if not dtype.startswith("F8") and key + SCALE_SUFFIX not in reader:
             continue

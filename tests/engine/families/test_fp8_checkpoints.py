@@ -347,7 +347,9 @@ REFUSED_TENSORS = {
     "scale_without_weight": (lambda t: t.update({"model.layers.0.self_attn.x_proj.weight_scale_inv": torch.ones(1, 1)}),
                              r"x_proj\.weight_scale_inv is a block scale without its weight"),
     "integer_scale": (lambda t: t.update({Q + "_scale_inv": torch.ones(1, 1, dtype=torch.int32)}),
-                      r"is I32: block scales must be floating point"),
+                      r"is I32: block scales must be F32 \(or BF16, F16\)"),
+    "e8m0_scale": (lambda t: t.update({Q + "_scale_inv": torch.ones(1, 1).to(torch.float8_e8m0fnu)}),
+                   r"is F8_E8M0: block scales must be F32"),
 }
 
 
