@@ -198,6 +198,7 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                     continue
                 _copy_into(target, w_q, name, problems)
                 _copy_into(scale_target, scale, name + SCALE_SUFFIX, problems)
+        problems += get.problems
         if check_unread:
             ignore = tuple(getattr(family, "ignored_key_prefixes", ()))
             if cfg.tie_word_embeddings:

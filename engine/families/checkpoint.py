@@ -291,6 +291,8 @@ class WeightGetter:
         self.reader = reader
         # Keys of the FP8 weights read dequantized, in order (the loader notes a requantized one).
         self.dequantized: list[str] = []
+        # One line per scale tensor holding a non-finite value (the loader reports them with its own).
+        self.problems: list[str] = []
 
     def is_fp8(self, key: str) -> bool:
         return key + SCALE_SUFFIX in self.reader
@@ -318,7 +320,7 @@ class WeightGetter:
             raise KeyError(key)
         if not self.is_fp8(key):
             return None
-        return self.reader.get(key), self.reader.get(key + SCALE_SUFFIX).float()
+        return self.reader.get(key), self._checked_scale(key, self.reader.get(key + SCALE_SUFFIX))
 
     def fp8_rows(self, key: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """fp8() of rows [start, stop) of the first dim (one rank's experts of a fused [E, O, I] tensor)."""
@@ -326,8 +328,17 @@ class WeightGetter:
             raise KeyError(key)
         if not self.is_fp8(key):
             return None
-        scale = self.reader.rows(key + SCALE_SUFFIX, start, stop).float()
+        scale = self._checked_scale(key, self.reader.rows(key + SCALE_SUFFIX, start, stop))
         return self.reader.rows(key, start, stop), scale
+
+    def _checked_scale(self, key: str, scale: torch.Tensor) -> torch.Tensor:
+        scale = scale.float()
+        if not torch.isfinite(scale).all():
+            line = (f"{self.reader.file_of(key + SCALE_SUFFIX)}: tensor {key + SCALE_SUFFIX} holds non-finite block "
+                    "scales (inf or nan): the weight it scales has no value")
+            if line not in self.problems:
+                self.problems.append(line)
+        return scale
 
 
 def _dequantize(w_q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

@@ -366,6 +366,18 @@ def test_broken_fp8_tensors_are_refused_before_loading(pairs, tmp_path, case):
         assert re.search(line, err.value.problems[0]), err.value.problems[0]
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("base", ["fp8", "bf16"])
+def test_non_finite_scales_are_refused_at_load(pairs, tmp_path, value, base):
+    key = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    _, fp8 = pairs("qwen3_moe")
+    directory = _edited(fp8, tmp_path, tensors=lambda t: t[key].view(-1).__setitem__(1, value))
+    with pytest.raises(UnsupportedModel) as err:
+        _load(directory, base)
+    assert err.value.problems == [f"{directory / 'model.safetensors'}: tensor {key} holds non-finite block scales "
+                                  "(inf or nan): the weight it scales has no value"]
+
+
 def test_fp8_tensors_without_an_fp8_config_are_refused(pairs, tmp_path):
     _, fp8 = pairs("qwen3_moe")
     directory = _edited(fp8, tmp_path, config={"quantization_config": None})
