@@ -206,6 +206,11 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# The bits of fp32 1.0, the unit scale of an FP8 weight before its init or checkpoint: built as an int32 tensor,
+# since zero.Init casts every floating tensor a constructor makes to the run's dtype (fp32 ones would become bf16).
+FP32_ONE_BITS = 0x3F800000
+
+
 def quantize_blocks(w: torch.Tensor, row_segments: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.fp8.quantize_weight(w, row_segments), bit for bit, about 8x faster when every row segment and the column
     dim are multiples of 128 (the blocks are then a reshape: no scatter, no full-size scale tensor); the random init

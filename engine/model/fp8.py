@@ -20,7 +20,7 @@ from torch import nn
 from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, fp8_linear, num_blocks
 
 from .attention import TOKEN_MIXERS
-from .blocks import SwiGLU, quantize_blocks, saved_as_parameters
+from .blocks import FP32_ONE_BITS, SwiGLU, quantize_blocks, saved_as_parameters
 from .moe import GroupedExperts
 
 # Storage dtypes of the FP8 weight's bits and of its fp32 scales' bits (never cast by mixed precision).
@@ -57,7 +57,7 @@ class Fp8Linear(nn.Linear):
             torch.zeros(out_features, in_features, dtype=WEIGHT_BITS_DTYPE, device=device), requires_grad=False
         )
         self.weight_scale_inv = nn.Parameter(
-            scale_bits(torch.ones(rows, cols, dtype=torch.float32, device=device)).clone(), requires_grad=False
+            torch.full((rows, cols), FP32_ONE_BITS, dtype=SCALE_BITS_DTYPE, device=device), requires_grad=False
         )
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))

@@ -15,7 +15,7 @@ from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, num_blocks
 from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.profiles.schema import MoESpec
 
-from .blocks import SwiGLU, quantize_blocks, saved_as_parameters
+from .blocks import FP32_ONE_BITS, SwiGLU, quantize_blocks, saved_as_parameters
 
 
 def expert_generator(*key: int) -> torch.Generator:
@@ -159,7 +159,7 @@ class GroupedExperts(nn.Module):
 
 def _unit_scale_bits(*shape: int) -> torch.Tensor:
     """int32 [*shape]: the bits of fp32 ones (unit scales until the init or a checkpoint writes them)."""
-    return torch.ones(shape, dtype=torch.float32).view(torch.int32)
+    return torch.full(shape, FP32_ONE_BITS, dtype=torch.int32)
 
 
 class MoEBlock(nn.Module):

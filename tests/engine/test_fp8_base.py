@@ -469,52 +469,69 @@ def lora_grads(model: nn.Module, full_grad) -> dict[str, torch.Tensor]:
     return {n: full_grad(p).float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def zero3_rank(result: str) -> None:
-    """One rank: the model built partitioned under zero.Init (as checkpoint runs build it), its weights written as a
-    checkpoint loader writes them, LoRA, a ZeRO-3 engine; one forward and backward on this rank's row; the loss, the
-    full LoRA gradients and the gathered FP8 bits on rank 0."""
+def zero3_engine(precision: str, world_size: int, out: str):
+    """A ZeRO-3 engine over the model built partitioned under zero.Init (as checkpoint runs build it), its weights
+    written as a checkpoint loader writes them (reference_state), LoRA seeded alike on every rank; and the names of
+    the dense FP8 weights zero.Init partitioned."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import set_z3_leaf_modules
 
     from moe_tune.engine.parallel.expert_parallel import create_expert_layout
-    from moe_tune.engine.train.distributed import init_distributed
     from moe_tune.engine.train.ds_config import deepspeed_config
     from moe_tune.engine.train.trainer import build_partitioned
 
-    torch.set_num_threads(1)
-    dist = init_distributed("gloo", 120)
-    profile = zero_profile("fp32", 3, os.path.dirname(result))
-    ds_config = deepspeed_config(profile, dist.world_size)
-    layout = create_expert_layout(1, dist.world_size)
-    model = build_partitioned(profile.model, ds_config, False, layout)
+    profile = zero_profile(precision, 3, out)
+    ds_config = deepspeed_config(profile, world_size)
+    model = build_partitioned(profile.model, ds_config, False, create_expert_layout(1, world_size))
     partitioned = [n for n, p in model.named_parameters() if p.dtype == torch.uint8 and hasattr(p, "ds_id")]
     state = reference_state()
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if dist.rank == 0 or not hasattr(param, "ds_id"):
+            if torch.distributed.get_rank() == 0 or not hasattr(param, "ds_id"):
                 param.data.copy_(state[name])
     torch.manual_seed(11)
     model = inject_lora(model, LoraProfile(**ZERO_LORA))
-    from deepspeed.utils import set_z3_leaf_modules
-
     set_z3_leaf_modules(model, [GroupedExpertsLoRA])
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=0.0), config=ds_config,
                                       dist_init_required=False)  # fmt: skip
-    row = zero_rows(dist.world_size)[dist.rank]
-    out = engine(input_ids=row, cu_seqlens=torch.tensor([0, ROW], dtype=torch.int32), labels=row,
-                 loss_denominator=float(ROW))  # fmt: skip
-    engine.backward(out.loss)
-    grads = lora_grads(engine.module, safe_get_full_grad)
-    loss = out.lm_loss.detach().clone()
-    torch.distributed.all_reduce(loss)
+    return engine, partitioned
+
+
+def gathered_bits(module: nn.Module) -> dict[str, torch.Tensor]:
+    import deepspeed
+
     bits = {}
-    for name, param in engine.module.named_parameters():
+    for name, param in module.named_parameters():
         if param.dtype in (torch.uint8, torch.int32):
             with deepspeed.zero.GatheredParameters([param]):
                 bits[name.replace("base_model.model.", "").replace(".base_layer", "")] = param.detach().clone()
+    return bits
+
+
+def zero3_rank(result: str) -> None:
+    """One rank: a ZeRO-3 engine in fp32, then one in bf16 (zero3_engine); one forward and backward on this rank's
+    row in each; on rank 0 the fp32 loss and full LoRA gradients, and the gathered FP8 bits of both."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from moe_tune.engine.train.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    dist = init_distributed("gloo", 120)
+    row = zero_rows(dist.world_size)[dist.rank]
+    saved = {}
+    for precision in ("fp32", "bf16"):
+        engine, partitioned = zero3_engine(precision, dist.world_size, os.path.dirname(result))
+        out = engine(input_ids=row, cu_seqlens=torch.tensor([0, ROW], dtype=torch.int32), labels=row,
+                     loss_denominator=float(ROW))  # fmt: skip
+        engine.backward(out.loss)
+        grads = lora_grads(engine.module, safe_get_full_grad)
+        loss = out.lm_loss.detach().float().clone()
+        torch.distributed.all_reduce(loss)
+        saved[precision] = {"loss": loss, "grads": grads, "bits": gathered_bits(engine.module),
+                            "partitioned": partitioned}  # fmt: skip
     if dist.rank == 0:
-        torch.save({"loss": loss, "grads": grads, "bits": bits, "partitioned": partitioned}, result)
+        torch.save(saved, result)
 
 
 def test_zero3_two_ranks_keep_the_bits_and_equal_one_process(tmp_path):
@@ -525,7 +542,8 @@ def test_zero3_two_ranks_keep_the_bits_and_equal_one_process(tmp_path):
     proc = subprocess.run([sys.executable, __file__, str(result), str(free_port())], env=env, capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = torch.load(result, weights_only=True)
+    both = torch.load(result, weights_only=True)
+    got = both["fp32"]
     # The dense FP8 linears were partitioned by zero.Init (experts are rebuilt outside it, as in training).
     assert any("q_proj" in n for n in got["partitioned"])
 
@@ -548,6 +566,12 @@ def test_zero3_two_ranks_keep_the_bits_and_equal_one_process(tmp_path):
     assert got["bits"].keys() == {n for n, t in state.items() if t.dtype in (torch.uint8, torch.int32)}
     for name, bits in got["bits"].items():
         assert bits.dtype == state[name].dtype and torch.equal(bits, state[name]), name
+    # The bf16 engine: adapters and their gradients in bf16, the FP8 bits through zero.Init, the cast and a gather
+    # unchanged.
+    bf16 = both["bf16"]
+    assert torch.isfinite(bf16["loss"]) and bf16["grads"].keys() == expected.keys()
+    assert bf16["bits"].keys() == got["bits"].keys() and bf16["partitioned"] == got["partitioned"]
+    assert all(torch.equal(bits, state[name]) for name, bits in bf16["bits"].items())
 
 
 def test_bf16_engine_keeps_the_bits(tmp_path):
