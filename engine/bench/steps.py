@@ -84,7 +84,8 @@ class StepRunner:
         layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
         check_cuda_graphs(profile, self.dist.device.type, layout.ep_size)
         ds_config = deepspeed_config(profile, self.dist.world_size)
-        model, trainable = build_trainable_model(profile, layout, ds_config)
+        init_device = self.dist.device if self.dist.device.type == "cuda" else None
+        model, trainable = build_trainable_model(profile, layout, ds_config, init_device)
         self.activation_memory = find_activation_memory(model)
         optimizer = torch.optim.AdamW(
             trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False

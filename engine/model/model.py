@@ -5,6 +5,8 @@ Shapes: T packed tokens in one row [1, T] (documents separated by cu_seqlens [N 
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -77,11 +79,24 @@ def run_decoder_layer(model: nn.Module, index: int, layer: nn.Module, x: torch.T
     return manager.run_layer(index, layer, x, batch)
 
 
+def cast_float_parameters(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Cast `module`'s floating parameters to `dtype` in place (None: leave them); FP8 bits and buffers stay."""
+    if dtype is None:
+        return
+    for param in module.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 class MoECausalLM(nn.Module):
     """Decoder-only language model over packed rows. `forward(input_ids, cu_seqlens, labels)`."""
 
     def __init__(
-        self, cfg: ModelProfile, activation_checkpointing: bool = False, expert_layout: ExpertLayout | None = None
+        self,
+        cfg: ModelProfile,
+        activation_checkpointing: bool = False,
+        expert_layout: ExpertLayout | None = None,
+        param_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -95,6 +110,7 @@ class MoECausalLM(nn.Module):
                 # Layer by layer, so no more than one layer's float projections exist at a time (the routed experts
                 # are built FP8 already).
                 convert_to_fp8(layer, f"layers.{i}.")
+            cast_float_parameters(layer, param_dtype)
             self.layers.append(layer)
         # With hyper-connections the final norm is the streams' mixer: it norms every stream and merges them.
         self.norm = (
@@ -106,6 +122,7 @@ class MoECausalLM(nn.Module):
         self.vision = VisionTower(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        cast_float_parameters(self, param_dtype)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -117,7 +134,9 @@ class MoECausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Fp8Linear):
                 # The float layer's numbers (the same draws from the same generator), quantized.
-                module.quantize_from(torch.empty(module.out_features, module.in_features).normal_(0.0, std))
+                draw = torch.empty(module.out_features, module.in_features,
+                                   device=module.weight.device if module.weight.is_cuda else None)
+                module.quantize_from(draw.normal_(0.0, std))
                 if module.bias is not None:
                     module.bias.zero_()
             elif isinstance(module, (nn.Linear, nn.Embedding)):
@@ -244,8 +263,16 @@ def plain_linear_head(head: nn.Module) -> nn.Linear | None:
 
 
 def build_model(
-    cfg: ModelProfile, activation_checkpointing: bool = False, expert_layout: ExpertLayout | None = None
+    cfg: ModelProfile,
+    activation_checkpointing: bool = False,
+    expert_layout: ExpertLayout | None = None,
+    device: torch.device | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> MoECausalLM:
-    model = MoECausalLM(cfg, activation_checkpointing, expert_layout)
-    model.reset_parameters()
+    """The model with its random init. `device` (default the CPU) builds and draws it there; `param_dtype` (default
+    fp32) casts its floating parameters, layer by layer as they are built (buffers keep their dtypes, as in
+    DeepSpeed's cast), so a 30B-80B model never exists in fp32 whole."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = MoECausalLM(cfg, activation_checkpointing, expert_layout, param_dtype)
+        model.reset_parameters()
     return model

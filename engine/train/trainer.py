@@ -163,9 +163,18 @@ def check_world(profile: JobProfile, world_size: int) -> None:
         raise ProfileError(problems)
 
 
-def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = None, ds_config: dict | None = None):
+def build_trainable_model(
+    profile: JobProfile,
+    layout: ExpertLayout | None = None,
+    ds_config: dict | None = None,
+    init_device: torch.device | None = None,
+):
     """The model with LoRA injected (or all weights trainable), and its trainable parameters; routed experts are
     tagged for their expert-data-parallel group when spread over several ranks.
+
+    `init_device` (a CUDA device, or None for the CPU): where a checkpoint-less model is built and drawn, in the
+    training dtype. `moe-tune profile` draws on the GPU (a 30B-80B model's init takes minutes on the CPU); finetune,
+    export and generate draw on the CPU, so a run's export rebuilds the same initial weights anywhere.
 
     A model read from a checkpoint under ZeRO-3 (`ds_config` given) is built partitioned: no rank ever holds the
     whole model (see build_partitioned), and the weights stream in one tensor at a time."""
@@ -185,7 +194,8 @@ def build_trainable_model(profile: JobProfile, layout: ExpertLayout | None = Non
         # Each rank reads only its own experts; unread tensors can be reported only when one rank reads them all.
         load_checkpoint_weights(model, cfg, check_unread=layout is None or layout.ep_size == 1)
     else:
-        model = build_model(cfg, profile.memory.activation_checkpointing, layout)
+        dtype = (torch.bfloat16 if profile.train.precision == "bf16" else torch.float32) if init_device else None
+        model = build_model(cfg, profile.memory.activation_checkpointing, layout, init_device, dtype)
     if not profile.lora.enabled:
         from moe_tune.engine.lora import freeze_vision_parts
 

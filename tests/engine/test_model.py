@@ -145,3 +145,22 @@ def test_capacity_factor_drops_latest_slots_and_counts_them():
     assert block.dropped_slots.item() == 6
     torch.testing.assert_close(y[0, :2], y_all[0, :2])
     torch.testing.assert_close(y[0, 2:], torch.zeros_like(y[0, 2:]))
+
+
+@pytest.mark.parametrize("base_precision", ["bf16", "fp8"])
+def test_build_in_the_training_dtype_casts_parameters_not_buffers(base_precision):
+    # moe-tune profile builds 30B-80B models in bf16 layer by layer; buffers (rotary frequencies, expert loads) keep
+    # their fp32 as DeepSpeed's cast keeps them, and FP8 bits stay integers.
+    cfg = load_profile("profiles/tiny.yaml").model.model_copy(update={"base_precision": base_precision})
+    reference = build_model(cfg)
+    model = build_model(cfg, param_dtype=torch.bfloat16)
+    for (name, param), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        expected = torch.bfloat16 if ref.is_floating_point() else ref.dtype
+        assert param.dtype == expected, name
+    assert [b.dtype for b in model.buffers()] == [b.dtype for b in reference.buffers()]
+    assert any(b.dtype == torch.float32 for b in model.buffers())
+    batch = torch.randint(0, cfg.vocab_size, (1, 64))
+    cu_seqlens = torch.tensor([0, 40, 64], dtype=torch.int32)
+    with torch.no_grad():
+        loss = model(batch, cu_seqlens, labels=batch).loss
+    assert torch.isfinite(loss)
