@@ -279,8 +279,14 @@ def build_transformers_model(job: JobProfile, device: torch.device):
             use_safetensors=True,
         ).to(device)
     else:
+        # Built in the training dtype, as a user would (from_config with a dtype): built in fp32 and cast, a 30B
+        # model would need 1.5x its bf16 size on the device.
         with torch.device(device):
-            model = model_class(transformers.AutoConfig.for_model(model_type, **config)).to(dtype)
+            model = transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.for_model(model_type, **config), dtype=dtype
+            )
+        if type(model) is not model_class:
+            raise RuntimeError(f"transformers built {type(model).__name__} for {model_type}, not {model_class.__name__}")
     if job.lora.enabled:
         model = _with_lora(model, job, model_type)
     model.train()
