@@ -79,6 +79,15 @@ def run_decoder_layer(model: nn.Module, index: int, layer: nn.Module, x: torch.T
     return manager.run_layer(index, layer, x, batch)
 
 
+def draw_normal_(weight: torch.Tensor, std: float) -> None:
+    """normal(0, std) drawn in fp32 from the default generator (in place when the weight is fp32): a weight built in
+    bf16 holds the fp32 draws rounded once, the numbers its FP8 twin quantizes."""
+    if weight.dtype == torch.float32:
+        nn.init.normal_(weight, std=std)
+    else:
+        weight.copy_(torch.empty(weight.shape, device=weight.device).normal_(0.0, std))
+
+
 def cast_float_parameters(module: nn.Module, dtype: torch.dtype | None) -> None:
     """Cast `module`'s floating parameters to `dtype` in place (None: leave them); FP8 bits and buffers stay."""
     if dtype is None:
@@ -140,7 +149,7 @@ class MoECausalLM(nn.Module):
                 if module.bias is not None:
                     module.bias.zero_()
             elif isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
+                draw_normal_(module.weight, std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):

@@ -137,7 +137,11 @@ class GroupedExperts(nn.Module):
             # Drawn in place (no temporaries: bench-qwen3-next builds in 34 s instead of 50 on 2 cores), the same
             # numbers as randn(...) * std.
             for weight in (self.w_gate_up.detach()[i], self.w_down.detach()[i]):
-                torch.randn(weight.shape, generator=gen, out=weight).mul_(std)
+                if weight.dtype == torch.float32:
+                    torch.randn(weight.shape, generator=gen, out=weight).mul_(std)
+                else:
+                    # Built in bf16: the fp32 draws rounded once, the numbers an FP8 base quantizes.
+                    weight.copy_(torch.randn(weight.shape, generator=gen, device=device).mul_(std))
         if self.has_bias:
             self.b_gate_up.zero_()
             self.b_down.zero_()

@@ -164,3 +164,42 @@ def test_build_in_the_training_dtype_casts_parameters_not_buffers(base_precision
     with torch.no_grad():
         loss = model(batch, cu_seqlens, labels=batch).loss
     assert torch.isfinite(loss)
+
+
+def test_bf16_and_fp8_builds_hold_the_same_draws():
+    # The fp8-vs-bf16 base comparisons on real shapes start from one set of numbers: the bf16 base holds the fp32
+    # draws rounded, the FP8 base quantizes them.
+    from moe_tune.engine.model.fp8 import Fp8Linear
+    from moe_tune.engine.model.moe import GroupedExperts
+
+    cfg = load_profile("profiles/tiny.yaml").model.model_copy(update={"hidden_size": 128, "base_precision": "fp8"})
+    fp32 = build_model(cfg.model_copy(update={"base_precision": "bf16"}))
+    bf16 = build_model(cfg.model_copy(update={"base_precision": "bf16"}), param_dtype=torch.bfloat16)
+    fp8 = build_model(cfg, param_dtype=torch.bfloat16)
+    modules32, modules16 = dict(fp32.named_modules()), dict(bf16.named_modules())
+    for name, module in bf16.named_modules():
+        if isinstance(module, (torch.nn.Linear, GroupedExperts)):
+            for pname, param in module.named_parameters(recurse=False):
+                assert torch.equal(getattr(modules32[name], pname).to(torch.bfloat16), param), f"{name}.{pname}"
+    params16 = dict(bf16.named_parameters())
+    for name, param in fp8.named_parameters():
+        if param.is_floating_point():
+            assert torch.equal(param, params16[name]), name
+    checked = 0
+    for name, module in fp8.named_modules():
+        if isinstance(module, Fp8Linear):
+            assert torch.equal(module.dequantized(), _requantized(modules32[name].weight)), name
+            checked += 1
+        elif isinstance(module, GroupedExperts) and module.fp8:
+            twin = module.dequantized_twin()
+            ref = modules32[name]
+            expected = _requantized(ref.w_gate_up.detach(), module.gate_up_segments)
+            assert torch.equal(twin.w_gate_up, expected), name
+            checked += 1
+    assert checked > 0
+
+
+def _requantized(weight, row_segments=None):
+    from moe_tune.ops.fp8 import dequantize_weight, quantize_weight
+
+    return dequantize_weight(*quantize_weight(weight.detach().float(), row_segments), row_segments)
