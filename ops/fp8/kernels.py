@@ -86,7 +86,7 @@ def _round_to_e4m3(v):
 def _quantize_groups_kernel(
     x_ptr, q_ptr, scale_ptr, group_cols_ptr,
     M, K, stride_scale_m, stride_scale_g,
-    HAS_SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, ROUND_IN_FP32: tl.constexpr,
 ):  # fmt: skip
     group = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,7 +104,11 @@ def _quantize_groups_kernel(
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, SCALE_FLOOR), QUANT_MAX)
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QUANT_MAX, QUANT_MAX)
-    tl.store(q_ptr + offsets, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
+    # The GPU's conversion rounds to nearest even as the reference does; the interpreter's needs the rounding done
+    # first.
+    if ROUND_IN_FP32:
+        q = _round_to_e4m3(q)
+    tl.store(q_ptr + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows.to(tl.int64) * stride_scale_m + group * stride_scale_g, scale, mask=row_mask)
 
 
@@ -137,7 +141,8 @@ def _quantize_groups(
     grid = (triton.cdiv(num_rows, QUANT_BLOCK_M), num_groups)
     _quantize_groups_kernel[grid](
         x, x_q, scale, group_cols, num_rows, size, scale.stride(0), scale.stride(1),
-        HAS_SEGMENTS=segments is not None, BLOCK_M=QUANT_BLOCK_M, GROUP=BLOCK, num_warps=QUANT_NUM_WARPS,
+        HAS_SEGMENTS=segments is not None, BLOCK_M=QUANT_BLOCK_M, GROUP=BLOCK, ROUND_IN_FP32=triton_interpreting(),
+        num_warps=QUANT_NUM_WARPS,
     )  # fmt: skip
     return x_q, scale
 
