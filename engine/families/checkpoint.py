@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import stat
-from contextlib import ExitStack
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from .base import FP8_RULE, UnsupportedModel, key_pattern, show
 
@@ -109,8 +109,6 @@ class CheckpointReader:
     there. All problems are raised together, one line each."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         self.directory = Path(directory)
         roots = weight_roots(self.directory)
         index = self.directory / INDEX_NAME
@@ -152,22 +150,29 @@ class CheckpointReader:
                 problems.append(f"{self.directory}: no *.safetensors weights")
         if problems:
             raise UnsupportedModel(problems)
-        self._stack = ExitStack()
+        self._paths = files
         self._handles = {}
         for name, path in files.items():
             try:
-                self._handles[name] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+                self._handles[name] = safe_open(str(path), framework="pt").__enter__()
             except Exception as err:  # safetensors raises its own error types for truncated or foreign files
                 problems.append(f"{self.directory / name}: not a readable safetensors file ({show(str(err))})")
         if weight_map and not problems:
             problems += self._check_index(index, weight_map)
         if problems:
-            self._stack.close()
+            self.close()
             raise UnsupportedModel(problems)
         if not weight_map:
             weight_map = {key: name for name, handle in self._handles.items() for key in handle.keys()}
         self._where = weight_map
         self.read: set[str] = set()
+        # The keys of each shard not read yet, and the shard read last: a shard whose every key has been read is
+        # closed once reading moves on to another, so its mapped pages leave the process's memory (a checkpoint read
+        # in order holds about one shard mapped, not all of them).
+        self._unread_in: dict[str, set[str]] = {}
+        for key, name in weight_map.items():
+            self._unread_in.setdefault(name, set()).add(key)
+        self._current: str | None = None
 
     @staticmethod
     def _read_index(index: Path) -> dict[str, Any]:
@@ -194,11 +199,30 @@ class CheckpointReader:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
+    def _handle(self, key: str, is_read: bool = True):
+        """The open shard holding `key` (reopened if it was released); with is_read, `key` counts as read."""
+        name = self._where[key]
+        if name != self._current:
+            last = self._current
+            if last is not None and not self._unread_in.get(last) and last in self._handles:
+                self._handles.pop(last).__exit__(None, None, None)
+            self._current = name
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self._paths[name]), framework="pt").__enter__()
+        if is_read:
+            self.read.add(key)
+            self._unread_in[name].discard(key)
+        return self._handles[name]
+
+    @property
+    def open_shards(self) -> list[str]:
+        """The shards held open (mapped) now."""
+        return sorted(self._handles)
+
     def get(self, key: str) -> torch.Tensor:
         if key not in self._where:
             raise KeyError(key)
-        self.read.add(key)
-        return self._handles[self._where[key]].get_tensor(key)
+        return self._handle(key).get_tensor(key)
 
     __call__ = get  # the reader is the TensorGetter recipes call
 
@@ -207,15 +231,14 @@ class CheckpointReader:
         fused expert tensor)."""
         if key not in self._where:
             raise KeyError(key)
-        self.read.add(key)
-        return self._handles[self._where[key]].get_slice(key)[start:stop]
+        return self._handle(key).get_slice(key)[start:stop]
 
     def dtype(self, key: str) -> str:
         """The stored dtype as safetensors names it (BF16, F8_E4M3, ...), read from the header alone."""
-        return self._handles[self._where[key]].get_slice(key).get_dtype()
+        return self._handle(key, is_read=False).get_slice(key).get_dtype()
 
     def shape(self, key: str) -> list[int]:
-        return self._handles[self._where[key]].get_slice(key).get_shape()
+        return self._handle(key, is_read=False).get_slice(key).get_shape()
 
     def file_of(self, key: str) -> Path:
         return self.directory / self._where[key]
@@ -226,7 +249,8 @@ class CheckpointReader:
         return sorted({key_pattern(k) for k in left})
 
     def close(self) -> None:
-        self._stack.close()
+        while self._handles:
+            self._handles.popitem()[1].__exit__(None, None, None)
 
     def __enter__(self):
         return self

@@ -579,3 +579,27 @@ def test_onboard_aligns_fp8_checkpoints_with_pinned_experts(pairs):
     _, fp8 = pairs("qwen3_next")
     stage = run_align(fp8)
     assert stage.status == "ok", stage.lines
+
+
+def test_a_shard_read_whole_is_released_when_reading_moves_on(tmp_path):
+    # Streaming a large checkpoint: the reader keeps about one shard mapped, not every shard it has opened.
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.families.checkpoint import CheckpointReader
+
+    shards = {"a.safetensors": ["x", "y"], "b.safetensors": ["z"], "c.safetensors": ["w"]}
+    weight_map = {}
+    for name, keys in shards.items():
+        save_file({k: torch.full((4,), float(len(k))) for k in keys}, str(tmp_path / name))
+        weight_map.update({k: name for k in keys})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with CheckpointReader(tmp_path) as reader:
+        reader.get("x")
+        reader.get("z")
+        assert "a.safetensors" in reader.open_shards  # y not read yet: kept
+        reader.get("y")
+        reader.get("w")
+        assert "a.safetensors" not in reader.open_shards and "c.safetensors" in reader.open_shards
+        assert reader.dtype("x") == "F32" and torch.equal(reader.get("x"), torch.full((4,), 1.0))  # reopened on demand
+        assert reader.unread_patterns() == []
+    assert reader.open_shards == []
