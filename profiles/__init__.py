@@ -10,13 +10,14 @@ from typing import Annotated, Any, get_args
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .schema import CheckpointModel, JobProfile, ModelProfile, _model_kind
+from .schema import CheckpointModel, JobProfile, ModelProfile, model_kind
 
 __all__ = [
     "JobProfile",
     "ProfileError",
     "bounded_line",
     "escape_controls",
+    "format_errors",
     "load_profile",
     "resolve_profile_path",
     "shipped_profiles",
@@ -313,7 +314,8 @@ def _format_value(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _format_errors(err: ValidationError) -> list[str]:
+def format_errors(err: ValidationError) -> list[str]:
+    """One line per problem of a pydantic validation: the field's dotted path, the value and the rule."""
     lines = []
     for e in err.errors(include_url=False):
         loc = list(e["loc"])
@@ -341,7 +343,7 @@ def _section_class(annotation: Any, raw: Any) -> type[BaseModel] | None:
     for arg in get_args(annotation):
         candidates += [a for a in get_args(arg) if isinstance(a, type) and issubclass(a, BaseModel)]
     if len(candidates) > 1 and CheckpointModel in candidates:
-        return CheckpointModel if _model_kind(raw) == "checkpoint" else ModelProfile
+        return CheckpointModel if model_kind(raw) == "checkpoint" else ModelProfile
     return candidates[0] if len(candidates) == 1 else None
 
 
@@ -387,7 +389,7 @@ def validate_profile(raw: dict[str, Any]) -> JobProfile:
     try:
         return JobProfile.model_validate(raw)
     except ValidationError as err:
-        problems = _format_errors(err)
+        problems = format_errors(err)
         problems += [line for line in _hidden_rule_problems(JobProfile, raw) if line not in problems]
         raise ProfileError(problems) from None
 

@@ -518,7 +518,7 @@ class CheckpointModel(Strict):
         return self
 
 
-def _model_kind(value: Any) -> str:
+def model_kind(value: Any) -> str:
     """`{checkpoint: DIR}` alone is a checkpoint reference; a section with the architecture is a spec (a resolved
     profile keeps `checkpoint` next to the architecture read from it)."""
     if isinstance(value, dict):
@@ -529,7 +529,7 @@ def _model_kind(value: Any) -> str:
 # The tag names the kind of `model:` section; the loader leaves it out of error paths.
 ModelSection = Annotated[
     Union[Annotated[ModelProfile, Tag("spec")], Annotated[CheckpointModel, Tag("checkpoint")]],
-    Discriminator(_model_kind),
+    Discriminator(model_kind),
 ]
 
 

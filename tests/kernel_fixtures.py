@@ -47,13 +47,14 @@ def forced_kernel_path(kernels_module, kernel_name: str, on_gpu: bool):
     return kernel_path
 
 
-def guarded_outputs(kernels_module, guard_elements: int):
-    """A fixture that makes the module's `_alloc` hand out NaN-filled buffers with a guard region past the end."""
+def guarded_outputs(kernels_module, guard_elements: int, alloc_name: str = "_alloc"):
+    """A fixture that makes the module's allocator (`alloc_name`) hand out NaN-filled buffers with a guard region
+    past the end."""
 
     @pytest.fixture
     def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
         buffers = GuardedBuffers(guard_elements)
-        monkeypatch.setattr(kernels_module, "_alloc", buffers.alloc)
+        monkeypatch.setattr(kernels_module, alloc_name, buffers.alloc)
         return buffers
 
     return guarded

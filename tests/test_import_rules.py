@@ -183,3 +183,90 @@ def test_a_cycle_is_found():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 2, "b": 3}}) is None
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+# (importing file, module) pairs whose private names wait for that module's split into public shared helpers:
+# kernels_fwd's jit helpers move to a common module, public, with the kernels_fwd split (issue 38).
+PRIVATE_IMPORTS_PENDING = {
+    ("ops/linear_attention/kernels_bwd.py", "moe_tune.ops.linear_attention.kernels_fwd"),
+    ("ops/linear_attention/kernels_kda.py", "moe_tune.ops.linear_attention.kernels_fwd"),
+}
+
+
+def private_uses(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module of ours, private name) for every `from M import _x` (parenthesized too, at any depth) and every
+    `m._x` where m is a module of ours bound by an import in the file; dunder names are no private names."""
+    module, is_package = module_name(path)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = imported_names(node, module, is_package)[0]
+            for alias in node.names:
+                if is_ours(source) and is_private(alias.name):
+                    found.append((node.lineno, source, alias.name))
+                bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                # `import a.b` binds a, `import a.b as m` binds m to a.b.
+                top = alias.name.split(".")[0]
+                bound[alias.asname or top] = alias.name if alias.asname else top
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr) and isinstance(node.value, ast.Name):
+            target = bound.get(node.value.id)
+            if target and is_ours(target) and target != module:
+                found.append((node.lineno, target, node.attr))
+    return sorted(found)
+
+
+def private_imports(packages=PACKAGES) -> tuple[list[str], set[tuple[str, str]]]:
+    """The uses of another module's private names (file:line lines), and the pending pairs that were met."""
+    found, met = [], set()
+    for package in packages:
+        for path in sorted((REPO / package).rglob("*.py")):
+            relative = str(path.relative_to(REPO))
+            for line, source, name in private_uses(path):
+                if (relative, source) in PRIVATE_IMPORTS_PENDING:
+                    met.add((relative, source))
+                    continue
+                found.append(f"{relative}:{line}: uses {source}'s private {name} (make it public in {source})")
+    return found, met
+
+
+def test_no_module_uses_another_modules_private_names():
+    found, met = private_imports()
+    assert not found, "\n" + "\n".join(found)
+    stale = PRIVATE_IMPORTS_PENDING - met
+    assert not stale, f"no longer pending, drop them from PRIVATE_IMPORTS_PENDING: {sorted(stale)}"
+
+
+def test_private_imports_are_found_in_every_form(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    (tmp_path / "engine" / "bench").mkdir(parents=True)
+    (tmp_path / "engine" / "bench" / "steps.py").write_text(
+        "from __future__ import annotations\n"
+        "from moe_tune.engine.train.trainer import (\n    build,\n    _update,\n)\n"
+        "from .kernels import _timed as timed, __version__\n"
+        "import moe_tune.engine.train.trainer as trainer\n"
+        "from moe_tune.engine.bench import moe_op\n"
+        "import torch\n"
+        "def f():\n    from moe_tune.profiles import _format\n"
+        "    return trainer._noise(), moe_op._commit, moe_op.__name__, torch._grouped_mm, moe_op.public\n"
+    )
+    found, met = private_imports(("engine",))
+    assert met == set()
+    assert found == [
+        "engine/bench/steps.py:2: uses moe_tune.engine.train.trainer's private _update "
+        "(make it public in moe_tune.engine.train.trainer)",
+        "engine/bench/steps.py:6: uses moe_tune.engine.bench.kernels's private _timed "
+        "(make it public in moe_tune.engine.bench.kernels)",
+        "engine/bench/steps.py:11: uses moe_tune.profiles's private _format (make it public in moe_tune.profiles)",
+        "engine/bench/steps.py:12: uses moe_tune.engine.bench.moe_op's private _commit "
+        "(make it public in moe_tune.engine.bench.moe_op)",
+        "engine/bench/steps.py:12: uses moe_tune.engine.train.trainer's private _noise "
+        "(make it public in moe_tune.engine.train.trainer)",
+    ]

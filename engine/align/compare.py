@@ -485,13 +485,13 @@ class SharedAdapters:
             for part in ("lora_A", "lora_B"):
                 g_ref = getattr(self.ref_modules[ref_name], part)["default"].weight.grad
                 g_our = getattr(self.our_modules[our_name], part)["default"].weight.grad
-                rows.append(_row(f"{our_name}.{part}", g_our, g_ref))
+                rows.append(diff_row(f"{our_name}.{part}", g_our, g_ref))
         for our_name, ref_name in sorted(self.experts.items()):
             for ours_p, ref_p in EXPERT_PARAMS.items():
                 ours_a, ours_b = self._our_factors(our_name, ours_p)
                 ref_a, ref_b = self._ref_factors(ref_name, ref_p)
-                rows.append(_row(f"{our_name}.lora_A.{ours_p}", _grad(ours_a, self._to_ref_a), ref_a.grad))
-                rows.append(_row(f"{our_name}.lora_B.{ours_p}", _grad(ours_b, self._to_ref_b), ref_b.grad))
+                rows.append(diff_row(f"{our_name}.lora_A.{ours_p}", _grad(ours_a, self._to_ref_a), ref_a.grad))
+                rows.append(diff_row(f"{our_name}.lora_B.{ours_p}", _grad(ours_b, self._to_ref_b), ref_b.grad))
         return rows
 
 
@@ -677,15 +677,15 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     rows = []
     if with_images:
         ref_features = torch.cat([f for f in ref_vision[0]])
-        rows.append(_row("vision features", our_vision[0][0], ref_features))
-        rows.append(_row("merged embeddings", our_embeds[0][0].reshape(-1, cfg.hidden_size),
-                         torch.cat([e.reshape(-1, cfg.hidden_size) for e in ref_embeds[0]])))
+        rows.append(diff_row("vision features", our_vision[0][0], ref_features))
+        rows.append(diff_row("merged embeddings", our_embeds[0][0].reshape(-1, cfg.hidden_size),
+                             torch.cat([e.reshape(-1, cfg.hidden_size) for e in ref_embeds[0]])))
     for i, (ref_h, our_h) in enumerate(zip(ref_hidden, our_hidden)):
         ref_cat = torch.cat([h.reshape(-1, *h.shape[2:]) for h in ref_h])
-        rows.append(_row(f"layer {i}", our_h[0].reshape(ref_cat.shape), ref_cat))
+        rows.append(diff_row(f"layer {i}", our_h[0].reshape(ref_cat.shape), ref_cat))
     ref_all = torch.cat(ref_logits).float()
     our_all = out.logits[0].detach().float()
-    logits_row = _row("logits", our_all, ref_all)
+    logits_row = diff_row("logits", our_all, ref_all)
     cosine = F.cosine_similarity(our_all.flatten(), ref_all.flatten(), dim=0).item()
     ref_logp, our_logp = ref_all.log_softmax(-1), our_all.log_softmax(-1)
     kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
@@ -711,7 +711,9 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     )
 
 
-def _row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None) -> Row:
+def diff_row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None) -> Row:
+    """The largest absolute difference of ours from the reference and that over the reference's largest magnitude
+    (inf where a gradient is missing on either side)."""
     if ours is None or ref is None:
         missing = "ours" if ours is None else "reference"
         return Row(f"{name} (no gradient in {missing})", float("inf"), float("inf"))

@@ -16,7 +16,7 @@ from torch import nn
 
 from moe_tune.engine.families import UnsupportedModel
 
-from .compare import AlignReport, Document, Row, Tolerances, _row, pack_documents
+from .compare import AlignReport, Document, Row, Tolerances, diff_row, pack_documents
 
 
 def trace(model: nn.Module, docs: list[Document]) -> dict[str, torch.Tensor]:
@@ -93,7 +93,7 @@ def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Toleranc
         if now[key].shape != golden[key].shape:
             raise UnsupportedModel([f"--golden {path}: {key} has shape {tuple(golden[key].shape)}, "
                                     f"the model gives {tuple(now[key].shape)}"])
-        rows.append(_row(key.replace(".", " "), now[key], golden[key]))
+        rows.append(diff_row(key.replace(".", " "), now[key], golden[key]))
     if now["logits"].shape != golden["logits"].shape:
         raise UnsupportedModel([f"--golden {path}: logits have shape {tuple(golden['logits'].shape)}, "
                                 f"the model gives {tuple(now['logits'].shape)}"])
@@ -105,7 +105,7 @@ def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Toleranc
         documents=(golden["cu_seqlens"][1:] - golden["cu_seqlens"][:-1]).tolist(),
         pinned_routing=False,
         layers=rows,
-        logits=_row("logits", now["logits"], golden["logits"]),
+        logits=diff_row("logits", now["logits"], golden["logits"]),
         logits_cosine=torch.nn.functional.cosine_similarity(
             now["logits"].flatten(), golden["logits"].flatten(), dim=0
         ).item(),

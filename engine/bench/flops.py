@@ -166,7 +166,7 @@ class FlopModel:
         cfg = self.cfg
         heads = cfg.num_attention_heads
         if kind in LINEAR_KINDS:
-            from moe_tune.engine.bench.linear_attention_op import _chunk_flops
+            from moe_tune.engine.bench.linear_attention_op import chunk_flops
             from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE
 
             if kind == "linear":
@@ -176,7 +176,7 @@ class FlopModel:
                 h, k = cfg.kda_attention.num_heads, cfg.kda_attention.head_dim
                 v = k
             # The chunk form's FLOPs of one chunk, spread over its C tokens (no padding of the last chunk).
-            per_token = _chunk_flops(h, k, v, num_chunks=1) / DEFAULT_CHUNK_SIZE
+            per_token = chunk_flops(h, k, v, num_chunks=1) / DEFAULT_CHUNK_SIZE
             return [("linear attention core", per_token * sum(pieces), ACTIVATION_PASSES)]
         if kind in ("mla", "mla_sparse"):
             mla = cfg.mla

@@ -17,12 +17,13 @@ forward, twice that forward+backward. Each row carries its error against the exa
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 from typing import Callable
 
 import torch
 import torch.nn.functional as F_nn
+
+from moe_tune.engine.bench.machine import machine_info
 
 # The frozen projections of issue 35's 30B-A3B (hidden 2048) over B1 T8192: q (2048 -> 4096), o (4096 -> 2048),
 # and an expert-width projection (2048 -> 768).
@@ -38,11 +39,11 @@ def bench_fp8_linear(
     rep_ms: int = 100,
 ) -> list[dict]:
     """One dict per (shape, impl): M, I, O, shape, impl, dtype, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops,
-    rel_err_exact, rel_err_ref (triton rows), and the machine (gpu, torch, triton, date).
+    rel_err_exact, rel_err_ref (triton rows), and machine_info's keys (device, machine, driver, torch, triton, commit,
+    date).
 
     configs: {name: ops.fp8.kernels.GemmConfig}, each timed as one more triton row ("triton <name>").
     """
-    import triton
     from triton.testing import do_bench
 
     from moe_tune.ops.fp8 import dequantize_weight, fp8_linear_ref, quantize_weight
@@ -51,8 +52,7 @@ def bench_fp8_linear(
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_fp8_linear needs a CUDA device")
-    machine = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
+    machine = machine_info(is_cuda=True)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     results = []
     for shape in shapes:

@@ -17,8 +17,6 @@ HQ query heads, K key dim, V value dim, S selected keys per query.
 
 from __future__ import annotations
 
-import datetime
-import platform
 import re
 import statistics
 import time
@@ -27,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 
 PRESETS = ("small", "anchor")
 # One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
@@ -39,7 +39,7 @@ ROW_KEYS = (
     "op", "case", "impl", "shape", "dtype",
     "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "fwd_peak_fraction", "fwd_bwd_peak_fraction",
     "peak_memory_bytes", "note",
-    "device", "machine", "torch", "triton", "commit", "date",
+    *MACHINE_KEYS,
 )  # fmt: skip
 MATCH_KEYS = ("op", "case", "impl", "shape")
 
@@ -125,30 +125,6 @@ class RunContext:
     peaks: Peaks
     machine: dict
     cache: dict = field(default_factory=dict)
-
-
-def machine_info(is_cuda: bool) -> dict:
-    """The machine, versions, commit and UTC date every row carries."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    from moe_tune.engine.bench.moe_op import _commit
-
-    if is_cuda:
-        machine = torch.cuda.get_device_name()
-    else:
-        machine = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    return dict(
-        device="cuda" if is_cuda else "cpu",
-        machine=machine,
-        torch=torch.__version__,
-        triton=triton_version,
-        commit=_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
 
 
 def measure_peaks() -> Peaks:
@@ -387,7 +363,7 @@ def _linear_attention_op(op: str, cases: tuple[str, ...], is_per_channel: bool):
 
 
 def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: RunContext, shape: dict) -> dict:
-    from moe_tune.engine.bench.linear_attention_op import LINEAR_BWD_FLOP_FACTOR, _chunk_flops
+    from moe_tune.engine.bench.linear_attention_op import LINEAR_BWD_FLOP_FACTOR, chunk_flops
     from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
     B, T, H = shape["batch_size"], shape["seq_len"], shape["num_heads"]
@@ -402,7 +378,7 @@ def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: Run
         beta=torch.sigmoid(torch.randn(B, T, H, generator=gen)).requires_grad_(),
     )
     timed = _timed(lambda: chunk_gated_delta_rule_ref(**inputs, use_qk_l2norm=True)[0], list(inputs.values()), run)
-    flops = _chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
+    flops = chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
     return make_row(op, case, "moe_tune chunk reference (torch small ops)", f"B{B} T{T} H{H} K{K} V{V}",
                     torch.float32, run, fwd_flops=flops, bwd_flop_factor=LINEAR_BWD_FLOP_FACTOR, **timed)  # fmt: skip
 

@@ -14,13 +14,10 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N documents.
 
 from __future__ import annotations
 
-import datetime
-import subprocess
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
+from moe_tune.engine.bench.machine import machine_info
 from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
 # The shape of issue 5's targets (docs/PERF.md, linear attention).
@@ -42,7 +39,7 @@ def bench_linear_attention(
     include_reference: bool = True,
 ) -> list[dict]:
     """Rows of {case, impl, shape, dtype, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, peak_memory_bytes,
-    max_abs_err, note} and the machine (gpu, torch, triton, commit, date).
+    max_abs_err, note} and machine_info's keys (device, machine, driver, torch, triton, commit, date).
 
     Cases: "gdn" (our kernel as the model calls it, keeping the forward's passes for backward, and recomputing them
     there as the op does by default; our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same
@@ -60,7 +57,7 @@ def bench_linear_attention(
     from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel
 
     B, T, H, K, V = batch_size, seq_len, num_heads, head_dim_k, head_dim_v
-    machine = _machine()
+    machine = machine_info(is_cuda=True)
     rows = []
 
     def add(case, impl, shape, fn, inputs, flops, expected_o=None, bwd_flop_factor=LINEAR_BWD_FLOP_FACTOR):
@@ -98,7 +95,7 @@ def bench_linear_attention(
 
     shape = f"B{B} T{T} H{H} K{K} V{V}"
     inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=False)
-    flops = _chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
+    flops = chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
     with torch.no_grad():
         expected_o = reference(**inputs)[0].float()
     add("gdn", "moe_tune triton", shape, ours, inputs, flops, expected_o)
@@ -144,7 +141,7 @@ def bench_linear_attention(
     doc_lengths = mixed_doc_lengths(num_tokens, num_docs)
     for name, lengths in ((f"{num_docs} documents", doc_lengths), ("1 document", [num_tokens])):
         cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        varlen_flops = _chunk_flops(H, K, V, num_chunks=sum(-(-length // DEFAULT_CHUNK_SIZE) for length in lengths))
+        varlen_flops = chunk_flops(H, K, V, num_chunks=sum(-(-length // DEFAULT_CHUNK_SIZE) for length in lengths))
         add("varlen", f"moe_tune triton, {name}", f"T{num_tokens} H{H} K{K} V{V} lengths {lengths}", ours,
             dict(packed, cu_seqlens=cu_seqlens), varlen_flops)  # fmt: skip
     return rows
@@ -157,7 +154,8 @@ def mixed_doc_lengths(num_tokens: int, num_docs: int) -> list[int]:
     return [*lengths, num_tokens - sum(lengths)]
 
 
-def _chunk_flops(H: int, K: int, V: int, num_chunks: int) -> float:
+def chunk_flops(H: int, K: int, V: int, num_chunks: int) -> float:
+    """FLOPs of the chunked algorithm over num_chunks chunks of H heads (the module docstring's count)."""
     C = DEFAULT_CHUNK_SIZE
     per_chunk = 6 * C * C * K + 4 * C * C * V + 6 * C * K * V
     return float(num_chunks * H * per_chunk)
@@ -220,28 +218,6 @@ def _time(fn, inputs, with_backward: bool) -> tuple[float, torch.Tensor, int]:
     for leaf in leaves:
         leaf.grad = None
     return ms, o, peak
-
-
-def _machine() -> dict:
-    import triton
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        commit=commit,
-        date=datetime.date.today().isoformat(),
-    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -61,7 +62,7 @@ RESULT_KEYS = (
     "write_s", "write_gb_per_s", "load_s", "load_gb_per_s", "rss_before_bytes", "peak_rss_bytes",
     "peak_rss_growth_bytes", "peak_rss_growth_over_max_shard", "rss_anon_before_bytes", "peak_rss_anon_bytes",
     "peak_rss_file_bytes",
-    "peak_rss_reset", "page_cache_dropped", "device", "machine", "torch", "triton", "commit", "date",
+    "peak_rss_reset", "page_cache_dropped", *MACHINE_KEYS,
 )  # fmt: skip
 
 
@@ -372,8 +373,6 @@ def run_load_benchmark(job: JobProfile, folder: Path, shard_bytes: int = SHARD_B
     """Write the synthetic FP8 checkpoint of `job`'s model into `folder` (unless it already holds it), then load it
     (RESULT_KEYS). ProfileError, before anything is written, for a folder that holds something else or a model no
     transformers type expresses."""
-    from moe_tune.engine.bench.kernels import machine_info
-
     folder = Path(folder)
     has_checkpoint, problems = synthetic_checkpoint_problems(job.model, folder)
     if problems:

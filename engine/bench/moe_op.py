@@ -17,16 +17,15 @@ LoRA products are not counted, so TFLOP/s compares the same work across implemen
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import os
 import statistics
-import subprocess
 from typing import Callable
 
 import torch
 import torch.nn.functional as F_nn
 
+from moe_tune.engine.bench.machine import machine_info
 from moe_tune.ops.fp8 import quantize_weight
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp
 from moe_tune.ops.moe.reference import moe_mlp_ref
@@ -183,19 +182,12 @@ def bench_moe(
     do_bench calls each (impl, fwd or fwd+bwd) gets, the impls of a shape timed by turns; rows report the median.
     Returns dicts with the shape, impl, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, max_over_mean_load,
     rel_error (vs the reference, forward output), grad_error (the largest |g - g_ref| / (atol + rtol |g_ref|), <= 1
-    passes), correct, error (the message when an impl refused), and the machine: gpu, torch, triton, commit, date.
+    passes), correct, error (the message when an impl refused), and machine_info's keys (device, machine, driver, torch,
+    triton, commit, date).
     """
-    import triton
-
     if not torch.cuda.is_available():
         raise RuntimeError("bench_moe needs a CUDA device")
-    machine = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=triton.__version__,
-        commit=_commit(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
+    machine = machine_info(is_cuda=True)
     fns = {impl: _IMPL_FNS[impl] for impl in impls} | (extra_impls or {})
     results = []
     for shape in DEFAULT_SHAPES if shapes is None else shapes:
@@ -478,7 +470,8 @@ def format_results(results: list[dict]) -> str:
         return ""
     first = results[0]
     lines = [
-        f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, commit {first['commit']}, {first['date']}",
+        f"{first['machine']}, driver {first['driver']}, torch {first['torch']}, triton {first['triton']}, "
+        f"commit {first['commit']}, {first['date']}",
         "",
         "| N | D | F | E | k | routing (max/mean) | LoRA | impl | fwd ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) | error |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -632,26 +625,6 @@ def _kernels_forced(is_forced: bool):
             os.environ.pop("MOE_TUNE_KERNELS", None)
         else:
             os.environ["MOE_TUNE_KERNELS"] = previous
-
-
-# The commit results name, when set: for code outside a git checkout (installed from a wheel) or in a copy whose git
-# metadata is not the tree's (a working tree copied onto a GPU machine), e.g. MOE_TUNE_COMMIT=$(git rev-parse --short
-# HEAD) where the tree came from. Unset: git's own answer for this file's checkout.
-COMMIT_ENV = "MOE_TUNE_COMMIT"
-
-
-def _commit() -> str:
-    if named := os.environ.get(COMMIT_ENV, "").strip():
-        return named
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        is_dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("+dirty" if is_dirty.strip() else "")
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
+from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -37,7 +38,7 @@ RESULT_KEYS = (
     "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
     "parameters", "trainable_parameters", "breakdown", "against", "memory",
     "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
-    "device", "machine", "torch", "triton", "commit", "date",
+    *MACHINE_KEYS,
 )  # fmt: skip
 
 
@@ -57,7 +58,7 @@ class StepRunner:
         from moe_tune.engine.train.graphs import check_cuda_graphs
         from moe_tune.engine.train.resources import check_memory_fits
         from moe_tune.engine.train.trainer import (
-            _quiet_third_party_noise,
+            quiet_third_party_noise,
             build_dataset,
             build_trainable_model,
             check_world,
@@ -65,7 +66,7 @@ class StepRunner:
             run_steps,
         )
 
-        _quiet_third_party_noise()
+        quiet_third_party_noise()
         # ZeRO-3 replaces torch.nn.functional.linear for good ("memory efficient linear"); close() puts it back, so
         # what runs after this runner in the process (the --against baseline) runs torch's own.
         self._functional_linear = torch.nn.functional.linear
@@ -104,7 +105,7 @@ class StepRunner:
 
     def step(self) -> dict[str, Any]:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
-        from moe_tune.engine.train.trainer import _update_moe_bias, micro_step
+        from moe_tune.engine.train.trainer import update_moe_bias, micro_step
 
         self.engine.train()
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
@@ -116,7 +117,7 @@ class StepRunner:
             losses.append(out.lm_loss.detach().float())
             tokens += batch.num_label_tokens
             pieces += piece_lengths(batch.cu_seqlens)
-        _update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
+        update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
         loss = float(torch.stack(losses).mean())
         self._sync()
         step_time = time.perf_counter() - t0
@@ -234,7 +235,6 @@ def profile_steps(
     runs next."""
     from moe_tune.engine.bench.breakdown import profiled_step
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
-    from moe_tune.engine.bench.kernels import machine_info
     from moe_tune.engine.memory import resolve_policy
     from moe_tune.engine.parallel.plan import count_parameters
 
@@ -366,7 +366,6 @@ def sweep_lengths(
     `on_result` gets the result so far after the timed steps and after each rung (a run stopped from outside keeps
     what it measured)."""
     from moe_tune.engine.bench.against import is_out_of_memory
-    from moe_tune.engine.bench.kernels import machine_info
 
     runner = StepRunner(profile)
     result: dict[str, Any] = dict(memory_policy=str(profile.memory.preset), timed_length=timed_length, ladder=[])

@@ -20,7 +20,7 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from moe_tune.profiles import _format_errors
+from moe_tune.profiles import format_errors
 from moe_tune.profiles.schema import ModelProfile
 
 TensorGetter = Callable[[str], torch.Tensor]
@@ -277,7 +277,7 @@ class HFConfig:
             return ModelProfile(**fields)
         except ValidationError as err:
             where = f"config.json ({self.prefix.rstrip('.') or 'top level'})"
-            raise UnsupportedModel([f"{where}: not mapped: model.{line}" for line in _format_errors(err)]) from None
+            raise UnsupportedModel([f"{where}: not mapped: model.{line}" for line in format_errors(err)]) from None
 
 
 # The quantized layout moe-tune reads (a family may read one of its own instead: gpt_oss's MXFP4 experts): the hub's

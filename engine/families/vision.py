@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from moe_tune.profiles import _format_errors
+from moe_tune.profiles import format_errors
 from moe_tune.profiles.schema import ModelProfile, VisionSpec
 
 from .base import HFConfig, Recipe, UnsupportedModel, show, take
@@ -52,7 +52,7 @@ def vision_spec(config: dict[str, Any]) -> VisionSpec:
     try:
         return VisionSpec(**spec)
     except ValidationError as err:
-        raise UnsupportedModel([f"config.json: not mapped: vision.{line}" for line in _format_errors(err)]) from None
+        raise UnsupportedModel([f"config.json: not mapped: vision.{line}" for line in format_errors(err)]) from None
 
 
 def vision_recipe(name: str, prefix: str = "model.visual.") -> Recipe:

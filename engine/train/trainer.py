@@ -18,7 +18,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import yaml
@@ -363,7 +363,7 @@ def finetune(
 ) -> RunResult:
     """Train `profile` to train.steps (or to `stop_after` steps, checkpointing there), return what was written.
     `overwrite` replaces a previous run's outputs in output.dir, which is refused otherwise (run_dir.py)."""
-    _quiet_third_party_noise()
+    quiet_third_party_noise()
     from moe_tune.engine.families import resolve_job
 
     from .run_dir import claim_output_dir
@@ -384,7 +384,7 @@ def finetune(
         shutdown_distributed()
 
 
-def _quiet_third_party_noise() -> None:
+def quiet_third_party_noise() -> None:
     import logging
     import warnings
 
@@ -396,15 +396,52 @@ def _quiet_third_party_noise() -> None:
 
 
 def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:
+    run = _set_up(profile, dist, resume, stop_after)
+    _train(run, show_progress, console)
+    return _finish(run)
+
+
+@dataclass
+class TrainingRun:
+    """What the set-up builds for the loop and the finish, and the RunResult they fill in."""
+
+    profile: JobProfile
+    dist: DistInfo
+    engine: Any
+    layout: ExpertLayout
+    dataset: Any
+    eval_data: Any  # None without eval data
+    data_summary: Any
+    # The run's optimizer steps (run_steps), and the step this invocation stops at (stop_after, or the last).
+    total_steps: int
+    end_step: int
+    eval_every: int | None
+    activation_memory: Any
+    result: RunResult
+    # The checkpoint --resume loaded; None for a fresh run.
+    resumed_from: Path | None = None
+    # The MoE blocks' CUDA graphs (train.cuda_graphs), or None.
+    graphs: Any = None
+
+    @property
+    def out(self) -> Path:
+        return self.profile.output.dir
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.profile.output.dir / "checkpoints"
+
+
+def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int | None) -> TrainingRun:
+    """Check the profile against the machine, read the tokenizer and the data, build the model inside DeepSpeed,
+    write profile.yaml and deepspeed_config.json, load the checkpoint on --resume, capture the CUDA graphs.
+    ProfileError for what cannot run here."""
     import deepspeed
 
-    from moe_tune.engine.memory import find_activation_memory
     from moe_tune.engine.data.tokenizer import load_tokenizer
+    from moe_tune.engine.memory import find_activation_memory
 
     from .graphs import check_cuda_graphs, maybe_graph_moe_blocks
-    from .banner import start_banner
-    from .loggers import open_trackers
-    from .metrics import MetricsWriter, ProgressReporter, processed_tokens
     from .resources import check_memory_fits
 
     train, out = profile.train, profile.output.dir
@@ -436,143 +473,195 @@ def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, consol
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
     )
 
-    ckpt_root = out / "checkpoints"
     result = RunResult(output_dir=out, start_step=0, last_step=0, is_main=dist.is_main, skipped_records=skipped,
                        total_steps=total_steps, epochs=train.epochs)  # fmt: skip
     if eval_data is not None:
         result.eval_rows = eval_data.epoch_length(0)
+    run = TrainingRun(
+        profile=profile, dist=dist, engine=engine, layout=layout, dataset=dataset, eval_data=eval_data,
+        data_summary=data_summary, total_steps=total_steps,
+        end_step=min(total_steps, stop_after) if stop_after is not None else total_steps,
+        eval_every=eval_every, activation_memory=activation_memory, result=result,
+    )  # fmt: skip
     if dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        result.deepspeed_config = out / "deepspeed_config.json"
-        write_json_atomic(result.deepspeed_config, ds_config)
-        (out / "profile.yaml").write_text(yaml.safe_dump(resolved_profile_dump(profile), sort_keys=False))
-    start_step = 0
-    resumed_from = None
+        _write_run_config(run, ds_config)
     if resume:
-        signature = run_signature(profile, dist.world_size)
-        bias_sizes = [block.selection_bias.numel() for block in _moe_blocks(engine)]
-        resumed_from, state, result.resume_notes = resume_checkpoint(
-            engine, ckpt_root, signature, dist.device, bias_sizes
-        )
-        start_step = state["step"]
-        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-        for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
-            block.selection_bias.copy_(torch.tensor(bias))
-        _restore_eval_state(result, state, ckpt_root)
-    result.start_step = result.last_step = start_step
+        run.resumed_from = _resume(run)
     # After loading: a graph replays the weights' addresses as captured.
-    graphs = maybe_graph_moe_blocks(
+    run.graphs = maybe_graph_moe_blocks(
         engine.module, profile, dist.device, layout.ep_size, train.micro_batch_size * profile.data.seq_len
     )
-    last_step = min(total_steps, stop_after) if stop_after is not None else total_steps
+    return run
 
-    result.metrics = out / "metrics.jsonl"
+
+def _write_run_config(run: TrainingRun, ds_config: dict) -> None:
+    """out/deepspeed_config.json and out/profile.yaml (the resolved profile)."""
+    run.out.mkdir(parents=True, exist_ok=True)
+    run.result.deepspeed_config = run.out / "deepspeed_config.json"
+    write_json_atomic(run.result.deepspeed_config, ds_config)
+    (run.out / "profile.yaml").write_text(yaml.safe_dump(resolved_profile_dump(run.profile), sort_keys=False))
+
+
+def _resume(run: TrainingRun) -> Path:
+    """Load the newest checkpoint that verifies (resume_checkpoint) with the RNG state, the selection biases and the
+    evals it saved; the run starts at its step. Returns the checkpoint."""
+    engine, dist, result = run.engine, run.dist, run.result
+    signature = run_signature(run.profile, dist.world_size)
+    bias_sizes = [block.selection_bias.numel() for block in _moe_blocks(engine)]
+    resumed_from, state, result.resume_notes = resume_checkpoint(
+        engine, run.checkpoint_root, signature, dist.device, bias_sizes
+    )
+    start_step = state["step"]
+    torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+    for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
+        block.selection_bias.copy_(torch.tensor(bias))
+    _restore_eval_state(result, state, run.checkpoint_root)
+    result.start_step = result.last_step = start_step
+    return resumed_from
+
+
+def _train(run: TrainingRun, show_progress: bool, console) -> None:
+    """Steps from the start step to run.end_step, one metrics record each; an eval every run.eval_every steps; a
+    checkpoint every output.save_every steps, at run.end_step, and after the current step on SIGINT/SIGTERM.
+    TrainingDiverged when a step leaves the loss, the gradient norm or a weight not finite, before it is saved."""
+    from .loggers import open_trackers
+    from .metrics import MetricsWriter, ProgressReporter
+
+    profile, dist, result = run.profile, run.dist, run.result
+    start_step = result.start_step
+    result.metrics = run.out / "metrics.jsonl"
     writer = MetricsWriter(result.metrics, start_step, open_trackers(profile, start_step)) if dist.is_main else None
-    reporter = ProgressReporter(total_steps, start_step, train.log_every, show_progress and dist.is_main, console)
-    rows = train.micro_batch_size
+    is_shown = show_progress and dist.is_main
+    reporter = ProgressReporter(run.total_steps, start_step, profile.train.log_every, is_shown, console)
     started = time.perf_counter()
-    watched = watched_weights(engine.module)
+    watched = watched_weights(run.engine.module)
     # Closed however the loop ends (a diverged step raises): the metrics of every finished step are on disk.
     try:
         with _StopSignal() as stop, reporter:
-            if resume:
-                for note in result.resume_notes + (writer.notes if writer is not None else []):
-                    reporter.print(note)
-                reporter.print(f"resumed from {resumed_from} at step {start_step}")
-            if skipped:
-                reporter.print(
-                    f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}"
-                )
-            if note := zero_stage_note(profile, dist.world_size, dist.device.type):
-                reporter.print(note)
-            if graphs is not None and dist.is_main:
-                reporter.print(graphs.note())
-            for note in eval_notes(profile, eval_data):
-                reporter.print(note)
-            rows_per_step = rows * train.gradient_accumulation_steps * dist.world_size
-            for line in start_banner(profile, out, dist.device, dist.world_size, total_steps, start_step, data_summary,
-                                     len(dataset.documents), train.epochs, result.eval_rows,
-                                     [t.where for t in writer.trackers] if writer is not None else ()):  # fmt: skip
+            for line in _start_lines(run, writer):
                 reporter.print(line)
-            for step in range(start_step, last_step):
-                t0 = time.perf_counter()
-                engine.train()
-                lm_losses, aux_losses, tokens, processed = [], [], 0, 0
-                for micro in range(train.gradient_accumulation_steps):
-                    batch = dataset.micro_batch(
-                        step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size
-                    )
-                    out_ = micro_step(engine, batch, dist)
-                    lm_losses.append(out_.lm_loss.detach().float())
-                    aux_losses.append(out_.aux_loss.detach().float())
-                    tokens += batch.num_label_tokens
-                    processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
-                expert_load, dropped_slots = _update_moe_bias(engine, dist)
-                loss = torch.stack(lm_losses).mean()
-                aux = torch.stack(aux_losses).mean()
-                if dist.world_size > 1:
-                    counts = torch.tensor([float(tokens), float(processed)], device=loss.device)
-                    stats = torch.cat([torch.stack([loss, aux]), counts])
-                    torch.distributed.all_reduce(stats)
-                    loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
-                    processed = int(stats[3].item())
-                if tokens == 0:
-                    raise ProfileError([untrained_step_message(step + 1, profile, dist.world_size)])
-                step_time = time.perf_counter() - t0
-                grad_norm = engine.get_global_grad_norm()
-                record = {
-                    "step": step + 1,
-                    "loss": float(loss),
-                    "aux_loss": float(aux),
-                    "lr": train.lr * lr_factor(step, train, total_steps),
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / step_time,
-                    # Every token of the step's rows (all ranks) the model ran through, padding excluded.
-                    "processed_tokens": processed,
-                    "processed_tokens_per_s": processed / step_time,
-                    "step_time_s": step_time,
-                    "expert_load_max_over_mean": expert_load,
-                    "dropped_token_slots": dropped_slots,
-                    # Epochs of training rows done after this step (1.5: half-way through the second).
-                    "epoch": round(dataset.epoch_progress((step + 1) * rows_per_step), 6),
-                }
-                if activation_memory is not None:
-                    record.update(activation_memory.step_metrics())
+            for step in range(start_step, run.end_step):
+                record = _train_step(run, step)
                 if writer is not None:
                     writer.write(record)
                 # A resumed run that has not saved yet still has the checkpoint it resumed from.
-                intact = result.checkpoint or resumed_from
+                intact = result.checkpoint or run.resumed_from
                 check_finite(record, intact)
                 check_finite_weights(step + 1, watched, dist, intact)
                 result.losses.append(record["loss"])
                 result.last_step = step + 1
                 reporter.update(record)
-                stopping = any_rank(stop.received is not None, dist.device)
-                at_end = step + 1 == last_step
-                step_eval = None
-                if eval_every is not None and not stopping and (
-                    (step + 1) % eval_every == 0 or step + 1 == total_steps
-                ):
-                    step_eval = _run_eval(engine, eval_data, train, dist, step + 1, result, writer, reporter)
-                if stopping or at_end or (step + 1) % profile.output.save_every == 0:
-                    result.checkpoint = _save(engine, profile, ckpt_root, step + 1, dist, step_eval, result)
-                    if step_eval is not None and dist.is_main:
-                        best = best_checkpoint(ckpt_root, step + 1)
-                        result.best_checkpoint = best[0] if best is not None else None
-                if stopping:
+                is_stopping = any_rank(stop.received is not None, dist.device)
+                _evaluate_and_save(run, step + 1, is_stopping, writer, reporter)
+                if is_stopping:
                     result.interrupted_by = stop.received or "signal on another rank"
                     break
     finally:
         if writer is not None:
-            status = "interrupted" if result.interrupted_by else "finished" if result.last_step == last_step else "failed"
-            writer.close(status)
+            is_finished = result.last_step == run.end_step
+            writer.close("interrupted" if result.interrupted_by else "finished" if is_finished else "failed")
     result.elapsed_s = time.perf_counter() - started
-    if result.last_step == total_steps or result.interrupted_by:
-        result.adapter, result.weights = export_weights(engine, profile, out, dist.is_main, layout, result,
-                                                        data_summary)  # fmt: skip
+
+
+def _start_lines(run: TrainingRun, writer) -> Iterator[str]:
+    """The lines printed before the first step: the resume and its notes, records skipped, settings that do nothing
+    in this run, the CUDA graphs, the start banner."""
+    from .banner import start_banner
+
+    profile, dist, result = run.profile, run.dist, run.result
+    if run.resumed_from is not None:
+        yield from result.resume_notes + (writer.notes if writer is not None else [])
+        yield f"resumed from {run.resumed_from} at step {result.start_step}"
+    if skipped := result.skipped_records:
+        yield f"skipped {len(skipped)} records with bad images (data.bad_images: skip); first: {skipped[0]}"
+    if note := zero_stage_note(profile, dist.world_size, dist.device.type):
+        yield note
+    if run.graphs is not None and dist.is_main:
+        yield run.graphs.note()
+    yield from eval_notes(profile, run.eval_data)
+    trackers = [t.where for t in writer.trackers] if writer is not None else ()
+    yield from start_banner(profile, run.out, dist.device, dist.world_size, run.total_steps, result.start_step,
+                            run.data_summary, len(run.dataset.documents), profile.train.epochs, result.eval_rows,
+                            trackers)  # fmt: skip
+
+
+def _train_step(run: TrainingRun, step: int) -> dict:
+    """Optimizer step `step` (0-based): its micro-batches forward and backward, the optimizer's step, the selection
+    biases updated; returns its metrics record, reduced over the ranks. ProfileError when no row of the step holds a
+    token to train on."""
+    from .metrics import processed_tokens
+
+    engine, dist, dataset, train = run.engine, run.dist, run.dataset, run.profile.train
+    rows = train.micro_batch_size
+    t0 = time.perf_counter()
+    engine.train()
+    lm_losses, aux_losses, tokens, processed = [], [], 0, 0
+    for micro in range(train.gradient_accumulation_steps):
+        batch = dataset.micro_batch(step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size)
+        output = micro_step(engine, batch, dist)
+        lm_losses.append(output.lm_loss.detach().float())
+        aux_losses.append(output.aux_loss.detach().float())
+        tokens += batch.num_label_tokens
+        processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
+    expert_load, dropped_slots = update_moe_bias(engine, dist)
+    loss = torch.stack(lm_losses).mean()
+    aux = torch.stack(aux_losses).mean()
+    if dist.world_size > 1:
+        counts = torch.tensor([float(tokens), float(processed)], device=loss.device)
+        stats = torch.cat([torch.stack([loss, aux]), counts])
+        torch.distributed.all_reduce(stats)
+        loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
+        processed = int(stats[3].item())
+    if tokens == 0:
+        raise ProfileError([untrained_step_message(step + 1, run.profile, dist.world_size)])
+    step_time = time.perf_counter() - t0
+    grad_norm = engine.get_global_grad_norm()
+    rows_per_step = rows * train.gradient_accumulation_steps * dist.world_size
+    record = {
+        "step": step + 1,
+        "loss": float(loss),
+        "aux_loss": float(aux),
+        "lr": train.lr * lr_factor(step, train, run.total_steps),
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_time,
+        # Every token of the step's rows (all ranks) the model ran through, padding excluded.
+        "processed_tokens": processed,
+        "processed_tokens_per_s": processed / step_time,
+        "step_time_s": step_time,
+        "expert_load_max_over_mean": expert_load,
+        "dropped_token_slots": dropped_slots,
+        # Epochs of training rows done after this step (1.5: half-way through the second).
+        "epoch": round(dataset.epoch_progress((step + 1) * rows_per_step), 6),
+    }
+    if run.activation_memory is not None:
+        record.update(run.activation_memory.step_metrics())
+    return record
+
+
+def _evaluate_and_save(run: TrainingRun, step: int, is_stopping: bool, writer, reporter) -> None:
+    """After step `step` (1-based): an eval every run.eval_every steps and at the run's last step, unless stopping; a
+    checkpoint every output.save_every steps, at run.end_step and when stopping (the best one noted after an eval)."""
+    profile, dist, result = run.profile, run.dist, run.result
+    step_eval = None
+    if run.eval_every is not None and not is_stopping and (step % run.eval_every == 0 or step == run.total_steps):
+        step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter)
+    if is_stopping or step == run.end_step or step % profile.output.save_every == 0:
+        result.checkpoint = _save(run.engine, profile, run.checkpoint_root, step, dist, step_eval, result)
+        if step_eval is not None and dist.is_main:
+            best = best_checkpoint(run.checkpoint_root, step)
+            result.best_checkpoint = best[0] if best is not None else None
+
+
+def _finish(run: TrainingRun) -> RunResult:
+    """A run that reached its last step or was interrupted exports its adapter or weights; summary.json is written
+    either way."""
+    result, dist = run.result, run.dist
+    if result.last_step == run.total_steps or result.interrupted_by:
+        result.adapter, result.weights = export_weights(run.engine, run.profile, run.out, dist.is_main, run.layout,
+                                                        result, run.data_summary)  # fmt: skip
     if dist.is_main:
-        write_json_atomic(out / "summary.json", result.summary())
+        write_json_atomic(run.out / "summary.json", result.summary())
     return result
 
 
@@ -742,7 +831,7 @@ def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
     return max(count.item(), 1.0) / dist.world_size
 
 
-def _update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
+def update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
     """Reduce the step's expert loads (and capacity drops) over all ranks, update the selection biases; return
     max/mean load per layer and the token-slots dropped for capacity.
 

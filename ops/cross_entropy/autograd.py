@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from moe_tune.ops.cross_entropy.reference import _compute_dtype
+from moe_tune.ops.cross_entropy.reference import compute_dtype
 
 # One chunk's logits stay under 256 MiB; their gradient overwrites them in place. The torch path holds them in
 # fp32 (441 rows at a 152K vocabulary) plus a low-precision copy for the matmuls under bf16; the kernel path holds
@@ -71,7 +71,7 @@ def linear_cross_entropy_fwd(
     weight's dtype and grad_bias [V] in bias's dtype; a gradient that is not needed is None and never computed.
     """
     num_tokens = hidden_ND.shape[0]
-    dtype = _compute_dtype(hidden_ND.dtype)
+    dtype = compute_dtype(hidden_ND.dtype)
     is_labelled_N = labels_N != ignore_index
     if reduction == "mean":
         # A device tensor, not a Python number: no host sync to read the count.
@@ -163,13 +163,13 @@ def _kernel_chunks(
 
     num_tokens, vocab_size = hidden_ND.shape[0], weight_VD.shape[0]
     labels_N = labels_N.contiguous()
-    token_loss_N = kernels._alloc((num_tokens,), torch.float32, hidden_ND.device)
+    token_loss_N = kernels.alloc((num_tokens,), torch.float32, hidden_ND.device)
     has_grad = grad_hidden_ND is not None or grad_weight_VD is not None
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
         hidden_CD = hidden_ND[start:end]
         logits_CV = chunk_logits(
-            hidden_CD, weight_VD, bias_V, kernels._alloc((end - start, vocab_size), hidden_ND.dtype, hidden_ND.device)
+            hidden_CD, weight_VD, bias_V, kernels.alloc((end - start, vocab_size), hidden_ND.dtype, hidden_ND.device)
         )
         kernels.cross_entropy_chunk_fwd(
             logits_CV, labels_N[start:end], token_loss_N[start:end], scale, ignore_index, has_grad

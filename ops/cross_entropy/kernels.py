@@ -19,7 +19,7 @@ NUM_WARPS = 8
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer the kernel path writes comes from here, the chunk's logits too (tests swap in guarded, NaN-filled
     buffers)."""
     return torch.empty(shape, dtype=dtype, device=device)

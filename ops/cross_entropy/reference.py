@@ -11,8 +11,9 @@ import torch.nn.functional as F_nn
 REDUCTIONS = ("mean", "sum")
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # fp32 at least; fp64 inputs stay fp64 so that gradient checks in fp64 can be tight.
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the losses are computed in: fp32 at least; fp64 inputs stay fp64 so that gradient checks in fp64
+    can be tight."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -27,7 +28,7 @@ def cross_entropy_ref(
     as the data-parallel trainer divides by max(global labelled tokens, 1): a row with nothing labelled gives 0
     and zero gradients instead of NaN.
     """
-    logits_NV = logits_NV.to(_compute_dtype(logits_NV.dtype))
+    logits_NV = logits_NV.to(compute_dtype(logits_NV.dtype))
     loss = F_nn.cross_entropy(logits_NV, labels_N, ignore_index=ignore_index, reduction="sum")
     if reduction == "sum":
         return loss
@@ -47,7 +48,7 @@ def linear_cross_entropy_ref(
     hidden_ND: [N, D] float; weight_VD: [V, D] float; bias_V: [V] float or None; labels_N: [N] int64.
     Returns the loss: [] fp32 (fp64 for fp64 inputs); gradients reach the inputs in their own dtypes.
     """
-    dtype = _compute_dtype(hidden_ND.dtype)
+    dtype = compute_dtype(hidden_ND.dtype)
     bias = None if bias_V is None else bias_V.to(dtype)
     logits_NV = F_nn.linear(hidden_ND.to(dtype), weight_VD.to(dtype), bias)
     return cross_entropy_ref(logits_NV, labels_N, ignore_index, reduction)

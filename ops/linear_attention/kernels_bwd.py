@@ -194,8 +194,8 @@ def _prepare_state_bwd_kernel(
 
 
 @triton.jit
-def _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, dot_dtype, BT: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, dot_dtype, BT: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles: do S0^T [BT, BK] and
     do v_new^T [BT, BT] in both orientations (P's gradient before its decays and mask; the transpose as its own dot,
     not tl.trans of a dot result). The states are read transposed, [BV, BK]: written out here rather than through
@@ -253,8 +253,8 @@ def _chunk_grad_output_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
     G, _ = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
 
-    do_state, dqk, dqk_t = _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
-                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
+    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
+                                                dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.linear_attention import kernels_fwd
-from moe_tune.ops.linear_attention.kernels_bwd import _output_grad_products
+from moe_tune.ops.linear_attention.kernels_bwd import output_grad_products
 from moe_tune.ops.linear_attention.kernels_fwd import (
     _L2NORM_EPS,
     SUB_CHUNK_SIZE,
@@ -539,8 +539,8 @@ def _kda_grad_products_kernel(
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
 
-    do_state, dqk, dqk_t = _output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
-                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
+    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
+                                                dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     G, _ = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
     # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring): the largest

@@ -131,23 +131,23 @@ def test_causal_conv_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
 def test_commit_outside_a_checkout_comes_from_the_environment(monkeypatch):
     import subprocess
 
-    from moe_tune.engine.bench import moe_op as bench
+    from moe_tune.engine.bench import machine
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(subprocess, "run", no_git)
     monkeypatch.delenv("MOE_TUNE_COMMIT", raising=False)
-    assert bench._commit() == "unknown"
+    assert machine.commit() == "unknown"
     monkeypatch.setenv("MOE_TUNE_COMMIT", " 2dbb528 ")
-    assert bench._commit() == "2dbb528"
+    assert machine.commit() == "2dbb528"
 
 
 def test_commit_named_in_the_environment_wins_over_git(monkeypatch):
     # A working tree copied onto another machine keeps stale git metadata: whoever copied it names the commit.
     import subprocess
 
-    from moe_tune.engine.bench import moe_op as bench
+    from moe_tune.engine.bench import machine
 
     def stale_git(args, **kwargs):
         answer = "a08730c\n" if args[:2] == ["git", "rev-parse"] else " M engine/model/varlen.py\n"
@@ -155,9 +155,9 @@ def test_commit_named_in_the_environment_wins_over_git(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", stale_git)
     monkeypatch.delenv("MOE_TUNE_COMMIT", raising=False)
-    assert bench._commit() == "a08730c+dirty"
+    assert machine.commit() == "a08730c+dirty"
     monkeypatch.setenv("MOE_TUNE_COMMIT", "3173e12")
-    assert bench._commit() == "3173e12"
+    assert machine.commit() == "3173e12"
 
 
 def test_rotary_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):

@@ -226,13 +226,13 @@ def test_bf16_training_takes_the_lora_fast_path_unless_zero_3(tmp_path, monkeypa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_bias_update_of_all_layers_at_once_equals_each_layers_own(dtype):
-    """trainer._update_moe_bias (stacked loads, foreach updates) against MoEBlock.update_selection_bias layer by
+    """trainer.update_moe_bias (stacked loads, foreach updates) against MoEBlock.update_selection_bias layer by
     layer: the same biases bit for bit, loads and drops zeroed, and the per-layer max/mean and drop count."""
     import copy
     import types
 
     from moe_tune.engine.model.moe import MoEBlock
-    from moe_tune.engine.train.trainer import _update_moe_bias
+    from moe_tune.engine.train.trainer import update_moe_bias
     from moe_tune.profiles.schema import MoESpec
 
     spec = MoESpec(num_experts=7, top_k=2, expert_intermediate_size=8, bias_update_rate=0.01)
@@ -252,7 +252,7 @@ def test_moe_bias_update_of_all_layers_at_once_equals_each_layers_own(dtype):
         want.append((round(peak / mean, 4) if mean > 0 else 0.0, block.dropped_slots.item()))
         block.update_selection_bias()
     engine = types.SimpleNamespace(module=blocks)
-    imbalance, dropped = _update_moe_bias(engine, types.SimpleNamespace(world_size=1))
+    imbalance, dropped = update_moe_bias(engine, types.SimpleNamespace(world_size=1))
     assert imbalance == [w[0] for w in want] and dropped == int(sum(w[1] for w in want)) == 9
     for ours, theirs in zip(blocks, expected, strict=True):
         assert torch.equal(ours.selection_bias, theirs.selection_bias)

@@ -56,7 +56,7 @@ def kernel_path(monkeypatch):
     return launches
 
 
-guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS, alloc_name="alloc")
 
 
 def _case(num_tokens, model_dim, vocab, seed=0):

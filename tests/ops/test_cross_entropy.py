@@ -351,7 +351,7 @@ def test_errors_name_the_tensor_and_the_rule(change, match):
 GUARD_ELEMENTS = 2 * kernels.BLOCK_V
 
 kernel_path = forced_kernel_path(kernels, "_cross_entropy_chunk_kernel", on_gpu=False)
-guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS, alloc_name="alloc")
 
 # (N, D, V, chunk_size)
 KERNEL_SHAPES = [
