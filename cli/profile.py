@@ -12,12 +12,7 @@ import typer
 from . import profile_kernels, profile_steps
 from ._common import SetOption, fail
 
-# The names tests/cli/test_terminal.py and tests/engine/bench/test_breakdown.py read from this module.
-from .profile_kernels import KERNELS_WIDTH
-from .profile_kernels import kernels_table as _table
-from .profile_steps import breakdown_table as _breakdown_table
-
-__all__ = ["KERNELS_WIDTH", "_breakdown_table", "_table", "app", "profile"]
+__all__ = ["app", "profile"]
 
 app = typer.Typer()
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from moe_tune.cli import app
-from moe_tune.cli.profile import KERNELS_WIDTH, _table
+from moe_tune.cli.profile_kernels import KERNELS_WIDTH, kernels_table
 
 runner = CliRunner()
 
@@ -35,7 +35,7 @@ def _row(op: str, impl: str, is_cuda: bool, note: str | None = None, **values) -
 def _render(rows: list[dict], wide: bool) -> tuple[str, list[str]]:
     width = 1000 if wide else KERNELS_WIDTH
     console = Console(width=width, record=True, highlight=False)
-    table, notes = _table(rows, wide, width)
+    table, notes = kernels_table(rows, wide, width)
     console.print(table)
     for line in notes:
         console.print(line, markup=False)

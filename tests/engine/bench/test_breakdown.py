@@ -126,7 +126,7 @@ def test_cuda_shares_count_launches_and_host_time_per_class():
 def test_breakdown_table_shows_launches_host_time_and_idle_on_cuda_only():
     from rich.console import Console
 
-    from moe_tune.cli.profile import _breakdown_table
+    from moe_tune.cli.profile_steps import breakdown_table
     from moe_tune.engine.bench.breakdown import CPU_TIMING, CUDA_TIMING
 
     classes = [dict(op_class=label, time_s=0.001, share=1 / len(OP_CLASSES), launches=7, host_s=0.0025,
@@ -134,7 +134,7 @@ def test_breakdown_table_shows_launches_host_time_and_idle_on_cuda_only():
 
     def rendered(timing):
         console = Console(record=True, width=200)
-        console.print(_breakdown_table(dict(classes=classes, timing=timing)))
+        console.print(breakdown_table(dict(classes=classes, timing=timing)))
         return console.export_text()
 
     cuda, cpu = rendered(CUDA_TIMING), rendered(CPU_TIMING)
