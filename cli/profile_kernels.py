@@ -71,8 +71,9 @@ def kernels_table(rows: list[dict], wide: bool = False, width: int = KERNELS_WID
     columns, and each note is a numbered footnote below the table (the same note once), its number after the impl;
     wide: a column each for op, case, shape and dtype, every cell on one line, the notes in the last column."""
     machine = rows[0]
+    driver = f", driver {machine['driver']}" if machine.get("driver") else ""
     title = (
-        f"{machine['machine']} ({machine['device']}), torch {machine['torch']}, triton {machine['triton']}, "
+        f"{machine['machine']} ({machine['device']}{driver}), torch {machine['torch']}, triton {machine['triton']}, "
         f"commit {machine['commit']}, {machine['date']}"
     )
     columns = _kernel_columns(rows, wide)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
+from moe_tune.engine.bench.timing import time_pass
 
 PRESETS = ("small", "anchor")
 # One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
@@ -145,8 +146,11 @@ def measure_peaks() -> Peaks:
 
 
 def time_ms(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_backward: bool, is_cuda: bool):
-    """(median ms, peak bytes or None) of fn() (autograd recording), or of fn() and a backward from a random grad;
-    the peak counts what one call allocates beyond what was allocated before it."""
+    """(median ms, peak bytes or None) of fn() (autograd recording), or of fn() and a backward from a random grad:
+    on CUDA timing.time_pass (do_bench, and the extra peak of one call); on the CPU time.perf_counter medians."""
+    if is_cuda:
+        ms, peak, _ = time_pass(fn, leaves, with_backward)
+        return ms, peak
     with torch.no_grad():
         out = fn()
     grad_out = torch.randn_like(out)
@@ -156,20 +160,6 @@ def time_ms(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_bac
         if with_backward:
             y.backward(grad_out)
 
-    if is_cuda:
-        from triton.testing import do_bench
-
-        ms = do_bench(step, grad_to_none=leaves, return_mode="median")
-        # The peak of one more call on its own, above what was allocated before it: do_bench's 256 MB cache-flush
-        # buffer and the inputs are not the op's.
-        for leaf in leaves:
-            leaf.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return ms, torch.cuda.max_memory_allocated() - before
     for _ in range(CPU_WARMUP_CALLS):
         step()
     times, spent = [], 0.0

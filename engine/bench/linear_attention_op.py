@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tune.engine.bench.machine import machine_info
+from moe_tune.engine.bench.timing import time_pass
 from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
 # The shape of issue 5's targets (docs/PERF.md, linear attention).
@@ -186,37 +187,9 @@ def _sdpa(q, k, v):
 
 
 def _time(fn, inputs, with_backward: bool) -> tuple[float, torch.Tensor, int]:
-    """(median ms, forward output, peak bytes) of one forward (recording autograd, as in training), or of a forward
-    and its backward. The peak is that of one more call on its own, above what was allocated before it: do_bench's
-    256 MB cache-flush buffer is not the op's."""
-    import triton.testing
-
+    """(median ms, forward output, extra peak bytes) of timing.time_pass over fn(**inputs)'s output."""
     leaves = [x for x in inputs.values() if isinstance(x, torch.Tensor) and x.requires_grad]
-
-    def forward():
-        return fn(**inputs)[0]
-
-    with torch.no_grad():
-        o = forward()
-    if with_backward:
-        do = torch.randn_like(o)
-
-        def step():
-            forward().backward(do)
-
-    else:
-        step = forward
-    ms = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
-    for leaf in leaves:
-        leaf.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    for leaf in leaves:
-        leaf.grad = None
+    ms, peak, o = time_pass(lambda: fn(**inputs)[0], leaves, with_backward)
     return ms, o, peak
 
 

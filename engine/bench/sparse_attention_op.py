@@ -23,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moe_tune.engine.bench.timing import time_pass
+
 # Issue 6's attention shape and its three cases: (case, T, block_size, S slots).
 ATTENTION_SHAPE = dict(batch_size=1, num_heads=16, num_kv_heads=1, head_dim_k=128, head_dim_v=128)
 ATTENTION_CASES = (
@@ -139,7 +141,7 @@ def bench_sparse_attention(cases=ATTENTION_CASES, include_reference: bool = True
             notes = []
             for key, with_backward in (("fwd", False), ("fwd_bwd", True)):
                 try:
-                    ms, peak, out = _time(fn, leaves, with_backward)
+                    ms, peak, out = time_pass(fn, leaves, with_backward)
                 except (RuntimeError, NotImplementedError, ValueError, ImportError) as err:
                     notes.append(f"{key} refused: {type(err).__name__}: {str(err).strip()[:120]}")
                     torch.cuda.empty_cache()
@@ -245,31 +247,6 @@ def _bench(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, return_mode="median")
-
-
-def _time(fn, leaves, with_backward: bool):
-    """(median ms, extra peak bytes, forward output) of fn() recording autograd, or of fn() and its backward."""
-    with torch.no_grad():
-        out = fn()
-    grad = torch.randn_like(out)
-
-    def step():
-        y = fn()
-        if with_backward:
-            y.backward(grad)
-
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    for leaf in leaves:
-        leaf.grad = None
-    import triton.testing
-
-    ms = triton.testing.do_bench(step, grad_to_none=leaves, return_mode="median")
-    return ms, peak, out
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ def test_cpu_run_says_so_and_times_the_sparse_reference(no_cuda):
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["fwd_tflops"] > 0
     assert row["fwd_peak_fraction"] is None and row["peak_memory_bytes"] is None
     assert row["commit"] and row["date"] and row["torch"] == torch.__version__
+    # A CPU run has no GPU driver to name.
+    assert row["driver"] is None and row["machine"] == machine["machine"]
 
 
 def _row(impl="reference", fwd_ms=1.0, fwd_bwd_ms=3.0):
@@ -126,6 +128,44 @@ def test_causal_conv_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
     # fp32: x and y forward, x, dy and dx backward: 5 x 300 x 16 x 4 bytes.
     assert row["note"].startswith("moves at least 0.096 MB fwd+bwd (fwd ")
+
+
+def test_every_result_row_ends_with_the_machine_facts():
+    from moe_tune.engine.bench import load_op, steps
+    from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
+
+    assert MACHINE_KEYS == ("device", "machine", "driver", "torch", "triton", "commit", "date")
+    assert tuple(machine_info(is_cuda=False)) == MACHINE_KEYS
+    for keys in (ROW_KEYS, steps.RESULT_KEYS, load_op.RESULT_KEYS):
+        assert keys[-len(MACHINE_KEYS):] == MACHINE_KEYS and len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize(("proc_text", "smi_answer", "expected"), [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n", None, "550.54.15"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.10  Release Build\n", None, "570.86.10"),
+    (None, "560.35.03\n", "560.35.03"),  # no /proc file (a container): nvidia-smi answers
+    ("NVRM version: something else\n", "535.1\n", "535.1"),  # a file that names no version: nvidia-smi
+    (None, None, None),  # neither: unknown, not an error
+    (None, "", None),
+])
+def test_driver_version_from_the_kernel_module_or_nvidia_smi(tmp_path, monkeypatch, proc_text, smi_answer, expected):
+    import subprocess
+
+    from moe_tune.engine.bench import machine
+
+    proc = tmp_path / "version"
+    if proc_text is not None:
+        proc.write_text(proc_text)
+    monkeypatch.setattr(machine, "NVIDIA_DRIVER_FILE", proc)
+
+    def nvidia_smi(args, **kwargs):
+        if smi_answer is None:
+            raise FileNotFoundError("nvidia-smi")
+        return subprocess.CompletedProcess(args, 0, stdout=smi_answer, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", nvidia_smi)
+    assert machine.driver_version(is_cuda=True) == expected
+    assert machine.driver_version(is_cuda=False) is None
 
 
 def test_commit_outside_a_checkout_comes_from_the_environment(monkeypatch):
@@ -262,3 +302,38 @@ def test_lora_overhead_refuses_a_shape_without_lora():
 
     with pytest.raises(ValueError, match=r"lora_rank \(0\) must be positive"):
         lora_overhead(dict(N=16, D=8, F=4, E=4, k=2, routing="uniform", lora_rank=0))
+
+
+@pytest.mark.parametrize("with_backward", [False, True], ids=["fwd", "fwd_bwd"])
+def test_time_pass_takes_do_bench_median_and_the_peak_of_one_more_call(monkeypatch, with_backward):
+    # The CUDA timer without a GPU: do_bench and the allocator's counters are stood in for.
+    import triton.testing
+
+    from moe_tune.engine.bench import timing
+
+    calls, backwards, allocated = [], [], {"now": 1000, "peak": 0}
+
+    def fake_do_bench(fn, grad_to_none=None, return_mode="mean", **kwargs):
+        assert return_mode == "median" and grad_to_none == [x]
+        for _ in range(3):
+            fn()
+        return 1.25
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: allocated.update(peak=allocated["now"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocated["peak"])
+    x = torch.randn(4, 3, requires_grad=True)
+    x.register_hook(lambda grad: backwards.append(grad.shape))
+
+    def fn():
+        calls.append(torch.is_grad_enabled())
+        allocated["peak"] = max(allocated["peak"], allocated["now"] + 48)
+        return x * 2
+
+    ms, peak, out = timing.time_pass(fn, [x], with_backward)
+    assert ms == 1.25 and peak == 48 and torch.equal(out, x.detach() * 2)
+    # One untimed forward under no_grad (the output, the gradient's shape), three timed calls, one for the peak.
+    assert calls == [False, True, True, True, True]
+    assert len(backwards) == (4 if with_backward else 0) and x.grad is None
