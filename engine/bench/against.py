@@ -27,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 
 from moe_tune.engine.align.reference import describe, pure_torch_paths
+from moe_tune.engine.bench.timing import StepClock
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -336,27 +336,21 @@ class TransformersRunner:
     def step(self, batches: list) -> dict[str, Any]:
         """One optimizer step over `batches` (the micro-batches of one of our steps)."""
         train = self.job.train
-        self._sync()
-        start = time.perf_counter()
-        losses, tokens = [], 0
-        for batch in batches:
-            loss, lm = self.lm_loss(*self.inputs(batch))
-            (loss / len(batches)).backward()
-            losses.append(lm.detach().float())
-            tokens += batch.num_label_tokens
-        if train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.trainable, train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = float(torch.stack(losses).mean())
-        self._sync()
-        step_time = time.perf_counter() - start
+        with StepClock(self.is_cuda) as clock:
+            losses, tokens = [], 0
+            for batch in batches:
+                loss, lm = self.lm_loss(*self.inputs(batch))
+                (loss / len(batches)).backward()
+                losses.append(lm.detach().float())
+                tokens += batch.num_label_tokens
+            if train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.trainable, train.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = float(torch.stack(losses).mean())
+        step_time = clock.seconds
         return {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time}
-
-    def _sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
 
 
 def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device, total_steps: int,

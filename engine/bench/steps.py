@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
+from moe_tune.engine.bench.timing import StepClock
 from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -109,18 +109,16 @@ class StepRunner:
 
         self.engine.train()
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
-        self._sync()
-        t0 = time.perf_counter()
-        tokens, losses, pieces = 0, [], []
-        for batch in self.micro_batches(self.steps_done, self.dist.rank, self.dist.world_size):
-            out = micro_step(self.engine, batch, self.dist)
-            losses.append(out.lm_loss.detach().float())
-            tokens += batch.num_label_tokens
-            pieces += piece_lengths(batch.cu_seqlens)
-        update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
-        loss = float(torch.stack(losses).mean())
-        self._sync()
-        step_time = time.perf_counter() - t0
+        with StepClock(self.is_cuda) as clock:
+            tokens, losses, pieces = 0, [], []
+            for batch in self.micro_batches(self.steps_done, self.dist.rank, self.dist.world_size):
+                out = micro_step(self.engine, batch, self.dist)
+                losses.append(out.lm_loss.detach().float())
+                tokens += batch.num_label_tokens
+                pieces += piece_lengths(batch.cu_seqlens)
+            update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
+            loss = float(torch.stack(losses).mean())
+        step_time = clock.seconds
         self.steps_done += 1
         record = {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
                   "pieces": pieces}
@@ -160,10 +158,6 @@ class StepRunner:
 
         d = self.dataset
         self.dataset = PackedDataset(d.documents, seq_len, d.pad_id, d.seed, d.image_settings)
-
-    def _sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize()
 
     def close(self) -> None:
         from moe_tune.engine.train.distributed import shutdown_distributed

@@ -1,8 +1,10 @@
-"""The op benchmarks' timer on CUDA: the median of triton.testing.do_bench over a forward (recording autograd, as in
-training) or a forward and its backward, and the extra peak memory of one more call on its own."""
+"""The benchmarks' timers. Ops on CUDA: the median of triton.testing.do_bench over a forward (recording autograd, as
+in training) or a forward and its backward, and the extra peak memory of one more call on its own (time_pass).
+Training steps: wall time with the device synchronized at both ends (StepClock)."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -42,3 +44,27 @@ def time_pass(
 
     ms = do_bench(step, grad_to_none=leaves, return_mode="median")
     return ms, extra_peak_bytes(step, leaves), out
+
+
+class StepClock:
+    """`with StepClock(is_cuda) as clock: ...` then clock.seconds: the block's wall time, the device synchronized
+    before the start and before the stop so that it holds every kernel the block launched."""
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda = is_cuda
+        self.seconds: float | None = None
+
+    def _sync(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def __enter__(self) -> StepClock:
+        self._sync()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        # A failed block has no time (and a synchronize could raise over its error).
+        if exc_type is None:
+            self._sync()
+            self.seconds = time.perf_counter() - self._start

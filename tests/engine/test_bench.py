@@ -337,3 +337,21 @@ def test_time_pass_takes_do_bench_median_and_the_peak_of_one_more_call(monkeypat
     # One untimed forward under no_grad (the output, the gradient's shape), three timed calls, one for the peak.
     assert calls == [False, True, True, True, True]
     assert len(backwards) == (4 if with_backward else 0) and x.grad is None
+
+
+@pytest.mark.parametrize("is_cuda", [False, True], ids=["cpu", "cuda"])
+def test_step_clock_synchronizes_at_both_ends_and_times_nothing_that_failed(monkeypatch, is_cuda):
+    from moe_tune.engine.bench import timing
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    ticks = iter([10.0, 12.5, 20.0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
+    with timing.StepClock(is_cuda) as clock:
+        events.append("step")
+    assert clock.seconds == 2.5
+    assert events == (["sync", "step", "sync"] if is_cuda else ["step"])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with timing.StepClock(is_cuda) as failed:
+            raise RuntimeError("CUDA out of memory")
+    assert failed.seconds is None
