@@ -18,8 +18,6 @@ HQ query heads, K key dim, V value dim, S selected keys per query.
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
-from moe_tune.engine.bench.timing import time_pass
+from moe_tune.engine.bench.timing import time_ms
 
 PRESETS = ("small", "anchor")
 # One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
@@ -44,12 +42,6 @@ ROW_KEYS = (
 )  # fmt: skip
 MATCH_KEYS = ("op", "case", "impl", "shape")
 
-# CPU timing: one warm-up call, then repeats until this much time is spent (at least MIN, at most MAX repeats), so
-# that `--shapes small` stays within a few seconds in all on 2 busy cores.
-CPU_WARMUP_CALLS = 1
-CPU_TIME_BUDGET_S = 0.1
-CPU_MIN_REPEATS = 3
-CPU_MAX_REPEATS = 20
 # Peak probes: an 8192^3 bf16 GEMM saturates the tensor cores of an H100/H200; a 1 GiB copy is far past L2.
 PEAK_GEMM_SIZE = 8192
 PEAK_COPY_BYTES = 2**30
@@ -143,34 +135,6 @@ def measure_peaks() -> Peaks:
     torch.cuda.empty_cache()
     # A copy reads and writes every byte.
     return Peaks(tflops=2 * n**3 / gemm_ms * 1e-9, copy_gb_per_s=2 * PEAK_COPY_BYTES / copy_ms * 1e-6)
-
-
-def time_ms(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_backward: bool, is_cuda: bool):
-    """(median ms, peak bytes or None) of fn() (autograd recording), or of fn() and a backward from a random grad:
-    on CUDA timing.time_pass (do_bench, and the extra peak of one call); on the CPU time.perf_counter medians."""
-    if is_cuda:
-        ms, peak, _ = time_pass(fn, leaves, with_backward)
-        return ms, peak
-    with torch.no_grad():
-        out = fn()
-    grad_out = torch.randn_like(out)
-
-    def step() -> None:
-        y = fn()
-        if with_backward:
-            y.backward(grad_out)
-
-    for _ in range(CPU_WARMUP_CALLS):
-        step()
-    times, spent = [], 0.0
-    while len(times) < CPU_MIN_REPEATS or (spent < CPU_TIME_BUDGET_S and len(times) < CPU_MAX_REPEATS):
-        for leaf in leaves:
-            leaf.grad = None
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-        spent += times[-1] * 1e-3
-    return statistics.median(times), None
 
 
 def make_row(op: str, case: str, impl: str, shape: str, dtype: torch.dtype | str, run: RunContext, **values) -> dict:

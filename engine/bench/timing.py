@@ -1,13 +1,22 @@
-"""The benchmarks' timers. Ops on CUDA: the median of triton.testing.do_bench over a forward (recording autograd, as
-in training) or a forward and its backward, and the extra peak memory of one more call on its own (time_pass).
-Training steps: wall time with the device synchronized at both ends (StepClock)."""
+"""The benchmarks' timers. Ops: on CUDA the median of triton.testing.do_bench over a forward (recording autograd, as
+in training) or a forward and its backward, and the extra peak memory of one more call on its own (time_pass); on
+the CPU time.perf_counter medians (time_ms). Training steps: wall time with the device synchronized at both ends
+(StepClock)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
 import torch
+
+# CPU timing: one warm-up call, then repeats until this much time is spent (at least MIN, at most MAX repeats), so
+# that `--shapes small` stays within a few seconds in all on 2 busy cores.
+CPU_WARMUP_CALLS = 1
+CPU_TIME_BUDGET_S = 0.1
+CPU_MIN_REPEATS = 3
+CPU_MAX_REPEATS = 20
 
 
 def extra_peak_bytes(step: Callable[[], object], leaves: list[torch.Tensor]) -> int:
@@ -26,13 +35,9 @@ def extra_peak_bytes(step: Callable[[], object], leaves: list[torch.Tensor]) -> 
     return peak
 
 
-def time_pass(
-    fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_backward: bool
-) -> tuple[float, int, torch.Tensor]:
-    """(median ms, extra peak bytes, forward output) of fn(), or of fn() and a backward from a random output
-    gradient; the output is that of one untimed forward under no_grad."""
-    from triton.testing import do_bench
-
+def pass_step(fn: Callable[[], torch.Tensor], with_backward: bool) -> tuple[torch.Tensor, Callable[[], None]]:
+    """(the output of one untimed forward under no_grad, the pass to time): fn() recording autograd, as in training,
+    and with_backward a backward from a random output gradient drawn once."""
     with torch.no_grad():
         out = fn()
     grad_out = torch.randn_like(out)
@@ -42,8 +47,39 @@ def time_pass(
         if with_backward:
             y.backward(grad_out)
 
+    return out, step
+
+
+def time_pass(
+    fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_backward: bool
+) -> tuple[float, int, torch.Tensor]:
+    """(median ms, extra peak bytes, forward output) of fn(), or of fn() and a backward from a random output
+    gradient; the output is that of one untimed forward under no_grad."""
+    from triton.testing import do_bench
+
+    out, step = pass_step(fn, with_backward)
     ms = do_bench(step, grad_to_none=leaves, return_mode="median")
     return ms, extra_peak_bytes(step, leaves), out
+
+
+def time_ms(fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor], with_backward: bool, is_cuda: bool):
+    """(median ms, peak bytes or None) of fn() (autograd recording), or of fn() and a backward from a random grad:
+    on CUDA time_pass (do_bench, and the extra peak of one call); on the CPU time.perf_counter medians."""
+    if is_cuda:
+        ms, peak, _ = time_pass(fn, leaves, with_backward)
+        return ms, peak
+    _, step = pass_step(fn, with_backward)
+    for _ in range(CPU_WARMUP_CALLS):
+        step()
+    times, spent = [], 0.0
+    while len(times) < CPU_MIN_REPEATS or (spent < CPU_TIME_BUDGET_S and len(times) < CPU_MAX_REPEATS):
+        for leaf in leaves:
+            leaf.grad = None
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+        spent += times[-1] * 1e-3
+    return statistics.median(times), None
 
 
 class StepClock:
