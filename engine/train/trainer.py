@@ -131,26 +131,6 @@ def lr_factor(step: int, train: TrainProfile, total_steps: int | None = None) ->
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class _StopSignal:
-    """SIGINT/SIGTERM ask the loop to checkpoint and exit after the current step."""
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def check_world(profile: JobProfile, world_size: int) -> None:
     """Checks of the profile against the machine: the layout must use the ranks there are."""
     ep = profile.parallel.expert_parallel
@@ -518,6 +498,26 @@ def _resume(run: TrainingRun) -> Path:
     _restore_eval_state(result, state, run.checkpoint_root)
     result.start_step = result.last_step = start_step
     return resumed_from
+
+
+class _StopSignal:
+    """SIGINT/SIGTERM ask the loop to checkpoint and exit after the current step."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _train(run: TrainingRun, show_progress: bool, console) -> None:
