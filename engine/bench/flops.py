@@ -32,12 +32,12 @@ from __future__ import annotations
 import functools
 import re
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from moe_tune.engine.bench.timing import StepClock
 from moe_tune.profiles.schema import LoraProfile, ModelProfile
 
 FROZEN_PASSES = 2
@@ -233,12 +233,8 @@ def gemm_peak_tflops(device: torch.device, precision: str) -> float:
     b = torch.randn(n, n, device=device).to(dtype)
     times = []
     for index in range(CPU_PEAK_WARMUP + CPU_PEAK_REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with StepClock(device.type == "cuda") as clock:
+            a @ b
         if index >= CPU_PEAK_WARMUP:
-            times.append(time.perf_counter() - start)
+            times.append(clock.seconds)
     return FLOPS_PER_MAC * n**3 / statistics.median(times) * 1e-12
