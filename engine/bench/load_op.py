@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
+from moe_tune.engine.bench.timing import StepClock
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -335,22 +336,17 @@ def load_synthetic_checkpoint(folder: Path, device: torch.device) -> dict[str, A
     _, _, cfg = model_profile_from_checkpoint(folder)
     with torch.device(device):
         model = build_model(cfg)
-    is_cuda = device.type == "cuda"
-    if is_cuda:
-        torch.cuda.synchronize()
     dropped = _drop_page_cache(folder)
     before = _status_bytes(("VmRSS", "RssAnon"))
     is_reset = _reset_peak_rss()
     sampler = _RssSampler()
     sampler.start()
-    start = time.perf_counter()
     try:
-        load_checkpoint_weights(model, cfg)
-        if is_cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        with StepClock(device.type == "cuda") as clock:
+            load_checkpoint_weights(model, cfg)
     finally:
         peaks = sampler.stop()
+    seconds = clock.seconds
     peak = _status_bytes(("VmHWM",))["VmHWM"]
     del model
     return dict(load_s=seconds, rss_before_bytes=before["VmRSS"], rss_anon_before_bytes=before["RssAnon"],
