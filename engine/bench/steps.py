@@ -58,11 +58,11 @@ class StepRunner:
         from moe_tune.engine.train.graphs import check_cuda_graphs
         from moe_tune.engine.train.resources import check_memory_fits
         from moe_tune.engine.train.trainer import (
-            quiet_third_party_noise,
             build_dataset,
             build_trainable_model,
             check_world,
             lr_factor,
+            quiet_third_party_noise,
             run_steps,
         )
 
@@ -105,7 +105,7 @@ class StepRunner:
 
     def step(self) -> dict[str, Any]:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
-        from moe_tune.engine.train.trainer import update_moe_bias, micro_step
+        from moe_tune.engine.train.trainer import micro_step, update_moe_bias
 
         self.engine.train()
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
