@@ -143,6 +143,10 @@ def check_world(profile: JobProfile, world_size: int) -> None:
         raise ProfileError(problems)
 
 
+def training_dtype(profile: JobProfile) -> torch.dtype:
+    return torch.bfloat16 if profile.train.precision == "bf16" else torch.float32
+
+
 def build_trainable_model(
     profile: JobProfile,
     layout: ExpertLayout | None = None,
@@ -152,9 +156,10 @@ def build_trainable_model(
     """The model with LoRA injected (or all weights trainable), and its trainable parameters; routed experts are
     tagged for their expert-data-parallel group when spread over several ranks.
 
-    `init_device` (a CUDA device, or None for the CPU): where a checkpoint-less model is built and drawn, in the
-    training dtype. `moe-tune profile` draws on the GPU (a 30B-80B model's init takes minutes on the CPU); finetune,
-    export and generate draw on the CPU, so a run's export rebuilds the same initial weights anywhere.
+    `init_device` (a CUDA device, or None for the CPU): where the model is built and drawn, in the training dtype
+    (ZeRO-3 checkpoint runs are built partitioned instead). `moe-tune profile` builds there (a 30B-80B model's init
+    takes minutes on the CPU), finetune for checkpoint runs only; random-init runs draw on the CPU, so a run's
+    export rebuilds the same initial weights anywhere.
 
     A model read from a checkpoint under ZeRO-3 (`ds_config` given) is built partitioned: no rank ever holds the
     whole model (see build_partitioned), and the weights stream in one tensor at a time."""
@@ -170,12 +175,13 @@ def build_trainable_model(
         if ds_config is not None and profile.parallel.zero_stage == 3:
             model = build_partitioned(cfg, ds_config, profile.memory.activation_checkpointing, layout)
         else:
-            model = build_model(cfg, profile.memory.activation_checkpointing, layout)
+            model = build_model(cfg, profile.memory.activation_checkpointing, layout, init_device,
+                                training_dtype(profile) if init_device else None)
         # Each rank reads only its own experts; unread tensors can be reported only when one rank reads them all.
         load_checkpoint_weights(model, cfg, check_unread=layout is None or layout.ep_size == 1)
     else:
-        dtype = (torch.bfloat16 if profile.train.precision == "bf16" else torch.float32) if init_device else None
-        model = build_model(cfg, profile.memory.activation_checkpointing, layout, init_device, dtype)
+        model = build_model(cfg, profile.memory.activation_checkpointing, layout, init_device,
+                            training_dtype(profile) if init_device else None)
     if not profile.lora.enabled:
         from moe_tune.engine.lora import freeze_vision_parts
 
@@ -443,7 +449,10 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         check_eval_tokens(eval_data, train, dist.world_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
     ds_config = deepspeed_config(profile, dist.world_size)
-    model, trainable = build_trainable_model(profile, layout, ds_config)
+    # A checkpoint's weights overwrite the random init: its model is built where it trains, in the training dtype
+    # (an 80B model's init on the CPU takes long; random-init runs draw on the CPU, so an export rebuilds them).
+    on_gpu = profile.model.checkpoint is not None and dist.device.type == "cuda"
+    model, trainable = build_trainable_model(profile, layout, ds_config, dist.device if on_gpu else None)
     activation_memory = find_activation_memory(model)
     optimizer = torch.optim.AdamW(
         trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
