@@ -8,10 +8,11 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 
 import pytest
 from guarded_buffers import GuardedBuffers
+from kernel_fixtures import forced_kernel_path
 import torch
 
 from moe_tune.ops.fp8.reference import quantize_groups, quantize_weight
-from moe_tune.ops.moe import ExpertLoRA, moe_mlp
+from moe_tune.ops.moe import ExpertLoRA, kernels_fp8, moe_mlp
 from moe_tune.ops.moe.reference import moe_mlp_ref
 from moe_cases import LORA_NAMES, make_case, run_with_grads
 
@@ -35,16 +36,7 @@ LORA_SCALING = 2.0
 GUARD_ELEMENTS = 1 << 16
 
 
-@pytest.fixture
-def kernel_path(monkeypatch):
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from moe_tune.ops.moe import kernels_fp8
-
-    if isinstance(kernels_fp8._fp8_gate_up_fwd_kernel, InterpretedFunction):
-        pytest.skip("the kernels were imported in interpreter mode by tests/ops: run tests/gpu in its own session")
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+kernel_path = forced_kernel_path(kernels_fp8, "_fp8_gate_up_fwd_kernel", on_gpu=True)
 
 
 @pytest.fixture

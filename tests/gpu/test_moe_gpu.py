@@ -8,10 +8,10 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 
 import pytest
 from guarded_buffers import GuardedBuffers
-from kernel_fixtures import INTERPRETED_ON_GPU
+from kernel_fixtures import forced_kernel_path
 import torch
 
-from moe_tune.ops.moe import ExpertLoRA, moe_mlp, topk_route
+from moe_tune.ops.moe import ExpertLoRA, kernels, moe_mlp, topk_route
 from moe_tune.ops.moe.reference import moe_mlp_ref
 from moe_cases import LORA_NAMES, make_case, run_with_grads
 
@@ -35,16 +35,7 @@ LORA_SCALING = 2.0
 GUARD_ELEMENTS = 1 << 16
 
 
-@pytest.fixture
-def kernel_path(monkeypatch):
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from moe_tune.ops.moe import kernels
-
-    if isinstance(kernels._moe_gate_up_fwd_kernel, InterpretedFunction):
-        pytest.fail(INTERPRETED_ON_GPU)
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+kernel_path = forced_kernel_path(kernels, "_moe_gate_up_fwd_kernel", on_gpu=True)
 
 
 @pytest.fixture
