@@ -1,22 +1,20 @@
-"""Benchmark of the dense block-scaled FP8 linear on CUDA: ops.fp8's Triton kernels against bf16 F.linear (cuBLAS).
+"""Benchmark of the dense FP8 linear on CUDA: ops.fp8's kernel path against bf16 F.linear (cuBLAS) on the same shapes.
 
 Shapes: M rows (tokens), I in_features, O out_features; the weight is frozen in every impl (a LoRA or frozen-base
 fine-tune), so forward+backward is the forward and the input gradient.
 
 `bench_fp8_linear(shapes)` runs on the GPU (nothing runs at import); `python -m moe_tune.engine.bench.fp8_op` times
 DEFAULT_SHAPES and prints one JSON line per row. Implementations:
-  triton      ops.fp8's Fp8LinearFunction: x quantized in 1 x 128 groups, block-scaled FP8 GEMM on FP8 tensor cores;
-              backward: dy quantized in groups along O, the same GEMM over W_q^T
+  triton      ops.fp8's Fp8LinearFunction: the FP8 weight dequantized into x's dtype by the Triton kernel, then
+              cuBLAS (forward; backward dequantizes again for dx = dy @ deq(W))
   torch_bf16  F.linear on the bf16 weight (cuBLAS), what a bf16 base runs
-`configs` adds one triton row per named GemmConfig. Times are medians of triton.testing.do_bench. FLOPs: 2*M*I*O
-forward, twice that forward+backward. Each row carries its error against the exact product fp32 x @ deq(W)^T
-(rel_err_exact: FP8 activation quantization shows there) and, for triton rows, against fp8_linear_ref
-(rel_err_ref: the kernels' own error); both relative to the largest reference value, forward output and dx.
+Times are medians of triton.testing.do_bench. FLOPs: 2*M*I*O forward, twice that forward+backward. Each row carries
+its error against the exact product fp32 x @ deq(W)^T (rel_err_exact) and, for triton rows, against fp8_linear_ref
+(rel_err_ref: the kernel path's own error); both relative to the largest reference value, forward output and dx.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from typing import Callable
 
@@ -34,21 +32,16 @@ IMPLS = ("triton", "torch_bf16")
 def bench_fp8_linear(
     shapes: list[dict] | tuple[dict, ...] = DEFAULT_SHAPES,
     dtype: torch.dtype = torch.bfloat16,
-    configs: dict | None = None,
     seed: int = 0,
     rep_ms: int = 100,
 ) -> list[dict]:
     """One dict per (shape, impl): M, I, O, shape, impl, dtype, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops,
     rel_err_exact, rel_err_ref (triton rows), and machine_info's keys (device, machine, driver, torch, triton, commit,
-    date).
-
-    configs: {name: ops.fp8.kernels.GemmConfig}, each timed as one more triton row ("triton <name>").
-    """
+    date)."""
     from triton.testing import do_bench
 
     from moe_tune.ops.fp8 import dequantize_weight, fp8_linear_ref, quantize_weight
     from moe_tune.ops.fp8.autograd import Fp8LinearFunction
-    from moe_tune.ops.fp8.kernels import forced_gemm_config
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench_fp8_linear needs a CUDA device")
@@ -70,28 +63,22 @@ def bench_fp8_linear(
         def fp8_fn(x=x, w_q=w_q, scale_inv=scale_inv):
             return Fp8LinearFunction.apply(x, w_q, scale_inv, None)
 
-        # impl -> (fn, GemmConfig or None: the default launch)
-        impls: dict[str, tuple[Callable[[], torch.Tensor], object]] = {
-            "triton": (fp8_fn, None),
-            "torch_bf16": (lambda: F_nn.linear(x, w_bf16), None),
+        impls: dict[str, Callable[[], torch.Tensor]] = {
+            "triton": fp8_fn,
+            "torch_bf16": lambda: F_nn.linear(x, w_bf16),
         }
-        for name, config in (configs or {}).items():
-            impls[f"triton {name}"] = (fp8_fn, config)
         fwd_flops = 2 * M * I * O
-        for impl, (fn, config) in impls.items():
-            launch = (lambda config=config: forced_gemm_config(config)) if config else contextlib.nullcontext
-            with launch():
-                y, dx = _forward_backward(fn, x, grad_y)
+        for impl, fn in impls.items():
+            y, dx = _forward_backward(fn, x, grad_y)
             row = dict(M=M, I=I, O=O, shape=f"M{M} I{I} O{O}", impl=impl, dtype=str(dtype).removeprefix("torch."))
             row["rel_err_exact"] = max(_rel_err(y, y_exact), _rel_err(dx, dx_exact))
-            if impl.startswith("triton"):
+            if impl == "triton":
                 row["rel_err_ref"] = max(_rel_err(y, y_ref), _rel_err(dx, dx_ref))
 
-            def step(fn=fn, launch=launch, with_backward=False):
-                with launch():
-                    y = fn()
-                    if with_backward:
-                        y.backward(grad_y)
+            def step(fn=fn, with_backward=False):
+                y = fn()
+                if with_backward:
+                    y.backward(grad_y)
 
             row["fwd_ms"] = do_bench(step, rep=rep_ms, return_mode="median")
             row["fwd_bwd_ms"] = do_bench(lambda: step(with_backward=True), rep=rep_ms, grad_to_none=[x],

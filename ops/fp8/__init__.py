@@ -1,13 +1,13 @@
-"""FP8 e4m3 frozen weights in 128 x 128 blocks (the hub's FP8 checkpoint layout) and activations in 1 x 128 groups,
-and the dense linear through such a weight: y = fq(x) @ deq(W)^T + bias on FP8 tensor cores.
+"""FP8 e4m3 frozen weights in 128 x 128 blocks (the hub's FP8 checkpoint layout), and the dense linear through such
+a weight: y = x @ deq(W)^T + bias with the dequantized weight and the activations as they are.
 
 Shapes: x [..., I]; weight [O, I] float8_e4m3fn; scale_inv [ceil(O/128), ceil(I/128)] fp32; bias [O]. reference.py
-holds the layouts, the one rounding rule every FP8 kernel reproduces and the linear's ground truth; the math is in
-README.md.
+holds the layouts, the rounding rule and the linear's ground truth; the math is in README.md.
 
-Dispatch: the kernels on CUDA tensors of a GPU with FP8 support (compute capability 8.9 or newer), the reference
-elsewhere (MOE_TUNE_KERNELS forces either). The kernels are checked against the reference in the Triton interpreter
-(tests/ops/test_fp8.py) and on the H200 (tests/gpu/test_fp8_gpu.py).
+Dispatch: the kernel path (a Triton kernel dequantizes the weight into x's dtype, torch's matmul multiplies) on CUDA
+tensors of a GPU with FP8 support (compute capability 8.9 or newer), the reference elsewhere (MOE_TUNE_KERNELS
+forces either). The kernel is checked against the reference in the Triton interpreter (tests/ops/test_fp8.py) and
+on the H200 (tests/gpu/test_fp8_gpu.py).
 """
 
 from __future__ import annotations
@@ -44,21 +44,23 @@ __all__ = [
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (*_KERNEL_DTYPES, torch.float64)
-# FP8 e4m3 conversions and tensor-core MMAs exist from Ada (sm_89) and Hopper (sm_90) on.
+# Triton converts FP8 e4m3 (float8e4nv) from Ada (sm_89) and Hopper (sm_90) on.
 MIN_CUDA_CAPABILITY = (8, 9)
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ W^T + bias through a frozen FP8 weight, x quantized to FP8 in 1 x 128 groups along I.
+    """x @ deq(W)^T + bias through a frozen FP8 weight, computed with the dequantized weight; x is not quantized.
 
     x:         [..., I] bf16/fp16/fp32 (fp64: the reference)
     weight:    [O, I] float8_e4m3fn, requires_grad False
-    scale_inv: [ceil(O/128), ceil(I/128)] fp32; W[o, i] = weight[o, i] * scale_inv[o // 128, i // 128]
+    scale_inv: [ceil(O/128), ceil(I/128)] fp32; deq(W)[o, i] = weight[o, i] * scale_inv[o // 128, i // 128]
     bias:      [O] float, or None (default)
-    Returns y: [..., O] in x's dtype, accumulated in fp32. Differentiable w.r.t. x (dx = fq(dy) @ W, dy quantized
-    in 1 x 128 groups along O) and bias; never w.r.t. weight.
+    Returns y: [..., O] in x's dtype, accumulated in fp32. Differentiable w.r.t. x (dx = dy @ deq(W), dy not
+    quantized) and bias; never w.r.t. weight. The kernel path dequantizes W into x's dtype (rounded once) for the
+    forward GEMM and again for the input gradient's: one transient [O, I] buffer, this layer's weight, at a time;
+    only the FP8 weight and its scales are saved for backward.
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, weight, scale_inv, bias)

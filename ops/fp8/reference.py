@@ -6,11 +6,14 @@ W[o, i] = W_q[o, i] * scale_inv[o // 128, i // 128]. With `row_segments` (a fuse
 tensors stacked along O, as w_gate_up = [gate_proj; up_proj]) the row blocks restart at every segment: segment s's
 rows get their own ceil(rows_s / 128) scale rows, in order.
 
-Activations (the GEMM operand that is not the weight, along its reduction dim K) are quantized at run time in
-groups of 1 x 128: x [..., K] -> x_q float8_e4m3fn [..., K], scale fp32 [..., G] with x ~ x_q[k] * scale[k // 128];
-`segments` restarts the groups likewise (the gate and up halves of a gradient [S, 2F]).
+The linear through an FP8 weight (fp8_linear_ref) computes with the dequantized weight and the activations as they
+are: y = x @ deq(W)^T, dx = dy @ deq(W), in fp32.
 
-One rounding rule for both: scale = max(amax, AMAX_FLOOR) / 448 over the block or group, q = round_to_nearest_even(
+Activation groups (quantize_groups and its inverses): x [..., K] -> x_q float8_e4m3fn [..., K], scale fp32
+[..., G] with x ~ x_q[k] * scale[k // 128] in groups of 1 x 128 along K; `segments` restarts the groups likewise
+(the gate and up halves of a gradient [S, 2F]).
+
+One rounding rule for weights and groups: scale = max(amax, AMAX_FLOOR) / 448 over the block or group, q = round_to_nearest_even(
 clamp(x / scale, -448, 448)) in float8_e4m3fn; both divisions correctly rounded fp32 quotients on every device.
 """
 
@@ -125,12 +128,11 @@ def fake_quantize_groups(x: torch.Tensor, segments: Sequence[int] | None = None)
 
 
 class Fp8LinearRefFunction(torch.autograd.Function):
-    """y = fq(x) @ deq(W)^T + bias; dx = fq(dy) @ deq(W); dbias = sum of dy; in fp32, no gradient to W."""
+    """y = x @ deq(W)^T + bias; dx = dy @ deq(W); dbias = sum of dy; in fp32, no gradient to W."""
 
     @staticmethod
     def forward(ctx, x, weight, scale_inv, bias):
-        w = dequantize_weight(weight, scale_inv)
-        y = fake_quantize_groups(x) @ w.T
+        y = x.float() @ dequantize_weight(weight, scale_inv).T
         if bias is not None:
             y = y + bias.float()
         ctx.save_for_backward(weight, scale_inv)
@@ -142,7 +144,7 @@ class Fp8LinearRefFunction(torch.autograd.Function):
         weight, scale_inv = ctx.saved_tensors
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = (fake_quantize_groups(grad_y) @ dequantize_weight(weight, scale_inv)).to(grad_y.dtype)
+            dx = (grad_y.float() @ dequantize_weight(weight, scale_inv)).to(grad_y.dtype)
         dbias = None
         if ctx.needs_input_grad[3]:
             dbias = grad_y.float().reshape(-1, grad_y.shape[-1]).sum(0).to(ctx.bias_dtype)
@@ -152,8 +154,7 @@ class Fp8LinearRefFunction(torch.autograd.Function):
 def fp8_linear_ref(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The FP8 linear in fp32: x [..., I] quantized in 1 x 128 groups along I, times the dequantized weight [O, I]
-    (float8_e4m3fn with scale_inv [ceil(O/128), ceil(I/128)]), plus bias [O]; returns [..., O] in x's dtype.
-    Backward: dx = fq(dy) @ deq(W) with dy quantized in groups along O, dbias = dy summed over rows; no weight
-    gradient."""
+    """The FP8 linear in fp32: x [..., I] times the dequantized weight [O, I] (float8_e4m3fn with scale_inv
+    [ceil(O/128), ceil(I/128)]), plus bias [O]; returns [..., O] in x's dtype. Backward: dx = dy @ deq(W) in dy's
+    dtype, dbias = dy summed over rows; no weight gradient. Neither x nor dy is quantized."""
     return Fp8LinearRefFunction.apply(x, weight, scale_inv, bias)

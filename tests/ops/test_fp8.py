@@ -1,6 +1,7 @@
 """ops.fp8: the quantization reference against hand-computed values and its properties, fp8_linear_ref against the
-explicit formulas, the Triton kernels in the interpreter against the reference (quantize_groups_fp8; the linear's
-output, dx and dbias on odd shapes, NaN-filled buffers with guarded ends), input checks and dispatch.
+explicit formula (the dequantized weight, x and dy unquantized), the Triton dequantization kernel in the interpreter
+bit for bit against the reference on odd shapes, fp8_linear's kernel path (output, dx and dbias) against the reference
+and against F.linear on the dequantized weight in x's dtype, what it saves for backward, input checks and dispatch.
 
 Shapes: x [..., I]; weight [O, I] float8_e4m3fn; scale_inv [ceil(O/128), ceil(I/128)]; bias [O]; dy [..., O].
 """
@@ -14,6 +15,7 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
+    import torch.nn.functional as F
     from moe_tune.ops.fp8 import fp8_linear, kernels
     from moe_tune.ops.fp8.reference import (
         AMAX_FLOOR,
@@ -26,40 +28,30 @@ with interpreted_kernels():
         quantize_weight,
     )
 
-# Kernel against reference (fp64 comparison). The quantized operands are equal (quantize_groups_fp8 is checked
-# value for value), so fp32 outputs differ by the summation order only (measured at most 1.5e-6 on outputs of
-# magnitude 5); fp16/bf16 by one rounding of the output at the most (half an ulp: 4.9e-4 / 3.9e-3 relative).
-TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
+DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Kernel path against the reference, in units of the reference's largest value (atol = tolerance * max|ref|, rtol =
+# tolerance). fp32: the same fp32 operands, the summation order only; fp16/bf16: the weight rounded once to x's
+# dtype (2^-11 / 2^-8 relative per element) and one rounding of the output. Largest measured over LINEAR_CASES and
+# the random cases (y, dx; dbias 0): fp32 1.0e-7, 0; fp16 9.6e-4, 5.9e-4; bf16 5.7e-3, 6.5e-3. About twice those.
+TOLERANCES = {torch.float32: 2e-7, torch.float16: 2e-3, torch.bfloat16: 1.3e-2}
+# Kernel path against F.linear on deq(W) rounded to x's dtype: the same operands through torch's matmul, equal bit
+# for bit on the CPU (measured); one output ulp allowed for a GEMM that orders the reduction otherwise.
+SAME_OPERANDS_TOLERANCES = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 # e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by at most 2^-4 of itself.
 E4M3_RELATIVE_STEP = 2.0**-4
 # The smallest e4m3 subnormal (2^-9, in units of the block's scale): half of it is the absolute rounding error there.
 E4M3_SUBNORMAL_STEP = 2.0**-9
-# Past the end of every kernel buffer: a whole 64 x 128 quantization tile.
+# Past the end of every kernel buffer: more than a whole 64 x 128 dequantization tile.
 GUARD_ELEMENTS = 8192
-# The guard of an fp8 buffer: GuardedBuffers' 1234.5 is beyond e4m3's range.
-FP8_GUARD_VALUE = 448.0
 
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
-kernel_path = forced_kernel_path(kernels, "_fp8_gemm_kernel", on_gpu=False)
-
-
-class Fp8GuardedBuffers(GuardedBuffers):
-    """GuardedBuffers that also guard float8_e4m3fn buffers (NaN-filled, followed by FP8_GUARD_VALUE)."""
-
-    def alloc(self, shape, dtype, device):
-        if dtype == FP8_DTYPE:
-            return self._alloc(shape, dtype, device, float("nan"), FP8_GUARD_VALUE)
-        return super().alloc(shape, dtype, device)
+kernel_path = forced_kernel_path(kernels, "_dequantize_weight_kernel", on_gpu=False)
 
 
 @pytest.fixture
 def guarded(monkeypatch, kernel_path):
-    buffers = Fp8GuardedBuffers(GUARD_ELEMENTS)
+    buffers = GuardedBuffers(GUARD_ELEMENTS)
     monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
     return buffers
 
@@ -73,6 +65,11 @@ def ramp(*shape, gen, scale_range=(-3.0, 3.0)):
     """Random values whose magnitude spans 10^-3..10^3 along the last dim, so blocks have different scales."""
     magnitudes = torch.logspace(*scale_range, shape[-1])
     return torch.randn(*shape, generator=gen) * magnitudes
+
+
+def bits_of(t):
+    """A float tensor's bits as integers of its width (bitwise comparison, -0 and +0 apart)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 # ---- the quantization reference -------------------------------------------------------------------------------
@@ -196,7 +193,7 @@ def test_bad_segments_raise(segments):
         quantize_weight(torch.ones(300, 8), segments)
 
 
-# ---- fp8_linear_ref against the formulas ----------------------------------------------------------------------
+# ---- fp8_linear_ref against the formula ------------------------------------------------------------------------
 
 
 def linear_case(lead, in_features, out_features, dtype, has_bias, seed=0):
@@ -221,17 +218,11 @@ def run_linear(fn, x, weight, scale_inv, bias, grad_y):
 def test_reference_is_the_formula():
     x, weight, scale_inv, bias, grad_y = linear_case((2, 5), 300, 130, torch.float32, True)
     y, dx, dbias = run_linear(fp8_linear_ref, x, weight, scale_inv, bias, grad_y)
-    w = dequantize_weight(weight, scale_inv)
-    # The explicit formulas, written out per group: x = x_q * scale per 128 columns.
-    x_q, x_scale = quantize_groups(x.detach())
-    x_deq = values_of(x_q) * x_scale.repeat_interleave(128, -1)[..., :300]
-    torch.testing.assert_close(y, x_deq @ w.T + bias.detach(), atol=1e-5, rtol=1e-5)
-    dy_q, dy_scale = quantize_groups(grad_y)
-    dy_deq = values_of(dy_q) * dy_scale.repeat_interleave(128, -1)[..., :130]
-    torch.testing.assert_close(dx, dy_deq @ w, atol=1e-5, rtol=1e-5)
+    # The explicit formula in fp64, the weight written out per 128 x 128 block.
+    w = values_of(weight).double() * scale_inv.double().repeat_interleave(128, 0)[:130].repeat_interleave(128, 1)[:, :300]
+    torch.testing.assert_close(y.double(), x.detach().double() @ w.T + bias.detach().double(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx.double(), grad_y.double() @ w, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dbias, grad_y.sum((0, 1)))
-    # FP8 quantization moves the result visibly from the unquantized product (the test sees the quantization).
-    assert (y - (x.detach() @ w.T + bias.detach())).abs().max() > 1e-3
 
 
 def test_reference_returns_x_dtype_and_no_weight_gradient():
@@ -239,84 +230,151 @@ def test_reference_returns_x_dtype_and_no_weight_gradient():
     y, dx, dbias = run_linear(fp8_linear_ref, x, weight, scale_inv, bias, grad_y)
     assert y.dtype == dx.dtype == dbias.dtype == torch.float16
     assert y.shape == (7, 130) and dx.shape == (7, 100)
+    assert weight.grad is None and not weight.requires_grad
 
 
-# ---- the Triton kernels in the interpreter ----------------------------------------------------------------------
+# ---- the dequantization kernel in the interpreter ----------------------------------------------------------------
 
-QUANTIZE_CASES = {
-    # K not a multiple of 128, rows not a multiple of the 64-row tile.
-    "K300": ((37, 300), None),
-    # One row, one partial group.
-    "one_row_K100": ((1, 100), None),
-    # Two segments of 200: four groups of 128, 72, 128, 72.
-    "segments_200": ((5, 400), (200, 200)),
-    # A segment narrower than a group, then one spanning several.
-    "segments_50_300": ((70, 350), (50, 300)),
+# (O, I): every tile and scale-block edge case the kernel indexes.
+DEQUANTIZE_SHAPES = {
+    "1x1": (1, 1),  # one element: one partial block
+    "1x300": (1, 300),  # one row over three column blocks
+    "300x1": (300, 1),  # one column over three row blocks
+    "130x257": (130, 257),  # neither dim a multiple of 128 (or of the 64-row tile)
+    "257x130": (257, 130),
+    "128x128": (128, 128),  # exactly one block
+    "200x384": (200, 384),  # columns on the grid, rows not
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("case", QUANTIZE_CASES.values(), ids=QUANTIZE_CASES.keys())
-def test_quantize_kernel_equals_reference(guarded, case, dtype):
-    shape, segments = case
-    gen = torch.Generator().manual_seed(3)
-    x = ramp(*shape, gen=gen, scale_range=(-9.0, 3.0)).to(dtype)
-    # An all-zero group, and values in e4m3's subnormal range of their group.
-    x[0, :50] = 0
-    x_q, scale = kernels.quantize_groups_fp8(x, segments)
-    x_q_ref, scale_ref = quantize_groups(x, segments)
+def odd_weight(out_features, in_features, seed=3):
+    """A weight over 10^-9..10^3 (subnormal e4m3 codes in its blocks) with an all-zero block where it has two or more."""
+    gen = torch.Generator().manual_seed(seed)
+    w = ramp(out_features, in_features, gen=gen, scale_range=(-9.0, 3.0))
+    if out_features > 128 or in_features > 128:
+        w[:128, :128] = 0
+    return quantize_weight(w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.values())
+@pytest.mark.parametrize("shape", DEQUANTIZE_SHAPES.values(), ids=DEQUANTIZE_SHAPES.keys())
+def test_dequantize_kernel_is_bitwise_reference(guarded, shape, dtype):
+    weight, scale_inv = odd_weight(*shape)
+    out = kernels.dequantize_weight_fp8(weight, scale_inv, dtype)
     guarded.check()
-    assert x_q.dtype == FP8_DTYPE and scale.is_contiguous()
-    assert torch.equal(scale, scale_ref)
-    assert torch.equal(values_of(x_q), values_of(x_q_ref))
+    expected = dequantize_weight(weight, scale_inv).to(dtype)
+    assert out.dtype == dtype and out.shape == shape
+    assert torch.equal(bits_of(out), bits_of(expected))
+    if min(shape) > 1 and max(shape) > 128:
+        assert (out[:128, :128] == 0).all() and out.abs().max() > 0
 
 
-def test_quantize_kernel_hand_values(guarded):
-    check_hand_values(*kernels.quantize_groups_fp8(hand_row()))
-    x_q, scale = kernels.quantize_groups_fp8_for_gemm(hand_row())
+def test_dequantize_kernel_rounds_ties_to_even(guarded):
+    """Products exactly halfway between two values of the output dtype: round to the even one (a truncating or
+    half-up conversion gives the odd one)."""
+    # Block 0's scale 1 + 2^-7 + 2^-8 times a power of two lies halfway between two bf16 values (step 2^-7 at 1):
+    # to even, 1 + 2^-6. Block 1's 1 + 2^-10 + 2^-11 likewise in fp16 (step 2^-10): 1 + 2^-9.
+    scale_inv = torch.tensor([[1 + 2.0**-7 + 2.0**-8, 1 + 2.0**-10 + 2.0**-11]])
+    codes = torch.tensor([1.0, -2.0, 0.5, 256.0, -448.0, 0.0, 2.0**-9, 3.0])
+    weight = torch.zeros(1, 256)
+    weight[0, : len(codes)] = codes
+    weight[0, 128 : 128 + len(codes)] = codes
+    weight = weight.to(FP8_DTYPE)
+    bf16 = kernels.dequantize_weight_fp8(weight, scale_inv, torch.bfloat16)
+    fp16 = kernels.dequantize_weight_fp8(weight, scale_inv, torch.float16)
     guarded.check()
-    assert scale.stride() == (1, 1)
-    check_hand_values(x_q, scale)
+    assert bf16[0, 0].item() == 1 + 2.0**-6 and bf16[0, 1].item() == -2 * (1 + 2.0**-6)
+    assert fp16[0, 128].item() == 1 + 2.0**-9 and fp16[0, 129].item() == -2 * (1 + 2.0**-9)
+    for out, dtype in ((bf16, torch.bfloat16), (fp16, torch.float16)):
+        assert torch.equal(bits_of(out), bits_of(dequantize_weight(weight, scale_inv).to(dtype)))
 
+
+# ---- fp8_linear's kernel path in the interpreter --------------------------------------------------------------
 
 # (leading dims, I, O, has bias)
 LINEAR_CASES = {
-    # A single row; I under one group, O one row over a weight block.
+    # A single row; I under one block, O one row over a weight block.
     "M1_I100_O130_bias": ((1,), 100, 130, True),
-    # 37 rows: no multiple of the row tile; I and O both off the 128 grid.
+    # 37 rows; I and O both off the 128 grid.
     "M37_I300_O257": ((37,), 300, 257, False),
     # Leading batch dims.
     "batch_2x3x7_I300_O130_bias": ((2, 3, 7), 300, 130, True),
     # Everything on the 128 grid.
     "M40_I256_O128_bias": ((40,), 256, 128, True),
+    # One input feature, one output feature.
+    "M5_I1_O1_bias": ((5,), 1, 1, True),
 }
-LINEAR_DTYPES = {
-    torch.float32: LINEAR_CASES,
-    torch.float16: {k: LINEAR_CASES[k] for k in ("M37_I300_O257", "batch_2x3x7_I300_O130_bias")},
-    torch.bfloat16: {k: LINEAR_CASES[k] for k in ("M1_I100_O130_bias",)},
-}
+LINEAR_PARAMS = [pytest.param(dtype, case, id=f"{name_of}-{name}") for dtype, name_of in DTYPES.items()
+                 for name, case in LINEAR_CASES.items()]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "dtype, case",
-    [pytest.param(dtype, case, id=f"{str(dtype)[6:]}-{name}") for dtype, cases in LINEAR_DTYPES.items()
-     for name, case in cases.items()],
-)  # fmt: skip
+def assert_near(name, value, reference, tolerance):
+    scale = reference.double().abs().max().item()
+    torch.testing.assert_close(value.double(), reference.double(), atol=tolerance * scale, rtol=tolerance,
+                               msg=lambda text: f"{name}: {text}")  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, case", LINEAR_PARAMS)
 def test_linear_kernel_matches_reference(guarded, case, dtype):
     lead, in_features, out_features, has_bias = case
     inputs = linear_case(lead, in_features, out_features, dtype, has_bias)
+    weight = inputs[1]
     y, dx, dbias = run_linear(fp8_linear, *inputs)
     guarded.check()
+    # Forward and backward each dequantize the weight once, into x's dtype.
+    assert [b[0].dtype for b in guarded.buffers] == [dtype, dtype]
     y_ref, dx_ref, dbias_ref = run_linear(fp8_linear_ref, *inputs)
-    tol = TOLERANCES[dtype]
     assert y.dtype == dx.dtype == dtype
     assert y.shape == (*lead, out_features) and dx.shape == (*lead, in_features)
-    torch.testing.assert_close(y.double(), y_ref.double(), **tol)
-    torch.testing.assert_close(dx.double(), dx_ref.double(), **tol)
+    assert_near("y", y, y_ref, TOLERANCES[dtype])
+    assert_near("dx", dx, dx_ref, TOLERANCES[dtype])
     if has_bias:
-        torch.testing.assert_close(dbias.double(), dbias_ref.double(), **tol)
-    # Quantize x, GEMM; quantize dy, GEMM.
-    assert len(guarded.buffers) == 6
+        assert dbias.dtype == dtype
+        assert_near("dbias", dbias, dbias_ref, TOLERANCES[dtype])
+    assert weight.grad is None and not weight.requires_grad
+
+
+def random_linear_cases(count, seed):
+    """(leading dims, I, O, has bias, seed) drawn at random: dims from 1 to 400, zero to two leading dims."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low, high):
+        return int(torch.randint(low, high + 1, (), generator=gen))
+
+    return [(tuple(draw(1, 9) for _ in range(draw(0, 2))) or (draw(1, 40),), draw(1, 400), draw(1, 400),
+             bool(draw(0, 1)), index) for index in range(count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPES.values())
+@pytest.mark.parametrize("case", random_linear_cases(4, seed=35), ids=lambda c: f"lead{c[0]}_I{c[1]}_O{c[2]}")
+def test_linear_is_f_linear_on_the_dequantized_weight(kernel_path, case, dtype):
+    """The property that defines the op: fp8_linear(x, W_q, s, b) is F.linear(x, deq(W_q, s) in x's dtype, b)."""
+    lead, in_features, out_features, has_bias, seed = case
+    x, weight, scale_inv, bias, grad_y = linear_case(lead, in_features, out_features, dtype, has_bias, seed)
+    y, dx, dbias = run_linear(fp8_linear, x, weight, scale_inv, bias, grad_y)
+    w = dequantize_weight(weight, scale_inv).to(dtype)
+    y_twin, dx_twin, dbias_twin = run_linear(lambda x, _w, _s, b: F.linear(x, w, b), x, weight, scale_inv, bias,
+                                             grad_y)  # fmt: skip
+    assert_near("y", y, y_twin, SAME_OPERANDS_TOLERANCES[dtype])
+    assert_near("dx", dx, dx_twin, SAME_OPERANDS_TOLERANCES[dtype])
+    if has_bias:
+        assert_near("dbias", dbias, dbias_twin, SAME_OPERANDS_TOLERANCES[dtype])
+
+
+def test_linear_kernel_saves_only_the_fp8_weight_and_scales(kernel_path):
+    x, weight, scale_inv, bias, grad_y = linear_case((3, 4), 300, 130, torch.bfloat16, True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fp8_linear(x, weight, scale_inv, bias)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(FP8_DTYPE, (130, 300)), (torch.float32, (2, 3))]
+    assert saved[0].data_ptr() == weight.data_ptr() and saved[1].data_ptr() == scale_inv.data_ptr()
+    y.backward(grad_y)
+    assert weight.grad is None and x.grad is not None
 
 
 def test_linear_kernel_without_rows(guarded):
