@@ -1,6 +1,6 @@
 """`moe-tune profile PROFILE`: a few real training steps of a profile (throughput, latency, peak memory, MFU, the
 memory policy's metrics, a per-operator breakdown; `--against transformers` times the same steps of the
-transformers + PEFT baseline)."""
+transformers + PEFT baseline, `--against bf16-base` those of an FP8-base profile's dequantized bf16 twin)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,11 @@ def _top_ops_table(breakdown: dict) -> Table:
     return table
 
 
+def _ours_name(result: dict) -> str:
+    """Our row's name: against the bf16 twin, which base it has."""
+    return "moe-tune, fp8 base" if result["against"]["baseline"] == "bf16-base" else "moe-tune"
+
+
 def _against_table(result: dict) -> Table:
     """moe-tune's row and the baseline's, the same columns."""
     other = result["against"]
@@ -119,7 +124,7 @@ def _against_table(result: dict) -> Table:
     headers = ("impl", "tokens/s", "step latency", "peak memory", "MFU", "trainable params", "first-step loss")
     for header in headers:
         table.add_column(header, justify="left" if header == "impl" else "right", no_wrap=True)
-    for impl, row in (("moe-tune", result), (other["impl"], other)):
+    for impl, row in ((_ours_name(result), result), (other["impl"], other)):
         table.add_row(impl, f"{row['tokens_per_s']:,.0f}", f"{row['step_time_s'] * 1e3:,.1f} ms",
                       _bytes(row["peak_memory_bytes"]), f"{row['mfu']:.1%}", f"{row['trainable_parameters']:,}",
                       f"{row['first_step_loss']:.4f}")  # fmt: skip
@@ -129,14 +134,31 @@ def _against_table(result: dict) -> Table:
 def out_of_memory_line(result: dict) -> str:
     """The line that stands for the baseline's row when it ran out of memory."""
     other = result["against"]
-    return (f"against {other['impl']} ({other['model_type']}): out of memory ({other['out_of_memory']}) on "
+    model_type = f" ({other['model_type']})" if other.get("model_type") else ""
+    return (f"against {other['impl']}{model_type}: out of memory ({other['out_of_memory']}) on "
             f"{result['machine']}; no row to compare")
 
 
-def _against_line(result: dict) -> str:
+def against_header(other: dict) -> str:
+    """What the baseline's row is, above the table."""
+    if other["baseline"] == "bf16-base":
+        return (f"against {other['impl']} (model.base_precision bf16 holding the FP8 base's "
+                f"{other['dequantized_modules']} FP8 modules dequantized; the same draws, LoRA init and "
+                "micro-batches):")
+    return (f"against {other['impl']} ({other['model_type']}, attention {other['attention_implementation']}, experts "
+            f"{other['experts_implementation']}) on the same micro-batches:")
+
+
+def against_line(result: dict) -> str:
+    """The comparison in one line; against the bf16 twin, also how far the losses were apart."""
     other = result["against"]
     memory = "" if other["memory_ratio"] is None else f", {other['memory_ratio']:.2f}x the peak memory"
-    return f"moe-tune / {other['impl']}: {other['speedup']:.2f}x the tokens/s{memory}"
+    line = f"{_ours_name(result)} / {other['impl']}: {other['speedup']:.2f}x the tokens/s{memory}"
+    gap = other.get("loss_gap")
+    if gap is not None:
+        line += (f"; losses {gap['max']:.2%} (max), {gap['mean']:.2%} (mean) from the {other['impl']}'s over "
+                 f"{gap['steps']} steps")
+    return line
 
 
 def _steps_plot(result: dict, path: Path) -> None:
@@ -159,7 +181,7 @@ def _steps_plot(result: dict, path: Path) -> None:
     ax.set_title(f"{result['profile']}: one step ({result['breakdown']['timing']})", fontsize=9)
     if other:
         ax = axes[0][1]
-        names = ["moe-tune", other["impl"]]
+        names = [_ours_name(result), other["impl"]]
         rates = [result["tokens_per_s"], other["tokens_per_s"]]
         bars = ax.bar(names, rates)
         for bar, row in zip(bars, (result, other)):
@@ -167,7 +189,9 @@ def _steps_plot(result: dict, path: Path) -> None:
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=8)  # fmt: skip
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"{other['speedup']:.2f}x the tokens/s of {other['model_type']} in transformers", fontsize=9)
+        baseline_name = (other["impl"] if other["baseline"] == "bf16-base"
+                         else f"{other['model_type']} in transformers")  # fmt: skip
+        ax.set_title(f"{other['speedup']:.2f}x the tokens/s of {baseline_name}", fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"{result['machine']}, torch {result['torch']}, commit {result['commit']}, {result['date']}",
                  fontsize=8)  # fmt: skip
@@ -218,11 +242,9 @@ def run(
     if other is not None and other["out_of_memory"] is not None:
         console.print(out_of_memory_line(result), markup=False)
     elif other is not None:
-        console.print(f"against {other['impl']} ({other['model_type']}, attention "
-                      f"{other['attention_implementation']}, experts {other['experts_implementation']}) on the same "
-                      "micro-batches:", markup=False)  # fmt: skip
+        console.print(against_header(other), markup=False)
         console.print(_against_table(result))
-        console.print(_against_line(result), markup=False)
+        console.print(against_line(result), markup=False)
     if json_out is not None:
         _write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)

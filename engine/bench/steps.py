@@ -4,7 +4,8 @@ policy's metrics, a per-operator breakdown of one more step (engine/bench/breakd
 steps of the transformers + PEFT baseline (engine/bench/against.py).
 
 `profile_steps` returns one result dict (RESULT_KEYS); `StepRunner` is the loop it drives, also used by
-`memory_sweep` to find the longest sequence each memory preset trains. Nothing is written to output.dir.
+`memory_sweep` to find the longest sequence each memory preset trains, and by `--against bf16-base` to time the
+same steps of an FP8-base profile's dequantized twin (engine/bench/bf16_base.py). Nothing is written to output.dir.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from moe_tune.profiles.schema import JobProfile
 # Steps run before the timed ones: Triton compiles and autotunes in the first, the allocator settles in the second.
 WARMUP_STEPS = 2
 # Baselines `--against` can time.
-AGAINST = ("transformers",)
+AGAINST = ("transformers", "bf16-base")
 # Pinned copy probe: large enough to reach the link's sustained rate, small enough to pin quickly.
 COPY_PROBE_BYTES = 512 * 2**20
 COPY_PROBE_REPEATS = 5
@@ -43,9 +44,11 @@ RESULT_KEYS = (
 
 
 class StepRunner:
-    """One process's training set-up for a profile, stepped by hand: `step()` runs one optimizer step."""
+    """One process's training set-up for a profile, stepped by hand: `step()` runs one optimizer step.
 
-    def __init__(self, profile: JobProfile):
+    `prepare_model(model)` sees the built model (LoRA injected) before DeepSpeed takes it."""
+
+    def __init__(self, profile: JobProfile, prepare_model: Callable[[torch.nn.Module], None] | None = None):
         import deepspeed
 
         import tempfile
@@ -87,6 +90,8 @@ class StepRunner:
         ds_config = deepspeed_config(profile, self.dist.world_size)
         init_device = self.dist.device if self.dist.device.type == "cuda" else None
         model, trainable = build_trainable_model(profile, layout, ds_config, init_device)
+        if prepare_model is not None:
+            prepare_model(model)
         self.activation_memory = find_activation_memory(model)
         optimizer = torch.optim.AdamW(
             trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
@@ -203,6 +208,7 @@ def check_against(profile: JobProfile, against: str) -> None:
     import os
 
     from moe_tune.engine.bench.against import check_buildable
+    from moe_tune.engine.bench.bf16_base import check_bf16_base
 
     if against not in AGAINST:
         raise ProfileError([f"--against ({against!r}) must be one of: {', '.join(AGAINST)}"])
@@ -210,7 +216,10 @@ def check_against(profile: JobProfile, against: str) -> None:
     if world_size > 1:
         raise ProfileError([f"--against {against} runs one process (WORLD_SIZE is {world_size}): run the profile "
                             "without a launcher"])  # fmt: skip
-    check_buildable(profile)
+    if against == "bf16-base":
+        check_bf16_base(profile)
+    else:
+        check_buildable(profile)
 
 
 def profile_steps(
@@ -222,8 +231,9 @@ def profile_steps(
     on_line: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run `warmup` + `steps` training steps of `profile` and one more under the profiler; medians over the timed
-    steps, MFU, the breakdown (RESULT_KEYS). `against` ('transformers'): then the same steps of that baseline on
-    the same micro-batches, in this process, after ours is freed (result["against"]).
+    steps, MFU, the breakdown (RESULT_KEYS). `against` ('transformers' or 'bf16-base'): then the same steps of that
+    baseline on the same micro-batches, in this process, after ours is freed (result["against"]); 'bf16-base' (an
+    FP8-base profile) adds the per-step loss gap to it (against["loss_gap"]).
 
     on_step(index, is_warmup, record) follows every step (record["impl"] says whose); on_line(text) says what
     runs next."""
@@ -237,10 +247,23 @@ def profile_steps(
         from moe_tune.engine.bench.against import base_precision_note
 
         check_against(profile, against)
-        if note := base_precision_note(profile):
+        if against == "transformers" and (note := base_precision_note(profile)):
             say(note)
+    twin, twin_problem, keep_fp8_weights = None, None, None
+    fp8_weights: dict = {}
+    if against == "bf16-base":
+        from moe_tune.engine.bench.bf16_base import bf16_base_profile, fp8_base_weights, twin_fit_problem
+
+        twin = bf16_base_profile(profile)
+        # Asked while the device is empty; a twin that cannot fit gets no host copy of the FP8 base.
+        twin_problem = twin_fit_problem(twin)
+        if twin_problem is None:
+
+            def keep_fp8_weights(model: torch.nn.Module) -> None:
+                fp8_weights.update(fp8_base_weights(model))
+
     flop_model = FlopModel(profile.model, profile.lora)
-    runner = StepRunner(profile)
+    runner = StepRunner(profile, prepare_model=keep_fp8_weights)
     # The same hint finetune prints: ZeRO-2 and -3 on one GPU process cost host time and save nothing.
     if note := ds_config.zero_stage_note(profile, runner.dist.world_size, runner.dist.device.type):
         say(note)
@@ -268,7 +291,22 @@ def profile_steps(
         runner.close()
     mfu_rows = [_mfu(flop_model.step(r["pieces"]), r["step_time_s"], peak_tflops) for r in records]
     baseline = None
-    if against is not None:
+    loss_gap = None
+    if against == "bf16-base":
+        from moe_tune.engine.bench.bf16_base import loss_gap as relative_loss_gap
+
+        say(f"the same {warmup + steps} steps with model.base_precision bf16 holding the FP8 base's weights "
+            f"dequantized to {profile.train.precision}")  # fmt: skip
+        baseline, twin_records = run_bf16_base(twin, fp8_weights, twin_problem, step_batches, warmup, on_step)
+        if baseline["out_of_memory"] is None:
+            twin_mfu = [_mfu(flop_model.step(r["pieces"]), r["step_time_s"], peak_tflops)
+                        for r in twin_records[warmup:]]  # fmt: skip
+            baseline.update({key: statistics.median(m[key] for m in twin_mfu)
+                             for key in ("model_flops_per_step", "achieved_tflops", "mfu")})  # fmt: skip
+            loss_gap = relative_loss_gap([r["loss"] for r in all_records], [r["loss"] for r in twin_records])
+        else:
+            baseline.update(model_flops_per_step=None, achieved_tflops=None, mfu=None)
+    elif against is not None:
         from moe_tune.engine.bench.against import run_transformers
 
         def tell(index: int, is_warmup: bool, record: dict) -> None:
@@ -302,9 +340,12 @@ def profile_steps(
     if baseline is not None:
         against_result = dict(
             baseline,
+            baseline=against,
             speedup=tokens_per_s / baseline["tokens_per_s"] if baseline["tokens_per_s"] else None,
             memory_ratio=peak / baseline["peak_memory_bytes"] if peak and baseline["peak_memory_bytes"] else None,
         )
+        if against == "bf16-base":
+            against_result["loss_gap"] = loss_gap
     return dict(
         profile=profile.name,
         seq_len=profile.data.seq_len,
@@ -336,6 +377,82 @@ def profile_steps(
         swap_fraction_of_pinned=swap_fraction,
         **machine_info(is_cuda),
     )
+
+
+def run_bf16_base(
+    twin: JobProfile,
+    fp8_weights: dict,
+    fit_problem: str | None,
+    step_batches: list[list],
+    warmup: int,
+    on_step: Callable[[int, bool, dict], None] | None = None,
+) -> tuple[dict[str, Any], list[dict]]:
+    """`--against bf16-base`: the steps of `twin` (bf16_base_profile of ours) with `fp8_weights` (fp8_base_weights
+    of our model) dequantized into its base, one per entry of `step_batches` (the micro-batches ours trained on,
+    checked equal to the twin's; the first `warmup` untimed), timed as ours. Returns (its row, every step's record);
+    a twin that does not fit (`fit_problem`) or runs out of memory gives a row saying where (`out_of_memory`)."""
+    from moe_tune.engine.bench.against import is_out_of_memory
+    from moe_tune.engine.bench.bf16_base import BASELINE, impl_name, load_dequantized, same_batches
+    from moe_tune.engine.parallel.plan import count_parameters
+    from moe_tune.engine.train.distributed import shutdown_distributed
+
+    is_cuda = torch.cuda.is_available()
+    gc.collect()
+    if is_cuda:
+        torch.cuda.empty_cache()
+    counts = count_parameters(twin.model, twin.lora)
+    row: dict[str, Any] = dict(
+        impl=impl_name(twin), steps=0, losses=[], first_step_loss=None, tokens_per_s=None, step_time_s=None,
+        step_times_s=[], peak_memory_bytes=None,
+        allocated_before_bytes=torch.cuda.memory_allocated() if is_cuda else None,
+        parameters=counts.total, trainable_parameters=counts.trainable, dequantized_modules=len(fp8_weights),
+        out_of_memory=None,
+    )  # fmt: skip
+    if fit_problem is not None:
+        return dict(row, out_of_memory=f"building the model: {fit_problem}"), []
+    try:
+        runner = StepRunner(twin, prepare_model=lambda model: load_dequantized(model, fp8_weights))
+    except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row; anything else re-raises
+        fp8_weights.clear()
+        shutdown_distributed()
+        if not is_out_of_memory(err):
+            raise
+        gc.collect()
+        if is_cuda:
+            torch.cuda.empty_cache()
+        return dict(row, out_of_memory="building the model"), []
+    all_records: list[dict] = []
+    try:
+        for step, batches in enumerate(step_batches):
+            if not same_batches(batches, runner.micro_batches(step)):
+                raise RuntimeError(f"--against {BASELINE}: the twin's micro-batches of step {step + 1} are not ours")
+        for index in range(len(step_batches)):
+            if index == warmup and runner.is_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                record = dict(runner.step(), impl=BASELINE)
+            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
+                if not is_out_of_memory(err):
+                    raise
+                where = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
+                return dict(row, steps=max(len(all_records) - warmup, 0), out_of_memory=where), all_records
+            if on_step is not None:
+                on_step(index, index < warmup, record)
+            all_records.append(record)
+        peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
+    finally:
+        runner.close()
+    records = all_records[warmup:]
+    return dict(
+        row,
+        steps=len(records),
+        losses=[r["loss"] for r in records],
+        first_step_loss=all_records[0]["loss"],
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+        step_time_s=statistics.median(r["step_time_s"] for r in records),
+        step_times_s=[r["step_time_s"] for r in records],
+        peak_memory_bytes=peak,
+    ), all_records
 
 
 def _mfu(flops, step_time_s: float, peak_tflops: float) -> dict[str, Any]:

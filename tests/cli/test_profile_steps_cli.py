@@ -88,3 +88,48 @@ def test_options_of_the_other_mode_are_refused(args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert result.stderr.startswith(message)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tiny", "--against", "bf16-base"],
+         "error: model.base_precision ('bf16'): --against bf16-base needs 'fp8' (it trains the FP8 base against the "
+         "same weights dequantized into a bf16 base)"),
+        (["tiny", "--set", "model.base_precision=bf16", "--against", "bf16-base"],
+         "error: model.base_precision ('bf16'): --against bf16-base needs 'fp8' (it trains the FP8 base against the "
+         "same weights dequantized into a bf16 base)"),
+        (["tiny", "--set", "model.base_precision=fp8", "--against", "bf16-base", "--load-checkpoint", "ckpt"],
+         "error: --against (bf16-base) does not apply with --load-checkpoint"),
+        (["--kernels", "--against", "bf16-base"], "error: --against (bf16-base) does not apply with --kernels"),
+        (["tiny", "--set", "model.base_precision=fp8", "--against", "bf16"],
+         "error: --against ('bf16') must be one of: transformers, bf16-base"),
+    ],
+    ids=["bf16-profile", "bf16-explicit", "load-checkpoint", "kernels-mode", "unknown-baseline"],
+)  # fmt: skip
+def test_bad_against_bf16_base_is_one_line_exit_2(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [message]
+
+
+def bf16_base_result(**against) -> dict:
+    """A result of `--against bf16-base` as profile_steps returns it (the fields the printed lines read)."""
+    row = dict(impl="moe-tune, bf16 base", baseline="bf16-base", dequantized_modules=13, model_type=None,
+               out_of_memory=None, speedup=1.25, memory_ratio=0.6,
+               loss_gap=dict(steps=50, max=0.0123, mean=0.00456))  # fmt: skip
+    return {"machine": "NVIDIA H200", "against": dict(row, **against)}
+
+
+def test_bf16_base_lines_name_both_bases_and_the_loss_gap():
+    from moe_tune.cli.profile_steps import against_header, against_line, out_of_memory_line
+
+    result = bf16_base_result()
+    assert against_header(result["against"]).startswith(
+        "against moe-tune, bf16 base (model.base_precision bf16 holding the FP8 base's 13 FP8 modules dequantized;")
+    assert against_line(result) == ("moe-tune, fp8 base / moe-tune, bf16 base: 1.25x the tokens/s, 0.60x the peak "
+                                    "memory; losses 1.23% (max), 0.46% (mean) from the moe-tune, bf16 base's over "
+                                    "50 steps")  # fmt: skip
+    oom = bf16_base_result(out_of_memory="building the model: model (...) needs ~160.2 GB", loss_gap=None)
+    assert out_of_memory_line(oom) == ("against moe-tune, bf16 base: out of memory (building the model: model (...) "
+                                       "needs ~160.2 GB) on NVIDIA H200; no row to compare")  # fmt: skip

@@ -88,7 +88,8 @@ def test_profile_says_when_the_zero_stage_costs_a_single_gpu_time(tmp_path, monk
         (["tiny", "--against", "transformers"],
          "error: model.layers[3].attention ('sparse'): --against transformers builds qwen3_moe (full attention) or "
          "qwen3_next (linear and full attention) models, which have no 'sparse' layers"),
-        (["tiny", "--against", "torchtitan"], "error: --against ('torchtitan') must be one of: transformers"),
+        (["tiny", "--against", "torchtitan"],
+         "error: --against ('torchtitan') must be one of: transformers, bf16-base"),
         (["--kernels", "--against", "transformers"], "error: --against (transformers) does not apply with --kernels"),
     ],
     ids=["model-transformers-cannot-build", "unknown-baseline", "kernels-mode"],
