@@ -878,6 +878,12 @@ class MemoryProfile(Strict):
     min_offload_mb: float | None = Field(
         None, ge=0, description="smaller saved tensors stay on the GPU (not worth a copy). None: the preset's (1 MB)"
     )
+    sequence_chunk_tokens: int | None = Field(
+        None, ge=1, le=MAX_SIZE, description="run each layer's per-token part (post-attention norm, MLP or MoE block: "
+        "router, experts, shared expert; residual add) this many tokens at a time, each chunk recomputed in backward, "
+        "so no [T, k x hidden], [T, 2F] or [T, E] intermediate exists; load counts, capacity and the aux loss stay "
+        "the whole row's. Works with every policy above. None: whole rows"
+    )
 
     @model_validator(mode="after")
     def check_checkpointing_alone(self):

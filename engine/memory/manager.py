@@ -29,8 +29,11 @@ from .store import TieredStore, is_parameter
 class ActivationMemory:
     """Selective caching for the decoder layers of one model. `run_layer` is called by the model's layer loop."""
 
-    def __init__(self, layers: nn.ModuleList, policy: MemoryPolicy):
+    def __init__(self, layers: nn.ModuleList, policy: MemoryPolicy, chunked: list[nn.Module] | None = None):
+        """chunked: modules that run inside sequence chunks (MoECausalLM.sequence_chunked_modules), recomputed whole
+        with their chunk: no recompute region is made in them, which would recompute their code a third time."""
         self.policy = policy
+        self._chunked = set(chunked or [])
         self.store = TieredStore(policy, len(layers))
         self.regions: list[nn.Module] = []
         self._region_set: set[nn.Module] = set()
@@ -48,6 +51,7 @@ class ActivationMemory:
     def _instrument(self, module: nn.Module, parent_class: str, inside_region: bool, is_layer: bool = False) -> None:
         own = operator_class(module)
         klass = own or parent_class
+        inside_region = inside_region or module in self._chunked
         is_region = own is not None and not inside_region and not is_layer and self.policy.choice(own) == "recompute"
         if is_region:
             self._make_region(module)
@@ -174,16 +178,19 @@ def _checkpoint_enabled(module: nn.Module) -> bool:
 
 
 def attach_activation_memory(model: nn.Module, memory: MemoryProfile) -> ActivationMemory | None:
-    """Put the profile's selective caching on the decoder layers of `model` (PEFT and LoRA layers already in place).
-    None when `memory.activation_checkpointing` asks for whole-layer recomputation instead, or when the policy keeps
-    every saved tensor where autograd leaves it (`none`, no budget): then the layers run without the saved-tensor hooks,
-    whose host time on every saved tensor buys nothing there (profiles/tiny.yaml on 2 CPU cores: 164.5 ms a step with
-    them, 153.5 without)."""
+    """Put the profile's selective caching on the decoder layers of `model` (PEFT and LoRA layers already in place),
+    and its sequence chunks (memory.sequence_chunk_tokens) on the per-token part of every layer. None when
+    `memory.activation_checkpointing` asks for whole-layer recomputation instead, or when the policy keeps every saved
+    tensor where autograd leaves it (`none`, no budget): then the layers run without the saved-tensor hooks, whose
+    host time on every saved tensor buys nothing there (profiles/tiny.yaml on 2 CPU cores: 164.5 ms a step with them,
+    153.5 without)."""
     policy = resolve_policy(memory)
+    lm = _language_model(model)
+    # Sequence chunks are set whatever the policy: they recompute on their own (blocks.recomputed).
+    lm.set_sequence_chunk_tokens(memory.sequence_chunk_tokens)
     if memory.activation_checkpointing or policy.keeps_everything:
         return None
-    lm = _language_model(model)
-    manager = ActivationMemory(lm.layers, policy)
+    manager = ActivationMemory(lm.layers, policy, lm.sequence_chunked_modules())
     setattr(lm, ACTIVATION_MEMORY_ATTR, manager)
     return manager
 

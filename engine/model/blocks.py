@@ -193,6 +193,25 @@ def delta_rule_cached(
     return o
 
 
+def sequence_chunks(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of consecutive chunks of at most chunk_tokens tokens covering num_tokens (the last may be
+    shorter)."""
+    return [(start, min(start + chunk_tokens, num_tokens)) for start in range(0, num_tokens, chunk_tokens)]
+
+
+def recomputed(fn, *args, is_collective: bool = False):
+    """fn(*args) under non-reentrant activation checkpoint when autograd records: forward keeps only the tensor
+    arguments (saved through the saved-tensor hooks in force, so engine/memory's tiers see them) and backward reruns
+    fn to get what it saved. `is_collective`: fn runs collectives (expert-parallel all-to-alls), so its recomputation
+    runs to the end on every rank; early stop would end it after the last saved tensor, a point where ranks may
+    differ (a rank that receives no rows saves fewer)."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, *args, use_reentrant=False, early_stop=not is_collective)
+
+
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 

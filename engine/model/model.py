@@ -21,7 +21,7 @@ from .batch import PackedBatch
 from .blocks import RMSNorm, document_ids, document_positions
 from .fp8 import Fp8Linear, convert_to_fp8
 from .hyper import HyperConnection, HyperDecoderLayer
-from .moe import channel_mixer, init_moe
+from .moe import DenseMLP, MoEBlock, channel_mixer, channel_mixer_in_chunks, init_moe
 from .ngram import init_ngram
 from .vision import VisionTower, mrope_positions
 
@@ -53,8 +53,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), batch)
+        chunk_tokens = self.mlp.sequence_chunk_tokens
+        if chunk_tokens is not None and x.shape[1] > chunk_tokens:
+            # The norm and the residual add inside each chunk: only x's rows are kept for backward.
+            out, aux = channel_mixer_in_chunks(self.mlp, self._channel_mix, x, chunk_tokens)
+            return out, aux * self.aux_loss_coef
         y, aux = self.mlp(self.post_attention_layernorm(x))
         return x + y, aux * self.aux_loss_coef
+
+    def _channel_mix(self, x: torch.Tensor, mlp) -> torch.Tensor:
+        return x + mlp(self.post_attention_layernorm(x))
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x: [1, T, D] of the step's tokens -> [1, T, D]: the token mixer continues from its state, the channel
@@ -128,10 +136,33 @@ class MoECausalLM(nn.Module):
             else RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_one_plus)
         )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.sequence_chunk_tokens: int | None = None
         self.vision = VisionTower(cfg.vision, cfg.hidden_size) if cfg.vision is not None else None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cast_float_parameters(self, param_dtype)
+
+    def set_sequence_chunk_tokens(self, chunk_tokens: int | None) -> None:
+        """Run every layer's per-token part (post-attention norm, channel mixer, residual add; with hyper-connections
+        the channel mixer) chunk_tokens tokens at a time, each chunk recomputed in backward
+        (memory.sequence_chunk_tokens; None: whole rows). The LM head's loss is chunked on its own
+        (ops/cross_entropy)."""
+        self.sequence_chunk_tokens = chunk_tokens
+        for module in self.modules():
+            if isinstance(module, (MoEBlock, DenseMLP)):
+                module.sequence_chunk_tokens = chunk_tokens
+
+    def sequence_chunked_modules(self) -> list[nn.Module]:
+        """The modules that run inside sequence chunks (recomputed in backward with them): empty when chunking is
+        off."""
+        if self.sequence_chunk_tokens is None:
+            return []
+        chunked = []
+        for layer in self.layers:
+            chunked.append(layer.mlp)
+            if isinstance(layer, DecoderLayer):
+                chunked.append(layer.post_attention_layernorm)
+        return chunked
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -6,6 +6,8 @@ Shapes: T tokens, D model dim, E experts, F expert hidden dim, k experts per tok
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,9 +15,10 @@ from torch import nn
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout, dispatch_compute_combine
 from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, num_blocks
 from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
+from moe_tune.ops.moe.reference import SIGMOID_NORM_EPS
 from moe_tune.profiles.schema import MoESpec
 
-from .blocks import FP32_ONE_BITS, SwiGLU, quantize_blocks, saved_as_parameters
+from .blocks import FP32_ONE_BITS, SwiGLU, quantize_blocks, recomputed, saved_as_parameters, sequence_chunks
 
 
 def expert_generator(*key: int, device: torch.device | None = None) -> torch.Generator:
@@ -170,11 +173,34 @@ def _unit_scale_bits(*shape: int) -> torch.Tensor:
     return torch.full(shape, FP32_ONE_BITS, dtype=torch.int32)
 
 
+class RowChunk(NamedTuple):
+    """Where a chunk of tokens sits in its packed row (memory.sequence_chunk_tokens): the MoE block routes it as a part
+    of the whole row."""
+
+    start: int  # the chunk's first token in the row
+    row_tokens: int  # T, tokens of the whole row
+    slots_before_E: torch.Tensor  # [E] int64: token-slots the row's earlier chunks routed to each expert
+
+
+class ChunkRouting(NamedTuple):
+    """What routing one chunk adds to its row's statistics; MoEBlock.finish_row sums them."""
+
+    counts_E: torch.Tensor  # [E] int64: token-slots routed to each expert (capacity drops included)
+    dropped: torch.Tensor  # [] fp32: token-slots dropped over capacity
+    # [E] fp32: the sum over the chunk's tokens of the normalised router scores (the aux loss's P_e before the mean);
+    # None when no aux loss is computed.
+    prob_sum_E: torch.Tensor | None
+
+
 class MoEBlock(nn.Module):
     """Router -> top-k routed experts (+ shared expert). Returns the output and the Switch aux loss.
 
     Aux-loss-free balancing: `selection_bias` [E] shifts which experts are chosen (not their weights); the
     trainer calls `update_selection_bias()` after each optimizer step with the loads counted in forward.
+
+    `sequence_chunk_tokens` (memory.sequence_chunk_tokens; None: off): a row longer than this runs chunk by chunk,
+    each chunk recomputed in backward (channel_mixer_in_chunks), with the load counts, capacity order and aux loss
+    of the whole row.
     """
 
     def __init__(
@@ -204,8 +230,15 @@ class MoEBlock(nn.Module):
         # Set by `moe-tune align --pin-routing`: the experts to use for the next forward [T, k] (the reference's
         # choice); the weights still come from our own router scores at those experts.
         self.pinned_topk_ids: torch.Tensor | None = None
+        self.sequence_chunk_tokens: int | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, chunk: RowChunk | None = None):
+        """x [1, T, D] -> (y [1, T, D], aux loss []). With `chunk`, x is that chunk of a row: -> (y, ChunkRouting),
+        and no buffer is written (the chunk is recomputed in backward; finish_row counts the row once)."""
+        if chunk is not None:
+            return self._forward_chunk(x, chunk)
+        if self.sequence_chunk_tokens is not None and x.shape[1] > self.sequence_chunk_tokens:
+            return channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD)
@@ -223,6 +256,47 @@ class MoEBlock(nn.Module):
             aux = logits_TE.new_zeros((), dtype=torch.float32)
         return y_TD.view(shape), aux
 
+    def _forward_chunk(self, x: torch.Tensor, chunk: RowChunk) -> tuple[torch.Tensor, ChunkRouting]:
+        """One chunk of a row: routed as in the whole row (pinned ids sliced, capacity positions continuing from the
+        row's earlier chunks), its statistics returned instead of counted."""
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        pinned = self.pinned_topk_ids
+        if pinned is not None:
+            pinned = pinned[chunk.start : chunk.start + x_TD.shape[0]]
+        logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD, pinned)
+        dropped = x_TD.new_zeros((), dtype=torch.float32)
+        if self.spec.capacity_factor > 0:
+            kept = self._kept_under_capacity(topk_ids, chunk.row_tokens * self.spec.top_k, chunk.slots_before_E)
+            dropped = (~kept).sum().float()
+            topk_weights = topk_weights * kept
+        with torch.no_grad():
+            ids = topk_ids.flatten()
+            counts_E = torch.zeros(self.spec.num_experts, dtype=torch.long, device=ids.device)
+            counts_E.index_add_(0, ids, torch.ones_like(ids))
+        prob_sum_E = None
+        if self.spec.aux_loss_coef > 0 and self.training:
+            # switch_aux_loss's per-token normalisation; the row's mean and its f_e come in finish_row.
+            scores_TE = scores_TE.float()
+            prob_sum_E = (scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)).sum(dim=0)
+        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights)
+        return y_TD.view(shape), ChunkRouting(counts_E, dropped, prob_sum_E)
+
+    def finish_row(self, routings: list[ChunkRouting], row_tokens: int) -> torch.Tensor:
+        """After the last chunk of a row: count its loads and drops (training), and return the Switch aux loss of the
+        whole row (switch_aux_loss over all T tokens: f_e from the row's counts, P_e the mean over the row)."""
+        counts_E = torch.stack([r.counts_E for r in routings]).sum(dim=0)
+        if self.training:
+            with torch.no_grad():
+                self.load_counts += counts_E.to(self.load_counts.dtype)
+                if self.spec.capacity_factor > 0:
+                    self.dropped_slots += torch.stack([r.dropped for r in routings]).sum()
+        if self.spec.aux_loss_coef > 0 and self.training:
+            fraction_E = counts_E.float() / (row_tokens * self.spec.top_k)
+            mean_prob_E = torch.stack([r.prob_sum_E for r in routings]).sum(dim=0) / row_tokens
+            return self.spec.num_experts * (fraction_E * mean_prob_E).sum()
+        return counts_E.new_zeros((), dtype=torch.float32)
+
     def forward_inference(self, x: torch.Tensor) -> torch.Tensor:
         """The output alone, as the exported model computes it: every token gets its top-k experts whatever other
         tokens run with it (no capacity limit: it only steers training, and transformers' models have none); no
@@ -231,8 +305,9 @@ class MoEBlock(nn.Module):
         _, topk_ids, topk_weights, _ = self._route(x_TD)
         return self._experts_and_shared(x_TD, topk_ids, topk_weights).view(x.shape)
 
-    def _route(self, x_TD: torch.Tensor):
-        """Router logits [T, E], chosen experts [T, k], their weights [T, k] and the scores [T, E]."""
+    def _route(self, x_TD: torch.Tensor, pinned_ids: torch.Tensor | None = None):
+        """Router logits [T, E], chosen experts [T, k], their weights [T, k] and the scores [T, E]. pinned_ids: the
+        experts to use [T, k]; default the block's pinned_topk_ids."""
         logits_TE = self.gate(x_TD)
         bias = self.selection_bias if self.spec.bias_update_rate > 0 or self.spec.has_selection_bias else None
         topk_ids, topk_weights, scores_TE = topk_route(
@@ -242,7 +317,7 @@ class MoEBlock(nn.Module):
             renormalize=self.spec.renormalize,
             selection_bias=bias,
             routed_scaling=self.spec.routed_scaling,
-            pinned_ids=self.pinned_topk_ids,
+            pinned_ids=self.pinned_topk_ids if pinned_ids is None else pinned_ids,
             n_group=self.spec.n_group,
             topk_group=self.spec.topk_group,
         )
@@ -266,14 +341,23 @@ class MoEBlock(nn.Module):
     def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop
         first): they leave the output, as in GShard/Switch. The dropped count accumulates in `dropped_slots`."""
-        num_slots = topk_ids.numel()
-        capacity = math.ceil(self.spec.capacity_factor * num_slots / self.spec.num_experts)
-        one_hot = torch.nn.functional.one_hot(topk_ids.reshape(-1), self.spec.num_experts)
-        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # [S] arrival order within the slot's expert
-        kept = (position < capacity).view_as(topk_weights)
+        kept = self._kept_under_capacity(topk_ids, topk_ids.numel())
         if self.training:
             self.dropped_slots += (~kept).sum().float()
         return topk_weights * kept
+
+    def _kept_under_capacity(
+        self, topk_ids: torch.Tensor, num_slots: int, slots_before_E: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[T, k] bool: the token-slots within their expert's capacity ceil(capacity_factor * num_slots / E), in
+        arrival order after slots_before_E [E] earlier slots of the row (None: none)."""
+        capacity = math.ceil(self.spec.capacity_factor * num_slots / self.spec.num_experts)
+        flat_ids = topk_ids.reshape(-1)
+        one_hot = torch.nn.functional.one_hot(flat_ids, self.spec.num_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # [S] arrival order within the slot's expert
+        if slots_before_E is not None:
+            position = position + slots_before_E.index_select(0, flat_ids)
+        return (position < capacity).view_as(topk_ids)
 
     @torch.no_grad()
     def update_selection_bias(self) -> None:
@@ -286,13 +370,73 @@ class MoEBlock(nn.Module):
 
 
 class DenseMLP(SwiGLU):
-    """A dense SwiGLU layer with the MoE layer's calling convention (output, aux loss)."""
+    """A dense SwiGLU layer with the MoE layer's calling convention (output, aux loss); `sequence_chunk_tokens` as
+    MoEBlock's."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__(hidden, intermediate)
+        self.sequence_chunk_tokens: int | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        if self.sequence_chunk_tokens is not None and x.shape[1] > self.sequence_chunk_tokens:
+            return channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
         return super().forward(x), x.new_zeros((), dtype=torch.float32)
 
     def forward_inference(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)
+
+
+def apply_mixer(x: torch.Tensor, mlp: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The channel mixer alone: a `mix` for channel_mixer_in_chunks whose output is mlp(x)."""
+    return mlp(x)
+
+
+def channel_mixer_in_chunks(
+    mixer: nn.Module,
+    mix: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor],
+    x: torch.Tensor,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token part of a decoder layer over x [1, T, W], chunk_tokens tokens at a time.
+
+    mix(x_c, mlp) -> [1, C, W']: the part on chunk x_c [1, C, W] (e.g. x_c + mlp(norm(x_c))), calling mlp(h) -> y
+    once, where mlp runs `mixer` (a MoEBlock or a DenseMLP) on h [1, C, D]. Each chunk runs under activation
+    checkpoint (blocks.recomputed): forward keeps its input rows and its routing statistics, backward recomputes one
+    chunk at a time, so no [T, k D], [T, 2F] or [T, E] intermediate exists. A MoE block routes every chunk as a part of
+    the row: capacity positions continue across chunks, and its load counts, dropped slots and aux loss are the whole
+    row's (MoEBlock.finish_row). Every rank of an expert-parallel group runs the same chunks (its rows have
+    data.seq_len tokens on every rank), so the all-to-alls of a chunk pair up.
+    Returns (the parts concatenated [1, T, W'], the mixer's unweighted aux loss [] fp32).
+    """
+    num_tokens = x.shape[1]
+    chunks = sequence_chunks(num_tokens, chunk_tokens)
+    if not isinstance(mixer, MoEBlock):
+        parts = [recomputed(_dense_chunk, mix, mixer, x[:, start:end]) for start, end in chunks]
+        return torch.cat(parts, dim=1), x.new_zeros((), dtype=torch.float32)
+    slots_before_E = torch.zeros(mixer.spec.num_experts, dtype=torch.long, device=x.device)
+    parts, routings = [], []
+    for start, end in chunks:
+        part, routing = recomputed(_moe_chunk, mix, mixer, x[:, start:end], slots_before_E, start, num_tokens,
+                                   is_collective=mixer.layout.ep_size > 1)  # fmt: skip
+        slots_before_E = slots_before_E + routing.counts_E
+        parts.append(part)
+        routings.append(routing)
+    return torch.cat(parts, dim=1), mixer.finish_row(routings, num_tokens)
+
+
+def _dense_chunk(mix, mixer: nn.Module, x_c: torch.Tensor) -> torch.Tensor:
+    return mix(x_c, lambda h: mixer(h)[0])
+
+
+def _moe_chunk(mix, mixer: MoEBlock, x_c: torch.Tensor, slots_before_E: torch.Tensor, start: int, row_tokens: int):
+    routing = []
+
+    def mlp(h: torch.Tensor) -> torch.Tensor:
+        y, chunk_routing = mixer(h, chunk=RowChunk(start, row_tokens, slots_before_E))
+        routing.append(chunk_routing)
+        return y
+
+    return mix(x_c, mlp), routing[0]
 
 
 def channel_mixer(cfg, spec, layout: ExpertLayout | None, index: int) -> tuple[nn.Module, float]:

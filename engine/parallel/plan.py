@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from moe_tune.ops.cross_entropy.autograd import default_chunk_size
 from moe_tune.ops.fp8 import num_blocks
@@ -36,6 +37,7 @@ __all__ = [
     "count_parameters",
     "activation_bytes",
     "plan_layouts",
+    "sequence_chunk",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -57,6 +59,9 @@ ZERO3_GATHERS_PER_MICRO_BATCH = 2
 ALL_TO_ALLS_PER_LAYER = 4
 # Activation checkpointing re-runs each layer's forward in backward: dispatch and combine once more.
 ALL_TO_ALLS_PER_LAYER_RECOMPUTED = 6
+# Sequence chunks (memory.sequence_chunk_tokens) recompute each chunk's dispatch and combine in backward; under
+# activation checkpointing on top of the layer's recomputed forward.
+ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE = 2
 # PEFT's name for the adapter moe-tune injects (one adapter per run).
 ADAPTER_NAME = "default"
 # The module name that makes PEFT put the per-expert LoRA layer on the routed experts (engine/lora).
@@ -298,16 +303,28 @@ class ActivationBytes:
         return self.layers + self.head + self.transient
 
 
+class LayerRanks(NamedTuple):
+    """LoRA rank sums of one layer: adapted linears of the token mixer x r, of the channel mixer (shared expert,
+    dense MLP, router) x r, and r if the routed experts are adapted else 0."""
+
+    token_mixer: int
+    channel_mixer: int
+    experts: int
+
+
 def _layer_activation_elems(
-    cfg: ModelProfile, spec: LayerSpec, num_tokens: int, lora_ranks: tuple[int, int]
+    cfg: ModelProfile, spec: LayerSpec, num_tokens: int, lora_ranks: LayerRanks, is_chunked: bool = False
 ) -> tuple[int, int]:
     """(elements in the training dtype, fp32/int32 elements) that backward keeps for one layer over T tokens.
 
-    lora_ranks: (adapted linear layers of this layer x r, r if the experts are adapted else 0).
+    is_chunked: the per-token part runs in sequence chunks (memory.sequence_chunk_tokens): the layer keeps its
+    chunks' input rows instead of the post-attention norm's output and the channel mixer's tensors, which
+    _chunk_activation_elems counts for the one chunk backward recomputes at a time.
     """
     t, d = num_tokens, cfg.hidden_size
-    # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves).
-    low = 4 * t * d
+    # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves); chunked, the
+    # second norm's input is the chunks' input rows and its output is recomputed.
+    low = (3 if is_chunked else 4) * t * d
     wide = 0
     if spec.attention == "linear":
         la = cfg.linear_attention
@@ -353,6 +370,18 @@ def _layer_activation_elems(
             sa = cfg.sparse_attention
             assert sa is not None, "the schema requires model.sparse_attention for sparse layers"
             wide += t * (sa.topk // sa.block_size)
+    # Linear adapters of the token mixer: x A for each adapted linear.
+    low += t * lora_ranks.token_mixer
+    if not is_chunked:
+        mixer_low, mixer_wide = _channel_mixer_elems(cfg, spec, t, lora_ranks)
+        low, wide = low + mixer_low, wide + mixer_wide
+    return low, wide
+
+
+def _channel_mixer_elems(cfg: ModelProfile, spec: LayerSpec, t: int, lora_ranks: LayerRanks) -> tuple[int, int]:
+    """(training-dtype elements, fp32 elements) the channel mixer (dense MLP or MoE block) saves over t tokens."""
+    d = cfg.hidden_size
+    low = wide = 0
     if spec.mlp == "dense":
         # gate and up outputs, and their product (down_proj's input).
         low += 3 * t * cfg.intermediate_size
@@ -368,14 +397,21 @@ def _layer_activation_elems(
         # Shared expert: gate and up outputs, their product, the gate's logit.
         low += 3 * t * fs + (t if fs and moe.shared_expert_gate else 0)
         # Per-expert adapters: x A of both projections for each of the T k routed tokens.
-        low += t * k * 2 * lora_ranks[1]
-    # Linear adapters: x A for each adapted linear.
-    low += t * lora_ranks[0]
+        low += t * k * 2 * lora_ranks.experts
+    # Linear adapters of the shared expert, dense MLP or router: x A for each.
+    low += t * lora_ranks.channel_mixer
     return low, wide
 
 
-def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list[tuple[int, int]]:
-    ranks = [[0, 0] for _ in cfg.layers]
+def _chunk_activation_elems(cfg: ModelProfile, spec: LayerSpec, chunk: int, lora_ranks: LayerRanks) -> tuple[int, int]:
+    """What backward holds while it recomputes one sequence chunk of a layer's per-token part: the post-attention
+    norm's output and the channel mixer's saved tensors over `chunk` tokens."""
+    low, wide = _channel_mixer_elems(cfg, spec, chunk, lora_ranks)
+    return low + chunk * cfg.hidden_size, wide
+
+
+def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list[LayerRanks]:
+    ranks = [[0, 0, 0] for _ in cfg.layers]
     for p in added:
         parts = p.name.split(".")
         if parts[0] != "layers" or f"lora_A.{ADAPTER_NAME}" not in p.name:
@@ -384,10 +420,20 @@ def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list
         if p.is_expert:
             # One experts module has two A factors (gate_up and down); count the module once.
             if p.name.endswith("w_gate_up"):
-                ranks[index][1] += r
+                ranks[index][2] += r
+        elif parts[2] == "mlp":
+            ranks[index][1] += r
         else:
             ranks[index][0] += r
-    return [(a, b) for a, b in ranks]
+    return [LayerRanks(*layer) for layer in ranks]
+
+
+def sequence_chunk(job: JobProfile) -> int | None:
+    """The tokens of one sequence chunk when memory.sequence_chunk_tokens splits a micro-batch's row, else None (a
+    row of at most that many tokens runs whole)."""
+    chunk = job.memory.sequence_chunk_tokens
+    tokens = job.train.micro_batch_size * job.data.seq_len
+    return chunk if chunk is not None and chunk < tokens else None
 
 
 def _head_has_lora(lora: LoraProfile) -> bool:
@@ -403,15 +449,21 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     t = job.train.micro_batch_size * job.data.seq_len
     added = lora_parameters(model_parameters(cfg) if base is None else base, job.lora)
     ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
-    per_layer = []
+    chunk = sequence_chunk(job)
+    per_layer, per_chunk = [], [0]
     for spec, lora_ranks in zip(cfg.layers, ranks):
-        low, wide = _layer_activation_elems(cfg, spec, t, lora_ranks)
+        low, wide = _layer_activation_elems(cfg, spec, t, lora_ranks, is_chunked=chunk is not None)
         per_layer.append(low * b + wide * FP32_BYTES)
+        if chunk is not None:
+            low, wide = _chunk_activation_elems(cfg, spec, chunk, lora_ranks)
+            per_chunk.append(low * b + wide * FP32_BYTES)
     if job.memory.activation_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time.
         layers = len(cfg.layers) * t * cfg.hidden_size * b + max(per_layer)
     else:
         layers = sum(per_layer)
+    # Backward recomputes one sequence chunk at a time.
+    layers += max(per_chunk)
     head = 2 * t * cfg.hidden_size * b
     if _head_has_lora(job.lora):
         # The model computes the full logits through the adapted head: [T, V] in the training dtype and in fp32.
@@ -528,6 +580,8 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     tokens = job.train.micro_batch_size * job.data.seq_len
     accumulation = job.train.gradient_accumulation_steps
     all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER
+    if sequence_chunk(job) is not None:
+        all_to_alls += ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE
     all_params = base + added
     layouts = []
     # ep divides num_experts: no layout has more expert-parallel ranks than experts.
