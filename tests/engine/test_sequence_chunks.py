@@ -276,9 +276,55 @@ def test_sequence_chunk_tokens_goes_with_every_policy(memory):
     assert load_profile("tiny", ["memory.sequence_chunk_tokens=1", *memory]).memory.sequence_chunk_tokens == 1
 
 
+# ---- moe-tune plan: what backward keeps with sequence chunks ----
+
+# profiles/tiny.yaml (fp32, 4 MoE layers): the bytes a token costs the per-token part of a layer when it runs whole,
+# beyond its chunks' input rows. Training dtype (4 bytes): the post-attention norm's output (D 64); dispatch buffer and
+# expert outputs (2 k D, k 2), gate_up output and SwiGLU product (3 k F, F 32), shared expert (3 Fs + 1 for its gate,
+# Fs 64), expert adapters' x A (2 k r, r 16), the shared expert's three adapters (3 r). fp32: scores (E 8) and routing
+# weights (k).
+TINY_PER_TOKEN = 4 * (64 + 2 * 2 * 64 + 3 * 2 * 32 + 3 * 64 + 1 + 2 * 2 * 16 + 3 * 16) + 4 * (8 + 2)
+
+
+@pytest.mark.parametrize("seq_len, chunk", [(512, 100), (1024, 64), (1000, 999)])
+def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
+    from moe_tune.engine.parallel.plan import activation_bytes
+
+    whole = activation_bytes(load_profile("tiny", [f"data.seq_len={seq_len}"]))
+    chunked = activation_bytes(load_profile("tiny", [f"data.seq_len={seq_len}",
+                                                     f"memory.sequence_chunk_tokens={chunk}"]))  # fmt: skip
+    tokens = 4 * seq_len  # micro_batch_size 4: one packed row
+    # Four layers drop their per-token intermediates over the row; backward holds one chunk's.
+    assert whole.layers - chunked.layers == (4 * tokens - chunk) * TINY_PER_TOKEN
+    assert (chunked.head, chunked.transient) == (whole.head, whole.transient)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_plan_a_chunk_holding_the_row_changes_nothing(checkpointing):
+    from moe_tune.engine.parallel.plan import plan_layouts
+
+    base = ["data.seq_len=256", f"memory.activation_checkpointing={str(checkpointing).lower()}"]
+    whole = plan_layouts(load_profile("tiny", base), 2, 10**12)
+    for chunk in (1024, 5000):  # micro_batch_size 4 x 256: the row's 1024 tokens, and more
+        assert plan_layouts(load_profile("tiny", [*base, f"memory.sequence_chunk_tokens={chunk}"]), 2, 10**12) == whole
+
+
+@pytest.mark.parametrize("checkpointing, all_to_alls", [(False, 6), (True, 8)])
+def test_plan_counts_the_recomputed_all_to_alls(checkpointing, all_to_alls):
+    from moe_tune.engine.parallel.plan import plan_layouts
+
+    base = ["data.seq_len=256", f"memory.activation_checkpointing={str(checkpointing).lower()}"]
+    whole = plan_layouts(load_profile("tiny", ["data.seq_len=256"]), 2, 10**12)
+    chunked = plan_layouts(load_profile("tiny", [*base, "memory.sequence_chunk_tokens=100"]), 2, 10**12)
+    by_ep = {lay.expert_parallel: lay.all_to_all_per_step for lay in whole.layouts}
+    # Each chunk's dispatch and combine run again when backward recomputes it (and once more in a recomputed layer).
+    assert {lay.expert_parallel: lay.all_to_all_per_step for lay in chunked.layouts} == {
+        ep: sent * all_to_alls // 4 for ep, sent in by_ep.items()}
+
+
 # ---- expert parallelism: two gloo ranks, each chunk's all-to-alls in step ----
 
-EP_TOKENS, EP_CHUNK = 96, 40
+EP_TOKENS, EP_CHUNK = 64, 24
 
 
 def ep_rank(result: str, port: str) -> None:
@@ -296,8 +342,10 @@ def ep_rank(result: str, port: str) -> None:
     ids = torch.randint(0, 259, (1, EP_TOKENS), generator=torch.Generator().manual_seed(10 + rank))
     cu_seqlens = torch.tensor([0, EP_TOKENS], dtype=torch.int32)
     results = {}
+    model = chunked_model(model_cfg(layers=[MOE]), None, layout)
     for name, chunk in (("whole", None), ("chunked", EP_CHUNK)):
-        model = chunked_model(model_cfg(layers=[MOE]), chunk, layout)
+        model.base_model.model.set_sequence_chunk_tokens(chunk)
+        model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, cu_seqlens=cu_seqlens, labels=ids)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
