@@ -87,9 +87,9 @@ def sweep_candidates() -> dict[str, list]:
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
     the H200 (1.03 ms at E256 against 1.08-2.02 for the others; docs/PERF.md, MoE), so pick_config takes it.
     """
-    # Imported here: kernels.py must not be imported before tests/ops sets TRITON_INTERPRET (bench.py is imported by
-    # the CPU harness too).
-    from moe_tune.ops.moe.kernels import KernelConfig
+    # Imported here: the kernel modules must not be imported before tests/ops sets TRITON_INTERPRET (bench.py is
+    # imported by the CPU harness too).
+    from moe_tune.ops.moe.kernel_config import KernelConfig
 
     return {
         "down_bwd": [
@@ -141,7 +141,7 @@ def fp8_candidates() -> dict:
     with 64-row tiles keeps more CTAs per SM in flight while each waits for its MMA before the per-step scaling (the
     block scales split every 128-wide K step). On the H200, E64 top-8 LoRA r16 fwd+bwd: 10.97, 11.69 and 14.98 ms
     in this order; E512 top-10: 16.16, 17.12, 19.39."""
-    from moe_tune.ops.moe.kernels import KernelConfig
+    from moe_tune.ops.moe.kernel_config import KernelConfig
     from moe_tune.ops.moe.kernels_fp8 import Fp8Config
 
     def config(block_m, gate_up_n, down_bwd_n, num_warps, num_stages, is_backward_k_major=True):
@@ -384,19 +384,24 @@ def sweep_kernel_configs(
     from triton.errors import TritonError
     from triton.testing import do_bench
 
-    from moe_tune.ops.moe import kernels as K
+    import moe_tune.ops.moe.routing as routing_kernels
+    from moe_tune.ops.moe import kernel_config, kernels_bwd, kernels_fwd
 
     inputs, _, _ = _make_inputs(dict(shape, lora_rank=lora_rank, train_base=True), dtype, seed)
     x, topk_weights = inputs["x"].detach(), inputs["topk_weights"].detach()
     w_gate_up, w_down = inputs["w_gate_up"].detach(), inputs["w_down"].detach()
     a_gate_up, b_gate_up, a_down, b_down = (getattr(inputs["lora"], name).detach() for name in LORA_NAMES)
     num_tokens, top_k = inputs["topk_ids"].shape
-    base = K.pick_config(x, num_tokens * top_k, w_gate_up.shape[0])
-    routing = K.moe_routing(inputs["topk_ids"], w_gate_up.shape[0], base.block_m)
+    base = kernel_config.pick_config(x, num_tokens * top_k, w_gate_up.shape[0])
+    routing = routing_kernels.moe_routing(inputs["topk_ids"], w_gate_up.shape[0], base.block_m)
     dy = torch.randn_like(x)
-    h, gate_up, xa = K.moe_gate_up_fwd(x, w_gate_up, a_gate_up, b_gate_up, 1.0, routing, base, save_gate_up=True)
-    ha = K.moe_lora_rows(h, a_down, routing, base, u_by_token=False)
-    dgate_up, h_weighted, _ = K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, base, True)
+    h, gate_up, xa = kernels_fwd.moe_gate_up_fwd(
+        x, w_gate_up, a_gate_up, b_gate_up, 1.0, routing, base, save_gate_up=True
+    )
+    ha = kernels_fwd.moe_lora_rows(h, a_down, routing, base, u_by_token=False)
+    dgate_up, h_weighted, _ = kernels_bwd.moe_down_bwd(
+        dy, gate_up, topk_weights, w_down, None, None, routing, base, True
+    )
     num_slots = num_tokens * top_k
     gemm_flops = 2 * num_slots * shape["D"] * shape["F"]
     # The rows each LoRA pass reads: x and h (rank pass), dy and dgate_up (backward pass).
@@ -404,42 +409,42 @@ def sweep_kernel_configs(
     runs = {
         "gate_up_fwd": (
             2 * gemm_flops, 0,
-            lambda c: K.moe_gate_up_fwd(x, w_gate_up, None, None, 1.0, routing, c, save_gate_up=True),
+            lambda c: kernels_fwd.moe_gate_up_fwd(x, w_gate_up, None, None, 1.0, routing, c, save_gate_up=True),
         ),
         "down_fwd": (
             gemm_flops, 0,
-            lambda c: K.moe_down_fwd(h, topk_weights, w_down, None, None, 1.0, routing, c, num_tokens),
+            lambda c: kernels_fwd.moe_down_fwd(h, topk_weights, w_down, None, None, 1.0, routing, c, num_tokens),
         ),
         "down_bwd": (
             gemm_flops, 0,
-            lambda c: K.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, c, True),
+            lambda c: kernels_bwd.moe_down_bwd(dy, gate_up, topk_weights, w_down, None, None, routing, c, True),
         ),
         "gate_up_bwd": (
             2 * gemm_flops, 0,
-            lambda c: K.moe_gate_up_bwd(dgate_up, w_gate_up, None, None, routing, c, num_tokens),
+            lambda c: kernels_bwd.moe_gate_up_bwd(dgate_up, w_gate_up, None, None, routing, c, num_tokens),
         ),
         "expert_grad": (
             3 * gemm_flops, 0,
             lambda c: (
-                K.moe_expert_grad(dy, h_weighted, w_down, routing, c, lhs_by_token=True),
-                K.moe_expert_grad(dgate_up, x, w_gate_up, routing, c, rhs_by_token=True),
+                kernels_bwd.moe_expert_grad(dy, h_weighted, w_down, routing, c, lhs_by_token=True),
+                kernels_bwd.moe_expert_grad(dgate_up, x, w_gate_up, routing, c, rhs_by_token=True),
             ),
         ),
         "lora_rows": (
             0, rows_bytes * (shape["D"] + shape["F"]),
             lambda c: (
-                K.moe_lora_rows(x, a_gate_up, routing, c, u_by_token=True),
-                K.moe_lora_rows(h, a_down, routing, c, u_by_token=False),
+                kernels_fwd.moe_lora_rows(x, a_gate_up, routing, c, u_by_token=True),
+                kernels_fwd.moe_lora_rows(h, a_down, routing, c, u_by_token=False),
             ),
         ),
         "lora_bwd": (
             0, rows_bytes * (shape["D"] + 2 * shape["F"]),
             lambda c: (
-                K.moe_lora_bwd(
+                kernels_bwd.moe_lora_bwd(
                     dy, b_down, ha, LORA_SCALING, routing, c, compute_gb=True, compute_db=True, g_by_token=True,
                     g_weights=topk_weights,
                 ),
-                K.moe_lora_bwd(
+                kernels_bwd.moe_lora_bwd(
                     dgate_up, b_gate_up, xa, LORA_SCALING, routing, c, compute_gb=True, compute_db=True
                 ),
             ),

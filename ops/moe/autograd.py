@@ -1,4 +1,4 @@
-"""Autograd wiring of the MoE expert MLP kernels (forward: kernels.moe_gate_up_fwd, kernels.moe_down_fwd).
+"""Autograd wiring of the MoE expert MLP kernels (forward: kernels_fwd.py, backward: kernels_bwd.py).
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
 
@@ -20,19 +20,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from moe_tune.ops.moe.kernels import (
-    MoERouting,
-    moe_down_bwd,
-    moe_down_fwd,
-    moe_expert_grad,
-    moe_gate_up_bwd,
-    moe_gate_up_fwd,
-    moe_lora_bwd,
-    moe_lora_rows,
-    moe_routing,
-    pick_config,
-    row_chunks,
-)
+from moe_tune.ops.moe.kernel_config import pick_config
+from moe_tune.ops.moe.kernels_bwd import moe_down_bwd, moe_expert_grad, moe_gate_up_bwd, moe_lora_bwd
 from moe_tune.ops.moe.kernels_fp8 import (
     fp8_down_bwd,
     fp8_down_fwd,
@@ -41,6 +30,8 @@ from moe_tune.ops.moe.kernels_fp8 import (
     pick_fp8_config,
     quantize_rows,
 )
+from moe_tune.ops.moe.kernels_fwd import moe_down_fwd, moe_gate_up_fwd, moe_lora_rows
+from moe_tune.ops.moe.routing import MoERouting, moe_routing, row_chunks
 
 # Positions in MoEFunction.forward's arguments, for ctx.needs_input_grad.
 _X, _IDS, _WEIGHTS, _W_GATE_UP, _W_DOWN, _A_GATE_UP, _B_GATE_UP, _A_DOWN, _B_DOWN = range(9)
@@ -139,7 +130,7 @@ class MoEFunction(torch.autograd.Function):
 
 class MoEFp8Function(torch.autograd.Function):
     """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=..., down_scale_inv=...)
-    on the FP8 kernels (kernels_fp8.py) and kernels.py's routing and LoRA passes.
+    on the FP8 kernels (kernels_fp8.py) and the routing and LoRA passes of routing.py, kernels_fwd.py, kernels_bwd.py.
 
     Arguments as moe_mlp, with the FP8 weights' block scales after the weights, the LoRA tensors one by one (each may
     be None) and scaling a float. The FP8 weights and their scales get no gradient.

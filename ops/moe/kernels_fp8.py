@@ -22,19 +22,16 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.fp8.reference import AMAX_FLOOR, BLOCK, E4M3_MAX, FP8_DTYPE, num_blocks, quantize_groups
-from moe_tune.ops.moe.kernels import (
+from moe_tune.ops.moe.kernel_config import (
     GPU_SMALL_BLOCK_M,
     INTERPRETER_BLOCK,
     KernelConfig,
-    MoERouting,
     dot_precision,
     or_dummy,
     rank_block,
     strides3,
-    sum_slots,
-    tile_and_column_block,
-    tile_rows,
 )
+from moe_tune.ops.moe.routing import MoERouting, sum_slots, tile_and_column_block, tile_rows
 
 # Output columns of the gate_up forward (two fp32 accumulators, gate and up) and of the down backward (five fp32
 # SwiGLU tiles in its epilogue): 64 keeps them in registers; the other two GEMMs take 128.

@@ -41,11 +41,11 @@ kernel_path = forced_kernel_path(kernels_fp8, "_fp8_gate_up_fwd_kernel", on_gpu=
 
 @pytest.fixture
 def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
-    from moe_tune.ops.moe import kernels, kernels_fp8
+    from moe_tune.ops.moe import kernel_config, kernels_fp8
 
     buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
-    monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
+    monkeypatch.setattr(kernel_config, "alloc", buffers.alloc)
+    monkeypatch.setattr(kernel_config, "alloc_index", buffers.alloc_index)
     monkeypatch.setattr(kernels_fp8, "_alloc", buffers.alloc)
     return buffers
 

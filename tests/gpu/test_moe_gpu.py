@@ -11,7 +11,8 @@ from guarded_buffers import GuardedBuffers
 from kernel_fixtures import forced_kernel_path
 import torch
 
-from moe_tune.ops.moe import ExpertLoRA, kernels, moe_mlp, topk_route
+import moe_tune.ops.moe.routing as routing_kernels
+from moe_tune.ops.moe import ExpertLoRA, kernel_config, kernels_fwd, moe_mlp, topk_route
 from moe_tune.ops.moe.reference import moe_mlp_ref
 from moe_cases import LORA_NAMES, make_case, run_with_grads
 
@@ -35,16 +36,14 @@ LORA_SCALING = 2.0
 GUARD_ELEMENTS = 1 << 16
 
 
-kernel_path = forced_kernel_path(kernels, "_moe_gate_up_fwd_kernel", on_gpu=True)
+kernel_path = forced_kernel_path(kernels_fwd, "_moe_gate_up_fwd_kernel", on_gpu=True)
 
 
 @pytest.fixture
 def guarded(monkeypatch, kernel_path) -> GuardedBuffers:
-    from moe_tune.ops.moe import kernels
-
     buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
-    monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
+    monkeypatch.setattr(kernel_config, "alloc", buffers.alloc)
+    monkeypatch.setattr(kernel_config, "alloc_index", buffers.alloc_index)
     return buffers
 
 
@@ -183,7 +182,6 @@ def test_moe_mlp_kernel_sweep_candidates(guarded, kernel, index):
     # Every launch config the bench sweep may pick, on the 128-row tile shape: outputs and all gradients.
     import dataclasses
 
-    from moe_tune.ops.moe import kernels
     from moe_tune.engine.bench.moe_op import sweep_candidates
 
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["E64_top8"]
@@ -192,9 +190,9 @@ def test_moe_mlp_kernel_sweep_candidates(guarded, kernel, index):
     case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern, lora_on)
     if lora_on != "none":
         case = _freeze(case, ("w_gate_up", "w_down"))
-    default = kernels.pick_config(case["x"], num_tokens * top_k, num_experts)
+    default = kernel_config.pick_config(case["x"], num_tokens * top_k, num_experts)
     config = dataclasses.replace(default, **{kernel: sweep_candidates()[kernel][index]})
-    with kernels.forced_config(config):
+    with kernel_config.forced_config(config):
         _assert_matches_reference(case, torch.bfloat16)
     guarded.check()
 
@@ -260,8 +258,6 @@ def test_moe_mlp_kernel_issue_shapes_lora_bf16(kernel_path, shape):
 def test_routing_kernels_match_torch_bitwise(num_experts, skew, block):
     """The routing metadata and tile maps of the Triton kernels against their torch versions, on the device (the
     moe_mlp tests above would only see a wrong map through the outputs)."""
-    from moe_tune.ops.moe import kernels
-
     gen = torch.Generator(device=DEVICE).manual_seed(num_experts + block)
     num_tokens, top_k = 16384, min(8, num_experts)
     ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen, device=DEVICE)
@@ -270,13 +266,13 @@ def test_routing_kernels_match_torch_bitwise(num_experts, skew, block):
     elif skew == "empty_ends":
         ids = ids.clamp(1, num_experts - 2)
     sorted_ids, sort_index = torch.sort(ids.reshape(-1), stable=True)
-    ours = kernels._routing_metadata(sorted_ids, sort_index, num_experts, top_k, block)
-    theirs = kernels._routing_metadata_torch(sorted_ids, sort_index, num_experts, top_k, block)
+    ours = routing_kernels._routing_metadata(sorted_ids, sort_index, num_experts, top_k, block)
+    theirs = routing_kernels._routing_metadata_torch(sorted_ids, sort_index, num_experts, top_k, block)
     for a, b in zip(ours, theirs, strict=True):
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
     offsets = theirs[2].long()
     for chunk_rows in (block, 512, 4096):
-        ours_map = kernels._tile_map(offsets, sorted_ids.numel(), chunk_rows)
-        theirs_map = kernels._tile_map_torch(offsets, sorted_ids.numel(), chunk_rows)
+        ours_map = routing_kernels._tile_map(offsets, sorted_ids.numel(), chunk_rows)
+        theirs_map = routing_kernels._tile_map_torch(offsets, sorted_ids.numel(), chunk_rows)
         for a, b in zip(ours_map, theirs_map, strict=True):
             assert torch.equal(a, b)

@@ -16,7 +16,7 @@ with interpreted_kernels():
     import torch
     from moe_tune.ops.fp8.reference import dequantize_weight, fake_quantize_groups, quantize_weight
     from moe_tune.ops.moe import ExpertLoRA, moe_mlp
-    from moe_tune.ops.moe import kernels, kernels_fp8
+    from moe_tune.ops.moe import kernel_config, kernels_fp8
     from moe_tune.ops.moe.reference import moe_mlp_ref
     from moe_cases import LORA_NAMES, make_case, run_with_grads
 
@@ -38,23 +38,23 @@ GUARD_ELEMENTS = 16 * 512
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
-# kernels.py's LoRA passes (tested on their own in test_moe_triton.py) with 64-wide steps: fewer interpreted programs.
-LORA_PASS_CONFIG = kernels.uniform_config(16, 64, 64, num_warps=1, num_stages=1)
+# The LoRA passes (tested on their own in test_moe_triton.py) with 64-wide steps: fewer interpreted programs.
+LORA_PASS_CONFIG = kernel_config.uniform_config(16, 64, 64, num_warps=1, num_stages=1)
 
 
 @pytest.fixture
 def kernel_path(monkeypatch):
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with kernels.forced_config(LORA_PASS_CONFIG):
+    with kernel_config.forced_config(LORA_PASS_CONFIG):
         yield
 
 
 @pytest.fixture
 def guarded(monkeypatch) -> GuardedBuffers:
     buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
-    monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
+    monkeypatch.setattr(kernel_config, "alloc", buffers.alloc)
+    monkeypatch.setattr(kernel_config, "alloc_index", buffers.alloc_index)
     monkeypatch.setattr(kernels_fp8, "_alloc", buffers.alloc)
     return buffers
 

@@ -12,7 +12,8 @@ with interpreted_kernels():
     import torch
     import triton.runtime.interpreter as triton_interpreter
     from moe_tune.ops.moe import ExpertLoRA, moe_mlp
-    from moe_tune.ops.moe import kernels
+    import moe_tune.ops.moe.routing as routing_kernels
+    from moe_tune.ops.moe import kernel_config, kernels_bwd, kernels_fwd
     from moe_tune.ops.moe.autograd import MoEFunction
     from moe_tune.ops.moe.reference import moe_mlp_loop_ref
     from moe_cases import LORA_NAMES, make_case, route_pattern, run_with_grads
@@ -35,8 +36,8 @@ pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 @pytest.fixture
 def kernel_path(monkeypatch):
-    assert isinstance(kernels._moe_gate_up_fwd_kernel, triton_interpreter.InterpretedFunction), (
-        "ops/moe/kernels.py was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
+    assert isinstance(kernels_fwd._moe_gate_up_fwd_kernel, triton_interpreter.InterpretedFunction), (
+        "ops/moe/kernels_fwd.py was imported before TRITON_INTERPRET=1 was set: its kernels are compiled for a GPU"
     )
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -45,8 +46,8 @@ def kernel_path(monkeypatch):
 @pytest.fixture
 def guarded(monkeypatch) -> GuardedBuffers:
     buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels, "_alloc", buffers.alloc)
-    monkeypatch.setattr(kernels, "_alloc_index", buffers.alloc_index)
+    monkeypatch.setattr(kernel_config, "alloc", buffers.alloc)
+    monkeypatch.setattr(kernel_config, "alloc_index", buffers.alloc_index)
     return buffers
 
 
@@ -198,8 +199,8 @@ def _pass_setup(num_tokens: int, num_experts: int, top_k: int, pattern: str):
     gen = torch.Generator().manual_seed(0)
     topk_ids = route_pattern(pattern, gen, num_tokens, num_experts, top_k)
     # CPU tensors: the interpreter's 16-row tiles.
-    config = kernels.pick_config(torch.zeros(1), num_tokens * top_k, num_experts)
-    routing = kernels.moe_routing(topk_ids, num_experts, config.block_m)
+    config = kernel_config.pick_config(torch.zeros(1), num_tokens * top_k, num_experts)
+    routing = routing_kernels.moe_routing(topk_ids, num_experts, config.block_m)
     slot_S = routing.slot_of_row_S.long()
     expert_S = topk_ids.reshape(-1)[slot_S]
     return gen, config, routing, slot_S, expert_S, routing.token_of_row_S.long()
@@ -211,7 +212,7 @@ def test_moe_lora_rows_matches_torch(kernel_path, guarded, num_tokens, num_exper
     gen, config, routing, _, expert_S, token_S = _pass_setup(num_tokens, num_experts, top_k, pattern)
     u = torch.randn(num_tokens if u_by_token else num_tokens * top_k, PASS_DIM, generator=gen)
     a = torch.randn(num_experts, PASS_RANK, PASS_DIM, generator=gen)
-    ua = kernels.moe_lora_rows(u, a, routing, config, u_by_token=u_by_token)
+    ua = kernels_fwd.moe_lora_rows(u, a, routing, config, u_by_token=u_by_token)
     u_rows = u[token_S] if u_by_token else u
     expected = torch.einsum("sk,srk->sr", u_rows.double(), a[expert_S].double())
     assert ua.dtype == torch.float32
@@ -241,7 +242,7 @@ def test_moe_lora_bwd_matches_torch(
     ua = torch.randn(num_slots, PASS_RANK, generator=gen)
     # The down projection's pass reads dy by token and weights its rows for dB; the gate_up one reads dgate_up rows.
     topk_weights = torch.rand(num_tokens, top_k, generator=gen) if g_by_token else None
-    gb, db = kernels.moe_lora_bwd(
+    gb, db = kernels_bwd.moe_lora_bwd(
         g, b, ua, scale, routing, config, compute_gb, compute_db, g_by_token=g_by_token, g_weights=topk_weights
     )
     g_rows = (g[token_S] if g_by_token else g).double()
@@ -275,8 +276,8 @@ def test_moe_down_bwd_lora_da_matches_torch(kernel_path, guarded, num_tokens, nu
     w_down = torch.randn(num_experts, model_dim, hidden_dim, generator=gen)
     a_down = torch.randn(num_experts, PASS_RANK, hidden_dim, generator=gen)
     dha = torch.randn(num_slots, PASS_RANK, generator=gen)
-    _, h_weighted, _ = kernels.moe_down_bwd(dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, True)
-    d_a_down = kernels.moe_expert_grad(dha, h_weighted, a_down, routing, config)
+    _, h_weighted, _ = kernels_bwd.moe_down_bwd(dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, True)
+    d_a_down = kernels_bwd.moe_expert_grad(dha, h_weighted, a_down, routing, config)
     gate, up = gate_up.double().split(hidden_dim, dim=1)
     weights_S = topk_weights.reshape(-1)[slot_S].double()
     expected_h_weighted = weights_S[:, None] * torch.nn.functional.silu(gate) * up
@@ -291,15 +292,15 @@ def test_moe_down_bwd_lora_da_matches_torch(kernel_path, guarded, num_tokens, nu
 # Every kernel with its own tile: gate/up and down-backward columns, down-forward and dx columns, weight-gradient P
 # and Q sides all differ, so a launcher that sized its grid from one kernel's config and its blocks from another's
 # would leave columns unwritten (NaN-filled buffers) and fail the oracle.
-PER_KERNEL_CONFIG = kernels.MoEConfig(
+PER_KERNEL_CONFIG = kernel_config.MoEConfig(
     block_m=16,
-    gate_up_fwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
-    down_fwd=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1),
-    down_bwd=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1),
-    gate_up_bwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
-    expert_grad=kernels.KernelConfig(16, 32, num_warps=1, num_stages=1, block_p=32),
-    lora_rows=kernels.KernelConfig(0, 32, num_warps=1, num_stages=1),
-    lora_bwd=kernels.KernelConfig(32, 16, num_warps=1, num_stages=1),
+    gate_up_fwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1),
+    down_fwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1),
+    down_bwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1),
+    gate_up_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1),
+    expert_grad=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, block_p=32),
+    lora_rows=kernel_config.KernelConfig(0, 32, num_warps=1, num_stages=1),
+    lora_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1),
 )
 
 
@@ -307,7 +308,7 @@ PER_KERNEL_CONFIG = kernels.MoEConfig(
 def test_moe_mlp_kernel_per_kernel_config(kernel_path, guarded, lora_on):
     # D = 40 and F = 36: partial column blocks under each of the tile widths above.
     case = _make_case(29, 40, 36, 5, 2, torch.float32, lora_on=lora_on)
-    with kernels.forced_config(PER_KERNEL_CONFIG):
+    with kernel_config.forced_config(PER_KERNEL_CONFIG):
         _assert_matches_oracle(case, torch.float32)
     guarded.check()
 
@@ -319,15 +320,15 @@ def test_moe_mlp_kernel_per_kernel_config(kernel_path, guarded, lora_on):
 def test_rank_products_of_the_backward_follow_the_activations(activation_dtype, expected):
     # bf16 next to bf16 (bf16 MMAs in the epilogues and dA passes); never fp16, whose range would underflow small
     # gradients. The bf16 path itself is checked on the H200 (tests/gpu/test_moe_gpu.py, bf16 LoRA gradients).
-    assert kernels.rank_dtype(activation_dtype) == expected
+    assert kernel_config.rank_dtype(activation_dtype) == expected
 
 
 def test_forced_config_is_restored():
     x = torch.zeros(4, 16)
-    default = kernels.pick_config(x, 8, 4)
-    with kernels.forced_config(PER_KERNEL_CONFIG):
-        assert kernels.pick_config(x, 8, 4) is PER_KERNEL_CONFIG
-    assert kernels.pick_config(x, 8, 4) == default
+    default = kernel_config.pick_config(x, 8, 4)
+    with kernel_config.forced_config(PER_KERNEL_CONFIG):
+        assert kernel_config.pick_config(x, 8, 4) is PER_KERNEL_CONFIG
+    assert kernel_config.pick_config(x, 8, 4) == default
 
 
 def test_sweep_candidates_start_with_the_bf16_gpu_choice():
@@ -340,7 +341,7 @@ def test_sweep_candidates_start_with_the_bf16_gpu_choice():
     from moe_tune.engine.bench.moe_op import sweep_candidates
 
     cuda_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
-    config = kernels.pick_config(cuda_bf16, 16384 * 8, 64)
+    config = kernel_config.pick_config(cuda_bf16, 16384 * 8, 64)
     for name, candidates in sweep_candidates().items():
         chosen = getattr(config, name)
         if name != "expert_grad":
@@ -387,7 +388,7 @@ def test_moe_routing_metadata(block_m):
     gen = torch.Generator().manual_seed(0)
     # Skewed: experts 0 and 6 empty, expert 3 takes most slots.
     topk_ids = torch.tensor([1, 2, 3, 3, 3, 4, 5, 3, 3])[torch.randint(0, 9, (29, top_k), generator=gen)]
-    routing = kernels.moe_routing(topk_ids, num_experts, block_m)
+    routing = routing_kernels.moe_routing(topk_ids, num_experts, block_m)
     ids_S = topk_ids.reshape(-1)
     slot_of_row = routing.slot_of_row_S.long()
 
@@ -420,7 +421,7 @@ def test_moe_routing_metadata(block_m):
     for e in range(num_experts):
         begin, end = int(tile_end_E[e] - tiles_E[e]), int(tile_end_E[e])
         assert bool((routing.tile_expert_T[begin:end] == e).all())
-    assert routing.num_tiles == kernels.max_tiles(ids_S.numel(), num_experts, block_m) >= num_busy_tiles
+    assert routing.num_tiles == routing_kernels.max_tiles(ids_S.numel(), num_experts, block_m) >= num_busy_tiles
     busy = routing.tile_expert_T >= 0
     # Busy tiles come first, so a grid larger than the work only adds programs that exit at once.
     assert bool(busy[: num_busy_tiles].all()) and not bool(busy[num_busy_tiles:].any())
@@ -432,9 +433,9 @@ def test_row_chunks_cover_each_experts_rows():
     num_experts, top_k = 7, 3
     gen = torch.Generator().manual_seed(0)
     topk_ids = torch.tensor([1, 2, 3, 3, 3, 4, 5, 3, 3])[torch.randint(0, 9, (29, top_k), generator=gen)]
-    config = kernels.pick_config(torch.zeros(1), topk_ids.numel(), num_experts)
-    routing = kernels.moe_routing(topk_ids, num_experts, config.block_m)
-    chunks = kernels.row_chunks(routing, config)
+    config = kernel_config.pick_config(torch.zeros(1), topk_ids.numel(), num_experts)
+    routing = routing_kernels.moe_routing(topk_ids, num_experts, config.block_m)
+    chunks = routing_kernels.row_chunks(routing, config)
     assert chunks.chunk_rows == 32
     offsets = routing.offsets_E1.tolist()
     first = chunks.first_chunk_E1.tolist()
@@ -451,16 +452,16 @@ def test_row_chunks_cover_each_experts_rows():
     counts = [offsets[e + 1] - offsets[e] for e in range(num_experts)]
     assert [first[e + 1] - first[e] for e in range(num_experts)] == [-(-c // 32) for c in counts]
     assert max(counts) > chunks.chunk_rows and counts[0] == counts[6] == 0
-    assert chunks.num_chunks == kernels.max_tiles(topk_ids.numel(), num_experts, chunks.chunk_rows)
+    assert chunks.num_chunks == routing_kernels.max_tiles(topk_ids.numel(), num_experts, chunks.chunk_rows)
 
 
 def test_max_tiles_is_an_upper_bound():
     # Worst case: every non-empty expert holds one row more than a multiple of the tile.
     block_m, num_experts = 16, 5
     counts = [block_m + 1] * num_experts
-    assert sum(-(-c // block_m) for c in counts) <= kernels.max_tiles(sum(counts), num_experts, block_m)
-    assert kernels.max_tiles(3, 64, block_m) == 3
-    assert kernels.max_tiles(0, 8, block_m) == 0
+    assert sum(-(-c // block_m) for c in counts) <= routing_kernels.max_tiles(sum(counts), num_experts, block_m)
+    assert routing_kernels.max_tiles(3, 64, block_m) == 3
+    assert routing_kernels.max_tiles(0, 8, block_m) == 0
 
 
 # Rows per expert for the routing-metadata kernels against their torch versions: (counts_E, k).
@@ -509,21 +510,21 @@ def _assert_equal_int32(got: tuple, expected: tuple, names: tuple[str, ...]) -> 
 @pytest.mark.parametrize(
     "tile_step",
     [
-        pytest.param(kernels.TILE_MAP_STEP, id="step_default"),
+        pytest.param(routing_kernels.TILE_MAP_STEP, id="step_default"),
         # Two tiles a step: every expert with more than two tiles, and the no-work tail, loop several times.
         pytest.param(2, id="step2"),
     ],
 )
 def test_tile_map_kernel_matches_torch(kernel_path, guarded, monkeypatch, counts_E, top_k, block, tile_step):
-    monkeypatch.setattr(kernels, "TILE_MAP_STEP", tile_step)
+    monkeypatch.setattr(routing_kernels, "TILE_MAP_STEP", tile_step)
     offsets_E1 = _offsets(counts_E)
     num_slots = sum(counts_E)
-    expected = kernels._tile_map_torch(offsets_E1, num_slots, block)
+    expected = routing_kernels._tile_map_torch(offsets_E1, num_slots, block)
     # int32 offsets as row_chunks passes them (MoERouting's), int64 as the torch version takes them.
     for offsets in (offsets_E1.to(torch.int32), offsets_E1):
-        got = kernels._tile_map(offsets, num_slots, block)
+        got = routing_kernels._tile_map(offsets, num_slots, block)
         _assert_equal_int32(got, expected, ("tile_expert", "tile_row", "first_tile"))
-    assert got[0].shape == (kernels.max_tiles(num_slots, len(counts_E), block),)
+    assert got[0].shape == (routing_kernels.max_tiles(num_slots, len(counts_E), block),)
     guarded.check()
 
 
@@ -531,22 +532,22 @@ def test_tile_map_kernel_matches_torch(kernel_path, guarded, monkeypatch, counts
 @pytest.mark.parametrize(
     "block_s",
     [
-        pytest.param(kernels.ROUTING_BLOCK_S, id="slots_default"),
+        pytest.param(routing_kernels.ROUTING_BLOCK_S, id="slots_default"),
         # 16 slots a program: more programs than E+1 (up to 19), the ones past E only cast their slots.
         pytest.param(16, id="slots16"),
     ],
 )
 def test_moe_routing_kernel_matches_torch(kernel_path, guarded, monkeypatch, counts_E, top_k, block, block_s):
-    monkeypatch.setattr(kernels, "ROUTING_BLOCK_S", block_s)
-    monkeypatch.setattr(kernels, "TILE_MAP_STEP", 4)
+    monkeypatch.setattr(routing_kernels, "ROUTING_BLOCK_S", block_s)
+    monkeypatch.setattr(routing_kernels, "TILE_MAP_STEP", 4)
     topk_ids = _topk_ids(counts_E, top_k)
     num_experts = len(counts_E)
     sorted_ids_S, sort_index_S = torch.sort(topk_ids.reshape(-1), stable=True)
-    expected = kernels._routing_metadata_torch(sorted_ids_S, sort_index_S, num_experts, top_k, block)
+    expected = routing_kernels._routing_metadata_torch(sorted_ids_S, sort_index_S, num_experts, top_k, block)
     names = ("slot_of_row", "token_of_row", "offsets", "tile_expert", "tile_row")
     # int32 ids are sorted as given (no cast): the same rows as int64 ids.
     for ids_dtype in (torch.int64, torch.int32):
-        routing = kernels.moe_routing(topk_ids.to(ids_dtype), num_experts, block)
+        routing = routing_kernels.moe_routing(topk_ids.to(ids_dtype), num_experts, block)
         _assert_equal_int32(routing.tensors(), expected, names)
     guarded.check()
 
@@ -560,15 +561,15 @@ class _NoLaunch:
 
 def test_routing_metadata_takes_torch_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(kernels, "_moe_routing_kernel", _NoLaunch())
-    monkeypatch.setattr(kernels, "_moe_tile_map_kernel", _NoLaunch())
+    monkeypatch.setattr(routing_kernels, "_moe_routing_kernel", _NoLaunch())
+    monkeypatch.setattr(routing_kernels, "_moe_tile_map_kernel", _NoLaunch())
     counts_E, top_k = ROUTING_COUNTS["first_and_last_empty_E7"]
     topk_ids = _topk_ids(counts_E, top_k)
-    config = kernels.pick_config(torch.zeros(1), topk_ids.numel(), len(counts_E))
-    routing = kernels.moe_routing(topk_ids, len(counts_E), config.block_m)
-    chunks = kernels.row_chunks(routing, config)
+    config = kernel_config.pick_config(torch.zeros(1), topk_ids.numel(), len(counts_E))
+    routing = routing_kernels.moe_routing(topk_ids, len(counts_E), config.block_m)
+    chunks = routing_kernels.row_chunks(routing, config)
     assert torch.equal(routing.offsets_E1.long(), _offsets(counts_E))
-    expected = kernels._tile_map_torch(_offsets(counts_E), topk_ids.numel(), chunks.chunk_rows)
+    expected = routing_kernels._tile_map_torch(_offsets(counts_E), topk_ids.numel(), chunks.chunk_rows)
     got = (chunks.chunk_expert_C, chunks.chunk_row_C, chunks.first_chunk_E1)
     _assert_equal_int32(got, expected, ("chunk_expert", "chunk_row", "first_chunk"))
 

@@ -1,0 +1,196 @@
+"""Launch configuration of the MoE expert MLP kernels (tile sizes per kernel, picked per call) and the helpers every
+launcher shares: output buffers, dot precisions and dummy pointers.
+
+Shapes: as in routing.py (S token-slots, E experts, r LoRA rank, R the rank padded to a tl.dot size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# tl.dot needs every dimension of its operands to be at least 16.
+MIN_DOT_SIZE = 16
+# The interpreter runs each program in Python: the smallest legal tile keeps CPU tests fast.
+INTERPRETER_BLOCK = MIN_DOT_SIZE
+# 128 rows x 128 columns per tile: two Hopper warpgroup MMAs, and each weight tile is reused across 128 token rows.
+GPU_BLOCK_M = 128
+GPU_BLOCK_N = 128
+# Experts averaging fewer rows than a 128-row tile (E256 top-16 at small N) waste most of it; 64 halves the padding.
+GPU_SMALL_BLOCK_M = 64
+# 64 bf16/fp16 elements are 128 bytes per row: one full cache line per load, three stages fit shared memory.
+GPU_BLOCK_K = 64
+# 8 warps = two warpgroups, one per 64-row half of a 128-row tile.
+GPU_NUM_WARPS = 8
+# Three stages hide global-memory latency behind the MMAs on Hopper and still leave room for two CTAs per SM.
+GPU_NUM_STAGES = 3
+# fp32 tiles take twice the registers and shared memory (exact fp32 dots run on FMA units, not tensor cores):
+# 64 x 64 tiles with 32-wide K steps and 4 warps keep them from spilling.
+GPU_FP32_BLOCK = 64
+GPU_FP32_BLOCK_K = 32
+GPU_FP32_NUM_WARPS = 4
+# A LoRA-rank side (16-32) leaves too little work for 8 warps.
+THIN_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one kernel.
+
+    block_n: output columns per program (the gate_up kernels split them between gate and up; weight gradients: the
+             Q side of the [P, Q] output tile; the LoRA backward pass: gradient columns; 0 for the LoRA rank pass,
+             whose output is the padded rank); block_p: the P side, weight gradients only (0 elsewhere);
+    block_k: reduction step (the LoRA backward pass: rows per step); maxnreg: register cap per thread (None: the
+             compiler's choice).
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    block_p: int = 0
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        # Only passed when set: the interpreter and older Triton launchers take no maxnreg.
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
+
+
+# The LoRA passes stream activation rows for 2r FLOP per element (memory-bound). Rank pass: 128-wide K steps (256
+# bytes of each gathered bf16 row per load), one warpgroup for the [rows, R] product, 108 KB of stages at 128-row
+# tiles (two CTAs per SM; sm_90 compile: 118 registers, no spills).
+GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, num_stages=3)
+# Backward pass: 256 gradient columns per program, so g B is summed from 8 fp32 partials at D = 2048 (the partials
+# are r fp32 per row each, 1/16 of a bf16 row of 2048), 32 rows a step, 4 warps: alone on the H200 (bf16 dB
+# products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps (docs/PERF.md, MoE).
+GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, num_stages=3)
+# The down-projection backward needs 180 registers a thread, one 8-warp CTA per SM; capped at 128 (sm_90 compile: 240
+# bytes spilled) two fit.
+GPU_DOWN_BWD_MAXNREG = 128
+# Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
+# at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory, at 5 stages 3 (96 KB), as the other GEMMs.
+GPU_EXPERT_GRAD_STAGES = 5
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes for one call, per kernel; picked from the dtype, the device and the average rows per expert.
+
+    block_m: rows per tile of the routing tile map, shared by the four row-tiled GEMMs and the LoRA rank pass.
+    lora_rows: the LoRA rank pass (x A^T, h A^T: one program per row tile);
+    lora_bwd: the LoRA backward pass over an output gradient (g B per row and dB: one program per expert and
+              block_n gradient columns).
+    """
+
+    block_m: int
+    gate_up_fwd: KernelConfig
+    down_fwd: KernelConfig
+    down_bwd: KernelConfig
+    gate_up_bwd: KernelConfig
+    expert_grad: KernelConfig
+    lora_rows: KernelConfig
+    lora_bwd: KernelConfig
+
+
+def uniform_config(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> MoEConfig:
+    """One tile shape for every kernel (weight gradients: block_n x block_n output tiles)."""
+    kernel = KernelConfig(block_n, block_k, num_warps, num_stages, block_p=block_n)
+    # The gate_up forward holds two accumulators (gate and up), the down backward's SwiGLU epilogue five fp32 tiles:
+    # half-width tiles keep them in registers.
+    half = KernelConfig(max(MIN_DOT_SIZE, block_n // 2), block_k, num_warps, num_stages)
+    return MoEConfig(
+        block_m,
+        gate_up_fwd=half,
+        down_fwd=kernel,
+        down_bwd=half,
+        gate_up_bwd=kernel,
+        expert_grad=kernel,
+        lora_rows=KernelConfig(0, block_k, num_warps, num_stages),
+        lora_bwd=KernelConfig(block_n, block_k, num_warps, num_stages),
+    )
+
+
+_forced_config: MoEConfig | None = None
+
+
+@contextlib.contextmanager
+def forced_config(config: MoEConfig):
+    """Within the block, every moe_mlp call on the kernels runs with `config` (benchmark sweeps, tests)."""
+    global _forced_config
+    previous, _forced_config = _forced_config, config
+    try:
+        yield config
+    finally:
+        _forced_config = previous
+
+
+def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
+    if _forced_config is not None:
+        return _forced_config
+    if not x.is_cuda:
+        # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
+        block = INTERPRETER_BLOCK
+        return uniform_config(block, block, block, num_warps=1, num_stages=1)
+    if x.dtype == torch.float32:
+        return uniform_config(GPU_FP32_BLOCK, GPU_FP32_BLOCK, GPU_FP32_BLOCK_K, GPU_FP32_NUM_WARPS, GPU_NUM_STAGES)
+    mean_rows = num_slots / max(num_experts, 1)
+    block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
+    config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
+    # The register cap and the 5 stages: E64 trained fwd+bwd 12.35 against 13.16 ms without either, the down backward
+    # 2.08 against 2.78 (H200, docs/PERF.md, MoE).
+    return dataclasses.replace(
+        config,
+        down_bwd=dataclasses.replace(config.down_bwd, maxnreg=GPU_DOWN_BWD_MAXNREG),
+        expert_grad=dataclasses.replace(config.expert_grad, num_stages=GPU_EXPERT_GRAD_STAGES),
+        lora_rows=GPU_LORA_ROWS,
+        lora_bwd=GPU_LORA_BWD,
+    )
+
+
+def dot_precision(*dtypes: torch.dtype) -> str:
+    """tl.dot input precision for fp32 operands, given the dtypes of the tensors that meet in the product."""
+    # Next to a 16-bit operand, tf32 (10-bit mantissa) loses nothing; all-fp32 products follow torch's matmul
+    # setting ("highest", the default, means exact fp32).
+    if any(dtype != torch.float32 for dtype in dtypes):
+        return "tf32"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the LoRA backward's rank products (d(x A^T), d(h A^T)): bf16 next to bf16 activations, so that the
+    GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the two dA passes alone: 0.23 -> 0.18 ms
+    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/PERF.md, MoE); fp32 otherwise (fp16 would
+    underflow small gradients)."""
+    return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
+
+
+def rank_block(rank: int) -> int:
+    return max(MIN_DOT_SIZE, triton.next_power_of_2(rank))
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests replace it to fill buffers with NaN and guard their ends)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def alloc_index(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Every int32 buffer of routing metadata a kernel writes comes from here (tests replace it to fill buffers with a
+    sentinel and guard their ends, as `alloc` with NaN, which int32 has not)."""
+    return torch.empty(shape, dtype=torch.int32, device=device)
+
+
+def strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
+    return (0, 0, 0) if t is None else tuple(t.stride())
+
+
+def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
+    return dummy if t is None else t
+
