@@ -44,8 +44,9 @@ def moe_mlp(
     clamped_swiglu: ClampedSwiGLU or None (default: silu(gate) * up): gpt_oss's clamped activation
     gate_up_scale_inv: [E, 2*ceil(F/128), ceil(D/128)] fp32 and down_scale_inv: [E, ceil(D/128), ceil(F/128)] fp32,
                   or both None (default): the 128 x 128 block scales of frozen FP8 experts, w_gate_up and w_down then
-                  float8_e4m3fn (gate and up halves with their own scale rows). Every GEMM through them quantizes
-                  its other operand in 1 x 128 groups (ops/moe/README.md, FP8); no gradient reaches them.
+                  float8_e4m3fn (gate and up halves with their own scale rows). Every GEMM through them computes
+                  with the dequantized weight W_q * scale_inv and the unquantized activation (ops/moe/README.md,
+                  FP8); no gradient reaches them.
     Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones) and the LoRA
     tensors.
     Runs the Triton kernels (kernels_fwd.py, kernels_bwd.py) when every tensor is on CUDA and every float is
@@ -58,30 +59,22 @@ def moe_mlp(
     is_fp8 = _check_fp8_inputs(w_gate_up, w_down, gate_up_scale_inv, down_scale_inv)
     lora_tensors = (None,) * 4 if lora is None else (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)
     is_plain = b_gate_up is None and b_down is None and clamped_swiglu is None
-    if is_fp8:
-        has_kernel = is_plain and _kernel_takes(x, topk_weights, *lora_tensors)
-        if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv,
-                      *lora_tensors, has_kernel=has_kernel):
-            from moe_tune.ops.moe.autograd import MoEFp8Function
-
-            scaling = 1.0 if lora is None else float(lora.scaling)
-            return MoEFp8Function.apply(
-                x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv, *lora_tensors,
-                scaling,
-            )  # fmt: skip
-        return moe_mlp_ref(
-            x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
-            clamped_swiglu=clamped_swiglu, gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv,
-        )  # fmt: skip
-    has_kernel = is_plain and _kernel_takes(x, topk_weights, w_gate_up, w_down, *lora_tensors)
-    if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, has_kernel=has_kernel):
+    # FP8 codes are no operand dtype of the kernels, which dequantize them: their fp32 scales are checked instead.
+    weights = (gate_up_scale_inv, down_scale_inv) if is_fp8 else (w_gate_up, w_down)
+    has_kernel = is_plain and _kernel_takes(x, topk_weights, *weights, *lora_tensors)
+    if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv,
+                  *lora_tensors, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.moe.autograd import MoEFunction
 
         scaling = 1.0 if lora is None else float(lora.scaling)
-        return MoEFunction.apply(x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling)
-    return moe_mlp_ref(x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
-                       clamped_swiglu=clamped_swiglu)
+        return MoEFunction.apply(
+            x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling, gate_up_scale_inv, down_scale_inv
+        )
+    return moe_mlp_ref(
+        x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
+        clamped_swiglu=clamped_swiglu, gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv,
+    )  # fmt: skip
 
 
 def _check_gpt_oss_inputs(

@@ -13,6 +13,10 @@ gate_up adapter's pass over dgate_up (dgate_up B_gate_up per row, dB_gate_up), d
 dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down from the down backward's epilogue instead (no w * h written)
 needs 255 registers a thread and makes the LoRA fwd+bwd 0.3-0.6 ms slower at issue 7's shapes on the H200
 (docs/PERF.md, MoE).
+
+FP8 expert weights (float8_e4m3fn with 128 x 128 block scales) go through the same kernels, which dequantize each
+weight tile as they load it; they are frozen (moe_mlp refuses them with requires_grad), so no weight gradient is
+computed for them.
 """
 
 from __future__ import annotations
@@ -22,14 +26,6 @@ from torch.autograd.function import once_differentiable
 
 from moe_tune.ops.moe.kernel_config import pick_config
 from moe_tune.ops.moe.kernels_bwd import moe_down_bwd, moe_expert_grad, moe_gate_up_bwd, moe_lora_bwd
-from moe_tune.ops.moe.kernels_fp8 import (
-    fp8_down_bwd,
-    fp8_down_fwd,
-    fp8_gate_up_bwd,
-    fp8_gate_up_fwd,
-    pick_fp8_config,
-    quantize_rows,
-)
 from moe_tune.ops.moe.kernels_fwd import moe_down_fwd, moe_gate_up_fwd, moe_lora_rows
 from moe_tune.ops.moe.routing import MoERouting, moe_routing, row_chunks
 
@@ -38,9 +34,11 @@ _X, _IDS, _WEIGHTS, _W_GATE_UP, _W_DOWN, _A_GATE_UP, _B_GATE_UP, _A_DOWN, _B_DOW
 
 
 class MoEFunction(torch.autograd.Function):
-    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora) on the Triton kernels.
+    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=, down_scale_inv=) on the
+    Triton kernels.
 
-    Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None) and scaling a float.
+    Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None), scaling a float, and the block
+    scales of FP8 expert weights last (both None for 16-bit/fp32 weights).
     """
 
     @staticmethod
@@ -56,6 +54,8 @@ class MoEFunction(torch.autograd.Function):
         a_down: torch.Tensor | None,
         b_down: torch.Tensor | None,
         scaling: float,
+        gate_up_scale_inv: torch.Tensor | None = None,
+        down_scale_inv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
         num_experts = w_gate_up.shape[0]
@@ -63,13 +63,16 @@ class MoEFunction(torch.autograd.Function):
         routing = moe_routing(topk_ids, num_experts, config.block_m)
         needs_grad = any(ctx.needs_input_grad)
         h, gate_up, xa = moe_gate_up_fwd(
-            x, w_gate_up, a_gate_up, b_gate_up, scaling, routing, config, save_gate_up=needs_grad
+            x, w_gate_up, a_gate_up, b_gate_up, scaling, routing, config, save_gate_up=needs_grad,
+            scale_inv=gate_up_scale_inv,
+        )  # fmt: skip
+        y, ha = moe_down_fwd(
+            h, topk_weights, w_down, a_down, b_down, scaling, routing, config, num_tokens, scale_inv=down_scale_inv
         )
-        y, ha = moe_down_fwd(h, topk_weights, w_down, a_down, b_down, scaling, routing, config, num_tokens)
         if needs_grad:
             ctx.save_for_backward(
                 x, topk_weights, w_gate_up, w_down, a_gate_up, b_gate_up, a_down, b_down, gate_up, xa, ha,
-                *routing.tensors(),
+                gate_up_scale_inv, down_scale_inv, *routing.tensors(),
             )  # fmt: skip
         ctx.scaling, ctx.config, ctx.block_m, ctx.top_k = scaling, config, routing.block_m, top_k
         return y
@@ -77,11 +80,12 @@ class MoEFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        x, topk_weights, w_gate_up, w_down, a_gate_up, b_gate_up, a_down, b_down, gate_up, xa, ha, *meta = (
-            ctx.saved_tensors
-        )
+        (x, topk_weights, w_gate_up, w_down, a_gate_up, b_gate_up, a_down, b_down, gate_up, xa, ha,
+         gate_up_scale_inv, down_scale_inv, *meta) = ctx.saved_tensors  # fmt: skip
         routing = MoERouting(*meta, block_m=ctx.block_m, top_k=ctx.top_k)
         needs = ctx.needs_input_grad
+        assert not (needs[_W_GATE_UP] and gate_up_scale_inv is not None), "FP8 expert weights are frozen"
+        assert not (needs[_W_DOWN] and down_scale_inv is not None), "FP8 expert weights are frozen"
         scaling, config = ctx.scaling, ctx.config
         num_tokens = x.shape[0]
         dy = dy.to(x.dtype)
@@ -98,8 +102,9 @@ class MoEFunction(torch.autograd.Function):
             )  # fmt: skip
         # h_weighted = w * h per row: the routing weight of dW_down and dA_down comes with it.
         dgate_up, h_weighted, dweights_S = moe_down_bwd(
-            dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=needs[_W_DOWN] or needs[_A_DOWN]
-        )
+            dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=needs[_W_DOWN] or needs[_A_DOWN],
+            scale_inv=down_scale_inv,
+        )  # fmt: skip
         d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config, chunks=chunks) if needs[_A_DOWN] else None
         del dha
         d_w_down = None
@@ -117,7 +122,9 @@ class MoEFunction(torch.autograd.Function):
             )  # fmt: skip
         dx = None
         if needs[_X]:
-            dx = moe_gate_up_bwd(dgate_up, w_gate_up, a_gate_up, dxa, routing, config, num_tokens)
+            dx = moe_gate_up_bwd(
+                dgate_up, w_gate_up, a_gate_up, dxa, routing, config, num_tokens, scale_inv=gate_up_scale_inv
+            )
         d_w_gate_up = d_a_gate_up = None
         if needs[_W_GATE_UP]:
             d_w_gate_up = moe_expert_grad(dgate_up, x, w_gate_up, routing, config, rhs_by_token=True)
@@ -125,112 +132,7 @@ class MoEFunction(torch.autograd.Function):
             d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True, chunks=chunks)
 
         d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
-        return dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None
-
-
-class MoEFp8Function(torch.autograd.Function):
-    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=..., down_scale_inv=...)
-    on the FP8 kernels (kernels_fp8.py) and the routing and LoRA passes of routing.py, kernels_fwd.py, kernels_bwd.py.
-
-    Arguments as moe_mlp, with the FP8 weights' block scales after the weights, the LoRA tensors one by one (each may
-    be None) and scaling a float. The FP8 weights and their scales get no gradient.
-    Saved for backward: as MoEFunction, plus the scales; x is quantized once per token in forward, dy once per token
-    in backward, h and d gate_up per row by a pass over each. The backward GEMMs read a K-major copy of each FP8
-    weight, made per call (kernels_fp8.k_major).
-    """
-
-    @staticmethod
-    def forward(
-        ctx,
-        x: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        w_gate_up: torch.Tensor,
-        w_down: torch.Tensor,
-        gate_up_scale_inv: torch.Tensor,
-        down_scale_inv: torch.Tensor,
-        a_gate_up: torch.Tensor | None,
-        b_gate_up: torch.Tensor | None,
-        a_down: torch.Tensor | None,
-        b_down: torch.Tensor | None,
-        scaling: float,
-    ) -> torch.Tensor:
-        num_tokens, top_k = topk_ids.shape
-        num_experts = w_gate_up.shape[0]
-        config = pick_config(x, num_tokens * top_k, num_experts)
-        fp8_config = pick_fp8_config(x, num_tokens * top_k, num_experts)
-        routing = moe_routing(topk_ids, num_experts, fp8_config.block_m)
-        needs_grad = any(ctx.needs_input_grad)
-        x_q, x_scale = quantize_rows(x)
-        xa = moe_lora_rows(x, a_gate_up, routing, config, u_by_token=True) if a_gate_up is not None else None
-        h, gate_up = fp8_gate_up_fwd(
-            x, x_q, x_scale, w_gate_up, gate_up_scale_inv, b_gate_up, xa, scaling, routing, fp8_config,
-            save_gate_up=needs_grad,
+        return (
+            dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None,
+            None, None,
         )  # fmt: skip
-        del x_q, x_scale
-        ha = moe_lora_rows(h, a_down, routing, config, u_by_token=False) if a_down is not None else None
-        h_q, h_scale = quantize_rows(h)
-        y = fp8_down_fwd(
-            h, h_q, h_scale, topk_weights, w_down, down_scale_inv, b_down, ha, scaling, routing, fp8_config, num_tokens
-        )
-        if needs_grad:
-            ctx.save_for_backward(
-                x, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv, a_gate_up, b_gate_up, a_down,
-                b_down, gate_up, xa, ha, *routing.tensors(),
-            )  # fmt: skip
-        ctx.scaling, ctx.config, ctx.fp8_config, ctx.block_m, ctx.top_k = (
-            scaling, config, fp8_config, routing.block_m, top_k
-        )
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
-        (x, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv, a_gate_up, b_gate_up, a_down, b_down,
-         gate_up, xa, ha, *meta) = ctx.saved_tensors  # fmt: skip
-        routing = MoERouting(*meta, block_m=ctx.block_m, top_k=ctx.top_k)
-        needs = ctx.needs_input_grad
-        scaling, config, fp8_config = ctx.scaling, ctx.config, ctx.fp8_config
-        num_tokens = x.shape[0]
-        dy = dy.to(x.dtype)
-        has_lora = a_gate_up is not None or a_down is not None
-        chunks = row_chunks(routing, config) if has_lora else None
-        needs_a_down, needs_b_down = needs[_FP8_A_DOWN], needs[_FP8_B_DOWN]
-        needs_a_gate_up, needs_b_gate_up = needs[_FP8_A_GATE_UP], needs[_FP8_B_GATE_UP]
-
-        dha = d_b_down = None
-        if a_down is not None:
-            dha, d_b_down = moe_lora_bwd(
-                dy, b_down, ha, scaling, routing, config, compute_gb=True, compute_db=needs_b_down,
-                g_by_token=True, g_weights=topk_weights, chunks=chunks,
-            )  # fmt: skip
-        dy_q, dy_scale = quantize_rows(dy)
-        dgate_up, h_weighted, dweights_S = fp8_down_bwd(
-            dy_q, dy_scale, gate_up, topk_weights, w_down, down_scale_inv, a_down, dha, routing, fp8_config,
-            store_h=needs_a_down,
-        )  # fmt: skip
-        del dy_q, dy_scale
-        d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config, chunks=chunks) if needs_a_down else None
-        del dha, h_weighted
-
-        dxa = d_b_gate_up = None
-        if a_gate_up is not None and (needs[_X] or needs_a_gate_up or needs_b_gate_up):
-            dxa, d_b_gate_up = moe_lora_bwd(
-                dgate_up, b_gate_up, xa, scaling, routing, config,
-                compute_gb=needs[_X] or needs_a_gate_up, compute_db=needs_b_gate_up, chunks=chunks,
-            )  # fmt: skip
-        dx = None
-        if needs[_X]:
-            dx = fp8_gate_up_bwd(
-                dgate_up, w_gate_up, gate_up_scale_inv, a_gate_up, dxa, routing, fp8_config, num_tokens
-            )
-        d_a_gate_up = None
-        if needs_a_gate_up:
-            d_a_gate_up = moe_expert_grad(dxa, x, a_gate_up, routing, config, rhs_by_token=True, chunks=chunks)
-
-        d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
-        return (dx, None, d_topk_weights, None, None, None, None, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None)
-
-
-# Positions of the LoRA tensors in MoEFp8Function.forward's arguments (x, ids and weights as in MoEFunction).
-_FP8_A_GATE_UP, _FP8_B_GATE_UP, _FP8_A_DOWN, _FP8_B_DOWN = range(7, 11)

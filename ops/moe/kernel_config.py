@@ -1,5 +1,6 @@
 """Launch configuration of the MoE expert MLP kernels (tile sizes per kernel, picked per call) and the helpers every
-launcher shares: output buffers, dot precisions and dummy pointers.
+launcher shares: output buffers, dot precisions, dummy pointers, and the weight-tile load of every GEMM (bf16/fp16/fp32
+weights cast; FP8 weights dequantized).
 
 Shapes: as in routing.py (S token-slots, E experts, r LoRA rank, R the rank padded to a tl.dot size).
 """
@@ -12,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
+
+from moe_tune.ops.fp8.reference import BLOCK as FP8_BLOCK
 
 # tl.dot needs every dimension of its operands to be at least 16.
 MIN_DOT_SIZE = 16
@@ -194,3 +198,23 @@ def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
     return dummy if t is None else t
 
+
+
+def check_fp8_steps(scale_inv: torch.Tensor | None, block_k: int) -> None:
+    """An FP8 weight's K steps must each lie inside one 128-wide scale block (one scale per weight row or column)."""
+    assert scale_inv is None or FP8_BLOCK % block_k == 0, f"block_k {block_k} must divide {FP8_BLOCK} for FP8 weights"
+
+
+@triton.jit
+def weight_tile(w_ptrs, w_mask, scale_ptrs, scale_mask, like, W_IS_FP8: tl.constexpr, ROW_SCALES: tl.constexpr):
+    # A weight tile in the dtype of the activation tile `like`. FP8 codes (float8_e4m3fn) are dequantized through
+    # fp32 (the interpreter converts FP8 only to fp32): code * the scale of its 128 x 128 block, one scale per tile row
+    # (ROW_SCALES) or per tile column, then rounded to the activation dtype for the same tl.dot as 16-bit weights.
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if W_IS_FP8:
+        scale = tl.load(scale_ptrs, mask=scale_mask, other=0.0)
+        if ROW_SCALES:
+            w = w.to(tl.float32) * scale[:, None]
+        else:
+            w = w.to(tl.float32) * scale[None, :]
+    return w.to(like.dtype)

@@ -9,7 +9,9 @@ LoRA: the backward thin pass computes each [S, r] rank product (dy B, dgate_up B
 gradient rows it reads; dA of both adapters comes from the per-expert gradient kernel over the rank products and x
 (or the w * h the down backward stores). These four reductions into LoRA-sized outputs run one program per row chunk
 of an expert (RowChunks), not per expert, so a skewed expert's rows spread over several programs; split experts'
-partials are summed by _moe_sum_chunks_kernel.
+partials are summed by _moe_sum_chunks_kernel. FP8 expert weights (W_IS_FP8) are read as stored and dequantized tile
+by tile as in kernels_fwd.py (one scale per tile column: each K step lies inside one 128-wide scale block), GF =
+ceil(F/128), GD = ceil(D/128).
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import triton.language as tl
 
 from moe_tune.ops.moe import kernel_config
 from moe_tune.ops.moe.kernel_config import (
+    FP8_BLOCK,
     MIN_DOT_SIZE,
     THIN_NUM_WARPS,
     MoEConfig,
+    check_fp8_steps,
     dot_precision,
     or_dummy,
     rank_block,
     rank_dtype,
     strides3,
+    weight_tile,
 )
 from moe_tune.ops.moe.routing import MoERouting, RowChunks, row_chunks, sum_slots, tile_and_column_block, tile_rows
 
@@ -143,7 +148,8 @@ def _moe_lora_bwd_kernel(
 @triton.jit
 def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
-    w_ptr,  # [E, D, F]
+    w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, GD, GF] fp32 block scales of an FP8 w
     a_ptr,  # [E, r, F]
     dha_ptr,  # [S, r] d(h @ A^T) / w = s dy[token] @ B, expert order, from the LoRA backward pass (rank_dtype)
     gate_up_ptr,  # [S, 2F] pre-activations saved by the forward, expert order
@@ -165,9 +171,14 @@ def _moe_down_bwd_kernel(
     stride_we,
     stride_wd,
     stride_wf,
+    stride_se,
+    stride_sd,
+    stride_sf,
     stride_ae,
     stride_ar,
     stride_af,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     HAS_LORA: tl.constexpr,
     STORE_H: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -190,15 +201,17 @@ def _moe_down_bwd_kernel(
 
     dy_rows = dy_ptr + tokens[:, None] * stride_dyn
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
+    s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
     # acc: dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh without w.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < D
         dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(
-            w_cols + ks[:, None] * stride_wd, mask=k_mask[:, None] & col_mask[None, :], other=0.0
-        ).to(dy_tile.dtype)  # [K, N]
+        w_tile = weight_tile(
+            w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
+            s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
+        )  # fmt: skip
         acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
 
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
@@ -242,7 +255,8 @@ def _moe_down_bwd_kernel(
 @triton.jit
 def _moe_gate_up_bwd_kernel(
     dgate_up_ptr,  # [S, 2F] expert order
-    w_ptr,  # [E, 2F, D]
+    w_ptr,  # [E, 2F, D] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, 2 GF, GD] fp32 block scales of an FP8 w (gate rows, then up rows)
     a_ptr,  # [E, r, D]
     dxa_ptr,  # [S, r] d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass (rank_dtype)
     dx_ptr,  # out [S, D] slot order
@@ -256,9 +270,15 @@ def _moe_gate_up_bwd_kernel(
     stride_we,
     stride_wf,
     stride_wd,
+    stride_se,
+    stride_sf,
+    stride_sd,
     stride_ae,
     stride_ar,
     stride_ad,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    NUM_HALVES: tl.constexpr,
     HAS_LORA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -277,18 +297,24 @@ def _moe_gate_up_bwd_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < D
 
-    # gate and up rows are contiguous in both dgate_up and w_gate_up, so one K loop runs over all 2F.
+    # gate and up rows are contiguous in both dgate_up and w_gate_up, so one K loop runs over all 2F; with FP8 weights
+    # one loop per half, so that no K step crosses from a gate scale block into an up one.
+    half_len = 2 * F // NUM_HALVES
     g_rows = dgate_up_ptr + rows[:, None] * (2 * F)
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wd
+    s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, 2 * F, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < 2 * F
-        g_tile = tl.load(g_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(
-            w_cols + ks[:, None] * stride_wf, mask=k_mask[:, None] & col_mask[None, :], other=0.0
-        ).to(g_tile.dtype)  # [K, N]
-        acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
+    for half in tl.static_range(NUM_HALVES):
+        s_half = s_cols + half * tl.cdiv(F, SCALE_BLOCK) * stride_sf
+        for k0 in range(0, half_len, BLOCK_K):
+            ks = half * half_len + k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < (half + 1) * half_len
+            g_tile = tl.load(g_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w_tile = weight_tile(
+                w_cols + ks[:, None] * stride_wf, k_mask[:, None] & col_mask[None, :],
+                s_half + (k0 // SCALE_BLOCK) * stride_sf, col_mask, g_tile, W_IS_FP8, ROW_SCALES=False,
+            )  # fmt: skip
+            acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
@@ -510,9 +536,11 @@ def moe_down_bwd(
     routing: MoERouting,
     config: MoEConfig,
     store_h: bool,
+    scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Backward of the down projection, the routing weights and SwiGLU.
 
+    scale_inv: [E, GD, GF] fp32 block scales when w_down is FP8 (float8_e4m3fn codes), else None.
     a_down: [E, r, F] and dha: [S, r] (rank_dtype) = scaling * dy[token] @ B_down (moe_lora_bwd; unweighted,
     d(h A^T) / w), both None without LoRA on the down projection.
     Returns dgate_up [S, 2F] in gate_up.dtype, w * h [S, F] recomputed and weighted by each row's routing weight
@@ -527,17 +555,20 @@ def moe_down_bwd(
     dgate_up = kernel_config.alloc((num_slots, 2 * num_hidden), gate_up.dtype, dy.device)
     h = kernel_config.alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else None
     kernel = config.down_bwd
+    check_fp8_steps(scale_inv, kernel.block_k)
     num_col_blocks = triton.cdiv(num_hidden, kernel.block_n)
     # Partial sums per column block, added up below in a fixed order: deterministic where atomics would not be.
     dweights_partial = kernel_config.alloc((num_col_blocks, num_slots), torch.float32, dy.device)
     if routing.num_tiles > 0:
         _moe_down_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
-            dy, w_down, or_dummy(a_down, w_down), or_dummy(dha, dgate_up), gate_up, topk_weights.reshape(-1),
+            dy, w_down, or_dummy(scale_inv, dgate_up), or_dummy(a_down, w_down), or_dummy(dha, dgate_up), gate_up,
+            topk_weights.reshape(-1),
             dgate_up, or_dummy(h, dgate_up), dweights_partial,
             routing.slot_of_row_S, routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T,
             routing.offsets_E1,
             num_slots, model_dim, num_hidden, rank,
-            *dy.stride(), *w_down.stride(), *strides3(a_down),
+            *dy.stride(), *w_down.stride(), *strides3(scale_inv), *strides3(a_down),
+            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
             HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=dot_precision(gate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
@@ -553,9 +584,11 @@ def moe_gate_up_bwd(
     routing: MoERouting,
     config: MoEConfig,
     num_tokens: int,
+    scale_inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dx [N, D] in dgate_up.dtype.
 
+    scale_inv: [E, 2 GF, GD] fp32 block scales when w_gate_up is FP8 (float8_e4m3fn codes), else None.
     a_gate_up: [E, r, D] and dxa: [S, r] (rank_dtype) = scaling * dgate_up @ B_gate_up (moe_lora_bwd), both None
     without LoRA on the gate_up projection.
     """
@@ -566,13 +599,16 @@ def moe_gate_up_bwd(
     rank = a_gate_up.shape[1] if has_lora else 0
     dx_slot = kernel_config.alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device)
     kernel = config.gate_up_bwd
+    check_fp8_steps(scale_inv, kernel.block_k)
     num_col_blocks = triton.cdiv(model_dim, kernel.block_n)
     if routing.num_tiles > 0:
         _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
-            dgate_up, w_gate_up, or_dummy(a_gate_up, w_gate_up), or_dummy(dxa, dgate_up), dx_slot,
+            dgate_up, w_gate_up, or_dummy(scale_inv, dx_slot), or_dummy(a_gate_up, w_gate_up), or_dummy(dxa, dgate_up),
+            dx_slot,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank,
-            *w_gate_up.stride(), *strides3(a_gate_up),
+            *w_gate_up.stride(), *strides3(scale_inv), *strides3(a_gate_up),
+            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK, NUM_HALVES=1 if scale_inv is None else 2,
             HAS_LORA=has_lora, DOT_PRECISION=dot_precision(dgate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),

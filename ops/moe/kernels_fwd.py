@@ -7,7 +7,9 @@ S = N*k token-slots in expert order (routing.py), R the LoRA rank padded to a tl
 Token rows of x are gathered by index while loading; rows of the outputs are scattered back to slot order while
 storing; no permuted copy of an activation is ever made. LoRA: each [S, r] rank product (x A^T, h A^T) is computed
 once, by the rank pass before the GEMM that needs it, which then adds the rank-r update in its epilogue with one
-[rows, R] x [R, cols] dot.
+[rows, R] x [R, cols] dot. FP8 expert weights (W_IS_FP8) are dequantized tile by tile as the GEMMs load them
+(kernel_config.weight_tile): each K step lies inside one 128-wide scale block, so a tile takes one scale per weight
+row, GF = ceil(F/128) scale rows per gate/up half, GD = ceil(D/128).
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.moe import kernel_config
-from moe_tune.ops.moe.kernel_config import MoEConfig, dot_precision, or_dummy, rank_block, strides3
+from moe_tune.ops.moe.kernel_config import (
+    FP8_BLOCK,
+    MoEConfig,
+    check_fp8_steps,
+    dot_precision,
+    or_dummy,
+    rank_block,
+    strides3,
+    weight_tile,
+)
 from moe_tune.ops.moe.routing import MoERouting, sum_slots, tile_and_column_block, tile_rows
 
 
@@ -74,7 +85,8 @@ def _moe_lora_rows_kernel(
 @triton.jit
 def _moe_gate_up_fwd_kernel(
     x_ptr,  # [N, D]
-    w_ptr,  # [E, 2F, D]
+    w_ptr,  # [E, 2F, D] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, 2 GF, GD] fp32 block scales of an FP8 w (gate rows, then up rows)
     b_ptr,  # [E, 2F, r] LoRA B on gate_up, unused without LoRA
     xa_ptr,  # [S, r] fp32 x @ A^T from the rank pass, expert order
     h_ptr,  # out [S, F] rows in expert order
@@ -92,9 +104,14 @@ def _moe_gate_up_fwd_kernel(
     stride_we,
     stride_wf,
     stride_wd,
+    stride_se,
+    stride_sf,
+    stride_sd,
     stride_be,
     stride_bf,
     stride_br,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     HAS_LORA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -117,6 +134,9 @@ def _moe_gate_up_fwd_kernel(
     x_rows = x_ptr + tokens[:, None] * stride_xn
     w_gate = w_ptr + expert * stride_we + cols[:, None] * stride_wf
     w_up = w_gate + F * stride_wf
+    # Scale rows of the gate and up halves (an up row's block counts from its half's start).
+    s_gate = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
+    s_up = s_gate + tl.cdiv(F, SCALE_BLOCK) * stride_sf
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -124,8 +144,13 @@ def _moe_gate_up_fwd_kernel(
         k_mask = ks < D
         x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        wg_tile = tl.load(w_gate + ks[None, :] * stride_wd, mask=w_mask, other=0.0).to(x_tile.dtype)
-        wu_tile = tl.load(w_up + ks[None, :] * stride_wd, mask=w_mask, other=0.0).to(x_tile.dtype)
+        s_col = (k0 // SCALE_BLOCK) * stride_sd
+        wg_tile = weight_tile(
+            w_gate + ks[None, :] * stride_wd, w_mask, s_gate + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
+        )
+        wu_tile = weight_tile(
+            w_up + ks[None, :] * stride_wd, w_mask, s_up + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
+        )
         acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
     if HAS_LORA:
@@ -155,7 +180,8 @@ def _moe_gate_up_fwd_kernel(
 @triton.jit
 def _moe_down_fwd_kernel(
     h_ptr,  # [S, F] expert order
-    w_ptr,  # [E, D, F]
+    w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, GD, GF] fp32 block scales of an FP8 w
     b_ptr,  # [E, D, r] LoRA B on down
     ha_ptr,  # [S, r] fp32 h @ A^T from the rank pass, expert order
     weights_ptr,  # [S] routing weights in slot order
@@ -171,9 +197,14 @@ def _moe_down_fwd_kernel(
     stride_we,
     stride_wd,
     stride_wf,
+    stride_se,
+    stride_sd,
+    stride_sf,
     stride_be,
     stride_bd,
     stride_br,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     HAS_LORA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -194,14 +225,16 @@ def _moe_down_fwd_kernel(
 
     h_rows = h_ptr + rows[:, None] * F
     w_rows = w_ptr + expert * stride_we + cols[:, None] * stride_wd
+    s_rows = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < F
         h_tile = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(
-            w_rows + ks[None, :] * stride_wf, mask=col_mask[:, None] & k_mask[None, :], other=0.0
-        ).to(h_tile.dtype)
+        w_tile = weight_tile(
+            w_rows + ks[None, :] * stride_wf, col_mask[:, None] & k_mask[None, :],
+            s_rows + (k0 // SCALE_BLOCK) * stride_sf, col_mask, h_tile, W_IS_FP8, ROW_SCALES=True,
+        )  # fmt: skip
         acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
@@ -259,9 +292,11 @@ def moe_gate_up_fwd(
     routing: MoERouting,
     config: MoEConfig,
     save_gate_up: bool,
+    scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """h = silu(gate) * up per expert-sorted row.
 
+    scale_inv: [E, 2 GF, GD] fp32 block scales when w_gate_up is FP8 (float8_e4m3fn codes), else None.
     Returns h [S, F] in x.dtype, gate_up [S, 2F] pre-activations (when save_gate_up) and xa [S, r] fp32 (with LoRA).
     """
     num_slots, model_dim = routing.num_slots, x.shape[1]
@@ -272,13 +307,16 @@ def moe_gate_up_fwd(
     h = kernel_config.alloc((num_slots, num_hidden), x.dtype, x.device)
     gate_up = kernel_config.alloc((num_slots, 2 * num_hidden), x.dtype, x.device) if save_gate_up else None
     kernel = config.gate_up_fwd
+    check_fp8_steps(scale_inv, kernel.block_k)
     grid = (routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_gate_up_fwd_kernel[grid](
-            x, w_gate_up, or_dummy(b_gate_up, w_gate_up), or_dummy(xa, h), h, or_dummy(gate_up, h),
+            x, w_gate_up, or_dummy(scale_inv, h), or_dummy(b_gate_up, w_gate_up), or_dummy(xa, h), h,
+            or_dummy(gate_up, h),
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
-            *x.stride(), *w_gate_up.stride(), *strides3(b_gate_up),
+            *x.stride(), *w_gate_up.stride(), *strides3(scale_inv), *strides3(b_gate_up),
+            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
             HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=dot_precision(x.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
@@ -296,9 +334,11 @@ def moe_down_fwd(
     routing: MoERouting,
     config: MoEConfig,
     num_tokens: int,
+    scale_inv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y[t] = sum_j w[t, j] * (h @ w_down^T (+ LoRA)) over the token's slots.
 
+    scale_inv: [E, GD, GF] fp32 block scales when w_down is FP8 (float8_e4m3fn codes), else None.
     Returns y [N, D] in h.dtype and ha [S, r] fp32 (with LoRA).
     """
     num_slots, num_hidden = h.shape
@@ -309,13 +349,16 @@ def moe_down_fwd(
     # Slot-order rows and a fixed-order sum over k instead of fp32 atomics into y: deterministic, one rounding per slot.
     y_slot = kernel_config.alloc((num_slots, model_dim), h.dtype, h.device)
     kernel = config.down_fwd
+    check_fp8_steps(scale_inv, kernel.block_k)
     grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
     if routing.num_tiles > 0:
         _moe_down_fwd_kernel[grid](
-            h, w_down, or_dummy(b_down, w_down), or_dummy(ha, h), topk_weights.reshape(-1), y_slot,
+            h, w_down, or_dummy(scale_inv, h), or_dummy(b_down, w_down), or_dummy(ha, h), topk_weights.reshape(-1),
+            y_slot,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
-            *w_down.stride(), *strides3(b_down),
+            *w_down.stride(), *strides3(scale_inv), *strides3(b_down),
+            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
             HAS_LORA=has_lora, DOT_PRECISION=dot_precision(h.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),

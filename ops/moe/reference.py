@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F_nn
 
-from moe_tune.ops.fp8.reference import dequantize_weight, fake_quantize_groups
+from moe_tune.ops.fp8.reference import dequantize_weight
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 # Keeps a sigmoid renormalisation finite when every chosen score underflows to 0 (same constant as DeepSeek-V3).
@@ -147,18 +147,18 @@ def moe_mlp_ref(
     x: [N, D], topk_ids: [N, k] int64/int32, topk_weights: [N, k] float, w_gate_up: [E, 2F, D], w_down: [E, D, F];
     b_gate_up: [E, 2F], b_down: [E, D] or None; clamped_swiglu: the activation, None for silu(gate) * up.
     gate_up_scale_inv: [E, 2*ceil(F/128), ceil(D/128)] fp32, down_scale_inv: [E, ceil(D/128), ceil(F/128)] fp32, with
-    w_gate_up and w_down float8_e4m3fn (frozen FP8 experts, `_moe_mlp_fp8_ref`), or both None (default).
+    w_gate_up and w_down float8_e4m3fn (frozen FP8 experts: the weights are dequantized, W_q * scale_inv in fp32, and
+    the experts run on them as on any other weights; no gradient reaches them), or both None (default).
     Returns y: [N, D] in x.dtype, computed in fp32 (fp64 for fp64 inputs). Differentiable in every float input.
     Reads the per-expert counts on the host: a training path for the CPU, not for CUDA.
     """
-    if gate_up_scale_inv is not None:
-        return _moe_mlp_fp8_ref(
-            x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up, b_down, clamped_swiglu,
-            gate_up_scale_inv, down_scale_inv,
-        )  # fmt: skip
     top_k = topk_ids.shape[1]
     num_experts = w_gate_up.shape[0]
     dtype = _compute_dtype(x.dtype)
+    if gate_up_scale_inv is not None:
+        num_hidden = w_down.shape[2]
+        w_gate_up = dequantize_weight(w_gate_up, gate_up_scale_inv, (num_hidden, num_hidden), dtype)
+        w_down = dequantize_weight(w_down, down_scale_inv, None, dtype)
     x_ND = x.to(dtype)
     w_gate_up_E2FD = w_gate_up.to(dtype)
     w_down_EDF = w_down.to(dtype)
@@ -189,103 +189,6 @@ def moe_mlp_ref(
 
     weights_S = topk_weights.reshape(-1).to(dtype)[order_S]
     y_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row_S, y_sorted_SD * weights_S[:, None])
-    return y_ND.to(x.dtype)
-
-
-class Fp8Matmul(torch.autograd.Function):
-    """out = fq(u) @ W^T through a frozen FP8 weight W (dequantized), straight through: du = fq(d out) @ W.
-
-    u: [M, K], w: [O, K] in u's dtype, no gradient; fq quantizes u in 1 x 128 groups along K and d out along O,
-    restarting at out_segments (the gate and up halves). Returns [M, O] in u's dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, u: torch.Tensor, w: torch.Tensor, out_segments: tuple[int, ...] | None) -> torch.Tensor:
-        ctx.save_for_backward(w)
-        ctx.out_segments = out_segments
-        return fake_quantize_groups(u).to(u.dtype) @ w.T
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (w,) = ctx.saved_tensors
-        return fake_quantize_groups(grad_out, ctx.out_segments).to(grad_out.dtype) @ w, None, None
-
-
-class Fp8WeightedDown(torch.autograd.Function):
-    """out = w * (fq(h) @ W_down^T) per row, with the routing weight w applied after the FP8 GEMM both ways:
-    dh = w * (fq(d out) @ W_down) and dw = <fq(d out) @ W_down, h>, d out quantized per row before w (it is the
-    token's dy, which the kernels quantize once per token).
-
-    h: [M, F], w: [M], w_down: [D, F] dequantized, in h's dtype. Returns [M, D].
-    """
-
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(h, w, w_down)
-        return w[:, None] * (fake_quantize_groups(h).to(h.dtype) @ w_down.T)
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        h, w, w_down = ctx.saved_tensors
-        dh_unweighted = fake_quantize_groups(grad_out).to(grad_out.dtype) @ w_down
-        return w[:, None] * dh_unweighted, (dh_unweighted * h).sum(dim=-1), None
-
-
-def _moe_mlp_fp8_ref(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    lora: ExpertLoRA | None,
-    b_gate_up: torch.Tensor | None,
-    b_down: torch.Tensor | None,
-    clamped: ClampedSwiGLU | None,
-    gate_up_scale_inv: torch.Tensor,
-    down_scale_inv: torch.Tensor,
-) -> torch.Tensor:
-    """moe_mlp_ref through frozen FP8 expert weights: every GEMM with an FP8 weight quantizes its other operand in
-    1 x 128 groups (x per token along D, h per slot along F; backward dy per token along D before the routing weight,
-    d gate_up per slot along 2F in its two halves) and multiplies the dequantized weight in fp32; the LoRA terms and
-    biases see the unquantized x and h. No gradient reaches the FP8 weights."""
-    top_k = topk_ids.shape[1]
-    num_experts, num_hidden = w_gate_up.shape[0], w_down.shape[2]
-    halves = (num_hidden, num_hidden)
-    dtype = _compute_dtype(x.dtype)
-    x_ND = x.to(dtype)
-    lora = _lora_to(lora, dtype)
-    ids_S = topk_ids.reshape(-1).long()
-    order_S = torch.argsort(ids_S, stable=True)
-    token_of_row_S = order_S // top_k
-    counts_E = torch.bincount(ids_S, minlength=num_experts)
-    x_sorted_SD = x_ND[token_of_row_S]
-    weights_S = topk_weights.reshape(-1).to(dtype)[order_S]
-
-    outputs = []
-    start = 0
-    for e, count in enumerate(counts_E.tolist()):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        x_MD, w_M = x_sorted_SD[rows], weights_S[rows]
-        w_gate_up_2FD = dequantize_weight(w_gate_up[e], gate_up_scale_inv[e], halves, dtype)
-        w_down_DF = dequantize_weight(w_down[e], down_scale_inv[e], None, dtype)
-        gate_up_M2F = Fp8Matmul.apply(x_MD, w_gate_up_2FD, halves)
-        if lora is not None and lora.has_gate_up:
-            gate_up_M2F = gate_up_M2F + lora.scaling * ((x_MD @ lora.a_gate_up[e].T) @ lora.b_gate_up[e].T)
-        if b_gate_up is not None:
-            gate_up_M2F = gate_up_M2F + b_gate_up[e].to(dtype)
-        gate_MF, up_MF = gate_up_M2F.split(num_hidden, dim=-1)
-        h_MF = expert_activation(gate_MF, up_MF, clamped)
-        y_MD = Fp8WeightedDown.apply(h_MF, w_M, w_down_DF)
-        if lora is not None and lora.has_down:
-            y_MD = y_MD + w_M[:, None] * (lora.scaling * ((h_MF @ lora.a_down[e].T) @ lora.b_down[e].T))
-        if b_down is not None:
-            y_MD = y_MD + w_M[:, None] * b_down[e].to(dtype)
-        outputs.append(y_MD)
-        start += count
-    y_sorted_SD = torch.cat(outputs) if outputs else x_ND.new_zeros((0, x_ND.shape[1]))
-    y_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row_S, y_sorted_SD)
     return y_ND.to(x.dtype)
 
 
