@@ -53,13 +53,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), batch)
-        chunk_tokens = self.mlp.sequence_chunk_tokens
+        chunk_tokens = self.mlp.sequence_chunk_tokens if self.chunks_with_norm else None
         if chunk_tokens is not None and x.shape[1] > chunk_tokens:
             # The norm and the residual add inside each chunk: only x's rows are kept for backward.
             out, aux = channel_mixer_in_chunks(self.mlp, self._channel_mix, x, chunk_tokens)
             return out, aux * self.aux_loss_coef
         y, aux = self.mlp(self.post_attention_layernorm(x))
         return x + y, aux * self.aux_loss_coef
+
+    @property
+    def chunks_with_norm(self) -> bool:
+        """Whether sequence chunks take the post-attention norm and the residual add in with the channel mixer: a
+        mixer PEFT wraps whole (lora.modules_to_save) chunks inside the wrapper instead."""
+        return isinstance(self.mlp, (MoEBlock, DenseMLP))
 
     def _channel_mix(self, x: torch.Tensor, mlp) -> torch.Tensor:
         return x + mlp(self.post_attention_layernorm(x))
@@ -160,7 +166,7 @@ class MoECausalLM(nn.Module):
         chunked = []
         for layer in self.layers:
             chunked.append(layer.mlp)
-            if isinstance(layer, DecoderLayer):
+            if isinstance(layer, DecoderLayer) and layer.chunks_with_norm:
                 chunked.append(layer.post_attention_layernorm)
         return chunked
 
