@@ -49,9 +49,9 @@ def moe_mlp(
                   FP8); no gradient reaches them.
     Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones) and the LoRA
     tensors.
-    Runs the Triton kernels (kernels_fwd.py, kernels_bwd.py) when every tensor is on CUDA and every float is
-    fp16/bf16/fp32, the reference otherwise (always with biases or the clamped activation, which the kernels do not
-    take); MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).
+    Runs the Triton kernels (kernels_fwd.py, kernels_bwd.py) when every tensor is on CUDA and every float but FP8
+    expert weights is fp16/bf16/fp32, the reference otherwise (always with biases or the clamped activation, which
+    the kernels do not take); MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
