@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_tune.ops.linear_attention import kernels_bwd, kernels_fwd
+from moe_tune.ops.linear_attention import kernels_bwd, kernels_common, kernels_output, kernels_state, kernels_wy
 from moe_tune.ops.linear_attention.reference import l2norm
 
 
@@ -35,7 +35,7 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 class _Slots:
     """The chunk slots of a layout as [NS, C] token indices with a validity mask."""
 
-    def __init__(self, layout: kernels_fwd.ChunkLayout, num_tokens: int):
+    def __init__(self, layout: kernels_common.ChunkLayout, num_tokens: int):
         chunk_map = layout.chunk_map.long()
         device = chunk_map.device
         self.C = layout.chunk_size
@@ -98,14 +98,14 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     Returns ({stage: {tensor: relative max error}}, repeat_equal) as in the module docstring."""
     T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, T, device=q.device)
-    config = kernels_fwd.pick_config(q)
+    layout = kernels_common.prepare_chunks(cu_seqlens, 1, T, device=q.device)
+    config = kernels_common.pick_config(q)
     slots = _Slots(layout, T)
     errors = {}
 
     # As the op runs them: the WY pass hands the serial pass k exp(G_C - G) where has_k_end allows it.
-    store_k_end = kernels_fwd.has_k_end(K)
-    g_cumsum, w, u, inverse, k_end = kernels_fwd.chunk_wy_fwd(
+    store_k_end = kernels_wy.has_k_end(K)
+    g_cumsum, w, u, inverse, k_end = kernels_wy.chunk_wy_fwd(
         k, v, g, beta, layout, config, True, store_inverse=True, store_k_end=store_k_end
     )
     inputs = [slots.gather(x) for x in (q, k, v, g, beta)]
@@ -126,7 +126,7 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     if store_k_end:
         errors["wy"]["k_end"] = _rel(slots.valid(slots.gather(k_end)), slots.valid(k_to_end))
 
-    _, _, states, v_new = kernels_fwd.chunk_state_fwd(
+    _, _, states, v_new = kernels_state.chunk_state_fwd(
         q, k, w, u, g_cumsum, None, layout, config, scale, True, False, compute_output=False, store_states=True,
         k_end_THK=k_end,
     )  # fmt: skip
@@ -183,7 +183,7 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     }
 
     # The forward's parallel output pass, from the states and v_new the serial pass stored.
-    o_kernel, _, _ = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
+    o_kernel, _, _ = kernels_output.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
     o_ref = (q_n * G_k.exp()[..., None]) @ states_k + ((q_n @ k_n.transpose(-1, -2)) * M) @ slots.gather(v_new)
     errors["output"] = {"o": _rel(slots.valid(slots.gather(o_kernel)), slots.valid(o_ref))}
 
@@ -208,7 +208,7 @@ def stage_errors(q, k, v, g, beta, do, cu_seqlens, scale=None):
     grads_again = kernels_bwd.chunk_grad(
         q, k, v, g.dtype, beta, g_cumsum, inverse, states, again[0], v_new, again[1], do, layout, config, scale, True
     )
-    o_again, _, _ = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
+    o_again, _, _ = kernels_output.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True)
     repeat_equal = bool(torch.equal(again[0][used], state_grads[used])) and all(
         torch.equal(a, b) for a, b in zip((*grads_again, o_again), (*kernel_grads, o_kernel))
     )

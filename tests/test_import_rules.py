@@ -189,12 +189,8 @@ def is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-# (importing file, module) pairs whose private names wait for that module's split into public shared helpers:
-# kernels_fwd's jit helpers move to a common module, public, with the kernels_fwd split (issue 38).
-PRIVATE_IMPORTS_PENDING = {
-    ("ops/linear_attention/kernels_bwd.py", "moe_tune.ops.linear_attention.kernels_fwd"),
-    ("ops/linear_attention/kernels_kda.py", "moe_tune.ops.linear_attention.kernels_fwd"),
-}
+# (importing file, module) pairs whose private names wait for that module's split into public shared helpers.
+PRIVATE_IMPORTS_PENDING: set[tuple[str, str]] = set()
 
 
 def private_uses(path: Path) -> list[tuple[int, str, str]]:

@@ -1,5 +1,6 @@
-"""Autograd wiring of the chunked gated delta rule kernels, per-head decay (kernels_fwd.py, kernels_bwd.py) and
-per-channel decay, KDA (kernels_kda.py plus the shared serial state kernels).
+"""Autograd wiring of the chunked gated delta rule kernels, per-head decay (kernels_wy.py, kernels_state.py,
+kernels_output.py, kernels_bwd.py) and per-channel decay, KDA (kernels_kda.py plus the shared state and output
+kernels).
 
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunk slots, C chunk length;
 g is [B, T, H] per head or [B, T, H, K] per channel, its flattened form g_TH or g_THK.
@@ -22,17 +23,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd, prepare_state_bwd
-from moe_tune.ops.linear_attention.kernels_fwd import (
-    ChunkLayout,
-    chunk_output,
-    chunk_state_fwd,
-    chunk_wy_fwd,
-    has_k_end,
-    has_output_kernel,
-    pick_config,
-    prepare_chunks,
-)
+from moe_tune.ops.linear_attention.kernels_common import ChunkLayout, pick_config, prepare_chunks
 from moe_tune.ops.linear_attention.kernels_kda import kda_grad, kda_wy_fwd
+from moe_tune.ops.linear_attention.kernels_output import chunk_output, has_output_kernel
+from moe_tune.ops.linear_attention.kernels_state import chunk_state_fwd
+from moe_tune.ops.linear_attention.kernels_wy import chunk_wy_fwd, has_k_end
 
 
 class GatedDeltaRuleFunction(torch.autograd.Function):

@@ -1,14 +1,15 @@
 """Triton backward of the chunked gated delta rule (one decay per head): three kernels and their launchers.
 
-Legend as in kernels_fwd.py: T packed tokens, H heads, K key dim, V value dim, N sequences, C chunk length (BT),
+Legend as in kernels_common.py: T packed tokens, H heads, K key dim, V value dim, N sequences, C chunk length (BT),
 NC chunk slots, G the log decay summed from the chunk start; per chunk S0 is the state entering it, S1 the state
 leaving it, q is scaled (and L2-normalised when asked), M[i, j] = exp(G_i - G_j) for j <= i.
 
-Forward of one chunk (kernels_fwd.py): v_new = U - W S0; o = (q exp(G)) S0 + (q k^T * M) v_new;
-S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new, with W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v.
+Forward of one chunk (kernels_wy.py, kernels_state.py, kernels_output.py): v_new = U - W S0;
+o = (q exp(G)) S0 + (q k^T * M) v_new; S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new, with
+W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v.
 
-The backward runs on the forward's WY pass and its state pass with per-chunk states stored (kernels_fwd.chunk_wy_fwd,
-chunk_state_fwd(store_states=True)): kept from the forward (save_intermediates) or else recomputed, then:
+The backward runs on the forward's WY pass and its state pass with per-chunk states stored (kernels_wy.chunk_wy_fwd,
+kernels_state.chunk_state_fwd(store_states=True)): kept from the forward (save_intermediates) or else recomputed, then:
 1. `_chunk_state_bwd_kernel`, serial over each sequence's chunks in reverse, the state gradient dS [K, BV] in
    registers (fp32): writes dS1 of every chunk, dv_new = (q k^T * M)^T do + (k exp(G_C - G)) dS1, and
    dS0 = exp(G_C) dS1 + (q exp(G))^T do - W^T dv_new, the initial state's gradient at each sequence start.
@@ -32,21 +33,21 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_tune.ops.linear_attention import kernels_fwd
-from moe_tune.ops.linear_attention.kernels_fwd import (
-    _L2NORM_EPS,
+from moe_tune.ops.linear_attention import kernels_common
+from moe_tune.ops.linear_attention.kernels_common import (
+    L2NORM_EPS,
     ChunkLayout,
     KernelConfig,
-    _block,
-    _decays,
-    _l2norm_rows,
-    _load_decay,
-    _load_rows,
-    _load_rows_t,
-    _pair_decay,
-    _state_decay,
-    _store_rows,
+    block_size,
     dot_precisions,
+    l2norm_rows,
+    load_decay,
+    load_decays,
+    load_rows,
+    load_rows_t,
+    load_state_decay,
+    pair_decay,
+    store_rows,
 )
 
 
@@ -107,35 +108,35 @@ def _chunk_state_bwd_kernel(
         slot_head = ((first_slot + i_t) * H + i_h).to(tl.int64) * K * V
         dstate_out = dstate.to(state_grads_ptr.dtype.element_ty)
         tl.store(state_grads_ptr + slot_head + state_offsets, dstate_out, mask=state_mask)
-        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         if HAS_PREPARED:
             # The decayed operands from parallel passes (prepare_state_bwd, the WY pass's k exp(G_C - G)): no norm
             # and no exp in the loop but exp(G_C).
-            state_decay = _state_decay(g_cumsum_ptr, i_h, t0 + num_valid - 1, H, K, IS_PER_CHANNEL, BK)
-            kq = _load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
-            k_decayed = _load_rows(k_end_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
+            state_decay = load_state_decay(g_cumsum_ptr, i_h, t0 + num_valid - 1, H, K, IS_PER_CHANNEL, BK)
+            kq = load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+            k_decayed = load_rows(k_end_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         else:
-            decay, decay_to_end, state_decay, G = _decays(
+            decay, decay_to_end, state_decay, G = load_decays(
                 g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK
             )
-            q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-            k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+            q = l2norm_rows(load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+            k = l2norm_rows(load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
             # (q k^T * M)^T as [j, i]: read transposed (per channel), or k q^T times M^T.
             if IS_PER_CHANNEL:
-                kq = _load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+                kq = load_rows_t(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
             else:
                 kq = tl.dot(k.to(dot_dtype), tl.trans(q.to(dot_dtype)), input_precision=DOT_PRECISION)
-                kq = (kq * _pair_decay(G, True, True, BT)).to(dot_dtype)
+                kq = (kq * pair_decay(G, True, True, BT)).to(dot_dtype)
             k_decayed = (k * decay_to_end).to(dot_dtype)
         dv_new = tl.dot(kq, do, input_precision=DOT_PRECISION)
         dv_new += tl.dot(k_decayed, dstate.to(dot_dtype), input_precision=DOT_PRECISION)
-        _store_rows(dv_new_ptr + i_h * V + v0, dv_new, t0, num_valid, H * V, V - v0, BT, BV)
+        store_rows(dv_new_ptr + i_h * V + v0, dv_new, t0, num_valid, H * V, V - v0, BT, BV)
         if HAS_PREPARED:
-            q_t = _load_rows_t(q_dec_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+            q_t = load_rows_t(q_dec_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
         else:
-            q_t = _load_rows_t(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+            q_t = load_rows_t(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
             if USE_L2NORM:
-                q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + _L2NORM_EPS)[None, :]
+                q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + L2NORM_EPS)[None, :]
             q_t = q_t * scale
             if IS_PER_CHANNEL:
                 q_t = q_t * tl.trans(decay)
@@ -147,8 +148,8 @@ def _chunk_state_bwd_kernel(
         # to run (up to 48% off) and illegal addresses at 110 documents; so did reusing the transposed q tile for
         # k q^T. This form was checked on the device kernel by kernel, with bit-equal repeated runs.
         tl.debug_barrier()
-        dv_new_mem = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        w_t = _load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
+        dv_new_mem = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        w_t = load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         dstate = dstate * state_decay + tl.dot(q_t.to(dot_dtype), do, input_precision=DOT_PRECISION)
         dstate -= tl.dot(w_t, dv_new_mem, input_precision=DOT_PRECISION)
 
@@ -182,15 +183,15 @@ def _prepare_state_bwd_kernel(
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
     num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
     dot_dtype = k_ptr.dtype.element_ty
-    decay, _, _, G = _decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
-    q = _l2norm_rows(_load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
-    _store_rows(q_dec_ptr + i_h * K, q * decay, t0, num_valid, H * K, K, BT, BK)
+    decay, _, _, G = load_decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL, BT, BK)
+    q = l2norm_rows(load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
+    store_rows(q_dec_ptr + i_h * K, q * decay, t0, num_valid, H * K, K, BT, BK)
     if STORE_QK:
-        k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-        # _decayed_qk's two lines, written out: through it this kernel compiled to other sm_90 code (the same
+        k = l2norm_rows(load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+        # decayed_qk's two lines, written out: through it this kernel compiled to other sm_90 code (the same
         # operations scheduled otherwise) than the binary checked on the H200; the forward's kernels compile alike.
         qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
-        _store_rows(qk_ptr + i_h * BT, qk * _pair_decay(G, True, False, BT), t0, num_valid, H * BT, BT, BT, BT)
+        store_rows(qk_ptr + i_h * BT, qk * pair_decay(G, True, False, BT), t0, num_valid, H * BT, BT, BT, BT)
 
 
 @triton.jit
@@ -199,7 +200,7 @@ def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid,
     """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles: do S0^T [BT, BK] and
     do v_new^T [BT, BT] in both orientations (P's gradient before its decays and mask; the transpose as its own dot,
     not tl.trans of a dot result). The states are read transposed, [BV, BK]: written out here rather than through
-    _load_chunk_state_t, with which KDA's gradient products kernel compiled to another sm_90 binary (11,048
+    load_chunk_state_t, with which KDA's gradient products kernel compiled to another sm_90 binary (11,048
     instructions, 568 bytes of stack) than the one run on the H200 (11,064, 608)."""
     offs_k = tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
@@ -212,8 +213,8 @@ def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid,
         state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
         state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
         state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do = _load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
         dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
         dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
@@ -251,24 +252,24 @@ def _chunk_grad_output_kernel(
     dot_dtype = k_ptr.dtype.element_ty
     rows = tl.arange(0, BT)
     token_head = (t0 + rows).to(tl.int64) * H + i_h
-    G, _ = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+    G, _ = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
 
     do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
-    q = _load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    q = load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    k = load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
-        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
+        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + L2NORM_EPS)
         q = q * q_rstd[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)[:, None]
     q_scaled = q * scale
     q_dot = q_scaled.to(dot_dtype)
     k_dot = k.to(dot_dtype)
     dq = do_state * tl.exp(G)[:, None]
     dG = tl.sum(q_scaled * dq, axis=1)
-    dqk = dqk * _pair_decay(G, True, False, BT)
-    dqk_t = dqk_t * _pair_decay(G, True, True, BT)
+    dqk = dqk * pair_decay(G, True, False, BT)
+    dqk_t = dqk_t * pair_decay(G, True, True, BT)
     dq += tl.dot(dqk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
     dk = tl.dot(dqk_t.to(dot_dtype), q_dot, input_precision=DOT_PRECISION)
     qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
@@ -278,8 +279,8 @@ def _chunk_grad_output_kernel(
     dq = dq * scale
     if USE_L2NORM:
         dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
-    _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
-    _store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
     tl.store(dG_partial_ptr + token_head, dG, mask=rows < num_valid)
 
 
@@ -322,10 +323,10 @@ def _chunk_grad_wy_kernel(
     is_valid = rows < num_valid
     token_head = (t0 + rows).to(tl.int64) * H + i_h
 
-    G, G_last = _load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+    G, G_last = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
     exp_G = tl.exp(G)
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
-    inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    inverse_t = load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
 
     offs_k = tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
@@ -338,7 +339,7 @@ def _chunk_grad_wy_kernel(
     dbeta = tl.zeros([BT], dtype=tl.float32)
     state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        # States and their gradients read transposed; written out here rather than through _load_chunk_state_t,
+        # States and their gradients read transposed; written out here rather than through load_chunk_state_t,
         # which compiled this kernel to a different (if equivalent) sm_90 binary than the one tested on the H200.
         offs_v = v0 + tl.arange(0, BV)
         state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
@@ -346,22 +347,22 @@ def _chunk_grad_wy_kernel(
         state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
         dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
         dstate_t = dstate_t.to(dot_dtype)
-        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v = load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
         dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
         dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
         v_scaled = (v * beta[:, None]).to(dot_dtype)
         dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
         # d(diag(beta) v) = ((I + A)^-1)^T dU, and dU = dv_new.
         dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
-        _store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
+        store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
         dbeta += tl.sum(v * dv_scaled, axis=1)
         state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
-    k = _load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    k = load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
-        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
+        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)
         k = k * k_rstd[:, None]
     k_dot = k.to(dot_dtype)
 
@@ -379,16 +380,16 @@ def _chunk_grad_wy_kernel(
     # dA = -(I + A)^-T d(I + A)^-1 (I + A)^-T, strictly lower; times exp(G_i - G_j) it is the gradient of k_i^T k_j.
     dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
     dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
-    dkk = dA * _pair_decay(G, False, False, BT)
+    dkk = dA * pair_decay(G, False, False, BT)
     kk = tl.dot(k_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
     dbeta += tl.sum(dkk * kk, axis=1)
     dkk = dkk * beta[:, None]
     dG_pairs = dkk * kk
     dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
     # dkk^T goes through memory (an L2-resident round trip): tl.trans of a dot result is the Hopper miscompile.
-    _store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
+    store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
     tl.debug_barrier()
-    dkk_t = _load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    dkk_t = load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
     dk = dk_end + tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
     dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
     k_dk_scaled = tl.sum(k * dk_scaled, axis=1)
@@ -396,13 +397,13 @@ def _chunk_grad_wy_kernel(
     dbeta += exp_G * k_dk_scaled
     dG += beta * exp_G * k_dk_scaled
 
-    dk += _load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    dk += load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
 
     # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C.
     dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last
     if USE_L2NORM:
         dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
-    _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
     tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
     tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
 
@@ -433,12 +434,12 @@ def chunk_state_bwd(
     V = do_THV.shape[-1]
     N = layout.num_seqs
     device = k_THK.device
-    state_grads_NCHKV = kernels_fwd._alloc((layout.num_slots, H, K, V), k_THK.dtype, device)
-    dv_new_THV = kernels_fwd._alloc((T, H, V), k_THK.dtype, device)
+    state_grads_NCHKV = kernels_common.alloc((layout.num_slots, H, K, V), k_THK.dtype, device)
+    dv_new_THV = kernels_common.alloc((T, H, V), k_THK.dtype, device)
     initial_state_grad_NHKV = None
     if initial_state_grad_dtype is not None:
-        initial_state_grad_NHKV = kernels_fwd._alloc((N, H, K, V), initial_state_grad_dtype, device)
-    block_v = min(config.block_v_state, _block(V))
+        initial_state_grad_NHKV = kernels_common.alloc((N, H, K, V), initial_state_grad_dtype, device)
+    block_v = min(config.block_v_state, block_size(V))
     dot_precision, _ = dot_precisions(k_THK.dtype)
     if prepared is not None:
         k_end_THK, q_dec_THK, qk_THC = prepared
@@ -468,7 +469,7 @@ def chunk_state_bwd(
             STORE_INITIAL_STATE_GRAD=initial_state_grad_NHKV is not None,
             USE_L2NORM=use_qk_l2norm,
             BT=layout.chunk_size,
-            BK=_block(K),
+            BK=block_size(K),
             BV=block_v,
             DOT_PRECISION=dot_precision,
             num_warps=config.num_warps,
@@ -491,8 +492,8 @@ def prepare_state_bwd(
     store_qk, the decayed causal q k^T [T, H, C] (per head), in k's dtype: chunk_state_bwd's prepared operands."""
     T, H, K = k_THK.shape
     C = layout.chunk_size
-    q_dec_THK = kernels_fwd._alloc((T, H, K), k_THK.dtype, k_THK.device)
-    qk_THC = kernels_fwd._alloc((T, H, C), k_THK.dtype, k_THK.device) if store_qk else None
+    q_dec_THK = kernels_common.alloc((T, H, K), k_THK.dtype, k_THK.device)
+    qk_THC = kernels_common.alloc((T, H, C), k_THK.dtype, k_THK.device) if store_qk else None
     dot_precision, _ = dot_precisions(k_THK.dtype)
     if layout.num_slots > 0:
         _prepare_state_bwd_kernel[(layout.num_slots, H)](
@@ -509,7 +510,7 @@ def prepare_state_bwd(
             STORE_QK=store_qk,
             USE_L2NORM=use_qk_l2norm,
             BT=C,
-            BK=_block(K),
+            BK=block_size(K),
             DOT_PRECISION=dot_precision,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -540,18 +541,18 @@ def chunk_grad(
     V = v_THV.shape[-1]
     C = layout.chunk_size
     device = k_THK.device
-    dq_THK = kernels_fwd._alloc((T, H, K), q_THK.dtype, device)
-    dk_THK = kernels_fwd._alloc((T, H, K), k_THK.dtype, device)
-    dv_THV = kernels_fwd._alloc((T, H, V), v_THV.dtype, device)
-    dbeta_TH = kernels_fwd._alloc((T, H), beta_TH.dtype, device)
-    dg_TH = kernels_fwd._alloc((T, H), g_dtype, device)
-    scratch_THC = kernels_fwd._alloc((T, H, C), k_THK.dtype, device)
+    dq_THK = kernels_common.alloc((T, H, K), q_THK.dtype, device)
+    dk_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device)
+    dv_THV = kernels_common.alloc((T, H, V), v_THV.dtype, device)
+    dbeta_TH = kernels_common.alloc((T, H), beta_TH.dtype, device)
+    dg_TH = kernels_common.alloc((T, H), g_dtype, device)
+    scratch_THC = kernels_common.alloc((T, H, C), k_THK.dtype, device)
     # The output kernel's parts of dk and dG, fp32, summed into the WY kernel's.
-    dk_partial_THK = kernels_fwd._alloc((T, H, K), torch.float32, device)
-    dG_partial_TH = kernels_fwd._alloc((T, H), torch.float32, device)
+    dk_partial_THK = kernels_common.alloc((T, H, K), torch.float32, device)
+    dG_partial_TH = kernels_common.alloc((T, H), torch.float32, device)
     dot_precision, _ = dot_precisions(k_THK.dtype)
     meta = dict(
-        K=K, V=V, USE_L2NORM=use_qk_l2norm, BT=C, BK=_block(K), BV=min(config.block_v_grad, _block(V)),
+        K=K, V=V, USE_L2NORM=use_qk_l2norm, BT=C, BK=block_size(K), BV=min(config.block_v_grad, block_size(V)),
         DOT_PRECISION=dot_precision, num_warps=config.num_warps_grad, num_stages=config.num_stages,
     )  # fmt: skip
     if layout.num_slots > 0:

@@ -1,6 +1,6 @@
 """Triton kernels of KDA (the gated delta rule with one decay per key channel) that differ from the per-head ones.
 
-Legend as in kernels_fwd.py; G [C, K] is the per-channel log decay summed from the chunk start (inclusive), SB the
+Legend as in kernels_common.py; G [C, K] is the per-channel log decay summed from the chunk start (inclusive), SB the
 sub-chunk length, "later" and "earlier" the two tokens of a pair (i >= j).
 
 Per-channel decays do not factor out of a dot: sum_c x_ic y_jc exp(G_ic - G_jc) needs its own decay per pair and
@@ -31,8 +31,9 @@ and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the gr
 dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
 compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
 parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
-The serial state passes are `_chunk_state_fwd_kernel` and `_chunk_state_bwd_kernel` with IS_PER_CHANNEL, and the
-forward's `_chunk_output_kernel` with IS_PER_CHANNEL: they read the decayed causal q k^T the pairs kernel writes.
+The serial state passes are `_chunk_state_fwd_kernel` (kernels_state.py) and `_chunk_state_bwd_kernel`
+(kernels_bwd.py) with IS_PER_CHANNEL, and the forward's `_chunk_output_kernel` (kernels_output.py) with
+IS_PER_CHANNEL: they read the decayed causal q k^T the pairs kernel writes.
 """
 
 from __future__ import annotations
@@ -41,26 +42,25 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_tune.ops.linear_attention import kernels_fwd
+from moe_tune.ops.linear_attention import kernels_common
 from moe_tune.ops.linear_attention.kernels_bwd import output_grad_products
-from moe_tune.ops.linear_attention.kernels_fwd import (
-    _L2NORM_EPS,
+from moe_tune.ops.linear_attention.kernels_common import (
+    L2NORM_EPS,
     SUB_CHUNK_SIZE,
     ChunkLayout,
     KernelConfig,
-    _block,
-    _l2norm_rows,
-    _load_channel_decay,
-    _load_chunk_state_t,
-    _load_rows,
-    _load_rows_t,
-    _store_rows,
-    _store_w_u,
-    _unit_lower_inverse,
+    block_size,
     dot_precisions,
     inverse_dots,
-    wu_operands_16bit,
+    l2norm_rows,
+    load_channel_decay,
+    load_chunk_state_t,
+    load_rows,
+    load_rows_t,
+    store_rows,
+    unit_lower_inverse,
 )
+from moe_tune.ops.linear_attention.kernels_wy import store_w_u, wu_operands_16bit
 
 
 @triton.jit
@@ -194,7 +194,7 @@ def _decayed_matmul(
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
-        y_partner = _l2norm_rows(y_partner, USE_L2NORM) * y_scale
+        y_partner = l2norm_rows(y_partner, USE_L2NORM) * y_scale
         G_partner = _load_same_block_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
         d = tl.sum(tl.where(cols[None, :] == partner[:, None], D, 0.0), axis=1)
         if IS_TRANSPOSED:
@@ -250,12 +250,12 @@ def _kda_pairs_kernel(
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
 
-    g = _load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    g = load_rows(g_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if GATE_IN_KERNEL:
         g, _, _ = _gate_terms(g, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
     # Zero-padded g past the chunk's end: G there stays at its last row.
     G = tl.cumsum(g, axis=0)
-    _store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
+    store_rows(g_cumsum_ptr + i_h * K, G, t0, num_valid, H * K, K, BT, BK)
     # G's rows are read back below (each block's first row; the same-sub-chunk pairs' partners): other threads
     # wrote them.
     tl.debug_barrier()
@@ -297,12 +297,12 @@ def _wy_operands(k_ptr, beta_ptr, k_beta_ptr, k_end_ptr, G, t0, num_valid, H, K,
     (pointers at the head's column 0)."""
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
-    k = _l2norm_rows(_load_rows(k_ptr, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    k = l2norm_rows(load_rows(k_ptr, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     beta = tl.load(beta_ptr + (t0 + rows).to(tl.int64) * H + i_h, mask=is_valid, other=0.0).to(tl.float32)
-    _store_rows(k_beta_ptr, k * tl.exp(G) * beta[:, None], t0, num_valid, H * K, K, BT, BK)
+    store_rows(k_beta_ptr, k * tl.exp(G) * beta[:, None], t0, num_valid, H * K, K, BT, BK)
     if STORE_K_END:
         G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
-        _store_rows(k_end_ptr, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
+        store_rows(k_end_ptr, k * tl.exp(G_last[None, :] - G), t0, num_valid, H * K, K, BT, BK)
 
 
 @triton.jit
@@ -315,22 +315,22 @@ def _pairs_row_block(q_ptr, k_ptr, g_cumsum_ptr, qk_ptr, kk_ptr, t0, num_valid, 
     sub = tl.arange(0, SB)
     cols = tl.arange(0, NJ)
     is_row = (r0 + sub) < num_valid
-    k_a = _l2norm_rows(_load_rows(k_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
-    q_a = _l2norm_rows(_load_rows(q_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
+    k_a = l2norm_rows(load_rows(k_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
+    q_a = l2norm_rows(load_rows(q_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK), USE_L2NORM)
     q_a = q_a * scale
-    G_a = _load_rows(g_cumsum_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK)
+    G_a = load_rows(g_cumsum_ptr, t0 + r0, num_valid - r0, H * K, K, SB, BK)
     G_r = _load_g_row(g_cumsum_ptr, t0, num_valid, H * K, K, r0, BK)
     later = _masked_exp(G_a - G_r[None, :], is_row[:, None])
-    k_j = _l2norm_rows(_load_rows(k_ptr, t0, num_valid, H * K, K, NJ, BK), USE_L2NORM)
-    G_j = _load_rows(g_cumsum_ptr, t0, num_valid, H * K, K, NJ, BK)
+    k_j = l2norm_rows(load_rows(k_ptr, t0, num_valid, H * K, K, NJ, BK), USE_L2NORM)
+    G_j = load_rows(g_cumsum_ptr, t0, num_valid, H * K, K, NJ, BK)
     k_earlier = tl.trans((k_j * _masked_exp(G_r[None, :] - G_j, (cols < r0 + own_rows)[:, None])).to(dot_dtype))
     kk = tl.dot((k_a * later).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
     qk = tl.dot((q_a * later).to(dot_dtype), k_earlier, input_precision=DOT_PRECISION)
     for jj in range(0, SB - own_rows):
         partner = r0 + jj
-        k_p = _l2norm_rows(_load_rows(k_ptr, t0 + partner, num_valid - partner, H * K, K, 1, BK),
-                           USE_L2NORM)  # fmt: skip
-        G_p = _load_rows(g_cumsum_ptr, t0 + partner, num_valid - partner, H * K, K, 1, BK)
+        k_p = l2norm_rows(load_rows(k_ptr, t0 + partner, num_valid - partner, H * K, K, 1, BK),
+                          USE_L2NORM)  # fmt: skip
+        G_p = load_rows(g_cumsum_ptr, t0 + partner, num_valid - partner, H * K, K, 1, BK)
         is_pair = ((r0 + sub) >= partner) & (partner < num_valid) & is_row
         k_p = k_p * _masked_exp(G_a - G_p, is_pair[:, None])
         is_partner_col = (cols == partner)[None, :]
@@ -338,12 +338,12 @@ def _pairs_row_block(q_ptr, k_ptr, g_cumsum_ptr, qk_ptr, kk_ptr, t0, num_valid, 
         qk = tl.where(is_partner_col & is_pair[:, None], tl.sum(q_a * k_p, axis=1)[:, None], qk)
     kk = tl.where((r0 + sub)[:, None] > cols[None, :], kk, 0.0)
     qk = tl.where((r0 + sub)[:, None] >= cols[None, :], qk, 0.0)
-    _store_rows(qk_ptr, qk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
-    _store_rows(kk_ptr, kk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
+    store_rows(qk_ptr, qk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
+    store_rows(kk_ptr, kk, t0 + r0, num_valid - r0, H * BT, NJ, SB, NJ)
     if NJ < BT:
         zeros = tl.zeros([SB, BT], dtype=tl.float32)
-        _store_rows(qk_ptr + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
-        _store_rows(kk_ptr + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
+        store_rows(qk_ptr + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
+        store_rows(kk_ptr + NJ, zeros, t0 + r0, num_valid - r0, H * BT, BT - NJ, SB, BT)
 
 
 @triton.jit
@@ -379,21 +379,21 @@ def _kda_wy_fwd_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
 
     beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
-    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
+    kk = load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
     if INV_DOTS == "tf32":
         # Through a tf32 product with the identity (kk rounded to tf32, as the inverse's own tf32 products round it):
         # the tile then has a dot result's register layout; timed with the powers-doubling inverse only (0.546 against
         # 0.582 ms, H200, B4 T8192 H16), not with the substitution one. The fp16 inverse skips it.
         eye = tl.where(rows[:, None] == tl.arange(0, BT)[None, :], 1.0, 0.0)
         kk = tl.dot(kk, eye, input_precision=INV_PRECISION)
-    inverse = _unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)
+    inverse = unit_lower_inverse(kk * beta[:, None], BT, SB, INV_DOTS)
     if STORE_INVERSE:
-        _store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
+        store_rows(inverse_ptr + i_h * BT, inverse, t0, num_valid, H * BT, BT, BT, BT)
     # k beta exp(G) from the pairs kernel (in W's dtype when W's operands are 16-bit, else fp32), possibly in W's own
     # buffer: each W element is written after the loads of its own column, which it depends on.
-    k_beta = _load_rows(k_beta_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
-    _store_w_u(inverse, k_beta, beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0, num_valid, H, K, V, BT, BK,
-               BV, INV_PRECISION, WU_16BIT)  # fmt: skip
+    k_beta = load_rows(k_beta_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    store_w_u(inverse, k_beta, beta, v_ptr + i_h * V, w_ptr + i_h * K, u_ptr + i_h * V, t0, num_valid, H, K, V, BT, BK,
+              BV, INV_PRECISION, WU_16BIT)  # fmt: skip
 
 
 @triton.jit
@@ -447,38 +447,38 @@ def _kda_grad_wy_kernel(
     dbeta = tl.zeros([BT], dtype=tl.float32)
     state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        state_t = _load_chunk_state_t(states_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
-        dstate_t = _load_chunk_state_t(state_grads_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
-        v_new = _load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        dv_new = _load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        v = _load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        state_t = load_chunk_state_t(states_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
+        dstate_t = load_chunk_state_t(state_grads_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v = load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
         dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
         dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
         v_scaled = (v * beta[:, None]).to(dot_dtype)
         dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
         # d(diag(beta) v) = ((I + A)^-1)^T dU, and dU = dv_new; the inverse read per tile (L1/L2-resident).
-        inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+        inverse_t = load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
         dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
-        _store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
+        store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
         dbeta += tl.sum(v * dv_scaled, axis=1)
         state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
     # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the pairs kernel; the
     # inverse is read again here (held through the loop, it spilled). This order spilled least of those tried
     # (sm_90 compile).
-    G, G_last = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    k = _l2norm_rows(_load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    G, G_last = load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    k = l2norm_rows(load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     exp_G = tl.exp(G)
     dw_dot = dw.to(dot_dtype)
-    inverse_t = _load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    inverse_t = load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
     k_scaled = (k * (beta[:, None] * exp_G)).to(dot_dtype)
     dinverse += tl.dot(dw_dot, tl.trans(k_scaled), input_precision=DOT_PRECISION)
     dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
     dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
     dA = tl.where(rows[:, None] > rows[None, :], dA, 0.0)
-    kk = _load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
+    kk = load_rows(kk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(tl.float32)
     dbeta += tl.sum(dA * kk, axis=1)
-    _store_rows(dkk_ptr + i_h * BT, dA * beta[:, None], t0, num_valid, H * BT, BT, BT, BT)
+    store_rows(dkk_ptr + i_h * BT, dA * beta[:, None], t0, num_valid, H * BT, BT, BT, BT)
     dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
     # State leaving the chunk: S1 = diag(exp(G_C)) S0 + (k exp(G_C - G))^T v_new.
     dk_end = dk_end * tl.exp(G_last[None, :] - G)
@@ -488,9 +488,9 @@ def _kda_grad_wy_kernel(
     dbeta += tl.sum(k_dk_scaled, axis=1)
     tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
     dk = dk_end + dk_scaled * (beta[:, None] * exp_G)
-    _store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
     dG = beta[:, None] * k_dk_scaled - k * dk_end
-    _store_rows(dG_partial_ptr + i_h * K, dG, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dG_partial_ptr + i_h * K, dG, t0, num_valid, H * K, K, BT, BK)
 
 
 @triton.jit
@@ -542,7 +542,7 @@ def _kda_grad_products_kernel(
     do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
-    G, _ = _load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    G, _ = load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
     # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring): the largest
     # span of G within a sub-chunk, any channel.
     G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
@@ -554,41 +554,41 @@ def _kda_grad_products_kernel(
     # k are loaded where they are needed, not held through the other products.
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
     dq = do_state * tl.exp(G)
-    k = _l2norm_rows(_load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
+    k = l2norm_rows(load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
     dq += _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
                           False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    q = _load_rows(q_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    q = load_rows(q_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
-        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + _L2NORM_EPS)
+        q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + L2NORM_EPS)
         q = q * q_rstd[:, None]
     dG = q * scale * dq
     dq = dq * scale
     if USE_L2NORM:
         dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
-    _store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
     dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
     dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM,
                          True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
-    k = _load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    k = load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
-        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + _L2NORM_EPS)
+        k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)
         k = k * k_rstd[:, None]
     dG -= k * dk
 
     # WY: dkk (the WY kernel's) times the decayed k in both orientations; dkk^T read transposed, in k's dtype as the
-    # single kernel's scratch round trip had it (no tl.trans of a dot result: the Hopper miscompile, kernels_fwd.py).
-    dkk = _load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
+    # single kernel's scratch round trip had it (no tl.trans of a dot result: the Hopper miscompile, kernels_common.py).
+    dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
     dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
                                False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later
     dG += k * dk_later
-    dkk_t = _load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
+    dkk_t = load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
     dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
                                  True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_earlier
     dG -= k * dk_earlier
-    dk += _load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    dG += _load_rows(dG_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    dk += load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    dG += load_rows(dG_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
 
     # G is the cumulative sum of g along the chunk, per channel.
     offs_k = tl.arange(0, BK)
@@ -596,18 +596,18 @@ def _kda_grad_products_kernel(
     dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
     if USE_L2NORM:
         dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
-    _store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
     if GATE_IN_KERNEL:
         # g = -exp(A_log) softplus(a + dt_bias): da = -dg exp(A_log) sigmoid(a + dt_bias), dA_log = sum dg g and
         # ddt_bias = sum over tokens of da, summed here per chunk (the caller adds the chunks up in a fixed order).
-        a = _load_rows(a_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+        a = load_rows(a_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
         g_raw, sig, a_exp = _gate_terms(a, a_log_ptr, dt_bias_ptr, i_h, K, is_valid, BK)
         da = tl.where(is_valid[:, None], -dg * a_exp * sig, 0.0)
         tl.store(da_log_partial_ptr + i_c * H + i_h, tl.sum(tl.sum(dg * g_raw, axis=1), axis=0))
         cols = tl.arange(0, BK)
         tl.store(ddt_bias_partial_ptr + (i_c * H + i_h) * K + cols, tl.sum(da, axis=0), mask=cols < K)
         dg = da
-    _store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
+    store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
 
 
 def kda_wy_fwd(
@@ -639,7 +639,7 @@ def kda_wy_fwd(
     V = v_THV.shape[-1]
     C = layout.chunk_size
     device = k_THK.device
-    alloc = kernels_fwd._alloc
+    alloc = kernels_common.alloc
     g_cumsum_THK = alloc((T, H, K), torch.float32, device)
     w_THK = alloc((T, H, K), k_THK.dtype, device)
     u_THV = alloc((T, H, V), k_THK.dtype, device)
@@ -652,7 +652,7 @@ def kda_wy_fwd(
     # W's operand k beta exp(G), from the pairs kernel to the WY kernel, rounded as the W product takes it: in W's own
     # buffer where it has W's dtype.
     k_beta_THK = w_THK if wu_16bit or k_THK.dtype == torch.float32 else alloc((T, H, K), torch.float32, device)
-    meta = dict(K=K, BT=C, SB=SUB_CHUNK_SIZE, BK=_block(K), num_stages=config.num_stages)
+    meta = dict(K=K, BT=C, SB=SUB_CHUNK_SIZE, BK=block_size(K), num_stages=config.num_stages)
     if layout.num_slots > 0:
         grid = (layout.num_slots, H)
         _kda_pairs_kernel[grid](
@@ -665,7 +665,7 @@ def kda_wy_fwd(
         _kda_wy_fwd_kernel[grid](
             k_beta_THK, v_THV, beta_TH, layout.chunk_map, kk_THC, w_THK, u_THV,
             inverse_THC if store_for_backward else kk_THC, H, V=V,
-            STORE_INVERSE=store_for_backward, BV=min(config.block_v_wy, _block(V)),
+            STORE_INVERSE=store_for_backward, BV=min(config.block_v_wy, block_size(V)),
             INV_PRECISION=inv_precision, INV_DOTS=inverse_dots(k_THK.dtype, use_qk_l2norm, config),
             WU_16BIT=wu_16bit, num_warps=config.num_warps, **meta,
         )  # fmt: skip
@@ -701,14 +701,14 @@ def kda_grad(
     V = v_THV.shape[-1]
     C = layout.chunk_size
     device = k_THK.device
-    alloc = kernels_fwd._alloc
+    alloc = kernels_common.alloc
     dq_THK = alloc((T, H, K), q_THK.dtype, device)
     dk_THK = alloc((T, H, K), k_THK.dtype, device)
     dv_THV = alloc((T, H, V), v_THV.dtype, device)
     dbeta_TH = alloc((T, H), beta_TH.dtype, device)
     dg_THK = alloc((T, H, K), g_dtype, device)
     # From the WY kernel to the products kernel, fp32: its parts of dk and dG, the gradient of G_C per chunk slot, and
-    # dkk (its transpose is read transposed: no tl.trans of a dot result, the Hopper miscompile in kernels_fwd.py).
+    # dkk (its transpose is read transposed: no tl.trans of a dot result, the Hopper miscompile in kernels_common.py).
     dk_partial_THK = alloc((T, H, K), torch.float32, device)
     dG_partial_THK = alloc((T, H, K), torch.float32, device)
     dG_last_NCHK = alloc((layout.num_slots, H, K), torch.float32, device)
@@ -717,9 +717,9 @@ def kda_grad(
     da_log_partial = alloc((layout.num_slots, H), torch.float32, device) if gate is not None else None
     ddt_bias_partial = alloc((layout.num_slots, H, K), torch.float32, device) if gate is not None else None
     dot_precision, _ = dot_precisions(k_THK.dtype)
-    meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, BK=_block(K), DOT_PRECISION=dot_precision,
+    meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, BK=block_size(K), DOT_PRECISION=dot_precision,
                 num_stages=config.num_stages)  # fmt: skip
-    block_v = min(config.block_v_grad, _block(V))
+    block_v = min(config.block_v_grad, block_size(V))
     fast_span = fast_span_bound(k_THK.dtype)
     if layout.num_slots > 0:
         grid = (layout.num_slots, H)

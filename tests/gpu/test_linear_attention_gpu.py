@@ -43,14 +43,14 @@ GUARD_ELEMENTS = 64 * 16 * 128
 def guarded(monkeypatch) -> GuardedBuffers:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from moe_tune.ops.linear_attention import kernels_fwd
+    from moe_tune.ops.linear_attention import kernels_common, kernels_wy
 
-    if isinstance(kernels_fwd._chunk_wy_fwd_kernel, InterpretedFunction):
+    if isinstance(kernels_wy._chunk_wy_fwd_kernel, InterpretedFunction):
         pytest.fail(INTERPRETED_ON_GPU)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels_fwd, "_alloc", buffers.alloc)
+    monkeypatch.setattr(kernels_common, "alloc", buffers.alloc)
     return buffers
 
 

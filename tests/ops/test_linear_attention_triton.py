@@ -16,7 +16,8 @@ with interpreted_kernels():
     import torch
     import torch.nn.functional as F
     from moe_tune.ops.linear_attention import gated_delta_rule, kda
-    from moe_tune.ops.linear_attention import autograd, kernels_fwd, kernels_kda
+    from moe_tune.ops.linear_attention import autograd, kernels_common, kernels_kda, kernels_output, kernels_state
+    from moe_tune.ops.linear_attention import kernels_wy
     from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
     from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
     import triton
@@ -26,7 +27,7 @@ with interpreted_kernels():
     def _unit_lower_inverse_kernel(a_ptr, out_ptr, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr):
         rows = tl.arange(0, BT)
         offsets = rows[:, None] * BT + rows[None, :]
-        inverse = kernels_fwd._unit_lower_inverse(tl.load(a_ptr + offsets), BT, SB, DOTS)
+        inverse = kernels_common.unit_lower_inverse(tl.load(a_ptr + offsets), BT, SB, DOTS)
         tl.store(out_ptr + offsets, inverse)
 
 # One table per dtype, against the reference run in fp64 on the same input values. fp32: the interpreter's dots are
@@ -53,7 +54,7 @@ def kernel_path(monkeypatch):
 @pytest.fixture
 def guarded(monkeypatch) -> GuardedBuffers:
     buffers = GuardedBuffers(GUARD_ELEMENTS)
-    monkeypatch.setattr(kernels_fwd, "_alloc", buffers.alloc)
+    monkeypatch.setattr(kernels_common, "alloc", buffers.alloc)
     return buffers
 
 
@@ -188,13 +189,13 @@ def test_16bit_wu_operands_match_reference(kernel_path, guarded, monkeypatch, is
     # (wu_operands_16bit), as on the GPU.
     def wide_wy_tile(x):
         return dataclasses.replace(
-            kernels_fwd.pick_config(x), block_v_wy=kernels_fwd.GPU_BLOCK_V_WY,
-            block_v_wy_16bit=kernels_fwd.GPU_BLOCK_V_WY_16BIT,
+            kernels_common.pick_config(x), block_v_wy=kernels_common.GPU_BLOCK_V_WY,
+            block_v_wy_16bit=kernels_common.GPU_BLOCK_V_WY_16BIT,
         )
 
     monkeypatch.setattr(autograd, "pick_config", wide_wy_tile)
     inputs = make_inputs(1, 70, H=1, K=64, V=64, dtype=torch.float16, is_per_channel=is_per_channel)
-    assert kernels_fwd.wu_operands_16bit(torch.float16, 64, 64, wide_wy_tile(inputs["k"]))
+    assert kernels_wy.wu_operands_16bit(torch.float16, 64, 64, wide_wy_tile(inputs["k"]))
     assert_matches_reference(inputs, torch.float16, guarded, use_qk_l2norm_in_kernel=True)
 
 
@@ -219,13 +220,13 @@ def test_state_passes_read_the_decayed_k_only_for_full_key_tiles(kernel_path, mo
     monkeypatch.setattr(autograd, "chunk_state_fwd", recording)
     monkeypatch.setattr(autograd, "chunk_state_bwd", recording_bwd)
     inputs = make_inputs(1, 70, K=K, V=32, is_per_channel=is_per_channel)
-    assert kernels_fwd.has_output_kernel(K, 32, kernels_fwd.pick_config(inputs["q"]))
+    assert kernels_output.has_output_kernel(K, 32, kernels_common.pick_config(inputs["q"]))
     op = kda if is_per_channel else gated_delta_rule
     o, _ = op(**inputs, use_qk_l2norm_in_kernel=True)
     o.sum().backward()
     # Forward, the backward's recomputation, the reverse pass (prepared operands with the decayed k).
     assert calls == [takes_k_end] * 3
-    assert kernels_fwd.has_k_end(K) is takes_k_end and not kernels_fwd.has_k_end(100)
+    assert kernels_wy.has_k_end(K) is takes_k_end and not kernels_wy.has_k_end(100)
 
 
 SAVED_CASES = [
@@ -262,7 +263,7 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
     op = kda if is_per_channel else gated_delta_rule
     options = dict(cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     recomputed = forward_and_grads(op, inputs, **options)
-    has_prepare = kernels_fwd.has_k_end(K)
+    has_prepare = kernels_wy.has_k_end(K)
     assert calls == ["_wy_pass", "chunk_state_fwd"] * 2 + ["prepare_state_bwd"] * has_prepare
     calls.clear()
     saved = forward_and_grads(op, inputs, save_intermediates=True, **options)
@@ -281,7 +282,7 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
 def test_saved_intermediates_take_the_bytes_docs_plan_counts(kernel_path):
     # docs/plan.md (engine/parallel/plan.py) counts T H (3K + V + 2C) + ceil(T / C) H K V values in the inputs' dtype
     # and T H fp32 (G) for a layer that keeps them; the op must save exactly that much more than without.
-    T, H, K, V, C = 128, 2, 16, 32, kernels_fwd.CHUNK_SIZE
+    T, H, K, V, C = 128, 2, 16, 32, kernels_common.CHUNK_SIZE
 
     def saved_bytes(**options):
         storages = {}
@@ -322,9 +323,9 @@ def test_saved_intermediates_are_kept_only_when_a_gradient_is_needed(kernel_path
     (torch.bfloat16, 32, 128, False), (torch.float32, 128, 128, False),
 ])  # fmt: skip
 def test_wu_operands_16bit_only_for_16bit_inputs_and_wide_tiles(dtype, K, V, expected):
-    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
-    assert kernels_fwd.wu_operands_16bit(dtype, K, V, gpu) is expected
-    assert not kernels_fwd.wu_operands_16bit(dtype, K, V, dataclasses.replace(gpu, wu_16bit=False))
+    gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
+    assert kernels_wy.wu_operands_16bit(dtype, K, V, gpu) is expected
+    assert not kernels_wy.wu_operands_16bit(dtype, K, V, dataclasses.replace(gpu, wu_16bit=False))
 
 
 KDA_CASES = [
@@ -499,13 +500,13 @@ def test_unit_lower_inverse_equals_the_exact_inverse(BT, case, dots):
 ])  # fmt: skip
 def test_inverse_takes_fp16_products_only_for_16bit_inputs_with_normed_keys(dtype, use_qk_l2norm, expected):
     # fp16 operands need the factors' range: keys the op norms itself bound A's entries by beta <= 1.
-    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
-    assert kernels_fwd.inverse_dots(dtype, use_qk_l2norm, gpu) == expected
+    gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
+    assert kernels_common.inverse_dots(dtype, use_qk_l2norm, gpu) == expected
 
 
 def test_chunk_map_covers_every_chunk_once():
     cu_seqlens = torch.tensor([0, 1, 1, 65, 200], dtype=torch.int32)
-    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200, chunk_size=64)
+    layout = kernels_common.prepare_chunks(cu_seqlens, 1, 200, chunk_size=64)
     # 1 + 0 + 1 + 3 chunks within the bound T // C + N = 7 slots.
     assert layout.num_slots == 7
     assert layout.chunk_offsets.tolist() == [0, 1, 1, 2, 5]
@@ -514,30 +515,33 @@ def test_chunk_map_covers_every_chunk_once():
 
 def test_chunk_layout_is_reused_for_the_same_cu_seqlens_until_it_changes():
     cu_seqlens = torch.tensor([0, 1, 1, 65, 200], dtype=torch.int32)
-    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200)
-    assert kernels_fwd.prepare_chunks(cu_seqlens, 1, 200) is layout
+    layout = kernels_common.prepare_chunks(cu_seqlens, 1, 200)
+    assert kernels_common.prepare_chunks(cu_seqlens, 1, 200) is layout
     # Equal values in another tensor: built again (the cache goes by the tensor, never by an id that could be reused).
-    assert kernels_fwd.prepare_chunks(cu_seqlens.clone(), 1, 200) is not layout
+    assert kernels_common.prepare_chunks(cu_seqlens.clone(), 1, 200) is not layout
     # Changed in place: built again, from the new values.
     cu_seqlens[1:4] = torch.tensor([64, 64, 64], dtype=torch.int32)
-    changed = kernels_fwd.prepare_chunks(cu_seqlens, 1, 200)
+    changed = kernels_common.prepare_chunks(cu_seqlens, 1, 200)
     assert changed is not layout and changed.chunk_offsets.tolist() == [0, 1, 1, 1, 4]
     with torch.inference_mode():
         frozen = torch.tensor([0, 200], dtype=torch.int32)
-        assert kernels_fwd.prepare_chunks(frozen, 1, 200) is not kernels_fwd.prepare_chunks(frozen, 1, 200)
-    fixed = kernels_fwd.prepare_chunks(None, 2, 70)
-    assert kernels_fwd.prepare_chunks(None, 2, 70) is fixed and kernels_fwd.prepare_chunks(None, 2, 71) is not fixed
-    for _ in range(kernels_fwd._LAYOUT_CACHE_SIZE):
-        kernels_fwd.prepare_chunks(None, 1, 1000 + _)
-    assert kernels_fwd.prepare_chunks(None, 2, 70) is not fixed, "the oldest entry is evicted"
+        assert kernels_common.prepare_chunks(frozen, 1, 200) is not kernels_common.prepare_chunks(frozen, 1, 200)
+    fixed = kernels_common.prepare_chunks(None, 2, 70)
+    assert kernels_common.prepare_chunks(None, 2, 70) is fixed
+    assert kernels_common.prepare_chunks(None, 2, 71) is not fixed
+    for _ in range(kernels_common._LAYOUT_CACHE_SIZE):
+        kernels_common.prepare_chunks(None, 1, 1000 + _)
+    assert kernels_common.prepare_chunks(None, 2, 70) is not fixed, "the oldest entry is evicted"
 
 
 @pytest.mark.parametrize("K, V, expected", [(16, 16, True), (16, 32, True), (128, 128, True), (32, 16, False),
                                              (256, 128, False), (128, 64, False)])
 def test_output_kernel_only_where_its_v_tile_is_as_wide_as_its_k_tile(K, V, expected):
     # The H200's tiles (V tile capped at GPU_BLOCK_V_OUTPUT): K 32 with V 16 read past shared memory there.
-    config = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), block_v_output=kernels_fwd.GPU_BLOCK_V_OUTPUT)
-    assert kernels_fwd.has_output_kernel(K, V, config) is expected
+    config = dataclasses.replace(
+        kernels_common.pick_config(torch.empty(0)), block_v_output=kernels_common.GPU_BLOCK_V_OUTPUT
+    )
+    assert kernels_output.has_output_kernel(K, V, config) is expected
 
 
 def _output_from_states(q, k, g_cumsum, states, v_new, layout, scale, qk):
@@ -570,8 +574,8 @@ def test_output_kernel_k_loop_over_several_tiles(kernel_path, guarded, is_per_ch
     # directly at K 48 (three 16-wide tiles) and K 100 (seven, the last one 4 wide), with a chunk cut short.
     gen = torch.Generator().manual_seed(0)
     T, H, V, scale = 150, 2, 32, 0.3
-    layout = kernels_fwd.prepare_chunks(None, 1, T)
-    config = dataclasses.replace(kernels_fwd.pick_config(torch.empty(0)), block_v_output=32)
+    layout = kernels_common.prepare_chunks(None, 1, T)
+    config = dataclasses.replace(kernels_common.pick_config(torch.empty(0)), block_v_output=32)
     assert config.block_k_output == 16 and config.block_v_output == V
     q, k = (torch.randn(T, H, K, generator=gen) for _ in range(2))
     log_decay = -0.2 * torch.rand(T, H, *((K,) if is_per_channel else ()), generator=gen)
@@ -580,7 +584,7 @@ def test_output_kernel_k_loop_over_several_tiles(kernel_path, guarded, is_per_ch
     states = torch.randn(layout.num_slots, H, K, V, generator=gen)
     v_new = torch.randn(T, H, V, generator=gen)
     qk = torch.randn(T, H, 64, generator=gen).tril() if is_per_channel else None
-    o, _, _ = kernels_fwd.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True, qk)
+    o, _, _ = kernels_output.chunk_output(q, k, g_cumsum, states, v_new, layout, config, scale, True, qk)
     expected = _output_from_states(q, k, g_cumsum, states, v_new, layout, scale, qk)
     torch.testing.assert_close(o.double(), expected, **TOLERANCES[torch.float32])
     guarded.check()
@@ -588,7 +592,7 @@ def test_output_kernel_k_loop_over_several_tiles(kernel_path, guarded, is_per_ch
 
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 def test_output_kernel_pipelines_the_per_head_loop_only_at_8_warps(kernel_path, monkeypatch, is_per_channel):
-    # On the H200 triton 3.6 compiled the per-head decay's pipelined K loop wrong at 4 warps (kernels_fwd.py, at
+    # On the H200 triton 3.6 compiled the per-head decay's pipelined K loop wrong at 4 warps (kernels_common.py, at
     # GPU_NUM_STAGES_OUTPUT): the GPU launch pipelines it at 8 warps only, KDA's at 4; the interpreter takes one stage.
     launches = []
 
@@ -596,27 +600,27 @@ def test_output_kernel_pipelines_the_per_head_loop_only_at_8_warps(kernel_path, 
         def __getitem__(self, grid):
             return lambda *args, **options: launches.append(options)
 
-    monkeypatch.setattr(kernels_fwd, "_chunk_output_kernel", Recorder())
+    monkeypatch.setattr(kernels_output, "_chunk_output_kernel", Recorder())
     # pick_config's GPU branch reads nothing but is_cuda.
-    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
     T, H, K, V = 70, 2, 128, 128
-    layout = kernels_fwd.prepare_chunks(None, 1, T)
+    layout = kernels_common.prepare_chunks(None, 1, T)
     qk = torch.zeros(T, H, 64) if is_per_channel else None
     g_cumsum = torch.zeros(T, H, K) if is_per_channel else torch.zeros(T, H)
     args = (torch.zeros(T, H, K), torch.zeros(T, H, K), g_cumsum, torch.zeros(layout.num_slots, H, K, V),
             torch.zeros(T, H, V), layout)  # fmt: skip
-    kernels_fwd.chunk_output(*args, gpu, 1.0, True, qk)
-    kernels_fwd.chunk_output(*args, kernels_fwd.pick_config(torch.empty(0)), 1.0, True, qk)
+    kernels_output.chunk_output(*args, gpu, 1.0, True, qk)
+    kernels_output.chunk_output(*args, kernels_common.pick_config(torch.empty(0)), 1.0, True, qk)
     as_bf16 = [x.bfloat16() if x.is_floating_point() else x for x in args[:5]]
-    kernels_fwd.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk)
-    kernels_fwd.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk, store_bwd_operands=True)
-    assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT, kernels_fwd.GPU_NUM_WARPS_OUTPUT) == (3, 8)
-    assert (kernels_fwd.GPU_NUM_STAGES_OUTPUT_KDA, kernels_fwd.GPU_NUM_WARPS_OUTPUT_KDA) == (2, 4)
+    kernels_output.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk)
+    kernels_output.chunk_output(*as_bf16, layout, gpu, 1.0, True, qk, store_bwd_operands=True)
+    assert (kernels_common.GPU_NUM_STAGES_OUTPUT, kernels_common.GPU_NUM_WARPS_OUTPUT) == (3, 8)
+    assert (kernels_common.GPU_NUM_STAGES_OUTPUT_KDA, kernels_common.GPU_NUM_WARPS_OUTPUT_KDA) == (2, 4)
     # fp32 on the GPU, the interpreter, 16 bits on the GPU, 16 bits storing the backward's operands (fp32 tiles and
     # the storing variant keep the 4-warp unpipelined per-head launch).
     assert [(options["num_stages"], options["BK"], options["num_warps"]) for options in launches] == [
         (2, 64, 4) if is_per_channel else (1, 64, 4),
-        (1, kernels_fwd.MIN_DOT_SIZE, 1),
+        (1, kernels_common.MIN_DOT_SIZE, 1),
         (2, 64, 4) if is_per_channel else (3, 64, 8),
         (2, 64, 4) if is_per_channel else (1, 64, 4),
     ]
@@ -631,8 +635,8 @@ def test_output_kernel_pipelines_the_per_head_loop_only_at_8_warps(kernel_path, 
     pytest.param(32, 1000, False, (32, 4, 4), id="V32-many_documents"),  # capped at V's tile
 ])  # fmt: skip
 def test_state_fwd_launch_takes_the_widest_tile_with_enough_programs(V, num_seq_heads, is_per_channel, expected):
-    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
-    assert kernels_fwd.state_fwd_launch(gpu, V, num_seq_heads, is_per_channel) == expected
+    gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
+    assert kernels_state.state_fwd_launch(gpu, V, num_seq_heads, is_per_channel) == expected
 
 
 @pytest.mark.parametrize("dtype, compute_output, K, tuned", [
@@ -648,12 +652,12 @@ def test_state_fwd_takes_the_tuned_launch_only_where_it_was_measured(monkeypatch
         def __getitem__(self, grid):
             return lambda *args, **options: launches.append((grid, options))
 
-    monkeypatch.setattr(kernels_fwd, "_chunk_state_fwd_kernel", Recorder())
-    gpu = kernels_fwd.pick_config(types.SimpleNamespace(is_cuda=True))
+    monkeypatch.setattr(kernels_state, "_chunk_state_fwd_kernel", Recorder())
+    gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
     B, T, H, V = 4, 128, 16, 128
-    layout = kernels_fwd.prepare_chunks(None, B, T)
+    layout = kernels_common.prepare_chunks(None, B, T)
     x = torch.zeros(B * T, H, K, dtype=dtype)
-    kernels_fwd.chunk_state_fwd(x, x, x, torch.zeros(B * T, H, V, dtype=dtype), torch.zeros(B * T, H), None, layout,
+    kernels_state.chunk_state_fwd(x, x, x, torch.zeros(B * T, H, V, dtype=dtype), torch.zeros(B * T, H), None, layout,
                                 gpu, 1.0, False, False, compute_output=compute_output,
                                 store_states=not compute_output)  # fmt: skip
     [(grid, options)] = launches
@@ -668,16 +672,16 @@ def test_state_fwd_values_do_not_depend_on_the_v_tile(kernel_path, guarded):
     cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
     inputs = {name: x.detach() for name, x in make_inputs(1, 135, K=16, V=48, dtype=torch.float16, num_seqs=3).items()}
     q, k, v = (inputs[name][0] for name in "qkv")
-    layout = kernels_fwd.prepare_chunks(cu_seqlens, 1, 135)
-    config = kernels_fwd.pick_config(q)
+    layout = kernels_common.prepare_chunks(cu_seqlens, 1, 135)
+    config = kernels_common.pick_config(q)
     g_cumsum, w, u, _, _, _, k_end = autograd._wy_pass(
         q, k, v, inputs["g"][0], inputs["beta"][0], layout, config, 0.25, True, False, store_k_end=True
     )
     results = []
     for tiles in ((16,), (32,)):
         tiled = dataclasses.replace(config, block_v_state_fwd=tiles)
-        assert kernels_fwd.state_fwd_launch(tiled, 48, 3, False)[0] == tiles[0]
-        results.append(kernels_fwd.chunk_state_fwd(
+        assert kernels_state.state_fwd_launch(tiled, 48, 3, False)[0] == tiles[0]
+        results.append(kernels_state.chunk_state_fwd(
             q, k, w, u, g_cumsum, inputs["initial_state"], layout, tiled, 0.25, True, True, compute_output=False,
             store_states=True, k_end_THK=k_end,
         )[1:])  # fmt: skip

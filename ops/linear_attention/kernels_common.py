@@ -1,0 +1,455 @@
+"""Shared pieces of the chunked gated delta rule's Triton kernels: launch settings, the chunk layout, the buffer
+allocator, and the @triton.jit helpers the passes share (row tiles, L2 norm, decays, the triangular inverse).
+
+Legend: T tokens of all sequences packed along time (B*T without cu_seqlens), H heads, K key dim, V value dim,
+N sequences, C chunk length (BT inside kernels), NC chunk slots (one per chunk of every sequence, plus unused ones
+at the end), BK/BV tile widths over K/V, G the log decay summed from the chunk start (inclusive).
+
+Every tensor is token-major and contiguous: x_THD[t, h, d] sits at (t * H + h) * D + d; per-chunk states
+states_NCHKV[c, h] are the [K, V] state entering chunk slot c. A batch of B equal sequences is the packed case with
+cu_seqlens = (0, T, 2T, ...), so one code path serves both.
+
+The forward is the WY pass (kernels_wy.py), the serial state pass (kernels_state.py) and the output pass
+(kernels_output.py); for head dims whose V tile is narrower than their K tile the state pass writes the output
+itself (`has_output_kernel`). KDA runs its pairs kernel before its own WY kernel (kernels_kda.py). The backward is in
+kernels_bwd.py (per head) and kernels_kda.py (per channel).
+
+Triton 3.4-3.7.0 on Hopper miscompiles tl.trans of a tl.dot result that feeds another tl.dot (fla-org/
+flash-linear-attention#640): the kernels of this package only transpose tiles loaded from memory or built
+elementwise from them; a transposed product of computed tiles is computed as its own dot or read back from memory.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_tune.ops.linear_attention import reference
+
+# Kernels read module globals only when they are constexpr.
+L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)
+
+# The chunk length C: 64 x 64 intra-chunk blocks fill a tensor-core tile and keep the triangular solve short.
+CHUNK_SIZE = reference.DEFAULT_CHUNK_SIZE
+# The triangular inverse's substitution levels below 16 rows run batched on the [C / 16, 16, 16] diagonal blocks
+# (16 is the smallest tl.dot size); the levels from 16 rows up run on the whole [C, C] tile (`unit_lower_inverse`).
+SUB_CHUNK_SIZE = 16
+# tl.dot needs every operand dimension to be at least 16.
+MIN_DOT_SIZE = 16
+# 32 value columns per state program: B4 H16 V128 gives 256 serial programs to fill 132 SMs, and the fp32 state
+# [128, 32] is 32 registers per thread at 4 warps.
+GPU_BLOCK_V_STATE = 32
+# The per-chunk gradient kernel loops over V in tiles of 64: two iterations at V = 128.
+GPU_BLOCK_V_GRAD = 64
+# The WY kernels loop over V in tiles of 64 for U; the per-head one with 16-bit inputs in tiles of 128: 0.349 against
+# 0.372 ms for the WY pass alone on the H200, B4 T8192 H16 K=V=128 bf16 (docs/PERF.md, linear attention).
+GPU_BLOCK_V_WY = 64
+GPU_BLOCK_V_WY_16BIT = 128
+# The output kernel builds q k^T once per V tile (one tile of 128 at V = 128) and loops over K in tiles of 64; the
+# fastest launches that compile right on triton 3.6 (the per-head loop at 4 warps and 2-3 stages does not), H200, B4
+# T8192 H16 K=V=128 bf16: per-head 8 warps, 3 stages (0.267 ms), KDA 4 warps, 2 stages (0.252 ms); docs/PERF.md,
+# linear attention.
+GPU_BLOCK_V_OUTPUT = 128
+GPU_BLOCK_K_OUTPUT = 64
+GPU_NUM_WARPS_OUTPUT = 8
+GPU_NUM_WARPS_OUTPUT_KDA = 4
+GPU_NUM_STAGES_OUTPUT = 3
+GPU_NUM_STAGES_OUTPUT_KDA = 2
+# KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
+# K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
+# 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
+GPU_NUM_WARPS_KDA_PAIRS = 8
+# KDA's two gradient kernels (kernels_kda.py), sm_90 compile, triton 3.6, K = V = 128: the WY kernel spills 200
+# bytes of stack a thread at 8 warps (16: 304, 4: 2,080), the products kernel 568 (with 16-bit dot operands 536; 16
+# warps: 392 at half the registers a thread, 4: 2,648); the single kernel they replace spilled 3,784 at 8 warps.
+GPU_NUM_WARPS_KDA_GRAD_WY = 8
+GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
+# 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
+GPU_NUM_WARPS = 4
+# The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
+GPU_NUM_WARPS_GRAD = 8
+# Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
+GPU_NUM_STAGES_STATE = 2
+# The forward's serial pass that stores the states (beside the output kernel, and the backward's recomputation),
+# 16-bit inputs with K up to 128 (`state_fwd_launch`): the widest V tile of these that still gives at least
+# GPU_MIN_STATE_PROGRAMS programs (V tiles x sequences x heads; the H200 has 132 SMs), deeper pipelines, and 8 warps
+# for KDA's tiles of 64: the fastest settings of the pass alone on the H200, K=V=128 bf16, at B4 T8192 H16 (per-head
+# 0.259 ms, KDA 0.287) and at one 32K-token document (per-head 0.595 ms, KDA 0.821); docs/PERF.md, linear attention.
+GPU_BLOCK_V_STATE_FWD = (64, 32, 16)
+GPU_MIN_STATE_PROGRAMS = 128
+GPU_NUM_STAGES_STATE_FWD = 4
+GPU_NUM_STAGES_STATE_FWD_KDA = 3
+GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
+# The triangular inverse's products for 16-bit inputs with L2-normed keys (`inverse_dots`): fp16 operands, whose
+# 10-bit mantissa is tf32's, at twice the tensor-core rate and half the bytes. A's entries are at most 1 in magnitude
+# (normed keys, beta <= 1, decays <= 1) and the inverse's were at most 1.0 in every case measured (fp64, random,
+# correlated, and beta-1 keys), far inside fp16's 6.5e4. H200, B4 T8192 H16 K=V=128 bf16: WY pass 0.296 ms against
+# 0.332 in tf32, W and U as far from the fp64 ones (docs/PERF.md, linear attention).
+GPU_INVERSE_DOTS_16BIT = "fp16"
+# The parallel kernels handle one chunk each: their short V loops have little to prefetch.
+GPU_NUM_STAGES = 1
+# The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
+GPU_WU_16BIT = True
+WU_16BIT_MIN_DIM = 64
+# The interpreter runs each program in Python: 16-wide V tiles make V = 32 take the multi-tile paths in CPU tests.
+INTERPRETER_BLOCK_V = MIN_DOT_SIZE
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch settings of one call, picked from the device."""
+
+    block_v_state: int
+    block_v_grad: int
+    block_v_wy: int
+    block_v_output: int
+    block_k_output: int
+    num_warps: int
+    num_warps_grad: int
+    num_warps_output: int
+    num_warps_output_kda: int
+    num_warps_kda_pairs: int
+    num_warps_kda_grad_wy: int
+    num_warps_kda_grad_products: int
+    num_stages_state: int
+    num_stages: int
+    num_stages_output: int
+    num_stages_output_kda: int
+    wu_16bit: bool
+    block_v_wy_16bit: int
+    # The forward's state-storing serial pass (state_fwd_launch).
+    block_v_state_fwd: tuple[int, ...]
+    min_state_programs: int
+    num_stages_state_fwd: int
+    num_stages_state_fwd_kda: int
+    num_warps_state_fwd_kda_wide: int
+    inverse_dots_16bit: str
+
+
+def pick_config(x: torch.Tensor) -> KernelConfig:
+    if not x.is_cuda:
+        # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
+        block_v = INTERPRETER_BLOCK_V
+        return KernelConfig(
+            block_v, block_v, block_v, block_v, block_k_output=MIN_DOT_SIZE, num_warps=1, num_warps_grad=1,
+            num_warps_output=1, num_warps_output_kda=1, num_warps_kda_pairs=1, num_warps_kda_grad_wy=1,
+            num_warps_kda_grad_products=1, num_stages_state=1, num_stages=1, num_stages_output=1,
+            num_stages_output_kda=1, wu_16bit=True, block_v_wy_16bit=block_v, block_v_state_fwd=(block_v,),
+            min_state_programs=1, num_stages_state_fwd=1, num_stages_state_fwd_kda=1, num_warps_state_fwd_kda_wide=1,
+            inverse_dots_16bit=GPU_INVERSE_DOTS_16BIT,
+        )
+    return KernelConfig(
+        GPU_BLOCK_V_STATE,
+        GPU_BLOCK_V_GRAD,
+        GPU_BLOCK_V_WY,
+        GPU_BLOCK_V_OUTPUT,
+        GPU_BLOCK_K_OUTPUT,
+        GPU_NUM_WARPS,
+        GPU_NUM_WARPS_GRAD,
+        GPU_NUM_WARPS_OUTPUT,
+        GPU_NUM_WARPS_OUTPUT_KDA,
+        GPU_NUM_WARPS_KDA_PAIRS,
+        GPU_NUM_WARPS_KDA_GRAD_WY,
+        GPU_NUM_WARPS_KDA_GRAD_PRODUCTS,
+        GPU_NUM_STAGES_STATE,
+        GPU_NUM_STAGES,
+        GPU_NUM_STAGES_OUTPUT,
+        GPU_NUM_STAGES_OUTPUT_KDA,
+        GPU_WU_16BIT,
+        GPU_BLOCK_V_WY_16BIT,
+        GPU_BLOCK_V_STATE_FWD,
+        GPU_MIN_STATE_PROGRAMS,
+        GPU_NUM_STAGES_STATE_FWD,
+        GPU_NUM_STAGES_STATE_FWD_KDA,
+        GPU_NUM_WARPS_STATE_FWD_KDA_WIDE,
+        GPU_INVERSE_DOTS_16BIT,
+    )
+
+
+def dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
+    """(operand dots, fp32 dots of the triangular inverse).
+
+    fp32 inputs get exact fp32 products, as the reference; 16-bit inputs multiply 16-bit operands (the precision
+    argument is then unused) and build the inverse in tf32, finer than the 16-bit W and U it feeds.
+    """
+    if dtype == torch.float32:
+        return "ieee", "ieee"
+    return "tf32", "tf32"
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here, looked up as `kernels_common.alloc` at each call: tests replace
+    it to fill buffers with NaN and guard their ends."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def block_size(dim: int) -> int:
+    return max(MIN_DOT_SIZE, triton.next_power_of_2(dim))
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where every chunk of every sequence lives, built on the device without a host sync.
+
+    cu_seqlens: [N + 1] int32 sequence starts in the packed token axis.
+    chunk_offsets: [N + 1] int32, the first chunk slot of each sequence (slots of one sequence are consecutive).
+    chunk_map: [NC, 2] int32, (first token, number of tokens) of each chunk slot; unused slots have 0 tokens.
+    """
+
+    cu_seqlens: torch.Tensor
+    chunk_offsets: torch.Tensor
+    chunk_map: torch.Tensor
+    num_slots: int
+    chunk_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+# Layouts of recent calls, newest last. Every linear attention layer of a model step packs the same cu_seqlens, and
+# building a layout is about 20 small device ops a call: the cache saves 0.06 ms of the op's forward at B4 T8192 H16
+# K=V=128 on the H200 (docs/PERF.md, linear attention).
+_LAYOUT_CACHE_SIZE = 8
+_layout_cache: OrderedDict[tuple, tuple[torch.Tensor | None, ChunkLayout]] = OrderedDict()
+
+
+def prepare_chunks(
+    cu_seqlens: torch.Tensor | None, batch_size: int, seq_len: int, chunk_size: int = CHUNK_SIZE, device=None
+) -> ChunkLayout:
+    """The chunk layout of `batch_size` sequences of `seq_len` tokens, or of the packed sequences of cu_seqlens.
+
+    The same cu_seqlens tensor (the same object, not changed in place since) or the same fixed-length shape and
+    device gives the same layout object back; the layout's tensors are only read, by every kernel."""
+    if cu_seqlens is not None and cu_seqlens.is_inference():
+        # Inference tensors keep no version counter to tell an in-place change.
+        return _build_chunks(cu_seqlens, batch_size, seq_len, chunk_size, device)
+    if cu_seqlens is None:
+        key = (None, 0, batch_size, seq_len, chunk_size, str(torch.device(device or "cpu")))
+    else:
+        # The entry holds the tensor itself, so its id is not reused while the entry lives.
+        key = (id(cu_seqlens), cu_seqlens._version, batch_size, seq_len, chunk_size, str(cu_seqlens.device))
+    entry = _layout_cache.get(key)
+    if entry is not None and entry[0] is cu_seqlens:
+        _layout_cache.move_to_end(key)
+        return entry[1]
+    layout = _build_chunks(cu_seqlens, batch_size, seq_len, chunk_size, device)
+    _layout_cache[key] = (cu_seqlens, layout)
+    if len(_layout_cache) > _LAYOUT_CACHE_SIZE:
+        _layout_cache.popitem(last=False)
+    return layout
+
+
+def _build_chunks(
+    cu_seqlens: torch.Tensor | None, batch_size: int, seq_len: int, chunk_size: int, device
+) -> ChunkLayout:
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(batch_size + 1, device=device) * seq_len
+        num_slots = batch_size * triton.cdiv(seq_len, chunk_size)
+        num_tokens = batch_size * seq_len
+    else:
+        num_tokens = seq_len
+        num_seqs = cu_seqlens.numel() - 1
+        # sum ceil(len / C) <= T // C + N: an upper bound known without reading cu_seqlens on the host.
+        num_slots = num_tokens // chunk_size + num_seqs
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
+    chunk_offsets = torch.nn.functional.pad(chunks_per_seq.cumsum(0), (1, 0)).to(torch.int32)
+    slot = torch.arange(num_slots, device=cu_seqlens.device, dtype=torch.int32)
+    num_seqs = lengths.numel()
+    seq = torch.searchsorted(chunk_offsets[1:], slot, right=True).clamp(max=max(num_seqs - 1, 0))
+    first_token = cu_seqlens[seq] + (slot - chunk_offsets[seq]) * chunk_size
+    num_tokens_in_chunk = (cu_seqlens[seq + 1] - first_token).clamp(0, chunk_size)
+    chunk_map = torch.stack([first_token, num_tokens_in_chunk], dim=1).to(torch.int32).contiguous()
+    return ChunkLayout(cu_seqlens.contiguous(), chunk_offsets.contiguous(), chunk_map, num_slots, chunk_size)
+
+
+@triton.jit
+def load_chunk_state_t(ptr, i_c, i_h, num_valid, H, K, V, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """[BV, BK]: V tile v0 of the per-chunk state (or its gradient) of slot i_c and head i_h, stored [NS, H, K, V],
+    read transposed; zeros for a slot holding no chunk (it stored nothing)."""
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    offs_v = v0 + tl.arange(0, BV)
+    offsets = offs_k[None, :] * V + offs_v[:, None]
+    mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+    return tl.load(ptr + slot_head + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_rows(ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
+    """[BT, BD] tile of rows t0 .. t0 + num_valid (zeros past them and past num_cols); ptr is at column 0."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    offsets = (t0 + rows[:, None]).to(tl.int64) * row_stride + cols[None, :]
+    mask = (rows[:, None] < num_valid) & (cols[None, :] < num_cols)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_rows_t(ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
+    """The transpose [BD, BT] of `load_rows`, read transposed from memory."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    offsets = (t0 + rows[None, :]).to(tl.int64) * row_stride + cols[:, None]
+    mask = (rows[None, :] < num_valid) & (cols[:, None] < num_cols)
+    return tl.load(ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, x, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BD: tl.constexpr):
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BD)
+    offsets = (t0 + rows[:, None]).to(tl.int64) * row_stride + cols[None, :]
+    mask = (rows[:, None] < num_valid) & (cols[None, :] < num_cols)
+    tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def l2norm_rows(x, USE_L2NORM: tl.constexpr):
+    """fp32 x / sqrt(sum(x^2) + eps) per row when USE_L2NORM, else x in fp32."""
+    x = x.to(tl.float32)
+    if USE_L2NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + L2NORM_EPS)[:, None]
+    return x
+
+
+@triton.jit
+def load_decay(g_cumsum_ptr, t0, num_valid, H, BT: tl.constexpr):
+    """G [BT] fp32 of one chunk and its last value G_C; rows past the chunk's end repeat G_C, as zero-padded
+    tokens (g = 0) would, so every pairwise G_i - G_j with j <= i stays <= 0."""
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    G = tl.load(g_cumsum_ptr + (t0 + rows).to(tl.int64) * H, mask=is_valid, other=0.0)
+    G_last = tl.sum(tl.where(rows == num_valid - 1, G, 0.0), axis=0)
+    return tl.where(is_valid, G, G_last), G_last
+
+
+@triton.jit
+def load_channel_decay(g_cumsum_ptr, t0, num_valid, row_stride, num_cols, BT: tl.constexpr, BK: tl.constexpr):
+    """G [BT, BK] fp32 per key channel and its last row G_C [BK]; rows past the chunk's end repeat G_C."""
+    rows = tl.arange(0, BT)
+    G = load_rows(g_cumsum_ptr, t0, num_valid, row_stride, num_cols, BT, BK)
+    G_last = tl.sum(tl.where((rows == num_valid - 1)[:, None], G, 0.0), axis=0)
+    return tl.where((rows < num_valid)[:, None], G, G_last[None, :]), G_last
+
+
+@triton.jit
+def load_decays(g_cumsum_ptr, i_h, t0, num_valid, H, K, IS_PER_CHANNEL: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr):  # fmt: skip
+    """The decays of one chunk, shaped to scale [BT, BK] rows and the [BK, BV] state: (exp(G), exp(G_C - G),
+    exp(G_C)) as ([BT, 1], [BT, 1], scalar) per head or ([BT, BK], [BT, BK], [BK, 1]) per channel, and G."""
+    if IS_PER_CHANNEL:
+        G, G_last = load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+        decay = tl.exp(G)
+        decay_to_end = tl.exp(G_last[None, :] - G)
+        state_decay = tl.exp(G_last)[:, None]
+    else:
+        G, G_last = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+        decay = tl.exp(G)[:, None]
+        decay_to_end = tl.exp(G_last - G)[:, None]
+        state_decay = tl.exp(G_last)
+    return decay, decay_to_end, state_decay, G
+
+
+@triton.jit
+def load_state_decay(g_cumsum_ptr, i_h, t_last, H, K, IS_PER_CHANNEL: tl.constexpr, BK: tl.constexpr):
+    """exp(G_C) of the chunk whose last token is t_last, shaped as `load_decays` gives it (scalar, or [BK, 1])."""
+    if IS_PER_CHANNEL:
+        offs_k = tl.arange(0, BK)
+        G_last = tl.load(g_cumsum_ptr + (t_last.to(tl.int64) * H + i_h) * K + offs_k, mask=offs_k < K, other=0.0)
+        return tl.exp(G_last)[:, None]
+    else:
+        return tl.exp(tl.load(g_cumsum_ptr + t_last.to(tl.int64) * H + i_h))
+
+
+@triton.jit
+def pair_decay(G, IS_INCLUSIVE: tl.constexpr, IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr):
+    """[BT, BT] exp(G_i - G_j) for j <= i (j < i unless IS_INCLUSIVE), 0 elsewhere; IS_TRANSPOSED gives [j, i].
+
+    The exponent is masked before the exp: for j > i it is positive and may overflow fp32.
+    """
+    rows = tl.arange(0, BT)
+    if IS_TRANSPOSED:
+        log_decay = G[None, :] - G[:, None]
+        if IS_INCLUSIVE:
+            mask = rows[None, :] >= rows[:, None]
+        else:
+            mask = rows[None, :] > rows[:, None]
+    else:
+        log_decay = G[:, None] - G[None, :]
+        if IS_INCLUSIVE:
+            mask = rows[:, None] >= rows[None, :]
+        else:
+            mask = rows[:, None] > rows[None, :]
+    return tl.where(mask, tl.exp(tl.where(mask, log_decay, 0.0)), 0.0)
+
+
+@triton.jit
+def decayed_qk(q, k, G, dot_dtype, BT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """[BT, BT] fp32 (q k^T)[i, j] exp(G_i - G_j) for j <= i, 0 above: the output's intra-chunk pairs (per-head
+    decay; q and k already scaled and normed as the caller wants), products in dot_dtype."""
+    qk = tl.dot(q.to(dot_dtype), tl.trans(k.to(dot_dtype)), input_precision=DOT_PRECISION)
+    return qk * pair_decay(G, True, False, BT)
+
+
+@triton.jit
+def _inverse_dot(x, y, DOTS: tl.constexpr):
+    """fp32 x @ y for the triangular inverse: DOTS "fp16" rounds both operands to fp16, else it is tl.dot's
+    input_precision ("tf32", "ieee")."""
+    if DOTS == "fp16":
+        z = tl.dot(x.to(tl.float16), y.to(tl.float16))
+    else:
+        z = tl.dot(x, y, input_precision=DOTS)
+    return z
+
+
+@triton.jit
+def unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr):
+    """(I + A)^-1 [BT, BT] fp32 for A strictly lower triangular fp32, by block forward substitution with the block
+    size doubling: with T_s the inverse of I + (A's s x s diagonal blocks) (T_1 = I) and A_s the part of A in the
+    lower-left s x s block of each 2s x 2s diagonal block, T_2s = T_s - T_s A_s T_s (N = T_s A_s has N^2 = 0, so
+    (I + N)^-1 = I - N). Every product is of bounded factors (T's blocks and A's), so the rounding of 16-bit dot
+    operands stays at their precision.
+
+    Doubling the powers of A instead ((I + L)^-1 = (I - L)(I + L^2)(I + L^4)..., then a Neumann merge) takes the same
+    number of products but cancels large intermediate powers: keys at cosine ~0.9 with beta near 1 give W 60x off the
+    fp64 one and NaN outputs (docs/PERF.md, linear attention). Levels below SB run batched on the [BT / SB, SB, SB]
+    diagonal blocks, the others (s >= SB) on the [BT, BT] tile."""
+    NB: tl.constexpr = BT // SB
+    blocks = tl.arange(0, NB)
+    is_diag_block = blocks[:, None, None, None] == blocks[None, None, :, None]  # [NB, 1, NB, 1]
+    # A_diag[b, i, j] = A[b SB + i, b SB + j]: the other blocks of each block row are masked out of the sum.
+    A_diag = tl.sum(tl.where(is_diag_block, tl.reshape(A, (NB, SB, NB, SB)), 0.0), axis=2)
+    r = tl.arange(0, SB)
+    i = r[:, None]
+    j = r[None, :]
+    # T_2: the 2 x 2 diagonal blocks of (I + A)^-1 are I - A there.
+    inv_b = tl.where(i == j, 1.0, 0.0)[None, :, :] - tl.where(((i // 2) == (j // 2))[None, :, :], A_diag, 0.0)
+    for e in tl.static_range(1, 7):
+        if (1 << e) < SB:
+            A_s = tl.where((((i >> (e + 1)) == (j >> (e + 1))) & ((i >> e) > (j >> e)))[None, :, :], A_diag, 0.0)
+            inv_b -= _inverse_dot(_inverse_dot(inv_b, A_s, DOTS), inv_b, DOTS)
+    inv = tl.reshape(tl.where(is_diag_block, inv_b[:, :, None, :], 0.0), (BT, BT))
+    rows = tl.arange(0, BT)
+    ii = rows[:, None]
+    jj = rows[None, :]
+    for e in tl.static_range(1, 8):
+        if ((1 << e) >= SB) and ((1 << e) < BT):
+            A_s = tl.where(((ii >> (e + 1)) == (jj >> (e + 1))) & ((ii >> e) > (jj >> e)), A, 0.0)
+            inv -= _inverse_dot(_inverse_dot(inv, A_s, DOTS), inv, DOTS)
+    return inv
+
+
+def inverse_dots(dtype: torch.dtype, use_qk_l2norm: bool, config: KernelConfig) -> str:
+    """The triangular inverse's dots (`_inverse_dot`): exact for fp32 inputs; for 16-bit inputs with L2-normed keys
+    config.inverse_dots_16bit, else tf32."""
+    if dtype == torch.float32:
+        return "ieee"
+    return config.inverse_dots_16bit if use_qk_l2norm else "tf32"
