@@ -77,6 +77,11 @@ def graph_blockers(profile: JobProfile, device_type: str, expert_parallel: int) 
     elif not resolve_policy(profile.memory).keeps_everything:
         reasons.append(f"memory.preset ({profile.memory.preset}) offloads or recomputes saved tensors through hooks "
                        "a graph replay skips: use none, with no operator class or GPU budget set")  # fmt: skip
+    chunk = profile.memory.sequence_chunk_tokens
+    if chunk is not None and chunk < profile.data.seq_len:
+        reasons.append(f"memory.sequence_chunk_tokens ({chunk}) runs each MoE block chunk by chunk, recomputed in "
+                       f"backward, on rows of data.seq_len ({profile.data.seq_len}): unset it or make it "
+                       "at least data.seq_len")  # fmt: skip
     return reasons
 
 

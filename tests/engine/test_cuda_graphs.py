@@ -37,12 +37,23 @@ def test_nothing_rules_out_the_benchmark_profile_on_cuda():
         (["memory.preset=balanced"], "cuda", 1, "memory.preset (balanced) offloads or recomputes saved tensors"),
         # A preset of none with one class changed is no longer "keep everything".
         (["memory.norm=recompute"], "cuda", 1, "memory.preset (none) offloads or recomputes saved tensors"),
+        (["memory.sequence_chunk_tokens=4095"], "cuda", 1, "memory.sequence_chunk_tokens (4095) runs each MoE block"),
+        (["memory.sequence_chunk_tokens=1"], "cuda", 1, "memory.sequence_chunk_tokens (1) runs each MoE block"),
     ],
-    ids=["cpu", "zero3", "expert-parallel", "checkpointing", "balanced", "none-with-a-class-set"],
+    ids=["cpu", "zero3", "expert-parallel", "checkpointing", "balanced", "none-with-a-class-set", "chunks-below-row",
+         "chunks-of-one"],
 )
 def test_what_rules_graphs_out(overrides, device, expert_parallel, expected):
     reasons = graph_blockers(load_profile(BENCH, overrides), device, expert_parallel)
     assert len(reasons) == 1 and reasons[0].startswith(expected), reasons
+
+
+@pytest.mark.parametrize("chunk", [4096, 4097, 10**6])
+def test_chunks_of_a_whole_row_leave_graphs_on(chunk):
+    # A row no longer than the chunk runs whole (MoEBlock.forward), as without chunks.
+    profile = load_profile(BENCH, [f"memory.sequence_chunk_tokens={chunk}"])
+    assert profile.data.seq_len == 4096
+    assert graph_blockers(profile, "cuda", 1) == []
 
 
 def test_every_reason_is_listed():
