@@ -13,10 +13,11 @@ kernels_state.chunk_state_fwd(store_states=True)): kept from the forward (save_i
 1. `_chunk_state_bwd_kernel`, serial over each sequence's chunks in reverse, the state gradient dS [K, BV] in
    registers (fp32): writes dS1 of every chunk, dv_new = (q k^T * M)^T do + (k exp(G_C - G)) dS1, and
    dS0 = exp(G_C) dS1 + (q exp(G))^T do - W^T dv_new, the initial state's gradient at each sequence start.
-   With IS_PER_CHANNEL (KDA) the decays are [C, K] and (q k^T * M)^T is read transposed from the WY pass. With
-   HAS_PREPARED (power-of-two K) the loop reads q exp(G) and (per head) (q k^T * M) from `_prepare_state_bwd_kernel`,
-   a parallel pass before it, and k exp(G_C - G) from the recomputed WY pass: no norm or exp left in the loop but
-   exp(G_C) (H200, B4 T8192 H16 K=V=128 bf16: 1.21 -> 0.62 ms, KDA 1.65 -> 0.69; gradients bitwise equal).
+   With IS_PER_CHANNEL (KDA) the decays are [C, K] and (q k^T * M)^T is read transposed from KDA's pairs
+   kernel. With HAS_PREPARED (power-of-two K) the loop reads q exp(G) and (per head) (q k^T * M) from
+   `_prepare_state_bwd_kernel`, a parallel pass before it, and k exp(G_C - G) from the WY pass (KDA: its pairs
+   kernel): no norm or exp left in the loop but exp(G_C) (H200, B4 T8192 H16 K=V=128 bf16: 1.21 -> 0.62 ms, KDA
+   1.65 -> 0.69; gradients bitwise equal).
 2. `_chunk_grad_output_kernel`, one program per (chunk, head), all in parallel: the output's part, dq (final) and
    fp32 parts of dk and dG from S0, v_new and do.
 3. `_chunk_grad_wy_kernel`, one program per (chunk, head), all in parallel: dv, dbeta and the rest of dk and dG from

@@ -112,7 +112,7 @@ def _chunk_state_fwd_kernel(
         if COMPUTE_OUTPUT:
             q = l2norm_rows(load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK), USE_L2NORM) * scale
             if IS_PER_CHANNEL:
-                # The decayed, causal q k^T of the WY kernel: per-channel decays do not factor out of the dot.
+                # The decayed, causal q k^T of KDA's pairs kernel: per-channel decays do not factor out of the dot.
                 qk = load_rows(qk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
             else:
                 qk = decayed_qk(q, k, G, dot_dtype, BT, DOT_PRECISION).to(dot_dtype)
