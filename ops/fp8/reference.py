@@ -13,8 +13,9 @@ Activation groups (quantize_groups and its inverses): x [..., K] -> x_q float8_e
 [..., G] with x ~ x_q[k] * scale[k // 128] in groups of 1 x 128 along K; `segments` restarts the groups likewise
 (the gate and up halves of a gradient [S, 2F]).
 
-One rounding rule for weights and groups: scale = max(amax, AMAX_FLOOR) / 448 over the block or group, q = round_to_nearest_even(
-clamp(x / scale, -448, 448)) in float8_e4m3fn; both divisions correctly rounded fp32 quotients on every device.
+One rounding rule for weights and groups: scale = max(amax, AMAX_FLOOR) / 448 over the block or group,
+q = round_to_nearest_even(clamp(x / scale, -448, 448)) in float8_e4m3fn; both divisions correctly rounded fp32
+quotients on every device.
 """
 
 from __future__ import annotations

@@ -219,7 +219,8 @@ def test_reference_is_the_formula():
     x, weight, scale_inv, bias, grad_y = linear_case((2, 5), 300, 130, torch.float32, True)
     y, dx, dbias = run_linear(fp8_linear_ref, x, weight, scale_inv, bias, grad_y)
     # The explicit formula in fp64, the weight written out per 128 x 128 block.
-    w = values_of(weight).double() * scale_inv.double().repeat_interleave(128, 0)[:130].repeat_interleave(128, 1)[:, :300]
+    full_scale = scale_inv.double().repeat_interleave(128, 0)[:130].repeat_interleave(128, 1)[:, :300]
+    w = values_of(weight).double() * full_scale
     torch.testing.assert_close(y.double(), x.detach().double() @ w.T + bias.detach().double(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx.double(), grad_y.double() @ w, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dbias, grad_y.sum((0, 1)))
@@ -248,7 +249,8 @@ DEQUANTIZE_SHAPES = {
 
 
 def odd_weight(out_features, in_features, seed=3):
-    """A weight over 10^-9..10^3 (subnormal e4m3 codes in its blocks) with an all-zero block where it has two or more."""
+    """A weight over 10^-9..10^3 (subnormal e4m3 codes in its blocks), its first block all zero when it has two or
+    more."""
     gen = torch.Generator().manual_seed(seed)
     w = ramp(out_features, in_features, gen=gen, scale_range=(-9.0, 3.0))
     if out_features > 128 or in_features > 128:
