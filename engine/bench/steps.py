@@ -86,7 +86,7 @@ class StepRunner:
         self.total_steps = run_steps(train, self.dataset, self.dist.world_size)
         check_world(profile, self.dist.world_size)
         layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
-        check_cuda_graphs(profile, self.dist.device.type, layout.ep_size)
+        check_cuda_graphs(profile, self.dist.device.type, layout.expert_parallel)
         ds_config = deepspeed_config(profile, self.dist.world_size)
         init_device = self.dist.device if self.dist.device.type == "cuda" else None
         model, trainable = build_trainable_model(profile, layout, ds_config, init_device)
@@ -104,7 +104,7 @@ class StepRunner:
         self.steps_done = 0
         # The MoE blocks' CUDA graphs (train.cuda_graphs), captured at the first step for its micro-batch shape and
         # again after set_seq_len (the memory sweep's peaks must not hold a previous length's graph memory).
-        self._expert_parallel = layout.ep_size
+        self._expert_parallel = layout.expert_parallel
         self.graphs = None
         self._graphs_tokens = None
 

@@ -325,7 +325,7 @@ class MoEBlock(nn.Module):
 
     def _experts_and_shared(self, x_TD, topk_ids, topk_weights) -> torch.Tensor:
         """The routed experts' weighted sum plus the (gated) shared expert: [T, D]."""
-        if self.layout.ep_size == 1:
+        if self.layout.expert_parallel == 1:
             y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype))
         else:
             y_TD = dispatch_compute_combine(
@@ -417,7 +417,7 @@ def channel_mixer_in_chunks(
     parts, routings = [], []
     for start, end in chunks:
         part, routing = recomputed(_moe_chunk, mix, mixer, x[:, start:end], slots_before_E, start, num_tokens,
-                                   is_collective=mixer.layout.ep_size > 1)  # fmt: skip
+                                   is_collective=mixer.layout.expert_parallel > 1)  # fmt: skip
         slots_before_E = slots_before_E + routing.counts_E
         parts.append(part)
         routings.append(routing)

@@ -1,8 +1,9 @@
 """Expert parallelism over ZeRO-3 data parallelism.
 
 World = data x expert. Rank r sits at expert-parallel position r % ep of its expert-parallel group (DeepSpeed's
-"ep_size_{ep}" groups: consecutive ranks), and holds experts [ep_rank * E_local, (ep_rank + 1) * E_local) of every
-MoE layer, E_local = E / ep. Tokens travel to the rank of their expert with all_to_all_single (uneven splits,
+"ep_size_{ep}" groups: consecutive ranks; ep is the profile's parallel.expert_parallel, ExpertLayout.expert_parallel),
+and holds experts [expert_parallel_rank * E_local, (expert_parallel_rank + 1) * E_local) of every MoE layer,
+E_local = E / ep. Tokens travel to the rank of their expert with all_to_all_single (uneven splits,
 counts exchanged first), are computed by the local experts, and come back to be combined with the routing weights;
 autograd flows through both all-to-alls.
 
@@ -26,31 +27,31 @@ EXPERT_FAMILY = "autoep_expert"
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Where the experts of every MoE layer live. ep_size 1 (group None) is the single-device layout."""
+    """Where the experts of every MoE layer live. expert_parallel 1 (group None) is the single-device layout."""
 
-    ep_size: int = 1
-    ep_rank: int = 0
+    expert_parallel: int = 1
+    expert_parallel_rank: int = 0
     group: object | None = None
 
     @property
     def group_name(self) -> str:
-        return f"ep_size_{self.ep_size}"
+        return f"ep_size_{self.expert_parallel}"
 
     def local_experts(self, num_experts: int) -> range:
-        per_rank = num_experts // self.ep_size
-        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        per_rank = num_experts // self.expert_parallel
+        return range(self.expert_parallel_rank * per_rank, (self.expert_parallel_rank + 1) * per_rank)
 
 
-def create_expert_layout(ep_size: int, world_size: int) -> ExpertLayout:
+def create_expert_layout(expert_parallel: int, world_size: int) -> ExpertLayout:
     """Create (through DeepSpeed, so ZeRO-3 resolves the same groups) the expert and expert-data groups."""
-    if ep_size == 1:
+    if expert_parallel == 1:
         return ExpertLayout()
     from deepspeed.utils import groups
 
-    groups._create_expert_and_data_parallel(ep_size)
-    name = f"ep_size_{ep_size}"
+    groups._create_expert_and_data_parallel(expert_parallel)
+    name = f"ep_size_{expert_parallel}"
     group = groups._get_expert_parallel_group(name)
-    return ExpertLayout(ep_size=ep_size, ep_rank=dist.get_rank(group=group), group=group)
+    return ExpertLayout(expert_parallel=expert_parallel, expert_parallel_rank=dist.get_rank(group=group), group=group)
 
 
 def is_expert_parameter(param: nn.Parameter) -> bool:
@@ -95,12 +96,12 @@ def dispatch_compute_combine(
     rows, so ZeRO-3's gathers of expert parameters stay matched across the group.
     """
     n, k = topk_ids.shape
-    per_rank = num_experts // layout.ep_size
+    per_rank = num_experts // layout.expert_parallel
     flat_ids = topk_ids.reshape(-1)
     dest_S = torch.div(flat_ids, per_rank, rounding_mode="floor")
     order_S = torch.argsort(dest_S, stable=True)
     token_S = torch.div(order_S, k, rounding_mode="floor")
-    send_counts = torch.bincount(dest_S, minlength=layout.ep_size)
+    send_counts = torch.bincount(dest_S, minlength=layout.expert_parallel)
     recv_counts = _exchange_counts(send_counts, layout.group)
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
     num_recv = sum(recv_splits)
@@ -120,8 +121,8 @@ def dispatch_compute_combine(
 
 def gather_expert_tensor(local: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """Concatenate each rank's [E_local, ...] slice into the full [E, ...] tensor (equal sizes on every rank)."""
-    if layout.ep_size == 1:
+    if layout.expert_parallel == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(layout.ep_size)]
+    parts = [torch.empty_like(local) for _ in range(layout.expert_parallel)]
     dist.all_gather(parts, local.contiguous(), group=layout.group)
     return torch.cat(parts, dim=0)

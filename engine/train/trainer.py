@@ -178,7 +178,7 @@ def build_trainable_model(
             model = build_model(cfg, profile.memory.activation_checkpointing, layout, init_device,
                                 training_dtype(profile) if init_device else None)
         # Each rank reads only its own experts; unread tensors can be reported only when one rank reads them all.
-        load_checkpoint_weights(model, cfg, check_unread=layout is None or layout.ep_size == 1)
+        load_checkpoint_weights(model, cfg, check_unread=layout is None or layout.expert_parallel == 1)
     else:
         model = build_model(cfg, profile.memory.activation_checkpointing, layout, init_device,
                             training_dtype(profile) if init_device else None)
@@ -194,7 +194,7 @@ def build_trainable_model(
             # The expert LoRA layer reads its adapters' parameters directly: ZeRO-3 must gather them all at once.
             if any(isinstance(m, GroupedExpertsLoRA) for m in model.modules()):
                 set_z3_leaf_modules(model, [GroupedExpertsLoRA])
-    if layout is not None and layout.ep_size > 1:
+    if layout is not None and layout.expert_parallel > 1:
         tag_expert_parameters(model, layout)
     # After LoRA: the memory policy classifies the adapter layers too (engine/memory).
     attach_activation_memory(model, profile.memory)
@@ -478,7 +478,7 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         run.resumed_from = _resume(run)
     # After loading: a graph replays the weights' addresses as captured.
     run.graphs = maybe_graph_moe_blocks(
-        engine.module, profile, dist.device, layout.ep_size, train.micro_batch_size * profile.data.seq_len
+        engine.module, profile, dist.device, layout.expert_parallel, train.micro_batch_size * profile.data.seq_len
     )
     return run
 

@@ -327,7 +327,7 @@ def test_plan_counts_the_recomputed_all_to_alls(checkpointing, all_to_alls):
 EP_TOKENS, EP_CHUNK = 64, 24
 
 
-def ep_rank(result: str, port: str) -> None:
+def expert_parallel_rank(result: str, port: str) -> None:
     """One of two ranks: the model with experts split over both (LoRA on them), on this rank's own row, unchunked
     and chunked; each rank saves its losses and gradients to result.RANK."""
     import torch.distributed as dist
@@ -338,7 +338,7 @@ def ep_rank(result: str, port: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(os.environ["RANK"]),
                             world_size=2)  # fmt: skip
     rank = dist.get_rank()
-    layout = ExpertLayout(ep_size=2, ep_rank=rank, group=dist.group.WORLD)
+    layout = ExpertLayout(expert_parallel=2, expert_parallel_rank=rank, group=dist.group.WORLD)
     ids = torch.randint(0, 259, (1, EP_TOKENS), generator=torch.Generator().manual_seed(10 + rank))
     cu_seqlens = torch.tensor([0, EP_TOKENS], dtype=torch.int32)
     results = {}
@@ -372,4 +372,4 @@ def test_expert_parallel_chunks_equal_whole_rows(tmp_path):
 
 
 if __name__ == "__main__":
-    ep_rank(sys.argv[1], sys.argv[2])
+    expert_parallel_rank(sys.argv[1], sys.argv[2])

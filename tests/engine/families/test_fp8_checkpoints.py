@@ -203,7 +203,7 @@ def test_a_rank_reads_its_experts_only(pairs, monkeypatch):
     original_get, original_rows = CheckpointReader.get, CheckpointReader.rows
     monkeypatch.setattr(CheckpointReader, "get", lambda self, key: read.append(key) or original_get(self, key))
     monkeypatch.setattr(CheckpointReader, "rows", lambda self, key, a, b: read.append(key) or original_rows(self, key, a, b))
-    model, _ = _load(fp8, "fp8", ExpertLayout(ep_size=2, ep_rank=1), check_unread=False)
+    model, _ = _load(fp8, "fp8", ExpertLayout(expert_parallel=2, expert_parallel_rank=1), check_unread=False)
     expert_ids = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
     assert expert_ids == {2, 3}
     assert sum(k.endswith("_scale_inv") and ".experts." in k for k in read) == 2 * 3  # gate, up, down of 2 experts
@@ -471,7 +471,8 @@ def test_finetune_from_an_fp8_checkpoint_under_zero3(pairs, short_finetune):
     assert yaml.safe_load((result.output_dir / "profile.yaml").read_text())["model"]["base_precision"] == "fp8"
 
 
-@pytest.mark.parametrize("layout", [None, ExpertLayout(ep_size=2, ep_rank=1)], ids=["one_rank", "rank_1_of_2"])
+@pytest.mark.parametrize("layout", [None, ExpertLayout(expert_parallel=2, expert_parallel_rank=1)],
+                         ids=["one_rank", "rank_1_of_2"])
 def test_fused_fp8_experts_read_as_stored(pairs, tmp_path, layout):
     """qwen3_next's experts stored fused (mlp.experts.gate_up_proj [E, 2F, D] float8 with gate_up_proj_scale_inv
     [E, 2F/128, D/128], down_proj likewise): our experts hold those bits and scale rows, this rank's rows only, the
