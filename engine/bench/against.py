@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import statistics
 from typing import Any, Callable
 
 import torch
 
 from moe_tune.engine.align.reference import describe, pure_torch_paths
-from moe_tune.engine.bench.timing import StepClock
+from moe_tune.engine.bench.timing import StepClock, timed_steps
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -426,7 +425,6 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
-        records = all_records[warmup:]
         peak = torch.cuda.max_memory_allocated() if is_cuda else None
     finally:
         runner.model = runner.optimizer = runner.scheduler = runner.trainable = None
@@ -441,13 +439,7 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         attention_implementation=runner.attention_implementation,
         experts_implementation=runner.experts_implementation,
         lora=lora_targets(job, runner.model_type) if job.lora.enabled else None,
-        steps=len(records),
-        losses=[r["loss"] for r in records],
-        first_step_loss=all_records[0]["loss"],
-        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
-        step_time_s=statistics.median(r["step_time_s"] for r in records),
-        step_times_s=[r["step_time_s"] for r in records],
-        peak_memory_bytes=peak,
+        **timed_steps(all_records, warmup, peak),
         allocated_before_bytes=allocated_before,
         parameters=runner.parameters,
         trainable_parameters=runner.trainable_parameters,

@@ -19,7 +19,7 @@ import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
-from moe_tune.engine.bench.timing import StepClock
+from moe_tune.engine.bench.timing import StepClock, timed_steps
 from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -442,17 +442,7 @@ def run_bf16_base(
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
     finally:
         runner.close()
-    records = all_records[warmup:]
-    return dict(
-        row,
-        steps=len(records),
-        losses=[r["loss"] for r in records],
-        first_step_loss=all_records[0]["loss"],
-        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
-        step_time_s=statistics.median(r["step_time_s"] for r in records),
-        step_times_s=[r["step_time_s"] for r in records],
-        peak_memory_bytes=peak,
-    ), all_records
+    return dict(row, **timed_steps(all_records, warmup, peak)), all_records
 
 
 def _mfu(flops, step_time_s: float, peak_tflops: float) -> dict[str, Any]:

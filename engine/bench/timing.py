@@ -104,3 +104,18 @@ class StepClock:
         if exc_type is None:
             self._sync()
             self.seconds = time.perf_counter() - self._start
+
+
+def timed_steps(all_records: list[dict], warmup: int, peak_memory_bytes: int | None) -> dict:
+    """The row fields of a run's timed steps (the records after `warmup`): their count and losses, the first
+    step's loss (warm-up included), tokens/s and step time as medians, every step time, and the peak given."""
+    records = all_records[warmup:]
+    return dict(
+        steps=len(records),
+        losses=[r["loss"] for r in records],
+        first_step_loss=all_records[0]["loss"],
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+        step_time_s=statistics.median(r["step_time_s"] for r in records),
+        step_times_s=[r["step_time_s"] for r in records],
+        peak_memory_bytes=peak_memory_bytes,
+    )
