@@ -11,6 +11,8 @@ from functools import cached_property
 
 import torch
 
+from moe_tune.engine.parallel.context import ContextShard
+
 from .varlen import DocumentBuckets
 
 
@@ -23,6 +25,9 @@ class PackedBatch:
     doc_ids: torch.Tensor  # [T] document index
     token_ids: torch.Tensor | None = None  # [T] int64 input ids (n-gram embeddings hash them)
     mrope_positions: torch.Tensor | None = None  # [3, T] (t, h, w) rotary positions when images are in the row
+    # Under context parallelism the row's part held here (the fields above then describe that part: cu_seqlens
+    # its document pieces, positions inside the whole documents); None: the row is held whole.
+    context: ContextShard | None = None
 
     @property
     def rotary_positions(self) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Context parallelism (parallel.context_parallel: N): N ranks share one packed row, each holding T / N tokens.
+
+Rank r of a context group holds the row's tokens [r T / N, (r + 1) T / N): every per-token layer (norms,
+projections, MLPs, experts, the head and its loss) runs on its own tokens unchanged; the token mixers exchange
+what crosses the cut through the differentiable collectives below (linear attention its recurrent states, the
+short convolutions their halo, softmax attention the keys and values its queries select). Losses need nothing
+more: each rank's summed cross-entropy over its own labels divided by the global labelled count over the world
+size, averaged over the world as data parallel averages, is the row's mean (engine/train).
+
+Shapes: T the row's tokens, T_local = T / N this rank's.
+
+The collectives are autograd functions whose backward is a collective too: every rank of the group must call
+them in the same order with tensors of the same shapes, and use every output in its loss (a rank whose loss leaves
+an output out skips that backward collective and the others wait for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """This rank's part of a row shared by `size` ranks; `group` None with size 1 is a row held whole."""
+
+    group: dist.ProcessGroup | None
+    rank: int  # index inside the context group: its tokens come after those of ranks 0 .. rank - 1
+    size: int
+    start: int  # the first token of the row held here
+    stop: int  # one past the last
+    row_cu_seqlens: torch.Tensor  # [N + 1] int32 document starts over the whole row (0, ..., T)
+
+    @property
+    def row_tokens(self) -> int:
+        return int(self.row_cu_seqlens[-1])
+
+    @classmethod
+    def of_row(cls, cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None, rank: int, size: int) -> ContextShard:
+        """Rank `rank`'s share of the row that cu_seqlens describes; the row's length must be a multiple of size."""
+        total = int(cu_seqlens[-1])
+        if total % size:
+            raise ValueError(f"a row of {total} tokens cannot be shared by {size} context-parallel ranks: its length "
+                             "must be a multiple of parallel.context_parallel")  # fmt: skip
+        share = total // size
+        return cls(group, rank, size, rank * share, (rank + 1) * share, cu_seqlens)
+
+    def local_cu_seqlens(self) -> torch.Tensor:
+        """[M + 1] int32 starts of the document pieces held here, from 0 to T_local: a document begun on an earlier
+        rank continues from this rank's token 0; one going on past `stop` is cut there."""
+        inside = self.row_cu_seqlens[(self.row_cu_seqlens > self.start) & (self.row_cu_seqlens < self.stop)]
+        edges = torch.cat([inside.new_tensor([self.start]), inside, inside.new_tensor([self.stop])])
+        return (edges - self.start).to(torch.int32)
+
+    def continues_document(self) -> bool:
+        """Whether this rank's first token belongs to a document begun on an earlier rank."""
+        return self.start > 0 and not bool((self.row_cu_seqlens == self.start).any())
+
+    def local(self, row_tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The part of a row-long tensor (token dim `dim` of length T) held here."""
+        return row_tensor.narrow(dim, self.start, self.stop - self.start)
+
+
+def gather_sequence(x: torch.Tensor, shard: ContextShard, dim: int = 1) -> torch.Tensor:
+    """Every rank's part of x (T_local long on `dim`) joined in row order: T long. Backward sums each rank's
+    gradient of the joined tensor and hands every rank its own part."""
+    if shard.size == 1:
+        return x
+    return torch.cat(dist_fn.all_gather(x.contiguous(), group=shard.group), dim=dim)
+
+
+def gather_ranks(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """x from every rank of the group, stacked in rank order: [size, *x.shape] (states, halos, per-rank summaries).
+    Backward as gather_sequence."""
+    if shard.size == 1:
+        return x.unsqueeze(0)
+    return torch.stack(dist_fn.all_gather(x.contiguous(), group=shard.group))
+
+
+def previous_rank_tail(x: torch.Tensor, shard: ContextShard, width: int, dim: int = 1) -> torch.Tensor:
+    """The last `width` entries along `dim` of the previous rank's x (zeros on rank 0): the halo a causal
+    convolution of width + 1 taps needs before this rank's first token. Differentiable."""
+    tail = x.narrow(dim, x.shape[dim] - width, width)
+    if shard.size == 1:
+        return torch.zeros_like(tail)
+    # Rank 0 takes its zeros through the gather too: every rank's backward then runs the same collectives.
+    tails = gather_ranks(tail, shard)
+    return tails[max(shard.rank - 1, 0)] * float(shard.rank > 0)

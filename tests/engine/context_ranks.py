@@ -1,0 +1,59 @@
+"""Runs a function on N forked gloo ranks of one context group, for the context-parallel layer tests.
+
+    results = run_ranks(fn, size, *args)   # fn(rank, size, *args) on every rank; its return values in rank order
+
+fn runs in a child forked from the test process (torch already imported, one intra-op thread each), with the
+default process group initialised over gloo; what it returns must pickle. A rank that raises fails the call with
+that rank's traceback; a rank that hangs fails it after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn, rank: int, size: int, port: int, args, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        try:
+            queue.put((rank, True, fn(rank, size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn, size: int, *args, timeout: float = 120.0) -> list:
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, size, port, args, queue)) for r in range(size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"context rank {rank} of {size} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(size)]
