@@ -21,6 +21,7 @@ from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 from .batch import PackedBatch
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
 from .kda import KimiDeltaAttention
+from .linear_context import delta_rule
 from .kv_cache import (
     GrowingCache, cached_attention, causal_keys, mean_pooled_blocks, one_document_batch, select_cached_blocks,
     selected_keys,
@@ -319,13 +320,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        q, k, v = self._heads(self.conv(qkv, batch.positions))
+        # Under context parallelism the conv and the state continue from the previous rank's tokens (linear_context).
+        q, k, v = self._heads(self.conv(qkv, batch.positions, batch.context))
         g, beta = self._gates(x)
         op = kda if self.per_channel else gated_delta_rule
-        o, _ = op(
-            q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
-            save_intermediates=self.saves_op_intermediates,
-        )  # fmt: skip
+        o = delta_rule(
+            op, q, k, v, g, beta, batch, use_qk_l2norm_in_kernel=True, save_intermediates=self.saves_op_intermediates
+        )
         return self._output(x, o)
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:

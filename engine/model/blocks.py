@@ -22,8 +22,11 @@ from moe_tune.ops.rms_norm import rms_norm
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 from moe_tune.ops.rotary import apply_rotary
 
+from .linear_context import conv_with_halo, is_sharded
+
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
+    from moe_tune.engine.parallel.context import ContextShard
 
 
 class RMSNorm(nn.Module):
@@ -135,8 +138,11 @@ class ShortConv(nn.Module):
         self.dilation = dilation
         self.weight = nn.Parameter(torch.empty(channels, width))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [1, T, C]; positions: [T] position inside the document."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: ContextShard | None = None) -> torch.Tensor:
+        """x: [1, T, C]; positions: [T] position inside the document; context: the row's share held here under
+        context parallelism (the first taps then read the previous rank's last inputs)."""
+        if is_sharded(context):
+            return conv_with_halo(x, self.weight, positions, self.dilation, context)
         return causal_conv(x, self.weight, positions, self.dilation)
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:

@@ -20,6 +20,7 @@ from moe_tune.ops.linear_attention import kda
 from moe_tune.profiles.schema import ModelProfile
 
 from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
+from .linear_context import delta_rule
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -68,14 +69,15 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch`."""
-        q, k, v = self._heads(self.conv(self._qkv(x), batch.positions))
+        """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch` (under
+        context parallelism they continue from the previous rank's tokens: engine/model/linear_context)."""
+        q, k, v = self._heads(self.conv(self._qkv(x), batch.positions, batch.context))
         a, beta = self._gates(x)
         # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'
         # WY pass; the reference applies it first).
-        o, _ = kda(
-            q, k, v, a, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=self.A_log, dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
+        o = delta_rule(
+            kda, q, k, v, a, beta, batch, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
+            dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
         return self._output(x, o)
 
