@@ -18,6 +18,9 @@ from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 
+from .attention_context import (
+    gated_attention_across_ranks, is_context_parallel, qsa_attention_across_ranks, sparse_attention_across_ranks,
+)
 from .batch import PackedBatch
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
 from .kda import KimiDeltaAttention
@@ -77,7 +80,10 @@ class GatedAttention(nn.Module):
 
     def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
         """The heads' attention output [1, T, H, hd], times sigmoid(gate) when gated."""
-        o = packed_causal_attention(q, k, v, batch.document_buckets, sinks=self.sinks, window=self.sliding_window)
+        if is_context_parallel(batch):
+            o = gated_attention_across_ranks(self, q, k, v, batch)
+        else:
+            o = packed_causal_attention(q, k, v, batch.document_buckets, sinks=self.sinks, window=self.sliding_window)
         return o if gate is None else o * torch.sigmoid(gate)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -147,6 +153,8 @@ class SparseAttention(PinnableSelection, GatedAttention):
 
     def attend(self, x, q, k, v, gate, batch: PackedBatch, index_inputs=None) -> torch.Tensor:
         """index_inputs: index_inputs(x) when the caller has them already."""
+        if is_context_parallel(batch):
+            return sparse_attention_across_ranks(self, x, q, k, v, gate, batch, index_inputs)
         # The indexer only chooses keys; as in DeepSeek's DSA it gets no gradient from the language-model loss.
         with torch.no_grad():
             q_idx, k_idx, w_idx = self.index_inputs(x) if index_inputs is None else index_inputs
@@ -259,6 +267,8 @@ class QSAAttention(GatedAttention):
         self.indexer = QSAIndexer(cfg)
 
     def attend(self, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
+        if is_context_parallel(batch):
+            return qsa_attention_across_ranks(self, x, q, k, v, gate, batch)
         # The choice is a mask in the reference too: the indexer gets no gradient from the language-model loss.
         with torch.no_grad():
             indices = self.indexer(x, self.rotary, batch)

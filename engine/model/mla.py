@@ -29,6 +29,7 @@ from torch import nn
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import MLASpec, ModelProfile, YarnSpec
 
+from .attention_context import is_context_parallel, latent_attention_across_ranks
 from .blocks import RMSNorm, RotaryEmbedding
 from .kv_cache import (
     QUERY_CHUNK, GrowingCache, causal_keys, masked_softmax, mean_pooled_blocks, one_document_batch,
@@ -168,8 +169,11 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
-        q_latent, q, k, v = self.project(x, cos_sin)
-        o = self.attend(x, q_latent, q, k, v, cos_sin, batch)
+        if is_context_parallel(batch):
+            o = latent_attention_across_ranks(self, x, cos_sin, batch)
+        else:
+            q_latent, q, k, v = self.project(x, cos_sin)
+            o = self.attend(x, q_latent, q, k, v, cos_sin, batch)
         return self.o_proj(o.reshape(1, x.shape[1], self.num_heads * self.v_dim))
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:

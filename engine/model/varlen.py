@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from moe_tune.ops.common.host_copy import host_values, to_device
 
@@ -76,25 +77,28 @@ def flash_varlen_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
 
 class _FlashVarlenCausal(torch.autograd.Function):
     """Causal attention inside each document of [T, heads, hd] tensors: aten's variable-length flash forward and
-    backward (GQA native: k and v keep their G heads, their gradients summed over each group by the kernel)."""
+    backward (GQA native: k and v keep their G heads, their gradients summed over each group by the kernel).
+    bounds / key_bounds: the documents' query / key starts; a document with more keys than queries has its queries
+    at its last keys (flash aligns the causal diagonal to the bottom right)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bounds: torch.Tensor, max_length: int, scale: float | None):
+    def forward(ctx, q, k, v, bounds: torch.Tensor, key_bounds: torch.Tensor, max_length: int, max_key_length: int,
+                scale: float | None):  # fmt: skip
         o, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, bounds, bounds, max_length, max_length, 0.0, True, False, scale=scale
+            q, k, v, bounds, key_bounds, max_length, max_key_length, 0.0, True, False, scale=scale
         )
-        ctx.save_for_backward(q, k, v, o, lse, bounds, rng_state, unused)
-        ctx.max_length, ctx.scale = max_length, scale
+        ctx.save_for_backward(q, k, v, o, lse, bounds, key_bounds, rng_state, unused)
+        ctx.max_lengths, ctx.scale = (max_length, max_key_length), scale
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, bounds, rng_state, unused = ctx.saved_tensors
+        q, k, v, o, lse, bounds, key_bounds, rng_state, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            do.contiguous(), q, k, v, o, lse, bounds, bounds, ctx.max_length, ctx.max_length, 0.0, True,
+            do.contiguous(), q, k, v, o, lse, bounds, key_bounds, *ctx.max_lengths, 0.0, True,
             rng_state, unused, scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class _FlashVarlenWindowSinks(torch.autograd.Function):
@@ -104,10 +108,11 @@ class _FlashVarlenWindowSinks(torch.autograd.Function):
     its D = rowsum(do . o') has no term from a zero value), and dsink = -sum_t exp(sink - lse'_t) (do'_t . o'_t)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, bounds: torch.Tensor, max_length: int, scale: float | None, window: int | None):
+    def forward(ctx, q, k, v, sinks, bounds: torch.Tensor, key_bounds: torch.Tensor, max_length: int,
+                max_key_length: int, scale: float | None, window: int | None):  # fmt: skip
         left, right = (window - 1, 0) if window is not None else (-1, -1)
         o, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, bounds, bounds, max_length, max_length, 0.0, True, False, scale=scale,
+            q, k, v, bounds, key_bounds, max_length, max_key_length, 0.0, True, False, scale=scale,
             window_size_left=left, window_size_right=right,
         )  # fmt: skip
         if sinks is not None:
@@ -115,24 +120,24 @@ class _FlashVarlenWindowSinks(torch.autograd.Function):
             lse_with_sink = torch.logaddexp(lse, sinks.float()[:, None])
             o = (o.float() * torch.exp(lse - lse_with_sink).transpose(0, 1)[..., None]).to(o.dtype)
             lse = lse_with_sink
-        ctx.save_for_backward(q, k, v, o, lse, bounds, rng_state, unused, sinks)
-        ctx.max_length, ctx.scale, ctx.window_sizes = max_length, scale, (left, right)
+        ctx.save_for_backward(q, k, v, o, lse, bounds, key_bounds, rng_state, unused, sinks)
+        ctx.max_lengths, ctx.scale, ctx.window_sizes = (max_length, max_key_length), scale, (left, right)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, bounds, rng_state, unused, sinks = ctx.saved_tensors
+        q, k, v, o, lse, bounds, key_bounds, rng_state, unused, sinks = ctx.saved_tensors
         do = do.contiguous()
         left, right = ctx.window_sizes
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            do, q, k, v, o, lse, bounds, bounds, ctx.max_length, ctx.max_length, 0.0, True, rng_state, unused,
+            do, q, k, v, o, lse, bounds, key_bounds, *ctx.max_lengths, 0.0, True, rng_state, unused,
             scale=ctx.scale, window_size_left=left, window_size_right=right,
         )  # fmt: skip
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             do_dot_o = (do.float() * o.float()).sum(-1).transpose(0, 1)  # [H, T]
             dsinks = -(torch.exp(sinks.float()[:, None] - lse) * do_dot_o).sum(1).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def padded_length(length: int) -> int:
@@ -264,11 +269,12 @@ def packed_causal_attention(
     is_plain = sinks is None and window is None
     if flash_varlen_applies(q, k, v) and num_tokens:
         q_S, k_S, v_S = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_S, k_S, v_S))
+        bounds, max_length = buckets.bounds, buckets.max_length
         if is_plain:
-            o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, buckets.bounds, buckets.max_length, scale)
+            o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, bounds, bounds, max_length, max_length, scale)
         else:
             o_T = _FlashVarlenWindowSinks.apply(
-                q_S, k_S, v_S, sinks, buckets.bounds, buckets.max_length, scale, window
+                q_S, k_S, v_S, sinks, bounds, bounds, max_length, max_length, scale, window
             )
         return o_T.view(num_rows, row_length, num_heads, -1)
     if buckets.gather is not None:
@@ -304,31 +310,93 @@ def _banded_sink_attention(
     sinks: torch.Tensor | None,
     window: int | None,
 ) -> torch.Tensor:
-    """One bucket's attention with a sliding window and / or sinks: q [C, H, L, hd], k [C, G, L, hd], v [C, G, L,
-    hdv] -> [C, H, L, hdv].
+    """One bucket's attention with a sliding window and / or sinks: q [C, H, L, hd], k [C, G, M, hd], v [C, G, M,
+    hdv] with M >= L (M > L: the queries are the last L of the M tokens, as offset_causal_attention's) -> [C, H, L,
+    hdv].
 
-    Query i sees key j when j <= i and i - j < window. A sink is one more key that every query sees, with value 0
-    and logit sinks[h]: q gains a channel of ones, that key holds sinks[h] / scale there and zeros elsewhere, every
-    other key a zero (so their logits are unchanged). The sink is per query head, so k and v are expanded to H heads.
+    Query i (token i + M - L) sees key j when j <= i + M - L and i + M - L - j < window. A sink is one more key that
+    every query sees, with value 0 and logit sinks[h]: q gains a channel of ones, that key holds sinks[h] / scale
+    there and zeros elsewhere, every other key a zero (so their logits are unchanged). The sink is per query head, so
+    k and v are expanded to H heads.
     """
     length, head_dim = q.shape[2], q.shape[3]
     scale = head_dim**-0.5 if scale is None else scale
-    idx = torch.arange(length, device=q.device)
-    allowed_LL = idx[None, :] <= idx[:, None]
+    key_idx = torch.arange(k.shape[2], device=q.device)
+    idx = key_idx[k.shape[2] - length :]
+    allowed_LM = key_idx[None, :] <= idx[:, None]
     if window is not None:
-        allowed_LL &= idx[:, None] - idx[None, :] < window
+        allowed_LM &= idx[:, None] - key_idx[None, :] < window
     if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_LL, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_LM, scale=scale, enable_gqa=True)
     count, num_heads = q.shape[:2]
     group = num_heads // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     extra = q.new_zeros(count, num_heads, length, SINK_CHANNELS)
     q = torch.cat([q, extra.narrow(-1, 0, 1) + 1, extra.narrow(-1, 1, SINK_CHANNELS - 1)], -1)
-    k = torch.cat([k, extra], -1)
+    k = torch.cat([k, q.new_zeros(*k.shape[:3], SINK_CHANNELS)], -1)
     sink_key = torch.cat([
         q.new_zeros(num_heads, head_dim), (sinks / scale).to(q.dtype)[:, None], q.new_zeros(num_heads, SINK_CHANNELS - 1)
     ], -1)  # fmt: skip
     k = torch.cat([sink_key[None, :, None, :].expand(count, -1, -1, -1), k], 2)
     v = torch.cat([v.new_zeros(count, num_heads, 1, v.shape[-1]), v], 2)
-    allowed_LL = torch.cat([allowed_LL.new_ones(length, 1), allowed_LL], 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_LL, scale=scale)
+    allowed_LM = torch.cat([allowed_LM.new_ones(length, 1), allowed_LM], 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_LM, scale=scale)
+
+
+def offset_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal softmax attention inside one document whose queries are its last tokens: a document continued from
+    earlier tokens held elsewhere (context parallelism, engine/model/attention_context.py).
+
+    q: [1, Lq, H, hd], k: [1, Lk, G, hd], v: [1, Lk, G, hdv] with Lk >= Lq: query i is the document's token
+    Lk - Lq + i and sees the keys s <= Lk - Lq + i (with window: also s > Lk - Lq + i - window); scale, sinks and
+    window as in packed_causal_attention. One variable-length flash call where `flash_varlen_applies` (its causal
+    diagonal is the bottom-right one), else one SDPA call: on CUDA with a lower-right causal bias (no [Lq, Lk] mask
+    for the efficient kernel), on the CPU and with a window or sinks with a boolean [Lq, Lk (+1)] mask.
+    Returns [1, Lq, H, hdv] in q's dtype.
+    """
+    num_queries, num_keys, num_heads = q.shape[1], k.shape[1], q.shape[2]
+    if q.shape[0] != 1 or k.shape[0] != 1 or num_keys < num_queries or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: one row each, k and v of one shape [1, Lk, "
+            "G] with Lk at least q's Lq"
+        )
+    if num_heads % k.shape[2]:
+        raise ValueError(f"k's G ({k.shape[2]}) heads must divide q's H ({num_heads})")
+    if window is not None and window < 1:
+        raise ValueError(f"window ({window}) must be >= 1 or None")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks: shape {tuple(sinks.shape)} must be [H] = [{num_heads}]")
+    is_plain = sinks is None and window is None
+    if flash_varlen_applies(q, k, v) and num_queries:
+        q_S, k_S, v_S = (x[0] if x.stride(-1) == 1 else x[0].contiguous() for x in (q, k, v))
+        bounds = to_device(torch.tensor([0, num_queries], dtype=torch.int32), q.device)
+        key_bounds = to_device(torch.tensor([0, num_keys], dtype=torch.int32), q.device)
+        if is_plain:
+            o_T = _FlashVarlenCausal.apply(q_S, k_S, v_S, bounds, key_bounds, num_queries, num_keys, scale)
+        else:
+            o_T = _FlashVarlenWindowSinks.apply(
+                q_S, k_S, v_S, sinks, bounds, key_bounds, num_queries, num_keys, scale, window
+            )
+        return o_T[None]
+    q_b, k_b, v_b = (x.transpose(1, 2) for x in (q, k, v))  # [1, heads, length, dim]
+    with without_cudnn_sdpa():
+        if not is_plain:
+            o_b = _banded_sink_attention(q_b, k_b, v_b, scale, sinks, window)
+        elif q.is_cuda:
+            # The lower-right bias's efficient kernel takes no GQA: k and v come with H heads.
+            group = num_heads // k.shape[2]
+            k_b, v_b = k_b.repeat_interleave(group, dim=1), v_b.repeat_interleave(group, dim=1)
+            bias = causal_lower_right(num_queries, num_keys)
+            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=bias, scale=scale)
+        else:
+            key_idx = torch.arange(num_keys, device=q.device)
+            allowed_LM = key_idx[None, :] <= key_idx[num_keys - num_queries :, None]
+            o_b = F.scaled_dot_product_attention(q_b, k_b, v_b, attn_mask=allowed_LM, scale=scale, enable_gqa=True)
+    return o_b.transpose(1, 2)

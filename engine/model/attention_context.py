@@ -1,0 +1,219 @@
+"""Context parallelism of the softmax attention layers: full (with sliding window and sinks), top-k sparse at token and
+block level (SparseAttention, QSA) and MLA with or without DSA's lightning indexer.
+
+Under `parallel.context_parallel: N` a layer's queries stay on their rank; the keys and values of the whole row are
+gathered (engine/parallel/context.py's gather_sequence, one differentiable collective per layer, so the gradients of
+other ranks' keys flow back to them) and each rank keeps its key span: the row's tokens from the start of the
+document its first token belongs to (or the first key its sliding window reaches) to its own last token. Later
+ranks' keys are never attended (causality). In the span this rank's tokens come after `prefix` keys of its first
+document, so every attention runs on tensors where queries and keys share one frame:
+
+- full attention: the first document piece (continued from earlier ranks) is one document whose queries are its
+  last tokens (varlen.offset_causal_attention), the pieces begun here are the usual packed documents;
+- top-k sparse attention and its indexers: the ops take queries and keys of one length, so the queries are padded
+  in front by `prefix` rows of zeros that select nothing and whose outputs are dropped. The span's first document
+  starts at the same token as the row's, so block ids (local to a document) are the row's; token positions are the
+  row's minus the span's first token.
+
+The indexers' keys are gathered under no_grad (the indexer gets no gradient). Every rank runs the same collectives
+in the same order whatever its documents (context.py's rule), and the layer's one gathered tensor with a gradient is
+used through its span, which always holds the rank's own tokens.
+
+Shapes: T_local this rank's tokens, M = prefix + T_local the span's keys, H query heads, G key/value heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from moe_tune.engine.parallel.context import ContextShard, gather_sequence
+from moe_tune.ops.common.host_copy import host_values
+from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
+
+from .varlen import DocumentBuckets, offset_causal_attention, packed_causal_attention
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .batch import PackedBatch
+
+
+def is_context_parallel(batch: PackedBatch) -> bool:
+    """Whether the batch is one rank's share of a row held by several ranks."""
+    return batch.context is not None and batch.context.size > 1
+
+
+@dataclass(frozen=True)
+class KeySpan:
+    """The keys this rank's queries may see: row tokens [first, shard.stop)."""
+
+    batch: PackedBatch  # this rank's share of the row
+    first: int  # the span's first row token: the start of this rank's first document, or its window's first key
+    cu_seqlens: torch.Tensor  # [P + 1] int32: the batch's P document pieces over the span (after `prefix` keys)
+    num_continued: int  # queries of the first document piece when it continues from earlier ranks (prefix > 0)
+
+    @classmethod
+    def of(cls, batch: PackedBatch, window: int | None = None) -> KeySpan:
+        shard = batch.context
+        bounds = host_values(shard.row_cu_seqlens)
+        first = int(bounds[bounds <= shard.start].max())
+        if window is not None:
+            first = max(first, shard.start - (window - 1))
+        prefix = shard.start - first
+        local = batch.cu_seqlens
+        span_cu = torch.cat([local[:1], local[1:] + prefix]).to(torch.int32)
+        num_continued = int(host_values(local)[1]) if prefix else 0
+        return cls(batch, first, span_cu, num_continued)
+
+    @property
+    def shard(self) -> ContextShard:
+        return self.batch.context
+
+    @property
+    def prefix(self) -> int:
+        return self.shard.start - self.first
+
+    @property
+    def num_local(self) -> int:
+        return self.shard.stop - self.shard.start
+
+    def gather(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """xs [1, T_local, ...] -> each over the span, [1, M, ...], in one collective (the gathered tensors' gradients
+        flow back to their ranks)."""
+        widths = [x[0, 0].numel() for x in xs]
+        joined = torch.cat([x.flatten(2) for x in xs], -1) if len(xs) > 1 else xs[0].flatten(2)
+        span = gather_sequence(joined, self.shard).narrow(1, self.first, self.shard.stop - self.first)
+        parts = span.split(widths, -1) if len(xs) > 1 else (span,)
+        return tuple(part.view(1, part.shape[1], *x.shape[2:]) for part, x in zip(parts, xs))
+
+    def pad_queries(self, x: torch.Tensor | None, value: float = 0) -> torch.Tensor | None:
+        """x [1, T_local, ...] -> [1, M, ...]: `prefix` rows of `value` in front (None stays None)."""
+        if x is None or not self.prefix:
+            return x
+        return torch.cat([x.new_full((1, self.prefix, *x.shape[2:]), value), x], 1)
+
+    def own_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, M, ...] -> this rank's rows [1, T_local, ...]."""
+        return x.narrow(1, self.prefix, self.num_local) if self.prefix else x
+
+    def causal_attention(self, q, k, v, scale: float | None = None, sinks=None, window: int | None = None):
+        """Causal attention of this rank's queries q [1, T_local, H, hd] over the span's keys and values k [1, M, G,
+        hd], v [1, M, G, hdv] -> [1, T_local, H, hdv]."""
+        kw = dict(scale=scale, sinks=sinks, window=window)
+        num_first = self.num_continued
+        if not num_first:
+            return packed_causal_attention(q, self.own_rows(k), self.own_rows(v), self.batch.document_buckets, **kw)
+        num_keys = self.prefix + num_first
+        o_first = offset_causal_attention(q[:, :num_first], k[:, :num_keys], v[:, :num_keys], **kw)
+        if num_first == self.num_local:
+            return o_first
+        buckets = DocumentBuckets.from_cu_seqlens(self.batch.cu_seqlens[1:] - num_first)
+        o_rest = packed_causal_attention(q[:, num_first:], k[:, num_keys:], v[:, num_keys:], buckets, **kw)
+        return torch.cat([o_first, o_rest], 1)
+
+    def sparse_attention(self, q, k, v, indices, block_size: int, scale: float | None = None, gate=None):
+        """ops.sparse_attention of this rank's queries q [1, T_local, H, K] (gate [1, T_local, H, V] or None) over the
+        span's k [1, M, G, K] and v [1, M, G, V]; indices [1, T_local, (G,) S] in the span's convention
+        (`span_indices`) -> [1, T_local, H, V]."""
+        o = sparse_attention(
+            self.pad_queries(q), k, v, self.pad_queries(indices, -1), block_size=block_size, scale=scale,
+            cu_seqlens=self.cu_seqlens, gate=self.pad_queries(gate),
+        )  # fmt: skip
+        return self.own_rows(o)
+
+    @torch.no_grad()
+    def topk_indexer(self, q_idx, k_idx, w_idx, **kw) -> torch.Tensor:
+        """ops.topk_indexer of this rank's queries q_idx [1, T_local, HI, DI] (weights w_idx [1, T_local, HI] or
+        None) over the span's keys k_idx [1, M, DI] -> [1, T_local, S] in the span's convention."""
+        indices = topk_indexer(self.pad_queries(q_idx), k_idx, self.pad_queries(w_idx), cu_seqlens=self.cu_seqlens, **kw)
+        return self.own_rows(indices)
+
+    def row_indices(self, indices: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Selected keys in the span's convention -> the row's (token positions move by `first`; block ids, local to
+        their document, stay)."""
+        if block_size > 1 or not self.first:
+            return indices
+        return torch.where(indices >= 0, indices + self.first, indices)
+
+    def span_indices(self, indices: torch.Tensor, block_size: int) -> torch.Tensor:
+        """row_indices' inverse."""
+        if block_size > 1 or not self.first:
+            return indices
+        return torch.where(indices >= 0, indices - self.first, indices)
+
+    def pinned(self, layer: nn.Module, indices: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The selection after the layer's pin_selection (engine/model/selection.py), which sees it in the row's
+        convention."""
+        return self.span_indices(layer.pin_selection(self.row_indices(indices, block_size)), block_size)
+
+
+def gather_rows(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """x [1, T_local, ...] of every rank joined: the row [1, T, ...], no gradient (the indexers' inputs)."""
+    with torch.no_grad():
+        return gather_sequence(x, batch.context)
+
+
+def gated_attention_across_ranks(layer, q, k, v, batch: PackedBatch) -> torch.Tensor:
+    """GatedAttention.attend's attention (before the gate): q [1, T_local, H, hd], this rank's k and v."""
+    span = KeySpan.of(batch, layer.sliding_window)
+    k, v = span.gather(k, v)
+    return span.causal_attention(q, k, v, sinks=layer.sinks, window=layer.sliding_window)
+
+
+def sparse_attention_across_ranks(layer, x, q, k, v, gate, batch: PackedBatch, index_inputs=None) -> torch.Tensor:
+    """SparseAttention.attend: the indexer's keys and the attention's keys and values of the span."""
+    span = KeySpan.of(batch)
+    with torch.no_grad():
+        q_idx, k_idx, w_idx = layer.index_inputs(x) if index_inputs is None else index_inputs
+        (k_idx,) = span.gather(k_idx)
+        indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=layer.num_selected, block_size=layer.block_size)
+        indices = span.pinned(layer, indices, layer.block_size)
+    indices = indices.unsqueeze(2).expand(-1, -1, layer.num_kv_heads, -1)
+    k, v = span.gather(k, v)
+    return span.sparse_attention(q, k, v, indices, layer.block_size, gate=gate)
+
+
+def qsa_attention_across_ranks(layer, x, q, k, v, gate, batch: PackedBatch) -> torch.Tensor:
+    """QSAAttention.attend. The block key at each row pools the raw indexer keys of the rows from it on, which may
+    lie on the next rank: the raw keys of the row are gathered, this rank's block keys made from them, then those
+    of the span gathered."""
+    indexer, span = layer.indexer, KeySpan.of(batch)
+    shard, block_size = batch.context, layer.indexer.block_size
+    with torch.no_grad():
+        q_idx, k_idx, (cos, sin) = indexer.project_queries(x, layer.rotary, batch)
+        raw_TD = F.pad(gather_rows(k_idx, batch)[0], (0, 0, 0, block_size - 1))
+        windows_TD = raw_TD.narrow(0, shard.start, shard.stop - shard.start + block_size - 1)
+        windows_TD = windows_TD.unfold(0, block_size, 1).mean(-1)
+        block_k = layer.rotary.rotate(indexer.k_layernorm(windows_TD)[None, :, None, :], cos, sin)[:, :, 0]
+        (block_k,) = span.gather(block_k)
+        indices = span.topk_indexer(
+            q_idx, block_k, None, topk=indexer.num_selected, block_size=block_size, k_idx_is_pooled=True,
+            always_keep_own_block=False,
+        )  # fmt: skip
+        indices = span.pinned(indexer, indices, block_size)
+    indices = indices.unsqueeze(2).expand(-1, -1, layer.num_kv_heads, -1)
+    k, v = span.gather(k, v)
+    return span.sparse_attention(q, k, v, indices, block_size, gate=gate)
+
+
+def latent_attention_across_ranks(layer, x, cos_sin, batch: PackedBatch) -> torch.Tensor:
+    """MultiHeadLatentAttention.forward's attention [1, T_local, H, V]: the span's normed kv latents and rope keys
+    are gathered (the compressed cache, Rkv + Dr numbers a token) and expanded per head here; with the lightning
+    indexer (mla_sparse), its keys of the span too."""
+    span = KeySpan.of(batch)
+    q_latent, q_nope, q_rope = layer.project_query(x, cos_sin)
+    latent, k_rope = span.gather(*layer.project_latent(x, cos_sin))
+    q, k, v = layer.expand_latent(q_nope, q_rope, latent, k_rope)
+    indexer = getattr(layer, "indexer", None)
+    if indexer is None:
+        return span.causal_attention(q, k, v, scale=layer.scale)
+    with torch.no_grad():
+        q_idx, k_idx, w_idx = indexer.project(x, q_latent, cos_sin)
+        (k_idx,) = span.gather(k_idx)
+        indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=indexer.num_selected, block_size=indexer.block_size)
+        indices = span.pinned(indexer, indices, indexer.block_size)
+    return span.sparse_attention(q, k, v, indices, indexer.block_size, scale=layer.scale)
