@@ -92,7 +92,9 @@ def delta_rule(
     if not is_continued:
         # This rank's first token starts a document: nothing enters it, but every rank runs the gather's backward.
         return _Keeping.apply(o, summaries)
-    head = o[:, :first_end].float() + torch.einsum("bthk,hkv->bthv", queried.float(), entering)
+    # In the state's precision (fp32, fp64 inputs fp64), rounded once to o's dtype.
+    acc = torch.promote_types(o.dtype, entering.dtype)
+    head = o[:, :first_end].to(acc) + torch.einsum("bthk,hkv->bthv", queried.to(acc), entering.to(acc))
     head = head.to(o.dtype)
     return head if is_one_piece else torch.cat([head, o[:, first_end:]], 1)
 
