@@ -3,6 +3,7 @@ packed row give one process's outputs, input gradients and parameter gradients (
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from moe_tune.engine.model.attention import GatedDeltaNet
 from moe_tune.engine.model.batch import PackedBatch
@@ -70,33 +71,38 @@ def inputs(width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(1, ROW_TOKENS, width, generator=gen, dtype=torch.float64)
 
 
-def forward_backward(layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, batch: PackedBatch):
-    """Output, input gradient and every parameter gradient of the loss sum(layer(x) * weights)."""
+def forward_backward(
+    layer: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor, batch: PackedBatch, is_recomputed: bool = False
+):
+    """Output, input gradient and every parameter gradient of the loss sum(layer(x) * weights); `is_recomputed`:
+    the layer under activation checkpoint, as model.py runs it (backward reruns its collectives)."""
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
     if isinstance(layer, ShortConv):
         y = layer(x, batch.positions, batch.context)
+    elif is_recomputed:
+        y = checkpoint(layer, x, batch, use_reentrant=False)
     else:
         y = layer(x, batch)
     (y * weights).sum().backward()
     return y.detach(), x.grad, {name: p.grad.clone() for name, p in layer.named_parameters()}
 
 
-def _ranks(rank: int, size: int, layer: torch.nn.Module, width: int) -> list:
+def _ranks(rank: int, size: int, layer: torch.nn.Module, width: int, is_recomputed: bool) -> list:
     results = []
     x, weights = inputs(width)
     for lengths in LAYOUTS.values():
         batch = shard_batch(row_batch(lengths), rank, size)
         shard = batch.context
-        y, x_grad, grads = forward_backward(layer, shard.local(x, 1), shard.local(weights, 1), batch)
+        y, x_grad, grads = forward_backward(layer, shard.local(x, 1), shard.local(weights, 1), batch, is_recomputed)
         # As numpy arrays: a tensor would reach the parent through shared memory its rank frees on exit.
         results.append((y.numpy(), x_grad.numpy(), {name: grad.numpy() for name, grad in grads.items()}))
     return results
 
 
-def check_against_one_process(layer: torch.nn.Module, width: int, size: int) -> None:
+def check_against_one_process(layer: torch.nn.Module, width: int, size: int, is_recomputed: bool = False) -> None:
     x, weights = inputs(width)
-    per_rank = run_ranks(_ranks, size, layer, width)
+    per_rank = run_ranks(_ranks, size, layer, width, is_recomputed)
     for index, (name, lengths) in enumerate(LAYOUTS.items()):
         y, x_grad, grads = forward_backward(layer, x, weights, row_batch(lengths))
         parts = [results[index] for results in per_rank]
@@ -114,6 +120,12 @@ def check_against_one_process(layer: torch.nn.Module, width: int, size: int) -> 
 def test_layer_on_ranks_equals_one_process(kind, size):
     layer = layer_of(kind)
     check_against_one_process(layer, layer.q_proj.in_features, size)
+
+
+def test_recomputed_layer_on_ranks_equals_one_process():
+    """Under activation checkpoint every rank reruns the layer's collectives in backward, in the same order."""
+    layer = layer_of("kda")
+    check_against_one_process(layer, layer.q_proj.in_features, 4, is_recomputed=True)
 
 
 @pytest.mark.parametrize("size", [2, 4])
