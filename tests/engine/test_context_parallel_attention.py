@@ -1,0 +1,148 @@
+"""Context parallelism of the softmax attention layers (engine/model/attention_context.py): on 2 and 4 gloo ranks
+sharing one packed row, every layer kind's outputs joined over the ranks, the input gradient and every parameter
+gradient summed over the ranks equal one process's on the whole row (fp32, CPU reference paths), and the sparse
+layers select exactly what one process selects."""
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from moe_tune.engine.model.attention import PackedBatch, build_token_mixer
+from moe_tune.engine.model.blocks import document_ids, document_positions
+from moe_tune.engine.parallel.context import ContextShard
+from moe_tune.profiles import load_profile
+from moe_tune.profiles.schema import LayerSpec, ModelProfile
+
+from context_ranks import run_ranks
+
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+ROW_TOKENS = 48
+# Document starts of the row. Rank shares start at 0, 24 (2 ranks) and 0, 12, 24, 36 (4 ranks).
+LAYOUTS = {
+    # in one rank, ending at a share boundary, starting at one (4 ranks) and crossing 24, crossing 36 (4 ranks)
+    "mixed": [0, 5, 12, 30, 33, 48],
+    # one document over every share: 4 ranks' rank 2 holds none of its own
+    "long": [0, 3, 45, 48],
+    # starting at 24 (2 ranks), crossing 12 and 36 (4 ranks)
+    "at-boundaries": [0, 10, 24, 48],
+}
+MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+# (layer spec, ModelProfile overrides); sparse budgets below the documents' lengths, so the selection matters.
+CASES = {
+    "full": ({"attention": "full"}, {}),
+    "full-window-sinks": (
+        {"attention": "full", "sliding_window": 7}, dict(attention_sinks=True, attention_output_gate=False)
+    ),
+    "sparse-token": ({"attention": "sparse"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6))),
+    "sparse-block": (
+        {"attention": "sparse"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=12, block_size=4))
+    ),
+    "qsa-block": ({"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4))),
+    "mla": ({"attention": "mla"}, dict(mla=MLA)),
+    "mla-sparse-token": (
+        {"attention": "mla_sparse"}, dict(mla=MLA, sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6))
+    ),
+    "mla-sparse-block": (
+        {"attention": "mla_sparse"},
+        dict(mla=dict(MLA, rope="half"), sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4)),
+    ),
+}
+
+
+def build_mixer(name: str) -> nn.Module:
+    layer, overrides = CASES[name]
+    base = load_profile("tiny").model.model_dump()
+    base.update(layers=[layer], **overrides)
+    cfg = ModelProfile.model_validate(base)
+    torch.manual_seed(0)
+    mixer = build_token_mixer(cfg, LayerSpec.model_validate(layer))
+    # Norm weights and sinks away from their init, so that each of them matters.
+    with torch.no_grad():
+        for p in mixer.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return mixer
+
+
+def selector(mixer: nn.Module) -> nn.Module | None:
+    """The module whose selection_log receives the layer's choice of keys (None: full attention)."""
+    if hasattr(mixer, "indexer"):
+        return mixer.indexer
+    return mixer if hasattr(mixer, "pin_selection") else None
+
+
+def row_inputs(mixer: nn.Module, layout: str):
+    """The row's cu_seqlens, its input x [1, T, D] and the loss weights [1, T, D]."""
+    gen = torch.Generator().manual_seed(len(layout))
+    width = mixer.o_proj.out_features
+    x = torch.randn(1, ROW_TOKENS, width, generator=gen)
+    weights = torch.randn(1, ROW_TOKENS, width, generator=gen)
+    return torch.tensor(LAYOUTS[layout], dtype=torch.int32), x, weights
+
+
+def run_forward_backward(mixer: nn.Module, x, weights, batch: PackedBatch):
+    """The output, the input's gradient, every parameter's gradient and the selection of one forward and backward."""
+    mixer.zero_grad(set_to_none=True)
+    chooser = selector(mixer)
+    if chooser is not None:
+        chooser.selection_log = []
+    x = x.clone().requires_grad_()
+    out = mixer(x, batch)
+    (out * weights).sum().backward()
+    grads = {name: p.grad for name, p in mixer.named_parameters() if p.grad is not None}
+    selection = chooser.selection_log[0] if chooser is not None else None
+    return out.detach(), x.grad, grads, selection
+
+
+def one_process(mixer: nn.Module, layout: str):
+    cu, x, weights = row_inputs(mixer, layout)
+    batch = PackedBatch(cu, document_positions(cu, ROW_TOKENS), document_ids(cu, ROW_TOKENS))
+    return run_forward_backward(mixer, x, weights, batch)
+
+
+def _rank(rank: int, size: int, mixer: nn.Module):
+    results = {}
+    for layout in LAYOUTS:
+        cu, x, weights = row_inputs(mixer, layout)
+        shard = ContextShard.of_row(cu, torch.distributed.group.WORLD, rank, size)
+        batch = PackedBatch(
+            shard.local_cu_seqlens(), shard.local(document_positions(cu, ROW_TOKENS)),
+            shard.local(document_ids(cu, ROW_TOKENS)), context=shard,
+        )  # fmt: skip
+        results[layout] = run_forward_backward(mixer, shard.local(x, 1), shard.local(weights, 1), batch)
+    # Pickled here, by value: a tensor put on the queue as it is travels as a file descriptor of this process, which
+    # may have exited before the test reads it.
+    return pickle.dumps(results)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_equal_one_process(name, size):
+    mixer = build_mixer(name)
+    ranks = [pickle.loads(r) for r in run_ranks(_rank, size, mixer)]
+    for layout in LAYOUTS:
+        out, x_grad, grads, selection = one_process(mixer, layout)
+        parts = [r[layout] for r in ranks]
+        torch.testing.assert_close(torch.cat([p[0] for p in parts], 1), out, **TOLERANCE, msg=f"{layout}: output")
+        torch.testing.assert_close(torch.cat([p[1] for p in parts], 1), x_grad, **TOLERANCE, msg=f"{layout}: dx")
+        assert all(set(p[2]) == set(grads) for p in parts), layout
+        for param, grad in grads.items():
+            summed = sum(p[2][param] for p in parts)
+            torch.testing.assert_close(summed, grad, **TOLERANCE, msg=f"{layout}: {param}'s gradient")
+        if selection is not None:
+            # The row's convention on every rank: token positions in the row, block ids local to the document.
+            assert torch.equal(torch.cat([p[3] for p in parts], 1), selection), layout
+
+
+def test_one_rank_shard_takes_the_unsharded_path():
+    """A context group of one rank is the row held whole: the same calls, the same bits."""
+    mixer = build_mixer("sparse-block")
+    cu, x, weights = row_inputs(mixer, "mixed")
+    positions, doc_ids = document_positions(cu, ROW_TOKENS), document_ids(cu, ROW_TOKENS)
+    whole = run_forward_backward(mixer, x, weights, PackedBatch(cu, positions, doc_ids))
+    shard = ContextShard.of_row(cu, None, 0, 1)
+    held = run_forward_backward(mixer, x, weights, PackedBatch(cu, positions, doc_ids, context=shard))
+    assert torch.equal(whole[0], held[0]) and torch.equal(whole[1], held[1])
+    assert all(torch.equal(whole[2][name], held[2][name]) for name in whole[2])
