@@ -129,7 +129,8 @@ class KeySpan:
     def topk_indexer(self, q_idx, k_idx, w_idx, **kw) -> torch.Tensor:
         """ops.topk_indexer of this rank's queries q_idx [1, T_local, HI, DI] (weights w_idx [1, T_local, HI] or
         None) over the span's keys k_idx [1, M, DI] -> [1, T_local, S] in the span's convention."""
-        indices = topk_indexer(self.pad_queries(q_idx), k_idx, self.pad_queries(w_idx), cu_seqlens=self.cu_seqlens, **kw)
+        q_idx, w_idx = self.pad_queries(q_idx), self.pad_queries(w_idx)
+        indices = topk_indexer(q_idx, k_idx, w_idx, cu_seqlens=self.cu_seqlens, **kw)
         return self.own_rows(indices)
 
     def row_indices(self, indices: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -39,7 +39,9 @@ CASES = {
     "sparse-block": (
         {"attention": "sparse"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=12, block_size=4))
     ),
-    "qsa-block": ({"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4))),
+    "qsa-block": (
+        {"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4))
+    ),
     "mla": ({"attention": "mla"}, dict(mla=MLA)),
     "mla-sparse-token": (
         {"attention": "mla_sparse"}, dict(mla=MLA, sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6))
