@@ -15,6 +15,8 @@ from moe_tune.profiles.schema import ModelProfile
 
 from context_ranks import run_ranks
 
+pytestmark = pytest.mark.dist
+
 # fp64 layers, whose gates and output norm compute in fp32: the ranks cut the row where one process does not, so
 # gradients through those parts differ from one process's by fp32 rounding (up to ~1e-7 relative).
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
