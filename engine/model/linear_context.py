@@ -71,11 +71,13 @@ def delta_rule(
     if not is_sharded(shard):
         o, _ = op(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, **options)
         return o
-    num_heads, key_dim, value_dim = q.shape[2], q.shape[3], v.shape[3]
+    num_heads, key_dim = q.shape[2], q.shape[3]
     o, final_states = op(q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, output_final_state=True, **options)
     first_end = int(host_values(batch.cu_seqlens)[1])
     is_one_piece = first_end == q.shape[1]
-    is_continued = shard.continues_document()
+    # Read on the host (no wait for the device): the row's document starts.
+    row_starts = set(host_values(shard.row_cu_seqlens).tolist())
+    is_continued = shard.start > 0 and shard.start not in row_starts
     transition = final_states.new_zeros(num_heads, key_dim, key_dim)
     if is_continued:
         piece = slice(0, first_end)
@@ -88,7 +90,7 @@ def delta_rule(
         if is_one_piece:
             transition = last[0]
     summaries = gather_ranks(torch.cat([transition, final_states[-1]], -1), shard)  # [N, H, K, K + V]
-    entering = _entering_state(summaries, shard, key_dim)
+    entering = _entering_state(summaries, shard, row_starts, key_dim)
     if not is_continued:
         # This rank's first token starts a document: nothing enters it, but every rank runs the gather's backward.
         return _Keeping.apply(o, summaries)
@@ -99,14 +101,13 @@ def delta_rule(
     return head if is_one_piece else torch.cat([head, o[:, first_end:]], 1)
 
 
-def _entering_state(summaries: torch.Tensor, shard: ContextShard, key_dim: int) -> torch.Tensor:
+def _entering_state(summaries: torch.Tensor, shard: ContextShard, row_starts: set[int], key_dim: int) -> torch.Tensor:
     """[H, K, V] fp32 state entering this rank's first token, composed from the earlier ranks' (M, B) summaries
     [N, H, K, K + V]: S_in(r) = M(r - 1) S_in(r - 1) + B(r - 1) where rank r continues a document, else zeros."""
     transitions, offsets = summaries[..., :key_dim], summaries[..., key_dim:]
     state = torch.zeros_like(offsets[0])
     for rank in range(1, shard.rank + 1):
-        start = rank * (shard.stop - shard.start)
-        if bool((shard.row_cu_seqlens == start).any()):
+        if rank * (shard.stop - shard.start) in row_starts:
             state = torch.zeros_like(state)
         else:
             state = transitions[rank - 1] @ state + offsets[rank - 1]
