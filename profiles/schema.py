@@ -808,12 +808,22 @@ class LoraProfile(Strict):
     )
 
 
+# The token mixers (LayerSpec.attention) that run on a row shared by several ranks (PackedBatch.context): each
+# exchanges what crosses the cut between ranks (engine/model); the other kinds are refused under context parallelism.
+CONTEXT_PARALLEL_MIXERS: tuple[str, ...] = ("linear", "kda")
+
+
 class ParallelProfile(Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage for dense weights")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto: nccl on GPU")
     expert_parallel: int = Field(
         1, ge=1, le=MAX_SIZE, description="ranks that share the routed experts of a layer (each holds num_experts / "
         "this many); the data-parallel size is world size / expert_parallel"
+    )
+    context_parallel: int = Field(
+        1, ge=1, le=MAX_SIZE, description="ranks that share one packed row, each holding its next row_tokens / "
+        "this many tokens (consecutive ranks form a group); the rows are split over world size / context_parallel "
+        "data-parallel ranks. 1: every rank holds whole rows"
     )
     offload_optimizer: bool = Field(False, description="keep optimizer state in host memory (ZeRO offload)")
     timeout_s: float = Field(
@@ -1069,5 +1079,50 @@ class JobProfile(Strict):
             )
         if self.data.uses_corpus and self.tokenizer != "byte":
             problems.append(f"data.tokenizer ('{self.tokenizer}') must be 'byte' with the built-in corpus")
+        _raise_if(problems)
+        return self
+
+    @model_validator(mode="after")
+    def check_context_parallel(self):
+        """What a row shared by parallel.context_parallel ranks needs (engine/parallel/context.py)."""
+        cp = self.parallel.context_parallel
+        if cp == 1:
+            return self
+        problems, at = [], f"parallel.context_parallel ({cp})"
+        if self.data.seq_len % cp:
+            problems.append(f"data.seq_len ({self.data.seq_len}) must be a multiple of {at}: each rank holds an "
+                            "equal share of the row")  # fmt: skip
+        model = self.model
+        if isinstance(model, CheckpointModel):
+            # The architecture's rules apply once engine/families has read config.json (the profile is validated again).
+            _raise_if(problems)
+            return self
+        refused = {}
+        for index, layer in enumerate(model.layers):
+            if layer.attention not in CONTEXT_PARALLEL_MIXERS:
+                refused.setdefault(layer.attention, index)
+        for kind, index in refused.items():
+            problems.append(f"model.layers[{index}].attention ('{kind}') must be one of "
+                            f"{', '.join(CONTEXT_PARALLEL_MIXERS)} with {at}: those exchange what crosses the cut "
+                            "between ranks")  # fmt: skip
+        if model.vision is not None:
+            problems.append(f"{at} needs a text-only model: model.vision's images and their (t, h, w) positions span "
+                            "the row")  # fmt: skip
+        if model.ngram_embedding is not None:
+            problems.append(f"{at} needs model.ngram_embedding (set) unset: an n-gram reaches back across the cut "
+                            "between ranks")  # fmt: skip
+        if model.moe is not None and model.moe.capacity_factor > 0:
+            problems.append(f"model.moe.capacity_factor ({model.moe.capacity_factor}) must be 0 with {at}: capacity "
+                            "positions count the row's earlier tokens, held on other ranks")  # fmt: skip
+        aux = model.moe.aux_loss_coef if model.moe is not None else 0.0
+        chunk = self.memory.sequence_chunk_tokens
+        # The row's Switch loss is combined over the ranks from each rank's whole share, in the plain decoder layer.
+        if chunk is not None and aux > 0:
+            problems.append(f"memory.sequence_chunk_tokens ({chunk}) must be unset with {at} and "
+                            f"model.moe.aux_loss_coef ({aux}) > 0: the row's aux loss is combined over the ranks "
+                            "from whole shares, not chunks")  # fmt: skip
+        if model.hyper_connections is not None and aux > 0:
+            problems.append(f"model.moe.aux_loss_coef ({aux}) must be 0 with {at} and model.hyper_connections: the "
+                            "row's aux loss is combined over the ranks in the plain decoder layer only")  # fmt: skip
         _raise_if(problems)
         return self

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from moe_tune.engine.parallel.context import ContextShard, gather_ranks
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 from moe_tune.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
@@ -21,7 +22,7 @@ from .batch import PackedBatch
 from .blocks import RMSNorm, document_ids, document_positions
 from .fp8 import Fp8Linear, convert_to_fp8
 from .hyper import HyperConnection, HyperDecoderLayer
-from .moe import DenseMLP, MoEBlock, channel_mixer, channel_mixer_in_chunks, init_moe
+from .moe import DenseMLP, MoEBlock, RowChunk, channel_mixer, channel_mixer_in_chunks, init_moe
 from .ngram import init_ngram
 from .vision import VisionTower, mrope_positions
 
@@ -53,6 +54,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), batch)
+        shard = batch.context
+        if shard is not None and shard.size > 1 and isinstance(self.mlp, MoEBlock) and self.mlp.training:
+            y, aux = moe_on_shared_row(self.mlp, self.post_attention_layernorm(x), shard)
+            return x + y, aux * self.aux_loss_coef
         chunk_tokens = self.mlp.sequence_chunk_tokens if self.chunks_with_norm else None
         if chunk_tokens is not None and x.shape[1] > chunk_tokens:
             # The norm and the residual add inside each chunk: only x's rows are kept for backward.
@@ -75,6 +80,26 @@ class DecoderLayer(nn.Module):
         mixer runs without capacity limits (engine/generate)."""
         x = x + self.self_attn.forward_cached(self.input_layernorm(x), step)
         return x + self.mlp.forward_inference(self.post_attention_layernorm(x))
+
+
+def moe_on_shared_row(mlp: MoEBlock, h: torch.Tensor, shard: ContextShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE block on this rank's share h [1, T_local, D] of a row shared by a context group (training): the tokens
+    are routed and computed as anywhere (expert parallelism takes them wherever they are held), this rank's loads
+    are counted, and the Switch aux loss is the whole row's (every rank of the group returns the same value; its
+    gradient reaches every rank's router scores through the gather's backward)."""
+    num_experts = mlp.spec.num_experts
+    no_slots = torch.zeros(num_experts, dtype=torch.long, device=h.device)
+    y, routing = mlp(h, chunk=RowChunk(shard.start, shard.row_tokens, no_slots))
+    # Counts this rank's loads (and drops); what it returns is the share's own Switch loss, not the row's.
+    mlp.finish_row([routing], h.shape[1])
+    if routing.prob_sum_E is None:
+        return y, h.new_zeros((), dtype=torch.float32)
+    counts_E = routing.counts_E.clone()
+    torch.distributed.all_reduce(counts_E, group=shard.group)
+    prob_sum_E = gather_ranks(routing.prob_sum_E, shard).sum(dim=0)
+    # MoEBlock.finish_row's Switch loss over the row's statistics: f_e from its counts, P_e its mean score.
+    fraction_E = counts_E.float() / (shard.row_tokens * mlp.spec.top_k)
+    return y, num_experts * (fraction_E * (prob_sum_E / shard.row_tokens)).sum()
 
 
 def run_decoder_layer(model: nn.Module, index: int, layer: nn.Module, x: torch.Tensor, batch):
@@ -205,6 +230,7 @@ class MoECausalLM(nn.Module):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         return_logits: bool | None = None,
+        context: ContextShard | None = None,
     ) -> CausalLMOutput:
         """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
         cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T.
@@ -214,9 +240,16 @@ class MoECausalLM(nn.Module):
         are the runs of model.vision.image_token_id in input_ids.
         return_logits: with labels, also return the [1, T, V] logits. None (default): in eval mode only; a training
         forward with labels computes the loss chunk by chunk without them (ops/cross_entropy) whenever the head is
-        a plain linear layer (or PEFT's modules_to_save copy of one); other heads always return the logits."""
+        a plain linear layer (or PEFT's modules_to_save copy of one); other heads always return the logits.
+        context: under context parallelism this rank's share of the row (engine/parallel/context.py): input_ids and
+        labels are then the tokens [start, stop) of the row, cu_seqlens their document pieces
+        (context.local_cu_seqlens()), and positions count from the start of each whole document; the loss is the
+        sum over the labels held here, divided by loss_denominator (the global labelled count / world size)."""
         total = input_ids.shape[1]
-        positions, doc_ids = document_positions(cu_seqlens, total), document_ids(cu_seqlens, total)
+        if context is None:
+            positions, doc_ids = document_positions(cu_seqlens, total), document_ids(cu_seqlens, total)
+        else:
+            positions, doc_ids = self._share_positions(context, total, cu_seqlens.device)
         x = self.embed_tokens(input_ids)
         mrope = None
         if self.vision is not None:
@@ -225,7 +258,7 @@ class MoECausalLM(nn.Module):
                 spec = self.cfg.vision
                 mrope = mrope_positions(input_ids, cu_seqlens, image_grid_thw, spec.image_token_id,
                                         spec.spatial_merge_size)
-        batch = PackedBatch(cu_seqlens, positions, doc_ids, input_ids[0], mrope)
+        batch = PackedBatch(cu_seqlens, positions, doc_ids, input_ids[0], mrope, context)
         if self.cfg.hyper_connections is not None:
             x = x.repeat(1, 1, self.cfg.hyper_connections.num_streams)  # every stream starts as the embedding
         aux_total = x.new_zeros((), dtype=torch.float32)
@@ -252,6 +285,18 @@ class MoECausalLM(nn.Module):
         if loss_denominator is not None:
             lm_loss = lm_loss / loss_denominator
         return CausalLMOutput(lm_loss + aux_total, lm_loss, aux_total, logits)
+
+    def _share_positions(self, context: ContextShard, total: int, device: torch.device):
+        """(positions, document ids) [T_local] of the tokens held here: the whole row's, sliced."""
+        if total != context.stop - context.start:
+            raise ValueError(f"input_ids: {total} tokens, but the context shard holds tokens [{context.start}, "
+                             f"{context.stop}) of the row")  # fmt: skip
+        if self.vision is not None:
+            raise ValueError("a model with a vision tower cannot share a row between context-parallel ranks")
+        row_cu = context.row_cu_seqlens.to(device)
+        row_tokens = context.row_tokens
+        return (context.local(document_positions(row_cu, row_tokens)),
+                context.local(document_ids(row_cu, row_tokens)))  # fmt: skip
 
     def forward_cached(self, input_ids: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """input_ids [1, T] continuing one text sequence (step's tokens) -> logits [1, T, V], the rows `forward` gives

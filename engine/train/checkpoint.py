@@ -360,6 +360,10 @@ def run_signature(profile, world_size: int) -> dict[str, dict[str, Any]]:
     change freely)."""
     model = profile.model.model_dump(mode="json", exclude={"checkpoint"})
     layout = {"expert_parallel": profile.parallel.expert_parallel, "zero_stage": profile.parallel.zero_stage}
+    # The rows a step reads depend on it (world size / context_parallel groups); named only above 1, so a run without
+    # it has the signature of a profile that does not name it.
+    if profile.parallel.context_parallel > 1:
+        layout["context_parallel"] = profile.parallel.context_parallel
     train = profile.train.model_dump(mode="json", exclude={"steps", "epochs"})
     return {
         "fixed": {"model": model, "lora": profile.lora.model_dump(mode="json"), "parallel": layout,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.engine.train import ds_sync_free
 from moe_tune.profiles import ProfileError
 
@@ -28,6 +29,41 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """Where this rank sits under context parallelism (parallel.context_parallel N): world = data x context, ranks
+    [d N, (d + 1) N) form context group d and share the rows of data-parallel index d, rank r holding share r % N of
+    each. N 1 (group None) is plain data parallelism: every rank holds whole rows."""
+
+    size: int = 1  # N, ranks of a context group
+    rank: int = 0  # this rank's share of the row: tokens [rank T / N, (rank + 1) T / N)
+    data_rank: int = 0  # which rows this rank's group reads
+    data_size: int = 1  # world size / N: the groups the rows are split over
+    group: object | None = None
+
+    def shard(self, cu_seqlens: torch.Tensor) -> ContextShard | None:
+        """This rank's share of the packed row that cu_seqlens [N + 1] describes; None when rows are held whole."""
+        if self.size == 1:
+            return None
+        return ContextShard.of_row(cu_seqlens, self.group, self.rank, self.size)
+
+
+def create_context_layout(context_parallel: int, rank: int, world_size: int, timeout_s: float) -> ContextLayout:
+    """The context groups of parallel.context_parallel consecutive ranks (every rank calls this: each group's
+    creation is a collective of the world). Consecutive, as DeepSpeed's expert groups: on a multi-GPU host a
+    group's ranks share its fast links, which carry the gathers of every token-mixing layer."""
+    if context_parallel == 1:
+        return ContextLayout(data_rank=rank, data_size=world_size)
+    group = None
+    for first in range(0, world_size, context_parallel):
+        ranks = list(range(first, first + context_parallel))
+        created = torch.distributed.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        if rank in ranks:
+            group = created
+    return ContextLayout(context_parallel, rank % context_parallel, rank // context_parallel,
+                         world_size // context_parallel, group)  # fmt: skip
 
 
 def free_port() -> int:

@@ -29,12 +29,20 @@ from moe_tune.engine.parallel.expert_parallel import (
     gather_expert_tensor,
     is_expert_parameter,
 )
+from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.engine.parallel.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
 from .checkpoint import best_checkpoint, resume_checkpoint, run_signature, save_checkpoint, write_json_atomic
-from .distributed import DistInfo, any_rank, init_distributed, shutdown_distributed
+from .distributed import (
+    ContextLayout,
+    DistInfo,
+    any_rank,
+    create_context_layout,
+    init_distributed,
+    shutdown_distributed,
+)
 from .ds_config import deepspeed_config, zero_stage_note
 from .loggers import check_report_to
 
@@ -96,8 +104,9 @@ def warmup_steps_of(train: TrainProfile, total_steps: int) -> int:
 
 def run_steps(train: TrainProfile, dataset, world_size: int) -> int:
     """The run's optimizer steps: train.steps, or for train.epochs the steps that cover every row of those epochs
-    (a step takes micro_batch_size x gradient_accumulation_steps rows on each rank; the last one may run into the
-    next epoch). ProfileError when the warm-up does not fit."""
+    (a step takes micro_batch_size x gradient_accumulation_steps rows on each of `world_size` data-parallel ranks:
+    under context parallelism the context groups; the last step may run into the next epoch). ProfileError when the
+    warm-up does not fit."""
     if train.steps is not None:
         return train.steps
     rows = dataset.rows_in_epochs(train.epochs)
@@ -133,12 +142,15 @@ def lr_factor(step: int, train: TrainProfile, total_steps: int | None = None) ->
 
 def check_world(profile: JobProfile, world_size: int) -> None:
     """Checks of the profile against the machine: the layout must use the ranks there are."""
-    ep = profile.parallel.expert_parallel
     problems = []
-    if ep > world_size:
-        problems.append(f"parallel.expert_parallel ({ep}) must be <= the world size ({world_size})")
-    elif world_size % ep:
-        problems.append(f"parallel.expert_parallel ({ep}) must divide the world size ({world_size})")
+    # Expert and context groups are each consecutive ranks, independent of each other: tokens reach their experts
+    # whichever rank of a row holds them.
+    for name in ("expert_parallel", "context_parallel"):
+        size = getattr(profile.parallel, name)
+        if size > world_size:
+            problems.append(f"parallel.{name} ({size}) must be <= the world size ({world_size})")
+        elif world_size % size:
+            problems.append(f"parallel.{name} ({size}) must divide the world size ({world_size})")
     if problems:
         raise ProfileError(problems)
 
@@ -395,6 +407,7 @@ class TrainingRun:
     dist: DistInfo
     engine: Any
     layout: ExpertLayout
+    context: ContextLayout
     dataset: Any
     eval_data: Any  # None without eval data
     data_summary: Any
@@ -443,10 +456,12 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     dataset, eval_data, data_summary, skipped = build_dataset(profile, tokenizer, out / "generated-data")
 
     check_world(profile, dist.world_size)
-    total_steps = run_steps(train, dataset, dist.world_size)
+    context = create_context_layout(profile.parallel.context_parallel, dist.rank, dist.world_size,
+                                    profile.parallel.timeout_s)  # fmt: skip
+    total_steps = run_steps(train, dataset, context.data_size)
     eval_every = eval_interval(profile, eval_data)
     if eval_data is not None:
-        check_eval_tokens(eval_data, train, dist.world_size)
+        check_eval_tokens(eval_data, train, context.data_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
     ds_config = deepspeed_config(profile, dist.world_size)
     # A checkpoint's weights overwrite the random init: its model is built where it trains, in the training dtype
@@ -467,8 +482,8 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     if eval_data is not None:
         result.eval_rows = eval_data.epoch_length(0)
     run = TrainingRun(
-        profile=profile, dist=dist, engine=engine, layout=layout, dataset=dataset, eval_data=eval_data,
-        data_summary=data_summary, total_steps=total_steps,
+        profile=profile, dist=dist, engine=engine, layout=layout, context=context, dataset=dataset,
+        eval_data=eval_data, data_summary=data_summary, total_steps=total_steps,
         end_step=min(total_steps, stop_after) if stop_after is not None else total_steps,
         eval_every=eval_every, activation_memory=activation_memory, result=result,
     )  # fmt: skip
@@ -605,13 +620,18 @@ def _train_step(run: TrainingRun, step: int) -> dict:
     t0 = time.perf_counter()
     engine.train()
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
+    context = run.context
     for micro in range(train.gradient_accumulation_steps):
-        batch = dataset.micro_batch(step * train.gradient_accumulation_steps + micro, rows, dist.rank, dist.world_size)
-        output = micro_step(engine, batch, dist)
+        index = step * train.gradient_accumulation_steps + micro
+        batch = dataset.micro_batch(index, rows, context.data_rank, context.data_size)
+        share, shard = share_of_batch(batch, context)
+        output = micro_step(engine, share, dist, shard)
         lm_losses.append(output.lm_loss.detach().float())
         aux_losses.append(output.aux_loss.detach().float())
-        tokens += batch.num_label_tokens
-        processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
+        tokens += share.num_label_tokens
+        # A row's ranks hold one row: its first rank counts it.
+        if context.rank == 0:
+            processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
     expert_load, dropped_slots = update_moe_bias(engine, dist)
     loss = torch.stack(lm_losses).mean()
     aux = torch.stack(aux_losses).mean()
@@ -622,10 +642,10 @@ def _train_step(run: TrainingRun, step: int) -> dict:
         loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
         processed = int(stats[3].item())
     if tokens == 0:
-        raise ProfileError([untrained_step_message(step + 1, run.profile, dist.world_size)])
+        raise ProfileError([untrained_step_message(step + 1, run.profile, context.data_size)])
     step_time = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
-    rows_per_step = rows * train.gradient_accumulation_steps * dist.world_size
+    rows_per_step = rows * train.gradient_accumulation_steps * context.data_size
     record = {
         "step": step + 1,
         "loss": float(loss),
@@ -654,7 +674,8 @@ def _evaluate_and_save(run: TrainingRun, step: int, is_stopping: bool, writer, r
     profile, dist, result = run.profile, run.dist, run.result
     step_eval = None
     if run.eval_every is not None and not is_stopping and (step % run.eval_every == 0 or step == run.total_steps):
-        step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter)
+        step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter,
+                              run.context)  # fmt: skip
     if is_stopping or step == run.end_step or step % profile.output.save_every == 0:
         result.checkpoint = _save(run.engine, profile, run.checkpoint_root, step, dist, step_eval, result)
         if step_eval is not None and dist.is_main:
@@ -687,7 +708,8 @@ def resolved_profile_dump(profile: JobProfile) -> dict:
 
 
 def untrained_step_message(step: int, profile: JobProfile, world_size: int) -> str:
-    """Why a step whose rows hold no trained token (every label masked) stops the run: its loss is 0 / 0."""
+    """Why a step whose rows hold no trained token (every label masked) stops the run: its loss is 0 / 0.
+    `world_size`: the data-parallel ranks (context groups under context parallelism)."""
     train, data = profile.train, profile.data
     rows = train.micro_batch_size * train.gradient_accumulation_steps * world_size
     first = (step - 1) * rows
@@ -792,23 +814,49 @@ def build_dataset(profile: JobProfile, tokenizer, generated_dir: Path):
     return train, held_out, splits.summary, skipped
 
 
-def micro_step(engine, batch, dist: DistInfo):
+def micro_step(engine, batch, dist: DistInfo, shard: ContextShard | None = None):
     """Forward, backward and DeepSpeed's step on one micro-batch (the optimizer steps at the accumulation
-    boundary); returns the model's output."""
-    out = engine(**batch.model_inputs(dist.device), loss_denominator=_loss_denominator(batch.num_label_tokens, dist))
+    boundary); returns the model's output. Under context parallelism `batch` is this rank's share of the row and
+    `shard` says where it sits (share_of_batch)."""
+    denominator = _loss_denominator(batch.num_label_tokens, dist)
+    out = engine(**batch.model_inputs(dist.device), loss_denominator=denominator, **_context_input(shard))
     engine.backward(out.loss)
     engine.step()
     return out
 
 
-def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[float, int, int]:
+def share_of_batch(batch, context: ContextLayout):
+    """(this rank's share of the micro-batch's packed row, where it sits): under context parallelism the tokens
+    [r T / N, (r + 1) T / N) of the row with their document pieces (ContextShard.local_cu_seqlens); else (batch,
+    None). Labels go with their tokens: each rank's loss sums the cross-entropy of the labels it holds."""
+    from moe_tune.engine.data.dataset import Batch
+
+    shard = context.shard(batch.cu_seqlens)
+    if shard is None:
+        return batch, None
+    # The schema refuses models with a vision tower under context parallelism.
+    assert batch.pixel_values is None, "a row with images cannot be shared by context-parallel ranks"
+    share = Batch(input_ids=shard.local(batch.input_ids), labels=shard.local(batch.labels),
+                  cu_seqlens=shard.local_cu_seqlens())  # fmt: skip
+    return share, shard
+
+
+def _context_input(shard: ContextShard | None) -> dict:
+    # Rows held whole pass nothing: the model's signature stays what it was for them.
+    return {} if shard is None else {"context": shard}
+
+
+def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo, context: ContextLayout | None = None
+             ) -> tuple[float, int, int]:  # fmt: skip
     """(mean next-token cross-entropy over every labelled eval token, those tokens, micro-batches run): the eval
     rows split over the ranks as training rows are, the first train.eval_batches micro-batches (all by default).
     Every rank runs the same micro-batches (empty rows past the end of the eval set), so the collectives of ZeRO-3
     and of expert parallelism match; the summed losses and token counts are reduced exactly over the ranks. Eval
     mode (no dropout, no expert loads counted, no aux loss) and no gradients; the training mode is restored."""
     rows = train.micro_batch_size
-    num_batches = math.ceil(eval_data.epoch_length(0) / (rows * dist.world_size))
+    if context is None:
+        context = ContextLayout(data_rank=dist.rank, data_size=dist.world_size)
+    num_batches = math.ceil(eval_data.epoch_length(0) / (rows * context.data_size))
     if train.eval_batches is not None:
         num_batches = min(num_batches, train.eval_batches)
     total = torch.zeros(2, dtype=torch.float64, device=dist.device)  # [summed loss, labelled tokens]
@@ -817,9 +865,11 @@ def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[fl
     try:
         with torch.no_grad():
             for index in range(num_batches):
-                batch = eval_data.eval_micro_batch(index, rows, dist.rank, dist.world_size)
+                batch, shard = share_of_batch(eval_data.eval_micro_batch(index, rows, context.data_rank,
+                                                                         context.data_size), context)  # fmt: skip
                 # A sum over this rank's labelled tokens (divided by 1); the logits stay chunked (return_logits).
-                out = engine(**batch.model_inputs(dist.device), loss_denominator=1.0, return_logits=False)
+                out = engine(**batch.model_inputs(dist.device), loss_denominator=1.0, return_logits=False,
+                             **_context_input(shard))  # fmt: skip
                 total[0] += out.lm_loss.double()
                 total[1] += batch.num_label_tokens
     finally:
@@ -832,7 +882,8 @@ def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[fl
 
 def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
     """Global labelled tokens / world size: ranks holding fewer tokens weigh less, so the data-parallel average of
-    gradients is the gradient of the mean loss over the global batch."""
+    gradients is the gradient of the mean loss over the global batch. `num_label_tokens`: those this rank holds (under
+    context parallelism its share of the row's), so the sum over the world counts each once."""
     if dist.world_size == 1:
         return None
     count = torch.tensor([float(num_label_tokens)], device=dist.device)
@@ -910,10 +961,10 @@ def check_eval_tokens(eval_data, train: TrainProfile, world_size: int) -> None:
 
 
 def _run_eval(engine, eval_data, train: TrainProfile, dist: DistInfo, step: int, result: RunResult, writer,
-              reporter) -> float:  # fmt: skip
+              reporter, context: ContextLayout | None = None) -> float:  # fmt: skip
     """Evaluate after `step`: a metrics record, a log line, the run's last and best eval; returns the loss."""
     started = time.perf_counter()
-    loss, tokens, batches = evaluate(engine, eval_data, train, dist)
+    loss, tokens, batches = evaluate(engine, eval_data, train, dist, context)
     record = {
         "step": step,
         "eval_loss": loss,
