@@ -55,7 +55,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), batch)
         shard = batch.context
-        if shard is not None and shard.size > 1 and isinstance(self.mlp, MoEBlock) and self.mlp.training:
+        # Without an aux loss a shared row's tokens are routed as any others (sequence chunks included).
+        if shard is not None and shard.size > 1 and is_aux_loss_trained(self.mlp):
             y, aux = moe_on_shared_row(self.mlp, self.post_attention_layernorm(x), shard)
             return x + y, aux * self.aux_loss_coef
         chunk_tokens = self.mlp.sequence_chunk_tokens if self.chunks_with_norm else None
@@ -82,6 +83,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp.forward_inference(self.post_attention_layernorm(x))
 
 
+def is_aux_loss_trained(mlp: nn.Module) -> bool:
+    """Whether `mlp` is a MoE block computing its Switch aux loss in this forward."""
+    return isinstance(mlp, MoEBlock) and mlp.training and mlp.spec.aux_loss_coef > 0
+
+
 def moe_on_shared_row(mlp: MoEBlock, h: torch.Tensor, shard: ContextShard) -> tuple[torch.Tensor, torch.Tensor]:
     """A MoE block on this rank's share h [1, T_local, D] of a row shared by a context group (training): the tokens
     are routed and computed as anywhere (expert parallelism takes them wherever they are held), this rank's loads
@@ -92,8 +98,6 @@ def moe_on_shared_row(mlp: MoEBlock, h: torch.Tensor, shard: ContextShard) -> tu
     y, routing = mlp(h, chunk=RowChunk(shard.start, shard.row_tokens, no_slots))
     # Counts this rank's loads (and drops); what it returns is the share's own Switch loss, not the row's.
     mlp.finish_row([routing], h.shape[1])
-    if routing.prob_sum_E is None:
-        return y, h.new_zeros((), dtype=torch.float32)
     counts_E = routing.counts_E.clone()
     torch.distributed.all_reduce(counts_E, group=shard.group)
     prob_sum_E = gather_ranks(routing.prob_sum_E, shard).sum(dim=0)

@@ -72,6 +72,9 @@ def graph_blockers(profile: JobProfile, device_type: str, expert_parallel: int) 
     if expert_parallel > 1:
         reasons.append(f"parallel.expert_parallel ({expert_parallel}) sizes its all-to-all on the host every step: "
                        "use 1")  # fmt: skip
+    if profile.parallel.context_parallel > 1:
+        reasons.append(f"parallel.context_parallel ({profile.parallel.context_parallel}) routes each MoE block on a "
+                       "share of the row and combines its aux loss over the ranks: use 1")  # fmt: skip
     if profile.memory.activation_checkpointing:
         reasons.append("memory.activation_checkpointing (true) recomputes layers in backward: set it false")
     elif not resolve_policy(profile.memory).keeps_everything:

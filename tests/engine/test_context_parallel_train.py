@@ -158,3 +158,13 @@ def test_ranks_of_a_group_read_the_same_rows_and_split_them():
 def test_context_groups_must_fit_the_world(cp, world, message):
     with pytest.raises(ProfileError, match=message):
         check_world(load_profile("tiny", [CP_LAYERS, KDA, f"parallel.context_parallel={cp}"]), world)
+
+
+def test_context_parallel_rules_cuda_graphs_out():
+    from moe_tune.engine.train.graphs import graph_blockers
+
+    profile = load_profile("tiny", [CP_LAYERS, KDA, "parallel.context_parallel=2", "parallel.zero_stage=1"])
+    assert graph_blockers(profile, "cuda", 1) == [
+        "parallel.context_parallel (2) routes each MoE block on a share of the row and combines its aux loss over the "
+        "ranks: use 1"
+    ]

@@ -181,3 +181,45 @@ def test_checkpoint_model_section(tmp_path):
     with pytest.raises(ProfileError) as err:
         load_profile("tiny", [f"model={{checkpoint: {tmp_path / 'ckpt'}}}"])
     assert err.value.problems == ["data.path (None) must be set with model.checkpoint (the built-in corpus is byte-level)"]
+
+
+# tiny with token mixers that run on a row shared by context-parallel ranks (profiles/schema.py
+# CONTEXT_PARALLEL_MIXERS).
+CP_LAYERS = "model.layers=[{attention: linear, mlp: moe}, {attention: linear, mlp: moe}]"
+
+
+def test_context_parallel_defaults_to_one_and_takes_a_shareable_profile():
+    assert load_profile(TINY).parallel.context_parallel == 1
+    assert load_profile(TINY, [CP_LAYERS, "parallel.context_parallel=4"]).parallel.context_parallel == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.context_parallel=0"], "parallel.context_parallel (0): input should be greater than or equal to 1"),
+        ([CP_LAYERS, "parallel.context_parallel=3"],
+         "data.seq_len (128) must be a multiple of parallel.context_parallel (3): each rank holds an equal share"),
+        (["parallel.context_parallel=2"],
+         "model.layers[3].attention ('sparse') must be one of linear, kda with parallel.context_parallel (2)"),
+        ([CP_LAYERS, "parallel.context_parallel=2", "model.moe.capacity_factor=1.25"],
+         "model.moe.capacity_factor (1.25) must be 0 with parallel.context_parallel (2): capacity positions"),
+        ([CP_LAYERS, "parallel.context_parallel=2", "memory.sequence_chunk_tokens=32"],
+         "memory.sequence_chunk_tokens (32) must be unset with parallel.context_parallel (2) and "
+         "model.moe.aux_loss_coef (0.01) > 0"),
+    ],
+    ids=["zero", "seq-len", "sparse-layer", "capacity", "chunks-with-aux"],
+)
+def test_context_parallel_rules(overrides, expected):
+    (line,) = problems_of(TINY, overrides)
+    assert line.startswith(expected), line
+
+
+def test_context_parallel_takes_sequence_chunks_without_aux_loss():
+    profile = load_profile(TINY, [CP_LAYERS, "parallel.context_parallel=2", "memory.sequence_chunk_tokens=32",
+                                  "model.moe.aux_loss_coef=0"])  # fmt: skip
+    assert profile.memory.sequence_chunk_tokens == 32
+
+
+def test_context_parallel_refuses_images():
+    problems = problems_of("tiny-vl", ["parallel.context_parallel=2"])
+    assert any(p.startswith("parallel.context_parallel (2) needs a text-only model: model.vision") for p in problems)
