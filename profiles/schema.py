@@ -810,7 +810,7 @@ class LoraProfile(Strict):
 
 # The token mixers (LayerSpec.attention) that run on a row shared by several ranks (PackedBatch.context): each
 # exchanges what crosses the cut between ranks (engine/model); the other kinds are refused under context parallelism.
-CONTEXT_PARALLEL_MIXERS: tuple[str, ...] = ("linear", "kda")
+CONTEXT_PARALLEL_MIXERS: tuple[str, ...] = ("linear", "sparse", "full", "kda", "mla", "mla_sparse", "qsa")
 
 
 class ParallelProfile(Strict):
@@ -1105,6 +1105,12 @@ class JobProfile(Strict):
             problems.append(f"model.layers[{index}].attention ('{kind}') must be one of "
                             f"{', '.join(CONTEXT_PARALLEL_MIXERS)} with {at}: those exchange what crosses the cut "
                             "between ranks")  # fmt: skip
+        share = self.train.micro_batch_size * self.data.seq_len // cp
+        for section in (model.linear_attention, model.kda_attention):
+            # A short convolution's first taps on a rank read the previous rank's last inputs (its halo).
+            if section is not None and share < section.conv_kernel_size - 1:
+                problems.append(f"{at} leaves {share} tokens a rank (train.micro_batch_size x data.seq_len / "
+                                f"{cp}): fewer than the short convolution's reach ({section.conv_kernel_size - 1})")
         if model.vision is not None:
             problems.append(f"{at} needs a text-only model: model.vision's images and their (t, h, w) positions span "
                             "the row")  # fmt: skip

@@ -17,9 +17,11 @@ from moe_tune.engine.train.distributed import ContextLayout
 from moe_tune.engine.train.trainer import check_world, share_of_batch
 from moe_tune.profiles import ProfileError, load_profile
 
-# The layer kinds this file trains under context parallelism: gated delta rule (scalar decay) and KDA (per-channel).
-CP_LAYERS = ("model.layers=[{attention: linear, mlp: moe}, {attention: kda, mlp: moe}, {attention: linear, mlp: "
-             "moe}]")
+# The layer kinds this file trains under context parallelism: gated delta rule (scalar decay), KDA (per-channel
+# decay), top-k sparse attention (token level) and full attention; the layer tests of engine/model cover every kind
+# (tests/engine/test_context_parallel_linear.py, test_context_parallel_attention.py).
+CP_LAYERS = ("model.layers=[{attention: linear, mlp: moe}, {attention: kda, mlp: moe}, {attention: sparse, mlp: "
+             "moe}, {attention: full, mlp: moe}]")
 KDA = "model.kda_attention={num_heads: 4, head_dim: 16}"
 # One row of 64 tokens a micro-batch: the ranks' borders (16, 32, 48) fall inside its documents, and its labels (the
 # answers of chat records, CHAT_RECORDS) sit unevenly among the ranks, some holding none. Adam turns rounding-level

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from moe_tune.profiles import JobProfile, ProfileError, json_schema, load_profile, resolve_profile_path
+from moe_tune.profiles import schema
 from moe_tune.profiles.schema import Strict
 
 TINY = resolve_profile_path("tiny")
@@ -183,8 +184,7 @@ def test_checkpoint_model_section(tmp_path):
     assert err.value.problems == ["data.path (None) must be set with model.checkpoint (the built-in corpus is byte-level)"]
 
 
-# tiny with token mixers that run on a row shared by context-parallel ranks (profiles/schema.py
-# CONTEXT_PARALLEL_MIXERS).
+# tiny with two linear-attention layers: the context-parallel rules below do not depend on the token mixers.
 CP_LAYERS = "model.layers=[{attention: linear, mlp: moe}, {attention: linear, mlp: moe}]"
 
 
@@ -199,19 +199,35 @@ def test_context_parallel_defaults_to_one_and_takes_a_shareable_profile():
         (["parallel.context_parallel=0"], "parallel.context_parallel (0): input should be greater than or equal to 1"),
         ([CP_LAYERS, "parallel.context_parallel=3"],
          "data.seq_len (128) must be a multiple of parallel.context_parallel (3): each rank holds an equal share"),
-        (["parallel.context_parallel=2"],
-         "model.layers[3].attention ('sparse') must be one of linear, kda with parallel.context_parallel (2)"),
+        ([CP_LAYERS, "parallel.context_parallel=4", "data.seq_len=8", "train.micro_batch_size=1"],
+         "parallel.context_parallel (4) leaves 2 tokens a rank (train.micro_batch_size x data.seq_len / 4): fewer "
+         "than the short convolution's reach (3)"),
         ([CP_LAYERS, "parallel.context_parallel=2", "model.moe.capacity_factor=1.25"],
          "model.moe.capacity_factor (1.25) must be 0 with parallel.context_parallel (2): capacity positions"),
         ([CP_LAYERS, "parallel.context_parallel=2", "memory.sequence_chunk_tokens=32"],
          "memory.sequence_chunk_tokens (32) must be unset with parallel.context_parallel (2) and "
          "model.moe.aux_loss_coef (0.01) > 0"),
     ],
-    ids=["zero", "seq-len", "sparse-layer", "capacity", "chunks-with-aux"],
+    ids=["zero", "seq-len", "conv-reach", "capacity", "chunks-with-aux"],
 )
 def test_context_parallel_rules(overrides, expected):
     (line,) = problems_of(TINY, overrides)
     assert line.startswith(expected), line
+
+
+def test_context_parallel_takes_every_token_mixer():
+    from moe_tune.profiles.schema import LayerSpec
+
+    kinds = LayerSpec.model_fields["attention"].annotation.__args__
+    assert load_profile(TINY, ["parallel.context_parallel=2"]).parallel.context_parallel == 2
+    assert set(kinds) == set(schema.CONTEXT_PARALLEL_MIXERS)
+
+
+def test_context_parallel_refuses_a_token_mixer_that_does_not_exchange(monkeypatch):
+    monkeypatch.setattr(schema, "CONTEXT_PARALLEL_MIXERS", ("linear",))
+    (line,) = problems_of(TINY, ["parallel.context_parallel=2"])
+    assert line.startswith("model.layers[3].attention ('sparse') must be one of linear with "
+                           "parallel.context_parallel (2): those exchange what crosses the cut between ranks")
 
 
 def test_context_parallel_takes_sequence_chunks_without_aux_loss():
