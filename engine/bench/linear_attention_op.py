@@ -21,7 +21,7 @@ from moe_tune.engine.bench.machine import machine_info
 from moe_tune.engine.bench.timing import time_pass
 from moe_tune.ops.linear_attention.reference import DEFAULT_CHUNK_SIZE, chunk_gated_delta_rule_ref
 
-# The shape of issue 5's targets (docs/PERF.md, linear attention).
+# The shape of issue 5's targets (docs/perf-history.md, linear attention).
 ANCHOR_SHAPE = dict(batch_size=4, seq_len=8192, num_heads=16, head_dim_k=128, head_dim_v=128)
 NUM_DOCS = 8
 # Backward FLOPs as a multiple of forward FLOPs (see the module docstring).

@@ -1,4 +1,4 @@
-"""The memory presets against each other on one GPU (docs/PERF.md, "Selective caching"): throughput and peak
+"""The memory presets against each other on one GPU (docs/perf-history.md, "Selective caching"): throughput and peak
 memory at one length, and the longest row each preset trains.
 
     python -m moe_tune.engine.bench.memory_sweep OUT.json [PRESET] [--lengths N,N,...] [--set a.b=v ...]

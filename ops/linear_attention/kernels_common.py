@@ -40,32 +40,25 @@ CHUNK_SIZE = reference.DEFAULT_CHUNK_SIZE
 SUB_CHUNK_SIZE = 16
 # tl.dot needs every operand dimension to be at least 16.
 MIN_DOT_SIZE = 16
-# 32 value columns per state program: B4 H16 V128 gives 256 serial programs to fill 132 SMs, and the fp32 state
-# [128, 32] is 32 registers per thread at 4 warps.
+# Where these were measured (H200, B4 T8192 H16 K=V=128 bf16 unless said): docs/perf-history.md, "Chunked linear
+# attention". Register and stack figures are from the sm_90 compile on triton 3.6.
+# 32 value columns per state program: 256 serial programs for 132 SMs; the fp32 [128, 32] state is 32 registers a thread.
 GPU_BLOCK_V_STATE = 32
 # The per-chunk gradient kernel loops over V in tiles of 64: two iterations at V = 128.
 GPU_BLOCK_V_GRAD = 64
-# The WY kernels loop over V in tiles of 64 for U; the per-head one with 16-bit inputs in tiles of 128: 0.349 against
-# 0.372 ms for the WY pass alone on the H200, B4 T8192 H16 K=V=128 bf16 (docs/PERF.md, linear attention).
+# U's V tiles in the WY kernels (the per-head one with 16-bit inputs takes 128): WY pass 0.349 against 0.372 ms.
 GPU_BLOCK_V_WY = 64
-GPU_BLOCK_V_WY_16BIT = 128
-# The output kernel builds q k^T once per V tile (one tile of 128 at V = 128) and loops over K in tiles of 64; the
-# fastest launches that compile right on triton 3.6 (the per-head loop at 4 warps and 2-3 stages does not), H200, B4
-# T8192 H16 K=V=128 bf16: per-head 8 warps, 3 stages (0.267 ms), KDA 4 warps, 2 stages (0.252 ms); docs/PERF.md,
-# linear attention.
+# The output kernel: q k^T once per V tile, K looped in 64s; the fastest launches that compile right (per-head
+# 0.267 ms at 8 warps / 3 stages, KDA 0.252 at 4 / 2; the per-head loop at 4 warps and 2-3 stages miscompiles).
 GPU_BLOCK_V_OUTPUT = 128
 GPU_BLOCK_K_OUTPUT = 64
 GPU_NUM_WARPS_OUTPUT = 8
 GPU_NUM_WARPS_OUTPUT_KDA = 4
 GPU_NUM_STAGES_OUTPUT = 3
 GPU_NUM_STAGES_OUTPUT_KDA = 2
-# KDA's pairs kernel (kernels_kda.py) builds two decayed [64, 64] products by sub-chunk (sm_90 compile, triton 3.6,
-# K = V = 128: 16 bytes of stack a thread at 8 warps; at 4, 608). On the H200 (B4 T8192 H16 bf16) 1.15 ms a launch at
-# 8 warps; with its sub-chunk loop not unrolled 1.62 at 8 warps and 2.25 at 16 (128 registers a thread, no stack).
+# KDA's pairs kernel: 16 bytes of stack a thread at 8 warps (608 at 4); 1.15 ms a launch.
 GPU_NUM_WARPS_KDA_PAIRS = 8
-# KDA's two gradient kernels (kernels_kda.py), sm_90 compile, triton 3.6, K = V = 128: the WY kernel spills 200
-# bytes of stack a thread at 8 warps (16: 304, 4: 2,080), the products kernel 568 (with 16-bit dot operands 536; 16
-# warps: 392 at half the registers a thread, 4: 2,648); the single kernel they replace spilled 3,784 at 8 warps.
+# KDA's gradient kernels at 8 warps: the WY one spills 200 bytes a thread (4 warps: 2,080), the products one 568.
 GPU_NUM_WARPS_KDA_GRAD_WY = 8
 GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
@@ -74,21 +67,15 @@ GPU_NUM_WARPS = 4
 GPU_NUM_WARPS_GRAD = 8
 # Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
 GPU_NUM_STAGES_STATE = 2
-# The forward's serial pass that stores the states (beside the output kernel, and the backward's recomputation),
-# 16-bit inputs with K up to 128 (`state_fwd_launch`): the widest V tile of these that still gives at least
-# GPU_MIN_STATE_PROGRAMS programs (V tiles x sequences x heads; the H200 has 132 SMs), deeper pipelines, and 8 warps
-# for KDA's tiles of 64: the fastest settings of the pass alone on the H200, K=V=128 bf16, at B4 T8192 H16 (per-head
-# 0.259 ms, KDA 0.287) and at one 32K-token document (per-head 0.595 ms, KDA 0.821); docs/PERF.md, linear attention.
+# The forward's state pass (`state_fwd_launch`): the widest V tile that still gives GPU_MIN_STATE_PROGRAMS programs,
+# the fastest of the pass alone at B4 T8192 (per-head 0.259 ms, KDA 0.287) and at one 32K document (0.595, 0.821).
 GPU_BLOCK_V_STATE_FWD = (64, 32, 16)
 GPU_MIN_STATE_PROGRAMS = 128
 GPU_NUM_STAGES_STATE_FWD = 4
 GPU_NUM_STAGES_STATE_FWD_KDA = 3
 GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
-# The triangular inverse's products for 16-bit inputs with L2-normed keys (`inverse_dots`): fp16 operands, whose
-# 10-bit mantissa is tf32's, at twice the tensor-core rate and half the bytes. A's entries are at most 1 in magnitude
-# (normed keys, beta <= 1, decays <= 1) and the inverse's were at most 1.0 in every case measured (fp64, random,
-# correlated, and beta-1 keys), far inside fp16's 6.5e4. H200, B4 T8192 H16 K=V=128 bf16: WY pass 0.296 ms against
-# 0.332 in tf32, W and U as far from the fp64 ones (docs/PERF.md, linear attention).
+# The inverse's products in fp16 (`inverse_dots`; tf32's mantissa at twice the rate): |A|, |inverse| <= 1 with normed
+# keys, beta, decay <= 1 (fp64 checks), far inside fp16's range; WY pass 0.296 ms against 0.332 in tf32.
 GPU_INVERSE_DOTS_16BIT = "fp16"
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
@@ -211,9 +198,8 @@ class ChunkLayout:
         return self.cu_seqlens.numel() - 1
 
 
-# Layouts of recent calls, newest last. Every linear attention layer of a model step packs the same cu_seqlens, and
-# building a layout is about 20 small device ops a call: the cache saves 0.06 ms of the op's forward at B4 T8192 H16
-# K=V=128 on the H200 (docs/PERF.md, linear attention).
+# Layouts of recent calls, newest last: every linear attention layer of a step packs the same cu_seqlens, and a
+# layout is about 20 small device ops (0.06 ms of the forward at B4 T8192 H16 K=V=128 on the H200).
 _LAYOUT_CACHE_SIZE = 8
 _layout_cache: OrderedDict[tuple, tuple[torch.Tensor | None, ChunkLayout]] = OrderedDict()
 
@@ -420,7 +406,7 @@ def unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr
 
     Doubling the powers of A instead ((I + L)^-1 = (I - L)(I + L^2)(I + L^4)..., then a Neumann merge) takes the same
     number of products but cancels large intermediate powers: keys at cosine ~0.9 with beta near 1 give W 60x off the
-    fp64 one and NaN outputs (docs/PERF.md, linear attention). Levels below SB run batched on the [BT / SB, SB, SB]
+    fp64 one and NaN outputs (docs/perf-history.md, linear attention). Levels below SB run batched on the [BT / SB, SB, SB]
     diagonal blocks, the others (s >= SB) on the [BT, BT] tile."""
     NB: tl.constexpr = BT // SB
     blocks = tl.arange(0, NB)

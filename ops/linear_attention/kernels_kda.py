@@ -24,7 +24,7 @@ way (bound 60 or 8: their operands are not normed), with fp32 operands in the do
 
 Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, W's operand k beta exp(G) and for power-of-two K
 the serial pass's k exp(G_C - G) per channel; 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1, W, U, at 4 warps, as
-the per-head WY kernel; one kernel of both at 8 warps took 1.78 ms against 1.54 for the two, docs/PERF.md), and
+the per-head WY kernel; one kernel of both at 8 warps took 1.78 ms against 1.54 for the two, docs/perf-history.md), and
 the per-chunk gradient in two kernels, as kernels_bwd.py splits the per-head one: `_kda_grad_wy_kernel` (the state
 and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the gradient of G_C and dkk) then
 `_kda_grad_products_kernel` (the output's terms and the four decayed products dP k, dP^T q, dkk k, dkk^T k: dq, dk,
@@ -131,7 +131,7 @@ def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows,
     chunk's reverse cumsum cancels them, so the two must round alike. With bf16 operands dg's relative RMS error
     against the fp32 reference was 3.8% (H200, KDA test with decays up to 5 a token; 1.9% with logsigmoid decays),
     with tf32 0.6% (0.4%), with fp32 arithmetic 0.3%; the gradient kernel took 4.4 instead of 3.2 ms a launch
-    (B4 T8192 H16 K=V=128, docs/PERF.md)."""
+    (B4 T8192 H16 K=V=128, docs/perf-history.md)."""
     rows = tl.arange(0, BT)
     Z = tl.zeros([BT, BK], dtype=tl.float32)
     # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
@@ -241,7 +241,7 @@ def _kda_pairs_kernel(
     64, 64 rows, and past the bound they take their own rows by the elementwise loop. H200, B4 T8192 H16 K=V=128
     bf16, g = logsigmoid(randn) (the harness's; the whole chunk within a span of 80): 0.91 ms a launch, writing W's
     operand and the decayed k too, against 1.01 for the masked [64, 64] tiles of all four sub-chunks; the WY kernel,
-    without those operands to make, 0.24 against 0.47 ms (docs/PERF.md, linear attention)."""
+    without those operands to make, 0.24 against 0.47 ms (docs/perf-history.md, linear attention)."""
     tl.static_assert(BT == 4 * SB)
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -630,7 +630,7 @@ def kda_wy_fwd(
 
     Two kernels: the pairs kernel (G, q k^T, k k^T by row blocks; W's operand k beta exp(G) and k exp(G_C - G), the
     two products with per-channel decays) then the WY kernel (the inverse, W, U), so that each runs at its own warp
-    count (one kernel at 8 warps: 1.78 ms against 1.54, docs/PERF.md). k k^T passes between them in fp32; W's operand
+    count (one kernel at 8 warps: 1.78 ms against 1.54, docs/perf-history.md). k k^T passes between them in fp32; W's operand
     in W's dtype through W's own buffer where W's products take 16-bit operands (else in fp32 scratch).
 
     gate: (A_log [H], dt_bias [H * K]) when g_THK is the raw gate a, the log decay being

@@ -165,7 +165,7 @@ def chunk_output(
     else:
         # fp32 tiles (twice the shared memory a stage), or the variant that also stores the backward's operands:
         # that variant at 8 warps and 3 stages compiles wrong on the H200 (forward output 1.1e-2 off the fp32
-        # reference against 4.9e-4 at 4 warps and 1 stage; docs/PERF.md, linear attention).
+        # reference against 4.9e-4 at 4 warps and 1 stage; docs/perf-history.md, linear attention).
         num_warps, num_stages = config.num_warps, 1
     if layout.num_slots > 0:
         _chunk_output_kernel[(layout.num_slots, H, triton.cdiv(V, block_v))](

@@ -12,7 +12,7 @@ backward (dgate_up, d topk_weights, w * h), dA_down = sum (s dy B_down)^T (w h) 
 gate_up adapter's pass over dgate_up (dgate_up B_gate_up per row, dB_gate_up), dx, then
 dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down from the down backward's epilogue instead (no w * h written)
 needs 255 registers a thread and makes the LoRA fwd+bwd 0.3-0.6 ms slower at issue 7's shapes on the H200
-(docs/PERF.md, MoE).
+(docs/perf-history.md, MoE).
 
 FP8 expert weights (float8_e4m3fn with 128 x 128 block scales) go through the same kernels, which dequantize each
 weight tile as they load it; they are frozen (moe_mlp refuses them with requires_grad), so no weight gradient is

@@ -73,7 +73,7 @@ class KernelConfig:
 GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, num_stages=3)
 # Backward pass: 256 gradient columns per program, so g B is summed from 8 fp32 partials at D = 2048 (the partials
 # are r fp32 per row each, 1/16 of a bf16 row of 2048), 32 rows a step, 4 warps: alone on the H200 (bf16 dB
-# products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps (docs/PERF.md, MoE).
+# products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps (docs/perf-history.md, MoE).
 GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, num_stages=3)
 # The down-projection backward needs 180 registers a thread, one 8-warp CTA per SM; capped at 128 (sm_90 compile: 240
 # bytes spilled) two fit.
@@ -148,7 +148,7 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
     config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
     # The register cap and the 5 stages: E64 trained fwd+bwd 12.35 against 13.16 ms without either, the down backward
-    # 2.08 against 2.78 (H200, docs/PERF.md, MoE).
+    # 2.08 against 2.78 (H200, docs/perf-history.md, MoE).
     return dataclasses.replace(
         config,
         down_bwd=dataclasses.replace(config.down_bwd, maxnreg=GPU_DOWN_BWD_MAXNREG),
@@ -170,7 +170,7 @@ def dot_precision(*dtypes: torch.dtype) -> str:
 def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     """dtype of the LoRA backward's rank products (d(x A^T), d(h A^T)): bf16 next to bf16 activations, so that the
     GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the two dA passes alone: 0.23 -> 0.18 ms
-    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/PERF.md, MoE); fp32 otherwise (fp16 would
+    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/perf-history.md, MoE); fp32 otherwise (fp16 would
     underflow small gradients)."""
     return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
 

@@ -24,7 +24,7 @@ from moe_tune.ops.moe.kernel_config import MoEConfig
 # times the mean rows per expert: under uniform routing every expert fits one chunk (no partial sums), while one with
 # Zipf routing's 7.7x the mean (issue 7's E64 shape) spreads over 4 programs instead of running 7.7x as long as the
 # others: with one program per expert, LoRA r16 over Zipf routing cost 1.28x the frozen-expert training against 1.14x
-# uniform on the H200 (docs/PERF.md, MoE).
+# uniform on the H200 (docs/perf-history.md, MoE).
 CHUNK_MEAN_ROWS = 2
 # Slots per program of the routing kernel's int32 casts: a 4 KB int32 store per output vector.
 ROUTING_BLOCK_S = 1024

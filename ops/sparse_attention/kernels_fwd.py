@@ -33,7 +33,7 @@ GPU_TOKEN_TILE = 64
 # Block level: a 64-token block is one tile; larger blocks loop.
 GPU_BLOCK_KEY_TILE = 64
 GPU_NUM_WARPS_FWD = 4
-# The loop bodies have no branch, so Triton pipelines them. H200, issue 6's shapes (docs/PERF.md): forward 2 stages
+# The loop bodies have no branch, so Triton pipelines them. H200, issue 6's shapes (docs/perf-history.md): forward 2 stages
 # 2.14 / 2.68 ms (block / token) against 2.17 / 3.02 at 3 stages and 2.84 / 4.57 at 8 warps; dq ran at 3 stages.
 GPU_NUM_STAGES_FWD = 2
 GPU_NUM_STAGES_DQ = 3
@@ -41,7 +41,7 @@ GPU_NUM_STAGES_DQ = 3
 # most 64 keys). At 64 keys Triton laid the [64, 64] products over 8 warps of 16 rows (warpsPerCTA [8, 1], sm_90
 # TTGIR), a layout that puts both warpgroups on the same 64 rows (read off the layout, not profiled). The dk/dv
 # kernel alone at issue 6's token shape on the H200: 6.07 ms at 128 keys in query chunks against 9.36 at 64 keys on 4
-# warps with 2 stages (op fwd+bwd 11.91 against 12.15 ms; docs/PERF.md, sparse attention).
+# warps with 2 stages (op fwd+bwd 11.91 against 12.15 ms; docs/perf-history.md, sparse attention).
 GPU_DKV_KEY_TILE = 128
 GPU_DKV_ROWS = 64
 # 8 warps: the [128, 128] fp32 dk and dv accumulators are 128 registers a thread (ptxas sm_90a: 254 in all, no

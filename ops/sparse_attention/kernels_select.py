@@ -50,7 +50,7 @@ BITS_PER_WORD = 32
 # divides 32); a pass stops the select once the k-th key's prefix bin holds only kept keys. Why narrow digits pay, an
 # estimate from the shape of Triton's tl.histogram lowering (b warp ballots, then a mask and a popcount per bin a
 # thread owns), not an instruction count: about b + (2^b / 32) * (2b + 2) instructions a thread per 32 keys, 152 per
-# pass at 8 bits against 17 at 5, for more passes. Measured: 5 bits beat 8 by about 10% (docs/PERF.md).
+# pass at 8 bits against 17 at 5, for more passes. Measured: 5 bits beat 8 by about 10% (docs/perf-history.md).
 # GPU indexer: about 256 (query, head) rows per tl.dot (4 queries of 64 heads), so each key tile read from L2 serves
 # 4 queries: 13.7 ms against 15.6 ms at 128 rows (H200, T16384, HI64 DI128, top 2048; identical index sets) ...
 GPU_INDEXER_ROWS = 256
