@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tune.engine.parallel.context import ContextShard, gather_sequence
-from moe_tune.ops.common.host_copy import host_values
+from moe_tune.ops.common.host_copy import host_values, remember, to_device
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 
 from .varlen import DocumentBuckets, offset_causal_attention, packed_causal_attention
@@ -45,6 +45,16 @@ if TYPE_CHECKING:
 def is_context_parallel(batch: PackedBatch) -> bool:
     """Whether the batch is one rank's share of a row held by several ranks."""
     return batch.context is not None and batch.context.size > 1
+
+
+def device_bounds(host_bounds: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Document bounds made on the host, as int32 on `device`, their host copy remembered (the ops and the buckets
+    read them back without waiting for the device)."""
+    host_bounds = host_bounds.to(torch.int32)
+    bounds = to_device(host_bounds, device)
+    if bounds is not host_bounds:
+        remember(bounds, host_bounds)
+    return bounds
 
 
 @dataclass(frozen=True)
@@ -64,9 +74,9 @@ class KeySpan:
         if window is not None:
             first = max(first, shard.start - (window - 1))
         prefix = shard.start - first
-        local = batch.cu_seqlens
-        span_cu = torch.cat([local[:1], local[1:] + prefix]).to(torch.int32)
-        num_continued = int(host_values(local)[1]) if prefix else 0
+        local = host_values(batch.cu_seqlens)
+        span_cu = device_bounds(torch.cat([local[:1], local[1:] + prefix]), batch.cu_seqlens.device)
+        num_continued = int(local[1]) if prefix else 0
         return cls(batch, first, span_cu, num_continued)
 
     @property
@@ -111,7 +121,8 @@ class KeySpan:
         o_first = offset_causal_attention(q[:, :num_first], k[:, :num_keys], v[:, :num_keys], **kw)
         if num_first == self.num_local:
             return o_first
-        buckets = DocumentBuckets.from_cu_seqlens(self.batch.cu_seqlens[1:] - num_first)
+        rest_cu = host_values(self.batch.cu_seqlens)[1:] - num_first
+        buckets = DocumentBuckets.from_cu_seqlens(device_bounds(rest_cu, q.device))
         o_rest = packed_causal_attention(q[:, num_first:], k[:, num_keys:], v[:, num_keys:], buckets, **kw)
         return torch.cat([o_first, o_rest], 1)
 
