@@ -23,8 +23,10 @@ MEMORY_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 MEMORY_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*", re.IGNORECASE)
-# Rich falls back to 80 columns when stdout is not a terminal; the table needs about this many.
+# Rich falls back to 80 columns when stdout is not a terminal; the table needs about this many, and the
+# context-parallel column (parallel.context_parallel > 1) about CONTEXT_COLUMN_WIDTH more.
 TABLE_WIDTH = 160
+CONTEXT_COLUMN_WIDTH = 16
 
 
 def parse_memory(text: str) -> int | None:
@@ -98,24 +100,36 @@ def _summary(result: Plan) -> list[str]:
         "per step"
     )
     acts = result.activations
+    if result.context_parallel > 1:
+        c = result.context_parallel
+        lines.append(
+            f"context parallel {c}: each row of {result.row_tokens} tokens shared by {c} devices, "
+            f"{result.devices // c} row{'s' if result.devices // c > 1 else ''} a micro-batch"
+        )
+    context = f" + gathered by the token mixers {format_bytes(acts.context)}" if acts.context else ""
     lines.append(
         f"activations {format_bytes(acts.total)} = layers {format_bytes(acts.layers)} + head "
-        f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}"
+        f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}{context}"
     )
     return lines
 
 
 def _table(result: Plan) -> Table:
     table = Table(title="per device, best layout first", title_justify="left")
+    has_context = result.context_parallel > 1
     for header in ("data x expert", "experts/dev", "dense", "experts", "LoRA", "grads", "optimizer", "activations",
                    "gathered", "total", "fits", "all-to-all/step", "ZeRO-3/step"):  # fmt: skip
         table.add_column(header, justify="left" if header == "data x expert" else "right", no_wrap=True)
+    if has_context:
+        table.add_column("context/step", justify="right", no_wrap=True)
     for lay in result.layouts:
         name = f"{lay.data_parallel} x {lay.expert_parallel}" + (" *" if lay.is_profile_layout else "")
         sizes = (lay.dense_weights, lay.expert_weights, lay.lora_weights, lay.gradients, lay.optimizer,
                  lay.activations, lay.gathered, lay.total)  # fmt: skip
         fits = "[green]yes[/green]" if lay.fits else "[red]no[/red]"
         traffic = (format_bytes(lay.all_to_all_per_step), format_bytes(lay.zero3_per_step))
+        if has_context:
+            traffic += (format_bytes(lay.context_per_step),)
         table.add_row(name, str(lay.experts_per_device), *map(format_bytes, sizes), fits, *traffic)
     return table
 
@@ -157,7 +171,7 @@ def plan(
         result = plan_layouts(job, num_devices, memory)
     console = Console(highlight=False)
     if not console.is_terminal:
-        console.width = TABLE_WIDTH
+        console.width = TABLE_WIDTH + (CONTEXT_COLUMN_WIDTH if result.context_parallel > 1 else 0)
     for line in _summary(result):
         console.print(line, markup=False)
     console.print(_table(result))

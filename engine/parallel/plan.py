@@ -4,8 +4,9 @@ every block kind counts exactly and a profile of trillions of parameters plans i
 gives every formula.
 
 Symbols: N devices, ep expert-parallel size, dp = N / ep data-parallel size, E routed experts per MoE layer, k experts
-per token, D model dim, F expert hidden dim, T tokens per device per micro-batch (micro_batch_size x seq_len),
-b bytes per element of the training dtype, r LoRA rank.
+per token, D model dim, F expert hidden dim, c context-parallel size (parallel.context_parallel: c devices share each
+row), T_row tokens of a micro-batch's row (micro_batch_size x seq_len), T = T_row / c tokens per device per
+micro-batch, b bytes per element of the training dtype, r LoRA rank.
 
 `model.base_precision: fp8` stores the frozen base weights of the token mixers, dense MLPs, shared and routed experts
 in FP8 e4m3 (1 byte an element) with one fp32 scale per 128 x 128 block (ops/fp8); everything else stays in the
@@ -36,6 +37,8 @@ __all__ = [
     "lora_parameters",
     "count_parameters",
     "activation_bytes",
+    "ContextExchange",
+    "context_exchange",
     "plan_layouts",
     "sequence_chunk",
 ]
@@ -62,6 +65,9 @@ ALL_TO_ALLS_PER_LAYER_RECOMPUTED = 6
 # Sequence chunks (memory.sequence_chunk_tokens) recompute each chunk's dispatch and combine in backward; under
 # activation checkpointing on top of the layer's recomputed forward.
 ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE = 2
+# Context parallelism: a gathered tensor with a gradient is gathered in forward and its gradient reduce-scattered in
+# backward, each moving (c - 1) / c of the whole gathered tensor into a device.
+CONTEXT_GATHERS_WITH_GRADIENT = 2
 # PEFT's name for the adapter moe-tune injects (one adapter per run).
 ADAPTER_NAME = "default"
 # The module name that makes PEFT put the per-expert LoRA layer on the routed experts (engine/lora).
@@ -297,10 +303,71 @@ class ActivationBytes:
     layers: int  # what backward keeps of the decoder layers
     head: int  # final norm, and the loss's saved gradient and one chunk of logits (or all logits: LoRA on the head)
     transient: int  # the linear-attention backward's state gradients, and states recomputed if offloaded (one layer)
+    # Context parallelism: the token mixers' gathered tensors (the row's keys and values, the linear layers' state
+    # summaries and halos) kept until backward; one layer's with activation checkpointing. 0 when c is 1.
+    context: int = 0
 
     @property
     def total(self) -> int:
-        return self.layers + self.head + self.transient
+        return self.layers + self.head + self.transient + self.context
+
+
+class ContextExchange(NamedTuple):
+    """What one layer's token mixer gathers over its context group per micro-batch (bytes of the gathered tensors as a
+    device holds them after the gather: c pieces)."""
+
+    kept: int  # held until backward
+    with_gradient: int  # gathered in forward, their gradients sent back in backward
+    without_gradient: int  # gathered in forward only (the indexers' keys)
+
+
+def context_exchange(cfg: ModelProfile, spec: LayerSpec, row_tokens: int, c: int, dtype_bytes: int) -> ContextExchange:
+    """The gathers of one layer's token mixer when c devices share a row of row_tokens tokens
+    (engine/model/linear_context.py, engine/model/attention_context.py):
+
+    - linear / kda: one [H, K, K + V] fp32 state summary a device, and the short conv's halo (its reach x conv
+      channels a device), both gathered from all c devices;
+    - full / sparse / qsa: the whole row's keys and values (T_row x G x 2 hd); sparse and qsa also the indexer's keys
+      (T_row x DI, no gradient), qsa its raw indexer keys once more (pooled into its block keys, then freed);
+    - mla / mla_sparse: the row's normed kv latent and rope key (T_row x (Rkv + Dr)); mla_sparse the indexer's keys.
+    """
+    if c == 1:
+        return ContextExchange(0, 0, 0)
+    b = dtype_bytes
+    if spec.attention in ("linear", "kda"):
+        if spec.attention == "linear":
+            la = cfg.linear_attention
+            assert la is not None, "the schema requires model.linear_attention for linear layers"
+            h, k, v = la.num_value_heads, la.key_head_dim, la.value_head_dim
+            channels, width = 2 * la.num_key_heads * la.key_head_dim + h * v, la.conv_kernel_size
+        else:
+            kda = cfg.kda_attention
+            assert kda is not None, "the schema requires model.kda_attention for kda layers"
+            h, k, v = kda.num_heads, kda.head_dim, kda.head_dim
+            channels, width = 3 * h * k, kda.conv_kernel_size
+        gathered = c * h * k * (k + v) * FP32_BYTES + c * (width - 1) * channels * b
+        return ContextExchange(gathered, gathered, 0)
+    sa = cfg.sparse_attention
+    index_keys = row_tokens * sa.index_head_dim * b if sa is not None else 0
+    if spec.attention in ("mla", "mla_sparse"):
+        mla = cfg.mla
+        assert mla is not None, "the schema requires model.mla for mla layers"
+        latent = row_tokens * (mla.kv_lora_rank + mla.qk_rope_head_dim) * b
+        indexer = index_keys if spec.attention == "mla_sparse" else 0
+        return ContextExchange(latent + indexer, latent, indexer)
+    keys_values = row_tokens * cfg.num_key_value_heads * 2 * cfg.head_dim * b
+    if spec.attention == "full":
+        return ContextExchange(keys_values, keys_values, 0)
+    raw_keys = index_keys if spec.attention == "qsa" else 0
+    return ContextExchange(keys_values + index_keys, keys_values, index_keys + raw_keys)
+
+
+def context_traffic(exchange: ContextExchange, c: int, is_recomputed: bool) -> float:
+    """Bytes one device receives for one layer's gathers per micro-batch: (c - 1) / c of every gathered tensor, in
+    forward (twice when backward recomputes the layer) and, for those with a gradient, in backward."""
+    forward_passes = 2 if is_recomputed else 1
+    moved = forward_passes * (exchange.with_gradient + exchange.without_gradient) + exchange.with_gradient
+    return moved * (c - 1) / c
 
 
 class LayerRanks(NamedTuple):
@@ -429,11 +496,20 @@ def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list
 
 
 def sequence_chunk(job: JobProfile) -> int | None:
-    """The tokens of one sequence chunk when memory.sequence_chunk_tokens splits a micro-batch's row, else None (a
-    row of at most that many tokens runs whole)."""
+    """The tokens of one sequence chunk when memory.sequence_chunk_tokens splits a device's share of a micro-batch's
+    row, else None (a share of at most that many tokens runs whole)."""
     chunk = job.memory.sequence_chunk_tokens
-    tokens = job.train.micro_batch_size * job.data.seq_len
-    return chunk if chunk is not None and chunk < tokens else None
+    return chunk if chunk is not None and chunk < device_tokens(job) else None
+
+
+def row_tokens(job: JobProfile) -> int:
+    """T_row: the tokens of a micro-batch's packed row (micro_batch_size rows of seq_len)."""
+    return job.train.micro_batch_size * job.data.seq_len
+
+
+def device_tokens(job: JobProfile) -> int:
+    """T: the tokens one device holds of a micro-batch, T_row / parallel.context_parallel."""
+    return row_tokens(job) // job.parallel.context_parallel
 
 
 def _head_has_lora(lora: LoraProfile) -> bool:
@@ -442,11 +518,12 @@ def _head_has_lora(lora: LoraProfile) -> bool:
 
 
 def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> ActivationBytes:
-    """What backward keeps per device for one micro-batch of micro_batch_size x seq_len tokens (docs/plan.md).
+    """What backward keeps per device for one micro-batch: its T = micro_batch_size x seq_len / context_parallel
+    tokens, plus under context parallelism the tensors its token mixers gather (context_exchange; docs/plan.md).
     `base`: model_parameters(job.model) when the caller has it."""
     cfg = job.model
     b = DTYPE_BYTES[job.train.precision]
-    t = job.train.micro_batch_size * job.data.seq_len
+    t = device_tokens(job)
     added = lora_parameters(model_parameters(cfg) if base is None else base, job.lora)
     ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
     chunk = sequence_chunk(job)
@@ -478,7 +555,11 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     if la is not None and any(spec.attention == "linear" for spec in cfg.layers):
         num_chunks = -(-t // LINEAR_ATTENTION_CHUNK)
         transient = 2 * num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim * b
-    return ActivationBytes(layers=layers, head=head, transient=transient)
+    c = job.parallel.context_parallel
+    kept = [context_exchange(cfg, spec, row_tokens(job), c, b).kept for spec in cfg.layers]
+    # Under activation checkpointing a layer's gathers exist while backward recomputes it, one layer at a time.
+    context = max(kept) if job.memory.activation_checkpointing else sum(kept)
+    return ActivationBytes(layers=layers, head=head, transient=transient, context=context)
 
 
 @dataclass(frozen=True)
@@ -500,10 +581,13 @@ class Layout:
     fits: bool
     all_to_all_per_step: int  # bytes this device sends by all-to-all per optimizer step
     zero3_per_step: int  # bytes this device receives in ZeRO-3 all-gathers and gradient reduce-scatters per step
+    # Bytes this device receives per step in its context group's gathers (keys and values, state summaries, halos)
+    # and their backward; 0 without context parallelism.
+    context_per_step: int = 0
 
     @property
     def traffic_per_step(self) -> int:
-        return self.all_to_all_per_step + self.zero3_per_step
+        return self.all_to_all_per_step + self.zero3_per_step + self.context_per_step
 
 
 @dataclass(frozen=True)
@@ -512,7 +596,7 @@ class Plan:
     devices: int
     device_memory: int
     precision: str
-    tokens_per_micro_batch: int  # per device
+    tokens_per_micro_batch: int  # per device: T = row_tokens / context_parallel
     gradient_accumulation_steps: int
     num_moe_layers: int
     num_experts: int
@@ -526,6 +610,8 @@ class Plan:
     weight_bytes: int  # every base weight, weights.total
     activations: ActivationBytes
     layouts: list[Layout] = field(default_factory=list)  # best first
+    context_parallel: int = 1  # parallel.context_parallel: devices that share each row
+    row_tokens: int = 0  # T_row: tokens of a micro-batch's row, on context_parallel devices
 
     def as_dict(self) -> dict:
         """The plan as JSON-ready data (every size in bytes), what `moe-tune plan --json` writes."""
@@ -561,6 +647,10 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     fit `device_memory` bytes, then the least traffic per step, then the least memory."""
     if num_devices < 1:
         raise ValueError(f"num_devices ({num_devices}) must be >= 1")
+    c = job.parallel.context_parallel
+    if num_devices % c:
+        raise ProfileError([f"parallel.context_parallel ({c}) must divide the devices ({num_devices}): each row is "
+                            "shared by that many"])  # fmt: skip
     cfg = job.model
     base = model_parameters(cfg)
     added = lora_parameters(base, job.lora)
@@ -577,8 +667,11 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     # Without routed experts the only layout is pure data parallelism.
     num_experts = cfg.moe.num_experts if has_experts else 1
     top_k = cfg.moe.top_k if has_experts else 0
-    tokens = job.train.micro_batch_size * job.data.seq_len
+    tokens = device_tokens(job)
     accumulation = job.train.gradient_accumulation_steps
+    is_recomputed = job.memory.activation_checkpointing
+    context_bytes = sum(context_traffic(context_exchange(cfg, spec, row_tokens(job), c, wb), c, is_recomputed)
+                        for spec in cfg.layers)  # fmt: skip
     all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER
     if sequence_chunk(job) is not None:
         all_to_alls += ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE
@@ -625,6 +718,7 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
                 fits=total <= device_memory,
                 all_to_all_per_step=all_to_all,
                 zero3_per_step=round(accumulation * (gather + reduce)),
+                context_per_step=round(accumulation * context_bytes),
             )
         )
     layouts.sort(key=lambda lay: (not lay.fits, lay.traffic_per_step, lay.total, lay.expert_parallel))
@@ -647,4 +741,6 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
         weight_bytes=weights.total,
         activations=acts,
         layouts=layouts,
+        context_parallel=c,
+        row_tokens=row_tokens(job),
     )

@@ -352,3 +352,90 @@ def test_seed_profile_fits_64_devices_with_an_fp8_base():
     (reference,) = [lay for lay in bf16.layouts if lay.is_profile_layout]
     assert layout.fits and layout.total < reference.total - 40 * GB
     assert layout.expert_weights == pytest.approx(reference.expert_weights / 2, rel=0.01)
+
+
+# tiny's linear layers: Hv 4 value heads, K = V = 16, conv channels 2 x 2 x 16 + 4 x 16 = 128, reach 3; its sparse
+# layer: G 2 key/value heads of hd 16, indexer keys DI 16. fp32: 4 bytes.
+TINY_STATE_SUMMARY = 4 * 16 * (16 + 16) * 4  # [Hv, K, K + V] fp32, one a device
+TINY_HALO = 3 * 128 * 4  # reach x conv channels, one a device
+
+
+def tiny_gathers(c: int, row_tokens: int) -> tuple[int, int, int]:
+    """(kept bytes of one linear layer, of the sparse layer with gradient, of its indexer keys) as a device holds
+    them after the gathers, counted by hand."""
+    return c * (TINY_STATE_SUMMARY + TINY_HALO), row_tokens * 2 * 2 * 16 * 4, row_tokens * 16 * 4
+
+
+@pytest.mark.parametrize("c", [2, 4])
+def test_context_parallel_activations_are_a_shares_plus_the_gathers(c):
+    row = 4 * 256
+    shared = activation_bytes(load_profile("tiny", ["data.seq_len=256", f"parallel.context_parallel={c}"]))
+    # One device's share of the row: the single-device figure at T_row / c tokens (rows of 256 / c, 4 a micro-batch).
+    alone = activation_bytes(load_profile("tiny", [f"data.seq_len={256 // c}"]))
+    assert (shared.layers, shared.head, shared.transient) == (alone.layers, alone.head, alone.transient)
+    linear, keys_values, index_keys = tiny_gathers(c, row)
+    assert shared.context == 3 * linear + keys_values + index_keys
+    assert shared.total == alone.total + shared.context
+    # Whole layers recomputed: one layer's gathers at a time, the sparse layer's being the largest.
+    checkpointed = activation_bytes(load_profile("tiny", ["data.seq_len=256", f"parallel.context_parallel={c}",
+                                                          "memory.activation_checkpointing=true"]))  # fmt: skip
+    assert checkpointed.context == keys_values + index_keys
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_context_traffic_follows_a_hand_count(checkpointing):
+    c, accumulation = 4, 3
+    job = load_profile("tiny", ["data.seq_len=256", f"parallel.context_parallel={c}",
+                                f"train.gradient_accumulation_steps={accumulation}",
+                                f"memory.activation_checkpointing={str(checkpointing).lower()}"])  # fmt: skip
+    linear, keys_values, index_keys = tiny_gathers(c, 4 * 256)
+    forward = 2 if checkpointing else 1
+    # Forward gathers (again in the recomputed forward), the gradients of those with one in backward; a device
+    # receives 3/4 of each gathered tensor.
+    per_micro_batch = 3 * (forward * linear + linear) + forward * (keys_values + index_keys) + keys_values
+    expected = round(accumulation * per_micro_batch * (c - 1) / c)
+    plan = plan_layouts(job, 8, 80 * GB)
+    assert {lay.context_per_step for lay in plan.layouts} == {expected}
+    for lay in plan.layouts:
+        assert lay.traffic_per_step == lay.all_to_all_per_step + lay.zero3_per_step + expected
+    assert plan.tokens_per_micro_batch == 256 and plan.row_tokens == 1024 and plan.context_parallel == c
+
+
+def test_context_parallel_must_divide_the_devices():
+    with pytest.raises(ProfileError, match=r"^parallel.context_parallel \(4\) must divide the devices \(6\)"):
+        plan_layouts(load_profile("tiny", ["parallel.context_parallel=4"]), 6, 80 * GB)
+
+
+def test_seed_million_token_rows_on_128_devices():
+    # The seed's 1M-token row on 64 devices each: every device holds the 16384 tokens it holds without context
+    # parallelism, plus the gathers (one layer's, under activation checkpointing: a sparse layer's keys and values,
+    # 1M x 8 x 2 x 128 bf16, and its indexer keys, 1M x 128).
+    seed = plan_layouts(load_profile("seed-2p8t"), 128, 141 * GB)
+    million = plan_layouts(load_profile("seed-2p8t", ["data.seq_len=1048576", "parallel.context_parallel=64"]), 128,
+                           141 * GB)  # fmt: skip
+    assert million.tokens_per_micro_batch == seed.tokens_per_micro_batch == 16384
+    assert million.activations.context == 2**20 * (8 * 2 * 128 + 128) * 2
+    assert million.activations.total == seed.activations.total + million.activations.context
+    by_ep = {lay.expert_parallel: lay for lay in seed.layouts}
+    for lay in million.layouts:
+        assert lay.all_to_all_per_step == by_ep[lay.expert_parallel].all_to_all_per_step
+        assert lay.fits == (lay.total <= 141 * GB)
+    assert million.layouts[0].fits and million.layouts[0].context_per_step > 0
+
+
+def test_plan_command_shows_the_context_groups_and_their_traffic():
+    from typer.testing import CliRunner
+
+    from moe_tune.cli import app
+
+    args = ["plan", "seed-2p8t", "--devices", "128", "--set", "data.seq_len=1048576", "--set",
+            "parallel.context_parallel=64"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "context parallel 64: each row of 1048576 tokens shared by 64 devices, 2 rows a micro-batch" in lines
+    assert any(line.startswith("activations 37 GB = ") and line.endswith("gathered by the token mixers 4.56 GB")
+               for line in lines), result.output  # fmt: skip
+    assert "context/step" in result.output and "252 GB" in result.output
+    # Without context parallelism the table has no such column.
+    assert "context/step" not in CliRunner().invoke(app, ["plan", "tiny", "--devices", "2"]).output
