@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from moe_tune.engine.model.attention_context import KeySpan
 from moe_tune.engine.model.batch import PackedBatch
 from moe_tune.engine.model.blocks import document_ids, document_positions
-from moe_tune.engine.model.varlen import flash_varlen_applies, offset_causal_attention
+from moe_tune.engine.model.varlen import (
+    DocumentBuckets, flash_varlen_applies, offset_causal_attention, packed_causal_attention,
+)
 from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 
@@ -87,6 +89,19 @@ def spans():
 def span_rows(x, span):
     """The span's rows [1, M, ...] of a row-long x."""
     return x.narrow(1, span.first, span.shard.stop - span.first)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16-flash", "fp32-sdpa"])
+def test_full_attention_in_the_span_equals_the_row(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    H, G, hd = 8, 2, 128
+    cu = torch.tensor(ROW_STARTS, dtype=torch.int32, device="cuda")
+    q = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(1, ROW_TOKENS, G, hd, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    o = packed_causal_attention(q, k, v, DocumentBuckets.from_cu_seqlens(cu))
+    for span in spans():
+        o_span = span.causal_attention(span.shard.local(q, 1), span_rows(k, span), span_rows(v, span))
+        assert _rel(o_span, span.shard.local(o, 1)) <= REL_TOL[dtype], span.shard.rank
 
 
 @pytest.mark.parametrize("block_size", [1, 64], ids=["token", "block"])
