@@ -11,6 +11,7 @@ from torch import nn
 
 from moe_tune.engine.model.attention import PackedBatch, build_token_mixer
 from moe_tune.engine.model.blocks import document_ids, document_positions
+from moe_tune.engine.model.model import build_model
 from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.profiles import load_profile
 from moe_tune.profiles.schema import LayerSpec, ModelProfile
@@ -148,3 +149,61 @@ def test_one_rank_shard_takes_the_unsharded_path():
     held = run_forward_backward(mixer, x, weights, PackedBatch(cu, positions, doc_ids, context=shard))
     assert torch.equal(whole[0], held[0]) and torch.equal(whole[1], held[1])
     assert all(torch.equal(whole[2][name], held[2][name]) for name in whole[2])
+
+
+# A decoder with every softmax kind and a linear layer between them: the layers' collectives interleave in backward.
+MODEL_LAYERS = [
+    {"attention": "linear", "mlp": "dense"}, {"attention": "full", "sliding_window": 5, "mlp": "dense"},
+    {"attention": "qsa", "mlp": "dense"}, {"attention": "mla_sparse", "mlp": "dense"},
+    {"attention": "mla", "mlp": "dense"}, {"attention": "sparse", "mlp": "dense"},
+]
+
+
+def build_decoder() -> nn.Module:
+    base = load_profile("tiny").model.model_dump()
+    base.update(
+        layers=MODEL_LAYERS, intermediate_size=48, mla=MLA,
+        sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(ModelProfile.model_validate(base))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def decoder_rows():
+    """cu_seqlens, input ids and labels [1, T] of the row."""
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 259, (2, 1, ROW_TOKENS), generator=gen)
+    return torch.tensor(LAYOUTS["mixed"], dtype=torch.int32), ids, labels
+
+
+def decoder_loss_and_grads(model: nn.Module, shard: ContextShard | None):
+    cu, ids, labels = decoder_rows()
+    model.zero_grad(set_to_none=True)
+    if shard is None:
+        out = model(ids, cu, labels=labels, loss_denominator=float(ROW_TOKENS))
+    else:
+        out = model(shard.local(ids), shard.local_cu_seqlens(), labels=shard.local(labels),
+                    loss_denominator=float(ROW_TOKENS), context=shard)  # fmt: skip
+    out.loss.backward()
+    return out.loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _decoder_rank(rank: int, size: int, model: nn.Module):
+    shard = ContextShard.of_row(decoder_rows()[0], torch.distributed.group.WORLD, rank, size)
+    return pickle.dumps(decoder_loss_and_grads(model, shard))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_decoder_with_every_softmax_kind_equals_one_process(size):
+    """The row's loss (each rank's share of it summed) and every parameter's gradient (summed over ranks)."""
+    model = build_decoder()
+    ranks = [pickle.loads(r) for r in run_ranks(_decoder_rank, size, model)]
+    loss, grads = decoder_loss_and_grads(model, None)
+    torch.testing.assert_close(sum(r[0] for r in ranks), loss, **TOLERANCE)
+    assert all(set(r[1]) == set(grads) for r in ranks)
+    for name, grad in grads.items():
+        torch.testing.assert_close(sum(r[1][name] for r in ranks), grad, **TOLERANCE, msg=name)
