@@ -43,7 +43,10 @@ CASES = {
     "qsa-block": (
         {"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=8, block_size=4))
     ),
+    # block_size 1: QSA's indexer selects tokens (its block keys are single normed, rotated keys).
+    "qsa-token": ({"attention": "qsa"}, dict(sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6))),
     "mla": ({"attention": "mla"}, dict(mla=MLA)),
+    "mla-no-rope-no-q-latent": ({"attention": "mla"}, dict(mla=dict(MLA, q_lora_rank=None, rope="none"))),
     "mla-sparse-token": (
         {"attention": "mla_sparse"}, dict(mla=MLA, sparse_attention=dict(index_heads=2, index_head_dim=8, topk=6))
     ),
