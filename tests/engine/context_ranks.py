@@ -3,14 +3,16 @@
     results = run_ranks(fn, size, *args)   # fn(rank, size, *args) on every rank; its return values in rank order
 
 fn runs in a child forked from the test process (torch already imported, one intra-op thread each), with the
-default process group initialised over gloo; what it returns must pickle. A rank that raises fails the call with
-that rank's traceback; a rank that hangs fails it after `timeout` seconds.
+default process group initialised over gloo; what it returns must pickle (it travels as plain pickle bytes, so
+tensors outlive the child). A rank that raises fails the call with that rank's traceback; a
+rank that hangs fails it after `timeout` seconds.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -30,7 +32,9 @@ def _child(fn, rank: int, size: int, port: int, args, queue) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=size)
         try:
-            queue.put((rank, True, fn(rank, size, *args)))
+            # Plain pickle bytes: the queue's own pickler would send tensors as shared memory that dies with this
+            # process before the parent reads it.
+            queue.put((rank, True, pickle.dumps(fn(rank, size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -50,7 +54,7 @@ def run_ranks(fn, size: int, *args, timeout: float = 120.0) -> list:
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
                 raise AssertionError(f"context rank {rank} of {size} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)  # written by our own child above
     finally:
         for proc in procs:
             proc.join(timeout=5)
