@@ -25,10 +25,22 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
+    # The context groups (parallel.context_parallel), once the trainer has created them; None: rows held whole.
+    context: ContextLayout | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows this rank reads: its context group's index (its rank without context parallelism)."""
+        return self.context.data_rank if self.context is not None else self.rank
+
+    @property
+    def data_size(self) -> int:
+        """The data-parallel ranks the rows are split over: the context groups (the world without them)."""
+        return self.context.data_size if self.context is not None else self.world_size
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ Every export is consolidated into the single-process layout, whatever the expert
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -29,6 +30,7 @@ from moe_tune.engine.parallel.expert_parallel import (
     gather_expert_tensor,
     is_expert_parameter,
 )
+from moe_tune.engine.data.dataset import Batch
 from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.engine.parallel.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
@@ -407,7 +409,6 @@ class TrainingRun:
     dist: DistInfo
     engine: Any
     layout: ExpertLayout
-    context: ContextLayout
     dataset: Any
     eval_data: Any  # None without eval data
     data_summary: Any
@@ -458,10 +459,12 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     check_world(profile, dist.world_size)
     context = create_context_layout(profile.parallel.context_parallel, dist.rank, dist.world_size,
                                     profile.parallel.timeout_s)  # fmt: skip
-    total_steps = run_steps(train, dataset, context.data_size)
+    # From here on the run reads its rows by context group (dist.data_rank, dist.data_size).
+    dist = dataclasses.replace(dist, context=context)
+    total_steps = run_steps(train, dataset, dist.data_size)
     eval_every = eval_interval(profile, eval_data)
     if eval_data is not None:
-        check_eval_tokens(eval_data, train, context.data_size)
+        check_eval_tokens(eval_data, train, dist.data_size)
     layout = create_expert_layout(profile.parallel.expert_parallel, dist.world_size)
     ds_config = deepspeed_config(profile, dist.world_size)
     # A checkpoint's weights overwrite the random init: its model is built where it trains, in the training dtype
@@ -482,8 +485,8 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     if eval_data is not None:
         result.eval_rows = eval_data.epoch_length(0)
     run = TrainingRun(
-        profile=profile, dist=dist, engine=engine, layout=layout, context=context, dataset=dataset,
-        eval_data=eval_data, data_summary=data_summary, total_steps=total_steps,
+        profile=profile, dist=dist, engine=engine, layout=layout, dataset=dataset, eval_data=eval_data,
+        data_summary=data_summary, total_steps=total_steps,
         end_step=min(total_steps, stop_after) if stop_after is not None else total_steps,
         eval_every=eval_every, activation_memory=activation_memory, result=result,
     )  # fmt: skip
@@ -620,17 +623,16 @@ def _train_step(run: TrainingRun, step: int) -> dict:
     t0 = time.perf_counter()
     engine.train()
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
-    context = run.context
     for micro in range(train.gradient_accumulation_steps):
         index = step * train.gradient_accumulation_steps + micro
-        batch = dataset.micro_batch(index, rows, context.data_rank, context.data_size)
-        share, shard = share_of_batch(batch, context)
-        output = micro_step(engine, share, dist, shard)
+        batch = dataset.micro_batch(index, rows, dist.data_rank, dist.data_size)
+        share = share_of_batch(batch, dist.context)
+        output = micro_step(engine, share, dist)
         lm_losses.append(output.lm_loss.detach().float())
         aux_losses.append(output.aux_loss.detach().float())
         tokens += share.num_label_tokens
         # A row's ranks hold one row: its first rank counts it.
-        if context.rank == 0:
+        if dist.context is None or dist.context.rank == 0:
             processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
     expert_load, dropped_slots = update_moe_bias(engine, dist)
     loss = torch.stack(lm_losses).mean()
@@ -642,10 +644,10 @@ def _train_step(run: TrainingRun, step: int) -> dict:
         loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
         processed = int(stats[3].item())
     if tokens == 0:
-        raise ProfileError([untrained_step_message(step + 1, run.profile, context.data_size)])
+        raise ProfileError([untrained_step_message(step + 1, run.profile, dist.data_size)])
     step_time = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
-    rows_per_step = rows * train.gradient_accumulation_steps * context.data_size
+    rows_per_step = rows * train.gradient_accumulation_steps * dist.data_size
     record = {
         "step": step + 1,
         "loss": float(loss),
@@ -674,8 +676,7 @@ def _evaluate_and_save(run: TrainingRun, step: int, is_stopping: bool, writer, r
     profile, dist, result = run.profile, run.dist, run.result
     step_eval = None
     if run.eval_every is not None and not is_stopping and (step % run.eval_every == 0 or step == run.total_steps):
-        step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter,
-                              run.context)  # fmt: skip
+        step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter)
     if is_stopping or step == run.end_step or step % profile.output.save_every == 0:
         result.checkpoint = _save(run.engine, profile, run.checkpoint_root, step, dist, step_eval, result)
         if step_eval is not None and dist.is_main:
@@ -814,49 +815,48 @@ def build_dataset(profile: JobProfile, tokenizer, generated_dir: Path):
     return train, held_out, splits.summary, skipped
 
 
-def micro_step(engine, batch, dist: DistInfo, shard: ContextShard | None = None):
+def micro_step(engine, batch, dist: DistInfo):
     """Forward, backward and DeepSpeed's step on one micro-batch (the optimizer steps at the accumulation
-    boundary); returns the model's output. Under context parallelism `batch` is this rank's share of the row and
-    `shard` says where it sits (share_of_batch)."""
-    denominator = _loss_denominator(batch.num_label_tokens, dist)
-    out = engine(**batch.model_inputs(dist.device), loss_denominator=denominator, **_context_input(shard))
+    boundary); returns the model's output. Under context parallelism `batch` is this rank's share of the row
+    (share_of_batch)."""
+    out = engine(**batch.model_inputs(dist.device), loss_denominator=_loss_denominator(batch.num_label_tokens, dist))
     engine.backward(out.loss)
     engine.step()
     return out
 
 
-def share_of_batch(batch, context: ContextLayout):
-    """(this rank's share of the micro-batch's packed row, where it sits): under context parallelism the tokens
-    [r T / N, (r + 1) T / N) of the row with their document pieces (ContextShard.local_cu_seqlens); else (batch,
-    None). Labels go with their tokens: each rank's loss sums the cross-entropy of the labels it holds."""
-    from moe_tune.engine.data.dataset import Batch
+@dataclass
+class RowShare(Batch):
+    """A rank's share of a micro-batch's packed row under context parallelism: the fields hold its tokens, labels and
+    document pieces, `context` where they sit in the row; the model takes both (model_inputs)."""
 
-    shard = context.shard(batch.cu_seqlens)
+    context: ContextShard | None = None
+
+    def model_inputs(self, device) -> dict:
+        return {**super().model_inputs(device), "context": self.context}
+
+
+def share_of_batch(batch: Batch, context: ContextLayout | None) -> Batch:
+    """This rank's share of the micro-batch's packed row: under context parallelism the tokens [r T / N, (r + 1) T / N)
+    of the row with their labels and document pieces (a RowShare); else the batch itself. Labels go with their
+    tokens: each rank's loss sums the cross-entropy of the labels it holds."""
+    shard = context.shard(batch.cu_seqlens) if context is not None else None
     if shard is None:
-        return batch, None
+        return batch
     # The schema refuses models with a vision tower under context parallelism.
     assert batch.pixel_values is None, "a row with images cannot be shared by context-parallel ranks"
-    share = Batch(input_ids=shard.local(batch.input_ids), labels=shard.local(batch.labels),
-                  cu_seqlens=shard.local_cu_seqlens())  # fmt: skip
-    return share, shard
+    return RowShare(input_ids=shard.local(batch.input_ids), labels=shard.local(batch.labels),
+                    cu_seqlens=shard.local_cu_seqlens(), context=shard)  # fmt: skip
 
 
-def _context_input(shard: ContextShard | None) -> dict:
-    # Rows held whole pass nothing: the model's signature stays what it was for them.
-    return {} if shard is None else {"context": shard}
-
-
-def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo, context: ContextLayout | None = None
-             ) -> tuple[float, int, int]:  # fmt: skip
+def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[float, int, int]:
     """(mean next-token cross-entropy over every labelled eval token, those tokens, micro-batches run): the eval
     rows split over the ranks as training rows are, the first train.eval_batches micro-batches (all by default).
     Every rank runs the same micro-batches (empty rows past the end of the eval set), so the collectives of ZeRO-3
     and of expert parallelism match; the summed losses and token counts are reduced exactly over the ranks. Eval
     mode (no dropout, no expert loads counted, no aux loss) and no gradients; the training mode is restored."""
     rows = train.micro_batch_size
-    if context is None:
-        context = ContextLayout(data_rank=dist.rank, data_size=dist.world_size)
-    num_batches = math.ceil(eval_data.epoch_length(0) / (rows * context.data_size))
+    num_batches = math.ceil(eval_data.epoch_length(0) / (rows * dist.data_size))
     if train.eval_batches is not None:
         num_batches = min(num_batches, train.eval_batches)
     total = torch.zeros(2, dtype=torch.float64, device=dist.device)  # [summed loss, labelled tokens]
@@ -865,11 +865,10 @@ def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo, context: Co
     try:
         with torch.no_grad():
             for index in range(num_batches):
-                batch, shard = share_of_batch(eval_data.eval_micro_batch(index, rows, context.data_rank,
-                                                                         context.data_size), context)  # fmt: skip
+                batch = share_of_batch(eval_data.eval_micro_batch(index, rows, dist.data_rank, dist.data_size),
+                                       dist.context)  # fmt: skip
                 # A sum over this rank's labelled tokens (divided by 1); the logits stay chunked (return_logits).
-                out = engine(**batch.model_inputs(dist.device), loss_denominator=1.0, return_logits=False,
-                             **_context_input(shard))  # fmt: skip
+                out = engine(**batch.model_inputs(dist.device), loss_denominator=1.0, return_logits=False)
                 total[0] += out.lm_loss.double()
                 total[1] += batch.num_label_tokens
     finally:
@@ -961,10 +960,10 @@ def check_eval_tokens(eval_data, train: TrainProfile, world_size: int) -> None:
 
 
 def _run_eval(engine, eval_data, train: TrainProfile, dist: DistInfo, step: int, result: RunResult, writer,
-              reporter, context: ContextLayout | None = None) -> float:  # fmt: skip
+              reporter) -> float:  # fmt: skip
     """Evaluate after `step`: a metrics record, a log line, the run's last and best eval; returns the loss."""
     started = time.perf_counter()
-    loss, tokens, batches = evaluate(engine, eval_data, train, dist, context)
+    loss, tokens, batches = evaluate(engine, eval_data, train, dist)
     record = {
         "step": step,
         "eval_loss": loss,

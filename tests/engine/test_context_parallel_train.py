@@ -1,6 +1,6 @@
 """Context parallelism end to end on gloo ranks: N ranks sharing each packed row train as one process on the same
-rows (losses every step, the final LoRA adapters and merged weights within 1e-5, fp32), with and without expert
-parallelism; a resumed run continues exactly; a dead rank ends the job.
+rows (losses every step, the eval loss, the final LoRA adapters and merged weights within 1e-5, fp32), with and
+without expert parallelism; a resumed run continues exactly; a dead rank ends the job.
 
 The model is the tiny profile with the token mixers that run on shared rows (CP_LAYERS) and the Switch aux loss on:
 with one context group the row's aux loss is the one process's (engine/model/model.py moe_on_shared_row).
@@ -28,7 +28,7 @@ KDA = "model.kda_attention={num_heads: 4, head_dim: 16}"
 # gradient differences into updates of size ~lr where gradients are near 0 (fresh LoRA A factors): a moderate lr
 # keeps those within the comparison's 1e-5 (tests/engine/test_distributed.py).
 BASE = ["data.seq_len=64", "train.warmup_steps=1", "train.grad_clip=0.5",
-        "train.lr=0.002", "output.save_every=1000", "train.micro_batch_size=1",
+        "train.lr=0.002", "output.save_every=1000", "train.micro_batch_size=1", "data.eval_fraction=0.25",
         CP_LAYERS, KDA]  # fmt: skip
 STEPS = 3
 WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "grove", "heron")
@@ -103,6 +103,10 @@ def test_context_parallel_equals_one_process(child_env, tmp_path_factory, chat_d
                         [*steps, f"parallel.context_parallel={cp}", f"parallel.expert_parallel={ep}"])
     assert len(multi["losses"]) == STEPS
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+    # The held-out rows, evaluated after the last step by every context group alike.
+    one, many = (json.loads((d / "summary.json").read_text()) for d in (single_out, out))
+    assert many["eval_rows"] == one["eval_rows"] > 0 and many["eval_step"] == one["eval_step"] == STEPS
+    assert many["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
     one, many = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (single_out, out))
     assert one.keys() == many.keys() and any(".experts.lora_A.w_gate_up" in k for k in one)
     # A factors through what they do (the merged weights below): their first updates follow near-zero gradients.
@@ -144,13 +148,15 @@ def test_ranks_of_a_group_read_the_same_rows_and_split_them():
 
     cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
     batch = Batch(input_ids=torch.arange(16)[None], labels=torch.arange(100, 116)[None], cu_seqlens=cu)
-    shares = [share_of_batch(batch, ContextLayout(4, r, 0, 1))[0] for r in range(4)]
+    shares = [share_of_batch(batch, ContextLayout(4, r, 0, 1)) for r in range(4)]
     assert torch.equal(torch.cat([s.input_ids for s in shares], dim=1), batch.input_ids)
     assert torch.equal(torch.cat([s.labels for s in shares], dim=1), batch.labels)
     # The border at 5 cuts share 1; the one at 12 is where share 3 starts.
     assert [s.cu_seqlens.tolist() for s in shares] == [[0, 4], [0, 1, 4], [0, 4], [0, 4]]
-    whole, shard = share_of_batch(batch, ContextLayout())
-    assert whole is batch and shard is None
+    inputs = shares[1].model_inputs(torch.device("cpu"))
+    assert (inputs["context"].start, inputs["context"].stop, inputs["context"].rank) == (4, 8, 1)
+    assert inputs["input_ids"].tolist() == [[4, 5, 6, 7]]
+    assert share_of_batch(batch, ContextLayout()) is batch
 
 
 @pytest.mark.parametrize("cp, world, message", [
