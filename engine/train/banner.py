@@ -47,19 +47,22 @@ def start_banner(
 ) -> list[str]:
     """The banner's lines. Facts not known to the caller (no data summary, no epochs, no eval set) are left out."""
     parallel, train = profile.parallel, profile.train
-    ep = parallel.expert_parallel
+    ep, cp = parallel.expert_parallel, parallel.context_parallel
+    # Rows are split over the context groups: world size / context_parallel data-parallel ranks.
+    data_parallel = world_size // cp
+    context = f", context-parallel {cp} (each row's tokens over {cp} ranks)" if cp > 1 else ""
     lines = [
         f"output:   {out}",
         f"devices:  {device_line(device, world_size)}",
-        f"layout:   world size {world_size}, data-parallel {world_size}, expert-parallel {ep} (expert-data-parallel "
-        f"{world_size // ep}), ZeRO stage {parallel.zero_stage}, precision {train.precision}"
+        f"layout:   world size {world_size}, data-parallel {data_parallel}{context}, expert-parallel {ep} "
+        f"(expert-data-parallel {world_size // ep}), ZeRO stage {parallel.zero_stage}, precision {train.precision}"
         + (", FP8 base weights" if profile.model.base_precision == "fp8" else ""),
     ]
     data = data_lines(summary, train_documents)
     lines += [f"data:     {data[0]}", *(f"          {line}" for line in data[1:])]
     if eval_rows is not None:
         lines.append(f"eval:     {eval_rows:,} row{'s' if eval_rows != 1 else ''} of {profile.data.seq_len} tokens")
-    rows_per_step = train.micro_batch_size * train.gradient_accumulation_steps * world_size
+    rows_per_step = train.micro_batch_size * train.gradient_accumulation_steps * data_parallel
     steps = f"steps:    {total_steps:,}" + (f" ({epochs} epochs)" if epochs is not None else "")
     steps += f", {rows_per_step:,} row{'s' if rows_per_step != 1 else ''} of {profile.data.seq_len} tokens a step"
     if start_step:

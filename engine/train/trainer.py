@@ -446,6 +446,7 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
 
     train, out = profile.train, profile.output.dir
     # Refused before anything is read or written.
+    check_world(profile, dist.world_size)
     check_cuda_graphs(profile, dist.device.type, profile.parallel.expert_parallel)
     check_memory_fits(profile, dist.world_size, dist.device)
     torch.manual_seed(train.seed)
@@ -456,7 +457,6 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         )
     dataset, eval_data, data_summary, skipped = build_dataset(profile, tokenizer, out / "generated-data")
 
-    check_world(profile, dist.world_size)
     context = create_context_layout(profile.parallel.context_parallel, dist.rank, dist.world_size,
                                     profile.parallel.timeout_s)  # fmt: skip
     # From here on the run reads its rows by context group (dist.data_rank, dist.data_size).

@@ -176,3 +176,13 @@ def test_context_parallel_rules_cuda_graphs_out():
         "parallel.context_parallel (2) routes each MoE block on a share of the row and combines its aux loss over the "
         "ranks: use 1"
     ]
+
+
+def test_start_banner_names_the_context_groups(tmp_path):
+    from moe_tune.engine.train.banner import start_banner
+
+    profile = load_profile("tiny", [CP_LAYERS, KDA, "parallel.context_parallel=2", "train.micro_batch_size=1"])
+    lines = start_banner(profile, tmp_path, torch.device("cpu"), 4, 10)
+    assert lines[2].startswith("layout:   world size 4, data-parallel 2, context-parallel 2 (each row's tokens over 2 "
+                               "ranks), expert-parallel 1 (expert-data-parallel 4)")  # fmt: skip
+    assert lines[-2].startswith("steps:    10, 2 rows of 128 tokens a step")
