@@ -19,12 +19,9 @@ from moe_tune.ops.fp8.reference import (
     BLOCK,
     E4M3_MAX,
     FP8_DTYPE,
-    dequantize_groups,
     dequantize_weight,
-    fake_quantize_groups,
     fp8_linear_ref,
     num_blocks,
-    quantize_groups,
     quantize_weight,
 )
 
@@ -32,13 +29,10 @@ __all__ = [
     "BLOCK",
     "E4M3_MAX",
     "FP8_DTYPE",
-    "dequantize_groups",
     "dequantize_weight",
-    "fake_quantize_groups",
     "fp8_linear",
     "fp8_linear_ref",
     "num_blocks",
-    "quantize_groups",
     "quantize_weight",
 ]
 

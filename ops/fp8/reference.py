@@ -9,11 +9,7 @@ rows get their own ceil(rows_s / 128) scale rows, in order.
 The linear through an FP8 weight (fp8_linear_ref) computes with the dequantized weight and the activations as they
 are: y = x @ deq(W)^T, dx = dy @ deq(W), in fp32.
 
-Activation groups (quantize_groups and its inverses): x [..., K] -> x_q float8_e4m3fn [..., K], scale fp32
-[..., G] with x ~ x_q[k] * scale[k // 128] in groups of 1 x 128 along K; `segments` restarts the groups likewise
-(the gate and up halves of a gradient [S, 2F]).
-
-One rounding rule for weights and groups: scale = max(amax, AMAX_FLOOR) / 448 over the block or group,
+The rounding rule: scale = max(amax, AMAX_FLOOR) / 448 over the block,
 q = round_to_nearest_even(clamp(x / scale, -448, 448)) in float8_e4m3fn; both divisions correctly rounded fp32
 quotients on every device.
 """
@@ -28,7 +24,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 # Largest finite float8_e4m3fn value.
 E4M3_MAX = 448.0
-# The hub's FP8 checkpoints' block edge (weight_block_size [128, 128]) and the activation group width.
+# The hub's FP8 checkpoints' block edge (weight_block_size [128, 128]).
 BLOCK = 128
 # An all-zero block or group still gets a finite, nonzero scale (its values quantize to 0).
 AMAX_FLOOR = 1e-12
@@ -102,30 +98,6 @@ def dequantize_weight(
     col_of = block_index(cols).to(w_q.device)
     full_scale = scale_inv.float()[..., row_of, :][..., col_of]
     return (w_q.float() * full_scale).to(dtype)
-
-
-def quantize_groups(
-    x: torch.Tensor, segments: Sequence[int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_q float8_e4m3fn [..., K], scale fp32 [..., G]) of x [..., K] in groups of 128 along the last dim."""
-    size = x.shape[-1]
-    group_of = block_index(size, segments).to(x.device)
-    amax = torch.zeros(*x.shape[:-1], num_blocks(size, segments), dtype=torch.float32, device=x.device)
-    amax.scatter_reduce_(-1, group_of.expand(x.shape), x.detach().abs().float(), reduce="amax", include_self=True)
-    scale = _scales(amax)
-    return _to_fp8(x, scale[..., group_of]), scale
-
-
-def dequantize_groups(
-    x_q: torch.Tensor, scale: torch.Tensor, segments: Sequence[int] | None = None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    group_of = block_index(x_q.shape[-1], segments).to(x_q.device)
-    return (x_q.float() * scale.float()[..., group_of]).to(dtype)
-
-
-def fake_quantize_groups(x: torch.Tensor, segments: Sequence[int] | None = None) -> torch.Tensor:
-    """x as the FP8 GEMMs see it, in fp32: quantized in 1 x 128 groups along the last dim and dequantized."""
-    return dequantize_groups(*quantize_groups(x, segments), segments=segments)
 
 
 class Fp8LinearRefFunction(torch.autograd.Function):

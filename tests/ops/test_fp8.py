@@ -24,7 +24,6 @@ with interpreted_kernels():
         block_index,
         dequantize_weight,
         fp8_linear_ref,
-        quantize_groups,
         quantize_weight,
     )
 
@@ -109,7 +108,8 @@ def check_hand_values(x_q, scale):
 
 
 def test_reference_quantizes_hand_values():
-    check_hand_values(*quantize_groups(hand_row()))
+    # One weight row: its two column blocks are the groups of 128 and 2.
+    check_hand_values(*quantize_weight(hand_row()))
 
 
 @pytest.mark.parametrize("shape", [(130, 300), (128, 128), (3, 100, 257)], ids=["odd", "one_block", "batched"])
@@ -130,7 +130,8 @@ def test_weight_block_scale_is_amax_over_448(shape):
 def test_scales_and_values_are_correctly_rounded_quotients():
     gen = torch.Generator().manual_seed(4)
     x = ramp(64, 1280, gen=gen)
-    x_q, scale = quantize_groups(x)
+    # 64 one-row weights: each row's blocks are 1 x 128.
+    x_q, scale = (t.squeeze(1) for t in quantize_weight(x.unsqueeze(1)))
     amax = x.abs().reshape(64, 10, 128).amax(-1)
     # fp32 operands: the fp64 quotient rounded to fp32 is the correctly rounded fp32 quotient.
     assert torch.equal(scale, (amax.double() / E4M3_MAX).float())
@@ -157,7 +158,7 @@ def test_zero_block_gets_the_floor_scale_and_zeros():
     w_q, scale_inv = quantize_weight(w)
     assert (scale_inv[1, :] == AMAX_FLOOR / E4M3_MAX).all() and scale_inv[0, 1] == AMAX_FLOOR / E4M3_MAX
     assert (values_of(w_q)[128:] == 0).all() and (values_of(w_q)[:, 128:] == 0).all()
-    x_q, scale = quantize_groups(torch.zeros(3, 50))
+    x_q, scale = quantize_weight(torch.zeros(3, 1, 50))
     assert (values_of(x_q) == 0).all() and (scale == AMAX_FLOOR / E4M3_MAX).all()
 
 
@@ -176,19 +177,8 @@ def test_row_segments_restart_blocks():
     assert torch.equal(back[:200], w[:200]) and torch.equal(back[328:], w[328:])
 
 
-def test_group_segments_restart_groups():
-    x = torch.ones(2, 300)
-    x[:, 150:160] = 50.0
-    _, scale = quantize_groups(x, (150, 150))
-    # Segment 0: groups [0,128) [128,150); segment 1: [150,278) [278,300).
-    assert scale.shape == (2, 4)
-    assert (scale[:, 2] == 50.0 / E4M3_MAX).all() and (scale[:, [0, 1, 3]] == 1.0 / E4M3_MAX).all()
-
-
 @pytest.mark.parametrize("segments", [(100, 100), (300, 0), (-1, 301)], ids=["short", "empty", "negative"])
 def test_bad_segments_raise(segments):
-    with pytest.raises(ValueError, match=r"segments .* must be positive and sum to the dim's size 300"):
-        quantize_groups(torch.ones(2, 300), segments)
     with pytest.raises(ValueError, match=r"segments .* must be positive and sum to the dim's size 300"):
         quantize_weight(torch.ones(300, 8), segments)
 
