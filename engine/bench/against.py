@@ -19,6 +19,12 @@ Differences that stay (docs/bench.md, "--against transformers"):
 - A baseline that runs out of memory (building the model or in a step) gives a row that says where
   (`out_of_memory`), not an error: ours has been measured by then.
 
+The baseline starts from our weights: a profile read from a checkpoint loads the same checkpoint; a model built from
+the profile has its initial weights (LoRA injected, before our first step) written as a transformers checkpoint in a
+temporary folder (engine/export's writer, InitialWeights), which the baseline loads, every key checked. The row says
+which (`initial_weights`), and what the linear-attention layers ran (`linear_attention_implementation`,
+`causal_conv_implementation`, `gated_norm_implementation`: read from the built model, `kernel_paths`).
+
 Shapes: R rows per micro-batch, L seq_len, E experts, r LoRA rank.
 """
 
@@ -26,6 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import FunctionType
 from typing import Any, Callable
 
 import torch
@@ -65,6 +76,17 @@ MIN_POSITIONS = 32768
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Longest value a refusal line quotes.
 QUOTE_CHARS = 60
+# The names a linear-attention layer's forward calls its kernels under (an attribute of the layer in older
+# transformers, a function of its modeling module since), per row field; the first its forward names is read.
+KERNEL_NAMES = {
+    "linear_attention_implementation": ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+    "causal_conv_implementation": ("causal_conv1d_fn",),
+}
+# The gated output norm of a linear-attention layer (its attribute).
+GATED_NORM = "norm"
+IMPLEMENTATION_FIELDS = (*KERNEL_NAMES, "gated_norm_implementation")
+# Free disk the initial weights' checkpoint leaves, beyond its own size (the writer's shard in flight, the index).
+DISK_MARGIN = 1.1
 
 
 def _common_config(cfg: ModelProfile) -> dict[str, Any]:
@@ -252,10 +274,84 @@ def check_buildable(job: JobProfile) -> str:
     return model_type
 
 
-def build_transformers_model(job: JobProfile, device: torch.device):
-    """The transformers model of `job` (random init from job.model, or the checkpoint's weights when the profile
-    was read from one) with PEFT LoRA as `lora_targets` says (or every weight trainable without LoRA), in the
-    training dtype on `device`, in training mode. Returns (model, model_type)."""
+class InitialWeights:
+    """Our model's initial weights as a transformers checkpoint in a temporary folder, for the baseline to start
+    from: `write(model)` is StepRunner's prepare_model (LoRA injected, before DeepSpeed takes the model and before
+    our first step). `folder` is the checkpoint, or None with `problem` saying why it was not written (the disk
+    cannot hold it); `close()` removes it."""
+
+    def __init__(self, job: JobProfile):
+        self.job = job
+        self.folder: Path | None = None
+        self.problem: str | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def nbytes(self) -> int:
+        """The checkpoint's size: every base parameter in the training dtype."""
+        from moe_tune.engine.parallel.plan import count_parameters
+
+        return count_parameters(self.job.model, self.job.lora).total * DTYPES[self.job.train.precision].itemsize
+
+    @torch.no_grad()
+    def write(self, model: torch.nn.Module) -> None:
+        from moe_tune.engine.export.hub import DEFAULT_SHARD_SIZE, export_hub, parse_size
+        from moe_tune.engine.export.sources import lora_scaling
+        from moe_tune.engine.export.zero import peft_state_source
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="moe-tune-against-")
+        needed, free = self.nbytes(), shutil.disk_usage(self._tmp.name).free
+        if needed * DISK_MARGIN > free:
+            self.problem = (f"our initial weights ({needed / 1e9:.1f} GB) do not fit the {free / 1e9:.1f} GB free in "
+                            f"{tempfile.gettempdir()}")  # fmt: skip
+            self.close()
+            return
+        # The adapters start as a no-op (B = 0): merged in, the base is what our first step computes with; an FP8
+        # base is written dequantized (the baseline's base is in the training dtype).
+        scaling = lora_scaling(self.job) if self.job.lora.enabled else 1.0
+        source = peft_state_source(model.state_dict(), self.job.model, scaling)
+        folder = Path(self._tmp.name) / "initial"
+        self.folder = export_hub(source, self.job.model, folder, parse_size(DEFAULT_SHARD_SIZE), self.job.train.precision)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        self.folder = None
+
+
+def initial_weights_text(job: JobProfile, initial: InitialWeights | None) -> str:
+    """Where the baseline's weights come from (the row's `initial_weights`)."""
+    if job.model.checkpoint is not None:
+        return f"the checkpoint {job.model.checkpoint}"
+    if initial is not None and initial.folder is not None:
+        fp8 = ", the FP8 base dequantized" if job.model.base_precision == "fp8" else ""
+        return f"ours (our initial weights written as a transformers checkpoint{fp8})"
+    why = initial.problem if initial is not None and initial.problem else "not handed over"
+    return f"its own random init ({why})"
+
+
+def _loaded(model_class, folder: Path, config, dtype: torch.dtype, what: str):
+    """`model_class` from the checkpoint `folder` with `config` in `dtype`; RuntimeError naming the keys when
+    any weight of the model was not in the checkpoint, or the checkpoint held one the model does not have."""
+    model, info = model_class.from_pretrained(
+        str(folder), config=config, dtype=dtype, local_files_only=True, trust_remote_code=False,
+        use_safetensors=True, output_loading_info=True,
+    )  # fmt: skip
+    problems = {key: sorted(map(str, info.get(key) or ())) for key in ("missing_keys", "unexpected_keys",
+                                                                        "mismatched_keys", "error_msgs")}  # fmt: skip
+    problems = {key: names for key, names in problems.items() if names}
+    if problems:
+        raise RuntimeError(f"--against transformers: {what} does not load into {model_class.__name__}: " + "; ".join(
+            f"{key} {names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            for key, names in problems.items()))  # fmt: skip
+    return model
+
+
+def build_transformers_model(job: JobProfile, device: torch.device, initial: Path | None = None):
+    """The transformers model of `job` (the checkpoint's weights when the profile was read from one; else the
+    checkpoint `initial` of our initial weights (InitialWeights), or random init from job.model without it) with
+    PEFT LoRA as `lora_targets` says (or every weight trainable without LoRA), in the training dtype on `device`, in
+    training mode. Returns (model, model_type)."""
     import transformers
 
     from moe_tune.engine.families import family_for
@@ -266,7 +362,10 @@ def build_transformers_model(job: JobProfile, device: torch.device):
     dtype = DTYPES[job.train.precision]
     config["max_position_embeddings"] = max(MIN_POSITIONS, job.data.seq_len)
     torch.manual_seed(job.train.seed)
-    if job.model.checkpoint is not None:
+    if job.model.checkpoint is None and initial is not None:
+        built = transformers.AutoConfig.for_model(model_type, **config)
+        model = _loaded(model_class, initial, built, dtype, "our initial weights").to(device)
+    elif job.model.checkpoint is not None:
         from moe_tune.engine.families.checkpoint import read_config
 
         saved_type = read_config(job.model.checkpoint).get("model_type")
@@ -303,11 +402,11 @@ def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 class TransformersRunner:
     """The transformers model of a job with its optimizer and schedule, stepped by hand on our micro-batches."""
 
-    def __init__(self, job: JobProfile, device: torch.device, total_steps: int):
+    def __init__(self, job: JobProfile, device: torch.device, total_steps: int, initial: Path | None = None):
         from moe_tune.engine.train.trainer import lr_factor
 
         self.job, self.device = job, device
-        self.model, self.model_type = build_transformers_model(job, device)
+        self.model, self.model_type = build_transformers_model(job, device, initial)
         train = job.train
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, betas=train.betas,
@@ -318,6 +417,8 @@ class TransformersRunner:
         config = self.model.config
         self.attention_implementation = getattr(config, "_attn_implementation", None)
         self.experts_implementation = getattr(config, "_experts_implementation", None)
+        # Read while the paths the steps run are bound (run_transformers builds and steps inside pure_torch_paths).
+        self.kernel_paths = kernel_paths(self.model)
 
     def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids and labels [R, L] of one of our micro-batches (label t is the token after t)."""
@@ -352,12 +453,58 @@ class TransformersRunner:
         return {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time}
 
 
+def _function_name(value: Any) -> str:
+    """module.qualname of what calling `value` runs: through transformers' fallback wrapper
+    (use_kernel_func_from_hub_with_fallback) to the implementation it chose when its modeling module was imported."""
+    if isinstance(value, FunctionType) and value.__closure__:
+        cells = {}
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__):
+            with contextlib.suppress(ValueError):  # an empty cell
+                cells[name] = cell.cell_contents
+        if "is_new_implementation" in cells and callable(cells.get("implementation")):
+            value = cells["implementation"]
+    return f"{getattr(value, '__module__', None) or '?'}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+
+
+def kernel_paths(model: torch.nn.Module) -> dict[str, str | None]:
+    """What the model's linear-attention layers run (IMPLEMENTATION_FIELDS), read from the built model: each
+    KERNEL_NAMES function its layers' forward calls, as the layer holds it (older transformers) or as its modeling
+    module binds it now, and the class (or replaced forward) of its gated output norm. None for a field no layer
+    has (no linear attention); several distinct values are joined by ', '."""
+    found: dict[str, list[str]] = {field: [] for field in IMPLEMENTATION_FIELDS}
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        called = set(getattr(getattr(forward, "__code__", None), "co_names", ()))
+        is_linear_attention = False
+        for field, names in KERNEL_NAMES.items():
+            name = next((n for n in names if n in called), None)
+            if name is None:
+                continue
+            is_linear_attention = True
+            if name in vars(module):
+                value = vars(module)[name]
+                text = (f"{type(module).__module__}.{type(module).__qualname__}.forward (its PyTorch path: "
+                        f"{name} is None)") if value is None else _function_name(value)  # fmt: skip
+            else:
+                value = vars(sys.modules[type(module).__module__]).get(name)
+                text = "?" if value is None else _function_name(value)
+            if text not in found[field]:
+                found[field].append(text)
+        norm = getattr(module, GATED_NORM, None) if is_linear_attention else None
+        if isinstance(norm, torch.nn.Module):
+            norm_forward = getattr(norm.forward, "__func__", norm.forward)
+            text = _function_name(norm_forward).removesuffix(".forward")
+            if text not in found["gated_norm_implementation"]:
+                found["gated_norm_implementation"].append(text)
+    return {field: ", ".join(texts) if texts else None for field, texts in found.items()}
+
+
 def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device, total_steps: int,
-                     on_step=None) -> dict[str, Any]:  # fmt: skip
-    """Build the transformers baseline and run one step per entry of `step_batches` (the first `warmup` untimed),
-    its lr schedule over `total_steps` as ours.
-    Returns its row: medians over the timed steps, peak memory (CUDA), parameter counts and what transformers
-    chose to run."""
+                     on_step=None, initial: InitialWeights | None = None) -> dict[str, Any]:  # fmt: skip
+    """Build the transformers baseline (from our initial weights where `initial` holds them) and run one step per
+    entry of `step_batches` (the first `warmup` untimed), its lr schedule over `total_steps` as ours.
+    Returns its row: medians over the timed steps, peak memory (CUDA), parameter counts, where its weights came
+    from and what transformers chose to run."""
     gc.collect()
     is_cuda = device.type == "cuda"
     if is_cuda:
@@ -369,7 +516,7 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
     paths = contextlib.nullcontext({}) if is_cuda else pure_torch_paths()
     with paths as replaced:
         try:
-            runner = TransformersRunner(job, device, total_steps)
+            runner = TransformersRunner(job, device, total_steps, initial.folder if initial is not None else None)
         except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row; anything else re-raises
             if not is_out_of_memory(err):
                 raise
@@ -377,8 +524,8 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
                 # What the partly built model held goes back to the device.
                 gc.collect()
                 torch.cuda.empty_cache()
-            return _out_of_memory_row(job, "building the model", 0, allocated_before)
-        return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced)
+            return _out_of_memory_row(job, "building the model", 0, allocated_before, initial)
+        return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced, initial)
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -393,18 +540,20 @@ def _impl_name(own: dict | None = None) -> str:
     return f"transformers {transformers.__version__} + peft {peft.__version__}" + (f", {describe(own)}" if own else "")
 
 
-def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_before: int | None) -> dict[str, Any]:
+def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_before: int | None,
+                       initial: InitialWeights | None = None) -> dict[str, Any]:  # fmt: skip
     """The baseline's row when it ran out of memory `where`: no timings, the steps it finished."""
     model_type, _ = transformers_config(job.model)
     return dict(
         impl=_impl_name(), model_type=model_type, attention_implementation=None, experts_implementation=None,
+        **dict.fromkeys(IMPLEMENTATION_FIELDS), initial_weights=initial_weights_text(job, initial),
         lora=lora_targets(job, model_type) if job.lora.enabled else None, steps=steps_done, losses=[],
         first_step_loss=None, tokens_per_s=None, step_time_s=None, step_times_s=[], peak_memory_bytes=None,
         allocated_before_bytes=allocated_before, parameters=None, trainable_parameters=None, out_of_memory=where,
     )  # fmt: skip
 
 
-def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced) -> dict[str, Any]:
+def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced, initial) -> dict[str, Any]:
     job = runner.job
     # The functions pure_torch_paths rebound in the model's own modeling module (named in `impl`).
     model_module = type(getattr(runner.model, "get_base_model", lambda: runner.model)()).__module__
@@ -432,12 +581,14 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         if is_cuda:
             torch.cuda.empty_cache()
     if out_of_memory is not None:
-        return _out_of_memory_row(job, out_of_memory, max(len(all_records) - warmup, 0), allocated_before)
+        return _out_of_memory_row(job, out_of_memory, max(len(all_records) - warmup, 0), allocated_before, initial)
     return dict(
         impl=_impl_name(own),
         model_type=runner.model_type,
         attention_implementation=runner.attention_implementation,
         experts_implementation=runner.experts_implementation,
+        **runner.kernel_paths,
+        initial_weights=initial_weights_text(job, initial),
         lora=lora_targets(job, runner.model_type) if job.lora.enabled else None,
         **timed_steps(all_records, warmup, peak),
         allocated_before_bytes=allocated_before,

@@ -71,7 +71,8 @@ TOPK_INDEXER_CUDA_SMALL = dict(cases=(("token top-64", 1, 64), ("block top-4x16"
                                head_dim=32)  # fmt: skip
 TOPK_INDEXER_CPU_SHAPE = dict(B=1, T=128, HI=4, DI=32, topk=32)
 # Issue 6 names no head count for its indexer target, and its naive baseline (6.6 ms, one [T, T] score matrix) cannot
-# have had the model's 64 (ours: 160 ms; docs/perf-history.md, sparse attention): the anchor preset times 1, 4, 16 and 64 heads.
+# have had the model's 64 (ours: 160 ms; docs/perf-history.md, sparse attention): the anchor preset times 1, 4, 16
+# and 64 heads.
 TOPK_INDEXER_ANCHOR_HEADS = (1, 4, 16, 64)
 SPARSE_CPU_NOTE = "reference only on CPU (dense masked softmax in fp32); the Triton kernels run on CUDA"
 CROSS_ENTROPY_SHAPES = {

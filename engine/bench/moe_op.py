@@ -79,7 +79,7 @@ def sweep_candidates() -> dict[str, list]:
     weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA).
     On the H200 the capped down_bwd and the 256-column gate_up_bwd win alone, but the config built from both is
     slower end to end than pick_config's; the capped down_bwd with 5-stage weight gradients, timed end to end by
-    turns, trains E64 in 12.35 ms against 13.16 without them (docs/perf-history.md, MoE), so pick_config takes those two.
+    turns, trains E64 in 12.35 ms against 13.16 without them (docs/perf-history.md, MoE): pick_config takes them.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
     the H200 (1.03 ms at E256 against 1.08-2.02 for the others; docs/perf-history.md, MoE), so pick_config takes it.

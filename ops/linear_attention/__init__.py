@@ -158,7 +158,8 @@ def _apply(op_name, q, k, v, g, beta, **options):
     )
     if q.is_cuda and q.dtype == torch.float32 and kernel_mode() != "triton":
         # fp32 operands are exact ieee products, which Triton emits as FMA loops: KDA's kernels then spend minutes
-        # in ptxas on the H200 (docs/perf-history.md). Training runs in bf16; fp32 on a GPU runs the reference unless forced.
+        # in ptxas on the H200 (docs/perf-history.md). Training runs in bf16; fp32 on a GPU runs the reference unless
+        # forced.
         has_kernel = False
     if use_kernel(op_name, q, k, v, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.

@@ -630,8 +630,8 @@ def kda_wy_fwd(
 
     Two kernels: the pairs kernel (G, q k^T, k k^T by row blocks; W's operand k beta exp(G) and k exp(G_C - G), the
     two products with per-channel decays) then the WY kernel (the inverse, W, U), so that each runs at its own warp
-    count (one kernel at 8 warps: 1.78 ms against 1.54, docs/perf-history.md). k k^T passes between them in fp32; W's operand
-    in W's dtype through W's own buffer where W's products take 16-bit operands (else in fp32 scratch).
+    count (one kernel at 8 warps: 1.78 ms against 1.54; docs/perf-history.md); k k^T goes between them in fp32;
+    W's operand in W's dtype through W's own buffer where W's products take 16-bit operands (else in fp32 scratch).
 
     gate: (A_log [H], dt_bias [H * K]) when g_THK is the raw gate a, the log decay being
     -exp(A_log) * softplus(a + dt_bias), computed in the kernel."""

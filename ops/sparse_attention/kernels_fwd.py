@@ -33,8 +33,8 @@ GPU_TOKEN_TILE = 64
 # Block level: a 64-token block is one tile; larger blocks loop.
 GPU_BLOCK_KEY_TILE = 64
 GPU_NUM_WARPS_FWD = 4
-# The loop bodies have no branch, so Triton pipelines them. H200, issue 6's shapes (docs/perf-history.md): forward 2 stages
-# 2.14 / 2.68 ms (block / token) against 2.17 / 3.02 at 3 stages and 2.84 / 4.57 at 8 warps; dq ran at 3 stages.
+# Branch-free loop bodies pipeline: forward 2 stages 2.14 / 2.68 ms (block / token) against 2.17 / 3.02 at 3 stages and
+# 2.84 / 4.57 at 8 warps, dq at 3 stages (H200, issue 6's shapes; docs/perf-history.md).
 GPU_NUM_STAGES_FWD = 2
 GPU_NUM_STAGES_DQ = 3
 # Backward key-major kernel: 64 (query, head) rows per step; token level 128 keys a tile, block level one block (at
