@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import shutil
 import sys
 import tempfile
@@ -473,7 +474,8 @@ def kernel_paths(model: torch.nn.Module) -> dict[str, str | None]:
     has (no linear attention); several distinct values are joined by ', '."""
     found: dict[str, list[str]] = {field: [] for field in IMPLEMENTATION_FIELDS}
     for module in model.modules():
-        forward = getattr(type(module), "forward", None)
+        # The forward's own code, under its decorators (transformers wraps some for accelerate hooks and renames).
+        forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
         called = set(getattr(getattr(forward, "__code__", None), "co_names", ()))
         is_linear_attention = False
         for field, names in KERNEL_NAMES.items():

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F_nn
 
 from moe_tune.engine.bench.machine import machine_info
+from moe_tune.engine.bench.timing import median_ms
 
 # The frozen projections of issue 35's 30B-A3B (hidden 2048) over B1 T8192: q (2048 -> 4096), o (4096 -> 2048),
 # and an expert-width projection (2048 -> 768).
@@ -38,8 +39,6 @@ def bench_fp8_linear(
     """One dict per (shape, impl): M, I, O, shape, impl, dtype, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops,
     rel_err_exact, rel_err_ref (triton rows), and machine_info's keys (device, machine, driver, torch, triton, commit,
     date)."""
-    from triton.testing import do_bench
-
     from moe_tune.ops.fp8 import dequantize_weight, fp8_linear_ref, quantize_weight
     from moe_tune.ops.fp8.autograd import Fp8LinearFunction
 
@@ -80,9 +79,8 @@ def bench_fp8_linear(
                 if with_backward:
                     y.backward(grad_y)
 
-            row["fwd_ms"] = do_bench(step, rep=rep_ms, return_mode="median")
-            row["fwd_bwd_ms"] = do_bench(lambda: step(with_backward=True), rep=rep_ms, grad_to_none=[x],
-                                         return_mode="median")  # fmt: skip
+            row["fwd_ms"] = median_ms(step, rep_ms=rep_ms)
+            row["fwd_bwd_ms"] = median_ms(lambda: step(with_backward=True), [x], rep_ms)
             row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
             row["fwd_bwd_tflops"] = 2 * fwd_flops / row["fwd_bwd_ms"] * 1e-9
             results.append(row | machine)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
-from moe_tune.engine.bench.timing import time_ms
+from moe_tune.engine.bench.timing import median_ms, time_ms
 
 PRESETS = ("small", "anchor")
 # One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
@@ -123,15 +123,13 @@ class RunContext:
 
 def measure_peaks() -> Peaks:
     """Median bf16 GEMM TFLOP/s and device copy GB/s of the current CUDA device."""
-    from triton.testing import do_bench
-
     n = PEAK_GEMM_SIZE
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    gemm_ms = do_bench(lambda: a @ b, return_mode="median")
+    gemm_ms = median_ms(lambda: a @ b)
     src = torch.randn(PEAK_COPY_BYTES // 4, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    copy_ms = median_ms(lambda: dst.copy_(src))
     del a, b, src, dst
     torch.cuda.empty_cache()
     # A copy reads and writes every byte.

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F_nn
 
 from moe_tune.engine.bench.machine import machine_info
+from moe_tune.engine.bench.timing import median_ms
 from moe_tune.ops.fp8 import quantize_weight
 from moe_tune.ops.moe import ExpertLoRA, moe_mlp
 from moe_tune.ops.moe.reference import moe_mlp_ref
@@ -65,7 +66,7 @@ MAX_REL_ERROR = 2e-2
 GRAD_ATOL = 2e-2
 GRAD_RTOL = 2e-2
 IMPLS = ("triton", "reference", "torch_grouped_mm")
-# LoRA overhead: LoRA and frozen-expert fwd+bwd timed by turns, this many do_bench calls each. On the H200 about one
+# LoRA overhead: LoRA and frozen-expert fwd+bwd timed by turns, this many median_ms calls each. On the H200 about one
 # call in four runs 5-10% slow as a whole (LoRA r16 at E256: 11.3 ms in most calls, 12.0-12.4 in every fourth, not
 # the host), so a ratio of two single calls moves by as much; the median over turns drops those.
 LORA_OVERHEAD_PASSES = 8
@@ -150,7 +151,7 @@ def bench_moe(
     impls: names from IMPLS; extra_impls: more {name: fn} with moe_mlp's signature (a kernel under another config,
     an older version), run with MOE_TUNE_KERNELS=triton. check_grads: compare every gradient with the reference's
     (GRAD_ATOL/GRAD_RTOL) before timing. rep_ms: do_bench's repetition time per measurement; passes: how many
-    do_bench calls each (impl, fwd or fwd+bwd) gets, the impls of a shape timed by turns; rows report the median.
+    median_ms calls each (impl, fwd or fwd+bwd) gets, the impls of a shape timed by turns; rows report the median.
     Returns dicts with the shape, impl, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, max_over_mean_load,
     rel_error (vs the reference, forward output), grad_error (the largest |g - g_ref| / (atol + rtol |g_ref|), <= 1
     passes), correct, error (the message when an impl refused), and machine_info's keys (device, machine, driver, torch,
@@ -264,13 +265,12 @@ _REFUSALS = (RuntimeError, NotImplementedError, AttributeError, TypeError)
 
 
 def _median_timer(step: Callable[[], object], leaves, rep_ms: int, is_forced: bool, row: dict) -> Callable[[], float]:
-    """A timer for alternating_times: do_bench's median of step(); a refusal goes to row["error"] (NaN returned)."""
-    from triton.testing import do_bench
+    """A timer for alternating_times: timing.median_ms of step(); a refusal goes to row["error"] (NaN returned)."""
 
     def timer() -> float:
         try:
             with _kernels_forced(is_forced):
-                return do_bench(step, grad_to_none=leaves, rep=rep_ms, return_mode="median")
+                return median_ms(step, leaves, rep_ms)
         except _REFUSALS as err:
             row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
             return math.nan
@@ -300,13 +300,11 @@ def lora_overhead(
     rep_ms: int = 100,
 ) -> dict:
     """Issue 7's LoRA overhead measured by turns: fwd+bwd of moe_mlp with LoRA (experts frozen) and without LoRA
-    (experts frozen too), one do_bench median each per pass, `passes` passes alternating the two.
+    (experts frozen too), one timing.median_ms each per pass, `passes` passes alternating the two.
 
     shape: N, D, F, E, k, routing, lora_rank (> 0). Returns the shape, lora_ms and frozen_ms (medians over passes),
     ratio (lora_ms / frozen_ms), pass_ratios (each pass's LoRA time over its frozen time) and passes.
     """
-    from triton.testing import do_bench
-
     if not shape.get("lora_rank"):
         raise ValueError(f"lora_rank ({shape.get('lora_rank')}) must be positive to measure a LoRA overhead")
     timers = {}
@@ -317,9 +315,7 @@ def lora_overhead(
         def step(inputs=inputs, grad_y=grad_y) -> None:
             moe_mlp(**inputs).backward(grad_y)
 
-        timers[name] = lambda step=step, leaves=leaves: do_bench(
-            step, grad_to_none=leaves, rep=rep_ms, return_mode="median"
-        )
+        timers[name] = lambda step=step, leaves=leaves: median_ms(step, leaves, rep_ms)
     with _kernels_forced(True):
         times = alternating_times(timers, passes)
     lora_ms, frozen_ms = statistics.median(times["lora"]), statistics.median(times["frozen"])
@@ -349,7 +345,6 @@ def sweep_kernel_configs(
     import dataclasses
 
     from triton.errors import TritonError
-    from triton.testing import do_bench
 
     import moe_tune.ops.moe.routing as routing_kernels
     from moe_tune.ops.moe import kernel_config, kernels_bwd, kernels_fwd
@@ -424,7 +419,7 @@ def sweep_kernel_configs(
             config = dataclasses.replace(base, **{kernel: candidate})
             row = dict(shape, kernel=kernel, config=dataclasses.asdict(candidate))
             try:
-                row["ms"] = do_bench(lambda: run(config), rep=rep_ms, return_mode="median")
+                row["ms"] = median_ms(lambda: run(config), rep_ms=rep_ms)
                 if flops:
                     row["tflops"] = flops / row["ms"] * 1e-9
                 else:

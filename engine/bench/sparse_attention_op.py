@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from moe_tune.engine.bench.timing import time_pass
+from moe_tune.engine.bench.timing import median_ms, time_pass
 
 # Issue 6's attention shape and its three cases: (case, T, block_size, S slots).
 ATTENTION_SHAPE = dict(batch_size=1, num_heads=16, num_kv_heads=1, head_dim_k=128, head_dim_v=128)
@@ -208,7 +208,7 @@ def bench_topk_indexer(cases=INDEXER_CASES, **shape) -> list[dict]:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            ms = _bench(fn)
+            ms = median_ms(fn)
             row = dict(case=case, impl=impl, shape=label, dtype="bfloat16", fwd_ms=round(ms, 3),
                        fwd_tflops=round(flops / ms * 1e-9, 1),
                        extra_peak_bytes=torch.cuda.max_memory_allocated() - before)  # fmt: skip
@@ -241,12 +241,6 @@ def _exact_selection_note(T, HI, DI, topk, block_size) -> str:
     expected = topk_indexer_ref(q_idx, k_idx, w_idx, **options)
     num_differ = int((actual != expected).any(dim=-1).sum())
     return f"index sets equal the reference at T{T}" if num_differ == 0 else f"WRONG: {num_differ} queries differ"
-
-
-def _bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, return_mode="median")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
-from moe_tune.engine.bench.timing import StepClock, timed_steps
+from moe_tune.engine.bench.timing import StepClock, median_ms, timed_steps
 from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -30,7 +30,6 @@ WARMUP_STEPS = 2
 AGAINST = ("transformers", "bf16-base")
 # Pinned copy probe: large enough to reach the link's sustained rate, small enough to pin quickly.
 COPY_PROBE_BYTES = 512 * 2**20
-COPY_PROBE_REPEATS = 5
 RESULT_KEYS = (
     "profile", "seq_len", "micro_batch_size", "gradient_accumulation_steps", "precision", "memory_policy",
     "graphed_moe_blocks",
@@ -178,19 +177,13 @@ class StepRunner:
 
 
 def pinned_copy_bandwidth() -> tuple[float, float]:
-    """Median GB/s of a large copy from page-locked host memory to the GPU and back (the ceiling of swapping)."""
+    """Median GB/s (timing.median_ms) of a large copy from page-locked host memory to the GPU and back (the ceiling
+    of swapping)."""
     host = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device="cuda")
-    rates = {"h2d": [], "d2h": []}
-    for _ in range(COPY_PROBE_REPEATS):
-        for kind, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            rates[kind].append(COPY_PROBE_BYTES / (start.elapsed_time(end) / 1e3) / 1e9)
-    return statistics.median(rates["h2d"]), statistics.median(rates["d2h"])
+    h2d_ms = median_ms(lambda: dev.copy_(host, non_blocking=True))
+    d2h_ms = median_ms(lambda: host.copy_(dev, non_blocking=True))
+    return COPY_PROBE_BYTES / h2d_ms * 1e-6, COPY_PROBE_BYTES / d2h_ms * 1e-6
 
 
 def _median_metrics(records: list[dict]) -> dict[str, Any]:
@@ -249,8 +242,18 @@ def profile_steps(
         check_against(profile, against)
         if against == "transformers" and (note := base_precision_note(profile)):
             say(note)
-    twin, twin_problem, keep_fp8_weights = None, None, None
+    twin, twin_problem, prepare_model = None, None, None
     fp8_weights: dict = {}
+    initial = None
+    if against == "transformers" and profile.model.checkpoint is None:
+        from moe_tune.engine.bench.against import InitialWeights
+
+        # The baseline starts from our initial weights, written as a transformers checkpoint before our first step
+        # (a temporary folder, removed after the baseline ran or when the process ends).
+        initial = InitialWeights(profile)
+        say(f"writing our initial weights as a transformers checkpoint for the baseline ({initial.nbytes() / 1e9:.2f} "
+            "GB)")  # fmt: skip
+        prepare_model = initial.write
     if against == "bf16-base":
         from moe_tune.engine.bench.bf16_base import bf16_base_profile, fp8_base_weights, twin_fit_problem
 
@@ -259,11 +262,11 @@ def profile_steps(
         twin_problem = twin_fit_problem(twin)
         if twin_problem is None:
 
-            def keep_fp8_weights(model: torch.nn.Module) -> None:
+            def prepare_model(model: torch.nn.Module) -> None:
                 fp8_weights.update(fp8_base_weights(model))
 
     flop_model = FlopModel(profile.model, profile.lora)
-    runner = StepRunner(profile, prepare_model=keep_fp8_weights)
+    runner = StepRunner(profile, prepare_model=prepare_model)
     # The same hint finetune prints: ZeRO-2 and -3 on one GPU process cost host time and save nothing.
     if note := ds_config.zero_stage_note(profile, runner.dist.world_size, runner.dist.device.type):
         say(note)
@@ -314,7 +317,12 @@ def profile_steps(
                 on_step(index, is_warmup, dict(record, impl=against))
 
         say(f"the same {warmup + steps} steps in {against}")
-        baseline = run_transformers(profile, step_batches, warmup, device, runner.total_steps, on_step=tell)
+        try:
+            baseline = run_transformers(profile, step_batches, warmup, device, runner.total_steps, on_step=tell,
+                                        initial=initial)  # fmt: skip
+        finally:
+            if initial is not None:
+                initial.close()
         # transformers attends over each whole row (one piece of seq_len tokens per row).
         rows_per_step = profile.train.micro_batch_size * profile.train.gradient_accumulation_steps
         flops = flop_model.step([profile.data.seq_len] * rows_per_step)

@@ -1,7 +1,7 @@
-"""The benchmarks' timers. Ops: on CUDA the median of triton.testing.do_bench over a forward (recording autograd, as
-in training) or a forward and its backward, and the extra peak memory of one more call on its own (time_pass); on
-the CPU time.perf_counter medians (time_ms). Training steps: wall time with the device synchronized at both ends
-(StepClock)."""
+"""The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench (every GPU time a
+benchmark reports goes through it). Ops: median_ms over a forward (recording autograd, as in training) or a forward
+and its backward, and the extra peak memory of one more call on its own (time_pass); on the CPU time.perf_counter
+medians (time_ms). Training steps: wall time with the device synchronized at both ends (StepClock)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ CPU_WARMUP_CALLS = 1
 CPU_TIME_BUDGET_S = 0.1
 CPU_MIN_REPEATS = 3
 CPU_MAX_REPEATS = 20
+
+
+def median_ms(step: Callable[[], object], leaves: list[torch.Tensor] | None = None, rep_ms: int | None = None) -> float:
+    """The median ms of step() on CUDA (triton.testing.do_bench: warm-up, L2 flushed before each call); the leaves'
+    gradients are cleared before each call; rep_ms: how long to repeat (do_bench's default when None)."""
+    from triton.testing import do_bench
+
+    options = {} if rep_ms is None else {"rep": rep_ms}
+    return do_bench(step, grad_to_none=leaves, return_mode="median", **options)
 
 
 def extra_peak_bytes(step: Callable[[], object], leaves: list[torch.Tensor]) -> int:
@@ -55,10 +64,8 @@ def time_pass(
 ) -> tuple[float, int, torch.Tensor]:
     """(median ms, extra peak bytes, forward output) of fn(), or of fn() and a backward from a random output
     gradient; the output is that of one untimed forward under no_grad."""
-    from triton.testing import do_bench
-
     out, step = pass_step(fn, with_backward)
-    ms = do_bench(step, grad_to_none=leaves, return_mode="median")
+    ms = median_ms(step, leaves)
     return ms, extra_peak_bytes(step, leaves), out
 
 

@@ -1,0 +1,61 @@
+"""One timer: every GPU time a benchmark reports is timing.median_ms's (triton.testing.do_bench)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import triton.testing
+
+from moe_tune.engine.bench import timing
+
+BENCH = Path(timing.__file__).parent
+CLI = BENCH.parents[1] / "cli"
+# What times GPU work: do_bench and CUDA events (torch.cuda.Event; threading.Event is no timer).
+TIMER_NAMES = {"do_bench", "elapsed_time"}
+
+
+def is_cuda_event(node: ast.AST) -> bool:
+    if not (isinstance(node, ast.Attribute) and node.attr == "Event"):
+        return False
+    owner = node.value
+    return (isinstance(owner, ast.Attribute) and owner.attr == "cuda") or (
+        isinstance(owner, ast.Name) and owner.id == "cuda"
+    )
+
+
+def timer_uses(path: Path) -> list[str]:
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in TIMER_NAMES or is_cuda_event(node):
+            uses.append(f"{path.name}:{node.lineno} {name}")
+        if isinstance(node, ast.ImportFrom) and any(alias.name in TIMER_NAMES for alias in node.names):
+            uses.append(f"{path.name}:{node.lineno} import")
+    return uses
+
+
+@pytest.mark.parametrize("path", sorted(BENCH.glob("*.py")) + sorted(CLI.glob("*.py")), ids=lambda p: p.name)
+def test_only_timing_times_the_gpu(path):
+    uses = timer_uses(path)
+    assert uses == [] if path != Path(timing.__file__) else uses, uses
+
+
+def test_the_scan_sees_a_timer(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from triton.testing import do_bench\nimport threading, torch\ne = torch.cuda.Event(True)\n"
+                      "t = threading.Event()\n")
+    assert len(timer_uses(sample)) == 2
+
+
+@pytest.mark.parametrize("leaves, rep_ms, expected", [(None, None, {}), ([1], 25, {"rep": 25})])
+def test_median_ms_asks_do_bench_for_the_median(monkeypatch, leaves, rep_ms, expected):
+    calls = []
+
+    def fake_do_bench(fn, grad_to_none=None, return_mode="mean", **options):
+        calls.append((fn, grad_to_none, return_mode, options))
+        return 1.5
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    step = lambda: None  # noqa: E731
+    assert timing.median_ms(step, leaves, rep_ms) == 1.5
+    assert calls == [(step, leaves, "median", expected)]
