@@ -19,7 +19,8 @@ from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import LayerSpec, ModelProfile, YarnSpec
 
 from .attention_context import (
-    gated_attention_across_ranks, is_context_parallel, qsa_attention_across_ranks, sparse_attention_across_ranks,
+    KeySpan, gated_attention_across_ranks, is_context_parallel, qsa_attention_across_ranks,
+    sparse_attention_across_ranks,
 )
 from .batch import PackedBatch
 from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
@@ -28,6 +29,10 @@ from .linear_context import delta_rule
 from .kv_cache import (
     GrowingCache, cached_attention, causal_keys, mean_pooled_blocks, one_document_batch, select_cached_blocks,
     selected_keys,
+)
+from .mixer_chunks import (
+    Slab, attention_in_chunks, initial_states, linear_attention_in_slabs, row_in_pieces, runs_in_chunks,
+    selection_is_watched,
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
@@ -41,6 +46,10 @@ class GatedAttention(nn.Module):
     """Softmax attention with GQA, q/k RMSNorm, partial RoPE and a sigmoid output gate (qwen3_next layout: q_proj
     yields each head's query followed by its gate); without `attention_output_gate`, plain attention (qwen3_moe).
     `attention_qk_norm: false` drops the q/k norm (mixtral); `attention_bias` gives q, k and v a bias (GLM-4.5)."""
+
+    # memory.sequence_chunk_tokens (MoECausalLM.set_sequence_chunk_tokens): a longer row runs its queries chunk by
+    # chunk over the keys each chunk sees (engine/model/mixer_chunks.py). None: whole rows.
+    sequence_chunk_tokens: int | None = None
 
     def __init__(self, cfg: ModelProfile, sliding_window: int | None = None):
         super().__init__()
@@ -87,8 +96,52 @@ class GatedAttention(nn.Module):
         return o if gate is None else o * torch.sigmoid(gate)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        if runs_in_chunks(self, x, batch) and not selection_is_watched(*self.selectors()):
+            return attention_in_chunks(
+                x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_keys(x_row, batch), self._chunk,
+                self.row_index_keys(x, batch), window=self.sliding_window,
+            )  # fmt: skip
         q, k, v, gate = self.project(x, batch)
         return self.o_proj(self.attend(x, q, k, v, gate, batch).reshape(1, x.shape[1], -1))
+
+    def project_queries(self, x: torch.Tensor, batch: PackedBatch):
+        """project()'s q [1, T, H, hd] and gate [1, T, H, hd] (None when ungated) alone."""
+        t = x.shape[1]
+        if self.gated:
+            q, gate = self.q_proj(x).view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q, gate = self.q_proj(x).view(1, t, self.num_heads, self.head_dim), None
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return self.rotary.rotate(q, *self.rotary.cos_sin(batch.rotary_positions)), gate
+
+    def project_keys(self, x: torch.Tensor, batch: PackedBatch):
+        """project()'s k and v [1, T, G, hd] alone."""
+        t = x.shape[1]
+        k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self.rotary.rotate(k, *self.rotary.cos_sin(batch.rotary_positions)), v
+
+    def selectors(self) -> tuple:
+        """The modules choosing this layer's keys (PinnableSelection): none for full attention."""
+        return ()
+
+    def row_index_keys(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:
+        """The indexer's keys of the row [1, T, ...] without gradient, for sequence chunks: none for full attention."""
+        return ()
+
+    def _chunk(self, x_c, span: KeySpan, k, v, *index_keys) -> torch.Tensor:
+        """The output rows [1, C, D] of one chunk of queries x_c [1, C, D] over its span's keys and values k, v
+        [1, M, G, hd] (and indexer keys): mixer_chunks.attention_in_chunks."""
+        q, gate = self.project_queries(x_c, span.batch)
+        return self.o_proj(self.attend_span(x_c, q, k, v, gate, span, *index_keys).reshape(1, x_c.shape[1], -1))
+
+    def attend_span(self, x, q, k, v, gate, span: KeySpan, *index_keys) -> torch.Tensor:
+        """attend() of one chunk of queries over its span."""
+        o = span.causal_attention(q, k, v, sinks=self.sinks, window=self.sliding_window)
+        return o if gate is None else o * torch.sigmoid(gate)
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [1, T, D] continuing the sequence of step.state(self) -> [1, T, D], the rows forward() gives over the
@@ -166,6 +219,20 @@ class SparseAttention(PinnableSelection, GatedAttention):
         # The output gate runs inside the sparse attention kernels (their forward's epilogue, dgate beside dq).
         return sparse_attention(q, k, v, indices, block_size=self.block_size, cu_seqlens=batch.cu_seqlens, gate=gate)
 
+    def selectors(self) -> tuple:
+        return (self,)
+
+    @torch.no_grad()
+    def row_index_keys(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:
+        return (self.index_k_proj(x),)
+
+    def attend_span(self, x, q, k, v, gate, span: KeySpan, k_idx) -> torch.Tensor:
+        with torch.no_grad():
+            q_idx, _, w_idx = self.index_inputs(x)
+            indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size)
+        indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+        return span.sparse_attention(q, k, v, indices, self.block_size, gate=gate)
+
     def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
         """The cached call's attention; the state adds "index_k" [M, DI], the indexer's keys (block mode pools them
         per call as the full forward does)."""
@@ -214,11 +281,19 @@ class QSAIndexer(PinnableSelection, nn.Module):
         """x [1, T, D] -> normed and rotated queries [1, T, HI, DI], raw keys [1, T, DI] and the key of the block
         starting at each row [1, T, DI]."""
         q_idx, k_idx, (cos, sin) = self.project_queries(x, rotary, batch)
-        # The key of the block starting at each row: rows where no complete block of the document starts are
-        # never read (the op reads block j at row o + j * block_size), so windows crossing documents do no harm.
+        return q_idx, k_idx, self.block_keys(k_idx, rotary, cos, sin)
+
+    def block_keys(self, k_idx: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor):
+        """Raw keys [1, T, DI] -> the key of the block starting at each row [1, T, DI], rotated by (cos, sin) of the
+        rows."""
+        # Rows where no complete block of the document starts are never read (the op reads block j at row
+        # o + j * block_size), so windows crossing documents do no harm.
         windows_TD = F.pad(k_idx[0], (0, 0, 0, self.block_size - 1)).unfold(0, self.block_size, 1).mean(-1)
-        block_k = rotary.rotate(self.k_layernorm(windows_TD)[None, :, None, :], cos, sin)[:, :, 0]
-        return q_idx, k_idx, block_k
+        return rotary.rotate(self.k_layernorm(windows_TD)[None, :, None, :], cos, sin)[:, :, 0]
+
+    def raw_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """The raw indexer keys [1, T, DI] of x [1, T, D]."""
+        return self.index_qk_proj(x).split([self.num_heads * self.head_dim, self.head_dim], -1)[1]
 
     def choose(self, q_idx: torch.Tensor, block_k: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return topk_indexer(
@@ -277,6 +352,26 @@ class QSAAttention(GatedAttention):
             q, k, v, indices, block_size=self.indexer.block_size, cu_seqlens=batch.cu_seqlens, gate=gate
         )
 
+    def selectors(self) -> tuple:
+        return (self.indexer,)
+
+    @torch.no_grad()
+    def row_index_keys(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:
+        # The raw keys a chunk at a time: the projection makes the HI query heads too.
+        k_idx = row_in_pieces(self.indexer.raw_keys, x, self.sequence_chunk_tokens)
+        return (self.indexer.block_keys(k_idx, self.rotary, *self.rotary.cos_sin(batch.rotary_positions)),)
+
+    def attend_span(self, x, q, k, v, gate, span: KeySpan, block_k) -> torch.Tensor:
+        indexer = self.indexer
+        with torch.no_grad():
+            q_idx, _, _ = indexer.project_queries(x, self.rotary, span.batch)
+            indices = span.topk_indexer(
+                q_idx, block_k, None, topk=indexer.num_selected, block_size=indexer.block_size, k_idx_is_pooled=True,
+                always_keep_own_block=False,
+            )  # fmt: skip
+        indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
+        return span.sparse_attention(q, k, v, indices, indexer.block_size, gate=gate)
+
     def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
         """The cached call's attention; the state adds "indexer", the indexer's own (QSAIndexer.select_cached)."""
         is_prefill, k_cache, v_cache, _ = self.cache_keys_values(k, v, batch, state)
@@ -300,6 +395,9 @@ class GatedDeltaNet(nn.Module):
     # (ops.linear_attention's save_intermediates): faster when saved tensors stay on the GPU; the memory manager
     # turns it off where this class's saved tensors go to host memory (engine/memory).
     saves_op_intermediates = True
+    # memory.sequence_chunk_tokens (MoECausalLM.set_sequence_chunk_tokens): a longer row runs slab by slab
+    # (engine/model/mixer_chunks.py). None: whole rows.
+    sequence_chunk_tokens: int | None = None
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
@@ -329,6 +427,8 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        if runs_in_chunks(self, x, batch):
+            return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         # Under context parallelism the conv and the state continue from the previous rank's tokens (linear_context).
         q, k, v = self._heads(self.conv(qkv, batch.positions, batch.context))
@@ -338,6 +438,21 @@ class GatedDeltaNet(nn.Module):
             op, q, k, v, g, beta, batch, use_qk_l2norm_in_kernel=True, save_intermediates=self.saves_op_intermediates
         )
         return self._output(x, o)
+
+    def _slab(self, x_ext, positions_ext, num_halo: int, entering, slab: Slab):
+        """One slab of a row in sequence chunks (mixer_chunks.linear_attention_in_slabs): -> (out [1, C, D], the
+        state after its last token [Hv, K, V] fp32)."""
+        qkv = torch.cat([self.q_proj(x_ext), self.k_proj(x_ext), self.v_proj(x_ext)], -1)
+        q, k, v = self._heads(self.conv(qkv, positions_ext)[:, num_halo:])
+        x = x_ext[:, num_halo:]
+        g, beta = self._gates(x)
+        op = kda if self.per_channel else gated_delta_rule
+        o, final_states = op(
+            q, k, v, g, beta, initial_state=initial_states(entering, slab), output_final_state=True,
+            cu_seqlens=slab.batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
+            save_intermediates=self.saves_op_intermediates,
+        )  # fmt: skip
+        return self._output(x, o), final_states[-1]
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [1, T, D] continuing one sequence -> [1, T, D]; state: the conv's last inputs and the recurrent state."""

@@ -138,6 +138,11 @@ class ShortConv(nn.Module):
         self.dilation = dilation
         self.weight = nn.Parameter(torch.empty(channels, width))
 
+    @property
+    def reach(self) -> int:
+        """How many earlier tokens a tap reaches back: (W - 1) x dilation."""
+        return (self.width - 1) * self.dilation
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: ContextShard | None = None) -> torch.Tensor:
         """x: [1, T, C]; positions: [T] position inside the document; context: the row's share held here under
         context parallelism (the first taps then read the previous rank's last inputs)."""

@@ -21,11 +21,13 @@ from moe_tune.profiles.schema import ModelProfile
 
 from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 from .linear_context import delta_rule
+from .mixer_chunks import initial_states, linear_attention_in_slabs, runs_in_chunks
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
 
     from .batch import PackedBatch
+    from .mixer_chunks import Slab
 
 # FLA's KDA init: dt = softplus(dt_bias) starts uniform in log space over [1e-3, 1e-1], decay rates over [1, 16).
 DT_INIT_RANGE = (1e-3, 1e-1)
@@ -38,6 +40,8 @@ class KimiDeltaAttention(nn.Module):
 
     # As GatedDeltaNet's: keep the op's intermediates for backward unless the memory manager offloads this class.
     saves_op_intermediates = True
+    # As GatedDeltaNet's: a row longer than this runs slab by slab (engine/model/mixer_chunks.py). None: whole rows.
+    sequence_chunk_tokens: int | None = None
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
@@ -70,7 +74,10 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch` (under
-        context parallelism they continue from the previous rank's tokens: engine/model/linear_context)."""
+        context parallelism they continue from the previous rank's tokens: engine/model/linear_context; in sequence
+        chunks from the previous slab's: engine/model/mixer_chunks)."""
+        if runs_in_chunks(self, x, batch):
+            return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
         q, k, v = self._heads(self.conv(self._qkv(x), batch.positions, batch.context))
         a, beta = self._gates(x)
         # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'
@@ -80,6 +87,19 @@ class KimiDeltaAttention(nn.Module):
             dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
         return self._output(x, o)
+
+    def _slab(self, x_ext, positions_ext, num_halo: int, entering, slab: Slab):
+        """One slab of a row in sequence chunks (mixer_chunks.linear_attention_in_slabs): -> (out [1, C, D], the
+        state after its last token [H, K, K] fp32)."""
+        q, k, v = self._heads(self.conv(self._qkv(x_ext), positions_ext)[:, num_halo:])
+        x = x_ext[:, num_halo:]
+        a, beta = self._gates(x)
+        o, final_states = kda(
+            q, k, v, a, beta, initial_state=initial_states(entering, slab), output_final_state=True,
+            cu_seqlens=slab.batch.cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            A_log=self.A_log, dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
+        )  # fmt: skip
+        return self._output(x, o), final_states[-1]
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [1, T, D] continuing one sequence -> [1, T, D]; state: the conv's last inputs and the recurrent state."""

@@ -29,12 +29,13 @@ from torch import nn
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 from moe_tune.profiles.schema import MLASpec, ModelProfile, YarnSpec
 
-from .attention_context import is_context_parallel, latent_attention_across_ranks
+from .attention_context import KeySpan, is_context_parallel, latent_attention_across_ranks
 from .blocks import RMSNorm, RotaryEmbedding
 from .kv_cache import (
     QUERY_CHUNK, GrowingCache, causal_keys, masked_softmax, mean_pooled_blocks, one_document_batch,
     select_cached_blocks, selected_keys,
 )
+from .mixer_chunks import attention_in_chunks, runs_in_chunks, selection_is_watched
 from .selection import PinnableSelection
 from .varlen import packed_causal_attention
 
@@ -100,6 +101,10 @@ class LatentRotary(RotaryEmbedding):
 
 class MultiHeadLatentAttention(nn.Module):
     """MLA over every causal key of the query's document (layer kind `mla`)."""
+
+    # memory.sequence_chunk_tokens (MoECausalLM.set_sequence_chunk_tokens): a longer row runs its queries chunk by
+    # chunk over the row's kv latent, expanded per chunk over the keys it sees (engine/model/mixer_chunks.py).
+    sequence_chunk_tokens: int | None = None
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
@@ -169,12 +174,38 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
+        if runs_in_chunks(self, x, batch) and not selection_is_watched(*self.selectors()):
+            return attention_in_chunks(
+                x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_latent(x_row, cos_sin), self._chunk,
+                self.row_index_keys(x, cos_sin),
+            )  # fmt: skip
         if is_context_parallel(batch):
             o = latent_attention_across_ranks(self, x, cos_sin, batch)
         else:
             q_latent, q, k, v = self.project(x, cos_sin)
             o = self.attend(x, q_latent, q, k, v, cos_sin, batch)
         return self.o_proj(o.reshape(1, x.shape[1], self.num_heads * self.v_dim))
+
+    def selectors(self) -> tuple:
+        """The modules choosing this layer's keys (PinnableSelection): none without an indexer."""
+        return ()
+
+    def row_index_keys(self, x: torch.Tensor, cos_sin: CosSin | None) -> tuple[torch.Tensor, ...]:
+        """The indexer's keys of the row [1, T, DI] without gradient, for sequence chunks: none without an indexer."""
+        return ()
+
+    def _chunk(self, x_c, span: KeySpan, latent, k_rope, *index_keys) -> torch.Tensor:
+        """The output rows [1, C, D] of one chunk of queries x_c [1, C, D] over its span's normed kv latent
+        [1, M, Rkv] and rope key [1, M, 1, Dr] (and indexer keys): mixer_chunks.attention_in_chunks."""
+        cos_sin = self.rotary.cos_sin(span.batch.positions) if self.rotary is not None else None
+        q_latent, q_nope, q_rope = self.project_query(x_c, cos_sin)
+        q, k, v = self.expand_latent(q_nope, q_rope, latent, k_rope)
+        o = self.attend_span(x_c, q_latent, q, k, v, cos_sin, span, *index_keys)
+        return self.o_proj(o.reshape(1, x_c.shape[1], self.num_heads * self.v_dim))
+
+    def attend_span(self, x, q_latent, q, k, v, cos_sin: CosSin | None, span: KeySpan, *index_keys):
+        """attend() of one chunk of queries over its span."""
+        return span.causal_attention(q, k, v, scale=self.scale)
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [1, T, D] continuing the sequence of step.state(self) -> [1, T, D], the rows forward() gives over the
@@ -262,12 +293,23 @@ class LightningIndexer(PinnableSelection, nn.Module):
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin: CosSin | None):
         """x [1, T, D], q_latent [1, T, Rq] -> queries [1, T, HI, DI], keys [1, T, DI], head weights [1, T, HI]."""
+        q, w = self.project_queries(x, q_latent, cos_sin)
+        return q, self.project_keys(x, cos_sin), w
+
+    def project_queries(self, x: torch.Tensor, q_latent: torch.Tensor, cos_sin: CosSin | None):
+        """project()'s queries [1, T, HI, DI] and head weights [1, T, HI] alone."""
+        q = self.wq_b(q_latent).view(1, x.shape[1], self.num_heads, self.head_dim)
+        if cos_sin is not None:
+            q = self.rotary.rotate(q, *cos_sin)
+        return q, self.weights_proj(x) * self.num_heads**-0.5
+
+    def project_keys(self, x: torch.Tensor, cos_sin: CosSin | None) -> torch.Tensor:
+        """project()'s keys [1, T, DI] alone."""
         t = x.shape[1]
-        q = self.wq_b(q_latent).view(1, t, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).view(1, t, 1, self.head_dim)
         if cos_sin is not None:
-            q, k = self.rotary.rotate(q, *cos_sin), self.rotary.rotate(k, *cos_sin)
-        return q, k.view(1, t, self.head_dim), self.weights_proj(x) * self.num_heads**-0.5
+            k = self.rotary.rotate(k, *cos_sin)
+        return k.view(1, t, self.head_dim)
 
     def choose(self, q, k, w, batch: PackedBatch) -> torch.Tensor:
         return topk_indexer(
@@ -303,6 +345,20 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
 
     def attend(self, x, q_latent, q, k, v, cos_sin: CosSin | None, batch: PackedBatch) -> torch.Tensor:
         return self.attend_selected(q, k, v, self.indexer(x, q_latent, cos_sin, batch), batch)
+
+    def selectors(self) -> tuple:
+        return (self.indexer,)
+
+    @torch.no_grad()
+    def row_index_keys(self, x: torch.Tensor, cos_sin: CosSin | None) -> tuple[torch.Tensor, ...]:
+        return (self.indexer.project_keys(x, cos_sin),)
+
+    def attend_span(self, x, q_latent, q, k, v, cos_sin: CosSin | None, span: KeySpan, k_idx):
+        indexer = self.indexer
+        with torch.no_grad():
+            q_idx, w_idx = indexer.project_queries(x, q_latent, cos_sin)
+            indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=indexer.num_selected, block_size=indexer.block_size)
+        return span.sparse_attention(q, k, v, indices, indexer.block_size, scale=self.scale)
 
     def attend_selected(self, q, k, v, indices: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return sparse_attention(

@@ -179,13 +179,15 @@ class MoECausalLM(nn.Module):
 
     def set_sequence_chunk_tokens(self, chunk_tokens: int | None) -> None:
         """Run every layer's per-token part (post-attention norm, channel mixer, residual add; with hyper-connections
-        the channel mixer) chunk_tokens tokens at a time, each chunk recomputed in backward
-        (memory.sequence_chunk_tokens; None: whole rows). The LM head's loss is chunked on its own
-        (ops/cross_entropy)."""
+        the channel mixer) and its token mixer (engine/model/mixer_chunks.py) chunk_tokens tokens at a time, each
+        chunk recomputed in backward (memory.sequence_chunk_tokens; None: whole rows). The LM head's loss is chunked
+        on its own (ops/cross_entropy)."""
         self.sequence_chunk_tokens = chunk_tokens
         for module in self.modules():
             if isinstance(module, (MoEBlock, DenseMLP)):
                 module.sequence_chunk_tokens = chunk_tokens
+        for layer in self.layers:
+            layer.self_attn.sequence_chunk_tokens = chunk_tokens
 
     def sequence_chunked_modules(self) -> list[nn.Module]:
         """The modules that run inside sequence chunks (recomputed in backward with them): empty when chunking is
@@ -194,7 +196,7 @@ class MoECausalLM(nn.Module):
             return []
         chunked = []
         for layer in self.layers:
-            chunked.append(layer.mlp)
+            chunked += [layer.self_attn, layer.mlp]
             if isinstance(layer, DecoderLayer) and layer.chunks_with_norm:
                 chunked.append(layer.post_attention_layernorm)
         return chunked
