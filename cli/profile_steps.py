@@ -149,6 +149,19 @@ def against_header(other: dict) -> str:
             f"{other['experts_implementation']}) on the same micro-batches:")
 
 
+# The transformers baseline's row fields that say what its linear-attention layers ran, as the line names them.
+KERNEL_FIELDS = (("linear attention", "linear_attention_implementation"), ("short conv", "causal_conv_implementation"),
+                 ("gated norm", "gated_norm_implementation"))  # fmt: skip
+
+
+def baseline_runs_line(other: dict) -> str | None:
+    """The transformers baseline's weights and what its linear-attention layers ran (None for another baseline)."""
+    if other["baseline"] != "transformers":
+        return None
+    paths = "; ".join(f"{name} {other[field]}" for name, field in KERNEL_FIELDS if other.get(field))
+    return f"  weights: {other['initial_weights']}" + (f"; {paths}" if paths else "")
+
+
 def against_line(result: dict) -> str:
     """The comparison in one line; against the bf16 twin, also how far the losses were apart."""
     other = result["against"]
@@ -243,6 +256,8 @@ def run(
         console.print(out_of_memory_line(result), markup=False)
     elif other is not None:
         console.print(against_header(other), markup=False)
+        if line := baseline_runs_line(other):
+            console.print(line, markup=False, soft_wrap=True)
         console.print(_against_table(result))
         console.print(against_line(result), markup=False)
     if json_out is not None:

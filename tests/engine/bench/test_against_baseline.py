@@ -1,0 +1,187 @@
+"""What the `--against transformers` baseline starts from and what it runs (engine/bench/against.py): a model built
+from a profile hands its initial weights to the baseline (first-step losses equal in fp32), and the row names the
+linear-attention implementations read from the built model."""
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from moe_tune.engine.bench.against import InitialWeights, initial_weights_text, kernel_paths
+from moe_tune.profiles import validate_profile
+
+# Rows of one document each (the byte tokenizer's <bos> and SEQ_LEN - 1 bytes): transformers attends over whole
+# rows, we over documents, so only such rows give both the same attention.
+SEQ_LEN = 24
+NEXT_MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
+# What transformers' qwen3_next runs without flash-linear-attention and causal-conv1d (or inside pure_torch_paths).
+TORCH_PATHS = {
+    "linear_attention_implementation": f"{NEXT_MODULE}.torch_chunk_gated_delta_rule",
+    "causal_conv_implementation": f"{NEXT_MODULE}.causal_conv1d_fn",
+    "gated_norm_implementation": f"{NEXT_MODULE}.Qwen3NextRMSNormGated",
+}
+# The module FLA's chunked gated delta rule is defined in (fla-core 0.6.0).
+FLA_CHUNK_MODULE = "fla.ops.gated_delta_rule.chunk"
+NEXT_LIKE = dict(
+    vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    partial_rotary_factor=0.5, norm_one_plus=True,
+    layers=[{"attention": "linear"}, {"attention": "full"}, {"attention": "linear", "mlp": "dense"}],
+    intermediate_size=40,
+    linear_attention=dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=12),
+    moe=dict(num_experts=4, top_k=2, expert_intermediate_size=16, shared_expert_intermediate_size=16),
+)  # fmt: skip
+MOE_LIKE = dict(
+    vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    attention_output_gate=False, layers=[{"attention": "full"}, {"attention": "full"}],
+    moe=dict(num_experts=4, top_k=2, expert_intermediate_size=16),
+)  # fmt: skip
+
+
+def as_fla(function):
+    """`function` named as FLA's chunked gated delta rule is (its module and qualified name)."""
+    function.__module__, function.__qualname__ = FLA_CHUNK_MODULE, "chunk_gated_delta_rule"
+    return function
+
+
+def one_document_rows(path, count=12):
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"text": "".join(rng.choice("abcdefgh .") for _ in range(SEQ_LEN - 1))}) + "\n"
+                            for _ in range(count)))  # fmt: skip
+    return path
+
+
+def job_of(model: dict, tmp_path, precision: str = "fp32"):
+    return validate_profile({
+        "name": "from-profile",
+        "model": model,
+        "data": {"path": str(one_document_rows(tmp_path / "rows.jsonl")), "tokenizer": "byte", "seq_len": SEQ_LEN},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "experts": True},
+        "train": {"steps": 4, "micro_batch_size": 2, "lr": 1e-3, "precision": precision},
+        "output": {"dir": str(tmp_path / "out")},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("model", [NEXT_LIKE, MOE_LIKE], ids=["qwen3_next", "qwen3_moe"])
+def test_baseline_starts_from_our_initial_weights(tmp_path, monkeypatch, model):
+    """From random init (no checkpoint) the baseline loads our initial weights: the first step's loss is ours in
+    fp32 (the adapters start as a no-op), and the row says where its weights came from and what it ran."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    from moe_tune.engine.bench.steps import profile_steps
+
+    lines = []
+    result = profile_steps(job_of(model, tmp_path), steps=1, warmup=1, against="transformers", on_line=lines.append)
+    other = result["against"]
+    assert other["first_step_loss"] == pytest.approx(result["first_step_loss"], rel=1e-5, abs=0)
+    assert other["initial_weights"] == "ours (our initial weights written as a transformers checkpoint)"
+    assert any(line.startswith("writing our initial weights as a transformers checkpoint") for line in lines)
+    # On a CPU the baseline runs transformers' PyTorch paths (pure_torch_paths), and its row says so.
+    expected = TORCH_PATHS if model is NEXT_LIKE else dict.fromkeys(TORCH_PATHS)
+    assert {field: other[field] for field in TORCH_PATHS} == expected
+    # The temporary checkpoint is gone once the baseline ran.
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("moe-tune-against-")]
+
+
+def test_row_names_an_fla_function_bound_in_the_modeling_module(tmp_path, monkeypatch):
+    """A function of an `fla.` module bound where the modeling file calls its chunked delta rule (as transformers
+    binds FLA's when it is importable) is what the row names, and what the layers call."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as modeling
+
+    from moe_tune.engine.align.reference import pure_torch_paths
+    from moe_tune.engine.bench.against import build_transformers_model
+
+    calls = []
+    # Patched inside pure_torch_paths and undone before it restores transformers' wrapper.
+    with pure_torch_paths(), monkeypatch.context() as patch:
+        torch_chunk = modeling.torch_chunk_gated_delta_rule
+
+        def chunk_gated_delta_rule(*args, **kwargs):
+            calls.append(1)
+            return torch_chunk(*args, **kwargs)
+
+        patch.setattr(modeling, "torch_chunk_gated_delta_rule", as_fla(chunk_gated_delta_rule))
+        model, _ = build_transformers_model(job_of(NEXT_LIKE, tmp_path), torch.device("cpu"))
+        paths = kernel_paths(model)
+        model(input_ids=torch.randint(0, 300, (1, 8)), use_cache=False)
+    assert paths == dict(TORCH_PATHS, linear_attention_implementation=f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule")
+    assert len(calls) == 2  # both linear-attention layers
+
+
+class OlderGatedDeltaNet(nn.Module):
+    """A linear-attention layer as older transformers wrote qwen3_next's: the kernels chosen at build and kept as
+    attributes (None where the package is missing), its forward calling them through self."""
+
+    def __init__(self, chunk):
+        super().__init__()
+        self.chunk_gated_delta_rule = chunk
+        self.causal_conv1d_fn = None
+        self.norm = nn.RMSNorm(4)
+
+    def forward(self, x):
+        if self.causal_conv1d_fn is None:
+            x = torch.nn.functional.silu(x)
+        return self.norm(self.chunk_gated_delta_rule(x))
+
+
+def test_row_reads_the_kernels_a_layer_holds():
+    def chunk_gated_delta_rule(x):
+        return x
+
+    paths = kernel_paths(nn.Sequential(OlderGatedDeltaNet(as_fla(chunk_gated_delta_rule))))
+    assert paths == {
+        "linear_attention_implementation": f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule",
+        "causal_conv_implementation": f"{__name__}.OlderGatedDeltaNet.forward (its PyTorch path: causal_conv1d_fn is "
+                                      "None)",
+        "gated_norm_implementation": "torch.nn.modules.normalization.RMSNorm",
+    }  # fmt: skip
+    assert kernel_paths(nn.Sequential(nn.Linear(2, 2))) == dict.fromkeys(TORCH_PATHS)
+
+
+def test_weights_the_disk_cannot_hold_leave_the_baseline_its_own_init(tmp_path, monkeypatch):
+    import shutil
+
+    job = job_of(NEXT_LIKE, tmp_path)
+    initial = InitialWeights(job)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    initial.write(nn.Linear(2, 2))
+    assert initial.folder is None
+    assert initial_weights_text(job, initial).startswith(
+        f"its own random init (our initial weights (0.0 GB) do not fit the 0.0 GB free in ")
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(tmp_path):
+    """Every weight of the baseline comes from the checkpoint: one it lacks is an error, not a random draw."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from moe_tune.engine.bench.against import _loaded, transformers_config
+
+    job = job_of(MOE_LIKE, tmp_path)
+    model_type, config = transformers_config(job.model)
+    built = transformers.AutoConfig.for_model(model_type, **config)
+    folder = tmp_path / "checkpoint"
+    transformers.AutoModelForCausalLM.from_config(built).save_pretrained(folder)
+    _loaded(transformers.Qwen3MoeForCausalLM, folder, built, torch.float32, "the test's weights")
+    shard = folder / "model.safetensors"
+    state = load_file(str(shard))
+    del state["model.layers.1.self_attn.o_proj.weight"]
+    save_file(state, str(shard), metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"the test's weights does not load into Qwen3MoeForCausalLM: missing_keys "
+                                           r"\['model.layers.1.self_attn.o_proj.weight'\]"):
+        _loaded(transformers.Qwen3MoeForCausalLM, folder, built, torch.float32, "the test's weights")
+
+
+def test_cli_line_names_the_weights_and_the_kernels():
+    from moe_tune.cli.profile_steps import baseline_runs_line
+
+    row = dict(TORCH_PATHS, baseline="transformers", initial_weights="ours (our initial weights written as a "
+               "transformers checkpoint)")  # fmt: skip
+    assert baseline_runs_line(row) == (
+        "  weights: ours (our initial weights written as a transformers checkpoint); linear attention "
+        f"{NEXT_MODULE}.torch_chunk_gated_delta_rule; short conv {NEXT_MODULE}.causal_conv1d_fn; gated norm "
+        f"{NEXT_MODULE}.Qwen3NextRMSNormGated")  # fmt: skip
+    assert baseline_runs_line(dict(row, **dict.fromkeys(TORCH_PATHS))) == (
+        "  weights: ours (our initial weights written as a transformers checkpoint)")
+    assert baseline_runs_line({"baseline": "bf16-base"}) is None
