@@ -84,6 +84,25 @@ def test_baseline_starts_from_our_initial_weights(tmp_path, monkeypatch, model):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("moe-tune-against-")]
 
 
+def test_fp8_base_hands_its_weights_over_dequantized(monkeypatch):
+    """An FP8 base reaches the baseline as its weights dequantized (what our FP8 GEMMs compute with on the CPU)."""
+    from test_real_size_profiles import SHRUNK
+
+    from moe_tune.engine.bench.steps import profile_steps
+    from moe_tune.profiles import load_profile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    name = "bench-qwen3-next-80b-a3b"
+    job = load_profile(name, [*SHRUNK[name], "train.precision=fp32", "data.corpus_documents=8",
+                              "train.micro_batch_size=1", "output.dir=/nonexistent/fp8-base"])  # fmt: skip
+    assert job.model.base_precision == "fp8"
+    result = profile_steps(job, steps=1, warmup=1, against="transformers")
+    other = result["against"]
+    assert other["first_step_loss"] == pytest.approx(result["first_step_loss"], rel=1e-5, abs=0)
+    assert other["initial_weights"] == ("ours (our initial weights written as a transformers checkpoint, the FP8 base "
+                                        "dequantized)")  # fmt: skip
+
+
 def test_row_names_an_fla_function_bound_in_the_modeling_module(tmp_path, monkeypatch):
     """A function of an `fla.` module bound where the modeling file calls its chunked delta rule (as transformers
     binds FLA's when it is importable) is what the row names, and what the layers call."""
