@@ -380,19 +380,35 @@ class LayerRanks(NamedTuple):
 
 
 def _layer_activation_elems(
-    cfg: ModelProfile, spec: LayerSpec, num_tokens: int, lora_ranks: LayerRanks, is_chunked: bool = False
-) -> tuple[int, int]:
+    cfg: ModelProfile, spec: LayerSpec, num_tokens: int, lora_ranks: LayerRanks, is_chunked: bool = False,
+    mixer_chunk: int | None = None,
+) -> tuple[int, int]:  # fmt: skip
     """(elements in the training dtype, fp32/int32 elements) that backward keeps for one layer over T tokens.
 
     is_chunked: the per-token part runs in sequence chunks (memory.sequence_chunk_tokens): the layer keeps its
     chunks' input rows instead of the post-attention norm's output and the channel mixer's tensors, which
     _chunk_activation_elems counts for the one chunk backward recomputes at a time.
+    mixer_chunk: the token mixer runs in sequence chunks of this many tokens too (engine/model/mixer_chunks.py): it
+    keeps what _chunked_mixer_elems counts instead of its tensors over T.
     """
     t, d = num_tokens, cfg.hidden_size
-    # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves); chunked, the
-    # second norm's input is the chunks' input rows and its output is recomputed.
+    # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves, and a chunked
+    # mixer's slab inputs); chunked, the second norm's input is the chunks' input rows and its output is recomputed.
     low = (3 if is_chunked else 4) * t * d
-    wide = 0
+    mixer_low, mixer_wide = (
+        _token_mixer_elems(cfg, spec, t, lora_ranks) if mixer_chunk is None
+        else _chunked_mixer_elems(cfg, spec, t, mixer_chunk)
+    )  # fmt: skip
+    low, wide = low + mixer_low, mixer_wide
+    if not is_chunked:
+        mixer_low, mixer_wide = _channel_mixer_elems(cfg, spec, t, lora_ranks)
+        low, wide = low + mixer_low, wide + mixer_wide
+    return low, wide
+
+
+def _token_mixer_elems(cfg: ModelProfile, spec: LayerSpec, t: int, lora_ranks: LayerRanks) -> tuple[int, int]:
+    """(training-dtype elements, fp32 elements) the token mixer saves over t tokens, run whole."""
+    low = wide = 0
     if spec.attention == "linear":
         la = cfg.linear_attention
         assert la is not None, "the schema requires model.linear_attention for linear layers"
@@ -439,9 +455,66 @@ def _layer_activation_elems(
             wide += t * (sa.topk // sa.block_size)
     # Linear adapters of the token mixer: x A for each adapted linear.
     low += t * lora_ranks.token_mixer
-    if not is_chunked:
-        mixer_low, mixer_wide = _channel_mixer_elems(cfg, spec, t, lora_ranks)
-        low, wide = low + mixer_low, wide + mixer_wide
+    return low, wide
+
+
+def _linear_state_dims(cfg: ModelProfile, spec: LayerSpec) -> tuple[int, int, int]:
+    """(H, K, V) of a linear / kda layer's recurrent state."""
+    if spec.attention == "linear":
+        la = cfg.linear_attention
+        assert la is not None, "the schema requires model.linear_attention for linear layers"
+        return la.num_value_heads, la.key_head_dim, la.value_head_dim
+    kda = cfg.kda_attention
+    assert kda is not None, "the schema requires model.kda_attention for kda layers"
+    return kda.num_heads, kda.head_dim, kda.head_dim
+
+
+def _chunked_mixer_elems(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int) -> tuple[int, int]:
+    """(training-dtype elements, fp32 elements) a token mixer run in sequence chunks of `chunk` tokens keeps over t
+    tokens besides its input rows (counted with the norms): linear / kda the state [H, K, V] fp32 carried into every
+    slab; full / sparse / qsa the row's keys and values (t x G x 2 hd), sparse and qsa their indexer's (block) keys
+    (t x DI); mla the row's normed kv latent and rope key (t x (Rkv + Dr)), mla_sparse its indexer's keys too. Nothing
+    else grows with t: the rest is recomputed a chunk at a time (_mixer_chunk_elems)."""
+    if spec.attention in ("linear", "kda"):
+        h, k, v = _linear_state_dims(cfg, spec)
+        return 0, -(-t // chunk) * h * k * v
+    sa = cfg.sparse_attention
+    index_keys = t * sa.index_head_dim if sa is not None and spec.attention != "full" else 0
+    if spec.attention in ("mla", "mla_sparse"):
+        mla = cfg.mla
+        assert mla is not None, "the schema requires model.mla for mla layers"
+        return t * (mla.kv_lora_rank + mla.qk_rope_head_dim) + index_keys, 0
+    return t * cfg.num_key_value_heads * 2 * cfg.head_dim + index_keys, 0
+
+
+def _mixer_chunk_elems(
+    cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int, lora_ranks: LayerRanks
+) -> tuple[int, int]:  # fmt: skip
+    """What backward holds while it recomputes one chunk of a chunked token mixer: its tensors over `chunk` tokens,
+    and for the kinds that work on the chunk's whole span (up to t keys: a document over the row) what they make
+    over it. The top-k ops take queries and keys of one length, so sparse, qsa and mla_sparse pad the chunk's queries
+    to the span (attention_context.KeySpan): queries, gate and output [t, H, hd], the indexer's queries [t, HI, DI],
+    the log-sum-exp [t, H] and the indices [t, (G + 1) S]; mla expands its latent over the span (kv_b output and
+    the keys [t, H, Dn + V + Dn + Dr])."""
+    low, wide = _token_mixer_elems(cfg, spec, chunk, lora_ranks)
+    if spec.attention in ("linear", "kda", "full"):
+        return low, wide
+    h = cfg.num_attention_heads
+    sa = cfg.sparse_attention
+    if spec.attention in ("mla", "mla_sparse"):
+        mla = cfg.mla
+        assert mla is not None, "the schema requires model.mla for mla layers"
+        qk_dim, v_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+        low += t * h * (mla.qk_nope_head_dim + v_dim + qk_dim)
+        if spec.attention == "mla_sparse":
+            assert sa is not None, "the schema requires model.sparse_attention for mla_sparse layers"
+            low += t * (h * qk_dim + h * v_dim + sa.index_heads * sa.index_head_dim)
+            wide += t * (h + 2 * (sa.topk // sa.block_size))
+        return low, wide
+    assert sa is not None, "the schema requires model.sparse_attention for sparse and qsa layers"
+    slots = sa.topk // sa.block_size + (1 if spec.attention == "qsa" else 0)
+    low += t * (3 * h * cfg.head_dim + sa.index_heads * sa.index_head_dim)
+    wide += t * (h + (cfg.num_key_value_heads + 1) * slots)
     return low, wide
 
 
@@ -527,12 +600,21 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     added = lora_parameters(model_parameters(cfg) if base is None else base, job.lora)
     ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
     chunk = sequence_chunk(job)
+    # The token mixers run in chunks too, except on a share of a row held by a context group (they exchange whole
+    # shares: engine/model/mixer_chunks.py).
+    mixer_chunk = chunk if job.parallel.context_parallel == 1 else None
     per_layer, per_chunk = [], [0]
     for spec, lora_ranks in zip(cfg.layers, ranks):
-        low, wide = _layer_activation_elems(cfg, spec, t, lora_ranks, is_chunked=chunk is not None)
+        low, wide = _layer_activation_elems(
+            cfg, spec, t, lora_ranks, is_chunked=chunk is not None, mixer_chunk=mixer_chunk
+        )
         per_layer.append(low * b + wide * FP32_BYTES)
         if chunk is not None:
             low, wide = _chunk_activation_elems(cfg, spec, chunk, lora_ranks)
+            per_chunk.append(low * b + wide * FP32_BYTES)
+        if mixer_chunk is not None:
+            # Backward recomputes a mixer chunk or a per-token chunk at a time, never both.
+            low, wide = _mixer_chunk_elems(cfg, spec, t, mixer_chunk, lora_ranks)
             per_chunk.append(low * b + wide * FP32_BYTES)
     if job.memory.activation_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time.
@@ -553,7 +635,8 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     transient = 0
     la = cfg.linear_attention
     if la is not None and any(spec.attention == "linear" for spec in cfg.layers):
-        num_chunks = -(-t // LINEAR_ATTENTION_CHUNK)
+        # In sequence chunks the op runs one slab at a time.
+        num_chunks = -(-min(t, mixer_chunk or t) // LINEAR_ATTENTION_CHUNK)
         transient = 2 * num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim * b
     c = job.parallel.context_parallel
     kept = [context_exchange(cfg, spec, row_tokens(job), c, b).kept for spec in cfg.layers]

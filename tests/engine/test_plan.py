@@ -439,3 +439,34 @@ def test_plan_command_shows_the_context_groups_and_their_traffic():
     assert "context/step" in result.output and "252 GB" in result.output
     # Without context parallelism the table has no such column.
     assert "context/step" not in CliRunner().invoke(app, ["plan", "tiny", "--devices", "2"]).output
+
+
+def _chunked_job(layers: str, seq_len: int, chunk: int, *overrides: str):
+    return load_profile("tiny", [f"model.layers={layers}", f"data.seq_len={seq_len}",
+                                 f"memory.sequence_chunk_tokens={chunk}", *overrides])  # fmt: skip
+
+
+def test_chunked_token_mixers_grow_only_by_what_they_keep_a_token():
+    # In sequence chunks a linear, kda or full layer keeps its input rows (the two norms' inputs and the first's
+    # output, 3 D), a [H, K, V] fp32 state a slab (linear Hv 4, K = V 16; kda 2 heads of 16) or the row's keys and
+    # values (G 2, hd 16); what backward recomputes a chunk at a time does not grow with the row.
+    layers = "[{attention: linear, mlp: moe}, {attention: kda, mlp: moe}, {attention: full, mlp: moe}]"
+    kda = "model.kda_attention={num_heads: 2, head_dim: 16}"
+    chunk = 128
+    short, long = (activation_bytes(_chunked_job(layers, seq_len, chunk, kda)) for seq_len in (256, 512))
+    more_tokens = 4 * 256  # micro_batch_size 4
+    per_token = 3 * 3 * 64 + 2 * 2 * 16
+    more_slabs = more_tokens // chunk
+    assert long.layers - short.layers == 4 * (more_tokens * per_token + more_slabs * (4 + 2) * 16 * 16)
+    assert long.transient == short.transient
+
+
+def test_bench_hybrid_million_token_step_plans_within_one_h200():
+    # bench-hybrid-1m at 1048576 tokens with its token mixers in chunks of 32768: with whole-layer checkpointing one
+    # H200 holds the step (the issue's target: under 130 GB); unchunked token mixers alone would not fit.
+    overrides = ["data.seq_len=1048576", "memory.preset=none", "memory.activation_checkpointing=true"]
+    plan = plan_layouts(load_profile("bench-hybrid-1m", overrides), 1, 141 * GB)
+    assert plan.layouts[0].fits and plan.layouts[0].total < 130 * GB
+    # A linear layer's tensors over the row, unchunked, exceed the whole chunked step's activations.
+    whole = activation_bytes(load_profile("bench-hybrid-1m", [*overrides, "memory.sequence_chunk_tokens=1048576"]))
+    assert whole.layers > plan.activations.total

@@ -286,6 +286,29 @@ def test_sequence_chunk_tokens_goes_with_every_policy(memory):
 TINY_PER_TOKEN = 4 * (64 + 2 * 2 * 64 + 3 * 2 * 32 + 3 * 64 + 1 + 2 * 2 * 16 + 3 * 16) + 4 * (8 + 2)
 
 
+
+
+def tiny_token_mixers(tokens: int, chunk: int) -> tuple[int, int, int]:
+    """profiles/tiny.yaml's token mixers (3 linear, 1 sparse; fp32) in the plan: (bytes the four keep over the row
+    run whole, bytes they keep in sequence chunks, bytes backward holds recomputing the sparse layer's largest chunk).
+
+    Linear (Hk 2, Hv 4, K = V 16, conv channels 128): conv input and output 2 x 128, q and k at the value heads
+    2 x 64, z, o and the norm's output 3 x 64, the kernel's intermediates 4 x (3 x 16 + 16 + 2 x 64) and a [4, 16, 16]
+    state every 64 tokens, adapters on q, k, v, z, o 5 x 16; fp32 beta and the decay twice then once more (4 x 4).
+    Chunked: one [4, 16, 16] fp32 state a slab. Sparse (H 4, G 2, hd 16): q with gate, k, v 2 x 64 + 2 x 32, normed
+    and rotated q, k 96, attention and gated output 2 x 64, adapters on q, k, v, o 4 x 16; fp32 lse 4 and 32 indices.
+    Chunked: the row's k and v (2 x 2 x 16) and indexer keys (16); recomputing a chunk, its own tensors over the chunk
+    plus the queries padded to the span (a document over the row): q, gate, output 3 x 64 and indexer queries 2 x 16,
+    lse 4 and (2 + 1) x 32 indices."""
+    states = -(-tokens // 64)
+    linear_whole = 4 * (1424 * tokens + 1024 * states + 16 * tokens)
+    sparse_whole = 4 * (480 * tokens + 36 * tokens)
+    linear_kept = 4 * 1024 * -(-tokens // chunk)
+    sparse_kept = 4 * 80 * tokens
+    sparse_chunk = 4 * (480 * chunk + 36 * chunk + 224 * tokens + 100 * tokens)
+    return 3 * linear_whole + sparse_whole, 3 * linear_kept + sparse_kept, sparse_chunk
+
+
 @pytest.mark.parametrize("seq_len, chunk", [(512, 100), (1024, 64), (1000, 999)])
 def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
     from moe_tune.engine.parallel.plan import activation_bytes
@@ -294,9 +317,14 @@ def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
     chunked = activation_bytes(load_profile("tiny", [f"data.seq_len={seq_len}",
                                                      f"memory.sequence_chunk_tokens={chunk}"]))  # fmt: skip
     tokens = 4 * seq_len  # micro_batch_size 4: one packed row
-    # Four layers drop their per-token intermediates over the row; backward holds one chunk's.
-    assert whole.layers - chunked.layers == (4 * tokens - chunk) * TINY_PER_TOKEN
-    assert (chunked.head, chunked.transient) == (whole.head, whole.transient)
+    mixers_whole, mixers_kept, largest_chunk = tiny_token_mixers(tokens, chunk)
+    # Four layers drop their per-token intermediates and their token mixers' over the row; backward holds one
+    # chunk's (the sparse layer's, whose padded queries outweigh a per-token chunk).
+    assert largest_chunk > chunk * TINY_PER_TOKEN
+    assert whole.layers - chunked.layers == 4 * tokens * TINY_PER_TOKEN + mixers_whole - mixers_kept - largest_chunk
+    assert chunked.head == whole.head
+    # The linear-attention backward's state gradients: one slab's chunks of 64 tokens at a time.
+    assert chunked.transient == 2 * -(-chunk // 64) * 4 * 16 * 16 * 4
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
