@@ -32,7 +32,7 @@ from .kv_cache import (
 )
 from .mixer_chunks import (
     Slab, attention_in_chunks, initial_states, linear_attention_in_slabs, row_in_pieces, runs_in_chunks,
-    selection_is_watched,
+    runs_share_recomputed, selection_is_watched, share_recomputed,
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
@@ -101,6 +101,12 @@ class GatedAttention(nn.Module):
                 x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_keys(x_row, batch), self._chunk,
                 self.row_index_keys(x, batch), window=self.sliding_window,
             )  # fmt: skip
+        if runs_share_recomputed(self, x, batch):
+            return share_recomputed(self.forward_whole, x, batch)
+        return self.forward_whole(x, batch)
+
+    def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """forward() on the row (or a context-parallel rank's share) in one piece."""
         q, k, v, gate = self.project(x, batch)
         return self.o_proj(self.attend(x, q, k, v, gate, batch).reshape(1, x.shape[1], -1))
 
@@ -429,6 +435,12 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         if runs_in_chunks(self, x, batch):
             return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
+        if runs_share_recomputed(self, x, batch):
+            return share_recomputed(self.forward_whole, x, batch)
+        return self.forward_whole(x, batch)
+
+    def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """forward() on the row (or a context-parallel rank's share) in one piece."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         # Under context parallelism the conv and the state continue from the previous rank's tokens (linear_context).
         q, k, v = self._heads(self.conv(qkv, batch.positions, batch.context))

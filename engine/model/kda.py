@@ -21,7 +21,9 @@ from moe_tune.profiles.schema import ModelProfile
 
 from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 from .linear_context import delta_rule
-from .mixer_chunks import initial_states, linear_attention_in_slabs, runs_in_chunks
+from .mixer_chunks import (
+    initial_states, linear_attention_in_slabs, runs_in_chunks, runs_share_recomputed, share_recomputed,
+)
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -78,6 +80,12 @@ class KimiDeltaAttention(nn.Module):
         chunks from the previous slab's: engine/model/mixer_chunks)."""
         if runs_in_chunks(self, x, batch):
             return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
+        if runs_share_recomputed(self, x, batch):
+            return share_recomputed(self.forward_whole, x, batch)
+        return self.forward_whole(x, batch)
+
+    def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """forward() on the row (or a context-parallel rank's share) in one piece."""
         q, k, v = self._heads(self.conv(self._qkv(x), batch.positions, batch.context))
         a, beta = self._gates(x)
         # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'

@@ -16,9 +16,10 @@ attention_context.py) inside one process, the slabs run in order:
   indexer keys, made once for the row without gradient. No [T, T] or [T, T / block] tensor exists beyond a chunk's
   span.
 
-Under context parallelism a rank's share runs whole (the token mixers' exchanges between ranks are made over whole
-shares). A layer whose selection is pinned or logged (align's PinnableSelection) runs whole too: its selection is
-the row's.
+Under context parallelism a rank's share longer than the chunk is the token mixer's one chunk (the exchanges between
+ranks are made over whole shares): it runs whole under one activation checkpoint, recomputed in backward with its
+collectives on every rank. A layer whose selection is pinned or logged (align's PinnableSelection) runs whole: its
+selection is the row's.
 
 Shapes: T tokens of the row [1, T], C tokens of a slab, D model dim, M a chunk's span.
 """
@@ -62,6 +63,19 @@ def runs_in_chunks(layer, x: torch.Tensor, batch: PackedBatch) -> bool:
     """Whether `layer` (a token mixer with a `sequence_chunk_tokens` attribute) runs x [1, T, D] in slabs."""
     chunk = layer.sequence_chunk_tokens
     return chunk is not None and x.shape[1] > chunk and not is_context_parallel(batch)
+
+
+def runs_share_recomputed(layer, x: torch.Tensor, batch: PackedBatch) -> bool:
+    """Whether `layer` runs a context-parallel rank's share x [1, T_local, D], longer than its sequence chunk, as one
+    chunk: whole, under activation checkpoint (share_recomputed)."""
+    chunk = layer.sequence_chunk_tokens
+    return chunk is not None and x.shape[1] > chunk and is_context_parallel(batch)
+
+
+def share_recomputed(forward_whole: Callable, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """forward_whole(x, batch) under activation checkpoint that runs to its end on every rank of the context group
+    (its recomputation reruns the gathers, which every rank must join)."""
+    return recomputed(forward_whole, x, batch, is_collective=True)
 
 
 def selection_is_watched(*selectors) -> bool:

@@ -35,7 +35,9 @@ from .kv_cache import (
     QUERY_CHUNK, GrowingCache, causal_keys, masked_softmax, mean_pooled_blocks, one_document_batch,
     select_cached_blocks, selected_keys,
 )
-from .mixer_chunks import attention_in_chunks, runs_in_chunks, selection_is_watched
+from .mixer_chunks import (
+    attention_in_chunks, runs_in_chunks, runs_share_recomputed, selection_is_watched, share_recomputed,
+)
 from .selection import PinnableSelection
 from .varlen import packed_causal_attention
 
@@ -173,12 +175,19 @@ class MultiHeadLatentAttention(nn.Module):
         return packed_causal_attention(q, k, v, batch.document_buckets, scale=self.scale)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
         if runs_in_chunks(self, x, batch) and not selection_is_watched(*self.selectors()):
+            cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
             return attention_in_chunks(
                 x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_latent(x_row, cos_sin), self._chunk,
                 self.row_index_keys(x, cos_sin),
             )  # fmt: skip
+        if runs_share_recomputed(self, x, batch):
+            return share_recomputed(self.forward_whole, x, batch)
+        return self.forward_whole(x, batch)
+
+    def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """forward() on the row (or a context-parallel rank's share) in one piece."""
+        cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
         if is_context_parallel(batch):
             o = latent_attention_across_ranks(self, x, cos_sin, batch)
         else:

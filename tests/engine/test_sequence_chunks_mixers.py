@@ -224,3 +224,50 @@ def test_4096_token_hybrid_row_equals_whole_row():
     assert got.keys() == expected.keys() and len(expected) > 10
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, **TOLERANCE, msg=name)
+
+
+# ---- context parallelism: a rank's share longer than the chunk runs as one recomputed chunk ----
+
+CP_LAYOUT = "mixed"
+
+
+def _chunked_share(rank: int, size: int, name: str):
+    import pickle
+
+    from moe_tune.engine.parallel.context import ContextShard
+
+    mixer = build_mixer(name)
+    mixer.sequence_chunk_tokens = CHUNK
+    cu = torch.tensor(LAYOUTS[CP_LAYOUT], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(len(CP_LAYOUT))
+    width = mixer.o_proj.out_features
+    x = torch.randn(1, ROW_TOKENS, width, generator=gen)
+    weights = torch.randn(1, ROW_TOKENS, width, generator=gen) * LOSS_SCALE
+    shard = ContextShard.of_row(cu, torch.distributed.group.WORLD, rank, size)
+    batch = PackedBatch(shard.local_cu_seqlens(), shard.local(document_positions(cu, ROW_TOKENS)),
+                        shard.local(document_ids(cu, ROW_TOKENS)), context=shard)  # fmt: skip
+    x_local = shard.local(x, 1).clone().requires_grad_()
+    recomputations = []
+    original = mixer.forward_whole
+    mixer.forward_whole = lambda *args: recomputations.append(1) or original(*args)
+    out = mixer(x_local, batch)
+    (out * shard.local(weights, 1)).sum().backward()
+    grads = {n: p.grad for n, p in mixer.named_parameters() if p.grad is not None}
+    return pickle.dumps((out.detach(), x_local.grad, grads, len(recomputations)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["linear-scalar", "kda", "sparse-block", "mla-sparse-token"])
+def test_context_parallel_shares_run_as_one_recomputed_chunk(name):
+    import pickle
+
+    from context_ranks import run_ranks
+
+    ranks = [pickle.loads(r) for r in run_ranks(_chunked_share, 2, name)]
+    out, x_grad, grads, _ = run(build_mixer(name), CP_LAYOUT, None)
+    torch.testing.assert_close(torch.cat([r[0] for r in ranks], 1), out, **TOLERANCE)
+    torch.testing.assert_close(torch.cat([r[1] for r in ranks], 1), x_grad, **TOLERANCE)
+    for param, grad in grads.items():
+        torch.testing.assert_close(sum(r[2][param] for r in ranks), grad, **TOLERANCE, msg=param)
+    # Each rank's share (48 tokens, chunks of 24) ran whole, and again when backward recomputed it.
+    assert [r[3] for r in ranks] == [2, 2]
