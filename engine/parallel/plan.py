@@ -362,10 +362,13 @@ def context_exchange(cfg: ModelProfile, spec: LayerSpec, row_tokens: int, c: int
     return ContextExchange(keys_values + index_keys, keys_values, index_keys + raw_keys)
 
 
-def context_traffic(exchange: ContextExchange, c: int, is_recomputed: bool) -> float:
+def context_traffic(
+    exchange: ContextExchange, c: int, is_recomputed: bool, is_mixer_recomputed: bool = False
+) -> float:  # fmt: skip
     """Bytes one device receives for one layer's gathers per micro-batch: (c - 1) / c of every gathered tensor, in
-    forward (twice when backward recomputes the layer) and, for those with a gradient, in backward."""
-    forward_passes = 2 if is_recomputed else 1
+    forward (once more when backward recomputes the layer, and once more when it recomputes the token mixer's share
+    on its own: sequence chunks) and, for those with a gradient, in backward."""
+    forward_passes = 1 + int(is_recomputed) + int(is_mixer_recomputed)
     moved = forward_passes * (exchange.with_gradient + exchange.without_gradient) + exchange.with_gradient
     return moved * (c - 1) / c
 
@@ -381,7 +384,7 @@ class LayerRanks(NamedTuple):
 
 def _layer_activation_elems(
     cfg: ModelProfile, spec: LayerSpec, num_tokens: int, lora_ranks: LayerRanks, is_chunked: bool = False,
-    mixer_chunk: int | None = None,
+    mixer_chunk: int | None = None, is_mixer_recomputed: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
     """(elements in the training dtype, fp32/int32 elements) that backward keeps for one layer over T tokens.
 
@@ -390,15 +393,19 @@ def _layer_activation_elems(
     _chunk_activation_elems counts for the one chunk backward recomputes at a time.
     mixer_chunk: the token mixer runs in sequence chunks of this many tokens too (engine/model/mixer_chunks.py): it
     keeps what _chunked_mixer_elems counts instead of its tensors over T.
+    is_mixer_recomputed: the token mixer runs whole under activation checkpoint (a context-parallel share longer than
+    the sequence chunk): it keeps nothing but its input rows.
     """
     t, d = num_tokens, cfg.hidden_size
     # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves, and a chunked
     # mixer's slab inputs); chunked, the second norm's input is the chunks' input rows and its output is recomputed.
     low = (3 if is_chunked else 4) * t * d
-    mixer_low, mixer_wide = (
-        _token_mixer_elems(cfg, spec, t, lora_ranks) if mixer_chunk is None
-        else _chunked_mixer_elems(cfg, spec, t, mixer_chunk)
-    )  # fmt: skip
+    if mixer_chunk is not None:
+        mixer_low, mixer_wide = _chunked_mixer_elems(cfg, spec, t, mixer_chunk)
+    elif is_mixer_recomputed:
+        mixer_low = mixer_wide = 0
+    else:
+        mixer_low, mixer_wide = _token_mixer_elems(cfg, spec, t, lora_ranks)
     low, wide = low + mixer_low, mixer_wide
     if not is_chunked:
         mixer_low, mixer_wide = _channel_mixer_elems(cfg, spec, t, lora_ranks)
@@ -600,15 +607,21 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     added = lora_parameters(model_parameters(cfg) if base is None else base, job.lora)
     ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
     chunk = sequence_chunk(job)
-    # The token mixers run in chunks too, except on a share of a row held by a context group (they exchange whole
-    # shares: engine/model/mixer_chunks.py).
-    mixer_chunk = chunk if job.parallel.context_parallel == 1 else None
+    c = job.parallel.context_parallel
+    # The token mixers run in chunks too; a share of a row held by a context group is their one chunk, recomputed
+    # whole (they exchange whole shares: engine/model/mixer_chunks.py).
+    mixer_chunk = chunk if c == 1 else None
+    is_share_recomputed = chunk is not None and c > 1
     per_layer, per_chunk = [], [0]
     for spec, lora_ranks in zip(cfg.layers, ranks):
         low, wide = _layer_activation_elems(
-            cfg, spec, t, lora_ranks, is_chunked=chunk is not None, mixer_chunk=mixer_chunk
-        )
+            cfg, spec, t, lora_ranks, is_chunked=chunk is not None, mixer_chunk=mixer_chunk,
+            is_mixer_recomputed=is_share_recomputed,
+        )  # fmt: skip
         per_layer.append(low * b + wide * FP32_BYTES)
+        if is_share_recomputed:
+            low, wide = _token_mixer_elems(cfg, spec, t, lora_ranks)
+            per_chunk.append(low * b + wide * FP32_BYTES)
         if chunk is not None:
             low, wide = _chunk_activation_elems(cfg, spec, chunk, lora_ranks)
             per_chunk.append(low * b + wide * FP32_BYTES)
@@ -638,10 +651,10 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
         # In sequence chunks the op runs one slab at a time.
         num_chunks = -(-min(t, mixer_chunk or t) // LINEAR_ATTENTION_CHUNK)
         transient = 2 * num_chunks * la.num_value_heads * la.key_head_dim * la.value_head_dim * b
-    c = job.parallel.context_parallel
     kept = [context_exchange(cfg, spec, row_tokens(job), c, b).kept for spec in cfg.layers]
-    # Under activation checkpointing a layer's gathers exist while backward recomputes it, one layer at a time.
-    context = max(kept) if job.memory.activation_checkpointing else sum(kept)
+    # Under activation checkpointing (or with the token mixers' shares recomputed) a layer's gathers exist while
+    # backward recomputes it, one layer at a time.
+    context = max(kept) if job.memory.activation_checkpointing or is_share_recomputed else sum(kept)
     return ActivationBytes(layers=layers, head=head, transient=transient, context=context)
 
 
@@ -753,8 +766,9 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     tokens = device_tokens(job)
     accumulation = job.train.gradient_accumulation_steps
     is_recomputed = job.memory.activation_checkpointing
-    context_bytes = sum(context_traffic(context_exchange(cfg, spec, row_tokens(job), c, wb), c, is_recomputed)
-                        for spec in cfg.layers)  # fmt: skip
+    is_share_recomputed = c > 1 and sequence_chunk(job) is not None
+    context_bytes = sum(context_traffic(context_exchange(cfg, spec, row_tokens(job), c, wb), c, is_recomputed,
+                                        is_share_recomputed) for spec in cfg.layers)  # fmt: skip
     all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER
     if sequence_chunk(job) is not None:
         all_to_alls += ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE
