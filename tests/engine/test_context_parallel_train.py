@@ -89,12 +89,12 @@ def shared(child_env, tmp_path_factory, world, overrides):
     return runs[key]
 
 
-# One context group per run: on gloo several are refused (trainer.check_world).
+# One context group per run: on gloo several are refused (trainer.check_world). CP 4 runs with EP 2 only (its
+# expert groups inside the context group); CP 4 alone adds little to it and to the layer tests' CP 4 cases.
 @pytest.mark.dist
 @pytest.mark.parametrize("world, cp, ep", [
     pytest.param(2, 2, 1, id="cp2"),
     pytest.param(2, 2, 2, id="cp2-ep2"),
-    pytest.param(4, 4, 1, id="cp4"),
     pytest.param(4, 4, 2, id="cp4-ep2"),
 ])
 def test_context_parallel_equals_one_process(child_env, tmp_path_factory, chat_data, world, cp, ep):
