@@ -24,14 +24,14 @@ from typing import Any, Iterator
 import torch
 import yaml
 
+from moe_tune.engine.data.dataset import Batch
+from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.engine.parallel.expert_parallel import (
     ExpertLayout,
     create_expert_layout,
     gather_expert_tensor,
     is_expert_parameter,
 )
-from moe_tune.engine.data.dataset import Batch
-from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.engine.parallel.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
