@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 
 @dataclass(frozen=True)
@@ -64,20 +63,38 @@ class ContextShard:
         return row_tensor.narrow(dim, self.start, self.stop - self.start)
 
 
-def gather_sequence(x: torch.Tensor, shard: ContextShard, dim: int = 1) -> torch.Tensor:
-    """Every rank's part of x (T_local long on `dim`) joined in row order: T long. Backward sums each rank's
-    gradient of the joined tensor and hands every rank its own part."""
-    if shard.size == 1:
-        return x
-    return torch.cat(dist_fn.all_gather(x.contiguous(), group=shard.group), dim=dim)
+class _GatherRanks(torch.autograd.Function):
+    """[size, *x.shape]: x of every rank of `group` in rank order. Backward: each rank's gradient of the stack summed
+    over the group, every rank keeping its own entry (one reduce-scatter; it works in any group, gloo or nccl)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Flat: the collective splits its input along dim 0 into one equal part per rank.
+        mine = torch.empty(grad[0].numel(), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(mine, grad.contiguous().reshape(-1), group=ctx.group)
+        return mine.view(grad.shape[1:]), None, None
 
 
 def gather_ranks(x: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """x from every rank of the group, stacked in rank order: [size, *x.shape] (states, halos, per-rank summaries).
-    Backward as gather_sequence."""
+    Backward sums each rank's gradient of the stack and hands every rank its own entry's."""
     if shard.size == 1:
         return x.unsqueeze(0)
-    return torch.stack(dist_fn.all_gather(x.contiguous(), group=shard.group))
+    return _GatherRanks.apply(x, shard.group, shard.size)
+
+
+def gather_sequence(x: torch.Tensor, shard: ContextShard, dim: int = 1) -> torch.Tensor:
+    """Every rank's part of x (T_local long on `dim`) joined in row order: T long. Backward as gather_ranks."""
+    if shard.size == 1:
+        return x
+    return torch.cat(gather_ranks(x, shard).unbind(0), dim=dim)
 
 
 def previous_rank_tail(x: torch.Tensor, shard: ContextShard, width: int, dim: int = 1) -> torch.Tensor:

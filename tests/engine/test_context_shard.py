@@ -60,3 +60,30 @@ def test_collectives_match_one_process(size):
         torch.testing.assert_close(stacked_r, stacked.detach(), rtol=0, atol=0)
         torch.testing.assert_close(tail, tails[rank].detach(), rtol=0, atol=0)
         torch.testing.assert_close(grad, whole.grad[:, 8 * rank:8 * (rank + 1)], rtol=1e-12, atol=1e-12)
+
+
+def _two_groups(rank, size):
+    # World 4 = 2 context groups of 2 consecutive ranks: {0, 1} and {2, 3}, each sharing its own row.
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    group_index, member = divmod(rank, 2)
+    row = torch.tensor([0, 3, 16], dtype=torch.int32)
+    shard = ContextShard.of_row(row, groups[group_index], member, 2)
+    whole = torch.arange(16 * 2, dtype=torch.float64).reshape(1, 16, 2) * (group_index + 1)
+    x = shard.local(whole, dim=1).clone().requires_grad_()
+    joined = gather_sequence(x, shard)
+    weights = torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(1, 16, 2)
+    (joined * weights).sum().backward()
+    return joined.detach(), x.grad
+
+
+def test_collectives_in_several_groups():
+    """Each context group gathers its own row; the backward stays inside the group (ranks 2, 3 are not ranks 0, 1 of
+    the world)."""
+    results = run_ranks(_two_groups, 4)
+    weights = torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(1, 16, 2)
+    for rank, (joined, grad) in enumerate(results):
+        group_index, member = divmod(rank, 2)
+        whole = torch.arange(32, dtype=torch.float64).reshape(1, 16, 2) * (group_index + 1)
+        torch.testing.assert_close(joined, whole, rtol=0, atol=0)
+        # Both members' losses hold the whole joined tensor: each part's gradient is twice its weights.
+        torch.testing.assert_close(grad, 2 * weights[:, 8 * member:8 * (member + 1)], rtol=0, atol=0)
