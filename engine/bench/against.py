@@ -21,7 +21,8 @@ Differences that stay (docs/bench.md, "--against transformers"):
 
 The baseline starts from our weights: a profile read from a checkpoint loads the same checkpoint; a model built from
 the profile has its initial weights (LoRA injected, before our first step) written as a transformers checkpoint in a
-temporary folder (engine/export's writer, InitialWeights), which the baseline loads, every key checked. The row says
+temporary folder (InitialWeights: the keys `moe-tune export` writes, placed by the family's recipes), which the
+baseline loads, every key checked. The row says
 which (`initial_weights`), and what the linear-attention layers ran (`linear_attention_implementation`,
 `causal_conv_implementation`, `gated_norm_implementation`: read from the built model, `kernel_paths`).
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import json
 import shutil
 import sys
 import tempfile
@@ -86,8 +88,15 @@ KERNEL_NAMES = {
 # The gated output norm of a linear-attention layer (its attribute).
 GATED_NORM = "norm"
 IMPLEMENTATION_FIELDS = (*KERNEL_NAMES, "gated_norm_implementation")
-# Free disk the initial weights' checkpoint leaves, beyond its own size (the writer's shard in flight, the index).
+# Free disk the initial weights' checkpoint leaves, beyond its own size (the safetensors header, what else writes).
 DISK_MARGIN = 1.1
+# The initial weights' checkpoint: one safetensors file, the name transformers' from_pretrained looks for.
+CHECKPOINT_FILE = "model.safetensors"
+# PEFT's names around our base tensors: its model prefix, the parts only it has (adapters, trained copies of
+# modules_to_save) and the wrappers around a base module (engine/export/zero.py reads saved states the same way).
+PEFT_PREFIX = "base_model.model."
+PEFT_ONLY_PARTS = (".lora_A.", ".lora_B.", ".lora_dropout.", ".modules_to_save.")
+PEFT_WRAPPERS = (".base_layer.", ".original_module.")
 
 
 def _common_config(cfg: ModelProfile) -> dict[str, Any]:
@@ -275,6 +284,106 @@ def check_buildable(job: JobProfile) -> str:
     return model_type
 
 
+class _Positions:
+    """A getter for the family's recipes whose tensors hold, for each element, its index among the keys the recipe
+    reads (in `offsets`' order): a recipe run on it says where each element of our tensor goes."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device):
+        self.shapes, self.device = shapes, device
+        self.offsets: dict[str, int] = {}
+        self.total = 0
+
+    def _start(self, key: str) -> int:
+        if key not in self.shapes:
+            raise KeyError(key)
+        if key not in self.offsets:
+            self.offsets[key] = self.total
+            self.total += _numel(self.shapes[key])
+        return self.offsets[key]
+
+    def __call__(self, key: str) -> torch.Tensor:
+        start = self._start(key)
+        end = start + _numel(self.shapes[key])
+        return torch.arange(start, end, dtype=torch.int64, device=self.device).view(self.shapes[key])
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the key's first dim (one expert of a fused tensor)."""
+        shape = self.shapes[key]
+        row = _numel(shape[1:])
+        first = self._start(key) + start * row
+        end = first + (stop - start) * row
+        return torch.arange(first, end, dtype=torch.int64, device=self.device).view(stop - start, *shape[1:])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our base tensors by our single-process names (build_model's state_dict keys) from the model as StepRunner
+    holds it (PEFT-wrapped under LoRA): adapters and trained copies left out (the adapters start as a no-op)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        name = name.removeprefix(PEFT_PREFIX)
+        if any(part in name for part in PEFT_ONLY_PARTS):
+            continue
+        for wrapper in PEFT_WRAPPERS:
+            name = name.replace(wrapper, ".")
+        state[name] = tensor
+    return state
+
+
+@torch.no_grad()
+def checkpoint_tensors(model: torch.nn.Module, cfg: ModelProfile, precision: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, {key: tensor on the host}) of `model`'s base weights in the transformers checkpoint layout of its
+    architecture (engine/families/hub_config: what `moe-tune export` writes), in `precision`; an FP8 base
+    dequantized. Each of our tensors goes where the family's recipe reads it from (recipes are rearrangements: run
+    on element indices they say where each element sits, the engine/export/hub.py inversion, scattered here
+    without sorting). RuntimeError when a key gets no tensor of ours."""
+    from moe_tune.engine.export.fp8 import bf16_base
+    from moe_tune.engine.export.hub import KeyInfo, Layout, plan_export
+    from moe_tune.engine.export.sources import DequantizedSource, DictSource, meta_model
+    from moe_tune.engine.families.base import take
+    from moe_tune.engine.families.hub_config import hub_config_for_profile
+
+    source = DequantizedSource(DictSource(_base_state(model)), cfg, False, 1.0)
+    plain = bf16_base(cfg)
+    family, config, keys = hub_config_for_profile(plain, precision)
+    layout = Layout({key: KeyInfo(tuple(shape), dtype) for key, (shape, dtype) in keys.items()})
+    plan = plan_export(meta_model(plain), plain, family, layout, source.names())
+    shapes = {key: info.shape for key, info in layout.keys.items()}
+    out = {key: torch.zeros(info.shape, dtype=info.dtype) for key, info in layout.keys.items()}
+    written = set()
+    for (name, part), recipe in plan.recipes.items():
+        ours = (source.read(name) if part is None else source.read_expert(name, part)).detach()
+        if isinstance(recipe, take):
+            out[recipe.key].copy_(ours.reshape(shapes[recipe.key]))
+            written.add(recipe.key)
+            continue
+        # The indices are worked out where our tensor is (on the GPU for a model built there).
+        positions = _Positions(shapes, ours.device)
+        ids = recipe(positions).reshape(-1)
+        values = ours.reshape(-1)
+        # Most recipes concatenate whole keys in order (an expert's gate and up rows): copied as slices.
+        in_order = ids.numel() == positions.total and bool(
+            (ids == torch.arange(positions.total, device=ids.device)).all())
+        for key, start in positions.offsets.items():
+            target = out[key].view(-1)
+            if in_order:
+                target.copy_(values[start : start + target.numel()])
+            else:
+                inside = (ids >= start) & (ids < start + target.numel())
+                target[(ids[inside] - start).cpu()] = values[inside].to("cpu", target.dtype)
+            written.add(key)
+    missing = [key for key in out if key not in written]
+    if missing:
+        raise RuntimeError(f"--against transformers: no tensor of ours goes into {missing[:5]}")
+    return config, out
+
+
 class InitialWeights:
     """Our model's initial weights as a transformers checkpoint in a temporary folder, for the baseline to start
     from: `write(model)` is StepRunner's prepare_model (LoRA injected, before DeepSpeed takes the model and before
@@ -293,11 +402,8 @@ class InitialWeights:
 
         return count_parameters(self.job.model, self.job.lora).total * DTYPES[self.job.train.precision].itemsize
 
-    @torch.no_grad()
     def write(self, model: torch.nn.Module) -> None:
-        from moe_tune.engine.export.hub import DEFAULT_SHARD_SIZE, export_hub, parse_size
-        from moe_tune.engine.export.sources import lora_scaling
-        from moe_tune.engine.export.zero import peft_state_source
+        from safetensors.torch import save_file
 
         self._tmp = tempfile.TemporaryDirectory(prefix="moe-tune-against-")
         needed, free = self.nbytes(), shutil.disk_usage(self._tmp.name).free
@@ -306,12 +412,16 @@ class InitialWeights:
                             f"{tempfile.gettempdir()}")  # fmt: skip
             self.close()
             return
-        # The adapters start as a no-op (B = 0): merged in, the base is what our first step computes with; an FP8
-        # base is written dequantized (the baseline's base is in the training dtype).
-        scaling = lora_scaling(self.job) if self.job.lora.enabled else 1.0
-        source = peft_state_source(model.state_dict(), self.job.model, scaling)
+        config, tensors = checkpoint_tensors(model, self.job.model, self.job.train.precision)
+        expected, _ = transformers_config(self.job.model)
+        if config["model_type"] != expected:
+            raise RuntimeError(f"--against transformers: our weights were laid out as {config['model_type']}, the "
+                               f"baseline is {expected}")  # fmt: skip
         folder = Path(self._tmp.name) / "initial"
-        self.folder = export_hub(source, self.job.model, folder, parse_size(DEFAULT_SHARD_SIZE), self.job.train.precision)
+        folder.mkdir()
+        save_file(tensors, str(folder / CHECKPOINT_FILE), metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        self.folder = folder
 
     def close(self) -> None:
         if self._tmp is not None:
