@@ -128,6 +128,45 @@ def test_row_names_an_fla_function_bound_in_the_modeling_module(tmp_path, monkey
     assert len(calls) == 2  # both linear-attention layers
 
 
+def fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):  # fmt: skip
+    """FLA 0.6.0's chunk_gated_delta_rule as read (fla/ops/gated_delta_rule/chunk.py): q and k L2-normalised as
+    fla/modules/norm/l2norm.py does (x / sqrt(sum x^2 + 1e-6)), value head i reading key head i // (HV // H)
+    (ops/common/chunk_delta_h.py), scale K ** -0.5 when None, then FLA's own PyTorch reference of the recurrence."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    assert cu_seqlens is None
+    if use_qk_l2norm_in_kernel:
+        q, k = (x / torch.sqrt((x.float() * x.float()).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    groups = v.shape[2] // k.shape[2]
+    q, k = (x.repeat_interleave(groups, dim=2) for x in (q, k))
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    return naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale, initial_state, output_final_state)
+
+
+def test_fla_semantics_as_transformers_calls_them_equal_its_torch_path(tmp_path, monkeypatch):
+    """What FLA computes with the arguments transformers' qwen3_next passes it (no scale, use_qk_l2norm_in_kernel,
+    g in log space, q and k at key heads) is what transformers' PyTorch path computes: the baseline's logits within
+    1e-5 in fp32 either way. (FLA's kernels need a GPU: its semantics here are its PyTorch reference and the
+    argument handling of its public function, as read.)"""
+    pytest.importorskip("fla.ops.gated_delta_rule.naive")
+    import transformers.models.qwen3_next.modeling_qwen3_next as modeling
+
+    from moe_tune.engine.align.reference import pure_torch_paths
+    from moe_tune.engine.bench.against import build_transformers_model
+
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with pure_torch_paths(), monkeypatch.context() as patch:
+        model, _ = build_transformers_model(job_of(NEXT_LIKE, tmp_path), torch.device("cpu"))
+        model.eval()
+        with torch.no_grad():
+            torch_logits = model(input_ids=ids, use_cache=False).logits
+            patch.setattr(modeling, "torch_chunk_gated_delta_rule", fla_chunk_gated_delta_rule)
+            fla_logits = model(input_ids=ids, use_cache=False).logits
+        assert kernel_paths(model)["linear_attention_implementation"].endswith(".fla_chunk_gated_delta_rule")
+    torch.testing.assert_close(fla_logits, torch_logits, rtol=1e-5, atol=1e-5)
+
+
 class OlderGatedDeltaNet(nn.Module):
     """A linear-attention layer as older transformers wrote qwen3_next's: the kernels chosen at build and kept as
     attributes (None where the package is missing), its forward calling them through self."""
