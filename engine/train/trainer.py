@@ -142,9 +142,8 @@ def lr_factor(step: int, train: TrainProfile, total_steps: int | None = None) ->
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def check_world(profile: JobProfile, world_size: int, backend: str | None = None) -> None:
-    """Checks of the profile against the machine (`backend`: the resolved torch.distributed backend): the layout must
-    use the ranks there are."""
+def check_world(profile: JobProfile, world_size: int) -> None:
+    """Checks of the profile against the machine: the layout must use the ranks there are."""
     problems = []
     # Expert and context groups are each consecutive ranks, independent of each other: tokens reach their experts
     # whichever rank of a row holds them.
@@ -154,13 +153,6 @@ def check_world(profile: JobProfile, world_size: int, backend: str | None = None
             problems.append(f"parallel.{name} ({size}) must be <= the world size ({world_size})")
         elif world_size % size:
             problems.append(f"parallel.{name} ({size}) must divide the world size ({world_size})")
-    cp = profile.parallel.context_parallel
-    # torch's differentiable all-gather (torch.distributed.nn.functional, torch 2.13) emulates its backward on gloo with
-    # scatters that take the group's index as a global rank: it fails in every context group but the one of ranks
-    # 0 .. N - 1.
-    if backend == "gloo" and cp > 1 and world_size > cp and not world_size % cp:
-        problems.append(f"parallel.context_parallel ({cp}) on gloo needs one context group (world size {cp}, got "
-                        f"{world_size}): the gathers' backward fails in the others; use nccl")  # fmt: skip
     if problems:
         raise ProfileError(problems)
 
@@ -454,7 +446,7 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
 
     train, out = profile.train, profile.output.dir
     # Refused before anything is read or written.
-    check_world(profile, dist.world_size, dist.backend)
+    check_world(profile, dist.world_size)
     check_cuda_graphs(profile, dist.device.type, profile.parallel.expert_parallel)
     check_memory_fits(profile, dist.world_size, dist.device)
     torch.manual_seed(train.seed)
