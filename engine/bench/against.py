@@ -35,6 +35,7 @@ import contextlib
 import gc
 import inspect
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -298,28 +299,21 @@ class _Positions:
             raise KeyError(key)
         if key not in self.offsets:
             self.offsets[key] = self.total
-            self.total += _numel(self.shapes[key])
+            self.total += math.prod(self.shapes[key])
         return self.offsets[key]
 
     def __call__(self, key: str) -> torch.Tensor:
         start = self._start(key)
-        end = start + _numel(self.shapes[key])
+        end = start + math.prod(self.shapes[key])
         return torch.arange(start, end, dtype=torch.int64, device=self.device).view(self.shapes[key])
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the key's first dim (one expert of a fused tensor)."""
         shape = self.shapes[key]
-        row = _numel(shape[1:])
+        row = math.prod(shape[1:])
         first = self._start(key) + start * row
         end = first + (stop - start) * row
         return torch.arange(first, end, dtype=torch.int64, device=self.device).view(stop - start, *shape[1:])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
