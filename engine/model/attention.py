@@ -32,7 +32,7 @@ from .kv_cache import (
 )
 from .mixer_chunks import (
     Slab, attention_in_chunks, initial_states, linear_attention_in_slabs, row_in_pieces, runs_in_chunks,
-    runs_share_recomputed, selection_is_watched, share_recomputed,
+    runs_whole_recomputed, selection_is_watched, whole_recomputed,
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
 from .selection import PinnableSelection
@@ -101,8 +101,8 @@ class GatedAttention(nn.Module):
                 x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_keys(x_row, batch), self._chunk,
                 self.row_index_keys(x, batch), window=self.sliding_window,
             )  # fmt: skip
-        if runs_share_recomputed(self, x, batch):
-            return share_recomputed(self.forward_whole, x, batch)
+        if runs_whole_recomputed(self, *self.selectors()):
+            return whole_recomputed(self.forward_whole, x, batch)
         return self.forward_whole(x, batch)
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
@@ -435,8 +435,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         if runs_in_chunks(self, x, batch):
             return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
-        if runs_share_recomputed(self, x, batch):
-            return share_recomputed(self.forward_whole, x, batch)
+        if runs_whole_recomputed(self):
+            return whole_recomputed(self.forward_whole, x, batch)
         return self.forward_whole(x, batch)
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

@@ -22,7 +22,7 @@ from moe_tune.profiles.schema import ModelProfile
 from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 from .linear_context import delta_rule
 from .mixer_chunks import (
-    initial_states, linear_attention_in_slabs, runs_in_chunks, runs_share_recomputed, share_recomputed,
+    initial_states, linear_attention_in_slabs, runs_in_chunks, runs_whole_recomputed, whole_recomputed,
 )
 
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ class KimiDeltaAttention(nn.Module):
         chunks from the previous slab's: engine/model/mixer_chunks)."""
         if runs_in_chunks(self, x, batch):
             return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
-        if runs_share_recomputed(self, x, batch):
-            return share_recomputed(self.forward_whole, x, batch)
+        if runs_whole_recomputed(self):
+            return whole_recomputed(self.forward_whole, x, batch)
         return self.forward_whole(x, batch)
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

@@ -18,10 +18,11 @@ attention_context.py) inside one process, the slabs run in order:
   document pads its queries in front to its span (KeySpan.pad_queries), rows that select nothing but that the
   indexer still scores; full attention and MLA take the span as it is (varlen.offset_causal_attention).
 
-Under context parallelism a rank's share longer than the chunk is the token mixer's one chunk (the exchanges between
-ranks are made over whole shares): it runs whole under one activation checkpoint, recomputed in backward with its
-collectives on every rank. A layer whose selection is pinned or logged (align's PinnableSelection) runs whole: its
-selection is the row's.
+A row of at most one chunk is the token mixer's one chunk: it runs whole under one activation checkpoint (so a chunked
+mixer is recomputed whatever the row's length, as the memory policy makes no recompute region inside it). So is a
+rank's share under context parallelism (the exchanges between ranks are made over whole shares), its collectives
+rerun on every rank in backward. A layer whose selection is pinned or logged (align's PinnableSelection) runs whole
+and plainly: its selection is the row's.
 
 Shapes: T tokens of the row [1, T], C tokens of a slab, D model dim, M a chunk's span.
 """
@@ -67,17 +68,17 @@ def runs_in_chunks(layer, x: torch.Tensor, batch: PackedBatch) -> bool:
     return chunk is not None and x.shape[1] > chunk and not is_context_parallel(batch)
 
 
-def runs_share_recomputed(layer, x: torch.Tensor, batch: PackedBatch) -> bool:
-    """Whether `layer` runs a context-parallel rank's share x [1, T_local, D], longer than its sequence chunk, as one
-    chunk: whole, under activation checkpoint (share_recomputed)."""
-    chunk = layer.sequence_chunk_tokens
-    return chunk is not None and x.shape[1] > chunk and is_context_parallel(batch)
+def runs_whole_recomputed(layer, *selectors) -> bool:
+    """Whether `layer` (sequence chunks set, not run in chunks: a row of at most one chunk, or a context-parallel
+    rank's share) runs whole as its one chunk, under activation checkpoint (whole_recomputed). A layer whose selection
+    is pinned or logged runs plainly (its log would see the recomputation)."""
+    return layer.sequence_chunk_tokens is not None and not selection_is_watched(*selectors)
 
 
-def share_recomputed(forward_whole: Callable, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """forward_whole(x, batch) under activation checkpoint that runs to its end on every rank of the context group
-    (its recomputation reruns the gathers, which every rank must join)."""
-    return recomputed(forward_whole, x, batch, is_collective=True)
+def whole_recomputed(forward_whole: Callable, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """forward_whole(x, batch) under activation checkpoint; on a context-parallel share the recomputation runs to its
+    end on every rank of the group (it reruns the gathers, which every rank must join)."""
+    return recomputed(forward_whole, x, batch, is_collective=is_context_parallel(batch))
 
 
 def selection_is_watched(*selectors) -> bool:

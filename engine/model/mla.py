@@ -36,7 +36,7 @@ from .kv_cache import (
     select_cached_blocks, selected_keys,
 )
 from .mixer_chunks import (
-    attention_in_chunks, runs_in_chunks, runs_share_recomputed, selection_is_watched, share_recomputed,
+    attention_in_chunks, runs_in_chunks, runs_whole_recomputed, selection_is_watched, whole_recomputed,
 )
 from .selection import PinnableSelection
 from .varlen import packed_causal_attention
@@ -181,8 +181,8 @@ class MultiHeadLatentAttention(nn.Module):
                 x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_latent(x_row, cos_sin), self._chunk,
                 self.row_index_keys(x, cos_sin),
             )  # fmt: skip
-        if runs_share_recomputed(self, x, batch):
-            return share_recomputed(self.forward_whole, x, batch)
+        if runs_whole_recomputed(self, *self.selectors()):
+            return whole_recomputed(self.forward_whole, x, batch)
         return self.forward_whole(x, batch)
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

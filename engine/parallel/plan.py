@@ -393,8 +393,8 @@ def _layer_activation_elems(
     _chunk_activation_elems counts for the one chunk backward recomputes at a time.
     mixer_chunk: the token mixer runs in sequence chunks of this many tokens too (engine/model/mixer_chunks.py): it
     keeps what _chunked_mixer_elems counts instead of its tensors over T.
-    is_mixer_recomputed: the token mixer runs whole under activation checkpoint (a context-parallel share longer than
-    the sequence chunk): it keeps nothing but its input rows.
+    is_mixer_recomputed: the token mixer runs whole under activation checkpoint (sequence chunks set, a row of at most
+    one chunk or a context-parallel share): it keeps nothing but its input rows.
     """
     t, d = num_tokens, cfg.hidden_size
     # Inputs of the two RMSNorms and their outputs (the input every projection of the mixer saves, and a chunked
@@ -608,10 +608,10 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     ranks = _lora_ranks_per_layer(cfg, added, job.lora.r)
     chunk = sequence_chunk(job)
     c = job.parallel.context_parallel
-    # The token mixers run in chunks too; a share of a row held by a context group is their one chunk, recomputed
-    # whole (they exchange whole shares: engine/model/mixer_chunks.py).
+    # The token mixers run in chunks too; a row of at most one chunk, or a share of a row held by a context group (they
+    # exchange whole shares), is their one chunk, recomputed whole (engine/model/mixer_chunks.py).
     mixer_chunk = chunk if c == 1 else None
-    is_share_recomputed = chunk is not None and c > 1
+    is_share_recomputed = job.memory.sequence_chunk_tokens is not None and mixer_chunk is None
     per_layer, per_chunk = [], [0]
     for spec, lora_ranks in zip(cfg.layers, ranks):
         low, wide = _layer_activation_elems(
@@ -766,7 +766,7 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     tokens = device_tokens(job)
     accumulation = job.train.gradient_accumulation_steps
     is_recomputed = job.memory.activation_checkpointing
-    is_share_recomputed = c > 1 and sequence_chunk(job) is not None
+    is_share_recomputed = job.memory.sequence_chunk_tokens is not None and (c > 1 or sequence_chunk(job) is None)
     context_bytes = sum(context_traffic(context_exchange(cfg, spec, row_tokens(job), c, wb), c, is_recomputed,
                                         is_share_recomputed) for spec in cfg.layers)  # fmt: skip
     all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER

@@ -474,19 +474,19 @@ def test_bench_hybrid_million_token_step_plans_within_one_h200():
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_context_parallel_shares_are_the_token_mixers_one_chunk(checkpointing):
-    # Sequence chunks shorter than a device's share (512 tokens): each token mixer runs its share whole under
-    # activation checkpoint, so one layer's gathers exist at a time and backward gathers once more.
+    # With sequence chunks (shorter than a device's share of 512 tokens, or not) each token mixer runs its share
+    # whole under activation checkpoint, so one layer's gathers exist at a time and backward gathers once more.
     c, accumulation = 4, 3
     base = ["data.seq_len=512", f"parallel.context_parallel={c}", "model.moe.aux_loss_coef=0",
             f"train.gradient_accumulation_steps={accumulation}",
             f"memory.activation_checkpointing={str(checkpointing).lower()}"]  # fmt: skip
-    job = load_profile("tiny", [*base, "memory.sequence_chunk_tokens=100"])
     linear, keys_values, index_keys = tiny_gathers(c, 4 * 512)
-    assert activation_bytes(job).context == keys_values + index_keys
     forward = 3 if checkpointing else 2
     per_micro_batch = 3 * (forward * linear + linear) + forward * (keys_values + index_keys) + keys_values
-    plan = plan_layouts(job, 8, 80 * GB)
-    assert {lay.context_per_step for lay in plan.layouts} == {round(accumulation * per_micro_batch * (c - 1) / c)}
-    # A chunk of at least the share changes nothing for the token mixers.
-    whole = activation_bytes(load_profile("tiny", [*base, "memory.sequence_chunk_tokens=512"]))
-    assert whole.context == (keys_values + index_keys if checkpointing else 3 * linear + keys_values + index_keys)
+    for chunk in (100, 512):
+        job = load_profile("tiny", [*base, f"memory.sequence_chunk_tokens={chunk}"])
+        assert activation_bytes(job).context == keys_values + index_keys
+        plan = plan_layouts(job, 8, 80 * GB)
+        assert {lay.context_per_step for lay in plan.layouts} == {round(accumulation * per_micro_batch * (c - 1) / c)}
+    unset = activation_bytes(load_profile("tiny", base))
+    assert unset.context == (keys_values + index_keys if checkpointing else 3 * linear + keys_values + index_keys)

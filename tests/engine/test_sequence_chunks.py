@@ -328,13 +328,28 @@ def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_plan_a_chunk_holding_the_row_changes_nothing(checkpointing):
+def test_plan_a_chunk_holding_the_row_changes_only_the_token_mixers(checkpointing):
+    from dataclasses import replace
+
     from moe_tune.engine.parallel.plan import plan_layouts
 
     base = ["data.seq_len=256", f"memory.activation_checkpointing={str(checkpointing).lower()}"]
     whole = plan_layouts(load_profile("tiny", base), 2, 10**12)
+    tokens = 4 * 256
+    mixers_whole, _, _ = tiny_token_mixers(tokens, tokens)
+    # The per-token part runs whole; each token mixer runs whole under activation checkpoint (its one chunk), so backward
+    # keeps none of their rows and recomputes one at a time, the largest (a linear layer's). Under whole-layer
+    # checkpointing that is what recomputing the layer held already.
+    largest = 4 * (1424 * tokens + 1024 * -(-tokens // 64) + 16 * tokens)
+    saved = 0 if checkpointing else mixers_whole - largest
     for chunk in (1024, 5000):  # micro_batch_size 4 x 256: the row's 1024 tokens, and more
-        assert plan_layouts(load_profile("tiny", [*base, f"memory.sequence_chunk_tokens={chunk}"]), 2, 10**12) == whole
+        chunked = plan_layouts(load_profile("tiny", [*base, f"memory.sequence_chunk_tokens={chunk}"]), 2, 10**12)
+        assert chunked.activations.layers == whole.activations.layers - saved
+        activations = replace(chunked.activations, layers=whole.activations.layers)
+        assert replace(chunked, activations=activations, layouts=[]) == replace(whole, layouts=[])
+        for got, expected in zip(chunked.layouts, whole.layouts):
+            assert replace(got, activations=0, total=0, fits=True) == replace(expected, activations=0, total=0,
+                                                                            fits=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("checkpointing, all_to_alls", [(False, 6), (True, 8)])

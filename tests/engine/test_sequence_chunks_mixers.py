@@ -271,3 +271,19 @@ def test_context_parallel_shares_run_as_one_recomputed_chunk(name):
         torch.testing.assert_close(sum(r[2][param] for r in ranks), grad, **TOLERANCE, msg=param)
     # Each rank's share (48 tokens, chunks of 24) ran whole, and again when backward recomputed it.
     assert [r[3] for r in ranks] == [2, 2]
+
+
+@pytest.mark.parametrize("name", ["linear-scalar", "sparse-block", "mla"])
+def test_a_row_of_one_chunk_runs_whole_recomputed_bitwise(name):
+    # A row of at most one chunk is the mixer's one chunk: the unchunked code under activation checkpoint (the
+    # memory policy makes no recompute region in a chunked mixer), bitwise the plain run.
+    mixer = build_mixer(name)
+    expected = run(mixer, "mixed", None)
+    runs = []
+    original = mixer.forward_whole
+    mixer.forward_whole = lambda *args: runs.append(1) or original(*args)
+    got = run(mixer, "mixed", ROW_TOKENS)
+    # Forward and its recomputation in backward; a sparse layer's selection, read with its log set, runs plainly.
+    assert len(runs) == 2 + (selector(mixer) is not None)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert all(torch.equal(got[2][param], grad) for param, grad in expected[2].items())
