@@ -10,6 +10,8 @@ same steps of an FP8-base profile's dequantized twin (engine/bench/bf16_base.py)
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import statistics
 from pathlib import Path
@@ -55,7 +57,7 @@ class StepRunner:
         from moe_tune.engine.data.tokenizer import load_tokenizer
         from moe_tune.engine.memory import find_activation_memory
         from moe_tune.engine.parallel.expert_parallel import create_expert_layout
-        from moe_tune.engine.train.distributed import init_distributed
+        from moe_tune.engine.train.distributed import create_context_layout, init_distributed
         from moe_tune.engine.train.ds_config import deepspeed_config
         from moe_tune.engine.train.graphs import check_cuda_graphs
         from moe_tune.engine.train.resources import check_memory_fits
@@ -75,15 +77,19 @@ class StepRunner:
         self.profile = profile
         train = profile.train
         self.dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
+        check_world(profile, self.dist.world_size)
         check_memory_fits(profile, self.dist.world_size, self.dist.device)
         torch.manual_seed(train.seed)
         tokenizer = load_tokenizer(profile.tokenizer)
         # Nothing is written to output.dir: a generated corpus goes to a directory that lives as long as the runner.
         self._generated = tempfile.TemporaryDirectory(prefix="moe-tune-profile-")
         self.dataset, _, _, _ = build_dataset(profile, tokenizer, Path(self._generated.name))
+        # As the trainer: rows are read by context group, each rank of a group training its share of the row.
+        context = create_context_layout(profile.parallel.context_parallel, self.dist.rank, self.dist.world_size,
+                                        profile.parallel.timeout_s)  # fmt: skip
+        self.dist = dataclasses.replace(self.dist, context=context)
         # The schedule of the whole run the profile describes (train.steps, or what train.epochs gives).
-        self.total_steps = run_steps(train, self.dataset, self.dist.world_size)
-        check_world(profile, self.dist.world_size)
+        self.total_steps = run_steps(train, self.dataset, self.dist.data_size)
         layout = create_expert_layout(profile.parallel.expert_parallel, self.dist.world_size)
         check_cuda_graphs(profile, self.dist.device.type, layout.expert_parallel)
         ds_config = deepspeed_config(profile, self.dist.world_size)
@@ -109,19 +115,26 @@ class StepRunner:
 
     def step(self) -> dict[str, Any]:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
-        from moe_tune.engine.train.trainer import micro_step, update_moe_bias
+        from moe_tune.engine.train.trainer import micro_step, share_of_batch, update_moe_bias
 
         self.engine.train()
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
         with StepClock(self.is_cuda) as clock:
             tokens, losses, pieces = 0, [], []
-            for batch in self.micro_batches(self.steps_done, self.dist.rank, self.dist.world_size):
-                out = micro_step(self.engine, batch, self.dist)
+            for batch in self.micro_batches(self.steps_done, self.dist.data_rank, self.dist.data_size):
+                share = share_of_batch(batch, self.dist.context)
+                out = micro_step(self.engine, share, self.dist)
                 losses.append(out.lm_loss.detach().float())
-                tokens += batch.num_label_tokens
-                pieces += piece_lengths(batch.cu_seqlens)
+                tokens += share.num_label_tokens
+                pieces += piece_lengths(share.cu_seqlens)
             update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
-            loss = float(torch.stack(losses).mean())
+            loss = torch.stack(losses).mean()
+            if self.dist.world_size > 1:
+                # Each rank's loss is its labels' summed cross-entropy over the world's mean count (micro_step):
+                # their mean over the world is the step's loss, as the trainer logs it.
+                torch.distributed.all_reduce(loss)
+                loss = loss / self.dist.world_size
+            loss = float(loss)
         step_time = clock.seconds
         self.steps_done += 1
         record = {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time,

@@ -16,10 +16,30 @@ parser.add_argument("--stop-after", type=int, default=None)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--untagged", action="store_true", help="skip the expert tags (the test that they matter)")
 parser.add_argument("--die-rank", type=int, default=None, help="this rank dies abruptly after its first step")
+parser.add_argument("--profile-steps", type=int, default=None,
+                    help="run this many steps of `moe-tune profile`'s step runner instead of training")  # fmt: skip
+
+
+def profile_steps(args) -> None:
+    """`moe-tune profile`'s step runner on this rank; rank 0 writes the steps' losses."""
+    from moe_tune.engine.bench.steps import StepRunner
+
+    runner = StepRunner(load_profile(args.profile, args.overrides))
+    try:
+        losses = [runner.step()["loss"] for _ in range(args.profile_steps)]
+    finally:
+        runner.close()
+    if runner.dist.is_main:
+        os.makedirs(os.path.dirname(args.result), exist_ok=True)  # the runner writes nothing to output.dir
+        with open(args.result, "w") as f:
+            json.dump({"losses": losses}, f)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
+    if args.profile_steps is not None:
+        profile_steps(args)
+        return
     import moe_tune.engine.train.trainer as trainer
 
     if args.untagged:

@@ -129,6 +129,20 @@ def test_context_parallel_equals_one_process(child_env, tmp_path_factory, chat_d
 
 
 @pytest.mark.dist
+def test_profile_step_runner_under_context_parallel(child_env, tmp_path, chat_data):
+    """`moe-tune profile`'s steps on a row shared by 2 ranks: the losses of one process on the same rows."""
+    common = [f"train.steps={STEPS}", chat_data]
+    losses = {}
+    for world, cp in ((1, 1), (2, 2)):
+        codes, logs, result = run(child_env, tmp_path / f"profile-cp{cp}", world,
+                                  [*common, f"parallel.context_parallel={cp}"], extra=["--profile-steps", str(STEPS)])
+        assert codes == [0] * world, logs[0][-3000:]
+        losses[cp] = result["losses"]
+    assert len(losses[2]) == STEPS
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.dist
 def test_resume_under_context_parallel(child_env, tmp_path, tmp_path_factory, chat_data):
     common = [f"train.steps={STEPS}", chat_data, "parallel.context_parallel=2"]
     straight, _ = shared(child_env, tmp_path_factory, 2, [*common, "parallel.expert_parallel=1"])
