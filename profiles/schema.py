@@ -892,9 +892,9 @@ class MemoryProfile(Strict):
         None, ge=1, le=MAX_SIZE, description="run each layer's per-token part (post-attention norm, MLP or MoE block: "
         "router, experts, shared expert; residual add) and its token mixer (linear attention slab by slab, its state "
         "and conv halo carried; softmax attention a chunk of queries at a time over the keys it sees; a "
-        "context-parallel share is one chunk) this many tokens at a time, each chunk recomputed in backward, so no [T, k x hidden], "
-        "[T, 2F] or [T, E] intermediate nor a token mixer's projections over the row exist; load counts, capacity and "
-        "the aux loss stay the whole row's. Works with every policy above. None: whole rows"
+        "context-parallel share is one chunk) this many tokens at a time, each chunk recomputed in backward, so no "
+        "[T, k x hidden], [T, 2F] or [T, E] intermediate nor a token mixer's projections over the row exist; load "
+        "counts, capacity and the aux loss stay the whole row's. Works with every policy above. None: whole rows"
     )
 
     @model_validator(mode="after")

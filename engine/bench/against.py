@@ -331,7 +331,9 @@ def _base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def checkpoint_tensors(model: torch.nn.Module, cfg: ModelProfile, precision: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def checkpoint_tensors(
+    model: torch.nn.Module, cfg: ModelProfile, precision: str
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, {key: tensor on the host}) of `model`'s base weights in the transformers checkpoint layout of its
     architecture (engine/families/hub_config: what `moe-tune export` writes), in `precision`; an FP8 base
     dequantized. Each of our tensors goes where the family's recipe reads it from (recipes are rearrangements: run
