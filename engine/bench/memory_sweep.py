@@ -1,15 +1,19 @@
-"""The memory presets against each other on one GPU (docs/perf-history.md, "Selective caching"): throughput and peak
-memory at one length, and the longest row each preset trains.
+"""Row length against throughput and memory on one GPU, per memory preset (docs/perf-history.md, "Selective
+caching"; docs/memory.md): throughput and peak memory at one length, then every length of a ladder until one runs
+out of memory.
 
-    python -m moe_tune.engine.bench.memory_sweep OUT.json [PRESET] [--lengths N,N,...] [--set a.b=v ...]
+    python -m moe_tune.engine.bench.memory_sweep OUT.json [PRESET] [--profile NAME] [--timed-length N]
+        [--lengths N,N,...] [--rung-steps N] [--plot PNG] [--set a.b=v ...]
 
 One preset per process (a clean allocator for each ladder); the JSON holds that preset's result (see
-steps.sweep_lengths) and the pinned copy bandwidth of the machine.
+steps.sweep_lengths) and the pinned copy bandwidth of the machine; --plot draws tokens/s and peak memory against
+the row length.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -42,13 +46,30 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(prog="python -m moe_tune.engine.bench.memory_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, metavar="OUT.json", help="where the preset's result is written")
     parser.add_argument("preset", nargs="?", default="none", choices=list(PRESETS), metavar="PRESET",
                         help=f"one of {', '.join(PRESETS)} (default: none)")
+    parser.add_argument("--profile", default=PROFILE, metavar="NAME", help=f"the profile (default: {PROFILE})")
+    parser.add_argument("--timed-length", type=_positive, default=TIMED_LENGTH, metavar="N",
+                        help=f"where throughput and peak are timed first (default: {TIMED_LENGTH})")
     parser.add_argument("--lengths", type=_lengths, default=list(LENGTHS), metavar="N,N,...",
                         help=f"the ladder, ascending (default: {','.join(map(str, LENGTHS))})")
+    parser.add_argument("--rung-steps", type=_positive, default=1, metavar="N",
+                        help="steps at each length: tokens/s is the median after the first (default: 1)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="draw tokens/s and peak memory against the row length (needs matplotlib)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="a.b=v",
                         help="override a profile field (repeatable)")
     # Intermixed: PRESET may come after the --set options.
@@ -71,10 +92,12 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     out, preset, overrides = args.out, args.preset, args.overrides
     try:
-        # One row per step: the ladder sizes the row, and the benchmark profile trains B2 rows of 4096.
-        profile = load_profile(PROFILE, ["train.micro_batch_size=1", f"memory.preset={preset}", *overrides])
+        # One row per step: the ladder sizes the row (the benchmark profiles train B2 rows of 4096).
+        profile = load_profile(args.profile, ["train.micro_batch_size=1", f"memory.preset={preset}", *overrides])
     except ProfileError as err:
         _fail(*err.problems)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        _fail(f"--plot ({str(args.plot)!r}) needs matplotlib, which is not installed")
     if not _has_cuda():
         # Peak memory and the pinned copy bandwidth are GPU measurements; on the CPU the ladder would say nothing.
         _fail("needs a CUDA device: it measures peak GPU memory and pinned copies")
@@ -84,13 +107,45 @@ def main(argv: list[str]) -> None:
         write_json_atomic(out, dict(result, overrides=overrides, complete=is_complete))
 
     result = sweep_lengths(
-        profile, args.lengths, TIMED_LENGTH, TIMED_STEPS, on_line=lambda line: print(line, flush=True),
-        on_result=write,
+        profile, args.lengths, args.timed_length, TIMED_STEPS, on_line=lambda line: print(line, flush=True),
+        on_result=write, rung_steps=args.rung_steps,
     )
     h2d, d2h = pinned_copy_bandwidth()
-    result.update(pinned_h2d_gb_per_s=h2d, pinned_d2h_gb_per_s=d2h)
+    result.update(profile=args.profile, pinned_h2d_gb_per_s=h2d, pinned_d2h_gb_per_s=d2h)
     write(result, is_complete=True)
+    if args.plot is not None:
+        plot_ladder(result, args.plot)
     print(f"{preset}: max trained length {result['max_trained_length']}; pinned copy {h2d:.1f} / {d2h:.1f} GB/s")
+
+
+def plot_ladder(result: dict, path: Path) -> None:
+    """Tokens/s and peak GPU memory against the row length (log2 axis): the timed length and every trained rung."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(result["timed_length"], result["timed"]["tokens_per_s"], result["timed"]["peak_memory_bytes"])]
+    points += [(rung["seq_len"], rung["tokens_per_s"], rung["peak_memory_bytes"])
+               for rung in result["ladder"] if rung["outcome"] == "trained"]  # fmt: skip
+    points.sort()
+    lengths = [p[0] for p in points]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    speed.plot(lengths, [p[1] for p in points], marker="o")
+    speed.set_ylabel("tokens/s")
+    memory.plot(lengths, [(p[2] or 0) / 1e9 for p in points], marker="o")
+    memory.set_ylabel("peak GPU memory, GB")
+    for ax in (speed, memory):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens in the row")
+        ax.grid(True, alpha=0.3)
+    failed = [rung["seq_len"] for rung in result["ladder"] if rung["outcome"] != "trained"]
+    fig.suptitle(f"{result.get('profile', PROFILE)}, memory {result['memory_policy']}: {result.get('machine')}, "
+                 f"commit {result.get('commit')}, {result.get('date')}"
+                 + (f"; out of memory at {failed[0]}" if failed else ""), fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -480,9 +480,11 @@ def sweep_lengths(
     timed_steps: int,
     on_line=print,
     on_result: Callable[[dict[str, Any]], None] = lambda result: None,
+    rung_steps: int = 1,
 ) -> dict[str, Any]:
-    """For one profile (its memory policy as set): median throughput and peak memory at `timed_length`, then the
-    longest of `lengths` (ascending) that trains a step, stopping at the first that runs out of memory.
+    """For one profile (its memory policy as set): median throughput and peak memory at `timed_length`, then each of
+    `lengths` (ascending) for `rung_steps` steps, stopping at the first that runs out of memory: its tokens/s is the
+    median of its steps after the first (the first's alone when it has one), its peak the rung's.
 
     One model for the whole ladder: rows are re-packed, the model is not rebuilt. Peak memory needs CUDA.
     `on_result` gets the result so far after the timed steps and after each rung (a run stopped from outside keeps
@@ -516,7 +518,7 @@ def sweep_lengths(
             runner.set_seq_len(seq_len)
             _reset_peak(runner)
             try:
-                record = runner.step()
+                rung = [runner.step() for _ in range(rung_steps)]
             except Exception as err:  # noqa: BLE001 - only out-of-memory ends the ladder; anything else re-raises
                 if not is_out_of_memory(err):
                     raise
@@ -524,14 +526,20 @@ def sweep_lengths(
                 on_line(f"{result['memory_policy']} @ {seq_len}: out of memory")
                 on_result(result)
                 break
-            step = dict(seq_len=seq_len, outcome="trained", step_time_s=record["step_time_s"],
-                        tokens_per_s=record["tokens_per_s"], peak_memory_bytes=_peak(runner),
+            # The first step at a new length pays its kernels' first launches at that shape.
+            timed = rung[1:] or rung
+            record = timed[-1]
+            step = dict(seq_len=seq_len, outcome="trained",
+                        step_time_s=statistics.median(r["step_time_s"] for r in timed),
+                        tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+                        step_times_s=[r["step_time_s"] for r in rung], losses=[r["loss"] for r in rung],
+                        peak_memory_bytes=_peak(runner),
                         memory={k.removeprefix("memory_"): v for k, v in record.items()
                                 if k.startswith("memory_")})  # fmt: skip
             result["ladder"].append(step)
             result["max_trained_length"] = seq_len
-            on_line(f"{result['memory_policy']} @ {seq_len}: {record['step_time_s']:.2f} s, "
-                    f"peak {_gb_text(step['peak_memory_bytes'])}")  # fmt: skip
+            on_line(f"{result['memory_policy']} @ {seq_len}: {step['step_time_s']:.2f} s, "
+                    f"{step['tokens_per_s']:,.0f} tok/s, peak {_gb_text(step['peak_memory_bytes'])}")  # fmt: skip
             on_result(result)
     finally:
         runner.close()

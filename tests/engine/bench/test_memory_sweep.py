@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from moe_tune.engine.bench.memory_sweep import LENGTHS, parse_args
+from moe_tune.engine.bench.memory_sweep import LENGTHS, PROFILE, TIMED_LENGTH, parse_args
 from moe_tune.engine.bench.steps import StepRunner, sweep_lengths
 from moe_tune.profiles import load_profile
 
@@ -14,8 +14,21 @@ from moe_tune.profiles import load_profile
 def test_defaults_and_options_in_any_order():
     args = parse_args(["out.json"])
     assert (args.preset, args.lengths, args.overrides) == ("none", list(LENGTHS), [])
-    args = parse_args(["out.json", "--set", "a.b=1", "max-context", "--lengths", "131072,196608"])
+    assert (args.profile, args.timed_length, args.rung_steps, args.plot) == (PROFILE, TIMED_LENGTH, 1, None)
+    args = parse_args(["out.json", "--set", "a.b=1", "max-context", "--lengths", "131072,196608", "--profile",
+                       "bench-hybrid-1m", "--timed-length", "32768", "--rung-steps", "2", "--plot", "p.png"])
     assert (args.preset, args.lengths, args.overrides) == ("max-context", [131072, 196608], ["a.b=1"])
+    assert (args.profile, args.timed_length, args.rung_steps, str(args.plot)) == ("bench-hybrid-1m", 32768, 2, "p.png")
+
+
+@pytest.mark.parametrize("option, value, rule", [("--timed-length", "0", "must be positive"),
+                                                 ("--rung-steps", "-1", "must be positive"),
+                                                 ("--rung-steps", "two", "must be an integer")])  # fmt: skip
+def test_bad_counts_one_line_exit_2(option, value, rule, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["out.json", option, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and f"argument {option}: '{value}': {rule}" in err
 
 
 @pytest.mark.parametrize(
@@ -115,3 +128,49 @@ def test_json_is_written_after_each_measurement_and_marked_complete_at_the_end(t
     assert final == seen[-1] and final["max_trained_length"] == 96
     assert (final["pinned_h2d_gb_per_s"], final["pinned_d2h_gb_per_s"]) == (50.0, 49.0)
     assert final["overrides"] == SMALL_BENCH and final["memory_policy"] == "none"
+
+
+def test_rung_steps_time_after_the_first(monkeypatch):
+    """A rung of several steps reports the median of those after the first; every step's time and loss are kept."""
+    times = iter([9.0, 9.0, 9.0, 5.0, 1.0, 2.0, 4.0])  # warm-ups (2) and the timed step, then one rung of 4
+    step = StepRunner.step
+
+    def timed(self):
+        record = step(self)
+        record["step_time_s"] = next(times)
+        record["tokens_per_s"] = record["tokens"] / record["step_time_s"]
+        return record
+
+    monkeypatch.setattr(StepRunner, "step", timed)
+    profile = load_profile("tiny", ["data.corpus_documents=100", "train.micro_batch_size=1"])
+    result = sweep_lengths(profile, [96], timed_length=64, timed_steps=1, on_line=lambda line: None, rung_steps=4)
+    (rung,) = result["ladder"]
+    assert rung["step_times_s"] == [5.0, 1.0, 2.0, 4.0] and len(rung["losses"]) == 4
+    assert rung["step_time_s"] == 2.0  # median of 1, 2, 4: the first step's 5 s left out
+
+
+def test_plot_draws_the_ladder(tmp_path):
+    from moe_tune.engine.bench.memory_sweep import plot_ladder
+
+    result = dict(profile="bench-hybrid-1m", memory_policy="max-context", timed_length=32768,
+                  timed=dict(tokens_per_s=1000.0, peak_memory_bytes=10**10),
+                  ladder=[dict(seq_len=65536, outcome="trained", tokens_per_s=900.0, peak_memory_bytes=2 * 10**10),
+                          dict(seq_len=131072, outcome="out of memory")],
+                  machine="NVIDIA H200", commit="abc1234", date="2026-12-02")  # fmt: skip
+    path = tmp_path / "ladder.png"
+    plot_ladder(result, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_refused_before_running(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from moe_tune.engine.bench import memory_sweep
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "matplotlib" else find_spec(name))
+    with pytest.raises(SystemExit) as exc:
+        memory_sweep.main([str(tmp_path / "out.json"), "--plot", str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "--plot" in err and "needs matplotlib" in err
+    assert not (tmp_path / "out.json").exists()
