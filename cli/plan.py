@@ -23,10 +23,12 @@ MEMORY_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 MEMORY_PATTERN = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*", re.IGNORECASE)
-# Rich falls back to 80 columns when stdout is not a terminal; the table needs about this many, and the
-# context-parallel column (parallel.context_parallel > 1) about CONTEXT_COLUMN_WIDTH more.
+# Rich falls back to 80 columns when stdout is not a terminal; the table needs about this many, the
+# context-parallel column (parallel.context_parallel > 1) about CONTEXT_COLUMN_WIDTH more, and the host tier's two
+# (a memory policy that offloads) about HOST_COLUMNS_WIDTH.
 TABLE_WIDTH = 160
 CONTEXT_COLUMN_WIDTH = 16
+HOST_COLUMNS_WIDTH = 24
 
 
 def parse_memory(text: str) -> int | None:
@@ -111,17 +113,41 @@ def _summary(result: Plan) -> list[str]:
         f"activations {format_bytes(acts.total)} = layers {format_bytes(acts.layers)} + head "
         f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}{context}"
     )
+    if acts.host:
+        lines += _host_lines(result)
     return lines
+
+
+def _host_lines(result: Plan) -> list[str]:
+    """The memory policy's host tier: what it holds, and the swaps' bytes and time per step."""
+    from moe_tune.engine.parallel.plan import PINNED_D2H_BYTES_PER_S, PINNED_H2D_BYTES_PER_S
+
+    acts, lay = result.activations, result.layouts[0]
+    classes = ", ".join(f"{'past the GPU budget' if name == 'budget' else name} {format_bytes(size)}"
+                        for name, size in acts.host_by_class.items())  # fmt: skip
+    return [
+        f"host memory {format_bytes(lay.host_memory)} per device: a pinned pool for {format_bytes(acts.host)} of the "
+        f"layers' saved tensors ({classes})",
+        f"on the GPU the layers hold at most {format_bytes(acts.layers)}: {format_bytes(acts.prefetch)} swapped in, "
+        f"{format_bytes(acts.recompute)} recomputed at a time",
+        f"swap per step {format_bytes(lay.swap_per_step)} each way: {lay.swap_out_s:.2f} s out at "
+        f"{format_bytes(PINNED_D2H_BYTES_PER_S)}/s, {lay.swap_in_s:.2f} s back at "
+        f"{format_bytes(PINNED_H2D_BYTES_PER_S)}/s (the H200's pinned-copy bandwidth)",
+    ]
 
 
 def _table(result: Plan) -> Table:
     table = Table(title="per device, best layout first", title_justify="left")
     has_context = result.context_parallel > 1
+    has_host = result.activations.host > 0
     for header in ("data x expert", "experts/dev", "dense", "experts", "LoRA", "grads", "optimizer", "activations",
                    "gathered", "total", "fits", "all-to-all/step", "ZeRO-3/step"):  # fmt: skip
         table.add_column(header, justify="left" if header == "data x expert" else "right", no_wrap=True)
     if has_context:
         table.add_column("context/step", justify="right", no_wrap=True)
+    if has_host:
+        table.add_column("host", justify="right", no_wrap=True)
+        table.add_column("swap/step", justify="right", no_wrap=True)
     for lay in result.layouts:
         name = f"{lay.data_parallel} x {lay.expert_parallel}" + (" *" if lay.is_profile_layout else "")
         sizes = (lay.dense_weights, lay.expert_weights, lay.lora_weights, lay.gradients, lay.optimizer,
@@ -130,6 +156,8 @@ def _table(result: Plan) -> Table:
         traffic = (format_bytes(lay.all_to_all_per_step), format_bytes(lay.zero3_per_step))
         if has_context:
             traffic += (format_bytes(lay.context_per_step),)
+        if has_host:
+            traffic += (format_bytes(lay.host_memory), format_bytes(lay.swap_per_step))
         table.add_row(name, str(lay.experts_per_device), *map(format_bytes, sizes), fits, *traffic)
     return table
 
@@ -171,7 +199,8 @@ def plan(
         result = plan_layouts(job, num_devices, memory)
     console = Console(highlight=False)
     if not console.is_terminal:
-        console.width = TABLE_WIDTH + (CONTEXT_COLUMN_WIDTH if result.context_parallel > 1 else 0)
+        console.width = (TABLE_WIDTH + (CONTEXT_COLUMN_WIDTH if result.context_parallel > 1 else 0)
+                         + (HOST_COLUMNS_WIDTH if result.activations.host else 0))  # fmt: skip
     for line in _summary(result):
         console.print(line, markup=False)
     console.print(_table(result))

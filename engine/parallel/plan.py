@@ -19,6 +19,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from moe_tune.engine.memory.policy import MemoryPolicy, resolve_policy
+from moe_tune.engine.memory.store import HOST_CHUNK_BYTES
 from moe_tune.ops.cross_entropy.autograd import default_chunk_size
 from moe_tune.ops.fp8 import num_blocks
 from moe_tune.profiles import ProfileError
@@ -68,6 +70,10 @@ ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE = 2
 # Context parallelism: a gathered tensor with a gradient is gathered in forward and its gradient reduce-scattered in
 # backward, each moving (c - 1) / c of the whole gathered tensor into a device.
 CONTEXT_GATHERS_WITH_GRADIENT = 2
+# Pinned device-to-host and host-to-device copy bandwidth measured on the H200 (docs/PERF.md, "pinned host-to-device
+# / device-to-host 52 / 55 GB/s"): the time the plan gives the memory policy's swaps.
+PINNED_D2H_BYTES_PER_S = 55 * 10**9
+PINNED_H2D_BYTES_PER_S = 52 * 10**9
 # PEFT's name for the adapter moe-tune injects (one adapter per run).
 ADAPTER_NAME = "default"
 # The module name that makes PEFT put the per-expert LoRA layer on the routed experts (engine/lora).
@@ -306,6 +312,14 @@ class ActivationBytes:
     # Context parallelism: the token mixers' gathered tensors (the row's keys and values, the linear layers' state
     # summaries and halos) kept until backward; one layer's with activation checkpointing. 0 when c is 1.
     context: int = 0
+    # The memory policy (engine/memory): saved tensors of the layers it sends to pinned host memory (offloaded
+    # classes, and what passes the GPU budget), by class; `layers` holds only what stays on the GPU.
+    host: int = 0
+    host_by_class: dict[str, int] = field(default_factory=dict)
+    # Of `layers`: the offloaded tensors on the GPU at once (the layer backward runs and the prefetch_layers layers
+    # being swapped in below it), and the largest module or sequence chunk backward recomputes.
+    prefetch: int = 0
+    recompute: int = 0
 
     @property
     def total(self) -> int:
@@ -557,6 +571,175 @@ def _chunk_activation_elems(cfg: ModelProfile, spec: LayerSpec, chunk: int, lora
     return low + chunk * cfg.hidden_size, wide
 
 
+class Saved(NamedTuple):
+    """`count` saved tensors of `nbytes` each, saved under operator class `klass` (engine/memory's classes: the class
+    of the module whose code saves them, or of the module enclosing a recomputed module whose inputs they are)."""
+
+    klass: str
+    nbytes: int
+    count: int = 1
+
+
+class LayerSaves(NamedTuple):
+    """What one decoder layer saves for backward under a memory policy: the tensors that stay saved, and the bytes
+    of each region that backward recomputes (one at a time)."""
+
+    saved: list[Saved]
+    recomputed: list[int]
+
+
+def _layer_saves(
+    cfg: ModelProfile, spec: LayerSpec, t: int, lora_ranks: LayerRanks, lora_r: int, classes: dict[str, str],
+    dtype_bytes: int, is_chunked: bool = False, mixer_chunk: int | None = None, is_mixer_recomputed: bool = False,
+) -> LayerSaves:  # fmt: skip
+    """The tensors of _layer_activation_elems one by one, each under its operator class, with `classes` (the
+    resolved policy's choice per class) applied: the tensors of a recomputed class's modules are dropped (their
+    inputs stay, under the enclosing module's class) and backward rebuilds each such module's in turn; an offloaded
+    linear-attention layer does not keep its op's kernel intermediates, which its backward recomputes. With every
+    class `save` the bytes are _layer_activation_elems's (tests/engine/test_plan.py checks it)."""
+    b, d = dtype_bytes, cfg.hidden_size
+    saved: list[Saved] = []
+    recomputed: list[int] = []
+    is_recomputed = {name: choice == "recompute" for name, choice in classes.items()}
+    norm_class = "activation" if is_recomputed["norm"] else "norm"
+    is_mixer_own_chunk = mixer_chunk is not None or is_mixer_recomputed
+    # The layer's input (the first norm's) and the first norm's output (the token mixer's input: its projections',
+    # or the input of the recomputed mixer kept by its checkpoint).
+    saved.append(Saved(norm_class, t * d * b))
+    if is_mixer_own_chunk:
+        saved.append(Saved("attention", t * d * b))
+    else:
+        saved.append(Saved("activation" if is_recomputed["attention"] else "linear", t * d * b))
+    # The hidden state after attention: the second norm's input, or the per-token chunks' input rows.
+    saved.append(Saved("activation" if is_chunked else norm_class, t * d * b))
+    if mixer_chunk is not None:
+        saved += _chunked_mixer_saves(cfg, spec, t, mixer_chunk, b)
+    elif not is_mixer_recomputed:
+        mixer, lora, intermediates = _token_mixer_saves(cfg, spec, t, lora_ranks, lora_r, b)
+        if is_recomputed["attention"]:
+            recomputed.append(_saved_bytes(mixer + lora + intermediates))
+        else:
+            saved += mixer + lora
+            if classes["attention"] == "offload":
+                recomputed.append(_saved_bytes(intermediates))
+            else:
+                saved += intermediates
+    if not is_chunked:
+        saved_channel, recomputed_channel = _channel_mixer_saves(cfg, spec, t, lora_ranks, lora_r, is_recomputed, b)
+        saved += saved_channel
+        recomputed += recomputed_channel
+    return LayerSaves([s for s in saved if s.nbytes and s.count], recomputed)
+
+
+def _saved_bytes(saved: list[Saved]) -> int:
+    return sum(s.nbytes * s.count for s in saved)
+
+
+def _token_mixer_saves(
+    cfg: ModelProfile, spec: LayerSpec, t: int, lora_ranks: LayerRanks, lora_r: int, b: int
+) -> tuple[list[Saved], list[Saved], list[Saved]]:  # fmt: skip
+    """The tensors of _token_mixer_elems: (the mixer's own, its linears' LoRA products, a linear-attention op's kernel
+    intermediates)."""
+    mixer: list[Saved] = []
+    intermediates: list[Saved] = []
+    if spec.attention == "linear":
+        la = cfg.linear_attention
+        assert la is not None, "the schema requires model.linear_attention for linear layers"
+        hv, k, v = la.num_value_heads, la.key_head_dim, la.value_head_dim
+        conv_width = 2 * la.num_key_heads * k + hv * v
+        decay_width = hv * k if la.decay == "per_channel" else hv
+        mixer += [Saved("attention", t * conv_width * b, 2), Saved("attention", t * hv * k * b, 2),
+                  Saved("attention", t * hv * v * b, 3), Saved("attention", t * hv * FP32_BYTES),
+                  Saved("attention", t * decay_width * FP32_BYTES, 2)]  # fmt: skip
+        num_chunks = -(-t // LINEAR_ATTENTION_CHUNK)
+        intermediates += [Saved("attention", t * hv * k * b, 3), Saved("attention", t * hv * v * b),
+                          Saved("attention", t * hv * LINEAR_ATTENTION_CHUNK * b, 2),
+                          Saved("attention", num_chunks * hv * k * v * b),
+                          Saved("attention", t * decay_width * FP32_BYTES)]  # fmt: skip
+    elif spec.attention in ("mla", "mla_sparse"):
+        mla = cfg.mla
+        assert mla is not None, "the schema requires model.mla for mla layers"
+        h, rq, rkv = cfg.num_attention_heads, mla.q_lora_rank or 0, mla.kv_lora_rank
+        dr, qk_dim = mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        mixer += [Saved("attention", t * rq * b, 2), Saved("attention", t * h * qk_dim * b),
+                  Saved("attention", t * (rkv + dr) * b), Saved("attention", t * rkv * b),
+                  Saved("attention", t * h * (mla.qk_nope_head_dim + mla.v_head_dim) * b),
+                  Saved("attention", t * h * qk_dim * b, 2), Saved("attention", t * h * mla.v_head_dim * b),
+                  Saved("attention", t * h * FP32_BYTES)]  # fmt: skip
+        if spec.attention == "mla_sparse":
+            sa = cfg.sparse_attention
+            assert sa is not None, "the schema requires model.sparse_attention for mla_sparse layers"
+            mixer.append(Saved("attention", t * (sa.topk // sa.block_size) * INDEX_BYTES))
+    else:
+        h, g, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        mixer += [Saved("attention", t * 2 * h * hd * b), Saved("attention", t * g * hd * b, 2),
+                  Saved("attention", t * h * hd * b), Saved("attention", t * g * hd * b),
+                  Saved("attention", t * h * hd * b, 2), Saved("attention", t * h * FP32_BYTES)]  # fmt: skip
+        if spec.attention == "sparse":
+            sa = cfg.sparse_attention
+            assert sa is not None, "the schema requires model.sparse_attention for sparse layers"
+            mixer.append(Saved("attention", t * (sa.topk // sa.block_size) * INDEX_BYTES))
+    lora = [Saved("linear", t * lora_r * b, lora_ranks.token_mixer // lora_r)] if lora_ranks.token_mixer else []
+    return mixer, lora, intermediates
+
+
+def _chunked_mixer_saves(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int, b: int) -> list[Saved]:
+    """The tensors of _chunked_mixer_elems, saved inside the token mixer (class attention)."""
+    if spec.attention in ("linear", "kda"):
+        h, k, v = _linear_state_dims(cfg, spec)
+        return [Saved("attention", h * k * v * FP32_BYTES, -(-t // chunk))]
+    sa = cfg.sparse_attention
+    index_keys = [Saved("attention", t * sa.index_head_dim * b)] if sa is not None and spec.attention != "full" else []
+    if spec.attention in ("mla", "mla_sparse"):
+        mla = cfg.mla
+        assert mla is not None, "the schema requires model.mla for mla layers"
+        latent = [Saved("attention", t * mla.kv_lora_rank * b), Saved("attention", t * mla.qk_rope_head_dim * b)]
+        return latent + index_keys
+    return [Saved("attention", t * cfg.num_key_value_heads * cfg.head_dim * b, 2)] + index_keys
+
+
+def _channel_mixer_saves(
+    cfg: ModelProfile, spec: LayerSpec, t: int, lora_ranks: LayerRanks, lora_r: int, is_recomputed: dict[str, bool],
+    b: int,
+) -> tuple[list[Saved], list[int]]:  # fmt: skip
+    """The tensors of _channel_mixer_elems and the second norm's output, with recomputed classes dropped: `router`
+    reruns the whole MoE block; `experts` the grouped experts (their input, the dispatched rows, and their output stay,
+    saved by the block's own code: class router); `activation` the shared expert's or dense MLP's SwiGLU."""
+    d = cfg.hidden_size
+    lora = [Saved("linear", t * lora_r * b, lora_ranks.channel_mixer // lora_r)] if lora_ranks.channel_mixer else []
+    if spec.mlp == "dense":
+        swiglu = [Saved("activation", t * cfg.intermediate_size * b, 3)]
+        if is_recomputed["activation"]:
+            return [Saved("activation", t * d * b)], [_saved_bytes(swiglu + lora)]
+        return [Saved("linear", t * d * b)] + swiglu + lora, []
+    moe = cfg.moe
+    assert moe is not None, "the schema requires model.moe for moe layers"
+    k, f, fs = moe.top_k, moe.expert_intermediate_size, moe.shared_expert_intermediate_size
+    routed = t * k
+    block = [Saved("router", t * moe.num_experts * FP32_BYTES), Saved("router", t * k * FP32_BYTES)]
+    if fs and moe.shared_expert_gate:
+        block.append(Saved("router", t * b))
+    experts = [Saved("experts", routed * 2 * f * b), Saved("experts", routed * f * b)]
+    if lora_ranks.experts:
+        experts.append(Saved("experts", routed * lora_ranks.experts * b, 2))
+    # The dispatched rows and the experts' outputs: saved by the experts, or by the block around recomputed experts.
+    ends_class = "router" if is_recomputed["experts"] else "experts"
+    ends = [Saved(ends_class, routed * d * b, 2)]
+    shared = [Saved("activation", t * fs * b, 3)] if fs else []
+    if is_recomputed["router"]:
+        return [Saved("activation", t * d * b)], [_saved_bytes(block + experts + ends + shared + lora)]
+    saved, recomputed = [Saved("linear", t * d * b)] + block + ends + lora, []
+    if is_recomputed["experts"]:
+        recomputed.append(_saved_bytes(experts))
+    else:
+        saved += experts
+    if is_recomputed["activation"] and shared:
+        recomputed.append(_saved_bytes(shared))
+    else:
+        saved += shared
+    return saved, recomputed
+
+
 def _lora_ranks_per_layer(cfg: ModelProfile, added: list[Param], r: int) -> list[LayerRanks]:
     ranks = [[0, 0, 0] for _ in cfg.layers]
     for p in added:
@@ -612,13 +795,21 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     # exchange whole shares), is their one chunk, recomputed whole (engine/model/mixer_chunks.py).
     mixer_chunk = chunk if c == 1 else None
     is_share_recomputed = job.memory.sequence_chunk_tokens is not None and mixer_chunk is None
-    per_layer, per_chunk = [], [0]
+    policy = resolve_policy(job.memory)
+    # Without the manager (whole layers recomputed, or a policy that keeps everything) the layers keep it all.
+    is_managed = not job.memory.activation_checkpointing and not policy.keeps_everything
+    per_layer, per_chunk, layer_saves = [], [0], []
     for spec, lora_ranks in zip(cfg.layers, ranks):
         low, wide = _layer_activation_elems(
             cfg, spec, t, lora_ranks, is_chunked=chunk is not None, mixer_chunk=mixer_chunk,
             is_mixer_recomputed=is_share_recomputed,
         )  # fmt: skip
         per_layer.append(low * b + wide * FP32_BYTES)
+        if is_managed:
+            layer_saves.append(_layer_saves(
+                cfg, spec, t, lora_ranks, job.lora.r, policy.classes, b, is_chunked=chunk is not None,
+                mixer_chunk=mixer_chunk, is_mixer_recomputed=is_share_recomputed,
+            ))  # fmt: skip
         if is_share_recomputed:
             low, wide = _token_mixer_elems(cfg, spec, t, lora_ranks)
             per_chunk.append(low * b + wide * FP32_BYTES)
@@ -629,13 +820,18 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
             # Backward recomputes a mixer chunk or a per-token chunk at a time, never both.
             low, wide = _mixer_chunk_elems(cfg, spec, t, mixer_chunk, lora_ranks)
             per_chunk.append(low * b + wide * FP32_BYTES)
+    tiers = PolicyTiers(0, 0, {}, 0, 0)
     if job.memory.activation_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time.
         layers = len(cfg.layers) * t * cfg.hidden_size * b + max(per_layer)
+    elif is_managed:
+        tiers = policy_tiers(layer_saves, policy)
+        layers = tiers.gpu
     else:
         layers = sum(per_layer)
-    # Backward recomputes one sequence chunk at a time.
-    layers += max(per_chunk)
+    # Backward recomputes one sequence chunk, or one module of a recomputed class, at a time.
+    recompute = max(max(per_chunk), tiers.recompute)
+    layers += recompute
     head = 2 * t * cfg.hidden_size * b
     if _head_has_lora(job.lora):
         # The model computes the full logits through the adapted head: [T, V] in the training dtype and in fp32.
@@ -655,7 +851,62 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     # Under activation checkpointing (or with the token mixers' shares recomputed) a layer's gathers exist while
     # backward recomputes it, one layer at a time.
     context = max(kept) if job.memory.activation_checkpointing or is_share_recomputed else sum(kept)
-    return ActivationBytes(layers=layers, head=head, transient=transient, context=context)
+    return ActivationBytes(layers=layers, head=head, transient=transient, context=context, host=tiers.host,
+                           host_by_class=tiers.host_by_class, prefetch=tiers.prefetch, recompute=recompute)
+
+
+class PolicyTiers(NamedTuple):
+    """Where the memory policy puts the layers' saved tensors (bytes, one micro-batch)."""
+
+    gpu: int  # the most the layers' saved tensors take on the GPU at once, the prefetch window included
+    host: int  # in pinned host memory
+    host_by_class: dict[str, int]  # the offloaded classes' bytes, and "budget": what passed the GPU budget
+    prefetch: int  # of gpu: the offloaded bytes swapped in at that moment
+    recompute: int  # the largest module backward recomputes
+
+
+def policy_tiers(layers: list[LayerSaves], policy: MemoryPolicy) -> PolicyTiers:
+    """engine/memory's placement of each layer's saved tensors (TieredStore.pack): smaller than min_offload_mb they
+    stay on the GPU; an offloaded class's go to the host; the others stay on the GPU, or with a GPU budget count
+    against it, and what passes it moves to the host, first saved first (the lowest layers). Forward holds a layer's
+    tensors until the layer ends; when backward starts layer L it swaps in layers L - 1 ... L - prefetch_layers, and
+    the layers above L have freed theirs: backward at L holds what layers 0 ... L keep on the GPU and the host bytes
+    of layers L - prefetch_layers ... L. The largest such sum is the layers' GPU peak."""
+    threshold = max(policy.min_offload_bytes, 1)
+    gpu, budgeted, host = [], [], []
+    by_class: dict[str, int] = {}
+    for layer in layers:
+        to_gpu = to_budget = to_host = 0
+        for s in layer.saved:
+            size = s.nbytes * s.count
+            if s.nbytes < threshold:
+                to_gpu += size
+            elif policy.choice(s.klass) == "offload":
+                to_host += size
+                by_class[s.klass] = by_class.get(s.klass, 0) + size
+            elif policy.gpu_budget_bytes is not None:
+                to_budget += size
+            else:
+                to_gpu += size
+        gpu.append(to_gpu)
+        budgeted.append(to_budget)
+        host.append(to_host)
+    evict = max(0, sum(budgeted) - (policy.gpu_budget_bytes or 0))
+    for index, size in enumerate(budgeted):
+        moved = min(evict, size)
+        gpu[index] += size - moved
+        host[index] += moved
+        if moved:
+            by_class["budget"] = by_class.get("budget", 0) + moved
+        evict -= moved
+    depth = policy.prefetch_layers
+    peak = prefetch = 0
+    for top in range(len(layers)):
+        window = sum(host[max(0, top - depth) : top + 1])
+        if sum(gpu[: top + 1]) + window > peak:
+            peak, prefetch = sum(gpu[: top + 1]) + window, window
+    recompute = max((size for layer in layers for size in layer.recomputed), default=0)
+    return PolicyTiers(peak, sum(host), by_class, prefetch, recompute)
 
 
 @dataclass(frozen=True)
@@ -680,6 +931,12 @@ class Layout:
     # Bytes this device receives per step in its context group's gathers (keys and values, state summaries, halos)
     # and their backward; 0 without context parallelism.
     context_per_step: int = 0
+    # The memory policy's host tier: the pinned pool (the offloaded bytes in whole HOST_CHUNK_BYTES chunks), the bytes
+    # copied each way per step (out in forward, back in backward), and their time at the pinned-copy bandwidth.
+    host_memory: int = 0
+    swap_per_step: int = 0
+    swap_out_s: float = 0.0
+    swap_in_s: float = 0.0
 
     @property
     def traffic_per_step(self) -> int:
@@ -773,6 +1030,9 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     if sequence_chunk(job) is not None:
         all_to_alls += ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE
     all_params = base + added
+    # One pool serves every micro-batch of a step; each copies its offloaded bytes out and back.
+    host_pool = _divide(acts.host, HOST_CHUNK_BYTES) * HOST_CHUNK_BYTES
+    swap = accumulation * acts.host
     layouts = []
     # ep divides num_experts: no layout has more expert-parallel ranks than experts.
     for ep in range(1, min(num_devices, num_experts) + 1):
@@ -816,6 +1076,10 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
                 all_to_all_per_step=all_to_all,
                 zero3_per_step=round(accumulation * (gather + reduce)),
                 context_per_step=round(accumulation * context_bytes),
+                host_memory=host_pool,
+                swap_per_step=swap,
+                swap_out_s=swap / PINNED_D2H_BYTES_PER_S,
+                swap_in_s=swap / PINNED_H2D_BYTES_PER_S,
             )
         )
     layouts.sort(key=lambda lay: (not lay.fits, lay.traffic_per_step, lay.total, lay.expert_parallel))

@@ -104,3 +104,23 @@ def test_plan_bad_arguments_exit_2_with_one_line(args, message):
 )
 def test_parse_memory(text, size):
     assert parse_memory(text) == size
+
+
+def test_plan_shows_the_memory_policys_host_tier(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["plan", "tiny", "--devices", "2", "--set", "memory.preset=max-context", "--set", "memory.min_offload_mb=0",
+            "--json", str(out)]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    acts, lay = plan["activations"], plan["layouts"][0]
+    assert acts["host"] > 0 and lay["host_memory"] == 256 * 2**20 and lay["swap_per_step"] == acts["host"]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("host memory 268 MB per device: a pinned pool for ") for line in lines), result.output
+    assert any(line.startswith("swap per step ") and "s out at 55 GB/s" in line and "s back at 52 GB/s" in line
+               for line in lines), result.output  # fmt: skip
+    header = next(line for line in lines if "data x expert" in line)
+    assert "host" in header and "swap/step" in header
+    # A policy that moves nothing prints neither.
+    plain = runner.invoke(app, ["plan", "tiny", "--devices", "2"]).stdout
+    assert "host memory" not in plain and "swap/step" not in plain

@@ -464,7 +464,8 @@ def test_chunked_token_mixers_grow_only_by_what_they_keep_a_token():
 def test_bench_hybrid_million_token_step_plans_within_one_h200():
     # bench-hybrid-1m at 1048576 tokens with its token mixers in chunks of 32768: with whole-layer checkpointing one
     # H200 holds the step (the issue's target: under 130 GB); unchunked token mixers alone would not fit.
-    overrides = ["data.seq_len=1048576", "memory.preset=none", "memory.activation_checkpointing=true"]
+    overrides = ["data.seq_len=1048576", "memory.preset=none", "memory.gpu_budget_gb=null",
+                 "memory.activation_checkpointing=true"]  # fmt: skip
     plan = plan_layouts(load_profile("bench-hybrid-1m", overrides), 1, 141 * GB)
     assert plan.layouts[0].fits and plan.layouts[0].total < 130 * GB
     # A linear layer's tensors over the row, unchunked, exceed the whole chunked step's activations.
@@ -490,3 +491,97 @@ def test_context_parallel_shares_are_the_token_mixers_one_chunk(checkpointing):
         assert {lay.context_per_step for lay in plan.layouts} == {round(accumulation * per_micro_batch * (c - 1) / c)}
     unset = activation_bytes(load_profile("tiny", base))
     assert unset.context == (keys_values + index_keys if checkpointing else 3 * linear + keys_values + index_keys)
+
+
+# The memory policy (engine/memory) on the tiny model: T = 4 x 128 tokens, D 64, fp32, LoRA r 16 on the attention
+# and MLP linears and the routed experts. Its tensors are all under 1 MB, so min_offload_mb=0 lets every one move.
+TINY_TOKENS = 4 * 128
+MOVE_ALL = "memory.min_offload_mb=0"
+THREE_FULL_LAYERS = ("model.layers=[{attention: full, mlp: moe}, {attention: full, mlp: moe}, {attention: full, mlp: "
+                     "moe}]", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
+# One full-attention mixer's saved bytes (fp32): q_proj's output (query and gate) 2 H hd, k and v 2 G hd, q and k
+# after norm and RoPE (H + G) hd, the output and the gated output 2 H hd, the log-sum-exp H, and x A of q, k, v, o.
+TINY_FULL_MIXER = TINY_TOKENS * ((2 * 4 * 16 + 2 * 2 * 16) + (4 + 2) * 16 + 2 * 4 * 16 + 4 + 4 * 16) * 4
+# One MoE layer's routed experts (fp32): the T k dispatched rows and outputs 2 D, gate_up 2 F, the SwiGLU product F,
+# x A of both projections 2 r.
+TINY_EXPERTS = TINY_TOKENS * 2 * (2 * 64 + 3 * 32 + 2 * 16) * 4
+
+
+def test_preset_none_plans_what_every_saved_tensor_takes():
+    # A budget never reached keeps every tensor on the GPU: the policy's tensor-by-tensor count is the plain one, for
+    # every layer kind and with sequence chunks of the per-token part and of the token mixers.
+    targets = "lora.target_modules=[o_proj, up_proj]"
+    chunked = ["data.seq_len=512", "memory.sequence_chunk_tokens=300"]
+    cases = [[*v, targets] for v in VARIANTS.values()] + list(LORA_VARIANTS.values())
+    cases += [chunked, [*VARIANTS["mla"], targets, *chunked], ["memory.sequence_chunk_tokens=512"]]
+    for overrides in cases:
+        plain = activation_bytes(load_profile("tiny", overrides))
+        budget = activation_bytes(load_profile("tiny", [*overrides, MOVE_ALL, "memory.gpu_budget_gb=1000"]))
+        assert (plain.host, plain.prefetch, plain.host_by_class) == (0, 0, {})
+        assert budget == plain, overrides
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_offloaded_classes_move_their_bytes_to_host(depth):
+    plain = activation_bytes(load_profile("tiny"))
+    job = load_profile("tiny", ["memory.experts=offload", MOVE_ALL, f"memory.prefetch_layers={depth}"])
+    offloaded = activation_bytes(job)
+    assert offloaded.host == 4 * TINY_EXPERTS and offloaded.host_by_class == {"experts": 4 * TINY_EXPERTS}
+    # Backward at the top layer holds every layer's GPU tensors and swaps in its own and depth more layers' experts.
+    assert offloaded.prefetch == (depth + 1) * TINY_EXPERTS
+    assert offloaded.layers == plain.layers - offloaded.host + offloaded.prefetch
+    assert (offloaded.head, offloaded.transient, offloaded.recompute) == (plain.head, plain.transient, 0)
+    # Tensors under min_offload_mb stay: every tiny tensor is under the default 1 MB.
+    assert activation_bytes(load_profile("tiny", ["memory.experts=offload"])) == plain
+
+
+def test_recomputed_classes_leave_their_largest_module_for_backward():
+    plain = activation_bytes(load_profile("tiny", [*THREE_FULL_LAYERS]))
+    recomputed = activation_bytes(load_profile("tiny", [*THREE_FULL_LAYERS, "memory.attention=recompute"]))
+    # The three mixers' tensors are dropped (their input stays, saved for the recompute), one is rebuilt at a time.
+    assert recomputed.recompute == TINY_FULL_MIXER
+    assert recomputed.layers == plain.layers - 3 * TINY_FULL_MIXER + TINY_FULL_MIXER
+    assert recomputed.host == 0
+
+
+def test_gpu_budget_caps_what_stays_and_moves_the_lowest_layers_first():
+    plain = activation_bytes(load_profile("tiny"))
+    budget = plain.layers // 2
+    job = load_profile("tiny", [MOVE_ALL, "memory.prefetch_layers=0", f"memory.gpu_budget_gb={budget / GB}"])
+    capped = activation_bytes(job)
+    kept = int(budget / GB * GB)
+    assert capped.host == plain.layers - kept and capped.host_by_class == {"budget": capped.host}
+    # Half the bytes stay: the top layers', whole; backward at the top holds them all and swaps in nothing.
+    assert (capped.layers, capped.prefetch) == (kept, 0)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_max_context_keeps_only_the_prefetch_window_and_one_recompute(depth):
+    plain = activation_bytes(load_profile("tiny", [*THREE_FULL_LAYERS]))
+    job = load_profile("tiny", [*THREE_FULL_LAYERS, "memory.preset=max-context", MOVE_ALL,
+                                f"memory.prefetch_layers={depth}"])  # fmt: skip
+    acts = activation_bytes(job)
+    # Budget 0: every saved tensor the policy keeps is in host memory; the mixers (attention) and the shared experts'
+    # SwiGLU (activation: gate, up and their product, 3 T Fs) are recomputed instead.
+    shared_swiglu = 3 * TINY_TOKENS * 64 * 4
+    assert acts.host == plain.layers - 3 * (TINY_FULL_MIXER + shared_swiglu)
+    assert acts.prefetch == min(depth + 1, 3) * acts.host // 3
+    assert acts.layers == acts.prefetch + TINY_FULL_MIXER and acts.recompute == TINY_FULL_MIXER
+    assert set(acts.host_by_class) == {"budget", "linear", "experts", "router"}
+
+
+def test_plan_reports_the_host_pool_and_the_swaps():
+    from moe_tune.engine.memory.store import HOST_CHUNK_BYTES
+    from moe_tune.engine.parallel.plan import PINNED_D2H_BYTES_PER_S, PINNED_H2D_BYTES_PER_S
+
+    job = load_profile("tiny", ["memory.preset=max-context", MOVE_ALL, "train.gradient_accumulation_steps=3"])
+    plan = plan_layouts(job, 2, 80 * GB)
+    host = plan.activations.host
+    assert 0 < host < HOST_CHUNK_BYTES
+    for lay in plan.layouts:
+        # One pool of whole chunks for every micro-batch; each micro-batch copies its bytes out and back.
+        assert (lay.host_memory, lay.swap_per_step) == (HOST_CHUNK_BYTES, 3 * host)
+        assert (lay.swap_out_s, lay.swap_in_s) == (3 * host / PINNED_D2H_BYTES_PER_S, 3 * host / PINNED_H2D_BYTES_PER_S)
+    assert PINNED_D2H_BYTES_PER_S == 55e9 and PINNED_H2D_BYTES_PER_S == 52e9
+    plain = plan_layouts(load_profile("tiny"), 2, 80 * GB)
+    assert {(lay.host_memory, lay.swap_per_step) for lay in plain.layouts} == {(0, 0)}
