@@ -316,8 +316,9 @@ class ActivationBytes:
     # classes, and what passes the GPU budget), by class; `layers` holds only what stays on the GPU.
     host: int = 0
     host_by_class: dict[str, int] = field(default_factory=dict)
-    # Of `layers`: the offloaded tensors on the GPU at once (the layer backward runs and the prefetch_layers layers
-    # being swapped in below it), and the largest module or sequence chunk backward recomputes.
+    # Of `layers`, under a policy that moves or recomputes (0 otherwise): the offloaded tensors on the GPU at once
+    # (the layer backward runs and the prefetch_layers layers being swapped in below it), and the largest module or
+    # sequence chunk backward recomputes.
     prefetch: int = 0
     recompute: int = 0
 
@@ -852,7 +853,8 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     # backward recomputes it, one layer at a time.
     context = max(kept) if job.memory.activation_checkpointing or is_share_recomputed else sum(kept)
     return ActivationBytes(layers=layers, head=head, transient=transient, context=context, host=tiers.host,
-                           host_by_class=tiers.host_by_class, prefetch=tiers.prefetch, recompute=recompute)
+                           host_by_class=tiers.host_by_class, prefetch=tiers.prefetch,
+                           recompute=recompute if is_managed else 0)
 
 
 class PolicyTiers(NamedTuple):
