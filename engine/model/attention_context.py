@@ -10,8 +10,8 @@ document, so every attention runs on tensors where queries and keys share one fr
 
 - full attention: the first document piece (continued from earlier ranks) is one document whose queries are its
   last tokens (varlen.offset_causal_attention), the pieces begun here are the usual packed documents;
-- top-k sparse attention and its indexers: the ops take queries and keys of one length, so the queries are padded
-  in front by `prefix` rows of zeros that select nothing and whose outputs are dropped. The span's first document
+- top-k sparse attention and its indexers: the ops take the rank's queries as the last T_local of the span's M keys
+  (query_start = `prefix`): no padding, the indexer scores only this rank's queries. The span's first document
   starts at the same token as the row's, so block ids (local to a document) are the row's; token positions are the
   row's minus the span's first token.
 
@@ -100,12 +100,6 @@ class KeySpan:
         parts = span.split(widths, -1) if len(xs) > 1 else (span,)
         return tuple(part.view(1, part.shape[1], *x.shape[2:]) for part, x in zip(parts, xs))
 
-    def pad_queries(self, x: torch.Tensor | None, value: float = 0) -> torch.Tensor | None:
-        """x [1, T_local, ...] -> [1, M, ...]: `prefix` rows of `value` in front (None stays None)."""
-        if x is None or not self.prefix:
-            return x
-        return torch.cat([x.new_full((1, self.prefix, *x.shape[2:]), value), x], 1)
-
     def own_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, M, ...] -> this rank's rows [1, T_local, ...]."""
         return x.narrow(1, self.prefix, self.num_local) if self.prefix else x
@@ -129,20 +123,18 @@ class KeySpan:
     def sparse_attention(self, q, k, v, indices, block_size: int, scale: float | None = None, gate=None):
         """ops.sparse_attention of this rank's queries q [1, T_local, H, K] (gate [1, T_local, H, V] or None) over the
         span's k [1, M, G, K] and v [1, M, G, V]; indices [1, T_local, (G,) S] in the span's convention
-        (`span_indices`) -> [1, T_local, H, V]."""
-        o = sparse_attention(
-            self.pad_queries(q), k, v, self.pad_queries(indices, -1), block_size=block_size, scale=scale,
-            cu_seqlens=self.cu_seqlens, gate=self.pad_queries(gate),
+        (`span_indices`) -> [1, T_local, H, V]: the queries are the span's last T_local tokens (query_start)."""
+        return sparse_attention(
+            q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=self.cu_seqlens, gate=gate,
+            query_start=self.prefix,
         )  # fmt: skip
-        return self.own_rows(o)
 
     @torch.no_grad()
     def topk_indexer(self, q_idx, k_idx, w_idx, **kw) -> torch.Tensor:
         """ops.topk_indexer of this rank's queries q_idx [1, T_local, HI, DI] (weights w_idx [1, T_local, HI] or
-        None) over the span's keys k_idx [1, M, DI] -> [1, T_local, S] in the span's convention."""
-        q_idx, w_idx = self.pad_queries(q_idx), self.pad_queries(w_idx)
-        indices = topk_indexer(q_idx, k_idx, w_idx, cu_seqlens=self.cu_seqlens, **kw)
-        return self.own_rows(indices)
+        None) over the span's keys k_idx [1, M, DI] -> [1, T_local, S] in the span's convention (the queries scored
+        alone, as the span's last T_local tokens)."""
+        return topk_indexer(q_idx, k_idx, w_idx, cu_seqlens=self.cu_seqlens, query_start=self.prefix, **kw)
 
     def row_indices(self, indices: torch.Tensor, block_size: int) -> torch.Tensor:
         """Selected keys in the span's convention -> the row's (token positions move by `first`; block ids, local to

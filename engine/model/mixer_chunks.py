@@ -14,9 +14,9 @@ attention_context.py) inside one process, the slabs run in order:
   queries attends over the keys of its span (KeySpan: from the start of the document its first query belongs to,
   or the first key its window reaches, to its last query), the indexers scoring that chunk's queries over the span's
   indexer keys, made once for the row without gradient. No [T, T] or [T, T / block] tensor exists beyond a chunk's
-  span. The top-k ops (and so sparse, QSA and sparse MLA) take queries and keys of one length: a chunk continuing a
-  document pads its queries in front to its span (KeySpan.pad_queries), rows that select nothing but that the
-  indexer still scores; full attention and MLA take the span as it is (varlen.offset_causal_attention).
+  span. The top-k ops (and so sparse, QSA and sparse MLA) take a chunk's queries as the last C tokens of its span
+  (their query_start: no padding, the indexer scores the chunk's C queries alone); full attention and MLA take the
+  span as it is (varlen.offset_causal_attention).
 
 A row of at most one chunk is the token mixer's one chunk: it runs whole under one activation checkpoint (so a chunked
 mixer is recomputed whatever the row's length, as the memory policy makes no recompute region inside it). So is a

@@ -1,8 +1,8 @@
 """Triton backward of top-k sparse attention: dq query by query, dk and dv key tile by key tile, no atomics.
 
-Legend as kernels_fwd.py; R (query, head) rows of a backward tile = BQ queries x GP heads (GP = G padded to a
-power of two), BKT keys of a key tile, NS key slots (blocks; at token level, key tiles), NC chunks of the slots'
-query lists, P (query, block) pairs.
+Legend as kernels_fwd.py (queries indexed by flat query, their key positions by query_key_position); R (query,
+head) rows of a backward tile = BQ queries x GP heads (GP = G padded to a power of two), BKT keys of a key tile, NS
+key slots (blocks; at token level, key tiles), NC chunks of the slots' query lists, P (query, block) pairs.
 
 1. `_sparse_attn_bwd_dq_kernel`, one program per (query, kv head), the forward's loop again: p from the saved
    lse, dp = do v^T, ds = p (dp - delta), dq += ds k. It also writes delta = rowsum(do * o) [NT, HQ] for step 2.
@@ -11,10 +11,10 @@ query lists, P (query, block) pairs.
    atomics. Each key tile's query list is cut into chunks of at most dkv_chunk_pairs queries (`pair_chunks`), so
    that the tiles visited by the most queries do not serialise the pass; every program writes fp32 partials and
    `_dkv_reduce_kernel` sums them per key tile in chunk order (deterministic).
-   - Token level: key tile = BKT consecutive key positions of a row; queries = every later query of the sequence of
-     the tile's last key, consecutive. Which (query, key) pairs were selected comes from the selection bitmap of
-     the canonicalisation: the BKT / 32 words of each query row, one load per (row, word). The products run for
-     every visited query tile (no branch, so the loads of the next tile can be pipelined).
+   - Token level: key tile = BKT consecutive key positions of a row; queries = every query at a later key position
+     of the sequence of the tile's last key, consecutive. Which (query, key) pairs were selected comes from the
+     selection bitmap of the canonicalisation: the BKT / 32 words of each query row, one load per (row, word). The
+     products run for every visited query tile (no branch, so the loads of the next tile can be pipelined).
    - Block level: key tile = (part of) one block slot; queries = exactly the queries that selected that block,
      read from a key-sorted pair list (CSR: `block_pairs`, one stable sort of the canonical indices), so no
      unselected query is ever visited.
@@ -32,7 +32,13 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.sparse_attention.kernels_fwd import LOG2E, AttentionConfig, num_steps, padded
-from moe_tune.ops.sparse_attention.kernels_select import BITS_PER_WORD, BlockSlots, SequenceLayout, dot_precision
+from moe_tune.ops.sparse_attention.kernels_select import (
+    BITS_PER_WORD,
+    BlockSlots,
+    SequenceLayout,
+    dot_precision,
+    query_key_position,
+)
 
 # Kernels read module globals only when they are constexpr.
 _BITS_PER_WORD = tl.constexpr(BITS_PER_WORD)
@@ -47,18 +53,20 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 def _sparse_attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, idx_ptr, seq_start_ptr, gate_ptr, dq_ptr, delta_ptr, dgate_ptr,
     do_attn_ptr,
-    S, num_steps, qk_scale, scale,
+    S, num_steps, qk_scale, scale, T, TQ,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BKEY: tl.constexpr, IS_BLOCK: tl.constexpr,
     GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """GATED: o is the gated output o_g = o_attn * sigmoid(gate); delta = rowsum(do * o_g) is the same sum for the
-    attention's own gradient do_attn = do * sigmoid(gate), written here for the dk/dv kernel with dgate =
-    do * o_g * (1 - sigmoid(gate))."""
-    t = tl.program_id(0)
+    """One program per (flat query, kv head). GATED: o is the gated output o_g = o_attn * sigmoid(gate);
+    delta = rowsum(do * o_g) is the same sum for the attention's own gradient do_attn = do * sigmoid(gate), written
+    here for the dk/dv kernel with dgate = do * o_g * (1 - sigmoid(gate))."""
+    query = tl.program_id(0)
     h = tl.program_id(1)
-    t64 = t.to(tl.int64)
+    t64 = query.to(tl.int64)
+    # The query's key position.
+    t = query_key_position(query, TQ, T)
     rows = tl.arange(0, GP)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
@@ -140,14 +148,15 @@ def _dkv_tile(
 def _sparse_attn_bwd_dkv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, part_dk_ptr, part_dv_ptr,
     bits_ptr, slot_first_ptr, slot_len_ptr, chunk_slot_ptr, chunk_pair_ptr, chunk_num_ptr, pair_query_ptr,
-    T, NW, NC, NSUB, qk_scale,
+    T, TQ, NW, NC, NSUB, qk_scale,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BKT: tl.constexpr, BQ: tl.constexpr, IS_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """fp32 partial dk (unscaled), dv [H, NC, NSUB, BKT, BK / BV] of (part NSUB of) a key slot over one chunk of its
-    queries. Token level: a slot is a key tile, a chunk's queries are chunk_num consecutive queries from chunk_pair
-    (NSUB 1). Block level: a slot is a block, a chunk lists chunk_num queries at pair_query[chunk_pair:]."""
+    queries. Token level: a slot is a key tile, a chunk's queries are chunk_num consecutive flat queries from
+    chunk_pair (NSUB 1). Block level: a slot is a block, a chunk lists chunk_num flat queries at
+    pair_query[chunk_pair:]."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     h_idx = h % H_IDX
@@ -184,8 +193,9 @@ def _sparse_attn_bwd_dkv_kernel(
         is_row = (q0 + row_query < num_queries) & (row_head < G)
         if IS_BLOCK:
             t_rows = tl.load(pair_query_ptr + pair_lo + q0 + row_query, mask=is_row, other=0)
-            # Every listed query selected the block.
-            is_pair = is_key[:, None] & is_row[None, :] & (k0 + keys[:, None] <= t_rows[None, :])
+            # Every listed query selected the block; it sees the block's keys up to its own key position.
+            t_keys = query_key_position(t_rows, TQ, T)
+            is_pair = is_key[:, None] & is_row[None, :] & (k0 + keys[:, None] <= t_keys[None, :])
         else:
             t_rows = pair_lo + q0 + row_query
             word_ptr = bits_ptr + (t_rows.to(tl.int64) * H_IDX + h_idx) * NW + word0
@@ -251,22 +261,32 @@ def key_tiles(NT: int, T: int, key_tile: int, device) -> tuple[torch.Tensor, tor
     return first.contiguous(), (T - key_in_row).clamp(max=key_tile).to(torch.int32).contiguous()
 
 
-def token_chunking(NT: int, T: int, key_tile: int, min_chunk: int, max_chunks: int) -> tuple[int, int]:
-    """(max_pairs, chunk_pairs) of the token-level key tiles: tile j of a row is visited by at most T - j * key_tile
-    queries (exactly that many without packed documents); chunks take at least min_chunk queries and more when
-    needed to keep their number near max_chunks."""
+def token_chunking(
+    NT: int, T: int, key_tile: int, min_chunk: int, max_chunks: int, TQ: int | None = None
+) -> tuple[int, int]:
+    """(max_pairs, chunk_pairs) of the token-level key tiles: tile j of a row is visited by at most
+    min(TQ, T - j * key_tile) queries (exactly that many without packed documents; TQ the row's queries, default T);
+    chunks take at least min_chunk queries and more when needed to keep their number near max_chunks."""
+    TQ = T if TQ is None else TQ
     tiles_per_row = triton.cdiv(T, key_tile)
-    max_pairs = NT // T * (tiles_per_row * T - key_tile * tiles_per_row * (tiles_per_row - 1) // 2)
+    # Tiles 0 .. num_full - 1 are visited by all TQ queries, the later ones by T - j * key_tile.
+    num_full = min(tiles_per_row, (T - TQ) // key_tile + 1)
+    later_tiles = tiles_per_row - num_full
+    sum_later_j = (num_full + tiles_per_row - 1) * later_tiles // 2
+    max_pairs = NT // T * (num_full * TQ + later_tiles * T - key_tile * sum_later_j)
     return max_pairs, max(min_chunk, triton.cdiv(max_pairs, max_chunks))
 
 
 def block_pairs(
     canon_THS: torch.Tensor, layout: SequenceLayout, slots: BlockSlots
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (query, block) pairs of canonical block ids grouped by block: (pair_query [P] int32, ascending per block;
-    pair_start, pair_end [H', NS] int32, each block slot's range in pair_query). No host sync."""
-    NT, H_idx, S = canon_THS.shape
-    block_first = layout.seq_start.long()[:, None, None] + canon_THS.long() * slots.block_size
+    """The (query, block) pairs of canonical block ids [NQ, H', S] grouped by block: (pair_query [P] int32, flat
+    queries ascending per block; pair_start, pair_end [H', NS] int32, each block slot's range in pair_query). No host
+    sync."""
+    NQ, H_idx, S = canon_THS.shape
+    NT = layout.num_tokens
+    query_seq_start = layout.seq_start if NQ == NT else layout.seq_start[layout.query_positions()]
+    block_first = query_seq_start.long()[:, None, None] + canon_THS.long() * slots.block_size
     head = torch.arange(H_idx, device=canon_THS.device)[None, :, None]
     # Unused slots sort to the end under a key no block has.
     pair_key = torch.where(canon_THS >= 0, head * NT + block_first, H_idx * NT).flatten()
@@ -334,24 +354,27 @@ def sparse_attention_bwd(
     config: AttentionConfig,
     gate_THV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq, dk, dv, dgate) in the inputs' dtype; o_THV is the forward's (gated) output, dgate None without a gate."""
-    NT, HQ, K = q_THK.shape
+    """(dq, dk, dv, dgate) in the inputs' dtype; o_THV is the forward's (gated) output, dgate None without a gate.
+    Queries (q, o, do, lse, canonical indices, bitmap, dq, dgate) [NQ, ...], keys (k, v, dk, dv) [NT, ...]."""
+    NQ, HQ, K = q_THK.shape
+    NT = k_THK.shape[0]
     H, V = k_THK.shape[1], v_THV.shape[2]
     G = HQ // H
     H_idx, S = canon_THS.shape[1:]
     device = q_THK.device
     precision = dot_precision(q_THK.dtype)
-    dq = _alloc((NT, HQ, K), q_THK.dtype, device)
-    delta = _alloc((NT, HQ), torch.float32, device)
+    T, TQ = layout.row_len, layout.queries_per_row
+    dq = _alloc((NQ, HQ, K), q_THK.dtype, device)
+    delta = _alloc((NQ, HQ), torch.float32, device)
     gated = gate_THV is not None
     # With the gate, the dq kernel writes the attention's own output gradient do * sigmoid(gate) for the dk/dv kernel.
-    dgate = _alloc((NT, HQ, V), gate_THV.dtype, device) if gated else None
-    do_attn = _alloc((NT, HQ, V), do_THV.dtype, device) if gated else do_THV
+    dgate = _alloc((NQ, HQ, V), gate_THV.dtype, device) if gated else None
+    do_attn = _alloc((NQ, HQ, V), do_THV.dtype, device) if gated else do_THV
     common = dict(H=H, G=G, GP=padded(G), H_IDX=H_idx, K=K, V=V, BK=padded(K), BV=padded(V), PRECISION=precision)
-    _sparse_attn_bwd_dq_kernel[(NT, H)](
+    _sparse_attn_bwd_dq_kernel[(NQ, H)](
         q_THK, k_THK, v_THV, o_THV, do_THV, lse_TH, canon_THS, layout.seq_start, gate_THV if gated else do_THV,
         dq, delta, dgate if gated else dq, do_attn,
-        S, num_steps(S, block_size, config), scale * LOG2E, scale,
+        S, num_steps(S, block_size, config), scale * LOG2E, scale, T, TQ,
         BS=config.token_tile, BLOCK_SIZE=block_size, BKEY=config.block_key_tile, IS_BLOCK=block_size > 1,
         GATED=gated, **common, **config.launch_dq,
     )  # fmt: skip
@@ -360,18 +383,25 @@ def sparse_attention_bwd(
     group_rows = triton.next_power_of_2(G)
     queries_per_tile = max(1, triton.cdiv(config.dkv_rows, group_rows))
     common.update(GP=group_rows)
-    T = layout.row_len
     if block_size == 1:
         slot_first, slot_len, num_sub = *key_tiles(NT, T, key_tile, device), 1
-        # A key tile's queries: from its first key to the end of the sequence of its last key.
-        pair_start = slot_first[None, :].expand(H_idx, -1).contiguous()
-        pair_end = layout.seq_end[(slot_first + slot_len - 1).long()][None, :].expand(H_idx, -1).contiguous()
-        max_pairs, chunk_pairs = token_chunking(NT, T, key_tile, config.dkv_chunk_pairs, config.dkv_token_chunks)
+        # A key tile's queries: from the query at its first key (or the row's first query) to the one at the end of
+        # the sequence of its last key, as flat queries (query i of row b at key position b * T + T - TQ + i).
+        row_base = slot_first // T * T
+        query_base = slot_first // T * TQ - (T - TQ)
+        pair_start = (query_base + torch.clamp(slot_first - row_base, min=T - TQ)).to(torch.int32)
+        last_end = layout.seq_end[(slot_first + slot_len - 1).long()]
+        pair_end = torch.maximum(query_base + last_end - row_base, pair_start).to(torch.int32)
+        pair_start = pair_start[None, :].expand(H_idx, -1).contiguous()
+        pair_end = pair_end[None, :].expand(H_idx, -1).contiguous()
+        max_pairs, chunk_pairs = token_chunking(
+            NT, T, key_tile, config.dkv_chunk_pairs, config.dkv_token_chunks, TQ
+        )  # fmt: skip
         pair_query = layout.seq_end  # unused at token level
     else:
         slot_first, slot_len, num_sub = slots.first, slots.length, triton.cdiv(block_size, key_tile)
         pair_query, pair_start, pair_end = block_pairs(canon_THS, layout, slots)
-        max_pairs, chunk_pairs = NT * S, config.dkv_chunk_pairs
+        max_pairs, chunk_pairs = NQ * S, config.dkv_chunk_pairs
     chunks = pair_chunks(pair_start, pair_end, max_pairs, chunk_pairs)
     NC = chunks.chunk_slot.shape[1]
     part_shape = (H, NC, num_sub, key_tile)
@@ -380,7 +410,7 @@ def sparse_attention_bwd(
     _sparse_attn_bwd_dkv_kernel[(NC * num_sub, H)](
         q_THK, k_THK, v_THV, do_attn, lse_TH, delta, part_dk, part_dv,
         bits, slot_first, slot_len, chunks.chunk_slot, chunks.chunk_pair, chunks.chunk_num, pair_query,
-        T, bits.shape[2], NC, num_sub, scale * LOG2E,
+        T, TQ, bits.shape[2], NC, num_sub, scale * LOG2E,
         BKT=key_tile, BQ=queries_per_tile, IS_BLOCK=block_size > 1, **common, **config.launch_dkv,
     )  # fmt: skip
     dk = _alloc((NT, H, K), k_THK.dtype, device)

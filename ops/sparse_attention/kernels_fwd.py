@@ -1,6 +1,8 @@
 """Triton forward of top-k sparse attention over canonical indices (kernels_select.canonical_indices).
 
-Legend: NT flat tokens, HQ query heads, H kv heads, G = HQ / H query heads per kv head, GP = G padded to a power of
+Legend: NT flat tokens (keys), NQ flat queries (each row's last TQ tokens: kernels_select.query_key_position gives
+a query's key position, which causality and its sequence read; queries, indices, o and lse are indexed by query),
+HQ query heads, H kv heads, G = HQ / H query heads per kv head, GP = G padded to a power of
 two (at least 16, the smallest tl.dot size), K / V head dims (BK / BV padded), S slots, bs block_size.
 
 One program per (query t, kv head h) holds the G query heads that read kv head h as a [GP, K] tile and runs an
@@ -24,7 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_tune.ops.sparse_attention.kernels_select import MIN_DOT_SIZE, dot_precision
+from moe_tune.ops.sparse_attention.kernels_select import (
+    MIN_DOT_SIZE,
+    SequenceLayout,
+    dot_precision,
+    query_key_position,
+)
 
 # log2(e): the kernels use exp2 with the scale folded in.
 LOG2E = math.log2(math.e)
@@ -108,17 +115,20 @@ def padded(dim: int) -> int:
 @triton.jit
 def _sparse_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, seq_start_ptr, gate_ptr, o_ptr, lse_ptr,
-    S, num_steps, qk_scale,
+    S, num_steps, qk_scale, T, TQ,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, H_IDX: tl.constexpr,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BKEY: tl.constexpr, IS_BLOCK: tl.constexpr,
     GATED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """num_steps: cdiv(S, BS) tiles of slots (token level) or S x cdiv(bs, BKEY) key tiles (block level).
-    GATED: o is multiplied by sigmoid(gate) [NT, HQ, V] before it is stored (the output gate, fused)."""
-    t = tl.program_id(0)
+    """One program per (flat query, kv head). num_steps: cdiv(S, BS) tiles of slots (token level) or
+    S x cdiv(bs, BKEY) key tiles (block level). GATED: o is multiplied by sigmoid(gate) [NQ, HQ, V] before it is
+    stored (the output gate, fused)."""
+    query = tl.program_id(0)
     h = tl.program_id(1)
-    t64 = t.to(tl.int64)
+    t64 = query.to(tl.int64)
+    # The query's key position.
+    t = query_key_position(query, TQ, T)
     rows = tl.arange(0, GP)
     dk = tl.arange(0, BK)
     dv = tl.arange(0, BV)
@@ -181,23 +191,23 @@ def sparse_attention_fwd(
     k_THK: torch.Tensor,
     v_THV: torch.Tensor,
     canon_THS: torch.Tensor,
-    seq_start: torch.Tensor,
+    layout: SequenceLayout,
     block_size: int,
     scale: float,
     config: AttentionConfig,
     gate_THV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [NT, HQ, V] in q's dtype, times sigmoid(gate_THV) when given, and lse [NT, HQ] fp32 in log2 units, of the
-    ungated attention) over canonical indices [NT, H', S]."""
-    NT, HQ, K = q_THK.shape
+    """(o [NQ, HQ, V] in q's dtype, times sigmoid(gate_THV) when given, and lse [NQ, HQ] fp32 in log2 units, of the
+    ungated attention) of queries q_THK [NQ, HQ, K] over keys [NT, H, K / V] and canonical indices [NQ, H', S]."""
+    NQ, HQ, K = q_THK.shape
     H, V = k_THK.shape[1], v_THV.shape[2]
     G = HQ // H
     S = canon_THS.shape[2]
-    o = _alloc((NT, HQ, V), q_THK.dtype, q_THK.device)
-    lse = _alloc((NT, HQ), torch.float32, q_THK.device)
-    _sparse_attn_fwd_kernel[(NT, H)](
-        q_THK, k_THK, v_THV, canon_THS, seq_start, o if gate_THV is None else gate_THV, o, lse,
-        S, num_steps(S, block_size, config), scale * LOG2E,
+    o = _alloc((NQ, HQ, V), q_THK.dtype, q_THK.device)
+    lse = _alloc((NQ, HQ), torch.float32, q_THK.device)
+    _sparse_attn_fwd_kernel[(NQ, H)](
+        q_THK, k_THK, v_THV, canon_THS, layout.seq_start, o if gate_THV is None else gate_THV, o, lse,
+        S, num_steps(S, block_size, config), scale * LOG2E, layout.row_len, layout.queries_per_row,
         H=H, G=G, GP=padded(G), H_IDX=canon_THS.shape[1], K=K, V=V, BK=padded(K), BV=padded(V),
         BS=config.token_tile, BLOCK_SIZE=block_size, BKEY=config.block_key_tile, IS_BLOCK=block_size > 1,
         GATED=gate_THV is not None, PRECISION=dot_precision(q_THK.dtype), **config.launch,

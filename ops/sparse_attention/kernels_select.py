@@ -1,18 +1,23 @@
 """Triton kernels that decide what each query attends: the fused top-k indexer and the index canonicalisation
 that the sparse attention kernels start from; plus the sequence and block layouts both build on the device.
 
-Legend: NT tokens of all rows packed along time (B * T; a batch of B rows is the packed case with cu_seqlens
-(0, T, 2T, ...)), T tokens of one row, N sequences, S selected slots per query, H' index heads of the indices
-(H, or 1 when one index set is shared by all kv heads), NU selectable units of a row (T keys, or ceil(T / bs)
+Legend: NT tokens (keys) of all rows packed along time (B * T; a batch of B rows is the packed case with cu_seqlens
+(0, T, 2T, ...)), T tokens of one row, TQ queries of one row and NQ = B * TQ of all: the last TQ tokens of each row
+(query i of a row at key position Q0 + i of it, Q0 = T - TQ, the op's query_start; TQ = T by default), N
+sequences, S selected slots per query, H' index heads of the indices (H, or 1 when one index set is shared by all kv
+heads), NU selectable units of a row (T keys, or ceil(T / bs)
 blocks), NW = ceil(NU / 32) bit words per query, NS block slots (every block of every sequence, then unused ones),
 HI indexer heads, DI indexer dim, M candidates of one query (its causal keys, or its complete earlier blocks).
+
+Every kernel indexes queries (and their indices, outputs, bitmaps) by flat query and keys by flat key position; a
+query's key position, which decides causality, its sequence and its own block, is `query_key_position`.
 
 Canonical indices (`canonical_indices`): the attention kernels never see raw indices. One program per (query,
 index head) turns its S raw indices into int32 canonical ones: a flat key position (block_size 1) or a block id
 local to the sequence (block_size > 1), -1 where the raw index is unused, out of range, acausal, from another
 sequence, or a repeat of an earlier slot. Repeats are found without sorting: every kept unit sets its bit in the
 query's selection bitmap with an atomic OR, and a slot whose bit was already set is a repeat. The bitmap [NT, H', NW]
-is kept for the token-level backward, which reads it to know which (query, key) pairs were selected.
+is kept for the token-level backward, which reads it to know which (query, key) pairs were selected ([NQ, H', NW]).
 
 Top-k indexer (`topk_indexer_fwd`): two kernels per slab of consecutive queries, the slab's scratch rows reused slab
 after slab, never a [T, T] matrix. `_indexer_scores_kernel`, one program per (group of BQ queries, span of candidate
@@ -107,11 +112,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@triton.jit
+def query_key_position(t, TQ, T):
+    """Flat key position of flat query t: rows of T keys whose last TQ are the queries."""
+    return (t // TQ) * T + (T - TQ) + t % TQ
+
+
 @dataclass(frozen=True)
 class SequenceLayout:
     """Where every flat token's sequence starts and ends, built on the device without a host sync.
 
-    cu_seqlens: [N + 1] int32 over the NT flat tokens. seq_id, seq_start, seq_end: [NT] int32.
+    cu_seqlens: [N + 1] int32 over the NT flat tokens. seq_id, seq_start, seq_end: [NT] int32. row_len T, and
+    queries_per_row TQ (<= T): the queries are each row's last TQ tokens.
     """
 
     cu_seqlens: torch.Tensor
@@ -119,17 +131,30 @@ class SequenceLayout:
     seq_start: torch.Tensor
     seq_end: torch.Tensor
     row_len: int
+    queries_per_row: int
 
     @property
     def num_tokens(self) -> int:
         return self.seq_start.numel()
 
     @property
+    def num_queries(self) -> int:
+        return self.num_tokens // self.row_len * self.queries_per_row if self.row_len else 0
+
+    @property
     def num_seqs(self) -> int:
         return self.cu_seqlens.numel() - 1
 
+    def query_positions(self) -> torch.Tensor:
+        """[NQ] int64: every query's flat key position (query_key_position)."""
+        t = torch.arange(self.num_queries, device=self.seq_start.device)
+        TQ, T = self.queries_per_row, self.row_len
+        return (t // TQ) * T + (T - TQ) + t % TQ
 
-def sequence_layout(cu_seqlens: torch.Tensor | None, batch_size: int, row_len: int, device) -> SequenceLayout:
+
+def sequence_layout(
+    cu_seqlens: torch.Tensor | None, batch_size: int, row_len: int, device, num_queries: int | None = None
+) -> SequenceLayout:
     if cu_seqlens is None:
         cu_seqlens = torch.arange(batch_size + 1, device=device, dtype=torch.int32) * row_len
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
@@ -138,7 +163,8 @@ def sequence_layout(cu_seqlens: torch.Tensor | None, batch_size: int, row_len: i
     seq_id = torch.searchsorted(cu_seqlens[1:], pos, right=True).clamp(max=cu_seqlens.numel() - 2)
     seq_start = cu_seqlens[seq_id].contiguous()
     seq_end = cu_seqlens[seq_id + 1].contiguous()
-    return SequenceLayout(cu_seqlens, seq_id.to(torch.int32).contiguous(), seq_start, seq_end, row_len)
+    queries_per_row = row_len if num_queries is None else num_queries
+    return SequenceLayout(cu_seqlens, seq_id.to(torch.int32).contiguous(), seq_start, seq_end, row_len, queries_per_row)
 
 
 @dataclass(frozen=True)
@@ -187,6 +213,7 @@ def _canonical_indices_kernel(
     bits_ptr,
     seq_start_ptr,
     T,
+    TQ,
     S,
     NW,
     H_IDX: tl.constexpr,
@@ -194,9 +221,10 @@ def _canonical_indices_kernel(
     IS_BLOCK: tl.constexpr,
     BS: tl.constexpr,
 ):
-    """One program per (flat query t, index head): raw indices [NT, H', S] -> canonical [NT, H', S] + bitmap."""
-    t = tl.program_id(0)
-    row = t.to(tl.int64) * H_IDX + tl.program_id(1)
+    """One program per (flat query q, index head): raw indices [NQ, H', S] -> canonical [NQ, H', S] + bitmap."""
+    q = tl.program_id(0)
+    row = q.to(tl.int64) * H_IDX + tl.program_id(1)
+    t = query_key_position(q, TQ, T)
     seq_start = tl.load(seq_start_ptr + t).to(tl.int64)
     row_base = (t // T).to(tl.int64) * T
     own_block = (t - seq_start) // BLOCK_SIZE
@@ -221,15 +249,15 @@ def _canonical_indices_kernel(
 def canonical_indices(
     indices_THS: torch.Tensor, layout: SequenceLayout, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(canonical int32 [NT, H', S], selection bitmap int32 [NT, H', NW]) of raw indices [NT, H', S] (int32/64)."""
-    NT, H_idx, S = indices_THS.shape
+    """(canonical int32 [NQ, H', S], selection bitmap int32 [NQ, H', NW]) of raw indices [NQ, H', S] (int32/64)."""
+    NQ, H_idx, S = indices_THS.shape
     T = layout.row_len
     num_units = T if block_size == 1 else triton.cdiv(T, block_size)
     num_words = triton.cdiv(num_units, BITS_PER_WORD)
-    canon = _alloc((NT, H_idx, S), torch.int32, indices_THS.device)
-    bits = torch.zeros((NT, H_idx, num_words), dtype=torch.int32, device=indices_THS.device)
-    _canonical_indices_kernel[(NT, H_idx)](
-        indices_THS, canon, bits, layout.seq_start, T, S, num_words,
+    canon = _alloc((NQ, H_idx, S), torch.int32, indices_THS.device)
+    bits = torch.zeros((NQ, H_idx, num_words), dtype=torch.int32, device=indices_THS.device)
+    _canonical_indices_kernel[(NQ, H_idx)](
+        indices_THS, canon, bits, layout.seq_start, T, layout.queries_per_row, S, num_words,
         H_IDX=H_idx, BLOCK_SIZE=block_size, IS_BLOCK=block_size > 1, BS=CANONICAL_BLOCK_SLOTS,
     )  # fmt: skip
     return canon, bits
@@ -243,7 +271,7 @@ def _indexer_scores_kernel(
     first_ptr,
     count_ptr,
     scratch_ptr,
-    NT,
+    NQ,
     group0,
     max_candidates,
     select_k,
@@ -267,7 +295,7 @@ def _indexer_scores_kernel(
     group = group0 + tl.program_id(0)
     queries = tl.arange(0, BQ)
     t_q = group * BQ + queries
-    is_query = t_q < NT
+    is_query = t_q < NQ
     first = tl.load(first_ptr + t_q, mask=is_query, other=0)
     count = tl.load(count_ptr + t_q, mask=is_query, other=0)
     needs_select = is_query & (count > select_k)
@@ -281,7 +309,7 @@ def _indexer_scores_kernel(
         row_head = rows % HIP
         dims = tl.arange(0, DIP)
         t_rows = group * BQ + row_query
-        is_row = (t_rows < NT) & (row_head < HI)
+        is_row = (t_rows < NQ) & (row_head < HI)
         row_offsets = (t_rows.to(tl.int64) * HI + row_head) * DI
         q = tl.load(q_ptr + row_offsets[:, None] + dims[None, :], mask=is_row[:, None] & (dims[None, :] < DI), other=0)
         q = q.to(key_ptr.dtype.element_ty)
@@ -316,7 +344,7 @@ def _topk_select_kernel(
     out_ptr,
     scratch_ptr,
     mid_ptr,
-    NT,
+    NQ,
     T,
     t0,
     max_candidates,
@@ -337,7 +365,7 @@ def _topk_select_kernel(
     row, and the radix select runs over that copy alone when the bracket holds the k-th key (the full row otherwise).
     """
     t = t0 + tl.program_id(0)
-    if t < NT:
+    if t < NQ:
         BINS: tl.constexpr = 1 << DIGIT_BITS
         bins = tl.arange(0, BINS)
         cols = tl.arange(0, CHUNK)
@@ -348,7 +376,8 @@ def _topk_select_kernel(
         if IS_BLOCK:
             base = 0
         else:
-            base = first_t - (t // T) * T
+            # first_t: the query's first candidate, a flat key position; indices count from its row's start.
+            base = first_t % T
         num_kept = tl.minimum(count_t, select_k)
         takes_all = count_t <= select_k
         # Keys above hi_bound are kept without a select; the select looks at keys from lo_bound to hi_bound, read
@@ -494,37 +523,42 @@ def topk_indexer_fwd(
     k_idx_is_pooled: bool = False,
     always_keep_own_block: bool = True,
 ) -> torch.Tensor:
-    """int32 [B, T, topk] as reference.topk_indexer_ref; inputs already checked (fp32/fp16/bf16).
+    """int32 [B, TQ, topk] as reference.topk_indexer_ref; inputs already checked (fp32/fp16/bf16). q_idx [B, TQ, HI,
+    DI] are the last TQ of k_idx's [B, T, DI] tokens (query_start = T - TQ).
 
     Block mode: by default the candidates are the complete blocks before the query's own block, which is always kept;
     with always_keep_own_block False (QSA) they are the complete blocks up to the query (its own block once complete)
     and the own block is added only while incomplete."""
-    B, T, HI, DI = q_idx.shape
-    NT = B * T
+    B, TQ, HI, DI = q_idx.shape
+    T = k_idx.shape[1]
+    NT, NQ = B * T, B * TQ
     device = q_idx.device
-    layout = sequence_layout(cu_seqlens, B, T, device)
-    q_THD = q_idx.reshape(NT, HI, DI).contiguous()
+    layout = sequence_layout(cu_seqlens, B, T, device, num_queries=TQ)
+    q_THD = q_idx.reshape(NQ, HI, DI).contiguous()
     if w_idx is None:
-        w_TH = torch.ones(NT, HI, dtype=torch.float32, device=device)
+        w_TH = torch.ones(NQ, HI, dtype=torch.float32, device=device)
     else:
-        w_TH = w_idx.reshape(NT, HI).contiguous()
-    pos = torch.arange(NT, device=device, dtype=torch.int32)
+        w_TH = w_idx.reshape(NQ, HI).contiguous()
+    # Per query: its key position, and the start of its sequence.
+    pos = layout.query_positions()
+    seq_start = layout.seq_start[pos]
+    pos = pos.to(torch.int32)
     if block_size == 1:
         keys = k_idx.reshape(NT, DI).contiguous()
-        first = layout.seq_start
-        count = pos - layout.seq_start + 1
+        first = seq_start
+        count = pos - seq_start + 1
         tail = count
         max_candidates = T
         select_k = topk
     else:
         slots = block_slots(layout, block_size)
         keys = pooled_block_keys(k_idx.reshape(NT, DI), slots, is_pooled=k_idx_is_pooled)
-        first = slots.seq_first_slot
-        own_block = (pos - layout.seq_start) // block_size
+        first = slots.seq_first_slot[pos.long()].contiguous()
+        own_block = (pos - seq_start) // block_size
         if always_keep_own_block:
             count, tail = own_block, own_block
         else:
-            count = (pos - layout.seq_start + 1) // block_size
+            count = (pos - seq_start + 1) // block_size
             tail = torch.where(own_block < count, -1, own_block)
         max_candidates = max(1, triton.cdiv(T, block_size))
         select_k = topk - 1
@@ -552,26 +586,27 @@ def topk_indexer_fwd(
             INTERPRETER_SELECT_SAMPLE, INTERPRETER_SELECT_MARGIN, INTERPRETER_SAMPLE_MIN_CANDIDATES
         )
         score_launch = select_launch = {}
-    num_groups = triton.cdiv(NT, bq)
+    num_groups = triton.cdiv(NQ, bq)
     slab_groups = max(1, min(num_groups, slab_queries // bq))
-    # A group's candidates lie within max_candidates + bq - 1 key rows (it may straddle two packed sequences).
-    num_spans = triton.cdiv(max_candidates + bq, span)
+    # A group's candidates lie within max_candidates + bq - 1 key rows (it may straddle two packed sequences), plus
+    # the T - TQ keys before the queries of a row when it straddles two rows.
+    num_spans = triton.cdiv(max_candidates + bq + (T - TQ if B > 1 else 0), span)
     scratch = torch.empty((slab_groups * bq, max_candidates), dtype=torch.int32, device=device)
     # The bracketed keys' copies: only where rows are long enough for a sample to pay.
     sample = sample_keys if max_candidates >= sample_min_candidates else 0
     mid = torch.empty_like(scratch) if sample else scratch
-    out = _alloc((NT, topk), torch.int32, device)
+    out = _alloc((NQ, topk), torch.int32, device)
     tail = tail.to(torch.int32).contiguous()
     for group0 in range(0, num_groups, slab_groups):
         groups = min(slab_groups, num_groups - group0)
         _indexer_scores_kernel[(groups, num_spans)](
-            q_THD, keys, w_TH, first, count, scratch, NT, group0, max_candidates, select_k, scale,
+            q_THD, keys, w_TH, first, count, scratch, NQ, group0, max_candidates, select_k, scale,
             HI=HI, DI=DI, HIP=hip, DIP=max(MIN_DOT_SIZE, triton.next_power_of_2(DI)), BQ=bq, BM=key_tile,
             SPAN=span, IS_RELU=activation == "relu", PRECISION=precision, **score_launch,
         )  # fmt: skip
         _topk_select_kernel[(groups * bq,)](
-            first, count, tail, out, scratch, mid, NT, T, group0 * bq, max_candidates, topk, select_k,
+            first, count, tail, out, scratch, mid, NQ, T, group0 * bq, max_candidates, topk, select_k,
             CHUNK=select_chunk, DIGIT_BITS=digit_bits, SAMPLE=sample, MARGIN=sample_margin, IS_BLOCK=block_size > 1,
             **select_launch,
         )  # fmt: skip
-    return out.view(B, T, topk)
+    return out.view(B, TQ, topk)

@@ -55,29 +55,39 @@ def sequence_layout(
 
 
 def selected_key_mask(
-    indices_BTHS: torch.Tensor, block_size: int, cu_seqlens: torch.Tensor | None
+    indices_BTHS: torch.Tensor,
+    block_size: int,
+    cu_seqlens: torch.Tensor | None,
+    query_start: int = 0,
+    num_keys: int | None = None,
 ) -> torch.Tensor:
-    """Bool [B, H, T, T]: query t (dim 2) attends key s (dim 3) -- selected, s <= t, same sequence."""
-    B, T, H, S = indices_BTHS.shape
+    """Bool [B, H, Tq, Tk]: query i (dim 2), at key position t = query_start + i, attends key s (dim 3) -- selected,
+    s <= t, same sequence. indices_BTHS [B, Tq, H, S]; num_keys Tk (default Tq); cu_seqlens over the Tk keys."""
+    B, Tq, H, S = indices_BTHS.shape
+    Tk = Tq if num_keys is None else num_keys
     device = indices_BTHS.device
-    pos_T = torch.arange(T, device=device)
-    seq_id_BT, seq_start_BT = sequence_layout(B, T, cu_seqlens, device)
+    key_K = torch.arange(Tk, device=device)
+    query_Q = query_start + torch.arange(Tq, device=device)
+    seq_id_BK, seq_start_BK = sequence_layout(B, Tk, cu_seqlens, device)
+    seq_id_BQ = seq_id_BK[:, query_Q]
     if block_size == 1:
-        num_slots = T
-        key_slot_BT = pos_T.expand(B, T)
+        num_slots = Tk
+        key_slot_BK = key_K.expand(B, Tk)
     else:
-        num_slots = math.ceil(T / block_size)
-        key_slot_BT = (pos_T - seq_start_BT) // block_size
+        num_slots = math.ceil(Tk / block_size)
+        key_slot_BK = (key_K - seq_start_BK) // block_size
     # Unused (negative) and out-of-range entries land in one extra slot that is dropped.
-    idx_BTHS = indices_BTHS.long()
-    idx_BTHS = torch.where((idx_BTHS >= 0) & (idx_BTHS < num_slots), idx_BTHS, num_slots)
-    is_slot_selected = torch.zeros(B, T, H, num_slots + 1, dtype=torch.bool, device=device)
-    is_slot_selected.scatter_(-1, idx_BTHS, True)
-    is_selected_BTHT = is_slot_selected[..., :num_slots].gather(-1, key_slot_BT[:, None, None, :].expand(B, T, H, T))
-    is_causal_TT = pos_T[:, None] >= pos_T[None, :]
-    is_same_seq_BTT = seq_id_BT[:, :, None] == seq_id_BT[:, None, :]
-    is_visible_BTT = is_causal_TT[None] & is_same_seq_BTT
-    return (is_selected_BTHT & is_visible_BTT[:, :, None, :]).permute(0, 2, 1, 3)
+    idx_BQHS = indices_BTHS.long()
+    idx_BQHS = torch.where((idx_BQHS >= 0) & (idx_BQHS < num_slots), idx_BQHS, num_slots)
+    is_slot_selected = torch.zeros(B, Tq, H, num_slots + 1, dtype=torch.bool, device=device)
+    is_slot_selected.scatter_(-1, idx_BQHS, True)
+    is_selected_BQHK = is_slot_selected[..., :num_slots].gather(
+        -1, key_slot_BK[:, None, None, :].expand(B, Tq, H, Tk)
+    )
+    is_causal_QK = query_Q[:, None] >= key_K[None, :]
+    is_same_seq_BQK = seq_id_BQ[:, :, None] == seq_id_BK[:, None, :]
+    is_visible_BQK = is_causal_QK[None] & is_same_seq_BQK
+    return (is_selected_BQHK & is_visible_BQK[:, :, None, :]).permute(0, 2, 1, 3)
 
 
 def sparse_attention_ref(
@@ -89,20 +99,22 @@ def sparse_attention_ref(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
+    query_start: int = 0,
 ) -> torch.Tensor:
     """Softmax attention of each query over its selected causal keys; dense under a mask. Differentiable in q, k, v
     and gate.
 
-    q [B, T, HQ, K], k [B, T, H, K], v [B, T, H, V], indices [B, T, H, S] or [B, T, S] (shared by all kv heads),
-    gate [B, T, HQ, V] or None -> o [B, T, HQ, V] in q's dtype, times sigmoid(gate) when given. Query head h reads
-    kv head h // (HQ // H). A query with no key outputs 0.
+    q [B, Tq, HQ, K], k [B, Tk, H, K], v [B, Tk, H, V], indices [B, Tq, H, S] or [B, Tq, S] (shared by all kv
+    heads), gate [B, Tq, HQ, V] or None -> o [B, Tq, HQ, V] in q's dtype, times sigmoid(gate) when given. Query i
+    sits at key position query_start + i (Tk = query_start + Tq; cu_seqlens over the keys). Query head h reads kv
+    head h // (HQ // H). A query with no key outputs 0.
     """
     B, T, HQ, K = q.shape
     H = k.shape[2]
     scale = K**-0.5 if scale is None else scale
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     indices_BTHS = indices if indices.dim() == 4 else indices.unsqueeze(2).expand(-1, -1, H, -1)
-    is_attended_BHTT = selected_key_mask(indices_BTHS, block_size, cu_seqlens)
+    is_attended_BHTT = selected_key_mask(indices_BTHS, block_size, cu_seqlens, query_start, k.shape[1])
 
     num_groups = HQ // H
     q_BTQK = q.to(compute_dtype)
@@ -160,37 +172,48 @@ def topk_indexer_ref(
     cu_seqlens: torch.Tensor | None = None,
     k_idx_is_pooled: bool = False,
     always_keep_own_block: bool = True,
+    query_start: int = 0,
 ) -> torch.Tensor:
     """Top-k key positions (block_size 1) or block ids (block_size > 1) per query; not differentiable.
 
-    q_idx [B, T, HI, DI], k_idx [B, T, DI], w_idx [B, T, HI] (None = ones) -> int32 [B, T, topk], ascending,
-    -1 padded. Score of query t on key s: sum_h w[t, h] * act(scale * q_idx[t, h] . k_idx[s]), scale = DI**-0.5 by
-    default. Block mode scores the mean-pooled keys of the complete blocks before the query's block, keeps the
-    topk - 1 best of them, and always keeps the query's own block.
+    q_idx [B, Tq, HI, DI], k_idx [B, Tk, DI], w_idx [B, Tq, HI] (None = ones) -> int32 [B, Tq, topk], ascending,
+    -1 padded. Query i sits at key position t = query_start + i (Tk = query_start + Tq; cu_seqlens over the keys).
+    Score of query t on key s: sum_h w[t, h] * act(scale * q_idx[t, h] . k_idx[s]), scale = DI**-0.5 by default.
+    Block mode scores the mean-pooled keys of the complete blocks before the query's block, keeps the topk - 1 best
+    of them, and always keeps the query's own block.
     k_idx_is_pooled (block mode): k_idx already holds each block's key at the block's first row (other rows unused).
     always_keep_own_block False (block mode, QSA): the topk - 1 best of the complete blocks the query sees (its own
     block included once complete) plus its own block only while incomplete (the tail).
     """
-    B, T, HI, DI = q_idx.shape
+    B, Tq, HI, DI = q_idx.shape
+    T = k_idx.shape[1]
     scale = DI**-0.5 if scale is None else scale
     compute_dtype = torch.promote_types(q_idx.dtype, torch.float32)
     q_BTHD = q_idx.to(compute_dtype)
     k_BTD = k_idx.to(compute_dtype)
-    w_BTH = torch.ones(B, T, HI, dtype=compute_dtype, device=q_idx.device) if w_idx is None else w_idx.to(compute_dtype)
-    indices_BTS = torch.full((B, T, topk), -1, dtype=torch.int32, device=q_idx.device)
+    if w_idx is None:
+        w_BTH = torch.ones(B, Tq, HI, dtype=compute_dtype, device=q_idx.device)
+    else:
+        w_BTH = w_idx.to(compute_dtype)
+    indices_BTS = torch.full((B, Tq, topk), -1, dtype=torch.int32, device=q_idx.device)
     for b, start, end in sequence_spans(B, T, cu_seqlens):
-        if end == start:
+        # The sequence's queries: its keys [first, last) that are queries (key positions query_start + i).
+        first, last = max(start, query_start), min(end, query_start + Tq)
+        if last <= first:
             continue
-        q_LHD, k_LD, w_LH = q_BTHD[b, start:end], k_BTD[b, start:end], w_BTH[b, start:end]
+        rows = slice(first - query_start, last - query_start)
+        q_LHD, k_LD, w_LH = q_BTHD[b, rows], k_BTD[b, start:end], w_BTH[b, rows]
         pos_L = torch.arange(end - start, device=q_idx.device)
+        query_pos_L = torch.arange(first - start, last - start, device=q_idx.device)
         if block_size == 1:
             scores_LL = index_scores(q_LHD, w_LH, k_LD, scale, activation)
-            chosen_LS = select_top(scores_LL, pos_L[None, :] <= pos_L[:, None], topk)
-            indices_BTS[b, start:end] = torch.where(chosen_LS >= 0, chosen_LS + start, -1).int()
+            chosen_LS = select_top(scores_LL, pos_L[None, :] <= query_pos_L[:, None], topk)
+            indices_BTS[b, rows] = torch.where(chosen_LS >= 0, chosen_LS + start, -1).int()
         else:
-            indices_BTS[b, start:end] = select_blocks(
-                q_LHD, w_LH, k_LD, topk, scale, activation, block_size, k_idx_is_pooled, always_keep_own_block
-            ).int()
+            indices_BTS[b, rows] = select_blocks(
+                q_LHD, w_LH, k_LD, topk, scale, activation, block_size, k_idx_is_pooled, always_keep_own_block,
+                query_pos_L[:, None],
+            ).int()  # fmt: skip
     return indices_BTS
 
 
@@ -204,10 +227,12 @@ def select_blocks(
     block_size: int,
     k_idx_is_pooled: bool = False,
     always_keep_own_block: bool = True,
+    query_pos_Q1: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block ids [L, topk] of one sequence: the query's own block plus the topk - 1 best complete earlier blocks
-    (always_keep_own_block False: the topk - 1 best complete blocks up to the query, plus its own block only while
-    it is incomplete)."""
+    """Block ids [Q, topk] of the queries q_LHD [Q, HI, DI] of one sequence of keys k_LD [L, DI] at positions
+    query_pos_Q1 [Q, 1] of it (default: every position, Q = L): the query's own block plus the topk - 1 best complete
+    earlier blocks (always_keep_own_block False: the topk - 1 best complete blocks up to the query, plus its own block
+    only while it is incomplete)."""
     L, DI = k_LD.shape
     num_blocks = math.ceil(L / block_size)
     num_complete = L // block_size
@@ -217,8 +242,9 @@ def select_blocks(
         pooled_JD = k_LD[: num_complete * block_size].view(num_complete, block_size, DI).mean(dim=1)
     # The tail block has no pooled key: it is only ever a query's own block, whose score is overridden below.
     scores_LJ = F.pad(index_scores(q_LHD, w_LH, pooled_JD, scale, activation), (0, num_blocks - num_complete))
-    pos_L1 = torch.arange(L, device=k_LD.device)[:, None]
-    return select_from_block_scores(scores_LJ, pos_L1, topk, block_size, always_keep_own_block)
+    if query_pos_Q1 is None:
+        query_pos_Q1 = torch.arange(L, device=k_LD.device)[:, None]
+    return select_from_block_scores(scores_LJ, query_pos_Q1, topk, block_size, always_keep_own_block)
 
 
 def select_from_block_scores(
