@@ -1,9 +1,9 @@
 """Context parallelism's attention frames (engine/model/attention_context.py) on a CUDA device, one process: for every
 rank of a row shared by 4, its queries over its key span, through the paths a GPU takes (the variable-length flash
-call with its own key bounds, SDPA's lower-right causal bias, the sparse attention and indexer kernels on queries
-padded in front), equal the whole row's rows of those queries. The gather itself is tested on gloo
-(tests/engine/test_context_parallel_attention.py). Run on the GPU machine: pytest -m gpu
-tests/gpu/test_context_parallel_attention_gpu.py
+call with its own key bounds, SDPA's lower-right causal bias, the sparse attention and indexer kernels with the
+queries as the span's last tokens, query_start, in fp32 and bf16), equal the whole row's rows of those queries.
+The gather itself is tested on gloo (tests/engine/test_context_parallel_attention.py). Run on the GPU machine:
+pytest -m gpu tests/gpu/test_context_parallel_attention_gpu.py
 
 Shapes: T the row's tokens, H query heads, G key/value heads, hd head dim, S selected slots.
 """
@@ -104,24 +104,28 @@ def test_full_attention_in_the_span_equals_the_row(dtype):
         assert _rel(o_span, span.shard.local(o, 1)) <= REL_TOL[dtype], span.shard.rank
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 64], ids=["token", "block"])
-def test_sparse_kernels_in_the_span_equal_the_row(block_size):
+def test_sparse_kernels_in_the_span_equal_the_row(block_size, dtype):
     gen = torch.Generator(device="cuda").manual_seed(0)
     H, G, hd, HI, DI = 8, 2, 64, 4, 32
     num_selected = 256 // block_size
     cu = torch.tensor(ROW_STARTS, dtype=torch.int32, device="cuda")
     # Integer-valued indexer inputs: exact scores, so both frames see the same ties (the lower index wins in both).
-    q_idx = torch.randint(-3, 4, (1, ROW_TOKENS, HI, DI), generator=gen, device="cuda").float()
-    k_idx = torch.randint(-3, 4, (1, ROW_TOKENS, DI), generator=gen, device="cuda").float()
-    w_idx = torch.randint(0, 3, (1, ROW_TOKENS, HI), generator=gen, device="cuda").float()
+    q_idx = torch.randint(-3, 4, (1, ROW_TOKENS, HI, DI), generator=gen, device="cuda").to(dtype)
+    k_idx = torch.randint(-3, 4, (1, ROW_TOKENS, DI), generator=gen, device="cuda").to(dtype)
+    w_idx = torch.randint(0, 3, (1, ROW_TOKENS, HI), generator=gen, device="cuda").to(dtype)
     chosen = topk_indexer(q_idx, k_idx, w_idx, topk=num_selected, block_size=block_size, cu_seqlens=cu)
-    q = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda").requires_grad_()
-    k, v = (torch.randn(1, ROW_TOKENS, G, hd, generator=gen, device="cuda").requires_grad_() for _ in range(2))
-    gate = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda").requires_grad_()
-    do = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda")
+    q = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda").to(dtype).requires_grad_()
+    k, v = (
+        torch.randn(1, ROW_TOKENS, G, hd, generator=gen, device="cuda").to(dtype).requires_grad_() for _ in range(2)
+    )
+    gate = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda").to(dtype).requires_grad_()
+    do = torch.randn(1, ROW_TOKENS, H, hd, generator=gen, device="cuda").to(dtype)
     o = sparse_attention(q, k, v, chosen, block_size=block_size, cu_seqlens=cu, gate=gate)
     grads = torch.autograd.grad(o, (q, k, v, gate), do)
     key_scales = [float(g.abs().max()) for g in grads[1:3]]
+    grads = [g.float() for g in grads]
     for span in spans():
         shard = span.shard
         mine = span.topk_indexer(
@@ -132,12 +136,12 @@ def test_sparse_kernels_in_the_span_equal_the_row(block_size):
         local = [shard.local(x, 1).detach().requires_grad_() for x in (q, gate)]
         keys = [span_rows(x, span).detach().requires_grad_() for x in (k, v)]
         o_span = span.sparse_attention(local[0], *keys, mine, block_size, gate=local[1])
-        assert _rel(o_span, shard.local(o, 1)) <= REL_TOL[torch.float32], shard.rank
+        assert _rel(o_span, shard.local(o, 1)) <= REL_TOL[dtype], shard.rank
         got = torch.autograd.grad(o_span, (*local, *keys), shard.local(do, 1))
-        assert _rel(got[0], shard.local(grads[0], 1)) <= REL_TOL[torch.float32], shard.rank
-        assert _rel(got[1], shard.local(grads[3], 1)) <= REL_TOL[torch.float32], shard.rank
+        assert _rel(got[0], shard.local(grads[0], 1)) <= REL_TOL[dtype], shard.rank
+        assert _rel(got[1], shard.local(grads[3], 1)) <= REL_TOL[dtype], shard.rank
         # The span's dk and dv hold what this rank's queries give: taken off the row's, every rank's leaves nothing.
         for part, whole in zip(got[2:], grads[1:3]):
             whole.narrow(1, span.first, part.shape[1]).sub_(part)
     for name, whole, scale in zip(("dk", "dv"), grads[1:3], key_scales):
-        assert float(whole.abs().max()) <= REL_TOL[torch.float32] * scale, name
+        assert float(whole.abs().max()) <= REL_TOL[dtype] * scale, name

@@ -224,3 +224,77 @@ def test_topk_indexer_equals_reference(request, guarded, T, HI, DI, topk, block_
     mismatched = (actual != expected).any(dim=-1).nonzero().tolist()
     assert not mismatched, f"{len(mismatched)} queries differ, first (b, t): {mismatched[:3]}"
     guarded.check()
+
+
+QUERY_START_CASES = [
+    # Token level, GQA 8:2, K != V: the last 367 of 700 keys are the queries, raw indices with invalid slots.
+    pytest.param(dict(B=1, T=700, HQ=8, H=2, K=64, V=128), 1, 100, 333, None, id="token-raw-gqa"),
+    # Two rows, blocks of 64 with a tail, the queries starting inside a block.
+    pytest.param(dict(B=2, T=700, HQ=16, H=1, K=128, V=128), 64, 4, 290, None, id="block64-two-rows"),
+    # Packed documents, the queries starting inside the second; blocks of 32.
+    pytest.param(dict(B=1, T=900, HQ=8, H=2, K=128, V=128), 32, 6, 500, [0, 1, 450, 900], id="block32-varlen"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, block_size, S, query_start, cu_seqlens", QUERY_START_CASES)
+def test_query_start_matches_reference_and_the_full_rows(guarded, shape, block_size, S, query_start, cu_seqlens,
+                                                         dtype):  # fmt: skip
+    # Queries that are the last T - query_start tokens of the keys: the kernels against the reference on the same
+    # offset inputs, and against the kernels' own full-length run's last rows (the rows before get no gradient).
+    q, k, v = make_qkv(**shape, dtype=dtype)
+    B, T, H = shape["B"], shape["T"], shape["H"]
+    num_units = T if block_size == 1 else -(-T // block_size)
+    indices = raw_indices((B, T, H, S), num_units)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
+    options = dict(block_size=block_size, cu_seqlens=cu_seqlens)
+    q_last = q[:, query_start:].detach().requires_grad_()
+    assert_attention_matches_reference(
+        q_last, k, v, indices[:, query_start:], guarded, query_start=query_start, **options
+    )  # fmt: skip
+    offset = forward_and_grads(sparse_attention, q_last, k, v, indices[:, query_start:], query_start=query_start,
+                               **options)  # fmt: skip
+    o = sparse_attention(q, k, v, indices, **options)
+    do = torch.zeros_like(o)
+    do[:, query_start:] = torch.randn(
+        offset["o"].shape, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda"
+    ).to(dtype)
+    full = dict(zip(("o", "dq", "dk", "dv"), (o, *torch.autograd.grad(o, (q, k, v), do))))
+    for name in ("o", "dq"):
+        full[name] = full[name][:, query_start:]
+    for name in full:
+        a, e = offset[name].double(), full[name].double()
+        rel_max = ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        assert rel_max <= TOLERANCES[dtype]["rel_max"], (name, rel_max)
+
+
+@pytest.mark.parametrize(
+    "T, query_start, topk, block_size, cu_seqlens",
+    [
+        pytest.param(3000, 1800, 512, 1, None, id="token"),
+        pytest.param(6000, 1500, 2048, 1, [0, 1, 700, 6000], id="token-varlen-bracketed"),
+        pytest.param(3000, 1777, 8, 64, None, id="block64"),
+        pytest.param(2500, 1000, 6, 32, [0, 1, 700, 2500], id="block32-qsa-varlen"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_topk_indexer_query_start_equals_full_rows(request, guarded, T, query_start, topk, block_size, cu_seqlens,
+                                                   dtype):  # fmt: skip
+    # Integer-valued inputs: exact scores, so the offset run, the full run's last rows and the reference agree.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    HI, DI = 8, 64
+    q_idx = torch.randint(-3, 4, (1, T, HI, DI), generator=gen, device="cuda").to(dtype)
+    k_idx = (torch.randint(-3, 4, (1, T, DI), generator=gen, device="cuda") * block_size).to(dtype)
+    w_idx = torch.randint(-2, 3, (1, T, HI), generator=gen, device="cuda").to(dtype)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
+    options = dict(topk=topk, block_size=block_size, scale=1 / 16, cu_seqlens=cu_seqlens)
+    if "qsa" in request.node.callspec.id:
+        options.update(k_idx_is_pooled=True, always_keep_own_block=False)
+    full = topk_indexer(q_idx, k_idx, w_idx, **options)[:, query_start:]
+    rows = (q_idx[:, query_start:], k_idx, w_idx[:, query_start:])
+    actual = topk_indexer(*rows, query_start=query_start, **options)
+    expected = topk_indexer_ref(*rows, query_start=query_start, **options)
+    assert torch.equal(actual, full) and torch.equal(actual, expected)
+    guarded.check()
