@@ -124,6 +124,9 @@ class KeySpan:
         """ops.sparse_attention of this rank's queries q [1, T_local, H, K] (gate [1, T_local, H, V] or None) over the
         span's k [1, M, G, K] and v [1, M, G, V]; indices [1, T_local, (G,) S] in the span's convention
         (`span_indices`) -> [1, T_local, H, V]: the queries are the span's last T_local tokens (query_start)."""
+        if indices.dim() == 4 and indices.stride(2) == 0:
+            # One selection expanded over the kv heads, given once: the kernels keep one canonical set and bitmap.
+            indices = indices[:, :, 0]
         return sparse_attention(
             q, k, v, indices, block_size=block_size, scale=scale, cu_seqlens=self.cu_seqlens, gate=gate,
             query_start=self.prefix,

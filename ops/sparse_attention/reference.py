@@ -17,6 +17,8 @@ Index conventions, shared by both functions:
     [o + j * block_size, min(o + (j + 1) * block_size, e)). Block ids restart at 0 in every sequence.
     Negative entries (-1) are unused slots. A query t attends only to keys s <= t of its own sequence: a selected
     key or block part outside that range contributes nothing, and duplicates count once.
+    Queries offset from the keys (query_start): the Tq queries are the last Tq of the T keys, query i at key position
+    t = query_start + i (T = query_start + Tq); everything above reads t so, and cu_seqlens bound the keys.
 """
 
 from __future__ import annotations
