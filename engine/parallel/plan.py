@@ -579,6 +579,9 @@ class Saved(NamedTuple):
     klass: str
     nbytes: int
     count: int = 1
+    # Views of a tensor counted elsewhere: no GPU memory of their own, but each is its own saved tensor to the store,
+    # which counts it against the budget and copies it to the host on its own.
+    is_view: bool = False
 
 
 class LayerSaves(NamedTuple):
@@ -689,8 +692,14 @@ def _chunked_mixer_saves(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int,
     if spec.attention in ("linear", "kda"):
         h, k, v = _linear_state_dims(cfg, spec)
         return [Saved("attention", h * k * v * FP32_BYTES, -(-t // chunk))]
+    # Each chunk's checkpoint saves its query rows, views of the input rows the keys' checkpoint saves whole
+    # (engine/model/mixer_chunks.attention_in_chunks).
+    row_bytes = cfg.hidden_size * b
+    queries = [Saved("attention", chunk * row_bytes, t // chunk, is_view=True),
+               Saved("attention", t % chunk * row_bytes, 1, is_view=True)]  # fmt: skip
     sa = cfg.sparse_attention
     index_keys = [Saved("attention", t * sa.index_head_dim * b)] if sa is not None and spec.attention != "full" else []
+    index_keys += queries
     if spec.attention in ("mla", "mla_sparse"):
         mla = cfg.mla
         assert mla is not None, "the schema requires model.mla for mla layers"
@@ -875,28 +884,31 @@ def policy_tiers(layers: list[LayerSaves], policy: MemoryPolicy) -> PolicyTiers:
     the layers above L have freed theirs: backward at L holds what layers 0 ... L keep on the GPU and the host bytes
     of layers L - prefetch_layers ... L. The largest such sum is the layers' GPU peak."""
     threshold = max(policy.min_offload_bytes, 1)
-    gpu, budgeted, host = [], [], []
+    gpu, budgeted, budgeted_views, host = [], [], [], []
     by_class: dict[str, int] = {}
     for layer in layers:
-        to_gpu = to_budget = to_host = 0
+        to_gpu = to_budget = to_host = shared_budget = 0
         for s in layer.saved:
             size = s.nbytes * s.count
             if s.nbytes < threshold:
-                to_gpu += size
+                to_gpu += 0 if s.is_view else size
             elif policy.choice(s.klass) == "offload":
                 to_host += size
                 by_class[s.klass] = by_class.get(s.klass, 0) + size
             elif policy.gpu_budget_bytes is not None:
                 to_budget += size
+                shared_budget += size if s.is_view else 0
             else:
-                to_gpu += size
+                to_gpu += 0 if s.is_view else size
         gpu.append(to_gpu)
         budgeted.append(to_budget)
+        budgeted_views.append(shared_budget)
         host.append(to_host)
     evict = max(0, sum(budgeted) - (policy.gpu_budget_bytes or 0))
     for index, size in enumerate(budgeted):
         moved = min(evict, size)
-        gpu[index] += size - moved
+        # Views kept within the budget take no GPU memory of their own (a layer partly moved: in proportion).
+        gpu[index] += size - moved - (budgeted_views[index] * (size - moved) // size if size else 0)
         host[index] += moved
         if moved:
             by_class["budget"] = by_class.get("budget", 0) + moved

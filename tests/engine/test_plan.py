@@ -521,6 +521,9 @@ def test_preset_none_plans_what_every_saved_tensor_takes():
         assert (plain.host, plain.prefetch, plain.recompute, plain.host_by_class) == (0, 0, 0, {})
         # Under a policy the recompute term (here the sequence chunks' alone) is reported apart; it is in both.
         assert replace(budget, recompute=0) == plain, overrides
+        # No budget, and every tiny tensor under the 1 MB min_offload_mb: nothing moves.
+        unmoved = activation_bytes(load_profile("tiny", [*overrides, "memory.experts=offload"]))
+        assert replace(unmoved, recompute=0) == plain, overrides
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -587,3 +590,25 @@ def test_plan_reports_the_host_pool_and_the_swaps():
     assert PINNED_D2H_BYTES_PER_S == 55e9 and PINNED_H2D_BYTES_PER_S == 52e9
     plain = plan_layouts(load_profile("tiny"), 2, 80 * GB)
     assert {(lay.host_memory, lay.swap_per_step) for lay in plain.layouts} == {(0, 0)}
+
+
+def test_plan_host_bytes_are_what_engine_memory_moves_in_sequence_chunks():
+    # max-context with every tensor movable, chunks of 64 on one 256-token row of four documents that start at chunk
+    # bounds: the store's host bytes after a real forward and backward are the plan's, but for the carried states the
+    # plan counts (one a linear slab, none here: no document continues into a slab) and what it leaves out (the
+    # slabs' conv halo rows, positions, [E] counts), under 2 %.
+    import torch
+
+    from moe_tune.engine.memory import find_activation_memory
+    from moe_tune.engine.train.trainer import build_trainable_model
+
+    job = load_profile("tiny", ["data.seq_len=256", "train.micro_batch_size=1", "parallel.zero_stage=0", MOVE_ALL,
+                                "memory.preset=max-context", "memory.sequence_chunk_tokens=64"])  # fmt: skip
+    planned = activation_bytes(job).host - 3 * 4 * (4 * 16 * 16 * 4)
+    torch.manual_seed(0)
+    model, _ = build_trainable_model(job)
+    ids = torch.randint(0, job.model.vocab_size, (1, 256))
+    cu_seqlens = torch.tensor([0, 64, 128, 192, 256], dtype=torch.int32)
+    model.train()(input_ids=ids, cu_seqlens=cu_seqlens, labels=ids).loss.backward()
+    moved = find_activation_memory(model).step_metrics()["memory_host_saved_bytes"]
+    assert planned <= moved < 1.02 * planned
