@@ -31,7 +31,7 @@ from .kv_cache import (
     selected_keys,
 )
 from .mixer_chunks import (
-    Slab, attention_in_chunks, initial_states, linear_attention_in_slabs, row_in_pieces, runs_in_chunks,
+    Slab, attention_in_chunks, initial_states, linear_attention_forward, row_in_pieces, runs_in_chunks,
     runs_whole_recomputed, selection_is_watched, whole_recomputed,
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
@@ -433,11 +433,7 @@ class GatedDeltaNet(nn.Module):
             self.dt_bias.fill_(1.0)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        if runs_in_chunks(self, x, batch):
-            return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
-        if runs_whole_recomputed(self):
-            return whole_recomputed(self.forward_whole, x, batch)
-        return self.forward_whole(x, batch)
+        return linear_attention_forward(self, x, batch)
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """forward() on the row (or a context-parallel rank's share) in one piece."""

@@ -21,9 +21,7 @@ from moe_tune.profiles.schema import ModelProfile
 
 from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 from .linear_context import delta_rule
-from .mixer_chunks import (
-    initial_states, linear_attention_in_slabs, runs_in_chunks, runs_whole_recomputed, whole_recomputed,
-)
+from .mixer_chunks import initial_states, linear_attention_forward
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -78,11 +76,7 @@ class KimiDeltaAttention(nn.Module):
         """x: [1, T, D] -> [1, T, D]; the conv and the recurrent state restart at every document of `batch` (under
         context parallelism they continue from the previous rank's tokens: engine/model/linear_context; in sequence
         chunks from the previous slab's: engine/model/mixer_chunks)."""
-        if runs_in_chunks(self, x, batch):
-            return linear_attention_in_slabs(self, x, batch, self.conv.reach, self._slab)
-        if runs_whole_recomputed(self):
-            return whole_recomputed(self.forward_whole, x, batch)
-        return self.forward_whole(x, batch)
+        return linear_attention_forward(self, x, batch)
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """forward() on the row (or a context-parallel rank's share) in one piece."""

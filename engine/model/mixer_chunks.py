@@ -105,6 +105,16 @@ def row_slabs(batch: PackedBatch, num_tokens: int, chunk_tokens: int) -> list[Sl
     return slabs
 
 
+def linear_attention_forward(layer, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """A linear-attention layer's forward (gated delta net, KDA): slab by slab in sequence chunks (layer._slab),
+    whole under a recompute when chunks are set and the row is one, else layer.forward_whole."""
+    if runs_in_chunks(layer, x, batch):
+        return linear_attention_in_slabs(layer, x, batch, layer.conv.reach, layer._slab)
+    if runs_whole_recomputed(layer):
+        return whole_recomputed(layer.forward_whole, x, batch)
+    return layer.forward_whole(x, batch)
+
+
 def linear_attention_in_slabs(layer, x: torch.Tensor, batch: PackedBatch, reach: int, run_slab: Callable):
     """A linear-attention layer over x [1, T, D] slab by slab -> [1, T, D].
 
