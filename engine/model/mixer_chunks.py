@@ -153,14 +153,22 @@ def attention_in_chunks(
     row_keys(x) -> tuple of [1, T, ...] tensors with gradient (keys and values, or MLA's latent and rope key), run
     once under activation checkpoint; index_keys: [1, T, ...] tensors without gradient (the indexers' keys).
     run_chunk(x_c, span, *keys over the span, *index keys over the span) -> [1, C, D]: the layer's output rows of the
-    chunk's queries x_c [1, C, D], each chunk under activation checkpoint."""
+    chunk's queries x_c [1, C, D], each chunk under activation checkpoint (which keeps x and the row's keys, once
+    for all chunks)."""
     keys = recomputed(row_keys, x)
     outputs = []
     for slab in row_slabs(batch, x.shape[1], chunk_tokens):
         span = slab.span(window)
-        over_span = [t.narrow(1, span.first, slab.stop - span.first) for t in (*keys, *index_keys)]
-        outputs.append(recomputed(run_chunk, x[:, slab.start : slab.stop], span, *over_span))
+        outputs.append(recomputed(_chunk_over_span, run_chunk, slab, span, x, *keys, *index_keys))
     return torch.cat(outputs, 1)
+
+
+def _chunk_over_span(run_chunk: Callable, slab: Slab, span: KeySpan, x: torch.Tensor, *row_tensors: torch.Tensor):
+    """run_chunk on the slab's query rows of x and the span's rows of the row's keys. Every chunk's checkpoint takes
+    the row's tensors whole and narrows them here, so the memory policy keeps each once for the layer (a view made
+    outside would be a tensor of its own, stored and sent to the host apart for each chunk)."""
+    over_span = [t.narrow(1, span.first, slab.stop - span.first) for t in row_tensors]
+    return run_chunk(x[:, slab.start : slab.stop], span, *over_span)
 
 
 def row_in_pieces(fn: Callable, x: torch.Tensor, chunk_tokens: int) -> torch.Tensor:

@@ -692,14 +692,10 @@ def _chunked_mixer_saves(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int,
     if spec.attention in ("linear", "kda"):
         h, k, v = _linear_state_dims(cfg, spec)
         return [Saved("attention", h * k * v * FP32_BYTES, -(-t // chunk))]
-    # Each chunk's checkpoint saves its query rows, views of the input rows the keys' checkpoint saves whole
-    # (engine/model/mixer_chunks.attention_in_chunks).
-    row_bytes = cfg.hidden_size * b
-    queries = [Saved("attention", chunk * row_bytes, t // chunk, is_view=True),
-               Saved("attention", t % chunk * row_bytes, 1, is_view=True)]  # fmt: skip
+    # The chunks' checkpoints take the row's input and keys whole (engine/model/mixer_chunks.attention_in_chunks):
+    # saved once, by the keys' checkpoint and here.
     sa = cfg.sparse_attention
     index_keys = [Saved("attention", t * sa.index_head_dim * b)] if sa is not None and spec.attention != "full" else []
-    index_keys += queries
     if spec.attention in ("mla", "mla_sparse"):
         mla = cfg.mla
         assert mla is not None, "the schema requires model.mla for mla layers"
