@@ -119,22 +119,26 @@ def main(argv: list[str]) -> None:
 
 
 def plot_ladder(result: dict, path: Path) -> None:
-    """Tokens/s and peak GPU memory against the row length (log2 axis): the timed length and every trained rung."""
+    """Tokens/s and peak GPU and host memory against the row length (log2 axis): the timed length and every trained
+    rung."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(result["timed_length"], result["timed"]["tokens_per_s"], result["timed"]["peak_memory_bytes"])]
-    points += [(rung["seq_len"], rung["tokens_per_s"], rung["peak_memory_bytes"])
-               for rung in result["ladder"] if rung["outcome"] == "trained"]  # fmt: skip
-    points.sort()
-    lengths = [p[0] for p in points]
+    rows = [dict(result["timed"], seq_len=result["timed_length"])]
+    rows += [rung for rung in result["ladder"] if rung["outcome"] == "trained"]
+    rows.sort(key=lambda row: row["seq_len"])
+    lengths = [row["seq_len"] for row in rows]
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
-    speed.plot(lengths, [p[1] for p in points], marker="o")
+    speed.plot(lengths, [row["tokens_per_s"] for row in rows], marker="o")
     speed.set_ylabel("tokens/s")
-    memory.plot(lengths, [(p[2] or 0) / 1e9 for p in points], marker="o")
-    memory.set_ylabel("peak GPU memory, GB")
+    memory.plot(lengths, [(row["peak_memory_bytes"] or 0) / 1e9 for row in rows], marker="o", label="GPU, peak")
+    if all(row.get("peak_host_bytes") is not None for row in rows):
+        memory.plot(lengths, [row["peak_host_bytes"] / 1e9 for row in rows], marker="s",
+                    label="host, peak resident")  # fmt: skip
+    memory.legend()
+    memory.set_ylabel("memory, GB")
     for ax in (speed, memory):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens in the row")

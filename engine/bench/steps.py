@@ -413,6 +413,7 @@ def run_bf16_base(
     checked equal to the twin's; the first `warmup` untimed), timed as ours. Returns (its row, every step's record);
     a twin that does not fit (`fit_problem`) or runs out of memory gives a row saying where (`out_of_memory`)."""
     from moe_tune.engine.bench.against import is_out_of_memory
+    from moe_tune.engine.onboard import peak_host_memory
     from moe_tune.engine.bench.bf16_base import BASELINE, impl_name, load_dequantized, same_batches
     from moe_tune.engine.parallel.plan import count_parameters
     from moe_tune.engine.train.distributed import shutdown_distributed
@@ -484,12 +485,15 @@ def sweep_lengths(
 ) -> dict[str, Any]:
     """For one profile (its memory policy as set): median throughput and peak memory at `timed_length`, then each of
     `lengths` (ascending) for `rung_steps` steps, stopping at the first that runs out of memory: its tokens/s is the
-    median of its steps after the first (the first's alone when it has one), its peak the rung's.
+    median of its steps after the first (the first's alone when it has one), its peak the rung's. peak_host_bytes is
+    the process's peak resident host memory so far (the pinned pool of the memory policy included), so a rung's
+    covers every earlier one.
 
     One model for the whole ladder: rows are re-packed, the model is not rebuilt. Peak memory needs CUDA.
     `on_result` gets the result so far after the timed steps and after each rung (a run stopped from outside keeps
     what it measured)."""
     from moe_tune.engine.bench.against import is_out_of_memory
+    from moe_tune.engine.onboard import peak_host_memory
 
     runner = StepRunner(profile)
     result: dict[str, Any] = dict(memory_policy=str(profile.memory.preset), timed_length=timed_length, ladder=[])
@@ -508,10 +512,12 @@ def sweep_lengths(
             step_times_s=[r["step_time_s"] for r in records],
             losses=[r["loss"] for r in records],
             peak_memory_bytes=_peak(runner),
+            peak_host_bytes=peak_host_memory(),
             memory=_median_metrics(records) if runner.activation_memory is not None else {},
         )
         on_line(f"{result['memory_policy']} @ {timed_length}: {result['timed']['tokens_per_s']:,.0f} tok/s, "
-                f"peak {_gb_text(result['timed']['peak_memory_bytes'])}")  # fmt: skip
+                f"peak {_gb_text(result['timed']['peak_memory_bytes'])}, "
+                f"host {_gb_text(result['timed']['peak_host_bytes'])}")  # fmt: skip
         result["max_trained_length"] = None
         on_result(result)
         for seq_len in lengths:
@@ -533,13 +539,14 @@ def sweep_lengths(
                         step_time_s=statistics.median(r["step_time_s"] for r in timed),
                         tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
                         step_times_s=[r["step_time_s"] for r in rung], losses=[r["loss"] for r in rung],
-                        peak_memory_bytes=_peak(runner),
+                        peak_memory_bytes=_peak(runner), peak_host_bytes=peak_host_memory(),
                         memory={k.removeprefix("memory_"): v for k, v in record.items()
                                 if k.startswith("memory_")})  # fmt: skip
             result["ladder"].append(step)
             result["max_trained_length"] = seq_len
             on_line(f"{result['memory_policy']} @ {seq_len}: {step['step_time_s']:.2f} s, "
-                    f"{step['tokens_per_s']:,.0f} tok/s, peak {_gb_text(step['peak_memory_bytes'])}")  # fmt: skip
+                    f"{step['tokens_per_s']:,.0f} tok/s, peak {_gb_text(step['peak_memory_bytes'])}, "
+                    f"host {_gb_text(step['peak_host_bytes'])}")  # fmt: skip
             on_result(result)
     finally:
         runner.close()

@@ -66,6 +66,10 @@ def test_ladder_stops_at_the_first_out_of_memory_and_reports_each_rung(monkeypat
     assert [(rung["seq_len"], rung["outcome"]) for rung in result["ladder"]] == [(96, "trained"), (128, "out of memory")]
     # Rows of 64 tokens were timed (one step after the warm-ups); 160 was never tried.
     assert result["timed"]["step_times_s"] and result["timed"]["peak_memory_bytes"] is None
+    # The process's peak resident host memory so far: never falling along the ladder, at most the peak after it.
+    from moe_tune.engine.onboard import peak_host_memory
+
+    assert 0 < result["timed"]["peak_host_bytes"] <= result["ladder"][0]["peak_host_bytes"] <= peak_host_memory()
     assert [len(s["ladder"]) for s in snapshots] == [0, 1, 2]
     assert lines[-1] == "none @ 128: out of memory"
 
@@ -153,8 +157,9 @@ def test_plot_draws_the_ladder(tmp_path):
     from moe_tune.engine.bench.memory_sweep import plot_ladder
 
     result = dict(profile="bench-hybrid-1m", memory_policy="max-context", timed_length=32768,
-                  timed=dict(tokens_per_s=1000.0, peak_memory_bytes=10**10),
-                  ladder=[dict(seq_len=65536, outcome="trained", tokens_per_s=900.0, peak_memory_bytes=2 * 10**10),
+                  timed=dict(tokens_per_s=1000.0, peak_memory_bytes=10**10, peak_host_bytes=3 * 10**10),
+                  ladder=[dict(seq_len=65536, outcome="trained", tokens_per_s=900.0, peak_memory_bytes=2 * 10**10,
+                               peak_host_bytes=4 * 10**10),
                           dict(seq_len=131072, outcome="out of memory")],
                   machine="NVIDIA H200", commit="abc1234", date="2026-12-02")  # fmt: skip
     path = tmp_path / "ladder.png"
