@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import resource
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -347,14 +346,9 @@ def run_plan(directory: Path, devices: int, device_memory: int, out_dir: Path) -
     return Stage("ok", result=data)
 
 
-def peak_host_memory() -> int:
-    """This process's peak resident memory in bytes (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
 def run_profile(directory: Path, steps: int, warmup: int, out_dir: Path, precision: str) -> Stage:
     """`steps` timed LoRA training steps (after `warmup`) of the onboarding job on this process's device."""
+    from moe_tune.engine.bench.machine import peak_host_memory
     from moe_tune.engine.bench.steps import StepRunner
     from moe_tune.profiles import ProfileError
 

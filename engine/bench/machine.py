@@ -8,7 +8,9 @@ import datetime
 import os
 import platform
 import re
+import resource
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -82,3 +84,9 @@ def machine_info(is_cuda: bool) -> dict:
         commit=commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
+
+
+def peak_host_memory() -> int:
+    """This process's peak resident memory in bytes (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -413,7 +413,6 @@ def run_bf16_base(
     checked equal to the twin's; the first `warmup` untimed), timed as ours. Returns (its row, every step's record);
     a twin that does not fit (`fit_problem`) or runs out of memory gives a row saying where (`out_of_memory`)."""
     from moe_tune.engine.bench.against import is_out_of_memory
-    from moe_tune.engine.onboard import peak_host_memory
     from moe_tune.engine.bench.bf16_base import BASELINE, impl_name, load_dequantized, same_batches
     from moe_tune.engine.parallel.plan import count_parameters
     from moe_tune.engine.train.distributed import shutdown_distributed
@@ -493,7 +492,7 @@ def sweep_lengths(
     `on_result` gets the result so far after the timed steps and after each rung (a run stopped from outside keeps
     what it measured)."""
     from moe_tune.engine.bench.against import is_out_of_memory
-    from moe_tune.engine.onboard import peak_host_memory
+    from moe_tune.engine.bench.machine import peak_host_memory
 
     runner = StepRunner(profile)
     result: dict[str, Any] = dict(memory_policy=str(profile.memory.preset), timed_length=timed_length, ladder=[])

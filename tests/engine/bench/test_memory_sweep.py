@@ -67,7 +67,7 @@ def test_ladder_stops_at_the_first_out_of_memory_and_reports_each_rung(monkeypat
     # Rows of 64 tokens were timed (one step after the warm-ups); 160 was never tried.
     assert result["timed"]["step_times_s"] and result["timed"]["peak_memory_bytes"] is None
     # The process's peak resident host memory so far: never falling along the ladder, at most the peak after it.
-    from moe_tune.engine.onboard import peak_host_memory
+    from moe_tune.engine.bench.machine import peak_host_memory
 
     assert 0 < result["timed"]["peak_host_bytes"] <= result["ladder"][0]["peak_host_bytes"] <= peak_host_memory()
     assert [len(s["ladder"]) for s in snapshots] == [0, 1, 2]
