@@ -1,12 +1,22 @@
 """Context parallelism of the softmax attention layers: full (with sliding window and sinks), top-k sparse at token and
 block level (SparseAttention, QSA) and MLA with or without DSA's lightning indexer.
 
-Under `parallel.context_parallel: N` a layer's queries stay on their rank; the keys and values of the whole row are
-gathered (engine/parallel/context.py's gather_sequence, one differentiable collective per layer, so the gradients of
-other ranks' keys flow back to them) and each rank keeps its key span: the row's tokens from the start of the
-document its first token belongs to (or the first key its sliding window reaches) to its own last token. Later
-ranks' keys are never attended (causality). In the span this rank's tokens come after `prefix` keys of its first
-document, so every attention runs on tensors where queries and keys share one frame:
+Under `parallel.context_parallel: N` a layer's queries stay on their rank and see the keys of their span: the row's
+tokens from the start of the document the rank's first token belongs to (or the first key its sliding window
+reaches) to its own last token. Later ranks' keys are never attended (causality). In the span this rank's tokens come
+after `prefix` keys of its first document, held by earlier ranks. The keys and values of the span come so:
+
+- full attention and MLA without an indexer attend every key: the row's keys and values are gathered
+  (engine/parallel/context.py's gather_sequence, one differentiable collective per layer, so the gradients of other
+  ranks' keys flow back to them) and the span kept;
+- the top-k layers (SparseAttention, QSA, mla_sparse): the indexer's keys of the row are gathered (no gradient, DI
+  numbers a token), the rank's queries scored over the span's and their keys selected; then from the earlier ranks
+  only the units its continued document's queries selected (blocks, or TOKEN_PAGE pages of tokens) are fetched
+  (context.py's fetch_rows: counts, ranges, then rows, all_to_all with uneven splits; backward sends their gradients
+  back). They land in a span-sized buffer at their span rows, the rank's own rows at its end and zeros elsewhere
+  that the ops never read (each query reads only its selection). fetch_log records what each layer fetched.
+
+Every attention runs on tensors where queries and keys share the span's frame:
 
 - full attention: the first document piece (continued from earlier ranks) is one document whose queries are its
   last tokens (varlen.offset_causal_attention), the pieces begun here are the usual packed documents;
@@ -15,9 +25,9 @@ document, so every attention runs on tensors where queries and keys share one fr
   starts at the same token as the row's, so block ids (local to a document) are the row's; token positions are the
   row's minus the span's first token.
 
-The indexers' keys are gathered under no_grad (the indexer gets no gradient). Every rank runs the same collectives
-in the same order whatever its documents (context.py's rule), and the layer's one gathered tensor with a gradient is
-used through its span, which always holds the rank's own tokens.
+Every rank runs the same collectives in the same order whatever its documents (context.py's rule; a rank that needs
+nothing from the others still joins the exchanges with empty parts), and the layer's exchanged tensor with a
+gradient is used through its span, which always holds the rank's own tokens.
 
 Shapes: T_local this rank's tokens, M = prefix + T_local the span's keys, H query heads, G key/value heads.
 """
@@ -30,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moe_tune.engine.parallel.context import ContextShard, gather_sequence
+from moe_tune.engine.parallel.context import ContextShard, fetch_rows, gather_sequence
 from moe_tune.ops.common.host_copy import host_values, remember, to_device
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
 
@@ -40,6 +50,28 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .batch import PackedBatch
+
+# A token-level selection is fetched from earlier ranks in pages of this many span rows: 16 times fewer ranges to
+# exchange and copy than rows, for at most 15 unselected rows fetched beside a selected one.
+TOKEN_PAGE = 16
+
+
+@dataclass(frozen=True)
+class KeyFetch:
+    """What one top-k layer's forward on one rank fetched from the earlier ranks of its context group."""
+
+    rows: torch.Tensor  # [R] int64 the row tokens received, ascending
+    row_bytes: int  # one row of the tensors fetched: keys and values of every kv head (MLA: latent and rope key)
+
+    @property
+    def bytes_received(self) -> int:
+        """The rows' bytes (backward sends as many bytes of their gradients back to their owners)."""
+        return len(self.rows) * self.row_bytes
+
+
+# None, or a list that receives every top-k layer's KeyFetch at every forward under context parallelism (tests and
+# traffic reports read it).
+fetch_log: list[KeyFetch] | None = None
 
 
 def is_context_parallel(batch: PackedBatch) -> bool:
@@ -94,11 +126,31 @@ class KeySpan:
     def gather(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """xs [1, T_local, ...] -> each over the span, [1, M, ...], in one collective (the gathered tensors' gradients
         flow back to their ranks)."""
-        widths = [x[0, 0].numel() for x in xs]
-        joined = torch.cat([x.flatten(2) for x in xs], -1) if len(xs) > 1 else xs[0].flatten(2)
-        span = gather_sequence(joined, self.shard).narrow(1, self.first, self.shard.stop - self.first)
-        parts = span.split(widths, -1) if len(xs) > 1 else (span,)
-        return tuple(part.view(1, part.shape[1], *x.shape[2:]) for part, x in zip(parts, xs))
+        span = gather_sequence(_joined(xs), self.shard).narrow(1, self.first, self.shard.stop - self.first)
+        return _split(span, xs)
+
+    def selected_ranges(self, indices: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[n, 2] int64 (start, stop) row tokens, ascending: the units held by earlier ranks (the span's first
+        `prefix` keys) that the queries of the continued document piece selected in indices [1, T_local, (G,) S] (the
+        span's convention), each unit a block, or at token level a TOKEN_PAGE page of the span. No other query sees
+        those keys (they belong to its document only)."""
+        unit = block_size if block_size > 1 else TOKEN_PAGE
+        chosen = indices[0, : self.num_continued].reshape(-1).long()
+        num_earlier = -(-self.prefix // block_size)  # blocks (or tokens) that begin before this rank's first token
+        chosen = chosen[(chosen >= 0) & (chosen < num_earlier)]
+        starts = torch.unique(chosen if block_size > 1 else chosen // unit) * unit
+        return torch.stack([starts, (starts + unit).clamp(max=self.prefix)], 1) + self.first
+
+    def fetch_selected(self, indices: torch.Tensor, block_size: int, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """xs [1, T_local, ...] -> each over the span, [1, M, ...]: this rank's rows at its end, and of the earlier
+        ranks' rows only the units selected in indices (selected_ranges), fetched from their owners (context.py's
+        fetch_rows; their gradients flow back to them). The other rows are zeros the top-k ops never read."""
+        joined = _joined(xs)[0]
+        received, rows = fetch_rows(joined, self.shard, self.selected_ranges(indices, block_size))
+        if fetch_log is not None:
+            fetch_log.append(KeyFetch(rows, joined.shape[1] * joined.element_size()))
+        earlier = joined.new_zeros(self.prefix, joined.shape[1]).index_copy(0, rows - self.first, received)
+        return _split(torch.cat([earlier, joined])[None], xs)
 
     def own_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, M, ...] -> this rank's rows [1, T_local, ...]."""
@@ -158,6 +210,17 @@ class KeySpan:
         return self.span_indices(layer.pin_selection(self.row_indices(indices, block_size)), block_size)
 
 
+def _joined(xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """xs [1, T, ...] -> [1, T, C]: their rows side by side, to move in one collective."""
+    return torch.cat([x.flatten(2) for x in xs], -1) if len(xs) > 1 else xs[0].flatten(2)
+
+
+def _split(joined: torch.Tensor, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """_joined's inverse on [1, M, C] rows: each of xs' shape with M rows."""
+    parts = joined.split([x[0, 0].numel() for x in xs], -1)
+    return tuple(part.view(1, part.shape[1], *x.shape[2:]) for part, x in zip(parts, xs))
+
+
 def gather_rows(x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """x [1, T_local, ...] of every rank joined: the row [1, T, ...], no gradient (the indexers' inputs)."""
     with torch.no_grad():
@@ -172,15 +235,15 @@ def gated_attention_across_ranks(layer, q, k, v, batch: PackedBatch) -> torch.Te
 
 
 def sparse_attention_across_ranks(layer, x, q, k, v, gate, batch: PackedBatch, index_inputs=None) -> torch.Tensor:
-    """SparseAttention.attend: the indexer's keys and the attention's keys and values of the span."""
+    """SparseAttention.attend: the indexer's keys of the span gathered, then the selected keys and values fetched."""
     span = KeySpan.of(batch)
     with torch.no_grad():
         q_idx, k_idx, w_idx = layer.index_inputs(x) if index_inputs is None else index_inputs
         (k_idx,) = span.gather(k_idx)
         indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=layer.num_selected, block_size=layer.block_size)
         indices = span.pinned(layer, indices, layer.block_size)
+    k, v = span.fetch_selected(indices, layer.block_size, k, v)
     indices = indices.unsqueeze(2).expand(-1, -1, layer.num_kv_heads, -1)
-    k, v = span.gather(k, v)
     return span.sparse_attention(q, k, v, indices, layer.block_size, gate=gate)
 
 
@@ -202,25 +265,26 @@ def qsa_attention_across_ranks(layer, x, q, k, v, gate, batch: PackedBatch) -> t
             always_keep_own_block=False,
         )  # fmt: skip
         indices = span.pinned(indexer, indices, block_size)
+    k, v = span.fetch_selected(indices, block_size, k, v)
     indices = indices.unsqueeze(2).expand(-1, -1, layer.num_kv_heads, -1)
-    k, v = span.gather(k, v)
     return span.sparse_attention(q, k, v, indices, block_size, gate=gate)
 
 
 def latent_attention_across_ranks(layer, x, cos_sin, batch: PackedBatch) -> torch.Tensor:
     """MultiHeadLatentAttention.forward's attention [1, T_local, H, V]: the span's normed kv latents and rope keys
-    are gathered (the compressed cache, Rkv + Dr numbers a token) and expanded per head here; with the lightning
-    indexer (mla_sparse), its keys of the span too."""
+    (the compressed cache, Rkv + Dr numbers a token) expanded per head here. Without an indexer they are gathered;
+    with the lightning indexer (mla_sparse) its keys of the span are gathered and only the selected ones fetched."""
     span = KeySpan.of(batch)
     q_latent, q_nope, q_rope = layer.project_query(x, cos_sin)
-    latent, k_rope = span.gather(*layer.project_latent(x, cos_sin))
-    q, k, v = layer.expand_latent(q_nope, q_rope, latent, k_rope)
+    latent_keys = layer.project_latent(x, cos_sin)
     indexer = getattr(layer, "indexer", None)
     if indexer is None:
+        q, k, v = layer.expand_latent(q_nope, q_rope, *span.gather(*latent_keys))
         return span.causal_attention(q, k, v, scale=layer.scale)
     with torch.no_grad():
         q_idx, k_idx, w_idx = indexer.project(x, q_latent, cos_sin)
         (k_idx,) = span.gather(k_idx)
         indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=indexer.num_selected, block_size=indexer.block_size)
         indices = span.pinned(indexer, indices, indexer.block_size)
+    q, k, v = layer.expand_latent(q_nope, q_rope, *span.fetch_selected(indices, indexer.block_size, *latent_keys))
     return span.sparse_attention(q, k, v, indices, indexer.block_size, scale=layer.scale)

@@ -17,6 +17,7 @@ an output out skips that backward collective and the others wait for it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -106,3 +107,62 @@ def previous_rank_tail(x: torch.Tensor, shard: ContextShard, width: int, dim: in
     # Rank 0 takes its zeros through the gather too: every rank's backward then runs the same collectives.
     tails = gather_ranks(tail, shard)
     return tails[max(shard.rank - 1, 0)] * float(shard.rank > 0)
+
+
+class _SendRows(torch.autograd.Function):
+    """Rows of x [T_local, C] sent to the other ranks of `group`: rank d gets rows send_rows[...] of this rank's part
+    for d (send_counts[d] of them, parts in rank order); returns the rows received, recv_counts[s] from rank s, in rank
+    order. Backward: the reverse all-to-all, each rank adding the gradients of the rows it sent into x's (a row sent
+    to several ranks sums them). Uneven all_to_all_single works in any group, gloo or nccl."""
+
+    @staticmethod
+    def forward(ctx, x, send_rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group):
+        ctx.save_for_backward(send_rows)
+        ctx.x_shape, ctx.send_counts, ctx.recv_counts, ctx.group = x.shape, send_counts, recv_counts, group
+        received = x.new_empty(sum(recv_counts), *x.shape[1:])
+        dist.all_to_all_single(received, x[send_rows].contiguous(), recv_counts, send_counts, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (send_rows,) = ctx.saved_tensors
+        sent = grad.new_empty(len(send_rows), *grad.shape[1:])
+        dist.all_to_all_single(sent, grad.contiguous(), ctx.send_counts, ctx.recv_counts, group=ctx.group)
+        return grad.new_zeros(ctx.x_shape).index_add_(0, send_rows, sent), None, None, None, None
+
+
+def rows_of_ranges(ranges: torch.Tensor) -> torch.Tensor:
+    """[n, 2] int64 half-open ranges (start, stop) -> [R] int64 the rows they cover, range after range."""
+    lengths = ranges[:, 1] - ranges[:, 0]
+    ends = lengths.cumsum(0)
+    shift = torch.repeat_interleave(ranges[:, 0] - (ends - lengths), lengths)
+    return shift + torch.arange(len(shift), device=ranges.device)
+
+
+def fetch_rows(x: torch.Tensor, shard: ContextShard, ranges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the row held by other ranks: x [T_local, C] this rank's part of a row-long tensor, ranges [n, 2] int64
+    (start, stop) row tokens this rank wants, ascending and disjoint -> (the rows [R, C], in row order; their row
+    tokens [R] int64). Three all-to-alls with uneven splits: how many ranges each rank wants of each, the ranges, the
+    rows (differentiable: backward sends each received row's gradient back to its owner, which sums them into x's).
+    Every rank of the group calls it, with no ranges when it wants none."""
+    share = shard.stop - shard.start
+    # Split at the shares' ends: each piece lies on one rank.
+    bounds = torch.arange(1, shard.size, device=ranges.device, dtype=torch.int64) * share
+    cuts = bounds[((bounds > ranges[:, :1]) & (bounds < ranges[:, 1:])).any(0)]
+    wanted = torch.cat([ranges.flatten(), cuts, cuts]).sort().values.view(-1, 2)
+    want_counts = torch.bincount(wanted[:, 0] // share, minlength=shard.size)
+    asked_counts = torch.empty_like(want_counts)
+    dist.all_to_all_single(asked_counts, want_counts, group=shard.group)
+    want_counts, asked_counts = want_counts.tolist(), asked_counts.tolist()
+    asked = wanted.new_empty(sum(asked_counts), 2)
+    dist.all_to_all_single(asked, wanted, asked_counts, want_counts, group=shard.group)
+    recv_counts, send_counts = _rows_per_rank(wanted, want_counts), _rows_per_rank(asked, asked_counts)
+    send_rows = rows_of_ranges(asked) - shard.start
+    received = _SendRows.apply(x, send_rows, send_counts, recv_counts, shard.group)
+    return received, rows_of_ranges(wanted)
+
+
+def _rows_per_rank(ranges: torch.Tensor, counts: list[int]) -> list[int]:
+    """The rows covered by each rank's part of ranges [n, 2] (counts[r] ranges, rank after rank)."""
+    lengths = (ranges[:, 1] - ranges[:, 0]).tolist()
+    return [sum(lengths[end - n : end]) for end, n in zip(accumulate(counts), counts)]

@@ -1,7 +1,8 @@
 """Context parallelism of the softmax attention layers (engine/model/attention_context.py): on 2 and 4 gloo ranks
 sharing one packed row, every layer kind's outputs joined over the ranks, the input gradient and every parameter
 gradient summed over the ranks equal one process's on the whole row (fp32, CPU reference paths), and the sparse
-layers select exactly what one process selects."""
+layers select exactly what one process selects (full attention and MLA gather the row's keys, the top-k layers fetch
+their selected ones); the top-k layers fetch from earlier ranks exactly the units their selection needs."""
 
 import pickle
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from moe_tune.engine.model import attention_context
 from moe_tune.engine.model.attention import PackedBatch, build_token_mixer
 from moe_tune.engine.model.blocks import document_ids, document_positions
 from moe_tune.engine.model.model import build_model
@@ -210,3 +212,90 @@ def test_decoder_with_every_softmax_kind_equals_one_process(size):
     assert all(set(r[1]) == set(grads) for r in ranks)
     for name, grad in grads.items():
         torch.testing.assert_close(sum(r[1][name] for r in ranks), grad, **TOLERANCE, msg=name)
+
+
+# The traffic of the top-k layers: a rank fetches from the earlier ranks only the units (blocks; pages of TOKEN_PAGE
+# span rows at token level) that the queries of its continued document selected. Row of 128 tokens, 4 ranks (shares
+# start at 0, 32, 64, 96): rank 1 continues the document begun at 20, rank 2 its last 6 queries, rank 3 the one begun
+# at 70 (block ids count from the document's start, not the row's).
+TRAFFIC_ROW = [0, 20, 70, 128]
+TRAFFIC_RANKS = 4
+# Block level selects a few blocks out of many, so the union stays below the span; at token level random scores
+# reach every page, so those cases zero the indexer's keys (is_concentrated): every score ties, the lowest positions
+# win, and every query selects its document's first keys.
+TRAFFIC_CASES = {
+    "sparse-token": True, "sparse-block": False, "qsa-token": True, "qsa-block": False, "mla-sparse-token": True,
+    "mla-sparse-block": False,
+}  # fmt: skip
+
+
+def concentrate_selection(mixer: nn.Module) -> None:
+    """Zeroes the indexer's keys (SparseAttention's, QSA's raw ones, the lightning indexer's after its LayerNorm)."""
+    with torch.no_grad():
+        if hasattr(mixer, "index_k_proj"):
+            mixer.index_k_proj.weight.zero_()
+        elif hasattr(mixer.indexer, "index_qk_proj"):
+            mixer.indexer.index_qk_proj.weight[-mixer.indexer.head_dim :].zero_()
+        else:
+            mixer.indexer.wk.weight.zero_()
+            mixer.indexer.k_norm.bias.zero_()
+
+
+def traffic_inputs(mixer: nn.Module):
+    num_tokens = TRAFFIC_ROW[-1]
+    cu = torch.tensor(TRAFFIC_ROW, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(7)
+    x, weights = torch.randn(2, 1, num_tokens, mixer.o_proj.out_features, generator=gen)
+    return cu, x, weights, PackedBatch(cu, document_positions(cu, num_tokens), document_ids(cu, num_tokens))
+
+
+def _traffic_rank(rank: int, size: int, mixer: nn.Module):
+    cu, x, weights, row = traffic_inputs(mixer)
+    shard = ContextShard.of_row(cu, torch.distributed.group.WORLD, rank, size)
+    batch = PackedBatch(shard.local_cu_seqlens(), shard.local(row.positions), shard.local(row.doc_ids), context=shard)
+    attention_context.fetch_log = []
+    run_forward_backward(mixer, shard.local(x, 1), shard.local(weights, 1), batch)
+    (fetch,) = attention_context.fetch_log
+    return pickle.dumps((fetch.rows, fetch.row_bytes, fetch.bytes_received))
+
+
+def expected_fetch(selection: torch.Tensor, block_size: int, rank: int) -> tuple[list[int], int]:
+    """From one process's selection [1, T, S] (the row's convention): the row tokens rank `rank` needs from the
+    earlier ranks, and the keys of its span held there."""
+    share = TRAFFIC_ROW[-1] // TRAFFIC_RANKS
+    start = rank * share
+    first = max(b for b in TRAFFIC_ROW if b <= start)
+    end = min(b for b in TRAFFIC_ROW if b > start)
+    unit = block_size if block_size > 1 else attention_context.TOKEN_PAGE
+    rows = set()
+    for t in range(start, min(end, start + share)) if first < start else range(0):
+        for index in selection[0, t].tolist():
+            # Token level: a row position; block level: a block id counted from the document's start.
+            offset = index - first if block_size == 1 else index * block_size
+            if index >= 0 and offset < start - first:
+                page = offset // unit * unit
+                rows.update(range(first + page, min(first + page + unit, start)))
+    return sorted(rows), start - first
+
+
+@pytest.mark.parametrize("name", list(TRAFFIC_CASES))
+def test_ranks_fetch_the_selected_units_of_earlier_ranks(name):
+    mixer = build_mixer(name)
+    if TRAFFIC_CASES[name]:
+        concentrate_selection(mixer)
+    ranks = [pickle.loads(r) for r in run_ranks(_traffic_rank, TRAFFIC_RANKS, mixer)]
+    chooser = selector(mixer)
+    _, x, weights, row = traffic_inputs(mixer)
+    selection = run_forward_backward(mixer, x, weights, row)[3]
+    # Keys and values of every kv head; MLA: the normed kv latent and the rope key. fp32.
+    if "mla" in name:
+        row_bytes = 4 * (MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"])
+    else:
+        row_bytes = 4 * 2 * mixer.num_kv_heads * mixer.head_dim
+    num_fetched = num_span = 0
+    for rank, (rows, fetched_row_bytes, num_bytes) in enumerate(ranks):
+        expected, num_earlier = expected_fetch(selection, chooser.block_size, rank)
+        assert rows.tolist() == expected, f"rank {rank}"
+        assert fetched_row_bytes == row_bytes and num_bytes == len(expected) * row_bytes
+        num_fetched, num_span = num_fetched + len(expected), num_span + num_earlier
+    assert 0 < num_fetched < num_span
