@@ -10,8 +10,8 @@ size, averaged over the world as data parallel averages, is the row's mean (engi
 Shapes: T the row's tokens, T_local = T / N this rank's.
 
 The collectives are autograd functions whose backward is a collective too: every rank of the group must call
-them in the same order with tensors of the same shapes, and use every output in its loss (a rank whose loss leaves
-an output out skips that backward collective and the others wait for it).
+them in the same order with tensors of the same shapes (fetch_rows: parts of any size, empty ones too), and use every
+output in its loss (a rank whose loss leaves an output out skips that backward collective and the others wait for it).
 """
 
 from __future__ import annotations
