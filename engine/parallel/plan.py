@@ -52,6 +52,15 @@ FP8_BYTES = 1
 FP8_SCALE_BYTES = 4
 # The sparse-attention indexer returns int32 key indices.
 INDEX_BYTES = 4
+# The sparse-attention kernels' tiling of a chunk's backward (ops/sparse_attention/kernels_fwd.py and
+# kernels_select.py: GPU_DKV_KEY_TILE, GPU_BLOCK_KEY_TILE, MIN_DOT_SIZE, GPU_DKV_CHUNK_PAIRS, GPU_DKV_TOKEN_CHUNKS,
+# BITS_PER_WORD; tests/engine/test_plan.py checks they agree), which sizes its fp32 dk/dv partials and selection bitmap.
+DKV_TOKEN_KEY_TILE = 128
+BLOCK_KEY_TILE = 64
+MIN_DOT_SIZE = 16
+DKV_CHUNK_PAIRS = 1024
+DKV_TOKEN_CHUNKS = 1024
+BITS_PER_WORD = 32
 # AdamW keeps two fp32 moments per trainable parameter, and an fp32 master copy when the weights are not fp32.
 ADAM_MOMENT_BYTES = 2 * FP32_BYTES
 MASTER_WEIGHT_BYTES = FP32_BYTES
@@ -512,12 +521,15 @@ def _chunked_mixer_elems(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int)
 def _mixer_chunk_elems(
     cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int, lora_ranks: LayerRanks
 ) -> tuple[int, int]:  # fmt: skip
-    """What backward holds while it recomputes one chunk of a chunked token mixer: its tensors over `chunk` tokens,
-    and for the kinds that work on the chunk's whole span (up to t keys: a document over the row) what they make
-    over it. The top-k ops take queries and keys of one length, so sparse, qsa and mla_sparse pad the chunk's queries
-    to the span (attention_context.KeySpan): queries, gate and output [t, H, hd], the indexer's queries [t, HI, DI],
-    the log-sum-exp [t, H] and the indices [t, (G + 1) S]; mla expands its latent over the span (kv_b output and
-    the keys [t, H, Dn + V + Dn + Dr])."""
+    """What backward holds while it recomputes one chunk of a chunked token mixer: its tensors over its `chunk`
+    queries (_token_mixer_elems; for the softmax kinds an upper bound, as the row's keys and values and their adapters
+    are made outside the chunk), and for the kinds that work on the chunk's whole span (up to t keys: a document over
+    the row) what they make over it. mla expands its latent over the span (kv_b output and the keys
+    [t, H, Dn + V + Dn + Dr]). The top-k ops take the chunk's queries as the last C of the span's keys (query_start,
+    attention_context.KeySpan): sparse, qsa and mla_sparse add what ops.sparse_attention makes for them
+    (_sparse_chunk_op_elems), qsa its indices [C, S] (_token_mixer_elems leaves them out), mla_sparse the contiguous
+    copy of the span's values the op makes [t, H, V]. Their indexers run without gradient: the indexer's queries and
+    scores are freed before backward reaches the op."""
     low, wide = _token_mixer_elems(cfg, spec, chunk, lora_ranks)
     if spec.attention in ("linear", "kda", "full"):
         return low, wide
@@ -530,14 +542,76 @@ def _mixer_chunk_elems(
         low += t * h * (mla.qk_nope_head_dim + v_dim + qk_dim)
         if spec.attention == "mla_sparse":
             assert sa is not None, "the schema requires model.sparse_attention for mla_sparse layers"
-            low += t * (h * qk_dim + h * v_dim + sa.index_heads * sa.index_head_dim)
-            wide += t * (h + 2 * (sa.topk // sa.block_size))
+            op = SparseChunkOp(chunk, t, h, h, qk_dim, v_dim, sa.topk // sa.block_size, sa.block_size, False)
+            op_low, op_wide = _sparse_chunk_op_elems(op)
+            low, wide = low + t * h * v_dim + op_low, wide + op_wide
         return low, wide
     assert sa is not None, "the schema requires model.sparse_attention for sparse and qsa layers"
     slots = sa.topk // sa.block_size + (1 if spec.attention == "qsa" else 0)
-    low += t * (3 * h * cfg.head_dim + sa.index_heads * sa.index_head_dim)
-    wide += t * (h + (cfg.num_key_value_heads + 1) * slots)
+    if spec.attention == "qsa":
+        wide += chunk * slots
+    hd = cfg.head_dim
+    op = SparseChunkOp(chunk, t, h, cfg.num_key_value_heads, hd, hd, slots, sa.block_size, cfg.attention_output_gate)
+    op_low, op_wide = _sparse_chunk_op_elems(op)
+    return low + op_low, wide + op_wide
+
+
+class SparseChunkOp(NamedTuple):
+    """One ops.sparse_attention call of a chunk: C queries over the span's M keys."""
+
+    num_queries: int  # C
+    num_keys: int  # M
+    num_heads: int  # HQ
+    num_kv_heads: int  # H (MLA: its query heads, the keys expanded per head)
+    k_dim: int
+    v_dim: int
+    slots: int  # S
+    block_size: int
+    is_gated: bool
+
+
+def _sparse_chunk_op_elems(op: SparseChunkOp) -> tuple[int, int]:
+    """(training-dtype elements, 4-byte elements) ops.sparse_attention's kernels make for a chunk beyond the layer's
+    tensors over C (ops/sparse_attention/autograd.py, kernels_bwd.py), at its backward's peak: saved by forward, the
+    selection bitmap [C, ceil(units / 32)] int32 (units: M keys, or ceil(M / block_size) blocks; one index head, as the
+    layers pass one selection for every kv head) and the sequence layout's seq_id, seq_start and seq_end [M] int32;
+    made by backward, dq [C, HQ, K], with a gate dgate and the ungated output's gradient [C, HQ, V] each, delta
+    [C, HQ] fp32, dk and dv [M, H, K + V] and their fp32 partials (_dkv_partial_rows, padded dims). Its index lists
+    (a few bytes a key or a selected pair) are not counted."""
+    c, m, h = op.num_queries, op.num_keys, op.num_heads
+    units = m if op.block_size == 1 else -(-m // op.block_size)
+    partials = _dkv_partial_rows(c, m, op.slots, op.block_size)
+    low = c * h * (op.k_dim + (2 * op.v_dim if op.is_gated else 0)) + m * op.num_kv_heads * (op.k_dim + op.v_dim)
+    wide = c * -(-units // BITS_PER_WORD) + 3 * m + c * h
+    wide += op.num_kv_heads * partials * (_padded_dim(op.k_dim) + _padded_dim(op.v_dim))
     return low, wide
+
+
+def _padded_dim(dim: int) -> int:
+    # A head dim as the kernels tile it (kernels_fwd.padded): the next power of two, at least one dot's size.
+    return max(MIN_DOT_SIZE, 1 << (dim - 1).bit_length())
+
+
+def _dkv_partial_rows(num_queries: int, num_keys: int, slots: int, block_size: int) -> int:
+    """Key rows of the sparse attention backward's fp32 dk and dv partials per kv head
+    (kernels_bwd.sparse_attention_bwd: [H, NC, ceil(bs / tile), tile, K] each): one chunk of at most DKV_CHUNK_PAIRS (query, key slot) pairs per slot,
+    NC = the slots + ceil(pairs / pairs a chunk) (kernels_bwd.pair_chunks' bound), for the C queries of one document
+    over the M keys. Token level: key tiles of DKV_TOKEN_KEY_TILE keys, each visited by the queries at and after it
+    (kernels_bwd.token_chunking), in at most about DKV_TOKEN_CHUNKS chunks; block level: one slot per block, C x S
+    pairs."""
+    if block_size == 1:
+        tile, num_sub = DKV_TOKEN_KEY_TILE, 1
+        num_slots = -(-num_keys // tile)
+        num_full = min(num_slots, (num_keys - num_queries) // tile + 1)
+        later = num_slots - num_full
+        pairs = num_full * num_queries + later * num_keys - tile * ((num_full + num_slots - 1) * later // 2)
+        chunk_pairs = max(DKV_CHUNK_PAIRS, -(-pairs // DKV_TOKEN_CHUNKS))
+    else:
+        tile = max(MIN_DOT_SIZE, min(BLOCK_KEY_TILE, 1 << (block_size - 1).bit_length()))
+        num_sub = -(-block_size // tile)
+        num_slots = num_keys // block_size + 1
+        pairs, chunk_pairs = num_queries * slots, DKV_CHUNK_PAIRS
+    return (num_slots + -(-pairs // chunk_pairs)) * num_sub * tile
 
 
 def _channel_mixer_elems(cfg: ModelProfile, spec: LayerSpec, t: int, lora_ranks: LayerRanks) -> tuple[int, int]:
@@ -579,9 +653,6 @@ class Saved(NamedTuple):
     klass: str
     nbytes: int
     count: int = 1
-    # Views of a tensor counted elsewhere: no GPU memory of their own, but each is its own saved tensor to the store,
-    # which counts it against the budget and copies it to the host on its own.
-    is_view: bool = False
 
 
 class LayerSaves(NamedTuple):
@@ -880,31 +951,28 @@ def policy_tiers(layers: list[LayerSaves], policy: MemoryPolicy) -> PolicyTiers:
     the layers above L have freed theirs: backward at L holds what layers 0 ... L keep on the GPU and the host bytes
     of layers L - prefetch_layers ... L. The largest such sum is the layers' GPU peak."""
     threshold = max(policy.min_offload_bytes, 1)
-    gpu, budgeted, budgeted_views, host = [], [], [], []
+    gpu, budgeted, host = [], [], []
     by_class: dict[str, int] = {}
     for layer in layers:
-        to_gpu = to_budget = to_host = shared_budget = 0
+        to_gpu = to_budget = to_host = 0
         for s in layer.saved:
             size = s.nbytes * s.count
             if s.nbytes < threshold:
-                to_gpu += 0 if s.is_view else size
+                to_gpu += size
             elif policy.choice(s.klass) == "offload":
                 to_host += size
                 by_class[s.klass] = by_class.get(s.klass, 0) + size
             elif policy.gpu_budget_bytes is not None:
                 to_budget += size
-                shared_budget += size if s.is_view else 0
             else:
-                to_gpu += 0 if s.is_view else size
+                to_gpu += size
         gpu.append(to_gpu)
         budgeted.append(to_budget)
-        budgeted_views.append(shared_budget)
         host.append(to_host)
     evict = max(0, sum(budgeted) - (policy.gpu_budget_bytes or 0))
     for index, size in enumerate(budgeted):
         moved = min(evict, size)
-        # Views kept within the budget take no GPU memory of their own (a layer partly moved: in proportion).
-        gpu[index] += size - moved - (budgeted_views[index] * (size - moved) // size if size else 0)
+        gpu[index] += size - moved
         host[index] += moved
         if moved:
             by_class["budget"] = by_class.get("budget", 0) + moved

@@ -462,6 +462,58 @@ def test_chunked_token_mixers_grow_only_by_what_they_keep_a_token():
     assert long.transient == short.transient
 
 
+def test_plan_mirrors_the_sparse_kernels_tiling():
+    from moe_tune.engine.parallel import plan
+    from moe_tune.ops.sparse_attention import kernels_fwd, kernels_select
+
+    assert (plan.DKV_TOKEN_KEY_TILE, plan.BLOCK_KEY_TILE, plan.DKV_CHUNK_PAIRS, plan.DKV_TOKEN_CHUNKS) == (
+        kernels_fwd.GPU_DKV_KEY_TILE, kernels_fwd.GPU_BLOCK_KEY_TILE, kernels_fwd.GPU_DKV_CHUNK_PAIRS,
+        kernels_fwd.GPU_DKV_TOKEN_CHUNKS,
+    )  # fmt: skip
+    assert (plan.MIN_DOT_SIZE, plan.BITS_PER_WORD) == (kernels_select.MIN_DOT_SIZE, kernels_select.BITS_PER_WORD)
+
+
+@pytest.mark.parametrize(
+    "num_queries, num_keys, block_size, slots",
+    [
+        (100, 2048, 1, 32),  # token level: every key tile visited by every query
+        (999, 4000, 1, 32),  # the last tiles visited by fewer queries, the last one partial
+        (32768, 1048576, 1, 2048),  # past DKV_TOKEN_CHUNKS chunks of DKV_CHUNK_PAIRS pairs: longer chunks
+        (64, 300, 4, 8),  # block level, blocks narrower than a dot
+        (10, 1000, 100, 3),  # blocks of two key tiles
+        (32768, 1048576, 64, 32),  # bench-hybrid-1m's chunk
+    ],
+)
+def test_sparse_chunk_partials_are_what_the_kernels_allocate(num_queries, num_keys, block_size, slots):
+    # The fp32 dk/dv partials of kernels_bwd.sparse_attention_bwd on the GPU configuration (pick_config of a CUDA
+    # tensor), for C queries that are the last of one document's M keys: [H, NC, num_sub, key_tile, K] with NC the
+    # key slots (token level: key tiles; block level: block_slots) plus ceil(pairs / pairs a chunk) (pair_chunks).
+    from types import SimpleNamespace
+
+    import torch
+    import triton
+
+    from moe_tune.engine.parallel.plan import _dkv_partial_rows
+    from moe_tune.ops.sparse_attention.kernels_bwd import key_tiles, token_chunking
+    from moe_tune.ops.sparse_attention.kernels_fwd import pick_config
+    from moe_tune.ops.sparse_attention.kernels_select import block_slots, sequence_layout
+
+    config = pick_config(SimpleNamespace(is_cuda=True), block_size)
+    key_tile = config.dkv_key_tile
+    if block_size == 1:
+        first, _ = key_tiles(num_keys, num_keys, key_tile, "cpu")
+        num_sub = 1
+        pairs, chunk_pairs = token_chunking(num_keys, num_keys, key_tile, config.dkv_chunk_pairs,
+                                            config.dkv_token_chunks, num_queries)  # fmt: skip
+    else:
+        layout = sequence_layout(torch.tensor([0, num_keys]), 1, num_keys, "cpu", num_queries=num_queries)
+        first = block_slots(layout, block_size).first
+        num_sub = triton.cdiv(block_size, key_tile)
+        pairs, chunk_pairs = num_queries * slots, config.dkv_chunk_pairs
+    num_chunks = first.numel() + triton.cdiv(pairs, chunk_pairs)
+    assert _dkv_partial_rows(num_queries, num_keys, slots, block_size) == num_chunks * num_sub * key_tile
+
+
 def test_bench_hybrid_million_token_step_plans_within_one_h200():
     # bench-hybrid-1m at 1048576 tokens with its token mixers in chunks of 32768: with whole-layer checkpointing one
     # H200 holds the step (the issue's target: under 130 GB); unchunked token mixers alone would not fit.
@@ -597,9 +649,8 @@ def test_plan_host_bytes_are_what_engine_memory_moves_in_sequence_chunks(bounds)
     # max-context with every tensor movable, chunks of 64 on one 256-token row: the store's host bytes after a real
     # forward and backward are the plan's, but for the carried states the plan counts (one a linear slab: the store
     # keeps one per slab that continues a document) and what it leaves out (the slabs' conv halo rows, positions, [E]
-    # counts), under 2 %. Documents that start at chunk bounds, one over the row, one across chunks: the chunks of
-    # the sparse layers' queries take the row's input and keys whole, whatever span they see (as views they would
-    # each be stored apart, more bytes the longer the document).
+    # counts), under 2 %. Documents that start at chunk bounds, one over the row, one across chunks: the sparse
+    # layer's chunks take the row's input and keys whole, whatever span they see, so each is stored once a layer.
     import torch
 
     from moe_tune.engine.memory import find_activation_memory

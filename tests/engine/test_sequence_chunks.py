@@ -290,23 +290,41 @@ TINY_PER_TOKEN = 4 * (64 + 2 * 2 * 64 + 3 * 2 * 32 + 3 * 64 + 1 + 2 * 2 * 16 + 3
 
 def tiny_token_mixers(tokens: int, chunk: int) -> tuple[int, int, int]:
     """profiles/tiny.yaml's token mixers (3 linear, 1 sparse; fp32) in the plan: (bytes the four keep over the row
-    run whole, bytes they keep in sequence chunks, bytes backward holds recomputing the sparse layer's largest chunk).
+    run whole, bytes they keep in sequence chunks, bytes backward holds recomputing the largest mixer chunk: a linear
+    slab's tensors over C tokens, or the sparse layer's chunk).
 
     Linear (Hk 2, Hv 4, K = V 16, conv channels 128): conv input and output 2 x 128, q and k at the value heads
     2 x 64, z, o and the norm's output 3 x 64, the kernel's intermediates 4 x (3 x 16 + 16 + 2 x 64) and a [4, 16, 16]
     state every 64 tokens, adapters on q, k, v, z, o 5 x 16; fp32 beta and the decay twice then once more (4 x 4).
-    Chunked: one [4, 16, 16] fp32 state a slab. Sparse (H 4, G 2, hd 16): q with gate, k, v 2 x 64 + 2 x 32, normed
-    and rotated q, k 96, attention and gated output 2 x 64, adapters on q, k, v, o 4 x 16; fp32 lse 4 and 32 indices.
-    Chunked: the row's k and v (2 x 2 x 16) and indexer keys (16); recomputing a chunk, its own tensors over the chunk
-    plus the queries padded to the span (a document over the row): q, gate, output 3 x 64 and indexer queries 2 x 16,
-    lse 4 and (2 + 1) x 32 indices."""
+    Chunked: one [4, 16, 16] fp32 state a slab. Sparse (H 4, G 2, hd 16, token level, 32 slots): q with gate, k, v
+    2 x 64 + 2 x 32, normed and rotated q, k 96, attention and gated output 2 x 64, adapters on q, k, v, o 4 x 16;
+    fp32 lse 4 and 32 indices. Chunked: the row's k and v (2 x 2 x 16) and indexer keys (16). Recomputing a chunk of
+    C queries over a span of M keys (a document over the row: M = tokens), the queries taken as the span's last C
+    (query_start, no padding): its own tensors over C as above, and what ops/sparse_attention's autograd.py and
+    kernels_bwd.py make at its backward: saved, the selection bitmap [C, ceil(M / 32)] int32 (one index head: the
+    layer passes one selection for every kv head) and the sequence layout's seq_id, seq_start, seq_end [M] int32;
+    in backward dq, dgate and the ungated output's gradient [C, 4, 16] each, delta [C, 4] fp32, dk and dv [M, 2, 16]
+    and their fp32 partials [G, NC, 1, 128, 16] each, NC = the key tiles + ceil(pairs / pairs a chunk) (pair_chunks)
+    of the pairs token_chunking counts for C queries over M keys."""
+    from moe_tune.ops.sparse_attention.kernels_bwd import token_chunking
+    from moe_tune.ops.sparse_attention.kernels_fwd import (
+        GPU_DKV_CHUNK_PAIRS, GPU_DKV_KEY_TILE, GPU_DKV_TOKEN_CHUNKS,
+    )  # fmt: skip
+
     states = -(-tokens // 64)
     linear_whole = 4 * (1424 * tokens + 1024 * states + 16 * tokens)
     sparse_whole = 4 * (480 * tokens + 36 * tokens)
     linear_kept = 4 * 1024 * -(-tokens // chunk)
     sparse_kept = 4 * 80 * tokens
-    sparse_chunk = 4 * (480 * chunk + 36 * chunk + 224 * tokens + 100 * tokens)
-    return 3 * linear_whole + sparse_whole, 3 * linear_kept + sparse_kept, sparse_chunk
+    pairs, chunk_pairs = token_chunking(
+        tokens, tokens, GPU_DKV_KEY_TILE, GPU_DKV_CHUNK_PAIRS, GPU_DKV_TOKEN_CHUNKS, chunk
+    )  # fmt: skip
+    num_chunks = -(-tokens // GPU_DKV_KEY_TILE) + -(-pairs // chunk_pairs)
+    partials = 2 * 2 * num_chunks * GPU_DKV_KEY_TILE * 16
+    over_span = chunk * -(-tokens // 32) + 3 * tokens + 2 * 2 * 16 * tokens + partials
+    sparse_chunk = 4 * (480 * chunk + 36 * chunk + 3 * 64 * chunk + 4 * chunk + over_span)
+    linear_chunk = 4 * (1424 * chunk + 1024 * -(-chunk // 64) + 16 * chunk)
+    return 3 * linear_whole + sparse_whole, 3 * linear_kept + sparse_kept, max(linear_chunk, sparse_chunk)
 
 
 @pytest.mark.parametrize("seq_len, chunk", [(512, 100), (1024, 64), (1000, 999)])
@@ -319,7 +337,8 @@ def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
     tokens = 4 * seq_len  # micro_batch_size 4: one packed row
     mixers_whole, mixers_kept, largest_chunk = tiny_token_mixers(tokens, chunk)
     # Four layers drop their per-token intermediates and their token mixers' over the row; backward holds one
-    # chunk's (the sparse layer's, whose padded queries outweigh a per-token chunk).
+    # chunk's, a mixer chunk's (a sparse one's gradients over the span, or a linear slab's tensors), larger than a
+    # per-token chunk.
     assert largest_chunk > chunk * TINY_PER_TOKEN
     assert whole.layers - chunked.layers == 4 * tokens * TINY_PER_TOKEN + mixers_whole - mixers_kept - largest_chunk
     assert chunked.head == whole.head
