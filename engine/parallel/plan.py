@@ -594,11 +594,11 @@ def _padded_dim(dim: int) -> int:
 
 def _dkv_partial_rows(num_queries: int, num_keys: int, slots: int, block_size: int) -> int:
     """Key rows of the sparse attention backward's fp32 dk and dv partials per kv head
-    (kernels_bwd.sparse_attention_bwd: [H, NC, ceil(bs / tile), tile, K] each): one chunk of at most DKV_CHUNK_PAIRS (query, key slot) pairs per slot,
-    NC = the slots + ceil(pairs / pairs a chunk) (kernels_bwd.pair_chunks' bound), for the C queries of one document
-    over the M keys. Token level: key tiles of DKV_TOKEN_KEY_TILE keys, each visited by the queries at and after it
-    (kernels_bwd.token_chunking), in at most about DKV_TOKEN_CHUNKS chunks; block level: one slot per block, C x S
-    pairs."""
+    (kernels_bwd.sparse_attention_bwd: [H, NC, ceil(bs / tile), tile, K] each): one chunk of at most DKV_CHUNK_PAIRS
+    (query, key slot) pairs per slot, NC = the slots + ceil(pairs / pairs a chunk) (kernels_bwd.pair_chunks' bound),
+    for the C queries of one document over the M keys. Token level: key tiles of DKV_TOKEN_KEY_TILE keys, each visited
+    by the queries at and after it (kernels_bwd.token_chunking), in at most about DKV_TOKEN_CHUNKS chunks; block
+    level: one slot per block, C x S pairs."""
     if block_size == 1:
         tile, num_sub = DKV_TOKEN_KEY_TILE, 1
         num_slots = -(-num_keys // tile)
