@@ -514,6 +514,28 @@ def test_sparse_chunk_partials_are_what_the_kernels_allocate(num_queries, num_ke
     assert _dkv_partial_rows(num_queries, num_keys, slots, block_size) == num_chunks * num_sub * key_tile
 
 
+def test_mla_sparse_and_qsa_chunks_add_what_the_sparse_op_makes():
+    # A chunk of C = 100 queries over a span of t = 2048 keys (fp32, token level, S 32): mla_sparse holds what mla
+    # does plus its indices [C, S] int32, the op's contiguous copy of the span's values [t, H, V] and what
+    # ops/sparse_attention makes (H 4 heads of Dn + Dr = 20 and V = 10, the keys expanded per head, no gate): the bitmap
+    # [C, ceil(t / 32)] and the layout 3t int32, dq [C, H, 20], delta [C, H], dk and dv [t, H, 20 + 10], and their fp32
+    # partials [H, NC, 1, 128, 32 + 16] (dims padded to powers of two; NC from token_chunking and pair_chunks). QSA's
+    # chunk differs from a sparse one's by its one more slot of indices.
+    from moe_tune.engine.parallel.plan import LayerRanks, _mixer_chunk_elems
+    from moe_tune.ops.sparse_attention.kernels_bwd import token_chunking
+    from moe_tune.ops.sparse_attention.kernels_fwd import GPU_DKV_CHUNK_PAIRS, GPU_DKV_KEY_TILE, GPU_DKV_TOKEN_CHUNKS
+
+    cfg = load_profile("tiny", [*VARIANTS["mla"][:1], "model.layers=[{attention: mla_sparse, mlp: moe}, {attention: "
+                                "mla, mlp: moe}, {attention: qsa, mlp: moe}, {attention: sparse, mlp: moe}]"]).model
+    t, c, no_lora = 2048, 100, LayerRanks(0, 0, 0)
+    mla_sparse, mla, qsa, sparse = (4 * sum(_mixer_chunk_elems(cfg, spec, t, c, no_lora)) for spec in cfg.layers)
+    pairs, chunk_pairs = token_chunking(t, t, GPU_DKV_KEY_TILE, GPU_DKV_CHUNK_PAIRS, GPU_DKV_TOKEN_CHUNKS, c)
+    rows = (-(-t // GPU_DKV_KEY_TILE) + -(-pairs // chunk_pairs)) * GPU_DKV_KEY_TILE
+    op = c * -(-t // 32) + 3 * t + c * 4 * 20 + c * 4 + t * 4 * 30 + 4 * rows * (32 + 16)
+    assert mla_sparse - mla == 4 * (c * 32 + t * 4 * 10 + op)
+    assert qsa - sparse == 4 * c
+
+
 def test_bench_hybrid_million_token_step_plans_within_one_h200():
     # bench-hybrid-1m at 1048576 tokens with its token mixers in chunks of 32768: with whole-layer checkpointing one
     # H200 holds the step (the target: under 130 GB); unchunked token mixers alone would not fit.
