@@ -7,6 +7,7 @@ Every layer takes a PackedBatch, whose cu_seqlens keep documents from seeing eac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,7 +100,7 @@ class GatedAttention(nn.Module):
         if runs_in_chunks(self, x, batch) and not selection_is_watched(*self.selectors()):
             return attention_in_chunks(
                 x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_keys(x_row, batch), self._chunk,
-                self.row_index_keys(x, batch), window=self.sliding_window,
+                self.row_index_keys(x, batch), window=self.sliding_window, select=self.select_span,
             )  # fmt: skip
         if runs_whole_recomputed(self, *self.selectors()):
             return whole_recomputed(self.forward_whole, x, batch)
@@ -138,13 +139,17 @@ class GatedAttention(nn.Module):
         """The indexer's keys of the row [1, T, ...] without gradient, for sequence chunks: none for full attention."""
         return ()
 
-    def _chunk(self, x_c, span: KeySpan, k, v, *index_keys) -> torch.Tensor:
-        """The output rows [1, C, D] of one chunk of queries x_c [1, C, D] over its span's keys and values k, v
-        [1, M, G, hd] (and indexer keys): mixer_chunks.attention_in_chunks."""
-        q, gate = self.project_queries(x_c, span.batch)
-        return self.o_proj(self.attend_span(x_c, q, k, v, gate, span, *index_keys).reshape(1, x_c.shape[1], -1))
+    # select_span(x_c, span, *index keys over the span) -> the chunk's indices without gradient, for a layer whose
+    # indexer selects its keys (mixer_chunks.attention_in_chunks' `select`): None for full attention.
+    select_span: Callable | None = None
 
-    def attend_span(self, x, q, k, v, gate, span: KeySpan, *index_keys) -> torch.Tensor:
+    def _chunk(self, x_c, span: KeySpan, k, v, *selection) -> torch.Tensor:
+        """The output rows [1, C, D] of one chunk of queries x_c [1, C, D] over its span's keys and values k, v
+        [1, M, G, hd] (and the chunk's select_span): mixer_chunks.attention_in_chunks."""
+        q, gate = self.project_queries(x_c, span.batch)
+        return self.o_proj(self.attend_span(x_c, q, k, v, gate, span, *selection).reshape(1, x_c.shape[1], -1))
+
+    def attend_span(self, x, q, k, v, gate, span: KeySpan, *selection) -> torch.Tensor:
         """attend() of one chunk of queries over its span."""
         o = span.causal_attention(q, k, v, sinks=self.sinks, window=self.sliding_window)
         return o if gate is None else o * torch.sigmoid(gate)
@@ -232,10 +237,12 @@ class SparseAttention(PinnableSelection, GatedAttention):
     def row_index_keys(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, ...]:
         return (self.index_k_proj(x),)
 
-    def attend_span(self, x, q, k, v, gate, span: KeySpan, k_idx) -> torch.Tensor:
-        with torch.no_grad():
-            q_idx, _, w_idx = self.index_inputs(x)
-            indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size)
+    @torch.no_grad()
+    def select_span(self, x, span: KeySpan, k_idx) -> torch.Tensor:
+        q_idx, _, w_idx = self.index_inputs(x)
+        return span.topk_indexer(q_idx, k_idx, w_idx, topk=self.num_selected, block_size=self.block_size)
+
+    def attend_span(self, x, q, k, v, gate, span: KeySpan, indices) -> torch.Tensor:
         indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
         return span.sparse_attention(q, k, v, indices, self.block_size, gate=gate)
 
@@ -367,16 +374,18 @@ class QSAAttention(GatedAttention):
         k_idx = row_in_pieces(self.indexer.raw_keys, x, self.sequence_chunk_tokens)
         return (self.indexer.block_keys(k_idx, self.rotary, *self.rotary.cos_sin(batch.rotary_positions)),)
 
-    def attend_span(self, x, q, k, v, gate, span: KeySpan, block_k) -> torch.Tensor:
+    @torch.no_grad()
+    def select_span(self, x, span: KeySpan, block_k) -> torch.Tensor:
         indexer = self.indexer
-        with torch.no_grad():
-            q_idx, _, _ = indexer.project_queries(x, self.rotary, span.batch)
-            indices = span.topk_indexer(
-                q_idx, block_k, None, topk=indexer.num_selected, block_size=indexer.block_size, k_idx_is_pooled=True,
-                always_keep_own_block=False,
-            )  # fmt: skip
+        q_idx, _, _ = indexer.project_queries(x, self.rotary, span.batch)
+        return span.topk_indexer(
+            q_idx, block_k, None, topk=indexer.num_selected, block_size=indexer.block_size, k_idx_is_pooled=True,
+            always_keep_own_block=False,
+        )  # fmt: skip
+
+    def attend_span(self, x, q, k, v, gate, span: KeySpan, indices) -> torch.Tensor:
         indices = indices.unsqueeze(2).expand(-1, -1, self.num_kv_heads, -1)
-        return span.sparse_attention(q, k, v, indices, indexer.block_size, gate=gate)
+        return span.sparse_attention(q, k, v, indices, self.indexer.block_size, gate=gate)
 
     def attend_cached(self, x, q, k, v, gate, batch: PackedBatch, state: dict) -> torch.Tensor:
         """The cached call's attention; the state adds "indexer", the indexer's own (QSAIndexer.select_cached)."""

@@ -13,7 +13,8 @@ attention_context.py) inside one process, the slabs run in order:
   and values of the row (MLA: its kv latent and rope key) are made once, recomputed in backward; each chunk of
   queries attends over the keys of its span (KeySpan: from the start of the document its first query belongs to,
   or the first key its window reaches, to its last query), the indexers scoring that chunk's queries over the span's
-  indexer keys, made once for the row without gradient. No [T, T] or [T, T / block] tensor exists beyond a chunk's
+  indexer keys, made once for the row without gradient. A top-k layer's chunk selects in forward, before its
+  checkpoint, and keeps the selection: backward's recomputation does not score the span again. No [T, T] or [T, T / block] tensor exists beyond a chunk's
   span. The top-k ops (and so sparse, QSA and sparse MLA) take a chunk's queries as the last C tokens of its span
   (their query_start: no padding, the indexer scores the chunk's C queries alone); full attention and MLA take the
   span as it is (varlen.offset_causal_attention).
@@ -146,29 +147,42 @@ def initial_states(entering: torch.Tensor | None, slab: Slab) -> torch.Tensor | 
 
 def attention_in_chunks(
     x: torch.Tensor, batch: PackedBatch, chunk_tokens: int, row_keys: Callable, run_chunk: Callable,
-    index_keys: tuple[torch.Tensor, ...] = (), window: int | None = None,
+    index_keys: tuple[torch.Tensor, ...] = (), window: int | None = None, select: Callable | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A softmax-attention layer over x [1, T, D] chunk of queries by chunk -> [1, T, D].
 
     row_keys(x) -> tuple of [1, T, ...] tensors with gradient (keys and values, or MLA's latent and rope key), run
     once under activation checkpoint; index_keys: [1, T, ...] tensors without gradient (the indexers' keys).
-    run_chunk(x_c, span, *keys over the span, *index keys over the span) -> [1, C, D]: the layer's output rows of the
-    chunk's queries x_c [1, C, D], each chunk under activation checkpoint (which keeps x and the row's keys, once
-    for all chunks)."""
+    select(x_c, span, *index keys over the span) -> the chunk's selection (a top-k layer's indices), made once
+    without gradient before the chunk runs: backward's recomputation of the chunk takes it as saved instead of
+    scoring the span again (the indexer's scores grow with the span, the rest of the chunk does not).
+    run_chunk(x_c, span, *keys over the span, selection) -> [1, C, D] (without select: run_chunk(x_c, span, *keys
+    over the span)): the layer's output rows of the chunk's queries x_c [1, C, D], each chunk under activation
+    checkpoint (which keeps x and the row's keys once for all chunks, and each chunk's selection)."""
     keys = recomputed(row_keys, x)
     outputs = []
     for slab in row_slabs(batch, x.shape[1], chunk_tokens):
         span = slab.span(window)
-        outputs.append(recomputed(_chunk_over_span, run_chunk, slab, span, x, *keys, *index_keys))
+        chosen = ()
+        if select is not None:
+            with torch.no_grad():
+                chosen = (select(x[:, slab.start : slab.stop], span, *_over_span(index_keys, slab, span)),)
+        outputs.append(recomputed(_chunk_over_span, run_chunk, slab, span, len(chosen), x, *keys, *chosen))
     return torch.cat(outputs, 1)
 
 
-def _chunk_over_span(run_chunk: Callable, slab: Slab, span: KeySpan, x: torch.Tensor, *row_tensors: torch.Tensor):
-    """run_chunk on the slab's query rows of x and the span's rows of the row's keys. Every chunk's checkpoint takes
-    the row's tensors whole and narrows them here, so the memory policy keeps each once for the layer (a view made
-    outside would be a tensor of its own, stored and sent to the host apart for each chunk)."""
-    over_span = [t.narrow(1, span.first, slab.stop - span.first) for t in row_tensors]
-    return run_chunk(x[:, slab.start : slab.stop], span, *over_span)
+def _over_span(row_tensors, slab: Slab, span: KeySpan) -> list[torch.Tensor]:
+    """The span's rows of [1, T, ...] row tensors (views)."""
+    return [t.narrow(1, span.first, slab.stop - span.first) for t in row_tensors]
+
+
+def _chunk_over_span(run_chunk: Callable, slab: Slab, span: KeySpan, num_own: int, x: torch.Tensor, *tensors):
+    """run_chunk on the slab's query rows of x, the span's rows of the row's keys and the chunk's own `num_own` last
+    tensors. Every chunk's checkpoint takes the row's tensors whole and narrows them here, so the memory policy keeps
+    each once for the layer (a view made outside would be a tensor of its own, stored and sent to the host apart for
+    each chunk)."""
+    row_tensors, own = tensors[: len(tensors) - num_own], tensors[len(tensors) - num_own :]
+    return run_chunk(x[:, slab.start : slab.stop], span, *_over_span(row_tensors, slab, span), *own)
 
 
 def row_in_pieces(fn: Callable, x: torch.Tensor, chunk_tokens: int) -> torch.Tensor:

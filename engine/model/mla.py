@@ -19,6 +19,7 @@ V value dim, Rq / Rkv the query / key-value latent ranks, HI indexer heads, DI i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import math
@@ -179,7 +180,7 @@ class MultiHeadLatentAttention(nn.Module):
             cos_sin = self.rotary.cos_sin(batch.positions) if self.rotary is not None else None
             return attention_in_chunks(
                 x, batch, self.sequence_chunk_tokens, lambda x_row: self.project_latent(x_row, cos_sin), self._chunk,
-                self.row_index_keys(x, cos_sin),
+                self.row_index_keys(x, cos_sin), select=self.select_span,
             )  # fmt: skip
         if runs_whole_recomputed(self, *self.selectors()):
             return whole_recomputed(self.forward_whole, x, batch)
@@ -203,16 +204,20 @@ class MultiHeadLatentAttention(nn.Module):
         """The indexer's keys of the row [1, T, DI] without gradient, for sequence chunks: none without an indexer."""
         return ()
 
-    def _chunk(self, x_c, span: KeySpan, latent, k_rope, *index_keys) -> torch.Tensor:
+    # select_span(x_c, span, *index keys over the span) -> the chunk's indices without gradient, for a layer whose
+    # indexer selects its keys (mixer_chunks.attention_in_chunks' `select`): None without an indexer.
+    select_span: Callable | None = None
+
+    def _chunk(self, x_c, span: KeySpan, latent, k_rope, *selection) -> torch.Tensor:
         """The output rows [1, C, D] of one chunk of queries x_c [1, C, D] over its span's normed kv latent
-        [1, M, Rkv] and rope key [1, M, 1, Dr] (and indexer keys): mixer_chunks.attention_in_chunks."""
+        [1, M, Rkv] and rope key [1, M, 1, Dr] (and the chunk's select_span): mixer_chunks.attention_in_chunks."""
         cos_sin = self.rotary.cos_sin(span.batch.positions) if self.rotary is not None else None
         q_latent, q_nope, q_rope = self.project_query(x_c, cos_sin)
         q, k, v = self.expand_latent(q_nope, q_rope, latent, k_rope)
-        o = self.attend_span(x_c, q_latent, q, k, v, cos_sin, span, *index_keys)
+        o = self.attend_span(x_c, q_latent, q, k, v, cos_sin, span, *selection)
         return self.o_proj(o.reshape(1, x_c.shape[1], self.num_heads * self.v_dim))
 
-    def attend_span(self, x, q_latent, q, k, v, cos_sin: CosSin | None, span: KeySpan, *index_keys):
+    def attend_span(self, x, q_latent, q, k, v, cos_sin: CosSin | None, span: KeySpan, *selection):
         """attend() of one chunk of queries over its span."""
         return span.causal_attention(q, k, v, scale=self.scale)
 
@@ -362,12 +367,15 @@ class SparseMultiHeadLatentAttention(MultiHeadLatentAttention):
     def row_index_keys(self, x: torch.Tensor, cos_sin: CosSin | None) -> tuple[torch.Tensor, ...]:
         return (self.indexer.project_keys(x, cos_sin),)
 
-    def attend_span(self, x, q_latent, q, k, v, cos_sin: CosSin | None, span: KeySpan, k_idx):
+    @torch.no_grad()
+    def select_span(self, x, span: KeySpan, k_idx) -> torch.Tensor:
         indexer = self.indexer
-        with torch.no_grad():
-            q_idx, w_idx = indexer.project_queries(x, q_latent, cos_sin)
-            indices = span.topk_indexer(q_idx, k_idx, w_idx, topk=indexer.num_selected, block_size=indexer.block_size)
-        return span.sparse_attention(q, k, v, indices, indexer.block_size, scale=self.scale)
+        cos_sin = self.rotary.cos_sin(span.batch.positions) if self.rotary is not None else None
+        q_idx, w_idx = indexer.project_queries(x, self.project_query(x, cos_sin)[0], cos_sin)
+        return span.topk_indexer(q_idx, k_idx, w_idx, topk=indexer.num_selected, block_size=indexer.block_size)
+
+    def attend_span(self, x, q_latent, q, k, v, cos_sin: CosSin | None, span: KeySpan, indices):
+        return span.sparse_attention(q, k, v, indices, self.indexer.block_size, scale=self.scale)
 
     def attend_selected(self, q, k, v, indices: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         return sparse_attention(

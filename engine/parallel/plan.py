@@ -501,21 +501,24 @@ def _linear_state_dims(cfg: ModelProfile, spec: LayerSpec) -> tuple[int, int, in
 
 
 def _chunked_mixer_elems(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int) -> tuple[int, int]:
-    """(training-dtype elements, fp32 elements) a token mixer run in sequence chunks of `chunk` tokens keeps over t
-    tokens besides its input rows (counted with the norms): linear / kda the state [H, K, V] fp32 carried into every
-    slab; full / sparse / qsa the row's keys and values (t x G x 2 hd), sparse and qsa their indexer's (block) keys
-    (t x DI); mla the row's normed kv latent and rope key (t x (Rkv + Dr)), mla_sparse its indexer's keys too. Nothing
-    else grows with t: the rest is recomputed a chunk at a time (_mixer_chunk_elems)."""
+    """(training-dtype elements, fp32 or int32 elements) a token mixer run in sequence chunks of `chunk` tokens keeps
+    over t tokens besides its input rows (counted with the norms): linear / kda the state [H, K, V] fp32 carried into
+    every slab; full / sparse / qsa the row's keys and values (t x G x 2 hd); mla the row's normed kv latent and rope
+    key (t x (Rkv + Dr)); sparse, qsa and mla_sparse each chunk's selection (t x S int32). Nothing else grows with t:
+    the rest is recomputed a chunk at a time (_mixer_chunk_elems), the indexers' scores not at all."""
     if spec.attention in ("linear", "kda"):
         h, k, v = _linear_state_dims(cfg, spec)
         return 0, -(-t // chunk) * h * k * v
-    sa = cfg.sparse_attention
-    index_keys = t * sa.index_head_dim if sa is not None and spec.attention != "full" else 0
+    selection = 0
+    if spec.attention in ("sparse", "qsa", "mla_sparse"):
+        sa = cfg.sparse_attention
+        assert sa is not None, "the schema requires model.sparse_attention for top-k layers"
+        selection = t * (sa.topk // sa.block_size + (1 if spec.attention == "qsa" else 0))
     if spec.attention in ("mla", "mla_sparse"):
         mla = cfg.mla
         assert mla is not None, "the schema requires model.mla for mla layers"
-        return t * (mla.kv_lora_rank + mla.qk_rope_head_dim) + index_keys, 0
-    return t * cfg.num_key_value_heads * 2 * cfg.head_dim + index_keys, 0
+        return t * (mla.kv_lora_rank + mla.qk_rope_head_dim), selection
+    return t * cfg.num_key_value_heads * 2 * cfg.head_dim, selection
 
 
 def _mixer_chunk_elems(
@@ -764,15 +767,21 @@ def _chunked_mixer_saves(cfg: ModelProfile, spec: LayerSpec, t: int, chunk: int,
         h, k, v = _linear_state_dims(cfg, spec)
         return [Saved("attention", h * k * v * FP32_BYTES, -(-t // chunk))]
     # The chunks' checkpoints take the row's input and keys whole (engine/model/mixer_chunks.attention_in_chunks):
-    # saved once, by the keys' checkpoint and here.
-    sa = cfg.sparse_attention
-    index_keys = [Saved("attention", t * sa.index_head_dim * b)] if sa is not None and spec.attention != "full" else []
+    # saved once, by the keys' checkpoint and here. A top-k layer's chunk keeps its selection [C, S] int32, made
+    # before the chunk runs (the indexer's keys are not saved: backward does not score again).
+    selection = []
+    if spec.attention in ("sparse", "qsa", "mla_sparse"):
+        sa = cfg.sparse_attention
+        assert sa is not None, "the schema requires model.sparse_attention for top-k layers"
+        slots = sa.topk // sa.block_size + (1 if spec.attention == "qsa" else 0)
+        selection = [Saved("attention", chunk * slots * INDEX_BYTES, t // chunk),
+                     Saved("attention", t % chunk * slots * INDEX_BYTES, 1)]  # fmt: skip
     if spec.attention in ("mla", "mla_sparse"):
         mla = cfg.mla
         assert mla is not None, "the schema requires model.mla for mla layers"
         latent = [Saved("attention", t * mla.kv_lora_rank * b), Saved("attention", t * mla.qk_rope_head_dim * b)]
-        return latent + index_keys
-    return [Saved("attention", t * cfg.num_key_value_heads * cfg.head_dim * b, 2)] + index_keys
+        return latent + selection
+    return [Saved("attention", t * cfg.num_key_value_heads * cfg.head_dim * b, 2)] + selection
 
 
 def _channel_mixer_saves(

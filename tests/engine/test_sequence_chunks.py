@@ -298,7 +298,8 @@ def tiny_token_mixers(tokens: int, chunk: int) -> tuple[int, int, int]:
     state every 64 tokens, adapters on q, k, v, z, o 5 x 16; fp32 beta and the decay twice then once more (4 x 4).
     Chunked: one [4, 16, 16] fp32 state a slab. Sparse (H 4, G 2, hd 16, token level, 32 slots): q with gate, k, v
     2 x 64 + 2 x 32, normed and rotated q, k 96, attention and gated output 2 x 64, adapters on q, k, v, o 4 x 16;
-    fp32 lse 4 and 32 indices. Chunked: the row's k and v (2 x 2 x 16) and indexer keys (16). Recomputing a chunk of
+    fp32 lse 4 and 32 indices. Chunked: the row's k and v (2 x 2 x 16) and each chunk's selection, 32 int32 indices
+    a query (made before the chunk, kept for its backward: the indexer's keys are not kept). Recomputing a chunk of
     C queries over a span of M keys (a document over the row: M = tokens), the queries taken as the span's last C
     (query_start, no padding): its own tensors over C as above, and what ops/sparse_attention's autograd.py and
     kernels_bwd.py make at its backward: saved, the selection bitmap [C, ceil(M / 32)] int32 (one index head: the
@@ -315,7 +316,7 @@ def tiny_token_mixers(tokens: int, chunk: int) -> tuple[int, int, int]:
     linear_whole = 4 * (1424 * tokens + 1024 * states + 16 * tokens)
     sparse_whole = 4 * (480 * tokens + 36 * tokens)
     linear_kept = 4 * 1024 * -(-tokens // chunk)
-    sparse_kept = 4 * 80 * tokens
+    sparse_kept = 4 * (64 + 32) * tokens
     pairs, chunk_pairs = token_chunking(
         tokens, tokens, GPU_DKV_KEY_TILE, GPU_DKV_CHUNK_PAIRS, GPU_DKV_TOKEN_CHUNKS, chunk
     )  # fmt: skip

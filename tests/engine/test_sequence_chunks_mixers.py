@@ -156,6 +156,28 @@ def test_chunked_mixer_equals_whole_row(name):
             assert bool((selection < 0).any()) or selection.shape[-1] < ROW_TOKENS
 
 
+@pytest.mark.parametrize("name", ["sparse-token", "sparse-block", "qsa-block", "mla-sparse-token"])
+def test_backward_takes_each_chunks_selection_instead_of_scoring_again(name, monkeypatch):
+    # The indexer's scores grow with the span: each chunk scores its queries once, in forward; the chunk's
+    # recomputation in backward takes the selection it kept.
+    from moe_tune.engine.model import attention_context
+
+    calls = []
+    original = attention_context.KeySpan.topk_indexer
+
+    def counted(span, *args, **kw):
+        calls.append(torch.is_grad_enabled())
+        return original(span, *args, **kw)
+
+    monkeypatch.setattr(attention_context.KeySpan, "topk_indexer", counted)
+    mixer = build_mixer(name)
+    _, x_grad, grads, _ = run(mixer, "one-document", CHUNK)
+    # One call a chunk, then the whole-row logged run's (run() reads the selection with the layer run whole, which
+    # does not go through KeySpan).
+    assert len(calls) == ROW_TOKENS // CHUNK and not any(calls)
+    assert x_grad is not None and grads
+
+
 @pytest.mark.parametrize("name", LINEAR_CASES)
 def test_linear_chunks_keep_the_slab_inputs_and_states(name):
     """What a chunked linear layer saves for backward: the slabs' input rows (views of x) and one [H, K, V] fp32

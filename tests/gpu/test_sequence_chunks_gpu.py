@@ -1,7 +1,8 @@
 """Sequence chunks of the token mixers (engine/model/mixer_chunks.py) on a CUDA device in bf16, through the paths a
 GPU takes (the linear-attention kernels with a carried initial_state and its gradient, variable-length flash with
-its own key bounds, the sparse attention and indexer kernels on queries padded to the span): every layer kind run in
-chunks, and a 4096-token row of a small hybrid model, equal the unchunked run within bf16 tolerance. fp32 equality
+its own key bounds, the sparse attention and indexer kernels on a chunk's queries over its span): every layer kind run in
+chunks equal the unchunked run within bf16 tolerance, and a 4096-token row of a small hybrid model in chunks is
+as close to its fp32 run as the unchunked bf16 run is. fp32 equality
 within 1e-5 is tested on the CPU (tests/engine/test_sequence_chunks_mixers.py). Run on the GPU machine:
 pytest -m gpu tests/gpu/test_sequence_chunks_gpu.py
 """
@@ -106,19 +107,20 @@ def test_chunked_mixer_equals_whole_row_bf16(name):
         assert _rel(got_grads[param], grad) < REL_TOL, param
 
 
-def hybrid_step(chunk: int | None) -> dict:
+def hybrid_step(chunk: int | None, dtype: torch.dtype = torch.bfloat16) -> dict:
     layers = [{"attention": "linear", "mlp": "moe"}, {"attention": "sparse", "mlp": "moe"},
               {"attention": "kda", "mlp": "moe"}, {"attention": "sparse", "mlp": "dense"}]  # fmt: skip
     cfg = model_config(layers)
     torch.manual_seed(0)
     lora = LoraProfile(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], experts=True)
     model = inject_lora(build_model(cfg, device=torch.device("cuda")), lora)
-    cast_parameters(model)
     gen = torch.Generator(device="cuda").manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():
-                p.add_((torch.randn(p.shape, generator=gen, device="cuda") * 0.02).to(p.dtype))
+                p.add_(torch.randn(p.shape, generator=gen, device="cuda") * 0.02)
+    if dtype == torch.bfloat16:
+        cast_parameters(model)
     model.base_model.model.set_sequence_chunk_tokens(chunk)
     model.train()
     num_tokens = 4096
@@ -126,14 +128,30 @@ def hybrid_step(chunk: int | None) -> dict:
     cu = torch.tensor([0, 1500, 2048, 3000, num_tokens], dtype=torch.int32, device="cuda")
     out = model(input_ids=ids, cu_seqlens=cu, labels=ids)
     out.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-    return {"loss": out.loss.detach(), **grads}
+    grads = {name: p.grad.float() for name, p in model.named_parameters() if p.requires_grad}
+    return {"loss": out.loss.detach().float(), **grads}
 
 
-def test_4096_token_hybrid_row_equals_whole_row_bf16():
-    expected, got = hybrid_step(None), hybrid_step(1024)
-    assert got.keys() == expected.keys()
-    assert abs(float(got["loss"]) - float(expected["loss"])) < 1e-2 * abs(float(expected["loss"]))
-    for name, grad in expected.items():
+# The 4096-token row's LoRA gradients reach the first layer through every later one, and a sparse layer's query may
+# pick another block wherever two tie within bf16 roundings, so two bf16 runs of the row differ by a few percent
+# (2.6% on the first layer's q_proj LoRA A, chunked against whole, on the H200). What chunking must not do is add
+# error: each bf16 run is measured against the fp32 run of the same row, and the chunked one may be at most
+# CHUNK_ERROR_RATIO times as far from it as the whole one, plus CHUNK_ERROR_FLOOR for tensors both get almost exactly.
+CHUNK_ERROR_RATIO = 1.5
+CHUNK_ERROR_FLOOR = 2e-3
+
+
+def test_4096_token_hybrid_row_in_chunks_is_as_close_to_fp32_as_whole_row_bf16():
+    reference = hybrid_step(None, torch.float32)
+    whole, got = hybrid_step(None), hybrid_step(1024)
+    assert got.keys() == whole.keys() == reference.keys()
+    loss_whole = abs(float(whole["loss"]) - float(reference["loss"]))
+    loss_got = abs(float(got["loss"]) - float(reference["loss"]))
+    assert loss_got <= CHUNK_ERROR_RATIO * loss_whole + 1e-3 * abs(float(reference["loss"])), (loss_got, loss_whole)
+    worst = []
+    for name, grad in reference.items():
         if name != "loss" and grad.norm() > 0:
-            assert _rel(got[name], grad) < REL_TOL, name
+            err_whole, err_got = _rel(whole[name], grad), _rel(got[name], grad)
+            worst.append((err_got - CHUNK_ERROR_RATIO * err_whole, name, err_got, err_whole))
+            assert err_got <= CHUNK_ERROR_RATIO * err_whole + CHUNK_ERROR_FLOOR, (name, err_got, err_whole)
+    print("largest margins (chunked - ratio x whole, name, chunked, whole):", sorted(worst)[-3:])
