@@ -1,9 +1,9 @@
 """Sequence chunks of the token mixers (engine/model/mixer_chunks.py) on a CUDA device in bf16, through the paths a
 GPU takes (the linear-attention kernels with a carried initial_state and its gradient, variable-length flash with
-its own key bounds, the sparse attention and indexer kernels on a chunk's queries over its span): every layer kind run in
-chunks equal the unchunked run within bf16 tolerance, and a 4096-token row of a small hybrid model in chunks is
-as close to its fp32 run as the unchunked bf16 run is. fp32 equality
-within 1e-5 is tested on the CPU (tests/engine/test_sequence_chunks_mixers.py). Run on the GPU machine:
+its own key bounds, the sparse attention and indexer kernels on a chunk's queries over its span): every layer kind
+run in chunks equals the unchunked run within bf16 tolerance, and a 4096-token row of a small hybrid model in chunks
+is as close to its fp32 run as the unchunked bf16 run is. fp32 equality within 1e-5 is tested on the CPU
+(tests/engine/test_sequence_chunks_mixers.py). Run on the GPU machine:
 pytest -m gpu tests/gpu/test_sequence_chunks_gpu.py
 """
 
