@@ -94,12 +94,12 @@ def shared(child_env, tmp_path_factory, world, overrides):
 NO_AUX = ("model.moe.aux_loss_coef=0",)
 
 
-# CP 4 runs with EP 2 only (its expert groups inside the context group); CP 4 alone adds little to it and to the
-# layer tests' CP 4 cases.
+# CP 2 and 4, with and without EP 2 (CP 4 x EP 2: the expert groups inside the context group).
 @pytest.mark.dist
 @pytest.mark.parametrize("world, cp, ep, extra", [
     pytest.param(2, 2, 1, (), id="cp2"),
     pytest.param(2, 2, 2, (), id="cp2-ep2"),
+    pytest.param(4, 4, 1, (), id="cp4"),
     pytest.param(4, 4, 2, (), id="cp4-ep2"),
     pytest.param(4, 2, 2, NO_AUX, id="dp2-cp2-ep2"),
 ])
