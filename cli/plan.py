@@ -108,7 +108,12 @@ def _summary(result: Plan) -> list[str]:
             f"context parallel {c}: each row of {result.row_tokens} tokens shared by {c} devices, "
             f"{result.devices // c} row{'s' if result.devices // c > 1 else ''} a micro-batch"
         )
-    context = f" + gathered by the token mixers {format_bytes(acts.context)}" if acts.context else ""
+        lay = result.layouts[0]
+        lines.append(
+            f"context/step {format_bytes(lay.context_per_step)} on a group's last device (at most: one document over "
+            f"the row, every key selectable), {format_bytes(lay.context_mean_per_step)} on average over its devices"
+        )
+    context = f" + gathered or fetched by the token mixers {format_bytes(acts.context)}" if acts.context else ""
     lines.append(
         f"activations {format_bytes(acts.total)} = layers {format_bytes(acts.layers)} + head "
         f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}{context}"

@@ -40,7 +40,10 @@ __all__ = [
     "count_parameters",
     "activation_bytes",
     "ContextExchange",
+    "ContextTraffic",
     "context_exchange",
+    "context_traffic",
+    "fetched_rows",
     "plan_layouts",
     "sequence_chunk",
 ]
@@ -76,9 +79,11 @@ ALL_TO_ALLS_PER_LAYER_RECOMPUTED = 6
 # Sequence chunks (memory.sequence_chunk_tokens) recompute each chunk's dispatch and combine in backward; under
 # activation checkpointing on top of the layer's recomputed forward.
 ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE = 2
-# Context parallelism: a gathered tensor with a gradient is gathered in forward and its gradient reduce-scattered in
-# backward, each moving (c - 1) / c of the whole gathered tensor into a device.
-CONTEXT_GATHERS_WITH_GRADIENT = 2
+# Context parallelism: the top-k layers fetch earlier devices' keys in units of block_size rows, at token level in
+# pages of this many rows (engine/model/attention_context.py's TOKEN_PAGE; tests/engine/test_plan.py checks they
+# agree), and keep each fetched row's int64 id for backward (the index of the copy into the span's buffer).
+FETCH_TOKEN_PAGE = 16
+ROW_ID_BYTES = 8
 # Pinned device-to-host and host-to-device copy bandwidth measured on the H200 (docs/PERF.md, "pinned host-to-device
 # / device-to-host 52 / 55 GB/s"): the time the plan gives the memory policy's swaps.
 PINNED_D2H_BYTES_PER_S = 55 * 10**9
@@ -318,8 +323,9 @@ class ActivationBytes:
     layers: int  # what backward keeps of the decoder layers
     head: int  # final norm, and the loss's saved gradient and one chunk of logits (or all logits: LoRA on the head)
     transient: int  # the linear-attention backward's state gradients, and states recomputed if offloaded (one layer)
-    # Context parallelism: the token mixers' gathered tensors (the row's keys and values, the linear layers' state
-    # summaries and halos) kept until backward; one layer's with activation checkpointing. 0 when c is 1.
+    # Context parallelism: what the token mixers gather or fetch and keep until backward (the row's keys and values,
+    # the top-k layers' span buffer and fetched rows' ids, the linear layers' state summaries and halos), on the
+    # group's last device; one layer's with activation checkpointing. 0 when c is 1.
     context: int = 0
     # The memory policy (engine/memory): saved tensors of the layers it sends to pinned host memory (offloaded
     # classes, and what passes the GPU budget), by class; `layers` holds only what stays on the GPU.
@@ -337,27 +343,49 @@ class ActivationBytes:
 
 
 class ContextExchange(NamedTuple):
-    """What one layer's token mixer gathers over its context group per micro-batch (bytes of the gathered tensors as a
-    device holds them after the gather: c pieces)."""
+    """What one layer's token mixer receives from the rest of its context group per micro-batch and forward pass, and
+    what it keeps until backward (bytes). Upper bounds, on the group's last device: one document over the row, so the
+    last device's span is the whole row and every key before its share is held by an earlier device."""
 
-    kept: int  # held until backward
-    with_gradient: int  # gathered in forward, their gradients sent back in backward
-    without_gradient: int  # gathered in forward only (the indexers' keys)
+    kept: int  # held until backward on the last device
+    with_gradient: float  # received in forward by the last device; its exchange moves as many gradient bytes back
+    without_gradient: float  # received in forward only (the indexers' keys), by every device
+    with_gradient_mean: float  # with_gradient averaged over the group's c devices
+
+
+class ContextTraffic(NamedTuple):
+    """Bytes of one layer's context-group exchanges per micro-batch, forward and backward."""
+
+    last: float  # the group's last device: the most, and the figure the plan reports
+    mean: float  # averaged over the group's devices
+
+
+def fetched_rows(row_tokens: int, c: int, rank: int, slots: int, unit: int) -> int:
+    """F_r, the rows a top-k layer on device `rank` of c fetches from the earlier devices, at most: the keys of its
+    document before its share (r T_row / c, a document over the row), and the units its T_row / c queries of that
+    document can select (S slots a query, each a unit of U rows: block_size, or FETCH_TOKEN_PAGE at token level)."""
+    share = row_tokens // c
+    return min(rank * share, share * slots * unit)
 
 
 def context_exchange(cfg: ModelProfile, spec: LayerSpec, row_tokens: int, c: int, dtype_bytes: int) -> ContextExchange:
-    """The gathers of one layer's token mixer when c devices share a row of row_tokens tokens
+    """The exchanges of one layer's token mixer when c devices share a row of T_row = row_tokens tokens
     (engine/model/linear_context.py, engine/model/attention_context.py):
 
     - linear / kda: one [H, K, K + V] fp32 state summary a device, and the short conv's halo (its reach x conv
-      channels a device), both gathered from all c devices;
-    - full / sparse / qsa: the whole row's keys and values (T_row x G x 2 hd); sparse and qsa also the indexer's keys
-      (T_row x DI, no gradient), qsa its raw indexer keys once more (pooled into its block keys, then freed);
-    - mla / mla_sparse: the row's normed kv latent and rope key (T_row x (Rkv + Dr)); mla_sparse the indexer's keys.
+      channels a device), both gathered from all c devices: a device receives (c - 1) / c of the c pieces;
+    - full / mla: the whole row's keys and values (T_row x G x 2 hd; mla the normed kv latent and rope key,
+      T_row x (Rkv + Dr)) gathered, (c - 1) / c of them received, and kept;
+    - sparse / qsa / mla_sparse: the indexer's keys gathered ((c - 1) / c x T_row x DI received, no gradient, freed
+      after the selection; qsa twice: its raw keys, then its block keys), then only the selected units fetched from
+      the earlier devices (fetched_rows, R bytes a row: G x 2 hd, mla_sparse Rkv + Dr) into a span-sized buffer, kept
+      with the fetched rows' ids: the last device's span is the row (T_row x R). The fetch's counts and ranges
+      (8 c bytes and 16 bytes a range, a range covering a unit of U rows) are left out.
     """
     if c == 1:
-        return ContextExchange(0, 0, 0)
+        return ContextExchange(0, 0, 0, 0)
     b = dtype_bytes
+    received = (c - 1) / c
     if spec.attention in ("linear", "kda"):
         if spec.attention == "linear":
             la = cfg.linear_attention
@@ -370,31 +398,40 @@ def context_exchange(cfg: ModelProfile, spec: LayerSpec, row_tokens: int, c: int
             h, k, v = kda.num_heads, kda.head_dim, kda.head_dim
             channels, width = 3 * h * k, kda.conv_kernel_size
         gathered = c * h * k * (k + v) * FP32_BYTES + c * (width - 1) * channels * b
-        return ContextExchange(gathered, gathered, 0)
-    sa = cfg.sparse_attention
-    index_keys = row_tokens * sa.index_head_dim * b if sa is not None else 0
+        return ContextExchange(gathered, gathered * received, 0, gathered * received)
     if spec.attention in ("mla", "mla_sparse"):
         mla = cfg.mla
         assert mla is not None, "the schema requires model.mla for mla layers"
-        latent = row_tokens * (mla.kv_lora_rank + mla.qk_rope_head_dim) * b
-        indexer = index_keys if spec.attention == "mla_sparse" else 0
-        return ContextExchange(latent + indexer, latent, indexer)
-    keys_values = row_tokens * cfg.num_key_value_heads * 2 * cfg.head_dim * b
-    if spec.attention == "full":
-        return ContextExchange(keys_values, keys_values, 0)
-    raw_keys = index_keys if spec.attention == "qsa" else 0
-    return ContextExchange(keys_values + index_keys, keys_values, index_keys + raw_keys)
+        row_bytes = (mla.kv_lora_rank + mla.qk_rope_head_dim) * b
+    else:
+        row_bytes = cfg.num_key_value_heads * 2 * cfg.head_dim * b
+    if spec.attention in ("full", "mla"):
+        gathered = row_tokens * row_bytes
+        return ContextExchange(gathered, gathered * received, 0, gathered * received)
+    sa = cfg.sparse_attention
+    assert sa is not None, "the schema requires model.sparse_attention for top-k layers"
+    num_index_keys = 2 if spec.attention == "qsa" else 1
+    index_keys = num_index_keys * received * row_tokens * sa.index_head_dim * b
+    slots = sa.topk // sa.block_size + (1 if spec.attention == "qsa" else 0)
+    unit = sa.block_size if sa.block_size > 1 else FETCH_TOKEN_PAGE
+    fetched = [fetched_rows(row_tokens, c, rank, slots, unit) for rank in range(c)]
+    kept = row_tokens * row_bytes + fetched[-1] * ROW_ID_BYTES
+    return ContextExchange(kept, fetched[-1] * row_bytes, index_keys, sum(fetched) / c * row_bytes)
 
 
 def context_traffic(
-    exchange: ContextExchange, c: int, is_recomputed: bool, is_mixer_recomputed: bool = False
-) -> float:  # fmt: skip
-    """Bytes one device receives for one layer's gathers per micro-batch: (c - 1) / c of every gathered tensor, in
-    forward (once more when backward recomputes the layer, and once more when it recomputes the token mixer's share
-    on its own: sequence chunks) and, for those with a gradient, in backward."""
+    exchange: ContextExchange, is_recomputed: bool, is_mixer_recomputed: bool = False
+) -> ContextTraffic:  # fmt: skip
+    """Bytes of one layer's exchanges per micro-batch: what a device receives in forward (once more when backward
+    recomputes the layer, and once more when it recomputes the token mixer's share on its own: sequence chunks), and
+    in backward the gradients of what it received with one (a gather's reduce-scatter into the device; a fetch's
+    gradients sent back to their owners)."""
     forward_passes = 1 + int(is_recomputed) + int(is_mixer_recomputed)
-    moved = forward_passes * (exchange.with_gradient + exchange.without_gradient) + exchange.with_gradient
-    return moved * (c - 1) / c
+    without = forward_passes * exchange.without_gradient
+    return ContextTraffic(
+        last=without + (forward_passes + 1) * exchange.with_gradient,
+        mean=without + (forward_passes + 1) * exchange.with_gradient_mean,
+    )
 
 
 class LayerRanks(NamedTuple):
@@ -868,7 +905,7 @@ def _head_has_lora(lora: LoraProfile) -> bool:
 
 def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> ActivationBytes:
     """What backward keeps per device for one micro-batch: its T = micro_batch_size x seq_len / context_parallel
-    tokens, plus under context parallelism the tensors its token mixers gather (context_exchange; docs/plan.md).
+    tokens, plus under context parallelism what its token mixers gather or fetch (context_exchange; docs/plan.md).
     `base`: model_parameters(job.model) when the caller has it."""
     cfg = job.model
     b = DTYPE_BYTES[job.train.precision]
@@ -1015,9 +1052,12 @@ class Layout:
     fits: bool
     all_to_all_per_step: int  # bytes this device sends by all-to-all per optimizer step
     zero3_per_step: int  # bytes this device receives in ZeRO-3 all-gathers and gradient reduce-scatters per step
-    # Bytes this device receives per step in its context group's gathers (keys and values, state summaries, halos)
-    # and their backward; 0 without context parallelism.
+    # Bytes of this device's context-group exchanges per step (gathers: keys and values, indexer keys, state
+    # summaries, halos; the top-k layers' fetched rows) and their gradients in backward, on the group's last device
+    # (an upper bound: one document over the row, every unit selectable), and their mean over the group's devices;
+    # 0 without context parallelism.
     context_per_step: int = 0
+    context_mean_per_step: int = 0
     # The memory policy's host tier: the pinned pool (the offloaded bytes in whole HOST_CHUNK_BYTES chunks), the bytes
     # copied each way per step (out in forward, back in backward), and their time at the pinned-copy bandwidth.
     host_memory: int = 0
@@ -1111,8 +1151,8 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
     accumulation = job.train.gradient_accumulation_steps
     is_recomputed = job.memory.activation_checkpointing
     is_share_recomputed = job.memory.sequence_chunk_tokens is not None and (c > 1 or sequence_chunk(job) is None)
-    context_bytes = sum(context_traffic(context_exchange(cfg, spec, row_tokens(job), c, wb), c, is_recomputed,
-                                        is_share_recomputed) for spec in cfg.layers)  # fmt: skip
+    context_bytes = [context_traffic(context_exchange(cfg, spec, row_tokens(job), c, wb), is_recomputed,
+                                     is_share_recomputed) for spec in cfg.layers]  # fmt: skip
     all_to_alls = ALL_TO_ALLS_PER_LAYER_RECOMPUTED if job.memory.activation_checkpointing else ALL_TO_ALLS_PER_LAYER
     if sequence_chunk(job) is not None:
         all_to_alls += ALL_TO_ALLS_PER_CHUNKED_RECOMPUTE
@@ -1162,7 +1202,8 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
                 fits=total <= device_memory,
                 all_to_all_per_step=all_to_all,
                 zero3_per_step=round(accumulation * (gather + reduce)),
-                context_per_step=round(accumulation * context_bytes),
+                context_per_step=round(accumulation * sum(layer.last for layer in context_bytes)),
+                context_mean_per_step=round(accumulation * sum(layer.mean for layer in context_bytes)),
                 host_memory=host_pool,
                 swap_per_step=swap,
                 swap_out_s=swap / PINNED_D2H_BYTES_PER_S,

@@ -362,9 +362,16 @@ TINY_HALO = 3 * 128 * 4  # reach x conv channels, one a device
 
 
 def tiny_gathers(c: int, row_tokens: int) -> tuple[int, int, int]:
-    """(kept bytes of one linear layer, of the sparse layer with gradient, of its indexer keys) as a device holds
-    them after the gathers, counted by hand."""
+    """(one linear layer's gathered pieces, the sparse layer's span buffer on the group's last device, the row's
+    indexer keys) in bytes, counted by hand."""
     return c * (TINY_STATE_SUMMARY + TINY_HALO), row_tokens * 2 * 2 * 16 * 4, row_tokens * 16 * 4
+
+
+def tiny_fetched(c: int, row_tokens: int) -> tuple[int, float]:
+    """tiny's sparse layer (token level, S 32 slots of 16-row pages: never fewer rows than the earlier keys) fetches
+    r T_row / c rows on device r: (the last device's rows, the mean over the c devices)."""
+    share = row_tokens // c
+    return (c - 1) * share, sum(r * share for r in range(c)) / c
 
 
 @pytest.mark.parametrize("c", [2, 4])
@@ -374,13 +381,15 @@ def test_context_parallel_activations_are_a_shares_plus_the_gathers(c):
     # One device's share of the row: the single-device figure at T_row / c tokens (rows of 256 / c, 4 a micro-batch).
     alone = activation_bytes(load_profile("tiny", [f"data.seq_len={256 // c}"]))
     assert (shared.layers, shared.head, shared.transient) == (alone.layers, alone.head, alone.transient)
-    linear, keys_values, index_keys = tiny_gathers(c, row)
-    assert shared.context == 3 * linear + keys_values + index_keys
+    linear, span_buffer, _ = tiny_gathers(c, row)
+    # The sparse layer keeps its span buffer and the fetched rows' int64 ids, not the indexer's keys.
+    last_rows, _ = tiny_fetched(c, row)
+    assert shared.context == 3 * linear + span_buffer + last_rows * 8
     assert shared.total == alone.total + shared.context
     # Whole layers recomputed: one layer's gathers at a time, the sparse layer's being the largest.
     checkpointed = activation_bytes(load_profile("tiny", ["data.seq_len=256", f"parallel.context_parallel={c}",
                                                           "memory.activation_checkpointing=true"]))  # fmt: skip
-    assert checkpointed.context == keys_values + index_keys
+    assert checkpointed.context == span_buffer + last_rows * 8
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -389,14 +398,18 @@ def test_context_traffic_follows_a_hand_count(checkpointing):
     job = load_profile("tiny", ["data.seq_len=256", f"parallel.context_parallel={c}",
                                 f"train.gradient_accumulation_steps={accumulation}",
                                 f"memory.activation_checkpointing={str(checkpointing).lower()}"])  # fmt: skip
-    linear, keys_values, index_keys = tiny_gathers(c, 4 * 256)
+    linear, _, index_keys = tiny_gathers(c, 4 * 256)
+    last_rows, mean_rows = tiny_fetched(c, 4 * 256)
+    row_bytes = 2 * 2 * 16 * 4
     forward = 2 if checkpointing else 1
     # Forward gathers (again in the recomputed forward), the gradients of those with one in backward; a device
-    # receives 3/4 of each gathered tensor.
-    per_micro_batch = 3 * (forward * linear + linear) + forward * (keys_values + index_keys) + keys_values
-    expected = round(accumulation * per_micro_batch * (c - 1) / c)
+    # receives 3/4 of each gathered tensor. The sparse layer fetches its rows in each forward and sends their
+    # gradients back.
+    gathered = (3 * (forward * linear + linear) + forward * index_keys) * (c - 1) / c
+    expected = round(accumulation * (gathered + (forward + 1) * last_rows * row_bytes))
+    mean = round(accumulation * (gathered + (forward + 1) * mean_rows * row_bytes))
     plan = plan_layouts(job, 8, 80 * GB)
-    assert {lay.context_per_step for lay in plan.layouts} == {expected}
+    assert {(lay.context_per_step, lay.context_mean_per_step) for lay in plan.layouts} == {(expected, mean)}
     for lay in plan.layouts:
         assert lay.traffic_per_step == lay.all_to_all_per_step + lay.zero3_per_step + expected
     assert plan.tokens_per_micro_batch == 256 and plan.row_tokens == 1024 and plan.context_parallel == c
@@ -407,15 +420,72 @@ def test_context_parallel_must_divide_the_devices():
         plan_layouts(load_profile("tiny", ["parallel.context_parallel=4"]), 6, 80 * GB)
 
 
+# One top-k or softmax layer on tiny's 1024-token row (fp32, 4 rows of 256): R bytes a key row, G 2 x 2 hd 16 x 4 = 256
+# (mla: Rkv 16 + Dr 8 = 24 numbers, 96 bytes), an indexer key DI 16 x 4 = 64 bytes. A top-k layer on device r of c
+# (share q = 1024 / c) fetches F_r = min(r q, q S U) rows: the earlier keys of a document over the row, or the units
+# its queries can select (S slots, U rows a unit: block_size, 16-row pages at token level). Per micro-batch, without
+# recomputation: the indexer keys (c - 1) / c x 1024 x 64 (qsa twice) + F R in forward + F R of gradients sent back;
+# kept: the last device's span buffer 1024 x R + its F x 8 bytes of row ids. (name, overrides, c, F_r over the ranks,
+# R, indexer gathers); F_r None: a full or mla layer's gather.
+ROW, MLA_LATENT = 4 * 256, VARIANTS["mla"][0]
+CONTEXT_KINDS = [
+    # Block level, S 1, U 4: F_r = min(128 r, 512).
+    ("sparse-block", ["model.sparse_attention.block_size=4", "model.sparse_attention.topk=4"], 8,
+     [0, 128, 256, 384, 512, 512, 512, 512], 256, 1),
+    # Token level, S 1, U 16 (a page, not a token): F_r = min(32 r, 512).
+    ("sparse-token", ["model.sparse_attention.topk=1"], 32, [32 * r for r in range(17)] + [512] * 15, 256, 1),
+    # Token level, S 32: the earlier keys bound it, F_r = 256 r.
+    ("sparse-token-all", [], 4, [0, 256, 512, 768], 256, 1),
+    # QSA's S = topk / block_size + 1 = 2 slots (the incomplete block on top), U 4: F_r = min(64 r, 512).
+    ("qsa", ["model.sparse_attention.block_size=4", "model.sparse_attention.topk=4"], 16,
+     [64 * r for r in range(9)] + [512] * 7, 256, 2),
+    # mla_sparse fetches its kv latent and rope key; S 1, U 4: F_r = min(64 r, 256).
+    ("mla_sparse", [MLA_LATENT, "model.sparse_attention.block_size=4", "model.sparse_attention.topk=4"], 16,
+     [64 * r for r in range(5)] + [256] * 11, 96, 1),
+    ("full", [], 8, None, 256, 0),
+    ("mla", [MLA_LATENT], 8, None, 96, 0),
+]
+
+
+@pytest.mark.parametrize("kind, overrides, c, fetched, row_bytes, num_index_gathers", CONTEXT_KINDS,
+                         ids=[case[0] for case in CONTEXT_KINDS])  # fmt: skip
+def test_context_exchanges_of_each_attention_kind_follow_a_hand_count(
+    kind, overrides, c, fetched, row_bytes, num_index_gathers
+):  # fmt: skip
+    attention = kind.split("-")[0]
+    job = load_profile("tiny", ["data.seq_len=256", f"parallel.context_parallel={c}", "model.moe.aux_loss_coef=0",
+                                f"model.layers=[{{attention: {attention}, mlp: moe}}]", "lora.target_modules=[o_proj]",
+                                *overrides])  # fmt: skip
+    index_keys = num_index_gathers * (c - 1) / c * ROW * 64
+    if fetched is None:
+        # The whole row gathered, kept, and its gradients reduce-scattered back.
+        kept, last, mean = ROW * row_bytes, 2 * (c - 1) / c * ROW * row_bytes, 2 * (c - 1) / c * ROW * row_bytes
+    else:
+        assert len(fetched) == c
+        kept = ROW * row_bytes + fetched[-1] * 8
+        last = index_keys + 2 * fetched[-1] * row_bytes
+        mean = index_keys + 2 * sum(fetched) / c * row_bytes
+    assert activation_bytes(job).context == kept
+    plan = plan_layouts(job, c, 80 * GB)
+    assert {(lay.context_per_step, lay.context_mean_per_step) for lay in plan.layouts} == {(round(last), round(mean))}
+
+
+def test_the_plans_token_page_is_the_fetchs():
+    from moe_tune.engine.model import attention_context
+    from moe_tune.engine.parallel import plan
+
+    assert plan.FETCH_TOKEN_PAGE == attention_context.TOKEN_PAGE
+
+
 def test_seed_million_token_rows_on_128_devices():
     # The seed's 1M-token row on 64 devices each: every device holds the 16384 tokens it holds without context
-    # parallelism, plus the gathers (one layer's, under activation checkpointing: a sparse layer's keys and values,
-    # 1M x 8 x 2 x 128 bf16, and its indexer keys, 1M x 128).
+    # parallelism, plus one layer's exchanges under activation checkpointing: a sparse layer's span buffer on the
+    # group's last device, 1M x 8 x 2 x 128 bf16, and the int64 ids of the 63 x 16384 rows it fetched.
     seed = plan_layouts(load_profile("seed-2p8t"), 128, 141 * GB)
     million = plan_layouts(load_profile("seed-2p8t", ["data.seq_len=1048576", "parallel.context_parallel=64"]), 128,
                            141 * GB)  # fmt: skip
     assert million.tokens_per_micro_batch == seed.tokens_per_micro_batch == 16384
-    assert million.activations.context == 2**20 * (8 * 2 * 128 + 128) * 2
+    assert million.activations.context == 2**20 * 8 * 2 * 128 * 2 + 63 * 16384 * 8
     assert million.activations.total == seed.activations.total + million.activations.context
     by_ep = {lay.expert_parallel: lay for lay in seed.layouts}
     for lay in million.layouts:
@@ -435,9 +505,11 @@ def test_plan_command_shows_the_context_groups_and_their_traffic():
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert "context parallel 64: each row of 1048576 tokens shared by 64 devices, 2 rows a micro-batch" in lines
-    assert any(line.startswith("activations 37 GB = ") and line.endswith("gathered by the token mixers 4.56 GB")
-               for line in lines), result.output  # fmt: skip
-    assert "context/step" in result.output and "252 GB" in result.output
+    assert any(line.startswith("activations 36.8 GB = ")
+               and line.endswith("gathered or fetched by the token mixers 4.3 GB") for line in lines), result.output
+    assert ("context/step 252 GB on a group's last device (at most: one document over the row, every key "
+            "selectable), 164 GB on average over its devices") in lines
+    assert "context/step" in result.output
     # Without context parallelism the table has no such column.
     assert "context/step" not in CliRunner().invoke(app, ["plan", "tiny", "--devices", "2"]).output
 
@@ -556,16 +628,19 @@ def test_context_parallel_shares_are_the_token_mixers_one_chunk(checkpointing):
     base = ["data.seq_len=512", f"parallel.context_parallel={c}", "model.moe.aux_loss_coef=0",
             f"train.gradient_accumulation_steps={accumulation}",
             f"memory.activation_checkpointing={str(checkpointing).lower()}"]  # fmt: skip
-    linear, keys_values, index_keys = tiny_gathers(c, 4 * 512)
+    linear, span_buffer, index_keys = tiny_gathers(c, 4 * 512)
+    last_rows, mean_rows = tiny_fetched(c, 4 * 512)
+    sparse_kept, row_bytes = span_buffer + last_rows * 8, 2 * 2 * 16 * 4
     forward = 3 if checkpointing else 2
-    per_micro_batch = 3 * (forward * linear + linear) + forward * (keys_values + index_keys) + keys_values
+    gathered = (3 * (forward * linear + linear) + forward * index_keys) * (c - 1) / c
+    per_micro_batch = gathered + (forward + 1) * last_rows * row_bytes
     for chunk in (100, 512):
         job = load_profile("tiny", [*base, f"memory.sequence_chunk_tokens={chunk}"])
-        assert activation_bytes(job).context == keys_values + index_keys
+        assert activation_bytes(job).context == sparse_kept
         plan = plan_layouts(job, 8, 80 * GB)
-        assert {lay.context_per_step for lay in plan.layouts} == {round(accumulation * per_micro_batch * (c - 1) / c)}
+        assert {lay.context_per_step for lay in plan.layouts} == {round(accumulation * per_micro_batch)}
     unset = activation_bytes(load_profile("tiny", base))
-    assert unset.context == (keys_values + index_keys if checkpointing else 3 * linear + keys_values + index_keys)
+    assert unset.context == (sparse_kept if checkpointing else 3 * linear + sparse_kept)
 
 
 # The memory policy (engine/memory) on the tiny model: T = 4 x 128 tokens, D 64, fp32, LoRA r 16 on the attention
