@@ -10,8 +10,10 @@ Differences that stay (docs/bench.md, "--against transformers"):
   q_proj, k_proj, v_proj and z_proj are one fused in_proj_qkvz there (one adapter of rank r on all four), b_proj and
   a_proj are in_proj_ba and o_proj is out_proj; routed experts get PEFT's `target_parameters` adapters on the fused
   mlp.experts.gate_up_proj / down_proj (lora_A [E*r, in], lora_B [out, E*r]: the same counts as ours).
-- Rows are fed as [R, L] with plain causal attention per row (transformers does not keep packed documents apart);
-  labels are ours (next token inside each document), passed as transformers' already-shifted `shift_labels`.
+- Rows are fed as [R, L] with position_ids that restart at each packed document (ours come from cu_seqlens) and no
+  attention_mask, so transformers' softmax attention keeps the documents apart as ours does; its linear-attention
+  layers (qwen3_next) run over whole rows (DOCUMENTS, the row's `documents`). Labels are ours (next token inside
+  each document), passed as transformers' already-shifted `shift_labels`.
 - transformers picks its own defaults (sdpa attention, grouped_mm experts where available), PEFT keeps adapters in
   fp32 over bf16 weights, gradients are clipped with torch's clip_grad_norm_.
 - With `model.base_precision: fp8` the baseline's base weights are in the training dtype: transformers + PEFT cannot
@@ -88,6 +90,14 @@ KERNEL_NAMES = {
 }
 # The gated output norm of a linear-attention layer (its attribute).
 GATED_NORM = "norm"
+# How the baseline treats the documents packed in a row (the row's `documents`), per model type: position_ids that
+# restart at each document make transformers' masks keep them apart in softmax attention (a packed-sequence mask for
+# sdpa and eager, cu_seqlens for flash attention); its linear-attention layers take no document bounds from them.
+DOCUMENTS = {
+    "qwen3_moe": "kept apart (position_ids restart at each document)",
+    "qwen3_next": "kept apart in full attention (position_ids restart at each document); its linear-attention "
+                  "layers carry their state and short conv across the documents of a row",
+}  # fmt: skip
 IMPLEMENTATION_FIELDS = (*KERNEL_NAMES, "gated_norm_implementation")
 # Free disk the initial weights' checkpoint leaves, beyond its own size (the safetensors header, what else writes).
 DISK_MARGIN = 1.1
@@ -527,15 +537,22 @@ class TransformersRunner:
         # Read while the paths the steps run are bound (run_transformers builds and steps inside pure_torch_paths).
         self.kernel_paths = kernel_paths(self.model)
 
-    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids and labels [R, L] of one of our micro-batches (label t is the token after t)."""
-        rows, seq_len = self.job.train.micro_batch_size, self.job.data.seq_len
-        return batch.input_ids.view(rows, seq_len).to(self.device), batch.labels.view(rows, seq_len).to(self.device)
+    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids, labels and position_ids [R, L] of one of our micro-batches (label t is the token after t;
+        positions count from 0 in each document, as ours do: transformers reads a packed row's document bounds from
+        where they restart, DOCUMENTS)."""
+        from moe_tune.engine.model.blocks import document_positions
 
-    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        rows, seq_len = self.job.train.micro_batch_size, self.job.data.seq_len
+        positions = document_positions(batch.cu_seqlens, batch.input_ids.numel())
+        return tuple(x.view(rows, seq_len).to(self.device) for x in (batch.input_ids, batch.labels, positions))
+
+    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor):
         """(loss backward runs on, mean next-token loss) of one micro-batch. Our labels are already shifted: they go
-        in as transformers' `shift_labels` (`labels` alone would be shifted again, losing each row's last label)."""
-        out = self.model(input_ids=input_ids, labels=labels, shift_labels=labels, use_cache=False)
+        in as transformers' `shift_labels` (`labels` alone would be shifted again, losing each row's last label).
+        No attention_mask: with position_ids alone transformers keeps the packed documents apart."""
+        out = self.model(input_ids=input_ids, labels=labels, shift_labels=labels, position_ids=position_ids,
+                         use_cache=False)  # fmt: skip
         aux = getattr(out, "aux_loss", None)
         lm = out.loss if aux is None else out.loss - self.model.config.router_aux_loss_coef * aux
         return out.loss, lm
@@ -655,6 +672,7 @@ def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_b
     return dict(
         impl=_impl_name(), model_type=model_type, attention_implementation=None, experts_implementation=None,
         **dict.fromkeys(IMPLEMENTATION_FIELDS), initial_weights=initial_weights_text(job, initial),
+        documents=DOCUMENTS[model_type],
         lora=lora_targets(job, model_type) if job.lora.enabled else None, steps=steps_done, losses=[],
         first_step_loss=None, tokens_per_s=None, step_time_s=None, step_times_s=[], peak_memory_bytes=None,
         allocated_before_bytes=allocated_before, parameters=None, trainable_parameters=None, out_of_memory=where,
@@ -697,6 +715,7 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         experts_implementation=runner.experts_implementation,
         **runner.kernel_paths,
         initial_weights=initial_weights_text(job, initial),
+        documents=DOCUMENTS[runner.model_type],
         lora=lora_targets(job, runner.model_type) if job.lora.enabled else None,
         **timed_steps(all_records, warmup, peak),
         allocated_before_bytes=allocated_before,

@@ -15,6 +15,8 @@ from moe_tune.profiles import validate_profile
 # Rows of one document each (the byte tokenizer's <bos> and SEQ_LEN - 1 bytes): transformers attends over whole
 # rows, we over documents, so only such rows give both the same attention.
 SEQ_LEN = 24
+# Bytes of a packed document: with <bos>, SEQ_LEN / 3 inputs, so a row packs three documents.
+DOCUMENT_BYTES = SEQ_LEN // 3 - 1
 NEXT_MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
 # What transformers' qwen3_next runs without flash-linear-attention and causal-conv1d (or inside pure_torch_paths).
 TORCH_PATHS = {
@@ -52,11 +54,19 @@ def one_document_rows(path, count=12):
     return path
 
 
-def job_of(model: dict, tmp_path, precision: str = "fp32"):
+def packed_rows(path, count=12):
+    """Documents of DOCUMENT_BYTES bytes: <bos> and those bytes are DOCUMENT_BYTES + 1 inputs, three to a row."""
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"text": "".join(rng.choice("abcdefgh .") for _ in range(DOCUMENT_BYTES))})
+                            + "\n" for _ in range(count)))  # fmt: skip
+    return path
+
+
+def job_of(model: dict, tmp_path, precision: str = "fp32", rows=one_document_rows):
     return validate_profile({
         "name": "from-profile",
         "model": model,
-        "data": {"path": str(one_document_rows(tmp_path / "rows.jsonl")), "tokenizer": "byte", "seq_len": SEQ_LEN},
+        "data": {"path": str(rows(tmp_path / "rows.jsonl")), "tokenizer": "byte", "seq_len": SEQ_LEN},
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "experts": True},
         "train": {"steps": 4, "micro_batch_size": 2, "lr": 1e-3, "precision": precision},
         "output": {"dir": str(tmp_path / "out")},
@@ -82,6 +92,28 @@ def test_baseline_starts_from_our_initial_weights(tmp_path, monkeypatch, model):
     assert {field: other[field] for field in TORCH_PATHS} == expected
     # The temporary checkpoint is gone once the baseline ran.
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("moe-tune-against-")]
+
+
+def test_baseline_keeps_the_documents_of_a_packed_row_apart(tmp_path, monkeypatch):
+    """Rows packing three documents each: the baseline's positions restart at each document (ours come from
+    cu_seqlens), so transformers' attention stops at the documents' bounds as ours does and the first step's loss is
+    ours in fp32 (with positions counted over the whole row it attends across documents: 5.7313 against 5.7281)."""
+    from moe_tune.engine.bench.against import TransformersRunner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    from moe_tune.engine.bench.steps import profile_steps
+
+    seen = []
+    inputs = TransformersRunner.inputs
+    monkeypatch.setattr(TransformersRunner, "inputs", lambda self, batch: seen.append(inputs(self, batch)) or seen[-1])
+    result = profile_steps(job_of(MOE_LIKE, tmp_path, rows=packed_rows), steps=1, warmup=1, against="transformers")
+    other = result["against"]
+    assert other["first_step_loss"] == pytest.approx(result["first_step_loss"], rel=1e-5, abs=0)
+    assert other["documents"] == "kept apart (position_ids restart at each document)"
+    _, _, positions = seen[0]
+    document = torch.arange(SEQ_LEN // 3)
+    assert positions.tolist() == [torch.cat([document] * 3).tolist()] * 2
 
 
 def test_fp8_base_hands_its_weights_over_dequantized(monkeypatch):
