@@ -125,8 +125,18 @@ def _read_baseline(path: Path) -> list[dict]:
     return data
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    """Horizontal bars of the fwd and fwd+bwd medians per row, log scale."""
+def row_line(row: dict) -> str:
+    """One measured row as the run streams it: what was timed, then the fwd and fwd+bwd medians and TFLOP/s."""
+    passes = []
+    for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+        tflops = f" ({row[f'{key}_tflops']:.3g} TFLOP/s)" if row[f"{key}_tflops"] is not None else ""
+        passes.append(f"{label} {_format(row[f'{key}_ms'], '.3f')} ms{tflops}")
+    return f"  {row['case']} / {row['impl']} / {row['shape']} {row['dtype']}: {', '.join(passes)}"
+
+
+def plot_rows(rows: list[dict], path: Path, partial: str | None = None) -> None:
+    """Horizontal bars of the fwd and fwd+bwd medians per row, log scale; `partial` (what is missing) joins the
+    title. Drawn to a temporary file renamed over `path`, so a run stopped while drawing keeps the last plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,17 +153,22 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("median ms")
     first = rows[0]
-    ax.set_title(f"{first['machine']}, commit {first['commit']}, {first['date']}", fontsize=8)
+    title = f"{first['machine']}, commit {first['commit']}, {first['date']}"
+    ax.set_title(title + (f" ({partial})" if partial else ""), fontsize=8)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp)
     plt.close(fig)
+    tmp.replace(path)
 
 
 def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | None, plot: Path | None,
         wide: bool) -> None:
-    """Time the chosen ops beside their baselines, print the table; exit 1 when a row is slower than --baseline."""
-    from moe_tune.engine.bench import OPS, REGRESSION_TOLERANCE, find_regressions, parse_shapes, run_kernels
+    """Time the chosen ops beside their baselines, each op's rows printed (and saved to --json and --plot) as soon as
+    it is measured, then the table; exit 1 when a row is slower than --baseline."""
+    from moe_tune.engine.bench import (OPS, REGRESSION_TOLERANCE, find_regressions, is_partial, parse_shapes,
+                                       run_kernels, write_rows)  # fmt: skip
 
     problems = []
     try:
@@ -179,27 +194,60 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         console.width = WIDE_WIDTH
     elif not console.is_terminal:
         console.width = KERNELS_WIDTH
-    # Lines other than the table are never wrapped: a reader greps them, copies paths out of them.
-    rows, _, _ = run_kernels(op_names, shapes,
-                             on_start=lambda line: console.print(line, markup=False, soft_wrap=True))
+
+    def say(line: str) -> None:
+        # Lines other than the table are never wrapped: a reader greps them, copies paths out of them.
+        console.print(line, markup=False, soft_wrap=True)
+
+    if saved is not None and is_partial(saved):
+        say(f"--baseline {baseline} holds a run stopped before its end ({len(saved)} rows, complete: false): only "
+            "those rows are compared")
+    names = list(OPS) if op_names is None else op_names
+    measured: list[dict] = []
+    done: list[str] = []
+
+    def save(is_complete: bool) -> None:
+        if json_out is not None:
+            try:
+                write_rows(json_out, measured, is_complete)
+            except OSError as err:
+                fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
+        if plot is not None and measured:
+            plot_rows(measured, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")
+
+    def on_op(name: str, op_rows: list[dict], seconds: float) -> None:
+        measured.extend(op_rows)
+        done.append(name)
+        say(f"{name}: {len(op_rows)} row{'s' if len(op_rows) != 1 else ''} in {seconds:.1f} s")
+        for row in op_rows:
+            say(row_line(row))
+        save(is_complete=False)
+
+    # An empty list first: a --json path that cannot be written is refused before anything is timed.
+    save(is_complete=False)
+    try:
+        rows, _, _ = run_kernels(op_names, shapes, on_start=say, on_op=on_op)
+    except typer.Exit:
+        raise
+    except (Exception, KeyboardInterrupt) as err:
+        where = f"before {names[len(done)]} was measured" if len(done) < len(names) else "after the last op"
+        kept = [f"{json_out} keeps the rows of {', '.join(done) or 'no op'} (complete: false)"] if json_out else []
+        kept += [f"{plot} their plot"] if plot and measured else []
+        say(f"stopped ({type(err).__name__}) {where}" + "".join(f"; {line}" for line in kept))
+        raise
     table, footnotes = kernels_table(rows, wide, console.width)
     console.print(table)
     for line in footnotes:
         console.print(line, markup=False)
+    save(is_complete=True)
     if json_out is not None:
-        try:
-            json_out.write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-        except OSError as err:
-            fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
-        console.print(f"rows written to {json_out}", markup=False, soft_wrap=True)
+        say(f"rows written to {json_out}")
     if plot is not None:
-        _plot(rows, plot)
-        console.print(f"plot written to {plot}", markup=False, soft_wrap=True)
+        say(f"plot written to {plot}")
     if saved is not None:
         regressions = find_regressions(rows, saved)
         for line in regressions:
-            console.print(f"slower than {baseline}: {line}", markup=False, soft_wrap=True)
+            say(f"slower than {baseline}: {line}")
         if regressions:
             raise typer.Exit(code=REGRESSION_EXIT)
-        console.print(f"no row slower than {baseline} by more than {REGRESSION_TOLERANCE:.0%}", markup=False,
-                      soft_wrap=True)
+        say(f"no row slower than {baseline} by more than {REGRESSION_TOLERANCE:.0%}")

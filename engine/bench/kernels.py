@@ -18,7 +18,9 @@ HQ query heads, K key dim, V value dim, S selected keys per query.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 from moe_tune.engine.bench.timing import median_ms, time_ms
+from moe_tune.engine.train.checkpoint import write_json_atomic
 
 PRESETS = ("small", "anchor")
 # One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
@@ -41,6 +44,8 @@ ROW_KEYS = (
     *MACHINE_KEYS,
 )  # fmt: skip
 MATCH_KEYS = ("op", "case", "impl", "shape")
+# Each row of a --json file also says whether its run measured every op (false while it runs, or if it was stopped).
+COMPLETE_KEY = "complete"
 
 # Peak probes: an 8192^3 bf16 GEMM saturates the tensor cores of an H100/H200; a 1 GiB copy is far past L2.
 PEAK_GEMM_SIZE = 8192
@@ -646,11 +651,14 @@ def parse_shapes(text: str, ops: list[str], label: str = "shapes") -> str | dict
     return per_op
 
 
-def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: Callable[[str], None] | None = None):
+def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: Callable[[str], None] | None = None,
+                on_op: Callable[[str, list[dict], float], None] | None = None):
     """Time the named ops (default: all of OPS) on `preset` shapes: a preset name or a SPEC (parse_shapes).
     Returns (rows, peaks, machine).
 
-    on_start(line) is told what the run does before it starts (the no-CUDA fallback, the measured peaks).
+    on_start(line) is told what the run does before it starts (the no-CUDA fallback, the measured peaks);
+    on_op(name, rows, seconds) gets each op's rows and its wall seconds as soon as that op is measured, in op order,
+    so a caller can show and save them before the next op runs.
     """
     names = list(OPS) if ops is None else ops
     unknown = [name for name in names if name not in OPS]
@@ -670,8 +678,25 @@ def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: C
     run = RunContext(is_cuda=is_cuda, peaks=peaks, machine=machine_info(is_cuda))
     rows = []
     for name in names:
-        rows += OPS[name](shapes[name] if isinstance(shapes, dict) else shapes, run)
+        # Wall seconds of the whole op (inputs, warm-up, every impl): where a run's time goes, not a result.
+        start = time.perf_counter()
+        op_rows = OPS[name](shapes[name] if isinstance(shapes, dict) else shapes, run)
+        rows += op_rows
+        if on_op is not None:
+            on_op(name, op_rows, time.perf_counter() - start)
     return rows, peaks, run.machine
+
+
+def write_rows(path: Path, rows: list[dict], is_complete: bool) -> None:
+    """Write `rows` as --json does, each with COMPLETE_KEY: False while the run goes on, True once every op is
+    measured. Atomic (a temporary file renamed over `path`), so a run stopped between two writes leaves the last."""
+    write_json_atomic(path, [dict(row, **{COMPLETE_KEY: is_complete}) for row in rows])
+
+
+def is_partial(rows: list[dict]) -> bool:
+    """Whether saved rows come from a run stopped before its end: COMPLETE_KEY false, or no row at all (stopped before
+    its first op); rows without the key are from a whole run."""
+    return not rows or any(row.get(COMPLETE_KEY) is False for row in rows)
 
 
 def find_regressions(rows: list[dict], baseline: list[dict], tolerance: float = REGRESSION_TOLERANCE) -> list[str]:

@@ -1,5 +1,7 @@
-"""`moe-tune profile --kernels`: argument errors, the CPU run's JSON rows, --baseline and --plot."""
+"""`moe-tune profile --kernels`: argument errors, the CPU run's JSON rows, --baseline and --plot, and each op's rows
+printed and saved as soon as it is measured (a stopped run keeps them, complete: false)."""
 
+import importlib.util
 import json
 import sys
 
@@ -8,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from moe_tune.cli.profile import app
-from moe_tune.engine.bench import OPS, ROW_KEYS
+from moe_tune.engine.bench import COMPLETE_KEY, OPS, ROW_KEYS
+from moe_tune.engine.bench.kernels import make_row
 
 runner = CliRunner()
 
@@ -45,7 +48,8 @@ def test_unknown_ops_are_one_line_exit_2():
 
 def test_cpu_moe_run_writes_rows_with_positive_medians(moe_rows):
     (row,) = moe_rows
-    assert list(row) == list(ROW_KEYS)
+    assert list(row) == [*ROW_KEYS, COMPLETE_KEY]
+    assert row[COMPLETE_KEY] is True
     assert (row["op"], row["impl"], row["device"]) == ("moe", "reference", "cpu")
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["fwd_tflops"] > 0
     assert row["fwd_peak_fraction"] is None and row["peak_memory_bytes"] is None
@@ -107,3 +111,104 @@ def test_plot_is_written(tmp_path):
     result = runner.invoke(app, ["--kernels", "--ops", "moe", "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def _fake_op(name: str, num_rows: int, calls: list, out=None, error: BaseException | None = None):
+    """A registry entry that returns fixed rows at once (or raises `error`); it logs its call and what `out` holds
+    then (None: no file yet)."""
+
+    def bench(shapes, run):
+        calls.append((name, json.loads(out.read_text()) if out is not None and out.exists() else None))
+        if error is not None:
+            raise error
+        return [make_row(name, f"case {i}", "impl", "S1", torch.float32, run, fwd_ms=1.0 + i, fwd_bwd_ms=2.0 + i)
+                for i in range(num_rows)]  # fmt: skip
+
+    return bench
+
+
+def _rows_of(bench) -> list[dict]:
+    from moe_tune.engine.bench.kernels import Peaks, RunContext
+    from moe_tune.engine.bench.machine import machine_info
+
+    return bench("small", RunContext(is_cuda=False, peaks=Peaks(), machine=machine_info(False)))
+
+
+def _without_date(rows: list[dict]) -> list[dict]:
+    # The date is taken when the run starts, a second apart between two runs.
+    return [{key: value for key, value in row.items() if key != "date"} for row in rows]
+
+
+def test_each_op_is_printed_and_saved_as_soon_as_it_is_measured(monkeypatch, tmp_path):
+    out, calls = tmp_path / "run.json", []
+    # Given out of registry order (rms_norm comes before rotary there): the run keeps the order given.
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 2, calls, out))
+    monkeypatch.setitem(OPS, "rms_norm", _fake_op("rms_norm", 1, calls, out))
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary,rms_norm", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    expected = _rows_of(_fake_op("rotary", 2, [])) + _rows_of(_fake_op("rms_norm", 1, []))
+    # While rms_norm ran, the file held rotary's rows, marked incomplete; at the end every row, marked complete.
+    assert [name for name, _ in calls] == ["rotary", "rms_norm"]
+    assert calls[0][1] == []
+    assert _without_date(calls[1][1]) == _without_date([dict(row, complete=False) for row in expected[:2]])
+    assert _without_date(json.loads(out.read_text())) == _without_date([dict(row, complete=True) for row in expected])
+    lines = result.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("rotary: "))
+    assert lines[first].startswith("rotary: 2 rows in ") and lines[first].endswith(" s")
+    assert lines[first + 1 : first + 3] == [
+        "  case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms",
+        "  case 1 / impl / S1 float32: fwd 2.000 ms, fwd+bwd 3.000 ms",
+    ]
+    assert lines[first + 3].startswith("rms_norm: 1 row in ")
+    assert lines[first + 4] == "  case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms"
+    # The table comes after: its title is the next line.
+    assert ", torch " in lines[first + 5]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("kernel failed"), KeyboardInterrupt()], ids=["raises", "interrupted"])
+def test_a_run_stopped_in_its_second_op_keeps_the_first_ops_rows(monkeypatch, tmp_path, error):
+    out, plot, calls = tmp_path / "run.json", tmp_path / "run.png", []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 2, calls))
+    monkeypatch.setitem(OPS, "rms_norm", _fake_op("rms_norm", 1, calls, error=error))
+    args = ["--kernels", "--ops", "rotary,rms_norm", "--json", str(out)]
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if has_matplotlib:
+        args += ["--plot", str(plot)]
+    # Click turns an interrupt into "Aborted!" and exit 1, as in a terminal.
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    plotted = f"; {plot} their plot" if has_matplotlib else ""
+    assert f"stopped ({type(error).__name__}) before rms_norm was measured; {out} keeps the rows of rotary " \
+           f"(complete: false){plotted}" in result.stdout.splitlines()  # fmt: skip
+    assert "rms_norm: " not in result.stdout
+    saved = json.loads(out.read_text())
+    expected = _rows_of(_fake_op("rotary", 2, []))
+    assert _without_date(saved) == _without_date([dict(row, complete=False) for row in expected])
+    if has_matplotlib:
+        # The plot of the rows measured so far.
+        assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_partial_baseline_is_compared_and_said_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 2, []))
+    baseline = tmp_path / "partial.json"
+    # A run stopped after its first row: 100x slower, so nothing regresses.
+    (row, _) = _rows_of(_fake_op("rotary", 2, []))
+    baseline.write_text(json.dumps([dict(row, fwd_ms=100.0, fwd_bwd_ms=200.0, complete=False)]))
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--baseline", str(baseline)])
+    assert result.exit_code == 0, result.output
+    assert f"--baseline {baseline} holds a run stopped before its end (1 rows, complete: false): only those rows are " \
+           "compared" in result.stdout.splitlines()  # fmt: skip
+    assert f"no row slower than {baseline} by more than 10%" in result.stdout
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_timing(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))
+    out = tmp_path / "missing" / "run.json"
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--json", str(out)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: --json ('{out}'): cannot write the rows (No such file or directory)"
+    )
+    assert calls == []

@@ -1,5 +1,7 @@
 """The kernel benchmark harness: its registry, the CPU fallback's rows, and the regression check."""
 
+import time
+
 import pytest
 import torch
 
@@ -355,3 +357,25 @@ def test_step_clock_synchronizes_at_both_ends_and_times_nothing_that_failed(monk
         with timing.StepClock(is_cuda) as failed:
             raise RuntimeError("CUDA out of memory")
     assert failed.seconds is None
+
+
+def test_each_op_is_handed_over_as_soon_as_it_is_measured_with_its_wall_seconds(no_cuda, monkeypatch):
+    # A fake slow op: its rows must reach on_op before the next op starts, with at least the time it slept.
+    events = []
+
+    def fake(name, seconds):
+        def bench(shapes, run):
+            events.append(("start", name))
+            time.sleep(seconds)
+            return [dict(op=name, shapes=shapes)]
+
+        return bench
+
+    monkeypatch.setitem(OPS, "rotary", fake("rotary", 0.05))
+    monkeypatch.setitem(OPS, "rms_norm", fake("rms_norm", 0.0))
+    rows, _, _ = run_kernels(["rotary", "rms_norm"], on_op=lambda name, op_rows, s: events.append((name, op_rows, s)))
+    assert rows == [dict(op="rotary", shapes="small"), dict(op="rms_norm", shapes="small")]
+    assert [event[:2] for event in events] == [
+        ("start", "rotary"), ("rotary", rows[:1]), ("start", "rms_norm"), ("rms_norm", rows[1:])
+    ]  # fmt: skip
+    assert events[1][2] >= 0.05 and events[3][2] < 0.05
