@@ -126,12 +126,13 @@ def _read_baseline(path: Path) -> list[dict]:
 
 
 def row_line(row: dict) -> str:
-    """One measured row as the run streams it: what was timed, then the fwd and fwd+bwd medians and TFLOP/s."""
+    """One measured row as the run streams it: what was timed, then the fwd and fwd+bwd medians and TFLOP/s (the
+    note waits for the table)."""
     passes = []
     for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
         tflops = f" ({row[f'{key}_tflops']:.3g} TFLOP/s)" if row[f"{key}_tflops"] is not None else ""
         passes.append(f"{label} {_format(row[f'{key}_ms'], '.3f')} ms{tflops}")
-    return f"  {row['case']} / {row['impl']} / {row['shape']} {row['dtype']}: {', '.join(passes)}"
+    return f"{row['op']} / {row['case']} / {row['impl']} / {row['shape']} {row['dtype']}: {', '.join(passes)}"
 
 
 def plot_rows(rows: list[dict], path: Path, partial: str | None = None) -> None:
@@ -203,35 +204,46 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         say(f"--baseline {baseline} holds a run stopped before its end ({len(saved)} rows, complete: false): only "
             "those rows are compared")
     names = list(OPS) if op_names is None else op_names
+    # The rows of the ops measured, and those the running op has reported so far (printed already).
     measured: list[dict] = []
     done: list[str] = []
+    running: list[dict] = []
 
     def save(is_complete: bool) -> None:
+        rows = measured + running
         if json_out is not None:
             try:
-                write_rows(json_out, measured, is_complete)
+                write_rows(json_out, rows, is_complete)
             except OSError as err:
                 fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
-        if plot is not None and measured:
-            plot_rows(measured, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")
+        if plot is not None and rows:
+            plot_rows(rows, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")
+
+    def on_progress(name: str, op_rows: list[dict], seconds: float) -> None:
+        for row in op_rows[len(running) :]:
+            say(row_line(row))
+        running[:] = op_rows
+        save(is_complete=False)
 
     def on_op(name: str, op_rows: list[dict], seconds: float) -> None:
+        for row in op_rows[len(running) :]:
+            say(row_line(row))
+        say(f"{name}: {len(op_rows)} row{'s' if len(op_rows) != 1 else ''} in {seconds:.1f} s")
+        running.clear()
         measured.extend(op_rows)
         done.append(name)
-        say(f"{name}: {len(op_rows)} row{'s' if len(op_rows) != 1 else ''} in {seconds:.1f} s")
-        for row in op_rows:
-            say(row_line(row))
         save(is_complete=False)
 
     # An empty list first: a --json path that cannot be written is refused before anything is timed.
     save(is_complete=False)
     try:
-        rows, _, _ = run_kernels(op_names, shapes, on_start=say, on_op=on_op)
+        rows, _, _ = run_kernels(op_names, shapes, on_start=say, on_op=on_op, on_progress=on_progress)
     except typer.Exit:
         raise
     except (Exception, KeyboardInterrupt) as err:
         where = f"before {names[len(done)]} was measured" if len(done) < len(names) else "after the last op"
-        kept = [f"{json_out} keeps the rows of {', '.join(done) or 'no op'} (complete: false)"] if json_out else []
+        held = [*done, f"{len(running)} of {names[len(done)]}"] if running else done
+        kept = [f"{json_out} keeps the rows of {', '.join(held) or 'no op'} (complete: false)"] if json_out else []
         kept += [f"{plot} their plot"] if plot and measured else []
         say(f"stopped ({type(err).__name__}) {where}" + "".join(f"; {line}" for line in kept))
         raise

@@ -118,12 +118,20 @@ class Peaks:
     copy_gb_per_s: float | None = None
 
 
+def _ignore(rows: list[dict]) -> None:
+    pass
+
+
 @dataclass
 class RunContext:
+    """What every entry of OPS gets. report(rows): the rows the running op has measured so far (a prefix of what it
+    will return), called by the entries that time several shapes or cases after each one."""
+
     is_cuda: bool
     peaks: Peaks
     machine: dict
     cache: dict = field(default_factory=dict)
+    report: Callable[[list[dict]], None] = _ignore
 
 
 def measure_peaks() -> Peaks:
@@ -197,6 +205,8 @@ def bench_moe_op(preset: str | dict[str, int], run: RunContext) -> list[dict]:
             shape_results = bench_moe([shape])
             results += shape_results
             peaks += [torch.cuda.max_memory_allocated()] * len(shape_results)
+            # Without the LoRA ratios yet: they pair rows of different shapes once all are timed.
+            run.report([_moe_row(result, run, peak) for result, peak in zip(results, peaks)])
         # The LoRA target's ratio from both trainings timed by turns (engine/bench/moe_op.py's lora_overhead).
         lora_shapes = [shape for shape in shapes if shape.get("lora_rank") and not shape.get("train_base")]
         notes = lora_overhead_notes(results, [lora_overhead(shape) for shape in lora_shapes])
@@ -346,10 +356,16 @@ def bench_sparse_attention_op(preset: str, run: RunContext) -> list[dict]:
     SDPA dense causal and FLA's parallel_nsa (when importable) rows; CPU: the reference, each query over S random
     causal keys."""
     if run.is_cuda:
-        from moe_tune.engine.bench.sparse_attention_op import bench_sparse_attention
+        from moe_tune.engine.bench.sparse_attention_op import ATTENTION_CASES, bench_sparse_attention
 
-        options = SPARSE_ATTENTION_CUDA_SMALL if preset == "small" else {}
-        return [_sparse_row("sparse_attention", result, run) for result in bench_sparse_attention(**options)]
+        options = dict(SPARSE_ATTENTION_CUDA_SMALL) if preset == "small" else {}
+        rows = []
+        # One case at a time (each seeds its own inputs), so each is reported as soon as it is timed.
+        for case in options.pop("cases", ATTENTION_CASES):
+            results = bench_sparse_attention([case], **options)
+            rows += [_sparse_row("sparse_attention", result, run) for result in results]
+            run.report(list(rows))
+        return rows
     from moe_tune.ops.sparse_attention.reference import sparse_attention_ref
 
     shape = SPARSE_ATTENTION_SHAPES["small"]
@@ -373,13 +389,19 @@ def bench_topk_indexer_op(preset: str, run: RunContext) -> list[dict]:
     """Top-k indexer (no backward). CUDA: engine/bench/sparse_attention_op.py's fused kernel beside naive scores +
     torch.topk; CPU: the reference."""
     if run.is_cuda:
-        from moe_tune.engine.bench.sparse_attention_op import bench_topk_indexer
+        from moe_tune.engine.bench.sparse_attention_op import INDEXER_CASES, bench_topk_indexer
 
         if preset == "small":
-            results = bench_topk_indexer(**TOPK_INDEXER_CUDA_SMALL)
+            options = dict(TOPK_INDEXER_CUDA_SMALL)
+            runs = [(case, options) for case in options.pop("cases")]
         else:
-            results = [row for heads in TOPK_INDEXER_ANCHOR_HEADS for row in bench_topk_indexer(num_heads=heads)]
-        return [_sparse_row("topk_indexer", result, run) for result in results]
+            runs = [(case, dict(num_heads=heads)) for heads in TOPK_INDEXER_ANCHOR_HEADS for case in INDEXER_CASES]
+        rows = []
+        # One case at a time (each seeds its own inputs), so each is reported as soon as it is timed.
+        for case, options in runs:
+            rows += [_sparse_row("topk_indexer", result, run) for result in bench_topk_indexer([case], **options)]
+            run.report(list(rows))
+        return rows
     from moe_tune.ops.sparse_attention.reference import topk_indexer_ref
 
     B, T, HI, DI, topk = (TOPK_INDEXER_CPU_SHAPE[name] for name in ("B", "T", "HI", "DI", "topk"))
@@ -652,13 +674,15 @@ def parse_shapes(text: str, ops: list[str], label: str = "shapes") -> str | dict
 
 
 def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: Callable[[str], None] | None = None,
-                on_op: Callable[[str, list[dict], float], None] | None = None):
+                on_op: Callable[[str, list[dict], float], None] | None = None,
+                on_progress: Callable[[str, list[dict], float], None] | None = None):
     """Time the named ops (default: all of OPS) on `preset` shapes: a preset name or a SPEC (parse_shapes).
     Returns (rows, peaks, machine).
 
     on_start(line) is told what the run does before it starts (the no-CUDA fallback, the measured peaks);
     on_op(name, rows, seconds) gets each op's rows and its wall seconds as soon as that op is measured, in op order,
-    so a caller can show and save them before the next op runs.
+    so a caller can show and save them before the next op runs; on_progress(name, rows, seconds) the rows an op has
+    measured so far, a prefix of its final rows, from the ops that time several shapes or cases (RunContext.report).
     """
     names = list(OPS) if ops is None else ops
     unknown = [name for name in names if name not in OPS]
@@ -680,6 +704,8 @@ def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: C
     for name in names:
         # Wall seconds of the whole op (inputs, warm-up, every impl): where a run's time goes, not a result.
         start = time.perf_counter()
+        if on_progress is not None:
+            run.report = lambda op_rows, name=name, start=start: on_progress(name, op_rows, time.perf_counter() - start)
         op_rows = OPS[name](shapes[name] if isinstance(shapes, dict) else shapes, run)
         rows += op_rows
         if on_op is not None:

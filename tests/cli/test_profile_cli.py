@@ -113,16 +113,26 @@ def test_plot_is_written(tmp_path):
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def _fake_op(name: str, num_rows: int, calls: list, out=None, error: BaseException | None = None):
-    """A registry entry that returns fixed rows at once (or raises `error`); it logs its call and what `out` holds
-    then (None: no file yet)."""
+def _fake_op(name: str, num_rows: int, calls: list, out=None, error: BaseException | None = None,
+             is_reporting: bool = False):
+    """A registry entry that returns fixed rows at once, or raises `error` after its first row; it logs its call and
+    what `out` holds then (None: no file yet). is_reporting: it reports each row as it makes it (RunContext.report),
+    as the entries that time several shapes do, and returns them with a note the reported ones lack (as the MoE
+    entry adds its LoRA ratios at the end)."""
 
     def bench(shapes, run):
         calls.append((name, json.loads(out.read_text()) if out is not None and out.exists() else None))
+        rows = []
+        for i in range(num_rows):
+            if error is not None and i == 1:
+                raise error
+            rows.append(make_row(name, f"case {i}", "impl", "S1", torch.float32, run, fwd_ms=1.0 + i,
+                                 fwd_bwd_ms=2.0 + i))  # fmt: skip
+            if is_reporting:
+                run.report(list(rows))
         if error is not None:
             raise error
-        return [make_row(name, f"case {i}", "impl", "S1", torch.float32, run, fwd_ms=1.0 + i, fwd_bwd_ms=2.0 + i)
-                for i in range(num_rows)]  # fmt: skip
+        return [dict(row, note="final") for row in rows] if is_reporting else rows
 
     return bench
 
@@ -153,14 +163,11 @@ def test_each_op_is_printed_and_saved_as_soon_as_it_is_measured(monkeypatch, tmp
     assert _without_date(calls[1][1]) == _without_date([dict(row, complete=False) for row in expected[:2]])
     assert _without_date(json.loads(out.read_text())) == _without_date([dict(row, complete=True) for row in expected])
     lines = result.stdout.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("rotary: "))
-    assert lines[first].startswith("rotary: 2 rows in ") and lines[first].endswith(" s")
-    assert lines[first + 1 : first + 3] == [
-        "  case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms",
-        "  case 1 / impl / S1 float32: fwd 2.000 ms, fwd+bwd 3.000 ms",
-    ]
-    assert lines[first + 3].startswith("rms_norm: 1 row in ")
-    assert lines[first + 4] == "  case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms"
+    first = lines.index("rotary / case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms")
+    assert lines[first + 1] == "rotary / case 1 / impl / S1 float32: fwd 2.000 ms, fwd+bwd 3.000 ms"
+    assert lines[first + 2].startswith("rotary: 2 rows in ") and lines[first + 2].endswith(" s")
+    assert lines[first + 3] == "rms_norm / case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms"
+    assert lines[first + 4].startswith("rms_norm: 1 row in ")
     # The table comes after: its title is the next line.
     assert ", torch " in lines[first + 5]
 
@@ -187,6 +194,38 @@ def test_a_run_stopped_in_its_second_op_keeps_the_first_ops_rows(monkeypatch, tm
     if has_matplotlib:
         # The plot of the rows measured so far.
         assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_op_stopped_after_its_first_case_keeps_that_case(monkeypatch, tmp_path):
+    # An op timing several shapes reports each: stopped in its second, the first is printed and saved.
+    out = tmp_path / "run.json"
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, []))
+    monkeypatch.setitem(OPS, "rms_norm", _fake_op("rms_norm", 3, [], error=RuntimeError("oom"), is_reporting=True))
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary,rms_norm", "--json", str(out)])
+    assert isinstance(result.exception, RuntimeError)
+    lines = result.stdout.splitlines()
+    first = lines.index("rms_norm / case 0 / impl / S1 float32: fwd 1.000 ms, fwd+bwd 2.000 ms")
+    assert lines[first + 1] == (
+        f"stopped (RuntimeError) before rms_norm was measured; {out} keeps the rows of rotary, 1 of rms_norm "
+        "(complete: false)"
+    )
+    expected = _rows_of(_fake_op("rotary", 1, [])) + _rows_of(_fake_op("rms_norm", 1, []))
+    assert _without_date(json.loads(out.read_text())) == _without_date([dict(r, complete=False) for r in expected])
+
+
+def test_reported_rows_are_printed_once_and_replaced_by_the_final_ones(monkeypatch, tmp_path):
+    out = tmp_path / "run.json"
+    monkeypatch.setitem(OPS, "rms_norm", _fake_op("rms_norm", 3, [], is_reporting=True))
+    result = runner.invoke(app, ["--kernels", "--ops", "rms_norm", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    streamed = [line for line in result.stdout.splitlines() if line.startswith(("rms_norm / ", "rms_norm: "))]
+    assert [line.split(":")[0] for line in streamed] == [
+        "rms_norm / case 0 / impl / S1 float32", "rms_norm / case 1 / impl / S1 float32",
+        "rms_norm / case 2 / impl / S1 float32", "rms_norm",
+    ]  # fmt: skip
+    expected = _rows_of(_fake_op("rms_norm", 3, [], is_reporting=True))
+    assert [row["note"] for row in expected] == ["final"] * 3
+    assert _without_date(json.loads(out.read_text())) == _without_date([dict(r, complete=True) for r in expected])
 
 
 def test_a_partial_baseline_is_compared_and_said_in_one_line(monkeypatch, tmp_path):

@@ -379,3 +379,79 @@ def test_each_op_is_handed_over_as_soon_as_it_is_measured_with_its_wall_seconds(
         ("start", "rotary"), ("rotary", rows[:1]), ("start", "rms_norm"), ("rms_norm", rows[1:])
     ]  # fmt: skip
     assert events[1][2] >= 0.05 and events[3][2] < 0.05
+
+
+def _cuda_run(reports: list) -> "RunContext":
+    from moe_tune.engine.bench.kernels import Peaks, RunContext
+    from moe_tune.engine.bench.machine import machine_info
+
+    return RunContext(is_cuda=True, peaks=Peaks(), machine=machine_info(False), report=lambda rows: reports.append(rows))
+
+
+def _sparse_result(case, impl="moe_tune triton"):
+    return dict(case=case, impl=impl, shape="S", dtype="bfloat16", fwd_ms=1.0)
+
+
+@pytest.mark.parametrize("preset", ["small", "anchor"])
+def test_cuda_sparse_entries_report_each_case_as_it_is_timed(monkeypatch, preset):
+    # No GPU needed: the per-op benches are replaced; what is checked is that the entries time one case per call
+    # and report the rows so far after each, every case once, in order.
+    from moe_tune.engine.bench import kernels, sparse_attention_op
+
+    calls = []
+
+    def fake_attention(cases, **shape):
+        calls.append(("attention", [case[0] for case in cases], shape))
+        return [_sparse_result(case[0], impl) for case in cases for impl in ("moe_tune triton", "sdpa")]
+
+    def fake_indexer(cases, **shape):
+        calls.append(("indexer", [case[0] for case in cases], shape))
+        return [_sparse_result(f"{case[0]} {shape.get('num_heads')}") for case in cases]
+
+    monkeypatch.setattr(sparse_attention_op, "bench_sparse_attention", fake_attention)
+    monkeypatch.setattr(sparse_attention_op, "bench_topk_indexer", fake_indexer)
+    reports = []
+    rows = kernels.bench_sparse_attention_op(preset, _cuda_run(reports))
+    cases = kernels.SPARSE_ATTENTION_CUDA_SMALL["cases"] if preset == "small" else sparse_attention_op.ATTENTION_CASES
+    assert [call[1] for call in calls] == [[case[0]] for case in cases]
+    assert [len(report) for report in reports] == [2 * (i + 1) for i in range(len(cases))]
+    assert reports[-1] == rows and len(rows) == 2 * len(cases)
+
+    calls.clear()
+    reports.clear()
+    rows = kernels.bench_topk_indexer_op(preset, _cuda_run(reports))
+    if preset == "small":
+        expected = [[case[0]] for case in kernels.TOPK_INDEXER_CUDA_SMALL["cases"]]
+    else:
+        expected = [[case[0]] for _ in kernels.TOPK_INDEXER_ANCHOR_HEADS for case in sparse_attention_op.INDEXER_CASES]
+    assert [call[1] for call in calls] == expected
+    assert [len(report) for report in reports] == list(range(1, len(expected) + 1))
+    assert reports[-1] == rows
+    if preset == "anchor":
+        heads = [call[2]["num_heads"] for call in calls]
+        assert heads == [h for h in kernels.TOPK_INDEXER_ANCHOR_HEADS for _ in sparse_attention_op.INDEXER_CASES]
+
+
+def test_cuda_moe_entry_reports_each_shape_and_adds_the_lora_ratio_at_the_end(monkeypatch):
+    from moe_tune.engine.bench import kernels, moe_op
+
+    # The frozen-expert shape and its LoRA twin, each timed by its own bench_moe call.
+    shapes = [dict(N=8, D=4, F=2, E=2, k=1, routing="uniform", lora_rank=rank, train_base=False) for rank in (0, 16)]
+
+    def fake_bench(shape_list):
+        (shape,) = shape_list
+        return [dict(shape, impl="reference", dtype="bfloat16", max_over_mean_load=1.0, fwd_ms=1.0,
+                     fwd_bwd_ms=2.0 if not shape["lora_rank"] else 2.2)]  # fmt: skip
+
+    monkeypatch.setattr(moe_op, "bench_moe", fake_bench)
+    monkeypatch.setattr(moe_op, "lora_overhead", lambda shape: None)
+    monkeypatch.setattr(kernels, "lora_overhead_notes", lambda results, alternating: [None, "the ratio"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 0)
+    reports = []
+    monkeypatch.setitem(kernels.MOE_SHAPES, "anchor", shapes)
+    rows = kernels.bench_moe_op("anchor", _cuda_run(reports))
+    assert [len(report) for report in reports] == [1, 2]
+    # The reported rows are the final ones but for the note the end adds.
+    assert [report["note"] for report in reports[-1]] == [row["note"].removesuffix("; the ratio") for row in rows]
+    assert rows[1]["note"].endswith("; the ratio") and not reports[-1][1]["note"].endswith("the ratio")
