@@ -588,13 +588,16 @@ def bench_fp8_linear_op(shapes: str | dict[str, int], run: RunContext) -> list[d
         from moe_tune.engine.bench.fp8_op import DEFAULT_SHAPES, bench_fp8_linear
 
         rows = []
-        for result in bench_fp8_linear(shape_list or DEFAULT_SHAPES):
-            note = f"max rel err vs exact fp32 product {result['rel_err_exact']:.1e}"
-            if result.get("rel_err_ref") is not None:
-                note += f", vs fp8_linear_ref {result['rel_err_ref']:.1e}"
-            values = {key: result[key] for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops")}
-            rows.append(make_row("fp8_linear", "frozen weight", result["impl"], result["shape"], result["dtype"], run,
-                                 note=note, **values))  # fmt: skip
+        # One shape a call (each seeded alike), so each is reported as soon as it is timed.
+        for shape in shape_list or DEFAULT_SHAPES:
+            for result in bench_fp8_linear([shape]):
+                note = f"max rel err vs exact fp32 product {result['rel_err_exact']:.1e}"
+                if result.get("rel_err_ref") is not None:
+                    note += f", vs fp8_linear_ref {result['rel_err_ref']:.1e}"
+                values = {key: result[key] for key in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops")}
+                rows.append(make_row("fp8_linear", "frozen weight", result["impl"], result["shape"], result["dtype"],
+                                     run, note=note, **values))  # fmt: skip
+            run.report(list(rows))
         return rows
     from moe_tune.ops.fp8.reference import fp8_linear_ref, quantize_weight
 

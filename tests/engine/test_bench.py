@@ -381,11 +381,12 @@ def test_each_op_is_handed_over_as_soon_as_it_is_measured_with_its_wall_seconds(
     assert events[1][2] >= 0.05 and events[3][2] < 0.05
 
 
-def _cuda_run(reports: list) -> "RunContext":
+def _cuda_run(reports: list):
+    """A RunContext that takes the CUDA path and keeps what its entry reports."""
     from moe_tune.engine.bench.kernels import Peaks, RunContext
     from moe_tune.engine.bench.machine import machine_info
 
-    return RunContext(is_cuda=True, peaks=Peaks(), machine=machine_info(False), report=lambda rows: reports.append(rows))
+    return RunContext(is_cuda=True, peaks=Peaks(), machine=machine_info(False), report=reports.append)
 
 
 def _sparse_result(case, impl="moe_tune triton"):
@@ -455,3 +456,21 @@ def test_cuda_moe_entry_reports_each_shape_and_adds_the_lora_ratio_at_the_end(mo
     # The reported rows are the final ones but for the note the end adds.
     assert [report["note"] for report in reports[-1]] == [row["note"].removesuffix("; the ratio") for row in rows]
     assert rows[1]["note"].endswith("; the ratio") and not reports[-1][1]["note"].endswith("the ratio")
+
+
+def test_cuda_fp8_entry_reports_each_shape(monkeypatch):
+    from moe_tune.engine.bench import fp8_op, kernels
+
+    calls = []
+
+    def fake_bench(shapes):
+        calls.append([(shape["I"], shape["O"]) for shape in shapes])
+        return [dict(impl=impl, shape=f"M{shape['M']}", dtype="bfloat16", fwd_ms=1.0, fwd_bwd_ms=2.0, fwd_tflops=1.0,
+                     fwd_bwd_tflops=1.0, rel_err_exact=1e-3) for shape in shapes for impl in ("triton", "torch_bf16")]
+
+    monkeypatch.setattr(fp8_op, "bench_fp8_linear", fake_bench)
+    reports = []
+    rows = kernels.bench_fp8_linear_op("anchor", _cuda_run(reports))
+    assert calls == [[(shape["I"], shape["O"])] for shape in fp8_op.DEFAULT_SHAPES]
+    assert [len(report) for report in reports] == [2, 4, 6]
+    assert reports[-1] == rows
