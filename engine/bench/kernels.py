@@ -3,8 +3,8 @@
 Adding an op is one entry in OPS: a name mapped to a function `(shapes, run) -> list[dict]` that returns rows with
 ROW_KEYS (missing timings are None, `note` says why). `shapes` is a preset name, or, for an op that also lists its
 dimensions in SHAPE_DIMS, the dimensions of a free-form SPEC (`B4,T8192,H16,K128,V128`, see parse_shapes). `run`
-is the RunContext: device, measured peaks, the timer and a cache that entries sharing one bench call
-(gated_delta_rule and kda) use.
+is the RunContext: device, measured peaks, the machine facts, and `report`, through which an entry that times several
+shapes or cases hands over its rows so far (run_kernels passes them on, so a stopped run keeps them).
 
 On CUDA the MoE and linear attention entries call the per-op benches (moe_op.py, linear_attention_op.py beside this
 file: kernel, reference and the external baselines, medians of triton.testing.do_bench) and add peak memory and the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -130,7 +130,6 @@ class RunContext:
     is_cuda: bool
     peaks: Peaks
     machine: dict
-    cache: dict = field(default_factory=dict)
     report: Callable[[list[dict]], None] = _ignore
 
 
@@ -297,37 +296,31 @@ def _linear_attention_shape(shapes: str | dict[str, int]) -> dict | None:
     return LINEAR_ATTENTION_SHAPES[shapes]
 
 
-def _linear_attention_cuda_rows(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
-    """bench_linear_attention's rows, run once per harness run and shape for both entries (gdn, kda, varlen)."""
-    options = _linear_attention_shape(shapes) or {}
-    key = ("linear_attention", *sorted(options.items()))
-    if key not in run.cache:
-        from moe_tune.engine.bench.linear_attention_op import bench_linear_attention
-
-        run.cache[key] = bench_linear_attention(**options)
-    return run.cache[key]
-
-
 def _linear_attention_op(op: str, cases: tuple[str, ...], is_per_channel: bool):
     def bench(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
         if run.is_cuda:
-            results = _linear_attention_cuda_rows(shapes, run)
-            rows = []
-            for result in results:
-                if result["case"] not in cases:
-                    continue
-                notes = [result["note"]] if result.get("note") else []
-                if result.get("max_abs_err") is not None:
-                    notes.insert(0, f"max abs err {result['max_abs_err']:.1e}")
-                keys = ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_memory_bytes")
-                values = {key: result.get(key) for key in keys}
-                rows.append(make_row(op, result["case"], result["impl"], result["shape"], result["dtype"], run,
-                                     note="; ".join(notes) or None, **values))  # fmt: skip
-            return rows
+            from moe_tune.engine.bench.linear_attention_op import bench_linear_attention
+
+            def rows_of(results: list[dict]) -> list[dict]:
+                return [_linear_attention_row(op, result, run) for result in results]
+
+            options = _linear_attention_shape(shapes) or {}
+            results = bench_linear_attention(cases=cases, report=lambda so_far: run.report(rows_of(so_far)), **options)
+            return rows_of(results)
         shape = _linear_attention_shape(shapes if isinstance(shapes, dict) else "small")
         return [_linear_attention_cpu_row(op, cases[0], is_per_channel, run, shape)]
 
     return bench
+
+
+def _linear_attention_row(op: str, result: dict, run: RunContext) -> dict:
+    notes = [result["note"]] if result.get("note") else []
+    if result.get("max_abs_err") is not None:
+        notes.insert(0, f"max abs err {result['max_abs_err']:.1e}")
+    keys = ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_memory_bytes")
+    values = {key: result.get(key) for key in keys}
+    return make_row(op, result["case"], result["impl"], result["shape"], result["dtype"], run,
+                    note="; ".join(notes) or None, **values)  # fmt: skip
 
 
 def _linear_attention_cpu_row(op: str, case: str, is_per_channel: bool, run: RunContext, shape: dict) -> dict:

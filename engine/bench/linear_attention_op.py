@@ -14,6 +14,8 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N documents.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,7 @@ NUM_DOCS = 8
 # Backward FLOPs as a multiple of forward FLOPs (see the module docstring).
 LINEAR_BWD_FLOP_FACTOR = 2.0
 SDPA_BWD_FLOP_FACTOR = 2.5
+CASES = ("gdn", "kda", "varlen")
 
 
 def bench_linear_attention(
@@ -38,6 +41,8 @@ def bench_linear_attention(
     dtype: torch.dtype = torch.bfloat16,
     num_docs: int = NUM_DOCS,
     include_reference: bool = True,
+    cases: tuple[str, ...] = CASES,
+    report: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """Rows of {case, impl, shape, dtype, fwd_ms, fwd_tflops, fwd_bwd_ms, fwd_bwd_tflops, peak_memory_bytes,
     max_abs_err, note} and machine_info's keys (device, machine, driver, torch, triton, commit, date).
@@ -52,6 +57,8 @@ def bench_linear_attention(
     during one untimed call above what was allocated before it (inputs and earlier cases excluded). A pass an
     implementation refuses leaves its columns out and says why in `note`.
     KDA FLOPs are counted as the gated delta rule's (the per-channel decays add elementwise work, not products).
+    `cases`: which of the three to time (each makes its own inputs, seeded alike); report(rows), if given, gets the
+    rows so far after each one.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_linear_attention needs a CUDA device")
@@ -83,6 +90,8 @@ def bench_linear_attention(
         if notes:
             row["note"] = "; ".join(notes)
         rows.append(row)
+        if report is not None:
+            report(list(rows))
 
     # As the model's layers call it (their saved tensors on the GPU): the forward's passes kept for backward.
     def ours(**inputs):
@@ -95,56 +104,62 @@ def bench_linear_attention(
         return chunk_gated_delta_rule_ref(**inputs, use_qk_l2norm=True)
 
     shape = f"B{B} T{T} H{H} K{K} V{V}"
-    inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=False)
     flops = chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
-    with torch.no_grad():
-        expected_o = reference(**inputs)[0].float()
-    add("gdn", "moe_tune triton", shape, ours, inputs, flops, expected_o)
-    add("gdn", "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
-    if include_reference:
-        add("gdn", "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        chunk_gated_delta_rule = None
-    if chunk_gated_delta_rule is not None:
+    if "gdn" in cases:
+        inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=False)
+        with torch.no_grad():
+            expected_o = reference(**inputs)[0].float()
+        add("gdn", "moe_tune triton", shape, ours, inputs, flops, expected_o)
+        add("gdn", "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
+        if include_reference:
+            add("gdn", "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError:
+            chunk_gated_delta_rule = None
+        if chunk_gated_delta_rule is not None:
 
-        def fla_gdn(**inputs):
-            return chunk_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
+            def fla_gdn(**inputs):
+                return chunk_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
 
-        add("gdn", "fla chunk_gated_delta_rule", shape, fla_gdn, inputs, flops, expected_o)
+            add("gdn", "fla chunk_gated_delta_rule", shape, fla_gdn, inputs, flops, expected_o)
 
-    sdpa_inputs = {name: inputs[name].detach().transpose(1, 2).contiguous().requires_grad_() for name in "qkv"}
-    sdpa_flops = 2.0 * B * H * T * T * K
-    add("gdn", "torch sdpa causal (softmax yardstick)", shape, _sdpa, sdpa_inputs, sdpa_flops,
-        bwd_flop_factor=SDPA_BWD_FLOP_FACTOR)  # fmt: skip
+        sdpa_inputs = {name: inputs[name].detach().transpose(1, 2).contiguous().requires_grad_() for name in "qkv"}
+        sdpa_flops = 2.0 * B * H * T * T * K
+        add("gdn", "torch sdpa causal (softmax yardstick)", shape, _sdpa, sdpa_inputs, sdpa_flops,
+            bwd_flop_factor=SDPA_BWD_FLOP_FACTOR)  # fmt: skip
 
-    kda_inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=True)
-    with torch.no_grad():
-        expected_kda_o = reference(**kda_inputs)[0].float()
-    add("kda", "moe_tune triton", shape, ours, kda_inputs, flops, expected_kda_o)
-    add("kda", "moe_tune triton, recomputing in backward", shape, ours_recomputing, kda_inputs, flops, expected_kda_o)
-    if include_reference:
-        add("kda", "moe_tune chunk reference (torch small ops)", shape, reference, kda_inputs, flops)
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        chunk_kda = None
-    if chunk_kda is not None:
+    if "kda" in cases:
+        kda_inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=True)
+        with torch.no_grad():
+            expected_kda_o = reference(**kda_inputs)[0].float()
+        add("kda", "moe_tune triton", shape, ours, kda_inputs, flops, expected_kda_o)
+        add("kda", "moe_tune triton, recomputing in backward", shape, ours_recomputing, kda_inputs, flops,
+            expected_kda_o)  # fmt: skip
+        if include_reference:
+            add("kda", "moe_tune chunk reference (torch small ops)", shape, reference, kda_inputs, flops)
+        try:
+            from fla.ops.kda import chunk_kda
+        except ImportError:
+            chunk_kda = None
+        if chunk_kda is not None:
 
-        def fla_kda(**inputs):
-            return chunk_kda(**inputs, use_qk_l2norm_in_kernel=True)
+            def fla_kda(**inputs):
+                return chunk_kda(**inputs, use_qk_l2norm_in_kernel=True)
 
-        add("kda", "fla chunk_kda", shape, fla_kda, kda_inputs, flops, expected_kda_o)
+            add("kda", "fla chunk_kda", shape, fla_kda, kda_inputs, flops, expected_kda_o)
 
-    num_tokens = B * T
-    packed = _make_inputs(1, num_tokens, H, K, V, dtype, is_per_channel=False)
-    doc_lengths = mixed_doc_lengths(num_tokens, num_docs)
-    for name, lengths in ((f"{num_docs} documents", doc_lengths), ("1 document", [num_tokens])):
-        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        varlen_flops = chunk_flops(H, K, V, num_chunks=sum(-(-length // DEFAULT_CHUNK_SIZE) for length in lengths))
-        add("varlen", f"moe_tune triton, {name}", f"T{num_tokens} H{H} K{K} V{V} lengths {lengths}", ours,
-            dict(packed, cu_seqlens=cu_seqlens), varlen_flops)  # fmt: skip
+    if "varlen" in cases:
+        num_tokens = B * T
+        packed = _make_inputs(1, num_tokens, H, K, V, dtype, is_per_channel=False)
+        doc_lengths = mixed_doc_lengths(num_tokens, num_docs)
+        for name, lengths in ((f"{num_docs} documents", doc_lengths), ("1 document", [num_tokens])):
+            starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            cu_seqlens = torch.tensor(starts, dtype=torch.int32, device="cuda")
+            num_chunks = sum(-(-length // DEFAULT_CHUNK_SIZE) for length in lengths)
+            varlen_flops = chunk_flops(H, K, V, num_chunks=num_chunks)
+            add("varlen", f"moe_tune triton, {name}", f"T{num_tokens} H{H} K{K} V{V} lengths {lengths}", ours,
+                dict(packed, cu_seqlens=cu_seqlens), varlen_flops)  # fmt: skip
     return rows
 
 

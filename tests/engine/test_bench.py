@@ -474,3 +474,32 @@ def test_cuda_fp8_entry_reports_each_shape(monkeypatch):
     assert calls == [[(shape["I"], shape["O"])] for shape in fp8_op.DEFAULT_SHAPES]
     assert [len(report) for report in reports] == [2, 4, 6]
     assert reports[-1] == rows
+
+
+def test_cuda_linear_attention_entries_time_their_own_cases_and_report_each_row(monkeypatch):
+    from moe_tune.engine.bench import kernels, linear_attention_op
+
+    calls = []
+
+    def fake_bench(cases=linear_attention_op.CASES, report=lambda rows: None, **shape):
+        calls.append((cases, shape))
+        results = []
+        for case in cases:
+            results.append(dict(case=case, impl="moe_tune triton", shape="S", dtype="bfloat16", fwd_ms=1.0,
+                                max_abs_err=1e-3))  # fmt: skip
+            report(list(results))
+        return results
+
+    monkeypatch.setattr(linear_attention_op, "bench_linear_attention", fake_bench)
+    reports = []
+    gdn_rows = kernels.OPS["gated_delta_rule"]("anchor", _cuda_run(reports))
+    kda_rows = kernels.OPS["kda"](dict(B=1, T=64, H=2, K=16, V=16), _cuda_run(reports))
+    assert calls == [
+        (("gdn", "varlen"), {}),
+        (("kda",), dict(batch_size=1, seq_len=64, num_heads=2, head_dim_k=16, head_dim_v=16)),
+    ]
+    assert [(row["op"], row["case"], row["note"]) for row in gdn_rows + kda_rows] == [
+        ("gated_delta_rule", "gdn", "max abs err 1.0e-03"), ("gated_delta_rule", "varlen", "max abs err 1.0e-03"),
+        ("kda", "kda", "max abs err 1.0e-03"),
+    ]  # fmt: skip
+    assert reports == [gdn_rows[:1], gdn_rows, kda_rows]
