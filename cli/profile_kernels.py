@@ -166,8 +166,8 @@ def plot_rows(rows: list[dict], path: Path, partial: str | None = None) -> None:
 
 def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | None, plot: Path | None,
         wide: bool) -> None:
-    """Time the chosen ops beside their baselines, each op's rows printed (and saved to --json and --plot) as soon as
-    it is measured, then the table; exit 1 when a row is slower than --baseline."""
+    """Time the chosen ops beside their baselines, each row printed (and saved to --json and --plot) as soon as it is
+    measured, each op's wall seconds after its rows, then the table; exit 1 when a row is slower than --baseline."""
     from moe_tune.engine.bench import (OPS, REGRESSION_TOLERANCE, find_regressions, is_partial, parse_shapes,
                                        run_kernels, write_rows)  # fmt: skip
 
@@ -244,7 +244,7 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         where = f"before {names[len(done)]} was measured" if len(done) < len(names) else "after the last op"
         held = [*done, f"{len(running)} of {names[len(done)]}"] if running else done
         kept = [f"{json_out} keeps the rows of {', '.join(held) or 'no op'} (complete: false)"] if json_out else []
-        kept += [f"{plot} their plot"] if plot and measured else []
+        kept += [f"{plot} their plot"] if plot and (measured or running) else []
         say(f"stopped ({type(err).__name__}) {where}" + "".join(f"; {line}" for line in kept))
         raise
     table, footnotes = kernels_table(rows, wide, console.width)
