@@ -91,8 +91,8 @@ KERNEL_NAMES = {
 # The gated output norm of a linear-attention layer (its attribute).
 GATED_NORM = "norm"
 # How the baseline treats the documents packed in a row (the row's `documents`), per model type: position_ids that
-# restart at each document make transformers' masks keep them apart in softmax attention (a packed-sequence mask for
-# sdpa and eager, cu_seqlens for flash attention); its linear-attention layers take no document bounds from them.
+# restart at each document give transformers' sdpa and eager attention a packed-sequence mask (its flash attention
+# reads them only from a batch of one row); its linear-attention layers take no document bounds from them.
 DOCUMENTS = {
     "qwen3_moe": "kept apart (position_ids restart at each document)",
     "qwen3_next": "kept apart in full attention (position_ids restart at each document); its linear-attention "

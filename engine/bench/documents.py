@@ -3,9 +3,10 @@
     python -m moe_tune.engine.bench.documents OUT.jsonl --seq-len 4096 [--count 64] [--seed 0]
 
 The built-in corpus holds ~150-token stories, so a row of a benchmark profile packs dozens of documents, while the
-transformers baseline attends over whole rows. With this file (`--set
-data.path=OUT.jsonl`) every row is one document of seq_len tokens under the byte tokenizer (<bos> and seq_len - 1
-bytes; the labels are those bytes and <eos>), so both see the same causal attention over the whole row.
+transformers baseline's linear-attention layers run over whole rows (its softmax attention keeps the documents apart,
+engine/bench/against.py). With this file (`--set data.path=OUT.jsonl`) every row is one document of seq_len tokens
+under the byte tokenizer (<bos> and seq_len - 1 bytes; the labels are those bytes and <eos>), so both sides run
+every layer over the whole row.
 """
 
 from __future__ import annotations
