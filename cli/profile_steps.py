@@ -155,11 +155,13 @@ KERNEL_FIELDS = (("linear attention", "linear_attention_implementation"), ("shor
 
 
 def baseline_runs_line(other: dict) -> str | None:
-    """The transformers baseline's weights and what its linear-attention layers ran (None for another baseline)."""
+    """The transformers baseline's weights, its packed documents and what its linear-attention layers ran (None for
+    another baseline)."""
     if other["baseline"] != "transformers":
         return None
     paths = "; ".join(f"{name} {other[field]}" for name, field in KERNEL_FIELDS if other.get(field))
-    return f"  weights: {other['initial_weights']}" + (f"; {paths}" if paths else "")
+    documents = f"; documents {other['documents']}" if other.get("documents") else ""
+    return f"  weights: {other['initial_weights']}{documents}" + (f"; {paths}" if paths else "")
 
 
 def against_line(result: dict) -> str:

@@ -265,6 +265,7 @@ def test_a_checkpoint_missing_a_weight_is_refused(tmp_path):
 
 def test_cli_line_names_the_weights_and_the_kernels():
     from moe_tune.cli.profile_steps import baseline_runs_line
+    from moe_tune.engine.bench.against import DOCUMENTS
 
     row = dict(TORCH_PATHS, baseline="transformers", initial_weights="ours (our initial weights written as a "
                "transformers checkpoint)")  # fmt: skip
@@ -274,4 +275,7 @@ def test_cli_line_names_the_weights_and_the_kernels():
         f"{NEXT_MODULE}.Qwen3NextRMSNormGated")  # fmt: skip
     assert baseline_runs_line(dict(row, **dict.fromkeys(TORCH_PATHS))) == (
         "  weights: ours (our initial weights written as a transformers checkpoint)")
+    assert baseline_runs_line(dict(row, documents=DOCUMENTS["qwen3_moe"], **dict.fromkeys(TORCH_PATHS))) == (
+        "  weights: ours (our initial weights written as a transformers checkpoint); documents kept apart "
+        "(position_ids restart at each document)")
     assert baseline_runs_line({"baseline": "bf16-base"}) is None
