@@ -105,49 +105,28 @@ def bench_linear_attention(
 
     shape = f"B{B} T{T} H{H} K{K} V{V}"
     flops = chunk_flops(H, K, V, num_chunks=B * -(-T // DEFAULT_CHUNK_SIZE))
-    if "gdn" in cases:
-        inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=False)
+    for case, is_per_channel in (("gdn", False), ("kda", True)):
+        if case not in cases:
+            continue
+        inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=is_per_channel)
         with torch.no_grad():
             expected_o = reference(**inputs)[0].float()
-        add("gdn", "moe_tune triton", shape, ours, inputs, flops, expected_o)
-        add("gdn", "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
+        add(case, "moe_tune triton", shape, ours, inputs, flops, expected_o)
+        add(case, "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
         if include_reference:
-            add("gdn", "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        except ImportError:
-            chunk_gated_delta_rule = None
-        if chunk_gated_delta_rule is not None:
+            add(case, "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
+        fla_name, fla_op = _fla_op(case)
+        if fla_op is not None:
 
-            def fla_gdn(**inputs):
-                return chunk_gated_delta_rule(**inputs, use_qk_l2norm_in_kernel=True)
+            def fla(fla_op=fla_op, **inputs):
+                return fla_op(**inputs, use_qk_l2norm_in_kernel=True)
 
-            add("gdn", "fla chunk_gated_delta_rule", shape, fla_gdn, inputs, flops, expected_o)
-
-        sdpa_inputs = {name: inputs[name].detach().transpose(1, 2).contiguous().requires_grad_() for name in "qkv"}
-        sdpa_flops = 2.0 * B * H * T * T * K
-        add("gdn", "torch sdpa causal (softmax yardstick)", shape, _sdpa, sdpa_inputs, sdpa_flops,
-            bwd_flop_factor=SDPA_BWD_FLOP_FACTOR)  # fmt: skip
-
-    if "kda" in cases:
-        kda_inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=True)
-        with torch.no_grad():
-            expected_kda_o = reference(**kda_inputs)[0].float()
-        add("kda", "moe_tune triton", shape, ours, kda_inputs, flops, expected_kda_o)
-        add("kda", "moe_tune triton, recomputing in backward", shape, ours_recomputing, kda_inputs, flops,
-            expected_kda_o)  # fmt: skip
-        if include_reference:
-            add("kda", "moe_tune chunk reference (torch small ops)", shape, reference, kda_inputs, flops)
-        try:
-            from fla.ops.kda import chunk_kda
-        except ImportError:
-            chunk_kda = None
-        if chunk_kda is not None:
-
-            def fla_kda(**inputs):
-                return chunk_kda(**inputs, use_qk_l2norm_in_kernel=True)
-
-            add("kda", "fla chunk_kda", shape, fla_kda, kda_inputs, flops, expected_kda_o)
+            add(case, f"fla {fla_name}", shape, fla, inputs, flops, expected_o)
+        if case == "gdn":
+            sdpa_inputs = {name: inputs[name].detach().transpose(1, 2).contiguous().requires_grad_() for name in "qkv"}
+            sdpa_flops = 2.0 * B * H * T * T * K
+            add("gdn", "torch sdpa causal (softmax yardstick)", shape, _sdpa, sdpa_inputs, sdpa_flops,
+                bwd_flop_factor=SDPA_BWD_FLOP_FACTOR)  # fmt: skip
 
     if "varlen" in cases:
         num_tokens = B * T
@@ -161,6 +140,18 @@ def bench_linear_attention(
             add("varlen", f"moe_tune triton, {name}", f"T{num_tokens} H{H} K{K} V{V} lengths {lengths}", ours,
                 dict(packed, cu_seqlens=cu_seqlens), varlen_flops)  # fmt: skip
     return rows
+
+
+def _fla_op(case: str):
+    """(name, FLA's chunk op) of the gated delta rule ("gdn") or KDA ("kda"); (name, None) when FLA is not installed."""
+    try:
+        if case == "gdn":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as op
+        else:
+            from fla.ops.kda import chunk_kda as op
+    except ImportError:
+        op = None
+    return ("chunk_gated_delta_rule" if case == "gdn" else "chunk_kda"), op
 
 
 def mixed_doc_lengths(num_tokens: int, num_docs: int) -> list[int]:

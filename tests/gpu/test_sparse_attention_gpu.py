@@ -192,6 +192,22 @@ def test_gated_sparse_attention_matches_reference(guarded, block_size, S, dtype)
     guarded.check()
 
 
+def exact_indexer_inputs(request, T, HI, DI, topk, block_size, cu_seqlens, dtype):
+    """Integer-valued indexer queries [1, T, HI, DI], keys [1, T, DI] (times block_size: pooled keys stay integers)
+    and weights [1, T, HI] on the GPU, and topk_indexer's options with a power-of-two scale (QSA's when the test id
+    says qsa): every score is exact in fp32 and bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q_idx = torch.randint(-3, 4, (1, T, HI, DI), generator=gen, device="cuda").to(dtype)
+    k_idx = (torch.randint(-3, 4, (1, T, DI), generator=gen, device="cuda") * block_size).to(dtype)
+    w_idx = torch.randint(-2, 3, (1, T, HI), generator=gen, device="cuda").to(dtype)
+    if cu_seqlens is not None:
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
+    options = dict(topk=topk, block_size=block_size, scale=1 / 16, cu_seqlens=cu_seqlens)
+    if "qsa" in request.node.callspec.id:
+        options.update(k_idx_is_pooled=True, always_keep_own_block=False)
+    return q_idx, k_idx, w_idx, options
+
+
 @pytest.mark.parametrize(
     "T, HI, DI, topk, block_size, cu_seqlens",
     [
@@ -210,15 +226,7 @@ def test_gated_sparse_attention_matches_reference(guarded, block_size, S, dtype)
 def test_topk_indexer_equals_reference(request, guarded, T, HI, DI, topk, block_size, cu_seqlens, dtype):
     # Integer-valued inputs and a power-of-two scale make every score exact on both sides: the index sets, ties
     # included, must be identical.
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q_idx = torch.randint(-3, 4, (1, T, HI, DI), generator=gen, device="cuda").to(dtype)
-    k_idx = (torch.randint(-3, 4, (1, T, DI), generator=gen, device="cuda") * block_size).to(dtype)
-    w_idx = torch.randint(-2, 3, (1, T, HI), generator=gen, device="cuda").to(dtype)
-    if cu_seqlens is not None:
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
-    options = dict(topk=topk, block_size=block_size, scale=1 / 16, cu_seqlens=cu_seqlens)
-    if "qsa" in request.node.callspec.id:
-        options.update(k_idx_is_pooled=True, always_keep_own_block=False)
+    q_idx, k_idx, w_idx, options = exact_indexer_inputs(request, T, HI, DI, topk, block_size, cu_seqlens, dtype)
     actual = topk_indexer(q_idx, k_idx, w_idx, **options)
     expected = topk_indexer_ref(q_idx, k_idx, w_idx, **options)
     mismatched = (actual != expected).any(dim=-1).nonzero().tolist()
@@ -282,16 +290,7 @@ def test_query_start_matches_reference_and_the_full_rows(guarded, shape, block_s
 def test_topk_indexer_query_start_equals_full_rows(request, guarded, T, query_start, topk, block_size, cu_seqlens,
                                                    dtype):  # fmt: skip
     # Integer-valued inputs: exact scores, so the offset run, the full run's last rows and the reference agree.
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    HI, DI = 8, 64
-    q_idx = torch.randint(-3, 4, (1, T, HI, DI), generator=gen, device="cuda").to(dtype)
-    k_idx = (torch.randint(-3, 4, (1, T, DI), generator=gen, device="cuda") * block_size).to(dtype)
-    w_idx = torch.randint(-2, 3, (1, T, HI), generator=gen, device="cuda").to(dtype)
-    if cu_seqlens is not None:
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32, device="cuda")
-    options = dict(topk=topk, block_size=block_size, scale=1 / 16, cu_seqlens=cu_seqlens)
-    if "qsa" in request.node.callspec.id:
-        options.update(k_idx_is_pooled=True, always_keep_own_block=False)
+    q_idx, k_idx, w_idx, options = exact_indexer_inputs(request, T, 8, 64, topk, block_size, cu_seqlens, dtype)
     full = topk_indexer(q_idx, k_idx, w_idx, **options)[:, query_start:]
     rows = (q_idx[:, query_start:], k_idx, w_idx[:, query_start:])
     actual = topk_indexer(*rows, query_start=query_start, **options)

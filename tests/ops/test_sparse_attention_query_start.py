@@ -9,6 +9,7 @@ heads, DI indexer dim.
 
 import pytest
 from guarded_buffers import GuardedBuffers
+from kernel_fixtures import forced_kernel_path
 from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
@@ -26,10 +27,7 @@ GUARD_ELEMENTS = 16 * 6 * 32
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 
-@pytest.fixture
-def kernel_path(monkeypatch):
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+kernel_path = forced_kernel_path(kernels_fwd, "_sparse_attn_fwd_kernel", on_gpu=False)
 
 
 @pytest.fixture
