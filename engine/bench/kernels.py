@@ -233,7 +233,8 @@ def _moe_case(shape: dict) -> str:
     rank = shape.get("lora_rank", 0)
     # Without LoRA the experts train unless train_base=False (the frozen-expert baseline of the LoRA rows).
     is_frozen = not rank and not shape.get("train_base", True)
-    return shape["routing"] + (f" lora r{rank}" if rank else "") + (" experts frozen" if is_frozen else "")
+    fp8 = " fp8 weights" if shape.get("fp8") else ""
+    return shape["routing"] + (f" lora r{rank}" if rank else "") + fp8 + (" experts frozen" if is_frozen else "")
 
 
 def _moe_shape(shape: dict) -> str:

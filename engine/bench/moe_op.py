@@ -66,6 +66,8 @@ MAX_REL_ERROR = 2e-2
 GRAD_ATOL = 2e-2
 GRAD_RTOL = 2e-2
 IMPLS = ("triton", "reference", "torch_grouped_mm")
+# torch._grouped_mm has no block-scaled FP8 path: an FP8 row's peer is the bf16-weight triton row of its shape.
+FP8_IMPLS = ("triton", "reference")
 # LoRA overhead: LoRA and frozen-expert fwd+bwd timed by turns, this many median_ms calls each. On the H200 about one
 # call in four runs 5-10% slow as a whole (LoRA r16 at E256: 11.3 ms in most calls, 12.0-12.4 in every fourth, not
 # the host), so a ratio of two single calls moves by as much; the median over turns drops those.
@@ -163,6 +165,7 @@ def bench_moe(
     fns = {impl: _IMPL_FNS[impl] for impl in impls} | (extra_impls or {})
     results = []
     for shape in DEFAULT_SHAPES if shapes is None else shapes:
+        shape_fns = {impl: fns[impl] for impl in shape_impls(shape, fns)}
         inputs, leaves, max_over_mean = _make_inputs(shape, dtype, seed)
         num_tokens, model_dim = shape["N"], shape["D"]
         fwd_flops = 2 * num_tokens * shape["k"] * model_dim * 3 * shape["F"]
@@ -171,7 +174,7 @@ def bench_moe(
             y_ref = moe_mlp_ref(**inputs).float()
         grads_ref = _grads(moe_mlp_ref, inputs, leaves, grad_y) if check_grads else None
         rows, timers = [], {}
-        for impl, fn in fns.items():
+        for impl, fn in shape_fns.items():
             row = dict(shape, impl=impl, dtype=str(dtype).removeprefix("torch."), max_over_mean_load=max_over_mean)
             row.setdefault("lora_rank", 0)
             row.setdefault("fp8", False)
@@ -208,6 +211,14 @@ def bench_moe(
         del inputs, leaves, y_ref, grads_ref, timers
         torch.cuda.empty_cache()
     return results
+
+
+def shape_impls(shape: dict, impls) -> list[str]:
+    """The implementations of `impls` that take the shape: all of them, or FP8_IMPLS and the extra ones for FP8
+    expert weights."""
+    if not shape.get("fp8"):
+        return list(impls)
+    return [impl for impl in impls if impl in FP8_IMPLS or impl not in IMPLS]
 
 
 def lora_overheads(results: list[dict], impl: str = "triton") -> list[dict]:

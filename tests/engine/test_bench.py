@@ -217,6 +217,20 @@ def test_rotary_spec_with_an_odd_rotary_dim_is_refused(no_cuda):
         run_kernels(["rotary"], "T10,H1,D8,R3")
 
 
+def test_fp8_expert_rows_are_named_and_timed_without_torch_grouped_mm():
+    # An FP8 row's case names its weights (else it reads as the bf16 row of the same shape), and torch._grouped_mm,
+    # which has no block-scaled FP8 path, is not run on it; extra impls (a kernel variant) still are.
+    from moe_tune.engine.bench.kernels import _moe_case
+    from moe_tune.engine.bench.moe_op import FP8_SHAPES, IMPLS, shape_impls
+
+    bf16, fp8 = (next(shape for shape in FP8_SHAPES if shape["fp8"] is flag) for flag in (False, True))
+    assert _moe_case(bf16) == "uniform lora r16"
+    assert _moe_case(fp8) == "uniform lora r16 fp8 weights"
+    assert _moe_case(dict(routing="zipf", lora_rank=0, train_base=False)) == "zipf experts frozen"
+    assert shape_impls(bf16, IMPLS) == list(IMPLS)
+    assert shape_impls(fp8, (*IMPLS, "triton_variant")) == ["triton", "reference", "triton_variant"]
+
+
 def test_lora_rows_carry_their_overhead_over_the_frozen_row():
     # Issue 7's LoRA target compares a LoRA row (experts frozen) with the frozen-expert row of the same shape and impl
     # without LoRA; trained-expert rows and rows of another shape or impl get no note.
