@@ -204,6 +204,8 @@ def _steps_plot(result: dict, path: Path) -> None:
             ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=8)  # fmt: skip
         ax.set_ylabel("tokens/s")
+        # Head room above the taller bar for its two-line label.
+        ax.set_ylim(0, max(rates) * 1.15)
         baseline_name = (other["impl"] if other["baseline"] == "bf16-base"
                          else f"{other['model_type']} in transformers")  # fmt: skip
         ax.set_title(f"{other['speedup']:.2f}x the tokens/s of {baseline_name}", fontsize=9)
