@@ -1,5 +1,5 @@
-"""The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench (every GPU time a
-benchmark reports goes through it). Ops: median_ms over a forward (recording autograd, as in training) or a forward
+"""The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench, or of a few calls
+for a step too slow for do_bench's repetitions (every GPU time a benchmark reports goes through it). Ops: median_ms over a forward (recording autograd, as in training) or a forward
 and its backward, and the extra peak memory of one more call on its own (time_pass); on the CPU time.perf_counter
 medians (time_ms). Training steps: wall time with the device synchronized at both ends (StepClock)."""
 
@@ -17,15 +17,40 @@ CPU_WARMUP_CALLS = 1
 CPU_TIME_BUDGET_S = 0.1
 CPU_MIN_REPEATS = 3
 CPU_MAX_REPEATS = 20
+# CUDA: a step at least this slow (one call after a warm-up call) is timed by SLOW_STEP_CALLS calls in all instead of
+# do_bench, whose estimate alone runs it 5 times: the references and naive baselines at the anchor shapes take
+# 0.1-4 s a call, and their do_bench repetitions took most of `moe-tune profile --kernels --shapes anchor`'s time.
+SLOW_STEP_MS = 50.0
+SLOW_STEP_CALLS = 3
 
 
 def median_ms(step: Callable[[], object], leaves: list[torch.Tensor] | None = None, rep_ms: int | None = None) -> float:
-    """The median ms of step() on CUDA (triton.testing.do_bench: warm-up, L2 flushed before each call); the leaves'
-    gradients are cleared before each call; rep_ms: how long to repeat (do_bench's default when None)."""
+    """The median ms of step() on CUDA after a warm-up call: triton.testing.do_bench's (L2 flushed before each call;
+    rep_ms: how long to repeat, do_bench's default when None), or for a step of SLOW_STEP_MS or more the median of
+    SLOW_STEP_CALLS calls (no flush: the L2 is nothing at that length). The leaves' gradients are cleared before each
+    timed call."""
     from triton.testing import do_bench
 
+    step()
+    first_ms = call_ms(step, leaves)
+    if first_ms >= SLOW_STEP_MS:
+        return statistics.median([first_ms, *(call_ms(step, leaves) for _ in range(SLOW_STEP_CALLS - 1))])
     options = {} if rep_ms is None else {"rep": rep_ms}
     return do_bench(step, grad_to_none=leaves, return_mode="median", **options)
+
+
+def call_ms(step: Callable[[], object], leaves: list[torch.Tensor] | None = None) -> float:
+    """ms of one call of step() on CUDA (events around it, the device idle before), the leaves' gradients cleared
+    first."""
+    for leaf in leaves or ():
+        leaf.grad = None
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    step()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
 
 
 def extra_peak_bytes(step: Callable[[], object], leaves: list[torch.Tensor]) -> int:

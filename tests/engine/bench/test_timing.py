@@ -1,4 +1,5 @@
-"""One timer: every GPU time a benchmark reports is timing.median_ms's (triton.testing.do_bench)."""
+"""One timer: every GPU time a benchmark reports is timing.median_ms's (triton.testing.do_bench, or a few timed
+calls for a slow step)."""
 
 import ast
 from pathlib import Path
@@ -56,6 +57,21 @@ def test_median_ms_asks_do_bench_for_the_median(monkeypatch, leaves, rep_ms, exp
         return 1.5
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(timing, "call_ms", lambda step, leaves: timing.SLOW_STEP_MS - 0.001)
     step = lambda: None  # noqa: E731
     assert timing.median_ms(step, leaves, rep_ms) == 1.5
     assert calls == [(step, leaves, "median", expected)]
+
+
+@pytest.mark.parametrize("slow_ms", [timing.SLOW_STEP_MS, 4000.0])
+def test_a_slow_step_is_timed_by_a_few_calls_not_do_bench(monkeypatch, slow_ms):
+    # From SLOW_STEP_MS up, do_bench is not called; the result is the median of the SLOW_STEP_CALLS timed calls (a
+    # warm-up call first, untimed), each clearing the leaves' gradients.
+    monkeypatch.setattr(triton.testing, "do_bench", lambda *args, **kwargs: pytest.fail("do_bench called"))
+    times = iter([slow_ms, slow_ms * 3, slow_ms * 1.5, 1.0])
+    timed, steps = [], []
+    monkeypatch.setattr(timing, "call_ms", lambda step, leaves: timed.append(leaves) or next(times))
+    leaves = [object()]
+    assert timing.median_ms(lambda: steps.append(1), leaves) == slow_ms * 1.5
+    assert len(timed) == timing.SLOW_STEP_CALLS and all(seen is leaves for seen in timed)
+    assert len(steps) == 1  # the warm-up; call_ms (faked here) makes the timed calls
