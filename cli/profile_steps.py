@@ -112,6 +112,17 @@ def _top_ops_table(breakdown: dict) -> Table:
     return table
 
 
+def gpu_waits_table(breakdown: dict) -> Table:
+    """The ops whose device work the GPU waited for longest in the profiled step (breakdown.gpu_waits)."""
+    table = Table()
+    for header in ("op", "op class", "gaps", "GPU idle before ms", "longest ms"):
+        table.add_column(header, justify="left" if header in ("op", "op class") else "right", no_wrap=True)
+    for row in breakdown["gpu_waits"]:
+        table.add_row(row["op"], row["op_class"], f"{row['gaps']:,}", f"{row['idle_s'] * 1e3:,.2f}",
+                      f"{row['longest_s'] * 1e3:,.2f}")  # fmt: skip
+    return table
+
+
 def _ours_name(result: dict) -> str:
     """Our row's name: against the bf16 twin, which base it has."""
     return "moe-tune, fp8 base" if result["against"]["baseline"] == "bf16-base" else "moe-tune"
@@ -255,6 +266,9 @@ def run(
     console.print(breakdown_table(breakdown))
     console.print("the heaviest ops of that step:", markup=False)
     console.print(_top_ops_table(breakdown))
+    if breakdown.get("gpu_waits"):
+        console.print("the ops the GPU waited for longest in that step (idle right before their work):", markup=False)
+        console.print(gpu_waits_table(breakdown))
     other = result["against"]
     if other is not None and other["out_of_memory"] is not None:
         console.print(out_of_memory_line(result), markup=False)

@@ -20,7 +20,7 @@ copies, memsets: `launches`) and its ops' self CPU time (`host_s`, inflated by t
 `unattributed`'s host time is the profiled step's wall time no op covers (Python between ops). Where the GPU idles
 for the host (a large `unattributed` on CUDA), these say which class's launches and host work hold the step back;
 on CUDA `gpu_idle_before_s` says where the GPU waited: the gaps in its timeline, each counted to the class whose
-work ends the gap.
+work ends the gap, and `gpu_waits` names the ops whose work ended the longest of them.
 """
 
 from __future__ import annotations
@@ -265,23 +265,46 @@ def device_spans(prof) -> list[tuple[float, float, int]]:
             for e in prof.profiler.kineto_results.events() if e.device_type() != DeviceType.CPU]  # fmt: skip
 
 
-def gpu_idle_before(spans: list[tuple[float, float, int]], attributed: list[tuple[Any, str]]) -> dict[str, float]:
-    """Microseconds the device sat idle right before each class's device work, in the profiled step.
-
-    spans: `device_spans` (every stream's kernels, copies and memsets). In start order, wherever one starts after
-    all earlier ones have ended, the gap counts to the class of the op that launched it (the CPU event whose id its
-    linked correlation id names; `other` when none is attributed). The GPU waited there for the host to issue that
-    class's work, so this says which class's host side holds the step back. Gaps are those of the profiled step:
-    the profiler slows the host, so they are larger than in an unprofiled step, alike for every class."""
-    # The ops the profiler gave device work to (it links a device event to its op by that op's id).
-    label_of = {event.id: label for event, label in attributed if event.kernels}
-    idle: dict[str, float] = defaultdict(float)
+def _idle_gaps(spans: list[tuple[float, float, int]]) -> Iterator[tuple[float, int]]:
+    """(microseconds, linked correlation id) of every gap in the device's timeline: in start order, wherever a device
+    event starts after all earlier ones have ended, the gap before it and the id of the op that launched it."""
     busy_until: float | None = None
     for start, end, linked in sorted(spans):
         if busy_until is not None and start > busy_until:
-            idle[label_of.get(linked, "other")] += start - busy_until
+            yield start - busy_until, linked
         busy_until = end if busy_until is None else max(busy_until, end)
+
+
+def gpu_idle_before(spans: list[tuple[float, float, int]], attributed: list[tuple[Any, str]]) -> dict[str, float]:
+    """Microseconds the device sat idle right before each class's device work, in the profiled step.
+
+    spans: `device_spans` (every stream's kernels, copies and memsets). Each gap (`_idle_gaps`) counts to the class
+    of the op that launched the work ending it (the CPU event whose id its linked correlation id names; `other`
+    when none is attributed). The GPU waited there for the host to issue that class's work, so this says which
+    class's host side holds the step back. Gaps are those of the profiled step: the profiler slows the host, so
+    they are larger than in an unprofiled step, alike for every class."""
+    # The ops the profiler gave device work to (it links a device event to its op by that op's id).
+    label_of = {event.id: label for event, label in attributed if event.kernels}
+    idle: dict[str, float] = defaultdict(float)
+    for gap_us, linked in _idle_gaps(spans):
+        idle[label_of.get(linked, "other")] += gap_us
     return dict(idle)
+
+
+def gpu_waits(spans: list[tuple[float, float, int]], attributed: list[tuple[Any, str]]) -> list[dict[str, Any]]:
+    """The ops whose device work the GPU waited for longest in the profiled step, the gaps counted as
+    `gpu_idle_before` counts them, per op name and class: idle seconds in all, gaps, the longest gap; the TOP_OPS
+    heaviest. A gap before work no attributed op launched is `(no op)`, class `other`."""
+    op_of = {event.id: (event.name, label) for event, label in attributed if event.kernels}
+    waits: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for gap_us, linked in _idle_gaps(spans):
+        entry = waits[op_of.get(linked, ("(no op)", "other"))]
+        entry[0] += gap_us
+        entry[1] += 1
+        entry[2] = max(entry[2], gap_us)
+    heaviest = sorted(waits.items(), key=lambda item: -item[1][0])[:TOP_OPS]
+    return [dict(op=name, op_class=label, idle_s=total / US_PER_S, gaps=int(gaps), longest_s=longest / US_PER_S)
+            for (name, label), (total, gaps, longest) in heaviest]  # fmt: skip
 
 
 def shares(
@@ -356,11 +379,14 @@ def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
             record = runner.step()
             wall_s = time.perf_counter() - start
     attributed = attribute(prof.events())
-    idle = gpu_idle_before(device_spans(prof), attributed) if runner.is_cuda else None
+    spans = device_spans(prof) if runner.is_cuda else None
+    idle = gpu_idle_before(spans, attributed) if runner.is_cuda else None
     result = shares(
         attributed, reference_step_s if runner.is_cuda else wall_s, runner.is_cuda, host_wall_s=wall_s,
         idle_before_us=idle,
     )  # fmt: skip
+    if runner.is_cuda:
+        result["gpu_waits"] = gpu_waits(spans, attributed)
     result.update(
         timing=CUDA_TIMING if runner.is_cuda else CPU_TIMING,
         profiled_step_time_s=wall_s,

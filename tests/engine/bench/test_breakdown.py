@@ -179,6 +179,45 @@ def test_gpu_idle_counts_to_the_class_whose_work_ends_the_gap():
     assert idle == {"norms": 20.0, "MoE experts": 5.0, "optimizer step": 10.0, "other": 5.0}
 
 
+def test_gpu_waits_name_the_ops_whose_work_ends_the_gaps():
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from moe_tune.cli.profile_steps import gpu_waits_table
+    from moe_tune.engine.bench.breakdown import TOP_OPS, gpu_idle_before, gpu_waits
+
+    def op(event_id, name, kernels=("k",)):
+        return SimpleNamespace(id=event_id, name=name, kernels=list(kernels))
+
+    attributed = [(op(1, "aten::mm"), "MoE experts"), (op(2, "aten::item"), "other"), (op(3, "aten::mm"), "norms"),
+                  (op(4, "aten::view", ()), "norms")]  # fmt: skip
+    spans = [
+        (0.0, 10.0, 1),
+        (30.0, 40.0, 2),  # 20 us before aten::item
+        (45.0, 50.0, 1),  # 5 us before aten::mm of the experts
+        (49.0, 52.0, 3),  # overlaps: no gap
+        (60.0, 61.0, 3),  # 8 us before aten::mm of the norms: same name, another class, another row
+        (100.0, 101.0, 1),  # 39 us before the experts' aten::mm again
+        (102.0, 103.0, 4),  # 1 us, linked to an op without device work the attribution saw: (no op)
+    ]
+    waits = gpu_waits(spans, attributed)
+    assert [(w["op"], w["op_class"], w["gaps"]) for w in waits] == [
+        ("aten::mm", "MoE experts", 2), ("aten::item", "other", 1), ("aten::mm", "norms", 1), ("(no op)", "other", 1)
+    ]  # fmt: skip
+    assert [w["idle_s"] * 1e6 for w in waits] == pytest.approx([44.0, 20.0, 8.0, 1.0])
+    assert waits[0]["longest_s"] * 1e6 == pytest.approx(39.0)
+    # The same gaps as the per-class idle, split by op.
+    assert sum(w["idle_s"] for w in waits) * 1e6 == pytest.approx(sum(gpu_idle_before(spans, attributed).values()))
+    many = [(op(10 + i, f"op{i}"), "other") for i in range(TOP_OPS + 3)]
+    many_spans = [(100.0 * i, 100.0 * i + 1.0, 10 + i) for i in range(TOP_OPS + 3)]
+    assert len(gpu_waits(many_spans, many)) == TOP_OPS
+    console = Console(record=True, width=200)
+    console.print(gpu_waits_table(dict(gpu_waits=waits)))
+    text = console.export_text()
+    assert "aten::item" in text and "0.04" in text and "(no op)" in text
+
+
 def test_shares_report_the_idle_before_each_class_only_when_given():
     class Event:
         name, kernels, self_cpu_time_total = "aten::mm", (), 1.0
