@@ -10,10 +10,14 @@ Differences that stay (docs/bench.md, "--against transformers"):
   q_proj, k_proj, v_proj and z_proj are one fused in_proj_qkvz there (one adapter of rank r on all four), b_proj and
   a_proj are in_proj_ba and o_proj is out_proj; routed experts get PEFT's `target_parameters` adapters on the fused
   mlp.experts.gate_up_proj / down_proj (lora_A [E*r, in], lora_B [out, E*r]: the same counts as ours).
-- Rows are fed as [R, L] with position_ids that restart at each packed document (ours come from cu_seqlens) and no
-  attention_mask, so transformers' softmax attention keeps the documents apart as ours does; its linear-attention
-  layers (qwen3_next) run over whole rows (DOCUMENTS, the row's `documents`). Labels are ours (next token inside
-  each document), passed as transformers' already-shifted `shift_labels`.
+- Position_ids restart at each packed document (ours come from cu_seqlens) and there is no attention_mask, so
+  transformers' softmax attention keeps the documents apart as ours does. Rows are fed as [R, L], unless the model's
+  linear-attention layers (qwen3_next) keep documents apart given bounds (linear_attention_bounds: their forward
+  reads cu_seq_lens_q, the delta rule they call honours it as cu_seqlens, probed): then the micro-batch is one packed
+  row [1, R*L] with the bounds transformers' DataCollatorWithFlattening gives (cu_seq_lens_q/k, max_length_q/k, and
+  seq_idx where their short conv honours it: causal-conv1d does, transformers' PyTorch conv does not). The row's
+  `documents` says which (documents_text). Labels are ours (next token inside each document), passed as
+  transformers' already-shifted `shift_labels`; the loss is their mean either way.
 - transformers picks its own defaults (sdpa attention, grouped_mm experts where available), PEFT keeps adapters in
   fp32 over bf16 weights, gradients are clipped with torch's clip_grad_norm_.
 - With `model.base_precision: fp8` the baseline's base weights are in the training dtype: transformers + PEFT cannot
@@ -43,7 +47,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import FunctionType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -90,14 +94,21 @@ KERNEL_NAMES = {
 }
 # The gated output norm of a linear-attention layer (its attribute).
 GATED_NORM = "norm"
-# How the baseline treats the documents packed in a row (the row's `documents`), per model type: position_ids that
+# How the baseline treats the documents packed in a row (the row's `documents`, documents_text): position_ids that
 # restart at each document give transformers' sdpa and eager attention a packed-sequence mask (its flash attention
-# reads them only from a batch of one row); its linear-attention layers take no document bounds from them.
-DOCUMENTS = {
-    "qwen3_moe": "kept apart (position_ids restart at each document)",
-    "qwen3_next": "kept apart in full attention (position_ids restart at each document); its linear-attention "
-                  "layers carry their state and short conv across the documents of a row",
-}  # fmt: skip
+# reads them only from a batch of one row); linear-attention layers read no bounds from them. A layer whose forward
+# hands this FlashAttentionKwargs key to its chunked delta rule as cu_seqlens gets the bounds on one packed row, as
+# transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) makes them (int32).
+DOCUMENT_BOUNDS = "cu_seq_lens_q"
+KEPT_APART = "kept apart (position_ids restart at each document)"
+# Two documents of PROBE_TOKENS tokens each; PROBE_DIM channels per head (FLA's tl.dot needs 16); a short conv of
+# qwen3_next's width (causal-conv1d takes widths 2 to 4) over PROBE_DIM channels (its channel-last path needs a
+# multiple of 8).
+PROBE_TOKENS, PROBE_DIM, PROBE_CONV_WIDTH = 8, 16, 4
+# A document's output alone and packed after another: equal up to the rounding of the training dtype where the
+# bounds are kept; where they are not, the other document changes it by up to 0.25 (delta rule) and 3 (short conv)
+# (transformers' PyTorch paths in bf16).
+PROBE_TOLERANCE = 1e-2
 IMPLEMENTATION_FIELDS = (*KERNEL_NAMES, "gated_norm_implementation")
 # Free disk the initial weights' checkpoint leaves, beyond its own size (the safetensors header, what else writes).
 DISK_MARGIN = 1.1
@@ -536,23 +547,38 @@ class TransformersRunner:
         self.experts_implementation = getattr(config, "_experts_implementation", None)
         # Read while the paths the steps run are bound (run_transformers builds and steps inside pure_torch_paths).
         self.kernel_paths = kernel_paths(self.model)
+        self.bounds = linear_attention_bounds(self.model, device, DTYPES[train.precision])
+        self.documents = documents_text(self.bounds)
 
-    def inputs(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids, labels and position_ids [R, L] of one of our micro-batches (label t is the token after t;
-        positions count from 0 in each document, as ours do: transformers reads a packed row's document bounds from
-        where they restart, DOCUMENTS)."""
-        from moe_tune.engine.model.blocks import document_positions
+    def inputs(self, batch) -> dict[str, Any]:
+        """The model's inputs for one of our micro-batches: input_ids, labels (label t is the token after t) and
+        position_ids (counting from 0 in each document, as ours do: transformers reads a packed row's document bounds
+        from where they restart) as [R, L] rows; as one packed row [1, R*L] with DataCollatorWithFlattening's bounds
+        where the linear-attention layers keep documents apart given them (`bounds`, DOCUMENT_BOUNDS)."""
+        from moe_tune.engine.model.blocks import document_ids, document_positions
 
         rows, seq_len = self.job.train.micro_batch_size, self.job.data.seq_len
-        positions = document_positions(batch.cu_seqlens, batch.input_ids.numel())
-        return tuple(x.view(rows, seq_len).to(self.device) for x in (batch.input_ids, batch.labels, positions))
+        total = batch.input_ids.numel()
+        is_packed = self.bounds is not None and self.bounds.delta_rule
+        shape = (1, total) if is_packed else (rows, seq_len)
+        positions = document_positions(batch.cu_seqlens, total)
+        inputs = {name: x.view(shape).to(self.device) for name, x in
+                  (("input_ids", batch.input_ids), ("labels", batch.labels), ("position_ids", positions))}  # fmt: skip
+        if not is_packed:
+            return inputs
+        cu_seqlens = batch.cu_seqlens.to(self.device, torch.int32)
+        longest = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
+        inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest)
+        if self.bounds.short_conv:
+            inputs["seq_idx"] = document_ids(batch.cu_seqlens, total).view(shape).to(self.device, torch.int32)
+        return inputs
 
-    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor):
-        """(loss backward runs on, mean next-token loss) of one micro-batch. Our labels are already shifted: they go
-        in as transformers' `shift_labels` (`labels` alone would be shifted again, losing each row's last label).
-        No attention_mask: with position_ids alone transformers keeps the packed documents apart."""
-        out = self.model(input_ids=input_ids, labels=labels, shift_labels=labels, position_ids=position_ids,
-                         use_cache=False)  # fmt: skip
+    def lm_loss(self, inputs: dict[str, Any]):
+        """(loss backward runs on, mean next-token loss) of one micro-batch's `inputs`. Our labels are already
+        shifted: they go in as transformers' `shift_labels` too (`labels` alone would be shifted again, losing each
+        row's last label). No attention_mask: with position_ids alone transformers keeps the packed documents apart
+        in attention."""
+        out = self.model(**inputs, shift_labels=inputs["labels"], use_cache=False)
         aux = getattr(out, "aux_loss", None)
         lm = out.loss if aux is None else out.loss - self.model.config.router_aux_loss_coef * aux
         return out.loss, lm
@@ -563,7 +589,7 @@ class TransformersRunner:
         with StepClock(self.is_cuda) as clock:
             losses, tokens = [], 0
             for batch in batches:
-                loss, lm = self.lm_loss(*self.inputs(batch))
+                loss, lm = self.lm_loss(self.inputs(batch))
                 (loss / len(batches)).backward()
                 losses.append(lm.detach().float())
                 tokens += batch.num_label_tokens
@@ -590,38 +616,150 @@ def _function_name(value: Any) -> str:
     return f"{getattr(value, '__module__', None) or '?'}.{getattr(value, '__qualname__', type(value).__qualname__)}"
 
 
+def _forward(module: torch.nn.Module) -> Callable:
+    """The module's own forward, under its decorators (transformers wraps some for accelerate hooks and renames)."""
+    return inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
+
+
+def _called_kernels(module: torch.nn.Module) -> dict[str, tuple[str, Any, bool]]:
+    """{field: (name, function, is_held)} of each KERNEL_NAMES function the module's forward calls (the first name
+    it calls of the field's): as the layer holds it (older transformers, is_held; None for its PyTorch path) or as
+    its modeling module binds it now (None when it binds none)."""
+    called = set(getattr(getattr(_forward(module), "__code__", None), "co_names", ()))
+    found = {}
+    for field, names in KERNEL_NAMES.items():
+        name = next((n for n in names if n in called), None)
+        if name is None:
+            continue
+        if name in vars(module):
+            found[field] = (name, vars(module)[name], True)
+        else:
+            found[field] = (name, vars(sys.modules[type(module).__module__]).get(name), False)
+    return found
+
+
 def kernel_paths(model: torch.nn.Module) -> dict[str, str | None]:
     """What the model's linear-attention layers run (IMPLEMENTATION_FIELDS), read from the built model: each
-    KERNEL_NAMES function its layers' forward calls, as the layer holds it (older transformers) or as its modeling
-    module binds it now, and the class (or replaced forward) of its gated output norm. None for a field no layer
-    has (no linear attention); several distinct values are joined by ', '."""
+    KERNEL_NAMES function its layers' forward calls (_called_kernels), and the class (or replaced forward) of its
+    gated output norm. None for a field no layer has (no linear attention); several distinct values are joined by
+    ', '."""
     found: dict[str, list[str]] = {field: [] for field in IMPLEMENTATION_FIELDS}
     for module in model.modules():
-        # The forward's own code, under its decorators (transformers wraps some for accelerate hooks and renames).
-        forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
-        called = set(getattr(getattr(forward, "__code__", None), "co_names", ()))
-        is_linear_attention = False
-        for field, names in KERNEL_NAMES.items():
-            name = next((n for n in names if n in called), None)
-            if name is None:
-                continue
-            is_linear_attention = True
-            if name in vars(module):
-                value = vars(module)[name]
+        calls = _called_kernels(module)
+        for field, (name, value, is_held) in calls.items():
+            if is_held and value is None:
                 text = (f"{type(module).__module__}.{type(module).__qualname__}.forward (its PyTorch path: "
-                        f"{name} is None)") if value is None else _function_name(value)  # fmt: skip
+                        f"{name} is None)")  # fmt: skip
             else:
-                value = vars(sys.modules[type(module).__module__]).get(name)
                 text = "?" if value is None else _function_name(value)
             if text not in found[field]:
                 found[field].append(text)
-        norm = getattr(module, GATED_NORM, None) if is_linear_attention else None
+        norm = getattr(module, GATED_NORM, None) if calls else None
         if isinstance(norm, torch.nn.Module):
             norm_forward = getattr(norm.forward, "__func__", norm.forward)
             text = _function_name(norm_forward).removesuffix(".forward")
             if text not in found["gated_norm_implementation"]:
                 found["gated_norm_implementation"].append(text)
     return {field: ", ".join(texts) if texts else None for field, texts in found.items()}
+
+
+class LinearBounds(NamedTuple):
+    """What the linear-attention layers of a model keep apart of the documents packed in one row: whether their
+    forward reads DOCUMENT_BOUNDS, whether the delta rule they call keeps documents apart given them (as cu_seqlens)
+    and whether their short conv does given `seq_idx`."""
+
+    reads_bounds: bool
+    delta_rule: bool
+    short_conv: bool
+
+
+def _second_document_kept_apart(call: Callable, inputs: list[torch.Tensor], dim: int, bounds: dict) -> bool:
+    """Whether `call(*inputs, **bounds)` on two documents of PROBE_TOKENS tokens (along `dim`) gives the second what
+    `call` of the second alone gives it (False when the function refuses the bounds)."""
+    try:
+        packed = call(*inputs, **bounds)
+    except (TypeError, ValueError):
+        # transformers' PyTorch fallback raises ValueError for bounds it cannot keep; a function without the argument
+        # a TypeError.
+        return False
+    alone = call(*(x.narrow(dim, PROBE_TOKENS, PROBE_TOKENS) for x in inputs))
+    return torch.allclose(packed.narrow(dim, PROBE_TOKENS, PROBE_TOKENS).float(), alone.float(),
+                          rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE)  # fmt: skip
+
+
+@torch.no_grad()
+def _delta_rule_keeps_documents(chunk: Callable | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `chunk` (a chunk_gated_delta_rule, called as qwen3_next's layer calls it) keeps two documents apart
+    given cu_seqlens."""
+    if chunk is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    tokens = 2 * PROBE_TOKENS
+    q, k, v = (torch.randn(1, tokens, 1, PROBE_DIM, generator=generator).to(device, dtype) for _ in range(3))
+    # No decay (g = 0 in log space): the first document's state would reach the second whole.
+    g = torch.zeros(1, tokens, 1, device=device)
+    beta = torch.full((1, tokens, 1), 0.5, device=device, dtype=dtype)
+    cu_seqlens = torch.tensor([0, PROBE_TOKENS, tokens], dtype=torch.int32, device=device)
+
+    def call(q, k, v, g, beta, **bounds):
+        return chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=True, **bounds)[0]  # fmt: skip
+
+    return _second_document_kept_apart(call, [q, k, v, g, beta], 1, {"cu_seqlens": cu_seqlens})
+
+
+@torch.no_grad()
+def _short_conv_keeps_documents(conv: Callable | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `conv` (a causal_conv1d_fn, called as qwen3_next's layer calls it) keeps two documents apart given
+    seq_idx."""
+    if conv is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    tokens = 2 * PROBE_TOKENS
+    # [1, C, T] with channels last in memory, as the layer hands it over (its [1, T, C] projection transposed).
+    x = torch.randn(1, tokens, PROBE_DIM, generator=generator).to(device, dtype).transpose(1, 2)
+    weight = torch.randn(PROBE_DIM, PROBE_CONV_WIDTH, generator=generator).to(device, dtype)
+    seq_idx = torch.arange(2, dtype=torch.int32, device=device).repeat_interleave(PROBE_TOKENS)[None]
+
+    def call(x, **bounds):
+        return conv(x, weight, None, activation="silu", **bounds)
+
+    return _second_document_kept_apart(call, [x], 2, {"seq_idx": seq_idx})
+
+
+def linear_attention_bounds(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LinearBounds | None:
+    """What the model's linear-attention layers keep apart of packed documents (None without such layers), decided
+    from the layers: their forward's code names DOCUMENT_BOUNDS, and the delta rule and short conv they call (as
+    kernel_paths finds them) are probed on two tiny documents on `device` in `dtype`. Each holds for every layer."""
+    layers = [(module, calls) for module in model.modules()
+              if "linear_attention_implementation" in (calls := _called_kernels(module))]  # fmt: skip
+    if not layers:
+        return None
+    reads_bounds = all(DOCUMENT_BOUNDS in _forward(module).__code__.co_consts for module, _ in layers)
+    # Each distinct function the layers call, probed once (a layer calling no short conv counts as None).
+    chunks = {id(f): f for f in (calls["linear_attention_implementation"][1] for _, calls in layers)}
+    convs = {id(f): f for f in (calls.get("causal_conv_implementation", (None, None))[1] for _, calls in layers)}
+    delta_rule = reads_bounds and all(_delta_rule_keeps_documents(chunk, device, dtype) for chunk in chunks.values())
+    short_conv = delta_rule and all(_short_conv_keeps_documents(conv, device, dtype) for conv in convs.values())
+    return LinearBounds(reads_bounds, delta_rule, short_conv)
+
+
+def documents_text(bounds: LinearBounds | None) -> str:
+    """How the baseline treats the documents packed in a row (the row's `documents`), its linear-attention layers
+    keeping what `bounds` says."""
+    if bounds is None:
+        return KEPT_APART
+    if not bounds.delta_rule:
+        why = ("their forward reads no cu_seq_lens_q" if not bounds.reads_bounds
+               else "their chunk_gated_delta_rule does not keep them apart given cu_seqlens")  # fmt: skip
+        return (f"kept apart in full attention (position_ids restart at each document); its linear-attention layers "
+                f"carry their state and short conv across the documents of a row ({why})")  # fmt: skip
+    packed = "one packed row [1, R*L]: position_ids restart at each document, cu_seq_lens_q bounds the"
+    if bounds.short_conv:
+        return f"kept apart ({packed} linear-attention layers' delta rule, seq_idx their short conv)"
+    return (f"kept apart in full attention and the linear-attention layers' delta rule ({packed} delta rule); their "
+            "short conv runs across the documents of the packed row (their causal_conv1d_fn does not keep them apart "
+            "given seq_idx)")
 
 
 def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device, total_steps: int,
@@ -666,13 +804,15 @@ def _impl_name(own: dict | None = None) -> str:
 
 
 def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_before: int | None,
-                       initial: InitialWeights | None = None) -> dict[str, Any]:  # fmt: skip
-    """The baseline's row when it ran out of memory `where`: no timings, the steps it finished."""
+                       initial: InitialWeights | None = None,
+                       documents: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The baseline's row when it ran out of memory `where`: no timings, the steps it finished (and how it fed their
+    documents, when it had built the model)."""
     model_type, _ = transformers_config(job.model)
     return dict(
         impl=_impl_name(), model_type=model_type, attention_implementation=None, experts_implementation=None,
         **dict.fromkeys(IMPLEMENTATION_FIELDS), initial_weights=initial_weights_text(job, initial),
-        documents=DOCUMENTS[model_type],
+        documents=documents,
         lora=lora_targets(job, model_type) if job.lora.enabled else None, steps=steps_done, losses=[],
         first_step_loss=None, tokens_per_s=None, step_time_s=None, step_times_s=[], peak_memory_bytes=None,
         allocated_before_bytes=allocated_before, parameters=None, trainable_parameters=None, out_of_memory=where,
@@ -707,7 +847,8 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         if is_cuda:
             torch.cuda.empty_cache()
     if out_of_memory is not None:
-        return _out_of_memory_row(job, out_of_memory, max(len(all_records) - warmup, 0), allocated_before, initial)
+        return _out_of_memory_row(job, out_of_memory, max(len(all_records) - warmup, 0), allocated_before, initial,
+                                  runner.documents)
     return dict(
         impl=_impl_name(own),
         model_type=runner.model_type,
@@ -715,7 +856,7 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         experts_implementation=runner.experts_implementation,
         **runner.kernel_paths,
         initial_weights=initial_weights_text(job, initial),
-        documents=DOCUMENTS[runner.model_type],
+        documents=runner.documents,
         lora=lora_targets(job, runner.model_type) if job.lora.enabled else None,
         **timed_steps(all_records, warmup, peak),
         allocated_before_bytes=allocated_before,

@@ -26,6 +26,12 @@ TORCH_PATHS = {
 }
 # The module FLA's chunked gated delta rule is defined in (fla-core 0.6.0).
 FLA_CHUNK_MODULE = "fla.ops.gated_delta_rule.chunk"
+# The row's `documents` where FLA keeps the delta rule's documents apart and transformers' PyTorch short conv runs
+# (causal-conv1d not installed).
+FLA_DOCUMENTS = ("kept apart in full attention and the linear-attention layers' delta rule (one packed row [1, R*L]: "
+                 "position_ids restart at each document, cu_seq_lens_q bounds the delta rule); their short conv runs "
+                 "across the documents of the packed row (their causal_conv1d_fn does not keep them apart given "
+                 "seq_idx)")  # fmt: skip
 NEXT_LIKE = dict(
     vocab_size=300, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     partial_rotary_factor=0.5, norm_one_plus=True,
@@ -94,26 +100,133 @@ def test_baseline_starts_from_our_initial_weights(tmp_path, monkeypatch, model):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("moe-tune-against-")]
 
 
-def test_baseline_keeps_the_documents_of_a_packed_row_apart(tmp_path, monkeypatch):
+def documentwise_delta_rule(torch_chunk):
+    """FLA's chunk_gated_delta_rule given cu_seqlens (fla/ops/gated_delta_rule/chunk.py: a batch of one row, each
+    sequence from a zero state) as `torch_chunk` (transformers' PyTorch path) on each document alone."""
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=None, **kwargs):
+        if cu_seqlens is None:
+            return torch_chunk(q, k, v, g=g, beta=beta, **kwargs)
+        assert q.shape[0] == 1
+        bounds = cu_seqlens.tolist()
+        outs = [torch_chunk(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kwargs)[0]
+                for s, e in zip(bounds, bounds[1:])]  # fmt: skip
+        return torch.cat(outs, dim=1), None
+
+    return chunk_gated_delta_rule
+
+
+def documentwise_conv(torch_conv):
+    """causal-conv1d's causal_conv1d_fn given seq_idx (each document's window starts from zeros) as `torch_conv`
+    (transformers' PyTorch path) on each document alone; the layer's other kwargs are dropped, as transformers'
+    wrapper drops what the package does not take."""
+
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return torch_conv(x, weight, bias, activation=activation)
+        ids = seq_idx[0]
+        bounds = [0, *(torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist(), ids.numel()]
+        return torch.cat([torch_conv(x[..., s:e], weight, bias, activation=activation)
+                          for s, e in zip(bounds, bounds[1:])], dim=-1)  # fmt: skip
+
+    return causal_conv1d_fn
+
+
+def patch_kernels(monkeypatch, delta_rule: bool, short_conv: bool):
+    """Bind, where qwen3_next's modeling module calls them, stand-ins with FLA's cu_seqlens (`delta_rule`) and
+    causal-conv1d's seq_idx (`short_conv`) semantics; pure_torch_paths leaves them bound (they are not transformers'
+    fallback wrappers)."""
+    import inspect
+
+    import transformers.models.qwen3_next.modeling_qwen3_next as modeling
+
+    if delta_rule:
+        torch_chunk = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+        monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", documentwise_delta_rule(torch_chunk))
+    if short_conv:
+        monkeypatch.setattr(modeling, "causal_conv1d_fn", documentwise_conv(inspect.unwrap(modeling.causal_conv1d_fn)))
+
+
+@pytest.mark.parametrize("model", [MOE_LIKE, NEXT_LIKE], ids=["qwen3_moe", "qwen3_next"])
+def test_baseline_keeps_the_documents_of_a_packed_row_apart(tmp_path, monkeypatch, model):
     """Rows packing three documents each: the baseline's positions restart at each document (ours come from
-    cu_seqlens), so transformers' attention stops at the documents' bounds as ours does and the first step's loss is
-    ours in fp32 (with positions counted over the whole row it attends across documents: 5.7313 against 5.7281)."""
-    from moe_tune.engine.bench.against import TransformersRunner
+    cu_seqlens), so transformers' attention stops at the documents' bounds as ours does, and qwen3_next's
+    linear-attention layers, on one packed row, get them as cu_seq_lens_q and seq_idx (here kernels with FLA's and
+    causal-conv1d's semantics): the first step's loss is ours in fp32 (qwen3_moe with positions counted over the whole
+    row attends across documents: 5.7313 against 5.7281; qwen3_next fed [R, L] rows without bounds: 5.68253 against
+    5.68281, with the delta rule kept apart but not the short conv 5.68250)."""
+    from moe_tune.engine.bench.against import KEPT_APART, TransformersRunner
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     from moe_tune.engine.bench.steps import profile_steps
 
+    patch_kernels(monkeypatch, delta_rule=True, short_conv=True)
     seen = []
     inputs = TransformersRunner.inputs
     monkeypatch.setattr(TransformersRunner, "inputs", lambda self, batch: seen.append(inputs(self, batch)) or seen[-1])
-    result = profile_steps(job_of(MOE_LIKE, tmp_path, rows=packed_rows), steps=1, warmup=1, against="transformers")
+    result = profile_steps(job_of(model, tmp_path, rows=packed_rows), steps=1, warmup=1, against="transformers")
     other = result["against"]
     assert other["first_step_loss"] == pytest.approx(result["first_step_loss"], rel=1e-5, abs=0)
-    assert other["documents"] == "kept apart (position_ids restart at each document)"
-    _, _, positions = seen[0]
     document = torch.arange(SEQ_LEN // 3)
-    assert positions.tolist() == [torch.cat([document] * 3).tolist()] * 2
+    if model is MOE_LIKE:
+        assert other["documents"] == KEPT_APART
+        assert seen[0]["position_ids"].tolist() == [torch.cat([document] * 3).tolist()] * 2
+        assert sorted(seen[0]) == ["input_ids", "labels", "position_ids"]
+        return
+    assert other["documents"] == ("kept apart (one packed row [1, R*L]: position_ids restart at each document, "
+                                  "cu_seq_lens_q bounds the linear-attention layers' delta rule, seq_idx their short "
+                                  "conv)")  # fmt: skip
+    packed = seen[0]
+    assert packed["position_ids"].tolist() == [torch.cat([document] * 6).tolist()]
+    assert packed["input_ids"].shape == packed["labels"].shape == (1, 2 * SEQ_LEN)
+    bounds = torch.arange(0, 2 * SEQ_LEN + 1, SEQ_LEN // 3, dtype=torch.int32)
+    assert torch.equal(packed["cu_seq_lens_q"], bounds) and torch.equal(packed["cu_seq_lens_k"], bounds)
+    assert (packed["max_length_q"], packed["max_length_k"]) == (SEQ_LEN // 3, SEQ_LEN // 3)
+    assert packed["seq_idx"].dtype == torch.int32
+    assert packed["seq_idx"].tolist() == [torch.arange(6).repeat_interleave(SEQ_LEN // 3).tolist()]
+
+
+class NoBoundsGatedDeltaNet(nn.Module):
+    """A linear-attention layer whose forward reads no document bounds from its kwargs."""
+
+    def forward(self, x, **kwargs):
+        return torch_chunk_gated_delta_rule(x)
+
+
+def torch_chunk_gated_delta_rule(x):
+    return x
+
+
+@pytest.mark.parametrize(("delta_rule", "short_conv", "expected"), [
+    (False, False, (True, False, False)),  # transformers' PyTorch paths: no bounds kept
+    (True, False, (True, True, False)),  # FLA without causal-conv1d (the H200's)
+    (True, True, (True, True, True)),
+], ids=["torch", "fla", "fla+causal-conv1d"])  # fmt: skip
+def test_linear_attention_bounds_are_read_from_the_layers(tmp_path, monkeypatch, delta_rule, short_conv, expected):
+    """What the layers keep apart is probed on the functions they call, and the row's `documents` says it."""
+    from moe_tune.engine.align.reference import pure_torch_paths
+    from moe_tune.engine.bench.against import (LinearBounds, build_transformers_model, documents_text,
+                                               linear_attention_bounds)  # fmt: skip
+
+    patch_kernels(monkeypatch, delta_rule, short_conv)
+    with pure_torch_paths():
+        model, _ = build_transformers_model(job_of(NEXT_LIKE, tmp_path), torch.device("cpu"))
+        bounds = linear_attention_bounds(model, torch.device("cpu"), torch.float32)
+    assert bounds == LinearBounds(*expected)
+    assert documents_text(bounds) == {
+        "torch": "kept apart in full attention (position_ids restart at each document); its linear-attention layers "
+                 "carry their state and short conv across the documents of a row (their chunk_gated_delta_rule does "
+                 "not keep them apart given cu_seqlens)",
+        "fla": FLA_DOCUMENTS,
+        "fla+causal-conv1d": "kept apart (one packed row [1, R*L]: position_ids restart at each document, "
+                             "cu_seq_lens_q bounds the linear-attention layers' delta rule, seq_idx their short conv)",
+    }["torch" if not delta_rule else "fla+causal-conv1d" if short_conv else "fla"]  # fmt: skip
+    # A layer whose forward reads no cu_seq_lens_q gets no bounds, whatever its kernels keep.
+    no_bounds = linear_attention_bounds(nn.Sequential(NoBoundsGatedDeltaNet()), torch.device("cpu"), torch.float32)
+    assert no_bounds == LinearBounds(False, False, False)
+    assert documents_text(no_bounds).endswith("(their forward reads no cu_seq_lens_q)")
+    assert linear_attention_bounds(nn.Sequential(nn.Linear(2, 2)), torch.device("cpu"), torch.float32) is None
 
 
 def test_fp8_base_hands_its_weights_over_dequantized(monkeypatch):
@@ -265,7 +378,7 @@ def test_a_checkpoint_missing_a_weight_is_refused(tmp_path):
 
 def test_cli_line_names_the_weights_and_the_kernels():
     from moe_tune.cli.profile_steps import baseline_runs_line
-    from moe_tune.engine.bench.against import DOCUMENTS
+    from moe_tune.engine.bench.against import KEPT_APART
 
     row = dict(TORCH_PATHS, baseline="transformers", initial_weights="ours (our initial weights written as a "
                "transformers checkpoint)")  # fmt: skip
@@ -275,7 +388,17 @@ def test_cli_line_names_the_weights_and_the_kernels():
         f"{NEXT_MODULE}.Qwen3NextRMSNormGated")  # fmt: skip
     assert baseline_runs_line(dict(row, **dict.fromkeys(TORCH_PATHS))) == (
         "  weights: ours (our initial weights written as a transformers checkpoint)")
-    assert baseline_runs_line(dict(row, documents=DOCUMENTS["qwen3_moe"], **dict.fromkeys(TORCH_PATHS))) == (
+    assert baseline_runs_line(dict(row, documents=KEPT_APART, **dict.fromkeys(TORCH_PATHS))) == (
         "  weights: ours (our initial weights written as a transformers checkpoint); documents kept apart "
         "(position_ids restart at each document)")
+    # qwen3_next with FLA and without causal-conv1d (the H200's).
+    fla_row = dict(row, documents=FLA_DOCUMENTS,
+                   linear_attention_implementation=f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule")  # fmt: skip
+    assert baseline_runs_line(fla_row) == (
+        "  weights: ours (our initial weights written as a transformers checkpoint); documents kept apart in full "
+        "attention and the linear-attention layers' delta rule (one packed row [1, R*L]: position_ids restart at "
+        "each document, cu_seq_lens_q bounds the delta rule); their short conv runs across the documents of the "
+        "packed row (their causal_conv1d_fn does not keep them apart given seq_idx); linear attention "
+        f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule; short conv {NEXT_MODULE}.causal_conv1d_fn; gated norm "
+        f"{NEXT_MODULE}.Qwen3NextRMSNormGated")  # fmt: skip
     assert baseline_runs_line({"baseline": "bf16-base"}) is None
