@@ -129,7 +129,11 @@ def linear_attention_in_slabs(layer, x: torch.Tensor, batch: PackedBatch, reach:
         first = max(slab.start - reach, 0)
         x_ext, positions_ext = x[:, first : slab.stop], batch.positions[first : slab.stop]
         state_in = entering if slab.is_continued else None
-        out, entering = recomputed(run_slab, x_ext, positions_ext, slab.start - first, state_in, slab)
+        out, final_state = recomputed(run_slab, x_ext, positions_ext, slab.start - first, state_in, slab)
+        # A copy of its own: final_state is the last row of the op's [N, H, K, V] final states, and as a view it
+        # would keep all N pieces' states alive until backward (the next slab's checkpoint saves it; engine/memory
+        # counts a saved view's own bytes): a row of short documents would hold [num_documents, H, K, V] a layer.
+        entering = final_state.clone()
         outputs.append(out)
     return torch.cat(outputs, 1)
 
