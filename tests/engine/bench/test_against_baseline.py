@@ -188,7 +188,8 @@ def test_baseline_keeps_the_documents_of_a_packed_row_apart(tmp_path, monkeypatc
 
 
 class NoBoundsGatedDeltaNet(nn.Module):
-    """A linear-attention layer whose forward reads no document bounds from its kwargs."""
+    """A linear-attention layer (its forward calls a function named as transformers' delta rule, below) whose forward
+    reads no document bounds from its kwargs."""
 
     def forward(self, x, **kwargs):
         return torch_chunk_gated_delta_rule(x)
