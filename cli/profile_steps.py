@@ -55,6 +55,7 @@ def _steps_table(result: dict) -> Table:
         ("achieved", f"{result['achieved_tflops']:.3g} TFLOP/s"),
         (f"MFU (of the measured GEMM peak, {result['peak_tflops']:.3g} TFLOP/s)", f"{result['mfu']:.1%}"),
         ("saved on the GPU", _bytes(memory.get("gpu_saved_bytes"))),
+        ("  device memory they hold", _bytes(memory.get("gpu_storage_bytes"))),
         ("saved in host memory", _bytes(memory.get("host_saved_bytes"))),
         ("  of which moved by the budget", _bytes(memory.get("evicted_bytes"))),
         ("recomputed", _bytes(memory.get("recomputed_bytes"))),

@@ -151,6 +151,7 @@ class ActivationMemory:
         s = self.store.take_stats()
         record = {
             "memory_gpu_saved_bytes": s.gpu_bytes,
+            "memory_gpu_storage_bytes": s.gpu_storage_bytes,
             "memory_host_saved_bytes": s.host_bytes,
             "memory_evicted_bytes": s.evicted_bytes,
             "memory_recomputed_bytes": self._recomputed_bytes,

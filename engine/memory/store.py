@@ -121,6 +121,9 @@ class StepStats:
     training step's micro-batches)."""
 
     gpu_bytes: int = 0  # saved tensors left on the device at the end of forward
+    # The device storage those tensors keep alive, each storage once: more than gpu_bytes where a saved view holds a
+    # larger tensor's memory (which the budget, counting each tensor's own bytes, does not see).
+    gpu_storage_bytes: int = 0
     host_bytes: int = 0  # saved tensors copied to the host tier (offloaded or evicted by the budget)
     evicted_bytes: int = 0  # of host_bytes, those the budget moved
     host_bytes_by_class: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPERATOR_CLASSES, 0))
@@ -185,6 +188,7 @@ class TieredStore:
     def end_forward(self) -> None:
         """Forward is done: count what stays on the device, start bringing back the layers backward needs first."""
         # From the per-layer list, not _by_id: a dead tensor's id() can be reused, which replaces its entry there.
+        storages: dict[int, int] = {}
         for refs in self._by_layer.values():
             for ref in refs:
                 entry = ref()
@@ -192,6 +196,9 @@ class TieredStore:
                     continue
                 self.stats.gpu_bytes += entry.nbytes
                 self.stats.gpu_bytes_by_class[entry.klass] += entry.nbytes
+                storage = entry.device.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        self.stats.gpu_storage_bytes += sum(storages.values())
         self._by_id.clear()
         self._resident.clear()
         top = self.num_layers - 1

@@ -375,6 +375,23 @@ def test_budget_sinks_the_coldest_first():
     assert (stats.evicted_bytes, stats.host_bytes, stats.gpu_bytes) == (5000, 5000, 3000)
 
 
+def test_storage_held_by_saved_views_is_counted_once_each():
+    # A saved view keeps its whole base alive: gpu_bytes counts the views' own bytes, gpu_storage_bytes the storage
+    # they hold, each storage once (two views of one base, a tensor of its own, and one sent to the host).
+    store = store_with(gpu_budget_gb=1e-9 * 2000, min_offload_mb=0)
+    store.begin_forward(torch.device("cpu"))
+    base, own, moved = torch.randn(1000), torch.randn(100), torch.randn(600)
+    store.layer = 0
+    moved_entry = store.pack(moved)  # 2400 bytes: over the 2000-byte budget once the rest come
+    store.layer = 3
+    entries = [store.pack(base[:10]), store.pack(base[500:510]), store.pack(own)]
+    store.end_forward()
+    assert moved_entry.host is not None and all(entry.device is not None for entry in entries)
+    stats = store.take_stats()
+    assert stats.gpu_bytes == (10 + 10 + 100) * 4
+    assert stats.gpu_storage_bytes == (1000 + 100) * 4
+
+
 def test_tensors_under_the_threshold_stay_on_the_device():
     store = store_with(experts="offload", min_offload_mb=0.002)
     store.begin_forward(torch.device("cpu"))
