@@ -335,7 +335,14 @@ def test_time_pass_takes_do_bench_median_and_the_peak_of_one_more_call(monkeypat
             fn()
         return 1.25
 
+    def fake_call_ms(step, leaves):
+        # One timed call, faster than timing.SLOW_STEP_MS: do_bench times the rest.
+        assert leaves == [x]
+        step()
+        return timing.SLOW_STEP_MS / 10
+
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(timing, "call_ms", fake_call_ms)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: allocated.update(peak=allocated["now"]))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocated["now"])
@@ -350,9 +357,10 @@ def test_time_pass_takes_do_bench_median_and_the_peak_of_one_more_call(monkeypat
 
     ms, peak, out = timing.time_pass(fn, [x], with_backward)
     assert ms == 1.25 and peak == 48 and torch.equal(out, x.detach() * 2)
-    # One untimed forward under no_grad (the output, the gradient's shape), three timed calls, one for the peak.
-    assert calls == [False, True, True, True, True]
-    assert len(backwards) == (4 if with_backward else 0) and x.grad is None
+    # One untimed forward under no_grad (the output, the gradient's shape), a warm-up call, one timed call (fast: on
+    # to do_bench), do_bench's three, one for the peak.
+    assert calls == [False] + [True] * 6
+    assert len(backwards) == (6 if with_backward else 0) and x.grad is None
 
 
 @pytest.mark.parametrize("is_cuda", [False, True], ids=["cpu", "cuda"])
