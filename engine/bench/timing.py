@@ -1,7 +1,8 @@
-"""The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench, or of a few calls
-for a step too slow for do_bench's repetitions (every GPU time a benchmark reports goes through it). Ops: median_ms over a forward (recording autograd, as in training) or a forward
-and its backward, and the extra peak memory of one more call on its own (time_pass); on the CPU time.perf_counter
-medians (time_ms). Training steps: wall time with the device synchronized at both ends (StepClock)."""
+"""The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench, or of a few calls for a
+step too slow for do_bench's repetitions (every GPU time a benchmark reports goes through it). Ops: median_ms over a
+forward (recording autograd, as in training) or a forward and its backward, and the extra peak memory of one more
+call on its own (time_pass); on the CPU time.perf_counter medians (time_ms). Training steps: wall time with the
+device synchronized at both ends (StepClock)."""
 
 from __future__ import annotations
 
