@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from moe_tune.engine.bench.timing import StepClock
 from moe_tune.engine.memory.store import COPY_RANGE
 from moe_tune.engine.train.graphs import GRAPHED_ATTR
 
@@ -375,9 +375,10 @@ def profiled_step(runner, reference_step_s: float) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.is_cuda else [])
     with class_ranges(model, module_classes(model)), optimizer_range(runner.engine):
         with profile(activities=activities) as prof:
-            start = time.perf_counter()
-            record = runner.step()
-            wall_s = time.perf_counter() - start
+            # Host wall time: runner.step() synchronizes the device itself, and a sync here would enter the profile.
+            with StepClock(is_cuda=False) as clock:
+                record = runner.step()
+    wall_s = clock.seconds
     attributed = attribute(prof.events())
     spans = device_spans(prof) if runner.is_cuda else None
     idle = gpu_idle_before(spans, attributed) if runner.is_cuda else None

@@ -23,7 +23,6 @@ import math
 import os
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -222,18 +221,19 @@ def write_synthetic_checkpoint(cfg: ModelProfile, out: Path, shard_bytes: int = 
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(seed)
-    start = time.perf_counter()
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    tensor_bytes = 0
-    weight_map = {}
-    for name, keys in zip(names, shards):
-        tensor_bytes += _write_shard(out / name, keys, layout, generator)
-        weight_map.update(dict.fromkeys(keys, name))
-    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    # total_size counts the tensors' bytes, as save_pretrained's index does; the files add their headers.
-    index = {"metadata": {"total_size": tensor_bytes, SYNTHETIC_MARK: model_fingerprint(cfg)}, "weight_map": weight_map}
-    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    seconds = time.perf_counter() - start
+    with StepClock(device.type == "cuda") as clock:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        tensor_bytes = 0
+        weight_map = {}
+        for name, keys in zip(names, shards):
+            tensor_bytes += _write_shard(out / name, keys, layout, generator)
+            weight_map.update(dict.fromkeys(keys, name))
+        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        # total_size counts the tensors' bytes, as save_pretrained's index does; the files add their headers.
+        metadata = {"total_size": tensor_bytes, SYNTHETIC_MARK: model_fingerprint(cfg)}
+        index = {"metadata": metadata, "weight_map": weight_map}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    seconds = clock.seconds
     sizes = [(out / name).stat().st_size for name in names]
     return dict(checkpoint_bytes=sum(sizes), num_tensors=len(layout),
                 num_fp8_tensors=sum(dtype == torch.float8_e4m3fn for _, dtype in layout.values()),

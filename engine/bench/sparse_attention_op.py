@@ -3,6 +3,7 @@
 Run on the GPU machine: python -m moe_tune.engine.bench.sparse_attention_op (or `moe-tune profile --kernels --ops
 sparse_attention,topk_indexer --shapes anchor`). Nothing runs at import. Every time is the median of
 triton.testing.do_bench; forward+backward rows time one forward and one backward from a random output gradient.
+Printed rows carry machine_info's keys (device, machine, driver, torch, triton, commit, date), as kernels.py's do.
 
 Shapes are issue 6's targets: B1, HQ16 query heads sharing one kv head, K = V = 128, 2048 selected keys per query
 (block level: 32 blocks of 64; token level: 2048 keys), bf16. Indices are drawn uniformly among each query's causal
@@ -23,6 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moe_tune.engine.bench.machine import machine_info
 from moe_tune.engine.bench.timing import median_ms, time_pass
 
 # Issue 6's attention shape and its three cases: (case, T, block_size, S slots).
@@ -244,5 +246,6 @@ def _exact_selection_note(T, HI, DI, topk, block_size) -> str:
 
 
 if __name__ == "__main__":
+    machine = machine_info(is_cuda=True)
     for row in bench_sparse_attention() + bench_topk_indexer():
-        print(row)
+        print(row | machine)
