@@ -27,9 +27,10 @@ from moe_tune.ops.common.host_copy import host_values, to_device
 PAD_BUCKET_BITS = 2
 # Full attention never takes cuDNN's SDPA kernel, which torch 2.11 tries first on Hopper and which builds an
 # execution plan on the host for every new shape. The buckets' shapes change with each batch's documents, so every
-# call waited for a plan: on the H200 (bench-qwen3-next, torch 2.11; docs/PERF.md, end to end), one profiled step of
-# 561 ms had the GPU idle for 460 ms, 345 of them in gaps before the launches of cuDNN's attention forward and
-# backward. Flash and memory-efficient attention take any shape as it comes; on the CPU nothing changes (it has no cuDNN attention).
+# call waited for a plan: on the H200 (bench-qwen3-next, torch 2.11; docs/perf-history.md, end to end), one profiled
+# step of 561 ms had the GPU idle for 460 ms, 345 of them in gaps before the launches of cuDNN's attention forward
+# and backward. Flash and memory-efficient attention take any shape as it comes; on the CPU nothing changes (it has
+# no cuDNN attention).
 _NON_CUDNN_BACKENDS = (
     (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
     (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),

@@ -21,7 +21,8 @@ def deepspeed_config(profile: JobProfile, world_size: int) -> dict[str, Any]:
             # Stage 1 in one process keeps the gradients where backward put them: DeepSpeed's contiguous buffer
             # would copy each one into a bucket and again into the partition at the end of backward, two launches
             # and a Python pass a tensor while the GPU waits (bench-qwen3-next on an H200, by turns in one process:
-            # 95.8 / 92.8 ms a step without against 105.1 / 96.5 with, same loss and gradient norm; docs/PERF.md).
+            # 95.8 / 92.8 ms a step without against 105.1 / 96.5 with, same loss and gradient norm;
+            # docs/perf-history.md).
             "contiguous_gradients": not (parallel.zero_stage == 1 and world_size == 1),
             "stage3_gather_16bit_weights_on_model_save": False,
         },
@@ -36,7 +37,7 @@ def deepspeed_config(profile: JobProfile, world_size: int) -> dict[str, Any]:
     if train.precision == "bf16":
         # bf16 needs no loss scaling. DeepSpeed's overflow check would read every gradient each step (seven small
         # kernels per tensor and a wait for the GPU: 13 ms of bench-qwen3-moe's 117 ms step on the H200,
-        # docs/PERF.md); the trainer stops on a non-finite loss or gradient norm instead (trainer.check_finite).
+        # docs/perf-history.md); the trainer stops on a non-finite loss or gradient norm instead (trainer.check_finite).
         config["bf16"] = {"enabled": True, "check_grad_overflow": False}
     return config
 

@@ -6,7 +6,7 @@ back to the host on the way: `mask_nan_or_inf_with_val_inplace` builds its fill 
 device=...)` and fills with a tensor, and `unscale_and_clip_grads` asks `is_invalid_grad_norm(norm)` in Python.
 Each read makes the host wait until the GPU has run the whole backward, and the GPU then idles while the host
 issues the optimizer step: on the H200 that step took the host 21 ms against 4 ms of GPU work (bench-qwen3-moe,
-docs/PERF.md). The replacements compute the same values with tensor ops only:
+docs/perf-history.md). The replacements compute the same values with tensor ops only:
 - the norm: inf and NaN become -1 (DeepSpeed's sentinel for an invalid norm), filled with a Python scalar;
 - the clip: an invalid norm (negative, inf or NaN) clips with an infinite norm, as DeepSpeed does (the update is
   zero); a valid one gives the same clip factor from the same ops, so gradients come out bit for bit the same

@@ -55,9 +55,9 @@ def gdn_gates_ref(
     dt_bias: torch.Tensor,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ground truth: the eager ops GatedDeltaNet ran before (bitwise, in fp32), in `compute_dtype` (tests pass
-    fp64). Shapes and results as `gdn_gates`."""
-    # beta first, as the layer did: the order of the autograd nodes sets the order of gradient sums upstream.
+    """The ground truth: the gates as eager torch ops, in `compute_dtype` (tests pass fp64). Shapes and results as
+    `gdn_gates`."""
+    # beta first: the order of the autograd nodes sets the order in which gradients are summed upstream (their bits).
     beta = torch.sigmoid(b.to(compute_dtype))
     x = a.to(compute_dtype) + dt_bias.to(compute_dtype)
     g = -A_log.to(compute_dtype).exp() * F.softplus(x)

@@ -16,15 +16,15 @@ kernels_state.chunk_state_fwd(store_states=True)): kept from the forward (save_i
    With IS_PER_CHANNEL (KDA) the decays are [C, K] and (q k^T * M)^T is read transposed from KDA's pairs
    kernel. With HAS_PREPARED (power-of-two K) the loop reads q exp(G) and (per head) (q k^T * M) from
    `_prepare_state_bwd_kernel`, a parallel pass before it, and k exp(G_C - G) from the WY pass (KDA: its pairs
-   kernel): no norm or exp left in the loop but exp(G_C) (H200, B4 T8192 H16 K=V=128 bf16: 1.21 -> 0.62 ms, KDA
-   1.65 -> 0.69; gradients bitwise equal).
+   kernel): no norm or exp left in the loop but exp(G_C) (H200, B4 T8192 H16 K=V=128 bf16: 0.62 ms against 1.21
+   with them in the loop, KDA 0.69 against 1.65; gradients bitwise equal).
 2. `_chunk_grad_output_kernel`, one program per (chunk, head), all in parallel: the output's part, dq (final) and
    fp32 parts of dk and dG from S0, v_new and do.
 3. `_chunk_grad_wy_kernel`, one program per (chunk, head), all in parallel: dv, dbeta and the rest of dk and dG from
    S0, dS1, v_new and dv_new through the triangular inverse ((I + A)^-1 is read back, not re-solved), then dk through
-   the L2 norm and dg (the reverse cumulative sum of dG plus the gradient of G_C). Kernels 2 and 3 were one kernel,
-   which carried six fp32 accumulators through its V loop with q and k loaded before it, and spilled 1,176 bytes
-   of stack a thread (sm_90 compile, triton 3.6, K = V = 128); split, the output kernel spills nothing and the WY
+   the L2 norm and dg (the reverse cumulative sum of dG plus the gradient of G_C). Kernels 2 and 3 as one kernel
+   would carry six fp32 accumulators through its V loop with q and k loaded before it and spill 1,176 bytes of
+   stack a thread (sm_90 compile, triton 3.6, K = V = 128); split, the output kernel spills nothing and the WY
    kernel 176 bytes, for one extra fp32 [T, H, K] round trip of dk's part.
 """
 
@@ -147,7 +147,7 @@ def _chunk_state_bwd_kernel(
         # stored (an L2-resident round trip), (q exp(G))^T and W^T transposed. With them from registers (dv_new a dot
         # result, q and W transposed with tl.trans), Triton 3.6 on the H200 gave state gradients that changed from run
         # to run (up to 48% off) and illegal addresses at 110 documents; so did reusing the transposed q tile for
-        # k q^T. This form was checked on the device kernel by kernel, with bit-equal repeated runs.
+        # k q^T. This form gives bit-equal repeated runs on the device (tests/gpu/test_linear_attention_gpu.py).
         tl.debug_barrier()
         dv_new_mem = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         w_t = load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)

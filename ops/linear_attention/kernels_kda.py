@@ -575,8 +575,8 @@ def _kda_grad_products_kernel(
         k = k * k_rstd[:, None]
     dG -= k * dk
 
-    # WY: dkk (the WY kernel's) times the decayed k in both orientations; dkk^T read transposed, in k's dtype as the
-    # single kernel's scratch round trip had it (no tl.trans of a dot result: the Hopper miscompile, kernels_common.py).
+    # WY: dkk (the WY kernel's, fp32) times the decayed k in both orientations; dkk^T is read transposed (no tl.trans
+    # of a dot result: the Hopper miscompile, kernels_common.py) and rounded to k's dtype, as a 16-bit scratch holds it.
     dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
     dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
                                False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
