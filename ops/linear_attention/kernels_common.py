@@ -61,7 +61,8 @@ GPU_NUM_STAGES_OUTPUT_KDA = 2
 # 1 stage, with which every linear-attention GPU test passes on 3.7.1 (docs/PERF.md, "GPU tests").
 TRITON_37_OUTPUT_LAUNCH = (4, 1)
 TRITON_37 = (3, 7)
-# KDA's pairs kernel: 16 bytes of stack a thread at 8 warps (608 at 4); 1.15 ms a launch.
+# KDA's pairs kernel: 8 warps, the fastest of 4, 8 and 16 at B4 T8192 (docs/perf-history.md, "KDA's pairs kernel by
+# row blocks").
 GPU_NUM_WARPS_KDA_PAIRS = 8
 # KDA's gradient kernels at 8 warps: the WY one spills 200 bytes a thread (4 warps: 2,080), the products one 568.
 GPU_NUM_WARPS_KDA_GRAD_WY = 8
