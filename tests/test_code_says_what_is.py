@@ -24,7 +24,7 @@ _ORDINAL = (
 _MONTH = r"(?:January|February|March|April|May|June|July|August|September|October|November|December)"
 # A unit after a figure: 0.23 -> 0.18 ms, 42.0 -> 12.6 s, 3.8% -> 0.6%.
 _UNIT = r"(?:\s*(?:ms|us|s|GB|MB|%)(?!\w))"
-_NARRATION = r"used to be|previously|formerly|originally|before this change|we tried|went from"
+_NARRATION = r"used to be|previously|formerly|originally|before this change|we tried|went from|as before"
 # (rule, pattern): what a line must not hold.
 RULES = (
     ("a session named in words (which run measured it)", re.compile(rf"\b(?:{_ORDINAL})[- ]session\b", re.I)),
@@ -119,12 +119,14 @@ def test_code_says_what_is():
         "# KDA's forward went from 6.63 ms to 1.72",
         "# this used to be 8 warps",
         "# previously the WY pass wrote it",
+        "# b_proj runs first, as before: the order of the projections",
         "# the launch its variants passed with (this one: not yet run)",
     ],
     ids=[
         "ordinal", "capitalised", "numeral", "earlier", "twenty-first", "iso-date", "call", "device-call", "diag",
         "shared", "shared-docstring", "work", "month-day", "day-month", "utc-time", "commit", "arrow-ms",
-        "arrow-unit-first", "went-from", "used-to-be", "previously", "not-yet-run",
+        "arrow-unit-first", "went-from", "used-to-be", "previously", "as-before",
+        "not-yet-run",
     ],
 )
 def test_each_rule_catches_its_narration(line):

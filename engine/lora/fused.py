@@ -6,7 +6,7 @@ When the training step is bound by the host's launch rate, that overhead is step
 autograd Function: an mm and an addmm in forward (on CUDA 3 device ops, the addmm's copy of base_out included, where
 PEFT has 2 GEMMs, a multiply and an add) and at most 4 GEMMs in backward with the scale folded in (PEFT: 4 GEMMs and
 a multiply). The base layer is still called as a module, so hooks on it (ZeRO-3 gathering its weight, the
-activation-memory manager) fire as before.
+activation-memory manager) fire as they do under PEFT's own forward.
 
 Shapes: N rows (the input's leading dims flattened), I in_features, O out_features, R the adapter's rank.
 """

@@ -495,8 +495,8 @@ class GatedDeltaNet(nn.Module):
             beta = torch.sigmoid(self.b_proj(x).float())
             a = self.a_proj(x).float() + self.dt_bias.float()
             return -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk)), beta
-        # Both gates in one kernel each way (eight to ten eager ops otherwise). b_proj runs first, as before: the
-        # order of the projections sets the order in which x's gradient adds up their parts.
+        # Both gates in one kernel each way (eight to ten eager ops otherwise). b_proj runs first: the order of the
+        # projections sets the order in which x's gradient adds up their parts.
         b = self.b_proj(x)
         return gdn_gates(self.a_proj(x), b, self.A_log, self.dt_bias)
 

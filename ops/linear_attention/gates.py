@@ -57,7 +57,8 @@ def gdn_gates_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ground truth: the gates as eager torch ops, in `compute_dtype` (tests pass fp64). Shapes and results as
     `gdn_gates`."""
-    # beta first: the order of the autograd nodes sets the order in which gradients are summed upstream (their bits).
+    # beta first, as the layer runs b_proj first: the order of the autograd nodes sets the order in which x's gradient
+    # adds up its parts.
     beta = torch.sigmoid(b.to(compute_dtype))
     x = a.to(compute_dtype) + dt_bias.to(compute_dtype)
     g = -A_log.to(compute_dtype).exp() * F.softplus(x)
