@@ -1,5 +1,5 @@
 """Depthwise causal convolution over a packed row of documents, then SiLU (the short conv of linear attention
-layers): one Triton pass forward and one backward, instead of about four eager passes per tap.
+layers): one Triton pass forward, two backward, instead of about four eager passes per tap.
 
 Shapes: x [B, T, C]; weight [C, W]; positions [T]. The math is in README.md; the ground truth in reference.py.
 
