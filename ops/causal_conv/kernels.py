@@ -1,7 +1,7 @@
 """Triton kernels of the depthwise causal convolution + SiLU over packed documents.
 
-Shapes: x, y, dy, dx [B, T, C] contiguous; w [C, W]; positions [T] int; dw_partial [B * T-tiles, C, W] fp32.
-The math is in README.md.
+Shapes: x, y, dy, dx [B, T, C] contiguous; w [C, W]; positions [T] int; dpre [B, T, C] fp32; dw_partial
+[B * T-tiles, C, W] fp32. The math is in README.md.
 """
 
 from __future__ import annotations
@@ -41,42 +41,34 @@ def _conv_pre(
 
 
 @triton.jit
-def _conv_dpre(
-    x_ptr, w_ptr, dy_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation,
-    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """dpre = dy * silu'(pre) for a [BLOCK_T, BLOCK_C] tile of `rows`, fp32, pre recomputed (0 where masked)."""
-    pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
-    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-    dy = tl.load(dy_ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    sig = tl.sigmoid(pre)
-    return dy * sig * (1.0 + pre * (1.0 - sig))
-
-
-@triton.jit
 def _causal_conv_fwd_kernel(
-    x_ptr, w_ptr, pos_ptr, y_ptr, T, C, dilation, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, w_ptr, pos_ptr, dy_ptr, out_ptr, T, C, dilation,
+    IS_DPRE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """y = silu(pre) for one tile."""
+    """pre for one tile, then y = silu(pre) (forward), or dpre = dy * silu'(pre) in fp32 (IS_DPRE: the backward's
+    first pass, which recomputes pre instead of saving it)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     base = tl.program_id(2).to(tl.int64) * T * C
     row_mask = rows < T
     col_mask = cols < C
+    mask = row_mask[:, None] & col_mask[None, :]
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
     pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
     offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-    tl.store(y_ptr + offsets, (pre * tl.sigmoid(pre)).to(y_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])  # fmt: skip
+    sig = tl.sigmoid(pre)
+    if IS_DPRE:
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, dy * sig * (1.0 + pre * (1.0 - sig)), mask=mask)
+    else:
+        tl.store(out_ptr + offsets, (pre * sig).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _causal_conv_bwd_kernel(
-    x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, T, C, dilation, num_t_tiles,
+    x_ptr, w_ptr, pos_ptr, dpre_ptr, dx_ptr, dw_partial_ptr, T, C, dilation, num_t_tiles,
     W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """dx for one tile and the tile's partial sums of dw, in one pass: dpre of the rows each tap reaches is
-    recomputed from x and dy (W shifted tiles, read from L2) instead of being written and read back in fp32."""
     tile = tl.program_id(0)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -85,23 +77,20 @@ def _causal_conv_bwd_kernel(
     row_mask = rows < T
     col_mask = cols < C
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
-    dpre_here = _conv_dpre(x_ptr, w_ptr, dy_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W,
-                           BLOCK_T, BLOCK_C)  # fmt: skip
+    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
+    dpre_here = tl.load(dpre_ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
     dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     partial_row = (batch * num_t_tiles + tile).to(tl.int64) * C * W
     for tap in tl.static_range(W):
         shift = tap * dilation
         w = tl.load(w_ptr + cols * W + (W - 1 - tap), mask=col_mask, other=0.0).to(tl.float32)
         # dx: the rows this row feeds through tap j, shift tokens ahead in the same document.
-        if tap == 0:
-            dx += dpre_here * w[None, :]
-        else:
-            dst = rows + shift
-            dst_pos = tl.load(pos_ptr + dst, mask=row_mask & (dst < T), other=0)
-            feeds = row_mask & (dst < T) & (dst_pos >= shift)
-            dpre = _conv_dpre(x_ptr, w_ptr, dy_ptr, dst_pos, dst, cols, feeds, col_mask, base, T, C, dilation, W,
-                              BLOCK_T, BLOCK_C)  # fmt: skip
-            dx += dpre * w[None, :]
+        dst = rows + shift
+        dst_pos = tl.load(pos_ptr + dst, mask=row_mask & (dst < T), other=0)
+        feeds = row_mask & (dst < T) & (dst_pos >= shift)
+        dst_offsets = base + dst[:, None].to(tl.int64) * C + cols[None, :]
+        dpre = tl.load(dpre_ptr + dst_offsets, mask=feeds[:, None] & col_mask[None, :], other=0.0)
+        dx += dpre * w[None, :]
         if HAS_DW:
             # dw: this tile's rows against the tokens shift back.
             src = rows - shift
@@ -110,7 +99,6 @@ def _causal_conv_bwd_kernel(
             x = tl.load(x_ptr + src_offsets, mask=reads[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
             dw = tl.sum(dpre_here * x, axis=0)
             tl.store(dw_partial_ptr + partial_row + cols * W + (W - 1 - tap), dw, mask=col_mask)
-    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -125,8 +113,9 @@ def causal_conv_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, d
     if x.numel() == 0:
         return y
     _causal_conv_fwd_kernel[_grid(batch, tokens, channels)](
-        x, w, positions, y, tokens, channels, dilation, W=w.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C
-    )
+        x, w, positions, x, y, tokens, channels, dilation, IS_DPRE=False, W=w.shape[1], BLOCK_T=BLOCK_T,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip
     return y
 
 
@@ -140,10 +129,15 @@ def causal_conv_bwd(
     if x.numel() == 0:
         return dx, torch.zeros(channels, width, dtype=torch.float32, device=x.device) if needs_dw else None
     grid = _grid(batch, tokens, channels)
+    dpre = _alloc((batch, tokens, channels), torch.float32, x.device)
+    _causal_conv_fwd_kernel[grid](
+        x, w, positions, dy, dpre, tokens, channels, dilation, IS_DPRE=True, W=width, BLOCK_T=BLOCK_T,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip
     num_t_tiles = grid[0]
     dw_partial = _alloc((batch * num_t_tiles, channels, width), torch.float32, x.device) if needs_dw else None
     _causal_conv_bwd_kernel[grid](
-        x, w, positions, dy, dx, dw_partial if dw_partial is not None else dx, tokens, channels, dilation,
+        x, w, positions, dpre, dx, dw_partial if dw_partial is not None else dpre, tokens, channels, dilation,
         num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
     )  # fmt: skip
     return dx, dw_partial.sum(0) if dw_partial is not None else None
