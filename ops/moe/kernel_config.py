@@ -169,9 +169,9 @@ def dot_precision(*dtypes: torch.dtype) -> str:
 
 def rank_dtype(activation_dtype: torch.dtype) -> torch.dtype:
     """dtype of the LoRA backward's rank products (d(x A^T), d(h A^T)): bf16 next to bf16 activations, so that the
-    GEMM epilogues and the dA passes multiply them in bf16 MMAs (on the H200 the two dA passes alone: 0.23 -> 0.18 ms
-    at issue 7's E64 shape, 0.36 -> 0.26 ms at E256; docs/perf-history.md, MoE); fp32 otherwise (fp16 would
-    underflow small gradients)."""
+    GEMM epilogues and the dA passes multiply them in bf16 MMAs (the two dA passes take 0.78x / 0.72x their fp32 time
+    at the E64 / E256 anchor shapes on the H200: docs/perf-history.md, MoE); fp32 otherwise (fp16 would underflow
+    small gradients)."""
     return torch.bfloat16 if activation_dtype == torch.bfloat16 else torch.float32
 
 
