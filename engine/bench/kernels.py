@@ -252,15 +252,17 @@ def lora_overhead_notes(results: list[dict], alternating: list[dict] = ()) -> li
     from moe_tune.engine.bench.moe_op import lora_overheads
 
     shape_names = ("N", "D", "F", "E", "k", "routing", "lora_rank")
-    key_names = (*shape_names, "impl")
+
+    def key(row: dict, impl: str) -> tuple:
+        # FP8-weight and bf16-weight rows of one shape are told apart: each has its own frozen twin.
+        return (*(row.get(name) for name in shape_names), bool(row.get("fp8")), impl)
+
     ratios = {}
     for impl in dict.fromkeys(result["impl"] for result in results):
         for overhead in lora_overheads(results, impl=impl):
-            ratios[tuple(overhead[name] for name in key_names)] = (
-                f"fwd+bwd {overhead['ratio']:.3f}x the frozen-expert row without LoRA"
-            )
+            ratios[key(overhead, impl)] = f"fwd+bwd {overhead['ratio']:.3f}x the frozen-expert row without LoRA"
     for overhead in alternating:
-        ratios[(*(overhead[name] for name in shape_names), "triton")] = (
+        ratios[key(overhead, "triton")] = (
             f"fwd+bwd {overhead['ratio']:.3f}x frozen experts without LoRA ({overhead['lora_ms']:.2f} against "
             f"{overhead['frozen_ms']:.2f} ms, medians of {overhead['passes']} passes timing the two by turns; "
             f"per pass {min(overhead['pass_ratios']):.3f}-{max(overhead['pass_ratios']):.3f}x)"
@@ -269,7 +271,7 @@ def lora_overhead_notes(results: list[dict], alternating: list[dict] = ()) -> li
     for result in results:
         # A LoRA row over trained experts has the same key as its frozen twin, so the frozen check stays.
         is_lora_frozen = result.get("lora_rank") and not result.get("train_base")
-        notes.append(ratios.get(tuple(result.get(name) for name in key_names)) if is_lora_frozen else None)
+        notes.append(ratios.get(key(result, result["impl"])) if is_lora_frozen else None)
     return notes
 
 

@@ -258,6 +258,36 @@ def test_lora_rows_carry_their_overhead_over_the_frozen_row():
     ]
 
 
+@pytest.mark.parametrize("timed_by_turns", ["fp8", "bf16", "both"])
+def test_fp8_and_bf16_lora_rows_of_one_shape_keep_their_own_overhead(timed_by_turns):
+    # An FP8-weight LoRA row and the bf16-weight one of the same shape each get the ratio measured for their own
+    # weights (by turns where it was, else from their single timings), never the other's.
+    from moe_tune.engine.bench.kernels import lora_overhead_notes
+
+    def result(lora_rank, fp8, fwd_bwd_ms):
+        return dict(N=16, D=8, F=4, E=64, k=2, routing="uniform", impl="triton", lora_rank=lora_rank,
+                    train_base=False, fp8=fp8, fwd_bwd_ms=fwd_bwd_ms)  # fmt: skip
+
+    results = [result(0, False, 8.0), result(16, False, 9.0), result(16, True, 15.0), result(0, True, 14.0)]
+    shape = dict(N=16, D=8, F=4, E=64, k=2, routing="uniform", lora_rank=16)
+    turns = {
+        False: dict(shape, fp8=False, lora_ms=9.2, frozen_ms=8.0, ratio=1.15, passes=8, pass_ratios=[1.1, 1.2]),
+        True: dict(shape, fp8=True, lora_ms=15.0, frozen_ms=12.0, ratio=1.25, passes=8, pass_ratios=[1.2, 1.3]),
+    }
+    chosen = {"fp8": [True], "bf16": [False], "both": [False, True]}[timed_by_turns]
+    notes = lora_overhead_notes(results, [turns[fp8] for fp8 in chosen])
+    bf16_note = notes[1]
+    assert notes[0] is None and notes[2:] == [
+        "fwd+bwd 1.250x frozen experts without LoRA (15.00 against 12.00 ms, medians of 8 passes timing the two by "
+        "turns; per pass 1.200-1.300x)" if True in chosen else None,
+        None,
+    ]
+    if False in chosen:
+        assert bf16_note.startswith("fwd+bwd 1.150x frozen experts without LoRA (9.20 against 8.00 ms")
+    else:
+        assert bf16_note == "fwd+bwd 1.125x the frozen-expert row without LoRA"
+
+
 def test_moe_cuda_rows_carry_each_shapes_peak_and_the_lora_note(monkeypatch):
     # The CUDA path without a GPU: bench_moe and the peak-memory probes stubbed, one call per shape.
     from moe_tune.engine.bench import kernels as bench_kernels
