@@ -14,7 +14,7 @@ from rich.table import Table
 from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
 
 if TYPE_CHECKING:
-    from moe_tune.engine.parallel.plan import Plan
+    from moe_tune.engine.plan import Plan
 
 app = typer.Typer()
 
@@ -125,7 +125,7 @@ def _summary(result: Plan) -> list[str]:
 
 def _host_lines(result: Plan) -> list[str]:
     """The memory policy's host tier: what it holds, and the swaps' bytes and time per step."""
-    from moe_tune.engine.parallel.plan import PINNED_D2H_BYTES_PER_S, PINNED_H2D_BYTES_PER_S
+    from moe_tune.engine.plan import PINNED_D2H_BYTES_PER_S, PINNED_H2D_BYTES_PER_S
 
     acts, lay = result.activations, result.layouts[0]
     classes = ", ".join(f"{'past the GPU budget' if name == 'budget' else name} {format_bytes(size)}"
@@ -198,7 +198,7 @@ def plan(
     if problems:
         fail(problems)
     job = read_profile(profile, overrides)
-    from moe_tune.engine.parallel.plan import plan_layouts
+    from moe_tune.engine.plan import plan_layouts
 
     with user_errors():
         result = plan_layouts(job, num_devices, memory)

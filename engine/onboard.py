@@ -2,7 +2,7 @@
 
 Stages, each reporting its own outcome: read config.json and map it (engine/families); load the weights into our
 model and trace one forward pass to see which op runs every module and on which path (Triton kernel, pure-PyTorch
-reference, or a torch path, and why); plan the data x expert layouts for N devices (engine/parallel/plan.py); time a
+reference, or a torch path, and why); plan the data x expert layouts for N devices (engine/plan.py); time a
 few LoRA training steps on the device present (engine/bench/steps.py); align against transformers
 (engine/align/compare.py). Anything the families cannot map is listed, one line each, and the later stages are
 skipped: nothing runs on a model that is only partly ours.
@@ -296,7 +296,7 @@ def _dedupe(layer: LayerMap) -> LayerMap:
 def lora_targets(cfg) -> list[str]:
     """LoRA's default target_modules when the model has them all; else (MLA names its projections q_a_proj, kv_b_proj
     ...) every linear layer the token mixers hold directly."""
-    from moe_tune.engine.parallel.plan import model_parameters
+    from moe_tune.engine.plan import model_parameters
     from moe_tune.profiles.schema import LoraProfile
 
     defaults = LoraProfile().target_modules
@@ -325,7 +325,7 @@ def onboarding_profile(directory: Path, seq_len: int, precision: str, out_dir: P
 
 
 def run_plan(directory: Path, devices: int, device_memory: int, out_dir: Path) -> Stage:
-    from moe_tune.engine.parallel.plan import plan_layouts
+    from moe_tune.engine.plan import plan_layouts
     from moe_tune.profiles import ProfileError
 
     try:

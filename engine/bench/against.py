@@ -415,7 +415,7 @@ class InitialWeights:
 
     def nbytes(self) -> int:
         """The checkpoint's size: every base parameter in the training dtype."""
-        from moe_tune.engine.parallel.plan import count_parameters
+        from moe_tune.engine.plan import count_parameters
 
         return count_parameters(self.job.model, self.job.lora).total * DTYPES[self.job.train.precision].itemsize
 

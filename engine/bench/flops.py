@@ -118,7 +118,7 @@ class FlopModel:
     cores of a step's pieces (the cu_seqlens segments of its micro-batches, every rank's own)."""
 
     def __init__(self, cfg: ModelProfile, lora: LoraProfile):
-        from moe_tune.engine.parallel.plan import lora_parameters, model_parameters
+        from moe_tune.engine.plan import lora_parameters, model_parameters
 
         self.cfg = cfg
         params = [p for p in model_parameters(cfg) if not p.name.startswith(VISION_PREFIX)]

@@ -3,7 +3,7 @@ the profile's model in the hub's FP8 layout, loaded into the built FP8 model by 
 
 The writer: config.json (the transformers config that expresses the model, engine/families/hub_config, with
 `quantization_config: {quant_method: fp8, weight_block_size: [128, 128]}`) and safetensors shards of at most
-`shard_bytes` with model.safetensors.index.json. The weights moe-tune keeps in FP8 (engine/parallel/plan's
+`shard_bytes` with model.safetensors.index.json. The weights moe-tune keeps in FP8 (engine/plan's
 fp8_parameters; every piece of a hub tensor must be one) are random float8_e4m3fn bytes (no NaN encodings) with
 valid fp32 block scales `<key>_scale_inv` [ceil(O/128), ceil(I/128)]; the rest random bf16. Each shard is written
 header first, then one tensor at a time, so the writer holds one tensor in memory, never a shard.
@@ -106,7 +106,7 @@ def hub_fp8_layout(cfg: ModelProfile) -> tuple[dict[str, Any], dict[str, tuple[t
     from moe_tune.engine.families import UnsupportedModel
     from moe_tune.engine.families.hub_config import hub_config_for_profile
     from moe_tune.engine.model.model import MoECausalLM
-    from moe_tune.engine.parallel.plan import fp8_parameters, model_parameters
+    from moe_tune.engine.plan import fp8_parameters, model_parameters
     from moe_tune.ops.fp8 import num_blocks
     from moe_tune.profiles.schema import LoraProfile
 

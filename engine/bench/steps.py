@@ -246,7 +246,7 @@ def profile_steps(
     from moe_tune.engine.bench.breakdown import profiled_step
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
     from moe_tune.engine.memory import resolve_policy
-    from moe_tune.engine.parallel.plan import count_parameters
+    from moe_tune.engine.plan import count_parameters
 
     say = on_line or (lambda line: None)
     if against is not None:
@@ -414,7 +414,7 @@ def run_bf16_base(
     a twin that does not fit (`fit_problem`) or runs out of memory gives a row saying where (`out_of_memory`)."""
     from moe_tune.engine.bench.against import is_out_of_memory
     from moe_tune.engine.bench.bf16_base import BASELINE, impl_name, load_dequantized, same_batches
-    from moe_tune.engine.parallel.plan import count_parameters
+    from moe_tune.engine.plan import count_parameters
     from moe_tune.engine.train.distributed import shutdown_distributed
 
     is_cuda = torch.cuda.is_available()

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from moe_tune.engine.parallel.plan import plan_layouts
+from moe_tune.engine.plan import plan_layouts
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
@@ -45,7 +45,7 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 def check_memory_fits(profile: JobProfile, world_size: int, device: torch.device) -> None:
     """Raise ProfileError when the parameters the profile implies on this rank cannot fit the memory it has.
 
-    The need is engine/parallel/plan's per-device bytes with every tensor sharded over all ranks (ZeRO-3): a lower
+    The need is engine/plan's per-device bytes with every tensor sharded over all ranks (ZeRO-3): a lower
     bound for every stage, so a run this refuses could not have started; activations are left out (the memory policy
     decides them)."""
     plan = plan_layouts(profile, max(world_size, 1), device_memory=0)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from moe_tune.engine.parallel.plan import (
+from moe_tune.engine.plan import (
     LINEAR_ATTENTION_CHUNK,
     activation_bytes,
     count_parameters,
@@ -472,7 +472,7 @@ def test_context_exchanges_of_each_attention_kind_follow_a_hand_count(
 
 def test_the_plans_token_page_is_the_fetchs():
     from moe_tune.engine.model import attention_context
-    from moe_tune.engine.parallel import plan
+    from moe_tune.engine import plan
 
     assert plan.FETCH_TOKEN_PAGE == attention_context.TOKEN_PAGE
 
@@ -535,7 +535,7 @@ def test_chunked_token_mixers_grow_only_by_what_they_keep_a_token():
 
 
 def test_plan_mirrors_the_sparse_kernels_tiling():
-    from moe_tune.engine.parallel import plan
+    from moe_tune.engine import plan
     from moe_tune.ops.sparse_attention import kernels_fwd, kernels_select
 
     assert (plan.DKV_TOKEN_KEY_TILE, plan.BLOCK_KEY_TILE, plan.DKV_CHUNK_PAIRS, plan.DKV_TOKEN_CHUNKS) == (
@@ -565,7 +565,7 @@ def test_sparse_chunk_partials_are_what_the_kernels_allocate(num_queries, num_ke
     import torch
     import triton
 
-    from moe_tune.engine.parallel.plan import _dkv_partial_rows
+    from moe_tune.engine.plan import _dkv_partial_rows
     from moe_tune.ops.sparse_attention.kernels_bwd import key_tiles, token_chunking
     from moe_tune.ops.sparse_attention.kernels_fwd import pick_config
     from moe_tune.ops.sparse_attention.kernels_select import block_slots, sequence_layout
@@ -593,7 +593,7 @@ def test_mla_sparse_and_qsa_chunks_add_what_the_sparse_op_makes():
     # [C, ceil(t / 32)] and the layout 3t int32, dq [C, H, 20], delta [C, H], dk and dv [t, H, 20 + 10], and their fp32
     # partials [H, NC, 1, 128, 32 + 16] (dims padded to powers of two; NC from token_chunking and pair_chunks). QSA's
     # chunk differs from a sparse one's by its one more slot of indices.
-    from moe_tune.engine.parallel.plan import LayerRanks, _mixer_chunk_elems
+    from moe_tune.engine.plan import LayerRanks, _mixer_chunk_elems
     from moe_tune.ops.sparse_attention.kernels_bwd import token_chunking
     from moe_tune.ops.sparse_attention.kernels_fwd import GPU_DKV_CHUNK_PAIRS, GPU_DKV_KEY_TILE, GPU_DKV_TOKEN_CHUNKS
 
@@ -726,7 +726,7 @@ def test_max_context_keeps_only_the_prefetch_window_and_one_recompute(depth):
 
 def test_plan_reports_the_host_pool_and_the_swaps():
     from moe_tune.engine.memory.store import HOST_CHUNK_BYTES
-    from moe_tune.engine.parallel.plan import PINNED_D2H_BYTES_PER_S, PINNED_H2D_BYTES_PER_S
+    from moe_tune.engine.plan import PINNED_D2H_BYTES_PER_S, PINNED_H2D_BYTES_PER_S
 
     job = load_profile("tiny", ["memory.preset=max-context", MOVE_ALL, "train.gradient_accumulation_steps=3"])
     plan = plan_layouts(job, 2, 80 * GB)

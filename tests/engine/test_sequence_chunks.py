@@ -330,7 +330,7 @@ def tiny_token_mixers(tokens: int, chunk: int) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("seq_len, chunk", [(512, 100), (1024, 64), (1000, 999)])
 def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
-    from moe_tune.engine.parallel.plan import activation_bytes
+    from moe_tune.engine.plan import activation_bytes
 
     whole = activation_bytes(load_profile("tiny", [f"data.seq_len={seq_len}"]))
     chunked = activation_bytes(load_profile("tiny", [f"data.seq_len={seq_len}",
@@ -351,7 +351,7 @@ def test_plan_keeps_chunk_inputs_and_one_chunk(seq_len, chunk):
 def test_plan_a_chunk_holding_the_row_changes_only_the_token_mixers(checkpointing):
     from dataclasses import replace
 
-    from moe_tune.engine.parallel.plan import plan_layouts
+    from moe_tune.engine.plan import plan_layouts
 
     base = ["data.seq_len=256", f"memory.activation_checkpointing={str(checkpointing).lower()}"]
     whole = plan_layouts(load_profile("tiny", base), 2, 10**12)
@@ -374,7 +374,7 @@ def test_plan_a_chunk_holding_the_row_changes_only_the_token_mixers(checkpointin
 
 @pytest.mark.parametrize("checkpointing, all_to_alls", [(False, 6), (True, 8)])
 def test_plan_counts_the_recomputed_all_to_alls(checkpointing, all_to_alls):
-    from moe_tune.engine.parallel.plan import plan_layouts
+    from moe_tune.engine.plan import plan_layouts
 
     base = ["data.seq_len=256", f"memory.activation_checkpointing={str(checkpointing).lower()}"]
     whole = plan_layouts(load_profile("tiny", ["data.seq_len=256"]), 2, 10**12)

@@ -280,7 +280,7 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
 
 
 def test_saved_intermediates_take_the_bytes_docs_plan_counts(kernel_path):
-    # docs/plan.md (engine/parallel/plan.py) counts T H (3K + V + 2C) + ceil(T / C) H K V values in the inputs' dtype
+    # docs/plan.md (engine/plan.py) counts T H (3K + V + 2C) + ceil(T / C) H K V values in the inputs' dtype
     # and T H fp32 (G) for a layer that keeps them; the op must save exactly that much more than without.
     T, H, K, V, C = 128, 2, 16, 32, kernels_common.CHUNK_SIZE
 

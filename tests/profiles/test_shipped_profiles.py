@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moe_tune.cli import app
-from moe_tune.engine.parallel.plan import plan_layouts
+from moe_tune.engine.plan import plan_layouts
 from moe_tune.profiles import load_profile, resolve_profile_path, shipped_profiles
 
 runner = CliRunner()

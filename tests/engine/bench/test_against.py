@@ -10,7 +10,7 @@ import torch
 
 from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe, tiny_qwen3_next
 from moe_tune.engine.bench.against import lora_targets, transformers_config
-from moe_tune.engine.parallel.plan import count_parameters
+from moe_tune.engine.plan import count_parameters
 from moe_tune.profiles import ProfileError, load_profile, validate_profile
 
 # Rows of one document each (the byte tokenizer's <bos> and SEQ_LEN - 1 bytes): transformers attends over whole

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from moe_tune.cli import app
 from moe_tune.engine.bench.against import base_precision_note, transformers_config
-from moe_tune.engine.parallel.plan import count_parameters, plan_layouts
+from moe_tune.engine.plan import count_parameters, plan_layouts
 from moe_tune.profiles import load_profile
 
 GB = 10**9
