@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +148,40 @@ def shutdown_distributed() -> None:
         torch.distributed.barrier()
         # DeepSpeed's own teardown also drops the groups it cached, so a later run in this process starts clean.
         deepspeed.comm.destroy_process_group()
+    release_zero3_modules()
+
+
+def release_zero3_modules() -> None:
+    """Drop the references ZeRO-3's module globals keep to the models of finished runs, which would otherwise keep
+    the model, its engine and the engine's process groups (with their gloo threads, 6 a run) alive as long as the
+    process. Each engine puts its top module on deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK and never
+    takes it off; PartitionedParameterCoordinator caches which parameters to release in a class-level lru_cache
+    keyed by (coordinator, module, step). Called when a run is over: no forward is running, and neither holds
+    anything else then."""
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None and isinstance(getattr(offload, "FWD_MODULE_STACK", None), list):
+        offload.FWD_MODULE_STACK.clear()
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is not None and hasattr(coordinator, "PartitionedParameterCoordinator"):
+        for method in vars(coordinator.PartitionedParameterCoordinator).values():
+            clear_lru_caches(method)
+
+
+def clear_lru_caches(fn) -> None:
+    """Clear `fn`'s functools cache, or that of a function its closure wraps (DeepSpeed's instrument_w_nvtx wraps
+    the cached method in a plain closure, without __wrapped__)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    for candidate in (fn, *(cell.cell_contents for cell in cells if cell_is_filled(cell))):
+        if callable(getattr(candidate, "cache_clear", None)):
+            candidate.cache_clear()
+
+
+def cell_is_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

@@ -397,8 +397,21 @@ def quiet_third_party_noise() -> None:
 
 def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:
     run = _set_up(profile, dist, resume, stop_after)
-    _train(run, show_progress, console)
-    return _finish(run)
+    try:
+        _train(run, show_progress, console)
+        return _finish(run)
+    finally:
+        release_engine(run.engine)
+
+
+def release_engine(engine) -> None:
+    """Take the finished run's engine apart so the garbage collector can free it, its model and, through the
+    model's parameters, the process groups with their gloo threads. ZeRO's gradient hooks sit on the parameters'
+    C++ side, out of the collector's sight, and their closures hold the engine: without DeepSpeedEngine.destroy()
+    (which removes them) the engine would live as long as the process."""
+    destroy = getattr(engine, "destroy", None)
+    if destroy is not None:
+        destroy()
 
 
 @dataclass
