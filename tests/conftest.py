@@ -9,6 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from gpu_session import NO_CUDA, names_gpu_tests, selects_gpu_tests  # noqa: E402
+
 # DeepSpeed picks its accelerator when first imported: the CPU one without a GPU (CI); on a GPU machine (pytest -m gpu
 # tests/gpu) CUDA's, or an engine there would keep its model on the CPU under an NCCL process group.
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
@@ -21,12 +23,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Triton fixes a kernel's mode (compiled or interpreted) when its module is first imported: tests/gpu, collected in
-# the same session as the interpreter tests of tests/ops, would decide it for both. Without a GPU they are skipped
-# at collection; on a GPU run them on their own: pytest -m gpu tests/gpu.
+# the same session as the interpreter tests of tests/ops, would decide it for both. Without a GPU they are not
+# collected (a run that asks for them is refused in pytest_configure); on a GPU run them on their own:
+# pytest -m gpu tests/gpu.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 
 # Rendezvous variables a run in this process may have set: a child process must pick its own.
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run that asks for the GPU tests (-m selecting gpu, or a path in tests/gpu) on a machine without CUDA stops
+    with one line and exit code 4, instead of collecting nothing and ending in "no tests ran"."""
+    if torch.cuda.is_available():
+        return
+    if selects_gpu_tests(config.option.markexpr or "") or names_gpu_tests(config.args, config.invocation_params.dir):
+        raise pytest.UsageError(NO_CUDA)
 
 
 @pytest.fixture

@@ -1,7 +1,13 @@
-"""GPU runs (`pytest -m gpu tests/gpu`, in their own session): a test that skips fails, so a run that did not
-exercise its kernels (no CUDA device, kernels imported in interpreter mode, a missing dependency) is never green."""
+"""GPU runs (`pytest -m gpu tests/gpu`, in their own session): a test that skips fails, and so does a test module
+skipped while it is collected (a module-level pytest.importorskip or pytest.skip), so a run that did not exercise
+its kernels (kernels imported in interpreter mode, a missing dependency) is never green. A run without a CUDA device
+stops before collection (tests/conftest.py)."""
 
 import pytest
+
+
+def skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    return report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -9,6 +15,16 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.skipped and not hasattr(report, "wasxfail"):
-        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = skip_reason(report)
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} skipped on a GPU run ({reason}): every GPU test must run"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped:
+        reason = skip_reason(report)
+        report.outcome = "failed"
+        report.longrepr = f"{report.nodeid} skipped at collection on a GPU run ({reason}): every GPU test must run"

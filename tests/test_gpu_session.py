@@ -1,0 +1,92 @@
+"""GPU runs are never green by accident: a run that asks for the GPU tests on a machine without CUDA stops with one
+line (tests/conftest.py), and in a GPU run a test skipped when it runs or a module skipped while it is collected
+fails (tests/gpu/conftest.py)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_session import GPU_TESTS, NO_CUDA, names_gpu_tests, selects_gpu_tests
+
+ROOT = Path(__file__).resolve().parents[1]
+# pytest's exit code for a usage error (pytest.UsageError), which the refusal raises.
+USAGE_ERROR = 4
+
+
+def pytest_env() -> dict[str, str]:
+    """This environment without CUDA devices and without the outer run's PYTEST_* variables (PYTEST_ADDOPTS, xdist's)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+@pytest.mark.parametrize("markexpr, is_gpu_run", [
+    ("gpu", True),
+    ("gpu and slow", True),  # selects gpu tests only when they are also slow
+    ("gpu or dist", True),
+    ("gpu and not slow", True),
+    ("not not gpu", True),
+    ("", False),
+    ("not gpu", False),  # the default addopts
+    ("not dist", False),  # gpu plays no part
+    ("slow or dist", False),
+    ("gpu and not gpu", False),
+])
+def test_marker_expressions_that_ask_for_gpu_tests(markexpr, is_gpu_run):
+    assert selects_gpu_tests(markexpr) is is_gpu_run
+
+
+# Where pytest is started from: the repository's root or tests/gpu.
+START = {"root": ROOT, "tests/gpu": GPU_TESTS}
+
+
+@pytest.mark.parametrize("args, start, is_gpu_run", [
+    ("tests/gpu", "root", True),
+    ("tests/gpu/", "root", True),
+    ("tests/gpu/test_moe_gpu.py::test_moe_forward[E8]", "root", True),
+    ("tests/ops tests/gpu/test_moe_gpu.py", "root", True),
+    (".", "tests/gpu", True),
+    ("test_moe_gpu.py", "tests/gpu", True),
+    ("tests", "root", False),  # the CPU suite: tests/gpu lies inside the path given, it is not the path
+    ("", "root", False),
+    ("tests/ops tests/test_gpu_session.py", "root", False),
+    ("tests/gpu_session.py", "root", False),  # begins with tests/gpu as a string, not as a folder
+    ("../gpu_session.py", "tests/gpu", False),
+])
+def test_paths_that_ask_for_gpu_tests(args, start, is_gpu_run):
+    assert names_gpu_tests(args.split(), START[start]) is is_gpu_run
+
+
+def test_gpu_run_without_cuda_stops_with_one_line():
+    # The README's GPU command with no CUDA device visible (so also on a GPU machine): refused before collection.
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", "tests/gpu"],
+                         cwd=ROOT, env=pytest_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == USAGE_ERROR, run.stdout + run.stderr
+    assert [line for line in run.stderr.splitlines() if line.strip()] == [f"ERROR: {NO_CUDA}"]
+    assert "no tests ran" not in run.stdout
+
+
+def test_gpu_run_fails_a_skipped_test_and_a_module_skipped_at_collection(tmp_path):
+    # tests/gpu/conftest.py in a folder of its own, with no ini file of this repository (pytest's defaults).
+    shutil.copy(GPU_TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_module_skipped.py").write_text(
+        "import pytest\npytest.importorskip('moe_tune_no_such_module')\n\ndef test_never_collected():\n    pass\n")
+    (tmp_path / "test_outcomes.py").write_text(
+        "import pytest\n\n"
+        "def test_passes():\n    pass\n\n"
+        "def test_skips():\n    pytest.skip('no kernel')\n\n"
+        "@pytest.mark.xfail(reason='known', strict=True)\ndef test_xfails():\n    assert False\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                          "-rfE", str(tmp_path)], cwd=tmp_path, env=pytest_env(), capture_output=True, text=True,
+                         timeout=60)
+    out = run.stdout
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 failed, 1 passed, 1 xfailed, 1 error" in out, out
+    assert ("test_module_skipped.py skipped at collection on a GPU run (Skipped: could not import "
+            "'moe_tune_no_such_module'") in out
+    assert "test_outcomes.py::test_skips skipped on a GPU run (Skipped: no kernel): every GPU test must run" in out
