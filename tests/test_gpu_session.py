@@ -1,7 +1,9 @@
 """GPU runs are never green by accident: a run that asks for the GPU tests on a machine without CUDA stops with one
-line (tests/conftest.py), and in a GPU run a test skipped when it runs or a module skipped while it is collected
-fails (tests/gpu/conftest.py)."""
+line (tests/conftest.py), in a GPU run a test skipped when it runs or a module skipped while it is collected fails
+(tests/gpu/conftest.py), and every gpu test is in tests/gpu, marked gpu as a whole module, so that
+`pytest -m gpu tests/gpu` collects them all."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -10,15 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from gpu_session import GPU_TESTS, NO_CUDA, names_gpu_tests, selects_gpu_tests
+from gpu_session import GPU_MARKER, GPU_TESTS, NO_CUDA, names_gpu_tests, selects_gpu_tests
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
 # pytest's exit code for a usage error (pytest.UsageError), which the refusal raises.
 USAGE_ERROR = 4
 
 
 def pytest_env() -> dict[str, str]:
-    """This environment without CUDA devices and without the outer run's PYTEST_* variables (PYTEST_ADDOPTS, xdist's)."""
+    """This environment without CUDA devices and without the outer run's PYTEST_* variables (PYTEST_ADDOPTS,
+    xdist's)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
     env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -90,3 +94,39 @@ def test_gpu_run_fails_a_skipped_test_and_a_module_skipped_at_collection(tmp_pat
     assert ("test_module_skipped.py skipped at collection on a GPU run (Skipped: could not import "
             "'moe_tune_no_such_module'") in out
     assert "test_outcomes.py::test_skips skipped on a GPU run (Skipped: no kernel): every GPU test must run" in out
+
+
+def gpu_marks(tree: ast.AST) -> list[int]:
+    """Lines of every `mark.gpu` in a parsed file (pytest.mark.gpu however it is applied)."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == GPU_MARKER
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"]
+
+
+def marks_module_gpu(tree: ast.Module) -> bool:
+    """Whether a module-level `pytestmark = ...` holds mark.gpu."""
+    return any(isinstance(node, ast.Assign) and gpu_marks(node.value)
+               and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)
+               for node in tree.body)
+
+
+def test_gpu_tests_are_in_tests_gpu():
+    outside = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(TESTS.rglob("*.py"))
+               if GPU_TESTS not in path.parents for line in gpu_marks(ast.parse(path.read_text()))]
+    assert outside == [], f"gpu tests outside tests/gpu, which pytest -m gpu tests/gpu does not collect: {outside}"
+
+
+def test_every_gpu_test_file_is_marked_gpu_as_a_whole():
+    unmarked = [path.name for path in sorted(GPU_TESTS.glob("test_*.py"))
+                if not marks_module_gpu(ast.parse(path.read_text()))]
+    assert unmarked == [], f"tests/gpu files without pytestmark = pytest.mark.gpu (-m gpu deselects them): {unmarked}"
+
+
+@pytest.mark.parametrize("source, lines, is_module_marked", [
+    ("import pytest\n@pytest.mark.gpu\ndef test_a(): pass\n", [2], False),
+    ("import pytest\npytestmark = [pytest.mark.gpu, pytest.mark.slow]\n", [2], True),
+    ("import pytest\npytestmark = pytest.mark.gpu\n", [2], True),
+    ("import pytest\npytestmark = pytest.mark.slow\ngpu = 'pytest.mark.gpu'\n", [], False),
+], ids=["decorator", "module list", "module mark", "none"])
+def test_the_scan_sees_a_gpu_mark(source, lines, is_module_marked):
+    tree = ast.parse(source)
+    assert gpu_marks(tree) == lines and marks_module_gpu(tree) is is_module_marked
