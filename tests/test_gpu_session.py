@@ -74,26 +74,45 @@ def test_gpu_run_without_cuda_stops_with_one_line():
     assert "no tests ran" not in run.stdout
 
 
-def test_gpu_run_fails_a_skipped_test_and_a_module_skipped_at_collection(tmp_path):
-    # tests/gpu/conftest.py in a folder of its own, with no ini file of this repository (pytest's defaults).
+@pytest.fixture
+def gpu_test_folder(tmp_path: Path) -> Path:
+    """tests/gpu/conftest.py in a folder of its own with the gpu marker registered (no ini file of this repository),
+    and gpu test modules: one skipped at collection, one with a passing, a skipping and an xfailing test."""
     shutil.copy(GPU_TESTS / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
     (tmp_path / "test_module_skipped.py").write_text(
-        "import pytest\npytest.importorskip('moe_tune_no_such_module')\n\ndef test_never_collected():\n    pass\n")
+        "import pytest\npytestmark = pytest.mark.gpu\npytest.importorskip('moe_tune_no_such_module')\n\n"
+        "def test_never_collected():\n    pass\n")
     (tmp_path / "test_outcomes.py").write_text(
-        "import pytest\n\n"
+        "import pytest\npytestmark = pytest.mark.gpu\n\n"
         "def test_passes():\n    pass\n\n"
         "def test_skips():\n    pytest.skip('no kernel')\n\n"
         "@pytest.mark.xfail(reason='known', strict=True)\ndef test_xfails():\n    assert False\n")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                          "-rfE", str(tmp_path)], cwd=tmp_path, env=pytest_env(), capture_output=True, text=True,
-                         timeout=60)
+    return tmp_path
+
+
+def run_pytest_in(folder: Path, markexpr: str) -> subprocess.CompletedProcess:
+    # tests/ on the path for the conftest's import of gpu_session.
+    env = dict(pytest_env(), PYTHONPATH=os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                           "-rfE", "-m", markexpr, str(folder)], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_gpu_run_fails_a_skipped_test_and_a_module_skipped_at_collection(gpu_test_folder):
+    run = run_pytest_in(gpu_test_folder, "gpu")
     out = run.stdout
-    assert run.returncode == pytest.ExitCode.TESTS_FAILED, out
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED, out + run.stderr
     assert "1 failed, 1 passed, 1 xfailed, 1 error" in out, out
     assert ("test_module_skipped.py skipped at collection on a GPU run (Skipped: could not import "
             "'moe_tune_no_such_module'") in out
     assert "test_outcomes.py::test_skips skipped on a GPU run (Skipped: no kernel): every GPU test must run" in out
+
+
+def test_a_cpu_run_keeps_a_gpu_module_skipped_at_collection_a_skip(gpu_test_folder):
+    # The CPU suite on a GPU machine: tests/gpu is collected, then deselected by the default -m "not gpu".
+    run = run_pytest_in(gpu_test_folder, "not gpu")
+    assert "1 skipped, 3 deselected" in run.stdout and "error" not in run.stdout, run.stdout + run.stderr
 
 
 def gpu_marks(tree: ast.AST) -> list[int]:
