@@ -503,14 +503,19 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         end_step=min(total_steps, stop_after) if stop_after is not None else total_steps,
         eval_every=eval_every, activation_memory=activation_memory, result=result,
     )  # fmt: skip
-    if dist.is_main:
-        _write_run_config(run, ds_config)
-    if resume:
-        run.resumed_from = _resume(run)
-    # After loading: a graph replays the weights' addresses as captured.
-    run.graphs = maybe_graph_moe_blocks(
-        engine.module, profile, dist.device, layout.expert_parallel, train.micro_batch_size * profile.data.seq_len
-    )
+    try:
+        if dist.is_main:
+            _write_run_config(run, ds_config)
+        if resume:
+            run.resumed_from = _resume(run)
+        # After loading: a graph replays the weights' addresses as captured.
+        run.graphs = maybe_graph_moe_blocks(
+            engine.module, profile, dist.device, layout.expert_parallel, train.micro_batch_size * profile.data.seq_len
+        )
+    except BaseException:
+        # A run refused here (a checkpoint that does not load) has ended too.
+        release_engine(engine)
+        raise
     return run
 
 

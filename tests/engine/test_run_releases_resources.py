@@ -1,6 +1,6 @@
-"""A finished in-process fine-tune leaves nothing of itself behind: no DeepSpeed engine, no process group, no gloo
-thread. Tests run many fine-tunes in one worker; what each left alive (about 6 threads and the model a run) made a
-late os.fork() in the worker fail for memory."""
+"""A fine-tune run in-process leaves nothing of itself behind when it ends: no DeepSpeed engine, no process group, no
+gloo thread. A pytest worker runs many fine-tunes; were each to keep its model and its 6 gloo threads alive, a late
+os.fork() in the worker could fail for memory."""
 
 import gc
 import os
@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_tune.engine.train import trainer
 from moe_tune.engine.train.trainer import finetune
-from moe_tune.profiles import load_profile
+from moe_tune.profiles import ProfileError, load_profile
 
 # Thread names (/proc/self/task/*/comm) of the gloo backend and of the TCP store its rendezvous uses.
 RUN_THREAD_PREFIXES = ("gloo", "pt_gloo", "pt_tcpstore")
@@ -32,34 +31,57 @@ def run_threads() -> int:
     return sum(name.startswith(RUN_THREAD_PREFIXES) for name in native_threads())
 
 
-def finetune_watched(out: Path, stage: int, monkeypatch) -> tuple[list[weakref.ref], list[weakref.ref]]:
-    """Two steps of the tiny profile (the second runs on ZeRO-3's recorded trace); weak references to the run's
-    engine and to the process groups alive at its finish."""
+def tiny_profile(out: Path, stage: int = 3):
+    return load_profile("tiny", [f"output.dir={out}", "train.steps=2", "train.warmup_steps=0", "data.seq_len=64",
+                                 "data.corpus_documents=50", f"parallel.zero_stage={stage}"])  # fmt: skip
+
+
+def watch_runs(monkeypatch) -> tuple[list[weakref.ref], list[weakref.ref]]:
+    """Weak references to every engine deepspeed.initialize builds from now on, and to the process groups alive
+    when it returns (the world and the groups DeepSpeed derives from it)."""
+    import deepspeed
+
     engines, groups = [], []
-    finish = trainer._finish
+    initialize = deepspeed.initialize
 
-    def watched_finish(run):
-        engines.append(weakref.ref(run.engine))
+    def watched_initialize(*args, **kwargs):
+        built = initialize(*args, **kwargs)
+        engines.append(weakref.ref(built[0]))
         groups.extend(weakref.ref(g) for g in torch.distributed.distributed_c10d._world.pg_map)
-        return finish(run)
+        return built
 
-    monkeypatch.setattr(trainer, "_finish", watched_finish)
-    profile = load_profile("tiny", [f"output.dir={out}", "train.steps=2", "train.warmup_steps=0",
-                                    "data.seq_len=64", "data.corpus_documents=50", f"parallel.zero_stage={stage}"])  # fmt: skip
-    result = finetune(profile, show_progress=False)
-    assert result.last_step == 2
-    gc.collect()
+    monkeypatch.setattr(deepspeed, "initialize", watched_initialize)
     return engines, groups
+
+
+def alive(refs: list[weakref.ref]) -> int:
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
 
 
 @pytest.mark.parametrize("stage", [3, 2])
 def test_finished_run_leaves_no_engine_group_or_thread(tmp_path, monkeypatch, stage):
     # A first run starts what lives once a process (torch's intra-op thread, the allocator's background thread).
-    finetune_watched(tmp_path / "first", stage, monkeypatch)
+    finetune(tiny_profile(tmp_path / "first", stage), show_progress=False)
+    gc.collect()
     threads_before, run_threads_before = len(native_threads()), run_threads()
-    engines, groups = finetune_watched(tmp_path / "second", stage, monkeypatch)
+    engines, groups = watch_runs(monkeypatch)
+    # Two steps: the second runs on ZeRO-3's recorded trace, which caches per module.
+    assert finetune(tiny_profile(tmp_path / "second", stage), show_progress=False).last_step == 2
     assert len(engines) == 1 and groups
-    assert sum(e() is not None for e in engines) == 0, "the run's DeepSpeedEngine is still alive"
-    assert sum(g() is not None for g in groups) == 0, "process groups of the run are still alive"
+    assert alive(engines) == 0, "the run's DeepSpeedEngine is still alive"
+    assert alive(groups) == 0, "process groups of the run are still alive"
     assert run_threads() <= run_threads_before, native_threads()
     assert len(native_threads()) <= threads_before
+
+
+def test_run_refused_after_its_engine_is_built_releases_it(tmp_path, monkeypatch):
+    run_threads_before = run_threads()
+    engines, groups = watch_runs(monkeypatch)
+    # --resume with no checkpoint is refused in the set-up, after DeepSpeed has built the engine.
+    with pytest.raises(ProfileError, match=r"^--resume: no checkpoint under "):
+        finetune(tiny_profile(tmp_path), resume=True, show_progress=False)
+    assert len(engines) == 1
+    assert alive(engines) == 0, "the refused run's DeepSpeedEngine is still alive"
+    assert alive(groups) == 0, "process groups of the refused run are still alive"
+    assert run_threads() <= run_threads_before, native_threads()
