@@ -189,6 +189,43 @@ def test_engine_imports_have_no_cycle():
         pytest.fail("engine's imports form a cycle (its layers must read top-down):\n" + "\n".join(steps))
 
 
+def subpackage(module: str) -> str:
+    """moe_tune.engine.model.attention -> "model"; a module directly in engine (moe_tune.engine.plan) is its own."""
+    return module.split(".")[2] if module.count(".") >= 2 else module
+
+
+def test_engine_model_reads_top_down():
+    # At the level of engine's sub-packages too: nothing that engine/model imports (the expert layout and context
+    # groups in engine/parallel, the memory tiers in engine/memory, ...) imports engine/model back; what walks or
+    # builds a model (the planner, the experts' ZeRO tags, the trainer) sits above it.
+    graph = import_graph("engine")
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        packages.setdefault(subpackage(module), set()).update(subpackage(target) for target in targets)
+    # DecodeStep, under TYPE_CHECKING only: test_model_imports_generate_for_types_only.
+    packages["model"].discard("generate")
+    below, frontier = set(), {"model"}
+    while frontier:  # every package model reaches, directly or through another
+        frontier = {target for package in frontier for target in packages.get(package, ())} - below - {"model"}
+        below |= frontier
+    back = sorted(f"{module.removeprefix('moe_tune.')}:{line} imports {target.removeprefix('moe_tune.')}"
+                  for module, targets in graph.items() if subpackage(module) in below
+                  for target, line in targets.items() if subpackage(target) == "model")  # fmt: skip
+    assert not back, f"engine/model imports {sorted(below)}, which import it back:\n" + "\n".join(back)
+
+
+def test_model_imports_generate_for_types_only():
+    # engine/generate drives a built model; engine/model names its DecodeStep in annotations only.
+    for path in sorted((REPO / "engine" / "model").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                       for node in ast.walk(block)}  # fmt: skip
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe_tune.engine.generate"):
+                assert id(node) in typing_only, f"{path.relative_to(REPO)}:{node.lineno} imports engine/generate"
+
+
 def test_a_cycle_is_found():
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]

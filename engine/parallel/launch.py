@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-from moe_tune.engine.train.distributed import free_port
-
 # Seconds the surviving ranks get to write their checkpoint and exit after a peer failed or a signal came.
 GRACE_S = 30.0
 POLL_S = 0.2
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a rendezvous on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

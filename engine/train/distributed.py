@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from moe_tune.engine.parallel.context import ContextShard
+from moe_tune.engine.parallel.launch import free_port
 from moe_tune.engine.train import ds_sync_free
 from moe_tune.profiles import ProfileError
 
@@ -77,13 +77,6 @@ def create_context_layout(context_parallel: int, rank: int, world_size: int, tim
             group = created
     return ContextLayout(context_parallel, rank % context_parallel, rank // context_parallel,
                          world_size // context_parallel, group)  # fmt: skip
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now, for a rendezvous on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_environment() -> None:

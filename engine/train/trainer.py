@@ -32,7 +32,7 @@ from moe_tune.engine.parallel.expert_parallel import (
     gather_expert_tensor,
     is_expert_parameter,
 )
-from moe_tune.engine.parallel.expert_tags import tag_expert_parameters
+from moe_tune.engine.train.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 

@@ -64,7 +64,7 @@ def run(child_env, out, world, overrides, extra=()):
     from test_distributed import Forks
 
     from moe_tune.engine.parallel.launch import rank_env
-    from moe_tune.engine.train.distributed import free_port
+    from moe_tune.engine.parallel.launch import free_port
 
     global forks
     if forks is None or forks.proc.poll() is not None:

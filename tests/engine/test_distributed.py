@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_tune.engine.parallel.launch import rank_env
-from moe_tune.engine.train.distributed import free_port
+from moe_tune.engine.parallel.launch import free_port
 from moe_tune.engine.train.trainer import check_world
 from moe_tune.profiles import ProfileError, load_profile
 

@@ -320,7 +320,7 @@ def test_eval_on_two_ranks_equals_one_process(tmp_path, child_env):
     from test_distributed import Forks
 
     from moe_tune.engine.parallel.launch import rank_env
-    from moe_tune.engine.train.distributed import free_port
+    from moe_tune.engine.parallel.launch import free_port
 
     assert len(pack_rows(eval_documents(), 56, TOK.pad_id)) % 2 == 1
     base = [*SMALL, "train.steps=1", "train.epochs=null", "train.warmup_steps=0", "model.moe.aux_loss_coef=0",

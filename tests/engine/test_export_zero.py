@@ -18,7 +18,7 @@ from moe_tune.engine.export.sources import FinalState, read_run
 from moe_tune.engine.export.zero import open_step
 from moe_tune.engine.parallel.launch import rank_env
 from moe_tune.engine.train.checkpoint import MANIFEST_FILE, STATE_FILE, write_manifest
-from moe_tune.engine.train.distributed import free_port
+from moe_tune.engine.parallel.launch import free_port
 from moe_tune.engine.train.trainer import finetune
 from moe_tune.profiles import ProfileError, load_profile
 

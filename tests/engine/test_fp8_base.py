@@ -534,7 +534,7 @@ def zero3_rank(result: str) -> None:
 
 
 def test_zero3_two_ranks_keep_the_bits_and_equal_one_process(tmp_path):
-    from moe_tune.engine.train.distributed import free_port
+    from moe_tune.engine.parallel.launch import free_port
 
     result = tmp_path / "rank0.pt"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

@@ -419,7 +419,7 @@ def expert_parallel_rank(result: str, port: str) -> None:
 
 @pytest.mark.dist
 def test_expert_parallel_chunks_equal_whole_rows(tmp_path):
-    from moe_tune.engine.train.distributed import free_port
+    from moe_tune.engine.parallel.launch import free_port
 
     result, port = tmp_path / "rank.pt", str(free_port())
     procs = [subprocess.Popen([sys.executable, __file__, str(result), port],

@@ -1,7 +1,6 @@
-"""Which parameters are routed experts: tagged for ZeRO-3's expert-data-parallel group (see expert_parallel.py).
-
-It walks a built model, so it sits above engine/model, which imports expert_parallel.py for the layout.
-"""
+"""Which parameters are routed experts: tagged for ZeRO-3's expert-data-parallel group
+(engine/parallel/expert_parallel.py). It walks a built model, so it sits with the trainer, above engine/model and
+engine/parallel."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from torch import nn
 
 from moe_tune.engine.model.moe import GroupedExperts
 
-from .expert_parallel import EXPERT_FAMILY, ExpertLayout
+from moe_tune.engine.parallel.expert_parallel import EXPERT_FAMILY, ExpertLayout
 
 
 def tag_expert_parameters(model: nn.Module, layout: ExpertLayout) -> int:
