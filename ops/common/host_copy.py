@@ -25,6 +25,9 @@ def remember(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
             f"host_tensor: {host_tensor.device} {tuple(host_tensor.shape)} must be a CPU tensor of the device "
             f"tensor's shape {tuple(device_tensor.shape)}"
         )
+    if host_tensor is device_tensor:
+        # A CPU "device" tensor is its own host copy: an entry would hold it alive and never be dropped.
+        return
     key = id(device_tensor)
     ref = weakref.ref(device_tensor, lambda _, key=key: _copies.pop(key, None))
     _copies[key] = (ref, device_tensor._version, host_tensor)

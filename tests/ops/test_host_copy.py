@@ -48,6 +48,23 @@ def test_a_device_tensor_is_read_once_and_again_after_an_in_place_change():
     assert host_values(t).tolist() == [0, 9, 8] and DeviceLike.reads == 3
 
 
+@pytest.mark.parametrize("batches", [1, 5])
+def test_a_cpu_batch_leaves_no_entry_behind(batches):
+    # On the CPU model_inputs' "device" cu_seqlens is the host tensor itself: remembering it would keep an entry
+    # (and the tensor) alive for good, one a batch.
+    from moe_tune.engine.data.dataset import Batch
+
+    before = set(host_copy._copies)
+    for _ in range(batches):
+        batch = Batch(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long),
+                      cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))  # fmt: skip
+        inputs = batch.model_inputs("cpu")
+        assert host_values(inputs["cu_seqlens"]).tolist() == [0, 4]
+        del batch, inputs
+    gc.collect()
+    assert set(host_copy._copies) == before
+
+
 def test_entry_goes_with_the_device_tensor():
     device_tensor = torch.tensor([0, 5])
     remember(device_tensor, torch.tensor([0, 5]))
