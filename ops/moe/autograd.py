@@ -14,9 +14,10 @@ dA_gate_up = sum (s dgate_up B_gate_up)^T x. dA_down from the down backward's ep
 needs 255 registers a thread and makes the LoRA fwd+bwd 0.3-0.6 ms slower at issue 7's shapes on the H200
 (docs/perf-history.md, MoE).
 
-FP8 expert weights (float8_e4m3fn with 128 x 128 block scales) go through the same kernels, which dequantize each
-weight tile as they load it; they are frozen (moe_mlp refuses them with requires_grad), so no weight gradient is
-computed for them.
+FP8 expert weights (float8_e4m3fn with 128 x 128 block scales) are frozen (moe_mlp refuses them with requires_grad),
+so no weight gradient is computed for them. Each GEMM through them gets a dequantized buffer of its projection's
+experts where fp8_weights.buffers_weights allows (made before the GEMM, freed after it; only the FP8 codes are
+saved), else the same kernels dequantize each weight tile as they load it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from moe_tune.ops.moe import fp8_weights
 from moe_tune.ops.moe.kernel_config import pick_config
 from moe_tune.ops.moe.kernels_bwd import moe_down_bwd, moe_expert_grad, moe_gate_up_bwd, moe_lora_bwd
 from moe_tune.ops.moe.kernels_fwd import moe_down_fwd, moe_gate_up_fwd, moe_lora_rows
@@ -62,19 +64,24 @@ class MoEFunction(torch.autograd.Function):
         config = pick_config(x, num_tokens * top_k, num_experts)
         routing = moe_routing(topk_ids, num_experts, config.block_m)
         needs_grad = any(ctx.needs_input_grad)
+        buffered = gate_up_scale_inv is not None and fp8_weights.buffers_weights(w_gate_up, w_down, x.dtype)
+        weight, scale = _gemm_weight(w_gate_up, gate_up_scale_inv, buffered, x.dtype)
         h, gate_up, xa = moe_gate_up_fwd(
-            x, w_gate_up, a_gate_up, b_gate_up, scaling, routing, config, save_gate_up=needs_grad,
-            scale_inv=gate_up_scale_inv,
-        )  # fmt: skip
-        y, ha = moe_down_fwd(
-            h, topk_weights, w_down, a_down, b_down, scaling, routing, config, num_tokens, scale_inv=down_scale_inv
+            x, weight, a_gate_up, b_gate_up, scaling, routing, config, save_gate_up=needs_grad, scale_inv=scale
         )
+        del weight  # a buffered projection's dequantized experts go before the next one's are made
+        weight, scale = _gemm_weight(w_down, down_scale_inv, buffered, x.dtype)
+        y, ha = moe_down_fwd(
+            h, topk_weights, weight, a_down, b_down, scaling, routing, config, num_tokens, scale_inv=scale
+        )
+        del weight
         if needs_grad:
             ctx.save_for_backward(
                 x, topk_weights, w_gate_up, w_down, a_gate_up, b_gate_up, a_down, b_down, gate_up, xa, ha,
                 gate_up_scale_inv, down_scale_inv, *routing.tensors(),
             )  # fmt: skip
         ctx.scaling, ctx.config, ctx.block_m, ctx.top_k = scaling, config, routing.block_m, top_k
+        ctx.buffered = buffered
         return y
 
     @staticmethod
@@ -101,10 +108,12 @@ class MoEFunction(torch.autograd.Function):
                 g_by_token=True, g_weights=topk_weights, chunks=chunks,
             )  # fmt: skip
         # h_weighted = w * h per row: the routing weight of dW_down and dA_down comes with it.
+        weight, scale = _gemm_weight(w_down, down_scale_inv, ctx.buffered, x.dtype)
         dgate_up, h_weighted, dweights_S = moe_down_bwd(
-            dy, gate_up, topk_weights, w_down, a_down, dha, routing, config, store_h=needs[_W_DOWN] or needs[_A_DOWN],
-            scale_inv=down_scale_inv,
+            dy, gate_up, topk_weights, weight, a_down, dha, routing, config, store_h=needs[_W_DOWN] or needs[_A_DOWN],
+            scale_inv=scale,
         )  # fmt: skip
+        del weight
         d_a_down = moe_expert_grad(dha, h_weighted, a_down, routing, config, chunks=chunks) if needs[_A_DOWN] else None
         del dha
         d_w_down = None
@@ -122,9 +131,9 @@ class MoEFunction(torch.autograd.Function):
             )  # fmt: skip
         dx = None
         if needs[_X]:
-            dx = moe_gate_up_bwd(
-                dgate_up, w_gate_up, a_gate_up, dxa, routing, config, num_tokens, scale_inv=gate_up_scale_inv
-            )
+            weight, scale = _gemm_weight(w_gate_up, gate_up_scale_inv, ctx.buffered, x.dtype)
+            dx = moe_gate_up_bwd(dgate_up, weight, a_gate_up, dxa, routing, config, num_tokens, scale_inv=scale)
+            del weight
         d_w_gate_up = d_a_gate_up = None
         if needs[_W_GATE_UP]:
             d_w_gate_up = moe_expert_grad(dgate_up, x, w_gate_up, routing, config, rhs_by_token=True)
@@ -136,3 +145,13 @@ class MoEFunction(torch.autograd.Function):
             dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None,
             None, None,
         )  # fmt: skip
+
+
+def _gemm_weight(
+    weight: torch.Tensor, scale_inv: torch.Tensor | None, buffered: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (weight, block scales) one GEMM takes: FP8 experts dequantized into a buffer of `dtype` when `buffered`
+    (no scales then), else the weight as given with its scales (None for 16-bit/fp32 weights)."""
+    if buffered:
+        return fp8_weights.dequantized(weight, scale_inv, dtype), None
+    return weight, scale_inv

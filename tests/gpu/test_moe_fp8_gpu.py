@@ -1,7 +1,8 @@
-"""moe Triton kernels through frozen FP8 expert weights on CUDA (weights dequantized in the kernels): bf16 and fp32
-forward and every gradient against the reference (the ordinary reference on the dequantized weights) at odd and real
-sizes, NaN-filled buffers with guarded ends, the FP8 kernels against the same kernels on the dequantized weights
-rounded to bf16, no host sync.
+"""moe Triton kernels through frozen FP8 expert weights on CUDA (dequantized in the kernels' weight tiles for odd D
+and F, into a buffer per GEMM where D and F are multiples of 128: ops/moe/fp8_weights.py): bf16 and fp32 forward and
+every gradient against the reference (the ordinary reference on the dequantized weights) at odd and real sizes,
+NaN-filled buffers with guarded ends, the FP8 kernels against the same kernels on the dequantized weights rounded to
+bf16 (bit for bit on the buffered path), no host sync.
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank.
 Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): pytest -m gpu tests/gpu
@@ -13,7 +14,7 @@ from kernel_fixtures import forced_kernel_path
 import torch
 
 from moe_tune.ops.fp8.reference import dequantize_weight, quantize_weight
-from moe_tune.ops.moe import ExpertLoRA, kernel_config, kernels_fwd, moe_mlp
+from moe_tune.ops.moe import ExpertLoRA, fp8_weights, kernel_config, kernels_fwd, moe_mlp
 from moe_tune.ops.moe.reference import moe_mlp_ref
 from moe_cases import LORA_NAMES, make_case, run_with_grads
 
@@ -173,6 +174,22 @@ def test_fp8_kernel_matches_bf16_weight_kernel(kernel_path, shape):
     assert set(grads) == set(grads_bf16)
     for name, grad in grads.items():
         _assert_close_scaled(grad, grads_bf16[name], BF16_WEIGHT_TOLERANCE, f"grad {name}")
+
+
+@pytest.mark.parametrize("shape", ["E64_top8", "empty_experts"])
+def test_fp8_buffered_experts_equal_the_bf16_weight_kernels_bitwise(kernel_path, shape):
+    # D and F multiples of 128: each GEMM runs the bf16 kernels on a buffer holding code * scale rounded to bf16,
+    # the same values dequantize_weight gives, so y and every gradient are those of the bf16-weight run exactly.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern, "both")
+    assert fp8_weights.buffers_weights(case["w_gate_up"], case["w_down"], torch.bfloat16)
+    grad_y = _grad_y(case, torch.bfloat16)
+    y, grads = run_with_grads(moe_mlp, case, grad_y)
+    y_bf16, grads_bf16 = run_with_grads(moe_mlp, dequantized(case, torch.bfloat16), grad_y)
+    torch.testing.assert_close(y, y_bf16, atol=0, rtol=0)
+    assert set(grads) == set(grads_bf16)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_bf16[name], atol=0, rtol=0, msg=lambda m: f"grad {name}: {m}")
 
 
 def test_fp8_kernel_has_no_host_sync(kernel_path):

@@ -17,7 +17,7 @@ with interpreted_kernels():
     import torch
     import triton.runtime.interpreter as triton_interpreter
     from moe_tune.ops.fp8.reference import dequantize_weight, quantize_weight
-    from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, autograd, kernel_config, kernels_fwd, moe_mlp
+    from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, autograd, fp8_weights, kernel_config, kernels_fwd, moe_mlp
     from moe_tune.ops.moe.reference import moe_mlp_ref
     from moe_cases import LORA_NAMES, make_case, run_with_grads
 
@@ -116,6 +116,9 @@ SHAPES = {
     "top1_D72": (9, 72, 48, 4, 1, "random"),
     # One expert takes every token.
     "E1": (11, 136, 40, 1, 1, "random"),
+    # D and F multiples of 128 (the hub's FP8 models): the experts are dequantized into a buffer per GEMM.
+    "D256_F128": (9, 256, 128, 3, 2, "random"),
+    "D128_F256_empty": (10, 128, 256, 5, 2, "two_experts_only"),
 }
 
 
@@ -168,7 +171,87 @@ KERNEL_CASES = _case_params([
     ("top1_D72", "none", torch.float32),
     ("E1", "gate_up", torch.float32),
     ("F130", "down", torch.float16),
+    ("D256_F128", "both", torch.float32),
+    ("D128_F256_empty", "gate_up", torch.float16),
 ])
+
+
+@pytest.fixture
+def dequantize_calls(monkeypatch) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Every fp8_weights.dequantized call's (weight shape, dtype), the calls themselves unchanged."""
+    calls, dequantize = [], fp8_weights.dequantized
+
+    def recorded(weight, scale_inv, dtype):
+        calls.append((tuple(weight.shape), dtype))
+        return dequantize(weight, scale_inv, dtype)
+
+    monkeypatch.setattr(fp8_weights, "dequantized", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("shape, lora_on, dtype", [
+    ("D256_F128", "both", torch.float32),
+    ("D128_F256_empty", "down", torch.float32),
+    ("D256_F128", "none", torch.float16),
+])  # fmt: skip
+def test_fp8_buffered_experts_are_the_16_bit_kernels_on_dequantized_weights(
+    kernel_path, guarded, dequantize_calls, shape, lora_on, dtype
+):
+    # D and F multiples of 128: each GEMM dequantizes its projection's experts into a buffer and runs the 16-bit
+    # kernels, so y and every gradient equal, bit for bit, the same kernels given the dequantized weights in x's dtype.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, lora_on)
+    grad_y = torch.randn(num_tokens, model_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y, grads = run_with_grads(moe_mlp, case, grad_y)
+    gate_up, down = (num_experts, 2 * hidden_dim, model_dim), (num_experts, model_dim, hidden_dim)
+    # Forward: gate_up then down; backward: down then gate_up (dx).
+    assert dequantize_calls == [(gate_up, dtype), (down, dtype), (down, dtype), (gate_up, dtype)]
+    y_plain, grads_plain = run_with_grads(moe_mlp, dequantized(case, dtype), grad_y)
+    torch.testing.assert_close(y, y_plain, atol=0, rtol=0)
+    assert set(grads) == set(grads_plain)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_plain[name], atol=0, rtol=0, msg=lambda m: f"grad {name}: {m}")
+    guarded.check()
+
+
+def test_fp8_buffered_experts_save_only_the_fp8_codes(kernel_path, dequantize_calls):
+    # The buffers live for one GEMM: what autograd keeps for backward holds the FP8 codes, no dequantized expert stack.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["D256_F128"]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        moe_mlp(**case)
+    assert len(dequantize_calls) == 2
+    stacks = {tuple(case["w_gate_up"].shape), tuple(case["w_down"].shape)}
+    assert {dtype for shape, dtype in saved if shape in stacks} == {torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("limit_elements", [0, 1])
+def test_fp8_experts_over_the_buffer_limit_dequantize_tile_by_tile(kernel_path, guarded, monkeypatch,
+                                                                   dequantize_calls, limit_elements):  # fmt: skip
+    # A projection whose buffer would pass MAX_BUFFER_BYTES takes the in-tile path, which matches the reference too.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["D256_F128"]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    # The down projection (the smaller one) fits at limit_elements=1, the gate_up projection never: neither buffers.
+    down_bytes = case["w_down"].numel() * 4
+    monkeypatch.setattr(fp8_weights, "MAX_BUFFER_BYTES", down_bytes * limit_elements)
+    _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
+    assert dequantize_calls == []
+    guarded.check()
+
+
+@pytest.mark.parametrize("model_dim, hidden_dim, contiguous, buffered", [
+    (256, 128, True, True),
+    (256, 130, True, False),  # an expert's gate rows end inside a scale block
+    (200, 128, True, False),  # an expert's down rows end inside a scale block
+    (256, 128, False, False),
+])  # fmt: skip
+def test_which_fp8_experts_are_buffered(model_dim, hidden_dim, contiguous, buffered):
+    w_gate_up = torch.zeros(3, 2 * hidden_dim, model_dim, dtype=torch.float8_e4m3fn)
+    w_down = torch.zeros(3, model_dim, hidden_dim, dtype=torch.float8_e4m3fn)
+    if not contiguous:
+        w_down = torch.zeros(3, hidden_dim, model_dim, dtype=torch.float8_e4m3fn).transpose(1, 2)
+    assert fp8_weights.buffers_weights(w_gate_up, w_down, torch.bfloat16) is buffered
 
 
 @pytest.mark.parametrize("num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern, lora_on, dtype", KERNEL_CASES)
