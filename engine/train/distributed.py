@@ -79,14 +79,24 @@ def create_context_layout(context_parallel: int, rank: int, world_size: int, tim
                          world_size // context_parallel, group)  # fmt: skip
 
 
+# The MASTER_PORT this process chose for its own single-process rendezvous (no launcher set RANK), if any.
+_own_master_port: str | None = None
+
+
 def prepare_environment() -> None:
-    """Must run before deepspeed is imported: DeepSpeed picks its accelerator at import time."""
+    """Must run before deepspeed is imported: DeepSpeed picks its accelerator at import time. Without a launcher's
+    rendezvous variables, a single-process one on this machine, with a port of its own for each run: a finished
+    run's TCP store keeps listening on its port until the garbage collector frees it."""
+    global _own_master_port
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    is_own = _own_master_port is not None and os.environ.get("MASTER_PORT") == _own_master_port
+    if "RANK" in os.environ and not is_own:
+        return
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if is_own or "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = _own_master_port = str(free_port())
 
 
 def resolve_backend(backend: str, on_gpu: bool, has_nccl: bool) -> str:

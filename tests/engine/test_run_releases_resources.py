@@ -85,3 +85,32 @@ def test_run_refused_after_its_engine_is_built_releases_it(tmp_path, monkeypatch
     assert alive(engines) == 0, "the refused run's DeepSpeedEngine is still alive"
     assert alive(groups) == 0, "process groups of the refused run are still alive"
     assert run_threads() <= run_threads_before, native_threads()
+
+
+def test_a_run_after_another_takes_a_fresh_port_while_the_old_one_is_held(tmp_path):
+    # The previous run's TCP store may still listen on its port (until the collector frees it): the next run in the
+    # process picks a port of its own instead of failing with EADDRINUSE.
+    import socket
+
+    finetune(tiny_profile(tmp_path / "first"), show_progress=False)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        port = int(os.environ["MASTER_PORT"])
+        try:
+            held.bind(("127.0.0.1", port))
+            held.listen()
+        except OSError:  # the first run's store still listens there: held as well
+            pass
+        assert finetune(tiny_profile(tmp_path / "second"), show_progress=False).last_step == 2
+        assert int(os.environ["MASTER_PORT"]) != port
+
+
+def test_a_launchers_port_is_kept(monkeypatch):
+    # Rendezvous variables a launcher set are the launcher's: the same port on every run.
+    from moe_tune.engine.train import distributed
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "_own_master_port", None)
+    distributed.prepare_environment()
+    distributed.prepare_environment()
+    assert os.environ["MASTER_PORT"] == "29511"
