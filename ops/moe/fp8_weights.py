@@ -25,7 +25,7 @@ def buffers_weights(w_gate_up: torch.Tensor, w_down: torch.Tensor, dtype: torch.
     """Whether FP8 experts w_gate_up [E, 2F, D] and w_down [E, D, F] are dequantized into a buffer per GEMM (in
     `dtype`): both contiguous, F and D multiples of 128, each projection's buffer at most MAX_BUFFER_BYTES."""
     num_experts, model_dim, hidden_dim = w_down.shape
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return (
         w_gate_up.is_contiguous() and w_down.is_contiguous()
         and hidden_dim % BLOCK == 0 and model_dim % BLOCK == 0
