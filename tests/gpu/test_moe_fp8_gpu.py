@@ -182,7 +182,7 @@ def test_fp8_buffered_experts_equal_the_bf16_weight_kernels_bitwise(kernel_path,
     # the same values dequantize_weight gives, so y and every gradient are those of the bf16-weight run exactly.
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
     case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.bfloat16, pattern, "both")
-    assert fp8_weights.buffers_weights(case["w_gate_up"], case["w_down"], torch.bfloat16)
+    assert fp8_weights.buffers_weights(case["w_gate_up"], case["w_down"], torch.bfloat16, num_tokens * top_k)
     grad_y = _grad_y(case, torch.bfloat16)
     y, grads = run_with_grads(moe_mlp, case, grad_y)
     y_bf16, grads_bf16 = run_with_grads(moe_mlp, dequantized(case, torch.bfloat16), grad_y)

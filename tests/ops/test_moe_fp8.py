@@ -116,7 +116,8 @@ SHAPES = {
     "top1_D72": (9, 72, 48, 4, 1, "random"),
     # One expert takes every token.
     "E1": (11, 136, 40, 1, 1, "random"),
-    # D and F multiples of 128 (the hub's FP8 models): the experts are dequantized into a buffer per GEMM.
+    # D and F multiples of 128 (the hub's FP8 models): the experts are dequantized into a buffer per GEMM (from one
+    # routed row per expert on, in this module).
     "D256_F128": (9, 256, 128, 3, 2, "random"),
     "D128_F256_empty": (10, 128, 256, 5, 2, "two_experts_only"),
 }
@@ -174,6 +175,16 @@ KERNEL_CASES = _case_params([
     ("D256_F128", "both", torch.float32),
     ("D128_F256_empty", "gate_up", torch.float16),
 ])
+
+
+# The rule's own value, before buffer_from_one_row replaces it for the module's tests.
+MIN_ROWS_PER_EXPERT = fp8_weights.MIN_ROWS_PER_EXPERT
+
+
+@pytest.fixture(autouse=True)
+def buffer_from_one_row(monkeypatch):
+    """The cases here route a few rows to each expert: buffers from one row on (the rows rule has its own tests)."""
+    monkeypatch.setattr(fp8_weights, "MIN_ROWS_PER_EXPERT", 1)
 
 
 @pytest.fixture
@@ -251,7 +262,31 @@ def test_which_fp8_experts_are_buffered(model_dim, hidden_dim, contiguous, buffe
     w_down = torch.zeros(3, model_dim, hidden_dim, dtype=torch.float8_e4m3fn)
     if not contiguous:
         w_down = torch.zeros(3, hidden_dim, model_dim, dtype=torch.float8_e4m3fn).transpose(1, 2)
-    assert fp8_weights.buffers_weights(w_gate_up, w_down, torch.bfloat16) is buffered
+    assert fp8_weights.buffers_weights(w_gate_up, w_down, torch.bfloat16, num_rows=3) is buffered
+
+
+@pytest.mark.parametrize("num_experts", [1, 3, 512])
+@pytest.mark.parametrize("rows_over", [-1, 0, 1])
+def test_fp8_experts_buffer_from_enough_rows_per_expert(monkeypatch, num_experts, rows_over):
+    # A buffer costs a pass over every expert's weights: it is made only where the experts get, on average, at least
+    # MIN_ROWS_PER_EXPERT routed rows each (tokens times top-k).
+    monkeypatch.setattr(fp8_weights, "MIN_ROWS_PER_EXPERT", MIN_ROWS_PER_EXPERT)
+    w_gate_up = torch.zeros(num_experts, 256, 128, dtype=torch.float8_e4m3fn)
+    w_down = torch.zeros(num_experts, 128, 128, dtype=torch.float8_e4m3fn)
+    num_rows = MIN_ROWS_PER_EXPERT * num_experts + rows_over
+    assert fp8_weights.buffers_weights(w_gate_up, w_down, torch.bfloat16, num_rows) is (rows_over >= 0)
+
+
+@pytest.mark.parametrize("rows_per_expert, buffered", [(6, True), (7, False)])
+def test_fp8_experts_count_routed_rows_not_tokens(kernel_path, monkeypatch, dequantize_calls, rows_per_expert,
+                                                  buffered):  # fmt: skip
+    # D256_F128 routes 9 tokens x top-2 = 18 rows to 3 experts: 6 rows each, 3 if tokens were counted.
+    monkeypatch.setattr(fp8_weights, "MIN_ROWS_PER_EXPERT", rows_per_expert)
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["D256_F128"]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "none")
+    with torch.no_grad():
+        moe_mlp(**case)
+    assert len(dequantize_calls) == (2 if buffered else 0)
 
 
 @pytest.mark.parametrize("num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern, lora_on, dtype", KERNEL_CASES)
