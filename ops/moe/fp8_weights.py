@@ -1,12 +1,12 @@
 """FP8 expert weights (float8_e4m3fn codes with 128 x 128 block scales) dequantized into a transient buffer per GEMM.
 
 Where each expert's rows fill whole scale blocks (F and D multiples of 128, as in the hub's FP8 checkpoints), the
-buffer is small enough and the experts get enough rows each to pay for it, a projection's experts [E, rows, cols] are dequantized as one [E * rows, cols] weight by
-ops/fp8's kernel into the activations' dtype, the GEMM runs the 16-bit kernels on it, and the buffer is freed: the
-forward and backward each dequantize again, and only the FP8 codes are saved. The values are those the GEMMs'
-in-tile dequantization computes (code * scale rounded once to the activations' dtype), so both give the same
-products as the 16-bit kernels on the dequantized weights; the tile-by-tile path (kernel_config.weight_tile) serves
-the other shapes.
+buffer is small enough and the experts get enough rows each to pay for it, a projection's experts [E, rows, cols]
+are dequantized as one [E * rows, cols] weight by ops/fp8's kernel into the activations' dtype, the GEMM runs the
+16-bit kernels on it, and the buffer is freed: the forward and backward each dequantize again, and only the FP8
+codes are saved. The values are those the GEMMs' in-tile dequantization computes (code * scale rounded once to the
+activations' dtype), so both give the same products as the 16-bit kernels on the dequantized weights; the
+tile-by-tile path (kernel_config.weight_tile) serves the other shapes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from moe_tune.ops.fp8.reference import BLOCK
 MAX_BUFFER_BYTES = 4 << 30
 # Routed rows per expert from which a buffer pays for its pass over the weights: at 320 (N16384 E512 top-10) the
 # buffered fwd+bwd takes 1.29x the bf16 kernels' against 1.66x in tile; at 80 (Qwen3-Next-80B at T4096) the 80B step
-# takes 1.75 s buffered against 1.18 s in tile (docs/PERF.md, FP8 experts).
+# takes 1.75 s buffered against 1.17 s in tile (docs/PERF.md, FP8 experts).
 MIN_ROWS_PER_EXPERT = 256
 
 
