@@ -103,13 +103,19 @@ def kernels_table(rows: list[dict], wide: bool = False, width: int = KERNELS_WID
 
 
 def parse_ops(text: str | None, registered: list[str]) -> list[str] | None:
-    """The op names of a comma-separated list; None (all) when not given. Raises ValueError naming the unknown."""
+    """The op names of a comma-separated list; None (all) when not given. Raises ValueError naming the value: an
+    unknown or empty name (`moe,`), or an op named twice (its rows would be timed and saved twice)."""
     if text is None:
         return None
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in registered]
-    if unknown or not names:
+    names = [name.strip() for name in text.split(",")]
+    if "" in names and text.strip():
+        raise ValueError(f"--ops ({text!r}) has an empty name (a comma too many): name registered ops, "
+                         f"comma-separated: {', '.join(registered)}")  # fmt: skip
+    if not all(name in registered for name in names):
         raise ValueError(f"--ops ({text!r}) must name registered ops: {', '.join(registered)}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--ops ({text!r}) names {', '.join(twice)} more than once")
     return names
 
 
@@ -181,11 +187,6 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         parse_shapes(shapes, list(OPS) if op_names is None else op_names, label="--shapes")
     except ValueError as err:
         problems.append(str(err))
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            problems.append(f"--plot ({str(plot)!r}) needs matplotlib, which is not installed")
     if problems:
         fail(problems)
     saved = _read_baseline(baseline) if baseline is not None else None
@@ -217,7 +218,10 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
             except OSError as err:
                 fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
         if plot is not None and rows:
-            plot_rows(rows, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")
+            try:
+                plot_rows(rows, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")
+            except (OSError, ValueError, RuntimeError) as err:
+                fail([f"--plot ({str(plot)!r}): cannot draw the plot ({err})"])
 
     def on_progress(name: str, op_rows: list[dict], seconds: float) -> None:
         for row in op_rows[len(running) :]:

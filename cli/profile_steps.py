@@ -241,12 +241,6 @@ def run(
     job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.steps import WARMUP_STEPS, profile_steps
 
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            fail([f"--plot ({str(plot)!r}) needs matplotlib, which is not installed"])
-
     console = Console(highlight=False)
     if not console.is_terminal:
         console.width = TABLE_WIDTH
@@ -283,7 +277,10 @@ def run(
         _write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)
     if plot is not None:
-        _steps_plot(result, plot)
+        try:
+            _steps_plot(result, plot)
+        except (OSError, ValueError, RuntimeError) as err:
+            fail([f"--plot ({str(plot)!r}): cannot draw the plot ({err})"])
         console.print(f"plot written to {plot}", markup=False)
 
 

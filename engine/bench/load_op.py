@@ -211,28 +211,44 @@ def _write_shard(path: Path, keys: list[str], layout, generator: torch.Generator
 def write_synthetic_checkpoint(cfg: ModelProfile, out: Path, shard_bytes: int = SHARD_BYTES, seed: int = 0,
                                device: torch.device | None = None, hub_layout=None) -> dict[str, Any]:  # fmt: skip
     """Write the hub FP8 checkpoint of `cfg`'s model (random values drawn on `device`, the GPU when there is one:
-    tens of GB of random bytes are its work) into the folder `out` (created; must be empty or new). `hub_layout`:
+    tens of GB of random bytes are its work) into the folder `out` (created; must be empty or new; when writing
+    fails, the files written and the folders created are removed again). `hub_layout`:
     hub_fp8_layout(cfg) when the caller has it. Returns the checkpoint's bytes, tensor counts, shards and the
     seconds it took."""
     out = Path(out)
     config, layout = hub_fp8_layout(cfg) if hub_layout is None else hub_layout
     shards = shard_plan(layout, shard_bytes)
-    out.mkdir(parents=True, exist_ok=True)
+    # The folders this call creates, outermost first: removed again, with the files written, when writing fails.
+    created = [folder for folder in (*reversed(out.parents), out) if not folder.exists()]
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(seed)
-    with StepClock(device.type == "cuda") as clock:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        tensor_bytes = 0
-        weight_map = {}
-        for name, keys in zip(names, shards):
-            tensor_bytes += _write_shard(out / name, keys, layout, generator)
-            weight_map.update(dict.fromkeys(keys, name))
-        (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        # total_size counts the tensors' bytes, as save_pretrained's index does; the files add their headers.
-        metadata = {"total_size": tensor_bytes, SYNTHETIC_MARK: model_fingerprint(cfg)}
-        index = {"metadata": metadata, "weight_map": weight_map}
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    written: list[Path] = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with StepClock(device.type == "cuda") as clock:
+            tensor_bytes = 0
+            weight_map = {}
+            for name, keys in zip(names, shards):
+                written.append(out / name)
+                tensor_bytes += _write_shard(out / name, keys, layout, generator)
+                weight_map.update(dict.fromkeys(keys, name))
+            written.append(out / CONFIG_NAME)
+            (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            # total_size counts the tensors' bytes, as save_pretrained's index does; the files add their headers.
+            metadata = {"total_size": tensor_bytes, SYNTHETIC_MARK: model_fingerprint(cfg)}
+            index = {"metadata": metadata, "weight_map": weight_map}
+            written.append(out / INDEX_NAME)
+            (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    except BaseException:
+        # A half-written folder would be refused by the next run (files but no index): leave none.
+        for path in written:
+            path.unlink(missing_ok=True)
+        for folder in reversed(created):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
     seconds = clock.seconds
     sizes = [(out / name).stat().st_size for name in names]
     return dict(checkpoint_bytes=sum(sizes), num_tensors=len(layout),
@@ -256,15 +272,57 @@ def synthetic_checkpoint_problems(cfg: ModelProfile, folder: Path) -> tuple[bool
                            "folder (the synthetic checkpoint is written there), or one it wrote"]  # fmt: skip
         return False, []
     try:
-        mark = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get(SYNTHETIC_MARK)
-    except (OSError, ValueError, AttributeError):
-        mark = None
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except OSError as err:
+        return False, [f"{where}: cannot read {INDEX_NAME} ({err.strerror})"]
+    except ValueError as err:
+        return False, [f"{where}: {INDEX_NAME} is not JSON ({err}): name a new or empty folder"]
+    metadata = data.get("metadata") if isinstance(data, dict) else None
+    mark = metadata.get(SYNTHETIC_MARK) if isinstance(metadata, dict) else None
     if mark is None:
         return False, [f"{where} holds a checkpoint this benchmark did not write: name a new or empty folder"]
     if mark != model_fingerprint(cfg):
         return False, [f"{where} holds the synthetic checkpoint of another model ({mark}, this profile's is "
                        f"{model_fingerprint(cfg)}): name a new or empty folder"]  # fmt: skip
-    return True, []
+    return True, stored_checkpoint_problems(cfg, folder)
+
+
+def stored_checkpoint_problems(cfg: ModelProfile, folder: Path) -> list[str]:
+    """Problems of a folder whose index says it holds this benchmark's checkpoint of `cfg`'s model, before any
+    weight is read: config.json must describe that model, and the shards (inside the folder, readable, holding what
+    the index says) every tensor of hub_fp8_layout(cfg) with its shape and dtype. One line for the tensors, naming
+    the first that differs."""
+    from moe_tune.engine.families import UnsupportedModel, model_profile_from_checkpoint
+    from moe_tune.engine.families.checkpoint import CheckpointReader
+
+    where = f"--load-checkpoint ({str(folder)!r})"
+    redo = "name a new or empty folder (or empty this one to write it again)"
+    try:
+        _, _, stored = model_profile_from_checkpoint(folder)
+    except UnsupportedModel as err:
+        return [f"{where}: {line}" for line in err.problems]
+    if model_fingerprint(stored) != model_fingerprint(cfg):
+        return [f"{where}: {CONFIG_NAME} describes another model ({model_fingerprint(stored)}) than its index and "
+                f"this profile ({model_fingerprint(cfg)}): {redo}"]  # fmt: skip
+    _, layout = hub_fp8_layout(cfg)
+    try:
+        with CheckpointReader(folder) as reader:
+            held = set(reader.keys())
+            wrong = [f"{key} is missing" for key in layout if key not in held]
+            wrong += [f"{key} is not in this model's checkpoint" for key in sorted(held - set(layout))]
+            for key, (shape, dtype) in layout.items():
+                if key not in held:
+                    continue
+                stored_shape, stored_dtype = tuple(reader.shape(key)), reader.dtype(key)
+                if (stored_shape, stored_dtype) != (shape, SAFETENSORS_DTYPES[dtype]):
+                    wrong.append(f"{key} is {stored_dtype} {list(stored_shape)} in {reader.file_of(key).name}, "
+                                 f"this model's is {SAFETENSORS_DTYPES[dtype]} {list(shape)}")  # fmt: skip
+    except UnsupportedModel as err:
+        return [f"{where}: {line}" for line in err.problems]
+    if wrong:
+        count = f"{len(wrong)} tensors differ" if len(wrong) > 1 else "1 tensor differs"
+        return [f"{where}: {count} from this model's checkpoint (first: {wrong[0]}): {redo}"]
+    return []
 
 
 def _status_bytes(fields: tuple[str, ...]) -> dict[str, int | None]:
@@ -314,11 +372,13 @@ class _RssSampler(threading.Thread):
 
 
 def _drop_page_cache(folder: Path) -> bool:
-    """Ask the kernel to drop the shards' cached pages (clean after the writer's fsync); False where it cannot."""
+    """Ask the kernel to drop the cached pages of the shards the index names (clean after the writer's fsync); False
+    where it cannot."""
     if not hasattr(os, "posix_fadvise"):
         return False
-    for path in sorted(folder.glob("*.safetensors")):
-        fd = os.open(path, os.O_RDONLY)
+    index = json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))
+    for name in sorted(set(index["weight_map"].values())):
+        fd = os.open(folder / name, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -367,8 +427,9 @@ def _folder_sizes(folder: Path) -> dict[str, Any]:
 def run_load_benchmark(job: JobProfile, folder: Path, shard_bytes: int = SHARD_BYTES,
                        device: torch.device | None = None, on_line=lambda line: None) -> dict[str, Any]:  # fmt: skip
     """Write the synthetic FP8 checkpoint of `job`'s model into `folder` (unless it already holds it), then load it
-    (RESULT_KEYS). ProfileError, before anything is written, for a folder that holds something else or a model no
-    transformers type expresses."""
+    (RESULT_KEYS). ProfileError, before anything is written, for a folder that holds something else (or this
+    benchmark's checkpoint with a config.json or tensors another model's: stored_checkpoint_problems) or a model no
+    transformers type expresses; ProfileError when the folder cannot be written."""
     folder = Path(folder)
     has_checkpoint, problems = synthetic_checkpoint_problems(job.model, folder)
     if problems:
@@ -382,8 +443,12 @@ def run_load_benchmark(job: JobProfile, folder: Path, shard_bytes: int = SHARD_B
         # A model no transformers type expresses is refused here, before anything is written.
         hub_layout = hub_fp8_layout(job.model)
         on_line(f"writing the synthetic FP8 checkpoint of {job.name} into {folder}")
-        write_s = write_synthetic_checkpoint(job.model, folder, shard_bytes, device=device,
-                                             hub_layout=hub_layout)["write_s"]
+        try:
+            write_s = write_synthetic_checkpoint(job.model, folder, shard_bytes, device=device,
+                                                 hub_layout=hub_layout)["write_s"]  # fmt: skip
+        except OSError as err:
+            raise ProfileError([f"--load-checkpoint ({str(folder)!r}): cannot write the synthetic checkpoint "
+                                f"({err.strerror or err}); nothing of it was kept"]) from None  # fmt: skip
     sizes = _folder_sizes(folder)
     on_line(f"loading {sizes['checkpoint_bytes'] / 1e9:.2f} GB in {sizes['num_shards']} shards on {device.type}")
     loaded = load_synthetic_checkpoint(folder, device)

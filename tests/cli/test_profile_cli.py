@@ -247,7 +247,58 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_timing(monkeypatch
     out = tmp_path / "missing" / "run.json"
     result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--json", str(out)])
     assert result.exit_code == 2
-    assert result.output.strip().splitlines()[-1] == (
-        f"error: --json ('{out}'): cannot write the rows (No such file or directory)"
-    )
+    assert result.output.strip().splitlines() == [
+        f"error: --json ('{out}'): its folder '{out.parent}' does not exist"
+    ]
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "ops, line",
+    [
+        ("rotary,rotary", "error: --ops ('rotary,rotary') names rotary more than once"),
+        ("rotary,", "error: --ops ('rotary,') has an empty name (a comma too many): name registered ops, "
+                    f"comma-separated: {', '.join(OPS)}"),
+        (",rotary", "error: --ops (',rotary') has an empty name (a comma too many): name registered ops, "
+                    f"comma-separated: {', '.join(OPS)}"),
+        ("rotary,,moe", "error: --ops ('rotary,,moe') has an empty name (a comma too many): name registered ops, "
+                        f"comma-separated: {', '.join(OPS)}"),
+    ],
+    ids=["twice", "trailing-comma", "leading-comma", "double-comma"],
+)  # fmt: skip
+def test_ops_named_twice_or_empty_are_one_line_exit_2(monkeypatch, ops, line):
+    calls = []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))
+    result = runner.invoke(app, ["--kernels", "--ops", ops])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [line]
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--json", "{tmp}"], "error: --json ('{tmp}') is a folder: name a file to write"),
+        # The formats listed after the colon are those of the installed matplotlib.
+        (["--plot", "{tmp}/p.xyz"], "error: --plot ('{tmp}/p.xyz') must end in a format matplotlib writes: "),
+        (["--plot", "{tmp}/old.json"], "error: --plot ('{tmp}/old.json') is the --json file: the run would overwrite "
+         "it; name another file"),
+        (["--baseline", "{tmp}/old.json"], "error: --baseline ('{tmp}/old.json') is the --json file: the run would "
+         "overwrite it; name another file"),
+    ],
+    ids=["json-folder", "plot-format", "plot-is-json", "baseline-is-json"],
+)  # fmt: skip
+def test_bad_output_paths_are_one_line_exit_2_and_keep_the_json(monkeypatch, tmp_path, args, line):
+    if "--plot" in args:
+        pytest.importorskip("matplotlib")
+    calls = []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))
+    old = tmp_path / "old.json"
+    old.write_text("[]\n")
+    json_args = [] if args[0] == "--json" else ["--json", str(old)]
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", *json_args, *args])
+    assert result.exit_code == 2, result.output
+    (printed,) = result.stderr.strip().splitlines()
+    assert printed.startswith(line.format(tmp=tmp_path)) and "Traceback" not in result.output
+    assert calls == [] and old.read_text() == "[]\n"

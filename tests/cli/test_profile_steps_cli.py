@@ -133,3 +133,53 @@ def test_bf16_base_lines_name_both_bases_and_the_loss_gap():
     oom = bf16_base_result(out_of_memory="building the model: model (...) needs ~160.2 GB", loss_gap=None)
     assert out_of_memory_line(oom) == ("against moe-tune, bf16 base: out of memory (building the model: model (...) "
                                        "needs ~160.2 GB) on NVIDIA H200; no row to compare")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--json", "{tmp}"], "error: --json ('{tmp}') is a folder: name a file to write"),
+        (["--json", "{tmp}/missing/o.json"], "error: --json ('{tmp}/missing/o.json'): its folder '{tmp}/missing' does "
+         "not exist"),
+        (["--plot", "{tmp}"], "error: --plot ('{tmp}') is a folder: name a file to write"),
+        # The formats listed after the colon are those of the installed matplotlib.
+        (["--plot", "{tmp}/p.xyz"], "error: --plot ('{tmp}/p.xyz') must end in a format matplotlib writes: "),
+        (["--plot", "{tmp}/p"], "error: --plot ('{tmp}/p') must end in a format matplotlib writes: "),
+        (["--json", "{tmp}/old.json", "--plot", "{tmp}/old.json"], "error: --plot ('{tmp}/old.json') is the --json "
+         "file: the run would overwrite it; name another file"),
+    ],
+    ids=["json-folder", "json-missing-folder", "plot-folder", "plot-format", "plot-no-suffix", "plot-is-json"],
+)  # fmt: skip
+def test_bad_output_paths_are_one_line_exit_2_before_any_step(monkeypatch, tmp_path, args, line):
+    if "--plot" in args:
+        pytest.importorskip("matplotlib")
+
+    def no_steps(*args, **kwargs):
+        raise AssertionError("the steps ran")
+
+    monkeypatch.setattr("moe_tune.engine.bench.steps.profile_steps", no_steps)
+    old = tmp_path / "old.json"
+    old.write_text('{"kept": true}\n')
+    result = runner.invoke(app, ["tiny", *TINY_STEPS, *(arg.format(tmp=tmp_path) for arg in args)])
+    assert result.exit_code == 2, result.output
+    (printed,) = result.stderr.strip().splitlines()
+    assert printed.startswith(line.format(tmp=tmp_path)) and "Traceback" not in result.output
+    assert old.read_text() == '{"kept": true}\n'
+
+
+def test_an_output_without_write_permission_is_one_line_exit_2(monkeypatch, tmp_path):
+    # os.access stands in for a read-only file: as root, chmod does not stop a write.
+    import os
+
+    def no_steps(*args, **kwargs):
+        raise AssertionError("the steps ran")
+
+    monkeypatch.setattr("moe_tune.engine.bench.steps.profile_steps", no_steps)
+    old = tmp_path / "old.json"
+    old.write_text("{}\n")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: (
+        real_access(path, mode, **kwargs) and not (str(path) == str(old) and mode & os.W_OK)))
+    result = runner.invoke(app, ["tiny", *TINY_STEPS, "--json", str(old)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: --json ('{old}'): no permission to write it"]

@@ -3,6 +3,7 @@ MB: the synthetic checkpoint is the hub's FP8 layout (shards, index, config, FP8
 project's loader takes it as stored, and the result carries the load's numbers."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -186,3 +187,102 @@ def test_model_without_a_hub_layout_is_refused_before_writing(tmp_path):
     assert lines[0] == ("error: model: no transformers type expresses it, so no hub checkpoint: model.layers[3]"
                         ".attention ('sparse'): qwen3_next has no 'sparse' attention layers")  # fmt: skip
     assert "writing" not in result.stdout and not (tmp_path / "ck").exists()
+
+
+def _index_names_a_missing_shard(folder):
+    index = json.loads((folder / INDEX_NAME).read_text())
+    index["weight_map"]["lm_head.weight"] = "model-00099-of-00099.safetensors"
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+
+
+def _truncated_shard(folder):
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+
+
+def _rewritten_tensor(key, change):
+    def damage(folder):
+        from safetensors.torch import load_file, save_file
+
+        index = json.loads((folder / INDEX_NAME).read_text())
+        shard = folder / index["weight_map"][key]
+        tensors = load_file(str(shard))
+        tensors[key] = change(tensors[key])
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+
+    return damage
+
+
+def _config_of_another_model(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["num_experts"] = 8
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (_index_names_a_missing_shard,
+         "/model.safetensors.index.json: weight_map['lm_head.weight'] ('model-00099-of-00099.safetensors') names a "
+         "file that does not exist"),
+        (_truncated_shard, ".safetensors: not a readable safetensors file"),
+        (_rewritten_tensor("model.norm.weight", lambda t: t.float()),
+         "1 tensor differs from this model's checkpoint (first: model.norm.weight is F32 [256] in model-"),
+        (_rewritten_tensor("model.layers.0.mlp.gate.weight", lambda t: t[:3].clone()),
+         "1 tensor differs from this model's checkpoint (first: model.layers.0.mlp.gate.weight is BF16 [3, 256] in "
+         "model-"),
+        (lambda folder: (folder / INDEX_NAME).write_text("{not json"), "model.safetensors.index.json is not JSON ("),
+        (_config_of_another_model, "config.json describes another model ("),
+        (lambda folder: (folder / "config.json").write_text("[1,"), "/config.json:1:4: not valid JSON"),
+        (lambda folder: (folder / "config.json").unlink(), "/config.json: cannot read (No such file or directory)"),
+    ],
+    ids=["missing-shard", "truncated-shard", "wrong-dtype", "wrong-shape", "index-not-json", "config-of-another-model",
+         "config-not-json", "no-config"],
+)  # fmt: skip
+def test_a_damaged_checkpoint_of_this_model_is_one_line_exit_2(written, tmp_path, damage, says):
+    folder = tmp_path / "ck"
+    shutil.copytree(written[0], folder)
+    damage(folder)
+    files = {path.name: path.read_bytes() for path in folder.iterdir()}
+    sets = [arg for item in SHRUNK for arg in ("--set", item)]
+    result = runner.invoke(app, ["profile", "bench-qwen3-30b-a3b", *sets, "--load-checkpoint", str(folder)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --load-checkpoint ('{folder}'): ") and says in line, line
+    assert "Traceback" not in result.output and "loading" not in result.stdout
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == files
+
+
+@pytest.mark.parametrize("under", ["a-file", "new/folders"], ids=["parent-is-a-file", "write-fails-midway"])
+def test_a_folder_that_cannot_be_written_is_one_line_exit_2_and_nothing_kept(monkeypatch, tmp_path, under):
+    import errno
+
+    from moe_tune.engine.bench import load_op
+
+    (tmp_path / "a-file").write_text("mine")
+    folder = tmp_path / under / "ck"
+    if under == "new/folders":
+        write_shard = load_op._write_shard
+
+        def disk_full_after_the_shard(path, *args):
+            write_shard(path, *args)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        monkeypatch.setattr(load_op, "_write_shard", disk_full_after_the_shard)
+    sets = [arg for item in SHRUNK for arg in ("--set", item)]
+    result = runner.invoke(app, ["profile", "bench-qwen3-30b-a3b", *sets, "--load-checkpoint", str(folder)])
+    assert result.exit_code == 2, result.output
+    why = "Not a directory" if under == "a-file" else "No space left on device"
+    assert result.stderr.strip().splitlines() == [
+        f"error: --load-checkpoint ('{folder}'): cannot write the synthetic checkpoint ({why}); nothing of it was kept"
+    ]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_json_folder_is_refused_before_the_checkpoint_is_written(tmp_path):
+    sets = [arg for item in SHRUNK for arg in ("--set", item)]
+    result = runner.invoke(app, ["profile", "bench-qwen3-30b-a3b", *sets, "--load-checkpoint", str(tmp_path / "ck"),
+                                 "--json", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: --json ('{tmp_path}') is a folder: name a file to write"]
+    assert not (tmp_path / "ck").exists()
