@@ -302,3 +302,21 @@ def test_bad_output_paths_are_one_line_exit_2_and_keep_the_json(monkeypatch, tmp
     (printed,) = result.stderr.strip().splitlines()
     assert printed.startswith(line.format(tmp=tmp_path)) and "Traceback" not in result.output
     assert calls == [] and old.read_text() == "[]\n"
+
+
+def test_a_plot_that_cannot_be_drawn_is_one_line_exit_2(monkeypatch, tmp_path):
+    import errno
+
+    from moe_tune.cli import profile_kernels
+
+    def disk_full(rows, path, partial=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, []))
+    monkeypatch.setattr(profile_kernels, "plot_rows", disk_full)
+    plot = tmp_path / "p.png"
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--plot", str(plot)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --plot ('{plot}'): cannot draw the plot ([Errno 28] No space left on device)"
+    ]

@@ -213,6 +213,13 @@ def _rewritten_tensor(key, change):
     return damage
 
 
+def _shard_linked_outside(folder):
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    outside = folder.parent / "outside.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+
+
 def _config_of_another_model(folder):
     config = json.loads((folder / "config.json").read_text())
     config["num_experts"] = 8
@@ -226,6 +233,7 @@ def _config_of_another_model(folder):
          "/model.safetensors.index.json: weight_map['lm_head.weight'] ('model-00099-of-00099.safetensors') names a "
          "file that does not exist"),
         (_truncated_shard, ".safetensors: not a readable safetensors file"),
+        (_shard_linked_outside, "leads outside the checkpoint folder"),
         (_rewritten_tensor("model.norm.weight", lambda t: t.float()),
          "1 tensor differs from this model's checkpoint (first: model.norm.weight is F32 [256] in model-"),
         (_rewritten_tensor("model.layers.0.mlp.gate.weight", lambda t: t[:3].clone()),
@@ -236,7 +244,7 @@ def _config_of_another_model(folder):
         (lambda folder: (folder / "config.json").write_text("[1,"), "/config.json:1:4: not valid JSON"),
         (lambda folder: (folder / "config.json").unlink(), "/config.json: cannot read (No such file or directory)"),
     ],
-    ids=["missing-shard", "truncated-shard", "wrong-dtype", "wrong-shape", "index-not-json", "config-of-another-model",
+    ids=["missing-shard", "truncated-shard", "shard-outside-the-folder", "wrong-dtype", "wrong-shape", "index-not-json", "config-of-another-model",
          "config-not-json", "no-config"],
 )  # fmt: skip
 def test_a_damaged_checkpoint_of_this_model_is_one_line_exit_2(written, tmp_path, damage, says):
