@@ -244,8 +244,8 @@ def _config_of_another_model(folder):
         (lambda folder: (folder / "config.json").write_text("[1,"), "/config.json:1:4: not valid JSON"),
         (lambda folder: (folder / "config.json").unlink(), "/config.json: cannot read (No such file or directory)"),
     ],
-    ids=["missing-shard", "truncated-shard", "shard-outside-the-folder", "wrong-dtype", "wrong-shape", "index-not-json", "config-of-another-model",
-         "config-not-json", "no-config"],
+    ids=["missing-shard", "truncated-shard", "shard-outside-the-folder", "wrong-dtype", "wrong-shape", "index-not-json",
+         "config-of-another-model", "config-not-json", "no-config"],
 )  # fmt: skip
 def test_a_damaged_checkpoint_of_this_model_is_one_line_exit_2(written, tmp_path, damage, says):
     folder = tmp_path / "ck"
