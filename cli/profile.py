@@ -19,15 +19,17 @@ app = typer.Typer()
 DEFAULT_STEPS = 3
 
 
-def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | None) -> list[str]:
+def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | None,
+                    profile_file: Path | None = None) -> list[str]:  # fmt: skip
     """One line per output file that cannot be written where it is named, checked before anything runs: the file
-    another option names (it would be overwritten), a folder, a folder that does not exist, no write permission, a
-    --plot format matplotlib cannot write (or no matplotlib)."""
+    another option or the PROFILE names (it would be overwritten), a folder, a folder that does not exist, no write
+    permission, a --plot format matplotlib cannot write (or no matplotlib)."""
     import os
 
     problems = []
     seen: dict[Path, str] = {}
-    for name, path in {"--json": json_out, "--plot": plot, "--baseline": baseline}.items():
+    named = {"PROFILE": profile_file, "--baseline": baseline, "--json": json_out, "--plot": plot}
+    for name, path in named.items():
         if path is None:
             continue
         where = f"{name} ({str(path)!r})"
@@ -36,7 +38,7 @@ def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | N
             problems.append(f"{where} is the {seen[resolved]} file: the run would overwrite it; name another file")
             continue
         seen[resolved] = name
-        if name == "--baseline":
+        if name in ("PROFILE", "--baseline"):
             continue
         if path.is_dir():
             problems.append(f"{where} is a folder: name a file to write")
@@ -132,8 +134,11 @@ def profile(
         misplaced += [f"{name} ({value}) does not apply with --load-checkpoint" for name, value in
                       {"--steps": None if steps == DEFAULT_STEPS else steps, "--against": against,
                        "--plot": plot}.items() if value is not None]  # fmt: skip
+    if misplaced:
+        fail(misplaced)
     # Before anything runs: a run of minutes must not end on a file it cannot write, nor overwrite an input.
-    problems = misplaced + output_problems(json_out, plot, baseline)
+    profile_file = Path(profile_arg) if profile_arg is not None and Path(profile_arg).is_file() else None
+    problems = output_problems(json_out, plot, baseline, profile_file)
     if problems:
         fail(problems)
     if load_checkpoint is not None and profile_arg is not None:

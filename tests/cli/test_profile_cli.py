@@ -283,7 +283,7 @@ def test_ops_named_twice_or_empty_are_one_line_exit_2(monkeypatch, ops, line):
         (["--plot", "{tmp}/p.xyz"], "error: --plot ('{tmp}/p.xyz') must end in a format matplotlib writes: "),
         (["--plot", "{tmp}/old.json"], "error: --plot ('{tmp}/old.json') is the --json file: the run would overwrite "
          "it; name another file"),
-        (["--baseline", "{tmp}/old.json"], "error: --baseline ('{tmp}/old.json') is the --json file: the run would "
+        (["--baseline", "{tmp}/old.json"], "error: --json ('{tmp}/old.json') is the --baseline file: the run would "
          "overwrite it; name another file"),
     ],
     ids=["json-folder", "plot-format", "plot-is-json", "baseline-is-json"],

@@ -183,3 +183,21 @@ def test_an_output_without_write_permission_is_one_line_exit_2(monkeypatch, tmp_
     result = runner.invoke(app, ["tiny", *TINY_STEPS, "--json", str(old)])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [f"error: --json ('{old}'): no permission to write it"]
+
+
+def test_a_json_over_the_profile_file_is_one_line_exit_2(monkeypatch, tmp_path):
+    from moe_tune.profiles import SHIPPED_DIR
+
+    def no_steps(*args, **kwargs):
+        raise AssertionError("the steps ran")
+
+    monkeypatch.setattr("moe_tune.engine.bench.steps.profile_steps", no_steps)
+    profile = tmp_path / "mine.yaml"
+    profile.write_text((SHIPPED_DIR / "tiny.yaml").read_text())
+    text = profile.read_text()
+    result = runner.invoke(app, [str(profile), *TINY_STEPS, "--json", str(tmp_path / "." / "mine.yaml")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --json ('{profile}') is the PROFILE file: the run would overwrite it; name another file"
+    ]
+    assert profile.read_text() == text
