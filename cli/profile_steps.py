@@ -5,6 +5,7 @@ transformers + PEFT baseline, `--against bf16-base` those of an FP8-base profile
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from pathlib import Path
 
 from rich.console import Console
@@ -75,11 +76,17 @@ def _steps_table(result: dict) -> Table:
     return table
 
 
-def _write_json(path: Path, data) -> None:
+def write_json(path: Path, data) -> None:
+    """Write `data` to --json's `path` through a temporary file renamed over it: a write that fails (a full disk)
+    leaves the file as it was, and says so in one line."""
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
     except OSError as err:
-        fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror})"])
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror}); the file is as it was"])
 
 
 def breakdown_table(breakdown: dict) -> Table:
@@ -274,7 +281,7 @@ def run(
         console.print(_against_table(result))
         console.print(against_line(result), markup=False)
     if json_out is not None:
-        _write_json(json_out, result)
+        write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)
     if plot is not None:
         try:
@@ -322,6 +329,6 @@ def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_o
         table.add_row(name, value)
     console.print(table)
     if json_out is not None:
-        _write_json(json_out, result)
+        write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)
 

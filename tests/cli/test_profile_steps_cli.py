@@ -201,3 +201,27 @@ def test_a_json_over_the_profile_file_is_one_line_exit_2(monkeypatch, tmp_path):
         f"error: --json ('{profile}') is the PROFILE file: the run would overwrite it; name another file"
     ]
     assert profile.read_text() == text
+
+
+def test_a_json_write_that_fails_keeps_the_old_file(monkeypatch, tmp_path):
+    # A full disk while the results are written: the file truncated, then the write refused.
+    import errno
+    from pathlib import Path
+
+    from moe_tune.engine.bench import load_op
+
+    def disk_full(path, *args, **kwargs):
+        path.open("w").close()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fake = dict.fromkeys(load_op.RESULT_KEYS, 1)
+    monkeypatch.setattr(load_op, "run_load_benchmark", lambda *args, **kwargs: dict(fake, write_s=None))
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    old = tmp_path / "old.json"
+    old.write_bytes(b'{"kept": true}\n')
+    result = runner.invoke(app, ["tiny", "--load-checkpoint", str(tmp_path / "ck"), "--json", str(old)])
+    assert old.read_bytes() == b'{"kept": true}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --json ('{old}'): cannot write the results (No space left on device); the file is as it was"
+    ]
