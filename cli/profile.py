@@ -4,6 +4,7 @@ profile (profile_steps.py); `moe-tune profile --kernels` times every registered 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -24,8 +25,6 @@ def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | N
     """One line per output file that cannot be written where it is named, checked before anything runs: the file
     another option or the PROFILE names (it would be overwritten), a folder, a folder that does not exist, no write
     permission, a --plot format matplotlib cannot write (or no matplotlib)."""
-    import os
-
     problems = []
     seen: dict[Path, str] = {}
     named = {"PROFILE": profile_file, "--baseline": baseline, "--json": json_out, "--plot": plot}
