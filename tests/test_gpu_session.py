@@ -92,7 +92,7 @@ def gpu_test_folder(tmp_path: Path) -> Path:
 
 
 def run_pytest_in(folder: Path, markexpr: str) -> subprocess.CompletedProcess:
-    # tests/ on the path for the conftest's import of gpu_session.
+    # The copied conftest imports gpu_session, which lives in tests/.
     env = dict(pytest_env(), PYTHONPATH=os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
                            "-rfE", "-m", markexpr, str(folder)], cwd=folder, env=env, capture_output=True, text=True,

@@ -10,10 +10,7 @@ from moe_tune.engine.model.moe import GroupedExperts, expert_generator
 from moe_tune.ops.fp8 import dequantize_weight, quantize_weight
 from moe_tune.profiles import load_profile
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("base_precision", ["bf16", "fp8"])

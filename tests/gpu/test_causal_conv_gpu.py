@@ -21,10 +21,7 @@ from norm_conv_cases import (
 from moe_tune.ops.causal_conv import causal_conv, kernels
 from moe_tune.ops.causal_conv.reference import causal_conv_ref
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 

@@ -11,10 +11,7 @@ import torch
 from moe_tune.engine.train.graphs import GRAPHED_ATTR, graph_moe_blocks, moe_blocks
 from moe_tune.profiles import load_profile
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 # The hybrid benchmark model's layer kinds at a small width (as tests/gpu/test_host_syncs_gpu.py), ZeRO-1.
 SMALL = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_key_value_heads=2",

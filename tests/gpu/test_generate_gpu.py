@@ -20,10 +20,7 @@ from moe_tune.engine.model.model import build_model
 from moe_tune.profiles import load_profile
 from moe_tune.profiles.schema import ModelProfile
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = torch.device("cuda")
 KDA = {"kda_attention": {"num_heads": 2, "head_dim": 16}}

@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 # The waits a step may have, by file of ours: the one copy of the expert-load statistics per step and the benchmark
 # loop's read of the step's loss. The batch reaches the GPU through pinned memory without a wait, and full

@@ -18,10 +18,7 @@ from moe_tune.ops.moe import ExpertLoRA, fp8_weights, kernel_config, kernels_fwd
 from moe_tune.ops.moe.reference import moe_mlp_ref
 from moe_cases import LORA_NAMES, make_case, run_with_grads
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 # One table per dtype, errors against the largest magnitude of each reference tensor: test_moe_gpu.py's, since the

@@ -16,10 +16,7 @@ from moe_tune.ops.moe import ExpertLoRA, kernel_config, kernels_fwd, moe_mlp, to
 from moe_tune.ops.moe.reference import moe_mlp_ref
 from moe_cases import LORA_NAMES, make_case, run_with_grads
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 # One table per dtype, errors measured against the largest magnitude of each reference tensor (weight gradients

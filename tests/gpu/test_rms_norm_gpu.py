@@ -15,10 +15,7 @@ from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_
 from moe_tune.ops.rms_norm import kernels, rms_norm
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 

@@ -15,10 +15,7 @@ from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_
 from moe_tune.ops.rotary import apply_rotary, kernels
 from moe_tune.ops.rotary.reference import rotary_ref
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"
 

@@ -18,10 +18,7 @@ from moe_tune.engine.model.model import build_model
 from moe_tune.profiles import load_profile
 from moe_tune.profiles.schema import LayerSpec, LoraProfile, ModelProfile
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu
 
 # Chunked against unchunked, both bf16: the norm of the difference relative to the norm of the unchunked tensor. The
 # two differ by bf16 roundings of partial results (the slabs' states, the chunks' projections), and a sparse layer's
