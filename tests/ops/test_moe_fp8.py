@@ -280,13 +280,13 @@ def test_fp8_experts_buffer_from_enough_rows_per_expert(monkeypatch, num_experts
 @pytest.mark.parametrize("rows_per_expert, buffered", [(6, True), (7, False)])
 def test_fp8_experts_count_routed_rows_not_tokens(kernel_path, monkeypatch, dequantize_calls, rows_per_expert,
                                                   buffered):  # fmt: skip
-    # D256_F128 routes 9 tokens x top-2 = 18 rows to 3 experts: 6 rows each, 3 if tokens were counted.
+    # D256_F128 routes 9 tokens x top-2 = 18 rows to 3 experts: 6 rows each, 3 if tokens were counted. Backward
+    # takes forward's choice: two buffers each way, or none.
     monkeypatch.setattr(fp8_weights, "MIN_ROWS_PER_EXPERT", rows_per_expert)
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["D256_F128"]
-    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "none")
-    with torch.no_grad():
-        moe_mlp(**case)
-    assert len(dequantize_calls) == (2 if buffered else 0)
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
+    assert len(dequantize_calls) == (4 if buffered else 0)
 
 
 @pytest.mark.parametrize("num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern, lora_on, dtype", KERNEL_CASES)
