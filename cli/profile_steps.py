@@ -5,6 +5,7 @@ transformers + PEFT baseline, `--against bf16-base` those of an FP8-base profile
 from __future__ import annotations
 
 import json
+import math
 from contextlib import suppress
 from pathlib import Path
 
@@ -195,6 +196,19 @@ def against_line(result: dict) -> str:
     return line
 
 
+def one_document_line(result: dict) -> str | None:
+    """Both models' loss on one document before any step (the transformers baseline's `one_document`): where they
+    agree, the weights are the same whatever the first-step losses say. None without it."""
+    other = result["against"]
+    probe = other.get("one_document")
+    if probe is None or probe["baseline_loss"] is None:
+        return None
+    ours, theirs = probe["moe_tune_loss"], probe["baseline_loss"]
+    apart = abs(ours - theirs) / abs(theirs) if theirs else math.inf
+    return (f"the longest document of the first micro-batch alone ({probe['tokens']:,} tokens), before any step: loss "
+            f"{ours:.4f} ({_ours_name(result)}) / {theirs:.4f} ({other['impl']}), {apart:.3%} apart")
+
+
 def _steps_plot(result: dict, path: Path) -> None:
     """The breakdown's shares as horizontal bars; beside them, with --against, tokens/s and peak memory of both."""
     import matplotlib
@@ -280,6 +294,8 @@ def run(
             console.print(line, markup=False, soft_wrap=True)
         console.print(_against_table(result))
         console.print(against_line(result), markup=False)
+    if other is not None and (line := one_document_line(result)):
+        console.print(line, markup=False, soft_wrap=True)
     if json_out is not None:
         write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)

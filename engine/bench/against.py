@@ -31,6 +31,10 @@ temporary folder (InitialWeights: the keys `moe-tune export` writes, placed by t
 baseline loads, every key checked. The row says
 which (`initial_weights`), and what the linear-attention layers ran (`linear_attention_implementation`,
 `causal_conv_implementation`, `gated_norm_implementation`: read from the built model, `kernel_paths`).
+Where a baseline does not keep the documents of a row apart everywhere ours does (qwen3_next's short conv without
+causal-conv1d), the first-step losses differ although the weights are equal; `one_document` is the check that does
+not depend on it: the longest document of the first micro-batch alone, both models' mean loss on it before any step
+(eval mode, no gradients).
 
 Shapes: R rows per micro-batch, L seq_len, E experts, r LoRA rank.
 """
@@ -519,6 +523,16 @@ def build_transformers_model(job: JobProfile, device: torch.device, initial: Pat
     return model, model_type
 
 
+def longest_document(batch):
+    """The longest document piece of a micro-batch (the first of equal ones) as a micro-batch of its own: one row
+    [1, n] with its labels, one cu_seqlens segment."""
+    bounds = batch.cu_seqlens.tolist()
+    start, stop = max(zip(bounds, bounds[1:]), key=lambda piece: piece[1] - piece[0])
+    assert batch.pixel_values is None, "check_buildable refuses models with a vision tower"
+    return type(batch)(input_ids=batch.input_ids[:, start:stop], labels=batch.labels[:, start:stop],
+                       cu_seqlens=torch.tensor([0, stop - start], dtype=torch.int32))  # fmt: skip
+
+
 def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(base parameters, trainable parameters): adapters and trained copies of saved modules are not base."""
     base = sum(p.numel() for name, p in model.named_parameters()
@@ -582,6 +596,21 @@ class TransformersRunner:
         aux = getattr(out, "aux_loss", None)
         lm = out.loss if aux is None else out.loss - self.model.config.router_aux_loss_coef * aux
         return out.loss, lm
+
+    def document_loss(self, document) -> float:
+        """Mean next-token loss on `document` (longest_document's micro-batch: one row of one document), in eval mode
+        without gradients; the training mode is restored."""
+        n = document.input_ids.shape[1]
+        inputs = {"input_ids": document.input_ids.to(self.device), "labels": document.labels.to(self.device),
+                  "position_ids": torch.arange(n, device=self.device)[None]}  # fmt: skip
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                _, lm = self.lm_loss(inputs)
+        finally:
+            self.model.train(was_training)
+        return float(lm)
 
     def step(self, batches: list) -> dict[str, Any]:
         """One optimizer step over `batches` (the micro-batches of one of our steps)."""
@@ -772,11 +801,12 @@ def documents_text(bounds: LinearBounds | None) -> str:
 
 
 def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, device: torch.device, total_steps: int,
-                     on_step=None, initial: InitialWeights | None = None) -> dict[str, Any]:  # fmt: skip
+                     on_step=None, initial: InitialWeights | None = None, document=None) -> dict[str, Any]:  # fmt: skip
     """Build the transformers baseline (from our initial weights where `initial` holds them) and run one step per
     entry of `step_batches` (the first `warmup` untimed), its lr schedule over `total_steps` as ours.
     Returns its row: medians over the timed steps, peak memory (CUDA), parameter counts, where its weights came
-    from and what transformers chose to run."""
+    from and what transformers chose to run; with `document` (longest_document's), its loss on it before the first
+    step (`document_loss`)."""
     gc.collect()
     is_cuda = device.type == "cuda"
     if is_cuda:
@@ -797,7 +827,8 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
                 gc.collect()
                 torch.cuda.empty_cache()
             return _out_of_memory_row(job, "building the model", 0, allocated_before, initial)
-        return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced, initial)
+        return _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced, initial,
+                          document)  # fmt: skip
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -813,10 +844,10 @@ def _impl_name(own: dict | None = None) -> str:
 
 
 def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_before: int | None,
-                       initial: InitialWeights | None = None,
-                       documents: str | None = None) -> dict[str, Any]:  # fmt: skip
+                       initial: InitialWeights | None = None, documents: str | None = None,
+                       document_loss: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The baseline's row when it ran out of memory `where`: no timings, the steps it finished (and how it fed their
-    documents, when it had built the model)."""
+    documents and its one-document loss, when it had built the model and got that far)."""
     model_type, _ = transformers_config(job.model)
     return dict(
         impl=_impl_name(), model_type=model_type, attention_implementation=None, experts_implementation=None,
@@ -824,19 +855,29 @@ def _out_of_memory_row(job: JobProfile, where: str, steps_done: int, allocated_b
         documents=documents,
         lora=lora_targets(job, model_type) if job.lora.enabled else None, steps=steps_done, losses=[],
         first_step_loss=None, tokens_per_s=None, step_time_s=None, step_times_s=[], peak_memory_bytes=None,
-        allocated_before_bytes=allocated_before, parameters=None, trainable_parameters=None, out_of_memory=where,
+        allocated_before_bytes=allocated_before, parameters=None, trainable_parameters=None,
+        document_loss=document_loss, out_of_memory=where,
     )  # fmt: skip
 
 
-def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced, initial) -> dict[str, Any]:
+def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before, replaced, initial,
+               document) -> dict[str, Any]:  # fmt: skip
     job = runner.job
     # The functions pure_torch_paths rebound in the model's own modeling module (named in `impl`).
     model_module = type(getattr(runner.model, "get_base_model", lambda: runner.model)()).__module__
     own = {key: origin for key, origin in replaced.items() if key[0] == model_module}
     all_records = []
     out_of_memory = None
+    document_loss = None
     try:
-        for index, batches in enumerate(step_batches):
+        if document is not None:
+            try:
+                document_loss = runner.document_loss(document)
+            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
+                if not is_out_of_memory(err):
+                    raise
+                out_of_memory = "the one-document loss before the first step"
+        for index, batches in enumerate(step_batches if out_of_memory is None else []):
             if index == warmup and is_cuda:
                 torch.cuda.reset_peak_memory_stats()
             try:
@@ -857,7 +898,7 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
             torch.cuda.empty_cache()
     if out_of_memory is not None:
         return _out_of_memory_row(job, out_of_memory, max(len(all_records) - warmup, 0), allocated_before, initial,
-                                  runner.documents)
+                                  runner.documents, document_loss)
     return dict(
         impl=_impl_name(own),
         model_type=runner.model_type,
@@ -871,5 +912,6 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
         allocated_before_bytes=allocated_before,
         parameters=runner.parameters,
         trainable_parameters=runner.trainable_parameters,
+        document_loss=document_loss,
         out_of_memory=None,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import gc
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Callable
@@ -142,6 +143,19 @@ class StepRunner:
         if self.activation_memory is not None:
             record.update(self.activation_memory.step_metrics())
         return record
+
+    def document_loss(self, document) -> float:
+        """Mean next-token loss on `document` (a micro-batch, here one document alone) in eval mode without gradients,
+        as the trainer's evaluate() runs it: no expert loads counted, the training mode restored."""
+        was_training = self.engine.module.training
+        self.engine.eval()
+        try:
+            with torch.no_grad():
+                out = self.engine(**document.model_inputs(self.dist.device), loss_denominator=1.0, return_logits=False)
+        finally:
+            self.engine.train(was_training)
+        tokens = document.num_label_tokens
+        return float(out.lm_loss) / tokens if tokens else math.nan
 
     def _capture_graphs(self, tokens: int) -> None:
         from moe_tune.engine.train.graphs import maybe_graph_moe_blocks
@@ -284,7 +298,13 @@ def profile_steps(
     if note := ds_config.zero_stage_note(profile, runner.dist.world_size, runner.dist.device.type):
         say(note)
     all_records = []
+    document, document_loss = None, None
     try:
+        if against == "transformers":
+            from moe_tune.engine.bench.against import longest_document
+
+            document = longest_document(runner.micro_batches(0)[0])
+            document_loss = runner.document_loss(document)
         for index in range(warmup + steps):
             if index == warmup and runner.is_cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -332,7 +352,7 @@ def profile_steps(
         say(f"the same {warmup + steps} steps in {against}")
         try:
             baseline = run_transformers(profile, step_batches, warmup, device, runner.total_steps, on_step=tell,
-                                        initial=initial)  # fmt: skip
+                                        initial=initial, document=document)  # fmt: skip
         finally:
             if initial is not None:
                 initial.close()
@@ -367,6 +387,9 @@ def profile_steps(
         )
         if against == "bf16-base":
             against_result["loss_gap"] = loss_gap
+        else:
+            against_result["one_document"] = dict(tokens=document.input_ids.shape[1], moe_tune_loss=document_loss,
+                                                  baseline_loss=against_result.pop("document_loss"))  # fmt: skip
     return dict(
         profile=profile.name,
         seq_len=profile.data.seq_len,

@@ -403,3 +403,79 @@ def test_cli_line_names_the_weights_and_the_kernels():
         f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule; short conv {NEXT_MODULE}.causal_conv1d_fn; gated norm "
         f"{NEXT_MODULE}.Qwen3NextRMSNormGated")  # fmt: skip
     assert baseline_runs_line({"baseline": "bf16-base"}) is None
+
+
+def test_one_document_shows_equal_weights_where_the_first_step_losses_differ(tmp_path, monkeypatch):
+    """qwen3_next on transformers' PyTorch paths carries its delta rule's state and its short conv across the
+    documents packed in a row (as its short conv does on the H200): the first-step losses differ by 5e-5, while both
+    models' loss on the longest document of the first micro-batch alone, before any step, agree in fp32."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    from moe_tune.engine.bench.steps import profile_steps
+
+    result = profile_steps(job_of(NEXT_LIKE, tmp_path, rows=packed_rows), steps=1, warmup=1, against="transformers")
+    other = result["against"]
+    probe = other["one_document"]
+    assert sorted(probe) == ["baseline_loss", "moe_tune_loss", "tokens"]
+    assert probe["tokens"] == SEQ_LEN // 3  # packed_rows' documents are all this long: the first is taken
+    assert probe["baseline_loss"] == pytest.approx(probe["moe_tune_loss"], rel=1e-5, abs=0)
+    assert abs(other["first_step_loss"] - result["first_step_loss"]) > 1e-5 * result["first_step_loss"]
+    assert "document_loss" not in other
+
+
+def scaled_final_norm(build, factor):
+    """build_transformers_model whose model's final norm weight is scaled by `factor` once loaded."""
+
+    def build_scaled(*args, **kwargs):
+        model, model_type = build(*args, **kwargs)
+        (weight,) = [p for name, p in model.named_parameters() if name.endswith("model.norm.weight")]
+        with torch.no_grad():
+            weight.mul_(factor)
+        return model, model_type
+
+    return build_scaled
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5], ids=["same", "final-norm-x1.5"])
+def test_one_document_tells_weights_apart(tmp_path, monkeypatch, factor):
+    """The check can fail: a baseline whose final norm weight is 1.5x ours loses agreement on the one document."""
+    from moe_tune.engine.bench import against
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(against, "build_transformers_model", scaled_final_norm(against.build_transformers_model,
+                                                                                factor))  # fmt: skip
+    from moe_tune.engine.bench.steps import profile_steps
+
+    result = profile_steps(job_of(MOE_LIKE, tmp_path), steps=1, warmup=1, against="transformers")
+    probe = result["against"]["one_document"]
+    gap = abs(probe["baseline_loss"] - probe["moe_tune_loss"]) / probe["moe_tune_loss"]
+    assert (gap < 1e-5) == (factor == 1.0), gap
+
+
+def test_longest_document_is_cut_from_the_micro_batch():
+    from moe_tune.engine.bench.against import longest_document
+    from moe_tune.engine.data.dataset import Batch
+
+    ids = torch.arange(100, 112)[None]
+    labels = torch.arange(200, 212)[None]
+    for bounds, (start, stop) in (([0, 3, 8, 12], (3, 8)), ([0, 4, 8, 12], (0, 4)), ([0, 12], (0, 12)),
+                                  ([0, 1, 2, 12], (2, 12))):  # fmt: skip
+        batch = Batch(input_ids=ids, labels=labels, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
+        piece = longest_document(batch)
+        assert piece.input_ids.tolist() == [list(range(100 + start, 100 + stop))]
+        assert piece.labels.tolist() == [list(range(200 + start, 200 + stop))]
+        assert piece.cu_seqlens.tolist() == [0, stop - start] and piece.cu_seqlens.dtype == torch.int32
+
+
+def test_cli_line_gives_both_one_document_losses():
+    from moe_tune.cli.profile_steps import one_document_line
+
+    other = {"baseline": "transformers", "impl": "transformers 5.17.0 + peft 0.21.0",
+             "one_document": {"tokens": 4095, "moe_tune_loss": 10.78125, "baseline_loss": 10.8}}  # fmt: skip
+    assert one_document_line({"against": other}) == (
+        "the longest document of the first micro-batch alone (4,095 tokens), before any step: loss 10.7812 (moe-tune)"
+        " / 10.8000 (transformers 5.17.0 + peft 0.21.0), 0.174% apart")
+    # Out of memory before the loss, and the bf16 twin (no such check): no line.
+    assert one_document_line({"against": dict(other, one_document=dict(other["one_document"], baseline_loss=None))}) is None
+    assert one_document_line({"against": {"baseline": "bf16-base", "impl": "moe-tune, bf16 base"}}) is None

@@ -58,6 +58,9 @@ def test_profile_against_transformers_reports_both_rows_the_breakdown_and_mfu(tm
     assert other["parameters"] == data["parameters"]
     # The same micro-batches on both sides: the same labelled tokens per step.
     assert other["tokens_per_s"] * other["step_time_s"] == pytest.approx(data["tokens_per_s"] * data["step_time_s"])
+    probe = other["one_document"]
+    assert (f"the longest document of the first micro-batch alone ({probe['tokens']:,} tokens), before any step: loss "
+            f"{probe['moe_tune_loss']:.4f} (moe-tune) / {probe['baseline_loss']:.4f} ({other['impl']})") in result.stdout
     assert png.read_bytes().startswith(PNG_SIGNATURE)
     assert not (tmp_path / "out").exists()
 
