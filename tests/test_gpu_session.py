@@ -115,6 +115,66 @@ def test_a_cpu_run_keeps_a_gpu_module_skipped_at_collection_a_skip(gpu_test_fold
     assert "1 skipped, 3 deselected" in run.stdout and "error" not in run.stdout, run.stdout + run.stderr
 
 
+# A plugin that makes this machine look like a CUDA one to tests/gpu/conftest.py's memory fixture: each test sets the
+# peak it "reserved"; every empty_cache call is written to the file EMPTIED names.
+FAKE_CUDA_MEMORY = """import os
+import torch
+
+torch.cuda.is_available = lambda: True
+torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: setattr(torch.cuda, "fake_peak", 0)
+torch.cuda.max_memory_reserved = lambda *args, **kwargs: torch.cuda.fake_peak
+
+
+def empty_cache():
+    with open(os.environ["EMPTIED"], "a") as log:
+        log.write("emptied\\n")
+
+
+torch.cuda.empty_cache = empty_cache
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
+def test_gpu_run_ends_with_the_largest_memory_peaks(tmp_path, workers):
+    """Each test's peak reaches the run's end (through xdist's workers too), largest first, and the cache is emptied
+    after every test."""
+    shutil.copy(GPU_TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+    (tmp_path / "fake_cuda_memory.py").write_text(FAKE_CUDA_MEMORY)
+    gib = {"small": 1, "large": 40, "middle": 12}
+    (tmp_path / "test_peaks.py").write_text("import pytest\nimport torch\npytestmark = pytest.mark.gpu\n" + "".join(
+        f"\ndef test_{name}():\n    torch.cuda.fake_peak = {size} * 2**30\n" for name, size in gib.items()))
+    emptied = tmp_path / "emptied.log"
+    env = dict(pytest_env(), EMPTIED=str(emptied),
+               PYTHONPATH=os.pathsep.join([str(tmp_path), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "fake_cuda_memory", "-m",
+                          "gpu", *workers, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    start = lines.index("largest GPU memory peaks (reserved by the caching allocator), 3 tests:")
+    assert [line.split() for line in lines[start + 1:start + 4]] == [
+        ["40.00", "GiB", "test_peaks.py::test_large"], ["12.00", "GiB", "test_peaks.py::test_middle"],
+        ["1.00", "GiB", "test_peaks.py::test_small"]]  # fmt: skip
+    assert emptied.read_text().split() == ["emptied"] * 3
+
+
+def test_largest_peaks_count_a_test_once_and_order_ties_by_name():
+    from types import SimpleNamespace
+
+    from gpu_memory import PEAK_PROPERTY, largest_peaks, summary_lines
+
+    def report(nodeid, when, *peaks):
+        return SimpleNamespace(nodeid=nodeid, when=when, user_properties=[(PEAK_PROPERTY, p) for p in peaks])
+
+    reports = [report("a", "setup"), report("a", "call"), report("a", "teardown", 5), report("b", "teardown", 7),
+               report("c", "teardown", 5), report("d", "teardown", 1), report("b", "teardown", 3),
+               SimpleNamespace(nodeid="e", when="teardown", user_properties=[("other", 99)])]  # fmt: skip
+    assert largest_peaks(reports) == [(7, "b"), (5, "a"), (5, "c"), (1, "d")]
+    assert largest_peaks(reports, count=2) == [(7, "b"), (5, "a")]
+    assert summary_lines([report("a", "call")]) == []
+
+
 def gpu_marks(tree: ast.AST) -> list[int]:
     """Lines of every `mark.gpu` in a parsed file (pytest.mark.gpu however it is applied)."""
     return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == GPU_MARKER

@@ -13,6 +13,7 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 import math
 
 import pytest
+from gpu_memory import GPU_MEMORY_GROUP
 from guarded_buffers import GuardedBuffers
 from kernel_fixtures import INTERPRETED_ON_GPU, fail_if_interpreted
 import torch
@@ -221,6 +222,7 @@ def test_auto_dispatch_takes_the_kernel_on_the_gpu(guarded, monkeypatch):
     assert calls == [(1, 64, 2, 16), (1, 64, 2, 64)]  # fp32 ran the reference
 
 
+@GPU_MEMORY_GROUP
 @pytest.mark.parametrize("num_docs", [8, 110])
 def test_long_packed_batch_bf16_matches_reference(guarded, num_docs):
     # The shape that failed on the H200 (2026-11-29): T16384 H32 K=V=128 in 8 or 110 documents (the hybrid benchmark
@@ -245,6 +247,7 @@ def test_repeated_runs_are_bitwise_equal(guarded, is_per_channel):
     guarded.check()
 
 
+@GPU_MEMORY_GROUP
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("T, V", [(8192, 128), (1000, 64)], ids=["T8192-V128", "T1000-V64-serial_output"])
 def test_saved_intermediates_match_reference(guarded, is_per_channel, T, V):
@@ -262,17 +265,20 @@ def test_saved_intermediates_match_reference(guarded, is_per_channel, T, V):
     assert [name for name in first if not torch.equal(first[name], second[name])] == []
 
 
+@GPU_MEMORY_GROUP
 def test_anchor_shape_saved_intermediates_bf16_matches_reference(guarded):
     inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)
     assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, save_intermediates=True)
 
 
+@GPU_MEMORY_GROUP
 def test_anchor_shape_bf16_matches_reference(guarded):
     # The shape of the speed targets (docs/PERF.md, linear attention): B4 T8192 H16 K=V=128, forward and backward.
     inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)
     assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
 
 
+@GPU_MEMORY_GROUP
 def test_kda_long_sequence_bf16_matches_reference(guarded):
     # KDA at T8192 H16 K=V=128 with B1: the reference holds [B, H, 64, 64, K] pairwise decays per chunk for autograd
     # (about 15 GB at B1), four times that at B4.

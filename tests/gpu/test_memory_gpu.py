@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from gpu_memory import GPU_MEMORY_GROUP
 
 from moe_tune.engine.memory import OPERATOR_CLASSES, attach_activation_memory, find_activation_memory, resolve_policy
 from moe_tune.engine.memory import store as store_module
@@ -229,6 +230,7 @@ def math_attention():
     torch.backends.cuda.enable_mem_efficient_sdp(previous[1])
 
 
+@GPU_MEMORY_GROUP
 def test_offload_all_trains_bitwise_at_the_benchmark_models_size(math_attention):
     # bench-qwen3-next (8 layers, hidden 2048, 64 experts, full attention on 2 layers) on one benchmark micro-batch:
     # copies of hundreds of MB per layer over many pool chunks, prefetch two layers deep.
