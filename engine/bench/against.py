@@ -294,9 +294,16 @@ def base_precision_note(job: JobProfile) -> str | None:
             f"{job.train.precision} (transformers + PEFT cannot put LoRA on FP8 weights)")  # fmt: skip
 
 
+def baseline_device() -> torch.device | None:
+    """Where the baseline will run its own kernels: the GPU when there is one (one process: check_against); None on
+    a CPU, where it runs transformers' PyTorch paths (run_transformers)."""
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
 def check_buildable(job: JobProfile) -> str:
     """Build the baseline on the meta device (shapes only, seconds even for billions of parameters), so that a
-    profile transformers or PEFT cannot take is refused before anything runs. Returns the model type."""
+    profile transformers or PEFT cannot take is refused before anything runs; on a GPU, also a baseline whose
+    linear-attention kernels cannot train there (check_kernels_train). Returns the model type."""
     import transformers
 
     from moe_tune.engine.families import family_for
@@ -307,6 +314,9 @@ def check_buildable(job: JobProfile) -> str:
         model = model_class(transformers.AutoConfig.for_model(model_type, **config))
         if job.lora.enabled:
             _with_lora(model, job, model_type)
+    device = baseline_device()
+    if device is not None:
+        check_kernels_train(model, model_type, device, DTYPES[job.train.precision])
     return model_type
 
 
@@ -763,6 +773,42 @@ def _short_conv_keeps_documents(conv: Callable | None, device: torch.device, dty
     # [1, C, T] with channels last in memory, as the layer hands it over (its [1, T, C] projection transposed).
     inputs, changed = ([y.transpose(1, 2)] for y in (x, _first_redrawn(x, generator)))
     return _second_document_kept_apart(call, inputs, changed, 2, {"seq_idx": seq_idx})
+
+
+def _delta_rule_backward_error(chunk: Callable, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The error `chunk` (a chunk_gated_delta_rule, called as qwen3_next's layer calls it) raises on two tiny
+    documents' forward and backward on `device` (every input a gradient), or None when it runs."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = 2 * PROBE_TOKENS
+    q, k, v = (torch.randn(1, tokens, 1, PROBE_DIM, generator=generator).to(device, dtype).requires_grad_()
+               for _ in range(3))  # fmt: skip
+    g = (-torch.rand(1, tokens, 1, generator=generator)).to(device).requires_grad_()
+    beta = torch.full((1, tokens, 1), 0.5, device=device, dtype=dtype).requires_grad_()
+    try:
+        out = chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
+        out.float().sum().backward()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the peer's kernel raises is what the refusal quotes
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return None
+
+
+def check_kernels_train(model: torch.nn.Module, model_type: str, device: torch.device, dtype: torch.dtype) -> None:
+    """ProfileError, before anything runs, when a chunked delta rule the model's linear-attention layers call
+    (kernel_paths' functions) fails a tiny forward and backward on `device`: the baseline could not train a step
+    there (FLA 0.6's gated backward refuses Hopper GPUs on Triton 3.4 to 3.7.0)."""
+    layers = [calls for module in model.modules()
+              if "linear_attention_implementation" in (calls := _called_kernels(module))]  # fmt: skip
+    chunks = {id(f): f for f in (calls["linear_attention_implementation"][1] for calls in layers) if f is not None}
+    for chunk in chunks.values():
+        error = _delta_rule_backward_error(chunk, device, dtype)
+        if error is not None:
+            raise ProfileError([
+                f"--against transformers: transformers' {model_type} trains its linear-attention layers with "
+                f"{_function_name(chunk)}, which fails a backward on this machine ({error[:200]}); the baseline "
+                "cannot train here (docs/bench.md, \"What the baseline runs\")"])  # fmt: skip
 
 
 def linear_attention_bounds(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LinearBounds | None:

@@ -479,3 +479,60 @@ def test_cli_line_gives_both_one_document_losses():
     # Out of memory before the loss, and the bf16 twin (no such check): no line.
     assert one_document_line({"against": dict(other, one_document=dict(other["one_document"], baseline_loss=None))}) is None
     assert one_document_line({"against": {"baseline": "bf16-base", "impl": "moe-tune, bf16 base"}}) is None
+
+
+class RefusedBackward(torch.autograd.Function):
+    """Identity forward, a backward that refuses as FLA 0.6's gated backward does on Hopper with Triton 3.4-3.7.0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                           "chunk_bwd_dqkwg (see #640).\nPlease upgrade Triton")  # fmt: skip
+
+
+def refusing_chunk(torch_chunk):
+    """`torch_chunk` whose output's backward refuses, named as FLA's chunked delta rule."""
+
+    def chunk_gated_delta_rule(q, k, v, **kwargs):
+        out, state = torch_chunk(q, k, v, **kwargs)
+        return RefusedBackward.apply(out), state
+
+    return as_fla(chunk_gated_delta_rule)
+
+
+@pytest.mark.parametrize("refuses", [False, True], ids=["trains", "backward-refused"])
+def test_a_baseline_whose_delta_rule_cannot_train_here_is_refused_before_anything_runs(tmp_path, monkeypatch,
+                                                                                        refuses):  # fmt: skip
+    """On a GPU, the delta rule transformers' qwen3_next calls is run forward and backward on two tiny documents
+    before our steps: a kernel that raises (FLA's gated backward on Triton 3.6 on Hopper) refuses the run in one line
+    naming it and its error; transformers' own PyTorch path trains and passes. (The baseline's device is this CPU.)"""
+    import inspect
+
+    import transformers.models.qwen3_next.modeling_qwen3_next as modeling
+
+    from moe_tune.engine.align.reference import pure_torch_paths
+    from moe_tune.engine.bench import against
+    from moe_tune.engine.bench.steps import check_against
+    from moe_tune.profiles import ProfileError
+
+    monkeypatch.setattr(against, "baseline_device", lambda: torch.device("cpu"))
+    job = job_of(NEXT_LIKE, tmp_path)
+    with pure_torch_paths(), monkeypatch.context() as patch:
+        if refuses:
+            torch_chunk = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+            patch.setattr(modeling, "torch_chunk_gated_delta_rule", refusing_chunk(torch_chunk))
+            with pytest.raises(ProfileError) as refusal:
+                check_against(job, "transformers")
+            assert refusal.value.problems == [
+                "--against transformers: transformers' qwen3_next trains its linear-attention layers with "
+                f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule, which fails a backward on this machine (RuntimeError: "
+                "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see "
+                "#640).); the baseline cannot train here (docs/bench.md, \"What the baseline runs\")"]
+        else:
+            check_against(job, "transformers")
+    # qwen3_moe has no linear attention: nothing to probe.
+    check_against(job_of(MOE_LIKE, tmp_path), "transformers")

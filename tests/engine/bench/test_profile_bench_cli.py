@@ -101,3 +101,28 @@ def test_bad_against_is_one_line_exit_2(args, message):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [message]
+
+
+def test_a_baseline_kernel_that_cannot_train_here_is_one_line_exit_2(tmp_path, monkeypatch):
+    """The refusal of check_kernels_train (tests/engine/bench/test_against_baseline.py) through the CLI: one line,
+    exit 2, before our steps (nothing printed of them, no output folder)."""
+    import inspect
+
+    import transformers.models.qwen3_next.modeling_qwen3_next as modeling
+    from test_against_baseline import refusing_chunk
+
+    from moe_tune.engine.align.reference import pure_torch_paths
+    from moe_tune.engine.bench import against
+
+    monkeypatch.setattr(against, "baseline_device", lambda: torch.device("cpu"))
+    profile = tmp_path / "next-like.yaml"
+    profile.write_text(yaml.safe_dump(dict(NEXT_LIKE, output={"dir": str(tmp_path / "out")})))
+    with pure_torch_paths(), monkeypatch.context() as patch:
+        torch_chunk = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+        patch.setattr(modeling, "torch_chunk_gated_delta_rule", refusing_chunk(torch_chunk))
+        result = runner.invoke(app, [str(profile), "--steps", "1", "--against", "transformers"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: --against transformers: transformers' qwen3_next trains its linear-attention "
+                           "layers with fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule, which fails a backward")
+    assert "moe-tune warm-up" not in result.stdout and not (tmp_path / "out").exists()
