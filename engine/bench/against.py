@@ -536,9 +536,9 @@ def build_transformers_model(job: JobProfile, device: torch.device, initial: Pat
 def longest_document(batch):
     """The longest document piece of a micro-batch (the first of equal ones) as a micro-batch of its own: one row
     [1, n] with its labels, one cu_seqlens segment."""
+    assert batch.pixel_values is None, "check_buildable refuses models with a vision tower"
     bounds = batch.cu_seqlens.tolist()
     start, stop = max(zip(bounds, bounds[1:]), key=lambda piece: piece[1] - piece[0])
-    assert batch.pixel_values is None, "check_buildable refuses models with a vision tower"
     return type(batch)(input_ids=batch.input_ids[:, start:stop], labels=batch.labels[:, start:stop],
                        cu_seqlens=torch.tensor([0, stop - start], dtype=torch.int32))  # fmt: skip
 
