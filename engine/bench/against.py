@@ -775,6 +775,16 @@ def _short_conv_keeps_documents(conv: Callable | None, device: torch.device, dty
     return _second_document_kept_apart(call, inputs, changed, 2, {"seq_idx": seq_idx})
 
 
+def _short_conv_backward_error(conv: Callable, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The error `conv` (a causal_conv1d_fn, called as qwen3_next's layer calls it) raises on a tiny input's forward
+    and backward on `device`, or None when it runs."""
+    generator = torch.Generator().manual_seed(0)
+    # [1, C, T] with channels last in memory, as the layer hands it over.
+    x = torch.randn(1, 2 * PROBE_TOKENS, PROBE_DIM, generator=generator).to(device, dtype).requires_grad_()
+    weight = torch.randn(PROBE_DIM, PROBE_CONV_WIDTH, generator=generator).to(device, dtype).requires_grad_()
+    return _backward_error(lambda: conv(x.transpose(1, 2), weight, None, activation="silu"))
+
+
 def _delta_rule_backward_error(chunk: Callable, device: torch.device, dtype: torch.dtype) -> str | None:
     """The error `chunk` (a chunk_gated_delta_rule, called as qwen3_next's layer calls it) raises on two tiny
     documents' forward and backward on `device` (every input a gradient), or None when it runs."""
@@ -784,31 +794,39 @@ def _delta_rule_backward_error(chunk: Callable, device: torch.device, dtype: tor
                for _ in range(3))  # fmt: skip
     g = (-torch.rand(1, tokens, 1, generator=generator)).to(device).requires_grad_()
     beta = torch.full((1, tokens, 1), 0.5, device=device, dtype=dtype).requires_grad_()
+    return _backward_error(lambda: chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                         use_qk_l2norm_in_kernel=True)[0])  # fmt: skip
+
+
+def _backward_error(forward: Callable[[], torch.Tensor]) -> str | None:
+    """The error (type and first line) `forward()` or the backward of its summed output raises, or None."""
     try:
-        out = chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                    use_qk_l2norm_in_kernel=True)[0]  # fmt: skip
-        out.float().sum().backward()
+        forward().float().sum().backward()
     except torch.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - whatever the peer's kernel raises is what the refusal quotes
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        lines = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {lines[0] if lines else ''}"
     return None
 
 
 def check_kernels_train(model: torch.nn.Module, model_type: str, device: torch.device, dtype: torch.dtype) -> None:
-    """ProfileError, before anything runs, when a chunked delta rule the model's linear-attention layers call
-    (kernel_paths' functions) fails a tiny forward and backward on `device`: the baseline could not train a step
-    there (FLA 0.6's gated backward refuses Hopper GPUs on Triton 3.4 to 3.7.0)."""
+    """ProfileError, before anything runs, when a chunked delta rule or short conv the model's linear-attention layers
+    call (kernel_paths' functions; not their own PyTorch path) fails a tiny forward and backward on `device`: the
+    baseline could not train a step there (FLA 0.6's gated backward refuses Hopper GPUs on Triton 3.4 to 3.7.0)."""
     layers = [calls for module in model.modules()
               if "linear_attention_implementation" in (calls := _called_kernels(module))]  # fmt: skip
-    chunks = {id(f): f for f in (calls["linear_attention_implementation"][1] for calls in layers) if f is not None}
-    for chunk in chunks.values():
-        error = _delta_rule_backward_error(chunk, device, dtype)
-        if error is not None:
-            raise ProfileError([
-                f"--against transformers: transformers' {model_type} trains its linear-attention layers with "
-                f"{_function_name(chunk)}, which fails a backward on this machine ({error[:200]}); the baseline "
-                "cannot train here (docs/bench.md, \"What the baseline runs\")"])  # fmt: skip
+    probes = {"linear_attention_implementation": _delta_rule_backward_error,
+              "causal_conv_implementation": _short_conv_backward_error}  # fmt: skip
+    for field, probe in probes.items():
+        functions = {id(f): f for f in (calls.get(field, (None, None))[1] for calls in layers) if f is not None}
+        for function in functions.values():
+            error = probe(function, device, dtype)
+            if error is not None:
+                raise ProfileError([
+                    f"--against transformers: transformers' {model_type} trains its linear-attention layers with "
+                    f"{_function_name(function)}, which fails a backward on this machine ({error[:200]}); the "
+                    "baseline cannot train here (docs/bench.md, \"What the baseline runs\")"])  # fmt: skip
 
 
 def linear_attention_bounds(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LinearBounds | None:

@@ -504,12 +504,22 @@ def refusing_chunk(torch_chunk):
     return as_fla(chunk_gated_delta_rule)
 
 
-@pytest.mark.parametrize("refuses", [False, True], ids=["trains", "backward-refused"])
-def test_a_baseline_whose_delta_rule_cannot_train_here_is_refused_before_anything_runs(tmp_path, monkeypatch,
-                                                                                        refuses):  # fmt: skip
-    """On a GPU, the delta rule transformers' qwen3_next calls is run forward and backward on two tiny documents
-    before our steps: a kernel that raises (FLA's gated backward on Triton 3.6 on Hopper) refuses the run in one line
-    naming it and its error; transformers' own PyTorch path trains and passes. (The baseline's device is this CPU.)"""
+def refusing_conv(torch_conv):
+    """`torch_conv` whose output's backward refuses, named as causal-conv1d's function."""
+
+    def causal_conv1d_fn(*args, **kwargs):
+        return RefusedBackward.apply(torch_conv(*args, **kwargs))
+
+    causal_conv1d_fn.__module__, causal_conv1d_fn.__qualname__ = "causal_conv1d.causal_conv1d_interface", "causal_conv1d_fn"
+    return causal_conv1d_fn
+
+
+@pytest.mark.parametrize("refuses", ["nothing", "delta rule", "short conv"])
+def test_a_baseline_kernel_that_cannot_train_here_is_refused_before_anything_runs(tmp_path, monkeypatch, refuses):
+    """On a GPU, the delta rule and short conv transformers' qwen3_next calls are run forward and backward on tiny
+    inputs before our steps: a kernel that raises (FLA's gated backward on Triton 3.6 on Hopper) refuses the run in
+    one line naming it and its error; transformers' own PyTorch paths train and pass. (The baseline's device is this
+    CPU.)"""
     import inspect
 
     import transformers.models.qwen3_next.modeling_qwen3_next as modeling
@@ -521,18 +531,24 @@ def test_a_baseline_whose_delta_rule_cannot_train_here_is_refused_before_anythin
 
     monkeypatch.setattr(against, "baseline_device", lambda: torch.device("cpu"))
     job = job_of(NEXT_LIKE, tmp_path)
+    error = ("RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+             "chunk_bwd_dqkwg (see #640).")  # fmt: skip
     with pure_torch_paths(), monkeypatch.context() as patch:
-        if refuses:
+        if refuses == "nothing":
+            check_against(job, "transformers")
+            return
+        if refuses == "delta rule":
             torch_chunk = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
             patch.setattr(modeling, "torch_chunk_gated_delta_rule", refusing_chunk(torch_chunk))
-            with pytest.raises(ProfileError) as refusal:
-                check_against(job, "transformers")
-            assert refusal.value.problems == [
-                "--against transformers: transformers' qwen3_next trains its linear-attention layers with "
-                f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule, which fails a backward on this machine (RuntimeError: "
-                "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated chunk_bwd_dqkwg (see "
-                "#640).); the baseline cannot train here (docs/bench.md, \"What the baseline runs\")"]
+            function = f"{FLA_CHUNK_MODULE}.chunk_gated_delta_rule"
         else:
+            patch.setattr(modeling, "causal_conv1d_fn", refusing_conv(inspect.unwrap(modeling.causal_conv1d_fn)))
+            function = "causal_conv1d.causal_conv1d_interface.causal_conv1d_fn"
+        with pytest.raises(ProfileError) as refusal:
             check_against(job, "transformers")
+    assert refusal.value.problems == [
+        f"--against transformers: transformers' qwen3_next trains its linear-attention layers with {function}, which "
+        f"fails a backward on this machine ({error}); the baseline cannot train here (docs/bench.md, \"What the "
+        "baseline runs\")"]  # fmt: skip
     # qwen3_moe has no linear attention: nothing to probe.
     check_against(job_of(MOE_LIKE, tmp_path), "transformers")
