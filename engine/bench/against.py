@@ -109,6 +109,9 @@ KEPT_APART = "kept apart (position_ids restart at each document)"
 # qwen3_next's width (causal-conv1d takes widths 2 to 4) over PROBE_DIM channels (its channel-last path needs a
 # multiple of 8).
 PROBE_TOKENS, PROBE_DIM, PROBE_CONV_WIDTH = 8, 16, 4
+# check_kernels_train's inputs: one chunk of FLA's (64 tokens) at the layer's own head dims, so that a kernel that
+# trains the real layer is not refused for a shape of the probe's.
+BACKWARD_PROBE_TOKENS = 64
 # A document's output after two different first documents: equal where the bounds are kept (up to a kernel's
 # rounding); where they are not, the first document changes it by up to 0.37 (delta rule) and 2.8 (short conv)
 # (transformers' PyTorch paths in bf16).
@@ -775,23 +778,26 @@ def _short_conv_keeps_documents(conv: Callable | None, device: torch.device, dty
     return _second_document_kept_apart(call, inputs, changed, 2, {"seq_idx": seq_idx})
 
 
-def _short_conv_backward_error(conv: Callable, device: torch.device, dtype: torch.dtype) -> str | None:
-    """The error `conv` (a causal_conv1d_fn, called as qwen3_next's layer calls it) raises on a tiny input's forward
+def _short_conv_backward_error(conv: Callable, device: torch.device, dtype: torch.dtype, *_) -> str | None:
+    """The error `conv` (a causal_conv1d_fn, called as qwen3_next's layer calls it) raises on a small input's forward
     and backward on `device`, or None when it runs."""
     generator = torch.Generator().manual_seed(0)
     # [1, C, T] with channels last in memory, as the layer hands it over.
-    x = torch.randn(1, 2 * PROBE_TOKENS, PROBE_DIM, generator=generator).to(device, dtype).requires_grad_()
+    x = torch.randn(1, BACKWARD_PROBE_TOKENS, PROBE_DIM, generator=generator).to(device, dtype).requires_grad_()
     weight = torch.randn(PROBE_DIM, PROBE_CONV_WIDTH, generator=generator).to(device, dtype).requires_grad_()
     return _backward_error(lambda: conv(x.transpose(1, 2), weight, None, activation="silu"))
 
 
-def _delta_rule_backward_error(chunk: Callable, device: torch.device, dtype: torch.dtype) -> str | None:
-    """The error `chunk` (a chunk_gated_delta_rule, called as qwen3_next's layer calls it) raises on two tiny
-    documents' forward and backward on `device` (every input a gradient), or None when it runs."""
+def _delta_rule_backward_error(chunk: Callable, device: torch.device, dtype: torch.dtype, key_dim: int,
+                               value_dim: int) -> str | None:  # fmt: skip
+    """The error `chunk` (a chunk_gated_delta_rule, called as qwen3_next's layer calls it) raises on one head of
+    BACKWARD_PROBE_TOKENS tokens at the layer's head dims, forward and backward on `device` (every input a gradient),
+    or None when it runs."""
     generator = torch.Generator().manual_seed(0)
-    tokens = 2 * PROBE_TOKENS
-    q, k, v = (torch.randn(1, tokens, 1, PROBE_DIM, generator=generator).to(device, dtype).requires_grad_()
-               for _ in range(3))  # fmt: skip
+    tokens = BACKWARD_PROBE_TOKENS
+    q, k = (torch.randn(1, tokens, 1, key_dim, generator=generator).to(device, dtype).requires_grad_()
+            for _ in range(2))  # fmt: skip
+    v = torch.randn(1, tokens, 1, value_dim, generator=generator).to(device, dtype).requires_grad_()
     g = (-torch.rand(1, tokens, 1, generator=generator)).to(device).requires_grad_()
     beta = torch.full((1, tokens, 1), 0.5, device=device, dtype=dtype).requires_grad_()
     return _backward_error(lambda: chunk(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
@@ -818,10 +824,12 @@ def check_kernels_train(model: torch.nn.Module, model_type: str, device: torch.d
               if "linear_attention_implementation" in (calls := _called_kernels(module))]  # fmt: skip
     probes = {"linear_attention_implementation": _delta_rule_backward_error,
               "causal_conv_implementation": _short_conv_backward_error}  # fmt: skip
+    config = model.config
+    head_dims = (config.linear_key_head_dim, config.linear_value_head_dim) if layers else ()
     for field, probe in probes.items():
         functions = {id(f): f for f in (calls.get(field, (None, None))[1] for calls in layers) if f is not None}
         for function in functions.values():
-            error = probe(function, device, dtype)
+            error = probe(function, device, dtype, *head_dims)
             if error is not None:
                 raise ProfileError([
                     f"--against transformers: transformers' {model_type} trains its linear-attention layers with "
