@@ -1,10 +1,13 @@
-"""Runs a function on N forked gloo ranks of one context group, for the context-parallel layer tests.
+"""Runs a function on N gloo ranks of one context group, for the context-parallel layer tests.
 
     results = run_ranks(fn, size, *args)   # fn(rank, size, *args) on every rank; its return values in rank order
 
-fn runs in a child forked from the test process (torch already imported, one intra-op thread each), with the
-default process group initialised over gloo; what it returns must pickle (it travels as plain pickle bytes, so
-tensors outlive the child). A rank that raises fails the call with that rank's traceback; a
+fn runs in a child forked from multiprocessing's fork server (a fresh interpreter with torch and the model code
+imported, one intra-op thread each child), with the default process group initialised over gloo; fn and args must
+pickle (module-level functions, modules, tensors), and so must what fn returns (it travels as plain pickle bytes, so
+tensors outlive the child). Not forked from the test process: an xdist worker that has run hundreds of tests holds
+tens of GB of address space (37 GB after tests/engine/bench), and forking it failed with ENOMEM in CI (test_context_parallel_linear and
+test_context_fetch_rows, twice in 2026-12-03's runs). A rank that raises fails the call with that rank's traceback; a
 rank that hangs fails it after `timeout` seconds.
 """
 
@@ -42,7 +45,9 @@ def _child(fn, rank: int, size: int, port: int, args, queue) -> None:
 
 
 def run_ranks(fn, size: int, *args, timeout: float = 120.0) -> list:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    # Imported once by the server, not by every child.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "moe_tune.engine.model.model"])
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, size, port, args, queue)) for r in range(size)]
