@@ -22,10 +22,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Triton fixes a kernel's mode (compiled or interpreted) when its module is first imported, once for the session, so
-# tests/gpu and the interpreter tests of tests/ops run in sessions of their own. Without a GPU tests/gpu is not
-# collected and a run that asks for it is refused (pytest_configure): its modules carry no skip of their own. On a
-# GPU machine: pytest -m gpu tests/gpu.
+# A kernel module's mode (compiled or interpreted) is fixed at its first import for the whole session: tests/gpu and
+# the interpreter tests of tests/ops run in separate sessions. Without a GPU tests/gpu is not collected, and a run that
+# asks for it is refused (pytest_configure). On a GPU machine: pytest -m gpu tests/gpu.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 
 # Rendezvous variables a run in this process may have set: a child process must pick its own.

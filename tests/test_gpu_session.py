@@ -78,8 +78,7 @@ def test_gpu_run_without_cuda_stops_with_one_line():
 def gpu_test_folder(tmp_path: Path) -> Path:
     """tests/gpu/conftest.py in a folder of its own with the gpu marker registered (no ini file of this repository),
     and gpu test modules: one skipped at collection, one with a passing, a skipping and an xfailing test."""
-    shutil.copy(GPU_TESTS / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+    with_gpu_conftest(tmp_path)
     (tmp_path / "test_module_skipped.py").write_text(
         "import pytest\npytestmark = pytest.mark.gpu\npytest.importorskip('moe_tune_no_such_module')\n\n"
         "def test_never_collected():\n    pass\n")
@@ -91,12 +90,21 @@ def gpu_test_folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def run_pytest_in(folder: Path, markexpr: str) -> subprocess.CompletedProcess:
-    # The copied conftest imports gpu_session, which lives in tests/.
-    env = dict(pytest_env(), PYTHONPATH=os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
+def with_gpu_conftest(folder: Path) -> Path:
+    """`folder` with a copy of tests/gpu/conftest.py and an ini file registering the gpu marker."""
+    shutil.copy(GPU_TESTS / "conftest.py", folder / "conftest.py")
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+    return folder
+
+
+def run_pytest_in(folder: Path, markexpr: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """pytest -m markexpr ARGS on `folder`, with `folder` and tests/ (the copied conftest imports gpu_session and
+    gpu_memory from there) on the path and `env` set."""
+    path = os.pathsep.join([str(folder), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-                           "-rfE", "-m", markexpr, str(folder)], cwd=folder, env=env, capture_output=True, text=True,
-                          timeout=60)
+                           "-rfE", "-m", markexpr, *args, str(folder)], cwd=folder,
+                          env=dict(pytest_env(), **env, PYTHONPATH=path), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
 
 
 def test_gpu_run_fails_a_skipped_test_and_a_module_skipped_at_collection(gpu_test_folder):
@@ -138,18 +146,13 @@ torch.cuda.empty_cache = empty_cache
 def test_gpu_run_ends_with_the_largest_memory_peaks(tmp_path, workers):
     """Each test's peak reaches the run's end (through xdist's workers too), largest first, and the cache is emptied
     after every test."""
-    shutil.copy(GPU_TESTS / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+    with_gpu_conftest(tmp_path)
     (tmp_path / "fake_cuda_memory.py").write_text(FAKE_CUDA_MEMORY)
     gib = {"small": 1, "large": 40, "middle": 12}
     (tmp_path / "test_peaks.py").write_text("import pytest\nimport torch\npytestmark = pytest.mark.gpu\n" + "".join(
         f"\ndef test_{name}():\n    torch.cuda.fake_peak = {size} * 2**30\n" for name, size in gib.items()))
     emptied = tmp_path / "emptied.log"
-    env = dict(pytest_env(), EMPTIED=str(emptied),
-               PYTHONPATH=os.pathsep.join([str(tmp_path), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "fake_cuda_memory", "-m",
-                          "gpu", *workers, str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    run = run_pytest_in(tmp_path, "gpu", "-p", "fake_cuda_memory", *workers, EMPTIED=str(emptied))
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     start = lines.index("largest GPU memory peaks (reserved by the caching allocator), 3 tests:")

@@ -5,10 +5,9 @@
 fn runs in a child forked from multiprocessing's fork server (a fresh interpreter with torch and the model code
 imported, one intra-op thread each child), with the default process group initialised over gloo; fn and args must
 pickle (module-level functions, modules, tensors), and so must what fn returns (it travels as plain pickle bytes, so
-tensors outlive the child). Not forked from the test process: an xdist worker that has run hundreds of tests holds
-tens of GB of address space (37 GB after tests/engine/bench), and forking it failed with ENOMEM in CI
-(test_context_parallel_linear and test_context_fetch_rows, twice in 2026-12-03's runs). A rank that raises fails the
-call with that rank's traceback; a rank that hangs fails it after `timeout` seconds.
+tensors outlive the child). The test process itself is not forked: an xdist worker that has run many tests holds
+tens of GB of address space. A rank that raises fails the call with that rank's traceback; a rank that hangs fails
+it after `timeout` seconds.
 """
 
 from __future__ import annotations
