@@ -110,6 +110,25 @@ def test_backward_computes_only_the_needed_gradients(needs, num_gemms):
         torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "transposed"])
+@pytest.mark.parametrize("lead, in_features, out_features, rank", SHAPES)
+def test_in_place_sum_matches_and_reuses_the_base_output(lead, in_features, out_features, rank, layout):
+    inputs = make_inputs(lead, in_features, out_features, rank, layout, torch.float64)
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    expected = reference(*leaves, SCALING)
+    dy = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, leaves, dy)
+
+    x, lora_a, lora_b, base_leaf = leaves
+    base_out = base_leaf * 1.0  # not a leaf: a leaf that requires grad cannot be written in place
+    out = LoraDeltaFunction.apply(x, lora_a, lora_b, base_out, SCALING, True)
+    assert out.data_ptr() == base_out.data_ptr() and type(out.grad_fn).__name__ == FUSED_NODE
+    grads = torch.autograd.grad(out, leaves, dy)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
+    for name, grad, expected_grad in zip(("x", "A", "B", "base_out"), grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64], msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_scaled_mm_never_reads_its_shape_tensor():
     # Backward relies on addmm with beta=0 ignoring its input: NaN there must not reach the result.
     torch.manual_seed(0)
@@ -402,3 +421,56 @@ def test_base_layer_with_another_output_dtype_keeps_peft_sum():
     out = layer(x)
     assert out.dtype == torch.float64 and type(out.grad_fn).__name__ != FUSED_NODE
     torch.testing.assert_close(out, plain_lora(layer, x), **TOLERANCES[torch.float32])
+
+
+def in_place_no_bias():
+    return lora_proj(nn.Linear(IN, OUT, bias=False))[1], True
+
+
+def in_place_bias():
+    # nn.Linear with a bias returns a view of its 2D product.
+    return lora_proj(nn.Linear(IN, OUT))[1], False
+
+
+def in_place_layer_hook():
+    _, layer = lora_proj(nn.Linear(IN, OUT, bias=False))
+    layer.base_layer.register_forward_hook(lambda module, args, out: None)
+    return layer, False
+
+
+def in_place_linear_subclass():
+    class OtherLinear(nn.Linear):
+        pass
+
+    return lora_proj(OtherLinear(IN, OUT, bias=False))[1], False
+
+
+IN_PLACE_CASES = [in_place_no_bias, in_place_bias, in_place_layer_hook, in_place_linear_subclass]
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES, ids=[f.__name__.removeprefix("in_place_") for f in IN_PLACE_CASES])
+def test_sum_goes_into_the_base_output_only_where_nothing_else_holds_it(case, monkeypatch):
+    layer, expect_in_place = case()
+    flags = []
+    apply = LoraDeltaFunction.apply
+    monkeypatch.setattr(LoraDeltaFunction, "apply", lambda *args: flags.append(args[-1]) or apply(*args))
+    x = x_batch()
+    out = layer(x)
+    assert flags == [expect_in_place]
+    torch.testing.assert_close(out, plain_lora(layer, x), **TOLERANCES[torch.float32])
+    grads = torch.autograd.grad(out.square().sum(), [x, layer.lora_A["default"].weight])
+    expected = torch.autograd.grad(plain_lora(layer, x).square().sum(), [x, layer.lora_A["default"].weight])
+    for grad, expected_grad in zip(grads, expected):
+        torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float32])
+
+
+def test_hooks_that_keep_the_base_output_see_it_unchanged():
+    _, layer = lora_proj(nn.Linear(IN, OUT, bias=False))
+    kept = []
+    for register in (layer.base_layer.register_forward_hook, nn.modules.module.register_module_forward_hook):
+        handle = register(lambda module, args, out: kept.append(out.detach()) if module is layer.base_layer else None)
+        x = x_batch()
+        out = layer(x)
+        handle.remove()
+        torch.testing.assert_close(kept.pop(), layer.base_layer(x).detach(), rtol=0, atol=0)
+        torch.testing.assert_close(out, plain_lora(layer, x), **TOLERANCES[torch.float32])
