@@ -73,6 +73,10 @@ GPU_NUM_WARPS = 4
 GPU_NUM_WARPS_GRAD = 8
 # Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
 GPU_NUM_STAGES_STATE = 2
+# fp32 inputs in the output-writing state pass take 1 stage: its FP32_DOTS dots keep both halves of each operand in
+# shared memory, and at 2 stages K 128 needs 271,360 bytes (per-head) and 253,952 (KDA) against the H200's 232,448
+# (a V tile of 16 still 250,880); at 1 stage 163,840 and 98,304 (sm_90 compile, triton 3.6).
+GPU_NUM_STAGES_STATE_OUTPUT_FP32 = 1
 # The forward's state pass (`state_fwd_launch`): the widest V tile that still gives GPU_MIN_STATE_PROGRAMS programs,
 # the fastest of the pass alone at B4 T8192 (per-head 0.259 ms, KDA 0.287) and at one 32K document (0.595, 0.821).
 GPU_BLOCK_V_STATE_FWD = (64, 32, 16)
@@ -83,6 +87,16 @@ GPU_NUM_WARPS_STATE_FWD_KDA_WIDE = 8
 # The inverse's products in fp16 (`inverse_dots`; tf32's mantissa at twice the rate): |A|, |inverse| <= 1 with normed
 # keys, beta, decay <= 1 (fp64 checks), far inside fp16's range; WY pass 0.296 ms against 0.332 in tf32.
 GPU_INVERSE_DOTS_16BIT = "fp16"
+# tl.dot's input_precision for fp32 inputs, "tf32x3": each fp32 operand is split into its tf32 rounding (big) and the
+# remainder (small, truncated to tf32 as the tensor cores read it), and three tensor-core products, small x big +
+# big x small + big x big, are summed in fp32 (small x small is dropped). Each product's error is bounded by about
+# 1e-6 of |a| |b| (2^-21 per remainder, 2^-22 the dropped term) and is far below that in practice: <= 5e-8 of
+# sum |a| |b| on random 64 x 128 x 64 operands (CPU emulation, products in fp64), under the 3e-7 an fp32 sgemm's own
+# rounding gave there, against 9e-4 of the largest entry for one tf32 product. Near fp32, not bitwise fp32: the fp32
+# GPU tests (tests/gpu) hold it to their fp32 tolerances. "ieee" (exact fp32 products) has no tensor-core path on
+# Hopper: Triton unrolls every dot into scalar FMAs, 1-6 minutes of compile per kernel variant and FMA-unit speed.
+# The interpreter ignores input_precision: its dots are numpy fp32 matmuls whatever the setting.
+FP32_DOTS = "tf32x3"
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
 # The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
@@ -175,11 +189,12 @@ def triton_version() -> tuple[int, int]:
 def dot_precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(operand dots, fp32 dots of the triangular inverse).
 
-    fp32 inputs get exact fp32 products, as the reference; 16-bit inputs multiply 16-bit operands (the precision
-    argument is then unused) and build the inverse in tf32, finer than the 16-bit W and U it feeds.
+    fp32 inputs get FP32_DOTS (3xTF32, near-fp32 products on the tensor cores); 16-bit inputs multiply 16-bit
+    operands (the precision argument is then unused) and build the inverse in tf32, finer than the 16-bit W and U it
+    feeds.
     """
     if dtype == torch.float32:
-        return "ieee", "ieee"
+        return FP32_DOTS, FP32_DOTS
     return "tf32", "tf32"
 
 
@@ -403,7 +418,7 @@ def decayed_qk(q, k, G, dot_dtype, BT: tl.constexpr, DOT_PRECISION: tl.constexpr
 @triton.jit
 def _inverse_dot(x, y, DOTS: tl.constexpr):
     """fp32 x @ y for the triangular inverse: DOTS "fp16" rounds both operands to fp16, else it is tl.dot's
-    input_precision ("tf32", "ieee")."""
+    input_precision ("tf32", "tf32x3")."""
     if DOTS == "fp16":
         z = tl.dot(x.to(tl.float16), y.to(tl.float16))
     else:
@@ -449,8 +464,8 @@ def unit_lower_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOTS: tl.constexpr
 
 
 def inverse_dots(dtype: torch.dtype, use_qk_l2norm: bool, config: KernelConfig) -> str:
-    """The triangular inverse's dots (`_inverse_dot`): exact for fp32 inputs; for 16-bit inputs with L2-normed keys
-    config.inverse_dots_16bit, else tf32."""
+    """The triangular inverse's dots (`_inverse_dot`): FP32_DOTS for fp32 inputs; for 16-bit inputs with L2-normed
+    keys config.inverse_dots_16bit, else tf32."""
     if dtype == torch.float32:
-        return "ieee"
+        return FP32_DOTS
     return config.inverse_dots_16bit if use_qk_l2norm else "tf32"

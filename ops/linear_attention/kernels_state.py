@@ -164,6 +164,8 @@ def chunk_state_fwd(
         # The serial pass writing the output, fp32 inputs, wide keys: the settings measured for them.
         block_v = min(config.block_v_state, block_size(V))
         num_warps, num_stages = config.num_warps, config.num_stages_state
+        if compute_output and k_THK.dtype == torch.float32:
+            num_stages = min(num_stages, kernels_common.GPU_NUM_STAGES_STATE_OUTPUT_FP32)
     else:
         block_v, num_warps, num_stages = state_fwd_launch(config, V, N * H, is_per_channel=g_cumsum.ndim == 3)
     dot_precision, _ = dot_precisions(k_THK.dtype)

@@ -470,13 +470,13 @@ def correlated_keys_matrix(BT, gen):
     return (beta * (k @ k.T)).tril(-1)
 
 
-# Bounds on the largest error relative to the largest entry: fp32 products ("ieee", measured <= 1.7e-7) and fp16
-# operands ("fp16", the 16-bit inputs' inverse; measured <= 1.2e-3). The doubling products this replaced gave 2.3e-4
-# and 0.74 on the correlated keys at BT 64.
-INVERSE_BOUNDS = {"ieee": 1e-6, "fp16": 3e-3}
+# Bounds on the largest error relative to the largest entry: the fp32 inputs' dots ("tf32x3"; the interpreter ignores
+# input_precision and multiplies in fp32, measured <= 1.7e-7) and fp16 operands ("fp16", the 16-bit inputs' inverse;
+# measured <= 1.2e-3). The doubling products this replaced gave 2.3e-4 and 0.74 on the correlated keys at BT 64.
+INVERSE_BOUNDS = {"tf32x3": 1e-6, "fp16": 3e-3}
 
 
-@pytest.mark.parametrize("dots", ["ieee", "fp16"])
+@pytest.mark.parametrize("dots", ["tf32x3", "fp16"])
 @pytest.mark.parametrize("case", ["uniform", "correlated_keys"])
 @pytest.mark.parametrize("BT", [16, 32, 64])
 def test_unit_lower_inverse_equals_the_exact_inverse(BT, case, dots):
@@ -495,13 +495,21 @@ def test_unit_lower_inverse_equals_the_exact_inverse(BT, case, dots):
 
 
 @pytest.mark.parametrize("dtype, use_qk_l2norm, expected", [
-    (torch.float32, True, "ieee"), (torch.float32, False, "ieee"), (torch.bfloat16, True, "fp16"),
+    (torch.float32, True, "tf32x3"), (torch.float32, False, "tf32x3"), (torch.bfloat16, True, "fp16"),
     (torch.float16, True, "fp16"), (torch.bfloat16, False, "tf32"),
 ])  # fmt: skip
 def test_inverse_takes_fp16_products_only_for_16bit_inputs_with_normed_keys(dtype, use_qk_l2norm, expected):
     # fp16 operands need the factors' range: keys the op norms itself bound A's entries by beta <= 1.
     gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
     assert kernels_common.inverse_dots(dtype, use_qk_l2norm, gpu) == expected
+
+
+@pytest.mark.parametrize("dtype, expected", [
+    (torch.float32, ("tf32x3", "tf32x3")), (torch.bfloat16, ("tf32", "tf32")), (torch.float16, ("tf32", "tf32")),
+])  # fmt: skip
+def test_fp32_inputs_take_3xtf32_dots(dtype, expected):
+    # fp32: 3xTF32 on the tensor cores ("ieee" compiles to unrolled FMAs on Hopper); 16-bit: tf32 for fp32 tiles.
+    assert kernels_common.dot_precisions(dtype) == expected
 
 
 def test_chunk_map_covers_every_chunk_once():
@@ -639,13 +647,15 @@ def test_state_fwd_launch_takes_the_widest_tile_with_enough_programs(V, num_seq_
     assert kernels_state.state_fwd_launch(gpu, V, num_seq_heads, is_per_channel) == expected
 
 
-@pytest.mark.parametrize("dtype, compute_output, K, tuned", [
-    (torch.float16, False, 128, True), (torch.float16, True, 128, False), (torch.float32, False, 128, False),
-    (torch.float16, False, 256, False),
+@pytest.mark.parametrize("dtype, compute_output, K, expected", [
+    (torch.float16, False, 128, (64, 4, 4)), (torch.float16, True, 128, (32, 4, 2)),
+    (torch.float32, False, 128, (32, 4, 2)), (torch.float32, True, 128, (32, 4, 1)),
+    (torch.float16, False, 256, (32, 4, 2)),
 ])  # fmt: skip
-def test_state_fwd_takes_the_tuned_launch_only_where_it_was_measured(monkeypatch, dtype, compute_output, K, tuned):
+def test_state_fwd_takes_the_tuned_launch_only_where_it_was_measured(monkeypatch, dtype, compute_output, K, expected):
     # 16-bit inputs, K up to 128, the state-storing pass: state_fwd_launch's settings; otherwise the landed ones
-    # (fp32 tiles at 4 stages would not fit the H200's shared memory).
+    # (fp32 tiles at 4 stages would not fit the H200's shared memory), and 1 stage for fp32 inputs writing the output
+    # (GPU_NUM_STAGES_STATE_OUTPUT_FP32: 2 stages of its 3xTF32 operands would not fit either).
     launches = []
 
     class Recorder:
@@ -662,7 +672,7 @@ def test_state_fwd_takes_the_tuned_launch_only_where_it_was_measured(monkeypatch
                                 store_states=not compute_output)  # fmt: skip
     [(grid, options)] = launches
     settings = (options["BV"], options["num_warps"], options["num_stages"])
-    assert settings == ((64, 4, 4) if tuned else (32, 4, 2))
+    assert settings == expected
     assert grid == (V // options["BV"], B, H)
 
 
