@@ -24,7 +24,7 @@ from .attention_context import (
     sparse_attention_across_ranks,
 )
 from .batch import PackedBatch
-from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
+from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached, split_heads
 from .kda import KimiDeltaAttention
 from .linear_context import delta_rule
 from .kv_cache import (
@@ -446,9 +446,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """forward() on the row (or a context-parallel rank's share) in one piece."""
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         # Under context parallelism the conv and the state continue from the previous rank's tokens (linear_context).
-        q, k, v = self._heads(self.conv(qkv, batch.positions, batch.context))
+        q, k, v = self.conv(
+            (self.q_proj(x), self.k_proj(x), self.v_proj(x)), batch.positions, batch.context, (self.dk, self.dv)
+        )
         g, beta = self._gates(x)
         op = kda if self.per_channel else gated_delta_rule
         o = delta_rule(
@@ -481,12 +482,7 @@ class GatedDeltaNet(nn.Module):
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [1, T, 2 Hk K + Hv V] -> q, k [1, T, Hv, K] (key heads repeated per group) and
         v [1, T, Hv, V]."""
-        t = qkv.shape[1]
-        q, k, v = qkv.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
-        group = self.hv // self.hk
-        q = q.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
-        k = k.view(1, t, self.hk, self.dk).repeat_interleave(group, dim=2)
-        return q, k, v.view(1, t, self.hv, self.dv)
+        return split_heads(qkv, self.hk * self.dk, self.dk, self.dv)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The log decay g [1, T, Hv] (per channel: [1, T, Hv, K]) and beta [1, T, Hv], fp32."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_tune.ops.causal_conv import causal_conv
+from moe_tune.ops.causal_conv import causal_conv, causal_conv_heads
 from moe_tune.ops.fp8 import BLOCK, E4M3_MAX, FP8_DTYPE, quantize_weight
 from moe_tune.ops.fp8.reference import AMAX_FLOOR
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
@@ -143,12 +143,27 @@ class ShortConv(nn.Module):
         """How many earlier tokens a tap reaches back: (W - 1) x dilation."""
         return (self.width - 1) * self.dilation
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, context: ContextShard | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        context: ContextShard | None = None,
+        head_dims: tuple[int, int] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [1, T, C]; positions: [T] position inside the document; context: the row's share held here under
-        context parallelism (the first taps then read the previous rank's last inputs)."""
+        context parallelism (the first taps then read the previous rank's last inputs).
+
+        With head_dims (K, V), x is a linear-attention layer's projections (q, k [1, T, Hk K], v [1, T, Hv V]), the
+        channels in that order, and the result their heads: q, k [1, T, Hv, K] (key heads repeated for the value
+        heads sharing them) and v [1, T, Hv, V] (causal_conv_heads: no concatenated or repeated copy)."""
+        if head_dims is None:
+            if is_sharded(context):
+                return conv_with_halo(x, self.weight, positions, self.dilation, context)
+            return causal_conv(x, self.weight, positions, self.dilation)
         if is_sharded(context):
-            return conv_with_halo(x, self.weight, positions, self.dilation, context)
-        return causal_conv(x, self.weight, positions, self.dilation)
+            y = conv_with_halo(torch.cat(x, -1), self.weight, positions, self.dilation, context)
+            return split_heads(y, x[0].shape[-1], *head_dims)
+        return causal_conv_heads(*x, self.weight, positions, *head_dims, self.dilation)
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x: [1, T, C], the step's tokens of one sequence -> [1, T, C], the rows `forward` gives them over the whole
@@ -163,6 +178,20 @@ class ShortConv(nn.Module):
         # A copy: a slice would keep the whole prompt's inputs alive.
         state["inputs"] = window[:, max(0, window.shape[1] - reach) :].clone()
         return y
+
+
+def split_heads(
+    qkv: torch.Tensor, key_channels: int, key_head_dim: int, value_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A linear-attention layer's conv output [1, T, 2 Hk K + Hv V] -> q, k [1, T, Hv, K] (key heads repeated per
+    group, as causal_conv_heads writes them) and v [1, T, Hv, V]; key_channels = Hk K."""
+    t = qkv.shape[1]
+    q, k, v = qkv.split([key_channels, key_channels, qkv.shape[2] - 2 * key_channels], -1)
+    num_key_heads, num_value_heads = key_channels // key_head_dim, v.shape[2] // value_head_dim
+    group = num_value_heads // num_key_heads
+    q = q.view(1, t, num_key_heads, key_head_dim).repeat_interleave(group, dim=2)
+    k = k.view(1, t, num_key_heads, key_head_dim).repeat_interleave(group, dim=2)
+    return q, k, v.view(1, t, num_value_heads, value_head_dim)
 
 
 def delta_rule_cached(

@@ -80,7 +80,8 @@ class KimiDeltaAttention(nn.Module):
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """forward() on the row (or a context-parallel rank's share) in one piece."""
-        q, k, v = self._heads(self.conv(self._qkv(x), batch.positions, batch.context))
+        projections = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = self.conv(projections, batch.positions, batch.context, (self.head_dim, self.head_dim))
         a, beta = self._gates(x)
         # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'
         # WY pass; the reference applies it first).

@@ -1,10 +1,11 @@
-"""The autograd Function around the causal conv kernels."""
+"""The autograd Functions around the causal conv kernels (one tensor; q, k and v written as heads)."""
 
 from __future__ import annotations
 
 import torch
 
 from moe_tune.ops.causal_conv.kernels import causal_conv_bwd, causal_conv_fwd
+from moe_tune.ops.causal_conv.kernels_heads import causal_conv_heads_bwd, causal_conv_heads_fwd
 
 
 class CausalConvFunction(torch.autograd.Function):
@@ -24,3 +25,28 @@ class CausalConvFunction(torch.autograd.Function):
             grad_y.contiguous(), x, weight.contiguous(), positions, ctx.dilation, ctx.needs_input_grad[1]
         )
         return dx, dw.to(weight.dtype) if dw is not None else None, None, None
+
+
+class CausalConvHeadsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, weight, positions, dilation, key_head_dim, value_head_dim):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = causal_conv_heads_fwd(q, k, v, weight.contiguous(), positions, dilation, key_head_dim, value_head_dim)
+        ctx.save_for_backward(q, k, v, weight, positions)
+        ctx.sizes = (dilation, key_head_dim, value_head_dim)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        q, k, v, weight, positions = ctx.saved_tensors
+        dilation, key_head_dim, value_head_dim = ctx.sizes
+        batch, tokens, _ = q.shape
+        num_value_heads = v.shape[2] // value_head_dim
+        shapes = [(batch, tokens, num_value_heads, key_head_dim)] * 2 + [(batch, tokens, num_value_heads, value_head_dim)]
+        # An output that reaches no loss has no gradient: it contributes zeros.
+        grads = [q.new_zeros(shape) if g is None else g.contiguous() for g, shape in zip((grad_q, grad_k, grad_v), shapes)]
+        dq, dk, dv, dw = causal_conv_heads_bwd(
+            *grads, q, k, v, weight.contiguous(), positions, dilation, key_head_dim, value_head_dim,
+            ctx.needs_input_grad[3],
+        )  # fmt: skip
+        return dq, dk, dv, dw.to(weight.dtype) if dw is not None else None, None, None, None, None

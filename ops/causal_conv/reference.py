@@ -22,3 +22,22 @@ def causal_conv_ref(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tens
         keep = (positions >= shift).to(x.dtype)[None, :, None]
         out = out + shifted * keep * weight[:, -1 - tap]
     return F.silu(out)
+
+
+def causal_conv_heads_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+    key_head_dim: int, value_head_dim: int, dilation: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """causal_conv_ref over the three segments concatenated (q, k, v order), split back into heads: q, k [B, T, Hv, K]
+    with each of the Hk key heads repeated for the Hv / Hk value heads after it, v [B, T, Hv, V]."""
+    batch, tokens, channels_qk = q.shape
+    num_value_heads = v.shape[2] // value_head_dim
+    repeat = num_value_heads // (channels_qk // key_head_dim)
+    y = causal_conv_ref(torch.cat([q, k, v], -1), weight, positions, dilation)
+    yq, yk, yv = y.split([channels_qk, channels_qk, v.shape[2]], -1)
+    heads = (batch, tokens, channels_qk // key_head_dim, key_head_dim)
+    return (
+        yq.reshape(heads).repeat_interleave(repeat, dim=2),
+        yk.reshape(heads).repeat_interleave(repeat, dim=2),
+        yv.reshape(batch, tokens, num_value_heads, value_head_dim),
+    )
