@@ -157,8 +157,8 @@ def _apply(op_name, q, k, v, g, beta, **options):
         and all(name in _KERNEL_OPTIONS or value is None or value is False for name, value in options.items())
     )
     if q.is_cuda and q.dtype == torch.float32 and kernel_mode() != "triton":
-        # fp32 operands are exact ieee products, which Triton emits as FMA loops: KDA's kernels then spend minutes
-        # in ptxas on the H200 (docs/perf-history.md). Training runs in bf16; fp32 on a GPU runs the reference unless
+        # The kernels multiply fp32 operands as 3xTF32 (kernels_common.FP32_DOTS: close to, not exactly, fp32
+        # products), where the reference's are exact. Training runs in bf16; fp32 on a GPU runs the reference unless
         # forced.
         has_kernel = False
     if use_kernel(op_name, q, k, v, has_kernel=has_kernel):

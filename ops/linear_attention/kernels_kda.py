@@ -126,7 +126,7 @@ def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows,
     """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
     row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes).
 
-    The dots take fp32 operands (tf32 products for 16-bit inputs, exact ones for fp32), not 16-bit ones as the
+    The dots take fp32 operands (tf32 products for 16-bit inputs, 3xTF32 for fp32), not 16-bit ones as the
     forward's: dg counts each pair's term twice with opposite signs (at the later and at the earlier token) and the
     chunk's reverse cumsum cancels them, so the two must round alike. With bf16 operands dg's relative RMS error
     against the fp32 reference was 3.8% (H200, KDA test with decays up to 5 a token; 1.9% with logsigmoid decays),

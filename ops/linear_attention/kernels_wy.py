@@ -114,7 +114,7 @@ def store_w_u(inverse, k_scaled, beta, v_ptr, w_ptr, u_ptr, t0, num_valid, H, K,
 def wu_operands_16bit(dtype: torch.dtype, K: int, V: int, config: KernelConfig) -> bool:
     """Whether the WY pass multiplies W's and U's operands in the 16-bit input dtype (as flash-linear-attention's
     recompute_w_u does) rather than tf32: only for K and V tiles of at least 64. With 16-bit operands, Triton 3.6 on
-    the H200 returned NaN for K or V below 64 (the inverse itself was right); fp32 inputs keep exact products."""
+    the H200 returned NaN for K or V below 64 (the inverse itself was right); fp32 inputs keep fp32 operands (3xTF32 products)."""
     return (
         config.wu_16bit
         and dtype in (torch.float16, torch.bfloat16)
