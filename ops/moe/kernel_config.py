@@ -49,8 +49,7 @@ class KernelConfig:
              Q side of the [P, Q] output tile; the LoRA backward pass: gradient columns; 0 for the LoRA rank pass,
              whose output is the padded rank); block_p: the P side, weight gradients only (0 elsewhere);
     block_k: reduction step (the LoRA backward pass: rows per step); maxnreg: register cap per thread (None: the
-             compiler's choice); split_n: the down backward only, its block_n columns computed as that many (1 or 2)
-             accumulators, each dy tile loaded feeding both, whose SwiGLU epilogues run one after the other.
+             compiler's choice).
     """
 
     block_n: int
@@ -59,7 +58,6 @@ class KernelConfig:
     num_stages: int
     block_p: int = 0
     maxnreg: int | None = None
-    split_n: int = 1
 
     def launch_options(self) -> dict:
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)

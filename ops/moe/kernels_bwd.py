@@ -146,44 +146,6 @@ def _moe_lora_bwd_kernel(
 
 # Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed
 @triton.jit
-def _down_bwd_epilogue(
-    acc, rows, row_mask, cols, col_mask, expert, weights, dha, ranks, rank_mask, a_ptr, stride_ae, stride_ar,
-    stride_af, gate_up_ptr, dgate_up_ptr, h_ptr, F, HAS_LORA: tl.constexpr, STORE_H: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    # One accumulator's columns: the LoRA update, SwiGLU's backward and the stores; returns each row's
-    # <dy @ W_down (+ LoRA), h> over these columns (the routing weight's gradient, unweighted).
-    if HAS_LORA:
-        a_tile = tl.load(
-            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
-            mask=rank_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(dha.dtype)  # [R, N]
-        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
-    gate = tl.load(gate_up_rows, mask=out_mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_rows + F, mask=out_mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    h = silu * up
-    dweights = tl.sum(acc * h, axis=1)
-    dh = acc * weights[:, None]
-    # silu'(g) * up = sig * up + h * (1 - sig): written through h so that the compiler keeps one copy of the SwiGLU
-    # tiles (sm_90, triton 3.6: 180 registers a thread, against 255 and spills for up * sig * (1 + g * (1 - sig))).
-    dgate = dh * (sig * up + h * (1.0 - sig))
-    dup = dh * silu
-    dgate_up_rows = dgate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
-    tl.store(dgate_up_rows, dgate.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(dgate_up_rows + F, dup.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
-    if STORE_H:
-        # w * h: the weight gradients of the down projection read it as is, with no per-row scaling in their loop.
-        h_weighted = h * weights[:, None]
-        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=out_mask)
-    return dweights
-
-
-@triton.jit
 def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
     w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
@@ -224,7 +186,6 @@ def _moe_down_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    SPLIT_N: tl.constexpr,  # 1 or 2 accumulators of BLOCK_N // SPLIT_N columns
 ):
     tile, pid_n = tile_and_column_block(F, BLOCK_N)
     expert = tl.load(tile_expert_ptr + tile)
@@ -235,21 +196,14 @@ def _moe_down_bwd_kernel(
     slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
-    PART: tl.constexpr = BLOCK_N // SPLIT_N
-    cols = pid_n * BLOCK_N + tl.arange(0, PART)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
-    cols_2 = cols + PART
-    col_mask_2 = cols_2 < F
 
     dy_rows = dy_ptr + tokens[:, None] * stride_dyn
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
     s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
-    w_cols_2 = w_ptr + expert * stride_we + cols_2[None, :] * stride_wf
-    s_cols_2 = ws_ptr + expert * stride_se + (cols_2 // SCALE_BLOCK) * stride_sf
-    # acc (acc_2: the second part's columns): dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh
-    # without w. Each dy tile loaded feeds both parts' MMAs.
-    acc = tl.zeros((BLOCK_M, PART), dtype=tl.float32)
-    acc_2 = tl.zeros((BLOCK_M, PART), dtype=tl.float32)
+    # acc: dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh without w.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < D
@@ -259,32 +213,42 @@ def _moe_down_bwd_kernel(
             s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
         )  # fmt: skip
         acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
-        if SPLIT_N == 2:
-            w_tile_2 = weight_tile(
-                w_cols_2 + ks[:, None] * stride_wd, k_mask[:, None] & col_mask_2[None, :],
-                s_cols_2 + (k0 // SCALE_BLOCK) * stride_sd, col_mask_2, dy_tile, W_IS_FP8, ROW_SCALES=False,
-            )  # fmt: skip
-            acc_2 = tl.dot(dy_tile, w_tile_2, acc_2, input_precision=DOT_PRECISION)
 
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-    ranks = tl.arange(0, BLOCK_R)
-    rank_mask = ranks < rank
-    dha = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
         dha = tl.load(
             dha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
         )  # [M, R]
+        a_tile = tl.load(
+            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(dha.dtype)  # [R, N]
+        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
+
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+    gate = tl.load(gate_up_rows, mask=out_mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_rows + F, mask=out_mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
     # <dy_token, y_slot unweighted> = <dy @ W_down (+ LoRA), h>, summed here over this block's F columns.
-    dweights = _down_bwd_epilogue(
-        acc, rows, row_mask, cols, col_mask, expert, weights, dha, ranks, rank_mask, a_ptr, stride_ae, stride_ar,
-        stride_af, gate_up_ptr, dgate_up_ptr, h_ptr, F, HAS_LORA, STORE_H, DOT_PRECISION,
-    )  # fmt: skip
-    if SPLIT_N == 2:
-        dweights += _down_bwd_epilogue(
-            acc_2, rows, row_mask, cols_2, col_mask_2, expert, weights, dha, ranks, rank_mask, a_ptr, stride_ae,
-            stride_ar, stride_af, gate_up_ptr, dgate_up_ptr, h_ptr, F, HAS_LORA, STORE_H, DOT_PRECISION,
-        )  # fmt: skip
-    tl.store(dweights_ptr + pid_n * S + slots, dweights, mask=row_mask)
+    tl.store(dweights_ptr + pid_n * S + slots, tl.sum(acc * h, axis=1), mask=row_mask)
+    dh = acc * weights[:, None]
+    # silu'(g) * up = sig * up + h * (1 - sig): written through h so that the compiler keeps one copy of the SwiGLU
+    # tiles (sm_90, triton 3.6: 180 registers a thread, against 255 and spills for up * sig * (1 + g * (1 - sig))).
+    dgate = dh * (sig * up + h * (1.0 - sig))
+    dup = dh * silu
+    dgate_up_rows = dgate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+    tl.store(dgate_up_rows, dgate.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(dgate_up_rows + F, dup.to(dgate_up_ptr.dtype.element_ty), mask=out_mask)
+    if STORE_H:
+        # w * h: the weight gradients of the down projection read it as is, with no per-row scaling in their loop.
+        h_weighted = h * weights[:, None]
+        tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=out_mask)
 
 
 # Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ dxa A), stored in slot order
@@ -607,7 +571,7 @@ def moe_down_bwd(
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
             HAS_LORA=has_lora, STORE_H=store_h, DOT_PRECISION=dot_precision(gate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
-            SPLIT_N=kernel.split_n, **kernel.launch_options(),
+            **kernel.launch_options(),
         )  # fmt: skip
     return dgate_up, h, dweights_partial.sum(dim=0)
 

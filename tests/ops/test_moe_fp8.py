@@ -7,7 +7,6 @@ The interpreter runs fp32 and fp16 activations (its bf16 tl.dot does not compute
 tests/gpu/test_moe_fp8_gpu.py.
 """
 
-import dataclasses
 import re
 
 import pytest
@@ -296,18 +295,6 @@ def test_fp8_kernel_matches_reference(
 ):
     case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, lora_on)
     _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[dtype], dtype)
-    guarded.check()
-
-
-@pytest.mark.parametrize("shape", ["D200_F72", "F130"])
-def test_fp8_kernel_down_bwd_in_two_parts_matches_reference(kernel_path, guarded, shape):
-    # The down backward's 128 columns as two accumulators of 64: each part's weight tile takes its own columns'
-    # scales. F = 72: the second part partly valid; F = 130: the last tile's first part 2 columns, its second none.
-    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
-    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
-    split = kernel_config.KernelConfig(128, 64, num_warps=1, num_stages=1, split_n=2)
-    with kernel_config.forced_config(dataclasses.replace(INTERPRETER_CONFIG, down_bwd=split)):
-        _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
     guarded.check()
 
 
