@@ -77,12 +77,12 @@ LORA_OVERHEAD_PASSES = 8
 def sweep_candidates() -> dict[str, list]:
     """Launch configs the backward sweep tries on an H200, the first of each being pick_config's bf16 choice.
 
-    From sm_90 compile reports (triton 3.6): down_bwd needs 180 registers a thread, which leaves one 8-warp CTA per
-    SM; capped at 128 it spills 240 bytes but fits two. gate_up_bwd with 256 columns, and 128 x 256 or 256 x 128
+    down_bwd: pick_config's is a GEMM of 128-column tiles storing dy W (+ LoRA), then a pass of SwiGLU's backward
+    (swiglu_pass); with that backward in the GEMM's epilogue the kernel needs 180-255 registers a thread at 64-column
+    tiles, capped at 128 (two CTAs an SM) it spills. gate_up_bwd with 256 columns, and 128 x 256 or 256 x 128
     weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA).
-    On the H200 the capped down_bwd and the 256-column gate_up_bwd win alone, but the config built from both is
-    slower end to end than pick_config's; the capped down_bwd with 5-stage weight gradients, timed end to end by
-    turns, trains E64 in 12.35 ms against 13.16 without them (docs/perf-history.md, MoE): pick_config takes them.
+    On the H200 the 256-column gate_up_bwd wins alone but not end to end; 5-stage weight gradients trained E64 in
+    12.35 ms against 13.16 without them (docs/perf-history.md, MoE): pick_config takes them.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
     the H200 (1.03 ms at E256 against 1.08-2.02 for the others; docs/perf-history.md, MoE), so pick_config takes it.
@@ -93,9 +93,10 @@ def sweep_candidates() -> dict[str, list]:
 
     return {
         "down_bwd": [
+            KernelConfig(128, 64, num_warps=8, num_stages=3, swiglu_pass=True),
+            KernelConfig(128, 64, num_warps=8, num_stages=4, swiglu_pass=True),
+            # SwiGLU's backward in the GEMM's epilogue: 64-column tiles capped at 128 registers (two CTAs an SM).
             KernelConfig(64, 64, num_warps=8, num_stages=3, maxnreg=128),
-            KernelConfig(64, 64, num_warps=8, num_stages=3),
-            KernelConfig(64, 64, num_warps=8, num_stages=4, maxnreg=128),
         ],
         "gate_up_bwd": [
             KernelConfig(128, 64, num_warps=8, num_stages=3),

@@ -49,7 +49,8 @@ class KernelConfig:
              Q side of the [P, Q] output tile; the LoRA backward pass: gradient columns; 0 for the LoRA rank pass,
              whose output is the padded rank); block_p: the P side, weight gradients only (0 elsewhere);
     block_k: reduction step (the LoRA backward pass: rows per step); maxnreg: register cap per thread (None: the
-             compiler's choice).
+             compiler's choice); swiglu_pass: the down backward only, as a GEMM storing dy W (+ LoRA) and a separate
+             pass of SwiGLU's backward over it, instead of that backward in the GEMM's epilogue.
     """
 
     block_n: int
@@ -58,6 +59,7 @@ class KernelConfig:
     num_stages: int
     block_p: int = 0
     maxnreg: int | None = None
+    swiglu_pass: bool = False
 
     def launch_options(self) -> dict:
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -75,9 +77,10 @@ GPU_LORA_ROWS = KernelConfig(block_n=0, block_k=128, num_warps=THIN_NUM_WARPS, n
 # are r fp32 per row each, 1/16 of a bf16 row of 2048), 32 rows a step, 4 warps: alone on the H200 (bf16 dB
 # products) 1.03 ms for both passes at E256 top-16 against 1.24 at 8 warps (docs/perf-history.md, MoE).
 GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, num_stages=3)
-# The down-projection backward needs 180 registers a thread, one 8-warp CTA per SM; capped at 128 (sm_90 compile: 240
-# bytes spilled) two fit.
-GPU_DOWN_BWD_MAXNREG = 128
+# The down-projection backward as a GEMM of full 128-column tiles storing dy W (+ LoRA), then a pass of SwiGLU's
+# backward over it (swiglu_pass): the GEMM's epilogue in one kernel needs 255 registers a thread at 64-column tiles
+# (capped at 128: spills), and ran at 240 TFLOP/s in a bench-qwen3-next step against 460-515 for the other GEMMs.
+GPU_DOWN_BWD = KernelConfig(GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, swiglu_pass=True)
 # Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
 # at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory, at 5 stages 3 (96 KB), as the other GEMMs.
 GPU_EXPERT_GRAD_STAGES = 5
@@ -147,11 +150,10 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
     mean_rows = num_slots / max(num_experts, 1)
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
     config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
-    # The register cap and the 5 stages: E64 trained fwd+bwd 12.35 against 13.16 ms without either, the down backward
-    # 2.08 against 2.78 (H200, docs/perf-history.md, MoE).
+    # The 5 stages of the weight gradients: docs/perf-history.md, MoE.
     return dataclasses.replace(
         config,
-        down_bwd=dataclasses.replace(config.down_bwd, maxnreg=GPU_DOWN_BWD_MAXNREG),
+        down_bwd=GPU_DOWN_BWD,
         expert_grad=dataclasses.replace(config.expert_grad, num_stages=GPU_EXPERT_GRAD_STAGES),
         lora_rows=GPU_LORA_ROWS,
         lora_bwd=GPU_LORA_BWD,

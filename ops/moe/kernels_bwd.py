@@ -38,6 +38,10 @@ from moe_tune.ops.moe.routing import MoERouting, RowChunks, row_chunks, sum_slot
 
 # Elements of a per-expert output per program of the chunk sum.
 SUM_CHUNKS_BLOCK = 1024
+# The SwiGLU backward pass (kernel.swiglu_pass): 16 rows x 256 columns a step, 4 warps (memory-bound, 32 fp32
+# elements of each operand a thread).
+SWIGLU_BWD_ROWS = 16
+SWIGLU_BWD_COLS = 256
 
 
 # LoRA backward pass over an output gradient g of a projection with adapter (A, B) and saved ua = u @ A^T:
@@ -249,6 +253,126 @@ def _moe_down_bwd_kernel(
         # w * h: the weight gradients of the down projection read it as is, with no per-row scaling in their loop.
         h_weighted = h * weights[:, None]
         tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _moe_down_bwd_gemm_kernel(
+    dy_ptr,  # [N, D]
+    w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, GD, GF] fp32 block scales of an FP8 w
+    a_ptr,  # [E, r, F]
+    dha_ptr,  # [S, r] as _moe_down_bwd_kernel's
+    dh_ptr,  # out [S, F] expert order: dy[token] @ W_down (+ LoRA), before the routing weight
+    token_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    D,
+    F,
+    rank,
+    stride_dyn,
+    stride_dyd,
+    stride_we,
+    stride_wd,
+    stride_wf,
+    stride_se,
+    stride_sd,
+    stride_sf,
+    stride_ae,
+    stride_ar,
+    stride_af,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = tile_and_column_block(F, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
+    tokens = tl.load(token_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < F
+
+    dy_rows = dy_ptr + tokens[:, None] * stride_dyn
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
+    s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < D
+        dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = weight_tile(
+            w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
+            s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
+        )  # fmt: skip
+        acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
+        dha = tl.load(
+            dha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
+        )  # [M, R]
+        a_tile = tl.load(
+            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(dha.dtype)  # [R, N]
+        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
+    tl.store(
+        dh_ptr + rows[:, None] * F + cols[None, :], acc.to(dh_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )  # fmt: skip
+
+
+@triton.jit
+def _moe_swiglu_bwd_kernel(
+    dh_ptr,  # [S, F] expert order, _moe_down_bwd_gemm_kernel's output
+    gate_up_ptr,  # [S, 2F] pre-activations saved by the forward, expert order
+    weights_ptr,  # [S] slot order
+    slot_of_row_ptr,
+    dgate_up_ptr,  # out [S, 2F] expert order
+    h_ptr,  # out [S, F] expert order, w * h; written only when STORE_H
+    dweights_ptr,  # out [S] fp32 slot order: <dy_token, y_slot / w_slot> = <dh, h>
+    S,
+    F,
+    STORE_H: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    # SwiGLU's and the routing weight's backward for BLOCK_ROWS rows, their F columns in steps of BLOCK_F.
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < S
+    slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows = rows.to(tl.int64)
+    weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
+    dweights = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = row_mask[:, None] & (cols < F)[None, :]
+        dh = tl.load(dh_ptr + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+        gate = tl.load(gate_up_rows, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_rows + F, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        h = silu * up
+        dweights += tl.sum(dh * h, axis=1)
+        dh = dh * weights[:, None]
+        dgate_up_rows = dgate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
+        tl.store(dgate_up_rows, (dh * (sig * up + h * (1.0 - sig))).to(dgate_up_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgate_up_rows + F, (dh * silu).to(dgate_up_ptr.dtype.element_ty), mask=mask)
+        if STORE_H:
+            h_weighted = h * weights[:, None]
+            tl.store(h_ptr + rows[:, None] * F + cols[None, :], h_weighted.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(dweights_ptr + slots, dweights, mask=row_mask)
 
 
 # Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ dxa A), stored in slot order
@@ -556,6 +680,10 @@ def moe_down_bwd(
     h = kernel_config.alloc((num_slots, num_hidden), gate_up.dtype, dy.device) if store_h else None
     kernel = config.down_bwd
     check_fp8_steps(scale_inv, kernel.block_k)
+    if kernel.swiglu_pass:
+        return _down_bwd_two_passes(
+            dy, gate_up, topk_weights, w_down, a_down, dha, routing, kernel, dgate_up, h, scale_inv
+        )
     num_col_blocks = triton.cdiv(num_hidden, kernel.block_n)
     # Partial sums per column block, added up below in a fixed order: deterministic where atomics would not be.
     dweights_partial = kernel_config.alloc((num_col_blocks, num_slots), torch.float32, dy.device)
@@ -574,6 +702,37 @@ def moe_down_bwd(
             **kernel.launch_options(),
         )  # fmt: skip
     return dgate_up, h, dweights_partial.sum(dim=0)
+
+
+def _down_bwd_two_passes(
+    dy: torch.Tensor, gate_up: torch.Tensor, topk_weights: torch.Tensor, w_down: torch.Tensor,
+    a_down: torch.Tensor | None, dha: torch.Tensor | None, routing: MoERouting, kernel, dgate_up: torch.Tensor,
+    h: torch.Tensor | None, scale_inv: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """moe_down_bwd as a GEMM storing dh = dy[token] W_down (+ LoRA) [S, F] in gate_up's dtype and a pass of SwiGLU's
+    and the routing weights' backward over it (kernel.swiglu_pass)."""
+    num_slots, model_dim = routing.num_slots, dy.shape[1]
+    num_hidden = gate_up.shape[1] // 2
+    rank = a_down.shape[1] if a_down is not None else 0
+    dh = kernel_config.alloc((num_slots, num_hidden), gate_up.dtype, dy.device)
+    dweights = kernel_config.alloc((num_slots,), torch.float32, dy.device)
+    if routing.num_tiles > 0:
+        _moe_down_bwd_gemm_kernel[(routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)](
+            dy, w_down, or_dummy(scale_inv, dgate_up), or_dummy(a_down, w_down), or_dummy(dha, dgate_up), dh,
+            routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
+            model_dim, num_hidden, rank,
+            *dy.stride(), *w_down.stride(), *strides3(scale_inv), *strides3(a_down),
+            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK, HAS_LORA=a_down is not None,
+            DOT_PRECISION=dot_precision(gate_up.dtype), BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n,
+            BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank), **kernel.launch_options(),
+        )  # fmt: skip
+    if num_slots > 0:
+        _moe_swiglu_bwd_kernel[(triton.cdiv(num_slots, SWIGLU_BWD_ROWS),)](
+            dh, gate_up, topk_weights.reshape(-1), routing.slot_of_row_S, dgate_up, or_dummy(h, dgate_up), dweights,
+            num_slots, num_hidden, STORE_H=h is not None, BLOCK_ROWS=SWIGLU_BWD_ROWS, BLOCK_F=SWIGLU_BWD_COLS,
+            num_warps=THIN_NUM_WARPS,
+        )  # fmt: skip
+    return dgate_up, h, dweights
 
 
 def moe_gate_up_bwd(

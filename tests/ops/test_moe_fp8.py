@@ -7,6 +7,7 @@ The interpreter runs fp32 and fp16 activations (its bf16 tl.dot does not compute
 tests/gpu/test_moe_fp8_gpu.py.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -295,6 +296,17 @@ def test_fp8_kernel_matches_reference(
 ):
     case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, lora_on)
     _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[dtype], dtype)
+    guarded.check()
+
+
+@pytest.mark.parametrize("shape", ["D200_F72", "F130"])
+def test_fp8_kernel_down_bwd_with_swiglu_pass_matches_reference(kernel_path, guarded, shape):
+    # The down backward's GEMM dequantizes its weight tiles as the fused kernel does; the SwiGLU pass reads no weight.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    two_passes = kernel_config.KernelConfig(64, 64, num_warps=1, num_stages=1, swiglu_pass=True)
+    with kernel_config.forced_config(dataclasses.replace(INTERPRETER_CONFIG, down_bwd=two_passes)):
+        _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
     guarded.check()
 
 

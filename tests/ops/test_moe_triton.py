@@ -4,6 +4,8 @@ NaN-filled buffers with guarded ends, the LoRA passes alone against torch, routi
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank, S = N*k token-slots.
 """
 
+import dataclasses
+
 import pytest
 from guarded_buffers import GuardedBuffers
 from triton_interpreter_mode import interpreted_kernels
@@ -309,6 +311,22 @@ def test_moe_mlp_kernel_per_kernel_config(kernel_path, guarded, lora_on):
     # D = 40 and F = 36: partial column blocks under each of the tile widths above.
     case = _make_case(29, 40, 36, 5, 2, torch.float32, lora_on=lora_on)
     with kernel_config.forced_config(PER_KERNEL_CONFIG):
+        _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+
+
+# The down backward as a GEMM storing dy W (+ LoRA) and a pass of SwiGLU's backward over it: F = 36 (the GEMM's last
+# column tile partial), 56, 300 (the pass's 256-column steps: a full and a partial one).
+SWIGLU_PASS = dataclasses.replace(
+    PER_KERNEL_CONFIG, down_bwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, swiglu_pass=True)
+)
+
+
+@pytest.mark.parametrize("hidden_dim", [36, 56, 300])
+@pytest.mark.parametrize("lora_on", [pytest.param("none", id="no_lora"), pytest.param("both", id="lora_both")])
+def test_moe_mlp_kernel_down_bwd_with_swiglu_pass(kernel_path, guarded, lora_on, hidden_dim):
+    case = _make_case(29, 40, hidden_dim, 5, 2, torch.float32, lora_on=lora_on)
+    with kernel_config.forced_config(SWIGLU_PASS):
         _assert_matches_oracle(case, torch.float32)
     guarded.check()
 
