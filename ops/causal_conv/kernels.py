@@ -16,13 +16,13 @@ BLOCK_T = 64
 BLOCK_C = 128
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every output buffer comes from here (tests swap in guarded, NaN-filled buffers)."""
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 @triton.jit
-def _conv_pre(
+def conv_pre(
     x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation,
     W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
@@ -54,7 +54,7 @@ def _causal_conv_fwd_kernel(
     col_mask = cols < C
     mask = row_mask[:, None] & col_mask[None, :]
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
-    pre = _conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
+    pre = conv_pre(x_ptr, w_ptr, pos, rows, cols, row_mask, col_mask, base, T, C, dilation, W, BLOCK_T, BLOCK_C)
     offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
     sig = tl.sigmoid(pre)
     if IS_DPRE:
@@ -109,7 +109,7 @@ def _grid(batch: int, tokens: int, channels: int) -> tuple[int, int, int]:
 def causal_conv_fwd(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, dilation: int) -> torch.Tensor:
     """x: [B, T, C] contiguous; w: [C, W] contiguous; positions: [T]. Returns y [B, T, C] in x's dtype."""
     batch, tokens, channels = x.shape
-    y = _alloc((batch, tokens, channels), x.dtype, x.device)
+    y = alloc((batch, tokens, channels), x.dtype, x.device)
     if x.numel() == 0:
         return y
     _causal_conv_fwd_kernel[_grid(batch, tokens, channels)](
@@ -125,17 +125,17 @@ def causal_conv_bwd(
     """dy, x: [B, T, C] contiguous. Returns dx [B, T, C] (x's dtype) and dw [C, W] fp32 (or None)."""
     batch, tokens, channels = x.shape
     width = w.shape[1]
-    dx = _alloc((batch, tokens, channels), x.dtype, x.device)
+    dx = alloc((batch, tokens, channels), x.dtype, x.device)
     if x.numel() == 0:
         return dx, torch.zeros(channels, width, dtype=torch.float32, device=x.device) if needs_dw else None
     grid = _grid(batch, tokens, channels)
-    dpre = _alloc((batch, tokens, channels), torch.float32, x.device)
+    dpre = alloc((batch, tokens, channels), torch.float32, x.device)
     _causal_conv_fwd_kernel[grid](
         x, w, positions, dy, dpre, tokens, channels, dilation, IS_DPRE=True, W=width, BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
     )  # fmt: skip
     num_t_tiles = grid[0]
-    dw_partial = _alloc((batch * num_t_tiles, channels, width), torch.float32, x.device) if needs_dw else None
+    dw_partial = alloc((batch * num_t_tiles, channels, width), torch.float32, x.device) if needs_dw else None
     _causal_conv_bwd_kernel[grid](
         x, w, positions, dpre, dx, dw_partial if dw_partial is not None else dpre, tokens, channels, dilation,
         num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.causal_conv import kernels
-from moe_tune.ops.causal_conv.kernels import BLOCK_C, BLOCK_T, _conv_pre
+from moe_tune.ops.causal_conv.kernels import BLOCK_C, BLOCK_T, conv_pre
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _conv_heads_fwd_kernel(
     col_mask = cols < channels
     mask = row_mask[:, None] & col_mask[None, :]
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
-    pre = _conv_pre(
+    pre = conv_pre(
         x_ptr, w_ptr + first * W, pos, rows, cols, row_mask, col_mask, batch * T * channels, T, channels, dilation,
         W, BLOCK_T, BLOCK_C,
     )  # fmt: skip
@@ -148,7 +148,7 @@ def causal_conv_heads_fwd(
     channels_v = v.shape[2]
     num_value_heads = channels_v // value_head_dim
     repeat = num_value_heads // (channels_qk // key_head_dim)
-    alloc = kernels._alloc
+    alloc = kernels.alloc
     yq = alloc((batch, tokens, num_value_heads, key_head_dim), q.dtype, q.device)
     yk = alloc((batch, tokens, num_value_heads, key_head_dim), q.dtype, q.device)
     yv = alloc((batch, tokens, num_value_heads, value_head_dim), q.dtype, q.device)
@@ -172,7 +172,7 @@ def causal_conv_heads_bwd(
     channels_v = v.shape[2]
     total, width = 2 * channels_qk + channels_v, w.shape[1]
     repeat = (channels_v // value_head_dim) // (channels_qk // key_head_dim)
-    alloc = kernels._alloc
+    alloc = kernels.alloc
     dq, dk, dv = (alloc(t.shape, t.dtype, t.device) for t in (q, k, v))
     if batch * tokens == 0:
         return dq, dk, dv, torch.zeros(total, width, dtype=torch.float32, device=q.device) if needs_dw else None

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 
 kernel_path = forced_kernel_path(kernels, "_causal_conv_fwd_kernel", on_gpu=True)
-guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS, "alloc")
 
 # (batch, document lengths, channels, width, dilation)
 CASES = {

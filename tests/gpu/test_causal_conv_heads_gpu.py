@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 
 kernel_path = forced_kernel_path(kernels_heads, "_conv_heads_fwd_kernel", on_gpu=True)
-guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS, "alloc")
 
 # (batch, document lengths, key heads, K, value heads, V, width)
 CASES = {

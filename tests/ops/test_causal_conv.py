@@ -29,7 +29,7 @@ GUARD_ELEMENTS = kernels.BLOCK_T * kernels.BLOCK_C
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 kernel_path = forced_kernel_path(kernels, "_causal_conv_fwd_kernel", on_gpu=False)
-guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS, "alloc")
 
 
 # (batch, document lengths, channels, width, dilation)

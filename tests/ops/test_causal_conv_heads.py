@@ -25,7 +25,7 @@ GUARD_ELEMENTS = kernels.BLOCK_T * kernels.BLOCK_C
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 kernel_path = forced_kernel_path(kernels_heads, "_conv_heads_fwd_kernel", on_gpu=False)
-guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
+guarded = guarded_outputs(kernels, GUARD_ELEMENTS, "alloc")
 
 # (batch, document lengths, key heads, K, value heads, V, width, dilation)
 CASES = {
