@@ -116,9 +116,9 @@ class StepRunner:
 
     def step(self) -> dict[str, Any]:
         """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
-        from moe_tune.engine.train.trainer import micro_step, share_of_batch, update_moe_bias
+        from moe_tune.engine.train.trainer import ensure_training, micro_step, share_of_batch, update_moe_bias
 
-        self.engine.train()
+        ensure_training(self.engine)
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
         with StepClock(self.is_cuda) as clock:
             tokens, losses, pieces = 0, [], []

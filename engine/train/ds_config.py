@@ -31,6 +31,10 @@ def deepspeed_config(profile: JobProfile, world_size: int) -> dict[str, Any]:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) waits for the device at the start of every forward and at
+        # every step: the host could not queue a step's first work while the device finishes the previous one.
+        # Nothing reads it (steps_per_print above); the trainer times steps itself.
+        "timers": {"throughput": {"enabled": False}},
     }
     if parallel.offload_optimizer:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}

@@ -17,7 +17,14 @@ from moe_tune.engine.lora import load_adapter
 from moe_tune.engine.model.model import build_model
 from moe_tune.engine.train.checkpoint import checkpoint_name, complete_checkpoints
 from moe_tune.engine.train.ds_config import deepspeed_config, zero_stage_note
-from moe_tune.engine.train.trainer import TrainingDiverged, build_trainable_model, check_finite, finetune, lr_factor
+from moe_tune.engine.train.trainer import (
+    TrainingDiverged,
+    build_trainable_model,
+    check_finite,
+    ensure_training,
+    finetune,
+    lr_factor,
+)
 from moe_tune.profiles import load_profile
 
 SMALL = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "data.corpus_documents=200"]
@@ -200,6 +207,42 @@ def test_bf16_config_has_no_per_gradient_overflow_check():
     bf16 = deepspeed_config(load_profile("tiny", ["train.precision=bf16"]), world_size=1)
     assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": False}
     assert "bf16" not in deepspeed_config(load_profile("tiny", ["train.precision=fp32"]), world_size=1)
+
+
+def test_deepspeed_throughput_timer_never_waits_for_the_device():
+    # Enabled (DeepSpeed's default) it synchronizes at every forward's start and every step.
+    from deepspeed.utils.config import get_timers_config
+
+    for stage in (1, 3):
+        config = deepspeed_config(load_profile("tiny", [f"parallel.zero_stage={stage}"]), world_size=1)
+        assert get_timers_config(config).enabled is False
+
+
+class _Engine:
+    """DeepSpeed's engine as ensure_training sees it: train(mode) sets the model's mode, counted."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, 0
+
+    def train(self, mode=True):
+        self.calls += 1
+        self.module.train(mode)
+
+    def eval(self):
+        self.module.train(False)
+
+
+def test_ensure_training_switches_only_when_needed():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Linear(2, 2)))
+    model[1][0].eval()  # a submodule left in eval mode by whoever built the model
+    engine = _Engine(model)
+    ensure_training(engine)
+    assert engine.calls == 1 and all(m.training for m in model.modules())
+    ensure_training(engine)
+    assert engine.calls == 1
+    engine.eval()  # evaluate() and the document losses switch the whole model
+    ensure_training(engine)
+    assert engine.calls == 2 and all(m.training for m in model.modules())
 
 
 @pytest.mark.parametrize("stage, world_size, contiguous", [(1, 1, False), (1, 2, True), (2, 1, True), (3, 1, True)])
