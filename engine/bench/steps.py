@@ -108,6 +108,7 @@ class StepRunner:
         )
         self.is_cuda = self.dist.device.type == "cuda"
         self.steps_done = 0
+        self._batches = None
         # The MoE blocks' CUDA graphs (train.cuda_graphs), captured at the first step for its micro-batch shape and
         # again after set_seq_len (the memory sweep's peaks must not hold a previous length's graph memory).
         self._expert_parallel = layout.expert_parallel
@@ -122,9 +123,14 @@ class StepRunner:
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
         with StepClock(self.is_cuda) as clock:
             tokens, losses, pieces = 0, [], []
-            for batch in self.micro_batches(self.steps_done, self.dist.data_rank, self.dist.data_size):
+            accumulation = self.profile.train.gradient_accumulation_steps
+            for micro in range(accumulation):
+                index = self.steps_done * accumulation + micro
+                batch = self._micro_batches().get(index)
                 share = share_of_batch(batch, self.dist.context)
                 out = micro_step(self.engine, share, self.dist)
+                # As the trainer: the next micro-batch is collated while the device runs this one.
+                self._micro_batches().prepare(index + 1)
                 losses.append(out.lm_loss.detach().float())
                 tokens += share.num_label_tokens
                 pieces += piece_lengths(share.cu_seqlens)
@@ -176,6 +182,19 @@ class StepRunner:
             torch.cuda.empty_cache()
         self._graphs_tokens = None
 
+    def _micro_batches(self):
+        """The micro-batches step() trains, each collated while the device runs the one before (MicroBatchesAhead),
+        up to the end of the run the profile describes."""
+        from moe_tune.engine.data.dataset import MicroBatchesAhead
+
+        if self._batches is None:
+            train = self.profile.train
+            end = self.total_steps * train.gradient_accumulation_steps
+            self._batches = MicroBatchesAhead(
+                self.dataset, train.micro_batch_size, self.dist.data_rank, self.dist.data_size, end
+            )
+        return self._batches
+
     def micro_batches(self, step: int, rank: int = 0, world_size: int = 1) -> list:
         """The micro-batches `rank` trains in optimizer step `step` (what `step()` feeds, in order)."""
         train = self.profile.train
@@ -189,6 +208,7 @@ class StepRunner:
 
         d = self.dataset
         self.dataset = PackedDataset(d.documents, seq_len, d.pad_id, d.seed, d.image_settings)
+        self._batches = None
 
     def close(self) -> None:
         from moe_tune.engine.train.distributed import shutdown_distributed

@@ -714,3 +714,36 @@ class PackedDataset:
         empty = Row([self.pad_id] * self.seq_len, [IGNORE_INDEX] * self.seq_len, [0])
         return collate([rows[i] if i < len(rows) else empty for i in range(first, first + rows_per_rank)],
                        self.image_settings)  # fmt: skip
+
+
+class MicroBatchesAhead:
+    """A rank's training micro-batches in order, each collated one ahead: `prepare(i)` builds micro-batch i (the host
+    work of `dataset.micro_batch`) while the device still runs the previous one's forward and backward, and `get(i)`
+    hands it over, or builds it then when it was not prepared. A failure while preparing is raised by `get(i)`,
+    where building it would have raised. Micro-batches from `end` on are never prepared (the row past a run's last
+    step may start an epoch, which packs every document)."""
+
+    def __init__(self, dataset: PackedDataset, rows_per_rank: int, rank: int, world_size: int, end: int):
+        self.dataset, self.rows_per_rank, self.rank, self.world_size, self.end = (
+            dataset, rows_per_rank, rank, world_size, end
+        )  # fmt: skip
+        self._ahead: tuple[int, Batch | Exception] | None = None
+
+    def _build(self, index: int) -> Batch:
+        return self.dataset.micro_batch(index, self.rows_per_rank, self.rank, self.world_size)
+
+    def prepare(self, index: int) -> None:
+        if index >= self.end or (self._ahead is not None and self._ahead[0] == index):
+            return
+        try:
+            self._ahead = (index, self._build(index))
+        except Exception as err:  # noqa: BLE001 - raised by get(index), in its own step
+            self._ahead = (index, err)
+
+    def get(self, index: int) -> Batch:
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[0] != index:
+            return self._build(index)
+        if isinstance(ahead[1], Exception):
+            raise ahead[1]
+        return ahead[1]

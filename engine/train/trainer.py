@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import torch
 import yaml
 
-from moe_tune.engine.data.dataset import Batch
+from moe_tune.engine.data.dataset import Batch, MicroBatchesAhead
 from moe_tune.engine.parallel.context import ContextShard
 from moe_tune.engine.parallel.expert_parallel import (
     ExpertLayout,
@@ -435,6 +435,8 @@ class TrainingRun:
     resumed_from: Path | None = None
     # The MoE blocks' CUDA graphs (train.cuda_graphs), or None.
     graphs: Any = None
+    # The training micro-batches, each collated while the device runs the one before (_train_step builds it).
+    batches: Any = None
 
     @property
     def out(self) -> Path:
@@ -656,11 +658,16 @@ def _train_step(run: TrainingRun, step: int) -> dict:
     t0 = time.perf_counter()
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
-    for micro in range(train.gradient_accumulation_steps):
-        index = step * train.gradient_accumulation_steps + micro
-        batch = dataset.micro_batch(index, rows, dist.data_rank, dist.data_size)
+    accumulation = train.gradient_accumulation_steps
+    if run.batches is None:
+        run.batches = MicroBatchesAhead(dataset, rows, dist.data_rank, dist.data_size, run.end_step * accumulation)
+    for micro in range(accumulation):
+        index = step * accumulation + micro
+        batch = run.batches.get(index)
         share = share_of_batch(batch, dist.context)
         output = micro_step(engine, share, dist)
+        # The next micro-batch is collated on the host while the device runs this one.
+        run.batches.prepare(index + 1)
         lm_losses.append(output.lm_loss.detach().float())
         aux_losses.append(output.aux_loss.detach().float())
         tokens += share.num_label_tokens

@@ -8,6 +8,7 @@ from moe_tune.engine.data.corpus import generate_corpus
 from moe_tune.engine.data.dataset import (
     IGNORE_INDEX,
     Document,
+    MicroBatchesAhead,
     PackedDataset,
     collate,
     load_documents,
@@ -54,6 +55,39 @@ def test_collate_offsets_pieces_by_row():
     assert batch.cu_seqlens.tolist() == [0, 8, 10, 13, 16]
     assert batch.input_ids.shape == (1, 16)
     assert batch.num_label_tokens == 13
+
+
+def test_micro_batches_ahead_are_the_datasets_micro_batches(monkeypatch):
+    docs = [text_document(t, TOK) for t in generate_corpus(50, seed=3)]
+    dataset = PackedDataset(docs, 32, TOK.pad_id, seed=1)
+    built = []
+    micro_batch = dataset.micro_batch
+    monkeypatch.setattr(dataset, "micro_batch", lambda *args: built.append(args[0]) or micro_batch(*args))
+    ahead = MicroBatchesAhead(dataset, 2, 1, 2, end=5)
+    expected = [micro_batch(i, 2, 1, 2).input_ids for i in range(6)]
+    assert ahead.get(0).input_ids.equal(expected[0]) and built == [0]  # not prepared: built when asked
+    ahead.prepare(1)
+    ahead.prepare(1)  # prepared once
+    assert built == [0, 1] and ahead.get(1).input_ids.equal(expected[1]) and built == [0, 1]
+    ahead.prepare(2)
+    assert ahead.get(3).input_ids.equal(expected[3]) and built == [0, 1, 2, 3]  # another index: built afresh
+    assert ahead.get(2).input_ids.equal(expected[2]) and built == [0, 1, 2, 3, 2]  # the prepared one is gone
+    ahead.prepare(5)  # the run ends before micro-batch 5: nothing is built
+    assert built == [0, 1, 2, 3, 2]
+
+
+def test_micro_batch_failing_while_prepared_raises_when_asked_for(monkeypatch):
+    docs = [text_document(t, TOK) for t in generate_corpus(20, seed=3)]
+    dataset = PackedDataset(docs, 32, TOK.pad_id, seed=1)
+
+    def broken(index, *args):
+        raise OSError(f"row of micro-batch {index} unreadable")
+
+    monkeypatch.setattr(dataset, "micro_batch", broken)
+    ahead = MicroBatchesAhead(dataset, 2, 0, 1, end=10)
+    ahead.prepare(4)
+    with pytest.raises(OSError, match="micro-batch 4 unreadable"):
+        ahead.get(4)
 
 
 def test_batches_are_a_function_of_the_step_and_ranks_split_rows():
