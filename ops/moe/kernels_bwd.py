@@ -1,6 +1,6 @@
 """Backward kernels of the MoE expert MLP: the LoRA backward pass (g B per row and dB), the input-gradient GEMMs of
-both projections (the down one with SwiGLU's and the routing weights' gradients) and the per-expert weight and
-adapter gradients.
+both projections (the down one with SwiGLU's and the routing weights' gradients in its epilogue, or followed by a pass
+over its output that computes them: KernelConfig.swiglu_pass) and the per-expert weight and adapter gradients.
 
 Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per token, r LoRA rank,
 S = N*k token-slots in expert order (routing.py), R the LoRA rank padded to a tl.dot size, C row chunks.
@@ -25,6 +25,7 @@ from moe_tune.ops.moe.kernel_config import (
     FP8_BLOCK,
     MIN_DOT_SIZE,
     THIN_NUM_WARPS,
+    KernelConfig,
     MoEConfig,
     check_fp8_steps,
     dot_precision,
@@ -706,7 +707,8 @@ def moe_down_bwd(
 
 def _down_bwd_two_passes(
     dy: torch.Tensor, gate_up: torch.Tensor, topk_weights: torch.Tensor, w_down: torch.Tensor,
-    a_down: torch.Tensor | None, dha: torch.Tensor | None, routing: MoERouting, kernel, dgate_up: torch.Tensor,
+    a_down: torch.Tensor | None, dha: torch.Tensor | None, routing: MoERouting, kernel: KernelConfig,
+    dgate_up: torch.Tensor,
     h: torch.Tensor | None, scale_inv: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
     """moe_down_bwd as a GEMM storing dh = dy[token] W_down (+ LoRA) [S, F] in gate_up's dtype and a pass of SwiGLU's
