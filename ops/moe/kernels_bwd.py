@@ -151,6 +151,43 @@ def _moe_lora_bwd_kernel(
 
 # Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed
 @triton.jit
+def _down_bwd_product(
+    dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, tokens, rows, row_mask, cols, col_mask, expert, D, rank, stride_dyn,
+    stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar, stride_af,
+    W_IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_LORA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    # dy[token] @ W_down[e] (+ dha @ A_down[e]) for one tile's rows and columns, fp32: the gradient of
+    # <dy, y_slot> by h before the routing weight.
+    dy_rows = dy_ptr + tokens[:, None] * stride_dyn
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
+    s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < D
+        dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = weight_tile(
+            w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
+            s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
+        )  # fmt: skip
+        acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
+    if HAS_LORA:
+        ranks = tl.arange(0, BLOCK_R)
+        rank_mask = ranks < rank
+        dha = tl.load(
+            dha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
+        )  # [M, R]
+        a_tile = tl.load(
+            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
+            mask=rank_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        ).to(dha.dtype)  # [R, N]
+        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _moe_down_bwd_kernel(
     dy_ptr,  # [N, D]
     w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
@@ -204,35 +241,13 @@ def _moe_down_bwd_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
 
-    dy_rows = dy_ptr + tokens[:, None] * stride_dyn
-    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
-    s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
     # acc: dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh without w.
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < D
-        dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = weight_tile(
-            w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
-            s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
-        )  # fmt: skip
-        acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
-
+    acc = _down_bwd_product(
+        dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, tokens, rows, row_mask, cols, col_mask, expert, D, rank, stride_dyn,
+        stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar, stride_af,
+        W_IS_FP8, SCALE_BLOCK, HAS_LORA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+    )  # fmt: skip
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        rank_mask = ranks < rank
-        dha = tl.load(
-            dha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
-        )  # [M, R]
-        a_tile = tl.load(
-            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
-            mask=rank_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(dha.dtype)  # [R, N]
-        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
-
     out_mask = row_mask[:, None] & col_mask[None, :]
     gate_up_rows = gate_up_ptr + rows[:, None] * (2 * F) + cols[None, :]
     gate = tl.load(gate_up_rows, mask=out_mask, other=0.0).to(tl.float32)
@@ -302,31 +317,11 @@ def _moe_down_bwd_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < F
 
-    dy_rows = dy_ptr + tokens[:, None] * stride_dyn
-    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
-    s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < D
-        dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = weight_tile(
-            w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
-            s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
-        )  # fmt: skip
-        acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        rank_mask = ranks < rank
-        dha = tl.load(
-            dha_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
-        )  # [M, R]
-        a_tile = tl.load(
-            a_ptr + expert * stride_ae + ranks[:, None] * stride_ar + cols[None, :] * stride_af,
-            mask=rank_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(dha.dtype)  # [R, N]
-        acc = tl.dot(dha, a_tile, acc, input_precision=DOT_PRECISION)
+    acc = _down_bwd_product(
+        dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, tokens, rows, row_mask, cols, col_mask, expert, D, rank, stride_dyn,
+        stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar, stride_af,
+        W_IS_FP8, SCALE_BLOCK, HAS_LORA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+    )  # fmt: skip
     tl.store(
         dh_ptr + rows[:, None] * F + cols[None, :], acc.to(dh_ptr.dtype.element_ty),
         mask=row_mask[:, None] & col_mask[None, :],
