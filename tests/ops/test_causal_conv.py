@@ -14,15 +14,9 @@ with interpreted_kernels():
     import torch.nn.functional as F
     from moe_tune.ops.causal_conv import MAX_WIDTH, causal_conv, kernels
     from moe_tune.ops.causal_conv.reference import causal_conv_ref
-    from norm_conv_cases import assert_close_to_reference, causal_conv_case, run_causal_conv
+    from norm_conv_cases import CONV_TOLERANCES, assert_close_to_reference, causal_conv_case, run_causal_conv
 
-# Against the reference on fp64 copies of the inputs, relative to each tensor's largest entry (dw sums every
-# token). fp32: summation order only (measured at most 7e-7). fp16: one rounding of y and dx (measured 9e-4
-# absolute on outputs of magnitude 3, 3.6e-4 relative on gradients).
-TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-}
+TOLERANCES = CONV_TOLERANCES
 # Past the end of every kernel buffer: a whole tile.
 GUARD_ELEMENTS = kernels.BLOCK_T * kernels.BLOCK_C
 

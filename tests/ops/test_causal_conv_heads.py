@@ -13,13 +13,9 @@ with interpreted_kernels():
     import torch
     from moe_tune.ops.causal_conv import causal_conv, causal_conv_heads, kernels, kernels_heads
     from moe_tune.ops.causal_conv.reference import causal_conv_heads_ref, causal_conv_ref
-    from norm_conv_cases import assert_close_to_reference, causal_conv_case
+    from norm_conv_cases import CONV_TOLERANCES, assert_close_to_reference, causal_conv_case
 
-# As tests/ops/test_causal_conv.py: against fp64, relative to each tensor's largest entry.
-TOLERANCES = {
-    torch.float32: dict(atol=1e-5, rtol=1e-5),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-}
+TOLERANCES = CONV_TOLERANCES
 GUARD_ELEMENTS = kernels.BLOCK_T * kernels.BLOCK_C
 
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
