@@ -724,9 +724,9 @@ class MicroBatchesAhead:
     step may start an epoch, which packs every document)."""
 
     def __init__(self, dataset: PackedDataset, rows_per_rank: int, rank: int, world_size: int, end: int):
-        self.dataset, self.rows_per_rank, self.rank, self.world_size, self.end = (
-            dataset, rows_per_rank, rank, world_size, end
-        )  # fmt: skip
+        self.dataset = dataset
+        self.rows_per_rank, self.rank, self.world_size = rows_per_rank, rank, world_size
+        self.end = end
         self._ahead: tuple[int, Batch | Exception] | None = None
 
     def _build(self, index: int) -> Batch:
