@@ -316,17 +316,27 @@ def test_moe_mlp_kernel_per_kernel_config(kernel_path, guarded, lora_on):
 
 
 # The down backward as a GEMM storing dy W (+ LoRA) and a pass of SwiGLU's backward over it: F = 36 (the GEMM's last
-# column tile partial), 56, 300 (the pass's 256-column steps: a full and a partial one).
+# column tile partial), 56, 300 (the pass's 256-column steps: a full and a partial one; 64-wide tiles elsewhere keep
+# the interpreted programs few).
 SWIGLU_PASS = dataclasses.replace(
     PER_KERNEL_CONFIG, down_bwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, swiglu_pass=True)
 )
+WIDE_SWIGLU_PASS = dataclasses.replace(
+    kernel_config.uniform_config(16, 64, 32, num_warps=1, num_stages=1),
+    down_bwd=kernel_config.KernelConfig(64, 32, num_warps=1, num_stages=1, swiglu_pass=True),
+)
 
 
-@pytest.mark.parametrize("hidden_dim", [36, 56, 300])
-@pytest.mark.parametrize("lora_on", [pytest.param("none", id="no_lora"), pytest.param("both", id="lora_both")])
-def test_moe_mlp_kernel_down_bwd_with_swiglu_pass(kernel_path, guarded, lora_on, hidden_dim):
-    case = _make_case(29, 40, hidden_dim, 5, 2, torch.float32, lora_on=lora_on)
-    with kernel_config.forced_config(SWIGLU_PASS):
+@pytest.mark.parametrize("num_tokens, hidden_dim, lora_on", [
+    pytest.param(29, 36, "none", id="F36-no_lora"),
+    pytest.param(29, 36, "both", id="F36-lora_both"),
+    pytest.param(29, 56, "none", id="F56-no_lora"),
+    pytest.param(29, 56, "both", id="F56-lora_both"),
+    pytest.param(29, 300, "both", id="F300-lora_both"),
+])  # fmt: skip
+def test_moe_mlp_kernel_down_bwd_with_swiglu_pass(kernel_path, guarded, num_tokens, hidden_dim, lora_on):
+    case = _make_case(num_tokens, 40, hidden_dim, 5, 2, torch.float32, lora_on=lora_on)
+    with kernel_config.forced_config(WIDE_SWIGLU_PASS if hidden_dim > 256 else SWIGLU_PASS):
         _assert_matches_oracle(case, torch.float32)
     guarded.check()
 
