@@ -65,6 +65,45 @@ def _causal_conv_fwd_kernel(
 
 
 @triton.jit
+def conv_dx_dw(
+    x_ptr, x_base, x_row, w_ptr, pos_ptr, pos, dpre_ptr, dpre_base, dpre_row, dw_partial_ptr, partial_row, rows, cols,
+    row_mask, col_mask, T, dilation, W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """dx of a [BLOCK_T, BLOCK_C] tile, fp32, from dpre; with HAS_DW also its share of dw, stored at partial_row +
+    cols * W + W-1-tap. x's rows lie x_row elements apart from x_base, dpre's dpre_row apart from dpre_base (both the
+    tile's channel 0 of token 0); w_ptr points at the tile's channel 0's weights ([C, W] rows)."""
+    dpre_here = tl.load(
+        dpre_ptr + dpre_base + rows[:, None].to(tl.int64) * dpre_row + cols[None, :],
+        mask=row_mask[:, None] & col_mask[None, :], other=0.0,
+    )  # fmt: skip
+    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for tap in tl.static_range(W):
+        shift = tap * dilation
+        w = tl.load(w_ptr + cols * W + (W - 1 - tap), mask=col_mask, other=0.0).to(tl.float32)
+        # dx: the rows this row feeds through tap j, shift tokens ahead in the same document.
+        dst = rows + shift
+        dst_pos = tl.load(pos_ptr + dst, mask=row_mask & (dst < T), other=0)
+        feeds = row_mask & (dst < T) & (dst_pos >= shift)
+        dpre = tl.load(
+            dpre_ptr + dpre_base + dst[:, None].to(tl.int64) * dpre_row + cols[None, :],
+            mask=feeds[:, None] & col_mask[None, :], other=0.0,
+        )  # fmt: skip
+        dx += dpre * w[None, :]
+        if HAS_DW:
+            # dw: this tile's rows against the tokens shift back.
+            src = rows - shift
+            reads = row_mask & (src >= 0) & (pos >= shift)
+            x = tl.load(
+                x_ptr + x_base + src[:, None].to(tl.int64) * x_row + cols[None, :],
+                mask=reads[:, None] & col_mask[None, :], other=0.0,
+            ).to(tl.float32)  # fmt: skip
+            dw = tl.sum(dpre_here * x, axis=0)
+            tl.store(dw_partial_ptr + partial_row + cols * W + (W - 1 - tap), dw, mask=col_mask)
+    return dx
+
+
+@triton.jit
 def _causal_conv_bwd_kernel(
     x_ptr, w_ptr, pos_ptr, dpre_ptr, dx_ptr, dw_partial_ptr, T, C, dilation, num_t_tiles,
     W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -77,28 +116,12 @@ def _causal_conv_bwd_kernel(
     row_mask = rows < T
     col_mask = cols < C
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
-    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-    dpre_here = tl.load(dpre_ptr + offsets, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     partial_row = (batch * num_t_tiles + tile).to(tl.int64) * C * W
-    for tap in tl.static_range(W):
-        shift = tap * dilation
-        w = tl.load(w_ptr + cols * W + (W - 1 - tap), mask=col_mask, other=0.0).to(tl.float32)
-        # dx: the rows this row feeds through tap j, shift tokens ahead in the same document.
-        dst = rows + shift
-        dst_pos = tl.load(pos_ptr + dst, mask=row_mask & (dst < T), other=0)
-        feeds = row_mask & (dst < T) & (dst_pos >= shift)
-        dst_offsets = base + dst[:, None].to(tl.int64) * C + cols[None, :]
-        dpre = tl.load(dpre_ptr + dst_offsets, mask=feeds[:, None] & col_mask[None, :], other=0.0)
-        dx += dpre * w[None, :]
-        if HAS_DW:
-            # dw: this tile's rows against the tokens shift back.
-            src = rows - shift
-            reads = row_mask & (src >= 0) & (pos >= shift)
-            src_offsets = base + src[:, None].to(tl.int64) * C + cols[None, :]
-            x = tl.load(x_ptr + src_offsets, mask=reads[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-            dw = tl.sum(dpre_here * x, axis=0)
-            tl.store(dw_partial_ptr + partial_row + cols * W + (W - 1 - tap), dw, mask=col_mask)
+    dx = conv_dx_dw(
+        x_ptr, base, C, w_ptr, pos_ptr, pos, dpre_ptr, base, C, dw_partial_ptr, partial_row, rows, cols, row_mask,
+        col_mask, T, dilation, W, HAS_DW, BLOCK_T, BLOCK_C,
+    )  # fmt: skip
+    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 

@@ -17,23 +17,24 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.causal_conv import kernels
-from moe_tune.ops.causal_conv.kernels import BLOCK_C, BLOCK_T, conv_pre
+from moe_tune.ops.causal_conv.kernels import BLOCK_C, BLOCK_T, conv_dx_dw, conv_pre
 
 
 @triton.jit
-def _segment(pid_c, blocks_qk, q_ptr, k_ptr, v_ptr, C_QK, C_V, KD, VD, G):
-    # (segment's tensor, its channels, head dim, repeat, first channel in the concatenated weight, tile in segment)
+def _segment(pid_c, blocks_qk, q_ptr, k_ptr, v_ptr, out_q_ptr, out_k_ptr, out_v_ptr, C_QK, C_V, KD, VD, G):
+    # The segment of channel tile pid_c: (its input, its output, its channels, head dim, repeat, first channel in
+    # the concatenated weight, tile within the segment).
     is_k = pid_c >= blocks_qk
     is_v = pid_c >= 2 * blocks_qk
     if is_v:
-        ptr = v_ptr
+        ptr, out_ptr = v_ptr, out_v_ptr
     elif is_k:
-        ptr = k_ptr
+        ptr, out_ptr = k_ptr, out_k_ptr
     else:
-        ptr = q_ptr
+        ptr, out_ptr = q_ptr, out_q_ptr
     first = tl.where(is_v, 2 * C_QK, tl.where(is_k, C_QK, 0))
     tile = pid_c - tl.where(is_v, 2 * blocks_qk, tl.where(is_k, blocks_qk, 0))
-    return ptr, tl.where(is_v, C_V, C_QK), tl.where(is_v, VD, KD), tl.where(is_v, 1, G), first, tile
+    return ptr, out_ptr, tl.where(is_v, C_V, C_QK), tl.where(is_v, VD, KD), tl.where(is_v, 1, G), first, tile
 
 
 @triton.jit
@@ -46,10 +47,9 @@ def _conv_heads_fwd_kernel(
     the concatenated channels of dpre; y*_ptr then hold dy."""
     pid_c = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
-    x_ptr, channels, head_dim, repeat, first, tile = _segment(
-        pid_c, blocks_qk, xq_ptr, xk_ptr, xv_ptr, C_QK, C_V, KD, VD, G
+    x_ptr, y_ptr, channels, head_dim, repeat, first, tile = _segment(
+        pid_c, blocks_qk, xq_ptr, xk_ptr, xv_ptr, yq_ptr, yk_ptr, yv_ptr, C_QK, C_V, KD, VD, G
     )
-    y_ptr, _, _, _, _, _ = _segment(pid_c, blocks_qk, yq_ptr, yk_ptr, yv_ptr, C_QK, C_V, KD, VD, G)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < T
@@ -87,10 +87,10 @@ def _conv_heads_bwd_kernel(
 ):  # fmt: skip
     """dx of one tile of one segment from the concatenated dpre, and its share of dw (per T-tile partials)."""
     tile_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
     batch = tl.program_id(2)
-    x_ptr, channels, _, _, first, tile = _segment(pid_c, blocks_qk, xq_ptr, xk_ptr, xv_ptr, C_QK, C_V, 1, 1, 1)
-    dx_ptr, _, _, _, _, _ = _segment(pid_c, blocks_qk, dxq_ptr, dxk_ptr, dxv_ptr, C_QK, C_V, 1, 1, 1)
+    x_ptr, dx_ptr, channels, _, _, first, tile = _segment(
+        tl.program_id(1), blocks_qk, xq_ptr, xk_ptr, xv_ptr, dxq_ptr, dxk_ptr, dxv_ptr, C_QK, C_V, 1, 1, 1
+    )
     total = 2 * C_QK + C_V
     rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -98,35 +98,11 @@ def _conv_heads_bwd_kernel(
     col_mask = cols < channels
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
     x_base = batch.to(tl.int64) * T * channels
-    dpre_base = batch.to(tl.int64) * T * total + first
-    dpre_here = tl.load(
-        dpre_ptr + dpre_base + rows[:, None].to(tl.int64) * total + cols[None, :],
-        mask=row_mask[:, None] & col_mask[None, :], other=0.0,
-    )  # fmt: skip
-    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     partial_row = (batch * num_t_tiles + tile_t).to(tl.int64) * total * W + first * W
-    for tap in tl.static_range(W):
-        shift = tap * dilation
-        w = tl.load(w_ptr + (first + cols) * W + (W - 1 - tap), mask=col_mask, other=0.0).to(tl.float32)
-        # dx: the rows this row feeds through tap j, shift tokens ahead in the same document.
-        dst = rows + shift
-        dst_pos = tl.load(pos_ptr + dst, mask=row_mask & (dst < T), other=0)
-        feeds = row_mask & (dst < T) & (dst_pos >= shift)
-        dpre = tl.load(
-            dpre_ptr + dpre_base + dst[:, None].to(tl.int64) * total + cols[None, :],
-            mask=feeds[:, None] & col_mask[None, :], other=0.0,
-        )  # fmt: skip
-        dx += dpre * w[None, :]
-        if HAS_DW:
-            # dw: this tile's rows against the tokens shift back.
-            src = rows - shift
-            reads = row_mask & (src >= 0) & (pos >= shift)
-            x = tl.load(
-                x_ptr + x_base + src[:, None].to(tl.int64) * channels + cols[None, :],
-                mask=reads[:, None] & col_mask[None, :], other=0.0,
-            ).to(tl.float32)  # fmt: skip
-            dw = tl.sum(dpre_here * x, axis=0)
-            tl.store(dw_partial_ptr + partial_row + cols * W + (W - 1 - tap), dw, mask=col_mask)
+    dx = conv_dx_dw(
+        x_ptr, x_base, channels, w_ptr + first * W, pos_ptr, pos, dpre_ptr, batch.to(tl.int64) * T * total + first,
+        total, dw_partial_ptr, partial_row, rows, cols, row_mask, col_mask, T, dilation, W, HAS_DW, BLOCK_T, BLOCK_C,
+    )  # fmt: skip
     tl.store(
         dx_ptr + x_base + rows[:, None].to(tl.int64) * channels + cols[None, :],
         dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :],
