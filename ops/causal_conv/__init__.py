@@ -63,8 +63,7 @@ def causal_conv_heads(
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_heads(q, k, v, key_head_dim, value_head_dim)
-    x_like = q.new_empty(q.shape[0], q.shape[1], 2 * q.shape[2] + v.shape[2], device="meta")
-    _check_inputs(x_like, weight, positions, dilation, device=q.device)
+    _check_conv(q.shape[1], 2 * q.shape[2] + v.shape[2], q.device, weight, positions, dilation, "q, k and v")
     has_kernel = q.dtype in _KERNEL_DTYPES and weight.shape[1] <= MAX_WIDTH
     if use_kernel("causal_conv", q, k, v, weight, positions, has_kernel=has_kernel):
         from moe_tune.ops.causal_conv.autograd import CausalConvHeadsFunction
@@ -91,22 +90,26 @@ def _check_heads(q, k, v, key_head_dim, value_head_dim) -> None:
         raise ValueError(f"v: {num_value_heads} value heads must be a multiple of q's {num_key_heads} key heads")
 
 
-def _check_inputs(x, weight, positions, dilation, device=None) -> None:
+def _check_inputs(x, weight, positions, dilation) -> None:
     if x.ndim != 3:
         raise ValueError(f"x: shape {tuple(x.shape)} must be [B, T, C]")
     if not x.is_floating_point():
         raise ValueError(f"x: dtype {x.dtype} must be floating point")
-    if weight.ndim != 2 or weight.shape[0] != x.shape[2] or weight.shape[1] < 1:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} must be [C, W] with C = {x.shape[2]} and W >= 1")
+    _check_conv(x.shape[1], x.shape[2], x.device, weight, positions, dilation, "x")
+
+
+def _check_conv(tokens, channels, device, weight, positions, dilation, inputs: str) -> None:
+    """weight, positions and dilation against the inputs' T tokens and C channels on `device` (`inputs` names them)."""
+    if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} must be [C, W] with C = {channels} and W >= 1")
     if not weight.is_floating_point():
         raise ValueError(f"weight: dtype {weight.dtype} must be floating point")
-    if positions.shape != (x.shape[1],):
-        raise ValueError(f"positions: shape {tuple(positions.shape)} must be [T] ({x.shape[1]},)")
+    if positions.shape != (tokens,):
+        raise ValueError(f"positions: shape {tuple(positions.shape)} must be [T] ({tokens},)")
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions: dtype {positions.dtype} must be int32 or int64")
     if dilation < 1:
         raise ValueError(f"dilation ({dilation}) must be >= 1")
-    device = x.device if device is None else device
     for name, t in (("weight", weight), ("positions", positions)):
         if t.device != device:
-            raise ValueError(f"{name}: device {t.device} must match x ({device})")
+            raise ValueError(f"{name}: device {t.device} must match {inputs} ({device})")

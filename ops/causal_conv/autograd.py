@@ -42,9 +42,11 @@ class CausalConvHeadsFunction(torch.autograd.Function):
         dilation, key_head_dim, value_head_dim = ctx.sizes
         batch, tokens, _ = q.shape
         num_value_heads = v.shape[2] // value_head_dim
-        shapes = [(batch, tokens, num_value_heads, key_head_dim)] * 2 + [(batch, tokens, num_value_heads, value_head_dim)]
+        key_shape = (batch, tokens, num_value_heads, key_head_dim)
+        shapes = (key_shape, key_shape, (batch, tokens, num_value_heads, value_head_dim))
         # An output that reaches no loss has no gradient: it contributes zeros.
-        grads = [q.new_zeros(shape) if g is None else g.contiguous() for g, shape in zip((grad_q, grad_k, grad_v), shapes)]
+        grads = [q.new_zeros(shape) if g is None else g.contiguous()
+                 for g, shape in zip((grad_q, grad_k, grad_v), shapes)]  # fmt: skip
         dq, dk, dv, dw = causal_conv_heads_bwd(
             *grads, q, k, v, weight.contiguous(), positions, dilation, key_head_dim, value_head_dim,
             ctx.needs_input_grad[3],
