@@ -22,9 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# A kernel module's mode (compiled or interpreted) is fixed at its first import for the whole session: tests/gpu and
-# the interpreter tests of tests/ops run in separate sessions. Without a GPU tests/gpu is not collected, and a run that
-# asks for it is refused (pytest_configure). On a GPU machine: pytest -m gpu tests/gpu.
+# Triton compiles or interprets a kernel module as TRITON_INTERPRET says when the module is imported, for the rest
+# of the process: tests/gpu and the interpreter tests of tests/ops need processes of their own. Without a GPU
+# tests/gpu is not collected, and a run that asks for it is refused (pytest_configure). On a GPU machine:
+# pytest -m gpu tests/gpu.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 
 # Rendezvous variables a run in this process may have set: a child process must pick its own.

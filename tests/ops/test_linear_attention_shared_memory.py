@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 # The H200's (sm_90) shared memory per block, as Triton's OutOfResources reports it: 227 KB.
 H200_SHARED_MEMORY = 232448
@@ -37,9 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_fp32_launches_fit_the_h200_shared_memory():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if result.returncode == 3:
-        pytest.skip(result.stdout.strip().splitlines()[-1])
-    assert result.returncode == 0, result.stderr[-3000:]
+    # A Triton without the compiler internals used below (the CPU set-up pins one that has them) fails here too.
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert {row["kernel"] for row in rows} == FP32_KERNELS
     # The fp32 dots are the 3xTF32 ones the GPU runs (DOT_PRECISION, INV_PRECISION, INV_DOTS).
@@ -63,8 +61,7 @@ def _record_and_measure() -> None:
         from triton.compiler.compiler import ASTSource, make_backend
         from triton.runtime.jit import JITFunction, create_function_from_signature
     except ImportError as error:
-        print(f"this Triton lacks the compiler internals the measurement uses: {error}")
-        sys.exit(3)
+        sys.exit(f"this Triton lacks the compiler internals the measurement uses: {error}")
 
     from moe_tune.ops.linear_attention import (
         autograd,
