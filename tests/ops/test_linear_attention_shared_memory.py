@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 # The H200's (sm_90) shared memory per block, as Triton's OutOfResources reports it: 227 KB.
 H200_SHARED_MEMORY = 232448
 # The kernels the fp32 cases launch: a recorder that saw fewer missed the kernel path.
