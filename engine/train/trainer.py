@@ -435,7 +435,7 @@ class TrainingRun:
     resumed_from: Path | None = None
     # The MoE blocks' CUDA graphs (train.cuda_graphs), or None.
     graphs: Any = None
-    # The training micro-batches, each collated while the device runs the one before (_train_step builds it).
+    # The training micro-batches, each collated while the device runs the one before (MicroBatchesAhead).
     batches: Any = None
 
     @property
@@ -505,6 +505,8 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         end_step=min(total_steps, stop_after) if stop_after is not None else total_steps,
         eval_every=eval_every, activation_memory=activation_memory, result=result,
     )  # fmt: skip
+    run.batches = MicroBatchesAhead(dataset, train.micro_batch_size, dist.data_rank, dist.data_size,
+                                    run.end_step * train.gradient_accumulation_steps)  # fmt: skip
     try:
         if dist.is_main:
             _write_run_config(run, ds_config)
@@ -659,8 +661,6 @@ def _train_step(run: TrainingRun, step: int) -> dict:
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
     accumulation = train.gradient_accumulation_steps
-    if run.batches is None:
-        run.batches = MicroBatchesAhead(dataset, rows, dist.data_rank, dist.data_size, run.end_step * accumulation)
     for micro in range(accumulation):
         index = step * accumulation + micro
         batch = run.batches.get(index)
