@@ -3,10 +3,9 @@
 PEFT's `lora.Linear.forward` computes base(x) + lora_B(lora_A(dropout(x))) * scaling through three modules and two
 ops (autograd records 6 nodes for the adapter, 10 for a 3D input), behind a loop over adapters, casts and checks.
 When the training step is bound by the host's launch rate, that overhead is step time. Here the adapter is one
-autograd Function: an mm and an addmm in forward (the addmm accumulates into the base layer's output in place where nothing else
-holds it, `owns_output`; otherwise on CUDA a third device op copies it first; PEFT has 2 GEMMs, a multiply and an
-add) and at most 4 GEMMs in backward with the scale folded in (PEFT: 4 GEMMs and
-a multiply). The base layer is still called as a module, so hooks on it (ZeRO-3 gathering its weight, the
+autograd Function: an mm and an addmm in forward (the addmm accumulates into the base layer's output in place where
+nothing else holds it, `owns_output`; otherwise on CUDA a third device op copies it first; PEFT has 2 GEMMs, a
+multiply and an add) and at most 4 GEMMs in backward with the scale folded in (PEFT: 4 GEMMs and a multiply). The base layer is still called as a module, so hooks on it (ZeRO-3 gathering its weight, the
 activation-memory manager) fire as they do under PEFT's own forward.
 
 Shapes: N rows (the input's leading dims flattened), I in_features, O out_features, R the adapter's rank.

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_tune.ops.causal_conv.reference import split_heads
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
 from moe_tune.ops.linear_attention.gates import gdn_gates
 from moe_tune.ops.sparse_attention import sparse_attention, topk_indexer
@@ -24,7 +25,7 @@ from .attention_context import (
     sparse_attention_across_ranks,
 )
 from .batch import PackedBatch
-from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached, split_heads
+from .blocks import GatedRMSNorm, RMSNorm, RotaryEmbedding, ShortConv, delta_rule_cached
 from .kda import KimiDeltaAttention
 from .linear_context import delta_rule
 from .kv_cache import (

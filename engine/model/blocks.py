@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.causal_conv import causal_conv, causal_conv_heads
+from moe_tune.ops.causal_conv.reference import split_heads
 from moe_tune.ops.fp8 import BLOCK, E4M3_MAX, FP8_DTYPE, quantize_weight
 from moe_tune.ops.fp8.reference import AMAX_FLOOR
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
@@ -178,20 +179,6 @@ class ShortConv(nn.Module):
         # A copy: a slice would keep the whole prompt's inputs alive.
         state["inputs"] = window[:, max(0, window.shape[1] - reach) :].clone()
         return y
-
-
-def split_heads(
-    qkv: torch.Tensor, key_channels: int, key_head_dim: int, value_head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A linear-attention layer's conv output [1, T, 2 Hk K + Hv V] -> q, k [1, T, Hv, K] (key heads repeated per
-    group, as causal_conv_heads writes them) and v [1, T, Hv, V]; key_channels = Hk K."""
-    t = qkv.shape[1]
-    q, k, v = qkv.split([key_channels, key_channels, qkv.shape[2] - 2 * key_channels], -1)
-    num_key_heads, num_value_heads = key_channels // key_head_dim, v.shape[2] // value_head_dim
-    group = num_value_heads // num_key_heads
-    q = q.view(1, t, num_key_heads, key_head_dim).repeat_interleave(group, dim=2)
-    k = k.view(1, t, num_key_heads, key_head_dim).repeat_interleave(group, dim=2)
-    return q, k, v.view(1, t, num_value_heads, value_head_dim)
 
 
 def delta_rule_cached(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from moe_tune.ops.causal_conv.reference import split_heads
 from moe_tune.ops.linear_attention import kda
 from moe_tune.profiles.schema import ModelProfile
 
@@ -115,9 +116,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [1, T, 3 H K] -> q, k, v [1, T, H, K]."""
-        shape_THK = (1, qkv.shape[1], self.num_heads, self.head_dim)
-        q, k, v = (part.reshape(shape_THK) for part in qkv.chunk(3, dim=-1))
-        return q, k, v
+        return split_heads(qkv, self.num_heads * self.head_dim, self.head_dim, self.head_dim)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw decay gate a [1, T, H, K] (x's dtype) and beta [1, T, H] fp32."""

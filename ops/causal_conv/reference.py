@@ -28,14 +28,22 @@ def causal_conv_heads_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
     key_head_dim: int, value_head_dim: int, dilation: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """causal_conv_ref over the three segments concatenated (q, k, v order), split back into heads: q, k [B, T, Hv, K]
-    with each of the Hk key heads repeated for the Hv / Hk value heads after it, v [B, T, Hv, V]."""
-    batch, tokens, channels_qk = q.shape
-    num_value_heads = v.shape[2] // value_head_dim
-    repeat = num_value_heads // (channels_qk // key_head_dim)
+    """causal_conv_ref over the three segments concatenated (q, k, v order), split back into heads (split_heads)."""
     y = causal_conv_ref(torch.cat([q, k, v], -1), weight, positions, dilation)
-    yq, yk, yv = y.split([channels_qk, channels_qk, v.shape[2]], -1)
-    heads = (batch, tokens, channels_qk // key_head_dim, key_head_dim)
+    return split_heads(y, q.shape[2], key_head_dim, value_head_dim)
+
+
+def split_heads(
+    qkv: torch.Tensor, key_channels: int, key_head_dim: int, value_head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A conv output [B, T, 2 Hk K + Hv V] over q, k and v's channels (key_channels = Hk K) -> q, k [B, T, Hv, K]
+    with each of the Hk key heads repeated for the Hv / Hk value heads after it (repeat_interleave), and
+    v [B, T, Hv, V]."""
+    batch, tokens = qkv.shape[:2]
+    yq, yk, yv = qkv.split([key_channels, key_channels, qkv.shape[2] - 2 * key_channels], -1)
+    num_key_heads, num_value_heads = key_channels // key_head_dim, yv.shape[2] // value_head_dim
+    repeat = num_value_heads // num_key_heads
+    heads = (batch, tokens, num_key_heads, key_head_dim)
     return (
         yq.reshape(heads).repeat_interleave(repeat, dim=2),
         yk.reshape(heads).repeat_interleave(repeat, dim=2),
