@@ -3,9 +3,11 @@
 transformers picks an external implementation (flash-linear-attention's Triton kernels, causal-conv1d) for some
 functions of its modeling files when it imports them (`use_kernel_func_from_hub_with_fallback` in
 transformers/integrations/hub_kernels.py): the module-level name then calls the external package, and the pure
-PyTorch function it decorates is only reachable as the wrapper's `__wrapped__`. `pure_torch_paths()` rebinds those
-names to the PyTorch functions for as long as it is held, so `moe-tune align` compares against the model's own
-definition (and runs on a CPU with FLA installed), and restores them on exit.
+PyTorch function it decorates is only reachable as the wrapper's `__wrapped__`. Where the `kernels` package is
+installed (transformers >= 5.25 requires it), that wrapper is itself wrapped in a kernels function module (an
+nn.Module whose forward calls it). `pure_torch_paths()` rebinds those names to the PyTorch functions for as long as
+it is held, so `moe-tune align` compares against the model's own definition (and runs on a CPU with FLA installed),
+and restores them on exit.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import FunctionType, ModuleType
+from typing import Any
 
 # The modeling modules of the supported families that route functions through the fallback wrapper; imported on
 # entry so their names exist before the reference model is built (a model built inside the context is covered).
@@ -28,17 +31,55 @@ KERNEL_MODULES = (
 )
 
 
-# The wrappers a held pure_torch_paths() has replaced, {(module name, name): wrapper}: external_paths() still sees
-# what a module would call outside it.
-_held: dict[tuple[str, str], FunctionType] = {}
+# The names a held pure_torch_paths() has rebound, {(module name, name): the value it replaced}: external_paths()
+# still sees what a module would call outside it.
+_held: dict[tuple[str, str], Any] = {}
 
 
-def _is_fallback_wrapper(value: object) -> bool:
-    """A function made by transformers' use_kernel_func_from_hub_with_fallback (its inner `wrapped`)."""
+def closure_cells(function: FunctionType) -> dict[str, Any]:
+    """{free variable: value} of `function`'s closure (empty cells left out)."""
+    cells = {}
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        with contextlib.suppress(ValueError):
+            cells[name] = cell.cell_contents
+    return cells
+
+
+def kernel_function(value: object) -> FunctionType | None:
+    """The function a kernels function module calls (kernels' use_kernel_forward_from_hub applied to a function: an
+    nn.Module instance named after it, whose class's forward closes over it), None for anything else."""
+    forward = getattr(type(value), "forward", None)
+    if not hasattr(value, "kernel_layer_name") or not isinstance(forward, FunctionType):
+        return None
+    function = closure_cells(forward).get("func")
+    return function if isinstance(function, FunctionType) else None
+
+
+def fallback_wrapper(value: object) -> FunctionType | None:
+    """The function made by transformers' use_kernel_func_from_hub_with_fallback (its inner `wrapped`) that `value`
+    is or, as a kernels function module, calls; None for anything else."""
+    value = kernel_function(value) or value
     if not isinstance(value, FunctionType) or not hasattr(value, "__wrapped__"):
-        return False
+        return None
     code = value.__code__
-    return code.co_name == "wrapped" and code.co_filename.endswith("hub_kernels.py")
+    return value if code.co_name == "wrapped" and code.co_filename.endswith("hub_kernels.py") else None
+
+
+def torch_function(value: object) -> object:
+    """transformers' own PyTorch function behind `value`'s fallback wrapper (fallback_wrapper); `value` when it has
+    none."""
+    wrapper = fallback_wrapper(value)
+    return value if wrapper is None else inspect.unwrap(wrapper)
+
+
+def called_function(value: object) -> object:
+    """What calling `value` runs: through a kernels function module to the function it calls, through transformers'
+    fallback wrapper to the implementation it chose when its modeling module was imported; `value` otherwise."""
+    wrapper = fallback_wrapper(value)
+    if wrapper is None:
+        return kernel_function(value) or value
+    implementation = closure_cells(wrapper).get("implementation")
+    return implementation if callable(implementation) else wrapper
 
 
 def external_paths(modules: list[ModuleType] | None = None) -> dict[tuple[str, str], str]:
@@ -47,10 +88,10 @@ def external_paths(modules: list[ModuleType] | None = None) -> dict[tuple[str, s
     found = {}
     for module in modules if modules is not None else _modeling_modules():
         for name, value in list(vars(module).items()):
-            value = _held.get((module.__name__, name), value)
-            if not _is_fallback_wrapper(value):
+            wrapper = fallback_wrapper(_held.get((module.__name__, name), value))
+            if wrapper is None:
                 continue
-            closure = dict(zip(value.__code__.co_freevars, (c.cell_contents for c in value.__closure__ or ())))
+            closure = closure_cells(wrapper)
             implementation = closure.get("implementation")
             if closure.get("is_new_implementation") and implementation is not None:
                 found[(module.__name__, name)] = getattr(implementation, "__module__", None) or "?"
@@ -76,10 +117,10 @@ def pure_torch_paths() -> Iterator[dict[tuple[str, str], str]]:
     try:
         for module in modules:
             for name, value in list(vars(module).items()):
-                if _is_fallback_wrapper(value):
+                if fallback_wrapper(value) is not None:
                     saved.append((module, name, value))
                     _held[(module.__name__, name)] = value
-                    setattr(module, name, inspect.unwrap(value))
+                    setattr(module, name, torch_function(value))
         yield replaced
     finally:
         for module, name, value in saved:

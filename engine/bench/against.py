@@ -55,7 +55,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from moe_tune.engine.align.reference import describe, pure_torch_paths
+from moe_tune.engine.align.reference import called_function, describe, pure_torch_paths
 from moe_tune.engine.bench.timing import StepClock, timed_steps
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
@@ -646,15 +646,9 @@ class TransformersRunner:
 
 
 def _function_name(value: Any) -> str:
-    """module.qualname of what calling `value` runs: through transformers' fallback wrapper
-    (use_kernel_func_from_hub_with_fallback) to the implementation it chose when its modeling module was imported."""
-    if isinstance(value, FunctionType) and value.__closure__:
-        cells = {}
-        for name, cell in zip(value.__code__.co_freevars, value.__closure__):
-            with contextlib.suppress(ValueError):  # an empty cell
-                cells[name] = cell.cell_contents
-        if "is_new_implementation" in cells and callable(cells.get("implementation")):
-            value = cells["implementation"]
+    """module.qualname of what calling `value` runs (called_function: through a kernels function module and
+    transformers' fallback wrapper to the implementation it chose when its modeling module was imported)."""
+    value = called_function(value)
     return f"{getattr(value, '__module__', None) or '?'}.{getattr(value, '__qualname__', type(value).__qualname__)}"
 
 
@@ -663,11 +657,24 @@ def _forward(module: torch.nn.Module) -> Callable:
     return inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
 
 
-def _called_kernels(module: torch.nn.Module) -> dict[str, tuple[str, Any, bool]]:
-    """{field: (name, function, is_held)} of each KERNEL_NAMES function the module's forward calls (the first name
-    it calls of the field's): as the layer holds it (older transformers, is_held; None for its PyTorch path) or as
-    its modeling module binds it now (None when it binds none)."""
+def _called_names(module: torch.nn.Module) -> set[str]:
+    """The global names the module's forward calls, and those its modeling module's own helpers that it calls call
+    in turn (transformers >= 5.25 reaches causal_conv1d_fn through causal_conv1d_forward)."""
     called = set(getattr(getattr(_forward(module), "__code__", None), "co_names", ()))
+    namespace = vars(sys.modules[type(module).__module__])
+    kernel_names = {name for names in KERNEL_NAMES.values() for name in names}
+    for name in called - kernel_names:
+        helper = called_function(namespace.get(name))
+        if isinstance(helper, FunctionType) and helper.__module__ == type(module).__module__:
+            called |= set(helper.__code__.co_names)
+    return called
+
+
+def _called_kernels(module: torch.nn.Module) -> dict[str, tuple[str, Any, bool]]:
+    """{field: (name, function, is_held)} of each KERNEL_NAMES function the module's forward calls (_called_names;
+    the first name it calls of the field's): as the layer holds it (older transformers, is_held; None for its
+    PyTorch path) or as its modeling module binds it now (None when it binds none)."""
+    called = _called_names(module)
     found = {}
     for field, names in KERNEL_NAMES.items():
         name = next((n for n in names if n in called), None)

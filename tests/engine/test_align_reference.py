@@ -16,18 +16,29 @@ from hf_tiny import save_tiny_checkpoint, tiny_kimi_linear, tiny_qwen3_next
 FAKE_MODULE = "transformers.models.fake_kernels.modeling_fake_kernels"
 
 
-@pytest.fixture
-def fake_modeling_module(monkeypatch):
+@pytest.fixture(params=["kernels module", "function"])
+def fake_modeling_module(request, monkeypatch):
     """A modeling module whose `root` went through transformers' fallback decorator with an importable 'package'
-    (math.sqrt stands in for an FLA kernel), registered where pure_torch_paths looks."""
+    (math.sqrt stands in for an FLA kernel), registered where pure_torch_paths looks: as the kernels package wraps it
+    (an nn.Module calling transformers' wrapper; transformers >= 5.25 requires kernels) and as the bare wrapper
+    function (transformers without kernels: the H200's 5.17)."""
+    from transformers.integrations import hub_kernels
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
     def root(x):
         return x ** 0.5 + 1000.0  # distinguishable from math.sqrt
 
     module = types.ModuleType(FAKE_MODULE)
-    module.root = use_kernel_func_from_hub_with_fallback("sqrt", "math")(root)
+    # The bare wrapper whatever the installed transformers does with kernels.
+    with monkeypatch.context() as patch:
+        patch.setattr(hub_kernels, "use_kernel_forward_from_hub", lambda name: lambda function: function, raising=False)
+        module.root = use_kernel_func_from_hub_with_fallback("sqrt", "math")(root)
+    if request.param == "kernels module":
+        kernels = pytest.importorskip("kernels", reason="transformers >= 5.25 requires it")
+        # What transformers >= 5.25 does with its wrapper (hub_kernels.use_kernel_func_from_hub_with_fallback).
+        module.root = kernels.use_kernel_forward_from_hub("sqrt")(module.root)
     module.plain = root
+    assert isinstance(module.root, torch.nn.Module) == (request.param == "kernels module")
     monkeypatch.setitem(sys.modules, FAKE_MODULE, module)
     return module, root
 

@@ -136,15 +136,15 @@ def patch_kernels(monkeypatch, delta_rule: bool, short_conv: bool):
     """Bind, where qwen3_next's modeling module calls them, stand-ins with FLA's cu_seqlens (`delta_rule`) and
     causal-conv1d's seq_idx (`short_conv`) semantics; pure_torch_paths leaves them bound (they are not transformers'
     fallback wrappers)."""
-    import inspect
-
     import transformers.models.qwen3_next.modeling_qwen3_next as modeling
 
+    from moe_tune.engine.align.reference import torch_function
+
     if delta_rule:
-        torch_chunk = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+        torch_chunk = torch_function(modeling.torch_chunk_gated_delta_rule)
         monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", documentwise_delta_rule(torch_chunk))
     if short_conv:
-        monkeypatch.setattr(modeling, "causal_conv1d_fn", documentwise_conv(inspect.unwrap(modeling.causal_conv1d_fn)))
+        monkeypatch.setattr(modeling, "causal_conv1d_fn", documentwise_conv(torch_function(modeling.causal_conv1d_fn)))
 
 
 @pytest.mark.parametrize("model", [MOE_LIKE, NEXT_LIKE], ids=["qwen3_moe", "qwen3_next"])
