@@ -370,6 +370,9 @@ def finetune(
 
     profile = resolve_job(profile)  # model: {checkpoint: DIR} -> the architecture in DIR/config.json
     check_report_to(profile.output.report_to)
+    # ZeRO-3's zero.Init replaces torch.nn.functional.linear for the rest of the process ("memory efficient
+    # linear"): what runs after the run in this process gets torch's own back.
+    functional_linear = torch.nn.functional.linear
     dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
         # Locked and checked before anything is read or written; released however the run ends.
@@ -381,6 +384,7 @@ def finetune(
                     (console or Console()).print(note, markup=False, highlight=False)
             return _finetune(profile, dist, resume, show_progress, stop_after, console)
     finally:
+        torch.nn.functional.linear = functional_linear
         shutdown_distributed()
 
 

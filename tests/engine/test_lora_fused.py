@@ -450,8 +450,8 @@ IN_PLACE_CASES = [in_place_no_bias, in_place_bias, in_place_layer_hook, in_place
 
 @pytest.mark.parametrize("case", IN_PLACE_CASES, ids=[f.__name__.removeprefix("in_place_") for f in IN_PLACE_CASES])
 def test_sum_goes_into_the_base_output_only_where_nothing_else_holds_it(case, monkeypatch):
-    # torch's own linear (a ZeRO-3 run earlier in this process replaces torch.nn.functional.linear with DeepSpeed's,
-    # whose output is never a view).
+    # torch's own linear whatever ran earlier in this process (a ZeRO-3 engine built outside finetune and StepRunner
+    # leaves DeepSpeed's in torch.nn.functional.linear, whose output is never a view).
     monkeypatch.setattr(torch.nn.functional, "linear", torch._C._nn.linear)
     layer, expect_in_place = case()
     flags = []
