@@ -1,0 +1,19 @@
+# On the H200 machine, sourced at the start of a run's command (carry: [".whl", ".fla"], and the .triN of the
+# Triton 3.7.1 parts the first time): `source .device/setup.sh [3.6|3.7.1] [fla]`.
+#   3.6 (default): the image's Triton; 3.7.1: the wheel that .device/triton.sh assembled in /tmp/tri371
+#   fla: flash-linear-attention importable (transformers then runs it; on Triton 3.6 its gated backward refuses)
+# moe-tune runs from the working tree (PYTHONPATH, no install); MOE_TUNE_COMMIT names the commit for the JSON rows.
+TRITON_VERSION=${1:-3.6}
+WITH_FLA=${2:-}
+if [[ ! -d /tmp/site/deepspeed ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || return 1
+fi
+if [[ -n "$WITH_FLA" && ! -d /tmp/fla/fla ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .fla/*.whl || return 1
+fi
+SITE=/tmp/site
+[[ "$TRITON_VERSION" == "3.7.1" ]] && { [[ -d /tmp/tri371/triton ]] || { echo "Triton 3.7.1 not assembled: .device/triton.sh" >&2; return 1; }; SITE=/tmp/tri371:$SITE; }
+[[ -n "$WITH_FLA" ]] && SITE=$SITE:/tmp/fla
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+export MOE_TUNE_COMMIT=${MOE_TUNE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
