@@ -315,7 +315,7 @@ def test_exported_model_in_transformers_gives_our_logits(kind, runs, merged):
 
 def dequantized_checkpoint(checkpoint: Path, out: Path) -> Path:
     """The FP8 checkpoint with every FP8 weight dequantized (ops.fp8's rule, fp32) and no scales or
-    quantization_config. transformers 5.24's own CPU dequantization infers the block height from the scale grid
+    quantization_config. transformers' own CPU dequantization (5.24, 5.25) infers the block height from the scale grid
     (160 rows over 2 scale rows: blocks of 80), which is wrong for dims that are not multiples of 128."""
     import shutil
 
