@@ -212,8 +212,11 @@ class StepRunner:
 
     def close(self) -> None:
         from moe_tune.engine.train.distributed import shutdown_distributed
+        from moe_tune.engine.train.trainer import release_engine
 
         self._release_graphs()
+        # Its gradient hooks hold the engine (and its gradient buckets) for as long as the process lives otherwise.
+        release_engine(self.engine)
         self.engine = None
         self.activation_memory = None
         torch.nn.functional.linear = self._functional_linear

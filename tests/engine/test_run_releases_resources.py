@@ -78,6 +78,24 @@ def test_finished_run_leaves_no_engine_group_or_thread(tmp_path, monkeypatch, st
     assert len(native_threads()) <= threads_before
 
 
+@pytest.mark.parametrize("stage", [3, 1])
+def test_closed_step_runner_leaves_no_engine(tmp_path, monkeypatch, stage):
+    """`moe-tune profile` builds a StepRunner per run (its --against and memory sweeps several a process): once closed
+    its engine, with the gradient buckets ZeRO allocates (2 GB at DeepSpeed's default bucket of 5e8 fp32), is freed."""
+    from moe_tune.engine.bench.steps import StepRunner
+
+    functional_linear = torch.nn.functional.linear
+    engines, groups = watch_runs(monkeypatch)
+    runner = StepRunner(tiny_profile(tmp_path, stage))
+    runner.step()
+    runner.close()
+    del runner
+    assert len(engines) == 1
+    assert alive(engines) == 0, "the closed runner's DeepSpeedEngine is still alive"
+    assert alive(groups) == 0, "process groups of the closed runner are still alive"
+    assert torch.nn.functional.linear is functional_linear
+
+
 def test_run_refused_after_its_engine_is_built_releases_it(tmp_path, monkeypatch):
     run_threads_before = run_threads()
     engines, groups = watch_runs(monkeypatch)
