@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from moe_tune.profiles import ProfileError
+from moe_tune.profiles.schema import JobProfile
 
 from .distributed import DistInfo
 
@@ -171,14 +172,58 @@ def remove_run_outputs(out: Path) -> list[str]:
     return removed
 
 
-def check_output_dir(out: Path, resume: bool, overwrite: bool) -> tuple[RunDirLock, list[str]]:
-    """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, a
-    directory in use by another run, or one holding a previous run's results without resume or overwrite. Returns
-    the held lock and notes to print (a lock taken over, the outputs --overwrite removed)."""
+def _written_place(read: Path, out: Path) -> str | None:
+    """Where in `out` a run writes over `read` (a path the run reads): `out` itself (a run writes its outputs
+    there), or one of the names it writes or --overwrite deletes, `read` being it or inside it; None elsewhere."""
+    if read == out:
+        return str(out)
+    owned = (*RUN_RESULTS, *RUN_SETTINGS, LOCK_NAME)
+    for name in owned:
+        if read == out / name or out / name in read.parents:
+            return str(out / name)
+    return None
+
+
+def check_reads_apart(out: Path, reads: dict[str, Path | None]) -> None:
+    """ProfileError naming each of `reads` ({profile field: path the run reads}) that lies where the run writes into
+    `out` (output.dir): a checkpoint's own folder as output.dir would have its model.safetensors replaced by the
+    run's and deleted by --overwrite. Paths compare resolved (symlinks followed)."""
+    out = out.expanduser().resolve()
+    problems = []
+    for field, path in reads.items():
+        if path is None:
+            continue
+        place = _written_place(path.expanduser().resolve(), out)
+        if place is not None:
+            problems.append(f"{field} ({str(path)!r}) lies where the run writes ({place!r}, in output.dir): its "
+                            "outputs and --overwrite would replace what it reads; set output.dir to another folder")
+    if problems:
+        raise ProfileError(problems)
+
+
+def run_reads(profile: JobProfile) -> dict[str, Path | None]:
+    """{profile field: path} of what a run reads that a run's outputs could land on (run_dir.check_reads_apart)."""
+    data = profile.data
+    reads: dict[str, Path | None] = {"model.checkpoint": profile.model.checkpoint, "data.path": data.path,
+                                     "data.eval_path": data.eval_path}  # fmt: skip
+    for index, source in enumerate(data.sources or []):
+        reads[f"data.sources[{index}].path"] = source.path
+    if data.tokenizer not in (None, "byte"):
+        reads["data.tokenizer"] = Path(data.tokenizer)
+    return reads
+
+
+def check_output_dir(out: Path, resume: bool, overwrite: bool,
+                     reads: dict[str, Path | None] | None = None) -> tuple[RunDirLock, list[str]]:  # fmt: skip
+    """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, one where
+    the run would write over what it reads (`reads`, check_reads_apart), a directory in use by another run, or one
+    holding a previous run's results without resume or overwrite. Returns the held lock and notes to print (a lock
+    taken over, the outputs --overwrite removed)."""
     where = f"output.dir ({out})"
     if resume and overwrite:
         raise ProfileError(["--resume and --overwrite contradict each other: --resume continues the run in "
                             f"{out}, --overwrite deletes it; give one"])  # fmt: skip
+    check_reads_apart(out, reads or {})
     if os.path.lexists(out) and not out.is_dir():
         kind = "a file" if out.is_file() else "not a directory"
         raise ProfileError([f"{where} is {kind}: output.dir must be a directory (or a path to create)"])
@@ -215,13 +260,14 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool) -> tuple[RunDirLo
 
 
 @contextmanager
-def claim_output_dir(out: Path, dist: DistInfo, resume: bool, overwrite: bool) -> Iterator[list[str]]:
+def claim_output_dir(out: Path, dist: DistInfo, resume: bool, overwrite: bool,
+                     reads: dict[str, Path | None] | None = None) -> Iterator[list[str]]:  # fmt: skip
     """check_output_dir on the main rank, which alone holds the lock until the block exits (however it exits);
     every rank raises the same ProfileError when the main rank refuses. Yields the notes to print."""
     lock, notes, problems = None, [], []
     if dist.is_main:
         try:
-            lock, notes = check_output_dir(out, resume, overwrite)
+            lock, notes = check_output_dir(out, resume, overwrite, reads)
         except ProfileError as err:
             problems = err.problems
     if dist.world_size > 1:

@@ -366,7 +366,7 @@ def finetune(
     quiet_third_party_noise()
     from moe_tune.engine.families import resolve_job
 
-    from .run_dir import claim_output_dir
+    from .run_dir import claim_output_dir, run_reads
 
     profile = resolve_job(profile)  # model: {checkpoint: DIR} -> the architecture in DIR/config.json
     check_report_to(profile.output.report_to)
@@ -376,7 +376,7 @@ def finetune(
     dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
         # Locked and checked before anything is read or written; released however the run ends.
-        with claim_output_dir(profile.output.dir, dist, resume, overwrite) as notes:
+        with claim_output_dir(profile.output.dir, dist, resume, overwrite, run_reads(profile)) as notes:
             if show_progress and dist.is_main:
                 from rich.console import Console
 

@@ -63,6 +63,31 @@ def test_an_unusable_output_dir_is_one_line_exit_2_before_anything_is_written(tm
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+def test_output_dir_on_the_base_checkpoint_is_refused_and_its_weights_stay(tmp_path, overwrite):
+    """output.dir naming model.checkpoint's folder: one line naming the checkpoint, exit 2, its weights untouched
+    (--overwrite would delete its model.safetensors as a previous run's)."""
+    from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), tmp_path / "checkpoint")
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} about tiny checkpoints"}) + "\n" for i in range(8)))
+    args = ["finetune", "tiny", "--quiet", *[a for o in [f"model={{checkpoint: {checkpoint}}}", "data.tokenizer=byte",
+            f"data.path={data}", "data.seq_len=32", "train.steps=1", "train.warmup_steps=0", "lora.modules_to_save=[]",
+            f"output.dir={checkpoint}"] for a in ("--set", o)], *(["--overwrite"] if overwrite else [])]  # fmt: skip
+    expected = [f"error: model.checkpoint ({str(checkpoint)!r}) lies where the run writes ({str(checkpoint)!r}, in "
+                "output.dir): its outputs and --overwrite would replace what it reads; set output.dir to another "
+                "folder"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert errors(result) == expected
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    # validate says what finetune would refuse.
+    result = runner.invoke(app, ["validate", *[a for a in args[1:] if a not in ("--quiet", "--overwrite")]])
+    assert result.exit_code == 2 and errors(result) == expected
+
+
 def test_overwrite_replaces_the_previous_run_and_lr_inf_exits_1_before_saving(tmp_path, monkeypatch):
     # lr=inf gives a finite loss and gradient norm at step 1 and non-finite weights after it. It is set past the
     # schema (whose bounds on train.lr are not what this tests) where the command reads the profile.

@@ -192,6 +192,41 @@ def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
                      f"checkpoints, adapter, model.safetensors, profile.yaml from {out}"]  # fmt: skip
 
 
+@pytest.mark.parametrize("where", [".", "merged", "checkpoints/step-0000002", "adapter/../export-merged",
+                                   "model.safetensors", "link"])  # fmt: skip
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_read_path_where_the_run_writes_is_refused_before_anything_changes(tmp_path, where, overwrite):
+    """A checkpoint in output.dir itself, or in (or under) a name the run writes or --overwrite deletes (a previous
+    run's merged export as the base of the next): its weights would be replaced; refused, nothing touched."""
+    out = tmp_path / "out"
+    (out / "merged").mkdir(parents=True)
+    (out / "model.safetensors").write_text("weights")
+    (out / "link").symlink_to(out / "merged")  # a link to such a place counts as that place
+    read = out / where
+    with pytest.raises(ProfileError) as refusal:
+        check_output_dir(out, resume=False, overwrite=overwrite, reads={"model.checkpoint": read, "data.path": None})
+    (line,) = refusal.value.problems
+    assert line.startswith(f"model.checkpoint ({str(read)!r}) lies where the run writes (")
+    assert line.endswith("set output.dir to another folder")
+    assert (out / "model.safetensors").read_text() == "weights" and not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("where", ["base", "data.jsonl", "notes/merged", "../sibling"])
+def test_read_paths_beside_what_the_run_writes_are_allowed(tmp_path, where):
+    """Inside output.dir but under a name the run never writes, or outside it: nothing of theirs is replaced."""
+    out = tmp_path / "out"
+    out.mkdir()
+    lock, _ = check_output_dir(out, resume=False, overwrite=False, reads={"data.path": out / where})
+    lock.release()
+
+
+def test_output_dir_inside_the_checkpoint_is_allowed(tmp_path):
+    """A run folder below a checkpoint's folder writes nothing over the checkpoint's own files."""
+    lock, _ = check_output_dir(tmp_path / "runs" / "one", resume=False, overwrite=False,
+                               reads={"model.checkpoint": tmp_path})  # fmt: skip
+    lock.release()
+
+
 def test_resume_and_overwrite_together_are_refused(tmp_path):
     with pytest.raises(ProfileError, match=r"^--resume and --overwrite contradict each other"):
         check_output_dir(tmp_path / "out", resume=True, overwrite=True)
