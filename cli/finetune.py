@@ -65,6 +65,12 @@ def finetune(
         # A full disk or a failed write: the checkpoints already there are kept; exit 2 as for any refusal.
         print_error(str(err))
         raise typer.Exit(code=USER_ERROR_EXIT) from None
+    except KeyboardInterrupt as err:
+        # A second SIGINT/SIGTERM during a step (the first asks for a checkpoint after it), or one before the steps.
+        how = f" ({err})" if str(err) else ""
+        print_error(f"interrupted{how}: stopped without saving the step in progress; the complete checkpoints in "
+                    f"{job.output.dir} are kept (--resume continues from the newest)")  # fmt: skip
+        raise typer.Exit(code=SIGNAL_EXIT["SIGINT"]) from None
     if not result.is_main:
         return
     if not result.losses:

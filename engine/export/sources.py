@@ -8,6 +8,7 @@ A LoRA run's final state is the base checkpoint (read through the family's recip
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,13 @@ from moe_tune.profiles.schema import JobProfile, ModelProfile
 from . import merge_lora
 
 ADAPTER_PREFIX = "base_model.model."
+ADAPTER_FILE = "adapter/adapter_model.safetensors"
+WEIGHTS_FILE = "model.safetensors"
+# The dtypes the trainer saves trained tensors in (and fp16 / fp64, which a merge reads as well).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# An adapter factor's name after the prefix: `<module>.lora_A.<param>` (linear: param `weight`; grouped experts:
+# `w_gate_up` / `w_down`), the factor of our tensor `<module>.<param>`.
+_FACTOR = re.compile(r"^(?P<module>.+)\.(?P<side>lora_A|lora_B)\.(?P<param>[^.]+)$")
 
 
 @dataclass
@@ -60,7 +68,7 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     if (run_dir / LOCK_NAME).exists():
         raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); export it once the run has ended"])
     if need_final:
-        final = run_dir / ("adapter/adapter_model.safetensors" if profile.lora.enabled else "model.safetensors")
+        final = run_dir / (ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE)
         if not (run_dir / "summary.json").is_file() or not final.is_file():
             raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {final.relative_to(run_dir)}); "
                                 "export a checkpoint with --step N, or finish it with finetune --resume"])
@@ -87,6 +95,106 @@ def _summary_steps(summary: Path) -> tuple[int | None, int | None]:
     last = last if isinstance(last, int) and not isinstance(last, bool) and last >= 0 else None
     total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
     return last, total
+
+
+def open_safetensors(path: Path):
+    """A safetensors handle on `path` (safe_open, header and sizes checked); ProfileError `<path>: not a readable
+    safetensors file (<reason>)` for a truncated, damaged or unreadable file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ProfileError([f"{path}: not a readable safetensors file ({_first_line(err)})"]) from None
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def adapter_factor_of(name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, str, str] | None:
+    """(module, "lora_A" or "lora_B", param) when `name` (without ADAPTER_PREFIX) is a factor of our tensor
+    W = <module>.<param> [..., out, in] of a model whose tensors have `shapes`; None otherwise."""
+    match = _FACTOR.match(name)
+    if match is None or len(shapes.get(f"{match['module']}.{match['param']}", ())) < 2:
+        return None
+    return match["module"], match["side"], match["param"]
+
+
+def adapter_problems(path: Path, adapter: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                     r: int) -> list[str]:
+    """One line per adapter tensor (read from `path`) that the run's model (its tensors' `shapes`) at rank `r`
+    cannot take: a name that is neither a factor of one of its tensors nor one of its tensors trained in full
+    (modules_to_save), a factor without its other half, a non-floating dtype, a shape other than the factor's
+    (W [..., out, in]: A [..., r, in], B [..., out, r]; a linear layer's [out, in], grouped experts' [E, out, in])
+    or our tensor's, non-finite values (one isfinite pass per tensor)."""
+    problems = []
+    for key, tensor in adapter.items():
+        name = key.removeprefix(ADAPTER_PREFIX)
+        factor = adapter_factor_of(name, shapes) if name != key else None
+        if factor is not None:
+            module, side, param = factor
+            weight = f"{module}.{param}"
+            *lead, out_features, in_features = shapes[weight]
+            expected = (*lead, r, in_features) if side == "lora_A" else (*lead, out_features, r)
+            rule = f"lora.r {r}, {weight} {shapes[weight]}"
+            other = "lora_B" if side == "lora_A" else "lora_A"
+            if f"{ADAPTER_PREFIX}{module}.{other}.{param}" not in adapter:
+                problems.append(f"{path}: tensor {key} has no {other} beside it (an adapter is the pair lora_A, "
+                                "lora_B)")
+                continue
+        elif name != key and name in shapes:
+            expected, rule = shapes[name], f"{name} trained in full"
+        else:
+            problems.append(f"{path}: tensor {key} matches no tensor of the run's model (adapter names are "
+                            f"{ADAPTER_PREFIX}<module>.lora_A|lora_B.<param>, or {ADAPTER_PREFIX}<tensor> trained in "
+                            "full)")
+            continue
+        if tensor.dtype not in FLOAT_DTYPES:
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            problems.append(f"{path}: tensor {key} has dtype {dtype}, must be a floating-point dtype (float32, "
+                            "bfloat16, float16, float64)")
+        elif tuple(tensor.shape) != expected:
+            problems.append(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {expected} ({rule})")
+        elif not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{path}: tensor {key} holds non-finite values (NaN or inf)")
+    return problems
+
+
+def read_adapter(run: RunInfo, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """The run's adapter/adapter_model.safetensors, checked against its model (`shapes`: our tensors' shapes, by
+    default those of the run's model, an FP8 base read as its bf16-base model); ProfileError, one line per problem
+    (adapter_problems), or one naming the file when it is not a readable safetensors file."""
+    from safetensors import SafetensorError
+
+    from .fp8 import bf16_base
+
+    path = run.run_dir / ADAPTER_FILE
+    if shapes is None:
+        shapes = {name: tuple(t.shape) for name, t in meta_model(bf16_base(run.cfg)).state_dict().items()}
+    handle = open_safetensors(path)
+    try:
+        with handle as f:
+            adapter = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ProfileError([f"{path}: not a readable safetensors file ({_first_line(err)})"]) from None
+    problems = adapter_problems(path, adapter, shapes, run.profile.lora.r)
+    if problems:
+        raise ProfileError(problems)
+    return adapter
+
+
+def weights_problems(path: Path, handle, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line per tensor of a full fine-tune's model.safetensors (`handle`, open on `path`) whose stored shape is
+    not our tensor's (read from the header only)."""
+    problems = []
+    for key in handle.keys():
+        expected = shapes.get(key)
+        stored = tuple(handle.get_slice(key).get_shape())
+        if expected is not None and stored != expected:
+            problems.append(f"{path}: tensor {key} has shape {stored}, expected {expected} (the run's model)")
+    return problems
 
 
 def meta_model(cfg: ModelProfile) -> nn.Module:
@@ -139,8 +247,6 @@ class FinalState:
     run reads as its bf16-base model: its names, each FP8 weight as the run held it, dequantized to fp32."""
 
     def __init__(self, run: RunInfo, merged: bool):
-        from safetensors import safe_open
-
         from .fp8 import bf16_base, fp8_weights
 
         self.run, self.merged = run, merged
@@ -166,12 +272,19 @@ class FinalState:
             # The loader's getter: FP8 keys dequantized for recipes, or as stored for the FP8 weights it copies.
             self._getter = WeightGetter(self._reader)
         if not run.profile.lora.enabled:
-            self._weights = safe_open(str(run.run_dir / "model.safetensors"), framework="pt")
+            path = run.run_dir / WEIGHTS_FILE
+            self._weights = open_safetensors(path)
+            problems = weights_problems(path, self._weights, self._shapes)
+            if problems:
+                self.close()
+                raise ProfileError(problems)
             self._weight_names = set(self._weights.keys())
             return
-        from safetensors.torch import load_file
-
-        self._adapter = load_file(str(run.run_dir / "adapter" / "adapter_model.safetensors"))
+        try:
+            self._adapter = read_adapter(run, self._shapes)
+        except ProfileError:
+            self.close()
+            raise
 
     def names(self) -> list[str]:
         return list(self._names)

@@ -1,6 +1,6 @@
 """What a run needs before it allocates it: the parameters a profile implies on this rank (weights, adapters,
-gradients, optimizer state) against the memory this rank has, so that an impossible size is one line, not an
-out-of-memory kill minutes later."""
+gradients, optimizer state) and a lower bound of one micro-batch's tensors, against the memory this rank has, so
+that an impossible size is one line, not an out-of-memory kill (or hours of building rows) later."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from moe_tune.engine.plan import plan_layouts
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-__all__ = ["available_memory", "host_available_memory", "check_memory_fits"]
+__all__ = ["available_memory", "host_available_memory", "check_memory_fits", "micro_batch_bytes"]
 
 GB = 1e9
+# A micro-batch's input ids and labels, int64 each.
+TOKEN_BYTES = 16
 
 
 def host_available_memory() -> int:
@@ -59,13 +61,26 @@ def check_memory_fits(profile: JobProfile, world_size: int, device: torch.device
     if not (device.type == "cuda" and profile.parallel.offload_optimizer):
         need += layout.optimizer
     available, where = available_memory(device)
-    if need <= available:
-        return
     cfg = profile.model
-    raise ProfileError(
-        [
+    if need > available:
+        raise ProfileError([
             f"model (vocab_size {cfg.vocab_size}, hidden_size {cfg.hidden_size}, {len(cfg.layers)} layers) needs "
             f"~{need / GB:.1f} GB on this rank for weights ({weights / GB:.1f} GB), gradients and optimizer state, "
-            f"more than the {available / GB:.1f} GB {where} (moe-tune plan shows the layouts that fit)"
-        ]
-    )
+            f"more than the {available / GB:.1f} GB {where} (moe-tune plan shows the layouts that fit)"])  # fmt: skip
+    batch = micro_batch_bytes(profile)
+    if need + batch > available:
+        train, seq_len = profile.train, profile.data.seq_len
+        raise ProfileError([
+            f"train.micro_batch_size ({train.micro_batch_size}) rows of data.seq_len ({seq_len}) tokens need at least "
+            f"~{batch / GB:.1f} GB on this rank (token ids, labels and one hidden state of hidden_size "
+            f"{cfg.hidden_size} a token) beside the model's ~{need / GB:.1f} GB, more than the "
+            f"{available / GB:.1f} GB {where}: lower train.micro_batch_size or data.seq_len"])  # fmt: skip
+
+
+def micro_batch_bytes(profile: JobProfile) -> int:
+    """A lower bound of what one micro-batch takes on a rank: its tokens' ids and labels (int64) and one hidden state
+    [tokens, hidden_size] in the training dtype, which every layer's input is (offloading to host memory keeps at
+    least the one at work). A context-parallel rank holds 1 / parallel.context_parallel of each row."""
+    tokens = profile.train.micro_batch_size * profile.data.seq_len // profile.parallel.context_parallel
+    hidden_bytes = profile.model.hidden_size * (2 if profile.train.precision == "bf16" else 4)
+    return tokens * (TOKEN_BYTES + hidden_bytes)

@@ -553,8 +553,9 @@ def _resume(run: TrainingRun) -> Path:
     return resumed_from
 
 
-class _StopSignal:
-    """SIGINT/SIGTERM ask the loop to checkpoint and exit after the current step."""
+class StopSignal:
+    """SIGINT/SIGTERM ask the loop to checkpoint and exit after the current step; a second one does not wait for
+    the step (KeyboardInterrupt, the step unsaved)."""
 
     def __init__(self):
         self.received: str | None = None
@@ -566,11 +567,19 @@ class _StopSignal:
         return self
 
     def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            self._restore()
+            raise KeyboardInterrupt(f"{self.received}, then {name}")
+        self.received = name
 
-    def __exit__(self, *exc):
+    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc):
+        self._restore()
 
 
 def _train(run: TrainingRun, show_progress: bool, console) -> None:
@@ -590,7 +599,7 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
     watched = watched_weights(run.engine.module)
     # Closed however the loop ends (a diverged step raises): the metrics of every finished step are on disk.
     try:
-        with _StopSignal() as stop, reporter:
+        with StopSignal() as stop, reporter:
             for line in _start_lines(run, writer):
                 reporter.print(line)
             for step in range(start_step, run.end_step):

@@ -88,6 +88,33 @@ def test_output_dir_on_the_base_checkpoint_is_refused_and_its_weights_stay(tmp_p
     assert result.exit_code == 2 and errors(result) == expected
 
 
+def test_a_second_signal_stops_at_once_without_saving(monkeypatch):
+    """The first SIGINT/SIGTERM asks for a checkpoint after the step; a second one does not wait for the step
+    (a step that never ends, say): KeyboardInterrupt from StopSignal, handlers restored."""
+    import signal
+
+    previous = signal.getsignal(signal.SIGTERM)
+    with trainer.StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt, match=r"^SIGTERM, then SIGINT$"):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is previous
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_an_interrupted_run_is_one_line_and_exit_130(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt("SIGINT, then SIGINT")
+
+    monkeypatch.setattr(trainer, "finetune", interrupted)
+    result = runner.invoke(app, finetune_args(tmp_path / "out"))
+    assert result.exit_code == 130
+    assert errors(result) == ["error: interrupted (SIGINT, then SIGINT): stopped without saving the step in progress; "
+                              f"the complete checkpoints in {tmp_path / 'out'} are kept (--resume continues from the "
+                              "newest)"]  # fmt: skip
+
+
 def test_overwrite_replaces_the_previous_run_and_lr_inf_exits_1_before_saving(tmp_path, monkeypatch):
     # lr=inf gives a finite loss and gradient norm at step 1 and non-finite weights after it. It is set past the
     # schema (whose bounds on train.lr are not what this tests) where the command reads the profile.

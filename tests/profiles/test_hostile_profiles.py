@@ -362,6 +362,29 @@ def test_model_larger_than_the_memory_available_is_refused(monkeypatch):
     assert line.endswith("more than the 0.0 GB host memory available (moe-tune plan shows the layouts that fit)")
 
 
+@pytest.mark.parametrize("overrides, rows, seq_len", [
+    (["train.micro_batch_size=2147483647", "data.seq_len=64"], 2147483647, 64),
+    (["train.micro_batch_size=2", "data.seq_len=2147483647"], 2, 2147483647),
+    (["train.micro_batch_size=65536", "data.seq_len=65536"], 65536, 65536),
+], ids=["rows", "seq_len", "both"])  # fmt: skip
+def test_micro_batch_larger_than_the_memory_available_is_refused(overrides, rows, seq_len):
+    """Rows x seq_len tokens whose ids, labels and one hidden state alone exceed the memory: one line, before any
+    row is built (a micro-batch of 2**31 rows was built row by row for hours)."""
+    from moe_tune.engine.train import resources
+
+    profile = load_profile(TINY, overrides)
+    assert resources.micro_batch_bytes(profile) == rows * seq_len * (16 + 64 * 4)  # tiny: hidden 64, fp32
+    with pytest.raises(ProfileError) as info:
+        resources.check_memory_fits(profile, 1, torch.device("cpu"))
+    (line,) = info.value.problems
+    assert line.startswith(f"train.micro_batch_size ({rows}) rows of data.seq_len ({seq_len}) tokens need at least ")
+    assert line.endswith("host memory available: lower train.micro_batch_size or data.seq_len")
+    # Rows taking half of what is available still pass: the bound is the micro-batch's own.
+    available, _ = resources.available_memory(torch.device("cpu"))
+    half = load_profile(TINY, ["data.seq_len=64", f"train.micro_batch_size={available // 2 // (64 * (16 + 64 * 4))}"])
+    resources.check_memory_fits(half, 1, torch.device("cpu"))
+
+
 def test_available_memory_on_the_host_is_positive():
     from moe_tune.engine.train.resources import available_memory, host_available_memory
 
