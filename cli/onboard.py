@@ -47,6 +47,13 @@ def onboard(
         problems.append(f"--device-memory ({device_memory!r}) must look like 141GB, 80GiB or 1.5TB")
     if not (directory / "config.json").is_file():
         problems.append(f"DIR ({str(directory)!r}) must be a checkpoint folder with a config.json")
+    if json_out is not None:
+        # The report's folder is created when missing.
+        if json_out.is_dir():
+            problems.append(f"--json ({str(json_out)!r}) is a folder: name a file to write")
+        elif json_out.is_file() and directory.resolve() in json_out.resolve().parents:
+            problems.append(f"--json ({str(json_out)!r}) is a file of the checkpoint folder DIR: the report would "
+                            "overwrite it; name another file")  # fmt: skip
     if problems:
         fail(problems)
     from moe_tune.engine.onboard import onboard as run_onboard

@@ -195,6 +195,10 @@ def plan(
         problems.append(f"--devices ({devices[:60]!r}) must be an integer from 1 to {MAX_DEVICES}")
     if memory is None:
         problems.append(f"--device-memory ({device_memory!r}) must look like 141GB, 80GiB or 1.5TB")
+    if json_out is not None:
+        from .profile import output_problems
+
+        problems += output_problems(json_out, None, None, Path(profile) if Path(profile).is_file() else None)
     if problems:
         fail(problems)
     job = read_profile(profile, overrides)

@@ -65,12 +65,23 @@ def test_unsupported_checkpoint_exits_2_listing_it_without_traceback(tmp_path, c
     assert report["align"]["status"] == "skipped"
 
 
+def test_json_on_a_file_of_the_checkpoint_is_refused_before_anything_runs(checkpoint):
+    config = (checkpoint / "config.json").read_bytes()
+    result = runner.invoke(app, ["onboard", str(checkpoint), "--json", str(checkpoint / "config.json")])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --json ({str(checkpoint / 'config.json')!r}) is a file of the checkpoint folder DIR: the report would "
+        "overwrite it; name another file"]  # fmt: skip
+    assert (checkpoint / "config.json").read_bytes() == config and "mapping" not in result.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--devices", "0"], "error: --devices ('0') must be an integer from 1 to"),
         (["--devices", "two"], "error: --devices ('two') must be an integer from 1 to"),
         (["--device-memory", "lots"], "error: --device-memory ('lots') must look like 141GB"),
+        (["--json", "/"], "error: --json ('/') is a folder: name a file to write"),
     ],
 )
 def test_bad_options_exit_2(args, message, checkpoint):

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from moe_tune.cli import app
 from moe_tune.cli.plan import parse_memory
+from moe_tune.profiles import resolve_profile_path
 
 runner = CliRunner()
 
@@ -81,10 +82,11 @@ def test_plan_of_the_most_devices_takes_no_longer_than_a_few_layouts():
          "down_proj, gate, gate_proj, index_k_proj, index_q_proj, index_weights_proj, k_proj, lm_head, o_proj, "
          "q_proj, shared_expert_gate, up_proj, v_proj, z_proj)"),
         (["--devices", "8", "--json", "/nonexistent-dir/plan.json"],
-         "error: --json ('/nonexistent-dir/plan.json'): cannot write the plan (No such file or directory)"),
+         "error: --json ('/nonexistent-dir/plan.json'): its folder '/nonexistent-dir' does not exist"),
+        (["--devices", "8", "--json", "/"], "error: --json ('/') is a folder: name a file to write"),
     ],
     ids=["zero-devices", "devices-not-a-number", "devices-past-the-cap", "devices-of-5000-digits", "arabic-digit",
-         "unknown-unit", "zero-memory", "bad-lora-target", "unwritable-json"],
+         "unknown-unit", "zero-memory", "bad-lora-target", "json-in-no-folder", "json-a-folder"],
 )
 def test_plan_bad_arguments_exit_2_with_one_line(args, message):
     result = runner.invoke(app, ["plan", "tiny", *args])
@@ -124,3 +126,18 @@ def test_plan_shows_the_memory_policys_host_tier(tmp_path):
     # A policy that moves nothing prints neither.
     plain = runner.invoke(app, ["plan", "tiny", "--devices", "2"]).stdout
     assert "host memory" not in plain and "swap/step" not in plain
+
+
+@pytest.mark.parametrize("same", ["as given", "through another path"])
+def test_plan_json_naming_the_profile_is_refused_and_the_profile_kept(tmp_path, monkeypatch, same):
+    profile = tmp_path / "p.yaml"
+    profile.write_text(resolve_profile_path("tiny").read_text())
+    before = profile.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    json_out = str(profile) if same == "as given" else "sub/../p.yaml"
+    (tmp_path / "sub").mkdir()
+    result = runner.invoke(app, ["plan", str(profile), "--devices", "2", "--json", json_out])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --json ({json_out!r}) is the PROFILE file: the run would overwrite it; name another file"]
+    assert profile.read_bytes() == before
