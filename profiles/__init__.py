@@ -265,6 +265,9 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
             problems.append(f"{label}: must read path.to.field=value")
             continue
         parts = key.strip().split(".")
+        if not all(part.strip() for part in parts):
+            problems.append(f"{label}: the path has an empty part; must read path.to.field=value")
+            continue
         if len(parts) > MAX_PROFILE_DEPTH:
             problems.append(f"{label}: the path has more than {MAX_PROFILE_DEPTH} parts")
             continue
@@ -276,7 +279,12 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
         except _Refused as err:
             problems.append(str(err))
             continue
-        except yaml.YAMLError:
+        except yaml.YAMLError as err:
+            if value.lstrip().startswith(("[", "{")):
+                # Meant as a YAML list or mapping: its syntax error, not a string the schema then refuses.
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                problems.append(f"{label}: the value is not valid YAML ({problem})")
+                continue
             parsed, duplicates = value, []
         if duplicates:
             problems.extend(duplicates)

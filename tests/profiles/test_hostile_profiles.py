@@ -268,6 +268,30 @@ def test_values_yaml_cannot_build_are_one_line(tmp_path, value, reason):
     assert line.startswith(f"{path}:") and ": YAML value error: cannot read " in line and reason in line
 
 
+@pytest.mark.parametrize("override, expected", [
+    (".train=1", "--set '.train=1': the path has an empty part; must read path.to.field=value"),
+    ("train..lr=1", "--set 'train..lr=1': the path has an empty part; must read path.to.field=value"),
+    ("train.=1", "--set 'train.=1': the path has an empty part; must read path.to.field=value"),
+    ("train. .lr=1", "--set 'train. .lr=1': the path has an empty part; must read path.to.field=value"),
+    ("lora.target_modules=[q_proj", "--set 'lora.target_modules=[q_proj': the value is not valid YAML (did not find "
+                                    "expected ',' or ']')"),
+    ("model={checkpoint: x", "--set 'model={checkpoint: x': the value is not valid YAML (did not find expected ',' "
+                             "or '}')"),
+    ("lora.target_modules= [q_proj, ", "--set 'lora.target_modules= [q_proj, ': the value is not valid YAML ("),
+], ids=["leading-dot", "double-dot", "trailing-dot", "blank-part", "open-list", "open-mapping", "open-after-space"])
+def test_malformed_set_is_its_own_line(override, expected):
+    """A --set path with an empty part, or a value begun as a YAML list or mapping that does not parse, is refused as
+    --set syntax (not as an unknown key '' or a string the schema then refuses)."""
+    (line,) = problems_of(TINY, [override])
+    assert line.startswith(expected)
+
+
+def test_set_values_that_are_not_yaml_collections_stay_strings():
+    """Text that is not YAML and not begun as a collection stays the string it reads as."""
+    profile = load_profile(TINY, ["output.dir=runs/a: b: c]", "name=x: y: z"])
+    assert str(profile.output.dir) == "runs/a: b: c]" and profile.name == "x: y: z"
+
+
 # --- everything at once ---------------------------------------------------------------------------------------------
 
 
