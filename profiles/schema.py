@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import stat
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -30,9 +32,36 @@ MAX_TIMEOUT_S = 365 * 24 * 3600.0
 MAX_LAYERS = 1024
 
 
+def _number_rule(annotation: Any) -> str | None:
+    """What a field of ints or floats (alone or beside None) takes: 'an integer' or 'a number'; None for a field that
+    takes a bool or no number."""
+    union = typing.get_origin(annotation) in (Union, types.UnionType)
+    kinds = {a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)}
+    if bool in kinds or not kinds & {int, float}:
+        return None
+    return "an integer" if int in kinds else "a number"
+
+
 class Strict(BaseModel):
     # No float field takes inf or nan: each would overflow or poison the run later.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_numbers_are_not_booleans(cls, data: Any) -> Any:
+        """YAML's true and false (yes, no, on, off) would pass as 1 and 0 into a number field."""
+        if not isinstance(data, dict):
+            return data
+        problems = []
+        for name, field in cls.model_fields.items():
+            rule = _number_rule(field.annotation)
+            value = data.get(name)
+            if rule is None:
+                continue
+            if isinstance(value, bool):
+                problems.append(f"@{name} ({str(value).lower()}) must be {rule}, not a boolean")
+        _raise_if(problems)
+        return data
 
 
 def _raise_if(problems: list[str]) -> None:

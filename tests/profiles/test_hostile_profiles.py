@@ -292,6 +292,28 @@ def test_set_values_that_are_not_yaml_collections_stay_strings():
     assert str(profile.output.dir) == "runs/a: b: c]" and profile.name == "x: y: z"
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("model.hidden_size=true", "model.hidden_size (true) must be an integer, not a boolean"),
+    ("train.steps=yes", "train.steps (true) must be an integer, not a boolean"),
+    ("train.seed=false", "train.seed (false) must be an integer, not a boolean"),
+    ("lora.r=on", "lora.r (true) must be an integer, not a boolean"),
+    ("train.lr=true", "train.lr (true) must be a number, not a boolean"),
+    ("model.moe.top_k=true", "model.moe.top_k (true) must be an integer, not a boolean"),
+    ("data.eval_fraction=false", "data.eval_fraction (false) must be a number, not a boolean"),
+    ("model.layers=[{attention: full, sliding_window: true}]",
+     "model.layers.0.sliding_window (true) must be an integer, not a boolean"),
+], ids=["int", "int-yes", "seed-false", "int-on", "float", "nested-section", "optional-float", "list-item"])
+def test_booleans_are_not_numbers(override, expected):
+    """YAML's true/false (yes/no, on/off) passed as 1/0 into a number field: hidden_size true trained a model of
+    width 1."""
+    assert expected in problems_of(TINY, [override])
+
+
+def test_boolean_fields_still_take_booleans():
+    profile = load_profile(TINY, ["lora.enabled=false", "memory.activation_checkpointing=true"])
+    assert profile.lora.enabled is False and profile.memory.activation_checkpointing is True
+
+
 # --- everything at once ---------------------------------------------------------------------------------------------
 
 
