@@ -298,3 +298,20 @@ def test_a_warmup_the_epochs_steps_cannot_hold_exits_2(tmp_path, warmup_offset, 
         f"error: train.warmup_steps ({steps + warmup_offset}) must be < the {steps} steps that train.epochs (1) gives "
         f"({rows} rows / 4 rows a step: micro_batch_size 4 x gradient_accumulation_steps 1 x 1 ranks)"]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("overrides", [
+    ["lora.target_modules=[nonexistent]"],
+    ["lora.target_modules=[q_proj, qproj]"],
+    ["lora.target_modules=[]", "lora.experts=false", "lora.modules_to_save=[]"],
+], ids=["unknown-target", "one-of-two-unknown", "nothing-to-adapt"])  # fmt: skip
+def test_validate_refuses_the_adapters_finetune_refuses(tmp_path, overrides):
+    """LoRA targets the model does not have are found by finetune only once it has built the model: validate says
+    the same line from the model's parameter listing (engine/plan)."""
+    sets = [a for o in [*overrides, f"output.dir={tmp_path / 'out'}", "train.steps=1", "train.warmup_steps=0",
+                        "data.corpus_documents=20", "data.seq_len=32"] for a in ("--set", o)]  # fmt: skip
+    checked = runner.invoke(app, ["validate", "tiny", "--no-data", *sets])
+    trained = runner.invoke(app, ["finetune", "tiny", "--quiet", *sets])
+    assert checked.exit_code == trained.exit_code == 2, (checked.output, trained.output)
+    refused = [line for line in trained.stderr.splitlines() if line.startswith("error: ")]
+    assert refused and [line for line in checked.stderr.splitlines() if line.startswith("error: ")] == refused
