@@ -608,6 +608,8 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
                     writer.write(record)
                 # A resumed run that has not saved yet still has the checkpoint it resumed from.
                 intact = result.checkpoint or run.resumed_from
+                if step == start_step and run.resumed_from is None and not _is_finite(record):
+                    check_start_weights(run.engine.module, profile, dist)
                 check_finite(record, intact)
                 check_finite_weights(step + 1, watched, dist, intact)
                 result.losses.append(record["loss"])
@@ -776,6 +778,29 @@ def untrained_step_message(step: int, profile: JobProfile, world_size: int) -> s
 class TrainingDiverged(RuntimeError):
     """A step's loss, gradient norm or updated weights are not finite: training stops before that step is
     checkpointed."""
+
+
+def _is_finite(record: dict) -> bool:
+    return all(record.get(key) is None or math.isfinite(record[key]) for key in ("loss", "grad_norm"))
+
+
+def check_start_weights(module: torch.nn.Module, profile: JobProfile, dist: DistInfo) -> None:
+    """ProfileError naming a floating weight that is inf or NaN (this rank's ZeRO-3 partition of it): asked when a
+    fresh run's first step is not finite, so that a damaged checkpoint is named as such rather than train.lr."""
+    bad = None
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            data = getattr(param, "ds_tensor", None)
+            data = param.data if data is None else data
+            if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):
+                bad = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                break
+    if not any_rank(bad is not None, dist.device):
+        return
+    checkpoint = profile.model.checkpoint
+    where = f"model.checkpoint ({str(checkpoint)!r})" if checkpoint is not None else "the initial weights"
+    raise ProfileError([f"{where}: weight {bad or '(on another rank)'} holds NaN or inf values before the first step: "
+                        "training stopped, nothing saved"])  # fmt: skip
 
 
 def check_finite(record: dict, last_checkpoint: Path | None) -> None:

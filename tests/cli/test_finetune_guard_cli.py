@@ -73,9 +73,10 @@ def test_output_dir_on_the_base_checkpoint_is_refused_and_its_weights_stay(tmp_p
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} about tiny checkpoints"}) + "\n" for i in range(8)))
-    args = ["finetune", "tiny", "--quiet", *[a for o in [f"model={{checkpoint: {checkpoint}}}", "data.tokenizer=byte",
-            f"data.path={data}", "data.seq_len=32", "train.steps=1", "train.warmup_steps=0", "lora.modules_to_save=[]",
-            f"output.dir={checkpoint}"] for a in ("--set", o)], *(["--overwrite"] if overwrite else [])]  # fmt: skip
+    sets = [f"model={{checkpoint: {checkpoint}}}", "data.tokenizer=byte", f"data.path={data}", "data.seq_len=32",
+            "train.steps=1", "train.warmup_steps=0", "lora.modules_to_save=[]", "lora.target_modules=[q_proj, k_proj]",
+            f"output.dir={checkpoint}"]  # fmt: skip
+    args = ["finetune", "tiny", "--quiet", *[a for o in sets for a in ("--set", o)], *["--overwrite"] * overwrite]
     expected = [f"error: model.checkpoint ({str(checkpoint)!r}) lies where the run writes ({str(checkpoint)!r}, in "
                 "output.dir): its outputs and --overwrite would replace what it reads; set output.dir to another "
                 "folder"]  # fmt: skip
@@ -86,6 +87,39 @@ def test_output_dir_on_the_base_checkpoint_is_refused_and_its_weights_stay(tmp_p
     # validate says what finetune would refuse.
     result = runner.invoke(app, ["validate", *[a for a in args[1:] if a not in ("--quiet", "--overwrite")]])
     assert result.exit_code == 2 and errors(result) == expected
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("stage", [3, 1])
+def test_a_checkpoint_with_non_finite_weights_is_named_not_the_learning_rate(tmp_path, monkeypatch, bad, stage):
+    """A checkpoint tensor holding NaN or inf makes the first step's loss non-finite: the line names the weight and
+    the checkpoint (exit 2), where it said 'lower train.lr'; under ZeRO-3 each rank looks at its partition."""
+    import io
+    import logging
+
+    import deepspeed  # noqa: F401 - its logger exists from here on
+    import torch
+    from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+
+    # DeepSpeed's overflow warning goes to the stream its handler took at import (an earlier CliRunner's, closed).
+    for handler in logging.getLogger("DeepSpeed").handlers:
+        monkeypatch.setattr(handler, "stream", io.StringIO())
+
+    model = tiny_qwen3_moe()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = bad
+    checkpoint = save_tiny_checkpoint(model, tmp_path / "checkpoint")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} about tiny checkpoints"}) + "\n" for i in range(8)))
+    result = runner.invoke(app, ["finetune", "tiny", "--quiet", *[a for o in [
+        f"model={{checkpoint: {checkpoint}}}", "data.tokenizer=byte", f"data.path={data}", "data.seq_len=32",
+        "train.steps=2", "train.warmup_steps=0", "lora.modules_to_save=[]", "lora.target_modules=[q_proj, k_proj]",
+        f"parallel.zero_stage={stage}",
+        f"output.dir={tmp_path / 'out'}"] for a in ("--set", o)]])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert errors(result) == [f"error: model.checkpoint ({str(checkpoint)!r}): weight layers.1.self_attn.k_proj.weight "
+                              "holds NaN or inf values before the first step: training stopped, nothing saved"]
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 def test_a_second_signal_stops_at_once_without_saving(monkeypatch):
