@@ -27,10 +27,12 @@ def generate(
     prompt: Annotated[str | None, typer.Option("--prompt", help="one prompt; the reply is printed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="talk on stdin, turn by turn, history kept")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens generated at most per reply")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy (the default); > 0 samples")] = 0.0,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy (the default); > 0 samples from "
+                                               "softmax(logits / T), any T > 0 (tending to greedy as T tends to 0)")
+                           ] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="sample from the smallest set of tokens holding this "
                                          "probability mass, in (0, 1]")] = 1.0,
-    seed: Annotated[int, typer.Option("--seed", help="the sampling generator's seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="the sampling generator's seed, in [0, 2**64)")] = 0,
     system: Annotated[str | None, typer.Option("--system", help="a system message before the conversation")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="the prompt as it is after <bos>, no chat template (for models "
                                       "trained on plain text)")] = False,
@@ -46,7 +48,7 @@ def generate(
         problems.append("--raw sends one prompt as it is; --chat renders turns through the chat template: give one")
     if raw and system is not None:
         problems.append("--system needs the chat template; --raw sends the prompt as it is: give one")
-    problems += option_problems(max_new_tokens, temperature, top_p)
+    problems += option_problems(max_new_tokens, temperature, top_p, seed)
     if problems:
         fail(problems)
 

@@ -29,6 +29,10 @@ from moe_tune.profiles import ProfileError
 
 from .cache import DecodeCache, DecodeStep
 
+# torch.Generator.manual_seed takes seeds in [-2**63, 2**64); a negative one is the same generator as seed + 2**64, so
+# seeds are asked for in [0, SEED_LIMIT).
+SEED_LIMIT = 2**64
+
 
 def find_causal_lm(model: nn.Module) -> MoECausalLM:
     """The MoECausalLM itself, or the one inside a wrapper (PEFT's PeftModel, adapters merged or not: the LoRA layers
@@ -65,7 +69,7 @@ def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache
 
 
 def check_generate_options(
-    prompt_ids: list[int], vocab_size: int, max_new_tokens: int, temperature: float, top_p: float
+    prompt_ids: list[int], vocab_size: int, max_new_tokens: int, temperature: float, top_p: float, seed: int = 0
 ) -> list[str]:
     """One line per option that generate_ids refuses: name, value and rule."""
     problems = []
@@ -80,6 +84,8 @@ def check_generate_options(
         problems.append(f"temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         problems.append(f"top_p ({top_p}) must be in (0, 1] (1: no nucleus filter)")
+    if not 0 <= seed < SEED_LIMIT:
+        problems.append(f"seed ({seed}) must be in [0, 2**64) (the sampling generator's seeds)")
     return problems
 
 
@@ -88,10 +94,14 @@ def choose_token(
 ) -> int:
     """The next token from one row of logits [V] fp32: the argmax at temperature 0; else a draw from
     softmax(logits / temperature) restricted to the nucleus (the most likely tokens whose probabilities first reach
-    top_p together, at least one), with `generator`."""
+    top_p together, at least one), with `generator`. Any temperature > 0 is exact: as it tends to 0 the draw tends
+    to the argmax (a draw among tied maxima)."""
     if temperature == 0:
         return int(logits_V.argmax())
-    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+    # (logits - max) / temperature in fp64: the largest is 0 and the others <= 0, so a tiny temperature (down to
+    # fp64's smallest, 5e-324; fp32 holds none below 1.4e-45) sends them to -inf (probability 0), never inf - inf.
+    logits_V = logits_V.double()
+    probs_V = torch.softmax((logits_V - logits_V.max()) / temperature, dim=-1)
     if top_p < 1:
         sorted_V, order_V = probs_V.sort(descending=True)
         # A token is in the nucleus when the tokens before it hold less than top_p.
@@ -117,10 +127,11 @@ def generate_ids(
     included in the result (as transformers' generate keeps its eos token) and passed to on_token like every other
     token, as it is chosen. The prompt runs as one prefill; each new token is one cached step (no re-run of the
     sequence). Raises ProfileError with one line per refused option (empty prompt, ids outside the vocabulary,
-    negative max_new_tokens or temperature, top_p outside (0, 1], the image token in a prompt).
+    negative max_new_tokens or temperature, top_p outside (0, 1], a seed outside [0, 2**64), the image token in a
+    prompt).
     """
     lm = find_causal_lm(model)
-    problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p)
+    problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p, seed)
     if problems:
         raise ProfileError(problems)
     device = lm.embed_tokens.weight.device

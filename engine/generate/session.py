@@ -33,7 +33,7 @@ from moe_tune.engine.export.fp8 import is_fp8_base
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-from .decode import generate_ids
+from .decode import SEED_LIMIT, generate_ids
 
 # A rendering's last tokens searched for the special token that closes a turn (as chat.template_closes_turn).
 TURN_END_WINDOW = 8
@@ -70,7 +70,7 @@ class Generated:
         return (count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0
 
 
-def option_problems(max_new_tokens: int, temperature: float, top_p: float) -> list[str]:
+def option_problems(max_new_tokens: int, temperature: float, top_p: float, seed: int = 0) -> list[str]:
     """The sampling options' problems, one line each (empty when all are valid)."""
     problems = []
     if max_new_tokens < 1:
@@ -79,6 +79,8 @@ def option_problems(max_new_tokens: int, temperature: float, top_p: float) -> li
         problems.append(f"--temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
     if not 0 < top_p <= 1:
         problems.append(f"--top-p ({top_p}) must be in (0, 1]")
+    if not 0 <= seed < SEED_LIMIT:
+        problems.append(f"--seed ({seed}) must be in [0, 2**64) (the sampling generator's seeds)")
     return problems
 
 
@@ -121,14 +123,14 @@ def base_kind(profile: JobProfile) -> str:
 def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
     """The resolved profile of the run in `run_dir` and a note on its weights; ProfileError when a run holds the
     folder or it has no final weights (naming the file, and how to get them)."""
-    from moe_tune.engine.export.sources import read_run
+    from moe_tune.engine.export.sources import ADAPTER_FILE, WEIGHTS_FILE, read_run
     from moe_tune.engine.train.run_dir import LOCK_NAME
 
     if (run_dir / LOCK_NAME).exists() and (run_dir / "profile.yaml").is_file():
         raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); try it once the run has ended"])
     run = read_run(run_dir, need_final=False)
     profile = run.profile
-    final = "adapter/adapter_model.safetensors" if profile.lora.enabled else "model.safetensors"
+    final = ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE
     if not (run_dir / final).is_file():
         step = newest_checkpoint_step(run_dir)
         hint = "finish it with `moe-tune finetune PROFILE --resume`"
@@ -209,8 +211,12 @@ def fp8_base_with_adapter(model: nn.Module, loaded: Loaded, dtype: torch.dtype) 
     checkpoint, quantized at load where stored in floating point, or the seeded init quantized), and adapter/ on it
     unmerged, so the frozen weights stay FP8 (half the bytes of a merged bf16 copy) and every forward is the trained
     model's."""
+    from moe_tune.engine.export.sources import RunInfo, read_adapter
     from moe_tune.engine.lora import load_adapter
 
+    # PEFT loads the adapter unchecked: it is read and checked as export reads it (a truncated file, a factor of the
+    # wrong shape, NaN: one line each), before the base loads.
+    read_adapter(RunInfo(loaded.run_dir, loaded.profile))
     cfg = loaded.profile.model
     if cfg.checkpoint is not None:
         from moe_tune.engine.families import load_checkpoint_weights

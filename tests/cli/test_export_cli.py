@@ -2,10 +2,13 @@
 nothing written. (The export's content is tested in tests/engine/test_export_hub.py.)"""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_tune.cli import app
@@ -13,31 +16,59 @@ from moe_tune.cli import app
 from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
 
 runner = CliRunner()
+PREFIX = "base_model.model."
+LORA = {"enabled": True, "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "o_proj"], "experts": True,
+        "modules_to_save": ["lm_head"]}
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A finished full fine-tune's folder, written without training: profile.yaml, summary.json and the weights
-    (the checkpoint's own, in our names)."""
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export-cli-checkpoint")
+    (root / "data.jsonl").write_text(json.dumps({"text": "one document"}) + "\n")
+    return save_tiny_checkpoint(tiny_qwen3_moe(), root / "checkpoint")
+
+
+def write_run(run, checkpoint, lora: dict):
+    """A finished run of the tiny checkpoint in `run`, written without training: profile.yaml, summary.json and the
+    weights, the checkpoint's own in our names (full fine-tune), or the adapter as the trainer saves it, B factors
+    random (LoRA, lm_head trained in full)."""
     from moe_tune.engine.align.compare import load_ours
     from moe_tune.engine.families import resolve_job
+    from moe_tune.engine.lora import inject_lora
     from moe_tune.profiles import validate_profile
 
-    root = tmp_path_factory.mktemp("export-cli")
-    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), root / "checkpoint")
-    (root / "data.jsonl").write_text(json.dumps({"text": "one document"}) + "\n")
     job = resolve_job(validate_profile({
         "name": "export-cli", "model": {"checkpoint": str(checkpoint)},
-        "data": {"path": str(root / "data.jsonl"), "tokenizer": "byte", "seq_len": 32},
-        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3}, "lora": {"enabled": False}, "output": {"dir": str(root / "run")},
+        "data": {"path": str(checkpoint.parent / "data.jsonl"), "tokenizer": "byte", "seq_len": 32},
+        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3}, "lora": lora, "output": {"dir": str(run)},
     }))
-    run = root / "run"
     run.mkdir()
     (run / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    model = load_ours(job.model)
-    save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(run / "model.safetensors"))
     (run / "summary.json").write_text("{}\n")
+    model = load_ours(job.model)
+    if not job.lora.enabled:
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(run / "model.safetensors"))
+        return run
+    peft_model = inject_lora(model, job.lora)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(str(run / "adapter"), safe_serialization=True)
     return run
+
+
+@pytest.fixture(scope="module")
+def run_dir(checkpoint, tmp_path_factory):
+    """A finished full fine-tune's folder."""
+    return write_run(tmp_path_factory.mktemp("export-cli") / "run", checkpoint, {"enabled": False})
+
+
+@pytest.fixture(scope="module")
+def lora_run_dir(checkpoint, tmp_path_factory):
+    """A finished LoRA run's folder: adapters on q_proj, o_proj and the experts, lm_head trained in full."""
+    return write_run(tmp_path_factory.mktemp("export-cli-lora") / "run", checkpoint, LORA)
 
 
 def test_export_exits_0_and_names_the_folder(run_dir, tmp_path):
@@ -73,3 +104,173 @@ def test_bad_input_exits_2_in_one_line(run_dir, tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith(message.format(**fill)), lines
     assert "Traceback" not in result.output
     assert not (run_dir / "export").exists() and (tmp_path / "busy" / "keep").read_text() == "mine"
+
+
+def assert_refused_in_one_line(args: list[str], out, message: str) -> None:
+    """`moe-tune export ARGS --out OUT`: exit 2, one line starting with `message`, no traceback, nothing written
+    (neither OUT nor the temporary folder beside it)."""
+    result = runner.invoke(app, ["export", *args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), lines
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert not out.exists() and not any(out.parent.glob(f".{out.name}*")), list(out.parent.iterdir())
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+def test_the_intact_lora_run_exports(lora_run_dir, tmp_path, merge):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["export", str(lora_run_dir), "--out", str(out), *(["--merge"] if merge else [])])
+    assert result.exit_code == 0, result.output
+    assert (out / ("model.safetensors.index.json" if merge else "adapter_model.safetensors")).is_file()
+
+
+def damaged_copy(run: Path, tmp_path: Path, damage) -> Path:
+    """A copy of `run` in tmp_path/run whose adapter (LoRA) or model.safetensors is rewritten by `damage(path)`."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    damage(copy / ("adapter/adapter_model.safetensors" if (copy / "adapter").is_dir() else "model.safetensors"))
+    return copy
+
+
+def cut(keep):
+    """A damage: the file cut to `keep(size, header_end)` bytes (header_end: where the tensor data starts)."""
+    def damage(path):
+        data = path.read_bytes()
+        header_end = 8 + int.from_bytes(data[:8], "little")
+        path.write_bytes(data[: keep(len(data), header_end)])
+    return damage
+
+
+TRUNCATIONS = {
+    "empty": cut(lambda size, header: 0),
+    "in-length-field": cut(lambda size, header: 4),
+    "in-header": cut(lambda size, header: header // 2),
+    "at-data-start": cut(lambda size, header: header),
+    "in-data": cut(lambda size, header: (header + size) // 2),
+    "last-byte": cut(lambda size, header: size - 1),
+}
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+@pytest.mark.parametrize("truncation", list(TRUNCATIONS))
+def test_a_truncated_adapter_is_named_in_one_line(lora_run_dir, tmp_path, truncation, merge):
+    run = damaged_copy(lora_run_dir, tmp_path, TRUNCATIONS[truncation])
+    assert_refused_in_one_line([str(run), *(["--merge"] if merge else [])], tmp_path / "out",
+                               f"{run}/adapter/adapter_model.safetensors: not a readable safetensors file (")
+
+
+@pytest.mark.parametrize("truncation", ["in-length-field", "in-header", "in-data", "last-byte"])
+def test_truncated_full_finetune_weights_are_named_in_one_line(run_dir, tmp_path, truncation):
+    run = damaged_copy(run_dir, tmp_path, TRUNCATIONS[truncation])
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run}/model.safetensors: not a readable safetensors "
+                               "file (")
+
+
+def test_junk_bytes_are_not_a_safetensors_file(lora_run_dir, tmp_path):
+    run = damaged_copy(lora_run_dir, tmp_path, lambda path: path.write_bytes(b"\xff" * 64))
+    assert_refused_in_one_line([str(run), "--merge"], tmp_path / "out",
+                               f"{run}/adapter/adapter_model.safetensors: not a readable safetensors file (")
+
+
+def rewrite(edit):
+    """A damage: the adapter's tensors passed through `edit(tensors)` and saved again."""
+    def damage(path):
+        tensors = load_file(str(path))
+        edit(tensors)
+        save_file(tensors, str(path))
+    return damage
+
+
+# One tensor of each kind: a linear layer's factors, the grouped experts' factors, a tensor trained in full.
+LINEAR_A = f"{PREFIX}layers.1.self_attn.q_proj.lora_A.weight"
+LINEAR_B = f"{PREFIX}layers.2.self_attn.o_proj.lora_B.weight"
+EXPERTS_A = f"{PREFIX}layers.1.mlp.experts.lora_A.w_gate_up"
+EXPERTS_B = f"{PREFIX}layers.2.mlp.experts.lora_B.w_down"
+FULL = f"{PREFIX}lm_head.weight"
+
+
+def grown(tensor, dim):
+    """`tensor` with one more row along `dim` (zeros)."""
+    dim %= tensor.ndim
+    extra = torch.zeros(*tensor.shape[:dim], 1, *tensor.shape[dim + 1 :], dtype=tensor.dtype)
+    return torch.cat([tensor, extra], dim=dim)
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+@pytest.mark.parametrize(
+    "key, dim",
+    [
+        (LINEAR_A, -1),  # A's in_features
+        (LINEAR_A, 0),  # A's rank
+        (LINEAR_B, 0),  # B's out_features
+        (LINEAR_B, -1),  # B's rank
+        (EXPERTS_A, -1),
+        (EXPERTS_B, 1),
+        (EXPERTS_B, 0),  # one expert more
+        (FULL, 0),
+    ],
+    ids=["linear-A-in", "linear-A-rank", "linear-B-out", "linear-B-rank", "experts-A-in", "experts-B-out",
+         "experts-count", "trained-in-full"],
+)
+def test_an_adapter_tensor_of_the_wrong_shape_is_named_with_both_shapes(lora_run_dir, tmp_path, key, dim, merge):
+    expected = tuple(load_file(str(lora_run_dir / "adapter/adapter_model.safetensors"))[key].shape)
+    run = damaged_copy(lora_run_dir, tmp_path, rewrite(lambda t: t.update({key: grown(t[key], dim)})))
+    bad = list(expected)
+    bad[dim] += 1
+    assert_refused_in_one_line([str(run), *(["--merge"] if merge else [])], tmp_path / "out",
+                               f"{run}/adapter/adapter_model.safetensors: tensor {key} has shape {tuple(bad)}, "
+                               f"expected {expected} (")
+
+
+def test_an_adapter_saved_at_another_rank_is_refused(lora_run_dir, tmp_path):
+    # Both factors at rank 2 (lora.r is 4): they multiply, but the run's alpha / r would scale them wrongly.
+    def halve(tensors):
+        tensors[LINEAR_A] = tensors[LINEAR_A][:2].clone()
+        tensors[LINEAR_A.replace("lora_A", "lora_B")] = tensors[LINEAR_A.replace("lora_A", "lora_B")][:, :2].clone()
+
+    run = damaged_copy(lora_run_dir, tmp_path, rewrite(halve))
+    result = runner.invoke(app, ["export", str(run), "--merge", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and all("lora.r 4, layers.1.self_attn.q_proj.weight" in line for line in lines), lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", [LINEAR_A, EXPERTS_B, FULL], ids=["linear-A", "experts-B", "trained-in-full"])
+def test_an_adapter_tensor_with_non_finite_values_is_named(lora_run_dir, tmp_path, key, value, merge):
+    def poison(tensors):
+        tensors[key].view(-1)[-1] = value  # one element, the last
+
+    run = damaged_copy(lora_run_dir, tmp_path, rewrite(poison))
+    assert_refused_in_one_line([str(run), *(["--merge"] if merge else [])], tmp_path / "out",
+                               f"{run}/adapter/adapter_model.safetensors: tensor {key} holds non-finite values")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.update({f"{PREFIX}layers.1.self_attn.nope.lora_A.weight": torch.zeros(4, 32)}),
+         f"tensor {PREFIX}layers.1.self_attn.nope.lora_A.weight matches no tensor of the run's model"),
+        (lambda t: t.update({"layers.1.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)}),
+         "tensor layers.1.self_attn.q_proj.lora_A.weight matches no tensor of the run's model"),
+        (lambda t: t.pop(LINEAR_B), f"tensor {LINEAR_B.replace('lora_B', 'lora_A')} has no lora_B beside it"),
+        (lambda t: t.pop(EXPERTS_A), f"tensor {EXPERTS_A.replace('lora_A', 'lora_B')} has no lora_A beside it"),
+        (lambda t: t.update({LINEAR_A: t[LINEAR_A].to(torch.int32)}), f"tensor {LINEAR_A} has dtype int32"),
+    ],
+    ids=["unknown-module", "no-prefix", "no-lora-B", "no-lora-A", "integer-dtype"],
+)
+def test_adapter_tensors_the_model_cannot_take_are_named(lora_run_dir, tmp_path, edit, message):
+    run = damaged_copy(lora_run_dir, tmp_path, rewrite(edit))
+    assert_refused_in_one_line([str(run), "--merge"], tmp_path / "out",
+                               f"{run}/adapter/adapter_model.safetensors: {message}")
+
+
+def test_full_finetune_weights_of_the_wrong_shape_are_named(run_dir, tmp_path):
+    key = "layers.1.self_attn.q_proj.weight"
+    expected = tuple(load_file(str(run_dir / "model.safetensors"))[key].shape)
+    run = damaged_copy(run_dir, tmp_path, rewrite(lambda t: t.update({key: grown(t[key], 0)})))
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run}/model.safetensors: tensor {key} has shape "
+                               f"{(expected[0] + 1, *expected[1:])}, expected {expected} (")

@@ -260,12 +260,16 @@ def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path
         (["{run}", "--prompt", "x", "--top-p", "0"], "--top-p (0.0) must be in (0, 1]"),
         (["{run}", "--prompt", "x", "--top-p", "1.01"], "--top-p (1.01) must be in (0, 1]"),
         (["{run}", "--prompt", "x", "--top-p", "nan"], "--top-p (nan) must be in (0, 1]"),
+        (["{run}", "--prompt", "x", "--seed", "-1"], "--seed (-1) must be in [0, 2**64)"),
+        (["{run}", "--prompt", "x", "--seed", str(2**64)], f"--seed ({2**64}) must be in [0, 2**64)"),
+        (["{run}", "--prompt", "x", "--seed", "99999999999999999999999"],
+         "--seed (99999999999999999999999) must be in [0, 2**64)"),
         (["{run}", "--chat", "--raw"], "--raw sends one prompt as it is; --chat renders turns"),
         (["{run}", "--prompt", "x", "--raw", "--system", "s"], "--system needs the chat template"),
     ],
     ids=["no-folder", "no-run", "unfinished", "locked", "bad-profile", "prompt-and-chat", "neither", "max-new-0",
          "max-new-negative", "temperature-negative", "temperature-nan", "temperature-inf", "top-p-0", "top-p-above-1",
-         "top-p-nan", "raw-chat", "raw-system"],
+         "top-p-nan", "seed-negative", "seed-2**64", "seed-huge", "raw-chat", "raw-system"],
 )
 def test_bad_input_exits_2_in_one_line(lora_run, tmp_path, args, message):
     run, _ = lora_run
@@ -283,4 +287,188 @@ def test_bad_input_exits_2_in_one_line(lora_run, tmp_path, args, message):
     lines = result.stderr.strip().splitlines()
     assert lines[0].startswith("error: " + message.format(**fill)), lines
     assert all(line.startswith("error: ") for line in lines) and (len(lines) == 1 or "bad.yaml" in args[0]), lines
+    assert "Traceback" not in result.output and result.stdout == ""
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64, 10**23], ids=["-1", "-2**63", "2**64", "10**23"])
+def test_a_seed_torch_cannot_take_is_refused_before_the_model_loads(lora_run, monkeypatch, seed):
+    def no_load(target, device=None):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr("moe_tune.engine.generate.session.load_session", no_load)
+    result = runner.invoke(app, ["generate", str(lora_run[0]), "--prompt", "x", "--temperature", "1", "--seed",
+                                 str(seed)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: --seed ({seed}) must be in [0, 2**64) (the sampling "
+                                                  "generator's seeds)"]
+
+
+@pytest.mark.parametrize("seed", [0, 2**63, 2**64 - 1], ids=["0", "2**63", "2**64-1"])
+def test_every_seed_below_2_to_the_64_samples(session, seed):
+    ids = session.prompt(text="seed")
+    first = session.generate(ids, 4, temperature=1.0, seed=seed, stop=False).ids
+    assert len(first) == 4 and session.generate(ids, 4, temperature=1.0, seed=seed, stop=False).ids == first
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_the_engine_refuses_a_seed_torch_cannot_take(session, seed):
+    from moe_tune.profiles import ProfileError
+
+    with pytest.raises(ProfileError, match=re.escape(f"seed ({seed}) must be in [0, 2**64)")):
+        session.generate(session.prompt(text="seed"), 2, temperature=1.0, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "temperature",
+    [1e-300, 5e-324, 1e-45, 1e-40],
+    ids=["1e-300", "fp64-smallest", "below-fp32-smallest", "fp32-subnormal"],
+)
+def test_a_tiny_temperature_samples_the_greedy_tokens(session, temperature):
+    ids = session.prompt(text="Once upon a time")
+    greedy = session.generate(ids, 6).ids
+    for seed in range(3):
+        assert session.generate(ids, 6, temperature=temperature, seed=seed).ids == greedy
+
+
+def test_a_tiny_temperature_on_the_command_line_is_greedy(lora_run):
+    run, _ = lora_run
+    args = ["generate", str(run), "--prompt", "Once upon a time", "--max-new-tokens", "6"]
+    greedy = runner.invoke(app, args)
+    tiny = runner.invoke(app, [*args, "--temperature", "1e-300", "--seed", "5"])
+    assert greedy.exit_code == 0 and tiny.exit_code == 0, tiny.output
+    assert tiny.stdout == greedy.stdout and "Traceback" not in tiny.output
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-30])
+def test_a_tiny_temperature_draws_among_the_tied_maxima_only(temperature):
+    from moe_tune.engine.generate.decode import choose_token
+
+    logits_V = torch.tensor([0.0, 3.0, -2.0, 3.0, 2.9999998, -float("inf")])
+    drawn = {choose_token(logits_V, temperature, 1.0, torch.Generator().manual_seed(s)) for s in range(64)}
+    assert drawn == {1, 3}
+
+
+def damage_final_weights(run, damage):
+    """Apply `damage(path)` to the run's final weights file (adapter or model.safetensors); returns its path."""
+    path = run / ("adapter/adapter_model.safetensors" if (run / "adapter").is_dir() else "model.safetensors")
+    damage(path)
+    return path
+
+
+def truncated_to(keep):
+    def damage(path):
+        data = path.read_bytes()
+        path.write_bytes(data[: keep(len(data), 8 + int.from_bytes(data[:8], "little"))])
+    return damage
+
+
+def with_tensor(edit):
+    def damage(path):
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(path))
+        edit(tensors)
+        save_file(tensors, str(path))
+    return damage
+
+
+A_FACTOR = "base_model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+def poisoned(tensors):
+    tensors[A_FACTOR].view(-1)[0] = float("nan")
+
+
+def grown(tensors):
+    tensors[A_FACTOR] = torch.cat([tensors[A_FACTOR], tensors[A_FACTOR][:1]])
+
+
+@pytest.mark.parametrize(
+    "lora, damage, message",
+    [
+        (True, truncated_to(lambda size, header: 100), "not a readable safetensors file ("),
+        (True, truncated_to(lambda size, header: header // 2), "not a readable safetensors file ("),
+        (True, truncated_to(lambda size, header: size - 1), "not a readable safetensors file ("),
+        (True, with_tensor(poisoned), f"tensor {A_FACTOR} holds non-finite values"),
+        (True, with_tensor(grown), f"tensor {A_FACTOR} has shape ({{rank_plus_1}}, {{width}}), expected ({{rank}}, "
+         "{width}) ("),
+        (False, truncated_to(lambda size, header: 100), "not a readable safetensors file ("),
+        (False, truncated_to(lambda size, header: size - 1), "not a readable safetensors file ("),
+    ],
+    ids=["adapter-cut-at-100", "adapter-cut-in-header", "adapter-cut-in-data", "adapter-nan", "adapter-shape",
+         "weights-cut-at-100", "weights-cut-in-data"],
+)
+def test_damaged_final_weights_are_named_in_one_line(lora_run, tmp_path, lora, damage, message):
+    if lora:
+        run = tmp_path / "run"
+        shutil.copytree(lora_run[0], run)
+    else:
+        run = tmp_path / "full"
+        write_run(run, lora=False)
+    job = tiny_job(run)
+    fill = {"rank": job.lora.r, "rank_plus_1": job.lora.r + 1, "width": job.model.hidden_size}
+    path = damage_final_weights(run, damage)
+    result = runner.invoke(app, ["generate", str(run), "--prompt", "x", "--max-new-tokens", "2"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {message.format(**fill)}"), lines
+    assert "Traceback" not in result.output and result.stdout == ""
+
+
+# The tiny profile with an FP8 base (its linear layers 128 wide, the FP8 block), LoRA on attention and the MLPs.
+FP8_TINY = [
+    "model.hidden_size=128", "model.layers=[{attention: full, mlp: dense}, {attention: full, mlp: moe}]",
+    "model.intermediate_size=128", "model.head_dim=32", "model.partial_rotary_factor=1.0",
+    "model.attention_output_gate=false", "model.moe.num_experts=4", "model.moe.expert_intermediate_size=160",
+    "model.moe.shared_expert_intermediate_size=0", "model.base_precision=fp8", "lora.modules_to_save=[]",
+    "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]",
+]
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    """A finished LoRA run on an FP8 base (generate keeps the base FP8 and loads adapter/ through PEFT), written
+    without training."""
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.model.model import build_model
+
+    out = tmp_path_factory.mktemp("generate-fp8") / "run"
+    job = load_profile("tiny", ["train.steps=2", "train.warmup_steps=1", "data.seq_len=32", f"output.dir={out}",
+                                *FP8_TINY])
+    out.mkdir(parents=True)
+    (out / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    (out / "summary.json").write_text(json.dumps({"last_step": 2, "interrupted_by": None}) + "\n")
+    inject_lora(build_model(job.model), job.lora).save_pretrained(str(out / "adapter"), safe_serialization=True)
+    return out
+
+
+FP8_FACTOR = "base_model.model.layers.1.self_attn.o_proj.lora_B.weight"
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (None, None),
+        (truncated_to(lambda size, header: 100), "not a readable safetensors file ("),
+        (truncated_to(lambda size, header: size - 1), "not a readable safetensors file ("),
+        (with_tensor(lambda t: t[FP8_FACTOR].view(-1).__setitem__(0, float("inf"))),
+         f"tensor {FP8_FACTOR} holds non-finite values"),
+        (with_tensor(lambda t: t.update({FP8_FACTOR: t[FP8_FACTOR][:, :-1].clone()})),
+         f"tensor {FP8_FACTOR} has shape (128, {{rank_minus_1}}), expected (128, {{rank}}) ("),
+    ],
+    ids=["intact", "cut-at-100", "cut-in-data", "inf", "shape"],
+)
+def test_an_fp8_base_runs_adapter_is_checked_as_export_checks_it(fp8_run, tmp_path, damage, message):
+    run = tmp_path / "run"
+    shutil.copytree(fp8_run, run)
+    path = damage_final_weights(run, damage) if damage is not None else None
+    result = runner.invoke(app, ["generate", str(run), "--prompt", "x", "--max-new-tokens", "2"])
+    if damage is None:
+        assert result.exit_code == 0 and "FP8 base with its LoRA adapters beside it" in result.stderr, result.output
+        return
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    rank = load_profile(str(run / "profile.yaml")).lora.r
+    message = message.format(rank=rank, rank_minus_1=rank - 1)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {message}"), lines
     assert "Traceback" not in result.output and result.stdout == ""
