@@ -119,6 +119,23 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
     return VisionInput(dataclasses.replace(settings, **updates), tokens)
 
 
+def _check_parts_without_vision(record: dict, where: str, profile: DataProfile) -> None:
+    """For a model without a vision tower, a record whose content parts hold no image: ProfileError naming a
+    malformed part (message_parts' line), or saying that content parts are for images (text is a string here)."""
+    from .multimodal import message_parts
+
+    messages = record.get(profile.messages_field)
+    if record.get("images") or not isinstance(messages, list):
+        return
+    kinds = set()
+    for m in messages:
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            kinds |= {kind for kind, _ in message_parts(m["content"], [], where)}
+    if "image" not in kinds:
+        raise ProfileError([f"{where}: content given as a list of parts is for images, which this model (no "
+                            "model.vision) does not take: write each message's text content as a string"])
+
+
 def _is_multimodal(record: dict, profile: DataProfile) -> bool:
     messages = record.get(profile.messages_field)
     return bool(record.get("images")) or (
@@ -128,6 +145,7 @@ def _is_multimodal(record: dict, profile: DataProfile) -> bool:
 
 def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokenizer, vision: VisionInput | None):
     if vision is None:
+        _check_parts_without_vision(record, where, profile)
         raise ProfileError([f"{where}: the record has images but the model has no vision tower (model.vision)"])
     if vision.settings is None:
         raise ProfileError([f"{where}: {vision.problem}"])

@@ -119,6 +119,33 @@ def test_malformed_image_records(tmp_path):
         load_documents(data_profile(path), ByteTokenizer(), None)
 
 
+def test_content_parts_for_a_model_without_vision_name_what_is_wrong(tmp_path):
+    """A text model given content parts: a malformed part is named as such, parts of text alone are told to be
+    strings, and only a record with an image is refused for the missing vision tower."""
+    path = tmp_path / "data.jsonl"
+    reply = {"role": "assistant", "content": "y"}
+    records = [
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}, reply]},
+        {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x.wav"}]}, reply]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": 5}]}, reply]},
+        {"messages": [{"role": "user", "content": [5]}, reply]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, reply]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}, reply]},
+        {"messages": [{"role": "user", "content": "<image>"}, reply], "images": ["a.png"]},
+    ]
+    part_rule = "a content part must be {'type': 'text', 'text': str} or {'type': 'image', 'image': path}, got"
+    expected = [f"{part_rule} {{'type': 'text'}}", f"{part_rule} {{'type': 'audio', 'audio': 'x.wav'}}",
+                "an image part needs an 'image' path string", f"{part_rule} 5",
+                "content given as a list of parts is for images, which this model (no model.vision) does not take: "
+                "write each message's text content as a string"] + [
+                "the record has images but the model has no vision tower (model.vision)"] * 2  # fmt: skip
+    for index, (record, line) in enumerate(zip(records, expected)):
+        path.write_text(json.dumps(record) + "\n")
+        with pytest.raises(ProfileError) as err:
+            load_documents(data_profile(path), ByteTokenizer(), None)
+        assert err.value.problems == [f"{path}:1: {line}"], index
+
+
 def test_documents_with_images_are_never_cut(tmp_path):
     write_image(tmp_path / "a.png", 32, 32)
     records = [{"text": "x" * 30}] + [
