@@ -27,8 +27,23 @@ INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: an object, refusing a key given twice (json.loads keeps the last silently)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _DuplicateKey(key)
+        obj[key] = value
+    return obj
+
+
 def read_json_file(path: Path, max_bytes: int) -> Any:
-    """The JSON value in the regular file `path` of at most `max_bytes`; UnsupportedModel in one line naming it."""
+    """The JSON value in the regular file `path` of at most `max_bytes`, no object repeating a key; UnsupportedModel
+    in one line naming it."""
     try:
         info = path.stat()
         size = info.st_size
@@ -43,7 +58,10 @@ def read_json_file(path: Path, max_bytes: int) -> Any:
     if size > max_bytes:
         raise UnsupportedModel([f"{path}: {size} bytes, more than the {max_bytes} this file may hold"])
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        raise UnsupportedModel([f"{path}: key {show(err.args[0])} appears twice in one object (which one "
+                                "counts is not defined)"]) from None
     except UnicodeDecodeError as err:
         raise UnsupportedModel([f"{path}: not UTF-8 (byte offset {err.start})"]) from None
     except json.JSONDecodeError as err:

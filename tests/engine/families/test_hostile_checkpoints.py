@@ -202,8 +202,12 @@ def test_nested_sections_name_their_path(written, tmp_path, edit, expected):
         (b"\xff\xfe{}", r"config\.json: not UTF-8 \(byte offset 0\)"),
         (b"[" * 200_000 + b"]" * 200_000, r"config\.json: JSON nested too deeply"),
         (b'{"model_type": ["qwen3_moe"]}', r"config\.json: model_type \(\['qwen3_moe'\]\) is not mapped"),
+        (b'{"model_type": "qwen3_moe", "hidden_size": 32, "hidden_size": 64}',
+         r"config\.json: key 'hidden_size' appears twice in one object \(which one counts is not defined\)"),
+        (b'{"model_type": "qwen3_moe", "rope_scaling": {"type": "yarn", "type": "linear"}}',
+         r"config\.json: key 'type' appears twice in one object"),
     ],
-    ids=["not-json", "list", "string", "not-utf8", "deep", "model_type-list"],
+    ids=["not-json", "list", "string", "not-utf8", "deep", "model_type-list", "duplicate-key", "duplicate-nested-key"],
 )
 def test_config_file_that_is_no_config(tmp_path, content, expected):
     (tmp_path / "config.json").write_bytes(content)
@@ -323,8 +327,9 @@ def test_weight_map_entry_not_a_file_name(sharded, entry):
         ("{", "model.safetensors.index.json:1:2: not valid JSON"),
         ("[]", "model.safetensors.index.json: weight_map (null) must be a JSON object"),
         ('{"weight_map": ["model.safetensors"]}', "weight_map (['model.safetensors']) must be a JSON object"),
+        ('{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}', "key 'a' appears twice in one object"),
     ],
-    ids=["not-json", "no-weight_map", "weight_map-list"],
+    ids=["not-json", "no-weight_map", "weight_map-list", "duplicate-tensor"],
 )
 def test_index_that_is_no_index(sharded, index, expected):
     (sharded.dir / "model.safetensors.index.json").write_text(index)
