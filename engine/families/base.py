@@ -473,7 +473,10 @@ def key_pattern(key: str) -> str:
 def moe_layer_indices(num_layers: int, config: HFConfig, first_dense: int = 0) -> list[bool]:
     """Which layers are MoE under the qwen/deepseek conventions (mlp_only_layers, decoder_sparse_step,
     first_k_dense_replace)."""
-    only_dense = set(config.get("mlp_only_layers", []))
+    only_dense = set(config.get("mlp_only_layers", None) or [])
+    if any(isinstance(i, int) and i >= num_layers for i in only_dense):
+        config.problems.append(f"config.json: {config.prefix}mlp_only_layers ({show(sorted(only_dense))}) must name "
+                               f"layers below {config.prefix}num_hidden_layers ({num_layers})")
     step = config.get("decoder_sparse_step", 1)
     return [i >= first_dense and i not in only_dense and (i + 1) % step == 0 for i in range(num_layers)]
 

@@ -148,9 +148,14 @@ def test_values_are_shown_escaped_and_cut(written, tmp_path):
         ("qwen3_next", {"linear_num_value_heads": 3},
          "config.json: linear_num_value_heads (3) must be a multiple of linear_num_key_heads (2)"),
         ("qwen3_next", {"num_experts_per_tok": 6}, "config.json: num_experts_per_tok (6) must be <= num_experts (5)"),
+        ("qwen3_moe", {"mlp_only_layers": [1, 99]},
+         "config.json: mlp_only_layers ([1, 99]) must name layers below num_hidden_layers (3)"),
+        ("qwen3_next", {"mlp_only_layers": [4]},
+         "config.json: mlp_only_layers ([4]) must name layers below num_hidden_layers (4)"),
     ],
     ids=["qwen3_moe-top_k", "deepseek_v3-top_k", "deepseek_v3-topk_group", "deepseek_v3-n_group", "qwen3_moe-kv_heads",
-         "qwen3_next-linear_heads", "qwen3_next-top_k"],
+         "qwen3_next-linear_heads", "qwen3_next-top_k", "qwen3_moe-dense-layer-past-the-end",
+         "qwen3_next-dense-layer-past-the-end"],
 )
 def test_rules_across_keys_name_the_config_keys(written, tmp_path, family, edit, expected):
     assert expected in edited_config(written, tmp_path, family, lambda c: c.update(edit))
