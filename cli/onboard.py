@@ -72,7 +72,9 @@ def onboard(
             raise typer.Exit(code=2) from None
         console.print(f"report written to {json_out}", markup=False)
     if report.unsupported:
-        print_error(f"{directory}: {len(report.unsupported)} things moe-tune does not map (listed under 'not mapped')")
+        count = len(report.unsupported)
+        print_error(f"{directory}: {count} {'thing' if count == 1 else 'things'} moe-tune does not map (listed under "
+                    "'not mapped')")  # fmt: skip
     raise typer.Exit(code=report.exit_code)
 
 

@@ -53,7 +53,8 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     run_dir = Path(run_dir)
     profile_file = run_dir / "profile.yaml"
     if not run_dir.is_dir():
-        raise ProfileError([f"{run_dir}: no such folder (RUN_DIR must be a finetune output.dir)"])
+        what = "not a folder" if run_dir.exists() else "no such folder"
+        raise ProfileError([f"{run_dir}: {what} (RUN_DIR must be a finetune output.dir)"])
     if not profile_file.is_file():
         raise ProfileError([f"{run_dir}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"])
     try:

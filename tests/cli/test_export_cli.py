@@ -84,6 +84,7 @@ def test_export_exits_0_and_names_the_folder(run_dir, tmp_path):
     "args, message",
     [
         (["{tmp}/none"], "error: {tmp}/none: no such folder (RUN_DIR must be a finetune output.dir)"),
+        (["{tmp}/busy/keep"], "error: {tmp}/busy/keep: not a folder (RUN_DIR must be a finetune output.dir)"),
         (["{tmp}"], "error: {tmp}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"),
         (["{run}", "--out", "{run}/checkpoints/x"], "error: --out ('{run}/checkpoints/x') lies inside the run's "
          "checkpoints folder"),
@@ -92,7 +93,7 @@ def test_export_exits_0_and_names_the_folder(run_dir, tmp_path):
         (["{run}", "--step", "0"], "error: --step (0) must be >= 1"),
         (["{run}", "--step", "7"], "error: --step 7: no checkpoint {run}/checkpoints/step-"),
     ],
-    ids=["no-folder", "no-run", "out-in-checkpoints", "out-not-empty", "shard-size", "step-0", "no-step"],
+    ids=["no-folder", "a-file", "no-run", "out-in-checkpoints", "out-not-empty", "shard-size", "step-0", "no-step"],
 )
 def test_bad_input_exits_2_in_one_line(run_dir, tmp_path, args, message):
     (tmp_path / "busy").mkdir()
