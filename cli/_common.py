@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Iterator
 
 import typer
@@ -59,3 +62,45 @@ def read_profile(path: str, overrides: list[str] | None) -> JobProfile:
         return resolve_job(load_profile(path, overrides or []))
 
 
+def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | None, profile_file: Path | None = None,
+                    inputs: Iterable[tuple[str, Path | None]] = ()) -> list[str]:  # fmt: skip
+    """One line per output file that cannot be written where it is named, checked before anything runs: the file
+    another option or the PROFILE names (it would be overwritten), a folder, a folder that does not exist, no write
+    permission, a --plot format matplotlib cannot write (or no matplotlib). `inputs`: (name, path) of the files other
+    options read (`("--batch", path)`), which no output may overwrite either."""
+    problems = []
+    seen: dict[Path, str] = {}
+    read = [("PROFILE", profile_file), ("--baseline", baseline), *inputs]
+    for name, path in [*read, ("--json", json_out), ("--plot", plot)]:
+        if path is None:
+            continue
+        where = f"{name} ({str(path)!r})"
+        resolved = path.resolve()
+        if resolved in seen:
+            problems.append(f"{where} is the {seen[resolved]} file: the run would overwrite it; name another file")
+            continue
+        seen[resolved] = name
+        if name not in ("--json", "--plot"):
+            continue
+        if path.is_dir():
+            problems.append(f"{where} is a folder: name a file to write")
+        elif not path.parent.is_dir():
+            problems.append(f"{where}: its folder {str(path.parent)!r} does not exist")
+        elif not os.access(path if path.exists() else path.parent, os.W_OK):
+            problems.append(f"{where}: no permission to write {'it' if path.exists() else 'into its folder'}")
+        elif name == "--plot":
+            problems += _plot_format_problems(path)
+    return problems
+
+
+def _plot_format_problems(plot: Path) -> list[str]:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return [f"--plot ({str(plot)!r}) needs matplotlib, which is not installed"]
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if plot.suffix[1:].lower() in formats:
+        return []
+    return [f"--plot ({str(plot)!r}) must end in a format matplotlib writes: {', '.join('.' + f for f in formats)}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import fail, read_profile, user_errors
+from ._common import fail, output_problems, read_profile, user_errors
 
 app = typer.Typer()
 
@@ -62,8 +63,11 @@ def align(
         problems.append("--profile and --reference both name the model: give one")
     for name, value in (("--logits-atol", logits_atol), ("--kl", kl), ("--loss-atol", loss_atol),
                         ("--grad-rtol", grad_rtol), ("--hidden-rtol", hidden_rtol)):
-        if value < 0:
-            problems.append(f"{name} ({value}) must be >= 0")
+        # NaN compares false with everything: a NaN tolerance would fail every run, an infinite one pass any.
+        if not (math.isfinite(value) and value >= 0):
+            problems.append(f"{name} ({value}) must be a finite number >= 0")
+    # Before anything runs: an alignment must not end on a --json it cannot write, nor overwrite an input.
+    problems += output_problems(json_out, None, None, inputs=_input_files(reference, batch, golden, profile))
     if problems:
         fail(problems)
     tolerances = Tolerances(logits_max_abs=logits_atol, kl=kl, loss_abs=loss_atol, lora_grad_rel=grad_rtol,
@@ -86,10 +90,25 @@ def align(
                 docs = read_batch(batch, cfg, reference)
             report = align_checkpoint(reference, docs, pin_routing, tolerances)
     if json_out is not None:
-        report.write_json(json_out)
+        try:
+            report.write_json(json_out)
+        except OSError as err:
+            fail([f"--json ({str(json_out)!r}): cannot write the report ({err.strerror})"])
     print_report(console, report)
     if not report.passed:
         raise typer.Exit(code=1)
+
+
+def _input_files(reference: Path | None, batch: Path | None, golden: Path | None,
+                 profile: str | None) -> list[tuple[str, Path]]:  # fmt: skip
+    """(option, path) of every file the command reads: the --batch, the --golden trace, a --profile file and each
+    file of the --reference checkpoint."""
+    files = [("--batch", batch), ("--golden", golden)]
+    if profile is not None and Path(profile).is_file():
+        files.append(("--profile", Path(profile)))
+    if reference is not None and reference.is_dir():
+        files += [(f"--reference {path.name}", path) for path in sorted(reference.iterdir()) if path.is_file()]
+    return [(name, path) for name, path in files if path is not None]
 
 
 def print_report(console: Console, report) -> None:

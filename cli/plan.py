@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import ProfileArg, SetOption, fail, read_profile, user_errors
+from ._common import ProfileArg, SetOption, fail, output_problems, read_profile, user_errors
 
 if TYPE_CHECKING:
     from moe_tune.engine.plan import Plan
@@ -196,8 +196,6 @@ def plan(
     if memory is None:
         problems.append(f"--device-memory ({device_memory!r}) must look like 141GB, 80GiB or 1.5TB")
     if json_out is not None:
-        from .profile import output_problems
-
         problems += output_problems(json_out, None, None, Path(profile) if Path(profile).is_file() else None)
     if problems:
         fail(problems)

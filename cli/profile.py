@@ -4,63 +4,19 @@ profile (profile_steps.py); `moe-tune profile --kernels` times every registered 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from . import profile_kernels, profile_steps
-from ._common import SetOption, fail
+from ._common import SetOption, fail, output_problems
 
-__all__ = ["app", "output_problems", "profile"]
+__all__ = ["app", "profile"]
 
 app = typer.Typer()
 
 DEFAULT_STEPS = 3
-
-
-def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | None,
-                    profile_file: Path | None = None) -> list[str]:  # fmt: skip
-    """One line per output file that cannot be written where it is named, checked before anything runs: the file
-    another option or the PROFILE names (it would be overwritten), a folder, a folder that does not exist, no write
-    permission, a --plot format matplotlib cannot write (or no matplotlib)."""
-    problems = []
-    seen: dict[Path, str] = {}
-    named = {"PROFILE": profile_file, "--baseline": baseline, "--json": json_out, "--plot": plot}
-    for name, path in named.items():
-        if path is None:
-            continue
-        where = f"{name} ({str(path)!r})"
-        resolved = path.resolve()
-        if resolved in seen:
-            problems.append(f"{where} is the {seen[resolved]} file: the run would overwrite it; name another file")
-            continue
-        seen[resolved] = name
-        if name in ("PROFILE", "--baseline"):
-            continue
-        if path.is_dir():
-            problems.append(f"{where} is a folder: name a file to write")
-        elif not path.parent.is_dir():
-            problems.append(f"{where}: its folder {str(path.parent)!r} does not exist")
-        elif not os.access(path if path.exists() else path.parent, os.W_OK):
-            problems.append(f"{where}: no permission to write {'it' if path.exists() else 'into its folder'}")
-        elif name == "--plot":
-            problems += _plot_format_problems(path)
-    return problems
-
-
-def _plot_format_problems(plot: Path) -> list[str]:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return [f"--plot ({str(plot)!r}) needs matplotlib, which is not installed"]
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = sorted(FigureCanvasBase.get_supported_filetypes())
-    if plot.suffix[1:].lower() in formats:
-        return []
-    return [f"--plot ({str(plot)!r}) must end in a format matplotlib writes: {', '.join('.' + f for f in formats)}"]
 
 
 @app.command()
@@ -138,6 +94,8 @@ def profile(
     # Before anything runs: a run of minutes must not end on a file it cannot write, nor overwrite an input.
     profile_file = Path(profile_arg) if profile_arg is not None and Path(profile_arg).is_file() else None
     problems = output_problems(json_out, plot, baseline, profile_file)
+    if kernels:
+        problems += profile_kernels.input_problems(ops, shapes, baseline)
     if problems:
         fail(problems)
     if load_checkpoint is not None and profile_arg is not None:

@@ -3,7 +3,6 @@ a saved run."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -119,16 +118,35 @@ def parse_ops(text: str | None, registered: list[str]) -> list[str] | None:
     return names
 
 
-def _read_baseline(path: Path) -> list[dict]:
+def input_problems(ops: str | None, shapes: str, baseline: Path | None) -> list[str]:
+    """One line per --kernels input refused before anything is timed: --ops and --shapes that do not parse
+    (parse_ops, engine/bench's parse_shapes and its SPEC rules), a SPEC whose tensors exceed the
+    memory of this machine, a --baseline that is not a list of rows as --json writes them or holds no row of the ops
+    timed (nothing would be compared)."""
+    from moe_tune.engine.bench.kernels import OPS, memory_problems, parse_shapes, read_baseline
+
+    problems = []
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        fail([f"--baseline ({str(path)!r}): cannot read it ({err.strerror})"])
-    except json.JSONDecodeError as err:
-        fail([f"--baseline ({str(path)!r}): not JSON ({err.msg}, line {err.lineno})"])
-    if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
-        fail([f"--baseline ({str(path)!r}) must be a list of rows as --json writes them"])
-    return data
+        op_names = parse_ops(ops, list(OPS))
+    except ValueError as err:
+        problems.append(str(err))
+        op_names = []
+    names = list(OPS) if op_names is None else op_names
+    if names:
+        try:
+            parsed = parse_shapes(shapes, names, label="--shapes")
+        except ValueError as err:
+            problems.append(str(err))
+        else:
+            problems += memory_problems(shapes, parsed, label="--shapes")
+    if baseline is not None:
+        rows, baseline_problems = read_baseline(baseline)
+        problems += baseline_problems
+        if not baseline_problems and names and not any(row["op"] in names for row in rows):
+            saved_ops = ", ".join(dict.fromkeys(row["op"] for row in rows)) or "none"
+            problems.append(f"--baseline ({str(baseline)!r}): no row of the baseline matches the run's ops "
+                            f"({', '.join(names)}; its rows are of {saved_ops}): nothing would be compared")
+    return problems
 
 
 def row_line(row: dict) -> str:
@@ -174,22 +192,14 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         wide: bool) -> None:
     """Time the chosen ops beside their baselines, each row printed (and saved to --json and --plot) as soon as it is
     measured, each op's wall seconds after its rows, then the table; exit 1 when a row is slower than --baseline."""
-    from moe_tune.engine.bench import (OPS, REGRESSION_TOLERANCE, find_regressions, is_partial, parse_shapes,
-                                       run_kernels, write_rows)  # fmt: skip
+    from moe_tune.engine.bench import OPS, REGRESSION_TOLERANCE, find_regressions, is_partial, run_kernels, write_rows
+    from moe_tune.engine.bench.kernels import MATCH_KEYS, read_baseline
 
-    problems = []
-    try:
-        op_names = parse_ops(ops, list(OPS))
-    except ValueError as err:
-        problems.append(str(err))
-        op_names = []
-    try:
-        parse_shapes(shapes, list(OPS) if op_names is None else op_names, label="--shapes")
-    except ValueError as err:
-        problems.append(str(err))
+    problems = input_problems(ops, shapes, baseline)
     if problems:
         fail(problems)
-    saved = _read_baseline(baseline) if baseline is not None else None
+    op_names = parse_ops(ops, list(OPS))
+    saved = read_baseline(baseline)[0] if baseline is not None else None
 
     console = Console(highlight=False)
     if wide:
@@ -266,4 +276,8 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
             say(f"slower than {baseline}: {line}")
         if regressions:
             raise typer.Exit(code=REGRESSION_EXIT)
+        keys = {tuple(row.get(key) for key in MATCH_KEYS) for row in saved}
+        if not any(tuple(row.get(key) for key in MATCH_KEYS) in keys for row in rows):
+            fail([f"--baseline ({str(baseline)!r}): no row of it matches a row of this run ({', '.join(MATCH_KEYS)}): "
+                  "nothing was compared"])  # fmt: skip
         say(f"no row slower than {baseline} by more than {REGRESSION_TOLERANCE:.0%}")

@@ -37,7 +37,8 @@ class Tolerances:
     logits_max_abs: float = 1e-4
     kl: float = 1e-6
     loss_abs: float = 1e-4
-    lora_grad_rel: float = 1e-3  # max |g_ours - g_ref| / max |g_ref| per adapter tensor
+    # max |g_ours - g_ref| / max |g_ref| per adapter tensor (a g_ref all zero: over the largest of all adapters')
+    lora_grad_rel: float = 1e-3
     hidden_rel: float = 1e-4  # per layer (and vision features, merged embeddings): max abs / max |reference|
 
     def for_fp8_base(self) -> Tolerances:
@@ -209,9 +210,19 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
             problems.append(f"{where}: not valid JSON ({type(err).__name__})")
             continue
         doc = Document(torch.empty(0, dtype=torch.long))
-        if isinstance(record, dict) and isinstance(record.get("input_ids"), list):
-            ids = record["input_ids"]
-        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+        is_text = isinstance(record, dict) and "text" in record
+        if not isinstance(record, dict) or is_text == ("input_ids" in record):
+            both = " (not both)" if is_text else ""
+            problems.append(f"{where}: must be {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}{both}")
+            continue
+        if not is_text and not isinstance(record["input_ids"], list):
+            problems.append(f"{where}: input_ids ({_excerpt(record['input_ids'])}) must be a list of token ids")
+            continue
+        if is_text and not isinstance(record["text"], str):
+            problems.append(f"{where}: text ({_excerpt(record['text'])}) must be a string")
+            continue
+        ids = record.get("input_ids")
+        if is_text:
             if tokenizer is None and tokenizer_dir is not None:
                 from moe_tune.engine.data.tokenizer import HFTokenizer
 
@@ -245,10 +256,16 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
                 continue
             if pixels:
                 doc.pixel_values, doc.image_grid_thw = torch.cat(pixels), torch.tensor(grids)
-        else:
-            problems.append(f"{where}: must be {{\"input_ids\": [...]}} or {{\"text\": \"...\"}}")
+        # JSON true and false are Python ints too: a token id is an int and not a bool.
+        bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.vocab_size]
+        if is_text and bad:
+            problems.append(f"{where}: text ({_excerpt(record['text'])}) gives token {bad[0]}, outside the model's "
+                            f"vocabulary [0, {cfg.vocab_size})")  # fmt: skip
             continue
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < cfg.vocab_size]
+        if is_text and len(ids) < 2:
+            problems.append(f"{where}: text ({_excerpt(record['text'])}) gives {len(ids)} token"
+                            f"{'' if len(ids) == 1 else 's'}: a document needs >= 2")  # fmt: skip
+            continue
         if bad or len(ids) < 2:
             problems.append(
                 f"{where}: input_ids must be >= 2 ints in [0, {cfg.vocab_size})" + (f" (got {bad[0]!r})" if bad else "")
@@ -261,6 +278,16 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
     if problems:
         raise UnsupportedModel(problems)
     return docs
+
+
+# Characters of a record's value quoted in a message: enough to find the record, never a whole document.
+EXCERPT_CHARS = 40
+
+
+def _excerpt(value: object) -> str:
+    """repr of `value` cut to EXCERPT_CHARS characters."""
+    text = repr(value)
+    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 3] + "..."
 
 
 def load_reference(directory: Path, family: Family) -> nn.Module:
@@ -475,19 +502,30 @@ class SharedAdapters:
         return b_EOR.permute(1, 2, 0).reshape(b_EOR.shape[1], -1)
 
     def gradient_rows(self) -> list[Row]:
-        rows = []
+        """lora_gradient_rows of every adapter tensor: ours against the reference's."""
+        pairs = []
         for our_name, ref_name in sorted(self.linear.items()):
             for part in ("lora_A", "lora_B"):
                 g_ref = getattr(self.ref_modules[ref_name], part)["default"].weight.grad
                 g_our = getattr(self.our_modules[our_name], part)["default"].weight.grad
-                rows.append(diff_row(f"{our_name}.{part}", g_our, g_ref))
+                pairs.append((f"{our_name}.{part}", g_our, g_ref))
         for our_name, ref_name in sorted(self.experts.items()):
             for ours_p, ref_p in EXPERT_PARAMS.items():
                 ours_a, ours_b = self._our_factors(our_name, ours_p)
                 ref_a, ref_b = self._ref_factors(ref_name, ref_p)
-                rows.append(diff_row(f"{our_name}.lora_A.{ours_p}", _grad(ours_a, self._to_ref_a), ref_a.grad))
-                rows.append(diff_row(f"{our_name}.lora_B.{ours_p}", _grad(ours_b, self._to_ref_b), ref_b.grad))
-        return rows
+                pairs.append((f"{our_name}.lora_A.{ours_p}", _grad(ours_a, self._to_ref_a), ref_a.grad))
+                pairs.append((f"{our_name}.lora_B.{ours_p}", _grad(ours_b, self._to_ref_b), ref_b.grad))
+        return lora_gradient_rows(pairs)
+
+
+def lora_gradient_rows(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> list[Row]:
+    """diff_row of each (name, ours, reference) adapter gradient, relative to the reference's largest value. A
+    gradient the reference holds at exactly zero (the query and key adapters when every labelled token attends to
+    itself alone, as in two-token documents) has no scale of its own: its difference is taken relative to the
+    largest reference gradient of all the adapters, the scale at which ours rounds."""
+    references = [ref for _, _, ref in pairs if ref is not None and ref.numel()]
+    scale = max((ref.float().abs().max().item() for ref in references), default=0.0)
+    return [diff_row(name, ours, ref, zero_scale=scale) for name, ours, ref in pairs]
 
 
 def _grad(param: torch.Tensor, convert) -> torch.Tensor | None:
@@ -706,13 +744,14 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     )
 
 
-def diff_row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None) -> Row:
-    """The largest absolute difference of ours from the reference and that over the reference's largest magnitude
-    (inf where a gradient is missing on either side)."""
+def diff_row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None, zero_scale: float = 0.0) -> Row:
+    """The largest absolute difference of ours from the reference and that over the reference's largest magnitude,
+    or over `zero_scale` where the reference is all zero (inf where a gradient is missing on either side, or where
+    there is no scale and the difference is not zero)."""
     if ours is None or ref is None:
         missing = "ours" if ours is None else "reference"
         return Row(f"{name} (no gradient in {missing})", float("inf"), float("inf"))
     diff = (ours.float() - ref.float()).abs().max().item()
-    scale = ref.float().abs().max().item()
+    scale = ref.float().abs().max().item() or zero_scale
     return Row(name, diff, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
 

@@ -17,6 +17,8 @@ HQ query heads, K key dim, V value dim, S selected keys per query.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -26,9 +28,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moe_tune.engine.bench.linear_attention_op import NUM_DOCS
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 from moe_tune.engine.bench.timing import median_ms, time_ms
 from moe_tune.engine.train.checkpoint import write_json_atomic
+from moe_tune.engine.train.resources import available_memory
+from moe_tune.ops.causal_conv import MAX_WIDTH as CAUSAL_CONV_MAX_WIDTH
+from moe_tune.ops.linear_attention import KERNEL_MAX_KEY_DIM as LINEAR_ATTENTION_MAX_KEY_DIM
+from moe_tune.ops.rms_norm import MAX_N as RMS_NORM_MAX_N
 
 PRESETS = ("small", "anchor")
 # One item of a --shapes SPEC: a dimension name and a positive integer (T8192, k8); names are case-sensitive.
@@ -637,7 +644,8 @@ SHAPE_DIMS: dict[str, tuple[str, ...]] = {
 
 def parse_shapes(text: str, ops: list[str], label: str = "shapes") -> str | dict[str, dict[str, int]]:
     """A preset name as is, or a SPEC as each op's dimensions: comma-separated items, a dimension name and a positive
-    integer each (`B4,T8192,H16,K128,V128`), naming exactly the SHAPE_DIMS of every op in `ops`.
+    integer each (`B4,T8192,H16,K128,V128`), naming exactly the SHAPE_DIMS of every op in `ops` and keeping its
+    SPEC_RULES (MoE's k <= E, the kernels' widest dims, ...).
 
     Raises ValueError naming `label`, the value and the rule it breaks.
     """
@@ -669,7 +677,127 @@ def parse_shapes(text: str, ops: list[str], label: str = "shapes") -> str | dict
         if problems:
             raise ValueError(f"{prefix}: {op} takes exactly {','.join(expected)} ({'; '.join(problems)})")
         per_op[op] = {name: dims[name] for name in expected}
+    # Ops sharing a SPEC (gated_delta_rule,kda) share its rules: each broken rule is said once.
+    broken = dict.fromkeys(rule for op in per_op for rule in SPEC_RULES.get(op, lambda dims: [])(per_op[op]))
+    if broken:
+        raise ValueError(f"{prefix}: {'; '.join(broken)}")
     return per_op
+
+
+def _moe_rules(d: dict[str, int]) -> list[str]:
+    return [f"k ({d['k']}) must be <= E ({d['E']}): each token picks k distinct experts"] if d["k"] > d["E"] else []
+
+
+def _linear_attention_rules(d: dict[str, int]) -> list[str]:
+    if d["K"] <= LINEAR_ATTENTION_MAX_KEY_DIM:
+        return []
+    return [f"K ({d['K']}) must be <= {LINEAR_ATTENTION_MAX_KEY_DIM}: the widest key dim the linear attention kernels "
+            "take (wider ones run the reference)"]  # fmt: skip
+
+
+def _gated_delta_rule_rules(d: dict[str, int]) -> list[str]:
+    rules = _linear_attention_rules(d)
+    if d["B"] * d["T"] < NUM_DOCS:
+        rules.append(f"B*T ({d['B'] * d['T']}) must be >= {NUM_DOCS}: the varlen rows pack the B*T tokens as "
+                     f"{NUM_DOCS} documents")  # fmt: skip
+    return rules
+
+
+def _rms_norm_rules(d: dict[str, int]) -> list[str]:
+    if d["N"] <= RMS_NORM_MAX_N:
+        return []
+    return [f"N ({d['N']}) must be <= {RMS_NORM_MAX_N}: the widest row the RMSNorm kernel takes in one tile"]
+
+
+def _causal_conv_rules(d: dict[str, int]) -> list[str]:
+    if d["W"] <= CAUSAL_CONV_MAX_WIDTH:
+        return []
+    return [f"W ({d['W']}) must be <= {CAUSAL_CONV_MAX_WIDTH}: the most taps the causal conv kernels unroll"]
+
+
+def _rotary_rules(d: dict[str, int]) -> list[str]:
+    if d["R"] % 2 == 0 and d["R"] <= d["D"]:
+        return []
+    return [f"R must be even and <= D (R{d['R']}, D{d['D']}): the rotary dims are pairs within the head dim"]
+
+
+# Rules across the dimensions of one op's SPEC, beyond each being a positive integer: what the benchmark's inputs
+# and the kernels it times need. Each returns the rules the dimensions break, one phrase each.
+SPEC_RULES: dict[str, Callable[[dict[str, int]], list[str]]] = {
+    "moe": _moe_rules,
+    "gated_delta_rule": _gated_delta_rule_rules,
+    "kda": _linear_attention_rules,
+    "rms_norm": _rms_norm_rules,
+    "causal_conv": _causal_conv_rules,
+    "rotary": _rotary_rules,
+}
+
+
+# What one forward + backward of an op holds at SPEC dimensions d, as the benchmark makes its tensors: (elements,
+# bytes per element, whether a gradient of the same size is held too) per tensor; `value` is the bytes of the op's
+# dtype (bf16 on CUDA, fp32 on the CPU).
+SPEC_TENSORS: dict[str, Callable[[dict[str, int], int], list[tuple[int, int, bool]]]] = {
+    # x, topk_weights, topk_ids (int64), the uniform routing's [N, E] fp32 scores, w_gate_up, w_down, y.
+    "moe": lambda d, value: [
+        (d["N"] * d["D"], value, True), (d["N"] * d["k"], value, True), (d["N"] * d["k"], 8, False),
+        (d["N"] * d["E"], 4, False), (d["E"] * 2 * d["F"] * d["D"], value, True),
+        (d["E"] * d["D"] * d["F"], value, True), (d["N"] * d["D"], value, True),
+    ],
+    # q, k, v, g (fp32, one per head), beta, o.
+    "gated_delta_rule": lambda d, value: [
+        *[(d["B"] * d["T"] * d["H"] * d["K"], value, True)] * 2, (d["B"] * d["T"] * d["H"] * d["V"], value, True),
+        (d["B"] * d["T"] * d["H"], 4, True), (d["B"] * d["T"] * d["H"], value, True),
+        (d["B"] * d["T"] * d["H"] * d["V"], value, True),
+    ],
+    # q, k, v, g (fp32, one per key channel), beta, o.
+    "kda": lambda d, value: [
+        *[(d["B"] * d["T"] * d["H"] * d["K"], value, True)] * 2, (d["B"] * d["T"] * d["H"] * d["V"], value, True),
+        (d["B"] * d["T"] * d["H"] * d["K"], 4, True), (d["B"] * d["T"] * d["H"], value, True),
+        (d["B"] * d["T"] * d["H"] * d["V"], value, True),
+    ],
+    # hidden, the head's weight, labels (int64).
+    "cross_entropy": lambda d, value: [(d["N"] * d["D"], value, True), (d["V"] * d["D"], value, True),
+                                       (d["N"], 8, False)],  # fmt: skip
+    # x, weight, gate, y.
+    "rms_norm": lambda d, value: [(d["M"] * d["N"], value, True), (d["N"], value, True),
+                                  (d["M"] * d["N"], value, True), (d["M"] * d["N"], value, True)],  # fmt: skip
+    # x, weight, positions (int64), y.
+    "causal_conv": lambda d, value: [(d["T"] * d["C"], value, True), (d["C"] * d["W"], value, True),
+                                     (d["T"], 8, False), (d["T"] * d["C"], value, True)],  # fmt: skip
+    # x, cos and sin (fp32), y.
+    "rotary": lambda d, value: [(d["T"] * d["H"] * d["D"], value, True), *[(d["T"] * d["R"], 4, False)] * 2,
+                                (d["T"] * d["H"] * d["D"], value, True)],  # fmt: skip
+    # x, the weight drawn in fp32 and its FP8 copy (one byte an element), y.
+    "fp8_linear": lambda d, value: [(d["M"] * d["I"], value, True), (d["O"] * d["I"], 4, False),
+                                    (d["O"] * d["I"], 1, False), (d["M"] * d["O"], value, True)],  # fmt: skip
+}
+
+
+def spec_bytes(op: str, dims: dict[str, int], is_cuda: bool) -> int:
+    """The fewest bytes one forward + backward of `op` at SPEC `dims` holds at once (SPEC_TENSORS): its inputs and
+    outputs, with a gradient each for those it differentiates. A lower bound: the passes' intermediates come on top."""
+    tensors = SPEC_TENSORS[op](dims, 2 if is_cuda else 4)
+    return sum(count * size * (2 if has_gradient else 1) for count, size, has_gradient in tensors)
+
+
+def memory_problems(text: str, shapes: str | dict[str, dict[str, int]], label: str = "shapes",
+                    is_cuda: bool | None = None) -> list[str]:  # fmt: skip
+    """One line per op of a parsed SPEC (parse_shapes) whose spec_bytes exceed the memory this machine has: free
+    memory of the CUDA device, else the host memory available (default: CUDA when there is a device). Presets are
+    not checked: their shapes are the benchmark's own."""
+    if not isinstance(shapes, dict):
+        return []
+    is_cuda = torch.cuda.is_available() if is_cuda is None else is_cuda
+    available, where = available_memory(torch.device("cuda" if is_cuda else "cpu"))
+    problems = []
+    for op, dims in shapes.items():
+        need = spec_bytes(op, dims, is_cuda)
+        if need > available:
+            problems.append(
+                f"{label} ({text!r}): {op} needs at least {need:,} bytes ({need / 1e9:,.1f} GB) for its inputs, "
+                f"outputs and their gradients, more than the {available:,} bytes ({available / 1e9:,.1f} GB) {where}"
+            )
+    return problems
 
 
 def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: Callable[[str], None] | None = None,
@@ -682,14 +810,19 @@ def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: C
     on_op(name, rows, seconds) gets each op's rows and its wall seconds as soon as that op is measured, in op order,
     so a caller can show and save them before the next op runs; on_progress(name, rows, seconds) the rows an op has
     measured so far, a prefix of its final rows, from the ops that time several shapes or cases (RunContext.report).
+    Raises ValueError before anything is allocated for unknown ops, a bad SPEC, or one larger than the memory here
+    (memory_problems).
     """
     names = list(OPS) if ops is None else ops
     unknown = [name for name in names if name not in OPS]
     if unknown:
         raise ValueError(f"ops ({', '.join(map(repr, unknown))}) must name registered ops: {', '.join(OPS)}")
     shapes = parse_shapes(preset, names)
-    say = on_start or (lambda line: None)
     is_cuda = torch.cuda.is_available()
+    too_large = memory_problems(preset, shapes, is_cuda=is_cuda)
+    if too_large:
+        raise ValueError("; ".join(too_large))
+    say = on_start or (lambda line: None)
     peaks = Peaks()
     if is_cuda:
         peaks = measure_peaks()
@@ -724,9 +857,43 @@ def is_partial(rows: list[dict]) -> bool:
     return not rows or any(row.get(COMPLETE_KEY) is False for row in rows)
 
 
+def read_baseline(path: Path, label: str = "--baseline") -> tuple[list[dict], list[str]]:
+    """The rows of a saved --json run and one line per problem, each naming `label`, the file and, for a row, its
+    number (from 1) and field: the file cannot be read or is not JSON, not a list of rows, a row lacks a text
+    MATCH_KEYS field, or holds a TIMED_KEYS median that is neither null nor a finite number of milliseconds > 0."""
+    where = f"{label} ({str(path)!r})"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        return [], [f"{where}: cannot read it ({err.strerror})"]
+    except UnicodeDecodeError:
+        return [], [f"{where}: not JSON (not UTF-8 text)"]
+    except json.JSONDecodeError as err:
+        return [], [f"{where}: not JSON ({err.msg}, line {err.lineno})"]
+    except (RecursionError, ValueError) as err:
+        # Nested past the recursion limit, or an integer literal longer than Python converts.
+        return [], [f"{where}: not JSON ({type(err).__name__})"]
+    if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+        return [], [f"{where} must be a list of rows as --json writes them"]
+    problems = []
+    for number, row in enumerate(data, 1):
+        for key in MATCH_KEYS:
+            if key not in row:
+                problems.append(f"{where} row {number}: no {key} (a row names its {', '.join(MATCH_KEYS)})")
+            elif not isinstance(row[key], str):
+                problems.append(f"{where} row {number}: {key} ({row[key]!r}) must be text, as --json writes it")
+        for key in TIMED_KEYS:
+            value = row.get(key)
+            if value is not None and not _is_median(value):
+                problems.append(f"{where} row {number}: {key} ({value!r}) must be a finite number of milliseconds "
+                                "> 0, or null (not measured)")  # fmt: skip
+    return data, problems
+
+
 def find_regressions(rows: list[dict], baseline: list[dict], tolerance: float = REGRESSION_TOLERANCE) -> list[str]:
     """One line per row and pass whose median is more than `tolerance` slower than the baseline row with the same
-    op, case, impl and shape. Rows without a match, or without a timing on either side, are skipped."""
+    op, case, impl and shape. Rows without a match, or without a timing on either side (None, or not a finite
+    median > 0: no ratio to take), are skipped."""
     saved = {tuple(row.get(key) for key in MATCH_KEYS): row for row in baseline}
     lines = []
     for row in rows:
@@ -735,8 +902,12 @@ def find_regressions(rows: list[dict], baseline: list[dict], tolerance: float = 
             continue
         for key in TIMED_KEYS:
             now, then = row.get(key), before.get(key)
-            if now is None or then is None or now <= then * (1 + tolerance):
+            if not (_is_median(now) and _is_median(then)) or now <= then * (1 + tolerance):
                 continue
             name = " / ".join(str(row[key]) for key in MATCH_KEYS)
             lines.append(f"{name}: {key} {now:.3f} > {then:.3f} (+{now / then - 1:.0%}, limit +{tolerance:.0%})")
     return lines
+
+
+def _is_median(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

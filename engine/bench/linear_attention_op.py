@@ -155,9 +155,16 @@ def _fla_op(case: str):
 
 
 def mixed_doc_lengths(num_tokens: int, num_docs: int) -> list[int]:
-    """`num_docs` lengths summing to num_tokens, growing roughly geometrically, none a multiple of the chunk."""
+    """`num_docs` lengths of at least 1 summing to num_tokens (>= num_docs), growing roughly geometrically, all but the
+    last odd (none a multiple of the chunk) where num_tokens leaves room."""
+    if num_tokens < num_docs:
+        raise ValueError(f"num_tokens ({num_tokens}) must be >= num_docs ({num_docs}): a document has a token at least")
     weights = [1.6**i for i in range(num_docs)]
-    lengths = [max(1, int(num_tokens * w / sum(weights))) | 1 for w in weights[:-1]]
+    lengths = []
+    for i, w in enumerate(weights[:-1]):
+        # Each later document keeps one token at least.
+        room = num_tokens - sum(lengths) - (num_docs - 1 - i)
+        lengths.append(min(max(1, int(num_tokens * w / sum(weights))) | 1, room))
     return [*lengths, num_tokens - sum(lengths)]
 
 

@@ -12,12 +12,12 @@ from moe_tune.ops.common.dispatch import kernel_mode, use_kernel
 from moe_tune.ops.common.host_copy import host_values
 from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
 
-__all__ = ["gated_delta_rule", "kda"]
+__all__ = ["KERNEL_MAX_KEY_DIM", "gated_delta_rule", "kda"]
 
 # What the Triton kernels cover; anything else runs the reference (or raises under MOE_TUNE_KERNELS=triton).
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A program holds whole key rows in one tile: past 256 the [C, K] fp32 tiles of the backward spill registers.
-_KERNEL_MAX_KEY_DIM = 256
+KERNEL_MAX_KEY_DIM = 256
 # The options the kernels implement; an option added to the public functions runs the reference whenever it is set
 # (not None or False) until the kernels learn it.
 _KERNEL_OPTIONS = (
@@ -151,7 +151,7 @@ def _apply(op_name, q, k, v, g, beta, **options):
     """The dispatch point of both ops: Triton kernel or the chunked reference."""
     has_kernel = (
         q.dtype in _KERNEL_DTYPES
-        and q.shape[-1] <= _KERNEL_MAX_KEY_DIM
+        and q.shape[-1] <= KERNEL_MAX_KEY_DIM
         # The interpreter's tl.dot returns garbage for bf16 operands (numpy has no bf16), and q sets the operand dtype.
         and (q.is_cuda or q.dtype != torch.bfloat16)
         and all(name in _KERNEL_OPTIONS or value is None or value is False for name, value in options.items())

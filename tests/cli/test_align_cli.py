@@ -55,7 +55,7 @@ def test_batch_file(checkpoint, tmp_path):
         ([], "error: --reference DIR or --golden FILE is required"),
         (["--reference", "/nonexistent"], "error: --reference ('/nonexistent') must be a checkpoint directory"),
         (["--golden", "g.safetensors", "--pin-routing"], "error: --pin-routing compares with the reference"),
-        (["--golden", "g.safetensors", "--kl", "-1"], "error: --kl (-1.0) must be >= 0"),
+        (["--golden", "g.safetensors", "--kl", "-1"], "error: --kl (-1.0) must be a finite number >= 0"),
     ],
 )
 def test_bad_input_exits_2(args, message, tmp_path):
@@ -121,3 +121,159 @@ def test_sparse_attention_selections_pinned_and_counted(tmp_path):
                 "the reference before pinning")
         assert line in result.stdout
     assert sum(row["differed"] for row in report["selections"]) >= 1
+
+
+TOLERANCES = ["--logits-atol", "--kl", "--loss-atol", "--grad-rtol", "--hidden-rtol"]
+
+
+@pytest.mark.parametrize("value, printed", [("nan", "nan"), ("inf", "inf"), ("-inf", "-inf"), ("-1e-9", "-1e-09")])
+@pytest.mark.parametrize("option", TOLERANCES)
+def test_a_tolerance_not_finite_and_at_least_0_is_one_line_exit_2_before_anything_runs(tmp_path, option, value,
+                                                                                         printed):  # fmt: skip
+    golden = tmp_path / "g.safetensors"
+    result = runner.invoke(app, ["align", "--golden", str(golden), option, value])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {option} ({printed}) must be a finite number >= 0"]
+    # Nothing ran: no trace was recorded.
+    assert not golden.exists() and result.stdout == ""
+
+
+@pytest.mark.parametrize("option", TOLERANCES)
+def test_a_zero_tolerance_is_accepted(tmp_path, option):
+    # 0 is the strictest tolerance, not bad input: the trace is recorded (a record compares nothing).
+    golden = tmp_path / "g.safetensors"
+    result = runner.invoke(app, ["align", "--golden", str(golden), option, "0"])
+    assert result.exit_code == 0, result.output
+    assert golden.exists()
+
+
+@pytest.mark.parametrize(
+    "json_at, line",
+    [
+        ("{tmp}", "--json ('{tmp}') is a folder: name a file to write"),
+        ("{tmp}/missing/r.json", "--json ('{tmp}/missing/r.json'): its folder '{tmp}/missing' does not exist"),
+        ("{batch}", "--json ('{batch}') is the --batch file: the run would overwrite it; name another file"),
+        ("{ckpt}/config.json", "--json ('{ckpt}/config.json') is the --reference config.json file: the run would "
+         "overwrite it; name another file"),
+        ("{ckpt}/model.safetensors", "--json ('{ckpt}/model.safetensors') is the --reference model.safetensors "
+         "file: the run would overwrite it; name another file"),
+    ],
+    ids=["folder", "no-folder", "batch", "reference-config", "reference-weights"],
+)  # fmt: skip
+def test_a_json_that_cannot_be_written_or_is_an_input_is_one_line_exit_2_before_anything_runs(
+    checkpoint, tmp_path, json_at, line
+):
+    import shutil
+
+    # A copy: a --json written over its files must not break the module's checkpoint for the tests after this one.
+    copy = shutil.copytree(checkpoint, tmp_path / "ckpt")
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(json.dumps({"input_ids": [5, 17, 299]}) + "\n")
+    inputs = [batch, *sorted(copy.iterdir())]
+    before = {path: path.read_bytes() for path in inputs}
+    paths = dict(tmp=tmp_path, batch=batch, ckpt=copy)
+    result = runner.invoke(app, ["align", "--reference", str(copy), "--batch", str(batch), "--json",
+                                 json_at.format(**paths)])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == ["error: " + line.format(**paths)]
+    assert result.stdout == "" and {path: path.read_bytes() for path in inputs} == before
+
+
+@pytest.mark.parametrize("option", ["--golden", "--profile"])
+def test_a_json_that_is_the_golden_trace_or_the_profile_is_refused(tmp_path, option):
+    other = tmp_path / "input"
+    other.write_text("model: {}\n")
+    args = ["--golden", str(other)]
+    if option == "--profile":
+        args = ["--golden", str(tmp_path / "g"), "--profile", str(other)]
+    result = runner.invoke(app, ["align", *args, "--json", str(other)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --json ('{other}') is the {option} file: the run would overwrite it; name another file"
+    ]
+    assert other.read_text() == "model: {}\n"
+
+
+def test_documents_whose_reference_lora_gradients_are_zero_align(checkpoint, tmp_path):
+    # Two-token documents: the one labelled token attends to itself alone, so the reference's q and k adapter
+    # gradients are exactly zero and ours hold rounding noise; measured against the scale of all adapters' gradients,
+    # that noise is far below the tolerance.
+    batch = tmp_path / "pairs.jsonl"
+    batch.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([1, 2], [250, 7], [299, 0])))
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--batch", str(batch), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    grads = {row["name"]: row for row in json.loads(out.read_text())["lora_grads"]}
+    zero_reference = [name for name in grads if ".q_proj." in name or ".k_proj." in name]
+    assert zero_reference and all(grads[name]["rel"] <= 1e-5 for name in zero_reference)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_tokenizer(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with a character-level tokenizer: ids 1-96 for the printable characters, 0 unknown."""
+    import shutil
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = tmp_path_factory.mktemp("align-text") / "qwen3_moe"
+    shutil.copytree(checkpoint, directory)
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    core = Tokenizer(models.WordLevel({"<unk>": 0} | {c: i + 1 for i, c in enumerate(chars)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(directory)
+    return directory
+
+
+def test_every_bad_batch_line_is_reported_with_its_number(checkpoint_with_tokenizer, tmp_path):
+    lines = [
+        {"input_ids": [1, 2, 3]},
+        {"input_ids": [999999, 1]},
+        {"input_ids": [1, -1]},
+        {"input_ids": []},
+        {"input_ids": [7]},
+        {"input_ids": [1.5, 2]},
+        {"input_ids": [True, False]},
+        {"input_ids": [1, [2]]},
+        {"input_ids": "abc"},
+        {"text": ""},
+        {"text": "a"},
+        {"text": 12},
+        {"text": "hi", "input_ids": [1, 2]},
+        {"ids": [1, 2]},
+        [1, 2],
+        {"text": "ok"},
+    ]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(line) + "\n" for line in lines) + "{not json\n")
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint_with_tokenizer), "--batch", str(batch)])
+    assert result.exit_code == 2, result.output
+    ids_rule = "input_ids must be >= 2 ints in [0, 300)"
+    records = 'must be {"input_ids": [...]} or {"text": "..."}'
+    assert result.stderr.strip().splitlines() == [f"error: --batch {batch}:{number}: {line}" for number, line in [
+        (2, f"{ids_rule} (got 999999)"),
+        (3, f"{ids_rule} (got -1)"),
+        (4, ids_rule),
+        (5, ids_rule),
+        (6, f"{ids_rule} (got 1.5)"),
+        (7, f"{ids_rule} (got True)"),
+        (8, f"{ids_rule} (got [2])"),
+        (9, "input_ids ('abc') must be a list of token ids"),
+        (10, "text ('') gives 0 tokens: a document needs >= 2"),
+        (11, "text ('a') gives 1 token: a document needs >= 2"),
+        (12, "text (12) must be a string"),
+        (13, f"{records} (not both)"),
+        (14, records),
+        (15, records),
+        (17, "not valid JSON (Expecting property name enclosed in double quotes)"),
+    ]]  # fmt: skip
+
+
+def test_a_text_record_is_tokenized_with_the_checkpoints_tokenizer(checkpoint_with_tokenizer, tmp_path):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(json.dumps({"text": "hello"}) + "\n" + json.dumps({"input_ids": [5, 17]}) + "\n")
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint_with_tokenizer), "--batch", str(batch),
+                                 "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["documents"] == [5, 2]

@@ -293,15 +293,17 @@ def test_bad_output_paths_are_one_line_exit_2_and_keep_the_json(monkeypatch, tmp
         pytest.importorskip("matplotlib")
     calls = []
     monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))
+    # A saved run of rotary: as a --baseline it is a good one, so the only problem is where it is named.
     old = tmp_path / "old.json"
-    old.write_text("[]\n")
+    saved = json.dumps(_rows_of(_fake_op("rotary", 1, [])))
+    old.write_text(saved)
     json_args = [] if args[0] == "--json" else ["--json", str(old)]
     args = [arg.format(tmp=tmp_path) for arg in args]
     result = runner.invoke(app, ["--kernels", "--ops", "rotary", *json_args, *args])
     assert result.exit_code == 2, result.output
     (printed,) = result.stderr.strip().splitlines()
     assert printed.startswith(line.format(tmp=tmp_path)) and "Traceback" not in result.output
-    assert calls == [] and old.read_text() == "[]\n"
+    assert calls == [] and old.read_text() == saved
 
 
 def test_a_plot_that_cannot_be_drawn_is_one_line_exit_2(monkeypatch, tmp_path):
@@ -320,3 +322,213 @@ def test_a_plot_that_cannot_be_drawn_is_one_line_exit_2(monkeypatch, tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: --plot ('{plot}'): cannot draw the plot ([Errno 28] No space left on device)"
     ]
+
+
+# One SPEC per rule across an op's dimensions, each breaking it by the least step, with the line that refuses it.
+BROKEN_SPECS = [
+    ("moe", "N16,D16,F16,E4,k5", "k (5) must be <= E (4): each token picks k distinct experts"),
+    ("moe", "N16,D16,F16,E1,k8", "k (8) must be <= E (1): each token picks k distinct experts"),
+    ("gated_delta_rule", "B1,T64,H2,K257,V8", "K (257) must be <= 256: the widest key dim the linear attention "
+     "kernels take (wider ones run the reference)"),
+    ("kda", "B1,T64,H2,K257,V8", "K (257) must be <= 256: the widest key dim the linear attention kernels take "
+     "(wider ones run the reference)"),
+    ("gated_delta_rule", "B1,T7,H2,K16,V8", "B*T (7) must be >= 8: the varlen rows pack the B*T tokens as 8 "
+     "documents"),
+    ("rms_norm", "M4,N16385", "N (16385) must be <= 16384: the widest row the RMSNorm kernel takes in one tile"),
+    ("causal_conv", "T8,C4,W9", "W (9) must be <= 8: the most taps the causal conv kernels unroll"),
+    ("rotary", "T8,H2,D8,R5", "R must be even and <= D (R5, D8): the rotary dims are pairs within the head dim"),
+    ("rotary", "T8,H2,D8,R10", "R must be even and <= D (R10, D8): the rotary dims are pairs within the head dim"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("op, spec, rule", BROKEN_SPECS, ids=[f"{op}-{spec}" for op, spec, _ in BROKEN_SPECS])
+def test_a_spec_breaking_a_rule_across_its_dimensions_is_one_line_exit_2_before_timing(monkeypatch, op, spec, rule):
+    calls = []
+    monkeypatch.setitem(OPS, op, _fake_op(op, 1, calls))
+    result = runner.invoke(app, ["--kernels", "--ops", op, "--shapes", spec])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: --shapes ('{spec}'): {rule}"]
+    assert calls == [] and "Traceback" not in result.output
+
+
+def test_ops_sharing_a_spec_say_a_rule_they_share_once_and_each_other_rule():
+    result = runner.invoke(app, ["--kernels", "--ops", "gated_delta_rule,kda", "--shapes", "B1,T4,H1,K300,V8"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "error: --shapes ('B1,T4,H1,K300,V8'): K (300) must be <= 256: the widest key dim the linear attention kernels "
+        "take (wider ones run the reference); B*T (4) must be >= 8: the varlen rows pack the B*T tokens as 8 documents"
+    ]
+
+
+@pytest.mark.parametrize(
+    "ops, spec",
+    [
+        ("moe", "N16,D16,F16,E4,k4"),
+        ("gated_delta_rule,kda", "B2,T4,H2,K256,V8"),
+        ("rms_norm", "M4,N16384"),
+        ("causal_conv", "T8,C4,W8"),
+        ("rotary", "T8,H2,D8,R8"),
+        ("rotary", "T8,H2,D8,R2"),
+    ],
+)
+def test_a_spec_at_each_rules_limit_is_accepted(ops, spec):
+    from moe_tune.engine.bench import parse_shapes
+
+    names = ops.split(",")
+    # Every dimension name here is one letter.
+    dims = {item[0]: int(item[1:]) for item in spec.split(",")}
+    assert parse_shapes(spec, names, label="--shapes") == {name: dims for name in names}
+
+
+def test_mixed_doc_lengths_make_valid_documents_from_eight_tokens_on():
+    # The varlen rows' documents (the rule B*T >= 8): lengths of at least 1 summing to the tokens, unchanged where the
+    # geometric split already leaves every document a token (the anchor's 32768).
+    from moe_tune.engine.bench.linear_attention_op import NUM_DOCS, mixed_doc_lengths
+
+    for num_tokens in range(NUM_DOCS, 600):
+        lengths = mixed_doc_lengths(num_tokens, NUM_DOCS)
+        assert len(lengths) == NUM_DOCS and min(lengths) >= 1 and sum(lengths) == num_tokens, num_tokens
+    assert mixed_doc_lengths(32768, 8) == [469, 749, 1199, 1919, 3071, 4915, 7863, 12583]
+    with pytest.raises(ValueError, match=r"num_tokens \(7\) must be >= num_docs \(8\)"):
+        mixed_doc_lengths(7, 8)
+
+
+# Every op that takes a SPEC, at dimensions that keep its rules but need far more than any machine's memory.
+HUGE_SPECS = {
+    "moe": "N100000000,D4096,F4096,E64,k8",
+    "gated_delta_rule": "B1,T100000000,H16,K128,V128",
+    "kda": "B1,T100000000,H16,K128,V128",
+    "cross_entropy": "N100000000,D4096,V151936",
+    "rms_norm": "M100000000000,N8192",
+    "causal_conv": "T100000000000,C8192,W4",
+    "rotary": "T100000000000,H16,D128,R128",
+    "fp8_linear": "M100000000000,I4096,O4096",
+}
+
+
+def test_every_op_taking_a_spec_is_sized():
+    from moe_tune.engine.bench import SHAPE_DIMS
+    from moe_tune.engine.bench.kernels import SPEC_TENSORS
+
+    assert set(HUGE_SPECS) == set(SHAPE_DIMS) == set(SPEC_TENSORS)
+
+
+@pytest.mark.parametrize("op", list(HUGE_SPECS))
+def test_a_spec_larger_than_the_memory_is_one_line_exit_2_before_allocating(monkeypatch, op):
+    calls = []
+    monkeypatch.setitem(OPS, op, _fake_op(op, 1, calls))
+    spec = HUGE_SPECS[op]
+    result = runner.invoke(app, ["--kernels", "--ops", op, "--shapes", spec])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --shapes ('{spec}'): {op} needs at least ")
+    assert line.endswith(" GB) host memory available") and "Traceback" not in result.output
+    assert calls == []
+
+
+def test_the_memory_needed_is_the_ops_tensors_and_gradients_and_refused_one_byte_past_the_memory(monkeypatch):
+    from moe_tune.engine.bench import kernels
+
+    # rms_norm M4 N8 in fp32: x, gate and y [4, 8] and weight [8], each with a gradient of its size.
+    need = 2 * 4 * (3 * 4 * 8 + 8)
+    calls = []
+    monkeypatch.setitem(OPS, "rms_norm", _fake_op("rms_norm", 1, calls))
+    for available, exit_code in ((need, 0), (need - 1, 2)):
+        monkeypatch.setattr(kernels, "available_memory", lambda device, available=available: (available, "in test"))
+        result = runner.invoke(app, ["--kernels", "--ops", "rms_norm", "--shapes", "M4,N8"])
+        assert result.exit_code == exit_code, result.output
+    assert len(calls) == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: --shapes ('M4,N8'): rms_norm needs at least {need:,} bytes (0.0 GB) for its inputs, outputs and their "
+        f"gradients, more than the {need - 1:,} bytes (0.0 GB) in test"
+    ]
+
+
+def _baseline_file(tmp_path, rows):
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+# Bad medians, each with how JSON spells it and how the line prints it.
+BAD_MEDIANS = [("\"fast\"", "'fast'"), ("0", "0"), ("-1.5", "-1.5"), ("NaN", "nan"), ("Infinity", "inf"),
+               ("-Infinity", "-inf"), ("true", "True"), ("[1]", "[1]"), ("{}", "{}")]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["fwd_ms", "fwd_bwd_ms"])
+@pytest.mark.parametrize("spelled, printed", BAD_MEDIANS, ids=[spelled for spelled, _ in BAD_MEDIANS])
+def test_a_baseline_median_that_is_not_a_positive_number_is_one_line_naming_file_row_and_field(
+    monkeypatch, tmp_path, key, spelled, printed
+):
+    calls = []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 2, calls))
+    rows = _rows_of(_fake_op("rotary", 2, []))
+    text = json.dumps([rows[0], dict(rows[1], **{key: "BAD"})]).replace('"BAD"', spelled)
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(text)
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --baseline ('{baseline}') row 2: {key} ({printed}) must be a finite number of milliseconds > 0, or "
+        "null (not measured)"
+    ]
+    assert calls == [] and "Traceback" not in result.output
+
+
+def test_every_bad_baseline_row_and_field_is_said(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))
+    (row,) = _rows_of(_fake_op("rotary", 1, []))
+    no_case = {key: value for key, value in row.items() if key != "case"}
+    baseline = _baseline_file(tmp_path, [row, no_case, dict(row, shape=7, fwd_ms=0, fwd_bwd_ms=-1)])
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    where = f"error: --baseline ('{baseline}')"
+    assert result.stderr.strip().splitlines() == [
+        f"{where} row 2: no case (a row names its op, case, impl, shape)",
+        f"{where} row 3: shape (7) must be text, as --json writes it",
+        f"{where} row 3: fwd_ms (0) must be a finite number of milliseconds > 0, or null (not measured)",
+        f"{where} row 3: fwd_bwd_ms (-1) must be a finite number of milliseconds > 0, or null (not measured)",
+    ]
+    assert calls == []
+
+
+@pytest.mark.parametrize("saved_op", ["moe", None], ids=["other-op", "no-rows"])
+def test_a_baseline_with_no_row_of_the_ops_timed_is_refused_not_passed(monkeypatch, tmp_path, saved_op):
+    calls = []
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))
+    rows = [dict(row, op=saved_op) for row in _rows_of(_fake_op("rotary", 1, []))] if saved_op else []
+    baseline = _baseline_file(tmp_path, rows)
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --baseline ('{baseline}'): no row of the baseline matches the run's ops (rotary; its rows are of "
+        f"{saved_op or 'none'}): nothing would be compared"
+    ]
+    assert calls == []
+
+
+@pytest.mark.parametrize("differs", ["case", "impl", "shape"])
+def test_a_baseline_of_the_op_whose_rows_match_none_of_the_run_fails_after_it(monkeypatch, tmp_path, differs):
+    """The same op, but no row with this run's case, impl and shape: nothing was compared, which is no pass."""
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 2, []))
+    rows = [dict(row, **{differs: "other"}) for row in _rows_of(_fake_op("rotary", 2, []))]
+    baseline = _baseline_file(tmp_path, rows)
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--baseline", str(baseline)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --baseline ('{baseline}'): no row of it matches a row of this run (op, case, impl, shape): nothing "
+        "was compared"]  # fmt: skip
+    assert "no row slower than" not in result.stdout
+
+
+@pytest.mark.parametrize("median", [float("nan"), float("inf"), 0.0, -1.0, True], ids=str)
+def test_a_median_without_a_ratio_is_no_regression_on_either_side(median):
+    from moe_tune.engine.bench import find_regressions
+
+    row = dict(op="moe", case="uniform", impl="reference", shape="N128", fwd_ms=1.0, fwd_bwd_ms=3.0)
+    assert find_regressions([dict(row, fwd_ms=median)], [row]) == []
+    assert find_regressions([row], [dict(row, fwd_ms=median)]) == []
+    # The other pass still compares.
+    (line,) = find_regressions([dict(row, fwd_ms=median, fwd_bwd_ms=9.0)], [row])
+    assert line.startswith("moe / uniform / reference / N128: fwd_bwd_ms 9.000 > 3.000")
