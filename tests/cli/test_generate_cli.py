@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import yaml
+from test_export_cli import rewrite
 from typer.testing import CliRunner
 
 from moe_tune.cli import app
@@ -362,16 +363,6 @@ def truncated_to(keep):
     return damage
 
 
-def with_tensor(edit):
-    def damage(path):
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(str(path))
-        edit(tensors)
-        save_file(tensors, str(path))
-    return damage
-
-
 A_FACTOR = "base_model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 
@@ -389,8 +380,8 @@ def grown(tensors):
         (True, truncated_to(lambda size, header: 100), "not a readable safetensors file ("),
         (True, truncated_to(lambda size, header: header // 2), "not a readable safetensors file ("),
         (True, truncated_to(lambda size, header: size - 1), "not a readable safetensors file ("),
-        (True, with_tensor(poisoned), f"tensor {A_FACTOR} holds non-finite values"),
-        (True, with_tensor(grown), f"tensor {A_FACTOR} has shape ({{rank_plus_1}}, {{width}}), expected ({{rank}}, "
+        (True, rewrite(poisoned), f"tensor {A_FACTOR} holds non-finite values"),
+        (True, rewrite(grown), f"tensor {A_FACTOR} has shape ({{rank_plus_1}}, {{width}}), expected ({{rank}}, "
          "{width}) ("),
         (False, truncated_to(lambda size, header: 100), "not a readable safetensors file ("),
         (False, truncated_to(lambda size, header: size - 1), "not a readable safetensors file ("),
@@ -451,9 +442,9 @@ FP8_FACTOR = "base_model.model.layers.1.self_attn.o_proj.lora_B.weight"
         (None, None),
         (truncated_to(lambda size, header: 100), "not a readable safetensors file ("),
         (truncated_to(lambda size, header: size - 1), "not a readable safetensors file ("),
-        (with_tensor(lambda t: t[FP8_FACTOR].view(-1).__setitem__(0, float("inf"))),
+        (rewrite(lambda t: t[FP8_FACTOR].view(-1).__setitem__(0, float("inf"))),
          f"tensor {FP8_FACTOR} holds non-finite values"),
-        (with_tensor(lambda t: t.update({FP8_FACTOR: t[FP8_FACTOR][:, :-1].clone()})),
+        (rewrite(lambda t: t.update({FP8_FACTOR: t[FP8_FACTOR][:, :-1].clone()})),
          f"tensor {FP8_FACTOR} has shape (128, {{rank_minus_1}}), expected (128, {{rank}}) ("),
     ],
     ids=["intact", "cut-at-100", "cut-in-data", "inf", "shape"],
