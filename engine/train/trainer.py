@@ -785,11 +785,14 @@ def _is_finite(record: dict) -> bool:
 
 
 def check_start_weights(module: torch.nn.Module, profile: JobProfile, dist: DistInfo) -> None:
-    """ProfileError naming a floating weight that is inf or NaN (this rank's ZeRO-3 partition of it): asked when a
-    fresh run's first step is not finite, so that a damaged checkpoint is named as such rather than train.lr."""
+    """ProfileError naming a frozen floating weight that is inf or NaN (this rank's ZeRO-3 partition of it): asked
+    when a fresh run's first step is not finite, so that a damaged checkpoint is named as such rather than train.lr.
+    Trained weights are not looked at: the step's update has changed them already."""
     bad = None
     with torch.no_grad():
         for name, param in module.named_parameters():
+            if param.requires_grad:
+                continue
             data = getattr(param, "ds_tensor", None)
             data = param.data if data is None else data
             if data.is_floating_point() and data.numel() and not bool(torch.isfinite(data).all()):

@@ -123,6 +123,29 @@ def test_a_checkpoint_with_non_finite_weights_is_named_not_the_learning_rate(tmp
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
+def test_start_weights_look_at_frozen_weights_only():
+    """A NaN in a trained weight after the first step is the step's doing (its update), not the checkpoint's."""
+    import types
+
+    import torch
+    from torch import nn
+
+    from moe_tune.profiles import ProfileError, load_profile
+
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    module[0].weight.requires_grad_(False)
+    with torch.no_grad():
+        module[1].weight[0, 0] = float("nan")
+    profile, dist = load_profile("tiny"), types.SimpleNamespace(device=torch.device("cpu"))
+    trainer.check_start_weights(module, profile, dist)
+    with torch.no_grad():
+        module[0].weight[1, 1] = float("-inf")
+    with pytest.raises(ProfileError) as refusal:
+        trainer.check_start_weights(module, profile, dist)
+    assert refusal.value.problems == ["the initial weights: weight 0.weight holds NaN or inf values before the first "
+                                      "step: training stopped, nothing saved"]  # fmt: skip
+
+
 def test_a_second_signal_stops_at_once_without_saving(monkeypatch):
     """The first SIGINT/SIGTERM asks for a checkpoint after the step; a second one does not wait for the step
     (a step that never ends, say): KeyboardInterrupt from StopSignal, handlers restored."""
