@@ -244,14 +244,18 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         kind = "value" if isinstance(err, yaml.constructor.ConstructorError) else "syntax"
-        raise ProfileError([f"{where}: YAML {kind} error: {problem}"]) from None
+        raise ProfileError([f"{where}: YAML {kind} error: {_yaml_problem(err)}"]) from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ProfileError([f"{path}: the profile must be a YAML mapping of sections, got {type(raw).__name__}"])
     return raw, problems
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What a YAML error says is wrong, without its position and context lines."""
+    return getattr(err, "problem", None) or str(err).splitlines()[0]
 
 
 def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -282,8 +286,7 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
         except yaml.YAMLError as err:
             if value.lstrip().startswith(("[", "{")):
                 # Meant as a YAML list or mapping: its syntax error, not a string the schema then refuses.
-                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-                problems.append(f"{label}: the value is not valid YAML ({problem})")
+                problems.append(f"{label}: the value is not valid YAML ({_yaml_problem(err)})")
                 continue
             parsed, duplicates = value, []
         if duplicates:

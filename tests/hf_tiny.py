@@ -37,6 +37,17 @@ def save_tiny_checkpoint(model: torch.nn.Module, directory: Path, seed: int = 0)
     return directory
 
 
+def save_drawn_adapter(peft_model: torch.nn.Module, directory: Path, scale: float) -> None:
+    """`peft_model`'s adapter saved in `directory` as the trainer saves it, every lora_B drawn (seed 1) times `scale`
+    so that the adapter changes the model (PEFT starts B at zero)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    peft_model.save_pretrained(str(directory), safe_serialization=True)
+
+
 def reference_loss(reference: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, labels: torch.Tensor):
     """The reference's mean next-token loss over a packed micro-batch, each document run alone."""
     total, count = 0.0, int((labels != -100).sum())

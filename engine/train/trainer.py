@@ -608,7 +608,7 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
                     writer.write(record)
                 # A resumed run that has not saved yet still has the checkpoint it resumed from.
                 intact = result.checkpoint or run.resumed_from
-                if step == start_step and run.resumed_from is None and not _is_finite(record):
+                if step == start_step and run.resumed_from is None and _not_finite(record):
                     check_start_weights(run.engine.module, profile, dist)
                 check_finite(record, intact)
                 check_finite_weights(step + 1, watched, dist, intact)
@@ -780,8 +780,10 @@ class TrainingDiverged(RuntimeError):
     checkpointed."""
 
 
-def _is_finite(record: dict) -> bool:
-    return all(record.get(key) is None or math.isfinite(record[key]) for key in ("loss", "grad_norm"))
+def _not_finite(record: dict) -> list[str]:
+    """`key value` of the step's loss and gradient norm (a metrics record) where inf or NaN."""
+    return [f"{key} {record[key]}" for key in ("loss", "grad_norm")
+            if record.get(key) is not None and not math.isfinite(record[key])]  # fmt: skip
 
 
 def check_start_weights(module: torch.nn.Module, profile: JobProfile, dist: DistInfo) -> None:
@@ -811,8 +813,7 @@ def check_finite(record: dict, last_checkpoint: Path | None) -> None:
 
     bf16 runs without DeepSpeed's per-gradient overflow check (ds_config.py), so nothing skips such a step: its
     update is already applied, and stopping here keeps it out of every checkpoint."""
-    bad = [f"{key} {record[key]}" for key in ("loss", "grad_norm")
-           if record.get(key) is not None and not math.isfinite(record[key])]  # fmt: skip
+    bad = _not_finite(record)
     if bad:
         raise TrainingDiverged(
             f"step {record['step']}: {' and '.join(bad)} not finite: training stopped before saving it "

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from moe_tune.cli import app
 
-from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+from hf_tiny import save_drawn_adapter, save_tiny_checkpoint, tiny_qwen3_moe
 
 runner = CliRunner()
 PREFIX = "base_model.model."
@@ -49,13 +49,7 @@ def write_run(run, checkpoint, lora: dict):
     if not job.lora.enabled:
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(run / "model.safetensors"))
         return run
-    peft_model = inject_lora(model, job.lora)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    peft_model.save_pretrained(str(run / "adapter"), safe_serialization=True)
+    save_drawn_adapter(inject_lora(model, job.lora), run / "adapter", 0.3)
     return run
 
 

@@ -82,12 +82,7 @@ def written_run(root: Path, job):
     (run / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
     (run / "summary.json").write_text(json.dumps({"last_step": 2}) + "\n")
     peft_model = inject_lora(base_model(job.model), job.lora)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    peft_model.save_pretrained(str(run / "adapter"), safe_serialization=True)
+    hf_tiny.save_drawn_adapter(peft_model, run / "adapter", 0.05)
     return run, peft_model
 
 

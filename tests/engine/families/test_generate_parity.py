@@ -47,13 +47,7 @@ def write_lora_run(root: Path, builder, targets: list[str]) -> Path:
     run.mkdir()
     (run / "profile.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
     (run / "summary.json").write_text(json.dumps({"last_step": 2}) + "\n")
-    model = inject_lora(load_ours(job.model), job.lora)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    model.save_pretrained(str(run / "adapter"), safe_serialization=True)
+    hf_tiny.save_drawn_adapter(inject_lora(load_ours(job.model), job.lora), run / "adapter", 0.3)
     return run
 
 
