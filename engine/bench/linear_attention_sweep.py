@@ -1,0 +1,356 @@
+"""Launch configs of the gated delta rule and KDA kernels against each other, and where their training pass spends
+its kernel time beside FLA's, on one CUDA device (docs/perf-history.md, "Chunked linear attention").
+
+    python -m moe_tune.engine.bench.linear_attention_sweep OUT.json [--ops gdn,kda] [--rounds N] [--no-breakdown]
+
+Sweep: every candidate of `sweep_candidates` (KernelConfig fields over pick_config's choice; the first candidate is
+pick_config's own) runs the op's forward and backward as the model calls it (the forward's passes kept for
+backward) at the anchor shape. Each candidate is first checked against the fp32 chunk reference on the same inputs
+(the output and every input gradient, relative RMS error) and then timed (median of triton.testing.do_bench) in
+`rounds` turns over all candidates, so a drift of the machine reaches every candidate alike; a candidate's spread
+over the turns says what a difference must exceed to count.
+Breakdown: the kernel time of one forward and backward, per kernel name, of ours and of FLA's chunk op (when FLA is
+importable), from torch.profiler over a few passes after a warm-up.
+
+The JSON holds {machine, shape, sweep: [rows], breakdown: [rows], complete}, written after every op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from moe_tune.engine.bench.linear_attention_op import ANCHOR_SHAPE, _fla_op, _make_inputs
+from moe_tune.engine.bench.machine import machine_info
+from moe_tune.engine.bench.timing import median_ms
+from moe_tune.engine.train.checkpoint import write_json_atomic
+
+OPS = ("gdn", "kda")
+# A candidate is wrong when one of its tensors' relative RMS error against the fp32 reference exceeds the larger
+# of this and WRONG_FACTOR times pick_config's error on the same tensor (bf16 rounding; tests/gpu's table).
+WRONG_REL_RMS = 2e-2
+WRONG_FACTOR = 1.5
+ROUNDS = 3
+SWEEP_REP_MS = 100
+BREAKDOWN_PASSES = 5
+GRAD_NAMES = ("q", "k", "v", "g", "beta")
+# The candidates' check: two documents of odd lengths (neither a multiple of the 64-token chunk) in one row.
+CHECK_SHAPE = dict(batch_size=1, seq_len=3001, num_heads=4, head_dim_k=128, head_dim_v=128)
+CHECK_DOCUMENTS = (0, 1237, 3001)
+
+
+def sweep_candidates(op: str) -> list[dict]:
+    """KernelConfig overrides to try for op ("gdn" per-head decay, "kda" per-channel), the first ({}) being
+    pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
+    (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels (block_v_grad, num_warps_grad,
+    num_stages; KDA's two gradient kernels' warps) and the forward's serial pass (block_v_state_fwd, its stages)."""
+    common = [
+        {},
+        {"num_stages_state": 1},
+        {"num_stages_state": 3},
+        {"block_v_state": 16},
+        {"block_v_state": 64},
+        {"num_warps": 8},
+        {"num_stages": 2},
+        {"block_v_grad": 32},
+        {"block_v_grad": 128},
+    ]
+    if op == "gdn":
+        return [
+            *common,
+            {"num_warps_grad": 4},
+            {"block_v_state_fwd": (32, 16)},
+            {"num_stages_state_fwd": 3},
+        ]
+    if op == "kda":
+        return [
+            *common,
+            {"num_warps_kda_grad_wy": 16},
+            {"num_warps_kda_grad_products": 4},
+            {"num_warps_kda_grad_products": 16},
+            {"num_stages_state_fwd_kda": 2},
+        ]
+    raise ValueError(f"op {op!r}: must be one of {', '.join(OPS)}")
+
+
+def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """||actual - expected|| / ||expected|| per name, in fp32 (inf where expected is all zeros and actual is not,
+    NaN where actual has a NaN)."""
+    errors = {}
+    for name, ref in expected.items():
+        diff = torch.linalg.vector_norm(actual[name].float() - ref.float()).item()
+        scale = torch.linalg.vector_norm(ref.float()).item()
+        errors[name] = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    return errors
+
+
+def wrong_tensors(errors: dict[str, float], default_errors: dict[str, float]) -> list[str]:
+    """The names whose error breaks the sweep's rule (module constants): NaN, or above both WRONG_REL_RMS and
+    WRONG_FACTOR times pick_config's error."""
+    return [
+        name
+        for name, err in errors.items()
+        if not err <= max(WRONG_REL_RMS, WRONG_FACTOR * default_errors.get(name, 0.0))
+    ]
+
+
+def summarize_timings(times_ms: list[float]) -> dict[str, float]:
+    """{ms: the median over turns, spread_ms: max - min} of one candidate's timings."""
+    return {"ms": round(statistics.median(times_ms), 4), "spread_ms": round(max(times_ms) - min(times_ms), 4)}
+
+
+def kernel_totals(events: Iterable[tuple[str, float]], passes: int) -> list[dict]:
+    """(kernel name, microseconds) device events of `passes` profiled passes -> rows {kernel, calls, ms} per pass,
+    the longest first; calls per pass may be fractional where a kernel ran in some passes only."""
+    total_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for name, us in events:
+        total_us[name] += us
+        calls[name] += 1
+    rows = [
+        {"kernel": name, "calls": calls[name] / passes, "ms": round(total_us[name] / passes / 1e3, 4)}
+        for name in total_us
+    ]
+    return sorted(rows, key=lambda row: -row["ms"])
+
+
+def ours(**inputs) -> torch.Tensor:
+    """The op's output as the model's layers call it (the shape of g picks the variant): passes kept for backward."""
+    from moe_tune.ops.linear_attention.autograd import gated_delta_rule_kernel
+
+    return gated_delta_rule_kernel(**inputs, use_qk_l2norm=True, save_intermediates=True)[0]
+
+
+def _outputs(fn: Callable, inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The output and every input gradient of one forward and backward."""
+    for name in GRAD_NAMES:
+        inputs[name].grad = None
+    o = fn(**inputs)
+    o.backward(grad_out)
+    result = {"o": o.detach().clone()}
+    result.update({f"d{name}": inputs[name].grad.clone() for name in GRAD_NAMES})
+    for name in GRAD_NAMES:
+        inputs[name].grad = None
+    return result
+
+
+def _reference_outputs(inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref
+
+    fp32 = {
+        name: x.detach().float().requires_grad_() if x.is_floating_point() else x for name, x in inputs.items()
+    }
+
+    def reference(**kwargs):
+        return chunk_gated_delta_rule_ref(**kwargs, use_qk_l2norm=True)[0]
+
+    return _outputs(reference, fp32, grad_out.float())
+
+
+def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS,
+             candidates: list[dict] | None = None) -> list[dict]:  # fmt: skip
+    """Rows {op, config (the overrides), errors, wrong, ms, spread_ms, times_ms, vs_default} per candidate, or
+    {op, config, error} where a candidate does not compile or launch on this device (module docstring). The check
+    runs at CHECK_SHAPE (two documents of odd lengths; the fp32 reference at the anchor shape would need tens of GB
+    for KDA), the timing at shape."""
+    from triton.errors import TritonError
+
+    from moe_tune.ops.linear_attention.kernels_common import pick_config
+
+    shape = dict(ANCHOR_SHAPE if shape is None else shape)
+    candidates = sweep_candidates(op) if candidates is None else candidates
+    check_inputs = _shape_inputs(CHECK_SHAPE, op)
+    check_inputs["cu_seqlens"] = torch.tensor(CHECK_DOCUMENTS, dtype=torch.int32, device="cuda")
+    check_grad = torch.randn_like(check_inputs["v"])
+    expected = _reference_outputs(check_inputs, check_grad)
+    inputs = _shape_inputs(shape, op)
+    leaves = [inputs[name] for name in GRAD_NAMES]
+    grad_out = torch.randn_like(inputs["v"])
+    base = pick_config(inputs["q"])
+    rows: list[dict] = []
+    steps: list[Callable[[], None] | None] = []
+    default_errors: dict[str, float] = {}
+    for overrides in candidates:
+        config = dataclasses.replace(base, **overrides)
+        row = {"op": op, "config": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}}
+        try:
+            with launched_with(config):
+                errors = relative_errors(_outputs(ours, check_inputs, check_grad), expected)
+        except (RuntimeError, ValueError, TritonError) as err:
+            row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+            rows.append(row)
+            steps.append(None)
+            continue
+        if not overrides:
+            default_errors = errors
+        row["errors"] = {name: float(f"{err:.3e}") for name, err in errors.items()}
+        row["wrong"] = wrong_tensors(errors, default_errors)
+        rows.append(row)
+        steps.append(None if row["wrong"] else _step(ours, config, inputs, grad_out))
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            if step is not None:
+                times[i].append(median_ms(step, leaves, rep_ms=rep_ms))
+    for row, row_times in zip(rows, times):
+        if row_times:
+            row.update(summarize_timings(row_times), times_ms=[round(t, 4) for t in row_times])
+    default_ms = rows[0].get("ms") if rows else None
+    for row in rows:
+        if default_ms and "ms" in row:
+            row["vs_default"] = round(row["ms"] / default_ms, 4)
+    return rows
+
+
+def _shape_inputs(shape: dict, op: str) -> dict[str, torch.Tensor]:
+    return _make_inputs(
+        shape["batch_size"], shape["seq_len"], shape["num_heads"], shape["head_dim_k"], shape["head_dim_v"],
+        torch.bfloat16, is_per_channel=op == "kda",
+    )  # fmt: skip
+
+
+@contextmanager
+def launched_with(config) -> Iterator[None]:
+    """Within the block the op's kernels launch under config: pick_config, as the autograd function reads it in
+    forward and in backward, answers config."""
+    import moe_tune.ops.linear_attention.autograd as autograd
+
+    chosen = autograd.pick_config
+    autograd.pick_config = lambda _x: config
+    try:
+        yield
+    finally:
+        autograd.pick_config = chosen
+
+
+def _step(fn: Callable, config, inputs: dict, grad_out: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        with launched_with(config):
+            fn(**inputs).backward(grad_out)
+
+    return step
+
+
+def breakdown_op(op: str, shape: dict | None = None, passes: int = BREAKDOWN_PASSES) -> list[dict]:
+    """Rows {op, impl, kernel, calls, ms} of one forward and backward: ours (passes kept) and FLA's chunk op."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    shape = dict(ANCHOR_SHAPE if shape is None else shape)
+    inputs = _shape_inputs(shape, op)
+    grad_out = torch.randn_like(inputs["v"])
+    impls = [("moe_tune triton", ours)]
+    fla_name, fla_op = _fla_op(op)
+    if fla_op is not None:
+        impls.append((f"fla {fla_name}", lambda fla_op=fla_op, **kw: fla_op(**kw, use_qk_l2norm_in_kernel=True)[0]))
+    rows = []
+    for impl, fn in impls:
+        try:
+            for _ in range(2):
+                _outputs(fn, inputs, grad_out)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(passes):
+                    _outputs(fn, inputs, grad_out)
+                torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001 - a library that refuses to run is a result, not a crash
+            rows.append({"op": op, "impl": impl, "error": f"{type(error).__name__}: {error}".splitlines()[0][:200]})
+            continue
+        events = [
+            (e.name(), e.duration_ns() / 1e3)
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() != DeviceType.CPU
+        ]
+        rows += [dict(row, op=op, impl=impl) for row in kernel_totals(events, passes)]
+    return rows
+
+
+def format_sweep(rows: list[dict]) -> str:
+    lines = ["| op | config | fwd+bwd ms (median of turns) | spread | vs pick_config | wrong / error |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        config = ", ".join(f"{k}={v}" for k, v in row["config"].items()) or "pick_config"
+        problem = row.get("error") or ", ".join(row.get("wrong", []))
+        lines.append(f"| {row['op']} | {config} | {row.get('ms', '')} | {row.get('spread_ms', '')} | "
+                     f"{row.get('vs_default', '')} | {problem} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_breakdown(rows: list[dict]) -> str:
+    lines = ["| op | impl | kernel | calls | ms |", "|---|---|---|---|---|"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['op']} | {row['impl']} | {row['error']} | | |")
+        else:
+            lines.append(f"| {row['op']} | {row['impl']} | {row['kernel'][:80]} | {row['calls']:g} | {row['ms']} |")
+    totals: dict[tuple[str, str], float] = defaultdict(float)
+    for row in rows:
+        totals[(row["op"], row["impl"])] += row.get("ms", 0.0)
+    lines += [f"| {op} | {impl} | total | | {round(ms, 4)} |" for (op, impl), ms in totals.items()]
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line; argparse would print its usage block first.
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _ops(text: str) -> list[str]:
+    ops = text.split(",")
+    bad = [op for op in ops if op not in OPS]
+    if bad or len(set(ops)) != len(ops):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be distinct names from {', '.join(OPS)}")
+    return ops
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="python -m moe_tune.engine.bench.linear_attention_sweep",
+                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("out", type=Path, help="the JSON to write (rows so far after every op)")
+    parser.add_argument("--ops", type=_ops, default=list(OPS), help="comma-separated: gdn, kda")
+    parser.add_argument("--rounds", type=_positive, default=ROUNDS, help="timing turns over all candidates")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel profile")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.out.parent != Path("") and not args.out.parent.is_dir():
+        print(f"{args.out}: its folder does not exist", file=sys.stderr)
+        raise SystemExit(2)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device: it times kernels", file=sys.stderr)
+        raise SystemExit(2)
+    result = {**machine_info(is_cuda=True), "shape": ANCHOR_SHAPE, "sweep": [], "breakdown": []}
+    for op in args.ops:
+        result["sweep"] += sweep_op(op, rounds=args.rounds)
+        if not args.no_breakdown:
+            result["breakdown"] += breakdown_op(op)
+        write_json_atomic(args.out, dict(result, complete=False))
+        print(format_sweep([row for row in result["sweep"] if row["op"] == op]), flush=True)
+        if not args.no_breakdown:
+            print(format_breakdown([row for row in result["breakdown"] if row["op"] == op]), flush=True)
+    write_json_atomic(args.out, dict(result, complete=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,154 @@
+"""The linear-attention launch sweep (engine/bench/linear_attention_sweep.py): its candidates, its correctness rule,
+its kernel totals, that a candidate reaches the forward's and the backward's launches, and its command line. The
+timings themselves need a CUDA device (docs/perf-history.md)."""
+
+import dataclasses
+import math
+import types
+
+import pytest
+import torch
+
+from moe_tune.engine.bench import linear_attention_sweep as sweep
+from moe_tune.ops.linear_attention.kernels_common import KernelConfig, pick_config
+
+
+def _gpu_config() -> KernelConfig:
+    # pick_config reads only whether the tensor is on CUDA (and Triton's version).
+    return pick_config(types.SimpleNamespace(is_cuda=True))
+
+
+@pytest.mark.parametrize("op", sweep.OPS)
+def test_candidates_start_with_pick_config_and_each_changes_a_launch(op):
+    base = _gpu_config()
+    candidates = sweep.sweep_candidates(op)
+    assert candidates[0] == {}
+    configs = [dataclasses.replace(base, **overrides) for overrides in candidates]
+    # Every other candidate differs from pick_config's choice and from each other: none is timed twice.
+    assert all(config != base for config in configs[1:])
+    assert len(set(configs)) == len(configs)
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="op 'gla': must be one of gdn, kda"):
+        sweep.sweep_candidates("gla")
+
+
+def test_relative_errors_are_rms_ratios_with_zero_and_nan_cases():
+    expected = {"o": torch.tensor([3.0, 4.0]), "dk": torch.zeros(2), "dv": torch.zeros(2), "dq": torch.ones(2)}
+    actual = {
+        "o": torch.tensor([3.0, 4.0]) + torch.tensor([0.3, 0.4]),
+        "dk": torch.zeros(2),
+        "dv": torch.tensor([0.0, 1e-3]),
+        "dq": torch.tensor([1.0, float("nan")]),
+    }
+    errors = sweep.relative_errors(actual, expected)
+    assert errors["o"] == pytest.approx(0.1)
+    assert errors["dk"] == 0.0 and errors["dv"] == math.inf and math.isnan(errors["dq"])
+
+
+def test_wrong_tensors_take_the_larger_of_the_floor_and_a_multiple_of_pick_configs_error():
+    floor, factor = sweep.WRONG_REL_RMS, sweep.WRONG_FACTOR
+    default = {"o": 1e-3, "dq": 0.1}
+    # Under the floor passes whatever pick_config's error; above it, up to factor times pick_config's.
+    assert sweep.wrong_tensors({"o": floor, "dq": 0.1 * factor}, default) == []
+    assert sweep.wrong_tensors({"o": floor * 1.01, "dq": 0.1 * factor * 1.01}, default) == ["o", "dq"]
+    assert sweep.wrong_tensors({"o": float("nan"), "dq": math.inf}, default) == ["o", "dq"]
+    # pick_config's own row (no errors to compare with yet) is held to the floor.
+    assert sweep.wrong_tensors({"o": floor * 2}, {}) == ["o"]
+
+
+def test_timings_summarised_as_median_and_spread():
+    assert sweep.summarize_timings([3.0, 1.0, 2.5]) == {"ms": 2.5, "spread_ms": 2.0}
+    assert sweep.summarize_timings([4.0]) == {"ms": 4.0, "spread_ms": 0.0}
+
+
+def test_kernel_totals_per_pass_longest_first():
+    events = [("a", 100.0), ("b", 50.0), ("a", 300.0), ("c", 1000.0), ("b", 50.0), ("a", 200.0)]
+    assert sweep.kernel_totals(events, passes=2) == [
+        {"kernel": "c", "calls": 0.5, "ms": 0.5},
+        {"kernel": "a", "calls": 1.5, "ms": 0.3},
+        {"kernel": "b", "calls": 1.0, "ms": 0.05},
+    ]
+
+
+class _Probe(Exception):
+    pass
+
+
+class _ProbeConfig:
+    """A config whose first read says that the op asked for it."""
+
+    def __getattr__(self, name):
+        raise _Probe(name)
+
+
+def _inputs(T=8, H=2, K=16, V=16):
+    gen = torch.Generator().manual_seed(0)
+    return dict(
+        q=torch.randn(1, T, H, K, generator=gen),
+        k=torch.randn(1, T, H, K, generator=gen),
+        v=torch.randn(1, T, H, V, generator=gen),
+        g=-torch.rand(1, T, H, generator=gen),
+        beta=torch.rand(1, T, H, generator=gen),
+    )
+
+
+def test_a_candidate_reaches_the_forwards_launches_and_pick_config_comes_back():
+    from moe_tune.ops.linear_attention import autograd
+
+    chosen = autograd.pick_config
+    with pytest.raises(_Probe), sweep.launched_with(_ProbeConfig()):
+        sweep.ours(**_inputs())
+    assert autograd.pick_config is chosen
+
+
+def test_a_candidate_reaches_the_backwards_launches():
+    # The backward picks its launch config again; under the sweep it must get the candidate too, not pick_config's.
+    from moe_tune.ops.linear_attention import autograd
+    from moe_tune.ops.linear_attention.kernels_common import prepare_chunks
+
+    inputs = _inputs()
+    B, T, H, K = inputs["q"].shape
+    V = inputs["v"].shape[-1]
+    layout = prepare_chunks(None, B, T, device=inputs["q"].device)
+    flat = [inputs[name].reshape(B * T, H, -1).squeeze(-1) for name in ("q", "k", "v", "g", "beta")]
+    ctx = types.SimpleNamespace(
+        saved_tensors=(*flat, None, layout.cu_seqlens, layout.chunk_offsets, layout.chunk_map, None, None),
+        num_kept=0, shape=(B, T, H, K, V), layout_sizes=(layout.num_slots, layout.chunk_size), scale=K**-0.5,
+        use_qk_l2norm=True, dt_bias_shape=None,
+    )  # fmt: skip
+    with pytest.raises(_Probe), sweep.launched_with(_ProbeConfig()):
+        autograd.GatedDeltaRuleFunction.backward(ctx, torch.randn(B, T, H, V), None)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(["o.json", "--ops", "gdn,gla"], "argument --ops: 'gdn,gla': must be distinct names from gdn, kda"),
+     (["o.json", "--ops", "kda,kda"], "argument --ops: 'kda,kda': must be distinct names from gdn, kda"),
+     (["o.json", "--rounds", "0"], "argument --rounds: '0': must be positive"),
+     (["o.json", "--rounds", "two"], "argument --rounds: 'two': must be an integer")],
+)  # fmt: skip
+def test_bad_options_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_options_and_defaults():
+    args = sweep.parse_args(["o.json"])
+    assert (args.ops, args.rounds, args.no_breakdown) == (list(sweep.OPS), sweep.ROUNDS, False)
+    args = sweep.parse_args(["o.json", "--no-breakdown", "--ops", "kda", "--rounds", "1"])
+    assert (args.ops, args.rounds, args.no_breakdown) == (["kda"], 1, True)
+
+
+def test_a_missing_output_folder_or_no_cuda_is_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sweep.main([str(tmp_path / "absent" / "o.json")])
+    missing = tmp_path / "absent" / "o.json"
+    assert exc.value.code == 2 and capsys.readouterr().err == f"{missing}: its folder does not exist\n"
+    with pytest.raises(SystemExit) as exc:
+        sweep.main([str(tmp_path / "o.json")])
+    assert exc.value.code == 2 and capsys.readouterr().err == "needs a CUDA device: it times kernels\n"
+    assert not (tmp_path / "o.json").exists()
