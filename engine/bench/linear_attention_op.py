@@ -108,14 +108,14 @@ def bench_linear_attention(
     for case, is_per_channel in (("gdn", False), ("kda", True)):
         if case not in cases:
             continue
-        inputs = _make_inputs(B, T, H, K, V, dtype, is_per_channel=is_per_channel)
+        inputs = make_inputs(B, T, H, K, V, dtype, is_per_channel=is_per_channel)
         with torch.no_grad():
             expected_o = reference(**inputs)[0].float()
         add(case, "moe_tune triton", shape, ours, inputs, flops, expected_o)
         add(case, "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
         if include_reference:
             add(case, "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
-        fla_name, fla_op = _fla_op(case)
+        fla_name, fla_op = fla_op_for(case)
         if fla_op is not None:
 
             def fla(fla_op=fla_op, **inputs):
@@ -130,7 +130,7 @@ def bench_linear_attention(
 
     if "varlen" in cases:
         num_tokens = B * T
-        packed = _make_inputs(1, num_tokens, H, K, V, dtype, is_per_channel=False)
+        packed = make_inputs(1, num_tokens, H, K, V, dtype, is_per_channel=False)
         doc_lengths = mixed_doc_lengths(num_tokens, num_docs)
         for name, lengths in ((f"{num_docs} documents", doc_lengths), ("1 document", [num_tokens])):
             starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
@@ -142,7 +142,7 @@ def bench_linear_attention(
     return rows
 
 
-def _fla_op(case: str):
+def fla_op_for(case: str):
     """(name, FLA's chunk op) of the gated delta rule ("gdn") or KDA ("kda"); (name, None) when FLA is not installed."""
     try:
         if case == "gdn":
@@ -175,7 +175,7 @@ def chunk_flops(H: int, K: int, V: int, num_chunks: int) -> float:
     return float(num_chunks * H * per_chunk)
 
 
-def _make_inputs(B, T, H, K, V, dtype, is_per_channel):
+def make_inputs(B, T, H, K, V, dtype, is_per_channel):
     """Random inputs as a model makes them: raw q, k (normalised in the op), logsigmoid decays, sigmoid beta."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from moe_tune.engine.bench.linear_attention_op import ANCHOR_SHAPE, _fla_op, _make_inputs
+from moe_tune.engine.bench.linear_attention_op import ANCHOR_SHAPE, fla_op_for, make_inputs
 from moe_tune.engine.bench.machine import machine_info
 from moe_tune.engine.bench.timing import median_ms
 from moe_tune.engine.train.checkpoint import write_json_atomic
@@ -211,7 +211,7 @@ def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: i
 
 
 def _shape_inputs(shape: dict, op: str) -> dict[str, torch.Tensor]:
-    return _make_inputs(
+    return make_inputs(
         shape["batch_size"], shape["seq_len"], shape["num_heads"], shape["head_dim_k"], shape["head_dim_v"],
         torch.bfloat16, is_per_channel=op == "kda",
     )  # fmt: skip
@@ -248,7 +248,7 @@ def breakdown_op(op: str, shape: dict | None = None, passes: int = BREAKDOWN_PAS
     inputs = _shape_inputs(shape, op)
     grad_out = torch.randn_like(inputs["v"])
     impls = [("moe_tune triton", ours)]
-    fla_name, fla_op = _fla_op(op)
+    fla_name, fla_op = fla_op_for(op)
     if fla_op is not None:
         impls.append((f"fla {fla_name}", lambda fla_op=fla_op, **kw: fla_op(**kw, use_qk_l2norm_in_kernel=True)[0]))
     rows = []
