@@ -44,34 +44,42 @@ def kept_metrics_lines(text: str, resume_step: int) -> tuple[list[str], list[str
 
 class MetricsWriter:
     """Appends one JSON object per record to metrics.jsonl and hands it to each tracker (loggers.Tracker); on
-    resume, drops lines past the resumed step first (and lines that are not records, each with a note in `notes`).
-    close(status) finishes the trackers' runs."""
+    resume, drops lines past the resumed step (and lines that are not records, each with a note in `notes`).
+    close(status) finishes the trackers' runs.
+
+    The file is started with the first record: a run that ends before its first step leaves no metrics.jsonl (a
+    new run) or the resumed run's file as it was, so its folder does not count as a previous run that trained
+    (run_dir.RUN_RESULTS)."""
 
     def __init__(self, path: Path, resume_step: int, trackers: Sequence[Tracker] = ()):
         self.path = path
         self.trackers = list(trackers)
         self.notes: list[str] = [t.note for t in self.trackers if t.note]
+        # The lines the file starts with: the records of the resumed run up to resume_step (none for a new run).
+        self._kept: list[str] = []
+        self._file = None
         try:
-            self._open(resume_step)
+            if resume_step > 0 and path.exists():
+                self._kept, dropped = kept_metrics_lines(path.read_text(errors="replace"), resume_step)
+                self.notes += dropped
         except BaseException:
             close_trackers(self.trackers, "failed")
             raise
 
-    def _open(self, resume_step: int) -> None:
+    def _start_file(self) -> None:
+        """metrics.jsonl holding the kept lines alone (replaced atomically), open for appending."""
         path = self.path
-        if resume_step > 0 and path.exists():
-            kept, dropped = kept_metrics_lines(path.read_text(errors="replace"), resume_step)
-            self.notes += dropped
+        if self._kept:
             tmp = path.with_name(f".{path.name}.tmp")
             try:
-                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.write_text("".join(line + "\n" for line in self._kept))
             except OSError as err:
                 tmp.unlink(missing_ok=True)
                 self._refuse_full_disk(err, "rewriting it for the resume")
                 raise
             tmp.replace(path)
-        elif path.exists():
-            path.unlink()
+        else:
+            path.unlink(missing_ok=True)
         self._file = path.open("a")
 
     def _refuse_full_disk(self, err: OSError, doing: str) -> None:
@@ -82,6 +90,8 @@ class MetricsWriter:
             ) from None
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            self._start_file()
         try:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -94,7 +104,8 @@ class MetricsWriter:
 
     def close(self, status: str = "finished") -> None:
         try:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
         except OSError as err:
             # A full disk was reported by write(); the buffered rest of a torn line is dropped on resume.
             if err.errno not in NO_SPACE_ERRNOS:

@@ -14,7 +14,7 @@ import moe_tune.engine.train.trainer as trainer
 from moe_tune.cli import app
 from moe_tune.cli.finetune import resume_command
 from moe_tune.engine.train.checkpoint import complete_checkpoints
-from moe_tune.engine.train.run_dir import LOCK_NAME
+from moe_tune.engine.train.run_dir import LOCK_NAME, previous_run_outputs
 
 runner = CliRunner()
 SMALL = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=0", "data.corpus_documents=200"]
@@ -171,6 +171,43 @@ def test_an_interrupted_run_is_one_line_and_exit_130(tmp_path, monkeypatch):
     assert errors(result) == ["error: interrupted (SIGINT, then SIGINT): stopped without saving the step in progress; "
                               f"the complete checkpoints in {tmp_path / 'out'} are kept (--resume continues from the "
                               "newest)"]  # fmt: skip
+
+
+# How a run can end in its first step, before any record: a second signal (the first waits for the step), an error.
+FIRST_STEP_ENDINGS = {"second-signal": (KeyboardInterrupt("SIGINT, then SIGINT"), 130),
+                      "error": (RuntimeError("the step failed"), 1)}
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["new-run", "resumed-run"])
+@pytest.mark.parametrize("ending", list(FIRST_STEP_ENDINGS))
+def test_a_run_that_ends_before_its_first_step_is_not_a_previous_run(tmp_path, monkeypatch, ending, resume):
+    """A new run stopped in its first step leaves no metrics.jsonl, so the folder takes the next run without --resume
+    or --overwrite; a resumed run stopped there leaves the metrics it found byte for byte (a torn last line
+    included, which the next --resume drops)."""
+    out = tmp_path / "out"
+    if resume:
+        assert runner.invoke(app, finetune_args(out, "train.steps=1")).exit_code == 0
+        with (out / "metrics.jsonl").open("a") as metrics:
+            metrics.write('{"step": 2, "lo')
+    found = (out / "metrics.jsonl").read_bytes() if resume else None
+    error, code = FIRST_STEP_ENDINGS[ending]
+
+    def first_step(*args, **kwargs):
+        raise error
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "_train_step", first_step)
+        stopped = runner.invoke(app, [*finetune_args(out, "train.steps=2"), *["--resume"] * resume])
+    assert stopped.exit_code == code, stopped.output
+    assert not (out / LOCK_NAME).exists()
+    if resume:
+        assert (out / "metrics.jsonl").read_bytes() == found
+    else:
+        assert not (out / "metrics.jsonl").exists() and previous_run_outputs(out) == []
+    again = runner.invoke(app, [*finetune_args(out, "train.steps=2"), *["--resume"] * resume])
+    assert again.exit_code == 0, again.output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
 
 
 def test_overwrite_replaces_the_previous_run_and_lr_inf_exits_1_before_saving(tmp_path, monkeypatch):
