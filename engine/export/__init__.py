@@ -47,7 +47,10 @@ The step reader's entry point, which `moe-tune export --step N` calls (zero.py):
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -68,3 +71,22 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
     W [out, in], A [r, in], B [out, r]. Grouped experts: W [E, out, in], A [E, r, in], B [E, out, r] (per expert)."""
     delta = torch.matmul(b.float(), a.float()) * scaling
     return (weight.float() + delta).to(weight.dtype)
+
+
+@contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """The temporary sibling `.OUT.tmp` that the folder `out` is written into, renamed to `out` when the block ends
+    normally (replacing `out` if it is an empty folder: rename(2)). On any exception (a refusal, a failed write,
+    KeyboardInterrupt) the temporary folder is removed and `out` is left as it was. A temporary folder left by a
+    killed writer is removed first."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

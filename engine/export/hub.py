@@ -25,7 +25,7 @@ from torch import nn
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import ModelProfile
 
-from . import StateSource
+from . import StateSource, staged_folder
 
 INDEX_NAME = "model.safetensors.index.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -328,10 +328,10 @@ def write_hub_checkpoint(
     chat_template: str | None = None,
     readme: str | None = None,
 ) -> Path:
-    """Write `source` into the folder `out` (created through a temporary sibling, then renamed): the keys of
-    `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own), the index,
-    config.json (`config`, or copied), the loader files of `copy_from`, `chat_template` (write_chat_template) and
-    `readme` as README.md (the model card)."""
+    """Write `source` into the folder `out` (through a temporary sibling, removed on any failure: staged_folder):
+    the keys of `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own),
+    the index, config.json (`config`, or copied), the loader files of `copy_from`, `chat_template`
+    (write_chat_template) and `readme` as README.md (the model card)."""
     from safetensors.torch import save_file
 
     from moe_tune.engine.families.base import take
@@ -360,65 +360,59 @@ def write_hub_checkpoint(
         shards[-1].append(key)
         size += info.nbytes
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    positions = _Positions(layout)
-    cached: tuple[str | None, torch.Tensor | None] = (None, None)
-    experts: dict[tuple[str, int], torch.Tensor] = {}  # the few experts last read alone (their keys are adjacent)
-    weight_map, total = {}, 0
-    count = len(shards)
-    for i, keys in enumerate(shards):
-        file_name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-        tensors = {}
-        for key in keys:
-            info = layout.keys[key]
-            value = layout.base(key)
-            writers = plan.writers.get(key, [])
-            if value is None:
-                value = torch.zeros(info.shape, dtype=info.dtype)
-            flat = None
-            for name, part in writers:
-                if part is not None and hasattr(source, "read_expert"):
-                    if (name, part) not in experts:
-                        if len(experts) >= 4:
-                            experts.pop(next(iter(experts)))
-                        experts[(name, part)] = source.read_expert(name, part).detach().to("cpu")
-                    ours = experts[(name, part)]
-                else:
-                    if cached[0] != name:
-                        cached = (name, source.read(name).detach().to("cpu"))
-                    ours = cached[1] if part is None else cached[1][part : part + 1]
-                recipe = plan.recipes[(name, part)]
-                if isinstance(recipe, take):
-                    value = ours.to(info.dtype).reshape(info.shape).clone()
-                    flat = None
-                    continue
-                if flat is None:
-                    value = value.contiguous().clone()
-                    flat = value.view(-1)
-                positions.of((name, part), recipe, plan.reads[(name, part)])
-                where, which = positions.within(key)
-                flat[where] = ours.reshape(-1)[which].to(info.dtype)
-            tensors[key] = value.contiguous()
-            weight_map[key] = file_name
-            total += info.nbytes
-        save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
-        del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    if copy_from is not None:
-        copy_loader_files(Path(copy_from), tmp)
-    if chat_template is not None:
-        write_chat_template(tmp, chat_template)
-    if config is not None:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if readme is not None:
-        (tmp / "README.md").write_text(readme, encoding="utf-8")
-    if out.exists():
-        out.rmdir()  # only an empty folder is ever replaced (the CLI refuses a non-empty one)
-    tmp.replace(out)
+    with staged_folder(out) as tmp:
+        positions = _Positions(layout)
+        cached: tuple[str | None, torch.Tensor | None] = (None, None)
+        experts: dict[tuple[str, int], torch.Tensor] = {}  # the few experts last read alone (their keys are adjacent)
+        weight_map, total = {}, 0
+        count = len(shards)
+        for i, keys in enumerate(shards):
+            file_name = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            tensors = {}
+            for key in keys:
+                info = layout.keys[key]
+                value = layout.base(key)
+                writers = plan.writers.get(key, [])
+                if value is None:
+                    value = torch.zeros(info.shape, dtype=info.dtype)
+                flat = None
+                for name, part in writers:
+                    if part is not None and hasattr(source, "read_expert"):
+                        if (name, part) not in experts:
+                            if len(experts) >= 4:
+                                experts.pop(next(iter(experts)))
+                            experts[(name, part)] = source.read_expert(name, part).detach().to("cpu")
+                        ours = experts[(name, part)]
+                    else:
+                        if cached[0] != name:
+                            cached = (name, source.read(name).detach().to("cpu"))
+                        ours = cached[1] if part is None else cached[1][part : part + 1]
+                    recipe = plan.recipes[(name, part)]
+                    if isinstance(recipe, take):
+                        value = ours.to(info.dtype).reshape(info.shape).clone()
+                        flat = None
+                        continue
+                    if flat is None:
+                        value = value.contiguous().clone()
+                        flat = value.view(-1)
+                    positions.of((name, part), recipe, plan.reads[(name, part)])
+                    where, which = positions.within(key)
+                    flat[where] = ours.reshape(-1)[which].to(info.dtype)
+                tensors[key] = value.contiguous()
+                weight_map[key] = file_name
+                total += info.nbytes
+            save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+            del tensors
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        if copy_from is not None:
+            copy_loader_files(Path(copy_from), tmp)
+        if chat_template is not None:
+            write_chat_template(tmp, chat_template)
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if readme is not None:
+            (tmp / "README.md").write_text(readme, encoding="utf-8")
     return out
 
 
@@ -587,9 +581,11 @@ def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_templat
 
     cfg = run.cfg
     family = family_for(read_config(cfg.checkpoint), cfg.checkpoint)
-    written = write_reference_adapter(meta_model(cfg), adapter, cfg, family, run.profile.lora, out)
-    # The tokenizer and processor files, not the model's config: the folder is an adapter, not a model.
-    copy_loader_files(Path(cfg.checkpoint), written, COPIED_FILES[2:])
-    if chat_template is not None:
-        write_chat_template(written, chat_template)
-    return written
+
+    def add_loader_files(folder: Path) -> None:
+        # The tokenizer and processor files, not the model's config: the folder is an adapter, not a model.
+        copy_loader_files(Path(cfg.checkpoint), folder, COPIED_FILES[2:])
+        if chat_template is not None:
+            write_chat_template(folder, chat_template)
+
+    return write_reference_adapter(meta_model(cfg), adapter, cfg, family, run.profile.lora, out, add_loader_files)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
+from moe_tune.engine.export import staged_folder
 from moe_tune.profiles.schema import ModelProfile
 
 from .base import Family, UnsupportedModel, take
@@ -166,10 +169,12 @@ def _reference_experts(family: Family, our_name: str, experts: nn.Module, cfg: M
 
 
 def write_reference_adapter(
-    module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family, lora, directory: Path
+    module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family, lora, directory: Path,
+    add_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the adapter for transformers + PEFT into `directory` (adapter_model.safetensors + adapter_config.json,
-    base_model_name_or_path the checkpoint), atomically: a temporary directory renamed at the end."""
+    base_model_name_or_path the checkpoint) with what `add_files(folder)` writes beside them, atomically: a temporary
+    folder renamed to `directory` (replacing it) at the end, removed on any failure (export.staged_folder)."""
     from safetensors.torch import save_file
 
     tensors, targets, parameters, multiples, saved_modules = reference_adapter(module, state, cfg, family)
@@ -191,14 +196,12 @@ def write_reference_adapter(
         "alpha_pattern": {re.escape(name): lora.alpha * m for name, m in multiples.items()},
     }
     directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if directory.exists():
-        import shutil
-
-        shutil.rmtree(directory)
-    tmp.replace(directory)
+    with staged_folder(directory) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if add_files is not None:
+            add_files(tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
     return directory

@@ -1,6 +1,7 @@
 """`moe-tune export RUN_DIR`: exit 0 and the folder named; bad input one line per problem, exit 2, no traceback,
 nothing written. (The export's content is tested in tests/engine/test_export_hub.py.)"""
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from moe_tune.cli import app
+from moe_tune.profiles import ProfileError
 
 from hf_tiny import save_drawn_adapter, save_tiny_checkpoint, tiny_qwen3_moe
 
@@ -269,3 +271,81 @@ def test_full_finetune_weights_of_the_wrong_shape_are_named(run_dir, tmp_path):
     run = damaged_copy(run_dir, tmp_path, rewrite(lambda t: t.update({key: grown(t[key], 0)})))
     assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run}/model.safetensors: tensor {key} has shape "
                                f"{(expected[0] + 1, *expected[1:])}, expected {expected} (")
+
+
+# The run kinds whose export goes through each writer: the hub checkpoint (full fine-tune, LoRA merged) and the PEFT
+# adapter (LoRA).
+EXPORT_KINDS = {"full": ("run_dir", []), "merged": ("lora_run_dir", ["--merge"]), "adapter": ("lora_run_dir", [])}
+# How an export can fail once its temporary folder holds files, and the exit code: a refusal (exit 2, one line), an
+# error while writing, an interrupt (Click exits 130).
+FAILURES = {
+    "refusal": (lambda: ProfileError(["model.safetensors: tensor x holds non-finite values (NaN or inf)"]), 2),
+    "disk-full": (lambda: OSError(errno.ENOSPC, "No space left on device"), 1),
+    "interrupt": (lambda: KeyboardInterrupt(), 130),
+}
+
+
+def fail_after(function, error):
+    """`function` that does its work, then raises `error()`: the failure comes with files in the folder."""
+    def failing(*args, **kwargs):
+        function(*args, **kwargs)
+        raise error()
+    return failing
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+@pytest.mark.parametrize("where", ["weights", "loader-files"])
+@pytest.mark.parametrize("failure", list(FAILURES))
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_a_failed_export_leaves_no_temporary_folder_and_out_as_it_was(request, tmp_path, monkeypatch, kind, failure,
+                                                                      where, before):
+    import safetensors.torch
+
+    import moe_tune.engine.export.hub as hub
+
+    fixture, flags = EXPORT_KINDS[kind]
+    # Built before the writers fail (a module fixture).
+    run = request.getfixturevalue(fixture)
+    error, code = FAILURES[failure]
+    if where == "weights":
+        monkeypatch.setattr(safetensors.torch, "save_file", fail_after(safetensors.torch.save_file, error))
+    else:
+        monkeypatch.setattr(hub, "copy_loader_files", fail_after(hub.copy_loader_files, error))
+    out = tmp_path / "out"
+    if before == "empty":
+        out.mkdir()
+    result = runner.invoke(app, ["export", str(run), *flags, "--out", str(out)])
+    assert result.exit_code == code, result.output
+    if failure == "refusal":
+        assert result.stderr.strip().splitlines() == [f"error: {error().problems[0]}"]
+    assert not any(tmp_path.glob(".out*")), list(tmp_path.iterdir())
+    assert (sorted(out.iterdir()) == [] if before == "empty" else not out.exists()), list(out.parent.iterdir())
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_an_out_folder_holding_files_is_refused_and_kept(request, tmp_path, kind):
+    fixture, flags = EXPORT_KINDS[kind]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("mine")
+    result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: --out ({str(out)!r}) exists and is not empty; export "
+                                                  "writes into a new or empty folder"]  # fmt: skip
+    assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "mine"
+    assert not any(out.parent.glob(f".{out.name}*"))
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_a_temporary_folder_left_by_a_killed_export_is_not_exported(request, tmp_path, kind, before):
+    fixture, flags = EXPORT_KINDS[kind]
+    out = tmp_path / "out"
+    if before == "empty":
+        out.mkdir()
+    (tmp_path / ".out.tmp").mkdir()
+    (tmp_path / ".out.tmp" / "left-over.safetensors").write_bytes(b"\0" * 8)
+    result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert not (out / "left-over.safetensors").exists() and not (tmp_path / ".out.tmp").exists()
+    assert (out / ("adapter_model.safetensors" if kind == "adapter" else "model.safetensors.index.json")).is_file()
