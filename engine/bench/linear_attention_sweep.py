@@ -51,7 +51,8 @@ def sweep_candidates(op: str) -> list[dict]:
     """KernelConfig overrides to try for op ("gdn" per-head decay, "kda" per-channel), the first ({}) being
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
     (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels (block_v_grad, num_warps_grad,
-    num_stages; KDA's two gradient kernels' warps) and the forward's serial pass (block_v_state_fwd, its stages)."""
+    num_stages; KDA's two gradient kernels' warps), the forward's serial pass (block_v_state_fwd, its stages) and,
+    per head, the backward's state part in a kernel of its own (split_grad_wy)."""
     common = [
         {},
         {"num_stages_state": 1},
@@ -67,8 +68,12 @@ def sweep_candidates(op: str) -> list[dict]:
         return [
             *common,
             {"num_warps_grad": 4},
+            {"num_warps_grad": 16},
             {"block_v_state_fwd": (32, 16)},
             {"num_stages_state_fwd": 3},
+            {"split_grad_wy": True},
+            {"split_grad_wy": True, "num_stages": 2},
+            {"split_grad_wy": True, "num_warps_grad": 16},
         ]
     if op == "kda":
         return [

@@ -26,6 +26,11 @@ kernels_state.chunk_state_fwd(store_states=True)): kept from the forward (save_i
    would carry six fp32 accumulators through its V loop with q and k loaded before it and spill 1,176 bytes of
    stack a thread (sm_90 compile, triton 3.6, K = V = 128); split, the output kernel spills nothing and the WY
    kernel 176 bytes, for one extra fp32 [T, H, K] round trip of dk's part.
+   With KernelConfig.split_grad_wy `_chunk_grad_state_kernel` runs between them: the state's part of kernel 3
+   (dW, v_new dS1^T and the gradient of G_C, from S0 and dS1), so that kernel 3's V loop carries no [C, K]
+   accumulator (sm_90 compile of a bf16 K = V = 128 launch, triton 3.6, 8 warps: kernel 3 252 registers and no
+   stack, the state kernel 172 and none, against kernel 3's 176 bytes of stack alone), for dW's [T, H, K] round trip
+   in k's dtype and a second read of v_new and dv_new.
 """
 
 from __future__ import annotations
@@ -286,6 +291,75 @@ def _chunk_grad_output_kernel(
 
 
 @triton.jit
+def _chunk_grad_state_kernel(
+    k_ptr,
+    g_cumsum_ptr,
+    states_ptr,
+    state_grads_ptr,
+    v_new_ptr,
+    dv_new_ptr,
+    chunk_map_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dw_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The state's part of one (chunk, head), between the output kernel and the WY kernel (split_grad_wy): from S0,
+    dS1, v_new and dv_new, dW (stored in k's dtype, the precision the WY kernel multiplies it in) and the gradient
+    through S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new, added into the output kernel's fp32 parts: its dk to dk's,
+    its dG to dG's, and G_C's gradient to the chunk's last token's dG (dg sums dG from each token to the chunk's end,
+    so every token of the chunk gets it)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+    G, G_last = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+
+    offs_k = tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    state_dstate = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+        dstate_t = dstate_t.to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+    store_rows(dw_ptr + i_h * K, dw, t0, num_valid, H * K, K, BT, BK)
+
+    k = load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
+    if USE_L2NORM:
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)[:, None]
+    dk_end = dk_end * tl.exp(G_last - G)[:, None]
+    dG_end = tl.sum(k * dk_end, axis=1)
+    dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
+    dk = load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK) + dk_end
+    store_rows(dk_partial_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
+    dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0) - dG_end
+    dG += tl.where(rows == num_valid - 1, dG_last, 0.0)
+    tl.store(dG_partial_ptr + token_head, dG, mask=is_valid)
+
+
+@triton.jit
 def _chunk_grad_wy_kernel(
     k_ptr,
     v_ptr,
@@ -300,6 +374,7 @@ def _chunk_grad_wy_kernel(
     scratch_ptr,
     dk_partial_ptr,
     dG_partial_ptr,
+    dw_ptr,
     dk_ptr,
     dv_ptr,
     dbeta_ptr,
@@ -308,13 +383,16 @@ def _chunk_grad_wy_kernel(
     K,
     V,
     USE_L2NORM: tl.constexpr,
+    HAS_STATE_PART: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """The rest of one (chunk, head), after the output kernel: the state leaving the chunk and the WY factors give
-    dv, dbeta and their parts of dk and dG; with the output kernel's parts added, dk through the L2 norm and dg."""
+    dv, dbeta and their parts of dk and dG; with the output kernel's parts added, dk through the L2 norm and dg.
+    HAS_STATE_PART: `_chunk_grad_state_kernel` ran before it (dW read from dw_ptr; the state's parts of dk and dG
+    already in the output kernel's), so the V loop reads no state and carries no [C, K] accumulator."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -333,33 +411,39 @@ def _chunk_grad_wy_kernel(
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
     # Accumulated over V tiles: v_new dS1^T, dW, the U part of d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1)
-    # per key row.
-    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
-    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    # per key row (with HAS_STATE_PART only the U and v parts).
+    if not HAS_STATE_PART:
+        dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+        dw = tl.zeros([BT, BK], dtype=tl.float32)
     dinverse = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
-    state_dstate = tl.zeros([BK], dtype=tl.float32)
+    if not HAS_STATE_PART:
+        state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        # States and their gradients read transposed; written out here rather than through load_chunk_state_t,
-        # which compiled this kernel to a different (if equivalent) sm_90 binary than the one tested on the H200.
-        offs_v = v0 + tl.arange(0, BV)
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
-        dstate_t = dstate_t.to(dot_dtype)
-        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        if not HAS_STATE_PART:
+            # States and their gradients read transposed; written out here rather than through
+            # load_chunk_state_t, which compiled this kernel to a different (if equivalent) sm_90 binary than the
+            # one tested on the H200.
+            offs_v = v0 + tl.arange(0, BV)
+            state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+            state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+            state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+            dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+            dstate_t = dstate_t.to(dot_dtype)
+            v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         v = load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
-        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        if not HAS_STATE_PART:
+            dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+            dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
         v_scaled = (v * beta[:, None]).to(dot_dtype)
         dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
         # d(diag(beta) v) = ((I + A)^-1)^T dU, and dU = dv_new.
         dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
         store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
         dbeta += tl.sum(v * dv_scaled, axis=1)
-        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+        if not HAS_STATE_PART:
+            state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
     k = load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
@@ -367,11 +451,15 @@ def _chunk_grad_wy_kernel(
         k = k * k_rstd[:, None]
     k_dot = k.to(dot_dtype)
 
-    # State leaving the chunk: S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new.
-    dk_end = dk_end * tl.exp(G_last - G)[:, None]
-    dG_end = tl.sum(k * dk_end, axis=1)
-    dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0) - dG_end
-    dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
+    if HAS_STATE_PART:
+        dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0)
+        dw = load_rows(dw_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
+    else:
+        # State leaving the chunk: S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new.
+        dk_end = dk_end * tl.exp(G_last - G)[:, None]
+        dG_end = tl.sum(k * dk_end, axis=1)
+        dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0) - dG_end
+        dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
 
     # WY factors: W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v, d(I + A)^-1 = dW K'^T + dU V'^T.
     k_scaled = (k * (beta * exp_G)[:, None]).to(dot_dtype)
@@ -391,7 +479,10 @@ def _chunk_grad_wy_kernel(
     store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
     tl.debug_barrier()
     dkk_t = load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
-    dk = dk_end + tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    if HAS_STATE_PART:
+        dk = tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    else:
+        dk = dk_end + tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
     dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
     k_dk_scaled = tl.sum(k * dk_scaled, axis=1)
     dk += dk_scaled * (beta * exp_G)[:, None]
@@ -400,8 +491,11 @@ def _chunk_grad_wy_kernel(
 
     dk += load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
 
-    # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C.
-    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last
+    # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C (with HAS_STATE_PART
+    # G_C's gradient is in the last token's dG already).
+    dg = tl.cumsum(dG, axis=0, reverse=True)
+    if not HAS_STATE_PART:
+        dg += dG_last
     if USE_L2NORM:
         dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
     store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
@@ -556,13 +650,21 @@ def chunk_grad(
         K=K, V=V, USE_L2NORM=use_qk_l2norm, BT=C, BK=block_size(K), BV=min(config.block_v_grad, block_size(V)),
         DOT_PRECISION=dot_precision, num_warps=config.num_warps_grad, num_stages=config.num_stages,
     )  # fmt: skip
+    # split_grad_wy: dW between the state kernel and the WY kernel, in k's dtype.
+    dw_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device) if config.split_grad_wy else dk_partial_THK
     if layout.num_slots > 0:
         _chunk_grad_output_kernel[(layout.num_slots, H)](
             q_THK, k_THK, g_cumsum_TH, states_NCHKV, v_new_THV, do_THV, layout.chunk_map,
             dq_THK, dk_partial_THK, dG_partial_TH, scale, H, **meta,
         )  # fmt: skip
+        if config.split_grad_wy:
+            _chunk_grad_state_kernel[(layout.num_slots, H)](
+                k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV, layout.chunk_map,
+                dk_partial_THK, dG_partial_TH, dw_THK, H, **meta,
+            )  # fmt: skip
         _chunk_grad_wy_kernel[(layout.num_slots, H)](
             k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV,
-            layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dk_THK, dv_THV, dbeta_TH, dg_TH, H, **meta,
+            layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, H,
+            HAS_STATE_PART=config.split_grad_wy, **meta,
         )  # fmt: skip
     return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH

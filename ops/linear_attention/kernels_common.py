@@ -135,6 +135,9 @@ class KernelConfig:
     num_stages_state_fwd_kda: int
     num_warps_state_fwd_kda_wide: int
     inverse_dots_16bit: str
+    # The per-head backward's state part in a kernel of its own (kernels_bwd._chunk_grad_state_kernel), so that the
+    # WY gradient kernel carries no [C, K] accumulator through its V loop.
+    split_grad_wy: bool = False
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:

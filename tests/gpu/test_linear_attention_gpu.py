@@ -378,3 +378,44 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert got.dtype == (torch.float32 if name in ("g", "beta", "dA_log", "ddt_bias") else dtype), name
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err <= rtol, f"{name}: {err:.2e}"
+
+
+@pytest.fixture
+def split_grad_wy(monkeypatch):
+    """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy)."""
+    import dataclasses
+
+    from moe_tune.ops.linear_attention import autograd, kernels_common
+
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+        kernels_common.pick_config(x), split_grad_wy=True))  # fmt: skip
+
+
+SPLIT_CASES = [
+    *ODD_CASES,
+    pytest.param(dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS)), True, id="8-docs"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, use_qk_l2norm", SPLIT_CASES)
+def test_split_state_part_matches_reference(guarded, split_grad_wy, shape, use_qk_l2norm, dtype):
+    inputs = make_inputs(**shape, dtype=dtype)
+    cu_seqlens = None
+    if "num_seqs" in shape:
+        cu_seqlens = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
+
+
+@GPU_MEMORY_GROUP
+def test_split_state_part_anchor_and_110_documents_bf16(guarded, split_grad_wy):
+    # The speed shape with the forward's passes kept (as the model calls it), and the packed row of 110 documents
+    # that once read out of bounds; then two runs on the same inputs bit for bit.
+    inputs = make_inputs(4, 8192, 16, 128, 128, dtype=torch.bfloat16)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, save_intermediates=True)
+    bounds = torch.linspace(0, 16384, 111).round().to(torch.int32).to("cuda")
+    inputs = make_inputs(1, 16384, 32, 128, 128, dtype=torch.bfloat16, num_seqs=110)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, cu_seqlens=bounds)
+    options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
+    first, second = (forward_and_grads(gated_delta_rule, inputs, **options) for _ in range(2))
+    assert [name for name in first if not torch.equal(first[name], second[name])] == []

@@ -14,6 +14,8 @@ launch (K over 128 does not fit in fp32, ops/linear_attention/README.md).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import os
 import re
@@ -26,7 +28,8 @@ H200_SHARED_MEMORY = 232448
 # The kernels the fp32 cases launch: a recorder that saw fewer missed the kernel path.
 FP32_KERNELS = {
     "_chunk_wy_fwd_kernel", "_chunk_state_fwd_kernel", "_chunk_output_kernel", "_prepare_state_bwd_kernel",
-    "_chunk_state_bwd_kernel", "_chunk_grad_output_kernel", "_chunk_grad_wy_kernel", "_kda_pairs_kernel",
+    "_chunk_state_bwd_kernel", "_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_wy_kernel",
+    "_kda_pairs_kernel",
     "_kda_wy_fwd_kernel", "_kda_grad_wy_kernel", "_kda_grad_products_kernel",
 }  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
@@ -86,10 +89,12 @@ def _record_and_measure() -> None:
             if isinstance(value, JITFunction) and re.fullmatch(r"_\w+_kernel", name):
                 setattr(module, name, Recorder(name, value))
     gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
-    autograd.pick_config = lambda x: gpu
 
-    for V in (64, 128):
-        for is_kda in (False, True):
+    # The per-head backward both ways: its WY kernel with and without the state part split off (split_grad_wy).
+    for V, is_kda, split_grad_wy in itertools.product((64, 128), (False, True), (False, True)):
+        if not (is_kda and split_grad_wy):
+            autograd.pick_config = lambda x, split_grad_wy=split_grad_wy: dataclasses.replace(
+                gpu, split_grad_wy=split_grad_wy)  # fmt: skip
             B, T, H, K = 1, 130, 4, 128
             q, k = torch.zeros(B, T, H, K), torch.zeros(B, T, H, K)
             v, beta = torch.zeros(B, T, H, V), torch.zeros(B, T, H)

@@ -17,7 +17,7 @@ with interpreted_kernels():
     import torch.nn.functional as F
     from moe_tune.ops.linear_attention import gated_delta_rule, kda
     from moe_tune.ops.linear_attention import autograd, kernels_common, kernels_kda, kernels_output, kernels_state
-    from moe_tune.ops.linear_attention import kernels_wy
+    from moe_tune.ops.linear_attention import kernels_bwd, kernels_wy
     from moe_tune.ops.linear_attention.autograd import GatedDeltaRuleFunction
     from moe_tune.ops.linear_attention.reference import chunk_gated_delta_rule_ref, kda_gate_ref
     import triton
@@ -152,6 +152,54 @@ def test_gated_delta_rule_varlen_matches_reference(kernel_path, guarded, doc_len
     cu_seqlens = torch.tensor([0, *torch.tensor(doc_lengths).cumsum(0).tolist()], dtype=torch.int32)
     inputs = make_inputs(1, sum(doc_lengths), num_seqs=len(doc_lengths), has_initial_state=has_initial_state)
     assert_matches_reference(inputs, torch.float32, guarded, cu_seqlens=cu_seqlens, **options)
+
+
+SPLIT_GRAD_CASES = [
+    *FIXED_LENGTH_CASES,
+    pytest.param(dict(B=1, T=135, num_seqs=3), {"cu_seqlens": [0, 1, 64, 135], "use_qk_l2norm_in_kernel": True},
+                 id="varlen-1-63-71-l2norm"),  # fmt: skip
+    pytest.param(dict(B=1, T=67, num_seqs=3, has_initial_state=False), {"cu_seqlens": [0, 64, 64, 67]},
+                 id="varlen-64-0-3-no_h0"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape, options", SPLIT_GRAD_CASES)
+def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, guarded, monkeypatch, shape, options,
+                                                                   dtype):  # fmt: skip
+    # split_grad_wy: the state kernel writes dW and adds its parts of dk and dG (G_C's gradient on the chunk's last
+    # token) before the WY kernel runs; each token's dg must still get G_C's gradient, and an empty or one-token
+    # chunk its own.
+    launched = []
+    state_kernel = kernels_bwd._chunk_grad_state_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return state_kernel[grid]
+
+    monkeypatch.setattr(kernels_bwd, "_chunk_grad_state_kernel", Recorded())
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+        kernels_common.pick_config(x), split_grad_wy=True))  # fmt: skip
+    options = dict(options)
+    if "cu_seqlens" in options:
+        options["cu_seqlens"] = torch.tensor(options["cu_seqlens"], dtype=torch.int32)
+    inputs = make_inputs(**shape, dtype=dtype)
+    assert_matches_reference(inputs, dtype, guarded, **options)
+    assert launched, "the state kernel did not run"
+
+
+def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch):
+    # The same gradients to fp32 rounding: only the order of a few fp32 sums differs (dk_end added to the output
+    # kernel's part before the pairs' terms, G_C's gradient summed into the last token's dG).
+    inputs = make_inputs(1, 135, num_seqs=3)
+    cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
+    whole = forward_and_grads(gated_delta_rule, inputs, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+        kernels_common.pick_config(x), split_grad_wy=True))  # fmt: skip
+    split = forward_and_grads(gated_delta_rule, inputs, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_gated_delta_rule_without_final_state(kernel_path, guarded):
