@@ -15,5 +15,8 @@ SITE=/tmp/site
 [[ "$TRITON_VERSION" == "3.7.1" ]] && { [[ -d /tmp/tri371/triton ]] || { echo "Triton 3.7.1 not assembled: .device/triton.sh" >&2; return 1; }; SITE=/tmp/tri371:$SITE; }
 [[ -n "$WITH_FLA" ]] && SITE=$SITE:/tmp/fla
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+# One compile cache for the machine's calls, autotuning timings included (FLA autotunes every kernel on first use:
+# transformers' first step took 164 s on 2026-12-04), per Triton version.
+export TRITON_CACHE_DIR=/tmp/tcache-$TRITON_VERSION TRITON_CACHE_AUTOTUNING=1
 export MOE_TUNE_COMMIT=${MOE_TUNE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"

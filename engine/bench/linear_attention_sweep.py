@@ -342,6 +342,9 @@ def main(argv: list[str]) -> None:
     if args.out.parent != Path("") and not args.out.parent.is_dir():
         print(f"{args.out}: its folder does not exist", file=sys.stderr)
         raise SystemExit(2)
+    if args.out.is_dir():
+        print(f"{args.out}: is a folder; the results go into a JSON file", file=sys.stderr)
+        raise SystemExit(2)
     if not torch.cuda.is_available():
         print("needs a CUDA device: it times kernels", file=sys.stderr)
         raise SystemExit(2)

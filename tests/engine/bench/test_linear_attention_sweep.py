@@ -143,11 +143,15 @@ def test_options_and_defaults():
     assert (args.ops, args.rounds, args.no_breakdown) == (["kda"], 1, True)
 
 
-def test_a_missing_output_folder_or_no_cuda_is_one_line_exit_2(tmp_path, capsys):
+def test_a_missing_output_folder_a_folder_or_no_cuda_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         sweep.main([str(tmp_path / "absent" / "o.json")])
     missing = tmp_path / "absent" / "o.json"
     assert exc.value.code == 2 and capsys.readouterr().err == f"{missing}: its folder does not exist\n"
+    with pytest.raises(SystemExit) as exc:
+        sweep.main([str(tmp_path)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == f"{tmp_path}: is a folder; the results go into a JSON file\n"
     with pytest.raises(SystemExit) as exc:
         sweep.main([str(tmp_path / "o.json")])
     assert exc.value.code == 2 and capsys.readouterr().err == "needs a CUDA device: it times kernels\n"
