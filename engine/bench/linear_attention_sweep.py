@@ -52,7 +52,9 @@ def sweep_candidates(op: str) -> list[dict]:
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
     (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels (block_v_grad, num_warps_grad,
     num_stages; KDA's two gradient kernels' warps), the forward's serial pass (block_v_state_fwd, its stages) and,
-    per head, the backward's state part in a kernel of its own (split_grad_wy)."""
+    per head, the output kernel's launch and the backward's state part in a kernel of its own (split_grad_wy). On
+    Triton 3.6, whose pick_config launches the output kernel at 8 warps and 3 stages, the first output candidate
+    differs from it in stages only."""
     common = [
         {},
         {"num_stages_state": 1},
@@ -71,6 +73,10 @@ def sweep_candidates(op: str) -> list[dict]:
             {"num_warps_grad": 16},
             {"block_v_state_fwd": (32, 16)},
             {"num_stages_state_fwd": 3},
+            # The per-head output kernel: on Triton 3.7 pick_config launches it at 4 warps and 1 stage
+            # (kernels_common.TRITON_37_OUTPUT_LAUNCH; 8 warps and 3 stages computed o wrong there).
+            {"num_warps_output": 8, "num_stages_output": 2},
+            {"num_warps_output": 4, "num_stages_output": 2},
             {"split_grad_wy": True},
             {"split_grad_wy": True, "num_stages": 2},
             {"split_grad_wy": True, "num_warps_grad": 16},
