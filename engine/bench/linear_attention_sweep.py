@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from moe_tune.engine.bench.arguments import OneLineParser, positive_int
 from moe_tune.engine.bench.linear_attention_op import ANCHOR_SHAPE, fla_op_for, make_inputs
 from moe_tune.engine.bench.machine import machine_info
 from moe_tune.engine.bench.timing import median_ms
@@ -309,12 +310,6 @@ def format_breakdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line; argparse would print its usage block first.
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 def _ops(text: str) -> list[str]:
     ops = text.split(",")
     bad = [op for op in ops if op not in OPS]
@@ -323,22 +318,12 @@ def _ops(text: str) -> list[str]:
     return ops
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return value
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m moe_tune.engine.bench.linear_attention_sweep",
+    parser = OneLineParser(prog="python -m moe_tune.engine.bench.linear_attention_sweep",
                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("out", type=Path, help="the JSON to write (rows so far after every op)")
     parser.add_argument("--ops", type=_ops, default=list(OPS), help="comma-separated: gdn, kda")
-    parser.add_argument("--rounds", type=_positive, default=ROUNDS, help="timing turns over all candidates")
+    parser.add_argument("--rounds", type=positive_int, default=ROUNDS, help="timing turns over all candidates")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel profile")
     return parser.parse_args(argv)
 

@@ -17,6 +17,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from moe_tune.engine.bench.arguments import OneLineParser, positive_int
 from moe_tune.engine.bench.steps import pinned_copy_bandwidth, sweep_lengths
 from moe_tune.engine.memory.policy import PRESETS
 from moe_tune.engine.train.checkpoint import write_json_atomic
@@ -30,12 +31,6 @@ TIMED_STEPS = 3
 LENGTHS = (32768, 49152, 65536, 98304, 131072, 196608, 262144)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line; argparse would print its usage block first.
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 def _lengths(text: str) -> list[int]:
     try:
         lengths = [int(part) for part in text.split(",")]
@@ -46,27 +41,17 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
-    return value
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="python -m moe_tune.engine.bench.memory_sweep", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m moe_tune.engine.bench.memory_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, metavar="OUT.json", help="where the preset's result is written")
     parser.add_argument("preset", nargs="?", default="none", choices=list(PRESETS), metavar="PRESET",
                         help=f"one of {', '.join(PRESETS)} (default: none)")
     parser.add_argument("--profile", default=PROFILE, metavar="NAME", help=f"the profile (default: {PROFILE})")
-    parser.add_argument("--timed-length", type=_positive, default=TIMED_LENGTH, metavar="N",
+    parser.add_argument("--timed-length", type=positive_int, default=TIMED_LENGTH, metavar="N",
                         help=f"where throughput and peak are timed first (default: {TIMED_LENGTH})")
     parser.add_argument("--lengths", type=_lengths, default=list(LENGTHS), metavar="N,N,...",
                         help=f"the ladder, ascending (default: {','.join(map(str, LENGTHS))})")
-    parser.add_argument("--rung-steps", type=_positive, default=1, metavar="N",
+    parser.add_argument("--rung-steps", type=positive_int, default=1, metavar="N",
                         help="steps at each length: tokens/s is the median after the first (default: 1)")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
                         help="draw tokens/s and peak memory against the row length (needs matplotlib)")

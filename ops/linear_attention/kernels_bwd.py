@@ -48,6 +48,7 @@ from moe_tune.ops.linear_attention.kernels_common import (
     dot_precisions,
     l2norm_rows,
     load_decay,
+    load_chunk_state_t,
     load_decays,
     load_rows,
     load_rows_t,
@@ -326,19 +327,12 @@ def _chunk_grad_state_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
     G, G_last = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
 
-    offs_k = tl.arange(0, BK)
-    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
-    has_chunk = num_valid > 0
     dk_end = tl.zeros([BT, BK], dtype=tl.float32)
     dw = tl.zeros([BT, BK], dtype=tl.float32)
     state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
-        dstate_t = dstate_t.to(dot_dtype)
+        state_t = load_chunk_state_t(states_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
+        dstate_t = load_chunk_state_t(state_grads_ptr, i_c, i_h, num_valid, H, K, V, v0, BK, BV).to(dot_dtype)
         v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
