@@ -5,8 +5,9 @@ its kernel time beside FLA's, on one CUDA device (docs/perf-history.md, "Chunked
 
 Sweep: every candidate of `sweep_candidates` (KernelConfig fields over pick_config's choice; the first candidate is
 pick_config's own) runs the op's forward and backward as the model calls it (the forward's passes kept for
-backward) at the anchor shape. Each candidate is first checked against the fp32 chunk reference on the same inputs
-(the output and every input gradient, relative RMS error) and then timed (median of triton.testing.do_bench) in
+backward) at the anchor shape. Each candidate is first checked against the fp32 chunk reference on two documents
+of odd lengths in one row (CHECK_SHAPE: the output and every input gradient, relative RMS error; the reference at
+the anchor shape would need tens of GB for KDA) and then timed (median of triton.testing.do_bench) in
 `rounds` turns over all candidates, so a drift of the machine reaches every candidate alike; a candidate's spread
 over the turns says what a difference must exceed to count.
 Breakdown: the kernel time of one forward and backward, per kernel name, of ours and of FLA's chunk op (when FLA is
@@ -170,9 +171,8 @@ def _reference_outputs(inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.
 def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS,
              candidates: list[dict] | None = None) -> list[dict]:  # fmt: skip
     """Rows {op, config (the overrides), errors, wrong, ms, spread_ms, times_ms, vs_default} per candidate, or
-    {op, config, error} where a candidate does not compile or launch on this device (module docstring). The check
-    runs at CHECK_SHAPE (two documents of odd lengths; the fp32 reference at the anchor shape would need tens of GB
-    for KDA), the timing at shape."""
+    {op, config, error} where a candidate does not compile or launch on this device (module docstring); checked at
+    CHECK_SHAPE, timed at shape."""
     from triton.errors import TritonError
 
     from moe_tune.ops.linear_attention.kernels_common import pick_config
@@ -265,13 +265,20 @@ def breakdown_op(op: str, shape: dict | None = None, passes: int = BREAKDOWN_PAS
         impls.append((f"fla {fla_name}", lambda fla_op=fla_op, **kw: fla_op(**kw, use_qk_l2norm_in_kernel=True)[0]))
     rows = []
     for impl, fn in impls:
+
+        def one_pass(fn=fn) -> None:
+            # Nothing copied out: the profile holds the op's kernels alone.
+            for name in GRAD_NAMES:
+                inputs[name].grad = None
+            fn(**inputs).backward(grad_out)
+
         try:
             for _ in range(2):
-                _outputs(fn, inputs, grad_out)
+                one_pass()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(passes):
-                    _outputs(fn, inputs, grad_out)
+                    one_pass()
                 torch.cuda.synchronize()
         except Exception as error:  # noqa: BLE001 - a library that refuses to run is a result, not a crash
             rows.append({"op": op, "impl": impl, "error": f"{type(error).__name__}: {error}".splitlines()[0][:200]})
