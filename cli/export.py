@@ -8,9 +8,12 @@ from typing import Annotated
 
 import typer
 
-from ._common import user_errors
+from ._common import print_error, user_errors
 
 app = typer.Typer()
+
+# The OS refused a read or write of the export (a full disk, no permission): not bad input (that exits 2).
+EXPORT_FAILED_EXIT = 1
 
 
 @app.command()
@@ -36,11 +39,16 @@ def export(
 ) -> None:
     """Write the run as a checkpoint folder transformers loads (AutoModelForCausalLM.from_pretrained): the base
     checkpoint's config, tokenizer and processor files, the weights in its key layout as sharded safetensors."""
+    from moe_tune.engine.export import ExportWriteError
     from moe_tune.engine.export.hub import export_run
 
     notes: list[str] = []
-    with user_errors():
-        written = export_run(run_dir, merge, out, max_shard_size, step, precision, notes)
+    try:
+        with user_errors():
+            written = export_run(run_dir, merge, out, max_shard_size, step, precision, notes)
+    except ExportWriteError as err:
+        print_error(str(err))
+        raise typer.Exit(code=EXPORT_FAILED_EXIT) from None
     for note in notes:
         typer.echo(note)
     typer.echo(f"exported to {written}")

@@ -73,6 +73,20 @@ def merge_lora(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
     return (weight.float() + delta).to(weight.dtype)
 
 
+class ExportWriteError(RuntimeError):
+    """An export stopped by the OS (a full disk, no permission to write beside the folder): the message names the
+    folder and the OS error; the temporary folder is removed and the folder is left as it was (staged_folder)."""
+
+
+@contextmanager
+def write_errors_named(out: Path) -> Iterator[None]:
+    """An OSError raised in the block as ExportWriteError: `export to OUT failed: [Errno N] reason`."""
+    try:
+        yield
+    except OSError as err:
+        raise ExportWriteError(f"export to {out} failed: {err}") from err
+
+
 @contextmanager
 def staged_folder(out: Path) -> Iterator[Path]:
     """The temporary sibling `.OUT.tmp` that the folder `out` is written into, renamed to `out` when the block ends

@@ -25,7 +25,7 @@ from torch import nn
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import ModelProfile
 
-from . import StateSource, staged_folder
+from . import StateSource, staged_folder, write_errors_named
 
 INDEX_NAME = "model.safetensors.index.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -522,7 +522,8 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     (default run_dir/export, or export-merged): a checkpoint folder in the hub's layout (full fine-tuning, or
     LoRA with `merge`), or the PEFT adapter on the checkpoint's module names (LoRA without `merge`). `precision`
     auto: the base checkpoint's dtypes, FP8 weights dequantized (fp8 is refused: engine/export/fp8.py). Lines worth
-    printing go to `notes`. ProfileError, one line per problem, before anything is written."""
+    printing go to `notes`. ProfileError, one line per problem, before anything is written; ExportWriteError naming
+    `out` and the OS error when the OS refuses a read or a write of the export (a full disk, no permission)."""
     from .fp8 import precision_problems
     from .sources import FinalState, read_run
 
@@ -542,32 +543,35 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     if out is None:
         out = run_dir / ("export-merged" if merge and lora else "export")
     out = Path(out)
-    resolved = out.resolve()
-    if resolved.is_relative_to((run_dir / "checkpoints").resolve()):
-        problems.append(f"--out ({str(out)!r}) lies inside the run's checkpoints folder; choose another folder")
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        problems.append(f"--out ({str(out)!r}) exists and is not a folder")
-    elif out.is_dir() and any(out.iterdir()):
-        problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
-    if lora and not merge and run.cfg.checkpoint is None:
-        problems.append("the run's model is built from a profile: its adapter has no checkpoint module names to go "
-                        "on; export it with --merge")
-    try:
-        chat_template = run_chat_template(run.profile)
-    except ProfileError as err:
-        problems += err.problems
-    if problems:
-        raise ProfileError(problems)
-    if step is not None:
-        from .zero import open_step
+    # Reading OUT's folder, writing and renaming: the OS refusing any of them names OUT (a full disk, no
+    # permission), with OUT left as it was.
+    with write_errors_named(out):
+        resolved = out.resolve()
+        if resolved.is_relative_to((run_dir / "checkpoints").resolve()):
+            problems.append(f"--out ({str(out)!r}) lies inside the run's checkpoints folder; choose another folder")
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            problems.append(f"--out ({str(out)!r}) exists and is not a folder")
+        elif out.is_dir() and any(out.iterdir()):
+            problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
+        if lora and not merge and run.cfg.checkpoint is None:
+            problems.append("the run's model is built from a profile: its adapter has no checkpoint module names to go "
+                            "on; export it with --merge")
+        try:
+            chat_template = run_chat_template(run.profile)
+        except ProfileError as err:
+            problems += err.problems
+        if problems:
+            raise ProfileError(problems)
+        if step is not None:
+            from .zero import open_step
 
-        source = open_step(run, step, merge or not lora)
-    else:
-        source = FinalState(run, merged=merge or not lora)
-    with source:
-        if lora and not merge:
-            return write_adapter(run, source.adapter_state(), out, chat_template)
-        return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template, notes)
+            source = open_step(run, step, merge or not lora)
+        else:
+            source = FinalState(run, merged=merge or not lora)
+        with source:
+            if lora and not merge:
+                return write_adapter(run, source.adapter_state(), out, chat_template)
+            return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template, notes)
 
 
 def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_template: str | None = None) -> Path:

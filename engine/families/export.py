@@ -202,6 +202,8 @@ def write_reference_adapter(
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         if add_files is not None:
             add_files(tmp)
-        if directory.exists():
+        # The rename replaces an empty folder itself: one holding files (a finished run's earlier adapter) goes
+        # first, and an empty one stays if the rename fails.
+        if directory.is_dir() and any(directory.iterdir()):
             shutil.rmtree(directory)
     return directory

@@ -3,6 +3,7 @@ nothing written. (The export's content is tested in tests/engine/test_export_hub
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -320,6 +321,77 @@ def test_a_failed_export_leaves_no_temporary_folder_and_out_as_it_was(request, t
         assert result.stderr.strip().splitlines() == [f"error: {error().problems[0]}"]
     assert not any(tmp_path.glob(".out*")), list(tmp_path.iterdir())
     assert (sorted(out.iterdir()) == [] if before == "empty" else not out.exists()), list(out.parent.iterdir())
+
+
+# Where the OS refuses an export, and the errno: the temporary folder beside OUT (no permission on OUT's parent, no
+# room for a folder), OUT's parent not searchable, a full disk or quota in a shard or a loader file, the rename onto
+# OUT refused. Each raises the OSError the OS would, file names included.
+OS_FAILURES = {
+    "parent-not-writable": ("folder", errno.EACCES),
+    "no-room-for-the-folder": ("folder", errno.ENOSPC),
+    "parent-not-searchable": ("look-at-out", errno.EACCES),
+    "disk-full-in-weights": ("weights", errno.ENOSPC),
+    "quota-in-loader-files": ("loader-files", errno.EDQUOT),
+    "rename-refused": ("rename", errno.EACCES),
+}
+
+
+def refused_by_the_os(patch, where: str, code: int, out: Path) -> OSError:
+    """Make the export's `where` fail with `code` (through `patch`, a monkeypatch context); returns the error raised
+    (the first one, for a failure that may be hit more than once)."""
+    import pathlib
+
+    import safetensors.torch
+
+    import moe_tune.engine.export.hub as hub
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    error = {"folder": OSError(code, os.strerror(code), str(tmp)),
+             "look-at-out": OSError(code, os.strerror(code), str(out)),
+             "rename": OSError(code, os.strerror(code), str(tmp), str(out))}.get(where, OSError(code, os.strerror(code)))
+
+    def failing_on(method, path):
+        def failing(self, *args, **kwargs):
+            if self == path:
+                raise error
+            return method(self, *args, **kwargs)
+        return failing
+
+    if where == "folder":
+        patch.setattr(pathlib.Path, "mkdir", failing_on(pathlib.Path.mkdir, tmp))
+    elif where == "look-at-out":
+        patch.setattr(pathlib.Path, "lstat", failing_on(pathlib.Path.lstat, out))
+        patch.setattr(pathlib.Path, "stat", failing_on(pathlib.Path.stat, out))
+    elif where == "weights":
+        patch.setattr(safetensors.torch, "save_file", fail_after(safetensors.torch.save_file, lambda: error))
+    elif where == "loader-files":
+        patch.setattr(hub, "copy_loader_files", fail_after(hub.copy_loader_files, lambda: error))
+    else:
+        patch.setattr(pathlib.Path, "replace", failing_on(pathlib.Path.replace, tmp))
+    return error
+
+
+@pytest.mark.parametrize("before", ["absent", "empty"])
+@pytest.mark.parametrize("failure", list(OS_FAILURES))
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_an_os_error_while_exporting_is_one_line_naming_out_and_exit_1(request, tmp_path, monkeypatch, kind, failure,
+                                                                       before):
+    """Not bad input (exit 2) and no traceback: `error: export to OUT failed: OS ERROR`, exit 1, no temporary folder,
+    OUT as it was."""
+    fixture, flags = EXPORT_KINDS[kind]
+    run = request.getfixturevalue(fixture)
+    out = tmp_path / "out"
+    if before == "empty":
+        out.mkdir()
+    with monkeypatch.context() as patch:
+        error = refused_by_the_os(patch, *OS_FAILURES[failure], out)
+        result = runner.invoke(app, ["export", str(run), *flags, "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.stderr.splitlines() == [f"error: export to {out} failed: {error}"]
+    assert result.stdout == ""
+    assert not any(tmp_path.glob(".out*")), list(tmp_path.iterdir())
+    assert (sorted(out.iterdir()) == [] if before == "empty" else not out.exists()), list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("kind", list(EXPORT_KINDS))
