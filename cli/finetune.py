@@ -67,9 +67,11 @@ def finetune(
         raise typer.Exit(code=USER_ERROR_EXIT) from None
     except KeyboardInterrupt as err:
         # A second SIGINT/SIGTERM during a step (the first asks for a checkpoint after it), or one before the steps.
+        from moe_tune.engine.train.run_dir import kept_after_interrupt
+
         how = f" ({err})" if str(err) else ""
-        print_error(f"interrupted{how}: stopped without saving the step in progress; the complete checkpoints in "
-                    f"{job.output.dir} are kept (--resume continues from the newest)")  # fmt: skip
+        print_error(f"interrupted{how}: stopped without saving the step in progress; "
+                    f"{kept_after_interrupt(job.output.dir)}")  # fmt: skip
         raise typer.Exit(code=SIGNAL_EXIT["SIGINT"]) from None
     if not result.is_main:
         return

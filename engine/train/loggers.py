@@ -1,8 +1,9 @@
 """Experiment trackers beside metrics.jsonl (output.report_to): TensorBoard, Weights & Biases, MLflow.
 
-One small class per tracker behind one interface (Tracker): `log(step, values)` gets the scalars of every metrics
-record as metrics.jsonl gets the record (train and eval alike, under the record's own keys), `close(status)`
-finishes the tracker's run however the training run ends. Only rank 0 opens trackers (MetricsWriter lives there).
+One small class per tracker behind one interface (Tracker): `start()` makes its files in output.dir with the run's
+first metrics record (start_trackers), `log(step, values)` gets the scalars of every metrics record as metrics.jsonl
+gets the record (train and eval alike, under the record's own keys), `close(status)` finishes the tracker's run
+however the training run ends. Only rank 0 opens trackers (MetricsWriter lives there).
 Each tracker is an optional extra; one that is not installed is refused before anything is written
 (check_report_to), never skipped.
 
@@ -20,7 +21,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import urlparse
 
 from moe_tune.profiles import ProfileError
@@ -87,6 +88,9 @@ class Tracker(ABC):
     note: str | None = None
     run_id: str | None = None
 
+    def start(self) -> None:
+        """Make the tracker's files in output.dir (none by default); called once, before the first log()."""
+
     @abstractmethod
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
@@ -98,12 +102,17 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, out: Path, resume_step: int):
+        self._directory = out / "tensorboard"
+        self._resume_step = resume_step
+        self._writer = None
+        self.where = f"tensorboard --logdir {self._directory}"
+
+    def start(self) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        directory = out / "tensorboard"
         # purge_step: events past the resumed step (written before a crash) are dropped from the plots.
-        self._writer = SummaryWriter(str(directory), purge_step=resume_step + 1 if resume_step else None)
-        self.where = f"tensorboard --logdir {directory}"
+        purge_step = self._resume_step + 1 if self._resume_step else None
+        self._writer = SummaryWriter(str(self._directory), purge_step=purge_step)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -111,7 +120,8 @@ class TensorBoardTracker(Tracker):
         self._writer.flush()
 
     def close(self, status: str) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbTracker(Tracker):
@@ -201,9 +211,7 @@ def open_trackers(profile: JobProfile, resume_step: int) -> list[Tracker]:
     """The trackers of profile.output.report_to, each with a run named output.run_name (default: the profile's
     name) holding the profile as its config. `resume_step` > 0 continues the runs whose ids output.dir/loggers.json
     keeps (a tracker without one starts a new run, with a note). A tracker that cannot start is a ProfileError; the
-    ones already started are closed first."""
-    from .checkpoint import write_json_atomic
-
+    ones already started are closed first. Their files in output.dir wait for the first record (start_trackers)."""
     output = profile.output
     out = output.dir
     run_name = output.run_name or profile.name
@@ -228,10 +236,22 @@ def open_trackers(profile: JobProfile, resume_step: int) -> list[Tracker]:
         raise ProfileError(
             [f"output.report_to ({name}): cannot start its run: {type(err).__name__}: {_first_line(err)}"]
         ) from None
+    return trackers
+
+
+def start_trackers(out: Path, trackers: Sequence[Tracker]) -> None:
+    """The trackers' files in `out`, made with the run's first metrics record as metrics.jsonl is: each tracker's own
+    (TensorBoard's events) and loggers.json with the W&B and MLflow run ids (the ids it holds for other trackers
+    kept). A run stopped before its first step leaves none of them (its folder is no previous run:
+    run_dir.RUN_RESULTS), and a resumed run stopped there leaves them as it found them."""
+    from .checkpoint import write_json_atomic
+
+    for tracker in trackers:
+        tracker.start()
     ids = {t.name: t.run_id for t in trackers if t.run_id is not None}
     if ids:
-        write_json_atomic(ids_path, {**stored, **ids})
-    return trackers
+        ids_path = out / RUN_IDS_NAME
+        write_json_atomic(ids_path, {**_stored_ids(ids_path), **ids})
 
 
 def _first_line(err: BaseException) -> str:

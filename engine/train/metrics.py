@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .checkpoint import NO_SPACE_ERRNOS, CheckpointWriteError
-from .loggers import Tracker, close_trackers, scalars
+from .loggers import Tracker, close_trackers, scalars, start_trackers
 
 
 def _record_step(line: str) -> int | None:
@@ -47,9 +47,9 @@ class MetricsWriter:
     resume, drops lines past the resumed step (and lines that are not records, each with a note in `notes`).
     close(status) finishes the trackers' runs.
 
-    The file is started with the first record: a run that ends before its first step leaves no metrics.jsonl (a
-    new run) or the resumed run's file as it was, so its folder does not count as a previous run that trained
-    (run_dir.RUN_RESULTS)."""
+    The file, and the trackers' files (loggers.start_trackers), are started with the first record: a run that ends
+    before its first step leaves no metrics.jsonl (a new run) or the resumed run's file as it was, so its folder
+    does not count as a previous run that trained (run_dir.RUN_RESULTS)."""
 
     def __init__(self, path: Path, resume_step: int, trackers: Sequence[Tracker] = ()):
         self.path = path
@@ -67,7 +67,8 @@ class MetricsWriter:
             raise
 
     def _start_file(self) -> None:
-        """metrics.jsonl holding the kept lines alone (replaced atomically), open for appending."""
+        """metrics.jsonl holding the kept lines alone (replaced atomically), open for appending; then the trackers'
+        files."""
         path = self.path
         if self._kept:
             tmp = path.with_name(f".{path.name}.tmp")
@@ -81,6 +82,7 @@ class MetricsWriter:
         else:
             path.unlink(missing_ok=True)
         self._file = path.open("a")
+        start_trackers(path.parent, self.trackers)
 
     def _refuse_full_disk(self, err: OSError, doing: str) -> None:
         if err.errno in NO_SPACE_ERRNOS:

@@ -25,6 +25,7 @@ import torch
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
+from .checkpoint import complete_checkpoints
 from .distributed import DistInfo
 
 LOCK_NAME = ".lock"
@@ -154,6 +155,19 @@ class RunDirLock:
 def previous_run_outputs(out: Path) -> list[str]:
     """Results of an earlier run in `out` (RUN_RESULTS present), in a stable order."""
     return [name for name in RUN_RESULTS if os.path.lexists(out / name)]
+
+
+def kept_after_interrupt(out: Path) -> str:
+    """What an interrupted run leaves the next one in `out`, as the end of the line that reports the interrupt:
+    complete checkpoints to resume from, or none, so that the next run starts over (with --overwrite where the
+    folder holds the interrupted run's results)."""
+    if complete_checkpoints(out / "checkpoints"):
+        return f"the complete checkpoints in {out} are kept (--resume continues from the newest)"
+    found = previous_run_outputs(out)
+    if found:
+        return (f"{out} holds no complete checkpoint, so the next run starts over, with --overwrite (which replaces "
+                f"{', '.join(found)})")  # fmt: skip
+    return f"no checkpoint was written in {out}, so the next run starts over"
 
 
 def remove_run_outputs(out: Path) -> list[str]:

@@ -161,16 +161,46 @@ def test_a_second_signal_stops_at_once_without_saving(monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
-def test_an_interrupted_run_is_one_line_and_exit_130(tmp_path, monkeypatch):
+def write_step(out, step: int, complete: bool) -> None:
+    """checkpoints/step-N in `out`: complete (its trainer state written), or a folder a crash left without one."""
+    folder = out / "checkpoints" / f"step-{step:07d}"
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / "trainer_state.json").write_text(json.dumps({"step": step}))
+
+
+KEPT = "the complete checkpoints in {out} are kept (--resume continues from the newest)"
+# What the folder holds when the interrupt comes, and what the line says the next run finds there.
+INTERRUPTED_FOLDERS = {
+    "nothing": ([], "no checkpoint was written in {out}, so the next run starts over"),
+    "metrics-and-a-torn-checkpoint": ([("metrics", 3), ("step", 2, False)], "{out} holds no complete checkpoint, so "
+                                      "the next run starts over, with --overwrite (which replaces metrics.jsonl, "
+                                      "checkpoints)"),
+    "a-complete-checkpoint": ([("metrics", 3), ("step", 2, True)], KEPT),
+    "a-complete-and-a-newer-torn-one": ([("metrics", 5), ("step", 2, True), ("step", 4, False)], KEPT),
+}
+
+
+@pytest.mark.parametrize("folder", list(INTERRUPTED_FOLDERS))
+def test_an_interrupted_run_is_one_line_and_exit_130(tmp_path, monkeypatch, folder):
+    out = tmp_path / "out"
+    written, expected = INTERRUPTED_FOLDERS[folder]
+
     def interrupted(*args, **kwargs):
+        # What the run wrote before the interrupt.
+        for kind, step, *complete in written:
+            out.mkdir(exist_ok=True)
+            if kind == "metrics":
+                (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, step + 1)))
+            else:
+                write_step(out, step, *complete)
         raise KeyboardInterrupt("SIGINT, then SIGINT")
 
     monkeypatch.setattr(trainer, "finetune", interrupted)
-    result = runner.invoke(app, finetune_args(tmp_path / "out"))
+    result = runner.invoke(app, finetune_args(out))
     assert result.exit_code == 130
     assert errors(result) == ["error: interrupted (SIGINT, then SIGINT): stopped without saving the step in progress; "
-                              f"the complete checkpoints in {tmp_path / 'out'} are kept (--resume continues from the "
-                              "newest)"]  # fmt: skip
+                              + expected.format(out=out)]  # fmt: skip
 
 
 # How a run can end in its first step, before any record: a second signal (the first waits for the step), an error.
@@ -199,6 +229,10 @@ def test_a_run_that_ends_before_its_first_step_is_not_a_previous_run(tmp_path, m
         patch.setattr(trainer, "_train_step", first_step)
         stopped = runner.invoke(app, [*finetune_args(out, "train.steps=2"), *["--resume"] * resume])
     assert stopped.exit_code == code, stopped.output
+    if ending == "second-signal":
+        said = KEPT if resume else INTERRUPTED_FOLDERS["nothing"][1]
+        assert errors(stopped) == ["error: interrupted (SIGINT, then SIGINT): stopped without saving the step in "
+                                   f"progress; {said.format(out=out)}"]  # fmt: skip
     assert not (out / LOCK_NAME).exists()
     if resume:
         assert (out / "metrics.jsonl").read_bytes() == found
@@ -208,6 +242,55 @@ def test_a_run_that_ends_before_its_first_step_is_not_a_previous_run(tmp_path, m
     assert again.exit_code == 0, again.output
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+
+
+# Each tracker's result in output.dir (run_dir.RUN_RESULTS): TensorBoard's events folder; the run ids W&B and MLflow
+# keep for --resume.
+TRACKER_RESULTS = {"tensorboard": "tensorboard", "mlflow": "loggers.json"}
+
+
+def tracker_files(out) -> dict[str, bytes]:
+    """Every file of the trackers' results in `out`, by path, with its bytes."""
+    files = {}
+    for name in TRACKER_RESULTS.values():
+        for path in [out / name, *((out / name).rglob("*") if (out / name).is_dir() else [])]:
+            if path.is_file():
+                files[str(path.relative_to(out))] = path.read_bytes()
+    return files
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["new-run", "resumed-run"])
+@pytest.mark.parametrize("tracker", list(TRACKER_RESULTS))
+def test_a_run_with_trackers_that_ends_before_its_first_step_is_not_a_previous_run(tmp_path, monkeypatch, tracker,
+                                                                                   resume):
+    """output.report_to's files start with the first record, as metrics.jsonl does: a new run stopped in its first
+    step leaves none (the folder takes the next run without --resume or --overwrite), a resumed one leaves them as
+    it found them; a run that trained leaves them, and its folder is a previous run."""
+    out = tmp_path / "out"
+    report_to = f"output.report_to=[{tracker}]"
+    if resume:
+        assert runner.invoke(app, finetune_args(out, "train.steps=1", report_to)).exit_code == 0
+        assert TRACKER_RESULTS[tracker] in previous_run_outputs(out)
+    found = tracker_files(out)
+
+    def first_step(*args, **kwargs):
+        raise RuntimeError("the step failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "_train_step", first_step)
+        stopped = runner.invoke(app, [*finetune_args(out, "train.steps=2", report_to), *["--resume"] * resume])
+    assert stopped.exit_code == 1, stopped.output
+    assert tracker_files(out) == found
+    if not resume:
+        assert found == {} and previous_run_outputs(out) == []
+    again = runner.invoke(app, [*finetune_args(out, "train.steps=2", report_to), *["--resume"] * resume])
+    assert again.exit_code == 0, again.output
+    assert {"metrics.jsonl", TRACKER_RESULTS[tracker]} <= set(previous_run_outputs(out))
+    results = ", ".join(previous_run_outputs(out))
+    refused = runner.invoke(app, finetune_args(out, "train.steps=2", report_to))
+    assert refused.exit_code == 2, refused.output
+    assert errors(refused) == [f"error: output.dir ({out}) holds a previous run ({results}): continue it with "
+                               "--resume, replace its outputs with --overwrite, or choose another output.dir"]
 
 
 def test_overwrite_replaces_the_previous_run_and_lr_inf_exits_1_before_saving(tmp_path, monkeypatch):
