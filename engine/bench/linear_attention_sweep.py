@@ -43,6 +43,7 @@ WRONG_FACTOR = 1.5
 ROUNDS = 3
 SWEEP_REP_MS = 100
 BREAKDOWN_PASSES = 5
+CANDIDATE_PROFILE_PASSES = 3
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
 # The candidates' check: two documents of odd lengths (neither a multiple of the 64-token chunk) in one row.
 CHECK_SHAPE = dict(batch_size=1, seq_len=3001, num_heads=4, head_dim_k=128, head_dim_v=128)
@@ -170,7 +171,8 @@ def _reference_outputs(inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.
 
 def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS,
              candidates: list[dict] | None = None) -> list[dict]:  # fmt: skip
-    """Rows {op, config (the overrides), errors, wrong, ms, spread_ms, times_ms, vs_default} per candidate, or
+    """Rows {op, config (the overrides), errors, wrong, ms, spread_ms, times_ms, vs_default, kernels_ms (each
+    kernel's time in one pass, from CANDIDATE_PROFILE_PASSES profiled passes)} per candidate, or
     {op, config, error} where a candidate does not compile or launch on this device (module docstring); checked at
     CHECK_SHAPE, timed at shape."""
     from triton.errors import TritonError
@@ -212,14 +214,29 @@ def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: i
         for i, step in enumerate(steps):
             if step is not None:
                 times[i].append(median_ms(step, leaves, rep_ms=rep_ms))
-    for row, row_times in zip(rows, times):
+    for row, row_times, step in zip(rows, times, steps):
         if row_times:
             row.update(summarize_timings(row_times), times_ms=[round(t, 4) for t in row_times])
+            # Which kernels the launch moved: each kernel's time in one pass.
+            row["kernels_ms"] = {k["kernel"]: k["ms"] for k in profiled_kernels(step, CANDIDATE_PROFILE_PASSES)}
     default_ms = rows[0].get("ms") if rows else None
-    for row in rows:
+    default_kernels = rows[0].get("kernels_ms") if rows else None
+    for row in rows[1:]:
         if default_ms and "ms" in row:
             row["vs_default"] = round(row["ms"] / default_ms, 4)
+        if default_kernels and "kernels_ms" in row:
+            row["moved"] = largest_kernel_change(default_kernels, row["kernels_ms"])
+    if default_ms:
+        rows[0]["vs_default"] = 1.0
     return rows
+
+
+def largest_kernel_change(before: dict[str, float], after: dict[str, float]) -> str:
+    """The kernel whose time per pass changed most between two profiles, as `name +0.123 ms` (a kernel in one
+    profile only counts from or to zero)."""
+    changes = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in {*before, *after}}
+    name = max(sorted(changes), key=lambda kernel: abs(changes[kernel]))
+    return f"{name} {changes[name]:+.3f} ms"
 
 
 def _shape_inputs(shape: dict, op: str) -> dict[str, torch.Tensor]:
@@ -245,6 +262,8 @@ def launched_with(config) -> Iterator[None]:
 
 def _step(fn: Callable, config, inputs: dict, grad_out: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
+        for name in GRAD_NAMES:
+            inputs[name].grad = None
         with launched_with(config):
             fn(**inputs).backward(grad_out)
 
@@ -253,9 +272,6 @@ def _step(fn: Callable, config, inputs: dict, grad_out: torch.Tensor) -> Callabl
 
 def breakdown_op(op: str, shape: dict | None = None, passes: int = BREAKDOWN_PASSES) -> list[dict]:
     """Rows {op, impl, kernel, calls, ms} of one forward and backward: ours (passes kept) and FLA's chunk op."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     shape = dict(ANCHOR_SHAPE if shape is None else shape)
     inputs = _shape_inputs(shape, op)
     grad_out = torch.randn_like(inputs["v"])
@@ -273,33 +289,42 @@ def breakdown_op(op: str, shape: dict | None = None, passes: int = BREAKDOWN_PAS
             fn(**inputs).backward(grad_out)
 
         try:
-            for _ in range(2):
-                one_pass()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(passes):
-                    one_pass()
-                torch.cuda.synchronize()
+            kernels = profiled_kernels(one_pass, passes)
         except Exception as error:  # noqa: BLE001 - a library that refuses to run is a result, not a crash
             rows.append({"op": op, "impl": impl, "error": f"{type(error).__name__}: {error}".splitlines()[0][:200]})
             continue
-        events = [
-            (e.name(), e.duration_ns() / 1e3)
-            for e in prof.profiler.kineto_results.events()
-            if e.device_type() != DeviceType.CPU
-        ]
-        rows += [dict(row, op=op, impl=impl) for row in kernel_totals(events, passes)]
+        rows += [dict(row, op=op, impl=impl) for row in kernels]
     return rows
 
 
+def profiled_kernels(one_pass: Callable[[], None], passes: int) -> list[dict]:
+    """kernel_totals of `passes` calls of one_pass under torch.profiler (CUDA), after two warm-up calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        one_pass()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            one_pass()
+        torch.cuda.synchronize()
+    events = [
+        (e.name(), e.duration_ns() / 1e3)
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() != DeviceType.CPU
+    ]
+    return kernel_totals(events, passes)
+
+
 def format_sweep(rows: list[dict]) -> str:
-    lines = ["| op | config | fwd+bwd ms (median of turns) | spread | vs pick_config | wrong / error |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| op | config | fwd+bwd ms (median of turns) | spread | vs pick_config | kernel moved most | "
+             "wrong / error |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         config = ", ".join(f"{k}={v}" for k, v in row["config"].items()) or "pick_config"
         problem = row.get("error") or ", ".join(row.get("wrong", []))
         lines.append(f"| {row['op']} | {config} | {row.get('ms', '')} | {row.get('spread_ms', '')} | "
-                     f"{row.get('vs_default', '')} | {problem} |")  # fmt: skip
+                     f"{row.get('vs_default', '')} | {row.get('moved', '')} | {problem} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -156,3 +156,12 @@ def test_a_missing_output_folder_a_folder_or_no_cuda_is_one_line_exit_2(tmp_path
         sweep.main([str(tmp_path / "o.json")])
     assert exc.value.code == 2 and capsys.readouterr().err == "needs a CUDA device: it times kernels\n"
     assert not (tmp_path / "o.json").exists()
+
+
+def test_largest_kernel_change_names_the_kernel_and_its_signed_change():
+    before = {"a": 1.0, "b": 0.5, "gone": 0.2}
+    assert sweep.largest_kernel_change(before, {"a": 0.9, "b": 0.75, "gone": 0.2}) == "b +0.250 ms"
+    assert sweep.largest_kernel_change(before, {"a": 0.6, "b": 0.5}) == "a -0.400 ms"
+    # A kernel in one profile only counts from or to zero (a split kernel appears, one disappears).
+    assert sweep.largest_kernel_change(before, {"a": 1.0, "b": 0.5, "new": 0.3}) == "new +0.300 ms"
+    assert sweep.largest_kernel_change(before, {"a": 1.0, "b": 0.5}) == "gone -0.200 ms"
