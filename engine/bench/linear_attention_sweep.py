@@ -45,8 +45,9 @@ SWEEP_REP_MS = 100
 BREAKDOWN_PASSES = 5
 CANDIDATE_PROFILE_PASSES = 3
 GRAD_NAMES = ("q", "k", "v", "g", "beta")
-# The candidates' check: two documents of odd lengths (neither a multiple of the 64-token chunk) in one row.
-CHECK_SHAPE = dict(batch_size=1, seq_len=3001, num_heads=4, head_dim_k=128, head_dim_v=128)
+# The candidates' check: two documents of odd lengths (neither a multiple of the 64-token chunk) in one row, with
+# the anchor's heads and head dims, so that the check and the timing launch the same compiled kernels.
+CHECK_SHAPE = dict(batch_size=1, seq_len=3001, num_heads=16, head_dim_k=128, head_dim_v=128)
 CHECK_DOCUMENTS = (0, 1237, 3001)
 
 
