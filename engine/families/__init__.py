@@ -17,7 +17,15 @@ from torch import nn
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import CheckpointModel, JobProfile, ModelProfile
 
-from .base import Family, UnsupportedModel, is_fp8_checkpoint, key_pattern, quantization_problems, show
+from .base import (
+    Family,
+    UnsupportedModel,
+    declared_key_problems,
+    is_fp8_checkpoint,
+    key_pattern,
+    quantization_problems,
+    show,
+)
 from .checkpoint import SCALE_SUFFIX, CheckpointReader, WeightGetter, fp8_tensor_problems, read_config
 
 __all__ = [
@@ -78,7 +86,8 @@ def model_profile_from_checkpoint(directory: Path) -> tuple[Family, dict[str, An
     stay in their own precision (a profile may still ask for bf16, see resolve_job)."""
     config = read_config(directory)
     family = family_for(config, directory)
-    problems = [] if family.reads_own_quantization else quantization_problems(config)
+    problems = declared_key_problems(config)
+    problems += [] if family.reads_own_quantization else quantization_problems(config)
     try:
         cfg = family.to_profile(config)
     except UnsupportedModel as err:
@@ -96,10 +105,10 @@ def check_checkpoint(directory: Path) -> None:
     index says; FP8 weights with their block scales: fp8_tensor_problems) before anything loads them:
     UnsupportedModel listing the problems of both at once."""
     problems: list[str] = []
-    config = None
+    config = mapped = None
     try:
         config = read_config(directory)
-        model_profile_from_checkpoint(directory)
+        mapped = model_profile_from_checkpoint(directory)
     except UnsupportedModel as err:
         problems += err.problems
     try:
@@ -107,6 +116,9 @@ def check_checkpoint(directory: Path) -> None:
             # A quantization_config refused above says why the tensors are not read; no line per tensor.
             if config is not None and not quantization_problems(config):
                 problems += fp8_tensor_problems(reader, is_fp8_checkpoint(config))
+            if mapped is not None and not problems:
+                family, _, cfg = mapped
+                problems += tied_head_problems(WeightGetter(reader, family.packed_key_suffixes), family, cfg)
     except UnsupportedModel as err:
         problems += [line for line in err.problems if line not in problems]
     if problems:
@@ -169,7 +181,12 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
         problems += fp8_tensor_problems(reader, is_fp8_checkpoint(config))
         if problems:
             raise UnsupportedModel(problems)
-        get = WeightGetter(reader)
+        get = WeightGetter(reader, family.packed_key_suffixes)
+        problems += tied_head_problems(get, family, cfg)
+        if problems:
+            raise UnsupportedModel(problems)
+        # (key pattern, stored dtype) -> the integer (or boolean) tensors our floating tensors would be built from.
+        not_floating: dict[tuple[str, str], set[str]] = {}
         for module_name, module in model.named_modules():
             tensors = list(module.named_parameters(recurse=False)) + [
                 (n, b) for n, b in module.named_buffers(recurse=False) if f"{module_name}.{n}".lstrip(".") in persistent
@@ -186,9 +203,12 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                 if recipe is None:
                     continue
                 scale_target = _fp8_partner(local_name, owned)
+                get.integers_read = []
                 try:
                     if scale_target is None:
-                        _copy_into(target, recipe(get), name, problems)
+                        value = recipe(get)
+                        _copy_into(target, _floating(value, get) if target.is_floating_point() else value,
+                                   name, problems)
                         continue
                     loaded.add(id(scale_target))
                     shape = tuple(getattr(target, "ds_shape", target.shape))
@@ -196,13 +216,22 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                 except KeyError as err:
                     problems.append(f"{cfg.checkpoint}: tensor {err.args[0]} is missing (needed for {name})")
                     continue
+                except _NotFloating as err:
+                    for key in err.keys:
+                        not_floating.setdefault((key_pattern(key), reader.dtype(key)), set()).add(key)
+                    if not err.keys:
+                        problems.append(f"checkpoint tensor for {name} is {err.dtype}: {FLOAT_RULE}")
+                    continue
                 _copy_into(target, w_q, name, problems)
                 _copy_into(scale_target, scale, name + SCALE_SUFFIX, problems)
         problems += get.problems
+        for (_, dtype), keys in not_floating.items():
+            first = min(keys)
+            more = f" (and {len(keys) - 1} more like it)" if len(keys) > 1 else ""
+            problems.append(f"{reader.file_of(first)}: tensor {first} is {dtype}{more}: {FLOAT_RULE}")
         if check_unread:
+            # A tied head stored anyway was read by tied_head_problems (an equal copy) or refused there.
             ignore = tuple(getattr(family, "ignored_key_prefixes", ()))
-            if cfg.tie_word_embeddings:
-                ignore += ("lm_head.weight",)  # a tied head some checkpoints store anyway: transformers ignores it too
             problems += [f"{cfg.checkpoint}: module not mapped: {p}" for p in reader.unread_patterns(ignore)]
     if problems:
         raise UnsupportedModel(problems)
@@ -211,6 +240,60 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
         warnings.warn(f"{cfg.checkpoint}: {requantized[0]}{more}: FP8 weights whose 128-row blocks our rows split, "
                       "dequantized and quantized again at load (within one FP8 rounding of the stored values)",
                       stacklevel=2)
+
+
+# The LM head's key in every family's hub layout (transformers keeps it outside the base model).
+HEAD_KEY = "lm_head.weight"
+# Rows of a stored tied LM head compared with the embedding at a time (bounded memory on a 150k-token vocabulary).
+COMPARED_ROWS = 4096
+
+
+def tied_head_problems(get: WeightGetter, family: Family, cfg: ModelProfile) -> list[str]:
+    """One line when config.json ties the LM head to the embedding while the weights hold an lm_head.weight that
+    differs from it: transformers loads such a checkpoint untied (each from its own tensor, whatever config.json
+    says), so tying them would be another model. A copy equal to the embedding is tied, as transformers ties it, and
+    counts as read. Reads both tensors, COMPARED_ROWS rows at a time."""
+    reader = get.reader
+    if not cfg.tie_word_embeddings or HEAD_KEY not in reader:
+        return []
+    embed_key = getattr(family.recipe("embed_tokens.weight", None, cfg), "key", None)
+    if embed_key is None or embed_key not in reader:
+        return []  # the loader names the missing embedding
+    shape = reader.shape(HEAD_KEY)
+    is_equal = shape == reader.shape(embed_key) and len(shape) == 2
+    for start in range(0, shape[0] if is_equal else 0, COMPARED_ROWS):
+        stop = min(start + COMPARED_ROWS, shape[0])
+        # In fp32, as transformers compares the two once loaded (align's reference loads in fp32).
+        if not torch.equal(get.rows(HEAD_KEY, start, stop).float(), get.rows(embed_key, start, stop).float()):
+            is_equal = False
+            break
+    if is_equal:
+        return []
+    return [f"config.json: tie_word_embeddings (True) ties {HEAD_KEY} to {embed_key}, but {reader.file_of(HEAD_KEY)} "
+            f"holds an {HEAD_KEY} that differs from it (transformers loads such a checkpoint untied): set "
+            f"tie_word_embeddings to false to load both, or drop {HEAD_KEY} to tie them"]
+
+
+# What a stored tensor our floating tensor is built from must be: integers would be cast into weights silently.
+FLOAT_RULE = "a weight must be stored as floating point (F32, BF16, F16, or F8_E4M3 with its block scales)"
+
+
+class _NotFloating(Exception):
+    """A value built for one of our floating tensors is not floating point: `keys`, the stored tensors it came from
+    that are not floating (empty when none is), and the value's dtype."""
+
+    def __init__(self, keys: list[str], dtype: torch.dtype):
+        super().__init__(keys)
+        self.keys, self.dtype = keys, dtype
+
+
+def _floating(value: torch.Tensor, get: WeightGetter) -> torch.Tensor:
+    """`value`, built for one of our floating tensors, when it and the stored tensors it was read from are floating
+    point; else _NotFloating naming the stored ones that hold integers or booleans (get.integers_read: one piece of a
+    concatenation is promoted to the others' float dtype silently, so the value's dtype alone does not tell)."""
+    if get.integers_read or not value.is_floating_point():
+        raise _NotFloating(list(dict.fromkeys(get.integers_read)), value.dtype)
+    return value
 
 
 def _fp8_partner(local_name: str, owned: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -241,10 +324,19 @@ def _fp8_value(recipe, get: WeightGetter, shape: tuple[int, ...], segments, name
         return stored
     get.dequantized = []
     if hasattr(recipe, "expert"):
-        parts = [quantize_weight(recipe.expert(get, i), segments) for i in range(recipe.count)]
+        parts, refused = [], None
+        for i in range(recipe.count):
+            expert = recipe.expert(get, i)
+            # Past an expert read from integers the rest are still read, so that it alone is reported.
+            if refused is None and (get.integers_read or not expert.is_floating_point()):
+                refused = expert
+            if refused is None:
+                parts.append(quantize_weight(expert, segments))
+        if refused is not None:
+            _floating(refused, get)
         value = torch.stack([w for w, _ in parts]), torch.stack([s for _, s in parts])
     else:
-        value = quantize_weight(recipe(get), segments)
+        value = quantize_weight(_floating(recipe(get), get), segments)
     if get.dequantized:
         requantized.append(f"{name} (from {get.dequantized[0]})")
     return value

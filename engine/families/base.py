@@ -45,7 +45,8 @@ MAX_LAYERS = 10_000
 
 @dataclass(frozen=True)
 class Rule:
-    """The type (and range) of a config.json value. kind: int, float, bool, str, dict, int_list, str_list."""
+    """The type (and range) of a config.json value. kind: int, float, bool, str, dict, int_list, str_list, and
+    float_dtype (the name of a floating-point torch dtype, as transformers reads `dtype` / `torch_dtype`)."""
 
     kind: str
     least: float | None = None
@@ -73,6 +74,13 @@ class Rule:
             return None if isinstance(value, str) else "must be a string"
         if self.kind == "dict":
             return None if isinstance(value, dict) else "must be a JSON object"
+        if self.kind == "float_dtype":
+            # transformers turns the name into getattr(torch, name): anything else fails there or is no weight dtype.
+            # (vars: a name is looked up, never imported through torch's lazy submodules.)
+            dtype = vars(torch).get(value) if isinstance(value, str) else None
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return None
+            return "must name a floating-point torch dtype (float32, bfloat16, float16, ...)"
         if self.kind in ("int_list", "str_list"):
             what = "must be a list of integers" if self.kind == "int_list" else "must be a list of strings"
             if not isinstance(value, list):
@@ -156,7 +164,15 @@ CONFIG_RULES: dict[str, Rule] = {
     "mrope_section": Rule("int_list", 0, MAX_SIZE),
     "layer_types": Rule("str_list"),
     "mlp_layer_types": Rule("str_list"),
+    "architectures": Rule("str_list"),
+    **{key: Rule("float_dtype") for key in ("torch_dtype", "dtype")},
 }
+# Keys no family needs to map onto our model but transformers reads when it loads the checkpoint (or its export):
+# checked by their rule wherever config.json gives them (declared_key_problems), so a bad value is refused here,
+# not by a traceback in transformers later. A family reading one of them checks it the same way.
+DECLARED_KEYS = ("architectures", "torch_dtype", "dtype", "max_position_embeddings", "head_dim")
+# The sections of config.json transformers builds a config of its own from (a vision-language model's).
+SUB_CONFIGS = ("text_config", "vision_config")
 
 
 def show(value: Any) -> str:
@@ -196,10 +212,16 @@ class HFConfig:
             return False, None
         return True, value
 
-    def get(self, key: str, default: Any = None, least: float | None = None, most: float | None = None) -> Any:
+    def get(self, key: str, default: Any = None, least: float | None = None, most: float | None = None,
+            is_null_refused: bool = False) -> Any:
         """The value, checked against its rule; `default` when it is absent or null, or (reported) breaks the rule.
-        `least` / `most` tighten the rule's range."""
+        `least` / `most` tighten the rule's range. is_null_refused: an explicit null is reported (where transformers
+        fails on it rather than taking its default) instead of standing for absent."""
         value = self.data.get(key)
+        if value is None and is_null_refused and key in self.data:
+            rule = CONFIG_RULES.get(key)
+            self._report(key, value, rule.broken(None) if rule is not None else "must not be null")
+            return default
         if value is None:
             return default
         ok, value = self._checked(key, value, least, most)
@@ -327,6 +349,17 @@ def quantization_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
+def declared_key_problems(config: dict[str, Any]) -> list[str]:
+    """One line per DECLARED_KEYS value of config.json (top level, text_config, vision_config) that breaks its rule."""
+    top = HFConfig(config)
+    sections = [top] + [HFConfig(config[key], f"{key}.", top.problems) for key in SUB_CONFIGS
+                        if isinstance(config.get(key), dict)]
+    for section in sections:
+        for key in DECLARED_KEYS:
+            section.get(key)
+    return top.problems
+
+
 def is_fp8_checkpoint(config: dict[str, Any]) -> bool:
     """Whether config.json declares the hub's FP8 block layout (quantization_problems says what else it may be)."""
     _, quant = quantization_config(config)
@@ -352,6 +385,9 @@ class Family(ABC):
     # The family's to_profile reads config.json's quantization_config itself (a layout of its own, as gpt_oss's
     # MXFP4 experts) instead of the shared FP8 check.
     reads_own_quantization: bool = False
+    # Checkpoint keys ending so hold packed bytes its recipes decode into weights (gpt_oss's MXFP4 `_blocks` and
+    # `_scales`, uint8): the only integer tensors a floating weight of ours may be read from.
+    packed_key_suffixes: tuple[str, ...] = ()
 
     def reference_topk_ids(self, output: Any) -> torch.Tensor:
         """The experts the reference's router chose, [T, k], from its forward output (transformers 5 routers

@@ -277,6 +277,11 @@ class CheckpointReader:
         self.close()
 
 
+def is_floating_dtype(dtype: str) -> bool:
+    """Whether the safetensors dtype `dtype` (F32, BF16, F8_E4M3, I64, U8, BOOL, ...) is a floating-point one."""
+    return dtype.startswith("F") or dtype == "BF16"
+
+
 # The hub's FP8 checkpoints: `<name>` float8_e4m3fn with its block scales in `<name>_scale_inv` (fp32).
 SCALE_SUFFIX = "_scale_inv"
 FP8_STORED = "F8_E4M3"
@@ -329,15 +334,24 @@ class WeightGetter:
     dequantized to fp32 (`get`, `rows`: for our tensors kept in floating point) or as stored (`fp8`, `fp8_rows`: bits
     and scales for our FP8 tensors, never a floating copy)."""
 
-    def __init__(self, reader: CheckpointReader):
+    def __init__(self, reader: CheckpointReader, packed_suffixes: tuple[str, ...] = ()):
         self.reader = reader
+        # Keys ending so hold packed bytes a recipe decodes (Family.packed_key_suffixes): stored as integers.
+        self.packed_suffixes = packed_suffixes
         # Keys of the FP8 weights read dequantized, in order (the loader notes a requantized one).
         self.dequantized: list[str] = []
         # One line per scale tensor holding a non-finite value (the loader reports them with its own).
         self.problems: list[str] = []
+        # Keys read since the loader last emptied it that are stored as integers or booleans, packed bytes aside
+        # (the loader refuses them as weights of ours).
+        self.integers_read: list[str] = []
 
     def is_fp8(self, key: str) -> bool:
         return key + SCALE_SUFFIX in self.reader
+
+    def _note_integers(self, key: str) -> None:
+        if not key.endswith(self.packed_suffixes) and not is_floating_dtype(self.reader.dtype(key)):
+            self.integers_read.append(key)
 
     def __contains__(self, key: str) -> bool:
         return key in self.reader
@@ -345,6 +359,7 @@ class WeightGetter:
     def __call__(self, key: str) -> torch.Tensor:
         quantized = self.fp8(key)
         if quantized is None:
+            self._note_integers(key)
             return self.reader.get(key)
         self.dequantized.append(key)
         return _dequantize(*quantized)
@@ -352,6 +367,7 @@ class WeightGetter:
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         quantized = self.fp8_rows(key, start, stop)
         if quantized is None:
+            self._note_integers(key)
             return self.reader.rows(key, start, stop)
         self.dequantized.append(key)
         return _dequantize(*quantized)

@@ -35,6 +35,9 @@ class DeepseekV3(Family):
     model_types = ("deepseek_v3",)
     reference_class = "DeepseekV3ForCausalLM"
     ignored_key_prefixes = (MTP_LAYER_PREFIX,)
+    # Whether transformers' rotary embedding runs on config.json's head_dim (DeepseekV3Config writes head_dim =
+    # qk_rope_head_dim, but a head_dim given in the file replaces it; null falls back to hidden // heads).
+    is_head_dim_rotary: bool = True
 
     def to_profile(self, config: dict[str, Any]) -> ModelProfile:
         c = HFConfig(config)
@@ -87,6 +90,11 @@ class DeepseekV3(Family):
     def mla_fields(self, c: HFConfig) -> dict[str, Any]:
         c.expect("attention_bias", [False], False)
         nope, rope = c.require("qk_nope_head_dim"), c.require("qk_rope_head_dim")
+        # Any head_dim but qk_rope_head_dim would rotate other dims than the query's and key's rope parts.
+        head_dim = c.get("head_dim", rope, is_null_refused=True)
+        if self.is_head_dim_rotary and isinstance(head_dim, int) and isinstance(rope, int) and head_dim != rope:
+            c.problems.append(f"config.json: {c.prefix}head_dim ({head_dim}) is not mapped: must equal "
+                              f"{c.prefix}qk_rope_head_dim ({rope}), the dims transformers rotates")
         yarn, mscale = self.yarn_fields(c)
         return dict(
             q_lora_rank=c.get("q_lora_rank"),

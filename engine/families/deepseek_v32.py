@@ -23,6 +23,9 @@ class DeepseekV32(DeepseekV3):
     attention_kind = "mla_sparse"
     # align: the reference's lightning indexers (one per layer), whose choice --pin-routing feeds to ours.
     reference_indexer_suffix = "self_attn.indexer"
+    # DeepseekV32Config sets head_dim = qk_rope_head_dim after reading config.json (whose head_dim, an int field,
+    # must still be an integer).
+    is_head_dim_rotary = False
 
     def reference_selected_keys(self, output: torch.Tensor) -> torch.Tensor:
         """Bool [L, L] (query, key) from the reference indexer's top-k key positions [1, L, min(index_topk, L)] of

@@ -32,6 +32,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
 DEFAULT_ROPE_THETA = 150000.0
+DEFAULT_HEAD_DIM = 64
 # The FP4 (E2M1) value of each 4-bit code (OCP microscaling spec; transformers' integrations/mxfp4.py FP4_VALUES).
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # An MXFP4 scale byte is a power-of-two exponent stored with this bias.
@@ -98,6 +99,7 @@ class GptOss(Family):
     reference_class = "GptOssForCausalLM"
     reference_router_suffix = "mlp.router"
     reads_own_quantization = True  # MXFP4 experts, dequantized at load
+    packed_key_suffixes = ("_blocks", "_scales")
 
     def to_profile(self, config: dict[str, Any]) -> ModelProfile:
         c = HFConfig(config)
@@ -145,7 +147,8 @@ class GptOss(Family):
             layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=c.get("head_dim") or (hidden // heads if hidden and heads else None),
+            # GptOssConfig's head_dim is an int field: null fails its validation, absent is 64.
+            head_dim=c.get("head_dim", DEFAULT_HEAD_DIM, is_null_refused=True),
             rope_theta=rope_theta,
             rope_yarn=yarn,
             rms_norm_eps=c.get("rms_norm_eps", 1e-5),

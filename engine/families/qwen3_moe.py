@@ -51,7 +51,8 @@ class Qwen3Moe(Family):
             layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=c.get("head_dim") or (hidden // heads if hidden and heads else None),
+            # transformers derives an absent head_dim (getattr's default) but fails on an explicit null.
+            head_dim=c.get("head_dim", hidden // heads if hidden and heads else None, is_null_refused=True),
             intermediate_size=c.get("intermediate_size", 0) if not all(is_moe) else 0,
             rope_theta=rope_theta,
             partial_rotary_factor=c.partial_rotary_factor(),

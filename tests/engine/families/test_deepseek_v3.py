@@ -171,8 +171,9 @@ def test_unsupported_config_names_the_field(latent_checkpoint):
 
 
 def test_config_our_rules_refuse_is_reported_not_raised(latent_checkpoint):
-    # transformers would build it; our MLA needs an even RoPE dim. The report names the field.
-    _edit_config(latent_checkpoint, qk_rope_head_dim=7)
+    # transformers would build it (head_dim, the dims it rotates, equal to qk_rope_head_dim); our MLA needs an even
+    # RoPE dim. The report names the field.
+    _edit_config(latent_checkpoint, qk_rope_head_dim=7, head_dim=7)
     with pytest.raises(UnsupportedModel, match=r"mla\.qk_rope_head_dim \(7\) must be even"):
         model_profile_from_checkpoint(latent_checkpoint)
 
