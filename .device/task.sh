@@ -1,0 +1,34 @@
+# On the H200 machine, after `source .device/setup.sh [3.6|3.7.1] [fla]`: `bash .device/task.sh TASK [LIMIT_S]`.
+# Each task writes its JSON, plot and log into r/ (named by task and Triton version) and stops itself at LIMIT_S
+# (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
+#   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup
+#   sweep         python -m moe_tune.engine.bench.linear_attention_sweep (gdn, kda)
+#   anchor        moe-tune profile --kernels --ops gated_delta_rule,kda --shapes anchor
+#   next          moe-tune profile bench-qwen3-next
+#   next-against  moe-tune profile bench-qwen3-next --against transformers
+#   moe-against   moe-tune profile bench-qwen3-moe --against transformers
+set -u
+TASK=$1
+LIMIT=${2:-540}
+case $TASK in
+    suite | sweep | anchor | next | next-against | moe-against) ;;
+    *) echo "task.sh: unknown task '$TASK': suite, sweep, anchor, next, next-against or moe-against" >&2; exit 2 ;;
+esac
+TAG=$TASK-triton$(python3 -c 'import triton; print(triton.__version__)')
+mkdir -p r
+run() {
+    timeout -s INT -k 30 "$LIMIT" "$@" > "r/$TAG.log" 2>&1
+    echo "rc=$?" >> "r/$TAG.log"
+    tail -25 "r/$TAG.log"
+}
+case $TASK in
+    suite) run python3 -m pytest -m gpu tests/gpu -n 8 --dist loadgroup -q -rfE --tb=short -p no:cacheprovider ;;
+    sweep) run python3 -m moe_tune.engine.bench.linear_attention_sweep "r/$TAG.json" ;;
+    anchor) run python3 -m moe_tune profile --kernels --ops gated_delta_rule,kda --shapes anchor \
+        --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+    next) run python3 -m moe_tune profile bench-qwen3-next --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+    next-against) run python3 -m moe_tune profile bench-qwen3-next --against transformers \
+        --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+    moe-against) run python3 -m moe_tune profile bench-qwen3-moe --against transformers \
+        --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+esac
