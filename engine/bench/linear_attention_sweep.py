@@ -56,7 +56,8 @@ def sweep_candidates(op: str) -> list[dict]:
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
     (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels (block_v_grad, num_warps_grad,
     num_stages; KDA's two gradient kernels' warps), the forward's serial pass (block_v_state_fwd, its stages) and,
-    per head, the output kernel's launch and the backward's state part in a kernel of its own (split_grad_wy). On
+    per head, the output kernel's launch and the backward's state part in a kernel of its own (split_grad_wy, its
+    WY kernel then on the whole key dimension or in key tiles: block_k_grad_wy). On
     Triton 3.6, whose pick_config launches the output kernel at 8 warps and 3 stages, the first output candidate
     differs from it in stages only."""
     common = [
@@ -84,6 +85,8 @@ def sweep_candidates(op: str) -> list[dict]:
             {"split_grad_wy": True},
             {"split_grad_wy": True, "num_stages": 2},
             {"split_grad_wy": True, "num_warps_grad": 16},
+            {"split_grad_wy": True, "block_k_grad_wy": 64},
+            {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad": 16},
         ]
     if op == "kda":
         return [

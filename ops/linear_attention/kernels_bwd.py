@@ -30,7 +30,9 @@ kernels_state.chunk_state_fwd(store_states=True)): kept from the forward (save_i
    (dW, v_new dS1^T and the gradient of G_C, from S0 and dS1), so that kernel 3's V loop carries no [C, K]
    accumulator (sm_90 compile of a bf16 K = V = 128 launch, triton 3.6, 8 warps: kernel 3 252 registers and no
    stack, the state kernel 172 and none, against kernel 3's 176 bytes of stack alone), for dW's [T, H, K] round trip
-   in k's dtype and a second read of v_new and dv_new.
+   in k's dtype and a second read of v_new and dv_new. With KernelConfig.block_k_grad_wy narrower than K's tile,
+   kernel 3 is `_chunk_grad_wy_tiled_kernel`: its K loops hold key tiles only (at 64 of K = 128: 224 registers and
+   40 KB of shared memory against 252 and 76 KB), for k read three times and dk's unnormed fp32 round trip.
 """
 
 from __future__ import annotations
@@ -497,6 +499,132 @@ def _chunk_grad_wy_kernel(
     tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
 
 
+@triton.jit
+def _chunk_grad_wy_tiled_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_cumsum_ptr,
+    inverse_ptr,
+    dv_new_ptr,
+    chunk_map_ptr,
+    scratch_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dw_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_chunk_grad_wy_kernel` with HAS_STATE_PART, its key dimension in tiles of BK (narrower than K): no [C, K]
+    tensor is held whole. The K loops: the keys' squared norms; d(I + A)^-1's W part, k k^T and sum(k * dK') (K' the
+    scaled keys); then, after dA, dk per tile, stored unnormed into the fp32 dk_partial buffer (the output and state
+    kernels' parts already in it) with sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the
+    norm."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+
+    G, _ = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+    exp_G = tl.exp(G)
+    beta = tl.load(beta_ptr + token_head, mask=is_valid, other=0.0).to(tl.float32)
+    inverse_t = load_rows_t(inverse_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+
+    # U's part: d(I + A)^-1 = dU V'^T with dU = dv_new, V' = diag(beta) v; dv and dbeta's v part.
+    dinverse = tl.zeros([BT, BT], dtype=tl.float32)
+    dbeta = tl.zeros([BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        v = load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
+        v_scaled = (v * beta[:, None]).to(dot_dtype)
+        dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
+        dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
+        store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
+        dbeta += tl.sum(v * dv_scaled, axis=1)
+
+    k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_L2NORM:
+        squares = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+            squares += tl.sum(k * k, axis=1)
+        k_rstd = tl.rsqrt(squares + L2NORM_EPS)
+
+    # W's part of d(I + A)^-1 (dW K'^T, K' = diag(beta exp(G)) k), k k^T and sum(k * (I + A)^-T dW) per row.
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    k_dk_scaled = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * k_rstd[:, None]
+        k_dot = k.to(dot_dtype)
+        dw_dot = load_rows(dw_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(dot_dtype)
+        k_scaled = (k * (beta * exp_G)[:, None]).to(dot_dtype)
+        dinverse += tl.dot(dw_dot, tl.trans(k_scaled), input_precision=DOT_PRECISION)
+        kk += tl.dot(k_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
+        dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
+        k_dk_scaled += tl.sum(k * dk_scaled, axis=1)
+
+    # dA = -(I + A)^-T d(I + A)^-1 (I + A)^-T, strictly lower; times exp(G_i - G_j) it is the gradient of k_i^T k_j.
+    dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0)
+    dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
+    dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
+    dkk = dA * pair_decay(G, False, False, BT)
+    dbeta += tl.sum(dkk * kk, axis=1)
+    dkk = dkk * beta[:, None]
+    dG_pairs = dkk * kk
+    dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
+    # dkk^T goes through memory (an L2-resident round trip): tl.trans of a dot result is the Hopper miscompile.
+    store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
+    tl.debug_barrier()
+    dkk_t = load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
+    dkk_dot = dkk.to(dot_dtype)
+    dbeta += exp_G * k_dk_scaled
+    dG += beta * exp_G * k_dk_scaled
+
+    # dk per key tile: the pairs' terms, the scaled keys' term and the earlier kernels' parts; then the norm.
+    k_dk = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * k_rstd[:, None]
+        k_dot = k.to(dot_dtype)
+        dw_dot = load_rows(dw_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(dot_dtype)
+        dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
+        dk = tl.dot(dkk_dot, k_dot, input_precision=DOT_PRECISION)
+        dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
+        dk += dk_scaled * (beta * exp_G)[:, None]
+        dk += load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+        if USE_L2NORM:
+            k_dk += tl.sum(k * dk, axis=1)
+            store_rows(dk_partial_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+        else:
+            store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+    if USE_L2NORM:
+        tl.debug_barrier()
+        for k0 in range(0, K, BK):
+            k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+            k = k * k_rstd[:, None]
+            dk = load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+            dk = (dk - k * k_dk[:, None]) * k_rstd[:, None]
+            store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+
+    # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i (G_C's gradient is in the last token's dG).
+    dg = tl.cumsum(dG, axis=0, reverse=True)
+    tl.store(dbeta_ptr + token_head, dbeta.to(dbeta_ptr.dtype.element_ty), mask=is_valid)
+    tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
+
+
 def chunk_state_bwd(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -656,9 +784,17 @@ def chunk_grad(
                 k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV, layout.chunk_map,
                 dk_partial_THK, dG_partial_TH, dw_THK, H, **meta,
             )  # fmt: skip
-        _chunk_grad_wy_kernel[(layout.num_slots, H)](
-            k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV,
-            layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, H,
-            HAS_STATE_PART=config.split_grad_wy, **meta,
-        )  # fmt: skip
+        block_k_wy = config.block_k_grad_wy
+        if config.split_grad_wy and block_k_wy is not None and block_k_wy < block_size(K):
+            _chunk_grad_wy_tiled_kernel[(layout.num_slots, H)](
+                k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
+                dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, H,
+                **dict(meta, BK=block_k_wy),
+            )  # fmt: skip
+        else:
+            _chunk_grad_wy_kernel[(layout.num_slots, H)](
+                k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, states_NCHKV, state_grads_NCHKV, v_new_THV,
+                dv_new_THV, layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV,
+                dbeta_TH, dg_TH, H, HAS_STATE_PART=config.split_grad_wy, **meta,
+            )  # fmt: skip
     return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH

@@ -380,15 +380,16 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert err <= rtol, f"{name}: {err:.2e}"
 
 
-@pytest.fixture
-def split_grad_wy(monkeypatch):
-    """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy)."""
+@pytest.fixture(params=[None, 64], ids=["whole_k", "k_tiles"])
+def split_grad_wy(monkeypatch, request):
+    """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy), its WY kernel
+    on the whole key dimension or in key tiles of 64 (block_k_grad_wy)."""
     import dataclasses
 
     from moe_tune.ops.linear_attention import autograd, kernels_common
 
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
-        kernels_common.pick_config(x), split_grad_wy=True))  # fmt: skip
+        kernels_common.pick_config(x), split_grad_wy=True, block_k_grad_wy=request.param))  # fmt: skip
 
 
 SPLIT_CASES = [

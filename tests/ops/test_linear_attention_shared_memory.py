@@ -29,7 +29,7 @@ H200_SHARED_MEMORY = 232448
 FP32_KERNELS = {
     "_chunk_wy_fwd_kernel", "_chunk_state_fwd_kernel", "_chunk_output_kernel", "_prepare_state_bwd_kernel",
     "_chunk_state_bwd_kernel", "_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_wy_kernel",
-    "_kda_pairs_kernel",
+    "_chunk_grad_wy_tiled_kernel", "_kda_pairs_kernel",
     "_kda_wy_fwd_kernel", "_kda_grad_wy_kernel", "_kda_grad_products_kernel",
 }  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
@@ -90,11 +90,12 @@ def _record_and_measure() -> None:
                 setattr(module, name, Recorder(name, value))
     gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
 
-    # The per-head backward both ways: its WY kernel with and without the state part split off (split_grad_wy).
-    for V, is_kda, split_grad_wy in itertools.product((64, 128), (False, True), (False, True)):
-        if not (is_kda and split_grad_wy):
-            autograd.pick_config = lambda x, split_grad_wy=split_grad_wy: dataclasses.replace(
-                gpu, split_grad_wy=split_grad_wy)  # fmt: skip
+    # The per-head backward three ways: its WY kernel whole, with the state part split off (split_grad_wy), and then
+    # in key tiles of 64 (block_k_grad_wy).
+    splits = ({}, {"split_grad_wy": True}, {"split_grad_wy": True, "block_k_grad_wy": 64})
+    for V, is_kda, split in itertools.product((64, 128), (False, True), splits):
+        if not (is_kda and split):
+            autograd.pick_config = lambda x, split=split: dataclasses.replace(gpu, **split)
             B, T, H, K = 1, 130, 4, 128
             q, k = torch.zeros(B, T, H, K), torch.zeros(B, T, H, K)
             v, beta = torch.zeros(B, T, H, V), torch.zeros(B, T, H)

@@ -160,33 +160,44 @@ SPLIT_GRAD_CASES = [
                  id="varlen-1-63-71-l2norm"),  # fmt: skip
     pytest.param(dict(B=1, T=67, num_seqs=3, has_initial_state=False), {"cu_seqlens": [0, 64, 64, 67]},
                  id="varlen-64-0-3-no_h0"),  # fmt: skip
+    # K 40 in key tiles of 16 (k_tiles): two full tiles and a masked one, with and without the L2 norm.
+    pytest.param(dict(B=1, T=135, K=40, num_seqs=3), {"cu_seqlens": [0, 1, 64, 135], "use_qk_l2norm_in_kernel": True},
+                 id="K40-varlen-l2norm"),  # fmt: skip
+    pytest.param(dict(B=2, T=65, K=40, V=16), {}, id="K40-V16"),
 ]
 
 
+@pytest.mark.parametrize("block_k_grad_wy", [None, 16], ids=["whole_k", "k_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape, options", SPLIT_GRAD_CASES)
 def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, guarded, monkeypatch, shape, options,
-                                                                   dtype):  # fmt: skip
+                                                                   dtype, block_k_grad_wy):  # fmt: skip
     # split_grad_wy: the state kernel writes dW and adds its parts of dk and dG (G_C's gradient on the chunk's last
     # token) before the WY kernel runs; each token's dg must still get G_C's gradient, and an empty or one-token
     # chunk its own.
     launched = []
-    state_kernel = kernels_bwd._chunk_grad_state_kernel
 
     class Recorded:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return state_kernel[grid]
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(kernels_bwd, name)
 
-    monkeypatch.setattr(kernels_bwd, "_chunk_grad_state_kernel", Recorded())
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_chunk_grad_state_kernel", "_chunk_grad_wy_tiled_kernel", "_chunk_grad_wy_kernel"):
+        monkeypatch.setattr(kernels_bwd, name, Recorded(name))
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
-        kernels_common.pick_config(x), split_grad_wy=True))  # fmt: skip
+        kernels_common.pick_config(x), split_grad_wy=True, block_k_grad_wy=block_k_grad_wy))  # fmt: skip
     options = dict(options)
     if "cu_seqlens" in options:
         options["cu_seqlens"] = torch.tensor(options["cu_seqlens"], dtype=torch.int32)
     inputs = make_inputs(**shape, dtype=dtype)
     assert_matches_reference(inputs, dtype, guarded, **options)
-    assert launched, "the state kernel did not run"
+    # The key tiles of 16 only where K's tile is wider (the default K is 16).
+    is_tiled = block_k_grad_wy is not None and shape.get("K", 16) > block_k_grad_wy
+    wy_kernel = "_chunk_grad_wy_tiled_kernel" if is_tiled else "_chunk_grad_wy_kernel"
+    assert set(launched) == {"_chunk_grad_state_kernel", wy_kernel}
 
 
 def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch):
