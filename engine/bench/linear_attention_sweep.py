@@ -87,6 +87,8 @@ def sweep_candidates(op: str) -> list[dict]:
             {"split_grad_wy": True, "num_warps_grad": 16},
             {"split_grad_wy": True, "block_k_grad_wy": 64},
             {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad": 16},
+            # At 4 warps the key-tiled WY kernel needs 248 registers and no stack: two blocks an SM.
+            {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad_wy": 4},
         ]
     if op == "kda":
         return [

@@ -789,7 +789,7 @@ def chunk_grad(
             _chunk_grad_wy_tiled_kernel[(layout.num_slots, H)](
                 k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
                 dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, H,
-                **dict(meta, BK=block_k_wy),
+                **dict(meta, BK=block_k_wy, num_warps=config.num_warps_grad_wy or config.num_warps_grad),
             )  # fmt: skip
         else:
             _chunk_grad_wy_kernel[(layout.num_slots, H)](

@@ -141,6 +141,8 @@ class KernelConfig:
     # With split_grad_wy, the WY kernel's key tile: one narrower than K's tile has its K loops hold no [C, K]
     # tensor whole (kernels_bwd._chunk_grad_wy_tiled_kernel); None, the whole key dimension at once.
     block_k_grad_wy: int | None = None
+    # The key-tiled WY kernel's warps (None: num_warps_grad, the other gradient kernels' count).
+    num_warps_grad_wy: int | None = None
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:

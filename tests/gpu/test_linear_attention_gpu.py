@@ -380,16 +380,18 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert err <= rtol, f"{name}: {err:.2e}"
 
 
-@pytest.fixture(params=[None, 64], ids=["whole_k", "k_tiles"])
+@pytest.fixture(params=[(None, None), (64, None), (64, 4)], ids=["whole_k", "k_tiles", "k_tiles-4_warps"])
 def split_grad_wy(monkeypatch, request):
     """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy), its WY kernel
-    on the whole key dimension or in key tiles of 64 (block_k_grad_wy)."""
+    on the whole key dimension or in key tiles of 64 (block_k_grad_wy), at the gradient kernels' warps or 4 of its
+    own (num_warps_grad_wy)."""
     import dataclasses
 
     from moe_tune.ops.linear_attention import autograd, kernels_common
 
-    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
-        kernels_common.pick_config(x), split_grad_wy=True, block_k_grad_wy=request.param))  # fmt: skip
+    block_k, num_warps = request.param
+    split = dict(split_grad_wy=True, block_k_grad_wy=block_k, num_warps_grad_wy=num_warps)
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(kernels_common.pick_config(x), **split))
 
 
 SPLIT_CASES = [

@@ -47,6 +47,8 @@ def test_fp32_launches_fit_the_h200_shared_memory():
         value for row in rows for name, value in row["constexprs"].items() if "PRECISION" in name or "DOTS" in name
     }
     assert precisions == {"tf32x3"}
+    # The key-tiled WY kernel launches at its own warp count.
+    assert {row["num_warps"] for row in rows if row["kernel"] == "_chunk_grad_wy_tiled_kernel"} == {4}
     over = [row for row in rows if row["shared"] > H200_SHARED_MEMORY]
     assert not over, "\n".join(json.dumps(row) for row in over)
 
@@ -91,8 +93,8 @@ def _record_and_measure() -> None:
     gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
 
     # The per-head backward three ways: its WY kernel whole, with the state part split off (split_grad_wy), and then
-    # in key tiles of 64 (block_k_grad_wy).
-    splits = ({}, {"split_grad_wy": True}, {"split_grad_wy": True, "block_k_grad_wy": 64})
+    # in key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy).
+    splits = ({}, {"split_grad_wy": True}, {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad_wy": 4})
     for V, is_kda, split in itertools.product((64, 128), (False, True), splits):
         if not (is_kda and split):
             autograd.pick_config = lambda x, split=split: dataclasses.replace(gpu, **split)
