@@ -26,13 +26,13 @@ kernels_state.chunk_state_fwd(store_states=True)): kept from the forward (save_i
    would carry six fp32 accumulators through its V loop with q and k loaded before it and spill 1,176 bytes of
    stack a thread (sm_90 compile, triton 3.6, K = V = 128); split, the output kernel spills nothing and the WY
    kernel 176 bytes, for one extra fp32 [T, H, K] round trip of dk's part.
-   With KernelConfig.split_grad_wy `_chunk_grad_state_kernel` runs between them: the state's part of kernel 3
-   (dW, v_new dS1^T and the gradient of G_C, from S0 and dS1), so that kernel 3's V loop carries no [C, K]
-   accumulator (sm_90 compile of a bf16 K = V = 128 launch, triton 3.6, 8 warps: kernel 3 252 registers and no
-   stack, the state kernel 172 and none, against kernel 3's 176 bytes of stack alone), for dW's [T, H, K] round trip
-   in k's dtype and a second read of v_new and dv_new. With KernelConfig.block_k_grad_wy narrower than K's tile,
-   kernel 3 is `_chunk_grad_wy_tiled_kernel`: its K loops hold key tiles only (at 64 of K = 128: 224 registers and
-   40 KB of shared memory against 252 and 76 KB), for k read three times and dk's unnormed fp32 round trip.
+   With KernelConfig.split_grad_wy two kernels take kernel 3's place: `_chunk_grad_state_kernel`, its state part
+   (dW, v_new dS1^T and the gradient of G_C, from S0 and dS1), then `_chunk_grad_wy_tiled_kernel`, the rest with
+   the key dimension in tiles of KernelConfig.block_k_grad_wy (one tile of the whole K by default), so that neither
+   holds S0 or dS1 and the second holds no [C, K] tensor beyond its key tile (sm_90 compile of a bf16 K = V = 128
+   launch, triton 3.6, 8 warps: the state kernel 172 registers, the WY part 254 in one key tile and 224 in tiles of
+   64, none of them any stack, against kernel 3's 255 and 176 bytes of stack), for dW's [T, H, K] round trip in k's
+   dtype, a second read of v_new and dv_new, k read three times and dk's unnormed fp32 round trip.
 """
 
 from __future__ import annotations
@@ -370,7 +370,6 @@ def _chunk_grad_wy_kernel(
     scratch_ptr,
     dk_partial_ptr,
     dG_partial_ptr,
-    dw_ptr,
     dk_ptr,
     dv_ptr,
     dbeta_ptr,
@@ -379,16 +378,13 @@ def _chunk_grad_wy_kernel(
     K,
     V,
     USE_L2NORM: tl.constexpr,
-    HAS_STATE_PART: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """The rest of one (chunk, head), after the output kernel: the state leaving the chunk and the WY factors give
-    dv, dbeta and their parts of dk and dG; with the output kernel's parts added, dk through the L2 norm and dg.
-    HAS_STATE_PART: `_chunk_grad_state_kernel` ran before it (dW read from dw_ptr; the state's parts of dk and dG
-    already in the output kernel's), so the V loop reads no state and carries no [C, K] accumulator."""
+    dv, dbeta and their parts of dk and dG; with the output kernel's parts added, dk through the L2 norm and dg."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -407,39 +403,33 @@ def _chunk_grad_wy_kernel(
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
     # Accumulated over V tiles: v_new dS1^T, dW, the U part of d(I + A)^-1, the v part of dbeta, and sum(S0 * dS1)
-    # per key row (with HAS_STATE_PART only the U and v parts).
-    if not HAS_STATE_PART:
-        dk_end = tl.zeros([BT, BK], dtype=tl.float32)
-        dw = tl.zeros([BT, BK], dtype=tl.float32)
+    # per key row.
+    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
     dinverse = tl.zeros([BT, BT], dtype=tl.float32)
     dbeta = tl.zeros([BT], dtype=tl.float32)
-    if not HAS_STATE_PART:
-        state_dstate = tl.zeros([BK], dtype=tl.float32)
+    state_dstate = tl.zeros([BK], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        if not HAS_STATE_PART:
-            # States and their gradients read transposed; written out here rather than through
-            # load_chunk_state_t, which compiled this kernel to a different (if equivalent) sm_90 binary than the
-            # one tested on the H200.
-            offs_v = v0 + tl.arange(0, BV)
-            state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-            state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-            state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-            dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
-            dstate_t = dstate_t.to(dot_dtype)
-            v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        # States and their gradients read transposed; written out here rather than through load_chunk_state_t,
+        # which compiled this kernel to a different (if equivalent) sm_90 binary than the one tested on the H200.
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+        dstate_t = dstate_t.to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         v = load_rows(v_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(tl.float32)
-        if not HAS_STATE_PART:
-            dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
-            dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
         v_scaled = (v * beta[:, None]).to(dot_dtype)
         dinverse += tl.dot(dv_new, tl.trans(v_scaled), input_precision=DOT_PRECISION)
         # d(diag(beta) v) = ((I + A)^-1)^T dU, and dU = dv_new.
         dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
         store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
         dbeta += tl.sum(v * dv_scaled, axis=1)
-        if not HAS_STATE_PART:
-            state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
     k = load_rows(k_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
@@ -447,15 +437,11 @@ def _chunk_grad_wy_kernel(
         k = k * k_rstd[:, None]
     k_dot = k.to(dot_dtype)
 
-    if HAS_STATE_PART:
-        dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0)
-        dw = load_rows(dw_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    else:
-        # State leaving the chunk: S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new.
-        dk_end = dk_end * tl.exp(G_last - G)[:, None]
-        dG_end = tl.sum(k * dk_end, axis=1)
-        dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0) - dG_end
-        dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
+    # State leaving the chunk: S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new.
+    dk_end = dk_end * tl.exp(G_last - G)[:, None]
+    dG_end = tl.sum(k * dk_end, axis=1)
+    dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0) - dG_end
+    dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
 
     # WY factors: W = (I + A)^-1 diag(beta exp(G)) k, U = (I + A)^-1 diag(beta) v, d(I + A)^-1 = dW K'^T + dU V'^T.
     k_scaled = (k * (beta * exp_G)[:, None]).to(dot_dtype)
@@ -475,10 +461,7 @@ def _chunk_grad_wy_kernel(
     store_rows(scratch_ptr + i_h * BT, dkk, t0, num_valid, H * BT, BT, BT, BT)
     tl.debug_barrier()
     dkk_t = load_rows_t(scratch_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype)
-    if HAS_STATE_PART:
-        dk = tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
-    else:
-        dk = dk_end + tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    dk = dk_end + tl.dot(dkk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
     dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
     k_dk_scaled = tl.sum(k * dk_scaled, axis=1)
     dk += dk_scaled * (beta * exp_G)[:, None]
@@ -487,11 +470,8 @@ def _chunk_grad_wy_kernel(
 
     dk += load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
 
-    # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C (with HAS_STATE_PART
-    # G_C's gradient is in the last token's dG already).
-    dg = tl.cumsum(dG, axis=0, reverse=True)
-    if not HAS_STATE_PART:
-        dg += dG_last
+    # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i, and every token feeds G_C.
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last
     if USE_L2NORM:
         dk = (dk - k * tl.sum(k * dk, axis=1)[:, None]) * k_rstd[:, None]
     store_rows(dk_ptr + i_h * K, dk, t0, num_valid, H * K, K, BT, BK)
@@ -525,8 +505,8 @@ def _chunk_grad_wy_tiled_kernel(
     BV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """`_chunk_grad_wy_kernel` with HAS_STATE_PART, its key dimension in tiles of BK (narrower than K): no [C, K]
-    tensor is held whole. The K loops: the keys' squared norms; d(I + A)^-1's W part, k k^T and sum(k * dK') (K' the
+    """`_chunk_grad_wy_kernel`'s work after `_chunk_grad_state_kernel` (split_grad_wy: dW read from dw_ptr, the
+    state's parts of dk and dG already in the output kernel's), the key dimension in tiles of BK. The K loops: the keys' squared norms; d(I + A)^-1's W part, k k^T and sum(k * dK') (K' the
     scaled keys); then, after dA, dk per tile, stored unnormed into the fp32 dk_partial buffer (the output and state
     kernels' parts already in it) with sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the
     norm."""
@@ -773,7 +753,7 @@ def chunk_grad(
         DOT_PRECISION=dot_precision, num_warps=config.num_warps_grad, num_stages=config.num_stages,
     )  # fmt: skip
     # split_grad_wy: dW between the state kernel and the WY kernel, in k's dtype.
-    dw_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device) if config.split_grad_wy else dk_partial_THK
+    dw_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device) if config.split_grad_wy else None
     if layout.num_slots > 0:
         _chunk_grad_output_kernel[(layout.num_slots, H)](
             q_THK, k_THK, g_cumsum_TH, states_NCHKV, v_new_THV, do_THV, layout.chunk_map,
@@ -784,8 +764,9 @@ def chunk_grad(
                 k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV, layout.chunk_map,
                 dk_partial_THK, dG_partial_TH, dw_THK, H, **meta,
             )  # fmt: skip
-        block_k_wy = config.block_k_grad_wy
-        if config.split_grad_wy and block_k_wy is not None and block_k_wy < block_size(K):
+        if config.split_grad_wy:
+            # One key tile of the whole K unless block_k_grad_wy is narrower.
+            block_k_wy = min(config.block_k_grad_wy or block_size(K), block_size(K))
             _chunk_grad_wy_tiled_kernel[(layout.num_slots, H)](
                 k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
                 dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, H,
@@ -794,7 +775,7 @@ def chunk_grad(
         else:
             _chunk_grad_wy_kernel[(layout.num_slots, H)](
                 k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, states_NCHKV, state_grads_NCHKV, v_new_THV,
-                dv_new_THV, layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV,
-                dbeta_TH, dg_TH, H, HAS_STATE_PART=config.split_grad_wy, **meta,
+                dv_new_THV, layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dk_THK, dv_THV, dbeta_TH,
+                dg_TH, H, **meta,
             )  # fmt: skip
     return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH

@@ -138,10 +138,10 @@ class KernelConfig:
     # The per-head backward's state part in a kernel of its own (kernels_bwd._chunk_grad_state_kernel), so that the
     # WY gradient kernel carries no [C, K] accumulator through its V loop.
     split_grad_wy: bool = False
-    # With split_grad_wy, the WY kernel's key tile: one narrower than K's tile has its K loops hold no [C, K]
-    # tensor whole (kernels_bwd._chunk_grad_wy_tiled_kernel); None, the whole key dimension at once.
+    # With split_grad_wy, the WY kernel's key tile (kernels_bwd._chunk_grad_wy_tiled_kernel); None, one tile of the
+    # whole key dimension.
     block_k_grad_wy: int | None = None
-    # The key-tiled WY kernel's warps (None: num_warps_grad, the other gradient kernels' count).
+    # With split_grad_wy, the WY kernel's warps (None: num_warps_grad, the other gradient kernels' count).
     num_warps_grad_wy: int | None = None
 
 

@@ -47,8 +47,13 @@ def test_fp32_launches_fit_the_h200_shared_memory():
         value for row in rows for name, value in row["constexprs"].items() if "PRECISION" in name or "DOTS" in name
     }
     assert precisions == {"tf32x3"}
-    # The key-tiled WY kernel launches at its own warp count.
-    assert {row["num_warps"] for row in rows if row["kernel"] == "_chunk_grad_wy_tiled_kernel"} == {4}
+    # The split's WY kernel: one key tile at the gradient kernels' warps, tiles of 64 at its own count (4).
+    from moe_tune.ops.linear_attention.kernels_common import GPU_NUM_WARPS_GRAD
+
+    tiled = {
+        (row["constexprs"]["BK"], row["num_warps"]) for row in rows if row["kernel"] == "_chunk_grad_wy_tiled_kernel"
+    }
+    assert tiled == {(128, GPU_NUM_WARPS_GRAD), (64, 4)}
     over = [row for row in rows if row["shared"] > H200_SHARED_MEMORY]
     assert not over, "\n".join(json.dumps(row) for row in over)
 

@@ -194,10 +194,9 @@ def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, g
         options["cu_seqlens"] = torch.tensor(options["cu_seqlens"], dtype=torch.int32)
     inputs = make_inputs(**shape, dtype=dtype)
     assert_matches_reference(inputs, dtype, guarded, **options)
-    # The key tiles of 16 only where K's tile is wider (the default K is 16).
-    is_tiled = block_k_grad_wy is not None and shape.get("K", 16) > block_k_grad_wy
-    wy_kernel = "_chunk_grad_wy_tiled_kernel" if is_tiled else "_chunk_grad_wy_kernel"
-    assert set(launched) == {"_chunk_grad_state_kernel", wy_kernel}
+    # Split, the tiled WY kernel takes the one-kernel WY kernel's place (in one key tile where block_k_grad_wy is
+    # None or K's tile is no wider).
+    assert set(launched) == {"_chunk_grad_state_kernel", "_chunk_grad_wy_tiled_kernel"}
 
 
 def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch):
