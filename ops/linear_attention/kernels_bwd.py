@@ -506,10 +506,10 @@ def _chunk_grad_wy_tiled_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """`_chunk_grad_wy_kernel`'s work after `_chunk_grad_state_kernel` (split_grad_wy: dW read from dw_ptr, the
-    state's parts of dk and dG already in the output kernel's), the key dimension in tiles of BK. The K loops: the keys' squared norms; d(I + A)^-1's W part, k k^T and sum(k * dK') (K' the
-    scaled keys); then, after dA, dk per tile, stored unnormed into the fp32 dk_partial buffer (the output and state
-    kernels' parts already in it) with sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the
-    norm."""
+    state's parts of dk and dG already in the output kernel's), the key dimension in tiles of BK. The K loops: the
+    keys' squared norms; d(I + A)^-1's W part, k k^T and sum(k * dK') (K' the scaled keys); then, after dA, dk per
+    tile, stored unnormed into the fp32 dk_partial buffer (the output and state kernels' parts already in it) with
+    sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the norm."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
