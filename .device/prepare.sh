@@ -2,11 +2,14 @@
 # Here (no GPU), in the repository root: fetch what the H200 machine lacks, into folders git ignores locally.
 #   .whl/        deepspeed (built here, pure Python), hjson, pydantic and its parts: installed by setup.sh
 #   .fla/        flash-linear-attention and fla-core: on PYTHONPATH only for runs that should see FLA
-#   .tri1..4/    Triton 3.7.1 for Python 3.12 in four parts (197 MB; a run carries at most 64 MiB)
+#   .tri/        Triton 3.7.1 for Python 3.12, installed and trimmed to fit one run's 64 MiB (about 50 MB of xz):
+#                libtriton.so without its debug sections (strip --strip-unneeded: 461 -> 180 MB), and without
+#                what compiling and launching kernels on the H200 never loads: Proton's profiler and its CUPTI
+#                libraries, the Blackwell ptxas, the instrumentation and plugin test libraries
 # Usage: bash .device/prepare.sh [--no-triton]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for folder in /.whl/ /.fla/ /.tri1/ /.tri2/ /.tri3/ /.tri4/; do
+for folder in /.whl/ /.fla/ /.tri/; do
     grep -qxF "$folder" .git/info/exclude 2>/dev/null || echo "$folder" >> .git/info/exclude
 done
 PY=${PYTHON:-python3}
@@ -21,9 +24,16 @@ rm -rf .whl .fla && mkdir -p .whl .fla
 get .whl hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 get .fla flash-linear-attention==0.6.0 fla-core==0.6.0
 if [[ "${1:-}" != "--no-triton" ]]; then
-    rm -rf .tri1 .tri2 .tri3 .tri4 /tmp/moe-tune-tri && mkdir -p /tmp/moe-tune-tri
-    get /tmp/moe-tune-tri triton==3.7.1
-    split -n 4 -d /tmp/moe-tune-tri/triton-3.7.1-*.whl /tmp/moe-tune-tri/part
-    for i in 0 1 2 3; do mkdir -p .tri$((i + 1)) && mv /tmp/moe-tune-tri/part0$i .tri$((i + 1))/; done
+    WORK=/tmp/moe-tune-tri
+    rm -rf .tri "$WORK" && mkdir -p .tri "$WORK"
+    get "$WORK" triton==3.7.1
+    "$PY" -m pip install -q --no-deps --no-compile --target "$WORK/site" --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --only-binary=:all: "$WORK"/triton-3.7.1-*.whl
+    cd "$WORK/site"
+    rm -rf bin triton/_C/libproton.so triton/backends/nvidia/lib/cupti triton/backends/nvidia/bin/ptxas-blackwell \
+        triton/instrumentation triton/plugins
+    strip --strip-unneeded triton/_C/libtriton.so
+    tar cf - triton triton-3.7.1.dist-info | xz -9e -T2 > "$OLDPWD/.tri/triton-3.7.1.tar.xz"
+    cd "$OLDPWD"
 fi
-du -sh .whl .fla .tri? 2>/dev/null
+du -sh .whl .fla .tri 2>/dev/null

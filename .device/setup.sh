@@ -1,6 +1,6 @@
-# On the H200 machine, sourced at the start of a run's command (carry: [".whl", ".fla"], and the .triN of the
-# Triton 3.7.1 parts the first time): `source .device/setup.sh [3.6|3.7.1] [fla]`.
-#   3.6 (default): the image's Triton; 3.7.1: the wheel that .device/triton.sh assembled in /tmp/tri371
+# On the H200 machine, sourced at the start of a run's command (carry: [".whl", ".fla", ".tri"]):
+# `source .device/setup.sh [3.6|3.7.1] [fla]`.
+#   3.6 (default): the image's Triton; 3.7.1: .tri's archive (.device/prepare.sh), unpacked into /tmp/tri371
 #   fla: flash-linear-attention importable (transformers then runs it; on Triton 3.6 its gated backward refuses)
 # moe-tune runs from the working tree (PYTHONPATH, no install); MOE_TUNE_COMMIT names the commit for the JSON rows.
 TRITON_VERSION=${1:-3.6}
@@ -12,7 +12,13 @@ if [[ -n "$WITH_FLA" && ! -d /tmp/fla/fla ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .fla/*.whl || return 1
 fi
 SITE=/tmp/site
-[[ "$TRITON_VERSION" == "3.7.1" ]] && { [[ -d /tmp/tri371/triton ]] || { echo "Triton 3.7.1 not assembled: .device/triton.sh" >&2; return 1; }; SITE=/tmp/tri371:$SITE; }
+if [[ "$TRITON_VERSION" == "3.7.1" ]]; then
+    if [[ ! -d /tmp/tri371/triton ]]; then
+        [[ -f .tri/triton-3.7.1.tar.xz ]] || { echo "Triton 3.7.1: carry .tri (.device/prepare.sh)" >&2; return 1; }
+        mkdir -p /tmp/tri371 && tar xJf .tri/triton-3.7.1.tar.xz -C /tmp/tri371 || return 1
+    fi
+    SITE=/tmp/tri371:$SITE
+fi
 [[ -n "$WITH_FLA" ]] && SITE=$SITE:/tmp/fla
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 # One compile cache for the machine's calls, autotuning timings included (FLA autotunes every kernel on first use:

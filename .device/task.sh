@@ -1,4 +1,5 @@
-# On the H200 machine, after `source .device/setup.sh [3.6|3.7.1] [fla]`: `bash .device/task.sh TASK [LIMIT_S]`.
+# On the H200 machine, after `source .device/setup.sh [3.6|3.7.1] [fla]`:
+#   bash .device/task.sh TASK [LIMIT_S [ARGS...]]   (ARGS go to the task's command, e.g. `sweep 200 --ops gdn`)
 # Each task writes its JSON, plot and log into r/ (named by task and Triton version) and stops itself at LIMIT_S
 # (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
 #   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup
@@ -10,6 +11,7 @@
 set -u
 TASK=$1
 LIMIT=${2:-540}
+shift $(($# < 2 ? $# : 2))
 case $TASK in
     suite | sweep | anchor | next | next-against | moe-against) ;;
     *) echo "task.sh: unknown task '$TASK': suite, sweep, anchor, next, next-against or moe-against" >&2; exit 2 ;;
@@ -22,13 +24,13 @@ run() {
     tail -25 "r/$TAG.log"
 }
 case $TASK in
-    suite) run python3 -m pytest -m gpu tests/gpu -n 8 --dist loadgroup -q -rfE --tb=short -p no:cacheprovider ;;
-    sweep) run python3 -m moe_tune.engine.bench.linear_attention_sweep "r/$TAG.json" ;;
+    suite) run python3 -m pytest -m gpu tests/gpu -n 8 --dist loadgroup -q -rfE --tb=short -p no:cacheprovider "$@" ;;
+    sweep) run python3 -m moe_tune.engine.bench.linear_attention_sweep "r/$TAG.json" "$@" ;;
     anchor) run python3 -m moe_tune profile --kernels --ops gated_delta_rule,kda --shapes anchor \
-        --json "r/$TAG.json" --plot "r/$TAG.png" ;;
-    next) run python3 -m moe_tune profile bench-qwen3-next --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+        --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
+    next) run python3 -m moe_tune profile bench-qwen3-next --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
     next-against) run python3 -m moe_tune profile bench-qwen3-next --against transformers \
-        --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+        --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
     moe-against) run python3 -m moe_tune profile bench-qwen3-moe --against transformers \
-        --json "r/$TAG.json" --plot "r/$TAG.png" ;;
+        --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
 esac
