@@ -356,6 +356,115 @@ def _chunk_grad_state_kernel(
 
 
 @triton.jit
+def _chunk_grad_output_state_kernel(
+    q_ptr,
+    k_ptr,
+    g_cumsum_ptr,
+    states_ptr,
+    state_grads_ptr,
+    v_new_ptr,
+    do_ptr,
+    dv_new_ptr,
+    chunk_map_ptr,
+    dq_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dw_ptr,
+    scale,
+    T,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_chunk_grad_output_kernel` and `_chunk_grad_state_kernel` in one pass over V, for one key tile of BK columns
+    (program axis 2) of one (chunk, head) (split_grad_wy with grad_state_in_output): each S0 and dS1 element read
+    once. Per tile: dW in k's dtype; dk (fp32, before the L2 norm) from o = (q exp(G)) S0 + (q k^T * M) v_new and from
+    S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new; dq, final without USE_L2NORM and otherwise fp32 before the norm (the
+    WY kernel takes it through); and the tile's share of dG (sums over the key dimension, G_C's gradient on the
+    chunk's last token) into its own row of dG_partial [NK, T, H], which the WY kernel sums. q k^T's pair gradient
+    dqk depends on no key tile: each tile computes it."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    k0 = i_k * BK
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    token_head = (t0 + rows).to(tl.int64) * H + i_h
+    G, G_last = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
+
+    offs_k = k0 + tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    dk_end = tl.zeros([BT, BK], dtype=tl.float32)
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    state_dstate = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        # The key tile's rows of S0 and dS1, read transposed: [BV, BK].
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        dstate_t = tl.load(state_grads_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0)
+        dstate_t = dstate_t.to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+        dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
+        dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+    store_rows(dw_ptr + i_h * K + k0, dw, t0, num_valid, H * K, K - k0, BT, BK)
+
+    q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_L2NORM:
+        q_squares = tl.zeros([BT], dtype=tl.float32)
+        k_squares = tl.zeros([BT], dtype=tl.float32)
+        for kk0 in range(0, K, BK):
+            q = load_rows(q_ptr + i_h * K + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
+            k = load_rows(k_ptr + i_h * K + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
+            q_squares += tl.sum(q * q, axis=1)
+            k_squares += tl.sum(k * k, axis=1)
+        q_rstd = tl.rsqrt(q_squares + L2NORM_EPS)
+        k_rstd = tl.rsqrt(k_squares + L2NORM_EPS)
+    q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * q_rstd[:, None]
+    k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * k_rstd[:, None]
+    q_scaled = q * scale
+    q_dot = q_scaled.to(dot_dtype)
+    k_dot = k.to(dot_dtype)
+    dq = do_state * tl.exp(G)[:, None]
+    dG = tl.sum(q_scaled * dq, axis=1)
+    dqk = dqk * pair_decay(G, True, False, BT)
+    dqk_t = dqk_t * pair_decay(G, True, True, BT)
+    dq += tl.dot(dqk.to(dot_dtype), k_dot, input_precision=DOT_PRECISION)
+    qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
+    dG_pairs = dqk * qk
+    dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
+    store_rows(dq_ptr + i_h * K + k0, dq * scale, t0, num_valid, H * K, K - k0, BT, BK)
+
+    dk_end = dk_end * tl.exp(G_last - G)[:, None]
+    dG_end = tl.sum(k * dk_end, axis=1)
+    dG_last = tl.sum(dG_end, axis=0) + tl.exp(G_last) * tl.sum(state_dstate, axis=0)
+    dk = tl.dot(dqk_t.to(dot_dtype), q_dot, input_precision=DOT_PRECISION) + dk_end
+    store_rows(dk_partial_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+    dG = dG - dG_end + tl.where(rows == num_valid - 1, dG_last, 0.0)
+    tl.store(dG_partial_ptr + i_k.to(tl.int64) * T * H + token_head, dG, mask=is_valid)
+
+
+@triton.jit
 def _chunk_grad_wy_kernel(
     k_ptr,
     v_ptr,
@@ -481,6 +590,7 @@ def _chunk_grad_wy_kernel(
 
 @triton.jit
 def _chunk_grad_wy_tiled_kernel(
+    q_ptr,
     k_ptr,
     v_ptr,
     beta_ptr,
@@ -492,14 +602,19 @@ def _chunk_grad_wy_tiled_kernel(
     dk_partial_ptr,
     dG_partial_ptr,
     dw_ptr,
+    dq_partial_ptr,
+    dq_ptr,
     dk_ptr,
     dv_ptr,
     dbeta_ptr,
     dg_ptr,
+    T,
     H,
     K,
     V,
     USE_L2NORM: tl.constexpr,
+    NUM_DG_PARTS: tl.constexpr,
+    NORM_DQ: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -509,7 +624,9 @@ def _chunk_grad_wy_tiled_kernel(
     state's parts of dk and dG already in the output kernel's), the key dimension in tiles of BK. The K loops: the
     keys' squared norms; d(I + A)^-1's W part, k k^T and sum(k * dK') (K' the scaled keys); then, after dA, dk per
     tile, stored unnormed into the fp32 dk_partial buffer (the output and state kernels' parts already in it) with
-    sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the norm."""
+    sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the norm. dG's earlier parts are the
+    sum of NUM_DG_PARTS rows of dG_partial [NUM_DG_PARTS, T, H]; with NORM_DQ (and USE_L2NORM) the last loop also
+    takes the fp32 dq_partial through q's norm into dq."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -537,12 +654,21 @@ def _chunk_grad_wy_tiled_kernel(
         dbeta += tl.sum(v * dv_scaled, axis=1)
 
     k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    q_dq = tl.zeros([BT], dtype=tl.float32)
     if USE_L2NORM:
         squares = tl.zeros([BT], dtype=tl.float32)
+        q_squares = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
             squares += tl.sum(k * k, axis=1)
+            if NORM_DQ:
+                q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+                dq = load_rows(dq_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+                q_squares += tl.sum(q * q, axis=1)
+                q_dq += tl.sum(q * dq, axis=1)
         k_rstd = tl.rsqrt(squares + L2NORM_EPS)
+        q_rstd = tl.rsqrt(q_squares + L2NORM_EPS)
 
     # W's part of d(I + A)^-1 (dW K'^T, K' = diag(beta exp(G)) k), k k^T and sum(k * (I + A)^-T dW) per row.
     kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -558,7 +684,9 @@ def _chunk_grad_wy_tiled_kernel(
         k_dk_scaled += tl.sum(k * dk_scaled, axis=1)
 
     # dA = -(I + A)^-T d(I + A)^-1 (I + A)^-T, strictly lower; times exp(G_i - G_j) it is the gradient of k_i^T k_j.
-    dG = tl.load(dG_partial_ptr + token_head, mask=is_valid, other=0.0)
+    dG = tl.zeros([BT], dtype=tl.float32)
+    for part in tl.static_range(NUM_DG_PARTS):
+        dG += tl.load(dG_partial_ptr + T.to(tl.int64) * H * part + token_head, mask=is_valid, other=0.0)
     dA = tl.dot(inverse_t, dinverse.to(dot_dtype), input_precision=DOT_PRECISION)
     dA = -tl.dot(dA.to(dot_dtype), inverse_t, input_precision=DOT_PRECISION)
     dkk = dA * pair_decay(G, False, False, BT)
@@ -598,6 +726,12 @@ def _chunk_grad_wy_tiled_kernel(
             dk = load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
             dk = (dk - k * k_dk[:, None]) * k_rstd[:, None]
             store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+            if NORM_DQ:
+                # q^ = q q_rstd: dq = (dq' - q^ sum(q^ dq')) q_rstd, and sum(q^ dq') = q_rstd sum(q dq').
+                q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+                dq = load_rows(dq_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+                dq = (dq - q * (q_rstd * q_rstd * q_dq)[:, None]) * q_rstd[:, None]
+                store_rows(dq_ptr + i_h * K + k0, dq, t0, num_valid, H * K, K - k0, BT, BK)
 
     # G is the cumulative sum of g: dg_t = sum over i >= t of dG_i (G_C's gradient is in the last token's dG).
     dg = tl.cumsum(dG, axis=0, reverse=True)
@@ -744,38 +878,52 @@ def chunk_grad(
     dbeta_TH = kernels_common.alloc((T, H), beta_TH.dtype, device)
     dg_TH = kernels_common.alloc((T, H), g_dtype, device)
     scratch_THC = kernels_common.alloc((T, H, C), k_THK.dtype, device)
-    # The output kernel's parts of dk and dG, fp32, summed into the WY kernel's.
+    # The output kernel's parts of dk and dG, fp32, summed into the WY kernel's; with grad_state_in_output, one row
+    # of dG parts per key tile of block_k_grad_output, and with the L2 norm dq before it, fp32.
+    fused = config.split_grad_wy and config.grad_state_in_output
+    block_k_output = min(config.block_k_grad_output or block_size(K), block_size(K)) if fused else block_size(K)
+    num_k_tiles = triton.cdiv(K, block_k_output)
     dk_partial_THK = kernels_common.alloc((T, H, K), torch.float32, device)
-    dG_partial_TH = kernels_common.alloc((T, H), torch.float32, device)
+    dG_partial_NTH = kernels_common.alloc((num_k_tiles, T, H), torch.float32, device)
+    dq_partial_THK = kernels_common.alloc((T, H, K), torch.float32, device) if fused and use_qk_l2norm else dq_THK
     dot_precision, _ = dot_precisions(k_THK.dtype)
     meta = dict(
         K=K, V=V, USE_L2NORM=use_qk_l2norm, BT=C, BK=block_size(K), BV=min(config.block_v_grad, block_size(V)),
         DOT_PRECISION=dot_precision, num_warps=config.num_warps_grad, num_stages=config.num_stages,
     )  # fmt: skip
-    # split_grad_wy: dW between the state kernel and the WY kernel, in k's dtype.
+    # split_grad_wy: dW between the state part and the WY kernel, in k's dtype.
     dw_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device) if config.split_grad_wy else None
     if layout.num_slots > 0:
-        _chunk_grad_output_kernel[(layout.num_slots, H)](
-            q_THK, k_THK, g_cumsum_TH, states_NCHKV, v_new_THV, do_THV, layout.chunk_map,
-            dq_THK, dk_partial_THK, dG_partial_TH, scale, H, **meta,
-        )  # fmt: skip
-        if config.split_grad_wy:
+        if fused:
+            _chunk_grad_output_state_kernel[(layout.num_slots, H, num_k_tiles)](
+                q_THK, k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, do_THV, dv_new_THV,
+                layout.chunk_map, dq_partial_THK, dk_partial_THK, dG_partial_NTH, dw_THK, scale, T, H,
+                **dict(meta, BK=block_k_output, num_warps=config.num_warps_grad_output or config.num_warps_grad),
+            )  # fmt: skip
+        else:
+            _chunk_grad_output_kernel[(layout.num_slots, H)](
+                q_THK, k_THK, g_cumsum_TH, states_NCHKV, v_new_THV, do_THV, layout.chunk_map,
+                dq_THK, dk_partial_THK, dG_partial_NTH, scale, H, **meta,
+            )  # fmt: skip
+        if config.split_grad_wy and not fused:
             _chunk_grad_state_kernel[(layout.num_slots, H)](
                 k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, dv_new_THV, layout.chunk_map,
-                dk_partial_THK, dG_partial_TH, dw_THK, H, **meta,
+                dk_partial_THK, dG_partial_NTH, dw_THK, H,
+                **dict(meta, num_warps=config.num_warps_grad_state or config.num_warps_grad),
             )  # fmt: skip
         if config.split_grad_wy:
             # One key tile of the whole K unless block_k_grad_wy is narrower.
             block_k_wy = min(config.block_k_grad_wy or block_size(K), block_size(K))
             _chunk_grad_wy_tiled_kernel[(layout.num_slots, H)](
-                k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
-                dk_partial_THK, dG_partial_TH, dw_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, H,
-                **dict(meta, BK=block_k_wy, num_warps=config.num_warps_grad_wy or config.num_warps_grad),
+                q_THK, k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
+                dk_partial_THK, dG_partial_NTH, dw_THK, dq_partial_THK, dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, T, H,
+                **dict(meta, BK=block_k_wy, NUM_DG_PARTS=num_k_tiles, NORM_DQ=fused and use_qk_l2norm,
+                       num_warps=config.num_warps_grad_wy or config.num_warps_grad),
             )  # fmt: skip
         else:
             _chunk_grad_wy_kernel[(layout.num_slots, H)](
                 k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, states_NCHKV, state_grads_NCHKV, v_new_THV,
-                dv_new_THV, layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_TH, dk_THK, dv_THV, dbeta_TH,
+                dv_new_THV, layout.chunk_map, scratch_THC, dk_partial_THK, dG_partial_NTH, dk_THK, dv_THV, dbeta_TH,
                 dg_TH, H, **meta,
             )  # fmt: skip
     return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH

@@ -143,6 +143,14 @@ class KernelConfig:
     block_k_grad_wy: int | None = None
     # With split_grad_wy, the WY kernel's warps (None: num_warps_grad, the other gradient kernels' count).
     num_warps_grad_wy: int | None = None
+    # With split_grad_wy, the state part inside the output kernel (kernels_bwd._chunk_grad_output_state_kernel: each
+    # state element read once for both) rather than in a kernel of its own; that kernel's key tile (None, the whole
+    # key dimension) and warps (None: num_warps_grad).
+    grad_state_in_output: bool = False
+    block_k_grad_output: int | None = None
+    num_warps_grad_output: int | None = None
+    # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
+    num_warps_grad_state: int | None = None
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:

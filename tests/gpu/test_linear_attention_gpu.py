@@ -380,17 +380,30 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert err <= rtol, f"{name}: {err:.2e}"
 
 
-@pytest.fixture(params=[(None, None), (64, None), (64, 4)], ids=["whole_k", "k_tiles", "k_tiles-4_warps"])
+SPLIT_WY_4_WARPS = dict(split_grad_wy=True, block_k_grad_wy=64, num_warps_grad_wy=4)
+
+
+@pytest.fixture(
+    params=[
+        dict(split_grad_wy=True),
+        SPLIT_WY_4_WARPS,
+        dict(SPLIT_WY_4_WARPS, num_warps_grad_state=4),
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True),
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, block_k_grad_output=64),
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, block_k_grad_output=32),
+    ],
+    ids=["whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
+         "state_in_output_k_tiles", "state_in_output_k_tiles_32"],
+)  # fmt: skip
 def split_grad_wy(monkeypatch, request):
-    """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy), its WY kernel
-    on the whole key dimension or in key tiles of 64 (block_k_grad_wy), at the gradient kernels' warps or 4 of its
-    own (num_warps_grad_wy)."""
+    """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy) or in the output
+    kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output), its WY kernel on the whole key
+    dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy)."""
     import dataclasses
 
     from moe_tune.ops.linear_attention import autograd, kernels_common
 
-    block_k, num_warps = request.param
-    split = dict(split_grad_wy=True, block_k_grad_wy=block_k, num_warps_grad_wy=num_warps)
+    split = request.param
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(kernels_common.pick_config(x), **split))
 
 

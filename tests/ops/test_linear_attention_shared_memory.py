@@ -29,7 +29,7 @@ H200_SHARED_MEMORY = 232448
 FP32_KERNELS = {
     "_chunk_wy_fwd_kernel", "_chunk_state_fwd_kernel", "_chunk_output_kernel", "_prepare_state_bwd_kernel",
     "_chunk_state_bwd_kernel", "_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_wy_kernel",
-    "_chunk_grad_wy_tiled_kernel", "_kda_pairs_kernel",
+    "_chunk_grad_wy_tiled_kernel", "_chunk_grad_output_state_kernel", "_kda_pairs_kernel",
     "_kda_wy_fwd_kernel", "_kda_grad_wy_kernel", "_kda_grad_products_kernel",
 }  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +54,8 @@ def test_fp32_launches_fit_the_h200_shared_memory():
         (row["constexprs"]["BK"], row["num_warps"]) for row in rows if row["kernel"] == "_chunk_grad_wy_tiled_kernel"
     }
     assert tiled == {(128, GPU_NUM_WARPS_GRAD), (64, 4)}
+    fused = {row["constexprs"]["BK"] for row in rows if row["kernel"] == "_chunk_grad_output_state_kernel"}
+    assert fused == {64}
     over = [row for row in rows if row["shared"] > H200_SHARED_MEMORY]
     assert not over, "\n".join(json.dumps(row) for row in over)
 
@@ -97,9 +99,11 @@ def _record_and_measure() -> None:
                 setattr(module, name, Recorder(name, value))
     gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
 
-    # The per-head backward three ways: its WY kernel whole, with the state part split off (split_grad_wy), and then
-    # in key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy).
-    splits = ({}, {"split_grad_wy": True}, {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad_wy": 4})
+    # The per-head backward four ways: its WY kernel whole, with the state part split off (split_grad_wy), then in
+    # key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy), and with the state part in the
+    # output kernel in key tiles of 64 (grad_state_in_output, block_k_grad_output).
+    tiled = {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad_wy": 4}
+    splits = ({}, {"split_grad_wy": True}, tiled, dict(tiled, grad_state_in_output=True, block_k_grad_output=64))
     for V, is_kda, split in itertools.product((64, 128), (False, True), splits):
         if not (is_kda and split):
             autograd.pick_config = lambda x, split=split: dataclasses.replace(gpu, **split)

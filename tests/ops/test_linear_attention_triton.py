@@ -167,12 +167,24 @@ SPLIT_GRAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_k_grad_wy", [None, 16], ids=["whole_k", "k_tiles"])
+# split_grad_wy's launches: the WY kernel on the whole K or in key tiles of 16, its state part in a kernel of its own
+# or in the output kernel (grad_state_in_output), and the kernels each launches besides the forward's.
+SPLIT_GRAD_CONFIGS = [
+    pytest.param(dict(block_k_grad_wy=None), {"_chunk_grad_output_kernel", "_chunk_grad_state_kernel"},
+                 id="whole_k"),  # fmt: skip
+    pytest.param(dict(block_k_grad_wy=16), {"_chunk_grad_output_kernel", "_chunk_grad_state_kernel"}, id="k_tiles"),
+    pytest.param(dict(grad_state_in_output=True), {"_chunk_grad_output_state_kernel"}, id="state_in_output"),
+    pytest.param(dict(block_k_grad_wy=16, grad_state_in_output=True, block_k_grad_output=16),
+                 {"_chunk_grad_output_state_kernel"}, id="k_tiles-state_in_output_k_tiles"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("split, state_kernels", SPLIT_GRAD_CONFIGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape, options", SPLIT_GRAD_CASES)
 def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, guarded, monkeypatch, shape, options,
-                                                                   dtype, block_k_grad_wy):  # fmt: skip
-    # split_grad_wy: the state kernel writes dW and adds its parts of dk and dG (G_C's gradient on the chunk's last
+                                                                   dtype, split, state_kernels):  # fmt: skip
+    # split_grad_wy: the state part writes dW and adds its parts of dk and dG (G_C's gradient on the chunk's last
     # token) before the WY kernel runs; each token's dg must still get G_C's gradient, and an empty or one-token
     # chunk its own.
     launched = []
@@ -185,10 +197,11 @@ def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, g
             launched.append(self.name)
             return self.kernel[grid]
 
-    for name in ("_chunk_grad_state_kernel", "_chunk_grad_wy_tiled_kernel", "_chunk_grad_wy_kernel"):
+    for name in ("_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_output_state_kernel",
+                 "_chunk_grad_wy_tiled_kernel", "_chunk_grad_wy_kernel"):  # fmt: skip
         monkeypatch.setattr(kernels_bwd, name, Recorded(name))
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
-        kernels_common.pick_config(x), split_grad_wy=True, block_k_grad_wy=block_k_grad_wy))  # fmt: skip
+        kernels_common.pick_config(x), split_grad_wy=True, **split))  # fmt: skip
     options = dict(options)
     if "cu_seqlens" in options:
         options["cu_seqlens"] = torch.tensor(options["cu_seqlens"], dtype=torch.int32)
@@ -196,17 +209,19 @@ def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, g
     assert_matches_reference(inputs, dtype, guarded, **options)
     # Split, the tiled WY kernel takes the one-kernel WY kernel's place (in one key tile where block_k_grad_wy is
     # None or K's tile is no wider).
-    assert set(launched) == {"_chunk_grad_state_kernel", "_chunk_grad_wy_tiled_kernel"}
+    assert set(launched) == state_kernels | {"_chunk_grad_wy_tiled_kernel"}
 
 
-def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch):
+@pytest.mark.parametrize("split", [{}, dict(grad_state_in_output=True, block_k_grad_output=16)],
+                         ids=["state_kernel", "state_in_output_k_tiles"])  # fmt: skip
+def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch, split):
     # The same gradients to fp32 rounding: only the order of a few fp32 sums differs (dk_end added to the output
     # kernel's part before the pairs' terms, G_C's gradient summed into the last token's dG).
     inputs = make_inputs(1, 135, num_seqs=3)
     cu_seqlens = torch.tensor([0, 1, 64, 135], dtype=torch.int32)
     whole = forward_and_grads(gated_delta_rule, inputs, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
-        kernels_common.pick_config(x), split_grad_wy=True))  # fmt: skip
+        kernels_common.pick_config(x), split_grad_wy=True, **split))  # fmt: skip
     split = forward_and_grads(gated_delta_rule, inputs, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
