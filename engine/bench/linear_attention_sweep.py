@@ -49,18 +49,14 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta")
 # the anchor's heads and head dims, so that the check and the timing launch the same compiled kernels.
 CHECK_SHAPE = dict(batch_size=1, seq_len=3001, num_heads=16, head_dim_k=128, head_dim_v=128)
 CHECK_DOCUMENTS = (0, 1237, 3001)
-# split_grad_wy with its WY kernel in key tiles of 64 at 4 warps: 0.75 ms where the one WY kernel took 1.56 (H200,
-# Triton 3.7.1, 75f5d31); the other split candidates start from it.
-SPLIT_WY_4_WARPS = {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad_wy": 4}
-
 
 def sweep_candidates(op: str) -> list[dict]:
     """KernelConfig overrides to try for op ("gdn" per-head decay, "kda" per-channel), the first ({}) being
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
     (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels (block_v_grad, num_warps_grad,
     num_stages; KDA's two gradient kernels' warps), the forward's serial pass (block_v_state_fwd, its stages) and,
-    per head, the output kernel's launch and the backward's state part in a kernel of its own or in the output
-    kernel's (split_grad_wy, grad_state_in_output; the WY kernel then in key tiles: block_k_grad_wy). On
+    per head, the output kernel's launch and the backward's split (split_grad_wy: the state part in the output
+    kernel or in one of its own, grad_state_in_output; the WY kernel's key tiles and warps). On
     Triton 3.6, whose pick_config launches the output kernel at 8 warps and 3 stages, the first output candidate
     differs from it in stages only."""
     common = [
@@ -85,17 +81,14 @@ def sweep_candidates(op: str) -> list[dict]:
             # (kernels_common.TRITON_37_OUTPUT_LAUNCH; 8 warps and 3 stages computed o wrong there).
             {"num_warps_output": 8, "num_stages_output": 2},
             {"num_warps_output": 4, "num_stages_output": 2},
-            {"split_grad_wy": True},
-            # At 4 warps the key-tiled WY kernel needs 254 registers and no stack: two blocks an SM.
-            {**SPLIT_WY_4_WARPS},
-            {**SPLIT_WY_4_WARPS, "num_warps_grad_state": 4},
-            {**SPLIT_WY_4_WARPS, "num_stages": 2},
-            # The state part in the output kernel, whole (64 bytes of stack at 8 warps) or in key tiles of 64 (216
-            # registers, no stack) or 32.
-            {**SPLIT_WY_4_WARPS, "grad_state_in_output": True},
-            {**SPLIT_WY_4_WARPS, "grad_state_in_output": True, "block_k_grad_output": 64},
-            {**SPLIT_WY_4_WARPS, "grad_state_in_output": True, "block_k_grad_output": 64, "num_stages": 2},
-            {**SPLIT_WY_4_WARPS, "grad_state_in_output": True, "block_k_grad_output": 32},
+            # pick_config's per-head backward (kernels_common.GPU_SPLIT_GRAD_WY) against the one WY kernel, the state
+            # part in a kernel of its own (at the gradient kernels' 8 warps or 4), the state part in the output kernel
+            # in key tiles of 64, and the WY kernel's key tiles at the gradient kernels' warps.
+            {"split_grad_wy": False},
+            {"grad_state_in_output": False},
+            {"grad_state_in_output": False, "num_warps_grad_state": 4},
+            {"block_k_grad_output": 64},
+            {"num_warps_grad_wy": None},
         ]
     if op == "kda":
         return [

@@ -71,6 +71,11 @@ GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
 GPU_NUM_WARPS = 4
 # The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
 GPU_NUM_WARPS_GRAD = 8
+# The per-head backward after the state pass: the state part in the output kernel (whole K), the WY part in key tiles
+# of 64 at 4 warps (254 registers, no stack: two blocks an SM). At B4 T8192 H16 bf16 on the H200 (Triton 3.7.1,
+# 4c55adb) 3.548 ms a training pass against the one WY kernel's 3.905 and FLA's 3.571 (docs/PERF.md, "Where the
+# gated delta rule's training pass trails FLA's").
+GPU_SPLIT_GRAD_WY = dict(split_grad_wy=True, grad_state_in_output=True, block_k_grad_wy=64, num_warps_grad_wy=4)
 # Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
 GPU_NUM_STAGES_STATE = 2
 # fp32 inputs in the output-writing state pass take 1 stage: its FP32_DOTS dots keep both halves of each operand in
@@ -193,6 +198,7 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_STAGES_STATE_FWD_KDA,
         GPU_NUM_WARPS_STATE_FWD_KDA_WIDE,
         GPU_INVERSE_DOTS_16BIT,
+        **GPU_SPLIT_GRAD_WY,
     )
 
 

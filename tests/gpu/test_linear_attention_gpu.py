@@ -380,25 +380,27 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert err <= rtol, f"{name}: {err:.2e}"
 
 
-SPLIT_WY_4_WARPS = dict(split_grad_wy=True, block_k_grad_wy=64, num_warps_grad_wy=4)
+# The per-head backward's launches beside pick_config's (kernels_common.GPU_SPLIT_GRAD_WY: the state part in the output
+# kernel, the WY kernel in key tiles of 64 at 4 warps), which every other test here runs.
+SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=64, num_warps_grad_wy=4)
 
 
 @pytest.fixture(
     params=[
-        dict(split_grad_wy=True),
+        dict(split_grad_wy=False),
+        dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=None, num_warps_grad_wy=None),
         SPLIT_WY_4_WARPS,
         dict(SPLIT_WY_4_WARPS, num_warps_grad_state=4),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, block_k_grad_output=64),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, block_k_grad_output=32),
     ],
-    ids=["whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
-         "state_in_output_k_tiles", "state_in_output_k_tiles_32"],
+    ids=["one_wy_kernel", "whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
+         "state_in_output_k_tiles"],
 )  # fmt: skip
 def split_grad_wy(monkeypatch, request):
-    """The per-head backward with its state part in a kernel of its own (KernelConfig.split_grad_wy) or in the output
-    kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output), its WY kernel on the whole key
-    dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy)."""
+    """The per-head backward as one WY kernel (split_grad_wy False) or split: its state part in a kernel of its own
+    or in the output kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output), its WY kernel on the
+    whole key dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy)."""
     import dataclasses
 
     from moe_tune.ops.linear_attention import autograd, kernels_common

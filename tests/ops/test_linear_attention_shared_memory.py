@@ -55,7 +55,7 @@ def test_fp32_launches_fit_the_h200_shared_memory():
     }
     assert tiled == {(128, GPU_NUM_WARPS_GRAD), (64, 4)}
     fused = {row["constexprs"]["BK"] for row in rows if row["kernel"] == "_chunk_grad_output_state_kernel"}
-    assert fused == {64}
+    assert fused == {64, 128}
     over = [row for row in rows if row["shared"] > H200_SHARED_MEMORY]
     assert not over, "\n".join(json.dumps(row) for row in over)
 
@@ -99,13 +99,17 @@ def _record_and_measure() -> None:
                 setattr(module, name, Recorder(name, value))
     gpu = kernels_common.pick_config(types.SimpleNamespace(is_cuda=True))
 
-    # The per-head backward four ways: its WY kernel whole, with the state part split off (split_grad_wy), then in
-    # key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy), and with the state part in the
-    # output kernel in key tiles of 64 (grad_state_in_output, block_k_grad_output).
-    tiled = {"split_grad_wy": True, "block_k_grad_wy": 64, "num_warps_grad_wy": 4}
-    splits = ({}, {"split_grad_wy": True}, tiled, dict(tiled, grad_state_in_output=True, block_k_grad_output=64))
+    # The per-head backward five ways: its WY kernel whole, with the state part split off (split_grad_wy), then in
+    # key tiles of 64 (block_k_grad_wy) at 4 warps of its own (num_warps_grad_wy), with the state part in the
+    # output kernel in key tiles of 64 (grad_state_in_output, block_k_grad_output), and pick_config's choice.
+    tiled = {"split_grad_wy": True, "grad_state_in_output": False, "block_k_grad_wy": 64, "num_warps_grad_wy": 4}
+    splits = (
+        {"split_grad_wy": False}, {"split_grad_wy": True, "grad_state_in_output": False, "block_k_grad_wy": None,
+                                   "num_warps_grad_wy": None}, tiled,
+        dict(tiled, grad_state_in_output=True, block_k_grad_output=64), {},
+    )  # fmt: skip
     for V, is_kda, split in itertools.product((64, 128), (False, True), splits):
-        if not (is_kda and split):
+        if not is_kda or split is splits[0]:
             autograd.pick_config = lambda x, split=split: dataclasses.replace(gpu, **split)
             B, T, H, K = 1, 130, 4, 128
             q, k = torch.zeros(B, T, H, K), torch.zeros(B, T, H, K)
