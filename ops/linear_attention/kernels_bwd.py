@@ -376,6 +376,7 @@ def _chunk_grad_output_state_kernel(
     K,
     V,
     USE_L2NORM: tl.constexpr,
+    NORM_DQ: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -384,8 +385,8 @@ def _chunk_grad_output_state_kernel(
     """`_chunk_grad_output_kernel` and `_chunk_grad_state_kernel` in one pass over V, for one key tile of BK columns
     (program axis 2) of one (chunk, head) (split_grad_wy with grad_state_in_output): each S0 and dS1 element read
     once. Per tile: dW in k's dtype; dk (fp32, before the L2 norm) from o = (q exp(G)) S0 + (q k^T * M) v_new and from
-    S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new; dq, final without USE_L2NORM and otherwise fp32 before the norm (the
-    WY kernel takes it through); and the tile's share of dG (sums over the key dimension, G_C's gradient on the
+    S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new; dq, final without USE_L2NORM or with NORM_DQ (one tile of the whole K,
+    taken through q's norm here), otherwise fp32 before the norm (the WY kernel takes it through); and the tile's share of dG (sums over the key dimension, G_C's gradient on the
     chunk's last token) into its own row of dG_partial [NK, T, H], which the WY kernel sums. q k^T's pair gradient
     dqk depends on no key tile: each tile computes it."""
     i_c = tl.program_id(0)
@@ -453,7 +454,10 @@ def _chunk_grad_output_state_kernel(
     qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
     dG_pairs = dqk * qk
     dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
-    store_rows(dq_ptr + i_h * K + k0, dq * scale, t0, num_valid, H * K, K - k0, BT, BK)
+    dq = dq * scale
+    if NORM_DQ:
+        dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
+    store_rows(dq_ptr + i_h * K + k0, dq, t0, num_valid, H * K, K - k0, BT, BK)
 
     dk_end = dk_end * tl.exp(G_last - G)[:, None]
     dG_end = tl.sum(k * dk_end, axis=1)
@@ -885,7 +889,11 @@ def chunk_grad(
     num_k_tiles = triton.cdiv(K, block_k_output)
     dk_partial_THK = kernels_common.alloc((T, H, K), torch.float32, device)
     dG_partial_NTH = kernels_common.alloc((num_k_tiles, T, H), torch.float32, device)
-    dq_partial_THK = kernels_common.alloc((T, H, K), torch.float32, device) if fused and use_qk_l2norm else dq_THK
+    # With the L2 norm, dq goes through it in the output kernel when that kernel has the whole key dimension and
+    # grad_dq_norm_in_output asks for it, else in the WY kernel from fp32.
+    norm_dq_in_output = fused and use_qk_l2norm and num_k_tiles == 1 and config.grad_dq_norm_in_output
+    norm_dq_in_wy = fused and use_qk_l2norm and not norm_dq_in_output
+    dq_partial_THK = kernels_common.alloc((T, H, K), torch.float32, device) if norm_dq_in_wy else dq_THK
     dot_precision, _ = dot_precisions(k_THK.dtype)
     meta = dict(
         K=K, V=V, USE_L2NORM=use_qk_l2norm, BT=C, BK=block_size(K), BV=min(config.block_v_grad, block_size(V)),
@@ -898,7 +906,8 @@ def chunk_grad(
             _chunk_grad_output_state_kernel[(layout.num_slots, H, num_k_tiles)](
                 q_THK, k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, do_THV, dv_new_THV,
                 layout.chunk_map, dq_partial_THK, dk_partial_THK, dG_partial_NTH, dw_THK, scale, T, H,
-                **dict(meta, BK=block_k_output, num_warps=config.num_warps_grad_output or config.num_warps_grad),
+                **dict(meta, BK=block_k_output, NORM_DQ=norm_dq_in_output,
+                       num_warps=config.num_warps_grad_output or config.num_warps_grad),
             )  # fmt: skip
         else:
             _chunk_grad_output_kernel[(layout.num_slots, H)](
@@ -917,7 +926,7 @@ def chunk_grad(
             _chunk_grad_wy_tiled_kernel[(layout.num_slots, H)](
                 q_THK, k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
                 dk_partial_THK, dG_partial_NTH, dw_THK, dq_partial_THK, dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, T, H,
-                **dict(meta, BK=block_k_wy, NUM_DG_PARTS=num_k_tiles, NORM_DQ=fused and use_qk_l2norm,
+                **dict(meta, BK=block_k_wy, NUM_DG_PARTS=num_k_tiles, NORM_DQ=norm_dq_in_wy,
                        num_warps=config.num_warps_grad_wy or config.num_warps_grad),
             )  # fmt: skip
         else:

@@ -154,6 +154,9 @@ class KernelConfig:
     grad_state_in_output: bool = False
     block_k_grad_output: int | None = None
     num_warps_grad_output: int | None = None
+    # With the state part in the output kernel over the whole key dimension, that kernel takes dq through q's L2 norm
+    # (else the WY kernel does, from an fp32 dq).
+    grad_dq_norm_in_output: bool = False
     # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
     num_warps_grad_state: int | None = None
 

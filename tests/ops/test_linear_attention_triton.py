@@ -176,6 +176,8 @@ SPLIT_GRAD_CONFIGS = [
     pytest.param(dict(grad_state_in_output=True), {"_chunk_grad_output_state_kernel"}, id="state_in_output"),
     pytest.param(dict(block_k_grad_wy=16, grad_state_in_output=True, block_k_grad_output=16),
                  {"_chunk_grad_output_state_kernel"}, id="k_tiles-state_in_output_k_tiles"),  # fmt: skip
+    pytest.param(dict(block_k_grad_wy=16, grad_state_in_output=True, grad_dq_norm_in_output=True),
+                 {"_chunk_grad_output_state_kernel"}, id="k_tiles-state_in_output-dq_norm_in_output"),  # fmt: skip
 ]
 
 
@@ -212,8 +214,12 @@ def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, g
     assert set(launched) == state_kernels | {"_chunk_grad_wy_tiled_kernel"}
 
 
-@pytest.mark.parametrize("split", [{}, dict(grad_state_in_output=True, block_k_grad_output=16)],
-                         ids=["state_kernel", "state_in_output_k_tiles"])  # fmt: skip
+@pytest.mark.parametrize(
+    "split",
+    [{}, dict(grad_state_in_output=True, block_k_grad_output=16), dict(grad_state_in_output=True,
+                                                                        grad_dq_norm_in_output=True)],
+    ids=["state_kernel", "state_in_output_k_tiles", "state_in_output-dq_norm_in_output"],
+)  # fmt: skip
 def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch, split):
     # The same gradients to fp32 rounding: only the order of a few fp32 sums differs (dk_end added to the output
     # kernel's part before the pairs' terms, G_C's gradient summed into the last token's dG).
