@@ -159,6 +159,9 @@ class KernelConfig:
     grad_dq_norm_in_output: bool = False
     # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
     num_warps_grad_state: int | None = None
+    # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
+    # whole K: _kda_grad_products_kernel).
+    block_k_kda_grad_products: int | None = None
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:

@@ -31,6 +31,9 @@ and WY terms: dv, dbeta, and for the next kernel fp32 parts of dk and dG, the gr
 dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
 compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
 parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
+The products kernel still holds 255 registers and 608 bytes of stack; `_kda_grad_products_tiled_kernel` is the same
+work in key tiles (KernelConfig.block_k_kda_grad_products: 96 bytes at 64 columns, none at 32), every term per
+channel but the L2 norms', whose backward `_l2norm_bwd_rows_kernel` then runs on whole rows.
 The serial state passes are `_chunk_state_fwd_kernel` (kernels_state.py) and `_chunk_state_bwd_kernel`
 (kernels_bwd.py) with IS_PER_CHANNEL, and the forward's `_chunk_output_kernel` (kernels_output.py) with
 IS_PER_CHANNEL: they read the decayed causal q k^T the pairs kernel writes.
@@ -100,6 +103,8 @@ def _masked_exp(log_decay, mask):
 FAST_SPAN_BOUND = 60.0
 FAST_SPAN_BOUND_FP16 = 8.0
 FAST_SPAN_BOUND_NORMED = 80.0
+# Rows a program of the L2 norm's backward takes (after the key-tiled products kernel).
+L2NORM_BWD_ROWS = 32
 
 
 def fast_span_bound(dtype: torch.dtype, is_normed: bool = False) -> float:
@@ -610,6 +615,186 @@ def _kda_grad_products_kernel(
     store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
 
 
+@triton.jit
+def _decayed_matmul_tile(D, y, G, y_ptr, g_cumsum_ptr, t0, num_valid, row_stride, num_cols, y_scale, y_rstd, is_mild,
+                         IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """`_decayed_matmul` on one key tile: y_ptr, g_cumsum_ptr at the tile's first column, num_cols its columns in
+    memory, y_rstd [BT] the chunk rows' L2-norm factors over the whole key dimension (ones without the norm), which
+    the rows re-read for pairs within a sub-chunk are scaled by (with y_scale), as y was."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, BT)
+    own_rows = tl.where(is_mild, SB, 0)
+    Z = _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, num_cols, own_rows, IS_TRANSPOSED, BT, BK,
+                      SB, DOT_PRECISION)  # fmt: skip
+    for jj in range(0, SB - own_rows):
+        partner = (rows // SB) * SB + jj
+        partner_rstd = tl.sum(tl.where(cols[None, :] == partner[:, None], y_rstd[None, :], 0.0), axis=1)
+        y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, num_cols, jj, BT, BK, SB).to(tl.float32)
+        y_partner = y_partner * (partner_rstd * y_scale)[:, None]
+        G_partner = _load_same_block_rows(g_cumsum_ptr, t0, num_valid, row_stride, num_cols, jj, BT, BK, SB)
+        d = tl.sum(tl.where(cols[None, :] == partner[:, None], D, 0.0), axis=1)
+        if IS_TRANSPOSED:
+            is_pair = ((partner >= rows) & (partner < num_valid))[:, None]
+            Z += d[:, None] * y_partner * _masked_exp(G_partner - G, is_pair)
+        else:
+            is_pair = ((partner <= rows) & (partner < num_valid))[:, None]
+            Z += d[:, None] * y_partner * _masked_exp(G - G_partner, is_pair)
+    return Z
+
+
+@triton.jit
+def _kda_grad_products_tiled_kernel(
+    q_ptr,
+    k_ptr,
+    a_ptr,  # the raw gate, read when GATE_IN_KERNEL
+    a_log_ptr,
+    dt_bias_ptr,
+    g_cumsum_ptr,
+    states_ptr,
+    v_new_ptr,
+    do_ptr,
+    chunk_map_ptr,
+    dkk_ptr,
+    dk_partial_ptr,
+    dG_partial_ptr,
+    dG_last_ptr,
+    dq_ptr,
+    dk_ptr,
+    dg_ptr,  # dg, or da when GATE_IN_KERNEL
+    da_log_partial_ptr,  # [NC, H, NK] fp32, written when GATE_IN_KERNEL
+    ddt_bias_partial_ptr,  # [NC, H, K] fp32, written when GATE_IN_KERNEL
+    scale,
+    H,
+    K,
+    V,
+    USE_L2NORM: tl.constexpr,
+    BT: tl.constexpr,
+    SB: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GATE_IN_KERNEL: tl.constexpr,
+    FAST_SPAN: tl.constexpr,
+):
+    """`_kda_grad_products_kernel` for one key tile of BK columns (program axis 2; KernelConfig.block_k_kda_grad_products):
+    every term but the L2 norms' is per key channel. The norms' factors come from the whole rows (a loop over the
+    tiles); with USE_L2NORM dq and dk are stored before the norm's backward, fp32, into dq_ptr and dk_ptr (which
+    `_l2norm_bwd_rows_kernel` then takes through it), else final. Pairs within a sub-chunk take the dots where the
+    tile's own decays allow (its span); q k^T's pair gradients (sums over V) are computed by each tile; with the gate,
+    dA_log's per-chunk sum is one entry per tile."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    k0 = i_k * BK
+    t0 = tl.load(chunk_map_ptr + 2 * i_c)
+    num_valid = tl.load(chunk_map_ptr + 2 * i_c + 1)
+    dot_dtype = k_ptr.dtype.element_ty
+    rows = tl.arange(0, BT)
+    is_valid = rows < num_valid
+    num_cols = K - k0
+
+    # do S0^T on the tile's rows of S0, and do v_new^T both ways, over V tiles (as output_grad_products).
+    offs_k = k0 + tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+
+    q_ptr_h = q_ptr + i_h * K
+    k_ptr_h = k_ptr + i_h * K
+    q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_L2NORM:
+        q_squares = tl.zeros([BT], dtype=tl.float32)
+        k_squares = tl.zeros([BT], dtype=tl.float32)
+        for kk0 in range(0, K, BK):
+            q = load_rows(q_ptr_h + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
+            k = load_rows(k_ptr_h + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
+            q_squares += tl.sum(q * q, axis=1)
+            k_squares += tl.sum(k * k, axis=1)
+        q_rstd = tl.rsqrt(q_squares + L2NORM_EPS)
+        k_rstd = tl.rsqrt(k_squares + L2NORM_EPS)
+    q_ptr_t = q_ptr_h + k0
+    k_ptr_t = k_ptr_h + k0
+    g_ptr_t = g_cumsum_ptr + i_h * K + k0
+    G, _ = load_channel_decay(g_ptr_t, t0, num_valid, H * K, num_cols, BT, BK)
+    G_first = _subchunk_first_rows(g_ptr_t, t0, num_valid, H * K, num_cols, BT, BK, SB)
+    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
+
+    dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
+    dq = do_state * tl.exp(G)
+    k = load_rows(k_ptr_t, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32) * k_rstd[:, None]
+    dq += _decayed_matmul_tile(dqk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, is_mild,
+                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    q = load_rows(q_ptr_t, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32) * q_rstd[:, None]
+    dG = q * scale * dq
+    store_rows(dq_ptr + i_h * K + k0, dq * scale, t0, num_valid, H * K, num_cols, BT, BK)
+    dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
+    dk = _decayed_matmul_tile(dqk_t, q * scale, G, q_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, scale, q_rstd,
+                              is_mild, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dG -= k * dk
+
+    dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
+    dk_later = _decayed_matmul_tile(dkk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd,
+                                    is_mild, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk += dk_later
+    dG += k * dk_later
+    dkk_t = load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
+    dk_earlier = _decayed_matmul_tile(dkk_t, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd,
+                                      is_mild, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk += dk_earlier
+    dG -= k * dk_earlier
+    dk += load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, num_cols, BT, BK)
+    dG += load_rows(dG_partial_ptr + i_h * K + k0, t0, num_valid, H * K, num_cols, BT, BK)
+
+    dG_last = tl.load(dG_last_ptr + (i_c * H + i_h) * K + offs_k, mask=offs_k < K, other=0.0)
+    dg = tl.cumsum(dG, axis=0, reverse=True) + dG_last[None, :]
+    store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, num_cols, BT, BK)
+    if GATE_IN_KERNEL:
+        # As `_kda_grad_products_kernel`'s gate step, on the tile's channels (`_gate_terms` written out for the
+        # column offset).
+        a = load_rows(a_ptr + i_h * K + k0, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32)
+        is_col = offs_k < K
+        x = a + tl.load(dt_bias_ptr + i_h * K + offs_k, mask=is_col, other=0.0).to(tl.float32)[None, :]
+        softplus = tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+        a_exp = tl.exp(tl.load(a_log_ptr + i_h).to(tl.float32))
+        g_raw = tl.where(is_valid[:, None] & is_col[None, :], -a_exp * softplus, 0.0)
+        da = tl.where(is_valid[:, None], -dg * a_exp * tl.sigmoid(x), 0.0)
+        num_k_tiles = tl.num_programs(2)
+        tl.store(da_log_partial_ptr + (i_c * H + i_h) * num_k_tiles + i_k, tl.sum(tl.sum(dg * g_raw, axis=1), axis=0))
+        tl.store(ddt_bias_partial_ptr + (i_c * H + i_h) * K + offs_k, tl.sum(da, axis=0), mask=is_col)
+        dg = da
+    store_rows(dg_ptr + i_h * K + k0, dg, t0, num_valid, H * K, num_cols, BT, BK)
+
+
+@triton.jit
+def _l2norm_bwd_rows_kernel(x_ptr, dy_ptr, dx_ptr, num_rows, K, BR: tl.constexpr, BK: tl.constexpr):
+    """dx = (dy - y sum(y dy)) / ||x|| per row of x [num_rows, K], y = x / ||x|| (eps as the kernels' norm): the L2
+    norm's backward for dy (fp32) given before it, in BR rows a program."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BK)
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    mask = (rows < num_rows)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + L2NORM_EPS)
+    y = x * rstd[:, None]
+    dx = (dy - y * tl.sum(y * dy, axis=1)[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 def kda_wy_fwd(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -713,8 +898,11 @@ def kda_grad(
     dG_partial_THK = alloc((T, H, K), torch.float32, device)
     dG_last_NCHK = alloc((layout.num_slots, H, K), torch.float32, device)
     dkk_THC = alloc((T, H, C), torch.float32, device)
-    # Per chunk slot, summed below in slot order (deterministic where atomics would not be).
-    da_log_partial = alloc((layout.num_slots, H), torch.float32, device) if gate is not None else None
+    # The products kernel's key tiles (KernelConfig.block_k_kda_grad_products; one of the whole K by default).
+    block_k_products = min(config.block_k_kda_grad_products or block_size(K), block_size(K))
+    num_k_tiles = triton.cdiv(K, block_k_products)
+    # Per chunk slot (and key tile), summed below in slot order (deterministic where atomics would not be).
+    da_log_partial = alloc((layout.num_slots, H, num_k_tiles), torch.float32, device) if gate is not None else None
     ddt_bias_partial = alloc((layout.num_slots, H, K), torch.float32, device) if gate is not None else None
     dot_precision, _ = dot_precisions(k_THK.dtype)
     meta = dict(K=K, USE_L2NORM=use_qk_l2norm, BT=C, BK=block_size(K), DOT_PRECISION=dot_precision,
@@ -728,13 +916,34 @@ def kda_grad(
             dv_new_THV, layout.chunk_map, dv_THV, dbeta_TH, dk_partial_THK, dG_partial_THK, dG_last_NCHK, dkk_THC,
             H, V=V, BV=block_v, num_warps=config.num_warps_kda_grad_wy, **meta,
         )  # fmt: skip
-        _kda_grad_products_kernel[grid](
-            q_THK, k_THK, *(gate if gate is not None else (g_cumsum_THK,) * 3), g_cumsum_THK, states_NCHKV,
-            v_new_THV, do_THV, layout.chunk_map, dkk_THC, dk_partial_THK, dG_partial_THK, dG_last_NCHK,
-            dq_THK, dk_THK, dg_THK, *((da_log_partial, ddt_bias_partial) if gate is not None else (dg_THK, dg_THK)),
-            scale, H, V=V, SB=SUB_CHUNK_SIZE, BV=block_v, GATE_IN_KERNEL=gate is not None, FAST_SPAN=fast_span,
-            num_warps=config.num_warps_kda_grad_products, **meta,
+        products = dict(
+            scale=scale, H=H, V=V, SB=SUB_CHUNK_SIZE, BV=block_v, GATE_IN_KERNEL=gate is not None,
+            FAST_SPAN=fast_span, num_warps=config.num_warps_kda_grad_products, **meta,
         )  # fmt: skip
+        if num_k_tiles == 1:
+            _kda_grad_products_kernel[grid](
+                q_THK, k_THK, *(gate if gate is not None else (g_cumsum_THK,) * 3), g_cumsum_THK, states_NCHKV,
+                v_new_THV, do_THV, layout.chunk_map, dkk_THC, dk_partial_THK, dG_partial_THK, dG_last_NCHK,
+                dq_THK, dk_THK, dg_THK, *((da_log_partial, ddt_bias_partial) if gate is not None else (dg_THK,) * 2),
+                **products,
+            )  # fmt: skip
+        else:
+            # With the L2 norm, dq and dk before its backward (fp32: dk into dk_partial, each tile read there first).
+            dq_before_norm = alloc((T, H, K), torch.float32, device) if use_qk_l2norm else dq_THK
+            dk_before_norm = dk_partial_THK if use_qk_l2norm else dk_THK
+            _kda_grad_products_tiled_kernel[(layout.num_slots, H, num_k_tiles)](
+                q_THK, k_THK, *(gate if gate is not None else (g_cumsum_THK,) * 3), g_cumsum_THK, states_NCHKV,
+                v_new_THV, do_THV, layout.chunk_map, dkk_THC, dk_partial_THK, dG_partial_THK, dG_last_NCHK,
+                dq_before_norm, dk_before_norm, dg_THK,
+                *((da_log_partial, ddt_bias_partial) if gate is not None else (dg_THK,) * 2),
+                **dict(products, BK=block_k_products),
+            )  # fmt: skip
+            if use_qk_l2norm:
+                norm_grid = (triton.cdiv(T * H, L2NORM_BWD_ROWS),)
+                for x, dy, dx in ((q_THK, dq_before_norm, dq_THK), (k_THK, dk_before_norm, dk_THK)):
+                    _l2norm_bwd_rows_kernel[norm_grid](x, dy, dx, T * H, K, BR=L2NORM_BWD_ROWS, BK=block_size(K),
+                                                       num_warps=config.num_warps)  # fmt: skip
     if gate is None:
         return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, None, None
-    return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, da_log_partial.sum(0), ddt_bias_partial.sum(0).reshape(H * K)
+    da_log = da_log_partial.sum((0, 2))
+    return dq_THK, dk_THK, dv_THV, dbeta_TH, dg_THK, da_log, ddt_bias_partial.sum(0).reshape(H * K)

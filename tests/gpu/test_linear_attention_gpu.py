@@ -439,3 +439,39 @@ def test_split_state_part_anchor_and_110_documents_bf16(guarded, split_grad_wy):
     options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
     first, second = (forward_and_grads(gated_delta_rule, inputs, **options) for _ in range(2))
     assert [name for name in first if not torch.equal(first[name], second[name])] == []
+
+
+@pytest.fixture(params=[(64, 8), (32, 8), (32, 16)], ids=["k64-8_warps", "k32-8_warps", "k32-16_warps"])
+def kda_products_tiles(monkeypatch, request):
+    """KDA's products kernel in key tiles (KernelConfig.block_k_kda_grad_products) at the kernel's warps
+    (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 96 bytes of stack at 64 and 8 warps, none at 32."""
+    import dataclasses
+
+    from moe_tune.ops.linear_attention import autograd, kernels_common
+
+    block_k, num_warps = request.param
+    tiles = dict(block_k_kda_grad_products=block_k, num_warps_kda_grad_products=num_warps)
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(kernels_common.pick_config(x), **tiles))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, use_qk_l2norm", [*ODD_CASES, pytest.param(
+    dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS)), True, id="8-docs")])  # fmt: skip
+def test_kda_products_in_key_tiles_match_reference(guarded, kda_products_tiles, shape, use_qk_l2norm, dtype):
+    inputs = make_inputs(**shape, dtype=dtype, is_per_channel=True)
+    cu_seqlens = None
+    if "num_seqs" in shape:
+        cu_seqlens = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
+
+
+@GPU_MEMORY_GROUP
+def test_kda_products_in_key_tiles_long_sequence_bf16(guarded, kda_products_tiles):
+    # KDA at T8192 H16 K=V=128 (the reference's memory: test_kda_long_sequence_bf16_matches_reference).
+    inputs = make_inputs(1, 8192, 16, 128, 128, dtype=torch.bfloat16, is_per_channel=True)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
+
+
+def test_kda_products_in_key_tiles_gate_bf16(guarded, kda_products_tiles):
+    # The gate in the kernels: dA_log's per-chunk sums one a key tile.
+    test_kda_gate_in_kernel_bf16_matches_reference(guarded, dict(T=1000, H=4, K=128, V=128), None)

@@ -30,6 +30,7 @@ FP32_KERNELS = {
     "_chunk_wy_fwd_kernel", "_chunk_state_fwd_kernel", "_chunk_output_kernel", "_prepare_state_bwd_kernel",
     "_chunk_state_bwd_kernel", "_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_wy_kernel",
     "_chunk_grad_wy_tiled_kernel", "_chunk_grad_output_state_kernel", "_kda_pairs_kernel",
+    "_kda_grad_products_tiled_kernel",
     "_kda_wy_fwd_kernel", "_kda_grad_wy_kernel", "_kda_grad_products_kernel",
 }  # fmt: skip
 REPO = Path(__file__).resolve().parents[2]
@@ -108,17 +109,18 @@ def _record_and_measure() -> None:
                                    "num_warps_grad_wy": None}, tiled,
         dict(tiled, grad_state_in_output=True, block_k_grad_output=64), {},
     )  # fmt: skip
-    for V, is_kda, split in itertools.product((64, 128), (False, True), splits):
-        if not is_kda or split is splits[0]:
-            autograd.pick_config = lambda x, split=split: dataclasses.replace(gpu, **split)
-            B, T, H, K = 1, 130, 4, 128
-            q, k = torch.zeros(B, T, H, K), torch.zeros(B, T, H, K)
-            v, beta = torch.zeros(B, T, H, V), torch.zeros(B, T, H)
-            g = torch.zeros(B, T, H, K) if is_kda else torch.zeros(B, T, H)
-            initial_state = torch.zeros(B, H, K, V)
-            leaves = [x.requires_grad_() for x in (q, k, v, g, beta, initial_state)]
-            o, final_state = autograd.gated_delta_rule_kernel(q, k, v, g, beta, None, initial_state, True)
-            torch.autograd.grad([o, final_state], leaves, [torch.zeros_like(o), torch.zeros_like(final_state)])
+    # KDA with its products kernel whole and in key tiles of 32 (block_k_kda_grad_products).
+    cases = [(False, split) for split in splits] + [(True, {}), (True, {"block_k_kda_grad_products": 32})]
+    for V, (is_kda, split) in itertools.product((64, 128), cases):
+        autograd.pick_config = lambda x, split=split: dataclasses.replace(gpu, **split)
+        B, T, H, K = 1, 130, 4, 128
+        q, k = torch.zeros(B, T, H, K), torch.zeros(B, T, H, K)
+        v, beta = torch.zeros(B, T, H, V), torch.zeros(B, T, H)
+        g = torch.zeros(B, T, H, K) if is_kda else torch.zeros(B, T, H)
+        initial_state = torch.zeros(B, H, K, V)
+        leaves = [x.requires_grad_() for x in (q, k, v, g, beta, initial_state)]
+        o, final_state = autograd.gated_delta_rule_kernel(q, k, v, g, beta, None, initial_state, True)
+        torch.autograd.grad([o, final_state], leaves, [torch.zeros_like(o), torch.zeros_like(final_state)])
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)

@@ -498,14 +498,61 @@ def test_kda_pairs_by_every_block_size_match_reference(kernel_path, guarded, dty
     assert_matches_reference(blocks_by_span(dtype), dtype, guarded, use_qk_l2norm_in_kernel=True)
 
 
+# KDA's products kernel in key tiles of 16 (KernelConfig.block_k_kda_grad_products): K 24 and 40 (a masked last tile),
+# with and without the L2 norm (its factors over the whole row, its backward in a kernel of its own), fp32 and fp16,
+# packed documents, strong decays (pairs within a sub-chunk elementwise, the re-read rows scaled by their norms).
+KDA_TILED_CASES = [
+    pytest.param(dict(B=1, T=65, K=40), {"use_qk_l2norm_in_kernel": True}, torch.float32, id="T65-K40-l2norm"),
+    pytest.param(dict(B=2, T=70, K=24, V=16, has_initial_state=False), {}, torch.float32, id="K24-V16-no_h0"),
+    pytest.param(dict(B=1, T=130, H=1, K=40, max_decay=6.0), {"use_qk_l2norm_in_kernel": True}, torch.float32,
+                 id="T130-K40-strong_decay-l2norm"),  # fmt: skip
+    pytest.param(dict(B=1, T=135, H=1, K=40, num_seqs=3), {"cu_seqlens": [0, 1, 64, 135], "use_qk_l2norm_in_kernel":
+                 True}, torch.float16, id="varlen-K40-fp16-l2norm"),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("within_sub_chunk", ["by_span", "elementwise_only"])
+@pytest.mark.parametrize("shape, options, dtype", KDA_TILED_CASES)
+def test_kda_products_in_key_tiles_match_reference(kernel_path, guarded, monkeypatch, shape, options, dtype,
+                                                   within_sub_chunk):  # fmt: skip
+    launched = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(kernels_kda, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_kda_grad_products_kernel", "_kda_grad_products_tiled_kernel", "_l2norm_bwd_rows_kernel"):
+        monkeypatch.setattr(kernels_kda, name, Recorded(name))
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+        kernels_common.pick_config(x), block_k_kda_grad_products=16))  # fmt: skip
+    if within_sub_chunk == "elementwise_only":
+        for bound in ("FAST_SPAN_BOUND", "FAST_SPAN_BOUND_NORMED", "FAST_SPAN_BOUND_FP16"):
+            monkeypatch.setattr(kernels_kda, bound, -1.0)
+    options = dict(options)
+    if "cu_seqlens" in options:
+        options["cu_seqlens"] = torch.tensor(options["cu_seqlens"], dtype=torch.int32)
+    is_normed = options.get("use_qk_l2norm_in_kernel", False)
+    assert_matches_reference(make_inputs(**shape, dtype=dtype, is_per_channel=True), dtype, guarded, **options)
+    assert set(launched) == {"_kda_grad_products_tiled_kernel"} | ({"_l2norm_bwd_rows_kernel"} if is_normed else set())
+
+
 @pytest.mark.parametrize("dtype, shape, doc_lengths", [
     pytest.param(torch.float32, dict(T=130, K=24, V=16), None, id="fp32-T130-K24"),
-    pytest.param(torch.float32, dict(T=70), [1, 63, 6], id="fp32-varlen"),
+    pytest.param(torch.float32, dict(T=70, K=40), [1, 63, 6], id="fp32-varlen-K40"),
     pytest.param(torch.float16, dict(T=65), None, id="fp16-T65"),
 ])  # fmt: skip
-def test_kda_gate_in_kernel_matches_reference(kernel_path, guarded, dtype, shape, doc_lengths):
+@pytest.mark.parametrize("block_k_products", [None, 16], ids=["whole_k", "k_tiles"])
+def test_kda_gate_in_kernel_matches_reference(kernel_path, guarded, monkeypatch, dtype, shape, doc_lengths,
+                                              block_k_products):  # fmt: skip
     # The log decay -exp(A_log) softplus(a + dt_bias) computed in the kernels, against the reference applying the
-    # same gate first: o, the final state and the gradients of q, k, v, a, beta, the initial state, A_log, dt_bias.
+    # same gate first: o, the final state and the gradients of q, k, v, a, beta, the initial state, A_log, dt_bias;
+    # with the products kernel in key tiles too (dA_log's per-chunk sums one a tile).
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+        kernels_common.pick_config(x), block_k_kda_grad_products=block_k_products))  # fmt: skip
     num_seqs = None if doc_lengths is None else len(doc_lengths)
     inputs = make_inputs(1, **shape, dtype=dtype, is_per_channel=True, num_seqs=num_seqs)
     H, K = inputs["q"].shape[2], inputs["q"].shape[3]
