@@ -231,6 +231,30 @@ def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid,
 
 
 @triton.jit
+def output_grad_products_tile(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, k0, dot_dtype,
+                              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """`output_grad_products` for the key tile of BK columns from k0 (do S0^T on the tile's rows of S0; the [BT, BT]
+    products do not depend on the tile), for the key-tiled kernels; the whole-K kernels keep their own."""
+    offs_k = k0 + tl.arange(0, BK)
+    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
+    has_chunk = num_valid > 0
+    do_state = tl.zeros([BT, BK], dtype=tl.float32)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
+        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
+        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
+        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
+        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
+        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+    return do_state, dqk, dqk_t
+
+
+@triton.jit
 def _chunk_grad_output_kernel(
     q_ptr,
     k_ptr,

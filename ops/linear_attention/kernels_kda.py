@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.linear_attention import kernels_common
-from moe_tune.ops.linear_attention.kernels_bwd import output_grad_products
+from moe_tune.ops.linear_attention.kernels_bwd import output_grad_products, output_grad_products_tile
 from moe_tune.ops.linear_attention.kernels_common import (
     L2NORM_EPS,
     SUB_CHUNK_SIZE,
@@ -693,24 +693,10 @@ def _kda_grad_products_tiled_kernel(
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
     num_cols = K - k0
-
-    # do S0^T on the tile's rows of S0, and do v_new^T both ways, over V tiles (as output_grad_products).
     offs_k = k0 + tl.arange(0, BK)
-    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
-    has_chunk = num_valid > 0
-    do_state = tl.zeros([BT, BK], dtype=tl.float32)
-    dqk = tl.zeros([BT, BT], dtype=tl.float32)
-    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
-        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
-        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
+
+    do_state, dqk, dqk_t = output_grad_products_tile(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K,
+                                                     V, k0, dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
