@@ -478,10 +478,12 @@ def _chunk_grad_output_state_kernel(
     qk = tl.dot(q_dot, tl.trans(k_dot), input_precision=DOT_PRECISION)
     dG_pairs = dqk * qk
     dG += tl.sum(dG_pairs, axis=1) - tl.sum(dG_pairs, axis=0)
-    dq = dq * scale
     if NORM_DQ:
+        dq = dq * scale
         dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
-    store_rows(dq_ptr + i_h * K + k0, dq, t0, num_valid, H * K, K - k0, BT, BK)
+        store_rows(dq_ptr + i_h * K + k0, dq, t0, num_valid, H * K, K - k0, BT, BK)
+    else:
+        store_rows(dq_ptr + i_h * K + k0, dq * scale, t0, num_valid, H * K, K - k0, BT, BK)
 
     dk_end = dk_end * tl.exp(G_last - G)[:, None]
     dG_end = tl.sum(k * dk_end, axis=1)
