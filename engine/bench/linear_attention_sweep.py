@@ -84,8 +84,10 @@ def sweep_candidates(op: str) -> list[dict]:
             # pick_config's per-head backward (kernels_common.GPU_SPLIT_GRAD_WY) against the one WY kernel, the state
             # part in a kernel of its own (at the gradient kernels' 8 warps or 4), the state part in the output kernel
             # in key tiles of 64, the WY kernel's key tiles at the gradient kernels' warps, and dq's norm in the
-            # output kernel (sm_90: 56 bytes of stack there against 64, the WY kernel 248 registers against 254).
+            # output kernel (sm_90: 56 bytes of stack there against 64, the WY kernel 248 registers against 254), and
+            # the output kernel at 16 warps (128 registers, 56 bytes of stack).
             {"grad_dq_norm_in_output": True},
+            {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},
             {"grad_state_in_output": False, "num_warps_grad_state": 4},
