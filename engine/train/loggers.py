@@ -243,15 +243,28 @@ def start_trackers(out: Path, trackers: Sequence[Tracker]) -> None:
     """The trackers' files in `out`, made with the run's first metrics record as metrics.jsonl is: each tracker's own
     (TensorBoard's events) and loggers.json with the W&B and MLflow run ids (the ids it holds for other trackers
     kept). A run stopped before its first step leaves none of them (its folder is no previous run:
-    run_dir.RUN_RESULTS), and a resumed run stopped there leaves them as it found them."""
-    from .checkpoint import write_json_atomic
+    run_dir.RUN_RESULTS), and a resumed run stopped there leaves them as it found them. A tracker that cannot start,
+    or loggers.json that cannot be written, is a CheckpointWriteError naming it (one line; the run stops)."""
+    from .checkpoint import CheckpointWriteError, write_json_atomic
 
     for tracker in trackers:
-        tracker.start()
+        try:
+            tracker.start()
+        except Exception as err:
+            raise CheckpointWriteError(
+                f"output.report_to ({tracker.name}): cannot write its files in {out}: {type(err).__name__}: "
+                f"{_first_line(err)}; the checkpoints already written are kept"
+            ) from None
     ids = {t.name: t.run_id for t in trackers if t.run_id is not None}
     if ids:
         ids_path = out / RUN_IDS_NAME
-        write_json_atomic(ids_path, {**_stored_ids(ids_path), **ids})
+        try:
+            write_json_atomic(ids_path, {**_stored_ids(ids_path), **ids})
+        except OSError as err:
+            raise CheckpointWriteError(
+                f"{ids_path}: cannot write it: {err.strerror or _first_line(err)}; the checkpoints already written "
+                "are kept"
+            ) from None
 
 
 def _first_line(err: BaseException) -> str:

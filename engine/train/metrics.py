@@ -67,9 +67,10 @@ class MetricsWriter:
             raise
 
     def _start_file(self) -> None:
-        """metrics.jsonl holding the kept lines alone (replaced atomically), open for appending; then the trackers'
-        files."""
+        """The trackers' files; then metrics.jsonl holding the kept lines alone (replaced atomically), open for
+        appending. A tracker that cannot start stops the run before metrics.jsonl changes."""
         path = self.path
+        start_trackers(path.parent, self.trackers)
         if self._kept:
             tmp = path.with_name(f".{path.name}.tmp")
             try:
@@ -82,7 +83,6 @@ class MetricsWriter:
         else:
             path.unlink(missing_ok=True)
         self._file = path.open("a")
-        start_trackers(path.parent, self.trackers)
 
     def _refuse_full_disk(self, err: OSError, doing: str) -> None:
         if err.errno in NO_SPACE_ERRNOS:

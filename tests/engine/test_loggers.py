@@ -1,6 +1,6 @@
 """output.report_to: every tracker offline gets the records of metrics.jsonl, the profile, a finished run and the
 same run on resume; a tracker not installed is refused in one line naming its extra. Also the start banner,
-processed vs trained tokens, and the adapter's model card."""
+processed vs trained tokens, and the adapter's model card; a tracker that cannot write stops the run in one line."""
 
 import glob
 import json
@@ -309,3 +309,66 @@ def test_model_card_of_a_checkpoint_names_it_and_its_model_type(tmp_path):
     assert f"- checkpoint: `{checkpoint}` (model_type `qwen3_moe`)" in card.splitlines()
     assert "- steps: 3 of 300, stopped by SIGTERM" in card.splitlines()
     assert "- final train loss: -" in card.splitlines() and "eval loss" not in card
+
+
+def test_a_tracker_that_cannot_write_stops_the_run_in_one_line_before_metrics_change(tmp_path):
+    # TensorBoard's folder taken by a file: the first record stops the run with one line naming the tracker and the
+    # folder; a new run leaves no metrics.jsonl, a resumed one its file byte for byte.
+    from moe_tune.engine.train.checkpoint import CheckpointWriteError
+
+    profile = _profile(tmp_path, "tensorboard")
+    out = profile.output.dir
+    out.mkdir(parents=True)
+    (out / "tensorboard").write_text("not a folder")
+    for resume_step, before in [(0, None), (1, json.dumps(RECORDS[0]) + "\n" + json.dumps(RECORDS[1]) + "\n")]:
+        if before is not None:
+            (out / "metrics.jsonl").write_text(before)
+        writer = MetricsWriter(out / "metrics.jsonl", resume_step, open_trackers(profile, resume_step))
+        with pytest.raises(CheckpointWriteError) as caught:
+            writer.write(RECORDS[0] if resume_step == 0 else RESUMED)
+        writer.close("failed")
+        message = str(caught.value)
+        assert len(message.splitlines()) == 1
+        assert message.startswith(f"output.report_to (tensorboard): cannot write its files in {out}: ")
+        assert message.endswith("; the checkpoints already written are kept")
+        if before is None:
+            assert not (out / "metrics.jsonl").exists()
+        else:
+            assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_loggers_json_that_cannot_be_written_is_one_line(tmp_path):
+    from moe_tune.engine.train.checkpoint import CheckpointWriteError
+
+    profile = _profile(tmp_path, "mlflow")
+    out = profile.output.dir
+    (out / RUN_IDS_NAME).mkdir(parents=True)  # a folder where loggers.json goes: the rename onto it fails
+    writer = MetricsWriter(out / "metrics.jsonl", 0, open_trackers(profile, 0))
+    with pytest.raises(CheckpointWriteError) as caught:
+        writer.write(RECORDS[0])
+    writer.close("failed")
+    assert str(caught.value).startswith(f"{out / RUN_IDS_NAME}: cannot write it: ")
+    assert len(str(caught.value).splitlines()) == 1
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_finetune_whose_tracker_cannot_write_exits_2_in_one_line(tmp_path, monkeypatch):
+    # The disk filling as TensorBoard's writer starts, at the first step's record.
+    import errno
+
+    from moe_tune.engine.train import loggers
+
+    def no_space(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loggers.TensorBoardTracker, "start", no_space)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["finetune", "tiny", "--set", f"output.dir={out}", "--set",
+                                      "output.report_to=[tensorboard]", "--set", "train.steps=2", "--set",
+                                      "train.warmup_steps=1"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: output.report_to (tensorboard): cannot write its files in {out}: OSError: [Errno 28] No space left "
+        "on device; the checkpoints already written are kept"
+    ]
+    assert not (out / "metrics.jsonl").exists()
