@@ -100,7 +100,7 @@ def sweep_candidates(op: str) -> list[dict]:
             {"num_warps_kda_grad_wy": 16},
             {"num_warps_kda_grad_products": 4},
             {"num_warps_kda_grad_products": 16},
-            # The products kernel (255 registers and 608 bytes of stack a thread whole, sm_90) in key tiles: 96 bytes
+            # The products kernel (255 registers and 608 bytes of stack a thread whole, sm_90) in key tiles: 88 bytes
             # at 64 and 8 warps, none at 32 and 8 or 16 warps.
             {"block_k_kda_grad_products": 64},
             {"block_k_kda_grad_products": 32},

@@ -48,6 +48,7 @@ from moe_tune.ops.linear_attention.kernels_common import (
     KernelConfig,
     block_size,
     dot_precisions,
+    l2norm_factors,
     l2norm_rows,
     load_decay,
     load_chunk_state_t,
@@ -204,37 +205,14 @@ def _prepare_state_bwd_kernel(
 
 
 @triton.jit
-def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, dot_dtype, BT: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles: do S0^T [BT, BK] and
-    do v_new^T [BT, BT] in both orientations (P's gradient before its decays and mask; the transpose as its own dot,
-    not tl.trans of a dot result). The states are read transposed, [BV, BK]: written out here rather than through
-    load_chunk_state_t, with which KDA's gradient products kernel compiled to another sm_90 binary (11,048
+def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, k0, dot_dtype,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles, on the key tile of BK
+    columns from k0 (0 and the whole K for the per-(chunk, head) kernels): do S0^T [BT, BK] and do v_new^T [BT, BT] in
+    both orientations (P's gradient before its decays and mask, the same for every key tile; the transpose as its
+    own dot, not tl.trans of a dot result). The states are read transposed, [BV, BK]: written out here rather than
+    through load_chunk_state_t, with which KDA's gradient products kernel compiled to another sm_90 binary (11,048
     instructions, 568 bytes of stack) than the one run on the H200 (11,064, 608)."""
-    offs_k = tl.arange(0, BK)
-    slot_head = (i_c * H + i_h).to(tl.int64) * K * V
-    has_chunk = num_valid > 0
-    do_state = tl.zeros([BT, BK], dtype=tl.float32)
-    dqk = tl.zeros([BT, BT], dtype=tl.float32)
-    dqk_t = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        state_t_offsets = offs_k[None, :] * V + offs_v[:, None]
-        state_t_mask = (offs_k[None, :] < K) & (offs_v[:, None] < V) & has_chunk
-        state_t = tl.load(states_ptr + slot_head + state_t_offsets, mask=state_t_mask, other=0.0).to(dot_dtype)
-        v_new = load_rows(v_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
-        do_state += tl.dot(do, state_t, input_precision=DOT_PRECISION)
-        dqk += tl.dot(do, tl.trans(v_new), input_precision=DOT_PRECISION)
-        dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
-    return do_state, dqk, dqk_t
-
-
-@triton.jit
-def output_grad_products_tile(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, k0, dot_dtype,
-                              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """`output_grad_products` for the key tile of BK columns from k0 (do S0^T on the tile's rows of S0; the [BT, BT]
-    products do not depend on the tile), for the key-tiled kernels; the whole-K kernels keep their own."""
     offs_k = k0 + tl.arange(0, BK)
     slot_head = (i_c * H + i_h).to(tl.int64) * K * V
     has_chunk = num_valid > 0
@@ -287,7 +265,7 @@ def _chunk_grad_output_kernel(
     token_head = (t0 + rows).to(tl.int64) * H + i_h
     G, _ = load_decay(g_cumsum_ptr + i_h, t0, num_valid, H, BT)
 
-    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
+    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, 0,
                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     q = load_rows(q_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
@@ -453,18 +431,7 @@ def _chunk_grad_output_state_kernel(
         state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
     store_rows(dw_ptr + i_h * K + k0, dw, t0, num_valid, H * K, K - k0, BT, BK)
 
-    q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
-    k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
-    if USE_L2NORM:
-        q_squares = tl.zeros([BT], dtype=tl.float32)
-        k_squares = tl.zeros([BT], dtype=tl.float32)
-        for kk0 in range(0, K, BK):
-            q = load_rows(q_ptr + i_h * K + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
-            k = load_rows(k_ptr + i_h * K + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
-            q_squares += tl.sum(q * q, axis=1)
-            k_squares += tl.sum(k * k, axis=1)
-        q_rstd = tl.rsqrt(q_squares + L2NORM_EPS)
-        k_rstd = tl.rsqrt(k_squares + L2NORM_EPS)
+    q_rstd, k_rstd = l2norm_factors(q_ptr + i_h * K, k_ptr + i_h * K, t0, num_valid, H * K, K, USE_L2NORM, BT, BK)
     q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * q_rstd[:, None]
     k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * k_rstd[:, None]
     q_scaled = q * scale

@@ -365,6 +365,26 @@ def l2norm_rows(x, USE_L2NORM: tl.constexpr):
 
 
 @triton.jit
+def l2norm_factors(q_ptr, k_ptr, t0, num_valid, row_stride, K, USE_L2NORM: tl.constexpr, BT: tl.constexpr,
+                   BK: tl.constexpr):  # fmt: skip
+    """(q_rstd, k_rstd) [BT]: 1 / sqrt(sum(x^2) + eps) of the chunk's rows of q and k (ptrs at column 0) over the whole
+    key dimension, read in tiles of BK, for kernels that hold one key tile; ones without USE_L2NORM."""
+    q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
+    if USE_L2NORM:
+        q_squares = tl.zeros([BT], dtype=tl.float32)
+        k_squares = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            q = load_rows(q_ptr + k0, t0, num_valid, row_stride, K - k0, BT, BK).to(tl.float32)
+            k = load_rows(k_ptr + k0, t0, num_valid, row_stride, K - k0, BT, BK).to(tl.float32)
+            q_squares += tl.sum(q * q, axis=1)
+            k_squares += tl.sum(k * k, axis=1)
+        q_rstd = tl.rsqrt(q_squares + L2NORM_EPS)
+        k_rstd = tl.rsqrt(k_squares + L2NORM_EPS)
+    return q_rstd, k_rstd
+
+
+@triton.jit
 def load_decay(g_cumsum_ptr, t0, num_valid, H, BT: tl.constexpr):
     """G [BT] fp32 of one chunk and its last value G_C; rows past the chunk's end repeat G_C, as zero-padded
     tokens (g = 0) would, so every pairwise G_i - G_j with j <= i stays <= 0."""

@@ -32,7 +32,7 @@ dg). They were one kernel, which spilled 3,784 bytes of stack a thread (sm_90
 compile, triton 3.6, K = V = 128, 8 warps); split, 200 and 568, for an fp32 [T, H, K] round trip of dk's and of dG's
 parts, dkk in fp32 [T, H, C] where the scratch was k's dtype, and G, k, the states and v_new read by both kernels.
 The products kernel still holds 255 registers and 608 bytes of stack; `_kda_grad_products_tiled_kernel` is the same
-work in key tiles (KernelConfig.block_k_kda_grad_products: 96 bytes at 64 columns, none at 32), every term per
+work in key tiles (KernelConfig.block_k_kda_grad_products: 88 bytes at 64 columns, none at 32), every term per
 channel but the L2 norms', whose backward `_l2norm_bwd_rows_kernel` then runs on whole rows.
 The serial state passes are `_chunk_state_fwd_kernel` (kernels_state.py) and `_chunk_state_bwd_kernel`
 (kernels_bwd.py) with IS_PER_CHANNEL, and the forward's `_chunk_output_kernel` (kernels_output.py) with
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.linear_attention import kernels_common
-from moe_tune.ops.linear_attention.kernels_bwd import output_grad_products, output_grad_products_tile
+from moe_tune.ops.linear_attention.kernels_bwd import output_grad_products
 from moe_tune.ops.linear_attention.kernels_common import (
     L2NORM_EPS,
     SUB_CHUNK_SIZE,
@@ -55,6 +55,7 @@ from moe_tune.ops.linear_attention.kernels_common import (
     block_size,
     dot_precisions,
     inverse_dots,
+    l2norm_factors,
     l2norm_rows,
     load_channel_decay,
     load_chunk_state_t,
@@ -174,6 +175,7 @@ def _decayed_matmul(
     row_stride,
     K,
     y_scale,
+    y_rstd,
     is_mild,
     USE_L2NORM: tl.constexpr,
     IS_TRANSPOSED: tl.constexpr,
@@ -186,9 +188,11 @@ def _decayed_matmul(
 
     IS_TRANSPOSED False: Z_i = sum_{j <= i} D[i, j] y_j exp(G_i - G_j)   (D [BT, BT], zero above the diagonal).
     IS_TRANSPOSED True:  Z_j = sum_{i >= j} D[j, i] y_i exp(G_i - G_j)   (D given as [j, i], zero below it).
-    y: [BT, BK] fp32 tile; y_ptr / g_cumsum_ptr: the same chunk's raw rows of y and G in memory, at column 0, read
-    back for pairs in one sub-chunk (L2-normalised when USE_L2NORM, then times y_scale, as y was) unless is_mild
-    (the chunk's span within the bound: those pairs take the dots too).
+    y: [BT, BK] fp32 tile; y_ptr / g_cumsum_ptr: the same chunk's raw rows of y and G in memory, at the tile's first
+    column, K its columns there, read back for pairs in one sub-chunk (L2-normalised when USE_L2NORM, then times
+    y_scale, as y was) unless is_mild (the tile's span within the bound: those pairs take the dots too). y_rstd: None
+    when the tile is the whole key dimension (a re-read row is normalised by itself), else [BT] the chunk rows'
+    L2-norm factors over the whole key dimension (ones without the norm), which the re-read rows are scaled by.
     """
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BT)
@@ -199,7 +203,11 @@ def _decayed_matmul(
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
-        y_partner = l2norm_rows(y_partner, USE_L2NORM) * y_scale
+        if y_rstd is None:
+            y_partner = l2norm_rows(y_partner, USE_L2NORM) * y_scale
+        else:
+            partner_rstd = tl.sum(tl.where(cols[None, :] == partner[:, None], y_rstd[None, :], 0.0), axis=1)
+            y_partner = y_partner.to(tl.float32) * (partner_rstd * y_scale)[:, None]
         G_partner = _load_same_block_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
         d = tl.sum(tl.where(cols[None, :] == partner[:, None], D, 0.0), axis=1)
         if IS_TRANSPOSED:
@@ -544,7 +552,7 @@ def _kda_grad_products_kernel(
     rows = tl.arange(0, BT)
     is_valid = rows < num_valid
 
-    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V,
+    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, 0,
                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     G, _ = load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
@@ -560,7 +568,7 @@ def _kda_grad_products_kernel(
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
     dq = do_state * tl.exp(G)
     k = l2norm_rows(load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    dq += _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+    dq += _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, is_mild, USE_L2NORM,
                           False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     q = load_rows(q_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
@@ -572,8 +580,8 @@ def _kda_grad_products_kernel(
         dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
     store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
     dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
-    dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, is_mild, USE_L2NORM,
-                         True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, None, is_mild,
+                         USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     k = load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
         k_rstd = tl.rsqrt(tl.sum(k * k, axis=1) + L2NORM_EPS)
@@ -583,13 +591,13 @@ def _kda_grad_products_kernel(
     # WY: dkk (the WY kernel's, fp32) times the decayed k in both orientations; dkk^T is read transposed (no tl.trans
     # of a dot result: the Hopper miscompile, kernels_common.py) and rounded to k's dtype, as a 16-bit scratch holds it.
     dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
-    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, is_mild, USE_L2NORM,
                                False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later
     dG += k * dk_later
     dkk_t = load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
-    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, is_mild, USE_L2NORM,
-                                 True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, is_mild,
+                                 USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_earlier
     dG -= k * dk_earlier
     dk += load_rows(dk_partial_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
@@ -613,34 +621,6 @@ def _kda_grad_products_kernel(
         tl.store(ddt_bias_partial_ptr + (i_c * H + i_h) * K + cols, tl.sum(da, axis=0), mask=cols < K)
         dg = da
     store_rows(dg_ptr + i_h * K, dg, t0, num_valid, H * K, K, BT, BK)
-
-
-@triton.jit
-def _decayed_matmul_tile(D, y, G, y_ptr, g_cumsum_ptr, t0, num_valid, row_stride, num_cols, y_scale, y_rstd, is_mild,
-                         IS_TRANSPOSED: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """`_decayed_matmul` on one key tile: y_ptr, g_cumsum_ptr at the tile's first column, num_cols its columns in
-    memory, y_rstd [BT] the chunk rows' L2-norm factors over the whole key dimension (ones without the norm), which
-    the rows re-read for pairs within a sub-chunk are scaled by (with y_scale), as y was."""
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BT)
-    own_rows = tl.where(is_mild, SB, 0)
-    Z = _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, num_cols, own_rows, IS_TRANSPOSED, BT, BK,
-                      SB, DOT_PRECISION)  # fmt: skip
-    for jj in range(0, SB - own_rows):
-        partner = (rows // SB) * SB + jj
-        partner_rstd = tl.sum(tl.where(cols[None, :] == partner[:, None], y_rstd[None, :], 0.0), axis=1)
-        y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, num_cols, jj, BT, BK, SB).to(tl.float32)
-        y_partner = y_partner * (partner_rstd * y_scale)[:, None]
-        G_partner = _load_same_block_rows(g_cumsum_ptr, t0, num_valid, row_stride, num_cols, jj, BT, BK, SB)
-        d = tl.sum(tl.where(cols[None, :] == partner[:, None], D, 0.0), axis=1)
-        if IS_TRANSPOSED:
-            is_pair = ((partner >= rows) & (partner < num_valid))[:, None]
-            Z += d[:, None] * y_partner * _masked_exp(G_partner - G, is_pair)
-        else:
-            is_pair = ((partner <= rows) & (partner < num_valid))[:, None]
-            Z += d[:, None] * y_partner * _masked_exp(G - G_partner, is_pair)
-    return Z
 
 
 @triton.jit
@@ -695,23 +675,12 @@ def _kda_grad_products_tiled_kernel(
     num_cols = K - k0
     offs_k = k0 + tl.arange(0, BK)
 
-    do_state, dqk, dqk_t = output_grad_products_tile(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K,
-                                                     V, k0, dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
+    do_state, dqk, dqk_t = output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, k0,
+                                                dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
-    q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
-    k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
-    if USE_L2NORM:
-        q_squares = tl.zeros([BT], dtype=tl.float32)
-        k_squares = tl.zeros([BT], dtype=tl.float32)
-        for kk0 in range(0, K, BK):
-            q = load_rows(q_ptr_h + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
-            k = load_rows(k_ptr_h + kk0, t0, num_valid, H * K, K - kk0, BT, BK).to(tl.float32)
-            q_squares += tl.sum(q * q, axis=1)
-            k_squares += tl.sum(k * k, axis=1)
-        q_rstd = tl.rsqrt(q_squares + L2NORM_EPS)
-        k_rstd = tl.rsqrt(k_squares + L2NORM_EPS)
+    q_rstd, k_rstd = l2norm_factors(q_ptr_h, k_ptr_h, t0, num_valid, H * K, K, USE_L2NORM, BT, BK)
     q_ptr_t = q_ptr_h + k0
     k_ptr_t = k_ptr_h + k0
     g_ptr_t = g_cumsum_ptr + i_h * K + k0
@@ -722,24 +691,24 @@ def _kda_grad_products_tiled_kernel(
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
     dq = do_state * tl.exp(G)
     k = load_rows(k_ptr_t, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32) * k_rstd[:, None]
-    dq += _decayed_matmul_tile(dqk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, is_mild,
-                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dq += _decayed_matmul(dqk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, is_mild,
+                          USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     q = load_rows(q_ptr_t, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32) * q_rstd[:, None]
     dG = q * scale * dq
     store_rows(dq_ptr + i_h * K + k0, dq * scale, t0, num_valid, H * K, num_cols, BT, BK)
     dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
-    dk = _decayed_matmul_tile(dqk_t, q * scale, G, q_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, scale, q_rstd,
-                              is_mild, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, scale, q_rstd,
+                         is_mild, USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dG -= k * dk
 
     dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
-    dk_later = _decayed_matmul_tile(dkk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd,
-                                    is_mild, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, is_mild,
+                               USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later
     dG += k * dk_later
     dkk_t = load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
-    dk_earlier = _decayed_matmul_tile(dkk_t, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd,
-                                      is_mild, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd,
+                                 is_mild, USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_earlier
     dG -= k * dk_earlier
     dk += load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, num_cols, BT, BK)

@@ -444,7 +444,7 @@ def test_split_state_part_anchor_and_110_documents_bf16(guarded, split_grad_wy):
 @pytest.fixture(params=[(64, 8), (32, 8), (32, 16)], ids=["k64-8_warps", "k32-8_warps", "k32-16_warps"])
 def kda_products_tiles(monkeypatch, request):
     """KDA's products kernel in key tiles (KernelConfig.block_k_kda_grad_products) at the kernel's warps
-    (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 96 bytes of stack at 64 and 8 warps, none at 32."""
+    (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 88 bytes of stack at 64 and 8 warps, none at 32."""
     import dataclasses
 
     from moe_tune.ops.linear_attention import autograd, kernels_common
