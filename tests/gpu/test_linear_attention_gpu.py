@@ -380,6 +380,31 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
         assert err <= rtol, f"{name}: {err:.2e}"
 
 
+# The cases a launch other than pick_config's is checked on (split_grad_wy's, KDA's key tiles).
+LAUNCH_CASES = [
+    *ODD_CASES,
+    pytest.param(dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS)), True, id="8-docs"),
+]
+
+
+def launch_with(monkeypatch, **fields):
+    """The kernels launched with pick_config's choice but for `fields` (KernelConfig's)."""
+    import dataclasses
+
+    from moe_tune.ops.linear_attention import autograd, kernels_common
+
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(kernels_common.pick_config(x), **fields))
+
+
+def assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel):
+    """One of LAUNCH_CASES: its inputs (packed documents of DOC_LENGTHS where it has num_seqs) against the reference."""
+    inputs = make_inputs(**shape, dtype=dtype, is_per_channel=is_per_channel)
+    cu_seqlens = None
+    if "num_seqs" in shape:
+        cu_seqlens = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
+
+
 # The per-head backward's launches beside pick_config's (kernels_common.GPU_SPLIT_GRAD_WY: the state part in the output
 # kernel, the WY kernel in key tiles of 64 at 4 warps), which every other test here runs.
 SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=64, num_warps_grad_wy=4)
@@ -403,28 +428,13 @@ def split_grad_wy(monkeypatch, request):
     or in the output kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output; dq's norm there or in
     the WY kernel), its WY kernel on the whole key dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its
     own (num_warps_grad_wy)."""
-    import dataclasses
-
-    from moe_tune.ops.linear_attention import autograd, kernels_common
-
-    split = request.param
-    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(kernels_common.pick_config(x), **split))
-
-
-SPLIT_CASES = [
-    *ODD_CASES,
-    pytest.param(dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS)), True, id="8-docs"),
-]
+    launch_with(monkeypatch, **request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape, use_qk_l2norm", SPLIT_CASES)
+@pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
 def test_split_state_part_matches_reference(guarded, split_grad_wy, shape, use_qk_l2norm, dtype):
-    inputs = make_inputs(**shape, dtype=dtype)
-    cu_seqlens = None
-    if "num_seqs" in shape:
-        cu_seqlens = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
+    assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel=False)
 
 
 @GPU_MEMORY_GROUP
@@ -445,24 +455,14 @@ def test_split_state_part_anchor_and_110_documents_bf16(guarded, split_grad_wy):
 def kda_products_tiles(monkeypatch, request):
     """KDA's products kernel in key tiles (KernelConfig.block_k_kda_grad_products) at the kernel's warps
     (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 88 bytes of stack at 64 and 8 warps, none at 32."""
-    import dataclasses
-
-    from moe_tune.ops.linear_attention import autograd, kernels_common
-
     block_k, num_warps = request.param
-    tiles = dict(block_k_kda_grad_products=block_k, num_warps_kda_grad_products=num_warps)
-    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(kernels_common.pick_config(x), **tiles))
+    launch_with(monkeypatch, block_k_kda_grad_products=block_k, num_warps_kda_grad_products=num_warps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape, use_qk_l2norm", [*ODD_CASES, pytest.param(
-    dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS)), True, id="8-docs")])  # fmt: skip
+@pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
 def test_kda_products_in_key_tiles_match_reference(guarded, kda_products_tiles, shape, use_qk_l2norm, dtype):
-    inputs = make_inputs(**shape, dtype=dtype, is_per_channel=True)
-    cu_seqlens = None
-    if "num_seqs" in shape:
-        cu_seqlens = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
+    assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel=True)
 
 
 @GPU_MEMORY_GROUP

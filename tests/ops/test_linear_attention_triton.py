@@ -94,6 +94,23 @@ def make_inputs(
     }
 
 
+def record_launches(monkeypatch, module, names) -> list[str]:
+    """The names of module's kernels `names`, in launch order, as they launch (each still runs)."""
+    launched = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(module, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorded(name))
+    return launched
+
+
 def forward_and_grads(op, inputs, **options):
     """o, final_state and the gradient of every input for fixed random cotangents, all as fp64."""
     leaves = {name: x for name, x in inputs.items() if x is not None}
@@ -189,19 +206,9 @@ def test_backward_with_the_state_part_split_off_matches_reference(kernel_path, g
     # split_grad_wy: the state part writes dW and adds its parts of dk and dG (G_C's gradient on the chunk's last
     # token) before the WY kernel runs; each token's dg must still get G_C's gradient, and an empty or one-token
     # chunk its own.
-    launched = []
-
-    class Recorded:
-        def __init__(self, name):
-            self.name, self.kernel = name, getattr(kernels_bwd, name)
-
-        def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
-
-    for name in ("_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_output_state_kernel",
-                 "_chunk_grad_wy_tiled_kernel", "_chunk_grad_wy_kernel"):  # fmt: skip
-        monkeypatch.setattr(kernels_bwd, name, Recorded(name))
+    launched = record_launches(monkeypatch, kernels_bwd, (
+        "_chunk_grad_output_kernel", "_chunk_grad_state_kernel", "_chunk_grad_output_state_kernel",
+        "_chunk_grad_wy_tiled_kernel", "_chunk_grad_wy_kernel"))  # fmt: skip
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
         kernels_common.pick_config(x), split_grad_wy=True, **split))  # fmt: skip
     options = dict(options)
@@ -515,18 +522,8 @@ KDA_TILED_CASES = [
 @pytest.mark.parametrize("shape, options, dtype", KDA_TILED_CASES)
 def test_kda_products_in_key_tiles_match_reference(kernel_path, guarded, monkeypatch, shape, options, dtype,
                                                    within_sub_chunk):  # fmt: skip
-    launched = []
-
-    class Recorded:
-        def __init__(self, name):
-            self.name, self.kernel = name, getattr(kernels_kda, name)
-
-        def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
-
-    for name in ("_kda_grad_products_kernel", "_kda_grad_products_tiled_kernel", "_l2norm_bwd_rows_kernel"):
-        monkeypatch.setattr(kernels_kda, name, Recorded(name))
+    launched = record_launches(monkeypatch, kernels_kda, (
+        "_kda_grad_products_kernel", "_kda_grad_products_tiled_kernel", "_l2norm_bwd_rows_kernel"))  # fmt: skip
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
         kernels_common.pick_config(x), block_k_kda_grad_products=16))  # fmt: skip
     if within_sub_chunk == "elementwise_only":
