@@ -349,3 +349,16 @@ def write_fp8_checkpoint(src_dir: Path, dst_dir: Path) -> Path:
                                      "activation_scheme": "dynamic", "modules_to_not_convert": sorted(kept)}
     config_path.write_text(json.dumps(config, indent=2))
     return dst_dir
+
+
+def checkpoint_job(checkpoint: Path, tmp_path: Path, name: str = "hostile") -> dict:
+    """A one-step job profile (as a dict) on `checkpoint` with a one-line byte-tokenized data file in tmp_path."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    return {
+        "name": name,
+        "model": {"checkpoint": str(checkpoint)},
+        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 16},
+        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-4},
+        "output": {"dir": str(tmp_path / "out")},
+    }

@@ -206,7 +206,8 @@ def _prepare_state_bwd_kernel(
 
 @triton.jit
 def output_grad_products(states_ptr, v_new_ptr, do_ptr, i_c, i_h, t0, num_valid, H, K, V, k0, dot_dtype,
-                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):  # fmt: skip
     """For o = (q exp(G)) S0 + P v_new of one (chunk slot, head), accumulated over V tiles, on the key tile of BK
     columns from k0 (0 and the whole K for the per-(chunk, head) kernels): do S0^T [BT, BK] and do v_new^T [BT, BT] in
     both orientations (P's gradient before its decays and mask, the same for every key tile; the transpose as its
@@ -388,8 +389,9 @@ def _chunk_grad_output_state_kernel(
     (program axis 2) of one (chunk, head) (split_grad_wy with grad_state_in_output): each S0 and dS1 element read
     once. Per tile: dW in k's dtype; dk (fp32, before the L2 norm) from o = (q exp(G)) S0 + (q k^T * M) v_new and from
     S1 = exp(G_C) S0 + (k exp(G_C - G))^T v_new; dq, final without USE_L2NORM or with NORM_DQ (one tile of the whole K,
-    taken through q's norm here), otherwise fp32 before the norm (the WY kernel takes it through); and the tile's share of dG (sums over the key dimension, G_C's gradient on the
-    chunk's last token) into its own row of dG_partial [NK, T, H], which the WY kernel sums. q k^T's pair gradient
+    taken through q's norm here), otherwise fp32 before the norm (the WY kernel takes it through); and the tile's
+    share of dG (sums over the key dimension, G_C's gradient on the chunk's last token) into its own row of
+    dG_partial [NK, T, H], which the WY kernel sums. q k^T's pair gradient
     dqk depends on no key tile: each tile computes it."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)

@@ -29,7 +29,7 @@ from moe_tune.engine.model.model import build_model
 from moe_tune.profiles.schema import ModelProfile
 
 import hf_tiny
-from hf_tiny import mxfp4_checkpoint, save_tiny_checkpoint
+from hf_tiny import checkpoint_job, mxfp4_checkpoint, save_tiny_checkpoint
 
 FAMILIES = [
     "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp",
@@ -376,13 +376,8 @@ def test_validate_cli_exits_2_one_line_per_value(written, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     config.update(architectures="Qwen3MoeForCausalLM", dtype="float17", max_position_embeddings=0)
     (directory / "config.json").write_text(json.dumps(config))
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"text": "hello"}\n')
-    profile = {"name": "values", "model": {"checkpoint": str(directory)},
-               "data": {"path": str(data), "tokenizer": "byte", "seq_len": 16},
-               "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-4}, "output": {"dir": str(tmp_path / "out")}}
     path = tmp_path / "profile.yaml"
-    path.write_text(yaml.safe_dump(profile))
+    path.write_text(yaml.safe_dump(checkpoint_job(directory, tmp_path, "values")))
     result = CliRunner().invoke(app, ["validate", str(path)])
     assert result.exit_code == 2, result.output
     where = f"error: model.checkpoint ('{directory}'): config.json: "

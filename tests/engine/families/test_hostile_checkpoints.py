@@ -22,7 +22,14 @@ from moe_tune.engine.families.base import MAX_LAYERS, MAX_SIZE
 from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
 from moe_tune.profiles import ProfileError, validate_profile
 
-from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_qwen3_5_moe, tiny_qwen3_moe, tiny_qwen3_next
+from hf_tiny import (
+    checkpoint_job,
+    save_tiny_checkpoint,
+    tiny_deepseek_v3,
+    tiny_qwen3_5_moe,
+    tiny_qwen3_moe,
+    tiny_qwen3_next,
+)
 
 BUILDERS = {
     "qwen3_moe": tiny_qwen3_moe,
@@ -396,7 +403,7 @@ def test_pickle_weights_are_never_opened(written, tmp_path, name):
     assert problems == [f"{directory / name}: weights in a pickle format ({name}) are not read: moe-tune reads only "
                         "*.safetensors (never unpickles); convert the checkpoint"]
     with pytest.raises(ProfileError) as err:
-        validate_profile(profile(directory, tmp_path))
+        validate_profile(checkpoint_job(directory, tmp_path))
     assert err.value.problems == [f"model.checkpoint ('{directory}') must hold *.safetensors weights (found {name}: "
                                   "moe-tune reads only safetensors, never pickles)"]
     assert not marker.exists()
@@ -405,25 +412,13 @@ def test_pickle_weights_are_never_opened(written, tmp_path, name):
 # ---- through the profile and the command line --------------------------------------------------------------------
 
 
-def profile(checkpoint: Path, tmp_path: Path) -> dict:
-    data = tmp_path / "data.jsonl"
-    data.write_text('{"text": "hello"}\n')
-    return {
-        "name": "hostile",
-        "model": {"checkpoint": str(checkpoint)},
-        "data": {"path": str(data), "tokenizer": "byte", "seq_len": 16},
-        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-4},
-        "output": {"dir": str(tmp_path / "out")},
-    }
-
-
 def test_resolve_job_reports_config_and_weights_together(sharded, tmp_path):
     config = json.loads((sharded.dir / "config.json").read_text())
     config.update(num_attention_heads=0, num_experts_per_tok=70)
     (sharded.dir / "config.json").write_text(json.dumps(config))
     sharded.write({k: "../x.safetensors" for k in sharded.keys})
     with pytest.raises(ProfileError) as err:
-        resolve_job(validate_profile(profile(sharded.dir, tmp_path)))
+        resolve_job(validate_profile(checkpoint_job(sharded.dir, tmp_path)))
     where = f"model.checkpoint ('{sharded.dir}'): "
     assert [line.removeprefix(where).split(" (")[0] for line in err.value.problems] == [
         "config.json: num_experts_per_tok",
@@ -441,7 +436,7 @@ def test_validate_cli_exits_2_one_line_per_problem(written, tmp_path):
     config.update(hidden_size="48", num_attention_heads=None, n_routed_experts=0, num_experts_per_tok=True)
     (directory / "config.json").write_text(json.dumps(config))
     path = tmp_path / "profile.yaml"
-    path.write_text(yaml.safe_dump(profile(directory, tmp_path)))
+    path.write_text(yaml.safe_dump(checkpoint_job(directory, tmp_path)))
     result = CliRunner().invoke(app, ["validate", str(path)])
     assert result.exit_code == 2, result.output
     where = f"error: model.checkpoint ('{directory}'): config.json: "
