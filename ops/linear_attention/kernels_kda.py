@@ -660,9 +660,9 @@ def _kda_grad_products_tiled_kernel(
     """`_kda_grad_products_kernel` for one key tile of BK columns (program axis 2;
     KernelConfig.block_k_kda_grad_products): every term but the L2 norms' is per key channel. The norms' factors come
     from the whole rows (a loop over the tiles); with USE_L2NORM dq and dk are stored before the norm's backward,
-    fp32, into dq_ptr and dk_ptr (which `_l2norm_bwd_rows_kernel` then takes through it), else final. Pairs within a sub-chunk take the dots where the
-    tile's own decays allow (its span); q k^T's pair gradients (sums over V) are computed by each tile; with the gate,
-    dA_log's per-chunk sum is one entry per tile."""
+    fp32, into dq_ptr and dk_ptr (which `_l2norm_bwd_rows_kernel` then takes through it), else final. Pairs within a
+    sub-chunk take the dots where the tile's own decays allow (its span); q k^T's pair gradients (sums over V) are
+    computed by each tile; with the gate, dA_log's per-chunk sum is one entry per tile."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
