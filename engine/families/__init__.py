@@ -246,19 +246,37 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
 HEAD_KEY = "lm_head.weight"
 # Rows of a stored tied LM head compared with the embedding at a time (bounded memory on a 150k-token vocabulary).
 COMPARED_ROWS = 4096
+# The comparisons made in this process, by the two files' (path, size, mtime): check_checkpoint and the load that
+# follows it compare a tied head once (two reads of a [vocabulary, hidden] pair each, seconds on a large model).
+_TIED_HEAD_RESULTS: dict[tuple, list[str]] = {}
+
+
+def _file_identity(path: Path) -> tuple:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
 
 
 def tied_head_problems(get: WeightGetter, family: Family, cfg: ModelProfile) -> list[str]:
     """One line when config.json ties the LM head to the embedding while the weights hold an lm_head.weight that
     differs from it: transformers loads such a checkpoint untied (each from its own tensor, whatever config.json
     says), so tying them would be another model. A copy equal to the embedding is tied, as transformers ties it, and
-    counts as read. Reads both tensors, COMPARED_ROWS rows at a time."""
+    counts as read. Reads both tensors, COMPARED_ROWS rows at a time, once for the same two files unchanged."""
     reader = get.reader
     if not cfg.tie_word_embeddings or HEAD_KEY not in reader:
         return []
     embed_key = getattr(family.recipe("embed_tokens.weight", None, cfg), "key", None)
     if embed_key is None or embed_key not in reader:
         return []  # the loader names the missing embedding
+    identity = (_file_identity(reader.file_of(HEAD_KEY)), _file_identity(reader.file_of(embed_key)), HEAD_KEY,
+                embed_key)  # fmt: skip
+    if identity not in _TIED_HEAD_RESULTS:
+        _TIED_HEAD_RESULTS[identity] = _compare_tied_head(get, embed_key)
+    reader.read.update((HEAD_KEY, embed_key))
+    return list(_TIED_HEAD_RESULTS[identity])
+
+
+def _compare_tied_head(get: WeightGetter, embed_key: str) -> list[str]:
+    reader = get.reader
     shape = reader.shape(HEAD_KEY)
     is_equal = shape == reader.shape(embed_key) and len(shape) == 2
     for start in range(0, shape[0] if is_equal else 0, COMPARED_ROWS):

@@ -282,6 +282,34 @@ def test_tied_head_stored_anyway_is_tied_only_when_transformers_ties_it(written,
     assert torch.equal(model.lm_head.weight, their_head)
 
 
+def test_a_tied_head_is_compared_once_per_unchanged_file(written, tmp_path, monkeypatch):
+    # check_checkpoint and the load after it read the stored head once; a file changed since is compared again.
+    import os
+
+    from moe_tune.engine.families.checkpoint import WeightGetter
+
+    directory, _ = tied_checkpoint(written, tmp_path / "ckpt", "qwen3_moe", "copy")
+    head_reads = []
+    rows = WeightGetter.rows
+
+    def counted(self, key, start, stop):
+        if key == "lm_head.weight":
+            head_reads.append(start)
+        return rows(self, key, start, stop)
+
+    monkeypatch.setattr(WeightGetter, "rows", counted)
+    _, _, cfg = model_profile_from_checkpoint(directory)
+    check_checkpoint(directory)
+    first = len(head_reads)
+    assert first > 0
+    load_checkpoint_weights(build_model(cfg), cfg)  # nothing unread: the compared copy counts as read
+    assert len(head_reads) == first
+    weights = directory / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    check_checkpoint(directory)
+    assert len(head_reads) == 2 * first
+
+
 # ---- weights stored as integers --------------------------------------------------------------------------------
 
 # (family, a stored tensor of it, base precision of our model): a plain weight, a norm, one expert's piece stacked
