@@ -2,6 +2,8 @@
 
     kernel_path = forced_kernel_path(kernels, "_my_fwd_kernel", on_gpu=False)
     guarded = guarded_outputs(kernels, guard_elements=4096)
+
+and `record_launches`, which names the kernels a call launches.
 """
 
 import pytest
@@ -58,3 +60,20 @@ def guarded_outputs(kernels_module, guard_elements: int, alloc_name: str = "_all
         return buffers
 
     return guarded
+
+
+def record_launches(monkeypatch, module, names) -> list[str]:
+    """The names of module's kernels `names`, in launch order, as they launch (each still runs)."""
+    launched = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(module, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in names:
+        monkeypatch.setattr(module, name, Recorded(name))
+    return launched

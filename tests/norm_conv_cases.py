@@ -1,9 +1,14 @@
 """Inputs and a forward + backward runner for the rms_norm, causal_conv and rotary tests, in the interpreter (CPU)
 and on the GPU: one builder each, so both test the same cases the same way."""
 
+import dataclasses
+
+import pytest
 import torch
 
 from moe_tune.engine.model.blocks import document_positions
+from moe_tune.ops.causal_conv import autograd as causal_conv_autograd
+from moe_tune.ops.causal_conv.kernels import ConvLaunch
 
 
 def rms_norm_case(shape, dtype, has_gate, device="cpu", seed=0, weight_requires_grad=True):
@@ -34,6 +39,40 @@ def causal_conv_case(batch, lengths, channels, width, dtype, device="cpu", seed=
     weight = (torch.randn(channels, width, generator=gen, device=device) * 0.5).to(dtype).requires_grad_()
     grad_y = torch.randn(batch, tokens, channels, generator=gen, device=device).to(dtype)
     return x, weight, positions, grad_y
+
+
+# The causal conv kernels' launches the tests run (interpreter and GPU): the default (two-pass backward), the one-pass
+# backward at the default tile, and both with small tiles (32 x 32 backward, 32 x 64 forward) that cut every test
+# case into several tiles of tokens and channels, documents and heads straddling their edges.
+CONV_LAUNCHES = {
+    "default": ConvLaunch(),
+    "one_pass": ConvLaunch(one_pass_backward=True),
+    "small_tiles": ConvLaunch(block_t=32, block_c=64, grad_block_t=32, grad_block_c=32),
+    "one_pass_small_tiles": ConvLaunch(block_t=32, block_c=64, grad_block_t=32, grad_block_c=32,
+                                       one_pass_backward=True),  # fmt: skip
+}
+
+
+@pytest.fixture(params=CONV_LAUNCHES.values(), ids=CONV_LAUNCHES.keys())
+def conv_launch(request, monkeypatch) -> ConvLaunch:
+    """Each of CONV_LAUNCHES in turn, as the causal conv autograd functions pick it."""
+    use_conv_launch(monkeypatch, request.param)
+    return request.param
+
+
+def use_conv_launch(monkeypatch, launch: ConvLaunch) -> None:
+    monkeypatch.setattr(causal_conv_autograd, "pick_launch", lambda _x: launch)
+
+
+def conv_sweep_launches() -> dict[str, ConvLaunch]:
+    """The causal conv sweep's candidates past pick_launch's own (engine/bench/causal_conv_sweep.py), by an id that
+    names their fields: the GPU tests run each, so that the one the sweep finds fastest is tested before it becomes
+    the default."""
+    from moe_tune.engine.bench.causal_conv_sweep import sweep_candidates
+    from moe_tune.ops.causal_conv.kernels import DEFAULT_LAUNCH
+
+    return {"-".join(f"{k}{int(v)}" for k, v in overrides.items()): dataclasses.replace(DEFAULT_LAUNCH, **overrides)
+            for overrides in sweep_candidates()[1:]}  # fmt: skip
 
 
 def run_causal_conv(op, x, weight, positions, grad_y, dilation):

@@ -375,17 +375,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    if args.out.parent != Path("") and not args.out.parent.is_dir():
-        print(f"{args.out}: its folder does not exist", file=sys.stderr)
+def check_output_and_device(out: Path) -> None:
+    """One line and exit 2 where the JSON cannot go to `out` (a missing folder, a folder) or no CUDA device is here."""
+    if out.parent != Path("") and not out.parent.is_dir():
+        print(f"{out}: its folder does not exist", file=sys.stderr)
         raise SystemExit(2)
-    if args.out.is_dir():
-        print(f"{args.out}: is a folder; the results go into a JSON file", file=sys.stderr)
+    if out.is_dir():
+        print(f"{out}: is a folder; the results go into a JSON file", file=sys.stderr)
         raise SystemExit(2)
     if not torch.cuda.is_available():
         print("needs a CUDA device: it times kernels", file=sys.stderr)
         raise SystemExit(2)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    check_output_and_device(args.out)
     result = {**machine_info(is_cuda=True), "shape": ANCHOR_SHAPE, "sweep": [], "breakdown": []}
     for op in args.ops:
         result["sweep"] += sweep_op(op, rounds=args.rounds)

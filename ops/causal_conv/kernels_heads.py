@@ -7,7 +7,8 @@ c = h * D + d of a segment with head dim D and repeat R: (h * R + r) * D + d for
 dpre [B, T, 2 Hk K + Hv V] fp32; dw_partial [B * T-tiles, 2 Hk K + Hv V, W] fp32. The math is in README.md.
 
 One launch covers the three segments: the channel axis of the grid enumerates q's channel tiles, then k's, then
-v's, and each program reads the pointers and sizes of its own segment.
+v's, and each program reads the pointers and sizes of its own segment. The backward is two passes (dpre through
+memory) or, with `ConvLaunch.one_pass_backward`, one (kernels.py says how).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from moe_tune.ops.causal_conv import kernels
-from moe_tune.ops.causal_conv.kernels import BLOCK_C, BLOCK_T, conv_dx_dw, conv_pre
+from moe_tune.ops.causal_conv.kernels import DEFAULT_LAUNCH, ConvLaunch, conv_dx_dw, conv_dx_dw_one_pass, conv_pre
 
 
 @triton.jit
@@ -109,14 +110,54 @@ def _conv_heads_bwd_kernel(
     )  # fmt: skip
 
 
-def _grid(batch: int, tokens: int, channels_qk: int, channels_v: int) -> tuple[tuple[int, int, int], int]:
-    blocks_qk = triton.cdiv(channels_qk, BLOCK_C)
-    return (triton.cdiv(tokens, BLOCK_T), 2 * blocks_qk + triton.cdiv(channels_v, BLOCK_C), batch), blocks_qk
+@triton.jit
+def _conv_heads_bwd_one_pass_kernel(
+    xq_ptr, xk_ptr, xv_ptr, w_ptr, pos_ptr, dyq_ptr, dyk_ptr, dyv_ptr, dxq_ptr, dxk_ptr, dxv_ptr, dw_partial_ptr, T,
+    C_QK, C_V, KD, VD, G, dilation, blocks_qk, num_t_tiles, W: tl.constexpr, HAS_DW: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """dx of one tile of one segment straight from the R output heads' dy (dpre recomputed per tap), and its share of
+    dw (per T-tile partials)."""
+    tile_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    batch = tl.program_id(2)
+    x_ptr, dy_ptr, channels, head_dim, repeat, first, tile = _segment(
+        pid_c, blocks_qk, xq_ptr, xk_ptr, xv_ptr, dyq_ptr, dyk_ptr, dyv_ptr, C_QK, C_V, KD, VD, G
+    )
+    dx_ptr, _, _, _, _, _, _ = _segment(
+        pid_c, blocks_qk, dxq_ptr, dxk_ptr, dxv_ptr, dxq_ptr, dxk_ptr, dxv_ptr, C_QK, C_V, KD, VD, G
+    )
+    total = 2 * C_QK + C_V
+    rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < T
+    col_mask = cols < channels
+    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
+    x_base = batch.to(tl.int64) * T * channels
+    out_row = channels * repeat
+    dy_cols = (cols // head_dim) * repeat * head_dim + cols % head_dim
+    partial_row = (batch * num_t_tiles + tile_t).to(tl.int64) * total * W + first * W
+    dx = conv_dx_dw_one_pass(
+        x_ptr, x_base, channels, w_ptr + first * W, pos_ptr, pos, dy_ptr, batch.to(tl.int64) * T * out_row, out_row,
+        dy_cols, head_dim, repeat, dw_partial_ptr, partial_row, rows, cols, row_mask, col_mask, T, dilation, W,
+        HAS_DW, BLOCK_T, BLOCK_C,
+    )  # fmt: skip
+    tl.store(
+        dx_ptr + x_base + rows[:, None].to(tl.int64) * channels + cols[None, :],
+        dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :],
+    )  # fmt: skip
+
+
+def _grid(
+    batch: int, tokens: int, channels_qk: int, channels_v: int, block_t: int, block_c: int
+) -> tuple[tuple[int, int, int], int]:
+    blocks_qk = triton.cdiv(channels_qk, block_c)
+    return (triton.cdiv(tokens, block_t), 2 * blocks_qk + triton.cdiv(channels_v, block_c), batch), blocks_qk
 
 
 def causal_conv_heads_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, dilation: int,
-    key_head_dim: int, value_head_dim: int,
+    key_head_dim: int, value_head_dim: int, launch: ConvLaunch = DEFAULT_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """q, k [B, T, Hk*K], v [B, T, Hv*V] contiguous; w [2 Hk K + Hv V, W] contiguous. Returns q, k [B, T, Hv, K] and
     v [B, T, Hv, V] in the inputs' dtype."""
@@ -130,10 +171,11 @@ def causal_conv_heads_fwd(
     yv = alloc((batch, tokens, num_value_heads, value_head_dim), q.dtype, q.device)
     if batch * tokens == 0:
         return yq, yk, yv
-    grid, blocks_qk = _grid(batch, tokens, channels_qk, channels_v)
+    grid, blocks_qk = _grid(batch, tokens, channels_qk, channels_v, launch.block_t, launch.block_c)
     _conv_heads_fwd_kernel[grid](
         q, k, v, w, positions, yq, yk, yv, yq, tokens, channels_qk, channels_v, key_head_dim, value_head_dim, repeat,
-        dilation, blocks_qk, IS_DPRE=False, W=w.shape[1], BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+        dilation, blocks_qk, IS_DPRE=False, W=w.shape[1], BLOCK_T=launch.block_t, BLOCK_C=launch.block_c,
+        num_warps=launch.num_warps,
     )  # fmt: skip
     return yq, yk, yv
 
@@ -141,6 +183,7 @@ def causal_conv_heads_fwd(
 def causal_conv_heads_bwd(
     dyq: torch.Tensor, dyk: torch.Tensor, dyv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     w: torch.Tensor, positions: torch.Tensor, dilation: int, key_head_dim: int, value_head_dim: int, needs_dw: bool,
+    launch: ConvLaunch = DEFAULT_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """dy* as causal_conv_heads_fwd's outputs, contiguous; q, k, v its inputs. Returns dq, dk, dv (the inputs'
     shapes and dtype) and dw [2 Hk K + Hv V, W] fp32 (or None)."""
@@ -152,16 +195,26 @@ def causal_conv_heads_bwd(
     dq, dk, dv = (alloc(t.shape, t.dtype, t.device) for t in (q, k, v))
     if batch * tokens == 0:
         return dq, dk, dv, torch.zeros(total, width, dtype=torch.float32, device=q.device) if needs_dw else None
-    grid, blocks_qk = _grid(batch, tokens, channels_qk, channels_v)
-    dpre = alloc((batch, tokens, total), torch.float32, q.device)
-    _conv_heads_fwd_kernel[grid](
-        q, k, v, w, positions, dyq, dyk, dyv, dpre, tokens, channels_qk, channels_v, key_head_dim, value_head_dim,
-        repeat, dilation, blocks_qk, IS_DPRE=True, W=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-    )  # fmt: skip
+    block_t, block_c, warps = launch.grad_block_t, launch.grad_block_c, launch.grad_num_warps
+    grid, blocks_qk = _grid(batch, tokens, channels_qk, channels_v, block_t, block_c)
     num_t_tiles = grid[0]
     dw_partial = alloc((batch * num_t_tiles, total, width), torch.float32, q.device) if needs_dw else None
-    _conv_heads_bwd_kernel[grid](
-        q, k, v, w, positions, dpre, dq, dk, dv, dw_partial if dw_partial is not None else dpre, tokens, channels_qk,
-        channels_v, dilation, blocks_qk, num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-    )  # fmt: skip
+    if launch.one_pass_backward:
+        _conv_heads_bwd_one_pass_kernel[grid](
+            q, k, v, w, positions, dyq, dyk, dyv, dq, dk, dv, dw_partial if dw_partial is not None else dq, tokens,
+            channels_qk, channels_v, key_head_dim, value_head_dim, repeat, dilation, blocks_qk, num_t_tiles, W=width,
+            HAS_DW=needs_dw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
+    else:
+        dpre = alloc((batch, tokens, total), torch.float32, q.device)
+        _conv_heads_fwd_kernel[grid](
+            q, k, v, w, positions, dyq, dyk, dyv, dpre, tokens, channels_qk, channels_v, key_head_dim,
+            value_head_dim, repeat, dilation, blocks_qk, IS_DPRE=True, W=width, BLOCK_T=block_t, BLOCK_C=block_c,
+            num_warps=warps,
+        )  # fmt: skip
+        _conv_heads_bwd_kernel[grid](
+            q, k, v, w, positions, dpre, dq, dk, dv, dw_partial if dw_partial is not None else dpre, tokens,
+            channels_qk, channels_v, dilation, blocks_qk, num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=block_t,
+            BLOCK_C=block_c, num_warps=warps,
+        )  # fmt: skip
     return dq, dk, dv, dw_partial.sum(0) if dw_partial is not None else None

@@ -15,7 +15,10 @@ from norm_conv_cases import (
     GPU_TOLERANCES,
     assert_close_to_reference,
     causal_conv_case,
+    conv_launch,
+    conv_sweep_launches,
     run_causal_conv,
+    use_conv_launch,
 )
 
 from moe_tune.ops.causal_conv import causal_conv, kernels
@@ -27,6 +30,7 @@ DEVICE = "cuda"
 
 kernel_path = forced_kernel_path(kernels, "_causal_conv_fwd_kernel", on_gpu=True)
 guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS, "alloc")
+SWEEP_LAUNCHES = conv_sweep_launches()
 
 # (batch, document lengths, channels, width, dilation)
 CASES = {
@@ -41,7 +45,19 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference(guarded, case, dtype):
+def test_kernel_matches_reference(guarded, conv_launch, case, dtype):
+    assert_matches_reference(guarded, case, dtype)
+
+
+@pytest.mark.parametrize("launch", SWEEP_LAUNCHES.values(), ids=SWEEP_LAUNCHES.keys())
+@pytest.mark.parametrize("case, dtype", [(CASES["bench_row"], torch.bfloat16), (CASES["odd_dilated"], torch.float32)],
+                         ids=["bench_row-bf16", "odd_dilated-fp32"])  # fmt: skip
+def test_sweep_launch_matches_reference(guarded, monkeypatch, launch, case, dtype):
+    use_conv_launch(monkeypatch, launch)
+    assert_matches_reference(guarded, case, dtype)
+
+
+def assert_matches_reference(guarded, case, dtype):
     batch, lengths, channels, width, dilation = case
     x, weight, positions, grad_y = causal_conv_case(batch, lengths, channels, width, dtype, device=DEVICE)
     y, grads = run_causal_conv(causal_conv, x, weight, positions, grad_y, dilation)

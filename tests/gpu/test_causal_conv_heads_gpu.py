@@ -8,7 +8,10 @@ packed row of 8192 tokens, width 4. Run on the H200 on its own (tests/ops import
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_reference, causal_conv_case
+from norm_conv_cases import (
+    GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_reference, causal_conv_case, conv_launch, conv_sweep_launches,
+    use_conv_launch,
+)  # fmt: skip
 
 from moe_tune.ops.causal_conv import causal_conv, causal_conv_heads, kernels, kernels_heads
 from moe_tune.ops.causal_conv.reference import causal_conv_heads_ref
@@ -19,6 +22,7 @@ DEVICE = "cuda"
 
 kernel_path = forced_kernel_path(kernels_heads, "_conv_heads_fwd_kernel", on_gpu=True)
 guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS, "alloc")
+SWEEP_LAUNCHES = conv_sweep_launches()
 
 # (batch, document lengths, key heads, K, value heads, V, width)
 CASES = {
@@ -43,7 +47,19 @@ def heads_case(batch, lengths, num_key_heads, key_dim, num_value_heads, value_di
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference(guarded, case, dtype):
+def test_kernel_matches_reference(guarded, conv_launch, case, dtype):
+    assert_matches_reference(guarded, case, dtype)
+
+
+@pytest.mark.parametrize("launch", SWEEP_LAUNCHES.values(), ids=SWEEP_LAUNCHES.keys())
+@pytest.mark.parametrize("case, dtype", [(CASES["bench_row"], torch.bfloat16), (CASES["odd"], torch.float32)],
+                         ids=["bench_row-bf16", "odd-fp32"])  # fmt: skip
+def test_sweep_launch_matches_reference(guarded, monkeypatch, launch, case, dtype):
+    use_conv_launch(monkeypatch, launch)
+    assert_matches_reference(guarded, case, dtype)
+
+
+def assert_matches_reference(guarded, case, dtype):
     batch, lengths, num_key_heads, key_dim, num_value_heads, value_dim, width = case
     inputs, positions, grads = heads_case(*case, dtype)
     out = causal_conv_heads(*inputs, positions, key_dim, value_dim)

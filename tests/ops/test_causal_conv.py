@@ -14,7 +14,9 @@ with interpreted_kernels():
     import torch.nn.functional as F
     from moe_tune.ops.causal_conv import MAX_WIDTH, causal_conv, kernels
     from moe_tune.ops.causal_conv.reference import causal_conv_ref
-    from norm_conv_cases import CONV_TOLERANCES, assert_close_to_reference, causal_conv_case, run_causal_conv
+    from norm_conv_cases import (
+        CONV_TOLERANCES, assert_close_to_reference, causal_conv_case, conv_launch, run_causal_conv,
+    )  # fmt: skip
 
 TOLERANCES = CONV_TOLERANCES
 # Past the end of every kernel buffer: a whole tile.
@@ -44,7 +46,7 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
+def test_kernel_matches_reference(kernel_path, guarded, conv_launch, case, dtype):
     batch, lengths, channels, width, dilation = case
     x, weight, positions, grad_y = causal_conv_case(batch, lengths, channels, width, dtype)
     y, grads = run_causal_conv(causal_conv, x, weight, positions, grad_y, dilation)

@@ -13,7 +13,7 @@ with interpreted_kernels():
     import torch
     from moe_tune.ops.causal_conv import causal_conv, causal_conv_heads, kernels, kernels_heads
     from moe_tune.ops.causal_conv.reference import causal_conv_heads_ref, causal_conv_ref
-    from norm_conv_cases import CONV_TOLERANCES, assert_close_to_reference, causal_conv_case
+    from norm_conv_cases import CONV_TOLERANCES, assert_close_to_reference, causal_conv_case, conv_launch
 
 TOLERANCES = CONV_TOLERANCES
 GUARD_ELEMENTS = kernels.BLOCK_T * kernels.BLOCK_C
@@ -68,7 +68,7 @@ def test_reference_is_the_concatenated_conv_split_into_repeated_heads():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_kernel_matches_reference(kernel_path, guarded, case, dtype):
+def test_kernel_matches_reference(kernel_path, guarded, conv_launch, case, dtype):
     batch, lengths, num_key_heads, key_dim, num_value_heads, value_dim, width, dilation = case
     inputs, positions, grads = heads_case(batch, lengths, num_key_heads, key_dim, num_value_heads, value_dim, width,
                                           dtype)  # fmt: skip

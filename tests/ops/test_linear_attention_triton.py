@@ -10,6 +10,7 @@ import types
 
 import pytest
 from guarded_buffers import GuardedBuffers
+from kernel_fixtures import record_launches
 from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
@@ -92,23 +93,6 @@ def make_inputs(
         name: None if x is None else x.to(torch.float32 if name == "initial_state" else dtype).requires_grad_()
         for name, x in inputs.items()
     }
-
-
-def record_launches(monkeypatch, module, names) -> list[str]:
-    """The names of module's kernels `names`, in launch order, as they launch (each still runs)."""
-    launched = []
-
-    class Recorded:
-        def __init__(self, name):
-            self.name, self.kernel = name, getattr(module, name)
-
-        def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
-
-    for name in names:
-        monkeypatch.setattr(module, name, Recorded(name))
-    return launched
 
 
 def forward_and_grads(op, inputs, **options):
