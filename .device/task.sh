@@ -4,6 +4,7 @@
 # (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
 #   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup
 #   sweep         python -m moe_tune.engine.bench.linear_attention_sweep (gdn, kda)
+#   conv-sweep    python -m moe_tune.engine.bench.causal_conv_sweep
 #   anchor        moe-tune profile --kernels --ops gated_delta_rule,kda --shapes anchor
 #   next          moe-tune profile bench-qwen3-next
 #   next-against  moe-tune profile bench-qwen3-next --against transformers
@@ -13,8 +14,9 @@ TASK=$1
 LIMIT=${2:-540}
 shift $(($# < 2 ? $# : 2))
 case $TASK in
-    suite | sweep | anchor | next | next-against | moe-against) ;;
-    *) echo "task.sh: unknown task '$TASK': suite, sweep, anchor, next, next-against or moe-against" >&2; exit 2 ;;
+    suite | sweep | conv-sweep | anchor | next | next-against | moe-against) ;;
+    *) echo "task.sh: unknown task '$TASK': suite, sweep, conv-sweep, anchor, next, next-against or moe-against" >&2
+       exit 2 ;;
 esac
 TAG=$TASK-triton$(python3 -c 'import triton; print(triton.__version__)')
 mkdir -p r
@@ -26,6 +28,7 @@ run() {
 case $TASK in
     suite) run python3 -m pytest -m gpu tests/gpu -n 8 --dist loadgroup -q -rfE --tb=short -p no:cacheprovider "$@" ;;
     sweep) run python3 -m moe_tune.engine.bench.linear_attention_sweep "r/$TAG.json" "$@" ;;
+    conv-sweep) run python3 -m moe_tune.engine.bench.causal_conv_sweep "r/$TAG.json" "$@" ;;
     anchor) run python3 -m moe_tune profile --kernels --ops gated_delta_rule,kda --shapes anchor \
         --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
     next) run python3 -m moe_tune profile bench-qwen3-next --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
