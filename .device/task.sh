@@ -1,7 +1,7 @@
 # On the H200 machine, after `source .device/setup.sh [3.6|3.7.1] [fla]`:
 #   bash .device/task.sh TASK [LIMIT_S [ARGS...]]   (ARGS go to the task's command, e.g. `sweep 200 --ops gdn`)
-# Each task writes its JSON, plot and log into r/ (named by task and Triton version) and stops itself at LIMIT_S
-# (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
+# Each task writes its JSON, plot and log into r/ (named by task, $NAME if set, and Triton version) and stops itself
+# at LIMIT_S (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
 #   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup
 #   sweep         python -m moe_tune.engine.bench.linear_attention_sweep (gdn, kda)
 #   conv-sweep    python -m moe_tune.engine.bench.causal_conv_sweep
@@ -18,7 +18,8 @@ case $TASK in
     *) echo "task.sh: unknown task '$TASK': suite, sweep, conv-sweep, anchor, next, next-against or moe-against" >&2
        exit 2 ;;
 esac
-TAG=$TASK-triton$(python3 -c 'import triton; print(triton.__version__)')
+# NAME (optional) tells two runs of one task in a call apart: r/TASK-NAME-tritonX.json.
+TAG=$TASK${NAME:+-$NAME}-triton$(python3 -c 'import triton; print(triton.__version__)')
 mkdir -p r
 run() {
     timeout -s INT -k 30 "$LIMIT" "$@" > "r/$TAG.log" 2>&1

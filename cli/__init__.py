@@ -7,9 +7,12 @@ from typing import Annotated
 
 import typer
 
+from moe_tune.ops.common.launch import LAUNCH_ENV, launch_text
+
 from . import align, export, finetune, plan, profile, profiles
 from . import onboard
 from . import generate
+from ._common import fail, launch_problems
 
 app = typer.Typer(
     name="moe-tune",
@@ -58,6 +61,10 @@ def _root(
     ] = False,
 ) -> None:
     """Fine-tune huge sparse Mixture-of-Experts models (ZeRO-3 + expert parallelism, LoRA, fused kernels)."""
+    # A kernel-launch variable that the first kernel call would refuse deep inside a run: refused here, in one line.
+    if text := launch_text():
+        if problems := launch_problems(text, LAUNCH_ENV):
+            fail(problems)
 
 
 def main() -> None:

@@ -4,13 +4,16 @@ profile (profile_steps.py); `moe-tune profile --kernels` times every registered 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from moe_tune.ops.common.launch import LAUNCH_ENV
+
 from . import profile_kernels, profile_steps
-from ._common import SetOption, fail, output_problems
+from ._common import SetOption, fail, launch_problems, output_problems
 
 __all__ = ["app", "profile"]
 
@@ -63,6 +66,13 @@ def profile(
     wide: Annotated[
         bool, typer.Option("--wide", help="--kernels: one line per row with its note, wider than 120 columns")
     ] = False,
+    launch: Annotated[
+        str | None,
+        typer.Option("--launch", metavar="ENTRIES",
+                     help="kernel launches other than the defaults for this run, FAMILY.FIELD=VALUE comma-separated, "
+                     "e.g. causal_conv.one_pass_backward=true (sets MOE_TUNE_LAUNCH; the JSON records it; "
+                     "docs/bench.md)"),
+    ] = None,
     load_checkpoint: Annotated[
         Path | None,
         typer.Option("--load-checkpoint", metavar="DIR",
@@ -88,7 +98,7 @@ def profile(
         # The load benchmark runs no training step: options of the steps would be ignored.
         misplaced += [f"{name} ({value}) does not apply with --load-checkpoint" for name, value in
                       {"--steps": None if steps == DEFAULT_STEPS else steps, "--against": against,
-                       "--plot": plot}.items() if value is not None]  # fmt: skip
+                       "--plot": plot, "--launch": launch}.items() if value is not None]  # fmt: skip
     if misplaced:
         fail(misplaced)
     # Before anything runs: a run of minutes must not end on a file it cannot write, nor overwrite an input.
@@ -96,8 +106,12 @@ def profile(
     problems = output_problems(json_out, plot, baseline, profile_file)
     if kernels:
         problems += profile_kernels.input_problems(ops, shapes, baseline)
+    if launch is not None:
+        problems += launch_problems(launch)
     if problems:
         fail(problems)
+    if launch is not None:
+        os.environ[LAUNCH_ENV] = launch.strip()
     if load_checkpoint is not None and profile_arg is not None:
         profile_steps.run_load(profile_arg, overrides, load_checkpoint, json_out)
     elif profile_arg is not None:

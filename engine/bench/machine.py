@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from moe_tune.ops.common.launch import launch_text
+
 # The keys machine_info returns, in order: the last keys of every result row.
-MACHINE_KEYS = ("device", "machine", "driver", "torch", "triton", "commit", "date")
+MACHINE_KEYS = ("device", "machine", "driver", "torch", "triton", "commit", "date", "launch")
 # The commit results name, when set: for code outside a git checkout (installed from a wheel) or in a copy whose git
 # metadata is not the tree's (a working tree copied onto a GPU machine), e.g. MOE_TUNE_COMMIT=$(git rev-parse --short
 # HEAD) where the tree came from. Unset: git's own answer for this file's checkout.
@@ -63,8 +65,8 @@ def driver_version(is_cuda: bool) -> str | None:
 
 
 def machine_info(is_cuda: bool) -> dict:
-    """{MACHINE_KEYS}: the device kind, the GPU's name (or the CPU and its threads), driver, versions, commit and
-    UTC date; a fact the machine does not give is None."""
+    """{MACHINE_KEYS}: the device kind, the GPU's name (or the CPU and its threads), driver, versions, commit, UTC
+    date and the kernel launches other than the defaults; a fact the machine does not give is None."""
     try:
         import triton
 
@@ -83,6 +85,8 @@ def machine_info(is_cuda: bool) -> dict:
         triton=triton_version,
         commit=commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # The kernel launches named by MOE_TUNE_LAUNCH (`profile --launch`), None for the defaults.
+        launch=launch_text() or None,
     )
 
 

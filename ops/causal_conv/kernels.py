@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_tune.ops.common.launch import with_overrides
+
 # Tokens x channels of one program's tile: 64 tokens reuse each loaded row for the W taps of the next rows; 128
 # channels make 256-byte bf16 row segments.
 BLOCK_T = 64
@@ -40,8 +42,9 @@ DEFAULT_LAUNCH = ConvLaunch()
 
 
 def pick_launch(x: torch.Tensor) -> ConvLaunch:
-    """The launch the autograd functions use (the sweep, engine/bench/causal_conv_sweep.py, swaps it)."""
-    return DEFAULT_LAUNCH
+    """The launch the autograd functions use: DEFAULT_LAUNCH with the fields MOE_TUNE_LAUNCH names for
+    `causal_conv` replaced (ops/common/launch.py; the sweep, engine/bench/causal_conv_sweep.py, swaps the function)."""
+    return with_overrides("causal_conv", DEFAULT_LAUNCH)
 
 
 def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

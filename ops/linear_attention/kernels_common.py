@@ -22,12 +22,13 @@ elementwise from them; a transposed product of computed tiles is computed as its
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
+from moe_tune.ops.common.launch import with_overrides
 from moe_tune.ops.linear_attention import reference
 
 # Kernels read module globals only when they are constexpr.
@@ -102,6 +103,8 @@ GPU_INVERSE_DOTS_16BIT = "fp16"
 # Hopper: Triton unrolls every dot into scalar FMAs, 1-6 minutes of compile per kernel variant and FMA-unit speed.
 # The interpreter ignores input_precision: its dots are numpy fp32 matmuls whatever the setting.
 FP32_DOTS = "tf32x3"
+# What `_inverse_dot` takes: fp16 operands, or tl.dot's input precisions.
+INVERSE_DOTS = ("fp16", "tf32", "tf32x3", "ieee")
 # The parallel kernels handle one chunk each: their short V loops have little to prefetch.
 GPU_NUM_STAGES = 1
 # The WY pass multiplies W's and U's operands in 16 bits where the tiles allow (wu_operands_16bit).
@@ -139,7 +142,7 @@ class KernelConfig:
     num_stages_state_fwd: int
     num_stages_state_fwd_kda: int
     num_warps_state_fwd_kda_wide: int
-    inverse_dots_16bit: str
+    inverse_dots_16bit: str = field(metadata={"choices": INVERSE_DOTS})
     # The per-head backward's state part in a kernel of its own (kernels_bwd._chunk_grad_state_kernel), so that the
     # WY gradient kernel carries no [C, K] accumulator through its V loop.
     split_grad_wy: bool = False
@@ -165,6 +168,12 @@ class KernelConfig:
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
+    """The launch of the kernels for x's device, with the fields MOE_TUNE_LAUNCH names for `linear_attention`
+    replaced (ops/common/launch.py)."""
+    return with_overrides("linear_attention", _default_config(x))
+
+
+def _default_config(x: torch.Tensor) -> KernelConfig:
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block_v = INTERPRETER_BLOCK_V

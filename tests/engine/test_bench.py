@@ -136,7 +136,7 @@ def test_every_result_row_ends_with_the_machine_facts():
     from moe_tune.engine.bench import load_op, steps
     from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 
-    assert MACHINE_KEYS == ("device", "machine", "driver", "torch", "triton", "commit", "date")
+    assert MACHINE_KEYS == ("device", "machine", "driver", "torch", "triton", "commit", "date", "launch")
     assert tuple(machine_info(is_cuda=False)) == MACHINE_KEYS
     for keys in (ROW_KEYS, steps.RESULT_KEYS, load_op.RESULT_KEYS):
         assert keys[-len(MACHINE_KEYS):] == MACHINE_KEYS and len(set(keys)) == len(keys)

@@ -1,0 +1,118 @@
+"""Kernel launches named from outside the code (`MOE_TUNE_LAUNCH`): a benchmark times whole training steps, or one op,
+under a launch that is not the default, with no edit.
+
+    MOE_TUNE_LAUNCH="linear_attention.grad_dq_norm_in_output=true,causal_conv.one_pass_backward=true"
+
+Entries are `FAMILY.FIELD=VALUE`, comma-separated: FAMILY one of LAUNCH_FAMILIES, FIELD a field of its launch
+dataclass, VALUE read as that field's type: an integer (block sizes and warps powers of two, every integer >= 1), true
+or false, none (a field that may be None), integers joined by / (a tuple), or text (one of the field's
+metadata["choices"]). The op's own choice
+(`pick_config`, `pick_launch`) goes through `with_overrides`, which replaces the named fields. `moe-tune profile
+--launch` checks the entries first (one line, exit 2) and sets the variable; the benchmark JSON records it
+(engine/bench/machine.py). Unset or empty: the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from typing import Any
+
+LAUNCH_ENV = "MOE_TUNE_LAUNCH"
+# Family -> (module, dataclass) of its launch.
+LAUNCH_FAMILIES = {
+    "linear_attention": ("moe_tune.ops.linear_attention.kernels_common", "KernelConfig"),
+    "causal_conv": ("moe_tune.ops.causal_conv.kernels", "ConvLaunch"),
+}
+# Integer fields whose value Triton needs as a power of two (tile sizes, warps): their names hold one of these.
+_POWER_OF_TWO_PARTS = ("block_", "num_warps")
+
+
+class LaunchError(ValueError):
+    """An entry that names no field or gives a value its field cannot take; the message is one line."""
+
+
+def launch_text() -> str:
+    """MOE_TUNE_LAUNCH as set (stripped; empty when unset)."""
+    return os.environ.get(LAUNCH_ENV, "").strip()
+
+
+def with_overrides(family: str, config: Any) -> Any:
+    """config with the fields MOE_TUNE_LAUNCH names for `family` replaced (config itself when it names none).
+    Raises LaunchError on a bad entry."""
+    text = launch_text()
+    if not text:
+        return config
+    fields = parse_launch(text).get(family)
+    return dataclasses.replace(config, **fields) if fields else config
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(text: str, source: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    parsed: dict[str, dict[str, Any]] = {}
+    for entry in text.split(","):
+        entry = entry.strip()
+        where = f"{source} entry {entry!r}"
+        name, sep, value = entry.partition("=")
+        family, dot, field = name.strip().partition(".")
+        if not sep or not dot or not field:
+            raise LaunchError(f"{where}: must be FAMILY.FIELD=VALUE ({_families()})")
+        if family not in LAUNCH_FAMILIES:
+            raise LaunchError(f"{where}: family {family!r} must be one of {_families()}")
+        types = _field_types(family)
+        if field not in types:
+            raise LaunchError(f"{where}: {family} has no field {field!r} (its fields: {', '.join(types)})")
+        if field in parsed.get(family, {}):
+            raise LaunchError(f"{where}: {family}.{field} is named twice")
+        parsed.setdefault(family, {})[field] = _value(where, field, *types[field], value.strip())
+    return tuple((family, tuple(fields.items())) for family, fields in parsed.items())
+
+
+def parse_launch(text: str, source: str = LAUNCH_ENV) -> dict[str, dict[str, Any]]:
+    """{family: {field: value}} of a MOE_TUNE_LAUNCH text, checked: LaunchError names `source` (where the text came
+    from), the entry and the rule."""
+    return {family: dict(fields) for family, fields in _parse(text.strip(), source)}
+
+
+def _families() -> str:
+    return ", ".join(LAUNCH_FAMILIES)
+
+
+@functools.cache
+def _field_types(family: str) -> dict[str, tuple[str, tuple[str, ...] | None]]:
+    """{field: (its annotation, its metadata's choices or None)} of the family's launch dataclass."""
+    module, name = LAUNCH_FAMILIES[family]
+    cls = getattr(importlib.import_module(module), name)
+    return {f.name: (str(f.type), f.metadata.get("choices")) for f in dataclasses.fields(cls)}
+
+
+def _value(where: str, field: str, kind: str, choices: tuple[str, ...] | None, text: str) -> Any:
+    lowered = text.lower()
+    if "None" in kind and lowered == "none":
+        return None
+    if kind == "bool":
+        if lowered not in ("true", "false"):
+            raise LaunchError(f"{where}: {field} must be true or false")
+        return lowered == "true"
+    if kind.startswith("int"):
+        return _integer(where, field, text, kind)
+    if kind.startswith("tuple"):
+        return tuple(_integer(where, field, part, kind) for part in text.split("/"))
+    if choices is not None and text not in choices:
+        raise LaunchError(f"{where}: {field} must be one of {', '.join(choices)}")
+    if not text:
+        raise LaunchError(f"{where}: {field} must not be empty")
+    return text
+
+
+def _integer(where: str, field: str, text: str, kind: str) -> int:
+    may_be_none = " or none" if "None" in kind else ""
+    joined = " (several joined by /)" if kind.startswith("tuple") else ""
+    if not text.isdigit() or int(text) < 1:
+        raise LaunchError(f"{where}: {field} must be an integer >= 1{joined}{may_be_none}")
+    value = int(text)
+    if any(part in field for part in _POWER_OF_TWO_PARTS) and value & (value - 1):
+        raise LaunchError(f"{where}: {field} must be a power of two")
+    return value
