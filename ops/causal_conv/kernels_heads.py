@@ -39,6 +39,17 @@ def _segment(pid_c, blocks_qk, q_ptr, k_ptr, v_ptr, out_q_ptr, out_k_ptr, out_v_
 
 
 @triton.jit
+def _segment_ptr(pid_c, blocks_qk, q_ptr, k_ptr, v_ptr):
+    # Of three pointers, the one of channel tile pid_c's segment.
+    ptr = q_ptr
+    if pid_c >= 2 * blocks_qk:
+        ptr = v_ptr
+    elif pid_c >= blocks_qk:
+        ptr = k_ptr
+    return ptr
+
+
+@triton.jit
 def _conv_heads_fwd_kernel(
     xq_ptr, xk_ptr, xv_ptr, w_ptr, pos_ptr, yq_ptr, yk_ptr, yv_ptr, dpre_ptr, T, C_QK, C_V, KD, VD, G, dilation,
     blocks_qk, IS_DPRE: tl.constexpr, W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -121,12 +132,10 @@ def _conv_heads_bwd_one_pass_kernel(
     tile_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     batch = tl.program_id(2)
-    x_ptr, dy_ptr, channels, head_dim, repeat, first, tile = _segment(
-        pid_c, blocks_qk, xq_ptr, xk_ptr, xv_ptr, dyq_ptr, dyk_ptr, dyv_ptr, C_QK, C_V, KD, VD, G
+    x_ptr, dx_ptr, channels, head_dim, repeat, first, tile = _segment(
+        pid_c, blocks_qk, xq_ptr, xk_ptr, xv_ptr, dxq_ptr, dxk_ptr, dxv_ptr, C_QK, C_V, KD, VD, G
     )
-    dx_ptr, _, _, _, _, _, _ = _segment(
-        pid_c, blocks_qk, dxq_ptr, dxk_ptr, dxv_ptr, dxq_ptr, dxk_ptr, dxv_ptr, C_QK, C_V, KD, VD, G
-    )
+    dy_ptr = _segment_ptr(pid_c, blocks_qk, dyq_ptr, dyk_ptr, dyv_ptr)
     total = 2 * C_QK + C_V
     rows = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tile * BLOCK_C + tl.arange(0, BLOCK_C)
