@@ -83,7 +83,7 @@ def test_kernel_matches_reference(kernel_path, guarded, conv_launch, case, dtype
 
 
 @pytest.mark.parametrize("outputs", [(2,), (0, 2)], ids=["v_only", "q_and_v"])
-def test_outputs_without_gradient_count_as_zeros(kernel_path, guarded, outputs):
+def test_outputs_without_gradient_count_as_zeros(kernel_path, guarded, conv_launch, outputs):
     inputs, positions, grads = heads_case(1, [30, 11], 2, 16, 4, 8, 4, torch.float32)
     _, input_grads = run(causal_conv_heads, inputs, positions, grads, 1, 16, 8, outputs)
     as_fp64 = [t.detach().double().requires_grad_() for t in inputs]
@@ -105,13 +105,18 @@ def test_kernel_is_the_plain_conv_kernel_on_the_concatenation(kernel_path):
     torch.testing.assert_close(yv, yv_ref, rtol=0, atol=0)
 
 
-def test_frozen_weight_gets_no_gradient(kernel_path, guarded):
-    (q, k, v, weight), positions, grads = heads_case(1, [17], 1, 8, 2, 8, 4, torch.float32)
+def test_frozen_weight_gets_no_gradient(kernel_path, guarded, conv_launch):
+    (q, k, v, weight), positions, grads = heads_case(1, [17, 30], 1, 8, 2, 8, 4, torch.float32)
     weight.requires_grad_(False)
     out = causal_conv_heads(q, k, v, weight, positions, 8, 8)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grads)
+    input_grads = torch.autograd.grad(out, (q, k, v), grads)
+    out_ref = causal_conv_heads_ref(q, k, v, weight, positions, 8, 8)
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), grads)
     guarded.check()
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for grad, grad_ref in zip(input_grads, grads_ref, strict=True):
+        torch.testing.assert_close(grad, grad_ref, **TOLERANCES[torch.float32])
+    # The outputs, dq, dk, dv and (two passes) the fp32 dpre: no [tiles, C, W] buffer for dw.
+    assert len(guarded.buffers) == (6 if conv_launch.one_pass_backward else 7)
 
 
 BAD = [
