@@ -27,7 +27,7 @@ import torch
 
 from moe_tune.engine.bench.arguments import OneLineParser, positive_int
 from moe_tune.engine.bench.linear_attention_sweep import (
-    check_output_and_device, relative_errors, summarize_timings, wrong_tensors,
+    check_candidate, check_output_and_device, relative_errors, summarize_timings,
 )  # fmt: skip
 from moe_tune.engine.bench.machine import machine_info
 from moe_tune.engine.bench.timing import median_ms
@@ -156,8 +156,6 @@ def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_
     """Rows {config (the overrides), errors, wrong, fwd_ms, fwd_bwd_ms, bwd_ms, spreads, vs_default} per candidate,
     or {config, error} where one does not compile or launch here; checked at CHECK_LENGTHS, timed at SHAPE (on the
     CPU the kernels run in Triton's interpreter: the tests' way through the sweep)."""
-    from triton.errors import TritonError
-
     from moe_tune.ops.causal_conv.kernels import pick_launch
 
     check_inputs, check_positions, check_grads = make_inputs(list(CHECK_LENGTHS), torch.bfloat16, device)
@@ -171,19 +169,16 @@ def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_
     for overrides in candidates:
         launch = dataclasses.replace(base, **overrides)
         row: dict = {"config": overrides}
-        try:
+
+        def errors_of(launch=launch) -> dict[str, float]:
             with launched_with(launch):
-                errors = relative_errors(outputs(_conv, check_inputs, check_positions, check_grads), expected)
-        except (RuntimeError, ValueError, TritonError) as err:
-            rows.append({**row, "error": f"{type(err).__name__}: {err}".splitlines()[0]})
-            steps.append(None)
-            continue
-        if not overrides:
+                return relative_errors(outputs(_conv, check_inputs, check_positions, check_grads), expected)
+
+        errors = check_candidate(row, errors_of, None if not overrides else default_errors)
+        if not overrides and errors is not None:
             default_errors = errors
-        row["errors"] = {name: float(f"{err:.3e}") for name, err in errors.items()}
-        row["wrong"] = wrong_tensors(errors, default_errors)
         rows.append(row)
-        steps.append(None if row["wrong"] else _steps(launch, inputs, positions, grads))
+        steps.append(None if errors is None or row["wrong"] else _steps(launch, inputs, positions, grads))
     leaves = list(inputs)
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in rows]
     for _ in range(rounds):

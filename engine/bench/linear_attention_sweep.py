@@ -131,6 +131,23 @@ def wrong_tensors(errors: dict[str, float], default_errors: dict[str, float]) ->
     ]
 
 
+def check_candidate(row: dict, errors_of: Callable[[], dict[str, float]], default_errors: dict[str, float] | None
+                    ) -> dict[str, float] | None:  # fmt: skip
+    """A candidate's check into its row: `errors` and `wrong` (wrong_tensors against default_errors, the default
+    candidate's own errors when None: it is the default), or `error` where it does not compile or launch here.
+    Returns its errors, None after an error."""
+    from triton.errors import TritonError
+
+    try:
+        errors = errors_of()
+    except (RuntimeError, ValueError, TritonError) as err:
+        row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+        return None
+    row["errors"] = {name: float(f"{err:.3e}") for name, err in errors.items()}
+    row["wrong"] = wrong_tensors(errors, errors if default_errors is None else default_errors)
+    return errors
+
+
 def summarize_timings(times_ms: list[float]) -> dict[str, float]:
     """{ms: the median over turns, spread_ms: max - min} of one candidate's timings."""
     return {"ms": round(statistics.median(times_ms), 4), "spread_ms": round(max(times_ms) - min(times_ms), 4)}
@@ -190,8 +207,6 @@ def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: i
     kernel's time in one pass, from CANDIDATE_PROFILE_PASSES profiled passes)} per candidate, or
     {op, config, error} where a candidate does not compile or launch on this device (module docstring); checked at
     CHECK_SHAPE, timed at shape."""
-    from triton.errors import TritonError
-
     from moe_tune.ops.linear_attention.kernels_common import pick_config
 
     shape = dict(ANCHOR_SHAPE if shape is None else shape)
@@ -210,20 +225,16 @@ def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: i
     for overrides in candidates:
         config = dataclasses.replace(base, **overrides)
         row = {"op": op, "config": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}}
-        try:
+
+        def errors_of(config=config) -> dict[str, float]:
             with launched_with(config):
-                errors = relative_errors(_outputs(ours, check_inputs, check_grad), expected)
-        except (RuntimeError, ValueError, TritonError) as err:
-            row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
-            rows.append(row)
-            steps.append(None)
-            continue
-        if not overrides:
+                return relative_errors(_outputs(ours, check_inputs, check_grad), expected)
+
+        errors = check_candidate(row, errors_of, None if not overrides else default_errors)
+        if not overrides and errors is not None:
             default_errors = errors
-        row["errors"] = {name: float(f"{err:.3e}") for name, err in errors.items()}
-        row["wrong"] = wrong_tensors(errors, default_errors)
         rows.append(row)
-        steps.append(None if row["wrong"] else _step(ours, config, inputs, grad_out))
+        steps.append(None if errors is None or row["wrong"] else _step(ours, config, inputs, grad_out))
     times: list[list[float]] = [[] for _ in rows]
     for _ in range(rounds):
         for i, step in enumerate(steps):

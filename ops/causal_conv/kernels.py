@@ -179,32 +179,13 @@ def conv_dx_dw_one_pass(
 
 
 @triton.jit
-def _causal_conv_bwd_one_pass_kernel(
-    x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dw_partial_ptr, T, C, dilation, num_t_tiles,
-    W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    tile = tl.program_id(0)
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    batch = tl.program_id(2)
-    base = batch.to(tl.int64) * T * C
-    row_mask = rows < T
-    col_mask = cols < C
-    pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
-    partial_row = (batch * num_t_tiles + tile).to(tl.int64) * C * W
-    dx = conv_dx_dw_one_pass(
-        x_ptr, base, C, w_ptr, pos_ptr, pos, dy_ptr, base, C, cols, 0, 1, dw_partial_ptr, partial_row, rows, cols,
-        row_mask, col_mask, T, dilation, W, HAS_DW, BLOCK_T, BLOCK_C,
-    )  # fmt: skip
-    offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
-    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-
-@triton.jit
 def _causal_conv_bwd_kernel(
     x_ptr, w_ptr, pos_ptr, dpre_ptr, dx_ptr, dw_partial_ptr, T, C, dilation, num_t_tiles,
     W: tl.constexpr, HAS_DW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    ONE_PASS: tl.constexpr = False,
 ):  # fmt: skip
+    """dx of one tile and its share of dw: from the first pass's dpre, or (ONE_PASS) from dy itself, which dpre_ptr
+    then points at."""
     tile = tl.program_id(0)
     rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -214,10 +195,16 @@ def _causal_conv_bwd_kernel(
     col_mask = cols < C
     pos = tl.load(pos_ptr + rows, mask=row_mask, other=0)
     partial_row = (batch * num_t_tiles + tile).to(tl.int64) * C * W
-    dx = conv_dx_dw(
-        x_ptr, base, C, w_ptr, pos_ptr, pos, dpre_ptr, base, C, dw_partial_ptr, partial_row, rows, cols, row_mask,
-        col_mask, T, dilation, W, HAS_DW, BLOCK_T, BLOCK_C,
-    )  # fmt: skip
+    if ONE_PASS:
+        dx = conv_dx_dw_one_pass(
+            x_ptr, base, C, w_ptr, pos_ptr, pos, dpre_ptr, base, C, cols, 0, 1, dw_partial_ptr, partial_row, rows,
+            cols, row_mask, col_mask, T, dilation, W, HAS_DW, BLOCK_T, BLOCK_C,
+        )  # fmt: skip
+    else:
+        dx = conv_dx_dw(
+            x_ptr, base, C, w_ptr, pos_ptr, pos, dpre_ptr, base, C, dw_partial_ptr, partial_row, rows, cols, row_mask,
+            col_mask, T, dilation, W, HAS_DW, BLOCK_T, BLOCK_C,
+        )  # fmt: skip
     offsets = base + rows[:, None].to(tl.int64) * C + cols[None, :]
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -256,9 +243,9 @@ def causal_conv_bwd(
     num_t_tiles = grid[0]
     dw_partial = alloc((batch * num_t_tiles, channels, width), torch.float32, x.device) if needs_dw else None
     if launch.one_pass_backward:
-        _causal_conv_bwd_one_pass_kernel[grid](
+        _causal_conv_bwd_kernel[grid](
             x, w, positions, dy, dx, dw_partial if dw_partial is not None else dx, tokens, channels, dilation,
-            num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
+            num_t_tiles, W=width, HAS_DW=needs_dw, BLOCK_T=block_t, BLOCK_C=block_c, ONE_PASS=True, num_warps=warps,
         )  # fmt: skip
     else:
         dpre = alloc((batch, tokens, channels), torch.float32, x.device)

@@ -58,6 +58,24 @@ def test_wrong_tensors_take_the_larger_of_the_floor_and_a_multiple_of_pick_confi
     assert sweep.wrong_tensors({"o": floor * 2}, {}) == ["o"]
 
 
+def test_a_candidates_check_fills_its_row_or_says_why_it_did_not_run():
+    floor = sweep.WRONG_REL_RMS
+    row = {}
+    # The default candidate (no errors to compare with): held to the floor and its own errors' multiple.
+    assert sweep.check_candidate(row, lambda: {"o": floor * 3, "dq": float("nan")}, None) == {
+        "o": floor * 3, "dq": pytest.approx(float("nan"), nan_ok=True)}  # fmt: skip
+    assert row["errors"]["o"] == float(f"{floor * 3:.3e}") and row["wrong"] == ["dq"]
+    row = {}
+    assert sweep.check_candidate(row, lambda: {"o": floor * 3}, {"o": floor}) is not None and row["wrong"] == ["o"]
+
+    def refuses():
+        raise RuntimeError("out of resource: shared memory\nRequired: 300000")
+
+    row = {"config": {"num_stages": 5}}
+    assert sweep.check_candidate(row, refuses, {}) is None
+    assert row == {"config": {"num_stages": 5}, "error": "RuntimeError: out of resource: shared memory"}
+
+
 def test_timings_summarised_as_median_and_spread():
     assert sweep.summarize_timings([3.0, 1.0, 2.5]) == {"ms": 2.5, "spread_ms": 2.0}
     assert sweep.summarize_timings([4.0]) == {"ms": 4.0, "spread_ms": 0.0}
