@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 
-from moe_tune.ops.common.launch import LAUNCH_ENV, launch_text
+from moe_tune.engine.launch import environment_problems
 
 from . import align, export, finetune, plan, profile, profiles
 from . import onboard
 from . import generate
-from ._common import fail, launch_problems
+from ._common import fail
 
 app = typer.Typer(
     name="moe-tune",
@@ -62,9 +62,8 @@ def _root(
 ) -> None:
     """Fine-tune huge sparse Mixture-of-Experts models (ZeRO-3 + expert parallelism, LoRA, fused kernels)."""
     # A kernel-launch variable that the first kernel call would refuse deep inside a run: refused here, in one line.
-    if text := launch_text():
-        if problems := launch_problems(text, LAUNCH_ENV):
-            fail(problems)
+    if problems := environment_problems():
+        fail(problems)
 
 
 def main() -> None:

@@ -104,16 +104,3 @@ def _plot_format_problems(plot: Path) -> list[str]:
     if plot.suffix[1:].lower() in formats:
         return []
     return [f"--plot ({str(plot)!r}) must end in a format matplotlib writes: {', '.join('.' + f for f in formats)}"]
-
-
-def launch_problems(text: str, source: str = "--launch") -> list[str]:
-    """The one-line problem of a kernel-launch text (ops/common/launch.py), or none."""
-    from moe_tune.ops.common.launch import LaunchError, parse_launch
-
-    if not text.strip():
-        return [f"{source}: empty: name at least one FAMILY.FIELD=VALUE (docs/bench.md)"]
-    try:
-        parse_launch(text, source)
-    except LaunchError as err:
-        return [str(err)]
-    return []

@@ -4,16 +4,15 @@ profile (profile_steps.py); `moe-tune profile --kernels` times every registered 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from moe_tune.ops.common.launch import LAUNCH_ENV
+from moe_tune.engine.launch import launch_problems, use_launch
 
 from . import profile_kernels, profile_steps
-from ._common import SetOption, fail, launch_problems, output_problems
+from ._common import SetOption, fail, output_problems
 
 __all__ = ["app", "profile"]
 
@@ -111,7 +110,7 @@ def profile(
     if problems:
         fail(problems)
     if launch is not None:
-        os.environ[LAUNCH_ENV] = launch.strip()
+        use_launch(launch)
     if load_checkpoint is not None and profile_arg is not None:
         profile_steps.run_load(profile_arg, overrides, load_checkpoint, json_out)
     elif profile_arg is not None:

@@ -15,6 +15,7 @@ with interpreted_kernels():
     from moe_tune.engine.bench import causal_conv_sweep as sweep
     from moe_tune.ops.causal_conv import autograd, kernels, kernels_heads
     from moe_tune.ops.causal_conv.kernels import DEFAULT_LAUNCH, ConvLaunch
+    from moe_tune.ops.common.launch import LAUNCH_ENV
 
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
@@ -28,6 +29,8 @@ SMALL_SHAPE = dict(tokens=40, document=15, key_heads=2, value_heads=4, key_dim=1
 def small(monkeypatch):
     monkeypatch.setattr(sweep, "SHAPE", SMALL_SHAPE)
     monkeypatch.setattr(sweep, "CHECK_LENGTHS", (1, 9, 20))
+    # pick_launch's own launch, whatever the environment names.
+    monkeypatch.setenv(LAUNCH_ENV, "")
 
 
 def test_candidates_start_with_pick_launch_and_each_changes_a_launch():

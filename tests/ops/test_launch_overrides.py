@@ -75,7 +75,7 @@ def test_each_broken_rule_is_one_line_naming_the_source_and_the_entry(text, rule
 
 def test_families_take_their_own_fields_only_where_named(monkeypatch):
     default_conv = kernels.DEFAULT_LAUNCH
-    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    monkeypatch.setenv(LAUNCH_ENV, "")
     assert kernels.pick_launch(None) is default_conv
     before = pick_config(_gpu())
     monkeypatch.setenv(LAUNCH_ENV, "causal_conv.one_pass_backward=true,causal_conv.grad_block_c=64")
@@ -109,7 +109,8 @@ def test_a_conv_run_launches_what_the_variable_names(kernel_path, monkeypatch):
 
 def test_profile_launch_is_checked_recorded_and_refused_where_it_does_not_apply(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    # Set through monkeypatch first, so that the value the command sets in this process is undone after the test.
+    monkeypatch.setenv(LAUNCH_ENV, "")
     bad = runner.invoke(app, ["profile", "--kernels", "--ops", "causal_conv", "--launch", "causal_conv.block_t=3"])
     assert bad.exit_code == 2
     assert bad.output.strip() == "error: --launch entry 'causal_conv.block_t=3': block_t must be a power of two"
@@ -124,7 +125,7 @@ def test_profile_launch_is_checked_recorded_and_refused_where_it_does_not_apply(
     good = runner.invoke(app, ["profile", "--kernels", "--ops", "causal_conv", "--launch", text, "--json", str(out)])
     assert good.exit_code == 0, good.output
     assert {row["launch"] for row in json.loads(out.read_text())} == {text}
-    monkeypatch.delenv(LAUNCH_ENV)
+    monkeypatch.setenv(LAUNCH_ENV, "")
     plain = tmp_path / "plain.json"
     assert runner.invoke(app, ["profile", "--kernels", "--ops", "causal_conv", "--json", str(plain)]).exit_code == 0
     assert {row["launch"] for row in json.loads(plain.read_text())} == {None}
