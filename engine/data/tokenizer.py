@@ -84,8 +84,12 @@ def template_errors(where: str, source: str) -> Iterator[None]:
 
     try:
         yield
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except Exception as err:  # noqa: BLE001 - the template is the user's code: whatever it raises is its problem
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if not isinstance(err, (jinja2.TemplateError, ValueError, TypeError, KeyError)):
+            # ZeroDivisionError, IndexError, ...: the kind says what the message alone does not.
+            first_line = f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
+        first_line = first_line or type(err).__name__
         raise ProfileError([f"{where}: {source} cannot render the conversation: {first_line!r:.200}"]) from None
 
 
@@ -143,8 +147,11 @@ class HFTokenizer:
             raise ProfileError([f"data.tokenizer ('{directory}') needs transformers: pip install transformers"]) from None
         try:
             self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        except Exception as err:  # noqa: BLE001 - files of the user's folder: a KeyError of a malformed tokenizer.json too
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            if not isinstance(err, (OSError, ValueError)):
+                first_line = f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
+            first_line = first_line or type(err).__name__
             raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {first_line}"]) from None
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id

@@ -249,6 +249,24 @@ def test_a_template_reaching_out_of_the_sandbox_is_refused_naming_the_record(tmp
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("template, kind", [
+    ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    ("{{ (messages | length) // 0 }}", "ZeroDivisionError"),
+    ("{{ messages[99]['content'] }}", "has no element 99"),
+    ("{{ (messages | map(attribute='content') | list)[0] | float / 0 }}", "ZeroDivisionError"),
+    ("{{ '%d' % 'x' }}", "%d format"),
+])  # fmt: skip
+def test_whatever_a_template_raises_is_one_line_naming_the_record(tmp_path, template, kind):
+    # The template is the user's code: an exception of any kind it raises is its problem, said in one line.
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
+    (line,) = err.value.problems
+    assert line.startswith(f"{data}:1: "), line
+    assert kind in line and "\n" not in line
+
+
 # Image chats: the built-in format and a template, trained as the options say
 
 

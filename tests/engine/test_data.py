@@ -155,3 +155,22 @@ def test_unreadable_tokenizer_directory_is_a_profile_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ProfileError, match=r"data.tokenizer \('.*empty'\) cannot be loaded"):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("tokenizer_json", [
+    {"version": "1.0", "model": {"type": "Nope"}},  # no added_tokens: a KeyError inside the loader
+    {"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": [1, 2]}},
+    {"version": "1.0", "added_tokens": "x", "model": None},
+    [],
+])  # fmt: skip
+def test_a_malformed_tokenizer_json_is_one_line_naming_the_folder(tmp_path, tokenizer_json):
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (folder / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ProfileError) as err:
+        load_tokenizer(str(folder))
+    (line,) = err.value.problems
+    assert line.startswith(f"data.tokenizer ('{folder}') cannot be loaded: ") and "\n" not in line
