@@ -265,6 +265,9 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
     for item in overrides:
         key, sep, value = item.partition("=")
         label = f"--set {_format_value(item)}"
+        if (what := _not_utf8(item)) is not None:
+            problems.append(f"{label}: not UTF-8 text ({what})")
+            continue
         if not sep or not key.strip():
             problems.append(f"{label}: must read path.to.field=value")
             continue
@@ -304,6 +307,19 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
         else:
             node[parts[-1]] = parsed
     return problems
+
+
+def _not_utf8(text: str) -> str | None:
+    """Where text is not UTF-8: the first command-line byte that was not (Python keeps one as a lone surrogate,
+    U+DC80-U+DCFF) or another lone surrogate; None when it is UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            return f"the command line's byte 0x{code - 0xDC00:02x} at character {err.start + 1}"
+        return f"a lone surrogate U+{code:04X} at character {err.start + 1}"
+    return None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

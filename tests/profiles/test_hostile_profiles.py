@@ -286,6 +286,19 @@ def test_malformed_set_is_its_own_line(override, expected):
     assert line.startswith(expected)
 
 
+@pytest.mark.parametrize("override, where", [
+    ("name=caf\udce9", "the command line's byte 0xe9 at character 9"),
+    ("data.path=d/\udcff.jsonl", "the command line's byte 0xff at character 13"),
+    ("output.dir=\udc80", "the command line's byte 0x80 at character 12"),
+    ("na\udce9=1", "the command line's byte 0xe9 at character 3"),
+    ("name=\ud800x", "a lone surrogate U+D800 at character 6"),
+])  # fmt: skip
+def test_a_set_that_is_not_utf8_is_one_line_naming_the_byte(override, where):
+    # Bytes of the command line that are not UTF-8 reach Python as lone surrogates, which YAML cannot take.
+    (line,) = problems_of(TINY, [override])
+    assert line == f"--set {override!r}: not UTF-8 text ({where})"
+
+
 def test_set_values_that_are_not_yaml_collections_stay_strings():
     """Text that is not YAML and not begun as a collection stays the string it reads as."""
     profile = load_profile(TINY, ["output.dir=runs/a: b: c]", "name=x: y: z"])
