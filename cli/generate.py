@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moe_tune.profiles import escape_controls
+from moe_tune.profiles import escape_controls, not_utf8
 
 from ._common import err_console, fail, user_errors
 
@@ -49,6 +49,8 @@ def generate(
     if raw and system is not None:
         problems.append("--system needs the chat template; --raw sends the prompt as it is: give one")
     problems += option_problems(max_new_tokens, temperature, top_p, seed)
+    problems += [f"{name}: not UTF-8 text ({what})" for name, text in (("--prompt", prompt), ("--system", system))
+                 if text is not None and (what := not_utf8(text)) is not None]  # fmt: skip
     if problems:
         fail(problems)
 
@@ -78,10 +80,12 @@ def converse(session, history: list[dict], options: dict) -> None:
     err_console.print("chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends",
                       markup=False, highlight=False)
     history = list(history)
+    number = 0
     while True:
         if sys.stdin.isatty():
             err_console.print("> ", end="", markup=False, highlight=False)
-        line = sys.stdin.readline()
+        number += 1
+        line = read_line(number)
         if not line.strip():
             return
         history.append({"role": "user", "content": line.rstrip("\n")})
@@ -89,6 +93,16 @@ def converse(session, history: list[dict], options: dict) -> None:
             ids = session.prompt(messages=history)
         text = reply(session, ids, stop=True, **options)
         history.append({"role": "assistant", "content": text})
+
+
+def read_line(number: int) -> str:
+    """Line `number` of stdin ('' at its end), read as bytes and decoded here: one that is not UTF-8 is one line
+    naming it and its first such byte, exit 2."""
+    raw = sys.stdin.buffer.readline()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        fail([f"stdin line {number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1})"])
 
 
 def reply(session, ids: list[int], stop: bool, **options) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "escape_controls",
     "format_errors",
     "load_profile",
+    "not_utf8",
     "resolve_profile_path",
     "shipped_profiles",
     "json_schema",
@@ -265,7 +266,7 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
     for item in overrides:
         key, sep, value = item.partition("=")
         label = f"--set {_format_value(item)}"
-        if (what := _not_utf8(item)) is not None:
+        if (what := not_utf8(item)) is not None:
             problems.append(f"{label}: not UTF-8 text ({what})")
             continue
         if not sep or not key.strip():
@@ -309,7 +310,7 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
     return problems
 
 
-def _not_utf8(text: str) -> str | None:
+def not_utf8(text: str) -> str | None:
     """Where text is not UTF-8: the first command-line byte that was not (Python keeps one as a lone surrogate,
     U+DC80-U+DCFF) or another lone surrogate; None when it is UTF-8."""
     try:

@@ -133,6 +133,17 @@ def test_chat_keeps_the_history_and_ends_on_an_empty_line(lora_run, monkeypatch)
     assert asked[1][:2] == asked[0] and asked[1][3]["content"] == "second"
 
 
+@pytest.mark.parametrize("stdin, line", [
+    (b"fine\n\xff\xfe hi\n", "error: stdin line 2: not UTF-8 text (byte 0xff at byte 1)"),
+    (b"caf\xe9\n", "error: stdin line 1: not UTF-8 text (byte 0xe9 at byte 4)"),
+])  # fmt: skip
+def test_a_chat_line_that_is_not_utf8_ends_the_chat_in_one_line(lora_run, stdin, line):
+    run, _ = lora_run
+    result = runner.invoke(app, ["generate", str(run), "--chat", "--max-new-tokens", "2"], input=stdin)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == line and "Traceback" not in result.output
+
+
 def test_ctrl_c_ends_the_reply_without_a_traceback(lora_run, monkeypatch):
     from moe_tune.engine.generate.session import Session
 
@@ -267,10 +278,14 @@ def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path
          "--seed (99999999999999999999999) must be in [0, 2**64)"),
         (["{run}", "--chat", "--raw"], "--raw sends one prompt as it is; --chat renders turns"),
         (["{run}", "--prompt", "x", "--raw", "--system", "s"], "--system needs the chat template"),
+        (["{run}", "--prompt", "caf\udce9"], "--prompt: not UTF-8 text (the command line's byte 0xe9 at character 4)"),
+        (["{run}", "--prompt", "\udcff", "--raw"], "--prompt: not UTF-8 text (the command line's byte 0xff at "),
+        (["{run}", "--chat", "--system", "\udc80 be brief"], "--system: not UTF-8 text (the command line's byte 0x80"),
     ],
     ids=["no-folder", "no-run", "unfinished", "locked", "bad-profile", "prompt-and-chat", "neither", "max-new-0",
          "max-new-negative", "temperature-negative", "temperature-nan", "temperature-inf", "top-p-0", "top-p-above-1",
-         "top-p-nan", "seed-negative", "seed-2**64", "seed-huge", "raw-chat", "raw-system"],
+         "top-p-nan", "seed-negative", "seed-2**64", "seed-huge", "raw-chat", "raw-system", "prompt-not-utf8",
+         "raw-prompt-not-utf8", "system-not-utf8"],
 )
 def test_bad_input_exits_2_in_one_line(lora_run, tmp_path, args, message):
     run, _ = lora_run
