@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from moe_tune.profiles import resolve_profile_path
+
 from ._common import USER_ERROR_EXIT, ProfileArg, SetOption, fail, print_error, read_profile, user_errors
 
 app = typer.Typer()
@@ -39,10 +41,21 @@ def finetune(
         fail(["--resume and --overwrite contradict each other: --resume continues the run in output.dir, "
               "--overwrite deletes it; give one"])  # fmt: skip
     job = read_profile(profile, overrides)
+    if not resume:
+        # A fresh run writes its resolved profile.yaml (and its other settings) into output.dir: the PROFILE kept there
+        # would be replaced.
+        from moe_tune.engine.train.run_dir import check_reads_apart
+
+        with user_errors():
+            check_reads_apart(job.output.dir, {"PROFILE": resolve_profile_path(profile)})
     console = Console(highlight=False)
     if nproc > 1:
-        from moe_tune.engine.parallel.launch import launch_local
+        import torch
 
+        from moe_tune.engine.parallel.launch import host_memory_bytes, launch_local, nproc_problems
+
+        if problems := nproc_problems(nproc, torch.cuda.device_count(), host_memory_bytes()):
+            fail(problems)
         argv = ["finetune", profile, *[a for o in overrides or [] for a in ("--set", o)]]
         argv += ["--resume"] * resume + ["--overwrite"] * overwrite + ["--quiet"] * quiet
         outcome = launch_local(nproc, argv)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from moe_tune.profiles import bounded_line
+from moe_tune.profiles import bounded_line, resolve_profile_path
 
 from ._common import ProfileArg, SetOption, err_console, read_profile, user_errors
 
@@ -32,7 +32,7 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
     with user_errors():
         # What finetune refuses once the model is built: adapters on layers the model does not have.
         lora_parameters(model_parameters(job.model), job.lora)
-        check_reads_apart(job.output.dir, run_reads(job))
+        check_reads_apart(job.output.dir, {"PROFILE": resolve_profile_path(profile), **run_reads(job)})
     # Written as it is: a console would wrap lines longer than the terminal (a long path) and break the YAML.
     typer.echo(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), nl=False)
     if no_data:

@@ -48,6 +48,31 @@ def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None 
     return env
 
 
+# What one rank takes of the host's memory at the least (the interpreter, torch and DeepSpeed imported, before any
+# model): more ranks than the memory holds this many of are refused before one starts.
+RANK_HOST_BYTES = 512 * 2**20
+
+
+def nproc_problems(nproc: int, cuda_devices: int, host_bytes: int | None) -> list[str]:
+    """Why `--nproc nproc` cannot run here, in one line, or nothing: on a machine with CUDA devices each rank takes
+    one of its own; every rank takes RANK_HOST_BYTES of the host's memory (host_bytes None: unknown, not checked)."""
+    if cuda_devices and nproc > cuda_devices:
+        return [f"--nproc ({nproc}) must be at most the {cuda_devices} CUDA devices here: each rank takes one"]
+    if host_bytes is not None and nproc * RANK_HOST_BYTES > host_bytes:
+        most = host_bytes // RANK_HOST_BYTES
+        return [f"--nproc ({nproc}) must be at most {most} here: each rank takes at least "
+                f"{RANK_HOST_BYTES / 2**30:.1f} GiB of the host's {host_bytes / 2**30:.1f} GiB"]  # fmt: skip
+    return []
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory, None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> LaunchResult:
     """Run `python -m moe_tune *argv` as ranks 0..nproc-1 on this machine; return when all ended."""
     port = free_port()

@@ -123,6 +123,31 @@ def test_finetune_that_diverges_stops_with_one_line_and_exit_1(tmp_path, child_e
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("nproc, devices, host_gib, line", [
+    (100000, 0, 24, "--nproc (100000) must be at most 48 here: each rank takes at least 0.5 GiB of the host's 24.0 GiB"),
+    (49, 0, 24, "--nproc (49) must be at most 48 here"),
+    (9, 8, 2048, "--nproc (9) must be at most the 8 CUDA devices here: each rank takes one"),
+])  # fmt: skip
+def test_more_ranks_than_the_machine_holds_are_refused_before_one_starts(monkeypatch, nproc, devices, host_gib, line):
+    import torch
+
+    from moe_tune.engine.parallel import launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(launch, "host_memory_bytes", lambda: host_gib * 2**30)
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, argv: pytest.fail("a rank started"))
+    result = runner.invoke(app, ["finetune", "tiny", "--nproc", str(nproc)])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith(f"error: {line}") and result.output.count("\n") == 1
+
+
+def test_the_rank_limits_at_their_edges():
+    from moe_tune.engine.parallel.launch import RANK_HOST_BYTES, nproc_problems
+
+    assert nproc_problems(8, 8, 10**15) == [] and nproc_problems(48, 0, 48 * RANK_HOST_BYTES) == []
+    assert nproc_problems(49, 0, 48 * RANK_HOST_BYTES) and nproc_problems(2, 0, None) == []
+
+
 def test_finetune_with_ranks_exits_as_the_failed_rank(monkeypatch):
     from moe_tune.engine.parallel import launch
 

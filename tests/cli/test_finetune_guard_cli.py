@@ -6,6 +6,7 @@ import math
 import os
 import shlex
 import socket
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -35,6 +36,35 @@ def test_resume_with_overwrite_is_refused(tmp_path):
     assert errors(result) == ["error: --resume and --overwrite contradict each other: --resume continues the run in "
                               "output.dir, --overwrite deletes it; give one"]  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["profile.yaml", "deepspeed_config.json", "checkpoints/p.yaml", "adapter/p.yaml"])
+def test_a_profile_kept_where_a_fresh_run_writes_is_refused_and_kept(tmp_path, name):
+    # The run writes its resolved profile.yaml and its settings into output.dir: a PROFILE there would be replaced.
+    out = tmp_path / "run"
+    profile = out / name
+    profile.parent.mkdir(parents=True)
+    text = "# my notes\n" + (Path(__file__).parents[2] / "profiles" / "tiny.yaml").read_text()
+    profile.write_text(text)
+    args = ["finetune", str(profile), "--quiet", *[a for o in [*SMALL, f"output.dir={out}"] for a in ("--set", o)]]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert errors(result) == [f"error: PROFILE ({str(profile)!r}) lies where the run writes "
+                              f"({str(out.resolve() / name.split('/')[0])!r}, in output.dir): its outputs and "
+                              "--overwrite would replace what it reads; set output.dir to another folder"]  # fmt: skip
+    assert profile.read_text() == text and sorted(p.name for p in out.iterdir()) == [name.split("/")[0]]
+    validated = runner.invoke(app, ["validate", str(profile), "--no-data", "--set", f"output.dir={out}"])
+    assert validated.exit_code == 2 and "PROFILE (" in validated.stderr
+
+
+def test_a_profile_beside_the_run_files_is_read_and_left_alone(tmp_path):
+    # Another name in output.dir: nothing the run writes.
+    out = tmp_path / "run"
+    out.mkdir()
+    profile = out / "my-profile.yaml"
+    profile.write_text((Path(__file__).parents[2] / "profiles" / "tiny.yaml").read_text())
+    result = runner.invoke(app, ["validate", str(profile), "--no-data", "--set", f"output.dir={out}"])
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.parametrize("case", ["a file", "locked by a live run", "a previous run"])
