@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 from typing import Annotated
 
@@ -12,6 +13,7 @@ from moe_tune.engine.launch import environment_problems
 from . import align, export, finetune, plan, profile, profiles
 from . import onboard
 from . import generate
+from ._common import USER_ERROR_EXIT, print_error
 from ._common import fail
 
 app = typer.Typer(
@@ -66,5 +68,38 @@ def _root(
         fail(problems)
 
 
+def _usage_problem(err) -> str:
+    """click's message of a usage error; for a value its option cannot take, `--option ('value'): rule` with the value
+    as the command line gave it."""
+    param = getattr(err, "param", None)
+    opts = [opt for opt in getattr(param, "opts", ()) if opt.startswith("-")]
+    if type(err).__name__ == "BadParameter" and opts:
+        args = sys.argv[1:]
+        for index, arg in enumerate(args):
+            for opt in opts:
+                if arg == opt and index + 1 < len(args):
+                    return f"{opt} ({args[index + 1]!r}): {err.message}"
+                if arg.startswith(opt + "="):
+                    return f"{opt} ({arg[len(opt) + 1 :]!r}): {err.message}"
+    return err.format_message()
+
+
 def main() -> None:
-    app()
+    """The `moe-tune` command. A usage error (an unknown option or command, a value its option cannot parse, a missing
+    argument) is one line naming it and where the help is, exit 2, as every other refusal (click's own message is a
+    usage block and a box); no arguments print the help, exit 2."""
+    # typer raises click's UsageError (its own copy of click in newer typer): found through BadParameter, a subclass.
+    usage_error = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
+    try:
+        code = app(standalone_mode=False, prog_name="moe-tune")
+    except usage_error as err:
+        if type(err).__name__ == "NoArgsIsHelpError":
+            typer.echo(err.ctx.get_help())
+            raise SystemExit(err.exit_code) from None
+        where = f" (see {err.ctx.command_path} --help)" if err.ctx is not None else ""
+        print_error(f"{_usage_problem(err)}{where}")
+        raise SystemExit(USER_ERROR_EXIT) from None
+    except typer.Abort:
+        # Ctrl-C outside a command's own handling: no traceback, the shell's code for SIGINT.
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -158,3 +158,43 @@ def test_finetune_with_ranks_exits_as_the_failed_rank(monkeypatch):
         result = runner.invoke(app, ["finetune", "tiny", "--nproc", "2"])
         assert result.exit_code == code
         assert result.output.strip() == f"error: rank {rank} exited with code {code}; the other ranks were stopped"
+
+
+def run_main(monkeypatch, capsys, args):
+    """The installed command's entry point (moe_tune.cli.main) on `args`: (exit code, stdout, stderr)."""
+    from moe_tune.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["moe-tune", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("args, line", [
+    (["finetune", "tiny", "--bogus"], "No such option: --bogus (see moe-tune finetune --help)"),
+    (["bogus"], "No such command 'bogus'. (see moe-tune --help)"),
+    (["finetune"], "Missing argument 'profile'. (see moe-tune finetune --help)"),
+    (["generate", "x", "--prompt", "y", "--max-new-tokens", "abc"],
+     "--max-new-tokens ('abc'): Input should be a valid integer, unable to parse string as an integer (see moe-tune "
+     "generate --help)"),
+    (["finetune", "tiny", "--nproc=0"], "--nproc ('0'): Input should be greater than or equal to 1 (see moe-tune "
+     "finetune --help)"),
+    (["onboard", "x", "--steps", "-1"], "--steps ('-1'): "),
+    (["generate", "x", "--prompt"], "Option '--prompt' requires an argument."),
+])  # fmt: skip
+def test_usage_errors_are_one_line_exit_2(monkeypatch, capsys, args, line):
+    code, out, err = run_main(monkeypatch, capsys, args)
+    assert code == 2 and out == ""
+    (printed,) = err.splitlines()
+    assert printed.startswith(f"error: {line}"), printed
+
+
+def test_the_entry_point_keeps_the_commands_exit_codes_and_help(monkeypatch, capsys, tmp_path):
+    assert run_main(monkeypatch, capsys, ["validate", "tiny", "--no-data"])[0] == 0
+    code, _, err = run_main(monkeypatch, capsys, ["validate", str(tmp_path / "none.yaml")])
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    code, out, _ = run_main(monkeypatch, capsys, [])
+    assert code == 2 and "Usage: moe-tune" in out and "finetune" in out
+    code, out, _ = run_main(monkeypatch, capsys, ["finetune", "--help"])
+    assert code == 0 and "--nproc" in out
