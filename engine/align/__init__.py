@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_tune.profiles import ProfileError
+
 from .compare import AlignReport, Document, Row, Tolerances, align_checkpoint, default_documents, load_ours, read_batch
-from .golden import check_golden, record_golden
+from .golden import batch_difference, check_golden, record_golden
 
 __all__ = [
     "AlignReport",
@@ -46,9 +48,15 @@ def run_golden(
     """Check the golden trace at `path`, or record it when it does not exist yet (or `update`).
     Returns (the comparison, or None when recorded; whether a trace was written)."""
     model, cfg = golden_model(reference, profile_model)
+    # Read (and so checked) whether it records or checks: a --batch that cannot be read is refused either way.
+    docs = read_batch(batch, cfg, reference) if batch is not None else None
     if path.exists() and not update:
+        if docs is not None and (difference := batch_difference(path, docs)) is not None:
+            raise ProfileError([f"--batch ({str(batch)!r}) is not the batch the golden trace {path} was recorded on "
+                                f"({difference}): the trace is checked on its own batch; drop --batch, or record "
+                                "the trace again with --update-golden"])  # fmt: skip
         return check_golden(model, path, tolerances), False
-    docs = read_batch(batch, cfg, reference) if batch is not None else default_documents(cfg)
+    docs = docs if docs is not None else default_documents(cfg)
     description = {"model": str(reference) if reference is not None else "profile", "profile": cfg.model_dump(mode="json")}
     record_golden(model, docs, path, description)
     return None, True

@@ -81,6 +81,21 @@ def read_golden(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, json.loads(meta["moe_tune_golden"])
 
 
+def batch_difference(path: Path, docs: list[Document]) -> str | None:
+    """How `docs` differ from the batch the trace at `path` was recorded on (None: the same documents and images)."""
+    golden, _ = read_golden(path)
+    ids, cu, _, images = pack_documents(docs)
+    if not torch.equal(cu.long(), golden["cu_seqlens"].long()):
+        recorded = (golden["cu_seqlens"][1:] - golden["cu_seqlens"][:-1]).tolist()
+        return f"documents of {(cu[1:] - cu[:-1]).tolist()} tokens, the trace's of {recorded}"
+    if not torch.equal(ids, golden["input_ids"]):
+        return "other token ids"
+    for key in ("pixel_values", "image_grid_thw"):
+        if (key in images) != (key in golden) or (key in images and not torch.equal(images[key], golden[key])):
+            return "other images"
+    return None
+
+
 def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Tolerances()) -> AlignReport:
     """Run `model` on the batch stored in the trace and compare with the recorded values."""
     golden, description = read_golden(path)

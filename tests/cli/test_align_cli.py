@@ -100,6 +100,32 @@ def test_golden_records_then_checks_then_catches_a_change(tmp_path):
     assert runner.invoke(app, ["align", "--golden", str(golden)]).exit_code == 1
 
 
+def test_a_batch_given_with_an_existing_golden_trace_is_read_and_must_be_its_batch(tmp_path):
+    golden = tmp_path / "g.safetensors"
+    recorded = tmp_path / "recorded.jsonl"
+    recorded.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([5, 17, 200, 3], [1, 2, 3])))
+    assert runner.invoke(app, ["align", "--golden", str(golden), "--batch", str(recorded)]).exit_code == 0
+    # The same batch: checked against the trace as without --batch.
+    same = runner.invoke(app, ["align", "--golden", str(golden), "--batch", str(recorded)])
+    assert same.exit_code == 0, same.output
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"input_ids": [5, 17, 200, 3, 9]}) + "\n")
+    shuffled = tmp_path / "shuffled.jsonl"
+    shuffled.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in ([5, 17, 201, 3], [1, 2, 3])))
+    for batch, difference in [(other, "documents of [5] tokens, the trace's of [4, 3]"), (shuffled, "other token ids"),
+                              (tmp_path / "missing.jsonl", "cannot read"),
+                              (_write(tmp_path / "oov.jsonl", {"input_ids": [5, 999999]}), "input_ids must be")]:
+        result = runner.invoke(app, ["align", "--golden", str(golden), "--batch", str(batch)])
+        assert result.exit_code == 2, (batch, result.output)
+        (line,) = result.stderr.strip().splitlines()
+        assert difference in line and str(batch) in line, line
+
+
+def _write(path, record):
+    path.write_text(json.dumps(record) + "\n")
+    return path
+
+
 def test_not_a_golden_trace_exits_2(tmp_path):
     bogus = tmp_path / "bogus.safetensors"
     bogus.write_bytes(b"not safetensors")
