@@ -139,11 +139,27 @@ def render_conversation(
         return [(ids, True)] if ids else []
     if has_blocks:
         ids, mask = render(messages, False, True)
+        if not any(mask) and (turn := next((i for i, m in enumerate(messages, 1)
+                                             if m["role"] == "assistant" and _has_content(m)), None)):  # fmt: skip
+            raise ProfileError([_DROPPED.format(where=where, turn=turn)])
         if options.train_header:
             mask = mark_headers(render, messages, ids, mask, where)
         return pieces_from_mask(ids, mask)
     return render_by_prefixes(lambda prefix, prompt: render(prefix, prompt, False)[0], messages, where, closes_turn,
                               is_blank, options.train_header)
+
+
+# An assistant message with content of which the chat template renders no trained token: the record would train its
+# closing <eos> alone.
+_DROPPED = ("{where}: the chat template renders no token of turn {turn} (assistant) to train: a template must render "
+            "every message's content (data.chat_template, or the tokenizer's)")
+
+
+def _has_content(message: dict) -> bool:
+    content = message.get("content")
+    if isinstance(content, str):
+        return bool(content.strip())
+    return bool(content)
 
 
 def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: list[int], where: str) -> list[int]:
@@ -215,6 +231,8 @@ def render_by_prefixes(
             end -= 1
         if not (end > start and closes_turn(ids[end - 1])):
             end = len(ids)
+        if end == start and _has_content(message):
+            raise ProfileError([_DROPPED.format(where=where, turn=turn)])
         pieces += [(ids[len(previous) : start], train_header), (ids[start:end], True), (ids[end:], False)]
         previous = ids
     return [piece for piece in pieces if piece[0]]

@@ -19,6 +19,7 @@ from moe_tune.profiles.schema import DataProfile
 from test_chat import END_GEN, FAMILIES, GEN, KIMI, MULTI_TURN, QWEN3, save_tokenizer, save_tokenizers
 
 BYTE = ByteTokenizer()
+GEN_BLOCK_EMPTY = "{% generation %}{% endgeneration %}"
 # What each family's generation prompt adds: the assistant header.
 HEADERS = {"qwen3": "<|im_start|>assistant\n", "qwen3_base": "<|im_start|>assistant\n", "deepseek_v3": "<｜Assistant｜>",
            "kimi": "<|im_assistant|>assistant<|im_middle|>"}  # fmt: skip
@@ -265,6 +266,41 @@ def test_whatever_a_template_raises_is_one_line_naming_the_record(tmp_path, temp
     (line,) = err.value.problems
     assert line.startswith(f"{data}:1: "), line
     assert kind in line and "\n" not in line
+
+
+DROPPING = {
+    # Text that is no message: nothing of the conversation.
+    "static": "static text only",
+    # Headers, no content: the generation prompt's header is all an assistant turn adds.
+    "headers_only": "{% for m in messages %}<|{{ m.role }}|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                    "{% endif %}",
+    # The assistant's turns skipped.
+    "no_assistant": "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}\n{% endif %}{% endfor %}",
+    # Generation blocks that mark nothing.
+    "empty_blocks": "{% for m in messages %}{{ m.content }}\n{% if m.role == 'assistant' %}" + GEN_BLOCK_EMPTY + "{% endif %}"
+                    "{% endfor %}",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("template", DROPPING.values(), ids=DROPPING.keys())
+def test_a_template_that_renders_no_trained_token_of_an_assistant_turn_is_refused(tmp_path, template):
+    # Each record would train its closing <eos> alone.
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
+    (line,) = err.value.problems
+    assert line == (f"{data}:1: the chat template renders no token of turn 3 (assistant) to train: a template must "
+                    "render every message's content (data.chat_template, or the tokenizer's)")
+
+
+def test_an_assistant_turn_without_content_may_render_nothing(tmp_path):
+    template = "{% for m in messages %}{% if m.content %}[{{ m.role }}]{{ m.content }}\n{% endif %}{% endfor %}"
+    data = tmp_path / "d.jsonl"
+    messages = [*MULTI_TURN[:3], {"role": "user", "content": "more"}, {"role": "assistant", "content": ""}]
+    data.write_text(json.dumps({"messages": messages}) + "\n")
+    (doc,) = load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
+    assert sum(label != IGNORE_INDEX for label in doc.labels) > len("answer one")
 
 
 # Image chats: the built-in format and a template, trained as the options say
