@@ -13,8 +13,7 @@ from moe_tune.engine.launch import environment_problems
 from . import align, export, finetune, plan, profile, profiles
 from . import onboard
 from . import generate
-from ._common import USER_ERROR_EXIT, print_error
-from ._common import fail
+from ._common import USER_ERROR_EXIT, fail, print_error
 
 app = typer.Typer(
     name="moe-tune",
