@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import yaml
 
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -157,6 +158,22 @@ def previous_run_outputs(out: Path) -> list[str]:
     return [name for name in RUN_RESULTS if os.path.lexists(out / name)]
 
 
+def stray_settings(out: Path) -> list[str]:
+    """The names of RUN_SETTINGS in `out` that no run wrote: any of them when `out` holds no profile.yaml a run
+    wrote (a resolved profile: every top-level section of the schema present), as a user's own deepspeed_config.json;
+    a fresh run would replace them."""
+    present = [name for name in RUN_SETTINGS if os.path.lexists(out / name)]
+    if not present:
+        return []
+    try:
+        written = yaml.safe_load((out / "profile.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        written = None
+    if isinstance(written, dict) and set(JobProfile.model_fields) <= set(written):
+        return []
+    return present
+
+
 def kept_after_interrupt(out: Path) -> str:
     """What an interrupted run leaves the next one in `out`, as the end of the line that reports the interrupt:
     complete checkpoints to resume from, or none, so that the next run starts over (with --overwrite where the
@@ -260,6 +277,12 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
                 raise ProfileError([
                     f"{where} holds a previous run ({', '.join(found)}): continue it with --resume, replace its "
                     "outputs with --overwrite, or choose another output.dir"
+                ])  # fmt: skip
+            strays = [] if found or overwrite else stray_settings(out)
+            if strays:
+                raise ProfileError([
+                    f"{where} holds {', '.join(strays)}, which no run wrote (no run's profile.yaml beside it): the run "
+                    "writes its own there; move it, choose another output.dir, or replace it with --overwrite"
                 ])  # fmt: skip
             if found:
                 removed = remove_run_outputs(out)

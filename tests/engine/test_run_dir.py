@@ -164,12 +164,42 @@ def test_a_previous_run_is_refused_without_resume_or_overwrite(tmp_path, result)
     assert (tmp_path / result).exists()
 
 
+def _run_profile(out) -> None:
+    """profile.yaml as a run writes it: the resolved profile, every section."""
+    import yaml
+
+    from moe_tune.engine.train.trainer import resolved_profile_dump
+    from moe_tune.profiles import load_profile
+
+    (out / "profile.yaml").write_text(yaml.safe_dump(resolved_profile_dump(load_profile("tiny")), sort_keys=False))
+
+
 def test_settings_and_other_files_alone_are_not_a_previous_run(tmp_path):
     # profile.yaml, deepspeed_config.json and generated-data are written by a run refused before its first step;
     # other files (the user's data) are never moe-tune's to judge.
     for name in (*RUN_SETTINGS, "data.jsonl"):
         (tmp_path / name).write_text("x")
+    _run_profile(tmp_path)
     check_output_dir(tmp_path, resume=False, overwrite=False)[0].release()
+
+
+@pytest.mark.parametrize("profile", [None, "x", "name: mine\ntrain: {steps: 3}\n", "\udcff"],
+                         ids=["none", "not-yaml-mapping", "hand-written", "unreadable"])  # fmt: skip
+def test_settings_no_run_wrote_are_refused_and_kept(tmp_path, profile):
+    # A user's own deepspeed_config.json (no run's resolved profile.yaml beside it) would be replaced by the run's.
+    (tmp_path / "deepspeed_config.json").write_text('{"mine": true}')
+    if profile is not None:
+        (tmp_path / "profile.yaml").write_bytes(profile.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ProfileError) as err:
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+    named = "deepspeed_config.json" if profile is None else "profile.yaml, deepspeed_config.json"
+    assert err.value.problems == [f"output.dir ({tmp_path}) holds {named}, which no run wrote (no run's profile.yaml "
+                                  "beside it): the run writes its own there; move it, choose another output.dir, or "
+                                  "replace it with --overwrite"]  # fmt: skip
+    assert (tmp_path / "deepspeed_config.json").read_text() == '{"mine": true}'
+    assert not (tmp_path / LOCK_NAME).exists()
+    # With --overwrite the run may write over them, as asked.
+    check_output_dir(tmp_path, resume=False, overwrite=True)[0].release()
 
 
 def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
