@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +14,13 @@ from moe_tune.profiles import ProfileError
 from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions, Pieces, has_generation_blocks, render_conversation
 
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+# The longest one rendering of a conversation by a chat template may take (a template looping for ever is refused
+# then; a legitimate rendering of a 64 MiB record takes seconds at most).
+RENDER_LIMIT_S = 60.0
+# The most text a template may render beyond RENDERED_PER_CONTENT_CHAR characters per character of the messages'
+# contents (headers, a default system prompt, tool descriptions fit; '{{ "x" * 10**8 }}' does not).
+RENDERED_EXTRA_CHARS = 2**20
+RENDERED_PER_CONTENT_CHAR = 4
 
 
 class Tokenizer(Protocol):
@@ -63,11 +72,15 @@ def render_template_text(template: str, messages: list[dict], add_generation_pro
     `with_mask` which characters its {% generation %} blocks mark; ProfileError naming the record and the field."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    with template_errors(where, "data.chat_template"):
+    with template_errors(where, "data.chat_template", template):
         (text,), indices = render_jinja_template(
             [messages], chat_template=template, add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_mask, **special_tokens,
         )
+    content_chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
+    if len(text) > (most := RENDERED_EXTRA_CHARS + RENDERED_PER_CONTENT_CHAR * content_chars):
+        raise ProfileError([f"{where}: data.chat_template renders {len(text)} characters from messages of "
+                            f"{content_chars}, more than {most}: a template renders the conversation, not more"])
     if not with_mask:
         return text, None
     mask = [False] * len(text)
@@ -77,20 +90,58 @@ def render_template_text(template: str, messages: list[dict], add_generation_pro
 
 
 @contextmanager
-def template_errors(where: str, source: str) -> Iterator[None]:
-    """Errors of a chat template's rendering (its own raise_exception, a sandbox refusal, a bad value) as one
-    ProfileError line naming the record and the template."""
+def template_errors(where: str, source: str, template: str | None) -> Iterator[None]:
+    """Errors of a chat template's rendering (its own raise_exception, a sandbox refusal, a bad value, any error it
+    raises, RENDER_LIMIT_S run past) as one ProfileError line naming the record and the template. A template that ran
+    past the limit once is refused at once on every later record (`template` None: the tokenizer's own)."""
     import jinja2
 
+    key = (source, template)
+    if key in _TIMED_OUT:
+        raise ProfileError([f"{where}: {source} cannot render the conversation: it ran past {RENDER_LIMIT_S:g} s on "
+                            f"{_TIMED_OUT[key]}"])  # fmt: skip
     try:
-        yield
+        with _time_limit(RENDER_LIMIT_S):
+            yield
     except Exception as err:  # noqa: BLE001 - the template is the user's code: whatever it raises is its problem
+        if isinstance(err, RenderTimeout):
+            _TIMED_OUT[key] = where
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if not isinstance(err, (jinja2.TemplateError, ValueError, TypeError, KeyError)):
+        if not isinstance(err, (jinja2.TemplateError, ValueError, TypeError, KeyError, RenderTimeout)):
             # ZeroDivisionError, IndexError, ...: the kind says what the message alone does not.
             first_line = f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
         first_line = first_line or type(err).__name__
         raise ProfileError([f"{where}: {source} cannot render the conversation: {first_line!r:.200}"]) from None
+
+
+# (source, template) of the templates that ran past RENDER_LIMIT_S in this process -> the record where they did.
+_TIMED_OUT: dict[tuple[str, str | None], str] = {}
+
+
+class RenderTimeout(Exception):
+    """A chat template's rendering ran past RENDER_LIMIT_S."""
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """RenderTimeout in the block once it has run `seconds` (SIGALRM: the main thread of a Unix process only; an
+    interval timer set outside is put back, less the time spent)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RenderTimeout(f"rendering took more than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (seconds - left), 1e-3))
 
 
 class ByteTokenizer:
@@ -185,7 +236,7 @@ class HFTokenizer:
             raise ProfileError([f"data.tokenizer: no usable chat template ({str(err).strip()[:200]!r})"]) from None
 
         def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
-            with template_errors(where, source):
+            with template_errors(where, source, options.template):
                 out = self._tok.apply_chat_template(
                     prefix, chat_template=options.template, tokenize=True, return_dict=True,
                     add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=with_mask,
@@ -204,7 +255,7 @@ class HFTokenizer:
         if options.template is None and not self.has_chat_template:
             return None
         source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
-        with template_errors(where, source):
+        with template_errors(where, source, options.template):
             out = self._tok.apply_chat_template(messages, chat_template=options.template, tokenize=True,
                                                 return_dict=True, add_generation_prompt=add_generation_prompt)
         return list(out["input_ids"])

@@ -303,6 +303,55 @@ def test_an_assistant_turn_without_content_may_render_nothing(tmp_path):
     assert sum(label != IGNORE_INDEX for label in doc.labels) > len("answer one")
 
 
+def test_a_template_that_runs_too_long_is_refused_on_its_first_record_and_at_once_after(tmp_path, monkeypatch):
+    import time
+
+    from moe_tune.engine.data import tokenizer
+
+    monkeypatch.setattr(tokenizer, "RENDER_LIMIT_S", 0.3)
+    monkeypatch.setattr(tokenizer, "_TIMED_OUT", {})
+    template = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}"
+    data = tmp_path / "d.jsonl"
+    data.write_text((json.dumps({"messages": MULTI_TURN}) + "\n") * 3)
+    start = time.monotonic()
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
+    assert time.monotonic() - start < 5
+    assert err.value.problems == [
+        f"{data}:1: data.chat_template cannot render the conversation: 'rendering took more than 0.3 s'",
+        f"{data}:2: data.chat_template cannot render the conversation: it ran past 0.3 s on {data}:1",
+        f"{data}:3: data.chat_template cannot render the conversation: it ran past 0.3 s on {data}:1",
+    ]
+
+
+def test_a_template_rendering_far_more_than_the_conversation_is_refused(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
+    content = sum(len(m["content"]) for m in MULTI_TURN)
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=data, seq_len=4096, chat_template="{{ 'x' * 10**8 }}"), BYTE)
+    assert err.value.problems == [f"{data}:1: data.chat_template renders 100000000 characters from messages of "
+                                  f"{content}, more than {2**20 + 4 * content}: a template renders the conversation, "
+                                  "not more"]  # fmt: skip
+
+
+def test_the_render_limit_puts_an_outer_timer_back():
+    import signal
+
+    from moe_tune.engine.data.tokenizer import _time_limit
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 100.0)
+        with _time_limit(5.0):
+            pass
+        left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+        assert 99.0 < left <= 100.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 # Image chats: the built-in format and a template, trained as the options say
 
 
