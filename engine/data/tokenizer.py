@@ -106,12 +106,18 @@ def template_errors(where: str, source: str, template: str | None) -> Iterator[N
     except Exception as err:  # noqa: BLE001 - the template is the user's code: whatever it raises is its problem
         if isinstance(err, RenderTimeout):
             _TIMED_OUT[key] = where
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if not isinstance(err, (jinja2.TemplateError, ValueError, TypeError, KeyError, RenderTimeout)):
-            # ZeroDivisionError, IndexError, ...: the kind says what the message alone does not.
-            first_line = f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
-        first_line = first_line or type(err).__name__
+        first_line = error_line(err, (jinja2.TemplateError, ValueError, TypeError, KeyError, RenderTimeout))
         raise ProfileError([f"{where}: {source} cannot render the conversation: {first_line!r:.200}"]) from None
+
+
+def error_line(err: Exception, plain: tuple[type[Exception], ...]) -> str:
+    """The first line of err's message, led by its kind (ZeroDivisionError, KeyError, ...: what the message alone does
+    not say) unless it is one of `plain`; the kind alone when there is no message."""
+    text = str(err).strip()
+    first_line = text.splitlines()[0] if text else ""
+    if not first_line:
+        return type(err).__name__
+    return first_line if isinstance(err, plain) else f"{type(err).__name__}: {first_line}"
 
 
 # (source, template) of the templates that ran past RENDER_LIMIT_S in this process -> the record where they did.
@@ -199,11 +205,8 @@ class HFTokenizer:
         try:
             self._tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001 - files of the user's folder: a KeyError of a malformed tokenizer.json too
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            if not isinstance(err, (OSError, ValueError)):
-                first_line = f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__
-            first_line = first_line or type(err).__name__
-            raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {first_line}"]) from None
+            reason = error_line(err, (OSError, ValueError))
+            raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {reason}"]) from None
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
         self.eos_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
