@@ -62,7 +62,7 @@ def _root(
     ] = False,
 ) -> None:
     """Fine-tune huge sparse Mixture-of-Experts models (ZeRO-3 + expert parallelism, LoRA, fused kernels)."""
-    # A kernel-launch variable that the first kernel call would refuse deep inside a run: refused here, in one line.
+    # A kernel variable that the first kernel call would refuse deep inside a run: refused here, in one line.
     if problems := environment_problems():
         fail(problems)
 

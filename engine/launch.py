@@ -1,10 +1,12 @@
 """Kernel launches other than the defaults for one run (ops/common/launch.py, `MOE_TUNE_LAUNCH`): the command line's
-check of `--launch` and of the variable, and setting it for the run and its child processes."""
+check of `--launch` and of the kernel variables (with MOE_TUNE_KERNELS, ops/common/dispatch.py), and setting the
+launch for the run and its child processes."""
 
 from __future__ import annotations
 
 import os
 
+from moe_tune.ops.common.dispatch import kernel_mode
 from moe_tune.ops.common.launch import LAUNCH_ENV, LaunchError, launch_text, parse_launch
 
 __all__ = ["LAUNCH_ENV", "environment_problems", "launch_problems", "use_launch"]
@@ -22,10 +24,15 @@ def launch_problems(text: str, source: str = "--launch") -> list[str]:
 
 
 def environment_problems() -> list[str]:
-    """The problem of MOE_TUNE_LAUNCH as set (none when unset or empty): a bad entry the first kernel call would
-    refuse deep inside a run."""
+    """The problems of the kernel variables as set, MOE_TUNE_KERNELS (reference, triton or auto) and MOE_TUNE_LAUNCH
+    (none when unset or empty): values the first kernel call would refuse deep inside a run."""
+    problems = []
+    try:
+        kernel_mode()
+    except ValueError as err:
+        problems.append(str(err))
     text = launch_text()
-    return launch_problems(text, LAUNCH_ENV) if text else []
+    return problems + (launch_problems(text, LAUNCH_ENV) if text else [])
 
 
 def use_launch(text: str) -> None:

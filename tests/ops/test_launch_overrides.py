@@ -139,3 +139,15 @@ def test_a_bad_variable_is_refused_at_the_root_in_one_line(monkeypatch, tmp_path
         "error: MOE_TUNE_LAUNCH entry 'causal_conv.blockt=32': causal_conv has no field 'blockt' (its fields: "
         "block_t, block_c, num_warps, grad_block_t, grad_block_c, grad_num_warps, one_pass_backward)"
     ]
+
+
+@pytest.mark.parametrize("mode", ["bogus", "kernel", "Triton2"])
+def test_a_bad_kernel_mode_is_refused_at_the_root_in_one_line(monkeypatch, mode):
+    # MOE_TUNE_KERNELS was refused by the first kernel call, with a traceback from inside the run.
+    monkeypatch.setenv("MOE_TUNE_KERNELS", mode)
+    monkeypatch.setenv(LAUNCH_ENV, "")
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: MOE_TUNE_KERNELS ({mode.lower()!r}) must be one of reference, triton, auto"
+    ]
