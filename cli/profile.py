@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moe_tune.engine.launch import launch_problems, use_launch
+from moe_tune.engine.launch import LAUNCH_ENV, launch_problems, launch_text, use_launch
 
 from . import profile_kernels, profile_steps
 from ._common import SetOption, fail, output_problems
@@ -113,7 +113,16 @@ def profile(
         use_launch(launch)
     if load_checkpoint is not None and profile_arg is not None:
         profile_steps.run_load(profile_arg, overrides, load_checkpoint, json_out)
-    elif profile_arg is not None:
-        profile_steps.run(profile_arg, overrides, steps, json_out, against, plot)
-    else:
-        profile_kernels.run(ops, shapes, json_out, baseline, plot, wide)
+        return
+    try:
+        if profile_arg is not None:
+            profile_steps.run(profile_arg, overrides, steps, json_out, against, plot)
+        else:
+            profile_kernels.run(ops, shapes, json_out, baseline, plot, wide)
+    except Exception as err:
+        # A launch named from outside that a kernel cannot take (a tile past the GPU's shared memory): the launch's
+        # problem, in one line; any other error is a bug and keeps its traceback.
+        if (text := launch_text()) and type(err).__module__.startswith("triton"):
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            fail([f"{LAUNCH_ENV} ({text}): a kernel cannot run under it: {type(err).__name__}: {first}"])
+        raise

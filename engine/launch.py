@@ -9,7 +9,7 @@ import os
 from moe_tune.ops.common.dispatch import kernel_mode
 from moe_tune.ops.common.launch import LAUNCH_ENV, LaunchError, launch_text, parse_launch
 
-__all__ = ["LAUNCH_ENV", "environment_problems", "launch_problems", "use_launch"]
+__all__ = ["LAUNCH_ENV", "environment_problems", "launch_problems", "launch_text", "use_launch"]
 
 
 def launch_problems(text: str, source: str = "--launch") -> list[str]:

@@ -4,7 +4,8 @@ under a launch that is not the default, with no edit.
     MOE_TUNE_LAUNCH="linear_attention.grad_dq_norm_in_output=true,causal_conv.one_pass_backward=true"
 
 Entries are `FAMILY.FIELD=VALUE`, comma-separated: FAMILY one of LAUNCH_FAMILIES, FIELD a field of its launch
-dataclass, VALUE read as that field's type: an integer (block sizes and warps powers of two, every integer >= 1), true
+dataclass, VALUE read as that field's type: an integer (1 to 65536; block sizes and warps powers of two, warps at
+most 32), true
 or false, none (a field that may be None), integers joined by / (a tuple), or text (one of the field's
 metadata["choices"]). The op's own choice
 (`pick_config`, `pick_launch`) goes through `with_overrides`, which replaces the named fields. `moe-tune profile
@@ -18,6 +19,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import re
 from typing import Any
 
 LAUNCH_ENV = "MOE_TUNE_LAUNCH"
@@ -28,6 +30,9 @@ LAUNCH_FAMILIES = {
 }
 # Integer fields whose value Triton needs as a power of two (tile sizes, warps): their names hold one of these.
 _POWER_OF_TWO_PARTS = ("block_", "num_warps")
+# The largest integer a field takes (tiles, warps, stages, programs), and the most warps a program has.
+MAX_INTEGER = 65536
+MAX_WARPS = 32
 
 
 class LaunchError(ValueError):
@@ -110,9 +115,11 @@ def _value(where: str, field: str, kind: str, choices: tuple[str, ...] | None, t
 def _integer(where: str, field: str, text: str, kind: str) -> int:
     may_be_none = " or none" if "None" in kind else ""
     joined = " (several joined by /)" if kind.startswith("tuple") else ""
-    if not text.isdigit() or int(text) < 1:
-        raise LaunchError(f"{where}: {field} must be an integer >= 1{joined}{may_be_none}")
+    if not re.fullmatch(r"[0-9]{1,9}", text) or not 1 <= int(text) <= MAX_INTEGER:
+        raise LaunchError(f"{where}: {field} must be an integer from 1 to {MAX_INTEGER}{joined}{may_be_none}")
     value = int(text)
     if any(part in field for part in _POWER_OF_TWO_PARTS) and value & (value - 1):
         raise LaunchError(f"{where}: {field} must be a power of two")
+    if "num_warps" in field and value > MAX_WARPS:
+        raise LaunchError(f"{where}: {field} must be at most {MAX_WARPS} (a program's 1024 threads)")
     return value

@@ -53,12 +53,17 @@ BAD = [
     ("causal_conv.one_pass_backward=1", "one_pass_backward must be true or false"),
     ("causal_conv.block_t=48", "block_t must be a power of two"),
     ("causal_conv.grad_num_warps=6", "grad_num_warps must be a power of two"),
-    ("causal_conv.block_t=0", "block_t must be an integer >= 1"),
-    ("causal_conv.block_t=-64", "block_t must be an integer >= 1"),
-    ("causal_conv.block_t=6.4e1", "block_t must be an integer >= 1"),
-    ("causal_conv.block_t=none", "block_t must be an integer >= 1"),
-    ("linear_attention.block_k_grad_wy=x", "block_k_grad_wy must be an integer >= 1 or none"),
-    ("linear_attention.block_v_state_fwd=32/", "block_v_state_fwd must be an integer >= 1 (several joined by /)"),
+    ("causal_conv.block_t=0", "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.block_t=-64", "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.block_t=6.4e1", "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.block_t=none", "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.block_t=131072", "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.block_t=" + "9" * 5000, "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.block_t=\uff11\uff16", "block_t must be an integer from 1 to 65536"),
+    ("causal_conv.num_warps=64", "num_warps must be at most 32 (a program's 1024 threads)"),
+    ("linear_attention.block_k_grad_wy=x", "block_k_grad_wy must be an integer from 1 to 65536 or none"),
+    ("linear_attention.block_v_state_fwd=32/", "block_v_state_fwd must be an integer from 1 to 65536 (several joined "
+     "by /)"),
     ("linear_attention.block_v_state_fwd=32/24", "block_v_state_fwd must be a power of two"),
     ("linear_attention.inverse_dots_16bit=bf16", "inverse_dots_16bit must be one of fp16, tf32, tf32x3, ieee"),
     ("causal_conv.block_t=32,causal_conv.block_t=64", "causal_conv.block_t is named twice"),
@@ -151,3 +156,33 @@ def test_a_bad_kernel_mode_is_refused_at_the_root_in_one_line(monkeypatch, mode)
     assert result.output.strip().splitlines() == [
         f"error: MOE_TUNE_KERNELS ({mode.lower()!r}) must be one of reference, triton, auto"
     ]
+
+
+class _OutOfResources(Exception):
+    """Stands for triton.runtime.errors.OutOfResources (what a tile past the GPU's shared memory raises)."""
+
+
+_OutOfResources.__module__ = "triton.runtime.errors"
+
+
+def test_a_launch_a_kernel_cannot_take_ends_the_run_in_one_line(monkeypatch):
+    from moe_tune.cli import profile_kernels
+
+    monkeypatch.setenv(LAUNCH_ENV, "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def refuses(*args):
+        raise _OutOfResources("out of resource: shared memory, Required: 300000, Hardware limit: 232448.\nmore")
+
+    monkeypatch.setattr(profile_kernels, "run", refuses)
+    text = "causal_conv.grad_block_c=8192"
+    result = runner.invoke(app, ["profile", "--kernels", "--ops", "causal_conv", "--launch", text])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: MOE_TUNE_LAUNCH ({text}): a kernel cannot run under it: _OutOfResources: out of resource: shared "
+        "memory, Required: 300000, Hardware limit: 232448."
+    ]
+    # Without a launch named from outside the error is not the user's: it keeps its traceback.
+    monkeypatch.setenv(LAUNCH_ENV, "")
+    plain = runner.invoke(app, ["profile", "--kernels", "--ops", "causal_conv"])
+    assert isinstance(plain.exception, _OutOfResources)
