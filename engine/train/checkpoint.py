@@ -181,7 +181,9 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
     if is_main:
         for stale in root.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(stale, ignore_errors=True)
-        lineage = [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step]
+        # keep_last counts the checkpoints whose files have their manifest's sizes: a damaged one (a resume skipped
+        # it) is neither counted nor deleted, so a good older one is not pruned in its stead.
+        lineage = [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step and not _sizes_differ(p)]
         # Older step folders without a trainer state are leftovers no resume can load.
         leftovers = [p for p in checkpoint_dirs(root) if checkpoint_step(p) < step and not (p / STATE_FILE).exists()]
         best = best_checkpoint(root, step)
@@ -296,6 +298,22 @@ def _check_manifest(path: Path, manifest: Any) -> str | None:
         if hashed[entry["path"]][1] != entry["sha256"]:
             return f"{entry['path']} does not match its sha256 in the manifest"
     return None
+
+
+def _sizes_differ(path: Path) -> bool:
+    """Whether a file the checkpoint's manifest lists is missing or of another size (no hashing: cheap at every save);
+    False without a readable manifest (a checkpoint written before manifests)."""
+    manifest, problem = _read_json(path / MANIFEST_FILE)
+    entries = manifest.get("files") if problem is None and isinstance(manifest, dict) else None
+    if not isinstance(entries, list):
+        return False
+    for entry in entries:
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)):
+            return True
+        target = path / entry["path"]
+        if not target.is_file() or target.stat().st_size != entry.get("size"):
+            return True
+    return False
 
 
 def verify_checkpoint(path: Path) -> Verdict:

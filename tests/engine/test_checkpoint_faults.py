@@ -431,6 +431,21 @@ def test_resaving_after_a_resume_from_an_older_checkpoint_keeps_the_resumed_one(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.parametrize("damaged", ["truncated", "missing"])
+def test_a_damaged_checkpoint_is_not_counted_by_pruning_so_the_good_one_before_it_stays(tmp_path, damaged):
+    # Steps 1 and 2 saved, 2 then damaged; a run resumed from 1 that saves 3 alone (keep_last 2): step 1, the last
+    # checkpoint that verifies before 3, must stay; the damaged 2 is neither counted nor deleted.
+    engine = save_steps(tmp_path, [1, 2])
+    weights = tmp_path / checkpoint_name(2) / MODEL_FILE
+    truncate(weights) if damaged == "truncated" else weights.unlink()
+    assert resume_checkpoint(engine, tmp_path, TINY_SIGNATURE, "cpu")[0].name == checkpoint_name(1)
+    save_checkpoint(engine, tmp_path, 3, trainer_state(3), keep_last=2, is_main=True)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == [checkpoint_name(s) for s in (1, 2, 3)]
+    # A later save prunes among the good ones: 1 goes once 3 and 4 are kept.
+    save_checkpoint(engine, tmp_path, 4, trainer_state(4), keep_last=2, is_main=True)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == [checkpoint_name(s) for s in (2, 3, 4)]
+
+
 RECORDS = [json.dumps({"step": step, "loss": 5.0 - step / 10}) for step in (1, 2, 3)]
 
 
