@@ -307,7 +307,8 @@ def load_reference(directory: Path, family: Family) -> nn.Module:
             # transformers' FP8 layers run only on a GPU: the reference is its model on the dequantized weights.
             temporary = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-tune-align-")))
             source = write_dequantized_checkpoint(source, temporary)
-        model = cls.from_pretrained(
+        # Mismatched shapes come back listed (transformers raises them as a report printed above a RuntimeError).
+        model, loading = cls.from_pretrained(
             str(source),
             dtype=torch.float32,
             attn_implementation="eager",
@@ -315,8 +316,15 @@ def load_reference(directory: Path, family: Family) -> nn.Module:
             local_files_only=True,
             trust_remote_code=False,
             use_safetensors=True,
+            ignore_mismatched_sizes=True,
+            output_loading_info=True,
             **family.reference_kwargs(),
         )
+    if mismatched := sorted(loading.get("mismatched_keys") or (), key=lambda item: item[0]):
+        key, stored, needed = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise UnsupportedModel([f"{directory}: {key} has shape {tuple(stored)}, the architecture its config.json "
+                                f"describes needs {tuple(needed)}{more}"])  # fmt: skip
     hold_pure_torch_paths(model)
     return model.eval()
 

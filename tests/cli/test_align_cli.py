@@ -31,6 +31,29 @@ def test_aligned_checkpoint_exits_0_and_writes_json(checkpoint, tmp_path):
     assert report["logits"]["max_abs"] <= 1e-4 and report["kl"] <= 1e-6
 
 
+@pytest.mark.parametrize("changed", [1, 3], ids=["one", "three"])
+def test_a_weight_of_another_shape_than_the_config_says_is_one_line(checkpoint, tmp_path, changed):
+    # transformers raised it as a RuntimeError under a printed load report: a traceback.
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    (weights,) = copy.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    keys = sorted(k for k in tensors if k.endswith("proj.weight"))[:changed]
+    for key in keys:
+        tensors[key] = torch.zeros(3, 3)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    result = runner.invoke(app, ["align", "--reference", str(copy)])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    more = f" (and {changed - 1} more)" if changed > 1 else ""
+    assert line.startswith(f"error: {copy}: {keys[0]} has shape (3, 3), the architecture its config.json describes "
+                           "needs (") and line.endswith(f"){more}"), line
+
+
 def test_outside_tolerance_exits_1(checkpoint):
     # fp32 against fp32 still differs by rounding (~1e-7): a zero tolerance must fail.
     result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--logits-atol", "0"])
