@@ -129,8 +129,13 @@ def adapter_problems(path: Path, adapter: dict[str, torch.Tensor], shapes: dict[
     cannot take: a name that is neither a factor of one of its tensors nor one of its tensors trained in full
     (modules_to_save), a factor without its other half, a non-floating dtype, a shape other than the factor's
     (W [..., out, in]: A [..., r, in], B [..., out, r]; a linear layer's [out, in], grouped experts' [E, out, in])
-    or our tensor's, non-finite values (one isfinite pass per tensor)."""
-    problems = []
+    or our tensor's, non-finite values (one isfinite pass per tensor). Tensors with the same kind of problem are one
+    line, the first of them with how many more (a profile.yaml edited to another lora.r breaks every factor alike)."""
+    kinds: dict[str, list[str]] = {}
+
+    def add(kind: str, line: str) -> None:
+        kinds.setdefault(kind, []).append(line)
+
     for key, tensor in adapter.items():
         name = key.removeprefix(ADAPTER_PREFIX)
         factor = adapter_factor_of(name, shapes) if name != key else None
@@ -142,25 +147,25 @@ def adapter_problems(path: Path, adapter: dict[str, torch.Tensor], shapes: dict[
             rule = f"lora.r {r}, {weight} {shapes[weight]}"
             other = "lora_B" if side == "lora_A" else "lora_A"
             if f"{ADAPTER_PREFIX}{module}.{other}.{param}" not in adapter:
-                problems.append(f"{path}: tensor {key} has no {other} beside it (an adapter is the pair lora_A, "
+                add("unpaired", f"{path}: tensor {key} has no {other} beside it (an adapter is the pair lora_A, "
                                 "lora_B)")
                 continue
         elif name != key and name in shapes:
             expected, rule = shapes[name], f"{name} trained in full"
         else:
-            problems.append(f"{path}: tensor {key} matches no tensor of the run's model (adapter names are "
+            add("unmatched", f"{path}: tensor {key} matches no tensor of the run's model (adapter names are "
                             f"{ADAPTER_PREFIX}<module>.lora_A|lora_B.<param>, or {ADAPTER_PREFIX}<tensor> trained in "
                             "full)")
             continue
         if tensor.dtype not in FLOAT_DTYPES:
             dtype = str(tensor.dtype).removeprefix("torch.")
-            problems.append(f"{path}: tensor {key} has dtype {dtype}, must be a floating-point dtype (float32, "
+            add("dtype", f"{path}: tensor {key} has dtype {dtype}, must be a floating-point dtype (float32, "
                             "bfloat16, float16, float64)")
         elif tuple(tensor.shape) != expected:
-            problems.append(f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {expected} ({rule})")
+            add("shape", f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {expected} ({rule})")
         elif not bool(torch.isfinite(tensor).all()):
-            problems.append(f"{path}: tensor {key} holds non-finite values (NaN or inf)")
-    return problems
+            add("non-finite", f"{path}: tensor {key} holds non-finite values (NaN or inf)")
+    return [lines[0] + _more_alike(len(lines) - 1) for lines in kinds.values()]
 
 
 def read_adapter(run: RunInfo, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
@@ -187,15 +192,19 @@ def read_adapter(run: RunInfo, shapes: dict[str, tuple[int, ...]] | None = None)
 
 
 def weights_problems(path: Path, handle, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """One line per tensor of a full fine-tune's model.safetensors (`handle`, open on `path`) whose stored shape is
-    not our tensor's (read from the header only)."""
+    """The first tensor of a full fine-tune's model.safetensors (`handle`, open on `path`) whose stored shape is not
+    our tensor's (read from the header only), with how many more, as one line; none when all fit."""
     problems = []
     for key in handle.keys():
         expected = shapes.get(key)
         stored = tuple(handle.get_slice(key).get_shape())
         if expected is not None and stored != expected:
             problems.append(f"{path}: tensor {key} has shape {stored}, expected {expected} (the run's model)")
-    return problems
+    return [problems[0] + _more_alike(len(problems) - 1)] if problems else []
+
+
+def _more_alike(count: int) -> str:
+    return f" (and {count} more tensor{'s' if count > 1 else ''} alike)" if count else ""
 
 
 def meta_model(cfg: ModelProfile) -> nn.Module:

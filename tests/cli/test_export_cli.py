@@ -4,6 +4,7 @@ nothing written. (The export's content is tested in tests/engine/test_export_hub
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -230,9 +231,25 @@ def test_an_adapter_saved_at_another_rank_is_refused(lora_run_dir, tmp_path):
     run = damaged_copy(lora_run_dir, tmp_path, rewrite(halve))
     result = runner.invoke(app, ["export", str(run), "--merge", "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 2 and all("lora.r 4, layers.1.self_attn.q_proj.weight" in line for line in lines), lines
+    # The pair broken alike: one line, the first tensor and how many more.
+    (line,) = result.stderr.strip().splitlines()
+    assert "lora.r 4, layers.1.self_attn.q_proj.weight" in line and line.endswith(" (and 1 more tensor alike)"), line
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_every_factor_of_which_another_rank_breaks_is_one_line(lora_run_dir, tmp_path):
+    # profile.yaml edited to another lora.r: every factor's shape is wrong alike.
+    def edit_rank(adapter_file):
+        profile = adapter_file.parent.parent / "profile.yaml"
+        text = profile.read_text()
+        assert "\n  r: 4\n" in text
+        profile.write_text(text.replace("\n  r: 4\n", "\n  r: 8\n", 1))
+
+    run = damaged_copy(lora_run_dir, tmp_path, edit_rank)
+    result = runner.invoke(app, ["export", str(run), "--merge", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert "has shape" in line and "(lora.r 8, " in line and re.search(r" \(and \d+ more tensors alike\)$", line), line
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["adapter", "merged"])
