@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from moe_tune.engine.launch import LAUNCH_ENV, launch_problems, launch_text, use_launch
+from moe_tune.profiles import error_line
 
 from . import profile_kernels, profile_steps
 from ._common import SetOption, fail, output_problems
@@ -123,6 +124,5 @@ def profile(
         # A launch named from outside that a kernel cannot take (a tile past the GPU's shared memory): the launch's
         # problem, in one line; any other error is a bug and keeps its traceback.
         if (text := launch_text()) and type(err).__module__.startswith("triton"):
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            fail([f"{LAUNCH_ENV} ({text}): a kernel cannot run under it: {type(err).__name__}: {first}"])
+            fail([f"{LAUNCH_ENV} ({text}): a kernel cannot run under it: {error_line(err, plain=())}"])
         raise

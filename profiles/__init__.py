@@ -16,6 +16,7 @@ __all__ = [
     "JobProfile",
     "ProfileError",
     "bounded_line",
+    "error_line",
     "escape_controls",
     "format_errors",
     "load_profile",
@@ -53,6 +54,16 @@ def bounded_line(line: str) -> str:
     if len(line) <= MAX_PROBLEM_CHARS:
         return line
     return f"{line[:MAX_PROBLEM_CHARS]}... ({len(line) - MAX_PROBLEM_CHARS} more characters)"
+
+
+def error_line(err: BaseException, plain: tuple[type[BaseException], ...] = (BaseException,)) -> str:
+    """The first line of err's message, led by its kind (ZeroDivisionError, KeyError, ...: what the message alone does
+    not say) unless it is one of `plain` (by default every kind); the kind alone when there is no message."""
+    text = str(err).strip()
+    first_line = text.splitlines()[0] if text else ""
+    if not first_line:
+        return type(err).__name__
+    return first_line if isinstance(err, plain) else f"{type(err).__name__}: {first_line}"
 
 
 class ProfileError(ValueError):

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
-from moe_tune.profiles import ProfileError
+from moe_tune.profiles import ProfileError, error_line
 
 from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions, Pieces, has_generation_blocks, render_conversation
 
@@ -108,16 +108,6 @@ def template_errors(where: str, source: str, template: str | None) -> Iterator[N
             _TIMED_OUT[key] = where
         first_line = error_line(err, (jinja2.TemplateError, ValueError, TypeError, KeyError, RenderTimeout))
         raise ProfileError([f"{where}: {source} cannot render the conversation: {first_line!r:.200}"]) from None
-
-
-def error_line(err: Exception, plain: tuple[type[Exception], ...]) -> str:
-    """The first line of err's message, led by its kind (ZeroDivisionError, KeyError, ...: what the message alone does
-    not say) unless it is one of `plain`; the kind alone when there is no message."""
-    text = str(err).strip()
-    first_line = text.splitlines()[0] if text else ""
-    if not first_line:
-        return type(err).__name__
-    return first_line if isinstance(err, plain) else f"{type(err).__name__}: {first_line}"
 
 
 # (source, template) of the templates that ran past RENDER_LIMIT_S in this process -> the record where they did.

@@ -16,7 +16,7 @@ import torch
 import yaml
 from torch import nn
 
-from moe_tune.profiles import ProfileError
+from moe_tune.profiles import ProfileError, error_line
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
 from . import merge_lora
@@ -106,12 +106,7 @@ def open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as err:
-        raise ProfileError([f"{path}: not a readable safetensors file ({_first_line(err)})"]) from None
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+        raise ProfileError([f"{path}: not a readable safetensors file ({error_line(err)})"]) from None
 
 
 def adapter_factor_of(name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, str, str] | None:
@@ -184,7 +179,7 @@ def read_adapter(run: RunInfo, shapes: dict[str, tuple[int, ...]] | None = None)
         with handle as f:
             adapter = {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as err:
-        raise ProfileError([f"{path}: not a readable safetensors file ({_first_line(err)})"]) from None
+        raise ProfileError([f"{path}: not a readable safetensors file ({error_line(err)})"]) from None
     problems = adapter_problems(path, adapter, shapes, run.profile.lora.r)
     if problems:
         raise ProfileError(problems)

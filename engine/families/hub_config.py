@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moe_tune.profiles import error_line
 from moe_tune.profiles.schema import ModelProfile
 
 from . import family_for, supported_model_types
@@ -101,8 +102,7 @@ def attempt(family: Family, model_type: str, model: ModelProfile, dtype: torch.d
         config = transformers_config(family, written, dtype)
     # Config classes validate their fields each their own way (ValueError, huggingface_hub's validation errors).
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return {}, [f"model: transformers refuses the {model_type} config written for it: {first}"], True
+        return {}, [f"model: transformers refuses the {model_type} config written for it: {error_line(err)}"], True
     try:
         back = family.to_profile(config)
     except UnsupportedModel as err:

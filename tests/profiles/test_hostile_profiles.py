@@ -464,3 +464,16 @@ def test_finetune_of_a_vocabulary_too_large_to_allocate_exits_2_at_once(tmp_path
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert line.startswith("error: model (vocab_size 2000000000, hidden_size 64, 4 layers) needs ~3072.0 GB")
     assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("err, plain, line", [
+    (ValueError("bad value\nmore"), (BaseException,), "bad value"),
+    (ZeroDivisionError("division by zero"), (ValueError,), "ZeroDivisionError: division by zero"),
+    (KeyError(), (ValueError,), "KeyError"),
+    (OSError("  \n"), (), "OSError"),
+    (RuntimeError("out of resource"), (), "RuntimeError: out of resource"),
+])  # fmt: skip
+def test_error_line_is_the_first_line_led_by_the_kind_unless_plain(err, plain, line):
+    from moe_tune.profiles import error_line
+
+    assert error_line(err, plain) == line
