@@ -44,32 +44,30 @@ NAMES = ("q", "k", "v", "dq", "dk", "dv", "dweight")
 
 def sweep_candidates() -> list[dict]:
     """ConvLaunch overrides to try, the first ({}) pick_launch's: the forward's tile and warps, the two-pass
-    backward's, and the one-pass backward's. sm_90 (ptxas, Triton 3.6): pick_launch's forward takes 240 registers a
-    thread (two programs of 4 warps an SM) and its second backward pass 255 and 72 bytes of stack; halving the
-    elements a thread holds (32 tokens, or 8 warps) halves the registers. The one-pass backward holds a tap's W
-    loads of x and R of dy for each of W taps: at 64 x 128 and 4 warps 3 KB of stack, none at 16 x 128 or 32 x 64."""
+    backward's, and the one-pass backward's. sm_90 (ptxas, Triton 3.6): a forward of 64 x 128 at 4 warps takes 240
+    registers a thread (two programs of 4 warps an SM) and a second backward pass of 64 x 128 255 and 72 bytes of
+    stack; halving the elements a thread holds (32 tokens, 64 channels or 8 warps) halves the registers. The
+    one-pass backward holds a tap's W loads of x and R of dy for each of W taps: at 64 x 128 and 4 warps 3 KB of
+    stack, none at 16 x 128 or 32 x 64 (on the H200 it ran 1.5-3.5x the two-pass backward's time, 2026-12-05)."""
     forward = [
-        {"block_t": 32},
+        {"block_t": 64},
         {"num_warps": 8},
-        {"block_t": 32, "num_warps": 8},
+        {"block_t": 64, "num_warps": 8},
         {"block_c": 64},
         {"block_t": 16},
         {"block_t": 128, "num_warps": 16},
     ]
     two_pass = [
+        {"grad_block_c": 128},
         {"grad_block_t": 32},
+        {"grad_block_c": 32},
         {"grad_num_warps": 8},
-        {"grad_block_t": 32, "grad_num_warps": 8},
-        {"grad_block_c": 64},
+        {"grad_block_t": 128, "grad_num_warps": 8},
     ]
     one_pass = [
+        {"grad_block_t": 32},
+        {"grad_block_t": 16, "grad_block_c": 128},
         {"grad_block_t": 16},
-        {"grad_block_t": 32, "grad_block_c": 64},
-        {"grad_block_t": 16, "grad_num_warps": 8},
-        {"grad_block_t": 32, "grad_block_c": 64, "grad_num_warps": 8},
-        {"grad_block_t": 32, "grad_num_warps": 8},
-        {"grad_block_t": 16, "grad_block_c": 64},
-        {"grad_block_t": 16, "grad_block_c": 256, "grad_num_warps": 8},
     ]
     return [{}, *forward, *two_pass, *({"one_pass_backward": True, **fields} for fields in one_pass)]
 

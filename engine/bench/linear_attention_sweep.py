@@ -101,10 +101,9 @@ def sweep_candidates(op: str) -> list[dict]:
             {"num_warps_kda_grad_products": 4},
             {"num_warps_kda_grad_products": 16},
             # The products kernel (255 registers and 608 bytes of stack a thread whole, sm_90) in key tiles: 88 bytes
-            # at 64 and 8 warps, none at 32 and 8 or 16 warps.
+            # at 64 and 8 warps, none at 32 (kernels_common.MAX_WARPS_KDA_PRODUCTS_TILED: at most 8 warps).
             {"block_k_kda_grad_products": 64},
             {"block_k_kda_grad_products": 32},
-            {"block_k_kda_grad_products": 32, "num_warps_kda_grad_products": 16},
             {"num_stages_state_fwd_kda": 2},
         ]
     raise ValueError(f"op {op!r}: must be one of {', '.join(OPS)}")

@@ -18,10 +18,14 @@ import triton.language as tl
 
 from moe_tune.ops.common.launch import with_overrides
 
-# Tokens x channels of one program's tile: 64 tokens reuse each loaded row for the W taps of the next rows; 128
-# channels make 256-byte bf16 row segments.
-BLOCK_T = 64
+# Tokens x channels of one program's tile: 256-byte bf16 row segments (128 channels) in the forward, and in the
+# backward 64 tokens, which reuse each loaded row for the W taps of the next rows. The forward at 32 tokens and the
+# backward at 64 channels were the fastest of the launch sweep at the hybrid's shape (H200, Triton 3.7.1: 0.120 ms
+# against 0.165 at 64 x 128, 0.613 against 0.659; docs/perf-history.md).
+BLOCK_T = 32
 BLOCK_C = 128
+GRAD_BLOCK_T = 64
+GRAD_BLOCK_C = 64
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,8 @@ class ConvLaunch:
     block_t: int = BLOCK_T
     block_c: int = BLOCK_C
     num_warps: int = 4
-    grad_block_t: int = BLOCK_T
-    grad_block_c: int = BLOCK_C
+    grad_block_t: int = GRAD_BLOCK_T
+    grad_block_c: int = GRAD_BLOCK_C
     grad_num_warps: int = 4
     one_pass_backward: bool = False
 

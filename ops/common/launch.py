@@ -10,7 +10,8 @@ or false, none (a field that may be None), integers joined by / (a tuple), or te
 metadata["choices"]). The op's own choice
 (`pick_config`, `pick_launch`) goes through `with_overrides`, which replaces the named fields. `moe-tune profile
 --launch` checks the entries first (one line, exit 2) and sets the variable; the benchmark JSON records it
-(engine/bench/machine.py). Unset or empty: the defaults.
+(engine/bench/machine.py). Unset or empty: the defaults. A family's dataclass may refuse a combination of fields
+(its `overrides_problem`: KDA's products kernel in key tiles at more than 8 warps).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def _parse(text: str, source: str) -> tuple[tuple[str, tuple[tuple[str, Any], ..
         if field in parsed.get(family, {}):
             raise LaunchError(f"{where}: {family}.{field} is named twice")
         parsed.setdefault(family, {})[field] = _value(where, field, *types[field], value.strip())
+    for family, fields in parsed.items():
+        problem = getattr(_launch_class(family), "overrides_problem", lambda _fields: None)(fields)
+        if problem:
+            raise LaunchError(f"{source} {family}: {problem}")
     return tuple((family, tuple(fields.items())) for family, fields in parsed.items())
 
 
@@ -85,12 +90,15 @@ def _families() -> str:
     return ", ".join(LAUNCH_FAMILIES)
 
 
+def _launch_class(family: str) -> type:
+    module, name = LAUNCH_FAMILIES[family]
+    return getattr(importlib.import_module(module), name)
+
+
 @functools.cache
 def _field_types(family: str) -> dict[str, tuple[str, tuple[str, ...] | None]]:
     """{field: (its annotation, its metadata's choices or None)} of the family's launch dataclass."""
-    module, name = LAUNCH_FAMILIES[family]
-    cls = getattr(importlib.import_module(module), name)
-    return {f.name: (str(f.type), f.metadata.get("choices")) for f in dataclasses.fields(cls)}
+    return {f.name: (str(f.type), f.metadata.get("choices")) for f in dataclasses.fields(_launch_class(family))}
 
 
 def _value(where: str, field: str, kind: str, choices: tuple[str, ...] | None, text: str) -> Any:

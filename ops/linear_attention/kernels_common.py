@@ -68,6 +68,9 @@ GPU_NUM_WARPS_KDA_PAIRS = 8
 # KDA's gradient kernels at 8 warps: the WY one spills 200 bytes a thread (4 warps: 2,080), the products one 568.
 GPU_NUM_WARPS_KDA_GRAD_WY = 8
 GPU_NUM_WARPS_KDA_GRAD_PRODUCTS = 8
+# The products kernel in key tiles (KernelConfig.block_k_kda_grad_products) launches at most this many warps: at 16
+# warps and 32-column tiles it made an illegal memory access on the H200, Triton 3.6 and 3.7.1, from one token up.
+MAX_WARPS_KDA_PRODUCTS_TILED = 8
 # 4 warps (one warpgroup) for the [64, 64] and [64, 128] tiles of the forward and the state kernels.
 GPU_NUM_WARPS = 4
 # The gradient kernel holds three [64, 128] fp32 accumulators: 8 warps keep them in registers.
@@ -165,6 +168,21 @@ class KernelConfig:
     # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
     # whole K: _kda_grad_products_kernel).
     block_k_kda_grad_products: int | None = None
+
+    def __post_init__(self) -> None:
+        problem = KernelConfig.overrides_problem(self.__dict__)
+        if problem:
+            raise ValueError(problem)
+
+    @staticmethod
+    def overrides_problem(fields: dict) -> str | None:
+        """Why fields (of a config, or overrides over the GPU's) launch no working kernels, or None."""
+        block_k = fields.get("block_k_kda_grad_products")
+        warps = fields.get("num_warps_kda_grad_products", GPU_NUM_WARPS_KDA_GRAD_PRODUCTS)
+        if block_k is not None and warps > MAX_WARPS_KDA_PRODUCTS_TILED:
+            return (f"num_warps_kda_grad_products {warps} with block_k_kda_grad_products {block_k}: key tiles launch "
+                    f"at most {MAX_WARPS_KDA_PRODUCTS_TILED} warps (16 made an illegal memory access on the H200)")
+        return None
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:

@@ -451,10 +451,11 @@ def test_split_state_part_anchor_and_110_documents_bf16(guarded, split_grad_wy):
     assert [name for name in first if not torch.equal(first[name], second[name])] == []
 
 
-@pytest.fixture(params=[(64, 8), (32, 8), (32, 16)], ids=["k64-8_warps", "k32-8_warps", "k32-16_warps"])
+@pytest.fixture(params=[(64, 8), (32, 8)], ids=["k64-8_warps", "k32-8_warps"])
 def kda_products_tiles(monkeypatch, request):
     """KDA's products kernel in key tiles (KernelConfig.block_k_kda_grad_products) at the kernel's warps
-    (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 88 bytes of stack at 64 and 8 warps, none at 32."""
+    (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 88 bytes of stack at 64 and 8 warps, none at 32. At 16
+    warps and 32 columns the kernel made an illegal memory access (KernelConfig refuses more than 8 warps in tiles)."""
     block_k, num_warps = request.param
     launch_with(monkeypatch, block_k_kda_grad_products=block_k, num_warps_kda_grad_products=num_warps)
 

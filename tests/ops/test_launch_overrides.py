@@ -186,3 +186,35 @@ def test_a_launch_a_kernel_cannot_take_ends_the_run_in_one_line(monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, "")
     plain = runner.invoke(app, ["profile", "--kernels", "--ops", "causal_conv"])
     assert isinstance(plain.exception, _OutOfResources)
+
+
+TILED_PRODUCTS = "linear_attention.block_k_kda_grad_products"
+WARPS_PRODUCTS = "linear_attention.num_warps_kda_grad_products"
+
+
+@pytest.mark.parametrize("text, refused", [
+    (f"{TILED_PRODUCTS}=32,{WARPS_PRODUCTS}=16", True),
+    (f"{WARPS_PRODUCTS}=32,{TILED_PRODUCTS}=64", True),
+    (f"{TILED_PRODUCTS}=32,{WARPS_PRODUCTS}=8", False),
+    (f"{TILED_PRODUCTS}=32,{WARPS_PRODUCTS}=4", False),
+    (f"{TILED_PRODUCTS}=32", False),  # the GPU's 8 warps
+    (f"{TILED_PRODUCTS}=none,{WARPS_PRODUCTS}=16", False),  # the whole kernel
+    (f"{WARPS_PRODUCTS}=16", False),
+])  # fmt: skip
+def test_key_tiles_of_kdas_products_kernel_launch_at_most_8_warps(text, refused, monkeypatch):
+    # 16 warps in 32-column tiles made an illegal memory access on the H200 (Triton 3.6 and 3.7.1): refused when
+    # named, and by the config itself however it is built.
+    if refused:
+        with pytest.raises(LaunchError, match=r"^--launch linear_attention: num_warps_kda_grad_products \d+ with "
+                           r"block_k_kda_grad_products \d+: key tiles launch at most 8 warps"):  # fmt: skip
+            parse_launch(text, "--launch")
+    else:
+        monkeypatch.setenv(LAUNCH_ENV, text)
+        fields = parse_launch(text)["linear_attention"]
+        assert {name: getattr(pick_config(_gpu()), name) for name in fields} == fields
+    import dataclasses
+
+    config = pick_config(_gpu())
+    fields = dict(block_k_kda_grad_products=32, num_warps_kda_grad_products=16)
+    with pytest.raises(ValueError, match="key tiles launch at most 8 warps"):
+        dataclasses.replace(config, **fields)
