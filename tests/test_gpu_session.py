@@ -212,3 +212,43 @@ def test_every_gpu_test_file_is_marked_gpu_as_a_whole():
 def test_the_scan_sees_a_gpu_mark(source, lines, is_module_marked):
     tree = ast.parse(source)
     assert gpu_marks(tree) == lines and marks_module_gpu(tree) is is_module_marked
+
+
+LOSES_THE_CONTEXT = """import pytest
+pytestmark = pytest.mark.gpu
+
+
+def test_a_loses_the_context():
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_b_fails_alone():
+    raise RuntimeError("CUDA error: out of memory")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_later(i):
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
+def test_a_lost_cuda_context_ends_its_process_not_the_other_tests(tmp_path, workers):
+    """An illegal memory access poisons the process's CUDA context: under xdist its worker is replaced and every
+    other test still runs (once 400 tests failed after one such error on the H200); in one process the run stops
+    there, naming the test. Another CUDA error (out of memory) fails its test alone."""
+    with_gpu_conftest(tmp_path)
+    (tmp_path / "test_context.py").write_text(LOSES_THE_CONTEXT)
+    run = run_pytest_in(tmp_path, "gpu", *workers, "-p", "no:randomly")
+    out = run.stdout
+    expected = pytest.ExitCode.TESTS_FAILED if workers else pytest.ExitCode.INTERRUPTED
+    assert run.returncode == expected, out + run.stderr
+    if workers:
+        assert "3 failed, 6 passed" in out, out  # test_a twice: its error, then its worker's crash
+        assert "worker 'gw" in out and "crashed while running 'test_context.py::test_a_loses_the_context'" in out
+        assert out.count("replacing crashed worker") == 1, out
+        assert "FAILED test_context.py::test_b_fails_alone" in out
+    else:
+        assert "1 failed in" in out, out
+        assert ("Interrupted: test_context.py::test_a_loses_the_context: CUDA error (an illegal memory access): the "
+                "process's CUDA context is lost") in out  # fmt: skip

@@ -2,9 +2,14 @@
 skipped while it is collected (a module-level pytest.importorskip or pytest.skip) in a run whose -m selects gpu
 tests, so a run that did not exercise its kernels (kernels imported in interpreter mode, a missing dependency) is
 never green. A run without a CUDA device stops before collection (tests/conftest.py). Each test's GPU memory peak is
-reported and its cached memory released after it (gpu_memory)."""
+reported and its cached memory released after it (gpu_memory). A test whose CUDA error leaves the process's CUDA
+context unusable (an illegal memory access: every later CUDA call there fails alike) ends its process once its
+report is out: an xdist worker is then replaced and the other tests run on a fresh context (xdist reports the test a
+second time, as the one its worker crashed in); a run in one process stops there."""
 
 import gc
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +21,19 @@ def skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
     return report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
 
+# CUDA errors after which the context is unusable (the driver's words, as torch raises them).
+STICKY_CUDA_ERRORS = ("an illegal memory access", "unspecified launch failure", "misaligned address",
+                      "device-side assert triggered", "an illegal instruction")  # fmt: skip
+
+
+def sticky_cuda_error(report: pytest.TestReport) -> str | None:
+    """The sticky CUDA error a failed report shows, or None."""
+    if not report.failed:
+        return None
+    text = str(report.longrepr)
+    return next((error for error in STICKY_CUDA_ERRORS if error in text), None)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -24,6 +42,20 @@ def pytest_runtest_makereport(item, call):
         reason = skip_reason(report)
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} skipped on a GPU run ({reason}): every GPU test must run"
+    error = sticky_cuda_error(report)
+    if error and not os.environ.get("PYTEST_XDIST_WORKER"):
+        item.session.shouldstop = f"{item.nodeid}: CUDA error ({error}): the process's CUDA context is lost"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    # After xdist's own hook has sent the report: the worker ends, and xdist starts another in its place.
+    error = sticky_cuda_error(report)
+    if error and os.environ.get("PYTEST_XDIST_WORKER"):
+        print(f"{report.nodeid}: CUDA error ({error}): ending this worker, its CUDA context is lost", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
