@@ -12,7 +12,8 @@ triton.testing.do_bench) in `rounds` turns over all candidates. The best forward
 backward less forward) may come from different candidates: their fields together make one more candidate, checked
 and timed beside pick_launch's for as many turns. The launch applies to causal_conv too (one pick_launch).
 
-The JSON holds {machine, shape, sweep: [rows], best_forward, best_backward, combined, complete}.
+The JSON holds {machine, shape, sweep: [rows], best_forward, best_backward, combined, complete}, written after each
+candidate's check and each turn too (a run stopped midway keeps what it measured).
 """
 
 from __future__ import annotations
@@ -150,10 +151,12 @@ def _steps(launch, inputs, positions, grads) -> tuple[Callable[[], None], Callab
     return forward, forward_backward
 
 
-def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS, device: str = "cuda") -> list[dict]:
+def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS, device: str = "cuda",
+          progress: Callable[[list[dict]], None] | None = None) -> list[dict]:  # fmt: skip
     """Rows {config (the overrides), errors, wrong, fwd_ms, fwd_bwd_ms, bwd_ms, spreads, vs_default} per candidate,
     or {config, error} where one does not compile or launch here; checked at CHECK_LENGTHS, timed at SHAPE (on the
-    CPU the kernels run in Triton's interpreter: the tests' way through the sweep)."""
+    CPU the kernels run in Triton's interpreter: the tests' way through the sweep). `progress` gets the rows so far
+    after each check and each turn (the turns' timings so far)."""
     from moe_tune.ops.causal_conv.kernels import pick_launch
 
     check_inputs, check_positions, check_grads = make_inputs(list(CHECK_LENGTHS), torch.bfloat16, device)
@@ -177,6 +180,8 @@ def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_
             default_errors = errors
         rows.append(row)
         steps.append(None if errors is None or row["wrong"] else _steps(launch, inputs, positions, grads))
+        if progress is not None:
+            progress(rows)
     leaves = list(inputs)
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in rows]
     for _ in range(rounds):
@@ -184,16 +189,23 @@ def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_
             if step is not None:
                 fwd.append(median_ms(step[0], rep_ms=rep_ms))
                 both.append(median_ms(step[1], leaves, rep_ms=rep_ms))
+        _summarize(rows, times)
+        if progress is not None:
+            progress(rows)
+    return rows
+
+
+def _summarize(rows: list[dict], times: list[tuple[list[float], list[float]]]) -> None:
+    """The timings of the turns so far into the rows (forward, forward + backward, their spreads, vs_default)."""
     for row, (fwd, both) in zip(rows, times, strict=True):
-        if fwd:
+        if both:
             f, b = summarize_timings(fwd), summarize_timings(both)
             row.update(fwd_ms=f["ms"], fwd_bwd_ms=b["ms"], bwd_ms=round(b["ms"] - f["ms"], 4),
                        fwd_spread_ms=f["spread_ms"], fwd_bwd_spread_ms=b["spread_ms"])  # fmt: skip
-    default = rows[0] if rows and "fwd_ms" in rows[0] else None
+    default = rows[0] if rows and "fwd_bwd_ms" in rows[0] else None
     for row in rows:
-        if default is not None and "fwd_ms" in row:
+        if default is not None and "fwd_bwd_ms" in row:
             row["vs_default"] = round(row["fwd_bwd_ms"] / default["fwd_bwd_ms"], 4)
-    return rows
 
 
 def format_sweep(rows: list[dict]) -> str:
@@ -220,7 +232,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     check_output_and_device(args.out)
     result = {**machine_info(is_cuda=True), "shape": SHAPE, "check_lengths": list(CHECK_LENGTHS)}
-    rows = sweep(sweep_candidates(), rounds=args.rounds)
+    rows = sweep(sweep_candidates(), rounds=args.rounds,
+                 progress=lambda rows: write_json_atomic(args.out, dict(result, sweep=rows, complete=False)))
     fastest_forward, fastest_backward = best_rows(rows)
     result.update(sweep=rows, best_forward=fastest_forward, best_backward=fastest_backward, combined=None)
     write_json_atomic(args.out, dict(result, complete=False))

@@ -13,7 +13,9 @@ over the turns says what a difference must exceed to count.
 Breakdown: the kernel time of one forward and backward, per kernel name, of ours and of FLA's chunk op (when FLA is
 importable), from torch.profiler over a few passes after a warm-up.
 
-The JSON holds {machine, shape, sweep: [rows], breakdown: [rows], complete}, written after every op.
+The JSON holds {machine, shape, sweep: [rows], breakdown: [rows], complete}, written after each candidate's check,
+each turn and each profile (a run stopped midway, by a time limit or a crash, keeps what it measured) and after
+every op.
 """
 
 from __future__ import annotations
@@ -201,17 +203,19 @@ def _reference_outputs(inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.
 
 
 def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS,
-             candidates: list[dict] | None = None) -> list[dict]:  # fmt: skip
+             candidates: list[dict] | None = None, progress: Callable[[list[dict]], None] | None = None
+             ) -> list[dict]:  # fmt: skip
     """Rows {op, config (the overrides), errors, wrong, ms, spread_ms, times_ms, vs_default, kernels_ms (each
     kernel's time in one pass, from CANDIDATE_PROFILE_PASSES profiled passes)} per candidate, or
     {op, config, error} where a candidate does not compile or launch on this device (module docstring); checked at
-    CHECK_SHAPE, timed at shape."""
+    CHECK_SHAPE, timed at shape. `progress` gets the rows so far after each candidate's check, after each turn
+    (timings of the turns so far) and after each candidate's profile: a run stopped midway keeps them."""
     from moe_tune.ops.linear_attention.kernels_common import pick_config
 
     shape = dict(ANCHOR_SHAPE if shape is None else shape)
     candidates = sweep_candidates(op) if candidates is None else candidates
     check_inputs = _shape_inputs(CHECK_SHAPE, op)
-    check_inputs["cu_seqlens"] = torch.tensor(CHECK_DOCUMENTS, dtype=torch.int32, device="cuda")
+    check_inputs["cu_seqlens"] = torch.tensor(CHECK_DOCUMENTS, dtype=torch.int32, device=check_inputs["q"].device)
     check_grad = torch.randn_like(check_inputs["v"])
     expected = _reference_outputs(check_inputs, check_grad)
     inputs = _shape_inputs(shape, op)
@@ -234,26 +238,40 @@ def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: i
             default_errors = errors
         rows.append(row)
         steps.append(None if errors is None or row["wrong"] else _step(ours, config, inputs, grad_out))
+        _report(progress, rows)
     times: list[list[float]] = [[] for _ in rows]
     for _ in range(rounds):
         for i, step in enumerate(steps):
             if step is not None:
                 times[i].append(median_ms(step, leaves, rep_ms=rep_ms))
-    for row, row_times, step in zip(rows, times, steps):
-        if row_times:
-            row.update(summarize_timings(row_times), times_ms=[round(t, 4) for t in row_times])
+        _summarize(rows, times)
+        _report(progress, rows)
+    for row, step in zip(rows, steps):
+        if "ms" in row:
             # Which kernels the launch moved: each kernel's time in one pass.
             row["kernels_ms"] = {k["kernel"]: k["ms"] for k in profiled_kernels(step, CANDIDATE_PROFILE_PASSES)}
-    default_ms = rows[0].get("ms") if rows else None
+            _report(progress, rows)
     default_kernels = rows[0].get("kernels_ms") if rows else None
     for row in rows[1:]:
-        if default_ms and "ms" in row:
-            row["vs_default"] = round(row["ms"] / default_ms, 4)
         if default_kernels and "kernels_ms" in row:
             row["moved"] = largest_kernel_change(default_kernels, row["kernels_ms"])
-    if default_ms:
-        rows[0]["vs_default"] = 1.0
     return rows
+
+
+def _summarize(rows: list[dict], times: list[list[float]]) -> None:
+    """The timings of the turns so far into the rows: ms, spread_ms, times_ms and vs_default (against the first)."""
+    for row, row_times in zip(rows, times):
+        if row_times:
+            row.update(summarize_timings(row_times), times_ms=[round(t, 4) for t in row_times])
+    default_ms = rows[0].get("ms") if rows else None
+    for row in rows:
+        if default_ms and "ms" in row:
+            row["vs_default"] = round(row["ms"] / default_ms, 4)
+
+
+def _report(progress: Callable[[list[dict]], None] | None, rows: list[dict]) -> None:
+    if progress is not None:
+        progress(rows)
 
 
 def largest_kernel_change(before: dict[str, float], after: dict[str, float]) -> str:
@@ -403,7 +421,12 @@ def main(argv: list[str]) -> None:
     check_output_and_device(args.out)
     result = {**machine_info(is_cuda=True), "shape": ANCHOR_SHAPE, "sweep": [], "breakdown": []}
     for op in args.ops:
-        result["sweep"] += sweep_op(op, rounds=args.rounds)
+        done = list(result["sweep"])
+
+        def progress(rows: list[dict], done=done) -> None:
+            write_json_atomic(args.out, dict(result, sweep=done + rows, complete=False))
+
+        result["sweep"] += sweep_op(op, rounds=args.rounds, progress=progress)
         if not args.no_breakdown:
             result["breakdown"] += breakdown_op(op)
         write_json_atomic(args.out, dict(result, complete=False))

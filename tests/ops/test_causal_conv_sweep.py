@@ -95,8 +95,15 @@ def _fake_timer(monkeypatch):
 def test_sweep_checks_times_and_compares_every_candidate(kernel_path, small, monkeypatch):
     _fake_timer(monkeypatch)
     candidates = [{}, {"one_pass_backward": True, "grad_block_t": 16}, {"block_c": 32}]
-    rows = sweep.sweep(candidates, rounds=2, device="cpu")
+    seen = []
+    rows = sweep.sweep(candidates, rounds=2, device="cpu", progress=lambda rows: seen.append(
+        [dict(row) for row in rows]))  # fmt: skip
     assert [row["config"] for row in rows] == candidates
+    # What a run stopped midway has written: each check, then each turn's timings so far.
+    assert [len(snapshot) for snapshot in seen] == [1, 2, 3, 3, 3]
+    assert "fwd_ms" not in seen[2][0] and seen[4] == rows
+    assert [(row["fwd_ms"], row["fwd_bwd_ms"], row["vs_default"]) for row in seen[3]] == [
+        (1, 2, 1.0), (3, 4, 2.0), (5, 6, 3.0)]  # fmt: skip
     for row in rows:
         assert row["wrong"] == [] and set(row["errors"]) == set(sweep.NAMES)
         # bf16 inputs against fp64: one rounding of each output.

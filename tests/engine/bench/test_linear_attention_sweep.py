@@ -76,6 +76,40 @@ def test_a_candidates_check_fills_its_row_or_says_why_it_did_not_run():
     assert row == {"config": {"num_stages": 5}, "error": "RuntimeError: out of resource: shared memory"}
 
 
+def test_a_sweep_stopped_midway_has_handed_out_what_it_measured(monkeypatch):
+    # The sweep's own steps on the CPU, its device work faked: three candidates (the second wrong), timed in turns,
+    # and a stop (a time limit's SIGINT) in the second turn. progress saw every check, then the first turn's
+    # timings with vs_default, as the JSON keeps them.
+    checks = iter([{"o": 1e-3}, {"o": 1.0}, {"o": 1e-3}])
+    monkeypatch.setattr(sweep, "_shape_inputs", lambda shape, op: _inputs())
+    monkeypatch.setattr(sweep, "_reference_outputs", lambda inputs, grad: {})
+    monkeypatch.setattr(sweep, "check_candidate", lambda row, errors_of, default: _checked(row, next(checks)))
+    timings = iter([2.0, 1.0])
+
+    def median_ms(step, leaves, rep_ms):
+        return next(timings)  # the second turn's first timing: StopIteration, standing for the interrupt
+
+    monkeypatch.setattr(sweep, "median_ms", median_ms)
+    monkeypatch.setattr(sweep, "profiled_kernels", lambda step, passes: pytest.fail("profiled an unfinished sweep"))
+    seen = []
+    candidates = [{}, {"num_warps": 2}, {"num_stages": 2}]
+    with pytest.raises(StopIteration):
+        sweep.sweep_op("gdn", rounds=2, candidates=candidates, progress=lambda rows: seen.append(
+            [dict(row) for row in rows]))  # fmt: skip
+    assert [len(rows) for rows in seen] == [1, 2, 3, 3]
+    first_turn = seen[-1]
+    assert [row["config"] for row in first_turn] == candidates
+    assert first_turn[1]["wrong"] == ["o"] and "ms" not in first_turn[1]
+    assert (first_turn[0]["ms"], first_turn[0]["vs_default"]) == (2.0, 1.0)
+    assert (first_turn[2]["ms"], first_turn[2]["vs_default"], first_turn[2]["times_ms"]) == (1.0, 0.5, [1.0])
+
+
+def _checked(row, errors):
+    row["errors"] = errors
+    row["wrong"] = [name for name, err in errors.items() if err > sweep.WRONG_REL_RMS]
+    return errors
+
+
 def test_timings_summarised_as_median_and_spread():
     assert sweep.summarize_timings([3.0, 1.0, 2.5]) == {"ms": 2.5, "spread_ms": 2.0}
     assert sweep.summarize_timings([4.0]) == {"ms": 4.0, "spread_ms": 0.0}
