@@ -51,8 +51,12 @@ def checkpoint_name(step: int) -> str:
 
 
 def checkpoint_step(path: Path) -> int | None:
+    """The step of a folder named as checkpoint_name names it, else None (`step-3` beside `step-0000003` is no
+    checkpoint of this tool's: resuming, pruning and export pass it by)."""
     match = _NAME.match(path.name)
-    return int(match.group(1)) if match else None
+    if match is None or checkpoint_name(int(match.group(1))) != path.name:
+        return None
+    return int(match.group(1))
 
 
 def _fsync_dir(path: Path) -> None:

@@ -417,6 +417,20 @@ def test_pruning_keeps_the_newest_and_never_runs_before_a_save_completes(tmp_pat
     assert [p.name for p in checkpoint_dirs(tmp_path)] == [checkpoint_name(4), checkpoint_name(5)]
 
 
+@pytest.mark.parametrize("other", ["step-3", "step-00000003", "step-03", "step-3a", "step-"])
+def test_only_folders_named_as_the_trainer_names_them_are_checkpoints(tmp_path, other):
+    # A folder beside step-0000003 that names step 3 (or no step) another way: resuming, pruning and export's list of
+    # steps pass it by, and pruning never deletes it.
+    engine = save_steps(tmp_path, [3])
+    shutil.copytree(tmp_path / checkpoint_name(3), tmp_path / other)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == [checkpoint_name(3)]
+    assert ckpt.checkpoint_step(tmp_path / other) is None
+    assert [ckpt.checkpoint_step(tmp_path / checkpoint_name(s)) for s in (0, 3, 12_345_678)] == [0, 3, 12_345_678]
+    save_checkpoint(engine, tmp_path, 4, trainer_state(4), keep_last=1, is_main=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([checkpoint_name(4), other])
+    assert resume_checkpoint(engine, tmp_path, TINY_SIGNATURE, "cpu")[0].name == checkpoint_name(4)
+
+
 def test_resaving_after_a_resume_from_an_older_checkpoint_keeps_the_resumed_one(tmp_path):
     # Steps 4 and 5 are damaged; a run resumed from 3 saves 4 again with keep_last 1: the damaged 5 (newer) must not
     # count, or pruning would delete the new 4 and leave nothing that verifies.
