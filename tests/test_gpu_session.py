@@ -235,8 +235,8 @@ def test_later(i):
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
 def test_a_lost_cuda_context_ends_its_process_not_the_other_tests(tmp_path, workers):
     """An illegal memory access poisons the process's CUDA context: under xdist its worker is replaced and every
-    other test still runs (once 400 tests failed after one such error on the H200); in one process the run stops
-    there, naming the test. Another CUDA error (out of memory) fails its test alone."""
+    other test still runs, where otherwise each later test of that worker would fail alike; in one process the run
+    stops there, naming the test. Another CUDA error (out of memory) fails its test alone."""
     with_gpu_conftest(tmp_path)
     (tmp_path / "test_context.py").write_text(LOSES_THE_CONTEXT)
     run = run_pytest_in(tmp_path, "gpu", *workers, "-p", "no:randomly")

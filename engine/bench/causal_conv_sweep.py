@@ -49,7 +49,8 @@ def sweep_candidates() -> list[dict]:
     registers a thread (two programs of 4 warps an SM) and a second backward pass of 64 x 128 255 and 72 bytes of
     stack; halving the elements a thread holds (32 tokens, 64 channels or 8 warps) halves the registers. The
     one-pass backward holds a tap's W loads of x and R of dy for each of W taps: at 64 x 128 and 4 warps 3 KB of
-    stack, none at 16 x 128 or 32 x 64 (on the H200 it ran 1.5-3.5x the two-pass backward's time, 2026-12-05)."""
+    stack, none at 16 x 128 or 32 x 64 (slower than the two-pass backward at every launch the H200 ran:
+    docs/perf-history.md)."""
     forward = [
         {"block_t": 64},
         {"num_warps": 8},

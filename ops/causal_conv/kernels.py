@@ -19,9 +19,8 @@ import triton.language as tl
 from moe_tune.ops.common.launch import with_overrides
 
 # Tokens x channels of one program's tile: 256-byte bf16 row segments (128 channels) in the forward, and in the
-# backward 64 tokens, which reuse each loaded row for the W taps of the next rows. The forward at 32 tokens and the
-# backward at 64 channels were the fastest of the launch sweep at the hybrid's shape (H200, Triton 3.7.1: 0.120 ms
-# against 0.165 at 64 x 128, 0.613 against 0.659; docs/perf-history.md).
+# backward 64 tokens, which reuse each loaded row for the W taps of the next rows. These are the launch sweep's
+# fastest at the hybrid's shape on the H200 (engine/bench/causal_conv_sweep.py, docs/perf-history.md).
 BLOCK_T = 32
 BLOCK_C = 128
 GRAD_BLOCK_T = 64
