@@ -50,7 +50,7 @@ def align(
     """Numerical alignment, layer by layer: hidden states, logits (max abs, cosine, KL), loss, LoRA gradients.
     Exit 0 within tolerance, 1 outside it, 2 on bad input."""
     from moe_tune.engine.align import Tolerances, align_checkpoint, read_batch, run_golden
-    from moe_tune.engine.families import check_checkpoint, model_profile_from_checkpoint
+    from moe_tune.engine.families import check_checkpoint, check_finite_weights, model_profile_from_checkpoint
 
     problems = []
     if reference is None and golden is None:
@@ -77,6 +77,7 @@ def align(
         if reference is not None:
             # Refuse unsafe or damaged weight files before the reference implementation opens any of them.
             check_checkpoint(reference)
+            check_finite_weights(reference)
         if golden is not None:
             profile_model = read_profile(profile or "tiny", None).model if reference is None else None
             report, written = run_golden(golden, reference, profile_model, batch, update_golden, tolerances)

@@ -26,7 +26,9 @@ from .base import (
     quantization_problems,
     show,
 )
-from .checkpoint import SCALE_SUFFIX, CheckpointReader, WeightGetter, fp8_tensor_problems, read_config
+from .checkpoint import (
+    SCALE_SUFFIX, CheckpointReader, WeightGetter, fp8_tensor_problems, nonfinite_tensor_problems, read_config,
+)
 
 __all__ = [
     "Family",
@@ -36,6 +38,7 @@ __all__ = [
     "resolve_job",
     "model_profile_from_checkpoint",
     "check_checkpoint",
+    "check_finite_weights",
     "load_checkpoint_weights",
 ]
 
@@ -121,6 +124,15 @@ def check_checkpoint(directory: Path) -> None:
                 problems += tied_head_problems(WeightGetter(reader, family.packed_key_suffixes), family, cfg)
     except UnsupportedModel as err:
         problems += [line for line in err.problems if line not in problems]
+    if problems:
+        raise UnsupportedModel(problems)
+
+
+def check_finite_weights(directory: Path) -> None:
+    """UnsupportedModel when a floating-point tensor of the checkpoint holds NaN or an infinity (one line per key
+    pattern): nothing computed from it can be compared. Reads every tensor."""
+    with CheckpointReader(directory) as reader:
+        problems = nonfinite_tensor_problems(reader)
     if problems:
         raise UnsupportedModel(problems)
 

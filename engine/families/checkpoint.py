@@ -329,6 +329,24 @@ def fp8_tensor_problems(reader: CheckpointReader, is_fp8: bool) -> list[str]:
             for (_, why), (first, count) in found.items()]
 
 
+def nonfinite_tensor_problems(reader: CheckpointReader) -> list[str]:
+    """One line per key pattern of floating-point tensors holding NaN or an infinity (its first key named, how many
+    such values it holds, and how many more tensors alike). Reads every tensor, one at a time."""
+    found: dict[str, list] = {}
+    for key in reader.keys():
+        tensor = reader.get(key)
+        if not tensor.is_floating_point():
+            continue
+        # float8 has no isfinite kernel on every device: its values fit bf16 exactly.
+        values = tensor.to(torch.bfloat16) if tensor.element_size() == 1 else tensor
+        bad = values.numel() - int(torch.isfinite(values).sum())
+        if bad:
+            found.setdefault(key_pattern(key), [key, bad, 0])[2] += 1
+    return [f"{reader.file_of(first)}: tensor {first} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or "
+            "infinite)" + (f" (and {count - 1} more tensors alike)" if count > 1 else "")
+            for first, bad, count in found.values()]
+
+
 class WeightGetter:
     """What the loader hands the recipes: the reader's tensors by key, FP8 weights (a key with `<key>_scale_inv`)
     dequantized to fp32 (`get`, `rows`: for our tensors kept in floating point) or as stored (`fp8`, `fp8_rows`: bits

@@ -54,6 +54,33 @@ def test_a_weight_of_another_shape_than_the_config_says_is_one_line(checkpoint, 
                            "needs (") and line.endswith(f"){more}"), line
 
 
+@pytest.mark.parametrize("value, count", [("nan", 1), ("inf", 1), ("-inf", 2), ("nan", 3)],
+                         ids=["nan", "inf", "minus_inf_twice", "nan_in_three_layers"])  # fmt: skip
+def test_a_checkpoint_holding_non_finite_weights_is_one_line_per_kind_exit_2(checkpoint, tmp_path, value, count):
+    # Nothing computed from NaN or infinite weights can be aligned: refused before either model runs, naming the
+    # file, the tensor and how many values; tensors of one pattern (the same weight in other layers) grouped.
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    (weights,) = copy.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    keys = [f"model.layers.{i}.self_attn.o_proj.weight" for i in range(count)]
+    for key in keys:
+        tensors[key][0, : 2 if value == "-inf" else 1] = float(value)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    result = runner.invoke(app, ["align", "--reference", str(copy)])
+    assert result.exit_code == 2, result.output
+    bad = 2 if value == "-inf" else 1
+    alike = f" (and {count - 1} more tensors alike)" if count > 1 else ""
+    assert result.stderr.strip().splitlines() == [
+        f"error: {weights}: tensor {keys[0]} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or infinite)"
+        f"{alike}"]
+    assert "Traceback" not in result.output and torch.isfinite(load_file(str(checkpoint / weights.name))[keys[0]]).all()
+
+
 def test_outside_tolerance_exits_1(checkpoint):
     # fp32 against fp32 still differs by rounding (~1e-7): a zero tolerance must fail.
     result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--logits-atol", "0"])

@@ -476,3 +476,27 @@ def test_align_refuses_before_the_reference_opens_anything(written, tmp_path, mo
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), lines
     assert "Traceback" not in result.output and not marker.exists() and not opened
+
+
+def test_non_finite_values_are_found_in_every_floating_dtype_and_integers_pass(tmp_path):
+    # float8 (read through bf16), bf16, fp16 and fp32 tensors with NaN or infinities, one line each (first key,
+    # count); finite ones and integer tensors (packed bytes, indices) are no problem.
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.families.checkpoint import nonfinite_tensor_problems
+
+    nan8 = torch.tensor([1.0, float("nan"), 2.0]).to(torch.float8_e4m3fn)
+    tensors = {
+        "a.float8": nan8, "b.bf16": torch.tensor([float("inf"), 0.0, float("-inf")], dtype=torch.bfloat16),
+        "c.fp16": torch.tensor([float("nan")] * 4, dtype=torch.float16), "d.fp32": torch.ones(5),
+        "e.int": torch.tensor([-1, 2**31 - 1], dtype=torch.int32), "f.uint8": torch.tensor([255], dtype=torch.uint8),
+    }  # fmt: skip
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with CheckpointReader(tmp_path) as reader:
+        problems = nonfinite_tensor_problems(reader)
+    file = tmp_path / "model.safetensors"
+    assert problems == [
+        f"{file}: tensor a.float8 holds 1 non-finite value (NaN or infinite)",
+        f"{file}: tensor b.bf16 holds 2 non-finite values (NaN or infinite)",
+        f"{file}: tensor c.fp16 holds 4 non-finite values (NaN or infinite)",
+    ]
