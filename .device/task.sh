@@ -2,7 +2,8 @@
 #   bash .device/task.sh TASK [LIMIT_S [ARGS...]]   (ARGS go to the task's command, e.g. `sweep 200 --ops gdn`)
 # Each task writes its JSON, plot and log into r/ (named by task, $NAME if set, and Triton version) and stops itself
 # at LIMIT_S (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
-#   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup
+#   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup -v (each outcome logged as it comes: a run cut at its limit
+#                 names what ran)
 #   sweep         python -m moe_tune.engine.bench.linear_attention_sweep (gdn, kda)
 #   conv-sweep    python -m moe_tune.engine.bench.causal_conv_sweep
 #   anchor        moe-tune profile --kernels --ops gated_delta_rule,kda --shapes anchor
@@ -27,7 +28,7 @@ run() {
     tail -25 "r/$TAG.log"
 }
 case $TASK in
-    suite) run python3 -m pytest -m gpu tests/gpu -n 8 --dist loadgroup -q -rfE --tb=short -p no:cacheprovider "$@" ;;
+    suite) run python3 -m pytest -m gpu tests/gpu -n 8 --dist loadgroup -v -rfE --tb=short -p no:cacheprovider "$@" ;;
     sweep) run python3 -m moe_tune.engine.bench.linear_attention_sweep "r/$TAG.json" "$@" ;;
     conv-sweep) run python3 -m moe_tune.engine.bench.causal_conv_sweep "r/$TAG.json" "$@" ;;
     anchor) run python3 -m moe_tune profile --kernels --ops gated_delta_rule,kda --shapes anchor \
