@@ -232,23 +232,44 @@ def test_later(i):
 """
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two xdist workers"])
-def test_a_lost_cuda_context_ends_its_process_not_the_other_tests(tmp_path, workers):
-    """An illegal memory access poisons the process's CUDA context: under xdist its worker is replaced and every
-    other test still runs, where otherwise each later test of that worker would fail alike; in one process the run
-    stops there, naming the test. Another CUDA error (out of memory) fails its test alone."""
+@pytest.mark.parametrize("workers", [[], ["-n", "1", "--dist", "load"], ["-n", "1", "--dist", "loadgroup"]],
+                         ids=["one process", "an xdist worker, load", "an xdist worker, loadgroup"])  # fmt: skip
+def test_a_lost_cuda_context_fails_its_test_and_names_the_tests_it_kept_from_running(tmp_path, workers):
+    """An illegal memory access poisons the process's CUDA context: the test fails on its own; in one process the run
+    stops there, naming it; under xdist (either distribution the GPU runs use; a crashed worker hangs loadgroup) the
+    worker's later tests fail at once as not run, naming it, and their ids go to MOE_TUNE_GPU_RERUN's file."""
+    import re
+
     with_gpu_conftest(tmp_path)
     (tmp_path / "test_context.py").write_text(LOSES_THE_CONTEXT)
-    run = run_pytest_in(tmp_path, "gpu", *workers, "-p", "no:randomly")
+    rerun = tmp_path / "rerun.txt"
+    run = run_pytest_in(tmp_path, "gpu", "-rA", *workers, MOE_TUNE_GPU_RERUN=str(rerun))
     out = run.stdout
-    expected = pytest.ExitCode.TESTS_FAILED if workers else pytest.ExitCode.INTERRUPTED
-    assert run.returncode == expected, out + run.stderr
-    if workers:
-        assert "3 failed, 6 passed" in out, out  # test_a twice: its error, then its worker's crash
-        assert "worker 'gw" in out and "crashed while running 'test_context.py::test_a_loses_the_context'" in out
-        assert out.count("replacing crashed worker") == 1, out
-        assert "FAILED test_context.py::test_b_fails_alone" in out
-    else:
-        assert "1 failed in" in out, out
+    outcomes = {nodeid: outcome for outcome, nodeid in re.findall(r"^(PASSED|FAILED|ERROR) (test_context\.py::\S+)",
+                                                                 out, re.MULTILINE)}  # fmt: skip
+    not_run = rerun.read_text().splitlines()
+    assert outcomes["test_context.py::test_a_loses_the_context"] == "FAILED", out
+    if not workers:
+        assert run.returncode == pytest.ExitCode.INTERRUPTED, out + run.stderr
+        assert list(outcomes) == ["test_context.py::test_a_loses_the_context"] and not_run == []
         assert ("Interrupted: test_context.py::test_a_loses_the_context: CUDA error (an illegal memory access): the "
                 "process's CUDA context is lost") in out  # fmt: skip
+        return
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED, out + run.stderr
+    everything = ["test_context.py::test_a_loses_the_context", "test_context.py::test_b_fails_alone",
+                  *(f"test_context.py::test_later[{i}]" for i in range(6))]  # fmt: skip
+    # One worker runs them in file order: every test after the first is not run (test_b's own error included).
+    assert outcomes == dict.fromkeys(everything[:1], "FAILED") | dict.fromkeys(everything[1:], "ERROR"), out
+    assert not_run == sorted(everything[1:])
+    assert out.count("not run: this process lost its CUDA context in test_context.py::test_a_loses_the_context "
+                     "(an illegal memory access)") == len(not_run)  # fmt: skip
+    assert f"{len(not_run)} tests not run after their process lost its CUDA context: their ids are in {rerun}" in out
+
+
+def test_another_cuda_error_fails_its_test_alone(tmp_path):
+    with_gpu_conftest(tmp_path)
+    (tmp_path / "test_context.py").write_text(LOSES_THE_CONTEXT.replace("an illegal memory access was encountered",
+                                                                        "out of memory"))  # fmt: skip
+    rerun = tmp_path / "rerun.txt"
+    run = run_pytest_in(tmp_path, "gpu", "-n", "1", MOE_TUNE_GPU_RERUN=str(rerun))
+    assert "2 failed, 6 passed" in run.stdout and rerun.read_text() == "", run.stdout

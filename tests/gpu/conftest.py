@@ -2,14 +2,18 @@
 skipped while it is collected (a module-level pytest.importorskip or pytest.skip) in a run whose -m selects gpu
 tests, so a run that did not exercise its kernels (kernels imported in interpreter mode, a missing dependency) is
 never green. A run without a CUDA device stops before collection (tests/conftest.py). Each test's GPU memory peak is
-reported and its cached memory released after it (gpu_memory). A test whose CUDA error leaves the process's CUDA
-context unusable (an illegal memory access: every later CUDA call there fails alike) ends its process once its
-report is out: an xdist worker is then replaced and the other tests run on a fresh context (xdist reports the test a
-second time, as the one its worker crashed in); a run in one process stops there."""
+reported and its cached memory released after it (gpu_memory).
+
+A test whose CUDA error leaves the process's CUDA context unusable (an illegal memory access: every later CUDA call
+there fails alike) fails on its own; a run in one process stops there, and an xdist worker fails each later test
+of its share at once as not run, naming that test, where the test's own error would mislead. (The worker is not
+ended: xdist 3.8 replaces a crashed worker under `--dist load` only; under loadgroup the run hangs.) The run ends
+with the number of tests not run so, and writes their ids, one a line, to the file MOE_TUNE_GPU_RERUN names
+(.device/task.sh runs them again in fresh processes)."""
 
 import gc
 import os
-import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +38,13 @@ def sticky_cuda_error(report: pytest.TestReport) -> str | None:
     return next((error for error in STICKY_CUDA_ERRORS if error in text), None)
 
 
+# Where a run writes the ids of the tests its processes did not run after losing their CUDA context.
+RERUN_ENV = "MOE_TUNE_GPU_RERUN"
+NOT_RUN = "not run: this process lost its CUDA context in "
+# The test (and its error) in which this process lost its CUDA context, once it has.
+_lost_context: list[str] = []
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -43,19 +54,16 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} skipped on a GPU run ({reason}): every GPU test must run"
     error = sticky_cuda_error(report)
-    if error and not os.environ.get("PYTEST_XDIST_WORKER"):
-        item.session.shouldstop = f"{item.nodeid}: CUDA error ({error}): the process's CUDA context is lost"
+    if error and not _lost_context:
+        _lost_context.append(f"{item.nodeid} ({error})")
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            item.session.shouldstop = f"{item.nodeid}: CUDA error ({error}): the process's CUDA context is lost"
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_logreport(report):
-    # After xdist's own hook has sent the report: the worker ends, and xdist starts another in its place.
-    error = sticky_cuda_error(report)
-    if error and os.environ.get("PYTEST_XDIST_WORKER"):
-        print(f"{report.nodeid}: CUDA error ({error}): ending this worker, its CUDA context is lost", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if _lost_context:
+        pytest.fail(NOT_RUN + _lost_context[0], pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -88,3 +96,10 @@ def pytest_terminal_summary(terminalreporter):
                if isinstance(report, pytest.TestReport)]  # fmt: skip
     for line in summary_lines(reports):
         terminalreporter.write_line(line)
+    not_run = sorted({report.nodeid for report in reports if report.failed and NOT_RUN in str(report.longrepr)})
+    rerun = os.environ.get(RERUN_ENV)
+    if rerun:
+        Path(rerun).write_text("".join(f"{nodeid}\n" for nodeid in not_run))
+    if not_run:
+        where = f": their ids are in {rerun}" if rerun else f" (set {RERUN_ENV} to have their ids written)"
+        terminalreporter.write_line(f"{len(not_run)} tests not run after their process lost its CUDA context{where}")
