@@ -266,6 +266,16 @@ def test_a_lost_cuda_context_fails_its_test_and_names_the_tests_it_kept_from_run
     assert f"{len(not_run)} tests not run after their process lost its CUDA context: their ids are in {rerun}" in out
 
 
+def test_a_rerun_file_that_cannot_be_written_is_one_line_at_the_end(tmp_path):
+    with_gpu_conftest(tmp_path)
+    (tmp_path / "test_context.py").write_text(LOSES_THE_CONTEXT)
+    run = run_pytest_in(tmp_path, "gpu", "-n", "1", MOE_TUNE_GPU_RERUN=str(tmp_path))
+    out = run.stdout
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED and "INTERNALERROR" not in out + run.stderr, out
+    assert f"MOE_TUNE_GPU_RERUN ({str(tmp_path)!r}): cannot write there (Is a directory)" in out
+    assert "7 tests not run after their process lost its CUDA context\n" in out
+
+
 def test_another_cuda_error_fails_its_test_alone(tmp_path):
     with_gpu_conftest(tmp_path)
     (tmp_path / "test_context.py").write_text(LOSES_THE_CONTEXT.replace("an illegal memory access was encountered",

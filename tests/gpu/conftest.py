@@ -98,8 +98,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
     not_run = sorted({report.nodeid for report in reports if report.failed and NOT_RUN in str(report.longrepr)})
     rerun = os.environ.get(RERUN_ENV)
+    where = f" (set {RERUN_ENV} to have their ids written)"
     if rerun:
-        Path(rerun).write_text("".join(f"{nodeid}\n" for nodeid in not_run))
+        try:
+            Path(rerun).write_text("".join(f"{nodeid}\n" for nodeid in not_run))
+            where = f": their ids are in {rerun}"
+        except OSError as err:
+            where = ""
+            terminalreporter.write_line(f"{RERUN_ENV} ({rerun!r}): cannot write there ({err.strerror})")
     if not_run:
-        where = f": their ids are in {rerun}" if rerun else f" (set {RERUN_ENV} to have their ids written)"
         terminalreporter.write_line(f"{len(not_run)} tests not run after their process lost its CUDA context{where}")
