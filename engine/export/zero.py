@@ -425,6 +425,12 @@ def open_step(run, step: int, merged: bool):
     if not folder.is_dir():
         have = [str(checkpoint_step(p)) for p in checkpoint_dirs(root)]
         listed = f"the checkpoints there are steps {', '.join(have)}" if have else "there are none"
+        # A folder named for the step otherwise (step-3): not a checkpoint name, which the line says.
+        renamed = sorted(p.name for p in root.glob("step-*") if p.is_dir() and
+                         (match := re.fullmatch(r"step-(\d+)", p.name)) and int(match.group(1)) == step
+                         ) if root.is_dir() else []  # fmt: skip
+        if renamed:
+            listed += f"; {', '.join(renamed)} is not named as the trainer names checkpoints ({folder.name})"
         raise ProfileError([f"--step {step}: no checkpoint {folder} ({listed})"])
     verdict = verify_checkpoint(folder)
     if verdict.problem is not None:

@@ -150,6 +150,20 @@ def test_a_step_that_is_not_there_lists_those_that_are(full_zero3, tmp_path, ste
         open_step(read_run(run_dir), step, merged=True)
 
 
+@pytest.mark.parametrize("renamed", ["step-1", "step-01", "step-00000001"])
+def test_a_step_in_a_folder_named_otherwise_is_not_read_and_the_line_says_why(full_zero3, tmp_path, renamed):
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_zero3, run_dir)
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / "step-0000001").rename(checkpoints / renamed)
+    (checkpoints / "step-2x").mkdir()
+    with pytest.raises(ProfileError) as caught:
+        open_step(read_run(run_dir), 1, merged=True)
+    assert caught.value.problems == [
+        f"--step 1: no checkpoint {checkpoints / 'step-0000001'} (the checkpoints there are steps 2; {renamed} is not "
+        "named as the trainer names checkpoints (step-0000001))"]  # fmt: skip
+
+
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
