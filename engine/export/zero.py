@@ -415,7 +415,9 @@ def open_step(run, step: int, merged: bool):
     """The state of `run` (sources.RunInfo) at checkpoints/step-`step`, after verifying it against its manifest: a
     StepState, or for an FP8-base run its bf16-base view (fp8.DequantizedSource). ProfileError, one line per problem:
     no such checkpoint, one that does not verify, a layout it cannot read."""
-    from moe_tune.engine.train.checkpoint import checkpoint_dirs, checkpoint_name, checkpoint_step, verify_checkpoint
+    from moe_tune.engine.train.checkpoint import (
+        checkpoint_dirs, checkpoint_name, checkpoint_step, misnamed_checkpoints, verify_checkpoint,
+    )
 
     from .fp8 import is_fp8_base
     from .sources import DequantizedSource
@@ -426,9 +428,7 @@ def open_step(run, step: int, merged: bool):
         have = [str(checkpoint_step(p)) for p in checkpoint_dirs(root)]
         listed = f"the checkpoints there are steps {', '.join(have)}" if have else "there are none"
         # A folder named for the step otherwise (step-3): not a checkpoint name, which the line says.
-        renamed = sorted(p.name for p in root.glob("step-*") if p.is_dir() and
-                         (match := re.fullmatch(r"step-(\d+)", p.name)) and int(match.group(1)) == step
-                         ) if root.is_dir() else []  # fmt: skip
+        renamed = [name for name, named in misnamed_checkpoints(root).items() if named == step]
         if renamed:
             listed += f"; {', '.join(renamed)} is not named as the trainer names checkpoints ({folder.name})"
         raise ProfileError([f"--step {step}: no checkpoint {folder} ({listed})"])

@@ -59,6 +59,15 @@ def checkpoint_step(path: Path) -> int | None:
     return int(match.group(1))
 
 
+def misnamed_checkpoints(root: Path) -> dict[str, int]:
+    """{name: step} of the folders under root named `step-<digits>` otherwise than checkpoint_name (step-3): no
+    checkpoint of this tool's, which a message about a missing one names."""
+    if not root.is_dir():
+        return {}
+    found = {p.name: int(m.group(1)) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()}
+    return {name: step for name, step in sorted(found.items()) if checkpoint_name(step) != name}
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -451,7 +460,11 @@ def resume_checkpoint(
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     candidates = checkpoint_dirs(root)
     if not candidates:
-        raise ProfileError([f"--resume: no checkpoint under {root}"])
+        misnamed = misnamed_checkpoints(root)
+        name, step = next(iter(misnamed.items()), ("", 0))
+        why = (f" ({', '.join(misnamed)}: not named as the trainer names checkpoints, {checkpoint_name(step)} for "
+               f"{name})") if misnamed else ""  # fmt: skip
+        raise ProfileError([f"--resume: no checkpoint under {root}{why}"])
     lines: list[str] = []
     reasons: list[str] = []
     for path in reversed(candidates):

@@ -431,6 +431,17 @@ def test_only_folders_named_as_the_trainer_names_them_are_checkpoints(tmp_path, 
     assert resume_checkpoint(engine, tmp_path, TINY_SIGNATURE, "cpu")[0].name == checkpoint_name(4)
 
 
+def test_resume_with_only_misnamed_checkpoints_names_them(tmp_path):
+    engine = save_steps(tmp_path, [3, 12])
+    for step, other in ((3, "step-3"), (12, "step-012")):
+        (tmp_path / checkpoint_name(step)).rename(tmp_path / other)
+    (tmp_path / "step-x").mkdir()
+    with pytest.raises(ProfileError) as caught:
+        resume_checkpoint(engine, tmp_path, TINY_SIGNATURE, "cpu")
+    assert caught.value.problems == [f"--resume: no checkpoint under {tmp_path} (step-012, step-3: not named as the "
+                                     "trainer names checkpoints, step-0000012 for step-012)"]  # fmt: skip
+
+
 def test_resaving_after_a_resume_from_an_older_checkpoint_keeps_the_resumed_one(tmp_path):
     # Steps 4 and 5 are damaged; a run resumed from 3 saves 4 again with keep_last 1: the damaged 5 (newer) must not
     # count, or pruning would delete the new 4 and leave nothing that verifies.
