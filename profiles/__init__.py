@@ -20,6 +20,7 @@ __all__ = [
     "escape_controls",
     "format_errors",
     "load_profile",
+    "more_alike",
     "not_utf8",
     "resolve_profile_path",
     "shipped_profiles",
@@ -64,6 +65,11 @@ def error_line(err: BaseException, plain: tuple[type[BaseException], ...] = (Bas
     if not first_line:
         return type(err).__name__
     return first_line if isinstance(err, plain) else f"{type(err).__name__}: {first_line}"
+
+
+def more_alike(count: int) -> str:
+    """The end of a line naming one tensor for `count` more with the same problem: ' (and 2 more tensors alike)'."""
+    return f" (and {count} more tensor{'s' if count > 1 else ''} alike)" if count else ""
 
 
 class ProfileError(ValueError):

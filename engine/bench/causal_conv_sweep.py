@@ -153,7 +153,7 @@ def _steps(launch, inputs, positions, grads) -> tuple[Callable[[], None], Callab
 
 
 def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS, device: str = "cuda",
-          progress: Callable[[list[dict]], None] | None = None) -> list[dict]:  # fmt: skip
+          progress: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:  # fmt: skip
     """Rows {config (the overrides), errors, wrong, fwd_ms, fwd_bwd_ms, bwd_ms, spreads, vs_default} per candidate,
     or {config, error} where one does not compile or launch here; checked at CHECK_LENGTHS, timed at SHAPE (on the
     CPU the kernels run in Triton's interpreter: the tests' way through the sweep). `progress` gets the rows so far
@@ -181,8 +181,7 @@ def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_
             default_errors = errors
         rows.append(row)
         steps.append(None if errors is None or row["wrong"] else _steps(launch, inputs, positions, grads))
-        if progress is not None:
-            progress(rows)
+        progress(rows)
     leaves = list(inputs)
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in rows]
     for _ in range(rounds):
@@ -191,8 +190,7 @@ def sweep(candidates: list[dict], rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_
                 fwd.append(median_ms(step[0], rep_ms=rep_ms))
                 both.append(median_ms(step[1], leaves, rep_ms=rep_ms))
         _summarize(rows, times)
-        if progress is not None:
-            progress(rows)
+        progress(rows)
     return rows
 
 

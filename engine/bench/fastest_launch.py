@@ -61,7 +61,7 @@ def entry_value(value: Any) -> str:
     return str(value)
 
 
-def launch_text(results: list[dict], op: str) -> str:
+def fastest_launch_text(results: list[dict], op: str) -> str:
     """The entries of every result's best candidate, checked as MOE_TUNE_LAUNCH reads them (LaunchError)."""
     entries = []
     for result in results:
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> None:
             parser.exit(2, f"{path}: not a launch sweep's JSON (no 'sweep' list)\n")
         results.append(result)
     try:
-        print(launch_text(results, args.op))
+        print(fastest_launch_text(results, args.op))
     except LaunchError as err:
         parser.exit(2, f"{err}\n")
     except (KeyError, TypeError, ZeroDivisionError) as err:

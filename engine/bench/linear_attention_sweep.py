@@ -203,7 +203,7 @@ def _reference_outputs(inputs: dict, grad_out: torch.Tensor) -> dict[str, torch.
 
 
 def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: int = SWEEP_REP_MS,
-             candidates: list[dict] | None = None, progress: Callable[[list[dict]], None] | None = None
+             candidates: list[dict] | None = None, progress: Callable[[list[dict]], None] = lambda rows: None
              ) -> list[dict]:  # fmt: skip
     """Rows {op, config (the overrides), errors, wrong, ms, spread_ms, times_ms, vs_default, kernels_ms (each
     kernel's time in one pass, from CANDIDATE_PROFILE_PASSES profiled passes)} per candidate, or
@@ -238,19 +238,19 @@ def sweep_op(op: str, shape: dict | None = None, rounds: int = ROUNDS, rep_ms: i
             default_errors = errors
         rows.append(row)
         steps.append(None if errors is None or row["wrong"] else _step(ours, config, inputs, grad_out))
-        _report(progress, rows)
+        progress(rows)
     times: list[list[float]] = [[] for _ in rows]
     for _ in range(rounds):
         for i, step in enumerate(steps):
             if step is not None:
                 times[i].append(median_ms(step, leaves, rep_ms=rep_ms))
         _summarize(rows, times)
-        _report(progress, rows)
+        progress(rows)
     for row, step in zip(rows, steps):
         if "ms" in row:
             # Which kernels the launch moved: each kernel's time in one pass.
             row["kernels_ms"] = {k["kernel"]: k["ms"] for k in profiled_kernels(step, CANDIDATE_PROFILE_PASSES)}
-            _report(progress, rows)
+            progress(rows)
     default_kernels = rows[0].get("kernels_ms") if rows else None
     for row in rows[1:]:
         if default_kernels and "kernels_ms" in row:
@@ -267,11 +267,6 @@ def _summarize(rows: list[dict], times: list[list[float]]) -> None:
     for row in rows:
         if default_ms and "ms" in row:
             row["vs_default"] = round(row["ms"] / default_ms, 4)
-
-
-def _report(progress: Callable[[list[dict]], None] | None, rows: list[dict]) -> None:
-    if progress is not None:
-        progress(rows)
 
 
 def largest_kernel_change(before: dict[str, float], after: dict[str, float]) -> str:

@@ -16,7 +16,7 @@ import torch
 import yaml
 from torch import nn
 
-from moe_tune.profiles import ProfileError, error_line
+from moe_tune.profiles import ProfileError, error_line, more_alike
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
 from . import merge_lora
@@ -160,7 +160,7 @@ def adapter_problems(path: Path, adapter: dict[str, torch.Tensor], shapes: dict[
             add("shape", f"{path}: tensor {key} has shape {tuple(tensor.shape)}, expected {expected} ({rule})")
         elif not bool(torch.isfinite(tensor).all()):
             add("non-finite", f"{path}: tensor {key} holds non-finite values (NaN or inf)")
-    return [lines[0] + _more_alike(len(lines) - 1) for lines in kinds.values()]
+    return [lines[0] + more_alike(len(lines) - 1) for lines in kinds.values()]
 
 
 def read_adapter(run: RunInfo, shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
@@ -195,11 +195,7 @@ def weights_problems(path: Path, handle, shapes: dict[str, tuple[int, ...]]) -> 
         stored = tuple(handle.get_slice(key).get_shape())
         if expected is not None and stored != expected:
             problems.append(f"{path}: tensor {key} has shape {stored}, expected {expected} (the run's model)")
-    return [problems[0] + _more_alike(len(problems) - 1)] if problems else []
-
-
-def _more_alike(count: int) -> str:
-    return f" (and {count} more tensor{'s' if count > 1 else ''} alike)" if count else ""
+    return [problems[0] + more_alike(len(problems) - 1)] if problems else []
 
 
 def meta_model(cfg: ModelProfile) -> nn.Module:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from moe_tune.profiles import more_alike
+
 from .base import FP8_RULE, UnsupportedModel, key_pattern, show
 
 # Larger than any real file of its kind by far (configs are KBs; DeepSeek-V3's index, ~91k tensors, is ~9 MB):
@@ -343,8 +345,7 @@ def nonfinite_tensor_problems(reader: CheckpointReader) -> list[str]:
         if bad:
             found.setdefault(key_pattern(key), [key, bad, 0])[2] += 1
     return [f"{reader.file_of(first)}: tensor {first} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or "
-            "infinite)" + (f" (and {count - 1} more tensors alike)" if count > 1 else "")
-            for first, bad, count in found.values()]
+            f"infinite){more_alike(count - 1)}" for first, bad, count in found.values()]
 
 
 class WeightGetter:

@@ -54,9 +54,8 @@ def checkpoint_step(path: Path) -> int | None:
     """The step of a folder named as checkpoint_name names it, else None (`step-3` beside `step-0000003` is no
     checkpoint of this tool's: resuming, pruning and export pass it by)."""
     match = _NAME.match(path.name)
-    if match is None or checkpoint_name(int(match.group(1))) != path.name:
-        return None
-    return int(match.group(1))
+    step = int(match.group(1)) if match else None
+    return step if step is not None and checkpoint_name(step) == path.name else None
 
 
 def misnamed_checkpoints(root: Path) -> dict[str, int]:
@@ -289,7 +288,9 @@ def _check_state(state: Any, step: int) -> str | None:
     return f"{STATE_FILE}: {'; '.join(problems)}" if problems else None
 
 
-def _check_manifest(path: Path, manifest: Any) -> str | None:
+def _check_manifest(path: Path, manifest: Any, hashes: bool = True) -> str | None:
+    """The first problem of the checkpoint's files against its manifest: its form, a file outside the folder, missing
+    or of another size, then (with `hashes`) of another sha256; None when they match."""
     entries = manifest.get("files") if isinstance(manifest, dict) else None
     if not (isinstance(entries, list) and entries and all(
         isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
@@ -306,6 +307,8 @@ def _check_manifest(path: Path, manifest: Any) -> str | None:
         size = target.stat().st_size
         if size != entry["size"]:
             return f"{entry['path']} is {size} bytes, the manifest says {entry['size']}"
+    if not hashes:
+        return None
     hashed = _hash_files(path, [e["path"] for e in entries], sync=False)
     for entry in entries:
         if hashed[entry["path"]][1] != entry["sha256"]:
@@ -314,19 +317,10 @@ def _check_manifest(path: Path, manifest: Any) -> str | None:
 
 
 def _sizes_differ(path: Path) -> bool:
-    """Whether a file the checkpoint's manifest lists is missing or of another size (no hashing: cheap at every save);
-    False without a readable manifest (a checkpoint written before manifests)."""
+    """Whether the checkpoint's files fail its manifest short of hashing (cheap at every save); False without a
+    readable manifest (a checkpoint written before manifests)."""
     manifest, problem = _read_json(path / MANIFEST_FILE)
-    entries = manifest.get("files") if problem is None and isinstance(manifest, dict) else None
-    if not isinstance(entries, list):
-        return False
-    for entry in entries:
-        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)):
-            return True
-        target = path / entry["path"]
-        if not target.is_file() or target.stat().st_size != entry.get("size"):
-            return True
-    return False
+    return problem is None and _check_manifest(path, manifest, hashes=False) is not None
 
 
 def verify_checkpoint(path: Path) -> Verdict:
@@ -460,10 +454,11 @@ def resume_checkpoint(
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     candidates = checkpoint_dirs(root)
     if not candidates:
-        misnamed = misnamed_checkpoints(root)
-        name, step = next(iter(misnamed.items()), ("", 0))
-        why = (f" ({', '.join(misnamed)}: not named as the trainer names checkpoints, {checkpoint_name(step)} for "
-               f"{name})") if misnamed else ""  # fmt: skip
+        why = ""
+        if misnamed := misnamed_checkpoints(root):
+            name, step = next(iter(misnamed.items()))
+            why = (f" ({', '.join(misnamed)}: not named as the trainer names checkpoints, {checkpoint_name(step)} "
+                   f"for {name})")
         raise ProfileError([f"--resume: no checkpoint under {root}{why}"])
     lines: list[str] = []
     reasons: list[str] = []

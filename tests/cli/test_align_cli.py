@@ -74,7 +74,7 @@ def test_a_checkpoint_holding_non_finite_weights_is_one_line_per_kind_exit_2(che
     result = runner.invoke(app, ["align", "--reference", str(copy)])
     assert result.exit_code == 2, result.output
     bad = 2 if value == "-inf" else 1
-    alike = f" (and {count - 1} more tensors alike)" if count > 1 else ""
+    alike = {1: "", 2: " (and 1 more tensor alike)", 3: " (and 2 more tensors alike)"}[count]
     assert result.stderr.strip().splitlines() == [
         f"error: {weights}: tensor {keys[0]} holds {bad} non-finite value{'s' if bad > 1 else ''} (NaN or infinite)"
         f"{alike}"]

@@ -226,6 +226,15 @@ def test_chat_template_inline_and_from_a_file_train_the_same(tmp_path, tokenizer
     assert chat_options(DataProfile(path=data, seq_len=64, chat_template=str(path))).template != marked(QWEN3)
 
 
+def refusal(tmp_path, template, tok=BYTE, records=1):
+    """(the data file, the ProfileError's lines) of `records` MULTI_TURN conversations read under `template`."""
+    data = tmp_path / "d.jsonl"
+    data.write_text((json.dumps({"messages": MULTI_TURN}) + "\n") * records)
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), tok)
+    return data, err.value.problems
+
+
 @pytest.mark.parametrize("escape", [
     "{{ cycler.__init__.__globals__.os.system('touch @MARKER') }}",
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
@@ -240,11 +249,7 @@ def test_a_template_reaching_out_of_the_sandbox_is_refused_naming_the_record(tmp
     marker = tmp_path / "escaped"
     template = escape.replace("@MARKER", str(marker))
     tok = BYTE if tokenizer == "byte" else tokenizers["kimi", True][0]
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
-    with pytest.raises(ProfileError) as err:
-        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), tok)
-    (line,) = err.value.problems
+    data, (line,) = refusal(tmp_path, template, tok)
     assert line.startswith(f"{data}:1: data.chat_template cannot render the conversation: "), line
     assert re.search(r"unsafe|cannot store|immutable|not safely callable|Security", line), line
     assert not marker.exists()
@@ -259,11 +264,7 @@ def test_a_template_reaching_out_of_the_sandbox_is_refused_naming_the_record(tmp
 ])  # fmt: skip
 def test_whatever_a_template_raises_is_one_line_naming_the_record(tmp_path, template, kind):
     # The template is the user's code: an exception of any kind it raises is its problem, said in one line.
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
-    with pytest.raises(ProfileError) as err:
-        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
-    (line,) = err.value.problems
+    data, (line,) = refusal(tmp_path, template)
     assert line.startswith(f"{data}:1: "), line
     assert kind in line and "\n" not in line
 
@@ -285,11 +286,7 @@ DROPPING = {
 @pytest.mark.parametrize("template", DROPPING.values(), ids=DROPPING.keys())
 def test_a_template_that_renders_no_trained_token_of_an_assistant_turn_is_refused(tmp_path, template):
     # Each record would train its closing <eos> alone.
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
-    with pytest.raises(ProfileError) as err:
-        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
-    (line,) = err.value.problems
+    data, (line,) = refusal(tmp_path, template)
     assert line == (f"{data}:1: the chat template renders no token of turn 3 (assistant) to train: a template must "
                     "render every message's content (data.chat_template, or the tokenizer's)")
 
@@ -311,13 +308,10 @@ def test_a_template_that_runs_too_long_is_refused_on_its_first_record_and_at_onc
     monkeypatch.setattr(tokenizer, "RENDER_LIMIT_S", 0.3)
     monkeypatch.setattr(tokenizer, "_TIMED_OUT", {})
     template = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}"
-    data = tmp_path / "d.jsonl"
-    data.write_text((json.dumps({"messages": MULTI_TURN}) + "\n") * 3)
     start = time.monotonic()
-    with pytest.raises(ProfileError) as err:
-        load_documents(DataProfile(path=data, seq_len=4096, chat_template=template), BYTE)
+    data, problems = refusal(tmp_path, template, records=3)
     assert time.monotonic() - start < 5
-    assert err.value.problems == [
+    assert problems == [
         f"{data}:1: data.chat_template cannot render the conversation: 'rendering took more than 0.3 s'",
         f"{data}:2: data.chat_template cannot render the conversation: it ran past 0.3 s on {data}:1",
         f"{data}:3: data.chat_template cannot render the conversation: it ran past 0.3 s on {data}:1",
@@ -325,14 +319,10 @@ def test_a_template_that_runs_too_long_is_refused_on_its_first_record_and_at_onc
 
 
 def test_a_template_rendering_far_more_than_the_conversation_is_refused(tmp_path):
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"messages": MULTI_TURN}) + "\n")
     content = sum(len(m["content"]) for m in MULTI_TURN)
-    with pytest.raises(ProfileError) as err:
-        load_documents(DataProfile(path=data, seq_len=4096, chat_template="{{ 'x' * 10**8 }}"), BYTE)
-    assert err.value.problems == [f"{data}:1: data.chat_template renders 100000000 characters from messages of "
-                                  f"{content}, more than {2**20 + 4 * content}: a template renders the conversation, "
-                                  "not more"]  # fmt: skip
+    data, problems = refusal(tmp_path, "{{ 'x' * 10**8 }}")
+    assert problems == [f"{data}:1: data.chat_template renders 100000000 characters from messages of {content}, more "
+                        f"than {2**20 + 4 * content}: a template renders the conversation, not more"]  # fmt: skip
 
 
 def test_the_render_limit_puts_an_outer_timer_back():
