@@ -132,6 +132,18 @@ def gpu_waits_table(breakdown: dict) -> Table:
     return table
 
 
+def host_waits_table(breakdown: dict) -> Table:
+    """Where the host waited for the GPU in one more step (breakdown.host_waits): each site's waits and frames."""
+    from moe_tune.engine.bench.host_waits import site_text
+
+    table = Table()
+    table.add_column("waits", justify="right", no_wrap=True)
+    table.add_column("where (innermost first, < called from)", justify="left")
+    for row in breakdown["host_waits"]:
+        table.add_row(f"{row['count']:,}", site_text(row["frames"]))
+    return table
+
+
 def _ours_name(result: dict) -> str:
     """Our row's name: against the bf16 twin, which base it has."""
     return "moe-tune, fp8 base" if result["against"]["baseline"] == "bf16-base" else "moe-tune"
@@ -285,6 +297,13 @@ def run(
     if breakdown.get("gpu_waits"):
         console.print("the ops the GPU waited for longest in that step (idle right before their work):", markup=False)
         console.print(gpu_waits_table(breakdown))
+    if breakdown.get("host_waits") is not None:
+        if breakdown["host_waits"]:
+            console.print("where the host waited for the GPU in one more step (reading a device value):", markup=False)
+            console.print(host_waits_table(breakdown))
+        else:
+            console.print("the host never waited for the GPU in one more step (no synchronizing CUDA operation "
+                          "torch reports)", markup=False)  # fmt: skip
     other = result["against"]
     if other is not None and other["out_of_memory"] is not None:
         console.print(out_of_memory_line(result), markup=False)

@@ -273,8 +273,9 @@ def profile_steps(
     against: str | None = None,
     on_line: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run `warmup` + `steps` training steps of `profile` and one more under the profiler; medians over the timed
-    steps, MFU, the breakdown (RESULT_KEYS). `against` ('transformers' or 'bf16-base'): then the same steps of that
+    """Run `warmup` + `steps` training steps of `profile`, one more under the profiler and, on CUDA, one more with
+    the host's waits for the GPU recorded (engine/bench/host_waits.py); medians over the timed steps, MFU, the
+    breakdown (RESULT_KEYS). `against` ('transformers' or 'bf16-base'): then the same steps of that
     baseline on the same micro-batches, in this process, after ours is freed (result["against"]); 'bf16-base' (an
     FP8-base profile) adds the per-step loss gap to it (against["loss_gap"]), 'transformers' both models' loss on one
     document before any step (against["one_document"]: the longest document of the first micro-batch alone).
@@ -283,6 +284,7 @@ def profile_steps(
     runs next."""
     from moe_tune.engine.bench.breakdown import profiled_step
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
+    from moe_tune.engine.bench.host_waits import host_wait_sites, recorded_host_waits
     from moe_tune.engine.memory import resolve_policy
     from moe_tune.engine.plan import count_parameters
 
@@ -343,6 +345,11 @@ def profile_steps(
         peak_tflops = gemm_peak_tflops(runner.dist.device, profile.train.precision)
         say("one more step under torch.profiler (the breakdown)")
         breakdown = profiled_step(runner, statistics.median(r["step_time_s"] for r in records))
+        if runner.is_cuda:
+            say("one more step with the host's waits for the GPU recorded")
+            with recorded_host_waits() as waits:
+                runner.step()
+            breakdown["host_waits"] = host_wait_sites(waits)
         is_cuda, device = runner.is_cuda, runner.dist.device
         graphed_blocks = len(runner.graphs.blocks) if runner.graphs is not None else 0
         # The baseline trains on the very micro-batches our steps trained on.
