@@ -132,6 +132,24 @@ def gpu_waits_table(breakdown: dict) -> Table:
     return table
 
 
+def device_timeline_line(timeline: dict) -> str:
+    """What one more step with only the device's work profiled says of the device's time (breakdown.device_timeline)."""
+    return (f"one more step with only the device's work profiled: {timeline['step_s'] * 1e3:,.1f} ms, the device busy "
+            f"{timeline['busy_s'] * 1e3:,.1f} ms ({timeline['launches']:,} kernels, copies and memsets), idle "
+            f"{timeline['idle_s'] * 1e3:,.1f} ms between them and {timeline['outside_s'] * 1e3:,.1f} ms before the "
+            "first and after the last")  # fmt: skip
+
+
+def device_gaps_table(timeline: dict) -> Table:
+    """The device work the GPU waited for longest in that step (breakdown.device_timeline.gaps)."""
+    table = Table()
+    for header in ("device work", "gaps", "GPU idle before ms", "longest ms"):
+        table.add_column(header, justify="left" if header == "device work" else "right", no_wrap=header != "device work")
+    for row in timeline["gaps"]:
+        table.add_row(row["kernel"], f"{row['gaps']:,}", f"{row['idle_s'] * 1e3:,.2f}", f"{row['longest_s'] * 1e3:,.2f}")
+    return table
+
+
 def host_waits_table(breakdown: dict) -> Table:
     """Where the host waited for the GPU in one more step (breakdown.host_waits): each site's waits and frames."""
     from moe_tune.engine.bench.host_waits import site_text
@@ -304,6 +322,11 @@ def run(
         else:
             console.print("the host never waited for the GPU in one more step (no synchronizing CUDA operation "
                           "torch reports)", markup=False)  # fmt: skip
+    if breakdown.get("device_timeline") is not None:
+        console.print(device_timeline_line(breakdown["device_timeline"]), markup=False, soft_wrap=True)
+        if breakdown["device_timeline"]["gaps"]:
+            console.print("the device work it waited for longest there (idle right before it):", markup=False)
+            console.print(device_gaps_table(breakdown["device_timeline"]))
     other = result["against"]
     if other is not None and other["out_of_memory"] is not None:
         console.print(out_of_memory_line(result), markup=False)

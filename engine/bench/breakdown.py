@@ -307,6 +307,61 @@ def gpu_waits(spans: list[tuple[float, float, int]], attributed: list[tuple[Any,
             for (name, label), (total, gaps, longest) in heaviest]  # fmt: skip
 
 
+def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> dict[str, Any]:
+    """The device's time in a step profiled with device activity only (`timeline_step`), from its events (start us,
+    end us, name: kernels, copies, memsets on every stream) and the step's wall time: `busy_s` (the union of the
+    events), `idle_s` (the gaps between the first event's start and the last one's end), `outside_s` (the step's time
+    before the first and after the last: the host's work before its first launch, the wait at the end), `launches`,
+    and `gaps [{kernel, gaps, idle_s, longest_s}]`: the device work the GPU waited for longest, by name (the TOP_OPS
+    heaviest), each gap counted to the event that ends it."""
+    busy_us = idle_us = 0.0
+    first = last = None
+    waits: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    busy_from = busy_until = None
+    for start, end, name in sorted(events):
+        first = start if first is None else first
+        last = end if last is None else max(last, end)
+        if busy_until is None or start > busy_until:
+            if busy_until is not None:
+                gap = start - busy_until
+                idle_us += gap
+                entry = waits[name]
+                entry[0] += gap
+                entry[1] += 1
+                entry[2] = max(entry[2], gap)
+                busy_us += busy_until - busy_from
+            busy_from, busy_until = start, end
+        else:
+            busy_until = max(busy_until, end)
+    if busy_until is not None:
+        busy_us += busy_until - busy_from
+    span_s = (last - first) / US_PER_S if events else 0.0
+    heaviest = sorted(waits.items(), key=lambda item: -item[1][0])[:TOP_OPS]
+    return dict(
+        step_s=step_s,
+        busy_s=busy_us / US_PER_S,
+        idle_s=idle_us / US_PER_S,
+        outside_s=max(step_s - span_s, 0.0),
+        launches=len(events),
+        gaps=[dict(kernel=name, gaps=int(gaps), idle_s=total / US_PER_S, longest_s=longest / US_PER_S)
+              for name, (total, gaps, longest) in heaviest],  # fmt: skip
+    )
+
+
+def timeline_step(runner) -> dict[str, Any]:
+    """One more training step of `runner` (a steps.StepRunner, on CUDA) under torch.profiler recording device
+    activity only: no op is recorded on the host, so the host runs at nearly its unprofiled pace (CUPTI still traces
+    each launch) and the device's gaps are nearly the real ones; `device_timeline` of it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        record = runner.step()
+    events = [(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name())
+              for e in prof.profiler.kineto_results.events() if e.device_type() != DeviceType.CPU]  # fmt: skip
+    return device_timeline(events, record["step_time_s"])
+
+
 def shares(
     attributed: list[tuple[Any, str]],
     step_time_s: float,

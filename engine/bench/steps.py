@@ -274,15 +274,15 @@ def profile_steps(
     on_line: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run `warmup` + `steps` training steps of `profile`, one more under the profiler and, on CUDA, one more with
-    the host's waits for the GPU recorded (engine/bench/host_waits.py); medians over the timed steps, MFU, the
-    breakdown (RESULT_KEYS). `against` ('transformers' or 'bf16-base'): then the same steps of that
+    the host's waits for the GPU recorded (engine/bench/host_waits.py) and one with only the device's work profiled
+    (breakdown.timeline_step); medians over the timed steps, MFU, the breakdown (RESULT_KEYS). `against` ('transformers' or 'bf16-base'): then the same steps of that
     baseline on the same micro-batches, in this process, after ours is freed (result["against"]); 'bf16-base' (an
     FP8-base profile) adds the per-step loss gap to it (against["loss_gap"]), 'transformers' both models' loss on one
     document before any step (against["one_document"]: the longest document of the first micro-batch alone).
 
     on_step(index, is_warmup, record) follows every step (record["impl"] says whose); on_line(text) says what
     runs next."""
-    from moe_tune.engine.bench.breakdown import profiled_step
+    from moe_tune.engine.bench.breakdown import profiled_step, timeline_step
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
     from moe_tune.engine.bench.host_waits import host_wait_sites, recorded_host_waits
     from moe_tune.engine.memory import resolve_policy
@@ -350,6 +350,8 @@ def profile_steps(
             with recorded_host_waits() as waits:
                 runner.step()
             breakdown["host_waits"] = host_wait_sites(waits)
+            say("one more step with only the device's work profiled (where it idles)")
+            breakdown["device_timeline"] = timeline_step(runner)
         is_cuda, device = runner.is_cuda, runner.dist.device
         graphed_blocks = len(runner.graphs.blocks) if runner.graphs is not None else 0
         # The baseline trains on the very micro-batches our steps trained on.

@@ -91,3 +91,25 @@ def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
         "(test_the_profile_records_a_read_of_a_device_value_where_it_is_read)"
     ), waits
     assert torch.cuda.get_sync_debug_mode() == before
+
+
+def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
+    """`moe-tune profile PROFILE`'s two device-only diagnostics (docs/bench.md, "Host waits" and "Breakdown"): the
+    loop's read of the loss is among the waits listed, and the device-only step's busy and idle time fill its span."""
+    from moe_tune.engine.bench.steps import profile_steps
+    from moe_tune.profiles import load_profile
+
+    overrides = ["model.hidden_size=256", "model.num_attention_heads=4", "model.num_key_value_heads=2",
+                 "model.linear_attention.num_key_heads=2", "model.linear_attention.num_value_heads=4",
+                 "model.linear_attention.key_head_dim=64", "model.linear_attention.value_head_dim=64",
+                 "model.moe.expert_intermediate_size=128", "model.moe.shared_expert_intermediate_size=128",
+                 "model.vocab_size=4096", "data.seq_len=1024", "data.corpus_documents=2000"]  # fmt: skip
+    breakdown = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)["breakdown"]
+    sites = breakdown["host_waits"]
+    assert any(site["frames"][0].startswith("engine/bench/steps.py:") for site in sites), sites
+    timeline = breakdown["device_timeline"]
+    assert timeline["launches"] > 100 and timeline["busy_s"] > 0, timeline
+    # The span from the first device event to the last, and the host's time outside it, make up the step.
+    span_s = timeline["busy_s"] + timeline["idle_s"]
+    assert span_s == pytest.approx(timeline["step_s"] - timeline["outside_s"], abs=1e-5), timeline
+    assert timeline["gaps"] and all(gap["idle_s"] > 0 for gap in timeline["gaps"]), timeline

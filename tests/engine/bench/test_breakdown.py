@@ -228,3 +228,41 @@ def test_shares_report_the_idle_before_each_class_only_when_given():
     assert rows["norms"]["gpu_idle_before_s"] == pytest.approx(250e-6)
     assert rows["MoE experts"]["gpu_idle_before_s"] == 0.0
     assert all("gpu_idle_before_s" not in row for row in shares(attributed, 0.001, True)["classes"])
+
+
+def test_the_device_timeline_sums_busy_and_idle_time_and_names_the_work_after_the_gaps():
+    from rich.console import Console
+
+    from moe_tune.cli.profile_steps import device_gaps_table, device_timeline_line
+    from moe_tune.engine.bench.breakdown import TOP_OPS, device_timeline
+
+    events = [
+        (100.0, 110.0, "embed"),
+        (130.0, 150.0, "gdn_fwd"),  # 20 us idle before it
+        (140.0, 160.0, "copy"),  # another stream, overlapping: busy until 160, no gap
+        (155.0, 158.0, "memset"),  # inside the busy span
+        (160.0, 170.0, "mm"),  # starts as the last ends: no gap
+        (175.0, 180.0, "gdn_fwd"),  # 5 us before gdn_fwd again
+        (230.0, 240.0, "optimizer"),  # 50 us
+    ]
+    timeline = device_timeline(events[::-1], step_s=200e-6)  # any order
+    assert timeline["busy_s"] * 1e6 == pytest.approx(10 + 40 + 5 + 10)
+    assert timeline["idle_s"] * 1e6 == pytest.approx(20 + 5 + 50)
+    # Busy and idle fill the span from the first event's start to the last one's end.
+    assert (timeline["busy_s"] + timeline["idle_s"]) * 1e6 == pytest.approx(240 - 100)
+    assert timeline["outside_s"] * 1e6 == pytest.approx(200 - 140)
+    assert timeline["launches"] == len(events) and timeline["step_s"] == 200e-6
+    assert [(g["kernel"], g["gaps"]) for g in timeline["gaps"]] == [("optimizer", 1), ("gdn_fwd", 2)]
+    assert [g["idle_s"] * 1e6 for g in timeline["gaps"]] == pytest.approx([50.0, 25.0])
+    assert timeline["gaps"][1]["longest_s"] * 1e6 == pytest.approx(20.0)
+    # At most TOP_OPS names; a step with no device work has none.
+    many = [(10.0 * i, 10.0 * i + 1.0, f"k{i}") for i in range(TOP_OPS + 5)]
+    assert len(device_timeline(many, 1.0)["gaps"]) == TOP_OPS
+    empty = device_timeline([], 0.5)
+    assert (empty["busy_s"], empty["idle_s"], empty["outside_s"], empty["gaps"]) == (0.0, 0.0, 0.5, [])
+    console = Console(record=True, width=200)
+    console.print(device_timeline_line(timeline))
+    console.print(device_gaps_table(timeline))
+    text = console.export_text()
+    assert "0.2 ms, the device busy 0.1 ms (7 kernels, copies and memsets), idle 0.1 ms" in text
+    assert "optimizer" in text and "0.05" in text
