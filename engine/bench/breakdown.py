@@ -256,18 +256,27 @@ def _event_time_us(event, is_cuda: bool) -> float:
     return float(event.self_cpu_time_total)
 
 
+def _device_events(prof) -> list:
+    """The raw Kineto events of a finished torch.profiler run that ran on a device (kernels, copies, memsets)."""
+    from torch.autograd import DeviceType
+
+    return [event for event in prof.profiler.kineto_results.events() if event.device_type() != DeviceType.CPU]
+
+
+def _start_end_us(event) -> tuple[float, float]:
+    return event.start_ns() / 1e3, (event.start_ns() + event.duration_ns()) / 1e3
+
+
 def device_spans(prof) -> list[tuple[float, float, int]]:
     """(start us, end us, linked correlation id) of every device event (kernels, copies, memsets) of a finished
     torch.profiler run, from its raw Kineto events: the FunctionEvents of torch 2.11 do not keep the link."""
-    from torch.autograd import DeviceType
-
-    return [(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.linked_correlation_id())
-            for e in prof.profiler.kineto_results.events() if e.device_type() != DeviceType.CPU]  # fmt: skip
+    return [(*_start_end_us(event), event.linked_correlation_id()) for event in _device_events(prof)]
 
 
-def _idle_gaps(spans: list[tuple[float, float, int]]) -> Iterator[tuple[float, int]]:
-    """(microseconds, linked correlation id) of every gap in the device's timeline: in start order, wherever a device
-    event starts after all earlier ones have ended, the gap before it and the id of the op that launched it."""
+def _idle_gaps(spans: list[tuple[float, float, Any]]) -> Iterator[tuple[float, Any]]:
+    """(microseconds, the event's third field) of every gap in the device's timeline of (start, end, id or name)
+    events: in start order, wherever an event starts after all earlier ones have ended, the gap before it and what
+    names the event (the linked correlation id of the op that launched it, or its name)."""
     busy_until: float | None = None
     for start, end, linked in sorted(spans):
         if busy_until is not None and start > busy_until:
@@ -313,35 +322,21 @@ def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> di
     events), `idle_s` (the gaps between the first event's start and the last one's end), `outside_s` (the step's time
     before the first and after the last: the host's work before its first launch, the wait at the end), `launches`,
     and `gaps [{kernel, gaps, idle_s, longest_s}]`: the device work the GPU waited for longest, by name (the TOP_OPS
-    heaviest), each gap counted to the event that ends it."""
-    busy_us = idle_us = 0.0
-    first = last = None
+    heaviest), each gap counted to the event that ends it (`_idle_gaps`)."""
     waits: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
-    busy_from = busy_until = None
-    for start, end, name in sorted(events):
-        first = start if first is None else first
-        last = end if last is None else max(last, end)
-        if busy_until is None or start > busy_until:
-            if busy_until is not None:
-                gap = start - busy_until
-                idle_us += gap
-                entry = waits[name]
-                entry[0] += gap
-                entry[1] += 1
-                entry[2] = max(entry[2], gap)
-                busy_us += busy_until - busy_from
-            busy_from, busy_until = start, end
-        else:
-            busy_until = max(busy_until, end)
-    if busy_until is not None:
-        busy_us += busy_until - busy_from
-    span_s = (last - first) / US_PER_S if events else 0.0
+    for gap_us, name in _idle_gaps(events):
+        entry = waits[name]
+        entry[0] += gap_us
+        entry[1] += 1
+        entry[2] = max(entry[2], gap_us)
+    span_us = max(end for _, end, _ in events) - min(start for start, _, _ in events) if events else 0.0
+    idle_us = sum(total for total, _, _ in waits.values())
     heaviest = sorted(waits.items(), key=lambda item: -item[1][0])[:TOP_OPS]
     return dict(
         step_s=step_s,
-        busy_s=busy_us / US_PER_S,
+        busy_s=(span_us - idle_us) / US_PER_S,
         idle_s=idle_us / US_PER_S,
-        outside_s=max(step_s - span_s, 0.0),
+        outside_s=max(step_s - span_us / US_PER_S, 0.0),
         launches=len(events),
         gaps=[dict(kernel=name, gaps=int(gaps), idle_s=total / US_PER_S, longest_s=longest / US_PER_S)
               for name, (total, gaps, longest) in heaviest],  # fmt: skip
@@ -352,13 +347,11 @@ def timeline_step(runner) -> dict[str, Any]:
     """One more training step of `runner` (a steps.StepRunner, on CUDA) under torch.profiler recording device
     activity only: no op is recorded on the host, so the host runs at nearly its unprofiled pace (CUPTI still traces
     each launch) and the device's gaps are nearly the real ones; `device_timeline` of it."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         record = runner.step()
-    events = [(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name())
-              for e in prof.profiler.kineto_results.events() if e.device_type() != DeviceType.CPU]  # fmt: skip
+    events = [(*_start_end_us(event), event.name()) for event in _device_events(prof)]
     return device_timeline(events, record["step_time_s"])
 
 

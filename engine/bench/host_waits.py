@@ -5,10 +5,9 @@ into pageable memory) makes the host wait until the GPU has run everything queue
 while the host issues what follows. The breakdown's `gpu_waits` says where the GPU waited; this says why the host
 fell behind. One more step runs under `torch.cuda.set_sync_debug_mode("warn")`: torch then warns at the
 synchronizing CUDA operations it checks (its copies to the host, stream waits; not torch.distributed's: torch
-documents the mode as covering not all of them). Each warning is recorded with
-the Python frames that led to it, outside torch and the warnings machinery, innermost first; the same frames are
-one site, counted. Inside backward the frames are what Python sees there: a Python autograd Function's own, or
-else where backward was called.
+documents the mode as covering not all of them). Each warning is recorded with the Python frames that led to it,
+outside torch and the warnings machinery, innermost first; the same frames are one site, counted. Inside backward
+the frames are what Python sees there: a Python autograd Function's own, or else where backward was called.
 
 Nothing here runs a step: `recorded_host_waits()` wraps whatever the caller runs; `host_wait_sites` summarises.
 """
@@ -101,4 +100,3 @@ def host_wait_sites(waits: list[tuple[str, ...]]) -> list[dict]:
 def site_text(frames: list[str]) -> str:
     """One line for a site: its frames innermost first, joined by ' < ' (called from)."""
     return " < ".join(frames) if frames else "(no Python frame outside torch)"
-

@@ -275,10 +275,11 @@ def profile_steps(
 ) -> dict[str, Any]:
     """Run `warmup` + `steps` training steps of `profile`, one more under the profiler and, on CUDA, one more with
     the host's waits for the GPU recorded (engine/bench/host_waits.py) and one with only the device's work profiled
-    (breakdown.timeline_step); medians over the timed steps, MFU, the breakdown (RESULT_KEYS). `against` ('transformers' or 'bf16-base'): then the same steps of that
-    baseline on the same micro-batches, in this process, after ours is freed (result["against"]); 'bf16-base' (an
-    FP8-base profile) adds the per-step loss gap to it (against["loss_gap"]), 'transformers' both models' loss on one
-    document before any step (against["one_document"]: the longest document of the first micro-batch alone).
+    (breakdown.timeline_step); medians over the timed steps, MFU, the breakdown (RESULT_KEYS). `against`
+    ('transformers' or 'bf16-base'): then the same steps of that baseline on the same micro-batches, in this
+    process, after ours is freed (result["against"]); 'bf16-base' (an FP8-base profile) adds the per-step loss gap
+    to it (against["loss_gap"]), 'transformers' both models' loss on one document before any step
+    (against["one_document"]: the longest document of the first micro-batch alone).
 
     on_step(index, is_warmup, record) follows every step (record["impl"] says whose); on_line(text) says what
     runs next."""
