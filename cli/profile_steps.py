@@ -150,6 +150,16 @@ def device_gaps_table(timeline: dict) -> Table:
     return table
 
 
+def device_work_table(timeline: dict) -> Table:
+    """The device work that took longest in that step, by name (breakdown.device_timeline.kernels)."""
+    table = Table()
+    for header in ("device work", "calls", "ms"):
+        table.add_column(header, justify="left" if header == "device work" else "right", no_wrap=header != "device work")
+    for row in timeline["kernels"]:
+        table.add_row(row["kernel"], f"{row['calls']:,}", f"{row['time_s'] * 1e3:,.2f}")
+    return table
+
+
 def host_waits_table(breakdown: dict) -> Table:
     """Where the host waited for the GPU in one more step (breakdown.host_waits): each site's waits and frames."""
     from moe_tune.engine.bench.host_waits import site_text
@@ -327,6 +337,8 @@ def run(
         if breakdown["device_timeline"]["gaps"]:
             console.print("the device work it waited for longest there (idle right before it):", markup=False)
             console.print(device_gaps_table(breakdown["device_timeline"]))
+        console.print("the device work that took longest there (CUDA graphs' kernels too):", markup=False)
+        console.print(device_work_table(breakdown["device_timeline"]))
     other = result["against"]
     if other is not None and other["out_of_memory"] is not None:
         console.print(out_of_memory_line(result), markup=False)

@@ -321,8 +321,14 @@ def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> di
     end us, name: kernels, copies, memsets on every stream) and the step's wall time: `busy_s` (the union of the
     events), `idle_s` (the gaps between the first event's start and the last one's end), `outside_s` (the step's time
     before the first and after the last: the host's work before its first launch, the wait at the end), `launches`,
-    and `gaps [{kernel, gaps, idle_s, longest_s}]`: the device work the GPU waited for longest, by name (the TOP_OPS
-    heaviest), each gap counted to the event that ends it (`_idle_gaps`)."""
+    `gaps [{kernel, gaps, idle_s, longest_s}]`: the device work the GPU waited for longest, by name (the TOP_OPS
+    heaviest), each gap counted to the event that ends it (`_idle_gaps`), and `kernels [{kernel, calls, time_s}]`:
+    the device work that took longest, by name (the TOP_OPS heaviest; inside CUDA graph replays too)."""
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for start, end, name in events:
+        per_name[name][0] += end - start
+        per_name[name][1] += 1
+    heaviest_work = sorted(per_name.items(), key=lambda item: (-item[1][0], item[0]))[:TOP_OPS]
     waits: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     for gap_us, name in _idle_gaps(events):
         entry = waits[name]
@@ -331,7 +337,7 @@ def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> di
         entry[2] = max(entry[2], gap_us)
     span_us = max(end for _, end, _ in events) - min(start for start, _, _ in events) if events else 0.0
     idle_us = sum(total for total, _, _ in waits.values())
-    heaviest = sorted(waits.items(), key=lambda item: -item[1][0])[:TOP_OPS]
+    heaviest = sorted(waits.items(), key=lambda item: (-item[1][0], item[0]))[:TOP_OPS]
     return dict(
         step_s=step_s,
         busy_s=(span_us - idle_us) / US_PER_S,
@@ -340,6 +346,7 @@ def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> di
         launches=len(events),
         gaps=[dict(kernel=name, gaps=int(gaps), idle_s=total / US_PER_S, longest_s=longest / US_PER_S)
               for name, (total, gaps, longest) in heaviest],  # fmt: skip
+        kernels=[dict(kernel=name, calls=int(calls), time_s=us / US_PER_S) for name, (us, calls) in heaviest_work],
     )
 
 

@@ -233,7 +233,7 @@ def test_shares_report_the_idle_before_each_class_only_when_given():
 def test_the_device_timeline_sums_busy_and_idle_time_and_names_the_work_after_the_gaps():
     from rich.console import Console
 
-    from moe_tune.cli.profile_steps import device_gaps_table, device_timeline_line
+    from moe_tune.cli.profile_steps import device_gaps_table, device_timeline_line, device_work_table
     from moe_tune.engine.bench.breakdown import TOP_OPS, device_timeline
 
     events = [
@@ -255,14 +255,22 @@ def test_the_device_timeline_sums_busy_and_idle_time_and_names_the_work_after_th
     assert [(g["kernel"], g["gaps"]) for g in timeline["gaps"]] == [("optimizer", 1), ("gdn_fwd", 2)]
     assert [g["idle_s"] * 1e6 for g in timeline["gaps"]] == pytest.approx([50.0, 25.0])
     assert timeline["gaps"][1]["longest_s"] * 1e6 == pytest.approx(20.0)
+    # Each name's own time, overlaps and all, heaviest first (equal times by name, whatever the events' order).
+    assert [(k["kernel"], k["calls"]) for k in timeline["kernels"]] == [
+        ("gdn_fwd", 2), ("copy", 1), ("embed", 1), ("mm", 1), ("optimizer", 1), ("memset", 1)
+    ]  # fmt: skip
+    assert [k["time_s"] * 1e6 for k in timeline["kernels"]] == pytest.approx([25.0, 20.0, 10.0, 10.0, 10.0, 3.0])
     # At most TOP_OPS names; a step with no device work has none.
     many = [(10.0 * i, 10.0 * i + 1.0, f"k{i}") for i in range(TOP_OPS + 5)]
-    assert len(device_timeline(many, 1.0)["gaps"]) == TOP_OPS
+    assert len(device_timeline(many, 1.0)["gaps"]) == len(device_timeline(many, 1.0)["kernels"]) == TOP_OPS
     empty = device_timeline([], 0.5)
-    assert (empty["busy_s"], empty["idle_s"], empty["outside_s"], empty["gaps"]) == (0.0, 0.0, 0.5, [])
+    assert (empty["busy_s"], empty["idle_s"], empty["outside_s"], empty["gaps"], empty["kernels"]) == (
+        0.0, 0.0, 0.5, [], []
+    )  # fmt: skip
     console = Console(record=True, width=200)
     console.print(device_timeline_line(timeline))
     console.print(device_gaps_table(timeline))
+    console.print(device_work_table(timeline))
     text = console.export_text()
     assert "0.2 ms, the device busy 0.1 ms (7 kernels, copies and memsets), idle 0.1 ms" in text
-    assert "optimizer" in text and "0.05" in text
+    assert "optimizer" in text and "0.05" in text and "0.03" in text  # a gap of 50 us; gdn_fwd's 25 us
