@@ -113,3 +113,6 @@ def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
     span_s = timeline["busy_s"] + timeline["idle_s"]
     assert span_s == pytest.approx(timeline["step_s"] - timeline["outside_s"], abs=1e-5), timeline
     assert timeline["gaps"] and all(gap["idle_s"] > 0 for gap in timeline["gaps"]), timeline
+    # The heaviest device work by name, heaviest first.
+    kernel_s = [row["time_s"] for row in timeline["kernels"]]
+    assert kernel_s == sorted(kernel_s, reverse=True) and kernel_s[-1] > 0, timeline
