@@ -71,7 +71,8 @@ def recorded_host_waits() -> Iterator[list[tuple[str, ...]]]:
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if str(message) == SYNC_WARNING:
+            # torch may append where it warned: "(Triggered internally at ...)".
+            if str(message).startswith(SYNC_WARNING):
                 waits.append(caller_frames(traceback.extract_stack()))
             else:
                 shown(message, category, filename, lineno, file, line)

@@ -30,8 +30,8 @@ def torch_side(call):
     return namespace["torch_call"](call)
 
 
-def syncs():
-    warnings.warn(SYNC_WARNING, UserWarning)
+def syncs(text=SYNC_WARNING):
+    warnings.warn(text, UserWarning)
 
 
 def reads_a_value():
@@ -49,7 +49,7 @@ def test_each_wait_is_recorded_with_its_callers_innermost_first_and_torch_left_o
     with recorded_host_waits() as waits:
         for _ in range(3):
             reads_a_value()  # the same line three times: all three count ("always", not once per line)
-        syncs()
+        syncs(f"{SYNC_WARNING} (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:171.)")  # as torch says it
     assert len(waits) == 4
     first = waits[0]
     assert first[0] == f"{THIS_FILE}:{line_of(syncs, 'warnings.warn')} (syncs)"
