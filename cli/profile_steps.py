@@ -140,21 +140,27 @@ def device_timeline_line(timeline: dict) -> str:
             "first and after the last")  # fmt: skip
 
 
+def _device_work_columns(*numbers: str) -> Table:
+    """A table whose first column names device work (wrapping: kernel names run long), then right-aligned numbers."""
+    table = Table()
+    table.add_column("device work", justify="left")
+    for header in numbers:
+        table.add_column(header, justify="right", no_wrap=True)
+    return table
+
+
 def device_gaps_table(timeline: dict) -> Table:
     """The device work the GPU waited for longest in that step (breakdown.device_timeline.gaps)."""
-    table = Table()
-    for header in ("device work", "gaps", "GPU idle before ms", "longest ms"):
-        table.add_column(header, justify="left" if header == "device work" else "right", no_wrap=header != "device work")
+    table = _device_work_columns("gaps", "GPU idle before ms", "longest ms")
     for row in timeline["gaps"]:
-        table.add_row(row["kernel"], f"{row['gaps']:,}", f"{row['idle_s'] * 1e3:,.2f}", f"{row['longest_s'] * 1e3:,.2f}")
+        table.add_row(row["kernel"], f"{row['gaps']:,}", f"{row['idle_s'] * 1e3:,.2f}",
+                      f"{row['longest_s'] * 1e3:,.2f}")  # fmt: skip
     return table
 
 
 def device_work_table(timeline: dict) -> Table:
     """The device work that took longest in that step, by name (breakdown.device_timeline.kernels)."""
-    table = Table()
-    for header in ("device work", "calls", "ms"):
-        table.add_column(header, justify="left" if header == "device work" else "right", no_wrap=header != "device work")
+    table = _device_work_columns("calls", "ms")
     for row in timeline["kernels"]:
         table.add_row(row["kernel"], f"{row['calls']:,}", f"{row['time_s'] * 1e3:,.2f}")
     return table
