@@ -78,7 +78,9 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
 def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
     """engine/bench/host_waits.py (the profile's `host_waits`): a value read back to the host is one wait, at the line
     that reads it; queued work is none; the debug mode is as before afterwards."""
-    from moe_tune.engine.bench.host_waits import recorded_host_waits
+    import traceback
+
+    from moe_tune.engine.bench.host_waits import frame_text, recorded_host_waits
 
     x = torch.ones(1024, device="cuda")
     before = torch.cuda.get_sync_debug_mode()
@@ -87,7 +89,8 @@ def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
         value = y.sum().item()  # read on the host: the one wait
     assert value == 3 * 1024
     assert len(waits) == 1, waits
-    assert waits[0][0].startswith("tests/gpu/test_host_syncs_gpu.py:") and waits[0][0].endswith(
+    this_file = frame_text(traceback.FrameSummary(__file__, 0, "")).rsplit(":", 1)[0]
+    assert waits[0][0].startswith(f"{this_file}:") and waits[0][0].endswith(
         "(test_the_profile_records_a_read_of_a_device_value_where_it_is_read)"
     ), waits
     assert torch.cuda.get_sync_debug_mode() == before

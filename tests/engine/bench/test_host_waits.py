@@ -19,7 +19,8 @@ from moe_tune.engine.bench.host_waits import (
     site_text,
 )
 
-THIS_FILE = "tests/engine/bench/test_host_waits.py"
+# How this file shows in a frame: from the package root in a checkout, its full path when the package is installed.
+THIS_FILE = host_waits.frame_text(host_waits.traceback.FrameSummary(__file__, 0, "")).rsplit(":", 1)[0]
 
 
 def torch_side(call):
