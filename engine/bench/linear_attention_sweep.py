@@ -2,9 +2,10 @@
 its kernel time beside FLA's, on one CUDA device (docs/perf-history.md, "Chunked linear attention").
 
     python -m moe_tune.engine.bench.linear_attention_sweep OUT.json [--ops gdn,kda] [--rounds N] [--no-breakdown]
+        [--candidate FIELD=VALUE[,FIELD=VALUE...] ...]
 
 Sweep: every candidate of `sweep_candidates` (KernelConfig fields over pick_config's choice; the first candidate is
-pick_config's own) runs the op's forward and backward as the model calls it (the forward's passes kept for
+pick_config's own), or pick_config's and those named by `--candidate`, runs the op's forward and backward as the model calls it (the forward's passes kept for
 backward) at the anchor shape. Each candidate is first checked against the fp32 chunk reference on two documents
 of odd lengths in one row (CHECK_SHAPE: the output and every input gradient, relative RMS error; the reference at
 the anchor shape would need tens of GB for KDA) and then timed (median of triton.testing.do_bench) in
@@ -388,6 +389,21 @@ def _ops(text: str) -> list[str]:
     return ops
 
 
+def _candidate(text: str) -> dict:
+    """An argparse type: one candidate's KernelConfig overrides, FIELD=VALUE entries joined by commas (MOE_TUNE_LAUNCH's
+    entries without their family, ops/common/launch.py)."""
+    from moe_tune.ops.common.launch import LaunchError, parse_launch
+
+    entries = [entry.strip() for entry in text.split(",")]
+    if not all("=" in entry for entry in entries):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be FIELD=VALUE entries joined by commas")
+    try:
+        launch = parse_launch(",".join(f"linear_attention.{entry}" for entry in entries), source="--candidate")
+    except LaunchError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return launch["linear_attention"]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m moe_tune.engine.bench.linear_attention_sweep",
                      description=__doc__.split("\n\n")[0])  # fmt: skip
@@ -395,7 +411,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ops", type=_ops, default=list(OPS), help="comma-separated: gdn, kda")
     parser.add_argument("--rounds", type=positive_int, default=ROUNDS, help="timing turns over all candidates")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel profile")
-    return parser.parse_args(argv)
+    parser.add_argument("--candidate", type=_candidate, action="append", default=[],
+                        help="time pick_config's launch and this one (repeatable) instead of sweep_candidates")  # fmt: skip
+    args = parser.parse_args(argv)
+    named = [sorted(candidate.items()) for candidate in args.candidate]
+    if [] in named or any(named.count(candidate) > 1 for candidate in named):
+        parser.error("argument --candidate: each must differ from pick_config's launch and from the others")
+    return args
 
 
 def check_output_and_device(out: Path) -> None:
@@ -421,7 +443,8 @@ def main(argv: list[str]) -> None:
         def progress(rows: list[dict], done=done) -> None:
             write_json_atomic(args.out, dict(result, sweep=done + rows, complete=False))
 
-        result["sweep"] += sweep_op(op, rounds=args.rounds, progress=progress)
+        candidates = [{}, *args.candidate] if args.candidate else None
+        result["sweep"] += sweep_op(op, rounds=args.rounds, candidates=candidates, progress=progress)
         if not args.no_breakdown:
             result["breakdown"] += breakdown_op(op)
         write_json_atomic(args.out, dict(result, complete=False))

@@ -217,3 +217,50 @@ def test_largest_kernel_change_names_the_kernel_and_its_signed_change():
     # A kernel in one profile only counts from or to zero (a split kernel appears, one disappears).
     assert sweep.largest_kernel_change(before, {"a": 1.0, "b": 0.5, "new": 0.3}) == "new +0.300 ms"
     assert sweep.largest_kernel_change(before, {"a": 1.0, "b": 0.5}) == "gone -0.200 ms"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("nonsense", "'nonsense': must be FIELD=VALUE entries joined by commas"),
+    ("num_stages=2,,block_v_state=64", "'num_stages=2,,block_v_state=64': must be FIELD=VALUE entries joined by commas"),
+    ("num_stages=x", "num_stages must be an integer"),
+    ("foo=1", "linear_attention has no field 'foo'"),
+    ("num_stages=2,num_stages=3", "linear_attention.num_stages is named twice"),
+    ("block_k_kda_grad_products=32,num_warps_kda_grad_products=16", "key tiles launch at most 8 warps"),
+], ids=["no equals", "empty entry", "bad value", "no such field", "twice", "refused combination"])  # fmt: skip
+def test_a_bad_candidate_is_one_line_exit_2(text, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse_args(["o.json", "--candidate", text])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "argument --candidate" in err and message in err, err
+
+
+@pytest.mark.parametrize("candidates", [["num_stages=2", " num_stages = 2 "], ["num_stages=2", "block_v_state=64",
+                                        "block_v_state=64,num_stages=2", "num_stages=2,block_v_state=64"]],
+                         ids=["same twice", "same fields in another order"])  # fmt: skip
+def test_candidates_named_twice_are_refused(candidates, capsys):
+    argv = ["o.json"] + [arg for text in candidates for arg in ("--candidate", text)]
+    with pytest.raises(SystemExit) as exc:
+        sweep.parse_args(argv)
+    assert exc.value.code == 2 and "each must differ from pick_config's launch and from the others" in capsys.readouterr().err
+
+
+def test_named_candidates_are_timed_after_pick_configs_for_each_op(monkeypatch, tmp_path):
+    args = sweep.parse_args(["o.json", "--candidate", "grad_dq_norm_in_output=true,num_stages=2",
+                             "--candidate", "block_v_state=64"])  # fmt: skip
+    assert args.candidate == [{"grad_dq_norm_in_output": True, "num_stages": 2}, {"block_v_state": 64}]
+    seen = []
+
+    def fake_sweep_op(op, rounds, candidates, progress):
+        seen.append((op, candidates))
+        return [{"op": op, "config": candidate} for candidate in (candidates or sweep.sweep_candidates(op))]
+
+    monkeypatch.setattr(sweep, "check_output_and_device", lambda out: None)
+    monkeypatch.setattr(sweep, "sweep_op", fake_sweep_op)
+    monkeypatch.setattr(sweep, "format_sweep", lambda rows: "")
+    monkeypatch.setattr(sweep, "machine_info", lambda is_cuda: {})
+    out = tmp_path / "o.json"
+    sweep.main([str(out), "--no-breakdown", "--candidate", "num_warps_grad_output=16"])
+    assert seen == [(op, [{}, {"num_warps_grad_output": 16}]) for op in sweep.OPS]
+    seen.clear()
+    sweep.main([str(out), "--no-breakdown", "--ops", "kda"])
+    assert seen == [("kda", None)]  # every candidate of sweep_candidates
