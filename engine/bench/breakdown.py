@@ -305,15 +305,22 @@ def gpu_waits(spans: list[tuple[float, float, int]], attributed: list[tuple[Any,
     `gpu_idle_before` counts them, per op name and class: idle seconds in all, gaps, the longest gap; the TOP_OPS
     heaviest. A gap before work no attributed op launched is `(no op)`, class `other`."""
     op_of = {event.id: (event.name, label) for event, label in attributed if event.kernels}
-    waits: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
-    for gap_us, linked in _idle_gaps(spans):
-        entry = waits[op_of.get(linked, ("(no op)", "other"))]
+    by_op = _gaps_by(_idle_gaps(spans), lambda linked: op_of.get(linked, ("(no op)", "other")))
+    return [dict(op=name, op_class=label, idle_s=total / US_PER_S, gaps=gaps, longest_s=longest / US_PER_S)
+            for (name, label), total, gaps, longest in by_op[:TOP_OPS]]  # fmt: skip
+
+
+def _gaps_by(gaps: Iterator[tuple[float, Any]], key: Callable[[Any], Any]) -> list[tuple[Any, float, int, float]]:
+    """(key, idle us in all, gaps, longest gap us) per key of `_idle_gaps`' gaps (key(what names the event ending
+    each)), the most idle first, equal ones by key."""
+    totals: dict[Any, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for gap_us, ends in gaps:
+        entry = totals[key(ends)]
         entry[0] += gap_us
         entry[1] += 1
         entry[2] = max(entry[2], gap_us)
-    heaviest = sorted(waits.items(), key=lambda item: -item[1][0])[:TOP_OPS]
-    return [dict(op=name, op_class=label, idle_s=total / US_PER_S, gaps=int(gaps), longest_s=longest / US_PER_S)
-            for (name, label), (total, gaps, longest) in heaviest]  # fmt: skip
+    ranked = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))
+    return [(name, total, int(count), longest) for name, (total, count, longest) in ranked]
 
 
 def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> dict[str, Any]:
@@ -329,23 +336,17 @@ def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> di
         per_name[name][0] += end - start
         per_name[name][1] += 1
     heaviest_work = sorted(per_name.items(), key=lambda item: (-item[1][0], item[0]))[:TOP_OPS]
-    waits: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
-    for gap_us, name in _idle_gaps(events):
-        entry = waits[name]
-        entry[0] += gap_us
-        entry[1] += 1
-        entry[2] = max(entry[2], gap_us)
+    by_name = _gaps_by(_idle_gaps(events), lambda name: name)
     span_us = max(end for _, end, _ in events) - min(start for start, _, _ in events) if events else 0.0
-    idle_us = sum(total for total, _, _ in waits.values())
-    heaviest = sorted(waits.items(), key=lambda item: (-item[1][0], item[0]))[:TOP_OPS]
+    idle_us = sum(total for _, total, _, _ in by_name)
     return dict(
         step_s=step_s,
         busy_s=(span_us - idle_us) / US_PER_S,
         idle_s=idle_us / US_PER_S,
         outside_s=max(step_s - span_us / US_PER_S, 0.0),
         launches=len(events),
-        gaps=[dict(kernel=name, gaps=int(gaps), idle_s=total / US_PER_S, longest_s=longest / US_PER_S)
-              for name, (total, gaps, longest) in heaviest],  # fmt: skip
+        gaps=[dict(kernel=name, gaps=gaps, idle_s=total / US_PER_S, longest_s=longest / US_PER_S)
+              for name, total, gaps, longest in by_name[:TOP_OPS]],  # fmt: skip
         kernels=[dict(kernel=name, calls=int(calls), time_s=us / US_PER_S) for name, (us, calls) in heaviest_work],
     )
 

@@ -5,10 +5,10 @@ its kernel time beside FLA's, on one CUDA device (docs/perf-history.md, "Chunked
         [--candidate FIELD=VALUE[,FIELD=VALUE...] ...]
 
 Sweep: every candidate of `sweep_candidates` (KernelConfig fields over pick_config's choice; the first candidate is
-pick_config's own), or pick_config's and those named by `--candidate`, runs the op's forward and backward as the model calls it (the forward's passes kept for
-backward) at the anchor shape. Each candidate is first checked against the fp32 chunk reference on two documents
-of odd lengths in one row (CHECK_SHAPE: the output and every input gradient, relative RMS error; the reference at
-the anchor shape would need tens of GB for KDA) and then timed (median of triton.testing.do_bench) in
+pick_config's own), or pick_config's and those named by `--candidate`, runs the op's forward and backward as the
+model calls it (the forward's passes kept for backward) at the anchor shape. Each candidate is first checked
+against the fp32 chunk reference on two documents of odd lengths in one row (CHECK_SHAPE: the output and every
+input gradient, relative RMS error; the reference at the anchor shape would need tens of GB for KDA) and then timed (median of triton.testing.do_bench) in
 `rounds` turns over all candidates, so a drift of the machine reaches every candidate alike; a candidate's spread
 over the turns says what a difference must exceed to count.
 Breakdown: the kernel time of one forward and backward, per kernel name, of ours and of FLA's chunk op (when FLA is
@@ -412,11 +412,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=positive_int, default=ROUNDS, help="timing turns over all candidates")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel profile")
     parser.add_argument("--candidate", type=_candidate, action="append", default=[],
-                        help="time pick_config's launch and this one (repeatable) instead of sweep_candidates")  # fmt: skip
+                        help="time pick_config's launch and this one (repeatable), not sweep_candidates")
     args = parser.parse_args(argv)
     named = [sorted(candidate.items()) for candidate in args.candidate]
-    if [] in named or any(named.count(candidate) > 1 for candidate in named):
-        parser.error("argument --candidate: each must differ from pick_config's launch and from the others")
+    if any(named.count(candidate) > 1 for candidate in named):
+        parser.error("argument --candidate: each must differ from the others")
     return args
 
 

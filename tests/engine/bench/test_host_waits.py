@@ -7,7 +7,6 @@ warning is raised as torch raises it, from code whose frames must be left out or
 import warnings
 
 import pytest
-import torch
 
 from moe_tune.engine.bench import host_waits
 from moe_tune.engine.bench.host_waits import (
