@@ -19,6 +19,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 
+from moe_tune.engine.model.projections import Parts, has_hooks, plain_linear_weight
+
 from .experts import check_not_fp8
 
 
@@ -97,6 +99,18 @@ class FusedLoraLinear(PeftLinear):
     def unmerge(self) -> None:
         check_not_fp8(self.get_base_layer(), "unmerge")
         super().unmerge()
+
+    def shared_input_parts(self, x: torch.Tensor) -> Parts | None:
+        """This layer's parts for engine/model/projections.project (its weights, its one adapter's and the scale)
+        where the fast path applies over a bias-free nn.Linear base and no hook is on this layer or its base; else
+        None."""
+        if has_hooks(self):
+            return None
+        fast = self._fast_path_weights(x)
+        weight = plain_linear_weight(self.base_layer, x)
+        if fast is None or weight is None:
+            return None
+        return Parts(weight, *fast)
 
     def _fast_path_weights(self, x: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter, float] | None:
         """(A, B, scaling) of the one active adapter when the fast path computes what PEFT's forward would, else

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from moe_tune.engine.model.model import ACTIVATION_MEMORY_ATTR, MoECausalLM
+from moe_tune.engine.model.projections import CLASS_SCOPE_HOOK
 from moe_tune.profiles.schema import MemoryProfile
 
 from .policy import BYTES_PER_GB, MemoryPolicy, operator_class, resolve_policy
@@ -61,9 +62,13 @@ class ActivationMemory:
             module.saves_op_intermediates = False
         if own is not None:
             module.register_forward_pre_hook(self._class_pre_hook(own))
-            module.register_forward_hook(self._class_post_hook, always_call=True, prepend=True)
+            module.register_forward_hook(self._class_post_hook(), always_call=True, prepend=True)
+        # A token mixer's projections of one input run as one autograd node where they can
+        # (engine/model/projections.py), which a recompute region on each would keep from applying; a recomputed
+        # linear layer saves its input all the same, so they are left out of regions (their rank products stay).
+        shared = {getattr(module, name) for name in getattr(module, "shared_input_projections", ())}
         for child in module.children():
-            self._instrument(child, klass, inside_region or is_region)
+            self._instrument(child, klass, inside_region or is_region or child in shared)
 
     def _make_region(self, module: nn.Module) -> None:
         from torch.distributed._composable import checkpoint
@@ -79,12 +84,18 @@ class ActivationMemory:
             if module in self._region_set and self._in_forward and _checkpoint_enabled(module):
                 self._begin_counting()
 
+        # Outside a region it only sets the class: engine/model/projections may run it around a shared node.
+        setattr(hook, CLASS_SCOPE_HOOK, True)
         return hook
 
-    def _class_post_hook(self, module, args, output):
-        if module in self._region_set and self._in_forward and _checkpoint_enabled(module):
-            self._end_counting()
-        self.store.klass = self._class_stack.pop()
+    def _class_post_hook(self):
+        def hook(module, args, output):
+            if module in self._region_set and self._in_forward and _checkpoint_enabled(module):
+                self._end_counting()
+            self.store.klass = self._class_stack.pop()
+
+        setattr(hook, CLASS_SCOPE_HOOK, True)
+        return hook
 
     def _begin_counting(self) -> None:
         """Between a region's checkpoint hooks and its code: count what the checkpoint drops, then hand it on.

@@ -37,6 +37,7 @@ from .mixer_chunks import (
     runs_whole_recomputed, selection_is_watched, whole_recomputed,
 )
 from .mla import MultiHeadLatentAttention, SparseMultiHeadLatentAttention, yarn_inv_freq
+from .projections import SharedInputProjections, project
 from .selection import PinnableSelection
 from .varlen import packed_causal_attention
 
@@ -52,6 +53,8 @@ class GatedAttention(nn.Module):
     # memory.sequence_chunk_tokens (MoECausalLM.set_sequence_chunk_tokens): a longer row runs its queries chunk by
     # chunk over the keys each chunk sees (engine/model/mixer_chunks.py). None: whole rows.
     sequence_chunk_tokens: int | None = None
+    # The projections of the layer's input, run as one node where engine/model/projections allows it.
+    shared_input_projections = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: ModelProfile, sliding_window: int | None = None):
         super().__init__()
@@ -78,12 +81,13 @@ class GatedAttention(nn.Module):
     def project(self, x: torch.Tensor, batch: PackedBatch):
         """x [1, T, D] -> q [1, T, H, hd], k and v [1, T, G, hd], gate [1, T, H, hd] (None when ungated)."""
         t = x.shape[1]
+        q, k, v = project(x, [getattr(self, name) for name in self.shared_input_projections])
         if self.gated:
-            q, gate = self.q_proj(x).view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.view(1, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         else:
-            q, gate = self.q_proj(x).view(1, t, self.num_heads, self.head_dim), None
-        k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+            q, gate = q.view(1, t, self.num_heads, self.head_dim), None
+        k = k.view(1, t, self.num_kv_heads, self.head_dim)
+        v = v.view(1, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(batch.rotary_positions)
@@ -414,6 +418,9 @@ class GatedDeltaNet(nn.Module):
     # memory.sequence_chunk_tokens (MoECausalLM.set_sequence_chunk_tokens): a longer row runs slab by slab
     # (engine/model/mixer_chunks.py). None: whole rows.
     sequence_chunk_tokens: int | None = None
+    # The projections of the layer's input, in the order the layer takes them (one node sums x's gradient in it
+    # where engine/model/projections allows; otherwise the modules run in it).
+    shared_input_projections = ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "z_proj")
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
@@ -447,60 +454,64 @@ class GatedDeltaNet(nn.Module):
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """forward() on the row (or a context-parallel rank's share) in one piece."""
+        out = self._projections(x)
         # Under context parallelism the conv and the state continue from the previous rank's tokens (linear_context).
-        q, k, v = self.conv(
-            (self.q_proj(x), self.k_proj(x), self.v_proj(x)), batch.positions, batch.context, (self.dk, self.dv)
-        )
-        g, beta = self._gates(x)
+        q, k, v = self.conv(out.of(self.q_proj, self.k_proj, self.v_proj), batch.positions, batch.context,
+                            (self.dk, self.dv))  # fmt: skip
+        g, beta = self._gates(*out.of(self.b_proj, self.a_proj))
         op = kda if self.per_channel else gated_delta_rule
         o = delta_rule(
             op, q, k, v, g, beta, batch, use_qk_l2norm_in_kernel=True, save_intermediates=self.saves_op_intermediates
         )
-        return self._output(x, o)
+        return self._output(o, *out.of(self.z_proj))
 
     def _slab(self, x_ext, positions_ext, num_halo: int, entering, slab: Slab):
         """One slab of a row in sequence chunks (mixer_chunks.linear_attention_in_slabs): -> (out [1, C, D], the
         state after its last token [Hv, K, V] fp32)."""
-        qkv = torch.cat([self.q_proj(x_ext), self.k_proj(x_ext), self.v_proj(x_ext)], -1)
+        qkv = torch.cat(project(x_ext, (self.q_proj, self.k_proj, self.v_proj)), -1)
         q, k, v = self._heads(self.conv(qkv, positions_ext)[:, num_halo:])
-        x = x_ext[:, num_halo:]
-        g, beta = self._gates(x)
+        out = SharedInputProjections(x_ext[:, num_halo:], (self.b_proj, self.a_proj, self.z_proj))
+        g, beta = self._gates(*out.of(self.b_proj, self.a_proj))
         op = kda if self.per_channel else gated_delta_rule
         o, final_states = op(
             q, k, v, g, beta, initial_state=initial_states(entering, slab), output_final_state=True,
             cu_seqlens=slab.batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
             save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
-        return self._output(x, o), final_states[-1]
+        return self._output(o, *out.of(self.z_proj)), final_states[-1]
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [1, T, D] continuing one sequence -> [1, T, D]; state: the conv's last inputs and the recurrent state."""
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        out = self._projections(x)
+        qkv = torch.cat(out.of(self.q_proj, self.k_proj, self.v_proj), -1)
         q, k, v = self._heads(self.conv.forward_cached(qkv, step))
-        g, beta = self._gates(x)
-        return self._output(x, delta_rule_cached(step.state(self), q, k, v, g, beta))
+        g, beta = self._gates(*out.of(self.b_proj, self.a_proj))
+        return self._output(delta_rule_cached(step.state(self), q, k, v, g, beta), *out.of(self.z_proj))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [1, T, 2 Hk K + Hv V] -> q, k [1, T, Hv, K] (key heads repeated per group) and
         v [1, T, Hv, V]."""
         return split_heads(qkv, self.hk * self.dk, self.dk, self.dv)
 
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log decay g [1, T, Hv] (per channel: [1, T, Hv, K]) and beta [1, T, Hv], fp32."""
-        t = x.shape[1]
-        if self.per_channel:
-            beta = torch.sigmoid(self.b_proj(x).float())
-            a = self.a_proj(x).float() + self.dt_bias.float()
-            return -self.A_log.float().exp()[:, None] * F.softplus(a.view(1, t, self.hv, self.dk)), beta
-        # Both gates in one kernel each way (eight to ten eager ops otherwise). b_proj runs first: the order of the
-        # projections sets the order in which x's gradient adds up their parts.
-        b = self.b_proj(x)
-        return gdn_gates(self.a_proj(x), b, self.A_log, self.dt_bias)
+    def _projections(self, x: torch.Tensor) -> SharedInputProjections:
+        """x [1, T, D]'s six projections: q, k [1, T, Hk K], v, z [1, T, Hv V], b [1, T, Hv], a [1, T, Hv] (per
+        channel: [1, T, Hv K])."""
+        return SharedInputProjections(x, [getattr(self, name) for name in self.shared_input_projections])
 
-    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        z = self.z_proj(x).view(1, t, self.hv, self.dv)
-        return self.o_proj(self.norm(o, z).reshape(1, t, self.hv * self.dv))
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """b_proj's and a_proj's outputs -> the log decay g [1, T, Hv] (per channel: [1, T, Hv, K]) and beta
+        [1, T, Hv], fp32."""
+        if self.per_channel:
+            beta = torch.sigmoid(b.float())
+            a = a.float() + self.dt_bias.float()
+            return -self.A_log.float().exp()[:, None] * F.softplus(a.view(*a.shape[:2], self.hv, self.dk)), beta
+        # Both gates in one kernel each way (eight to ten eager ops otherwise).
+        return gdn_gates(a, b, self.A_log, self.dt_bias)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The op's output o [1, T, Hv, V] and z_proj's [1, T, Hv V] -> [1, T, D]."""
+        t = z.shape[1]
+        return self.o_proj(self.norm(o, z.view(1, t, self.hv, self.dv)).reshape(1, t, self.hv * self.dv))
 
 
 class YarnRotary(RotaryEmbedding):

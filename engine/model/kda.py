@@ -23,6 +23,7 @@ from moe_tune.profiles.schema import ModelProfile
 from .blocks import GatedRMSNorm, ShortConv, delta_rule_cached
 from .linear_context import delta_rule
 from .mixer_chunks import initial_states, linear_attention_forward
+from .projections import SharedInputProjections, project
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -43,6 +44,8 @@ class KimiDeltaAttention(nn.Module):
     saves_op_intermediates = True
     # As GatedDeltaNet's: a row longer than this runs slab by slab (engine/model/mixer_chunks.py). None: whole rows.
     sequence_chunk_tokens: int | None = None
+    # As GatedDeltaNet's: the projections of the layer's input, in the order the layer takes them.
+    shared_input_projections = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
 
     def __init__(self, cfg: ModelProfile):
         super().__init__()
@@ -81,48 +84,57 @@ class KimiDeltaAttention(nn.Module):
 
     def forward_whole(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """forward() on the row (or a context-parallel rank's share) in one piece."""
-        projections = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q, k, v = self.conv(projections, batch.positions, batch.context, (self.head_dim, self.head_dim))
-        a, beta = self._gates(x)
+        out = self._projections(x)
+        q, k, v = self.conv(out.of(self.q_proj, self.k_proj, self.v_proj), batch.positions, batch.context,
+                            (self.head_dim, self.head_dim))  # fmt: skip
+        a, beta = self._gates(*out.of(self.f_a_proj, self.b_proj))
         # The log decay -exp(A_log) softplus(a + dt_bias) [1, T, H, K] is computed inside the op (its kernels'
         # WY pass; the reference applies it first).
         o = delta_rule(
             kda, q, k, v, a, beta, batch, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
             dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
-        return self._output(x, o)
+        return self._output(o, *out.of(self.g_a_proj))
 
     def _slab(self, x_ext, positions_ext, num_halo: int, entering, slab: Slab):
         """One slab of a row in sequence chunks (mixer_chunks.linear_attention_in_slabs): -> (out [1, C, D], the
         state after its last token [H, K, K] fp32)."""
-        q, k, v = self._heads(self.conv(self._qkv(x_ext), positions_ext)[:, num_halo:])
-        x = x_ext[:, num_halo:]
-        a, beta = self._gates(x)
+        qkv = torch.cat(project(x_ext, (self.q_proj, self.k_proj, self.v_proj)), -1)
+        q, k, v = self._heads(self.conv(qkv, positions_ext)[:, num_halo:])
+        out = SharedInputProjections(x_ext[:, num_halo:], (self.f_a_proj, self.b_proj, self.g_a_proj))
+        a, beta = self._gates(*out.of(self.f_a_proj, self.b_proj))
         o, final_states = kda(
             q, k, v, a, beta, initial_state=initial_states(entering, slab), output_final_state=True,
             cu_seqlens=slab.batch.cu_seqlens, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             A_log=self.A_log, dt_bias=self.dt_bias, save_intermediates=self.saves_op_intermediates,
         )  # fmt: skip
-        return self._output(x, o), final_states[-1]
+        return self._output(o, *out.of(self.g_a_proj)), final_states[-1]
 
     def forward_cached(self, x: torch.Tensor, step: DecodeStep) -> torch.Tensor:
         """x [1, T, D] continuing one sequence -> [1, T, D]; state: the conv's last inputs and the recurrent state."""
-        q, k, v = self._heads(self.conv.forward_cached(self._qkv(x), step))
-        a, beta = self._gates(x)
-        return self._output(x, delta_rule_cached(step.state(self), q, k, v, a, beta, self.A_log, self.dt_bias))
+        out = self._projections(x)
+        qkv = torch.cat(out.of(self.q_proj, self.k_proj, self.v_proj), -1)
+        q, k, v = self._heads(self.conv.forward_cached(qkv, step))
+        a, beta = self._gates(*out.of(self.f_a_proj, self.b_proj))
+        o = delta_rule_cached(step.state(self), q, k, v, a, beta, self.A_log, self.dt_bias)
+        return self._output(o, *out.of(self.g_a_proj))
 
-    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+    def _projections(self, x: torch.Tensor) -> SharedInputProjections:
+        """x [1, T, D]'s six projections: q, k, v [1, T, H K], the decay's first low-rank factor [1, T, K], b [1, T, H]
+        and the output gate's first factor [1, T, K]."""
+        return SharedInputProjections(x, [getattr(self, name) for name in self.shared_input_projections])
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [1, T, 3 H K] -> q, k, v [1, T, H, K]."""
         return split_heads(qkv, self.num_heads * self.head_dim, self.head_dim, self.head_dim)
 
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The raw decay gate a [1, T, H, K] (x's dtype) and beta [1, T, H] fp32."""
-        a = self.f_b_proj(self.f_a_proj(x)).view(1, x.shape[1], self.num_heads, self.head_dim)
-        return a, torch.sigmoid(self.b_proj(x).float())
+    def _gates(self, f_a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """f_a_proj's and b_proj's outputs -> the raw decay gate a [1, T, H, K] (x's dtype) and beta [1, T, H] fp32."""
+        a = self.f_b_proj(f_a).view(*f_a.shape[:2], self.num_heads, self.head_dim)
+        return a, torch.sigmoid(b.float())
 
-    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        gate = self.g_b_proj(self.g_a_proj(x)).view(1, x.shape[1], self.num_heads, self.head_dim)
-        return self.o_proj(self.o_norm(o, gate).reshape(1, x.shape[1], -1))
+    def _output(self, o: torch.Tensor, g_a: torch.Tensor) -> torch.Tensor:
+        """The op's output o [1, T, H, K] and g_a_proj's [1, T, K] -> [1, T, D]."""
+        t = g_a.shape[1]
+        gate = self.g_b_proj(g_a).view(1, t, self.num_heads, self.head_dim)
+        return self.o_proj(self.o_norm(o, gate).reshape(1, t, -1))

@@ -1,0 +1,359 @@
+"""Projections of one input as one autograd node (engine/model/projections.py): outputs and every gradient against the
+modules' own calls, with and without LoRA adapters, unused outputs, trainable bases, odd widths; every condition under
+which the modules run instead; the memory manager's class hooks around the node; the token mixers taking it."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from moe_tune.engine.lora.fused import FusedLoraLinear, use_fused_lora
+from moe_tune.engine.model import projections
+from moe_tune.engine.model.projections import (
+    CLASS_SCOPE_HOOK,
+    SharedInputProjections,
+    project,
+    shared_input_linears,
+)
+
+NODE = "SharedInputLinearsFunctionBackward"
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+IN_FEATURES = 12
+# Widths of the projections: wide, narrow as a gate (1 and 3 columns), and one as wide as the input.
+WIDTHS = (20, 3, 12, 1)
+NAMES = tuple(f"p{i}" for i in range(len(WIDTHS)))
+
+
+class Group(nn.Module):
+    def __init__(self, widths=WIDTHS, bias=False):
+        super().__init__()
+        for name, width in zip(NAMES, widths):
+            setattr(self, name, nn.Linear(IN_FEATURES, width, bias=bias))
+
+    def members(self):
+        return [getattr(self, name) for name in NAMES]
+
+
+def make_group(lora_on=(), dtype=torch.float64, train_base=False, seed=0, **lora_options):
+    """A Group whose `lora_on` projections carry a fused LoRA adapter (B non-zero so every path carries signal)."""
+    torch.manual_seed(seed)
+    group = Group().to(dtype)
+    if lora_on:
+        config = LoraConfig(r=4, lora_alpha=6, target_modules=list(lora_on), **lora_options)
+        group = get_peft_model(group, config).base_model.model
+        assert use_fused_lora(group) == len(lora_on)
+        with torch.no_grad():
+            for name, p in group.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+    for name, p in group.named_parameters():
+        if "lora_" not in name:
+            p.requires_grad_(train_base or not lora_on)
+    return group
+
+
+def trainable(group):
+    return {name: p for name, p in group.named_parameters() if p.requires_grad}
+
+
+def loss_and_grads(group, x, outputs_fn, used):
+    """outputs_fn(group, x) -> outputs; the loss weighs each used output with fixed random weights."""
+    x = x.detach().requires_grad_()
+    outs = outputs_fn(group, x)
+    gen = torch.Generator().manual_seed(7)
+    loss = sum((outs[i] * torch.randn(outs[i].shape, generator=gen, dtype=outs[i].dtype)).sum() for i in used)
+    params = trainable(group)
+    grads = torch.autograd.grad(loss, [x, *params.values()], allow_unused=True)
+    return outs, dict(zip(["x", *params], grads))
+
+
+def by_modules(group, x):
+    return tuple(m(x) for m in group.members())
+
+
+def by_node(group, x):
+    outs = shared_input_linears(x, group.members())
+    assert outs is not None and all(type(o.grad_fn).__name__ == NODE for o in outs)
+    return outs
+
+
+def assert_same(result, expected, dtype):
+    (outs, grads), (expected_outs, expected_grads) = result, expected
+    for out, expected_out in zip(outs, expected_outs):
+        assert out.shape == expected_out.shape and out.dtype == expected_out.dtype
+        torch.testing.assert_close(out, expected_out, **TOLERANCES[dtype])
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        expected_grad = expected_grads[name]
+        if expected_grad is None:
+            # No path from the loss: the node must not invent one (a zero gradient would still move AdamW's state).
+            assert grad is None, name
+        else:
+            torch.testing.assert_close(grad, expected_grad, **TOLERANCES[dtype], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def make_x(lead, layout, dtype):
+    torch.manual_seed(3)
+    if layout == "strided":
+        return torch.randn(*lead, 2 * IN_FEATURES, dtype=dtype)[..., ::2]
+    return torch.randn(*lead, IN_FEATURES, dtype=dtype)
+
+
+LORA_SETS = [
+    pytest.param((), id="no-lora"),
+    pytest.param(("p0",), id="lora-first"),
+    pytest.param(("p1", "p3"), id="lora-on-gates"),  # adapters on the narrow outputs only
+    pytest.param(NAMES, id="lora-all"),
+]
+USED = [
+    pytest.param((0, 1, 2, 3), id="all-used"),
+    pytest.param((1, 2), id="first-and-last-unused"),  # no gradient reaches p0 (an adapter) nor p3
+    pytest.param((3,), id="only-last"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("used", USED)
+@pytest.mark.parametrize("lora_on", LORA_SETS)
+@pytest.mark.parametrize("lead, layout", [((2, 5), "contiguous"), ((7,), "contiguous"), ((1, 3), "strided")])
+def test_node_matches_the_modules(lead, layout, lora_on, used, dtype):
+    group = make_group(lora_on, dtype)
+    x = make_x(lead, layout, dtype)
+    assert_same(loss_and_grads(group, x, by_node, used), loss_and_grads(group, x, by_modules, used), dtype)
+
+
+@pytest.mark.parametrize("lora_on", [(), ("p0", "p2")], ids=["full", "lora"])
+def test_trainable_bases_get_their_gradients(lora_on):
+    # Full fine-tuning (and LoRA over a trainable base): every weight's gradient, not only x's and the adapters'.
+    group = make_group(lora_on, train_base=True)
+    assert all(p.requires_grad for p in group.parameters())
+    x = make_x((4, 3), "contiguous", torch.float64)
+    result = loss_and_grads(group, x, by_node, (0, 2, 3))
+    assert_same(result, loss_and_grads(group, x, by_modules, (0, 2, 3)), torch.float64)
+    assert result[1]["p0.base_layer.weight" if lora_on else "p0.weight"] is not None
+
+
+def test_no_grad_and_frozen_input():
+    group = make_group(("p1",))
+    x = make_x((3, 2), "contiguous", torch.float64)
+    with torch.no_grad():
+        outs = shared_input_linears(x, group.members())
+        for out, expected in zip(outs, by_modules(group, x)):
+            torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
+    # x needs no gradient: only the adapters get theirs.
+    outs = shared_input_linears(x, group.members())
+    grads = torch.autograd.grad(sum(o.sum() for o in outs), list(trainable(group).values()))
+    expected = torch.autograd.grad(sum(o.sum() for o in by_modules(group, x)), list(trainable(group).values()))
+    for grad, expected_grad in zip(grads, expected):
+        torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])
+
+
+def _hooked(group):
+    group.p2.register_forward_hook(lambda m, a, o: None)
+
+
+def _hooked_base(group):
+    group.p0.base_layer.register_forward_pre_hook(lambda m, a: None)
+
+
+def _backward_hook(group):
+    group.p3.register_full_backward_hook(lambda m, gi, go: None)
+
+
+def _partitioned(group):
+    group.p1.weight.ds_id = 0  # what ZeRO-3 sets on a partitioned weight
+
+
+def _merged(group):
+    group.p0.merge()  # every condition of LoRA's own fast path holds here too (tests/engine/test_lora_fused.py)
+
+
+def _dropout(group):
+    group.p0.lora_dropout["default"] = nn.Dropout(0.1)
+    group.eval()  # the identity then, so the modules' outputs are repeatable
+
+
+FALLBACKS = [
+    pytest.param(dict(), _hooked, id="forward-hook"),
+    pytest.param(dict(), _hooked_base, id="hook-on-lora-base"),
+    pytest.param(dict(), _backward_hook, id="backward-hook"),
+    pytest.param(dict(), _partitioned, id="zero3-partitioned-weight"),
+    pytest.param(dict(), _merged, id="lora-merged"),
+    pytest.param(dict(), _dropout, id="lora-dropout"),
+    pytest.param(dict(bias=True), None, id="bias"),
+]
+
+
+@pytest.mark.parametrize("options, change", FALLBACKS)
+def test_modules_run_where_the_node_would_skip_something(options, change):
+    if options.get("bias"):
+        torch.manual_seed(0)
+        group = Group(bias=True).double()
+    else:
+        group = make_group(("p0",))
+    if change is not None:
+        change(group)
+    x = make_x((2, 3), "contiguous", torch.float64)
+    assert shared_input_linears(x, group.members()) is None
+    # project() then calls the modules: their hooks fire and the outputs are theirs exactly.
+    calls = []
+    group.p2.register_forward_pre_hook(lambda m, a: calls.append(m))
+    outs = project(x, group.members())
+    assert calls == [group.p2]
+    for out, expected in zip(outs, by_modules(group, x)):
+        assert torch.equal(out, expected)
+
+
+def test_weights_in_another_dtype_than_the_input_run_the_modules():
+    group = make_group(("p0",))
+    assert shared_input_linears(make_x((2, 3), "contiguous", torch.float32), group.members()) is None
+    group.p1.weight.data = group.p1.weight.data.float()
+    assert shared_input_linears(make_x((2, 3), "contiguous", torch.float64), group.members()) is None
+
+
+def test_global_hooks_and_autocast_run_the_modules():
+    group = make_group(("p0",))
+    x = make_x((2, 3), "contiguous", torch.float64)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert shared_input_linears(x, group.members()) is None
+    finally:
+        handle.remove()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert shared_input_linears(x, group.members()) is None
+    assert shared_input_linears(x, group.members()) is not None
+
+
+def test_class_scope_hooks_run_once_around_the_node():
+    group = make_group(("p0", "p1"))
+    events = []
+
+    def pre(module, args):
+        events.append(("pre", module, torch.is_grad_enabled()))
+
+    def post(module, args, output):
+        events.append(("post", module, tuple(type(o.grad_fn).__name__ for o in output)))
+
+    for hook in (pre, post):
+        setattr(hook, CLASS_SCOPE_HOOK, True)
+    for module in group.modules():
+        if isinstance(module, nn.Linear | FusedLoraLinear):
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post)
+    x = make_x((2, 3), "contiguous", torch.float64)
+    outs = shared_input_linears(x, group.members())
+    assert outs is not None
+    assert events == [("pre", group.p0, True), ("post", group.p0, (NODE,) * len(NAMES))]
+    # An unmarked hook beside them keeps the node from applying.
+    group.p3.register_forward_hook(lambda m, a, o: None)
+    assert shared_input_linears(x, group.members()) is None
+
+
+def test_outputs_are_handed_out_once_in_the_callers_order():
+    group = make_group(("p2",))
+    x = make_x((2, 3), "contiguous", torch.float64)
+    out = SharedInputProjections(x, group.members())
+    first = out.of(group.p3, group.p1)
+    assert [o.shape[-1] for o in first] == [WIDTHS[3], WIDTHS[1]]
+    assert all(type(o.grad_fn).__name__ == NODE for o in first)
+    # Taken again, a module runs itself.
+    again = out.of(group.p3)[0]
+    assert type(again.grad_fn).__name__ != NODE and torch.allclose(again, first[0])
+    # Where the node does not apply, each module runs when its output is taken.
+    calls = []
+    group.p1.register_forward_pre_hook(lambda m, a: calls.append(m))
+    out = SharedInputProjections(x, group.members())
+    assert calls == []
+    out.of(group.p1)
+    assert calls == [group.p1]
+
+
+def test_node_sums_x_gradient_inside_its_gemms():
+    # Four projections and two adapters: autograd would add five parts of x's gradient to the first; the node adds
+    # each inside its GEMM (three projections and the adapters' shared part), with no add of its own.
+    from torch.profiler import profile
+
+    group = make_group(("p0", "p2"))
+    x = make_x((4, 2), "contiguous", torch.float64).requires_grad_()
+    outs = shared_input_linears(x, group.members())
+    loss = torch.stack([o.sum() for o in outs]).sum()
+    with profile() as prof:
+        loss.backward()
+    names = [e.name for e in prof.events()]
+    assert "aten::add" not in names and "aten::add_" not in names
+    assert names.count("aten::addmm_") == len(NAMES)
+
+
+def hybrid_model():
+    """A small model with every token mixer that projects its input in a group (gated delta net, KDA, gated and
+    sparse attention), LoRA on q, k, v and o, perturbed parameters, fp64."""
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.model.model import build_model
+    from moe_tune.profiles import load_profile
+    from moe_tune.profiles.schema import LoraProfile, ModelProfile
+
+    raw = load_profile("tiny").model.model_dump(mode="json")
+    layers = [{"attention": name, "mlp": "dense"} for name in ("linear", "kda", "full", "sparse")]
+    raw.update(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=48,
+               layers=layers, kda_attention={"num_heads": 2, "head_dim": 8})  # fmt: skip
+    raw["linear_attention"].update(num_key_heads=1, num_value_heads=2, key_head_dim=8, value_head_dim=8)
+    raw["sparse_attention"].update(index_heads=2, index_head_dim=8, topk=64, block_size=16)
+    torch.manual_seed(0)
+    lora = LoraProfile(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], experts=False)
+    model = inject_lora(build_model(ModelProfile.model_validate(raw)), lora).double()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
+    return model.train()
+
+
+def model_loss_and_grads(model):
+    ids = torch.randint(0, 259, (1, 90), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 20, 61, 90], dtype=torch.int32)
+    out = model(input_ids=ids, cu_seqlens=cu, labels=ids)
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return out.loss.detach(), grads
+
+
+def test_token_mixers_take_the_node_and_train_as_their_modules(monkeypatch):
+    model = hybrid_model()
+    taken = []
+    original = projections.shared_input_linears
+
+    def recording(x, modules):
+        outs = original(x, modules)
+        taken.append(len(modules) if outs is not None else None)
+        return outs
+
+    monkeypatch.setattr(projections, "shared_input_linears", recording)
+    loss, grads = model_loss_and_grads(model)
+    # The gated delta net's and KDA's six projections, the gated and sparse attention's q, k and v, every time.
+    assert sorted(taken) == [3, 3, 6, 6]
+    monkeypatch.setattr(projections, "shared_input_linears", lambda x, modules: None)
+    expected_loss, expected_grads = model_loss_and_grads(model)
+    torch.testing.assert_close(loss, expected_loss, **TOLERANCES[torch.float64])
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        message = lambda m, n=name: f"{n}: {m}"  # noqa: E731
+        torch.testing.assert_close(grad, expected_grads[name], **TOLERANCES[torch.float64], msg=message)
+
+
+def test_memory_policies_keep_the_node_and_leave_its_projections_out_of_regions(monkeypatch):
+    from moe_tune.engine.memory import attach_activation_memory
+    from moe_tune.profiles.schema import MemoryProfile
+
+    model = hybrid_model()
+    manager = attach_activation_memory(model, MemoryProfile(linear="recompute", min_offload_mb=0))
+    grouped = {getattr(m, n) for m in model.modules() for n in getattr(m, "shared_input_projections", ())}
+    assert grouped and not grouped & set(manager.regions)
+    # Other linear layers (o_proj, the MLPs) are still recomputed.
+    assert any(isinstance(m, nn.Linear | FusedLoraLinear) for m in manager.regions)
+    taken = []
+    original = projections.shared_input_linears
+    monkeypatch.setattr(projections, "shared_input_linears",
+                        lambda x, modules: taken.append(original(x, modules)) or taken[-1])  # fmt: skip
+    model_loss_and_grads(model)
+    assert taken and all(outs is not None for outs in taken)
