@@ -56,7 +56,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from moe_tune.engine.align.reference import called_function, describe, pure_torch_paths
-from moe_tune.engine.bench.timing import StepClock, timed_steps
+from moe_tune.engine.bench.timing import QueuedStep, run_queued, timed_steps
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -625,24 +625,51 @@ class TransformersRunner:
             self.model.train(was_training)
         return float(lm)
 
-    def step(self, batches: list) -> dict[str, Any]:
-        """One optimizer step over `batches` (the micro-batches of one of our steps)."""
+    def launch(self, batches: list) -> QueuedStep:
+        """Queue one optimizer step over `batches` (the micro-batches of one of our steps) and the copy of its loss
+        to the host, as a training loop that reads its loss a step late does (HF Trainer reads it every logging
+        steps only); nothing waits for the device."""
+        from moe_tune.engine.train.step_values import StepValues, launch_clock
+
         train = self.job.train
-        with StepClock(self.is_cuda) as clock:
-            losses, tokens = [], 0
-            for batch in batches:
-                loss, lm = self.lm_loss(self.inputs(batch))
-                (loss / len(batches)).backward()
-                losses.append(lm.detach().float())
-                tokens += batch.num_label_tokens
-            if train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.trainable, train.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = float(torch.stack(losses).mean())
-        step_time = clock.seconds
-        return {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time}
+        started = launch_clock()
+        losses, tokens = [], 0
+        for batch in batches:
+            loss, lm = self.lm_loss(self.inputs(batch))
+            (loss / len(batches)).backward()
+            losses.append(lm.detach().float())
+            tokens += batch.num_label_tokens
+        if train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return QueuedStep(started, tokens, [], StepValues({"loss": torch.stack(losses).mean()}), None)
+
+    def finish(self, queued: QueuedStep, previous_ready: float | None = None) -> tuple[dict[str, Any], float]:
+        """StepRunner.finish's record (loss, tokens, step time) of a queued step, and when its loss was on the host."""
+        from moe_tune.engine.train.step_values import step_time
+
+        loss = queued.values.read()["loss"]
+        seconds, ready = step_time(queued.started, previous_ready)
+        return {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
+                "tokens_per_s": queued.tokens / seconds}, ready  # fmt: skip
+
+
+class _StepBatches:
+    """The baseline's runner with each step's micro-batches bound in order: launch() / finish() as run_queued
+    takes them."""
+
+    def __init__(self, runner, step_batches: list[list]):
+        self._runner, self._batches, self._next = runner, step_batches, 0
+
+    def launch(self) -> QueuedStep:
+        batches = self._batches[self._next]
+        self._next += 1
+        return self._runner.launch(batches)
+
+    def finish(self, queued: QueuedStep, previous_ready: float | None = None):
+        return self._runner.finish(queued, previous_ready)
 
 
 def _function_name(value: Any) -> str:
@@ -956,19 +983,30 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
                 if not is_out_of_memory(err):
                     raise
                 out_of_memory = "the one-document loss before the first step"
-        for index, batches in enumerate(step_batches if out_of_memory is None else []):
+        launching = [0]
+
+        def before_launch(index: int) -> None:
+            launching[0] = index
             if index == warmup and is_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            try:
-                record = runner.step(batches)
-            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
-                if not is_out_of_memory(err):
-                    raise
-                out_of_memory = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
-                break
+
+        def keep(index: int, record: dict) -> None:
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
+
+        if out_of_memory is None:
+            # Steps run back to back as ours do (run_queued): each queued before the previous one's loss is read.
+            batches = _StepBatches(runner, step_batches)
+            if is_cuda:
+                torch.cuda.synchronize()
+            try:
+                run_queued(batches, len(step_batches), keep, before_launch)
+            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
+                if not is_out_of_memory(err):
+                    raise
+                index = launching[0]
+                out_of_memory = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
         peak = torch.cuda.max_memory_allocated() if is_cuda else None
     finally:
         runner.model = runner.optimizer = runner.scheduler = runner.trainable = None

@@ -22,7 +22,7 @@ import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
-from moe_tune.engine.bench.timing import StepClock, median_ms, timed_steps
+from moe_tune.engine.bench.timing import QueuedStep, median_ms, run_queued, timed_steps
 from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -116,39 +116,59 @@ class StepRunner:
         self._graphs_tokens = None
 
     def step(self) -> dict[str, Any]:
-        """One optimizer step; its time, tokens, loss and the memory policy's metrics."""
+        """One optimizer step on an idle device, read at once: its time, tokens, loss and the memory policy's
+        metrics."""
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        record, _ = self.finish(self.launch())
+        return record
+
+    def launch(self) -> QueuedStep:
+        """Queue one optimizer step, as the trainer's loop does (engine/train/trainer.py, _launch_step): its
+        micro-batches forward and backward, the optimizer's step, the selection biases updated, the copy of its loss
+        to the host; nothing waits for the device."""
+        from moe_tune.engine.train.step_values import StepValues, launch_clock
         from moe_tune.engine.train.trainer import ensure_training, micro_step, share_of_batch, update_moe_bias
 
+        started = launch_clock()
         ensure_training(self.engine)
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
-        with StepClock(self.is_cuda) as clock:
-            tokens, losses, pieces = 0, [], []
-            accumulation = self.profile.train.gradient_accumulation_steps
-            for micro in range(accumulation):
-                index = self.steps_done * accumulation + micro
-                batch = self._micro_batches().get(index)
-                share = share_of_batch(batch, self.dist.context)
-                out = micro_step(self.engine, share, self.dist)
-                # As the trainer: the next micro-batch is collated while the device runs this one.
-                self._micro_batches().prepare(index + 1)
-                losses.append(out.lm_loss.detach().float())
-                tokens += share.num_label_tokens
-                pieces += piece_lengths(share.cu_seqlens)
-            update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
-            loss = torch.stack(losses).mean()
-            if self.dist.world_size > 1:
-                # Each rank's loss is its labels' summed cross-entropy over the world's mean count (micro_step):
-                # their mean over the world is the step's loss, as the trainer logs it.
-                torch.distributed.all_reduce(loss)
-                loss = loss / self.dist.world_size
-            loss = float(loss)
-        step_time = clock.seconds
+        tokens, losses, pieces = 0, [], []
+        accumulation = self.profile.train.gradient_accumulation_steps
+        for micro in range(accumulation):
+            index = self.steps_done * accumulation + micro
+            batch = self._micro_batches().get(index)
+            share = share_of_batch(batch, self.dist.context)
+            out = micro_step(self.engine, share, self.dist)
+            # As the trainer: the next micro-batch is collated while the device runs this one.
+            self._micro_batches().prepare(index + 1)
+            losses.append(out.lm_loss.detach().float())
+            tokens += share.num_label_tokens
+            pieces += piece_lengths(share.cu_seqlens)
+        update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
+        loss = torch.stack(losses).mean()
+        if self.dist.world_size > 1:
+            # Each rank's loss is its labels' summed cross-entropy over the world's mean count (micro_step): their
+            # mean over the world is the step's loss, as the trainer logs it.
+            torch.distributed.all_reduce(loss)
+            loss = loss / self.dist.world_size
+        memory = self.activation_memory.step_metrics() if self.activation_memory is not None else None
         self.steps_done += 1
-        record = {"loss": loss, "tokens": tokens, "step_time_s": step_time, "tokens_per_s": tokens / step_time,
-                  "pieces": pieces}
-        if self.activation_memory is not None:
-            record.update(self.activation_memory.step_metrics())
-        return record
+        return QueuedStep(started, tokens, pieces, StepValues({"loss": loss}), memory)
+
+    def finish(self, queued: QueuedStep, previous_ready: float | None = None) -> tuple[dict[str, Any], float]:
+        """A queued step's record, once its loss is on the host, and the moment it was (perf_counter). Its time runs
+        from its launch, or from `previous_ready` (the step before's values on the host) when it was queued before
+        that: then the steps ran back to back and the time between their values is the step's."""
+        from moe_tune.engine.train.step_values import step_time
+
+        loss = queued.values.read()["loss"]
+        seconds, ready = step_time(queued.started, previous_ready)
+        record = {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
+                  "tokens_per_s": queued.tokens / seconds, "pieces": queued.pieces}  # fmt: skip
+        if queued.memory_metrics is not None:
+            record.update(queued.memory_metrics)
+        return record, ready
 
     def document_loss(self, document) -> float:
         """Mean next-token loss on `document` (a micro-batch, here one document alone) in eval mode without gradients,
@@ -332,13 +352,19 @@ def profile_steps(
 
             document = longest_document(runner.micro_batches(0)[0])
             document_loss = runner.document_loss(document)
-        for index in range(warmup + steps):
+        def reset_peak(index: int) -> None:
             if index == warmup and runner.is_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            record = dict(runner.step(), impl="moe-tune")
+
+        def keep(index: int, record: dict) -> None:
+            record = dict(record, impl="moe-tune")
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
+
+        if runner.is_cuda:
+            torch.cuda.synchronize()
+        run_queued(runner, warmup + steps, keep, before_launch=reset_peak)
         records = all_records[warmup:]
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
         copy_rates = pinned_copy_bandwidth() if runner.is_cuda else (None, None)
@@ -348,8 +374,9 @@ def profile_steps(
         breakdown = profiled_step(runner, statistics.median(r["step_time_s"] for r in records))
         if runner.is_cuda:
             say("one more step with the host's waits for the GPU recorded")
+            torch.cuda.synchronize()
             with recorded_host_waits() as waits:
-                runner.step()
+                runner.finish(runner.launch())
             breakdown["host_waits"] = host_wait_sites(waits)
             say("one more step with only the device's work profiled (where it idles)")
             breakdown["device_timeline"] = timeline_step(runner)
@@ -504,19 +531,29 @@ def run_bf16_base(
         for step, batches in enumerate(step_batches):
             if not same_batches(batches, runner.micro_batches(step)):
                 raise RuntimeError(f"--against {BASELINE}: the twin's micro-batches of step {step + 1} are not ours")
-        for index in range(len(step_batches)):
+        launching = [0]
+
+        def before_launch(index: int) -> None:
+            launching[0] = index
             if index == warmup and runner.is_cuda:
                 torch.cuda.reset_peak_memory_stats()
-            try:
-                record = dict(runner.step(), impl=BASELINE)
-            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
-                if not is_out_of_memory(err):
-                    raise
-                where = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
-                return dict(row, steps=max(len(all_records) - warmup, 0), out_of_memory=where), all_records
+
+        def keep(index: int, record: dict) -> None:
+            record = dict(record, impl=BASELINE)
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
+
+        if runner.is_cuda:
+            torch.cuda.synchronize()
+        try:
+            run_queued(runner, len(step_batches), keep, before_launch)
+        except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
+            if not is_out_of_memory(err):
+                raise
+            index = launching[0]
+            where = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
+            return dict(row, steps=max(len(all_records) - warmup, 0), out_of_memory=where), all_records
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
     finally:
         runner.close()

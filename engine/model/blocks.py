@@ -24,6 +24,7 @@ from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 from moe_tune.ops.rotary import apply_rotary
 
 from .linear_context import conv_with_halo, is_sharded
+from .projections import project
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -242,6 +243,9 @@ def recomputed(fn, *args, is_collective: bool = False):
 class SwiGLU(nn.Module):
     """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
+    # The projections of the input, run as one node where engine/model/projections allows it.
+    shared_input_projections = ("gate_proj", "up_proj")
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
@@ -249,7 +253,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 # The bits of fp32 1.0, the unit scale of an FP8 weight before its init or checkpoint: built as an int32 tensor,

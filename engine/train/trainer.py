@@ -47,6 +47,7 @@ from .distributed import (
 )
 from .ds_config import deepspeed_config, zero_stage_note
 from .loggers import check_report_to
+from .step_values import StepValues, launch_clock, step_time
 
 
 @dataclass
@@ -597,25 +598,48 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
     reporter = ProgressReporter(run.total_steps, start_step, profile.train.log_every, is_shown, console)
     started = time.perf_counter()
     watched = watched_weights(run.engine.module)
+    last_ready: float | None = None
+
+    def finish(launched: LaunchedStep) -> bool:
+        """Step `launched`'s record: written, checked, reported; whether the run stops after it."""
+        nonlocal last_ready
+        values = launched.values.read()
+        seconds, last_ready = step_time(launched.started, last_ready)
+        record = _step_record(run, launched, values, seconds)
+        if writer is not None:
+            writer.write(record)
+        # A resumed run that has not saved yet still has the checkpoint it resumed from.
+        intact = result.checkpoint or run.resumed_from
+        if launched.step == start_step and run.resumed_from is None and _not_finite(record):
+            check_start_weights(run.engine.module, profile, dist)
+        check_finite(record, intact)
+        raise_if_nonfinite_weight(launched.step + 1, int(values["first_bad_weight"]), watched, intact)
+        result.losses.append(record["loss"])
+        result.last_step = launched.step + 1
+        reporter.update(record)
+        # Several ranks stop on their vote, taken as the step was queued, so that every rank stops after the same
+        # step; one rank reads its own flag.
+        return values["stop_votes"] > 0 if dist.world_size > 1 else stop.received is not None
+
     # Closed however the loop ends (a diverged step raises): the metrics of every finished step are on disk.
     try:
         with StopSignal() as stop, reporter:
             for line in _start_lines(run, writer):
                 reporter.print(line)
+            in_flight: LaunchedStep | None = None
             for step in range(start_step, run.end_step):
-                record = _train_step(run, step)
-                if writer is not None:
-                    writer.write(record)
-                # A resumed run that has not saved yet still has the checkpoint it resumed from.
-                intact = result.checkpoint or run.resumed_from
-                if step == start_step and run.resumed_from is None and _not_finite(record):
-                    check_start_weights(run.engine.module, profile, dist)
-                check_finite(record, intact)
-                check_finite_weights(step + 1, watched, dist, intact)
-                result.losses.append(record["loss"])
-                result.last_step = step + 1
-                reporter.update(record)
-                is_stopping = any_rank(stop.received is not None, dist.device)
+                launched = _launch_step(run, step, watched, stop.received is not None)
+                if in_flight is not None and finish(in_flight):
+                    # The step queued behind the stopping one finishes and is saved with it.
+                    finish(launched)
+                    _evaluate_and_save(run, step + 1, True, writer, reporter)
+                    result.interrupted_by = stop.received or "signal on another rank"
+                    break
+                in_flight = launched
+                if _queues_the_next_step(run, step, dist, stop):
+                    continue
+                in_flight = None
+                is_stopping = finish(launched)
                 _evaluate_and_save(run, step + 1, is_stopping, writer, reporter)
                 if is_stopping:
                     result.interrupted_by = stop.received or "signal on another rank"
@@ -625,6 +649,16 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
             is_finished = result.last_step == run.end_step
             writer.close("interrupted" if result.interrupted_by else "finished" if is_finished else "failed")
     result.elapsed_s = time.perf_counter() - started
+
+
+def _queues_the_next_step(run: TrainingRun, step: int, dist: DistInfo, stop: StopSignal) -> bool:
+    """Whether step `step + 1` (0-based) is queued before step `step`'s values are read: not after the run's first
+    step (check_start_weights looks at the weights it left), before an eval, a checkpoint or the run's end, or once
+    this process was signalled (one rank: several ranks vote on it a step later)."""
+    done = step + 1
+    if step == run.result.start_step or done == run.end_step or _evaluates_after(run, done) or _saves_after(run, done):
+        return False
+    return dist.world_size > 1 or stop.received is None
 
 
 def _start_lines(run: TrainingRun, writer) -> Iterator[str]:
@@ -664,15 +698,28 @@ def ensure_training(engine) -> None:
 _TRAIN_MODE_SET = "_moe_tune_train_mode_set"
 
 
-def _train_step(run: TrainingRun, step: int) -> dict:
-    """Optimizer step `step` (0-based): its micro-batches forward and backward, the optimizer's step, the selection
-    biases updated; returns its metrics record, reduced over the ranks. ProfileError when no row of the step holds a
-    token to train on."""
+@dataclass
+class LaunchedStep:
+    """An optimizer step whose work is queued: its host-side counts and its device values on their way to the host
+    (StepValues: loss, aux_loss, grad_norm, the MoE layers' loads, first_bad_weight; stop_votes, and the token counts
+    summed over the ranks where several run)."""
+
+    step: int
+    started: float
+    tokens: int
+    processed: int
+    values: StepValues
+    memory_metrics: dict | None
+
+
+def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool) -> LaunchedStep:
+    """Queue optimizer step `step` (0-based): its micro-batches forward and backward, the optimizer's step, the
+    selection biases updated, and the copy of its values to the host; nothing here waits for the device.
+    is_signalled: this process received a stop signal (the ranks' vote, several ranks)."""
     from .metrics import processed_tokens
 
     engine, dist, dataset, train = run.engine, run.dist, run.dataset, run.profile.train
-    rows = train.micro_batch_size
-    t0 = time.perf_counter()
+    started = launch_clock()
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
     accumulation = train.gradient_accumulation_steps
@@ -689,26 +736,52 @@ def _train_step(run: TrainingRun, step: int) -> dict:
         # A row's ranks hold one row: its first rank counts it.
         if dist.context is None or dist.context.rank == 0:
             processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
-    expert_load, dropped_slots = update_moe_bias(engine, dist)
-    loss = torch.stack(lm_losses).mean()
-    aux = torch.stack(aux_losses).mean()
+    moe_loads = update_moe_bias(engine, dist)
+    values: dict[str, torch.Tensor | float] = {
+        "loss": torch.stack(lm_losses).mean(),
+        "aux_loss": torch.stack(aux_losses).mean(),
+    }
     if dist.world_size > 1:
-        counts = torch.tensor([float(tokens), float(processed)], device=loss.device)
-        stats = torch.cat([torch.stack([loss, aux]), counts])
+        counts = host_values([tokens, processed, float(is_signalled)], values["loss"].device)
+        stats = torch.cat([torch.stack([values["loss"], values["aux_loss"]]), counts])
         torch.distributed.all_reduce(stats)
-        loss, aux, tokens = stats[0] / dist.world_size, stats[1] / dist.world_size, int(stats[2].item())
-        processed = int(stats[3].item())
+        values.update(loss=stats[0] / dist.world_size, aux_loss=stats[1] / dist.world_size, counts=stats[2:4],
+                      stop_votes=stats[4])  # fmt: skip
+    grad_norm = engine.get_global_grad_norm()
+    values["grad_norm"] = math.nan if grad_norm is None else grad_norm
+    values["has_grad_norm"] = float(grad_norm is not None)
+    if moe_loads is not None:
+        values["moe_loads"] = moe_loads
+    values["first_bad_weight"] = first_nonfinite_weight(watched, dist)
+    memory = run.activation_memory.step_metrics() if run.activation_memory is not None else None
+    return LaunchedStep(step, started, tokens, processed, StepValues(values), memory)
+
+
+def host_values(numbers: list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as a float32 tensor on `device`, copied from page-locked memory without waiting (a copy from
+    pageable memory waits for the device's queued work)."""
+    host = torch.tensor(numbers, dtype=torch.float32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def _step_record(run: TrainingRun, launched: LaunchedStep, values: dict, step_time: float) -> dict:
+    """The metrics record of a finished step from its read values. ProfileError when no row of the step holds a
+    token to train on."""
+    dist, dataset, train = run.dist, run.dataset, run.profile.train
+    step = launched.step
+    tokens, processed = launched.tokens, launched.processed
+    if dist.world_size > 1:
+        tokens, processed = (int(round(count)) for count in values["counts"])
     if tokens == 0:
         raise ProfileError([untrained_step_message(step + 1, run.profile, dist.data_size)])
-    step_time = time.perf_counter() - t0
-    grad_norm = engine.get_global_grad_norm()
-    rows_per_step = rows * train.gradient_accumulation_steps * dist.data_size
+    expert_load, dropped_slots = moe_load_stats(values.get("moe_loads", []))
+    rows_per_step = train.micro_batch_size * train.gradient_accumulation_steps * dist.data_size
     record = {
         "step": step + 1,
-        "loss": float(loss),
-        "aux_loss": float(aux),
+        "loss": values["loss"],
+        "aux_loss": values["aux_loss"],
         "lr": train.lr * lr_factor(step, train, run.total_steps),
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "grad_norm": values["grad_norm"] if values["has_grad_norm"] else None,
         "tokens": tokens,
         "tokens_per_s": tokens / step_time,
         # Every token of the step's rows (all ranks) the model ran through, padding excluded.
@@ -720,8 +793,8 @@ def _train_step(run: TrainingRun, step: int) -> dict:
         # Epochs of training rows done after this step (1.5: half-way through the second).
         "epoch": round(dataset.epoch_progress((step + 1) * rows_per_step), 6),
     }
-    if run.activation_memory is not None:
-        record.update(run.activation_memory.step_metrics())
+    if launched.memory_metrics is not None:
+        record.update(launched.memory_metrics)
     return record
 
 
@@ -730,13 +803,24 @@ def _evaluate_and_save(run: TrainingRun, step: int, is_stopping: bool, writer, r
     checkpoint every output.save_every steps, at run.end_step and when stopping (the best one noted after an eval)."""
     profile, dist, result = run.profile, run.dist, run.result
     step_eval = None
-    if run.eval_every is not None and not is_stopping and (step % run.eval_every == 0 or step == run.total_steps):
+    if not is_stopping and _evaluates_after(run, step):
         step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter)
-    if is_stopping or step == run.end_step or step % profile.output.save_every == 0:
+    if is_stopping or _saves_after(run, step):
         result.checkpoint = _save(run.engine, profile, run.checkpoint_root, step, dist, step_eval, result)
         if step_eval is not None and dist.is_main:
             best = best_checkpoint(run.checkpoint_root, step)
             result.best_checkpoint = best[0] if best is not None else None
+
+
+def _evaluates_after(run: TrainingRun, step: int) -> bool:
+    """Whether an eval runs after step `step` (1-based): every run.eval_every steps and at the run's last step."""
+    return run.eval_every is not None and (step % run.eval_every == 0 or step == run.total_steps)
+
+
+def _saves_after(run: TrainingRun, step: int) -> bool:
+    """Whether a checkpoint is written after step `step` (1-based): every output.save_every steps and at run.end_step
+    (a stop signal adds one)."""
+    return step == run.end_step or step % run.profile.output.save_every == 0
 
 
 def _finish(run: TrainingRun) -> RunResult:
@@ -844,24 +928,34 @@ def watched_weights(module: torch.nn.Module) -> list[tuple[str, torch.nn.Paramet
 
 def check_finite_weights(step: int, watched: list, dist: DistInfo, last_checkpoint: Path | None) -> None:
     """Raise TrainingDiverged naming the first trainable parameter the step left inf or NaN (lr=inf does so with a
-    finite loss and gradient norm). Each rank reads only what it updates (watched_weights), without gathering:
-    one fused max-abs reduction, one all-reduce of the first bad index, one read to the host."""
+    finite loss and gradient norm): first_nonfinite_weight read at once."""
+    raise_if_nonfinite_weight(step, int(first_nonfinite_weight(watched, dist).item()), watched, last_checkpoint)
+
+
+def first_nonfinite_weight(watched: list, dist: DistInfo) -> torch.Tensor:
+    """The index in `watched` of the first trainable parameter that is inf or NaN somewhere, len(watched) if none, as
+    a device scalar (not read). Each rank reads only what it updates (watched_weights), without gathering: one fused
+    max-abs reduction and, with several ranks, one all-reduce of the first bad index."""
     tensors, positions = [], []
     for index, (_, param, valid) in enumerate(watched):
         if valid:
             part = getattr(param, "ds_tensor", None)
             tensors.append(param.detach() if part is None else part.narrow(0, 0, valid))
             positions.append(index)
-    first = torch.tensor(len(watched), device=dist.device)
+    first = torch.full((), len(watched), dtype=torch.long, device=dist.device)
     if tensors:
         with torch.no_grad():
             # inf-norm: inf or NaN exactly when an element is; an L2 norm would overflow on large finite weights.
             bad = ~torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))).float())
-            at = torch.tensor(positions, device=bad.device)
+            at = host_values(positions, bad.device).long()
             first = torch.where(bad, at, len(watched)).min().to(dist.device)
     if dist.world_size > 1:
         torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MIN)
-    index = int(first.item())
+    return first
+
+
+def raise_if_nonfinite_weight(step: int, index: int, watched: list, last_checkpoint: Path | None) -> None:
+    """TrainingDiverged naming watched[index] (first_nonfinite_weight's result) unless it is len(watched)."""
     if index < len(watched):
         raise TrainingDiverged(
             f"step {step}: parameter {watched[index][0]} is not finite after the optimizer step (loss and "
@@ -972,16 +1066,17 @@ def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
     return max(count.item(), 1.0) / dist.world_size
 
 
-def update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
-    """Reduce the step's expert loads (and capacity drops) over all ranks, update the selection biases; return
-    max/mean load per layer and the token-slots dropped for capacity.
+def update_moe_bias(engine, dist: DistInfo) -> torch.Tensor | None:
+    """Reduce the step's expert loads (and capacity drops) over all ranks, update the selection biases; return per
+    layer (mean load, max load, token-slots dropped for capacity) [L, 3] on the device (moe_load_stats reads them),
+    None without MoE layers.
 
     All layers at once (their loads stacked, one all-reduce, foreach updates): a handful of launches at the step's
-    end, where the GPU has run out of work, instead of about ten per layer; the same values as each layer's
-    `MoEBlock.update_selection_bias` (tests/engine/test_train.py)."""
+    end instead of about ten per layer; the same values as each layer's `MoEBlock.update_selection_bias`
+    (tests/engine/test_train.py)."""
     blocks = _moe_blocks(engine)
     if not blocks:
-        return [], 0
+        return None
     loads = [block.load_counts for block in blocks]
     dropped = [block.dropped_slots for block in blocks]
     with torch.no_grad():
@@ -999,12 +1094,16 @@ def update_moe_bias(engine, dist: DistInfo) -> tuple[list[float], int]:
             # rounded to the counts' dtype as there.
             step_LE = torch.sign(mean_L[:, None] - counts_LE).mul_(rate)
             torch._foreach_add_([block.selection_bias for block in blocks], list(step_LE.unbind(0)))
-        # One copy to the host for all layers (a .item() per value would wait for the GPU once per value).
-        values = torch.stack([mean_L, counts_LE.amax(dim=1), dropped_L], dim=1)
+        values_L3 = torch.stack([mean_L, counts_LE.amax(dim=1), dropped_L], dim=1)
         torch._foreach_zero_(loads + dropped)
-    values = values.tolist()
-    imbalance = [round(peak / mean, 4) if mean > 0 else 0.0 for mean, peak, _ in values]
-    return imbalance, int(sum(dropped for _, _, dropped in values))
+    return values_L3
+
+
+def moe_load_stats(rows: list[list[float]]) -> tuple[list[float], int]:
+    """update_moe_bias's rows, read: max/mean load per layer (0 for a layer that counted no load) and the token-slots
+    dropped in all layers."""
+    imbalance = [round(peak / mean, 4) if mean > 0 else 0.0 for mean, peak, _ in rows]
+    return imbalance, int(sum(dropped for _, _, dropped in rows))
 
 
 def eval_interval(profile: JobProfile, eval_data) -> int | None:

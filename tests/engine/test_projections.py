@@ -286,7 +286,7 @@ def test_node_sums_x_gradient_inside_its_gemms():
 
 def hybrid_model():
     """A small model with every token mixer that projects its input in a group (gated delta net, KDA, gated and
-    sparse attention), LoRA on q, k, v and o, perturbed parameters, fp64."""
+    sparse attention) and dense SwiGLU MLPs, LoRA on q, k, v and o, perturbed parameters, fp64."""
     from moe_tune.engine.lora import inject_lora
     from moe_tune.engine.model.model import build_model
     from moe_tune.profiles import load_profile
@@ -330,8 +330,9 @@ def test_token_mixers_take_the_node_and_train_as_their_modules(monkeypatch):
 
     monkeypatch.setattr(projections, "shared_input_linears", recording)
     loss, grads = model_loss_and_grads(model)
-    # The gated delta net's and KDA's six projections, the gated and sparse attention's q, k and v, every time.
-    assert sorted(taken) == [3, 3, 6, 6]
+    # The gated delta net's and KDA's six projections, the gated and sparse attention's q, k and v, each dense
+    # MLP's gate and up: every group, every time.
+    assert sorted(taken) == [2, 2, 2, 2, 3, 3, 6, 6]
     monkeypatch.setattr(projections, "shared_input_linears", lambda x, modules: None)
     expected_loss, expected_grads = model_loss_and_grads(model)
     torch.testing.assert_close(loss, expected_loss, **TOLERANCES[torch.float64])

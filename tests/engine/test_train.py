@@ -275,7 +275,7 @@ def test_moe_bias_update_of_all_layers_at_once_equals_each_layers_own(dtype):
     import types
 
     from moe_tune.engine.model.moe import MoEBlock
-    from moe_tune.engine.train.trainer import update_moe_bias
+    from moe_tune.engine.train.trainer import moe_load_stats, update_moe_bias
     from moe_tune.profiles.schema import MoESpec
 
     spec = MoESpec(num_experts=7, top_k=2, expert_intermediate_size=8, bias_update_rate=0.01)
@@ -295,7 +295,7 @@ def test_moe_bias_update_of_all_layers_at_once_equals_each_layers_own(dtype):
         want.append((round(peak / mean, 4) if mean > 0 else 0.0, block.dropped_slots.item()))
         block.update_selection_bias()
     engine = types.SimpleNamespace(module=blocks)
-    imbalance, dropped = update_moe_bias(engine, types.SimpleNamespace(world_size=1))
+    imbalance, dropped = moe_load_stats(update_moe_bias(engine, types.SimpleNamespace(world_size=1)).tolist())
     assert imbalance == [w[0] for w in want] and dropped == int(sum(w[1] for w in want)) == 9
     for ours, theirs in zip(blocks, expected, strict=True):
         assert torch.equal(ours.selection_bias, theirs.selection_bias)

@@ -14,14 +14,11 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-# The waits a step may have, by file of ours: the one copy of the expert-load statistics per step and the benchmark
-# loop's read of the step's loss. The batch reaches the GPU through pinned memory without a wait, and full
-# attention's buckets and linear attention's bounds read the batch's host copy of cu_seqlens (ops/common/host_copy.py):
-# on the H200 (sixth session) a step waited exactly at these two.
-ALLOWED = {
-    "engine/train/trainer.py": 1,
-    "engine/bench/steps.py": 1,
-}
+# The waits two steps run back to back may have, by file of ours: none. The batch reaches the GPU through pinned
+# memory without a wait, full attention's buckets and linear attention's bounds read the batch's host copy of
+# cu_seqlens (ops/common/host_copy.py), and a step's values reach the host in one copy read by waiting on its event
+# (engine/train/step_values.py), after the next step is queued.
+ALLOWED: dict[str, int] = {}
 
 
 def our_file(filename: str) -> str | None:
@@ -56,7 +53,10 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                runner.step()
+                # As the trainer's loop and the profile's timed steps: the second queued before the first is read.
+                first = runner.launch()
+                second = runner.launch()
+                runner.finish(second, runner.finish(first)[1])
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     finally:
@@ -66,7 +66,7 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
         if "synchroniz" in str(warning.message):
             name = our_file(warning.filename)
             (ours if name else theirs)[name or f"{warning.filename}:{warning.lineno}"] += 1
-    print(f"waits in one step: ours {dict(ours)}, others {dict(theirs)}")  # shown with -s: what ALLOWED bounds
+    print(f"waits in two steps: ours {dict(ours)}, others {dict(theirs)}")  # shown with -s: what ALLOWED bounds
     over = {name: count for name, count in ours.items() if count > ALLOWED.get(name, 0)}
     assert not over, f"waits for the GPU beyond the allowed ones: {over} (ours: {dict(ours)}, others: {dict(theirs)})"
     # DeepSpeed's ZeRO-1 step waits nowhere with its norm and clip helpers replaced (engine/train/ds_sync_free.py);
@@ -97,8 +97,9 @@ def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
 
 
 def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
-    """`moe-tune profile PROFILE`'s two device-only diagnostics (docs/bench.md, "Host waits" and "Breakdown"): the
-    loop's read of the loss is among the waits listed, and the device-only step's busy and idle time fill its span."""
+    """`moe-tune profile PROFILE`'s two device-only diagnostics (docs/bench.md, "Host waits" and "Breakdown"): no wait
+    is listed in our files (the step's loss is read by waiting on its copy's event, which torch does not check), and
+    the device-only step's busy and idle time fill its span."""
     from moe_tune.engine.bench.steps import profile_steps
     from moe_tune.profiles import load_profile
 
@@ -109,7 +110,7 @@ def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
                  "model.vocab_size=4096", "data.seq_len=1024", "data.corpus_documents=2000"]  # fmt: skip
     breakdown = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)["breakdown"]
     sites = breakdown["host_waits"]
-    assert any(site["frames"][0].startswith("engine/bench/steps.py:") for site in sites), sites
+    assert not [site for site in sites if site["frames"][0].startswith(("engine/", "ops/"))], sites
     timeline = breakdown["device_timeline"]
     assert timeline["launches"] > 100 and timeline["busy_s"] > 0, timeline
     # The span from the first device event to the last, and the host's time outside it, make up the step.

@@ -54,20 +54,20 @@ def run():
 
     job = small_fp8()
     initial, fed = {}, {"fp8": [], "bf16": []}
-    init, step = steps.StepRunner.__init__, steps.StepRunner.step
+    init, launch = steps.StepRunner.__init__, steps.StepRunner.launch
 
     def spy_init(self, profile, *args, **kwargs):
         init(self, profile, *args, **kwargs)
         initial[profile.model.base_precision] = gathered_state(self.engine.module)
 
-    def spy_step(self):
+    def spy_launch(self):
         fed[self.profile.model.base_precision].append(self.micro_batches(self.steps_done))
-        return step(self)
+        return launch(self)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
         mp.setattr(steps.StepRunner, "__init__", spy_init)
-        mp.setattr(steps.StepRunner, "step", spy_step)
+        mp.setattr(steps.StepRunner, "launch", spy_launch)
         mp.setattr(breakdown, "profiled_step", lambda runner, basis: {"stood in": True})
         mp.setattr(flops, "gemm_peak_tflops", lambda device, precision: 1.0)
         result = steps.profile_steps(job, steps=1, warmup=1, against="bf16-base")
@@ -168,7 +168,8 @@ def test_load_dequantized_refuses_a_module_that_is_not_the_float_twin():
 
 
 class FakeRunner:
-    """StepRunner's surface run_bf16_base uses: micro-batches, steps that may run out of memory, close."""
+    """StepRunner's surface run_bf16_base uses: micro-batches, steps queued (launch, which may run out of memory)
+    and read (finish), close."""
 
     def __init__(self, batches, fail_at=None):
         self.batches, self.fail_at, self.steps_done, self.is_cuda, self.closed = batches, fail_at, 0, False, False
@@ -176,11 +177,14 @@ class FakeRunner:
     def micro_batches(self, step):
         return self.batches[step]
 
-    def step(self):
+    def launch(self):
         if self.steps_done == self.fail_at:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         self.steps_done += 1
-        return {"loss": 5.0, "tokens": 8, "step_time_s": 0.5, "tokens_per_s": 16.0, "pieces": [8]}
+        return self.steps_done
+
+    def finish(self, queued, previous_ready=None):
+        return {"loss": 5.0, "tokens": 8, "step_time_s": 0.5, "tokens_per_s": 16.0, "pieces": [8]}, float(queued)
 
     def close(self):
         self.closed = True

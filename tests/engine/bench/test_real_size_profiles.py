@@ -161,13 +161,13 @@ def test_shrunk_baseline_builds_on_the_cpu_with_our_parameters(name):
 def _fail_at_call(calls: int, real):
     count = {"n": 0}
 
-    def step(self, batches):
+    def launch(self, batches):
         count["n"] += 1
         if count["n"] == calls:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, batches)
 
-    return step
+    return launch
 
 
 def _one_row_batch(seq_len: int):
@@ -192,7 +192,8 @@ def test_baseline_out_of_memory_is_a_row_and_one_line(monkeypatch, where):
         monkeypatch.setattr(against.TransformersRunner, "__init__", out_of_memory)
     else:
         calls = {"warm-up step 2": 2, "timed step 1": 3}[where]
-        monkeypatch.setattr(against.TransformersRunner, "step", _fail_at_call(calls, against.TransformersRunner.step))
+        failing = _fail_at_call(calls, against.TransformersRunner.launch)
+        monkeypatch.setattr(against.TransformersRunner, "launch", failing)
     row = against.run_transformers(job, [[_one_row_batch(job.data.seq_len)]] * 4, 2, torch.device("cpu"), 4)
     assert row["out_of_memory"] == where and row["model_type"] == "qwen3_moe"
     assert (row["steps"], row["losses"], row["tokens_per_s"], row["peak_memory_bytes"]) == (0, [], None, None)
@@ -205,7 +206,7 @@ def test_other_errors_of_the_baseline_still_raise(monkeypatch):
     from moe_tune.engine.bench import against
 
     job = load_profile("bench-qwen3-30b-a3b", SHRUNK["bench-qwen3-30b-a3b"])
-    monkeypatch.setattr(against.TransformersRunner, "step", _raise_value)
+    monkeypatch.setattr(against.TransformersRunner, "launch", _raise_value)
     with pytest.raises(ValueError, match="not a memory error"):
         against.run_transformers(job, [[_one_row_batch(job.data.seq_len)]], 0, torch.device("cpu"), 1)
 
