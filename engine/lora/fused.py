@@ -2,11 +2,13 @@
 
 PEFT's `lora.Linear.forward` computes base(x) + lora_B(lora_A(dropout(x))) * scaling through three modules and two
 ops (autograd records 6 nodes for the adapter, 10 for a 3D input), behind a loop over adapters, casts and checks.
-When the training step is bound by the host's launch rate, that overhead is step time. Here the adapter is one
-autograd Function: an mm and an addmm in forward (the addmm accumulates into the base layer's output in place where
-nothing else holds it, `owns_output`; otherwise on CUDA a third device op copies it first; PEFT has 2 GEMMs, a
-multiply and an add) and at most 4 GEMMs in backward with the scale folded in (PEFT: 4 GEMMs and a multiply). The base layer is still called as a module, so hooks on it (ZeRO-3 gathering its weight, the
-activation-memory manager) fire as they do under PEFT's own forward.
+When the training step is bound by the host's launch rate, that overhead is step time. Over a bias-free nn.Linear
+base with no hook that would miss its call, the base GEMM and the adapter are one autograd node
+(engine/model/projections.py's SharedInputLinearsFunction): three GEMMs forward, and backward the adapter's part of
+x's gradient accumulated inside a GEMM (no add kernel). Otherwise (a bias, a hooked or FP8 base) the base layer is
+called as a module, so hooks on it (ZeRO-3 gathering its weight) fire as they do under PEFT's own forward, and the
+adapter is one autograd Function: an mm and an addmm in forward (PEFT has 2 GEMMs, a multiply and an add) and at
+most 4 GEMMs in backward with the scale folded in (PEFT: 4 GEMMs and a multiply).
 
 Shapes: N rows (the input's leading dims flattened), I in_features, O out_features, R the adapter's rank.
 """
@@ -19,7 +21,13 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 
-from moe_tune.engine.model.projections import Parts, has_hooks, plain_linear_weight
+from moe_tune.engine.model.projections import (
+    Parts,
+    SharedInputLinearsFunction,
+    has_global_hooks,
+    has_hooks,
+    plain_linear_weight,
+)
 
 from .experts import check_not_fp8
 
@@ -34,23 +42,18 @@ class LoraDeltaFunction(torch.autograd.Function):
     """out = base_out + scaling * (x A^T) B^T as one autograd node.
 
     x: [..., I], lora_a: [R, I], lora_b: [O, R], base_out: [..., O] (the base layer's output), all of one dtype
-    (fp32/bf16/fp16/fp64); scaling: a Python float. Returns [..., O] in that dtype. Saves x (a 2D view of it; a copy
-    only when x cannot be viewed as 2D) and x A^T [N, R]; the adapter weights are saved by reference.
-    in_place: the sum is written into base_out (contiguous, not a view), which is returned: no copy of it. Only for
-    a base_out nothing else holds (`owns_output`).
+    (fp32/bf16/fp16/fp64); scaling: a Python float. Returns [..., O] in that dtype, a new tensor (base_out may be
+    held by a hook or be a view). Saves x (a 2D view of it; a copy only when x cannot be viewed as 2D) and x A^T
+    [N, R]; the adapter weights are saved by reference.
     """
 
     @staticmethod
-    def forward(ctx, x, lora_a, lora_b, base_out, scaling: float, in_place: bool = False):
+    def forward(ctx, x, lora_a, lora_b, base_out, scaling: float):
         x_NI = x.reshape(-1, x.shape[-1])
         xa_NR = torch.mm(x_NI, lora_a.t())
         ctx.save_for_backward(x_NI, xa_NR, lora_a, lora_b)
         ctx.scaling = scaling
         ctx.x_shape = x.shape
-        if in_place:
-            base_out.view(-1, base_out.shape[-1]).addmm_(xa_NR, lora_b.t(), alpha=scaling)
-            ctx.mark_dirty(base_out)
-            return base_out
         out_NO = torch.addmm(base_out.reshape(-1, base_out.shape[-1]), xa_NR, lora_b.t(), alpha=scaling)
         return out_NO.view(base_out.shape)
 
@@ -71,7 +74,7 @@ class LoraDeltaFunction(torch.autograd.Function):
             grad_b = _scaled_mm(dy_NO.t(), xa_NR, scaling, like=lora_b)
         # The base output enters the sum unscaled: its gradient is the incoming one, with no launch.
         grad_base = grad_out if needs_base else None
-        return grad_x, grad_a, grad_b, grad_base, None, None
+        return grad_x, grad_a, grad_b, grad_base, None
 
 
 class FusedLoraLinear(PeftLinear):
@@ -84,13 +87,19 @@ class FusedLoraLinear(PeftLinear):
         if fast is None:
             return super().forward(x, *args, **kwargs)
         lora_a, lora_b, scaling = fast
+        weight = plain_linear_weight(self.base_layer, x)
+        if weight is not None and not has_global_hooks():
+            # A bias-free nn.Linear base with no hook to miss its call: its GEMM and the adapter's in one node, whose
+            # backward adds the adapter's part of x's gradient inside a GEMM (engine/model/projections.py).
+            (out,) = SharedInputLinearsFunction.apply(x, (True,), (scaling,), weight, lora_a, lora_b)
+            return out
         base_out = self.base_layer(x)
         if base_out.dtype != x.dtype:
             # A base layer whose output dtype is not its input's (nn.Linear's always is): PEFT's sum, cast back to
             # the base output's dtype as PEFT does, without calling the base layer twice.
             delta = nn.functional.linear(nn.functional.linear(x, lora_a), lora_b) * scaling
             return (base_out + delta).to(base_out.dtype)
-        return LoraDeltaFunction.apply(x, lora_a, lora_b, base_out, scaling, owns_output(self.base_layer, base_out))
+        return LoraDeltaFunction.apply(x, lora_a, lora_b, base_out, scaling)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         check_not_fp8(self.get_base_layer(), "merge")
@@ -140,20 +149,6 @@ class FusedLoraLinear(PeftLinear):
         if hasattr(weight_a, "ds_id") or hasattr(weight_b, "ds_id"):
             return None
         return weight_a, weight_b, self.scaling[adapter]
-
-
-def owns_output(base_layer: nn.Module, base_out: torch.Tensor) -> bool:
-    """Whether the adapter's sum may be written into `base_out` in place: the output of a plain nn.Linear (whose
-    backward keeps its input, not its output), contiguous and not a view (nn.Linear with a bias returns a view of its
-    2D product), with no forward hook on the layer or on every module that could have kept it or handed it on
-    (DeepSpeed ZeRO-3's hooks hand outputs on as views made in their own autograd Function; align's hooks keep them)."""
-    return (
-        type(base_layer) is nn.Linear
-        and not base_layer._forward_hooks
-        and not nn.modules.module._global_forward_hooks
-        and base_out.is_contiguous()
-        and not base_out._is_view()
-    )
 
 
 def use_fused_lora(model: nn.Module) -> int:

@@ -45,7 +45,7 @@ def shared_input_linears(x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple
     """x: [..., I] -> (module(x) for each module), each [..., O_i] in x's dtype, as one autograd node; None where a
     module does not allow it (module docstring)."""
     parts = [_parts(module, x) for module in modules]
-    if any(p is None for p in parts) or _global_hooks() or torch.is_autocast_enabled(x.device.type):
+    if any(p is None for p in parts) or has_global_hooks() or torch.is_autocast_enabled(x.device.type):
         return None
     has_lora = tuple(p.lora_a is not None for p in parts)
     scalings = tuple(p.scaling for p in parts)
@@ -95,7 +95,8 @@ def has_hooks(module: nn.Module) -> bool:
     return not all(getattr(hook, CLASS_SCOPE_HOOK, False) for hook in forward)
 
 
-def _global_hooks() -> bool:
+def has_global_hooks() -> bool:
+    """Whether a forward or backward hook is registered on all modules (nn.modules.module's global hooks)."""
     hooks = nn.modules.module
     return bool(
         hooks._global_forward_hooks
