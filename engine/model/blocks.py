@@ -24,7 +24,7 @@ from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 from moe_tune.ops.rotary import apply_rotary
 
 from .linear_context import conv_with_halo, is_sharded
-from .projections import project
+from .projections import linear_plus, project
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -252,9 +252,16 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor | None = None, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]; with `scale` [..., 1] the hidden rows are scaled before
+        the down projection, and `add_to` [..., D] is added to its output inside its GEMM (linear_plus)."""
         gate, up = project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        if scale is not None:
+            h = h * scale.to(h.dtype)
+        return self.down_proj(h) if add_to is None else linear_plus(h, self.down_proj, add_to)
 
 
 # The bits of fp32 1.0, the unit scale of an FP8 weight before its init or checkpoint: built as an int32 tensor,

@@ -19,6 +19,7 @@ from moe_tune.ops.moe.reference import SIGMOID_NORM_EPS
 from moe_tune.profiles.schema import MoESpec
 
 from .blocks import FP32_ONE_BITS, SwiGLU, quantize_blocks, recomputed, saved_as_parameters, sequence_chunks
+from .projections import SharedInputProjections
 
 
 def expert_generator(*key: int, device: torch.device | None = None) -> torch.Generator:
@@ -224,6 +225,9 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = (
             nn.Linear(hidden, 1, bias=False) if self.shared_expert is not None and spec.shared_expert_gate else None
         )
+        # The router's and the shared expert gate's projections of the input, one node where
+        # engine/model/projections allows it.
+        self.shared_input_projections = ("gate", "shared_expert_gate") if self.shared_expert_gate is not None else ()
         self.register_buffer("selection_bias", torch.zeros(spec.num_experts))
         self.register_buffer("load_counts", torch.zeros(spec.num_experts), persistent=False)
         self.register_buffer("dropped_slots", torch.zeros(()), persistent=False)
@@ -241,7 +245,8 @@ class MoEBlock(nn.Module):
             return channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
-        logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD)
+        gates = self._gate_projections(x_TD)
+        logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD, gates)
         if self.spec.capacity_factor > 0:
             topk_weights = self._drop_over_capacity(topk_ids, topk_weights)
         if self.training:
@@ -249,7 +254,7 @@ class MoEBlock(nn.Module):
                 # Not bincount: on a GPU it waits for the device to size its output. Adding ones is exact.
                 ids = topk_ids.flatten()
                 self.load_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.load_counts.dtype))
-        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights)
+        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights, gates)
         if self.spec.aux_loss_coef > 0 and self.training:
             aux = switch_aux_loss(scores_TE, topk_ids, self.spec.num_experts)
         else:
@@ -264,7 +269,8 @@ class MoEBlock(nn.Module):
         pinned = self.pinned_topk_ids
         if pinned is not None:
             pinned = pinned[chunk.start : chunk.start + x_TD.shape[0]]
-        logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD, pinned)
+        gates = self._gate_projections(x_TD)
+        logits_TE, topk_ids, topk_weights, scores_TE = self._route(x_TD, gates, pinned)
         dropped = x_TD.new_zeros((), dtype=torch.float32)
         if self.spec.capacity_factor > 0:
             kept = self._kept_under_capacity(topk_ids, chunk.row_tokens * self.spec.top_k, chunk.slots_before_E)
@@ -279,7 +285,7 @@ class MoEBlock(nn.Module):
             # switch_aux_loss's per-token normalisation; the row's mean and its f_e come in finish_row.
             scores_TE = scores_TE.float()
             prob_sum_E = (scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)).sum(dim=0)
-        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights)
+        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights, gates)
         return y_TD.view(shape), ChunkRouting(counts_E, dropped, prob_sum_E)
 
     def finish_row(self, routings: list[ChunkRouting], row_tokens: int) -> torch.Tensor:
@@ -302,13 +308,20 @@ class MoEBlock(nn.Module):
         tokens run with it (no capacity limit: it only steers training, and transformers' models have none); no
         load counts, no aux loss."""
         x_TD = x.reshape(-1, x.shape[-1])
-        _, topk_ids, topk_weights, _ = self._route(x_TD)
-        return self._experts_and_shared(x_TD, topk_ids, topk_weights).view(x.shape)
+        gates = self._gate_projections(x_TD)
+        _, topk_ids, topk_weights, _ = self._route(x_TD, gates)
+        return self._experts_and_shared(x_TD, topk_ids, topk_weights, gates).view(x.shape)
 
-    def _route(self, x_TD: torch.Tensor, pinned_ids: torch.Tensor | None = None):
-        """Router logits [T, E], chosen experts [T, k], their weights [T, k] and the scores [T, E]. pinned_ids: the
-        experts to use [T, k]; default the block's pinned_topk_ids."""
-        logits_TE = self.gate(x_TD)
+    def _gate_projections(self, x_TD: torch.Tensor) -> SharedInputProjections:
+        """The router's logits [T, E] and the shared expert's gate logit [T, 1] (with one) as one node where
+        engine/model/projections allows it."""
+        modules = [self.gate] if self.shared_expert_gate is None else [self.gate, self.shared_expert_gate]
+        return SharedInputProjections(x_TD, modules)
+
+    def _route(self, x_TD: torch.Tensor, gates: SharedInputProjections, pinned_ids: torch.Tensor | None = None):
+        """Router logits [T, E], chosen experts [T, k], their weights [T, k] and the scores [T, E]. gates:
+        _gate_projections(x_TD); pinned_ids: the experts to use [T, k]; default the block's pinned_topk_ids."""
+        (logits_TE,) = gates.of(self.gate)
         bias = self.selection_bias if self.spec.bias_update_rate > 0 or self.spec.has_selection_bias else None
         topk_ids, topk_weights, scores_TE = topk_route(
             logits_TE,
@@ -323,20 +336,20 @@ class MoEBlock(nn.Module):
         )
         return logits_TE, topk_ids, topk_weights, scores_TE
 
-    def _experts_and_shared(self, x_TD, topk_ids, topk_weights) -> torch.Tensor:
-        """The routed experts' weighted sum plus the (gated) shared expert: [T, D]."""
+    def _experts_and_shared(self, x_TD, topk_ids, topk_weights, gates: SharedInputProjections) -> torch.Tensor:
+        """The routed experts' weighted sum plus the (gated) shared expert: [T, D]. The gate scales the shared
+        expert's hidden rows [T, F] before its down projection, which adds the routed sum inside its GEMM
+        (SwiGLU.forward): sigmoid(g) (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D columns."""
         if self.layout.expert_parallel == 1:
             y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype))
         else:
             y_TD = dispatch_compute_combine(
                 x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout
             )
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x_TD)
-            if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(x_TD))
-            y_TD = y_TD + shared
-        return y_TD
+        if self.shared_expert is None:
+            return y_TD
+        scale_T1 = torch.sigmoid(gates.of(self.shared_expert_gate)[0]) if self.shared_expert_gate is not None else None
+        return self.shared_expert(x_TD, scale=scale_T1, add_to=y_TD)
 
     def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop

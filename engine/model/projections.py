@@ -44,6 +44,9 @@ class Parts:
 def shared_input_linears(x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
     """x: [..., I] -> (module(x) for each module), each [..., O_i] in x's dtype, as one autograd node; None where a
     module does not allow it (module docstring)."""
+    if len(modules) < 2:
+        # One plain projection gains nothing from the node (one LoRA layer takes it in its own forward).
+        return None
     parts = [_parts(module, x) for module in modules]
     if any(p is None for p in parts) or has_global_hooks() or torch.is_autocast_enabled(x.device.type):
         return None
@@ -82,6 +85,25 @@ class SharedInputProjections:
     def of(self, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
         """The outputs of `modules`, each handed out once."""
         return tuple(self._outs.pop(id(m)) if id(m) in self._outs else m(self.x) for m in modules)
+
+
+def linear_plus(x: torch.Tensor, module: nn.Module, add_to: torch.Tensor) -> torch.Tensor:
+    """module(x) + add_to, x [..., I] and add_to [..., O] of x's dtype: one addmm (the add inside the GEMM) where
+    `module` is a bias-free nn.Linear with no hook to miss its call (its CLASS_SCOPE_HOOK hooks run around the
+    addmm); else the module's call and an add."""
+    weight = plain_linear_weight(module, x)
+    if weight is None or add_to.dtype != x.dtype or has_global_hooks() or torch.is_autocast_enabled(x.device.type):
+        return module(x) + add_to
+    out = None
+    for hook in list(module._forward_pre_hooks.values()):
+        hook(module, (x,))
+    try:
+        out = torch.addmm(add_to.reshape(-1, add_to.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+        out = out.view(add_to.shape)
+    finally:
+        for hook in list(module._forward_hooks.values()):
+            hook(module, (x,), out)
+    return out
 
 
 def has_hooks(module: nn.Module) -> bool:

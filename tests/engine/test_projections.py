@@ -358,3 +358,85 @@ def test_memory_policies_keep_the_node_and_leave_its_projections_out_of_regions(
                         lambda x, modules: taken.append(original(x, modules)) or taken[-1])  # fmt: skip
     model_loss_and_grads(model)
     assert taken and all(outs is not None for outs in taken)
+
+
+def test_linear_plus_adds_inside_the_gemm_or_calls_the_module():
+    from moe_tune.engine.model.projections import linear_plus
+
+    torch.manual_seed(5)
+    x = torch.randn(3, 4, IN_FEATURES, dtype=torch.float64, requires_grad=True)
+    add_to = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
+    for bias, hooked in [(False, False), (True, False), (False, True)]:
+        module = nn.Linear(IN_FEATURES, 7, bias=bias).double()
+        if hooked:
+            module.register_forward_hook(lambda m, a, o: None)
+        out = linear_plus(x, module, add_to)
+        expected = module(x) + add_to
+        # The add inside one addmm only for a bias-free, unhooked nn.Linear.
+        assert (type(out.grad_fn).__name__ == "ViewBackward0") == (not bias and not hooked)
+        torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
+        leaves = [x, add_to, module.weight]
+        expected_grads = torch.autograd.grad(expected.sum(), leaves)
+        for grad, expected_grad in zip(torch.autograd.grad(out.sum(), leaves), expected_grads):
+            torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("shared", ["gated", "ungated", "none"])
+def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared, monkeypatch):
+    # The router's and the shared gate's logits from one node, the shared expert's rows scaled before its down
+    # projection and the routed sum added inside its GEMM: the layer's output and every gradient as the modules'
+    # own calls give them (routed + sigmoid(gate(x)) * shared_expert(x)), fp64.
+    from moe_tune.engine.model.moe import MoEBlock
+    from moe_tune.profiles.schema import MoESpec
+
+    spec = MoESpec(num_experts=6, top_k=2, expert_intermediate_size=8, shared_expert_intermediate_size=0 if
+                   shared == "none" else 10, shared_expert_gate=shared == "gated")  # fmt: skip
+    torch.manual_seed(0)
+    block = MoEBlock(IN_FEATURES, spec).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.3)
+    x = torch.randn(1, 9, IN_FEATURES, dtype=torch.float64, requires_grad=True)
+    taken = []
+    original = projections.shared_input_linears
+
+    def recording(x, modules):
+        outs = original(x, modules)
+        taken.append((len(modules), outs is not None))
+        return outs
+
+    monkeypatch.setattr(projections, "shared_input_linears", recording)
+    out, _ = block(x)
+    monkeypatch.undo()
+
+    def modules_formula(x):
+        from moe_tune.ops.moe import topk_route
+
+        x_TD = x.reshape(-1, IN_FEATURES)
+        logits = block.gate(x_TD)
+        ids, weights, _ = topk_route(logits, spec.top_k, score_func=spec.score_func, renormalize=spec.renormalize,
+                                     selection_bias=None, routed_scaling=spec.routed_scaling)  # fmt: skip
+        y = block.experts(x_TD, ids, weights.to(x.dtype))
+        if block.shared_expert is not None:
+            mlp = block.shared_expert
+            s = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x_TD)) * mlp.up_proj(x_TD))
+            if block.shared_expert_gate is not None:
+                s = s * torch.sigmoid(block.shared_expert_gate(x_TD))
+            y = y + s
+        return y.view(x.shape)
+
+    expected = modules_formula(x)
+    # A gated block's router and gate share a node; its shared expert's gate and up share another; a router alone
+    # runs its module.
+    expected_calls = {"gated": [(2, True), (2, True)], "ungated": [(1, False), (2, True)], "none": [(1, False)]}
+    assert taken == expected_calls[shared]
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
+    leaves = [x, *[p for p in block.parameters() if p.requires_grad]]
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dy, allow_unused=True)
+    expected_grads = torch.autograd.grad(expected, leaves, dy, allow_unused=True)
+    for grad, expected_grad in zip(grads, expected_grads):
+        if expected_grad is None:
+            assert grad is None
+        else:
+            torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])

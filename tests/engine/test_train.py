@@ -256,12 +256,14 @@ def test_contiguous_gradients_only_off_for_stage_1_in_one_process(stage, world_s
 @pytest.mark.parametrize("stage, takes_fast_path", [(1, True), (3, False)])
 def test_bf16_training_takes_the_lora_fast_path_unless_zero_3(tmp_path, monkeypatch, stage, takes_fast_path):
     # PEFT creates adapters in the base weights' dtype at injection (fp32 here) and DeepSpeed casts the model to bf16
-    # after: adapters and inputs then agree, so the fast path applies; ZeRO-3 partitions the adapters (PEFT's path).
-    from moe_tune.engine.lora import fused
+    # after: adapters and inputs then agree, so the fast path applies (the projections node over the tiny model's
+    # bias-free bases); ZeRO-3 partitions the adapters (PEFT's path).
+    from moe_tune.engine.model import projections
 
     dtypes = []
-    apply = fused.LoraDeltaFunction.apply
-    monkeypatch.setattr(fused.LoraDeltaFunction, "apply", lambda x, *args: dtypes.append(x.dtype) or apply(x, *args))
+    apply = projections.SharedInputLinearsFunction.apply
+    monkeypatch.setattr(projections.SharedInputLinearsFunction, "apply",
+                        lambda x, *args: dtypes.append(x.dtype) or apply(x, *args))  # fmt: skip
     profile = small_profile(tmp_path, "train.precision=bf16", f"parallel.zero_stage={stage}", "train.steps=2")
     finetune(profile, show_progress=False)
     assert set(dtypes) == ({torch.bfloat16} if takes_fast_path else set())
