@@ -17,47 +17,41 @@ import torch
 
 
 class StepValues:
-    """Named device values (tensors of any shape, or Python numbers) of one step, on their way to the host.
+    """Named values of one step (tensors of any shape, or Python numbers), the device's on their way to the host.
 
-    values: name -> tensor or number; tensors are flattened and cast to float64 (integer counts stay exact up to
-    2**53). CPU tensors are read in place: on the CPU there is nothing to overlap."""
+    values: name -> tensor or number. CUDA tensors are flattened into one float64 vector (integer counts stay exact
+    up to 2**53) copied to the host without waiting; CPU tensors and numbers are host values already, read at once."""
 
     def __init__(self, values: dict[str, torch.Tensor | float | int]):
-        self._shapes: dict[str, tuple[int, ...] | None] = {}
-        numbers: dict[str, float] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._ready: dict = {}
         parts = []
         for name, value in values.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.is_cuda:
                 self._shapes[name] = tuple(value.shape)
                 parts.append(value.detach().reshape(-1).to(torch.float64))
+            elif isinstance(value, torch.Tensor):
+                self._ready[name] = _nested(value.detach().reshape(-1).double().tolist(), tuple(value.shape))
             else:
-                self._shapes[name] = None
-                numbers[name] = float(value)
-        self._numbers = numbers
+                self._ready[name] = float(value)
         self._event = None
-        if not parts:
-            self._host = torch.empty(0, dtype=torch.float64)
-            return
-        flat = torch.cat(parts)
-        if flat.is_cuda:
+        self._host = None
+        if parts:
+            flat = torch.cat(parts)
             self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = flat
 
-    def read(self) -> dict[str, float | list[float] | list[list[float]]]:
+    def read(self) -> dict:
         """Every value as a Python number (scalars) or nested lists (tensors), after waiting for its copy alone."""
-        if self._event is not None:
-            self._event.synchronize()
+        out = dict(self._ready)
+        if self._host is None:
+            return out
+        self._event.synchronize()
         flat = self._host.tolist()
-        out: dict = {}
         start = 0
         for name, shape in self._shapes.items():
-            if shape is None:
-                out[name] = self._numbers[name]
-                continue
             size = math.prod(shape)
             out[name] = _nested(flat[start : start + size], shape)
             start += size
