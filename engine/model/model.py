@@ -232,7 +232,7 @@ class MoECausalLM(nn.Module):
         input_ids: torch.Tensor,
         cu_seqlens: torch.Tensor,
         labels: torch.Tensor | None = None,
-        loss_denominator: float | None = None,
+        loss_denominator: float | torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         return_logits: bool | None = None,
@@ -240,8 +240,9 @@ class MoECausalLM(nn.Module):
     ) -> CausalLMOutput:
         """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
         cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T.
-        loss_denominator: divide the summed cross-entropy by this instead of the local labelled-token count (data
-        parallel runs pass global count / world size, so averaging gradients over ranks gives the global mean).
+        loss_denominator: divide the summed cross-entropy by this (a number or a 0-dim tensor) instead of the local
+        labelled-token count (data parallel runs pass global count / world size as a device scalar, so averaging
+        gradients over ranks gives the global mean).
         pixel_values [P, C*Tp*p*p], image_grid_thw [I, 3]: the row's images (engine/data/images.py), whose tokens
         are the runs of model.vision.image_token_id in input_ids.
         return_logits: with labels, also return the [1, T, V] logits. None (default): in eval mode only; a training

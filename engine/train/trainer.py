@@ -757,10 +757,10 @@ def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool)
     return LaunchedStep(step, started, tokens, processed, StepValues(values), memory)
 
 
-def host_values(numbers: list[float], device: torch.device) -> torch.Tensor:
-    """Host numbers as a float32 tensor on `device`, copied from page-locked memory without waiting (a copy from
-    pageable memory waits for the device's queued work)."""
-    host = torch.tensor(numbers, dtype=torch.float32, pin_memory=device.type == "cuda")
+def host_values(numbers: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Host numbers as a tensor on `device` (float32 by default), copied from page-locked memory without waiting (a
+    copy from pageable memory waits for the device's queued work)."""
+    host = torch.tensor(numbers, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
@@ -1055,15 +1055,16 @@ def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[fl
     return (summed / tokens if tokens else math.nan), int(tokens), num_batches
 
 
-def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> float | None:
-    """Global labelled tokens / world size: ranks holding fewer tokens weigh less, so the data-parallel average of
-    gradients is the gradient of the mean loss over the global batch. `num_label_tokens`: those this rank holds (under
-    context parallelism its share of the row's), so the sum over the world counts each once."""
+def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> torch.Tensor | None:
+    """Global labelled tokens / world size, a float64 device scalar (never read on the host: the step does not wait
+    for the all-reduce): ranks holding fewer tokens weigh less, so the data-parallel average of gradients is the
+    gradient of the mean loss over the global batch. `num_label_tokens`: those this rank holds (under context
+    parallelism its share of the row's), so the sum over the world counts each once."""
     if dist.world_size == 1:
         return None
-    count = torch.tensor([float(num_label_tokens)], device=dist.device)
+    count = host_values([float(num_label_tokens)], dist.device, torch.float64)
     torch.distributed.all_reduce(count)
-    return max(count.item(), 1.0) / dist.world_size
+    return count[0].clamp(min=1.0) / dist.world_size
 
 
 def update_moe_bias(engine, dist: DistInfo) -> torch.Tensor | None:
