@@ -937,6 +937,30 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
                           document)  # fmt: skip
 
 
+def queued_baseline_steps(runner, count: int, warmup: int, is_cuda: bool, on_record) -> str | None:
+    """A baseline's `count` steps back to back as ours run (timing.run_queued: each queued before the previous one's
+    loss is read), the peak memory counted from the first timed one (index `warmup`); on_record(index, record)
+    follows each. A launch that runs out of memory ends them: returns where ("warm-up step 2", "timed step 1"), else
+    None; other errors raise."""
+    launching = [0]
+
+    def before_launch(index: int) -> None:
+        launching[0] = index
+        if index == warmup and is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    if is_cuda:
+        torch.cuda.synchronize()
+    try:
+        run_queued(runner, count, on_record, before_launch)
+    except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
+        if not is_out_of_memory(err):
+            raise
+        index = launching[0]
+        return f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
+    return None
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether `err` is the device running out of memory (torch's error, or a library's own message)."""
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
@@ -983,30 +1007,14 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
                 if not is_out_of_memory(err):
                     raise
                 out_of_memory = "the one-document loss before the first step"
-        launching = [0]
-
-        def before_launch(index: int) -> None:
-            launching[0] = index
-            if index == warmup and is_cuda:
-                torch.cuda.reset_peak_memory_stats()
-
         def keep(index: int, record: dict) -> None:
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
 
         if out_of_memory is None:
-            # Steps run back to back as ours do (run_queued): each queued before the previous one's loss is read.
             batches = _StepBatches(runner, step_batches)
-            if is_cuda:
-                torch.cuda.synchronize()
-            try:
-                run_queued(batches, len(step_batches), keep, before_launch)
-            except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
-                if not is_out_of_memory(err):
-                    raise
-                index = launching[0]
-                out_of_memory = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
+            out_of_memory = queued_baseline_steps(batches, len(step_batches), warmup, is_cuda, keep)
         peak = torch.cuda.max_memory_allocated() if is_cuda else None
     finally:
         runner.model = runner.optimizer = runner.scheduler = runner.trainable = None

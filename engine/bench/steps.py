@@ -496,7 +496,7 @@ def run_bf16_base(
     of our model) dequantized into its base, one per entry of `step_batches` (the micro-batches ours trained on,
     checked equal to the twin's; the first `warmup` untimed), timed as ours. Returns (its row, every step's record);
     a twin that does not fit (`fit_problem`) or runs out of memory gives a row saying where (`out_of_memory`)."""
-    from moe_tune.engine.bench.against import is_out_of_memory
+    from moe_tune.engine.bench.against import is_out_of_memory, queued_baseline_steps
     from moe_tune.engine.bench.bf16_base import BASELINE, impl_name, load_dequantized, same_batches
     from moe_tune.engine.plan import count_parameters
     from moe_tune.engine.train.distributed import shutdown_distributed
@@ -531,28 +531,14 @@ def run_bf16_base(
         for step, batches in enumerate(step_batches):
             if not same_batches(batches, runner.micro_batches(step)):
                 raise RuntimeError(f"--against {BASELINE}: the twin's micro-batches of step {step + 1} are not ours")
-        launching = [0]
-
-        def before_launch(index: int) -> None:
-            launching[0] = index
-            if index == warmup and runner.is_cuda:
-                torch.cuda.reset_peak_memory_stats()
-
         def keep(index: int, record: dict) -> None:
             record = dict(record, impl=BASELINE)
             if on_step is not None:
                 on_step(index, index < warmup, record)
             all_records.append(record)
 
-        if runner.is_cuda:
-            torch.cuda.synchronize()
-        try:
-            run_queued(runner, len(step_batches), keep, before_launch)
-        except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
-            if not is_out_of_memory(err):
-                raise
-            index = launching[0]
-            where = f"warm-up step {index + 1}" if index < warmup else f"timed step {index - warmup + 1}"
+        where = queued_baseline_steps(runner, len(step_batches), warmup, runner.is_cuda, keep)
+        if where is not None:
             return dict(row, steps=max(len(all_records) - warmup, 0), out_of_memory=where), all_records
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
     finally:
