@@ -121,8 +121,8 @@ def test_context_parallel_equals_one_process(child_env, tmp_path_factory, chat_d
     # A factors, and the routed experts' B factors, through what they do (the merged weights below): AdamW's update
     # does not scale with the gradient, so an element whose gradient is near zero or turns sign between steps takes
     # a rounding-level gradient difference to a step-sized one. The A factors' first updates all follow near-zero
-    # gradients; so did an expert B element here (seen: 1 of 8192 off by 1.4e-5, the merged expert weights within
-    # 3.3e-6). Every other B factor is compared element by element.
+    # gradients; one routed expert's B element (1 of 8192) was seen 1.4e-5 apart while the merged expert weights
+    # agreed within 3.3e-6. Every other B factor is compared element by element.
     for key in one:
         if ".lora_A." not in key and ".experts.lora_B." not in key:
             torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
