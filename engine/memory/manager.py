@@ -63,7 +63,7 @@ class ActivationMemory:
         if own is not None:
             module.register_forward_pre_hook(self._class_pre_hook(own))
             module.register_forward_hook(self._class_post_hook(), always_call=True, prepend=True)
-        # A token mixer's projections of one input run as one autograd node where they can
+        # A layer's projections of one input (`shared_input_projections`) run as one autograd node where they can
         # (engine/model/projections.py), which a recompute region on each would keep from applying; a recomputed
         # linear layer saves its input all the same, so they are left out of regions (their rank products stay).
         shared = {getattr(module, name) for name in getattr(module, "shared_input_projections", ())}
