@@ -56,7 +56,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from moe_tune.engine.align.reference import called_function, describe, pure_torch_paths
-from moe_tune.engine.bench.timing import QueuedStep, run_queued, timed_steps
+from moe_tune.engine.bench.timing import QueuedStep, run_steps, timed_steps
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, ModelProfile
 
@@ -627,8 +627,7 @@ class TransformersRunner:
 
     def launch(self, batches: list) -> QueuedStep:
         """Queue one optimizer step over `batches` (the micro-batches of one of our steps) and the copy of its loss
-        to the host, as a training loop that reads its loss a step late does (HF Trainer reads it every logging
-        steps only); nothing waits for the device."""
+        to the host; nothing waits for the device."""
         from moe_tune.engine.train.step_values import StepValues, launch_clock
 
         train = self.job.train
@@ -646,18 +645,18 @@ class TransformersRunner:
         self.optimizer.zero_grad(set_to_none=True)
         return QueuedStep(started, tokens, [], StepValues({"loss": torch.stack(losses).mean()}), None)
 
-    def finish(self, queued: QueuedStep, previous_ready: float | None = None) -> tuple[dict[str, Any], float]:
+    def finish(self, queued: QueuedStep) -> tuple[dict[str, Any], float]:
         """StepRunner.finish's record (loss, tokens, step time) of a queued step, and when its loss was on the host."""
         from moe_tune.engine.train.step_values import step_time
 
         loss = queued.values.read()["loss"]
-        seconds, ready = step_time(queued.started, previous_ready)
+        seconds, ready = step_time(queued.started, None)
         return {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
                 "tokens_per_s": queued.tokens / seconds}, ready  # fmt: skip
 
 
 class _StepBatches:
-    """The baseline's runner with each step's micro-batches bound in order: launch() / finish() as run_queued
+    """The baseline's runner with each step's micro-batches bound in order: launch() / finish() as run_steps
     takes them."""
 
     def __init__(self, runner, step_batches: list[list]):
@@ -668,8 +667,8 @@ class _StepBatches:
         self._next += 1
         return self._runner.launch(batches)
 
-    def finish(self, queued: QueuedStep, previous_ready: float | None = None):
-        return self._runner.finish(queued, previous_ready)
+    def finish(self, queued: QueuedStep):
+        return self._runner.finish(queued)
 
 
 def _function_name(value: Any) -> str:
@@ -937,10 +936,9 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
                           document)  # fmt: skip
 
 
-def queued_baseline_steps(runner, count: int, warmup: int, is_cuda: bool, on_record) -> str | None:
-    """A baseline's `count` steps back to back as ours run (timing.run_queued: each queued before the previous one's
-    loss is read), the peak memory counted from the first timed one (index `warmup`); on_record(index, record)
-    follows each. A launch that runs out of memory ends them: returns where ("warm-up step 2", "timed step 1"), else
+def timed_baseline_steps(runner, count: int, warmup: int, is_cuda: bool, on_record) -> str | None:
+    """A baseline's `count` steps timed as ours (timing.run_steps: each on an idle device), the peak memory counted
+    from the first timed one (index `warmup`); on_record(index, record) follows each. A launch that runs out of memory ends them: returns where ("warm-up step 2", "timed step 1"), else
     None; other errors raise."""
     launching = [0]
 
@@ -949,10 +947,8 @@ def queued_baseline_steps(runner, count: int, warmup: int, is_cuda: bool, on_rec
         if index == warmup and is_cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    if is_cuda:
-        torch.cuda.synchronize()
     try:
-        run_queued(runner, count, on_record, before_launch)
+        run_steps(runner, count, on_record, before_launch)
     except Exception as err:  # noqa: BLE001 - only running out of memory becomes a row
         if not is_out_of_memory(err):
             raise
@@ -1014,7 +1010,7 @@ def _run_steps(runner, step_batches, warmup, is_cuda, on_step, allocated_before,
 
         if out_of_memory is None:
             batches = _StepBatches(runner, step_batches)
-            out_of_memory = queued_baseline_steps(batches, len(step_batches), warmup, is_cuda, keep)
+            out_of_memory = timed_baseline_steps(batches, len(step_batches), warmup, is_cuda, keep)
         peak = torch.cuda.max_memory_allocated() if is_cuda else None
     finally:
         runner.model = runner.optimizer = runner.scheduler = runner.trainable = None

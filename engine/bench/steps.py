@@ -22,7 +22,7 @@ import torch
 
 from moe_tune.engine.bench.flops import piece_lengths
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
-from moe_tune.engine.bench.timing import QueuedStep, median_ms, run_queued, timed_steps
+from moe_tune.engine.bench.timing import QueuedStep, median_ms, run_steps, timed_steps
 from moe_tune.engine.train import ds_config
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
@@ -156,14 +156,13 @@ class StepRunner:
         self.steps_done += 1
         return QueuedStep(started, tokens, pieces, StepValues({"loss": loss}), memory)
 
-    def finish(self, queued: QueuedStep, previous_ready: float | None = None) -> tuple[dict[str, Any], float]:
-        """A queued step's record, once its loss is on the host, and the moment it was (perf_counter). Its time runs
-        from its launch, or from `previous_ready` (the step before's values on the host) when it was queued before
-        that: then the steps ran back to back and the time between their values is the step's."""
+    def finish(self, queued: QueuedStep) -> tuple[dict[str, Any], float]:
+        """A queued step's record once its loss is on the host, and that moment (perf_counter); its time runs from
+        its launch (run_steps starts each on an idle device)."""
         from moe_tune.engine.train.step_values import step_time
 
         loss = queued.values.read()["loss"]
-        seconds, ready = step_time(queued.started, previous_ready)
+        seconds, ready = step_time(queued.started, None)
         record = {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
                   "tokens_per_s": queued.tokens / seconds, "pieces": queued.pieces}  # fmt: skip
         if queued.memory_metrics is not None:
@@ -362,9 +361,7 @@ def profile_steps(
                 on_step(index, index < warmup, record)
             all_records.append(record)
 
-        if runner.is_cuda:
-            torch.cuda.synchronize()
-        run_queued(runner, warmup + steps, keep, before_launch=reset_peak)
+        run_steps(runner, warmup + steps, keep, before_launch=reset_peak)
         records = all_records[warmup:]
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
         copy_rates = pinned_copy_bandwidth() if runner.is_cuda else (None, None)
@@ -496,7 +493,7 @@ def run_bf16_base(
     of our model) dequantized into its base, one per entry of `step_batches` (the micro-batches ours trained on,
     checked equal to the twin's; the first `warmup` untimed), timed as ours. Returns (its row, every step's record);
     a twin that does not fit (`fit_problem`) or runs out of memory gives a row saying where (`out_of_memory`)."""
-    from moe_tune.engine.bench.against import is_out_of_memory, queued_baseline_steps
+    from moe_tune.engine.bench.against import is_out_of_memory, timed_baseline_steps
     from moe_tune.engine.bench.bf16_base import BASELINE, impl_name, load_dequantized, same_batches
     from moe_tune.engine.plan import count_parameters
     from moe_tune.engine.train.distributed import shutdown_distributed
@@ -537,7 +534,7 @@ def run_bf16_base(
                 on_step(index, index < warmup, record)
             all_records.append(record)
 
-        where = queued_baseline_steps(runner, len(step_batches), warmup, runner.is_cuda, keep)
+        where = timed_baseline_steps(runner, len(step_batches), warmup, runner.is_cuda, keep)
         if where is not None:
             return dict(row, steps=max(len(all_records) - warmup, 0), out_of_memory=where), all_records
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None

@@ -1,10 +1,9 @@
 """The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench, or of a few calls for a
 step too slow for do_bench's repetitions (every GPU time a benchmark reports goes through it). Ops: median_ms over a
 forward (recording autograd, as in training) or a forward and its backward, and the extra peak memory of one more
-call on its own (time_pass); on the CPU time.perf_counter medians (time_ms). Training steps: back to back as the
-trainer runs them (run_queued), each timed as the trainer times its records (engine/train/step_values.step_time:
-the interval between consecutive steps' values reaching the host); a block timed alone: wall time with the device
-synchronized at both ends (StepClock)."""
+call on its own (time_pass); on the CPU time.perf_counter medians (time_ms). Training steps (run_steps): each on
+an idle device, from its launch to its values on the host (engine/train/step_values.step_time); a block timed
+alone: wall time with the device synchronized at both ends (StepClock)."""
 
 from __future__ import annotations
 
@@ -169,27 +168,14 @@ class QueuedStep:
     memory_metrics: dict | None
 
 
-def run_queued(runner, count: int, on_record: Callable[[int, dict], None], before_launch=None) -> None:
-    """`count` steps of `runner` (StepRunner or the --against baseline's runner: launch() / finish()) back to back,
-    as the trainer runs them: step i + 1 is queued before step i's values are read. on_record(i, record) follows
-    each; before_launch(i) precedes each launch. A launch that raises ends the run after the step queued before it
-    is read."""
-    queued, ready = None, None
+def run_steps(runner, count: int, on_record: Callable[[int, dict], None], before_launch=None) -> None:
+    """`count` steps of `runner` (StepRunner or the --against baseline's runner: launch() / finish()), each on an idle
+    device (synchronized before its launch) and read before the next: a step's time runs from its launch to its
+    values on the host. on_record(i, record) follows each; before_launch(i) precedes each launch."""
     for index in range(count):
         if before_launch is not None:
             before_launch(index)
-        try:
-            launched = runner.launch()
-        except Exception:
-            if queued is not None:
-                # The step queued before the failed launch has run: its record stands.
-                record, _ = runner.finish(queued, ready)
-                on_record(index - 1, record)
-            raise
-        if queued is not None:
-            record, ready = runner.finish(queued, ready)
-            on_record(index - 1, record)
-        queued = launched
-    if queued is not None:
-        record, _ = runner.finish(queued, ready)
-        on_record(count - 1, record)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        record, _ = runner.finish(runner.launch())
+        on_record(index, record)

@@ -56,7 +56,8 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
                 # As the trainer's loop and the profile's timed steps: the second queued before the first is read.
                 first = runner.launch()
                 second = runner.launch()
-                runner.finish(second, runner.finish(first)[1])
+                runner.finish(first)
+                runner.finish(second)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     finally:

@@ -183,7 +183,7 @@ class FakeRunner:
         self.steps_done += 1
         return self.steps_done
 
-    def finish(self, queued, previous_ready=None):
+    def finish(self, queued):
         return {"loss": 5.0, "tokens": 8, "step_time_s": 0.5, "tokens_per_s": 16.0, "pieces": [8]}, float(queued)
 
     def close(self):
