@@ -625,13 +625,13 @@ class TransformersRunner:
             self.model.train(was_training)
         return float(lm)
 
-    def launch(self, batches: list) -> QueuedStep:
+    def launch(self, batches: list, behind=None) -> QueuedStep:
         """Queue one optimizer step over `batches` (the micro-batches of one of our steps) and the copy of its loss
-        to the host; nothing waits for the device."""
+        to the host; nothing waits for the device. behind: the unread QueuedStep it is queued behind."""
         from moe_tune.engine.train.step_values import StepValues, launch_clock
 
         train = self.job.train
-        started = launch_clock()
+        started = launch_clock(self.device)
         losses, tokens = [], 0
         for batch in batches:
             loss, lm = self.lm_loss(self.inputs(batch))
@@ -643,29 +643,28 @@ class TransformersRunner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return QueuedStep(started, tokens, [], StepValues({"loss": torch.stack(losses).mean()}), None)
+        loss = torch.stack(losses).mean()
+        ahead = behind.values if behind is not None else None
+        return QueuedStep(tokens, [], StepValues({"loss": loss}, started), None, ahead)
 
-    def finish(self, queued: QueuedStep) -> tuple[dict[str, Any], float]:
-        """StepRunner.finish's record (loss, tokens, step time) of a queued step, and when its loss was on the host."""
-        from moe_tune.engine.train.step_values import step_time
-
+    def finish(self, queued: QueuedStep) -> dict[str, Any]:
+        """StepRunner.finish's record (loss, tokens, step time) of a queued step, once its loss is on the host."""
         loss = queued.values.read()["loss"]
-        seconds, ready = step_time(queued.started, None)
-        return {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
-                "tokens_per_s": queued.tokens / seconds}, ready  # fmt: skip
+        seconds = queued.values.seconds(queued.behind)
+        return {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds, "tokens_per_s": queued.tokens / seconds}
 
 
 class _StepBatches:
-    """The baseline's runner with each step's micro-batches bound in order: launch() / finish() as run_steps
+    """The baseline's runner with each step's micro-batches bound in order: launch(behind) / finish() as run_steps
     takes them."""
 
     def __init__(self, runner, step_batches: list[list]):
         self._runner, self._batches, self._next = runner, step_batches, 0
 
-    def launch(self) -> QueuedStep:
+    def launch(self, behind=None) -> QueuedStep:
         batches = self._batches[self._next]
         self._next += 1
-        return self._runner.launch(batches)
+        return self._runner.launch(batches, behind)
 
     def finish(self, queued: QueuedStep):
         return self._runner.finish(queued)
@@ -937,9 +936,9 @@ def run_transformers(job: JobProfile, step_batches: list[list], warmup: int, dev
 
 
 def timed_baseline_steps(runner, count: int, warmup: int, is_cuda: bool, on_record) -> str | None:
-    """A baseline's `count` steps timed as ours (timing.run_steps: each on an idle device), the peak memory counted
-    from the first timed one (index `warmup`); on_record(index, record) follows each. A launch that runs out of memory ends them: returns where ("warm-up step 2", "timed step 1"), else
-    None; other errors raise."""
+    """A baseline's `count` steps timed as ours (timing.run_steps: queued as the trainer queues them), the peak
+    memory counted from the first timed one (index `warmup`); on_record(index, record) follows each. A step that runs
+    out of memory ends them: returns where ("warm-up step 2", "timed step 1"), else None; other errors raise."""
     launching = [0]
 
     def before_launch(index: int) -> None:

@@ -120,17 +120,16 @@ class StepRunner:
         metrics."""
         if self.is_cuda:
             torch.cuda.synchronize()
-        record, _ = self.finish(self.launch())
-        return record
+        return self.finish(self.launch())
 
-    def launch(self) -> QueuedStep:
+    def launch(self, behind=None) -> QueuedStep:
         """Queue one optimizer step, as the trainer's loop does (engine/train/trainer.py, _launch_step): its
         micro-batches forward and backward, the optimizer's step, the selection biases updated, the copy of its loss
-        to the host; nothing waits for the device."""
+        to the host; nothing waits for the device. behind: the unread QueuedStep it is queued behind."""
         from moe_tune.engine.train.step_values import StepValues, launch_clock
         from moe_tune.engine.train.trainer import ensure_training, micro_step, share_of_batch, update_moe_bias
 
-        started = launch_clock()
+        started = launch_clock(self.dist.device)
         ensure_training(self.engine)
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
         tokens, losses, pieces = 0, [], []
@@ -154,20 +153,19 @@ class StepRunner:
             loss = loss / self.dist.world_size
         memory = self.activation_memory.step_metrics() if self.activation_memory is not None else None
         self.steps_done += 1
-        return QueuedStep(started, tokens, pieces, StepValues({"loss": loss}), memory)
+        ahead = behind.values if behind is not None else None
+        return QueuedStep(tokens, pieces, StepValues({"loss": loss}, started), memory, ahead)
 
-    def finish(self, queued: QueuedStep) -> tuple[dict[str, Any], float]:
-        """A queued step's record once its loss is on the host, and that moment (perf_counter); its time runs from
-        its launch (run_steps starts each on an idle device)."""
-        from moe_tune.engine.train.step_values import step_time
-
+    def finish(self, queued: QueuedStep) -> dict[str, Any]:
+        """A queued step's record once its loss is on the host: its loss, tokens, time (StepValues.seconds), document
+        pieces and the memory policy's metrics."""
         loss = queued.values.read()["loss"]
-        seconds, ready = step_time(queued.started, None)
+        seconds = queued.values.seconds(queued.behind)
         record = {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
                   "tokens_per_s": queued.tokens / seconds, "pieces": queued.pieces}  # fmt: skip
         if queued.memory_metrics is not None:
             record.update(queued.memory_metrics)
-        return record, ready
+        return record
 
     def document_loss(self, document) -> float:
         """Mean next-token loss on `document` (a micro-batch, here one document alone) in eval mode without gradients,
@@ -373,7 +371,7 @@ def profile_steps(
             say("one more step with the host's waits for the GPU recorded")
             torch.cuda.synchronize()
             with recorded_host_waits() as waits:
-                runner.finish(runner.launch())
+                runner.step()
             breakdown["host_waits"] = host_wait_sites(waits)
             say("one more step with only the device's work profiled (where it idles)")
             breakdown["device_timeline"] = timeline_step(runner)

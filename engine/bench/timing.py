@@ -1,12 +1,13 @@
 """The benchmarks' timers. Anything on CUDA: median_ms, the median of triton.testing.do_bench, or of a few calls for a
 step too slow for do_bench's repetitions (every GPU time a benchmark reports goes through it). Ops: median_ms over a
 forward (recording autograd, as in training) or a forward and its backward, and the extra peak memory of one more
-call on its own (time_pass); on the CPU time.perf_counter medians (time_ms). Training steps (run_steps): each on
-an idle device, from its launch to its values on the host (engine/train/step_values.step_time); a block timed
-alone: wall time with the device synchronized at both ends (StepClock)."""
+call on its own (time_pass); on the CPU time.perf_counter medians (time_ms). Training steps (run_steps): queued as
+the trainer queues them, each timed on the device's timeline from the end of the step before it
+(engine/train/step_values); a block timed alone: wall time with the device synchronized at both ends (StepClock)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -158,24 +159,39 @@ def timed_steps(all_records: list[dict], warmup: int, peak_memory_bytes: int | N
 
 @dataclass
 class QueuedStep:
-    """A step StepRunner.launch queued: when its launch began, its label tokens and document pieces (host), its loss
-    on its way to the host, the memory policy's metrics."""
+    """A step StepRunner.launch queued: its label tokens and document pieces (host), its loss on its way to the host
+    (StepValues, which marks its start and end), the memory policy's metrics, and the StepValues of the step it was
+    queued behind (its time runs from that step's end)."""
 
-    started: float
     tokens: int
     pieces: list[int]
     values: Any
     memory_metrics: dict | None
+    behind: Any = None
 
 
 def run_steps(runner, count: int, on_record: Callable[[int, dict], None], before_launch=None) -> None:
-    """`count` steps of `runner` (StepRunner or the --against baseline's runner: launch() / finish()), each on an idle
-    device (synchronized before its launch) and read before the next: a step's time runs from its launch to its
-    values on the host. on_record(i, record) follows each; before_launch(i) precedes each launch."""
+    """`count` steps of `runner` (StepRunner or the --against baseline's runner: launch(behind) / finish()) queued as
+    the trainer queues them: the first launched on an idle device, each next one before the step ahead of it is read.
+    A step's time runs on the device's timeline from the end of the step before it (from its launch for the first:
+    StepValues.seconds), so it holds the step's work and any wait for the host's launches, and none of the host's
+    reads. on_record(i, record) follows each step's read; before_launch(i) precedes each launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    ahead = None
     for index in range(count):
         if before_launch is not None:
             before_launch(index)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        record, _ = runner.finish(runner.launch())
-        on_record(index, record)
+        try:
+            queued = runner.launch(behind=ahead)
+        except BaseException:
+            # The step ahead has run: it is read and kept before the launch's error (out of memory, a stop) goes on.
+            if ahead is not None:
+                with contextlib.suppress(Exception):
+                    on_record(index - 1, runner.finish(ahead))
+            raise
+        if ahead is not None:
+            on_record(index - 1, runner.finish(ahead))
+        ahead = queued
+    if ahead is not None:
+        on_record(count - 1, runner.finish(ahead))

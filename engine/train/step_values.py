@@ -1,4 +1,4 @@
-"""A training step's device values, read on the host after the next step is queued.
+"""A training step's device values, read on the host after the next step is queued, and the step's time.
 
 A step ends with values the host needs (the loss, the gradient norm, the expert loads, whether a weight went
 non-finite; on several ranks the token counts and the stop vote). Read where they are made, the host waits at
@@ -6,23 +6,42 @@ every step's end until the GPU has run all it was given, and the next step start
 kernels then run at the host's launch pace. Here they are gathered into one float64 vector and copied to page-locked
 host memory without waiting; `read()` waits for that copy alone (its event), which the trainer calls once the
 next step's work is queued (engine/train/trainer.py's loop).
+
+A step's time is measured where its work runs. On CUDA, events mark its launch's start and its end (the values'
+copy) on the device's timeline; a step queued behind the one before it runs from that step's end to its own, so
+that the steps' times add up to the run's and each holds its own work and any wait for the host's launches, not the
+moment the host happened to read it. On the CPU the work runs as the host launches it: from the launch's start to its
+end.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class StepStart:
+    """Where a step's launch began: the host clock (time.perf_counter) and, on CUDA, an event recorded on the
+    current stream there."""
+
+    host_s: float
+    event: torch.cuda.Event | None
+
+
 class StepValues:
-    """Named values of one step (tensors of any shape, or Python numbers), the device's on their way to the host.
+    """Named values of one step (tensors of any shape, or Python numbers), the device's on their way to the host, and
+    the step's end.
 
     values: name -> tensor or number. CUDA tensors are flattened into one float64 vector (integer counts stay exact
-    up to 2**53) copied to the host without waiting; CPU tensors and numbers are host values already, read at once."""
+    up to 2**53) copied to the host without waiting; CPU tensors and numbers are host values already, read at once.
+    start: the step's launch_clock(); made at the end of the step's launch, these values mark the step's end."""
 
-    def __init__(self, values: dict[str, torch.Tensor | float | int]):
+    def __init__(self, values: dict[str, torch.Tensor | float | int], start: StepStart):
+        self.start = start
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._ready: dict = {}
         parts = []
@@ -34,21 +53,25 @@ class StepValues:
                 self._ready[name] = _nested(value.detach().reshape(-1).double().tolist(), tuple(value.shape))
             else:
                 self._ready[name] = float(value)
-        self._event = None
         self._host = None
         if parts:
             flat = torch.cat(parts)
             self._host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             self._host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
+        # The step's end: on the device after the copy (read() waits for it), on the host now.
+        self._event = None
+        if parts or start.event is not None:
+            self._event = torch.cuda.Event(enable_timing=True)
             self._event.record()
+        self._ended_s = time.perf_counter()
 
     def read(self) -> dict:
         """Every value as a Python number (scalars) or nested lists (tensors), after waiting for its copy alone."""
         out = dict(self._ready)
+        if self._event is not None:
+            self._event.synchronize()
         if self._host is None:
             return out
-        self._event.synchronize()
         flat = self._host.tolist()
         start = 0
         for name, shape in self._shapes.items():
@@ -56,6 +79,16 @@ class StepValues:
             out[name] = _nested(flat[start : start + size], shape)
             start += size
         return out
+
+    def seconds(self, behind: StepValues | None = None) -> float:
+        """The step's time, once it has ended (read() waits for that): on the device's timeline from the end of the
+        step it was queued behind (`behind`: launched before that one's values were read), else from its own launch;
+        on the CPU from its launch to its launch's end."""
+        if self._event is None or self.start.event is None:
+            return self._ended_s - self.start.host_s
+        self._event.synchronize()
+        begin = behind._event if behind is not None and behind._event is not None else self.start.event
+        return begin.elapsed_time(self._event) / 1e3
 
 
 def _nested(values: list[float], shape: tuple[int, ...]):
@@ -68,14 +101,10 @@ def _nested(values: list[float], shape: tuple[int, ...]):
     return [_nested(values[i * inner : (i + 1) * inner], shape[1:]) for i in range(shape[0])]
 
 
-def launch_clock() -> float:
-    """The moment a step's launch begins (time.perf_counter), for step_time."""
-    return time.perf_counter()
-
-
-def step_time(started: float, previous_ready: float | None) -> tuple[float, float]:
-    """(the step's time, now) for a step whose values were just read: from its launch (`started`), or from the step
-    before's values reaching the host (`previous_ready`) when it was queued before them, the steps then running back
-    to back. The trainer's records and the benchmark's steps (engine/bench) are timed by it."""
-    ready = time.perf_counter()
-    return ready - max(started, previous_ready or 0.0), ready
+def launch_clock(device: torch.device) -> StepStart:
+    """Mark the start of a step's launch on `device` (StepValues.seconds measures from it)."""
+    event = None
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    return StepStart(time.perf_counter(), event)

@@ -47,7 +47,7 @@ from .distributed import (
 )
 from .ds_config import deepspeed_config, zero_stage_note
 from .loggers import check_report_to
-from .step_values import StepValues, launch_clock, step_time
+from .step_values import StepValues, launch_clock
 
 
 @dataclass
@@ -598,14 +598,11 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
     reporter = ProgressReporter(run.total_steps, start_step, profile.train.log_every, is_shown, console)
     started = time.perf_counter()
     watched = watched_weights(run.engine.module)
-    last_ready: float | None = None
 
     def finish(launched: LaunchedStep) -> bool:
         """Step `launched`'s record: written, checked, reported; whether the run stops after it."""
-        nonlocal last_ready
         values = launched.values.read()
-        seconds, last_ready = step_time(launched.started, last_ready)
-        record = _step_record(run, launched, values, seconds)
+        record = _step_record(run, launched, values, launched.values.seconds(launched.behind))
         if writer is not None:
             writer.write(record)
         # A resumed run that has not saved yet still has the checkpoint it resumed from.
@@ -628,7 +625,8 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
                 reporter.print(line)
             in_flight: LaunchedStep | None = None
             for step in range(start_step, run.end_step):
-                launched = _launch_step(run, step, watched, stop.received is not None)
+                behind = in_flight.values if in_flight is not None else None
+                launched = _launch_step(run, step, watched, stop.received is not None, behind)
                 if in_flight is not None and finish(in_flight):
                     # The step queued behind the stopping one finishes and is saved with it.
                     finish(launched)
@@ -702,24 +700,27 @@ _TRAIN_MODE_SET = "_moe_tune_train_mode_set"
 class LaunchedStep:
     """An optimizer step whose work is queued: its host-side counts and its device values on their way to the host
     (StepValues: loss, aux_loss, grad_norm, the MoE layers' loads, first_bad_weight; stop_votes, and the token counts
-    summed over the ranks where several run)."""
+    summed over the ranks where several run), and the values of the step it was queued behind (its time runs from
+    that step's end: StepValues.seconds)."""
 
     step: int
-    started: float
     tokens: int
     processed: int
     values: StepValues
     memory_metrics: dict | None
+    behind: StepValues | None
 
 
-def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool) -> LaunchedStep:
+def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool,
+                 behind: StepValues | None) -> LaunchedStep:  # fmt: skip
     """Queue optimizer step `step` (0-based): its micro-batches forward and backward, the optimizer's step, the
     selection biases updated, and the copy of its values to the host; nothing here waits for the device.
-    is_signalled: this process received a stop signal (the ranks' vote, several ranks)."""
+    is_signalled: this process received a stop signal (the ranks' vote, several ranks). behind: the values of the
+    step still unread, which this one is queued behind."""
     from .metrics import processed_tokens
 
     engine, dist, dataset, train = run.engine, run.dist, run.dataset, run.profile.train
-    started = launch_clock()
+    started = launch_clock(dist.device)
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
     accumulation = train.gradient_accumulation_steps
@@ -754,7 +755,7 @@ def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool)
         values["moe_loads"] = moe_loads
     values["first_bad_weight"] = first_nonfinite_weight(watched, dist)
     memory = run.activation_memory.step_metrics() if run.activation_memory is not None else None
-    return LaunchedStep(step, started, tokens, processed, StepValues(values), memory)
+    return LaunchedStep(step, tokens, processed, StepValues(values, started), memory, behind)
 
 
 def host_values(numbers: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,15 +1,18 @@
 """The trainer queues step n + 1 before it reads step n's values (engine/train/trainer.py, engine/train/step_values.py):
 the order of launches and reads, the steps that are read before the next is queued (the run's first, those before an
-eval, a checkpoint or the end, a signal), a stop saving the step in flight, and the values read as they were made."""
+eval, a checkpoint or the end, a signal), a stop saving the step in flight, the values read as they were made, and
+each step's time its own; the benchmark's steps queued the same way (engine/bench/timing.run_steps)."""
 
+import itertools
 import json
 import signal
 
 import pytest
 import torch
 
-from moe_tune.engine.train import trainer
-from moe_tune.engine.train.step_values import StepValues
+from moe_tune.engine.bench.timing import QueuedStep, run_steps
+from moe_tune.engine.train import step_values, trainer
+from moe_tune.engine.train.step_values import StepValues, launch_clock
 from moe_tune.engine.train.trainer import finetune
 from moe_tune.profiles import load_profile
 
@@ -26,10 +29,10 @@ def record_order(monkeypatch, on_launch=None):
     events = []
     launch = trainer._launch_step
 
-    def launching(run, step, watched, is_signalled):
+    def launching(run, step, watched, is_signalled, behind):
         if on_launch is not None:
             on_launch(step)
-        launched = launch(run, step, watched, is_signalled)
+        launched = launch(run, step, watched, is_signalled, behind)
         events.append(("launch", step + 1))
         read = launched.values.read
 
@@ -110,9 +113,110 @@ def test_a_signal_saves_the_step_in_flight_and_stops(tmp_path, monkeypatch, sign
 
 
 def test_step_values_read_as_made():
+    cpu = torch.device("cpu")
     values = StepValues({"loss": torch.tensor(2.5), "loads": torch.arange(6.0).view(2, 3), "count": 7,
-                         "empty": torch.zeros(0, 3), "index": torch.tensor(3, dtype=torch.long)})  # fmt: skip
+                         "empty": torch.zeros(0, 3), "index": torch.tensor(3, dtype=torch.long)},
+                        launch_clock(cpu))  # fmt: skip
     assert values.read() == {"loss": 2.5, "loads": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "count": 7.0, "empty": [],
                              "index": 3.0}  # fmt: skip
     # float64 on the way: counts beyond float32's exact integers stay exact.
-    assert StepValues({"tokens": torch.tensor(2**24 + 1)}).read()["tokens"] == 2**24 + 1
+    assert StepValues({"tokens": torch.tensor(2**24 + 1)}, launch_clock(cpu)).read()["tokens"] == 2**24 + 1
+
+
+class FakeClock:
+    """step_values' `time`: perf_counter returns `now`, which a test moves."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_cpu_step_is_timed_from_its_launch_to_its_launch_end(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(step_values, "time", clock)
+    first = StepValues({"loss": 1.0}, launch_clock(torch.device("cpu")))
+    start = launch_clock(torch.device("cpu"))
+    clock.now += 2.5  # the step's work, which the CPU runs as it is launched
+    second = StepValues({"loss": 1.0}, start)
+    clock.now += 7.0  # the host's later work (the next launch, the read) is not the step's
+    second.read()
+    # Queued behind `first` or not: on the CPU `first` ended before this launch began.
+    assert second.seconds() == second.seconds(first) == 2.5
+
+
+@pytest.mark.parametrize("extra", [(), ("output.save_every=3",)])
+def test_each_record_times_its_own_step(tmp_path, monkeypatch, extra):
+    # Step n's work takes n seconds of a fake clock (its one micro-step): each record says n, queued or not; a record
+    # timed from the host's reads would hold the next step's launch instead.
+    clock = FakeClock()
+    monkeypatch.setattr(step_values, "time", clock)
+    micro_step = trainer.micro_step
+    seconds = itertools.count(1)
+
+    def timed_micro_step(*args, **kwargs):
+        out = micro_step(*args, **kwargs)
+        clock.now += next(seconds)
+        return out
+
+    monkeypatch.setattr(trainer, "micro_step", timed_micro_step)
+    result = finetune(small_profile(tmp_path, "train.steps=6", *extra), show_progress=False)
+    records = [json.loads(line) for line in result.metrics.read_text().splitlines()]
+    assert [r["step_time_s"] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert [r["tokens_per_s"] for r in records] == [r["tokens"] / r["step_time_s"] for r in records]
+
+
+class RecordingRunner:
+    """A runner for timing.run_steps: logs each launch (with the step it was queued behind) and each finish."""
+
+    def __init__(self):
+        self.events = []
+
+    def launch(self, behind=None):
+        index = sum(1 for e in self.events if e[0] == "launch")
+        values = StepValues({"loss": float(index)}, launch_clock(torch.device("cpu")))
+        ahead = behind.values if behind is not None else None
+        queued = QueuedStep(tokens=10, pieces=[10], values=values, memory_metrics=None, behind=ahead)
+        self.events.append(("launch", index, behind))
+        return queued
+
+    def finish(self, queued):
+        loss = queued.values.read()["loss"]
+        self.events.append(("finish", int(loss), queued.behind))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_benchmark_steps_are_queued_as_the_trainer_queues_them(count):
+    runner, records, launches = RecordingRunner(), [], []
+    run_steps(runner, count, lambda i, record: records.append((i, record["loss"])), before_launch=launches.append)
+    assert records == [(i, float(i)) for i in range(count)]
+    assert launches == list(range(count))
+    order = [(kind, index) for kind, index, _ in runner.events]
+    # The first launched alone, each next one before the step ahead of it is read, the last read at the end.
+    expected = [("launch", 0)]
+    for i in range(1, count):
+        expected += [("launch", i), ("finish", i - 1)]
+    assert order == expected + [("finish", count - 1)]
+    behinds = [behind for kind, _, behind in runner.events if kind == "launch"]
+    assert behinds[0] is None
+    for i in range(1, count):
+        # Queued behind the step launched just before it, which its time then runs from.
+        assert behinds[i] is not None and behinds[i].values.read()["loss"] == float(i - 1)
+
+
+def test_a_failed_launch_keeps_the_step_ahead_of_it():
+    # Out of memory in step 3's launch: step 2, queued and run, is still read and recorded before the error goes on.
+    runner, records = RecordingRunner(), []
+    launch = runner.launch
+
+    def failing(behind=None):
+        if len([e for e in runner.events if e[0] == "launch"]) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return launch(behind)
+
+    runner.launch = failing
+    with pytest.raises(torch.OutOfMemoryError):
+        run_steps(runner, 5, lambda i, record: records.append((i, record["loss"])))
+    assert records == [(0, 0.0), (1, 1.0)]

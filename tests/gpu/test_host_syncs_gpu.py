@@ -55,7 +55,7 @@ def test_a_training_step_waits_for_the_gpu_only_where_allowed():
             try:
                 # As the trainer's loop and the profile's timed steps: the second queued before the first is read.
                 first = runner.launch()
-                second = runner.launch()
+                second = runner.launch(behind=first)
                 runner.finish(first)
                 runner.finish(second)
             finally:

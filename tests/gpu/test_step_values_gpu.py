@@ -1,10 +1,13 @@
 """A step's values on their way to the host (engine/train/step_values.py) on CUDA: read as the device tensors hold
-them when they were taken, and read without waiting for the work queued after them. Run with pytest -m gpu tests/gpu."""
+them when they were taken, and read without waiting for the work queued after them; steps queued back to back timed
+on the device's timeline, each holding its own work. Run with pytest -m gpu tests/gpu."""
+
+import time
 
 import pytest
 import torch
 
-from moe_tune.engine.train.step_values import StepValues
+from moe_tune.engine.train.step_values import StepValues, launch_clock
 
 pytestmark = pytest.mark.gpu
 
@@ -14,7 +17,8 @@ def test_values_are_read_as_taken_without_waiting_for_later_work():
     loss = x[0, 0] * 2
     loads = x[:2, :3].clone()
     expected = {"loss": loss.item(), "loads": loads.double().tolist(), "count": 5.0, "host": [1.0, 2.0]}
-    values = StepValues({"loss": loss, "loads": loads, "count": 5, "host": torch.tensor([1, 2])})
+    values = StepValues({"loss": loss, "loads": loads, "count": 5, "host": torch.tensor([1, 2])},
+                        launch_clock(torch.device("cuda")))
     # Changed after they were taken: the read sees the values of that moment.
     loads.add_(1.0)
     # Far more work queued behind the copy than a read takes (fp32 GEMMs of 137 GFLOP each).
@@ -26,3 +30,57 @@ def test_values_are_read_as_taken_without_waiting_for_later_work():
     assert not queued.query(), "the read waited for the work queued after the values"
     assert read == expected
     torch.cuda.synchronize()
+
+
+def device_work(ms: float) -> None:
+    """About `ms` of device time in one kernel: torch.cuda._sleep spins for a number of clock cycles, counted here by
+    timing a spin with events."""
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS = 50_000_000 / start.elapsed_time(end)
+    torch.cuda._sleep(int(ms * _CYCLES_PER_MS))
+
+
+_CYCLES_PER_MS = None
+
+
+def test_queued_steps_are_timed_by_their_own_device_work():
+    cuda = torch.device("cuda")
+    work_ms = [30.0, 60.0, 15.0, 45.0]
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    steps, ahead, seconds = [], None, []
+    for ms in work_ms:
+        start = launch_clock(cuda)
+        device_work(ms)
+        values = StepValues({"loss": torch.ones((), device=cuda)}, start)
+        steps.append((values, ahead))
+        # As the trainer: the step ahead is read once this one is queued.
+        if ahead is not None:
+            ahead.read()
+            seconds.append(ahead.seconds(steps[-2][1]))
+        ahead = values
+    ahead.read()
+    seconds.append(ahead.seconds(steps[-1][1]))
+    wall = time.perf_counter() - began
+    # Each step's time is its own work (the host queued ahead, so no step waited for a launch), not the interval
+    # between the host's reads; together they are the window's wall time, less the first launch's host time.
+    for got, ms in zip(seconds, work_ms):
+        assert got == pytest.approx(ms * 1e-3, rel=0.2), (seconds, work_ms)
+    assert sum(seconds) <= wall and sum(seconds) == pytest.approx(wall, abs=5e-3)
+
+
+def test_a_step_launched_on_an_idle_device_holds_its_launch():
+    cuda = torch.device("cuda")
+    torch.cuda.synchronize()
+    start = launch_clock(cuda)
+    time.sleep(0.05)  # the host's launch: the device idles
+    device_work(20.0)
+    values = StepValues({"loss": torch.ones((), device=cuda)}, start)
+    values.read()
+    assert values.seconds() == pytest.approx(0.07, abs=0.01)

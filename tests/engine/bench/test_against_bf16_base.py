@@ -60,9 +60,9 @@ def run():
         init(self, profile, *args, **kwargs)
         initial[profile.model.base_precision] = gathered_state(self.engine.module)
 
-    def spy_launch(self):
+    def spy_launch(self, behind=None):
         fed[self.profile.model.base_precision].append(self.micro_batches(self.steps_done))
-        return launch(self)
+        return launch(self, behind)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
@@ -177,14 +177,14 @@ class FakeRunner:
     def micro_batches(self, step):
         return self.batches[step]
 
-    def launch(self):
+    def launch(self, behind=None):
         if self.steps_done == self.fail_at:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         self.steps_done += 1
         return self.steps_done
 
     def finish(self, queued):
-        return {"loss": 5.0, "tokens": 8, "step_time_s": 0.5, "tokens_per_s": 16.0, "pieces": [8]}, float(queued)
+        return {"loss": 5.0, "tokens": 8, "step_time_s": 0.5, "tokens_per_s": 16.0, "pieces": [8]}
 
     def close(self):
         self.closed = True

@@ -161,11 +161,11 @@ def test_shrunk_baseline_builds_on_the_cpu_with_our_parameters(name):
 def _fail_at_call(calls: int, real):
     count = {"n": 0}
 
-    def launch(self, batches):
+    def launch(self, batches, behind=None):
         count["n"] += 1
         if count["n"] == calls:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, batches)
+        return real(self, batches, behind)
 
     return launch
 
@@ -211,5 +211,5 @@ def test_other_errors_of_the_baseline_still_raise(monkeypatch):
         against.run_transformers(job, [[_one_row_batch(job.data.seq_len)]], 0, torch.device("cpu"), 1)
 
 
-def _raise_value(self, batches):
+def _raise_value(self, batches, behind=None):
     raise ValueError("not a memory error")
