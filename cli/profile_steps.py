@@ -159,9 +159,12 @@ def device_gaps_table(timeline: dict) -> Table:
 
 
 def device_work_table(timeline: dict) -> Table:
-    """The device work that took longest in that step, by name (breakdown.device_timeline.kernels)."""
+    """The device work that took longest in that step, by name: the TOP_OPS heaviest of
+    breakdown.device_timeline.kernels (the JSON keeps them all)."""
+    from moe_tune.engine.bench.breakdown import TOP_OPS
+
     table = _device_work_columns("calls", "ms")
-    for row in timeline["kernels"]:
+    for row in timeline["kernels"][:TOP_OPS]:
         table.add_row(row["kernel"], f"{row['calls']:,}", f"{row['time_s'] * 1e3:,.2f}")
     return table
 

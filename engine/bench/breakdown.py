@@ -330,12 +330,13 @@ def device_timeline(events: list[tuple[float, float, str]], step_s: float) -> di
     before the first and after the last: the host's work before its first launch, the wait at the end), `launches`,
     `gaps [{kernel, gaps, idle_s, longest_s}]`: the device work the GPU waited for longest, by name (the TOP_OPS
     heaviest), each gap counted to the event that ends it (`_idle_gaps`), and `kernels [{kernel, calls, time_s}]`:
-    the device work that took longest, by name (the TOP_OPS heaviest; inside CUDA graph replays too)."""
+    every name's device work, the longest first (inside CUDA graph replays too; the table prints the TOP_OPS
+    heaviest)."""
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for start, end, name in events:
         per_name[name][0] += end - start
         per_name[name][1] += 1
-    heaviest_work = sorted(per_name.items(), key=lambda item: (-item[1][0], item[0]))[:TOP_OPS]
+    heaviest_work = sorted(per_name.items(), key=lambda item: (-item[1][0], item[0]))
     by_name = _gaps_by(_idle_gaps(events), lambda name: name)
     span_us = max(end for _, end, _ in events) - min(start for start, _, _ in events) if events else 0.0
     idle_us = sum(total for _, total, _, _ in by_name)

@@ -260,9 +260,10 @@ def test_the_device_timeline_sums_busy_and_idle_time_and_names_the_work_after_th
         ("gdn_fwd", 2), ("copy", 1), ("embed", 1), ("mm", 1), ("optimizer", 1), ("memset", 1)
     ]  # fmt: skip
     assert [k["time_s"] * 1e6 for k in timeline["kernels"]] == pytest.approx([25.0, 20.0, 10.0, 10.0, 10.0, 3.0])
-    # At most TOP_OPS names; a step with no device work has none.
-    many = [(10.0 * i, 10.0 * i + 1.0, f"k{i}") for i in range(TOP_OPS + 5)]
-    assert len(device_timeline(many, 1.0)["gaps"]) == len(device_timeline(many, 1.0)["kernels"]) == TOP_OPS
+    # At most TOP_OPS gaps' names, every kernel's name (the CLI prints TOP_OPS); a step with no device work has none.
+    many = [(10.0 * i, 10.0 * i + 1.0 + 0.01 * i, f"k{i}") for i in range(TOP_OPS + 5)]
+    assert len(device_timeline(many, 1.0)["gaps"]) == TOP_OPS
+    assert [k["kernel"] for k in device_timeline(many, 1.0)["kernels"]] == [f"k{i}" for i in reversed(range(TOP_OPS + 5))]
     empty = device_timeline([], 0.5)
     assert (empty["busy_s"], empty["idle_s"], empty["outside_s"], empty["gaps"], empty["kernels"]) == (
         0.0, 0.0, 0.5, [], []
@@ -274,3 +275,9 @@ def test_the_device_timeline_sums_busy_and_idle_time_and_names_the_work_after_th
     text = console.export_text()
     assert "0.2 ms, the device busy 0.1 ms (7 kernels, copies and memsets), idle 0.1 ms" in text
     assert "optimizer" in text and "0.05" in text and "0.03" in text  # a gap of 50 us; gdn_fwd's 25 us
+    # The table prints the TOP_OPS heaviest names of however many the JSON keeps.
+    console = Console(record=True, width=200)
+    console.print(device_work_table(device_timeline(many, 1.0)))
+    text = console.export_text()
+    shown = [f"k{i}" for i in range(TOP_OPS + 5) if f" k{i} " in text]
+    assert shown == [f"k{i}" for i in range(5, TOP_OPS + 5)]
