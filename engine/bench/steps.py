@@ -69,6 +69,7 @@ class StepRunner:
             lr_factor,
             quiet_third_party_noise,
             run_steps,
+            watched_weights,
         )
 
         quiet_third_party_noise()
@@ -107,6 +108,7 @@ class StepRunner:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
         )
         self.is_cuda = self.dist.device.type == "cuda"
+        self._watched = watched_weights(self.engine.module)
         self.steps_done = 0
         self._batches = None
         # The MoE blocks' CUDA graphs (train.cuda_graphs), captured at the first step for its micro-batch shape and
@@ -123,38 +125,19 @@ class StepRunner:
         return self.finish(self.launch())
 
     def launch(self, behind=None) -> QueuedStep:
-        """Queue one optimizer step, as the trainer's loop does (engine/train/trainer.py, _launch_step): its
-        micro-batches forward and backward, the optimizer's step, the selection biases updated, the copy of its loss
-        to the host; nothing waits for the device. behind: the unread QueuedStep it is queued behind."""
-        from moe_tune.engine.train.step_values import StepValues, launch_clock
-        from moe_tune.engine.train.trainer import ensure_training, micro_step, share_of_batch, update_moe_bias
+        """Queue one optimizer step, the trainer's own (engine/train/trainer.py, launch_step): its micro-batches
+        forward and backward, the optimizer's step, the selection biases updated, the non-finite weight check, the
+        copy of its values to the host; nothing waits for the device. behind: the unread QueuedStep it is queued
+        behind."""
+        from moe_tune.engine.train.trainer import launch_step
 
-        started = launch_clock(self.dist.device)
-        ensure_training(self.engine)
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
-        tokens, losses, pieces = 0, [], []
-        accumulation = self.profile.train.gradient_accumulation_steps
-        for micro in range(accumulation):
-            index = self.steps_done * accumulation + micro
-            batch = self._micro_batches().get(index)
-            share = share_of_batch(batch, self.dist.context)
-            out = micro_step(self.engine, share, self.dist)
-            # As the trainer: the next micro-batch is collated while the device runs this one.
-            self._micro_batches().prepare(index + 1)
-            losses.append(out.lm_loss.detach().float())
-            tokens += share.num_label_tokens
-            pieces += piece_lengths(share.cu_seqlens)
-        update_moe_bias(self.engine, self.dist)  # as the trainer: the same routing as training
-        loss = torch.stack(losses).mean()
-        if self.dist.world_size > 1:
-            # Each rank's loss is its labels' summed cross-entropy over the world's mean count (micro_step): their
-            # mean over the world is the step's loss, as the trainer logs it.
-            torch.distributed.all_reduce(loss)
-            loss = loss / self.dist.world_size
-        memory = self.activation_memory.step_metrics() if self.activation_memory is not None else None
-        self.steps_done += 1
+        pieces: list[int] = []
         ahead = behind.values if behind is not None else None
-        return QueuedStep(tokens, pieces, StepValues({"loss": loss}, started), memory, ahead)
+        launched = launch_step(self, self.steps_done, self._watched, False, ahead,
+                               on_share=lambda share: pieces.extend(piece_lengths(share.cu_seqlens)))  # fmt: skip
+        self.steps_done += 1
+        return QueuedStep(launched.tokens, pieces, launched.values, launched.memory_metrics, ahead)
 
     def finish(self, queued: QueuedStep) -> dict[str, Any]:
         """A queued step's record once its loss is on the host: its loss, tokens, time (StepValues.seconds), document
@@ -199,7 +182,8 @@ class StepRunner:
             torch.cuda.empty_cache()
         self._graphs_tokens = None
 
-    def _micro_batches(self):
+    @property
+    def batches(self):
         """The micro-batches step() trains, each collated while the device runs the one before (MicroBatchesAhead),
         up to the end of the run the profile describes."""
         from moe_tune.engine.data.dataset import MicroBatchesAhead

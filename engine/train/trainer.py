@@ -19,7 +19,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import yaml
@@ -626,7 +626,7 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
             in_flight: LaunchedStep | None = None
             for step in range(start_step, run.end_step):
                 behind = in_flight.values if in_flight is not None else None
-                launched = _launch_step(run, step, watched, stop.received is not None, behind)
+                launched = launch_step(run, step, watched, stop.received is not None, behind)
                 if in_flight is not None and finish(in_flight):
                     # The step queued behind the stopping one finishes and is saved with it.
                     finish(launched)
@@ -711,12 +711,14 @@ class LaunchedStep:
     behind: StepValues | None
 
 
-def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool,
-                 behind: StepValues | None) -> LaunchedStep:  # fmt: skip
+def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepValues | None,
+                on_share: Callable[[Batch], None] | None = None) -> LaunchedStep:  # fmt: skip
     """Queue optimizer step `step` (0-based): its micro-batches forward and backward, the optimizer's step, the
     selection biases updated, and the copy of its values to the host; nothing here waits for the device.
-    is_signalled: this process received a stop signal (the ranks' vote, several ranks). behind: the values of the
-    step still unread, which this one is queued behind."""
+    run: a TrainingRun, or what else holds its engine, dist, dataset, profile, batches and activation_memory (the
+    benchmark's StepRunner, which times this very step). watched: watched_weights. is_signalled: this process received
+    a stop signal (the ranks' vote, several ranks). behind: the values of the step still unread, which this one is
+    queued behind. on_share(share) sees each micro-batch's share of this rank."""
     from .metrics import processed_tokens
 
     engine, dist, dataset, train = run.engine, run.dist, run.dataset, run.profile.train
@@ -728,6 +730,8 @@ def _launch_step(run: TrainingRun, step: int, watched: list, is_signalled: bool,
         index = step * accumulation + micro
         batch = run.batches.get(index)
         share = share_of_batch(batch, dist.context)
+        if on_share is not None:
+            on_share(share)
         output = micro_step(engine, share, dist)
         # The next micro-batch is collated on the host while the device runs this one.
         run.batches.prepare(index + 1)

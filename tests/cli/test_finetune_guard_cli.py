@@ -256,7 +256,7 @@ def test_a_run_that_ends_before_its_first_step_is_not_a_previous_run(tmp_path, m
         raise error
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "_launch_step", first_step)
+        patch.setattr(trainer, "launch_step", first_step)
         stopped = runner.invoke(app, [*finetune_args(out, "train.steps=2"), *["--resume"] * resume])
     assert stopped.exit_code == code, stopped.output
     if ending == "second-signal":
@@ -307,7 +307,7 @@ def test_a_run_with_trackers_that_ends_before_its_first_step_is_not_a_previous_r
         raise RuntimeError("the step failed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(trainer, "_launch_step", first_step)
+        patch.setattr(trainer, "launch_step", first_step)
         stopped = runner.invoke(app, [*finetune_args(out, "train.steps=2", report_to), *["--resume"] * resume])
     assert stopped.exit_code == 1, stopped.output
     assert tracker_files(out) == found

@@ -27,7 +27,7 @@ def small_profile(out, *extra):
 def record_order(monkeypatch, on_launch=None):
     """Wrap the loop's launch and its read of each step's values; returns the list of ("launch"|"read", step)."""
     events = []
-    launch = trainer._launch_step
+    launch = trainer.launch_step
 
     def launching(run, step, watched, is_signalled, behind):
         if on_launch is not None:
@@ -43,7 +43,7 @@ def record_order(monkeypatch, on_launch=None):
         launched.values.read = reading
         return launched
 
-    monkeypatch.setattr(trainer, "_launch_step", launching)
+    monkeypatch.setattr(trainer, "launch_step", launching)
     return events
 
 
