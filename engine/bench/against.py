@@ -564,8 +564,10 @@ class TransformersRunner:
         self.model, self.model_type = build_transformers_model(job, device, initial)
         train = job.train
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # Torch's fused AdamW on CUDA, as ours (trainer.build_optimizer) and transformers' Trainer's default
+        # (`adamw_torch_fused`).
         self.optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, betas=train.betas,
-                                           weight_decay=train.weight_decay)  # fmt: skip
+                                           weight_decay=train.weight_decay, fused=device.type == "cuda" or None)  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train, total_steps))
         self.is_cuda = device.type == "cuda"
         self.parameters, self.trainable_parameters = _parameter_counts(self.model)

@@ -64,6 +64,7 @@ class StepRunner:
         from moe_tune.engine.train.resources import check_memory_fits
         from moe_tune.engine.train.trainer import (
             build_dataset,
+            build_optimizer,
             build_trainable_model,
             check_world,
             lr_factor,
@@ -100,9 +101,7 @@ class StepRunner:
         if prepare_model is not None:
             prepare_model(model)
         self.activation_memory = find_activation_memory(model)
-        optimizer = torch.optim.AdamW(
-            trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
-        )
+        optimizer = build_optimizer(trainable, profile, self.dist.device)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, self.total_steps))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False

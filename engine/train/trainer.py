@@ -492,9 +492,7 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     on_gpu = profile.model.checkpoint is not None and dist.device.type == "cuda"
     model, trainable = build_trainable_model(profile, layout, ds_config, dist.device if on_gpu else None)
     activation_memory = find_activation_memory(model)
-    optimizer = torch.optim.AdamW(
-        trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay, foreach=False
-    )
+    optimizer = build_optimizer(trainable, profile, dist.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, total_steps))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
@@ -760,6 +758,17 @@ def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepV
     values["first_bad_weight"] = first_nonfinite_weight(watched, dist)
     memory = run.activation_memory.step_metrics() if run.activation_memory is not None else None
     return LaunchedStep(step, tokens, processed, StepValues(values, started), memory, behind)
+
+
+def build_optimizer(trainable: list, profile: JobProfile, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, the profile's lr, betas and weight decay. Training on CUDA with the
+    optimizer state there, torch's fused kernel: one launch over DeepSpeed's flat fp32 partition, which torch's
+    single-tensor form passes over eight times (mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_). On the CPU
+    and with the state in host memory (parallel.offload_optimizer), the single-tensor form."""
+    train = profile.train
+    fused = device.type == "cuda" and not profile.parallel.offload_optimizer
+    return torch.optim.AdamW(trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+                             foreach=None if fused else False, fused=fused or None)  # fmt: skip
 
 
 def host_values(numbers: list[float], device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -303,3 +303,29 @@ def test_moe_bias_update_of_all_layers_at_once_equals_each_layers_own(dtype):
         assert torch.equal(ours.selection_bias, theirs.selection_bias)
         assert not ours.load_counts.any() and ours.dropped_slots.item() == 0
     assert not torch.equal(blocks[0].selection_bias, initial[0]) and torch.equal(blocks[1].selection_bias, initial[1])
+
+
+@pytest.mark.parametrize("device, offload, fused", [("cuda", False, True), ("cuda", True, False), ("cpu", False, False),
+                                                    ("cpu", True, False)])  # fmt: skip
+def test_the_optimizer_is_torch_fused_adamw_where_its_state_is_on_cuda(device, offload, fused):
+    from moe_tune.engine.train.trainer import build_optimizer
+
+    profile = load_profile("tiny", ["train.lr=3e-3", "train.weight_decay=0.05", "train.betas=[0.8, 0.95]",
+                                    f"parallel.offload_optimizer={offload}", "parallel.zero_stage=1"])  # fmt: skip
+    weights = [torch.nn.Parameter(torch.randn(37, 5, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    optimizer = build_optimizer(weights, profile, torch.device(device))
+    defaults = optimizer.defaults
+    assert bool(defaults["fused"]) is fused and defaults["foreach"] is (None if fused else False)
+    assert (defaults["lr"], defaults["betas"], defaults["weight_decay"]) == (3e-3, (0.8, 0.95), 0.05)
+    # The same AdamW either way: a few steps of the fused kernel (CPU's here) and of the single-tensor form agree.
+    twins = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    start = [w.detach().clone() for w in weights]
+    single = build_optimizer(twins, profile, torch.device("cpu"))
+    for step in range(4):
+        for a, b in zip(weights, twins):
+            a.grad = b.grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(100 + step))
+        optimizer.step()
+        single.step()
+    for a, b, before in zip(weights, twins, start):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert (a - before).abs().min() > 0  # every element moved
