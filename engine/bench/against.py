@@ -566,8 +566,10 @@ class TransformersRunner:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # Torch's fused AdamW on CUDA, as ours (trainer.build_optimizer) and transformers' Trainer's default
         # (`adamw_torch_fused`).
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=train.lr, betas=train.betas,
-                                           weight_decay=train.weight_decay, fused=device.type == "cuda" or None)  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            self.trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
+            fused=device.type == "cuda" or None,
+        )  # fmt: skip
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, train, total_steps))
         self.is_cuda = device.type == "cuda"
         self.parameters, self.trainable_parameters = _parameter_counts(self.model)

@@ -263,7 +263,8 @@ def test_the_device_timeline_sums_busy_and_idle_time_and_names_the_work_after_th
     # At most TOP_OPS gaps' names, every kernel's name (the CLI prints TOP_OPS); a step with no device work has none.
     many = [(10.0 * i, 10.0 * i + 1.0 + 0.01 * i, f"k{i}") for i in range(TOP_OPS + 5)]
     assert len(device_timeline(many, 1.0)["gaps"]) == TOP_OPS
-    assert [k["kernel"] for k in device_timeline(many, 1.0)["kernels"]] == [f"k{i}" for i in reversed(range(TOP_OPS + 5))]
+    names = [k["kernel"] for k in device_timeline(many, 1.0)["kernels"]]
+    assert names == [f"k{i}" for i in reversed(range(TOP_OPS + 5))]
     empty = device_timeline([], 0.5)
     assert (empty["busy_s"], empty["idle_s"], empty["outside_s"], empty["gaps"], empty["kernels"]) == (
         0.0, 0.0, 0.5, [], []
