@@ -52,6 +52,7 @@ def _steps_table(result: dict) -> Table:
         ("parameters (trainable)", f"{result['parameters']:,} ({result['trainable_parameters']:,})"),
         ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
         ("step latency", f"{result['step_time_s'] * 1e3:,.1f} ms"),
+        ("host's launch of a step", f"{result['host_launch_s'] * 1e3:,.1f} ms"),
         ("peak memory", _bytes(result["peak_memory_bytes"])),
         ("model FLOPs per step", f"{result['model_flops_per_step']:.3g}"),
         ("achieved", f"{result['achieved_tflops']:.3g} TFLOP/s"),

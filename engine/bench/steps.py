@@ -37,7 +37,7 @@ RESULT_KEYS = (
     "profile", "seq_len", "micro_batch_size", "gradient_accumulation_steps", "precision", "memory_policy",
     "graphed_moe_blocks",
     "warmup_steps", "steps", "first_step_loss", "losses",
-    "tokens_per_s", "step_time_s", "step_times_s", "peak_memory_bytes",
+    "tokens_per_s", "step_time_s", "step_times_s", "host_launch_s", "peak_memory_bytes",
     "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
     "parameters", "trainable_parameters", "breakdown", "against", "memory",
     "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
@@ -139,12 +139,13 @@ class StepRunner:
         return QueuedStep(launched.tokens, pieces, launched.values, launched.memory_metrics, ahead)
 
     def finish(self, queued: QueuedStep) -> dict[str, Any]:
-        """A queued step's record once its loss is on the host: its loss, tokens, time (StepValues.seconds), document
-        pieces and the memory policy's metrics."""
+        """A queued step's record once its loss is on the host: its loss, tokens, time (StepValues.seconds), the
+        host's time launching it, document pieces and the memory policy's metrics."""
         loss = queued.values.read()["loss"]
         seconds = queued.values.seconds(queued.behind)
         record = {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
-                  "tokens_per_s": queued.tokens / seconds, "pieces": queued.pieces}  # fmt: skip
+                  "tokens_per_s": queued.tokens / seconds, "launch_s": queued.values.launch_seconds(),
+                  "pieces": queued.pieces}  # fmt: skip
         if queued.memory_metrics is not None:
             record.update(queued.memory_metrics)
         return record
@@ -444,6 +445,7 @@ def profile_steps(
         tokens_per_s=tokens_per_s,
         step_time_s=statistics.median(r["step_time_s"] for r in records),
         step_times_s=[r["step_time_s"] for r in records],
+        host_launch_s=statistics.median(r["launch_s"] for r in records),
         peak_memory_bytes=peak,
         model_flops_per_step=statistics.median(m["model_flops_per_step"] for m in mfu_rows),
         model_flops_parts=mfu_rows[0]["model_flops_parts"],

@@ -80,12 +80,17 @@ class StepValues:
             start += size
         return out
 
+    def launch_seconds(self) -> float:
+        """The host's time launching the step, from its launch's start to these values. Queued steps are bound by the
+        host's launches where this reaches their time (seconds()); on the CPU the two are equal."""
+        return self._ended_s - self.start.host_s
+
     def seconds(self, behind: StepValues | None = None) -> float:
         """The step's time, once it has ended (read() waits for that): on the device's timeline from the end of the
         step it was queued behind (`behind`: launched before that one's values were read), else from its own launch;
         on the CPU from its launch to its launch's end."""
         if self._event is None or self.start.event is None:
-            return self._ended_s - self.start.host_s
+            return self.launch_seconds()
         self._event.synchronize()
         begin = behind._event if behind is not None and behind._event is not None else self.start.event
         return begin.elapsed_time(self._event) / 1e3

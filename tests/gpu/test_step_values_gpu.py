@@ -84,3 +84,15 @@ def test_a_step_launched_on_an_idle_device_holds_its_launch():
     values = StepValues({"loss": torch.ones((), device=cuda)}, start)
     values.read()
     assert values.seconds() == pytest.approx(0.07, abs=0.01)
+
+
+def test_the_host_launch_is_told_apart_from_the_device_work():
+    # A step whose device work outlasts its launch: launch_seconds is the host's part, seconds the device's.
+    cuda = torch.device("cuda")
+    torch.cuda.synchronize()
+    start = launch_clock(cuda)
+    device_work(40.0)
+    values = StepValues({"loss": torch.ones((), device=cuda)}, start)
+    launched = values.launch_seconds()
+    values.read()
+    assert launched < 0.01 and values.seconds() == pytest.approx(0.04, rel=0.2)
