@@ -38,6 +38,7 @@ def test_fused_adamw_trains_as_the_single_tensor_form(tmp_path, monkeypatch):
     single = trainer.finetune(load_profile("bench-qwen3-next", [*SMALL, f"output.dir={tmp_path / 'single'}"]),
                               show_progress=False)  # fmt: skip
     assert single.losses[0] == fused.losses[0]  # the same first forward
-    # Rounding apart only: the losses of the steps after the first within bf16's resolution of each other.
-    assert fused.losses == pytest.approx(single.losses, rel=4e-3)
+    # Rounding apart only (on the CPU, bf16 runs of the two agree to 6 decimals at ZeRO-1, -2 and -3): the losses of
+    # the steps after the first within 1e-3 of each other.
+    assert fused.losses == pytest.approx(single.losses, rel=1e-3)
     assert fused.losses[-1] < fused.losses[0]
