@@ -32,9 +32,9 @@ def test_values_are_read_as_taken_without_waiting_for_later_work():
     torch.cuda.synchronize()
 
 
-def device_work(ms: float) -> None:
-    """About `ms` of device time in one kernel: torch.cuda._sleep spins for a number of clock cycles, counted here by
-    timing a spin with events."""
+def cycles_per_ms() -> float:
+    """The clock cycles torch.cuda._sleep spins in a millisecond, counted once by timing a spin with events (called
+    before a test's timed part: it waits for the device)."""
     global _CYCLES_PER_MS
     if _CYCLES_PER_MS is None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -43,7 +43,12 @@ def device_work(ms: float) -> None:
         end.record()
         end.synchronize()
         _CYCLES_PER_MS = 50_000_000 / start.elapsed_time(end)
-    torch.cuda._sleep(int(ms * _CYCLES_PER_MS))
+    return _CYCLES_PER_MS
+
+
+def device_work(ms: float, per_ms: float) -> None:
+    """About `ms` of device time in one kernel (torch.cuda._sleep spins for `per_ms` cycles a millisecond)."""
+    torch.cuda._sleep(int(ms * per_ms))
 
 
 _CYCLES_PER_MS = None
@@ -52,12 +57,13 @@ _CYCLES_PER_MS = None
 def test_queued_steps_are_timed_by_their_own_device_work():
     cuda = torch.device("cuda")
     work_ms = [30.0, 60.0, 15.0, 45.0]
+    per_ms = cycles_per_ms()
     torch.cuda.synchronize()
     began = time.perf_counter()
     steps, ahead, seconds = [], None, []
     for ms in work_ms:
         start = launch_clock(cuda)
-        device_work(ms)
+        device_work(ms, per_ms)
         values = StepValues({"loss": torch.ones((), device=cuda)}, start)
         steps.append((values, ahead))
         # As the trainer: the step ahead is read once this one is queued.
@@ -77,10 +83,11 @@ def test_queued_steps_are_timed_by_their_own_device_work():
 
 def test_a_step_launched_on_an_idle_device_holds_its_launch():
     cuda = torch.device("cuda")
+    per_ms = cycles_per_ms()
     torch.cuda.synchronize()
     start = launch_clock(cuda)
     time.sleep(0.05)  # the host's launch: the device idles
-    device_work(20.0)
+    device_work(20.0, per_ms)
     values = StepValues({"loss": torch.ones((), device=cuda)}, start)
     values.read()
     assert values.seconds() == pytest.approx(0.07, abs=0.01)
@@ -89,9 +96,10 @@ def test_a_step_launched_on_an_idle_device_holds_its_launch():
 def test_the_host_launch_is_told_apart_from_the_device_work():
     # A step whose device work outlasts its launch: launch_seconds is the host's part, seconds the device's.
     cuda = torch.device("cuda")
+    per_ms = cycles_per_ms()
     torch.cuda.synchronize()
     start = launch_clock(cuda)
-    device_work(40.0)
+    device_work(40.0, per_ms)
     values = StepValues({"loss": torch.ones((), device=cuda)}, start)
     launched = values.launch_seconds()
     values.read()
