@@ -220,3 +220,44 @@ def test_a_failed_launch_keeps_the_step_ahead_of_it():
     with pytest.raises(torch.OutOfMemoryError):
         run_steps(runner, 5, lambda i, record: records.append((i, record["loss"])))
     assert records == [(0, 0.0), (1, 1.0)]
+
+
+class FakeDevice:
+    """A device timeline for step_values' CUDA path on the CPU: events take the timeline's time when recorded."""
+
+    def __init__(self):
+        self.now = 0.0
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.enable_timing, self.t = enable_timing, None
+
+            def record(self):
+                self.t = device.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                assert self.enable_timing and end.enable_timing
+                return (end.t - self.t) * 1e3
+
+        self.Event = Event
+
+
+def test_a_cuda_step_runs_from_the_end_of_the_step_it_is_queued_behind(monkeypatch):
+    device = FakeDevice()
+    monkeypatch.setattr(step_values.torch.cuda, "Event", device.Event)
+    cuda = torch.device("cuda")
+    start = launch_clock(cuda)  # at 0
+    device.now = 3.0
+    first = StepValues({"loss": 1.0}, start)  # the first step's work ends at 3
+    device.now = 5.0  # the device waits for the host until 5, when the second step's launch begins
+    start = launch_clock(cuda)
+    device.now = 8.0
+    second = StepValues({"loss": 2.0}, start)  # and ends at 8
+    # Queued behind the first: from its end, the wait for the host included; launched after it was read: from its
+    # own start.
+    assert first.seconds() == 3.0 and second.seconds(first) == 5.0 and second.seconds() == 3.0
+    assert second.launch_seconds() >= 0.0
