@@ -564,8 +564,8 @@ class TransformersRunner:
         self.model, self.model_type = build_transformers_model(job, device, initial)
         train = job.train
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        # Torch's fused AdamW on CUDA, as ours (trainer.build_optimizer) and transformers' Trainer's default
-        # (`adamw_torch_fused`).
+        # Torch's fused AdamW on CUDA, as ours (trainer.build_optimizer) and as transformers' Trainer runs by default
+        # (TrainingArguments.optim `adamw_torch_fused`, read in transformers 5.25).
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,
             fused=device.type == "cuda" or None,
@@ -635,7 +635,7 @@ class TransformersRunner:
         from moe_tune.engine.train.step_values import StepValues, launch_clock
 
         train = self.job.train
-        started = launch_clock(self.device)
+        started = launch_clock(self.device, behind.values if behind else None)
         losses, tokens = [], 0
         for batch in batches:
             loss, lm = self.lm_loss(self.inputs(batch))
@@ -647,14 +647,12 @@ class TransformersRunner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.stack(losses).mean()
-        ahead = behind.values if behind is not None else None
-        return QueuedStep(tokens, [], StepValues({"loss": loss}, started), None, ahead)
+        return QueuedStep(tokens, [], StepValues({"loss": torch.stack(losses).mean()}, started), None)
 
     def finish(self, queued: QueuedStep) -> dict[str, Any]:
         """StepRunner.finish's record (loss, tokens, step time) of a queued step, once its loss is on the host."""
         loss = queued.values.read()["loss"]
-        seconds = queued.values.seconds(queued.behind)
+        seconds = queued.values.seconds()
         return {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds, "tokens_per_s": queued.tokens / seconds}
 
 

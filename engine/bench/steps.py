@@ -132,17 +132,16 @@ class StepRunner:
 
         self._capture_graphs(self.profile.train.micro_batch_size * self.dataset.seq_len)
         pieces: list[int] = []
-        ahead = behind.values if behind is not None else None
-        launched = launch_step(self, self.steps_done, self._watched, False, ahead,
+        launched = launch_step(self, self.steps_done, self._watched, False, behind.values if behind else None,
                                on_share=lambda share: pieces.extend(piece_lengths(share.cu_seqlens)))  # fmt: skip
         self.steps_done += 1
-        return QueuedStep(launched.tokens, pieces, launched.values, launched.memory_metrics, ahead)
+        return QueuedStep(launched.tokens, pieces, launched.values, launched.memory_metrics)
 
     def finish(self, queued: QueuedStep) -> dict[str, Any]:
         """A queued step's record once its loss is on the host: its loss, tokens, time (StepValues.seconds), the
         host's time launching it, document pieces and the memory policy's metrics."""
         loss = queued.values.read()["loss"]
-        seconds = queued.values.seconds(queued.behind)
+        seconds = queued.values.seconds()
         record = {"loss": loss, "tokens": queued.tokens, "step_time_s": seconds,
                   "tokens_per_s": queued.tokens / seconds, "launch_s": queued.values.launch_seconds(),
                   "pieces": queued.pieces}  # fmt: skip

@@ -160,14 +160,12 @@ def timed_steps(all_records: list[dict], warmup: int, peak_memory_bytes: int | N
 @dataclass
 class QueuedStep:
     """A step StepRunner.launch queued: its label tokens and document pieces (host), its loss on its way to the host
-    (StepValues, which marks its start and end), the memory policy's metrics, and the StepValues of the step it was
-    queued behind (its time runs from that step's end)."""
+    (StepValues, which times it) and the memory policy's metrics."""
 
     tokens: int
     pieces: list[int]
     values: Any
     memory_metrics: dict | None
-    behind: Any = None
 
 
 def run_steps(runner, count: int, on_record: Callable[[int, dict], None], before_launch=None) -> None:

@@ -26,10 +26,12 @@ import torch
 @dataclass(frozen=True)
 class StepStart:
     """Where a step's launch began: the host clock (time.perf_counter) and, on CUDA, an event recorded on the
-    current stream there."""
+    current stream there; `after`, on CUDA, the end of the unread step it is queued behind (its time runs from
+    there)."""
 
     host_s: float
     event: torch.cuda.Event | None
+    after: torch.cuda.Event | None = None
 
 
 class StepValues:
@@ -85,14 +87,14 @@ class StepValues:
         host's launches where this reaches their time (seconds()); on the CPU the two are equal."""
         return self._ended_s - self.start.host_s
 
-    def seconds(self, behind: StepValues | None = None) -> float:
+    def seconds(self) -> float:
         """The step's time, once it has ended (read() waits for that): on the device's timeline from the end of the
-        step it was queued behind (`behind`: launched before that one's values were read), else from its own launch;
-        on the CPU from its launch to its launch's end."""
+        step it was queued behind (launch_clock's `behind`), else from its own launch; on the CPU from its launch to
+        its launch's end."""
         if self._event is None or self.start.event is None:
             return self.launch_seconds()
         self._event.synchronize()
-        begin = behind._event if behind is not None and behind._event is not None else self.start.event
+        begin = self.start.after if self.start.after is not None else self.start.event
         return begin.elapsed_time(self._event) / 1e3
 
 
@@ -106,10 +108,11 @@ def _nested(values: list[float], shape: tuple[int, ...]):
     return [_nested(values[i * inner : (i + 1) * inner], shape[1:]) for i in range(shape[0])]
 
 
-def launch_clock(device: torch.device) -> StepStart:
-    """Mark the start of a step's launch on `device` (StepValues.seconds measures from it)."""
+def launch_clock(device: torch.device, behind: StepValues | None = None) -> StepStart:
+    """Mark the start of a step's launch on `device` (StepValues.seconds measures from it). behind: the values of
+    the step still unread, which this one is queued behind (only its end is kept)."""
     event = None
     if device.type == "cuda":
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-    return StepStart(time.perf_counter(), event)
+    return StepStart(time.perf_counter(), event, behind._event if behind is not None else None)

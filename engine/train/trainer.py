@@ -600,7 +600,7 @@ def _train(run: TrainingRun, show_progress: bool, console) -> None:
     def finish(launched: LaunchedStep) -> bool:
         """Step `launched`'s record: written, checked, reported; whether the run stops after it."""
         values = launched.values.read()
-        record = _step_record(run, launched, values, launched.values.seconds(launched.behind))
+        record = _step_record(run, launched, values, launched.values.seconds())
         if writer is not None:
             writer.write(record)
         # A resumed run that has not saved yet still has the checkpoint it resumed from.
@@ -698,15 +698,13 @@ _TRAIN_MODE_SET = "_moe_tune_train_mode_set"
 class LaunchedStep:
     """An optimizer step whose work is queued: its host-side counts and its device values on their way to the host
     (StepValues: loss, aux_loss, grad_norm, the MoE layers' loads, first_bad_weight; stop_votes, and the token counts
-    summed over the ranks where several run), and the values of the step it was queued behind (its time runs from
-    that step's end: StepValues.seconds)."""
+    summed over the ranks where several run)."""
 
     step: int
     tokens: int
     processed: int
     values: StepValues
     memory_metrics: dict | None
-    behind: StepValues | None
 
 
 def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepValues | None,
@@ -720,7 +718,7 @@ def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepV
     from .metrics import processed_tokens
 
     engine, dist, dataset, train = run.engine, run.dist, run.dataset, run.profile.train
-    started = launch_clock(dist.device)
+    started = launch_clock(dist.device, behind)
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
     accumulation = train.gradient_accumulation_steps
@@ -757,12 +755,12 @@ def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepV
         values["moe_loads"] = moe_loads
     values["first_bad_weight"] = first_nonfinite_weight(watched, dist)
     memory = run.activation_memory.step_metrics() if run.activation_memory is not None else None
-    return LaunchedStep(step, tokens, processed, StepValues(values, started), memory, behind)
+    return LaunchedStep(step, tokens, processed, StepValues(values, started), memory)
 
 
 def build_optimizer(trainable: list, profile: JobProfile, device: torch.device) -> torch.optim.AdamW:
     """AdamW over the trainable parameters, the profile's lr, betas and weight decay. Training on CUDA with the
-    optimizer state there, torch's fused kernel: one launch over DeepSpeed's flat fp32 partition, which torch's
+    optimizer state there, torch's fused kernel: one pass over DeepSpeed's flat fp32 partition, which torch's
     single-tensor form passes over eight times (mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_). On the CPU
     and with the state in host memory (parallel.offload_optimizer), the single-tensor form."""
     train = profile.train

@@ -136,14 +136,16 @@ class FakeClock:
 def test_a_cpu_step_is_timed_from_its_launch_to_its_launch_end(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(step_values, "time", clock)
-    first = StepValues({"loss": 1.0}, launch_clock(torch.device("cpu")))
-    start = launch_clock(torch.device("cpu"))
-    clock.now += 2.5  # the step's work, which the CPU runs as it is launched
-    second = StepValues({"loss": 1.0}, start)
-    clock.now += 7.0  # the host's later work (the next launch, the read) is not the step's
-    second.read()
+    cpu = torch.device("cpu")
+    first = StepValues({"loss": 1.0}, launch_clock(cpu))
     # Queued behind `first` or not: on the CPU `first` ended before this launch began.
-    assert second.seconds() == second.seconds(first) == 2.5
+    alone, queued = launch_clock(cpu), launch_clock(cpu, first)
+    clock.now += 2.5  # the step's work, which the CPU runs as it is launched
+    seconds = [StepValues({"loss": 1.0}, start) for start in (alone, queued)]
+    clock.now += 7.0  # the host's later work (the next launch, the read) is not the step's
+    for second in seconds:
+        second.read()
+        assert second.seconds() == second.launch_seconds() == 2.5
 
 
 @pytest.mark.parametrize("extra", [(), ("output.save_every=3",)])
@@ -176,14 +178,13 @@ class RecordingRunner:
     def launch(self, behind=None):
         index = sum(1 for e in self.events if e[0] == "launch")
         values = StepValues({"loss": float(index)}, launch_clock(torch.device("cpu")))
-        ahead = behind.values if behind is not None else None
-        queued = QueuedStep(tokens=10, pieces=[10], values=values, memory_metrics=None, behind=ahead)
+        queued = QueuedStep(tokens=10, pieces=[10], values=values, memory_metrics=None)
         self.events.append(("launch", index, behind))
         return queued
 
     def finish(self, queued):
         loss = queued.values.read()["loss"]
-        self.events.append(("finish", int(loss), queued.behind))
+        self.events.append(("finish", int(loss), None))
         return {"loss": loss}
 
 
@@ -254,10 +255,9 @@ def test_a_cuda_step_runs_from_the_end_of_the_step_it_is_queued_behind(monkeypat
     device.now = 3.0
     first = StepValues({"loss": 1.0}, start)  # the first step's work ends at 3
     device.now = 5.0  # the device waits for the host until 5, when the second step's launch begins
-    start = launch_clock(cuda)
+    queued, alone = launch_clock(cuda, first), launch_clock(cuda)
     device.now = 8.0
-    second = StepValues({"loss": 2.0}, start)  # and ends at 8
-    # Queued behind the first: from its end, the wait for the host included; launched after it was read: from its
-    # own start.
-    assert first.seconds() == 3.0 and second.seconds(first) == 5.0 and second.seconds() == 3.0
-    assert second.launch_seconds() >= 0.0
+    # Both end at 8. Queued behind the first: from its end, the wait for the host included; launched after it was
+    # read: from its own start.
+    seconds = [StepValues({"loss": 2.0}, start).seconds() for start in (queued, alone)]
+    assert first.seconds() == 3.0 and seconds == [5.0, 3.0]

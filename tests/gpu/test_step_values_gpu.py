@@ -60,19 +60,18 @@ def test_queued_steps_are_timed_by_their_own_device_work():
     per_ms = cycles_per_ms()
     torch.cuda.synchronize()
     began = time.perf_counter()
-    steps, ahead, seconds = [], None, []
+    ahead, seconds = None, []
     for ms in work_ms:
-        start = launch_clock(cuda)
+        start = launch_clock(cuda, ahead)
         device_work(ms, per_ms)
         values = StepValues({"loss": torch.ones((), device=cuda)}, start)
-        steps.append((values, ahead))
         # As the trainer: the step ahead is read once this one is queued.
         if ahead is not None:
             ahead.read()
-            seconds.append(ahead.seconds(steps[-2][1]))
+            seconds.append(ahead.seconds())
         ahead = values
     ahead.read()
-    seconds.append(ahead.seconds(steps[-1][1]))
+    seconds.append(ahead.seconds())
     wall = time.perf_counter() - began
     # Each step's time is its own work (the host queued ahead, so no step waited for a launch), not the interval
     # between the host's reads; together they are the window's wall time, less the first launch's host time.
