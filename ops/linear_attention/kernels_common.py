@@ -165,6 +165,10 @@ class KernelConfig:
     grad_dq_norm_in_output: bool = False
     # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
     num_warps_grad_state: int | None = None
+    # The reverse state pass (kernels_bwd._chunk_state_bwd_kernel, both decays) multiplies dv_new from registers
+    # rather than reading it back from where it stored it (a barrier and an L2 round trip in each chunk's dependent
+    # steps); the same bits either way.
+    state_bwd_dv_in_registers: bool = False
     # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
     # whole K: _kda_grad_products_kernel).
     block_k_kda_grad_products: int | None = None

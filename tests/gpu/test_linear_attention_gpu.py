@@ -476,3 +476,33 @@ def test_kda_products_in_key_tiles_long_sequence_bf16(guarded, kda_products_tile
 def test_kda_products_in_key_tiles_gate_bf16(guarded, kda_products_tiles):
     # The gate in the kernels: dA_log's per-chunk sums one a key tile.
     test_kda_gate_in_kernel_bf16_matches_reference(guarded, dict(T=1000, H=4, K=128, V=128), None)
+
+
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
+def test_state_bwd_dv_in_registers_matches_reference(guarded, monkeypatch, shape, use_qk_l2norm, dtype,
+                                                     is_per_channel):  # fmt: skip
+    # KernelConfig.state_bwd_dv_in_registers: the reverse state pass multiplies dv_new from registers (the form that,
+    # with q and W transposed in registers too, once gave wrong and changing state gradients on Triton 3.6).
+    launch_with(monkeypatch, state_bwd_dv_in_registers=True)
+    assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel)
+
+
+@GPU_MEMORY_GROUP
+@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
+def test_state_bwd_dv_in_registers_110_documents_bitwise_repeatable(guarded, monkeypatch, is_per_channel):
+    # The packed row of 110 documents that once read out of bounds with dv_new from registers, against the reference
+    # and then bit for bit the default form's gradients (the same rounding), twice.
+    bounds = torch.linspace(0, 16384, 111).round().to(torch.int32).to("cuda")
+    inputs = make_inputs(1, 16384, 8 if is_per_channel else 32, 128, 128, dtype=torch.bfloat16,
+                         is_per_channel=is_per_channel, num_seqs=110)  # fmt: skip
+    op = kda if is_per_channel else gated_delta_rule
+    options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
+    round_trip = forward_and_grads(op, inputs, **options)
+    launch_with(monkeypatch, state_bwd_dv_in_registers=True)
+    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, cu_seqlens=bounds,
+                             save_intermediates=True)  # fmt: skip
+    for _ in range(2):
+        in_registers = forward_and_grads(op, inputs, **options)
+        assert [name for name in round_trip if not torch.equal(in_registers[name], round_trip[name])] == []
