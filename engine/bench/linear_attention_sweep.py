@@ -92,6 +92,10 @@ def sweep_candidates(op: str) -> list[dict]:
             # output kernel (sm_90: 56 bytes of stack there against 64, the WY kernel 248 registers against 254), and
             # the output kernel at 16 warps (128 registers, 56 bytes of stack).
             {"grad_dq_norm_in_output": True},
+            # The WY kernel's norms taken as its dk loop goes, sum(k * dk) found before it (no fp32 round trip of dk),
+            # alone and with dq's norm in the output kernel.
+            {"grad_wy_norm_one_pass": True},
+            {"grad_wy_norm_one_pass": True, "grad_dq_norm_in_output": True},
             {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},

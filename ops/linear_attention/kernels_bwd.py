@@ -621,6 +621,7 @@ def _chunk_grad_wy_tiled_kernel(
     USE_L2NORM: tl.constexpr,
     NUM_DG_PARTS: tl.constexpr,
     NORM_DQ: tl.constexpr,
+    NORM_ONE_PASS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -632,7 +633,10 @@ def _chunk_grad_wy_tiled_kernel(
     tile, stored unnormed into the fp32 dk_partial buffer (the output and state kernels' parts already in it) with
     sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the norm. dG's earlier parts are the
     sum of NUM_DG_PARTS rows of dG_partial [NUM_DG_PARTS, T, H]; with NORM_DQ (and USE_L2NORM) the last loop also
-    takes the fp32 dq_partial through q's norm into dq."""
+    takes the fp32 dq_partial through q's norm into dq. With NORM_ONE_PASS (and USE_L2NORM) there is no last loop:
+    sum(k * dk) is known before the dk loop, which takes dk (and dq) through the norms as it goes: the pairs' terms
+    from k k^T (sum_c k_ic (dkk k)_ic = sum_j dkk_ij (k k^T)_ij, the other orientation by columns), the scaled keys'
+    from sum(k * dK'), the earlier kernels' from a read of their parts in the norms' loop."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -662,12 +666,16 @@ def _chunk_grad_wy_tiled_kernel(
     k_rstd = tl.full([BT], 1.0, dtype=tl.float32)
     q_rstd = tl.full([BT], 1.0, dtype=tl.float32)
     q_dq = tl.zeros([BT], dtype=tl.float32)
+    k_dk_partial = tl.zeros([BT], dtype=tl.float32)
     if USE_L2NORM:
         squares = tl.zeros([BT], dtype=tl.float32)
         q_squares = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, K, BK):
             k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
             squares += tl.sum(k * k, axis=1)
+            if NORM_ONE_PASS:
+                dk = load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+                k_dk_partial += tl.sum(k * dk, axis=1)
             if NORM_DQ:
                 q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
                 dq = load_rows(dq_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
@@ -710,6 +718,9 @@ def _chunk_grad_wy_tiled_kernel(
 
     # dk per key tile: the pairs' terms, the scaled keys' term and the earlier kernels' parts; then the norm.
     k_dk = tl.zeros([BT], dtype=tl.float32)
+    if NORM_ONE_PASS:
+        kk_dkk = dkk_dot.to(tl.float32) * kk
+        k_dk = tl.sum(kk_dkk, axis=1) + tl.sum(kk_dkk, axis=0) + beta * exp_G * k_dk_scaled + k_rstd * k_dk_partial
     for k0 in range(0, K, BK):
         k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * k_rstd[:, None]
         k_dot = k.to(dot_dtype)
@@ -719,12 +730,20 @@ def _chunk_grad_wy_tiled_kernel(
         dk += tl.dot(dkk_t, k_dot, input_precision=DOT_PRECISION)
         dk += dk_scaled * (beta * exp_G)[:, None]
         dk += load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
-        if USE_L2NORM:
+        if USE_L2NORM and NORM_ONE_PASS:
+            dk = (dk - k * k_dk[:, None]) * k_rstd[:, None]
+            store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+            if NORM_DQ:
+                q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+                dq = load_rows(dq_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+                dq = (dq - q * (q_rstd * q_rstd * q_dq)[:, None]) * q_rstd[:, None]
+                store_rows(dq_ptr + i_h * K + k0, dq, t0, num_valid, H * K, K - k0, BT, BK)
+        elif USE_L2NORM:
             k_dk += tl.sum(k * dk, axis=1)
             store_rows(dk_partial_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
         else:
             store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
-    if USE_L2NORM:
+    if USE_L2NORM and not NORM_ONE_PASS:
         tl.debug_barrier()
         for k0 in range(0, K, BK):
             k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
@@ -930,6 +949,7 @@ def chunk_grad(
                 q_THK, k_THK, v_THV, beta_TH, g_cumsum_TH, inverse_THC, dv_new_THV, layout.chunk_map, scratch_THC,
                 dk_partial_THK, dG_partial_NTH, dw_THK, dq_partial_THK, dq_THK, dk_THK, dv_THV, dbeta_TH, dg_TH, T, H,
                 **dict(meta, BK=block_k_wy, NUM_DG_PARTS=num_k_tiles, NORM_DQ=norm_dq_in_wy,
+                       NORM_ONE_PASS=config.grad_wy_norm_one_pass,
                        num_warps=config.num_warps_grad_wy or config.num_warps_grad),
             )  # fmt: skip
         else:

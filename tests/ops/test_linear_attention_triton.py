@@ -107,6 +107,16 @@ def forward_and_grads(op, inputs, **options):
     return {name: x.detach().double() for name, x in results.items()}
 
 
+def assert_equal_to_fp32_rounding(actual, expected):
+    """Two fp32 computations of the same values in another summation order: within 1e-5 of each element and 1e-6 of
+    the tensor's largest (dg is a reverse cumulative sum: an element near zero keeps the rounding of its larger
+    terms, a few ulp of the tensor's scale, whatever the order; 1.4e-6 on dg of scale 6.8 on one machine's numpy)."""
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        atol = 1e-6 * max(1.0, value.abs().max().item())
+        torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
 def reference_in_fp64(inputs, **options):
     as_fp64 = {name: None if x is None else x.detach().double().requires_grad_() for name, x in inputs.items()}
     return forward_and_grads(chunk_gated_delta_rule_ref, as_fp64, **options)
@@ -220,8 +230,50 @@ def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch,
     monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
         kernels_common.pick_config(x), split_grad_wy=True, **split))  # fmt: skip
     split = forward_and_grads(gated_delta_rule, inputs, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
-    for name in whole:
-        torch.testing.assert_close(split[name], whole[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert_equal_to_fp32_rounding(split, whole)
+
+
+@pytest.mark.parametrize("split, shape, cu_seqlens, dtype", [
+    # dq through its norm in the same loop (the state part in the output kernel, whole K there), WY key tiles of 16
+    # over K 40: two full tiles and a masked one.
+    pytest.param(dict(block_k_grad_wy=16, grad_state_in_output=True), dict(B=1, T=135, K=40, num_seqs=3),
+                 [0, 1, 64, 135], torch.float32, id="K40-k_tiles-dq_norm_in_wy-fp32"),
+    pytest.param(dict(block_k_grad_wy=16, grad_state_in_output=True, block_k_grad_output=16),
+                 dict(B=1, T=135, K=40, num_seqs=3), [0, 1, 64, 135], torch.float16,
+                 id="K40-k_tiles-output_k_tiles-fp16"),
+    # dq's norm in the output kernel; the WY kernel on the whole K.
+    pytest.param(dict(grad_state_in_output=True, grad_dq_norm_in_output=True), dict(B=2, T=65), None, torch.float32,
+                 id="whole_k-dq_norm_in_output-fp32"),
+    # The state part in a kernel of its own (no dq in the WY kernel).
+    pytest.param(dict(block_k_grad_wy=16), dict(B=1, T=67, num_seqs=3, has_initial_state=False), [0, 64, 64, 67],
+                 torch.float16, id="state_kernel-fp16"),
+])  # fmt: skip
+def test_wy_kernel_norms_in_one_pass_match_the_two_pass_form(kernel_path, guarded, monkeypatch, split, shape,
+                                                               cu_seqlens, dtype):  # fmt: skip
+    # KernelConfig.grad_wy_norm_one_pass: sum(k * dk) from k k^T, the pairs' gradient, sum(k * dK') and the earlier
+    # kernels' parts before the dk loop, dk (and dq) normed as they are made: the reference's values, and in fp32 the
+    # two-pass form's to fp32 rounding (fp16: the pairs' term takes k's fp16 rounding on one side).
+    def launch(**fields):
+        monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+            kernels_common.pick_config(x), split_grad_wy=True, **split, **fields))  # fmt: skip
+
+    options = dict(use_qk_l2norm_in_kernel=True)
+    if cu_seqlens is not None:
+        options["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.int32)
+    inputs = make_inputs(**shape, dtype=dtype)
+    # Keys of norms 0.5 to 3 (make_inputs' are unit-norm): the norm's factors must not cancel.
+    norms = torch.linspace(0.5, 3.0, inputs["k"].shape[1]).to(dtype)[None, :, None, None]
+    inputs["k"] = (inputs["k"].detach() * norms).requires_grad_()
+    launch()
+    two_pass = forward_and_grads(gated_delta_rule, inputs, **options)
+    launch(grad_wy_norm_one_pass=True)
+    one_pass = forward_and_grads(gated_delta_rule, inputs, **options)
+    expected = reference_in_fp64(inputs, cu_seqlens=options.get("cu_seqlens"), use_qk_l2norm=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(one_pass[name], value, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+    if dtype == torch.float32:
+        assert_equal_to_fp32_rounding(one_pass, two_pass)
+    guarded.check()
 
 
 def test_gated_delta_rule_without_final_state(kernel_path, guarded):
