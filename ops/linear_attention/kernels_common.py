@@ -170,8 +170,14 @@ class KernelConfig:
     num_warps_grad_state: int | None = None
     # The reverse state pass (kernels_bwd._chunk_state_bwd_kernel, both decays) multiplies dv_new from registers
     # rather than reading it back from where it stored it (a barrier and an L2 round trip in each chunk's dependent
-    # steps); the same bits either way.
+    # steps); the same bits either way. sm_90 compile (bf16 K = V = 128, Triton 3.6): 168 registers and 72
+    # asynchronous copies (the next chunk's loads prefetched, as in the forward's serial pass) against 200 and none.
     state_bwd_dv_in_registers: bool = False
+    # With the per-head backward's state part in the output kernel (split_grad_wy, grad_state_in_output), the reverse
+    # state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that the output
+    # kernel multiplies no [V, K] tiles elementwise (sm_90, bf16 K = V = 128, 8 warps: 248 registers and no stack
+    # against 255 and 64 bytes).
+    state_dots_in_state_bwd: bool = False
     # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
     # whole K: _kda_grad_products_kernel).
     block_k_kda_grad_products: int | None = None

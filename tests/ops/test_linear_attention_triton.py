@@ -276,6 +276,57 @@ def test_wy_kernel_norms_in_one_pass_match_the_two_pass_form(kernel_path, guarde
     guarded.check()
 
 
+@pytest.mark.parametrize("fused, shape, cu_seqlens, dtype", [
+    # V 40 in the reverse pass's tiles of 16 (two full, one masked: three rows of sums a slot), K 40 in the output
+    # kernel's key tiles of 16, documents of 1, 63 and 71 tokens.
+    pytest.param(dict(block_k_grad_output=16), dict(B=1, T=135, K=40, V=40, num_seqs=3), [0, 1, 64, 135],
+                 torch.float32, id="K40-V40-output_k_tiles-fp32"),
+    # An empty document between two others (each state entering a chunk is a document's initial state); the whole
+    # K, dq's norm in the output kernel.
+    pytest.param(dict(grad_dq_norm_in_output=True), dict(B=1, T=67, num_seqs=3), [0, 64, 64, 67], torch.float16,
+                 id="empty_doc-dq_norm_in_output-fp16"),
+    pytest.param({}, dict(B=2, T=65, V=16), None, torch.float32, id="fixed_length-V16-fp32"),
+])  # fmt: skip
+def test_state_dots_from_the_reverse_pass_match_the_output_kernels_own(kernel_path, guarded, monkeypatch, fused,
+                                                                        shape, cu_seqlens, dtype):  # fmt: skip
+    # KernelConfig.state_dots_in_state_bwd: the reverse state pass writes sum_v S0 * dS1 per key and V tile, and the
+    # output-and-state kernel adds those rows up instead of multiplying the tiles: the reference's values and, fp32,
+    # the kernel's own to fp32 rounding.
+    launched = []
+    kernel = kernels_bwd._chunk_grad_output_state_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["HAS_STATE_DOTS"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(kernels_bwd, "_chunk_grad_output_state_kernel", Spy())
+
+    def launch(**fields):
+        split = dict(split_grad_wy=True, grad_state_in_output=True, **fused, **fields)
+        monkeypatch.setattr(autograd, "pick_config",
+                            lambda x: dataclasses.replace(kernels_common.pick_config(x), **split))  # fmt: skip
+
+    options = dict(use_qk_l2norm_in_kernel=True)
+    if cu_seqlens is not None:
+        options["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.int32)
+    inputs = make_inputs(**shape, dtype=dtype)
+    launch()
+    own = forward_and_grads(gated_delta_rule, inputs, **options)
+    launch(state_dots_in_state_bwd=True)
+    from_state_pass = forward_and_grads(gated_delta_rule, inputs, **options)
+    assert launched == [False, True]
+    expected = reference_in_fp64(inputs, cu_seqlens=options.get("cu_seqlens"), use_qk_l2norm=True)
+    for name, value in expected.items():
+        torch.testing.assert_close(from_state_pass[name], value, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
+    if dtype == torch.float32:
+        assert_equal_to_fp32_rounding(from_state_pass, own)
+    guarded.check()
+
+
 def test_gated_delta_rule_without_final_state(kernel_path, guarded):
     # The training call: no state in or out, so the backward starts from a zero state gradient it never receives.
     names = ("q", "k", "v", "g", "beta")
