@@ -98,8 +98,8 @@ def sweep_candidates(op: str) -> list[dict]:
             {"grad_wy_norm_one_pass": True, "grad_dq_norm_in_output": True},
             # The sums of S0 * dS1 in the reverse state pass (the output kernel then spills nothing at 8 warps, sm_90),
             # alone and with dv_new from registers there.
-            {"state_dots_in_state_bwd": True},
-            {"state_dots_in_state_bwd": True, "state_bwd_dv_in_registers": True},
+            {"state_sums_in_state_bwd": True},
+            {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True},
             {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},

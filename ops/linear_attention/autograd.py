@@ -26,8 +26,8 @@ from moe_tune.ops.linear_attention.kernels_bwd import (
     chunk_grad,
     chunk_state_bwd,
     prepare_state_bwd,
-    state_dots_buffer,
-    takes_state_dots,
+    state_sums_buffer,
+    takes_state_sums,
 )
 from moe_tune.ops.linear_attention.kernels_common import ChunkLayout, pick_config, prepare_chunks
 from moe_tune.ops.linear_attention.kernels_kda import kda_grad, kda_wy_fwd
@@ -149,13 +149,13 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                 )
             prepared = (k_end_THK, q_dec_THK, qk_THC if qk_THC is not None else qk_prepared)
             del k_end_THK, q_dec_THK, qk_prepared
-        state_dots = None
-        if takes_state_dots(config, is_per_channel):
-            state_dots = (states_NCHKV, state_dots_buffer(layout, H, K, V, config, q_THK.device))
+        state_sums = None
+        if takes_state_sums(config, is_per_channel):
+            state_sums = (states_NCHKV, state_sums_buffer(layout, H, K, V, config, q_THK.device))
         state_grads_NCHKV, dv_new_THV, initial_state_grad = chunk_state_bwd(
             q_THK, k_THK, w_THK, g_cumsum, do_THV, final_state_grad, layout, config, scale, use_qk_l2norm,
             initial_state.dtype if initial_state is not None else None, qk_THC=qk_THC, prepared=prepared,
-            state_dots=state_dots,
+            state_sums=state_sums,
         )  # fmt: skip
         del w_THK, qk_THC, prepared
         grad_args = (
@@ -172,7 +172,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                 dA_log = dA_log.to(A_log.dtype)
                 ddt_bias = ddt_bias.to(dt_bias.dtype).reshape(ctx.dt_bias_shape)
         else:
-            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args, None if state_dots is None else state_dots[1])
+            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args, None if state_sums is None else state_sums[1])
         return (
             dq.view(B, T, H, K),
             dk.view(B, T, H, K),

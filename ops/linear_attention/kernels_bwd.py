@@ -78,7 +78,7 @@ def _chunk_state_bwd_kernel(
     state_grads_ptr,
     dv_new_ptr,
     states_ptr,
-    state_dots_ptr,
+    state_sums_ptr,
     scale,
     H,
     K,
@@ -89,7 +89,7 @@ def _chunk_state_bwd_kernel(
     STORE_INITIAL_STATE_GRAD: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     DV_IN_REGISTERS: tl.constexpr,
-    STORE_STATE_DOTS: tl.constexpr,
+    STORE_STATE_SUMS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -122,13 +122,13 @@ def _chunk_state_bwd_kernel(
         slot_head = ((first_slot + i_t) * H + i_h).to(tl.int64) * K * V
         dstate_out = dstate.to(state_grads_ptr.dtype.element_ty)
         tl.store(state_grads_ptr + slot_head + state_offsets, dstate_out, mask=state_mask)
-        if STORE_STATE_DOTS:
+        if STORE_STATE_SUMS:
             # Per key, the sum over this V tile of S0 * dS1 (dS1 as stored): the gradient of G_C through the state's
             # decay, which the output-and-state kernel then reads instead of multiplying S0 by dS1 itself.
             state = tl.load(states_ptr + slot_head + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
-            dots = tl.sum(state * dstate_out.to(tl.float32), axis=1)
-            dots_row = ((first_slot + i_t) * H + i_h) * tl.num_programs(0) + i_v
-            tl.store(state_dots_ptr + dots_row.to(tl.int64) * K + offs_k, dots, mask=offs_k < K)
+            sums = tl.sum(state * dstate_out.to(tl.float32), axis=1)
+            sums_row = ((first_slot + i_t) * H + i_h) * tl.num_programs(0) + i_v
+            tl.store(state_sums_ptr + sums_row.to(tl.int64) * K + offs_k, sums, mask=offs_k < K)
         do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         if HAS_PREPARED:
             # The decayed operands from parallel passes (prepare_state_bwd, the WY pass's k exp(G_C - G)): no norm
@@ -390,16 +390,16 @@ def _chunk_grad_output_state_kernel(
     dk_partial_ptr,
     dG_partial_ptr,
     dw_ptr,
-    state_dots_ptr,
+    state_sums_ptr,
     scale,
     T,
     H,
     K,
     V,
-    NUM_STATE_DOTS,
+    NUM_STATE_SUMS,
     USE_L2NORM: tl.constexpr,
     NORM_DQ: tl.constexpr,
-    HAS_STATE_DOTS: tl.constexpr,
+    HAS_STATE_SUMS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -412,8 +412,8 @@ def _chunk_grad_output_state_kernel(
     taken through q's norm here), otherwise fp32 before the norm (the WY kernel takes it through); and the tile's
     share of dG (sums over the key dimension, G_C's gradient on the chunk's last token) into its own row of
     dG_partial [NK, T, H], which the WY kernel sums. q k^T's pair gradient
-    dqk depends on no key tile: each tile computes it. With HAS_STATE_DOTS the sums over V of S0 * dS1 per key (in
-    G_C's gradient) are the NUM_STATE_DOTS rows the reverse state pass wrote (state_dots_buffer), not products of
+    dqk depends on no key tile: each tile computes it. With HAS_STATE_SUMS the sums over V of S0 * dS1 per key (in
+    G_C's gradient) are the NUM_STATE_SUMS rows the reverse state pass wrote (state_sums_buffer), not products of
     the tiles read here."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -452,14 +452,14 @@ def _chunk_grad_output_state_kernel(
         dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
         dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
         dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
-        if not HAS_STATE_DOTS:
+        if not HAS_STATE_SUMS:
             state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
     store_rows(dw_ptr + i_h * K + k0, dw, t0, num_valid, H * K, K - k0, BT, BK)
-    if HAS_STATE_DOTS:
-        dots_row = (i_c * H + i_h).to(tl.int64) * NUM_STATE_DOTS
-        for i_v in range(0, NUM_STATE_DOTS):
-            dots_offsets = (dots_row + i_v) * K + offs_k
-            state_dstate += tl.load(state_dots_ptr + dots_offsets, mask=(offs_k < K) & has_chunk, other=0.0)
+    if HAS_STATE_SUMS:
+        sums_row = (i_c * H + i_h).to(tl.int64) * NUM_STATE_SUMS
+        for i_v in range(0, NUM_STATE_SUMS):
+            sums_offsets = (sums_row + i_v) * K + offs_k
+            state_dstate += tl.load(state_sums_ptr + sums_offsets, mask=(offs_k < K) & has_chunk, other=0.0)
 
     q_rstd, k_rstd = l2norm_factors(q_ptr + i_h * K, k_ptr + i_h * K, t0, num_valid, H * K, K, USE_L2NORM, BT, BK)
     q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * q_rstd[:, None]
@@ -785,14 +785,14 @@ def _chunk_grad_wy_tiled_kernel(
     tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
 
 
-def takes_state_dots(config: KernelConfig, is_per_channel: bool) -> bool:
+def takes_state_sums(config: KernelConfig, is_per_channel: bool) -> bool:
     """Whether the reverse state pass sums S0 * dS1 for the per-head output-and-state kernel
-    (KernelConfig.state_dots_in_state_bwd, where that kernel runs)."""
+    (KernelConfig.state_sums_in_state_bwd, where that kernel runs)."""
     return (not is_per_channel and config.split_grad_wy and config.grad_state_in_output
-            and config.state_dots_in_state_bwd)  # fmt: skip
+            and config.state_sums_in_state_bwd)  # fmt: skip
 
 
-def state_dots_buffer(layout: ChunkLayout, H: int, K: int, V: int, config: KernelConfig,
+def state_sums_buffer(layout: ChunkLayout, H: int, K: int, V: int, config: KernelConfig,
                       device: torch.device) -> torch.Tensor:  # fmt: skip
     """[NC, H, NV, K] fp32: per chunk slot, head and V tile of the reverse state pass (NV of them), the sum over the
     tile of S0 * dS1 per key."""
@@ -814,7 +814,7 @@ def chunk_state_bwd(
     initial_state_grad_dtype: torch.dtype | None,
     qk_THC: torch.Tensor | None = None,
     prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    state_dots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    state_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The reverse serial pass: dS1 of every chunk [NC, H, K, V] and dv_new [T, H, V] (fp32 for fp32 inputs, else
     k's dtype), and the initial state's gradient [N, H, K, V] when initial_state_grad_dtype is given.
@@ -822,8 +822,8 @@ def chunk_state_bwd(
     g_cumsum: [T, H] per head, or [T, H, K] per channel (KDA), with qk_THC the decayed causal q k^T of kda_wy_fwd.
     prepared: (k exp(G_C - G) from the WY pass, then prepare_state_bwd's q exp(G) and decayed causal q k^T): the
     loop reads them instead of norming q and k and building the decays itself.
-    state_dots: (the forward's per-chunk states [NC, H, K, V], a state_dots_buffer to fill): per chunk slot, head and
-    V tile, sum over the tile of S0 * dS1 per key, for chunk_grad (takes_state_dots).
+    state_sums: (the forward's per-chunk states [NC, H, K, V], a state_sums_buffer to fill): per chunk slot, head and
+    V tile, sum over the tile of S0 * dS1 per key, for chunk_grad (takes_state_sums).
     """
     T, H, K = k_THK.shape
     V = do_THV.shape[-1]
@@ -838,8 +838,8 @@ def chunk_state_bwd(
     dot_precision, _ = dot_precisions(k_THK.dtype)
     if prepared is not None:
         k_end_THK, q_dec_THK, qk_THC = prepared
-    if state_dots is not None:
-        states_NCHKV, state_dots_NCHJK = state_dots
+    if state_sums is not None:
+        states_NCHKV, state_sums_NCHJK = state_sums
     if N > 0:
         _chunk_state_bwd_kernel[(triton.cdiv(V, block_v), N, H)](
             q_THK,
@@ -856,8 +856,8 @@ def chunk_state_bwd(
             initial_state_grad_NHKV if initial_state_grad_NHKV is not None else w_THK,
             state_grads_NCHKV,
             dv_new_THV,
-            states_NCHKV if state_dots is not None else w_THK,
-            state_dots_NCHJK if state_dots is not None else w_THK,
+            states_NCHKV if state_sums is not None else w_THK,
+            state_sums_NCHJK if state_sums is not None else w_THK,
             scale,
             H,
             K=K,
@@ -868,7 +868,7 @@ def chunk_state_bwd(
             STORE_INITIAL_STATE_GRAD=initial_state_grad_NHKV is not None,
             USE_L2NORM=use_qk_l2norm,
             DV_IN_REGISTERS=config.state_bwd_dv_in_registers,
-            STORE_STATE_DOTS=state_dots is not None,
+            STORE_STATE_SUMS=state_sums is not None,
             BT=layout.chunk_size,
             BK=block_size(K),
             BV=block_v,
@@ -936,10 +936,10 @@ def chunk_grad(
     config: KernelConfig,
     scale: float,
     use_qk_l2norm: bool,
-    state_dots_NCHJK: torch.Tensor | None = None,
+    state_sums_NCHJK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H] in g_dtype.
-    state_dots_NCHJK: what chunk_state_bwd wrote into a state_dots_buffer, where takes_state_dots(config)."""
+    state_sums_NCHJK: what chunk_state_bwd wrote into a state_sums_buffer, where takes_state_sums(config)."""
     T, H, K = k_THK.shape
     V = v_THV.shape[-1]
     C = layout.chunk_size
@@ -971,13 +971,13 @@ def chunk_grad(
     dw_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device) if config.split_grad_wy else None
     if layout.num_slots > 0:
         if fused:
-            has_dots = state_dots_NCHJK is not None
+            has_sums = state_sums_NCHJK is not None
             _chunk_grad_output_state_kernel[(layout.num_slots, H, num_k_tiles)](
                 q_THK, k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, do_THV, dv_new_THV,
                 layout.chunk_map, dq_partial_THK, dk_partial_THK, dG_partial_NTH, dw_THK,
-                state_dots_NCHJK if has_dots else dw_THK, scale, T, H,
-                NUM_STATE_DOTS=state_dots_NCHJK.shape[2] if has_dots else 0,
-                **dict(meta, BK=block_k_output, NORM_DQ=norm_dq_in_output, HAS_STATE_DOTS=has_dots,
+                state_sums_NCHJK if has_sums else dw_THK, scale, T, H,
+                NUM_STATE_SUMS=state_sums_NCHJK.shape[2] if has_sums else 0,
+                **dict(meta, BK=block_k_output, NORM_DQ=norm_dq_in_output, HAS_STATE_SUMS=has_sums,
                        num_warps=config.num_warps_grad_output or config.num_warps_grad),
             )  # fmt: skip
         else:

@@ -177,7 +177,7 @@ class KernelConfig:
     # state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that the output
     # kernel multiplies no [V, K] tiles elementwise (sm_90, bf16 K = V = 128, 8 warps: 248 registers and no stack
     # against 255 and 64 bytes).
-    state_dots_in_state_bwd: bool = False
+    state_sums_in_state_bwd: bool = False
     # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
     # whole K: _kda_grad_products_kernel).
     block_k_kda_grad_products: int | None = None

@@ -421,21 +421,21 @@ SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_dq_norm_in_output=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_wy_norm_one_pass=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_dq_norm_in_output=True, grad_wy_norm_one_pass=True),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_dots_in_state_bwd=True),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_dots_in_state_bwd=True,
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True),
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True,
              state_bwd_dv_in_registers=True),
     ],
     ids=["one_wy_kernel", "whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
          "state_in_output_k_tiles", "state_in_output-dq_norm_in_output", "state_in_output-norms_one_pass",
-         "state_in_output-dq_norm_in_output-norms_one_pass", "state_in_output-state_dots",
-         "state_in_output-state_dots-dv_in_registers"],
+         "state_in_output-dq_norm_in_output-norms_one_pass", "state_in_output-state_sums",
+         "state_in_output-state_sums-dv_in_registers"],
 )  # fmt: skip
 def split_grad_wy(monkeypatch, request):
     """The per-head backward as one WY kernel (split_grad_wy False) or split: its state part in a kernel of its own
     or in the output kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output; dq's norm there or in
     the WY kernel), its WY kernel on the whole key dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its
     own (num_warps_grad_wy), taking dk through its norm after a last loop or as it goes (grad_wy_norm_one_pass); the
-    sums of S0 * dS1 from the output kernel or the reverse state pass (state_dots_in_state_bwd), this one with dv_new
+    sums of S0 * dS1 from the output kernel or the reverse state pass (state_sums_in_state_bwd), this one with dv_new
     read back or from registers (state_bwd_dv_in_registers)."""
     launch_with(monkeypatch, **request.param)
 

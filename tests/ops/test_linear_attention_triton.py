@@ -287,9 +287,9 @@ def test_wy_kernel_norms_in_one_pass_match_the_two_pass_form(kernel_path, guarde
                  id="empty_doc-dq_norm_in_output-fp16"),
     pytest.param({}, dict(B=2, T=65, V=16), None, torch.float32, id="fixed_length-V16-fp32"),
 ])  # fmt: skip
-def test_state_dots_from_the_reverse_pass_match_the_output_kernels_own(kernel_path, guarded, monkeypatch, fused,
+def test_state_sums_from_the_reverse_pass_match_the_output_kernels_own(kernel_path, guarded, monkeypatch, fused,
                                                                         shape, cu_seqlens, dtype):  # fmt: skip
-    # KernelConfig.state_dots_in_state_bwd: the reverse state pass writes sum_v S0 * dS1 per key and V tile, and the
+    # KernelConfig.state_sums_in_state_bwd: the reverse state pass writes sum_v S0 * dS1 per key and V tile, and the
     # output-and-state kernel adds those rows up instead of multiplying the tiles: the reference's values and, fp32,
     # the kernel's own to fp32 rounding.
     launched = []
@@ -298,7 +298,7 @@ def test_state_dots_from_the_reverse_pass_match_the_output_kernels_own(kernel_pa
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launched.append(kwargs["HAS_STATE_DOTS"])
+                launched.append(kwargs["HAS_STATE_SUMS"])
                 return kernel[grid](*args, **kwargs)
 
             return launch
@@ -316,7 +316,7 @@ def test_state_dots_from_the_reverse_pass_match_the_output_kernels_own(kernel_pa
     inputs = make_inputs(**shape, dtype=dtype)
     launch()
     own = forward_and_grads(gated_delta_rule, inputs, **options)
-    launch(state_dots_in_state_bwd=True)
+    launch(state_sums_in_state_bwd=True)
     from_state_pass = forward_and_grads(gated_delta_rule, inputs, **options)
     assert launched == [False, True]
     expected = reference_in_fp64(inputs, cu_seqlens=options.get("cu_seqlens"), use_qk_l2norm=True)
