@@ -391,7 +391,7 @@ def format_breakdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _ops(text: str) -> list[str]:
+def parse_ops(text: str) -> list[str]:
     ops = text.split(",")
     bad = [op for op in ops if op not in OPS]
     if bad or len(set(ops)) != len(ops):
@@ -399,7 +399,7 @@ def _ops(text: str) -> list[str]:
     return ops
 
 
-def _candidate(text: str) -> dict:
+def parse_candidate(text: str) -> dict:
     """An argparse type: one candidate's KernelConfig overrides, FIELD=VALUE entries joined by commas (MOE_TUNE_LAUNCH's
     entries without their family, ops/common/launch.py)."""
     from moe_tune.ops.common.launch import LaunchError, parse_launch
@@ -418,10 +418,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m moe_tune.engine.bench.linear_attention_sweep",
                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("out", type=Path, help="the JSON to write (rows so far after every op)")
-    parser.add_argument("--ops", type=_ops, default=list(OPS), help="comma-separated: gdn, kda")
+    parser.add_argument("--ops", type=parse_ops, default=list(OPS), help="comma-separated: gdn, kda")
     parser.add_argument("--rounds", type=positive_int, default=ROUNDS, help="timing turns over all candidates")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel profile")
-    parser.add_argument("--candidate", type=_candidate, action="append", default=[],
+    parser.add_argument("--candidate", type=parse_candidate, action="append", default=[],
                         help="time pick_config's launch and this one (repeatable), not sweep_candidates")
     args = parser.parse_args(argv)
     named = [sorted(candidate.items()) for candidate in args.candidate]
