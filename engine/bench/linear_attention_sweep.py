@@ -117,6 +117,10 @@ def sweep_candidates(op: str) -> list[dict]:
             # at 64 and 8 warps, none at 32 (kernels_common.MAX_WARPS_KDA_PRODUCTS_TILED: at most 8 warps).
             {"block_k_kda_grad_products": 64},
             {"block_k_kda_grad_products": 32},
+            # The WY kernel reading the sums of S0 * dS1 from the reverse state pass (sm_90: 160 bytes of stack a
+            # thread against 200; with V tiles of 32, 88 against 144).
+            {"state_sums_in_state_bwd": True},
+            {"state_sums_in_state_bwd": True, "block_v_grad": 32},
             {"num_stages_state_fwd_kda": 2},
         ]
     raise ValueError(f"op {op!r}: must be one of {', '.join(OPS)}")

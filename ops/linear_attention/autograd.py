@@ -166,8 +166,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         if is_per_channel:
             grad_args = (*grad_args[:7], kk_THC, *grad_args[7:])
             dq, dk, dv, dbeta, dg, dA_log, ddt_bias = kda_grad(
-                *grad_args, gate=None if gate is None else (g_flat, *gate)
-            )
+                *grad_args, gate=None if gate is None else (g_flat, *gate),
+                state_sums_NCHJK=None if state_sums is None else state_sums[1],
+            )  # fmt: skip
             if gate is not None:
                 dA_log = dA_log.to(A_log.dtype)
                 ddt_bias = ddt_bias.to(dt_bias.dtype).reshape(ctx.dt_bias_shape)

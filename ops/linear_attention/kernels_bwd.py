@@ -786,10 +786,10 @@ def _chunk_grad_wy_tiled_kernel(
 
 
 def takes_state_sums(config: KernelConfig, is_per_channel: bool) -> bool:
-    """Whether the reverse state pass sums S0 * dS1 for the per-head output-and-state kernel
-    (KernelConfig.state_sums_in_state_bwd, where that kernel runs)."""
-    return (not is_per_channel and config.split_grad_wy and config.grad_state_in_output
-            and config.state_sums_in_state_bwd)  # fmt: skip
+    """Whether the reverse state pass sums S0 * dS1 for the gradient kernel that would multiply the tiles: KDA's WY
+    kernel, or the per-head output-and-state kernel where that kernel runs (KernelConfig.state_sums_in_state_bwd)."""
+    per_head_takes = config.split_grad_wy and config.grad_state_in_output
+    return config.state_sums_in_state_bwd and (is_per_channel or per_head_takes)
 
 
 def state_sums_buffer(layout: ChunkLayout, H: int, K: int, V: int, config: KernelConfig,

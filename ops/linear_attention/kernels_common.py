@@ -173,10 +173,11 @@ class KernelConfig:
     # steps); the same bits either way. sm_90 compile (bf16 K = V = 128, Triton 3.6): 168 registers and 72
     # asynchronous copies (the next chunk's loads prefetched, as in the forward's serial pass) against 200 and none.
     state_bwd_dv_in_registers: bool = False
-    # With the per-head backward's state part in the output kernel (split_grad_wy, grad_state_in_output), the reverse
-    # state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that the output
-    # kernel multiplies no [V, K] tiles elementwise (sm_90, bf16 K = V = 128, 8 warps: 248 registers and no stack
-    # against 255 and 64 bytes).
+    # The reverse state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that
+    # no gradient kernel multiplies [V, K] tiles elementwise: KDA's WY kernel, and the per-head output kernel where it
+    # takes the state part (split_grad_wy, grad_state_in_output). sm_90, bf16 K = V = 128 (engine/bench/
+    # kernel_compile.py): the per-head output kernel 250 registers and no stack against 255 and 64 bytes; KDA's WY
+    # kernel 160 bytes of stack against 200.
     state_sums_in_state_bwd: bool = False
     # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
     # whole K: _kda_grad_products_kernel).

@@ -487,14 +487,18 @@ def test_kda_products_in_key_tiles_gate_bf16(guarded, kda_products_tiles):
     test_kda_gate_in_kernel_bf16_matches_reference(guarded, dict(T=1000, H=4, K=128, V=128), None)
 
 
+@pytest.mark.parametrize("candidate", ["state_bwd_dv_in_registers", "state_sums_in_state_bwd"],
+                         ids=["dv_in_registers", "state_sums"])  # fmt: skip
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
-def test_state_bwd_dv_in_registers_matches_reference(guarded, monkeypatch, shape, use_qk_l2norm, dtype,
-                                                     is_per_channel):  # fmt: skip
+def test_state_pass_candidates_match_reference(guarded, monkeypatch, shape, use_qk_l2norm, dtype, is_per_channel,
+                                               candidate):  # fmt: skip
     # KernelConfig.state_bwd_dv_in_registers: the reverse state pass multiplies dv_new from registers (the form that,
     # with q and W transposed in registers too, once gave wrong and changing state gradients on Triton 3.6).
-    launch_with(monkeypatch, state_bwd_dv_in_registers=True)
+    # state_sums_in_state_bwd: it also sums S0 * dS1 for the gradient kernel (per head the output-and-state kernel,
+    # KDA its WY kernel).
+    launch_with(monkeypatch, **{candidate: True})
     assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel)
 
 
