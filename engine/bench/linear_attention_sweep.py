@@ -100,6 +100,9 @@ def sweep_candidates(op: str) -> list[dict]:
             # alone and with dv_new from registers there.
             {"state_sums_in_state_bwd": True},
             {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True},
+            # With two stages in the per-chunk kernels (the output kernel then prefetches its V tiles: 32 bytes of
+            # stack, 28 asynchronous copies).
+            {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True, "num_stages": 2},
             {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},
