@@ -123,8 +123,9 @@ def _chunk_state_bwd_kernel(
         dstate_out = dstate.to(state_grads_ptr.dtype.element_ty)
         tl.store(state_grads_ptr + slot_head + state_offsets, dstate_out, mask=state_mask)
         if STORE_STATE_SUMS:
-            # Per key, the sum over this V tile of S0 * dS1 (dS1 as stored): the gradient of G_C through the state's
-            # decay, which the output-and-state kernel then reads instead of multiplying S0 by dS1 itself.
+            # Per key, the sum over this V tile of S0 * dS1 (dS1 as stored): G_C's gradient through the state's
+            # decay, which the gradient kernel (per head the output-and-state kernel, KDA its WY kernel) then reads
+            # instead of multiplying S0 by dS1 itself.
             state = tl.load(states_ptr + slot_head + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
             sums = tl.sum(state * dstate_out.to(tl.float32), axis=1)
             sums_row = ((first_slot + i_t) * H + i_h) * tl.num_programs(0) + i_v
@@ -794,7 +795,7 @@ def takes_state_sums(config: KernelConfig, is_per_channel: bool) -> bool:
 
 def state_sums_buffer(layout: ChunkLayout, H: int, K: int, V: int, config: KernelConfig,
                       device: torch.device) -> torch.Tensor:  # fmt: skip
-    """[NC, H, NV, K] fp32: per chunk slot, head and V tile of the reverse state pass (NV of them), the sum over the
+    """[NC, H, J, K] fp32: per chunk slot, head and V tile of the reverse state pass (J of them), the sum over the
     tile of S0 * dS1 per key."""
     num_v_tiles = triton.cdiv(V, min(config.block_v_state, block_size(V)))
     return kernels_common.alloc((layout.num_slots, H, num_v_tiles, K), torch.float32, device)

@@ -3,7 +3,8 @@ allocator, and the @triton.jit helpers the passes share (row tiles, L2 norm, dec
 
 Legend: T tokens of all sequences packed along time (B*T without cu_seqlens), H heads, K key dim, V value dim,
 N sequences, C chunk length (BT inside kernels), NC chunk slots (one per chunk of every sequence, plus unused ones
-at the end), BK/BV tile widths over K/V, G the log decay summed from the chunk start (inclusive).
+at the end), BK/BV tile widths over K/V, J the reverse state pass's V tiles, G the log decay summed from the chunk
+start (inclusive).
 
 Every tensor is token-major and contiguous: x_THD[t, h, d] sits at (t * H + h) * D + d; per-chunk states
 states_NCHKV[c, h] are the [K, V] state entering chunk slot c. A batch of B equal sequences is the packed case with
