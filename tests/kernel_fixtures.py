@@ -77,3 +77,21 @@ def record_launches(monkeypatch, module, names) -> list[str]:
     for name in names:
         monkeypatch.setattr(module, name, Recorded(name))
     return launched
+
+
+def record_constexpr(monkeypatch, module, name, constexpr) -> list:
+    """The value of the keyword argument `constexpr` at each launch of module's kernel `name`, in launch order (the
+    kernel still runs)."""
+    values = []
+    kernel = getattr(module, name)
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                values.append(kwargs[constexpr])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, name, Recorded())
+    return values

@@ -655,8 +655,8 @@ def _chunk_grad_wy_tiled_kernel(
     tile, stored unnormed into the fp32 dk_partial buffer (the output and state kernels' parts already in it) with
     sum(k * dk) accumulated, and with USE_L2NORM a last loop taking dk through the norm. dG's earlier parts are the
     sum of NUM_DG_PARTS rows of dG_partial [NUM_DG_PARTS, T, H]; with NORM_DQ (and USE_L2NORM) the last loop also
-    takes the fp32 dq_partial through q's norm into dq. With NORM_ONE_PASS (and USE_L2NORM) there is no last loop:
-    sum(k * dk) is known before the dk loop, which takes dk (and dq) through the norms as it goes: the pairs' terms
+    takes the fp32 dq_partial through q's norm into dq. With NORM_ONE_PASS (and USE_L2NORM) the last loop is dq's
+    alone: sum(k * dk) is known before the dk loop, which takes dk through its norm as it goes: the pairs' terms
     from k k^T (sum_c k_ic (dkk k)_ic = sum_j dkk_ij (k k^T)_ij, the other orientation by columns), the scaled keys'
     from sum(k * dK'), the earlier kernels' from a read of their parts in the norms' loop."""
     i_c = tl.program_id(0)
@@ -755,24 +755,23 @@ def _chunk_grad_wy_tiled_kernel(
         if USE_L2NORM and NORM_ONE_PASS:
             dk = (dk - k * k_dk[:, None]) * k_rstd[:, None]
             store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
-            if NORM_DQ:
-                q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
-                dq = load_rows(dq_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
-                dq = (dq - q * (q_rstd * q_rstd * q_dq)[:, None]) * q_rstd[:, None]
-                store_rows(dq_ptr + i_h * K + k0, dq, t0, num_valid, H * K, K - k0, BT, BK)
         elif USE_L2NORM:
             k_dk += tl.sum(k * dk, axis=1)
             store_rows(dk_partial_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
         else:
             store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
-    if USE_L2NORM and not NORM_ONE_PASS:
-        tl.debug_barrier()
+    # The last loop: dk through its norm (unless done above), dq through q's.
+    if USE_L2NORM and not (NORM_ONE_PASS and not NORM_DQ):
+        if not NORM_ONE_PASS:
+            # dk_partial's tiles were just stored by other threads of this program.
+            tl.debug_barrier()
         for k0 in range(0, K, BK):
-            k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
-            k = k * k_rstd[:, None]
-            dk = load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
-            dk = (dk - k * k_dk[:, None]) * k_rstd[:, None]
-            store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
+            if not NORM_ONE_PASS:
+                k = load_rows(k_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)
+                k = k * k_rstd[:, None]
+                dk = load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK)
+                dk = (dk - k * k_dk[:, None]) * k_rstd[:, None]
+                store_rows(dk_ptr + i_h * K + k0, dk, t0, num_valid, H * K, K - k0, BT, BK)
             if NORM_DQ:
                 # q^ = q q_rstd: dq = (dq' - q^ sum(q^ dq')) q_rstd, and sum(q^ dq') = q_rstd sum(q dq').
                 q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32)

@@ -164,8 +164,8 @@ class KernelConfig:
     # With the state part in the output kernel over the whole key dimension, that kernel takes dq through q's L2 norm
     # (else the WY kernel does, from an fp32 dq).
     grad_dq_norm_in_output: bool = False
-    # With split_grad_wy and the L2 norm, the WY kernel takes dk (and dq, where it does) through the norms in its dk
-    # loop, sum(k * dk) found before it, rather than storing dk unnormed in fp32 and reading it back in a last loop.
+    # With split_grad_wy and the L2 norm, the WY kernel takes dk through its norm in its dk loop, sum(k * dk) found
+    # before it, rather than storing dk unnormed in fp32 and reading it back in a last loop.
     grad_wy_norm_one_pass: bool = False
     # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
     num_warps_grad_state: int | None = None
