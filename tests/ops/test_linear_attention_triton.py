@@ -262,8 +262,8 @@ def test_split_backward_equals_the_one_kernel_backward(kernel_path, monkeypatch,
 def test_wy_kernel_norms_in_one_pass_match_the_two_pass_form(kernel_path, guarded, monkeypatch, split, shape,
                                                                cu_seqlens, dtype):  # fmt: skip
     # KernelConfig.grad_wy_norm_one_pass: sum(k * dk) from k k^T, the pairs' gradient, sum(k * dK') and the earlier
-    # kernels' parts before the dk loop, dk (and dq) normed as they are made: the reference's values, and in fp32 the
-    # two-pass form's to fp32 rounding (fp16: the pairs' term takes k's fp16 rounding on one side).
+    # kernels' parts before the dk loop, dk normed as it is made (dq in the last loop alone): the reference's values,
+    # and in fp32 the two-pass form's to fp32 rounding (fp16: the pairs' term takes k's fp16 rounding on one side).
     def launch(**fields):
         monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
             kernels_common.pick_config(x), split_grad_wy=True, **split, **fields))  # fmt: skip
@@ -472,10 +472,7 @@ def test_state_bwd_dv_in_registers_gives_the_round_trips_bits(kernel_path, guard
     in_registers = forward_and_grads(op, inputs, **options)
     assert flags == [False, True]
     assert [name for name in round_trip if not torch.equal(in_registers[name], round_trip[name])] == []
-    expected = reference_in_fp64(inputs, cu_seqlens=options["cu_seqlens"], use_qk_l2norm=True)
-    for name, value in expected.items():
-        torch.testing.assert_close(in_registers[name], value, **TOLERANCES[dtype], msg=lambda m: f"{name}: {m}")
-    guarded.check()
+    assert_candidate_matches(in_registers, round_trip, inputs, dtype, guarded, options["cu_seqlens"])
 
 
 def test_saved_intermediates_take_the_bytes_docs_plan_counts(kernel_path):
