@@ -171,7 +171,7 @@ class KernelConfig:
     num_warps_grad_state: int | None = None
     # The reverse state pass (kernels_bwd._chunk_state_bwd_kernel, both decays) multiplies dv_new from registers
     # rather than reading it back from where it stored it (a barrier and an L2 round trip in each chunk's dependent
-    # steps); the same bits either way. sm_90 compile (bf16 K = V = 128, Triton 3.6): 168 registers and 72
+    # steps); the same bits either way. sm_90 compile (bf16 K = V = 128, Triton 3.6): 168 registers and 60
     # asynchronous copies (the next chunk's loads prefetched, as in the forward's serial pass) against 200 and none.
     state_bwd_dv_in_registers: bool = False
     # The reverse state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that
