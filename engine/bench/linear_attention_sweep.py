@@ -103,6 +103,9 @@ def sweep_candidates(op: str) -> list[dict]:
             # With two stages in the per-chunk kernels (the output kernel then prefetches its V tiles: 32 bytes of
             # stack, 28 asynchronous copies).
             {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True, "num_stages": 2},
+            # With the WY kernel's norms in one pass too: no gradient kernel spills (sm_90: the output kernel 250
+            # registers, the WY kernel 255) and dk makes no fp32 round trip.
+            {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True, "grad_wy_norm_one_pass": True},
             {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},

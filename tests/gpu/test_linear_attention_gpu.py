@@ -424,11 +424,13 @@ SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True,
              state_bwd_dv_in_registers=True),
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True,
+             state_bwd_dv_in_registers=True, grad_wy_norm_one_pass=True),
     ],
     ids=["one_wy_kernel", "whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
          "state_in_output_k_tiles", "state_in_output-dq_norm_in_output", "state_in_output-norms_one_pass",
          "state_in_output-dq_norm_in_output-norms_one_pass", "state_in_output-state_sums",
-         "state_in_output-state_sums-dv_in_registers"],
+         "state_in_output-state_sums-dv_in_registers", "state_in_output-state_sums-dv_in_registers-norms_one_pass"],
 )  # fmt: skip
 def split_grad_wy(monkeypatch, request):
     """The per-head backward as one WY kernel (split_grad_wy False) or split: its state part in a kernel of its own
