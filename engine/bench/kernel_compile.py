@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import subprocess
@@ -34,6 +33,7 @@ import torch
 
 from moe_tune.engine.bench.arguments import OneLineParser
 from moe_tune.engine.bench.linear_attention_sweep import OPS, parse_candidate, parse_ops
+from moe_tune.engine.train.checkpoint import write_json_atomic
 
 # sm_90 (Hopper: the H100 and the H200), 32 threads a warp.
 TARGET_ARCH = 90
@@ -63,10 +63,12 @@ class CompileError(RuntimeError):
     """This Triton cannot compile for sm_90 here (no compiler internals, no ptxas, or the interpreter is on)."""
 
 
-def kernel_modules() -> list[types.ModuleType]:
+def linear_attention_kernels() -> list[tuple[types.ModuleType, str]]:
+    """(module, name) of every `_*_kernel` of ops/linear_attention."""
     from moe_tune.ops.linear_attention import kernels_bwd, kernels_kda, kernels_output, kernels_state, kernels_wy
 
-    return [kernels_wy, kernels_state, kernels_output, kernels_bwd, kernels_kda]
+    modules = [kernels_wy, kernels_state, kernels_output, kernels_bwd, kernels_kda]
+    return [(module, name) for module in modules for name in list(vars(module)) if re.fullmatch(r"_\w+_kernel", name)]
 
 
 @contextlib.contextmanager
@@ -89,11 +91,11 @@ def recorded_launches(overrides: dict) -> Iterator[list[Launch]]:
             return lambda *args, **kwargs: launches.append(Launch(self.name, self.fn, args, kwargs))
 
     saved = []
-    for module in kernel_modules():
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction) and re.fullmatch(r"_\w+_kernel", name):
-                saved.append((module, name, value))
-                setattr(module, name, Recorder(name, value))
+    for module, name in linear_attention_kernels():
+        value = getattr(module, name)
+        if isinstance(value, JITFunction):
+            saved.append((module, name, value))
+            setattr(module, name, Recorder(name, value))
     config = dataclasses.replace(kernels_common.pick_config(types.SimpleNamespace(is_cuda=True)), **overrides)
     pick_config = autograd.pick_config
     autograd.pick_config = lambda x: config
@@ -158,7 +160,7 @@ def shared_memory(source, options, backend) -> int:
     from triton._C.libtriton import ir, nvidia, passes
     from triton.backends.nvidia.compiler import get_ptx_version_from_options
 
-    module, metadata = _ttgir(source, options, backend)
+    module, metadata, _ = _ttgir(source, options, backend)
     pm = ir.pass_manager(module.context)
     passes.ttgpuir.add_combine_tensor_select_and_if(pm)
     passes.ttgpuir.add_allocate_warp_groups(pm)
@@ -173,9 +175,7 @@ def shared_memory(source, options, backend) -> int:
 
 def ptx_report(source, options, backend) -> dict:
     """shared, registers, stack, spill_stores, spill_loads (bytes a thread), async_copies and mmas (in the PTX)."""
-    module, metadata = _ttgir(source, options, backend)
-    stages: dict = {}
-    backend.add_stages(stages, options, source.language)
+    module, metadata, stages = _ttgir(source, options, backend)
     ptx = stages["ptx"](stages["llir"](module, metadata), metadata)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.ptx"
@@ -195,7 +195,8 @@ def ptx_report(source, options, backend) -> dict:
     )
 
 
-def _ttgir(source, options, backend) -> tuple[Any, dict]:
+def _ttgir(source, options, backend) -> tuple[Any, dict, dict]:
+    """The kernel's TritonGPU module, its compile metadata, and the backend's stages (for the ones after)."""
     from triton._C.libtriton import ir
 
     context = ir.context()
@@ -206,7 +207,7 @@ def _ttgir(source, options, backend) -> tuple[Any, dict]:
     stages: dict = {}
     backend.add_stages(stages, options, source.language)
     metadata = {"hash": "kernel_compile", "target": backend.target, **options.__dict__}
-    return stages["ttgir"](stages["ttir"](module, metadata), metadata), metadata
+    return stages["ttgir"](stages["ttir"](module, metadata), metadata), metadata, stages
 
 
 def ptxas_path() -> str:
@@ -253,7 +254,7 @@ def _head_dims(text: str) -> tuple[int, int]:
 
 def _names(text: str) -> set[str]:
     names = {name.strip() for name in text.split(",")}
-    known = {name for module in kernel_modules() for name in vars(module) if re.fullmatch(r"_\w+_kernel", name)}
+    known = {name for _, name in linear_attention_kernels()}
     unknown = sorted(names - known)
     if unknown:
         raise argparse.ArgumentTypeError(
@@ -290,7 +291,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(2) from None
     print(format_rows(rows))
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        write_json_atomic(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -57,11 +57,12 @@ def sweep_candidates(op: str) -> list[dict]:
     """KernelConfig overrides to try for op ("gdn" per-head decay, "kda" per-channel), the first ({}) being
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
     (block_v_state, num_stages_state, num_warps, state_bwd_dv_in_registers), the per-chunk gradient kernels
-    (block_v_grad, num_warps_grad, num_stages; KDA's two gradient kernels' warps), the forward's serial pass
-    (block_v_state_fwd, its stages) and, per head, the output kernel's launch and the backward's split
-    (split_grad_wy: the state part in the output kernel or in one of its own, grad_state_in_output; the WY kernel's
-    key tiles and warps). On Triton 3.6, whose pick_config launches the output kernel at 8 warps and 3 stages, the
-    first output candidate differs from it in stages only."""
+    (block_v_grad, num_warps_grad, num_stages; KDA's two gradient kernels' warps), the sums of S0 * dS1 in the
+    reverse pass (state_sums_in_state_bwd), the forward's serial pass (block_v_state_fwd, its stages) and, per head,
+    the output kernel's launch and the backward's split (split_grad_wy: the state part in the output kernel or in one
+    of its own, grad_state_in_output; the WY kernel's key tiles and warps; where the norms' backward runs,
+    grad_dq_norm_in_output and grad_wy_norm_one_pass). On Triton 3.6, whose pick_config launches the output kernel
+    at 8 warps and 3 stages, the first output candidate differs from it in stages only."""
     common = [
         {},
         {"num_stages_state": 1},

@@ -173,7 +173,8 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                 dA_log = dA_log.to(A_log.dtype)
                 ddt_bias = ddt_bias.to(dt_bias.dtype).reshape(ctx.dt_bias_shape)
         else:
-            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args, None if state_sums is None else state_sums[1])
+            state_sums_NCHJK = None if state_sums is None else state_sums[1]
+            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args, state_sums_NCHJK=state_sums_NCHJK)
         return (
             dq.view(B, T, H, K),
             dk.view(B, T, H, K),
