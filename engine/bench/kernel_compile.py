@@ -289,6 +289,11 @@ def main(argv: list[str]) -> None:
     except (CompileError, ImportError) as error:
         print(f"cannot compile for sm_{TARGET_ARCH} here: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    unlaunched = sorted((args.kernels or set()) - {row["kernel"] for row in rows})
+    if unlaunched:
+        print(f"--kernels ({', '.join(unlaunched)}): not launched by {', '.join(args.ops)}'s training call "
+              "under these candidates", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     print(format_rows(rows))
     if args.json is not None:
         write_json_atomic(args.json, rows)

@@ -42,6 +42,8 @@ def test_reverse_state_pass_prefetches_only_with_dv_new_from_registers(tmp_path)
 
 @pytest.mark.parametrize("args, interpret, message", [
     (["--kernels", "_no_such_kernel"], False, "_no_such_kernel: not a linear-attention kernel"),
+    (["--ops", "gdn", "--kernels", "_kda_grad_products_kernel,_chunk_state_bwd_kernel"], False,
+     "--kernels (_kda_grad_products_kernel): not launched by gdn's training call under these candidates"),
     (["--candidate", "no_such_field=1"], False, "--candidate"),
     (["--head-dims", "128"], False, "'128': must be K,V, two positive integers"),
     (["--ops", "gla"], False, "'gla': must be distinct names from gdn, kda"),
