@@ -2,7 +2,7 @@
 #   bash .device/task.sh TASK [LIMIT_S [ARGS...]]   (ARGS go to the task's command, e.g. `sweep 200 --ops gdn`)
 # Each task writes its JSON, plot and log into r/ (named by task, $NAME if set, and Triton version) and stops itself
 # at LIMIT_S (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
-#   suite         pytest -m gpu tests/gpu -n 8 --dist loadgroup -v --durations=40 (each outcome logged as it comes: a run cut at its limit
+#   suite         pytest -m gpu tests/gpu -n WORKERS --dist loadgroup -v --durations=40 (each outcome logged as it comes: a run cut at its limit
 #                 names what ran), then the tests a lost CUDA context kept from running, in fresh processes (-rerun)
 #   sweep         python -m moe_tune.engine.bench.linear_attention_sweep (gdn, kda)
 #   conv-sweep    python -m moe_tune.engine.bench.causal_conv_sweep
@@ -29,7 +29,10 @@ run() {
 }
 case $TASK in
     suite)
-        SUITE=(python3 -m pytest -m gpu -n 8 --dist loadgroup -v -rfE --tb=short --durations=40 -p no:cacheprovider)
+        # 8 workers fit in an H200's 141 GB; on an 80 GB H100 some of the suite's tests run out of memory with 8.
+        WORKERS=${WORKERS:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
+            awk 'NR == 1 { print ($1 > 100000) ? 8 : 5 }')}
+        SUITE=(python3 -m pytest -m gpu -n "${WORKERS:-8}" --dist loadgroup -v -rfE --tb=short --durations=40 -p no:cacheprovider)
         export MOE_TUNE_GPU_RERUN=r/$TAG.rerun
         run "${SUITE[@]}" tests/gpu "$@"
         # The tests a lost CUDA context kept from running (tests/gpu/conftest.py), once more in fresh processes.
