@@ -56,7 +56,7 @@ CHECK_DOCUMENTS = (0, 1237, 3001)
 def sweep_candidates(op: str) -> list[dict]:
     """KernelConfig overrides to try for op ("gdn" per-head decay, "kda" per-channel), the first ({}) being
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
-    (block_v_state, num_stages_state, num_warps, state_bwd_dv_in_registers), the per-chunk gradient kernels
+    (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels
     (block_v_grad, num_warps_grad, num_stages; KDA's two gradient kernels' warps), the sums of S0 * dS1 in the
     reverse pass (state_sums_in_state_bwd), the forward's serial pass (block_v_state_fwd, its stages) and, per head,
     the output kernel's launch and the backward's split (split_grad_wy: the state part in the output kernel or in one
@@ -73,8 +73,6 @@ def sweep_candidates(op: str) -> list[dict]:
         {"num_stages": 2},
         {"block_v_grad": 32},
         {"block_v_grad": 128},
-        # The reverse state pass with dv_new from registers (no barrier and reload in each chunk's dependent steps).
-        {"state_bwd_dv_in_registers": True},
     ]
     if op == "gdn":
         return [
@@ -91,22 +89,16 @@ def sweep_candidates(op: str) -> list[dict]:
             # part in a kernel of its own (at the gradient kernels' 8 warps or 4), the state part in the output kernel
             # in key tiles of 64, the WY kernel's key tiles at the gradient kernels' warps, and dq's norm in the
             # output kernel (sm_90: 56 bytes of stack there against 64, the WY kernel 248 registers against 254), and
-            # the output kernel at 16 warps (128 registers, 56 bytes of stack).
-            {"grad_dq_norm_in_output": True},
-            # The WY kernel's norms taken as its dk loop goes, sum(k * dk) found before it (no fp32 round trip of dk),
-            # alone and with dq's norm in the output kernel.
-            {"grad_wy_norm_one_pass": True},
-            {"grad_wy_norm_one_pass": True, "grad_dq_norm_in_output": True},
+            # the output kernel at 16 warps (128 registers, 56 bytes of stack). Where the norms' backward runs:
+            # pick_config takes dq's in the output kernel and dk's in the WY kernel's dk loop (kernels_common.
+            # GPU_GRAD_NORMS); each of them back in the WY kernel's fp32 loops.
+            {"grad_dq_norm_in_output": False},
+            {"grad_wy_norm_one_pass": False},
+            {"grad_wy_norm_one_pass": False, "grad_dq_norm_in_output": False},
             # The sums of S0 * dS1 in the reverse state pass (the output kernel then spills nothing at 8 warps, sm_90),
-            # alone and with dv_new from registers there.
+            # alone and with two stages in the per-chunk kernels (the output kernel then prefetches its V tiles).
             {"state_sums_in_state_bwd": True},
-            {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True},
-            # With two stages in the per-chunk kernels (the output kernel then prefetches its V tiles: 32 bytes of
-            # stack, 28 asynchronous copies).
-            {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True, "num_stages": 2},
-            # With the WY kernel's norms in one pass too: no gradient kernel spills (sm_90: the output kernel 250
-            # registers, the WY kernel 255) and dk makes no fp32 round trip.
-            {"state_sums_in_state_bwd": True, "state_bwd_dv_in_registers": True, "grad_wy_norm_one_pass": True},
+            {"state_sums_in_state_bwd": True, "num_stages": 2},
             {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},
@@ -119,11 +111,12 @@ def sweep_candidates(op: str) -> list[dict]:
             *common,
             {"num_warps_kda_grad_wy": 16},
             {"num_warps_kda_grad_products": 4},
-            {"num_warps_kda_grad_products": 16},
-            # The products kernel (255 registers and 608 bytes of stack a thread whole, sm_90) in key tiles: 88 bytes
-            # at 64 and 8 warps, none at 32 (kernels_common.MAX_WARPS_KDA_PRODUCTS_TILED: at most 8 warps).
-            {"block_k_kda_grad_products": 64},
+            # The products kernel in pick_config's key tiles of 64 (88 bytes of stack a thread at 8 warps, sm_90)
+            # against tiles of 32 (none) and the whole K (608 bytes; kernels_common.MAX_WARPS_KDA_PRODUCTS_TILED: at
+            # most 8 warps in key tiles).
             {"block_k_kda_grad_products": 32},
+            {"block_k_kda_grad_products": None},
+            {"block_k_kda_grad_products": None, "num_warps_kda_grad_products": 16},
             # The WY kernel reading the sums of S0 * dS1 from the reverse state pass (sm_90: 160 bytes of stack a
             # thread against 200; with V tiles of 32, 88 against 144).
             {"state_sums_in_state_bwd": True},

@@ -88,7 +88,6 @@ def _chunk_state_bwd_kernel(
     HAS_FINAL_STATE_GRAD: tl.constexpr,
     STORE_INITIAL_STATE_GRAD: tl.constexpr,
     USE_L2NORM: tl.constexpr,
-    DV_IN_REGISTERS: tl.constexpr,
     STORE_STATE_SUMS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
@@ -164,19 +163,15 @@ def _chunk_state_bwd_kernel(
                 q_t = q_t * tl.trans(decay)
             else:
                 q_t = q_t * tl.exp(G)[None, :]
-        # The state update reads (q exp(G))^T and W^T transposed from memory and, by default, dv_new back from where
-        # it was just stored (an L2-resident round trip). With them from registers (dv_new a dot result, q and W
-        # transposed with tl.trans), Triton 3.6 on the H200 gave state gradients that changed from run to run (up to
-        # 48% off) and illegal addresses at 110 documents; so did reusing the transposed q tile for k q^T. The round
-        # trip's form gives bit-equal repeated runs on the device (tests/gpu/test_linear_attention_gpu.py).
-        # DV_IN_REGISTERS (KernelConfig.state_bwd_dv_in_registers) multiplies the dot result itself, rounded to the
-        # stored dtype as the round trip rounds it (the same bits), with q and W still read transposed: no barrier
-        # and no reload in the loop's chain of dependent steps.
-        if DV_IN_REGISTERS:
-            dv_new_op = dv_new.to(dv_new_ptr.dtype.element_ty).to(dot_dtype)
-        else:
-            tl.debug_barrier()
-            dv_new_op = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        # The state update reads (q exp(G))^T and W^T transposed from memory and dv_new back from where it was just
+        # stored (an L2-resident round trip). With them from registers (dv_new a dot result, q and W transposed with
+        # tl.trans), Triton 3.6 on the H200 gave state gradients that changed from run to run (up to 48% off) and
+        # illegal addresses at 110 documents; so did reusing the transposed q tile for k q^T. The round trip's form
+        # gives bit-equal repeated runs on the device (tests/gpu/test_linear_attention_gpu.py). dv_new alone from
+        # registers (q and W still read transposed) was no faster on the H100 and needs 270,336 bytes of shared
+        # memory in fp32 at K 128 (docs/PERF.md, "Launch candidates on an H100").
+        tl.debug_barrier()
+        dv_new_op = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         w_t = load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         dstate = dstate * state_decay + tl.dot(q_t.to(dot_dtype), do, input_precision=DOT_PRECISION)
         dstate -= tl.dot(w_t, dv_new_op, input_precision=DOT_PRECISION)
@@ -867,7 +862,6 @@ def chunk_state_bwd(
             HAS_FINAL_STATE_GRAD=final_state_grad_NHKV is not None,
             STORE_INITIAL_STATE_GRAD=initial_state_grad_NHKV is not None,
             USE_L2NORM=use_qk_l2norm,
-            DV_IN_REGISTERS=config.state_bwd_dv_in_registers,
             STORE_STATE_SUMS=state_sums is not None,
             BT=layout.chunk_size,
             BK=block_size(K),

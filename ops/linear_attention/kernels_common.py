@@ -81,6 +81,13 @@ GPU_NUM_WARPS_GRAD = 8
 # 4c55adb) 3.548 ms a training pass against the one WY kernel's 3.905 and FLA's 3.571 (docs/PERF.md, "Where the
 # gated delta rule's training pass trails FLA's").
 GPU_SPLIT_GRAD_WY = dict(split_grad_wy=True, grad_state_in_output=True, block_k_grad_wy=64, num_warps_grad_wy=4)
+# dq through q's L2 norm in the output kernel and dk through k's in the WY kernel's dk loop (no fp32 dq or dk written
+# and read back): on an H100 (Triton 3.7.1, 45a8a48) 3.604 ms a training pass at B4 T8192 H16 bf16 against 3.964
+# without (docs/PERF.md).
+GPU_GRAD_NORMS = dict(grad_dq_norm_in_output=True, grad_wy_norm_one_pass=True)
+# KDA's products kernel in key tiles of 64 (88 bytes of stack a thread against 608 for the whole K, sm_90): 9.959 ms a
+# KDA training pass against 11.012 on an H100 (Triton 3.7.1, 45a8a48).
+GPU_BLOCK_K_KDA_GRAD_PRODUCTS = 64
 # Two stages let the serial state loops prefetch the next chunk's tiles while the current one computes.
 GPU_NUM_STAGES_STATE = 2
 # fp32 inputs in the output-writing state pass take 1 stage: its FP32_DOTS dots keep both halves of each operand in
@@ -169,11 +176,6 @@ class KernelConfig:
     grad_wy_norm_one_pass: bool = False
     # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
     num_warps_grad_state: int | None = None
-    # The reverse state pass (kernels_bwd._chunk_state_bwd_kernel, both decays) multiplies dv_new from registers
-    # rather than reading it back from where it stored it (a barrier and an L2 round trip in each chunk's dependent
-    # steps); the same bits either way. sm_90 compile (bf16 K = V = 128, Triton 3.6): 168 registers and 60
-    # asynchronous copies (the next chunk's loads prefetched, as in the forward's serial pass) against 200 and none.
-    state_bwd_dv_in_registers: bool = False
     # The reverse state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that
     # no gradient kernel multiplies [V, K] tiles elementwise: KDA's WY kernel, and the per-head output kernel where it
     # takes the state part (split_grad_wy, grad_state_in_output). sm_90, bf16 K = V = 128 (engine/bench/
@@ -192,7 +194,7 @@ class KernelConfig:
     @staticmethod
     def overrides_problem(fields: dict) -> str | None:
         """Why fields (of a config, or overrides over the GPU's) launch no working kernels, or None."""
-        block_k = fields.get("block_k_kda_grad_products")
+        block_k = fields.get("block_k_kda_grad_products", GPU_BLOCK_K_KDA_GRAD_PRODUCTS)
         warps = fields.get("num_warps_kda_grad_products", GPU_NUM_WARPS_KDA_GRAD_PRODUCTS)
         if block_k is not None and warps > MAX_WARPS_KDA_PRODUCTS_TILED:
             return (f"num_warps_kda_grad_products {warps} with block_k_kda_grad_products {block_k}: key tiles launch "
@@ -247,6 +249,8 @@ def _default_config(x: torch.Tensor) -> KernelConfig:
         GPU_NUM_WARPS_STATE_FWD_KDA_WIDE,
         GPU_INVERSE_DOTS_16BIT,
         **GPU_SPLIT_GRAD_WY,
+        **GPU_GRAD_NORMS,
+        block_k_kda_grad_products=GPU_BLOCK_K_KDA_GRAD_PRODUCTS,
     )
 
 

@@ -865,7 +865,7 @@ def kda_grad(
     dG_partial_THK = alloc((T, H, K), torch.float32, device)
     dG_last_NCHK = alloc((layout.num_slots, H, K), torch.float32, device)
     dkk_THC = alloc((T, H, C), torch.float32, device)
-    # The products kernel's key tiles (KernelConfig.block_k_kda_grad_products; one of the whole K by default).
+    # The products kernel's key tiles (KernelConfig.block_k_kda_grad_products; None, one of the whole K).
     block_k_products = min(config.block_k_kda_grad_products or block_size(K), block_size(K))
     num_k_tiles = triton.cdiv(K, block_k_products)
     # Per chunk slot (and key tile), summed below in slot order (deterministic where atomics would not be).

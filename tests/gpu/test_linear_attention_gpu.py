@@ -407,13 +407,17 @@ def assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, i
 
 # The per-head backward's launches beside pick_config's (kernels_common.GPU_SPLIT_GRAD_WY: the state part in the output
 # kernel, the WY kernel in key tiles of 64 at 4 warps), which every other test here runs.
-SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=64, num_warps_grad_wy=4)
+# The norms' backward in the WY kernel's fp32 loops, not where pick_config takes them (kernels_common.GPU_GRAD_NORMS).
+NORMS_IN_WY_LOOPS = dict(grad_dq_norm_in_output=False, grad_wy_norm_one_pass=False)
+SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=64, num_warps_grad_wy=4,
+                        **NORMS_IN_WY_LOOPS)  # fmt: skip
 
 
 @pytest.fixture(
     params=[
         dict(split_grad_wy=False),
-        dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=None, num_warps_grad_wy=None),
+        dict(split_grad_wy=True, grad_state_in_output=False, block_k_grad_wy=None, num_warps_grad_wy=None,
+             **NORMS_IN_WY_LOOPS),
         SPLIT_WY_4_WARPS,
         dict(SPLIT_WY_4_WARPS, num_warps_grad_state=4),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True),
@@ -422,23 +426,21 @@ SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_wy_norm_one_pass=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_dq_norm_in_output=True, grad_wy_norm_one_pass=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True,
-             state_bwd_dv_in_registers=True),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True,
-             state_bwd_dv_in_registers=True, grad_wy_norm_one_pass=True),
+        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True, grad_dq_norm_in_output=True,
+             grad_wy_norm_one_pass=True),
     ],
     ids=["one_wy_kernel", "whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
          "state_in_output_k_tiles", "state_in_output-dq_norm_in_output", "state_in_output-norms_one_pass",
          "state_in_output-dq_norm_in_output-norms_one_pass", "state_in_output-state_sums",
-         "state_in_output-state_sums-dv_in_registers", "state_in_output-state_sums-dv_in_registers-norms_one_pass"],
+         "state_in_output-state_sums-dq_norm_in_output-norms_one_pass"],
 )  # fmt: skip
 def split_grad_wy(monkeypatch, request):
     """The per-head backward as one WY kernel (split_grad_wy False) or split: its state part in a kernel of its own
     or in the output kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output; dq's norm there or in
     the WY kernel), its WY kernel on the whole key dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its
     own (num_warps_grad_wy), taking dk through its norm after a last loop or as it goes (grad_wy_norm_one_pass); the
-    sums of S0 * dS1 from the output kernel or the reverse state pass (state_sums_in_state_bwd), this one with dv_new
-    read back or from registers (state_bwd_dv_in_registers)."""
+    sums of S0 * dS1 from the output kernel or the reverse state pass (state_sums_in_state_bwd). pick_config's own is
+    "state_in_output-dq_norm_in_output-norms_one_pass"."""
     launch_with(monkeypatch, **request.param)
 
 
@@ -462,11 +464,12 @@ def test_split_state_part_anchor_and_110_documents_bf16(guarded, split_grad_wy):
     assert [name for name in first if not torch.equal(first[name], second[name])] == []
 
 
-@pytest.fixture(params=[(64, 8), (32, 8)], ids=["k64-8_warps", "k32-8_warps"])
+@pytest.fixture(params=[(64, 8), (32, 8), (None, 8)], ids=["k64-8_warps", "k32-8_warps", "whole_k-8_warps"])
 def kda_products_tiles(monkeypatch, request):
-    """KDA's products kernel in key tiles (KernelConfig.block_k_kda_grad_products) at the kernel's warps
-    (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 88 bytes of stack at 64 and 8 warps, none at 32. At 16
-    warps and 32 columns the kernel made an illegal memory access (KernelConfig refuses more than 8 warps in tiles)."""
+    """KDA's products kernel in key tiles (KernelConfig.block_k_kda_grad_products; pick_config's 64) or over the
+    whole K, at the kernel's warps (num_warps_kda_grad_products): sm_90 compile, Triton 3.6, 88 bytes of stack at 64
+    and 8 warps, none at 32, 608 whole. At 16 warps and 32 columns the kernel made an illegal memory access
+    (KernelConfig refuses more than 8 warps in tiles)."""
     block_k, num_warps = request.param
     launch_with(monkeypatch, block_k_kda_grad_products=block_k, num_warps_kda_grad_products=num_warps)
 
@@ -489,35 +492,11 @@ def test_kda_products_in_key_tiles_gate_bf16(guarded, kda_products_tiles):
     test_kda_gate_in_kernel_bf16_matches_reference(guarded, dict(T=1000, H=4, K=128, V=128), None)
 
 
-@pytest.mark.parametrize("candidate", ["state_bwd_dv_in_registers", "state_sums_in_state_bwd"],
-                         ids=["dv_in_registers", "state_sums"])  # fmt: skip
 @pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
-def test_state_pass_candidates_match_reference(guarded, monkeypatch, shape, use_qk_l2norm, dtype, is_per_channel,
-                                               candidate):  # fmt: skip
-    # KernelConfig.state_bwd_dv_in_registers: the reverse state pass multiplies dv_new from registers (the form that,
-    # with q and W transposed in registers too, once gave wrong and changing state gradients on Triton 3.6).
-    # state_sums_in_state_bwd: it also sums S0 * dS1 for the gradient kernel (per head the output-and-state kernel,
-    # KDA its WY kernel).
-    launch_with(monkeypatch, **{candidate: True})
+def test_state_sums_in_state_bwd_match_reference(guarded, monkeypatch, shape, use_qk_l2norm, dtype, is_per_channel):
+    # KernelConfig.state_sums_in_state_bwd: the reverse state pass also sums S0 * dS1 for the gradient kernel (per
+    # head the output-and-state kernel, KDA its WY kernel).
+    launch_with(monkeypatch, state_sums_in_state_bwd=True)
     assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel)
-
-
-@GPU_MEMORY_GROUP
-@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-def test_state_bwd_dv_in_registers_110_documents_bitwise_repeatable(guarded, monkeypatch, is_per_channel):
-    # The packed row of 110 documents that once read out of bounds with dv_new from registers, against the reference
-    # and then bit for bit the default form's gradients (the same rounding), twice.
-    bounds = torch.linspace(0, 16384, 111).round().to(torch.int32).to("cuda")
-    inputs = make_inputs(1, 16384, 8 if is_per_channel else 32, 128, 128, dtype=torch.bfloat16,
-                         is_per_channel=is_per_channel, num_seqs=110)  # fmt: skip
-    op = kda if is_per_channel else gated_delta_rule
-    options = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, save_intermediates=True)
-    round_trip = forward_and_grads(op, inputs, **options)
-    launch_with(monkeypatch, state_bwd_dv_in_registers=True)
-    assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True, cu_seqlens=bounds,
-                             save_intermediates=True)  # fmt: skip
-    for _ in range(2):
-        in_registers = forward_and_grads(op, inputs, **options)
-        assert [name for name in round_trip if not torch.equal(in_registers[name], round_trip[name])] == []

@@ -199,7 +199,8 @@ WARPS_PRODUCTS = "linear_attention.num_warps_kda_grad_products"
     (f"{TILED_PRODUCTS}=32,{WARPS_PRODUCTS}=4", False),
     (f"{TILED_PRODUCTS}=32", False),  # the GPU's 8 warps
     (f"{TILED_PRODUCTS}=none,{WARPS_PRODUCTS}=16", False),  # the whole kernel
-    (f"{WARPS_PRODUCTS}=16", False),
+    (f"{WARPS_PRODUCTS}=16", True),  # pick_config's key tiles of 64
+    (f"{WARPS_PRODUCTS}=8", False),
 ])  # fmt: skip
 def test_key_tiles_of_kdas_products_kernel_launch_at_most_8_warps(text, refused, monkeypatch):
     # 16 warps in 32-column tiles made an illegal memory access on the H200 (Triton 3.6 and 3.7.1): refused when

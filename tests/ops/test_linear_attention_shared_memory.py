@@ -73,8 +73,10 @@ def _record_and_measure() -> None:
                                    "num_warps_grad_wy": None}, tiled,
         dict(tiled, grad_state_in_output=True, block_k_grad_output=64), {},
     )  # fmt: skip
-    # KDA with its products kernel whole and in key tiles of 32 (block_k_kda_grad_products).
-    cases = [(False, split) for split in splits] + [(True, {}), (True, {"block_k_kda_grad_products": 32})]
+    # KDA with its products kernel in pick_config's key tiles of 64, in tiles of 32 and whole
+    # (block_k_kda_grad_products).
+    kda = ({}, {"block_k_kda_grad_products": 32}, {"block_k_kda_grad_products": None})
+    cases = [(False, split) for split in splits] + [(True, overrides) for overrides in kda]
     launches = []
     for V, (is_kda, split) in itertools.product((64, 128), cases):
         launches += kernel_compile.record_call(is_kda, torch.float32, (128, V), split, save_intermediates=False,

@@ -450,31 +450,6 @@ def test_saved_intermediates_match_reference_with_fewer_passes(kernel_path, guar
     guarded.check()
 
 
-@pytest.mark.parametrize("is_per_channel, dtype, K, save_intermediates", [
-    pytest.param(False, torch.float16, 16, True, id="gdn-fp16-K16-saved"),
-    pytest.param(False, torch.float16, 16, False, id="gdn-fp16-K16-prepared"),
-    pytest.param(True, torch.float32, 12, False, id="kda-fp32-K12-loop_decays"),
-    pytest.param(True, torch.float32, 16, True, id="kda-fp32-K16-saved"),
-])  # fmt: skip
-def test_state_bwd_dv_in_registers_gives_the_round_trips_bits(kernel_path, guarded, monkeypatch, is_per_channel,
-                                                              dtype, K, save_intermediates):  # fmt: skip
-    # KernelConfig.state_bwd_dv_in_registers: the reverse state pass multiplies dv_new from registers, rounded to the
-    # stored dtype, instead of reading it back; every output and gradient bit for bit the default's, on documents
-    # of 1, 63 and 6 tokens with initial states, prepared operands (K 16) or the loop's own decays (K 12).
-    flags = record_constexpr(monkeypatch, kernels_bwd, "_chunk_state_bwd_kernel", "DV_IN_REGISTERS")
-    inputs = make_inputs(1, 70, K=K, V=32, dtype=dtype, is_per_channel=is_per_channel, num_seqs=3)
-    op = kda if is_per_channel else gated_delta_rule
-    options = dict(cu_seqlens=torch.tensor([0, 1, 64, 70], dtype=torch.int32), use_qk_l2norm_in_kernel=True,
-                   save_intermediates=save_intermediates)  # fmt: skip
-    round_trip = forward_and_grads(op, inputs, **options)
-    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
-        kernels_common.pick_config(x), state_bwd_dv_in_registers=True))  # fmt: skip
-    in_registers = forward_and_grads(op, inputs, **options)
-    assert flags == [False, True]
-    assert [name for name in round_trip if not torch.equal(in_registers[name], round_trip[name])] == []
-    assert_candidate_matches(in_registers, round_trip, inputs, dtype, guarded, options["cu_seqlens"])
-
-
 def test_saved_intermediates_take_the_bytes_docs_plan_counts(kernel_path):
     # docs/plan.md (engine/plan.py) counts T H (3K + V + 2C) + ceil(T / C) H K V values in the inputs' dtype
     # and T H fp32 (G) for a layer that keeps them; the op must save exactly that much more than without.

@@ -21,23 +21,24 @@ def run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
                           timeout=300)  # fmt: skip
 
 
-def test_reverse_state_pass_prefetches_only_with_dv_new_from_registers(tmp_path):
-    # What KernelConfig.state_bwd_dv_in_registers' comment says of the sm_90 compile: the default loop (dv_new read
-    # back through a barrier) has no asynchronous copies, the candidate's prefetches its loads; both without spills.
+def test_kda_products_in_key_tiles_spill_less_than_over_the_whole_key(tmp_path):
+    # What kernels_common.GPU_BLOCK_K_KDA_GRAD_PRODUCTS' comment says of the sm_90 compile: pick_config's products
+    # kernel in key tiles of 64 keeps a smaller stack a thread than the kernel over the whole K, which spills.
     out = tmp_path / "rows.json"
-    result = run("--ops", "gdn", "--kernels", "_chunk_state_bwd_kernel", "--candidate",
-                 "state_bwd_dv_in_registers=true", "--json", str(out))  # fmt: skip
+    result = run("--ops", "kda", "--kernels", "_kda_grad_products_kernel,_kda_grad_products_tiled_kernel",
+                 "--candidate", "block_k_kda_grad_products=none", "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [(row["kernel"], row["candidate"]) for row in rows] == [
-        ("_chunk_state_bwd_kernel", {}), ("_chunk_state_bwd_kernel", {"state_bwd_dv_in_registers": True})
+        ("_kda_grad_products_tiled_kernel", {}),
+        ("_kda_grad_products_kernel", {"block_k_kda_grad_products": None}),
     ]  # fmt: skip
-    round_trip, in_registers = rows
-    assert round_trip["async_copies"] == 0 < in_registers["async_copies"]
-    assert all(row["spill_stores"] == row["spill_loads"] == 0 and 0 < row["registers"] <= 255 for row in rows)
-    assert all(row["mmas"] > 0 and row["shared"] > 0 and (row["BK"], row["BV"]) == (128, 32) for row in rows)
+    tiled, whole = rows
+    assert (tiled["BK"], whole["BK"]) == (64, 128)
+    assert 0 < whole["spill_stores"] and tiled["stack"] < whole["stack"]
+    assert all(row["mmas"] > 0 and 0 < row["registers"] <= 255 and row["num_warps"] == 8 for row in rows)
     # The table printed on stdout has a row per launch.
-    assert result.stdout.count("| _chunk_state_bwd_kernel |") == 2
+    assert result.stdout.count("| _kda_grad_products") == 2
 
 
 @pytest.mark.parametrize("args, interpret, message", [
