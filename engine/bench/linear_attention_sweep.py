@@ -57,8 +57,8 @@ def sweep_candidates(op: str) -> list[dict]:
     """KernelConfig overrides to try for op ("gdn" per-head decay, "kda" per-channel), the first ({}) being
     pick_config's choice. Each varies the launch of the kernels the training pass runs: the reverse serial pass
     (block_v_state, num_stages_state, num_warps), the per-chunk gradient kernels
-    (block_v_grad, num_warps_grad, num_stages; KDA's two gradient kernels' warps), the sums of S0 * dS1 in the
-    reverse pass (state_sums_in_state_bwd), the forward's serial pass (block_v_state_fwd, its stages) and, per head,
+    (block_v_grad, num_warps_grad, num_stages; KDA's two gradient kernels' warps, and its products kernel in key tiles
+    or whole, block_k_kda_grad_products), the forward's serial pass (block_v_state_fwd, its stages) and, per head,
     the output kernel's launch and the backward's split (split_grad_wy: the state part in the output kernel or in one
     of its own, grad_state_in_output; the WY kernel's key tiles and warps; where the norms' backward runs,
     grad_dq_norm_in_output and grad_wy_norm_one_pass). On Triton 3.6, whose pick_config launches the output kernel
@@ -87,18 +87,14 @@ def sweep_candidates(op: str) -> list[dict]:
             {"num_warps_output": 4, "num_stages_output": 2},
             # pick_config's per-head backward (kernels_common.GPU_SPLIT_GRAD_WY) against the one WY kernel, the state
             # part in a kernel of its own (at the gradient kernels' 8 warps or 4), the state part in the output kernel
-            # in key tiles of 64, the WY kernel's key tiles at the gradient kernels' warps, and dq's norm in the
-            # output kernel (sm_90: 56 bytes of stack there against 64, the WY kernel 248 registers against 254), and
-            # the output kernel at 16 warps (128 registers, 56 bytes of stack). Where the norms' backward runs:
-            # pick_config takes dq's in the output kernel and dk's in the WY kernel's dk loop (kernels_common.
-            # GPU_GRAD_NORMS); each of them back in the WY kernel's fp32 loops.
+            # in key tiles of 64, the WY kernel's key tiles at the gradient kernels' warps, and the output kernel at
+            # 16 warps. Where the norms' backward runs: pick_config takes dq's in the output kernel and dk's in the WY
+            # kernel's dk loop (kernels_common.GPU_GRAD_NORMS); each of them back in the WY kernel's fp32 loops. The
+            # output kernel's stack a thread (sm_90, bf16 K = V = 128, Triton 3.6; engine/bench/kernel_compile.py):
+            # 120 bytes with dq's norm, 64 without, 192 at 16 warps.
             {"grad_dq_norm_in_output": False},
             {"grad_wy_norm_one_pass": False},
             {"grad_wy_norm_one_pass": False, "grad_dq_norm_in_output": False},
-            # The sums of S0 * dS1 in the reverse state pass (the output kernel then spills nothing at 8 warps, sm_90),
-            # alone and with two stages in the per-chunk kernels (the output kernel then prefetches its V tiles).
-            {"state_sums_in_state_bwd": True},
-            {"state_sums_in_state_bwd": True, "num_stages": 2},
             {"num_warps_grad_output": 16},
             {"split_grad_wy": False},
             {"grad_state_in_output": False},
@@ -117,10 +113,6 @@ def sweep_candidates(op: str) -> list[dict]:
             {"block_k_kda_grad_products": 32},
             {"block_k_kda_grad_products": None},
             {"block_k_kda_grad_products": None, "num_warps_kda_grad_products": 16},
-            # The WY kernel reading the sums of S0 * dS1 from the reverse state pass (sm_90: 160 bytes of stack a
-            # thread against 200; with V tiles of 32, 88 against 144).
-            {"state_sums_in_state_bwd": True},
-            {"state_sums_in_state_bwd": True, "block_v_grad": 32},
             {"num_stages_state_fwd_kda": 2},
         ]
     raise ValueError(f"op {op!r}: must be one of {', '.join(OPS)}")

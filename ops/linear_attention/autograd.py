@@ -22,13 +22,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from moe_tune.ops.linear_attention.kernels_bwd import (
-    chunk_grad,
-    chunk_state_bwd,
-    prepare_state_bwd,
-    state_sums_buffer,
-    takes_state_sums,
-)
+from moe_tune.ops.linear_attention.kernels_bwd import chunk_grad, chunk_state_bwd, prepare_state_bwd
 from moe_tune.ops.linear_attention.kernels_common import ChunkLayout, pick_config, prepare_chunks
 from moe_tune.ops.linear_attention.kernels_kda import kda_grad, kda_wy_fwd
 from moe_tune.ops.linear_attention.kernels_output import chunk_output, has_output_kernel
@@ -149,13 +143,9 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                 )
             prepared = (k_end_THK, q_dec_THK, qk_THC if qk_THC is not None else qk_prepared)
             del k_end_THK, q_dec_THK, qk_prepared
-        state_sums = None
-        if takes_state_sums(config, is_per_channel):
-            state_sums = (states_NCHKV, state_sums_buffer(layout, H, K, V, config, q_THK.device))
         state_grads_NCHKV, dv_new_THV, initial_state_grad = chunk_state_bwd(
             q_THK, k_THK, w_THK, g_cumsum, do_THV, final_state_grad, layout, config, scale, use_qk_l2norm,
             initial_state.dtype if initial_state is not None else None, qk_THC=qk_THC, prepared=prepared,
-            state_sums=state_sums,
         )  # fmt: skip
         del w_THK, qk_THC, prepared
         grad_args = (
@@ -166,15 +156,13 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
         if is_per_channel:
             grad_args = (*grad_args[:7], kk_THC, *grad_args[7:])
             dq, dk, dv, dbeta, dg, dA_log, ddt_bias = kda_grad(
-                *grad_args, gate=None if gate is None else (g_flat, *gate),
-                state_sums_NCHJK=None if state_sums is None else state_sums[1],
-            )  # fmt: skip
+                *grad_args, gate=None if gate is None else (g_flat, *gate)
+            )
             if gate is not None:
                 dA_log = dA_log.to(A_log.dtype)
                 ddt_bias = ddt_bias.to(dt_bias.dtype).reshape(ctx.dt_bias_shape)
         else:
-            state_sums_NCHJK = None if state_sums is None else state_sums[1]
-            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args, state_sums_NCHJK=state_sums_NCHJK)
+            dq, dk, dv, dbeta, dg = chunk_grad(*grad_args)
         return (
             dq.view(B, T, H, K),
             dk.view(B, T, H, K),

@@ -77,8 +77,6 @@ def _chunk_state_bwd_kernel(
     initial_state_grad_ptr,
     state_grads_ptr,
     dv_new_ptr,
-    states_ptr,
-    state_sums_ptr,
     scale,
     H,
     K,
@@ -88,7 +86,6 @@ def _chunk_state_bwd_kernel(
     HAS_FINAL_STATE_GRAD: tl.constexpr,
     STORE_INITIAL_STATE_GRAD: tl.constexpr,
     USE_L2NORM: tl.constexpr,
-    STORE_STATE_SUMS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -121,14 +118,6 @@ def _chunk_state_bwd_kernel(
         slot_head = ((first_slot + i_t) * H + i_h).to(tl.int64) * K * V
         dstate_out = dstate.to(state_grads_ptr.dtype.element_ty)
         tl.store(state_grads_ptr + slot_head + state_offsets, dstate_out, mask=state_mask)
-        if STORE_STATE_SUMS:
-            # Per key, the sum over this V tile of S0 * dS1 (dS1 as stored): G_C's gradient through the state's
-            # decay, which the gradient kernel (per head the output-and-state kernel, KDA its WY kernel) then reads
-            # instead of multiplying S0 by dS1 itself.
-            state = tl.load(states_ptr + slot_head + state_offsets, mask=state_mask, other=0.0).to(tl.float32)
-            sums = tl.sum(state * dstate_out.to(tl.float32), axis=1)
-            sums_row = ((first_slot + i_t) * H + i_h) * tl.num_programs(0) + i_v
-            tl.store(state_sums_ptr + sums_row.to(tl.int64) * K + offs_k, sums, mask=offs_k < K)
         do = load_rows(do_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         if HAS_PREPARED:
             # The decayed operands from parallel passes (prepare_state_bwd, the WY pass's k exp(G_C - G)): no norm
@@ -171,10 +160,10 @@ def _chunk_state_bwd_kernel(
         # registers (q and W still read transposed) was no faster on the H100 and needs 270,336 bytes of shared
         # memory in fp32 at K 128 (docs/PERF.md, "Launch candidates on an H100").
         tl.debug_barrier()
-        dv_new_op = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
+        dv_new_mem = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         w_t = load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)
         dstate = dstate * state_decay + tl.dot(q_t.to(dot_dtype), do, input_precision=DOT_PRECISION)
-        dstate -= tl.dot(w_t, dv_new_op, input_precision=DOT_PRECISION)
+        dstate -= tl.dot(w_t, dv_new_mem, input_precision=DOT_PRECISION)
 
     if STORE_INITIAL_STATE_GRAD:
         tl.store(initial_state_grad_ptr + seq_head + state_offsets, dstate, mask=state_mask)
@@ -386,16 +375,13 @@ def _chunk_grad_output_state_kernel(
     dk_partial_ptr,
     dG_partial_ptr,
     dw_ptr,
-    state_sums_ptr,
     scale,
     T,
     H,
     K,
     V,
-    NUM_STATE_SUMS,
     USE_L2NORM: tl.constexpr,
     NORM_DQ: tl.constexpr,
-    HAS_STATE_SUMS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -408,9 +394,7 @@ def _chunk_grad_output_state_kernel(
     taken through q's norm here), otherwise fp32 before the norm (the WY kernel takes it through); and the tile's
     share of dG (sums over the key dimension, G_C's gradient on the chunk's last token) into its own row of
     dG_partial [NK, T, H], which the WY kernel sums. q k^T's pair gradient
-    dqk depends on no key tile: each tile computes it. With HAS_STATE_SUMS the sums over V of S0 * dS1 per key (in
-    G_C's gradient) are the NUM_STATE_SUMS rows the reverse state pass wrote (state_sums_buffer), not products of
-    the tiles read here."""
+    dqk depends on no key tile: each tile computes it."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -448,14 +432,8 @@ def _chunk_grad_output_state_kernel(
         dqk_t += tl.dot(v_new, tl.trans(do), input_precision=DOT_PRECISION)
         dk_end += tl.dot(v_new, dstate_t, input_precision=DOT_PRECISION)
         dw -= tl.dot(dv_new, state_t, input_precision=DOT_PRECISION)
-        if not HAS_STATE_SUMS:
-            state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
     store_rows(dw_ptr + i_h * K + k0, dw, t0, num_valid, H * K, K - k0, BT, BK)
-    if HAS_STATE_SUMS:
-        sums_row = (i_c * H + i_h).to(tl.int64) * NUM_STATE_SUMS
-        for i_v in range(0, NUM_STATE_SUMS):
-            sums_offsets = (sums_row + i_v) * K + offs_k
-            state_dstate += tl.load(state_sums_ptr + sums_offsets, mask=(offs_k < K) & has_chunk, other=0.0)
 
     q_rstd, k_rstd = l2norm_factors(q_ptr + i_h * K, k_ptr + i_h * K, t0, num_valid, H * K, K, USE_L2NORM, BT, BK)
     q = load_rows(q_ptr + i_h * K + k0, t0, num_valid, H * K, K - k0, BT, BK).to(tl.float32) * q_rstd[:, None]
@@ -780,21 +758,6 @@ def _chunk_grad_wy_tiled_kernel(
     tl.store(dg_ptr + token_head, dg.to(dg_ptr.dtype.element_ty), mask=is_valid)
 
 
-def takes_state_sums(config: KernelConfig, is_per_channel: bool) -> bool:
-    """Whether the reverse state pass sums S0 * dS1 for the gradient kernel that would multiply the tiles: KDA's WY
-    kernel, or the per-head output-and-state kernel where that kernel runs (KernelConfig.state_sums_in_state_bwd)."""
-    per_head_takes = config.split_grad_wy and config.grad_state_in_output
-    return config.state_sums_in_state_bwd and (is_per_channel or per_head_takes)
-
-
-def state_sums_buffer(layout: ChunkLayout, H: int, K: int, V: int, config: KernelConfig,
-                      device: torch.device) -> torch.Tensor:  # fmt: skip
-    """[NC, H, J, K] fp32: per chunk slot, head and V tile of the reverse state pass (J of them), the sum over the
-    tile of S0 * dS1 per key."""
-    num_v_tiles = triton.cdiv(V, min(config.block_v_state, block_size(V)))
-    return kernels_common.alloc((layout.num_slots, H, num_v_tiles, K), torch.float32, device)
-
-
 def chunk_state_bwd(
     q_THK: torch.Tensor,
     k_THK: torch.Tensor,
@@ -809,7 +772,6 @@ def chunk_state_bwd(
     initial_state_grad_dtype: torch.dtype | None,
     qk_THC: torch.Tensor | None = None,
     prepared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    state_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The reverse serial pass: dS1 of every chunk [NC, H, K, V] and dv_new [T, H, V] (fp32 for fp32 inputs, else
     k's dtype), and the initial state's gradient [N, H, K, V] when initial_state_grad_dtype is given.
@@ -817,8 +779,6 @@ def chunk_state_bwd(
     g_cumsum: [T, H] per head, or [T, H, K] per channel (KDA), with qk_THC the decayed causal q k^T of kda_wy_fwd.
     prepared: (k exp(G_C - G) from the WY pass, then prepare_state_bwd's q exp(G) and decayed causal q k^T): the
     loop reads them instead of norming q and k and building the decays itself.
-    state_sums: (the forward's per-chunk states [NC, H, K, V], a state_sums_buffer to fill): per chunk slot, head and
-    V tile, sum over the tile of S0 * dS1 per key, for chunk_grad (takes_state_sums).
     """
     T, H, K = k_THK.shape
     V = do_THV.shape[-1]
@@ -833,8 +793,6 @@ def chunk_state_bwd(
     dot_precision, _ = dot_precisions(k_THK.dtype)
     if prepared is not None:
         k_end_THK, q_dec_THK, qk_THC = prepared
-    if state_sums is not None:
-        states_NCHKV, state_sums_NCHJK = state_sums
     if N > 0:
         _chunk_state_bwd_kernel[(triton.cdiv(V, block_v), N, H)](
             q_THK,
@@ -851,8 +809,6 @@ def chunk_state_bwd(
             initial_state_grad_NHKV if initial_state_grad_NHKV is not None else w_THK,
             state_grads_NCHKV,
             dv_new_THV,
-            states_NCHKV if state_sums is not None else w_THK,
-            state_sums_NCHJK if state_sums is not None else w_THK,
             scale,
             H,
             K=K,
@@ -862,7 +818,6 @@ def chunk_state_bwd(
             HAS_FINAL_STATE_GRAD=final_state_grad_NHKV is not None,
             STORE_INITIAL_STATE_GRAD=initial_state_grad_NHKV is not None,
             USE_L2NORM=use_qk_l2norm,
-            STORE_STATE_SUMS=state_sums is not None,
             BT=layout.chunk_size,
             BK=block_size(K),
             BV=block_v,
@@ -930,10 +885,8 @@ def chunk_grad(
     config: KernelConfig,
     scale: float,
     use_qk_l2norm: bool,
-    state_sums_NCHJK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H] in g_dtype.
-    state_sums_NCHJK: what chunk_state_bwd wrote into a state_sums_buffer, where takes_state_sums(config)."""
+    """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H] in g_dtype."""
     T, H, K = k_THK.shape
     V = v_THV.shape[-1]
     C = layout.chunk_size
@@ -965,13 +918,10 @@ def chunk_grad(
     dw_THK = kernels_common.alloc((T, H, K), k_THK.dtype, device) if config.split_grad_wy else None
     if layout.num_slots > 0:
         if fused:
-            has_sums = state_sums_NCHJK is not None
             _chunk_grad_output_state_kernel[(layout.num_slots, H, num_k_tiles)](
                 q_THK, k_THK, g_cumsum_TH, states_NCHKV, state_grads_NCHKV, v_new_THV, do_THV, dv_new_THV,
-                layout.chunk_map, dq_partial_THK, dk_partial_THK, dG_partial_NTH, dw_THK,
-                state_sums_NCHJK if has_sums else dw_THK, scale, T, H,
-                NUM_STATE_SUMS=state_sums_NCHJK.shape[2] if has_sums else 0,
-                **dict(meta, BK=block_k_output, NORM_DQ=norm_dq_in_output, HAS_STATE_SUMS=has_sums,
+                layout.chunk_map, dq_partial_THK, dk_partial_THK, dG_partial_NTH, dw_THK, scale, T, H,
+                **dict(meta, BK=block_k_output, NORM_DQ=norm_dq_in_output,
                        num_warps=config.num_warps_grad_output or config.num_warps_grad),
             )  # fmt: skip
         else:

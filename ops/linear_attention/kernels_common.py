@@ -176,12 +176,6 @@ class KernelConfig:
     grad_wy_norm_one_pass: bool = False
     # With split_grad_wy, the state kernel's warps (None: num_warps_grad).
     num_warps_grad_state: int | None = None
-    # The reverse state pass sums S0 * dS1 per key (G_C's gradient through the state's decay) as it stores dS1, so that
-    # no gradient kernel multiplies [V, K] tiles elementwise: KDA's WY kernel, and the per-head output kernel where it
-    # takes the state part (split_grad_wy, grad_state_in_output). sm_90, bf16 K = V = 128 (engine/bench/
-    # kernel_compile.py): the per-head output kernel 250 registers and no stack against 255 and 64 bytes; KDA's WY
-    # kernel 160 bytes of stack against 200.
-    state_sums_in_state_bwd: bool = False
     # KDA's products kernel in key tiles of this width (kernels_kda._kda_grad_products_tiled_kernel; None, one of the
     # whole K: _kda_grad_products_kernel).
     block_k_kda_grad_products: int | None = None

@@ -428,13 +428,10 @@ def _kda_grad_wy_kernel(
     dG_partial_ptr,
     dG_last_ptr,
     dkk_ptr,
-    state_sums_ptr,
     H,
     K,
     V,
-    NUM_STATE_SUMS,
     USE_L2NORM: tl.constexpr,
-    HAS_STATE_SUMS: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -442,8 +439,7 @@ def _kda_grad_wy_kernel(
 ):
     """The state and WY terms of one (chunk, head): dv and dbeta (final); for the products kernel, fp32, the state's
     and the WY factors' parts of dk and dG [BT, BK] (before the L2 norm), the gradient of G_C [BK] and dkk [BT, BT]
-    (the gradient of the decayed k k^T, times beta). With HAS_STATE_SUMS the sums over V of S0 * dS1 per key are the
-    NUM_STATE_SUMS rows the reverse state pass wrote (kernels_bwd.state_sums_buffer)."""
+    (the gradient of the decayed k k^T, times beta)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_map_ptr + 2 * i_c)
@@ -478,8 +474,7 @@ def _kda_grad_wy_kernel(
         dv_scaled = tl.dot(inverse_t, dv_new, input_precision=DOT_PRECISION)
         store_rows(dv_ptr + i_h * V + v0, dv_scaled * beta[:, None], t0, num_valid, H * V, V - v0, BT, BV)
         dbeta += tl.sum(v * dv_scaled, axis=1)
-        if not HAS_STATE_SUMS:
-            state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
+        state_dstate += tl.sum(state_t.to(tl.float32) * dstate_t.to(tl.float32), axis=0)
 
     # WY factors, as in _chunk_grad_wy_kernel, with A = diag(beta) kk and kk read back from the pairs kernel; the
     # inverse is read again here (held through the loop, it spilled). This order spilled least of those tried
@@ -500,11 +495,6 @@ def _kda_grad_wy_kernel(
     dk_scaled = tl.dot(inverse_t, dw_dot, input_precision=DOT_PRECISION)
     # State leaving the chunk: S1 = diag(exp(G_C)) S0 + (k exp(G_C - G))^T v_new.
     dk_end = dk_end * tl.exp(G_last[None, :] - G)
-    if HAS_STATE_SUMS:
-        sums_row = (i_c * H + i_h).to(tl.int64) * NUM_STATE_SUMS
-        for i_v in range(0, NUM_STATE_SUMS):
-            sums_offsets = (sums_row + i_v) * K + offs_k
-            state_dstate += tl.load(state_sums_ptr + sums_offsets, mask=(offs_k < K) & (num_valid > 0), other=0.0)
     dG_last = tl.sum(k * dk_end, axis=0) + tl.exp(G_last) * state_dstate
     tl.store(dG_last_ptr + (i_c * H + i_h) * K + offs_k, dG_last, mask=offs_k < K)
     k_dk_scaled = k * dk_scaled * exp_G
@@ -841,13 +831,11 @@ def kda_grad(
     scale: float,
     use_qk_l2norm: bool,
     gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    state_sums_NCHJK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """dq, dk [T, H, K], dv [T, H, V] in q's dtype; dbeta [T, H] in beta's dtype and dg [T, H, K] in g_dtype.
 
     gate: (a [T, H, K], A_log [H], dt_bias [H * K]) when the kernel computed the log decay from the raw gate a: the
     fifth gradient is then da, and dA_log [H] and ddt_bias [H * K] (fp32) follow it; without a gate they are None.
-    state_sums_NCHJK: what chunk_state_bwd wrote into a kernels_bwd.state_sums_buffer, where takes_state_sums.
     """
     T, H, K = k_THK.shape
     V = v_THV.shape[-1]
@@ -878,13 +866,10 @@ def kda_grad(
     fast_span = fast_span_bound(k_THK.dtype)
     if layout.num_slots > 0:
         grid = (layout.num_slots, H)
-        has_sums = state_sums_NCHJK is not None
         _kda_grad_wy_kernel[grid](
             k_THK, v_THV, beta_TH, g_cumsum_THK, inverse_THC, kk_THC, states_NCHKV, state_grads_NCHKV, v_new_THV,
             dv_new_THV, layout.chunk_map, dv_THV, dbeta_TH, dk_partial_THK, dG_partial_THK, dG_last_NCHK, dkk_THC,
-            state_sums_NCHJK if has_sums else dkk_THC, H, V=V,
-            NUM_STATE_SUMS=state_sums_NCHJK.shape[2] if has_sums else 0, HAS_STATE_SUMS=has_sums, BV=block_v,
-            num_warps=config.num_warps_kda_grad_wy, **meta,
+            H, V=V, BV=block_v, num_warps=config.num_warps_kda_grad_wy, **meta,
         )  # fmt: skip
         products = dict(
             scale=scale, H=H, V=V, SB=SUB_CHUNK_SIZE, BV=block_v, GATE_IN_KERNEL=gate is not None,

@@ -425,22 +425,17 @@ SPLIT_WY_4_WARPS = dict(split_grad_wy=True, grad_state_in_output=False, block_k_
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_dq_norm_in_output=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_wy_norm_one_pass=True),
         dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, grad_dq_norm_in_output=True, grad_wy_norm_one_pass=True),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True),
-        dict(SPLIT_WY_4_WARPS, grad_state_in_output=True, state_sums_in_state_bwd=True, grad_dq_norm_in_output=True,
-             grad_wy_norm_one_pass=True),
     ],
     ids=["one_wy_kernel", "whole_k", "k_tiles-4_warps", "k_tiles-4_warps-state_4_warps", "state_in_output",
          "state_in_output_k_tiles", "state_in_output-dq_norm_in_output", "state_in_output-norms_one_pass",
-         "state_in_output-dq_norm_in_output-norms_one_pass", "state_in_output-state_sums",
-         "state_in_output-state_sums-dq_norm_in_output-norms_one_pass"],
+         "state_in_output-dq_norm_in_output-norms_one_pass"],
 )  # fmt: skip
 def split_grad_wy(monkeypatch, request):
     """The per-head backward as one WY kernel (split_grad_wy False) or split: its state part in a kernel of its own
     or in the output kernel (grad_state_in_output, whole or in key tiles: block_k_grad_output; dq's norm there or in
     the WY kernel), its WY kernel on the whole key dimension or in key tiles of 64 (block_k_grad_wy) at 4 warps of its
-    own (num_warps_grad_wy), taking dk through its norm after a last loop or as it goes (grad_wy_norm_one_pass); the
-    sums of S0 * dS1 from the output kernel or the reverse state pass (state_sums_in_state_bwd). pick_config's own is
-    "state_in_output-dq_norm_in_output-norms_one_pass"."""
+    own (num_warps_grad_wy), taking dk through its norm after a last loop or as it goes (grad_wy_norm_one_pass).
+    pick_config's own is "state_in_output-dq_norm_in_output-norms_one_pass"."""
     launch_with(monkeypatch, **request.param)
 
 
@@ -490,13 +485,3 @@ def test_kda_products_in_key_tiles_long_sequence_bf16(guarded, kda_products_tile
 def test_kda_products_in_key_tiles_gate_bf16(guarded, kda_products_tiles):
     # The gate in the kernels: dA_log's per-chunk sums one a key tile.
     test_kda_gate_in_kernel_bf16_matches_reference(guarded, dict(T=1000, H=4, K=128, V=128), None)
-
-
-@pytest.mark.parametrize("is_per_channel", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
-def test_state_sums_in_state_bwd_match_reference(guarded, monkeypatch, shape, use_qk_l2norm, dtype, is_per_channel):
-    # KernelConfig.state_sums_in_state_bwd: the reverse state pass also sums S0 * dS1 for the gradient kernel (per
-    # head the output-and-state kernel, KDA its WY kernel).
-    launch_with(monkeypatch, state_sums_in_state_bwd=True)
-    assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel)

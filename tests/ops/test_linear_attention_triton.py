@@ -282,49 +282,6 @@ def test_wy_kernel_norms_in_one_pass_match_the_two_pass_form(kernel_path, guarde
     assert_candidate_matches(one_pass, two_pass, inputs, dtype, guarded, options.get("cu_seqlens"))
 
 
-@pytest.mark.parametrize("is_per_channel, fused, shape, cu_seqlens, dtype", [
-    # V 40 in the reverse pass's tiles of 16 (two full, one masked: three rows of sums a slot), K 40 in the output
-    # kernel's key tiles of 16, documents of 1, 63 and 71 tokens.
-    pytest.param(False, dict(block_k_grad_output=16), dict(B=1, T=135, K=40, V=40, num_seqs=3), [0, 1, 64, 135],
-                 torch.float32, id="gdn-K40-V40-output_k_tiles-fp32"),
-    # An empty document between two others (each state entering a chunk is a document's initial state); the whole
-    # K, dq's norm in the output kernel.
-    pytest.param(False, dict(grad_dq_norm_in_output=True), dict(B=1, T=67, num_seqs=3), [0, 64, 64, 67],
-                 torch.float16, id="gdn-empty_doc-dq_norm_in_output-fp16"),
-    pytest.param(False, {}, dict(B=2, T=65, V=16), None, torch.float32, id="gdn-fixed_length-V16-fp32"),
-    # KDA's WY kernel takes the sums per key channel: V 40 over documents of 1, 63 and 71 tokens (the serial pass
-    # that writes them is the per-head one's, whose fp16 case is above).
-    pytest.param(True, {}, dict(B=1, T=135, V=40, num_seqs=3), [0, 1, 64, 135], torch.float32,
-                 id="kda-V40-fp32"),  # fmt: skip
-])  # fmt: skip
-def test_state_sums_from_the_reverse_pass_match_the_gradient_kernels_own(kernel_path, guarded, monkeypatch,
-                                                                          is_per_channel, fused, shape, cu_seqlens,
-                                                                          dtype):  # fmt: skip
-    # KernelConfig.state_sums_in_state_bwd: the reverse state pass writes sum_v S0 * dS1 per key and V tile, and the
-    # gradient kernel that multiplied the tiles (per head the output-and-state kernel, KDA its WY kernel) adds those
-    # rows up instead: the reference's values and, fp32, the kernel's own sums to fp32 rounding.
-    module, name = (kernels_kda, "_kda_grad_wy_kernel") if is_per_channel else (kernels_bwd,
-                                                                               "_chunk_grad_output_state_kernel")
-    launched = record_constexpr(monkeypatch, module, name, "HAS_STATE_SUMS")
-
-    def launch(**fields):
-        split = dict(split_grad_wy=True, grad_state_in_output=True, **fused, **fields)
-        monkeypatch.setattr(autograd, "pick_config",
-                            lambda x: dataclasses.replace(kernels_common.pick_config(x), **split))  # fmt: skip
-
-    options = dict(use_qk_l2norm_in_kernel=True)
-    if cu_seqlens is not None:
-        options["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.int32)
-    inputs = make_inputs(**shape, dtype=dtype, is_per_channel=is_per_channel)
-    op = kda if is_per_channel else gated_delta_rule
-    launch()
-    own = forward_and_grads(op, inputs, **options)
-    launch(state_sums_in_state_bwd=True)
-    from_state_pass = forward_and_grads(op, inputs, **options)
-    assert launched == [False, True]
-    assert_candidate_matches(from_state_pass, own, inputs, dtype, guarded, options.get("cu_seqlens"))
-
-
 def test_gated_delta_rule_without_final_state(kernel_path, guarded):
     # The training call: no state in or out, so the backward starts from a zero state gradient it never receives.
     names = ("q", "k", "v", "g", "beta")
