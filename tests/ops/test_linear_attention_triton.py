@@ -275,10 +275,12 @@ def test_wy_kernel_norms_in_one_pass_match_the_two_pass_form(kernel_path, guarde
     # Keys of norms 0.5 to 3 (make_inputs' are unit-norm): the norm's factors must not cancel.
     norms = torch.linspace(0.5, 3.0, inputs["k"].shape[1]).to(dtype)[None, :, None, None]
     inputs["k"] = (inputs["k"].detach() * norms).requires_grad_()
+    flags = record_constexpr(monkeypatch, kernels_bwd, "_chunk_grad_wy_tiled_kernel", "NORM_ONE_PASS")
     launch()
     two_pass = forward_and_grads(gated_delta_rule, inputs, **options)
     launch(grad_wy_norm_one_pass=True)
     one_pass = forward_and_grads(gated_delta_rule, inputs, **options)
+    assert flags == [False, True]
     assert_candidate_matches(one_pass, two_pass, inputs, dtype, guarded, options.get("cu_seqlens"))
 
 
