@@ -157,8 +157,8 @@ def _chunk_state_bwd_kernel(
         # tl.trans), Triton 3.6 on the H200 gave state gradients that changed from run to run (up to 48% off) and
         # illegal addresses at 110 documents; so did reusing the transposed q tile for k q^T. The round trip's form
         # gives bit-equal repeated runs on the device (tests/gpu/test_linear_attention_gpu.py). dv_new alone from
-        # registers (q and W still read transposed) was no faster on the H100 and needs 270,336 bytes of shared
-        # memory in fp32 at K 128 (docs/PERF.md, "Launch candidates on an H100").
+        # registers (q and W still read transposed) is no faster and its fp32 launch overflows Hopper's shared memory
+        # (docs/PERF.md, "Launch candidates on an H100").
         tl.debug_barrier()
         dv_new_mem = load_rows(dv_new_ptr + i_h * V + v0, t0, num_valid, H * V, V - v0, BT, BV).to(dot_dtype)
         w_t = load_rows_t(w_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK).to(dot_dtype)

@@ -81,9 +81,9 @@ GPU_NUM_WARPS_GRAD = 8
 # 4c55adb) 3.548 ms a training pass against the one WY kernel's 3.905 and FLA's 3.571 (docs/PERF.md, "Where the
 # gated delta rule's training pass trails FLA's").
 GPU_SPLIT_GRAD_WY = dict(split_grad_wy=True, grad_state_in_output=True, block_k_grad_wy=64, num_warps_grad_wy=4)
-# dq through q's L2 norm in the output kernel and dk through k's in the WY kernel's dk loop (no fp32 dq or dk written
-# and read back): on an H100 (Triton 3.7.1, 45a8a48) 3.604 ms a training pass at B4 T8192 H16 bf16 against 3.964
-# without (docs/PERF.md).
+# dq through q's L2 norm in the output kernel (no fp32 dq for the WY kernel) and dk through k's in the WY kernel's
+# dk loop (no fp32 dk stored and read back there): on an H100 (Triton 3.7.1, 45a8a48) 3.604 ms a training pass at B4
+# T8192 H16 bf16 against 3.964 without (docs/PERF.md, "Launch candidates on an H100").
 GPU_GRAD_NORMS = dict(grad_dq_norm_in_output=True, grad_wy_norm_one_pass=True)
 # KDA's products kernel in key tiles of 64 (88 bytes of stack a thread against 608 for the whole K, sm_90): 9.959 ms a
 # KDA training pass against 11.012 on an H100 (Triton 3.7.1, 45a8a48).
