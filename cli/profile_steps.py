@@ -321,34 +321,60 @@ def run(
         console.print(f"{record['impl']} {label} {index + 1}: {record['step_time_s'] * 1e3:,.1f} ms, "
                       f"loss {record['loss']:.4f}", markup=False)  # fmt: skip
 
+    ours: list[dict] = []
+
+    def print_ours(result: dict) -> None:
+        ours.append(result)
+        console.print(_steps_table(result))
+        breakdown = result["breakdown"]
+        console.print(f"per-operator breakdown of one more step ({breakdown['timing']}; shares of "
+                      f"{breakdown['basis_s'] * 1e3:,.1f} ms):", markup=False)  # fmt: skip
+        console.print(breakdown_table(breakdown))
+        console.print("the heaviest ops of that step:", markup=False)
+        console.print(_top_ops_table(breakdown))
+        if breakdown.get("gpu_waits"):
+            console.print("the ops the GPU waited for longest in that step (idle right before their work):",
+                          markup=False)  # fmt: skip
+            console.print(gpu_waits_table(breakdown))
+        if breakdown.get("host_waits") is not None:
+            if breakdown["host_waits"]:
+                console.print("where the host waited for the GPU in one more step (reading a device value):",
+                              markup=False)  # fmt: skip
+                console.print(host_waits_table(breakdown))
+            else:
+                console.print("the host never waited for the GPU in one more step (no synchronizing CUDA operation "
+                              "torch reports)", markup=False)  # fmt: skip
+        if breakdown.get("device_timeline") is not None:
+            console.print(device_timeline_line(breakdown["device_timeline"]), markup=False, soft_wrap=True)
+            if breakdown["device_timeline"]["gaps"]:
+                console.print("the device work it waited for longest there (idle right before it):", markup=False)
+                console.print(device_gaps_table(breakdown["device_timeline"]))
+            console.print("the device work that took longest there (CUDA graphs' kernels too):", markup=False)
+            console.print(device_work_table(breakdown["device_timeline"]))
+        if json_out is not None and not result["complete"]:
+            write_json(json_out, result)
+            console.print(f"our steps written to {json_out} (complete: false until the {against} baseline's are "
+                          "in)", markup=False)  # fmt: skip
+
+    # Ours is printed (and written) before a baseline runs: a run stopped in the baseline keeps it.
     # A baseline that cannot run (check_against) is refused before anything is built.
-    with user_errors():
-        result = profile_steps(job, steps, WARMUP_STEPS, on_step, against=against,
-                               on_line=lambda line: console.print(line, markup=False, soft_wrap=True))  # fmt: skip
-    console.print(_steps_table(result))
-    breakdown = result["breakdown"]
-    console.print(f"per-operator breakdown of one more step ({breakdown['timing']}; shares of "
-                  f"{breakdown['basis_s'] * 1e3:,.1f} ms):", markup=False)  # fmt: skip
-    console.print(breakdown_table(breakdown))
-    console.print("the heaviest ops of that step:", markup=False)
-    console.print(_top_ops_table(breakdown))
-    if breakdown.get("gpu_waits"):
-        console.print("the ops the GPU waited for longest in that step (idle right before their work):", markup=False)
-        console.print(gpu_waits_table(breakdown))
-    if breakdown.get("host_waits") is not None:
-        if breakdown["host_waits"]:
-            console.print("where the host waited for the GPU in one more step (reading a device value):", markup=False)
-            console.print(host_waits_table(breakdown))
-        else:
-            console.print("the host never waited for the GPU in one more step (no synchronizing CUDA operation "
-                          "torch reports)", markup=False)  # fmt: skip
-    if breakdown.get("device_timeline") is not None:
-        console.print(device_timeline_line(breakdown["device_timeline"]), markup=False, soft_wrap=True)
-        if breakdown["device_timeline"]["gaps"]:
-            console.print("the device work it waited for longest there (idle right before it):", markup=False)
-            console.print(device_gaps_table(breakdown["device_timeline"]))
-        console.print("the device work that took longest there (CUDA graphs' kernels too):", markup=False)
-        console.print(device_work_table(breakdown["device_timeline"]))
+    try:
+        with user_errors():
+            result = profile_steps(job, steps, WARMUP_STEPS, on_step, against=against,
+                                   on_line=lambda line: console.print(line, markup=False, soft_wrap=True),
+                                   on_ours=print_ours)  # fmt: skip
+    except KeyboardInterrupt:
+        if ours and against is not None:
+            kept = [f"{json_out} keeps our steps (complete: false)"] if json_out is not None else []
+            if plot is not None:
+                try:
+                    _steps_plot(ours[0], plot)
+                    kept.append(f"{plot} their plot")
+                except (OSError, ValueError, RuntimeError) as err:
+                    kept.append(f"no plot ({err})")
+            console.print(f"stopped (KeyboardInterrupt) before the {against} baseline finished"
+                          + "".join(f"; {line}" for line in kept), markup=False)  # fmt: skip
+        raise
     other = result["against"]
     if other is not None and other["out_of_memory"] is not None:
         console.print(out_of_memory_line(result), markup=False)

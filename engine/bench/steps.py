@@ -39,7 +39,7 @@ RESULT_KEYS = (
     "warmup_steps", "steps", "first_step_loss", "losses",
     "tokens_per_s", "step_time_s", "step_times_s", "host_launch_s", "peak_memory_bytes",
     "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
-    "parameters", "trainable_parameters", "breakdown", "against", "memory",
+    "parameters", "trainable_parameters", "breakdown", "against", "complete", "memory",
     "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
     *MACHINE_KEYS,
 )  # fmt: skip
@@ -272,6 +272,7 @@ def profile_steps(
     on_step: Callable[[int, bool, dict], None] | None = None,
     against: str | None = None,
     on_line: Callable[[str], None] | None = None,
+    on_ours: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run `warmup` + `steps` training steps of `profile`, one more under the profiler and, on CUDA, one more with
     the host's waits for the GPU recorded (engine/bench/host_waits.py) and one with only the device's work profiled
@@ -282,7 +283,8 @@ def profile_steps(
     (against["one_document"]: the longest document of the first micro-batch alone).
 
     on_step(index, is_warmup, record) follows every step (record["impl"] says whose); on_line(text) says what
-    runs next."""
+    runs next; on_ours(result) gets our measurements once they are all in, before any baseline runs: with a
+    baseline still to run, `against` None and `complete` False (a run stopped in the baseline keeps ours)."""
     from moe_tune.engine.bench.breakdown import profiled_step, timeline_step
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
     from moe_tune.engine.bench.host_waits import host_wait_sites, recorded_host_waits
@@ -365,44 +367,6 @@ def profile_steps(
     finally:
         runner.close()
     mfu_rows = [_mfu(flop_model.step(r["pieces"]), r["step_time_s"], peak_tflops) for r in records]
-    baseline = None
-    loss_gap = None
-    if against == "bf16-base":
-        from moe_tune.engine.bench.bf16_base import loss_gap as relative_loss_gap
-
-        say(f"the same {warmup + steps} steps with model.base_precision bf16 holding the FP8 base's weights "
-            f"dequantized to {profile.train.precision}")  # fmt: skip
-        baseline, twin_records = run_bf16_base(twin, fp8_weights, twin_problem, step_batches, warmup, on_step)
-        if baseline["out_of_memory"] is None:
-            twin_mfu = [_mfu(flop_model.step(r["pieces"]), r["step_time_s"], peak_tflops)
-                        for r in twin_records[warmup:]]  # fmt: skip
-            baseline.update({key: statistics.median(m[key] for m in twin_mfu)
-                             for key in ("model_flops_per_step", "achieved_tflops", "mfu")})  # fmt: skip
-            loss_gap = relative_loss_gap([r["loss"] for r in all_records], [r["loss"] for r in twin_records])
-        else:
-            baseline.update(model_flops_per_step=None, achieved_tflops=None, mfu=None)
-    elif against is not None:
-        from moe_tune.engine.bench.against import run_transformers
-
-        def tell(index: int, is_warmup: bool, record: dict) -> None:
-            if on_step is not None:
-                on_step(index, is_warmup, dict(record, impl=against))
-
-        say(f"the same {warmup + steps} steps in {against}")
-        try:
-            baseline = run_transformers(profile, step_batches, warmup, device, runner.total_steps, on_step=tell,
-                                        initial=initial, document=document)  # fmt: skip
-        finally:
-            if initial is not None:
-                initial.close()
-        # transformers attends over each whole row (one piece of seq_len tokens per row).
-        rows_per_step = profile.train.micro_batch_size * profile.train.gradient_accumulation_steps
-        flops = flop_model.step([profile.data.seq_len] * rows_per_step)
-        if baseline["out_of_memory"] is None:
-            baseline.update(_mfu(flops, baseline["step_time_s"], peak_tflops))
-            baseline.pop("model_flops_parts")
-        else:
-            baseline.update(model_flops_per_step=flops.total, achieved_tflops=None, mfu=None)
     memory = _median_metrics(records) if "memory_gpu_saved_bytes" in records[0] else {}
     swap_rates = [memory.get("h2d_gb_per_s"), memory.get("d2h_gb_per_s")]
     swap_fraction = None
@@ -416,20 +380,7 @@ def profile_steps(
     )
     counts = count_parameters(profile.model, profile.lora)
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in records)
-    against_result = None
-    if baseline is not None:
-        against_result = dict(
-            baseline,
-            baseline=against,
-            speedup=tokens_per_s / baseline["tokens_per_s"] if baseline["tokens_per_s"] else None,
-            memory_ratio=peak / baseline["peak_memory_bytes"] if peak and baseline["peak_memory_bytes"] else None,
-        )
-        if against == "bf16-base":
-            against_result["loss_gap"] = loss_gap
-        else:
-            against_result["one_document"] = dict(tokens=document.input_ids.shape[1], moe_tune_loss=document_loss,
-                                                  baseline_loss=against_result.pop("document_loss"))  # fmt: skip
-    return dict(
+    result = dict(
         profile=profile.name,
         seq_len=profile.data.seq_len,
         micro_batch_size=profile.train.micro_batch_size,
@@ -454,13 +405,67 @@ def profile_steps(
         parameters=counts.total,
         trainable_parameters=counts.trainable,
         breakdown=breakdown,
-        against=against_result,
+        against=None,
+        complete=against is None,
         memory=memory,
         pinned_h2d_gb_per_s=copy_rates[0],
         pinned_d2h_gb_per_s=copy_rates[1],
         swap_fraction_of_pinned=swap_fraction,
         **machine_info(is_cuda),
     )
+    if on_ours is not None:
+        on_ours(dict(result))
+    if against is None:
+        return result
+    loss_gap = None
+    if against == "bf16-base":
+        from moe_tune.engine.bench.bf16_base import loss_gap as relative_loss_gap
+
+        say(f"the same {warmup + steps} steps with model.base_precision bf16 holding the FP8 base's weights "
+            f"dequantized to {profile.train.precision}")  # fmt: skip
+        baseline, twin_records = run_bf16_base(twin, fp8_weights, twin_problem, step_batches, warmup, on_step)
+        if baseline["out_of_memory"] is None:
+            twin_mfu = [_mfu(flop_model.step(r["pieces"]), r["step_time_s"], peak_tflops)
+                        for r in twin_records[warmup:]]  # fmt: skip
+            baseline.update({key: statistics.median(m[key] for m in twin_mfu)
+                             for key in ("model_flops_per_step", "achieved_tflops", "mfu")})  # fmt: skip
+            loss_gap = relative_loss_gap([r["loss"] for r in all_records], [r["loss"] for r in twin_records])
+        else:
+            baseline.update(model_flops_per_step=None, achieved_tflops=None, mfu=None)
+    else:
+        from moe_tune.engine.bench.against import run_transformers
+
+        def tell(index: int, is_warmup: bool, record: dict) -> None:
+            if on_step is not None:
+                on_step(index, is_warmup, dict(record, impl=against))
+
+        say(f"the same {warmup + steps} steps in {against}")
+        try:
+            baseline = run_transformers(profile, step_batches, warmup, device, runner.total_steps, on_step=tell,
+                                        initial=initial, document=document)  # fmt: skip
+        finally:
+            if initial is not None:
+                initial.close()
+        # transformers attends over each whole row (one piece of seq_len tokens per row).
+        rows_per_step = profile.train.micro_batch_size * profile.train.gradient_accumulation_steps
+        flops = flop_model.step([profile.data.seq_len] * rows_per_step)
+        if baseline["out_of_memory"] is None:
+            baseline.update(_mfu(flops, baseline["step_time_s"], peak_tflops))
+            baseline.pop("model_flops_parts")
+        else:
+            baseline.update(model_flops_per_step=flops.total, achieved_tflops=None, mfu=None)
+    against_result = dict(
+        baseline,
+        baseline=against,
+        speedup=tokens_per_s / baseline["tokens_per_s"] if baseline["tokens_per_s"] else None,
+        memory_ratio=peak / baseline["peak_memory_bytes"] if peak and baseline["peak_memory_bytes"] else None,
+    )
+    if against == "bf16-base":
+        against_result["loss_gap"] = loss_gap
+    else:
+        against_result["one_document"] = dict(tokens=document.input_ids.shape[1], moe_tune_loss=document_loss,
+                                              baseline_loss=against_result.pop("document_loss"))  # fmt: skip
+    return dict(result, against=against_result, complete=True)
 
 
 def run_bf16_base(

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from moe_tune.cli.profile import app
@@ -32,6 +33,7 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     data = json.loads(out.read_text())
     assert list(data) == list(RESULT_KEYS)
     assert data["steps"] == 1 and data["tokens_per_s"] > 0 and data["step_time_s"] > 0
+    assert data["complete"] is True and data["against"] is None
     # On the CPU a step runs as the host launches it: its time is its launch's.
     assert data["host_launch_s"] == data["step_time_s"]
     assert data["memory_policy"].startswith("max-context: linear=offload")
@@ -40,6 +42,49 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     assert memory_metrics["cache_hit_rate"] == 1.0 and memory_metrics["h2d_gb_per_s"] > 0
     # Nothing of a training run is written: the profile command only measures.
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("stopped_in", ["baseline", "ours"])
+def test_a_run_stopped_in_the_baseline_keeps_our_steps(monkeypatch, tmp_path, stopped_in):
+    """SIGINT (a time limit) while the baseline runs: our steps are printed and --json holds them, complete: false.
+    Stopped in our own steps: the old file is as it was."""
+    from moe_tune.engine.bench import against, flops
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if stopped_in == "baseline":
+        monkeypatch.setattr(against, "run_transformers", interrupted)
+    else:
+        # After our timed steps, before the breakdown.
+        monkeypatch.setattr(flops, "gemm_peak_tflops", interrupted)
+    # qwen3_moe-like (transformers builds it): tiny's sparse layer has no transformers form.
+    profile = tmp_path / "moe-like.yaml"
+    profile.write_text(yaml.safe_dump({
+        "name": "moe-like",
+        "model": {"vocab_size": 300, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 8, "attention_output_gate": False, "layers": [{"attention": "full"}] * 2,
+                  "moe": {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 16}},
+        "data": {"seq_len": 32, "corpus_documents": 50},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "experts": True},
+        "train": {"steps": 4, "micro_batch_size": 1, "lr": 1e-3},
+        "output": {"dir": str(tmp_path / "out")},
+    }))  # fmt: skip
+    out = tmp_path / "steps.json"
+    out.write_text('{"kept": true}\n')
+    result = runner.invoke(app, [str(profile), "--steps", "1", "--against", "transformers", "--json", str(out)])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    stopped = f"stopped (KeyboardInterrupt) before the transformers baseline finished; {out} keeps our steps"
+    if stopped_in == "ours":
+        assert out.read_text() == '{"kept": true}\n' and "stopped (KeyboardInterrupt)" not in result.output
+        return
+    assert f"{stopped} (complete: false)" in result.output
+    assert f"our steps written to {out} (complete: false until the transformers baseline's are in)" in result.output
+    assert "tokens/s" in result.stdout and "per-operator breakdown" in result.stdout
+    data = json.loads(out.read_text())
+    assert list(data) == list(RESULT_KEYS)
+    assert data["complete"] is False and data["against"] is None
+    assert data["steps"] == 1 and data["tokens_per_s"] > 0
 
 
 def test_profile_of_the_multimodal_default_feeds_its_images(tmp_path, monkeypatch):
