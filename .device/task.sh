@@ -3,7 +3,8 @@
 # Each task writes its JSON, plot and log into r/ (named by task, $NAME if set, and Triton version) and stops itself
 # at LIMIT_S (SIGINT first, so a benchmark still writes what it measured); the call tars r/ into $OUT at its end.
 #   suite         pytest -m gpu tests/gpu -n WORKERS --dist loadgroup -v --durations=40 (each outcome logged as it comes: a run cut at its limit
-#                 names what ran), then the tests a lost CUDA context kept from running, in fresh processes (-rerun)
+#                 names what ran), then the tests a lost CUDA context kept from running, in fresh processes (-rerun);
+#                 tests that passed in an earlier call on this warm machine at the same tree are left out
 #   sweep         python -m moe_tune.engine.bench.linear_attention_sweep (gdn, kda)
 #   conv-sweep    python -m moe_tune.engine.bench.causal_conv_sweep
 #   anchor        moe-tune profile --kernels --ops gated_delta_rule,kda --shapes anchor
@@ -33,6 +34,12 @@ case $TASK in
         WORKERS=${WORKERS:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
             awk 'NR == 1 { print ($1 > 100000) ? 8 : 5 }')}
         SUITE=(python3 -m pytest -m gpu -n "${WORKERS:-8}" --dist loadgroup -v -rfE --tb=short --durations=40 -p no:cacheprovider)
+        # The tests passed on this machine at this tree (its Python files and profiles) and Triton version: left out,
+        # so that a call stopped at its limit is finished by the next call while the machine is warm.
+        TREE=$(find . -path ./.git -prune -o -path ./r -prune -o \( -name '*.py' -o -name '*.yaml' \) -type f -print |
+            LC_ALL=C sort | xargs md5sum | md5sum | cut -c1-12)
+        mkdir -p /tmp/moe-tune-gpu-passed
+        export MOE_TUNE_GPU_PASSED=/tmp/moe-tune-gpu-passed/$TREE-$TAG.txt
         export MOE_TUNE_GPU_RERUN=r/$TAG.rerun
         run "${SUITE[@]}" tests/gpu "$@"
         # The tests a lost CUDA context kept from running (tests/gpu/conftest.py), once more in fresh processes.

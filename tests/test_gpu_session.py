@@ -285,3 +285,50 @@ def test_another_cuda_error_fails_its_test_alone(tmp_path):
     rerun = tmp_path / "rerun.txt"
     run = run_pytest_in(tmp_path, "gpu", "-n", "1", MOE_TUNE_GPU_RERUN=str(rerun))
     assert "2 failed, 6 passed" in run.stdout and rerun.read_text() == "", run.stdout
+
+
+PASSES_IN_PART = """import pytest
+pytestmark = pytest.mark.gpu
+
+
+def test_passes():
+    pass
+
+
+def test_fails():
+    assert False
+
+
+@pytest.mark.xdist_group("big")
+@pytest.mark.parametrize("i", range(3))
+def test_grouped(i):
+    pass
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadgroup"]],
+                         ids=["one process", "two xdist workers, loadgroup"])  # fmt: skip
+def test_a_second_run_leaves_out_the_tests_that_passed(tmp_path, workers):
+    """MOE_TUNE_GPU_PASSED: each passed test's id (without loadgroup's `@big`) is added as it passes; the next run
+    leaves those out and runs the failed one again."""
+    with_gpu_conftest(tmp_path)
+    (tmp_path / "test_part.py").write_text(PASSES_IN_PART)
+    passed = tmp_path / "passed.txt"
+    first = run_pytest_in(tmp_path, "gpu", *workers, MOE_TUNE_GPU_PASSED=str(passed))
+    assert "1 failed, 4 passed" in first.stdout, first.stdout + first.stderr
+    ids = sorted(["test_part.py::test_passes", *(f"test_part.py::test_grouped[{i}]" for i in range(3))])
+    assert sorted(passed.read_text().splitlines()) == ids
+    second = run_pytest_in(tmp_path, "gpu", *workers, MOE_TUNE_GPU_PASSED=str(passed))
+    # xdist's workers deselect: its controller counts the tests it gets.
+    assert ("2 workers [1 item]" if workers else "1 failed, 4 deselected") in second.stdout, second.stdout
+    assert "test_part.py::test_fails" in second.stdout and "test_passes PASSED" not in second.stdout
+    assert f"MOE_TUNE_GPU_PASSED ({str(passed)!r}) names 4 passed tests, this run's included" in second.stdout
+    assert sorted(passed.read_text().splitlines()) == ids
+
+
+def test_a_passed_file_that_cannot_be_added_to_is_one_line_at_the_end(tmp_path):
+    with_gpu_conftest(tmp_path)
+    (tmp_path / "test_part.py").write_text(PASSES_IN_PART)
+    run = run_pytest_in(tmp_path, "gpu", "-n", "1", MOE_TUNE_GPU_PASSED=str(tmp_path))
+    assert "1 failed, 4 passed" in run.stdout and "INTERNALERROR" not in run.stdout + run.stderr, run.stdout
+    assert f"MOE_TUNE_GPU_PASSED ({str(tmp_path)!r}): cannot add to it (Is a directory)" in run.stdout

@@ -9,10 +9,15 @@ there fails alike) fails on its own; a run in one process stops there, and an xd
 of its share at once as not run, naming that test, where the test's own error would mislead. (The worker is not
 ended: xdist 3.8 replaces a crashed worker under `--dist load` only; under loadgroup the run hangs.) The run ends
 with the number of tests not run so, and writes their ids, one a line, to the file MOE_TUNE_GPU_RERUN names
-(.device/task.sh runs them again in fresh processes)."""
+(.device/task.sh runs them again in fresh processes).
+
+With MOE_TUNE_GPU_PASSED naming a file, each test that passes has its id added to it as it passes, and a run leaves
+out the tests the file names: .device/task.sh keeps one per tree and Triton version, so that a call its time limit
+stopped is finished by the next one on the same machine."""
 
 import gc
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,46 @@ RERUN_ENV = "MOE_TUNE_GPU_RERUN"
 NOT_RUN = "not run: this process lost its CUDA context in "
 # The test (and its error) in which this process lost its CUDA context, once it has.
 _lost_context: list[str] = []
+# Where a run adds the id of each test that passes, and finds those that passed before (left out of the run).
+PASSED_ENV = "MOE_TUNE_GPU_PASSED"
+# Tests whose call passed, until their teardown does too; the error of a failed write to PASSED_ENV's file.
+_call_passed: set[str] = set()
+_passed_write_error: list[str] = []
+
+
+def plain_nodeid(nodeid: str) -> str:
+    """A test's id without the `@group` suffix that xdist's loadgroup gives the tests of an xdist_group."""
+    return re.sub(r"@[\w.-]+$", "", nodeid)
+
+
+def passed_before() -> set[str]:
+    path = os.environ.get(PASSED_ENV)
+    if not path or not os.path.isfile(path):
+        return set()
+    return {plain_nodeid(line) for line in Path(path).read_text().splitlines() if line}
+
+
+def pytest_collection_modifyitems(config, items):
+    passed = passed_before()
+    done = [item for item in items if plain_nodeid(item.nodeid) in passed]
+    if done:
+        config.hook.pytest_deselected(items=done)
+        items[:] = [item for item in items if plain_nodeid(item.nodeid) not in passed]
+
+
+def pytest_runtest_logreport(report):
+    # In the controlling process only (xdist's workers report to it), once setup, call and teardown have passed.
+    path = os.environ.get(PASSED_ENV)
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not report.passed:
+        return
+    if report.when == "call":
+        _call_passed.add(report.nodeid)
+    elif report.when == "teardown" and report.nodeid in _call_passed and not _passed_write_error:
+        try:
+            with open(path, "a", encoding="utf-8") as passed:
+                passed.write(f"{plain_nodeid(report.nodeid)}\n")
+        except OSError as err:
+            _passed_write_error.append(f"{PASSED_ENV} ({path!r}): cannot add to it ({err.strerror})")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -94,6 +139,11 @@ def gpu_memory_per_test(request):
 def pytest_terminal_summary(terminalreporter):
     reports = [report for reports in terminalreporter.stats.values() for report in reports
                if isinstance(report, pytest.TestReport)]  # fmt: skip
+    for line in _passed_write_error:
+        terminalreporter.write_line(line)
+    if passed := passed_before():
+        terminalreporter.write_line(f"{PASSED_ENV} ({os.environ[PASSED_ENV]!r}) names {len(passed)} passed tests, "
+                                    "this run's included: a run leaves them out")  # fmt: skip
     for line in summary_lines(reports):
         terminalreporter.write_line(line)
     not_run = sorted({report.nodeid for report in reports if report.failed and NOT_RUN in str(report.longrepr)})
