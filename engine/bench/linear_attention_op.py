@@ -48,14 +48,16 @@ def bench_linear_attention(
     max_abs_err, note} and machine_info's keys (device, machine, driver, torch, triton, commit, date).
 
     Cases: "gdn" (our kernel as the model calls it, keeping the forward's passes for backward, and recomputing them
-    there as the op does by default; our chunk reference, FLA's chunk_gated_delta_rule, and SDPA causal on the same
-    q, k, v as the softmax yardstick), "kda" (our kernel both ways, our reference, FLA's chunk_kda), and "varlen"
+    there as the op does by default; FLA's chunk_gated_delta_rule, SDPA causal on the same q, k, v as the softmax
+    yardstick, and our chunk reference), "kda" (our kernel both ways, FLA's chunk_kda, our reference), and "varlen"
     (our gated delta rule kernel, keeping its passes, on the B*T tokens as `num_docs` packed documents of mixed
     lengths, and as one document).
     max_abs_err: the forward output's largest difference from our fp32 reference on the same inputs, so that a fast
     but wrong row shows as such. peak_memory_bytes: the larger of the two passes' peaks, each the most allocated
     during one untimed call above what was allocated before it (inputs and earlier cases excluded). A pass an
-    implementation refuses leaves its columns out and says why in `note`.
+    implementation refuses leaves its columns out and says why in `note`; a forward that runs out of memory leaves
+    its forward+backward untried. The slow chunk reference comes last in its case, after the peer: a run stopped at
+    a time limit (or a reference too large for the card) keeps the comparison.
     KDA FLOPs are counted as the gated delta rule's (the per-channel decays add elementwise work, not products).
     `cases`: which of the three to time (each makes its own inputs, seeded alike); report(rows), if given, gets the
     rows so far after each one.
@@ -71,13 +73,18 @@ def bench_linear_attention(
     def add(case, impl, shape, fn, inputs, flops, expected_o=None, bwd_flop_factor=LINEAR_BWD_FLOP_FACTOR):
         row = dict(case=case, impl=impl, shape=shape, dtype=str(dtype).removeprefix("torch."), **machine)
         notes = []
+        out_of_memory = False
         # Forward and forward+backward apart: a library may run one and refuse the other (FLA's gated backward on
         # Hopper with Triton 3.4-3.7.0).
         for pass_name, flop_factor in (("fwd", 1.0), ("fwd_bwd", 1.0 + bwd_flop_factor)):
+            if pass_name == "fwd_bwd" and out_of_memory:
+                notes.append("fwd_bwd not run: the forward alone ran out of memory")
+                continue
             try:
                 ms, o, peak = _time(fn, inputs, with_backward=pass_name == "fwd_bwd")
             except Exception as error:  # noqa: BLE001 - a library that refuses to run is a result, not a crash
                 notes.append(f"{pass_name} refused: {type(error).__name__}: {str(error).strip()[:200]}")
+                out_of_memory = isinstance(error, torch.OutOfMemoryError)
                 # An out-of-memory reference (KDA's holds [B, H, 64, 64, K] decays per chunk) must not starve the
                 # rows after it.
                 torch.cuda.empty_cache()
@@ -113,8 +120,6 @@ def bench_linear_attention(
             expected_o = reference(**inputs)[0].float()
         add(case, "moe_tune triton", shape, ours, inputs, flops, expected_o)
         add(case, "moe_tune triton, recomputing in backward", shape, ours_recomputing, inputs, flops, expected_o)
-        if include_reference:
-            add(case, "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
         fla_name, fla_op = fla_op_for(case)
         if fla_op is not None:
 
@@ -127,6 +132,8 @@ def bench_linear_attention(
             sdpa_flops = 2.0 * B * H * T * T * K
             add("gdn", "torch sdpa causal (softmax yardstick)", shape, _sdpa, sdpa_inputs, sdpa_flops,
                 bwd_flop_factor=SDPA_BWD_FLOP_FACTOR)  # fmt: skip
+        if include_reference:
+            add(case, "moe_tune chunk reference (torch small ops)", shape, reference, inputs, flops)
 
     if "varlen" in cases:
         num_tokens = B * T
