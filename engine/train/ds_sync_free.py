@@ -1,4 +1,4 @@
-"""Three DeepSpeed 0.19.8 ZeRO stage 1/2 helpers (one of them also stage 3's), replaced by versions that never
+"""Four DeepSpeed 0.19.8 ZeRO stage 1/2 helpers (one of them also stage 3's), replaced by versions that never
 wait for the GPU or launch less.
 
 Each step DeepSpeed's stage 1/2 optimizer computes the gradient norm, then clips. Two of its helpers read a value
@@ -16,6 +16,12 @@ docs/perf-history.md). The replacements compute the same values with tensor ops 
   launches for the 96 LoRA tensors of bench-qwen3-next); here one `torch._foreach_norm` in the same dtype over all
   of them. The per-tensor norms are the same fp64 sums up to their order, so the fp32 total agrees with
   DeepSpeed's to fp64 rounding (tests/engine/test_ds_sync_free.py); other norm types take DeepSpeed's own.
+- the gradients' all-reduce after backward (`allreduce_no_retain`): over a data-parallel group of one rank DeepSpeed
+  still flattens the gradients into one buffer, divides it by 1, all-reduces it and copies each gradient back out of
+  it, one launch a tensor (96 of the 125 device-to-device copies of a bench-qwen3-next step on an H100). Where that
+  is the identity (one rank, nothing overlapped, no sequence parallelism, a communication dtype the gradients convert
+  to and back without rounding: their own or a wider float) it is skipped, and the gradients stay the tensors
+  backward made, bit for bit DeepSpeed's (tests/engine/test_ds_sync_free.py); elsewhere DeepSpeed's code runs.
 """
 
 from __future__ import annotations
@@ -80,6 +86,45 @@ def get_grad_norm_direct(self, gradients, params, norm_type=2):
     return total_norm
 
 
+def allreduce_no_retain(self, bucket, communication_data_type, numel_per_bucket=500000000, rank=None, log=None,
+                        divide=True, process_group=None, output_bucket=None):  # fmt: skip
+    """DeepSpeedZeroOptimizer.allreduce_no_retain, which over one rank only adds each gradient to its partition
+    output (where one is given) when the all-reduce would return the gradients unchanged (module docstring)."""
+    if not _reduction_is_identity(self, bucket, communication_data_type, process_group):
+        return ORIGINALS["allreduce_no_retain"](self, bucket, communication_data_type, numel_per_bucket, rank, log,
+                                                divide, process_group, output_bucket)  # fmt: skip
+    stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    group = self.dp_process_group if process_group is None else process_group
+    if rank is not None and rank != stage_1_and_2.dist.get_rank(group=group):
+        # A reduce to another rank: DeepSpeed leaves this rank's tensors and outputs as they are.
+        return None
+    add_to_partition = stage_1_and_2.DeepSpeedZeroOptimizer._add_to_grad_partition_buffer
+    for tensor, output in zip(bucket, output_bucket or [None] * len(bucket), strict=True):
+        add_to_partition(output, tensor)
+    return None
+
+
+# A float converts to these and back unchanged (every value of the narrower format is one of the wider's).
+_EXACT_WIDENINGS = {
+    torch.float16: (torch.float16, torch.float32, torch.float64),
+    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
+    torch.float32: (torch.float32, torch.float64),
+    torch.float64: (torch.float64,),
+}
+
+
+def _reduction_is_identity(self, bucket, communication_data_type, process_group) -> bool:
+    """Whether DeepSpeed's all-reduce of `bucket` would leave every tensor as it is: one rank, nothing overlapped,
+    no sequence parallelism (whose averaging multiplies), and a dtype round trip without rounding."""
+    stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    group = self.dp_process_group if process_group is None else process_group
+    if stage_1_and_2.dist.get_world_size(group=group) != 1 or self.overlap_comm:
+        return False
+    if stage_1_and_2.pg_correctness_test or self.sequence_parallel_size != 1:
+        return False
+    return all(communication_data_type in _EXACT_WIDENINGS.get(t.dtype, ()) for t in bucket)
+
+
 def install() -> None:
     """Put the replacements in place (idempotent). Raises RuntimeError on another DeepSpeed release, whose helpers
     these were not checked against."""
@@ -96,6 +141,7 @@ def install() -> None:
         ORIGINALS["mask_nan_or_inf_with_val_inplace"] = stage_1_and_2.mask_nan_or_inf_with_val_inplace
         ORIGINALS["unscale_and_clip_grads"] = optimizer.unscale_and_clip_grads
         ORIGINALS["get_grad_norm_direct"] = optimizer.get_grad_norm_direct
+        ORIGINALS["allreduce_no_retain"] = optimizer.allreduce_no_retain
     stage_1_and_2.mask_nan_or_inf_with_val_inplace = mask_nan_or_inf_with_val_inplace
     # Stage 3 shares the norm helper (its clip already stays on the device; its step still reads the norm once).
     importlib.import_module("deepspeed.runtime.zero.stage3").mask_nan_or_inf_with_val_inplace = (
@@ -103,3 +149,4 @@ def install() -> None:
     )
     optimizer.unscale_and_clip_grads = unscale_and_clip_grads
     optimizer.get_grad_norm_direct = get_grad_norm_direct
+    optimizer.allreduce_no_retain = allreduce_no_retain
