@@ -28,10 +28,6 @@ def _bytes(value: float | None) -> str:
     return f"{value:.0f} B"
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:,.1f} ms"
-
-
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} GB/s"
 
@@ -57,7 +53,6 @@ def _steps_table(result: dict) -> Table:
         ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
         ("step latency", f"{result['step_time_s'] * 1e3:,.1f} ms"),
         ("host's launch of a step", f"{result['host_launch_s'] * 1e3:,.1f} ms"),
-        ("  on an idle device", _ms(result["host_launch_idle_s"])),
         ("peak memory", _bytes(result["peak_memory_bytes"])),
         ("model FLOPs per step", f"{result['model_flops_per_step']:.3g}"),
         ("achieved", f"{result['achieved_tflops']:.3g} TFLOP/s"),

@@ -37,16 +37,12 @@ RESULT_KEYS = (
     "profile", "seq_len", "micro_batch_size", "gradient_accumulation_steps", "precision", "memory_policy",
     "graphed_moe_blocks",
     "warmup_steps", "steps", "first_step_loss", "losses",
-    "tokens_per_s", "step_time_s", "step_times_s", "host_launch_s", "host_launch_idle_s", "peak_memory_bytes",
+    "tokens_per_s", "step_time_s", "step_times_s", "host_launch_s", "peak_memory_bytes",
     "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
     "parameters", "trainable_parameters", "breakdown", "against", "complete", "memory",
     "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
     *MACHINE_KEYS,
 )  # fmt: skip
-
-
-# Steps launched one at a time on an idle device after the timed ones (host_launch_idle_s: their median launch).
-IDLE_LAUNCH_STEPS = 3
 
 
 class StepRunner:
@@ -351,11 +347,6 @@ def profile_steps(
         run_steps(runner, warmup + steps, keep, before_launch=reset_peak)
         records = all_records[warmup:]
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
-        # A queued step's launch also waits for room in the device's launch queue, so it reaches the step's time on a
-        # device-bound run too: steps launched on an idle device tell the host's own time apart.
-        idle_launch_s = None
-        if runner.is_cuda:
-            idle_launch_s = statistics.median(runner.step()["launch_s"] for _ in range(IDLE_LAUNCH_STEPS))
         copy_rates = pinned_copy_bandwidth() if runner.is_cuda else (None, None)
         say("measuring the GEMM peak (the MFU denominator)")
         peak_tflops = gemm_peak_tflops(runner.dist.device, profile.train.precision)
@@ -405,7 +396,6 @@ def profile_steps(
         step_time_s=statistics.median(r["step_time_s"] for r in records),
         step_times_s=[r["step_time_s"] for r in records],
         host_launch_s=statistics.median(r["launch_s"] for r in records),
-        host_launch_idle_s=idle_launch_s,
         peak_memory_bytes=peak,
         model_flops_per_step=statistics.median(m["model_flops_per_step"] for m in mfu_rows),
         model_flops_parts=mfu_rows[0]["model_flops_parts"],

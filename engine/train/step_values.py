@@ -83,9 +83,8 @@ class StepValues:
         return out
 
     def launch_seconds(self) -> float:
-        """The host's time launching the step, from its launch's start to these values. Behind a queued step it
-        includes the waits for room in the device's launch queue, so it reaches the step's time (seconds()) on a
-        device-bound run as well: the host's own time is a launch on an idle device. On the CPU the two are equal."""
+        """The host's time launching the step, from its launch's start to these values. Queued steps are bound by the
+        host's launches where this reaches their time (seconds()); on the CPU the two are equal."""
         return self._ended_s - self.start.host_s
 
     def seconds(self) -> float:

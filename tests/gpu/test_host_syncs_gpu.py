@@ -98,9 +98,9 @@ def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
 
 
 def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
-    """`moe-tune profile PROFILE`'s device-only diagnostics (docs/bench.md, "Host waits" and "Breakdown"): the host's
-    launch on an idle device is measured, no wait is listed in our files (the step's loss is read by waiting on its
-    copy's event, which torch does not check), and the device-only step's busy and idle time fill its span."""
+    """`moe-tune profile PROFILE`'s two device-only diagnostics (docs/bench.md, "Host waits" and "Breakdown"): no wait
+    is listed in our files (the step's loss is read by waiting on its copy's event, which torch does not check), and
+    the device-only step's busy and idle time fill its span."""
     from moe_tune.engine.bench.steps import profile_steps
     from moe_tune.profiles import load_profile
 
@@ -109,11 +109,7 @@ def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
                  "model.linear_attention.key_head_dim=64", "model.linear_attention.value_head_dim=64",
                  "model.moe.expert_intermediate_size=128", "model.moe.shared_expert_intermediate_size=128",
                  "model.vocab_size=4096", "data.seq_len=1024", "data.corpus_documents=2000"]  # fmt: skip
-    result = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)
-    # The host's own launch of a step (on an idle device) is a part of a queued step's launch, which may wait for
-    # room in the device's queue too.
-    assert 0 < result["host_launch_idle_s"] and result["host_launch_s"] > 0, result
-    breakdown = result["breakdown"]
+    breakdown = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)["breakdown"]
     sites = breakdown["host_waits"]
     assert not [site for site in sites if site["frames"][0].startswith(("engine/", "ops/"))], sites
     timeline = breakdown["device_timeline"]
