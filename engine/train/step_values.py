@@ -83,8 +83,9 @@ class StepValues:
         return out
 
     def launch_seconds(self) -> float:
-        """The host's time launching the step, from its launch's start to these values. Queued steps are bound by the
-        host's launches where this reaches their time (seconds()); on the CPU the two are equal."""
+        """The host's time launching the step, from its launch's start to these values. It includes the host's waits
+        for room in the device's launch queue, so it can reach the step's time (seconds()) on a device-bound run as
+        well. On the CPU the two are equal."""
         return self._ended_s - self.start.host_s
 
     def seconds(self) -> float:
