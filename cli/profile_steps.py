@@ -182,6 +182,20 @@ def host_waits_table(breakdown: dict) -> Table:
     return table
 
 
+def launch_sites_table(breakdown: dict) -> Table:
+    """The sites that dispatched the most ops in one more step (breakdown.launch_sites): ops, op and frames."""
+    from moe_tune.engine.bench.host_waits import site_text
+
+    table = Table()
+    table.add_column("ops", justify="right", no_wrap=True)
+    table.add_column("op", justify="left", no_wrap=True)
+    table.add_column("where (innermost first, < called from)", justify="left")
+    for row in breakdown["launch_sites"]:
+        where = site_text(row["frames"]) if row["frames"] else "(autograd's own backward formulas)"
+        table.add_row(f"{row['count']:,}", row["op"], where)
+    return table
+
+
 def _ours_name(result: dict) -> str:
     """Our row's name: against the bf16 twin, which base it has."""
     return "moe-tune, fp8 base" if result["against"]["baseline"] == "bf16-base" else "moe-tune"
@@ -344,6 +358,10 @@ def run(
             else:
                 console.print("the host never waited for the GPU in one more step (no synchronizing CUDA operation "
                               "torch reports)", markup=False)  # fmt: skip
+        if breakdown.get("launch_sites"):
+            console.print("where one more step's ops were dispatched from, most first (views and allocations left "
+                          "out):", markup=False)  # fmt: skip
+            console.print(launch_sites_table(breakdown))
         if breakdown.get("device_timeline") is not None:
             console.print(device_timeline_line(breakdown["device_timeline"]), markup=False, soft_wrap=True)
             if breakdown["device_timeline"]["gaps"]:

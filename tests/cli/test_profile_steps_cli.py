@@ -36,6 +36,13 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     assert data["complete"] is True and data["against"] is None
     # On the CPU a step runs as the host launches it: its time is its launch's.
     assert data["host_launch_s"] == data["step_time_s"]
+    # Where one more step's ops came from: ranked, our model's forward among them, autograd's formulas frameless.
+    sites = data["breakdown"]["launch_sites"]
+    counts = [site["count"] for site in sites]
+    assert counts == sorted(counts, reverse=True) and counts[-1] >= 1
+    assert any(site["frames"] and site["frames"][0].startswith(("engine/", "ops/")) for site in sites), sites
+    assert any(not site["frames"] for site in sites), sites
+    assert "where one more step's ops were dispatched from" in result.stdout
     assert data["memory_policy"].startswith("max-context: linear=offload")
     memory_metrics = data["memory"]
     assert memory_metrics["host_saved_bytes"] > 0 and memory_metrics["recomputations"] > 0

@@ -98,9 +98,10 @@ def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
 
 
 def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
-    """`moe-tune profile PROFILE`'s two device-only diagnostics (docs/bench.md, "Host waits" and "Breakdown"): no wait
-    is listed in our files (the step's loss is read by waiting on its copy's event, which torch does not check), and
-    the device-only step's busy and idle time fill its span."""
+    """`moe-tune profile PROFILE`'s diagnostics (docs/bench.md, "Launch sites", "Host waits" and "Breakdown"): no
+    per-tensor gradient copy of DeepSpeed's among the launch sites, no wait listed in our files (the step's loss is
+    read by waiting on its copy's event, which torch does not check), and the device-only step's busy and idle time
+    fill its span."""
     from moe_tune.engine.bench.steps import profile_steps
     from moe_tune.profiles import load_profile
 
@@ -110,6 +111,11 @@ def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
                  "model.moe.expert_intermediate_size=128", "model.moe.shared_expert_intermediate_size=128",
                  "model.vocab_size=4096", "data.seq_len=1024", "data.corpus_documents=2000"]  # fmt: skip
     breakdown = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)["breakdown"]
+    # Where the step's ops came from: DeepSpeed's one-rank gradient reduction (a copy per trainable tensor) is not
+    # among them (engine/train/ds_sync_free.py skips it).
+    launch_sites = breakdown["launch_sites"]
+    assert launch_sites and not [site for site in launch_sites
+                                 if any("(allreduce_and_copy)" in frame for frame in site["frames"])], launch_sites
     sites = breakdown["host_waits"]
     assert not [site for site in sites if site["frames"][0].startswith(("engine/", "ops/"))], sites
     timeline = breakdown["device_timeline"]
