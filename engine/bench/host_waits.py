@@ -14,6 +14,7 @@ Nothing here runs a step: `recorded_host_waits()` wraps whatever the caller runs
 
 from __future__ import annotations
 
+import functools
 import re
 import sysconfig
 import traceback
@@ -36,15 +37,22 @@ _TORCH_ROOT = Path(torch.__file__).resolve().parent
 _WARNINGS_FILE = Path(warnings.__file__).resolve()
 
 
+@functools.lru_cache(maxsize=None)
+def resolved(filename: str) -> Path:
+    """A frame's file, resolved once per name (sites are read for every op of a step: engine/bench/launch_sites.py)."""
+    return Path(filename).resolve()
+
+
+@functools.lru_cache(maxsize=None)
 def _is_own_frame(filename: str) -> bool:
     """Frames that say nothing about the caller: torch's own, the warnings module's, this module's."""
-    path = Path(filename).resolve()
-    return path == _WARNINGS_FILE or path == Path(__file__).resolve() or path.is_relative_to(_TORCH_ROOT)
+    path = resolved(filename)
+    return path == _WARNINGS_FILE or path == resolved(__file__) or path.is_relative_to(_TORCH_ROOT)
 
 
 def frame_text(frame: traceback.FrameSummary) -> str:
     """`path:line (function)`, the path relative to the moe_tune package or to site-packages where under them."""
-    path = Path(frame.filename).resolve()
+    path = resolved(frame.filename)
     # The deepest of the two that holds it (a virtual environment may live inside the checkout).
     roots = [root for root in (_PACKAGE_ROOT, _SITE_PACKAGES) if path.is_relative_to(root)]
     if roots:

@@ -56,8 +56,8 @@ COMPLETE_KEY = "complete"
 
 # Peak probes: an 8192^3 bf16 GEMM saturates the tensor cores of an H100/H200; a 1 GiB copy is far past L2.
 PEAK_GEMM_SIZE = 8192
-# Rounds of the peak GEMM's timing, the fastest kept: on an H100 the median of one round ranged over 680-731 TFLOP/s
-# in one process, round after round (the clocks under a sustained GEMM's power), which moved a run's MFU by as much.
+# Rounds of the peak GEMM's timing, the fastest kept: on an H100 one round's median ranged over 680-731 TFLOP/s round
+# after round in one process, which moved a run's MFU by as much (docs/PERF.md).
 PEAK_ROUNDS = 5
 PEAK_COPY_BYTES = 2**30
 

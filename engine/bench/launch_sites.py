@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_tune.engine.bench.host_waits import caller_frames
+from moe_tune.engine.bench.host_waits import caller_frames, resolved
 
 # Sites listed (most ops first).
 TOP_SITES = 20
@@ -57,7 +57,7 @@ def _frames() -> tuple[str, ...]:
     # Innermost first: an op reached through autograd's engine before any frame of ours is one of its formulas.
     for index in range(len(stack) - 1, -1, -1):
         frame = stack[index]
-        if (Path(frame.filename).resolve(), frame.name) == _BACKWARD_ENGINE:
+        if frame.name == _BACKWARD_ENGINE[1] and resolved(frame.filename) == _BACKWARD_ENGINE[0]:
             return caller_frames(stack[index + 1 :])
     return caller_frames(stack)
 
