@@ -9,7 +9,8 @@ Python frames; on the CPU the frames are only where backward was called): they a
 graph's replay is one op (its kernels are the graph's). A site that issues many small ops a step (a per-tensor loop)
 is what this finds: DeepSpeed's one-rank gradient reduction was 96 copies a step (engine/train/ds_sync_free.py).
 
-Nothing here runs a step: `recorded_ops()` wraps whatever the caller runs; `launch_sites` summarises.
+`recorded_ops()` wraps whatever the caller runs and `launch_sites` summarises; `launch_sites_step` is the benchmark's
+step of them (engine/bench/steps.py).
 """
 
 from __future__ import annotations
@@ -79,3 +80,10 @@ def launch_sites(ops: list[tuple[str, tuple[str, ...]]]) -> list[dict]:
         counts[key] = counts.get(key, 0) + 1
     ranked = sorted(counts.items(), key=lambda item: -item[1])[:TOP_SITES]
     return [dict(count=count, op=op, frames=list(frames)) for (op, frames), count in ranked]
+
+
+def launch_sites_step(runner) -> list[dict]:
+    """One more training step of `runner` (a steps.StepRunner) with its ops recorded: their launch_sites."""
+    with recorded_ops() as ops:
+        runner.step()
+    return launch_sites(ops)

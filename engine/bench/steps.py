@@ -288,7 +288,7 @@ def profile_steps(
     from moe_tune.engine.bench.breakdown import profiled_step, timeline_step
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
     from moe_tune.engine.bench.host_waits import host_wait_sites, recorded_host_waits
-    from moe_tune.engine.bench.launch_sites import launch_sites, recorded_ops
+    from moe_tune.engine.bench.launch_sites import launch_sites_step
     from moe_tune.engine.memory import resolve_policy
     from moe_tune.engine.plan import count_parameters
 
@@ -360,9 +360,7 @@ def profile_steps(
                 runner.step()
             breakdown["host_waits"] = host_wait_sites(waits)
         say("one more step with its dispatched ops recorded by call site")
-        with recorded_ops() as ops:
-            runner.step()
-        breakdown["launch_sites"] = launch_sites(ops)
+        breakdown["launch_sites"] = launch_sites_step(runner)
         if runner.is_cuda:
             say("one more step with only the device's work profiled (where it idles)")
             breakdown["device_timeline"] = timeline_step(runner)

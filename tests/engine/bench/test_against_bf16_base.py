@@ -50,7 +50,7 @@ def run():
     """profile_steps(--against bf16-base) on SMALL_FP8 (1 warm-up + 1 timed step each), with each runner's initial
     parameters (as DeepSpeed holds them) and the micro-batches each step fed; the profiler's step and the GEMM peak
     are stood in (not what is tested here)."""
-    from moe_tune.engine.bench import breakdown, flops
+    from moe_tune.engine.bench import breakdown, flops, launch_sites
 
     job = small_fp8()
     initial, fed = {}, {"fp8": [], "bf16": []}
@@ -69,6 +69,7 @@ def run():
         mp.setattr(steps.StepRunner, "__init__", spy_init)
         mp.setattr(steps.StepRunner, "launch", spy_launch)
         mp.setattr(breakdown, "profiled_step", lambda runner, basis: {"stood in": True})
+        mp.setattr(launch_sites, "launch_sites_step", lambda runner: [])
         mp.setattr(flops, "gemm_peak_tflops", lambda device, precision: 1.0)
         result = steps.profile_steps(job, steps=1, warmup=1, against="bf16-base")
     return result, initial, fed
