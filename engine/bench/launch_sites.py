@@ -55,7 +55,8 @@ class _Recorder(TorchDispatchMode):
 def _frames() -> tuple[str, ...]:
     # From the frame that dispatched the op: this function's and __torch_dispatch__'s left out.
     stack = traceback.extract_stack(sys._getframe(2))
-    # Innermost first: an op reached through autograd's engine before any frame of ours is one of its formulas.
+    # Inside backward the frames outside autograd's engine only say where backward was called: those inside it count
+    # (a Python Function's backward), and none means one of autograd's own formulas.
     for index in range(len(stack) - 1, -1, -1):
         frame = stack[index]
         if frame.name == _BACKWARD_ENGINE[1] and resolved(frame.filename) == _BACKWARD_ENGINE[0]:
