@@ -19,6 +19,7 @@ import re
 import sysconfig
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,11 +100,8 @@ def recorded_host_waits() -> Iterator[list[tuple[str, ...]]]:
 def host_wait_sites(waits: list[tuple[str, ...]]) -> list[dict]:
     """[{count, frames}] per distinct site, most waits first (first seen first among equals), at most TOP_SITES;
     frames innermost first."""
-    counts: dict[tuple[str, ...], int] = {}
-    for frames in waits:
-        counts[frames] = counts.get(frames, 0) + 1
-    ranked = sorted(counts.items(), key=lambda item: -item[1])[:TOP_SITES]
-    return [dict(count=count, frames=list(frames)) for frames, count in ranked]
+    # most_common keeps the first seen first among equal counts.
+    return [dict(count=count, frames=list(frames)) for frames, count in Counter(waits).most_common(TOP_SITES)]
 
 
 def site_text(frames: list[str]) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,10 +77,7 @@ def recorded_ops() -> Iterator[list[tuple[str, tuple[str, ...]]]]:
 def launch_sites(ops: list[tuple[str, tuple[str, ...]]]) -> list[dict]:
     """[{count, op, frames}] per distinct (op, frames), most first (first dispatched first among equals), at most
     TOP_SITES; frames innermost first, empty for autograd's own backward formulas."""
-    counts: dict[tuple[str, tuple[str, ...]], int] = {}
-    for key in ops:
-        counts[key] = counts.get(key, 0) + 1
-    ranked = sorted(counts.items(), key=lambda item: -item[1])[:TOP_SITES]
+    ranked = Counter(ops).most_common(TOP_SITES)
     return [dict(count=count, op=op, frames=list(frames)) for (op, frames), count in ranked]
 
 

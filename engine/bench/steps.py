@@ -359,11 +359,10 @@ def profile_steps(
             with recorded_host_waits() as waits:
                 runner.step()
             breakdown["host_waits"] = host_wait_sites(waits)
-        say("one more step with its dispatched ops recorded by call site")
-        breakdown["launch_sites"] = launch_sites_step(runner)
-        if runner.is_cuda:
             say("one more step with only the device's work profiled (where it idles)")
             breakdown["device_timeline"] = timeline_step(runner)
+        say("one more step with its dispatched ops recorded by call site")
+        breakdown["launch_sites"] = launch_sites_step(runner)
         is_cuda, device = runner.is_cuda, runner.dist.device
         graphed_blocks = len(runner.graphs.blocks) if runner.graphs is not None else 0
         # The baseline trains on the very micro-batches our steps trained on.

@@ -90,11 +90,11 @@ def allreduce_no_retain(self, bucket, communication_data_type, numel_per_bucket=
                         divide=True, process_group=None, output_bucket=None):  # fmt: skip
     """DeepSpeedZeroOptimizer.allreduce_no_retain, which over one rank only adds each gradient to its partition
     output (where one is given) when the all-reduce would return the gradients unchanged (module docstring)."""
-    if not _reduction_is_identity(self, bucket, communication_data_type, process_group):
-        return ORIGINALS["allreduce_no_retain"](self, bucket, communication_data_type, numel_per_bucket, rank, log,
-                                                divide, process_group, output_bucket)  # fmt: skip
     stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
     group = self.dp_process_group if process_group is None else process_group
+    if not _reduction_is_identity(self, stage_1_and_2, bucket, communication_data_type, group):
+        return ORIGINALS["allreduce_no_retain"](self, bucket, communication_data_type, numel_per_bucket, rank, log,
+                                                divide, process_group, output_bucket)  # fmt: skip
     if rank is not None and rank != stage_1_and_2.dist.get_rank(group=group):
         # A reduce to another rank: DeepSpeed leaves this rank's tensors and outputs as they are.
         return None
@@ -113,11 +113,9 @@ _EXACT_WIDENINGS = {
 }
 
 
-def _reduction_is_identity(self, bucket, communication_data_type, process_group) -> bool:
-    """Whether DeepSpeed's all-reduce of `bucket` would leave every tensor as it is: one rank, nothing overlapped,
-    no sequence parallelism (whose averaging multiplies), and a dtype round trip without rounding."""
-    stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
-    group = self.dp_process_group if process_group is None else process_group
+def _reduction_is_identity(self, stage_1_and_2, bucket, communication_data_type, group) -> bool:
+    """Whether DeepSpeed's all-reduce of `bucket` over `group` would leave every tensor as it is: one rank, nothing
+    overlapped, no sequence parallelism (whose averaging multiplies), and a dtype round trip without rounding."""
     if stage_1_and_2.dist.get_world_size(group=group) != 1 or self.overlap_comm:
         return False
     if stage_1_and_2.pg_correctness_test or self.sequence_parallel_size != 1:
