@@ -381,10 +381,11 @@ def test_gdn_gates_kernels_match_the_reference(monkeypatch, params_trainable, dt
 
 
 # The cases a launch other than pick_config's is checked on (split_grad_wy's, KDA's key tiles).
-LAUNCH_CASES = [
-    *ODD_CASES,
-    pytest.param(dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS)), True, id="8-docs"),
-]
+EIGHT_DOCS = dict(B=1, T=sum(DOC_LENGTHS), H=4, K=128, V=128, num_seqs=len(DOC_LENGTHS))
+LAUNCH_CASES = [*ODD_CASES, pytest.param(EIGHT_DOCS, True, id="8-docs")]
+# KDA's reference holds 24-33 GiB at 8-docs in fp32 (docs/PERF.md, "GPU tests"): two such tests on two workers beside
+# a third test ran an 80 GB card out of memory, so KDA's 8-docs case runs in the memory group.
+KDA_LAUNCH_CASES = [*ODD_CASES, pytest.param(EIGHT_DOCS, True, id="8-docs", marks=GPU_MEMORY_GROUP)]
 
 
 def launch_with(monkeypatch, **fields):
@@ -470,7 +471,7 @@ def kda_products_tiles(monkeypatch, request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape, use_qk_l2norm", LAUNCH_CASES)
+@pytest.mark.parametrize("shape, use_qk_l2norm", KDA_LAUNCH_CASES)
 def test_kda_products_in_key_tiles_match_reference(guarded, kda_products_tiles, shape, use_qk_l2norm, dtype):
     assert_launch_case_matches_reference(guarded, shape, use_qk_l2norm, dtype, is_per_channel=True)
 
