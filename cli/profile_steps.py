@@ -32,6 +32,20 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} GB/s"
 
 
+def clocks_cell(clocks: dict | None, field: str, unit: str) -> str:
+    """The median of one `gpu_clocks` field over the timed steps and over the GEMM peak: "a / b UNIT" ("-" for a
+    part without it); the SM clock adds the card's maximum."""
+    parts = [None if clocks is None or clocks[part] is None else clocks[part] for part in ("steps", "gemm_peak")]
+    values = [None if part is None else part[field] for part in parts]
+    if all(value is None for value in values):
+        return "-"
+    text = " / ".join("-" if value is None else f"{value:,.0f}" for value in values) + f" {unit}"
+    maxima = [part["max_sm_mhz"] for part in parts if part is not None and part["max_sm_mhz"] is not None]
+    if field == "sm_mhz" and maxima:
+        text += f" (the card's maximum {max(maxima):,.0f})"
+    return text
+
+
 def _steps_table(result: dict) -> Table:
     """Two columns, one metric a row: the run first, then the memory policy's metrics."""
     title = (
@@ -57,6 +71,8 @@ def _steps_table(result: dict) -> Table:
         ("model FLOPs per step", f"{result['model_flops_per_step']:.3g}"),
         ("achieved", f"{result['achieved_tflops']:.3g} TFLOP/s"),
         (f"MFU (of the measured GEMM peak, {result['peak_tflops']:.3g} TFLOP/s)", f"{result['mfu']:.1%}"),
+        ("SM clock: steps / GEMM peak", clocks_cell(result["gpu_clocks"], "sm_mhz", "MHz")),
+        ("power: steps / GEMM peak", clocks_cell(result["gpu_clocks"], "power_w", "W")),
         ("saved on the GPU", _bytes(memory.get("gpu_saved_bytes"))),
         ("  device memory they hold", _bytes(memory.get("gpu_storage_bytes"))),
         ("saved in host memory", _bytes(memory.get("host_saved_bytes"))),

@@ -38,7 +38,7 @@ RESULT_KEYS = (
     "graphed_moe_blocks",
     "warmup_steps", "steps", "first_step_loss", "losses",
     "tokens_per_s", "step_time_s", "step_times_s", "host_launch_s", "peak_memory_bytes",
-    "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu",
+    "model_flops_per_step", "model_flops_parts", "achieved_tflops", "peak_tflops", "mfu", "gpu_clocks",
     "parameters", "trainable_parameters", "breakdown", "against", "complete", "memory",
     "pinned_h2d_gb_per_s", "pinned_d2h_gb_per_s", "swap_fraction_of_pinned",
     *MACHINE_KEYS,
@@ -286,6 +286,7 @@ def profile_steps(
     runs next; on_ours(result) gets our measurements once they are all in, before any baseline runs: with a
     baseline still to run, `against` None and `complete` False (a run stopped in the baseline keeps ours)."""
     from moe_tune.engine.bench.breakdown import profiled_step, timeline_step
+    from moe_tune.engine.bench.clocks import sampled_clocks
     from moe_tune.engine.bench.flops import FlopModel, gemm_peak_tflops
     from moe_tune.engine.bench.host_waits import host_wait_sites, recorded_host_waits
     from moe_tune.engine.bench.launch_sites import launch_sites_step
@@ -335,9 +336,14 @@ def profile_steps(
 
             document = longest_document(runner.micro_batches(0)[0])
             document_loss = runner.document_loss(document)
-        def reset_peak(index: int) -> None:
-            if index == warmup and runner.is_cuda:
-                torch.cuda.reset_peak_memory_stats()
+        step_clocks = sampled_clocks(runner.dist.device)
+
+        def before_launch(index: int) -> None:
+            if index == warmup:
+                # The timed steps start: their memory peak and the clocks they run at.
+                step_clocks.mark()
+                if runner.is_cuda:
+                    torch.cuda.reset_peak_memory_stats()
 
         def keep(index: int, record: dict) -> None:
             record = dict(record, impl="moe-tune")
@@ -345,12 +351,15 @@ def profile_steps(
                 on_step(index, index < warmup, record)
             all_records.append(record)
 
-        run_steps(runner, warmup + steps, keep, before_launch=reset_peak)
+        with step_clocks:
+            run_steps(runner, warmup + steps, keep, before_launch=before_launch)
         records = all_records[warmup:]
         peak = torch.cuda.max_memory_allocated() if runner.is_cuda else None
         copy_rates = pinned_copy_bandwidth() if runner.is_cuda else (None, None)
         say("measuring the GEMM peak (the MFU denominator)")
-        peak_tflops = gemm_peak_tflops(runner.dist.device, profile.train.precision)
+        with sampled_clocks(runner.dist.device) as peak_clocks:
+            peak_tflops = gemm_peak_tflops(runner.dist.device, profile.train.precision)
+        gpu_clocks = dict(steps=step_clocks.summary, gemm_peak=peak_clocks.summary) if runner.is_cuda else None
         say("one more step under torch.profiler (the breakdown)")
         breakdown = profiled_step(runner, statistics.median(r["step_time_s"] for r in records))
         if runner.is_cuda:
@@ -405,6 +414,7 @@ def profile_steps(
         achieved_tflops=statistics.median(m["achieved_tflops"] for m in mfu_rows),
         peak_tflops=peak_tflops,
         mfu=statistics.median(m["mfu"] for m in mfu_rows),
+        gpu_clocks=gpu_clocks,
         parameters=counts.total,
         trainable_parameters=counts.trainable,
         breakdown=breakdown,

@@ -36,6 +36,9 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     assert data["complete"] is True and data["against"] is None
     # On the CPU a step runs as the host launches it: its time is its launch's.
     assert data["host_launch_s"] == data["step_time_s"]
+    # No GPU: no clocks sampled, and the rows say so.
+    assert data["gpu_clocks"] is None
+    assert "SM clock: steps / GEMM peak" in result.stdout and "power: steps / GEMM peak" in result.stdout
     # Where one more step's ops came from: ranked, our model's forward among them, autograd's formulas frameless.
     sites = data["breakdown"]["launch_sites"]
     counts = [site["count"] for site in sites]
@@ -49,6 +52,23 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     assert memory_metrics["cache_hit_rate"] == 1.0 and memory_metrics["h2d_gb_per_s"] > 0
     # Nothing of a training run is written: the profile command only measures.
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_clock_rows_give_both_parts_and_the_cards_maximum():
+    from moe_tune.cli.profile_steps import clocks_cell
+
+    def part(sm_mhz, power_w):
+        return dict(samples=3, sm_mhz=sm_mhz, sm_mhz_min=sm_mhz, sm_mhz_max=sm_mhz, max_sm_mhz=1980.0,
+                    power_w=power_w, temperature_c=50.0)  # fmt: skip
+
+    clocks = dict(steps=part(1980.0, 512.4), gemm_peak=part(1755.0, 699.6))
+    assert clocks_cell(clocks, "sm_mhz", "MHz") == "1,980 / 1,755 MHz (the card's maximum 1,980)"
+    assert clocks_cell(clocks, "power_w", "W") == "512 / 700 W"
+    # A part without samples (no nvidia-smi answer), a field no sample reports, no GPU.
+    one_part = dict(steps=None, gemm_peak=part(1755.0, None))
+    assert clocks_cell(one_part, "sm_mhz", "MHz") == "- / 1,755 MHz (the card's maximum 1,980)"
+    assert clocks_cell(one_part, "power_w", "W") == "-"
+    assert clocks_cell(None, "sm_mhz", "MHz") == "-"
 
 
 @pytest.mark.parametrize("stopped_in", ["baseline", "ours"])

@@ -6,6 +6,7 @@ Run on the H200 on its own: pytest -m gpu tests/gpu
 """
 
 import collections
+import shutil
 import warnings
 from pathlib import Path
 
@@ -98,10 +99,10 @@ def test_the_profile_records_a_read_of_a_device_value_where_it_is_read():
 
 
 def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
-    """`moe-tune profile PROFILE`'s diagnostics (docs/bench.md, "Launch sites", "Host waits" and "Breakdown"): no
-    per-tensor gradient copy of DeepSpeed's among the launch sites, no wait listed in our files (the step's loss is
-    read by waiting on its copy's event, which torch does not check), and the device-only step's busy and idle time
-    fill its span."""
+    """`moe-tune profile PROFILE`'s diagnostics (docs/bench.md, "MFU", "Launch sites", "Host waits" and
+    "Breakdown"): the SM clocks of the GEMM peak and of the steps; no per-tensor gradient copy of DeepSpeed's among
+    the launch sites, no wait listed in our files (the step's loss is read by waiting on its copy's event, which
+    torch does not check), and the device-only step's busy and idle time fill its span."""
     from moe_tune.engine.bench.steps import profile_steps
     from moe_tune.profiles import load_profile
 
@@ -110,7 +111,15 @@ def test_the_profile_of_a_step_lists_its_host_waits_and_the_devices_idle_time():
                  "model.linear_attention.key_head_dim=64", "model.linear_attention.value_head_dim=64",
                  "model.moe.expert_intermediate_size=128", "model.moe.shared_expert_intermediate_size=128",
                  "model.vocab_size=4096", "data.seq_len=1024", "data.corpus_documents=2000"]  # fmt: skip
-    breakdown = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)["breakdown"]
+    result = profile_steps(load_profile("bench-qwen3-next", overrides), steps=1, warmup=1)
+    breakdown = result["breakdown"]
+    # The clocks the GEMM peak and the steps ran at (engine/bench/clocks.py), where nvidia-smi answers for the card:
+    # the peak's second of GEMMs is sampled; one short timed step may fall between two samples.
+    if shutil.which("nvidia-smi"):
+        peak_clocks, step_clocks = result["gpu_clocks"]["gemm_peak"], result["gpu_clocks"]["steps"]
+        assert peak_clocks is not None and peak_clocks["samples"] >= 1, result["gpu_clocks"]
+        for clocks in (peak_clocks, step_clocks or peak_clocks):
+            assert 0 < clocks["sm_mhz_min"] <= clocks["sm_mhz"] <= clocks["sm_mhz_max"] <= clocks["max_sm_mhz"], clocks
     # Where the step's ops came from: DeepSpeed's one-rank gradient reduction (a copy per trainable tensor) is not
     # among them (engine/train/ds_sync_free.py skips it).
     launch_sites = breakdown["launch_sites"]
