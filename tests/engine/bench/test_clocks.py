@@ -2,6 +2,7 @@
 nvidia-smi on the CPU: what it is asked, what the part keeps, a command that fails or is absent)."""
 
 import stat
+import sys
 import threading
 
 import pytest
@@ -39,18 +40,40 @@ def test_a_part_is_summarized_by_medians_ranges_and_maxima():
     assert summarize([]) is None
 
 
-def fake_smi(tmp_path, body: str):
+def fake_smi(tmp_path, lines=(), stop_lines=(), wait_for=None, then=(), exit_code=None):
+    """A stand-in nvidia-smi: writes its arguments, prints `lines`, then (with `wait_for`) waits for that file and
+    prints `then`, and loops until SIGINT, which prints `stop_lines`; or exits at once with `exit_code`. In Python, not
+    bash: a shell cannot trap a signal its parent ignored (pytest-xdist's workers ignore SIGINT), a program can."""
     path = tmp_path / "nvidia-smi"
-    path.write_text(f"#!/usr/bin/env bash\necho \"$@\" > {tmp_path / 'args'}\n{body}\n")
+    path.write_text(f"""#!{sys.executable}
+import pathlib, signal, sys, time
+pathlib.Path({str(tmp_path / 'args')!r}).write_text(" ".join(sys.argv[1:]))
+def stop(*_):
+    for line in {list(stop_lines)!r}:
+        print(line, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+for line in {list(lines)!r}:
+    print(line, flush=True)
+if {exit_code!r} is not None:
+    sys.exit({exit_code!r})
+if {str(wait_for) if wait_for else None!r} is not None:
+    while not pathlib.Path({str(wait_for) if wait_for else ''!r}).exists():
+        time.sleep(0.02)
+    for line in {list(then)!r}:
+        print(line, flush=True)
+while True:
+    time.sleep(0.05)
+""")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 
 
 def test_the_sampler_keeps_what_comes_after_its_mark_and_what_the_stop_writes_out(tmp_path):
     # One sample before the part starts; two written as the loop stops on SIGINT (the stop and what it writes then
-    # are the sampler's: SIGTERM would skip the trap and leave the part without samples).
-    smi = fake_smi(tmp_path, "trap 'echo \"1410, 1980, 300.5, 40\"; echo \"1500, 1980, 350.5, 45\"; exit 0' INT\n"
-                             "echo '1980, 1980, 100, 30'\nwhile true; do sleep 0.05; done")  # fmt: skip
+    # are the sampler's: a SIGTERM or SIGKILL would leave the part without samples).
+    smi = fake_smi(tmp_path, lines=["1980, 1980, 100, 30"],
+                   stop_lines=["1410, 1980, 300.5, 40", "1500, 1980, 350.5, 45"])  # fmt: skip
     with ClockSampler("GPU-0123", command=str(smi)) as sampler:
         assert len(sampler.samples) == 1
     assert (tmp_path / "args").read_text().split() == [
@@ -64,9 +87,8 @@ def test_the_sampler_keeps_what_comes_after_its_mark_and_what_the_stop_writes_ou
 def test_a_mark_starts_the_part_at_the_samples_in_so_far(tmp_path):
     # A second sample once the test says so (a file appears), then the mark: only the stop's sample is the part's.
     go = tmp_path / "go"
-    smi = fake_smi(tmp_path, f"trap 'echo \"1500, 1980, 350, 45\"; exit 0' INT\necho '1980, 1980, 100, 30'\n"
-                             f"while [ ! -e {go} ]; do sleep 0.02; done\necho '1900, 1980, 200, 35'\n"
-                             "while true; do sleep 0.05; done")  # fmt: skip
+    smi = fake_smi(tmp_path, lines=["1980, 1980, 100, 30"], wait_for=go, then=["1900, 1980, 200, 35"],
+                   stop_lines=["1500, 1980, 350, 45"])  # fmt: skip
     with ClockSampler("GPU-0", command=str(smi)) as sampler:
         go.touch()
         for _ in range(500):
@@ -79,9 +101,9 @@ def test_a_mark_starts_the_part_at_the_samples_in_so_far(tmp_path):
                                    max_sm_mhz=1980.0, power_w=350.0, temperature_c=45.0)  # fmt: skip
 
 
-@pytest.mark.parametrize("body", ["echo 'No devices were found'; exit 6", "exit 0"], ids=["refused", "silent"])
-def test_a_sampler_whose_command_ends_without_samples_sums_up_nothing(tmp_path, body):
-    with ClockSampler("GPU-0", command=str(fake_smi(tmp_path, body))) as sampler:
+@pytest.mark.parametrize(("lines", "exit_code"), [(["No devices were found"], 6), ([], 0)], ids=["refused", "silent"])
+def test_a_sampler_whose_command_ends_without_samples_sums_up_nothing(tmp_path, lines, exit_code):
+    with ClockSampler("GPU-0", command=str(fake_smi(tmp_path, lines=lines, exit_code=exit_code))) as sampler:
         pass
     assert sampler.samples == [] and sampler.summary is None
 
