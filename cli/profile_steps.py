@@ -35,13 +35,12 @@ def _rate(value: float | None) -> str:
 def clocks_cell(clocks: dict | None, field: str, unit: str) -> str:
     """The median of one `gpu_clocks` field over the timed steps and over the GEMM peak: "a / b UNIT" ("-" for a
     part without it); the SM clock adds the card's maximum."""
-    parts = [None if clocks is None or clocks[part] is None else clocks[part] for part in ("steps", "gemm_peak")]
+    parts = [] if clocks is None else [clocks["steps"], clocks["gemm_peak"]]
     values = [None if part is None else part[field] for part in parts]
     if all(value is None for value in values):
         return "-"
     text = " / ".join("-" if value is None else f"{value:,.0f}" for value in values) + f" {unit}"
-    maxima = [part["max_sm_mhz"] for part in parts if part is not None and part["max_sm_mhz"] is not None]
-    if field == "sm_mhz" and maxima:
+    if field == "sm_mhz" and (maxima := [part["max_sm_mhz"] for part in parts if part and part["max_sm_mhz"]]):
         text += f" (the card's maximum {max(maxima):,.0f})"
     return text
 

@@ -23,7 +23,7 @@ QUERY_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "temperature.gpu")
 # 20 ms between samples: a handful over a 70 ms step's three timed repeats, while each sample costs the host one NVML
 # query in another process.
 SAMPLE_MS = 20
-# nvidia-smi takes a few hundred milliseconds to start; a part starts once the first sample is in, or after this.
+# A part starts once nvidia-smi's first sample is in (its start-up is not part of what is sampled), or after this.
 FIRST_SAMPLE_TIMEOUT_S = 10.0
 # After a part, how long nvidia-smi gets to exit on SIGINT (Ctrl+C: the stop its manual gives the loop) before it is
 # killed; lines it writes as it stops are kept.

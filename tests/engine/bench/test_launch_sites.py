@@ -2,6 +2,8 @@
 ops are left out, autograd's own backward formulas are one frameless site, a Python autograd Function's backward is
 its own site, and the sites are ranked by count."""
 
+from pathlib import Path
+
 import torch
 
 from moe_tune.engine.bench import launch_sites as sites
@@ -25,7 +27,7 @@ class _Twice(torch.autograd.Function):
 def _line_of(mark: str) -> int:
     """The line of this file that ends with the comment `# <- mark` (once)."""
     text = "# <- " + mark
-    lines = [i for i, line in enumerate(open(__file__).read().splitlines(), 1) if line.endswith(text)]
+    lines = [i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.endswith(text)]
     assert len(lines) == 1, (text, lines)
     return lines[0]
 
