@@ -111,6 +111,11 @@ ROTARY_SHAPES = {
     # (a quarter of 256-dim heads).
     "anchor": [dict(T=8192, H=16, D=128, R=128), dict(T=8192, H=16, D=256, R=64)],
 }
+SWIGLU_SHAPES = {
+    "small": [dict(M=512, F=256)],
+    # The benchmark model's gated shared expert (B2 T4096, width 768) and a dense MLP's hidden rows (width 5632).
+    "anchor": [dict(M=8192, F=768), dict(M=8192, F=5632)],
+}
 FP8_LINEAR_SHAPES = {
     "small": [dict(M=256, I=384, O=640)],
     # None: engine/bench/fp8_op.py's DEFAULT_SHAPES (issue 35's 30B-A3B projections over 8192 tokens).
@@ -583,6 +588,45 @@ def bench_rotary_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]
     return rows
 
 
+def bench_swiglu_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
+    """SwiGLU's activation, plain and scaled per row (a gated shared expert): the Triton kernel (called directly, so
+    it runs while auto dispatch still keeps the reference on CUDA) and eager bf16 ops (silu, then each product,
+    rounding after each: what the model ran before the kernel) beside the reference, bf16 on CUDA; on the CPU the
+    reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
+    from moe_tune.ops.swiglu.reference import swiglu_ref
+
+    shape_list = [shapes] if isinstance(shapes, dict) else SWIGLU_SHAPES[shapes if run.is_cuda else "small"]
+    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for shape in shape_list:
+        M, F_ = shape["M"], shape["F"]
+        gate = _randn(M, F_, gen=gen, device=device, dtype=dtype)
+        up = _randn(M, F_, gen=gen, device=device, dtype=dtype)
+        scale_M1 = torch.rand(M, 1, generator=gen, device=device).to(dtype).requires_grad_()
+        for case, scale in (("plain", None), ("scaled", scale_M1)):
+            leaves = [gate, up] + ([scale] if scale is not None else [])
+            impls = {"reference (torch small ops)": lambda scale=scale: swiglu_ref(gate, up, scale)}
+            if run.is_cuda:
+                from moe_tune.ops.swiglu.autograd import SwiGLUFunction
+
+                def eager(scale=scale):
+                    h = F.silu(gate) * up
+                    return h if scale is None else h * scale
+
+                impls = {"moe_tune triton": lambda scale=scale: SwiGLUFunction.apply(gate, up, scale),
+                         "eager bf16 (silu, products)": eager, **impls}  # fmt: skip
+            # At the least: gate and up read and h written forward; gate, up and dh read, dgate and dup written
+            # backward (the scale is one value a row).
+            fwd_bytes = 3 * M * F_ * gate.element_size()
+            bwd_bytes = 5 * M * F_ * gate.element_size()
+            for impl, fn in impls.items():
+                timed = _timed(fn, leaves, run)
+                _add_bytes_note(timed, fwd_bytes, bwd_bytes)
+                rows.append(make_row("swiglu", case, impl, f"M{M} F{F_}", dtype, run, **timed))
+    return rows
+
+
 def bench_fp8_linear_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
     """The dense linear through a frozen FP8 weight (128 x 128 block scales), forward and input gradient. CUDA:
     engine/bench/fp8_op.py's Triton rows beside bf16 F.linear (cuBLAS), bf16 x; CPU: fp8_linear_ref in fp32. Each
@@ -631,6 +675,7 @@ OPS: dict[str, Callable[[str, RunContext], list[dict]]] = {
     "rms_norm": bench_rms_norm_op,
     "causal_conv": bench_causal_conv_op,
     "rotary": bench_rotary_op,
+    "swiglu": bench_swiglu_op,
     "fp8_linear": bench_fp8_linear_op,
 }
 # The dimensions a --shapes SPEC gives an op, all of them and no others (ops not listed take presets only).
@@ -642,6 +687,7 @@ SHAPE_DIMS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("M", "N"),
     "causal_conv": ("T", "C", "W"),
     "rotary": ("T", "H", "D", "R"),
+    "swiglu": ("M", "F"),
     "fp8_linear": ("M", "I", "O"),
 }
 
@@ -771,6 +817,9 @@ SPEC_TENSORS: dict[str, Callable[[dict[str, int], int], list[tuple[int, int, boo
     # x, cos and sin (fp32), y.
     "rotary": lambda d, value: [(d["T"] * d["H"] * d["D"], value, True), *[(d["T"] * d["R"], 4, False)] * 2,
                                 (d["T"] * d["H"] * d["D"], value, True)],  # fmt: skip
+    # gate, up, the per-row scale, h.
+    "swiglu": lambda d, value: [*[(d["M"] * d["F"], value, True)] * 2, (d["M"], value, True),
+                                (d["M"] * d["F"], value, True)],  # fmt: skip
     # x, the weight drawn in fp32 and its FP8 copy (one byte an element), y.
     "fp8_linear": lambda d, value: [(d["M"] * d["I"], value, True), (d["O"] * d["I"], 4, False),
                                     (d["O"] * d["I"], 1, False), (d["M"] * d["O"], value, True)],  # fmt: skip

@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_tune.ops.causal_conv import causal_conv, causal_conv_heads
@@ -22,6 +21,7 @@ from moe_tune.ops.linear_attention.reference import kda_gate_ref, recurrent_gate
 from moe_tune.ops.rms_norm import rms_norm
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 from moe_tune.ops.rotary import apply_rotary
+from moe_tune.ops.swiglu import swiglu
 
 from .linear_context import conv_with_halo, is_sharded
 from .projections import linear_plus, project
@@ -258,9 +258,7 @@ class SwiGLU(nn.Module):
         """x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]; with `scale` [..., 1] the hidden rows are scaled before
         the down projection, and `add_to` [..., D] is added to its output inside its GEMM (linear_plus)."""
         gate, up = project(x, (self.gate_proj, self.up_proj))
-        h = F.silu(gate) * up
-        if scale is not None:
-            h = h * scale.to(h.dtype)
+        h = swiglu(gate, up, scale)
         return self.down_proj(h) if add_to is None else linear_plus(h, self.down_proj, add_to)
 
 

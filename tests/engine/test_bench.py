@@ -17,7 +17,7 @@ def no_cuda(monkeypatch):
 def test_registry_names_every_op():
     assert list(OPS) == [
         "moe", "gated_delta_rule", "kda", "sparse_attention", "topk_indexer", "cross_entropy", "rms_norm",
-        "causal_conv", "rotary", "fp8_linear",
+        "causal_conv", "rotary", "swiglu", "fp8_linear",
     ]
 
 
@@ -215,6 +215,17 @@ def test_rotary_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
 def test_rotary_spec_with_an_odd_rotary_dim_is_refused(no_cuda):
     with pytest.raises(ValueError, match=r"R must be even and <= D"):
         run_kernels(["rotary"], "T10,H1,D8,R3")
+
+
+def test_swiglu_entry_times_the_reference_plain_and_scaled_on_cpu_with_its_bytes(no_cuda):
+    rows = run_kernels(["swiglu"], "M100,F48")[0]
+    assert [(row["op"], row["case"], row["impl"], row["shape"], row["dtype"]) for row in rows] == [
+        ("swiglu", case, "reference (torch small ops)", "M100 F48", "float32") for case in ("plain", "scaled")
+    ]
+    for row in rows:
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+        # fp32: gate, up and h forward; gate, up, dh, dgate and dup backward: 8 x 100 x 48 x 4 bytes.
+        assert row["note"].startswith("moves at least 0.154 MB fwd+bwd (fwd ")
 
 
 def test_fp8_expert_rows_are_named_and_timed_without_torch_grouped_mm():
