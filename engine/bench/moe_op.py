@@ -75,7 +75,7 @@ LORA_OVERHEAD_PASSES = 8
 
 
 def sweep_candidates() -> dict[str, list]:
-    """Launch configs the backward sweep tries on an H200, the first of each being pick_config's bf16 choice.
+    """Launch configs the sweep tries on a GPU, the first of each being pick_config's bf16 choice.
 
     down_bwd: pick_config's is a GEMM of 128-column tiles storing dy W (+ LoRA), then a pass of SwiGLU's backward
     (swiglu_pass); with that backward in the GEMM's epilogue the kernel needs 180-255 registers a thread at 64-column
@@ -92,6 +92,13 @@ def sweep_candidates() -> dict[str, list]:
     from moe_tune.ops.moe.kernel_config import KernelConfig
 
     return {
+        # The gate and up halves of 64 columns as two products a K step, or one product of both (one_dot), at the
+        # same 128-column width and at twice it.
+        "gate_up_fwd": [
+            KernelConfig(64, 64, num_warps=8, num_stages=3),
+            KernelConfig(64, 64, num_warps=8, num_stages=3, one_dot=True),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True),
+        ],
         "down_bwd": [
             KernelConfig(128, 64, num_warps=8, num_stages=3, swiglu_pass=True),
             KernelConfig(128, 64, num_warps=8, num_stages=4, swiglu_pass=True),

@@ -2,13 +2,14 @@
 under a launch that is not the default, with no edit.
 
     MOE_TUNE_LAUNCH="linear_attention.grad_dq_norm_in_output=true,causal_conv.one_pass_backward=true"
+    MOE_TUNE_LAUNCH="moe_gate_up_fwd.one_dot=true,moe_gate_up_fwd.block_n=128"
 
 Entries are `FAMILY.FIELD=VALUE`, comma-separated: FAMILY one of LAUNCH_FAMILIES, FIELD a field of its launch
 dataclass, VALUE read as that field's type: an integer (1 to 65536; block sizes and warps powers of two, warps at
 most 32), true
 or false, none (a field that may be None), integers joined by / (a tuple), or text (one of the field's
 metadata["choices"]). The op's own choice
-(`pick_config`, `pick_launch`) goes through `with_overrides`, which replaces the named fields. `moe-tune profile
+(`pick_config`, `pick_launch`; the MoE expert MLP's `pick_config` for each of its kernels) goes through `with_overrides`, which replaces the named fields. `moe-tune profile
 --launch` checks the entries first (one line, exit 2) and sets the variable; the benchmark JSON records it
 (engine/bench/machine.py). Unset or empty: the defaults. A family's dataclass may refuse a combination of fields
 (its `overrides_problem`: KDA's products kernel in key tiles at more than 8 warps).
@@ -25,9 +26,25 @@ from typing import Any
 
 LAUNCH_ENV = "MOE_TUNE_LAUNCH"
 # Family -> (module, dataclass) of its launch.
+_MOE_CONFIG = ("moe_tune.ops.moe.kernel_config", "KernelConfig")
 LAUNCH_FAMILIES = {
     "linear_attention": ("moe_tune.ops.linear_attention.kernels_common", "KernelConfig"),
     "causal_conv": ("moe_tune.ops.causal_conv.kernels", "ConvLaunch"),
+    # The MoE expert MLP's kernels, one family each (MoEConfig's fields, ops/moe/kernel_config.py).
+    **{f"moe_{kernel}": _MOE_CONFIG for kernel in (
+        "gate_up_fwd", "down_fwd", "down_bwd", "gate_up_bwd", "expert_grad", "lora_rows", "lora_bwd")},
+}  # fmt: skip
+# Families whose kernel reads only some fields of its launch dataclass: those it reads (the others are refused).
+_MOE_TILE = ("block_n", "block_k", "num_warps", "num_stages", "maxnreg")
+FAMILY_FIELDS = {
+    "moe_gate_up_fwd": (*_MOE_TILE, "one_dot"),
+    "moe_down_fwd": _MOE_TILE,
+    "moe_down_bwd": (*_MOE_TILE, "swiglu_pass"),
+    "moe_gate_up_bwd": _MOE_TILE,
+    "moe_expert_grad": (*_MOE_TILE, "block_p"),
+    # The rank pass's output width is the padded LoRA rank: it has no column tile.
+    "moe_lora_rows": ("block_k", "num_warps", "num_stages", "maxnreg"),
+    "moe_lora_bwd": _MOE_TILE,
 }
 # Integer fields whose value Triton needs as a power of two (tile sizes, warps): their names hold one of these.
 _POWER_OF_TWO_PARTS = ("block_", "num_warps")
@@ -97,8 +114,11 @@ def _launch_class(family: str) -> type:
 
 @functools.cache
 def _field_types(family: str) -> dict[str, tuple[str, tuple[str, ...] | None]]:
-    """{field: (its annotation, its metadata's choices or None)} of the family's launch dataclass."""
-    return {f.name: (str(f.type), f.metadata.get("choices")) for f in dataclasses.fields(_launch_class(family))}
+    """{field: (its annotation, its metadata's choices or None)} of the family's launch dataclass (FAMILY_FIELDS's
+    only, where it names them)."""
+    names = FAMILY_FIELDS.get(family)
+    return {f.name: (str(f.type), f.metadata.get("choices")) for f in dataclasses.fields(_launch_class(family))
+            if names is None or f.name in names}  # fmt: skip
 
 
 def _value(where: str, field: str, kind: str, choices: tuple[str, ...] | None, text: str) -> Any:

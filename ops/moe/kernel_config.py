@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_tune.ops.common.launch import launch_text, with_overrides
 from moe_tune.ops.fp8.reference import BLOCK as FP8_BLOCK
 
 # tl.dot needs every dimension of its operands to be at least 16.
@@ -50,7 +51,9 @@ class KernelConfig:
              whose output is the padded rank); block_p: the P side, weight gradients only (0 elsewhere);
     block_k: reduction step (the LoRA backward pass: rows per step); maxnreg: register cap per thread (None: the
              compiler's choice); swiglu_pass: the down backward only, as a GEMM storing dy W (+ LoRA) and a separate
-             pass of SwiGLU's backward over it, instead of that backward in the GEMM's epilogue.
+             pass of SwiGLU's backward over it, instead of that backward in the GEMM's epilogue; one_dot: the gate_up
+             forward only, its gate and up columns loaded as one weight tile of 2 block_n rows and multiplied in one
+             product a K step (split after the loop), instead of two products of block_n columns.
     """
 
     block_n: int
@@ -60,6 +63,7 @@ class KernelConfig:
     block_p: int = 0
     maxnreg: int | None = None
     swiglu_pass: bool = False
+    one_dot: bool = False
 
     def launch_options(self) -> dict:
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -139,8 +143,14 @@ def forced_config(config: MoEConfig):
 
 
 def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
+    """The launch of every kernel for one call: `forced_config`'s where one is in force, else the defaults for x's
+    device and dtype and the rows per expert, with MOE_TUNE_LAUNCH's fields laid over them."""
     if _forced_config is not None:
         return _forced_config
+    return with_launch_overrides(_default_config(x, num_slots, num_experts))
+
+
+def _default_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block = INTERPRETER_BLOCK
@@ -158,6 +168,16 @@ def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
         lora_rows=GPU_LORA_ROWS,
         lora_bwd=GPU_LORA_BWD,
     )
+
+
+def with_launch_overrides(config: MoEConfig) -> MoEConfig:
+    """config with the fields MOE_TUNE_LAUNCH names for each kernel (families moe_gate_up_fwd, ..., moe_lora_bwd;
+    ops/common/launch.py) replaced."""
+    if not launch_text():
+        return config
+    kernels = {f.name: with_overrides(f"moe_{f.name}", getattr(config, f.name))
+               for f in dataclasses.fields(config) if f.name != "block_m"}  # fmt: skip
+    return dataclasses.replace(config, **kernels)
 
 
 def dot_precision(*dtypes: torch.dtype) -> str:

@@ -114,6 +114,7 @@ def _moe_gate_up_fwd_kernel(
     SCALE_BLOCK: tl.constexpr,
     HAS_LORA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr,
+    ONE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -132,40 +133,70 @@ def _moe_gate_up_fwd_kernel(
     col_mask = cols < F
 
     x_rows = x_ptr + tokens[:, None] * stride_xn
-    w_gate = w_ptr + expert * stride_we + cols[:, None] * stride_wf
-    w_up = w_gate + F * stride_wf
-    # Scale rows of the gate and up halves (an up row's block counts from its half's start).
-    s_gate = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
-    s_up = s_gate + tl.cdiv(F, SCALE_BLOCK) * stride_sf
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < D
-        x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        s_col = (k0 // SCALE_BLOCK) * stride_sd
-        wg_tile = weight_tile(
-            w_gate + ks[None, :] * stride_wd, w_mask, s_gate + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
-        )
-        wu_tile = weight_tile(
-            w_up + ks[None, :] * stride_wd, w_mask, s_up + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
-        )
-        acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
         xa = tl.load(
             xa_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
         )  # [M, R]
-        b_gate = b_ptr + expert * stride_be + cols[None, :] * stride_bf + ranks[:, None] * stride_br
-        b_mask = rank_mask[:, None] & col_mask[None, :]
-        bg_tile = tl.load(b_gate, mask=b_mask, other=0.0).to(tl.float32)  # [R, N]
-        bu_tile = tl.load(b_gate + F * stride_bf, mask=b_mask, other=0.0).to(tl.float32)
         xa_scaled = xa * scaling
-        acc_gate = tl.dot(xa_scaled, bg_tile, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(xa_scaled, bu_tile, acc_up, input_precision=DOT_PRECISION)
+    if ONE_DOT:
+        # The gate and up columns as one [2 BLOCK_N, K] weight tile (its first BLOCK_N rows the gate's): one product
+        # of twice the width a K step, split into the two halves after the loop.
+        halves = tl.arange(0, 2 * BLOCK_N)
+        is_up = halves >= BLOCK_N
+        both_cols = pid_n * BLOCK_N + halves % BLOCK_N
+        both_mask = both_cols < F
+        w_both = w_ptr + expert * stride_we + (both_cols + tl.where(is_up, F, 0))[:, None] * stride_wf
+        scale_rows = both_cols // SCALE_BLOCK + tl.where(is_up, tl.cdiv(F, SCALE_BLOCK), 0)
+        s_both = ws_ptr + expert * stride_se + scale_rows * stride_sf
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < D
+            x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            s_col = (k0 // SCALE_BLOCK) * stride_sd
+            w_tile = weight_tile(
+                w_both + ks[None, :] * stride_wd, both_mask[:, None] & k_mask[None, :], s_both + s_col, both_mask,
+                x_tile, W_IS_FP8, ROW_SCALES=True,
+            )  # fmt: skip
+            acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
+        if HAS_LORA:
+            b_both = b_ptr + expert * stride_be + (both_cols + tl.where(is_up, F, 0))[None, :] * stride_bf
+            b_tile = tl.load(
+                b_both + ranks[:, None] * stride_br, mask=rank_mask[:, None] & both_mask[None, :], other=0.0
+            ).to(tl.float32)  # [R, 2N]
+            acc = tl.dot(xa_scaled, b_tile, acc, input_precision=DOT_PRECISION)
+        acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        w_gate = w_ptr + expert * stride_we + cols[:, None] * stride_wf
+        w_up = w_gate + F * stride_wf
+        # Scale rows of the gate and up halves (an up row's block counts from its half's start).
+        s_gate = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
+        s_up = s_gate + tl.cdiv(F, SCALE_BLOCK) * stride_sf
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < D
+            x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            s_col = (k0 // SCALE_BLOCK) * stride_sd
+            wg_tile = weight_tile(
+                w_gate + ks[None, :] * stride_wd, w_mask, s_gate + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
+            )
+            wu_tile = weight_tile(
+                w_up + ks[None, :] * stride_wd, w_mask, s_up + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
+            )
+            acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
+        if HAS_LORA:
+            b_gate = b_ptr + expert * stride_be + cols[None, :] * stride_bf + ranks[:, None] * stride_br
+            b_mask = rank_mask[:, None] & col_mask[None, :]
+            bg_tile = tl.load(b_gate, mask=b_mask, other=0.0).to(tl.float32)  # [R, N]
+            bu_tile = tl.load(b_gate + F * stride_bf, mask=b_mask, other=0.0).to(tl.float32)
+            acc_gate = tl.dot(xa_scaled, bg_tile, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(xa_scaled, bu_tile, acc_up, input_precision=DOT_PRECISION)
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -317,7 +348,7 @@ def moe_gate_up_fwd(
             model_dim, num_hidden, rank, scaling,
             *x.stride(), *w_gate_up.stride(), *strides3(scale_inv), *strides3(b_gate_up),
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
-            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, DOT_PRECISION=dot_precision(x.dtype),
+            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, ONE_DOT=kernel.one_dot, DOT_PRECISION=dot_precision(x.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip

@@ -3,6 +3,7 @@ rule broken once (one line naming the source, the entry and the rule), the op fa
 where named, and a conv run in the interpreter launching what the variable names; `moe-tune profile --launch` and
 the variable at the command line's root."""
 
+import dataclasses
 import json
 import types
 
@@ -43,7 +44,8 @@ def test_each_kind_of_value_is_read_as_its_fields_type():
 
 
 BAD = [
-    ("causal_conv", "must be FAMILY.FIELD=VALUE (linear_attention, causal_conv)"),
+    ("causal_conv", "must be FAMILY.FIELD=VALUE (linear_attention, causal_conv, moe_gate_up_fwd, moe_down_fwd, "
+     "moe_down_bwd, moe_gate_up_bwd, moe_expert_grad, moe_lora_rows, moe_lora_bwd)"),
     ("causal_conv.one_pass_backward", "must be FAMILY.FIELD=VALUE"),
     ("one_pass_backward=true", "must be FAMILY.FIELD=VALUE"),
     ("causal_conv.=1", "must be FAMILY.FIELD=VALUE"),
@@ -67,6 +69,18 @@ BAD = [
     ("linear_attention.block_v_state_fwd=32/24", "block_v_state_fwd must be a power of two"),
     ("linear_attention.inverse_dots_16bit=bf16", "inverse_dots_16bit must be one of fp16, tf32, tf32x3, ieee"),
     ("causal_conv.block_t=32,causal_conv.block_t=64", "causal_conv.block_t is named twice"),
+    # Each MoE kernel takes the fields it reads: one_dot is the gate_up forward's, swiglu_pass the down backward's,
+    # block_p the weight gradients', and the rank pass has no column tile; block_m is the routing's, not a kernel's.
+    ("moe_down_fwd.one_dot=true", "moe_down_fwd has no field 'one_dot' (its fields: block_n, block_k, num_warps, "
+     "num_stages, maxnreg)"),
+    ("moe_gate_up_bwd.swiglu_pass=true", "moe_gate_up_bwd has no field 'swiglu_pass'"),
+    ("moe_lora_bwd.block_p=128", "moe_lora_bwd has no field 'block_p'"),
+    ("moe_lora_rows.block_n=64", "moe_lora_rows has no field 'block_n' (its fields: block_k, num_warps, num_stages, "
+     "maxnreg)"),
+    ("moe_gate_up_fwd.block_m=64", "moe_gate_up_fwd has no field 'block_m'"),
+    ("moe_gate_up_fwd.block_n=96", "block_n must be a power of two"),
+    ("moe_gate_up_fwd.one_dot=yes", "one_dot must be true or false"),
+    ("moe_expert_grad.maxnreg=x", "maxnreg must be an integer from 1 to 65536 or none"),
 ]
 
 
@@ -92,6 +106,30 @@ def test_families_take_their_own_fields_only_where_named(monkeypatch):
     assert after.grad_dq_norm_in_output and after == type(before)(**{**vars(before), "grad_dq_norm_in_output": True})
     monkeypatch.setenv(LAUNCH_ENV, "  ")
     assert with_overrides("causal_conv", default_conv) is default_conv
+
+
+def test_the_moe_kernels_take_their_own_fields_only_where_named(monkeypatch):
+    from moe_tune.ops.moe import kernel_config
+
+    bf16_gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    monkeypatch.setenv(LAUNCH_ENV, "")
+    default = kernel_config.pick_config(bf16_gpu, 8192 * 8, 64)
+    assert not default.gate_up_fwd.one_dot
+    monkeypatch.setenv(LAUNCH_ENV, "moe_gate_up_fwd.one_dot=true,moe_gate_up_fwd.block_n=128,"
+                                   "moe_expert_grad.block_p=256,moe_lora_rows.maxnreg=none,causal_conv.block_t=64")
+    named = kernel_config.pick_config(bf16_gpu, 8192 * 8, 64)
+    replace = dataclasses.replace
+    assert named == replace(
+        default,
+        gate_up_fwd=replace(default.gate_up_fwd, one_dot=True, block_n=128),
+        expert_grad=replace(default.expert_grad, block_p=256),
+    )
+    # The fp32 and interpreter defaults take the same fields; a forced config (tests, sweeps) is used as given.
+    fp32 = kernel_config.pick_config(types.SimpleNamespace(is_cuda=True, dtype=torch.float32), 64, 4)
+    assert fp32.gate_up_fwd.one_dot and fp32.gate_up_fwd.block_n == 128 and fp32.down_fwd.block_n == 64
+    assert kernel_config.pick_config(torch.zeros(2, 16), 4, 2).gate_up_fwd.one_dot
+    with kernel_config.forced_config(default):
+        assert kernel_config.pick_config(bf16_gpu, 8192 * 8, 64) is default
 
 
 def test_a_conv_run_launches_what_the_variable_names(kernel_path, monkeypatch):

@@ -310,6 +310,18 @@ def test_fp8_kernel_down_bwd_with_swiglu_pass_matches_reference(kernel_path, gua
     guarded.check()
 
 
+@pytest.mark.parametrize("shape", ["D200_F72", "F130"])
+def test_fp8_kernel_gate_up_forward_in_one_product_matches_reference(kernel_path, guarded, shape):
+    # One weight tile of gate and up rows: each row takes its own half's scale rows (F = 130: the up half's from row
+    # 2; the 32-column blocks end inside a scale block and past F).
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    one_dot = kernel_config.KernelConfig(32, 64, num_warps=1, num_stages=1, one_dot=True)
+    with kernel_config.forced_config(dataclasses.replace(INTERPRETER_CONFIG, gate_up_fwd=one_dot)):
+        _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
+    guarded.check()
+
+
 def test_fp8_kernel_matches_bf16_weight_kernel(kernel_path, guarded):
     # The same kernels on dequantize_weight(W).to(bf16): FP8 weights change only what the weight tile holds. F = 130:
     # two scale rows per half, the up half's from row 2; D = 136: two scale blocks along each K loop of the forward.

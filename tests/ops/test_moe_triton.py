@@ -341,6 +341,18 @@ def test_moe_mlp_kernel_down_bwd_with_swiglu_pass(kernel_path, guarded, num_toke
     guarded.check()
 
 
+# The gate_up forward with its gate and up columns in one product: F = 36 under 16 columns a half (a partial last
+# block, whose masked rows sit in both halves of the tile), F = 56 under 32.
+@pytest.mark.parametrize("hidden_dim, block_n", [(36, 16), (56, 32)], ids=["F36-n16", "F56-n32"])
+@pytest.mark.parametrize("lora_on", ["none", "both"])
+def test_moe_mlp_kernel_gate_up_forward_in_one_product(kernel_path, guarded, hidden_dim, block_n, lora_on):
+    case = _make_case(29, 40, hidden_dim, 5, 2, torch.float32, lora_on=lora_on)
+    one_dot = kernel_config.KernelConfig(block_n, 16, num_warps=1, num_stages=1, one_dot=True)
+    with kernel_config.forced_config(dataclasses.replace(PER_KERNEL_CONFIG, gate_up_fwd=one_dot)):
+        _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+
+
 @pytest.mark.parametrize(
     "activation_dtype, expected",
     [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)],

@@ -70,7 +70,8 @@ def assert_close(names, outputs, references, dtype):
     for name, out, ref in zip(names, outputs, references, strict=True):
         assert out.dtype == dtype and out.shape == ref.shape, name
         scale = ref.abs().max().item()
-        torch.testing.assert_close(out.double() / scale, ref / scale, **TOLERANCES[dtype], msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(out.double() / scale, ref / scale, **TOLERANCES[dtype],
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -145,12 +146,16 @@ def test_forced_kernel_that_cannot_run_raises(kernel_path):
 
 BAD_INPUTS = [
     pytest.param(dict(up=torch.ones(3, 7)), r"up: shape \(3, 7\) must match gate \(3, 8\)", id="up_shape"),
-    pytest.param(dict(up=torch.ones(3, 8, dtype=torch.float16)), r"up: dtype torch.float16 must match gate", id="up_dtype"),
+    pytest.param(dict(up=torch.ones(3, 8, dtype=torch.float16)), r"up: dtype torch.float16 must match gate",
+                 id="up_dtype"),
     pytest.param(dict(scale=torch.ones(3)), r"scale: shape \(3,\) must be \[\.\.\., 1\] \(3, 1\)", id="scale_shape"),
     pytest.param(dict(scale=torch.ones(3, 8)), r"scale: shape \(3, 8\) must be \[\.\.\., 1\]", id="scale_per_column"),
-    pytest.param(dict(scale=torch.ones(3, 1, dtype=torch.int64)), r"scale: dtype torch.int64 must be floating", id="scale_int"),
-    pytest.param(dict(gate=torch.ones(3, 8, dtype=torch.int64)), r"gate: dtype torch.int64 must be floating point", id="gate_int"),
-    pytest.param(dict(gate=torch.tensor(1.0), up=torch.tensor(1.0)), r"gate: shape \(\) must be \[\.\.\., F\]", id="scalar"),
+    pytest.param(dict(scale=torch.ones(3, 1, dtype=torch.int64)), r"scale: dtype torch.int64 must be floating",
+                 id="scale_int"),
+    pytest.param(dict(gate=torch.ones(3, 8, dtype=torch.int64)), r"gate: dtype torch.int64 must be floating point",
+                 id="gate_int"),
+    pytest.param(dict(gate=torch.tensor(1.0), up=torch.tensor(1.0)), r"gate: shape \(\) must be \[\.\.\., F\]",
+                 id="scalar"),
 ]  # fmt: skip
 
 
