@@ -53,18 +53,21 @@ class DecoderLayer(nn.Module):
         self.mlp, self.aux_loss_coef = channel_mixer(cfg, spec, layout, index)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
+        mixed = self.self_attn(self.input_layernorm(x), batch)
         shard = batch.context
         # Without an aux loss a shared row's tokens are routed as any others (sequence chunks included).
-        if shard is not None and shard.size > 1 and is_aux_loss_trained(self.mlp):
-            y, aux = moe_on_shared_row(self.mlp, self.post_attention_layernorm(x), shard)
-            return x + y, aux * self.aux_loss_coef
+        shared_row = shard is not None and shard.size > 1 and is_aux_loss_trained(self.mlp)
         chunk_tokens = self.mlp.sequence_chunk_tokens if self.chunks_with_norm else None
-        if chunk_tokens is not None and x.shape[1] > chunk_tokens:
+        if not shared_row and chunk_tokens is not None and x.shape[1] > chunk_tokens:
             # The norm and the residual add inside each chunk: only x's rows are kept for backward.
-            out, aux = channel_mixer_in_chunks(self.mlp, self._channel_mix, x, chunk_tokens)
+            out, aux = channel_mixer_in_chunks(self.mlp, self._channel_mix, x + mixed, chunk_tokens)
             return out, aux * self.aux_loss_coef
-        y, aux = self.mlp(self.post_attention_layernorm(x))
+        # The residual add and the post-attention norm of its result in one op.
+        x, normed = self.post_attention_layernorm(mixed, residual=x)
+        if shared_row:
+            y, aux = moe_on_shared_row(self.mlp, normed, shard)
+        else:
+            y, aux = self.mlp(normed)
         return x + y, aux * self.aux_loss_coef
 
     @property

@@ -1,5 +1,6 @@
 """RMSNorm over the last dim, optionally gated: y = x / rms(x) * w [* act(z)], one Triton pass forward and one
-backward instead of about eight eager kernels forward and sixteen backward.
+backward instead of about eight eager kernels forward and sixteen backward; and a residual add followed by the norm
+of its result (add_rms_norm), in the same passes.
 
 Shapes: x [..., N]; weight [N]; gate x's shape. The math is in README.md; the ground truth in reference.py.
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from moe_tune.ops.common.dispatch import use_kernel
-from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS, rms_norm_ref
+from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS, add_rms_norm_ref, rms_norm_ref
 
-__all__ = ["rms_norm"]
+__all__ = ["add_rms_norm", "rms_norm"]
 
 # Widest row the kernel takes in one tile (the model's norms are 128 to 8192 wide); wider rows run the reference.
 MAX_N = 16384
@@ -48,6 +49,33 @@ def rms_norm(
 
         return RMSNormFunction.apply(x, weight, gate, float(eps), is_one_plus, gate_activation == "silu")
     return rms_norm_ref(x, weight, eps, is_one_plus, gate, gate_activation)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, is_one_plus: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm of its result: h = x + residual (rounded to x's dtype, as the eager add) and
+    y = rms_norm(h, weight, eps, is_one_plus), in one pass each way (the decoder layer's stream after its token
+    mixer, and the post-attention norm of it).
+
+    x, residual: [..., N] of one shape and dtype; weight, eps, is_one_plus: as rms_norm.
+    Returns (h, y), both x's shape and dtype. Backward: x and residual get h's gradient plus the norm's, summed in
+    fp32 and rounded once.
+    Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
+    """
+    _check_inputs(x, weight, eps, None, "silu")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: shape {tuple(residual.shape)} must match x {tuple(x.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual: dtype {residual.dtype} must match x ({x.dtype})")
+    if residual.device != x.device:
+        raise ValueError(f"residual: device {residual.device} must match x ({x.device})")
+    has_kernel = x.dtype in _KERNEL_DTYPES and x.shape[-1] <= MAX_N
+    if use_kernel("rms_norm", x, residual, weight, has_kernel=has_kernel):
+        from moe_tune.ops.rms_norm.autograd import AddRMSNormFunction
+
+        return AddRMSNormFunction.apply(x, residual, weight, float(eps), is_one_plus)
+    return add_rms_norm_ref(x, residual, weight, eps, is_one_plus)
 
 
 def _check_inputs(x, weight, eps, gate, gate_activation) -> None:

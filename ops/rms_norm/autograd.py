@@ -1,4 +1,4 @@
-"""The autograd Function around the RMSNorm kernels."""
+"""The autograd Functions around the RMSNorm kernels: the norm alone, and the residual add followed by the norm."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class RMSNormFunction(torch.autograd.Function):
         num_channels = x.shape[-1]
         x_MN = x.reshape(-1, num_channels).contiguous()
         z_MN = gate.reshape(-1, num_channels).contiguous() if gate is not None else None
-        y_MN, rstd_M = rms_norm_fwd(x_MN, weight.contiguous(), z_MN, eps, is_one_plus, is_silu)
+        y_MN, rstd_M, _ = rms_norm_fwd(x_MN, weight.contiguous(), z_MN, eps, is_one_plus, is_silu)
         ctx.save_for_backward(x_MN, weight, z_MN, rstd_M)
         ctx.is_one_plus, ctx.is_silu, ctx.shape = is_one_plus, is_silu, x.shape
         return y_MN.view(x.shape)
@@ -29,3 +29,37 @@ class RMSNormFunction(torch.autograd.Function):
         dw = dw_N.to(weight.dtype) if dw_N is not None else None
         dz = dz_MN.view(ctx.shape) if dz_MN is not None and ctx.needs_input_grad[2] else None
         return dx_MN.view(ctx.shape), dw, dz, None, None, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """(h, y) = (x + residual, rms_norm(x + residual)): one pass each way. Saves h and rstd, as the norm alone saves
+    its input; backward adds h's own gradient (its other uses) to the norm's in the same pass, and x and residual
+    get that one sum."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, is_one_plus):
+        num_channels = x.shape[-1]
+        x_MN = x.reshape(-1, num_channels).contiguous()
+        r_MN = residual.reshape(-1, num_channels).contiguous()
+        y_MN, rstd_M, h_MN = rms_norm_fwd(x_MN, weight.contiguous(), None, eps, is_one_plus, True, residual=r_MN)
+        ctx.save_for_backward(h_MN, weight, rstd_M)
+        ctx.is_one_plus, ctx.shape = is_one_plus, x.shape
+        # An output backward does not reach comes as None, not as zeros to add.
+        ctx.set_materialize_grads(False)
+        return h_MN.view(x.shape), y_MN.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_y):
+        h_MN, weight, rstd_M = ctx.saved_tensors
+        needs_dw = ctx.needs_input_grad[2]
+        dh_MN = grad_h.reshape(h_MN.shape).contiguous() if grad_h is not None else None
+        if grad_y is None:
+            # Only h was used: its gradient passes through the add.
+            return dh_MN.view(ctx.shape), dh_MN.view(ctx.shape), None, None, None
+        dy_MN = grad_y.reshape(h_MN.shape).contiguous()
+        dx_MN, dw_N, _ = rms_norm_bwd(
+            dy_MN, h_MN, weight.contiguous(), None, rstd_M, ctx.is_one_plus, True, needs_dw, dh=dh_MN
+        )
+        dw = dw_N.to(weight.dtype) if dw_N is not None else None
+        dx = dx_MN.view(ctx.shape)
+        return dx, dx, dw, None, None

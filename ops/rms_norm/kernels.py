@@ -43,9 +43,9 @@ def num_warps(block_m: int, block_n: int) -> int:
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, w_ptr, z_ptr, y_ptr, rstd_ptr,
+    x_ptr, r_ptr, h_ptr, w_ptr, z_ptr, y_ptr, rstd_ptr,
     M, N, eps,
-    HAS_GATE: tl.constexpr, IS_SILU: tl.constexpr, IS_ONE_PLUS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, IS_SILU: tl.constexpr, IS_ONE_PLUS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,6 +55,12 @@ def _rms_norm_fwd_kernel(
     mask = row_mask[:, None] & col_mask[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # h = x + r rounded to the stored dtype, as the eager add: the norm is h's.
+        r = tl.load(r_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + offsets, h, mask=mask)
+        x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if IS_ONE_PLUS:
@@ -73,10 +79,10 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    x_ptr, w_ptr, z_ptr, dy_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_partial_ptr,
+    x_ptr, w_ptr, z_ptr, dy_ptr, dh_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_partial_ptr,
     M, N, rows_per_program,
     HAS_GATE: tl.constexpr, IS_SILU: tl.constexpr, IS_ONE_PLUS: tl.constexpr, HAS_DW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -115,28 +121,35 @@ def _rms_norm_bwd_kernel(
         gs = g * w[None, :]
         mean_gs_x = tl.sum(gs * x_hat, axis=1) / N
         dx = rstd[:, None] * (gs - x_hat * mean_gs_x[:, None])
+        if HAS_DH:
+            # The gradient the normalised input's other uses (the residual stream) send it, added before one rounding.
+            dx += tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     if HAS_DW:
         tl.store(dw_partial_ptr + pid * N + cols, dw, mask=col_mask)
 
 
 def rms_norm_fwd(
-    x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float, is_one_plus: bool, is_silu: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, z: [M, N] contiguous; w: [N]. Returns y [M, N] (x's dtype) and rstd [M] fp32."""
+    x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float, is_one_plus: bool, is_silu: bool,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x, z, residual: [M, N] contiguous; w: [N]. Returns y [M, N] (x's dtype), rstd [M] fp32 and, with a residual,
+    h = x + residual [M, N] (x's dtype), the tensor normalised; None without one."""
     num_rows, num_channels = x.shape
     y = _alloc((num_rows, num_channels), x.dtype, x.device)
     rstd = _alloc((num_rows,), torch.float32, x.device)
+    h = _alloc((num_rows, num_channels), x.dtype, x.device) if residual is not None else None
     if num_rows == 0:
-        return y, rstd
+        return y, rstd, h
     block_m, block_n = block_sizes(num_channels)
     grid = (triton.cdiv(num_rows, block_m),)
     _rms_norm_fwd_kernel[grid](
-        x, w, z if z is not None else x, y, rstd, num_rows, num_channels, eps,
-        HAS_GATE=z is not None, IS_SILU=is_silu, IS_ONE_PLUS=is_one_plus, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps(block_m, block_n),
+        x, residual if residual is not None else x, h if h is not None else y, w, z if z is not None else x, y, rstd,
+        num_rows, num_channels, eps,
+        HAS_RESIDUAL=residual is not None, HAS_GATE=z is not None, IS_SILU=is_silu, IS_ONE_PLUS=is_one_plus,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps(block_m, block_n),
     )  # fmt: skip
-    return y, rstd
+    return y, rstd, h
 
 
 def rms_norm_bwd(
@@ -148,9 +161,10 @@ def rms_norm_bwd(
     is_one_plus: bool,
     is_silu: bool,
     needs_dw: bool,
+    dh: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """dy, x, z: [M, N] contiguous; rstd [M] from the forward. Returns dx [M, N], dw [N] fp32 (or None), dz [M, N]
-    (or None)."""
+    """dy, x, z, dh: [M, N] contiguous; rstd [M] from the forward; dh, the gradient x gets from its other uses,
+    added to dx. Returns dx [M, N], dw [N] fp32 (or None), dz [M, N] (or None)."""
     num_rows, num_channels = x.shape
     dx = _alloc((num_rows, num_channels), x.dtype, x.device)
     dz = _alloc((num_rows, num_channels), z.dtype, z.device) if z is not None else None
@@ -168,10 +182,10 @@ def rms_norm_bwd(
     num_programs = triton.cdiv(num_rows, rows_per_program)
     dw_partial = _alloc((num_programs, num_channels), torch.float32, x.device) if needs_dw else None
     _rms_norm_bwd_kernel[(num_programs,)](
-        x, w, z if z is not None else x, dy, rstd, dx, dz if dz is not None else dx,
+        x, w, z if z is not None else x, dy, dh if dh is not None else dy, rstd, dx, dz if dz is not None else dx,
         dw_partial if dw_partial is not None else rstd,
         num_rows, num_channels, rows_per_program,
-        HAS_GATE=z is not None, IS_SILU=is_silu, IS_ONE_PLUS=is_one_plus, HAS_DW=needs_dw,
+        HAS_GATE=z is not None, IS_SILU=is_silu, IS_ONE_PLUS=is_one_plus, HAS_DW=needs_dw, HAS_DH=dh is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps(block_m, block_n),
     )  # fmt: skip
     return dx, dw_partial.sum(0) if dw_partial is not None else None, dz

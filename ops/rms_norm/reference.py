@@ -31,3 +31,11 @@ def rms_norm_ref(
         return y
     act = F.silu if gate_activation == "silu" else torch.sigmoid
     return (y.float() * act(gate.float())).to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, is_one_plus: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm_ref(h)) with h = x + residual in x's dtype."""
+    h = x + residual
+    return h, rms_norm_ref(h, weight, eps, is_one_plus)

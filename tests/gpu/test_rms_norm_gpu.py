@@ -12,7 +12,7 @@ import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
 from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_reference, rms_norm_case, run_rms_norm
 
-from moe_tune.ops.rms_norm import kernels, rms_norm
+from moe_tune.ops.rms_norm import add_rms_norm, kernels, rms_norm
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
 
 pytestmark = pytest.mark.gpu
@@ -53,3 +53,29 @@ def test_reruns_are_bitwise_equal(kernel_path):
     first = run_rms_norm(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
     second = run_rms_norm(rms_norm, x, weight, gate, grad_y, is_one_plus=True)
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
+# The decoder layer's stream after its token mixer and its post-attention norm: (shape, is_one_plus).
+ADD_CASES = {"hidden_2048": ((8192, 2048), True), "odd": ((1001, 100), False)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
+def test_add_kernel_matches_reference(guarded, case, dtype):
+    shape, is_one_plus = case
+    x, weight, _, grad_y = rms_norm_case(shape, dtype, False, device=DEVICE)
+    generator = torch.Generator(DEVICE).manual_seed(1)
+    residual = (torch.randn(shape, generator=generator, device=DEVICE) * 3).to(dtype).requires_grad_()
+    grad_h = torch.randn(shape, generator=generator, device=DEVICE).to(dtype)
+    h, y = add_rms_norm(x, residual, weight, 1e-6, is_one_plus)
+    grads = torch.autograd.grad((h, y), (x, residual, weight), (grad_h, grad_y))
+    # The reference on h as the kernel rounds it (h itself must equal the eager add bit for bit).
+    h_ref = (x.detach() + residual.detach()).double().requires_grad_()
+    weight_ref = weight.detach().double().requires_grad_()
+    y_ref = rms_norm_ref(h_ref, weight_ref, 1e-6, is_one_plus)
+    dh_ref, dw_ref = torch.autograd.grad(y_ref, (h_ref, weight_ref), grad_y.double())
+    torch.cuda.synchronize()
+    guarded.check()
+    assert torch.equal(h, x.detach() + residual.detach()) and torch.equal(grads[0], grads[1])
+    assert_close_to_reference(("y", "dx", "dweight"), (y, grads[0], grads[2]),
+                              (y_ref, dh_ref + grad_h.double(), dw_ref), dtype, GPU_TOLERANCES[dtype])  # fmt: skip

@@ -1,5 +1,6 @@
-"""rms_norm: the reference against the formula in fp64, the Triton kernels in the interpreter against the reference
-(forward and every gradient, odd shapes, NaN-filled buffers with guarded ends), input checks and dispatch.
+"""rms_norm and add_rms_norm: the reference against the formula in fp64, the Triton kernels in the interpreter against
+the reference (forward and every gradient, odd shapes, NaN-filled buffers with guarded ends; the residual add's
+outputs used alone or together), input checks and dispatch.
 
 Shapes: x [..., N] viewed as M rows of N channels.
 """
@@ -10,8 +11,8 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
-    from moe_tune.ops.rms_norm import MAX_N, kernels, rms_norm
-    from moe_tune.ops.rms_norm.reference import rms_norm_ref
+    from moe_tune.ops.rms_norm import MAX_N, add_rms_norm, kernels, rms_norm
+    from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
     from norm_conv_cases import assert_close_to_reference, rms_norm_case, run_rms_norm
 
 # Against the reference on fp64 copies of the inputs (it computes in fp32). fp32: only the summation order differs (measured at most 1.5e-6 on outputs of
@@ -139,3 +140,95 @@ def test_bad_inputs_raise(bad, message):
     inputs = {"x": torch.ones(3, 8), "weight": torch.ones(8), **bad}
     with pytest.raises(ValueError, match=message):
         rms_norm(**inputs)
+
+
+# (shape, is_one_plus): the residual add before the norm.
+ADD_CASES = {
+    "N48_3d": ((5, 7, 48), False),
+    "N100_one_plus": ((37, 100), True),
+    "N2048": ((6, 2048), True),
+    "N3": ((9, 3), False),
+}
+
+
+def add_case(shape, dtype, seed=0):
+    x, weight, _, grad_y = rms_norm_case(shape, dtype, False, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    residual = (torch.randn(shape, generator=generator) * 3).to(dtype).requires_grad_()
+    grad_h = torch.randn(shape, generator=generator).to(dtype)
+    return x, residual, weight, grad_h, grad_y
+
+
+def run_add(op, x, residual, weight, grad_h, grad_y, is_one_plus, uses=("h", "y")):
+    """(h, y) and the gradients of x, residual and weight (those that require one) through the outputs `uses`."""
+    h, y = op(x, residual, weight, 1e-6, is_one_plus)
+    outputs, grads = zip(*[(t, g) for name, t, g in (("h", h, grad_h), ("y", y, grad_y)) if name in uses])
+    # Through h alone the weight plays no part.
+    leaves = [t for t in (x, residual, weight) if t.requires_grad and (t is not weight or "y" in uses)]
+    return (h, y), torch.autograd.grad(outputs, leaves, grads)
+
+
+@pytest.mark.parametrize("uses", [("h", "y"), ("y",), ("h",)], ids=["both", "norm_only", "sum_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
+def test_add_kernel_matches_reference(guarded, case, dtype, uses):
+    shape, is_one_plus = case
+    x, residual, weight, grad_h, grad_y = add_case(shape, dtype)
+    (h, y), grads = run_add(add_rms_norm, x, residual, weight, grad_h, grad_y, is_one_plus, uses)
+    # The reference's add in fp64 of the same values: the kernel rounds h to x's dtype first, so the norm is compared
+    # against the reference's norm of that rounded h (as the eager add then norm computes it).
+    h_ref = (x.double() + residual.double()).to(dtype)
+    leaves = [t.detach().double().requires_grad_() for t in (x, residual, weight)]
+    (_, y_ref), grads_ref = run_add(
+        lambda a, r, w, eps, one_plus: (a + r, rms_norm_ref(a + r, w, eps, one_plus)), *leaves, grad_h.double(),
+        grad_y.double(), is_one_plus, uses,
+    )  # fmt: skip
+    guarded.check()
+    tol = TOLERANCES[dtype]
+    assert torch.equal(h, h_ref) and h.dtype == dtype and y.dtype == dtype
+    y_of_rounded = rms_norm_ref(h_ref.double(), weight.double(), 1e-6, is_one_plus)
+    torch.testing.assert_close(y.double(), y_of_rounded, **tol)
+    names = ("dx", "dresidual", "dweight")[: len(grads)]
+    assert_close_to_reference(names, grads, grads_ref, dtype, tol)
+    # x and residual get the one sum.
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_add_reference_is_the_eager_add_then_the_norm():
+    x, residual, weight, _, _ = add_case((4, 6, 10), torch.bfloat16)
+    h, y = add_rms_norm_ref(x, residual, weight, 1e-5, True)
+    assert torch.equal(h, x + residual) and torch.equal(y, rms_norm_ref(x + residual, weight, 1e-5, True))
+
+
+def test_add_auto_runs_the_reference_on_cpu(monkeypatch):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
+    x, residual, weight, _, _ = add_case((5, 16), torch.float32)
+    h, y = add_rms_norm(x, residual, weight)
+    h_ref, y_ref = add_rms_norm_ref(x, residual, weight)
+    assert torch.equal(h, h_ref) and torch.equal(y, y_ref)
+
+
+def test_add_kernel_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded):
+    x, residual, weight, grad_h, grad_y = add_case((11, 40), torch.float32)
+    weight.requires_grad_(False)
+    _, (dx, dresidual) = run_add(add_rms_norm, x, residual, weight, grad_h, grad_y, False)
+    _, (dx_ref, _) = run_add(add_rms_norm_ref, x, residual, weight, grad_h, grad_y, False)
+    torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
+    # y, rstd, h, dx: no [programs, N] buffer for dw.
+    assert [shape for _, _, shape in guarded.buffers] == [(11, 40), (11,), (11, 40), (11, 40)]
+
+
+ADD_BAD_INPUTS = [
+    pytest.param(dict(residual=torch.ones(3, 7)), r"residual: shape \(3, 7\) must match x \(3, 8\)", id="shape"),
+    pytest.param(dict(residual=torch.ones(3, 8, dtype=torch.float16)), r"residual: dtype torch.float16 must match x",
+                 id="dtype"),
+    pytest.param(dict(weight=torch.ones(5)), r"weight: shape \(5,\) must be \[N\] \(8,\)", id="weight_shape"),
+    pytest.param(dict(eps=-1.0), r"eps \(-1.0\) must be >= 0", id="eps"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad, message", ADD_BAD_INPUTS)
+def test_add_bad_inputs_raise(bad, message):
+    inputs = {"x": torch.ones(3, 8), "residual": torch.ones(3, 8), "weight": torch.ones(8), **bad}
+    with pytest.raises(ValueError, match=message):
+        add_rms_norm(**inputs)
