@@ -490,10 +490,10 @@ def _add_bytes_note(timed: dict, fwd_bytes: int, bwd_bytes: int) -> None:
 
 
 def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
-    """RMSNorm, plain (one_plus, as qwen3_next) and gated (silu): the Triton kernel (called directly, so it runs while
+    """RMSNorm, plain (one_plus, as qwen3_next), gated (silu) and after a residual add: the Triton kernel (called directly, so it runs while
     auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on CUDA; on the CPU the
     reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
-    from moe_tune.ops.rms_norm.reference import rms_norm_ref
+    from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
 
     if isinstance(shapes, dict):
         shape_list = [shapes]
@@ -522,6 +522,19 @@ def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dic
                 timed = _timed(fn, leaves, run)
                 _add_bytes_note(timed, fwd_bytes, bwd_bytes)
                 rows.append(make_row("rms_norm", case, impl, f"M{M} N{N}", dtype, run, **timed))
+        # The decoder layer's residual add and the norm of its sum (x standing for the token mixer's output, gate for
+        # the residual stream), timed through the norm's output (the pass takes one output).
+        impls = {"reference (torch small ops)": lambda: add_rms_norm_ref(x, gate, weight, 1e-6, True)[1]}
+        if run.is_cuda:
+            from moe_tune.ops.rms_norm.autograd import AddRMSNormFunction
+
+            impls = {"moe_tune triton": lambda: AddRMSNormFunction.apply(x, gate, weight, 1e-6, True)[1], **impls}
+        # At the least: x and the residual read, h and y written forward; dy and h read, dx written backward.
+        fwd_bytes, bwd_bytes = 4 * M * N * x.element_size(), 3 * M * N * x.element_size()
+        for impl, fn in impls.items():
+            timed = _timed(fn, [x, gate, weight], run)
+            _add_bytes_note(timed, fwd_bytes, bwd_bytes)
+            rows.append(make_row("rms_norm", "residual add", impl, f"M{M} N{N}", dtype, run, **timed))
     return rows
 
 

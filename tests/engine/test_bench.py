@@ -113,10 +113,12 @@ def test_cross_entropy_entry_times_both_forms_and_checks_their_loss(no_cuda):
 def test_rms_norm_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
     rows, _, _ = run_kernels(["rms_norm"], "M64,N32")
     assert [(row["case"], row["impl"]) for row in rows] == [
-        ("plain", "reference (torch small ops)"), ("gated silu", "reference (torch small ops)")
+        ("plain", "reference (torch small ops)"), ("gated silu", "reference (torch small ops)"),
+        ("residual add", "reference (torch small ops)"),
     ]
-    # fp32: plain moves x, y forward and x, dy, dx backward (5 x 64 x 32 x 4 bytes); gated adds z twice and dz.
-    for row, megabytes in zip(rows, ("0.041 MB", "0.066 MB")):
+    # fp32: plain moves x, y forward and x, dy, dx backward (5 x 64 x 32 x 4 bytes); gated adds z twice and dz; the
+    # residual add moves x, r, h, y forward and dy, h, dx backward (7 x 64 x 32 x 4).
+    for row, megabytes in zip(rows, ("0.041 MB", "0.066 MB", "0.057 MB"), strict=True):
         assert (row["op"], row["shape"], row["dtype"]) == ("rms_norm", "M64 N32", "float32")
         assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
         assert f"moves at least {megabytes} fwd+bwd (fwd " in row["note"]
