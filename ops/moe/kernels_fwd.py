@@ -81,6 +81,13 @@ def _moe_lora_rows_kernel(
     tl.store(ua_ptr + rows[:, None] * rank + ranks[None, :], acc, mask=row_mask[:, None] & rank_mask[None, :])
 
 
+@triton.jit
+def _scaled_rank_rows(xa_ptr, rows, row_mask, ranks, rank_mask, rank, scaling):
+    # s * (x A^T) of the tile's rows [M, R] (fp32, from the rank pass).
+    xa = tl.load(xa_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0)
+    return xa * scaling
+
+
 # Forward GEMM 1: gate_up = x[token] @ w_gate_up[e]^T (+ s xa B^T), h = silu(gate) * up
 @triton.jit
 def _moe_gate_up_fwd_kernel(
@@ -133,13 +140,8 @@ def _moe_gate_up_fwd_kernel(
     col_mask = cols < F
 
     x_rows = x_ptr + tokens[:, None] * stride_xn
-    if HAS_LORA:
-        ranks = tl.arange(0, BLOCK_R)
-        rank_mask = ranks < rank
-        xa = tl.load(
-            xa_ptr + rows[:, None] * rank + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :], other=0.0
-        )  # [M, R]
-        xa_scaled = xa * scaling
+    ranks = tl.arange(0, BLOCK_R)
+    rank_mask = ranks < rank
     if ONE_DOT:
         # The gate and up columns as one [2 BLOCK_N, K] weight tile (its first BLOCK_N rows the gate's): one product
         # of twice the width a K step, split into the two halves after the loop.
@@ -162,6 +164,7 @@ def _moe_gate_up_fwd_kernel(
             )  # fmt: skip
             acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
         if HAS_LORA:
+            xa_scaled = _scaled_rank_rows(xa_ptr, rows, row_mask, ranks, rank_mask, rank, scaling)
             b_both = b_ptr + expert * stride_be + (both_cols + tl.where(is_up, F, 0))[None, :] * stride_bf
             b_tile = tl.load(
                 b_both + ranks[:, None] * stride_br, mask=rank_mask[:, None] & both_mask[None, :], other=0.0
@@ -191,6 +194,7 @@ def _moe_gate_up_fwd_kernel(
             acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
         if HAS_LORA:
+            xa_scaled = _scaled_rank_rows(xa_ptr, rows, row_mask, ranks, rank_mask, rank, scaling)
             b_gate = b_ptr + expert * stride_be + cols[None, :] * stride_bf + ranks[:, None] * stride_br
             b_mask = rank_mask[:, None] & col_mask[None, :]
             bg_tile = tl.load(b_gate, mask=b_mask, other=0.0).to(tl.float32)  # [R, N]
