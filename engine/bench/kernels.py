@@ -490,9 +490,9 @@ def _add_bytes_note(timed: dict, fwd_bytes: int, bwd_bytes: int) -> None:
 
 
 def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
-    """RMSNorm, plain (one_plus, as qwen3_next), gated (silu) and after a residual add: the Triton kernel (called directly, so it runs while
-    auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on CUDA; on the CPU the
-    reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
+    """RMSNorm, plain (one_plus, as qwen3_next), gated (silu) and after a residual add: the Triton kernel (called
+    directly, so it runs while auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on
+    CUDA; on the CPU the reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
     from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
 
     if isinstance(shapes, dict):

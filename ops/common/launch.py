@@ -9,8 +9,8 @@ dataclass, VALUE read as that field's type: an integer (1 to 65536; block sizes 
 most 32), true
 or false, none (a field that may be None), integers joined by / (a tuple), or text (one of the field's
 metadata["choices"]). The op's own choice
-(`pick_config`, `pick_launch`; the MoE expert MLP's `pick_config` for each of its kernels) goes through `with_overrides`, which replaces the named fields. `moe-tune profile
---launch` checks the entries first (one line, exit 2) and sets the variable; the benchmark JSON records it
+(`pick_config`, `pick_launch`; the MoE expert MLP's `pick_config` for each of its kernels) goes through
+`with_overrides`, which replaces the named fields. `moe-tune profile --launch` checks the entries first (one line, exit 2) and sets the variable; the benchmark JSON records it
 (engine/bench/machine.py). Unset or empty: the defaults. A family's dataclass may refuse a combination of fields
 (its `overrides_problem`: KDA's products kernel in key tiles at more than 8 warps).
 """
