@@ -1,0 +1,73 @@
+"""Kernels compiled for a Hopper GPU (sm_90) on a machine without one: Triton's whole lowering, through its IRs to
+PTX and, with the ptxas its wheel carries, to a cubin, in a fresh process (tests/ops imports the kernel modules in
+interpreter mode, whose kernels cannot be compiled). It catches what the interpreter cannot: a construct the GPU
+backend does not lower (a layout a reshape or split cannot take, a conversion a store cannot make). It does not
+check numbers on a GPU (tests/gpu does).
+
+Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
+with a residual add and its gradient, the gate-up forward in one product), beside the default launch of the kernels
+they change.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+# One process compiles every case: (module, kernel, constexprs, num_warps, num_stages, argument types other than
+# bf16 pointers and i32 scalars).
+_COMPILE = r"""
+import importlib, inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+for module, kernel, constexprs, num_warps, num_stages, types in json.loads(sys.argv[1]):
+    fn = getattr(importlib.import_module(module), kernel)
+    signature = {
+        name: "constexpr" if name in constexprs else types.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        for name in inspect.signature(fn.fn).parameters
+    }
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    print(kernel, json.dumps(constexprs, sort_keys=True), "cubin" if compiled.asm.get("cubin") else "no cubin")
+"""
+
+SWIGLU = "moe_tune.ops.swiglu.kernels"
+RMS_NORM = "moe_tune.ops.rms_norm.kernels"
+MOE_FWD = "moe_tune.ops.moe.kernels_fwd"
+_NORM_TYPES = {"rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "eps": "fp32"}
+_MOE_TYPES = {"ws_ptr": "*fp32", "xa_ptr": "*fp32", "token_of_row_ptr": "*i32", "tile_expert_ptr": "*i32",
+              "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "scaling": "fp32"}  # fmt: skip
+_GATE_UP = dict(SCALE_BLOCK=128, HAS_LORA=True, SAVE_GATE_UP=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64,
+                BLOCK_K=64, BLOCK_R=16)  # fmt: skip
+
+CASES = [
+    *[(SWIGLU, "_swiglu_fwd_kernel", dict(HAS_SCALE=scaled, BLOCK_M=16, BLOCK_F=256), 4, 3, {})
+      for scaled in (True, False)],
+    *[(SWIGLU, "_swiglu_bwd_kernel", dict(HAS_SCALE=scaled, HAS_DSCALE=scaled, BLOCK_M=16, BLOCK_F=256), 4, 3, {})
+      for scaled in (True, False)],
+    (SWIGLU, "_swiglu_bwd_kernel", dict(HAS_SCALE=True, HAS_DSCALE=False, BLOCK_M=16, BLOCK_F=256), 4, 3,
+     {"gate_ptr": "*fp32", "up_ptr": "*fp32", "scale_ptr": "*fp32", "dh_ptr": "*fp32", "dgate_ptr": "*fp32",
+      "dup_ptr": "*fp32", "dscale_ptr": "*fp32"}),
+    *[(RMS_NORM, "_rms_norm_fwd_kernel", dict(HAS_RESIDUAL=residual, HAS_GATE=False, IS_SILU=True, IS_ONE_PLUS=True,
+                                             BLOCK_M=2, BLOCK_N=2048), 4, 3, _NORM_TYPES)
+      for residual in (True, False)],
+    *[(RMS_NORM, "_rms_norm_bwd_kernel", dict(HAS_GATE=False, IS_SILU=True, IS_ONE_PLUS=True, HAS_DW=True, HAS_DH=dh,
+                                             BLOCK_M=2, BLOCK_N=2048), 4, 3, _NORM_TYPES) for dh in (True, False)],
+    *[(MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=False, ONE_DOT=one_dot), 8, 3, _MOE_TYPES)
+      for one_dot in (False, True)],
+    (MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=True, ONE_DOT=True), 8, 3,
+     dict(_MOE_TYPES, w_ptr="*fp8e4nv")),
+]  # fmt: skip
+
+
+def test_kernels_compile_to_a_cubin_for_sm90():
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CASES)], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    expected = [f"{kernel} {json.dumps(constexprs, sort_keys=True)} cubin" for _, kernel, constexprs, *_ in CASES]
+    assert lines == expected
