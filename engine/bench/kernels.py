@@ -489,18 +489,21 @@ def _add_bytes_note(timed: dict, fwd_bytes: int, bwd_bytes: int) -> None:
     timed["note"] = "; ".join(filter(None, [timed.get("note"), note]))
 
 
+def _memory_bound_setup(shapes: str | dict[str, int], presets: dict[str, list[dict]], run: RunContext):
+    """(shape list, device, dtype, seeded generator) of a memory-bound op's bench: a SPEC's one shape or the preset's
+    (the small one without CUDA); bf16 on CUDA, fp32 on the CPU."""
+    shape_list = [shapes] if isinstance(shapes, dict) else presets[shapes if run.is_cuda else "small"]
+    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
+    return shape_list, device, dtype, torch.Generator(device=device).manual_seed(0)
+
+
 def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]:
     """RMSNorm, plain (one_plus, as qwen3_next), gated (silu) and after a residual add: the Triton kernel (called
     directly, so it runs while auto dispatch still keeps the reference on CUDA) beside the eager reference, bf16 on
     CUDA; on the CPU the reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
     from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
 
-    if isinstance(shapes, dict):
-        shape_list = [shapes]
-    else:
-        shape_list = RMS_NORM_SHAPES[shapes if run.is_cuda else "small"]
-    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
-    gen = torch.Generator(device=device).manual_seed(0)
+    shape_list, device, dtype, gen = _memory_bound_setup(shapes, RMS_NORM_SHAPES, run)
     rows = []
     for shape in shape_list:
         M, N = shape["M"], shape["N"]
@@ -545,9 +548,7 @@ def bench_causal_conv_op(shapes: str | dict[str, int], run: RunContext) -> list[
     from moe_tune.engine.model.blocks import document_positions
     from moe_tune.ops.causal_conv.reference import causal_conv_ref
 
-    shape_list = [shapes] if isinstance(shapes, dict) else CAUSAL_CONV_SHAPES[shapes if run.is_cuda else "small"]
-    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
-    gen = torch.Generator(device=device).manual_seed(0)
+    shape_list, device, dtype, gen = _memory_bound_setup(shapes, CAUSAL_CONV_SHAPES, run)
     rows = []
     for shape in shape_list:
         T, C, W = shape["T"], shape["C"], shape["W"]
@@ -575,9 +576,7 @@ def bench_rotary_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]
     Each note gives the bytes one pass must move and the rate that makes."""
     from moe_tune.ops.rotary.reference import rotary_ref
 
-    shape_list = [shapes] if isinstance(shapes, dict) else ROTARY_SHAPES[shapes if run.is_cuda else "small"]
-    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
-    gen = torch.Generator(device=device).manual_seed(0)
+    shape_list, device, dtype, gen = _memory_bound_setup(shapes, ROTARY_SHAPES, run)
     rows = []
     for shape in shape_list:
         T, H, D, R = shape["T"], shape["H"], shape["D"], shape["R"]
@@ -608,9 +607,7 @@ def bench_swiglu_op(shapes: str | dict[str, int], run: RunContext) -> list[dict]
     reference in fp32. Each note gives the bytes one pass must move and the rate that makes."""
     from moe_tune.ops.swiglu.reference import swiglu_ref
 
-    shape_list = [shapes] if isinstance(shapes, dict) else SWIGLU_SHAPES[shapes if run.is_cuda else "small"]
-    device, dtype = ("cuda", torch.bfloat16) if run.is_cuda else ("cpu", torch.float32)
-    gen = torch.Generator(device=device).manual_seed(0)
+    shape_list, device, dtype, gen = _memory_bound_setup(shapes, SWIGLU_SHAPES, run)
     rows = []
     for shape in shape_list:
         M, F_ = shape["M"], shape["F"]

@@ -28,22 +28,37 @@ def block_sizes(num_columns: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _row_block(scale_ptr, M, F, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+    # The program's rows, their mask, their first element's offsets [BLOCK_M, 1] and their scales in fp32 (1.0 without
+    # a scale).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    return rows, row_mask, rows[:, None].to(tl.int64) * F, scale
+
+
+@triton.jit
+def _column_step(gate_ptr, up_ptr, row_offsets, row_mask, f0, F, BLOCK_F: tl.constexpr):
+    # The [BLOCK_M, BLOCK_F] tile from column f0: its offsets, its mask, and gate and up in fp32.
+    cols = f0 + tl.arange(0, BLOCK_F)
+    mask = row_mask[:, None] & (cols < F)[None, :]
+    offsets = row_offsets + cols[None, :]
+    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return offsets, mask, g, u
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, scale_ptr, h_ptr,
     M, F,
     HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    row_offsets = rows[:, None].to(tl.int64) * F
+    rows, row_mask, row_offsets, scale = _row_block(scale_ptr, M, F, HAS_SCALE, BLOCK_M)
     for f0 in range(0, F, BLOCK_F):
-        cols = f0 + tl.arange(0, BLOCK_F)
-        mask = row_mask[:, None] & (cols < F)[None, :]
-        offsets = row_offsets + cols[None, :]
-        g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        offsets, mask, g, u = _column_step(gate_ptr, up_ptr, row_offsets, row_mask, f0, F, BLOCK_F)
         h = g * tl.sigmoid(g) * u
         if HAS_SCALE:
             h = h * scale[:, None]
@@ -56,18 +71,10 @@ def _swiglu_bwd_kernel(
     M, F,
     HAS_SCALE: tl.constexpr, HAS_DSCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    rows, row_mask, row_offsets, scale = _row_block(scale_ptr, M, F, HAS_SCALE, BLOCK_M)
     dscale = tl.zeros([BLOCK_M], dtype=tl.float32)
-    row_offsets = rows[:, None].to(tl.int64) * F
     for f0 in range(0, F, BLOCK_F):
-        cols = f0 + tl.arange(0, BLOCK_F)
-        mask = row_mask[:, None] & (cols < F)[None, :]
-        offsets = row_offsets + cols[None, :]
-        g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        offsets, mask, g, u = _column_step(gate_ptr, up_ptr, row_offsets, row_mask, f0, F, BLOCK_F)
         dh = tl.load(dh_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
         act = g * sig

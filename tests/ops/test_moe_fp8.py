@@ -299,25 +299,24 @@ def test_fp8_kernel_matches_reference(
     guarded.check()
 
 
-@pytest.mark.parametrize("shape", ["D200_F72", "F130"])
-def test_fp8_kernel_down_bwd_with_swiglu_pass_matches_reference(kernel_path, guarded, shape):
-    # The down backward's GEMM dequantizes its weight tiles as the fused kernel does; the SwiGLU pass reads no weight.
-    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
-    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
-    two_passes = kernel_config.KernelConfig(64, 64, num_warps=1, num_stages=1, swiglu_pass=True)
-    with kernel_config.forced_config(dataclasses.replace(INTERPRETER_CONFIG, down_bwd=two_passes)):
-        _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
-    guarded.check()
+# Launches other than the default that read FP8 weights their own way. The down backward as a GEMM and a SwiGLU pass:
+# the GEMM dequantizes its weight tiles as the fused kernel does, the pass reads no weight. The gate-up forward in one
+# product: one weight tile of gate and up rows, each row taking its own half's scale rows (F = 130: the up half's
+# from row 2; the 32-column blocks end inside a scale block and past F).
+FP8_LAUNCHES = {
+    "down_bwd_swiglu_pass": dict(down_bwd=kernel_config.KernelConfig(64, 64, num_warps=1, num_stages=1,
+                                                                     swiglu_pass=True)),
+    "gate_up_fwd_one_dot": dict(gate_up_fwd=kernel_config.KernelConfig(32, 64, num_warps=1, num_stages=1,
+                                                                       one_dot=True)),
+}  # fmt: skip
 
 
+@pytest.mark.parametrize("launch", FP8_LAUNCHES.values(), ids=FP8_LAUNCHES.keys())
 @pytest.mark.parametrize("shape", ["D200_F72", "F130"])
-def test_fp8_kernel_gate_up_forward_in_one_product_matches_reference(kernel_path, guarded, shape):
-    # One weight tile of gate and up rows: each row takes its own half's scale rows (F = 130: the up half's from row
-    # 2; the 32-column blocks end inside a scale block and past F).
+def test_fp8_kernel_launch_variants_match_reference(kernel_path, guarded, shape, launch):
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
     case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
-    one_dot = kernel_config.KernelConfig(32, 64, num_warps=1, num_stages=1, one_dot=True)
-    with kernel_config.forced_config(dataclasses.replace(INTERPRETER_CONFIG, gate_up_fwd=one_dot)):
+    with kernel_config.forced_config(dataclasses.replace(INTERPRETER_CONFIG, **launch)):
         _assert_matches(moe_mlp, moe_mlp_ref, case, KERNEL_TOLERANCES[torch.float32], torch.float32)
     guarded.check()
 
