@@ -34,7 +34,7 @@ def _rate(value: float | None) -> str:
 
 def clocks_cell(clocks: dict | None, field: str, unit: str) -> str:
     """The median of one `gpu_clocks` field over the timed steps and over the GEMM peak: "a / b UNIT" ("-" for a
-    part without it); the SM clock adds the card's maximum."""
+    part without it); the SM clock adds the card's maximum, the power its limit."""
     parts = [] if clocks is None else [clocks["steps"], clocks["gemm_peak"]]
     values = [None if part is None else part[field] for part in parts]
     if all(value is None for value in values):
@@ -42,6 +42,9 @@ def clocks_cell(clocks: dict | None, field: str, unit: str) -> str:
     text = " / ".join("-" if value is None else f"{value:,.0f}" for value in values) + f" {unit}"
     if field == "sm_mhz" and (maxima := [part["max_sm_mhz"] for part in parts if part and part["max_sm_mhz"]]):
         text += f" (the card's maximum {max(maxima):,.0f})"
+    limits = [part.get("power_limit_w") for part in parts if part and part.get("power_limit_w")]
+    if field == "power_w" and limits:
+        text += f" (limit {min(limits):,.0f})"
     return text
 
 

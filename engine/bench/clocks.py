@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-# nvidia-smi's names of what a sample holds, in its order.
-QUERY_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "temperature.gpu")
+# nvidia-smi's names of what a sample holds, in its order (power.limit: the draw the card holds its clocks under).
+QUERY_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu")
 # 20 ms between samples: a handful over a 70 ms step's three timed repeats, while each sample costs the host one NVML
 # query in another process.
 SAMPLE_MS = 20
@@ -37,12 +37,13 @@ class ClockSample:
     sm_mhz: float | None
     max_sm_mhz: float | None
     power_w: float | None
+    power_limit_w: float | None
     temperature_c: float | None
 
 
 def parse_sample(line: str) -> ClockSample | None:
-    """One line of `--format=csv,noheader,nounits` output (`1980, 1980, 512.34, 45`), or None for a line that is not
-    one (a header, an error message, another field count)."""
+    """One line of `--format=csv,noheader,nounits` output (`1980, 1980, 512.34, 700.00, 45`), or None for a line that
+    is not one (a header, an error message, another field count)."""
     fields = [field.strip() for field in line.split(",")]
     if len(fields) != len(QUERY_FIELDS):
         return None
@@ -59,14 +60,17 @@ def parse_sample(line: str) -> ClockSample | None:
 
 def summarize(samples: list[ClockSample]) -> dict | None:
     """The samples of one part: the median SM clock with its range, the card's maximum SM clock, the median power
-    draw and the highest temperature (None where no sample reports one); None without samples."""
+    draw, the lowest power limit and the highest temperature (None where no sample reports one); None without
+    samples."""
     if not samples:
         return None
 
     def reported(name: str) -> list[float]:
         return [value for sample in samples if (value := getattr(sample, name)) is not None]
 
-    sm, max_sm, power, temperature = (reported(name) for name in ("sm_mhz", "max_sm_mhz", "power_w", "temperature_c"))
+    sm, max_sm, power, limit, temperature = (
+        reported(name) for name in ("sm_mhz", "max_sm_mhz", "power_w", "power_limit_w", "temperature_c")
+    )
     return dict(
         samples=len(samples),
         sm_mhz=statistics.median(sm) if sm else None,
@@ -74,6 +78,7 @@ def summarize(samples: list[ClockSample]) -> dict | None:
         sm_mhz_max=max(sm) if sm else None,
         max_sm_mhz=max(max_sm) if max_sm else None,
         power_w=statistics.median(power) if power else None,
+        power_limit_w=min(limit) if limit else None,
         temperature_c=max(temperature) if temperature else None,
     )
 

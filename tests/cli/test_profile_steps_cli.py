@@ -54,16 +54,20 @@ def test_profile_runs_steps_and_reports_the_memory_metrics(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_the_clock_rows_give_both_parts_and_the_cards_maximum():
+def test_the_clock_rows_give_both_parts_the_cards_maximum_and_its_power_limit():
     from moe_tune.cli.profile_steps import clocks_cell
 
-    def part(sm_mhz, power_w):
+    def part(sm_mhz, power_w, power_limit_w=700.0):
         return dict(samples=3, sm_mhz=sm_mhz, sm_mhz_min=sm_mhz, sm_mhz_max=sm_mhz, max_sm_mhz=1980.0,
-                    power_w=power_w, temperature_c=50.0)  # fmt: skip
+                    power_w=power_w, power_limit_w=power_limit_w, temperature_c=50.0)  # fmt: skip
 
-    clocks = dict(steps=part(1980.0, 512.4), gemm_peak=part(1755.0, 699.6))
+    clocks = dict(steps=part(1980.0, 512.4), gemm_peak=part(1755.0, 399.6, power_limit_w=400.0))
     assert clocks_cell(clocks, "sm_mhz", "MHz") == "1,980 / 1,755 MHz (the card's maximum 1,980)"
-    assert clocks_cell(clocks, "power_w", "W") == "512 / 700 W"
+    assert clocks_cell(clocks, "power_w", "W") == "512 / 400 W (limit 400)"
+    # No part reports a limit, or a result from before the limit was sampled: the draws alone.
+    assert clocks_cell(dict(steps=part(1980.0, 512.4, None), gemm_peak=None), "power_w", "W") == "512 / - W"
+    older = {key: value for key, value in part(1980.0, 512.4).items() if key != "power_limit_w"}
+    assert clocks_cell(dict(steps=older, gemm_peak=older), "power_w", "W") == "512 / 512 W"
     # A part without samples (no nvidia-smi answer), a field no sample reports, no GPU.
     one_part = dict(steps=None, gemm_peak=part(1755.0, None))
     assert clocks_cell(one_part, "sm_mhz", "MHz") == "- / 1,755 MHz (the card's maximum 1,980)"

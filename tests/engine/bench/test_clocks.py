@@ -13,29 +13,32 @@ from moe_tune.engine.bench.clocks import ClockSample, ClockSampler, parse_sample
 
 
 @pytest.mark.parametrize(("line", "expected"), [
-    ("1980, 1980, 512.34, 45\n", ClockSample(1980.0, 1980.0, 512.34, 45.0)),
-    ("1755,1980,699.9,71", ClockSample(1755.0, 1980.0, 699.9, 71.0)),
+    ("1980, 1980, 512.34, 700.00, 45\n", ClockSample(1980.0, 1980.0, 512.34, 700.0, 45.0)),
+    ("1755,1980,699.9,700,71", ClockSample(1755.0, 1980.0, 699.9, 700.0, 71.0)),
     # A field the card does not report.
-    ("1410, 1410, [N/A], 38", ClockSample(1410.0, 1410.0, None, 38.0)),
-    ("1410, [Not Supported], N/A, 38", ClockSample(1410.0, None, None, 38.0)),
+    ("1410, 1410, [N/A], [N/A], 38", ClockSample(1410.0, 1410.0, None, None, 38.0)),
+    ("1410, [Not Supported], N/A, 400, 38", ClockSample(1410.0, None, None, 400.0, 38.0)),
     # Not a sample: a header, an error, another field count, a word where a number goes.
-    ("clocks.current.sm [MHz], clocks.max.sm [MHz], power.draw [W], temperature.gpu", None),
+    ("clocks.current.sm [MHz], clocks.max.sm [MHz], power.draw [W], power.limit [W], temperature.gpu", None),
     ("No devices were found", None),
-    ("1980, 1980, 512.34", None),
-    ("1980, 1980, 512.34, 45, 3", None),
-    ("1980, fast, 512.34, 45", None),
+    ("1980, 1980, 512.34, 45", None),
+    ("1980, 1980, 512.34, 700, 45, 3", None),
+    ("1980, fast, 512.34, 700, 45", None),
 ])  # fmt: skip
-def test_a_query_line_is_parsed_into_its_four_fields(line, expected):
+def test_a_query_line_is_parsed_into_its_five_fields(line, expected):
     assert parse_sample(line) == expected
 
 
 def test_a_part_is_summarized_by_medians_ranges_and_maxima():
-    samples = [ClockSample(1980.0, 1980.0, 500.0, 50.0), ClockSample(1755.0, 1980.0, 700.0, 61.0),
-               ClockSample(1800.0, 1980.0, None, 55.0), ClockSample(None, None, 600.0, None)]  # fmt: skip
+    # The power limit: the lowest any sample reports (a limit lowered during the part holds the clocks after it).
+    samples = [ClockSample(1980.0, 1980.0, 500.0, 700.0, 50.0), ClockSample(1755.0, 1980.0, 700.0, 400.0, 61.0),
+               ClockSample(1800.0, 1980.0, None, None, 55.0), ClockSample(None, None, 600.0, 700.0, None)]  # fmt: skip
     assert summarize(samples) == dict(samples=4, sm_mhz=1800.0, sm_mhz_min=1755.0, sm_mhz_max=1980.0,
-                                      max_sm_mhz=1980.0, power_w=600.0, temperature_c=61.0)  # fmt: skip
-    assert summarize([ClockSample(None, None, None, None)]) == dict(
-        samples=1, sm_mhz=None, sm_mhz_min=None, sm_mhz_max=None, max_sm_mhz=None, power_w=None, temperature_c=None
+                                      max_sm_mhz=1980.0, power_w=600.0, power_limit_w=400.0,
+                                      temperature_c=61.0)  # fmt: skip
+    assert summarize([ClockSample(None, None, None, None, None)]) == dict(
+        samples=1, sm_mhz=None, sm_mhz_min=None, sm_mhz_max=None, max_sm_mhz=None, power_w=None, power_limit_w=None,
+        temperature_c=None,
     )
     assert summarize([]) is None
 
@@ -72,23 +75,24 @@ while True:
 def test_the_sampler_keeps_what_comes_after_its_mark_and_what_the_stop_writes_out(tmp_path):
     # One sample before the part starts; two written as the loop stops on SIGINT (the stop and what it writes then
     # are the sampler's: a SIGTERM or SIGKILL would leave the part without samples).
-    smi = fake_smi(tmp_path, lines=["1980, 1980, 100, 30"],
-                   stop_lines=["1410, 1980, 300.5, 40", "1500, 1980, 350.5, 45"])  # fmt: skip
+    smi = fake_smi(tmp_path, lines=["1980, 1980, 100, 700, 30"],
+                   stop_lines=["1410, 1980, 300.5, 700, 40", "1500, 1980, 350.5, 700, 45"])  # fmt: skip
     with ClockSampler("GPU-0123", command=str(smi)) as sampler:
         assert len(sampler.samples) == 1
     assert (tmp_path / "args").read_text().split() == [
-        "--id=GPU-0123", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
+        "--id=GPU-0123", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu",
         "--format=csv,noheader,nounits", f"--loop-ms={clocks.SAMPLE_MS}",
     ]  # fmt: skip
     assert sampler.summary == dict(samples=2, sm_mhz=1455.0, sm_mhz_min=1410.0, sm_mhz_max=1500.0,
-                                   max_sm_mhz=1980.0, power_w=325.5, temperature_c=45.0)  # fmt: skip
+                                   max_sm_mhz=1980.0, power_w=325.5, power_limit_w=700.0,
+                                   temperature_c=45.0)  # fmt: skip
 
 
 def test_a_mark_starts_the_part_at_the_samples_in_so_far(tmp_path):
     # A second sample once the test says so (a file appears), then the mark: only the stop's sample is the part's.
     go = tmp_path / "go"
-    smi = fake_smi(tmp_path, lines=["1980, 1980, 100, 30"], wait_for=go, then=["1900, 1980, 200, 35"],
-                   stop_lines=["1500, 1980, 350, 45"])  # fmt: skip
+    smi = fake_smi(tmp_path, lines=["1980, 1980, 100, 700, 30"], wait_for=go, then=["1900, 1980, 200, 700, 35"],
+                   stop_lines=["1500, 1980, 350, 400, 45"])  # fmt: skip
     with ClockSampler("GPU-0", command=str(smi)) as sampler:
         go.touch()
         for _ in range(500):
@@ -98,7 +102,8 @@ def test_a_mark_starts_the_part_at_the_samples_in_so_far(tmp_path):
         assert [sample.sm_mhz for sample in sampler.samples] == [1980.0, 1900.0]
         sampler.mark()
     assert sampler.summary == dict(samples=1, sm_mhz=1500.0, sm_mhz_min=1500.0, sm_mhz_max=1500.0,
-                                   max_sm_mhz=1980.0, power_w=350.0, temperature_c=45.0)  # fmt: skip
+                                   max_sm_mhz=1980.0, power_w=350.0, power_limit_w=400.0,
+                                   temperature_c=45.0)  # fmt: skip
 
 
 @pytest.mark.parametrize(("lines", "exit_code"), [(["No devices were found"], 6), ([], 0)], ids=["refused", "silent"])
