@@ -4,9 +4,9 @@ backward.
 
 Shapes: gate, up [..., F]; scale [..., 1]. The math is in README.md; the ground truth in reference.py.
 
-Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernels are
-checked against the reference in the Triton interpreter (tests/ops/test_swiglu.py) and on a GPU
-(tests/gpu/test_swiglu_gpu.py).
+Dispatch: the kernel on CUDA tensors, the reference elsewhere (MOE_TUNE_KERNELS forces either). The kernels' tests:
+against the reference in the Triton interpreter (tests/ops/test_swiglu.py), compiled for sm_90 without a GPU
+(tests/ops/test_kernels_compile_sm90.py), and on a GPU (tests/gpu/test_swiglu_gpu.py).
 """
 
 from __future__ import annotations
