@@ -32,6 +32,10 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} GB/s"
 
 
+# The bound a `gpu_clocks` field's cell names: (its key, its label, which of the parts' values).
+_CLOCKS_BOUND = {"sm_mhz": ("max_sm_mhz", "the card's maximum", max), "power_w": ("power_limit_w", "limit", min)}
+
+
 def clocks_cell(clocks: dict | None, field: str, unit: str) -> str:
     """The median of one `gpu_clocks` field over the timed steps and over the GEMM peak: "a / b UNIT" ("-" for a
     part without it); the SM clock adds the card's maximum, the power its limit."""
@@ -40,11 +44,11 @@ def clocks_cell(clocks: dict | None, field: str, unit: str) -> str:
     if all(value is None for value in values):
         return "-"
     text = " / ".join("-" if value is None else f"{value:,.0f}" for value in values) + f" {unit}"
-    if field == "sm_mhz" and (maxima := [part["max_sm_mhz"] for part in parts if part and part["max_sm_mhz"]]):
-        text += f" (the card's maximum {max(maxima):,.0f})"
-    limits = [part.get("power_limit_w") for part in parts if part and part.get("power_limit_w")]
-    if field == "power_w" and limits:
-        text += f" (limit {min(limits):,.0f})"
+    if field in _CLOCKS_BOUND:
+        key, label, pick = _CLOCKS_BOUND[field]
+        # .get: a result written before the bound was sampled has no such key.
+        if bounds := [part.get(key) for part in parts if part and part.get(key)]:
+            text += f" ({label} {pick(bounds):,.0f})"
     return text
 
 

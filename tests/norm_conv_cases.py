@@ -1,5 +1,6 @@
 """Inputs and a forward + backward runner for the rms_norm, causal_conv and rotary tests, in the interpreter (CPU)
-and on the GPU: one builder each, so both test the same cases the same way."""
+and on the GPU: one builder each, so both test the same cases the same way; the fp64 reference inputs and the
+comparison against the reference that the swiglu tests share with them."""
 
 import dataclasses
 
@@ -9,6 +10,12 @@ import torch
 from moe_tune.engine.model.blocks import document_positions
 from moe_tune.ops.causal_conv import autograd as causal_conv_autograd
 from moe_tune.ops.causal_conv.kernels import ConvLaunch
+
+
+def as_fp64(*tensors):
+    """fp64 leaf copies of tensors (None kept), each requiring a gradient where its original does: the inputs of a
+    reference run."""
+    return [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]
 
 
 def rms_norm_case(shape, dtype, has_gate, device="cpu", seed=0, weight_requires_grad=True):

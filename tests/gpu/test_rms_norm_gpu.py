@@ -10,7 +10,8 @@ Run on the H200 on its own (tests/ops imports the kernels in interpreter mode): 
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_reference, rms_norm_case, run_rms_norm
+from norm_conv_cases import (GPU_GUARD_ELEMENTS, GPU_TOLERANCES, as_fp64, assert_close_to_reference, rms_norm_case,
+                             run_rms_norm)
 
 from moe_tune.ops.rms_norm import add_rms_norm, kernels, rms_norm
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
@@ -40,8 +41,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
     x, weight, gate, grad_y = rms_norm_case(shape, dtype, activation is not None, device=DEVICE)
     options = dict(eps=1e-6, is_one_plus=is_one_plus, gate_activation=activation or "silu")
     y, grads = run_rms_norm(rms_norm, x, weight, gate, grad_y, **options)
-    as_fp64 = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, gate)]
-    y_ref, grads_ref = run_rms_norm(rms_norm_ref, *as_fp64, grad_y.double(), **options)
+    y_ref, grads_ref = run_rms_norm(rms_norm_ref, *as_fp64(x, weight, gate), grad_y.double(), **options)
     torch.cuda.synchronize()
     guarded.check()
     names = ("y", "dx", "dweight", "dgate")[: 1 + len(grads)]

@@ -9,7 +9,7 @@ Run on a GPU on its own (tests/ops imports the kernels in interpreter mode): pyt
 import pytest
 import torch
 from kernel_fixtures import forced_kernel_path, guarded_outputs
-from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, assert_close_to_reference
+from norm_conv_cases import GPU_GUARD_ELEMENTS, GPU_TOLERANCES, as_fp64, assert_close_to_reference
 
 from moe_tune.ops.swiglu import kernels, swiglu
 from moe_tune.ops.swiglu.reference import swiglu_ref
@@ -48,8 +48,7 @@ def run(fn, gate, up, scale, grad_h):
 def test_kernel_matches_reference(guarded, case, dtype):
     gate, up, scale, grad_h = swiglu_case(*case, dtype)
     h, grads = run(swiglu, gate, up, scale, grad_h)
-    as_fp64 = [t.detach().double().requires_grad_() if t is not None else None for t in (gate, up, scale)]
-    h_ref, grads_ref = run(swiglu_ref, *as_fp64, grad_h.double())
+    h_ref, grads_ref = run(swiglu_ref, *as_fp64(gate, up, scale), grad_h.double())
     torch.cuda.synchronize()
     guarded.check()
     names = ("h", "dgate", "dup", "dscale")[: 1 + len(grads)]

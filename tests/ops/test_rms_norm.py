@@ -13,7 +13,7 @@ with interpreted_kernels():
     import torch
     from moe_tune.ops.rms_norm import MAX_N, add_rms_norm, kernels, rms_norm
     from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
-    from norm_conv_cases import assert_close_to_reference, rms_norm_case, run_rms_norm
+    from norm_conv_cases import as_fp64, assert_close_to_reference, rms_norm_case, run_rms_norm
 
 # Against the reference on fp64 copies of the inputs (it computes in fp32). fp32: only the summation order differs (measured at most 1.5e-6 on outputs of
 # magnitude 4). fp16: one rounding of the output (and, gated, the reference's extra rounding of the normalised
@@ -30,10 +30,6 @@ pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 kernel_path = forced_kernel_path(kernels, "_rms_norm_fwd_kernel", on_gpu=False)
 guarded = guarded_outputs(kernels, GUARD_ELEMENTS)
-
-
-def as_fp64(*tensors):
-    return [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]
 
 
 # (shape, is_one_plus, gate_activation or None)

@@ -14,6 +14,7 @@ with interpreted_kernels():
     import torch.nn.functional as F
     from moe_tune.ops.swiglu import kernels, swiglu
     from moe_tune.ops.swiglu.reference import swiglu_ref
+    from norm_conv_cases import as_fp64, assert_close_to_reference
 
 # Against the reference on fp64 copies of the inputs, relative to each tensor's largest entry. fp32: the kernel's
 # sigmoid and the order of dscale's row sums (up to 600 columns) against fp64. fp16: one rounding of each output
@@ -62,18 +63,6 @@ def run(fn, gate, up, scale, grad_h):
     return h, torch.autograd.grad(h, inputs, grad_h)
 
 
-def as_fp64(*tensors):
-    return [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]
-
-
-def assert_close(names, outputs, references, dtype):
-    for name, out, ref in zip(names, outputs, references, strict=True):
-        assert out.dtype == dtype and out.shape == ref.shape, name
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(out.double() / scale, ref / scale, **TOLERANCES[dtype],
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_kernel_matches_reference(guarded, case, dtype):
@@ -83,14 +72,15 @@ def test_kernel_matches_reference(guarded, case, dtype):
     h_ref, grads_ref = run(swiglu_ref, *as_fp64(gate, up, scale), grad_h.double())
     guarded.check()
     names = ("h", "dgate", "dup", "dscale")[: 1 + len(grads)]
-    assert_close(names, (h, *grads), (h_ref, *grads_ref), dtype)
+    assert_close_to_reference(names, (h, *grads), (h_ref, *grads_ref), dtype, TOLERANCES[dtype])
 
 
 def test_frozen_scale_gets_no_gradient_and_no_buffer(guarded):
     gate, up, scale, grad_h = swiglu_case((13,), 40, torch.float32, True, scale_requires_grad=False)
     h, (dgate, dup) = run(swiglu, gate, up, scale, grad_h)
     _, (dgate_ref, dup_ref) = run(swiglu_ref, *as_fp64(gate, up, scale), grad_h.double())
-    assert_close(("dgate", "dup"), (dgate, dup), (dgate_ref, dup_ref), torch.float32)
+    assert_close_to_reference(("dgate", "dup"), (dgate, dup), (dgate_ref, dup_ref), torch.float32,
+                              TOLERANCES[torch.float32])
     # h, dgate, dup: no dscale buffer.
     assert [shape for _, _, shape in guarded.buffers] == [(13, 40), (13, 40), (13, 40)]
 
@@ -101,9 +91,9 @@ def test_scale_of_another_dtype_gets_its_gradient_in_that_dtype(kernel_path):
     h, (_, _, dscale) = run(swiglu, gate, up, scale, grad_h)
     h_ref, (_, _, dscale_ref) = run(swiglu_ref, *as_fp64(gate, up, scale), grad_h.double())
     assert h.dtype == torch.float16 and dscale.dtype == torch.float32
-    assert_close(("h",), (h,), (h_ref,), torch.float16)
+    assert_close_to_reference(("h",), (h,), (h_ref,), torch.float16, TOLERANCES[torch.float16])
     # dscale sums fp32 products of fp16 inputs: fp32's tolerance.
-    assert_close(("dscale",), (dscale,), (dscale_ref,), torch.float32)
+    assert_close_to_reference(("dscale",), (dscale,), (dscale_ref,), torch.float32, TOLERANCES[torch.float32])
 
 
 def test_kernel_is_deterministic(kernel_path):
