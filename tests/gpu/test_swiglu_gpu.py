@@ -29,7 +29,7 @@ kernel_path = forced_kernel_path(kernels, "_swiglu_fwd_kernel", on_gpu=True)
 guarded = guarded_outputs(kernels, GPU_GUARD_ELEMENTS)
 
 
-def swiglu_case(rows, width, dtype, scaled):
+def swiglu_case(rows, width, scaled, dtype):
     generator = torch.Generator(DEVICE).manual_seed(rows + width)
     gate = (torch.randn(rows, width, generator=generator, device=DEVICE) * 4).to(dtype).requires_grad_()
     up = torch.randn(rows, width, generator=generator, device=DEVICE).to(dtype).requires_grad_()
@@ -56,7 +56,7 @@ def test_kernel_matches_reference(guarded, case, dtype):
 
 
 def test_reruns_are_bitwise_equal(kernel_path):
-    gate, up, scale, grad_h = swiglu_case(8192, 768, torch.bfloat16, True)
+    gate, up, scale, grad_h = swiglu_case(*CASES["shared_expert_768"], torch.bfloat16)
     first = run(swiglu, gate, up, scale, grad_h)
     second = run(swiglu, gate, up, scale, grad_h)
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
