@@ -99,6 +99,14 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(64, 64, num_warps=8, num_stages=3, one_dot=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True),
         ],
+        # The down forward and the gate_up backward read h and dgate_up in expert order: with tma, those rows and the
+        # weights come as tiles through tensor descriptors, at 128 and 256 columns.
+        "down_fwd": [
+            KernelConfig(128, 64, num_warps=8, num_stages=3),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
+            KernelConfig(256, 64, num_warps=8, num_stages=3),
+            KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
+        ],
         "down_bwd": [
             KernelConfig(128, 64, num_warps=8, num_stages=3, swiglu_pass=True),
             KernelConfig(128, 64, num_warps=8, num_stages=4, swiglu_pass=True),
@@ -111,6 +119,8 @@ def sweep_candidates() -> dict[str, list]:
         "gate_up_bwd": [
             KernelConfig(128, 64, num_warps=8, num_stages=3),
             KernelConfig(256, 64, num_warps=8, num_stages=3),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
+            KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
         ],
         "expert_grad": [
             # Both operands of a weight gradient sit behind a row-index load, which takes pipeline stages of its

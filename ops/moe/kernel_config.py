@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from moe_tune.ops.common.launch import launch_text, with_overrides
 from moe_tune.ops.fp8.reference import BLOCK as FP8_BLOCK
 
@@ -53,7 +55,10 @@ class KernelConfig:
              compiler's choice); swiglu_pass: the down backward only, as a GEMM storing dy W (+ LoRA) and a separate
              pass of SwiGLU's backward over it, instead of that backward in the GEMM's epilogue; one_dot: the gate_up
              forward only, its gate and up columns loaded as one weight tile of 2 block_n rows and multiplied in one
-             product a K step (split after the loop), instead of two products of block_n columns.
+             product a K step (split after the loop), instead of two products of block_n columns; tma: the down forward
+             and the gate_up backward only, their operands that lie in expert order (h, dgate_up) and their weights
+             loaded as tiles through tensor descriptors (Hopper's TMA) instead of pointer loads, where `tma_loads`
+             allows it (pointer loads elsewhere).
     """
 
     block_n: int
@@ -64,6 +69,7 @@ class KernelConfig:
     maxnreg: int | None = None
     swiglu_pass: bool = False
     one_dot: bool = False
+    tma: bool = False
 
     def launch_options(self) -> dict:
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -220,6 +226,31 @@ def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
     return dummy if t is None else t
 
+
+
+def tma_loads(kernel: KernelConfig, *operands: torch.Tensor) -> bool:
+    """Whether a kernel launched as `kernel` loads `operands` through tensor descriptors of their rows (each taken as
+    [rows, last dim]): asked for (kernel.tma), 16-bit or fp32 (FP8 weights keep pointer loads beside their scales),
+    a TMA-capable device (sm_90 or later; the interpreter on the CPU), and a descriptor's rules: contiguous, base and
+    rows 16-byte aligned."""
+    if not kernel.tma:
+        return False
+    first = operands[0]
+    if first.is_cuda and torch.cuda.get_device_capability(first.device)[0] < 9:
+        return False
+    return all(
+        t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and t.is_contiguous()
+        and t.data_ptr() % 16 == 0
+        and (t.shape[-1] * t.element_size()) % 16 == 0
+        for t in operands
+    )
+
+
+def row_descriptor(t: torch.Tensor, block_rows: int, block_cols: int) -> TensorDescriptor:
+    """A tensor descriptor of contiguous t as [rows, last dim], loaded in [block_rows, block_cols] tiles; a tile's
+    part past the last row or column reads as zeros."""
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [block_rows, block_cols])
 
 
 def check_fp8_steps(scale_inv: torch.Tensor | None, block_k: int) -> None:

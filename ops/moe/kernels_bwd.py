@@ -32,7 +32,9 @@ from moe_tune.ops.moe.kernel_config import (
     or_dummy,
     rank_block,
     rank_dtype,
+    row_descriptor,
     strides3,
+    tma_loads,
     weight_tile,
 )
 from moe_tune.ops.moe.routing import MoERouting, RowChunks, row_chunks, sum_slots, tile_and_column_block, tile_rows
@@ -380,6 +382,8 @@ def _moe_gate_up_bwd_kernel(
     a_ptr,  # [E, r, D]
     dxa_ptr,  # [S, r] d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass (rank_dtype)
     dx_ptr,  # out [S, D] slot order
+    g_desc,  # with TMA: tensor descriptors of dgate_up [S, 2F] and w as [E 2F, D]; None otherwise
+    w_desc,
     slot_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -400,6 +404,7 @@ def _moe_gate_up_bwd_kernel(
     SCALE_BLOCK: tl.constexpr,
     NUM_HALVES: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -424,17 +429,27 @@ def _moe_gate_up_bwd_kernel(
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wd
     s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for half in tl.static_range(NUM_HALVES):
-        s_half = s_cols + half * tl.cdiv(F, SCALE_BLOCK) * stride_sf
-        for k0 in range(0, half_len, BLOCK_K):
-            ks = half * half_len + k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < (half + 1) * half_len
-            g_tile = tl.load(g_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w_tile = weight_tile(
-                w_cols + ks[:, None] * stride_wf, k_mask[:, None] & col_mask[None, :],
-                s_half + (k0 // SCALE_BLOCK) * stride_sf, col_mask, g_tile, W_IS_FP8, ROW_SCALES=False,
-            )  # fmt: skip
+    if TMA:
+        # Whole tiles: rows past the expert's (another expert's dgate_up) and columns past D (read as zeros) are
+        # computed and never stored; K past 2F reads as zeros in dgate_up, so the next expert's w rows there add 0.
+        first_row = tl.load(tile_row_ptr + tile)
+        first_w_row = expert.to(tl.int32) * 2 * F
+        for k0 in range(0, 2 * F, BLOCK_K):
+            g_tile = g_desc.load([first_row, k0])
+            w_tile = w_desc.load([first_w_row + k0, pid_n * BLOCK_N])
             acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
+    else:
+        for half in tl.static_range(NUM_HALVES):
+            s_half = s_cols + half * tl.cdiv(F, SCALE_BLOCK) * stride_sf
+            for k0 in range(0, half_len, BLOCK_K):
+                ks = half * half_len + k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < (half + 1) * half_len
+                g_tile = tl.load(g_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w_tile = weight_tile(
+                    w_cols + ks[:, None] * stride_wf, k_mask[:, None] & col_mask[None, :],
+                    s_half + (k0 // SCALE_BLOCK) * stride_sf, col_mask, g_tile, W_IS_FP8, ROW_SCALES=False,
+                )  # fmt: skip
+                acc = tl.dot(g_tile, w_tile, acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
@@ -757,15 +772,18 @@ def moe_gate_up_bwd(
     kernel = config.gate_up_bwd
     check_fp8_steps(scale_inv, kernel.block_k)
     num_col_blocks = triton.cdiv(model_dim, kernel.block_n)
+    tma = scale_inv is None and tma_loads(kernel, dgate_up, w_gate_up)
     if routing.num_tiles > 0:
         _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
             dgate_up, w_gate_up, or_dummy(scale_inv, dx_slot), or_dummy(a_gate_up, w_gate_up), or_dummy(dxa, dgate_up),
             dx_slot,
+            row_descriptor(dgate_up, routing.block_m, kernel.block_k) if tma else None,
+            row_descriptor(w_gate_up, kernel.block_k, kernel.block_n) if tma else None,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank,
             *w_gate_up.stride(), *strides3(scale_inv), *strides3(a_gate_up),
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK, NUM_HALVES=1 if scale_inv is None else 2,
-            HAS_LORA=has_lora, DOT_PRECISION=dot_precision(dgate_up.dtype),
+            HAS_LORA=has_lora, TMA=tma, DOT_PRECISION=dot_precision(dgate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip

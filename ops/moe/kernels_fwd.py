@@ -26,7 +26,9 @@ from moe_tune.ops.moe.kernel_config import (
     dot_precision,
     or_dummy,
     rank_block,
+    row_descriptor,
     strides3,
+    tma_loads,
     weight_tile,
 )
 from moe_tune.ops.moe.routing import MoERouting, sum_slots, tile_and_column_block, tile_rows
@@ -221,6 +223,8 @@ def _moe_down_fwd_kernel(
     ha_ptr,  # [S, r] fp32 h @ A^T from the rank pass, expert order
     weights_ptr,  # [S] routing weights in slot order
     y_ptr,  # out [S, D] in slot order
+    h_desc,  # with TMA: tensor descriptors of h [S, F] and w as [E D, F]; None otherwise
+    w_desc,
     slot_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -241,6 +245,7 @@ def _moe_down_fwd_kernel(
     W_IS_FP8: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -262,15 +267,25 @@ def _moe_down_fwd_kernel(
     w_rows = w_ptr + expert * stride_we + cols[:, None] * stride_wd
     s_rows = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sd
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < F
-        h_tile = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = weight_tile(
-            w_rows + ks[None, :] * stride_wf, col_mask[:, None] & k_mask[None, :],
-            s_rows + (k0 // SCALE_BLOCK) * stride_sf, col_mask, h_tile, W_IS_FP8, ROW_SCALES=True,
-        )  # fmt: skip
-        acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
+    if TMA:
+        # Whole tiles: rows past the expert's (another expert's h) and columns past its D (the next expert's w rows)
+        # are computed and never stored; K past F reads as zeros in both operands.
+        first_row = tl.load(tile_row_ptr + tile)
+        first_w_row = expert.to(tl.int32) * D + pid_n * BLOCK_N
+        for k0 in range(0, F, BLOCK_K):
+            h_tile = h_desc.load([first_row, k0])
+            w_tile = w_desc.load([first_w_row, k0])
+            acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
+    else:
+        for k0 in range(0, F, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < F
+            h_tile = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w_tile = weight_tile(
+                w_rows + ks[None, :] * stride_wf, col_mask[:, None] & k_mask[None, :],
+                s_rows + (k0 // SCALE_BLOCK) * stride_sf, col_mask, h_tile, W_IS_FP8, ROW_SCALES=True,
+            )  # fmt: skip
+            acc = tl.dot(h_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
         rank_mask = ranks < rank
@@ -386,15 +401,18 @@ def moe_down_fwd(
     kernel = config.down_fwd
     check_fp8_steps(scale_inv, kernel.block_k)
     grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
+    tma = scale_inv is None and tma_loads(kernel, h, w_down)
     if routing.num_tiles > 0:
         _moe_down_fwd_kernel[grid](
             h, w_down, or_dummy(scale_inv, h), or_dummy(b_down, w_down), or_dummy(ha, h), topk_weights.reshape(-1),
             y_slot,
+            row_descriptor(h, routing.block_m, kernel.block_k) if tma else None,
+            row_descriptor(w_down, kernel.block_n, kernel.block_k) if tma else None,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
             *w_down.stride(), *strides3(scale_inv), *strides3(b_down),
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
-            HAS_LORA=has_lora, DOT_PRECISION=dot_precision(h.dtype),
+            HAS_LORA=has_lora, TMA=tma, DOT_PRECISION=dot_precision(h.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip

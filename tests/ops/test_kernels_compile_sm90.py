@@ -5,8 +5,8 @@ backend does not lower (a layout a reshape or split cannot take, a conversion a 
 check numbers on a GPU (tests/gpu does).
 
 Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
-with a residual add and its gradient, the gate-up forward in one product), beside the default launch of the kernels
-they change.
+with a residual add and its gradient, the gate-up forward in one product, the down forward and gate-up backward
+loading through tensor descriptors), beside the default launch of the kernels they change.
 """
 
 import json
@@ -37,11 +37,23 @@ for module, kernel, constexprs, num_warps, num_stages, types in json.loads(sys.a
 SWIGLU = "moe_tune.ops.swiglu.kernels"
 RMS_NORM = "moe_tune.ops.rms_norm.kernels"
 MOE_FWD = "moe_tune.ops.moe.kernels_fwd"
+MOE_BWD = "moe_tune.ops.moe.kernels_bwd"
 _NORM_TYPES = {"rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "eps": "fp32"}
 _MOE_TYPES = {"ws_ptr": "*fp32", "xa_ptr": "*fp32", "token_of_row_ptr": "*i32", "tile_expert_ptr": "*i32",
               "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "scaling": "fp32"}  # fmt: skip
 _GATE_UP = dict(SCALE_BLOCK=128, HAS_LORA=True, SAVE_GATE_UP=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=64,
                 BLOCK_K=64, BLOCK_R=16)  # fmt: skip
+_TILE = dict(W_IS_FP8=False, SCALE_BLOCK=128, HAS_LORA=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128,
+             BLOCK_K=64, BLOCK_R=16)  # fmt: skip
+_ROW_TYPES = dict(_MOE_TYPES, slot_of_row_ptr="*i32", ha_ptr="*fp32")
+
+
+def _descriptors(tma: bool, **blocks: list[int]) -> tuple[dict, dict]:
+    """(constexprs, argument types) of a kernel's descriptor arguments: bf16 descriptors of `blocks` with TMA, None
+    (a constexpr) without."""
+    if tma:
+        return {}, {name: f"tensordesc<bf16{block}>" for name, block in blocks.items()}
+    return dict.fromkeys(blocks), {}
 
 CASES = [
     *[(SWIGLU, "_swiglu_fwd_kernel", dict(HAS_SCALE=scaled, BLOCK_M=16, BLOCK_F=256), 4, 3, {})
@@ -60,6 +72,13 @@ CASES = [
       for one_dot in (False, True)],
     (MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=True, ONE_DOT=True), 8, 3,
      dict(_MOE_TYPES, w_ptr="*fp8e4nv")),
+    *[(MOE_FWD, "_moe_down_fwd_kernel", dict(_TILE, **constexprs, TMA=tma), 8, 3, dict(_ROW_TYPES, **types))
+      for tma in (False, True)
+      for constexprs, types in [_descriptors(tma, h_desc=[128, 64], w_desc=[128, 64])]],
+    *[(MOE_BWD, "_moe_gate_up_bwd_kernel", dict(_TILE, NUM_HALVES=1, **constexprs, TMA=tma), 8, 3,
+       dict(_ROW_TYPES, **types))
+      for tma in (False, True)
+      for constexprs, types in [_descriptors(tma, g_desc=[128, 64], w_desc=[64, 128])]],
 ]  # fmt: skip
 
 

@@ -353,6 +353,33 @@ def test_moe_mlp_kernel_gate_up_forward_in_one_product(kernel_path, guarded, hid
     guarded.check()
 
 
+# The down forward and the gate_up backward loading expert-ordered rows and weights through tensor descriptors:
+# whole tiles, whose rows past an expert's end (another expert's), columns past D or F and K steps past F or 2F
+# (zeros, or the next expert's weight rows beside zeros) are computed and never stored. D = 40, F = 36 (fp32 rows of
+# 160 and 144 bytes) under tiles that leave every one of those parts partial; 4 experts, so tiles of an expert's last
+# rows run into the next one's.
+TMA_CONFIG = dataclasses.replace(
+    PER_KERNEL_CONFIG,
+    down_fwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, tma=True),
+    gate_up_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, tma=True),
+)
+
+
+@pytest.mark.parametrize("lora_on", ["none", "both"])
+def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, monkeypatch, lora_on):
+    case = _make_case(29, 40, 36, 4, 2, torch.float32, lora_on=lora_on)
+    launched = []
+    row_descriptor = kernel_config.row_descriptor
+    for module in (kernels_fwd, kernels_bwd):
+        monkeypatch.setattr(module, "row_descriptor", lambda *a: launched.append(a[1:]) or row_descriptor(*a))
+    with kernel_config.forced_config(TMA_CONFIG):
+        _assert_matches_oracle(case, torch.float32)
+    guarded.check()
+    # Both kernels took descriptors: h and w_down in [16, 32] / [16, 32] tiles, dgate_up and w_gate_up in [16, 16] /
+    # [16, 32].
+    assert sorted(set(launched)) == [(16, 16), (16, 32)]
+
+
 @pytest.mark.parametrize(
     "activation_dtype, expected",
     [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)],
