@@ -75,7 +75,7 @@ LORA_OVERHEAD_PASSES = 8
 
 
 def sweep_candidates() -> dict[str, list]:
-    """Launch configs the sweep tries on a GPU, the first of each being pick_config's bf16 choice.
+    """Launch configs the sweep tries on a GPU, the first of each being pick_config's bf16 choice on sm_90.
 
     down_bwd: pick_config's is a GEMM of 128-column tiles storing dy W (+ LoRA), then a pass of SwiGLU's backward
     (swiglu_pass); with that backward in the GEMM's epilogue the kernel needs 180-255 registers a thread at 64-column
@@ -92,20 +92,20 @@ def sweep_candidates() -> dict[str, list]:
     from moe_tune.ops.moe.kernel_config import KernelConfig
 
     return {
-        # The gate and up halves of 64 columns as two products a K step, or one product of both (one_dot), at the
-        # same 128-column width and at twice it.
+        # The gate and up halves as one product a K step (one_dot) or two, at 128 columns a half (pick_config's on
+        # sm_90) and at 64 (its choice elsewhere).
         "gate_up_fwd": [
-            KernelConfig(64, 64, num_warps=8, num_stages=3),
-            KernelConfig(64, 64, num_warps=8, num_stages=3, one_dot=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True),
+            KernelConfig(64, 64, num_warps=8, num_stages=3, one_dot=True),
+            KernelConfig(64, 64, num_warps=8, num_stages=3),
         ],
         # The down forward and the gate_up backward read h and dgate_up in expert order: with tma, those rows and the
-        # weights come as tiles through tensor descriptors, at 128 and 256 columns.
+        # weights come as tiles through tensor descriptors; at 256 columns (pick_config's on sm_90) and 128.
         "down_fwd": [
-            KernelConfig(128, 64, num_warps=8, num_stages=3),
-            KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
-            KernelConfig(256, 64, num_warps=8, num_stages=3),
             KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
+            KernelConfig(256, 64, num_warps=8, num_stages=3),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
+            KernelConfig(128, 64, num_warps=8, num_stages=3),
         ],
         "down_bwd": [
             KernelConfig(128, 64, num_warps=8, num_stages=3, swiglu_pass=True),
@@ -117,10 +117,10 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(64, 64, num_warps=8, num_stages=3, maxnreg=128),
         ],
         "gate_up_bwd": [
-            KernelConfig(128, 64, num_warps=8, num_stages=3),
+            KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
             KernelConfig(256, 64, num_warps=8, num_stages=3),
             KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
-            KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
+            KernelConfig(128, 64, num_warps=8, num_stages=3),
         ],
         "expert_grad": [
             # Both operands of a weight gradient sit behind a row-index load, which takes pipeline stages of its

@@ -61,12 +61,13 @@ class MoEFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
         num_experts = w_gate_up.shape[0]
-        config = pick_config(x, num_tokens * top_k, num_experts)
-        routing = moe_routing(topk_ids, num_experts, config.block_m)
-        needs_grad = any(ctx.needs_input_grad)
         buffered = gate_up_scale_inv is not None and fp8_weights.buffers_weights(
             w_gate_up, w_down, x.dtype, num_tokens * top_k
         )
+        fp8_codes = gate_up_scale_inv is not None and not buffered
+        config = pick_config(x, num_tokens * top_k, num_experts, fp8_codes=fp8_codes)
+        routing = moe_routing(topk_ids, num_experts, config.block_m)
+        needs_grad = any(ctx.needs_input_grad)
         weight, scale = _gemm_weight(w_gate_up, gate_up_scale_inv, buffered, x.dtype)
         h, gate_up, xa = moe_gate_up_fwd(
             x, weight, a_gate_up, b_gate_up, scaling, routing, config, save_gate_up=needs_grad, scale_inv=scale

@@ -91,6 +91,14 @@ GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, n
 # backward over it (swiglu_pass): the GEMM's epilogue in one kernel needs 255 registers a thread at 64-column tiles
 # (capped at 128: spills), and ran at 240 TFLOP/s in a bench-qwen3-next step against 460-515 for the other GEMMs.
 GPU_DOWN_BWD = KernelConfig(GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, swiglu_pass=True)
+# On sm_90 at 128-row tiles with 16-bit weights, 128 x 256 output tiles, which reuse each loaded byte for 85 FLOP
+# instead of 64: the gate_up forward as one product of 128 gate and 128 up columns (one_dot), the down forward and the
+# gate_up backward at 256 columns with their expert-ordered rows and weights through TMA. In bench-qwen3-next steps on
+# an H100 (docs/PERF.md) they took 6.35 ms instead of 6.99 (with one_dot at 64 columns a half: 6.81), 3.37 instead of
+# 3.74 and 5.54 instead of 6.52. A gathered-row GEMM alone at that shape (N65536 K2048 N1536 bf16): 520 TFLOP/s at
+# 128 x 128 pointer loads, 577 at 128 x 256, 605 with the weights through TMA, 634 with both operands.
+SM90_GATE_UP_FWD = KernelConfig(128, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, one_dot=True)
+SM90_WIDE_TMA = KernelConfig(256, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, tma=True)
 # Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
 # at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory, at 5 stages 3 (96 KB), as the other GEMMs.
 GPU_EXPERT_GRAD_STAGES = 5
@@ -148,15 +156,16 @@ def forced_config(config: MoEConfig):
         _forced_config = previous
 
 
-def pick_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
+def pick_config(x: torch.Tensor, num_slots: int, num_experts: int, fp8_codes: bool = False) -> MoEConfig:
     """The launch of every kernel for one call: `forced_config`'s where one is in force, else the defaults for x's
-    device and dtype and the rows per expert, with MOE_TUNE_LAUNCH's fields laid over them."""
+    device and dtype, the rows per expert and whether the GEMMs read FP8 weight codes, with MOE_TUNE_LAUNCH's fields
+    laid over them."""
     if _forced_config is not None:
         return _forced_config
-    return with_launch_overrides(_default_config(x, num_slots, num_experts))
+    return with_launch_overrides(_default_config(x, num_slots, num_experts, fp8_codes))
 
 
-def _default_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoEConfig:
+def _default_config(x: torch.Tensor, num_slots: int, num_experts: int, fp8_codes: bool) -> MoEConfig:
     if not x.is_cuda:
         # CPU tensors only reach a kernel under TRITON_INTERPRET=1.
         block = INTERPRETER_BLOCK
@@ -167,13 +176,16 @@ def _default_config(x: torch.Tensor, num_slots: int, num_experts: int) -> MoECon
     block_m = GPU_BLOCK_M if mean_rows >= GPU_BLOCK_M else GPU_SMALL_BLOCK_M
     config = uniform_config(block_m, GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES)
     # The 5 stages of the weight gradients: docs/perf-history.md, MoE.
-    return dataclasses.replace(
+    config = dataclasses.replace(
         config,
         down_bwd=GPU_DOWN_BWD,
         expert_grad=dataclasses.replace(config.expert_grad, num_stages=GPU_EXPERT_GRAD_STAGES),
         lora_rows=GPU_LORA_ROWS,
         lora_bwd=GPU_LORA_BWD,
     )
+    if fp8_codes or block_m != GPU_BLOCK_M or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return config
+    return dataclasses.replace(config, gate_up_fwd=SM90_GATE_UP_FWD, down_fwd=SM90_WIDE_TMA, gate_up_bwd=SM90_WIDE_TMA)
 
 
 def with_launch_overrides(config: MoEConfig) -> MoEConfig:

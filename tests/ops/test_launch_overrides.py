@@ -113,7 +113,9 @@ def test_families_take_their_own_fields_only_where_named(monkeypatch):
 def test_the_moe_kernels_take_their_own_fields_only_where_named(monkeypatch):
     from moe_tune.ops.moe import kernel_config
 
-    bf16_gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    # An sm_80 GPU, whose gate_up forward is two products of 64 columns.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    bf16_gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0")
     monkeypatch.setenv(LAUNCH_ENV, "")
     default = kernel_config.pick_config(bf16_gpu, 8192 * 8, 64)
     assert not default.gate_up_fwd.one_dot

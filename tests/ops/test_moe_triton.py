@@ -398,22 +398,50 @@ def test_forced_config_is_restored():
     assert kernel_config.pick_config(x, 8, 4) == default
 
 
-def test_sweep_candidates_start_with_the_bf16_gpu_choice():
+def test_sweep_candidates_start_with_the_bf16_gpu_choice(monkeypatch):
     # bench.sweep_candidates() promises that the first candidate of each kernel is what pick_config launches for bf16
-    # on a GPU (the sweep's baseline). A stand-in for a CUDA tensor takes pick_config's GPU branch on this machine;
-    # block_p is only read by the weight gradients.
+    # on an sm_90 GPU (the sweep's baseline). A stand-in for a CUDA tensor takes pick_config's GPU branch on this
+    # machine; block_p is only read by the weight gradients.
     import dataclasses
     from types import SimpleNamespace
 
     from moe_tune.engine.bench.moe_op import sweep_candidates
 
-    cuda_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0")
     config = kernel_config.pick_config(cuda_bf16, 16384 * 8, 64)
     for name, candidates in sweep_candidates().items():
         chosen = getattr(config, name)
         if name != "expert_grad":
             chosen = dataclasses.replace(chosen, block_p=0)
         assert candidates[0] == chosen, name
+
+
+@pytest.mark.parametrize("capability, dtype, rows_per_expert, fp8_codes, wide", [
+    ((9, 0), torch.bfloat16, 1024, False, True),
+    ((9, 0), torch.float16, 128, False, True),
+    ((10, 0), torch.bfloat16, 1024, False, True),
+    ((8, 0), torch.bfloat16, 1024, False, False),
+    ((9, 0), torch.bfloat16, 1024, True, False),
+    ((9, 0), torch.bfloat16, 127, False, False),
+    ((9, 0), torch.float32, 1024, False, False),
+])  # fmt: skip
+def test_the_wide_tiles_are_picked_where_they_were_measured(monkeypatch, capability, dtype, rows_per_expert,
+                                                             fp8_codes, wide):  # fmt: skip
+    # 128 x 256 tiles (the gate_up forward in one product, the down forward and gate_up backward through TMA) on sm_90
+    # and later, at 128-row tiles with 16-bit weights; every other kernel's launch the same either way.
+    import dataclasses
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    x = SimpleNamespace(is_cuda=True, dtype=dtype, device="cuda:0")
+    config = kernel_config.pick_config(x, 64 * rows_per_expert, 64, fp8_codes=fp8_codes)
+    wide_fields = dict(gate_up_fwd=kernel_config.SM90_GATE_UP_FWD, down_fwd=kernel_config.SM90_WIDE_TMA,
+                       gate_up_bwd=kernel_config.SM90_WIDE_TMA)  # fmt: skip
+    assert all((getattr(config, name) == kernel) == wide for name, kernel in wide_fields.items())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    narrow = kernel_config.pick_config(x, 64 * rows_per_expert, 64, fp8_codes=fp8_codes)
+    assert config == (dataclasses.replace(narrow, **wide_fields) if wide else narrow)
 
 
 def test_moe_mlp_kernel_strided_inputs_and_expanded_grad(kernel_path, guarded):
