@@ -79,10 +79,12 @@ def sweep_candidates() -> dict[str, list]:
 
     down_bwd: pick_config's is a GEMM of 128-column tiles storing dy W (+ LoRA), then a pass of SwiGLU's backward
     (swiglu_pass); with that backward in the GEMM's epilogue the kernel needs 180-255 registers a thread at 64-column
-    tiles, capped at 128 (two CTAs an SM) it spills. gate_up_bwd with 256 columns, and 128 x 256 or 256 x 128
-    weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA).
-    On the H200 the 256-column gate_up_bwd wins alone but not end to end; 5-stage weight gradients trained E64 in
-    12.35 ms against 13.16 without them (docs/perf-history.md, MoE): pick_config takes them.
+    tiles, capped at 128 (two CTAs an SM) it spills. 256 columns (the gate_up forward: 128 a half), and 128 x 256 or
+    256 x 128 weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers,
+    one CTA). In bench-qwen3-next steps on an H100 the gate_up forward at 128 columns a half in one product and the
+    down forward and gate_up backward at 256 columns through TMA are faster (docs/PERF.md): pick_config takes them on
+    sm_90. 5-stage weight gradients trained E64 in 12.35 ms against 13.16 without them (docs/perf-history.md, MoE):
+    pick_config takes them.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
     the H200 (1.03 ms at E256 against 1.08-2.02 for the others; docs/perf-history.md, MoE), so pick_config takes it.

@@ -93,10 +93,10 @@ GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, n
 GPU_DOWN_BWD = KernelConfig(GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, swiglu_pass=True)
 # On sm_90 at 128-row tiles with 16-bit weights, 128 x 256 output tiles, which reuse each loaded byte for 85 FLOP
 # instead of 64: the gate_up forward as one product of 128 gate and 128 up columns (one_dot), the down forward and the
-# gate_up backward at 256 columns with their expert-ordered rows and weights through TMA. In bench-qwen3-next steps on
-# an H100 (docs/PERF.md) they took 6.35 ms instead of 6.99 (with one_dot at 64 columns a half: 6.81), 3.37 instead of
-# 3.74 and 5.54 instead of 6.52. A gathered-row GEMM alone at that shape (N65536 K2048 N1536 bf16): 520 TFLOP/s at
-# 128 x 128 pointer loads, 577 at 128 x 256, 605 with the weights through TMA, 634 with both operands.
+# gate_up backward at 256 columns with their expert-ordered rows and weights through TMA. In a bench-qwen3-next step on
+# an H100 (docs/PERF.md) the three take 6.26, 5.41 and 3.32 ms, and 6.89, 6.44 and 3.66 at the 128-column launches
+# with pointer loads. A gathered-row GEMM alone at that shape (65,536 rows, K 2048, N 1536, bf16) runs at 520
+# TFLOP/s at 128 x 128 with pointer loads, 577 at 128 x 256, 605 with the weights through TMA.
 SM90_GATE_UP_FWD = KernelConfig(128, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, one_dot=True)
 SM90_WIDE_TMA = KernelConfig(256, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, tma=True)
 # Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
