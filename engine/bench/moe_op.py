@@ -100,6 +100,9 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True),
             KernelConfig(64, 64, num_warps=8, num_stages=3, one_dot=True),
             KernelConfig(64, 64, num_warps=8, num_stages=3),
+            # The weights through TMA, as one [1, 2, 128, 64] tile of both halves or two of one.
+            KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True, tma=True),
+            KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
         ],
         # The down forward and the gate_up backward read h and dgate_up in expert order: with tma, those rows and the
         # weights come as tiles through tensor descriptors; at 256 columns (pick_config's on sm_90) and 128.
@@ -115,6 +118,9 @@ def sweep_candidates() -> dict[str, list]:
             # Alone on the H200 with LoRA r16: 0.622 against 0.612 ms at N8192 F768, 1.604 against 1.841 at the E64
             # anchor (docs/perf-history.md, "where the device waited").
             KernelConfig(256, 64, num_warps=8, num_stages=3, swiglu_pass=True),
+            # The GEMM's weights through TMA (dy's token rows stay gathered by pointer loads).
+            KernelConfig(128, 64, num_warps=8, num_stages=3, swiglu_pass=True, tma=True),
+            KernelConfig(256, 64, num_warps=8, num_stages=3, swiglu_pass=True, tma=True),
             # SwiGLU's backward in the GEMM's epilogue: 64-column tiles capped at 128 registers (two CTAs an SM).
             KernelConfig(64, 64, num_warps=8, num_stages=3, maxnreg=128),
         ],

@@ -55,10 +55,11 @@ class KernelConfig:
              compiler's choice); swiglu_pass: the down backward only, as a GEMM storing dy W (+ LoRA) and a separate
              pass of SwiGLU's backward over it, instead of that backward in the GEMM's epilogue; one_dot: the gate_up
              forward only, its gate and up columns loaded as one weight tile of 2 block_n rows and multiplied in one
-             product a K step (split after the loop), instead of two products of block_n columns; tma: the down forward
-             and the gate_up backward only, their operands that lie in expert order (h, dgate_up) and their weights
-             loaded as tiles through tensor descriptors (Hopper's TMA) instead of pointer loads, where `tma_loads`
-             allows it (pointer loads elsewhere).
+             product a K step (split after the loop), instead of two products of block_n columns; tma: the operands
+             that lie in expert order (the down forward's h, the gate_up backward's dgate_up) and the weights (of
+             those two, the gate_up forward and the down backward's GEMM with swiglu_pass) loaded as tiles through
+             tensor descriptors (Hopper's TMA) instead of pointer loads, where `tma_loads` allows it (pointer loads
+             elsewhere; token rows gathered by index always).
     """
 
     block_n: int
@@ -263,6 +264,14 @@ def row_descriptor(t: torch.Tensor, block_rows: int, block_cols: int) -> TensorD
     """A tensor descriptor of contiguous t as [rows, last dim], loaded in [block_rows, block_cols] tiles; a tile's
     part past the last row or column reads as zeros."""
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [block_rows, block_cols])
+
+
+def halves_descriptor(w: torch.Tensor, halves: int, block_n: int, block_k: int) -> TensorDescriptor:
+    """A tensor descriptor of a contiguous gate_up weight [E, 2F, D] as [E, 2, F, D], loaded in [1, halves, block_n,
+    block_k] tiles: `halves` 2 gives a column block's gate and up rows in one tile, 1 one half's; rows past F and
+    columns past D read as zeros."""
+    num_experts, two_f, dim = w.shape
+    return TensorDescriptor.from_tensor(w.view(num_experts, 2, two_f // 2, dim), [1, halves, block_n, block_k])
 
 
 def check_fp8_steps(scale_inv: torch.Tensor | None, block_k: int) -> None:

@@ -154,13 +154,15 @@ def _moe_lora_bwd_kernel(
 # Backward of GEMM 2 and SwiGLU: dh = w * (dy[token] @ w_down[e] + dha A), d(gate, up), d weights, w * h recomputed
 @triton.jit
 def _down_bwd_product(
-    dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, tokens, rows, row_mask, cols, col_mask, expert, D, rank, stride_dyn,
-    stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar, stride_af,
-    W_IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_LORA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, w_desc, tokens, rows, row_mask, first_col, cols, col_mask, expert, D,
+    rank, stride_dyn, stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar,
+    stride_af, W_IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_LORA: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     # dy[token] @ W_down[e] (+ dha @ A_down[e]) for one tile's rows and columns, fp32: the gradient of
-    # <dy, y_slot> by h before the routing weight.
+    # <dy, y_slot> by h before the routing weight. With TMA, w_desc holds w as [E D, F]: a tile's K steps past D
+    # read the next expert's rows, which meet dy's zeros there, and its columns past F read zeros.
     dy_rows = dy_ptr + tokens[:, None] * stride_dyn
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wf
     s_cols = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sf
@@ -169,10 +171,13 @@ def _down_bwd_product(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < D
         dy_tile = tl.load(dy_rows + ks[None, :] * stride_dyd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = weight_tile(
-            w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
-            s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
-        )  # fmt: skip
+        if TMA:
+            w_tile = w_desc.load([expert.to(tl.int32) * D + k0, first_col])
+        else:
+            w_tile = weight_tile(
+                w_cols + ks[:, None] * stride_wd, k_mask[:, None] & col_mask[None, :],
+                s_cols + (k0 // SCALE_BLOCK) * stride_sd, col_mask, dy_tile, W_IS_FP8, ROW_SCALES=False,
+            )  # fmt: skip
         acc = tl.dot(dy_tile, w_tile, acc, input_precision=DOT_PRECISION)
     if HAS_LORA:
         ranks = tl.arange(0, BLOCK_R)
@@ -245,9 +250,10 @@ def _moe_down_bwd_kernel(
 
     # acc: dy @ W_down (+ LoRA) before the routing weight, i.e. d<dy, y_slot>/dh without w.
     acc = _down_bwd_product(
-        dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, tokens, rows, row_mask, cols, col_mask, expert, D, rank, stride_dyn,
-        stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar, stride_af,
-        W_IS_FP8, SCALE_BLOCK, HAS_LORA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+        dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, None, tokens, rows, row_mask, pid_n * BLOCK_N, cols, col_mask, expert,
+        D, rank, stride_dyn, stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae,
+        stride_ar, stride_af, W_IS_FP8, SCALE_BLOCK, HAS_LORA, False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        BLOCK_R,
     )  # fmt: skip
     weights = tl.load(weights_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)
     out_mask = row_mask[:, None] & col_mask[None, :]
@@ -281,6 +287,7 @@ def _moe_down_bwd_gemm_kernel(
     a_ptr,  # [E, r, F]
     dha_ptr,  # [S, r] as _moe_down_bwd_kernel's
     dh_ptr,  # out [S, F] expert order: dy[token] @ W_down (+ LoRA), before the routing weight
+    w_desc,  # with TMA: a tensor descriptor of w as [E D, F]; None otherwise
     token_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -302,6 +309,7 @@ def _moe_down_bwd_gemm_kernel(
     W_IS_FP8: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -320,9 +328,10 @@ def _moe_down_bwd_gemm_kernel(
     col_mask = cols < F
 
     acc = _down_bwd_product(
-        dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, tokens, rows, row_mask, cols, col_mask, expert, D, rank, stride_dyn,
-        stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_ae, stride_ar, stride_af,
-        W_IS_FP8, SCALE_BLOCK, HAS_LORA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+        dy_ptr, w_ptr, ws_ptr, a_ptr, dha_ptr, w_desc, tokens, rows, row_mask, pid_n * BLOCK_N, cols, col_mask,
+        expert, D, rank, stride_dyn, stride_dyd, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf,
+        stride_ae, stride_ar, stride_af, W_IS_FP8, SCALE_BLOCK, HAS_LORA, TMA, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        BLOCK_K, BLOCK_R,
     )  # fmt: skip
     tl.store(
         dh_ptr + rows[:, None] * F + cols[None, :], acc.to(dh_ptr.dtype.element_ty),
@@ -728,13 +737,15 @@ def _down_bwd_two_passes(
     rank = a_down.shape[1] if a_down is not None else 0
     dh = kernel_config.alloc((num_slots, num_hidden), gate_up.dtype, dy.device)
     dweights = kernel_config.alloc((num_slots,), torch.float32, dy.device)
+    tma = scale_inv is None and tma_loads(kernel, w_down)
     if routing.num_tiles > 0:
         _moe_down_bwd_gemm_kernel[(routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)](
             dy, w_down, or_dummy(scale_inv, dgate_up), or_dummy(a_down, w_down), or_dummy(dha, dgate_up), dh,
+            row_descriptor(w_down, kernel.block_k, kernel.block_n) if tma else None,
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank,
             *dy.stride(), *w_down.stride(), *strides3(scale_inv), *strides3(a_down),
-            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK, HAS_LORA=a_down is not None,
+            W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK, HAS_LORA=a_down is not None, TMA=tma,
             DOT_PRECISION=dot_precision(gate_up.dtype), BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n,
             BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank), **kernel.launch_options(),
         )  # fmt: skip

@@ -24,6 +24,7 @@ from moe_tune.ops.moe.kernel_config import (
     MoEConfig,
     check_fp8_steps,
     dot_precision,
+    halves_descriptor,
     or_dummy,
     rank_block,
     row_descriptor,
@@ -100,6 +101,7 @@ def _moe_gate_up_fwd_kernel(
     xa_ptr,  # [S, r] fp32 x @ A^T from the rank pass, expert order
     h_ptr,  # out [S, F] rows in expert order
     gate_up_ptr,  # out [S, 2F] pre-activations, written only when SAVE_GATE_UP
+    w_desc,  # with TMA: a tensor descriptor of w as [E, 2, F, D] (kernel_config.halves_descriptor); None otherwise
     token_of_row_ptr,
     tile_expert_ptr,
     tile_row_ptr,
@@ -124,6 +126,7 @@ def _moe_gate_up_fwd_kernel(
     HAS_LORA: tl.constexpr,
     SAVE_GATE_UP: tl.constexpr,
     ONE_DOT: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -159,11 +162,15 @@ def _moe_gate_up_fwd_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < D
             x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            s_col = (k0 // SCALE_BLOCK) * stride_sd
-            w_tile = weight_tile(
-                w_both + ks[None, :] * stride_wd, both_mask[:, None] & k_mask[None, :], s_both + s_col, both_mask,
-                x_tile, W_IS_FP8, ROW_SCALES=True,
-            )  # fmt: skip
+            if TMA:
+                # Both halves' rows of the column block (zeros past F and D).
+                w_tile = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k0]).reshape(2 * BLOCK_N, BLOCK_K)
+            else:
+                s_col = (k0 // SCALE_BLOCK) * stride_sd
+                w_tile = weight_tile(
+                    w_both + ks[None, :] * stride_wd, both_mask[:, None] & k_mask[None, :], s_both + s_col,
+                    both_mask, x_tile, W_IS_FP8, ROW_SCALES=True,
+                )  # fmt: skip
             acc = tl.dot(x_tile, tl.trans(w_tile), acc, input_precision=DOT_PRECISION)
         if HAS_LORA:
             xa_scaled = _scaled_rank_rows(xa_ptr, rows, row_mask, ranks, rank_mask, rank, scaling)
@@ -185,14 +192,19 @@ def _moe_gate_up_fwd_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < D
             x_tile = tl.load(x_rows + ks[None, :] * stride_xd, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w_mask = col_mask[:, None] & k_mask[None, :]
-            s_col = (k0 // SCALE_BLOCK) * stride_sd
-            wg_tile = weight_tile(
-                w_gate + ks[None, :] * stride_wd, w_mask, s_gate + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
-            )
-            wu_tile = weight_tile(
-                w_up + ks[None, :] * stride_wd, w_mask, s_up + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
-            )
+            if TMA:
+                wg_tile = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                wu_tile = w_desc.load([expert.to(tl.int32), 1, pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+            else:
+                w_mask = col_mask[:, None] & k_mask[None, :]
+                s_col = (k0 // SCALE_BLOCK) * stride_sd
+                wg_tile = weight_tile(
+                    w_gate + ks[None, :] * stride_wd, w_mask, s_gate + s_col, col_mask, x_tile, W_IS_FP8,
+                    ROW_SCALES=True,
+                )  # fmt: skip
+                wu_tile = weight_tile(
+                    w_up + ks[None, :] * stride_wd, w_mask, s_up + s_col, col_mask, x_tile, W_IS_FP8, ROW_SCALES=True
+                )
             acc_gate = tl.dot(x_tile, tl.trans(wg_tile), acc_gate, input_precision=DOT_PRECISION)
             acc_up = tl.dot(x_tile, tl.trans(wu_tile), acc_up, input_precision=DOT_PRECISION)
         if HAS_LORA:
@@ -359,15 +371,18 @@ def moe_gate_up_fwd(
     kernel = config.gate_up_fwd
     check_fp8_steps(scale_inv, kernel.block_k)
     grid = (routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)
+    tma = scale_inv is None and tma_loads(kernel, w_gate_up)
     if routing.num_tiles > 0:
         _moe_gate_up_fwd_kernel[grid](
             x, w_gate_up, or_dummy(scale_inv, h), or_dummy(b_gate_up, w_gate_up), or_dummy(xa, h), h,
             or_dummy(gate_up, h),
+            halves_descriptor(w_gate_up, 2 if kernel.one_dot else 1, kernel.block_n, kernel.block_k) if tma else None,
             routing.token_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
             model_dim, num_hidden, rank, scaling,
             *x.stride(), *w_gate_up.stride(), *strides3(scale_inv), *strides3(b_gate_up),
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
-            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, ONE_DOT=kernel.one_dot, DOT_PRECISION=dot_precision(x.dtype),
+            HAS_LORA=has_lora, SAVE_GATE_UP=save_gate_up, ONE_DOT=kernel.one_dot, TMA=tma,
+            DOT_PRECISION=dot_precision(x.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip

@@ -5,7 +5,7 @@ backend does not lower (a layout a reshape or split cannot take, a conversion a 
 check numbers on a GPU (tests/gpu does).
 
 Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
-with a residual add and its gradient, the gate-up forward in one product, the down forward and gate-up backward
+with a residual add and its gradient, the gate-up forward in one product, the expert GEMMs
 loading through tensor descriptors), beside the default launch of the kernels they change.
 """
 
@@ -68,10 +68,14 @@ CASES = [
       for residual in (True, False)],
     *[(RMS_NORM, "_rms_norm_bwd_kernel", dict(HAS_GATE=False, IS_SILU=True, IS_ONE_PLUS=True, HAS_DW=True, HAS_DH=dh,
                                              BLOCK_M=2, BLOCK_N=2048), 4, 3, _NORM_TYPES) for dh in (True, False)],
-    *[(MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=False, ONE_DOT=one_dot), 8, 3, _MOE_TYPES)
-      for one_dot in (False, True)],
-    (MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=True, ONE_DOT=True), 8, 3,
+    *[(MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=False, ONE_DOT=one_dot, **constexprs, TMA=tma), 8,
+       3, dict(_MOE_TYPES, **types))
+      for one_dot in (False, True) for tma in (False, True)
+      for constexprs, types in [_descriptors(tma, w_desc=[1, 2 if one_dot else 1, 64, 64])]],
+    (MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, W_IS_FP8=True, ONE_DOT=True, w_desc=None, TMA=False), 8, 3,
      dict(_MOE_TYPES, w_ptr="*fp8e4nv")),
+    (MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, BLOCK_N=128, W_IS_FP8=False, ONE_DOT=True, TMA=True), 8, 3,
+     dict(_MOE_TYPES, w_desc="tensordesc<bf16[1, 2, 128, 64]>")),
     *[(MOE_FWD, "_moe_down_fwd_kernel", dict(_TILE, **constexprs, TMA=tma), 8, 3, dict(_ROW_TYPES, **types))
       for tma in (False, True)
       for constexprs, types in [_descriptors(tma, h_desc=[128, 64], w_desc=[128, 64])]],
@@ -79,6 +83,8 @@ CASES = [
        dict(_ROW_TYPES, **types))
       for tma in (False, True)
       for constexprs, types in [_descriptors(tma, g_desc=[128, 64], w_desc=[64, 128])]],
+    *[(MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, **constexprs, TMA=tma), 8, 3, dict(_ROW_TYPES, **types))
+      for tma in (False, True) for constexprs, types in [_descriptors(tma, w_desc=[64, 128])]],
 ]  # fmt: skip
 
 

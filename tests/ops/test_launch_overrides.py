@@ -70,11 +70,11 @@ BAD = [
     ("linear_attention.inverse_dots_16bit=bf16", "inverse_dots_16bit must be one of fp16, tf32, tf32x3, ieee"),
     ("causal_conv.block_t=32,causal_conv.block_t=64", "causal_conv.block_t is named twice"),
     # Each MoE kernel takes the fields it reads: one_dot is the gate_up forward's, swiglu_pass the down backward's,
-    # tma the down forward's and the gate_up backward's, block_p the weight gradients', and the rank pass has no column
-    # tile; block_m is the routing's, not a kernel's.
+    # tma the GEMMs' but the weight gradients', block_p the weight gradients', and the rank pass has no column tile;
+    # block_m is the routing's, not a kernel's.
     ("moe_down_fwd.one_dot=true", "moe_down_fwd has no field 'one_dot' (its fields: block_n, block_k, num_warps, "
      "num_stages, maxnreg, tma)"),
-    ("moe_gate_up_fwd.tma=true", "moe_gate_up_fwd has no field 'tma'"),
+    ("moe_expert_grad.tma=true", "moe_expert_grad has no field 'tma'"),
     ("moe_gate_up_bwd.swiglu_pass=true", "moe_gate_up_bwd has no field 'swiglu_pass'"),
     ("moe_lora_bwd.block_p=128", "moe_lora_bwd has no field 'block_p'"),
     ("moe_lora_rows.block_n=64", "moe_lora_rows has no field 'block_n' (its fields: block_k, num_warps, num_stages, "

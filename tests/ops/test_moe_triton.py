@@ -353,31 +353,38 @@ def test_moe_mlp_kernel_gate_up_forward_in_one_product(kernel_path, guarded, hid
     guarded.check()
 
 
-# The down forward and the gate_up backward loading expert-ordered rows and weights through tensor descriptors:
-# whole tiles, whose rows past an expert's end (another expert's), columns past D or F and K steps past F or 2F
-# (zeros, or the next expert's weight rows beside zeros) are computed and never stored. D = 40, F = 36 (fp32 rows of
-# 160 and 144 bytes) under tiles that leave every one of those parts partial; 4 experts, so tiles of an expert's last
-# rows run into the next one's.
-TMA_CONFIG = dataclasses.replace(
-    PER_KERNEL_CONFIG,
-    down_fwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, tma=True),
-    gate_up_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, tma=True),
-)
+# Every GEMM with tma: the down forward's h and the gate_up backward's dgate_up (rows in expert order) and every
+# weight loaded as whole tiles through tensor descriptors; gathered token rows keep pointer loads. Rows past an
+# expert's end (another expert's), columns past D or F and K steps past D, F or 2F (zeros, or the next expert's weight
+# rows beside zeros) are computed and never stored. D = 40, F = 36 (fp32 rows of 160 and 144 bytes) under tiles that
+# leave every one of those parts partial, the gate_up forward in one product or two; 4 experts, so tiles of an
+# expert's last rows run into the next one's.
+def _tma_config(one_dot: bool):
+    return dataclasses.replace(
+        PER_KERNEL_CONFIG,
+        gate_up_fwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, one_dot=one_dot, tma=True),
+        down_fwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, tma=True),
+        down_bwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, swiglu_pass=True, tma=True),
+        gate_up_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, tma=True),
+    )
 
 
+@pytest.mark.parametrize("one_dot", [True, False], ids=["one_product", "two_products"])
 @pytest.mark.parametrize("lora_on", ["none", "both"])
-def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, monkeypatch, lora_on):
+def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, monkeypatch, lora_on, one_dot):
     case = _make_case(29, 40, 36, 4, 2, torch.float32, lora_on=lora_on)
     launched = []
-    row_descriptor = kernel_config.row_descriptor
     for module in (kernels_fwd, kernels_bwd):
-        monkeypatch.setattr(module, "row_descriptor", lambda *a: launched.append(a[1:]) or row_descriptor(*a))
-    with kernel_config.forced_config(TMA_CONFIG):
+        for name in ("row_descriptor", "halves_descriptor"):
+            if hasattr(module, name):
+                made = getattr(kernel_config, name)
+                monkeypatch.setattr(module, name, lambda *a, made=made: launched.append(a[1:]) or made(*a))
+    with kernel_config.forced_config(_tma_config(one_dot)):
         _assert_matches_oracle(case, torch.float32)
     guarded.check()
-    # Both kernels took descriptors: h and w_down in [16, 32] / [16, 32] tiles, dgate_up and w_gate_up in [16, 16] /
-    # [16, 32].
-    assert sorted(set(launched)) == [(16, 16), (16, 32)]
+    # Every kernel took its descriptors: gate_up's weights in [1, 2 or 1, 32, 16] tiles, h and w_down [16, 32] /
+    # [16, 32], w_down in the down backward [32, 16], dgate_up and w_gate_up [16, 16] / [16, 32].
+    assert sorted(set(launched)) == sorted({(2 if one_dot else 1, 32, 16), (16, 32), (32, 16), (16, 16)})
 
 
 @pytest.mark.parametrize(
