@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_tune.ops.common.launch import launch_text, with_overrides
@@ -238,7 +237,6 @@ def strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
 def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
     return dummy if t is None else t
-
 
 
 def tma_loads(kernel: KernelConfig, *operands: torch.Tensor) -> bool:

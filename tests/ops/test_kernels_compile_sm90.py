@@ -5,8 +5,8 @@ backend does not lower (a layout a reshape or split cannot take, a conversion a 
 check numbers on a GPU (tests/gpu does).
 
 Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
-with a residual add and its gradient, the gate-up forward in one product, the expert GEMMs
-loading through tensor descriptors), beside the default launch of the kernels they change.
+with a residual add and its gradient, the gate-up forward in one product, the expert GEMMs loading through tensor
+descriptors), beside the default launch of the kernels they change.
 """
 
 import json
@@ -54,6 +54,7 @@ def _descriptors(tma: bool, **blocks: list[int]) -> tuple[dict, dict]:
     if tma:
         return {}, {name: f"tensordesc<bf16{block}>" for name, block in blocks.items()}
     return dict.fromkeys(blocks), {}
+
 
 CASES = [
     *[(SWIGLU, "_swiglu_fwd_kernel", dict(HAS_SCALE=scaled, BLOCK_M=16, BLOCK_F=256), 4, 3, {})
