@@ -252,6 +252,27 @@ def test_fp8_experts_over_the_buffer_limit_dequantize_tile_by_tile(kernel_path, 
     guarded.check()
 
 
+@pytest.mark.parametrize("fp8, limit_elements, fp8_codes", [
+    (True, None, False),  # buffered: the GEMMs read dequantized 16-bit experts
+    (True, 0, True),  # over the buffer limit: the GEMMs read the FP8 codes tile by tile
+    (False, None, False),
+])  # fmt: skip
+def test_the_launch_is_picked_knowing_whether_the_gemms_read_fp8_codes(kernel_path, monkeypatch, fp8, limit_elements,
+                                                                      fp8_codes):  # fmt: skip
+    # pick_config keeps the wide sm_90 tiles from GEMMs that dequantize FP8 codes in their tile loads (not measured).
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES["D256_F128"]
+    case = make_fp8_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "none")
+    if not fp8:
+        case = dequantized(case, torch.float32)
+    if limit_elements is not None:
+        monkeypatch.setattr(fp8_weights, "MAX_BUFFER_BYTES", limit_elements)
+    picked = []
+    pick_config = kernel_config.pick_config
+    monkeypatch.setattr(autograd, "pick_config", lambda *a, **k: picked.append(k["fp8_codes"]) or pick_config(*a, **k))
+    moe_mlp(**case)
+    assert picked == [fp8_codes]
+
+
 @pytest.mark.parametrize("model_dim, hidden_dim, contiguous, buffered", [
     (256, 128, True, True),
     (256, 130, True, False),  # an expert's gate rows end inside a scale block

@@ -451,6 +451,49 @@ def test_the_wide_tiles_are_picked_where_they_were_measured(monkeypatch, capabil
     assert config == (dataclasses.replace(narrow, **wide_fields) if wide else narrow)
 
 
+def _operand(kind: str) -> torch.Tensor:
+    base = torch.zeros(4, 3, 80, dtype=torch.bfloat16)
+    return {
+        "bf16": base[..., :64],  # rows of 128 bytes, but not contiguous
+        "bf16_contiguous": base[..., :64].contiguous(),
+        "fp16": torch.zeros(4, 3, 64, dtype=torch.float16),
+        "fp32_rows_of_36": torch.zeros(4, 36),  # 144-byte rows
+        "bf16_rows_of_36": torch.zeros(4, 36, dtype=torch.bfloat16),  # 72-byte rows
+        "offset_8_bytes": torch.zeros(4 * 64 + 4, dtype=torch.bfloat16)[4:].view(4, 64),
+        "transposed": torch.zeros(64, 4, dtype=torch.bfloat16).t(),
+        "fp8": torch.zeros(4, 64).to(torch.float8_e4m3fn),
+    }[kind]
+
+
+@pytest.mark.parametrize("kinds, loads", [
+    (("bf16_contiguous", "fp16"), True),
+    (("fp32_rows_of_36",), True),
+    (("bf16",), False),
+    (("bf16_contiguous", "bf16_rows_of_36"), False),
+    (("offset_8_bytes",), False),
+    (("transposed",), False),
+    (("fp8",), False),
+])  # fmt: skip
+def test_which_operands_load_through_tma(kinds, loads):
+    # A descriptor of rows needs them contiguous, 16-byte aligned at the base and a multiple of 16 bytes long, in a
+    # 16-bit or fp32 dtype; every operand of the launch must allow it, and the launch must ask for it.
+    operands = [_operand(kind) for kind in kinds]
+    asked = kernel_config.KernelConfig(64, 64, num_warps=8, num_stages=3, tma=True)
+    assert kernel_config.tma_loads(asked, *operands) is loads
+    assert kernel_config.tma_loads(dataclasses.replace(asked, tma=False), *operands) is False
+
+
+def test_tma_loads_need_sm90_on_a_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    operand = SimpleNamespace(is_cuda=True, device="cuda:0", dtype=torch.bfloat16, shape=(4, 64),
+                              is_contiguous=lambda: True, data_ptr=lambda: 1 << 20, element_size=lambda: 2)  # fmt: skip
+    asked = kernel_config.KernelConfig(64, 64, num_warps=8, num_stages=3, tma=True)
+    for capability, loads in [((8, 9), False), ((9, 0), True), ((10, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert kernel_config.tma_loads(asked, operand) is loads
+
+
 def test_moe_mlp_kernel_strided_inputs_and_expanded_grad(kernel_path, guarded):
     # x a column slice, w_down transposed in memory, topk ids int32, and y.sum() giving a stride-0 dy.
     case = _make_case(13, 24, 20, 7, 3, torch.float32, lora_on="both")
