@@ -239,21 +239,19 @@ def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return dummy if t is None else t
 
 
-def tma_loads(kernel: KernelConfig, *operands: torch.Tensor) -> bool:
+def tma_loads(kernel: KernelConfig, dtype: torch.dtype, *operands: torch.Tensor) -> bool:
     """Whether a kernel launched as `kernel` loads `operands` through tensor descriptors of their rows (each taken as
-    [rows, last dim]): asked for (kernel.tma), 16-bit or fp32 (FP8 weights keep pointer loads beside their scales),
-    a TMA-capable device (sm_90 or later; the interpreter on the CPU), and a descriptor's rules: contiguous, base and
-    rows 16-byte aligned."""
-    if not kernel.tma:
+    [rows, last dim]): asked for (kernel.tma), every operand in `dtype`, the dtype of the tiles they meet in the
+    product (a weight of another dtype is cast as pointer loads bring it in; FP8 codes are dequantized there), 16-bit
+    or fp32, a TMA-capable device (sm_90 or later; the interpreter on the CPU), and a descriptor's rules: contiguous,
+    base and rows 16-byte aligned."""
+    if not kernel.tma or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     first = operands[0]
     if first.is_cuda and torch.cuda.get_device_capability(first.device)[0] < 9:
         return False
     return all(
-        t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and t.is_contiguous()
-        and t.data_ptr() % 16 == 0
-        and (t.shape[-1] * t.element_size()) % 16 == 0
+        t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
         for t in operands
     )
 

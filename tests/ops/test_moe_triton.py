@@ -359,13 +359,13 @@ def test_moe_mlp_kernel_gate_up_forward_in_one_product(kernel_path, guarded, hid
 # rows beside zeros) are computed and never stored. D = 40, F = 36 (fp32 rows of 160 and 144 bytes) under tiles that
 # leave every one of those parts partial, the gate_up forward in one product or two; 4 experts, so tiles of an
 # expert's last rows run into the next one's.
-def _tma_config(one_dot: bool):
+def _tma_config(one_dot: bool, tma: bool = True):
     return dataclasses.replace(
         PER_KERNEL_CONFIG,
-        gate_up_fwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, one_dot=one_dot, tma=True),
-        down_fwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, tma=True),
-        down_bwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, swiglu_pass=True, tma=True),
-        gate_up_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, tma=True),
+        gate_up_fwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, one_dot=one_dot, tma=tma),
+        down_fwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, tma=tma),
+        down_bwd=kernel_config.KernelConfig(16, 32, num_warps=1, num_stages=1, swiglu_pass=True, tma=tma),
+        gate_up_bwd=kernel_config.KernelConfig(32, 16, num_warps=1, num_stages=1, tma=tma),
     )
 
 
@@ -451,6 +451,29 @@ def test_the_wide_tiles_are_picked_where_they_were_measured(monkeypatch, capabil
     assert config == (dataclasses.replace(narrow, **wide_fields) if wide else narrow)
 
 
+def test_moe_mlp_kernel_tma_asked_with_weights_of_another_dtype(kernel_path, guarded, monkeypatch):
+    # fp16 experts (frozen) under fp32 activations: the weights are cast as pointer loads bring them in, so a launch
+    # asking for tma takes pointer loads and gives what the launch without it gives, bit for bit.
+    case = _make_case(29, 40, 48, 4, 2, torch.float32, lora_on="both")
+    for name in ("w_gate_up", "w_down"):
+        case[name] = case[name].detach().to(torch.float16)
+    launched = []
+    for module in (kernels_fwd, kernels_bwd):
+        for name in ("row_descriptor", "halves_descriptor"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *a: launched.append(a))
+    grad_y = torch.randn(29, 40, generator=torch.Generator().manual_seed(1))
+    for one_dot in (True, False):
+        with kernel_config.forced_config(_tma_config(one_dot)):
+            y, grads = run_with_grads(moe_mlp, case, grad_y)
+        with kernel_config.forced_config(_tma_config(one_dot, tma=False)):
+            y_plain, grads_plain = run_with_grads(moe_mlp, case, grad_y)
+        assert torch.equal(y, y_plain) and set(grads) == set(grads_plain)
+        assert all(torch.equal(grads[name], grads_plain[name]) for name in grads)
+    assert launched == []
+    guarded.check()
+
+
 def _operand(kind: str) -> torch.Tensor:
     base = torch.zeros(4, 3, 80, dtype=torch.bfloat16)
     return {
@@ -465,22 +488,26 @@ def _operand(kind: str) -> torch.Tensor:
     }[kind]
 
 
-@pytest.mark.parametrize("kinds, loads", [
-    (("bf16_contiguous", "fp16"), True),
-    (("fp32_rows_of_36",), True),
-    (("bf16",), False),
-    (("bf16_contiguous", "bf16_rows_of_36"), False),
-    (("offset_8_bytes",), False),
-    (("transposed",), False),
-    (("fp8",), False),
+@pytest.mark.parametrize("dtype, kinds, loads", [
+    (torch.bfloat16, ("bf16_contiguous", "bf16_contiguous"), True),
+    (torch.float16, ("fp16",), True),
+    (torch.float32, ("fp32_rows_of_36",), True),
+    (torch.bfloat16, ("bf16",), False),
+    (torch.bfloat16, ("bf16_contiguous", "bf16_rows_of_36"), False),
+    (torch.bfloat16, ("offset_8_bytes",), False),
+    (torch.bfloat16, ("transposed",), False),
+    (torch.bfloat16, ("fp8",), False),
+    (torch.bfloat16, ("bf16_contiguous", "fp16"), False),  # a weight of another dtype than the activations
+    (torch.bfloat16, ("fp32_rows_of_36",), False),
 ])  # fmt: skip
-def test_which_operands_load_through_tma(kinds, loads):
-    # A descriptor of rows needs them contiguous, 16-byte aligned at the base and a multiple of 16 bytes long, in a
-    # 16-bit or fp32 dtype; every operand of the launch must allow it, and the launch must ask for it.
+def test_which_operands_load_through_tma(dtype, kinds, loads):
+    # A descriptor of rows needs them contiguous, 16-byte aligned at the base and a multiple of 16 bytes long, in the
+    # 16-bit or fp32 dtype of the tiles they meet in the product; every operand of the launch must allow it, and the
+    # launch must ask for it.
     operands = [_operand(kind) for kind in kinds]
     asked = kernel_config.KernelConfig(64, 64, num_warps=8, num_stages=3, tma=True)
-    assert kernel_config.tma_loads(asked, *operands) is loads
-    assert kernel_config.tma_loads(dataclasses.replace(asked, tma=False), *operands) is False
+    assert kernel_config.tma_loads(asked, dtype, *operands) is loads
+    assert kernel_config.tma_loads(dataclasses.replace(asked, tma=False), dtype, *operands) is False
 
 
 def test_tma_loads_need_sm90_on_a_gpu(monkeypatch):
@@ -491,7 +518,7 @@ def test_tma_loads_need_sm90_on_a_gpu(monkeypatch):
     asked = kernel_config.KernelConfig(64, 64, num_warps=8, num_stages=3, tma=True)
     for capability, loads in [((8, 9), False), ((9, 0), True), ((10, 0), True)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert kernel_config.tma_loads(asked, operand) is loads
+        assert kernel_config.tma_loads(asked, torch.bfloat16, operand) is loads
 
 
 def test_moe_mlp_kernel_strided_inputs_and_expanded_grad(kernel_path, guarded):
