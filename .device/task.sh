@@ -9,6 +9,7 @@
 #   conv-sweep    python -m moe_tune.engine.bench.causal_conv_sweep
 #   anchor        moe-tune profile --kernels --ops gated_delta_rule,kda --shapes anchor
 #   next          moe-tune profile bench-qwen3-next
+#   turns         moe-tune profile bench-qwen3-next --compare-launch ... (ARGS: the launches, --steps for the rounds)
 #   next-against  moe-tune profile bench-qwen3-next --against transformers
 #   moe-against   moe-tune profile bench-qwen3-moe --against transformers
 set -u
@@ -16,8 +17,8 @@ TASK=$1
 LIMIT=${2:-540}
 shift $(($# < 2 ? $# : 2))
 case $TASK in
-    suite | sweep | conv-sweep | anchor | next | next-against | moe-against) ;;
-    *) echo "task.sh: unknown task '$TASK': suite, sweep, conv-sweep, anchor, next, next-against or moe-against" >&2
+    suite | sweep | conv-sweep | anchor | next | turns | next-against | moe-against) ;;
+    *) echo "task.sh: unknown task '$TASK': suite, sweep, conv-sweep, anchor, next, turns, next-against or moe-against" >&2
        exit 2 ;;
 esac
 # NAME (optional) tells two runs of one task in a call apart: r/TASK-NAME-tritonX.json.
@@ -55,6 +56,7 @@ case $TASK in
     anchor) run python3 -m moe_tune profile --kernels --ops gated_delta_rule,kda --shapes anchor \
         --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
     next) run python3 -m moe_tune profile bench-qwen3-next --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
+    turns) run python3 -m moe_tune profile bench-qwen3-next --json "r/$TAG.json" "$@" ;;
     next-against) run python3 -m moe_tune profile bench-qwen3-next --against transformers \
         --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
     moe-against) run python3 -m moe_tune profile bench-qwen3-moe --against transformers \

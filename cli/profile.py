@@ -73,6 +73,12 @@ def profile(
                      "e.g. causal_conv.one_pass_backward=true (sets MOE_TUNE_LAUNCH; the JSON records it; "
                      "docs/bench.md)"),
     ] = None,
+    compare_launch: Annotated[
+        list[str] | None,
+        typer.Option("--compare-launch", metavar="ENTRIES",
+                     help="with a PROFILE: time its steps under the defaults and under this launch (repeat the option "
+                     "for more), in turns in one process; --steps gives the rounds (docs/bench.md)"),
+    ] = None,
     load_checkpoint: Annotated[
         Path | None,
         typer.Option("--load-checkpoint", metavar="DIR",
@@ -99,6 +105,13 @@ def profile(
         misplaced += [f"{name} ({value}) does not apply with --load-checkpoint" for name, value in
                       {"--steps": None if steps == DEFAULT_STEPS else steps, "--against": against,
                        "--plot": plot, "--launch": launch}.items() if value is not None]  # fmt: skip
+    if compare_launch and profile_arg is not None:
+        # The turns time steps of the profile alone, under launches of their own.
+        misplaced += [f"{name} ({value}) does not apply with --compare-launch" for name, value in
+                      {"--against": against, "--plot": plot, "--launch": launch,
+                       "--load-checkpoint": load_checkpoint}.items() if value is not None]  # fmt: skip
+    if compare_launch and kernels:
+        misplaced.append("--compare-launch does not apply with --kernels (it times a PROFILE's steps)")
     if misplaced:
         fail(misplaced)
     # Before anything runs: a run of minutes must not end on a file it cannot write, nor overwrite an input.
@@ -108,6 +121,8 @@ def profile(
         problems += profile_kernels.input_problems(ops, shapes, baseline)
     if launch is not None:
         problems += launch_problems(launch)
+    for text in compare_launch or []:
+        problems += launch_problems(text, "--compare-launch")
     if problems:
         fail(problems)
     if launch is not None:
@@ -116,7 +131,9 @@ def profile(
         profile_steps.run_load(profile_arg, overrides, load_checkpoint, json_out)
         return
     try:
-        if profile_arg is not None:
+        if compare_launch and profile_arg is not None:
+            profile_steps.run_launches(profile_arg, overrides, steps, compare_launch, json_out)
+        elif profile_arg is not None:
             profile_steps.run(profile_arg, overrides, steps, json_out, against, plot)
         else:
             profile_kernels.run(ops, shapes, json_out, baseline, plot, wide)

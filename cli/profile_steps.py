@@ -478,3 +478,54 @@ def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_o
         write_json(json_out, result)
         console.print(f"results written to {json_out}", markup=False)
 
+
+
+def launches_table(result: dict) -> Table:
+    """One row per launch of compare_launches' result: its timed steps, their median, against the defaults'."""
+    table = Table("launch", "steps (ms)", "median ms", "vs the defaults", "device busy ms")
+    defaults = result["launches"][0]["step_time_s"]
+    for row in result["launches"]:
+        busy = row["device_busy_s"]
+        table.add_row(row["launch"] or "the defaults", ", ".join(f"{t * 1e3:,.2f}" for t in row["step_times_s"]),
+                      f"{row['step_time_s'] * 1e3:,.2f}", f"{row['step_time_s'] / defaults:.3f}x",
+                      "-" if busy is None else f"{busy * 1e3:,.2f}")  # fmt: skip
+    return table
+
+
+def run_launches(profile_arg: str, overrides: list[str] | None, rounds: int, launches: list[str],
+                 json_out: Path | None) -> None:  # fmt: skip
+    """Time the profile's steps under the defaults and each launch in turns; print (and write) what they measured."""
+    job = read_profile(profile_arg, overrides)
+    from moe_tune.engine.bench.launch_turns import LaunchFailed, compare_launches, kernel_changes
+    from moe_tune.profiles import error_line
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = TABLE_WIDTH
+
+    def on_step(launch: str | None, record: dict) -> None:
+        console.print(f"{launch or 'the defaults'}: {record['step_time_s'] * 1e3:,.1f} ms, loss {record['loss']:.4f}",
+                      markup=False)  # fmt: skip
+
+    try:
+        with user_errors():
+            result = compare_launches(job, launches, rounds, on_step=on_step,
+                                      on_line=lambda line: console.print(line, markup=False))  # fmt: skip
+    except LaunchFailed as err:
+        fail([f"--compare-launch {err.launch}: a kernel cannot run under it: {error_line(err.error, plain=())}"])
+    console.print(f"{job.name}: {rounds} rounds of {result['steps_per_turn']} timed steps a launch, in turns; "
+                  f"{result['machine']}, commit {result['commit']}, {result['date']}", markup=False)  # fmt: skip
+    console.print(launches_table(result))
+    defaults = result["launches"][0]
+    for row in result["launches"][1:]:
+        changes = kernel_changes(defaults, row)
+        if changes:
+            console.print(f"the kernels whose device time changed most under {row['launch']} (ms, the defaults -> "
+                          "this launch):", markup=False)  # fmt: skip
+            for change in changes:
+                line = (f"  {change['kernel'][:100]}: {change['defaults_s'] * 1e3:,.3f} -> "
+                        f"{change['time_s'] * 1e3:,.3f} ({change['change_s'] * 1e3:+,.3f})")  # fmt: skip
+                console.print(line, markup=False)
+    if json_out is not None:
+        write_json(json_out, result)
+        console.print(f"results written to {json_out}", markup=False)

@@ -167,13 +167,15 @@ class StepRunner:
 
         if tokens == self._graphs_tokens:
             return
-        self._release_graphs()
+        self.release_graphs()
         self.graphs = maybe_graph_moe_blocks(
             self.engine.module, self.profile, self.dist.device, self._expert_parallel, tokens
         )
         self._graphs_tokens = tokens
 
-    def _release_graphs(self) -> None:
+    def release_graphs(self) -> None:
+        """Destroy the MoE blocks' CUDA graphs (if any): the next step captures them again, with the kernels and the
+        launch it then runs (engine/bench/launch_turns.py lets go of them between launches)."""
         if self.graphs is not None:
             # release() has destroyed the graphs; their pool's memory goes back to the device here.
             self.graphs.release()
@@ -214,7 +216,7 @@ class StepRunner:
         from moe_tune.engine.train.distributed import shutdown_distributed
         from moe_tune.engine.train.trainer import release_engine
 
-        self._release_graphs()
+        self.release_graphs()
         # Its gradient hooks hold the engine (and its gradient buckets) for as long as the process lives otherwise.
         release_engine(self.engine)
         self.engine = None

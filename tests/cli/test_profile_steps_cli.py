@@ -306,3 +306,54 @@ def test_a_json_write_that_fails_keeps_the_old_file(monkeypatch, tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"error: --json ('{old}'): cannot write the results (No space left on device); the file is as it was"
     ]
+
+
+@pytest.mark.parametrize("args, lines", [
+    (["tiny", "--compare-launch", "moe_down_fwd.one_dot=true"],
+     ["error: --compare-launch entry 'moe_down_fwd.one_dot=true': moe_down_fwd has no field 'one_dot' (its fields: "
+      "block_n, block_k, num_warps, num_stages, maxnreg, tma)"]),
+    (["tiny", "--compare-launch", " "],
+     ["error: --compare-launch: empty: name at least one FAMILY.FIELD=VALUE (docs/bench.md)"]),
+    (["tiny", "--compare-launch", "causal_conv.block_t=32", "--against", "transformers", "--launch",
+      "causal_conv.block_t=64"],
+     ["error: --against (transformers) does not apply with --compare-launch",
+      "error: --launch (causal_conv.block_t=64) does not apply with --compare-launch"]),
+    (["--kernels", "--compare-launch", "causal_conv.block_t=32"],
+     ["error: --compare-launch does not apply with --kernels (it times a PROFILE's steps)"]),
+], ids=["unknown-field", "empty", "other-options", "kernels-mode"])  # fmt: skip
+def test_bad_compare_launch_is_one_line_each_exit_2_before_any_step(monkeypatch, args, lines):
+    from moe_tune.engine.bench import launch_turns
+
+    monkeypatch.setattr(launch_turns, "compare_launches", lambda *a, **k: pytest.fail("a step ran"))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == lines
+
+
+def test_compare_launch_prints_each_launch_and_writes_its_rows(monkeypatch, tmp_path):
+    # The turns themselves: tests/engine/bench/test_launch_turns.py. Here what the command prints and writes.
+    from moe_tune.engine.bench import launch_turns
+
+    def row(launch, times, kernels):
+        return dict(launch=launch, step_times_s=times, step_time_s=sorted(times)[1], tokens_per_s=1.0, losses=[1.0] * 3,
+                    device_busy_s=sum(k["time_s"] for k in kernels), kernels=kernels)  # fmt: skip
+
+    result = dict(profile="tiny", seq_len=32, micro_batch_size=1, rounds=3, steps_per_turn=1, launches=[
+        row(None, [0.071, 0.073, 0.072], [dict(kernel="_moe_down_fwd_kernel", calls=8, time_s=0.0037)]),
+        row("moe_down_fwd.tma=true", [0.070, 0.0705, 0.069], [dict(kernel="_moe_down_fwd_kernel", calls=8,
+                                                                    time_s=0.0034)]),
+    ], device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11", triton="3.7.1", commit="abc1234",
+        date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
+    asked = []
+    monkeypatch.setattr(launch_turns, "compare_launches", lambda job, launches, rounds, **k: asked.append(
+        (job.name, launches, rounds)) or result)  # fmt: skip
+    out = tmp_path / "turns.json"
+    args = ["tiny", "--compare-launch", "moe_down_fwd.tma=true", "--steps", "3", "--json", str(out)]
+    printed = runner.invoke(app, args)
+    assert printed.exit_code == 0, printed.output
+    assert asked == [("tiny", ["moe_down_fwd.tma=true"], 3)]
+    assert json.loads(out.read_text()) == result
+    lines = printed.stdout
+    assert "tiny: 3 rounds of 1 timed steps a launch, in turns; NVIDIA H100 80GB HBM3, commit abc1234" in lines
+    assert "72.00" in lines and "70.00" in lines and "0.972x" in lines
+    assert "_moe_down_fwd_kernel: 3.700 -> 3.400 (-0.300)" in lines
