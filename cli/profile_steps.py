@@ -479,7 +479,6 @@ def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_o
         console.print(f"results written to {json_out}", markup=False)
 
 
-
 def launches_table(result: dict) -> Table:
     """One row per launch of compare_launches' result: its timed steps, their median, against the defaults'."""
     table = Table("launch", "steps (ms)", "median ms", "vs the defaults", "device busy ms")
