@@ -484,9 +484,10 @@ def launches_table(result: dict) -> Table:
     table = Table("launch", "steps (ms)", "median ms", "vs the defaults", "device busy ms")
     defaults = result["launches"][0]["step_time_s"]
     for row in result["launches"]:
-        busy = row["device_busy_s"]
+        median, busy = row["step_time_s"], row["device_busy_s"]
+        ratio = "-" if median is None or defaults is None else f"{median / defaults:.3f}x"
         table.add_row(row["launch"] or "the defaults", ", ".join(f"{t * 1e3:,.2f}" for t in row["step_times_s"]),
-                      f"{row['step_time_s'] * 1e3:,.2f}", f"{row['step_time_s'] / defaults:.3f}x",
+                      "-" if median is None else f"{median * 1e3:,.2f}", ratio,
                       "-" if busy is None else f"{busy * 1e3:,.2f}")  # fmt: skip
     return table
 
@@ -495,7 +496,7 @@ def run_launches(profile_arg: str, overrides: list[str] | None, rounds: int, lau
                  json_out: Path | None) -> None:  # fmt: skip
     """Time the profile's steps under the defaults and each launch in turns; print (and write) what they measured."""
     job = read_profile(profile_arg, overrides)
-    from moe_tune.engine.bench.launch_turns import LaunchFailed, compare_launches, kernel_changes
+    from moe_tune.engine.bench.launch_turns import LaunchFailed, TurnsStopped, compare_launches, kernel_changes
     from moe_tune.profiles import error_line
 
     console = Console(highlight=False)
@@ -512,6 +513,16 @@ def run_launches(profile_arg: str, overrides: list[str] | None, rounds: int, lau
                                       on_line=lambda line: console.print(line, markup=False))  # fmt: skip
     except LaunchFailed as err:
         fail([f"--compare-launch {err.launch}: a kernel cannot run under it: {error_line(err.error, plain=())}"])
+    except TurnsStopped as stop:
+        # A time limit's SIGINT after the warm-up: the steps timed until then are printed and written.
+        console.print(launches_table(stop.result))
+        kept = ""
+        if json_out is not None:
+            write_json(json_out, stop.result)
+            kept = f"; {json_out} keeps them (complete: false)"
+        console.print(f"stopped (KeyboardInterrupt) before the {rounds} rounds finished: the steps timed until then"
+                      f"{kept}", markup=False)  # fmt: skip
+        raise
     console.print(f"{job.name}: {rounds} rounds of {result['steps_per_turn']} timed steps a launch, in turns; "
                   f"{result['machine']}, commit {result['commit']}, {result['date']}", markup=False)  # fmt: skip
     console.print(launches_table(result))

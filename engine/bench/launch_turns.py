@@ -24,7 +24,8 @@ from moe_tune.profiles.schema import JobProfile
 
 STEPS_PER_TURN = 2
 
-RESULT_KEYS = ("profile", "seq_len", "micro_batch_size", "rounds", "steps_per_turn", "launches", *MACHINE_KEYS)
+RESULT_KEYS = ("profile", "seq_len", "micro_batch_size", "rounds", "steps_per_turn", "launches", "complete",
+               *MACHINE_KEYS)  # fmt: skip
 LAUNCH_KEYS = ("launch", "step_times_s", "step_time_s", "tokens_per_s", "losses", "device_busy_s", "kernels")
 
 
@@ -34,6 +35,15 @@ class LaunchFailed(RuntimeError):
     def __init__(self, launch: str | None, error: Exception):
         super().__init__(f"{_name(launch)}: {error}")
         self.launch, self.error = launch, error
+
+
+class TurnsStopped(KeyboardInterrupt):
+    """A run stopped (SIGINT: a time limit) after its warm-up: `result` holds the steps timed until then, complete
+    False."""
+
+    def __init__(self, result: dict[str, Any]):
+        super().__init__()
+        self.result = result
 
 
 def compare_launches(
@@ -52,7 +62,8 @@ def compare_launches(
     steps' times and losses in the order they ran, their medians, and on CUDA the device time of its profiled step
     (device_busy_s) and of each kernel in it (kernels: [{kernel, calls, time_s}]). on_step(launch, record) follows
     every timed step; on_line(text) says what runs next. MOE_TUNE_LAUNCH is as it was afterwards. Raises
-    LaunchFailed when a kernel cannot run under a named launch."""
+    LaunchFailed when a kernel cannot run under a named launch, and TurnsStopped (with the steps timed so far, a
+    launch without any having medians of None) when a KeyboardInterrupt comes after the warm-up."""
     from moe_tune.engine.bench.breakdown import timeline_step
 
     say = on_line or (lambda line: None)
@@ -62,6 +73,7 @@ def compare_launches(
     before = os.environ.get(LAUNCH_ENV)
     runner = StepRunner(profile)
     current: list[str | None] = [None]
+    stopped = False
     try:
 
         def switch(index: int) -> None:
@@ -76,23 +88,26 @@ def compare_launches(
             say(f"warm-up under {_name(text)}: {warmup} steps")
             switch(index)
             run_steps(runner, warmup, lambda step, record: None)
-        for number in range(rounds):
-            order = range(len(texts)) if number % 2 == 0 else reversed(range(len(texts)))
-            for index in order:
-                switch(index)
-                records: list[dict] = []
-                # The turn's first step captures the MoE blocks' graphs again: it is not timed.
-                run_steps(runner, 1 + steps_per_turn, lambda step, record: records.append(record))
-                for record in records[1:]:
-                    timed[index].append(record)
-                    if on_step is not None:
-                        on_step(texts[index], record)
-        if runner.is_cuda:
-            for index, text in enumerate(texts):
-                say(f"one more step under {_name(text)} with only the device's work profiled")
-                switch(index)
-                runner.step()
-                timelines[index] = timeline_step(runner)
+        try:
+            for number in range(rounds):
+                order = range(len(texts)) if number % 2 == 0 else reversed(range(len(texts)))
+                for index in order:
+                    switch(index)
+                    records: list[dict] = []
+                    # The turn's first step captures the MoE blocks' graphs again: it is not timed.
+                    run_steps(runner, 1 + steps_per_turn, lambda step, record: records.append(record))
+                    for record in records[1:]:
+                        timed[index].append(record)
+                        if on_step is not None:
+                            on_step(texts[index], record)
+            if runner.is_cuda:
+                for index, text in enumerate(texts):
+                    say(f"one more step under {_name(text)} with only the device's work profiled")
+                    switch(index)
+                    runner.step()
+                    timelines[index] = timeline_step(runner)
+        except KeyboardInterrupt:
+            stopped = True
         is_cuda = runner.is_cuda
     except Exception as err:
         # The defaults failing is a bug, and keeps its traceback.
@@ -112,21 +127,25 @@ def compare_launches(
         rows.append(dict(
             launch=text,
             step_times_s=[r["step_time_s"] for r in records],
-            step_time_s=statistics.median(r["step_time_s"] for r in records),
-            tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+            step_time_s=statistics.median(r["step_time_s"] for r in records) if records else None,
+            tokens_per_s=statistics.median(r["tokens_per_s"] for r in records) if records else None,
             losses=[r["loss"] for r in records],
             device_busy_s=timeline["busy_s"] if timeline else None,
             kernels=timeline["kernels"] if timeline else None,
         ))  # fmt: skip
-    return dict(
+    result = dict(
         profile=profile.name,
         seq_len=profile.data.seq_len,
         micro_batch_size=profile.train.micro_batch_size,
         rounds=rounds,
         steps_per_turn=steps_per_turn,
         launches=rows,
+        complete=not stopped,
         **machine_info(is_cuda),
     )
+    if stopped:
+        raise TurnsStopped(result)
+    return result
 
 
 def kernel_changes(defaults: dict, other: dict, count: int = 5) -> list[dict]:

@@ -330,6 +330,31 @@ def test_bad_compare_launch_is_one_line_each_exit_2_before_any_step(monkeypatch,
     assert result.stderr.strip().splitlines() == lines
 
 
+def test_compare_launch_stopped_after_its_warm_up_prints_and_writes_the_steps_timed(monkeypatch, tmp_path):
+    # A time limit's SIGINT in the second launch's first turn: the defaults' steps are kept, the launch has none.
+    from moe_tune.engine.bench import launch_turns
+
+    rows = [dict(launch=None, step_times_s=[0.071, 0.072], step_time_s=0.0715, tokens_per_s=1.0, losses=[1.0, 1.0],
+                 device_busy_s=None, kernels=None),
+            dict(launch="moe_down_fwd.tma=true", step_times_s=[], step_time_s=None, tokens_per_s=None, losses=[],
+                 device_busy_s=None, kernels=None)]  # fmt: skip
+    result = dict(profile="tiny", seq_len=32, micro_batch_size=1, rounds=3, steps_per_turn=2, launches=rows,
+                  complete=False, device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11",
+                  triton="3.7.1", commit="abc1234", date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
+
+    def stopped(*args, **kwargs):
+        raise launch_turns.TurnsStopped(result)
+
+    monkeypatch.setattr(launch_turns, "compare_launches", stopped)
+    out = tmp_path / "turns.json"
+    printed = runner.invoke(app, ["tiny", "--compare-launch", "moe_down_fwd.tma=true", "--json", str(out)])
+    assert printed.exit_code == 130 and "Traceback" not in printed.output, printed.output
+    assert json.loads(out.read_text()) == result
+    assert (f"stopped (KeyboardInterrupt) before the 3 rounds finished: the steps timed until then; {out} keeps them "
+            "(complete: false)") in printed.output  # fmt: skip
+    assert "71.50" in printed.stdout and "moe_down_fwd.tma=true" in printed.stdout
+
+
 def test_compare_launch_prints_each_launch_and_writes_its_rows(monkeypatch, tmp_path):
     # The turns themselves: tests/engine/bench/test_launch_turns.py. Here what the command prints and writes.
     from moe_tune.engine.bench import launch_turns
@@ -342,8 +367,8 @@ def test_compare_launch_prints_each_launch_and_writes_its_rows(monkeypatch, tmp_
         row(None, [0.071, 0.073, 0.072], [dict(kernel="_moe_down_fwd_kernel", calls=8, time_s=0.0037)]),
         row("moe_down_fwd.tma=true", [0.070, 0.0705, 0.069], [dict(kernel="_moe_down_fwd_kernel", calls=8,
                                                                     time_s=0.0034)]),
-    ], device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11", triton="3.7.1", commit="abc1234",
-        date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
+    ], complete=True, device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11", triton="3.7.1",
+        commit="abc1234", date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
     asked = []
     monkeypatch.setattr(launch_turns, "compare_launches", lambda job, launches, rounds, **k: asked.append(
         (job.name, launches, rounds)) or result)  # fmt: skip

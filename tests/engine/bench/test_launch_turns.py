@@ -78,7 +78,41 @@ def test_launches_run_in_turns_forward_then_backward(fake_runner, monkeypatch, b
         assert row["losses"] == [-t for t in row["step_times_s"]]
         assert row["device_busy_s"] is None and row["kernels"] is None
     assert os.environ.get(LAUNCH_ENV) == before
-    assert list(result) == list(launch_turns.RESULT_KEYS) and result["launch"] == before
+    assert list(result) == list(launch_turns.RESULT_KEYS) and result["launch"] == before and result["complete"]
+
+
+@pytest.mark.parametrize("stop_at, timed_steps", [
+    (6, {None: [5, 6], "a": [], "b": []}),  # in the second step of the first turn's timed ones
+    (12, {None: [5, 6], "a": [8, 9], "b": [11, 12]}),  # in the last step of the first round
+])  # fmt: skip
+def test_a_stop_after_the_warm_up_keeps_the_steps_timed(fake_runner, monkeypatch, stop_at, timed_steps):
+    # SIGINT (a time limit) while the step numbered stop_at + 1 is launched: the steps read until then are kept.
+    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    launch_fine = FakeRunner.launch
+
+    def launch_step(self, behind=None):
+        if len(self.launched) == stop_at:
+            raise KeyboardInterrupt
+        return launch_fine(self, behind)
+
+    monkeypatch.setattr(FakeRunner, "launch", launch_step)
+    with pytest.raises(launch_turns.TurnsStopped) as stopped:
+        launch_turns.compare_launches(load_profile("tiny", TINY), ["a", "b"], rounds=2, steps_per_turn=2, warmup=1)
+    result = stopped.value.result
+    assert result["complete"] is False and list(result) == list(launch_turns.RESULT_KEYS)
+    for row in result["launches"]:
+        steps = [float(n) for n in timed_steps[row["launch"] or None] if n <= stop_at]
+        assert row["step_times_s"] == steps
+        assert row["step_time_s"] == (statistics.median(steps) if steps else None)
+    assert LAUNCH_ENV not in os.environ and fake_runner[0].closed
+
+
+def test_a_stop_in_the_warm_up_keeps_nothing(fake_runner, monkeypatch):
+    monkeypatch.delenv(LAUNCH_ENV, raising=False)
+    monkeypatch.setattr(FakeRunner, "launch", lambda self, behind=None: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        launch_turns.compare_launches(load_profile("tiny", TINY), ["a"], rounds=1, warmup=1)
+    assert not isinstance(stopped.value, launch_turns.TurnsStopped) and fake_runner[0].closed
 
 
 def test_a_kernel_that_cannot_run_under_a_launch_names_it(fake_runner, monkeypatch):
