@@ -100,6 +100,14 @@ def _steps_table(result: dict) -> Table:
     return table
 
 
+def _console() -> Console:
+    """The commands' console: TABLE_WIDTH wide when it is not a terminal (a log, a pipe)."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = TABLE_WIDTH
+    return console
+
+
 def write_json(path: Path, data) -> None:
     """Write `data` to --json's `path` through a temporary file renamed over it: a write that fails (a full disk)
     leaves the file as it was, and says so in one line."""
@@ -348,9 +356,7 @@ def run(
     job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.steps import WARMUP_STEPS, profile_steps
 
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = TABLE_WIDTH
+    console = _console()
 
     def on_step(index: int, is_warmup: bool, record: dict) -> None:
         label = "warm-up" if is_warmup else "step"
@@ -443,9 +449,7 @@ def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_o
     job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.load_op import run_load_benchmark
 
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = TABLE_WIDTH
+    console = _console()
     with user_errors():
         result = run_load_benchmark(job, folder, on_line=lambda line: console.print(line, markup=False))
     title = (f"{result['profile']}: loading {result['checkpoint']}; {result['machine']} ({result['device']}), "
@@ -499,9 +503,7 @@ def run_launches(profile_arg: str, overrides: list[str] | None, rounds: int, lau
     from moe_tune.engine.bench.launch_turns import LaunchFailed, TurnsStopped, compare_launches, kernel_changes
     from moe_tune.profiles import error_line
 
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = TABLE_WIDTH
+    console = _console()
 
     def on_step(launch: str | None, record: dict) -> None:
         console.print(f"{launch or 'the defaults'}: {record['step_time_s'] * 1e3:,.1f} ms, loss {record['loss']:.4f}",

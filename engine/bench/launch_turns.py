@@ -72,12 +72,13 @@ def compare_launches(
     timelines: dict[int, dict] = {}
     before = os.environ.get(LAUNCH_ENV)
     runner = StepRunner(profile)
-    current: list[str | None] = [None]
+    current: str | None = None
     stopped = False
     try:
 
         def switch(index: int) -> None:
-            current[0] = texts[index]
+            nonlocal current
+            current = texts[index]
             if texts[index] is None:
                 os.environ.pop(LAUNCH_ENV, None)
             else:
@@ -111,8 +112,8 @@ def compare_launches(
         is_cuda = runner.is_cuda
     except Exception as err:
         # The defaults failing is a bug, and keeps its traceback.
-        if current[0] is not None and type(err).__module__.startswith("triton"):
-            raise LaunchFailed(current[0], err) from err
+        if current is not None and type(err).__module__.startswith("triton"):
+            raise LaunchFailed(current, err) from err
         raise
     finally:
         if before is None:

@@ -183,7 +183,7 @@ def _default_config(x: torch.Tensor, num_slots: int, num_experts: int, fp8_codes
         lora_rows=GPU_LORA_ROWS,
         lora_bwd=GPU_LORA_BWD,
     )
-    if fp8_codes or block_m != GPU_BLOCK_M or torch.cuda.get_device_capability(x.device)[0] < 9:
+    if fp8_codes or block_m != GPU_BLOCK_M or not has_tma(x):
         return config
     return dataclasses.replace(config, gate_up_fwd=SM90_GATE_UP_FWD, down_fwd=SM90_WIDE_TMA, gate_up_bwd=SM90_WIDE_TMA)
 
@@ -239,16 +239,18 @@ def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return dummy if t is None else t
 
 
+def has_tma(t: torch.Tensor) -> bool:
+    """Whether t's device loads through tensor descriptors: an sm_90 or later GPU, or the CPU (the interpreter)."""
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
 def tma_loads(kernel: KernelConfig, dtype: torch.dtype, *operands: torch.Tensor) -> bool:
     """Whether a kernel launched as `kernel` loads `operands` through tensor descriptors of their rows (each taken as
     [rows, last dim]): asked for (kernel.tma), every operand in `dtype`, the dtype of the tiles they meet in the
     product (a weight of another dtype is cast as pointer loads bring it in; FP8 codes are dequantized there), 16-bit
     or fp32, a TMA-capable device (sm_90 or later; the interpreter on the CPU), and a descriptor's rules: contiguous,
     base and rows 16-byte aligned."""
-    if not kernel.tma or dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    first = operands[0]
-    if first.is_cuda and torch.cuda.get_device_capability(first.device)[0] < 9:
+    if not kernel.tma or dtype not in (torch.bfloat16, torch.float16, torch.float32) or not has_tma(operands[0]):
         return False
     return all(
         t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0

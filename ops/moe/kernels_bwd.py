@@ -737,7 +737,7 @@ def _down_bwd_two_passes(
     rank = a_down.shape[1] if a_down is not None else 0
     dh = kernel_config.alloc((num_slots, num_hidden), gate_up.dtype, dy.device)
     dweights = kernel_config.alloc((num_slots,), torch.float32, dy.device)
-    tma = scale_inv is None and tma_loads(kernel, dy.dtype, w_down)
+    tma = tma_loads(kernel, dy.dtype, w_down)
     if routing.num_tiles > 0:
         _moe_down_bwd_gemm_kernel[(routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)](
             dy, w_down, or_dummy(scale_inv, dgate_up), or_dummy(a_down, w_down), or_dummy(dha, dgate_up), dh,
@@ -783,7 +783,7 @@ def moe_gate_up_bwd(
     kernel = config.gate_up_bwd
     check_fp8_steps(scale_inv, kernel.block_k)
     num_col_blocks = triton.cdiv(model_dim, kernel.block_n)
-    tma = scale_inv is None and tma_loads(kernel, dgate_up.dtype, dgate_up, w_gate_up)
+    tma = tma_loads(kernel, dgate_up.dtype, dgate_up, w_gate_up)
     if routing.num_tiles > 0:
         _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
             dgate_up, w_gate_up, or_dummy(scale_inv, dx_slot), or_dummy(a_gate_up, w_gate_up), or_dummy(dxa, dgate_up),

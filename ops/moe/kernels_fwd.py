@@ -371,7 +371,7 @@ def moe_gate_up_fwd(
     kernel = config.gate_up_fwd
     check_fp8_steps(scale_inv, kernel.block_k)
     grid = (routing.num_tiles * triton.cdiv(num_hidden, kernel.block_n),)
-    tma = scale_inv is None and tma_loads(kernel, x.dtype, w_gate_up)
+    tma = tma_loads(kernel, x.dtype, w_gate_up)
     if routing.num_tiles > 0:
         _moe_gate_up_fwd_kernel[grid](
             x, w_gate_up, or_dummy(scale_inv, h), or_dummy(b_gate_up, w_gate_up), or_dummy(xa, h), h,
@@ -416,7 +416,7 @@ def moe_down_fwd(
     kernel = config.down_fwd
     check_fp8_steps(scale_inv, kernel.block_k)
     grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
-    tma = scale_inv is None and tma_loads(kernel, h.dtype, h, w_down)
+    tma = tma_loads(kernel, h.dtype, h, w_down)
     if routing.num_tiles > 0:
         _moe_down_fwd_kernel[grid](
             h, w_down, or_dummy(scale_inv, h), or_dummy(b_down, w_down), or_dummy(ha, h), topk_weights.reshape(-1),

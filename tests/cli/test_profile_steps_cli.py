@@ -330,6 +330,14 @@ def test_bad_compare_launch_is_one_line_each_exit_2_before_any_step(monkeypatch,
     assert result.stderr.strip().splitlines() == lines
 
 
+def turns_result(rows: list[dict], steps_per_turn: int, complete: bool) -> dict:
+    """A result of compare_launches (engine/bench/launch_turns.py) with these launch rows, on an H100."""
+    machine = dict(device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11", triton="3.7.1",
+                   commit="abc1234", date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
+    return dict(profile="tiny", seq_len=32, micro_batch_size=1, rounds=3, steps_per_turn=steps_per_turn,
+                launches=rows, complete=complete, **machine)  # fmt: skip
+
+
 def test_compare_launch_stopped_after_its_warm_up_prints_and_writes_the_steps_timed(monkeypatch, tmp_path):
     # A time limit's SIGINT in the second launch's first turn: the defaults' steps are kept, the launch has none.
     from moe_tune.engine.bench import launch_turns
@@ -338,9 +346,7 @@ def test_compare_launch_stopped_after_its_warm_up_prints_and_writes_the_steps_ti
                  device_busy_s=None, kernels=None),
             dict(launch="moe_down_fwd.tma=true", step_times_s=[], step_time_s=None, tokens_per_s=None, losses=[],
                  device_busy_s=None, kernels=None)]  # fmt: skip
-    result = dict(profile="tiny", seq_len=32, micro_batch_size=1, rounds=3, steps_per_turn=2, launches=rows,
-                  complete=False, device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11",
-                  triton="3.7.1", commit="abc1234", date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
+    result = turns_result(rows, steps_per_turn=2, complete=False)
 
     def stopped(*args, **kwargs):
         raise launch_turns.TurnsStopped(result)
@@ -363,12 +369,11 @@ def test_compare_launch_prints_each_launch_and_writes_its_rows(monkeypatch, tmp_
         return dict(launch=launch, step_times_s=times, step_time_s=sorted(times)[1], tokens_per_s=1.0, losses=[1.0] * 3,
                     device_busy_s=sum(k["time_s"] for k in kernels), kernels=kernels)  # fmt: skip
 
-    result = dict(profile="tiny", seq_len=32, micro_batch_size=1, rounds=3, steps_per_turn=1, launches=[
+    result = turns_result([
         row(None, [0.071, 0.073, 0.072], [dict(kernel="_moe_down_fwd_kernel", calls=8, time_s=0.0037)]),
         row("moe_down_fwd.tma=true", [0.070, 0.0705, 0.069], [dict(kernel="_moe_down_fwd_kernel", calls=8,
                                                                     time_s=0.0034)]),
-    ], complete=True, device="cuda", machine="NVIDIA H100 80GB HBM3", driver="580", torch="2.11", triton="3.7.1",
-        commit="abc1234", date="2026-12-06T16:00:00+00:00", launch=None)  # fmt: skip
+    ], steps_per_turn=1, complete=True)  # fmt: skip
     asked = []
     monkeypatch.setattr(launch_turns, "compare_launches", lambda job, launches, rounds, **k: asked.append(
         (job.name, launches, rounds)) or result)  # fmt: skip

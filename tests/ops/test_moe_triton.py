@@ -369,22 +369,28 @@ def _tma_config(one_dot: bool, tma: bool = True):
     )
 
 
-@pytest.mark.parametrize("one_dot", [True, False], ids=["one_product", "two_products"])
-@pytest.mark.parametrize("lora_on", ["none", "both"])
-def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, monkeypatch, lora_on, one_dot):
-    case = _make_case(29, 40, 36, 4, 2, torch.float32, lora_on=lora_on)
-    launched = []
+@pytest.fixture
+def descriptors_made(monkeypatch) -> list[tuple]:
+    """The block shapes of every tensor descriptor the MoE launchers make (row_descriptor's, halves_descriptor's)."""
+    made = []
     for module in (kernels_fwd, kernels_bwd):
         for name in ("row_descriptor", "halves_descriptor"):
             if hasattr(module, name):
-                made = getattr(kernel_config, name)
-                monkeypatch.setattr(module, name, lambda *a, made=made: launched.append(a[1:]) or made(*a))
+                make = getattr(kernel_config, name)
+                monkeypatch.setattr(module, name, lambda *a, make=make: made.append(a[1:]) or make(*a))
+    return made
+
+
+@pytest.mark.parametrize("one_dot", [True, False], ids=["one_product", "two_products"])
+@pytest.mark.parametrize("lora_on", ["none", "both"])
+def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, descriptors_made, lora_on, one_dot):
+    case = _make_case(29, 40, 36, 4, 2, torch.float32, lora_on=lora_on)
     with kernel_config.forced_config(_tma_config(one_dot)):
         _assert_matches_oracle(case, torch.float32)
     guarded.check()
     # Every kernel took its descriptors: gate_up's weights in [1, 2 or 1, 32, 16] tiles, h and w_down [16, 32] /
     # [16, 32], w_down in the down backward [32, 16], dgate_up and w_gate_up [16, 16] / [16, 32].
-    assert sorted(set(launched)) == sorted({(2 if one_dot else 1, 32, 16), (16, 32), (32, 16), (16, 16)})
+    assert sorted(set(descriptors_made)) == sorted({(2 if one_dot else 1, 32, 16), (16, 32), (32, 16), (16, 16)})
 
 
 @pytest.mark.parametrize(
@@ -451,17 +457,12 @@ def test_the_wide_tiles_are_picked_where_they_were_measured(monkeypatch, capabil
     assert config == (dataclasses.replace(narrow, **wide_fields) if wide else narrow)
 
 
-def test_moe_mlp_kernel_tma_asked_with_weights_of_another_dtype(kernel_path, guarded, monkeypatch):
+def test_moe_mlp_kernel_tma_asked_with_weights_of_another_dtype(kernel_path, guarded, descriptors_made):
     # fp16 experts (frozen) under fp32 activations: the weights are cast as pointer loads bring them in, so a launch
     # asking for tma takes pointer loads and gives what the launch without it gives, bit for bit.
     case = _make_case(29, 40, 48, 4, 2, torch.float32, lora_on="both")
     for name in ("w_gate_up", "w_down"):
         case[name] = case[name].detach().to(torch.float16)
-    launched = []
-    for module in (kernels_fwd, kernels_bwd):
-        for name in ("row_descriptor", "halves_descriptor"):
-            if hasattr(module, name):
-                monkeypatch.setattr(module, name, lambda *a: launched.append(a))
     grad_y = torch.randn(29, 40, generator=torch.Generator().manual_seed(1))
     for one_dot in (True, False):
         with kernel_config.forced_config(_tma_config(one_dot)):
@@ -470,7 +471,7 @@ def test_moe_mlp_kernel_tma_asked_with_weights_of_another_dtype(kernel_path, gua
             y_plain, grads_plain = run_with_grads(moe_mlp, case, grad_y)
         assert torch.equal(y, y_plain) and set(grads) == set(grads_plain)
         assert all(torch.equal(grads[name], grads_plain[name]) for name in grads)
-    assert launched == []
+    assert descriptors_made == []
     guarded.check()
 
 

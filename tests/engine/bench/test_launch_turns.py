@@ -2,6 +2,7 @@
 
 import os
 import statistics
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ class FakeRunner:
     were let go since the step before (a step's time is its number)."""
 
     is_cuda = False
+    # (runner) -> the error its next launch raises, or None: set by a test.
+    fails: Callable[["FakeRunner"], BaseException | None] = staticmethod(lambda runner: None)
 
     def __init__(self, profile):
         self.launched: list[tuple[str | None, bool]] = []
@@ -28,6 +31,8 @@ class FakeRunner:
         self.released = True
 
     def launch(self, behind=None):
+        if error := self.fails(self):
+            raise error
         self.launched.append((os.environ.get(LAUNCH_ENV), self.released))
         self.released = False
         return len(self.launched)
@@ -88,20 +93,14 @@ def test_launches_run_in_turns_forward_then_backward(fake_runner, monkeypatch, b
 def test_a_stop_after_the_warm_up_keeps_the_steps_timed(fake_runner, monkeypatch, stop_at, timed_steps):
     # SIGINT (a time limit) while the step numbered stop_at + 1 is launched: the steps read until then are kept.
     monkeypatch.delenv(LAUNCH_ENV, raising=False)
-    launch_fine = FakeRunner.launch
-
-    def launch_step(self, behind=None):
-        if len(self.launched) == stop_at:
-            raise KeyboardInterrupt
-        return launch_fine(self, behind)
-
-    monkeypatch.setattr(FakeRunner, "launch", launch_step)
+    monkeypatch.setattr(FakeRunner, "fails", staticmethod(
+        lambda runner: KeyboardInterrupt() if len(runner.launched) == stop_at else None))  # fmt: skip
     with pytest.raises(launch_turns.TurnsStopped) as stopped:
         launch_turns.compare_launches(load_profile("tiny", TINY), ["a", "b"], rounds=2, steps_per_turn=2, warmup=1)
     result = stopped.value.result
     assert result["complete"] is False and list(result) == list(launch_turns.RESULT_KEYS)
     for row in result["launches"]:
-        steps = [float(n) for n in timed_steps[row["launch"] or None] if n <= stop_at]
+        steps = [float(n) for n in timed_steps[row["launch"]]]
         assert row["step_times_s"] == steps
         assert row["step_time_s"] == (statistics.median(steps) if steps else None)
     assert LAUNCH_ENV not in os.environ and fake_runner[0].closed
@@ -109,7 +108,7 @@ def test_a_stop_after_the_warm_up_keeps_the_steps_timed(fake_runner, monkeypatch
 
 def test_a_stop_in_the_warm_up_keeps_nothing(fake_runner, monkeypatch):
     monkeypatch.delenv(LAUNCH_ENV, raising=False)
-    monkeypatch.setattr(FakeRunner, "launch", lambda self, behind=None: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(FakeRunner, "fails", staticmethod(lambda runner: KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt) as stopped:
         launch_turns.compare_launches(load_profile("tiny", TINY), ["a"], rounds=1, warmup=1)
     assert not isinstance(stopped.value, launch_turns.TurnsStopped) and fake_runner[0].closed
@@ -120,15 +119,9 @@ def test_a_kernel_that_cannot_run_under_a_launch_names_it(fake_runner, monkeypat
 
     monkeypatch.delenv(LAUNCH_ENV, raising=False)
     launch = "moe_down_fwd.block_n=512"
-
-    launch_fine = FakeRunner.launch
-
-    def launch_step(self, behind=None):
-        if os.environ.get(LAUNCH_ENV) == launch:
-            raise OutOfResources(300000, 232448, "shared memory")
-        return launch_fine(self, behind)
-
-    monkeypatch.setattr(FakeRunner, "launch", launch_step)
+    monkeypatch.setattr(FakeRunner, "fails", staticmethod(
+        lambda runner: OutOfResources(300000, 232448, "shared memory") if os.environ.get(LAUNCH_ENV) == launch
+        else None))  # fmt: skip
     with pytest.raises(launch_turns.LaunchFailed) as failed:
         launch_turns.compare_launches(load_profile("tiny", TINY), [launch], rounds=1, warmup=1)
     assert failed.value.launch == launch and isinstance(failed.value.error, OutOfResources)
