@@ -92,13 +92,16 @@ GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, n
 # (capped at 128: spills), and ran at 240 TFLOP/s in a bench-qwen3-next step against 460-515 for the other GEMMs.
 GPU_DOWN_BWD = KernelConfig(GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, swiglu_pass=True)
 # On sm_90 at 128-row tiles with 16-bit weights, 128 x 256 output tiles, which reuse each loaded byte for 85 FLOP
-# instead of 64: the gate_up forward as one product of 128 gate and 128 up columns (one_dot), the down forward and the
-# gate_up backward at 256 columns with their expert-ordered rows and weights through TMA. In a bench-qwen3-next step on
-# an H100 (docs/PERF.md) the three take 6.26, 5.41 and 3.32 ms, and 6.89, 6.44 and 3.66 at the 128-column launches
-# with pointer loads. A gathered-row GEMM alone at that shape (65,536 rows, K 2048, N 1536, bf16) runs at 520
-# TFLOP/s at 128 x 128 with pointer loads, 577 at 128 x 256, 605 with the weights through TMA.
-SM90_GATE_UP_FWD = KernelConfig(128, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, one_dot=True)
+# instead of 64, with the weights and the operands that lie in expert order through TMA: the gate_up forward as one
+# product of 128 gate and 128 up columns (one_dot), the down forward, the gate_up backward and the down backward's GEMM
+# at 256 columns. In bench-qwen3-next steps on an H100 (docs/PERF.md) the gate_up forward takes 6.09 ms against 6.30
+# with pointer loads and 6.99 at two products of 64 columns, the gate_up backward and the down forward 5.41 and 3.32
+# against 6.44 and 3.66 at 128 columns with pointer loads, the down backward's GEMM 2.83 against 3.26 at 128. A
+# gathered-row GEMM alone at the gate_up forward's shape (65,536 rows, K 2048, N 1536, bf16) runs at 520 TFLOP/s at
+# 128 x 128 with pointer loads, 577 at 128 x 256, 605 with the weights through TMA.
+SM90_GATE_UP_FWD = KernelConfig(128, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, one_dot=True, tma=True)
 SM90_WIDE_TMA = KernelConfig(256, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, tma=True)
+SM90_DOWN_BWD = dataclasses.replace(GPU_DOWN_BWD, block_n=256, tma=True)
 # Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
 # at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory, at 5 stages 3 (96 KB), as the other GEMMs.
 GPU_EXPERT_GRAD_STAGES = 5
@@ -185,7 +188,9 @@ def _default_config(x: torch.Tensor, num_slots: int, num_experts: int, fp8_codes
     )
     if fp8_codes or block_m != GPU_BLOCK_M or not has_tma(x):
         return config
-    return dataclasses.replace(config, gate_up_fwd=SM90_GATE_UP_FWD, down_fwd=SM90_WIDE_TMA, gate_up_bwd=SM90_WIDE_TMA)
+    return dataclasses.replace(
+        config, gate_up_fwd=SM90_GATE_UP_FWD, down_fwd=SM90_WIDE_TMA, down_bwd=SM90_DOWN_BWD, gate_up_bwd=SM90_WIDE_TMA
+    )
 
 
 def with_launch_overrides(config: MoEConfig) -> MoEConfig:

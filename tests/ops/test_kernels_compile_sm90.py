@@ -86,6 +86,8 @@ CASES = [
       for constexprs, types in [_descriptors(tma, g_desc=[128, 64], w_desc=[64, 128])]],
     *[(MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, **constexprs, TMA=tma), 8, 3, dict(_ROW_TYPES, **types))
       for tma in (False, True) for constexprs, types in [_descriptors(tma, w_desc=[64, 128])]],
+    (MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, BLOCK_N=256, TMA=True), 8, 3,
+     dict(_ROW_TYPES, w_desc="tensordesc<bf16[64, 256]>")),
 ]  # fmt: skip
 
 

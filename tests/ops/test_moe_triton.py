@@ -441,8 +441,9 @@ def test_sweep_candidates_start_with_the_bf16_gpu_choice(monkeypatch):
 ])  # fmt: skip
 def test_the_wide_tiles_are_picked_where_they_were_measured(monkeypatch, capability, dtype, rows_per_expert,
                                                              fp8_codes, wide):  # fmt: skip
-    # 128 x 256 tiles (the gate_up forward in one product, the down forward and gate_up backward through TMA) on sm_90
-    # and later, at 128-row tiles with 16-bit weights; every other kernel's launch the same either way.
+    # 128 x 256 tiles through TMA (the gate_up forward in one product, the down forward, the gate_up backward and the
+    # down backward's GEMM) on sm_90 and later, at 128-row tiles with 16-bit weights; every other kernel's launch the
+    # same either way.
     import dataclasses
     from types import SimpleNamespace
 
@@ -450,7 +451,7 @@ def test_the_wide_tiles_are_picked_where_they_were_measured(monkeypatch, capabil
     x = SimpleNamespace(is_cuda=True, dtype=dtype, device="cuda:0")
     config = kernel_config.pick_config(x, 64 * rows_per_expert, 64, fp8_codes=fp8_codes)
     wide_fields = dict(gate_up_fwd=kernel_config.SM90_GATE_UP_FWD, down_fwd=kernel_config.SM90_WIDE_TMA,
-                       gate_up_bwd=kernel_config.SM90_WIDE_TMA)  # fmt: skip
+                       down_bwd=kernel_config.SM90_DOWN_BWD, gate_up_bwd=kernel_config.SM90_WIDE_TMA)  # fmt: skip
     assert all((getattr(config, name) == kernel) == wide for name, kernel in wide_fields.items())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     narrow = kernel_config.pick_config(x, 64 * rows_per_expert, 64, fp8_codes=fp8_codes)
