@@ -12,6 +12,7 @@ step whose device work is profiled (breakdown.timeline_step): its kernels' devic
 from __future__ import annotations
 
 import os
+import re
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -149,19 +150,43 @@ def compare_launches(
     return result
 
 
+# A CUDA graph's copy and memset nodes run either on the copy engine ("Memcpy DtoD (Device -> Device)", "Memset
+# (Device)") or as the driver's kernels ("memcpy128", "memset32"), and two instantiations of one graph may differ:
+# kernel_changes counts each kind as one.
+_DEVICE_COPY = re.compile(r"Memcpy DtoD \(Device -> Device\)|memcpy\d+")
+_DEVICE_MEMSET = re.compile(r"Memset \(Device\)|memset\d+")
+
+
+def _kernel_kind(name: str) -> str:
+    if _DEVICE_COPY.fullmatch(name):
+        return "device-to-device copies"
+    if _DEVICE_MEMSET.fullmatch(name):
+        return "memsets"
+    return name
+
+
 def kernel_changes(defaults: dict, other: dict, count: int = 5) -> list[dict]:
     """The `count` kernels whose device time changed most from the defaults' row to `other`'s (rows of
-    compare_launches on CUDA): [{kernel, defaults_s, time_s, change_s}], largest change first; [] without kernels."""
+    compare_launches on CUDA): [{kernel, defaults_s, time_s, change_s}], largest change first; [] without kernels.
+    Device-to-device copies and memsets count as one kernel each, as the copy engine or the driver's kernels ran
+    them."""
     if not defaults["kernels"] or not other["kernels"]:
         return []
-    before = {row["kernel"]: row["time_s"] for row in defaults["kernels"]}
-    after = {row["kernel"]: row["time_s"] for row in other["kernels"]}
+    before, after = _times_by_kind(defaults["kernels"]), _times_by_kind(other["kernels"])
     changes = [
         dict(kernel=name, defaults_s=before.get(name, 0.0), time_s=after.get(name, 0.0),
              change_s=after.get(name, 0.0) - before.get(name, 0.0))
         for name in before.keys() | after.keys()
     ]  # fmt: skip
     return sorted(changes, key=lambda row: (-abs(row["change_s"]), row["kernel"]))[:count]
+
+
+def _times_by_kind(kernels: list[dict]) -> dict[str, float]:
+    times: dict[str, float] = {}
+    for row in kernels:
+        kind = _kernel_kind(row["kernel"])
+        times[kind] = times.get(kind, 0.0) + row["time_s"]
+    return times
 
 
 def _name(text: str | None) -> str:

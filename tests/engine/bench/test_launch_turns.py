@@ -136,6 +136,20 @@ def test_kernel_changes_rank_by_the_largest_change():
     assert launch_turns.kernel_changes(dict(kernels=None), other) == []
 
 
+@pytest.mark.parametrize("copy, memset", [("memcpy128", "memset32"), ("memcpy32", "memset8")])
+def test_kernel_changes_count_a_graphs_copies_and_memsets_as_one_kind(copy, memset):
+    # One instantiation of a graph ran its copies and memsets on the copy engine, the other as the driver's kernels:
+    # only the copies' real change (+0.1) is reported, beside a kernel whose name merely contains "memcpy".
+    defaults = dict(kernels=[dict(kernel="Memcpy DtoD (Device -> Device)", time_s=0.4), dict(kernel=copy, time_s=0.2),
+                             dict(kernel="Memset (Device)", time_s=0.3), dict(kernel="my_memcpy128_kernel", time_s=1.0)])
+    other = dict(kernels=[dict(kernel="Memcpy DtoD (Device -> Device)", time_s=0.7), dict(kernel=memset, time_s=0.3),
+                          dict(kernel="my_memcpy128_kernel", time_s=0.5)])  # fmt: skip
+    changes = launch_turns.kernel_changes(defaults, other)
+    assert [(c["kernel"], round(c["change_s"], 9)) for c in changes] == [
+        ("my_memcpy128_kernel", -0.5), ("device-to-device copies", 0.1), ("memsets", 0.0)
+    ]
+
+
 def test_real_steps_of_the_tiny_profile_under_two_launches(monkeypatch):
     # The StepRunner itself: one untimed and one timed step a launch, no warm-up (the CPU runs the references).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
