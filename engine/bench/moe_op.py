@@ -78,13 +78,14 @@ def sweep_candidates() -> dict[str, list]:
     """Launch configs the sweep tries on a GPU, the first of each being pick_config's bf16 choice on sm_90.
 
     down_bwd: pick_config's is a GEMM storing dy W (+ LoRA), then a pass of SwiGLU's backward (swiglu_pass), at 256
-    columns with its weights through TMA on sm_90 and 128 elsewhere; with that backward in the GEMM's epilogue the kernel needs 180-255 registers a thread at 64-column
-    tiles, capped at 128 (two CTAs an SM) it spills. 256 columns (the gate_up forward: 128 a half), and 128 x 256 or
-    256 x 128 weight-gradient tiles, raise the reuse of each loaded byte from 64 to 85 FLOP (about 180-250 registers,
-    one CTA). In bench-qwen3-next steps on an H100 the gate_up forward at 128 columns a half in one product, and
-    the down forward, the gate_up backward and the down backward's GEMM at 256 columns, each with its weights (and the
-    rows that lie in expert order) through TMA, are faster (docs/PERF.md): pick_config takes them on sm_90. 5-stage weight gradients trained E64 in 12.35 ms against 13.16 without them (docs/perf-history.md, MoE):
-    pick_config takes them.
+    columns with its weights through TMA on sm_90 and 128 elsewhere; with that backward in the GEMM's epilogue the
+    kernel needs 180-255 registers a thread at 64-column tiles, capped at 128 (two CTAs an SM) it spills. 256 columns
+    (the gate_up forward: 128 a half), and 128 x 256 or 256 x 128 weight-gradient tiles, raise the reuse of each
+    loaded byte from 64 to 85 FLOP (about 180-250 registers, one CTA). In bench-qwen3-next steps on an H100 the gate_up
+    forward at 128 columns a half in one product, and the down forward, the gate_up backward and the down backward's
+    GEMM at 256 columns, each with its weights (and the rows that lie in expert order) through TMA over 4 stages, are
+    faster (docs/PERF.md): pick_config takes them on sm_90. 5-stage weight gradients trained E64 in 12.35 ms against
+    13.16 without them (docs/perf-history.md, MoE): pick_config takes them.
     The LoRA passes are memory-bound: their candidates vary the bytes per load (K step, gradient columns) and the
     warps and stages that keep loads in flight. Of the backward pass's, 256 columns at 4 warps was fastest alone on
     the H200 (1.03 ms at E256 against 1.08-2.02 for the others; docs/perf-history.md, MoE), so pick_config takes it.
@@ -95,9 +96,10 @@ def sweep_candidates() -> dict[str, list]:
 
     return {
         # The gate and up halves as one product a K step (one_dot) or two, at 128 columns a half with the weights
-        # through TMA as one [1, 2, 128, 64] tile of both halves (pick_config's on sm_90), and by pointer loads at 128
-        # and at 64 (the choice elsewhere); with two products through TMA, two tiles of one half.
+        # through TMA as one [1, 2, 128, 64] tile of both halves over 4 stages (pick_config's on sm_90) or 3, and by
+        # pointer loads at 128 and at 64 (the choice elsewhere); with two products through TMA, two tiles of one half.
         "gate_up_fwd": [
+            KernelConfig(128, 64, num_warps=8, num_stages=4, one_dot=True, tma=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True, tma=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3, one_dot=True),
             KernelConfig(64, 64, num_warps=8, num_stages=3, one_dot=True),
@@ -105,8 +107,10 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
         ],
         # The down forward and the gate_up backward read h and dgate_up in expert order: with tma, those rows and the
-        # weights come as tiles through tensor descriptors; at 256 columns (pick_config's on sm_90) and 128.
+        # weights come as tiles through tensor descriptors; at 256 columns over 4 stages (pick_config's on sm_90) or 3,
+        # and at 128.
         "down_fwd": [
+            KernelConfig(256, 64, num_warps=8, num_stages=4, tma=True),
             KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
             KernelConfig(256, 64, num_warps=8, num_stages=3),
             KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
@@ -116,8 +120,9 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(256, 128, num_warps=8, num_stages=2, tma=True),
         ],
         "down_bwd": [
-            # The GEMM at 256 columns with its weights through TMA (pick_config's on sm_90; dy's token rows stay
-            # gathered by pointer loads), and by pointer loads at 128 (the choice elsewhere) and 256.
+            # The GEMM at 256 columns with its weights through TMA over 4 stages (pick_config's on sm_90) or 3 (dy's
+            # token rows stay gathered by pointer loads), and by pointer loads at 128 (the choice elsewhere) and 256.
+            KernelConfig(256, 64, num_warps=8, num_stages=4, swiglu_pass=True, tma=True),
             KernelConfig(256, 64, num_warps=8, num_stages=3, swiglu_pass=True, tma=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3, swiglu_pass=True),
             KernelConfig(128, 64, num_warps=8, num_stages=4, swiglu_pass=True),
@@ -129,6 +134,7 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(64, 64, num_warps=8, num_stages=3, maxnreg=128),
         ],
         "gate_up_bwd": [
+            KernelConfig(256, 64, num_warps=8, num_stages=4, tma=True),
             KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True),
             KernelConfig(256, 64, num_warps=8, num_stages=3),
             KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),

@@ -92,16 +92,18 @@ GPU_LORA_BWD = KernelConfig(block_n=256, block_k=32, num_warps=THIN_NUM_WARPS, n
 # (capped at 128: spills), and ran at 240 TFLOP/s in a bench-qwen3-next step against 460-515 for the other GEMMs.
 GPU_DOWN_BWD = KernelConfig(GPU_BLOCK_N, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, swiglu_pass=True)
 # On sm_90 at 128-row tiles with 16-bit weights, 128 x 256 output tiles, which reuse each loaded byte for 85 FLOP
-# instead of 64, with the weights and the operands that lie in expert order through TMA: the gate_up forward as one
-# product of 128 gate and 128 up columns (one_dot), the down forward, the gate_up backward and the down backward's GEMM
-# at 256 columns. In bench-qwen3-next steps on an H100 (docs/PERF.md) the gate_up forward takes 6.09 ms against 6.30
-# with pointer loads and 6.99 at two products of 64 columns, the gate_up backward and the down forward 5.41 and 3.32
-# against 6.44 and 3.66 at 128 columns with pointer loads, the down backward's GEMM 2.83 against 3.26 at 128. A
+# instead of 64, with the weights and the operands that lie in expert order through TMA, over 4 stages of 48 KB: the
+# gate_up forward as one product of 128 gate and 128 up columns (one_dot), the down forward, the gate_up backward and
+# the down backward's GEMM at 256 columns. In bench-qwen3-next steps on an H100 (docs/PERF.md), 8 layers: the gate_up
+# forward 5.83 ms against 6.13 at 3 stages, 6.33 with pointer loads and 6.99 at two products of 64 columns; the
+# gate_up backward 5.43 against 5.48 at 3 stages and 6.44 at 128 columns with pointer loads; the down forward 3.29
+# against 3.37 and 3.66; the down backward's GEMM 2.78 against 2.85 at 3 stages and 3.23 at 128 columns. A
 # gathered-row GEMM alone at the gate_up forward's shape (65,536 rows, K 2048, N 1536, bf16) runs at 520 TFLOP/s at
 # 128 x 128 with pointer loads, 577 at 128 x 256, 605 with the weights through TMA.
-SM90_GATE_UP_FWD = KernelConfig(128, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, one_dot=True, tma=True)
-SM90_WIDE_TMA = KernelConfig(256, GPU_BLOCK_K, GPU_NUM_WARPS, GPU_NUM_STAGES, tma=True)
-SM90_DOWN_BWD = dataclasses.replace(GPU_DOWN_BWD, block_n=256, tma=True)
+SM90_NUM_STAGES = 4
+SM90_GATE_UP_FWD = KernelConfig(128, GPU_BLOCK_K, GPU_NUM_WARPS, SM90_NUM_STAGES, one_dot=True, tma=True)
+SM90_WIDE_TMA = KernelConfig(256, GPU_BLOCK_K, GPU_NUM_WARPS, SM90_NUM_STAGES, tma=True)
+SM90_DOWN_BWD = dataclasses.replace(GPU_DOWN_BWD, block_n=256, num_stages=SM90_NUM_STAGES, tma=True)
 # Both operands of a weight gradient are gathered behind a row-index load, which takes pipeline stages of its own:
 # at 3 stages the sm_90 compile keeps 2 operand buffers in shared memory, at 5 stages 3 (96 KB), as the other GEMMs.
 GPU_EXPERT_GRAD_STAGES = 5

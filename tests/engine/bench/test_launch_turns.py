@@ -140,9 +140,10 @@ def test_kernel_changes_rank_by_the_largest_change():
 def test_kernel_changes_count_a_graphs_copies_and_memsets_as_one_kind(copy, memset):
     # One instantiation of a graph ran its copies and memsets on the copy engine, the other as the driver's kernels:
     # only the copies' real change (+0.1) is reported, beside a kernel whose name merely contains "memcpy".
-    defaults = dict(kernels=[dict(kernel="Memcpy DtoD (Device -> Device)", time_s=0.4), dict(kernel=copy, time_s=0.2),
-                             dict(kernel="Memset (Device)", time_s=0.3), dict(kernel="my_memcpy128_kernel", time_s=1.0)])
-    other = dict(kernels=[dict(kernel="Memcpy DtoD (Device -> Device)", time_s=0.7), dict(kernel=memset, time_s=0.3),
+    engine_copy, engine_memset = "Memcpy DtoD (Device -> Device)", "Memset (Device)"
+    defaults = dict(kernels=[dict(kernel=engine_copy, time_s=0.4), dict(kernel=copy, time_s=0.2),
+                             dict(kernel=engine_memset, time_s=0.3), dict(kernel="my_memcpy128_kernel", time_s=1.0)])
+    other = dict(kernels=[dict(kernel=engine_copy, time_s=0.7), dict(kernel=memset, time_s=0.3),
                           dict(kernel="my_memcpy128_kernel", time_s=0.5)])  # fmt: skip
     changes = launch_turns.kernel_changes(defaults, other)
     assert [(c["kernel"], round(c["change_s"], 9)) for c in changes] == [
