@@ -333,6 +333,15 @@ def tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def busy_tiles(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    # The tiles of the tile map that hold rows (they come first): sum over experts of ceil(rows / BLOCK_M).
+    experts = tl.arange(0, BLOCK_E)
+    starts = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
+    ends = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
+    return tl.sum(tl.cdiv(ends - starts, BLOCK_M))
+
+
+@triton.jit
 def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
     row_start = tl.load(tile_row_ptr + tile)
     row_end = tl.load(offsets_ptr + expert + 1)

@@ -393,6 +393,39 @@ def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, descriptors_made, lora_o
     assert sorted(set(descriptors_made)) == sorted({(2 if one_dot else 1, 32, 16), (16, 32), (32, 16), (16, 16)})
 
 
+@pytest.mark.parametrize("shape", ["prime_E7", "empty_experts", "one_expert_takes_all", "N1"])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer_loads"])
+def test_moe_mlp_kernel_persistent_launches(kernel_path, guarded, shape, tma):
+    # The down forward and the gate_up backward on grids of INTERPRETER_PROGRAMS programs, each looping over the busy
+    # tiles' column blocks (N1: fewer blocks than programs; empty experts and a last partial tile between them),
+    # compute each block as one program per block does: y and every gradient bit for bit, the reference within
+    # tolerance.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
+    grad_y = torch.randn(num_tokens, model_dim, generator=torch.Generator().manual_seed(1))
+    per_block = _tma_config(one_dot=True, tma=tma)
+    persistent = dataclasses.replace(
+        per_block, **{name: dataclasses.replace(getattr(per_block, name), persistent=True)
+                      for name in ("down_fwd", "gate_up_bwd")}
+    )  # fmt: skip
+    with kernel_config.forced_config(per_block):
+        y_blocks, grads_blocks = run_with_grads(moe_mlp, case, grad_y)
+    with kernel_config.forced_config(persistent):
+        y, grads = run_with_grads(moe_mlp, case, grad_y)
+        _assert_matches_oracle(case, torch.float32, grad_y)
+    assert torch.equal(y, y_blocks) and set(grads) == set(grads_blocks)
+    assert all(torch.equal(grads[name], grads_blocks[name]) for name in grads)
+    guarded.check()
+
+
+def test_persistent_launch_takes_one_program_per_sm(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    assert kernel_config.persistent_programs(torch.device("cuda", 0)) == 132
+    assert kernel_config.persistent_programs(torch.device("cpu")) == kernel_config.INTERPRETER_PROGRAMS
+
+
 @pytest.mark.parametrize(
     "activation_dtype, expected",
     [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)],
