@@ -61,10 +61,10 @@ class KernelConfig:
              those two, the gate_up forward and the down backward's GEMM with swiglu_pass) loaded as tiles through
              tensor descriptors (Hopper's TMA) instead of pointer loads, where `tma_loads` allows it (pointer loads
              elsewhere; token rows gathered by index always); persistent: the down forward and the gate_up backward
-             only, a grid of at most
-             one program per SM (`persistent_programs`), each looping over every num_programs-th column block of the
-             busy row tiles in one flattened loop (`tl.range(..., flatten=True)`), so that the loads of its next
-             block can start under the epilogue of the current one, instead of one program per column block.
+             only, a grid of at most one program per SM (`persistent_programs`), each looping over every
+             num_programs-th column block of the busy row tiles in one flattened loop (`tl.range(...,
+             flatten=True)`), so that the loads of its next block can start under the epilogue of the current one,
+             instead of one program per column block.
     """
 
     block_n: int

@@ -418,12 +418,22 @@ def test_moe_mlp_kernel_persistent_launches(kernel_path, guarded, shape, tma):
     guarded.check()
 
 
-def test_persistent_launch_takes_one_program_per_sm(monkeypatch):
+def test_persistent_launch_takes_at_most_one_program_per_sm(monkeypatch):
+    # 576 tiles of 8 column blocks (2048 columns at 256, the last block whole; at 2050, a ninth partial one): one
+    # program per block, or with persistent one per SM, and never more programs than blocks.
     from types import SimpleNamespace
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    assert kernel_config.persistent_programs(torch.device("cuda", 0)) == 132
-    assert kernel_config.persistent_programs(torch.device("cpu")) == kernel_config.INTERPRETER_PROGRAMS
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert kernel_config.persistent_programs(gpu) == 132
+    assert kernel_config.persistent_programs(cpu) == kernel_config.INTERPRETER_PROGRAMS
+    per_block = kernel_config.KernelConfig(256, 64, num_warps=8, num_stages=4, tma=True)
+    persistent = dataclasses.replace(per_block, persistent=True)
+    assert kernel_config.column_block_grid(per_block, 576, 2048, gpu) == (4608,)
+    assert kernel_config.column_block_grid(per_block, 576, 2050, gpu) == (5184,)
+    assert kernel_config.column_block_grid(persistent, 576, 2048, gpu) == (132,)
+    assert kernel_config.column_block_grid(persistent, 16, 2048, gpu) == (128,)
+    assert kernel_config.column_block_grid(persistent, 1, 256, cpu) == (1,)
 
 
 @pytest.mark.parametrize(
