@@ -41,7 +41,8 @@ from moe_tune.ops.moe.kernel_config import (
 from moe_tune.ops.moe.routing import (
     MoERouting,
     RowChunks,
-    busy_tiles,
+    busy_column_blocks,
+    column_block_of,
     row_chunks,
     sum_slots,
     tile_and_column_block,
@@ -496,15 +497,14 @@ def _moe_gate_up_bwd_kernel(
 ):
     if PERSISTENT:
         # As the down forward's persistent launch (kernels_fwd.py).
-        num_col_blocks = tl.cdiv(D, BLOCK_N)
-        num_items = busy_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E) * num_col_blocks
+        num_items, num_col_blocks = busy_column_blocks(offsets_ptr, num_experts, D, BLOCK_M, BLOCK_N, BLOCK_E)
         for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), flatten=True):
-            tile = item // num_col_blocks
+            tile, pid_n, expert = column_block_of(item, num_col_blocks, tile_expert_ptr)
             _gate_up_bwd_tile(
-                tile, item % num_col_blocks, tl.load(tile_expert_ptr + tile).to(tl.int64), dgate_up_ptr, w_ptr,
-                ws_ptr, a_ptr, dxa_ptr, dx_ptr, g_desc, w_desc, slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank,
-                stride_we, stride_wf, stride_wd, stride_se, stride_sf, stride_sd, stride_ae, stride_ar, stride_ad,
-                W_IS_FP8, SCALE_BLOCK, NUM_HALVES, HAS_LORA, TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+                tile, pid_n, expert, dgate_up_ptr, w_ptr, ws_ptr, a_ptr, dxa_ptr, dx_ptr, g_desc, w_desc,
+                slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank, stride_we, stride_wf, stride_wd, stride_se,
+                stride_sf, stride_sd, stride_ae, stride_ar, stride_ad, W_IS_FP8, SCALE_BLOCK, NUM_HALVES, HAS_LORA,
+                TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
             )  # fmt: skip
     else:
         tile, pid_n = tile_and_column_block(D, BLOCK_N)

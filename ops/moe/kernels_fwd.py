@@ -33,7 +33,14 @@ from moe_tune.ops.moe.kernel_config import (
     tma_loads,
     weight_tile,
 )
-from moe_tune.ops.moe.routing import MoERouting, busy_tiles, sum_slots, tile_and_column_block, tile_rows
+from moe_tune.ops.moe.routing import (
+    MoERouting,
+    busy_column_blocks,
+    column_block_of,
+    sum_slots,
+    tile_and_column_block,
+    tile_rows,
+)
 
 
 # LoRA rank pass: ua = u[row] @ A[e]^T once per row, read by every column block of the GEMM that adds ua B^T
@@ -331,15 +338,14 @@ def _moe_down_fwd_kernel(
     if PERSISTENT:
         # A grid smaller than the work: each program takes every num_programs-th (row tile, column block) of the busy
         # tiles, and the flattened loop lets the next one's first loads overlap this one's epilogue.
-        num_col_blocks = tl.cdiv(D, BLOCK_N)
-        num_items = busy_tiles(offsets_ptr, num_experts, BLOCK_M, BLOCK_E) * num_col_blocks
+        num_items, num_col_blocks = busy_column_blocks(offsets_ptr, num_experts, D, BLOCK_M, BLOCK_N, BLOCK_E)
         for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), flatten=True):
-            tile = item // num_col_blocks
+            tile, pid_n, expert = column_block_of(item, num_col_blocks, tile_expert_ptr)
             _down_fwd_tile(
-                tile, item % num_col_blocks, tl.load(tile_expert_ptr + tile).to(tl.int64), h_ptr, w_ptr, ws_ptr,
-                b_ptr, ha_ptr, weights_ptr, y_ptr, h_desc, w_desc, slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F,
-                rank, scaling, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf, stride_be, stride_bd,
-                stride_br, W_IS_FP8, SCALE_BLOCK, HAS_LORA, TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+                tile, pid_n, expert, h_ptr, w_ptr, ws_ptr, b_ptr, ha_ptr, weights_ptr, y_ptr, h_desc, w_desc,
+                slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank, scaling, stride_we, stride_wd, stride_wf,
+                stride_se, stride_sd, stride_sf, stride_be, stride_bd, stride_br, W_IS_FP8, SCALE_BLOCK, HAS_LORA, TMA,
+                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
             )  # fmt: skip
     else:
         tile, pid_n = tile_and_column_block(D, BLOCK_N)

@@ -333,12 +333,23 @@ def tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def busy_tiles(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    # The tiles of the tile map that hold rows (they come first): sum over experts of ceil(rows / BLOCK_M).
+def busy_column_blocks(
+    offsets_ptr, num_experts, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr
+):
+    # A persistent launch's work: the column blocks of the tile map's busy tiles (they come first; an expert's are
+    # ceil(rows / BLOCK_M)), as (their count, column blocks a tile). column_block_of names block `item` of them.
     experts = tl.arange(0, BLOCK_E)
     starts = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
     ends = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
-    return tl.sum(tl.cdiv(ends - starts, BLOCK_M))
+    num_col_blocks = tl.cdiv(num_cols, BLOCK_N)
+    return tl.sum(tl.cdiv(ends - starts, BLOCK_M)) * num_col_blocks, num_col_blocks
+
+
+@triton.jit
+def column_block_of(item, num_col_blocks, tile_expert_ptr):
+    # (row tile, column block, expert as int64) of busy column block `item`, column blocks fastest.
+    tile = item // num_col_blocks
+    return tile, item % num_col_blocks, tl.load(tile_expert_ptr + tile).to(tl.int64)
 
 
 @triton.jit
