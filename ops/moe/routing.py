@@ -30,6 +30,11 @@ CHUNK_MEAN_ROWS = 2
 ROUTING_BLOCK_S = 1024
 # Tiles a tile-map program writes per step of its loop (a skewed expert may own every tile of the grid).
 TILE_MAP_STEP = 1024
+# sum_slots' blocks: up to 1024 columns of as many tokens as make 4096 outputs, 8 warps (16 elements a thread: 32-byte
+# bf16 loads), so that each program has k such loads in flight.
+SUM_SLOTS_BLOCK_D = 1024
+SUM_SLOTS_BLOCK_ELEMENTS = 4096
+SUM_SLOTS_WARPS = 8
 
 
 def _runs_kernels(t: torch.Tensor) -> bool:
@@ -361,9 +366,33 @@ def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
 
 
 
+@triton.jit
+def _sum_slots_kernel(src_ptr, out_ptr, num_tokens, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_D: tl.constexpr):  # fmt: skip
+    # One [BLOCK_T, BLOCK_D] block of y: the k slot rows of each token added in fp32 in slot order, rounded once.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = (tokens < num_tokens)[:, None] & (cols < D)[None, :]
+    rows = tokens.to(tl.int64)[:, None] * TOP_K
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src_ptr + (rows + j) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """[S, D] in slot order -> [N, D]: y[t] = sum_j per_slot[t*k + j], in a fixed order (deterministic)."""
+    """[S, D] contiguous in slot order -> [N, D]: y[t] = sum_j per_slot[t*k + j], added in fp32 in slot order and
+    rounded once (deterministic), in one pass that reads each slot row once."""
     if top_k == 1:
         return per_slot_SD
-    return per_slot_SD.view(num_tokens, top_k, per_slot_SD.shape[1]).sum(dim=1)
+    model_dim = per_slot_SD.shape[1]
+    y = kernel_config.alloc((num_tokens, model_dim), per_slot_SD.dtype, per_slot_SD.device)
+    if num_tokens * model_dim == 0:
+        return y
+    block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
+    block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))
+    _sum_slots_kernel[grid](per_slot_SD, y, num_tokens, model_dim, TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d,
+                            num_warps=SUM_SLOTS_WARPS)  # fmt: skip
+    return y
 

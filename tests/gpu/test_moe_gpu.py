@@ -273,3 +273,18 @@ def test_routing_kernels_match_torch_bitwise(num_experts, skew, block):
         theirs_map = routing_kernels._tile_map_torch(offsets, sorted_ids.numel(), chunk_rows)
         for a, b in zip(ours_map, theirs_map, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_tokens, model_dim, top_k", [(8192, 2048, 8), (4099, 2056, 10), (33, 7, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype):
+    """The top-k slot sum against the slots added one by one in fp32 and rounded once: equal bit for bit (bf16
+    rounds to nearest even here, toward zero in the interpreter); bench-qwen3-next's shape first."""
+    gen = torch.Generator(device=DEVICE).manual_seed(model_dim + top_k)
+    per_slot = (torch.randn(num_tokens * top_k, model_dim, generator=gen, device=DEVICE) * 4).to(dtype)
+    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k)
+    expected = torch.zeros(num_tokens, model_dim, device=DEVICE)
+    for j in range(top_k):
+        expected += per_slot[j::top_k].float()
+    assert y.dtype == dtype and torch.equal(y, expected.to(dtype))
+    guarded.check()

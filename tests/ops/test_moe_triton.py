@@ -599,6 +599,29 @@ def test_moe_mlp_kernel_is_deterministic(kernel_path):
         assert torch.equal(grads1[name], grads2[name]), name
 
 
+# (N, D, k): D above one column block and not a multiple of it, a token block with a partial last one, one token,
+# one column, k = 1 (the slots are the output), odd k.
+SUM_SLOTS_SHAPES = [(37, 1030, 3), (5, 24, 8), (1, 1, 2), (300, 7, 5), (9, 64, 1), (0, 16, 4)]
+
+
+@pytest.mark.parametrize("num_tokens, model_dim, top_k", SUM_SLOTS_SHAPES)
+# fp32 and fp16: the interpreter rounds fp32 to bf16 toward zero (bf16 runs on the GPU, tests/gpu/test_moe_gpu.py).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype):
+    # Against the slots added one by one in fp32 (slot 0 first) and rounded once: equal bit for bit; every output
+    # written (NaN-filled buffers) and nothing past the end.
+    gen = torch.Generator().manual_seed(num_tokens * 131 + model_dim)
+    per_slot = (torch.randn(num_tokens * top_k, model_dim, generator=gen) * 4).to(dtype)
+    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k)
+    expected = torch.zeros(num_tokens, model_dim)
+    for j in range(top_k):
+        expected += per_slot[j::top_k].float()
+    assert y.dtype == dtype and y.shape == (num_tokens, model_dim)
+    assert torch.equal(y, expected.to(dtype))
+    if top_k > 1 and num_tokens > 0:
+        guarded.check()
+
+
 @pytest.mark.parametrize("block_m", [pytest.param(16, id="block16"), pytest.param(4, id="block4")])
 def test_moe_routing_metadata(block_m):
     num_experts, top_k = 7, 3
