@@ -18,7 +18,7 @@ from moe_tune.ops.fp8 import BLOCK, E4M3_MAX, FP8_DTYPE, quantize_weight
 from moe_tune.ops.fp8.reference import AMAX_FLOOR
 from moe_tune.ops.linear_attention import gated_delta_rule, kda
 from moe_tune.ops.linear_attention.reference import kda_gate_ref, recurrent_gated_delta_rule_ref
-from moe_tune.ops.rms_norm import add_rms_norm, rms_norm
+from moe_tune.ops.rms_norm import add_rms_norm, rms_norm, rms_norm_with_input
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS
 from moe_tune.ops.rotary import apply_rotary
 from moe_tune.ops.swiglu import swiglu
@@ -40,10 +40,13 @@ class RMSNorm(nn.Module):
         self.one_plus = one_plus
         self.weight = nn.Parameter(torch.zeros(dim) if one_plus else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, with_input: bool = False):
         """The norm of x; with `residual`, (x + residual, the norm of that sum): one op where both have one shape
-        and dtype, else the add (with torch's promotion) and the norm."""
+        and dtype, else the add (with torch's promotion) and the norm. with_input (no residual): (x, the norm of x),
+        x handed on by the norm so that its backward adds the gradient of x's other uses (rms_norm_with_input)."""
         if residual is None:
+            if with_input:
+                return rms_norm_with_input(x, self.weight, self.eps, self.one_plus)
             return rms_norm(x, self.weight, self.eps, self.one_plus)
         if residual.shape != x.shape or residual.dtype != x.dtype:
             h = x + residual

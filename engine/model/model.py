@@ -53,7 +53,9 @@ class DecoderLayer(nn.Module):
         self.mlp, self.aux_loss_coef = channel_mixer(cfg, spec, layout, index)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        mixed = self.self_attn(self.input_layernorm(x), batch)
+        # x comes back from its norm: the residual's gradient is added in the norm's backward pass.
+        x, normed = self.input_layernorm(x, with_input=True)
+        mixed = self.self_attn(normed, batch)
         shard = batch.context
         # Without an aux loss a shared row's tokens are routed as any others (sequence chunks included).
         shared_row = shard is not None and shard.size > 1 and is_aux_loss_trained(self.mlp)

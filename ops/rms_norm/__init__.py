@@ -1,6 +1,7 @@
 """RMSNorm over the last dim, optionally gated: y = x / rms(x) * w [* act(z)], one Triton pass forward and one
-backward instead of about eight eager kernels forward and sixteen backward; and a residual add followed by the norm
-of its result (add_rms_norm), in the same passes.
+backward instead of about eight eager kernels forward and sixteen backward; a residual add followed by the norm of
+its result (add_rms_norm), in the same passes; and the norm handing its input on (rms_norm_with_input), so that its
+backward adds the input's other gradient in the same pass.
 
 Shapes: x [..., N]; weight [N]; gate x's shape. The math is in README.md; the ground truth in reference.py.
 
@@ -16,7 +17,7 @@ import torch
 from moe_tune.ops.common.dispatch import use_kernel
 from moe_tune.ops.rms_norm.reference import GATE_ACTIVATIONS, add_rms_norm_ref, rms_norm_ref
 
-__all__ = ["add_rms_norm", "rms_norm"]
+__all__ = ["add_rms_norm", "rms_norm", "rms_norm_with_input"]
 
 # Widest row the kernel takes in one tile (the model's norms are 128 to 8192 wide); wider rows run the reference.
 MAX_N = 16384
@@ -49,6 +50,27 @@ def rms_norm(
 
         return RMSNormFunction.apply(x, weight, gate, float(eps), is_one_plus, gate_activation == "silu")
     return rms_norm_ref(x, weight, eps, is_one_plus, gate, gate_activation)
+
+
+def rms_norm_with_input(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, is_one_plus: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, rms_norm(x, weight, eps, is_one_plus)) with x handed on by the norm (the decoder layer's stream into its
+    token mixer's norm): what the caller does with the x returned (the residual add) sends its gradient through the
+    norm's backward, which adds it to the norm's own in one pass, summed in fp32 and rounded once, where the x passed
+    in, used twice, would have autograd add the two gradients in a kernel of its own.
+
+    x, weight, eps, is_one_plus: as rms_norm. Returns (x as a view, y of x's shape and dtype). The reference (CPU)
+    returns x itself: autograd adds the two gradients there.
+    Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
+    """
+    _check_inputs(x, weight, eps, None, "silu")
+    has_kernel = x.dtype in _KERNEL_DTYPES and x.shape[-1] <= MAX_N
+    if use_kernel("rms_norm", x, weight, has_kernel=has_kernel):
+        from moe_tune.ops.rms_norm.autograd import RMSNormWithInputFunction
+
+        return RMSNormWithInputFunction.apply(x, weight, float(eps), is_one_plus)
+    return x, rms_norm_ref(x, weight, eps, is_one_plus)
 
 
 def add_rms_norm(

@@ -1,4 +1,5 @@
-"""The autograd Functions around the RMSNorm kernels: the norm alone, and the residual add followed by the norm."""
+"""The autograd Functions around the RMSNorm kernels: the norm alone, the norm handing its input on, and the residual
+add followed by the norm."""
 
 from __future__ import annotations
 
@@ -29,6 +30,37 @@ class RMSNormFunction(torch.autograd.Function):
         dw = dw_N.to(weight.dtype) if dw_N is not None else None
         dz = dz_MN.view(ctx.shape) if dz_MN is not None and ctx.needs_input_grad[2] else None
         return dx_MN.view(ctx.shape), dw, dz, None, None, None
+
+
+class RMSNormWithInputFunction(torch.autograd.Function):
+    """(x, rms_norm(x)): x comes out of the norm's node (a view of it), so that the gradient of x's other uses (the
+    residual stream's) reaches the norm's backward, which adds it to the norm's in the same pass instead of autograd
+    adding the two in a kernel of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, is_one_plus):
+        num_channels = x.shape[-1]
+        x_MN = x.reshape(-1, num_channels).contiguous()
+        y_MN, rstd_M, _ = rms_norm_fwd(x_MN, weight.contiguous(), None, eps, is_one_plus, True)
+        ctx.save_for_backward(x_MN, weight, rstd_M)
+        ctx.is_one_plus, ctx.shape = is_one_plus, x.shape
+        # An output backward does not reach comes as None, not as zeros to add.
+        ctx.set_materialize_grads(False)
+        return x, y_MN.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_y):
+        x_MN, weight, rstd_M = ctx.saved_tensors
+        if grad_y is None:
+            return grad_x, None, None, None
+        dh_MN = grad_x.reshape(x_MN.shape).contiguous() if grad_x is not None else None
+        dy_MN = grad_y.reshape(x_MN.shape).contiguous()
+        needs_dw = ctx.needs_input_grad[1]
+        dx_MN, dw_N, _ = rms_norm_bwd(
+            dy_MN, x_MN, weight.contiguous(), None, rstd_M, ctx.is_one_plus, True, needs_dw, dh=dh_MN
+        )
+        dw = dw_N.to(weight.dtype) if dw_N is not None else None
+        return dx_MN.view(ctx.shape), dw, None, None
 
 
 class AddRMSNormFunction(torch.autograd.Function):

@@ -13,7 +13,7 @@ from kernel_fixtures import forced_kernel_path, guarded_outputs
 from norm_conv_cases import (GPU_GUARD_ELEMENTS, GPU_TOLERANCES, as_fp64, assert_close_to_reference, rms_norm_case,
                              run_rms_norm)
 
-from moe_tune.ops.rms_norm import add_rms_norm, kernels, rms_norm
+from moe_tune.ops.rms_norm import add_rms_norm, kernels, rms_norm, rms_norm_with_input
 from moe_tune.ops.rms_norm.reference import rms_norm_ref
 
 pytestmark = pytest.mark.gpu
@@ -79,3 +79,23 @@ def test_add_kernel_matches_reference(guarded, case, dtype):
     assert torch.equal(h, x.detach() + residual.detach()) and torch.equal(grads[0], grads[1])
     assert_close_to_reference(("y", "dx", "dweight"), (y, grads[0], grads[2]),
                               (y_ref, dh_ref + grad_h.double(), dw_ref), dtype, GPU_TOLERANCES[dtype])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
+def test_with_input_kernel_matches_reference(guarded, case, dtype):
+    """The decoder layer's stream into its input norm: x handed on, its other gradient (the residual's) added in the
+    norm's backward pass."""
+    shape, is_one_plus = case
+    x, weight, _, grad_y = rms_norm_case(shape, dtype, False, device=DEVICE)
+    grad_x = torch.randn(shape, generator=torch.Generator(DEVICE).manual_seed(1), device=DEVICE).to(dtype)
+    x_out, y = rms_norm_with_input(x, weight, 1e-6, is_one_plus)
+    dx, dw = torch.autograd.grad((x_out, y), (x, weight), (grad_x, grad_y))
+    x_ref, weight_ref = (t.detach().double().requires_grad_() for t in (x, weight))
+    y_ref = rms_norm_ref(x_ref, weight_ref, 1e-6, is_one_plus)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x_ref, weight_ref), grad_y.double())
+    torch.cuda.synchronize()
+    guarded.check()
+    assert x_out.data_ptr() == x.data_ptr() and torch.equal(x_out, x)
+    assert_close_to_reference(("y", "dx", "dweight"), (y, dx, dw), (y_ref, dx_ref + grad_x.double(), dw_ref), dtype,
+                              GPU_TOLERANCES[dtype])  # fmt: skip

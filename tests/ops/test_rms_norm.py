@@ -1,6 +1,6 @@
-"""rms_norm and add_rms_norm: the reference against the formula in fp64, the Triton kernels in the interpreter against
-the reference (forward and every gradient, odd shapes, NaN-filled buffers with guarded ends; the residual add's
-outputs used alone or together), input checks and dispatch.
+"""rms_norm, rms_norm_with_input and add_rms_norm: the reference against the formula in fp64, the Triton kernels in the
+interpreter against the reference (forward and every gradient, odd shapes, NaN-filled buffers with guarded ends; the
+residual add's outputs and the handed-on input used alone or together), input checks and dispatch.
 
 Shapes: x [..., N] viewed as M rows of N channels.
 """
@@ -11,7 +11,7 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
-    from moe_tune.ops.rms_norm import MAX_N, add_rms_norm, kernels, rms_norm
+    from moe_tune.ops.rms_norm import MAX_N, add_rms_norm, kernels, rms_norm, rms_norm_with_input
     from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
     from norm_conv_cases import as_fp64, assert_close_to_reference, rms_norm_case, run_rms_norm
 
@@ -212,6 +212,63 @@ def test_add_kernel_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_pa
     torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
     # y, rstd, h, dx: no [programs, N] buffer for dw.
     assert [shape for _, _, shape in guarded.buffers] == [(11, 40), (11,), (11, 40), (11, 40)]
+
+
+def run_with_input(op, x, weight, grad_x, grad_y, is_one_plus, uses=("x", "y")):
+    """(x handed on, y) and the gradients of x and weight (those that require one) through the outputs `uses`."""
+    x_out, y = op(x, weight, 1e-6, is_one_plus)
+    outputs, grads = zip(*[(t, g) for name, t, g in (("x", x_out, grad_x), ("y", y, grad_y)) if name in uses])
+    leaves = [t for t in (x, weight) if t.requires_grad and (t is not weight or "y" in uses)]
+    return (x_out, y), torch.autograd.grad(outputs, leaves, grads)
+
+
+@pytest.mark.parametrize("uses", [("x", "y"), ("y",), ("x",)], ids=["both", "norm_only", "input_only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
+def test_with_input_kernel_matches_reference(kernel_path, guarded, case, dtype, uses):
+    # x's other gradient (grad_x, what the residual add sends back) and the norm's, against the fp64 reference where
+    # autograd adds the two: summed in fp32 and rounded once, within one rounding of x's dtype.
+    shape, is_one_plus = case
+    x, _, weight, grad_x, grad_y = add_case(shape, dtype)
+    (x_out, y), grads = run_with_input(rms_norm_with_input, x, weight, grad_x, grad_y, is_one_plus, uses)
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight)]
+    reference = lambda a, w, eps, one_plus: (a, rms_norm_ref(a, w, eps, one_plus))  # noqa: E731
+    (_, y_ref), grads_ref = run_with_input(reference, *leaves, grad_x.double(), grad_y.double(), is_one_plus, uses)
+    tol = TOLERANCES[dtype]
+    # x handed on as a view of the same memory, its values untouched.
+    assert x_out.data_ptr() == x.data_ptr() and torch.equal(x_out, x) and x_out.grad_fn is not None
+    torch.testing.assert_close(y.double(), y_ref, **tol)
+    assert_close_to_reference(("dx", "dweight")[: len(grads)], grads, grads_ref, dtype, tol)
+    if uses == ("x",):
+        # Through x alone the gradient passes unchanged, and no kernel runs in backward.
+        assert torch.equal(grads[0], grad_x)
+    else:
+        guarded.check()
+
+
+def test_with_input_on_cpu_hands_on_x_itself(monkeypatch):
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "auto")
+    x, weight, _, _ = rms_norm_case((5, 16), torch.float32, False)
+    x_out, y = rms_norm_with_input(x, weight, 1e-5, True)
+    assert x_out is x and torch.equal(y, rms_norm_ref(x, weight, 1e-5, True))
+
+
+def test_with_input_kernel_frozen_weight_gets_no_gradient_and_no_partial_sums(kernel_path, guarded):
+    x, _, weight, grad_x, grad_y = add_case((11, 40), torch.float32)
+    weight.requires_grad_(False)
+    _, (dx,) = run_with_input(rms_norm_with_input, x, weight, grad_x, grad_y, False)
+    reference = lambda a, w, eps, one_plus: (a, rms_norm_ref(a, w, eps, one_plus))  # noqa: E731
+    _, (dx_ref,) = run_with_input(reference, x, weight, grad_x, grad_y, False)
+    torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
+    # y, rstd, dx: no [programs, N] buffer for dw, and no buffer for a separate add.
+    assert [shape for _, _, shape in guarded.buffers] == [(11, 40), (11,), (11, 40)]
+
+
+@pytest.mark.parametrize("bad, message", BAD_INPUTS[:1] + BAD_INPUTS[-2:])
+def test_with_input_bad_inputs_raise(bad, message):
+    inputs = {"x": torch.ones(3, 8), "weight": torch.ones(8), **bad}
+    with pytest.raises(ValueError, match=message):
+        rms_norm_with_input(**inputs)
 
 
 ADD_BAD_INPUTS = [
