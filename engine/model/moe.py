@@ -254,7 +254,7 @@ class MoEBlock(nn.Module):
                 # Not bincount: on a GPU it waits for the device to size its output. Adding ones is exact.
                 ids = topk_ids.flatten()
                 self.load_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.load_counts.dtype))
-        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights, gates)
+        y_TD = self._experts_and_shared(topk_ids, topk_weights, gates)
         if self.spec.aux_loss_coef > 0 and self.training:
             aux = switch_aux_loss(scores_TE, topk_ids, self.spec.num_experts)
         else:
@@ -285,7 +285,7 @@ class MoEBlock(nn.Module):
             # switch_aux_loss's per-token normalisation; the row's mean and its f_e come in finish_row.
             scores_TE = scores_TE.float()
             prob_sum_E = (scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + SIGMOID_NORM_EPS)).sum(dim=0)
-        y_TD = self._experts_and_shared(x_TD, topk_ids, topk_weights, gates)
+        y_TD = self._experts_and_shared(topk_ids, topk_weights, gates)
         return y_TD.view(shape), ChunkRouting(counts_E, dropped, prob_sum_E)
 
     def finish_row(self, routings: list[ChunkRouting], row_tokens: int) -> torch.Tensor:
@@ -310,13 +310,14 @@ class MoEBlock(nn.Module):
         x_TD = x.reshape(-1, x.shape[-1])
         gates = self._gate_projections(x_TD)
         _, topk_ids, topk_weights, _ = self._route(x_TD, gates)
-        return self._experts_and_shared(x_TD, topk_ids, topk_weights, gates).view(x.shape)
+        return self._experts_and_shared(topk_ids, topk_weights, gates).view(x.shape)
 
     def _gate_projections(self, x_TD: torch.Tensor) -> SharedInputProjections:
         """The router's logits [T, E] and the shared expert's gate logit [T, 1] (with one) as one node where
-        engine/model/projections allows it."""
+        engine/model/projections allows it, which hands x_TD on to the experts (`.x`): their gradient of it is added
+        inside the node's backward GEMMs."""
         modules = [self.gate] if self.shared_expert_gate is None else [self.gate, self.shared_expert_gate]
-        return SharedInputProjections(x_TD, modules)
+        return SharedInputProjections(x_TD, modules, hand_on=True)
 
     def _route(self, x_TD: torch.Tensor, gates: SharedInputProjections, pinned_ids: torch.Tensor | None = None):
         """Router logits [T, E], chosen experts [T, k], their weights [T, k] and the scores [T, E]. gates:
@@ -336,10 +337,12 @@ class MoEBlock(nn.Module):
         )
         return logits_TE, topk_ids, topk_weights, scores_TE
 
-    def _experts_and_shared(self, x_TD, topk_ids, topk_weights, gates: SharedInputProjections) -> torch.Tensor:
-        """The routed experts' weighted sum plus the (gated) shared expert: [T, D]. The gate scales the shared
-        expert's hidden rows [T, F] before its down projection, which adds the routed sum inside its GEMM
-        (SwiGLU.forward): sigmoid(g) (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D columns."""
+    def _experts_and_shared(self, topk_ids, topk_weights, gates: SharedInputProjections) -> torch.Tensor:
+        """The routed experts' weighted sum plus the (gated) shared expert of the input [T, D] that `gates` hands on:
+        [T, D]. The gate scales the shared expert's hidden rows [T, F] before its down projection, which adds the
+        routed sum inside its GEMM (SwiGLU.forward): sigmoid(g) (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D
+        columns."""
+        x_TD = gates.x
         if self.layout.expert_parallel == 1:
             y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype))
         else:

@@ -15,6 +15,11 @@ skips: a hook on a projection or its base layer (ZeRO-3's gathers, activation ch
 module hook, a ZeRO-3 partitioned weight, autocast. Otherwise the modules are called, as the model would. Hooks marked
 CLASS_SCOPE_HOOK (the activation-memory manager's, which only say which operator class is running) do not count:
 they run around the node, as around the group's first module.
+
+Handing the input on (`hand_on`, the MoE block's router and shared-expert gate): the node also returns x (a view),
+which the input's later uses (the experts) take instead of x. Their gradient then reaches the node's backward,
+which starts x's gradient from it inside its first GEMM (addmm), where x used by the node and by the experts would
+have autograd add the two gradients in a kernel of its own.
 """
 
 from __future__ import annotations
@@ -41,10 +46,13 @@ class Parts:
     scaling: float = 1.0
 
 
-def shared_input_linears(x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
+def shared_input_linears(
+    x: torch.Tensor, modules: Sequence[nn.Module], hand_on: bool = False
+) -> tuple[torch.Tensor, ...] | None:
     """x: [..., I] -> (module(x) for each module), each [..., O_i] in x's dtype, as one autograd node; None where a
-    module does not allow it (module docstring)."""
-    if len(modules) < 2:
+    module does not allow it (module docstring). hand_on: x itself follows the outputs, handed on by the node
+    (SharedInputLinearsHandOnFunction)."""
+    if len(modules) < 2 and not hand_on:
         # One plain projection gains nothing from the node (one LoRA layer takes it in its own forward).
         return None
     parts = [_parts(module, x) for module in modules]
@@ -57,10 +65,11 @@ def shared_input_linears(x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple
     for hook in list(first._forward_pre_hooks.values()):
         hook(first, (x,))
     try:
-        outs = SharedInputLinearsFunction.apply(x, has_lora, scalings, *tensors)
+        function = SharedInputLinearsHandOnFunction if hand_on else SharedInputLinearsFunction
+        outs = function.apply(x, has_lora, scalings, *tensors)
     finally:
         for hook in list(first._forward_hooks.values()):
-            hook(first, (x,), outs)
+            hook(first, (x,), outs[: len(modules)] if outs is not None else outs)
     return outs
 
 
@@ -77,9 +86,14 @@ class SharedInputProjections:
     late in a layer (an output gate) is not held through the layer's other work, under an activation-memory policy
     that offloads or recomputes it (whose hooks on the modules keep the shared node from applying)."""
 
-    def __init__(self, x: torch.Tensor, modules: Sequence[nn.Module]):
+    def __init__(self, x: torch.Tensor, modules: Sequence[nn.Module], hand_on: bool = False):
+        """hand_on: `x` is the input handed on by the node where it applies (the input itself otherwise), for the
+        input's later uses: their gradient is added inside the node's first GEMM of the input's gradient instead of
+        in an add kernel of autograd's (SharedInputLinearsHandOnFunction)."""
         self.x = x
-        outs = shared_input_linears(x, modules)
+        outs = shared_input_linears(x, modules, hand_on)
+        if outs is not None and hand_on:
+            self.x, outs = outs[-1], outs[:-1]
         self._outs = {} if outs is None else {id(m): out for m, out in zip(modules, outs, strict=True)}
 
     def of(self, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
@@ -157,67 +171,104 @@ class SharedInputLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, has_lora: tuple[bool, ...], scalings: tuple[float, ...], *tensors):
-        weights, adapters = _unpack(has_lora, tensors)
-        x_NI = x.reshape(-1, x.shape[-1])
-        outs = [torch.mm(x_NI, w.t()) for w in weights]
-        a_RI = xa_NR = None
-        if adapters:
-            a_RI = torch.cat([a for _, a, _ in adapters]) if len(adapters) > 1 else adapters[0][1]
-            xa_NR = torch.mm(x_NI, a_RI.t())
-            r0 = 0
-            for i, a, b in adapters:
-                outs[i].addmm_(xa_NR[:, r0 : r0 + a.shape[0]], b.t(), alpha=scalings[i])
-                r0 += a.shape[0]
-        ctx.save_for_backward(x_NI, xa_NR, a_RI, *tensors)
-        ctx.has_lora, ctx.scalings, ctx.x_shape = has_lora, scalings, x.shape
-        ctx.set_materialize_grads(False)
-        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
+        return _shared_forward(ctx, x, has_lora, scalings, tensors)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        x_NI, xa_NR, a_RI, *tensors = ctx.saved_tensors
-        has_lora, scalings = ctx.has_lora, ctx.scalings
-        weights, adapters = _unpack(has_lora, tensors)
-        needs = ctx.needs_input_grad[3:]
-        slot = _slots(has_lora)
-        dy = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]
-        grads: list[torch.Tensor | None] = [None] * len(tensors)
-        dx_NI = None
-        # x's gradient: the projections' parts summed inside their GEMMs, in the projections' order.
-        for i, w in enumerate(weights):
+        return _shared_backward(ctx, grad_outs, None)
+
+
+class SharedInputLinearsHandOnFunction(torch.autograd.Function):
+    """SharedInputLinearsFunction's outputs followed by x itself (a view of it), handed on for the input's later
+    uses: their gradient reaches this node's backward, which starts x's gradient from it inside its first GEMM
+    (addmm, the sum in fp32 and rounded once) where x used twice would have autograd add the two gradients in a
+    kernel of its own, a pass that reads two [..., I] tensors and writes one."""
+
+    @staticmethod
+    def forward(ctx, x, has_lora: tuple[bool, ...], scalings: tuple[float, ...], *tensors):
+        return (*_shared_forward(ctx, x, has_lora, scalings, tensors), x)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        return _shared_backward(ctx, grad_outs[:-1], grad_outs[-1])
+
+
+def _shared_forward(ctx, x, has_lora, scalings, tensors) -> tuple[torch.Tensor, ...]:
+    weights, adapters = _unpack(has_lora, tensors)
+    x_NI = x.reshape(-1, x.shape[-1])
+    outs = [torch.mm(x_NI, w.t()) for w in weights]
+    a_RI = xa_NR = None
+    if adapters:
+        a_RI = torch.cat([a for _, a, _ in adapters]) if len(adapters) > 1 else adapters[0][1]
+        xa_NR = torch.mm(x_NI, a_RI.t())
+        r0 = 0
+        for i, a, b in adapters:
+            outs[i].addmm_(xa_NR[:, r0 : r0 + a.shape[0]], b.t(), alpha=scalings[i])
+            r0 += a.shape[0]
+    ctx.save_for_backward(x_NI, xa_NR, a_RI, *tensors)
+    ctx.has_lora, ctx.scalings, ctx.x_shape = has_lora, scalings, x.shape
+    ctx.set_materialize_grads(False)
+    return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+
+def _shared_backward(ctx, grad_outs, grad_x_later: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of SharedInputLinearsFunction's inputs; grad_x_later: the gradient of x's later uses (the
+    hand-on output's), or None, started from inside the first GEMM of x's gradient."""
+    x_NI, xa_NR, a_RI, *tensors = ctx.saved_tensors
+    has_lora, scalings = ctx.has_lora, ctx.scalings
+    weights, adapters = _unpack(has_lora, tensors)
+    needs = ctx.needs_input_grad[3:]
+    slot = _slots(has_lora)
+    dy = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]
+    grads: list[torch.Tensor | None] = [None] * len(tensors)
+    later_NI = None if grad_x_later is None else grad_x_later.reshape(x_NI.shape)
+    dx_NI = None
+    # x's gradient: the later uses' and the projections' parts summed inside their GEMMs, in the projections' order.
+    for i, w in enumerate(weights):
+        if dy[i] is None:
+            continue
+        if ctx.needs_input_grad[0]:
+            dx_NI = _add_product(dx_NI, later_NI, dy[i], w)
+        if needs[slot[i]]:
+            grads[slot[i]] = torch.mm(dy[i].t(), x_NI)
+    live = [(i, a, b) for i, a, b in adapters if dy[i] is not None]
+    if live:
+        r0 = 0
+        dxa_parts = []
+        for i, a, b in adapters:
+            rank = a.shape[0]
             if dy[i] is None:
-                continue
-            if ctx.needs_input_grad[0]:
-                dx_NI = torch.mm(dy[i], w) if dx_NI is None else dx_NI.addmm_(dy[i], w)
-            if needs[slot[i]]:
-                grads[slot[i]] = torch.mm(dy[i].t(), x_NI)
-        live = [(i, a, b) for i, a, b in adapters if dy[i] is not None]
-        if live:
+                dxa_parts.append(torch.zeros_like(xa_NR[:, r0 : r0 + rank]))
+            else:
+                # d(x A^T) = s dy B, scaled inside the GEMM (beta=0: the first operand is never read).
+                dxa_parts.append(torch.addmm(xa_NR[:, r0 : r0 + rank], dy[i], b, beta=0, alpha=scalings[i]))
+                if needs[slot[i] + 2]:
+                    grads[slot[i] + 2] = torch.addmm(b, dy[i].t(), xa_NR[:, r0 : r0 + rank], beta=0,
+                                                     alpha=scalings[i])  # fmt: skip
+            r0 += rank
+        dxa_NR = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
+        if any(needs[slot[i] + 1] for i, _, _ in live):
+            da_RI = torch.mm(dxa_NR.t(), x_NI)
             r0 = 0
-            dxa_parts = []
-            for i, a, b in adapters:
-                rank = a.shape[0]
-                if dy[i] is None:
-                    dxa_parts.append(torch.zeros_like(xa_NR[:, r0 : r0 + rank]))
-                else:
-                    # d(x A^T) = s dy B, scaled inside the GEMM (beta=0: the first operand is never read).
-                    dxa_parts.append(torch.addmm(xa_NR[:, r0 : r0 + rank], dy[i], b, beta=0, alpha=scalings[i]))
-                    if needs[slot[i] + 2]:
-                        grads[slot[i] + 2] = torch.addmm(b, dy[i].t(), xa_NR[:, r0 : r0 + rank], beta=0,
-                                                         alpha=scalings[i])  # fmt: skip
-                r0 += rank
-            dxa_NR = torch.cat(dxa_parts, 1) if len(dxa_parts) > 1 else dxa_parts[0]
-            if any(needs[slot[i] + 1] for i, _, _ in live):
-                da_RI = torch.mm(dxa_NR.t(), x_NI)
-                r0 = 0
-                for i, a, _ in adapters:
-                    if needs[slot[i] + 1] and dy[i] is not None:
-                        grads[slot[i] + 1] = da_RI[r0 : r0 + a.shape[0]]
-                    r0 += a.shape[0]
-            if ctx.needs_input_grad[0]:
-                dx_NI = torch.mm(dxa_NR, a_RI) if dx_NI is None else dx_NI.addmm_(dxa_NR, a_RI)
-        grad_x = None if dx_NI is None else dx_NI.view(ctx.x_shape)
-        return grad_x, None, None, *grads
+            for i, a, _ in adapters:
+                if needs[slot[i] + 1] and dy[i] is not None:
+                    grads[slot[i] + 1] = da_RI[r0 : r0 + a.shape[0]]
+                r0 += a.shape[0]
+        if ctx.needs_input_grad[0]:
+            dx_NI = _add_product(dx_NI, later_NI, dxa_NR, a_RI)
+    if dx_NI is None and ctx.needs_input_grad[0]:
+        # No projection's output was used: x's gradient is its later uses' alone.
+        dx_NI = later_NI
+    grad_x = None if dx_NI is None else dx_NI.view(ctx.x_shape)
+    return grad_x, None, None, *grads
+
+
+def _add_product(dx_NI, later_NI, a, b):
+    """dx + a @ b: in place into dx once it exists; the first product adds the later uses' gradient (never written:
+    autograd may hand the same tensor to other nodes) inside its GEMM, or stands alone without one."""
+    if dx_NI is not None:
+        return dx_NI.addmm_(a, b)
+    return torch.mm(a, b) if later_NI is None else torch.addmm(later_NI, a, b)
 
 
 def _unpack(has_lora, tensors):

@@ -284,6 +284,61 @@ def test_node_sums_x_gradient_inside_its_gemms():
     assert names.count("aten::addmm_") == len(NAMES)
 
 
+def by_node_handing_on(group, x):
+    # x's later use (a scaled copy into the loss) through the handed-on x: its gradient enters the node's backward.
+    *outs, x_on = shared_input_linears(x, group.members(), hand_on=True)
+    assert all(type(o.grad_fn).__name__ == "SharedInputLinearsHandOnFunctionBackward" for o in (*outs, x_on))
+    assert x_on.data_ptr() == x.data_ptr() and torch.equal(x_on, x)
+    return (*outs, x_on * 1.5)
+
+
+def by_modules_and_x(group, x):
+    return (*by_modules(group, x), x * 1.5)
+
+
+@pytest.mark.parametrize("used", [(0, 1, 2, 3, 4), (1, 4), (4,), (0, 3)], ids=["all", "some", "x-only", "x-unused"])
+@pytest.mark.parametrize("lora_on", [(), ("p0", "p2"), ("p3",)], ids=["no-lora", "lora", "lora-last"])
+@pytest.mark.parametrize("lead, layout", [((2, 5), "contiguous"), ((1, 3), "strided")])
+def test_node_handing_x_on_matches_the_modules(lead, layout, lora_on, used):
+    # Every output used or not, the handed-on x alone (its later uses' gradient passes through unchanged), or unused.
+    group = make_group(lora_on, torch.float64)
+    x = make_x(lead, layout, torch.float64)
+    result = loss_and_grads(group, x, by_node_handing_on, used)
+    assert_same(result, loss_and_grads(group, x, by_modules_and_x, used), torch.float64)
+
+
+def test_node_handing_x_on_adds_its_later_gradient_inside_its_first_gemm():
+    # x's later uses' gradient starts x's gradient inside the first GEMM (one addmm), the other parts are added in
+    # place (addmm_): no add kernel, and the incoming gradient is never written (autograd may share it).
+    from torch.profiler import profile
+
+    group = make_group(())
+    x = make_x((4, 2), "contiguous", torch.float64).requires_grad_()
+    *outs, x_on = shared_input_linears(x, group.members(), hand_on=True)
+    later = torch.randn(x.shape, dtype=torch.float64)
+    later_before = later.clone()
+    loss = torch.stack([o.sum() for o in outs]).sum() + (x_on * later).sum()
+    with profile() as prof:
+        (dx,) = torch.autograd.grad(loss, [x])
+    names = [e.name for e in prof.events()]
+    assert "aten::add" not in names and "aten::add_" not in names
+    assert names.count("aten::addmm") == 1 and names.count("aten::addmm_") == len(NAMES) - 1
+    expected = later + sum(m.weight.sum(0) for m in group.members())
+    torch.testing.assert_close(dx, expected, **TOLERANCES[torch.float64])
+    assert torch.equal(later, later_before)
+
+
+def test_projections_hand_on_x_only_where_the_node_applies():
+    group = make_group(())
+    x = make_x((3,), "contiguous", torch.float64).requires_grad_()
+    handed = SharedInputProjections(x, group.members(), hand_on=True)
+    assert handed.x is not x and handed.x.grad_fn is not None and torch.equal(handed.x, x)
+    assert SharedInputProjections(x, group.members()).x is x
+    # A hooked projection runs its module: x itself is handed out.
+    group.p1.register_forward_hook(lambda m, a, o: None)
+    assert SharedInputProjections(x, group.members(), hand_on=True).x is x
+
+
 def hybrid_model():
     """A small model with every token mixer that projects its input in a group (gated delta net, KDA, gated and
     sparse attention) and dense SwiGLU MLPs, LoRA on q, k, v and o, perturbed parameters, fp64."""
@@ -323,8 +378,8 @@ def test_token_mixers_take_the_node_and_train_as_their_modules(monkeypatch):
     taken = []
     original = projections.shared_input_linears
 
-    def recording(x, modules):
-        outs = original(x, modules)
+    def recording(x, modules, hand_on=False):
+        outs = original(x, modules, hand_on)
         taken.append(len(modules) if outs is not None else None)
         return outs
 
@@ -333,7 +388,7 @@ def test_token_mixers_take_the_node_and_train_as_their_modules(monkeypatch):
     # The gated delta net's and KDA's six projections, the gated and sparse attention's q, k and v, each dense
     # MLP's gate and up: every group, every time.
     assert sorted(taken) == [2, 2, 2, 2, 3, 3, 6, 6]
-    monkeypatch.setattr(projections, "shared_input_linears", lambda x, modules: None)
+    monkeypatch.setattr(projections, "shared_input_linears", lambda x, modules, hand_on=False: None)
     expected_loss, expected_grads = model_loss_and_grads(model)
     torch.testing.assert_close(loss, expected_loss, **TOLERANCES[torch.float64])
     assert grads.keys() == expected_grads.keys()
@@ -355,7 +410,7 @@ def test_memory_policies_keep_the_node_and_leave_its_projections_out_of_regions(
     taken = []
     original = projections.shared_input_linears
     monkeypatch.setattr(projections, "shared_input_linears",
-                        lambda x, modules: taken.append(original(x, modules)) or taken[-1])  # fmt: skip
+                        lambda x, modules, hand_on=False: taken.append(original(x, modules, hand_on)) or taken[-1])
     model_loss_and_grads(model)
     assert taken and all(outs is not None for outs in taken)
 
@@ -400,9 +455,9 @@ def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared
     taken = []
     original = projections.shared_input_linears
 
-    def recording(x, modules):
-        outs = original(x, modules)
-        taken.append((len(modules), outs is not None))
+    def recording(x, modules, hand_on=False):
+        outs = original(x, modules, hand_on)
+        taken.append((len(modules), hand_on, outs is not None))
         return outs
 
     monkeypatch.setattr(projections, "shared_input_linears", recording)
@@ -426,9 +481,10 @@ def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared
         return y.view(x.shape)
 
     expected = modules_formula(x)
-    # A gated block's router and gate share a node; its shared expert's gate and up share another; a router alone
-    # runs its module.
-    expected_calls = {"gated": [(2, True), (2, True)], "ungated": [(1, False), (2, True)], "none": [(1, False)]}
+    # A gated block's router and gate share a node, a router alone takes one too: either hands x on to the experts;
+    # the shared expert's gate and up share another.
+    expected_calls = {"gated": [(2, True, True), (2, False, True)], "ungated": [(1, True, True), (2, False, True)],
+                      "none": [(1, True, True)]}  # fmt: skip
     assert taken == expected_calls[shared]
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
     leaves = [x, *[p for p in block.parameters() if p.requires_grad]]
