@@ -6,8 +6,8 @@ check numbers on a GPU (tests/gpu does).
 
 Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
 with a residual add and its gradient, the gate-up forward in one product, the expert GEMMs loading through tensor
-descriptors, the persistent launches of the down forward and the gate_up backward), beside the default launch of the
-kernels they change.
+descriptors, the persistent launches of the down forward and the gate_up backward, the top-k slot sum), beside the
+default launch of the kernels they change.
 """
 
 import json
@@ -39,6 +39,7 @@ SWIGLU = "moe_tune.ops.swiglu.kernels"
 RMS_NORM = "moe_tune.ops.rms_norm.kernels"
 MOE_FWD = "moe_tune.ops.moe.kernels_fwd"
 MOE_BWD = "moe_tune.ops.moe.kernels_bwd"
+MOE_ROUTING = "moe_tune.ops.moe.routing"
 _NORM_TYPES = {"rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "eps": "fp32"}
 _MOE_TYPES = {"ws_ptr": "*fp32", "xa_ptr": "*fp32", "token_of_row_ptr": "*i32", "tile_expert_ptr": "*i32",
               "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "scaling": "fp32"}  # fmt: skip
@@ -95,6 +96,7 @@ CASES = [
       for tma in (False, True) for constexprs, types in [_descriptors(tma, w_desc=[64, 128])]],
     (MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, BLOCK_N=256, TMA=True), 8, 3,
      dict(_ROW_TYPES, w_desc="tensordesc<bf16[64, 256]>")),
+    (MOE_ROUTING, "_sum_slots_kernel", dict(TOP_K=8, BLOCK_T=4, BLOCK_D=1024), 8, 3, {}),
 ]  # fmt: skip
 
 
