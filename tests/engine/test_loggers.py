@@ -86,15 +86,23 @@ def test_tensorboard_events_equal_metrics_jsonl_and_resume_drops_the_redone_step
 
 
 def _wandb_records(directory: Path) -> list:
-    """The records of W&B offline runs under `directory` (LevelDB-log framing of .wandb files, read by hand: the SDK
-    has no reader), in run then write order."""
+    """The records of W&B offline runs under `directory`, each run's in write order."""
+    return [record for run in _wandb_runs(directory) for record in run]
+
+
+def _wandb_runs(directory: Path) -> list[list]:
+    """The records of each W&B offline run under `directory` (LevelDB-log framing of .wandb files, read by hand: the
+    SDK has no reader), in write order; the runs in their folders' name order, which two starts in one second of
+    one run id do not keep."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     block, header = 32768, 7
-    records = []
+    runs = []
     # latest-run is a link to the newest run's folder: each file once.
     found = {str(Path(name).resolve()) for name in glob.glob(str(directory / "**" / "run-*.wandb"), recursive=True)}
     for path in sorted(found):
+        records = []
+        runs.append(records)
         raw, pos, chunk = Path(path).read_bytes(), header, b""
         while pos + header <= len(raw):
             left = block - pos % block
@@ -113,7 +121,7 @@ def _wandb_records(directory: Path) -> list:
                 record.ParseFromString(chunk)
                 records.append(record)
                 chunk = b""
-    return records
+    return runs
 
 
 def test_wandb_offline_run_holds_the_records_the_profile_and_continues_on_resume(tmp_path, monkeypatch):
@@ -147,8 +155,13 @@ def test_wandb_offline_run_holds_the_records_the_profile_and_continues_on_resume
                 if not key.startswith("_"):
                     history.setdefault(key, {})[r.history.step.num] = value
     assert history == _expected(RECORDS + [{"step": 3, "loss": 4.5}])
-    exits = [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"]
-    assert exits == [0, 1]
+    # The first start ended well, the resumed one (the run that logged step 3) as failed.
+    ends = sorted(
+        (max(r.history.step.num for r in run if r.WhichOneof("record_type") == "history"),
+         [r.exit.exit_code for r in run if r.WhichOneof("record_type") == "exit"])
+        for run in _wandb_runs(tmp_path / "wandb_dir")
+    )  # fmt: skip
+    assert [codes for _, codes in ends] == [[0], [1]] and ends[1][0] == 3
 
 
 def test_mlflow_file_store_holds_the_records_the_params_and_continues_on_resume(tmp_path):
