@@ -12,22 +12,26 @@
 #   turns         moe-tune profile bench-qwen3-next --compare-launch ... (ARGS: the launches, --steps for the rounds)
 #   next-against  moe-tune profile bench-qwen3-next --against transformers
 #   moe-against   moe-tune profile bench-qwen3-moe --against transformers
+#   next-base     moe-tune profile bench-qwen3-next at the commit .base/ holds (bash .device/base.sh COMMIT here; carry
+#                 .base), from a copy of the tree under /tmp with that commit's files: ours then and now in one call
 set -u
 TASK=$1
 LIMIT=${2:-540}
 shift $(($# < 2 ? $# : 2))
 case $TASK in
-    suite | sweep | conv-sweep | anchor | next | turns | next-against | moe-against) ;;
-    *) echo "task.sh: unknown task '$TASK': suite, sweep, conv-sweep, anchor, next, turns, next-against or moe-against" >&2
+    suite | sweep | conv-sweep | anchor | next | turns | next-against | moe-against | next-base) ;;
+    *) echo "task.sh: unknown task '$TASK': suite, sweep, conv-sweep, anchor, next, turns, next-against, moe-against" \
+            "or next-base" >&2
        exit 2 ;;
 esac
+ROOT=$PWD
 # NAME (optional) tells two runs of one task in a call apart: r/TASK-NAME-tritonX.json.
 TAG=$TASK${NAME:+-$NAME}-triton$(python3 -c 'import triton; print(triton.__version__)')
 mkdir -p r
 run() {
-    timeout -s INT -k 30 "$LIMIT" "$@" > "r/$TAG.log" 2>&1
-    echo "rc=$?" >> "r/$TAG.log"
-    tail -25 "r/$TAG.log"
+    timeout -s INT -k 30 "$LIMIT" "$@" > "$ROOT/r/$TAG.log" 2>&1
+    echo "rc=$?" >> "$ROOT/r/$TAG.log"
+    tail -25 "$ROOT/r/$TAG.log"
 }
 case $TASK in
     suite)
@@ -61,4 +65,15 @@ case $TASK in
         --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
     moe-against) run python3 -m moe_tune profile bench-qwen3-moe --against transformers \
         --json "r/$TAG.json" --plot "r/$TAG.png" "$@" ;;
+    next-base)
+        [[ -f .base/COMMIT ]] || { echo "task.sh next-base: carry .base (bash .device/base.sh COMMIT here)" >&2; exit 2; }
+        BASE_COMMIT=$(cat .base/COMMIT)
+        BASE=/tmp/moe-tune-base-$BASE_COMMIT
+        TAG=next-base-$BASE_COMMIT-${TAG##*-}
+        rm -rf "$BASE" && mkdir -p "$BASE" && cp -r ops engine cli profiles moe_tune setup.cfg "$BASE"/
+        cp -r .base/files/. "$BASE"/
+        while read -r path; do rm -f "$BASE/$path"; done < .base/REMOVED
+        # The base's package on the path in place of the tree's (setup.sh puts the tree last).
+        (cd "$BASE" && PYTHONPATH=${PYTHONPATH%:"$ROOT"}:$BASE MOE_TUNE_COMMIT=$BASE_COMMIT \
+            run python3 -m moe_tune profile bench-qwen3-next --json "$ROOT/r/$TAG.json" "$@") ;;
 esac
