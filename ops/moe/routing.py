@@ -365,7 +365,6 @@ def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
     return rows, rows < row_end
 
 
-
 @triton.jit
 def _sum_slots_kernel(src_ptr, out_ptr, num_tokens, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_D: tl.constexpr):  # fmt: skip

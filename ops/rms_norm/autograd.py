@@ -51,15 +51,7 @@ class RMSNormWithInputFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x, grad_y):
         x_MN, weight, rstd_M = ctx.saved_tensors
-        if grad_y is None:
-            return grad_x, None, None, None
-        dh_MN = grad_x.reshape(x_MN.shape).contiguous() if grad_x is not None else None
-        dy_MN = grad_y.reshape(x_MN.shape).contiguous()
-        needs_dw = ctx.needs_input_grad[1]
-        dx_MN, dw_N, _ = rms_norm_bwd(
-            dy_MN, x_MN, weight.contiguous(), None, rstd_M, ctx.is_one_plus, True, needs_dw, dh=dh_MN
-        )
-        dw = dw_N.to(weight.dtype) if dw_N is not None else None
+        dx_MN, dw = _grad_plus_norm_grad(grad_x, grad_y, x_MN, weight, rstd_M, ctx.is_one_plus, ctx.needs_input_grad[1])
         return dx_MN.view(ctx.shape), dw, None, None
 
 
@@ -83,15 +75,19 @@ class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h, grad_y):
         h_MN, weight, rstd_M = ctx.saved_tensors
-        needs_dw = ctx.needs_input_grad[2]
-        dh_MN = grad_h.reshape(h_MN.shape).contiguous() if grad_h is not None else None
-        if grad_y is None:
-            # Only h was used: its gradient passes through the add.
-            return dh_MN.view(ctx.shape), dh_MN.view(ctx.shape), None, None, None
-        dy_MN = grad_y.reshape(h_MN.shape).contiguous()
-        dx_MN, dw_N, _ = rms_norm_bwd(
-            dy_MN, h_MN, weight.contiguous(), None, rstd_M, ctx.is_one_plus, True, needs_dw, dh=dh_MN
-        )
-        dw = dw_N.to(weight.dtype) if dw_N is not None else None
-        dx = dx_MN.view(ctx.shape)
+        dh_MN, dw = _grad_plus_norm_grad(grad_h, grad_y, h_MN, weight, rstd_M, ctx.is_one_plus, ctx.needs_input_grad[2])
+        dx = dh_MN.view(ctx.shape)
         return dx, dx, dw, None, None
+
+
+def _grad_plus_norm_grad(grad_other, grad_y, x_MN, weight, rstd_M, is_one_plus, needs_dw):
+    """(dx [M, N], dw) of a norm y = rms_norm(x) whose input also has the gradient grad_other from its other uses:
+    the two added in the norm's backward pass; without grad_y (only the other uses reached), grad_other alone."""
+    dother_MN = grad_other.reshape(x_MN.shape).contiguous() if grad_other is not None else None
+    if grad_y is None:
+        return dother_MN, None
+    dy_MN = grad_y.reshape(x_MN.shape).contiguous()
+    dx_MN, dw_N, _ = rms_norm_bwd(
+        dy_MN, x_MN, weight.contiguous(), None, rstd_M, is_one_plus, True, needs_dw, dh=dother_MN
+    )
+    return dx_MN, dw_N.to(weight.dtype) if dw_N is not None else None
