@@ -5,6 +5,7 @@ which the modules run instead; the memory manager's class hooks around the node;
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from small_models import loss_and_grads as row_loss_and_grads, perturbed_lora_model
 from torch import nn
 
 from moe_tune.engine.lora.fused import FusedLoraLinear, use_fused_lora
@@ -342,10 +343,7 @@ def test_projections_hand_on_x_only_where_the_node_applies():
 def hybrid_model():
     """A small model with every token mixer that projects its input in a group (gated delta net, KDA, gated and
     sparse attention) and dense SwiGLU MLPs, LoRA on q, k, v and o, perturbed parameters, fp64."""
-    from moe_tune.engine.lora import inject_lora
-    from moe_tune.engine.model.model import build_model
     from moe_tune.profiles import load_profile
-    from moe_tune.profiles.schema import LoraProfile, ModelProfile
 
     raw = load_profile("tiny").model.model_dump(mode="json")
     layers = [{"attention": name, "mlp": "dense"} for name in ("linear", "kda", "full", "sparse")]
@@ -353,24 +351,11 @@ def hybrid_model():
                layers=layers, kda_attention={"num_heads": 2, "head_dim": 8})  # fmt: skip
     raw["linear_attention"].update(num_key_heads=1, num_value_heads=2, key_head_dim=8, value_head_dim=8)
     raw["sparse_attention"].update(index_heads=2, index_head_dim=8, topk=64, block_size=16)
-    torch.manual_seed(0)
-    lora = LoraProfile(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], experts=False)
-    model = inject_lora(build_model(ModelProfile.model_validate(raw)), lora).double()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
-    return model.train()
+    return perturbed_lora_model(raw, ["q_proj", "k_proj", "v_proj", "o_proj"], False, torch.float64)
 
 
 def model_loss_and_grads(model):
-    ids = torch.randint(0, 259, (1, 90), generator=torch.Generator().manual_seed(2))
-    cu = torch.tensor([0, 20, 61, 90], dtype=torch.int32)
-    out = model(input_ids=ids, cu_seqlens=cu, labels=ids)
-    out.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    return out.loss.detach(), grads
+    return row_loss_and_grads(model, [0, 20, 61, 90], 259)
 
 
 def test_token_mixers_take_the_node_and_train_as_their_modules(monkeypatch):

@@ -13,43 +13,30 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
-    from moe_tune.engine.lora import inject_lora
-    from moe_tune.engine.model.model import build_model
     from moe_tune.profiles import load_profile
-    from moe_tune.profiles.schema import LoraProfile, ModelProfile
+    from small_models import loss_and_grads, perturbed_lora_model
 
 pytestmark = pytest.mark.usefixtures("interpreter_scalar_index")
 
 # Measured at most 7e-7 of each gradient's largest entry: the kernels and the references sum in other orders.
 RELATIVE_TOLERANCE = 1e-5
+VOCAB = 300
 
 
 def hybrid_moe_model(shared_expert_gate: bool):
     """bench-qwen3-next's architecture cut small (a gated delta net layer and a gated attention layer, each with a MoE
     of 4 experts top-2 and a shared expert), LoRA r4 on q, k, v, o and the experts, parameters perturbed."""
     raw = load_profile("bench-qwen3-next").model.model_dump(mode="json")
-    raw.update(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=300,
+    raw.update(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=VOCAB,
                layers=[{"attention": "linear", "mlp": "moe"}, {"attention": "full", "mlp": "moe"}])  # fmt: skip
     raw["linear_attention"].update(num_key_heads=1, num_value_heads=2, key_head_dim=16, value_head_dim=16)
     raw["moe"].update(num_experts=4, top_k=2, expert_intermediate_size=16, shared_expert_intermediate_size=16,
                       shared_expert_gate=shared_expert_gate)  # fmt: skip
-    torch.manual_seed(0)
-    lora = LoraProfile(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], experts=True)
-    model = inject_lora(build_model(ModelProfile.model_validate(raw)), lora).float()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.05)
-    return model.train()
+    return perturbed_lora_model(raw, ["q_proj", "k_proj", "v_proj", "o_proj"], True, torch.float32)
 
 
-def loss_and_grads(model):
-    ids = torch.randint(0, 300, (1, 70), generator=torch.Generator().manual_seed(2))
-    out = model(input_ids=ids, cu_seqlens=torch.tensor([0, 20, 45, 70], dtype=torch.int32), labels=ids)
-    out.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad(set_to_none=True)
-    return out.loss.detach(), grads
+def row_loss_and_grads(model):
+    return loss_and_grads(model, [0, 20, 45, 70], VOCAB)
 
 
 @pytest.mark.parametrize("shared_expert_gate", [True, False], ids=["gated_shared_expert", "ungated"])
@@ -57,9 +44,9 @@ def test_model_on_the_kernels_trains_as_on_the_references(monkeypatch, shared_ex
     model = hybrid_moe_model(shared_expert_gate)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MOE_TUNE_KERNELS", "reference")
-    expected_loss, expected = loss_and_grads(model)
+    expected_loss, expected = row_loss_and_grads(model)
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    loss, grads = loss_and_grads(model)
+    loss, grads = row_loss_and_grads(model)
     torch.testing.assert_close(loss, expected_loss, atol=0, rtol=RELATIVE_TOLERANCE)
     assert grads.keys() == expected.keys() and len(grads) > 20
     for name, grad in grads.items():
