@@ -32,6 +32,11 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device: the grid size of a launch with one program per SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def use_kernel(op_name: str, *tensors: torch.Tensor, has_kernel: bool) -> bool:
     """True when `op_name` should run its Triton kernel on `tensors`, False for the reference.
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from moe_tune.ops.common.dispatch import sm_count
 from moe_tune.ops.common.launch import launch_text, with_overrides
 from moe_tune.ops.fp8.reference import BLOCK as FP8_BLOCK
 
@@ -257,7 +258,7 @@ def persistent_programs(device: torch.device) -> int:
     """The grid of a persistent launch: one program per SM of a GPU; INTERPRETER_PROGRAMS in the interpreter."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 def column_block_grid(kernel: KernelConfig, num_tiles: int, num_cols: int, device: torch.device) -> tuple[int]:

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_tune.ops.common.dispatch import sm_count
+
 # Elements of one [rows, N] fp32 tile a program holds: enough rows per program for narrow norms (per-head norms
 # of 128 channels get 32 rows), one row at a time for the widest, without spilling.
 TILE_ELEMENTS = 4096
@@ -173,8 +175,7 @@ def rms_norm_bwd(
         return dx, dw, dz
     block_m, block_n = block_sizes(num_channels)
     if x.is_cuda:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        max_programs = num_sms * BWD_PROGRAMS_PER_SM
+        max_programs = sm_count(x.device) * BWD_PROGRAMS_PER_SM
     else:
         max_programs = BWD_PROGRAMS_CPU
     # Whole row tiles per program, so only the last program's last tile is partial.
