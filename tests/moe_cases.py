@@ -65,7 +65,7 @@ def make_case(
 
 def grad_inputs(case: dict) -> dict[str, torch.Tensor]:
     """The case's tensors that require grad, by name (LoRA ones as lora.<name>)."""
-    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down")}
+    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down", "add_to") if name in case}
     if case["lora"] is not None:
         for name in LORA_NAMES:
             tensor = getattr(case["lora"], name)

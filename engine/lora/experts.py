@@ -149,12 +149,14 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
             base.w_gate_up.data.copy_(base.w_gate_up.data.float() - delta_gate_up)
             base.w_down.data.copy_(base.w_down.data.float() - delta_down)
 
-    def forward(self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor:
         base: GroupedExperts = self.get_base_layer()
         active = [name for name in self.active_adapters if name in self.lora_A]
         if self.disable_adapters or self.merged or not active:
-            return base(x_TD, topk_ids, topk_weights)
-        return base(x_TD, topk_ids, topk_weights, lora=self.expert_lora(active))
+            return base(x_TD, topk_ids, topk_weights, add_to=add_to)
+        return base(x_TD, topk_ids, topk_weights, lora=self.expert_lora(active), add_to=add_to)
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()

@@ -24,7 +24,7 @@ from moe_tune.ops.rotary import apply_rotary
 from moe_tune.ops.swiglu import swiglu
 
 from .linear_context import conv_with_halo, is_sharded
-from .projections import linear_plus, project
+from .projections import SharedInputProjections, linear_plus
 
 if TYPE_CHECKING:
     from moe_tune.engine.generate.cache import DecodeStep
@@ -263,13 +263,21 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, scale: torch.Tensor | None = None, add_to: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        add_to: torch.Tensor | None = None,
+        hand_on: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., D] -> down(silu(gate(x)) * up(x)) [..., D]; with `scale` [..., 1] the hidden rows are scaled before
-        the down projection, and `add_to` [..., D] is added to its output inside its GEMM (linear_plus)."""
-        gate, up = project(x, (self.gate_proj, self.up_proj))
+        the down projection, and `add_to` [..., D] is added to its output inside its GEMM (linear_plus). hand_on:
+        -> (that output, x as the gate and up projections' node hands it on for x's later uses: their gradient of x
+        is added inside the node's backward GEMMs; x itself where the node does not apply)."""
+        projections = SharedInputProjections(x, (self.gate_proj, self.up_proj), hand_on=hand_on)
+        gate, up = projections.of(self.gate_proj, self.up_proj)
         h = swiglu(gate, up, scale)
-        return self.down_proj(h) if add_to is None else linear_plus(h, self.down_proj, add_to)
+        out = self.down_proj(h) if add_to is None else linear_plus(h, self.down_proj, add_to)
+        return (out, projections.x) if hand_on else out
 
 
 # The bits of fp32 1.0, the unit scale of an FP8 weight before its init or checkpoint: built as an int32 tensor,

@@ -156,7 +156,9 @@ class GroupedExperts(nn.Module):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         lora: ExpertLoRA | None = None,
+        add_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """moe_mlp of the experts' weights (add_to: added inside the experts' sum over each token's slots)."""
         if self.fp8:
             w_gate_up, gate_up_scale_inv, w_down, down_scale_inv = self.fp8_tensors()
             # The kernels save the weights' float8 views: kept as the parameters (ZeRO-3 regathers them for backward;
@@ -164,9 +166,10 @@ class GroupedExperts(nn.Module):
             with saved_as_parameters(self.w_gate_up, self.w_gate_up_scale_inv, self.w_down, self.w_down_scale_inv):
                 return moe_mlp(x_TD, topk_ids, topk_weights, w_gate_up, w_down, lora=lora, b_gate_up=self.b_gate_up,
                                b_down=self.b_down, clamped_swiglu=self.clamped_swiglu,
-                               gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv)  # fmt: skip
+                               gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv,
+                               add_to=add_to)  # fmt: skip
         return moe_mlp(x_TD, topk_ids, topk_weights, self.w_gate_up, self.w_down, lora=lora, b_gate_up=self.b_gate_up,
-                       b_down=self.b_down, clamped_swiglu=self.clamped_swiglu)
+                       b_down=self.b_down, clamped_swiglu=self.clamped_swiglu, add_to=add_to)
 
 
 def _unit_scale_bits(*shape: int) -> torch.Tensor:
@@ -339,20 +342,32 @@ class MoEBlock(nn.Module):
 
     def _experts_and_shared(self, topk_ids, topk_weights, gates: SharedInputProjections) -> torch.Tensor:
         """The routed experts' weighted sum plus the (gated) shared expert of the input [T, D] that `gates` hands on:
-        [T, D]. The gate scales the shared expert's hidden rows [T, F] before its down projection, which adds the
-        routed sum inside its GEMM (SwiGLU.forward): sigmoid(g) (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D
-        columns."""
+        [T, D]. The gate scales the shared expert's hidden rows [T, F] before its down projection: sigmoid(g)
+        (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D columns.
+
+        The shared expert runs first and its gate and up projections' node hands the input on again to the routed
+        experts, which add the shared expert's output inside their sum over each token's slots (moe_mlp's add_to):
+        every use's gradient of the input is then summed inside the two nodes' backward GEMMs, with no add kernel
+        either way. Across an expert-parallel group the routed experts run first and the shared expert's down
+        projection adds their sum inside its GEMM."""
         x_TD = gates.x
-        if self.layout.expert_parallel == 1:
-            y_TD = self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype))
-        else:
-            y_TD = dispatch_compute_combine(
-                x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout
-            )
-        if self.shared_expert is None:
-            return y_TD
+        mlp = self.shared_expert
+        if mlp is None:
+            return self._routed_experts(x_TD, topk_ids, topk_weights)
         scale_T1 = torch.sigmoid(gates.of(self.shared_expert_gate)[0]) if self.shared_expert_gate is not None else None
-        return self.shared_expert(x_TD, scale=scale_T1, add_to=y_TD)
+        if self.layout.expert_parallel > 1:
+            return mlp(x_TD, scale=scale_T1, add_to=self._routed_experts(x_TD, topk_ids, topk_weights))
+        shared_TD, x_TD = mlp(x_TD, scale=scale_T1, hand_on=True)
+        return self._routed_experts(x_TD, topk_ids, topk_weights, add_to=shared_TD)
+
+    def _routed_experts(
+        self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum [T, D] of x_TD [T, D] (plus add_to [T, D], local experts only): local, or
+        across the expert-parallel group."""
+        if self.layout.expert_parallel == 1:
+            return self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype), add_to=add_to)
+        return dispatch_compute_combine(x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout)
 
     def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop

@@ -30,8 +30,10 @@ def moe_mlp(
     clamped_swiglu: ClampedSwiGLU | None = None,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with SwiGLU experts (transformers 5 layout).
+    """y[t] = add_to[t] + sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with SwiGLU experts
+    (transformers 5 layout).
 
     x:            [N, D] bf16/fp16/fp32/fp64
     topk_ids:     [N, k] int64/int32, values in [0, E)
@@ -47,6 +49,9 @@ def moe_mlp(
                   float8_e4m3fn (gate and up halves with their own scale rows). Every GEMM through them computes
                   with the dequantized weight W_q * scale_inv and the unquantized activation (ops/moe/README.md,
                   FP8); no gradient reaches them.
+    add_to:       [N, D] of x's dtype, or None (default): added to the experts' sum before its one rounding (the
+                  kernels add it in the fp32 sum over each token's slots), where an add of its own would read and
+                  write the output again; its gradient is y's.
     Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones) and the LoRA
     tensors.
     Runs the Triton kernels (kernels_fwd.py, kernels_bwd.py) when every tensor is on CUDA and every float but FP8
@@ -55,6 +60,9 @@ def moe_mlp(
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
+    if add_to is not None and (add_to.shape != x.shape or add_to.dtype != x.dtype or add_to.device != x.device):
+        raise ValueError(f"add_to: shape {tuple(add_to.shape)} dtype {add_to.dtype} on {add_to.device} must match x "
+                         f"({list(x.shape)} {x.dtype} on {x.device})")  # fmt: skip
     _check_gpt_oss_inputs(w_gate_up, b_gate_up, b_down, clamped_swiglu)
     is_fp8 = _check_fp8_inputs(w_gate_up, w_down, gate_up_scale_inv, down_scale_inv)
     lora_tensors = (None,) * 4 if lora is None else (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)
@@ -63,17 +71,19 @@ def moe_mlp(
     weights = (gate_up_scale_inv, down_scale_inv) if is_fp8 else (w_gate_up, w_down)
     has_kernel = is_plain and _kernel_takes(x, topk_weights, *weights, *lora_tensors)
     if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv,
-                  *lora_tensors, has_kernel=has_kernel):
+                  *lora_tensors, add_to, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.moe.autograd import MoEFunction
 
         scaling = 1.0 if lora is None else float(lora.scaling)
         return MoEFunction.apply(
-            x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling, gate_up_scale_inv, down_scale_inv
-        )
+            x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling, gate_up_scale_inv, down_scale_inv,
+            add_to,
+        )  # fmt: skip
     return moe_mlp_ref(
         x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
         clamped_swiglu=clamped_swiglu, gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv,
+        add_to=add_to,
     )  # fmt: skip
 
 

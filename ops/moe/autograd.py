@@ -33,14 +33,15 @@ from moe_tune.ops.moe.routing import MoERouting, moe_routing, row_chunks
 
 # Positions in MoEFunction.forward's arguments, for ctx.needs_input_grad.
 _X, _IDS, _WEIGHTS, _W_GATE_UP, _W_DOWN, _A_GATE_UP, _B_GATE_UP, _A_DOWN, _B_DOWN = range(9)
+_ADD_TO = 12
 
 
 class MoEFunction(torch.autograd.Function):
     """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=, down_scale_inv=) on the
     Triton kernels.
 
-    Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None), scaling a float, and the block
-    scales of FP8 expert weights last (both None for 16-bit/fp32 weights).
+    Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None), scaling a float, then the block
+    scales of FP8 expert weights (both None for 16-bit/fp32 weights) and add_to (None: none).
     """
 
     @staticmethod
@@ -58,6 +59,7 @@ class MoEFunction(torch.autograd.Function):
         scaling: float,
         gate_up_scale_inv: torch.Tensor | None = None,
         down_scale_inv: torch.Tensor | None = None,
+        add_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
         num_experts = w_gate_up.shape[0]
@@ -75,7 +77,8 @@ class MoEFunction(torch.autograd.Function):
         del weight  # a buffered projection's dequantized experts go before the next one's are made
         weight, scale = _gemm_weight(w_down, down_scale_inv, buffered, x.dtype)
         y, ha = moe_down_fwd(
-            h, topk_weights, weight, a_down, b_down, scaling, routing, config, num_tokens, scale_inv=scale
+            h, topk_weights, weight, a_down, b_down, scaling, routing, config, num_tokens, scale_inv=scale,
+            add=None if add_to is None else add_to.contiguous(),
         )
         del weight
         if needs_grad:
@@ -146,7 +149,7 @@ class MoEFunction(torch.autograd.Function):
         d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
         return (
             dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None,
-            None, None,
+            None, None, dy if needs[_ADD_TO] else None,
         )  # fmt: skip
 
 

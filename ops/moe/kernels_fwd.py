@@ -440,10 +440,12 @@ def moe_down_fwd(
     config: MoEConfig,
     num_tokens: int,
     scale_inv: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y[t] = sum_j w[t, j] * (h @ w_down^T (+ LoRA)) over the token's slots.
+    """y[t] = add[t] + sum_j w[t, j] * (h @ w_down^T (+ LoRA)) over the token's slots (sum_slots).
 
     scale_inv: [E, GD, GF] fp32 block scales when w_down is FP8 (float8_e4m3fn codes), else None.
+    add: [N, D] contiguous of h's dtype, or None.
     Returns y [N, D] in h.dtype and ha [S, r] fp32 (with LoRA).
     """
     num_slots, num_hidden = h.shape
@@ -470,4 +472,4 @@ def moe_down_fwd(
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             BLOCK_E=triton.next_power_of_2(routing.num_experts + 1), **kernel.launch_options(),
         )  # fmt: skip
-    return sum_slots(y_slot, num_tokens, routing.top_k), ha
+    return sum_slots(y_slot, num_tokens, routing.top_k, add), ha

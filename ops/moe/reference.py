@@ -141,6 +141,7 @@ def moe_mlp_ref(
     clamped_swiglu: ClampedSwiGLU | None = None,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped MoE MLP: sort token-slots by expert, one matmul per expert on its rows, weighted index_add_ combine.
 
@@ -149,6 +150,7 @@ def moe_mlp_ref(
     gate_up_scale_inv: [E, 2*ceil(F/128), ceil(D/128)] fp32, down_scale_inv: [E, ceil(D/128), ceil(F/128)] fp32, with
     w_gate_up and w_down float8_e4m3fn (frozen FP8 experts: the weights are dequantized, W_q * scale_inv in fp32, and
     the experts run on them as on any other weights; no gradient reaches them), or both None (default).
+    add_to: [N, D] or None: added to the output before its one rounding to x.dtype.
     Returns y: [N, D] in x.dtype, computed in fp32 (fp64 for fp64 inputs). Differentiable in every float input.
     Reads the per-expert counts on the host: a training path for the CPU, not for CUDA.
     """
@@ -188,7 +190,8 @@ def moe_mlp_ref(
     y_sorted_SD = torch.cat(outputs) if outputs else x_ND.new_zeros((0, x_ND.shape[1]))
 
     weights_S = topk_weights.reshape(-1).to(dtype)[order_S]
-    y_ND = torch.zeros_like(x_ND).index_add_(0, token_of_row_S, y_sorted_SD * weights_S[:, None])
+    y_ND = torch.zeros_like(x_ND) if add_to is None else add_to.to(dtype, copy=True)
+    y_ND = y_ND.index_add_(0, token_of_row_S, y_sorted_SD * weights_S[:, None])
     return y_ND.to(x.dtype)
 
 

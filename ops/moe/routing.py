@@ -366,28 +366,43 @@ def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _sum_slots_kernel(src_ptr, out_ptr, num_tokens, D, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_D: tl.constexpr):  # fmt: skip
-    # One [BLOCK_T, BLOCK_D] block of y: the k slot rows of each token added in fp32 in slot order, rounded once.
+def _sum_slots_kernel(src_ptr, add_ptr, out_ptr, num_tokens, D, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    # One [BLOCK_T, BLOCK_D] block of y: the addend's row (with one), then the k slot rows of each token, added in
+    # fp32 in slot order, rounded once.
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (tokens < num_tokens)[:, None] & (cols < D)[None, :]
+    token_offsets = tokens.to(tl.int64)[:, None] * D + cols[None, :]
+    if HAS_ADD:
+        acc = tl.load(add_ptr + token_offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     rows = tokens.to(tl.int64)[:, None] * TOP_K
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(src_ptr + (rows + j) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + token_offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_slots(per_slot_SD: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """[S, D] contiguous in slot order -> [N, D]: y[t] = sum_j per_slot[t*k + j], added in fp32 in slot order and
-    rounded once (deterministic), in one pass that reads each slot row once."""
-    if top_k == 1:
+def sum_slots(
+    per_slot_SD: torch.Tensor, num_tokens: int, top_k: int, add_ND: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[S, D] contiguous in slot order -> [N, D]: y[t] = add[t] + sum_j per_slot[t*k + j], added in fp32 (the addend
+    first, then the slots in slot order) and rounded once (deterministic), in one pass that reads each row once.
+    add_ND: [N, D] contiguous of per_slot's dtype, or None (no addend)."""
+    if top_k == 1 and add_ND is None:
         return per_slot_SD
     model_dim = per_slot_SD.shape[1]
     y = kernel_config.alloc((num_tokens, model_dim), per_slot_SD.dtype, per_slot_SD.device)
     if num_tokens * model_dim == 0:
         return y
+    block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
+    block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))
+    _sum_slots_kernel[grid](per_slot_SD, per_slot_SD if add_ND is None else add_ND, y, num_tokens, model_dim,
+                            TOP_K=top_k, HAS_ADD=add_ND is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+                            num_warps=SUM_SLOTS_WARPS)  # fmt: skip
+    return y
     block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
     block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))

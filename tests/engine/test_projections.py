@@ -421,11 +421,8 @@ def test_linear_plus_adds_inside_the_gemm_or_calls_the_module():
             torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])
 
 
-@pytest.mark.parametrize("shared", ["gated", "ungated", "none"])
-def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared, monkeypatch):
-    # The router's and the shared gate's logits from one node, the shared expert's rows scaled before its down
-    # projection and the routed sum added inside its GEMM: the layer's output and every gradient as the modules'
-    # own calls give them (routed + sigmoid(gate(x)) * shared_expert(x)), fp64.
+def moe_block(shared):
+    """A small MoE block (a gated, ungated or no shared expert) with perturbed fp64 parameters, and its input."""
     from moe_tune.engine.model.moe import MoEBlock
     from moe_tune.profiles.schema import MoESpec
 
@@ -436,7 +433,16 @@ def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(std=0.3)
-    x = torch.randn(1, 9, IN_FEATURES, dtype=torch.float64, requires_grad=True)
+    return block, torch.randn(1, 9, IN_FEATURES, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("shared", ["gated", "ungated", "none"])
+def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared, monkeypatch):
+    # The router's and the shared gate's logits from one node, the shared expert's rows scaled before its down
+    # projection and the routed sum added inside its GEMM: the layer's output and every gradient as the modules'
+    # own calls give them (routed + sigmoid(gate(x)) * shared_expert(x)), fp64.
+    block, x = moe_block(shared)
+    spec = block.spec
     taken = []
     original = projections.shared_input_linears
 
@@ -467,8 +473,8 @@ def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared
 
     expected = modules_formula(x)
     # A gated block's router and gate share a node, a router alone takes one too: either hands x on to the experts;
-    # the shared expert's gate and up share another.
-    expected_calls = {"gated": [(2, True, True), (2, False, True)], "ungated": [(1, True, True), (2, False, True)],
+    # the shared expert's gate and up share another, which hands it on again to the routed experts.
+    expected_calls = {"gated": [(2, True, True), (2, True, True)], "ungated": [(1, True, True), (2, True, True)],
                       "none": [(1, True, True)]}  # fmt: skip
     assert taken == expected_calls[shared]
     torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
@@ -481,3 +487,48 @@ def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared
             assert grad is None
         else:
             torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("shared", ["gated", "ungated", "none"])
+def test_moe_block_sums_its_inputs_gradient_inside_the_projections_gemms(shared):
+    # The router's, the shared expert's and the routed experts' gradients of the input meet inside the two nodes'
+    # backward GEMMs: autograd adds no two [T, D] tensors (it did for the shared and routed experts' before).
+    from torch.profiler import profile
+
+    block, x = moe_block(shared)
+    out, _ = block(x)
+    with profile(record_shapes=True) as prof:
+        torch.autograd.grad(out, [x], torch.randn_like(out))
+    token_rows = [x.shape[1], IN_FEATURES]
+    adds = [e.input_shapes for e in prof.events() if e.name in ("aten::add", "aten::add_")]
+    assert not [shapes for shapes in adds if shapes[:2] == [token_rows, token_rows]]
+    # One GEMM of x's gradient a projection (router, shared gate, shared expert's gate and up), each adding to it.
+    gemms = [e.input_shapes[0] for e in prof.events() if e.name in ("aten::addmm", "aten::addmm_")]
+    assert gemms.count(token_rows) == {"gated": 4, "ungated": 3, "none": 1}[shared]
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["node", "hooked-projection"])
+def test_swiglu_handing_x_on_matches_its_plain_call(hooked):
+    # SwiGLU(x, hand_on=True) -> (its output, x handed on): the output and every gradient (x's later uses' included)
+    # as the plain call with x used again; x is handed on by the gate and up node, or is x itself where a hook on a
+    # projection keeps the node from applying.
+    from moe_tune.engine.model.blocks import SwiGLU
+
+    torch.manual_seed(3)
+    mlp = SwiGLU(IN_FEATURES, 10).double()
+    if hooked:
+        mlp.up_proj.register_forward_hook(lambda module, args, out: None)
+    x = make_x((2, 5), "contiguous", torch.float64).requires_grad_()
+    scale = torch.rand(2, 5, 1, dtype=torch.float64, requires_grad=True)
+    add_to = torch.randn(2, 5, IN_FEATURES, dtype=torch.float64, requires_grad=True)
+    later = torch.randn(2, 5, IN_FEATURES, dtype=torch.float64)
+    out, x_on = mlp(x, scale=scale, add_to=add_to, hand_on=True)
+    assert (x_on is x) == hooked and torch.equal(x_on, x)
+    expected = mlp(x, scale=scale, add_to=add_to)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
+    leaves = [x, scale, add_to, *mlp.parameters()]
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dy).sum() + (x_on * later).sum(), leaves)
+    expected_grads = torch.autograd.grad((expected * dy).sum() + (x * later).sum(), leaves)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])

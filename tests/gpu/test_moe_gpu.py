@@ -114,6 +114,19 @@ def test_moe_mlp_kernel_matches_reference(guarded, shape, lora_on, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["prime_E7", "top1", "E64_top8"])
+def test_moe_mlp_kernel_adds_add_to_inside_the_slot_sum(guarded, shape, dtype):
+    # add_to (the shared expert's output in the MoE block) joins the fp32 slot sum, k = 1 included: y and every
+    # gradient, add_to's among them, against the reference given the same add_to.
+    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
+    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, "both")
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    case["add_to"] = torch.randn(num_tokens, model_dim, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+    _assert_matches_reference(case, dtype)
+    guarded.check()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_mlp_kernel_frozen_base_weights(guarded, dtype):
     # LoRA fine-tuning: only the adapters, x and the routing weights get gradients.
     case = _make_case(2048, 512, 256, 16, 4, dtype, lora_on="both")
@@ -275,16 +288,21 @@ def test_routing_kernels_match_torch_bitwise(num_experts, skew, block):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("num_tokens, model_dim, top_k", [(8192, 2048, 8), (4099, 2056, 10), (33, 7, 3)])
+@pytest.mark.parametrize("num_tokens, model_dim, top_k", [(8192, 2048, 8), (4099, 2056, 10), (33, 7, 3), (65, 9, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype):
-    """The top-k slot sum against the slots added one by one in fp32 and rounded once: equal bit for bit (bf16
-    rounds to nearest even here, toward zero in the interpreter); bench-qwen3-next's shape first."""
+@pytest.mark.parametrize("with_add", [False, True], ids=["slots", "addend"])
+def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype, with_add):
+    """The top-k slot sum against the addend (with one) and the slots added one by one in fp32 and rounded once:
+    equal bit for bit (bf16 rounds to nearest even here, toward zero in the interpreter); bench-qwen3-next's shape
+    first."""
     gen = torch.Generator(device=DEVICE).manual_seed(model_dim + top_k)
     per_slot = (torch.randn(num_tokens * top_k, model_dim, generator=gen, device=DEVICE) * 4).to(dtype)
-    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k)
-    expected = torch.zeros(num_tokens, model_dim, device=DEVICE)
+    add = (torch.randn(num_tokens, model_dim, generator=gen, device=DEVICE) * 4).to(dtype) if with_add else None
+    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k, add)
+    expected = add.to(torch.float32, copy=True) if with_add else torch.zeros(num_tokens, model_dim, device=DEVICE)
     for j in range(top_k):
         expected += per_slot[j::top_k].float()
     assert y.dtype == dtype and torch.equal(y, expected.to(dtype))
+    if top_k == 1 and not with_add:
+        return
     guarded.check()

@@ -365,6 +365,16 @@ def _bad_moe_inputs():
             id="ids_negative",
         ),
         pytest.param(
+            _replace(case, add_to=torch.randn(5, D + 1)),
+            r"add_to: shape \(5, 17\) dtype torch.float32 on cpu must match x \(\[5, 16\] torch.float32 on cpu\)",
+            id="add_to_shape",
+        ),
+        pytest.param(
+            _replace(case, add_to=torch.randn(5, D, dtype=torch.float64)),
+            r"add_to: shape \(5, 16\) dtype torch.float64 on cpu must match x",
+            id="add_to_dtype",
+        ),
+        pytest.param(
             _replace(case, lora=ExpertLoRA(a_down=torch.randn(E, 4, F), scaling=1.0)),
             r"ExpertLoRA.a_down is set but b_down is None: give both or neither",
             id="lora_half_pair",
@@ -385,6 +395,25 @@ def _bad_moe_inputs():
             id="lora_b_down_D",
         ),
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("lora_on", ["none", "both"])
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_moe_mlp_adds_add_to_to_its_output(dtype, lora_on, top_k):
+    # y(add_to) = y + add_to, add_to's gradient is y's and every other gradient is unchanged; add_to is not written.
+    case = _make_case(11, 16, 20, 5, top_k, dtype, "random", lora_on)
+    grad_y = torch.randn(11, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    add_to = torch.randn(11, 16, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
+    before = add_to.detach().clone()
+    y, grads = run_with_grads(moe_mlp, dict(case, add_to=add_to), grad_y)
+    y_ref, grads_ref = run_with_grads(moe_mlp_loop_ref, case, grad_y)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(y, y_ref + add_to, **tol)
+    assert torch.equal(grads.pop("add_to"), grad_y) and torch.equal(add_to.detach(), before)
+    assert set(grads) == set(grads_ref)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_ref[name], **tol, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
 @pytest.mark.parametrize("inputs, message", _bad_moe_inputs())
