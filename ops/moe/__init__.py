@@ -52,8 +52,8 @@ def moe_mlp(
     add_to:       [N, D] of x's dtype, or None (default): added to the experts' sum before its one rounding (the
                   kernels add it in the fp32 sum over each token's slots), where an add of its own would read and
                   write the output again; its gradient is y's.
-    Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones) and the LoRA
-    tensors.
+    Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones), the LoRA
+    tensors and add_to.
     Runs the Triton kernels (kernels_fwd.py, kernels_bwd.py) when every tensor is on CUDA and every float but FP8
     expert weights is fp16/bf16/fp32, the reference otherwise (always with biases or the clamped activation, which
     the kernels do not take); MOE_TUNE_KERNELS=reference|triton forces a path (ops/common/dispatch.py).

@@ -37,8 +37,8 @@ _ADD_TO = 12
 
 
 class MoEFunction(torch.autograd.Function):
-    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=, down_scale_inv=) on the
-    Triton kernels.
+    """y = moe_mlp(x, topk_ids, topk_weights, w_gate_up, w_down, lora, gate_up_scale_inv=, down_scale_inv=, add_to=) on
+    the Triton kernels.
 
     Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None), scaling a float, then the block
     scales of FP8 expert weights (both None for 16-bit/fp32 weights) and add_to (None: none).
