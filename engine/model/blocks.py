@@ -40,10 +40,17 @@ class RMSNorm(nn.Module):
         self.one_plus = one_plus
         self.weight = nn.Parameter(torch.zeros(dim) if one_plus else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, with_input: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        with_input: bool = False,
+        y_buffer: torch.Tensor | None = None,
+    ):
         """The norm of x; with `residual`, (x + residual, the norm of that sum): one op where both have one shape
-        and dtype, else the add (with torch's promotion) and the norm. with_input (no residual): (x, the norm of x),
-        x handed on by the norm so that its backward adds the gradient of x's other uses (rms_norm_with_input)."""
+        and dtype (which writes the norm into y_buffer where it can: add_rms_norm), else the add (with torch's
+        promotion) and the norm. with_input (no residual): (x, the norm of x), x handed on by the norm so that its
+        backward adds the gradient of x's other uses (rms_norm_with_input)."""
         if residual is None:
             if with_input:
                 return rms_norm_with_input(x, self.weight, self.eps, self.one_plus)
@@ -51,7 +58,7 @@ class RMSNorm(nn.Module):
         if residual.shape != x.shape or residual.dtype != x.dtype:
             h = x + residual
             return h, rms_norm(h, self.weight, self.eps, self.one_plus)
-        return add_rms_norm(x, residual, self.weight, self.eps, self.one_plus)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.one_plus, y_buffer)
 
 
 class GroupedRMSNorm(RMSNorm):

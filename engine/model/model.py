@@ -64,8 +64,10 @@ class DecoderLayer(nn.Module):
             # The norm and the residual add inside each chunk: only x's rows are kept for backward.
             out, aux = channel_mixer_in_chunks(self.mlp, self._channel_mix, x + mixed, chunk_tokens)
             return out, aux * self.aux_loss_coef
-        # The residual add and the post-attention norm of its result in one op.
-        x, normed = self.post_attention_layernorm(mixed, residual=x)
+        # The residual add and the post-attention norm of its result in one op, the norm written where a CUDA-graphed
+        # MoE block reads its input.
+        buffer = self.mlp.input_buffer(mixed) if isinstance(self.mlp, MoEBlock) and not shared_row else None
+        x, normed = self.post_attention_layernorm(mixed, residual=x, y_buffer=buffer)
         if shared_row:
             y, aux = moe_on_shared_row(self.mlp, normed, shard)
         else:

@@ -239,6 +239,12 @@ class MoEBlock(nn.Module):
         self.pinned_topk_ids: torch.Tensor | None = None
         self.sequence_chunk_tokens: int | None = None
 
+    def input_buffer(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Where the block's next input of `like`'s shape, dtype and device may be written by the op that makes it:
+        a CUDA-graphed block's static input (engine/train/graphs.py sets this method on the block), which its replay
+        then reads with no copy; None (here): no such place."""
+        return None
+
     def forward(self, x: torch.Tensor, chunk: RowChunk | None = None):
         """x [1, T, D] -> (y [1, T, D], aux loss []). With `chunk`, x is that chunk of a row: -> (y, ChunkRouting),
         and no buffer is written (the chunk is recomputed in backward; finish_row counts the row once)."""

@@ -9,7 +9,9 @@ parameters' memory (`_BlockCapture` says why); a step then replays two graphs a 
 
 The kernels a replay runs are the ones eager mode runs, on the same inputs: results are bitwise the same
 (tests/gpu/test_cuda_graphs_gpu.py). Where a block's forward differs from the captured one (another input shape or
-dtype, eval mode, routing pinned by `moe-tune align`), it runs eagerly.
+dtype, eval mode, routing pinned by `moe-tune align`), it runs eagerly. A replay copies its input into the graph's
+static input, unless the input was written there: the decoder layer's post-attention norm writes it there
+(`MoEBlock.input_buffer`), which saves a copy of [T, D] a layer.
 
 What a graph cannot see is ruled out before capture (`graph_blockers`): ZeRO-3 gathers each module's weights in
 forward hooks, expert parallelism sizes its all-to-all on the host, and selective caching works through
@@ -52,7 +54,7 @@ class GraphedBlocks:
     def release(self) -> None:
         """Give the blocks their eager forward back and destroy the graphs now (their memory pool goes with them)."""
         for capture in self.captures:
-            del capture.block.forward
+            del capture.block.forward, capture.block.input_buffer
             delattr(capture.block, GRAPHED_ATTR)
             capture.drop()
         self.captures = []
@@ -193,6 +195,8 @@ class _BlockCapture:
         self.names = [n for n, p in block.named_parameters() if p.requires_grad]
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.sample = sample
+        # Replays whose input was not already the static input (MoEBlock.input_buffer) and was copied there.
+        self.input_copies = 0
 
     def _leaves(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         x = self.sample.detach().requires_grad_()
@@ -243,6 +247,7 @@ class _BlockCapture:
             def forward(ctx, x, *params):
                 if x.data_ptr() != capture.x.data_ptr():
                     capture.x.detach().copy_(x)
+                    capture.input_copies += 1
                 capture.fwd_graph.replay()
                 # Fresh aliases of the static outputs: autograd sets a grad_fn on what forward returns.
                 return tuple(o.detach() for o in capture.outputs)
@@ -258,9 +263,16 @@ class _BlockCapture:
 
         block, sample = self.block, self.sample
 
+        def replays(x: torch.Tensor) -> bool:
+            return (block.training and x.shape == sample.shape and x.dtype == sample.dtype and x.device == sample.device
+                    and block.pinned_topk_ids is None)  # fmt: skip
+
+        def input_buffer(like: torch.Tensor) -> torch.Tensor | None:
+            # The static input itself (an alias without its autograd history): an input written there is not copied.
+            return capture.x.detach() if replays(like) else None
+
         def forward(x: torch.Tensor):
-            if (block.training and x.shape == sample.shape and x.dtype == sample.dtype and x.device == sample.device
-                    and block.pinned_topk_ids is None):  # fmt: skip
+            if replays(x):
                 # The graphs read the parameters where they were at capture (ZeRO-1/2 update them in place).
                 assert all(p.data_ptr() == leaf.data_ptr() for p, leaf in zip(capture.params, capture.leaves)), (
                     "a graphed MoE block's parameters moved after capture"
@@ -270,4 +282,5 @@ class _BlockCapture:
             return capture.eager(x)
 
         block.forward = forward
+        block.input_buffer = input_buffer
         setattr(block, GRAPHED_ATTR, True)

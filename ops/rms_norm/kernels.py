@@ -133,12 +133,13 @@ def _rms_norm_bwd_kernel(
 
 def rms_norm_fwd(
     x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float, is_one_plus: bool, is_silu: bool,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, y_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x, z, residual: [M, N] contiguous; w: [N]. Returns y [M, N] (x's dtype), rstd [M] fp32 and, with a residual,
-    h = x + residual [M, N] (x's dtype), the tensor normalised; None without one."""
+    """x, z, residual: [M, N] contiguous; w: [N]; y_out: [M, N] contiguous of x's dtype, where y is written (None: a
+    new tensor). Returns y [M, N] (x's dtype), rstd [M] fp32 and, with a residual, h = x + residual [M, N] (x's
+    dtype), the tensor normalised; None without one."""
     num_rows, num_channels = x.shape
-    y = _alloc((num_rows, num_channels), x.dtype, x.device)
+    y = y_out if y_out is not None else _alloc((num_rows, num_channels), x.dtype, x.device)
     rstd = _alloc((num_rows,), torch.float32, x.device)
     h = _alloc((num_rows, num_channels), x.dtype, x.device) if residual is not None else None
     if num_rows == 0:

@@ -13,6 +13,7 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
+    from moe_tune.engine.model.moe import MoEBlock
     from moe_tune.profiles import load_profile
     from small_models import loss_and_grads, perturbed_lora_model
 
@@ -54,3 +55,29 @@ def test_model_on_the_kernels_trains_as_on_the_references(monkeypatch, shared_ex
         assert scale > 0, name
         torch.testing.assert_close(grad, expected[name], atol=RELATIVE_TOLERANCE * scale, rtol=0,
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+def test_moe_blocks_read_their_input_where_they_ask_it_written(monkeypatch):
+    # A block offering an input buffer (a CUDA-graphed block's static input, MoEBlock.input_buffer) gets the
+    # post-attention norm written there by its kernel and reads it with no copy: the loss and every gradient bit for
+    # bit those of the blocks without one.
+    model = hybrid_moe_model(True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    expected_loss, expected = row_loss_and_grads(model)
+    buffers, read = {}, []
+    for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
+
+        def input_buffer(like, block=block):
+            return buffers.setdefault(block, torch.full_like(like, float("nan")))
+
+        def forward(x, forward=block.forward, block=block):
+            read.append(x.data_ptr() == buffers[block].data_ptr())
+            return forward(x)
+
+        monkeypatch.setattr(block, "input_buffer", input_buffer, raising=False)
+        monkeypatch.setattr(block, "forward", forward, raising=False)
+    loss, grads = row_loss_and_grads(model)
+    assert read == [True, True]
+    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
+    assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())

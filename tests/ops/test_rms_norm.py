@@ -190,6 +190,32 @@ def test_add_kernel_matches_reference(guarded, case, dtype, uses):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
+def test_add_kernel_writes_the_norm_into_the_buffer_given(guarded, case, dtype):
+    # y_buffer (NaN-filled, with a guard past its end): y is a view of it, bit for bit the y and gradients of a call
+    # without one; nothing written past the buffer.
+    shape, is_one_plus = case
+    x, residual, weight, grad_h, grad_y = add_case(shape, dtype)
+    expected, expected_grads = run_add(add_rms_norm, x, residual, weight, grad_h, grad_y, is_one_plus)
+    buffer = guarded.alloc(shape, dtype, x.device)
+    outputs, grads = run_add(lambda *args: add_rms_norm(*args, y_buffer=buffer), x, residual, weight, grad_h, grad_y,
+                             is_one_plus)  # fmt: skip
+    guarded.check()
+    assert outputs[1].data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected[1])
+    for got, want in zip((*outputs, *grads), (*expected, *expected_grads), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_add_reference_leaves_the_buffer_alone(monkeypatch):
+    # The reference returns a new tensor (the caller uses what is returned).
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "reference")
+    x, residual, weight, _, _ = add_case((4, 10), torch.float32)
+    buffer = torch.zeros(4, 10)
+    h, y = add_rms_norm(x, residual, weight, 1e-6, False, y_buffer=buffer)
+    assert torch.equal(y, rms_norm_ref(x + residual, weight, 1e-6, False)) and not buffer.any()
+
+
 def test_add_reference_is_the_eager_add_then_the_norm():
     x, residual, weight, _, _ = add_case((4, 6, 10), torch.bfloat16)
     h, y = add_rms_norm_ref(x, residual, weight, 1e-5, True)
@@ -277,6 +303,12 @@ ADD_BAD_INPUTS = [
                  id="dtype"),
     pytest.param(dict(weight=torch.ones(5)), r"weight: shape \(5,\) must be \[N\] \(8,\)", id="weight_shape"),
     pytest.param(dict(eps=-1.0), r"eps \(-1.0\) must be >= 0", id="eps"),
+    pytest.param(dict(y_buffer=torch.ones(3, 9)), r"y_buffer: shape \(3, 9\) dtype torch.float32 on cpu must be "
+                 r"contiguous, of x's shape \(3, 8\), dtype and device", id="buffer_shape"),
+    pytest.param(dict(y_buffer=torch.ones(3, 8, dtype=torch.float16)), r"y_buffer: .* dtype torch.float16",
+                 id="buffer_dtype"),
+    pytest.param(dict(y_buffer=torch.ones(8, 3).t()), r"y_buffer: shape \(3, 8\) .* must be contiguous",
+                 id="buffer_strided"),
 ]  # fmt: skip
 
 
