@@ -531,7 +531,10 @@ def bench_rms_norm_op(shapes: str | dict[str, int], run: RunContext) -> list[dic
         if run.is_cuda:
             from moe_tune.ops.rms_norm.autograd import AddRMSNormFunction
 
-            impls = {"moe_tune triton": lambda: AddRMSNormFunction.apply(x, gate, weight, 1e-6, True, None)[1], **impls}
+            impls = {
+                "moe_tune triton": lambda: AddRMSNormFunction.apply(x, gate, weight, 1e-6, True, None, None)[1],
+                **impls,
+            }
         # At the least: x and the residual read, h and y written forward; dy and h read, dx written backward.
         fwd_bytes, bwd_bytes = 4 * M * N * x.element_size(), 3 * M * N * x.element_size()
         for impl, fn in impls.items():

@@ -46,11 +46,12 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None = None,
         with_input: bool = False,
         y_buffer: torch.Tensor | None = None,
+        h_buffer: torch.Tensor | None = None,
     ):
         """The norm of x; with `residual`, (x + residual, the norm of that sum): one op where both have one shape
-        and dtype (which writes the norm into y_buffer where it can: add_rms_norm), else the add (with torch's
-        promotion) and the norm. with_input (no residual): (x, the norm of x), x handed on by the norm so that its
-        backward adds the gradient of x's other uses (rms_norm_with_input)."""
+        and dtype (which writes the norm and the sum into y_buffer and h_buffer where it can: add_rms_norm), else
+        the add (with torch's promotion) and the norm. with_input (no residual): (x, the norm of x), x handed on by
+        the norm so that its backward adds the gradient of x's other uses (rms_norm_with_input)."""
         if residual is None:
             if with_input:
                 return rms_norm_with_input(x, self.weight, self.eps, self.one_plus)
@@ -58,7 +59,7 @@ class RMSNorm(nn.Module):
         if residual.shape != x.shape or residual.dtype != x.dtype:
             h = x + residual
             return h, rms_norm(h, self.weight, self.eps, self.one_plus)
-        return add_rms_norm(x, residual, self.weight, self.eps, self.one_plus, y_buffer)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.one_plus, y_buffer, h_buffer)
 
 
 class GroupedRMSNorm(RMSNorm):

@@ -64,15 +64,16 @@ class DecoderLayer(nn.Module):
             # The norm and the residual add inside each chunk: only x's rows are kept for backward.
             out, aux = channel_mixer_in_chunks(self.mlp, self._channel_mix, x + mixed, chunk_tokens)
             return out, aux * self.aux_loss_coef
-        # The residual add and the post-attention norm of its result in one op, the norm written where a CUDA-graphed
-        # MoE block reads its input.
-        buffer = self.mlp.input_buffer(mixed) if isinstance(self.mlp, MoEBlock) and not shared_row else None
-        x, normed = self.post_attention_layernorm(mixed, residual=x, y_buffer=buffer)
+        # The residual add and the post-attention norm of its result in one op, both written where a CUDA-graphed
+        # MoE block reads its inputs.
+        buffers = self.mlp.input_buffers(mixed) if isinstance(self.mlp, MoEBlock) and not shared_row else (None, None)
+        x, normed = self.post_attention_layernorm(mixed, residual=x, y_buffer=buffers[0], h_buffer=buffers[1])
         if shared_row:
             y, aux = moe_on_shared_row(self.mlp, normed, shard)
-        else:
-            y, aux = self.mlp(normed)
-        return x + y, aux * self.aux_loss_coef
+            return x + y, aux * self.aux_loss_coef
+        # The channel mixer adds the residual inside the ops that make its output.
+        out, aux = self.mlp(normed, residual=x)
+        return out, aux * self.aux_loss_coef
 
     @property
     def chunks_with_norm(self) -> bool:

@@ -239,19 +239,23 @@ class MoEBlock(nn.Module):
         self.pinned_topk_ids: torch.Tensor | None = None
         self.sequence_chunk_tokens: int | None = None
 
-    def input_buffer(self, like: torch.Tensor) -> torch.Tensor | None:
-        """Where the block's next input of `like`'s shape, dtype and device may be written by the op that makes it:
-        a CUDA-graphed block's static input (engine/train/graphs.py sets this method on the block), which its replay
-        then reads with no copy; None (here): no such place."""
-        return None
+    def input_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Where the block's next input x and residual, of `like`'s shape, dtype and device, may be written by the op
+        that makes them: a CUDA-graphed block's static inputs (engine/train/graphs.py sets this method on the
+        block), which its replay then reads with no copy; (None, None) here: no such place."""
+        return None, None
 
-    def forward(self, x: torch.Tensor, chunk: RowChunk | None = None):
-        """x [1, T, D] -> (y [1, T, D], aux loss []). With `chunk`, x is that chunk of a row: -> (y, ChunkRouting),
-        and no buffer is written (the chunk is recomputed in backward; finish_row counts the row once)."""
+    def forward(self, x: torch.Tensor, chunk: RowChunk | None = None, residual: torch.Tensor | None = None):
+        """x [1, T, D] -> (y [1, T, D], aux loss []); with `residual` [1, T, D], y + residual, added inside the ops
+        that make y (the decoder layer's residual add). With `chunk` (no residual), x is that chunk of a row:
+        -> (y, ChunkRouting), and no buffer is written (the chunk is recomputed in backward; finish_row counts the
+        row once)."""
         if chunk is not None:
+            assert residual is None, "a chunk of a row is routed without its residual"
             return self._forward_chunk(x, chunk)
         if self.sequence_chunk_tokens is not None and x.shape[1] > self.sequence_chunk_tokens:
-            return channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
+            y, aux = channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
+            return (y if residual is None else y + residual), aux
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         gates = self._gate_projections(x_TD)
@@ -263,7 +267,8 @@ class MoEBlock(nn.Module):
                 # Not bincount: on a GPU it waits for the device to size its output. Adding ones is exact.
                 ids = topk_ids.flatten()
                 self.load_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.load_counts.dtype))
-        y_TD = self._experts_and_shared(topk_ids, topk_weights, gates)
+        residual_TD = None if residual is None else residual.reshape(x_TD.shape)
+        y_TD = self._experts_and_shared(topk_ids, topk_weights, gates, residual_TD)
         if self.spec.aux_loss_coef > 0 and self.training:
             aux = switch_aux_loss(scores_TE, topk_ids, self.spec.num_experts)
         else:
@@ -346,34 +351,38 @@ class MoEBlock(nn.Module):
         )
         return logits_TE, topk_ids, topk_weights, scores_TE
 
-    def _experts_and_shared(self, topk_ids, topk_weights, gates: SharedInputProjections) -> torch.Tensor:
-        """The routed experts' weighted sum plus the (gated) shared expert of the input [T, D] that `gates` hands on:
-        [T, D]. The gate scales the shared expert's hidden rows [T, F] before its down projection: sigmoid(g)
-        (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D columns.
+    def _experts_and_shared(
+        self, topk_ids, topk_weights, gates: SharedInputProjections, residual_TD: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum plus the (gated) shared expert of the input [T, D] that `gates` hands on,
+        plus residual_TD [T, D] where given: [T, D]. The gate scales the shared expert's hidden rows [T, F] before its
+        down projection: sigmoid(g) (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D columns.
 
-        The shared expert runs first and its gate and up projections' node hands the input on again to the routed
-        experts, which add the shared expert's output inside their sum over each token's slots (moe_mlp's add_to):
-        every use's gradient of the input is then summed inside the two nodes' backward GEMMs, with no add kernel
-        either way. Across an expert-parallel group the routed experts run first and the shared expert's down
-        projection adds their sum inside its GEMM."""
+        The shared expert runs first, its down projection adding the residual inside its GEMM, and its gate and up
+        projections' node hands the input on again to the routed experts, which add the shared expert's output
+        inside their sum over each token's slots (moe_mlp's add_to; without a shared expert they add the residual):
+        the output needs no add kernel, and every use's gradient of the input is summed inside the two nodes'
+        backward GEMMs. Across an expert-parallel group the routed experts run first and the shared expert's down
+        projection adds their sum (and the residual, added to it) inside its GEMM."""
         x_TD = gates.x
         mlp = self.shared_expert
         if mlp is None:
-            return self._routed_experts(x_TD, topk_ids, topk_weights)
+            return self._routed_experts(x_TD, topk_ids, topk_weights, add_to=residual_TD)
         scale_T1 = torch.sigmoid(gates.of(self.shared_expert_gate)[0]) if self.shared_expert_gate is not None else None
         if self.layout.expert_parallel > 1:
-            return mlp(x_TD, scale=scale_T1, add_to=self._routed_experts(x_TD, topk_ids, topk_weights))
-        shared_TD, x_TD = mlp(x_TD, scale=scale_T1, hand_on=True)
+            return mlp(x_TD, scale=scale_T1, add_to=self._routed_experts(x_TD, topk_ids, topk_weights, residual_TD))
+        shared_TD, x_TD = mlp(x_TD, scale=scale_T1, add_to=residual_TD, hand_on=True)
         return self._routed_experts(x_TD, topk_ids, topk_weights, add_to=shared_TD)
 
     def _routed_experts(
         self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, add_to: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The routed experts' weighted sum [T, D] of x_TD [T, D] (plus add_to [T, D], local experts only): local, or
-        across the expert-parallel group."""
+        """The routed experts' weighted sum [T, D] of x_TD [T, D], plus add_to [T, D] where given: local (add_to
+        inside their slot sum), or across the expert-parallel group (added after the combine)."""
         if self.layout.expert_parallel == 1:
             return self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype), add_to=add_to)
-        return dispatch_compute_combine(x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout)
+        y_TD = dispatch_compute_combine(x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout)
+        return y_TD if add_to is None else y_TD + add_to
 
     def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop
@@ -414,10 +423,15 @@ class DenseMLP(SwiGLU):
         super().__init__(hidden, intermediate)
         self.sequence_chunk_tokens: int | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [1, T, D] -> (y [1, T, D], zero aux loss); with `residual`, y + residual, added inside the down
+        projection's GEMM (the decoder layer's residual add)."""
         if self.sequence_chunk_tokens is not None and x.shape[1] > self.sequence_chunk_tokens:
-            return channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
-        return super().forward(x), x.new_zeros((), dtype=torch.float32)
+            y, aux = channel_mixer_in_chunks(self, apply_mixer, x, self.sequence_chunk_tokens)
+            return (y if residual is None else y + residual), aux
+        return super().forward(x, add_to=residual), x.new_zeros((), dtype=torch.float32)
 
     def forward_inference(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)

@@ -9,9 +9,10 @@ parameters' memory (`_BlockCapture` says why); a step then replays two graphs a 
 
 The kernels a replay runs are the ones eager mode runs, on the same inputs: results are bitwise the same
 (tests/gpu/test_cuda_graphs_gpu.py). Where a block's forward differs from the captured one (another input shape or
-dtype, eval mode, routing pinned by `moe-tune align`), it runs eagerly. A replay copies its input into the graph's
-static input, unless the input was written there: the decoder layer's post-attention norm writes it there
-(`MoEBlock.input_buffer`), which saves a copy of [T, D] a layer.
+dtype, eval mode, routing pinned by `moe-tune align`, no residual), it runs eagerly. The graphs take the block's two
+inputs, x and the decoder layer's residual (which the block adds to its output inside its own ops); a replay copies
+each into the graph's static input unless it was written there: the decoder layer's post-attention norm writes both
+there (`MoEBlock.input_buffers`), which saves two copies of [T, D] a layer.
 
 What a graph cannot see is ruled out before capture (`graph_blockers`): ZeRO-3 gathers each module's weights in
 forward hooks, expert parallelism sizes its all-to-all on the host, and selective caching works through
@@ -54,7 +55,7 @@ class GraphedBlocks:
     def release(self) -> None:
         """Give the blocks their eager forward back and destroy the graphs now (their memory pool goes with them)."""
         for capture in self.captures:
-            del capture.block.forward, capture.block.input_buffer
+            del capture.block.forward, capture.block.input_buffers
             delattr(capture.block, GRAPHED_ATTR)
             capture.drop()
         self.captures = []
@@ -128,8 +129,8 @@ def maybe_graph_moe_blocks(
 def graph_moe_blocks(
     blocks: list[nn.Module], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> GraphedBlocks:
-    """Capture the forward and backward of every block in `blocks` (training mode) for inputs of `shape` and
-    `dtype`; each block's forward then replays its graph for such inputs and runs eagerly for others."""
+    """Capture the forward and backward of every block in `blocks` (training mode) for inputs x and residual of
+    `shape` and `dtype`; each block's forward then replays its graph for such inputs and runs eagerly for others."""
     if any(hasattr(block, GRAPHED_ATTR) for block in blocks):
         raise RuntimeError("MoE blocks already graphed: release() the previous capture first")
     # A hook inside a block would run at capture only, never at replay.
@@ -195,15 +196,18 @@ class _BlockCapture:
         self.names = [n for n, p in block.named_parameters() if p.requires_grad]
         self.params = [p for p in block.parameters() if p.requires_grad]
         self.sample = sample
-        # Replays whose input was not already the static input (MoEBlock.input_buffer) and was copied there.
+        # Inputs (x or residual) of the replays that were not already in their static input
+        # (MoEBlock.input_buffers) and were copied there.
         self.input_copies = 0
 
-    def _leaves(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x = self.sample.detach().requires_grad_()
-        return x, [p.detach().requires_grad_() for p in self.params]
+    def _leaves(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(x and residual, the parameters' stand-ins), fresh leaves that require grad."""
+        inputs = [self.sample.detach().requires_grad_(), self.sample.detach().clone().requires_grad_()]
+        return inputs, [p.detach().requires_grad_() for p in self.params]
 
-    def _forward(self, x: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        outputs = torch.func.functional_call(self.block, dict(zip(self.names, leaves)), (x,))
+    def _forward(self, inputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        x, residual = inputs
+        outputs = torch.func.functional_call(self.block, dict(zip(self.names, leaves)), (x,), {"residual": residual})
         flat, self.spec = torch.utils._pytree.tree_flatten(outputs)
         return flat
 
@@ -215,9 +219,9 @@ class _BlockCapture:
 
     def warm_up(self) -> None:
         for _ in range(WARMUP_ITERS):
-            x, leaves = self._leaves()
-            outputs = self._forward(x, leaves)
-            self._grads(outputs, [x, *leaves], [torch.empty_like(o) for o in outputs])
+            inputs, leaves = self._leaves()
+            outputs = self._forward(inputs, leaves)
+            self._grads(outputs, [*inputs, *leaves], [torch.empty_like(o) for o in outputs])
 
     def drop(self) -> None:
         """Destroy the graphs and the static buffers now rather than whenever the replay Function's cycle is
@@ -226,16 +230,16 @@ class _BlockCapture:
         self.outputs = self.grads_out = self.grads_in = []
 
     def capture_forward(self, pool) -> None:
-        self.x, self.leaves = self._leaves()
+        self.inputs, self.leaves = self._leaves()
         self.fwd_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.fwd_graph, pool=pool):
-            self.outputs = self._forward(self.x, self.leaves)
+            self.outputs = self._forward(self.inputs, self.leaves)
 
     def capture_backward(self, pool) -> None:
         self.grads_out = [torch.empty_like(o) for o in self.outputs]
         self.bwd_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd_graph, pool=pool):
-            grads = self._grads(self.outputs, [self.x, *self.leaves], self.grads_out)
+            grads = self._grads(self.outputs, [*self.inputs, *self.leaves], self.grads_out)
         self.grads_in = tuple(None if g is None else g.detach() for g in grads)
         self.outputs = [o.detach() for o in self.outputs]
 
@@ -244,10 +248,11 @@ class _BlockCapture:
 
         class Replay(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, x, *params):
-                if x.data_ptr() != capture.x.data_ptr():
-                    capture.x.detach().copy_(x)
-                    capture.input_copies += 1
+            def forward(ctx, x, residual, *params):
+                for static, given in zip(capture.inputs, (x, residual)):
+                    if given.data_ptr() != static.data_ptr():
+                        static.detach().copy_(given)
+                        capture.input_copies += 1
                 capture.fwd_graph.replay()
                 # Fresh aliases of the static outputs: autograd sets a grad_fn on what forward returns.
                 return tuple(o.detach() for o in capture.outputs)
@@ -263,24 +268,26 @@ class _BlockCapture:
 
         block, sample = self.block, self.sample
 
-        def replays(x: torch.Tensor) -> bool:
-            return (block.training and x.shape == sample.shape and x.dtype == sample.dtype and x.device == sample.device
-                    and block.pinned_topk_ids is None)  # fmt: skip
+        def replays(*inputs: torch.Tensor) -> bool:
+            return block.training and block.pinned_topk_ids is None and all(
+                t.shape == sample.shape and t.dtype == sample.dtype and t.device == sample.device for t in inputs
+            )
 
-        def input_buffer(like: torch.Tensor) -> torch.Tensor | None:
-            # The static input itself (an alias without its autograd history): an input written there is not copied.
-            return capture.x.detach() if replays(like) else None
+        def input_buffers(like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            # The static inputs themselves (aliases without their autograd history): inputs written there are not
+            # copied.
+            return tuple(t.detach() for t in capture.inputs) if replays(like) else (None, None)
 
-        def forward(x: torch.Tensor):
-            if replays(x):
+        def forward(x: torch.Tensor, chunk=None, residual: torch.Tensor | None = None):
+            if chunk is None and residual is not None and replays(x, residual):
                 # The graphs read the parameters where they were at capture (ZeRO-1/2 update them in place).
                 assert all(p.data_ptr() == leaf.data_ptr() for p, leaf in zip(capture.params, capture.leaves)), (
                     "a graphed MoE block's parameters moved after capture"
                 )
-                outputs = Replay.apply(x, *capture.params)
+                outputs = Replay.apply(x, residual, *capture.params)
                 return torch.utils._pytree.tree_unflatten(list(outputs), capture.spec)
-            return capture.eager(x)
+            return capture.eager(x, chunk, residual)
 
         block.forward = forward
-        block.input_buffer = input_buffer
+        block.input_buffers = input_buffers
         setattr(block, GRAPHED_ATTR, True)

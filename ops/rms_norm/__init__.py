@@ -80,15 +80,17 @@ def add_rms_norm(
     eps: float = 1e-6,
     is_one_plus: bool = False,
     y_buffer: torch.Tensor | None = None,
+    h_buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add and the RMSNorm of its result: h = x + residual (rounded to x's dtype, as the eager add) and
     y = rms_norm(h, weight, eps, is_one_plus), in one pass each way (the decoder layer's stream after its token
     mixer, and the post-attention norm of it).
 
     x, residual: [..., N] of one shape and dtype; weight, eps, is_one_plus: as rms_norm.
-    y_buffer: a contiguous tensor of x's shape and dtype (a CUDA-graphed MoE block's static input), or None
-              (default): the kernel writes y there and returns a view of it, which saves the copy into the buffer
-              that reading y would cost; the reference returns a new tensor. Use the y returned either way.
+    y_buffer, h_buffer: contiguous tensors of x's shape and dtype (a CUDA-graphed MoE block's static inputs), or
+              None (default): the kernel writes y and h there and returns views of them, which saves the copies
+              into the buffers that reading y and h would cost; the reference returns new tensors. Use the tensors
+              returned either way.
     Returns (h, y), both x's shape and dtype. Backward: x and residual get h's gradient plus the norm's, summed in
     fp32 and rounded once.
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
@@ -100,15 +102,18 @@ def add_rms_norm(
         raise ValueError(f"residual: dtype {residual.dtype} must match x ({x.dtype})")
     if residual.device != x.device:
         raise ValueError(f"residual: device {residual.device} must match x ({x.device})")
-    if y_buffer is not None and (y_buffer.shape != x.shape or y_buffer.dtype != x.dtype
-                                 or y_buffer.device != x.device or not y_buffer.is_contiguous()):  # fmt: skip
-        raise ValueError(f"y_buffer: shape {tuple(y_buffer.shape)} dtype {y_buffer.dtype} on {y_buffer.device} must "
-                         f"be contiguous, of x's shape {tuple(x.shape)}, dtype and device")  # fmt: skip
+    for name, buffer in (("y_buffer", y_buffer), ("h_buffer", h_buffer)):
+        if buffer is not None and (buffer.shape != x.shape or buffer.dtype != x.dtype or buffer.device != x.device
+                                   or not buffer.is_contiguous()):  # fmt: skip
+            raise ValueError(f"{name}: shape {tuple(buffer.shape)} dtype {buffer.dtype} on {buffer.device} must be "
+                             f"contiguous, of x's shape {tuple(x.shape)}, dtype and device")  # fmt: skip
+    if y_buffer is not None and h_buffer is not None and y_buffer.data_ptr() == h_buffer.data_ptr():
+        raise ValueError("y_buffer and h_buffer: must be two tensors, not one")
     has_kernel = x.dtype in _KERNEL_DTYPES and x.shape[-1] <= MAX_N
     if use_kernel("rms_norm", x, residual, weight, has_kernel=has_kernel):
         from moe_tune.ops.rms_norm.autograd import AddRMSNormFunction
 
-        return AddRMSNormFunction.apply(x, residual, weight, float(eps), is_one_plus, y_buffer)
+        return AddRMSNormFunction.apply(x, residual, weight, float(eps), is_one_plus, y_buffer, h_buffer)
     return add_rms_norm_ref(x, residual, weight, eps, is_one_plus)
 
 

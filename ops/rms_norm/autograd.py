@@ -56,18 +56,18 @@ class RMSNormWithInputFunction(torch.autograd.Function):
 
 
 class AddRMSNormFunction(torch.autograd.Function):
-    """(h, y) = (x + residual, rms_norm(x + residual)): one pass each way, y written into y_buffer when one is given
-    (None: a new tensor). Saves h and rstd, as the norm alone saves its input; backward adds h's own gradient (its
-    other uses) to the norm's in the same pass, and x and residual get that one sum."""
+    """(h, y) = (x + residual, rms_norm(x + residual)): one pass each way, y and h written into y_buffer and h_buffer
+    where given (None: new tensors). Saves h and rstd, as the norm alone saves its input; backward adds h's own
+    gradient (its other uses) to the norm's in the same pass, and x and residual get that one sum."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, is_one_plus, y_buffer):
+    def forward(ctx, x, residual, weight, eps, is_one_plus, y_buffer, h_buffer):
         num_channels = x.shape[-1]
         x_MN = x.reshape(-1, num_channels).contiguous()
         r_MN = residual.reshape(-1, num_channels).contiguous()
-        y_out = y_buffer.view(-1, num_channels) if y_buffer is not None else None
+        y_out, h_out = (None if b is None else b.view(-1, num_channels) for b in (y_buffer, h_buffer))
         y_MN, rstd_M, h_MN = rms_norm_fwd(
-            x_MN, weight.contiguous(), None, eps, is_one_plus, True, residual=r_MN, y_out=y_out
+            x_MN, weight.contiguous(), None, eps, is_one_plus, True, residual=r_MN, y_out=y_out, h_out=h_out
         )
         ctx.save_for_backward(h_MN, weight, rstd_M)
         ctx.is_one_plus, ctx.shape = is_one_plus, x.shape
@@ -80,7 +80,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         h_MN, weight, rstd_M = ctx.saved_tensors
         dh_MN, dw = _grad_plus_norm_grad(grad_h, grad_y, h_MN, weight, rstd_M, ctx.is_one_plus, ctx.needs_input_grad[2])
         dx = dh_MN.view(ctx.shape)
-        return dx, dx, dw, None, None, None
+        return dx, dx, dw, None, None, None, None
 
 
 def _grad_plus_norm_grad(grad_other, grad_y, x_MN, weight, rstd_M, is_one_plus, needs_dw):

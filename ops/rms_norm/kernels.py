@@ -133,15 +133,17 @@ def _rms_norm_bwd_kernel(
 
 def rms_norm_fwd(
     x: torch.Tensor, w: torch.Tensor, z: torch.Tensor | None, eps: float, is_one_plus: bool, is_silu: bool,
-    residual: torch.Tensor | None = None, y_out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, y_out: torch.Tensor | None = None, h_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x, z, residual: [M, N] contiguous; w: [N]; y_out: [M, N] contiguous of x's dtype, where y is written (None: a
-    new tensor). Returns y [M, N] (x's dtype), rstd [M] fp32 and, with a residual, h = x + residual [M, N] (x's
-    dtype), the tensor normalised; None without one."""
+    """x, z, residual: [M, N] contiguous; w: [N]; y_out, h_out (with a residual): [M, N] contiguous of x's dtype,
+    where y and h are written (None: new tensors). Returns y [M, N] (x's dtype), rstd [M] fp32 and, with a residual,
+    h = x + residual [M, N] (x's dtype), the tensor normalised; None without one."""
     num_rows, num_channels = x.shape
     y = y_out if y_out is not None else _alloc((num_rows, num_channels), x.dtype, x.device)
     rstd = _alloc((num_rows,), torch.float32, x.device)
-    h = _alloc((num_rows, num_channels), x.dtype, x.device) if residual is not None else None
+    h = None
+    if residual is not None:
+        h = h_out if h_out is not None else _alloc((num_rows, num_channels), x.dtype, x.device)
     if num_rows == 0:
         return y, rstd, h
     block_m, block_n = block_sizes(num_channels)

@@ -108,7 +108,7 @@ def test_release_gives_each_block_its_eager_forward_back_and_drops_the_graphs():
     captures = []
     for block in blocks:
         block.forward = lambda x: "replayed"
-        block.input_buffer = lambda like: "static input"
+        block.input_buffers = lambda like: ("static input", "static residual")
         setattr(block, GRAPHED_ATTR, True)
         captures.append(types.SimpleNamespace(block=block, drop=lambda block=block: dropped.append(block)))
     graphs = GraphedBlocks(captures, tokens=64)
@@ -116,6 +116,6 @@ def test_release_gives_each_block_its_eager_forward_back_and_drops_the_graphs():
     assert graphs.note() == f"CUDA graphs: {len(blocks)} MoE blocks captured for micro-batches of 64 tokens"
     graphs.release()
     assert dropped == blocks and graphs.blocks == []
-    assert not any("forward" in vars(b) or "input_buffer" in vars(b) or hasattr(b, GRAPHED_ATTR) for b in blocks)
-    assert all(b.input_buffer(torch.zeros(1, 4, 8)) is None for b in blocks)
+    assert not any("forward" in vars(b) or "input_buffers" in vars(b) or hasattr(b, GRAPHED_ATTR) for b in blocks)
+    assert all(b.input_buffers(torch.zeros(1, 4, 8)) == (None, None) for b in blocks)
 

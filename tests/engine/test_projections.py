@@ -532,3 +532,36 @@ def test_swiglu_handing_x_on_matches_its_plain_call(hooked):
     expected_grads = torch.autograd.grad((expected * dy).sum() + (x * later).sum(), leaves)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])
+
+
+@pytest.mark.parametrize("shared", ["gated", "ungated", "none", "dense"])
+def test_channel_mixers_add_the_residual_inside_their_ops(shared):
+    # mixer(x, residual=r) = mixer(x) + r, every gradient (r's is y's) as that sum's, with no add kernel of [T, D]
+    # forward: the residual joins the shared expert's down GEMM, the routed experts' slot sum or the dense MLP's down
+    # GEMM.
+    from torch.profiler import profile
+
+    from moe_tune.engine.model.moe import DenseMLP
+
+    if shared == "dense":
+        torch.manual_seed(2)
+        block, x = DenseMLP(IN_FEATURES, 10).double(), torch.randn(1, 9, IN_FEATURES, dtype=torch.float64)
+        x.requires_grad_()
+    else:
+        block, x = moe_block(shared)
+    residual = torch.randn_like(x).requires_grad_()
+    with profile(record_shapes=True) as prof:
+        out, aux = block(x, residual=residual)
+    token_rows = [[1, x.shape[1], IN_FEATURES], [x.shape[1], IN_FEATURES]]
+    adds = [e.input_shapes[:2] for e in prof.events() if e.name in ("aten::add", "aten::add_")]
+    assert not [shapes for shapes in adds if shapes[0] in token_rows and shapes[1] in token_rows]
+    expected, expected_aux = block(x)
+    expected = expected + residual
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float64])
+    torch.testing.assert_close(aux, expected_aux, **TOLERANCES[torch.float64])
+    leaves = [x, residual, *[p for p in block.parameters() if p.requires_grad]]
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dy)
+    for grad, expected_grad in zip(grads, torch.autograd.grad(expected, leaves, dy), strict=True):
+        torch.testing.assert_close(grad, expected_grad, **TOLERANCES[torch.float64])
+    assert torch.equal(grads[1], dy)

@@ -57,20 +57,26 @@ def _bf16_blocks():
 
 
 def _inputs(blocks, tokens, seed):
+    """Each block's x and residual (the decoder layer's two inputs to it), and its output's gradient."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     hidden = blocks[0].gate.in_features
-    xs = [torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
-          for _ in blocks]  # fmt: skip
+
+    def draws():
+        return [torch.randn(1, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                for _ in blocks]  # fmt: skip
+
+    xs, residuals = draws(), draws()
     grads_out = [torch.randn(1, tokens, hidden, generator=gen, device="cuda") for _ in blocks]
-    return xs, grads_out
+    return xs, residuals, grads_out
 
 
-def _fwd_bwd(blocks, xs, grads_out):
-    """Forwards first to last, one backward (a step's order): outputs, input and parameter gradients, loads."""
-    outs = [block(x) for block, x in zip(blocks, xs)]
+def _fwd_bwd(blocks, xs, residuals, grads_out):
+    """Forwards first to last, one backward (a step's order): outputs, input, residual and parameter gradients,
+    loads."""
+    outs = [block(x, residual=r) for block, x, r in zip(blocks, xs, residuals)]
     loss = sum((y.float() * g).sum() + aux for (y, aux), g in zip(outs, grads_out))
     params = [p for block in blocks for p in block.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, xs + params)
+    grads = torch.autograd.grad(loss, xs + residuals + params)
     loads = [block.load_counts.clone() for block in blocks]
     for block in blocks:
         block.load_counts.zero_()
@@ -99,6 +105,11 @@ def test_graphed_blocks_are_bitwise_eager(replays):
     assert replays[0] == 2 * 2 * len(blocks)
     # The gradients are non-trivial (the adapters included).
     assert all(g.abs().sum() > 0 for g in eager[0][len(blocks):-len(blocks)])
+    # A block called without its residual (the decoder layer always passes one) runs eagerly.
+    replays[0] = 0
+    xs, _, grads_out = rounds[0]
+    eager_without = [block(x) for block, x in zip(blocks, xs)]
+    assert replays[0] == 0 and all(y.shape == x.shape for (y, _), x in zip(eager_without, xs))
 
 
 def test_other_inputs_run_eagerly(replays):
@@ -111,7 +122,8 @@ def test_other_inputs_run_eagerly(replays):
     # The captured shape in eval mode: eager too.
     model.eval()
     with torch.no_grad():
-        blocks[0](torch.randn(1, TOKENS, blocks[0].gate.in_features, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(1, TOKENS, blocks[0].gate.in_features, device="cuda", dtype=torch.bfloat16)
+        blocks[0](x, residual=x.clone())
     assert replays[0] == 0
 
 
@@ -122,7 +134,8 @@ def test_release_gives_the_eager_forward_back_and_capture_again_works(replays):
     shape = (1, TOKENS, blocks[0].gate.in_features)
     graphs = graph_moe_blocks(blocks, shape, torch.bfloat16, torch.device("cuda"))
     graphs.release()
-    assert not any("forward" in vars(block) or hasattr(block, GRAPHED_ATTR) for block in blocks)
+    assert not any("forward" in vars(block) or "input_buffers" in vars(block) or hasattr(block, GRAPHED_ATTR)
+                   for block in blocks)  # fmt: skip
     replays[0] = 0
     _assert_bitwise(_fwd_bwd(blocks, *inputs), reference)
     assert replays[0] == 0

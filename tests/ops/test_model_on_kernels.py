@@ -57,10 +57,10 @@ def test_model_on_the_kernels_trains_as_on_the_references(monkeypatch, shared_ex
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
-def test_moe_blocks_read_their_input_where_they_ask_it_written(monkeypatch):
-    # A block offering an input buffer (a CUDA-graphed block's static input, MoEBlock.input_buffer) gets the
-    # post-attention norm written there by its kernel and reads it with no copy: the loss and every gradient bit for
-    # bit those of the blocks without one.
+def test_moe_blocks_read_their_inputs_where_they_ask_them_written(monkeypatch):
+    # Blocks offering input buffers (a CUDA-graphed block's static inputs, MoEBlock.input_buffers) get the
+    # post-attention norm and the residual written there by the norm's kernel and read them with no copy: the loss
+    # and every gradient bit for bit those of the blocks without them.
     model = hybrid_moe_model(True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
@@ -68,14 +68,14 @@ def test_moe_blocks_read_their_input_where_they_ask_it_written(monkeypatch):
     buffers, read = {}, []
     for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
 
-        def input_buffer(like, block=block):
-            return buffers.setdefault(block, torch.full_like(like, float("nan")))
+        def input_buffers(like, block=block):
+            return buffers.setdefault(block, (torch.full_like(like, float("nan")), torch.full_like(like, float("nan"))))
 
-        def forward(x, forward=block.forward, block=block):
-            read.append(x.data_ptr() == buffers[block].data_ptr())
-            return forward(x)
+        def forward(x, chunk=None, residual=None, forward=block.forward, block=block):
+            read.append((x.data_ptr(), residual.data_ptr()) == tuple(b.data_ptr() for b in buffers[block]))
+            return forward(x, chunk, residual)
 
-        monkeypatch.setattr(block, "input_buffer", input_buffer, raising=False)
+        monkeypatch.setattr(block, "input_buffers", input_buffers, raising=False)
         monkeypatch.setattr(block, "forward", forward, raising=False)
     loss, grads = row_loss_and_grads(model)
     assert read == [True, True]

@@ -190,19 +190,22 @@ def test_add_kernel_matches_reference(guarded, case, dtype, uses):
     assert torch.equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("buffers", [("y",), ("h",), ("y", "h")], ids=["norm", "sum", "both"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
-def test_add_kernel_writes_the_norm_into_the_buffer_given(guarded, case, dtype):
-    # y_buffer (NaN-filled, with a guard past its end): y is a view of it, bit for bit the y and gradients of a call
-    # without one; nothing written past the buffer.
+def test_add_kernel_writes_into_the_buffers_given(guarded, case, dtype, buffers):
+    # y_buffer, h_buffer (NaN-filled, with a guard past their ends): y and h are views of them, bit for bit the y, h
+    # and gradients of a call without them; nothing written past a buffer.
     shape, is_one_plus = case
     x, residual, weight, grad_h, grad_y = add_case(shape, dtype)
     expected, expected_grads = run_add(add_rms_norm, x, residual, weight, grad_h, grad_y, is_one_plus)
-    buffer = guarded.alloc(shape, dtype, x.device)
-    outputs, grads = run_add(lambda *args: add_rms_norm(*args, y_buffer=buffer), x, residual, weight, grad_h, grad_y,
+    given = {f"{name}_buffer": guarded.alloc(shape, dtype, x.device) for name in buffers}
+    outputs, grads = run_add(lambda *args: add_rms_norm(*args, **given), x, residual, weight, grad_h, grad_y,
                              is_one_plus)  # fmt: skip
     guarded.check()
-    assert outputs[1].data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected[1])
+    for name, output, want in zip(("h", "y"), outputs, expected):
+        buffer = given.get(f"{name}_buffer")
+        assert buffer is None or (output.data_ptr() == buffer.data_ptr() and torch.equal(buffer, want)), name
     for got, want in zip((*outputs, *grads), (*expected, *expected_grads), strict=True):
         assert torch.equal(got, want)
 
@@ -211,9 +214,9 @@ def test_add_reference_leaves_the_buffer_alone(monkeypatch):
     # The reference returns a new tensor (the caller uses what is returned).
     monkeypatch.setenv("MOE_TUNE_KERNELS", "reference")
     x, residual, weight, _, _ = add_case((4, 10), torch.float32)
-    buffer = torch.zeros(4, 10)
-    h, y = add_rms_norm(x, residual, weight, 1e-6, False, y_buffer=buffer)
-    assert torch.equal(y, rms_norm_ref(x + residual, weight, 1e-6, False)) and not buffer.any()
+    buffers = torch.zeros(2, 4, 10)
+    h, y = add_rms_norm(x, residual, weight, 1e-6, False, y_buffer=buffers[0], h_buffer=buffers[1])
+    assert torch.equal(y, rms_norm_ref(x + residual, weight, 1e-6, False)) and not buffers.any()
 
 
 def test_add_reference_is_the_eager_add_then_the_norm():
@@ -297,6 +300,7 @@ def test_with_input_bad_inputs_raise(bad, message):
         rms_norm_with_input(**inputs)
 
 
+SHARED_BUFFER = torch.ones(3, 8)
 ADD_BAD_INPUTS = [
     pytest.param(dict(residual=torch.ones(3, 7)), r"residual: shape \(3, 7\) must match x \(3, 8\)", id="shape"),
     pytest.param(dict(residual=torch.ones(3, 8, dtype=torch.float16)), r"residual: dtype torch.float16 must match x",
@@ -307,8 +311,10 @@ ADD_BAD_INPUTS = [
                  r"contiguous, of x's shape \(3, 8\), dtype and device", id="buffer_shape"),
     pytest.param(dict(y_buffer=torch.ones(3, 8, dtype=torch.float16)), r"y_buffer: .* dtype torch.float16",
                  id="buffer_dtype"),
-    pytest.param(dict(y_buffer=torch.ones(8, 3).t()), r"y_buffer: shape \(3, 8\) .* must be contiguous",
+    pytest.param(dict(h_buffer=torch.ones(8, 3).t()), r"h_buffer: shape \(3, 8\) .* must be contiguous",
                  id="buffer_strided"),
+    pytest.param(dict(y_buffer=SHARED_BUFFER, h_buffer=SHARED_BUFFER),
+                 r"y_buffer and h_buffer: must be two tensors, not one", id="one_buffer_for_both"),
 ]  # fmt: skip
 
 
