@@ -227,7 +227,7 @@ class _BlockCapture:
         """Destroy the graphs and the static buffers now rather than whenever the replay Function's cycle is
         collected."""
         self.fwd_graph = self.bwd_graph = None
-        self.outputs = self.grads_out = self.grads_in = []
+        self.inputs = self.outputs = self.grads_out = self.grads_in = []
 
     def capture_forward(self, pool) -> None:
         self.inputs, self.leaves = self._leaves()
