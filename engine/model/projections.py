@@ -16,10 +16,11 @@ module hook, a ZeRO-3 partitioned weight, autocast. Otherwise the modules are ca
 CLASS_SCOPE_HOOK (the activation-memory manager's, which only say which operator class is running) do not count:
 they run around the node, as around the group's first module.
 
-Handing the input on (`hand_on`, the MoE block's router and shared-expert gate): the node also returns x (a view),
-which the input's later uses (the experts) take instead of x. Their gradient then reaches the node's backward,
-which starts x's gradient from it inside its first GEMM (addmm), where x used by the node and by the experts would
-have autograd add the two gradients in a kernel of its own.
+Handing the input on (`hand_on`: the MoE block's router and shared-expert gate to the shared expert, whose gate and
+up hand it on again to the routed experts): the node also returns x (a view), which the input's later uses take
+instead of x. Their gradient then reaches the node's backward, which starts x's gradient from it inside its first
+GEMM (addmm), where x used by the node and by its later uses would have autograd add the two gradients in a kernel
+of its own.
 """
 
 from __future__ import annotations
