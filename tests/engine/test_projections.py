@@ -439,8 +439,8 @@ def moe_block(shared):
 @pytest.mark.parametrize("shared", ["gated", "ungated", "none"])
 def test_moe_block_routes_and_adds_its_shared_expert_as_its_modules_would(shared, monkeypatch):
     # The router's and the shared gate's logits from one node, the shared expert's rows scaled before its down
-    # projection and the routed sum added inside its GEMM: the layer's output and every gradient as the modules'
-    # own calls give them (routed + sigmoid(gate(x)) * shared_expert(x)), fp64.
+    # projection and its output added inside the routed experts' slot sum: the layer's output and every gradient as
+    # the modules' own calls give them (routed + sigmoid(gate(x)) * shared_expert(x)), fp64.
     block, x = moe_block(shared)
     spec = block.spec
     taken = []
