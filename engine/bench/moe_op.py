@@ -116,11 +116,8 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3),
             # Its K is F (768 at bench-qwen3-next: 12 steps of 64), so the pipeline's fill and drain weigh: 6 steps of
-            # 128 in 2 stages of 96 KB; or one program per SM over the column blocks, the next block's first loads
-            # under the current one's epilogue (persistent; sm_90 compile: 229,408 bytes of shared memory at 4 stages).
+            # 128 in 2 stages of 96 KB.
             KernelConfig(256, 128, num_warps=8, num_stages=2, tma=True),
-            KernelConfig(256, 64, num_warps=8, num_stages=4, tma=True, persistent=True),
-            KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True, persistent=True),
         ],
         "down_bwd": [
             # The GEMM at 256 columns with its weights through TMA over 4 stages (pick_config's on sm_90) or 3 (dy's
@@ -142,8 +139,6 @@ def sweep_candidates() -> dict[str, list]:
             KernelConfig(256, 64, num_warps=8, num_stages=3),
             KernelConfig(128, 64, num_warps=8, num_stages=3, tma=True),
             KernelConfig(128, 64, num_warps=8, num_stages=3),
-            KernelConfig(256, 64, num_warps=8, num_stages=4, tma=True, persistent=True),
-            KernelConfig(256, 64, num_warps=8, num_stages=3, tma=True, persistent=True),
         ],
         "expert_grad": [
             # Both operands of a weight gradient sit behind a row-index load, which takes pipeline stages of its

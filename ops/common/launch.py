@@ -38,9 +38,9 @@ LAUNCH_FAMILIES = {
 _MOE_TILE = ("block_n", "block_k", "num_warps", "num_stages", "maxnreg")
 FAMILY_FIELDS = {
     "moe_gate_up_fwd": (*_MOE_TILE, "one_dot", "tma"),
-    "moe_down_fwd": (*_MOE_TILE, "tma", "persistent"),
+    "moe_down_fwd": (*_MOE_TILE, "tma"),
     "moe_down_bwd": (*_MOE_TILE, "swiglu_pass", "tma"),
-    "moe_gate_up_bwd": (*_MOE_TILE, "tma", "persistent"),
+    "moe_gate_up_bwd": (*_MOE_TILE, "tma"),
     "moe_expert_grad": (*_MOE_TILE, "block_p"),
     # The rank pass's output width is the padded LoRA rank: it has no column tile.
     "moe_lora_rows": ("block_k", "num_warps", "num_stages", "maxnreg"),

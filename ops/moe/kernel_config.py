@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_tune.ops.common.dispatch import sm_count
 from moe_tune.ops.common.launch import launch_text, with_overrides
 from moe_tune.ops.fp8.reference import BLOCK as FP8_BLOCK
 
@@ -24,8 +23,6 @@ from moe_tune.ops.fp8.reference import BLOCK as FP8_BLOCK
 MIN_DOT_SIZE = 16
 # The interpreter runs each program in Python: the smallest legal tile keeps CPU tests fast.
 INTERPRETER_BLOCK = MIN_DOT_SIZE
-# A persistent launch's programs in the interpreter: each takes several column blocks, from more than one row tile.
-INTERPRETER_PROGRAMS = 3
 # 128 rows x 128 columns per tile: two Hopper warpgroup MMAs, and each weight tile is reused across 128 token rows.
 GPU_BLOCK_M = 128
 GPU_BLOCK_N = 128
@@ -61,11 +58,7 @@ class KernelConfig:
              that lie in expert order (the down forward's h, the gate_up backward's dgate_up) and the weights (of
              those two, the gate_up forward and the down backward's GEMM with swiglu_pass) loaded as tiles through
              tensor descriptors (Hopper's TMA) instead of pointer loads, where `tma_loads` allows it (pointer loads
-             elsewhere; token rows gathered by index always); persistent: the down forward and the gate_up backward
-             only, a grid of at most one program per SM (`persistent_programs`), each looping over every
-             num_programs-th column block of the busy row tiles in one flattened loop (`tl.range(...,
-             flatten=True)`), so that the loads of its next block can start under the epilogue of the current one,
-             instead of one program per column block.
+             elsewhere; token rows gathered by index always).
     """
 
     block_n: int
@@ -77,7 +70,6 @@ class KernelConfig:
     swiglu_pass: bool = False
     one_dot: bool = False
     tma: bool = False
-    persistent: bool = False
 
     def launch_options(self) -> dict:
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -252,20 +244,6 @@ def strides3(t: torch.Tensor | None) -> tuple[int, int, int]:
 def or_dummy(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """A kernel gets a pointer for every tensor argument: a tensor it is told not to read may be any other one."""
     return dummy if t is None else t
-
-
-def persistent_programs(device: torch.device) -> int:
-    """The grid of a persistent launch: one program per SM of a GPU; INTERPRETER_PROGRAMS in the interpreter."""
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    return sm_count(device)
-
-
-def column_block_grid(kernel: KernelConfig, num_tiles: int, num_cols: int, device: torch.device) -> tuple[int]:
-    """The grid of a row-tiled GEMM over num_cols output columns: a program per column block of each of the tile
-    map's num_tiles tiles, or with kernel.persistent at most persistent_programs(device)."""
-    num_programs = num_tiles * triton.cdiv(num_cols, kernel.block_n)
-    return (min(num_programs, persistent_programs(device)) if kernel.persistent else num_programs,)
 
 
 def has_tma(t: torch.Tensor) -> bool:

@@ -28,7 +28,6 @@ from moe_tune.ops.moe.kernel_config import (
     KernelConfig,
     MoEConfig,
     check_fp8_steps,
-    column_block_grid,
     dot_precision,
     or_dummy,
     rank_block,
@@ -38,16 +37,7 @@ from moe_tune.ops.moe.kernel_config import (
     tma_loads,
     weight_tile,
 )
-from moe_tune.ops.moe.routing import (
-    MoERouting,
-    RowChunks,
-    busy_column_blocks,
-    column_block_of,
-    row_chunks,
-    sum_slots,
-    tile_and_column_block,
-    tile_rows,
-)
+from moe_tune.ops.moe.routing import MoERouting, RowChunks, row_chunks, sum_slots, tile_and_column_block, tile_rows
 
 # Elements of a per-expert output per program of the chunk sum.
 SUM_CHUNKS_BLOCK = 1024
@@ -394,14 +384,47 @@ def _moe_swiglu_bwd_kernel(
 
 # Backward of GEMM 1: dx_slot = dgate_up @ w_gate_up[e] (+ dxa A), stored in slot order
 @triton.jit
-def _gate_up_bwd_tile(
-    tile, pid_n, expert, dgate_up_ptr, w_ptr, ws_ptr, a_ptr, dxa_ptr, dx_ptr, g_desc, w_desc, slot_of_row_ptr,
-    tile_row_ptr, offsets_ptr, D, F, rank, stride_we, stride_wf, stride_wd, stride_se, stride_sf, stride_sd, stride_ae,
-    stride_ar, stride_ad, W_IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, NUM_HALVES: tl.constexpr,
-    HAS_LORA: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    # Column block pid_n of row tile `tile` (of a busy expert) of the gate_up backward.
+def _moe_gate_up_bwd_kernel(
+    dgate_up_ptr,  # [S, 2F] expert order
+    w_ptr,  # [E, 2F, D] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, 2 GF, GD] fp32 block scales of an FP8 w (gate rows, then up rows)
+    a_ptr,  # [E, r, D]
+    dxa_ptr,  # [S, r] d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass (rank_dtype)
+    dx_ptr,  # out [S, D] slot order
+    g_desc,  # with TMA: tensor descriptors of dgate_up [S, 2F] and w as [E 2F, D]; None otherwise
+    w_desc,
+    slot_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    D,
+    F,
+    rank,
+    stride_we,
+    stride_wf,
+    stride_wd,
+    stride_se,
+    stride_sf,
+    stride_sd,
+    stride_ae,
+    stride_ar,
+    stride_ad,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    NUM_HALVES: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = tile_and_column_block(D, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
     rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
@@ -453,70 +476,6 @@ def _gate_up_bwd_tile(
         acc.to(dx_ptr.dtype.element_ty),
         mask=row_mask[:, None] & col_mask[None, :],
     )
-
-
-@triton.jit
-def _moe_gate_up_bwd_kernel(
-    dgate_up_ptr,  # [S, 2F] expert order
-    w_ptr,  # [E, 2F, D] 16-bit/fp32, or FP8 codes when W_IS_FP8
-    ws_ptr,  # [E, 2 GF, GD] fp32 block scales of an FP8 w (gate rows, then up rows)
-    a_ptr,  # [E, r, D]
-    dxa_ptr,  # [S, r] d(x @ A^T) = s dgate_up @ B, expert order, from the LoRA backward pass (rank_dtype)
-    dx_ptr,  # out [S, D] slot order
-    g_desc,  # with TMA: tensor descriptors of dgate_up [S, 2F] and w as [E 2F, D]; None otherwise
-    w_desc,
-    slot_of_row_ptr,
-    tile_expert_ptr,
-    tile_row_ptr,
-    offsets_ptr,
-    num_experts,
-    D,
-    F,
-    rank,
-    stride_we,
-    stride_wf,
-    stride_wd,
-    stride_se,
-    stride_sf,
-    stride_sd,
-    stride_ae,
-    stride_ar,
-    stride_ad,
-    W_IS_FP8: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    NUM_HALVES: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    if PERSISTENT:
-        # As the down forward's persistent launch (kernels_fwd.py).
-        num_items, num_col_blocks = busy_column_blocks(offsets_ptr, num_experts, D, BLOCK_M, BLOCK_N, BLOCK_E)
-        for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), flatten=True):
-            tile, pid_n, expert = column_block_of(item, num_col_blocks, tile_expert_ptr)
-            _gate_up_bwd_tile(
-                tile, pid_n, expert, dgate_up_ptr, w_ptr, ws_ptr, a_ptr, dxa_ptr, dx_ptr, g_desc, w_desc,
-                slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank, stride_we, stride_wf, stride_wd, stride_se,
-                stride_sf, stride_sd, stride_ae, stride_ar, stride_ad, W_IS_FP8, SCALE_BLOCK, NUM_HALVES, HAS_LORA,
-                TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-            )  # fmt: skip
-    else:
-        tile, pid_n = tile_and_column_block(D, BLOCK_N)
-        expert = tl.load(tile_expert_ptr + tile)
-        if expert < 0:
-            return
-        _gate_up_bwd_tile(
-            tile, pid_n, expert.to(tl.int64), dgate_up_ptr, w_ptr, ws_ptr, a_ptr, dxa_ptr, dx_ptr, g_desc, w_desc,
-            slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank, stride_we, stride_wf, stride_wd, stride_se,
-            stride_sf, stride_sd, stride_ae, stride_ar, stride_ad, W_IS_FP8, SCALE_BLOCK, NUM_HALVES, HAS_LORA, TMA,
-            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-        )  # fmt: skip
 
 
 # Per-expert weight gradients: out[e] = scale * sum over the expert's rows of lhs_row^T rhs_row
@@ -823,20 +782,21 @@ def moe_gate_up_bwd(
     dx_slot = kernel_config.alloc((num_slots, model_dim), dgate_up.dtype, dgate_up.device)
     kernel = config.gate_up_bwd
     check_fp8_steps(scale_inv, kernel.block_k)
+    num_col_blocks = triton.cdiv(model_dim, kernel.block_n)
     tma = tma_loads(kernel, dgate_up.dtype, dgate_up, w_gate_up)
     if routing.num_tiles > 0:
-        _moe_gate_up_bwd_kernel[column_block_grid(kernel, routing.num_tiles, model_dim, dgate_up.device)](
+        _moe_gate_up_bwd_kernel[(routing.num_tiles * num_col_blocks,)](
             dgate_up, w_gate_up, or_dummy(scale_inv, dx_slot), or_dummy(a_gate_up, w_gate_up), or_dummy(dxa, dgate_up),
             dx_slot,
             row_descriptor(dgate_up, routing.block_m, kernel.block_k) if tma else None,
             row_descriptor(w_gate_up, kernel.block_k, kernel.block_n) if tma else None,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
-            routing.num_experts, model_dim, num_hidden, rank,
+            model_dim, num_hidden, rank,
             *w_gate_up.stride(), *strides3(scale_inv), *strides3(a_gate_up),
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK, NUM_HALVES=1 if scale_inv is None else 2,
-            HAS_LORA=has_lora, TMA=tma, PERSISTENT=kernel.persistent, DOT_PRECISION=dot_precision(dgate_up.dtype),
+            HAS_LORA=has_lora, TMA=tma, DOT_PRECISION=dot_precision(dgate_up.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
-            BLOCK_E=triton.next_power_of_2(routing.num_experts + 1), **kernel.launch_options(),
+            **kernel.launch_options(),
         )  # fmt: skip
     return sum_slots(dx_slot, num_tokens, routing.top_k)
 

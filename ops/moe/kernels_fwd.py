@@ -23,7 +23,6 @@ from moe_tune.ops.moe.kernel_config import (
     FP8_BLOCK,
     MoEConfig,
     check_fp8_steps,
-    column_block_grid,
     dot_precision,
     halves_descriptor,
     or_dummy,
@@ -33,14 +32,7 @@ from moe_tune.ops.moe.kernel_config import (
     tma_loads,
     weight_tile,
 )
-from moe_tune.ops.moe.routing import (
-    MoERouting,
-    busy_column_blocks,
-    column_block_of,
-    sum_slots,
-    tile_and_column_block,
-    tile_rows,
-)
+from moe_tune.ops.moe.routing import MoERouting, sum_slots, tile_and_column_block, tile_rows
 
 
 # LoRA rank pass: ua = u[row] @ A[e]^T once per row, read by every column block of the GEMM that adds ua B^T
@@ -235,14 +227,48 @@ def _moe_gate_up_fwd_kernel(
 
 # Forward GEMM 2: y_slot = w_slot * (h @ w_down[e]^T (+ s ha B^T)), stored in slot order
 @triton.jit
-def _down_fwd_tile(
-    tile, pid_n, expert, h_ptr, w_ptr, ws_ptr, b_ptr, ha_ptr, weights_ptr, y_ptr, h_desc, w_desc, slot_of_row_ptr,
-    tile_row_ptr, offsets_ptr, D, F, rank, scaling, stride_we, stride_wd, stride_wf, stride_se, stride_sd, stride_sf,
-    stride_be, stride_bd, stride_br, W_IS_FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, HAS_LORA: tl.constexpr,
-    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-):  # fmt: skip
-    # Column block pid_n of row tile `tile` (of a busy expert) of the down forward.
+def _moe_down_fwd_kernel(
+    h_ptr,  # [S, F] expert order
+    w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
+    ws_ptr,  # [E, GD, GF] fp32 block scales of an FP8 w
+    b_ptr,  # [E, D, r] LoRA B on down
+    ha_ptr,  # [S, r] fp32 h @ A^T from the rank pass, expert order
+    weights_ptr,  # [S] routing weights in slot order
+    y_ptr,  # out [S, D] in slot order
+    h_desc,  # with TMA: tensor descriptors of h [S, F] and w as [E D, F]; None otherwise
+    w_desc,
+    slot_of_row_ptr,
+    tile_expert_ptr,
+    tile_row_ptr,
+    offsets_ptr,
+    D,
+    F,
+    rank,
+    scaling,
+    stride_we,
+    stride_wd,
+    stride_wf,
+    stride_se,
+    stride_sd,
+    stride_sf,
+    stride_be,
+    stride_bd,
+    stride_br,
+    W_IS_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    tile, pid_n = tile_and_column_block(D, BLOCK_N)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
     rows, row_mask = tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M)
     slots = tl.load(slot_of_row_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     rows = rows.to(tl.int64)
@@ -292,72 +318,6 @@ def _down_fwd_tile(
         acc.to(y_ptr.dtype.element_ty),
         mask=row_mask[:, None] & col_mask[None, :],
     )
-
-
-@triton.jit
-def _moe_down_fwd_kernel(
-    h_ptr,  # [S, F] expert order
-    w_ptr,  # [E, D, F] 16-bit/fp32, or FP8 codes when W_IS_FP8
-    ws_ptr,  # [E, GD, GF] fp32 block scales of an FP8 w
-    b_ptr,  # [E, D, r] LoRA B on down
-    ha_ptr,  # [S, r] fp32 h @ A^T from the rank pass, expert order
-    weights_ptr,  # [S] routing weights in slot order
-    y_ptr,  # out [S, D] in slot order
-    h_desc,  # with TMA: tensor descriptors of h [S, F] and w as [E D, F]; None otherwise
-    w_desc,
-    slot_of_row_ptr,
-    tile_expert_ptr,
-    tile_row_ptr,
-    offsets_ptr,
-    num_experts,
-    D,
-    F,
-    rank,
-    scaling,
-    stride_we,
-    stride_wd,
-    stride_wf,
-    stride_se,
-    stride_sd,
-    stride_sf,
-    stride_be,
-    stride_bd,
-    stride_br,
-    W_IS_FP8: tl.constexpr,
-    SCALE_BLOCK: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    TMA: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    if PERSISTENT:
-        # A grid smaller than the work: each program takes every num_programs-th (row tile, column block) of the busy
-        # tiles, and the flattened loop lets the next one's first loads overlap this one's epilogue.
-        num_items, num_col_blocks = busy_column_blocks(offsets_ptr, num_experts, D, BLOCK_M, BLOCK_N, BLOCK_E)
-        for item in tl.range(tl.program_id(0), num_items, tl.num_programs(0), flatten=True):
-            tile, pid_n, expert = column_block_of(item, num_col_blocks, tile_expert_ptr)
-            _down_fwd_tile(
-                tile, pid_n, expert, h_ptr, w_ptr, ws_ptr, b_ptr, ha_ptr, weights_ptr, y_ptr, h_desc, w_desc,
-                slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank, scaling, stride_we, stride_wd, stride_wf,
-                stride_se, stride_sd, stride_sf, stride_be, stride_bd, stride_br, W_IS_FP8, SCALE_BLOCK, HAS_LORA, TMA,
-                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-            )  # fmt: skip
-    else:
-        tile, pid_n = tile_and_column_block(D, BLOCK_N)
-        expert = tl.load(tile_expert_ptr + tile)
-        if expert < 0:
-            return
-        _down_fwd_tile(
-            tile, pid_n, expert.to(tl.int64), h_ptr, w_ptr, ws_ptr, b_ptr, ha_ptr, weights_ptr, y_ptr, h_desc, w_desc,
-            slot_of_row_ptr, tile_row_ptr, offsets_ptr, D, F, rank, scaling, stride_we, stride_wd, stride_wf,
-            stride_se, stride_sd, stride_sf, stride_be, stride_bd, stride_br, W_IS_FP8, SCALE_BLOCK, HAS_LORA, TMA,
-            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-        )  # fmt: skip
 
 
 def moe_lora_rows(
@@ -457,19 +417,20 @@ def moe_down_fwd(
     y_slot = kernel_config.alloc((num_slots, model_dim), h.dtype, h.device)
     kernel = config.down_fwd
     check_fp8_steps(scale_inv, kernel.block_k)
+    grid = (routing.num_tiles * triton.cdiv(model_dim, kernel.block_n),)
     tma = tma_loads(kernel, h.dtype, h, w_down)
     if routing.num_tiles > 0:
-        _moe_down_fwd_kernel[column_block_grid(kernel, routing.num_tiles, model_dim, h.device)](
+        _moe_down_fwd_kernel[grid](
             h, w_down, or_dummy(scale_inv, h), or_dummy(b_down, w_down), or_dummy(ha, h), topk_weights.reshape(-1),
             y_slot,
             row_descriptor(h, routing.block_m, kernel.block_k) if tma else None,
             row_descriptor(w_down, kernel.block_n, kernel.block_k) if tma else None,
             routing.slot_of_row_S, routing.tile_expert_T, routing.tile_row_T, routing.offsets_E1,
-            routing.num_experts, model_dim, num_hidden, rank, scaling,
+            model_dim, num_hidden, rank, scaling,
             *w_down.stride(), *strides3(scale_inv), *strides3(b_down),
             W_IS_FP8=scale_inv is not None, SCALE_BLOCK=FP8_BLOCK,
-            HAS_LORA=has_lora, TMA=tma, PERSISTENT=kernel.persistent, DOT_PRECISION=dot_precision(h.dtype),
+            HAS_LORA=has_lora, TMA=tma, DOT_PRECISION=dot_precision(h.dtype),
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
-            BLOCK_E=triton.next_power_of_2(routing.num_experts + 1), **kernel.launch_options(),
+            **kernel.launch_options(),
         )  # fmt: skip
     return sum_slots(y_slot, num_tokens, routing.top_k, add), ha

@@ -338,26 +338,6 @@ def tile_and_column_block(num_cols, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def busy_column_blocks(
-    offsets_ptr, num_experts, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr
-):
-    # A persistent launch's work: the column blocks of the tile map's busy tiles (they come first; an expert's are
-    # ceil(rows / BLOCK_M)), as (their count, column blocks a tile). column_block_of names block `item` of them.
-    experts = tl.arange(0, BLOCK_E)
-    starts = tl.load(offsets_ptr + experts, mask=experts < num_experts, other=0)
-    ends = tl.load(offsets_ptr + experts + 1, mask=experts < num_experts, other=0)
-    num_col_blocks = tl.cdiv(num_cols, BLOCK_N)
-    return tl.sum(tl.cdiv(ends - starts, BLOCK_M)) * num_col_blocks, num_col_blocks
-
-
-@triton.jit
-def column_block_of(item, num_col_blocks, tile_expert_ptr):
-    # (row tile, column block, expert as int64) of busy column block `item`, column blocks fastest.
-    tile = item // num_col_blocks
-    return tile, item % num_col_blocks, tl.load(tile_expert_ptr + tile).to(tl.int64)
-
-
-@triton.jit
 def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
     row_start = tl.load(tile_row_ptr + tile)
     row_end = tl.load(offsets_ptr + expert + 1)
@@ -401,12 +381,6 @@ def sum_slots(
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))
     _sum_slots_kernel[grid](per_slot_SD, per_slot_SD if add_ND is None else add_ND, y, num_tokens, model_dim,
                             TOP_K=top_k, HAS_ADD=add_ND is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-                            num_warps=SUM_SLOTS_WARPS)  # fmt: skip
-    return y
-    block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
-    block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))
-    _sum_slots_kernel[grid](per_slot_SD, y, num_tokens, model_dim, TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d,
                             num_warps=SUM_SLOTS_WARPS)  # fmt: skip
     return y
 

@@ -311,7 +311,7 @@ def test_a_json_write_that_fails_keeps_the_old_file(monkeypatch, tmp_path):
 @pytest.mark.parametrize("args, lines", [
     (["tiny", "--compare-launch", "moe_down_fwd.one_dot=true"],
      ["error: --compare-launch entry 'moe_down_fwd.one_dot=true': moe_down_fwd has no field 'one_dot' (its fields: "
-      "block_n, block_k, num_warps, num_stages, maxnreg, tma, persistent)"]),
+      "block_n, block_k, num_warps, num_stages, maxnreg, tma)"]),
     (["tiny", "--compare-launch", " "],
      ["error: --compare-launch: empty: name at least one FAMILY.FIELD=VALUE (docs/bench.md)"]),
     (["tiny", "--compare-launch", "causal_conv.block_t=32", "--against", "transformers", "--launch",

@@ -6,8 +6,7 @@ check numbers on a GPU (tests/gpu does).
 
 Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
 with a residual add and its gradient, the gate-up forward in one product, the expert GEMMs loading through tensor
-descriptors, the persistent launches of the down forward and the gate_up backward, the top-k slot sum), beside the
-default launch of the kernels they change.
+descriptors, the top-k slot sum), beside the default launch of the kernels they change.
 """
 
 import json
@@ -79,19 +78,13 @@ CASES = [
      dict(_MOE_TYPES, w_ptr="*fp8e4nv")),
     (MOE_FWD, "_moe_gate_up_fwd_kernel", dict(_GATE_UP, BLOCK_N=128, W_IS_FP8=False, ONE_DOT=True, TMA=True), 8, 3,
      dict(_MOE_TYPES, w_desc="tensordesc<bf16[1, 2, 128, 64]>")),
-    *[(MOE_FWD, "_moe_down_fwd_kernel", dict(_TILE, **constexprs, TMA=tma, PERSISTENT=persistent, BLOCK_E=128), 8,
-       3, dict(_ROW_TYPES, **types))
-      for tma in (False, True) for persistent in (False, True)
+    *[(MOE_FWD, "_moe_down_fwd_kernel", dict(_TILE, **constexprs, TMA=tma), 8, 3, dict(_ROW_TYPES, **types))
+      for tma in (False, True)
       for constexprs, types in [_descriptors(tma, h_desc=[128, 64], w_desc=[128, 64])]],
-    (MOE_FWD, "_moe_down_fwd_kernel", dict(_TILE, BLOCK_N=256, TMA=True, PERSISTENT=True, BLOCK_E=128), 8, 4,
-     dict(_ROW_TYPES, h_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[256, 64]>")),
-    *[(MOE_BWD, "_moe_gate_up_bwd_kernel", dict(_TILE, NUM_HALVES=1, **constexprs, TMA=tma, PERSISTENT=persistent,
-                                                 BLOCK_E=128), 8, 3, dict(_ROW_TYPES, **types))
-      for tma in (False, True) for persistent in (False, True)
+    *[(MOE_BWD, "_moe_gate_up_bwd_kernel", dict(_TILE, NUM_HALVES=1, **constexprs, TMA=tma), 8, 3,
+       dict(_ROW_TYPES, **types))
+      for tma in (False, True)
       for constexprs, types in [_descriptors(tma, g_desc=[128, 64], w_desc=[64, 128])]],
-    (MOE_BWD, "_moe_gate_up_bwd_kernel", dict(_TILE, BLOCK_N=256, NUM_HALVES=1, TMA=True, PERSISTENT=True,
-                                              BLOCK_E=128), 8, 4,
-     dict(_ROW_TYPES, g_desc="tensordesc<bf16[128, 64]>", w_desc="tensordesc<bf16[64, 256]>")),
     *[(MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, **constexprs, TMA=tma), 8, 3, dict(_ROW_TYPES, **types))
       for tma in (False, True) for constexprs, types in [_descriptors(tma, w_desc=[64, 128])]],
     (MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, BLOCK_N=256, TMA=True), 8, 3,

@@ -70,13 +70,11 @@ BAD = [
     ("linear_attention.inverse_dots_16bit=bf16", "inverse_dots_16bit must be one of fp16, tf32, tf32x3, ieee"),
     ("causal_conv.block_t=32,causal_conv.block_t=64", "causal_conv.block_t is named twice"),
     # Each MoE kernel takes the fields it reads: one_dot is the gate_up forward's, swiglu_pass the down backward's,
-    # tma the GEMMs' but the weight gradients', persistent the down forward's and the gate_up backward's, block_p the
-    # weight gradients', and the rank pass has no column tile; block_m is the routing's, not a kernel's.
+    # tma the GEMMs' but the weight gradients', block_p the weight gradients', and the rank pass has no column tile;
+    # block_m is the routing's, not a kernel's.
     ("moe_down_fwd.one_dot=true", "moe_down_fwd has no field 'one_dot' (its fields: block_n, block_k, num_warps, "
-     "num_stages, maxnreg, tma, persistent)"),
+     "num_stages, maxnreg, tma)"),
     ("moe_expert_grad.tma=true", "moe_expert_grad has no field 'tma'"),
-    ("moe_gate_up_fwd.persistent=true", "moe_gate_up_fwd has no field 'persistent'"),
-    ("moe_down_bwd.persistent=true", "moe_down_bwd has no field 'persistent'"),
     ("moe_gate_up_bwd.swiglu_pass=true", "moe_gate_up_bwd has no field 'swiglu_pass'"),
     ("moe_lora_bwd.block_p=128", "moe_lora_bwd has no field 'block_p'"),
     ("moe_lora_rows.block_n=64", "moe_lora_rows has no field 'block_n' (its fields: block_k, num_warps, num_stages, "
@@ -122,15 +120,13 @@ def test_the_moe_kernels_take_their_own_fields_only_where_named(monkeypatch):
     default = kernel_config.pick_config(bf16_gpu, 8192 * 8, 64)
     assert not default.gate_up_fwd.one_dot
     monkeypatch.setenv(LAUNCH_ENV, "moe_gate_up_fwd.one_dot=true,moe_gate_up_fwd.block_n=128,"
-                                   "moe_expert_grad.block_p=256,moe_lora_rows.maxnreg=none,causal_conv.block_t=64,"
-                                   "moe_gate_up_bwd.persistent=true")
+                                   "moe_expert_grad.block_p=256,moe_lora_rows.maxnreg=none,causal_conv.block_t=64")
     named = kernel_config.pick_config(bf16_gpu, 8192 * 8, 64)
     replace = dataclasses.replace
     assert named == replace(
         default,
         gate_up_fwd=replace(default.gate_up_fwd, one_dot=True, block_n=128),
         expert_grad=replace(default.expert_grad, block_p=256),
-        gate_up_bwd=replace(default.gate_up_bwd, persistent=True),
     )
     # The fp32 and interpreter defaults take the same fields; a forced config (tests, sweeps) is used as given.
     fp32 = kernel_config.pick_config(types.SimpleNamespace(is_cuda=True, dtype=torch.float32), 64, 4)

@@ -416,49 +416,6 @@ def test_moe_mlp_kernel_tma_loads(kernel_path, guarded, descriptors_made, lora_o
     assert sorted(set(descriptors_made)) == sorted({(2 if one_dot else 1, 32, 16), (16, 32), (32, 16), (16, 16)})
 
 
-@pytest.mark.parametrize("shape", ["prime_E7", "empty_experts", "one_expert_takes_all", "N1"])
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer_loads"])
-def test_moe_mlp_kernel_persistent_launches(kernel_path, guarded, shape, tma):
-    # The down forward and the gate_up backward on grids of INTERPRETER_PROGRAMS programs, each looping over the busy
-    # tiles' column blocks (N1: fewer blocks than programs; empty experts and a last partial tile between them),
-    # compute each block as one program per block does: y and every gradient bit for bit, the reference within
-    # tolerance.
-    num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
-    case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, torch.float32, pattern, "both")
-    grad_y = torch.randn(num_tokens, model_dim, generator=torch.Generator().manual_seed(1))
-    per_block = _tma_config(one_dot=True, tma=tma)
-    persistent = dataclasses.replace(
-        per_block, **{name: dataclasses.replace(getattr(per_block, name), persistent=True)
-                      for name in ("down_fwd", "gate_up_bwd")}
-    )  # fmt: skip
-    with kernel_config.forced_config(per_block):
-        y_blocks, grads_blocks = run_with_grads(moe_mlp, case, grad_y)
-    with kernel_config.forced_config(persistent):
-        y, grads = run_with_grads(moe_mlp, case, grad_y)
-        _assert_matches_oracle(case, torch.float32, grad_y)
-    assert torch.equal(y, y_blocks) and set(grads) == set(grads_blocks)
-    assert all(torch.equal(grads[name], grads_blocks[name]) for name in grads)
-    guarded.check()
-
-
-def test_persistent_launch_takes_at_most_one_program_per_sm(monkeypatch):
-    # 576 tiles of 8 column blocks (2048 columns at 256, the last block whole; at 2050, a ninth partial one): one
-    # program per block, or with persistent one per SM, and never more programs than blocks.
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert kernel_config.persistent_programs(gpu) == 132
-    assert kernel_config.persistent_programs(cpu) == kernel_config.INTERPRETER_PROGRAMS
-    per_block = kernel_config.KernelConfig(256, 64, num_warps=8, num_stages=4, tma=True)
-    persistent = dataclasses.replace(per_block, persistent=True)
-    assert kernel_config.column_block_grid(per_block, 576, 2048, gpu) == (4608,)
-    assert kernel_config.column_block_grid(per_block, 576, 2050, gpu) == (5184,)
-    assert kernel_config.column_block_grid(persistent, 576, 2048, gpu) == (132,)
-    assert kernel_config.column_block_grid(persistent, 16, 2048, gpu) == (128,)
-    assert kernel_config.column_block_grid(persistent, 1, 256, cpu) == (1,)
-
-
 @pytest.mark.parametrize(
     "activation_dtype, expected",
     [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32)],
