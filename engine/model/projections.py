@@ -19,8 +19,10 @@ they run around the node, as around the group's first module.
 Handing the input on (`hand_on`: the MoE block's router and shared-expert gate to the shared expert, whose gate and
 up hand it on again to the routed experts): the node also returns x (a view), which the input's later uses take
 instead of x. Their gradient then reaches the node's backward, which starts x's gradient from it inside its first
-GEMM (addmm), where x used by the node and by its later uses would have autograd add the two gradients in a kernel
-of its own.
+GEMM, where x used by the node and by its later uses would have autograd add the two gradients in a kernel of its
+own. That GEMM adds into the later uses' gradient in place where the node that made it lodged it as its own
+(ops/common/grad_handoff.py: the shared expert's node and the routed experts' do); otherwise out of place (addmm),
+which copies it first.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from moe_tune.ops.common.grad_handoff import GradHandoff, handoff_of, lodge, offer, take_owned
 
 # Set (True) on a forward pre- or post-hook that only marks the operator class running inside the module (engine/memory
 # keeps a stack of them): shared_input_linears runs such hooks around its node instead of calling the modules.
@@ -66,8 +70,12 @@ def shared_input_linears(
     for hook in list(first._forward_pre_hooks.values()):
         hook(first, (x,))
     try:
-        function = SharedInputLinearsHandOnFunction if hand_on else SharedInputLinearsFunction
-        outs = function.apply(x, has_lora, scalings, *tensors)
+        if hand_on:
+            handoff = GradHandoff()
+            outs = SharedInputLinearsHandOnFunction.apply(x, has_lora, scalings, handoff, *tensors)
+            outs = (*outs[:-1], offer(outs[-1], handoff))
+        else:
+            outs = SharedInputLinearsFunction.apply(x, has_lora, scalings, *tensors)
     finally:
         for hook in list(first._forward_hooks.values()):
             hook(first, (x,), outs[: len(modules)] if outs is not None else outs)
@@ -176,22 +184,25 @@ class SharedInputLinearsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        return _shared_backward(ctx, grad_outs, None)
+        return _shared_backward(ctx, grad_outs, None, None)
 
 
 class SharedInputLinearsHandOnFunction(torch.autograd.Function):
     """SharedInputLinearsFunction's outputs followed by x itself (a view of it), handed on for the input's later
     uses: their gradient reaches this node's backward, which starts x's gradient from it inside its first GEMM
     (addmm, the sum in fp32 and rounded once) where x used twice would have autograd add the two gradients in a
-    kernel of its own, a pass that reads two [..., I] tensors and writes one."""
+    kernel of its own, a pass that reads two [..., I] tensors and writes one. handoff: offered with the x returned
+    (grad_handoff.offer); where the later uses' gradient is the tensor lodged there, the GEMM adds into it in place."""
 
     @staticmethod
-    def forward(ctx, x, has_lora: tuple[bool, ...], scalings: tuple[float, ...], *tensors):
+    def forward(ctx, x, has_lora: tuple[bool, ...], scalings: tuple[float, ...], handoff: GradHandoff, *tensors):
+        ctx.handoff = handoff
         return (*_shared_forward(ctx, x, has_lora, scalings, tensors), x)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        return _shared_backward(ctx, grad_outs[:-1], grad_outs[-1])
+        grads = _shared_backward(ctx, grad_outs[:-1], grad_outs[-1], ctx.handoff)
+        return grads[0], None, None, None, *grads[3:]
 
 
 def _shared_forward(ctx, x, has_lora, scalings, tensors) -> tuple[torch.Tensor, ...]:
@@ -208,22 +219,31 @@ def _shared_forward(ctx, x, has_lora, scalings, tensors) -> tuple[torch.Tensor, 
             r0 += a.shape[0]
     ctx.save_for_backward(x_NI, xa_NR, a_RI, *tensors)
     ctx.has_lora, ctx.scalings, ctx.x_shape = has_lora, scalings, x.shape
+    # x handed on by the node before: x's gradient, made here, is lodged for that node to add to in place.
+    ctx.input_handoff = handoff_of(x)
     ctx.set_materialize_grads(False)
     return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outs)
 
 
-def _shared_backward(ctx, grad_outs, grad_x_later: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+def _shared_backward(
+    ctx, grad_outs, grad_x_later: torch.Tensor | None, handoff: GradHandoff | None
+) -> tuple[torch.Tensor | None, ...]:
     """The gradients of SharedInputLinearsFunction's inputs; grad_x_later: the gradient of x's later uses (the
-    hand-on output's), or None, started from inside the first GEMM of x's gradient."""
+    hand-on output's), or None, started from inside the first GEMM of x's gradient: in place where it is the tensor
+    lodged in `handoff` (grad_handoff.take_owned), else out of place."""
     x_NI, xa_NR, a_RI, *tensors = ctx.saved_tensors
     has_lora, scalings = ctx.has_lora, ctx.scalings
     weights, adapters = _unpack(has_lora, tensors)
-    needs = ctx.needs_input_grad[3:]
+    # The tensors are the node's last inputs.
+    needs = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(tensors) :]
     slot = _slots(has_lora)
     dy = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]
     grads: list[torch.Tensor | None] = [None] * len(tensors)
     later_NI = None if grad_x_later is None else grad_x_later.reshape(x_NI.shape)
     dx_NI = None
+    if take_owned(handoff, grad_x_later) and ctx.needs_input_grad[0]:
+        # Ours to write: every product is added into it in place.
+        dx_NI, later_NI = later_NI, None
     # x's gradient: the later uses' and the projections' parts summed inside their GEMMs, in the projections' order.
     for i, w in enumerate(weights):
         if dy[i] is None:
@@ -257,16 +277,20 @@ def _shared_backward(ctx, grad_outs, grad_x_later: torch.Tensor | None) -> tuple
                 r0 += a.shape[0]
         if ctx.needs_input_grad[0]:
             dx_NI = _add_product(dx_NI, later_NI, dxa_NR, a_RI)
-    if dx_NI is None and ctx.needs_input_grad[0]:
-        # No projection's output was used: x's gradient is its later uses' alone.
-        dx_NI = later_NI
-    grad_x = None if dx_NI is None else dx_NI.view(ctx.x_shape)
+    if dx_NI is not None:
+        # A tensor of this node's own (a product's output, or the lodged gradient it added to): lodged in turn for the
+        # node that handed x on, as the very tensor returned.
+        grad_x = dx_NI.view(ctx.x_shape)
+        lodge(ctx.input_handoff, grad_x)
+        return grad_x, None, None, *grads
+    # No projection's output was used: x's gradient is its later uses' alone.
+    grad_x = None if later_NI is None or not ctx.needs_input_grad[0] else later_NI.view(ctx.x_shape)
     return grad_x, None, None, *grads
 
 
 def _add_product(dx_NI, later_NI, a, b):
-    """dx + a @ b: in place into dx once it exists; the first product adds the later uses' gradient (never written:
-    autograd may hand the same tensor to other nodes) inside its GEMM, or stands alone without one."""
+    """dx + a @ b: in place into dx once it exists; the first product adds the later uses' gradient not owned
+    (never written: autograd may hand the same tensor to other nodes) inside its GEMM, or stands alone without one."""
     if dx_NI is not None:
         return dx_NI.addmm_(a, b)
     return torch.mm(a, b) if later_NI is None else torch.addmm(later_NI, a, b)

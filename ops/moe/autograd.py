@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from moe_tune.ops.common.grad_handoff import handoff_of, lodge
 from moe_tune.ops.moe import fp8_weights
 from moe_tune.ops.moe.kernel_config import pick_config
 from moe_tune.ops.moe.kernels_bwd import moe_down_bwd, moe_expert_grad, moe_gate_up_bwd, moe_lora_bwd
@@ -88,6 +89,9 @@ class MoEFunction(torch.autograd.Function):
             )  # fmt: skip
         ctx.scaling, ctx.config, ctx.block_m, ctx.top_k = scaling, config, routing.block_m, top_k
         ctx.buffered = buffered
+        # x handed on by the node before (the shared expert's gate and up): x's gradient, made here, is lodged for
+        # that node to add its own parts to in place (ops/common/grad_handoff.py).
+        ctx.input_handoff = handoff_of(x)
         return y
 
     @staticmethod
@@ -140,6 +144,7 @@ class MoEFunction(torch.autograd.Function):
             weight, scale = _gemm_weight(w_gate_up, gate_up_scale_inv, ctx.buffered, x.dtype)
             dx = moe_gate_up_bwd(dgate_up, weight, a_gate_up, dxa, routing, config, num_tokens, scale_inv=scale)
             del weight
+            lodge(ctx.input_handoff, dx)
         d_w_gate_up = d_a_gate_up = None
         if needs[_W_GATE_UP]:
             d_w_gate_up = moe_expert_grad(dgate_up, x, w_gate_up, routing, config, rhs_by_token=True)

@@ -310,7 +310,8 @@ def test_node_handing_x_on_matches_the_modules(lead, layout, lora_on, used):
 
 def test_node_handing_x_on_adds_its_later_gradient_inside_its_first_gemm():
     # x's later uses' gradient starts x's gradient inside the first GEMM (one addmm), the other parts are added in
-    # place (addmm_): no add kernel, and the incoming gradient is never written (autograd may share it).
+    # place (addmm_): no add kernel, and the incoming gradient, which no node lodged, is never written (autograd may
+    # share it).
     from torch.profiler import profile
 
     group = make_group(())
@@ -327,6 +328,70 @@ def test_node_handing_x_on_adds_its_later_gradient_inside_its_first_gemm():
     expected = later + sum(m.weight.sum(0) for m in group.members())
     torch.testing.assert_close(dx, expected, **TOLERANCES[torch.float64])
     assert torch.equal(later, later_before)
+
+
+def by_two_nodes(second_hands_on, extra_use):
+    """Node a hands x on to node b (handing it on again or not); extra_use: the first handed-on x also feeds a scaled
+    copy into the loss, so autograd sums two gradients of it."""
+
+    def outputs(pair, x):
+        *outs_a, x_a = shared_input_linears(x, pair.a.members(), hand_on=True)
+        if second_hands_on:
+            *outs_b, x_b = shared_input_linears(x_a, pair.b.members(), hand_on=True)
+            outs_b.append(x_b * 1.5)
+        else:
+            outs_b = list(shared_input_linears(x_a, pair.b.members()))
+        return (*outs_a, *outs_b, *([x_a * 0.5] if extra_use else []))
+
+    return outputs
+
+
+def by_two_groups_of_modules(second_hands_on, extra_use):
+    def outputs(pair, x):
+        return (*by_modules(pair.a, x), *by_modules(pair.b, x), *([x * 1.5] if second_hands_on else []),
+                *([x * 0.5] if extra_use else []))  # fmt: skip
+
+    return outputs
+
+
+@pytest.mark.parametrize("extra_use", [False, True], ids=["one-use", "extra-use"])
+@pytest.mark.parametrize("second_hands_on", [True, False], ids=["b-hands-on", "b-plain"])
+@pytest.mark.parametrize("lora_on", [(), ("p0", "p2")], ids=["no-lora", "lora"])
+def test_node_adds_in_place_into_the_gradient_the_next_node_lodged(lora_on, second_hands_on, extra_use):
+    # Node b makes x's gradient as a tensor of its own and lodges it (ops/common/grad_handoff.py): node a adds its
+    # products into that tensor in place, with no out-of-place addmm (which copies its first operand). Where autograd
+    # sums the handed-on x's two uses into a new tensor, node a adds out of place as before. Outputs and every
+    # gradient as the modules' own calls give them either way (fp64).
+    from torch.profiler import profile
+
+    pair = nn.Module()
+    pair.a, pair.b = make_group(lora_on), make_group(lora_on, seed=1)
+    x = make_x((4, 3), "contiguous", torch.float64)
+    num_outs = 2 * len(NAMES) + second_hands_on + extra_use
+    with profile(record_shapes=True) as prof:
+        result = loss_and_grads(pair, x, by_two_nodes(second_hands_on, extra_use), range(num_outs))
+    expected = loss_and_grads(pair, x, by_two_groups_of_modules(second_hands_on, extra_use), range(num_outs))
+    assert_same(result, expected, torch.float64)
+    copied = [e for e in prof.events() if e.name == "aten::addmm" and e.input_shapes[0] == [12, IN_FEATURES]]
+    # Out of place: node b where a later use's gradient (not lodged) reaches it, node a where autograd summed two.
+    assert len(copied) == second_hands_on + extra_use
+
+
+def test_node_never_writes_a_gradient_passed_through_to_it():
+    # Node b's outputs are unused: x's gradient passes through it unchanged, and it is the very tensor an add's
+    # backward also gave the other operand w. Node b must not lodge it, or node a's in-place GEMM would change w's
+    # gradient too.
+    group_a, group_b = make_group(()), make_group((), seed=1)
+    x = make_x((4, 3), "contiguous", torch.float64).requires_grad_()
+    w = torch.randn(x.shape, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(x.shape, dtype=torch.float64)
+    *outs_a, x_a = shared_input_linears(x, group_a.members(), hand_on=True)
+    *_, x_b = shared_input_linears(x_a, group_b.members(), hand_on=True)
+    loss = torch.stack([o.sum() for o in outs_a]).sum() + ((x_b + w) * c).sum()
+    dx, dw = torch.autograd.grad(loss, [x, w])
+    assert torch.equal(dw, c)
+    expected = c + sum(m.weight.sum(0) for m in group_a.members())
+    torch.testing.assert_close(dx, expected, **TOLERANCES[torch.float64])
 
 
 def test_projections_hand_on_x_only_where_the_node_applies():

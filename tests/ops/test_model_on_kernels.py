@@ -81,3 +81,29 @@ def test_moe_blocks_read_their_inputs_where_they_ask_them_written(monkeypatch):
     assert read == [True, True]
     assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
     assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())
+
+
+@pytest.mark.parametrize("shared_expert_gate", [True, False], ids=["gated_shared_expert", "ungated"])
+def test_moe_blocks_add_to_their_inputs_gradient_in_place(monkeypatch, shared_expert_gate):
+    # In each MoE block's backward the routed experts (MoEFunction) lodge the input's gradient they make, the shared
+    # expert's node adds its products into it in place and lodges it in turn, and the router's node adds its own:
+    # every node handing the input on owns the gradient it is passed (no copy of it; ops/common/grad_handoff.py).
+    # test_model_on_the_kernels_trains_as_on_the_references checks the gradients this makes.
+    from moe_tune.engine.model import projections
+
+    model = hybrid_moe_model(shared_expert_gate)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    owned = []
+    take_owned = projections.take_owned
+
+    def recording(handoff, grad):
+        result = take_owned(handoff, grad)
+        if grad is not None:
+            owned.append(result)
+        return result
+
+    monkeypatch.setattr(projections, "take_owned", recording)
+    row_loss_and_grads(model)
+    # Two MoE layers, each with the router's node and the shared expert's gate-and-up node.
+    assert owned == [True] * 4
