@@ -65,7 +65,12 @@ def make_case(
 
 def grad_inputs(case: dict) -> dict[str, torch.Tensor]:
     """The case's tensors that require grad, by name (LoRA ones as lora.<name>)."""
-    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down", "add_to") if name in case}
+    inputs = {name: case[name] for name in ("x", "topk_weights", "w_gate_up", "w_down") if name in case}
+    add_to = case.get("add_to")
+    if isinstance(add_to, torch.Tensor):
+        inputs["add_to"] = add_to
+    elif add_to is not None:
+        inputs.update({f"add_to[{i}]": t for i, t in enumerate(add_to)})
     if case["lora"] is not None:
         for name in LORA_NAMES:
             tensor = getattr(case["lora"], name)

@@ -150,7 +150,11 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
             base.w_down.data.copy_(base.w_down.data.float() - delta_down)
 
     def forward(
-        self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, add_to: torch.Tensor | None = None
+        self,
+        x_TD: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        add_to: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         base: GroupedExperts = self.get_base_layer()
         active = [name for name in self.active_adapters if name in self.lora_A]

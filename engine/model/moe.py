@@ -156,9 +156,10 @@ class GroupedExperts(nn.Module):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         lora: ExpertLoRA | None = None,
-        add_to: torch.Tensor | None = None,
+        add_to: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """moe_mlp of the experts' weights (add_to: added inside the experts' sum over each token's slots)."""
+        """moe_mlp of the experts' weights (add_to, one tensor or two: added inside the experts' sum over each token's
+        slots)."""
         if self.fp8:
             w_gate_up, gate_up_scale_inv, w_down, down_scale_inv = self.fp8_tensors()
             # The kernels save the weights' float8 views: kept as the parameters (ZeRO-3 regathers them for backward;
@@ -358,12 +359,12 @@ class MoEBlock(nn.Module):
         plus residual_TD [T, D] where given: [T, D]. The gate scales the shared expert's hidden rows [T, F] before its
         down projection: sigmoid(g) (h W_down^T) = (sigmoid(g) h) W_down^T, on F < D columns.
 
-        The shared expert runs first, its down projection adding the residual inside its GEMM, and its gate and up
-        projections' node hands the input on again to the routed experts, which add the shared expert's output
-        inside their sum over each token's slots (moe_mlp's add_to; without a shared expert they add the residual):
-        the output needs no add kernel, and every use's gradient of the input is summed inside the two nodes'
-        backward GEMMs. Across an expert-parallel group the routed experts run first and the shared expert's down
-        projection adds their sum (and the residual, added to it) inside its GEMM."""
+        The shared expert runs first, and its gate and up projections' node hands the input on again to the routed
+        experts, which add the shared expert's output and the residual inside their sum over each token's slots
+        (moe_mlp's add_to; without a shared expert the residual alone): the output needs no add kernel, and every
+        use's gradient of the input is summed inside the two nodes' backward GEMMs. Across an expert-parallel group
+        the routed experts run first and the shared expert's down projection adds their sum (and the residual, added
+        to it) inside its GEMM."""
         x_TD = gates.x
         mlp = self.shared_expert
         if mlp is None:
@@ -371,18 +372,25 @@ class MoEBlock(nn.Module):
         scale_T1 = torch.sigmoid(gates.of(self.shared_expert_gate)[0]) if self.shared_expert_gate is not None else None
         if self.layout.expert_parallel > 1:
             return mlp(x_TD, scale=scale_T1, add_to=self._routed_experts(x_TD, topk_ids, topk_weights, residual_TD))
-        shared_TD, x_TD = mlp(x_TD, scale=scale_T1, add_to=residual_TD, hand_on=True)
-        return self._routed_experts(x_TD, topk_ids, topk_weights, add_to=shared_TD)
+        shared_TD, x_TD = mlp(x_TD, scale=scale_T1, hand_on=True)
+        addends = shared_TD if residual_TD is None else (shared_TD, residual_TD)
+        return self._routed_experts(x_TD, topk_ids, topk_weights, add_to=addends)
 
     def _routed_experts(
-        self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, add_to: torch.Tensor | None = None
+        self,
+        x_TD: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        add_to: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """The routed experts' weighted sum [T, D] of x_TD [T, D], plus add_to [T, D] where given: local (add_to
-        inside their slot sum), or across the expert-parallel group (added after the combine)."""
+        """The routed experts' weighted sum [T, D] of x_TD [T, D], plus add_to (one [T, D] tensor or two) where given:
+        local (add_to inside their slot sum), or across the expert-parallel group (added after the combine)."""
         if self.layout.expert_parallel == 1:
             return self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype), add_to=add_to)
         y_TD = dispatch_compute_combine(x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout)
-        return y_TD if add_to is None else y_TD + add_to
+        for addend in () if add_to is None else (add_to,) if isinstance(add_to, torch.Tensor) else add_to:
+            y_TD = y_TD + addend
+        return y_TD
 
     def _drop_over_capacity(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Zero the weights of token-slots past each expert's capacity (in token order, so the latest tokens drop

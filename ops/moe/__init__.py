@@ -5,11 +5,20 @@ Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per tok
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from moe_tune.ops.common.dispatch import use_kernel
 from moe_tune.ops.fp8.reference import FP8_DTYPE, num_blocks
-from moe_tune.ops.moe.reference import ClampedSwiGLU, ExpertLoRA, moe_mlp_ref, switch_aux_loss, topk_route
+from moe_tune.ops.moe.reference import (
+    MAX_ADD_TO,
+    ClampedSwiGLU,
+    ExpertLoRA,
+    moe_mlp_ref,
+    switch_aux_loss,
+    topk_route,
+)
 
 __all__ = ["ClampedSwiGLU", "ExpertLoRA", "moe_mlp", "switch_aux_loss", "topk_route"]
 
@@ -30,7 +39,7 @@ def moe_mlp(
     clamped_swiglu: ClampedSwiGLU | None = None,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
-    add_to: torch.Tensor | None = None,
+    add_to: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y[t] = add_to[t] + sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with SwiGLU experts
     (transformers 5 layout).
@@ -49,9 +58,10 @@ def moe_mlp(
                   float8_e4m3fn (gate and up halves with their own scale rows). Every GEMM through them computes
                   with the dequantized weight W_q * scale_inv and the unquantized activation (ops/moe/README.md,
                   FP8); no gradient reaches them.
-    add_to:       [N, D] of x's dtype, or None (default): added to the experts' sum before its one rounding (the
-                  kernels add it in the fp32 sum over each token's slots), where an add of its own would read and
-                  write the output again; its gradient is y's.
+    add_to:       [N, D] of x's dtype, a sequence of one or two such tensors (added in order), or None (default):
+                  added to the experts' sum before its one rounding (the kernels add them in the fp32 sum over each
+                  token's slots), where an add of its own would read and write the output again; the gradient of
+                  each is y's.
     Returns y: [N, D] in x.dtype. Differentiable w.r.t. x, topk_weights, the weights (not FP8 ones), the LoRA
     tensors and add_to.
     Runs the Triton kernels (kernels_fwd.py, kernels_bwd.py) when every tensor is on CUDA and every float but FP8
@@ -60,9 +70,7 @@ def moe_mlp(
     Raises ValueError naming the tensor, its shape and the rule when inputs do not fit together.
     """
     _check_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, lora)
-    if add_to is not None and (add_to.shape != x.shape or add_to.dtype != x.dtype or add_to.device != x.device):
-        raise ValueError(f"add_to: shape {tuple(add_to.shape)} dtype {add_to.dtype} on {add_to.device} must match x "
-                         f"({list(x.shape)} {x.dtype} on {x.device})")  # fmt: skip
+    addends = _check_addends(x, add_to)
     _check_gpt_oss_inputs(w_gate_up, b_gate_up, b_down, clamped_swiglu)
     is_fp8 = _check_fp8_inputs(w_gate_up, w_down, gate_up_scale_inv, down_scale_inv)
     lora_tensors = (None,) * 4 if lora is None else (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down)
@@ -71,20 +79,35 @@ def moe_mlp(
     weights = (gate_up_scale_inv, down_scale_inv) if is_fp8 else (w_gate_up, w_down)
     has_kernel = is_plain and _kernel_takes(x, topk_weights, *weights, *lora_tensors)
     if use_kernel("moe_mlp", x, topk_ids, topk_weights, w_gate_up, w_down, gate_up_scale_inv, down_scale_inv,
-                  *lora_tensors, add_to, has_kernel=has_kernel):
+                  *lora_tensors, *addends, has_kernel=has_kernel):
         # Imported on use: Triton is a Linux-only dependency, and the reference path must import without it.
         from moe_tune.ops.moe.autograd import MoEFunction
 
         scaling = 1.0 if lora is None else float(lora.scaling)
         return MoEFunction.apply(
             x, topk_ids, topk_weights, w_gate_up, w_down, *lora_tensors, scaling, gate_up_scale_inv, down_scale_inv,
-            add_to,
+            *(addends + (None,) * (MAX_ADD_TO - len(addends))),
         )  # fmt: skip
     return moe_mlp_ref(
         x, topk_ids, topk_weights, w_gate_up, w_down, lora, b_gate_up=b_gate_up, b_down=b_down,
         clamped_swiglu=clamped_swiglu, gate_up_scale_inv=gate_up_scale_inv, down_scale_inv=down_scale_inv,
-        add_to=add_to,
+        add_to=addends,
     )  # fmt: skip
+
+
+def _check_addends(
+    x: torch.Tensor, add_to: torch.Tensor | Sequence[torch.Tensor] | None
+) -> tuple[torch.Tensor, ...]:
+    """moe_mlp's add_to as a tuple of at most MAX_ADD_TO tensors, each of x's shape, dtype and device."""
+    addends = () if add_to is None else (add_to,) if isinstance(add_to, torch.Tensor) else tuple(add_to)
+    if len(addends) > MAX_ADD_TO:
+        raise ValueError(f"add_to: {len(addends)} tensors; at most {MAX_ADD_TO} are added")
+    for i, t in enumerate(addends):
+        name = "add_to" if isinstance(add_to, torch.Tensor) else f"add_to[{i}]"
+        if not isinstance(t, torch.Tensor) or t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            got = f"shape {tuple(t.shape)} dtype {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(f"{name}: {got} must match x ({list(x.shape)} {x.dtype} on {x.device})")
+    return addends
 
 
 def _check_gpt_oss_inputs(

@@ -34,7 +34,8 @@ from moe_tune.ops.moe.routing import MoERouting, moe_routing, row_chunks
 
 # Positions in MoEFunction.forward's arguments, for ctx.needs_input_grad.
 _X, _IDS, _WEIGHTS, _W_GATE_UP, _W_DOWN, _A_GATE_UP, _B_GATE_UP, _A_DOWN, _B_DOWN = range(9)
-_ADD_TO = 12
+# add_to's one or two tensors.
+_ADD_TO = (12, 13)
 
 
 class MoEFunction(torch.autograd.Function):
@@ -42,7 +43,8 @@ class MoEFunction(torch.autograd.Function):
     the Triton kernels.
 
     Arguments as moe_mlp, with the LoRA tensors passed one by one (each may be None), scaling a float, then the block
-    scales of FP8 expert weights (both None for 16-bit/fp32 weights) and add_to (None: none).
+    scales of FP8 expert weights (both None for 16-bit/fp32 weights) and add_to's two places (None: none; the first
+    filled first).
     """
 
     @staticmethod
@@ -61,6 +63,7 @@ class MoEFunction(torch.autograd.Function):
         gate_up_scale_inv: torch.Tensor | None = None,
         down_scale_inv: torch.Tensor | None = None,
         add_to: torch.Tensor | None = None,
+        add_to_2: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens, top_k = topk_ids.shape
         num_experts = w_gate_up.shape[0]
@@ -79,7 +82,7 @@ class MoEFunction(torch.autograd.Function):
         weight, scale = _gemm_weight(w_down, down_scale_inv, buffered, x.dtype)
         y, ha = moe_down_fwd(
             h, topk_weights, weight, a_down, b_down, scaling, routing, config, num_tokens, scale_inv=scale,
-            add=None if add_to is None else add_to.contiguous(),
+            addends=tuple(t.contiguous() for t in (add_to, add_to_2) if t is not None),
         )
         del weight
         if needs_grad:
@@ -154,7 +157,7 @@ class MoEFunction(torch.autograd.Function):
         d_topk_weights = dweights_S.view(topk_weights.shape).to(topk_weights.dtype) if needs[_WEIGHTS] else None
         return (
             dx, None, d_topk_weights, d_w_gate_up, d_w_down, d_a_gate_up, d_b_gate_up, d_a_down, d_b_down, None,
-            None, None, dy if needs[_ADD_TO] else None,
+            None, None, *(dy if needs[i] else None for i in _ADD_TO),
         )  # fmt: skip
 
 

@@ -14,6 +14,8 @@ row, GF = ceil(F/128) scale rows per gate/up half, GD = ceil(D/128).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -400,12 +402,12 @@ def moe_down_fwd(
     config: MoEConfig,
     num_tokens: int,
     scale_inv: torch.Tensor | None = None,
-    add: torch.Tensor | None = None,
+    addends: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y[t] = add[t] + sum_j w[t, j] * (h @ w_down^T (+ LoRA)) over the token's slots (sum_slots).
+    """y[t] = (sum of addends[i][t]) + sum_j w[t, j] * (h @ w_down^T (+ LoRA)) over the token's slots (sum_slots).
 
     scale_inv: [E, GD, GF] fp32 block scales when w_down is FP8 (float8_e4m3fn codes), else None.
-    add: [N, D] contiguous of h's dtype, or None.
+    addends: up to two [N, D] contiguous tensors of h's dtype (default: none).
     Returns y [N, D] in h.dtype and ha [S, r] fp32 (with LoRA).
     """
     num_slots, num_hidden = h.shape
@@ -433,4 +435,4 @@ def moe_down_fwd(
             BLOCK_M=routing.block_m, BLOCK_N=kernel.block_n, BLOCK_K=kernel.block_k, BLOCK_R=rank_block(rank),
             **kernel.launch_options(),
         )  # fmt: skip
-    return sum_slots(y_slot, num_tokens, routing.top_k, add), ha
+    return sum_slots(y_slot, num_tokens, routing.top_k, addends), ha

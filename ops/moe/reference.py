@@ -9,6 +9,7 @@ Expert e on a row x: h = silu(x W_gate^T) * (x W_up^T), y_e = h W_down^T. gpt_os
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +18,8 @@ import torch.nn.functional as F_nn
 from moe_tune.ops.fp8.reference import dequantize_weight
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+# The tensors moe_mlp's add_to takes at most (a MoE block's shared expert output and its layer's residual).
+MAX_ADD_TO = 2
 # Keeps a sigmoid renormalisation finite when every chosen score underflows to 0 (same constant as DeepSeek-V3).
 SIGMOID_NORM_EPS = 1e-20
 
@@ -141,7 +144,7 @@ def moe_mlp_ref(
     clamped_swiglu: ClampedSwiGLU | None = None,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
-    add_to: torch.Tensor | None = None,
+    add_to: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Grouped MoE MLP: sort token-slots by expert, one matmul per expert on its rows, weighted index_add_ combine.
 
@@ -150,7 +153,8 @@ def moe_mlp_ref(
     gate_up_scale_inv: [E, 2*ceil(F/128), ceil(D/128)] fp32, down_scale_inv: [E, ceil(D/128), ceil(F/128)] fp32, with
     w_gate_up and w_down float8_e4m3fn (frozen FP8 experts: the weights are dequantized, W_q * scale_inv in fp32, and
     the experts run on them as on any other weights; no gradient reaches them), or both None (default).
-    add_to: [N, D] or None: added to the output before its one rounding to x.dtype.
+    add_to: [N, D], a sequence of one or two such tensors, or None: added (in order) to the output before its one
+    rounding to x.dtype.
     Returns y: [N, D] in x.dtype, computed in fp32 (fp64 for fp64 inputs). Differentiable in every float input.
     Reads the per-expert counts on the host: a training path for the CPU, not for CUDA.
     """
@@ -190,7 +194,10 @@ def moe_mlp_ref(
     y_sorted_SD = torch.cat(outputs) if outputs else x_ND.new_zeros((0, x_ND.shape[1]))
 
     weights_S = topk_weights.reshape(-1).to(dtype)[order_S]
-    y_ND = torch.zeros_like(x_ND) if add_to is None else add_to.to(dtype, copy=True)
+    addends = () if add_to is None else (add_to,) if isinstance(add_to, torch.Tensor) else tuple(add_to)
+    y_ND = torch.zeros_like(x_ND)
+    for addend in addends:
+        y_ND = y_ND + addend.to(dtype)
     y_ND = y_ND.index_add_(0, token_of_row_S, y_sorted_SD * weights_S[:, None])
     return y_ND.to(x.dtype)
 

@@ -10,6 +10,7 @@ from device memory and leaves at once when the tile has no work, so no launch ne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import triton.language as tl
 from moe_tune.ops.common.dispatch import triton_interpreting
 from moe_tune.ops.moe import kernel_config
 from moe_tune.ops.moe.kernel_config import MoEConfig
+from moe_tune.ops.moe.reference import MAX_ADD_TO
 
 # Passes that sum an expert's rows into a small output (dB, dA) split each expert's rows into chunks of this many
 # times the mean rows per expert: under uniform routing every expert fits one chunk (no partial sums), while one with
@@ -346,18 +348,19 @@ def tile_rows(tile, expert, tile_row_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _sum_slots_kernel(src_ptr, add_ptr, out_ptr, num_tokens, D, TOP_K: tl.constexpr, HAS_ADD: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    # One [BLOCK_T, BLOCK_D] block of y: the addend's row (with one), then the k slot rows of each token, added in
-    # fp32 in slot order, rounded once.
+def _sum_slots_kernel(src_ptr, add_ptr, add2_ptr, out_ptr, num_tokens, D, TOP_K: tl.constexpr,
+                      NUM_ADDENDS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    # One [BLOCK_T, BLOCK_D] block of y: the addends' rows (0, 1 or 2, in order), then the k slot rows of each token,
+    # added in fp32 in slot order, rounded once.
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (tokens < num_tokens)[:, None] & (cols < D)[None, :]
     token_offsets = tokens.to(tl.int64)[:, None] * D + cols[None, :]
-    if HAS_ADD:
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if NUM_ADDENDS >= 1:
         acc = tl.load(add_ptr + token_offsets, mask=mask, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if NUM_ADDENDS == 2:
+        acc += tl.load(add2_ptr + token_offsets, mask=mask, other=0.0).to(tl.float32)
     rows = tokens.to(tl.int64)[:, None] * TOP_K
     for j in tl.static_range(TOP_K):
         acc += tl.load(src_ptr + (rows + j) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -365,17 +368,28 @@ def _sum_slots_kernel(src_ptr, add_ptr, out_ptr, num_tokens, D, TOP_K: tl.conste
 
 
 def sum_slots(
-    per_slot_SD: torch.Tensor, num_tokens: int, top_k: int, add_ND: torch.Tensor | None = None
+    per_slot_SD: torch.Tensor, num_tokens: int, top_k: int, addends: Sequence[torch.Tensor] = ()
 ) -> torch.Tensor:
-    """[S, D] contiguous in slot order -> [N, D]: y[t] = add[t] + sum_j per_slot[t*k + j], added in fp32 (the addend
-    first, then the slots in slot order) and rounded once (deterministic), in one pass that reads each row once.
-    add_ND: [N, D] contiguous of per_slot's dtype, or None (no addend)."""
-    if top_k == 1 and add_ND is None:
+    """[S, D] contiguous in slot order -> [N, D]: y[t] = addends[0][t] + addends[1][t] + sum_j per_slot[t*k + j],
+    added in fp32 (the addends in order, then the slots in slot order) and rounded once (deterministic), in one pass
+    that reads each row once.
+    addends: at most MAX_ADD_TO [N, D] contiguous tensors of per_slot's dtype (default: none)."""
+    assert len(addends) <= MAX_ADD_TO, f"sum_slots takes at most {MAX_ADD_TO} addends"
+    if top_k == 1 and not addends:
         return per_slot_SD
     model_dim = per_slot_SD.shape[1]
     y = kernel_config.alloc((num_tokens, model_dim), per_slot_SD.dtype, per_slot_SD.device)
     if num_tokens * model_dim == 0:
         return y
+    block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
+    block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))
+    # Pointers of addends not given are never read.
+    add, add2 = (*addends, per_slot_SD, per_slot_SD)[:2]
+    _sum_slots_kernel[grid](per_slot_SD, add, add2, y, num_tokens, model_dim, TOP_K=top_k,
+                            NUM_ADDENDS=len(addends), BLOCK_T=block_t, BLOCK_D=block_d,
+                            num_warps=SUM_SLOTS_WARPS)  # fmt: skip
+    return y
     block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
     block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))

@@ -115,13 +115,16 @@ def test_moe_mlp_kernel_matches_reference(guarded, shape, lora_on, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ["prime_E7", "top1", "E64_top8"])
-def test_moe_mlp_kernel_adds_add_to_inside_the_slot_sum(guarded, shape, dtype):
-    # add_to (the shared expert's output in the MoE block) joins the fp32 slot sum, k = 1 included: y and every
-    # gradient, add_to's among them, against the reference given the same add_to.
+@pytest.mark.parametrize("num_add_to", [1, 2], ids=["one_tensor", "two_tensors"])
+def test_moe_mlp_kernel_adds_add_to_inside_the_slot_sum(guarded, shape, dtype, num_add_to):
+    # add_to (the shared expert's output in the MoE block, and the layer's residual) joins the fp32 slot sum, k = 1
+    # included: y and every gradient, add_to's among them, against the reference given the same add_to.
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
     case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, "both")
     gen = torch.Generator(device=DEVICE).manual_seed(4)
-    case["add_to"] = torch.randn(num_tokens, model_dim, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+    addends = tuple(torch.randn(num_tokens, model_dim, device=DEVICE, generator=gen).to(dtype).requires_grad_()
+                    for _ in range(num_add_to))  # fmt: skip
+    case["add_to"] = addends[0] if num_add_to == 1 else addends
     _assert_matches_reference(case, dtype)
     guarded.check()
 
@@ -290,19 +293,20 @@ def test_routing_kernels_match_torch_bitwise(num_experts, skew, block):
 
 @pytest.mark.parametrize("num_tokens, model_dim, top_k", [(8192, 2048, 8), (4099, 2056, 10), (33, 7, 3), (65, 9, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("with_add", [False, True], ids=["slots", "addend"])
-def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype, with_add):
-    """The top-k slot sum against the addend (with one) and the slots added one by one in fp32 and rounded once:
+@pytest.mark.parametrize("num_addends", [0, 1, 2], ids=["slots", "addend", "two_addends"])
+def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype, num_addends):
+    """The top-k slot sum against the addends (in order) and the slots added one by one in fp32 and rounded once:
     equal bit for bit (bf16 rounds to nearest even here, toward zero in the interpreter); bench-qwen3-next's shape
     first."""
     gen = torch.Generator(device=DEVICE).manual_seed(model_dim + top_k)
     per_slot = (torch.randn(num_tokens * top_k, model_dim, generator=gen, device=DEVICE) * 4).to(dtype)
-    add = (torch.randn(num_tokens, model_dim, generator=gen, device=DEVICE) * 4).to(dtype) if with_add else None
-    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k, add)
-    expected = add.to(torch.float32, copy=True) if with_add else torch.zeros(num_tokens, model_dim, device=DEVICE)
-    for j in range(top_k):
-        expected += per_slot[j::top_k].float()
+    addends = [(torch.randn(num_tokens, model_dim, generator=gen, device=DEVICE) * 4).to(dtype)
+               for _ in range(num_addends)]  # fmt: skip
+    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k, addends)
+    expected = torch.zeros(num_tokens, model_dim, device=DEVICE)
+    for t in (*addends, *(per_slot[j::top_k] for j in range(top_k))):
+        expected += t.float()
     assert y.dtype == dtype and torch.equal(y, expected.to(dtype))
-    if top_k == 1 and not with_add:
+    if top_k == 1 and not addends:
         return
     guarded.check()

@@ -89,8 +89,8 @@ CASES = [
       for tma in (False, True) for constexprs, types in [_descriptors(tma, w_desc=[64, 128])]],
     (MOE_BWD, "_moe_down_bwd_gemm_kernel", dict(_TILE, BLOCK_N=256, TMA=True), 8, 3,
      dict(_ROW_TYPES, w_desc="tensordesc<bf16[64, 256]>")),
-    *[(MOE_ROUTING, "_sum_slots_kernel", dict(TOP_K=8, HAS_ADD=has_add, BLOCK_T=4, BLOCK_D=1024), 8, 3, {})
-      for has_add in (False, True)],
+    *[(MOE_ROUTING, "_sum_slots_kernel", dict(TOP_K=8, NUM_ADDENDS=num_addends, BLOCK_T=4, BLOCK_D=1024), 8, 3, {})
+      for num_addends in (0, 1, 2)],
 ]  # fmt: skip
 
 

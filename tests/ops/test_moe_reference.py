@@ -375,6 +375,21 @@ def _bad_moe_inputs():
             id="add_to_dtype",
         ),
         pytest.param(
+            _replace(case, add_to=(torch.randn(5, D), torch.randn(4, D))),
+            r"add_to\[1\]: shape \(4, 16\) dtype torch.float32 on cpu must match x \(\[5, 16\] torch.float32 on cpu\)",
+            id="add_to_second_shape",
+        ),
+        pytest.param(
+            _replace(case, add_to=(torch.randn(5, D), None)),
+            r"add_to\[1\]: None must match x",
+            id="add_to_second_none",
+        ),
+        pytest.param(
+            _replace(case, add_to=tuple(torch.randn(5, D) for _ in range(3))),
+            r"add_to: 3 tensors; at most 2 are added",
+            id="add_to_three",
+        ),
+        pytest.param(
             _replace(case, lora=ExpertLoRA(a_down=torch.randn(E, 4, F), scaling=1.0)),
             r"ExpertLoRA.a_down is set but b_down is None: give both or neither",
             id="lora_half_pair",
@@ -400,17 +415,23 @@ def _bad_moe_inputs():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("lora_on", ["none", "both"])
 @pytest.mark.parametrize("top_k", [1, 3])
-def test_moe_mlp_adds_add_to_to_its_output(dtype, lora_on, top_k):
-    # y(add_to) = y + add_to, add_to's gradient is y's and every other gradient is unchanged; add_to is not written.
+@pytest.mark.parametrize("num_add_to", [1, 2], ids=["one_tensor", "two_tensors"])
+def test_moe_mlp_adds_add_to_to_its_output(dtype, lora_on, top_k, num_add_to):
+    # y(add_to) = y + add_to (one tensor, or the sum of two), each add_to tensor's gradient is y's and every other
+    # gradient is unchanged; add_to is not written.
     case = _make_case(11, 16, 20, 5, top_k, dtype, "random", lora_on)
     grad_y = torch.randn(11, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
-    add_to = torch.randn(11, 16, generator=torch.Generator().manual_seed(2)).to(dtype).requires_grad_()
-    before = add_to.detach().clone()
+    gen = torch.Generator().manual_seed(2)
+    addends = [torch.randn(11, 16, generator=gen).to(dtype).requires_grad_() for _ in range(num_add_to)]
+    before = [t.detach().clone() for t in addends]
+    add_to = addends[0] if num_add_to == 1 else tuple(addends)
     y, grads = run_with_grads(moe_mlp, dict(case, add_to=add_to), grad_y)
     y_ref, grads_ref = run_with_grads(moe_mlp_loop_ref, case, grad_y)
     tol = TOLERANCES[dtype]
-    torch.testing.assert_close(y, y_ref + add_to, **tol)
-    assert torch.equal(grads.pop("add_to"), grad_y) and torch.equal(add_to.detach(), before)
+    torch.testing.assert_close(y, y_ref + sum(addends), **tol)
+    names = ["add_to"] if num_add_to == 1 else ["add_to[0]", "add_to[1]"]
+    for name, addend, addend_before in zip(names, addends, before):
+        assert torch.equal(grads.pop(name), grad_y) and torch.equal(addend.detach(), addend_before), name
     assert set(grads) == set(grads_ref)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_ref[name], **tol, msg=lambda m, name=name: f"grad {name}: {m}")

@@ -125,20 +125,28 @@ def test_moe_mlp_kernel_matches_loop_ref(
 @pytest.mark.parametrize("shape, lora_on, dtype", [("prime_E7", "both", torch.float32), ("top1", "none", torch.float32),
                                                    ("N1", "both", torch.float32), ("prime_E7", "none", torch.float16)])
 @pytest.mark.parametrize("add_grad", [True, False], ids=["add_to_trained", "add_to_frozen"])
-def test_moe_mlp_kernel_adds_add_to_inside_the_slot_sum(kernel_path, guarded, shape, lora_on, dtype, add_grad):
-    # add_to joins each token's fp32 slot sum (k = 1 too, where the slots alone are the output): y against the oracle
-    # plus add_to, add_to's gradient y's (or none when it needs none), every other gradient as without it.
+@pytest.mark.parametrize("num_add_to", [1, 2], ids=["one_tensor", "two_tensors"])
+def test_moe_mlp_kernel_adds_add_to_inside_the_slot_sum(
+    kernel_path, guarded, shape, lora_on, dtype, add_grad, num_add_to
+):
+    # add_to (one tensor, or two: a MoE block's shared expert and residual) joins each token's fp32 slot sum (k = 1
+    # too, where the slots alone are the output): y against the oracle plus add_to, each add_to tensor's gradient
+    # y's (or none when it needs none; the second always trained), every other gradient as without it.
     num_tokens, model_dim, hidden_dim, num_experts, top_k, pattern = SHAPES[shape]
     case = _make_case(num_tokens, model_dim, hidden_dim, num_experts, top_k, dtype, pattern, lora_on)
     gen = torch.Generator().manual_seed(3)
     grad_y = torch.randn(num_tokens, model_dim, generator=gen).to(dtype)
-    add_to = torch.randn(num_tokens, model_dim, generator=gen).to(dtype).requires_grad_(add_grad)
+    addends = [torch.randn(num_tokens, model_dim, generator=gen).to(dtype).requires_grad_(add_grad or i > 0)
+               for i in range(num_add_to)]  # fmt: skip
+    add_to = addends[0] if num_add_to == 1 else tuple(addends)
     y, grads = run_with_grads(moe_mlp, dict(case, add_to=add_to), grad_y)
     y_ref, grads_ref = run_with_grads(moe_mlp_loop_ref, case, grad_y)
     tol = TOLERANCES[dtype]
-    torch.testing.assert_close(y, (y_ref.float() + add_to.float()).to(dtype), **tol)
-    if add_grad:
-        assert torch.equal(grads.pop("add_to"), grad_y)
+    torch.testing.assert_close(y, (y_ref.float() + sum(t.float() for t in addends)).to(dtype), **tol)
+    names = ["add_to"] if num_add_to == 1 else ["add_to[0]", "add_to[1]"]
+    for name, addend in zip(names, addends):
+        if addend.requires_grad:
+            assert torch.equal(grads.pop(name), grad_y), name
     assert set(grads) == set(grads_ref)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_ref[name], **tol, msg=lambda m, name=name: f"grad {name}: {m}")
@@ -587,22 +595,22 @@ SUM_SLOTS_SHAPES = [(37, 1030, 3), (5, 24, 8), (1, 1, 2), (300, 7, 5), (9, 64, 1
 @pytest.mark.parametrize("num_tokens, model_dim, top_k", SUM_SLOTS_SHAPES)
 # fp32 and fp16: the interpreter rounds fp32 to bf16 toward zero (bf16 runs on the GPU, tests/gpu/test_moe_gpu.py).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("with_add", [False, True], ids=["slots", "addend"])
-def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype, with_add):
-    # Against the addend (with one) and then the slots added one by one in fp32 (slot 0 first) and rounded once:
+@pytest.mark.parametrize("num_addends", [0, 1, 2], ids=["slots", "addend", "two_addends"])
+def test_sum_slots_adds_each_tokens_slots_in_slot_order(guarded, num_tokens, model_dim, top_k, dtype, num_addends):
+    # Against the addends (in order) and then the slots added one by one in fp32 (slot 0 first) and rounded once:
     # equal bit for bit; every output written (NaN-filled buffers) and nothing past the end; the inputs unchanged.
     gen = torch.Generator().manual_seed(num_tokens * 131 + model_dim)
     per_slot = (torch.randn(num_tokens * top_k, model_dim, generator=gen) * 4).to(dtype)
-    add = (torch.randn(num_tokens, model_dim, generator=gen) * 4).to(dtype) if with_add else None
-    inputs = [t.clone() for t in (per_slot, add) if t is not None]
-    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k, add)
-    expected = add.to(torch.float32, copy=True) if with_add else torch.zeros(num_tokens, model_dim)
-    for j in range(top_k):
-        expected += per_slot[j::top_k].float()
+    addends = [(torch.randn(num_tokens, model_dim, generator=gen) * 4).to(dtype) for _ in range(num_addends)]
+    inputs = [t.clone() for t in (per_slot, *addends)]
+    y = routing_kernels.sum_slots(per_slot, num_tokens, top_k, addends)
+    expected = torch.zeros(num_tokens, model_dim)
+    for t in (*addends, *(per_slot[j::top_k] for j in range(top_k))):
+        expected += t.float()
     assert y.dtype == dtype and y.shape == (num_tokens, model_dim)
     assert torch.equal(y, expected.to(dtype))
-    assert all(torch.equal(t, before) for t, before in zip((per_slot, add), inputs))
-    if (top_k > 1 or with_add) and num_tokens > 0:
+    assert all(torch.equal(t, before) for t, before in zip((per_slot, *addends), inputs))
+    if (top_k > 1 or num_addends) and num_tokens > 0:
         guarded.check()
 
 
