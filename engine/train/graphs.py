@@ -12,7 +12,10 @@ The kernels a replay runs are the ones eager mode runs, on the same inputs: resu
 dtype, eval mode, routing pinned by `moe-tune align`, no residual), it runs eagerly. The graphs take the block's two
 inputs, x and the decoder layer's residual (which the block adds to its output inside its own ops); a replay copies
 each into the graph's static input unless it was written there: the decoder layer's post-attention norm writes both
-there (`MoEBlock.input_buffers`), which saves two copies of [T, D] a layer.
+there (`MoEBlock.input_buffers`), which saves two copies of [T, D] a layer. Backward alike: a replay's outputs ask
+for their gradients in the backward graph's static inputs (`want_grad_in`), where the op consuming the block's
+output (the next layer's input norm, or the final norm) writes its input's gradient, and the backward replay
+copies only a gradient made elsewhere.
 
 What a graph cannot see is ruled out before capture (`graph_blockers`): ZeRO-3 gathers each module's weights in
 forward hooks, expert parallelism sizes its all-to-all on the host, and selective caching works through
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe_tune.ops.common.grad_handoff import want_grad_in
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
@@ -199,6 +203,9 @@ class _BlockCapture:
         # Inputs (x or residual) of the replays that were not already in their static input
         # (MoEBlock.input_buffers) and were copied there.
         self.input_copies = 0
+        # By output (the block's y, its aux loss): the gradients that reached the backward replays elsewhere than in
+        # their static input (ops/common/grad_handoff.want_grad_in) and were copied there.
+        self.grad_copies: list[int] = []
 
     def _leaves(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(x and residual, the parameters' stand-ins), fresh leaves that require grad."""
@@ -237,6 +244,7 @@ class _BlockCapture:
 
     def capture_backward(self, pool) -> None:
         self.grads_out = [torch.empty_like(o) for o in self.outputs]
+        self.grad_copies = [0] * len(self.outputs)
         self.bwd_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.bwd_graph, pool=pool):
             grads = self._grads(self.outputs, [*self.inputs, *self.leaves], self.grads_out)
@@ -260,9 +268,10 @@ class _BlockCapture:
             @staticmethod
             @torch.autograd.function.once_differentiable
             def backward(ctx, *grads):
-                for static, grad in zip(capture.grads_out, grads):
+                for i, (static, grad) in enumerate(zip(capture.grads_out, grads)):
                     if static.data_ptr() != grad.data_ptr():
                         static.copy_(grad)
+                        capture.grad_copies[i] += 1
                 capture.bwd_graph.replay()
                 return tuple(None if g is None else g.detach() for g in capture.grads_in)
 
@@ -285,6 +294,10 @@ class _BlockCapture:
                     "a graphed MoE block's parameters moved after capture"
                 )
                 outputs = Replay.apply(x, residual, *capture.params)
+                # The op consuming an output (the next layer's input norm, or the final norm) may write its gradient
+                # straight into the backward graph's static input.
+                for output, static in zip(outputs, capture.grads_out):
+                    want_grad_in(output, static.detach())
                 return torch.utils._pytree.tree_unflatten(list(outputs), capture.spec)
             return capture.eager(x, chunk, residual)
 

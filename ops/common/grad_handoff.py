@@ -1,4 +1,6 @@
-"""A gradient handed from the node that makes it to the node that sums into it, in place where that is safe.
+"""Gradients handed between autograd nodes without copies: a gradient handed from the node that makes it to the node
+that sums into it, in place where that is safe (GradHandoff), and a buffer a tensor's gradient is wanted in
+(want_grad_in).
 
 A node that hands its input x on (returns x as a view, which x's later uses take instead of x) gets the gradient of
 those later uses in its backward and adds its own parts of x's gradient to it inside its GEMMs. Out of place, the
@@ -56,3 +58,28 @@ def take_owned(handoff: GradHandoff | None, grad: torch.Tensor | None) -> bool:
         return False
     lodged, handoff.grad = handoff.grad, None
     return grad is not None and lodged is grad and not torch.is_grad_enabled()
+
+
+# The attribute of a tensor that holds the buffer where its gradient is wanted (a one-item list until claimed).
+GRAD_BUFFER_ATTR = "_moe_tune_grad_buffer"
+
+
+def want_grad_in(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Ask that t's gradient be written into `buffer` (of t's shape and dtype, contiguous: a CUDA graph's static input
+    of its backward), by the one op that consumes t and makes t's whole gradient (claim_grad_buffer); returns t.
+    Whoever reads t's gradient then finds it there, with no copy, where that op claimed the buffer."""
+    setattr(t, GRAD_BUFFER_ATTR, [buffer])
+    return t
+
+
+def claim_grad_buffer(x: torch.Tensor) -> torch.Tensor | None:
+    """The buffer x's gradient is wanted in, for the op about to consume x whose backward makes x's whole gradient
+    (no other term added to it), where it fits x (shape, dtype, device, contiguous); None otherwise. Each buffer is
+    given out once: a second consumer of x gets None, and autograd sums the two consumers' gradients apart from
+    it."""
+    holder = getattr(x, GRAD_BUFFER_ATTR, None)
+    if not holder:
+        return None
+    buffer = holder.pop()
+    fits = buffer.shape == x.shape and buffer.dtype == x.dtype and buffer.device == x.device
+    return buffer if fits and buffer.is_contiguous() else None

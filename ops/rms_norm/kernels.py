@@ -167,11 +167,13 @@ def rms_norm_bwd(
     is_silu: bool,
     needs_dw: bool,
     dh: torch.Tensor | None = None,
+    dx_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """dy, x, z, dh: [M, N] contiguous; rstd [M] from the forward; dh, the gradient x gets from its other uses,
-    added to dx. Returns dx [M, N], dw [N] fp32 (or None), dz [M, N] (or None)."""
+    added to dx; dx_out: [M, N] contiguous of x's dtype, overlapping no input, where dx is written (None: a new
+    tensor). Returns dx [M, N] (dx_out where given), dw [N] fp32 (or None), dz [M, N] (or None)."""
     num_rows, num_channels = x.shape
-    dx = _alloc((num_rows, num_channels), x.dtype, x.device)
+    dx = _alloc((num_rows, num_channels), x.dtype, x.device) if dx_out is None else dx_out
     dz = _alloc((num_rows, num_channels), z.dtype, z.device) if z is not None else None
     if num_rows == 0:
         dw = torch.zeros(num_channels, dtype=torch.float32, device=x.device) if needs_dw else None

@@ -146,7 +146,8 @@ def test_release_gives_the_eager_forward_back_and_capture_again_works(replays):
 
 def _train(cuda_graphs: str, steps: int = 3):
     """Training steps of the small model through the benchmark's runner (DeepSpeed ZeRO-1, AdamW): losses, the
-    adapters after them, the selection biases, and the replays' input copies (None: no graphs were captured)."""
+    adapters after them, the selection biases, and the replays' copies of inputs and of the blocks' output gradients
+    (None: no graphs were captured)."""
     from moe_tune.engine.bench.steps import StepRunner
 
     runner = StepRunner(load_profile("bench-qwen3-next", [*SMALL, f"train.cuda_graphs={cuda_graphs}"]))
@@ -155,21 +156,24 @@ def _train(cuda_graphs: str, steps: int = 3):
         module = runner.engine.module
         trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
         biases = [block.selection_bias.clone() for block in moe_blocks(module)]
-        copies = None if runner.graphs is None else sum(capture.input_copies for capture in runner.graphs.captures)
-        return losses, trained, biases, copies
+        captures = [] if runner.graphs is None else runner.graphs.captures
+        copies = None if runner.graphs is None else sum(capture.input_copies for capture in captures)
+        grad_copies = None if runner.graphs is None else sum(capture.grad_copies[0] for capture in captures)
+        return losses, trained, biases, copies, grad_copies
     finally:
         runner.close()
 
 
 def test_graphed_training_steps_are_bitwise_eager():
-    losses, trained, biases, copies = _train("false")
-    assert copies is None
+    losses, trained, biases, copies, grad_copies = _train("false")
+    assert copies is None and grad_copies is None
     again = _train("false")
     # Bitwise equality means something only if eager training reproduces itself.
     assert again[0] == losses
     with_graphs = _train("true")
-    # Every replay read its inputs where the post-attention norm wrote them (MoEBlock.input_buffers): none was copied.
-    assert with_graphs[3] == 0
+    # Every replay read its inputs where the post-attention norm wrote them (MoEBlock.input_buffers), and every
+    # backward replay its output's gradient where the next norm wrote it (want_grad_in): none was copied.
+    assert with_graphs[3] == 0 and with_graphs[4] == 0
     assert with_graphs[0] == losses
     assert all(torch.equal(with_graphs[1][name], trained[name]) for name in trained)
     assert all(torch.equal(a, b) for a, b in zip(with_graphs[2], biases))

@@ -107,3 +107,31 @@ def test_moe_blocks_add_to_their_inputs_gradient_in_place(monkeypatch, shared_ex
     row_loss_and_grads(model)
     # Two MoE layers, each with the router's node and the shared expert's gate-and-up node.
     assert owned == [True] * 4
+
+
+def test_norms_write_the_moe_blocks_output_gradients_where_they_are_wanted(monkeypatch):
+    # Blocks whose outputs ask for their gradient in a buffer (a CUDA-graphed block's backward input, want_grad_in)
+    # get it written there by the op consuming the output (the next layer's input norm, the final norm): the
+    # gradient that reaches each output is a view of its buffer, and the loss and every gradient are bit for bit
+    # those of the blocks without buffers.
+    from moe_tune.ops.common.grad_handoff import want_grad_in
+
+    model = hybrid_moe_model(True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    expected_loss, expected = row_loss_and_grads(model)
+    buffers, arrived = {}, []
+    for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
+
+        def forward(x, chunk=None, residual=None, forward=block.forward, block=block):
+            out, aux = forward(x, chunk, residual)
+            buffer = buffers.setdefault(block, torch.full_like(out, float("nan")))
+            out.register_hook(lambda grad, buffer=buffer: arrived.append(grad.data_ptr() == buffer.data_ptr()))
+            return want_grad_in(out, buffer), aux
+
+        monkeypatch.setattr(block, "forward", forward, raising=False)
+    loss, grads = row_loss_and_grads(model)
+    assert arrived == [True, True]
+    assert not any(torch.isnan(buffer).any() for buffer in buffers.values())
+    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
+    assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())

@@ -11,6 +11,7 @@ from triton_interpreter_mode import interpreted_kernels
 
 with interpreted_kernels():
     import torch
+    from moe_tune.ops.common.grad_handoff import want_grad_in
     from moe_tune.ops.rms_norm import MAX_N, add_rms_norm, kernels, rms_norm, rms_norm_with_input
     from moe_tune.ops.rms_norm.reference import add_rms_norm_ref, rms_norm_ref
     from norm_conv_cases import as_fp64, assert_close_to_reference, rms_norm_case, run_rms_norm
@@ -291,6 +292,59 @@ def test_with_input_kernel_frozen_weight_gets_no_gradient_and_no_partial_sums(ke
     torch.testing.assert_close(dx, dx_ref, **TOLERANCES[torch.float32])
     # y, rstd, dx: no [programs, N] buffer for dw, and no buffer for a separate add.
     assert [shape for _, _, shape in guarded.buffers] == [(11, 40), (11,), (11, 40)]
+
+
+def norm_input_grads(op, x, weight, grad_x, grad_y, is_one_plus, buffer=None, consumers=1):
+    """The gradients of x and weight through rms_norm (op "norm") or rms_norm_with_input (its two outputs), called
+    `consumers` times on x (the i-th call's output gradients scaled by i + 1, so that each makes another gradient of
+    x), whose gradient is asked for in `buffer` (want_grad_in) where one is given."""
+    leaf = x.detach().requires_grad_()
+    if buffer is not None:
+        want_grad_in(leaf, buffer)
+    outputs, grads = [], []
+    for i in range(consumers):
+        if op == "norm":
+            outputs.append(rms_norm(leaf, weight, 1e-6, is_one_plus))
+            grads.append(grad_y * (i + 1))
+        else:
+            outputs += rms_norm_with_input(leaf, weight, 1e-6, is_one_plus)
+            grads += [grad_x * (i + 1), grad_y * (i + 1)]
+    return torch.autograd.grad(outputs, [leaf, weight], grads)
+
+
+@pytest.mark.parametrize("op", ["norm", "with_input"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ADD_CASES.values(), ids=ADD_CASES.keys())
+def test_kernel_writes_the_input_gradient_where_it_is_wanted(kernel_path, guarded, case, dtype, op):
+    # x's gradient asked for in a buffer (a CUDA-graphed block's static input, want_grad_in; NaN-filled, guarded
+    # ends): the norm's backward writes it there (the gradient returned is a view of it), every gradient bit for bit
+    # that of a call without it; nothing written past the buffer.
+    shape, is_one_plus = case
+    x, _, weight, grad_x, grad_y = add_case(shape, dtype)
+    expected = norm_input_grads(op, x, weight, grad_x, grad_y, is_one_plus)
+    buffer = guarded.alloc(shape, dtype, x.device)
+    grads = norm_input_grads(op, x, weight, grad_x, grad_y, is_one_plus, buffer)
+    guarded.check()
+    assert grads[0].data_ptr() == buffer.data_ptr() and torch.equal(buffer, expected[0])
+    assert all(torch.equal(got, want) for got, want in zip(grads, expected, strict=True))
+
+
+@pytest.mark.parametrize("op", ["norm", "with_input"])
+def test_a_wanted_buffer_goes_to_one_consumer_only(kernel_path, op):
+    # x consumed by two norms: the first writes its gradient into the buffer, the second makes its own, and autograd
+    # sums the two into a tensor apart from the buffer (the second never writes the buffer over); a buffer that does
+    # not fit x (shape, dtype, strides) is never written.
+    x, _, weight, grad_x, grad_y = add_case((6, 40), torch.float32)
+    expected = norm_input_grads(op, x, weight, grad_x, grad_y, False, consumers=2)
+    buffer = torch.full((6, 40), float("nan"))
+    grads = norm_input_grads(op, x, weight, grad_x, grad_y, False, buffer, consumers=2)
+    assert grads[0].data_ptr() != buffer.data_ptr() and not torch.isnan(buffer).any()
+    assert all(torch.equal(got, want) for got, want in zip(grads, expected, strict=True))
+    once = norm_input_grads(op, x, weight, grad_x, grad_y, False)
+    for misfit in (torch.full((6, 41), float("nan")), torch.full((6, 40), float("nan"), dtype=torch.float64),
+                   torch.full((40, 6), float("nan")).t()):  # fmt: skip
+        grads = norm_input_grads(op, x, weight, grad_x, grad_y, False, misfit)
+        assert torch.isnan(misfit).all() and all(torch.equal(got, want) for got, want in zip(grads, once))
 
 
 @pytest.mark.parametrize("bad, message", BAD_INPUTS[:1] + BAD_INPUTS[-2:])
