@@ -390,11 +390,4 @@ def sum_slots(
                             NUM_ADDENDS=len(addends), BLOCK_T=block_t, BLOCK_D=block_d,
                             num_warps=SUM_SLOTS_WARPS)  # fmt: skip
     return y
-    block_d = min(SUM_SLOTS_BLOCK_D, triton.next_power_of_2(model_dim))
-    block_t = max(1, SUM_SLOTS_BLOCK_ELEMENTS // block_d)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(model_dim, block_d))
-    _sum_slots_kernel[grid](per_slot_SD, per_slot_SD if add_ND is None else add_ND, y, num_tokens, model_dim,
-                            TOP_K=top_k, HAS_ADD=add_ND is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-                            num_warps=SUM_SLOTS_WARPS)  # fmt: skip
-    return y
 
