@@ -57,14 +57,25 @@ def test_model_on_the_kernels_trains_as_on_the_references(monkeypatch, shared_ex
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
 
 
+def model_on_kernels(monkeypatch):
+    """The gated-shared-expert model on the kernels (interpreter), and its loss and gradients as it stands."""
+    model = hybrid_moe_model(True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
+    return model, *row_loss_and_grads(model)
+
+
+def assert_bitwise_as_before(model, expected_loss, expected):
+    loss, grads = row_loss_and_grads(model)
+    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
+    assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())
+
+
 def test_moe_blocks_read_their_inputs_where_they_ask_them_written(monkeypatch):
     # Blocks offering input buffers (a CUDA-graphed block's static inputs, MoEBlock.input_buffers) get the
     # post-attention norm and the residual written there by the norm's kernel and read them with no copy: the loss
     # and every gradient bit for bit those of the blocks without them.
-    model = hybrid_moe_model(True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    expected_loss, expected = row_loss_and_grads(model)
+    model, expected_loss, expected = model_on_kernels(monkeypatch)
     buffers, read = {}, []
     for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
 
@@ -77,10 +88,8 @@ def test_moe_blocks_read_their_inputs_where_they_ask_them_written(monkeypatch):
 
         monkeypatch.setattr(block, "input_buffers", input_buffers, raising=False)
         monkeypatch.setattr(block, "forward", forward, raising=False)
-    loss, grads = row_loss_and_grads(model)
+    assert_bitwise_as_before(model, expected_loss, expected)
     assert read == [True, True]
-    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
-    assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())
 
 
 @pytest.mark.parametrize("shared_expert_gate", [True, False], ids=["gated_shared_expert", "ungated"])
@@ -116,10 +125,7 @@ def test_norms_write_the_moe_blocks_output_gradients_where_they_are_wanted(monke
     # those of the blocks without buffers.
     from moe_tune.ops.common.grad_handoff import want_grad_in
 
-    model = hybrid_moe_model(True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MOE_TUNE_KERNELS", "triton")
-    expected_loss, expected = row_loss_and_grads(model)
+    model, expected_loss, expected = model_on_kernels(monkeypatch)
     buffers, arrived = {}, []
     for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
 
@@ -130,8 +136,6 @@ def test_norms_write_the_moe_blocks_output_gradients_where_they_are_wanted(monke
             return want_grad_in(out, buffer), aux
 
         monkeypatch.setattr(block, "forward", forward, raising=False)
-    loss, grads = row_loss_and_grads(model)
+    assert_bitwise_as_before(model, expected_loss, expected)
     assert arrived == [True, True]
     assert not any(torch.isnan(buffer).any() for buffer in buffers.values())
-    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys()
-    assert all(torch.equal(grad, expected[name]) for name, grad in grads.items())
