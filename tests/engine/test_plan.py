@@ -1,7 +1,6 @@
 """The layout planner: analytic parameter counts equal the built model's, the seed case plans as the design says,
 and the per-device formulas hold their invariants."""
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -125,14 +124,10 @@ def test_lora_target_that_names_no_linear_is_a_profile_error():
 
 
 def test_seed_profile_plans_to_the_design_case():
-    # The first meta-tensor init imports torch._dynamo (seconds on a busy machine): torch's time, not the planner's.
-    import torch._dynamo  # noqa: F401
-
-    start = time.perf_counter()
+    # Trillions of parameters: the planner builds nothing (its model lives on the meta device; 5.6 TB of weights
+    # built for real would not fit this machine).
     job = load_profile("seed-2p8t")
     plan = plan_layouts(job, 128, 141 * GB)
-    # Instant at trillions of parameters: nothing is built (it takes ~0.1 s; the bound leaves room for a busy CI).
-    assert time.perf_counter() - start < 2.0
     counts = plan.parameters
     assert counts.total == pytest.approx(2.8e12, rel=0.02)
     assert plan.weight_bytes == 2 * counts.total
