@@ -49,7 +49,8 @@ def bench_linear_attention(
 
     Cases: "gdn" (our kernel as the model calls it, keeping the forward's passes for backward, and recomputing them
     there as the op does by default; FLA's chunk_gated_delta_rule, SDPA causal on the same q, k, v as the softmax
-    yardstick, and our chunk reference), "kda" (our kernel both ways, FLA's chunk_kda, our reference), and "varlen"
+    yardstick, and our chunk reference), "kda" (our kernel both ways, FLA's chunk_kda both ways: recomputing in
+    backward, its default, and keeping its forward's intermediates, `disable_recompute`; our reference), and "varlen"
     (our gated delta rule kernel, keeping its passes, on the B*T tokens as `num_docs` packed documents of mixed
     lengths, and as one document).
     max_abs_err: the forward output's largest difference from our fp32 reference on the same inputs, so that a fast
@@ -127,6 +128,13 @@ def bench_linear_attention(
                 return fla_op(**inputs, use_qk_l2norm_in_kernel=True)
 
             add(case, f"fla {fla_name}", shape, fla, inputs, flops, expected_o)
+            if case == "kda":
+                # FLA's KDA keeps its forward's intermediates for backward on request, as our first row does: its
+                # faster training pass where the memory allows (the peer's best configuration beside ours).
+                def fla_keeping(fla_op=fla_op, **inputs):
+                    return fla_op(**inputs, use_qk_l2norm_in_kernel=True, disable_recompute=True)
+
+                add(case, f"fla {fla_name}, disable_recompute", shape, fla_keeping, inputs, flops, expected_o)
         if case == "gdn":
             sdpa_inputs = {name: inputs[name].detach().transpose(1, 2).contiguous().requires_grad_() for name in "qkv"}
             sdpa_flops = 2.0 * B * H * T * T * K

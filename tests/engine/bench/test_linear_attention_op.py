@@ -40,7 +40,7 @@ def test_the_peer_comes_before_the_reference_and_an_out_of_memory_forward_ends_i
                                                       head_dim_v=4, cases=("gdn", "kda"))  # fmt: skip
     assert [(row["case"], row["impl"]) for row in rows] == [
         *(("gdn", impl) for impl in [*OURS, "fla chunk_gdn", "torch sdpa causal (softmax yardstick)", REFERENCE]),
-        *(("kda", impl) for impl in [*OURS, "fla chunk_kda", REFERENCE]),
+        *(("kda", impl) for impl in [*OURS, "fla chunk_kda", "fla chunk_kda, disable_recompute", REFERENCE]),
     ]  # fmt: skip
     references = [row for row in rows if row["impl"] == REFERENCE]
     assert len(references) == 2 and all("fwd_ms" not in row for row in references)
@@ -55,3 +55,33 @@ def test_the_peer_comes_before_the_reference_and_an_out_of_memory_forward_ends_i
         assert all(row["note"] == "fwd refused: RuntimeError: refused" for row in references)
     others = [row for row in rows if row["impl"] != REFERENCE]
     assert all(row["fwd_ms"] == 1.0 and row["fwd_bwd_ms"] == 1.0 and "note" not in row for row in others)
+
+
+def test_fla_kda_runs_both_ways_and_the_gated_delta_rule_its_default(monkeypatch):
+    # FLA's KDA at its default (recomputing in backward) and keeping its forward's intermediates (disable_recompute,
+    # its faster training pass): the peer's best beside ours. Its gated delta rule has no such option.
+    called = []
+
+    def fla_op(**kwargs):
+        called.append(sorted(name for name in kwargs if name not in "qkvg" and name != "beta"))
+        return (kwargs["v"] * 1.0,)
+
+    def fake_time(fn, inputs, with_backward):
+        if fn.__name__.startswith("fla"):
+            fn(**inputs)
+        return 1.0, torch.zeros(()), 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(linear_attention_op, "machine_info", lambda is_cuda: {})
+    monkeypatch.setattr(linear_attention_op, "make_inputs", cpu_inputs)
+    monkeypatch.setattr(linear_attention_op, "fla_op_for", lambda case: (f"chunk_{case}", fla_op))
+    monkeypatch.setattr(linear_attention_op, "_time", fake_time)
+    for case, expected in (("gdn", [["use_qk_l2norm_in_kernel"]]),
+                           ("kda", [["use_qk_l2norm_in_kernel"], ["disable_recompute", "use_qk_l2norm_in_kernel"]])):
+        called.clear()
+        rows = linear_attention_op.bench_linear_attention(batch_size=1, seq_len=8, num_heads=1, head_dim_k=4,
+                                                          head_dim_v=4, cases=(case,), include_reference=False)
+        fla_rows = [row["impl"] for row in rows if row["impl"].startswith("fla")]
+        assert fla_rows == [f"fla chunk_{case}", *([f"fla chunk_{case}, disable_recompute"] if case == "kda" else [])]
+        # Each FLA row's function ran once a pass (forward, forward+backward) with these options.
+        assert called == [options for options in expected for _ in range(2)]
