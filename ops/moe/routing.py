@@ -165,7 +165,7 @@ def _store_tiles(
 # and expert pid's tiles (program E: the no-work tail).
 @triton.jit
 def _moe_routing_kernel(
-    sorted_ids_ptr,  # [S] expert of each row, ascending
+    sorted_ids_ptr,  # [S] expert of each row, ascending (any integer dtype holding E)
     sort_index_ptr,  # [S] int64 slot of each row (the sort's indices)
     slot_of_row_ptr,  # out [S] int32
     token_of_row_ptr,  # out [S] int32
@@ -255,7 +255,7 @@ def _routing_metadata_torch(
 def _routing_metadata(
     sorted_ids_S: torch.Tensor, sort_index_S: torch.Tensor, num_experts: int, top_k: int, block_m: int
 ) -> tuple[torch.Tensor, ...]:
-    """MoERouting's tensors from the stable sort of the slots by expert (sorted_ids_S: [S] int64/int32 ascending,
+    """MoERouting's tensors from the stable sort of the slots by expert (sorted_ids_S: [S] integers ascending,
     sort_index_S: [S] int64 the sort's indices): slot_of_row, token_of_row, offsets, tile_expert, tile_row (int32),
     in one kernel launch (torch ops where kernels do not run: `_runs_kernels`)."""
     if not _runs_kernels(sorted_ids_S):
@@ -279,6 +279,17 @@ def _routing_metadata(
     return slot_of_row_S, token_of_row_S, offsets_E1, tile_expert_T, tile_row_T
 
 
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer dtype holding every expert id and the count E (the row-range searches look for e + 1):
+    a radix sort makes one pass over its keys per byte of their dtype (8 for int64 ids, 1 for uint8), and the stable
+    sort of the narrowed ids orders the slots as that of the ids given."""
+    if num_experts <= torch.iinfo(torch.uint8).max:
+        return torch.uint8
+    if num_experts <= torch.iinfo(torch.int16).max:
+        return torch.int16
+    return torch.int32
+
+
 def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERouting:
     """Sort the N*k token-slots by expert and tile each expert's rows on the device, no host sync: torch.sort, then
     one kernel launch for the rest (`_routing_metadata`).
@@ -286,8 +297,7 @@ def moe_routing(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoERo
     topk_ids: [N, k] int64/int32 with values in [0, E).
     """
     top_k = topk_ids.shape[1]
-    # Sorted as given: a stable sort of int32 ids orders the slots as one of int64 ids, without a cast launch.
-    ids_S = topk_ids.reshape(-1)
+    ids_S = topk_ids.reshape(-1).to(sort_key_dtype(num_experts))
     # Stable, so each expert's rows stay in token order (the order the reference uses).
     sorted_ids_S, sort_index_S = torch.sort(ids_S, stable=True)
     metadata = _routing_metadata(sorted_ids_S, sort_index_S, num_experts, top_k, block_m)

@@ -784,6 +784,30 @@ def test_moe_routing_kernel_matches_torch(kernel_path, guarded, monkeypatch, cou
     guarded.check()
 
 
+@pytest.mark.parametrize("num_experts, key_dtype", [(7, torch.uint8), (255, torch.uint8), (256, torch.int16),
+                                                     (32767, torch.int16), (32768, torch.int32)])
+def test_routing_sorts_the_narrowest_key_that_holds_e(num_experts, key_dtype):
+    # One radix pass per key byte: every id and E itself (the last row-range search looks for E) must fit the key.
+    assert routing_kernels.sort_key_dtype(num_experts) == key_dtype
+    assert torch.iinfo(key_dtype).max >= num_experts
+
+
+@pytest.mark.parametrize("num_experts", [255, 256], ids=["E255_uint8_keys", "E256_int16_keys"])
+def test_moe_routing_on_narrowed_keys_matches_int64_ids(kernel_path, guarded, num_experts):
+    # The ids sorted as uint8 (E <= 255) or int16 keys give the metadata of the stable int64 sort, at the largest E of
+    # each key dtype and the first past it; the largest id and experts with no slot among them.
+    top_k = 4
+    gen = torch.Generator().manual_seed(num_experts)
+    topk_ids = torch.randint(0, num_experts, (61, top_k), generator=gen)
+    topk_ids[0, 0] = num_experts - 1
+    sorted_ids_S, sort_index_S = torch.sort(topk_ids.reshape(-1), stable=True)
+    expected = routing_kernels._routing_metadata_torch(sorted_ids_S, sort_index_S, num_experts, top_k, 16)
+    routing = routing_kernels.moe_routing(topk_ids, num_experts, 16)
+    _assert_equal_int32(routing.tensors(), expected, ("slot_of_row", "token_of_row", "offsets", "tile_expert",
+                                                      "tile_row"))  # fmt: skip
+    guarded.check()
+
+
 class _NoLaunch:
     """Stands in for a kernel that must not launch."""
 
