@@ -20,7 +20,7 @@ from torch import nn
 
 from moe_tune.engine.model.fp8 import Fp8Linear
 from moe_tune.engine.model.moe import GroupedExperts, expert_generator
-from moe_tune.ops.moe import ExpertLoRA
+from moe_tune.ops.moe import AddTo, ExpertLoRA
 
 
 def check_not_fp8(base: nn.Module, what: str) -> None:
@@ -150,11 +150,7 @@ class GroupedExpertsLoRA(nn.Module, LoraLayer):
             base.w_down.data.copy_(base.w_down.data.float() - delta_down)
 
     def forward(
-        self,
-        x_TD: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        add_to: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        self, x_TD: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, add_to: AddTo = None
     ) -> torch.Tensor:
         base: GroupedExperts = self.get_base_layer()
         active = [name for name in self.active_adapters if name in self.lora_A]

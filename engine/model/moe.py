@@ -14,7 +14,7 @@ from torch import nn
 
 from moe_tune.engine.parallel.expert_parallel import ExpertLayout, dispatch_compute_combine
 from moe_tune.ops.fp8 import FP8_DTYPE, dequantize_weight, num_blocks
-from moe_tune.ops.moe import ClampedSwiGLU, ExpertLoRA, moe_mlp, switch_aux_loss, topk_route
+from moe_tune.ops.moe import AddTo, ClampedSwiGLU, ExpertLoRA, addends_of, moe_mlp, switch_aux_loss, topk_route
 from moe_tune.ops.moe.reference import SIGMOID_NORM_EPS
 from moe_tune.profiles.schema import MoESpec
 
@@ -156,7 +156,7 @@ class GroupedExperts(nn.Module):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         lora: ExpertLoRA | None = None,
-        add_to: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+        add_to: AddTo = None,
     ) -> torch.Tensor:
         """moe_mlp of the experts' weights (add_to, one tensor or two: added inside the experts' sum over each token's
         slots)."""
@@ -376,19 +376,13 @@ class MoEBlock(nn.Module):
         addends = shared_TD if residual_TD is None else (shared_TD, residual_TD)
         return self._routed_experts(x_TD, topk_ids, topk_weights, add_to=addends)
 
-    def _routed_experts(
-        self,
-        x_TD: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        add_to: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
-    ) -> torch.Tensor:
+    def _routed_experts(self, x_TD: torch.Tensor, topk_ids, topk_weights, add_to: AddTo = None) -> torch.Tensor:
         """The routed experts' weighted sum [T, D] of x_TD [T, D], plus add_to (one [T, D] tensor or two) where given:
         local (add_to inside their slot sum), or across the expert-parallel group (added after the combine)."""
         if self.layout.expert_parallel == 1:
             return self.experts(x_TD, topk_ids, topk_weights.to(x_TD.dtype), add_to=add_to)
         y_TD = dispatch_compute_combine(x_TD, topk_ids, topk_weights, self.experts, self.spec.num_experts, self.layout)
-        for addend in () if add_to is None else (add_to,) if isinstance(add_to, torch.Tensor) else add_to:
+        for addend in addends_of(add_to):
             y_TD = y_TD + addend
         return y_TD
 

@@ -5,22 +5,22 @@ Shapes: N tokens, D model dim, F expert hidden dim, E experts, k experts per tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from moe_tune.ops.common.dispatch import use_kernel
 from moe_tune.ops.fp8.reference import FP8_DTYPE, num_blocks
 from moe_tune.ops.moe.reference import (
     MAX_ADD_TO,
+    AddTo,
     ClampedSwiGLU,
     ExpertLoRA,
+    addends_of,
     moe_mlp_ref,
     switch_aux_loss,
     topk_route,
 )
 
-__all__ = ["ClampedSwiGLU", "ExpertLoRA", "moe_mlp", "switch_aux_loss", "topk_route"]
+__all__ = ["AddTo", "ClampedSwiGLU", "ExpertLoRA", "addends_of", "moe_mlp", "switch_aux_loss", "topk_route"]
 
 _ID_DTYPES = (torch.int64, torch.int32)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,7 +39,7 @@ def moe_mlp(
     clamped_swiglu: ClampedSwiGLU | None = None,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
-    add_to: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    add_to: AddTo = None,
 ) -> torch.Tensor:
     """y[t] = add_to[t] + sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) with SwiGLU experts
     (transformers 5 layout).
@@ -95,11 +95,9 @@ def moe_mlp(
     )  # fmt: skip
 
 
-def _check_addends(
-    x: torch.Tensor, add_to: torch.Tensor | Sequence[torch.Tensor] | None
-) -> tuple[torch.Tensor, ...]:
+def _check_addends(x: torch.Tensor, add_to: AddTo) -> tuple[torch.Tensor, ...]:
     """moe_mlp's add_to as a tuple of at most MAX_ADD_TO tensors, each of x's shape, dtype and device."""
-    addends = () if add_to is None else (add_to,) if isinstance(add_to, torch.Tensor) else tuple(add_to)
+    addends = addends_of(add_to)
     if len(addends) > MAX_ADD_TO:
         raise ValueError(f"add_to: {len(addends)} tensors; at most {MAX_ADD_TO} are added")
     for i, t in enumerate(addends):

@@ -20,6 +20,8 @@ from moe_tune.ops.fp8.reference import dequantize_weight
 SCORE_FUNCS = ("softmax", "sigmoid")
 # The tensors moe_mlp's add_to takes at most (a MoE block's shared expert output and its layer's residual).
 MAX_ADD_TO = 2
+# moe_mlp's add_to: one [N, D] tensor, a sequence of them (added in order), or None.
+AddTo = torch.Tensor | Sequence[torch.Tensor] | None
 # Keeps a sigmoid renormalisation finite when every chosen score underflows to 0 (same constant as DeepSeek-V3).
 SIGMOID_NORM_EPS = 1e-20
 
@@ -131,6 +133,13 @@ def _lora_to(lora: ExpertLoRA | None, dtype: torch.dtype) -> ExpertLoRA | None:
     )
 
 
+def addends_of(add_to: AddTo) -> tuple[torch.Tensor, ...]:
+    """add_to as a tuple of its tensors (none for None)."""
+    if add_to is None:
+        return ()
+    return (add_to,) if isinstance(add_to, torch.Tensor) else tuple(add_to)
+
+
 def moe_mlp_ref(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -144,7 +153,7 @@ def moe_mlp_ref(
     clamped_swiglu: ClampedSwiGLU | None = None,
     gate_up_scale_inv: torch.Tensor | None = None,
     down_scale_inv: torch.Tensor | None = None,
-    add_to: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    add_to: AddTo = None,
 ) -> torch.Tensor:
     """Grouped MoE MLP: sort token-slots by expert, one matmul per expert on its rows, weighted index_add_ combine.
 
@@ -194,9 +203,8 @@ def moe_mlp_ref(
     y_sorted_SD = torch.cat(outputs) if outputs else x_ND.new_zeros((0, x_ND.shape[1]))
 
     weights_S = topk_weights.reshape(-1).to(dtype)[order_S]
-    addends = () if add_to is None else (add_to,) if isinstance(add_to, torch.Tensor) else tuple(add_to)
     y_ND = torch.zeros_like(x_ND)
-    for addend in addends:
+    for addend in addends_of(add_to):
         y_ND = y_ND + addend.to(dtype)
     y_ND = y_ND.index_add_(0, token_of_row_S, y_sorted_SD * weights_S[:, None])
     return y_ND.to(x.dtype)
