@@ -118,4 +118,3 @@ def test_release_gives_each_block_its_eager_forward_back_and_drops_the_graphs():
     assert dropped == blocks and graphs.blocks == []
     assert not any("forward" in vars(b) or "input_buffers" in vars(b) or hasattr(b, GRAPHED_ATTR) for b in blocks)
     assert all(b.input_buffers(torch.zeros(1, 4, 8)) == (None, None) for b in blocks)
-
