@@ -19,7 +19,8 @@ sub-chunks); past it even for a sub-chunk, the pairs within each sub-chunk go el
 row i meets row SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile
 cannot be indexed by row. Each program (one chunk and head) takes its path as its spans say.
 The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split by sub-chunk the same
-way (bound 60 or 8: their operands are not normed), with fp32 operands in the dots (tf32 for 16-bit inputs;
+way, r the first row of the later token's sub-chunk or the last of the earlier token's (`_decayed_dots`; bound 60 or
+8: their operands are not normed), with fp32 operands in the dots (tf32 for 16-bit inputs;
 `_decayed_dots` says why).
 
 Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, W's operand k beta exp(G) and for power-of-two K
@@ -119,18 +120,31 @@ def _subchunk_first_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, BT: tl.cons
                          SB: tl.constexpr):  # fmt: skip
     """[BT, BK] G at the first row of each row's sub-chunk (>= G there: g <= 0), read from g_cumsum_ptr (the chunk's
     rows, at column 0; rows past the chunk's end take its last row, where G stays)."""
+    return _subchunk_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, 0, BT, BK, SB)
+
+
+@triton.jit
+def _subchunk_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, offset, BT: tl.constexpr, BK: tl.constexpr,
+                        SB: tl.constexpr):  # fmt: skip
+    """[BT, BK] G at row `offset` of each row's sub-chunk (0 its first, SB - 1 its last), as _subchunk_first_rows."""
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BK)
-    first = tl.minimum((rows // SB) * SB, num_valid - 1)
-    offsets = (t0 + first).to(tl.int64)[:, None] * row_stride + cols[None, :]
-    return tl.load(g_cumsum_ptr + offsets, mask=(first >= 0)[:, None] & (cols < K)[None, :], other=0.0)
+    edge = tl.minimum((rows // SB) * SB + offset, num_valid - 1)
+    offsets = (t0 + edge).to(tl.int64)[:, None] * row_stride + cols[None, :]
+    return tl.load(g_cumsum_ptr + offsets, mask=(edge >= 0)[:, None] & (cols < K)[None, :], other=0.0)
 
 
 @triton.jit
 def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows, IS_TRANSPOSED: tl.constexpr,
                   BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (r the first
-    row of the later token's sub-chunk; D must be zero on the pairs the causal order excludes).
+    """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (D must be
+    zero on the pairs the causal order excludes).
+
+    Each output row i takes its pairs through the edge row e of its own sub-chunk: exp(G_i - G_j) =
+    exp(G_i - G_e) * exp(G_e - G_j), e the sub-chunk's first row when i is the later token (Z = D y), its last row
+    when i is the earlier one (D^T y). The first factor is at most 1 and scales the output once, after the loop; the
+    second is at most 1 for partners in other sub-chunks and at most exp(span) within i's own, and scales the dot's
+    right operand, one sub-chunk of output rows a step (D's other rows zeroed), summed in the dot's accumulator.
 
     The dots take fp32 operands (tf32 products for 16-bit inputs, 3xTF32 for fp32), not 16-bit ones as the
     forward's: dg counts each pair's term twice with opposite signs (at the later and at the earlier token) and the
@@ -140,19 +154,24 @@ def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows,
     (B4 T8192 H16 K=V=128, docs/perf-history.md)."""
     rows = tl.arange(0, BT)
     Z = tl.zeros([BT, BK], dtype=tl.float32)
+    # The edge row's offset in its sub-chunk, and the partners of a sub-chunk's rows: the earlier rows (the later
+    # token's output) or the later ones (the earlier token's), its own rows when own_rows is SB.
+    offset = SB - 1 if IS_TRANSPOSED else 0
     # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
     # (sm_90 compile, triton 3.6: 1,904 bytes of stack a thread in the single gradient kernel against 3,784).
     for a in range(0, BT // SB):
-        G_r = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * SB, BK)
-        is_later = ((rows // SB) == a)[:, None]
-        is_earlier = (rows < a * SB + own_rows)[:, None]
-        later_decay = _masked_exp(G - G_r[None, :], is_later)
-        earlier_decay = _masked_exp(G_r[None, :] - G, is_earlier)
+        G_e = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * SB + offset, BK)
         if IS_TRANSPOSED:
-            Z += earlier_decay * tl.dot(D, y * later_decay, input_precision=DOT_PRECISION)
+            partner_decay = _masked_exp(G - G_e[None, :], (rows >= (a + 1) * SB - own_rows)[:, None])
         else:
-            Z += later_decay * tl.dot(D, y * earlier_decay, input_precision=DOT_PRECISION)
-    return Z
+            partner_decay = _masked_exp(G_e[None, :] - G, (rows < a * SB + own_rows)[:, None])
+        is_own = ((rows // SB) == a)[:, None]
+        Z = tl.dot(tl.where(is_own, D, 0.0), y * partner_decay, Z, input_precision=DOT_PRECISION)
+    G_edge = _subchunk_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, offset, BT, BK, SB)
+    # At most 1 (rows past the chunk's end repeat G_C, as its edge rows do).
+    if IS_TRANSPOSED:
+        return tl.exp(G_edge - G) * Z
+    return tl.exp(G - G_edge) * Z
 
 
 @triton.jit

@@ -6,7 +6,8 @@ check numbers on a GPU (tests/gpu does).
 
 Listed: the kernels and variants that came without a GPU run behind them (SwiGLU's activation, the RMSNorm passes
 with a residual add and its gradient, the gate-up forward in one product, the expert GEMMs loading through tensor
-descriptors, the top-k slot sum), beside the default launch of the kernels they change.
+descriptors, the top-k slot sum, KDA's decayed products through each sub-chunk's edge row), beside the default launch
+of the kernels they change.
 """
 
 import json
@@ -39,6 +40,7 @@ RMS_NORM = "moe_tune.ops.rms_norm.kernels"
 MOE_FWD = "moe_tune.ops.moe.kernels_fwd"
 MOE_BWD = "moe_tune.ops.moe.kernels_bwd"
 MOE_ROUTING = "moe_tune.ops.moe.routing"
+KDA = "moe_tune.ops.linear_attention.kernels_kda"
 _NORM_TYPES = {"rstd_ptr": "*fp32", "dw_partial_ptr": "*fp32", "eps": "fp32"}
 _MOE_TYPES = {"ws_ptr": "*fp32", "xa_ptr": "*fp32", "token_of_row_ptr": "*i32", "tile_expert_ptr": "*i32",
               "tile_row_ptr": "*i32", "offsets_ptr": "*i32", "scaling": "fp32"}  # fmt: skip
@@ -47,6 +49,12 @@ _GATE_UP = dict(SCALE_BLOCK=128, HAS_LORA=True, SAVE_GATE_UP=True, DOT_PRECISION
 _TILE = dict(W_IS_FP8=False, SCALE_BLOCK=128, HAS_LORA=True, DOT_PRECISION="tf32", BLOCK_M=128, BLOCK_N=128,
              BLOCK_K=64, BLOCK_R=16)  # fmt: skip
 _ROW_TYPES = dict(_MOE_TYPES, slot_of_row_ptr="*i32", ha_ptr="*fp32")
+# KDA's products kernels as a bf16 K = V = 128 training call launches them (fp32 decays, scratch and gate sums).
+_KDA_TYPES = {name: "*fp32" for name in ("a_ptr", "a_log_ptr", "dt_bias_ptr", "g_cumsum_ptr", "dkk_ptr",
+                                         "dk_partial_ptr", "dG_partial_ptr", "dG_last_ptr", "dq_ptr", "dk_ptr",
+                                         "dg_ptr", "da_log_partial_ptr", "ddt_bias_partial_ptr")}
+_KDA_TYPES.update(chunk_map_ptr="*i32", scale="fp32")
+_KDA = dict(USE_L2NORM=True, BT=64, SB=16, BV=64, DOT_PRECISION="tf32", GATE_IN_KERNEL=True, FAST_SPAN=60.0)
 
 
 def _descriptors(tma: bool, **blocks: list[int]) -> tuple[dict, dict]:
@@ -91,6 +99,8 @@ CASES = [
      dict(_ROW_TYPES, w_desc="tensordesc<bf16[64, 256]>")),
     *[(MOE_ROUTING, "_sum_slots_kernel", dict(TOP_K=8, NUM_ADDENDS=num_addends, BLOCK_T=4, BLOCK_D=1024), 8, 3, {})
       for num_addends in (0, 1, 2)],
+    (KDA, "_kda_grad_products_tiled_kernel", dict(_KDA, BK=64), 8, 1, _KDA_TYPES),
+    (KDA, "_kda_grad_products_kernel", dict(_KDA, BK=128), 8, 1, _KDA_TYPES),
 ]  # fmt: skip
 
 
