@@ -18,10 +18,10 @@ The forward's pairs kernel takes the largest blocks within the bound (the whole 
 sub-chunks); past it even for a sub-chunk, the pairs within each sub-chunk go elementwise, one offset jj at a time:
 row i meets row SB * (i // SB) + jj, re-read from memory (the chunk's own rows, L1/L2-resident), as a register tile
 cannot be indexed by row. Each program (one chunk and head) takes its path as its spans say.
-The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y split by sub-chunk the same
-way, r the first row of the later token's sub-chunk or the last of the earlier token's (`_decayed_dots`; bound 60 or
-8: their operands are not normed), with fp32 operands in the dots (tf32 for 16-bit inputs;
-`_decayed_dots` says why).
+The backward's decayed products Z = D y (Z_i = sum_j D_ij y_j exp(G_i - G_j)) and D^T y take the largest of the same
+blocks within their own bound (60 or 8: their operands are not normed; `_product_blocks`), r the first row of the
+later token's block or the last of the earlier token's (`_decayed_dots`), with fp32 operands in the dots (tf32 for
+16-bit inputs; `_decayed_dots` says why).
 
 Kernels here: `_kda_pairs_kernel` (G, the decayed k k^T and q k^T, W's operand k beta exp(G) and for power-of-two K
 the serial pass's k exp(G_C - G) per channel; 8 warps) then `_kda_wy_fwd_kernel` ((I + A)^-1, W, U, at 4 warps, as
@@ -120,31 +120,48 @@ def _subchunk_first_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, BT: tl.cons
                          SB: tl.constexpr):  # fmt: skip
     """[BT, BK] G at the first row of each row's sub-chunk (>= G there: g <= 0), read from g_cumsum_ptr (the chunk's
     rows, at column 0; rows past the chunk's end take its last row, where G stays)."""
-    return _subchunk_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, 0, BT, BK, SB)
+    return _block_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, SB, 0, BT, BK)
 
 
 @triton.jit
-def _subchunk_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, offset, BT: tl.constexpr, BK: tl.constexpr,
-                        SB: tl.constexpr):  # fmt: skip
-    """[BT, BK] G at row `offset` of each row's sub-chunk (0 its first, SB - 1 its last), as _subchunk_first_rows."""
+def _block_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, block, offset, BT: tl.constexpr, BK: tl.constexpr):
+    """[BT, BK] G at row `offset` of each row's block of `block` rows (0 its first, block - 1 its last), as
+    _subchunk_first_rows."""
     rows = tl.arange(0, BT)
     cols = tl.arange(0, BK)
-    edge = tl.minimum((rows // SB) * SB + offset, num_valid - 1)
+    edge = tl.minimum((rows // block) * block + offset, num_valid - 1)
     offsets = (t0 + edge).to(tl.int64)[:, None] * row_stride + cols[None, :]
     return tl.load(g_cumsum_ptr + offsets, mask=(edge >= 0)[:, None] & (cols < K)[None, :], other=0.0)
 
 
 @triton.jit
-def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows, IS_TRANSPOSED: tl.constexpr,
-                  BT: tl.constexpr, BK: tl.constexpr, SB: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """_decayed_matmul's pairs in different sub-chunks, and with own_rows = SB those in one sub-chunk too (D must be
-    zero on the pairs the causal order excludes).
+def _product_blocks(G, G_first, g_cumsum_ptr, t0, num_valid, row_stride, K, BT: tl.constexpr, SB: tl.constexpr,
+                    BK: tl.constexpr, FAST_SPAN: tl.constexpr):  # fmt: skip
+    """(block, is_mild) for the backward's decayed products of one chunk (and key tile): the rows of the largest of
+    the whole chunk, its halves and its sub-chunks whose decay span (G at the block's first row minus G at one of
+    its rows, any channel) is within FAST_SPAN, and whether the sub-chunks' is (else SB, their pairs elementwise).
+    G_first: _subchunk_first_rows."""
+    rows = tl.arange(0, BT)
+    G_0 = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, 0, BK)
+    whole_span = tl.max(tl.max(G_0[None, :] - G, axis=1), axis=0)
+    G_halves = tl.where((rows < 2 * SB)[:, None], G_0[None, :],
+                        _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, 2 * SB, BK)[None, :])  # fmt: skip
+    half_span = tl.max(tl.max(G_halves - G, axis=1), axis=0)
+    block = tl.where(whole_span <= FAST_SPAN, BT, tl.where(half_span <= FAST_SPAN, 2 * SB, SB))
+    return block, tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
 
-    Each output row i takes its pairs through the edge row e of its own sub-chunk: exp(G_i - G_j) =
-    exp(G_i - G_e) * exp(G_e - G_j), e the sub-chunk's first row when i is the later token (Z = D y), its last row
-    when i is the earlier one (D^T y). The first factor is at most 1 and scales the output once, after the loop; the
-    second is at most 1 for partners in other sub-chunks and at most exp(span) within i's own, and scales the dot's
-    right operand, one sub-chunk of output rows a step (D's other rows zeroed), summed in the dot's accumulator.
+
+@triton.jit
+def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, block, own_rows, IS_TRANSPOSED: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """_decayed_matmul's pairs in different blocks of `block` rows, and with own_rows = block those in one block too
+    (D must be zero on the pairs the causal order excludes).
+
+    Each output row i takes its pairs through the edge row e of its own block: exp(G_i - G_j) =
+    exp(G_i - G_e) * exp(G_e - G_j), e the block's first row when i is the later token (Z = D y), its last row when i
+    is the earlier one (D^T y). The first factor is at most 1 and scales the output once, after the loop; the second
+    is at most 1 for partners in other blocks and at most exp(span) within i's own, and scales the dot's right
+    operand, one block of output rows a step (D's other rows zeroed), summed in the dot's accumulator.
 
     The dots take fp32 operands (tf32 products for 16-bit inputs, 3xTF32 for fp32), not 16-bit ones as the
     forward's: dg counts each pair's term twice with opposite signs (at the later and at the earlier token) and the
@@ -154,20 +171,23 @@ def _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows,
     (B4 T8192 H16 K=V=128, docs/perf-history.md)."""
     rows = tl.arange(0, BT)
     Z = tl.zeros([BT, BK], dtype=tl.float32)
-    # The edge row's offset in its sub-chunk, and the partners of a sub-chunk's rows: the earlier rows (the later
-    # token's output) or the later ones (the earlier token's), its own rows when own_rows is SB.
-    offset = SB - 1 if IS_TRANSPOSED else 0
+    # The edge row's offset in its block; a block's rows meet the earlier rows (the later token's output) or the
+    # later ones (the earlier token's), and their own when own_rows is block.
+    if IS_TRANSPOSED:
+        offset = block - 1
+    else:
+        offset = 0
     # A loop, not tl.static_range: unrolled, the four sub-chunks' decay tiles and dots were interleaved and spilled
     # (sm_90 compile, triton 3.6: 1,904 bytes of stack a thread in the single gradient kernel against 3,784).
-    for a in range(0, BT // SB):
-        G_e = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * SB + offset, BK)
+    for a in range(0, BT // block):
+        G_e = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, a * block + offset, BK)
         if IS_TRANSPOSED:
-            partner_decay = _masked_exp(G - G_e[None, :], (rows >= (a + 1) * SB - own_rows)[:, None])
+            partner_decay = _masked_exp(G - G_e[None, :], (rows >= (a + 1) * block - own_rows)[:, None])
         else:
-            partner_decay = _masked_exp(G_e[None, :] - G, (rows < a * SB + own_rows)[:, None])
-        is_own = ((rows // SB) == a)[:, None]
+            partner_decay = _masked_exp(G_e[None, :] - G, (rows < a * block + own_rows)[:, None])
+        is_own = ((rows // block) == a)[:, None]
         Z = tl.dot(tl.where(is_own, D, 0.0), y * partner_decay, Z, input_precision=DOT_PRECISION)
-    G_edge = _subchunk_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, offset, BT, BK, SB)
+    G_edge = _block_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, block, offset, BT, BK)
     # At most 1 (rows past the chunk's end repeat G_C, as its edge rows do).
     if IS_TRANSPOSED:
         return tl.exp(G_edge - G) * Z
@@ -195,6 +215,7 @@ def _decayed_matmul(
     K,
     y_scale,
     y_rstd,
+    block,
     is_mild,
     USE_L2NORM: tl.constexpr,
     IS_TRANSPOSED: tl.constexpr,
@@ -209,7 +230,8 @@ def _decayed_matmul(
     IS_TRANSPOSED True:  Z_j = sum_{i >= j} D[j, i] y_i exp(G_i - G_j)   (D given as [j, i], zero below it).
     y: [BT, BK] fp32 tile; y_ptr / g_cumsum_ptr: the same chunk's raw rows of y and G in memory, at the tile's first
     column, K its columns there, read back for pairs in one sub-chunk (L2-normalised when USE_L2NORM, then times
-    y_scale, as y was) unless is_mild (the tile's span within the bound: those pairs take the dots too). y_rstd: None
+    y_scale, as y was) unless is_mild (the tile's span within the bound: those pairs take the dots too). block: the
+    rows the dots take together (_product_blocks: BT, BT / 2 or SB, the latter two only when is_mild). y_rstd: None
     when the tile is the whole key dimension (a re-read row is normalised by itself), else [BT] the chunk rows'
     L2-norm factors over the whole key dimension (ones without the norm), which the re-read rows are scaled by.
     """
@@ -217,8 +239,8 @@ def _decayed_matmul(
     cols = tl.arange(0, BT)
     # As in the WY kernel: no branch between the two paths, the loop runs no step when the dots took its pairs.
     own_rows = tl.where(is_mild, SB, 0)
-    Z = _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, own_rows, IS_TRANSPOSED, BT, BK, SB,
-                      DOT_PRECISION)  # fmt: skip
+    Z = _decayed_dots(D, y, G, g_cumsum_ptr, t0, num_valid, row_stride, K, block, tl.where(is_mild, block, 0),
+                      IS_TRANSPOSED, BT, BK, DOT_PRECISION)  # fmt: skip
     for jj in range(0, SB - own_rows):
         partner = (rows // SB) * SB + jj
         y_partner = _load_same_block_rows(y_ptr, t0, num_valid, row_stride, K, jj, BT, BK, SB)
@@ -575,20 +597,20 @@ def _kda_grad_products_kernel(
                                                 dot_dtype, BT, BK, BV, DOT_PRECISION)  # fmt: skip
 
     G, _ = load_channel_decay(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK)
-    # Pairs within a sub-chunk by tensor-core dots where the chunk's decays allow it (module docstring): the largest
-    # span of G within a sub-chunk, any channel.
-    G_first = _subchunk_first_rows(g_cumsum_ptr + i_h * K, t0, num_valid, H * K, K, BT, BK, SB)
-    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
     q_ptr_h = q_ptr + i_h * K
     k_ptr_h = k_ptr + i_h * K
     g_ptr_h = g_cumsum_ptr + i_h * K
+    # Pairs by tensor-core dots in the largest blocks the chunk's decays allow, within a sub-chunk too where they
+    # allow it (module docstring).
+    G_first = _subchunk_first_rows(g_ptr_h, t0, num_valid, H * K, K, BT, BK, SB)
+    block, is_mild = _product_blocks(G, G_first, g_ptr_h, t0, num_valid, H * K, K, BT, SB, BK, FAST_SPAN)
     # Output: d(decayed product)/dG per channel is x * dx for the later token and -y * dy for the earlier one. q and
     # k are loaded where they are needed, not held through the other products.
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
     dq = do_state * tl.exp(G)
     k = l2norm_rows(load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK), USE_L2NORM)
-    dq += _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, is_mild, USE_L2NORM,
-                          False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dq += _decayed_matmul(dqk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, block, is_mild,
+                          USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     q = load_rows(q_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
         q_rstd = tl.rsqrt(tl.sum(q * q, axis=1) + L2NORM_EPS)
@@ -599,7 +621,7 @@ def _kda_grad_products_kernel(
         dq = (dq - q * tl.sum(q * dq, axis=1)[:, None]) * q_rstd[:, None]
     store_rows(dq_ptr + i_h * K, dq, t0, num_valid, H * K, K, BT, BK)
     dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
-    dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, None, is_mild,
+    dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_h, g_ptr_h, t0, num_valid, H * K, K, scale, None, block, is_mild,
                          USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     k = load_rows(k_ptr_h, t0, num_valid, H * K, K, BT, BK).to(tl.float32)
     if USE_L2NORM:
@@ -610,12 +632,12 @@ def _kda_grad_products_kernel(
     # WY: dkk (the WY kernel's, fp32) times the decayed k in both orientations; dkk^T is read transposed (no tl.trans
     # of a dot result: the Hopper miscompile, kernels_common.py) and rounded to k's dtype, as a 16-bit scratch holds it.
     dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
-    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, is_mild, USE_L2NORM,
-                               False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, block, is_mild,
+                               USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later
     dG += k * dk_later
     dkk_t = load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
-    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, is_mild,
+    dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_h, g_ptr_h, t0, num_valid, H * K, K, 1.0, None, block, is_mild,
                                  USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_earlier
     dG -= k * dk_earlier
@@ -705,29 +727,29 @@ def _kda_grad_products_tiled_kernel(
     g_ptr_t = g_cumsum_ptr + i_h * K + k0
     G, _ = load_channel_decay(g_ptr_t, t0, num_valid, H * K, num_cols, BT, BK)
     G_first = _subchunk_first_rows(g_ptr_t, t0, num_valid, H * K, num_cols, BT, BK, SB)
-    is_mild = tl.max(tl.max(G_first - G, axis=1), axis=0) <= FAST_SPAN
+    block, is_mild = _product_blocks(G, G_first, g_ptr_t, t0, num_valid, H * K, num_cols, BT, SB, BK, FAST_SPAN)
 
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
     dq = do_state * tl.exp(G)
     k = load_rows(k_ptr_t, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32) * k_rstd[:, None]
-    dq += _decayed_matmul(dqk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, is_mild,
-                          USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dq += _decayed_matmul(dqk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, block,
+                          is_mild, USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     q = load_rows(q_ptr_t, t0, num_valid, H * K, num_cols, BT, BK).to(tl.float32) * q_rstd[:, None]
     dG = q * scale * dq
     store_rows(dq_ptr + i_h * K + k0, dq * scale, t0, num_valid, H * K, num_cols, BT, BK)
     dqk_t = tl.where(rows[None, :] >= rows[:, None], dqk_t, 0.0)
     dk = _decayed_matmul(dqk_t, q * scale, G, q_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, scale, q_rstd,
-                         is_mild, USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+                         block, is_mild, USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dG -= k * dk
 
     dkk = load_rows(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT)
-    dk_later = _decayed_matmul(dkk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, is_mild,
-                               USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+    dk_later = _decayed_matmul(dkk, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd, block,
+                               is_mild, USE_L2NORM, False, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_later
     dG += k * dk_later
     dkk_t = load_rows_t(dkk_ptr + i_h * BT, t0, num_valid, H * BT, BT, BT, BT).to(dot_dtype).to(tl.float32)
     dk_earlier = _decayed_matmul(dkk_t, k, G, k_ptr_t, g_ptr_t, t0, num_valid, H * K, num_cols, 1.0, k_rstd,
-                                 is_mild, USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
+                                 block, is_mild, USE_L2NORM, True, BT, BK, SB, DOT_PRECISION)  # fmt: skip
     dk += dk_earlier
     dG -= k * dk_earlier
     dk += load_rows(dk_partial_ptr + i_h * K + k0, t0, num_valid, H * K, num_cols, BT, BK)

@@ -518,11 +518,13 @@ def test_kda_dot_path_needs_its_span_bound(kernel_path, guarded, monkeypatch):
     assert bool(o[:, :64].isfinite().all())
 
 
-def blocks_by_span(dtype):
+def blocks_by_span(dtype, bound=None):
     """KDA inputs of four chunks and a 7-token tail whose per-token decays (0.9-1.0 of d, every channel) put each
-    chunk's span in another path of the pairs kernel: the whole chunk as one block, its halves, its sub-chunks by
-    dots, its sub-chunks elementwise (d = 0.8 B / 63, 0.8 B / 31, 0.8 B / 15, 2 B / 15 for the forward's bound B)."""
-    bound = kernels_kda.fast_span_bound(dtype, is_normed=True)
+    chunk's span in another path of the kernels taking pairs by blocks: the whole chunk as one block, its halves,
+    its sub-chunks by dots, its sub-chunks elementwise (d = 0.8 B / 63, 0.8 B / 31, 0.8 B / 15, 2 B / 15 for the
+    bound B: the forward's unless given)."""
+    if bound is None:
+        bound = kernels_kda.fast_span_bound(dtype, is_normed=True)
     decays = [0.8 * bound / 63, 0.8 * bound / 31, 0.8 * bound / 15, 2 * bound / 15, 0.8 * bound / 63]
     inputs = make_inputs(1, 4 * 64 + 7, is_per_channel=True, dtype=dtype)
     gen = torch.Generator().manual_seed(11)
@@ -547,6 +549,31 @@ def test_kda_pairs_by_every_block_size_match_reference(kernel_path, guarded, dty
     # One chunk on each path of the pairs kernel (whole, halves, sub-chunks, elementwise), with L2-normed q and k (the
     # forward's larger bound).
     assert_matches_reference(blocks_by_span(dtype), dtype, guarded, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_k_products", [None, 16], ids=["whole_k", "k_tiles"])
+def test_kda_decayed_products_by_every_block_size_match_reference(kernel_path, guarded, monkeypatch, dtype,
+                                                                   block_k_products):  # fmt: skip
+    # The gradient's decayed products take blocks by their own bound (unnormed operands; kernels_kda._product_blocks):
+    # one chunk on each path, spans per key tile too.
+    monkeypatch.setattr(autograd, "pick_config", lambda x: dataclasses.replace(
+        kernels_common.pick_config(x), block_k_kda_grad_products=block_k_products))  # fmt: skip
+    inputs = blocks_by_span(dtype, kernels_kda.fast_span_bound(dtype))
+    assert_matches_reference(inputs, dtype, guarded, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning"
+)
+def test_kda_decayed_products_need_their_span_bound(kernel_path, guarded, monkeypatch):
+    # Without the gradient's bound its blocks take the strong chunk whole: exp(G_e - G_j) overflows there, and only
+    # there; the forward (L2-normed q and k, its own bound) stays finite.
+    monkeypatch.setattr(kernels_kda, "FAST_SPAN_BOUND", float("inf"))
+    results = forward_and_grads(kda, mild_then_strong_decays(torch.float32), use_qk_l2norm_in_kernel=True)
+    assert bool(results["o"].isfinite().all())
+    assert not bool(results["dq"][:, 64:128].isfinite().all())
+    assert bool(results["dq"][:, :64].isfinite().all())
 
 
 # KDA's products kernel in key tiles of 16 (KernelConfig.block_k_kda_grad_products): K 24 and 40 (a masked last tile),
