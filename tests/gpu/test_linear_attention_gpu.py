@@ -312,12 +312,14 @@ def test_correlated_keys_bf16_match_reference(guarded, is_per_channel):
     assert_matches_reference(inputs, torch.bfloat16, guarded, use_qk_l2norm=True)
 
 
-def test_kda_pairs_by_every_block_size_bf16_match_reference(guarded):
-    # Four chunks whose decay spans put each on another path of the pairs kernel (the whole chunk as one block, its
-    # halves, its sub-chunks by dots, its sub-chunks elementwise), as tests/ops' CPU test of the same name.
+@pytest.mark.parametrize("is_normed", [True, False], ids=["pairs_bound", "products_bound"])
+def test_kda_pairs_by_every_block_size_bf16_match_reference(guarded, is_normed):
+    # Four chunks whose decay spans put each on another path of the kernels taking pairs by blocks (the whole chunk
+    # as one block, its halves, its sub-chunks by dots, its sub-chunks elementwise) by the forward pairs kernel's
+    # bound or the gradient's decayed products' (tf32 dots), as tests/ops' CPU tests of the two.
     from moe_tune.ops.linear_attention import kernels_kda
 
-    bound = kernels_kda.fast_span_bound(torch.bfloat16, is_normed=True)
+    bound = kernels_kda.fast_span_bound(torch.bfloat16, is_normed=is_normed)
     decays = torch.tensor([0.8 * bound / 63, 0.8 * bound / 31, 0.8 * bound / 15, 2 * bound / 15], device="cuda")
     inputs = make_inputs(1, 4 * 64 + 7, 2, 128, 128, dtype=torch.bfloat16, is_per_channel=True)
     gen = torch.Generator(device="cuda").manual_seed(11)
