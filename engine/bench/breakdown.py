@@ -170,19 +170,26 @@ def class_ranges(root: nn.Module, classes: dict[nn.Module, str]) -> Iterator[Non
 @contextmanager
 def optimizer_range(engine) -> Iterator[None]:
     """Wrap `engine.step` (DeepSpeed's: clipping, the optimizer, ZeRO's bookkeeping) in the optimizer range."""
+    with method_in_range(engine, "step", RANGE_PREFIX + "optimizer step"):
+        yield
+
+
+@contextmanager
+def method_in_range(obj, name: str, label: str) -> Iterator[None]:
+    """Run each call of obj's method `name` inside a record_function range `label`; the class's method again after."""
     from torch.autograd.profiler import record_function
 
-    original = engine.step
+    original = getattr(obj, name)
 
-    def step(*args, **kwargs):
-        with record_function(RANGE_PREFIX + "optimizer step"):
+    def ranged(*args, **kwargs):
+        with record_function(label):
             return original(*args, **kwargs)
 
-    engine.step = step
+    setattr(obj, name, ranged)
     try:
         yield
     finally:
-        del engine.step
+        delattr(obj, name)
 
 
 def _own_class(event, inherited: str | None) -> str | None:

@@ -135,13 +135,13 @@ def _block_edge_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, block, offset, 
 
 
 @triton.jit
-def _product_blocks(G, G_first, g_cumsum_ptr, t0, num_valid, row_stride, K, BT: tl.constexpr, SB: tl.constexpr,
+def _product_blocks(G, g_cumsum_ptr, t0, num_valid, row_stride, K, BT: tl.constexpr, SB: tl.constexpr,
                     BK: tl.constexpr, FAST_SPAN: tl.constexpr):  # fmt: skip
     """(block, is_mild) for the backward's decayed products of one chunk (and key tile): the rows of the largest of
     the whole chunk, its halves and its sub-chunks whose decay span (G at the block's first row minus G at one of
-    its rows, any channel) is within FAST_SPAN, and whether the sub-chunks' is (else SB, their pairs elementwise).
-    G_first: _subchunk_first_rows."""
+    its rows, any channel) is within FAST_SPAN, and whether the sub-chunks' is (else SB, their pairs elementwise)."""
     rows = tl.arange(0, BT)
+    G_first = _subchunk_first_rows(g_cumsum_ptr, t0, num_valid, row_stride, K, BT, BK, SB)
     G_0 = _load_g_row(g_cumsum_ptr, t0, num_valid, row_stride, K, 0, BK)
     whole_span = tl.max(tl.max(G_0[None, :] - G, axis=1), axis=0)
     G_halves = tl.where((rows < 2 * SB)[:, None], G_0[None, :],
@@ -602,8 +602,7 @@ def _kda_grad_products_kernel(
     g_ptr_h = g_cumsum_ptr + i_h * K
     # Pairs by tensor-core dots in the largest blocks the chunk's decays allow, within a sub-chunk too where they
     # allow it (module docstring).
-    G_first = _subchunk_first_rows(g_ptr_h, t0, num_valid, H * K, K, BT, BK, SB)
-    block, is_mild = _product_blocks(G, G_first, g_ptr_h, t0, num_valid, H * K, K, BT, SB, BK, FAST_SPAN)
+    block, is_mild = _product_blocks(G, g_ptr_h, t0, num_valid, H * K, K, BT, SB, BK, FAST_SPAN)
     # Output: d(decayed product)/dG per channel is x * dx for the later token and -y * dy for the earlier one. q and
     # k are loaded where they are needed, not held through the other products.
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
@@ -726,8 +725,7 @@ def _kda_grad_products_tiled_kernel(
     k_ptr_t = k_ptr_h + k0
     g_ptr_t = g_cumsum_ptr + i_h * K + k0
     G, _ = load_channel_decay(g_ptr_t, t0, num_valid, H * K, num_cols, BT, BK)
-    G_first = _subchunk_first_rows(g_ptr_t, t0, num_valid, H * K, num_cols, BT, BK, SB)
-    block, is_mild = _product_blocks(G, G_first, g_ptr_t, t0, num_valid, H * K, num_cols, BT, SB, BK, FAST_SPAN)
+    block, is_mild = _product_blocks(G, g_ptr_t, t0, num_valid, H * K, num_cols, BT, SB, BK, FAST_SPAN)
 
     dqk = tl.where(rows[:, None] >= rows[None, :], dqk, 0.0)
     dq = do_state * tl.exp(G)

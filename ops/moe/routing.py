@@ -366,9 +366,10 @@ def _sum_slots_kernel(src_ptr, add_ptr, add2_ptr, out_ptr, num_tokens, D, TOP_K:
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (tokens < num_tokens)[:, None] & (cols < D)[None, :]
     token_offsets = tokens.to(tl.int64)[:, None] * D + cols[None, :]
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     if NUM_ADDENDS >= 1:
         acc = tl.load(add_ptr + token_offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     if NUM_ADDENDS == 2:
         acc += tl.load(add2_ptr + token_offsets, mask=mask, other=0.0).to(tl.float32)
     rows = tokens.to(tl.int64)[:, None] * TOP_K

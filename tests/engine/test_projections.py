@@ -10,6 +10,7 @@ from peft import LoraConfig, get_peft_model
 from small_models import loss_and_grads as row_loss_and_grads, perturbed_lora_model
 from torch import nn
 
+from moe_tune.engine.bench.breakdown import method_in_range
 from moe_tune.engine.lora.fused import FusedLoraLinear, use_fused_lora
 from moe_tune.engine.model import projections
 from moe_tune.engine.model.projections import (
@@ -604,24 +605,12 @@ def test_swiglu_handing_x_on_matches_its_plain_call(hooked):
 ROUTED_EXPERTS_SCOPE = "routed experts"
 
 
-@contextlib.contextmanager
 def routed_experts_marked(block):
     """Run a MoE block's routed experts inside a profiler scope (inside_routed_experts finds it); nothing for others."""
     experts = getattr(block, "experts", None)
     if experts is None:
-        yield
-        return
-    forward = experts.forward
-
-    def marked(*args, **kwargs):
-        with torch.profiler.record_function(ROUTED_EXPERTS_SCOPE):
-            return forward(*args, **kwargs)
-
-    experts.forward = marked
-    try:
-        yield
-    finally:
-        del experts.forward
+        return contextlib.nullcontext()
+    return method_in_range(experts, "forward", ROUTED_EXPERTS_SCOPE)
 
 
 def inside_routed_experts(event) -> bool:
