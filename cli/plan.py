@@ -201,6 +201,11 @@ def plan(
         fail(problems)
     job = read_profile(profile, overrides)
     from moe_tune.engine.plan import plan_layouts
+    from moe_tune.engine.train.run_dir import outputs_over_reads, run_reads
+
+    problems = outputs_over_reads({"--json": json_out}, run_reads(job), job.output.dir)
+    if problems:
+        fail(problems)
 
     with user_errors():
         result = plan_layouts(job, num_devices, memory)

@@ -13,7 +13,7 @@ from moe_tune.engine.launch import LAUNCH_ENV, launch_problems, launch_text, use
 from moe_tune.profiles import error_line
 
 from . import profile_kernels, profile_steps
-from ._common import SetOption, fail, output_problems
+from ._common import SetOption, fail, output_problems, read_profile
 
 __all__ = ["app", "profile"]
 
@@ -125,6 +125,8 @@ def profile(
         problems += launch_problems(text, "--compare-launch")
     if problems:
         fail(problems)
+    if profile_arg is not None:
+        _check_outputs_apart(profile_arg, overrides, {"--json": json_out, "--plot": plot}, load_checkpoint)
     if launch is not None:
         use_launch(launch)
     if load_checkpoint is not None and profile_arg is not None:
@@ -143,3 +145,16 @@ def profile(
         if (text := launch_text()) and type(err).__module__.startswith("triton"):
             fail([f"{LAUNCH_ENV} ({text}): a kernel cannot run under it: {error_line(err, plain=())}"])
         raise
+
+
+def _check_outputs_apart(profile_arg: str, overrides: list[str] | None, outputs: dict[str, Path | None],
+                         load_checkpoint: Path | None) -> None:  # fmt: skip
+    """Exit 2 when an output file would replace what the profile's run reads or keeps in its output.dir, or a file
+    of the --load-checkpoint folder."""
+    from moe_tune.engine.train.run_dir import outputs_over_reads, run_reads
+
+    job = read_profile(profile_arg, overrides)
+    reads = {**run_reads(job), "--load-checkpoint": load_checkpoint}
+    problems = outputs_over_reads(outputs, reads, job.output.dir)
+    if problems:
+        fail(problems)

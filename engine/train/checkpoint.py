@@ -75,13 +75,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """`path` holds `text` whole or keeps what it held: written through `.NAME.tmp` beside it, then renamed."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=2)
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2))
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:

@@ -208,7 +208,8 @@ def _written_place(read: Path, out: Path) -> str | None:
     there), or one of the names it writes or --overwrite deletes, `read` being it or inside it; None elsewhere."""
     if read == out:
         return str(out)
-    owned = (*RUN_RESULTS, *RUN_SETTINGS, LOCK_NAME)
+    written = (*RUN_RESULTS, *RUN_SETTINGS)
+    owned = (*written, *(TMP_FORMAT.format(name) for name in written), LOCK_NAME)
     for name in owned:
         if read == out / name or out / name in read.parents:
             return str(out / name)
@@ -242,6 +243,30 @@ def run_reads(profile: JobProfile) -> dict[str, Path | None]:
     if data.tokenizer not in (None, "byte"):
         reads["data.tokenizer"] = Path(data.tokenizer)
     return reads
+
+
+def outputs_over_reads(outputs: dict[str, Path | None], reads: dict[str, Path | None], out: Path) -> list[str]:
+    """One line per file a command writes (`outputs`: {option: path}, e.g. plan's --json) that would replace what the
+    profile's run reads (`reads`, run_reads: a checkpoint folder's files, the data, the tokenizer) or what a run
+    keeps in `out` (output.dir: a checkpoint's manifest, profile.yaml). Paths compare resolved."""
+    out = out.expanduser().resolve()
+    problems = []
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        target = path.expanduser().resolve()
+        where = f"{option} ({str(path)!r})"
+        for field, read in reads.items():
+            source = read.expanduser().resolve() if read is not None else None
+            if source is not None and (target == source or source in target.parents):
+                problems.append(f"{where} would overwrite what {field} ({str(read)!r}) reads; name a file elsewhere")
+                break
+        else:
+            place = _written_place(target, out)
+            if place is not None:
+                problems.append(f"{where} lies in the run's {place!r} (output.dir): it would replace what a run "
+                                "keeps there; name a file elsewhere")
+    return problems
 
 
 def check_output_dir(out: Path, resume: bool, overwrite: bool,

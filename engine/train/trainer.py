@@ -36,7 +36,14 @@ from moe_tune.engine.train.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile, TrainProfile
 
-from .checkpoint import best_checkpoint, resume_checkpoint, run_signature, save_checkpoint, write_json_atomic
+from .checkpoint import (
+    best_checkpoint,
+    resume_checkpoint,
+    run_signature,
+    save_checkpoint,
+    write_json_atomic,
+    write_text_atomic,
+)
 from .distributed import (
     ContextLayout,
     DistInfo,
@@ -207,14 +214,28 @@ def build_trainable_model(
             from deepspeed.utils import set_z3_leaf_modules
 
             # The expert LoRA layer reads its adapters' parameters directly: ZeRO-3 must gather them all at once.
-            if any(isinstance(m, GroupedExpertsLoRA) for m in model.modules()):
+            expert_adapters = [m for m in model.modules() if isinstance(m, GroupedExpertsLoRA)]
+            if expert_adapters:
                 set_z3_leaf_modules(model, [GroupedExpertsLoRA])
+                for module in expert_adapters:
+                    module.register_forward_pre_hook(_input_requiring_grad)
     if layout is not None and layout.expert_parallel > 1:
         tag_expert_parameters(model, layout)
     # After LoRA: the memory policy classifies the adapter layers too (engine/memory).
     attach_activation_memory(model, profile.memory)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, trainable
+
+
+def _input_requiring_grad(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """A ZeRO-3 leaf module releases its gathered parameters after its backward only when an input of its forward
+    requires grad (deepspeed 0.19.8 counts the gradients its inputs get): the first expert adapters of a model whose
+    layers before them train nothing (lora.target_modules empty, or only after the first MoE block) would otherwise
+    get their gradients against released parameters. Their input then becomes a leaf that requires grad."""
+    x = args[0]
+    if not torch.is_grad_enabled() or x.requires_grad:
+        return None
+    return (x.detach().requires_grad_(), *args[1:])
 
 
 def build_partitioned(cfg, ds_config: dict, activation_checkpointing: bool, layout: ExpertLayout | None):
@@ -511,10 +532,11 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     run.batches = MicroBatchesAhead(dataset, train.micro_batch_size, dist.data_rank, dist.data_size,
                                     run.end_step * train.gradient_accumulation_steps)  # fmt: skip
     try:
-        if dist.is_main:
-            _write_run_config(run, ds_config)
+        # A refused --resume leaves the run's settings as its checkpoints were trained with.
         if resume:
             run.resumed_from = _resume(run)
+        if dist.is_main:
+            _write_run_config(run, ds_config)
         # After loading: a graph replays the weights' addresses as captured.
         run.graphs = maybe_graph_moe_blocks(
             engine.module, profile, dist.device, layout.expert_parallel, train.micro_batch_size * profile.data.seq_len
@@ -531,7 +553,7 @@ def _write_run_config(run: TrainingRun, ds_config: dict) -> None:
     run.out.mkdir(parents=True, exist_ok=True)
     run.result.deepspeed_config = run.out / "deepspeed_config.json"
     write_json_atomic(run.result.deepspeed_config, ds_config)
-    (run.out / "profile.yaml").write_text(yaml.safe_dump(resolved_profile_dump(run.profile), sort_keys=False))
+    write_text_atomic(run.out / "profile.yaml", yaml.safe_dump(resolved_profile_dump(run.profile), sort_keys=False))
 
 
 def _resume(run: TrainingRun) -> Path:

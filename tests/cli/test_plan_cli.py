@@ -141,3 +141,40 @@ def test_plan_json_naming_the_profile_is_refused_and_the_profile_kept(tmp_path, 
     assert result.stderr.strip().splitlines() == [
         f"error: --json ({json_out!r}) is the PROFILE file: the run would overwrite it; name another file"]
     assert profile.read_bytes() == before
+
+
+@pytest.mark.parametrize("target", ["checkpoint/config.json", "checkpoint/new.json", "data.jsonl",
+                                    "run/profile.yaml", "run/checkpoints/step-0000001/manifest.json"])  # fmt: skip
+def test_plan_json_over_what_the_profile_reads_or_its_run_keeps_is_refused(tmp_path, target):
+    """--json must not replace a file of model.checkpoint's folder, the data, or what a run keeps in output.dir;
+    one line naming the option and the place, exit 2, the files as they were."""
+    from hf_tiny import save_tiny_checkpoint, tiny_qwen3_moe
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), tmp_path / "checkpoint")
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "a document"}) + "\n")
+    kept = tmp_path / "run" / "checkpoints" / "step-0000001"
+    kept.mkdir(parents=True)
+    (kept / "manifest.json").write_text("{}")
+    (tmp_path / "run" / "profile.yaml").write_text("name: run\n")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    sets = [f"model={{checkpoint: {checkpoint}}}", "data.tokenizer=byte", f"data.path={data}",
+            "lora.target_modules=[q_proj, k_proj]", "lora.modules_to_save=[]", f"output.dir={tmp_path / 'run'}"]
+    json_out = tmp_path / target
+    result = runner.invoke(app, ["plan", "tiny", "--devices", "2", *[a for s in sets for a in ("--set", s)],
+                                 "--json", str(json_out)])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    if target.startswith("run/"):
+        place = tmp_path / "run" / target.split("/")[1]
+        assert line == (f"error: --json ({str(json_out)!r}) lies in the run's {str(place)!r} (output.dir): it would "
+                        "replace what a run keeps there; name a file elsewhere")
+    else:
+        field, read = ("model.checkpoint", checkpoint) if target.startswith("checkpoint/") else ("data.path", data)
+        assert line == (f"error: --json ({str(json_out)!r}) would overwrite what {field} ({str(read)!r}) reads; "
+                        "name a file elsewhere")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # Beside them, the plan is written.
+    result = runner.invoke(app, ["plan", "tiny", "--devices", "2", *[a for s in sets for a in ("--set", s)],
+                                 "--json", str(tmp_path / "run" / "plan.json")])  # fmt: skip
+    assert result.exit_code == 0, result.output

@@ -387,3 +387,37 @@ def test_compare_launch_prints_each_launch_and_writes_its_rows(monkeypatch, tmp_
     assert "tiny: 3 rounds of 1 timed steps a launch, in turns; NVIDIA H100 80GB HBM3, commit abc1234" in lines
     assert "72.00" in lines and "70.00" in lines and "0.972x" in lines
     assert "_moe_down_fwd_kernel: 3.700 -> 3.400 (-0.300)" in lines
+
+
+@pytest.mark.parametrize("option, target", [("--json", "data.jsonl"), ("--plot", "run/adapter/steps.png"),
+                                            ("--json", "saved/config.json")])  # fmt: skip
+def test_an_output_over_what_the_profile_reads_or_its_run_keeps_is_one_line_exit_2(monkeypatch, tmp_path, option,
+                                                                                   target):
+    """The data file, a file a run keeps in output.dir, a file of the --load-checkpoint folder: refused before any
+    step runs, the files as they were."""
+
+    def no_steps(*args, **kwargs):
+        raise AssertionError("the steps ran")
+
+    monkeypatch.setattr("moe_tune.engine.bench.steps.profile_steps", no_steps)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp_path / "run" / "adapter").mkdir(parents=True)
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "config.json").write_text("{}")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    out = tmp_path / target
+    loading = ["--load-checkpoint", str(tmp_path / "saved")] if target.startswith("saved/") else []
+    steps = [] if loading else TINY_STEPS
+    result = runner.invoke(app, ["tiny", *steps, *loading, "--set", f"data.path={data}", "--set",
+                                 f"output.dir={tmp_path / 'run'}", option, str(out)])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    if target.startswith("run/"):
+        assert line == (f"error: {option} ({str(out)!r}) lies in the run's {str(tmp_path / 'run' / 'adapter')!r} "
+                        "(output.dir): it would replace what a run keeps there; name a file elsewhere")
+    else:
+        field, read = ("data.path", data) if target == "data.jsonl" else ("--load-checkpoint", tmp_path / "saved")
+        assert line == (f"error: {option} ({str(out)!r}) would overwrite what {field} ({str(read)!r}) reads; "
+                        "name a file elsewhere")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -223,7 +223,8 @@ def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
 
 
 @pytest.mark.parametrize("where", [".", "merged", "checkpoints/step-0000002", "adapter/../export-merged",
-                                   "model.safetensors", "link"])  # fmt: skip
+                                   "model.safetensors", "link", ".summary.json.tmp", ".deepspeed_config.json.tmp",
+                                   ".profile.yaml.tmp", ".metrics.jsonl.tmp"])  # fmt: skip
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_read_path_where_the_run_writes_is_refused_before_anything_changes(tmp_path, where, overwrite):
     """A checkpoint in output.dir itself, or in (or under) a name the run writes or --overwrite deletes (a previous

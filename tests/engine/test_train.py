@@ -25,7 +25,7 @@ from moe_tune.engine.train.trainer import (
     finetune,
     lr_factor,
 )
-from moe_tune.profiles import load_profile
+from moe_tune.profiles import ProfileError, load_profile
 
 SMALL = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "data.corpus_documents=200"]
 
@@ -104,6 +104,34 @@ def test_resume_continues_with_identical_losses(tmp_path, zero_stage):
     # The metrics file reads as one uninterrupted run.
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("refused", ["lora.r=8", "model.hidden_size=32", "damaged"])
+def test_a_refused_resume_leaves_the_run_settings_as_trained(tmp_path, refused):
+    """profile.yaml and deepspeed_config.json describe the checkpoints beside them (generate and export read the
+    model from profile.yaml): a --resume refused for its profile or its checkpoints must not rewrite them."""
+    profile = small_profile(tmp_path, "train.steps=2", "output.save_every=1")
+    finetune(profile, show_progress=False)
+    written = {name: (tmp_path / name).read_bytes() for name in ("profile.yaml", "deepspeed_config.json")}
+    if refused == "damaged":
+        for folder in complete_checkpoints(tmp_path / "checkpoints"):
+            (folder / "trainer_state.json").write_text("{")
+        changed = small_profile(tmp_path, "train.steps=4", "output.save_every=1", "train.lr=0.001")
+    else:
+        changed = small_profile(tmp_path, "train.steps=2", "output.save_every=1", refused)
+    with pytest.raises(ProfileError, match="^--resume: "):
+        finetune(changed, show_progress=False, resume=True)
+    assert {name: (tmp_path / name).read_bytes() for name in written} == written
+
+
+@pytest.mark.parametrize("targets", ["[]", "[down_proj]"])
+def test_zero3_trains_expert_adapters_with_nothing_trained_before_the_first_moe_block(tmp_path, targets):
+    """ZeRO-3 releases a leaf module's gathered parameters after its backward only when one of its inputs requires
+    grad; the first MoE block's input requires none when no adapter sits before its routed experts."""
+    profile = small_profile(tmp_path, "train.steps=3", "parallel.zero_stage=3", f"lora.target_modules={targets}",
+                            "lora.modules_to_save=[]")  # fmt: skip
+    result = finetune(profile, show_progress=False)
+    assert result.losses == pytest.approx(plain_pytorch_losses(profile, 3), rel=1e-5, abs=1e-6)
 
 
 def test_trained_adapter_loads_in_one_process(tmp_path):
