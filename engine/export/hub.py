@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -553,6 +555,8 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
             problems.append(f"--out ({str(out)!r}) exists and is not a folder")
         elif out.is_dir() and any(out.iterdir()):
             problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
+        elif not out.exists():
+            problems += _creatable_problems(out)
         if lora and not merge and run.cfg.checkpoint is None:
             problems.append("the run's model is built from a profile: its adapter has no checkpoint module names to go "
                             "on; export it with --merge")
@@ -572,6 +576,19 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
             if lora and not merge:
                 return write_adapter(run, source.adapter_state(), out, chat_template)
             return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template, notes)
+
+
+def _creatable_problems(out: Path) -> list[str]:
+    """A line when the folder `out` (not there yet) cannot be created: its nearest existing ancestor is not a folder,
+    or the OS refuses a folder in it (a read-only mount, /proc), found by creating and removing an empty one."""
+    existing = next(parent for parent in out.absolute().parents if os.path.lexists(parent))
+    if not existing.is_dir():
+        return [f"--out ({str(out)!r}): {str(existing)!r} is not a folder"]
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moe-tune-probe-", dir=existing))
+    except OSError as err:
+        return [f"--out ({str(out)!r}): no folder can be created in {str(existing)!r} ({err.strerror or err})"]
+    return []
 
 
 def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_template: str | None = None) -> Path:

@@ -8,6 +8,7 @@ A LoRA run's final state is the base checkpoint (read through the family's recip
 from __future__ import annotations
 
 import copy
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from . import merge_lora
 
 ADAPTER_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter/adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter/adapter_config.json"
 WEIGHTS_FILE = "model.safetensors"
 # The dtypes the trainer saves trained tensors in (and fp16 / fp64, which a merge reads as well).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -43,6 +45,22 @@ class RunInfo:
         return self.profile.model
 
 
+def links_out_of(run_dir: Path, names: tuple[str, ...]) -> list[str]:
+    """One line per name in `run_dir` that resolves outside it (a link, or a link above it; the names under one
+    named already are not named again): a run's files are read only inside its folder."""
+    root = run_dir.resolve()
+    problems, outside = [], []
+    for name in names:
+        path = run_dir / name
+        if any(above in path.parents for above in outside):
+            continue
+        if os.path.lexists(path) and root not in path.resolve().parents:
+            outside.append(path)
+            problems.append(f"{path}: leads to {str(path.resolve())!r}, outside the run folder; a run's files are read "
+                            "only inside it")
+    return problems
+
+
 def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     """The run in `run_dir`; ProfileError (one line each) when there is no run there or, with `need_final`, it
     has not written its final state (summary.json and the adapter / weights)."""
@@ -57,6 +75,10 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
         raise ProfileError([f"{run_dir}: {what} (RUN_DIR must be a finetune output.dir)"])
     if not profile_file.is_file():
         raise ProfileError([f"{run_dir}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"])
+    escaping = links_out_of(run_dir, ("profile.yaml", "summary.json", "adapter", ADAPTER_FILE, ADAPTER_CONFIG_FILE,
+                                      WEIGHTS_FILE))  # fmt: skip
+    if escaping:
+        raise ProfileError(escaping)
     try:
         raw = yaml.safe_load(profile_file.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:

@@ -200,9 +200,12 @@ def save_checkpoint(engine, root: Path, step: int, state: dict[str, Any], keep_l
             shutil.rmtree(stale, ignore_errors=True)
         # keep_last counts the checkpoints whose files have their manifest's sizes: a damaged one (a resume skipped
         # it) is neither counted nor deleted, so a good older one is not pruned in its stead.
-        lineage = [p for p in complete_checkpoints(root) if checkpoint_step(p) <= step and not _sizes_differ(p)]
+        # A link in a step's name is not the run's to delete.
+        lineage = [p for p in complete_checkpoints(root)
+                   if checkpoint_step(p) <= step and not p.is_symlink() and not _sizes_differ(p)]  # fmt: skip
         # Older step folders without a trainer state are leftovers no resume can load.
-        leftovers = [p for p in checkpoint_dirs(root) if checkpoint_step(p) < step and not (p / STATE_FILE).exists()]
+        leftovers = [p for p in checkpoint_dirs(root)
+                     if checkpoint_step(p) < step and not p.is_symlink() and not (p / STATE_FILE).exists()]
         best = best_checkpoint(root, step)
         for old in [p for p in lineage[:-keep_last] if best is None or p != best[0]] + leftovers:
             # Renamed first: a crash mid-delete leaves a temporary to sweep, not a half-deleted checkpoint.
@@ -332,6 +335,10 @@ def verify_checkpoint(path: Path) -> Verdict:
     """Check a checkpoint without loading it: the manifest's files (sizes, then hashes) and the trainer state."""
     step = checkpoint_step(path)
     verdict = Verdict(path)
+    if path.is_symlink():
+        # Its files would be read from wherever it points: another run's checkpoint, or anything else.
+        verdict.problem = f"a link to {os.readlink(path)!r}, not a folder the run wrote"
+        return verdict
     has_manifest = (path / MANIFEST_FILE).exists()
     if has_manifest:
         manifest, problem = _read_json(path / MANIFEST_FILE)

@@ -87,11 +87,18 @@ def test_export_exits_0_and_names_the_folder(run_dir, tmp_path):
         (["{run}", "--out", "{run}/checkpoints/x"], "error: --out ('{run}/checkpoints/x') lies inside the run's "
          "checkpoints folder"),
         (["{run}", "--out", "{tmp}/busy"], "error: --out ('{tmp}/busy') exists and is not empty"),
+        (["{run}", "--out", "{tmp}/busy/keep/new"], "error: --out ('{tmp}/busy/keep/new'): '{tmp}/busy/keep' is not a "
+         "folder"),
+        (["{run}", "--out", "{tmp}/busy/keep/a/b"], "error: --out ('{tmp}/busy/keep/a/b'): '{tmp}/busy/keep' is not a "
+         "folder"),
+        (["{run}", "--out", "/proc/moe-tune-export"], "error: --out ('/proc/moe-tune-export'): no folder can be "
+         "created in '/proc' ("),
         (["{run}", "--max-shard-size", "5XB"], "error: --max-shard-size ('5XB') must be a positive size"),
         (["{run}", "--step", "0"], "error: --step (0) must be >= 1"),
         (["{run}", "--step", "7"], "error: --step 7: no checkpoint {run}/checkpoints/step-"),
     ],
-    ids=["no-folder", "a-file", "no-run", "out-in-checkpoints", "out-not-empty", "shard-size", "step-0", "no-step"],
+    ids=["no-folder", "a-file", "no-run", "out-in-checkpoints", "out-not-empty", "out-under-a-file",
+         "out-deeper-under-a-file", "out-in-proc", "shard-size", "step-0", "no-step"],  # fmt: skip
 )
 def test_bad_input_exits_2_in_one_line(run_dir, tmp_path, args, message):
     (tmp_path / "busy").mkdir()

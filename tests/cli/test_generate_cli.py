@@ -478,3 +478,23 @@ def test_an_fp8_base_runs_adapter_is_checked_as_export_checks_it(fp8_run, tmp_pa
     message = message.format(rank=rank, rank_minus_1=rank - 1)
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {message}"), lines
     assert "Traceback" not in result.output and result.stdout == ""
+
+
+@pytest.mark.parametrize("linked", ["adapter", "adapter/adapter_model.safetensors", "profile.yaml"])
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_run_file_leading_out_of_the_run_folder_is_refused(lora_run, tmp_path, linked, command):
+    """A run's files are read only inside its folder: a link in it to another run's adapter (or profile) is one line
+    naming it, exit 2, for generate and export alike."""
+    source, _ = lora_run
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    elsewhere = tmp_path / "elsewhere" / linked
+    elsewhere.parent.mkdir(parents=True)
+    (run / linked).rename(elsewhere)
+    (run / linked).symlink_to(elsewhere, target_is_directory=elsewhere.is_dir())
+    args = ["generate", str(run), "--prompt", "Ada"] if command == "generate" else ["export", str(run)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: {run / linked}: leads to {str(elsewhere)!r}, outside the run folder; a run's files are read only "
+        "inside it"]

@@ -573,3 +573,23 @@ def test_a_full_disk_while_writing_metrics_is_one_line(tmp_path, code):
                               "the checkpoints already written are kept")  # fmt: skip
     writer.close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+@pytest.mark.parametrize("points_to", ["another run's checkpoint", "a folder of this run"])
+def test_a_step_folder_that_is_a_link_is_skipped_naming_it_and_never_pruned(tmp_path, points_to):
+    """A link named as a checkpoint would be read from where it points (the manifest's paths check against the
+    resolved folder); resuming skips it with its target, pruning neither counts nor deletes it."""
+    root = tmp_path / "run"
+    engine = save_steps(root, [1])
+    save_steps(tmp_path / "other", [3])
+    other = tmp_path / "other" / checkpoint_name(3)
+    target = other if points_to == "another run's checkpoint" else root / checkpoint_name(1)
+    link = root / checkpoint_name(3)
+    link.symlink_to(target, target_is_directory=True)
+    path, state, lines = resume_checkpoint(engine, root, TINY_SIGNATURE, "cpu")
+    assert path == root / checkpoint_name(1) and state["step"] == 1 and engine.loaded == [checkpoint_name(1)]
+    assert lines == [f"skipped {link}: a link to {str(target)!r}, not a folder the run wrote"]
+    for step in (4, 5):
+        save_checkpoint(engine, root, step, trainer_state(step), keep_last=1, is_main=True)
+    assert sorted(p.name for p in root.iterdir()) == [checkpoint_name(3), checkpoint_name(5)]
+    assert link.is_symlink() and (other / MODEL_FILE).is_file()

@@ -5,6 +5,7 @@ gives the same; full fine-tunes too; shards respect --max-shard-size; bad input 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -294,7 +295,7 @@ def test_bad_input_is_refused_before_writing(full_run, tmp_path):
     unfinished.mkdir()
     (unfinished / "profile.yaml").write_text((full_run / "profile.yaml").read_text())
     refused(r"the run has not finished \(no summary.json or no model.safetensors\)", unfinished, False, None)
-    (unfinished / "model.safetensors").symlink_to(full_run / "model.safetensors")
+    shutil.copyfile(full_run / "model.safetensors", unfinished / "model.safetensors")
     (unfinished / "summary.json").write_text(json.dumps({"last_step": 1}))
     refused(r"the run stopped at step 1 of its 2 steps; export that state with --step 1", unfinished, False, None)
     # A train.epochs run: its step count is summary.json's total_steps, not train.steps.
