@@ -69,12 +69,12 @@ def _root(
 
 def _usage_problem(err) -> str:
     """click's message of a usage error; for a value its option cannot take, `--option ('value'): rule` with the value
-    as the command line gave it."""
+    as the command line gave it (the last one where the option is given twice: the one click takes)."""
     param = getattr(err, "param", None)
     opts = [opt for opt in getattr(param, "opts", ()) if opt.startswith("-")]
     if type(err).__name__ == "BadParameter" and opts:
         args = sys.argv[1:]
-        for index, arg in enumerate(args):
+        for index, arg in reversed(list(enumerate(args))):
             for opt in opts:
                 if arg == opt and index + 1 < len(args):
                     return f"{opt} ({args[index + 1]!r}): {err.message}"

@@ -364,6 +364,17 @@ class WeightGetter:
         # Keys read since the loader last emptied it that are stored as integers or booleans, packed bytes aside
         # (the loader refuses them as weights of ours).
         self.integers_read: list[str] = []
+        # Every key read since the loader last emptied it (a line about the tensor built from them names them).
+        self.keys_read: list[str] = []
+
+    def sources(self) -> str:
+        """The file and key of the first key read since keys_read was emptied, and how many more: where a tensor
+        built from them came from."""
+        keys = list(dict.fromkeys(self.keys_read))
+        if not keys:
+            return str(self.reader.directory)
+        more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+        return f"{self.reader.file_of(keys[0])}: tensor {keys[0]}{more}"
 
     def is_fp8(self, key: str) -> bool:
         return key + SCALE_SUFFIX in self.reader
@@ -395,6 +406,7 @@ class WeightGetter:
         """(W_q float8_e4m3fn, scale_inv fp32) of an FP8 weight; None when `key` is stored unquantized."""
         if key not in self.reader:
             raise KeyError(key)
+        self.keys_read.append(key)
         if not self.is_fp8(key):
             return None
         return self.reader.get(key), self._checked_scale(key, self.reader.get(key + SCALE_SUFFIX))
@@ -403,6 +415,7 @@ class WeightGetter:
         """fp8() of rows [start, stop) of the first dim (one rank's experts of a fused [E, O, I] tensor)."""
         if key not in self.reader:
             raise KeyError(key)
+        self.keys_read.append(key)
         if not self.is_fp8(key):
             return None
         scale = self._checked_scale(key, self.reader.rows(key + SCALE_SUFFIX, start, stop))

@@ -181,6 +181,10 @@ def run_main(monkeypatch, capsys, args):
     (["finetune", "tiny", "--nproc=0"], "--nproc ('0'): Input should be greater than or equal to 1 (see moe-tune "
      "finetune --help)"),
     (["onboard", "x", "--steps", "-1"], "--steps ('-1'): "),
+    # Given twice, click takes the last value: the line names it.
+    (["generate", "x", "--prompt", "y", "--max-new-tokens", "3", "--max-new-tokens", "abc"],
+     "--max-new-tokens ('abc'): Input should be a valid integer"),
+    (["generate", "x", "--prompt", "y", "--max-new-tokens=3", "--max-new-tokens=-abc"], "--max-new-tokens ('-abc'): "),
     (["generate", "x", "--prompt"], "Option '--prompt' requires an argument."),
 ])  # fmt: skip
 def test_usage_errors_are_one_line_exit_2(monkeypatch, capsys, args, line):

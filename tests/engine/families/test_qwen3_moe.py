@@ -130,3 +130,24 @@ def test_missing_tensor_is_reported(checkpoint):
     assert err.value.problems == [
         f"{checkpoint}: tensor model.layers.2.self_attn.k_norm.weight is missing (needed for layers.2.self_attn.k_norm.weight)"
     ]
+
+
+@pytest.mark.parametrize("key, ours", [("model.layers.2.self_attn.k_norm.weight", "layers.2.self_attn.k_norm.weight"),
+                                       ("model.embed_tokens.weight", "embed_tokens.weight")])  # fmt: skip
+def test_a_tensor_of_another_shape_is_named_with_its_file(checkpoint, key, ours):
+    from safetensors.torch import load_file, save_file
+
+    from moe_tune.engine.families import load_checkpoint_weights
+    from moe_tune.engine.model.model import build_model
+
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(str(path))
+    expected = tuple(tensors[key].shape)
+    tensors[key] = tensors[key][..., :-1].contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _, _, cfg = model_profile_from_checkpoint(checkpoint)
+    with pytest.raises(UnsupportedModel) as err:
+        load_checkpoint_weights(build_model(cfg), cfg)
+    assert err.value.problems == [
+        f"{path}: tensor {key}: makes {ours} of shape {tuple(tensors[key].shape)}, the model expects {expected}"
+    ]
