@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,9 +89,31 @@ def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | N
             problems.append(f"{where}: its folder {str(path.parent)!r} does not exist")
         elif not os.access(path if path.exists() else path.parent, os.W_OK):
             problems.append(f"{where}: no permission to write {'it' if path.exists() else 'into its folder'}")
+        elif (refused := _write_refused(path)) is not None:
+            problems.append(f"{where}: {refused}")
         elif name == "--plot":
             problems += _plot_format_problems(path)
     return problems
+
+
+def _write_refused(path: Path) -> str | None:
+    """Why the OS refuses to write `path` (a read-only mount, /proc, where permissions say yes to root), tried
+    without changing anything: an existing file opened for writing and closed untouched, or a new file created beside
+    it and removed; None when it can be written (or is not a regular file: a device is written as it comes)."""
+    if path.is_file():
+        try:
+            with path.open("r+b"):
+                pass
+        except OSError as err:
+            return f"it cannot be opened for writing ({err.strerror or err})"
+    elif not path.exists():
+        try:
+            handle, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as err:
+            return f"no file can be created in {str(path.parent)!r} ({err.strerror or err})"
+    return None
 
 
 def _plot_format_problems(plot: Path) -> list[str]:

@@ -421,3 +421,18 @@ def test_an_output_over_what_the_profile_reads_or_its_run_keeps_is_one_line_exit
         assert line == (f"error: {option} ({str(out)!r}) would overwrite what {field} ({str(read)!r}) reads; "
                         "name a file elsewhere")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_the_os_refuses_is_refused_before_any_step(monkeypatch, option):
+    """/proc takes no new file even where permissions say root may write: refused before the steps, not after."""
+
+    def no_steps(*args, **kwargs):
+        raise AssertionError("the steps ran")
+
+    monkeypatch.setattr("moe_tune.engine.bench.steps.profile_steps", no_steps)
+    out = "/proc/moe-tune-steps." + ("json" if option == "--json" else "png")
+    result = runner.invoke(app, ["tiny", *TINY_STEPS, option, out])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: {option} ({out!r}): no file can be created in '/proc' (")
