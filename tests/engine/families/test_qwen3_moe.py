@@ -114,7 +114,8 @@ def test_checkpoint_tokenizer_is_the_default(checkpoint, tmp_path):
     assert written["model"]["checkpoint"] == str(checkpoint) and written["model"]["hidden_size"] == 32
 
 
-def test_missing_tensor_is_reported(checkpoint):
+def load_problems_after(checkpoint, edit) -> list[str]:
+    """The loader's problems with the checkpoint's tensors edited in place by `edit(tensors)` first."""
     from safetensors.torch import load_file, save_file
 
     from moe_tune.engine.families import load_checkpoint_weights
@@ -122,12 +123,17 @@ def test_missing_tensor_is_reported(checkpoint):
 
     path = checkpoint / "model.safetensors"
     tensors = load_file(str(path))
-    del tensors["model.layers.2.self_attn.k_norm.weight"]
+    edit(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
     _, _, cfg = model_profile_from_checkpoint(checkpoint)
     with pytest.raises(UnsupportedModel) as err:
         load_checkpoint_weights(build_model(cfg), cfg)
-    assert err.value.problems == [
+    return err.value.problems
+
+
+def test_missing_tensor_is_reported(checkpoint):
+    problems = load_problems_after(checkpoint, lambda tensors: tensors.pop("model.layers.2.self_attn.k_norm.weight"))
+    assert problems == [
         f"{checkpoint}: tensor model.layers.2.self_attn.k_norm.weight is missing (needed for layers.2.self_attn.k_norm.weight)"
     ]
 
@@ -135,19 +141,13 @@ def test_missing_tensor_is_reported(checkpoint):
 @pytest.mark.parametrize("key, ours", [("model.layers.2.self_attn.k_norm.weight", "layers.2.self_attn.k_norm.weight"),
                                        ("model.embed_tokens.weight", "embed_tokens.weight")])  # fmt: skip
 def test_a_tensor_of_another_shape_is_named_with_its_file(checkpoint, key, ours):
-    from safetensors.torch import load_file, save_file
+    shapes = {}
 
-    from moe_tune.engine.families import load_checkpoint_weights
-    from moe_tune.engine.model.model import build_model
+    def cut_last_column(tensors):
+        shapes["stored"] = tuple(tensors[key].shape)
+        tensors[key] = tensors[key][..., :-1].contiguous()
+        shapes["cut"] = tuple(tensors[key].shape)
 
-    path = checkpoint / "model.safetensors"
-    tensors = load_file(str(path))
-    expected = tuple(tensors[key].shape)
-    tensors[key] = tensors[key][..., :-1].contiguous()
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    _, _, cfg = model_profile_from_checkpoint(checkpoint)
-    with pytest.raises(UnsupportedModel) as err:
-        load_checkpoint_weights(build_model(cfg), cfg)
-    assert err.value.problems == [
-        f"{path}: tensor {key}: makes {ours} of shape {tuple(tensors[key].shape)}, the model expects {expected}"
-    ]
+    problems = load_problems_after(checkpoint, cut_last_column)
+    assert problems == [f"{checkpoint / 'model.safetensors'}: tensor {key}: makes {ours} of shape {shapes['cut']}, "
+                        f"the model expects {shapes['stored']}"]
