@@ -475,7 +475,7 @@ class TrainingRun:
 
 def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int | None) -> TrainingRun:
     """Check the profile against the machine, read the tokenizer and the data, build the model inside DeepSpeed,
-    write profile.yaml and deepspeed_config.json, load the checkpoint on --resume, capture the CUDA graphs.
+    load the checkpoint on --resume, write profile.yaml and deepspeed_config.json, capture the CUDA graphs.
     ProfileError for what cannot run here."""
     import deepspeed
 
