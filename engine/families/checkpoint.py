@@ -43,6 +43,19 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+def _header_key_twice(path: Path) -> str | None:
+    """A key the JSON header of the safetensors file `path` gives twice (safetensors keeps one of them silently), or
+    None. The file has opened as safetensors: its header's length and JSON are valid."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = f.read(size)
+    try:
+        json.loads(header.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        return err.args[0]
+    return None
+
+
 def read_json_file(path: Path, max_bytes: int) -> Any:
     """The JSON value in the regular file `path` of at most `max_bytes`, no object repeating a key; UnsupportedModel
     in one line naming it."""
@@ -177,6 +190,11 @@ class CheckpointReader:
                 self._handles[name] = safe_open(str(path), framework="pt").__enter__()
             except Exception as err:  # safetensors raises its own error types for truncated or foreign files
                 problems.append(f"{self.directory / name}: not a readable safetensors file ({show(str(err))})")
+                continue
+            twice = _header_key_twice(path)
+            if twice is not None:
+                problems.append(f"{self.directory / name}: the header gives tensor {show(twice)} twice (which one "
+                                "counts is not defined)")
         if weight_map and not problems:
             problems += self._check_index(index, weight_map)
         if problems:

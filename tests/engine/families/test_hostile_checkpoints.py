@@ -500,3 +500,19 @@ def test_non_finite_values_are_found_in_every_floating_dtype_and_integers_pass(t
         f"{file}: tensor b.bf16 holds 2 non-finite values (NaN or infinite)",
         f"{file}: tensor c.fp16 holds 4 non-finite values (NaN or infinite)",
     ]
+
+
+def test_a_safetensors_header_giving_a_tensor_twice_is_one_line_naming_it(sharded):
+    """safetensors keeps one of two entries of a name silently (as json.loads keeps the last): refused, as a key
+    twice in config.json is. (A second __metadata__ safetensors refuses itself.)"""
+    path = sharded.dir / "model.safetensors"
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    key = sharded.keys[0]
+    entry = json.dumps({key: header[key]})[1:-1]
+    doubled = ("{" + entry + ", " + json.dumps(header)[1:]).encode()
+    doubled += b" " * (-len(doubled) % 8)
+    path.write_bytes(len(doubled).to_bytes(8, "little") + doubled + data[8 + size :])
+    assert problems_of(sharded.dir) == [f"{path}: the header gives tensor {key!r} twice (which one counts is not "
+                                        "defined)"]
