@@ -218,7 +218,11 @@ def _record_document(
 
 
 def text_document(text: str, tok: Tokenizer) -> Document:
+    """The text's tokens between <bos> and <eos>, every next token trained; a blank text (empty or whitespace) trains
+    nothing: its <eos> alone would teach the model to end at once."""
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + [tok.eos_id]
+    if not text.strip():
+        return Document(ids[:-1], [IGNORE_INDEX] * (len(ids) - 1))
     return Document(ids[:-1], ids[1:])
 
 

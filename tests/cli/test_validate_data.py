@@ -117,6 +117,21 @@ def test_data_with_nothing_to_train_on_exits_2(tmp_path):
     assert validate(data, "data.train_on=all").exit_code == 0
 
 
+@pytest.mark.parametrize("blank", ["", " ", "\n\t "])
+def test_blank_texts_train_nothing(tmp_path, blank):
+    """A blank text's <eos> alone is not trained (it would teach the model to end at once): a file of blank texts
+    has nothing to train on; beside a real text it adds its <bos> to the tokens and nothing to the trained ones."""
+    data = write(tmp_path / "d.jsonl", {"text": blank}, {"text": ""})
+    result = validate(data)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [f"error: data.path ('{data}') must hold at least one token to train on"]
+    data = write(tmp_path / "mixed.jsonl", {"text": blank}, {"text": "hello"})
+    result = validate(data)
+    assert result.exit_code == 0, result.output
+    tokens = 1 + len(blank.encode()) + 6  # <bos> + the blank bytes; <bos> + hello
+    assert f"data: train: 2 documents, {tokens} tokens, 6 trained" in result.stderr
+
+
 def test_a_tokenizer_larger_than_the_model_is_reported_with_the_records(tmp_path):
     import sys
     from pathlib import Path
