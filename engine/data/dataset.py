@@ -231,19 +231,24 @@ class SplitCounts:
     documents: int = 0
     tokens: int = 0  # input tokens
     trained_tokens: int = 0  # of them labelled: trained on (train) or scored (eval)
+    # Documents with no labelled token (a chat without an assistant turn, a blank text): rows spent on nothing.
+    untrained_documents: int = 0
 
     def __add__(self, other: SplitCounts) -> SplitCounts:
         return SplitCounts(self.documents + other.documents, self.tokens + other.tokens,
-                           self.trained_tokens + other.trained_tokens)  # fmt: skip
+                           self.trained_tokens + other.trained_tokens,
+                           self.untrained_documents + other.untrained_documents)  # fmt: skip
 
     @staticmethod
     def of(documents: list[Document]) -> SplitCounts:
-        return SplitCounts(len(documents), sum(len(d.input_ids) for d in documents),
-                           sum(sum(label != IGNORE_INDEX for label in d.labels) for d in documents))  # fmt: skip
+        trained = [sum(label != IGNORE_INDEX for label in d.labels) for d in documents]
+        return SplitCounts(len(documents), sum(len(d.input_ids) for d in documents), sum(trained),
+                           trained.count(0))  # fmt: skip
 
     def __str__(self) -> str:
         share = f" ({100 * self.trained_tokens / self.tokens:.0f}%)" if self.tokens else ""
-        return f"{self.documents} documents, {self.tokens} tokens, {self.trained_tokens} trained{share}"
+        none = f" ({self.untrained_documents} with no trained token)" if self.untrained_documents else ""
+        return f"{self.documents} documents{none}, {self.tokens} tokens, {self.trained_tokens} trained{share}"
 
 
 @dataclass(frozen=True)

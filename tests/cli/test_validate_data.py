@@ -115,6 +115,13 @@ def test_data_with_nothing_to_train_on_exits_2(tmp_path):
     assert result.stderr.splitlines() == [f"error: data.path ('{data}') must hold at least one token to train on"]
     # The user turns are trained with data.train_on: all.
     assert validate(data, "data.train_on=all").exit_code == 0
+    # Beside a chat that trains, each is counted as a document with no trained token.
+    data = write(tmp_path / "mixed.jsonl", {"messages": [{"role": "user", "content": "hi"}]},
+                 {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    result = validate(data)
+    assert result.exit_code == 0, result.output
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("data: train: ")]
+    assert line.startswith("data: train: 2 documents (1 with no trained token), "), line
 
 
 @pytest.mark.parametrize("blank", ["", " ", "\n\t "])
@@ -129,7 +136,7 @@ def test_blank_texts_train_nothing(tmp_path, blank):
     result = validate(data)
     assert result.exit_code == 0, result.output
     tokens = 1 + len(blank.encode()) + 6  # <bos> + the blank bytes; <bos> + hello
-    assert f"data: train: 2 documents, {tokens} tokens, 6 trained" in result.stderr
+    assert f"data: train: 2 documents (1 with no trained token), {tokens} tokens, 6 trained" in result.stderr
 
 
 def test_a_tokenizer_larger_than_the_model_is_reported_with_the_records(tmp_path):
