@@ -201,9 +201,9 @@ def plan(
         fail(problems)
     job = read_profile(profile, overrides)
     from moe_tune.engine.plan import plan_layouts
-    from moe_tune.engine.train.run_dir import outputs_over_reads, run_reads
+    from moe_tune.engine.train.run_dir import outputs_over_run
 
-    problems = outputs_over_reads({"--json": json_out}, run_reads(job), job.output.dir)
+    problems = outputs_over_run({"--json": json_out}, job)
     if problems:
         fail(problems)
 

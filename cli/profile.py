@@ -125,18 +125,25 @@ def profile(
         problems += launch_problems(text, "--compare-launch")
     if problems:
         fail(problems)
+    job = None
     if profile_arg is not None:
-        _check_outputs_apart(profile_arg, overrides, {"--json": json_out, "--plot": plot}, load_checkpoint)
+        from moe_tune.engine.train.run_dir import outputs_over_run
+
+        job = read_profile(profile_arg, overrides)
+        # An output file must not replace what the profile's run reads or keeps, nor the --load-checkpoint folder's.
+        problems = outputs_over_run({"--json": json_out, "--plot": plot}, job, {"--load-checkpoint": load_checkpoint})
+        if problems:
+            fail(problems)
     if launch is not None:
         use_launch(launch)
-    if load_checkpoint is not None and profile_arg is not None:
-        profile_steps.run_load(profile_arg, overrides, load_checkpoint, json_out)
+    if load_checkpoint is not None and job is not None:
+        profile_steps.run_load(job, load_checkpoint, json_out)
         return
     try:
-        if compare_launch and profile_arg is not None:
-            profile_steps.run_launches(profile_arg, overrides, steps, compare_launch, json_out)
-        elif profile_arg is not None:
-            profile_steps.run(profile_arg, overrides, steps, json_out, against, plot)
+        if compare_launch and job is not None:
+            profile_steps.run_launches(job, steps, compare_launch, json_out)
+        elif job is not None:
+            profile_steps.run(job, steps, json_out, against, plot)
         else:
             profile_kernels.run(ops, shapes, json_out, baseline, plot, wide)
     except Exception as err:
@@ -146,15 +153,3 @@ def profile(
             fail([f"{LAUNCH_ENV} ({text}): a kernel cannot run under it: {error_line(err, plain=())}"])
         raise
 
-
-def _check_outputs_apart(profile_arg: str, overrides: list[str] | None, outputs: dict[str, Path | None],
-                         load_checkpoint: Path | None) -> None:  # fmt: skip
-    """Exit 2 when an output file would replace what the profile's run reads or keeps in its output.dir, or a file
-    of the --load-checkpoint folder."""
-    from moe_tune.engine.train.run_dir import outputs_over_reads, run_reads
-
-    job = read_profile(profile_arg, overrides)
-    reads = {**run_reads(job), "--load-checkpoint": load_checkpoint}
-    problems = outputs_over_reads(outputs, reads, job.output.dir)
-    if problems:
-        fail(problems)

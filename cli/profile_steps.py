@@ -12,7 +12,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ._common import fail, read_profile, user_errors
+from moe_tune.profiles import JobProfile
+
+from ._common import fail, user_errors
 
 # Rich falls back to 80 columns when stdout is not a terminal; the profile tables need about this many.
 TABLE_WIDTH = 220
@@ -345,15 +347,13 @@ def _steps_plot(result: dict, path: Path) -> None:
 
 
 def run(
-    profile_arg: str,
-    overrides: list[str] | None,
+    job: JobProfile,
     steps: int,
     json_out: Path | None,
     against: str | None,
     plot: Path | None,
 ) -> None:
     """Run a few training steps of the profile and print (and write) what they measured."""
-    job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.steps import WARMUP_STEPS, profile_steps
 
     console = _console()
@@ -443,10 +443,9 @@ def run(
         console.print(f"plot written to {plot}", markup=False)
 
 
-def run_load(profile_arg: str, overrides: list[str] | None, folder: Path, json_out: Path | None) -> None:
+def run_load(job: JobProfile, folder: Path, json_out: Path | None) -> None:
     """`--load-checkpoint DIR`: write (unless there) and load the profile model's synthetic FP8 checkpoint; print
     and write what the load measured."""
-    job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.load_op import run_load_benchmark
 
     console = _console()
@@ -496,10 +495,8 @@ def launches_table(result: dict) -> Table:
     return table
 
 
-def run_launches(profile_arg: str, overrides: list[str] | None, rounds: int, launches: list[str],
-                 json_out: Path | None) -> None:  # fmt: skip
+def run_launches(job: JobProfile, rounds: int, launches: list[str], json_out: Path | None) -> None:
     """Time the profile's steps under the defaults and each launch in turns; print (and write) what they measured."""
-    job = read_profile(profile_arg, overrides)
     from moe_tune.engine.bench.launch_turns import LaunchFailed, TurnsStopped, compare_launches, kernel_changes
     from moe_tune.profiles import error_line
 

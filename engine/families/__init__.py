@@ -220,7 +220,7 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                     if scale_target is None:
                         value = recipe(get)
                         _copy_into(target, _floating(value, get) if target.is_floating_point() else value,
-                                   name, problems, get.sources())
+                                   name, problems, get)
                         continue
                     loaded.add(id(scale_target))
                     shape = tuple(getattr(target, "ds_shape", target.shape))
@@ -234,8 +234,8 @@ def load_checkpoint_weights(model: nn.Module, cfg: ModelProfile, check_unread: b
                     if not err.keys:
                         problems.append(f"checkpoint tensor for {name} is {err.dtype}: {FLOAT_RULE}")
                     continue
-                _copy_into(target, w_q, name, problems, get.sources())
-                _copy_into(scale_target, scale, name + SCALE_SUFFIX, problems, get.sources())
+                _copy_into(target, w_q, name, problems, get)
+                _copy_into(scale_target, scale, name + SCALE_SUFFIX, problems, get)
         problems += get.problems
         for (_, dtype), keys in not_floating.items():
             first = min(keys)
@@ -372,11 +372,11 @@ def _fp8_value(recipe, get: WeightGetter, shape: tuple[int, ...], segments, name
     return value
 
 
-def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str, problems: list[str], source: str) -> None:
-    """`value` (built from `source`: the file and key it was read from) into our tensor `name`."""
+def _copy_into(target: torch.Tensor, value: torch.Tensor, name: str, problems: list[str], get: WeightGetter) -> None:
+    """`value` (built from the keys `get` read for it) into our tensor `name`."""
     shape = tuple(getattr(target, "ds_shape", target.shape))
     if tuple(value.shape) != shape:
-        problems.append(f"{source}: makes {name} of shape {tuple(value.shape)}, the model expects {shape}")
+        problems.append(f"{get.sources()}: makes {name} of shape {tuple(value.shape)}, the model expects {shape}")
         return
     # Our FP8 tensors hold bits: float8_e4m3fn weights as uint8, fp32 scales as int32.
     if target.dtype == torch.uint8 and value.dtype == torch.float8_e4m3fn:

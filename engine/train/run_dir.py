@@ -37,8 +37,10 @@ RUN_RESULTS = (
 )  # fmt: skip
 # Written by every run before its first step (the run's settings and its generated corpus): replaced, not mixed.
 RUN_SETTINGS = ("profile.yaml", "deepspeed_config.json", "generated-data")
-# Files written atomically through `.NAME.tmp` (checkpoint.write_json_atomic, trainer._save_atomic).
+# Files written atomically through `.NAME.tmp` (checkpoint.write_text_atomic, trainer._save_atomic).
 TMP_FORMAT = ".{}.tmp"
+# Every name a run writes (or --overwrite deletes) in its output.dir, the temporaries of its atomic writes included.
+OWNED_NAMES = (*RUN_RESULTS, *RUN_SETTINGS, *(TMP_FORMAT.format(n) for n in (*RUN_RESULTS, *RUN_SETTINGS)), LOCK_NAME)
 
 
 def _reason(err: OSError) -> str:
@@ -208,9 +210,7 @@ def _written_place(read: Path, out: Path) -> str | None:
     there), or one of the names it writes or --overwrite deletes, `read` being it or inside it; None elsewhere."""
     if read == out:
         return str(out)
-    written = (*RUN_RESULTS, *RUN_SETTINGS)
-    owned = (*written, *(TMP_FORMAT.format(name) for name in written), LOCK_NAME)
-    for name in owned:
+    for name in OWNED_NAMES:
         if read == out / name or out / name in read.parents:
             return str(out / name)
     return None
@@ -245,11 +245,14 @@ def run_reads(profile: JobProfile) -> dict[str, Path | None]:
     return reads
 
 
-def outputs_over_reads(outputs: dict[str, Path | None], reads: dict[str, Path | None], out: Path) -> list[str]:
+def outputs_over_run(outputs: dict[str, Path | None], profile: JobProfile,
+                     other_reads: dict[str, Path | None] | None = None) -> list[str]:  # fmt: skip
     """One line per file a command writes (`outputs`: {option: path}, e.g. plan's --json) that would replace what the
-    profile's run reads (`reads`, run_reads: a checkpoint folder's files, the data, the tokenizer) or what a run
-    keeps in `out` (output.dir: a checkpoint's manifest, profile.yaml). Paths compare resolved."""
-    out = out.expanduser().resolve()
+    profile's run reads (run_reads: a checkpoint folder's files, the data, the tokenizer; and `other_reads`, the
+    command's own) or what a run keeps in its output.dir (a checkpoint's manifest, profile.yaml). Paths compare
+    resolved."""
+    reads = {**run_reads(profile), **(other_reads or {})}
+    out = profile.output.dir.expanduser().resolve()
     problems = []
     for option, path in outputs.items():
         if path is None:
