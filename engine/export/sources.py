@@ -8,7 +8,6 @@ A LoRA run's final state is the base checkpoint (read through the family's recip
 from __future__ import annotations
 
 import copy
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,27 +44,11 @@ class RunInfo:
         return self.profile.model
 
 
-def links_out_of(run_dir: Path, names: tuple[str, ...]) -> list[str]:
-    """One line per name in `run_dir` that resolves outside it (a link, or a link above it; the names under one
-    named already are not named again): a run's files are read only inside its folder."""
-    root = run_dir.resolve()
-    problems, outside = [], []
-    for name in names:
-        path = run_dir / name
-        if any(above in path.parents for above in outside):
-            continue
-        if os.path.lexists(path) and root not in path.resolve().parents:
-            outside.append(path)
-            problems.append(f"{path}: leads to {str(path.resolve())!r}, outside the run folder; a run's files are read "
-                            "only inside it")
-    return problems
-
-
 def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     """The run in `run_dir`; ProfileError (one line each) when there is no run there or, with `need_final`, it
     has not written its final state (summary.json and the adapter / weights)."""
     from moe_tune.engine.families import resolve_job
-    from moe_tune.engine.train.run_dir import LOCK_NAME
+    from moe_tune.engine.train.run_dir import LOCK_NAME, links_out_of
     from moe_tune.profiles import validate_profile
 
     run_dir = Path(run_dir)

@@ -418,11 +418,15 @@ def open_step(run, step: int, merged: bool):
     from moe_tune.engine.train.checkpoint import (
         checkpoint_dirs, checkpoint_name, checkpoint_step, misnamed_checkpoints, verify_checkpoint,
     )
+    from moe_tune.engine.train.run_dir import links_out_of
 
     from .fp8 import is_fp8_base
     from .sources import DequantizedSource
 
     root = Path(run.run_dir) / "checkpoints"
+    escaping = links_out_of(Path(run.run_dir), ("checkpoints",))
+    if escaping:
+        raise ProfileError([f"--step {step}: {line}" for line in escaping])
     folder = root / checkpoint_name(step)
     if not folder.is_dir():
         have = [str(checkpoint_step(p)) for p in checkpoint_dirs(root)]

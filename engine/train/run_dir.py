@@ -205,6 +205,22 @@ def remove_run_outputs(out: Path) -> list[str]:
     return removed
 
 
+def links_out_of(run_dir: Path, names: tuple[str, ...]) -> list[str]:
+    """One line per name in `run_dir` that resolves outside it (a link, or a link above it; the names under one
+    named already are not named again): a run's files are read and written only inside its folder."""
+    root = run_dir.resolve()
+    problems, outside = [], []
+    for name in names:
+        path = run_dir / name
+        if any(above in path.parents for above in outside):
+            continue
+        if os.path.lexists(path) and root not in path.resolve().parents:
+            outside.append(path)
+            problems.append(f"{path}: leads to {str(path.resolve())!r}, outside the run folder; a run's files are read "
+                            "and written only inside it")
+    return problems
+
+
 def _written_place(read: Path, out: Path) -> str | None:
     """Where in `out` a run writes over `read` (a path the run reads): `out` itself (a run writes its outputs
     there), or one of the names it writes or --overwrite deletes, `read` being it or inside it; None elsewhere."""
@@ -275,8 +291,8 @@ def outputs_over_run(outputs: dict[str, Path | None], profile: JobProfile,
 def check_output_dir(out: Path, resume: bool, overwrite: bool,
                      reads: dict[str, Path | None] | None = None) -> tuple[RunDirLock, list[str]]:  # fmt: skip
     """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, one where
-    the run would write over what it reads (`reads`, check_reads_apart), a directory in use by another run, or one
-    holding a previous run's results without resume or overwrite. Returns the held lock and notes to print (a lock
+    the run would write over what it reads (`reads`, check_reads_apart), a directory in use by another run, one
+    holding a previous run's results without resume or overwrite, or on resume one whose results lead outside it. Returns the held lock and notes to print (a lock
     taken over, the outputs --overwrite removed)."""
     where = f"output.dir ({out})"
     if resume and overwrite:
@@ -299,7 +315,12 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
         raise
     notes = [lock.note] if lock.note else []
     try:
-        if not resume:
+        if resume:
+            # --resume reads the run's checkpoints and appends to its metrics: through a link, another folder's.
+            escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS))
+            if escaping:
+                raise ProfileError(escaping)
+        else:
             found = previous_run_outputs(out)
             if found and not overwrite:
                 raise ProfileError([

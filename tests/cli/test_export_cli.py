@@ -112,6 +112,20 @@ def test_bad_input_exits_2_in_one_line(run_dir, tmp_path, args, message):
     assert not (run_dir / "export").exists() and (tmp_path / "busy" / "keep").read_text() == "mine"
 
 
+def test_a_checkpoints_folder_leading_out_of_the_run_is_refused(run_dir, tmp_path):
+    """`--step` reads the run's own checkpoints: its checkpoints folder a link to another run's is one line."""
+    run, elsewhere = tmp_path / "run", tmp_path / "other-run" / "checkpoints"
+    shutil.copytree(run_dir, run)
+    (elsewhere / "step-0000001").mkdir(parents=True)
+    (run / "checkpoints").symlink_to(elsewhere)
+    result = runner.invoke(app, ["export", str(run), "--step", "1", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --step 1: {run / 'checkpoints'}: leads to {str(elsewhere)!r}, outside the run folder; a run's files "
+        "are read and written only inside it"]
+    assert not (tmp_path / "out").exists()
+
+
 def assert_refused_in_one_line(args: list[str], out, message: str) -> None:
     """`moe-tune export ARGS --out OUT`: exit 2, one line starting with `message`, no traceback, nothing written
     (neither OUT nor the temporary folder beside it)."""

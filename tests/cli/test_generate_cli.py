@@ -496,5 +496,5 @@ def test_a_run_file_leading_out_of_the_run_folder_is_refused(lora_run, tmp_path,
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
-        f"error: {run / linked}: leads to {str(elsewhere)!r}, outside the run folder; a run's files are read only "
-        "inside it"]
+        f"error: {run / linked}: leads to {str(elsewhere)!r}, outside the run folder; a run's files are read and "
+        "written only inside it"]

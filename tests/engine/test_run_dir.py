@@ -222,6 +222,33 @@ def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
                      f"checkpoints, adapter, model.safetensors, profile.yaml from {out}"]  # fmt: skip
 
 
+@pytest.mark.parametrize("linked", ["checkpoints", "metrics.jsonl", "tensorboard", "profile.yaml", "generated-data"])
+def test_resume_refuses_a_result_that_leads_out_of_the_run_folder(tmp_path, linked):
+    """--resume reads the run's checkpoints and appends to its files: a name of the run's that is a link to another
+    folder's (a shared checkpoints folder, another run's metrics) is one line naming it, the link left as it was."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere" / linked
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    elsewhere.parent.mkdir()
+    elsewhere.mkdir() if linked in ("checkpoints", "tensorboard", "generated-data") else elsewhere.write_text("x")
+    (out / linked).symlink_to(elsewhere)
+    with pytest.raises(ProfileError) as refusal:
+        check_output_dir(out, resume=True, overwrite=False)
+    assert refusal.value.problems == [f"{out / linked}: leads to {str(elsewhere)!r}, outside the run folder; a run's "
+                                      "files are read and written only inside it"]  # fmt: skip
+    assert (out / linked).is_symlink() and not (out / LOCK_NAME).exists()
+
+
+def test_resume_takes_links_that_stay_inside_the_run_folder(tmp_path):
+    """A link to a folder inside the run, and output.dir itself a link to the run's folder, lead nowhere else."""
+    real = tmp_path / "real"
+    (real / "old-checkpoints").mkdir(parents=True)
+    (real / "checkpoints").symlink_to(real / "old-checkpoints")
+    (tmp_path / "out").symlink_to(real)
+    lock, _ = check_output_dir(tmp_path / "out", resume=True, overwrite=False)
+    lock.release()
+
+
 @pytest.mark.parametrize("where", [".", "merged", "checkpoints/step-0000002", "adapter/../export-merged",
                                    "model.safetensors", "link", ".summary.json.tmp", ".deepspeed_config.json.tmp",
                                    ".profile.yaml.tmp", ".metrics.jsonl.tmp"])  # fmt: skip
