@@ -564,6 +564,10 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
             chat_template = run_chat_template(run.profile)
         except ProfileError as err:
             problems += err.problems
+        if step is not None and step >= 1:
+            from .zero import step_folder_problems
+
+            problems += step_folder_problems(run, step)
         if problems:
             raise ProfileError(problems)
         if step is not None:

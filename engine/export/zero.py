@@ -411,31 +411,41 @@ def peft_state_source(state: dict[str, torch.Tensor], cfg, scaling: float):
     return DequantizedSource(DictSource(ours, adapter), cfg, True, scaling)
 
 
-def open_step(run, step: int, merged: bool):
-    """The state of `run` (sources.RunInfo) at checkpoints/step-`step`, after verifying it against its manifest: a
-    StepState, or for an FP8-base run its bf16-base view (fp8.DequantizedSource). ProfileError, one line per problem:
-    no such checkpoint, one that does not verify, a layout it cannot read."""
-    from moe_tune.engine.train.checkpoint import (
-        checkpoint_dirs, checkpoint_name, checkpoint_step, misnamed_checkpoints, verify_checkpoint,
-    )
+def step_folder_problems(run, step: int) -> list[str]:
+    """Lines saying why checkpoints/step-`step` of `run` (sources.RunInfo) is not there to read: no such folder
+    (the steps there listed), or the checkpoints folder a link leading outside the run; [] when it is there."""
+    from moe_tune.engine.train.checkpoint import checkpoint_dirs, checkpoint_name, checkpoint_step, misnamed_checkpoints
     from moe_tune.engine.train.run_dir import links_out_of
-
-    from .fp8 import is_fp8_base
-    from .sources import DequantizedSource
 
     root = Path(run.run_dir) / "checkpoints"
     escaping = links_out_of(Path(run.run_dir), ("checkpoints",))
     if escaping:
-        raise ProfileError([f"--step {step}: {line}" for line in escaping])
+        return [f"--step {step}: {line}" for line in escaping]
     folder = root / checkpoint_name(step)
-    if not folder.is_dir():
-        have = [str(checkpoint_step(p)) for p in checkpoint_dirs(root)]
-        listed = f"the checkpoints there are steps {', '.join(have)}" if have else "there are none"
-        # A folder named for the step otherwise (step-3): not a checkpoint name, which the line says.
-        renamed = [name for name, named in misnamed_checkpoints(root).items() if named == step]
-        if renamed:
-            listed += f"; {', '.join(renamed)} is not named as the trainer names checkpoints ({folder.name})"
-        raise ProfileError([f"--step {step}: no checkpoint {folder} ({listed})"])
+    if folder.is_dir():
+        return []
+    have = [str(checkpoint_step(p)) for p in checkpoint_dirs(root)]
+    listed = f"the checkpoints there are steps {', '.join(have)}" if have else "there are none"
+    # A folder named for the step otherwise (step-3): not a checkpoint name, which the line says.
+    renamed = [name for name, named in misnamed_checkpoints(root).items() if named == step]
+    if renamed:
+        listed += f"; {', '.join(renamed)} is not named as the trainer names checkpoints ({folder.name})"
+    return [f"--step {step}: no checkpoint {folder} ({listed})"]
+
+
+def open_step(run, step: int, merged: bool):
+    """The state of `run` (sources.RunInfo) at checkpoints/step-`step`, after verifying it against its manifest: a
+    StepState, or for an FP8-base run its bf16-base view (fp8.DequantizedSource). ProfileError, one line per problem:
+    no such checkpoint, one that does not verify, a layout it cannot read."""
+    from moe_tune.engine.train.checkpoint import checkpoint_name, verify_checkpoint
+
+    from .fp8 import is_fp8_base
+    from .sources import DequantizedSource
+
+    missing = step_folder_problems(run, step)
+    if missing:
+        raise ProfileError(missing)
+    folder = Path(run.run_dir) / "checkpoints" / checkpoint_name(step)
     verdict = verify_checkpoint(folder)
     if verdict.problem is not None:
         raise ProfileError([f"--step {step}: {folder} does not verify: {verdict.problem}"])

@@ -112,6 +112,17 @@ def test_bad_input_exits_2_in_one_line(run_dir, tmp_path, args, message):
     assert not (run_dir / "export").exists() and (tmp_path / "busy" / "keep").read_text() == "mine"
 
 
+def test_a_missing_step_is_named_beside_an_out_problem(run_dir, tmp_path):
+    """Both problems at once, a line each: the user mends both before the next try."""
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep").write_text("mine")
+    result = runner.invoke(app, ["export", str(run_dir), "--step", "7", "--out", str(tmp_path / "busy")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"error: --out ('{tmp_path}/busy') exists and is not empty")
+    assert lines[1].startswith(f"error: --step 7: no checkpoint {run_dir}/checkpoints/step-"), lines
+
+
 def test_a_checkpoints_folder_leading_out_of_the_run_is_refused(run_dir, tmp_path):
     """`--step` reads the run's own checkpoints: its checkpoints folder a link to another run's is one line."""
     run, elsewhere = tmp_path / "run", tmp_path / "other-run" / "checkpoints"
