@@ -84,8 +84,10 @@ def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, 
     factor = settings.factor
     if max(height, width) / min(height, width) > 200:
         raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.0f} must be <= 200")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+    # A side under factor / 2 rounds to 0, so the area is below min_pixels and the image is scaled up: as
+    # transformers' smart_resize, whose grid and token count inference sees.
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > settings.max_pixels:
         beta = math.sqrt((height * width) / settings.max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -94,7 +96,8 @@ def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, 
         beta = math.sqrt(settings.min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    # min_pixels 0 leaves a rounded-down side at 0: one factor is the least a side can be.
+    return max(factor, h_bar), max(factor, w_bar)
 
 
 def load_image(path: Path):
@@ -102,7 +105,7 @@ def load_image(path: Path):
     directory is never opened), larger than MAX_IMAGE_PIXELS (checked on the header, before decoding) or not an
     image."""
     try:
-        from PIL import Image
+        from PIL import Image, ImageOps
     except ImportError:
         raise ImageError(f"{path}: reading images needs Pillow: pip install pillow") from None
     try:
@@ -127,6 +130,8 @@ def load_image(path: Path):
                         raise ImageError(f"{path}: {img.width} x {img.height} pixels, more than the "
                                          f"{MAX_IMAGE_PIXELS} an image may have (a decompression bomb?)")
                     img.load()
+                    # As transformers' load_image: a photo's EXIF orientation applied, so it is not trained sideways.
+                    img = ImageOps.exif_transpose(img)
                     if "A" in img.getbands() or "transparency" in img.info:
                         # As transformers' convert_to_rgb: transparent pixels over white, not their hidden colour.
                         rgba = img.convert("RGBA")

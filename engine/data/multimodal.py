@@ -44,7 +44,10 @@ class VisionTokens:
 def image_ref(path: Path, settings: ImageSettings, where: str = "") -> ImageRef:
     """Open and fully decode the image once (a broken file fails here, at load time, not mid-epoch)."""
     image = load_image(path)
-    _, grid = image_patches(image, settings)
+    try:
+        _, grid = image_patches(image, settings)
+    except ImageError as err:
+        raise ImageError(f"{path}: {err}") from None
     return ImageRef(path, grid, where)
 
 
@@ -172,7 +175,8 @@ def render_templated_multimodal_chat(
             except ImageError as err:
                 raise ImageError(f"{where}: {err}") from None
             content.append({"type": "image"})
-        templated.append({"role": message["role"], "content": content})
+        # The message's other fields (reasoning_content, tool_calls, name) reach the template as in a text record.
+        templated.append({**message, "content": content})
     if queue:
         raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
     pieces = render_chat(templated, where, options)

@@ -16,6 +16,9 @@ from moe_tune.profiles.schema import DataProfile
 
 PIL = pytest.importorskip("PIL.Image")
 SIZES = [(37, 91), (200, 120), (64, 64), (500, 333)]
+# A side under half the factor (32 here) rounds to 0 and the image is scaled up to min_pixels; one just over half does
+# not; a side of exactly one factor; the 200 aspect ratio at its bound.
+THIN = [(10, 1000), (15, 700), (17, 700), (700, 12), (32, 900), (5, 1000)]
 TOKENS = VisionTokens(image=300, start=301, end=302)
 
 
@@ -43,6 +46,48 @@ def test_patches_equal_the_reference_processor(tmp_path, reference_processor):
         patches, grid = image_patches(image, settings)
         assert [list(grid)] == expected["image_grid_thw"].tolist()
         torch.testing.assert_close(patches, expected["pixel_values"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("height, width", THIN)
+def test_thin_images_get_the_reference_processors_grid(tmp_path, reference_processor, height, width):
+    """The grid (so the image's token count) of images with a side under the factor, as transformers' processor
+    gives it: that is the count inference sees."""
+    reference_processor.save_pretrained(tmp_path)
+    image = load_image(write_image(tmp_path / "thin.png", height, width))
+    expected = reference_processor(images=[image], return_tensors="pt")
+    patches, grid = image_patches(image, ImageSettings.from_checkpoint(tmp_path))
+    assert [list(grid)] == expected["image_grid_thw"].tolist()
+    torch.testing.assert_close(patches, expected["pixel_values"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_orientation_is_applied_like_the_reference_loader(tmp_path, reference_processor, orientation):
+    """A photo whose EXIF says it is rotated (a phone's portrait shot) is trained upright: patches and grid equal
+    transformers' load_image then its processor. Orientations 6 and 8 swap the sides."""
+    from transformers.image_utils import load_image as reference_load
+
+    reference_processor.save_pretrained(tmp_path)
+    exif = PIL.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "photo.jpg"
+    rng = np.random.default_rng(orientation)
+    PIL.fromarray(rng.integers(0, 255, (60, 140, 3), dtype=np.uint8)).save(path, exif=exif.tobytes(), quality=95)
+    expected = reference_processor(images=[reference_load(str(path))], return_tensors="pt")
+    patches, grid = image_patches(load_image(path), ImageSettings.from_checkpoint(tmp_path))
+    assert [list(grid)] == expected["image_grid_thw"].tolist()
+    assert (grid[1] > grid[2]) == (orientation in (6, 8))
+    torch.testing.assert_close(patches, expected["pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_an_aspect_ratio_over_the_bound_names_the_image(tmp_path):
+    path = write_image(tmp_path / "strip.png", 2, 500)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<image>what?"},
+                                             {"role": "assistant", "content": "a strip"}], "images": ["strip.png"]})
+                    + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(data), ByteTokenizer(), vision())
+    assert err.value.problems == [f"{data}:1: {path}: aspect ratio 250 must be <= 200"]
 
 
 def vision(settings=None):
@@ -218,9 +263,8 @@ CHAT_TEMPLATE_WITH_IMAGES = (
 )
 
 
-def test_image_chats_use_the_checkpoints_chat_template(tmp_path):
-    """A tokenizer with a chat template renders image records through it (as the checkpoint's model was trained);
-    each image's single placeholder token is widened to its n tokens."""
+def word_tokenizer(folder, chat_template: str):
+    """A word-level tokenizer with the vision tokens at TOKENS' ids (300-302) and `chat_template`, saved in `folder`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -229,23 +273,53 @@ def test_image_chats_use_the_checkpoints_chat_template(tmp_path):
     specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>"]
     vocab = {f"w{i}": i for i in range(300)} | {t: 300 + i for i, t in enumerate(specials)}
     vocab |= {"<unk>": 305, "user": 306, "assistant": 307, "what": 308, "square": 309, "<s>": 310, "</s>": 311}
+    vocab |= {"<think>": 312, "four": 313, "sides": 314}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                   additional_special_tokens=specials)
-    tok.chat_template = CHAT_TEMPLATE_WITH_IMAGES
-    tok.save_pretrained(tmp_path / "tok")
+    tok.chat_template = chat_template
+    tok.save_pretrained(folder)
+    return load_tokenizer(str(folder))
+
+
+def test_image_chats_use_the_checkpoints_chat_template(tmp_path):
+    """A tokenizer with a chat template renders image records through it (as the checkpoint's model was trained);
+    each image's single placeholder token is widened to its n tokens."""
+    tok = word_tokenizer(tmp_path / "tok", CHAT_TEMPLATE_WITH_IMAGES)
     write_image(tmp_path / "a.png", 24, 40)
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "<image> what"},
                                              {"role": "assistant", "content": "square"}], "images": ["a.png"]}) + "\n")
-    (doc,) = load_documents(data_profile(path), load_tokenizer(str(tmp_path / "tok")), vision())
+    (doc,) = load_documents(data_profile(path), tok, vision())
     # <s> <|im_start|> user <|vision_start|> <|image_pad|> x 15 <|vision_end|> what <|im_end|> <|im_start|> ...
     assert doc.input_ids[:4] == [310, 303, 306, TOKENS.start]
     assert doc.input_ids[4:19] == [TOKENS.image] * 15 and doc.input_ids[19] == TOKENS.end
     assert doc.input_ids[20:22] == [308, 304]
     trained = [t for t, label in zip(doc.input_ids[1:] + [311], doc.labels) if label != -100]
     assert 309 in trained and TOKENS.image not in trained
+
+
+@pytest.mark.parametrize("field, value", [("reasoning_content", "four sides"), ("name", "w7")])
+def test_an_image_chat_keeps_the_messages_other_fields(tmp_path, field, value):
+    """A message's other fields (reasoning, a speaker's name) reach the template with images as without: the record
+    with an image trains the same tokens as the same record without it."""
+    template = CHAT_TEMPLATE_WITH_IMAGES.replace(
+        "{% if m['content'] is string %}",
+        "{% if m.reasoning_content %}<think> {{ m.reasoning_content }} {% endif %}{% if m.name %}{{ m.name }} "
+        "{% endif %}{% if m['content'] is string %}")
+    tok = word_tokenizer(tmp_path / "tok", template)
+    write_image(tmp_path / "a.png", 24, 40)
+    trained = {}
+    for case, user, images in [("text", "what", {}), ("image", "<image> what", {"images": ["a.png"]})]:
+        path = tmp_path / f"{case}.jsonl"
+        path.write_text(json.dumps({"messages": [{"role": "user", "content": user},
+                                                 {"role": "assistant", "content": "square", field: value}], **images})
+                        + "\n")
+        (doc,) = load_documents(data_profile(path), tok, vision())
+        trained[case] = [label for label in doc.labels if label != -100]
+    assert trained["image"] == trained["text"]
+    assert {313, 314} <= set(trained["text"]) if field == "reasoning_content" else 7 in trained["text"]
 
 
 def test_a_chat_template_that_drops_images_is_refused(tmp_path):
