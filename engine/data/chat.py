@@ -170,6 +170,12 @@ def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: lis
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        if turn == 0:
+            # transformers renders no empty conversation: the header of a turn the assistant opens is the one the
+            # template gives after a user turn.
+            header = generation_prompt(lambda prefix, prompt: render(prefix, prompt, False)[0])
+            headers.update([tuple(header)] if header else [])
+            continue
         try:
             plain, prompted = render(messages[:turn], False, False)[0], render(messages[:turn], True, False)[0]
         except ProfileError:
@@ -204,7 +210,8 @@ def render_by_prefixes(
     """Pieces of a conversation rendered by growing prefixes (`render(messages, add_generation_prompt)` -> ids): each
     message owns the tokens its prefix adds; an assistant message's tokens are trained from the end of the generation
     prompt (when that renders as a prefix; from its start with `train_header`, and always when it does not) to its
-    closing token (`closes_turn`), blank tokens after it not. Every prefix must render as a prefix of the whole
+    closing token (`closes_turn`), blank tokens after it not; in a conversation the assistant opens, what the template
+    renders before the turn's header (a default system prompt) is not trained. Every prefix must render as a prefix of the whole
     conversation, else ProfileError naming the turn."""
     full = render(messages, False)
     pieces: Pieces = []
@@ -222,8 +229,14 @@ def render_by_prefixes(
             pieces.append((ids[len(previous) :], False))
             previous = ids
             continue
-        start = len(previous)
-        prompted = render(messages[: turn - 1], True) if turn > 1 else []
+        before, prompted = len(previous), []
+        if turn > 1:
+            prompted = render(messages[: turn - 1], True)
+        elif (at := _opening_header(render, ids)) is not None:
+            # A conversation the assistant opens: what the template renders before its header (a default system
+            # prompt) is not the turn's.
+            before, prompted = at
+        start = before
         if start <= len(prompted) <= len(ids) and prompted == ids[: len(prompted)]:
             start = len(prompted)
         end = len(ids)
@@ -233,9 +246,31 @@ def render_by_prefixes(
             end = len(ids)
         if end == start and _has_content(message):
             raise ProfileError([_DROPPED.format(where=where, turn=turn)])
-        pieces += [(ids[len(previous) : start], train_header), (ids[start:end], True), (ids[end:], False)]
+        pieces += [(ids[len(previous) : before], False), (ids[before:start], train_header), (ids[start:end], True),
+                   (ids[end:], False)]
         previous = ids
     return [piece for piece in pieces if piece[0]]
+
+
+def generation_prompt(render: Callable[[list[dict], bool], list[int]]) -> list[int]:
+    """The ids the template's generation prompt adds after a user turn ([] when it adds none, or cannot render one)."""
+    probe = [{"role": "user", "content": "x"}]
+    try:
+        plain, prompted = render(probe, False), render(probe, True)
+    except ProfileError:
+        return []
+    return prompted[len(plain) :] if prompted[: len(plain)] == plain else []
+
+
+def _opening_header(render: Callable[[list[dict], bool], list[int]], ids: list[int]) -> tuple[int, list[int]] | None:
+    """Where the assistant's header starts in `ids` (a conversation's first turn, the assistant's, rendered) and the
+    ids up to its end: the header is the generation prompt the template adds after a user turn (transformers renders
+    no empty conversation), found at its first place in `ids`; None when the template renders none or not there."""
+    header = generation_prompt(render)
+    for at in range(len(ids) - len(header) + 1) if header else ():
+        if ids[at : at + len(header)] == header:
+            return at, ids[: at + len(header)]
+    return None
 
 
 def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool) -> tuple[list[int], list[bool]]:

@@ -276,6 +276,10 @@ CONVERSATIONS = {
     "ends_with_user": [*CANONICAL, {"role": "user", "content": "thanks"}],
     "agent_turns": [CANONICAL[0], {"role": "assistant", "content": "step"},
                     {"role": "assistant", "content": "<think>\nmore\n</think>\n\nfinal"}],
+    # The assistant opens: what the template renders before its header (kimi's default system turn, a <bos>) is not
+    # the turn's.
+    "assistant_only": [CANONICAL[1]],
+    "assistant_first": [CANONICAL[1], {"role": "user", "content": "and?"}, {"role": "assistant", "content": "done"}],
 }  # fmt: skip
 
 
@@ -304,9 +308,10 @@ def test_every_assistant_turn_is_trained_once_and_nothing_else(tmp_path, tokeniz
 
 
 @pytest.mark.parametrize("family, conversation", [
-    (family, conversation) for family in FAMILIES for conversation in ("single", "system", "ends_with_user")
+    (family, conversation) for family in FAMILIES
+    for conversation in ("single", "system", "ends_with_user", "assistant_only", "assistant_first")
     # qwen3 gives the last assistant turn an empty think block: it holds as a prefix only while last.
-    if not (family.startswith("qwen3") and conversation == "ends_with_user")
+    if not (family.startswith("qwen3") and conversation in ("ends_with_user", "assistant_first"))
 ])  # fmt: skip
 def test_templates_without_generation_blocks_train_what_the_marked_ones_mark(tmp_path, tokenizers, family,
                                                                              conversation):
@@ -316,6 +321,20 @@ def test_templates_without_generation_blocks_train_what_the_marked_ones_mark(tmp
     messages = CONVERSATIONS[conversation]
     doc = document(tmp_path, tok, messages, str(tokenizers[family, False][2]))
     assert (doc.input_ids, doc.labels) == expected_document(tokenizers[family, True][1], messages)
+
+
+@pytest.mark.parametrize("conversation", ["assistant_only", "assistant_first", "system"])
+@pytest.mark.parametrize("family", ["kimi", "deepseek_v3"])
+def test_headers_are_trained_alike_with_and_without_generation_blocks(tmp_path, tokenizers, family, conversation):
+    """data.train_on_assistant_header: each assistant turn's header trained with it, the turn the assistant opens
+    too, and nothing the template renders before that header (kimi's default system prompt)."""
+    messages = CONVERSATIONS[conversation]
+    docs = [document(tmp_path, tokenizers[family, marked][0], messages, str(tokenizers[family, marked][2]),
+                     train_on_assistant_header=True) for marked in (True, False)]
+    assert docs[0] == docs[1]
+    runs = trained_runs(docs[1], tokenizers[family, False][0])
+    header = "<|im_assistant|>assistant<|im_middle|>" if family == "kimi" else "<｜Assistant｜>"
+    assert runs[0].startswith(header + "hello there") and "Kimi" not in "".join(runs)
 
 
 @pytest.mark.parametrize("conversation", ["multi_turn_think", "multi_turn_plain"])
