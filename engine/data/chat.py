@@ -133,7 +133,8 @@ def render_conversation(
 ) -> Pieces:
     """Pieces of a conversation rendered by a chat template, trained as `options` say: train_on all renders it once
     and trains every token; a template with {% generation %} blocks is rendered once and its marked spans trained
-    (with their headers: mark_headers); any other is rendered by growing prefixes (render_by_prefixes)."""
+    (with their headers: mark_headers; with the turn's closing token where the template renders it after the span);
+    any other is rendered by growing prefixes (render_by_prefixes)."""
     if options.trains_all:
         ids, _ = render(messages, False, False)
         return [(ids, True)] if ids else []
@@ -142,6 +143,9 @@ def render_conversation(
         if not any(mask) and (turn := next((i for i, m in enumerate(messages, 1)
                                              if m["role"] == "assistant" and _has_content(m)), None)):  # fmt: skip
             raise ProfileError([_DROPPED.format(where=where, turn=turn)])
+        close = _turn_close(lambda prefix, prompt: render(prefix, prompt, False)[0], closes_turn, is_blank)
+        if close is not None:
+            mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
             mask = mark_headers(render, messages, ids, mask, where)
         return pieces_from_mask(ids, mask)
@@ -153,6 +157,36 @@ def render_conversation(
 # closing <eos> alone.
 _DROPPED = ("{where}: the chat template renders no token of turn {turn} (assistant) to train: a template must render "
             "every message's content (data.chat_template, or the tokenizer's)")
+
+
+def _turn_close(render: Callable[[list[dict], bool], list[int]], closes_turn: Callable[[int], bool],
+                is_blank: Callable[[int], bool]) -> int | None:
+    """The special token the template closes an assistant turn with (<|im_end|>): the last token not blank of a
+    user and an assistant turn rendered, when it closes a turn; None otherwise."""
+    try:
+        ids = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
+    except ProfileError:
+        return None
+    for token in reversed(ids):
+        if closes_turn(token):
+            return token
+        if not is_blank(token):
+            return None
+    return None
+
+
+def _with_closing_tokens(ids: list[int], mask: list[int], close: int, is_blank: Callable[[int], bool]) -> list[int]:
+    """The mask with each marked span's closing token marked too, where the template renders it after the span
+    (`{% generation %}{{ content }}{% endgeneration %}<|im_end|>`), blank tokens between them with it: the turn's end is
+    what teaches the model to stop."""
+    marked = list(mask)
+    for end in (i for i in range(1, len(mask)) if mask[i - 1] and not mask[i]):
+        after = end
+        while after < len(ids) and is_blank(ids[after]) and not mask[after]:
+            after += 1
+        if after < len(ids) and ids[after] == close and not mask[after]:
+            marked[end : after + 1] = [1] * (after + 1 - end)
+    return marked
 
 
 def _has_content(message: dict) -> bool:

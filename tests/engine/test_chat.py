@@ -418,6 +418,29 @@ def test_a_template_without_an_end_of_turn_token_gets_one_trained_eos(tmp_path, 
                                                  f"assistant: {answer}\n".replace("\u00e9", "<unk>"))
 
 
+@pytest.mark.parametrize("between", ["", "\n"])
+@pytest.mark.parametrize("conversation", ["single", "multi_turn_plain", "agent_turns"])
+def test_a_closing_token_after_the_generation_block_is_trained(tmp_path, conversation, between):
+    """`{% generation %}{{ content }}{% endgeneration %}<|im_end|>`: the turn's <|im_end|> is trained with it, as
+    the same template without the markers trains it (by prefixes), and no <eos> is added."""
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "qwen3", True)
+    template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\n' }}{%- if m.role == 'assistant' %}@GEN"
+                "{{- m.content }}@END{%- else %}{{- m.content }}{%- endif %}{{- '@BETWEEN<|im_end|>\n' }}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+    messages = CONVERSATIONS[conversation]
+    docs = []
+    for marked in (True, False):
+        raw.chat_template = (template.replace("@GEN", GEN * marked).replace("@END", END_GEN * marked)
+                             .replace("@BETWEEN", between))
+        raw.save_pretrained(directory)
+        docs.append(document(tmp_path, load_tokenizer(str(directory)), messages, str(directory)))
+    assert docs[0] == docs[1]
+    close = raw.convert_tokens_to_ids("<|im_end|>")
+    turns = sum(m["role"] == "assistant" for m in messages)
+    assert trained_ids(docs[0]).count(close) == turns and trained_ids(docs[0])[-1] == close
+
+
 def test_a_template_that_does_not_close_its_turns_gets_an_eos(tmp_path):
     # The byte tokenizer's plain format ends turns with a newline: <eos> is appended and trained, once.
     doc = document(tmp_path, ByteTokenizer(), CONVERSATIONS["multi_turn_plain"])
