@@ -307,11 +307,11 @@ def _opening_header(render: Callable[[list[dict], bool], list[int]], ids: list[i
     return None
 
 
-def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool) -> tuple[list[int], list[bool]]:
-    """Token ids of a rendered conversation and whether each is trained: <bos> first when the tokenizer has one;
-    a last assistant turn gets a trained <eos> unless the template closed it with a special token itself, so the
-    end of a turn is never trained twice."""
-    ids = [tok.bos_id] if tok.bos_id is not None else []
+def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool, options: ChatOptions) -> tuple[list[int], list[bool]]:
+    """Token ids of a rendered conversation and whether each is trained: the tokenizer's document start first (none
+    before a chat template's rendering: tok.document_start); a last assistant turn gets a trained <eos> unless the
+    template closed it with a special token itself, so the end of a turn is never trained twice."""
+    ids = tok.document_start(options)
     trained = [False] * len(ids)
     for piece, is_trained in pieces:
         ids += piece

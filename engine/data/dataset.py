@@ -175,7 +175,7 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
             allow_outside=profile.allow_paths_outside, options=options,
         )
-    ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant")
+    ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant", options)
     if len(ids) - 1 > profile.seq_len:
         raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
                             f"({profile.seq_len}); a document with images is never cut"])
@@ -205,8 +205,9 @@ def _record_document(
             )
         messages = canonical_messages(messages, profile.roles, where)
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
-        pieces = tok.render_chat(messages, where, chat_options(profile))
-        return _chat_document(*chat_tokens(pieces, tok, ends_with_assistant))
+        options = chat_options(profile)
+        pieces = tok.render_chat(messages, where, options)
+        return _chat_document(*chat_tokens(pieces, tok, ends_with_assistant, options))
     if profile.text_field in record:
         text = record[profile.text_field]
         if not isinstance(text, str):
@@ -218,9 +219,10 @@ def _record_document(
 
 
 def text_document(text: str, tok: Tokenizer) -> Document:
-    """The text's tokens between <bos> and <eos>, every next token trained; a blank text (empty or whitespace) trains
-    nothing: its <eos> alone would teach the model to end at once."""
-    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + [tok.eos_id]
+    """The text's tokens after what the tokenizer puts before a text (Llama's <s>; tok.document_start) and before
+    <eos>, every next token trained; a blank text (empty or whitespace) trains nothing: its <eos> alone would teach
+    the model to end at once."""
+    ids = tok.document_start(None) + tok.encode(text) + [tok.eos_id]
     if not text.strip():
         return Document(ids[:-1], [IGNORE_INDEX] * (len(ids) - 1))
     return Document(ids[:-1], ids[1:])

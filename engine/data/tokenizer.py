@@ -50,6 +50,12 @@ class Tokenizer(Protocol):
         tokenizer's own), with the generation prompt when asked; None when there is none (the built-in format)."""
         ...
 
+    def document_start(self, options: ChatOptions | None) -> list[int]:
+        """The tokens a document starts with before its text (`options` None) or its rendered conversation (chat
+        `options`): what the tokenizer itself puts before a text, as `tokenizer(text)` gives it; nothing before a
+        chat template's rendering, which renders what comes first itself."""
+        ...
+
 
 def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
     """Messages in CHAT_TEMPLATE, for tokenizers without a chat template: the assistant's content and the newline
@@ -183,6 +189,10 @@ class ByteTokenizer:
                                        bos_token="", eos_token="")
         return self.encode(text)
 
+    def document_start(self, options: ChatOptions | None) -> list[int]:
+        # Its templates render <bos> empty (it is an id, not text): every document starts with it.
+        return [self.bos_id]
+
 
 class HFTokenizer:
     """A tokenizer directory read by transformers (local files only, no remote code)."""
@@ -205,6 +215,15 @@ class HFTokenizer:
         # <unk> stands for text the vocabulary lacks: it never closes a turn.
         special = set(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
         self.special_ids = frozenset(special - {self._tok.unk_token_id})
+        self.text_start = self._leading_special_ids()
+
+    def _leading_special_ids(self) -> list[int]:
+        """The ids the tokenizer's own post-processing puts before a text (Llama's <s>; none for Qwen's or
+        gpt-oss's), found by encoding a text with and without its special tokens."""
+        plain = self._tok.encode("a", add_special_tokens=False)
+        full = self._tok.encode("a", add_special_tokens=True)
+        at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+        return full[:at]
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
@@ -236,12 +255,8 @@ class HFTokenizer:
                 )
             return list(out["input_ids"]), list(out["assistant_masks"]) if with_mask else None
 
-        pieces = render_conversation(render, messages, where, options, has_generation_blocks(template),
-                                     lambda t: t in self.special_ids, self.is_blank)
-        # The document already starts with <bos>: drop the one a template renders itself.
-        if pieces and self.bos_id is not None and pieces[0][0][:1] == [self.bos_id]:
-            pieces[0] = (pieces[0][0][1:], pieces[0][1])
-        return [piece for piece in pieces if piece[0]]
+        return render_conversation(render, messages, where, options, has_generation_blocks(template),
+                                   lambda t: t in self.special_ids, self.is_blank)
 
     def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
                    where: str) -> list[int] | None:
@@ -252,6 +267,12 @@ class HFTokenizer:
             out = self._tok.apply_chat_template(messages, chat_template=options.template, tokenize=True,
                                                 return_dict=True, add_generation_prompt=add_generation_prompt)
         return list(out["input_ids"])
+
+    def document_start(self, options: ChatOptions | None) -> list[int]:
+        # As transformers' apply_chat_template (and a server) tokenizes a rendering: without special tokens added.
+        if options is not None and (options.template is not None or self.has_chat_template):
+            return []
+        return list(self.text_start)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

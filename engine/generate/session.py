@@ -277,20 +277,16 @@ def render_template(tok: Tokenizer, options: ChatOptions, messages: list[dict],
 def prompt_ids(tok: Tokenizer, messages: list[dict] | None = None, text: str | None = None,
                options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
     """The tokens the model continues: `messages` rendered by the chat template with the generation prompt (the
-    built-in format's `<|assistant|>` header for tokenizers without a template), or `text` as it is; after <bos>
-    when the tokenizer has one, as training documents start (data/chat.chat_tokens)."""
-    bos = [tok.bos_id] if tok.bos_id is not None else []
+    built-in format's `<|assistant|>` header for tokenizers without a template), or `text` as it is; after the
+    tokenizer's document start, as training documents begin (Tokenizer.document_start)."""
     if text is not None:
-        return bos + tok.encode(text)
+        return tok.document_start(None) + tok.encode(text)
     ids = render_template(tok, options, messages, add_generation_prompt=True)
     if ids is None:
         header = CHAT_TEMPLATE.split("{content}")[0].format(role="assistant")
         rendered = "".join(CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + header
-        return bos + tok.encode(rendered)
-    # The template's own <bos> is dropped: the document starts with one already (as HFTokenizer.render_chat does).
-    if bos and ids[:1] == bos:
-        ids = ids[1:]
-    return bos + ids
+        ids = tok.encode(rendered)
+    return tok.document_start(options) + ids
 
 
 def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:

@@ -213,7 +213,7 @@ def char_tokenizer(directory, eos: str, bos: str | None = None):
 def assert_prompt_opens_the_training_document(tok, options=ChatOptions()):
     """The prompt is the training document of the conversation with the reply, up to the reply's content."""
     prompt = prompt_ids(tok, CONVERSATION, options=options)
-    document, _ = chat_tokens(tok.render_chat(CONVERSATION + [REPLY], "record", options), tok, True)
+    document, _ = chat_tokens(tok.render_chat(CONVERSATION + [REPLY], "record", options), tok, True, options)
     assert document[: len(prompt)] == prompt and tok.decode(document[len(prompt):]).startswith("Hello!")
     return prompt
 

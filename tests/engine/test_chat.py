@@ -159,12 +159,9 @@ def reference(raw, messages):
 
 
 def expected_document(raw, messages):
-    """(input_ids, labels) as the reference mask makes them: <bos> once, label t is token t + 1 where masked in."""
+    """(input_ids, labels) as the reference makes them: transformers' ids as they are (a <bos> only where the
+    template renders one: deepseek_v3's, not kimi's), label t is token t + 1 where masked in."""
     ids, mask = reference(raw, messages)
-    if raw.bos_token_id is not None and ids[:1] == [raw.bos_token_id]:
-        ids, mask = ids[1:], mask[1:]
-    bos = [raw.bos_token_id] if raw.bos_token_id is not None else []
-    ids, mask = bos + ids, [0] * len(bos) + mask
     return ids[:-1], [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
 
 

@@ -144,9 +144,51 @@ def test_tokenizer_directory_with_chat_template(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}))
     (doc,) = load_documents(DataProfile(path=path, seq_len=16, tokenizer=str(tmp_path / "tok")), loaded)
-    # <s> user hi assistant yo </s>; labels keep only the assistant's turn and </s>.
-    assert doc.input_ids == [1, 5, 3, 6, 4]
-    assert doc.labels == [IGNORE_INDEX, IGNORE_INDEX, 6, 4, 2]
+    # user hi assistant yo </s>, as transformers renders it (no <s>: the template renders none); labels keep only
+    # the assistant's turn and </s>.
+    assert doc.input_ids == [5, 3, 6, 4]
+    assert doc.labels == [IGNORE_INDEX, 6, 4, 2]
+
+
+@pytest.mark.parametrize("adds_bos", [True, False], ids=["post-processor-adds-bos", "bos-never-added"])
+def test_documents_start_as_the_tokenizer_and_the_template_start_them(tmp_path, adds_bos):
+    """A text document starts as `tokenizer(text)` starts it (Llama's post-processor puts <s> first; gpt-oss's and
+    Kimi's tokenizers define a <bos> they never put there), a chat as the template renders it; the prompt generate
+    continues starts alike."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_tune.engine.data.chat import ChatOptions
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+    from moe_tune.engine.generate.session import prompt_ids
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "hi", "yo", "user", "assistant"])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    if adds_bos:
+        core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    raw = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    raw.save_pretrained(tmp_path / "plain")
+    raw.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    raw.save_pretrained(tmp_path / "chat")
+    start = [1] if adds_bos else []
+    assert raw("hi yo")["input_ids"] == start + [3, 4]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "hi yo"}) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    for name in ("plain", "chat"):
+        tok = load_tokenizer(str(tmp_path / name))
+        text, chat = load_documents(DataProfile(path=path, seq_len=16, tokenizer=str(tmp_path / name)), tok)
+        assert text.input_ids == start + [3, 4] and prompt_ids(tok, text="hi yo") == start + [3, 4]
+        messages = [{"role": "user", "content": "hi"}]
+        if name == "chat":
+            # The template's rendering as transformers tokenizes it: nothing put before it.
+            rendered = raw.apply_chat_template(messages + [{"role": "assistant", "content": "yo"}], tokenize=True,
+                                               return_dict=True)["input_ids"]
+            assert chat.input_ids == rendered and prompt_ids(tok, messages) == rendered[:2]
+        else:
+            assert chat.input_ids[: len(start)] == start and chat.input_ids[len(start)] != 1
+            assert prompt_ids(tok, messages, options=ChatOptions())[: len(start) + 1] == chat.input_ids[: len(start) + 1]
 
 
 def test_unreadable_tokenizer_directory_is_a_profile_error(tmp_path):
