@@ -17,6 +17,7 @@ import math
 import random
 from array import array
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -50,6 +51,10 @@ class Row:
     labels: list[int]  # [L]
     starts: list[int]  # piece starts inside the row, starts[0] == 0
     images: tuple[ImageRef, ...] = ()
+
+    @cached_property
+    def num_label_tokens(self) -> int:
+        return sum(label != IGNORE_INDEX for label in self.labels)
 
 
 @dataclass
@@ -760,6 +765,13 @@ class MicroBatchesAhead:
 
     def _build(self, index: int) -> Batch:
         return self.dataset.micro_batch(index, self.rows_per_rank, self.rank, self.world_size)
+
+    def label_tokens(self, first: int, count: int) -> int:
+        """The labelled tokens of this rank's rows in micro-batches `first` .. `first + count - 1`, read from the
+        packed rows (nothing collated)."""
+        rows = self.rows_per_rank
+        return sum(self.dataset.row((index * self.world_size + self.rank) * rows + i).num_label_tokens
+                   for index in range(first, first + count) for i in range(rows))  # fmt: skip
 
     def prepare(self, index: int) -> None:
         if index >= self.end or (self._ahead is not None and self._ahead[0] == index):

@@ -744,20 +744,23 @@ def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepV
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
     accumulation = train.gradient_accumulation_steps
+    # A row's ranks hold one row: its first rank counts its labels.
+    counts_rows = dist.context is None or dist.context.rank == 0
+    denominator = loss_denominator(run.batches.label_tokens(step * accumulation, accumulation) if counts_rows else 0,
+                                   accumulation, dist)  # fmt: skip
     for micro in range(accumulation):
         index = step * accumulation + micro
         batch = run.batches.get(index)
         share = share_of_batch(batch, dist.context)
         if on_share is not None:
             on_share(share)
-        output = micro_step(engine, share, dist)
+        output = micro_step(engine, share, dist, denominator)
         # The next micro-batch is collated on the host while the device runs this one.
         run.batches.prepare(index + 1)
         lm_losses.append(output.lm_loss.detach().float())
         aux_losses.append(output.aux_loss.detach().float())
         tokens += share.num_label_tokens
-        # A row's ranks hold one row: its first rank counts it.
-        if dist.context is None or dist.context.rank == 0:
+        if counts_rows:
             processed += processed_tokens(batch, dataset.seq_len, dataset.pad_id)
     moe_loads = update_moe_bias(engine, dist)
     values: dict[str, torch.Tensor | float] = {
@@ -1025,11 +1028,11 @@ def build_dataset(profile: JobProfile, tokenizer, generated_dir: Path):
     return train, held_out, splits.summary, skipped
 
 
-def micro_step(engine, batch, dist: DistInfo):
+def micro_step(engine, batch, dist: DistInfo, denominator: float | torch.Tensor | None):
     """Forward, backward and DeepSpeed's step on one micro-batch (the optimizer steps at the accumulation
-    boundary); returns the model's output. Under context parallelism `batch` is this rank's share of the row
-    (share_of_batch)."""
-    out = engine(**batch.model_inputs(dist.device), loss_denominator=_loss_denominator(batch.num_label_tokens, dist))
+    boundary), its summed cross-entropy divided by `denominator` (loss_denominator); returns the model's output.
+    Under context parallelism `batch` is this rank's share of the row (share_of_batch)."""
+    out = engine(**batch.model_inputs(dist.device), loss_denominator=denominator)
     engine.backward(out.loss)
     engine.step()
     return out
@@ -1089,16 +1092,20 @@ def evaluate(engine, eval_data, train: TrainProfile, dist: DistInfo) -> tuple[fl
     return (summed / tokens if tokens else math.nan), int(tokens), num_batches
 
 
-def _loss_denominator(num_label_tokens: int, dist: DistInfo) -> torch.Tensor | None:
-    """Global labelled tokens / world size, a float64 device scalar (never read on the host: the step does not wait
-    for the all-reduce): ranks holding fewer tokens weigh less, so the data-parallel average of gradients is the
-    gradient of the mean loss over the global batch. `num_label_tokens`: those this rank holds (under context
-    parallelism its share of the row's), so the sum over the world counts each once."""
+def loss_denominator(step_label_tokens: int, accumulation: int, dist: DistInfo) -> float | torch.Tensor | None:
+    """What each micro-batch's summed cross-entropy is divided by, so that the step's gradient is that of the mean
+    loss over every labelled token of the step (all its micro-batches on all ranks, as one large batch gives it):
+    the step's labelled tokens over the world / (world size x accumulation), as DeepSpeed divides each micro-batch's
+    loss by the accumulation steps and averages the ranks' gradients. A micro-batch or a rank holding fewer tokens
+    weighs less; one holding none adds nothing. `step_label_tokens`: those this rank counts (under context
+    parallelism the row's first rank alone), so the sum over the world counts each once. Several ranks: a float64
+    device scalar, never read on the host (the step does not wait for the all-reduce); one process: a number, None
+    when there is one micro-batch (the model's own mean)."""
     if dist.world_size == 1:
-        return None
-    count = host_values([float(num_label_tokens)], dist.device, torch.float64)
+        return None if accumulation == 1 else max(step_label_tokens, 1) / accumulation
+    count = host_values([float(step_label_tokens)], dist.device, torch.float64)
     torch.distributed.all_reduce(count)
-    return count[0].clamp(min=1.0) / dist.world_size
+    return count[0].clamp(min=1.0) / (dist.world_size * accumulation)
 
 
 def update_moe_bias(engine, dist: DistInfo) -> torch.Tensor | None:

@@ -2,6 +2,7 @@
 checkpoints, clean stop on signals, and exports that load back."""
 
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -56,6 +57,43 @@ def plain_pytorch_losses(profile, steps):
         opt.zero_grad()
         losses.append(out.lm_loss.item())
     return losses
+
+
+def chats_of_uneven_answers(path, records=40):
+    """Chat records whose rows train very different numbers of tokens: a long question with a two-letter answer, or
+    a short one with a long answer."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(records):
+            question, answer = [("tell me " * rng.randint(4, 7), "ok"), ("hi", " ".join(
+                str(rng.randint(0, 999)) for _ in range(rng.randint(8, 14))))][i % 2]
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("stage", [3, 1])
+def test_accumulated_micro_batches_train_as_one_batch_of_their_rows(tmp_path, stage):
+    """micro_batch_size 1 x 2 accumulation steps reads the rows micro_batch_size 2 reads in one: the same losses and
+    adapters, however many tokens each row trains (the mean is over the step's tokens, not of the micro-batches'
+    means, which would weigh a row's few tokens as much as another's many)."""
+    data = chats_of_uneven_answers(tmp_path / "chats.jsonl")
+    common = [f"data.path={data}", "train.steps=3", "train.warmup_steps=0", "train.lr=1e-3", "train.grad_clip=0",
+              "model.moe.aux_loss_coef=0", f"parallel.zero_stage={stage}"]
+    results = [finetune(load_profile("tiny", [*common, f"output.dir={tmp_path / name}", *shape]), show_progress=False)
+               for name, shape in (("one", ["train.micro_batch_size=2"]),
+                                   ("two", ["train.micro_batch_size=1", "train.gradient_accumulation_steps=2"]))]
+    tok, data = load_tokenizer("byte"), load_profile("tiny", [*common, "output.dir=x"]).data
+    rows = PackedDataset(load_documents(data, tok), data.seq_len, tok.pad_id, data.seed)
+    counts = [sum(label != -100 for label in rows.row(i).labels) for i in range(6)]
+    assert len(set(counts)) > 2, counts  # the rows train unequal numbers of tokens
+    adapters = [load_file(str(r.adapter / "adapter_model.safetensors")) for r in results]
+    for name, tensor in adapters[0].items():
+        # Adam turns rounding in a gradient's near-zero elements into steps of about lr: the B factors (zero at the
+        # start, 3 steps in) differ by 0.25% of their norm, where averaging the micro-batches' means moves them by
+        # a third.
+        assert (adapters[1][name] - tensor).norm() <= 1e-2 * tensor.norm(), name
+    assert results[1].losses == pytest.approx(results[0].losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", [3, 2, 1])  # 1: what the benchmark profiles run on their one GPU
