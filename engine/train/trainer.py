@@ -744,10 +744,12 @@ def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepV
     ensure_training(engine)
     lm_losses, aux_losses, tokens, processed = [], [], 0, 0
     accumulation = train.gradient_accumulation_steps
-    # A row's ranks hold one row: its first rank counts its labels.
+    # A row's ranks hold one row: its first rank counts its labels. One process's one micro-batch takes its own mean.
     counts_rows = dist.context is None or dist.context.rank == 0
-    denominator = loss_denominator(run.batches.label_tokens(step * accumulation, accumulation) if counts_rows else 0,
-                                   accumulation, dist)  # fmt: skip
+    denominator = None
+    if dist.world_size > 1 or accumulation > 1:
+        step_tokens = run.batches.label_tokens(step * accumulation, accumulation) if counts_rows else 0
+        denominator = loss_denominator(step_tokens, accumulation, dist)
     for micro in range(accumulation):
         index = step * accumulation + micro
         batch = run.batches.get(index)
