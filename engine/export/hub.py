@@ -527,7 +527,7 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     printing go to `notes`. ProfileError, one line per problem, before anything is written; ExportWriteError naming
     `out` and the OS error when the OS refuses a read or a write of the export (a full disk, no permission)."""
     from .fp8 import precision_problems
-    from .sources import FinalState, read_run
+    from .sources import ROUTING_BIASES_IN_NO_ADAPTER, FinalState, read_run
 
     run_dir = Path(run_dir)
     problems = precision_problems(precision)
@@ -557,6 +557,8 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
             problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
         elif not out.exists():
             problems += _creatable_problems(out)
+        if lora and not merge and run.cfg.moe is not None and run.cfg.moe.bias_update_rate > 0:
+            problems.append(ROUTING_BIASES_IN_NO_ADAPTER)
         if lora and not merge and run.cfg.checkpoint is None:
             problems.append("the run's model is built from a profile: its adapter has no checkpoint module names to go "
                             "on; export it with --merge")

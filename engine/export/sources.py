@@ -8,6 +8,7 @@ A LoRA run's final state is the base checkpoint (read through the family's recip
 from __future__ import annotations
 
 import copy
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,12 @@ ADAPTER_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter/adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter/adapter_config.json"
 WEIGHTS_FILE = "model.safetensors"
+# A LoRA run's MoE selection biases where model.moe.bias_update_rate trains them (buffers the adapter cannot hold;
+# a full fine-tune's model.safetensors holds them with the parameters).
+SELECTION_BIASES_FILE = "adapter/selection_biases.safetensors"
+ROUTING_BIASES_IN_NO_ADAPTER = ("the run trained its routing biases (model.moe.bias_update_rate), which a PEFT adapter "
+                                "cannot hold: the base model with the adapter would route otherwise; export with "
+                                "--merge, which writes them into the model")
 # The dtypes the trainer saves trained tensors in (and fp16 / fp64, which a merge reads as well).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # An adapter factor's name after the prefix: `<module>.lora_A.<param>` (linear: param `weight`; grouped experts:
@@ -59,7 +66,7 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     if not profile_file.is_file():
         raise ProfileError([f"{run_dir}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"])
     escaping = links_out_of(run_dir, ("profile.yaml", "summary.json", "adapter", ADAPTER_FILE, ADAPTER_CONFIG_FILE,
-                                      WEIGHTS_FILE))  # fmt: skip
+                                      SELECTION_BIASES_FILE, WEIGHTS_FILE))  # fmt: skip
     if escaping:
         raise ProfileError(escaping)
     try:
@@ -191,6 +198,28 @@ def read_adapter(run: RunInfo, shapes: dict[str, tuple[int, ...]] | None = None)
     return adapter
 
 
+def read_selection_biases(run: RunInfo, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The selection biases a LoRA run trained (SELECTION_BIASES_FILE; {} when the run trained none), each an MoE
+    block's bias of its shape; ProfileError naming the file and the tensor otherwise."""
+    from safetensors import SafetensorError
+
+    path = run.run_dir / SELECTION_BIASES_FILE
+    if not os.path.lexists(path):
+        return {}
+    try:
+        with open_safetensors(path) as f:
+            biases = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise ProfileError([f"{path}: not a readable safetensors file ({error_line(err)})"]) from None
+    for key, tensor in biases.items():
+        if not key.endswith(".selection_bias") or key not in shapes:
+            raise ProfileError([f"{path}: tensor {key} is not a selection bias of the run's model"])
+        if tuple(tensor.shape) != shapes[key] or not tensor.dtype.is_floating_point:
+            raise ProfileError([f"{path}: tensor {key} is {tensor.dtype} {tuple(tensor.shape)}, the run's model holds "
+                                f"a float {shapes[key]}"])
+    return biases
+
+
 def weights_problems(path: Path, handle, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """The first tensor of a full fine-tune's model.safetensors (`handle`, open on `path`) whose stored shape is not
     our tensor's (read from the header only), with how many more, as one line; none when all fit."""
@@ -267,6 +296,7 @@ class FinalState:
         self._names = list(self._dtypes)
         self._reader = None
         self._adapter = None
+        self._biases: dict[str, torch.Tensor] = {}
         self._init_state = None
         self._weights = None
         if self.cfg.checkpoint is not None:
@@ -288,6 +318,7 @@ class FinalState:
             return
         try:
             self._adapter = read_adapter(run, self._shapes)
+            self._biases = read_selection_biases(run, self._shapes)
         except ProfileError:
             self.close()
             raise
@@ -348,6 +379,8 @@ class FinalState:
         saved = self._adapter.get(ADAPTER_PREFIX + name)
         if saved is not None:
             return saved  # a module trained in full (modules_to_save)
+        if name in self._biases:
+            return self._biases[name]
         weight = self.base(name)
         if not self.merged:
             return weight

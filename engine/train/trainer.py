@@ -287,14 +287,21 @@ def export_weights(
 
     from .model_card import write_model_card
 
+    from moe_tune.engine.export.sources import ROUTING_BIASES_IN_NO_ADAPTER, SELECTION_BIASES_FILE
+
+    biases = trained_biases(module, profile)
     if profile.lora.enabled:
         state = _gathered_state(module, only_trainable=True, layout=layout)
         adapter_dir = out / "adapter"
         if is_main:
             module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
+            if biases:
+                save_file(biases, str(out / SELECTION_BIASES_FILE), metadata={"format": "pt"})
             # Over PEFT's generic card: what was trained on what (engine/train/model_card.py).
             write_model_card(adapter_dir, profile, result, data_summary)
-            if profile.model.checkpoint is not None:
+            if profile.model.checkpoint is not None and biases:
+                result.transformers_adapter_problem = ROUTING_BIASES_IN_NO_ADAPTER
+            elif profile.model.checkpoint is not None:
                 _export_for_transformers(module, state, profile, out, result)
         if profile.output.save_merged:
             full_state = _gathered_state(module, only_trainable=False, layout=layout)
@@ -305,11 +312,22 @@ def export_weights(
                 _export_merged(profile, _merged_state(profile, full_state), out / "merged", result)
         return adapter_dir, None
 
-    state = _gathered_state(module, only_trainable=False, layout=layout)
+    state = _gathered_state(module, only_trainable=False, layout=layout) | biases
     path = out / "model.safetensors"
     if is_main:
         _save_atomic(save_file, state, path, profile)
     return None, path
+
+
+def trained_biases(module, profile: JobProfile) -> dict[str, torch.Tensor]:
+    """The MoE blocks' selection biases by our names, where model.moe.bias_update_rate trains them ({} otherwise):
+    buffers, replicated on every rank, which neither the adapter nor the parameters hold."""
+    from moe_tune.engine.export.sources import ADAPTER_PREFIX
+
+    if profile.model.moe is None or profile.model.moe.bias_update_rate <= 0:
+        return {}
+    return {name.removeprefix(ADAPTER_PREFIX): buffer.detach().cpu().contiguous()
+            for name, buffer in module.named_buffers() if name.endswith(".selection_bias")}  # fmt: skip
 
 
 def _export_for_transformers(module, state: dict[str, torch.Tensor], profile: JobProfile, out: Path, result) -> None:

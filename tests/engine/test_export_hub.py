@@ -470,3 +470,61 @@ def test_final_state_export_reads_one_expert_at_a_time(tmp_path, monkeypatch):
     assert_loads_cleanly(info)
     expected = ours_logits(load_adapter(load_ours(read_run(lora_run).cfg), lora_run / "adapter").eval())
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+# A profile-built DeepSeek-V3-like model whose routing biases train (aux-loss-free balancing); export writes it as
+# deepseek_v3, whose e_score_correction_bias holds them.
+DEEPSEEK_LIKE = {
+    "vocab_size": 300, "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 20,
+    "intermediate_size": 64, "layers": [{"attention": "mla", "mlp": "dense"}, {"attention": "mla"}],
+    "rope_theta": 5000.0, "rms_norm_eps": 1e-5, "attention_output_gate": False,
+    "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10},
+    "moe": {"num_experts": 9, "top_k": 3, "expert_intermediate_size": 16, "score_func": "sigmoid",
+            "routed_scaling": 2.5, "shared_expert_intermediate_size": 32, "shared_expert_gate": False, "n_group": 3,
+            "topk_group": 2, "bias_update_rate": 0.05},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_routing_biases_the_run_trained_are_exported_and_generated_with(tmp_path, lora):
+    """model.moe.bias_update_rate trains the selection biases (buffers): a LoRA run keeps them beside its adapter, a
+    full fine-tune in model.safetensors; `export --merge` (and generate's model) hold the trained values, equal to
+    what the run held in memory (its merged/ folder, and the last checkpoint's trainer state); an unmerged adapter
+    export, which cannot hold them, is refused in one line."""
+    from safetensors.torch import load_file
+
+    from moe_tune.engine.export.sources import ROUTING_BIASES_IN_NO_ADAPTER, meta_model
+
+    from moe_tune.engine.families import resolve_job
+    from moe_tune.engine.train.trainer import finetune
+    from moe_tune.profiles import validate_profile
+
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": f"document {i}: routed {i * 7}"}) + "\n"
+                                                 for i in range(8)))
+    finetune(resolve_job(validate_profile({
+        "name": "biases", "model": DEEPSEEK_LIKE, "data": {"path": str(tmp_path / "data.jsonl"), "seq_len": 32},
+        "lora": {"target_modules": ["q_b_proj", "o_proj"], "experts": True} if lora else {"enabled": False},
+        "train": {"steps": 3, "micro_batch_size": 2, "lr": 0.02, "warmup_steps": 0},
+        "output": {"dir": str(tmp_path / "run"), "save_merged": lora},
+    })), show_progress=False)
+    run = tmp_path / "run"
+    # The last checkpoint's trainer state: the biases of the MoE blocks in order, as the run held them.
+    state = json.loads(max((run / "checkpoints").glob("step-*")).joinpath("trainer_state.json").read_text())
+    names = [n for n, _ in meta_model(read_run(run).cfg).named_buffers() if n.endswith(".selection_bias")]
+    trained = {name: torch.tensor(bias) for name, bias in zip(names, state["selection_bias"], strict=True)}
+    assert trained and all(bias.abs().max() > 0 for bias in trained.values())
+    with FinalState(read_run(run), merged=True) as source:
+        for name, bias in trained.items():
+            torch.testing.assert_close(source.read(name), bias.to(source.read(name).dtype), rtol=0, atol=0)
+    out = export_run(run, merge=True, out=tmp_path / "hub", max_shard_size="5GB")
+    exported = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    biases = {k: v for k, v in exported.items() if k.endswith("e_score_correction_bias")}
+    assert len(biases) == len(trained) and all(v.abs().max() > 0 for v in biases.values())
+    if lora:
+        merged = {k: v for f in (run / "merged").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+        assert merged.keys() == exported.keys()
+        for key, tensor in merged.items():
+            torch.testing.assert_close(exported[key], tensor, rtol=0, atol=0)
+        with pytest.raises(ProfileError) as refusal:
+            export_run(run, merge=False, out=tmp_path / "adapter", max_shard_size="5GB")
+        assert refusal.value.problems[0] == ROUTING_BIASES_IN_NO_ADAPTER
