@@ -1089,6 +1089,22 @@ class JobProfile(Strict):
         return self
 
     @model_validator(mode="after")
+    def check_tied_head_is_not_trained_apart(self):
+        """A model whose LM head is its token embedding (tie_word_embeddings): PEFT trains a module named in
+        modules_to_save as its own copy and adapts a target alone, so either would part the head from the embedding,
+        which a model of tied weights cannot hold (the export and generate's model keep one matrix for both)."""
+        model, lora = self.model, self.lora
+        if isinstance(model, CheckpointModel) or not model.tie_word_embeddings or not lora.enabled:
+            return self
+        problems = [f"lora.{field} ({names}): {name} shares its weight with {other} (model.tie_word_embeddings: true), "
+                    f"and {how}, which a model of tied weights cannot hold; leave {name} out"
+                    for field, names, how in (("modules_to_save", lora.modules_to_save, "PEFT trains a copy of it apart"),
+                                              ("target_modules", lora.target_modules, "an adapter on it changes it alone"))
+                    for name, other in (("lm_head", "embed_tokens"), ("embed_tokens", "lm_head")) if name in names]
+        _raise_if(problems)
+        return self
+
+    @model_validator(mode="after")
     def check_tokenizer_fits_model(self):
         problems = []
         if isinstance(self.model, CheckpointModel):

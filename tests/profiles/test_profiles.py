@@ -239,3 +239,37 @@ def test_context_parallel_takes_sequence_chunks_without_aux_loss():
 def test_context_parallel_refuses_images():
     problems = problems_of("tiny-vl", ["parallel.context_parallel=2"])
     assert any(p.startswith("parallel.context_parallel (2) needs a text-only model: model.vision") for p in problems)
+
+
+@pytest.mark.parametrize("lora, field, name", [
+    (["lora.modules_to_save=[lm_head]"], "modules_to_save", "lm_head"),
+    (["lora.modules_to_save=[embed_tokens]"], "modules_to_save", "embed_tokens"),
+    (["lora.target_modules=[q_proj, lm_head]"], "target_modules", "lm_head"),
+])  # fmt: skip
+def test_a_tied_head_trained_apart_from_its_embedding_is_refused(lora, field, name):
+    """PEFT trains a modules_to_save copy, or an adapter, on one of the two names of a tied weight: the head would
+    part from the embedding, which the exported model (one matrix for both) cannot hold."""
+    with pytest.raises(ProfileError) as err:
+        load_profile("tiny", ["model.tie_word_embeddings=true", *lora])
+    line = next(line for line in err.value.problems if line.startswith(f"lora.{field} ("))
+    assert f"): {name} shares its weight with " in line
+    assert line.endswith(f"which a model of tied weights cannot hold; leave {name} out")
+    # Untied, or with full fine-tuning (one weight trained for both), the same settings load.
+    load_profile("tiny", lora)
+    load_profile("tiny", ["model.tie_word_embeddings=true", "lora.enabled=false", *lora])
+
+
+def test_a_checkpoint_that_ties_its_head_is_refused_with_lm_head_trained_apart(tmp_path):
+    import hf_tiny
+    from moe_tune.engine.families import resolve_job
+    from moe_tune.profiles import validate_profile
+
+    checkpoint = hf_tiny.save_tiny_checkpoint(hf_tiny.tiny_qwen3_moe(tie_word_embeddings=True), tmp_path / "ck")
+    (tmp_path / "data.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    raw = {"name": "tied", "model": {"checkpoint": str(checkpoint)},
+           "data": {"path": str(tmp_path / "data.jsonl"), "tokenizer": "byte", "seq_len": 32},
+           "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3}, "output": {"dir": str(tmp_path / "run")},
+           "lora": {"modules_to_save": ["lm_head"]}}  # fmt: skip
+    with pytest.raises(ProfileError) as err:
+        resolve_job(validate_profile(raw))
+    assert err.value.problems[0].startswith("lora.modules_to_save (['lm_head']): lm_head shares its weight with")
