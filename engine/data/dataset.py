@@ -373,6 +373,10 @@ def load_splits(
     (round half up; chosen with data.seed before weights; every copy of a chosen document goes). Training never holds
     a document equal to an evaluation document (same tokens and labels). Then each training source's weight w gives
     floor(w) copies of each of its n documents plus round((w - floor(w)) * n) of them chosen with data.seed."""
+    if tok.eos_id is None:
+        where = f"data.tokenizer ({profile.tokenizer!r})" if profile.tokenizer else "the checkpoint's tokenizer"
+        raise ProfileError([f"{where} defines no end-of-sequence token (eos_token): it ends every text document and "
+                            "every chat a template does not close itself; set eos_token in its tokenizer_config.json"])
     sources = _sources(profile, generated_dir)
     problems: list[str] = []
     reads = []

@@ -26,7 +26,7 @@ RENDERED_PER_CONTENT_CHAR = 4
 class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
-    eos_id: int
+    eos_id: int | None
     pad_id: int
     special_ids: frozenset[int]  # tokens a chat template may close a turn with
 
@@ -209,8 +209,11 @@ class HFTokenizer:
             raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {reason}"]) from None
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
-        self.eos_id = self._tok.eos_token_id if self._tok.eos_token_id is not None else 0
-        self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+        # None: the tokenizer defines none, and no document can be ended (dataset.load_splits refuses it).
+        self.eos_id = self._tok.eos_token_id
+        # Padding is neither predicted nor attended to: any id does where the tokenizer names none.
+        pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+        self.pad_id = pad if pad is not None else 0
         added = self._tok.added_tokens_decoder
         # <unk> stands for text the vocabulary lacks: it never closes a turn.
         special = set(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}

@@ -292,7 +292,7 @@ def prompt_ids(tok: Tokenizer, messages: list[dict] | None = None, text: str | N
 def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:
     """Tokens that end a reply: the tokenizer's <eos>, the special token the chat template closes an assistant turn
     with (<|im_end|>), and a checkpoint's generation_config.json eos_token_id(s)."""
-    stops = [tok.eos_id]
+    stops = [tok.eos_id] if tok.eos_id is not None else []
     try:
         turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
         ids = render_template(tok, options, turn, add_generation_prompt=False) or []

@@ -191,6 +191,27 @@ def test_documents_start_as_the_tokenizer_and_the_template_start_them(tmp_path, 
             assert prompt_ids(tok, messages, options=ChatOptions())[: len(start) + 1] == chat.input_ids[: len(start) + 1]
 
 
+def test_a_tokenizer_without_an_eos_is_refused_before_any_record(tmp_path):
+    """No token can end a document: refused in one line naming the tokenizer (documents were closed by id 0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert tok.eos_id is None and tok.pad_id == 0
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "hi"}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=16, tokenizer=str(tmp_path / "tok")), tok)
+    assert err.value.problems == [f"data.tokenizer ('{tmp_path / 'tok'}') defines no end-of-sequence token "
+                                  "(eos_token): it ends every text document and every chat a template does not close "
+                                  "itself; set eos_token in its tokenizer_config.json"]
+
+
 def test_unreadable_tokenizer_directory_is_a_profile_error(tmp_path):
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
