@@ -765,7 +765,7 @@ def _jinja_problem(text: str) -> str | None:
 
 def _role_problems(roles: dict[str, str]) -> list[str]:
     """data.roles maps record roles onto the roles every chat template knows."""
-    chat_roles = ("system", "user", "assistant")
+    chat_roles = ("system", "user", "assistant", "tool")
     return [f"@roles.{name} ({role!r}) must be one of {', '.join(chat_roles)}"
             for name, role in roles.items() if role not in chat_roles]
 

@@ -26,7 +26,8 @@ from itertools import groupby
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile, is_chat_template_path, read_chat_template
 
-CANONICAL_ROLES = ("system", "user", "assistant")
+# A tool's result (OpenAI's and transformers' "tool" role) goes to the template as it is, never trained.
+CANONICAL_ROLES = ("system", "user", "assistant", "tool")
 # transformers' own test for a template that can return the assistant tokens mask.
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -98,7 +99,8 @@ def _likely_role(role: str) -> str:
     lowered = role.strip().lower()
     if lowered in CANONICAL_ROLES:
         return lowered
-    return {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}.get(lowered, "user")
+    return {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "function": "tool",
+            "ipython": "tool", "observation": "tool"}.get(lowered, "user")  # fmt: skip
 
 
 def _yaml_key(role: str) -> str:
@@ -245,8 +247,8 @@ def render_by_prefixes(
     message owns the tokens its prefix adds; an assistant message's tokens are trained from the end of the generation
     prompt (when that renders as a prefix; from its start with `train_header`, and always when it does not) to its
     closing token (`closes_turn`), blank tokens after it not; in a conversation the assistant opens, what the template
-    renders before the turn's header (a default system prompt) is not trained. Every prefix must render as a prefix of the whole
-    conversation, else ProfileError naming the turn."""
+    renders before the turn's header (a default system prompt) is not trained. Every prefix must render as a prefix of
+    the whole conversation, else ProfileError naming the turn."""
     full = render(messages, False)
     pieces: Pieces = []
     previous: list[int] = []

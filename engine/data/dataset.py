@@ -202,12 +202,12 @@ def _record_document(
     if profile.messages_field in record:
         messages = record[profile.messages_field]
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (
+                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
             for m in messages
-        ):
-            raise ProfileError(
-                [f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": str}}"]
-            )
+        ):  # fmt: skip
+            raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": "
+                                "str} (content null or left out only beside tool_calls)"])
         messages = canonical_messages(messages, profile.roles, where)
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
         options = chat_options(profile)

@@ -57,10 +57,15 @@ class Tokenizer(Protocol):
         ...
 
 
-def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+                      where: str = "") -> Pieces:
     """Messages in CHAT_TEMPLATE, for tokenizers without a chat template: the assistant's content and the newline
     closing it trained, its header '<|assistant|>\\n' only with options.train_header (every token with train_on all).
-    Each message is encoded whole; where its header's tokens do not open it, the header is trained with the turn."""
+    Each message is encoded whole; where its header's tokens do not open it, the header is trained with the turn.
+    ProfileError naming the record (`where`) for a tool call, which the format has no way to write."""
+    if any(m.get("tool_calls") for m in messages):
+        raise ProfileError([f"{where}: a message with tool_calls needs a chat template that writes them "
+                            "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"])
     header_format = CHAT_TEMPLATE.split("{content}")[0]
     pieces: Pieces = []
     for m in messages:
@@ -164,7 +169,7 @@ class ByteTokenizer:
 
     def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
         if options.template is None:
-            return render_plain_chat(self.encode, messages, options)
+            return render_plain_chat(self.encode, messages, options, where)
         template = options.template
 
         def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
@@ -243,7 +248,7 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
         if options.template is None and not self.has_chat_template:
-            return render_plain_chat(self.encode, messages, options)
+            return render_plain_chat(self.encode, messages, options, where)
         source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
         try:
             template = self._tok.get_chat_template(options.template)

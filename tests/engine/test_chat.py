@@ -197,7 +197,7 @@ def test_mapped_roles_train_as_the_canonical_ones(tmp_path, tokenizers, roles, r
 
 
 @pytest.mark.parametrize("role", [
-    "human", "gpt", "Assistant", "USER", "System", " assistant", "assistant\n", "", "bot", "tool", "function",
+    "human", "gpt", "Assistant", "USER", "System", " assistant", "assistant\n", "", "bot", "Tool", "function",
     "\x1b[31massistant", "assistant\u202e",  # controls and bidirectional marks are echoed escaped
 ])  # fmt: skip
 @pytest.mark.parametrize("tokenizer", ["byte", "qwen3"])
@@ -210,7 +210,7 @@ def test_unknown_roles_are_refused_naming_the_record_and_role(tmp_path, tokenize
         load_documents(DataProfile(path=path, seq_len=64, tokenizer=name), tok)
     (line,) = err.value.problems
     shown = repr(role).replace("\u202e", "\\u202e")
-    assert line.startswith(f"{path}:2: message role {shown} must be one of system, user, assistant; map record "
+    assert line.startswith(f"{path}:2: message role {shown} must be one of system, user, assistant, tool; map record "
                            "roles onto them with data.roles, e.g. --set 'data.roles={")
     assert "\x1b" not in line and "\u202e" not in line and "\n" not in line
 
@@ -245,12 +245,12 @@ def test_unknown_roles_in_image_records_are_refused_too(tmp_path, user, assistan
     assert len(doc.images) == 1 and "a square" in ByteTokenizer().decode(trained_ids(doc))
 
 
-@pytest.mark.parametrize("value", ["bot", "Assistant", "", "tool", "user "])
+@pytest.mark.parametrize("value", ["bot", "Assistant", "", "function", "user "])
 def test_roles_mapping_must_name_a_chat_role(value):
     with pytest.raises(ProfileError) as err:
         load_profile("tiny", [f"data.roles={json.dumps({'human': 'user', 'gpt': value})}", "data.path=/nonexistent"])
     # Reported together with the profile's other problems.
-    assert err.value.problems == [f"data.roles.gpt ({value!r}) must be one of system, user, assistant",
+    assert err.value.problems == [f"data.roles.gpt ({value!r}) must be one of system, user, assistant, tool",
                                   "data.path ('/nonexistent') must be an existing file"]
 
 
@@ -376,6 +376,77 @@ def test_a_template_that_raises_is_one_line_naming_the_record(tmp_path):
                                   "'Conversation roles must alternate user/assistant'"]
 
 
+# Tools
+
+TOOLS = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}@GEN"
+    "{%- if m.content %}{{- m.content }}{%- endif %}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{{- '<tool_call>' + call.function.name + ' ' + (call.function.arguments | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>' }}@END{{- '\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+TOOL_CHATS = {
+    "call_then_answer": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None,
+                         "tool_calls": [CALL]}, {"role": "tool", "content": "23 C"},
+                         {"role": "assistant", "content": "It is sunny."}],
+    "content_and_call": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Checking.",
+                         "tool_calls": [CALL]}, {"role": "tool", "content": "23 C"}],
+    "no_content_key": [{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [CALL, CALL]},
+                       {"role": "tool", "content": "23 C"}, {"role": "tool", "content": "rain"},
+                       {"role": "assistant", "content": "Mixed."}],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizers(tmp_path_factory):
+    """(marked?) -> (our tokenizer, transformers' own, the directory) with TOOLS as the chat template."""
+    made = {}
+    for marked in (True, False):
+        directory = tmp_path_factory.mktemp(f"tools-{marked}")
+        raw = save_tokenizer(directory, "qwen3", marked)
+        raw.chat_template = TOOLS.replace("@GEN", GEN * marked).replace("@END", END_GEN * marked)
+        raw.save_pretrained(directory)
+        made[marked] = (load_tokenizer(str(directory)), raw, directory)
+    return made
+
+
+@pytest.mark.parametrize("conversation", TOOL_CHATS)
+def test_tool_calls_and_results_train_as_the_templates_mask(tmp_path, tool_tokenizers, conversation):
+    """Tool calls (content null or left out beside tool_calls) and tool results (role tool) go to the template as
+    they are: the assistant's calls are trained, the results never, as transformers' mask says; by growing prefixes
+    as with the markers."""
+    messages = TOOL_CHATS[conversation]
+    docs = [document(tmp_path, tool_tokenizers[marked][0], messages, str(tool_tokenizers[marked][2]))
+            for marked in (True, False)]
+    assert (docs[0].input_ids, docs[0].labels) == expected_document(tool_tokenizers[True][1], messages)
+    assert docs[1] == docs[0]
+    trained = "".join(trained_runs(docs[0], tool_tokenizers[True][0]))
+    assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in trained and "23 C" not in trained
+
+
+def test_a_tool_call_without_a_chat_template_is_refused(tmp_path):
+    path = write_records(tmp_path / "d.jsonl", TOOL_CHATS["call_then_answer"])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=256), ByteTokenizer())
+    assert err.value.problems == [f"{path}:1: a message with tool_calls needs a chat template that writes them "
+                                  "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"]
+
+
+@pytest.mark.parametrize("message", [{"role": "assistant", "content": None}, {"role": "user"},
+                                     {"role": "assistant", "content": None, "tool_calls": []}])
+def test_content_may_be_missing_only_beside_tool_calls(tmp_path, message):
+    path = write_records(tmp_path / "d.jsonl", [{"role": "user", "content": "hi"}, message])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=256), ByteTokenizer())
+    assert err.value.problems == [f"{path}:1: 'messages' must be a list of {{\"role\": str, \"content\": str}} "
+                                  "(content null or left out only beside tool_calls)"]
+
+
 # Double end of turn
 
 
@@ -489,14 +560,14 @@ def test_finetune_on_sharegpt_roles_exits_2_naming_the_record(tmp_path):
     result = finetune_cli(path, tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == (
-        f"error: {path}:2: message roles 'human', 'gpt' must be one of system, user, assistant; map record roles onto "
-        "them with data.roles, e.g. --set 'data.roles={human: user, gpt: assistant}'"
+        f"error: {path}:2: message roles 'human', 'gpt' must be one of system, user, assistant, tool; map record roles "
+        "onto them with data.roles, e.g. --set 'data.roles={human: user, gpt: assistant}'"
     )
     assert not (tmp_path / "out" / "checkpoints").exists()
     # With the mapping the hint gives, the same data is read (and a bad mapping is refused in one line).
     result = finetune_cli(path, tmp_path / "out", "data.roles={human: user, gpt: bot}")
     assert result.exit_code == 2 and result.stderr.strip() == (
-        "error: data.roles.gpt ('bot') must be one of system, user, assistant")
+        "error: data.roles.gpt ('bot') must be one of system, user, assistant, tool")
 
 
 def finetune_cli(data, out, *overrides):

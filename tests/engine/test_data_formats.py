@@ -181,7 +181,7 @@ class TestFormats:
         path = write_jsonl(tmp_path / "d.jsonl", [record])
         # data.roles extends (bot) the defaults; unmapped names are refused with the existing hint.
         (line,) = refusals(path=path)
-        assert line.startswith(f"{path}:1: message role 'bot' must be one of system, user, assistant; map record "
+        assert line.startswith(f"{path}:1: message role 'bot' must be one of system, user, assistant, tool; map record "
                                "roles onto them with data.roles")
         result = splits(path=path, roles={"bot": "assistant"})
         assert result.train == documents_of(tmp_path, [{"messages": chat(("system", "s"), ("user", "q"),
