@@ -132,11 +132,13 @@ def render_conversation(
     has_blocks: bool,
     closes_turn: Callable[[int], bool],
     is_blank: Callable[[int], bool],
+    turn_closes: dict[str | None, int | None] | None = None,
 ) -> Pieces:
     """Pieces of a conversation rendered by a chat template, trained as `options` say: train_on all renders it once
     and trains every token; a template with {% generation %} blocks is rendered once and its marked spans trained
     (with their headers: mark_headers; with the turn's closing token where the template renders it after the span);
-    any other is rendered by growing prefixes (render_by_prefixes)."""
+    any other is rendered by growing prefixes (render_by_prefixes). `turn_closes` keeps each template's closing
+    token (options.template, None: the tokenizer's) for the next conversation."""
     if options.trains_all:
         ids, _ = render(messages, False, False)
         return [(ids, True)] if ids else []
@@ -145,7 +147,11 @@ def render_conversation(
         if not any(mask) and (turn := next((i for i, m in enumerate(messages, 1)
                                              if m["role"] == "assistant" and _has_content(m)), None)):  # fmt: skip
             raise ProfileError([_DROPPED.format(where=where, turn=turn)])
-        close = _turn_close(lambda prefix, prompt: render(prefix, prompt, False)[0], closes_turn, is_blank)
+        known = turn_closes if turn_closes is not None else {}
+        if options.template not in known:
+            known[options.template] = _turn_close(lambda prefix, prompt: render(prefix, prompt, False)[0], closes_turn,
+                                                  is_blank)  # fmt: skip
+        close = known[options.template]
         if close is not None:
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:

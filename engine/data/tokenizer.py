@@ -158,6 +158,10 @@ class ByteTokenizer:
     bos_id, eos_id, pad_id = 256, 257, 258
     special_ids = frozenset((256, 257, 258))
 
+    def __init__(self):
+        # The token each chat template closes its assistant turns with (chat.render_conversation).
+        self._turn_closes: dict[str | None, int | None] = {}
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -183,7 +187,7 @@ class ByteTokenizer:
             return ids, [int(m) for ch, m in zip(text, char_mask) for _ in range(len(ch.encode("utf-8")))]
 
         return render_conversation(render, messages, where, options, has_generation_blocks(template),
-                                   lambda t: t in self.special_ids, self.is_blank)
+                                   lambda t: t in self.special_ids, self.is_blank, self._turn_closes)
 
     def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
                    where: str) -> list[int] | None:
@@ -213,6 +217,8 @@ class HFTokenizer:
             reason = error_line(err, (OSError, ValueError))
             raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {reason}"]) from None
         self.vocab_size = len(self._tok)
+        # The token each chat template closes its assistant turns with (chat.render_conversation).
+        self._turn_closes: dict[str | None, int | None] = {}
         self.bos_id = self._tok.bos_token_id
         # None: the tokenizer defines none, and no document can be ended (dataset.load_splits refuses it).
         self.eos_id = self._tok.eos_token_id
@@ -264,7 +270,7 @@ class HFTokenizer:
             return list(out["input_ids"]), list(out["assistant_masks"]) if with_mask else None
 
         return render_conversation(render, messages, where, options, has_generation_blocks(template),
-                                   lambda t: t in self.special_ids, self.is_blank)
+                                   lambda t: t in self.special_ids, self.is_blank, self._turn_closes)
 
     def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
                    where: str) -> list[int] | None:
