@@ -337,7 +337,7 @@ class Session:
         """prompt_ids for this tokenizer; ProfileError when it renders to no token."""
         ids = prompt_ids(self.tok, messages, text, self.options)
         if not ids:
-            raise ProfileError(["--prompt: the text encodes to no token (and the tokenizer has no <bos>); give some "
+            raise ProfileError(["--prompt: the text encodes to no token (and the tokenizer puts none before a text); give some "
                                 "text"])
         return ids
 

@@ -285,9 +285,9 @@ def export_weights(
     module = engine.module
     from safetensors.torch import save_file
 
-    from .model_card import write_model_card
-
     from moe_tune.engine.export.sources import ROUTING_BIASES_IN_NO_ADAPTER, SELECTION_BIASES_FILE
+
+    from .model_card import write_model_card
 
     biases = trained_biases(module, profile)
     if profile.lora.enabled:
