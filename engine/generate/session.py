@@ -337,8 +337,8 @@ class Session:
         """prompt_ids for this tokenizer; ProfileError when it renders to no token."""
         ids = prompt_ids(self.tok, messages, text, self.options)
         if not ids:
-            raise ProfileError(["--prompt: the text encodes to no token (and the tokenizer puts none before a text); give some "
-                                "text"])
+            raise ProfileError(["--prompt: the text encodes to no token (and the tokenizer puts none before a text); "
+                                "give some text"])
         return ids
 
     def generate(
