@@ -637,17 +637,21 @@ class TransformersRunner:
         train = self.job.train
         started = launch_clock(self.device, behind.values if behind else None)
         losses, tokens = [], 0
+        # As ours (trainer.loss_denominator): the step's mean over all its micro-batches' labelled tokens, each
+        # micro-batch's mean weighed by its tokens; the aux loss averaged over the micro-batches.
+        step_tokens = max(sum(batch.num_label_tokens for batch in batches), 1)
         for batch in batches:
             loss, lm = self.lm_loss(self.inputs(batch))
-            (loss / len(batches)).backward()
-            losses.append(lm.detach().float())
+            weight = batch.num_label_tokens / step_tokens
+            (lm * weight + (loss - lm) / len(batches)).backward()
+            losses.append(lm.detach().float() * weight)
             tokens += batch.num_label_tokens
         if train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.trainable, train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return QueuedStep(tokens, [], StepValues({"loss": torch.stack(losses).mean()}, started), None)
+        return QueuedStep(tokens, [], StepValues({"loss": torch.stack(losses).sum()}, started), None)
 
     def finish(self, queued: QueuedStep) -> dict[str, Any]:
         """StepRunner.finish's record (loss, tokens, step time) of a queued step, once its loss is on the host."""

@@ -156,3 +156,27 @@ def test_first_step_loss_equals_ours_from_the_same_checkpoint(tmp_path, monkeypa
     # On a CPU flash-linear-attention's Triton kernels cannot run: transformers' PyTorch paths run, and say so.
     fla_in_use = make is tiny_qwen3_next and importlib.util.find_spec("fla") is not None
     assert ("flash-linear-attention importable, not used" in other["impl"]) is fla_in_use
+
+
+def test_accumulated_micro_batches_weigh_their_tokens_alike_on_both_sides(tmp_path, monkeypatch):
+    """Two micro-batches a step whose rows train unequal numbers of tokens: the step's loss is the mean over all its
+    tokens on both sides (trainer.loss_denominator; the baseline weighs each micro-batch's mean by its tokens)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from moe_tune.engine.bench.steps import profile_steps
+    from moe_tune.engine.families import resolve_job
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), tmp_path / "checkpoint")
+    # Chats of one length, one row each: a long question with a short answer trains few tokens, the other many.
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": question},
+                                                     {"role": "assistant", "content": answer}]}) + "\n"
+                            for question, answer in [("abcdefgh ab", "ok"), ("hi", "abcdefg hab")] * 2))  # fmt: skip
+    job = resolve_job(validate_profile({
+        "name": "accumulation", "model": {"checkpoint": str(checkpoint)},
+        "data": {"path": str(rows), "tokenizer": "byte", "seq_len": 64},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "o_proj"], "experts": True},
+        "train": {"steps": 2, "micro_batch_size": 1, "gradient_accumulation_steps": 2, "lr": 1e-3},
+        "output": {"dir": str(tmp_path / "out")},
+    }))  # fmt: skip
+    result = profile_steps(job, steps=1, warmup=1, against="transformers")
+    assert result["against"]["first_step_loss"] == pytest.approx(result["first_step_loss"], rel=1e-5)
