@@ -68,8 +68,8 @@ def poison_after(calls: int, monkeypatch):
     real = trainer.micro_step
     seen = []
 
-    def poisoned(engine, batch, dist):
-        out = real(engine, batch, dist)
+    def poisoned(engine, batch, dist, denominator):
+        out = real(engine, batch, dist, denominator)
         seen.append(1)
         if len(seen) == calls:
             name, param = next((n, p) for n, p in engine.module.named_parameters() if "lora_B" in n)
