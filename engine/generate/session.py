@@ -211,12 +211,14 @@ def fp8_base_with_adapter(model: nn.Module, loaded: Loaded, dtype: torch.dtype) 
     checkpoint, quantized at load where stored in floating point, or the seeded init quantized), and adapter/ on it
     unmerged, so the frozen weights stay FP8 (half the bytes of a merged bf16 copy) and every forward is the trained
     model's."""
-    from moe_tune.engine.export.sources import RunInfo, read_adapter
+    from moe_tune.engine.export.sources import RunInfo, read_adapter, read_selection_biases
     from moe_tune.engine.lora import load_adapter
 
     # PEFT loads the adapter unchecked: it is read and checked as export reads it (a truncated file, a factor of the
     # wrong shape, NaN: one line each), before the base loads.
-    read_adapter(RunInfo(loaded.run_dir, loaded.profile))
+    run = RunInfo(loaded.run_dir, loaded.profile)
+    read_adapter(run)
+    biases = read_selection_biases(run, {name: tuple(t.shape) for name, t in model.state_dict().items()})
     cfg = loaded.profile.model
     if cfg.checkpoint is not None:
         from moe_tune.engine.families import load_checkpoint_weights
@@ -228,6 +230,11 @@ def fp8_base_with_adapter(model: nn.Module, loaded: Loaded, dtype: torch.dtype) 
         # The seeded init is drawn on the CPU (as training builds it) and quantized there.
         init = build_model(cfg).state_dict()
         copy_state(model, list(init), init.__getitem__)
+    # The routing biases the run trained (model.moe.bias_update_rate), which the adapter does not hold.
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, bias in biases.items():
+            state[name].copy_(bias)
     # The adapters in the model's dtype, as the trainer's mixed precision holds them.
     with default_dtype(dtype):
         return load_adapter(model, loaded.run_dir / "adapter")

@@ -528,3 +528,27 @@ def test_routing_biases_the_run_trained_are_exported_and_generated_with(tmp_path
         with pytest.raises(ProfileError) as refusal:
             export_run(run, merge=False, out=tmp_path / "adapter", max_shard_size="5GB")
         assert refusal.value.problems[0] == ROUTING_BIASES_IN_NO_ADAPTER
+
+
+def test_generate_on_an_fp8_base_lora_run_routes_with_the_trained_biases(tmp_path):
+    """An FP8-base LoRA run loads for generate with its adapter unmerged (not through FinalState): the routing biases
+    the run trained are its too."""
+    from moe_tune.engine.generate.session import load_model, resolve_target
+    from moe_tune.engine.train.trainer import finetune
+    from moe_tune.profiles import load_profile
+
+    out = tmp_path / "run"
+    finetune(load_profile("tiny", [
+        "model.hidden_size=128", "model.layers=[{attention: full, mlp: moe}]", "model.head_dim=32",
+        "model.partial_rotary_factor=1.0", "model.attention_output_gate=false", "model.moe.num_experts=4",
+        "model.moe.expert_intermediate_size=128", "model.moe.shared_expert_intermediate_size=0",
+        "model.moe.bias_update_rate=0.05", "model.base_precision=fp8", "train.steps=2", "train.lr=0.02",
+        "train.warmup_steps=0", "train.micro_batch_size=1", "data.seq_len=64", "data.corpus_documents=20",
+        "lora.modules_to_save=[]", "lora.target_modules=[q_proj, o_proj]", "output.save_every=2", f"output.dir={out}",
+    ]), show_progress=False)  # fmt: skip
+    state = json.loads((out / "checkpoints" / "step-0000002" / "trainer_state.json").read_text())
+    model = load_model(resolve_target(str(out)), torch.device("cpu"))
+    biases = [buffer for name, buffer in model.named_buffers() if name.endswith(".selection_bias")]
+    assert len(biases) == len(state["selection_bias"]) == 1
+    assert biases[0].abs().max() > 0
+    torch.testing.assert_close(biases[0], torch.tensor(state["selection_bias"][0]), rtol=0, atol=0)
