@@ -253,24 +253,34 @@ def render_by_prefixes(
     message owns the tokens its prefix adds; an assistant message's tokens are trained from the end of the generation
     prompt (when that renders as a prefix; from its start with `train_header`, and always when it does not) to its
     closing token (`closes_turn`), blank tokens after it not; in a conversation the assistant opens, what the template
-    renders before the turn's header (a default system prompt) is not trained. Every prefix must render as a prefix of
-    the whole conversation, else ProfileError naming the turn."""
+    renders before the turn's header (a default system prompt) is not trained. The prefixes that end at an assistant
+    turn or right before one must render as prefixes of the whole conversation, else ProfileError naming the turn;
+    other turns are not rendered alone (Qwen's templates write consecutive tool results into one block, closed after
+    the last)."""
     full = render(messages, False)
     pieces: Pieces = []
     previous: list[int] = []
-    for turn, message in enumerate(messages, 1):
+
+    def prefix(turn: int) -> list[int]:
         ids = full if turn == len(messages) else render(messages[:turn], False)
         if ids != full[: len(ids)] or len(ids) < len(previous):
             at = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
             raise ProfileError([
-                f"{where}: the chat template renders turn {turn} ({message['role']}) differently once later turns "
-                f"follow (token {at} changes): the assistant's tokens cannot be found by rendering growing prefixes; "
-                "use a tokenizer whose chat template marks them with {% generation %} ... {% endgeneration %}"
+                f"{where}: the chat template renders turn {turn} ({messages[turn - 1]['role']}) differently once later "
+                f"turns follow (token {at} changes): the assistant's tokens cannot be found by rendering growing "
+                "prefixes; use a tokenizer whose chat template marks them with {% generation %} ... {% endgeneration %}"
             ])
+        return ids
+
+    for turn, message in enumerate(messages, 1):
         if message["role"] != "assistant":
-            pieces.append((ids[len(previous) :], False))
-            previous = ids
+            # Untrained, up to the next prefix rendered: the one before an assistant turn, or the whole.
+            if turn == len(messages) or messages[turn]["role"] == "assistant":
+                ids = prefix(turn)
+                pieces.append((ids[len(previous) :], False))
+                previous = ids
             continue
+        ids = prefix(turn)
         before, prompted = len(previous), []
         if turn > 1:
             prompted = render(messages[: turn - 1], True)

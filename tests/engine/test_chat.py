@@ -378,6 +378,9 @@ def test_a_template_that_raises_is_one_line_naming_the_record(tmp_path):
 
 # Tools
 
+# A tool result in a user block of its own.
+SEPARATE_RESULT = ("{%- elif m.role == 'tool' %}"
+                   "{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}")
 TOOLS = (
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}@GEN"
@@ -385,10 +388,17 @@ TOOLS = (
     "{%- for call in m.tool_calls or [] %}"
     "{{- '<tool_call>' + call.function.name + ' ' + (call.function.arguments | tojson) + '</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>' }}@END{{- '\\n' }}"
-    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>' + m.content + '</tool_response><|im_end|>\\n' }}"
+    + SEPARATE_RESULT +
     "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# As Qwen2.5's and Qwen3's templates: consecutive tool results in one user block, closed after the last of them.
+TOOLS_GROUPED = TOOLS.replace(
+    SEPARATE_RESULT,
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>' + m.content + '</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}")
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 TOOL_CHATS = {
     "call_then_answer": [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None,
@@ -404,28 +414,30 @@ TOOL_CHATS = {
 
 @pytest.fixture(scope="module")
 def tool_tokenizers(tmp_path_factory):
-    """(marked?) -> (our tokenizer, transformers' own, the directory) with TOOLS as the chat template."""
+    """(template, marked?) -> (our tokenizer, transformers' own, the directory), TOOLS or TOOLS_GROUPED."""
     made = {}
-    for marked in (True, False):
-        directory = tmp_path_factory.mktemp(f"tools-{marked}")
-        raw = save_tokenizer(directory, "qwen3", marked)
-        raw.chat_template = TOOLS.replace("@GEN", GEN * marked).replace("@END", END_GEN * marked)
-        raw.save_pretrained(directory)
-        made[marked] = (load_tokenizer(str(directory)), raw, directory)
+    for name, template in (("separate", TOOLS), ("grouped", TOOLS_GROUPED)):
+        for marked in (True, False):
+            directory = tmp_path_factory.mktemp(f"tools-{name}-{marked}")
+            raw = save_tokenizer(directory, "qwen3", marked)
+            raw.chat_template = template.replace("@GEN", GEN * marked).replace("@END", END_GEN * marked)
+            raw.save_pretrained(directory)
+            made[name, marked] = (load_tokenizer(str(directory)), raw, directory)
     return made
 
 
+@pytest.mark.parametrize("template", ["separate", "grouped"])
 @pytest.mark.parametrize("conversation", TOOL_CHATS)
-def test_tool_calls_and_results_train_as_the_templates_mask(tmp_path, tool_tokenizers, conversation):
+def test_tool_calls_and_results_train_as_the_templates_mask(tmp_path, tool_tokenizers, conversation, template):
     """Tool calls (content null or left out beside tool_calls) and tool results (role tool) go to the template as
     they are: the assistant's calls are trained, the results never, as transformers' mask says; by growing prefixes
-    as with the markers."""
+    as with the markers, consecutive results in one block too."""
     messages = TOOL_CHATS[conversation]
-    docs = [document(tmp_path, tool_tokenizers[marked][0], messages, str(tool_tokenizers[marked][2]))
-            for marked in (True, False)]
-    assert (docs[0].input_ids, docs[0].labels) == expected_document(tool_tokenizers[True][1], messages)
+    made = {marked: tool_tokenizers[template, marked] for marked in (True, False)}
+    docs = [document(tmp_path, made[marked][0], messages, str(made[marked][2])) for marked in (True, False)]
+    assert (docs[0].input_ids, docs[0].labels) == expected_document(made[True][1], messages)
     assert docs[1] == docs[0]
-    trained = "".join(trained_runs(docs[0], tool_tokenizers[True][0]))
+    trained = "".join(trained_runs(docs[0], made[True][0]))
     assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in trained and "23 C" not in trained
 
 
