@@ -1100,7 +1100,9 @@ class JobProfile(Strict):
                     f"and {how}, which a model of tied weights cannot hold; leave {name} out"
                     for field, names, how in (("modules_to_save", lora.modules_to_save, "PEFT trains a copy of it apart"),
                                               ("target_modules", lora.target_modules, "an adapter on it changes it alone"))
-                    for name, other in (("lm_head", "embed_tokens"), ("embed_tokens", "lm_head")) if name in names]
+                    for name, other in (("lm_head", "embed_tokens"), ("embed_tokens", "lm_head"))
+                    # PEFT matches a name as the end of a module's name.
+                    if any(n == name or n.endswith("." + name) for n in names)]
         _raise_if(problems)
         return self
 

@@ -83,7 +83,7 @@ def _template_text(value: str, *stamp) -> str:
 
 def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: str) -> list[dict]:
     """The messages with their roles mapped through `roles` (data.roles); ProfileError naming the record and every
-    role that is not system, user or assistant after the mapping."""
+    role that is not system, user, assistant or tool after the mapping."""
     mapped = [m if m["role"] not in roles else {**m, "role": roles[m["role"]]} for m in messages]
     unknown = list(dict.fromkeys(m["role"] for m in mapped if m["role"] not in CANONICAL_ROLES))
     if unknown:

@@ -157,9 +157,11 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
     messages = record.get(profile.messages_field)
     images = record.get("images", [])
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) and ("content" in m or m.get("tool_calls"))
+        for m in messages
     ):
-        raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": ...}}"])
+        raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": "
+                            "...} (content left out only beside tool_calls)"])
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
     _check_image_count(messages, images, where, profile.seq_len)
@@ -173,9 +175,12 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         # The checkpoint's own template (or the profile's), as its text chats: the model sees images in its format.
         pieces, refs = render_templated_multimodal_chat(
             messages, images, tok.render_chat, vision.settings, vision.tokens, profile.path.parent, where,
-            allow_outside=profile.allow_paths_outside, options=options,
+            allow_outside=profile.allow_paths_outside, options=options, tools=_record_tools(record, where),
         )
     else:
+        if any(m.get("tool_calls") for m in messages) or _record_tools(record, where):
+            raise ProfileError([f"{where}: tool calls and 'tools' need a chat template that writes them "
+                                "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"])
         pieces, refs = render_multimodal_chat(
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
             allow_outside=profile.allow_paths_outside, options=options,
@@ -185,6 +190,15 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
                             f"({profile.seq_len}); a document with images is never cut"])
     return _chat_document(ids, trained, tuple(refs))
+
+
+def _record_tools(record: dict, where: str) -> list[dict] | None:
+    """A chat record's `tools` (the function definitions a chat template writes, as transformers takes them)."""
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ProfileError([f"{where}: 'tools' must be a list of tool definitions (JSON objects), got "
+                            f"{type(tools).__name__}"])
+    return tools or None
 
 
 def _chat_document(ids: list[int], trained: list[bool], images: tuple[ImageRef, ...] = ()) -> Document:
@@ -211,7 +225,7 @@ def _record_document(
         messages = canonical_messages(messages, profile.roles, where)
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
         options = chat_options(profile)
-        pieces = tok.render_chat(messages, where, options)
+        pieces = tok.render_chat(messages, where, options, _record_tools(record, where))
         return _chat_document(*chat_tokens(pieces, tok, ends_with_assistant, options))
     if profile.text_field in record:
         text = record[profile.text_field]
@@ -585,7 +599,7 @@ def _check_image_count(messages: list[dict], images: list, where: str, seq_len: 
     """Refuse a record with more images than its document could fit before any is decoded (a line of a million
     "<image>" would decode for hours): each takes at least 3 tokens (start, one image token, end)."""
     parts = sum(isinstance(part, dict) and part.get("type") == "image"
-                for m in messages if isinstance(m["content"], list) for part in m["content"])  # fmt: skip
+                for m in messages if isinstance(m.get("content"), list) for part in m["content"])  # fmt: skip
     count = len(images) + parts
     if 3 * count > seq_len:
         raise ProfileError([f"{where}: {count} images need at least {3 * count} tokens, more than data.seq_len "

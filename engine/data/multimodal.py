@@ -155,15 +155,18 @@ def render_templated_multimodal_chat(
     where: str,
     allow_outside: bool = False,
     options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+    tools: list[dict] | None = None,
 ) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
-    """Pieces of a chat with images rendered by a chat template (`render_chat` with `options`: data.chat_template,
-    else the checkpoint's; it writes each image part as its vision-start, one image token and vision-end), each image
-    token then widened to the image's n tokens. The template must render one image token per image, else the record
-    is refused."""
+    """Pieces of a chat with images (and the record's `tools`) rendered by a chat template (`render_chat` with
+    `options`: data.chat_template, else the checkpoint's; it writes each image part as its vision-start, one image
+    token and vision-end), each image token then widened to the image's n tokens. The template must render one image
+    token per image, else the record is refused."""
     queue = list(record_images)
     templated, refs = [], []
     for message in messages:
-        parts = message_parts(message["content"], queue, where)
+        # An assistant's tool call may come without content (null or left out).
+        content = message.get("content")
+        parts = message_parts(content, queue, where) if content is not None or not message.get("tool_calls") else []
         content = []
         for kind, value in parts:
             if kind == "text":
@@ -179,7 +182,7 @@ def render_templated_multimodal_chat(
         templated.append({**message, "content": content})
     if queue:
         raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
-    pieces = render_chat(templated, where, options)
+    pieces = render_chat(templated, where, options, tools)
     placed = sum(piece.count(tokens.image) for piece, _ in pieces)
     if placed != len(refs):
         source = "data.chat_template" if options.template is not None else "the tokenizer's chat template"

@@ -38,10 +38,12 @@ class Tokenizer(Protocol):
         """Whether the token decodes to whitespace only."""
         ...
 
-    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+                    tools: list[dict] | None = None) -> Pieces:
         """Token pieces of a conversation of canonical roles, each with whether it is trained on (as `options`
-        say: the assistant's tokens, with their headers, or all); ProfileError naming `where` (the record) when the
-        chat template cannot render it faithfully."""
+        say: the assistant's tokens, with their headers, or all), the record's `tools` (function definitions) given
+        to the template as transformers gives them; ProfileError naming `where` (the record) when the chat template
+        cannot render it faithfully."""
         ...
 
     def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
@@ -58,14 +60,18 @@ class Tokenizer(Protocol):
 
 
 def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS,
-                      where: str = "") -> Pieces:
+                      where: str = "", tools: list[dict] | None = None) -> Pieces:
     """Messages in CHAT_TEMPLATE, for tokenizers without a chat template: the assistant's content and the newline
     closing it trained, its header '<|assistant|>\\n' only with options.train_header (every token with train_on all).
     Each message is encoded whole; where its header's tokens do not open it, the header is trained with the turn.
-    ProfileError naming the record (`where`) for a tool call, which the format has no way to write."""
+    ProfileError naming the record (`where`) for tool calls or tool definitions, which the format has no way to
+    write."""
     if any(m.get("tool_calls") for m in messages):
         raise ProfileError([f"{where}: a message with tool_calls needs a chat template that writes them "
                             "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"])
+    if tools:
+        raise ProfileError([f"{where}: 'tools' needs a chat template that writes them (data.chat_template, or the "
+                            "tokenizer's); the built-in <|role|> format has none"])
     header_format = CHAT_TEMPLATE.split("{content}")[0]
     pieces: Pieces = []
     for m in messages:
@@ -77,15 +83,16 @@ def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAU
     return [piece for piece in pieces if piece[0]]
 
 
-def render_template_text(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool,
-                         where: str, **special_tokens) -> tuple[str, list[bool] | None]:
-    """A conversation rendered to text by data.chat_template in transformers' sandboxed Jinja environment, and with
-    `with_mask` which characters its {% generation %} blocks mark; ProfileError naming the record and the field."""
+def render_template_text(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool, where: str,
+                         tools: list[dict] | None = None, **special_tokens) -> tuple[str, list[bool] | None]:
+    """A conversation (and its `tools`) rendered to text by data.chat_template in transformers' sandboxed Jinja
+    environment, and with `with_mask` which characters its {% generation %} blocks mark; ProfileError naming the
+    record and the field."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     with template_errors(where, "data.chat_template", template):
         (text,), indices = render_jinja_template(
-            [messages], chat_template=template, add_generation_prompt=add_generation_prompt,
+            [messages], tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_mask, **special_tokens,
         )
     content_chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
@@ -171,15 +178,16 @@ class ByteTokenizer:
     def is_blank(self, token: int) -> bool:
         return token < 256 and chr(token).isspace()
 
-    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+                    tools: list[dict] | None = None) -> Pieces:
         if options.template is None:
-            return render_plain_chat(self.encode, messages, options, where)
+            return render_plain_chat(self.encode, messages, options, where, tools)
         template = options.template
 
         def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
             # Special tokens are ids, not text, here: the template renders them empty; <bos> and a closing <eos>
             # are added around the rendering (chat_tokens).
-            text, char_mask = render_template_text(template, prefix, add_generation_prompt, with_mask, where,
+            text, char_mask = render_template_text(template, prefix, add_generation_prompt, with_mask, where, tools,
                                                    bos_token="", eos_token="")
             ids = self.encode(text)
             if char_mask is None:
@@ -252,9 +260,10 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> Pieces:
+    def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+                    tools: list[dict] | None = None) -> Pieces:
         if options.template is None and not self.has_chat_template:
-            return render_plain_chat(self.encode, messages, options, where)
+            return render_plain_chat(self.encode, messages, options, where, tools)
         source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
         try:
             template = self._tok.get_chat_template(options.template)
@@ -264,7 +273,7 @@ class HFTokenizer:
         def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
             with template_errors(where, source, options.template):
                 out = self._tok.apply_chat_template(
-                    prefix, chat_template=options.template, tokenize=True, return_dict=True,
+                    prefix, tools=tools, chat_template=options.template, tokenize=True, return_dict=True,
                     add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=with_mask,
                 )
             return list(out["input_ids"]), list(out["assistant_masks"]) if with_mask else None

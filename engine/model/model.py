@@ -249,8 +249,8 @@ class MoECausalLM(nn.Module):
         """input_ids, labels: [1, T] int64 (labels already shifted: label t is the token after t; -100 ignored);
         cu_seqlens: [N + 1] int32 document starts, cu_seqlens[-1] == T.
         loss_denominator: divide the summed cross-entropy by this (a number or a 0-dim tensor) instead of the local
-        labelled-token count (data parallel runs pass global count / world size as a device scalar, so averaging
-        gradients over ranks gives the global mean).
+        labelled-token count (the trainer passes the step's labelled tokens over all ranks / (world size x
+        accumulation steps): trainer.loss_denominator).
         pixel_values [P, C*Tp*p*p], image_grid_thw [I, 3]: the row's images (engine/data/images.py), whose tokens
         are the runs of model.vision.image_token_id in input_ids.
         return_logits: with labels, also return the [1, T, V] logits. None (default): in eval mode only; a training
@@ -259,7 +259,7 @@ class MoECausalLM(nn.Module):
         context: under context parallelism this rank's share of the row (engine/parallel/context.py): input_ids and
         labels are then the tokens [start, stop) of the row, cu_seqlens their document pieces
         (context.local_cu_seqlens()), and positions count from the start of each whole document; the loss is the
-        sum over the labels held here, divided by loss_denominator (the global labelled count / world size)."""
+        sum over the labels held here, divided by loss_denominator."""
         total = input_ids.shape[1]
         if context is None:
             positions, doc_ids = document_positions(cu_seqlens, total), document_ids(cu_seqlens, total)

@@ -441,6 +441,46 @@ def test_tool_calls_and_results_train_as_the_templates_mask(tmp_path, tool_token
     assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in trained and "23 C" not in trained
 
 
+TOOL_DEFS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_records_tools_reach_the_template_untrained(tmp_path, marked):
+    """A record's `tools` (function definitions) go to the template as transformers' apply_chat_template(tools=...)
+    takes them: written where the template writes them (a system block here), never trained."""
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "qwen3", True)
+    defined = ("{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for t in tools %}{{- ' ' + t.function.name }}"
+               "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}")
+    raw.chat_template = defined + TOOLS.replace("@GEN", GEN).replace("@END", END_GEN)
+    out = raw.apply_chat_template(TOOL_CHATS["call_then_answer"], tools=TOOL_DEFS, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    raw.chat_template = defined + TOOLS.replace("@GEN", GEN * marked).replace("@END", END_GEN * marked)
+    raw.save_pretrained(directory)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": TOOL_CHATS["call_then_answer"], "tools": TOOL_DEFS}) + "\n")
+    (doc,) = load_documents(DataProfile(path=path, seq_len=4096, tokenizer=str(directory)),
+                            load_tokenizer(str(directory)))
+    assert (doc.input_ids, doc.labels) == (ids[:-1], [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])])
+    assert "Tools: get_weather get_time" in raw.decode(doc.input_ids)
+
+
+@pytest.mark.parametrize("tools, message", [
+    (TOOL_DEFS, "'tools' needs a chat template that writes them (data.chat_template, or the tokenizer's); the "
+                "built-in <|role|> format has none"),
+    ("get_weather", "'tools' must be a list of tool definitions (JSON objects), got str"),
+    ([["get_weather"]], "'tools' must be a list of tool definitions (JSON objects), got list"),
+])  # fmt: skip
+def test_tools_the_format_cannot_write_or_not_definitions_are_refused(tmp_path, tools, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": CANONICAL, "tools": tools}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=256), ByteTokenizer())
+    assert err.value.problems == [f"{path}:1: {message}"]
+
+
 def test_a_tool_call_without_a_chat_template_is_refused(tmp_path):
     path = write_records(tmp_path / "d.jsonl", TOOL_CHATS["call_then_answer"])
     with pytest.raises(ProfileError) as err:

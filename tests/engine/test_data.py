@@ -121,7 +121,8 @@ def test_bad_records_name_file_and_line(tmp_path):
     assert info.value.problems == [
         f"{path}:1: 'text' must be a string, got int",
         f"{path}:2: a record must be a JSON object, got list",
-        f"{path}:3: 'messages' must be a list of {{\"role\": str, \"content\": str}}",
+        f"{path}:3: 'messages' must be a list of {{\"role\": str, \"content\": str}} (content null or left out "
+        "only beside tool_calls)",
     ]
 
 

@@ -341,3 +341,24 @@ def test_a_chat_template_that_drops_images_is_refused(tmp_path):
         load_documents(data_profile(path), load_tokenizer(str(tmp_path / "tok")), vision())
     assert err.value.problems == [f"{path}:1: the tokenizer's chat template renders 0 image tokens (300) for 1 images: "
                                   "it must render each image part as one"]
+
+
+def test_an_image_chat_with_a_tool_call_needs_a_template_and_takes_one(tmp_path):
+    """The built-in format cannot write a tool call: refused, as for a text record; through a chat template an
+    assistant message with tool_calls and no content is rendered (its calls are the template's to write)."""
+    write_image(tmp_path / "a.png", 24, 40)
+    call = {"type": "function", "function": {"name": "w7", "arguments": {}}}
+    messages = [{"role": "user", "content": "<image> what"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "content": "w8"}, {"role": "assistant", "content": "square"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": messages, "images": ["a.png"]}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(data_profile(path), ByteTokenizer(), vision())
+    assert err.value.problems == [f"{path}:1: tool calls and 'tools' need a chat template that writes them "
+                                  "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"]
+    template = CHAT_TEMPLATE_WITH_IMAGES.replace(
+        "{% if m['content'] is string %}",
+        "{% for c in m.tool_calls or [] %}{{ c.function.name }} {% endfor %}{% if m['content'] is string %}")
+    (doc,) = load_documents(data_profile(path), word_tokenizer(tmp_path / "tok", template), vision())
+    trained = [label for label in doc.labels if label != -100]
+    assert 7 in trained and 8 not in trained and 309 in trained

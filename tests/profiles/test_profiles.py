@@ -245,6 +245,7 @@ def test_context_parallel_refuses_images():
     (["lora.modules_to_save=[lm_head]"], "modules_to_save", "lm_head"),
     (["lora.modules_to_save=[embed_tokens]"], "modules_to_save", "embed_tokens"),
     (["lora.target_modules=[q_proj, lm_head]"], "target_modules", "lm_head"),
+    (["lora.modules_to_save=[model.embed_tokens]"], "modules_to_save", "embed_tokens"),  # PEFT matches name ends
 ])  # fmt: skip
 def test_a_tied_head_trained_apart_from_its_embedding_is_refused(lora, field, name):
     """PEFT trains a modules_to_save copy, or an adapter, on one of the two names of a tied weight: the head would
