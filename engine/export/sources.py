@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import yaml
 from torch import nn
 
 from moe_tune.profiles import ProfileError, error_line, more_alike
-from moe_tune.profiles.schema import JobProfile, ModelProfile
+from moe_tune.profiles.schema import JobProfile, ModelProfile, file_kind
 
 from . import merge_lora
 
@@ -116,6 +117,13 @@ def open_safetensors(path: Path):
     from safetensors import SafetensorError, safe_open
 
     try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise ProfileError([f"{path}: not a readable safetensors file ({error_line(err)})"]) from None
+    if not stat.S_ISREG(mode):
+        # A FIFO would block the read for ever, a device act on it.
+        raise ProfileError([f"{path}: not a regular file ({file_kind(mode)}); a safetensors file must be one"])
+    try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as err:
         raise ProfileError([f"{path}: not a readable safetensors file ({error_line(err)})"]) from None
@@ -204,8 +212,13 @@ def read_selection_biases(run: RunInfo, shapes: dict[str, tuple[int, ...]]) -> d
     from safetensors import SafetensorError
 
     path = run.run_dir / SELECTION_BIASES_FILE
-    if not os.path.lexists(path):
+    moe = run.profile.model.moe
+    if moe is None or moe.bias_update_rate <= 0:
         return {}
+    if not os.path.lexists(path):
+        raise ProfileError([f"{path}: missing; the run trains its routing biases (model.moe.bias_update_rate) and "
+                            "keeps them there (a run that ended before it did holds them in its checkpoints: export "
+                            "--step N --merge)"])
     try:
         with open_safetensors(path) as f:
             biases = {key: f.get_tensor(key) for key in f.keys()}
@@ -217,6 +230,11 @@ def read_selection_biases(run: RunInfo, shapes: dict[str, tuple[int, ...]]) -> d
         if tuple(tensor.shape) != shapes[key] or not tensor.dtype.is_floating_point:
             raise ProfileError([f"{path}: tensor {key} is {tensor.dtype} {tuple(tensor.shape)}, the run's model holds "
                                 f"a float {shapes[key]}"])
+        if not torch.isfinite(tensor).all():
+            raise ProfileError([f"{path}: tensor {key} holds non-finite values"])
+    missing = [key for key in shapes if key.endswith(".selection_bias") and key not in biases]
+    if missing:
+        raise ProfileError([f"{path}: no tensor {missing[0]}" + more_alike(len(missing) - 1)])
     return biases
 
 
@@ -315,6 +333,14 @@ class FinalState:
                 self.close()
                 raise ProfileError(problems)
             self._weight_names = set(self._weights.keys())
+            # Every parameter, and the routing biases the run trained; other buffers keep the base's values.
+            required = [name for name, _ in self.model.named_parameters()]
+            if run.cfg.moe is not None and run.cfg.moe.bias_update_rate > 0:
+                required += [name for name, _ in self.model.named_buffers() if name.endswith(".selection_bias")]
+            missing = [name for name in required if name not in self._weight_names]
+            if missing:
+                self.close()
+                raise ProfileError([f"{path}: no tensor {missing[0]}" + more_alike(len(missing) - 1)])
             return
         try:
             self._adapter = read_adapter(run, self._shapes)

@@ -470,3 +470,28 @@ def test_a_temporary_folder_left_by_a_killed_export_is_not_exported(request, tmp
     assert result.exit_code == 0, result.output
     assert not (out / "left-over.safetensors").exists() and not (tmp_path / ".out.tmp").exists()
     assert (out / ("adapter_model.safetensors" if kind == "adapter" else "model.safetensors.index.json")).is_file()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_safetensors_path_that_is_no_regular_file_is_refused_not_waited_on(tmp_path, kind):
+    """Every safetensors file a run holds is opened only when regular (the selection biases' among them, which no
+    earlier check looks at): a FIFO in its place would block the read for ever."""
+    from moe_tune.engine.export.sources import open_safetensors
+    from moe_tune.profiles import ProfileError
+
+    path = tmp_path / "selection_biases.safetensors"
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(ProfileError) as refusal:
+        open_safetensors(path)
+    shown = "a FIFO" if kind == "fifo" else "a directory"
+    assert refusal.value.problems == [f"{path}: not a regular file ({shown}); a safetensors file must be one"]
+
+
+def test_full_finetune_weights_missing_a_parameter_are_refused(run_dir, tmp_path):
+    """A model.safetensors without one of the model's parameters: named, not filled in from the base."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    weights = load_file(str(run / "model.safetensors"))
+    dropped = sorted(weights)[3]
+    save_file({k: v for k, v in weights.items() if k != dropped}, str(run / "model.safetensors"))
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run / 'model.safetensors'}: no tensor {dropped}")

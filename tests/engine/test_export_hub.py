@@ -528,6 +528,26 @@ def test_routing_biases_the_run_trained_are_exported_and_generated_with(tmp_path
         with pytest.raises(ProfileError) as refusal:
             export_run(run, merge=False, out=tmp_path / "adapter", max_shard_size="5GB")
         assert refusal.value.problems[0] == ROUTING_BIASES_IN_NO_ADAPTER
+    # The biases damaged (a NaN, a layer's left out) or gone: refused, not routed with the base's.
+    from safetensors.torch import save_file
+
+    from moe_tune.engine.export.sources import SELECTION_BIASES_FILE
+
+    path = run / (SELECTION_BIASES_FILE if lora else "model.safetensors")
+    kept, first = load_file(str(path)), names[0]
+    damages = [({k: v for k, v in kept.items() if k != first}, f"no tensor {first}")]
+    if lora:
+        damages.append(({**kept, first: kept[first] * float("nan")}, f"tensor {first} holds non-finite values"))
+    for damaged, line in damages:
+        save_file(damaged, str(path))
+        with pytest.raises(ProfileError) as refusal:
+            export_run(run, merge=True, out=tmp_path / "damaged", max_shard_size="5GB")
+        assert refusal.value.problems == [f"{path}: {line}"]
+    if lora:
+        path.unlink()
+        with pytest.raises(ProfileError) as refusal:
+            export_run(run, merge=True, out=tmp_path / "damaged", max_shard_size="5GB")
+        assert refusal.value.problems[0].startswith(f"{path}: missing; the run trains its routing biases")
 
 
 def test_generate_on_an_fp8_base_lora_run_routes_with_the_trained_biases(tmp_path):
