@@ -100,7 +100,48 @@ def _likely_role(role: str) -> str:
     if lowered in CANONICAL_ROLES:
         return lowered
     return {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "function": "tool",
-            "ipython": "tool", "observation": "tool"}.get(lowered, "user")  # fmt: skip
+            "ipython": "tool", "observation": "tool", "function_call": "assistant"}.get(lowered, "user")  # fmt: skip
+
+
+def check_tool_calls(messages: list[dict], where: str) -> None:
+    """ProfileError naming the record when a message's tool_calls is not a list of calls (objects whose 'function'
+    names it), or sits on a message other than the assistant's."""
+    for turn, message in enumerate(messages, 1):
+        calls = message.get("tool_calls")
+        if calls is None:
+            continue
+        if message["role"] != "assistant":
+            raise ProfileError([f"{where}: turn {turn} ({message['role']}) has 'tool_calls'; only an assistant "
+                                "message calls tools"])
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls
+        ):  # fmt: skip
+            raise ProfileError([f"{where}: turn {turn}'s 'tool_calls' must be a list of calls, each an object whose "
+                                "'function' object has a 'name' string"])
+
+
+def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool], decode, where: str) -> None:
+    """ProfileError naming the record when the chat template left out a tool call (its function's name in no
+    trained token) or a tool result (its text nowhere in the rendering): a template without a branch for them
+    would train an empty turn, or an answer to a result the model never saw."""
+    calls = [(turn, call["function"]["name"])
+             for turn, m in enumerate(messages, 1) for call in m.get("tool_calls") or []]  # fmt: skip
+    results = [(turn, m["content"].strip()) for turn, m in enumerate(messages, 1)
+               if m["role"] == "tool" and isinstance(m.get("content"), str) and m["content"].strip()]  # fmt: skip
+    if not calls and not results:
+        return
+    trained_text = decode([t for t, keep in zip(ids, trained) if keep])
+    for turn, name in calls:
+        if name not in trained_text:
+            raise ProfileError([f"{where}: the chat template writes no trained token of turn {turn}'s call of "
+                                f"{name!r}: a template must write an assistant's tool_calls (data.chat_template, or "
+                                "the tokenizer's)"])
+    text = decode(ids)
+    for turn, result in results:
+        if result not in text:
+            raise ProfileError([f"{where}: the chat template does not write turn {turn} (tool)'s result: a template "
+                                "must write tool messages (data.chat_template, or the tokenizer's)"])
 
 
 def _yaml_key(role: str) -> str:
@@ -148,10 +189,23 @@ def render_conversation(
                                              if m["role"] == "assistant" and _has_content(m)), None)):  # fmt: skip
             raise ProfileError([_DROPPED.format(where=where, turn=turn)])
         known = turn_closes if turn_closes is not None else {}
+
+        def plain(prefix: list[dict], prompt: bool) -> list[int]:
+            return render(prefix, prompt, False)[0]
+
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         if options.template not in known:
-            known[options.template] = _turn_close(lambda prefix, prompt: render(prefix, prompt, False)[0], closes_turn,
-                                                  is_blank)  # fmt: skip
-        close = known[options.template]
+            try:
+                known[options.template] = _turn_close(plain(probe, False), closes_turn, is_blank)
+            except ProfileError:
+                # A template that cannot render the probe (one that wants a system turn first): each record's own
+                # conversation up to its first assistant turn tells.
+                pass
+        if options.template in known:
+            close = known[options.template]
+        else:
+            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant") if any(mask) else None
+            close = None if first is None else _turn_close(plain(messages[: first + 1], False), closes_turn, is_blank)
         if close is not None:
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
@@ -167,14 +221,9 @@ _DROPPED = ("{where}: the chat template renders no token of turn {turn} (assista
             "every message's content (data.chat_template, or the tokenizer's)")
 
 
-def _turn_close(render: Callable[[list[dict], bool], list[int]], closes_turn: Callable[[int], bool],
-                is_blank: Callable[[int], bool]) -> int | None:
+def _turn_close(ids: list[int], closes_turn: Callable[[int], bool], is_blank: Callable[[int], bool]) -> int | None:
     """The special token the template closes an assistant turn with (<|im_end|>): the last token not blank of a
-    user and an assistant turn rendered, when it closes a turn; None otherwise."""
-    try:
-        ids = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
-    except ProfileError:
-        return None
+    conversation rendered up to an assistant turn (`ids`), when it closes a turn; None otherwise."""
     for token in reversed(ids):
         if closes_turn(token):
             return token

@@ -26,7 +26,7 @@ from moe_tune.ops.common.host_copy import remember, to_device
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile, ModelProfile
 
-from .chat import canonical_messages, chat_options, chat_tokens
+from .chat import canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written
 from .corpus import generate_corpus
 from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
 from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
@@ -166,6 +166,7 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
     _check_image_count(messages, images, where, profile.seq_len)
     messages = canonical_messages(messages, profile.roles, where)
+    check_tool_calls(messages, where)
     options = chat_options(profile)
     if options.template is not None and not hasattr(tok, "has_chat_template"):
         raise ProfileError([f"{where}: data.chat_template cannot place image tokens with the byte tokenizer (its "
@@ -186,6 +187,7 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
             allow_outside=profile.allow_paths_outside, options=options,
         )
     ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant", options)
+    check_tools_written(messages, ids, trained, tok.decode, where)
     if len(ids) - 1 > profile.seq_len:
         raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
                             f"({profile.seq_len}); a document with images is never cut"])
@@ -223,10 +225,13 @@ def _record_document(
             raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": "
                                 "str} (content null or left out only beside tool_calls)"])
         messages = canonical_messages(messages, profile.roles, where)
+        check_tool_calls(messages, where)
         ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
         options = chat_options(profile)
         pieces = tok.render_chat(messages, where, options, _record_tools(record, where))
-        return _chat_document(*chat_tokens(pieces, tok, ends_with_assistant, options))
+        ids, trained = chat_tokens(pieces, tok, ends_with_assistant, options)
+        check_tools_written(messages, ids, trained, tok.decode, where)
+        return _chat_document(ids, trained)
     if profile.text_field in record:
         text = record[profile.text_field]
         if not isinstance(text, str):

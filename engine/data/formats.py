@@ -98,10 +98,13 @@ def _columns(name: str, profile: DataProfile) -> tuple[dict[str, str], dict[str,
 
 def to_record(record: object, name: str, profile: DataProfile, where: str) -> dict:
     """A record of format `name` as the record the text and chat paths read ({text_field} or {messages_field}, with
-    its images); ProfileError naming the record when it is not a record of that format."""
+    its images, and a chat its tool definitions); ProfileError naming the record when it is not a record of that
+    format."""
     if not isinstance(record, dict):
         raise ProfileError([f"{where}: {no_format(record, profile)}"])
     images = {"images": record["images"]} if "images" in record else {}
+    # Tool definitions go with a chat whatever its format.
+    carried = {**images, **({"tools": record["tools"]} if "tools" in record else {})}
     if name == "text":
         if profile.text_field not in record:
             raise ProfileError([f"{where}: a text record needs a '{profile.text_field}' key (has: {_keys(record)})"])
@@ -112,9 +115,9 @@ def to_record(record: object, name: str, profile: DataProfile, where: str) -> di
                                 f"{_keys(record)})"])
         return record
     if name == "alpaca":
-        return {profile.messages_field: _alpaca_messages(record, where), **images}
+        return {profile.messages_field: _alpaca_messages(record, where), **carried}
     if name == "sharegpt":
-        return {profile.messages_field: _sharegpt_messages(record, profile, where), **images}
+        return {profile.messages_field: _sharegpt_messages(record, profile, where), **carried}
     raise AssertionError(f"unknown data format {name!r}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 from collections.abc import Iterator
@@ -95,7 +96,10 @@ def render_template_text(template: str, messages: list[dict], add_generation_pro
             [messages], tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_mask, **special_tokens,
         )
+    # The record's own text: contents, tool calls' arguments, the tool definitions.
     content_chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
+    content_chars += sum(len(json.dumps(m["tool_calls"], default=str)) for m in messages if m.get("tool_calls"))
+    content_chars += len(json.dumps(tools, default=str)) if tools else 0
     if len(text) > (most := RENDERED_EXTRA_CHARS + RENDERED_PER_CONTENT_CHAR * content_chars):
         raise ProfileError([f"{where}: data.chat_template renders {len(text)} characters from messages of "
                             f"{content_chars}, more than {most}: a template renders the conversation, not more"])

@@ -629,3 +629,89 @@ def finetune_cli(data, out, *overrides):
 
     sets = [a for o in (f"data.path={data}", f"output.dir={out}", *overrides) for a in ("--set", o)]
     return CliRunner().invoke(app, ["finetune", "tiny", "--quiet", *sets])
+
+
+@pytest.mark.parametrize("message, line", [
+    ({"role": "assistant", "content": None, "tool_calls": "get_weather"},
+     "turn 2's 'tool_calls' must be a list of calls, each an object whose 'function' object has a 'name' string"),
+    ({"role": "assistant", "content": None, "tool_calls": [None]},
+     "turn 2's 'tool_calls' must be a list of calls, each an object whose 'function' object has a 'name' string"),
+    ({"role": "assistant", "content": "x", "tool_calls": [{"function": None}]},
+     "turn 2's 'tool_calls' must be a list of calls, each an object whose 'function' object has a 'name' string"),
+    ({"role": "user", "content": None, "tool_calls": [CALL]},
+     "turn 2 (user) has 'tool_calls'; only an assistant message calls tools"),
+])  # fmt: skip
+def test_tool_calls_that_are_no_calls_or_not_the_assistants_are_refused(tmp_path, tool_tokenizers, message, line):
+    tok, _, directory = tool_tokenizers["separate", True]
+    path = write_records(tmp_path / "d.jsonl", [{"role": "user", "content": "weather?"}, message])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=4096, tokenizer=str(directory)), tok)
+    assert err.value.problems == [f"{path}:1: {line}"]
+
+
+@pytest.mark.parametrize("left_out, line", [
+    ("calls", "the chat template writes no trained token of turn 2's call of 'get_weather': a template must write "
+              "an assistant's tool_calls (data.chat_template, or the tokenizer's)"),
+    ("results", "the chat template does not write turn 3 (tool)'s result: a template must write tool messages "
+                "(data.chat_template, or the tokenizer's)"),
+])  # fmt: skip
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_template_that_leaves_tool_calls_or_results_out_is_refused(tmp_path, left_out, line, marked):
+    """A template without a branch for them would train an empty turn (its closing token alone: the model learns to
+    stop), or an answer to a result it never saw."""
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "qwen3", marked)
+    template = TOOLS.replace("@GEN", GEN * marked).replace("@END", END_GEN * marked)
+    if left_out == "calls":
+        template = template.replace("{%- for call in m.tool_calls or [] %}", "{%- for call in [] %}")
+    else:
+        template = template.replace("m.content + '</tool_response>", "'</tool_response>")
+    raw.chat_template = template
+    raw.save_pretrained(directory)
+    path = write_records(tmp_path / "d.jsonl", TOOL_CHATS["call_then_answer"])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=4096, tokenizer=str(directory)), load_tokenizer(str(directory)))
+    assert err.value.problems == [f"{path}:1: {line}"]
+
+
+def test_sharegpt_tools_reach_the_template(tmp_path):
+    """A ShareGPT record's tools are the chat's, as a messages record's: refused where no template writes them."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+                                "tools": TOOL_DEFS}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=256), ByteTokenizer())
+    assert err.value.problems == [f"{path}:1: 'tools' needs a chat template that writes them (data.chat_template, "
+                                  "or the tokenizer's); the built-in <|role|> format has none"]
+
+
+def test_a_closing_token_after_the_block_is_trained_where_the_template_wants_a_system_turn(tmp_path):
+    """The closing token is found from a probe conversation, or, where the template refuses it (a system turn
+    first), from the record's own conversation up to its first assistant turn."""
+    directory = tmp_path / "tok"
+    raw = save_tokenizer(directory, "qwen3", True)
+    raw.chat_template = (
+        "{%- if messages[0].role != 'system' %}{{ raise_exception('a system turn first') }}{%- endif %}"
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}{%- if m.role == 'assistant' %}"
+        "{% generation %}{{- m.content }}{% endgeneration %}{%- else %}{{- m.content }}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}{%- endfor %}")
+    raw.save_pretrained(directory)
+    tok = load_tokenizer(str(directory))
+    doc = document(tmp_path, tok, [{"role": "system", "content": "s"}, *CANONICAL], str(directory))
+    assert trained_runs(doc, tok) == ["hello there<|im_end|>"]
+
+
+def test_a_records_own_tools_and_arguments_count_as_its_text_against_the_render_limit():
+    """The limit on what a template renders counts the record's own text: a large tool schema or call arguments
+    written out are the record's, not a template rendering more than the conversation."""
+    from moe_tune.engine.data.tokenizer import RENDERED_EXTRA_CHARS, render_template_text
+
+    template = "{{ tools | tojson }}{% for m in messages %}{{ m.tool_calls | tojson }}{% endfor %}"
+    big = "x" * RENDERED_EXTRA_CHARS
+    tools = [{"type": "function", "function": {"name": "f", "description": big}}]
+    calls = [{"type": "function", "function": {"name": "f", "arguments": {"text": big}}}]
+    text, _ = render_template_text(template, [{"role": "assistant", "content": None, "tool_calls": calls}], False,
+                                   False, "d.jsonl:1", tools)
+    assert len(text) > 2 * RENDERED_EXTRA_CHARS
+    with pytest.raises(ProfileError, match=r"^d.jsonl:1: data.chat_template renders \d+ characters from messages of"):
+        render_template_text("{{ 'y' * 3000000 }}", [{"role": "user", "content": "x"}], False, False, "d.jsonl:1")
