@@ -201,11 +201,13 @@ def render_conversation(
                 # A template that cannot render the probe (one that wants a system turn first): each record's own
                 # conversation up to its first assistant turn tells.
                 pass
-        if options.template in known:
-            close = known[options.template]
-        else:
-            first = next(i for i, m in enumerate(messages) if m["role"] == "assistant") if any(mask) else None
-            close = None if first is None else _turn_close(plain(messages[: first + 1], False), closes_turn, is_blank)
+        close = known.get(options.template)
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if options.template not in known and first is not None:
+            try:
+                close = _turn_close(plain(messages[: first + 1], False), closes_turn, is_blank)
+            except ProfileError:
+                close = None
         if close is not None:
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
