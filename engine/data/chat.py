@@ -131,15 +131,16 @@ def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool
                if m["role"] == "tool" and isinstance(m.get("content"), str) and m["content"].strip()]  # fmt: skip
     if not calls and not results:
         return
-    trained_text = decode([t for t, keep in zip(ids, trained) if keep])
+    # Compared without whitespace: a tokenizer's decoding may clean the spaces around punctuation.
+    trained_text = "".join(decode([t for t, keep in zip(ids, trained) if keep]).split())
     for turn, name in calls:
-        if name not in trained_text:
+        if "".join(name.split()) not in trained_text:
             raise ProfileError([f"{where}: the chat template writes no trained token of turn {turn}'s call of "
                                 f"{name!r}: a template must write an assistant's tool_calls (data.chat_template, or "
                                 "the tokenizer's)"])
-    text = decode(ids)
+    text = "".join(decode(ids).split())
     for turn, result in results:
-        if result not in text:
+        if "".join(result.split()) not in text:
             raise ProfileError([f"{where}: the chat template does not write turn {turn} (tool)'s result: a template "
                                 "must write tool messages (data.chat_template, or the tokenizer's)"])
 
