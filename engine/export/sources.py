@@ -231,7 +231,7 @@ def read_selection_biases(run: RunInfo, shapes: dict[str, tuple[int, ...]]) -> d
             raise ProfileError([f"{path}: tensor {key} is {tensor.dtype} {tuple(tensor.shape)}, the run's model holds "
                                 f"a float {shapes[key]}"])
         if not torch.isfinite(tensor).all():
-            raise ProfileError([f"{path}: tensor {key} holds non-finite values"])
+            raise ProfileError([f"{path}: tensor {key} holds non-finite values (NaN or inf)"])
     missing = [key for key in shapes if key.endswith(".selection_bias") and key not in biases]
     if missing:
         raise ProfileError([f"{path}: no tensor {missing[0]}" + more_alike(len(missing) - 1)])
@@ -399,9 +399,9 @@ class FinalState:
 
     def read(self, name: str) -> torch.Tensor:
         if self._weights is not None:
-            if name in self._weight_names:
-                return self._weights.get_tensor(name)
-            return self.base(name)  # a buffer model.safetensors does not hold (it holds the parameters)
+            if name not in self._weight_names:
+                return self.base(name)  # a buffer model.safetensors does not hold (it holds the parameters)
+            return self._finite(name, self._weights.get_tensor(name))
         saved = self._adapter.get(ADAPTER_PREFIX + name)
         if saved is not None:
             return saved  # a module trained in full (modules_to_save)
@@ -412,10 +412,18 @@ class FinalState:
             return weight
         return merged_weight(name, weight, self._adapter, lora_scaling(self.run.profile))
 
+    def _finite(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor of model.safetensors as read, refused when it holds NaN or inf: read one at a time as an export
+        writes, before the export's folder is renamed into place."""
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ProfileError([f"{self.run.run_dir / WEIGHTS_FILE}: tensor {name} holds non-finite values (NaN or "
+                                "inf)"])
+        return tensor
+
     def read_expert(self, name: str, expert: int) -> torch.Tensor:
         """Expert `expert` of the grouped expert tensor `name`, [1, ...], without reading the others."""
         if self._weights is not None and name in self._weight_names:
-            return self._weights.get_slice(name)[expert : expert + 1]
+            return self._finite(name, self._weights.get_slice(name)[expert : expert + 1])
         saved = self._adapter.get(ADAPTER_PREFIX + name) if self._adapter is not None else None
         if saved is not None:
             return saved[expert : expert + 1]  # grouped experts trained in full (modules_to_save)

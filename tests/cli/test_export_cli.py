@@ -495,3 +495,15 @@ def test_full_finetune_weights_missing_a_parameter_are_refused(run_dir, tmp_path
     dropped = sorted(weights)[3]
     save_file({k: v for k, v in weights.items() if k != dropped}, str(run / "model.safetensors"))
     assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run / 'model.safetensors'}: no tensor {dropped}")
+
+
+def test_full_finetune_weights_holding_nan_are_refused_and_nothing_written(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    weights = load_file(str(run / "model.safetensors"))
+    poisoned = sorted(weights)[-1]
+    weights[poisoned] = weights[poisoned].clone().view(-1).index_fill(0, torch.tensor([0]), float("nan")).view_as(
+        weights[poisoned])
+    save_file(weights, str(run / "model.safetensors"))
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run / 'model.safetensors'}: tensor {poisoned} holds "
+                                                             "non-finite values (NaN or inf)")

@@ -537,7 +537,7 @@ def test_routing_biases_the_run_trained_are_exported_and_generated_with(tmp_path
     kept, first = load_file(str(path)), names[0]
     damages = [({k: v for k, v in kept.items() if k != first}, f"no tensor {first}")]
     if lora:
-        damages.append(({**kept, first: kept[first] * float("nan")}, f"tensor {first} holds non-finite values"))
+        damages.append(({**kept, first: kept[first] * float("nan")}, f"tensor {first} holds non-finite values (NaN or inf)"))
     for damaged, line in damages:
         save_file(damaged, str(path))
         with pytest.raises(ProfileError) as refusal:
