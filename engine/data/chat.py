@@ -28,6 +28,8 @@ from moe_tune.profiles.schema import DataProfile, is_chat_template_path, read_ch
 
 # A tool's result (OpenAI's and transformers' "tool" role) goes to the template as it is, never trained.
 CANONICAL_ROLES = ("system", "user", "assistant", "tool")
+# A rendering's last tokens searched for the special token that closes a turn (closing_token).
+TURN_END_WINDOW = 8
 # transformers' own test for a template that can return the assistant tokens mask.
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -121,6 +123,17 @@ def check_tool_calls(messages: list[dict], where: str) -> None:
                                 "'function' object has a 'name' string"])
 
 
+def refuse_tools_without_template(messages: list[dict], tools: list[dict] | None, where: str) -> None:
+    """ProfileError naming the record for tool calls or tool definitions where no chat template writes them (the
+    built-in <|role|> format has no way to)."""
+    if any(m.get("tool_calls") for m in messages):
+        raise ProfileError([f"{where}: a message with tool_calls needs a chat template that writes them "
+                            "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"])
+    if tools:
+        raise ProfileError([f"{where}: 'tools' needs a chat template that writes them (data.chat_template, or the "
+                            "tokenizer's); the built-in <|role|> format has none"])
+
+
 def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool], decode, where: str) -> None:
     """ProfileError naming the record when the chat template left out a tool call (its function's name in no
     trained token) or a tool result (its text nowhere in the rendering): a template without a branch for them
@@ -174,7 +187,7 @@ def render_conversation(
     has_blocks: bool,
     closes_turn: Callable[[int], bool],
     is_blank: Callable[[int], bool],
-    turn_closes: dict[str | None, int | None] | None = None,
+    turn_closes: dict[str | None, int | None],
 ) -> Pieces:
     """Pieces of a conversation rendered by a chat template, trained as `options` say: train_on all renders it once
     and trains every token; a template with {% generation %} blocks is rendered once and its marked spans trained
@@ -189,26 +202,8 @@ def render_conversation(
         if not any(mask) and (turn := next((i for i, m in enumerate(messages, 1)
                                              if m["role"] == "assistant" and _has_content(m)), None)):  # fmt: skip
             raise ProfileError([_DROPPED.format(where=where, turn=turn)])
-        known = turn_closes if turn_closes is not None else {}
-
-        def plain(prefix: list[dict], prompt: bool) -> list[int]:
-            return render(prefix, prompt, False)[0]
-
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        if options.template not in known:
-            try:
-                known[options.template] = _turn_close(plain(probe, False), closes_turn, is_blank)
-            except ProfileError:
-                # A template that cannot render the probe (one that wants a system turn first): each record's own
-                # conversation up to its first assistant turn tells.
-                pass
-        close = known.get(options.template)
-        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-        if options.template not in known and first is not None:
-            try:
-                close = _turn_close(plain(messages[: first + 1], False), closes_turn, is_blank)
-            except ProfileError:
-                close = None
+        close = _template_close(lambda prefix: render(prefix, False, False)[0], messages, options.template,
+                                turn_closes, closes_turn, is_blank)  # fmt: skip
         if close is not None:
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
@@ -224,9 +219,29 @@ _DROPPED = ("{where}: the chat template renders no token of turn {turn} (assista
             "every message's content (data.chat_template, or the tokenizer's)")
 
 
-def _turn_close(ids: list[int], closes_turn: Callable[[int], bool], is_blank: Callable[[int], bool]) -> int | None:
-    """The special token the template closes an assistant turn with (<|im_end|>): the last token not blank of a
-    conversation rendered up to an assistant turn (`ids`), when it closes a turn; None otherwise."""
+def _template_close(render: Callable[[list[dict]], list[int]], messages: list[dict], template: str | None,
+                    known: dict[str | None, int | None], closes_turn: Callable[[int], bool],
+                    is_blank: Callable[[int], bool]) -> int | None:
+    """The token the template closes an assistant turn with (<|im_end|>), found from a user and an assistant turn
+    rendered and kept in `known` by `template`; where the template refuses that probe (one that wants a system turn
+    first), from the record's own conversation up to its first assistant turn (None when it has none)."""
+    if template not in known:
+        try:
+            known[template] = _last_closer(render(_PROBE), closes_turn, is_blank)
+        except ProfileError:
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+            try:
+                return None if first is None else _last_closer(render(messages[: first + 1]), closes_turn, is_blank)
+            except ProfileError:
+                return None
+    return known[template]
+
+
+_PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def _last_closer(ids: list[int], closes_turn: Callable[[int], bool], is_blank: Callable[[int], bool]) -> int | None:
+    """The last token of `ids` that is not blank, when it closes a turn (`closes_turn`); None otherwise."""
     for token in reversed(ids):
         if closes_turn(token):
             return token
@@ -358,7 +373,7 @@ def render_by_prefixes(
 
 def generation_prompt(render: Callable[[list[dict], bool], list[int]]) -> list[int]:
     """The ids the template's generation prompt adds after a user turn ([] when it adds none, or cannot render one)."""
-    probe = [{"role": "user", "content": "x"}]
+    probe = _PROBE[:1]
     try:
         plain, prompted = render(probe, False), render(probe, True)
     except ProfileError:
@@ -393,11 +408,14 @@ def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool, options: ChatOpt
 
 
 def template_closes_turn(ids: list[int], tok) -> bool:
-    """Whether the last token of the rendering that is not blank is a special token that can end a turn (such as
-    <|im_end|> or the tokenizer's <eos>; not <bos>, nor a <pad> other than the <eos>)."""
-    for token in reversed(ids[-8:]):
-        if token in tok.special_ids:
-            return token != tok.bos_id and (token != tok.pad_id or token == tok.eos_id)
-        if not tok.is_blank(token):
-            return False
-    return False
+    """Whether the last token of the rendering that is not blank is a special token that can end a turn."""
+    return closing_token(ids, tok) is not None
+
+
+def closing_token(ids: list[int], tok) -> int | None:
+    """The special token that ends the rendering, blank tokens after it aside, when it can end a turn (such as
+    <|im_end|> or the tokenizer's <eos>; not <bos>, nor a <pad> other than the <eos>); None otherwise."""
+    token = _last_closer(ids[-TURN_END_WINDOW:], lambda t: t in tok.special_ids, tok.is_blank)
+    if token is None or token == tok.bos_id or (token == tok.pad_id and token != tok.eos_id):
+        return None
+    return token

@@ -26,7 +26,9 @@ from moe_tune.ops.common.host_copy import remember, to_device
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile, ModelProfile
 
-from .chat import canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written
+from .chat import (
+    canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written, refuse_tools_without_template,
+)
 from .corpus import generate_corpus
 from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
 from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
@@ -179,9 +181,7 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
             allow_outside=profile.allow_paths_outside, options=options, tools=_record_tools(record, where),
         )
     else:
-        if any(m.get("tool_calls") for m in messages) or _record_tools(record, where):
-            raise ProfileError([f"{where}: tool calls and 'tools' need a chat template that writes them "
-                                "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"])
+        refuse_tools_without_template(messages, _record_tools(record, where), where)
         pieces, refs = render_multimodal_chat(
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
             allow_outside=profile.allow_paths_outside, options=options,

@@ -159,14 +159,14 @@ def render_templated_multimodal_chat(
 ) -> tuple[list[tuple[list[int], bool]], list[ImageRef]]:
     """Pieces of a chat with images (and the record's `tools`) rendered by a chat template (`render_chat` with
     `options`: data.chat_template, else the checkpoint's; it writes each image part as its vision-start, one image
-    token and vision-end), each image token then widened to the image's n tokens. The template must render one image
-    token per image, else the record is refused."""
+    token and vision-end), each image token then widened to the image's own count (image_token_count). The template
+    must render one image token per image, else the record is refused."""
     queue = list(record_images)
     templated, refs = [], []
     for message in messages:
         # An assistant's tool call may come without content (null or left out).
-        content = message.get("content")
-        parts = message_parts(content, queue, where) if content is not None or not message.get("tool_calls") else []
+        tool_call_alone = message.get("content") is None and message.get("tool_calls")
+        parts = [] if tool_call_alone else message_parts(message["content"], queue, where)
         content = []
         for kind, value in parts:
             if kind == "text":

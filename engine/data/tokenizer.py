@@ -12,7 +12,14 @@ from typing import Protocol
 
 from moe_tune.profiles import ProfileError, error_line
 
-from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions, Pieces, has_generation_blocks, render_conversation
+from .chat import (
+    DEFAULT_CHAT_OPTIONS,
+    ChatOptions,
+    Pieces,
+    has_generation_blocks,
+    refuse_tools_without_template,
+    render_conversation,
+)
 
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 # The longest one rendering of a conversation by a chat template may take (a template looping for ever is refused
@@ -67,12 +74,7 @@ def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAU
     Each message is encoded whole; where its header's tokens do not open it, the header is trained with the turn.
     ProfileError naming the record (`where`) for tool calls or tool definitions, which the format has no way to
     write."""
-    if any(m.get("tool_calls") for m in messages):
-        raise ProfileError([f"{where}: a message with tool_calls needs a chat template that writes them "
-                            "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"])
-    if tools:
-        raise ProfileError([f"{where}: 'tools' needs a chat template that writes them (data.chat_template, or the "
-                            "tokenizer's); the built-in <|role|> format has none"])
+    refuse_tools_without_template(messages, tools, where)
     header_format = CHAT_TEMPLATE.split("{content}")[0]
     pieces: Pieces = []
     for m in messages:
@@ -241,7 +243,7 @@ class HFTokenizer:
         # <unk> stands for text the vocabulary lacks: it never closes a turn.
         special = set(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
         self.special_ids = frozenset(special - {self._tok.unk_token_id})
-        self.text_start = self._leading_special_ids()
+        self._text_start = self._leading_special_ids()
 
     def _leading_special_ids(self) -> list[int]:
         """The ids the tokenizer's own post-processing puts before a text (Llama's <s>; none for Qwen's or
@@ -299,7 +301,7 @@ class HFTokenizer:
         # As transformers' apply_chat_template (and a server) tokenizes a rendering: without special tokens added.
         if options is not None and (options.template is not None or self.has_chat_template):
             return []
-        return list(self.text_start)
+        return list(self._text_start)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_tune.engine.data.chat import DEFAULT_CHAT_OPTIONS, ChatOptions
+from moe_tune.engine.data.chat import DEFAULT_CHAT_OPTIONS, ChatOptions, closing_token
 from moe_tune.engine.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 from moe_tune.engine.export.fp8 import is_fp8_base
 from moe_tune.profiles import ProfileError
@@ -35,8 +35,6 @@ from moe_tune.profiles.schema import JobProfile
 
 from .decode import SEED_LIMIT, generate_ids
 
-# A rendering's last tokens searched for the special token that closes a turn (as chat.template_closes_turn).
-TURN_END_WINDOW = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -305,13 +303,9 @@ def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT
         ids = render_template(tok, options, turn, add_generation_prompt=False) or []
     except ProfileError:
         ids = []
-    for token in reversed(ids[-TURN_END_WINDOW:]):
-        if token in tok.special_ids:
-            if token != tok.bos_id and (token != tok.pad_id or token == tok.eos_id):
-                stops.append(token)
-            break
-        if not tok.is_blank(token):
-            break
+    closing = closing_token(ids, tok)
+    if closing is not None:
+        stops.append(closing)
     checkpoint = profile.model.checkpoint
     if checkpoint is not None and (checkpoint / "generation_config.json").is_file():
         try:

@@ -285,7 +285,7 @@ def word_tokenizer(folder, chat_template: str):
 
 def test_image_chats_use_the_checkpoints_chat_template(tmp_path):
     """A tokenizer with a chat template renders image records through it (as the checkpoint's model was trained);
-    each image's single placeholder token is widened to its n tokens."""
+    each image's single placeholder token is widened to the image's token count (15 here)."""
     tok = word_tokenizer(tmp_path / "tok", CHAT_TEMPLATE_WITH_IMAGES)
     write_image(tmp_path / "a.png", 24, 40)
     path = tmp_path / "data.jsonl"
@@ -354,7 +354,7 @@ def test_an_image_chat_with_a_tool_call_needs_a_template_and_takes_one(tmp_path)
     path.write_text(json.dumps({"messages": messages, "images": ["a.png"]}) + "\n")
     with pytest.raises(ProfileError) as err:
         load_documents(data_profile(path), ByteTokenizer(), vision())
-    assert err.value.problems == [f"{path}:1: tool calls and 'tools' need a chat template that writes them "
+    assert err.value.problems == [f"{path}:1: a message with tool_calls needs a chat template that writes them "
                                   "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"]
     template = CHAT_TEMPLATE_WITH_IMAGES.replace(
         "{% if m['content'] is string %}",
