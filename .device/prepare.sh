@@ -2,10 +2,11 @@
 # Here (no GPU), in the repository root: fetch what the H200 machine lacks, into folders git ignores locally.
 #   .whl/        deepspeed (built here, pure Python), hjson, pydantic and its parts: installed by setup.sh
 #   .fla/        flash-linear-attention and fla-core: on PYTHONPATH only for runs that should see FLA
-#   .tri/        Triton 3.7.1 for Python 3.12, installed and trimmed to fit one run's 64 MiB (about 50 MB of xz):
+#   .tri/        Triton 3.7.1 for Python 3.12, installed and trimmed to fit one run's 64 MiB:
 #                libtriton.so without its debug sections (strip --strip-unneeded: 461 -> 180 MB), and without
 #                what compiling and launching kernels on the H200 never loads: Proton's profiler and its CUPTI
-#                libraries, the Blackwell ptxas, the instrumentation and plugin test libraries
+#                libraries, the Blackwell ptxas, nvdisasm, the AMD backend, FileCheck, the instrumentation and plugin
+#                test libraries (about 45 MB of xz)
 # Usage: bash .device/prepare.sh [--no-triton]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ if [[ "${1:-}" != "--no-triton" ]]; then
         --platform manylinux_2_28_x86_64 --only-binary=:all: "$WORK"/triton-3.7.1-*.whl
     cd "$WORK/site"
     rm -rf bin triton/_C/libproton.so triton/backends/nvidia/lib/cupti triton/backends/nvidia/bin/ptxas-blackwell \
-        triton/instrumentation triton/plugins
+        triton/backends/nvidia/bin/nvdisasm triton/backends/amd triton/FileCheck triton/instrumentation triton/plugins
     strip --strip-unneeded triton/_C/libtriton.so
     tar cf - triton triton-3.7.1.dist-info | xz -9e -T2 > "$OLDPWD/.tri/triton-3.7.1.tar.xz"
     cd "$OLDPWD"
