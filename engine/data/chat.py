@@ -9,8 +9,9 @@ conversation whose earlier turns the template rewrites (Qwen3 drops the think bl
 turn) is refused rather than trained on the wrong tokens. With data.train_on: all the conversation is rendered once and
 every token is trained.
 
-A template given in the profile (data.chat_template) replaces the tokenizer's; it is rendered by transformers'
-sandboxed Jinja environment, so a template cannot reach Python objects beyond the data it is given.
+A template given in the profile (data.chat_template) replaces the tokenizer's; either is rendered once per rendering
+by transformers' sandboxed Jinja environment, so a template cannot reach Python objects beyond the data it is given,
+under one limit on its time and on what it renders (tokenizer.render_template).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from functools import lru_cache
 from itertools import groupby
 
@@ -184,33 +186,40 @@ def render_conversation(
     messages: list[dict],
     where: str,
     options: ChatOptions,
-    has_blocks: bool,
+    template: str,
     closes_turn: Callable[[int], bool],
     is_blank: Callable[[int], bool],
-    turn_closes: dict[str | None, int | None],
+    probes: TemplateProbes,
 ) -> Pieces:
-    """Pieces of a conversation rendered by a chat template, trained as `options` say: train_on all renders it once
-    and trains every token; a template with {% generation %} blocks is rendered once and its marked spans trained
-    (with their headers: mark_headers; with the turn's closing token where the template renders it after the span);
-    any other is rendered by growing prefixes (render_by_prefixes). `turn_closes` keeps each template's closing
-    token (options.template, None: the tokenizer's) for the next conversation."""
+    """Pieces of a conversation rendered by the chat template `template` (its text), trained as `options` say:
+    train_on all renders it once and trains every token; a template with {% generation %} blocks is rendered once
+    and its marked spans trained (with their headers: mark_headers; with the turn's closing token where the template
+    renders it after the span); any other is rendered by growing prefixes (render_by_prefixes). `probes` keeps what
+    the template renders for the probe conversation (its closing token, its generation prompt) for the next
+    conversation."""
     if options.trains_all:
         ids, _ = render(messages, False, False)
         return [(ids, True)] if ids else []
-    if has_blocks:
+
+    def prefix_render(prefix: list[dict], add_generation_prompt: bool) -> list[int]:
+        return render(prefix, add_generation_prompt, False)[0]
+
+    def prompt() -> list[int]:
+        return probes.generation_prompt(template, prefix_render)
+
+    if has_generation_blocks(template):
         ids, mask = render(messages, False, True)
         if not any(mask) and (turn := next((i for i, m in enumerate(messages, 1)
                                              if m["role"] == "assistant" and _has_content(m)), None)):  # fmt: skip
             raise ProfileError([_DROPPED.format(where=where, turn=turn)])
-        close = _template_close(lambda prefix: render(prefix, False, False)[0], messages, options.template,
-                                turn_closes, closes_turn, is_blank)  # fmt: skip
+        close = _template_close(lambda prefix: prefix_render(prefix, False), messages, template, probes, closes_turn,
+                                is_blank)  # fmt: skip
         if close is not None:
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
-            mask = mark_headers(render, messages, ids, mask, where)
+            mask = mark_headers(render, messages, ids, mask, where, prompt)
         return pieces_from_mask(ids, mask)
-    return render_by_prefixes(lambda prefix, prompt: render(prefix, prompt, False)[0], messages, where, closes_turn,
-                              is_blank, options.train_header)
+    return render_by_prefixes(prefix_render, messages, where, closes_turn, is_blank, options.train_header, prompt)
 
 
 # An assistant message with content of which the chat template renders no trained token: the record would train its
@@ -219,25 +228,57 @@ _DROPPED = ("{where}: the chat template renders no token of turn {turn} (assista
             "every message's content (data.chat_template, or the tokenizer's)")
 
 
-def _template_close(render: Callable[[list[dict]], list[int]], messages: list[dict], template: str | None,
-                    known: dict[str | None, int | None], closes_turn: Callable[[int], bool],
+def _template_close(render: Callable[[list[dict]], list[int]], messages: list[dict], template: str,
+                    probes: TemplateProbes, closes_turn: Callable[[int], bool],
                     is_blank: Callable[[int], bool]) -> int | None:
-    """The token the template closes an assistant turn with (<|im_end|>), found from a user and an assistant turn
-    rendered and kept in `known` by `template`; where the template refuses that probe (one that wants a system turn
-    first), from the record's own conversation up to its first assistant turn (None when it has none)."""
-    if template not in known:
-        try:
-            known[template] = _last_closer(render(_PROBE), closes_turn, is_blank)
-        except ProfileError:
-            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-            try:
-                return None if first is None else _last_closer(render(messages[: first + 1]), closes_turn, is_blank)
-            except ProfileError:
-                return None
-    return known[template]
+    """The token the template closes an assistant turn with (<|im_end|>), found from the probe conversation (kept in
+    `probes`); where the template refuses that probe (one that wants a system turn first), from the record's own
+    conversation up to its first assistant turn (None when it has none)."""
+    close = probes.closing_token(template, render, closes_turn, is_blank)
+    if close is not Probe.REFUSED:
+        return close
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    try:
+        return None if first is None else _last_closer(render(messages[: first + 1]), closes_turn, is_blank)
+    except ProfileError:
+        return None
 
 
 _PROBE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class Probe(Enum):
+    """A probe's outcome that is no token: REFUSED, the template raised on the probe conversation."""
+
+    REFUSED = "refused"
+
+
+@dataclass
+class TemplateProbes:
+    """What each chat template (keyed by its text) renders for the probe conversation (_PROBE), found on its first
+    record and kept for every later one, a refusal of the probe too: a template that wants a system turn first is not
+    rendered once more, to fail, on each record."""
+
+    closing_tokens: dict[str, int | None | Probe] = field(default_factory=dict)
+    generation_prompts: dict[str, list[int]] = field(default_factory=dict)
+
+    def closing_token(self, template: str, render: Callable[[list[dict]], list[int]],
+                      closes_turn: Callable[[int], bool], is_blank: Callable[[int], bool]) -> int | None | Probe:
+        """The token the template closes the probe's assistant turn with (None: none), Probe.REFUSED where the
+        template refuses the probe."""
+        if template not in self.closing_tokens:
+            try:
+                self.closing_tokens[template] = _last_closer(render(_PROBE), closes_turn, is_blank)
+            except ProfileError:
+                self.closing_tokens[template] = Probe.REFUSED
+        return self.closing_tokens[template]
+
+    def generation_prompt(self, template: str, render: Callable[[list[dict], bool], list[int]]) -> list[int]:
+        """The ids the template's generation prompt adds after a user turn ([] when it adds none, or refuses the
+        probe)."""
+        if template not in self.generation_prompts:
+            self.generation_prompts[template] = generation_prompt(render)
+        return self.generation_prompts[template]
 
 
 def _last_closer(ids: list[int], closes_turn: Callable[[int], bool], is_blank: Callable[[int], bool]) -> int | None:
@@ -271,19 +312,22 @@ def _has_content(message: dict) -> bool:
     return bool(content)
 
 
-def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: list[int], where: str) -> list[int]:
+def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: list[int], where: str,
+                 prompt: Callable[[], list[int]]) -> list[int]:
     """The template's assistant mask with each marked span's header marked too: the tokens the generation prompt adds
     to the conversation before an assistant turn (render(prefix, True) past render(prefix, False)), where they are
-    rendered right before the span. ProfileError naming the record when no span has one."""
+    rendered right before the span. A turn the assistant opens has no prefix to render (transformers renders no empty
+    conversation): its header is the generation prompt after a user turn (`prompt()`), or the longest start of it
+    rendered right before the first span (opening_turn's rule). ProfileError naming the record when no span has
+    one."""
     headers = set()
+    opening: list[int] = []
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         if turn == 0:
-            # transformers renders no empty conversation: the header of a turn the assistant opens is the one the
-            # template gives after a user turn.
-            header = generation_prompt(lambda prefix, prompt: render(prefix, prompt, False)[0])
-            headers.update([tuple(header)] if header else [])
+            opening = prompt()
+            headers.update([tuple(opening)] if opening else [])
             continue
         try:
             plain, prompted = render(messages[:turn], False, False)[0], render(messages[:turn], True, False)[0]
@@ -295,8 +339,11 @@ def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: lis
     marked = list(mask)
     starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
     found = False
-    for start in starts:
-        for header in sorted(headers, key=len, reverse=True):
+    for index, start in enumerate(starts):
+        candidates = sorted(headers, key=len, reverse=True)
+        if index == 0:
+            candidates += [tuple(opening[:n]) for n in range(len(opening) - 1, 0, -1)]
+        for header in candidates:
             if start >= len(header) and tuple(ids[start - len(header) : start]) == header:
                 marked[start - len(header) : start] = [1] * len(header)
                 found = True
@@ -315,15 +362,17 @@ def render_by_prefixes(
     closes_turn: Callable[[int], bool],
     is_blank: Callable[[int], bool],
     train_header: bool = False,
+    prompt: Callable[[], list[int]] | None = None,
 ) -> Pieces:
     """Pieces of a conversation rendered by growing prefixes (`render(messages, add_generation_prompt)` -> ids): each
     message owns the tokens its prefix adds; an assistant message's tokens are trained from the end of the generation
     prompt (when that renders as a prefix; from its start with `train_header`, and always when it does not) to its
-    closing token (`closes_turn`), blank tokens after it not; in a conversation the assistant opens, what the template
-    renders before the turn's header (a default system prompt) is not trained. The prefixes that end at an assistant
-    turn or right before one must render as prefixes of the whole conversation, else ProfileError naming the turn;
-    other turns are not rendered alone (Qwen's templates write consecutive tool results into one block, closed after
-    the last)."""
+    closing token (`closes_turn`), blank tokens after it not. In a conversation the assistant opens, what the template
+    renders before the turn (a default system prompt, <bos>) is never trained, nor its header but with `train_header`
+    (opening_turn; `prompt()`: the generation prompt after a user turn, generation_prompt by default). The prefixes
+    that end at an assistant turn or right before one must render as prefixes of the whole conversation, else
+    ProfileError naming the turn; other turns are not rendered alone (Qwen's templates write consecutive tool results
+    into one block, closed after the last)."""
     full = render(messages, False)
     pieces: Pieces = []
     previous: list[int] = []
@@ -348,16 +397,14 @@ def render_by_prefixes(
                 previous = ids
             continue
         ids = prefix(turn)
-        before, prompted = len(previous), []
-        if turn > 1:
+        if turn == 1:
+            header = prompt() if prompt is not None else generation_prompt(render)
+            before, start = opening_turn(render, message, ids, header, where, train_header)
+        else:
+            before = start = len(previous)
             prompted = render(messages[: turn - 1], True)
-        elif (at := _opening_header(render, ids)) is not None:
-            # A conversation the assistant opens: what the template renders before its header (a default system
-            # prompt) is not the turn's.
-            before, prompted = at
-        start = before
-        if start <= len(prompted) <= len(ids) and prompted == ids[: len(prompted)]:
-            start = len(prompted)
+            if start <= len(prompted) <= len(ids) and prompted == ids[: len(prompted)]:
+                start = len(prompted)
         end = len(ids)
         while end > start and is_blank(ids[end - 1]):
             end -= 1
@@ -381,15 +428,45 @@ def generation_prompt(render: Callable[[list[dict], bool], list[int]]) -> list[i
     return prompted[len(plain) :] if prompted[: len(plain)] == plain else []
 
 
-def _opening_header(render: Callable[[list[dict], bool], list[int]], ids: list[int]) -> tuple[int, list[int]] | None:
-    """Where the assistant's header starts in `ids` (a conversation's first turn, the assistant's, rendered) and the
-    ids up to its end: the header is the generation prompt the template adds after a user turn (transformers renders
-    no empty conversation), found at its first place in `ids`; None when the template renders none or not there."""
-    header = generation_prompt(render)
+# Two contents that differ in their first character: renderings of a turn with each part where its content starts.
+_CONTENT_PROBES = ("x", "y")
+
+
+def opening_turn(render: Callable[[list[dict], bool], list[int]], message: dict, ids: list[int], header: list[int],
+                 where: str, train_header: bool) -> tuple[int, int]:
+    """(where the header starts, where the trained tokens start) in `ids`, the rendering of a conversation's first
+    turn, the assistant's `message`; what comes before the header (a default system prompt, <bos>) is not the turn's.
+    transformers renders no empty conversation, so the header is `header`, the generation prompt after a user turn,
+    found at its first place in `ids`. Where the template renders the turn otherwise (a generation prompt with an
+    empty think block the turn lacks, as Qwen3's without thinking; a turn opened by other tokens; no generation
+    prompt), the trained tokens start where renderings of the turn with other contents part from `ids`, and the
+    header is the longest start of `header` rendered right before them. ProfileError naming the record when those
+    renderings fail, or, with `train_header`, when no header is rendered there."""
     for at in range(len(ids) - len(header) + 1) if header else ():
         if ids[at : at + len(header)] == header:
-            return at, ids[: at + len(header)]
-    return None
+            return at, at + len(header)
+    try:
+        probes = [render([{**message, "content": content}], False) for content in _CONTENT_PROBES]
+    except ProfileError:
+        raise ProfileError([
+            f"{where}: turn 1 (assistant) opens the conversation, and the chat template renders neither its "
+            "generation prompt before it nor the turn with another content: what it renders before the turn cannot be "
+            "told from the turn; use a chat template that marks the assistant's tokens with {% generation %} ... "
+            "{% endgeneration %}"
+        ]) from None
+    start = _common_prefix_length(ids, *probes)
+    length = next((n for n in range(min(len(header), start), 0, -1) if ids[start - n : start] == header[:n]), 0)
+    if train_header and not length:
+        raise ProfileError([
+            f"{where}: data.train_on_assistant_header (true) needs the assistant header before turn 1 (assistant), "
+            "which opens the conversation, but the chat template renders no part of its generation prompt there; set "
+            "data.train_on_assistant_header: false"
+        ])
+    return start - length, start
+
+
+def _common_prefix_length(*sequences: list[int]) -> int:
+    return next((i for i, column in enumerate(zip(*sequences)) if len(set(column)) > 1), min(map(len, sequences)))
 
 
 def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool, options: ChatOptions) -> tuple[list[int], list[bool]]:
@@ -414,8 +491,9 @@ def template_closes_turn(ids: list[int], tok) -> bool:
 
 def closing_token(ids: list[int], tok) -> int | None:
     """The special token that ends the rendering, blank tokens after it aside, when it can end a turn (such as
-    <|im_end|> or the tokenizer's <eos>; not <bos>, nor a <pad> other than the <eos>); None otherwise."""
+    <|im_end|> or the tokenizer's <eos>; not a <bos> or <pad> other than the <eos>: GPT-2's <|endoftext|> is all
+    three); None otherwise."""
     token = _last_closer(ids[-TURN_END_WINDOW:], lambda t: t in tok.special_ids, tok.is_blank)
-    if token is None or token == tok.bos_id or (token == tok.pad_id and token != tok.eos_id):
+    if token is None or (token in (tok.bos_id, tok.pad_id) and token != tok.eos_id):
         return None
     return token

@@ -16,7 +16,7 @@ from .chat import (
     DEFAULT_CHAT_OPTIONS,
     ChatOptions,
     Pieces,
-    has_generation_blocks,
+    TemplateProbes,
     refuse_tools_without_template,
     render_conversation,
 )
@@ -86,14 +86,18 @@ def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAU
     return [piece for piece in pieces if piece[0]]
 
 
-def render_template_text(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool, where: str,
-                         tools: list[dict] | None = None, **special_tokens) -> tuple[str, list[bool] | None]:
-    """A conversation (and its `tools`) rendered to text by data.chat_template in transformers' sandboxed Jinja
-    environment, and with `with_mask` which characters its {% generation %} blocks mark; ProfileError naming the
-    record and the field."""
+def render_template(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool, where: str,
+                    source: str, tools: list[dict] | None = None,
+                    **special_tokens) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation (and its `tools`) rendered to text by a chat template in transformers' sandboxed Jinja
+    environment as apply_chat_template renders it (keys whose value is None left out), and with `with_mask` the
+    (start, end) character spans its {% generation %} blocks mark; ProfileError naming the record and the template
+    (`source`: data.chat_template, or the tokenizer's) when it fails, runs past RENDER_LIMIT_S, or renders more than
+    RENDERED_EXTRA_CHARS beyond RENDERED_PER_CONTENT_CHAR characters per character of the record's own text."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    with template_errors(where, "data.chat_template", template):
+    messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
+    with template_errors(where, source, template):
         (text,), indices = render_jinja_template(
             [messages], tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_mask, **special_tokens,
@@ -103,21 +107,45 @@ def render_template_text(template: str, messages: list[dict], add_generation_pro
     content_chars += sum(len(json.dumps(m["tool_calls"], default=str)) for m in messages if m.get("tool_calls"))
     content_chars += len(json.dumps(tools, default=str)) if tools else 0
     if len(text) > (most := RENDERED_EXTRA_CHARS + RENDERED_PER_CONTENT_CHAR * content_chars):
-        raise ProfileError([f"{where}: data.chat_template renders {len(text)} characters from messages of "
-                            f"{content_chars}, more than {most}: a template renders the conversation, not more"])
+        raise ProfileError([f"{where}: {source} renders {len(text)} characters from messages of {content_chars}, more "
+                            f"than {most}: a template renders the conversation, not more"])
+    return text, list(indices[0]) if with_mask else []
+
+
+def render_template_text(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool, where: str,
+                         tools: list[dict] | None = None, source: str = "data.chat_template",
+                         **special_tokens) -> tuple[str, list[bool] | None]:
+    """render_template's text, and with `with_mask` which of its characters the {% generation %} blocks mark."""
+    text, spans = render_template(template, messages, add_generation_prompt, with_mask, where, source, tools,
+                                  **special_tokens)
     if not with_mask:
         return text, None
     mask = [False] * len(text)
-    for start, end in indices[0]:
+    for start, end in spans:
         mask[start:end] = [True] * (end - start)
     return text, mask
 
 
+def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token (its (start, end) characters) that overlaps a marked span, as apply_chat_template's
+    return_assistant_tokens_mask marks them: a token of no characters inside a span too."""
+    mask = [0] * len(offsets)
+    at = 0
+    for token, (start, end) in enumerate(offsets):
+        while at < len(spans) and start >= spans[at][1]:
+            at += 1
+        if at == len(spans):
+            break
+        if end > spans[at][0]:
+            mask[token] = 1
+    return mask
+
+
 @contextmanager
-def template_errors(where: str, source: str, template: str | None) -> Iterator[None]:
+def template_errors(where: str, source: str, template: str) -> Iterator[None]:
     """Errors of a chat template's rendering (its own raise_exception, a sandbox refusal, a bad value, any error it
-    raises, RENDER_LIMIT_S run past) as one ProfileError line naming the record and the template. A template that ran
-    past the limit once is refused at once on every later record (`template` None: the tokenizer's own)."""
+    raises, RENDER_LIMIT_S run past) as one ProfileError line naming the record and the template (`source`, its
+    text `template`). A template that ran past the limit once is refused at once on every later record."""
     import jinja2
 
     key = (source, template)
@@ -135,7 +163,7 @@ def template_errors(where: str, source: str, template: str | None) -> Iterator[N
 
 
 # (source, template) of the templates that ran past RENDER_LIMIT_S in this process -> the record where they did.
-_TIMED_OUT: dict[tuple[str, str | None], str] = {}
+_TIMED_OUT: dict[tuple[str, str], str] = {}
 
 
 class RenderTimeout(Exception):
@@ -172,8 +200,8 @@ class ByteTokenizer:
     special_ids = frozenset((256, 257, 258))
 
     def __init__(self):
-        # The token each chat template closes its assistant turns with (chat.render_conversation).
-        self._turn_closes: dict[str | None, int | None] = {}
+        # What each chat template renders for the probe conversation (chat.render_conversation).
+        self._probes = TemplateProbes()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -200,8 +228,8 @@ class ByteTokenizer:
                 return ids, None
             return ids, [int(m) for ch, m in zip(text, char_mask) for _ in range(len(ch.encode("utf-8")))]
 
-        return render_conversation(render, messages, where, options, has_generation_blocks(template),
-                                   lambda t: t in self.special_ids, self.is_blank, self._turn_closes)
+        return render_conversation(render, messages, where, options, template, lambda t: t in self.special_ids,
+                                   self.is_blank, self._probes)
 
     def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
                    where: str) -> list[int] | None:
@@ -231,19 +259,35 @@ class HFTokenizer:
             reason = error_line(err, (OSError, ValueError))
             raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {reason}"]) from None
         self.vocab_size = len(self._tok)
-        # The token each chat template closes its assistant turns with (chat.render_conversation).
-        self._turn_closes: dict[str | None, int | None] = {}
+        # What each chat template renders for the probe conversation (chat.render_conversation).
+        self._probes = TemplateProbes()
         self.bos_id = self._tok.bos_token_id
         # None: the tokenizer defines none, and no document can be ended (dataset.load_splits refuses it).
         self.eos_id = self._tok.eos_token_id
+        unknown = self._unknown_text_id()
+        if self.eos_id is not None and self.eos_id == unknown:
+            raise ProfileError([f"data.tokenizer ('{directory}') has eos_token {self._tok.eos_token!r}, the token its "
+                                "vocabulary gives text it lacks (unk_token): it cannot end a document (the model would "
+                                "learn to end with it, and generation would not stop); set eos_token in its "
+                                "tokenizer_config.json to the token that ends a text"])
         # Padding is neither predicted nor attended to: any id does where the tokenizer names none.
         pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.pad_id = pad if pad is not None else 0
         added = self._tok.added_tokens_decoder
-        # <unk> stands for text the vocabulary lacks: it never closes a turn.
+        # The token of text the vocabulary lacks never closes a turn.
         special = set(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
-        self.special_ids = frozenset(special - {self._tok.unk_token_id})
+        self.special_ids = frozenset(special - {unknown})
         self._text_start = self._leading_special_ids()
+
+    def _unknown_text_id(self) -> int | None:
+        """The id the tokenizer gives text its vocabulary lacks (<unk>): the one its vocabulary model (BPE, WordPiece,
+        WordLevel) names, None where it names none (a byte-level BPE, as GPT-2's, whose unk_token is only another name
+        for <|endoftext|>); else (Unigram, SentencePiece) its unk_token."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        model = getattr(backend, "model", None)
+        if model is None or not hasattr(model, "unk_token"):
+            return self._tok.unk_token_id
+        return None if model.unk_token is None else backend.token_to_id(model.unk_token)
 
     def _leading_special_ids(self) -> list[int]:
         """The ids the tokenizer's own post-processing puts before a text (Llama's <s>; none for Qwen's or
@@ -266,36 +310,48 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
+    def _template(self, options: ChatOptions, tools: list[dict] | None) -> tuple[str, str]:
+        """(the template's text, the field that names it): options.template, else the tokenizer's own (the one for
+        tools where the tokenizer has several, as transformers picks it)."""
+        source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
+        try:
+            return self._tok.get_chat_template(options.template, tools), source
+        except ValueError as err:
+            raise ProfileError([f"data.tokenizer: no usable chat template ({str(err).strip()[:200]!r})"]) from None
+
+    def _render(self, template: str, source: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool,
+                where: str, tools: list[dict] | None) -> tuple[list[int], list[int] | None]:
+        """Token ids of a conversation as apply_chat_template(..., tokenize=True) gives them, and with `with_mask` its
+        return_assistant_tokens_mask; rendered once, by render_template, under the same limits as data.chat_template."""
+        text, spans = render_template(template, messages, add_generation_prompt, with_mask, where, source, tools,
+                                      **self._tok.special_tokens_map)
+        out = self._tok(text, add_special_tokens=False)
+        ids = list(out["input_ids"])
+        if not with_mask:
+            return ids, None
+        if not out.encodings:
+            raise ProfileError([f"{where}: {source} marks the assistant's tokens with {{% generation %}}, which "
+                                "needs a fast tokenizer (tokenizer.json) to find their tokens"])
+        return ids, token_mask(out.encodings[0].offsets, spans)
+
     def render_chat(self, messages: list[dict], where: str = "", options: ChatOptions = DEFAULT_CHAT_OPTIONS,
                     tools: list[dict] | None = None) -> Pieces:
         if options.template is None and not self.has_chat_template:
             return render_plain_chat(self.encode, messages, options, where, tools)
-        source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
-        try:
-            template = self._tok.get_chat_template(options.template)
-        except ValueError as err:
-            raise ProfileError([f"data.tokenizer: no usable chat template ({str(err).strip()[:200]!r})"]) from None
+        template, source = self._template(options, tools)
 
         def render(prefix: list[dict], add_generation_prompt: bool, with_mask: bool):
-            with template_errors(where, source, options.template):
-                out = self._tok.apply_chat_template(
-                    prefix, tools=tools, chat_template=options.template, tokenize=True, return_dict=True,
-                    add_generation_prompt=add_generation_prompt, return_assistant_tokens_mask=with_mask,
-                )
-            return list(out["input_ids"]), list(out["assistant_masks"]) if with_mask else None
+            return self._render(template, source, prefix, add_generation_prompt, with_mask, where, tools)
 
-        return render_conversation(render, messages, where, options, has_generation_blocks(template),
-                                   lambda t: t in self.special_ids, self.is_blank, self._turn_closes)
+        return render_conversation(render, messages, where, options, template, lambda t: t in self.special_ids,
+                                   self.is_blank, self._probes)
 
     def render_ids(self, messages: list[dict], options: ChatOptions, add_generation_prompt: bool,
                    where: str) -> list[int] | None:
         if options.template is None and not self.has_chat_template:
             return None
-        source = "data.chat_template" if options.template is not None else "the chat template of data.tokenizer"
-        with template_errors(where, source, options.template):
-            out = self._tok.apply_chat_template(messages, chat_template=options.template, tokenize=True,
-                                                return_dict=True, add_generation_prompt=add_generation_prompt)
-        return list(out["input_ids"])
+        template, source = self._template(options, None)
+        return self._render(template, source, messages, add_generation_prompt, False, where, None)[0]
 
     def document_start(self, options: ChatOptions | None) -> list[int]:
         # As transformers' apply_chat_template (and a server) tokenizes a rendering: without special tokens added.
