@@ -970,7 +970,10 @@ class TrainProfile(Strict):
         "warmup_steps, which must then stay 0"
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr as a share of the peak (cosine, linear)")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay, on every trained weight but biases and normalisation weights (as "
+        "transformers' Trainer decays them)"
+    )
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm (0: no clipping)")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="compute dtype of weights and activations")

@@ -68,6 +68,7 @@ class StepRunner:
             build_trainable_model,
             check_world,
             lr_factor,
+            optimizer_groups,
             quiet_third_party_noise,
             run_steps,
             watched_weights,
@@ -97,11 +98,11 @@ class StepRunner:
         check_cuda_graphs(profile, self.dist.device.type, layout.expert_parallel)
         ds_config = deepspeed_config(profile, self.dist.world_size)
         init_device = self.dist.device if self.dist.device.type == "cuda" else None
-        model, trainable = build_trainable_model(profile, layout, ds_config, init_device)
+        model, _ = build_trainable_model(profile, layout, ds_config, init_device)
         if prepare_model is not None:
             prepare_model(model)
         self.activation_memory = find_activation_memory(model)
-        optimizer = build_optimizer(trainable, profile, self.dist.device)
+        optimizer = build_optimizer(optimizer_groups(model, train.weight_decay), profile, self.dist.device)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, self.total_steps))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -529,9 +530,9 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     # A checkpoint's weights overwrite the random init: its model is built where it trains, in the training dtype
     # (an 80B model's init on the CPU takes long; random-init runs draw on the CPU, so an export rebuilds them).
     on_gpu = profile.model.checkpoint is not None and dist.device.type == "cuda"
-    model, trainable = build_trainable_model(profile, layout, ds_config, dist.device if on_gpu else None)
+    model, _ = build_trainable_model(profile, layout, ds_config, dist.device if on_gpu else None)
     activation_memory = find_activation_memory(model)
-    optimizer = build_optimizer(trainable, profile, dist.device)
+    optimizer = build_optimizer(optimizer_groups(model, train.weight_decay), profile, dist.device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, total_steps))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
@@ -589,6 +590,7 @@ def _resume(run: TrainingRun) -> Path:
         block.selection_bias.copy_(torch.tensor(bias))
     _restore_eval_state(result, state, run.checkpoint_root)
     result.start_step = result.last_step = start_step
+    apply_train_settings(engine, run.profile.train, start_step, run.total_steps)
     return resumed_from
 
 
@@ -803,11 +805,65 @@ def launch_step(run, step: int, watched: list, is_signalled: bool, behind: StepV
     return LaunchedStep(step, tokens, processed, StepValues(values, started), memory)
 
 
+# Parameter names that take no weight decay, as transformers' Trainer.get_decay_parameter_names (5.25) matches them
+# (lower-cased full names): biases and normalisation weights.
+NO_DECAY_NAME_PATTERNS = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+# The key of an optimizer parameter group that says whether the group takes train.weight_decay (optimizer_groups).
+DECAYS_KEY = "moe_tune_decays"
+
+
+def is_decayed(name: str, module: torch.nn.Module) -> bool:
+    """Whether parameter `name` (its full name) of `module` (the module holding it) takes weight decay: not a bias
+    nor a normalisation weight, by transformers' Trainer rule (NO_DECAY_NAME_PATTERNS, or a LayerNorm's parameter),
+    with our RMSNorm counted as a normalisation layer whatever its name."""
+    from moe_tune.engine.model.blocks import RMSNorm
+
+    if isinstance(module, (torch.nn.LayerNorm, RMSNorm)):
+        return False
+    return not any(re.search(pattern, name.lower()) for pattern in NO_DECAY_NAME_PATTERNS)
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups of the model's trainable parameters: `weight_decay` on those is_decayed picks, none
+    on biases and normalisation weights, as transformers' Trainer (and so Trainer + PEFT) groups them. The groups
+    depend on the model alone, not on `weight_decay`, so that a run resumed with another train.weight_decay loads its
+    checkpoint's optimizer state; each carries DECAYS_KEY (apply_train_settings reads it). A group left empty (a LoRA
+    run trains neither biases nor norms) is left out."""
+    decayed, spared, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for short_name, param in module.named_parameters(recurse=False):
+            # A tied weight (one parameter held by two modules) joins one group once.
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{short_name}" if module_name else short_name
+            (decayed if is_decayed(name, module) else spared).append(param)
+    groups = [{"params": decayed, "weight_decay": weight_decay, DECAYS_KEY: True},
+              {"params": spared, "weight_decay": 0.0, DECAYS_KEY: False}]  # fmt: skip
+    return [group for group in groups if group["params"]]
+
+
+def apply_train_settings(engine, train: TrainProfile, step: int, total_steps: int) -> None:
+    """Put the profile's lr, betas and weight decay on the optimizer, and the lr of optimizer step `step` (0-based),
+    after --resume: DeepSpeed loads the checkpoint's parameter groups (their lr, betas, weight decay) and the lr
+    scheduler's base lr with the optimizer state, while train settings may change on resume (a note names each) and
+    the run trains with, and logs, the profile's."""
+    scheduler = engine.lr_scheduler
+    for group in scheduler.optimizer.param_groups:
+        group["betas"] = tuple(train.betas)
+        # A group without DECAYS_KEY (a checkpoint's optimizer of one group over all trainable parameters) decays.
+        group["weight_decay"] = train.weight_decay if group.get(DECAYS_KEY, True) else 0.0
+        group["initial_lr"] = train.lr
+        group["lr"] = train.lr * lr_factor(step, train, total_steps)
+    scheduler.base_lrs = [train.lr] * len(scheduler.optimizer.param_groups)
+
+
 def build_optimizer(trainable: list, profile: JobProfile, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, the profile's lr, betas and weight decay. Training on CUDA with the
-    optimizer state there, torch's fused kernel: one pass over DeepSpeed's flat fp32 partition, which torch's
-    single-tensor form passes over eight times (mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_). On the CPU
-    and with the state in host memory (parallel.offload_optimizer), the single-tensor form."""
+    """AdamW over the trainable parameters (or their groups, optimizer_groups), the profile's lr, betas and weight
+    decay (a group's own weight decay where it sets one). Training on CUDA with the optimizer state there, torch's
+    fused kernel: one pass over DeepSpeed's flat fp32 partition, which torch's single-tensor form passes over eight
+    times (mul_, lerp_, mul_, addcmul_, sqrt, div, add_, addcdiv_). On the CPU and with the state in host memory
+    (parallel.offload_optimizer), the single-tensor form."""
     train = profile.train
     fused = device.type == "cuda" and not profile.parallel.offload_optimizer
     return torch.optim.AdamW(trainable, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay,

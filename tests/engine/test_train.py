@@ -395,3 +395,76 @@ def test_the_optimizer_is_torch_fused_adamw_where_its_state_is_on_cuda(device, o
     for a, b, before in zip(weights, twins, start):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         assert (a - before).abs().min() > 0  # every element moved
+
+
+def transformers_decayed_names(model: torch.nn.Module) -> set[str]:
+    """The parameters transformers' Trainer applies weight decay to (Trainer.get_decay_parameter_names reads only
+    the model): the reference for a Trainer + PEFT user's expectation."""
+    from transformers import Trainer
+
+    return set(Trainer.get_decay_parameter_names(None, model))
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("tiny", ["lora.enabled=false"]),  # full fine-tuning: norms and the linear attention's dt_bias train
+    ("tiny-vl", ["lora.vision_tower=trained"]),  # LoRA, the vision blocks (LayerNorms, biases) trained in full
+])  # fmt: skip
+def test_optimizer_groups_decay_what_transformers_trainer_decays(name, overrides):
+    from moe_tune.engine.train.trainer import optimizer_groups
+
+    model, trainable = build_trainable_model(load_profile(name, [*overrides, "output.dir=unused"]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = transformers_decayed_names(model) & {names[id(p)] for p in trainable}
+    groups = optimizer_groups(model, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert {names[id(p)] for p in groups[0]["params"]} == decayed
+    assert {names[id(p)] for p in groups[1]["params"]} == {names[id(p)] for p in trainable} - decayed
+    assert len(decayed) < len(trainable)
+    # The same groups without weight decay (a resume may change it and must load the checkpoint's optimizer state).
+    assert [[id(p) for p in g["params"]] for g in optimizer_groups(model, 0.0)] == [
+        [id(p) for p in g["params"]] for g in groups]
+    assert [g["weight_decay"] for g in optimizer_groups(model, 0.0)] == [0.0, 0.0]
+
+
+def test_training_decays_only_what_transformers_trainer_decays(tmp_path):
+    """One full fine-tuning step (ZeRO-3) with weight decay against the same step without: AdamW's decoupled decay
+    moves each weight by -lr x weight_decay x its initial value, the rest of the step being the same, so the
+    difference shows which weights were decayed; biases and norm weights must not be."""
+    lr, decay = 5e-3, 0.5
+    common = ["train.steps=1", "train.warmup_steps=0", f"train.lr={lr}", "lora.enabled=false"]
+    runs = [load_file(str(finetune(small_profile(tmp_path / f"wd{wd}", *common, f"train.weight_decay={wd}"),
+                                   show_progress=False).weights)) for wd in (decay, 0)]  # fmt: skip
+    model = build_model(small_profile(tmp_path / "ref").model)
+    initial = dict(model.named_parameters())
+    decayed = transformers_decayed_names(model)
+    assert "norm.weight" not in decayed and "layers.0.self_attn.dt_bias" not in decayed
+    for name, weight in runs[0].items():
+        expected = -lr * decay * initial[name].detach() if name in decayed else torch.zeros_like(weight)
+        torch.testing.assert_close(weight - runs[1][name], expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_resume_trains_with_the_profiles_changed_optimizer_settings(tmp_path, monkeypatch):
+    """train.lr, betas and weight_decay may change on --resume (a note names each): the resumed steps train with the
+    profile's values, which the metrics log, not with the checkpoint's (DeepSpeed loads those with the optimizer
+    state). Full fine-tuning: a group with weight decay and one without (biases, norms)."""
+    from moe_tune.engine.train import trainer
+
+    applied = []
+    launch = trainer.launch_step
+
+    def spy(run, step, *args, **kwargs):
+        groups = run.engine.lr_scheduler.optimizer.param_groups
+        applied.append([(group["lr"], tuple(group["betas"]), group["weight_decay"]) for group in groups])
+        return launch(run, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "launch_step", spy)
+    common = ["train.steps=4", "output.save_every=2", "lora.enabled=false"]
+    finetune(small_profile(tmp_path, *common), show_progress=False, stop_after=2)
+    profile = small_profile(tmp_path, *common, "train.lr=0.02", "train.betas=[0.8, 0.95]", "train.weight_decay=0.1")
+    result = finetune(profile, show_progress=False, resume=True)
+    assert result.start_step == 2 and any("train.lr 0.005, the profile says 0.02" in n for n in result.resume_notes)
+    for step, groups in zip((2, 3), applied[2:], strict=True):
+        lr = 0.02 * lr_factor(step, profile.train)
+        assert groups == [(lr, (0.8, 0.95), 0.1), (lr, (0.8, 0.95), 0.0)], step
+    logged = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged[2:] == [groups[0][0] for groups in applied[2:]]
