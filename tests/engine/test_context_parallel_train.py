@@ -104,7 +104,7 @@ NO_AUX = ("model.moe.aux_loss_coef=0",)
     pytest.param(4, 2, 2, NO_AUX, id="dp2-cp2-ep2"),
 ])
 def test_context_parallel_equals_one_process(child_env, tmp_path_factory, chat_data, world, cp, ep, extra):
-    from test_distributed import merged_weights
+    from test_distributed import assert_grad_norms_equal, merged_weights
 
     steps = [f"train.steps={STEPS}", chat_data, *extra]
     single, single_out = shared(child_env, tmp_path_factory, 1, [*steps, f"train.micro_batch_size={world // cp}"])
@@ -112,6 +112,7 @@ def test_context_parallel_equals_one_process(child_env, tmp_path_factory, chat_d
                         [*steps, f"parallel.context_parallel={cp}", f"parallel.expert_parallel={ep}"])
     assert len(multi["losses"]) == STEPS
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+    assert_grad_norms_equal(out, single_out, BASE)
     # The held-out rows, evaluated after the last step by every context group alike.
     one, many = (json.loads((d / "summary.json").read_text()) for d in (single_out, out))
     assert many["eval_rows"] == one["eval_rows"] > 0 and many["eval_step"] == one["eval_step"] == STEPS

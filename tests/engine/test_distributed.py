@@ -120,6 +120,7 @@ def test_expert_parallel_equals_one_process(tmp_path_factory, child_env, world, 
     codes, logs, multi, out = shared_run(world, multi_overrides, child_env, tmp_path_factory)
     assert codes == [0] * world, logs[0][-3000:]
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-5, abs=1e-6)
+    assert_grad_norms_equal(out, single_out, BASE)
     # The exported adapter is consolidated into the single-process layout (all experts) and equal to it. A LoRA A
     # factor's first updates follow gradients near 0 (B starts at 0) that Adam normalises: an element whose
     # gradient is rounding noise moves by up to the lr either way, so the A factors are compared through what they
@@ -134,6 +135,23 @@ def test_expert_parallel_equals_one_process(tmp_path_factory, child_env, world, 
     assert one.keys() == many.keys() and any(".experts.w_down" in k for k in one)
     for key in one:
         torch.testing.assert_close(many[key], one[key], rtol=0, atol=1e-5, msg=key)
+
+
+def logged(out, key):
+    """`key` of every step record in the run's metrics.jsonl."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [record[key] for record in records if "loss" in record]
+
+
+def assert_grad_norms_equal(out, single_out, settings):
+    """The logged gradient norms of a run equal one process's: the global norm before clipping, each expert's
+    gradient counted once, whichever rank holds it. Clipping acts on every step (the norms exceed
+    train.grad_clip), so a norm counted wrong would change the update too."""
+    clip = float(next(s for s in settings if s.startswith("train.grad_clip=")).split("=")[1])
+    one, many = logged(single_out, "grad_norm"), logged(out, "grad_norm")
+    assert min(one) > clip
+    assert many == pytest.approx(one, rel=1e-5)
+    assert logged(out, "lr") == logged(single_out, "lr")
 
 
 def merged_weights(out):
