@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -94,6 +95,42 @@ def output_problems(json_out: Path | None, plot: Path | None, baseline: Path | N
         elif name == "--plot":
             problems += _plot_format_problems(path)
     return problems
+
+
+def input_file_problems(inputs: Iterable[tuple[str, Path | None]]) -> list[str]:
+    """One line per file an option reads (`inputs`: (option, path)) that exists but is neither a regular file nor a
+    folder: a FIFO would block the read for ever, a device (/dev/zero) never end it. A folder, or a missing file, is
+    left to the reader's own message."""
+    from moe_tune.profiles.schema import file_kind
+
+    problems = []
+    for name, path in inputs:
+        try:
+            mode = path.stat().st_mode if path is not None else None
+        except OSError:
+            continue
+        if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            problems.append(f"{name} ({str(path)!r}) is not a regular file ({file_kind(mode)}); name a file")
+    return problems
+
+
+def report_file_problems(name: str, path: Path) -> list[str]:
+    """A line when the report file `path` (its missing folders created as it is written) cannot be written, checked
+    before anything runs: its nearest existing folder is a file, or the OS refuses a file there or a folder in it (a
+    read-only mount, /proc), tried with an empty one created and removed at once."""
+    where = f"{name} ({str(path)!r})"
+    parent = path.absolute().parent
+    existing = next(folder for folder in (parent, *parent.parents) if os.path.lexists(folder))
+    if not existing.is_dir():
+        return [f"{where}: {str(existing)!r} is not a folder"]
+    if existing == parent:
+        refused = _write_refused(path)
+        return [f"{where}: {refused}"] if refused is not None else []
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moe-tune-probe-", dir=existing))
+    except OSError as err:
+        return [f"{where}: no folder can be created in {str(existing)!r} ({err.strerror or err})"]
+    return []
 
 
 def _write_refused(path: Path) -> str | None:

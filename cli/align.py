@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import fail, output_problems, read_profile, user_errors
+from ._common import fail, input_file_problems, output_problems, read_profile, user_errors
 
 app = typer.Typer()
 
@@ -68,6 +68,7 @@ def align(
             problems.append(f"{name} ({value}) must be a finite number >= 0")
     # Before anything runs: an alignment must not end on a --json it cannot write, nor overwrite an input.
     problems += output_problems(json_out, None, None, inputs=_input_files(reference, batch, golden, profile))
+    problems += input_file_problems([("--batch", batch), ("--golden", golden)])
     if problems:
         fail(problems)
     tolerances = Tolerances(logits_max_abs=logits_atol, kl=kl, loss_abs=loss_atol, lora_grad_rel=grad_rtol,

@@ -3,6 +3,7 @@ layout."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +15,13 @@ app = typer.Typer()
 
 # The OS refused a read or write of the export (a full disk, no permission): not bad input (that exits 2).
 EXPORT_FAILED_EXIT = 1
+# Stopped by SIGTERM: the shell's code for it, after the temporary folder is removed (as for Ctrl-C, 130).
+TERMINATED_EXIT = 143
+
+
+def _terminated(signum, frame) -> None:
+    # Raised where the export is, so that its temporary folder is removed on the way out (engine/export staged_folder).
+    raise SystemExit(TERMINATED_EXIT)
 
 
 @app.command()
@@ -43,12 +51,15 @@ def export(
     from moe_tune.engine.export.hub import export_run
 
     notes: list[str] = []
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         with user_errors():
             written = export_run(run_dir, merge, out, max_shard_size, step, precision, notes)
     except ExportWriteError as err:
         print_error(str(err))
         raise typer.Exit(code=EXPORT_FAILED_EXIT) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     for note in notes:
         typer.echo(note)
     typer.echo(f"exported to {written}")

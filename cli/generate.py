@@ -16,6 +16,8 @@ from ._common import err_console, fail, user_errors
 app = typer.Typer()
 
 INTERRUPTED_EXIT = 130
+# A --chat turn read from stdin is at most this long (a pasted document fits; /dev/zero on stdin would fill memory).
+MAX_LINE_BYTES = 16 * 2**20
 
 
 @app.command()
@@ -96,9 +98,11 @@ def converse(session, history: list[dict], options: dict) -> None:
 
 
 def read_line(number: int) -> str:
-    """Line `number` of stdin ('' at its end), read as bytes and decoded here: one that is not UTF-8 is one line
-    naming it and its first such byte, exit 2."""
-    raw = sys.stdin.buffer.readline()
+    """Line `number` of stdin ('' at its end), read as bytes and decoded here: one that is not UTF-8, or longer than
+    MAX_LINE_BYTES, is one line naming it (and its first such byte), exit 2."""
+    raw = sys.stdin.buffer.readline(MAX_LINE_BYTES + 1)
+    if len(raw) > MAX_LINE_BYTES:
+        fail([f"stdin line {number}: longer than {MAX_LINE_BYTES} bytes, the most a --chat turn may be"])
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ._common import fail, print_error
+from ._common import fail, print_error, report_file_problems
 from .plan import MAX_DEVICES, TABLE_WIDTH, format_bytes, parse_devices, parse_memory
 
 app = typer.Typer()
@@ -54,6 +54,9 @@ def onboard(
         elif json_out.is_file() and directory.resolve() in json_out.resolve().parents:
             problems.append(f"--json ({str(json_out)!r}) is a file of the checkpoint folder DIR: the report would "
                             "overwrite it; name another file")  # fmt: skip
+        else:
+            # Refused before a run of minutes, not when the report is written at its end.
+            problems += report_file_problems("--json", json_out)
     if problems:
         fail(problems)
     from moe_tune.engine.onboard import onboard as run_onboard

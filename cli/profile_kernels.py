@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ._common import fail
+from ._common import fail, input_file_problems
 
 # profile --kernels fits a terminal this wide (wrapping cells, notes as footnotes) unless --wide.
 KERNELS_WIDTH = 120
@@ -140,7 +140,9 @@ def input_problems(ops: str | None, shapes: str, baseline: Path | None) -> list[
         else:
             problems += memory_problems(shapes, parsed, label="--shapes")
     if baseline is not None:
-        rows, baseline_problems = read_baseline(baseline)
+        baseline_problems = input_file_problems([("--baseline", baseline)])
+        rows, read_problems = read_baseline(baseline) if not baseline_problems else ([], [])
+        baseline_problems += read_problems
         problems += baseline_problems
         if not baseline_problems and names and not any(row["op"] in names for row in rows):
             saved_ops = ", ".join(dict.fromkeys(row["op"] for row in rows)) or "none"

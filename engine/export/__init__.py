@@ -47,12 +47,19 @@ The step reader's entry point, which `moe-tune export --step N` calls (zero.py):
 
 from __future__ import annotations
 
+import errno
+import glob
+import os
+import re
 import shutil
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
 import torch
+
+from moe_tune.profiles import ProfileError
 
 
 @runtime_checkable
@@ -80,27 +87,76 @@ class ExportWriteError(RuntimeError):
 
 @contextmanager
 def write_errors_named(out: Path) -> Iterator[None]:
-    """An OSError raised in the block as ExportWriteError: `export to OUT failed: [Errno N] reason`."""
+    """An OSError raised in the block, or safetensors' SafetensorError (a shard that cannot be written: its OS error
+    inside the message), as ExportWriteError: `export to OUT failed: [Errno N] reason`."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except OSError as err:
+    except (OSError, SafetensorError) as err:
         raise ExportWriteError(f"export to {out} failed: {err}") from err
+
+
+# A writer's temporary folder beside OUT: `.OUT.tmp-HOST-PID`; `.OUT.tmp` alone names no writer.
+_STAGING = re.compile(r"\.(?P<name>.+)\.tmp(?:-(?P<host>.+)-(?P<pid>\d+))?")
+
+
+def staging_folder(out: Path) -> Path:
+    """The temporary sibling this process writes the folder `out` into: `.OUT.tmp-HOST-PID`."""
+    return out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+
+def other_writers(out: Path) -> tuple[list[Path], list[Path]]:
+    """The temporary folders beside `out` of other writers of it: (those of live writers on this host, those left by
+    writers that are gone: killed on this host, or naming none). Another host's are in neither: their writers cannot
+    be checked from here."""
+    from moe_tune.engine.train.run_dir import pid_alive
+
+    live, left = [], []
+    here, ours = socket.gethostname(), staging_folder(out)
+    for path in out.parent.glob(f".{glob.escape(out.name)}.tmp*"):
+        match = _STAGING.fullmatch(path.name)
+        if path == ours or match is None or match["name"] != out.name:
+            continue
+        if match["pid"] is None:
+            left.append(path)
+        elif match["host"] == here:
+            (live if pid_alive(int(match["pid"])) else left).append(path)
+    return live, left
+
+
+def writing_problem(out: Path, other: Path) -> str:
+    """The line refusing a second writer of `out` while the writer of `other` (its temporary folder) lives."""
+    return (f"{out}: another export is writing it (into {other.name}); one writer per folder: wait for it to end, or "
+            "write into another folder")
 
 
 @contextmanager
 def staged_folder(out: Path) -> Iterator[Path]:
-    """The temporary sibling `.OUT.tmp` that the folder `out` is written into, renamed to `out` when the block ends
-    normally (replacing `out` if it is an empty folder: rename(2)). On any exception (a refusal, a failed write,
-    KeyboardInterrupt) the temporary folder is removed and `out` is left as it was. A temporary folder left by a
-    killed writer is removed first."""
+    """The temporary sibling (staging_folder) that the folder `out` is written into, renamed to `out` when the block
+    ends normally (replacing `out` if it is an empty folder: rename(2)). On any exception (a refusal, a failed write,
+    KeyboardInterrupt) the temporary folder is removed and `out` is left as it was. Temporary folders left by killed
+    writers are removed first; a live writer of `out` on this host is a ProfileError naming it, and a writer that
+    renamed its folder into place first (on another host) keeps it: this one's is removed, a ProfileError."""
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
+    live, left = other_writers(out)
+    if live:
+        raise ProfileError([writing_problem(out, live[0])])
+    for path in left:
+        shutil.rmtree(path, ignore_errors=True)
+    tmp = staging_folder(out)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        tmp.replace(out)
+        try:
+            tmp.replace(out)
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise ProfileError([f"{out}: filled while this export ran (by another export, or by hand); it is kept "
+                                "as it is, and this export's files are removed"]) from None  # fmt: skip
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

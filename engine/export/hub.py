@@ -27,7 +27,7 @@ from torch import nn
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import ModelProfile
 
-from . import StateSource, staged_folder, write_errors_named
+from . import StateSource, other_writers, staged_folder, write_errors_named, writing_problem
 
 INDEX_NAME = "model.safetensors.index.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -548,6 +548,9 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     # Reading OUT's folder, writing and renaming: the OS refusing any of them names OUT (a full disk, no
     # permission), with OUT left as it was.
     with write_errors_named(out):
+        if out.name in ("", ".."):
+            # `.`, `..`, `/`: the folder they lead to, whose name the temporary sibling is named after.
+            out = out.resolve()
         resolved = out.resolve()
         if resolved.is_relative_to((run_dir / "checkpoints").resolve()):
             problems.append(f"--out ({str(out)!r}) lies inside the run's checkpoints folder; choose another folder")
@@ -555,8 +558,13 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
             problems.append(f"--out ({str(out)!r}) exists and is not a folder")
         elif out.is_dir() and any(out.iterdir()):
             problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
+        elif out.is_dir() and resolved == Path.cwd().resolve():
+            problems.append(f"--out ({str(out)!r}) is the current folder: export renames a new folder into its place, "
+                            "which a shell in it would not see; name a new folder")
         elif not out.exists():
             problems += _creatable_problems(out)
+        if live := other_writers(out)[0]:
+            problems.append(writing_problem(out, live[0]))
         if lora and not merge and run.cfg.moe is not None and run.cfg.moe.bias_update_rate > 0:
             problems.append(ROUTING_BIASES_IN_NO_ADAPTER)
         if lora and not merge and run.cfg.checkpoint is None:

@@ -56,7 +56,7 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     """The run in `run_dir`; ProfileError (one line each) when there is no run there or, with `need_final`, it
     has not written its final state (summary.json and the adapter / weights)."""
     from moe_tune.engine.families import resolve_job
-    from moe_tune.engine.train.run_dir import LOCK_NAME, links_out_of
+    from moe_tune.engine.train.run_dir import LOCK_NAME, is_held, links_out_of
     from moe_tune.profiles import validate_profile
 
     run_dir = Path(run_dir)
@@ -79,7 +79,7 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     except ProfileError as err:
         raise ProfileError([f"{profile_file}: {line}" for line in err.problems]) from None
     run = RunInfo(run_dir, profile)
-    if (run_dir / LOCK_NAME).exists():
+    if is_held(run_dir):
         raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); export it once the run has ended"])
     if need_final:
         final = run_dir / (ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE)

@@ -1,8 +1,9 @@
 """The decode loop: a cached forward over the next tokens of one sequence, and generation token by token.
 
 How decoding works. A DecodeCache holds one state dict per module that carries context. The first call (the
-prefill) runs the whole prompt at once and leaves in each state what later tokens need; every later call runs only
-its new tokens (one while generating) and extends the states:
+prefill) runs the prompt (up to PREFILL_CHUNK_TOKENS of it; the rest follows in calls of that size) and leaves in
+each state what later tokens need; every later call runs only its new tokens (one while generating) and extends the
+states:
 - softmax attention (full, sparse, qsa, mla): the keys and values of every token so far (the indexers' keys too);
 - linear attention (gated delta net, KDA): the recurrent state [H, K, V] fp32 after the last token (the prefill runs
   the chunked op with output_final_state; one token runs the recurrence S <- decay S + beta k (v - S^T k)^T itself)
@@ -32,6 +33,10 @@ from .cache import DecodeCache, DecodeStep
 # torch.Generator.manual_seed takes seeds in [-2**63, 2**64); a negative one is the same generator as seed + 2**64, so
 # seeds are asked for in [0, SEED_LIMIT).
 SEED_LIMIT = 2**64
+# The prompt runs in cached calls of at most this many tokens: a call holds its rows' logits [T, V] and attention
+# scores over every token so far [T, M], so one call over a 20,000-token prompt took 22 GB of host memory on the
+# tiny profile (CPU reference ops). Each call continues the cache exactly (tests/engine/test_decode.py).
+PREFILL_CHUNK_TOKENS = 1024
 
 
 def find_causal_lm(model: nn.Module) -> MoECausalLM:
@@ -125,10 +130,10 @@ def generate_ids(
     Greedy at temperature 0; otherwise sampled with a torch.Generator seeded with `seed` on the model's device (the
     same seed, model and device give the same tokens). Generation stops after the first token in stop_ids, which is
     included in the result (as transformers' generate keeps its eos token) and passed to on_token like every other
-    token, as it is chosen. The prompt runs as one prefill; each new token is one cached step (no re-run of the
-    sequence). Raises ProfileError with one line per refused option (empty prompt, ids outside the vocabulary,
-    negative max_new_tokens or temperature, top_p outside (0, 1], a seed outside [0, 2**64), the image token in a
-    prompt).
+    token, as it is chosen. The prompt runs as a prefill and its continuations, PREFILL_CHUNK_TOKENS tokens a call;
+    each new token is one cached step (no re-run of the sequence). Raises ProfileError with one line per refused
+    option (empty prompt, ids outside the vocabulary, negative max_new_tokens or temperature, top_p outside (0, 1],
+    a seed outside [0, 2**64), the image token in a prompt).
     """
     lm = find_causal_lm(model)
     problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p, seed)
@@ -139,14 +144,17 @@ def generate_ids(
     stop = set(stop_ids)
     cache = DecodeCache()
     generated: list[int] = []
-    next_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     while len(generated) < max_new_tokens:
-        logits_V = forward_cached(model, next_ids, cache)[0, -1]
+        if generated:
+            logits_V = forward_cached(model, torch.tensor([[token]], dtype=torch.long, device=device), cache)[0, -1]
+        else:
+            for start in range(0, prompt.shape[1], PREFILL_CHUNK_TOKENS):
+                logits_V = forward_cached(model, prompt[:, start : start + PREFILL_CHUNK_TOKENS], cache)[0, -1]
         token = choose_token(logits_V, temperature, top_p, generator)
         generated.append(token)
         if on_token is not None:
             on_token(token)
         if token in stop:
             break
-        next_ids = torch.tensor([[token]], dtype=torch.long, device=device)
     return generated

@@ -8,7 +8,8 @@ Each tracker is an optional extra; one that is not installed is refused before a
 (check_report_to), never skipped.
 
 A resumed run continues the same W&B and MLflow runs: their ids are kept in output.dir/loggers.json. TensorBoard
-appends to output.dir/tensorboard and drops the events past the resumed step.
+appends to output.dir/tensorboard and drops the events past the resumed step. The W&B and MLflow stores in
+output.dir (wandb/, mlruns/) may hold several runs: --overwrite keeps them (run_dir.TRACKER_STORES).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from moe_tune.profiles.schema import JobProfile
 TRACKER_MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 # The trackers' run ids, so that --resume continues their runs.
 RUN_IDS_NAME = "loggers.json"
+# The folders the trackers' stores take in output.dir (run_dir.TRACKER_STORES): the one wandb.init(dir=output.dir)
+# makes, and MLflow's default file store.
+WANDB_STORE = "wandb"
+MLFLOW_STORE = "mlruns"
 STATUSES = ("finished", "failed", "interrupted")
 
 
@@ -165,7 +170,7 @@ class MlflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         output = profile.output
-        uri = output.mlflow_tracking_uri or (out / "mlruns").resolve().as_uri()
+        uri = output.mlflow_tracking_uri or (out / MLFLOW_STORE).resolve().as_uri()
         if urlparse(uri).scheme in ("", "file"):
             # MLflow 3 refuses its file store unless asked for; a local store is what report_to: [mlflow] means here.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

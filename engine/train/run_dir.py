@@ -11,6 +11,7 @@ never mixed with metrics of another.
 from __future__ import annotations
 
 import datetime
+import glob
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from moe_tune.profiles.schema import JobProfile
 
 from .checkpoint import complete_checkpoints
 from .distributed import DistInfo
+from .loggers import MLFLOW_STORE, WANDB_STORE
 
 LOCK_NAME = ".lock"
 # Results of a run: their presence means the directory holds a run that a new one would mix with.
@@ -37,17 +39,26 @@ RUN_RESULTS = (
 )  # fmt: skip
 # Written by every run before its first step (the run's settings and its generated corpus): replaced, not mixed.
 RUN_SETTINGS = ("profile.yaml", "deepspeed_config.json", "generated-data")
+# The trackers' stores in output.dir (W&B's local files, MLflow's file store): one store holds every run logged into
+# it, the runs of the folder before an --overwrite among them, so --overwrite keeps them (the new run is logged beside
+# the earlier ones) and their presence alone is no previous run. A run writes into them: a link leading outside
+# output.dir is refused, on every run.
+TRACKER_STORES = (WANDB_STORE, MLFLOW_STORE)
 # Files written atomically through `.NAME.tmp` (checkpoint.write_text_atomic, trainer._save_atomic).
 TMP_FORMAT = ".{}.tmp"
 # Every name a run writes (or --overwrite deletes) in its output.dir, the temporaries of its atomic writes included.
-OWNED_NAMES = (*RUN_RESULTS, *RUN_SETTINGS, *(TMP_FORMAT.format(n) for n in (*RUN_RESULTS, *RUN_SETTINGS)), LOCK_NAME)
+OWNED_NAMES = (*RUN_RESULTS, *RUN_SETTINGS, *(TMP_FORMAT.format(n) for n in (*RUN_RESULTS, *RUN_SETTINGS)),
+               *TRACKER_STORES, LOCK_NAME)
+# pids are positive and fit pid_t (32-bit signed); os.kill takes no larger number, and 0 or -1 signal groups.
+PID_LIMIT = 2**31
 
 
 def _reason(err: OSError) -> str:
     return err.strerror.lower() if err.strerror else str(err)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -59,12 +70,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _read_lock(path: Path) -> dict | None:
-    """The holder recorded in a lock file, or None when the file cannot be read as one."""
+    """The holder recorded in a lock file, or None when the file cannot be read as one (a pid no process can have,
+    outside [1, PID_LIMIT), among them)."""
     try:
         holder = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if isinstance(holder, dict) and isinstance(holder.get("pid"), int) and isinstance(holder.get("host"), str):
+    if not isinstance(holder, dict) or not isinstance(holder.get("host"), str):
+        return None
+    pid = holder.get("pid")
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT:
         return holder
     return None
 
@@ -116,7 +131,7 @@ class RunDirLock:
                     f"{where} is in use by another run: {who} ({self.path}); a lock from another host is respected, "
                     "as its pid cannot be checked from here: if that run is gone, delete the lock"
                 ])  # fmt: skip
-            if _pid_alive(holder["pid"]):
+            if pid_alive(holder["pid"]):
                 raise ProfileError([f"{where} is in use by another run: {who} ({self.path}); one run per output.dir"])
             self._take_over(holder)
             self.note = f"note: took over the lock of a run that is gone ({who}) in {self.out}"
@@ -155,6 +170,16 @@ class RunDirLock:
                 pass
 
 
+def is_held(out: Path) -> bool:
+    """Whether a run holds `out`: its lock names a live process on this host, a process on another host (whose pid
+    cannot be checked from here), or no holder at all. A lock left by a run that died on this host holds nothing."""
+    path = out / LOCK_NAME
+    if not os.path.lexists(path):
+        return False
+    holder = _read_lock(path)
+    return holder is None or holder["host"] != socket.gethostname() or pid_alive(holder["pid"])
+
+
 def previous_run_outputs(out: Path) -> list[str]:
     """Results of an earlier run in `out` (RUN_RESULTS present), in a stable order."""
     return [name for name in RUN_RESULTS if os.path.lexists(out / name)]
@@ -190,11 +215,13 @@ def kept_after_interrupt(out: Path) -> str:
 
 
 def remove_run_outputs(out: Path) -> list[str]:
-    """Delete what moe-tune writes into `out` (results, settings and their temporaries); other files stay. A symlink
-    is removed, never followed. Returns the names removed."""
+    """Delete what moe-tune writes into `out` (results, settings and their temporaries); other files, and the
+    tracker stores (TRACKER_STORES), stay. A symlink is removed, never followed. Returns the names removed."""
     removed = []
     for name in (*RUN_RESULTS, *RUN_SETTINGS):
-        for entry in (out / name, out / TMP_FORMAT.format(name)):
+        # Folders written through a writer's own temporary sibling (export.staging_folder: `.NAME.tmp-HOST-PID`).
+        staged = sorted(out.glob(glob.escape(TMP_FORMAT.format(name)) + "-*"))
+        for entry in (out / name, out / TMP_FORMAT.format(name), *staged):
             if entry.is_symlink() or entry.is_file():
                 entry.unlink()
             elif entry.is_dir():
@@ -292,8 +319,9 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
                      reads: dict[str, Path | None] | None = None) -> tuple[RunDirLock, list[str]]:  # fmt: skip
     """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, one where
     the run would write over what it reads (`reads`, check_reads_apart), a directory in use by another run, one
-    holding a previous run's results without resume or overwrite, or on resume one whose results lead outside it. Returns the held lock and notes to print (a lock
-    taken over, the outputs --overwrite removed)."""
+    holding a previous run's results without resume or overwrite, one whose tracker stores (or, on resume, results
+    and settings) lead outside it. Returns the held lock and notes to print (a lock taken over, the outputs
+    --overwrite removed and the tracker stores it kept)."""
     where = f"output.dir ({out})"
     if resume and overwrite:
         raise ProfileError(["--resume and --overwrite contradict each other: --resume continues the run in "
@@ -317,25 +345,31 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
     try:
         if resume:
             # --resume reads the run's checkpoints and appends to its metrics: through a link, another folder's.
-            escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS))
+            escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS, *TRACKER_STORES))
             if escaping:
                 raise ProfileError(escaping)
         else:
+            problems = []
             found = previous_run_outputs(out)
             if found and not overwrite:
-                raise ProfileError([
-                    f"{where} holds a previous run ({', '.join(found)}): continue it with --resume, replace its "
-                    "outputs with --overwrite, or choose another output.dir"
-                ])  # fmt: skip
+                problems.append(f"{where} holds a previous run ({', '.join(found)}): continue it with --resume, "
+                                "replace its outputs with --overwrite, or choose another output.dir")  # fmt: skip
             strays = [] if found or overwrite else stray_settings(out)
             if strays:
-                raise ProfileError([
-                    f"{where} holds {', '.join(strays)}, which no run wrote (no run's profile.yaml beside it): the run "
-                    "writes its own there; move it, choose another output.dir, or replace it with --overwrite"
-                ])  # fmt: skip
+                problems.append(f"{where} holds {', '.join(strays)}, which no run wrote (no run's profile.yaml beside "
+                                "it): the run writes its own there; move it, choose another output.dir, or replace it "
+                                "with --overwrite")  # fmt: skip
+            # A fresh run logs into the stores kept there (the results' links go with --overwrite).
+            problems += links_out_of(out, TRACKER_STORES)
+            if problems:
+                raise ProfileError(problems)
             if found:
                 removed = remove_run_outputs(out)
                 notes.append(f"note: --overwrite removed the previous run's {', '.join(removed)} from {out}")
+            kept = [name for name in TRACKER_STORES if os.path.lexists(out / name)]
+            if overwrite and kept:
+                notes.append(f"note: --overwrite kept {', '.join(kept)} in {out}: tracker stores that may hold other "
+                             "runs; the new run is logged beside the earlier ones")
     except ProfileError:
         lock.release()
         raise

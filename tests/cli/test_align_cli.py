@@ -115,6 +115,22 @@ def test_bad_input_exits_2(args, message, tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("option", ["--batch", "--golden"])
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_batch_or_golden_that_is_no_regular_file_is_refused_not_read(checkpoint, tmp_path, option, kind):
+    """A FIFO would block the read for ever, a device such as /dev/zero never end it."""
+    import os
+
+    path = tmp_path / "pipe" if kind == "fifo" else "/dev/null"
+    if kind == "fifo":
+        os.mkfifo(path)
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint), option, str(path)])
+    assert result.exit_code == 2, result.output
+    shown = "a FIFO" if kind == "fifo" else "a character device"
+    assert result.stderr.splitlines() == [f"error: {option} ({str(path)!r}) is not a regular file ({shown}); name a "
+                                          "file"]  # fmt: skip
+
+
 def test_bad_batch_record_exits_2(checkpoint, tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text(json.dumps({"input_ids": [5, 300]}) + "\n")

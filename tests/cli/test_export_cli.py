@@ -6,6 +6,10 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -326,12 +330,23 @@ def test_full_finetune_weights_of_the_wrong_shape_are_named(run_dir, tmp_path):
 # The run kinds whose export goes through each writer: the hub checkpoint (full fine-tune, LoRA merged) and the PEFT
 # adapter (LoRA).
 EXPORT_KINDS = {"full": ("run_dir", []), "merged": ("lora_run_dir", ["--merge"]), "adapter": ("lora_run_dir", [])}
+def delivered_sigterm() -> BaseException:
+    """What SIGTERM does to the export at this point: its handler called as the signal would call it (sending the
+    signal itself would stop the test process where the export left it to the default action)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler):
+        return AssertionError(f"SIGTERM is not handled during the export ({handler})")
+    handler(signal.SIGTERM, None)
+    return AssertionError("the SIGTERM handler returned")
+
+
 # How an export can fail once its temporary folder holds files, and the exit code: a refusal (exit 2, one line), an
-# error while writing, an interrupt (Click exits 130).
+# error while writing, an interrupt (Click exits 130), SIGTERM (143).
 FAILURES = {
     "refusal": (lambda: ProfileError(["model.safetensors: tensor x holds non-finite values (NaN or inf)"]), 2),
     "disk-full": (lambda: OSError(errno.ENOSPC, "No space left on device"), 1),
     "interrupt": (lambda: KeyboardInterrupt(), 130),
+    "sigterm": (delivered_sigterm, 143),
 }
 
 
@@ -366,6 +381,7 @@ def test_a_failed_export_leaves_no_temporary_folder_and_out_as_it_was(request, t
         out.mkdir()
     result = runner.invoke(app, ["export", str(run), *flags, "--out", str(out)])
     assert result.exit_code == code, result.output
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     if failure == "refusal":
         assert result.stderr.strip().splitlines() == [f"error: {error().problems[0]}"]
     assert not any(tmp_path.glob(".out*")), list(tmp_path.iterdir())
@@ -382,6 +398,8 @@ OS_FAILURES = {
     "disk-full-in-weights": ("weights", errno.ENOSPC),
     "quota-in-loader-files": ("loader-files", errno.EDQUOT),
     "rename-refused": ("rename", errno.EACCES),
+    # safetensors raises its own SafetensorError (no OSError) for a shard the OS refuses, the errno in its message.
+    "disk-full-in-safetensors": ("safetensors", errno.ENOSPC),
 }
 
 
@@ -392,12 +410,18 @@ def refused_by_the_os(patch, where: str, code: int, out: Path) -> OSError:
 
     import safetensors.torch
 
-    import moe_tune.engine.export.hub as hub
+    from safetensors import SafetensorError
 
-    tmp = out.with_name(f".{out.name}.tmp")
+    import moe_tune.engine.export.hub as hub
+    from moe_tune.engine.export import staging_folder
+
+    tmp = staging_folder(out)
     error = {"folder": OSError(code, os.strerror(code), str(tmp)),
              "look-at-out": OSError(code, os.strerror(code), str(out)),
-             "rename": OSError(code, os.strerror(code), str(tmp), str(out))}.get(where, OSError(code, os.strerror(code)))
+             "rename": OSError(code, os.strerror(code), str(tmp), str(out)),
+             "safetensors": SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} "
+                                            f"(os error {code})"),
+             }.get(where, OSError(code, os.strerror(code)))  # fmt: skip
 
     def failing_on(method, path):
         def failing(self, *args, **kwargs):
@@ -411,7 +435,7 @@ def refused_by_the_os(patch, where: str, code: int, out: Path) -> OSError:
     elif where == "look-at-out":
         patch.setattr(pathlib.Path, "lstat", failing_on(pathlib.Path.lstat, out))
         patch.setattr(pathlib.Path, "stat", failing_on(pathlib.Path.stat, out))
-    elif where == "weights":
+    elif where in ("weights", "safetensors"):
         patch.setattr(safetensors.torch, "save_file", fail_after(safetensors.torch.save_file, lambda: error))
     elif where == "loader-files":
         patch.setattr(hub, "copy_loader_files", fail_after(hub.copy_loader_files, lambda: error))
@@ -457,19 +481,114 @@ def test_an_out_folder_holding_files_is_refused_and_kept(request, tmp_path, kind
     assert not any(out.parent.glob(f".{out.name}*"))
 
 
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def sleeper():
+    """The pid of a live process of this host (another export, as its temporary folder names it)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("writer", ["none", "dead"], ids=["no-writer-named", "writer-gone"])
 @pytest.mark.parametrize("before", ["absent", "empty"])
 @pytest.mark.parametrize("kind", list(EXPORT_KINDS))
-def test_a_temporary_folder_left_by_a_killed_export_is_not_exported(request, tmp_path, kind, before):
+def test_a_temporary_folder_left_by_a_killed_export_is_not_exported(request, tmp_path, kind, before, writer):
     fixture, flags = EXPORT_KINDS[kind]
     out = tmp_path / "out"
     if before == "empty":
         out.mkdir()
-    (tmp_path / ".out.tmp").mkdir()
-    (tmp_path / ".out.tmp" / "left-over.safetensors").write_bytes(b"\0" * 8)
+    left = tmp_path / (".out.tmp" if writer == "none" else f".out.tmp-{socket.gethostname()}-{dead_pid()}")
+    left.mkdir()
+    (left / "left-over.safetensors").write_bytes(b"\0" * 8)
     result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert not (out / "left-over.safetensors").exists() and not (tmp_path / ".out.tmp").exists()
+    assert not (out / "left-over.safetensors").exists() and not left.exists()
     assert (out / ("adapter_model.safetensors" if kind == "adapter" else "model.safetensors.index.json")).is_file()
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_a_second_export_into_one_folder_is_refused_while_the_first_writes(request, tmp_path, kind, sleeper):
+    """Two exports into one --out would write one temporary folder (the second removing the first's as a killed
+    writer's), and the folder renamed into place would mix them: each writer stages into its own, and a live one
+    is named."""
+    fixture, flags = EXPORT_KINDS[kind]
+    out, theirs = tmp_path / "out", tmp_path / f".out.tmp-{socket.gethostname()}-{sleeper}"
+    theirs.mkdir()
+    (theirs / "model-00001-of-00002.safetensors").write_text("theirs")
+    result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {out}: another export is writing it (into {theirs.name}); one "
+                                          "writer per folder: wait for it to end, or write into another folder"]
+    assert (theirs / "model-00001-of-00002.safetensors").read_text() == "theirs" and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name]
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_an_out_filled_while_the_export_ran_is_kept(request, tmp_path, monkeypatch, kind):
+    """Another export (on another host, whose writer cannot be seen from here) that renamed its folder into place
+    first keeps it; this export's files go."""
+    import pathlib
+
+    from moe_tune.engine.export import staging_folder
+
+    fixture, flags = EXPORT_KINDS[kind]
+    out = tmp_path / "out"
+    rename = pathlib.Path.replace
+
+    def filled_first(self, target):
+        if self == staging_folder(out):
+            out.mkdir()
+            (out / "theirs.safetensors").write_text("theirs")
+        return rename(self, target)
+
+    monkeypatch.setattr(pathlib.Path, "replace", filled_first)
+    result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {out}: filled while this export ran (by another export, or by "
+                                          "hand); it is kept as it is, and this export's files are removed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["theirs.safetensors"]
+
+
+@pytest.mark.parametrize("out", [".", "../here"])
+def test_an_out_that_is_the_current_folder_is_refused(lora_run_dir, tmp_path, monkeypatch, out):
+    """An empty current folder replaced by the export's would leave the shell in a removed folder (and `.` has no
+    name to stage a sibling after)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    result = runner.invoke(app, ["export", str(lora_run_dir), "--out", out])
+    assert result.exit_code == 2, result.output
+    shown = out if out == "../here" else str(here)
+    assert result.stderr.splitlines() == [f"error: --out ({shown!r}) is the current folder: export renames a new "
+                                          "folder into its place, which a shell in it would not see; name a new "
+                                          "folder"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"] and list(here.iterdir()) == []
+
+
+@pytest.mark.parametrize("holder", ["gone", "live"])
+def test_a_run_killed_on_this_host_exports_and_a_live_one_is_refused(lora_run_dir, tmp_path, holder, sleeper):
+    """A run killed with SIGKILL leaves its lock: its holder gone, the folder is the run's to read (--step of a
+    killed run is what export is for); a live holder keeps it."""
+    run = tmp_path / "run"
+    shutil.copytree(lora_run_dir, run)
+    pid = dead_pid() if holder == "gone" else sleeper
+    (run / ".lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "2026-01-01"}))
+    result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "out")])
+    if holder == "gone":
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    else:
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"error: {run}: a run holds this folder (.lock); export it once the "
+                                              "run has ended"]
 
 
 @pytest.mark.parametrize("kind", ["fifo", "folder"])

@@ -144,6 +144,18 @@ def test_a_chat_line_that_is_not_utf8_ends_the_chat_in_one_line(lora_run, stdin,
     assert result.stderr.strip().splitlines()[-1] == line and "Traceback" not in result.output
 
 
+def test_a_chat_line_past_its_bound_ends_the_chat_in_one_line(lora_run, monkeypatch):
+    """A line is read up to MAX_LINE_BYTES, never whole: /dev/zero on stdin (no newline ever) would fill memory."""
+    import moe_tune.cli.generate as generate
+
+    monkeypatch.setattr(generate, "MAX_LINE_BYTES", 8)
+    result = runner.invoke(app, ["generate", str(lora_run[0]), "--chat", "--max-new-tokens", "2"],
+                           input=b"ok\n" + b"\0" * 9)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == "error: stdin line 2: longer than 8 bytes, the most a --chat " \
+                                                     "turn may be"
+
+
 def test_ctrl_c_ends_the_reply_without_a_traceback(lora_run, monkeypatch):
     from moe_tune.engine.generate.session import Session
 
@@ -304,6 +316,22 @@ def test_bad_input_exits_2_in_one_line(lora_run, tmp_path, args, message):
     assert lines[0].startswith("error: " + message.format(**fill)), lines
     assert all(line.startswith("error: ") for line in lines) and (len(lines) == 1 or "bad.yaml" in args[0]), lines
     assert "Traceback" not in result.output and result.stdout == ""
+
+
+def test_a_run_killed_on_this_host_answers(lora_run, tmp_path):
+    """A run stopped with SIGKILL leaves its lock, naming a pid that is gone: no run holds the folder."""
+    import socket
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run[0], run)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run / ".lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "started": "2026-01-01"}))
+    result = runner.invoke(app, ["generate", str(run), "--prompt", "x", "--max-new-tokens", "1"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == f"model: the run in {run} (LoRA adapters merged, step 2); on cpu, float32"
 
 
 @pytest.mark.parametrize("seed", [-1, -(2**63), 2**64, 10**23], ids=["-1", "-2**63", "2**64", "10**23"])

@@ -90,6 +90,22 @@ def test_bad_options_exit_2(args, message, checkpoint):
     assert message in result.stderr
 
 
+@pytest.mark.parametrize("where, reason", [
+    ("/proc/report.json", "no file can be created in '/proc' (No such file or directory)"),
+    ("/proc/reports/report.json", "no folder can be created in '/proc' (No such file or directory)"),
+    ("{tmp}/file/report.json", "'{tmp}/file' is not a folder"),
+], ids=["in-proc", "new-folder-in-proc", "under-a-file"])  # fmt: skip
+def test_a_json_that_cannot_be_written_is_refused_before_anything_runs(checkpoint, tmp_path, where, reason):
+    """The report is written at the end of a run of minutes (a real checkpoint's steps and alignment): a --json the
+    OS refuses is said first."""
+    (tmp_path / "file").write_text("mine")
+    json_out = where.format(tmp=tmp_path)
+    result = runner.invoke(app, ["onboard", str(checkpoint), "--json", json_out])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: --json ({json_out!r}): {reason.format(tmp=tmp_path)}"]
+    assert result.stdout == "" and (tmp_path / "file").read_text() == "mine"
+
+
 @pytest.mark.parametrize("make", ["missing", "file", "no-config"])
 def test_not_a_checkpoint_folder_exits_2(make, tmp_path):
     target = tmp_path / "target"

@@ -476,6 +476,21 @@ def test_a_baseline_median_that_is_not_a_positive_number_is_one_line_naming_file
     assert calls == [] and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_baseline_that_is_no_regular_file_is_refused_not_read(tmp_path, kind):
+    """A FIFO would block the read for ever, a device such as /dev/zero never end it."""
+    import os
+
+    path = tmp_path / "pipe" if kind == "fifo" else "/dev/null"
+    if kind == "fifo":
+        os.mkfifo(path)
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--baseline", str(path)])
+    assert result.exit_code == 2, result.output
+    shown = "a FIFO" if kind == "fifo" else "a character device"
+    assert result.stderr.splitlines() == [f"error: --baseline ({str(path)!r}) is not a regular file ({shown}); name "
+                                          "a file"]  # fmt: skip
+
+
 def test_every_bad_baseline_row_and_field_is_said(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 1, calls))

@@ -249,6 +249,22 @@ def test_sampling_is_reproducible_under_its_seed(models, greedy):
     assert generate_ids(model, PROMPT, 5, temperature=1.0, top_p=1e-6, seed=11) == greedy[0]
 
 
+def test_a_long_prompt_runs_in_bounded_calls_and_decodes_the_same(models, monkeypatch):
+    """A prompt longer than PREFILL_CHUNK_TOKENS runs in calls of at most that many tokens (a call's logits and
+    attention scores grow with its tokens), and greedy decoding still follows the full forward's argmax chain."""
+    import moe_tune.engine.generate.decode as decode
+
+    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 4)
+    calls = []
+    run_call = decode.forward_cached
+    monkeypatch.setattr(decode, "forward_cached", lambda m, ids, cache: calls.append(ids.shape[1]) or run_call(
+        m, ids, cache))
+    prompt = PROMPT * 2  # 10 tokens: calls of 4, 4 and 2
+    got = generate_ids(models["tiny"], prompt, 3)
+    assert calls == [4, 4, 2, 1, 1]
+    assert got == argmax_chain(models["tiny"], prompt, 3)
+
+
 def test_generation_ends_after_a_stop_id_which_it_keeps(models, greedy):
     chain = greedy[0]
     stop = chain[2]

@@ -81,15 +81,33 @@ def test_a_lock_from_another_host_is_respected(tmp_path, pid):
     assert (tmp_path / LOCK_NAME).exists()
 
 
-@pytest.mark.parametrize("content", ["", "{not json", '{"pid": "12", "host": "h"}', "[1, 2]", "directory"])
+@pytest.mark.parametrize("content", [
+    "", "{not json", '{"pid": "12", "host": "h"}', "[1, 2]", "directory",
+    '{"pid": 99999999999999999999999, "host": "HOST"}',  # past pid_t: os.kill cannot take it
+    '{"pid": 0, "host": "HOST"}',  # 0 and -1 name process groups, not a process
+    '{"pid": -1, "host": "HOST"}',
+    '{"pid": true, "host": "HOST"}',
+])  # fmt: skip
 def test_a_lock_that_names_no_holder_is_refused(tmp_path, content):
     if content == "directory":
         (tmp_path / LOCK_NAME).mkdir()
     else:
-        (tmp_path / LOCK_NAME).write_text(content)
+        (tmp_path / LOCK_NAME).write_text(content.replace("HOST", HOST))
     with pytest.raises(ProfileError, match=r"is locked by .*\.lock, which does not name a holder"):
         check_output_dir(tmp_path, resume=False, overwrite=False)
     assert (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("holder", ["none", "dead", "live", "other-host", "no-holder"])
+def test_a_folder_is_held_while_its_lock_may_name_a_live_run(tmp_path, holder, sleeper):
+    """export and generate read a run's folder only when no run holds it; a lock left by a run killed on this host
+    (kill -9, its pid gone) holds nothing."""
+    if holder == "no-holder":
+        (tmp_path / LOCK_NAME).write_text("{}")
+    elif holder != "none":
+        pid = sleeper if holder == "live" else dead_pid()
+        write_lock(tmp_path, pid, "elsewhere" if holder == "other-host" else HOST)
+    assert run_dir.is_held(tmp_path) == (holder in ("live", "other-host", "no-holder"))
 
 
 def test_a_second_claim_while_the_first_holds_is_refused(tmp_path):
@@ -220,6 +238,67 @@ def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
     assert (outside / "precious.txt").read_text() == "keep"
     assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, summary.json, .summary.json.tmp, "
                      f"checkpoints, adapter, model.safetensors, profile.yaml from {out}"]  # fmt: skip
+
+
+def test_overwrite_removes_what_a_killed_writer_staged(tmp_path):
+    """A run killed while writing merged/ (or an export killed writing export/) leaves its temporary sibling,
+    named after its writer (export.staging_folder); --overwrite removes it with the rest of the run."""
+    from moe_tune.engine.export import staging_folder
+
+    (tmp_path / "metrics.jsonl").write_text("old")
+    staged = staging_folder(tmp_path / "merged")
+    staged.mkdir()
+    (staged / "model-00001-of-00002.safetensors").write_text("half")
+    lock, notes = check_output_dir(tmp_path, resume=False, overwrite=True)
+    lock.release()
+    assert list(tmp_path.iterdir()) == []
+    assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, {staged.name} from {tmp_path}"]
+
+
+def test_overwrite_keeps_the_tracker_stores_and_says_so(tmp_path):
+    """wandb/ and mlruns/ may hold other runs than the one replaced (an MLflow store of every run logged there):
+    --overwrite removes the run's own files, loggers.json (its tracker run ids) among them, and keeps the stores."""
+    out = tmp_path / "out"
+    (out / "mlruns" / "0").mkdir(parents=True)
+    (out / "mlruns" / "0" / "meta.yaml").write_text("name: Default")
+    (out / "wandb" / "offline-run-1").mkdir(parents=True)
+    for name in ("metrics.jsonl", "loggers.json"):
+        (out / name).write_text("old")
+    lock, notes = check_output_dir(out, resume=False, overwrite=True)
+    lock.release()
+    assert sorted(p.name for p in out.iterdir()) == ["mlruns", "wandb"]
+    assert (out / "mlruns" / "0" / "meta.yaml").read_text() == "name: Default"
+    assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, loggers.json from {out}",
+                     f"note: --overwrite kept wandb, mlruns in {out}: tracker stores that may hold other runs; the new "
+                     "run is logged beside the earlier ones"]  # fmt: skip
+
+
+def test_tracker_stores_alone_are_not_a_previous_run(tmp_path):
+    for name in ("wandb", "mlruns"):
+        (tmp_path / name).mkdir()
+    lock, notes = check_output_dir(tmp_path, resume=False, overwrite=False)
+    lock.release()
+    assert notes == []
+
+
+@pytest.mark.parametrize("mode", ["fresh", "overwrite", "resume"])
+@pytest.mark.parametrize("linked", ["wandb", "mlruns"])
+def test_a_tracker_store_leading_out_of_the_run_folder_is_refused(tmp_path, linked, mode):
+    """Every run logs into the store it finds in output.dir: a link to another folder's is refused, left as it was
+    (--overwrite keeps the stores, so it would not remove the link either)."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere" / linked
+    out.mkdir()
+    elsewhere.mkdir(parents=True)
+    (out / "summary.json").write_text("{}")
+    (out / linked).symlink_to(elsewhere)
+    with pytest.raises(ProfileError) as refusal:
+        check_output_dir(out, resume=mode == "resume", overwrite=mode == "overwrite")
+    link_line = (f"{out / linked}: leads to {str(elsewhere)!r}, outside the run folder; a run's files are read and "
+                 "written only inside it")  # fmt: skip
+    previous = (f"output.dir ({out}) holds a previous run (summary.json): continue it with --resume, replace its "
+                "outputs with --overwrite, or choose another output.dir")  # fmt: skip
+    assert refusal.value.problems == ([previous, link_line] if mode == "fresh" else [link_line])
+    assert (out / linked).is_symlink() and (out / "summary.json").exists() and not (out / LOCK_NAME).exists()
 
 
 @pytest.mark.parametrize("linked", ["checkpoints", "metrics.jsonl", "tensorboard", "profile.yaml", "generated-data"])
