@@ -29,18 +29,26 @@ def generate(
     prompt: Annotated[str | None, typer.Option("--prompt", help="one prompt; the reply is printed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="talk on stdin, turn by turn, history kept")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="tokens generated at most per reply")] = 256,
-    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy (the default); > 0 samples from "
-                                               "softmax(logits / T), any T > 0 (tending to greedy as T tends to 0)")
-                           ] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="sample from the smallest set of tokens holding this "
-                                         "probability mass, in (0, 1]")] = 1.0,
+    temperature: Annotated[float | None, typer.Option(
+        "--temperature", help="0: greedy; > 0 samples from softmax(logits / T), any T > 0 (tending to greedy as T "
+        "tends to 0). Default: the checkpoint's generation_config.json (do_sample, temperature), else 0")] = None,
+    top_p: Annotated[float | None, typer.Option(
+        "--top-p", help="sample from the smallest set of tokens holding this probability mass, in (0, 1]. Default: "
+        "generation_config.json's top_p, else 1")] = None,
+    top_k: Annotated[int | None, typer.Option(
+        "--top-k", help="sample from the k likeliest tokens (0: all). Default: generation_config.json's top_k, else "
+        "0")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(
+        "--repetition-penalty", help="divide the positive logits of tokens already in the sequence by this (multiply "
+        "the negative ones), greedy or sampled; 1: none. Default: generation_config.json's, else 1")] = None,
     seed: Annotated[int, typer.Option("--seed", help="the sampling generator's seed, in [0, 2**64)")] = 0,
     system: Annotated[str | None, typer.Option("--system", help="a system message before the conversation")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="the prompt as it is after <bos>, no chat template (for models "
                                       "trained on plain text)")] = False,
 ) -> None:
     """Generate from a run's final weights (LoRA adapters merged) with the chat template applied; cached decoding
-    (key/value caches, recurrent states). Greedy unless --temperature > 0."""
+    (key/value caches, recurrent states). Tokens are chosen as transformers' generate chooses them: the checkpoint's
+    generation_config.json gives the defaults, each option given replaces one; greedy without either."""
     from moe_tune.engine.generate.session import option_problems
 
     problems = []
@@ -50,7 +58,7 @@ def generate(
         problems.append("--raw sends one prompt as it is; --chat renders turns through the chat template: give one")
     if raw and system is not None:
         problems.append("--system needs the chat template; --raw sends the prompt as it is: give one")
-    problems += option_problems(max_new_tokens, temperature, top_p, seed)
+    problems += option_problems(max_new_tokens, temperature, top_p, seed, top_k, repetition_penalty)
     problems += [f"{name}: not UTF-8 text ({what})" for name, text in (("--prompt", prompt), ("--system", system))
                  if text is not None and (what := not_utf8(text)) is not None]  # fmt: skip
     if problems:
@@ -60,9 +68,13 @@ def generate(
 
     with user_errors():
         session = load_session(target)
-    err_console.print(escape_controls(session.note), markup=False, highlight=False)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    given = {name: value for name, value in given.items() if value is not None}
+    sampling = session.sampling(**given)
+    for line in (session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, tuple(given))):
+        err_console.print(escape_controls(line), markup=False, highlight=False)
     base = [{"role": "system", "content": system}] if system is not None else []
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    options = dict(max_new_tokens=max_new_tokens, seed=seed, **vars(sampling))
     try:
         if chat:
             converse(session, base, options)
@@ -110,7 +122,10 @@ def read_line(number: int) -> str:
 
 
 def reply(session, ids: list[int], stop: bool, **options) -> str:
-    """Generate after `ids`, streaming the text to stdout; the speed line on stderr. Returns the text."""
+    """Generate after `ids`, streaming the text to stdout; the speed line on stderr (and before the reply a line when
+    it may pass the checkpoint's max_position_embeddings). Returns the text."""
+    if (note := session.context_note(len(ids), options["max_new_tokens"])) is not None:
+        err_console.print(note, markup=False, highlight=False)
     with user_errors():
         result = session.generate(ids, stop=stop, on_text=write, **options)
     write("\n")

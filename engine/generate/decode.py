@@ -74,7 +74,8 @@ def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache
 
 
 def check_generate_options(
-    prompt_ids: list[int], vocab_size: int, max_new_tokens: int, temperature: float, top_p: float, seed: int = 0
+    prompt_ids: list[int], vocab_size: int, max_new_tokens: int, temperature: float, top_p: float, seed: int = 0,
+    top_k: int = 0, repetition_penalty: float = 1.0,
 ) -> list[str]:
     """One line per option that generate_ids refuses: name, value and rule."""
     problems = []
@@ -89,30 +90,57 @@ def check_generate_options(
         problems.append(f"temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         problems.append(f"top_p ({top_p}) must be in (0, 1] (1: no nucleus filter)")
+    if top_k < 0:
+        problems.append(f"top_k ({top_k}) must be >= 0 (0: no top-k filter)")
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        problems.append(f"repetition_penalty ({repetition_penalty}) must be a finite number > 0 (1: none)")
     if not 0 <= seed < SEED_LIMIT:
         problems.append(f"seed ({seed}) must be in [0, 2**64) (the sampling generator's seeds)")
     return problems
 
 
-def choose_token(
-    logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> int:
-    """The next token from one row of logits [V] fp32: the argmax at temperature 0; else a draw from
-    softmax(logits / temperature) restricted to the nucleus (the most likely tokens whose probabilities first reach
-    top_p together, at least one), with `generator`. Any temperature > 0 is exact: as it tends to 0 the draw tends
-    to the argmax (a draw among tied maxima)."""
-    if temperature == 0:
-        return int(logits_V.argmax())
+def penalize_repetition(logits_V: torch.Tensor, is_seen_V: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor on one row of logits [V] fp32: the logit of each token already
+    in the sequence (is_seen_V [V] bool: the prompt and the tokens generated) divided by `penalty` where it is
+    positive and multiplied by it where it is negative, in fp32 as transformers computes it."""
+    if penalty == 1.0:
+        return logits_V
+    penalized_V = torch.where(logits_V < 0, logits_V * penalty, logits_V / penalty)
+    return torch.where(is_seen_V, penalized_V, logits_V)
+
+
+def sampling_probs(logits_V: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution [V] fp64 a token is drawn from at temperature > 0, as transformers' warpers shape it, in
+    their order: softmax(logits / temperature) restricted to the top_k likeliest tokens (0: all; every token tied with
+    the k-th kept, as TopKLogitsWarper keeps them), then to the nucleus: the tokens left once the least likely ones
+    whose probabilities sum to at most 1 - top_p are removed (TopPLogitsWarper's rule: the smallest set holding at
+    least top_p, never empty; among tokens of equal probability the lower ids leave first), renormalised."""
     # (logits - max) / temperature in fp64: the largest is 0 and the others <= 0, so a tiny temperature (down to
     # fp64's smallest, 5e-324; fp32 holds none below 1.4e-45) sends them to -inf (probability 0), never inf - inf.
     logits_V = logits_V.double()
-    probs_V = torch.softmax((logits_V - logits_V.max()) / temperature, dim=-1)
+    scaled_V = (logits_V - logits_V.max()) / temperature
+    if 0 < top_k < scaled_V.numel():
+        scaled_V = scaled_V.masked_fill(scaled_V < scaled_V.topk(top_k).values[-1], -math.inf)
+    probs_V = torch.softmax(scaled_V, dim=-1)
     if top_p < 1:
-        sorted_V, order_V = probs_V.sort(descending=True)
-        # A token is in the nucleus when the tokens before it hold less than top_p.
-        is_kept_V = (sorted_V.cumsum(0) - sorted_V) < top_p
-        probs_V = torch.zeros_like(probs_V).scatter(0, order_V[is_kept_V], sorted_V[is_kept_V])
-    return int(torch.multinomial(probs_V, 1, generator=generator))
+        # Ascending and stable: the cumulative sums are transformers' and ties leave in id order.
+        ascending_V, order_V = probs_V.sort(stable=True)
+        is_removed_V = ascending_V.cumsum(0) <= 1 - top_p
+        is_removed_V[-1] = False
+        probs_V = probs_V.scatter(0, order_V[is_removed_V], 0.0)
+        probs_V = probs_V / probs_V.sum()
+    return probs_V
+
+
+def choose_token(
+    logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None, top_k: int = 0
+) -> int:
+    """The next token from one row of logits [V] fp32: the argmax at temperature 0 (the lowest id among tied maxima,
+    as torch.argmax and transformers' greedy search pick it); else a draw from sampling_probs with `generator`. Any
+    temperature > 0 is exact: as it tends to 0 the draw tends to the argmax (a draw among tied maxima)."""
+    if temperature == 0:
+        return int(logits_V.argmax())
+    return int(torch.multinomial(sampling_probs(logits_V, temperature, top_k, top_p), 1, generator=generator))
 
 
 def generate_ids(
@@ -124,19 +152,25 @@ def generate_ids(
     stop_ids: Iterable[int] = (),
     seed: int = 0,
     on_token: Callable[[int], None] | None = None,
+    top_k: int = 0,
+    repetition_penalty: float = 1.0,
 ) -> list[int]:
     """The tokens generated after prompt_ids (the prompt not included), at most max_new_tokens of them.
 
-    Greedy at temperature 0; otherwise sampled with a torch.Generator seeded with `seed` on the model's device (the
-    same seed, model and device give the same tokens). Generation stops after the first token in stop_ids, which is
-    included in the result (as transformers' generate keeps its eos token) and passed to on_token like every other
-    token, as it is chosen. The prompt runs as a prefill and its continuations, PREFILL_CHUNK_TOKENS tokens a call;
-    each new token is one cached step (no re-run of the sequence). Raises ProfileError with one line per refused
-    option (empty prompt, ids outside the vocabulary, negative max_new_tokens or temperature, top_p outside (0, 1],
-    a seed outside [0, 2**64), the image token in a prompt).
+    Each step's logits pass through transformers' processors in its order: the repetition penalty (every token of
+    the prompt and of the reply so far; greedy decoding too), then at temperature > 0 the temperature, top_k and
+    top_p (sampling_probs). Greedy at temperature 0; otherwise sampled with a torch.Generator seeded with `seed` on
+    the model's device (the same seed, model and device give the same tokens). Generation stops after the first
+    token in stop_ids, which is included in the result (as transformers' generate keeps its eos token) and passed
+    to on_token like every other token, as it is chosen. The prompt runs as a prefill and its continuations,
+    PREFILL_CHUNK_TOKENS tokens a call; each new token is one cached step (no re-run of the sequence). Raises
+    ProfileError with one line per refused option (empty prompt, ids outside the vocabulary, negative
+    max_new_tokens, temperature or top_k, top_p outside (0, 1], a repetition_penalty <= 0, a seed outside
+    [0, 2**64), the image token in a prompt).
     """
     lm = find_causal_lm(model)
-    problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p, seed)
+    problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p, seed,
+                                      top_k, repetition_penalty)
     if problems:
         raise ProfileError(problems)
     device = lm.embed_tokens.weight.device
@@ -145,14 +179,18 @@ def generate_ids(
     cache = DecodeCache()
     generated: list[int] = []
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    is_seen_V = torch.zeros(lm.cfg.vocab_size, dtype=torch.bool, device=device)
+    is_seen_V[prompt[0]] = True
     while len(generated) < max_new_tokens:
         if generated:
             logits_V = forward_cached(model, torch.tensor([[token]], dtype=torch.long, device=device), cache)[0, -1]
         else:
             for start in range(0, prompt.shape[1], PREFILL_CHUNK_TOKENS):
                 logits_V = forward_cached(model, prompt[:, start : start + PREFILL_CHUNK_TOKENS], cache)[0, -1]
-        token = choose_token(logits_V, temperature, top_p, generator)
+        logits_V = penalize_repetition(logits_V, is_seen_V, repetition_penalty)
+        token = choose_token(logits_V, temperature, top_p, generator, top_k)
         generated.append(token)
+        is_seen_V[token] = True
         if on_token is not None:
             on_token(token)
         if token in stop:

@@ -12,16 +12,21 @@ What loads:
   checkpoint's weights, or the seeded init of a profile-built model).
 On a GPU the model runs on cuda with parameters in train.precision and buffers in fp32, as DeepSpeed trains it; on a
 CPU in fp32.
+
+How tokens are chosen: as transformers' generate chooses them on the checkpoint, whose generation_config.json gives
+the defaults (do_sample, temperature, top_p, top_k, repetition_penalty; read_generation_config) that each option given
+replaces; without one, greedy decoding.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,18 +73,130 @@ class Generated:
         return (count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0
 
 
-def option_problems(max_new_tokens: int, temperature: float, top_p: float, seed: int = 0) -> list[str]:
-    """The sampling options' problems, one line each (empty when all are valid)."""
+def option_problems(max_new_tokens: int, temperature: float | None, top_p: float | None, seed: int = 0,
+                    top_k: int | None = None, repetition_penalty: float | None = None) -> list[str]:
+    """The sampling options' problems, one line each (empty when all are valid); None: not given."""
     problems = []
     if max_new_tokens < 1:
         problems.append(f"--max-new-tokens ({max_new_tokens}) must be >= 1")
-    if not temperature >= 0 or temperature == float("inf"):
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         problems.append(f"--temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
-    if not 0 < top_p <= 1:
+    if top_p is not None and not 0 < top_p <= 1:
         problems.append(f"--top-p ({top_p}) must be in (0, 1]")
+    if top_k is not None and top_k < 0:
+        problems.append(f"--top-k ({top_k}) must be >= 0 (0: no top-k filter)")
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        problems.append(f"--repetition-penalty ({repetition_penalty}) must be a finite number > 0 (1: none)")
     if not 0 <= seed < SEED_LIMIT:
         problems.append(f"--seed ({seed}) must be in [0, 2**64) (the sampling generator's seeds)")
     return problems
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each token is chosen (decode.generate_ids): greedy at temperature 0, else drawn from softmax(logits /
+    temperature) cut to the top_k (0: all) and the top_p nucleus; repetition_penalty 1: none."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+
+GENERATION_CONFIG = "generation_config.json"
+# generation_config.json keys that set the Sampling field of their name (do_sample decides between sampling at
+# temperature and greedy decoding).
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# Keys transformers' generate applies that generate does not, with the values at which they do nothing.
+UNAPPLIED_KEYS = {
+    "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+    "top_h": (None,), "no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "sequence_bias": (None,),
+    "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "min_new_tokens": (None, 0), "min_length": (None, 0), "num_beams": (None, 1),
+    "penalty_alpha": (None,), "guidance_scale": (None, 1.0), "exponential_decay_length_penalty": (None,),
+    "dola_layers": (None,), "watermarking_config": (None,),
+}
+
+
+@dataclass
+class GenerationSettings:
+    """What a checkpoint sets for generation, as transformers' from_pretrained reads it: its generation_config.json
+    (`path`), else config.json's eos_token_id (its text_config's for a vision-language checkpoint)."""
+
+    path: Path | None = None
+    eos_ids: tuple[int, ...] = ()
+    defaults: Sampling = Sampling()
+    # The generation_config.json keys that set `defaults`, in file order.
+    set_keys: tuple[str, ...] = ()
+    # One line per key transformers' generate would apply and generate does not.
+    unapplied: tuple[str, ...] = ()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _eos_problems(eos, where: str, vocab_size: int) -> tuple[list[int], list[str]]:
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return [], [f"{where}: eos_token_id ({json.dumps(eos)}) must be a token id or a list of token ids"]
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        return [], [f"{where}: eos_token_id {outside[0]} must be in [0, {vocab_size}) (the model's vocabulary)"]
+    return ids, []
+
+
+def read_generation_config(checkpoint: Path | None, vocab_size: int) -> GenerationSettings:
+    """The checkpoint's generation settings (an empty GenerationSettings for a profile-built model). Sampling
+    defaults as transformers' generate takes them: do_sample true samples at `temperature` (1 when unset), else
+    greedy decoding; top_p, top_k and repetition_penalty where set. ProfileError one line per value generate cannot
+    use (not JSON, a value of the wrong type or range, an eos id outside the vocabulary)."""
+    from moe_tune.engine.families.checkpoint import MAX_CONFIG_BYTES, read_json_file
+
+    if checkpoint is None:
+        return GenerationSettings()
+    path = checkpoint / GENERATION_CONFIG
+    if not path.exists():
+        config = read_json_file(checkpoint / "config.json", MAX_CONFIG_BYTES)
+        config = config if isinstance(config, dict) else {}
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        eos = config.get("eos_token_id") if config.get("eos_token_id") is not None else text.get("eos_token_id")
+        ids, problems = _eos_problems(eos, str(checkpoint / "config.json"), vocab_size)
+        if problems:
+            raise ProfileError(problems)
+        return GenerationSettings(eos_ids=tuple(ids))
+    data = read_json_file(path, MAX_CONFIG_BYTES)
+    if not isinstance(data, dict):
+        raise ProfileError([f"{path}: must hold a JSON object, got {type(data).__name__}"])
+    eos_ids, problems = _eos_problems(data.get("eos_token_id"), str(path), vocab_size)
+    do_sample = data.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        problems.append(f"{path}: do_sample ({json.dumps(do_sample)}) must be true or false")
+    rules = {
+        "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+        "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    }
+    values = {}
+    for key, (is_valid, rule) in rules.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if is_valid(value):
+            values[key] = value
+        else:
+            problems.append(f"{path}: {key} ({json.dumps(value)}) must be {rule}")
+    if problems:
+        raise ProfileError(problems)
+    sampled_at = values.pop("temperature", 1.0)
+    temperature = sampled_at if do_sample else 0.0
+    set_keys = [k for k in data if k in SAMPLING_KEYS and data[k] is not None and (do_sample or k != "temperature")]
+    set_keys = (["do_sample"] if do_sample else []) + set_keys
+    unapplied = [f"{path}: {key} ({json.dumps(data[key])}) is not applied here (transformers' generate applies it)"
+                 for key, neutral in UNAPPLIED_KEYS.items() if key in data and data[key] not in neutral]
+    return GenerationSettings(path, tuple(eos_ids), Sampling(temperature=temperature, **values), tuple(set_keys),
+                            tuple(unapplied))
 
 
 def resolve_target(target: str) -> Loaded:
@@ -294,9 +411,10 @@ def prompt_ids(tok: Tokenizer, messages: list[dict] | None = None, text: str | N
     return tok.document_start(options) + ids
 
 
-def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> tuple[int, ...]:
+def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT_CHAT_OPTIONS,
+             generation: GenerationSettings | None = None) -> tuple[int, ...]:
     """Tokens that end a reply: the tokenizer's <eos>, the special token the chat template closes an assistant turn
-    with (<|im_end|>), and a checkpoint's generation_config.json eos_token_id(s)."""
+    with (<|im_end|>), and the checkpoint's eos_token_id(s) (read_generation_config; `generation` when read)."""
     stops = [tok.eos_id] if tok.eos_id is not None else []
     try:
         turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
@@ -306,16 +424,23 @@ def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT
     closing = closing_token(ids, tok)
     if closing is not None:
         stops.append(closing)
-    checkpoint = profile.model.checkpoint
-    if checkpoint is not None and (checkpoint / "generation_config.json").is_file():
-        try:
-            eos = json.loads((checkpoint / "generation_config.json").read_text()).get("eos_token_id")
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-            eos = None
-        for token in eos if isinstance(eos, list) else [eos]:
-            if isinstance(token, int) and not isinstance(token, bool) and 0 <= token < profile.model.vocab_size:
-                stops.append(token)
+    if generation is None:
+        generation = read_generation_config(profile.model.checkpoint, profile.model.vocab_size)
+    stops += generation.eos_ids
     return tuple(dict.fromkeys(stops))
+
+
+def max_positions(profile: JobProfile) -> int | None:
+    """The checkpoint's config.json max_position_embeddings (its text_config's for a vision-language checkpoint);
+    None for a profile-built model or where it is not a positive integer."""
+    from moe_tune.engine.families.checkpoint import read_config
+
+    if profile.model.checkpoint is None:
+        return None
+    config = read_config(profile.model.checkpoint)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    value = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def pick_device() -> torch.device:
@@ -324,7 +449,7 @@ def pick_device() -> torch.device:
 
 @dataclass
 class Session:
-    """A loaded model with its tokenizer and stop tokens."""
+    """A loaded model with its tokenizer, stop tokens and the checkpoint's generation settings."""
 
     model: nn.Module
     tok: Tokenizer
@@ -333,6 +458,9 @@ class Session:
     note: str
     stop_ids: tuple[int, ...] = field(default=())
     options: ChatOptions = DEFAULT_CHAT_OPTIONS
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    # config.json's max_position_embeddings (None: not known).
+    max_positions: int | None = None
 
     def prompt(self, messages: list[dict] | None = None, text: str | None = None) -> list[int]:
         """prompt_ids for this tokenizer; ProfileError when it renders to no token."""
@@ -342,18 +470,60 @@ class Session:
                                 "give some text"])
         return ids
 
+    def sampling(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 repetition_penalty: float | None = None) -> Sampling:
+        """The checkpoint's defaults (generation.defaults) with each option given (not None) in place of its own."""
+        given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+        return replace(self.generation.defaults, **{k: v for k, v in given.items() if v is not None})
+
+    def decoding_note(self, sampling: Sampling, seed: int, given: tuple[str, ...] = ()) -> str:
+        """One line saying how tokens are chosen and which ids stop a reply; `given`: the options set on the command
+        line (the others came from the checkpoint's generation_config.json, or are generate's defaults)."""
+        is_greedy = sampling.temperature == 0
+        if is_greedy:
+            how = "greedy"
+            if "top_p" in given or "top_k" in given:
+                how += " (--top-p and --top-k apply only when sampling, at --temperature > 0)"
+        else:
+            how = ", ".join([f"sampled at temperature {sampling.temperature:g}",
+                             f"top_p {sampling.top_p:g}" if sampling.top_p < 1 else "no top_p",
+                             f"top_k {sampling.top_k}" if sampling.top_k > 0 else "no top_k", f"seed {seed}"])
+        if sampling.repetition_penalty != 1:
+            how += f"; repetition_penalty {sampling.repetition_penalty:g}"
+        # --temperature decides between sampling and greedy decoding, as do_sample does; greedy decoding reads no
+        # top_p or top_k.
+        replaced = set(given) | ({"do_sample"} if "temperature" in given else set())
+        replaced |= {"top_p", "top_k"} if is_greedy else set()
+        taken = [k for k in self.generation.set_keys if k not in replaced]
+        if taken:
+            how += f"; {', '.join(taken)} from {self.generation.path}"
+        stops = ", ".join(str(t) for t in self.stop_ids) or "none"
+        return f"decoding: {how}; stop ids: {stops}"
+
+    def context_note(self, num_prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """A line when the prompt and the reply may pass config.json's max_position_embeddings (None otherwise):
+        generate runs those positions, as transformers' generate does, though the model was not trained on them."""
+        if self.max_positions is None or num_prompt_tokens + max_new_tokens <= self.max_positions:
+            return None
+        return (f"note: the prompt ({num_prompt_tokens} tokens) and up to {max_new_tokens} new tokens pass the "
+                f"checkpoint's max_position_embeddings ({self.max_positions}); positions beyond it run as transformers "
+                "runs them, untrained")
+
     def generate(
         self,
         ids: list[int],
         max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
         seed: int = 0,
         stop: bool = True,
         on_text: Callable[[str], None] | None = None,
+        top_k: int | None = None,
+        repetition_penalty: float | None = None,
     ) -> Generated:
         """Up to `max_new_tokens` tokens after `ids` (a stop token ends early when `stop`); `on_text(piece)` as the
-        text grows."""
+        text grows. Options left None take the checkpoint's defaults (Session.sampling)."""
+        sampling = self.sampling(temperature, top_p, top_k, repetition_penalty)
         stream = TextStream(self.tok.decode)
         stops = self.stop_ids if stop else ()
         first: list[float] = []
@@ -366,8 +536,9 @@ class Session:
                 on_text(piece)
 
         with torch.inference_mode():
-            out = generate_ids(self.model, ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                               stop_ids=stops, seed=seed, on_token=on_token)
+            out = generate_ids(self.model, ids, max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                               stop_ids=stops, seed=seed, on_token=on_token, top_k=sampling.top_k,
+                               repetition_penalty=sampling.repetition_penalty)
         elapsed = time.perf_counter() - started
         stopped = bool(out) and out[-1] in stops
         out = out[:-1] if stopped else out
@@ -388,7 +559,9 @@ def load_session(target: str, device: torch.device | None = None) -> Session:
     if tok.vocab_size > loaded.profile.model.vocab_size:
         raise ProfileError([f"model.vocab_size ({loaded.profile.model.vocab_size}) must be >= the tokenizer's "
                             f"({tok.vocab_size})"])
+    generation = read_generation_config(loaded.profile.model.checkpoint, loaded.profile.model.vocab_size)
     model = load_model(loaded, device)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     return Session(model, tok, loaded.profile, device, f"{loaded.note}; on {device.type}, {dtype}",
-                   stop_ids(tok, loaded.profile, options), options)
+                   stop_ids(tok, loaded.profile, options, generation), options, generation,
+                   max_positions(loaded.profile))

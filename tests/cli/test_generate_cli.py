@@ -126,7 +126,8 @@ def test_chat_keeps_the_history_and_ends_on_an_empty_line(lora_run, monkeypatch)
                            input="first\nsecond\n\nnever read\n")
     assert result.exit_code == 0, result.output
     lines = result.stderr.strip().splitlines()
-    assert lines[1] == "chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends"
+    assert lines[1:3] == ["decoding: greedy; stop ids: 257",
+                          "chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends"]
     assert sum(bool(SPEED_LINE.match(line)) for line in lines) == 2
     roles = [[m["role"] for m in turn] for turn in asked]
     assert roles == [["system", "user"], ["system", "user", "assistant", "user"]]

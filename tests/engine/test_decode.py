@@ -307,3 +307,100 @@ def test_vision_model_decodes_text_and_refuses_image_tokens():
     image = cfg.vision.image_token_id
     with pytest.raises(ProfileError, match=rf"prompt: token 2 is the image token \({image}\): generate decodes text"):
         generate_ids(model, [4, 5, image, 6], 2)
+
+
+def transformers_distribution(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax of the scores transformers' generate samples from: its warpers in its order (temperature, top_k,
+    top_p), fp32."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    return torch.softmax(warpers(None, logits_V[None].clone())[0], -1).double()
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 0.9), (0.7, 20, 1.0), (0.6, 20, 0.95), (1.3, 5, 0.5), (0.5, 300, 0.3), (2.0, 1, 1.0), (1.0, 0, 0.02)],
+    ids=["top-p", "top-k", "qwen3-defaults", "both-cut", "k-above-vocab", "k-1", "p-below-the-top-token"],
+)
+def test_the_sampling_distribution_is_transformers_warpers(temperature, top_k, top_p):
+    """The tokens that can be drawn and their probabilities are those of transformers' TemperatureLogitsWarper,
+    TopKLogitsWarper and TopPLogitsWarper applied in generate's order (distinct logits: no ties)."""
+    from moe_tune.engine.generate.decode import sampling_probs
+
+    logits_V = torch.randn(259, generator=torch.Generator().manual_seed(7)) * 3
+    ours, theirs = sampling_probs(logits_V, temperature, top_k, top_p), transformers_distribution(
+        logits_V, temperature, top_k, top_p)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    if top_k:
+        assert int((ours > 0).sum()) <= top_k
+
+
+def test_top_k_is_applied_when_sampling():
+    """A top_k of 3 leaves the 3 likeliest tokens to draw from, whatever the temperature."""
+    from moe_tune.engine.generate.decode import choose_token
+
+    logits_V = torch.tensor([0.0, 1.0, 0.5, 0.9, 0.2, 0.95, 0.1])
+    drawn = {choose_token(logits_V, 50.0, 1.0, torch.Generator().manual_seed(s), top_k=3) for s in range(200)}
+    assert drawn == {1, 3, 5}
+
+
+def test_the_nucleus_edge_among_equal_probabilities_keeps_the_higher_ids():
+    """probabilities (0.1, 0.3, 0.3, 0.3) and top_p 0.5: any two of the tied tokens make the smallest set; as in
+    TopPLogitsWarper (an ascending sort, the least likely removed first), the lower ids leave first: {2, 3}."""
+    from moe_tune.engine.generate.decode import choose_token
+
+    logits_V = torch.tensor([0.1, 0.3, 0.3, 0.3]).log()
+    drawn = {choose_token(logits_V, 1.0, 0.5, torch.Generator().manual_seed(s)) for s in range(64)}
+    assert drawn == {2, 3}
+    assert torch.equal(transformers_distribution(logits_V, 1.0, 0, 0.5) > 0, torch.tensor([False, False, True, True]))
+
+
+def test_the_repetition_penalty_is_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from moe_tune.engine.generate.decode import penalize_repetition
+
+    logits_V = torch.randn(259, generator=torch.Generator().manual_seed(8))
+    seen = torch.tensor([5, 17, 200, 5, 99, 3])
+    is_seen_V = torch.zeros(259, dtype=torch.bool)
+    is_seen_V[seen] = True
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], logits_V[None].clone())[0]
+    got = penalize_repetition(logits_V, is_seen_V, 1.3)
+    assert (got != logits_V).sum() == 5  # the 5 distinct ids, negative logits and positive ones
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def penalized_argmax_chain(model, prompt: list[int], num_tokens: int, penalty: float) -> list[int]:
+    """The slow reference with transformers' repetition penalty: full re-runs, every token so far penalized."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        logits_V = full_logits(model, torch.tensor([ids]))[0, -1]
+        seen = torch.tensor(sorted(set(ids)))
+        logits_V[seen] = torch.where(logits_V[seen] < 0, logits_V[seen] * penalty, logits_V[seen] / penalty)
+        ids.append(int(logits_V.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_greedy_generation_with_a_repetition_penalty_is_the_penalized_argmax_chain(models):
+    got = generate_ids(models["tiny"], PROMPT, 10, repetition_penalty=1.5)
+    assert got == penalized_argmax_chain(models["tiny"], PROMPT, 10, 1.5)
+    # Unpenalized, token 8 repeats token 2.
+    plain = generate_ids(models["tiny"], PROMPT, 10)
+    assert plain[8] == plain[2] and got[:8] == plain[:8] and got[8] != plain[8]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [({"top_k": -1}, r"top_k \(-1\) must be >= 0"), ({"repetition_penalty": 0.0}, r"repetition_penalty \(0.0\) must"),
+     ({"repetition_penalty": float("inf")}, r"repetition_penalty \(inf\) must be a finite number > 0")],
+    ids=["top-k-negative", "penalty-0", "penalty-inf"],
+)
+def test_bad_top_k_and_repetition_penalty_are_refused(models, options, message):
+    with pytest.raises(ProfileError, match=message):
+        generate_ids(models["tiny"], PROMPT, 3, **options)
