@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, get_args
 
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .schema import CheckpointModel, JobProfile, ModelProfile, model_kind
+from .schema import VALUE_RULE, CheckpointModel, JobProfile, ModelProfile, model_kind, value_problem
 
 __all__ = [
     "JobProfile",
@@ -18,6 +20,7 @@ __all__ = [
     "bounded_line",
     "error_line",
     "escape_controls",
+    "foreign_encoding",
     "format_errors",
     "load_profile",
     "more_alike",
@@ -42,16 +45,26 @@ MAX_PROBLEM_CHARS = 1000
 # C0 and C1 controls (newlines and tabs included: a problem is one line), DEL, and the Unicode line separators and
 # bidirectional controls, which would let an echoed key or value rewrite how the rest of the line reads.
 _CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Characters that print as nothing (soft hyphen, zero-width space and joiners, word joiner, byte-order mark): escaped in
+# problem lines, where one pasted into a key (`lr\u200b`) would hide why the key is unknown; kept in generated text,
+# where joiners belong to emoji and scripts.
+_INVISIBLE = re.compile(r"[\xad\u180e\u200b-\u200d\u2060-\u2064\ufeff]")
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match[0])
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def escape_controls(text: str) -> str:
     """`text` with control and bidirectional characters written as escapes (`\\x1b`, `\\u202e`); idempotent."""
-    return _CONTROLS.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+    return _CONTROLS.sub(_escape, text)
 
 
 def bounded_line(line: str) -> str:
-    """`line` as it may be printed: controls escaped, at most MAX_PROBLEM_CHARS characters and a count of the rest."""
-    line = escape_controls(line)
+    """`line` as it may be printed: controls and invisible characters escaped, at most MAX_PROBLEM_CHARS characters
+    and a count of the rest."""
+    line = _INVISIBLE.sub(_escape, escape_controls(line))
     if len(line) <= MAX_PROBLEM_CHARS:
         return line
     return f"{line[:MAX_PROBLEM_CHARS]}... ({len(line) - MAX_PROBLEM_CHARS} more characters)"
@@ -81,6 +94,16 @@ class ProfileError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
+# Byte-order marks of the Unicode encodings other than UTF-8, UTF-32's first (they begin with UTF-16's).
+_FOREIGN_MARKS = ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"), (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
+                  (b"\xff\xfe", "UTF-16 (little-endian)"), (b"\xfe\xff", "UTF-16 (big-endian)"))
+
+
+def foreign_encoding(head: bytes) -> str | None:
+    """The encoding other than UTF-8 whose byte-order mark opens `head` ('UTF-16 (little-endian)'), else None."""
+    return next((name for mark, name in _FOREIGN_MARKS if head.startswith(mark)), None)
+
+
 def shipped_profiles() -> list[str]:
     return sorted(p.stem for p in SHIPPED_DIR.glob("*.yaml"))
 
@@ -101,6 +124,15 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
 
 class _Refused(Exception):
     """A profile the loader will not build (too large, too deep, recursive); the message is the problem line."""
+
+
+class _YamlVersionError(yaml.constructor.ConstructorError):
+    """A number YAML 1.1 (PyYAML's reading) and YAML 1.2 (and JSON) read differently: `010` is 8 or 10, `1:30` is 90
+    or text. Refused rather than read either way."""
+
+
+# YAML 1.1's octal integers: a leading zero, then octal digits.
+_OCTAL = re.compile(r"[-+]?0[0-7]+")
 
 
 try:
@@ -181,14 +213,41 @@ class _ProfileLoader(yaml.composer.Composer, _EventParser, yaml.constructor.Safe
             return super().construct_object(node, deep)
         except (ValueError, OverflowError) as err:
             # A scalar its tag cannot hold: a decimal integer of more than 4300 digits, a 13th month, `!!int x`.
-            raise yaml.constructor.ConstructorError(None, None, f"cannot read {node.value!r:.60} ({err})", node.start_mark)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {node.value!r:.60} ({err})", node.start_mark
+            ) from None
+
+    def construct_yaml_int(self, node):
+        number = super().construct_yaml_int(node)
+        text = node.value.replace("_", "")
+        if ":" in text:
+            raise _YamlVersionError(None, None, f"{node.value:.60} is {number} in YAML 1.1 (base 60) but text in YAML "
+                                    "1.2: write the number, or quote it for text", node.start_mark)
+        if _OCTAL.fullmatch(text) and number != int(text, 10):
+            raise _YamlVersionError(None, None, f"{node.value:.60} is {number} in YAML 1.1 (octal) but {int(text, 10)} "
+                                    "in YAML 1.2 and JSON: write it without the leading zero, or quote it for text",
+                                    node.start_mark)
+        return number
+
+    def construct_yaml_float(self, node):
+        number = super().construct_yaml_float(node)
+        if ":" in node.value:
+            raise _YamlVersionError(None, None, f"{node.value:.60} is {number} in YAML 1.1 (base 60) but text in YAML "
+                                    "1.2: write the number, or quote it for text", node.start_mark)
+        return number
+
+
+_ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)
+_ProfileLoader.add_constructor("tag:yaml.org,2002:float", _ProfileLoader.construct_yaml_float)
+
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _duplicate_keys(root: yaml.Node, source: str) -> list[str]:
-    """One line per key given twice in one mapping, at any depth (a merge `<<:` may be overridden: not counted).
-    Each node is visited once, so aliases cost nothing more."""
+    """One line per key given twice in one mapping, at any depth; a key a merge (`<<:`) brings may be given again
+    (YAML's override), but `<<` itself only once (a second would silently win over the first: merge several with
+    `<<: [*a, *b]`). Each node is visited once, so aliases cost nothing more."""
     problems: list[tuple[int, str]] = []
     seen_nodes: set[int] = set()
     stack: list[tuple[yaml.Node, tuple[str, ...]]] = [(root, ())]
@@ -203,18 +262,19 @@ def _duplicate_keys(root: yaml.Node, source: str) -> list[str]:
             first_line: dict[tuple[str, str], int] = {}
             children = []
             for key, value in node.value:
-                if key.tag == _MERGE_TAG:
-                    continue
                 name = str(key.value) if isinstance(key, yaml.ScalarNode) else f"<{key.id}>"
                 line = key.start_mark.line + 1
                 identity = (key.tag, name)
                 if isinstance(key, yaml.ScalarNode) and identity in first_line:
                     dotted = _format_key(".".join((*path, name)))
+                    rule = ("one merge key per mapping: merge several with <<: [*a, *b]" if key.tag == _MERGE_TAG
+                            else "a key may appear once in a mapping")
                     problems.append((line, f"{source}:{line}: duplicate key '{dotted}' (first given at line "
-                                     f"{first_line[identity]}): a key may appear once in a mapping"))
+                                     f"{first_line[identity]}): {rule}"))
                 elif isinstance(key, yaml.ScalarNode):
                     first_line[identity] = line
-                children.append((value, (*path, name)))
+                # The keys a merge brings belong to this mapping.
+                children.append((value, path if key.tag == _MERGE_TAG else (*path, name)))
             stack.extend(reversed(children))
     return [line for _, line in sorted(problems)]
 
@@ -240,21 +300,30 @@ def _format_key(text: str) -> str:
 def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
     """The profile's top-level mapping, and the problems that do not stop validation (duplicate keys)."""
     try:
-        # Anything but a regular file (a FIFO, a device) could block or never end.
+        # Anything but a regular file (a FIFO, a device) could block or never end: checked before opening, and on what
+        # was opened (without blocking) in case it was swapped meanwhile.
         if not path.is_file():
             raise ProfileError([f"{path}: cannot read the profile (not a regular file)"])
-        size = path.stat().st_size
-        if size > MAX_PROFILE_BYTES:
-            raise ProfileError(
-                [f"{path}: the profile is {size} bytes, more than the {MAX_PROFILE_BYTES} bytes a profile may be"]
-            )
-        with path.open("rb") as f:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise ProfileError([f"{path}: cannot read the profile (not a regular file)"])
+            if status.st_size > MAX_PROFILE_BYTES:
+                raise ProfileError([f"{path}: the profile is {status.st_size} bytes, more than the {MAX_PROFILE_BYTES} "
+                                    "bytes a profile may be"])
             data = f.read(MAX_PROFILE_BYTES + 1)
         if len(data) > MAX_PROFILE_BYTES:
             raise ProfileError([f"{path}: the profile grew past {MAX_PROFILE_BYTES} bytes while it was read"])
-        text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
         raise ProfileError([f"{path}: cannot read the profile ({err})"]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        encoding = foreign_encoding(data)
+        why = (f"{encoding} text: it opens with that byte-order mark" if encoding is not None else
+               f"{err.reason}: byte 0x{data[err.start]:02x} at byte offset {err.start}")
+        raise ProfileError([f"{path}: not UTF-8 ({why}); a profile is UTF-8 text"]) from None
     try:
         raw, problems = _load_yaml(text, str(path))
     except _Refused as err:
@@ -274,6 +343,10 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], list[str]]:
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """What a YAML error says is wrong, without its position and context lines."""
     return getattr(err, "problem", None) or str(err).splitlines()[0]
+
+
+# How YAML spells null: an override that reads as null without one of them is empty (or a comment).
+_NULLS = ("null", "Null", "NULL", "~")
 
 
 def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -304,6 +377,9 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
         except _Refused as err:
             problems.append(str(err))
             continue
+        except _YamlVersionError as err:
+            problems.append(f"{label}: {err.problem}")
+            continue
         except yaml.YAMLError as err:
             if value.lstrip().startswith(("[", "{")):
                 # Meant as a YAML list or mapping: its syntax error, not a string the schema then refuses.
@@ -313,13 +389,19 @@ def _override_problems(raw: dict[str, Any], overrides: list[str]) -> list[str]:
         if duplicates:
             problems.extend(duplicates)
             continue
+        if parsed is None and value.strip() not in _NULLS:
+            # `--set data.path=$DATA` with DATA unset would train on the built-in corpus.
+            problems.append(f"{label}: the value reads as null (it is empty or a YAML comment): write null to unset "
+                            "the field")
+            continue
         node = raw
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                problems.append(f"{label}: {'.'.join(parts[: depth + 1])} is not a section")
+                what = "a list: set it whole" if isinstance(child, list) else "not a section"
+                problems.append(f"{label}: {'.'.join(parts[: depth + 1])} is {what}")
                 break
             node = child
         else:
@@ -372,6 +454,8 @@ def format_errors(err: ValidationError) -> list[str]:
             message = str(e["ctx"]["error"]) if "ctx" in e else e["msg"]
             prefix = f"{path}." if path else ""
             lines.extend(line.replace("@", prefix) for line in message.splitlines())
+        elif e["type"] == VALUE_RULE:
+            lines.append(f"{path} ({_format_value(e['input'])}) {e['msg']}")
         elif e["type"] == "missing":
             lines.append(f"{path}: required field is missing")
         elif e["type"] == "extra_forbidden":
@@ -404,6 +488,9 @@ def _hidden_rule_problems(cls: type[BaseModel], raw: Any, prefix: str = "") -> l
         if name not in raw:
             if not field.is_required():
                 values[name] = field.get_default(call_default_factory=True)
+            continue
+        if value_problem(field.annotation, raw[name]) is not None:
+            # Reported by the field's own check (Strict.check_value_rules); a rule reading it is skipped.
             continue
         try:
             values[name] = TypeAdapter(Annotated[field.annotation, field]).validate_python(raw[name])

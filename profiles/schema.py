@@ -15,7 +15,8 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 # The byte-level tokenizer's vocabulary: 256 bytes plus <bos>, <eos> and <pad>.
 BYTE_VOCAB_SIZE = 259
@@ -42,26 +43,45 @@ def _number_rule(annotation: Any) -> str | None:
     return "an integer" if int in kinds else "a number"
 
 
+def _is_path(annotation: Any) -> bool:
+    """Whether a field takes a Path (alone or beside None)."""
+    union = typing.get_origin(annotation) in (Union, types.UnionType)
+    return Path in (typing.get_args(annotation) if union else (annotation,))
+
+
+def value_problem(annotation: Any, value: Any) -> str | None:
+    """The rule a raw value breaks for a field of `annotation` before pydantic reads it (the end of the line
+    `field (value) RULE`), or None: YAML's true and false (yes, no, on, off) would pass as 1 and 0 into a number
+    field; an empty path would be the working directory, and `~` is no shell here (`output.dir: ~/runs` would write
+    into a folder named '~' under the working directory)."""
+    rule = _number_rule(annotation)
+    if rule is not None and isinstance(value, bool):
+        return f"must be {rule}, not a boolean"
+    if isinstance(value, str) and _is_path(annotation):
+        if not value.strip():
+            return "is empty: name the file or folder ('.' for the working directory)"
+        if value.startswith("~"):
+            return "starts with '~', which is not expanded (it would name a folder '~' in the working directory): " \
+                   "write the path out"
+    return None
+
+
+# The pydantic error type of value_problem's rules (format_errors prints them as `field (value) rule`).
+VALUE_RULE = "profile_value_rule"
+
+
 class Strict(BaseModel):
     # No float field takes inf or nan: each would overflow or poison the run later.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def check_numbers_are_not_booleans(cls, data: Any) -> Any:
-        """YAML's true and false (yes, no, on, off) would pass as 1 and 0 into a number field."""
-        if not isinstance(data, dict):
-            return data
-        problems = []
-        for name, field in cls.model_fields.items():
-            rule = _number_rule(field.annotation)
-            value = data.get(name)
-            if rule is None:
-                continue
-            if isinstance(value, bool):
-                problems.append(f"@{name} ({str(value).lower()}) must be {rule}, not a boolean")
-        _raise_if(problems)
-        return data
+    def check_value_rules(cls, value: Any, info: ValidationInfo) -> Any:
+        """value_problem's rules, one field at a time: the section's other fields are still checked."""
+        problem = value_problem(cls.model_fields[info.field_name].annotation, value)
+        if problem is not None:
+            raise PydanticCustomError(VALUE_RULE, problem)
+        return value
 
 
 def _raise_if(problems: list[str]) -> None:
@@ -641,8 +661,9 @@ class DataProfile(Strict):
         "the record and file) or skip (leave the record out and count it)"
     )
     allow_paths_outside: bool = Field(
-        False, description="image paths in records may leave the data file's folder: absolute paths, '..' and "
-        "symlinks leading outside it (false: such a record is an error naming it)"
+        False, description="image paths in records may lead outside the data file's folder, and a save_to_disk "
+        "folder's files outside that folder: absolute paths, '..' and symlinks (false: such a record or folder is an "
+        "error naming it)"
     )
     max_record_bytes: int = Field(
         64 * 2**20, ge=1, le=MAX_SIZE, description="the largest record in bytes (a JSONL line, a JSON array's item, "
@@ -696,6 +717,10 @@ class DataProfile(Strict):
                             "evaluation records: give at most one of them")
         if self.eval_path is not None:
             problems += _data_file_problems(self.eval_path, "@eval_path")
+        problems += _same_file_problems(self)
+        if self.text_field == self.messages_field:
+            problems.append(f"@text_field and @messages_field both name the key {self.text_field!r}: a record's key "
+                            "says whether it is text or a chat, so they must differ")
         if self.tokenizer not in (None, "byte") and not Path(self.tokenizer).is_dir():
             problems.append(f"@tokenizer ('{self.tokenizer}') must be 'byte' or an existing directory")
         _raise_if(problems)
@@ -785,7 +810,10 @@ def _data_file_problems(path: Path, field: str = "@path") -> list[str]:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return [f"{field} ('{path}') must be an existing file"]
+        # A shell expands wildcards, a profile does not.
+        has_wildcard = bool(set("*?[") & set(str(path)))
+        wildcard = " (wildcards are not expanded: name each file in data.sources)" if has_wildcard else ""
+        return [f"{field} ('{path}') must be an existing file{wildcard}"]
     except (OSError, ValueError) as err:
         return [f"{field} ('{path}') cannot be read ({getattr(err, 'strerror', None) or err})"]
     if stat.S_ISDIR(mode):
@@ -801,6 +829,35 @@ def _data_file_problems(path: Path, field: str = "@path") -> list[str]:
     except OSError as err:
         return [f"{field} ('{path}') cannot be read ({err.strerror or err})"]
     return []
+
+
+def _same_file_problems(data: DataProfile) -> list[str]:
+    """Each data file or folder may be named once (links and other spellings of one path followed): a training file
+    named twice silently doubles its weight, and evaluation records that are training records leave nothing to train
+    on (a training document equal to an evaluation one is left out)."""
+    named = [("@path", data.path)] if data.path is not None else []
+    named += [(f"@sources.{i}.path", source.path) for i, source in enumerate(data.sources or [])]
+    named += [("@eval_path", data.eval_path)] if data.eval_path is not None else []
+    problems = []
+    first: dict[tuple[int, int], tuple[str, Path]] = {}
+    for field, path in named:
+        try:
+            status = os.stat(path)
+        except (OSError, ValueError):
+            # _data_file_problems names it.
+            continue
+        identity = (status.st_dev, status.st_ino)
+        if identity not in first:
+            first[identity] = (field, path)
+            continue
+        first_field, first_path = first[identity]
+        if field == "@eval_path":
+            problems.append(f"{field} ('{path}') is the file {first_field} ('{first_path}') names: evaluation records "
+                            "must not be training records (@eval_fraction holds some of them out instead)")
+        else:
+            problems.append(f"{field} ('{path}') is the file {first_field} ('{first_path}') names: name each file once "
+                            "(a weight of 2 takes its documents twice)")
+    return problems
 
 
 def _has_content(path: Path) -> bool:

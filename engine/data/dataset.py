@@ -575,7 +575,10 @@ def _split_problems(profile: DataProfile, split: list[tuple[list[Document], list
     problems = []
     if not has_label(train):
         named = f"data.path ('{profile.path}')" if profile.path is not None else "data.sources"
-        problems.append(f"{named} must hold at least one token to train on")
+        dropped = sum(count for _, _, count in split)
+        why = (f" (its {dropped} documents equal to evaluation documents are left out of training)" if dropped else
+               "")
+        problems.append(f"{named} must hold at least one token to train on{why}")
     if evaluation and not has_label(evaluation):
         named = f"data.eval_path ('{profile.eval_path}')" if profile.eval_path is not None else \
             f"data.eval_fraction ({profile.eval_fraction:g})'s held-out documents"

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_tune.profiles import error_line
 from moe_tune.profiles.schema import file_kind
 
 # Pillow's own decompression-bomb bound (Image.MAX_IMAGE_PIXELS), fixed here so a process that lifts Pillow's global
@@ -105,7 +106,7 @@ def load_image(path: Path):
     directory is never opened), larger than MAX_IMAGE_PIXELS (checked on the header, before decoding) or not an
     image."""
     try:
-        from PIL import Image, ImageOps
+        from PIL import Image, ImageOps, UnidentifiedImageError
     except ImportError:
         raise ImageError(f"{path}: reading images needs Pillow: pip install pillow") from None
     try:
@@ -130,6 +131,7 @@ def load_image(path: Path):
                         raise ImageError(f"{path}: {img.width} x {img.height} pixels, more than the "
                                          f"{MAX_IMAGE_PIXELS} an image may have (a decompression bomb?)")
                     img.load()
+                    _check_depth(img, path)
                     # As transformers' load_image: a photo's EXIF orientation applied, so it is not trained sideways.
                     img = ImageOps.exif_transpose(img)
                     if "A" in img.getbands() or "transparency" in img.info:
@@ -143,7 +145,24 @@ def load_image(path: Path):
         except Image.DecompressionBombError as err:
             raise ImageError(f"{path}: more than the {MAX_IMAGE_PIXELS} pixels an image may have ({err})") from None
         except Exception as err:  # noqa: BLE001 - Pillow's decoders raise many types on malformed files
-            raise ImageError(f"{path}: not a readable image ({type(err).__name__})") from None
+            # UnidentifiedImageError's message repeats the file; others say what broke (a truncated file).
+            detail = type(err).__name__ if isinstance(err, UnidentifiedImageError) else error_line(err, ())
+            raise ImageError(f"{path}: not a readable image ({detail})") from None
+
+
+# Pillow's modes of pixels wider than 8 bits: 16-bit and 32-bit integers, 32-bit floats.
+_WIDE_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+
+
+def _check_depth(img, path: Path) -> None:
+    """Refuse pixels wider than 8 bits whose values leave 0..255: converting to 8-bit RGB (here and in transformers'
+    loader) clips them, so a 16-bit scan turns white."""
+    if img.mode not in _WIDE_MODES:
+        return
+    low, high = img.getextrema()
+    if low < 0 or high > 255:
+        raise ImageError(f"{path}: mode {img.mode} pixels range over {low:.6g}..{high:.6g}; 8-bit RGB keeps 0..255 and "
+                         "clips the rest (a 16-bit image turns white): save it as an 8-bit image")
 
 
 def _check_regular(mode: int, path: Path) -> None:

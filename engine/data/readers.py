@@ -2,13 +2,16 @@
 
 `where` names the record for messages: `file:LINE` (JSONL), `file:[I]` (JSON array), `file:row I` (Parquet, saved
 dataset; rows count from 0 like the array's items). A record that cannot be read (not UTF-8, larger than
-data.max_record_bytes, not JSON) comes as a `Refused` in place of the record, so the caller reports it and reads on;
-a file that cannot be read at all is a ProfileError of one line naming it.
+data.max_record_bytes, not JSON, a key given twice in one object) comes as a `Refused` in place of the record, so the
+caller reports it and reads on; a file that cannot be read at all (compressed, UTF-16, a table naming a column twice)
+is a ProfileError of one line naming it.
 
-Memory: JSONL and JSON arrays are read in blocks; one record (at most data.max_record_bytes) plus one block
-(1 MiB, and its text for the JSON array's fast path) is held at a time, never the file. Parquet files and saved datasets are read TABLE_BATCH_ROWS rows at a time
-(pyarrow decodes one row group's pages of the columns at once; a saved dataset's Arrow files are memory-mapped);
-each row is held to the same data.max_record_bytes, counted as the bytes of its JSON form.
+Memory: JSONL and JSON arrays are read in blocks; one record (at most data.max_record_bytes) plus one block (1 MiB,
+and its text for the JSON array's fast path) is held at a time, never the file. Parquet files and saved datasets are
+read TABLE_BATCH_ROWS rows at a time (pyarrow decodes one row group's pages of the columns at once; a saved dataset's
+Arrow files are memory-mapped); each row is held to the same data.max_record_bytes, counted as the bytes of its JSON
+form, and a row far over it is refused from its Arrow bytes, before it becomes Python objects. A Parquet column chunk
+that would decompress past MAX_PARQUET_RATIO times its stored bytes is refused from the file's metadata, unread.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe_tune.profiles import ProfileError
+from moe_tune.profiles import ProfileError, foreign_encoding
 from moe_tune.profiles.schema import file_kind
 
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -39,12 +42,42 @@ INSTALL_HINT = "pip install 'moe-tune[data]'"
 DATA_FILES = ("a data file holds one JSON record per line (JSONL), a JSON array of records ('[' first), a .parquet "
               "file or a save_to_disk folder")
 
+# A Parquet column chunk that decompresses to more than this many times its stored bytes (and to more than
+# data.max_record_bytes) is refused before it is read: text compresses 3-10x, a run of one byte under zstd 30,000x.
+MAX_PARQUET_RATIO = 1000
+# Bytes a value takes in Arrow memory per byte of its JSON form, at most: a number's 8 or 16 bytes for the digit
+# "0", a list's or string's 4-byte offset for "[]". A row whose Arrow bytes exceed data.max_record_bytes this many
+# times is refused without being turned into Python objects.
+ARROW_BYTES_PER_JSON_BYTE = 16
+# What a data file that is not UTF-8 text opens with, for the line that refuses it.
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed"), (b"\x28\xb5\x2f\xfd", "zstd-compressed"), (b"BZh", "bzip2-compressed"),
+          (b"\xfd7zXZ\x00", "xz-compressed"), (b"PK\x03\x04", "a zip archive"), (b"PAR1", "a Parquet file"))
+
 # Bytes that change a JSON array's structure outside strings, and those that end or escape inside a string.
 _STRUCTURE = re.compile(rb'[\[\]{},"]')
 _STRING_STOP = re.compile(rb'["\\]')
 _BLANK = b" \t\r\n"
 _NOT_BLANK_TEXT = re.compile(r"[^ \t\r\n]")
-_DECODER = json.JSONDecoder()
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object giving one key twice: json keeps the last, so the record would hold a value its author may not
+    have seen."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return record
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
 @dataclass(frozen=True)
@@ -82,10 +115,30 @@ def open_records(path: Path, field_name: str, max_record_bytes: int, allow_outsi
     if path.suffix.lower() == ".parquet":
         return _parquet(path, field_name, max_record_bytes)
     f = open_data_file(path, field_name)
+    head = f.read(8)
+    f.seek(0)
+    problem = _not_text(head)
+    if problem is not None:
+        f.close()
+        raise ProfileError([f"{field_name} ('{path}') is {problem}"])
     if _first_byte(f) == b"[":
         return Records(path, "JSON array", None, json_array_records(f, path, max_record_bytes))
     f.seek(0)
     return Records(path, "JSONL", None, _jsonl_records(f, path, max_record_bytes))
+
+
+def _not_text(head: bytes) -> str | None:
+    """What a data file opening with `head` is when it cannot be JSON in UTF-8 (compressed, an archive, Parquet
+    without its suffix, UTF-16 or UTF-32 text): the end of the line refusing it; None otherwise."""
+    encoding = foreign_encoding(head)
+    if encoding is not None:
+        return f"{encoding} text (it opens with that byte-order mark): save it as UTF-8"
+    kind = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+    if kind == "a Parquet file":
+        return "a Parquet file (it opens with PAR1): name it with the .parquet suffix"
+    if kind is not None:
+        return f"{kind}: data files are read uncompressed; unpack it and name the file it holds"
+    return None
 
 
 def open_data_file(path: Path, field_name: str = "data.path"):
@@ -124,7 +177,7 @@ def _jsonl_records(f, path: Path, max_record_bytes: int) -> Iterator[tuple[str, 
             if problem is None and not line.strip():
                 continue
             record = Refused(problem) if problem is not None else json_record(line)
-            if is_first and isinstance(record, Refused) and not record.reason.startswith("the record ("):
+            if is_first and isinstance(record, Refused) and record.reason.startswith(("invalid JSON", "not UTF-8")):
                 hint = f"; {DATA_FILES}" if record.reason.startswith("invalid JSON") else ""
                 yield f"{path}:{line_no}", Refused(record.reason + hint)
                 return
@@ -167,11 +220,18 @@ def too_large(size: int, max_record_bytes: int) -> str:
 
 
 def json_record(text: str) -> object:
-    """One record's JSON text parsed, or Refused saying why it is not JSON or nested too deeply."""
+    """One record's JSON text parsed, or Refused saying why it is not JSON, nested too deeply or gives a key twice in
+    one object."""
     try:
-        return json.loads(text)
+        if text.startswith("\ufeff"):
+            # As json.loads: a byte-order mark may open the file only (jsonl_lines drops that one).
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        return _DECODER.decode(text)
     except json.JSONDecodeError as err:
         return Refused(f"invalid JSON ({err.msg} at column {err.colno})")
+    except _DuplicateKey as err:
+        return Refused(f"key {err.key!r:.60} appears twice in one JSON object: an object gives each key once (json "
+                       "would keep the last)")
     except RecursionError:
         return Refused(too_deep())
     except ValueError as err:
@@ -357,6 +417,9 @@ def column_kinds(schema) -> dict[str, str]:
     import pyarrow as pa
 
     def kind(t) -> str:
+        if pa.types.is_dictionary(t):
+            # A pandas category column: its rows read as the values.
+            return kind(t.value_type)
         if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
             return "string"
         if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or \
@@ -369,18 +432,48 @@ def column_kinds(schema) -> dict[str, str]:
     return {f.name: kind(f.type) for f in schema}
 
 
+def _duplicate_column_problems(schema, path: Path) -> list[str]:
+    """A table naming one column twice: its rows as records would keep the last column's value alone."""
+    names = list(schema.names)
+    twice = sorted({name for name in names if names.count(name) > 1})
+    return [f"{path}: column {name!r:.60} appears {names.count(name)} times; a record holds each key once (the last "
+            "would silently win)" for name in twice]
+
+
 def _table_rows(batches, path: Path, max_record_bytes: int) -> Iterator[tuple[str, object]]:
-    """Rows of Arrow record batches as records `file:row I`; an unreadable batch (a corrupt page) ends the file."""
+    """Rows of Arrow record batches as records `file:row I`; an unreadable batch (a corrupt page) ends the file. A row
+    whose Arrow bytes alone show it larger than max_record_bytes is refused without being turned into Python objects
+    (a row of a gigabyte would be held three times over); the others are held to their JSON form's bytes."""
     row = 0
     try:
         for batch in batches:
-            for record in batch.to_pylist():
-                size = _json_size(record)
-                yield f"{path}:row {row}", (record if size <= max_record_bytes else
-                                            Refused(too_large(size, max_record_bytes)))
+            for record in _batch_records(batch, max_record_bytes):
+                if not isinstance(record, Refused):
+                    size = _json_size(record)
+                    record = record if size <= max_record_bytes else Refused(too_large(size, max_record_bytes))
+                yield f"{path}:row {row}", record
                 row += 1
     except Exception as err:  # pyarrow raises ArrowException subclasses, OSError and others for corrupt pages
         yield f"{path}:row {row}", Refused(f"unreadable ({type(err).__name__}: {_first_line(err)})")
+
+
+def _batch_records(batch, max_record_bytes: int) -> list[object]:
+    """The batch's rows as Python records, or Refused for a row of more than ARROW_BYTES_PER_JSON_BYTE times
+    max_record_bytes in Arrow memory (its JSON form is then larger than max_record_bytes)."""
+    import pyarrow as pa
+
+    bound = ARROW_BYTES_PER_JSON_BYTE * max_record_bytes
+    # A slice of a dictionary column (a pandas category) counts the whole dictionary: not the row's own bytes.
+    shared = sum(column.dictionary.nbytes for column in batch.columns if pa.types.is_dictionary(column.type))
+    if batch.nbytes - shared <= bound:
+        return batch.to_pylist()
+    records: list[object] = []
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        size = row.nbytes - shared
+        records.append(Refused(f"the record (about {size} bytes) is larger than data.max_record_bytes "
+                               f"({max_record_bytes})") if size > bound else row.to_pylist()[0])
+    return records
 
 
 def _json_size(record: object) -> int:
@@ -401,9 +494,14 @@ def _parquet(path: Path, field_name: str, max_record_bytes: int) -> Records:
     try:
         table = parquet.ParquetFile(f)
         columns = column_kinds(table.schema_arrow)
+        problems = _duplicate_column_problems(table.schema_arrow, path) + _bomb_problems(table.metadata, path,
+                                                                                         max_record_bytes)
     except Exception as err:  # pyarrow's ArrowInvalid and friends for a file that is not Parquet
         f.close()
         raise ProfileError([f"{path}: not a readable Parquet file ({_first_line(err)})"]) from None
+    if problems:
+        f.close()
+        raise ProfileError(problems)
 
     def rows():
         with f:
@@ -412,10 +510,25 @@ def _parquet(path: Path, field_name: str, max_record_bytes: int) -> Records:
     return Records(path, "Parquet", columns, rows())
 
 
+def _bomb_problems(metadata, path: Path, max_record_bytes: int) -> list[str]:
+    """The first column chunk whose pages decompress to more than MAX_PARQUET_RATIO times their stored bytes and
+    more than max_record_bytes, as the file's metadata says: read, it would fill memory from a small file."""
+    for group in range(metadata.num_row_groups):
+        chunks = metadata.row_group(group)
+        for index in range(chunks.num_columns):
+            chunk = chunks.column(index)
+            stored, size = chunk.total_compressed_size, chunk.total_uncompressed_size
+            if size > max_record_bytes and size > MAX_PARQUET_RATIO * max(stored, 1):
+                return [f"{path}: column {chunk.path_in_schema!r:.60} of row group {group} decompresses from {stored} "
+                        f"to {size} bytes, more than {MAX_PARQUET_RATIO} times (a decompression bomb?) and more than "
+                        f"data.max_record_bytes ({max_record_bytes})"]
+    return []
+
+
 def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Records:
     """A folder written by datasets' Dataset.save_to_disk, read with load_from_disk (local files only). Its Arrow
     files must lie inside the folder; a DatasetDict folder is refused naming its splits (give one split's folder)."""
-    splits = _dataset_json(path / "dataset_dict.json", path)
+    splits = _dataset_json(path / "dataset_dict.json", path, allow_outside)
     if splits is not None:
         names = splits.get("splits") if isinstance(splits, dict) else None
         listed = ", ".join(str(n) for n in names) if isinstance(names, list) and names else "none listed"
@@ -423,7 +536,7 @@ def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Re
             f"{path}/train"
         raise ProfileError([f"{path}: a DatasetDict folder (splits: {listed}); name one split's folder, e.g. "
                             f"'{example}'"])
-    state = _dataset_json(path / "state.json", path)
+    state = _dataset_json(path / "state.json", path, allow_outside)
     if state is None:
         raise ProfileError([f"{path}: a folder must be one written by datasets' save_to_disk (it has no state.json "
                             "or dataset_dict.json)"])
@@ -442,6 +555,9 @@ def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Re
                                 "(set data.allow_paths_outside: true to allow)"])
         if not resolved.is_file():
             raise ProfileError([f"{path}/state.json: data file {name!r} is missing or not a regular file"])
+    info = path / "dataset_info.json"
+    if not (allow_outside or _inside(info, root)):
+        raise ProfileError([f"{info}: leads outside the dataset folder (set data.allow_paths_outside: true to allow)"])
     if not files:
         # datasets cannot load a dataset of no Arrow files (no rows); the caller says it holds no records.
         return Records(path, "saved dataset", None, iter(()))
@@ -454,20 +570,31 @@ def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Re
                             f"{_first_line(err)})"]) from None
     if not isinstance(dataset, datasets.Dataset):
         raise ProfileError([f"{path}: a save_to_disk folder holding a {type(dataset).__name__}, not a Dataset"])
+    problems = _duplicate_column_problems(dataset.data.schema, path)
+    if problems:
+        raise ProfileError(problems)
     # with_format("arrow") reads the rows as saved (indices applied), images and other features undecoded.
     batches = (batch for table in dataset.with_format("arrow").iter(batch_size=TABLE_BATCH_ROWS)
                for batch in table.to_batches())
     return Records(path, "saved dataset", columns, _table_rows(batches, path, max_record_bytes))
 
 
-def _dataset_json(path: Path, folder: Path) -> object | None:
-    """A saved dataset's small JSON file, None when absent; ProfileError when it is not a small JSON file."""
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path`, links followed, lies in the folder `root` (resolved); a path that does not exist does."""
+    return not os.path.lexists(path) or Path(os.path.realpath(path)).is_relative_to(root)
+
+
+def _dataset_json(path: Path, folder: Path, allow_outside: bool = False) -> object | None:
+    """A saved dataset's small JSON file, None when absent; ProfileError when it is not a small JSON file inside
+    `folder` (links followed) unless `allow_outside`."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         return None
     except OSError as err:
         raise ProfileError([f"{path}: cannot be read ({err.strerror or err})"]) from None
+    if not (allow_outside or _inside(path, Path(os.path.realpath(folder)))):
+        raise ProfileError([f"{path}: leads outside the dataset folder (set data.allow_paths_outside: true to allow)"])
     if not stat.S_ISREG(mode):
         raise ProfileError([f"{path}: must be a regular file, not {file_kind(mode)}"])
     with open_data_file(path, str(path)) as f:

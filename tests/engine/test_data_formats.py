@@ -573,14 +573,20 @@ def test_alpaca_and_sharegpt_records_carry_images(tmp_path):
         load_documents(profile(path=outside), TOK, vision)
 
 
-@pytest.mark.parametrize("first", [b"\x1f\x8b\x08\x00binary\n", b"{\n", b"\xff\xfe{\x00\n"], ids=["gzip", "pretty",
-                                                                                                 "utf-16"])
-def test_a_file_that_is_not_jsonl_is_one_line(tmp_path, first):
-    """A first line that is not a JSON record (compressed, pretty-printed, another encoding) stops the file."""
+@pytest.mark.parametrize("first, expected", [
+    (b"\x1f\x8b\x08\x00binary\n", "data.path ('PATH') is gzip-compressed: data files are read uncompressed; unpack it "
+                                  "and name the file it holds"),
+    (b"{\n", "PATH:1: invalid JSON (Expecting property name enclosed in double quotes at column 2); a data file holds "
+             "one JSON record per line (JSONL), a JSON array of records ('[' first), a .parquet file or a save_to_disk "
+             "folder"),
+    (b"\xff\xfe{\x00\n", "data.path ('PATH') is UTF-16 (little-endian) text (it opens with that byte-order mark): save "
+                        "it as UTF-8"),
+], ids=["gzip", "pretty", "utf-16"])  # fmt: skip
+def test_a_file_that_is_not_jsonl_is_one_line(tmp_path, first, expected):
+    """A file that is not JSONL (compressed, pretty-printed, another encoding) is one line, not one per line."""
     path = tmp_path / "d.jsonl"
     path.write_bytes(first + b"garbage\n" * 50)
-    (line,) = refusals(path=path)
-    assert line.startswith(f"{path}:1: ")
+    assert refusals(path=path) == [expected.replace("PATH", str(path))]
 
 
 @pytest.mark.parametrize("kind", ["parquet", "saved"])

@@ -91,12 +91,10 @@ class TestNotUtf8:
             (b'{"text": "\x80"}\n', 1, "invalid start byte", 0x80, 10, 10),
             (b'{"text": "\xe2\x82"}\n', 1, "invalid continuation byte", 0xE2, 10, 10),
             (b'{"text": "\xed\xa0\x80"}\n', 1, "invalid continuation byte", 0xED, 10, 10),
-            # Latin-1 text, and a whole file in UTF-16 (its byte-order mark FF FE first).
+            # Latin-1 text (a whole file in UTF-16 is refused by its byte-order mark: TestNotText).
             (OK + '{"text": "café"}\n'.encode("latin-1"), 2, "invalid continuation byte", 0xE9, 13, 28),
-            ('{"text": "a"}'.encode("utf-16"), 1, "invalid start byte", 0xFF, 0, 0),
         ],
-        ids=["first-byte", "mid-line", "second-line", "overlong", "continuation", "truncated", "surrogate", "latin-1",
-             "utf-16"],
+        ids=["first-byte", "mid-line", "second-line", "overlong", "continuation", "truncated", "surrogate", "latin-1"],
     )
     def test_named_by_line_and_offset(self, tmp_path, content, line, reason, byte, line_offset, file_offset):
         path = tmp_path / "d.jsonl"
@@ -495,3 +493,148 @@ def test_finetune_reports_every_bad_line_in_one_run(tmp_path, child_env):
         f"error: {data}:3: the record (4012 bytes) is larger than data.max_record_bytes (3000)",
         f"error: {data}:4: JSON nested too deeply (deeper than Python's recursion limit, 1000 levels)",
     ]
+
+
+class TestDuplicateKeys:
+    """A JSON object giving a key twice: json kept the last, so the record trained a value its author may not have
+    seen. Each such record is one line; the file reads on."""
+
+    def test_in_jsonl_records_at_any_depth(self, tmp_path):
+        path = tmp_path / "d.jsonl"
+        path.write_text('{"text": "a", "text": "b"}\n{"text": "ok"}\n'
+                        '{"messages": [{"role": "user", "content": "x", "content": "y"}]}\n')
+        rule = "appears twice in one JSON object: an object gives each key once (json would keep the last)"
+        assert problems(path) == [f"{path}:1: key 'text' {rule}", f"{path}:3: key 'content' {rule}"]
+
+    def test_in_a_json_array(self, tmp_path):
+        path = tmp_path / "d.json"
+        path.write_text('[{"text": "ok"}, {"text": "a", "text": "b"}]')
+        assert problems(path) == [f"{path}:[1]: key 'text' appears twice in one JSON object: an object gives each key "
+                                  "once (json would keep the last)"]
+
+
+class TestNotText:
+    """A data file that cannot be UTF-8 JSON is one line naming what it is, not `not UTF-8` at line 1."""
+
+    @pytest.mark.parametrize("head, what", [
+        (b"\x1f\x8b\x08\x00", "is gzip-compressed: data files are read uncompressed; unpack it and name the file it "
+                              "holds"),
+        (b"\x28\xb5\x2f\xfd", "is zstd-compressed: data files are read uncompressed; unpack it and name the file it "
+                              "holds"),
+        (b"BZh91AY", "is bzip2-compressed: data files are read uncompressed; unpack it and name the file it holds"),
+        (b"\xfd7zXZ\x00", "is xz-compressed: data files are read uncompressed; unpack it and name the file it holds"),
+        (b"PK\x03\x04", "is a zip archive: data files are read uncompressed; unpack it and name the file it holds"),
+        (b"PAR1", "is a Parquet file (it opens with PAR1): name it with the .parquet suffix"),
+        ('{"text": "a"}\n'.encode("utf-16"), "is UTF-16 (little-endian) text (it opens with that byte-order mark): "
+                                            "save it as UTF-8"),
+        ('\ufeff{"text": "a"}\n'.encode("utf-16-be"), "is UTF-16 (big-endian) text (it opens with that byte-order "
+                                                      "mark): save it as UTF-8"),
+        ('{"text": "a"}\n'.encode("utf-32"), "is UTF-32 (little-endian) text (it opens with that byte-order mark): "
+                                            "save it as UTF-8"),
+    ], ids=["gzip", "zstd", "bzip2", "xz", "zip", "parquet", "utf-16-le", "utf-16-be", "utf-32"])  # fmt: skip
+    def test_named_by_what_it_opens_with(self, tmp_path, head, what):
+        path = tmp_path / "d.jsonl"
+        path.write_bytes(head + b"\x00\xff" * 100)
+        assert problems(path) == [f"data.path ('{path}') {what}"]
+
+
+class TestTables:
+    @staticmethod
+    def parquet(path, table, **options):
+        pq = pytest.importorskip("pyarrow.parquet")
+        pq.write_table(table, path, **options)
+        return path
+
+    def test_a_column_named_twice_is_refused(self, tmp_path):
+        """Its rows as records kept the last column's value alone."""
+        pa = pytest.importorskip("pyarrow")
+        table = pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["text", "text"])
+        path = self.parquet(tmp_path / "d.parquet", table)
+        assert problems(path) == [f"{path}: column 'text' appears 2 times; a record holds each key once (the last "
+                                  "would silently win)"]
+
+    def test_a_pandas_category_column_reads_as_its_values(self, tmp_path):
+        """A dictionary-encoded string column (pandas' category dtype) was refused as not a string column."""
+        pa = pytest.importorskip("pyarrow")
+        table = pa.table({"text": pa.array(["ab", "cd", "ab"]).dictionary_encode()})
+        path = self.parquet(tmp_path / "d.parquet", table)
+        plain = self.parquet(tmp_path / "plain.parquet", pa.table({"text": ["ab", "cd", "ab"]}))
+        documents = load_documents(DataProfile(path=path, seq_len=64), TOK)
+        assert len(documents) == 3 and documents == load_documents(DataProfile(path=plain, seq_len=64), TOK)
+
+    def test_a_decompression_bomb_is_refused_before_it_is_read(self, tmp_path):
+        """300 MB of one byte in a 10 KB file took 2.2 GB to refuse as larger than data.max_record_bytes."""
+        pa = pytest.importorskip("pyarrow")
+        path = self.parquet(tmp_path / "d.parquet", pa.table({"text": ["a" * (2 << 20)]}), compression="zstd")
+        chunk = pytest.importorskip("pyarrow.parquet").ParquetFile(path).metadata.row_group(0).column(0)
+        stored, size = chunk.total_compressed_size, chunk.total_uncompressed_size
+        assert stored * 1000 < size and size > 2 << 20
+        assert within(10, lambda: problems(path, max_record_bytes=1 << 18)) == [
+            f"{path}: column 'text' of row group 0 decompresses from {stored} to {size} bytes, more than 1000 times (a "
+            f"decompression bomb?) and more than data.max_record_bytes ({1 << 18})"]
+        # Within data.max_record_bytes it is no bomb: read.
+        (document,) = load_documents(DataProfile(path=path, seq_len=64, max_record_bytes=size), TOK)
+        assert len(document.input_ids) == 1 + (2 << 20)  # <bos> and the text
+
+    def test_a_row_far_over_the_limit_is_refused_from_its_arrow_bytes(self, tmp_path):
+        """A row of more than 16 x data.max_record_bytes in Arrow memory is refused without being turned into Python
+        objects (a gigabyte row was held three times over); the rows around it read."""
+        pa = pytest.importorskip("pyarrow")
+        rows = ["ok", os.urandom(4000).hex(), "x" * 150]
+        path = self.parquet(tmp_path / "d.parquet", pa.table({"text": rows}), compression="none")
+        assert problems(path, max_record_bytes=100) == [
+            f"{path}:row 1: the record (about 8004 bytes) is larger than data.max_record_bytes (100)",
+            f"{path}:row 2: the record (162 bytes) is larger than data.max_record_bytes (100)"]
+
+
+class TestSavedDatasetFiles:
+    """A save_to_disk folder's state.json and dataset_info.json are read only inside it, as its Arrow files are."""
+
+    @pytest.fixture
+    def folder(self, tmp_path):
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "ds"))
+        return tmp_path / "ds"
+
+    @pytest.mark.parametrize("name", ["state.json", "dataset_info.json"])
+    def test_a_file_leading_outside_is_refused(self, folder, name):
+        outside = folder.parent / f"outside-{name}"
+        (folder / name).rename(outside)
+        (folder / name).symlink_to(outside)
+        assert problems(folder) == [f"{folder / name}: leads outside the dataset folder (set "
+                                    "data.allow_paths_outside: true to allow)"]
+        assert len(load_documents(DataProfile(path=folder, seq_len=64, allow_paths_outside=True), TOK)) == 2
+
+
+def test_a_training_set_left_empty_by_evaluation_documents_says_so(tmp_path):
+    """Every training document equal to an evaluation one is left out: the line says why nothing is left."""
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    for path in (train, held):
+        path.write_text('{"text": "a"}\n{"text": "b"}\n')
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=train, eval_path=held, seq_len=64), TOK)
+    assert err.value.problems == [f"data.path ('{train}') must hold at least one token to train on (its 2 documents "
+                                  "equal to evaluation documents are left out of training)"]
+
+
+class TestImagePixels:
+    def test_wide_pixels_out_of_8_bit_range_are_refused(self, tmp_path):
+        """A 16-bit scan converted to 8-bit RGB (here and in transformers' loader) was clipped to white."""
+        path = tmp_path / "scan.png"
+        PIL.fromarray(np.array([[0, 1000], [30000, 65535]], dtype=np.uint16)).save(path)
+        with pytest.raises(ImageError) as err:
+            load_image(path)
+        assert str(err.value) == (f"{path}: mode I;16 pixels range over 0..65535; 8-bit RGB keeps 0..255 and clips the "
+                                  "rest (a 16-bit image turns white): save it as an 8-bit image")
+
+    def test_wide_pixels_within_8_bit_range_are_read(self, tmp_path):
+        path = tmp_path / "scan.png"
+        PIL.fromarray(np.array([[0, 100], [200, 255]], dtype=np.uint16)).save(path)
+        assert np.asarray(load_image(path))[:, :, 0].tolist() == [[0, 100], [200, 255]]
+
+    def test_a_truncated_image_says_what_broke(self, tmp_path):
+        path = write_image(tmp_path / "a.png", 64, 64)
+        path.write_bytes(path.read_bytes()[:200])
+        with pytest.raises(ImageError) as err:
+            load_image(path)
+        assert str(err.value) == f"{path}: not a readable image (OSError: image file is truncated)"

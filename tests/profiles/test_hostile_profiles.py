@@ -477,3 +477,150 @@ def test_error_line_is_the_first_line_led_by_the_kind_unless_plain(err, plain, l
     from moe_tune.profiles import error_line
 
     assert error_line(err, plain) == line
+
+
+# --- YAML's merge keys, YAML 1.1 numbers, empty --set values, invisible characters ------------------------------
+
+
+def test_a_merge_key_given_twice_is_a_duplicate(tmp_path):
+    """Two `<<:` in one mapping: PyYAML lets the second win over the first, the opposite of `<<: [*a, *b]`."""
+    text = TINY.read_text().replace("train:\n", "train:\n  <<: {lr: 1.0e-3}\n  <<: {lr: 2.0e-3}\n", 1)
+    path = write(tmp_path, text)
+    line = text.splitlines().index("  <<: {lr: 2.0e-3}") + 1
+    assert problems_of(path) == [f"{path}:{line}: duplicate key 'train.<<' (first given at line {line - 1}): one merge "
+                                 "key per mapping: merge several with <<: [*a, *b]"]
+
+
+def test_a_duplicate_inside_a_merged_mapping_is_a_duplicate(tmp_path):
+    text = TINY.read_text().replace("train:\n", "train:\n  <<: {seed: 1, seed: 2}\n", 1)
+    path = write(tmp_path, text)
+    line = text.splitlines().index("  <<: {seed: 1, seed: 2}") + 1
+    assert problems_of(path) == [f"{path}:{line}: duplicate key 'train.seed' (first given at line {line}): a key may "
+                                 "appear once in a mapping"]
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("010", "010 is 8 in YAML 1.1 (octal) but 10 in YAML 1.2 and JSON: write it without the leading zero, or quote "
+            "it for text"),
+    ("-0_10", "-0_10 is -8 in YAML 1.1 (octal) but -10 in YAML 1.2 and JSON: write it without the leading zero, or "
+              "quote it for text"),
+    ("5:00", "5:00 is 300 in YAML 1.1 (base 60) but text in YAML 1.2: write the number, or quote it for text"),
+    ("1:30.5", "1:30.5 is 90.5 in YAML 1.1 (base 60) but text in YAML 1.2: write the number, or quote it for text"),
+], ids=["octal", "negative-octal", "base-60", "base-60-float"])  # fmt: skip
+def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused(tmp_path, value, problem):
+    """PyYAML reads YAML 1.1: `steps: 0300` trained 192 steps, `steps: 5:00` 300. JSON and YAML 1.2 read 300 and
+    text: neither is guessed."""
+    path = write(tmp_path, TINY.read_text().replace("  steps: 300\n", f"  steps: {value}\n"))
+    assert problems_of(path) == [f"{path}:43:10: YAML value error: {problem}"]
+    assert problems_of(TINY, [f"train.steps={value}"]) == [f"--set 'train.steps={value}': {problem}"]
+
+
+@pytest.mark.parametrize("value, steps", [("07", 7), ("00100", None), ("'010'", 10), ("0x10", 16), ("1_000", 1000)],
+                         ids=["octal-equal", "octal-other", "quoted", "hex", "underscores"])
+def test_numbers_that_read_alike_or_are_quoted_load(value, steps):
+    if steps is None:
+        assert problems_of(TINY, [f"train.steps={value}"])[0].startswith("--set 'train.steps=00100': 00100 is 64 in")
+        return
+    assert load_profile(TINY, [f"train.steps={value}", "train.warmup_steps=0"]).train.steps == steps
+
+
+@pytest.mark.parametrize("override", ["data.path=", "data.path=  ", "data.path=# a comment", "train="])
+def test_a_set_value_that_reads_as_nothing_is_refused(override):
+    """`--set data.path=$DATA` with DATA unset trained on the built-in corpus."""
+    assert problems_of(TINY, [override]) == [f"--set {override!r}: the value reads as null (it is empty or a YAML "
+                                             "comment): write null to unset the field"]
+
+
+@pytest.mark.parametrize("null", ["null", "~", "Null", "NULL"])
+def test_a_set_value_of_null_unsets(null):
+    assert load_profile(TINY, [f"data.eval_fraction={null}"]).data.eval_fraction is None
+
+
+def test_a_set_path_through_a_list_says_set_it_whole():
+    assert problems_of(TINY, ["model.layers.0.attention=full"]) == [
+        "--set 'model.layers.0.attention=full': model.layers is a list: set it whole"]
+
+
+@pytest.mark.parametrize("char, escape", [("\u200b", "\\u200b"), ("\u200c", "\\u200c"), ("\u200d", "\\u200d"),
+                                          ("\u2060", "\\u2060"), ("\ufeff", "\\ufeff"), ("\xad", "\\xad")],
+                         ids=["zwsp", "zwnj", "zwj", "word-joiner", "bom", "soft-hyphen"])
+def test_invisible_characters_are_escaped_in_problem_lines(char, escape):
+    """A key pasted with a zero-width space printed as `train.lr (1): unknown key`: the key looked right."""
+    assert problems_of(TINY, [f"train.lr{char}=1"]) == [f"train.lr{escape} (1): unknown key (not in the schema: "
+                                                        "moe-tune schema)"]
+    # Generated text keeps them: joiners belong to emoji and scripts.
+    assert escape_controls(f"a{char}b") == f"a{char}b"
+
+
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16 (little-endian)"), ("utf-16-be", "UTF-16 (big-endian)"),
+                                            ("utf-32", "UTF-32 (little-endian)")])
+def test_a_profile_in_another_encoding_is_named(tmp_path, encoding, name):
+    path = tmp_path / "profile.yaml"
+    mark = "\ufeff" if encoding.endswith("-be") else ""
+    path.write_bytes((mark + TINY.read_text()).encode(encoding))
+    assert problems_of(path) == [f"{path}: not UTF-8 ({name} text: it opens with that byte-order mark); a profile is "
+                                 "UTF-8 text"]
+
+
+def test_a_profile_with_a_byte_that_is_not_utf8_names_it(tmp_path):
+    path = tmp_path / "profile.yaml"
+    path.write_bytes(b"name: caf\xe9\n")
+    assert problems_of(path) == [f"{path}: not UTF-8 (invalid continuation byte: byte 0xe9 at byte offset 9); a "
+                                 "profile is UTF-8 text"]
+
+
+# --- paths ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, line", [
+    ("output.dir=''", "output.dir ('') is empty: name the file or folder ('.' for the working directory)"),
+    ("data.path=' '", "data.path (' ') is empty: name the file or folder ('.' for the working directory)"),
+    ("output.dir=~/runs/x", "output.dir ('~/runs/x') starts with '~', which is not expanded (it would name a folder "
+                            "'~' in the working directory): write the path out"),
+    ("data.sources=[{path: ~/d.jsonl}]", "data.sources.0.path ('~/d.jsonl') starts with '~', which is not expanded "
+                                         "(it would name a folder '~' in the working directory): write the path out"),
+    ("model={checkpoint: '~'}", "model.checkpoint ('~') starts with '~', which is not expanded (it would name a "
+                                "folder '~' in the working directory): write the path out"),
+], ids=["empty-dir", "blank-path", "tilde-dir", "tilde-source", "tilde-checkpoint"])  # fmt: skip
+def test_paths_that_are_empty_or_start_with_a_tilde_are_refused(override, line):
+    """`output.dir: ~/runs` wrote into ./~/runs; `output.dir: ''` into the working directory."""
+    assert problems_of(TINY, [override])[0] == line
+
+
+def test_a_value_rule_does_not_hide_the_sections_other_problems():
+    """A boolean in a number field (or a path rule) stops only its field: the section's other fields are still
+    checked, and a rule reading the broken field is not run on the boolean read as 1."""
+    assert problems_of(TINY, ["train.steps=true", "train.lr=-1"]) == [
+        "train.steps (true) must be an integer, not a boolean", "train.lr (-1): input should be greater than 0"]
+    assert problems_of(TINY, ["output.dir=~/x", "output.save_every=0"]) == [
+        "output.dir ('~/x') starts with '~', which is not expanded (it would name a folder '~' in the working "
+        "directory): write the path out", "output.save_every (0): input should be greater than or equal to 1"]
+
+
+def test_a_wildcard_data_path_says_it_is_not_expanded(tmp_path):
+    assert problems_of(TINY, [f"data.path={tmp_path}/*.jsonl"]) == [
+        f"data.path ('{tmp_path}/*.jsonl') must be an existing file (wildcards are not expanded: name each file in "
+        "data.sources)"]
+
+
+def test_a_data_file_named_twice_is_refused(tmp_path):
+    """A file listed twice in data.sources (also through a link) doubled its weight unseen; data.eval_path naming a
+    training file left nothing to train on, reported as an empty training set."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    (tmp_path / "link.jsonl").symlink_to(data)
+    sources = f"data.sources=[{{path: {data}}}, {{path: {tmp_path}/link.jsonl}}]"
+    assert problems_of(TINY, [sources, f"data.eval_path={data}"]) == [
+        f"data.sources.1.path ('{tmp_path}/link.jsonl') is the file data.sources.0.path ('{data}') names: name each "
+        "file once (a weight of 2 takes its documents twice)",
+        f"data.eval_path ('{data}') is the file data.sources.0.path ('{data}') names: evaluation records must not be "
+        "training records (data.eval_fraction holds some of them out instead)"]
+    assert problems_of(TINY, [f"data.path={data}", f"data.eval_path={tmp_path}/link.jsonl"]) == [
+        f"data.eval_path ('{tmp_path}/link.jsonl') is the file data.path ('{data}') names: evaluation records must "
+        "not be training records (data.eval_fraction holds some of them out instead)"]
+
+
+def test_text_and_messages_fields_must_differ():
+    assert problems_of(TINY, ["data.messages_field=text"]) == [
+        "data.text_field and data.messages_field both name the key 'text': a record's key says whether it is text or "
+        "a chat, so they must differ"]
