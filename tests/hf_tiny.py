@@ -362,3 +362,16 @@ def checkpoint_job(checkpoint: Path, tmp_path: Path, name: str = "hostile") -> d
         "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-4},
         "output": {"dir": str(tmp_path / "out")},
     }
+
+
+# Qwen3's rule: an assistant turn before the last user turn is rendered without its think block.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.index0 < ns.last_query %}"
+    "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)

@@ -17,7 +17,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from hf_tiny import save_tiny_checkpoint, tiny_mixtral
+from hf_tiny import THINKING_TEMPLATE, save_tiny_checkpoint, tiny_mixtral
 from moe_tune.cli import app
 from moe_tune.engine.generate.session import load_session
 
@@ -179,17 +179,6 @@ def test_a_prompt_past_the_checkpoints_positions_is_named_and_decoded(tmp_path, 
     assert short.exit_code == 0 and "max_position_embeddings" not in short.stderr
 
 
-# Qwen3's rule: an assistant turn before the last user turn is rendered without its think block.
-THINKING_TEMPLATE = (
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and loop.index0 < ns.last_query %}"
-    "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def test_a_chat_turn_is_the_whole_conversation_rendered_by_the_template(tmp_path, monkeypatch):

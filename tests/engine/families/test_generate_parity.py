@@ -46,22 +46,11 @@ NUM_NEW_TOKENS = 20
 LONG_PROMPT_TOKENS = 1100
 CONVERSATION = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What packs documents? Tell me about experts and routers."}]
-# Qwen3's rule: an assistant turn before the last user turn is rendered without its think block.
-THINKING_TEMPLATE = (
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and loop.index0 < ns.last_query %}"
-    "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def save_char_tokenizer(directory: Path) -> None:
     """A character-level tokenizer (ids below 110, inside every tiny vocabulary) with <|im_start|> / <|im_end|> and
-    THINKING_TEMPLATE, saved beside the checkpoint as a release ships it (built offline)."""
+    hf_tiny.THINKING_TEMPLATE, saved beside the checkpoint as a release ships it (built offline)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,7 +60,7 @@ def save_char_tokenizer(directory: Path) -> None:
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|endoftext|>"]})
-    tok.chat_template = THINKING_TEMPLATE
+    tok.chat_template = hf_tiny.THINKING_TEMPLATE
     tok.save_pretrained(str(directory))
 
 
