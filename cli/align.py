@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from moe_tune.profiles import error_line
+
 from ._common import fail, input_file_problems, output_problems, read_profile, user_errors
 
 app = typer.Typer()
@@ -49,6 +51,8 @@ def align(
 ) -> None:
     """Numerical alignment, layer by layer: hidden states, logits (max abs, cosine, KL), loss, LoRA gradients.
     Exit 0 within tolerance, 1 outside it, 2 on bad input."""
+    from safetensors import SafetensorError
+
     from moe_tune.engine.align import Tolerances, align_checkpoint, read_batch, run_golden
     from moe_tune.engine.families import check_checkpoint, check_finite_weights, model_profile_from_checkpoint
 
@@ -81,7 +85,12 @@ def align(
             check_finite_weights(reference)
         if golden is not None:
             profile_model = read_profile(profile or "tiny", None).model if reference is None else None
-            report, written = run_golden(golden, reference, profile_model, batch, update_golden, tolerances)
+            try:
+                report, written = run_golden(golden, reference, profile_model, batch, update_golden, tolerances)
+            except (OSError, SafetensorError) as err:
+                # Raised by the trace's write alone (a full disk): what it reads is refused as UnsupportedModel.
+                fail([f"--golden ({str(golden)!r}): cannot write the trace ({error_line(err)}); the file is as it "
+                      "was"])
             if written:
                 console.print(f"recorded golden trace {golden}", markup=False)
                 return
@@ -95,7 +104,8 @@ def align(
         try:
             report.write_json(json_out)
         except OSError as err:
-            fail([f"--json ({str(json_out)!r}): cannot write the report ({err.strerror})"])
+            fail([f"--json ({str(json_out)!r}): cannot write the report ({err.strerror or err}); the file is as it "
+                  "was"])
     print_report(console, report)
     if not report.passed:
         raise typer.Exit(code=1)

@@ -71,7 +71,8 @@ def onboard(
         try:
             report.write_json(json_out)
         except OSError as err:
-            print_error(f"--json ({str(json_out)!r}): cannot write the report ({err.strerror})")
+            print_error(f"--json ({str(json_out)!r}): cannot write the report ({err.strerror or err}); the file is "
+                        "as it was")
             raise typer.Exit(code=2) from None
         console.print(f"report written to {json_out}", markup=False)
     if report.unsupported:

@@ -228,8 +228,10 @@ def plan(
             markup=False,
         )
     if json_out is not None:
+        from moe_tune.engine.atomic_write import write_atomically
+
         try:
-            json_out.write_text(json.dumps(result.as_dict(), indent=2) + "\n", encoding="utf-8")
+            write_atomically(json_out, json.dumps(result.as_dict(), indent=2) + "\n")
         except OSError as err:
-            fail([f"--json ({str(json_out)!r}): cannot write the plan ({err.strerror})"])
+            fail([f"--json ({str(json_out)!r}): cannot write the plan ({err.strerror or err}); the file is as it was"])
         console.print(f"plan written to {json_out}", markup=False)

@@ -99,7 +99,8 @@ def profile(
               "--load-checkpoint": load_checkpoint}
     )
     mode = "a PROFILE" if profile_arg is not None else "--kernels"
-    misplaced = [f"{name} ({value}) does not apply with {mode}" for name, value in other_mode.items() if value is not None]
+    misplaced = [f"{name} ({value}) does not apply with {mode}" for name, value in other_mode.items()
+                 if value is not None]
     if load_checkpoint is not None and profile_arg is not None:
         # The load benchmark runs no training step: options of the steps would be ignored.
         misplaced += [f"{name} ({value}) does not apply with --load-checkpoint" for name, value in

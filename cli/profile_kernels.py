@@ -169,6 +169,8 @@ def plot_rows(rows: list[dict], path: Path, partial: str | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from moe_tune.engine.atomic_write import atomic_path
+
     labels = [f"{row['op']} / {row['case']} / {row['impl']} / {row['shape']}" for row in rows]
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.5))
     positions = range(len(rows))
@@ -184,10 +186,9 @@ def plot_rows(rows: list[dict], path: Path, partial: str | None = None) -> None:
     ax.set_title(title + (f" ({partial})" if partial else ""), fontsize=8)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | None, plot: Path | None,
@@ -226,7 +227,8 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
             try:
                 write_rows(json_out, rows, is_complete)
             except OSError as err:
-                fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror})"])
+                fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror or err}); the file is as "
+                      "it was"])
         if plot is not None and rows:
             try:
                 plot_rows(rows, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import suppress
 from pathlib import Path
 
 from rich.console import Console
@@ -113,14 +112,12 @@ def _console() -> Console:
 def write_json(path: Path, data) -> None:
     """Write `data` to --json's `path` through a temporary file renamed over it: a write that fails (a full disk)
     leaves the file as it was, and says so in one line."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    from moe_tune.engine.atomic_write import write_atomically
+
     try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_atomically(path, json.dumps(data, indent=2) + "\n")
     except OSError as err:
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror}); the file is as it was"])
+        fail([f"--json ({str(path)!r}): cannot write the results ({err.strerror or err}); the file is as it was"])
 
 
 def breakdown_table(breakdown: dict) -> Table:
@@ -305,12 +302,14 @@ def one_document_line(result: dict) -> str | None:
             f"{ours:.4f} ({_ours_name(result)}) / {theirs:.4f} ({other['impl']}), {apart:.3%} apart")
 
 
-def _steps_plot(result: dict, path: Path) -> None:
+def steps_plot(result: dict, path: Path) -> None:
     """The breakdown's shares as horizontal bars; beside them, with --against, tokens/s and peak memory of both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from moe_tune.engine.atomic_write import atomic_path
 
     other = result["against"]
     if other is not None and other["out_of_memory"] is not None:
@@ -342,7 +341,8 @@ def _steps_plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['machine']}, torch {result['torch']}, commit {result['commit']}, {result['date']}",
                  fontsize=8)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
 
 
@@ -414,7 +414,7 @@ def run(
             kept = [f"{json_out} keeps our steps (complete: false)"] if json_out is not None else []
             if plot is not None:
                 try:
-                    _steps_plot(ours[0], plot)
+                    steps_plot(ours[0], plot)
                     kept.append(f"{plot} their plot")
                 except (OSError, ValueError, RuntimeError) as err:
                     kept.append(f"no plot ({err})")
@@ -437,7 +437,7 @@ def run(
         console.print(f"results written to {json_out}", markup=False)
     if plot is not None:
         try:
-            _steps_plot(result, plot)
+            steps_plot(result, plot)
         except (OSError, ValueError, RuntimeError) as err:
             fail([f"--plot ({str(plot)!r}): cannot draw the plot ({err})"])
         console.print(f"plot written to {plot}", markup=False)

@@ -106,10 +106,10 @@ class OnboardReport:
 
     def write_json(self, path: Path) -> None:
         """Written atomically: a temporary file beside `path`, then renamed over it."""
+        from moe_tune.engine.atomic_write import write_atomically
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, default=str) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        write_atomically(path, json.dumps(self.to_json(), indent=2, default=str) + "\n")
 
 
 def unmapped_config_keys(config: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gpu_session import NO_CUDA, names_gpu_tests, selects_gpu_tests  # noqa: E402
+from processes import live_pid  # noqa: E402
 
 # DeepSpeed picks its accelerator when first imported: the CPU one without a GPU (CI); on a GPU machine (pytest -m gpu
 # tests/gpu) CUDA's, or an engine there would keep its model on the CPU under an NCCL process group.
@@ -47,3 +48,10 @@ def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture
+def sleeper():
+    """The pid of a live process of this host (a run or an export that holds a folder, as the test names it)."""
+    with live_pid() as pid:
+        yield pid

@@ -124,10 +124,11 @@ class AlignReport:
         return data
 
     def write_json(self, path: Path) -> None:
+        """Written atomically (engine/atomic_write.py): a cut write never replaces a whole report."""
+        from moe_tune.engine.atomic_write import write_atomically
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        tmp.replace(path)
+        write_atomically(path, json.dumps(self.to_json(), indent=2) + "\n")
 
 
 @dataclass

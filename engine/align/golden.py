@@ -60,10 +60,11 @@ def record_golden(model: nn.Module, docs: list[torch.Tensor], path: Path, descri
     from safetensors.torch import save_file
 
     tensors = trace(model, docs)
+    from moe_tune.engine.atomic_write import atomic_path
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"moe_tune_golden": json.dumps(description, default=str)})
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"moe_tune_golden": json.dumps(description, default=str)})
     return tensors
 
 

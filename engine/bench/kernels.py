@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moe_tune.engine.atomic_write import write_atomically
 from moe_tune.engine.bench.linear_attention_op import NUM_DOCS
 from moe_tune.engine.bench.machine import MACHINE_KEYS, machine_info
 from moe_tune.engine.bench.timing import median_ms, time_ms
-from moe_tune.engine.train.checkpoint import write_json_atomic
 from moe_tune.engine.train.resources import available_memory
 from moe_tune.ops.causal_conv import MAX_WIDTH as CAUSAL_CONV_MAX_WIDTH
 from moe_tune.ops.linear_attention import KERNEL_MAX_KEY_DIM as LINEAR_ATTENTION_MAX_KEY_DIM
@@ -914,7 +914,7 @@ def run_kernels(ops: list[str] | None = None, preset: str = "small", on_start: C
 def write_rows(path: Path, rows: list[dict], is_complete: bool) -> None:
     """Write `rows` as --json does, each with COMPLETE_KEY: False while the run goes on, True once every op is
     measured. Atomic (a temporary file renamed over `path`), so a run stopped between two writes leaves the last."""
-    write_json_atomic(path, [dict(row, **{COMPLETE_KEY: is_complete}) for row in rows])
+    write_atomically(path, json.dumps([dict(row, **{COMPLETE_KEY: is_complete}) for row in rows], indent=2))
 
 
 def is_partial(rows: list[dict]) -> bool:

@@ -18,6 +18,7 @@ import re
 import shutil
 import stat
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ TEMPLATE_CONFIGS = ("tokenizer_config.json", "processor_config.json")
 # The legacy processor template, read before chat_template.jinja: left out where the run's own template is written.
 LEGACY_TEMPLATE_FILE = "chat_template.json"
 DEFAULT_SHARD_SIZE = "5GB"
+# The folders an export writes in its run's folder by default (--out unset): of the names a run keeps there
+# (run_dir.is_owned_name), the only ones --out may name.
+EXPORT_NAMES = ("export", "export-merged")
 # The files of a checkpoint folder besides its weights that a loader reads: copied as they are.
 COPIED_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -346,8 +350,8 @@ def write_hub_checkpoint(
     # the exported model would compute something else.
     trained = [name for name in plan.unplaced if source.read(name).any()]
     if trained:
-        raise ProfileError([f"{name}: trained (non-zero), but {family.model_types[0]} checkpoints have no tensor for it "
-                            "(a routing bias updated by model.moe.bias_update_rate); the exported model would route "
+        raise ProfileError([f"{name}: trained (non-zero), but {family.model_types[0]} checkpoints have no tensor for "
+                            "it (a routing bias updated by model.moe.bias_update_rate); the exported model would route "
                             "differently" for name in trained])
     if layout.reader is None:
         missing = [k for k in layout.keys if k not in plan.writers]
@@ -512,7 +516,8 @@ def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_byte
     try:
         family, config, keys = hub_config_for_profile(cfg, precision)
     except UnsupportedModel as err:
-        raise ProfileError([f"model: not exportable as a transformers model: {line}" for line in err.problems]) from None
+        lines = [f"model: not exportable as a transformers model: {line}" for line in err.problems]
+        raise ProfileError(lines) from None
     layout = Layout({k: KeyInfo(tuple(shape), dtype) for k, (shape, dtype) in keys.items()})
     return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
                                 chat_template=chat_template, readme=card(float_dtype(layout)))
@@ -526,21 +531,40 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
     auto: the base checkpoint's dtypes, FP8 weights dequantized (fp8 is refused: engine/export/fp8.py). Lines worth
     printing go to `notes`. ProfileError, one line per problem, before anything is written; ExportWriteError naming
     `out` and the OS error when the OS refuses a read or a write of the export (a full disk, no permission)."""
+    from moe_tune.engine.train.run_dir import reading_run
+
     from .fp8 import precision_problems
-    from .sources import ROUTING_BIASES_IN_NO_ADAPTER, FinalState, read_run
+    from .sources import read_run
 
     run_dir = Path(run_dir)
     problems = precision_problems(precision)
+    max_shard_bytes = 0
     try:
         max_shard_bytes = parse_size(max_shard_size)
     except ProfileError as err:
         problems += err.problems
     if step is not None and step < 1:
         problems.append(f"--step ({step}) must be >= 1")
-    try:
-        run = read_run(run_dir, need_final=step is None)
-    except ProfileError as err:
-        raise ProfileError(problems + err.problems) from None
+    # The run folder is marked as read until the export ends: a finetune into it (--overwrite, --resume) is refused
+    # meanwhile, and the export is refused while one holds it (run_dir.reading_run).
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(reading_run(run_dir, "export"))
+            run = read_run(run_dir, need_final=step is None)
+        except ProfileError as err:
+            raise ProfileError(problems + err.problems) from None
+        return _write_export(run, merge, out, max_shard_bytes, step, notes, problems)
+
+
+def _write_export(run, merge: bool, out: Path | None, max_shard_bytes: int, step: int | None,
+                  notes: list[str] | None, problems: list[str]) -> Path:
+    """export_run's work once the run is read (and marked as read): `out` checked (ProfileError with `problems` and
+    its own lines), then written."""
+    from moe_tune.engine.train.run_dir import owned_place
+
+    from .sources import ROUTING_BIASES_IN_NO_ADAPTER, FinalState
+
+    run_dir = run.run_dir
     lora = run.profile.lora.enabled
     if out is None:
         out = run_dir / ("export-merged" if merge and lora else "export")
@@ -552,8 +576,14 @@ def export_run(run_dir: Path, merge: bool, out: Path | None, max_shard_size: str
             # `.`, `..`, `/`: the folder they lead to, whose name the temporary sibling is named after.
             out = out.resolve()
         resolved = out.resolve()
+        owned = owned_place(resolved, run_dir.resolve())
         if resolved.is_relative_to((run_dir / "checkpoints").resolve()):
             problems.append(f"--out ({str(out)!r}) lies inside the run's checkpoints folder; choose another folder")
+        elif owned is not None and not (owned == resolved and owned.name in EXPORT_NAMES):
+            where = "is" if owned == resolved else "lies inside"
+            problems.append(f"--out ({str(out)!r}) {where} {owned.name!r}, a name the run keeps in its folder (a later "
+                            "finetune --resume or --overwrite reads or replaces it); write into a new folder such as "
+                            f"{str(run_dir / 'export')!r} or one outside the run")
         if out.is_symlink() or (out.exists() and not out.is_dir()):
             problems.append(f"--out ({str(out)!r}) exists and is not a folder")
         elif out.is_dir() and any(out.iterdir()):

@@ -73,7 +73,8 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     try:
         raw = yaml.safe_load(profile_file.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise ProfileError([f"{profile_file}: not readable as the run's profile ({str(err).splitlines()[0]})"]) from None
+        reason = str(err).splitlines()[0]
+        raise ProfileError([f"{profile_file}: not readable as the run's profile ({reason})"]) from None
     try:
         profile = resolve_job(validate_profile(raw))
     except ProfileError as err:
@@ -84,7 +85,8 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     if need_final:
         final = run_dir / (ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE)
         if not (run_dir / "summary.json").is_file() or not final.is_file():
-            raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {final.relative_to(run_dir)}); "
+            missing = final.relative_to(run_dir)
+            raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {missing}); "
                                 "export a checkpoint with --step N, or finish it with finetune --resume"])
         last, total = _summary_steps(run_dir / "summary.json")
         total = total if total is not None else profile.train.steps

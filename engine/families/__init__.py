@@ -27,7 +27,8 @@ from .base import (
     show,
 )
 from .checkpoint import (
-    SCALE_SUFFIX, CheckpointReader, WeightGetter, fp8_tensor_problems, nonfinite_tensor_problems, read_config,
+    SCALE_SUFFIX, CheckpointReader, WeightGetter, fp8_tensor_problems, loader_file_problems, nonfinite_tensor_problems,
+    read_config,
 )
 
 __all__ = [
@@ -139,8 +140,14 @@ def check_finite_weights(directory: Path) -> None:
 
 def resolve_job(job: JobProfile) -> JobProfile:
     """The job with `model: {checkpoint: DIR}` replaced by the architecture read from DIR (re-validated, so the
-    profile's cross-section rules see it). Jobs with an architecture spec come back unchanged."""
+    profile's cross-section rules see it). Jobs with an architecture spec come back unchanged; where the spec names
+    its checkpoint (a run's profile.yaml), that folder's loader files are checked (loader_file_problems: its
+    tokenizer and generation config are read before its weights)."""
     if not isinstance(job.model, CheckpointModel):
+        checkpoint = job.model.checkpoint
+        problems = loader_file_problems(checkpoint) if checkpoint is not None else []
+        if problems:
+            raise ProfileError([f"model.checkpoint ({str(checkpoint)!r}): {line}" for line in problems])
         return job
     try:
         check_checkpoint(job.model.checkpoint)

@@ -9,6 +9,7 @@ stored for our FP8 tensors, dequantized for our floating ones.
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from moe_tune.profiles import more_alike
+from moe_tune.profiles.schema import file_kind
 
 from .base import FP8_RULE, UnsupportedModel, key_pattern, show
 
@@ -25,6 +27,20 @@ from .base import FP8_RULE, UnsupportedModel, key_pattern, show
 MAX_CONFIG_BYTES = 16 * 2**20
 MAX_INDEX_BYTES = 256 * 2**20
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+# The files of a checkpoint folder besides its weights that moe-tune or transformers' loaders read (the config and
+# the index, tokenizer, chat template, generation and processor settings). Like the weights, each must lie inside
+# the folder (a hub cache snapshot's links into its blobs count as inside) and be a regular file:
+# additional_chat_templates, the one folder among them, must be a folder.
+LOADER_FILES = (
+    CONFIG_NAME, INDEX_NAME, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
+    "spiece.model", "tiktoken.model", "chat_template.jinja", "chat_template.json", "additional_chat_templates",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+)  # fmt: skip
+LOADER_FOLDERS = ("additional_chat_templates",)
+# What the line refusing a loader file that leads outside the folder calls them.
+CHECKPOINT_FILES = "a checkpoint's files"
 # Weights in pickle formats (torch.save): never opened, since unpickling runs code the file chooses.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -88,7 +104,13 @@ def read_json_file(path: Path, max_bytes: int) -> Any:
 
 
 def read_config(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / "config.json"
+    """The JSON object in `directory`/config.json, which must lie inside the folder (loader_file_problems);
+    UnsupportedModel in one line naming it otherwise."""
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
+    outside = outside_line(directory, CONFIG_NAME, weight_roots(directory), CHECKPOINT_FILES)
+    if outside is not None:
+        raise UnsupportedModel([f"{path}: {outside}"])
     data = read_json_file(path, MAX_CONFIG_BYTES)
     if not isinstance(data, dict):
         raise UnsupportedModel([f"{path}: must hold a JSON object, got {type(data).__name__}"])
@@ -96,10 +118,26 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def weight_roots(directory: Path) -> list[Path]:
-    """Where the checkpoint's weight files may lie: its folder, and for a Hugging Face hub cache snapshot
-    (models--org--name/snapshots/REV, whose files are links into ../../blobs) that repository's blobs folder."""
+    """Where the checkpoint's files may lie: its folder, and for a Hugging Face hub cache snapshot
+    (models--org--name/snapshots/REV, whose files are links into ../../blobs) that repository's blobs folder. The
+    folder is resolved (a cache reached through a link, as HF_HOME on another disk, is read where it lies), its
+    blobs folder is not: a `blobs` that is itself a link would let the snapshot lead anywhere."""
     root = directory.resolve()
     return [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+
+
+def outside_line(directory: Path, name: str, roots: list[Path], what: str) -> str | None:
+    """Why `directory`/`name` is refused for leading outside `roots` (by `..` or a symlink; `what`: the files the
+    rule is about, as the line names them), or None where it resolves inside them."""
+    path = directory / name
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError, ValueError) as err:
+        return f"cannot be resolved ({err})"
+    if any(resolved.is_relative_to(root) for root in roots):
+        return None
+    how = f"a symlink to {resolved}" if ".." not in PurePosixPath(name).parts else f"resolves to {resolved}"
+    return f"leads outside the checkpoint folder {roots[0]} ({how}); {what} must lie inside it"
 
 
 def confined_file(directory: Path, name: Any, roots: list[Path]) -> tuple[Path | None, str | None]:
@@ -109,14 +147,10 @@ def confined_file(directory: Path, name: Any, roots: list[Path]) -> tuple[Path |
         return None, "must be a file name (a non-empty string)"
     if "\0" in name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive:
         return None, "must be a path relative to the checkpoint folder"
-    path = directory / name
-    try:
-        resolved = path.resolve()
-    except (OSError, RuntimeError, ValueError) as err:
-        return None, f"cannot be resolved ({err})"
-    if not any(resolved.is_relative_to(root) for root in roots):
-        how = f"a symlink to {resolved}" if ".." not in PurePosixPath(name).parts else f"resolves to {resolved}"
-        return None, f"leads outside the checkpoint folder {roots[0]} ({how}); weight files must lie inside it"
+    outside = outside_line(directory, name, roots, "weight files")
+    if outside is not None:
+        return None, outside
+    resolved = (directory / name).resolve()
     try:
         info = resolved.stat()
     except OSError:
@@ -124,6 +158,44 @@ def confined_file(directory: Path, name: Any, roots: list[Path]) -> tuple[Path |
     if not stat.S_ISREG(info.st_mode):
         return None, "must name a regular file"
     return resolved, None
+
+
+def loader_file_problems(directory: Path) -> list[str]:
+    """One line per LOADER_FILES entry of `directory` (and file of its LOADER_FOLDERS) that leads outside the folder
+    (a hub cache snapshot's links into its blobs count as inside: weight_roots) or that exists and is not a regular
+    file (a FIFO would block a loader for ever), a LOADER_FOLDERS entry not a folder. A missing file is no problem:
+    a checkpoint holds the loader files it has."""
+    directory = Path(directory)
+    roots = weight_roots(directory)
+    problems = []
+    for name in LOADER_FILES:
+        path = directory / name
+        if not os.path.lexists(path):
+            continue
+        outside = outside_line(directory, name, roots, CHECKPOINT_FILES)
+        if outside is not None:
+            problems.append(f"{path}: {outside}")
+            continue
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            continue  # a link to nothing inside the folder: the loader that wants it says so
+        if name in LOADER_FOLDERS:
+            if not stat.S_ISDIR(mode):
+                kind = "a regular file" if stat.S_ISREG(mode) else file_kind(mode)
+                problems.append(f"{path}: must be a folder, not {kind}")
+                continue
+            try:
+                entries = sorted(path.iterdir())
+            except OSError:
+                entries = []  # a folder that cannot be listed: the loader that reads it says so
+            for entry in entries:
+                outside = outside_line(directory, f"{name}/{entry.name}", roots, CHECKPOINT_FILES)
+                if outside is not None:
+                    problems.append(f"{entry}: {outside}")
+        elif not stat.S_ISREG(mode):
+            problems.append(f"{path}: must be a regular file, not {file_kind(mode)}")
+    return problems
 
 
 def pickle_weights(directory: Path) -> list[str]:
@@ -137,14 +209,18 @@ def pickle_weights(directory: Path) -> list[str]:
 class CheckpointReader:
     """Tensors of the checkpoint by key; records which keys were read so unmapped ones can be reported.
 
-    Every weight file is checked before any is opened: the index's entries (and the *.safetensors files) must be
-    regular files inside the checkpoint folder, and each opens as safetensors holding the tensors the index puts
-    there. All problems are raised together, one line each."""
+    Every file is checked before any is opened: the loader files (LOADER_FILES: config, index, tokenizer, ...) must
+    lie inside the checkpoint folder (loader_file_problems), the index's entries (and the *.safetensors files) must
+    be regular files inside it, and each opens as safetensors holding the tensors the index puts there. All problems
+    are raised together, one line each."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         roots = weight_roots(self.directory)
         index = self.directory / INDEX_NAME
+        loader_problems = loader_file_problems(self.directory)
+        if any(line.startswith(f"{index}: ") for line in loader_problems):
+            raise UnsupportedModel(loader_problems)
         problems: list[str] = []
         # file name as written -> its path; and tensor key -> file name
         files: dict[str, Path] = {}
@@ -181,8 +257,8 @@ class CheckpointReader:
                                 "moe-tune reads only *.safetensors (never unpickles); convert the checkpoint")
             else:
                 problems.append(f"{self.directory}: no *.safetensors weights")
-        if problems:
-            raise UnsupportedModel(problems)
+        if loader_problems or problems:
+            raise UnsupportedModel(loader_problems + problems)
         self._paths = files
         self._handles = {}
         for name, path in files.items():

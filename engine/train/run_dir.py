@@ -6,6 +6,12 @@ taken over (with a note); a lock from another host is respected, as its pid cann
 lock, a directory holding a previous run's results is refused unless the run resumes it (`--resume`) or replaces
 them (`--overwrite`, which deletes moe-tune's own outputs only, never other files), so checkpoints of one run are
 never mixed with metrics of another.
+
+A command that reads a finished run (`moe-tune export`) marks the folder for as long as it reads it
+(`.lock.reader-HOST-PID-TOKEN`, naming its holder as the lock does; reading_run): a run into the folder, whose
+--overwrite or --resume would remove or replace what it reads, is refused while a reader lives, and a reader is
+refused while a run holds the folder. Each side writes its own file before it looks for the other's, so of a reader
+and a run that start together at least one is refused.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import json
 import os
 import shutil
 import socket
+import stat
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -49,6 +56,10 @@ TMP_FORMAT = ".{}.tmp"
 # Every name a run writes (or --overwrite deletes) in its output.dir, the temporaries of its atomic writes included.
 OWNED_NAMES = (*RUN_RESULTS, *RUN_SETTINGS, *(TMP_FORMAT.format(n) for n in (*RUN_RESULTS, *RUN_SETTINGS)),
                *TRACKER_STORES, LOCK_NAME)
+# A reader's mark in the folder it reads: READER_PREFIX + HOST-PID-TOKEN (reading_run).
+READER_PREFIX = f"{LOCK_NAME}.reader-"
+# A lock holds about 150 bytes of JSON; a larger file is none.
+MAX_LOCK_BYTES = 4096
 # pids are positive and fit pid_t (32-bit signed); os.kill takes no larger number, and 0 or -1 signal groups.
 PID_LIMIT = 2**31
 
@@ -70,11 +81,15 @@ def pid_alive(pid: int) -> bool:
 
 
 def _read_lock(path: Path) -> dict | None:
-    """The holder recorded in a lock file, or None when the file cannot be read as one (a pid no process can have,
-    outside [1, PID_LIMIT), among them)."""
+    """The holder recorded in a lock file, or None when the file cannot be read as one: not a regular file (a FIFO
+    would block the read for ever, a device never end it), larger than any lock, or a pid no process can have
+    (outside [1, PID_LIMIT)) among them."""
     try:
-        holder = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            holder = json.loads(f.read(MAX_LOCK_BYTES + 1))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(holder, dict) or not isinstance(holder.get("host"), str):
         return None
@@ -82,6 +97,13 @@ def _read_lock(path: Path) -> dict | None:
     if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT:
         return holder
     return None
+
+
+def holder_of_this_process(**fields) -> dict:
+    """What a lock (or a reader's mark) records of its holder: pid, host, start time, a token of its own, `fields`."""
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "token": uuid.uuid4().hex, **fields}  # fmt: skip
 
 
 class RunDirLock:
@@ -92,12 +114,7 @@ class RunDirLock:
         # This run created the directory: release() removes it again if nothing was written into it.
         self.created_dir = created_dir
         self.path = out / LOCK_NAME
-        self.holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "token": uuid.uuid4().hex,
-        }
+        self.holder = holder_of_this_process()
         self.note: str | None = None
 
     def _create(self) -> bool:
@@ -180,6 +197,70 @@ def is_held(out: Path) -> bool:
     return holder is None or holder["host"] != socket.gethostname() or pid_alive(holder["pid"])
 
 
+@contextmanager
+def reading_run(run_dir: Path, reader: str) -> Iterator[None]:
+    """Mark `run_dir` as read by this process for the block (`reader`: the command, as a refused run names it), so
+    that no run starts into it meanwhile (reader_problems). The mark is written whole (a temporary file renamed into
+    place) before the folder's lock is looked at: ProfileError when a run holds the folder. The mark goes when the
+    block ends, however it ends. A folder that is no run's (no profile.yaml) is not marked: the reader refuses it. A
+    folder this process cannot write into (a read-only mount, another user's run) is read unmarked: a run into it by
+    this user cannot start either."""
+    run_dir = Path(run_dir)
+    mark = None
+    if (run_dir / "profile.yaml").is_file():
+        holder = holder_of_this_process(reader=reader)
+        mark = run_dir / f"{READER_PREFIX}{holder['host']}-{holder['pid']}-{holder['token']}"
+        tmp = mark.with_name(mark.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(holder))
+            tmp.replace(mark)
+        except OSError:
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            mark = None
+    try:
+        if is_held(run_dir):
+            raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); {reader} it once the run has "
+                                "ended"])
+        yield
+    finally:
+        if mark is not None:
+            mark.unlink(missing_ok=True)
+
+
+def reader_problems(out: Path) -> list[str]:
+    """One line per reader of `out` (reading_run) that a run into it would pull the files from under: its mark names
+    a live process on this host, a process on another host (whose pid cannot be checked from here), or no holder.
+    The marks of readers gone on this host are removed."""
+    where = f"output.dir ({out})"
+    problems = []
+    for mark in sorted(out.glob(glob.escape(READER_PREFIX) + "*")):
+        if mark.name.endswith(".tmp"):
+            continue  # a mark being written: its reader looks for the lock once it is in place
+        holder = _read_lock(mark)
+        if holder is None:
+            problems.append(f"{where} is marked as read by {mark}, which does not name a reader (pid and host): if "
+                            "nothing reads this folder, delete that file")
+            continue
+        who = (f"{reader_name(holder)}: pid {holder['pid']} on host {holder['host']}, started "
+               f"{holder.get('started', '?')} ({mark})")
+        if holder["host"] != socket.gethostname():
+            problems.append(f"{where} is being read by {who}; a reader on another host is respected, as its pid cannot "
+                            "be checked from here: if it is gone, delete that file")
+        elif pid_alive(holder["pid"]):
+            problems.append(f"{where} is being read by {who}; a run would replace what it reads: start the run once "
+                            "it has ended")
+        else:
+            mark.unlink(missing_ok=True)
+    return problems
+
+
+def reader_name(holder: dict) -> str:
+    """What a reader's mark names: `moe-tune export`; `a reader` where it names no command."""
+    reader = holder.get("reader")
+    return f"moe-tune {reader}" if isinstance(reader, str) and reader else "a reader"
+
+
 def previous_run_outputs(out: Path) -> list[str]:
     """Results of an earlier run in `out` (RUN_RESULTS present), in a stable order."""
     return [name for name in RUN_RESULTS if os.path.lexists(out / name)]
@@ -248,15 +329,29 @@ def links_out_of(run_dir: Path, names: tuple[str, ...]) -> list[str]:
     return problems
 
 
+def is_owned_name(name: str) -> bool:
+    """Whether a run owns the name `name` in its output.dir: OWNED_NAMES, its writers' staged folders
+    (`.NAME.tmp-HOST-PID`, which --overwrite removes) and the lock's companions (`.lock.*`: a reader's mark, a stale
+    lock being replaced)."""
+    staged = tuple(TMP_FORMAT.format(n) + "-" for n in (*RUN_RESULTS, *RUN_SETTINGS))
+    return name in OWNED_NAMES or name.startswith((f"{LOCK_NAME}.", *staged))
+
+
+def owned_place(path: Path, out: Path) -> Path | None:
+    """The name a run owns in `out` (is_owned_name) that `path` is or lies inside (both resolved), or None."""
+    if path == out or out not in path.parents:
+        return None
+    first = out / path.relative_to(out).parts[0]
+    return first if is_owned_name(first.name) else None
+
+
 def _written_place(read: Path, out: Path) -> str | None:
     """Where in `out` a run writes over `read` (a path the run reads): `out` itself (a run writes its outputs
     there), or one of the names it writes or --overwrite deletes, `read` being it or inside it; None elsewhere."""
     if read == out:
         return str(out)
-    for name in OWNED_NAMES:
-        if read == out / name or out / name in read.parents:
-            return str(out / name)
-    return None
+    place = owned_place(read, out)
+    return None if place is None else str(place)
 
 
 def check_reads_apart(out: Path, reads: dict[str, Path | None]) -> None:
@@ -343,6 +438,10 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
         raise
     notes = [lock.note] if lock.note else []
     try:
+        # Looked for under the lock: a reader that marks the folder after this finds the lock and stops.
+        readers = reader_problems(out)
+        if readers:
+            raise ProfileError(readers)
         if resume:
             # --resume reads the run's checkpoints and appends to its metrics: through a link, another folder's.
             escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS, *TRACKER_STORES))

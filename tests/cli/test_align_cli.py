@@ -166,6 +166,27 @@ def test_golden_records_then_checks_then_catches_a_change(tmp_path):
     assert runner.invoke(app, ["align", "--golden", str(golden)]).exit_code == 1
 
 
+def test_a_golden_trace_the_disk_cannot_hold_is_one_line_and_the_old_one_kept(tmp_path, monkeypatch):
+    """--update-golden on a full disk: safetensors' own error (no OSError) is one line, the previous trace kept."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 8)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    golden = tmp_path / "g.safetensors"
+    golden.write_bytes(b"the previous trace")
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    result = runner.invoke(app, ["align", "--golden", str(golden), "--update-golden"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: --golden ({str(golden)!r}): cannot write the trace (Error while "
+                                          "serializing: I/O error: No space left on device (os error 28)); the file "
+                                          "is as it was"]  # fmt: skip
+    assert golden.read_bytes() == b"the previous trace" and [p.name for p in tmp_path.iterdir()] == ["g.safetensors"]
+
+
 def test_a_batch_given_with_an_existing_golden_trace_is_read_and_must_be_its_batch(tmp_path):
     golden = tmp_path / "g.safetensors"
     recorded = tmp_path / "recorded.jsonl"

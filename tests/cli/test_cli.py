@@ -42,7 +42,8 @@ def test_finetune_bad_input_has_no_traceback(tmp_path, child_env):
     # A real process, as a user runs it: stderr must hold only the one-line error.
     missing = tmp_path / "nope.yaml"
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_tune", "finetune", str(missing)], capture_output=True, text=True, timeout=120, env=child_env
+        [sys.executable, "-m", "moe_tune", "finetune", str(missing)], capture_output=True, text=True, timeout=120,
+        env=child_env,
     )
     assert proc.returncode == 2
     from moe_tune.profiles import shipped_profiles
@@ -124,7 +125,8 @@ def test_finetune_that_diverges_stops_with_one_line_and_exit_1(tmp_path, child_e
 
 
 @pytest.mark.parametrize("nproc, devices, host_gib, line", [
-    (100000, 0, 24, "--nproc (100000) must be at most 48 here: each rank takes at least 0.5 GiB of the host's 24.0 GiB"),
+    (100000, 0, 24, "--nproc (100000) must be at most 48 here: each rank takes at least 0.5 GiB of the host's "
+     "24.0 GiB"),
     (49, 0, 24, "--nproc (49) must be at most 48 here"),
     (9, 8, 2048, "--nproc (9) must be at most the 8 CUDA devices here: each rank takes one"),
 ])  # fmt: skip
@@ -202,3 +204,44 @@ def test_the_entry_point_keeps_the_commands_exit_codes_and_help(monkeypatch, cap
     assert code == 2 and "Usage: moe-tune" in out and "finetune" in out
     code, out, _ = run_main(monkeypatch, capsys, ["finetune", "--help"])
     assert code == 0 and "--nproc" in out
+
+
+# The installed `moe-tune` script (pip's console-script wrapper of moe_tune.cli:main), with an import finder that
+# meets the first import of TRIGGER with what a Ctrl-C at that moment does (INTERRUPT), then the command's arguments.
+ENTRY_SCRIPT = """
+import signal, sys
+TRIGGER, INTERRUPT = sys.argv.pop(1), sys.argv.pop(1)
+if INTERRUPT == "ignored":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job of a non-interactive shell, or nohup
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name != TRIGGER:
+            return None
+        sys.meta_path.remove(self)
+        if INTERRUPT == "raised":
+            raise KeyboardInterrupt
+        # The signal's handler runs here; C code that clears the error it is handed (PyErr_Clear) loses it.
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from moe_tune.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("trigger, interrupt, code, stdout", [
+    ("typer", "raised", 130, ""),  # while the commands import
+    ("torch", "raised", 130, ""),
+    ("typer", "swallowed", 130, ""),  # the KeyboardInterrupt lost on its way: the signal still stops the command
+    ("typer", "ignored", 0, "moe-tune "),  # SIGINT ignored by the shell's choice: the command runs
+])  # fmt: skip
+def test_ctrl_c_while_the_commands_import_exits_130_without_a_traceback(trigger, interrupt, code, stdout):
+    done = subprocess.run([sys.executable, "-c", ENTRY_SCRIPT, trigger, interrupt, "--version"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert (done.returncode, done.stderr) == (code, ""), done.stderr
+    assert done.stdout.startswith(stdout) and (stdout or done.stdout == "")

@@ -8,8 +8,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from moe_tune.cli import app
 from moe_tune.profiles import ProfileError
 
 from hf_tiny import save_drawn_adapter, save_tiny_checkpoint, tiny_qwen3_moe
+from processes import dead_pid
 
 runner = CliRunner()
 PREFIX = "base_model.model."
@@ -386,6 +385,7 @@ def test_a_failed_export_leaves_no_temporary_folder_and_out_as_it_was(request, t
         assert result.stderr.strip().splitlines() == [f"error: {error().problems[0]}"]
     assert not any(tmp_path.glob(".out*")), list(tmp_path.iterdir())
     assert (sorted(out.iterdir()) == [] if before == "empty" else not out.exists()), list(out.parent.iterdir())
+    assert not any(run.glob(".lock*")), list(run.iterdir())
 
 
 # Where the OS refuses an export, and the errno: the temporary folder beside OUT (no permission on OUT's parent, no
@@ -479,21 +479,6 @@ def test_an_out_folder_holding_files_is_refused_and_kept(request, tmp_path, kind
                                                   "writes into a new or empty folder"]  # fmt: skip
     assert [p.name for p in out.iterdir()] == ["mine.txt"] and (out / "mine.txt").read_text() == "mine"
     assert not any(out.parent.glob(f".{out.name}*"))
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-@pytest.fixture
-def sleeper():
-    """The pid of a live process of this host (another export, as its temporary folder names it)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
 
 
 @pytest.mark.parametrize("writer", ["none", "dead"], ids=["no-writer-named", "writer-gone"])
@@ -626,3 +611,100 @@ def test_full_finetune_weights_holding_nan_are_refused_and_nothing_written(run_d
     save_file(weights, str(run / "model.safetensors"))
     assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run / 'model.safetensors'}: tensor {poisoned} holds "
                                                              "non-finite values (NaN or inf)")
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_a_finetune_into_the_run_is_refused_while_an_export_reads_it(request, tmp_path, monkeypatch, kind):
+    """A finetune --overwrite (or --resume) of the run's folder that starts while an export reads it would remove (or
+    replace) what the export reads: the export marks the folder, the finetune's claim of it is refused, and the export
+    ends with the run as it was."""
+    import moe_tune.engine.export.hub as hub
+    from moe_tune.engine.train.run_dir import check_output_dir
+
+    fixture, flags = EXPORT_KINDS[kind]
+    run = tmp_path / "run"
+    shutil.copytree(request.getfixturevalue(fixture), run)
+    before = files_of(run)
+    refusals, expected = [], []
+    copy = hub.copy_loader_files
+
+    def finetune_starts(*args, **kwargs):
+        # The export has read the run's profile and is writing: here a finetune of the same output.dir starts.
+        (mark,) = run.glob(".lock.reader-*")
+        started = json.loads(mark.read_text())["started"]
+        expected.append([f"output.dir ({run}) is being read by moe-tune export: pid {os.getpid()} on host "
+                         f"{socket.gethostname()}, started {started} ({mark}); a run would replace what it reads: "
+                         "start the run once it has ended"])  # fmt: skip
+        for resume, overwrite in ((False, True), (True, False)):
+            with pytest.raises(ProfileError) as refusal:
+                check_output_dir(run, resume=resume, overwrite=overwrite)
+            refusals.append(refusal.value.problems)
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(hub, "copy_loader_files", finetune_starts)
+    result = runner.invoke(app, ["export", str(run), *flags, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert refusals == expected * 2 and len(refusals) == 2
+    assert files_of(run) == before
+
+
+OWNED_OUT = [
+    (".lock", "is '.lock'"), ("mlruns", "is 'mlruns'"), ("wandb/x", "lies inside 'wandb'"),
+    ("metrics.jsonl", "is 'metrics.jsonl'"), ("tensorboard", "is 'tensorboard'"), ("adapter", "is 'adapter'"),
+    (".export.tmp-host-12", "is '.export.tmp-host-12'"), ("export/inner", "lies inside 'export'"),
+    (".lock.reader-x", "is '.lock.reader-x'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, where", OWNED_OUT, ids=[name for name, _ in OWNED_OUT])
+@pytest.mark.parametrize("through", ["run", "link"])
+def test_an_out_the_run_keeps_in_its_folder_is_refused(run_dir, tmp_path, name, where, through):
+    """The lock, the trackers' stores, the metrics, the adapter, a writer's staged folder: a later finetune --resume
+    or --overwrite of the run reads or replaces them (or, for the lock, would find a folder no run wrote). A link to
+    the run folder leads there as well."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    before = files_of(run)
+    if through == "link":
+        (tmp_path / "alias").symlink_to(run)
+    out = (tmp_path / "alias" if through == "link" else run) / name
+    result = runner.invoke(app, ["export", str(run), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: --out ({str(out)!r}) {where}, a name the run keeps in its folder (a later finetune --resume or "
+        f"--overwrite reads or replaces it); write into a new folder such as {str(run / 'export')!r} or one outside "
+        "the run"]
+    assert files_of(run) == before and sorted(p.name for p in run.iterdir()) == sorted(before)
+
+
+@pytest.mark.parametrize("name", ["export", "my-export"])
+def test_an_out_of_the_run_folder_that_no_run_keeps_is_written(run_dir, tmp_path, name):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    result = runner.invoke(app, ["export", str(run), "--out", str(run / name)])
+    assert result.exit_code == 0, result.output
+    assert (run / name / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json"])
+def test_a_base_checkpoint_file_linked_outside_its_folder_is_not_exported(run_dir, checkpoint, tmp_path, name):
+    """The export copies the base checkpoint's loader files (and generate reads them, through the same run's
+    profile): one leading out of that folder (a link to a file of another) is refused in one line, before anything is
+    written."""
+    base, run = tmp_path / "checkpoint", tmp_path / "run"
+    shutil.copytree(checkpoint, base)
+    shutil.copytree(run_dir, run)
+    profile = yaml.safe_load((run / "profile.yaml").read_text())
+    profile["model"]["checkpoint"] = str(base)
+    (run / "profile.yaml").write_text(yaml.safe_dump(profile, sort_keys=False))
+    secret = tmp_path / "secret.json"
+    secret.write_text((base / name).read_text() if (base / name).exists() else "{}")
+    (base / name).unlink(missing_ok=True)
+    (base / name).symlink_to(secret)
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run / 'profile.yaml'}: model.checkpoint "
+                               f"({str(base)!r}): {base / name}: leads outside the checkpoint folder {base} (a "
+                               f"symlink to {secret}); a checkpoint's files must lie inside it")

@@ -67,10 +67,20 @@ def test_a_profile_beside_the_run_files_is_read_and_left_alone(tmp_path):
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize("case", ["a file", "locked by a live run", "a previous run"])
+@pytest.mark.parametrize("case", ["a file", "locked by a live run", "a previous run", "read by an export"])
 def test_an_unusable_output_dir_is_one_line_exit_2_before_anything_is_written(tmp_path, case):
     out = tmp_path / "out"
-    if case == "a file":
+    if case == "read by an export":
+        # An export of the previous run reads it: --overwrite would delete what it reads.
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        mark = out / f"{LOCK_NAME}.reader-{socket.gethostname()}-{os.getpid()}-0123"
+        mark.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "t",
+                                    "reader": "export"}))  # fmt: skip
+        expected = (f"error: output.dir ({out}) is being read by moe-tune export: pid {os.getpid()} on host "
+                    f"{socket.gethostname()}, started t ({mark}); a run would replace what it reads: start the run "
+                    "once it has ended")  # fmt: skip
+    elif case == "a file":
         out.write_text("keep")
         expected = f"error: output.dir ({out}) is a file: output.dir must be a directory (or a path to create)"
     elif case == "locked by a live run":
@@ -86,7 +96,8 @@ def test_an_unusable_output_dir_is_one_line_exit_2_before_anything_is_written(tm
                     "--resume, replace its outputs with --overwrite, or choose another output.dir")  # fmt: skip
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     # One step: a refusal that failed would train it and fail this test quickly.
-    result = runner.invoke(app, finetune_args(out, "train.steps=1"))
+    overwrite = ["--overwrite"] if case == "read by an export" else []
+    result = runner.invoke(app, [*finetune_args(out, "train.steps=1"), *overwrite])
     assert result.exit_code == 2, result.output
     assert errors(result) == [expected]
     # Nothing was written: no generated corpus, no profile, the lock and the previous run untouched.

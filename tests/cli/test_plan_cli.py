@@ -178,3 +178,25 @@ def test_plan_json_over_what_the_profile_reads_or_its_run_keeps_is_refused(tmp_p
     result = runner.invoke(app, ["plan", "tiny", "--devices", "2", *[a for s in sets for a in ("--set", s)],
                                  "--json", str(tmp_path / "run" / "plan.json")])  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+def test_a_plan_json_write_cut_short_keeps_the_old_file(tmp_path, monkeypatch):
+    """A full disk while --json is written: one line, and the file holds the previous plan, not half of this one."""
+    import errno
+    from pathlib import Path
+
+    def half_then_disk_full(path, data, *args, **kwargs):
+        data = data.encode() if isinstance(data, str) else data
+        with open(path, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    old = tmp_path / "plan.json"
+    old.write_bytes(b'{"kept": true}\n')
+    monkeypatch.setattr(Path, "write_text", half_then_disk_full)
+    monkeypatch.setattr(Path, "write_bytes", half_then_disk_full)
+    result = runner.invoke(app, ["plan", "tiny", "--devices", "2", "--json", str(old)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: --json ({str(old)!r}): cannot write the plan (No space left on "
+                                          "device); the file is as it was"]
+    assert old.read_bytes() == b'{"kept": true}\n' and [p.name for p in tmp_path.iterdir()] == ["plan.json"]

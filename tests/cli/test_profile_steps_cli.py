@@ -297,9 +297,10 @@ def test_a_json_write_that_fails_keeps_the_old_file(monkeypatch, tmp_path):
 
     fake = dict.fromkeys(load_op.RESULT_KEYS, 1)
     monkeypatch.setattr(load_op, "run_load_benchmark", lambda *args, **kwargs: dict(fake, write_s=None))
-    monkeypatch.setattr(Path, "write_text", disk_full)
     old = tmp_path / "old.json"
     old.write_bytes(b'{"kept": true}\n')
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
     result = runner.invoke(app, ["tiny", "--load-checkpoint", str(tmp_path / "ck"), "--json", str(old)])
     assert old.read_bytes() == b'{"kept": true}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
     assert result.exit_code == 2, result.output

@@ -304,8 +304,12 @@ def test_bad_input_is_refused_before_writing(full_run, tmp_path):
     (unfinished / "summary.json").write_text(json.dumps({"last_step": 1}))
     (unfinished / ".lock").write_text("{}")
     refused(r"a run holds this folder \(.lock\); export it once the run has ended", unfinished, False, None)
+    # The lock is looked at before the profile is read: a run holding the folder may be rewriting it.
     (unfinished / "profile.yaml").write_text("train: {lr: -1}\n")
+    refused(r"a run holds this folder \(.lock\); export it once the run has ended", unfinished, False, None)
+    (unfinished / ".lock").unlink()
     refused(r"profile.yaml: ", unfinished, False, None)
+    assert sorted(p.name for p in unfinished.iterdir()) == ["model.safetensors", "profile.yaml", "summary.json"]
     assert not (unfinished / "export").exists() and not (tmp_path / "o").exists()
 
 

@@ -4,13 +4,12 @@ import errno
 import json
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from moe_tune.engine.train import run_dir
+from processes import dead_pid
 from moe_tune.engine.train.distributed import DistInfo
 from moe_tune.engine.train.run_dir import LOCK_NAME, RUN_RESULTS, RUN_SETTINGS, check_output_dir, claim_output_dir
 from moe_tune.profiles import ProfileError
@@ -21,20 +20,6 @@ HOST = socket.gethostname()
 def write_lock(out, pid, host=HOST):
     out.mkdir(parents=True, exist_ok=True)
     (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": "2026-01-01T00:00:00+00:00"}))
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-@pytest.fixture
-def sleeper():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
 
 
 def test_lock_is_created_with_its_holder_and_released(tmp_path):
@@ -411,3 +396,141 @@ def test_other_ranks_take_no_lock_and_share_the_main_ranks_verdict(tmp_path, mon
         with claim_output_dir(tmp_path, dist_info(1, 2), resume=False, overwrite=False) as notes:
             assert notes == []
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
+# ---- readers of a finished run (export) -------------------------------------------------------------------------
+
+
+def finished_run(out):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.yaml").write_text("name: run\n")
+    (out / "summary.json").write_text("{}\n")
+    return out
+
+
+def marks(out) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith(run_dir.READER_PREFIX))
+
+
+def write_mark(out, pid, host=HOST, reader="export") -> str:
+    name = f"{run_dir.READER_PREFIX}{host}-{pid}-0123"
+    (out / name).write_text(json.dumps({"pid": pid, "host": host, "started": "2026-01-01T00:00:00+00:00",
+                                        "reader": reader}))  # fmt: skip
+    return name
+
+
+@pytest.mark.parametrize("resume, overwrite", [(True, False), (False, True), (False, False)])
+def test_a_run_is_refused_while_a_reader_reads_its_folder(tmp_path, resume, overwrite):
+    out = finished_run(tmp_path / "run")
+    with run_dir.reading_run(out, "export"):
+        (mark,) = marks(out)
+        started = json.loads((out / mark).read_text())["started"]
+        with pytest.raises(ProfileError) as refusal:
+            check_output_dir(out, resume=resume, overwrite=overwrite)
+        assert refusal.value.problems == [
+            f"output.dir ({out}) is being read by moe-tune export: pid {os.getpid()} on host {HOST}, started {started} "
+            f"({out / mark}); a run would replace what it reads: start the run once it has ended"]
+        # Refused before anything changed: the run's files are there and the lock is gone.
+        assert sorted(p.name for p in out.iterdir()) == sorted([mark, "profile.yaml", "summary.json"])
+    assert marks(out) == []
+    check_output_dir(out, resume=True, overwrite=False)[0].release()
+
+
+def test_a_reader_is_refused_while_a_run_holds_the_folder_and_leaves_no_mark(tmp_path):
+    out = finished_run(tmp_path / "run")
+    lock, _ = check_output_dir(out, resume=True, overwrite=False)
+    with pytest.raises(ProfileError) as refusal:
+        with run_dir.reading_run(out, "export"):
+            pytest.fail("read while a run holds the folder")
+    assert refusal.value.problems == [f"{out}: a run holds this folder (.lock); export it once the run has ended"]
+    assert marks(out) == []
+    lock.release()
+
+
+def test_a_reader_marks_the_folder_before_it_looks_at_the_lock(tmp_path, monkeypatch):
+    """A reader and a run starting together: each writes its own file before looking for the other's (the run its
+    lock, the reader its mark), so whichever looks last sees the other's file and is refused."""
+    out = finished_run(tmp_path / "run")
+    seen = []
+    is_held = run_dir.is_held
+    monkeypatch.setattr(run_dir, "is_held", lambda folder: seen.append(marks(folder)) or is_held(folder))
+    with run_dir.reading_run(out, "export"):
+        pass
+    assert len(seen) == 1 and len(seen[0]) == 1 and not seen[0][0].endswith(".tmp")
+    # The run looks for readers once its lock is in place.
+    looked = []
+    reader_problems = run_dir.reader_problems
+    monkeypatch.setattr(run_dir, "reader_problems",
+                        lambda folder: looked.append((folder / LOCK_NAME).is_file()) or reader_problems(folder))
+    check_output_dir(out, resume=True, overwrite=False)[0].release()
+    assert looked == [True]
+
+
+def test_marks_of_readers_that_are_gone_are_removed_and_others_refuse(tmp_path, sleeper):
+    out = finished_run(tmp_path / "run")
+    gone = write_mark(out, dead_pid())
+    lock, _ = check_output_dir(out, resume=True, overwrite=False)
+    lock.release()
+    assert marks(out) == [], gone
+    elsewhere = write_mark(out, os.getpid(), host="other-host")
+    live = write_mark(out, sleeper, reader="\x1b[31mexport")  # shown escaped in the line (ProfileError)
+    (out / f"{run_dir.READER_PREFIX}junk").write_text("{not json")
+    os.mkfifo(out / f"{run_dir.READER_PREFIX}fifo")  # read, it would block for ever
+    (out / f"{run_dir.READER_PREFIX}{HOST}-1-x.tmp").write_text("")  # a mark being written
+    with pytest.raises(ProfileError) as refusal:
+        check_output_dir(out, resume=True, overwrite=False)
+    where = f"output.dir ({out})"
+    # One line per mark (in the order of their names, where this host's name sorts anywhere).
+    assert sorted(refusal.value.problems) == sorted([
+        f"{where} is marked as read by {out / (run_dir.READER_PREFIX + 'fifo')}, which does not name a reader (pid "
+        "and host): if nothing reads this folder, delete that file",
+        f"{where} is marked as read by {out / (run_dir.READER_PREFIX + 'junk')}, which does not name a reader (pid "
+        "and host): if nothing reads this folder, delete that file",
+        f"{where} is being read by moe-tune \\x1b[31mexport: pid {sleeper} on host {HOST}, started "
+        f"2026-01-01T00:00:00+00:00 ({out / live}); a run would replace what it reads: start the run once it has ended",
+        f"{where} is being read by moe-tune export: pid {os.getpid()} on host other-host, started "
+        f"2026-01-01T00:00:00+00:00 ({out / elsewhere}); a reader on another host is respected, as its pid cannot be "
+        "checked from here: if it is gone, delete that file",
+    ])
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_a_folder_the_reader_cannot_write_into_is_read_unmarked(tmp_path, monkeypatch):
+    import pathlib
+
+    out = finished_run(tmp_path / "run")
+
+    def refused(self, target):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(pathlib.Path, "replace", refused)
+    with run_dir.reading_run(out, "export"):
+        assert sorted(p.name for p in out.iterdir()) == ["profile.yaml", "summary.json"]
+
+
+def test_a_folder_that_holds_no_run_is_not_marked(tmp_path):
+    with run_dir.reading_run(tmp_path, "export"):
+        assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "large"])
+def test_a_lock_that_is_no_regular_file_is_not_waited_on(tmp_path, kind):
+    lock = tmp_path / LOCK_NAME
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "device":
+        lock.symlink_to("/dev/zero")
+    else:
+        lock.write_text(json.dumps({"pid": os.getpid(), "host": HOST, "pad": "x" * 10_000}))
+    assert run_dir.is_held(tmp_path)
+    with pytest.raises(ProfileError, match=r"is locked by .*\.lock, which does not name a holder"):
+        check_output_dir(tmp_path, resume=False, overwrite=False)
+
+
+@pytest.mark.parametrize("name, owned", [
+    ("metrics.jsonl", True), (".lock", True), (".lock.reader-h-1-x", True), (".lock.stale-x", True),
+    ("mlruns", True), ("wandb", True), (".export.tmp", True), (".export.tmp-host-12", True), ("checkpoints", True),
+    ("export", True), ("my-export", False), ("lock", False), (".exporter.tmp-h-1", False), ("notes.txt", False),
+])  # fmt: skip
+def test_the_names_a_run_keeps_in_its_folder(name, owned):
+    assert run_dir.is_owned_name(name) is owned

@@ -323,6 +323,108 @@ def test_hub_cache_snapshot_links_into_its_blobs(written, tmp_path):
     check_checkpoint(snapshot)
 
 
+# The checkpoint folder's files besides the weights that moe-tune or transformers' loaders open.
+LOADER_LINKS = ["config.json", "model.safetensors.index.json", "tokenizer.json", "generation_config.json",
+                "preprocessor_config.json", "chat_template.jinja", "additional_chat_templates/tools.jinja"]
+
+
+@pytest.mark.parametrize("name", LOADER_LINKS)
+def test_a_loader_file_linked_outside_the_folder_is_refused(sharded, tmp_path, name):
+    """Like the weights, config.json, the index and the tokenizer, generation and processor files are read only
+    inside the checkpoint folder: a link leading out of it is one line, and nothing behind it is read."""
+    secret = tmp_path / "secret.json"
+    secret.write_text((sharded.dir / name).read_text() if (sharded.dir / name).exists() else "{}")
+    link = sharded.dir / name
+    link.parent.mkdir(exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(secret)
+    line = (f"{link}: leads outside the checkpoint folder {sharded.dir.resolve()} (a symlink to {secret.resolve()}); "
+            "a checkpoint's files must lie inside it")
+    assert problems_of(sharded.dir) == [line]
+    with pytest.raises(UnsupportedModel) as err:
+        CheckpointReader(sharded.dir)
+    assert err.value.problems == [line]
+    if name == "config.json":
+        with pytest.raises(UnsupportedModel) as err:
+            read_config(sharded.dir)
+        assert err.value.problems == [line]
+
+
+def test_a_resolved_profile_naming_its_checkpoint_checks_the_loader_files(sharded, tmp_path):
+    """A run's profile.yaml holds the architecture and names the checkpoint: its tokenizer and generation config are
+    read (generate, export) before any weight, so they are checked when the profile is resolved."""
+    job = resolve_job(validate_profile(checkpoint_job(sharded.dir, tmp_path)))
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (sharded.dir / "tokenizer_config.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(ProfileError) as err:
+        resolve_job(job)
+    assert err.value.problems == [
+        f"model.checkpoint ('{sharded.dir}'): {sharded.dir / 'tokenizer_config.json'}: leads outside the checkpoint "
+        f"folder {sharded.dir.resolve()} (a symlink to {(tmp_path / 'elsewhere.json').resolve()}); a checkpoint's "
+        "files must lie inside it"]
+
+
+def test_loader_files_linked_inside_the_folder_are_read(sharded):
+    (sharded.dir / "originals").mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "generation_config.json"):
+        (sharded.dir / name).rename(sharded.dir / "originals" / name)
+        (sharded.dir / name).symlink_to(Path("originals") / name)
+    check_checkpoint(sharded.dir)
+    assert read_config(sharded.dir)["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "additional_chat_templates"])
+def test_a_loader_file_of_the_wrong_kind_is_refused_not_waited_on(sharded, name):
+    path = sharded.dir / name
+    if name == "tokenizer.json":
+        os.mkfifo(path)  # a tokenizer loader opening it would wait for a writer for ever
+        line = f"{path}: must be a regular file, not a FIFO"
+    else:
+        path.write_text("{}")
+        line = f"{path}: must be a folder, not a regular file"
+    assert problems_of(sharded.dir) == [line]
+
+
+def test_hub_cache_snapshot_loader_files_link_into_its_blobs(written, tmp_path):
+    """Every file of a hub cache snapshot is a link into ../../blobs, the tokenizer's and the index too, read where
+    the cache lies when it is reached through a link (HF_HOME on another disk)."""
+    real = tmp_path / "other-disk" / "hub"
+    disk = real / "models--org--tiny" / "blobs"
+    disk.mkdir(parents=True)
+    (real / "models--org--tiny" / "snapshots" / "0123abc").mkdir(parents=True)
+    (tmp_path / "hub").symlink_to(real)
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "0123abc"
+    with CheckpointReader(written("qwen3_moe")) as reader:
+        keys = reader.keys()
+    files = {"config.json": (written("qwen3_moe") / "config.json").read_text(),
+             "model.safetensors.index.json": json.dumps({"weight_map": {k: "model.safetensors" for k in keys}}),
+             "tokenizer_config.json": "{}"}
+    for name, text in files.items():
+        (disk / f"sha-{name}").write_text(text)
+    shutil.copy(written("qwen3_moe") / "model.safetensors", disk / "sha-model.safetensors")
+    for name in (*files, "model.safetensors"):
+        (snapshot / name).symlink_to(Path("../../blobs") / f"sha-{name}")
+    check_checkpoint(snapshot)
+    assert read_config(snapshot)["model_type"] == "qwen3_moe"
+
+
+def test_a_snapshot_whose_blobs_folder_is_a_link_leads_nowhere_outside(written, tmp_path):
+    """A hub-cache-shaped folder whose `blobs` is a link (to /, say) lends its snapshot no way out."""
+    repo = tmp_path / "models--evil--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").symlink_to(tmp_path.anchor)
+    shutil.copy(written("qwen3_moe") / "model.safetensors", snapshot)
+    secret = tmp_path / "secret" / "config.json"
+    secret.parent.mkdir()
+    shutil.copy(written("qwen3_moe") / "config.json", secret)
+    relative = os.path.relpath(secret, tmp_path.anchor)
+    (snapshot / "config.json").symlink_to(Path("../../blobs") / relative)
+    line = (f"{snapshot / 'config.json'}: leads outside the checkpoint folder {snapshot.resolve()} (a symlink to "
+            f"{secret.resolve()}); a checkpoint's files must lie inside it")
+    assert problems_of(snapshot) == [line]
+
+
 @pytest.mark.parametrize("entry", [5, None, ["model.safetensors"], {"file": "model.safetensors"}, ""],
                          ids=["int", "null", "list", "object", "empty"])
 def test_weight_map_entry_not_a_file_name(sharded, entry):

@@ -1,0 +1,81 @@
+"""Report files written whole or not at all (plan --json, profile --json / --plot, onboard --json, align --json,
+align --golden): each is written into a temporary file beside it, flushed to disk, and renamed over it, so that a
+crash, a Ctrl-C or a full disk mid-write leaves the file as it was, never cut short.
+
+The temporary file is named `.NAME.RANDOM.tmp.SUFFIX` (two writers of one file never share it; writers that pick
+the format from the suffix, as matplotlib does, see the file's own), and it is removed when the write fails.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Iterator
+
+# Folders of devices and of the kernel's files (/dev/stdout, /proc/self/fd/1): a report named there is written in
+# place.
+SPECIAL_FOLDERS = ("/dev/", "/proc/")
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` for the block to write; when the block ends normally, the file is flushed to
+    disk, given the mode `path` has (a new file: the mode the umask gives) and renamed over `path`. On any exception
+    (KeyboardInterrupt too) it is removed and `path` is as it was. A symlink named as `path` is written through: the
+    file it leads to is replaced, the link kept. A `path` that is no regular file (a device, a FIFO) or lies in
+    SPECIAL_FOLDERS is itself the path the block writes."""
+    try:
+        is_special = not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        is_special = False
+    if is_special or os.path.abspath(path).startswith(SPECIAL_FOLDERS):
+        # Written as it comes, through the path as named: renaming over a device or FIFO would replace the node, and
+        # over the file /dev/stdout leads to (a shell's `> file`) would leave the shell's output in the unlinked one.
+        yield Path(path)
+        return
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.chmod(tmp, _mode_for(target))
+        os.replace(tmp, target)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink()
+        raise
+    _sync_folder(target.parent)
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """`path` holding `data` (text is written as UTF-8) whole, or as it was (atomic_path). OSError as the OS
+    raised it."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def _mode_for(target: Path) -> int:
+    """The permission bits the file gets: `target`'s own, or for a new file what open() would give it (0o666 less
+    the umask; mkstemp creates 0o600)."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the rename to disk (its folder's entry); a file system that cannot is left to its own schedule."""
+    with suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
