@@ -11,11 +11,11 @@ import typer
 
 from moe_tune.profiles import escape_controls, not_utf8
 
+from . import INTERRUPTED_EXIT
 from ._common import err_console, fail, user_errors
 
 app = typer.Typer()
 
-INTERRUPTED_EXIT = 130
 # A --chat turn read from stdin is at most this long (a pasted document fits; /dev/zero on stdin would fill memory).
 MAX_LINE_BYTES = 16 * 2**20
 

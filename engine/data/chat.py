@@ -339,10 +339,11 @@ def mark_headers(render: Render, messages: list[dict], ids: list[int], mask: lis
     marked = list(mask)
     starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
     found = False
+    longest_first = sorted(headers, key=len, reverse=True)
     for index, start in enumerate(starts):
-        candidates = sorted(headers, key=len, reverse=True)
+        candidates = longest_first
         if index == 0:
-            candidates += [tuple(opening[:n]) for n in range(len(opening) - 1, 0, -1)]
+            candidates = longest_first + [tuple(opening[:n]) for n in range(len(opening) - 1, 0, -1)]
         for header in candidates:
             if start >= len(header) and tuple(ids[start - len(header) : start]) == header:
                 marked[start - len(header) : start] = [1] * len(header)

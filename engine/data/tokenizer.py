@@ -93,7 +93,8 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
     environment as apply_chat_template renders it (keys whose value is None left out), and with `with_mask` the
     (start, end) character spans its {% generation %} blocks mark; ProfileError naming the record and the template
     (`source`: data.chat_template, or the tokenizer's) when it fails, runs past RENDER_LIMIT_S, or renders more than
-    RENDERED_EXTRA_CHARS beyond RENDERED_PER_CONTENT_CHAR characters per character of the record's own text."""
+    RENDERED_EXTRA_CHARS beyond RENDERED_PER_CONTENT_CHAR characters per character of the record's own text
+    (_own_chars, and the tool definitions)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
@@ -102,22 +103,37 @@ def render_template(template: str, messages: list[dict], add_generation_prompt: 
             [messages], tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_mask, **special_tokens,
         )
-    # The record's own text: contents, tool calls' arguments, the tool definitions.
-    content_chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
-    content_chars += sum(len(json.dumps(m["tool_calls"], default=str)) for m in messages if m.get("tool_calls"))
-    content_chars += len(json.dumps(tools, default=str)) if tools else 0
+    content_chars = sum(map(_own_chars, messages)) + (len(json.dumps(tools, default=str)) if tools else 0)
     if len(text) > (most := RENDERED_EXTRA_CHARS + RENDERED_PER_CONTENT_CHAR * content_chars):
         raise ProfileError([f"{where}: {source} renders {len(text)} characters from messages of {content_chars}, more "
                             f"than {most}: a template renders the conversation, not more"])
     return text, list(indices[0]) if with_mask else []
 
 
+def _own_chars(message: dict) -> int:
+    """The characters of a message's own text that a template may write out: its string fields but the role
+    (content, reasoning_content, name), the text parts of a list content (a multimodal message) and its tool calls as
+    JSON."""
+    count = 0
+    for key, value in message.items():
+        if key == "role":
+            continue
+        if key == "tool_calls":
+            count += len(json.dumps(value, default=str))
+        elif isinstance(value, str):
+            count += len(value)
+        elif isinstance(value, list):
+            count += sum(len(part["text"]) for part in value
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))  # fmt: skip
+    return count
+
+
 def render_template_text(template: str, messages: list[dict], add_generation_prompt: bool, with_mask: bool, where: str,
-                         tools: list[dict] | None = None, source: str = "data.chat_template",
-                         **special_tokens) -> tuple[str, list[bool] | None]:
-    """render_template's text, and with `with_mask` which of its characters the {% generation %} blocks mark."""
-    text, spans = render_template(template, messages, add_generation_prompt, with_mask, where, source, tools,
-                                  **special_tokens)
+                         tools: list[dict] | None = None, **special_tokens) -> tuple[str, list[bool] | None]:
+    """data.chat_template's rendering (render_template): its text, and with `with_mask` which of its characters the
+    {% generation %} blocks mark."""
+    text, spans = render_template(template, messages, add_generation_prompt, with_mask, where, "data.chat_template",
+                                  tools, **special_tokens)
     if not with_mask:
         return text, None
     mask = [False] * len(text)

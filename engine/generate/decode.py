@@ -73,6 +73,27 @@ def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache
     return logits
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# How each sampling setting may be set (generate_ids's arguments, generate's options, generation_config.json's keys):
+# a test of the value, and the rule that a refusal's line ends with.
+SAMPLING_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0 (0: greedy)"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (1: no nucleus filter)"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "an integer >= 0 (0: no top-k filter)"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a finite number > 0 (1: none)"),
+}
+
+
+def sampling_rule_broken(key: str, value: object) -> str | None:
+    """The rule (SAMPLING_RULES) that `value` of the sampling setting `key` breaks, None where it keeps it."""
+    is_valid, rule = SAMPLING_RULES[key]
+    return None if is_valid(value) else rule
+
+
 def check_generate_options(
     prompt_ids: list[int], vocab_size: int, max_new_tokens: int, temperature: float, top_p: float, seed: int = 0,
     top_k: int = 0, repetition_penalty: float = 1.0,
@@ -86,14 +107,10 @@ def check_generate_options(
         problems.append(f"prompt: token id {outside[0]} must be in [0, {vocab_size}) (the model's vocabulary)")
     if max_new_tokens < 0:
         problems.append(f"max_new_tokens ({max_new_tokens}) must be >= 0")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        problems.append(f"temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        problems.append(f"top_p ({top_p}) must be in (0, 1] (1: no nucleus filter)")
-    if top_k < 0:
-        problems.append(f"top_k ({top_k}) must be >= 0 (0: no top-k filter)")
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        problems.append(f"repetition_penalty ({repetition_penalty}) must be a finite number > 0 (1: none)")
+    settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    for key, value in settings.items():
+        if (rule := sampling_rule_broken(key, value)) is not None:
+            problems.append(f"{key} ({value}) must be {rule}")
     if not 0 <= seed < SEED_LIMIT:
         problems.append(f"seed ({seed}) must be in [0, 2**64) (the sampling generator's seeds)")
     return problems

@@ -21,7 +21,6 @@ replaces; without one, greedy decoding.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from moe_tune.engine.export.fp8 import is_fp8_base
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-from .decode import SEED_LIMIT, generate_ids
+from .decode import SAMPLING_RULES, SEED_LIMIT, generate_ids, sampling_rule_broken
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,14 +78,10 @@ def option_problems(max_new_tokens: int, temperature: float | None, top_p: float
     problems = []
     if max_new_tokens < 1:
         problems.append(f"--max-new-tokens ({max_new_tokens}) must be >= 1")
-    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
-        problems.append(f"--temperature ({temperature}) must be a finite number >= 0 (0: greedy)")
-    if top_p is not None and not 0 < top_p <= 1:
-        problems.append(f"--top-p ({top_p}) must be in (0, 1]")
-    if top_k is not None and top_k < 0:
-        problems.append(f"--top-k ({top_k}) must be >= 0 (0: no top-k filter)")
-    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        problems.append(f"--repetition-penalty ({repetition_penalty}) must be a finite number > 0 (1: none)")
+    settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    for key, value in settings.items():
+        if value is not None and (rule := sampling_rule_broken(key, value)) is not None:
+            problems.append(f"--{key.replace('_', '-')} ({value}) must be {rule}")
     if not 0 <= seed < SEED_LIMIT:
         problems.append(f"--seed ({seed}) must be in [0, 2**64) (the sampling generator's seeds)")
     return problems
@@ -132,10 +127,6 @@ class GenerationSettings:
     unapplied: tuple[str, ...] = ()
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _eos_problems(eos, where: str, vocab_size: int) -> tuple[list[int], list[str]]:
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -172,18 +163,12 @@ def read_generation_config(checkpoint: Path | None, vocab_size: int) -> Generati
     do_sample = data.get("do_sample")
     if do_sample is not None and not isinstance(do_sample, bool):
         problems.append(f"{path}: do_sample ({json.dumps(do_sample)}) must be true or false")
-    rules = {
-        "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
-        "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
-    }
     values = {}
-    for key, (is_valid, rule) in rules.items():
+    for key in SAMPLING_RULES:
         value = data.get(key)
         if value is None:
             continue
-        if is_valid(value):
+        if (rule := sampling_rule_broken(key, value)) is None:
             values[key] = value
         else:
             problems.append(f"{path}: {key} ({json.dumps(value)}) must be {rule}")

@@ -211,8 +211,9 @@ def test_the_entry_point_keeps_the_commands_exit_codes_and_help(monkeypatch, cap
 ENTRY_SCRIPT = """
 import signal, sys
 TRIGGER, INTERRUPT = sys.argv.pop(1), sys.argv.pop(1)
-if INTERRUPT == "ignored":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job of a non-interactive shell, or nohup
+# A background job of a non-interactive shell, or nohup, ignores SIGINT; a command in a terminal's foreground takes
+# it (set here: a child inherits an ignored SIGINT from the process that starts it, as from a test worker).
+signal.signal(signal.SIGINT, signal.SIG_IGN if INTERRUPT == "ignored" else signal.default_int_handler)
 
 class CtrlC:
     def find_spec(self, name, path=None, target=None):

@@ -138,9 +138,10 @@ def test_settings_generate_does_not_apply_are_named(tmp_path, base_checkpoint):
     [('{"top_p": 0.9,', ["{path}:1:15: not valid JSON (Expecting property name enclosed in double quotes)"]),
      ("[1]", ["{path}: must hold a JSON object, got list"]),
      ({"do_sample": "yes", "temperature": -1, "top_p": 0, "top_k": 2.5, "repetition_penalty": 0},
-      ['{path}: do_sample ("yes") must be true or false', "{path}: temperature (-1) must be a finite number >= 0",
-       "{path}: top_p (0) must be a number in (0, 1]", "{path}: top_k (2.5) must be an integer >= 0",
-       "{path}: repetition_penalty (0) must be a finite number > 0"]),
+      ['{path}: do_sample ("yes") must be true or false', "{path}: temperature (-1) must be a finite number >= 0 (0: greedy)",
+       "{path}: top_p (0) must be a number in (0, 1] (1: no nucleus filter)",
+       "{path}: top_k (2.5) must be an integer >= 0 (0: no top-k filter)",
+       "{path}: repetition_penalty (0) must be a finite number > 0 (1: none)"]),
      ({"eos_token_id": [2, 300]}, ["{path}: eos_token_id 300 must be in [0, 300) (the model's vocabulary)"]),
      ({"eos_token_id": "</s>"}, ['{path}: eos_token_id ("</s>") must be a token id or a list of token ids'])],
     ids=["not-json", "not-an-object", "bad-values", "eos-outside-vocabulary", "eos-not-an-id"],
@@ -156,7 +157,7 @@ def test_a_generation_config_generate_cannot_use_is_refused_in_one_line_each(tmp
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--top-k", "-1", "--top-k (-1) must be >= 0 (0: no top-k filter)"),
+    ("--top-k", "-1", "--top-k (-1) must be an integer >= 0 (0: no top-k filter)"),
     ("--repetition-penalty", "0", "--repetition-penalty (0.0) must be a finite number > 0 (1: none)"),
     ("--repetition-penalty", "nan", "--repetition-penalty (nan) must be a finite number > 0 (1: none)"),
 ])  # fmt: skip

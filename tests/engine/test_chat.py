@@ -715,3 +715,16 @@ def test_a_records_own_tools_and_arguments_count_as_its_text_against_the_render_
     assert len(text) > 2 * RENDERED_EXTRA_CHARS
     with pytest.raises(ProfileError, match=r"^d.jsonl:1: data.chat_template renders \d+ characters from messages of"):
         render_template_text("{{ 'y' * 3000000 }}", [{"role": "user", "content": "x"}], False, False, "d.jsonl:1")
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "ok", "reasoning_content": "x" * 2**20},  # a long thinking trace
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x" * 2**20}]},  # a multimodal turn
+], ids=["reasoning_content", "text_parts"])  # fmt: skip
+def test_a_records_reasoning_and_text_parts_count_as_its_text_against_the_render_limit(message):
+    from moe_tune.engine.data.tokenizer import RENDERED_EXTRA_CHARS, render_template_text
+
+    template = ("{% for m in messages %}{{ m.reasoning_content or '' }}{% if m.content is string %}{{ m.content }}"
+                "{% else %}{% for p in m.content %}{{ p.text or '<image>' }}{% endfor %}{% endif %}{% endfor %}")
+    text, _ = render_template_text(template + "{{ 'y' * 2**20 }}", [message], False, False, "d.jsonl:1")
+    assert len(text) > 2 * RENDERED_EXTRA_CHARS

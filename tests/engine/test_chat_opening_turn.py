@@ -151,7 +151,7 @@ def test_an_opening_turn_the_template_renders_with_no_other_content_is_refused(t
     with pytest.raises(ProfileError) as err:
         document(tmp_path, load_tokenizer(str(directory)), [{"role": "assistant", "content": "hello"}], str(directory))
     assert err.value.problems == [
-        f"{tmp_path / 'chat.jsonl'}:1: turn 1 (assistant) opens the conversation, and the chat template renders neither "
-        "its generation prompt before it nor the turn with another content: what it renders before the turn cannot be "
-        "told from the turn; use a chat template that marks the assistant's tokens with {% generation %} ... "
+        f"{tmp_path / 'chat.jsonl'}:1: turn 1 (assistant) opens the conversation, and the chat template renders "
+        "neither its generation prompt before it nor the turn with another content: what it renders before the turn "
+        "cannot be told from the turn; use a chat template that marks the assistant's tokens with {% generation %} ... "
         "{% endgeneration %}"]

@@ -283,8 +283,8 @@ def test_generation_ends_after_a_stop_id_which_it_keeps(models, greedy):
         ([3], {"max_new_tokens": -1}, r"max_new_tokens \(-1\) must be >= 0"),
         ([3], {"temperature": -0.5}, r"temperature \(-0.5\) must be a finite number >= 0"),
         ([3], {"temperature": float("nan")}, r"temperature \(nan\) must be"),
-        ([3], {"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
-        ([3], {"top_p": 1.5}, r"top_p \(1.5\) must be in \(0, 1\]"),
+        ([3], {"top_p": 0.0}, r"top_p \(0.0\) must be a number in \(0, 1\] \(1: no nucleus filter\)$"),
+        ([3], {"top_p": 1.5}, r"top_p \(1.5\) must be a number in \(0, 1\] \(1: no nucleus filter\)$"),
     ],
 )
 def test_bad_options_are_refused(models, prompt, options, message):
@@ -397,7 +397,7 @@ def test_greedy_generation_with_a_repetition_penalty_is_the_penalized_argmax_cha
 
 @pytest.mark.parametrize(
     "options, message",
-    [({"top_k": -1}, r"top_k \(-1\) must be >= 0"), ({"repetition_penalty": 0.0}, r"repetition_penalty \(0.0\) must"),
+    [({"top_k": -1}, r"top_k \(-1\) must be an integer >= 0 \(0: no top-k filter\)$"), ({"repetition_penalty": 0.0}, r"repetition_penalty \(0.0\) must"),
      ({"repetition_penalty": float("inf")}, r"repetition_penalty \(inf\) must be a finite number > 0")],
     ids=["top-k-negative", "penalty-0", "penalty-inf"],
 )

@@ -134,7 +134,7 @@ def test_full_fine_tuning_of_an_fp8_base_is_refused(overrides, refused):
     ]
 
 
-@pytest.mark.parametrize("value", ["fp4", "FP8", "float8", ""])
+@pytest.mark.parametrize("value", ["fp4", "FP8", "float8", "''"])
 def test_base_precision_takes_bf16_or_fp8(value):
     with pytest.raises(ProfileError, match=r"model.base_precision .*'bf16' or 'fp8'"):
         load_profile("tiny", [f"model.base_precision={value}"])
