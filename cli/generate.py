@@ -68,10 +68,10 @@ def generate(
 
     with user_errors():
         session = load_session(target)
-    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
-    given = {name: value for name, value in given.items() if value is not None}
-    sampling = session.sampling(**given)
-    for line in (session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, tuple(given))):
+    options = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
+    sampling = session.sampling(**options)
+    given = tuple(name for name, value in options.items() if value is not None)
+    for line in (session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, given)):
         err_console.print(escape_controls(line), markup=False, highlight=False)
     base = [{"role": "system", "content": system}] if system is not None else []
     options = dict(max_new_tokens=max_new_tokens, seed=seed, **vars(sampling))

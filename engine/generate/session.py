@@ -224,11 +224,8 @@ def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
     """The resolved profile of the run in `run_dir` and a note on its weights; ProfileError when a run holds the
     folder or it has no final weights (naming the file, and how to get them)."""
     from moe_tune.engine.export.sources import ADAPTER_FILE, WEIGHTS_FILE, read_run
-    from moe_tune.engine.train.run_dir import LOCK_NAME, is_held
 
-    if is_held(run_dir) and (run_dir / "profile.yaml").is_file():
-        raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); try it once the run has ended"])
-    run = read_run(run_dir, need_final=False)
+    run = read_run(run_dir, need_final=False, reader="generate from")
     profile = run.profile
     final = ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE
     if not (run_dir / final).is_file():

@@ -197,6 +197,14 @@ def is_held(out: Path) -> bool:
     return holder is None or holder["host"] != socket.gethostname() or pid_alive(holder["pid"])
 
 
+def held_problem(run_dir: Path, reader: str) -> str | None:
+    """The line refusing `reader` (the command: export, generate) the folder `run_dir` while a run holds it
+    (is_held), None when none does."""
+    if not is_held(run_dir):
+        return None
+    return f"{run_dir}: a run holds this folder ({LOCK_NAME}); {reader} it once the run has ended"
+
+
 @contextmanager
 def reading_run(run_dir: Path, reader: str) -> Iterator[None]:
     """Mark `run_dir` as read by this process for the block (`reader`: the command, as a refused run names it), so
@@ -219,9 +227,8 @@ def reading_run(run_dir: Path, reader: str) -> Iterator[None]:
                 tmp.unlink(missing_ok=True)
             mark = None
     try:
-        if is_held(run_dir):
-            raise ProfileError([f"{run_dir}: a run holds this folder ({LOCK_NAME}); {reader} it once the run has "
-                                "ended"])
+        if (held := held_problem(run_dir, reader)) is not None:
+            raise ProfileError([held])
         yield
     finally:
         if mark is not None:

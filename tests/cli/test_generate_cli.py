@@ -273,7 +273,7 @@ def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path
         (["{unfinished}", "--prompt", "x"], "{unfinished}: no final weights (no adapter/adapter_model.safetensors): "
          "the run did not finish; finish it with `moe-tune finetune PROFILE --resume`, or write checkpoint step 2 for "
          "transformers with `moe-tune export {unfinished} --step 2`"),
-        (["{locked}", "--prompt", "x"], "{locked}: a run holds this folder (.lock); try it once the run has ended"),
+        (["{locked}", "--prompt", "x"], "{locked}: a run holds this folder (.lock); generate from it once the run has ended"),
         (["{tmp}/bad.yaml", "--prompt", "x"], "model: required field is missing"),
         (["{run}", "--prompt", "x", "--chat"], "give --prompt TEXT or --chat (one of them)"),
         (["{run}"], "give --prompt TEXT or --chat (one of them)"),

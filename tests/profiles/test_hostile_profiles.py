@@ -482,21 +482,24 @@ def test_error_line_is_the_first_line_led_by_the_kind_unless_plain(err, plain, l
 # --- YAML's merge keys, YAML 1.1 numbers, empty --set values, invisible characters ------------------------------
 
 
-def test_a_merge_key_given_twice_is_a_duplicate(tmp_path):
-    """Two `<<:` in one mapping: PyYAML lets the second win over the first, the opposite of `<<: [*a, *b]`."""
-    text = TINY.read_text().replace("train:\n", "train:\n  <<: {lr: 1.0e-3}\n  <<: {lr: 2.0e-3}\n", 1)
-    path = write(tmp_path, text)
-    line = text.splitlines().index("  <<: {lr: 2.0e-3}") + 1
-    assert problems_of(path) == [f"{path}:{line}: duplicate key 'train.<<' (first given at line {line - 1}): one merge "
-                                 "key per mapping: merge several with <<: [*a, *b]"]
+# (the mapping given under train:, the line holding the duplicate, the line of the first, the refusal's rule). Two
+# `<<:` in one mapping: PyYAML lets the second win over the first, the opposite of `<<: [*a, *b]`.
+MERGE_DUPLICATES = {
+    "merge-key-twice": ("  <<: {lr: 1.0e-3}\n  <<: {lr: 2.0e-3}\n", "  <<: {lr: 2.0e-3}", -1,
+                        "duplicate key 'train.<<' (first given at line {first}): one merge key per mapping: merge "
+                        "several with <<: [*a, *b]"),
+    "inside-a-merge": ("  <<: {seed: 1, seed: 2}\n", "  <<: {seed: 1, seed: 2}", 0,
+                       "duplicate key 'train.seed' (first given at line {first}): a key may appear once in a mapping"),
+}
 
 
-def test_a_duplicate_inside_a_merged_mapping_is_a_duplicate(tmp_path):
-    text = TINY.read_text().replace("train:\n", "train:\n  <<: {seed: 1, seed: 2}\n", 1)
+@pytest.mark.parametrize("case", list(MERGE_DUPLICATES))
+def test_duplicates_through_merge_keys_are_refused(tmp_path, case):
+    mapping, at, first, rule = MERGE_DUPLICATES[case]
+    text = TINY.read_text().replace("train:\n", "train:\n" + mapping, 1)
     path = write(tmp_path, text)
-    line = text.splitlines().index("  <<: {seed: 1, seed: 2}") + 1
-    assert problems_of(path) == [f"{path}:{line}: duplicate key 'train.seed' (first given at line {line}): a key may "
-                                 "appear once in a mapping"]
+    line = text.splitlines().index(at) + 1
+    assert problems_of(path) == [f"{path}:{line}: " + rule.format(first=line + first)]
 
 
 @pytest.mark.parametrize("value, problem", [
