@@ -142,7 +142,13 @@ def resolve_job(job: JobProfile) -> JobProfile:
     """The job with `model: {checkpoint: DIR}` replaced by the architecture read from DIR (re-validated, so the
     profile's cross-section rules see it). Jobs with an architecture spec come back unchanged; where the spec names
     its checkpoint (a run's profile.yaml), that folder's loader files are checked (loader_file_problems: its
-    tokenizer and generation config are read before its weights)."""
+    tokenizer and generation config are read before its weights). A tokenizer folder of its own (data.tokenizer) is
+    checked the same way in both."""
+    tokenizer = job.data.tokenizer
+    if tokenizer not in (None, "byte"):
+        problems = loader_file_problems(Path(tokenizer), "tokenizer")
+        if problems:
+            raise ProfileError([f"data.tokenizer ({tokenizer!r}): {line}" for line in problems])
     if not isinstance(job.model, CheckpointModel):
         checkpoint = job.model.checkpoint
         problems = loader_file_problems(checkpoint) if checkpoint is not None else []

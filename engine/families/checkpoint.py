@@ -8,6 +8,7 @@ stored for our FP8 tensors, dequantized for our floating ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -39,8 +40,9 @@ LOADER_FILES = (
     "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )  # fmt: skip
 LOADER_FOLDERS = ("additional_chat_templates",)
-# What the line refusing a loader file that leads outside the folder calls them.
+# What the line refusing a loader file that leads outside the folder calls them, by the folder's kind.
 CHECKPOINT_FILES = "a checkpoint's files"
+LOADER_FILES_OF = {"checkpoint": CHECKPOINT_FILES, "tokenizer": "a tokenizer's files"}
 # Weights in pickle formats (torch.save): never opened, since unpickling runs code the file chooses.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
@@ -126,9 +128,9 @@ def weight_roots(directory: Path) -> list[Path]:
     return [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
 
 
-def outside_line(directory: Path, name: str, roots: list[Path], what: str) -> str | None:
+def outside_line(directory: Path, name: str, roots: list[Path], what: str, kind: str = "checkpoint") -> str | None:
     """Why `directory`/`name` is refused for leading outside `roots` (by `..` or a symlink; `what`: the files the
-    rule is about, as the line names them), or None where it resolves inside them."""
+    rule is about, as the line names them; `kind`: the folder's), or None where it resolves inside them."""
     path = directory / name
     try:
         resolved = path.resolve()
@@ -137,7 +139,7 @@ def outside_line(directory: Path, name: str, roots: list[Path], what: str) -> st
     if any(resolved.is_relative_to(root) for root in roots):
         return None
     how = f"a symlink to {resolved}" if ".." not in PurePosixPath(name).parts else f"resolves to {resolved}"
-    return f"leads outside the checkpoint folder {roots[0]} ({how}); {what} must lie inside it"
+    return f"leads outside the {kind} folder {roots[0]} ({how}); {what} must lie inside it"
 
 
 def confined_file(directory: Path, name: Any, roots: list[Path]) -> tuple[Path | None, str | None]:
@@ -160,19 +162,21 @@ def confined_file(directory: Path, name: Any, roots: list[Path]) -> tuple[Path |
     return resolved, None
 
 
-def loader_file_problems(directory: Path) -> list[str]:
+def loader_file_problems(directory: Path, kind: str = "checkpoint") -> list[str]:
     """One line per LOADER_FILES entry of `directory` (and file of its LOADER_FOLDERS) that leads outside the folder
     (a hub cache snapshot's links into its blobs count as inside: weight_roots) or that exists and is not a regular
     file (a FIFO would block a loader for ever), a LOADER_FOLDERS entry not a folder. A missing file is no problem:
-    a checkpoint holds the loader files it has."""
+    a checkpoint holds the loader files it has. `kind` (LOADER_FILES_OF): the folder's, as the lines name it (a
+    tokenizer folder of its own, data.tokenizer, is held to the same rule)."""
     directory = Path(directory)
     roots = weight_roots(directory)
+    what = LOADER_FILES_OF[kind]
     problems = []
     for name in LOADER_FILES:
         path = directory / name
         if not os.path.lexists(path):
             continue
-        outside = outside_line(directory, name, roots, CHECKPOINT_FILES)
+        outside = outside_line(directory, name, roots, what, kind)
         if outside is not None:
             problems.append(f"{path}: {outside}")
             continue
@@ -190,9 +194,14 @@ def loader_file_problems(directory: Path) -> list[str]:
             except OSError:
                 entries = []  # a folder that cannot be listed: the loader that reads it says so
             for entry in entries:
-                outside = outside_line(directory, f"{name}/{entry.name}", roots, CHECKPOINT_FILES)
+                outside = outside_line(directory, f"{name}/{entry.name}", roots, what, kind)
                 if outside is not None:
                     problems.append(f"{entry}: {outside}")
+                    continue
+                with contextlib.suppress(OSError):  # a link to nothing: the loader that wants it says so
+                    mode = entry.stat().st_mode
+                    if not stat.S_ISREG(mode):
+                        problems.append(f"{entry}: must be a regular file, not {file_kind(mode)}")
         elif not stat.S_ISREG(mode):
             problems.append(f"{path}: must be a regular file, not {file_kind(mode)}")
     return problems

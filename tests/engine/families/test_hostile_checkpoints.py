@@ -364,6 +364,37 @@ def test_a_resolved_profile_naming_its_checkpoint_checks_the_loader_files(sharde
         "files must lie inside it"]
 
 
+@pytest.mark.parametrize("spec", [False, True], ids=["checkpoint", "architecture"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "chat_template.jinja", "additional_chat_templates/tools.jinja"])
+def test_a_tokenizer_folder_of_its_own_is_held_to_the_loader_file_rule(sharded, tmp_path, name, spec):
+    """data.tokenizer names a folder the tokenizer loader reads: a file of it linked out of it is refused in one
+    line naming the field, for a job on a checkpoint and for one with the architecture (a run's profile.yaml) alike;
+    links inside it are read."""
+    job = validate_profile(checkpoint_job(sharded.dir, tmp_path))
+    if spec:
+        job = resolve_job(job)
+    tokenizer = tmp_path / "tokenizer"
+    (tokenizer / "originals").mkdir(parents=True)
+    (tokenizer / "originals" / "tokenizer.json").write_text("{}")
+    (tokenizer / "tokenizer_config.json").symlink_to(Path("originals") / "tokenizer.json")
+    job = job.model_copy(update={"data": job.data.model_copy(update={"tokenizer": str(tokenizer)})})
+    assert resolve_job(job).data.tokenizer == str(tokenizer)
+    (tmp_path / "elsewhere").write_text("{}")
+    link = tokenizer / name
+    link.parent.mkdir(exist_ok=True)
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ProfileError) as err:
+        resolve_job(job)
+    assert err.value.problems == [
+        f"data.tokenizer ('{tokenizer}'): {link}: leads outside the tokenizer folder {tokenizer.resolve()} (a symlink "
+        f"to {(tmp_path / 'elsewhere').resolve()}); a tokenizer's files must lie inside it"]
+    link.unlink()
+    os.mkfifo(link)  # the tokenizer loader opening it would wait for a writer for ever
+    with pytest.raises(ProfileError) as err:
+        resolve_job(job)
+    assert err.value.problems == [f"data.tokenizer ('{tokenizer}'): {link}: must be a regular file, not a FIFO"]
+
+
 def test_loader_files_linked_inside_the_folder_are_read(sharded):
     (sharded.dir / "originals").mkdir()
     for name in ("config.json", "model.safetensors.index.json", "generation_config.json"):
