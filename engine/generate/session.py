@@ -24,7 +24,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -184,15 +184,27 @@ def read_generation_config(checkpoint: Path | None, vocab_size: int) -> Generati
                             tuple(unapplied))
 
 
-def resolve_target(target: str) -> Loaded:
+def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
     """RUN_DIR (an existing folder) or PROFILE (a YAML path or a shipped profile's name); ProfileError one line per
-    problem when it is neither, the profile is invalid, or a run folder has no final weights."""
+    problem when it is neither, the profile is invalid, or a run folder has no final weights. With `marks`, the run
+    folder whose weights are taken is marked as read (run_dir.reading_run) until that stack closes: a finetune into
+    it (--overwrite, --resume) is refused while the model loads."""
     from moe_tune.engine.families import resolve_job
+    from moe_tune.engine.train.run_dir import reading_run
     from moe_tune.profiles import load_profile, resolve_profile_path, shipped_profiles
+
+    def read_marked(run_dir: Path) -> tuple[JobProfile, str]:
+        if marks is None:
+            return read_finished_run(run_dir)
+        with ExitStack() as mark:
+            mark.enter_context(reading_run(run_dir, "generate from", "generate"))
+            found = read_finished_run(run_dir)
+            marks.push(mark.pop_all())
+            return found
 
     path = Path(target)
     if path.is_dir():
-        profile, note = read_finished_run(path)
+        profile, note = read_marked(path)
         return Loaded(profile, path, f"model: the run in {path} ({note})")
     try:
         resolve_profile_path(target)
@@ -204,7 +216,7 @@ def resolve_target(target: str) -> Loaded:
     out = profile.output.dir
     if (out / "profile.yaml").is_file():
         try:
-            run_profile, note = read_finished_run(out)
+            run_profile, note = read_marked(out)
             return Loaded(run_profile, out, f"model: the run in output.dir {out} ({note})")
         except ProfileError as err:
             why = err.problems[0]
@@ -530,19 +542,21 @@ class Session:
 
 
 def load_session(target: str, device: torch.device | None = None) -> Session:
-    """Resolve `target` (RUN_DIR or PROFILE), load its model and tokenizer."""
+    """Resolve `target` (RUN_DIR or PROFILE), load its model and tokenizer; the run folder read is marked as read
+    (run_dir.reading_run) until they are loaded."""
     from moe_tune.engine.data.chat import chat_options
     from moe_tune.engine.data.tokenizer import load_tokenizer
 
-    loaded = resolve_target(target)
-    options = chat_options(loaded.profile.data)
-    device = device or pick_device()
-    tok = load_tokenizer(loaded.profile.tokenizer)
-    if tok.vocab_size > loaded.profile.model.vocab_size:
-        raise ProfileError([f"model.vocab_size ({loaded.profile.model.vocab_size}) must be >= the tokenizer's "
-                            f"({tok.vocab_size})"])
-    generation = read_generation_config(loaded.profile.model.checkpoint, loaded.profile.model.vocab_size)
-    model = load_model(loaded, device)
+    with ExitStack() as marks:
+        loaded = resolve_target(target, marks)
+        options = chat_options(loaded.profile.data)
+        device = device or pick_device()
+        tok = load_tokenizer(loaded.profile.tokenizer)
+        if tok.vocab_size > loaded.profile.model.vocab_size:
+            raise ProfileError([f"model.vocab_size ({loaded.profile.model.vocab_size}) must be >= the tokenizer's "
+                                f"({tok.vocab_size})"])
+        generation = read_generation_config(loaded.profile.model.checkpoint, loaded.profile.model.vocab_size)
+        model = load_model(loaded, device)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     return Session(model, tok, loaded.profile, device, f"{loaded.note}; on {device.type}, {dtype}",
                    stop_ids(tok, loaded.profile, options, generation), options, generation,
