@@ -17,6 +17,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from moe_tune.engine.atomic_write import atomic_path
 from moe_tune.engine.bench.arguments import OneLineParser, positive_int
 from moe_tune.engine.bench.steps import pinned_copy_bandwidth, sweep_lengths
 from moe_tune.engine.memory.policy import PRESETS
@@ -133,7 +134,8 @@ def plot_ladder(result: dict, path: Path) -> None:
                  f"commit {result.get('commit')}, {result.get('date')}"
                  + (f"; out of memory at {failed[0]}" if failed else ""), fontsize=9)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 

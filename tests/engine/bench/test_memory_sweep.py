@@ -153,18 +153,41 @@ def test_rung_steps_time_after_the_first(monkeypatch):
     assert rung["step_time_s"] == 2.0  # median of 1, 2, 4: the first step's 5 s left out
 
 
-def test_plot_draws_the_ladder(tmp_path):
-    from moe_tune.engine.bench.memory_sweep import plot_ladder
-
-    result = dict(profile="bench-hybrid-1m", memory_policy="max-context", timed_length=32768,
+LADDER = dict(profile="bench-hybrid-1m", memory_policy="max-context", timed_length=32768,
                   timed=dict(tokens_per_s=1000.0, peak_memory_bytes=10**10, peak_host_bytes=3 * 10**10),
                   ladder=[dict(seq_len=65536, outcome="trained", tokens_per_s=900.0, peak_memory_bytes=2 * 10**10,
                                peak_host_bytes=4 * 10**10),
                           dict(seq_len=131072, outcome="out of memory")],
                   machine="NVIDIA H200", commit="abc1234", date="2026-12-02")  # fmt: skip
+
+
+def test_plot_draws_the_ladder(tmp_path):
+    from moe_tune.engine.bench.memory_sweep import plot_ladder
+
     path = tmp_path / "ladder.png"
-    plot_ladder(result, path)
+    plot_ladder(LADDER, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_failing_mid_write_leaves_the_earlier_one(tmp_path, monkeypatch):
+    """The plot is written beside its path and renamed over it: a failure while saving leaves the earlier plot whole
+    and no temporary file."""
+    from matplotlib.figure import Figure
+
+    from moe_tune.engine.bench.memory_sweep import plot_ladder
+
+    path = tmp_path / "ladder.png"
+    path.write_bytes(b"earlier plot")
+    savefig = Figure.savefig
+
+    def fails_mid_write(fig, target, **kwargs):
+        savefig(fig, target, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", fails_mid_write)
+    with pytest.raises(OSError):
+        plot_ladder(LADDER, path)
+    assert path.read_bytes() == b"earlier plot" and [p.name for p in tmp_path.iterdir()] == ["ladder.png"]
 
 
 def test_plot_without_matplotlib_is_refused_before_running(tmp_path, capsys, monkeypatch):
