@@ -193,9 +193,10 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
         return []
     linear_names = sorted({p.module.rsplit(".", 1)[-1] for p in params if p.is_linear})
     problems = [
-        f"lora.target_modules ('{t}') must name a linear layer of the model (known: {', '.join(linear_names)})"
+        f"lora.target_modules ('{t}') must name a linear layer of the model, or a dotted suffix of its name as PEFT "
+        f"matches it (known: {', '.join(linear_names)})"
         for t in lora.target_modules
-        if t not in linear_names
+        if not any(p.is_linear and _is_target(p.module, t) for p in params)
     ]
     if lora.experts and not any(p.is_expert for p in params):
         problems.append("lora.experts (true) needs a layer with mlp: moe")

@@ -875,10 +875,14 @@ class LoraProfile(Strict):
     enabled: bool = Field(True, description="LoRA fine-tuning; false trains every weight (full fine-tuning)")
     r: int = Field(8, ge=1, le=MAX_SIZE, description="rank of every adapter")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the input of each linear adapter's A while training (PEFT's "
+        "lora_dropout); 0 with experts: true, as expert adapters take none"
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="names of linear layers that get adapters (PEFT target_modules: suffixes of module names)",
+        description="linear layers that get adapters, by name or dotted suffix of their full names (q_proj, "
+        "self_attn.q_proj, layers.0.self_attn.q_proj: PEFT's list form of target_modules)",
     )
     experts: bool = Field(True, description="adapters on the routed experts too (per-expert A and B)")
     modules_to_save: list[str] = Field(
@@ -892,6 +896,36 @@ class LoraProfile(Strict):
     vision_merger: Literal["frozen", "lora", "trained"] = Field(
         "trained", description="models with a vision tower: the patch merger into the text width (usually trained)"
     )
+
+    @field_validator("target_modules", "modules_to_save", mode="before")
+    @classmethod
+    def check_names_are_a_list(cls, value: Any, info: ValidationInfo) -> Any:
+        """PEFT also takes target_modules as one string, a regular expression over full module names ('all-linear'
+        a name of its own); moe-tune takes lists of names only."""
+        if not isinstance(value, str):
+            return value
+        if info.field_name == "target_modules":
+            raise PydanticCustomError(
+                VALUE_RULE,
+                "must be a list of module names or dotted suffixes of them, e.g. [q_proj, self_attn.v_proj] (PEFT's "
+                "single-string form, a regular expression or 'all-linear', is not supported)",
+            )
+        raise PydanticCustomError(
+            VALUE_RULE, "must be a list of module names or dotted suffixes of them, e.g. [lm_head]"
+        )
+
+    @model_validator(mode="after")
+    def check_dropout_reaches_every_adapter(self):
+        """PEFT applies lora_dropout to the input of A in linear adapters and refuses it on parameter adapters
+        (target_parameters, the experts' form in transformers); the per-expert adapters share their input with the
+        fused expert GEMM and take none either, so dropout with expert adapters would reach only some adapters."""
+        if self.enabled and self.experts and self.dropout > 0:
+            raise ValueError(
+                f"@dropout ({self.dropout}) must be 0 with @experts (true): expert adapters take no dropout (nor "
+                "does PEFT's form of them, target_parameters), so only the linear adapters would get it: set "
+                "@dropout 0, or @experts false to keep dropout on linear adapters alone"
+            )
+        return self
 
 
 # The token mixers (LayerSpec.attention) that run on a row shared by several ranks (PackedBatch.context): each

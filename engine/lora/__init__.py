@@ -16,8 +16,8 @@ EXPERTS_MODULE = "experts"
 def inject_lora(model: nn.Module, profile: LoraProfile):
     """Wrap `model` in a PeftModel with adapters on profile.target_modules (and the routed experts).
 
-    Raises ProfileError when a target names no module of the model. Only adapter parameters stay trainable. PEFT's
-    linear LoRA layers take the fast path of fused.py.
+    Raises ProfileError when a target names no module of the model (target_problems). Only adapter parameters stay
+    trainable. PEFT's linear LoRA layers take the fast path of fused.py.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -26,18 +26,7 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
 
     from .fused import use_fused_lora
 
-    module_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
-    linear_names = sorted(
-        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    )
-    unknown = [t for t in profile.target_modules if t not in linear_names]
-    problems = [
-        f"lora.target_modules ('{t}') must name a linear layer of the model (known: {', '.join(linear_names)})"
-        for t in unknown
-    ]
-    problems += [
-        f"lora.modules_to_save ('{m}') must name a module of the model" for m in profile.modules_to_save if m not in module_names
-    ]
+    problems = target_problems(model, profile)
     has_experts = any(isinstance(m, GroupedExperts) for m in model.modules())
     if profile.experts and not has_experts:
         problems.append("lora.experts (true) needs a layer with mlp: moe")
@@ -64,10 +53,45 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
     return peft_model
 
 
+def target_problems(model: nn.Module, profile: LoraProfile) -> list[str]:
+    """What inject_lora refuses in profile.target_modules and modules_to_save, one line each: an entry that names no
+    linear layer (modules_to_save: no module) of the model by PEFT's rule (the name, or a dotted suffix of it:
+    `q_proj`, `self_attn.q_proj`, `layers.0.self_attn.q_proj`), and a dotted target that reaches into the vision
+    tower, whose parts are adapted as lora.vision_tower / lora.vision_merger say (its layer names alone, VISION_NAMES,
+    are left to those fields)."""
+    from moe_tune.engine.model.fp8 import matches_module_name
+
+    names = [name for name, _ in model.named_modules() if name]
+    linears = [name for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
+    leaf_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    problems = []
+    for key in profile.target_modules:
+        found = [name for name in linears if matches_module_name(name, [key])]
+        if not found:
+            problems.append(
+                f"lora.target_modules ('{key}') must name a linear layer of the model, or a dotted suffix of its name "
+                f"as PEFT matches it (known: {', '.join(leaf_names)})"
+            )
+        vision = [name for name in found if name.startswith(VISION_PREFIX)]
+        if vision and key not in VISION_NAMES:
+            problems.append(
+                f"lora.target_modules ('{key}') names layers of the vision tower ({', '.join(vision[:3])}"
+                f"{', ...' if len(vision) > 3 else ''}): their adapters are chosen by lora.vision_tower and "
+                "lora.vision_merger ('lora')"
+            )
+    problems += [
+        f"lora.modules_to_save ('{key}') must name a module of the model, or a dotted suffix of its name"
+        for key in profile.modules_to_save
+        if not any(matches_module_name(name, [key]) for name in names)
+    ]
+    return problems
+
+
 # The vision tower's linear layers and merger (engine/model/vision.py): adapted or trained only as
 # lora.vision_tower / lora.vision_merger say, never through target_modules' name suffixes.
 VISION_NAMES = {"patch_embed", "qkv", "proj", "linear_fc1", "linear_fc2", "merger_norm", "merger_fc1", "merger_fc2"}
 MERGER = ("merger_norm", "merger_fc1", "merger_fc2")
+VISION_PREFIX = "vision."
 
 
 def vision_parts(model: nn.Module, profile: LoraProfile) -> tuple[list[str], list[str]]:

@@ -78,7 +78,8 @@ def test_plan_of_the_most_devices_takes_no_longer_than_a_few_layouts():
         (["--devices", "8", "--device-memory", "0GB"],
          "error: --device-memory ('0GB') must look like 141GB, 80GiB or 1.5TB"),
         (["--devices", "8", "--set", "lora.target_modules=[qq_proj]"],
-         "error: lora.target_modules ('qq_proj') must name a linear layer of the model (known: a_proj, b_proj, "
+         "error: lora.target_modules ('qq_proj') must name a linear layer of the model, or a dotted suffix of its "
+         "name as PEFT matches it (known: a_proj, b_proj, "
          "down_proj, gate, gate_proj, index_k_proj, index_q_proj, index_weights_proj, k_proj, lm_head, o_proj, "
          "q_proj, shared_expert_gate, up_proj, v_proj, z_proj)"),
         (["--devices", "8", "--json", "/nonexistent-dir/plan.json"],

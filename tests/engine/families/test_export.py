@@ -202,8 +202,9 @@ def test_adapter_targets_reach_exactly_their_modules(family_pair, target_set, tm
     names = sorted({n.rpartition(".")[2] for n, m in base_ours.named_modules() if isinstance(m, torch.nn.Linear)})
     pick, experts = TARGET_SETS[target_set]
     assert pick(names) is not None and (pick(names) or experts), f"{target_set} adapts nothing of {names}"
-    # dropout is a no-op at inference; PEFT refuses it on parameter targets, so the export writes it as 0 there.
-    lora = LoraProfile(r=2, alpha=6, dropout=0.1, target_modules=pick(names), experts=experts)
+    # dropout is a no-op at inference; PEFT refuses it on parameter targets, so the export writes it as 0 there
+    # (expert adapters take none: lora.dropout must be 0 with them).
+    lora = LoraProfile(r=2, alpha=6, dropout=0.0 if experts else 0.1, target_modules=pick(names), experts=experts)
     ours = inject_lora(copy.deepcopy(base_ours), lora)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # every adapter factor random, B included, so each adapter changes the output
