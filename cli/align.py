@@ -61,6 +61,10 @@ def align(
         problems.append("--reference DIR or --golden FILE is required")
     if reference is not None and not (reference / "config.json").is_file():
         problems.append(f"--reference ('{reference}') must be a checkpoint directory with a config.json")
+    if update_golden and golden is None:
+        problems.append("--update-golden re-records the --golden trace: give --golden FILE")
+    if golden is not None and golden.is_dir():
+        problems.append(f"--golden ({str(golden)!r}) is a folder: name the trace file")
     if pin_routing and golden is not None:
         problems.append("--pin-routing compares with the reference: it does not apply to --golden")
     if profile is not None and reference is not None:
@@ -92,7 +96,8 @@ def align(
                 fail([f"--golden ({str(golden)!r}): cannot write the trace ({error_line(err)}); the file is as it "
                       "was"])
             if written:
-                console.print(f"recorded golden trace {golden}", markup=False)
+                unwritten = "; nothing was compared, so no --json report was written" if json_out is not None else ""
+                console.print(f"recorded golden trace {golden}{unwritten}", markup=False, soft_wrap=True)
                 return
         else:
             docs = None
@@ -131,6 +136,7 @@ def print_report(console: Console, report) -> None:
         f"{report.model_type}: moe-tune vs {against}, documents {report.documents}"
         + (f", {' and '.join(pinned)} pinned to the reference's" if pinned else ""),
         markup=False,
+        soft_wrap=True,
     )
     if report.reference_paths:
         console.print(f"reference: {report.reference_paths}", markup=False, soft_wrap=True)
@@ -149,15 +155,30 @@ def print_report(console: Console, report) -> None:
     for selection in report.selections:
         console.print(
             f"layer {selection.layer} sparse attention: {selection.differed} of {selection.rows} query rows chose "
-            f"other keys than the reference{when}",
+            f"other keys than the reference{when} (the budget left keys out in {selection.left_out})",
             markup=False,
             soft_wrap=True,
         )
+    if report.selections and not any(selection.left_out for selection in report.selections):
+        console.print("(every query's budget covered all the keys it sees: the indexers' choice is not tested; give "
+                      "--batch documents longer than the budget)", markup=False, soft_wrap=True)
     if not report.pinned_selection and any(selection.differed for selection in report.selections):
         console.print("(a different selection changes every later row; --pin-routing feeds the reference's "
                       "selection to ours, so the attention itself is compared)", markup=False)
+    when = " before pinning" if report.pinned_routing else ""
+    for route in report.routing:
+        if route.differed:
+            console.print(
+                f"layer {route.layer} routing: {route.differed} of {route.tokens} tokens chose other experts than the "
+                f"reference{when}, {route.beyond_tie} of them beyond a tie",
+                markup=False,
+                soft_wrap=True,
+            )
+    if report.routing and not any(route.differed for route in report.routing):
+        console.print(f"routing: every token chose the reference's experts in the {len(report.routing)} MoE layers"
+                      f"{when}", markup=False, soft_wrap=True)
     if report.passed:
         console.print("aligned: within tolerance", markup=False)
     else:
         for line in report.failures:
-            console.print(f"NOT aligned: {line}", markup=False)
+            console.print(f"NOT aligned: {line}", markup=False, soft_wrap=True)

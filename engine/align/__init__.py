@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_tune.engine.families import UnsupportedModel
 from moe_tune.profiles import ProfileError
 
 from .compare import AlignReport, Document, Row, Tolerances, align_checkpoint, default_documents, load_ours, read_batch
-from .golden import batch_difference, check_golden, record_golden
+from .golden import batch_difference, check_golden, read_golden, record_golden
 
 __all__ = [
     "AlignReport",
@@ -46,7 +47,14 @@ def run_golden(
     tolerances: Tolerances = Tolerances(),
 ) -> tuple[AlignReport | None, bool]:
     """Check the golden trace at `path`, or record it when it does not exist yet (or `update`).
-    Returns (the comparison, or None when recorded; whether a trace was written)."""
+    Returns (the comparison, or None when recorded; whether a trace was written). `update` replaces a golden trace
+    only: any other file at `path` is refused, not overwritten."""
+    if update and path.exists():
+        try:
+            read_golden(path)
+        except UnsupportedModel as err:
+            raise UnsupportedModel([f"{line}: --update-golden replaces a golden trace only; remove the file or name "
+                                    "another" for line in err.problems]) from None
     model, cfg = golden_model(reference, profile_model)
     # Read (and so checked) whether it records or checks: a --batch that cannot be read is refused either way.
     docs = read_batch(batch, cfg, reference) if batch is not None else None

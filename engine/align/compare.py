@@ -68,11 +68,27 @@ class Row:
 @dataclass
 class Selection:
     """The keys one sparse attention layer's indexer chose, ours against the reference's: `rows` query rows compared,
-    `differed` of them chose another set (before pinning, when the selection was pinned to the reference's)."""
+    `differed` of them chose another set (before pinning, when the selection was pinned to the reference's);
+    `left_out` rows where the reference's choice left out a key the query sees (elsewhere the budget covers every
+    key, so any indexer chooses the same)."""
 
     layer: int
     rows: int
     differed: int
+    left_out: int = 0
+
+
+@dataclass
+class Routing:
+    """The experts one MoE layer's router chose for each token, ours (before pinning, when the routing was pinned)
+    against the reference's: `tokens` compared, `differed` of them chose another set, `beyond_tie` of those where no
+    near tie explains it (routing_row: moving each router logit by at most the hidden-state tolerance times the
+    token's largest |logit| neither makes our rule choose the reference's experts nor changes our own choice)."""
+
+    layer: int
+    tokens: int
+    differed: int
+    beyond_tie: int
 
 
 @dataclass
@@ -93,6 +109,7 @@ class AlignReport:
     selections: list[Selection] = field(default_factory=list)  # one per sparse attention layer
     pinned_selection: bool = False  # our indexers took the reference's selection
     reference_paths: str = ""  # which implementation the reference ran (reference.describe)
+    routing: list[Routing] = field(default_factory=list)  # one per MoE layer
 
     @property
     def failures(self) -> list[str]:
@@ -111,6 +128,16 @@ class AlignReport:
             for row in self.lora_grads
             if not row.rel <= tol.lora_grad_rel
         ]
+        # Pinned, the numbers never see our router's own choice: one no near tie explains is a wrong routing rule (a
+        # selection bias or group limit ignored). Unpinned, the numbers judge it, and a layer's choice also follows
+        # every difference before it.
+        if self.pinned_routing:
+            out += [
+                f"layer {route.layer} routing: {route.beyond_tie} of {route.tokens} tokens chose other experts than "
+                "the reference beyond a tie"
+                for route in self.routing
+                if route.beyond_tie
+            ]
         return out
 
     @property
@@ -391,6 +418,80 @@ def _capture_inputs(layer: nn.Module, width: int) -> tuple[list[list[torch.Tenso
     return store, [layer.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
+def _capture_inputs_of(modules: list[nn.Module]) -> tuple[list[list[torch.Tensor]], list]:
+    """Forward pre-hooks appending the first input of module i to store[i] on every call."""
+    store: list[list[torch.Tensor]] = [[] for _ in modules]
+
+    def hook(i: int):
+        def keep(_module, args, kwargs):
+            store[i].append((args[0] if args else next(iter(kwargs.values()))).detach())
+
+        return keep
+
+    return store, [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
+
+
+class _RouterLogits:
+    """Router logits standing in for MoEBlock._gate_projections' result, so the block's own rule routes them."""
+
+    def __init__(self, logits_TE: torch.Tensor):
+        self.logits_TE = logits_TE
+
+    def of(self, _module: nn.Module) -> tuple[torch.Tensor]:
+        return (self.logits_TE,)
+
+
+def block_router_logits(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The router logits [T, E] of our MoE block on its input x [..., D]."""
+    with torch.no_grad():
+        return block.gate(x.reshape(-1, x.shape[-1])).float()
+
+
+def block_rule(block: nn.Module):
+    """Our MoE block's routing rule (score function, selection bias, group limit) as a function of its router
+    logits [T, E] -> experts [T, k]; never pinned. The block's own _route, so the rule compared is the one it runs."""
+
+    def choose(logits_TE: torch.Tensor) -> torch.Tensor:
+        assert block.pinned_topk_ids is None, "the routing is read back after the run, unpinned"
+        with torch.no_grad():
+            return block._route(logits_TE, _RouterLogits(logits_TE))[1]
+
+    return choose
+
+
+def routing_row(layer: int, choose, logits_TE: torch.Tensor, ref_ids_Tk: torch.Tensor, rel_shift: float,
+                n_group: int = 1) -> Routing:  # fmt: skip
+    """Our routing rule `choose` (router logits [T, E] -> experts [T, k]) on our router's logits against the experts
+    the reference chose, ref_ids_Tk [T, k]. A token whose set of experts differs is within a tie when moving each of
+    its logits by at most rel_shift times its largest |logit| either makes `choose` pick the reference's set (up at
+    its experts, down in the groups, n_group equal runs of expert ids, that hold none of them) or changes our own
+    choice (down at our experts, up elsewhere); otherwise it counts in `beyond_tie`."""
+    ours_Tk = choose(logits_TE).long().sort(-1).values
+    ref_Tk = ref_ids_Tk.long().to(ours_Tk.device).sort(-1).values
+    if ours_Tk.shape != ref_Tk.shape:
+        return Routing(layer, len(ref_Tk), len(ref_Tk), len(ref_Tk))
+    differs_T = (ours_Tk != ref_Tk).any(-1)
+    beyond = 0
+    if differs_T.any():
+        logits_NE, ref_Nk, ours_Nk = logits_TE[differs_T].float(), ref_Tk[differs_T], ours_Tk[differs_T]
+        shift_N1 = rel_shift * logits_NE.abs().amax(-1, keepdim=True)
+        to_ref_NE = logits_NE + _towards(ref_Nk, logits_NE.shape, n_group) * shift_N1
+        away_NE = logits_NE - _towards(ours_Nk, logits_NE.shape, logits_NE.shape[1]) * shift_N1
+        reaches_ref_N = (choose(to_ref_NE).long().sort(-1).values == ref_Nk).all(-1)
+        leaves_ours_N = (choose(away_NE).long().sort(-1).values != ours_Nk).any(-1)
+        beyond = int((~reaches_ref_N & ~leaves_ours_N).sum())
+    return Routing(layer, len(ref_Tk), int(differs_T.sum()), beyond)
+
+
+def _towards(ids_Nk: torch.Tensor, shape: torch.Size, n_group: int) -> torch.Tensor:
+    """[N, E]: 1 at the experts ids_Nk, 0 at the other experts of their groups, -1 in the groups holding none."""
+    num_tokens, num_experts = shape
+    is_chosen_NE = torch.zeros(shape, dtype=torch.bool, device=ids_Nk.device).scatter_(1, ids_Nk, True)
+    in_group_NGe = is_chosen_NE.view(num_tokens, n_group, -1).any(-1, keepdim=True)
+    in_group_NE = in_group_NGe.expand(-1, -1, num_experts // n_group).reshape(shape)
+    return torch.where(is_chosen_NE, 1.0, torch.where(in_group_NE, 0.0, -1.0))
+
+
 def _reference_inputs(doc: "Document", cfg: ModelProfile) -> dict[str, torch.Tensor]:
     inputs = {"input_ids": doc.input_ids[None]}
     if doc.pixel_values is not None:
@@ -600,7 +701,8 @@ def _count_differing_rows(layer: int, ours_TT: torch.Tensor, ref_keys: list[torc
     bounds = cu_seqlens.tolist()
     differed = sum(int((ours_TT[a:b, a:b] != keys_LL).any(-1).sum())
                    for keys_LL, a, b in zip(ref_keys, bounds[:-1], bounds[1:]))
-    return Selection(layer=layer, rows=bounds[-1], differed=differed)
+    left_out = sum(int((keys_LL != torch.ones_like(keys_LL).tril()).any(-1).sum()) for keys_LL in ref_keys)
+    return Selection(layer=layer, rows=bounds[-1], differed=differed, left_out=left_out)
 
 
 def align_checkpoint(
@@ -694,6 +796,10 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
             block.pinned_topk_ids = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])
 
     with_images = bool(images)
+    # Our routers' inputs, from which their own choice is taken again after the run (pinned or not).
+    router_inputs, router_handles = [], []
+    if len(routers) == len(moe_blocks):
+        router_inputs, router_handles = _capture_inputs_of(moe_blocks)
     our_hidden, handles = _capture(our_layers, family.our_layer_output)
     our_embeds, embed_handles = _capture_inputs(our_layers[0], cfg.hidden_size)
     our_vision, vision_handles = [], []
@@ -703,7 +809,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         out = ours(ids, cu, labels, **images)
         out.lm_loss.backward()
     finally:
-        for h in handles + embed_handles + vision_handles:
+        for h in handles + embed_handles + vision_handles + router_handles:
             h.remove()
         for block in moe_blocks:
             block.pinned_topk_ids = None
@@ -714,6 +820,13 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     selections = [
         _count_differing_rows(layer, _our_selected_keys(choice[0], ours_indexer.block_size, cu), keys, cu)
         for (layer, ours_indexer, _), keys, choice in zip(indexers, ref_keys, own_choices)
+    ]
+
+    block_layers = {id(m): _layer_of(n) for n, m in our_root.named_modules() if isinstance(m, MoEBlock)}
+    routing = [
+        routing_row(block_layers[id(block)], block_rule(block), block_router_logits(block, inputs[0]),
+                    torch.cat([r.reshape(-1, r.shape[-1]) for r in routes]), tolerances.hidden_rel, block.spec.n_group)
+        for block, inputs, routes in zip(moe_blocks, router_inputs, ref_routes)
     ]
 
     rows = []
@@ -750,6 +863,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         tolerances=tolerances,
         selections=selections,
         reference_paths=reference_paths(ref_root),
+        routing=routing,
     )
 
 

@@ -27,6 +27,8 @@ def test_aligned_checkpoint_exits_0_and_writes_json(checkpoint, tmp_path):
     report = json.loads(out.read_text())
     assert report["passed"] and report["pinned_routing"] and report["model_type"] == "qwen3_moe"
     assert report["selections"] == [] and report["pinned_selection"] is False
+    assert report["routing"] == [{"layer": i, "tokens": 46, "differed": 0, "beyond_tie": 0} for i in (1, 2)]
+    assert "routing: every token chose the reference's experts in the 2 MoE layers before pinning" in result.stdout
     assert [row["name"] for row in report["layers"]] == ["layer 0", "layer 1", "layer 2"]
     assert report["logits"]["max_abs"] <= 1e-4 and report["kl"] <= 1e-6
 
@@ -106,6 +108,8 @@ def test_batch_file(checkpoint, tmp_path):
         (["--reference", "/nonexistent"], "error: --reference ('/nonexistent') must be a checkpoint directory"),
         (["--golden", "g.safetensors", "--pin-routing"], "error: --pin-routing compares with the reference"),
         (["--golden", "g.safetensors", "--kl", "-1"], "error: --kl (-1.0) must be a finite number >= 0"),
+        (["--golden", "."], "error: --golden ('.') is a folder: name the trace file"),
+        (["--golden", "/", "--update-golden"], "error: --golden ('/') is a folder: name the trace file"),
     ],
 )
 def test_bad_input_exits_2(args, message, tmp_path):
@@ -113,6 +117,16 @@ def test_bad_input_exits_2(args, message, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.startswith(message)
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("others", [[], ["--reference", "{ckpt}"], ["--reference", "{ckpt}", "--pin-routing"]],
+                         ids=["alone", "with_reference", "pinned"])
+def test_update_golden_without_golden_is_one_line_exit_2_before_anything_runs(checkpoint, others):
+    # It was ignored: the run compared with the reference and exited 0, re-recording nothing.
+    result = runner.invoke(app, ["align", "--update-golden", *(a.format(ckpt=checkpoint) for a in others)])
+    assert result.exit_code == 2, result.output
+    assert "error: --update-golden re-records the --golden trace: give --golden FILE" in result.stderr.splitlines()
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("option", ["--batch", "--golden"])
@@ -177,14 +191,15 @@ def test_a_golden_trace_the_disk_cannot_hold_is_one_line_and_the_old_one_kept(tm
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     golden = tmp_path / "g.safetensors"
-    golden.write_bytes(b"the previous trace")
+    assert runner.invoke(app, ["align", "--golden", str(golden)]).exit_code == 0
+    previous = golden.read_bytes()
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     result = runner.invoke(app, ["align", "--golden", str(golden), "--update-golden"])
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines() == [f"error: --golden ({str(golden)!r}): cannot write the trace (Error while "
                                           "serializing: I/O error: No space left on device (os error 28)); the file "
                                           "is as it was"]  # fmt: skip
-    assert golden.read_bytes() == b"the previous trace" and [p.name for p in tmp_path.iterdir()] == ["g.safetensors"]
+    assert golden.read_bytes() == previous and [p.name for p in tmp_path.iterdir()] == ["g.safetensors"]
 
 
 def test_a_batch_given_with_an_existing_golden_trace_is_read_and_must_be_its_batch(tmp_path):
@@ -390,3 +405,69 @@ def test_a_text_record_is_tokenized_with_the_checkpoints_tokenizer(checkpoint_wi
                                  "--json", str(out)])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["documents"] == [5, 2]
+
+
+def test_a_routing_rule_pinning_hides_is_printed_and_fails(checkpoint, tmp_path, monkeypatch):
+    # A selection bias where the checkpoint has none: with the reference's experts pinned every number aligns, our
+    # own choice does not.
+    import torch
+
+    import moe_tune.engine.model.moe as moe_module
+
+    route = moe_module.topk_route
+
+    def biased(logits, top_k, **kw):
+        return route(logits, top_k, **{**kw, "selection_bias": torch.linspace(0.0, 1.0, logits.shape[-1])})
+
+    monkeypatch.setattr(moe_module, "topk_route", biased)
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--pin-routing", "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    routing = json.loads(out.read_text())["routing"]
+    assert [route["layer"] for route in routing] == [1, 2] and all(route["beyond_tie"] > 0 for route in routing)
+    for route in routing:
+        assert (f"layer {route['layer']} routing: {route['differed']} of 46 tokens chose other experts than the "
+                f"reference before pinning, {route['beyond_tie']} of them beyond a tie") in result.stdout
+        assert (f"NOT aligned: layer {route['layer']} routing: {route['beyond_tie']} of 46 tokens chose other experts "
+                "than the reference beyond a tie") in result.stdout
+
+
+def test_a_sparse_budget_covering_every_document_is_said_to_test_no_selection(tmp_path):
+    checkpoint = save_tiny_checkpoint(tiny_deepseek_v32(index_topk=64), tmp_path / "dsv32")
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint)])
+    assert result.exit_code == 0, result.output
+    for layer in range(3):
+        assert (f"layer {layer} sparse attention: 0 of 46 query rows chose other keys than the reference (the budget "
+                "left keys out in 0)") in result.stdout
+    assert ("(every query's budget covered all the keys it sees: the indexers' choice is not tested; give --batch "
+            "documents longer than the budget)") in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["text", "empty", "weights"])
+def test_update_golden_over_a_file_that_is_no_golden_trace_is_refused_and_the_file_kept(checkpoint, tmp_path, kind):
+    target = tmp_path / "file"
+    content = {"text": b"my notes", "empty": b"", "weights": (checkpoint / "model.safetensors").read_bytes()}[kind]
+    target.write_bytes(content)
+    result = runner.invoke(app, ["align", "--golden", str(target), "--update-golden"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --golden {target}: not a golden trace (") and line.endswith(
+        "): --update-golden replaces a golden trace only; remove the file or name another"), line
+    assert target.read_bytes() == content and "Traceback" not in result.output
+
+
+def test_update_golden_re_records_a_golden_trace(tmp_path):
+    golden = tmp_path / "g.safetensors"
+    assert runner.invoke(app, ["align", "--golden", str(golden)]).exit_code == 0
+    result = runner.invoke(app, ["align", "--golden", str(golden), "--update-golden"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"recorded golden trace {golden}"
+
+
+def test_recording_a_golden_trace_says_no_json_report_was_written(tmp_path):
+    golden, out = tmp_path / "g.safetensors", tmp_path / "r.json"
+    result = runner.invoke(app, ["align", "--golden", str(golden), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (f"recorded golden trace {golden}; nothing was compared, so no --json report was "
+                                     "written")
+    assert golden.exists() and not out.exists()

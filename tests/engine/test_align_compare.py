@@ -1,9 +1,17 @@
-"""align's comparison rows: LoRA gradients relative to the reference's scale, a reference gradient of zero included."""
+"""align's comparison rows: LoRA gradients relative to the reference's scale, a reference gradient of zero included;
+our routers' own choice against the reference's, near ties told apart from another rule; the sparse attention rows
+whose budget left keys out."""
 
 import pytest
 import torch
 
-from moe_tune.engine.align.compare import Tolerances, diff_row, lora_gradient_rows
+import moe_tune.engine.model.moe as moe_module
+from moe_tune.engine.align import align_checkpoint
+from moe_tune.engine.align.compare import Routing, Tolerances, diff_row, lora_gradient_rows, routing_row
+from moe_tune.ops.moe import topk_route
+
+from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_deepseek_v32, tiny_glm4_moe, tiny_kimi_linear
+from hf_tiny import tiny_qwen3_moe
 
 TOLERANCE = Tolerances().lora_grad_rel
 
@@ -56,3 +64,167 @@ def test_other_rows_keep_their_own_scale():
     # Hidden states and logits have no zero_scale: a zero reference with a difference fails as before.
     assert diff_row("layer 0", torch.ones(2), torch.zeros(2)).rel == float("inf")
     assert diff_row("layer 0", torch.zeros(2), torch.zeros(2)).rel == 0.0
+
+
+# Routing: our router's own choice against the reference's, a near tie told apart from another rule.
+
+
+NUM_TOKENS, NUM_EXPERTS, TOP_K = 64, 8, 2
+RULES = {
+    "softmax": dict(score_func="softmax"),
+    "sigmoid_bias": dict(score_func="sigmoid", selection_bias=torch.linspace(-0.3, 0.3, NUM_EXPERTS)),
+    "sigmoid_bias_groups": dict(score_func="sigmoid", selection_bias=torch.linspace(0.3, -0.3, NUM_EXPERTS),
+                                n_group=4, topk_group=2),
+}
+
+
+def _rule(**kwargs):
+    return lambda logits_TE: topk_route(logits_TE, TOP_K, **kwargs)[0]
+
+
+def _logits(seed: int) -> torch.Tensor:
+    return torch.randn(NUM_TOKENS, NUM_EXPERTS, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _tied_logits(seed: int, rule: dict) -> torch.Tensor:
+    """Logits whose choice scores (score + selection bias) take 3 values: most tokens tie at their k-th expert."""
+    choice = 0.4 + 0.1 * torch.randint(0, 3, (NUM_TOKENS, NUM_EXPERTS), generator=torch.Generator().manual_seed(seed))
+    if rule["score_func"] == "softmax":
+        return choice * 10
+    score = choice - rule.get("selection_bias", torch.zeros(NUM_EXPERTS))
+    return torch.log(score / (1 - score))
+
+
+def _differing(ours_Tk: torch.Tensor, ref_Tk: torch.Tensor) -> int:
+    return sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(ours_Tk, ref_Tk))
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_same_rule_on_the_same_logits_differs_nowhere(rule, seed):
+    logits = _logits(seed)
+    choose = _rule(**RULES[rule])
+    # The reference lists its experts in another order: a set is compared, not a sequence.
+    ref = choose(logits).flip(-1)
+    assert routing_row(3, choose, logits, ref, 1e-4) == Routing(3, NUM_TOKENS, 0, 0)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flips_between_nearly_tied_experts_are_within_a_tie(rule, seed):
+    # The reference's logits differ from ours by 1e-6 of the largest: where experts tie, the two choices differ,
+    # and a shift of 1e-4 of the largest logit explains every one.
+    logits = _tied_logits(seed, RULES[rule])
+    noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed + 10)) * 1e-6 * logits.abs().max()
+    choose = _rule(**RULES[rule])
+    ref = choose(logits + noise)
+    differed = _differing(choose(logits), ref)
+    assert differed >= NUM_TOKENS // 4
+    n_group = RULES[rule].get("n_group", 1)
+    assert routing_row(0, choose, logits, ref, 1e-4, n_group) == Routing(0, NUM_TOKENS, differed, 0)
+    # Without any shift allowed nothing is a tie.
+    assert routing_row(0, choose, logits, ref, 0.0, n_group) == Routing(0, NUM_TOKENS, differed, differed)
+
+
+@pytest.mark.parametrize(
+    "ours, reference",
+    [("softmax", "sigmoid_bias"), ("sigmoid_bias", "sigmoid_bias_groups"),
+     ({"score_func": "sigmoid"}, "sigmoid_bias")],
+    ids=["another_score_and_bias", "group_limit_ignored", "selection_bias_ignored"],
+)  # fmt: skip
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_choice_by_another_rule_is_beyond_a_tie(ours, reference, seed):
+    logits = _logits(seed)
+    choose = _rule(**(RULES[ours] if isinstance(ours, str) else ours))
+    ref = _rule(**RULES[reference])(logits)
+    differed = _differing(choose(logits), ref)
+    assert differed >= NUM_TOKENS // 8
+    n_group = RULES[reference].get("n_group", 1)
+    assert routing_row(1, choose, logits, ref, 1e-4, n_group) == Routing(1, NUM_TOKENS, differed, differed)
+
+
+def test_a_reference_of_another_top_k_differs_everywhere():
+    logits = _logits(0)
+    ref = topk_route(logits, TOP_K + 1)[0]
+    assert routing_row(2, _rule(), logits, ref, 1e-4) == Routing(2, NUM_TOKENS, NUM_TOKENS, NUM_TOKENS)
+
+
+# Planted in our model: a routing rule that a pinned routing hides from every number, for each family whose rule has
+# a selection bias or a group limit; and flips between experts the checkpoint ties, which pinning absorbs.
+
+
+BIASED_ROUTERS = {"deepseek_v3": tiny_deepseek_v3, "deepseek_v32": tiny_deepseek_v32, "glm4_moe": tiny_glm4_moe,
+                  "kimi_linear": tiny_kimi_linear}
+ROUTING_BUGS = {"selection_bias_ignored": dict(selection_bias=None),
+                "group_limit_ignored": dict(n_group=1, topk_group=1)}
+
+
+def _plant_routing(monkeypatch, **wrong):
+    route = moe_module.topk_route
+    monkeypatch.setattr(moe_module, "topk_route", lambda logits, top_k, **kw: route(logits, top_k, **{**kw, **wrong}))
+
+
+# kimi_linear's tiny checkpoint has one group: no limit to ignore.
+@pytest.mark.parametrize("family, bug", [(family, bug) for family in BIASED_ROUTERS for bug in ROUTING_BUGS
+                                         if (family, bug) != ("kimi_linear", "group_limit_ignored")])
+def test_a_wrong_routing_rule_fails_alignment_with_the_routing_pinned(tmp_path, monkeypatch, family, bug):
+    checkpoint = save_tiny_checkpoint(BIASED_ROUTERS[family](), tmp_path / family)
+    _plant_routing(monkeypatch, **ROUTING_BUGS[bug])
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    # The numbers see the reference's experts only: they align.
+    assert all(row.rel <= 1e-4 for row in report.layers) and report.logits.max_abs <= 1e-4
+    # A token of the wrong rule may sit near a tie of its own: nearly all, not all, are beyond one.
+    assert report.routing and all(route.differed >= route.beyond_tie >= 0.9 * route.differed > 0
+                                  for route in report.routing)
+    assert [line for line in report.failures if "routing" in line] == [
+        f"layer {route.layer} routing: {route.beyond_tie} of {sum(report.documents)} tokens chose other experts "
+        "than the reference beyond a tie" for route in report.routing
+    ]
+    assert not report.passed
+
+
+@pytest.fixture
+def tied_experts_checkpoint(tmp_path):
+    """qwen3_moe whose routers score experts 0 and 1 alike (equal rows): every token that weighs one of them at its
+    k-th place ties."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = save_tiny_checkpoint(tiny_qwen3_moe(), tmp_path / "qwen3_moe")
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith("mlp.gate.weight")]:
+        tensors[key][1] = tensors[key][0]
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    return checkpoint
+
+
+@pytest.mark.parametrize("bump", [1e-7, 1e-6], ids=str)
+def test_flips_between_tied_experts_align_with_the_routing_pinned(tied_experts_checkpoint, monkeypatch, bump):
+    # Our router tips the tie towards expert 1 by `bump` of its largest weight; the reference's goes to 0.
+    import moe_tune.engine.align.compare as compare
+
+    load = compare.load_ours
+
+    def tipped(cfg):
+        model = load(cfg)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param[1] += bump * param[1].abs().max()
+        return model
+
+    monkeypatch.setattr(compare, "load_ours", tipped)
+    report = align_checkpoint(tied_experts_checkpoint, pin_routing=True)
+    assert report.passed, report.failures
+    assert sum(route.differed for route in report.routing) > 0
+    assert all(route.beyond_tie == 0 for route in report.routing)
+
+
+@pytest.mark.parametrize("topk", [6, 12, 64])
+def test_selection_rows_the_budget_left_keys_out_are_counted(tmp_path, topk):
+    # Token selection: a query at position p of its document sees p + 1 keys, so the budget leaves keys out of the
+    # last L - topk rows; a budget covering every document leaves nothing out and so tests no indexer.
+    checkpoint = save_tiny_checkpoint(tiny_deepseek_v32(index_topk=topk), tmp_path / "dsv32")
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    assert report.passed, report.failures
+    expected = sum(max(0, length - topk) for length in report.documents)
+    assert [(s.rows, s.left_out) for s in report.selections] == [(sum(report.documents), expected)] * 3
