@@ -46,7 +46,8 @@ def align(
     loss_atol: Annotated[float, typer.Option(help="max abs difference of the loss")] = 1e-4,
     grad_rtol: Annotated[float, typer.Option(help="max relative difference of LoRA gradients")] = 1e-3,
     hidden_rtol: Annotated[
-        float, typer.Option(help="max relative difference of each layer's hidden state (and the vision rows)")
+        float, typer.Option(help="max relative difference of each layer's hidden state (and the vision rows), per "
+                            "channel: each channel's max abs difference over the reference's largest |value| in it")
     ] = 1e-4,
 ) -> None:
     """Numerical alignment, layer by layer: hidden states, logits (max abs, cosine, KL), loss, LoRA gradients.
@@ -141,10 +142,11 @@ def print_report(console: Console, report) -> None:
     if report.reference_paths:
         console.print(f"reference: {report.reference_paths}", markup=False, soft_wrap=True)
     table = Table(show_edge=False)
-    for col in ("compared", "max abs", "relative"):
+    for col in ("compared", "max abs", "relative", "per channel"):
         table.add_column(col, justify="left" if col == "compared" else "right")
     for row in report.layers + [report.logits] + report.lora_grads:
-        table.add_row(row.name, f"{row.max_abs:.3e}", f"{row.rel:.3e}")
+        channels = "" if row.channel_rel is None else f"{row.channel_rel:.3e}"
+        table.add_row(row.name, f"{row.max_abs:.3e}", f"{row.rel:.3e}", channels)
     console.print(table)
     console.print(
         f"logits cosine {report.logits_cosine:.8f}  KL {report.kl:.3e}  "

@@ -33,6 +33,64 @@ def test_aligned_checkpoint_exits_0_and_writes_json(checkpoint, tmp_path):
     assert report["logits"]["max_abs"] <= 1e-4 and report["kl"] <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def massive_checkpoint(checkpoint, tmp_path_factory):
+    """The qwen3_moe checkpoint with embedding channels 3 and 7 x1e3: massive activations in every layer."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("align_massive") / "qwen3_moe"
+    shutil.copytree(checkpoint, copy)
+    (weights,) = copy.glob("*.safetensors")
+    tensors = load_file(str(weights))
+    tensors["model.embed_tokens.weight"][:, [3, 7]] *= 1e3
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return copy
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["correct", "o_proj_1pct_off"])
+def test_hidden_states_are_judged_per_channel(massive_checkpoint, tmp_path, monkeypatch, bug):
+    import torch
+
+    import moe_tune.engine.align.compare as compare
+
+    load = compare.load_ours
+
+    def planted(cfg):
+        model = load(cfg)
+        with torch.no_grad():
+            dict(model.named_parameters())["layers.1.self_attn.o_proj.weight"].mul_(1.01)
+        return model
+
+    if bug:
+        monkeypatch.setattr(compare, "load_ours", planted)
+    out = tmp_path / "report.json"
+    args = ["align", "--reference", str(massive_checkpoint), "--json", str(out), "--grad-rtol", "1"]
+    result = runner.invoke(app, args)
+    report = json.loads(out.read_text())
+    layers = report["layers"]
+    lines = result.stdout.splitlines()
+    assert [line.split()[-2:] for line in lines if "compared" in line] == [["per", "channel"]]
+    for row in layers:
+        (line,) = [line for line in lines if line.strip().startswith(row["name"] + " ")]
+        assert line.split()[-1] == f"{row['channel_rel']:.3e}"
+    assert all(row["rel"] <= 1e-4 for row in layers) and all(row["channel_rel"] >= row["rel"] for row in layers)
+    assert report["logits"]["channel_rel"] is not None
+    assert report["lora_grads"] and all(row["channel_rel"] is None for row in report["lora_grads"])
+    if not bug:
+        assert result.exit_code == 0, result.output
+        assert max(row["channel_rel"] for row in layers) <= 1e-5
+        return
+    # Against each layer's largest value the 1% error hides; per channel it fails every layer from the bug on.
+    assert result.exit_code == 1, result.output
+    assert [row["channel_rel"] > 1e-3 for row in layers] == [False, True, True]
+    for row in layers[1:]:
+        assert (f"NOT aligned: {row['name']} rel {row['rel']:.3g}, per channel {row['channel_rel']:.3g} > 0.0001"
+                in result.stdout)
+    # --hidden-rtol sets the per-channel tolerance.
+    result = runner.invoke(app, args + ["--hidden-rtol", "1"])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("changed", [1, 3], ids=["one", "three"])
 def test_a_weight_of_another_shape_than_the_config_says_is_one_line(checkpoint, tmp_path, changed):
     # transformers raised it as a RuntimeError under a printed load report: a traceback.

@@ -1,17 +1,19 @@
 """align's comparison rows: LoRA gradients relative to the reference's scale, a reference gradient of zero included;
-our routers' own choice against the reference's, near ties told apart from another rule; the sparse attention rows
-whose budget left keys out."""
+hidden states per channel, so that massive activations hide no error in the other channels; our routers' own choice
+against the reference's, near ties told apart from another rule; the sparse attention rows whose budget left keys
+out."""
 
 import pytest
 import torch
 
 import moe_tune.engine.model.moe as moe_module
-from moe_tune.engine.align import align_checkpoint
+from moe_tune.engine.align import align_checkpoint, default_documents
 from moe_tune.engine.align.compare import Routing, Tolerances, diff_row, lora_gradient_rows, routing_row
+from moe_tune.engine.families import model_profile_from_checkpoint
 from moe_tune.ops.moe import topk_route
 
 from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_deepseek_v32, tiny_glm4_moe, tiny_kimi_linear
-from hf_tiny import tiny_qwen3_moe
+from hf_tiny import tiny_qwen3_moe, tiny_qwen3_next
 
 TOLERANCE = Tolerances().lora_grad_rel
 
@@ -64,6 +66,149 @@ def test_other_rows_keep_their_own_scale():
     # Hidden states and logits have no zero_scale: a zero reference with a difference fails as before.
     assert diff_row("layer 0", torch.ones(2), torch.zeros(2)).rel == float("inf")
     assert diff_row("layer 0", torch.zeros(2), torch.zeros(2)).rel == 0.0
+
+
+# Hidden states per channel: massive activations (a few channels 100-10,000x the others) set the scale of their own
+# errors only.
+
+
+HIDDEN_TOLERANCE = Tolerances().hidden_rel
+MASSIVE_CHANNELS = [3, 7]
+MASSIVE_GAIN = 1e3
+
+
+def _massive(seed: int = 0, shape=(46, 32)) -> torch.Tensor:
+    hidden = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    hidden[:, MASSIVE_CHANNELS] *= MASSIVE_GAIN
+    return hidden
+
+
+def test_an_error_in_the_ordinary_channels_is_not_hidden_by_massive_ones():
+    ref = _massive()
+    ours = ref.clone()
+    ordinary = [c for c in range(ref.shape[-1]) if c not in MASSIVE_CHANNELS]
+    ours[:, ordinary] *= 1.01
+    row = diff_row("layer 1", ours, ref)
+    # Against the largest value the 1% error looks like 1e-5: within tolerance.
+    assert row.rel <= HIDDEN_TOLERANCE
+    assert row.channel_rel == pytest.approx(1e-2, rel=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rounding_stays_within_tolerance_per_channel_and_never_below_the_whole_tensor_figure(seed):
+    ref = _massive(seed)
+    noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 10)) * 1e-7
+    row = diff_row("layer 0", ref * (1 + noise), ref)
+    assert row.channel_rel <= 1e-6
+    wrong = diff_row("layer 0", ref + torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed)), ref)
+    for checked in (row, wrong):
+        assert checked.channel_rel >= checked.rel
+
+
+def test_a_channel_the_reference_leaves_near_zero_is_measured_against_the_floor():
+    from moe_tune.engine.align.compare import CHANNEL_FLOOR
+
+    ref = _massive()
+    ref[:, 5] = 0.0
+    ours = ref.clone()
+    ours[:, 5] = 1e-9
+    median = ref.abs().amax(0).median().item()
+    assert diff_row("layer 0", ours, ref).channel_rel == pytest.approx(1e-9 / (CHANNEL_FLOOR * median), rel=1e-4)
+    # A reference of zeros: only an exact zero passes, as for the whole tensor's figure.
+    zero = torch.zeros(4, 8)
+    assert diff_row("layer 0", zero, zero).channel_rel == 0.0
+    assert diff_row("layer 0", zero + 1e-12, zero).channel_rel == float("inf")
+
+
+def test_a_nan_in_ours_fails_per_channel():
+    ref = _massive()
+    ours = ref.clone()
+    ours[4, 9] = float("nan")
+    row = diff_row("layer 0", ours, ref)
+    assert not row.channel_rel <= HIDDEN_TOLERANCE
+
+
+def test_lora_gradient_rows_have_no_channel_figure():
+    grad = _gradient(1.0, 0)
+    assert [row.channel_rel for row in lora_gradient_rows([("a", grad, grad)])] == [None]
+
+
+MASSIVE_FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "deepseek_v3": tiny_deepseek_v3, "qwen3_next": tiny_qwen3_next,
+                    "kimi_linear": tiny_kimi_linear}
+# Every document starts with this token, whose embedding holds the massive channels where they are per token.
+MASSIVE_TOKEN = 5
+
+
+@pytest.fixture(scope="module")
+def massive_checkpoint(tmp_path_factory):
+    """`massive_checkpoint(family, where)`: the family's tiny checkpoint with the embedding's MASSIVE_CHANNELS scaled
+    by MASSIVE_GAIN, in every token ("channels") or in MASSIVE_TOKEN's alone ("token"); the residual stream carries
+    them through every layer, in the reference and in ours alike."""
+    from safetensors.torch import load_file, save_file
+
+    built = {}
+
+    def make(family: str, where: str):
+        if (family, where) not in built:
+            directory = save_tiny_checkpoint(MASSIVE_FAMILIES[family](), tmp_path_factory.mktemp(family) / where)
+            tensors = load_file(str(directory / "model.safetensors"))
+            (key,) = [k for k in tensors if k.endswith("embed_tokens.weight")]
+            rows = slice(None) if where == "channels" else MASSIVE_TOKEN
+            tensors[key][rows, MASSIVE_CHANNELS] *= MASSIVE_GAIN
+            save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            built[family, where] = directory
+        return built[family, where]
+
+    return make
+
+
+def _documents_from(checkpoint):
+    docs = default_documents(model_profile_from_checkpoint(checkpoint)[2])
+    for doc in docs:
+        doc.input_ids[0] = MASSIVE_TOKEN
+    return docs
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("where", ["channels", "token"])
+@pytest.mark.parametrize("family", MASSIVE_FAMILIES)
+def test_correct_checkpoints_with_massive_activations_align(massive_checkpoint, family, where, pin):
+    checkpoint = massive_checkpoint(family, where)
+    report = align_checkpoint(checkpoint, _documents_from(checkpoint), pin_routing=pin)
+    assert report.passed, report.failures
+    assert max(row.channel_rel for row in report.layers) <= HIDDEN_TOLERANCE / 10
+
+
+# Planted in our model's layer 1: its attention output projection 1% off, or its input norm's weight off by 1e-2 at a
+# massive channel (the normalised input is mostly that channel, so the attention's input moves by about 1%).
+PLANTED = {"o_proj": ("layers.1.self_attn.o_proj.weight", lambda w: w.mul_(1.01)),
+           "norm": ("layers.1.input_layernorm.weight", lambda w: w[MASSIVE_CHANNELS[0]].add_(1e-2))}
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("bug", PLANTED)
+@pytest.mark.parametrize("family", MASSIVE_FAMILIES)
+def test_a_bug_behind_massive_activations_fails_alignment(massive_checkpoint, monkeypatch, family, bug, pin):
+    import moe_tune.engine.align.compare as compare
+
+    load, (name, plant) = compare.load_ours, PLANTED[bug]
+
+    def planted(cfg):
+        model = load(cfg)
+        with torch.no_grad():
+            plant(dict(model.named_parameters())[name])
+        return model
+
+    monkeypatch.setattr(compare, "load_ours", planted)
+    checkpoint = massive_checkpoint(family, "channels")
+    report = align_checkpoint(checkpoint, _documents_from(checkpoint), pin_routing=pin)
+    # Against its largest value the bug hides in layer 1, where it is (for most families in every layer).
+    assert report.layers[1].rel <= HIDDEN_TOLERANCE, report.layers
+    # Per channel it shows from layer 1 on, 20x the tolerance at least.
+    failed = [line for line in report.failures if line.startswith("layer ")]
+    assert [line.split(" rel ")[0] for line in failed] == [row.name for row in report.layers[1:]], report.failures
+    assert all(row.channel_rel > 20 * HIDDEN_TOLERANCE for row in report.layers[1:]), report.layers
+    assert not report.passed
 
 
 # Routing: our router's own choice against the reference's, a near tie told apart from another rule.
