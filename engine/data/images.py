@@ -16,7 +16,8 @@ import json
 import math
 import os
 import stat
-import warnings
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ MAX_IMAGE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the processor's default resample
 
 
 class ImageError(ValueError):
@@ -47,6 +49,8 @@ class ImageSettings:
     max_pixels: int = 28 * 28 * 1280
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = BICUBIC
 
     @property
     def factor(self) -> int:
@@ -58,7 +62,8 @@ class ImageSettings:
 
     @classmethod
     def from_checkpoint(cls, directory: Path) -> ImageSettings:
-        """The image processor settings saved beside a checkpoint (preprocessor_config.json); defaults otherwise."""
+        """The image processor settings saved beside a checkpoint (preprocessor_config.json), read as transformers'
+        Qwen2-VL image processor reads them; defaults otherwise. ImageError for a setting it cannot follow."""
         path = Path(directory) / "preprocessor_config.json"
         if not path.is_file():
             return cls()
@@ -66,16 +71,42 @@ class ImageSettings:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as err:
             raise ImageError(f"{path}: cannot read the image processor settings ({err})") from None
+        if not isinstance(raw, dict):
+            raise ImageError(f"{path}: must hold a JSON object, got {type(raw).__name__}")
         size = raw.get("size") or {}
+        if not isinstance(size, dict):
+            raise ImageError(f"{path}: size ({size!r}) must be an object with shortest_edge and longest_edge")
+        if raw.get("do_resize") is False:
+            raise ImageError(f"{path}: do_resize (false) is not followed: images are always resized to the patch grid")
         default = cls()
+
+        def pick(*values, fallback):
+            return next((v for v in values if v is not None), fallback)
+
+        def per_channel(key, fallback):
+            value = raw.get(key, fallback)
+            value = (value,) * 3 if isinstance(value, (int, float)) else tuple(value)
+            if len(value) != 3:
+                raise ImageError(f"{path}: {key} ({list(value)}) must give one value per RGB channel (3)")
+            return tuple(float(v) for v in value)
+
+        mean, std = per_channel("image_mean", default.image_mean), per_channel("image_std", default.image_std)
+        if raw.get("do_normalize") is False:
+            mean, std = (0.0,) * 3, (1.0,) * 3
+        rescale = 1.0 if raw.get("do_rescale") is False else pick(raw.get("rescale_factor"), fallback=1 / 255)
         return cls(
             patch_size=int(raw.get("patch_size", default.patch_size)),
             temporal_patch_size=int(raw.get("temporal_patch_size", default.temporal_patch_size)),
             merge_size=int(raw.get("merge_size", default.merge_size)),
-            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge") or default.min_pixels),
-            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge") or default.max_pixels),
-            image_mean=tuple(raw.get("image_mean", default.image_mean)),
-            image_std=tuple(raw.get("image_std", default.image_std)),
+            # Top-level min/max_pixels win over size, as in transformers; size's min/max_pixels are the older spelling.
+            min_pixels=int(pick(raw.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels"),
+                                fallback=default.min_pixels)),
+            max_pixels=int(pick(raw.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels"),
+                                fallback=default.max_pixels)),
+            image_mean=mean,
+            image_std=std,
+            rescale_factor=float(rescale),
+            resample=int(pick(raw.get("resample"), fallback=BICUBIC)),
         )
 
 
@@ -84,7 +115,7 @@ def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, 
     aspect ratio kept as closely as the grid allows."""
     factor = settings.factor
     if max(height, width) / min(height, width) > 200:
-        raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.0f} must be <= 200")
+        raise ImageError(f"aspect ratio {max(height, width) / min(height, width):.4g} must be <= 200")
     # A side under factor / 2 rounds to 0, so the area is below min_pixels and the image is scaled up: as
     # transformers' smart_resize, whose grid and token count inference sees.
     h_bar = round(height / factor) * factor
@@ -103,8 +134,9 @@ def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, 
 
 def load_image(path: Path):
     """An RGB PIL image; ImageError naming the file when it is missing, not a regular file (a FIFO, device or
-    directory is never opened), larger than MAX_IMAGE_PIXELS (checked on the header, before decoding) or not an
-    image."""
+    directory is never opened), larger than MAX_IMAGE_PIXELS (checked on the header, before decoding), of a format
+    whose decoder runs another program (EPS), or not a (whole) image. Animated and multi-page files give their first
+    frame, as in transformers."""
     try:
         from PIL import Image, ImageOps, UnidentifiedImageError
     except ImportError:
@@ -120,34 +152,52 @@ def load_image(path: Path):
         raise ImageError(f"{path}: no such image file") from None
     except (OSError, ValueError) as err:
         raise ImageError(f"{path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
-    with os.fdopen(fd, "rb") as f:
+    with os.fdopen(fd, "rb") as f, _pillow_rules():
         _check_regular(os.fstat(fd).st_mode, path)
         try:
-            with warnings.catch_warnings():
-                # Pillow's warning would come first; the check below refuses those images, naming their size.
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(f) as img:
-                    if img.width * img.height > MAX_IMAGE_PIXELS:
-                        raise ImageError(f"{path}: {img.width} x {img.height} pixels, more than the "
-                                         f"{MAX_IMAGE_PIXELS} an image may have (a decompression bomb?)")
-                    img.load()
-                    _check_depth(img, path)
-                    # As transformers' load_image: a photo's EXIF orientation applied, so it is not trained sideways.
-                    img = ImageOps.exif_transpose(img)
-                    if "A" in img.getbands() or "transparency" in img.info:
-                        # As transformers' convert_to_rgb: transparent pixels over white, not their hidden colour.
-                        rgba = img.convert("RGBA")
-                        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                        return Image.alpha_composite(background, rgba).convert("RGB")
-                    return img.convert("RGB")
+            with Image.open(f) as img:
+                if img.width * img.height > MAX_IMAGE_PIXELS:
+                    raise ImageError(f"{path}: {img.width} x {img.height} pixels, more than the "
+                                     f"{MAX_IMAGE_PIXELS} an image may have (a decompression bomb?)")
+                if img.format == "EPS":
+                    # Pillow decodes PostScript by running Ghostscript on it: a data file would run a program.
+                    raise ImageError(f"{path}: an EPS file, which Pillow decodes by running Ghostscript on its "
+                                     "PostScript: not read; save it as PNG or JPEG")
+                img.load()
+                _check_depth(img, path)
+                # As transformers' load_image: a photo's EXIF orientation applied, so it is not trained sideways.
+                img = ImageOps.exif_transpose(img)
+                if "A" in img.getbands() or "transparency" in img.info:
+                    # As transformers' convert_to_rgb: transparent pixels over white, not their hidden colour.
+                    rgba = img.convert("RGBA")
+                    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                    return Image.alpha_composite(background, rgba).convert("RGB")
+                return img.convert("RGB")
         except ImageError:
             raise
-        except Image.DecompressionBombError as err:
-            raise ImageError(f"{path}: more than the {MAX_IMAGE_PIXELS} pixels an image may have ({err})") from None
         except Exception as err:  # noqa: BLE001 - Pillow's decoders raise many types on malformed files
             # UnidentifiedImageError's message repeats the file; others say what broke (a truncated file).
             detail = type(err).__name__ if isinstance(err, UnidentifiedImageError) else error_line(err, ())
             raise ImageError(f"{path}: not a readable image ({detail})") from None
+
+
+_PILLOW_GLOBALS = threading.Lock()
+
+
+@contextmanager
+def _pillow_rules():
+    """Pillow's process-wide switches held at this module's rules while one image is read, whatever another library
+    set: no bomb check of Pillow's own (MAX_IMAGE_PIXELS is checked on the header, naming the size, even where
+    Pillow's bound was lowered or lifted) and truncated files refused (LOAD_TRUNCATED_IMAGES off)."""
+    from PIL import Image, ImageFile
+
+    with _PILLOW_GLOBALS:
+        saved = Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES
+        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = None, False
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = saved
 
 
 # Pillow's modes of pixels wider than 8 bits: 16-bit and 32-bit integers, 32-bit floats.
@@ -175,9 +225,11 @@ def image_patches(image, settings: ImageSettings) -> tuple[torch.Tensor, tuple[i
     from PIL import Image
 
     height, width = target_size(image.height, image.width, settings)
-    resized = image.resize((width, height), resample=Image.BICUBIC)
-    pixels = np.asarray(resized, dtype=np.float32) * (1.0 / 255.0)  # [H, W, C]
-    pixels = (pixels - np.asarray(settings.image_mean, dtype=np.float32)) / np.asarray(settings.image_std, dtype=np.float32)
+    resized = image.resize((width, height), resample=Image.Resampling(settings.resample))
+    # Rescaled in float64, then float32, as transformers' rescale.
+    pixels = (np.asarray(resized, dtype=np.float64) * settings.rescale_factor).astype(np.float32)  # [H, W, C]
+    mean, std = np.asarray(settings.image_mean, dtype=np.float32), np.asarray(settings.image_std, dtype=np.float32)
+    pixels = (pixels - mean) / std
     pixels = pixels.transpose(2, 0, 1)  # [C, H, W]
     p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
     grid_h, grid_w = height // p, width // p

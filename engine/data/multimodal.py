@@ -21,7 +21,7 @@ from pathlib import Path
 from moe_tune.profiles import ProfileError
 
 from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions
-from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
+from .images import ImageError, ImageSettings, image_token_count, load_image, target_size
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -42,13 +42,14 @@ class VisionTokens:
 
 
 def image_ref(path: Path, settings: ImageSettings, where: str = "") -> ImageRef:
-    """Open and fully decode the image once (a broken file fails here, at load time, not mid-epoch)."""
+    """Open and fully decode the image once (a broken file fails here, at load time, not mid-epoch); its grid is
+    the one image_patches cuts."""
     image = load_image(path)
     try:
-        _, grid = image_patches(image, settings)
+        height, width = target_size(image.height, image.width, settings)
     except ImageError as err:
         raise ImageError(f"{path}: {err}") from None
-    return ImageRef(path, grid, where)
+    return ImageRef(path, (1, height // settings.patch_size, width // settings.patch_size), where)
 
 
 def resolve_image_path(value: str, base_dir: Path, where: str, allow_outside: bool = False) -> Path:
@@ -185,6 +186,11 @@ def render_templated_multimodal_chat(
     pieces = render_chat(templated, where, options, tools)
     placed = sum(piece.count(tokens.image) for piece, _ in pieces)
     if placed != len(refs):
+        text_only = [{**m, "content": [p for p in m["content"] if p["type"] == "text"]} for m in templated]
+        in_text = sum(piece.count(tokens.image) for piece, _ in render_chat(text_only, where, options, tools))
+        if in_text:
+            raise ProfileError([f"{where}: the text holds the image token id ({tokens.image}) outside its images "
+                                f"({in_text} of them); remove it from the text"])
         source = "data.chat_template" if options.template is not None else "the tokenizer's chat template"
         raise ProfileError([f"{where}: {source} renders {placed} image tokens ({tokens.image}) for {len(refs)} images: "
                             "it must render each image part as one"])
