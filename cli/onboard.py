@@ -187,15 +187,22 @@ def _print_profile(console: Console, stage) -> None:
                   markup=False)
 
 
+def _judged_rel(row: dict) -> float:
+    """The figure the alignment judges a layer row by: per channel where it was computed (AlignReport.failures)."""
+    return row["rel"] if row.get("channel_rel") is None else row["channel_rel"]
+
+
 def _print_align(console: Console, stage) -> None:
     data = stage.result
     if data:
-        worst = max(data["layers"], key=lambda row: row["rel"], default=None)
+        worst = max(data["layers"], key=_judged_rel, default=None)
         line = (f"  documents {data['documents']}: logits max abs {data['logits']['max_abs']:.3e}, cosine "
                 f"{data['logits_cosine']:.8f}, KL {data['kl']:.3e}, loss {data['loss_ours']:.6f} (reference "
                 f"{data['loss_reference']:.6f})")
         if worst is not None:
             line += f"; worst layer {worst['name']} rel {worst['rel']:.3e}"
+            if worst.get("channel_rel") is not None:
+                line += f", per channel {worst['channel_rel']:.3e}"
         console.print(line, markup=False)
         console.print("  aligned: within tolerance" if data["passed"] else "  NOT aligned:", markup=False)
     _print_problems(console, stage)

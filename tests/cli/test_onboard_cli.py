@@ -116,3 +116,27 @@ def test_not_a_checkpoint_folder_exits_2(make, tmp_path):
     result = runner.invoke(app, ["onboard", str(target)])
     assert result.exit_code == 2
     assert f"error: DIR ('{target}') must be a checkpoint folder with a config.json" in result.stderr
+
+
+@pytest.mark.parametrize("channels, worst", [((2e-6, 9e-5, 3e-6), "layer 1"), ((None, None, None), "layer 2")],
+                         ids=["per-channel", "older-report"])
+def test_the_worst_layer_is_the_one_the_alignment_judges_worst(channels, worst):
+    """The align stage's line names the layer with the largest figure the alignment judges: per channel where the
+    report has it (a massive activation keeps the whole-tensor figure low), the whole-tensor one otherwise."""
+    from rich.console import Console
+
+    from moe_tune.cli.onboard import _print_align
+    from moe_tune.engine.onboard import Stage
+
+    rels = (1e-6, 2e-6, 5e-6)
+    layers = [{"name": f"layer {i}", "rel": rel, "channel_rel": channel}
+              for i, (rel, channel) in enumerate(zip(rels, channels))]
+    result = {"layers": layers, "documents": 2, "logits": {"max_abs": 1e-6}, "logits_cosine": 1.0, "kl": 0.0,
+              "loss_ours": 1.0, "loss_reference": 1.0, "passed": True}
+    console = Console(record=True, width=400)
+    _print_align(console, Stage(status="ok", result=result))
+    row = next(row for row in layers if row["name"] == worst)
+    expected = f"; worst layer {worst} rel {row['rel']:.3e}"
+    if row["channel_rel"] is not None:
+        expected += f", per channel {row['channel_rel']:.3e}"
+    assert console.export_text().splitlines()[0].endswith(expected)
