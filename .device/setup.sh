@@ -18,6 +18,9 @@ if [[ "$TRITON_VERSION" == "3.7.1" ]]; then
         mkdir -p /tmp/tri371 && tar xJf .tri/triton-3.7.1.tar.xz -C /tmp/tri371 || return 1
     fi
     SITE=/tmp/tri371:$SITE
+    # The archive holds the NVIDIA backend alone (prepare.sh): backends found in its tree, not through the entry
+    # points of every Triton installed (the image's lists AMD's).
+    export TRITON_BACKENDS_IN_TREE=1
 fi
 [[ -n "$WITH_FLA" ]] && SITE=$SITE:/tmp/fla
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
