@@ -157,7 +157,8 @@ def print_report(console: Console, report) -> None:
     for selection in report.selections:
         console.print(
             f"layer {selection.layer} sparse attention: {selection.differed} of {selection.rows} query rows chose "
-            f"other keys than the reference{when} (the budget left keys out in {selection.left_out})",
+            f"other keys than the reference{when} (the budget left keys out in {selection.left_out})"
+            + (f", {selection.beyond_tie} of them beyond a tie" if selection.differed else ""),
             markup=False,
             soft_wrap=True,
         )

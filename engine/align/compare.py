@@ -81,12 +81,16 @@ class Selection:
     """The keys one sparse attention layer's indexer chose, ours against the reference's: `rows` query rows compared,
     `differed` of them chose another set (before pinning, when the selection was pinned to the reference's);
     `left_out` rows where the reference's choice left out a key the query sees (elsewhere the budget covers every
-    key, so any indexer chooses the same)."""
+    key, so any indexer chooses the same); `beyond_tie` of the differing rows where no near tie explains it: the
+    shift of each of our indexer's scores that makes its top-k choose the reference's keys, relative to the row's
+    largest |score| (selection_shifts), exceeds the hidden-state tolerance; `tie_shift` the largest such shift."""
 
     layer: int
     rows: int
     differed: int
     left_out: int = 0
+    beyond_tie: int = 0
+    tie_shift: float = 0.0
 
 
 @dataclass
@@ -152,6 +156,15 @@ class AlignReport:
                 "the reference beyond a tie"
                 for route in self.routing
                 if route.beyond_tie
+            ]
+        # Likewise a pinned selection: the numbers never see our indexer's own choice (a wrong scale, activation,
+        # head weight or rope of the indexer alone).
+        if self.pinned_selection:
+            out += [
+                f"layer {selection.layer} sparse attention: {selection.beyond_tie} of {selection.rows} query rows "
+                "chose other keys than the reference beyond a tie"
+                for selection in self.selections
+                if selection.beyond_tie
             ]
         return out
 
@@ -711,13 +724,132 @@ def _pinned_indices(layer: int, ref_keys: list[torch.Tensor], block_size: int, s
     return out
 
 
-def _count_differing_rows(layer: int, ours_TT: torch.Tensor, ref_keys: list[torch.Tensor],
-                          cu_seqlens: torch.Tensor) -> Selection:
+@contextlib.contextmanager
+def _recording_indexer_calls(modules: list[nn.Module]):
+    """Yields {id(module): [the bound arguments of every top-k op call it made]} for our indexer modules (the
+    PinnableSelection modules, each choosing with the `topk_indexer` of its class's module, ops.sparse_attention's):
+    that name is rebound to a recorder inside the block, and a call is filed under the indexer whose forward makes
+    it."""
+    import inspect
+    import sys
+
+    from moe_tune.ops.sparse_attention import topk_indexer
+
+    signature = inspect.signature(topk_indexer)
+    calls: dict[int, list[dict[str, Any]]] = {id(m): [] for m in modules}
+    running: list[nn.Module] = []
+
+    def recorder(op):
+        def record(*args, **kwargs):
+            if running:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                calls[id(running[-1])].append(dict(bound.arguments))
+            return op(*args, **kwargs)
+
+        return record
+
+    namespaces = {sys.modules[type(m).__module__] for m in modules}
+    assert all(hasattr(ns, "topk_indexer") for ns in namespaces), "our indexers choose with ops' topk_indexer"
+    originals = {ns: ns.topk_indexer for ns in namespaces}
+
+    def enter(module, _args):
+        running.append(module)
+
+    def leave(_module, _args, _output):
+        running.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in modules]
+    handles += [m.register_forward_hook(leave, always_call=True) for m in modules]
+    try:
+        for ns, op in originals.items():
+            ns.topk_indexer = recorder(op)
+        yield calls
+    finally:
+        for ns, op in originals.items():
+            ns.topk_indexer = op
+        for h in handles:
+            h.remove()
+
+
+def _document_scores(call: dict[str, Any], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our indexer's scores of one document's queries on its units (keys, or key blocks) [L, U], fp32, from the
+    arguments of the top-k op call that chose them (ops.sparse_attention.topk_indexer's rule), and the candidates
+    [L, U] bool: the units the op ranks for its free slots (a query's own block, kept whatever it scores, is none)."""
+    from moe_tune.ops.sparse_attention.reference import index_scores
+
+    assert call["query_start"] == 0 and call["q_idx"].shape[0] == 1, "align runs one packed row, all its queries"
+    q_LHD = call["q_idx"][0, start:end].float().cpu()
+    k_LD = call["k_idx"][0, start:end].float().cpu()
+    w = call["w_idx"]
+    w_LH = torch.ones(q_LHD.shape[:2]) if w is None else w[0, start:end].float().cpu()
+    scale = q_LHD.shape[-1] ** -0.5 if call["scale"] is None else call["scale"]
+    block_size, length = call["block_size"], end - start
+    pos_L1 = torch.arange(length)[:, None]
+    if block_size == 1:
+        scores_LU = index_scores(q_LHD, w_LH, k_LD, scale, call["activation"])
+        return scores_LU, torch.arange(length)[None] <= pos_L1
+    num_complete, num_blocks = length // block_size, -(-length // block_size)
+    if call["k_idx_is_pooled"]:
+        pooled_JD = k_LD[: num_complete * block_size : block_size]
+    else:
+        pooled_JD = k_LD[: num_complete * block_size].view(num_complete, block_size, -1).mean(1)
+    scores_LU = F.pad(index_scores(q_LHD, w_LH, pooled_JD, scale, call["activation"]), (0, num_blocks - num_complete))
+    seen_L1 = pos_L1 // block_size if call["always_keep_own_block"] else (pos_L1 + 1) // block_size
+    return scores_LU, torch.arange(num_blocks)[None] < seen_L1
+
+
+def _units(keys_LL: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Bool [L, U]: the units (keys, or blocks of block_size keys) holding a chosen key of keys_LL [L, L]."""
+    length = keys_LL.shape[-1]
+    num_blocks = -(-length // block_size)
+    return F.pad(keys_LL, (0, num_blocks * block_size - length)).view(length, num_blocks, block_size).any(-1)
+
+
+def selection_shifts(scores_LU: torch.Tensor, candidates_LU: torch.Tensor, ours_LU: torch.Tensor,
+                     ref_LU: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Per query row [L], the shift its difference needs to be a tie: under our indexer's scores scores_LU [L, U] (U
+    keys or key blocks), half the gap between the best candidate the reference's set ref_LU [L, U] bool leaves out
+    and the worst one it holds, over the row's largest |score| among the candidates (candidates_LU: the units the
+    top-k ranks). Moving each score by that fraction of the largest makes the top-k choose the reference's set. Our
+    own set ours_LU is held to the same rule: it is the top-k of these scores unless they are not the scores that
+    chose it. 0 where the sets are equal; inf where they differ outside the candidates or hold different numbers of
+    candidates, or where a gap is positive and every score of the row is 0."""
+    differs_L = (ours_LU != ref_LU).any(-1)
+    outside_L = ((ours_LU != ref_LU) & ~candidates_LU).any(-1)
+    counts_differ_L = (ours_LU & candidates_LU).sum(-1) != (ref_LU & candidates_LU).sum(-1)
+    scores_LU = scores_LU.float()
+    scale_L = torch.where(candidates_LU, scores_LU.abs(), 0.0).amax(-1)
+
+    def gap(chosen_LU: torch.Tensor) -> torch.Tensor:
+        best_left_L = torch.where(candidates_LU & ~chosen_LU, scores_LU, float("-inf")).amax(-1)
+        worst_held_L = torch.where(candidates_LU & chosen_LU, scores_LU, float("inf")).amin(-1)
+        return (best_left_L - worst_held_L).nan_to_num(nan=float("-inf"))
+
+    gap_L = torch.maximum(gap(ref_LU), gap(ours_LU)).clamp_min(0.0)
+    shift_L = torch.where(scale_L > 0, gap_L / (2 * scale_L.clamp_min(torch.finfo(torch.float32).tiny)),
+                          torch.where(gap_L > 0, float("inf"), 0.0))
+    shift_L = torch.where(outside_L | counts_differ_L, float("inf"), shift_L)
+    return torch.where(differs_L, shift_L, 0.0)
+
+
+def _selection_row(layer: int, ours_TT: torch.Tensor, ref_keys: list[torch.Tensor], cu_seqlens: torch.Tensor,
+                   call: dict[str, Any], rel_shift: float) -> Selection:  # fmt: skip
+    """Selection of one sparse attention layer: our choice ours_TT [T, T] (query, key) over the packed row against
+    the reference's per document, and the rows no shift of at most rel_shift explains (selection_shifts)."""
     bounds = cu_seqlens.tolist()
-    differed = sum(int((ours_TT[a:b, a:b] != keys_LL).any(-1).sum())
-                   for keys_LL, a, b in zip(ref_keys, bounds[:-1], bounds[1:]))
-    left_out = sum(int((keys_LL != torch.ones_like(keys_LL).tril()).any(-1).sum()) for keys_LL in ref_keys)
-    return Selection(layer=layer, rows=bounds[-1], differed=differed, left_out=left_out)
+    differed = left_out = beyond = 0
+    worst = 0.0
+    for keys_LL, a, b in zip(ref_keys, bounds[:-1], bounds[1:]):
+        differed += int((ours_TT[a:b, a:b] != keys_LL).any(-1).sum())
+        left_out += int((keys_LL != torch.ones_like(keys_LL).tril()).any(-1).sum())
+        scores_LU, candidates_LU = _document_scores(call, a, b)
+        shift_L = selection_shifts(scores_LU, candidates_LU, _units(ours_TT[a:b, a:b], call["block_size"]),
+                                   _units(keys_LL, call["block_size"]))
+        beyond += int((shift_L > rel_shift).sum())
+        worst = max(worst, shift_L.max().item() if len(shift_L) else 0.0)
+    return Selection(layer=layer, rows=bounds[-1], differed=differed, left_out=left_out, beyond_tie=beyond,
+                     tie_shift=worst)
 
 
 def align_checkpoint(
@@ -733,7 +865,8 @@ def align_checkpoint(
     run holds pure_torch_paths: the reference is transformers' PyTorch definition whatever is importable.
     pin_routing: our routers take the reference's experts; pin_selection (default: as pin_routing) our sparse
     attention indexers take the reference's keys. A pinned selection hides a wrong indexer from the numbers; the
-    report's `selections` still count the rows where ours chose differently."""
+    report's `selections` still count the rows where ours chose differently, and a pinned one fails where a row
+    differs beyond a near tie under our indexer's own scores (selection_shifts)."""
     pin_selection = pin_routing if pin_selection is None else pin_selection
     with pure_torch_paths():
         return _align_checkpoint(directory, documents, pin_routing, pin_selection, tolerances, lora_targets,
@@ -821,7 +954,8 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     if cfg.vision is not None and with_images:
         our_vision, vision_handles = _capture([our_root.vision], lambda out: out)
     try:
-        out = ours(ids, cu, labels, **images)
+        with _recording_indexer_calls([m for _, m, _ in indexers]) as index_calls:
+            out = ours(ids, cu, labels, **images)
         out.lm_loss.backward()
     finally:
         for h in handles + embed_handles + vision_handles + router_handles:
@@ -833,7 +967,8 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
             own_choices.append(ours_indexer.selection_log)
             ours_indexer.selection_log = ours_indexer.pinned_indices = None
     selections = [
-        _count_differing_rows(layer, _our_selected_keys(choice[0], ours_indexer.block_size, cu), keys, cu)
+        _selection_row(layer, _our_selected_keys(choice[0], ours_indexer.block_size, cu), keys, cu,
+                       index_calls[id(ours_indexer)][0], tolerances.hidden_rel)
         for (layer, ours_indexer, _), keys, choice in zip(indexers, ref_keys, own_choices)
     ]
 

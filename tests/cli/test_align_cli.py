@@ -307,6 +307,34 @@ def test_sparse_attention_selections_pinned_and_counted(tmp_path):
                 "the reference before pinning")
         assert line in result.stdout
     assert sum(row["differed"] for row in report["selections"]) >= 1
+    # Those rows tie (their keys score 0): none is beyond a tie.
+    assert all(row["beyond_tie"] == 0 and row["tie_shift"] <= 1e-5 for row in report["selections"])
+    assert "0 of them beyond a tie" in result.stdout
+
+
+def test_a_wrong_indexer_pinning_hides_is_printed_and_fails(tmp_path, monkeypatch):
+    # The indexer's ReLU dropped: with the reference's keys pinned every number aligns, our own choice does not.
+    import moe_tune.engine.model.mla as mla
+
+    op = mla.topk_indexer
+    monkeypatch.setattr(mla, "topk_indexer", lambda *args, **kw: op(*args, **{**kw, "activation": "none"}))
+    checkpoint = save_tiny_checkpoint(tiny_deepseek_v32(), tmp_path / "dsv32")
+    out = tmp_path / "r.json"
+    result = runner.invoke(app, ["align", "--reference", str(checkpoint), "--pin-routing", "--json", str(out)])
+    assert result.exit_code == 1, result.output
+    report = json.loads(out.read_text())
+    assert all(row["rel"] <= 1e-4 for row in report["layers"]) and report["logits"]["max_abs"] <= 1e-4
+    selections = report["selections"]
+    assert [row["layer"] for row in selections] == [0, 1, 2] and all(row["beyond_tie"] > 0 for row in selections)
+    assert all(row["tie_shift"] > 1e-2 and row["left_out"] > 0 for row in selections)
+    for row in selections:
+        assert (f"layer {row['layer']} sparse attention: {row['differed']} of 46 query rows chose other keys than the "
+                f"reference before pinning (the budget left keys out in {row['left_out']}), {row['beyond_tie']} of "
+                "them beyond a tie") in result.stdout
+        assert (f"NOT aligned: layer {row['layer']} sparse attention: {row['beyond_tie']} of 46 query rows chose "
+                "other keys than the reference beyond a tie") in result.stdout
+    assert report["failures"] == [line.removeprefix("NOT aligned: ") for line in result.stdout.splitlines()
+                                  if line.startswith("NOT aligned: ")]
 
 
 TOLERANCES = ["--logits-atol", "--kl", "--loss-atol", "--grad-rtol", "--hidden-rtol"]

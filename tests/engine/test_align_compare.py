@@ -1,7 +1,7 @@
 """align's comparison rows: LoRA gradients relative to the reference's scale, a reference gradient of zero included;
 hidden states per channel, so that massive activations hide no error in the other channels; our routers' own choice
 against the reference's, near ties told apart from another rule; the sparse attention rows whose budget left keys
-out."""
+out, and our indexers' own choice against the reference's, near ties told apart from a wrong indexer."""
 
 import pytest
 import torch
@@ -9,11 +9,12 @@ import torch
 import moe_tune.engine.model.moe as moe_module
 from moe_tune.engine.align import align_checkpoint, default_documents
 from moe_tune.engine.align.compare import Routing, Tolerances, diff_row, lora_gradient_rows, routing_row
+from moe_tune.engine.align.compare import selection_shifts
 from moe_tune.engine.families import model_profile_from_checkpoint
 from moe_tune.ops.moe import topk_route
 
 from hf_tiny import save_tiny_checkpoint, tiny_deepseek_v3, tiny_deepseek_v32, tiny_glm4_moe, tiny_kimi_linear
-from hf_tiny import tiny_qwen3_moe, tiny_qwen3_next
+from hf_tiny import tiny_qwen3_moe, tiny_qwen3_next, tiny_qwen4_exp_text
 
 TOLERANCE = Tolerances().lora_grad_rel
 
@@ -373,3 +374,284 @@ def test_selection_rows_the_budget_left_keys_out_are_counted(tmp_path, topk):
     assert report.passed, report.failures
     expected = sum(max(0, length - topk) for length in report.documents)
     assert [(s.rows, s.left_out) for s in report.selections] == [(sum(report.documents), expected)] * 3
+
+
+# Sparse attention: our indexer's own choice against the reference's, judged under our indexer's scores.
+
+
+def _top(scores_LU: torch.Tensor, candidates_LU: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool [L, U]: the k best candidates of each row, the lower index winning a tie (our indexers' rule)."""
+    masked = scores_LU.masked_fill(~candidates_LU, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.zeros_like(candidates_LU).scatter_(1, order, True) & candidates_LU
+
+
+SCORES_L, SCORES_U, SCORES_K = 32, 20, 6
+
+
+def _scores(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random scores [L, U] on 3 levels (most rows tie at their k-th unit), and causal candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 3, (SCORES_L, SCORES_U), generator=gen).float() * 0.7 - 0.3
+    candidates = torch.arange(SCORES_U)[None] <= torch.arange(SCORES_L)[:, None]
+    return scores, candidates
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_same_selection_needs_no_shift(seed):
+    scores, candidates = _scores(seed)
+    ours = _top(scores, candidates, SCORES_K)
+    assert selection_shifts(scores, candidates, ours, ours.clone()).eq(0).all()
+
+
+@pytest.mark.parametrize("noise", [0.0, 1e-7, 1e-6], ids=str)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_reference_choosing_among_nearly_tied_keys_needs_a_small_shift(seed, noise):
+    # The reference scores within `noise` of the largest of ours and breaks exact ties from the top index down.
+    scores, candidates = _scores(seed)
+    gen = torch.Generator().manual_seed(seed + 10)
+    theirs = scores + torch.randn(scores.shape, generator=gen) * noise * scores.abs().max()
+    ours = _top(scores, candidates, SCORES_K)
+    ref = _top(theirs.flip(-1), candidates.flip(-1), SCORES_K).flip(-1)
+    shifts = selection_shifts(scores, candidates, ours, ref)
+    assert (ours != ref).any(-1).sum() >= SCORES_L // 4
+    assert shifts.max() <= 2 * noise
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_reference_of_other_scores_is_far_beyond_a_tie(seed):
+    scores, candidates = _scores(seed)
+    ours = _top(scores, candidates, SCORES_K)
+    ref = _top(-scores, candidates, SCORES_K)
+    differs = (ours != ref).any(-1)
+    shifts = selection_shifts(scores, candidates, ours, ref)
+    assert differs.sum() >= SCORES_L // 2
+    assert (shifts[differs] >= 0.1).all() and shifts[~differs].eq(0).all()
+
+
+def test_a_choice_our_scores_do_not_make_is_beyond_a_tie():
+    # Our indexer chose by other scores than those recorded (the op's activation or head weights planted wrong):
+    # the reference's choice is the top-k of the recorded scores, ours is not.
+    scores, candidates = _scores(0)
+    ref = _top(scores, candidates, SCORES_K)
+    ours = _top(-scores, candidates, SCORES_K)
+    differs = (ours != ref).any(-1)
+    assert (selection_shifts(scores, candidates, ours, ref)[differs] >= 0.1).all()
+
+
+def test_differences_no_shift_explains_are_infinite():
+    scores, candidates = _scores(1)
+    ours = _top(scores, candidates, SCORES_K)
+    row = SCORES_L - 1
+    fewer, outside, zero = ours.clone(), ours.clone(), torch.zeros_like(scores)
+    fewer[row, ours[row].nonzero()[0]] = False
+    outside[5, SCORES_U - 1] = True  # a key the query does not see
+    shifts = selection_shifts(scores, candidates, ours, fewer)
+    assert shifts[row] == float("inf") and shifts[:row].eq(0).all()
+    assert selection_shifts(scores, candidates, ours, outside)[5] == float("inf")
+    # Every score 0: any set of the candidates ties.
+    tied = _top(zero.flip(-1), candidates.flip(-1), SCORES_K).flip(-1)
+    assert selection_shifts(zero, candidates, _top(zero, candidates, SCORES_K), tied).eq(0).all()
+
+
+# Planted in our model: indexer bugs that a pinned selection hides from every number, on budgets below the documents'
+# lengths (6 keys per query in deepseek_v32, 2 blocks of 4 keys in qwen4_exp).
+
+
+class _NegatedSine:
+    """A rotary whose sin is negated: rotate-half with its halves swapped."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+
+    def cos_sin(self, positions):
+        cos, sin = self.rotary.cos_sin(positions)
+        return cos, -sin
+
+    def rotate(self, x, cos, sin):
+        return self.rotary.rotate(x, cos, sin)
+
+
+def _plant_op(monkeypatch, namespace, head_weights=None, activation=None):
+    """The top-k op our indexers call from `namespace`, given other head weights (a function of them) or activation."""
+    op = namespace.topk_indexer
+
+    def planted(q_idx, k_idx, w_idx=None, **kwargs):
+        if head_weights is not None:
+            w_idx = head_weights(w_idx)
+        if activation is not None:
+            kwargs["activation"] = activation
+        return op(q_idx, k_idx, w_idx, **kwargs)
+
+    monkeypatch.setattr(namespace, "topk_indexer", planted)
+
+
+def _plant_model(monkeypatch, change):
+    import moe_tune.engine.align.compare as compare
+
+    load = compare.load_ours
+
+    def planted(cfg):
+        model = load(cfg)
+        with torch.no_grad():
+            change(model)
+        return model
+
+    monkeypatch.setattr(compare, "load_ours", planted)
+
+
+def _dsa_rope_swapped(monkeypatch):
+    from moe_tune.engine.model.mla import LightningIndexer
+
+    def swap(model):
+        for module in model.modules():
+            if isinstance(module, LightningIndexer):
+                rotate = module.rotary.rotate
+                module.rotary.rotate = lambda x, cos, sin, rotate=rotate: rotate(x, cos, -sin)
+
+    _plant_model(monkeypatch, swap)
+
+
+def _qsa_rope_swapped(monkeypatch):
+    from moe_tune.engine.model.attention import QSAIndexer
+
+    forward = QSAIndexer.forward
+    monkeypatch.setattr(QSAIndexer, "forward", lambda self, x, rotary, batch: forward(self, x, _NegatedSine(rotary),
+                                                                                      batch))
+
+
+def _qsa_key_norm_scaled(monkeypatch):
+    from moe_tune.engine.model.attention import QSAIndexer
+
+    def scale(model):
+        for module in model.modules():
+            if isinstance(module, QSAIndexer):
+                module.k_layernorm.weight.mul_(torch.linspace(0.25, 4.0, module.head_dim))
+
+    _plant_model(monkeypatch, scale)
+
+
+def _mla():
+    import moe_tune.engine.model.mla as mla
+
+    return mla
+
+
+def _attention():
+    import moe_tune.engine.model.attention as attention
+
+    return attention
+
+
+INDEXER_BUGS = {
+    ("deepseek_v32", "head_weights_scaled"): lambda mp: _plant_op(
+        mp, _mla(), head_weights=lambda w: w * torch.linspace(0.25, 4.0, w.shape[-1], dtype=w.dtype)),
+    ("deepseek_v32", "head_weights_dropped"): lambda mp: _plant_op(mp, _mla(), head_weights=lambda w: None),
+    ("deepseek_v32", "relu_dropped"): lambda mp: _plant_op(mp, _mla(), activation="none"),
+    ("deepseek_v32", "rope_halves_swapped"): _dsa_rope_swapped,
+    ("qwen4_exp", "relu_dropped"): lambda mp: _plant_op(mp, _attention(), activation="none"),
+    ("qwen4_exp", "rope_halves_swapped"): _qsa_rope_swapped,
+    ("qwen4_exp", "key_norm_scaled"): _qsa_key_norm_scaled,
+}
+SPARSE_FAMILIES = {"deepseek_v32": tiny_deepseek_v32, "qwen4_exp": tiny_qwen4_exp_text}
+
+
+@pytest.fixture(scope="module")
+def sparse_checkpoint(tmp_path_factory):
+    """`sparse_checkpoint(family)`: the family's tiny checkpoint (built once)."""
+    built = {}
+
+    def make(family: str):
+        if family not in built:
+            built[family] = save_tiny_checkpoint(SPARSE_FAMILIES[family](), tmp_path_factory.mktemp(family) / family)
+        return built[family]
+
+    return make
+
+
+@pytest.mark.parametrize("family, bug", INDEXER_BUGS, ids=[f"{f}-{b}" for f, b in INDEXER_BUGS])
+def test_a_wrong_indexer_fails_alignment_with_the_selection_pinned(sparse_checkpoint, monkeypatch, family, bug):
+    checkpoint = sparse_checkpoint(family)
+    INDEXER_BUGS[family, bug](monkeypatch)
+    report = align_checkpoint(checkpoint, pin_routing=True)
+    # The numbers see the reference's keys only: they align.
+    assert all(row.judged_rel <= HIDDEN_TOLERANCE for row in report.layers) and report.logits.max_abs <= 1e-4
+    assert not report.passed
+    assert report.selections and all(s.left_out > 0 and s.beyond_tie > 0 for s in report.selections)
+    # A row of the wrong indexer may sit at a tie of its own: nearly all differing rows are beyond one.
+    assert all(s.differed >= s.beyond_tie >= 0.8 * s.differed for s in report.selections), report.selections
+    assert report.failures == [
+        f"layer {s.layer} sparse attention: {s.beyond_tie} of {sum(report.documents)} query rows chose other keys "
+        "than the reference beyond a tie" for s in report.selections
+    ]
+
+
+@pytest.mark.parametrize("family, bug", [("deepseek_v32", "relu_dropped"), ("qwen4_exp", "rope_halves_swapped")])
+def test_a_wrong_indexer_is_reported_only_when_the_selection_is_not_pinned(sparse_checkpoint, monkeypatch, family,
+                                                                           bug):  # fmt: skip
+    # Unpinned the numbers judge the indexer (and each layer's choice follows every difference before it).
+    INDEXER_BUGS[family, bug](monkeypatch)
+    report = align_checkpoint(sparse_checkpoint(family), pin_routing=True, pin_selection=False)
+    assert all(s.beyond_tie > 0 for s in report.selections)
+    assert not any("sparse attention" in line for line in report.failures) and not report.passed
+
+
+@pytest.fixture(scope="module")
+def tied_selection_checkpoint(tmp_path_factory):
+    """`tied_selection_checkpoint(kind)`: checkpoints whose indexers tie exactly.
+    "zeros": deepseek_v32 with 3 indexer heads and 12 keys per query (many scores exactly 0, the docs' case);
+    "repeats": deepseek_v32 whose indexer queries have no rotary part (wq_b's first 8 rows of each head 0), so keys
+    of the same token score alike in layer 0 (documents of 5 distinct tokens);
+    "blocks": qwen4_exp whose indexer keys are 0 (index_qk_proj's key rows), so every block scores 0."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("tied_selection")
+    made = {"zeros": tiny_deepseek_v32(index_n_heads=3, index_topk=12), "repeats": tiny_deepseek_v32(index_topk=12),
+            "blocks": tiny_qwen4_exp_text()}
+    built = {}
+
+    def make(kind: str):
+        if kind not in built:
+            checkpoint = save_tiny_checkpoint(made[kind], root / kind)
+            weights = checkpoint / "model.safetensors"
+            tensors = load_file(str(weights))
+            for key, tensor in tensors.items():
+                if kind == "repeats" and key.endswith("indexer.wq_b.weight"):
+                    tensor.view(8, 16, -1)[:, :8] = 0
+                if kind == "blocks" and key.endswith("indexer.index_qk_proj.weight"):
+                    tensor[-12:] = 0
+            save_file(tensors, str(weights), metadata={"format": "pt"})
+            built[kind] = checkpoint
+        return built[kind]
+
+    return make
+
+
+# Our indexer tipped by `bump` of the tipped weight's largest |value|: the head weights (zeros, blocks: ties at 0
+# stay), or the rotary rows of the queries (repeats: our keys of one token no longer tie, the reference's do).
+TIPS = {"zeros": ("indexer.weights_proj.weight", lambda w: w),
+        "repeats": ("indexer.wq_b.weight", lambda w: w.view(8, 16, -1)[:, :8]),
+        "blocks": ("indexer.index_qk_proj.weight", lambda w: w[:-12])}
+
+
+@pytest.mark.parametrize("bump", [0.0, 1e-7, 1e-6], ids=str)
+@pytest.mark.parametrize("kind", TIPS)
+def test_flips_between_tied_keys_align_with_the_selection_pinned(tied_selection_checkpoint, monkeypatch, kind, bump):
+    checkpoint = tied_selection_checkpoint(kind)
+    suffix, part = TIPS[kind]
+
+    def tip(model):
+        for name, param in model.named_parameters():
+            if name.endswith(suffix):
+                part(param).add_(bump * param.abs().max())
+
+    _plant_model(monkeypatch, tip)
+    documents = None
+    if kind == "repeats":
+        gen = torch.Generator().manual_seed(0)
+        documents = [torch.randint(10, 15, (n,), generator=gen) for n in (23, 9, 14)]
+    report = align_checkpoint(checkpoint, documents, pin_routing=True)
+    assert report.passed, report.failures
+    assert report.selections[0].differed > 0 and all(s.left_out > 0 for s in report.selections)
+    # The largest shift a flip needs is about the tip (rounding where there is none), far below the tolerance.
+    assert all(s.beyond_tie == 0 and s.tie_shift <= HIDDEN_TOLERANCE / 10 for s in report.selections)
