@@ -107,7 +107,9 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
                                              "settings")
         try:
             settings = ImageSettings.from_checkpoint(model.checkpoint)
-        except (ImageError, TypeError, ValueError) as err:
+        except ImageError as err:  # its line names the file and the rule
+            return VisionInput(None, tokens, str(err))
+        except (TypeError, ValueError) as err:
             return VisionInput(None, tokens, f"{config}: unusable image processor settings ({err})")
     else:
         settings = ImageSettings(spec.patch_size, spec.temporal_patch_size, spec.spatial_merge_size)
@@ -637,8 +639,10 @@ def _check_vision_tokens(doc: Document, vision: VisionInput, where: str) -> None
     found = doc.input_ids.count(t.image)
     starts, ends = doc.input_ids.count(t.start), doc.input_ids.count(t.end)
     if found != expected or starts != len(doc.images) or ends != len(doc.images):
+        counts = (f"{found} image, {starts} start and {ends} end tokens for {len(doc.images)} images, which put "
+                  f"{expected}, {len(doc.images)} and {len(doc.images)}")
         raise ProfileError([f"{where}: the text holds the image token ids ({t.image}, {t.start} or {t.end}) outside "
-                            f"its images ({found} image tokens for {len(doc.images)} images); remove them from the text"])
+                            f"its images ({counts}); remove them from the text"])
 
 
 def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]:

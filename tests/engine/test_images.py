@@ -240,19 +240,23 @@ def test_empty_images_list_is_a_text_record(tmp_path):
     assert doc.images == ()
 
 
-def test_image_token_ids_in_text_are_refused(tmp_path):
-    # The byte tokenizer cannot produce id 300; a tokenizer can (a literal <|image_pad|>): simulated by a record of
-    # ids through a text tokenizer whose encode returns them.
+@pytest.mark.parametrize("literal, counts", [("image", "1 image, 0 start and 0 end"),
+                                             ("start", "0 image, 1 start and 0 end"),
+                                             ("end", "0 image, 0 start and 1 end")])
+def test_image_token_ids_in_text_are_refused(tmp_path, literal, counts):
+    # The byte tokenizer cannot produce ids 300-302; a tokenizer can (a literal <|image_pad|> or <|vision_start|>):
+    # simulated by a record of ids through a text tokenizer whose encode returns them. The line counts each kind.
     class Tokens(ByteTokenizer):
         def encode(self, text):
-            return super().encode(text.replace("PAD", "")) + ([TOKENS.image] if "PAD" in text else [])
+            return super().encode(text.replace("PAD", "")) + ([getattr(TOKENS, literal)] if "PAD" in text else [])
 
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "PAD"}, {"role": "assistant", "content": "x"}]})
                     + "\n")
     with pytest.raises(ProfileError) as err:
         load_documents(data_profile(path), Tokens(), vision())
-    assert err.value.problems[0].startswith(f"{path}:1: the text holds the image token ids (300, 301 or 302)")
+    assert err.value.problems == [f"{path}:1: the text holds the image token ids (300, 301 or 302) outside its images "
+                                  f"({counts} tokens for 0 images, which put 0, 0 and 0); remove them from the text"]
 
 
 CHAT_TEMPLATE_WITH_IMAGES = (

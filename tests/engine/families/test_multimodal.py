@@ -193,3 +193,31 @@ def test_qsa_with_one_indexer_head_aligns_pinned_on_images_and_text(tmp_path):
     assert [s.layer for s in report.selections] == [1, 3]
     assert sum(s.differed for s in report.selections) > 0  # ties were there to break
     assert report.images == [0, 1, 2] and report.logits.max_abs < 1e-5
+
+
+@pytest.mark.parametrize("settings, line", [
+    ({"do_resize": False}, "do_resize (false) is not followed: images are always resized to the patch grid"),
+    ({"image_mean": [0.5, 0.5]}, "image_mean ([0.5, 0.5]) must give one value per RGB channel (3)"),
+    ({"size": [16, 32]}, "size ([16, 32]) must be an object with shortest_edge and longest_edge"),
+], ids=["do_resize", "mean", "size"])
+def test_image_settings_the_loader_cannot_follow_are_named_once(checkpoint, tmp_path, settings, line):
+    """A checkpoint's preprocessor_config.json that image records cannot follow: the line names the file once, then
+    the rule."""
+    import shutil
+
+    from moe_tune.engine.data.dataset import vision_input
+    from moe_tune.engine.families import resolve_job
+    from moe_tune.profiles import validate_profile
+
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(checkpoint, folder)
+    config = {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, **settings}
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    job = resolve_job(validate_profile({
+        "name": "vl", "model": {"checkpoint": str(folder)}, "data": {"path": str(tmp_path / "d.jsonl"),
+                                                                      "tokenizer": "byte", "seq_len": 96},
+        "train": {"steps": 1, "micro_batch_size": 1, "lr": 1e-3}, "output": {"dir": str(tmp_path / "out")},
+    }))
+    vision = vision_input(job.model, job.data)
+    assert vision.settings is None and vision.problem == f"{folder / 'preprocessor_config.json'}: {line}"
