@@ -617,35 +617,41 @@ def files_of(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
-def test_a_finetune_into_the_run_is_refused_while_an_export_reads_it(request, tmp_path, monkeypatch, kind):
-    """A finetune --overwrite (or --resume) of the run's folder that starts while an export reads it would remove (or
-    replace) what the export reads: the export marks the folder, the finetune's claim of it is refused, and the export
-    ends with the run as it was."""
-    import moe_tune.engine.export.hub as hub
+def finetunes_start_before(call, run, reader: str, refusals: list, expected: list):
+    """`call`, first starting a finetune --overwrite and a --resume into `run` while the `reader` command (export,
+    generate) holds its mark there: the refusals go to `refusals`, the lines naming that reader to `expected`."""
     from moe_tune.engine.train.run_dir import check_output_dir
 
-    fixture, flags = EXPORT_KINDS[kind]
-    run = tmp_path / "run"
-    shutil.copytree(request.getfixturevalue(fixture), run)
-    before = files_of(run)
-    refusals, expected = [], []
-    copy = hub.copy_loader_files
-
-    def finetune_starts(*args, **kwargs):
-        # The export has read the run's profile and is writing: here a finetune of the same output.dir starts.
+    def starts(*args, **kwargs):
         (mark,) = run.glob(".lock.reader-*")
         started = json.loads(mark.read_text())["started"]
-        expected.append([f"output.dir ({run}) is being read by moe-tune export: pid {os.getpid()} on host "
+        expected.append([f"output.dir ({run}) is being read by moe-tune {reader}: pid {os.getpid()} on host "
                          f"{socket.gethostname()}, started {started} ({mark}); a run would replace what it reads: "
                          "start the run once it has ended"])  # fmt: skip
         for resume, overwrite in ((False, True), (True, False)):
             with pytest.raises(ProfileError) as refusal:
                 check_output_dir(run, resume=resume, overwrite=overwrite)
             refusals.append(refusal.value.problems)
-        return copy(*args, **kwargs)
+        return call(*args, **kwargs)
 
-    monkeypatch.setattr(hub, "copy_loader_files", finetune_starts)
+    return starts
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_a_finetune_into_the_run_is_refused_while_an_export_reads_it(request, tmp_path, monkeypatch, kind):
+    """A finetune --overwrite (or --resume) of the run's folder that starts while an export reads it would remove (or
+    replace) what the export reads: the export marks the folder, the finetune's claim of it is refused, and the export
+    ends with the run as it was."""
+    import moe_tune.engine.export.hub as hub
+
+    fixture, flags = EXPORT_KINDS[kind]
+    run = tmp_path / "run"
+    shutil.copytree(request.getfixturevalue(fixture), run)
+    before = files_of(run)
+    refusals, expected = [], []
+    # The export has read the run's profile and is writing: here a finetune of the same output.dir starts.
+    monkeypatch.setattr(hub, "copy_loader_files",
+                        finetunes_start_before(hub.copy_loader_files, run, "export", refusals, expected))
     result = runner.invoke(app, ["export", str(run), *flags, "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert refusals == expected * 2 and len(refusals) == 2

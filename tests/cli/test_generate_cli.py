@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from test_export_cli import rewrite
+from test_export_cli import finetunes_start_before, rewrite
 from typer.testing import CliRunner
 
 from moe_tune.cli import app
@@ -340,12 +340,7 @@ def test_a_finetune_into_the_run_is_refused_while_generate_loads_it(lora_run, tm
     """generate marks the run whose weights it takes (RUN_DIR, or a profile's output.dir) until the model is loaded,
     as export does: a finetune --overwrite or --resume starting meanwhile is refused, and the mark goes with the
     load."""
-    import os
-    import socket
-
     import moe_tune.engine.generate.session as session_module
-    from moe_tune.engine.train.run_dir import check_output_dir
-    from moe_tune.profiles import ProfileError
 
     run = tmp_path / "run"
     shutil.copytree(lora_run[0], run)
@@ -354,21 +349,8 @@ def test_a_finetune_into_the_run_is_refused_while_generate_loads_it(lora_run, tm
         target = tmp_path / "p.yaml"
         target.write_text(yaml.safe_dump(tiny_job(run).model_dump(mode="json")))
     refusals, expected = [], []
-    load = session_module.load_model
-
-    def finetune_starts(*args, **kwargs):
-        (mark,) = run.glob(".lock.reader-*")
-        started = json.loads(mark.read_text())["started"]
-        expected.append([f"output.dir ({run}) is being read by moe-tune generate: pid {os.getpid()} on host "
-                         f"{socket.gethostname()}, started {started} ({mark}); a run would replace what it reads: "
-                         "start the run once it has ended"])  # fmt: skip
-        for resume, overwrite in ((False, True), (True, False)):
-            with pytest.raises(ProfileError) as refusal:
-                check_output_dir(run, resume=resume, overwrite=overwrite)
-            refusals.append(refusal.value.problems)
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(session_module, "load_model", finetune_starts)
+    monkeypatch.setattr(session_module, "load_model",
+                        finetunes_start_before(session_module.load_model, run, "generate", refusals, expected))
     result = runner.invoke(app, ["generate", str(target), "--prompt", "x", "--max-new-tokens", "1"])
     assert result.exit_code == 0, result.output
     assert refusals == expected * 2 and len(refusals) == 2
