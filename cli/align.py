@@ -44,7 +44,10 @@ def align(
     logits_atol: Annotated[float, typer.Option(help="max abs difference of logits allowed")] = 1e-4,
     kl: Annotated[float, typer.Option(help="max mean KL(reference || moe-tune) of next-token distributions")] = 1e-6,
     loss_atol: Annotated[float, typer.Option(help="max abs difference of the loss")] = 1e-4,
-    grad_rtol: Annotated[float, typer.Option(help="max relative difference of LoRA gradients")] = 1e-3,
+    grad_rtol: Annotated[
+        float, typer.Option(help="max relative difference of LoRA gradients, per row and column: each row's and "
+                            "column's max abs difference over the reference's largest |value| in it")
+    ] = 1e-3,
     hidden_rtol: Annotated[
         float, typer.Option(help="max relative difference of each layer's hidden state (and the vision rows), per "
                             "channel: each channel's max abs difference over the reference's largest |value| in it")
@@ -66,6 +69,8 @@ def align(
         problems.append("--update-golden re-records the --golden trace: give --golden FILE")
     if golden is not None and golden.is_dir():
         problems.append(f"--golden ({str(golden)!r}) is a folder: name the trace file")
+    elif golden is not None and not golden.parent.is_dir():
+        problems.append(f"--golden ({str(golden)!r}): its folder {str(golden.parent)!r} does not exist")
     if pin_routing and golden is not None:
         problems.append("--pin-routing compares with the reference: it does not apply to --golden")
     if profile is not None and reference is not None:
@@ -145,7 +150,9 @@ def print_report(console: Console, report) -> None:
     for col in ("compared", "max abs", "relative", "per channel"):
         table.add_column(col, justify="left" if col == "compared" else "right")
     for row in report.layers + [report.logits] + report.lora_grads:
-        channels = "" if row.channel_rel is None else f"{row.channel_rel:.3e}"
+        # A LoRA gradient's rows and columns are the channels its projection reads and writes (compare.line_rel).
+        channels = row.channel_rel if row.channel_rel is not None else row.line_rel
+        channels = "" if channels is None else f"{channels:.3e}"
         table.add_row(row.name, f"{row.max_abs:.3e}", f"{row.rel:.3e}", channels)
     console.print(table)
     console.print(

@@ -37,7 +37,8 @@ class Tolerances:
     logits_max_abs: float = 1e-4
     kl: float = 1e-6
     loss_abs: float = 1e-4
-    # max |g_ours - g_ref| / max |g_ref| per adapter tensor (a g_ref all zero: over the largest of all adapters')
+    # per adapter tensor, per row and column: Row.line_rel (line_rel), never below max |g_ours - g_ref| / max |g_ref|
+    # (Row.rel; a g_ref all zero: over the largest of all adapters', the only figure there)
     lora_grad_rel: float = 1e-3
     # per layer (and vision features, merged embeddings), per channel: Row.channel_rel (channel_rel), which is
     # never below the whole tensor's max abs / max |reference| (Row.rel)
@@ -54,8 +55,8 @@ class Tolerances:
 # FP8 bases compute with the dequantized weights, as the reference: on the tiny FP8 checkpoints of seven families
 # (tests/engine/families/test_fp8_checkpoints.py and glm4_moe, mixtral, kimi_linear; routing pinned or not) the largest
 # differences were layer rel 1.7e-6 (per channel 4.9e-6 on qwen3_moe, qwen3_next, deepseek_v3, qwen3_5_moe, massive
-# activations or not), logits 6.9e-6, KL 2.5e-8, loss 4.8e-7, LoRA gradient rel 1.5e-5: twice those is within the fp32
-# defaults, which apply.
+# activations or not), logits 6.9e-6, KL 2.5e-8, loss 4.8e-7, LoRA gradient rel 1.5e-5 (per row/column 5.2e-5 on those
+# four, massive activations or not): twice those is within the fp32 defaults, which apply.
 FP8_TOLERANCES = Tolerances()
 
 
@@ -63,17 +64,21 @@ FP8_TOLERANCES = Tolerances()
 class Row:
     """One compared quantity: its name, max abs difference, that relative to the reference's largest value (`rel`),
     and the worst channel's relative difference (`channel_rel`, see channel_rel(): each channel against its own
-    scale, so that a few channels of massive activations hide no error in the others; None for LoRA gradients)."""
+    scale, so that a few channels of massive activations hide no error in the others; None for LoRA gradients). LoRA
+    gradients have the worst row's or column's instead (`line_rel`, see line_rel(); None for the other rows)."""
 
     name: str
     max_abs: float
     rel: float
     channel_rel: float | None = None
+    line_rel: float | None = None
 
     @property
     def judged_rel(self) -> float:
-        """The figure a hidden-state tolerance applies to: channel_rel where computed (never below rel), else rel."""
-        return self.rel if self.channel_rel is None else self.channel_rel
+        """The figure a tolerance applies to: channel_rel or line_rel where computed (never below rel), else rel."""
+        if self.channel_rel is not None:
+            return self.channel_rel
+        return self.rel if self.line_rel is None else self.line_rel
 
 
 @dataclass
@@ -143,9 +148,11 @@ class AlignReport:
             if not row.judged_rel <= tol.hidden_rel
         ]
         out += [
-            f"LoRA gradient {row.name} rel {row.rel:.3g} > {tol.lora_grad_rel:g}"
+            f"LoRA gradient {row.name} rel {row.rel:.3g}"
+            + ("" if row.line_rel is None else f", per row/column {row.line_rel:.3g}")
+            + f" > {tol.lora_grad_rel:g}"
             for row in self.lora_grads
-            if not row.rel <= tol.lora_grad_rel
+            if not row.judged_rel <= tol.lora_grad_rel
         ]
         # Pinned, the numbers never see our router's own choice: one no near tie explains is a wrong routing rule (a
         # selection bias or group limit ignored). Unpinned, the numbers judge it, and a layer's choice also follows
@@ -657,13 +664,22 @@ class SharedAdapters:
 
 
 def lora_gradient_rows(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> list[Row]:
-    """diff_row of each (name, ours, reference) adapter gradient, relative to the reference's largest value. A
-    gradient the reference holds at exactly zero (the query and key adapters when every labelled token attends to
-    itself alone, as in two-token documents) has no scale of its own: its difference is taken relative to the
-    largest reference gradient of all the adapters, the scale at which ours rounds."""
+    """diff_row of each (name, ours, reference) adapter gradient, relative to the reference's largest value, and
+    line_rel: each row and column against its own largest reference value. A gradient the reference holds at exactly
+    zero (the query and key adapters when every labelled token attends to itself alone, as in two-token documents)
+    has no scale of its own: its difference is taken relative to the largest reference gradient of all the adapters,
+    the scale at which ours rounds, and it has no line_rel."""
     references = [ref for _, _, ref in pairs if ref is not None and ref.numel()]
     scale = max((ref.float().abs().max().item() for ref in references), default=0.0)
-    return [diff_row(name, ours, ref, zero_scale=scale, per_channel=False) for name, ours, ref in pairs]
+    rows = []
+    for name, ours, ref in pairs:
+        row = diff_row(name, ours, ref, zero_scale=scale, per_channel=False)
+        if ours is not None and ref is not None and ref.dim() >= 2 and bool(ref.any()):
+            lines = line_rel((ours.float() - ref.float()).abs(), ref.float())
+            # Never below rel, which fp32 rounding of the per-line quotients could cross (a NaN stays).
+            row.line_rel = row.rel if lines < row.rel else lines
+        rows.append(row)
+    return rows
 
 
 def _grad(param: torch.Tensor, convert) -> torch.Tensor | None:
@@ -1038,15 +1054,31 @@ def diff_row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None, zer
 CHANNEL_FLOOR = 1e-2
 
 
-def channel_rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
+def channel_rel(diff: torch.Tensor, ref: torch.Tensor, floor_of_nonzero: bool = False) -> float:
     """max over channels c (the last dim; every other dim is tokens) of max_t |diff[t, c]| / s_c, s_c the reference's
-    largest |value| in channel c, at least CHANNEL_FLOOR times the median over channels of those largest values.
-    A few channels of massive activations (100-10,000x the others, common in LLM residual streams) then set the
-    scale of their own errors only. Never below max |diff| / max |ref|: no s_c exceeds the largest |ref|. A zero s_c
-    (most channels all zero) gives 0 where the channel's difference is zero, else inf."""
+    largest |value| in channel c, at least CHANNEL_FLOOR times the median over channels of those largest values
+    (`floor_of_nonzero`: over the channels where it is not zero). A few channels of massive activations (100-10,000x
+    the others, common in LLM residual streams) then set the scale of their own errors only. Never below max |diff| /
+    max |ref|: no s_c exceeds the largest |ref|. A zero s_c (most channels all zero) gives 0 where the channel's
+    difference is zero, else inf."""
     diff_C = diff.reshape(-1, diff.shape[-1]).amax(0)
     scale_C = ref.abs().reshape(-1, ref.shape[-1]).amax(0)
-    scale_C = scale_C.clamp_min(CHANNEL_FLOOR * scale_C.median().item())
+    counted_C = scale_C[scale_C > 0] if floor_of_nonzero else scale_C
+    scale_C = scale_C.clamp_min(CHANNEL_FLOOR * (counted_C.median().item() if counted_C.numel() else 0.0))
     ratio_C = torch.where(scale_C > 0, diff_C / scale_C.clamp_min(torch.finfo(torch.float32).tiny),
                           torch.where(diff_C == 0, 0.0, float("inf")))
     return ratio_C.max().item()
+
+
+def line_rel(diff: torch.Tensor, ref: torch.Tensor) -> float:
+    """A gradient's channel_rel along its rows and along its columns, the worse of the two (tensors of more than 2 dims
+    taken as [first dim, the rest]). The gradient of a LoRA A [r, in] scales, per column, with the input channel it
+    reads, and of B [out, r], per row, with the gradient of the output channel it writes: massive activations make a
+    few of them 100-10,000x the others, and against the whole tensor's largest value an error in the others shrinks
+    by that factor. In the experts' fused layouts (A [E*r, in], B [out, r*E]) each expert also has rows (columns) of
+    its own. The floor counts only rows (columns) that are not all zero: each expert no token chose gives zero ones,
+    which may be most of them."""
+    diff_RC, ref_RC = diff.reshape(diff.shape[0], -1), ref.reshape(ref.shape[0], -1)
+    # torch's max, not Python's: a NaN (ours) must win whichever side it is on.
+    return torch.tensor([channel_rel(diff_RC, ref_RC, floor_of_nonzero=True),
+                         channel_rel(diff_RC.T, ref_RC.T, floor_of_nonzero=True)]).max().item()

@@ -91,6 +91,48 @@ def test_hidden_states_are_judged_per_channel(massive_checkpoint, tmp_path, monk
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("bug", [False, True], ids=["correct", "token_mixer_backward_1pct_off"])
+def test_lora_gradients_are_judged_per_row_and_column(massive_checkpoint, tmp_path, monkeypatch, bug):
+    import moe_tune.engine.align.compare as compare
+
+    load = compare.load_ours
+
+    def planted(cfg):
+        model = load(cfg)
+
+        # Layer 1's attention passes a gradient 1% off back to its input; its forward is untouched.
+        def backward_off(_module, args):
+            return (args[0] * 1.01 - args[0].detach() * 0.01, *args[1:])
+
+        model.layers[1].self_attn.register_forward_pre_hook(backward_off)
+        return model
+
+    if bug:
+        monkeypatch.setattr(compare, "load_ours", planted)
+    out = tmp_path / "report.json"
+    args = ["align", "--reference", str(massive_checkpoint), "--json", str(out)]
+    result = runner.invoke(app, args)
+    grads = json.loads(out.read_text())["lora_grads"]
+    lines = result.stdout.splitlines()
+    for row in grads:
+        assert row["channel_rel"] is None and row["line_rel"] >= row["rel"]
+        (line,) = [line for line in lines if line.strip().startswith(row["name"] + " ")]
+        assert line.split()[-1] == f"{row['line_rel']:.3e}"
+    if not bug:
+        assert result.exit_code == 0, result.output
+        assert max(row["line_rel"] for row in grads) <= 1e-4
+        return
+    assert result.exit_code == 1, result.output
+    failed = [row for row in grads if row["line_rel"] > 1e-3]
+    assert failed and all(row["name"].startswith("layers.0.") for row in failed)
+    for row in failed:
+        assert (f"NOT aligned: LoRA gradient {row['name']} rel {row['rel']:.3g}, per row/column {row['line_rel']:.3g} "
+                "> 0.001" in result.stdout)
+    # --grad-rtol sets the per-row/column tolerance.
+    result = runner.invoke(app, args + ["--grad-rtol", "1"])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("changed", [1, 3], ids=["one", "three"])
 def test_a_weight_of_another_shape_than_the_config_says_is_one_line(checkpoint, tmp_path, changed):
     # transformers raised it as a RuntimeError under a printed load report: a traceback.
@@ -175,6 +217,17 @@ def test_bad_input_exits_2(args, message, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.startswith(message)
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("others", [[], ["--update-golden"], ["--json", "{tmp}/r.json"]],
+                         ids=["alone", "update", "with_json"])
+def test_a_golden_whose_folder_does_not_exist_is_one_line_exit_2_before_anything_runs(tmp_path, others):
+    # As --json: the trace is written where it is named, into a folder that exists.
+    golden = tmp_path / "missing" / "g.safetensors"
+    result = runner.invoke(app, ["align", "--golden", str(golden), *(a.format(tmp=tmp_path) for a in others)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: --golden ('{golden}'): its folder '{golden.parent}' does not exist"]
+    assert result.stdout == "" and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("others", [[], ["--reference", "{ckpt}"], ["--reference", "{ckpt}", "--pin-routing"]],

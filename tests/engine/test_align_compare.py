@@ -129,9 +129,73 @@ def test_a_nan_in_ours_fails_per_channel():
     assert not row.channel_rel <= HIDDEN_TOLERANCE
 
 
-def test_lora_gradient_rows_have_no_channel_figure():
+def test_lora_gradient_rows_have_a_row_and_column_figure_and_no_channel_figure():
     grad = _gradient(1.0, 0)
-    assert [row.channel_rel for row in lora_gradient_rows([("a", grad, grad)])] == [None]
+    rows = lora_gradient_rows([("a", grad, grad), ("zero", grad * 0, grad * 0), ("missing", None, grad)])
+    # channel_rel stays null in the JSON of gradient rows; line_rel is theirs, except where the reference is all zero
+    # (judged against all adapters' scale) or a gradient is missing (judged inf).
+    assert [(row.channel_rel, row.line_rel) for row in rows] == [(None, 0.0), (None, None), (None, None)]
+    assert [row.judged_rel for row in rows] == [0.0, 0.0, float("inf")]
+
+
+# LoRA gradients per row and column: massive activations make a few columns of lora_A (the input channels it reads) or
+# rows of lora_B (the output channels whose gradient it takes) 100-10,000x the others.
+
+
+def _massive_gradient(axis: str, seed: int = 0) -> torch.Tensor:
+    grad = _massive(seed, shape=(4, 32))
+    return grad if axis == "lora_A columns" else grad.T.contiguous()
+
+
+@pytest.mark.parametrize("axis", ["lora_A columns", "lora_B rows"])
+def test_an_error_in_the_ordinary_rows_or_columns_of_a_gradient_is_not_hidden_by_massive_ones(axis):
+    ref = _massive_gradient(axis)
+    ordinary = torch.ones(ref.shape[-1] if axis == "lora_A columns" else ref.shape[0], dtype=torch.bool)
+    ordinary[MASSIVE_CHANNELS] = False
+    ours = ref.clone()
+    if axis == "lora_A columns":
+        ours[:, ordinary] *= 1.01
+    else:
+        ours[ordinary] *= 1.01
+    (row,) = lora_gradient_rows([("layers.1.self_attn.q_proj.lora_A", ours, ref)])
+    # Against the largest value the 1% error looks like 1e-5: within tolerance.
+    assert row.rel <= TOLERANCE
+    assert row.line_rel == pytest.approx(1e-2, rel=1e-4) and row.judged_rel == row.line_rel
+
+
+@pytest.mark.parametrize("axis", ["lora_A columns", "lora_B rows"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gradient_rounding_stays_within_tolerance_per_row_and_column_and_never_below_the_whole_figure(axis, seed):
+    ref = _massive_gradient(axis, seed)
+    noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 10)) * 1e-7
+    wrong = ref + torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+    rows = lora_gradient_rows([("rounding", ref * (1 + noise), ref), ("wrong", wrong, ref)])
+    assert rows[0].line_rel <= 1e-6
+    assert all(row.line_rel >= row.rel for row in rows)
+
+
+def test_experts_no_token_chose_hold_zero_rows_measured_against_the_others():
+    from moe_tune.engine.align.compare import CHANNEL_FLOOR
+
+    # The fused layout A [E*r, in]: 6 of 8 experts got no token, so most rows are exactly zero on both sides.
+    ref = torch.zeros(8 * 4, 16)
+    ref[:8] = _gradient(1.0, 0, shape=(8, 16))
+    (exact,) = lora_gradient_rows([("experts.lora_A.w_gate_up", ref.clone(), ref)])
+    assert exact.line_rel == 0.0
+    ours = ref.clone()
+    ours[20, 3] = 1e-9
+    (row,) = lora_gradient_rows([("experts.lora_A.w_gate_up", ours, ref)])
+    # The floor is taken over the rows that are not all zero: rounding in an unchosen expert's row is finite and small.
+    floor = CHANNEL_FLOOR * ref[:8].abs().amax(1).median().item()
+    assert row.line_rel == pytest.approx(1e-9 / floor, rel=1e-4)
+
+
+def test_a_nan_in_a_gradient_fails_per_row_and_column():
+    ref = _massive_gradient("lora_A columns")
+    ours = ref.clone()
+    ours[2, 9] = float("nan")
+    (row,) = lora_gradient_rows([("a", ours, ref)])
+    assert not row.line_rel <= TOLERANCE and not row.judged_rel <= TOLERANCE
 
 
 MASSIVE_FAMILIES = {"qwen3_moe": tiny_qwen3_moe, "deepseek_v3": tiny_deepseek_v3, "qwen3_next": tiny_qwen3_next,
@@ -178,6 +242,7 @@ def test_correct_checkpoints_with_massive_activations_align(massive_checkpoint, 
     report = align_checkpoint(checkpoint, _documents_from(checkpoint), pin_routing=pin)
     assert report.passed, report.failures
     assert max(row.channel_rel for row in report.layers) <= HIDDEN_TOLERANCE / 10
+    assert max(row.line_rel for row in report.lora_grads) <= TOLERANCE / 10
 
 
 # Planted in our model's layer 1: its attention output projection 1% off, or its input norm's weight off by 1e-2 at a
@@ -210,6 +275,46 @@ def test_a_bug_behind_massive_activations_fails_alignment(massive_checkpoint, mo
     assert [line.split(" rel ")[0] for line in failed] == [row.name for row in report.layers[1:]], report.failures
     assert all(row.channel_rel > 20 * HIDDEN_TOLERANCE for row in report.layers[1:]), report.layers
     assert not report.passed
+
+
+# Planted in our model's layer 1, its forward untouched: the gradient its token mixer (or channel mixer) passes back to
+# its input 1% off, as a wrong scale in one projection's backward would make it.
+BACKWARD_BUGS = {"token_mixer": "self_attn", "channel_mixer": "mlp"}
+
+
+def _backward_scaled(gain: float):
+    def scale(_module, args):
+        x = args[0]
+        return (x * gain - x.detach() * (gain - 1), *args[1:])
+
+    return scale
+
+
+@pytest.mark.parametrize("family, bug", [(family, "token_mixer") for family in MASSIVE_FAMILIES]
+                         + [("deepseek_v3", "channel_mixer"), ("qwen3_next", "channel_mixer")])
+def test_a_backward_bug_behind_massive_activations_fails_on_lora_gradients(massive_checkpoint, monkeypatch, family,
+                                                                           bug):
+    import moe_tune.engine.align.compare as compare
+
+    load = compare.load_ours
+
+    def planted(cfg):
+        model = load(cfg)
+        getattr(model.layers[1], BACKWARD_BUGS[bug]).register_forward_pre_hook(_backward_scaled(1.01))
+        return model
+
+    monkeypatch.setattr(compare, "load_ours", planted)
+    checkpoint = massive_checkpoint(family, "channels")
+    report = align_checkpoint(checkpoint, _documents_from(checkpoint))
+    # The forward is ours exactly: only the gradients of what runs before the bug differ.
+    assert all(row.channel_rel <= HIDDEN_TOLERANCE / 10 for row in report.layers), report.layers
+    before = ("LoRA gradient layers.0.",) + (("LoRA gradient layers.1.self_attn.",) if bug == "channel_mixer" else ())
+    assert report.failures and all(line.startswith(before) for line in report.failures), report.failures
+    assert max(row.line_rel for row in report.lora_grads) > 2 * TOLERANCE
+    # Against each gradient's largest value the same bug is 2.4e-4 to 1.2e-3 (within tolerance but for qwen3_moe's
+    # and qwen3_next's token mixer); on the checkpoint without massive channels, 8e-3 to 1.3e-2.
+    if (family, bug) not in (("qwen3_moe", "token_mixer"), ("qwen3_next", "token_mixer")):
+        assert max(row.rel for row in report.lora_grads) <= TOLERANCE
 
 
 # Routing: our router's own choice against the reference's, a near tie told apart from another rule.
