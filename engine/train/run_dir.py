@@ -7,11 +7,11 @@ lock, a directory holding a previous run's results is refused unless the run res
 them (`--overwrite`, which deletes moe-tune's own outputs only, never other files), so checkpoints of one run are
 never mixed with metrics of another.
 
-A command that reads a finished run (`moe-tune export`, `generate` while it loads the model) marks the folder for as long as it reads it
-(`.lock.reader-HOST-PID-TOKEN`, naming its holder as the lock does; reading_run): a run into the folder, whose
---overwrite or --resume would remove or replace what it reads, is refused while a reader lives, and a reader is
-refused while a run holds the folder. Each side writes its own file before it looks for the other's, so of a reader
-and a run that start together at least one is refused.
+A command that reads a finished run (`moe-tune export`, `generate` while it loads the model) marks the folder for
+as long as it reads it (`.lock.reader-HOST-PID-TOKEN`, naming its holder as the lock does; reading_run): a run into
+the folder, whose --overwrite or --resume would remove or replace what it reads, is refused while a reader lives,
+and a reader is refused while a run holds the folder. Each side writes its own file before it looks for the other's,
+so of a reader and a run that start together at least one is refused.
 """
 
 from __future__ import annotations
@@ -209,11 +209,11 @@ def held_problem(run_dir: Path, reader: str) -> str | None:
 def reading_run(run_dir: Path, reader: str, command: str | None = None) -> Iterator[None]:
     """Mark `run_dir` as read by this process for the block (`command`, default `reader`: the command, as a refused
     run names it; `reader`: what the line refusing this reader says it may do once a run holding the folder has
-    ended, held_problem), so that no run starts into it meanwhile (reader_problems). The mark is written whole (a temporary file renamed into
-    place) before the folder's lock is looked at: ProfileError when a run holds the folder. The mark goes when the
-    block ends, however it ends. A folder that is no run's (no profile.yaml) is not marked: the reader refuses it. A
-    folder this process cannot write into (a read-only mount, another user's run) is read unmarked: a run into it by
-    this user cannot start either."""
+    ended, held_problem), so that no run starts into it meanwhile (reader_problems). The mark is written whole (a
+    temporary file renamed into place) before the folder's lock is looked at: ProfileError when a run holds the
+    folder. The mark goes when the block ends, however it ends. A folder that is no run's (no profile.yaml) is not
+    marked: the reader refuses it. A folder this process cannot write into (a read-only mount, another user's run) is
+    read unmarked: a run into it by this user cannot start either."""
     run_dir = Path(run_dir)
     mark = None
     if (run_dir / "profile.yaml").is_file():
