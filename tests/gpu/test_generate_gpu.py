@@ -1,7 +1,7 @@
 """Cached decoding on CUDA: the prefill runs the training forward's Triton kernels, the steps the cached paths; in fp32
-the rows equal the full forward's and greedy generation is the argmax chain of full re-runs; in bf16 the cached rows
-are as close to the fp32 forward as the bf16 full forward is; `moe-tune generate` runs a LoRA run on the GPU in its
-train.precision.
+the rows equal the full forward's and greedy generation is the argmax chain of full re-runs (a prompt longer than
+one prefill call too); in bf16 the cached rows are as close to the fp32 forward as the bf16 full forward is;
+`moe-tune generate` runs a LoRA run on the GPU in its train.precision.
 
 Run on the H200 on its own: pytest -m gpu tests/gpu
 """
@@ -99,6 +99,20 @@ def test_greedy_generation_is_the_argmax_chain(name):
     for _ in range(16):
         chain.append(int(full_logits(model, torch.tensor([chain], device=DEVICE))[-1].argmax()))
     assert generate_ids(model, prompt, 16) == chain[len(prompt) :]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_prompt_past_one_prefill_call_generates_the_argmax_chain(name):
+    """A prompt longer than PREFILL_CHUNK_TOKENS is prefilled in calls of that many tokens (the linear-attention
+    state, the key/value caches and the sparse indexers' keys carried between them): greedy generation still gives
+    the argmax chain of full re-runs."""
+    from moe_tune.engine.generate.decode import PREFILL_CHUNK_TOKENS
+
+    model, prompt = model_of(name), tokens(PREFILL_CHUNK_TOKENS + 77)[0].tolist()
+    chain = list(prompt)
+    for _ in range(8):
+        chain.append(int(full_logits(model, torch.tensor([chain], device=DEVICE))[-1].argmax()))
+    assert generate_ids(model, prompt, 8) == chain[len(prompt) :]
 
 
 def test_cli_generates_from_a_bf16_lora_run_on_the_gpu(tmp_path):
