@@ -52,12 +52,12 @@ class RunInfo:
         return self.profile.model
 
 
-def read_run(run_dir: Path, need_final: bool = True, reader: str = "export") -> RunInfo:
-    """The run in `run_dir`; ProfileError (one line each) when there is no run there, a run holds it (the line names
-    `reader`, the command reading it), or, with `need_final`, it has not written its final state (summary.json and
-    the adapter / weights)."""
+def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
+    """The run in `run_dir`; ProfileError (one line each) when there is no run there or, with `need_final`, it has
+    not written its final state (summary.json and the adapter / weights). The commands read it inside
+    run_dir.reading_run, which refuses a folder a run holds before anything is read."""
     from moe_tune.engine.families import resolve_job
-    from moe_tune.engine.train.run_dir import held_problem, links_out_of
+    from moe_tune.engine.train.run_dir import links_out_of
     from moe_tune.profiles import validate_profile
 
     run_dir = Path(run_dir)
@@ -67,8 +67,6 @@ def read_run(run_dir: Path, need_final: bool = True, reader: str = "export") -> 
         raise ProfileError([f"{run_dir}: {what} (RUN_DIR must be a finetune output.dir)"])
     if not profile_file.is_file():
         raise ProfileError([f"{run_dir}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"])
-    if (held := held_problem(run_dir, reader)) is not None:
-        raise ProfileError([held])
     escaping = links_out_of(run_dir, ("profile.yaml", "summary.json", "adapter", ADAPTER_FILE, ADAPTER_CONFIG_FILE,
                                       SELECTION_BIASES_FILE, WEIGHTS_FILE))  # fmt: skip
     if escaping:

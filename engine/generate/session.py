@@ -186,20 +186,19 @@ def read_generation_config(checkpoint: Path | None, vocab_size: int) -> Generati
 
 def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
     """RUN_DIR (an existing folder) or PROFILE (a YAML path or a shipped profile's name); ProfileError one line per
-    problem when it is neither, the profile is invalid, or a run folder has no final weights. With `marks`, the run
-    folder whose weights are taken is marked as read (run_dir.reading_run) until that stack closes: a finetune into
-    it (--overwrite, --resume) is refused while the model loads."""
+    problem when it is neither, the profile is invalid, a run holds the run folder, or it has no final weights. The
+    run folder whose weights are taken is marked as read (run_dir.reading_run) while it is read, and with `marks`
+    until that stack closes: a finetune into it (--overwrite, --resume) is refused while the model loads."""
     from moe_tune.engine.families import resolve_job
     from moe_tune.engine.train.run_dir import reading_run
     from moe_tune.profiles import load_profile, resolve_profile_path, shipped_profiles
 
     def read_marked(run_dir: Path) -> tuple[JobProfile, str]:
-        if marks is None:
-            return read_finished_run(run_dir)
         with ExitStack() as mark:
             mark.enter_context(reading_run(run_dir, "generate from", "generate"))
             found = read_finished_run(run_dir)
-            marks.push(mark.pop_all())
+            if marks is not None:
+                marks.push(mark.pop_all())
             return found
 
     path = Path(target)
@@ -233,11 +232,11 @@ def base_kind(profile: JobProfile) -> str:
 
 
 def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
-    """The resolved profile of the run in `run_dir` and a note on its weights; ProfileError when a run holds the
-    folder or it has no final weights (naming the file, and how to get them)."""
+    """The resolved profile of the run in `run_dir` and a note on its weights; ProfileError when it has no final
+    weights (naming the file, and how to get them). Read inside run_dir.reading_run (resolve_target)."""
     from moe_tune.engine.export.sources import ADAPTER_FILE, WEIGHTS_FILE, read_run
 
-    run = read_run(run_dir, need_final=False, reader="generate from")
+    run = read_run(run_dir, need_final=False)
     profile = run.profile
     final = ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE
     if not (run_dir / final).is_file():
