@@ -441,29 +441,23 @@ def _capture(modules: list[nn.Module], pick) -> tuple[list[list[torch.Tensor]], 
     return store, handles
 
 
-def _capture_inputs(layer: nn.Module, width: int) -> tuple[list[list[torch.Tensor]], list]:
-    """A forward pre-hook keeping the first `width` channels of the layer's input hidden state on every call (the
-    merged text and image embeddings when `layer` is the first decoder layer)."""
-    store: list[list[torch.Tensor]] = [[]]
-
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        store[0].append(hidden[..., :width].detach())
-
-    return store, [layer.register_forward_pre_hook(hook, with_kwargs=True)]
-
-
-def _capture_inputs_of(modules: list[nn.Module]) -> tuple[list[list[torch.Tensor]], list]:
-    """Forward pre-hooks appending the first input of module i to store[i] on every call."""
+def _capture_inputs(modules: list[nn.Module], pick=lambda x: x) -> tuple[list[list[torch.Tensor]], list]:
+    """Forward pre-hooks appending pick(the input hidden state) of module i to store[i] on every call (its first
+    positional argument, else its `hidden_states` keyword)."""
     store: list[list[torch.Tensor]] = [[] for _ in modules]
 
     def hook(i: int):
         def keep(_module, args, kwargs):
-            store[i].append((args[0] if args else next(iter(kwargs.values()))).detach())
+            store[i].append(pick(args[0] if args else kwargs["hidden_states"]).detach())
 
         return keep
 
     return store, [m.register_forward_pre_hook(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
+
+
+def _embeddings(width: int):
+    """The first `width` channels of a decoder layer's input: the merged text and image embeddings at the first."""
+    return lambda hidden: hidden[..., :width]
 
 
 class _RouterLogits:
@@ -930,7 +924,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     ref_routes, route_handles = _capture(routers, family.reference_topk_ids)
     ref_keys, key_handles = _capture([ref for _, _, ref in indexers],
                                      lambda out: family.reference_selected_keys(out))
-    ref_embeds, embed_handles = _capture_inputs(ref_layers[0], cfg.hidden_size)
+    ref_embeds, embed_handles = _capture_inputs([ref_layers[0]], _embeddings(cfg.hidden_size))
     ref_vision, vision_handles = [], []
     if cfg.vision is not None:
         ref_vision, vision_handles = _capture([_submodule(ref_root, family.reference_vision)],
@@ -963,9 +957,9 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     # Our routers' inputs, from which their own choice is taken again after the run (pinned or not).
     router_inputs, router_handles = [], []
     if len(routers) == len(moe_blocks):
-        router_inputs, router_handles = _capture_inputs_of(moe_blocks)
+        router_inputs, router_handles = _capture_inputs(moe_blocks)
     our_hidden, handles = _capture(our_layers, family.our_layer_output)
-    our_embeds, embed_handles = _capture_inputs(our_layers[0], cfg.hidden_size)
+    our_embeds, embed_handles = _capture_inputs([our_layers[0]], _embeddings(cfg.hidden_size))
     our_vision, vision_handles = [], []
     if cfg.vision is not None and with_images:
         our_vision, vision_handles = _capture([our_root.vision], lambda out: out)

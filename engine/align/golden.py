@@ -59,9 +59,9 @@ def record_golden(model: nn.Module, docs: list[torch.Tensor], path: Path, descri
     """Write the trace of `model` to `path` atomically (a half-written file never replaces a good one)."""
     from safetensors.torch import save_file
 
-    tensors = trace(model, docs)
     from moe_tune.engine.atomic_write import atomic_path
 
+    tensors = trace(model, docs)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"moe_tune_golden": json.dumps(description, default=str)})
