@@ -1,7 +1,8 @@
 """Cached decoding on CUDA: the prefill runs the training forward's Triton kernels, the steps the cached paths; in fp32
 the rows equal the full forward's and greedy generation is the argmax chain of full re-runs (a prompt longer than
-one prefill call too); in bf16 the cached rows are as close to the fp32 forward as the bf16 full forward is;
-`moe-tune generate` runs a LoRA run on the GPU in its train.precision.
+one prefill call too); in bf16 the cached rows are as close to the fp32 forward as the bf16 full forward is; sampling
+draws from the CPU's fp64 distribution with a generator on the GPU; `moe-tune generate` runs a LoRA run on the GPU in
+its train.precision.
 
 Run on the H200 on its own: pytest -m gpu tests/gpu
 """
@@ -113,6 +114,39 @@ def test_a_prompt_past_one_prefill_call_generates_the_argmax_chain(name):
     for _ in range(8):
         chain.append(int(full_logits(model, torch.tensor([chain], device=DEVICE))[-1].argmax()))
     assert generate_ids(model, prompt, 8) == chain[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(1.0, 0, 0.9), (0.6, 20, 0.95), (1.3, 5, 0.5), (1e-300, 0, 1.0), (5e-324, 3, 0.2)],
+    ids=["top-p", "qwen3-defaults", "both-cut", "tiny-temperature", "smallest-temperature"],
+)
+def test_the_sampling_distribution_on_cuda_is_the_cpus(temperature, top_k, top_p):
+    """sampling_probs in fp64 on CUDA: the CPU's distribution (the same tokens kept, the probabilities within fp64
+    rounding), tied logits included; at temperatures down to fp64's smallest, one token keeps everything."""
+    from moe_tune.engine.generate.decode import sampling_probs
+
+    logits_V = torch.randn(259, generator=torch.Generator().manual_seed(7)) * 3
+    logits_V[[10, 11, 12]] = logits_V.max() - 0.25  # three tied runners-up
+    cpu, cuda = sampling_probs(logits_V, temperature, top_k, top_p), sampling_probs(logits_V.to(DEVICE), temperature,
+                                                                                    top_k, top_p).cpu()
+    assert cuda.dtype == torch.float64
+    assert torch.equal(cuda > 0, cpu > 0)
+    torch.testing.assert_close(cuda, cpu, rtol=1e-12, atol=1e-15)
+    if temperature < 1e-100:
+        assert torch.equal(cuda, torch.nn.functional.one_hot(logits_V.argmax(), 259).double())
+
+
+@pytest.mark.parametrize("name", ["tiny", "kimi_linear"])
+def test_sampled_generation_on_cuda_follows_its_seed_and_its_filters(name):
+    """generate_ids at temperature > 0 draws with a generator on the model's device: one seed gives one reply, and
+    a draw that the filters leave one token for (top_k 1; the smallest temperature) is the argmax chain."""
+    model, prompt = model_of(name), tokens(PROMPT)[0].tolist()
+    greedy = generate_ids(model, prompt, 12)
+    first = generate_ids(model, prompt, 12, temperature=1.5, seed=11)
+    assert generate_ids(model, prompt, 12, temperature=1.5, seed=11) == first
+    assert generate_ids(model, prompt, 12, temperature=1.5, top_k=1, seed=11) == greedy
+    assert generate_ids(model, prompt, 12, temperature=5e-324, seed=12) == greedy
 
 
 def test_cli_generates_from_a_bf16_lora_run_on_the_gpu(tmp_path):
