@@ -306,7 +306,7 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
                     spec = cfg.vision
                     settings = ImageSettings.from_checkpoint(tokenizer_dir)
                     image_path = resolve_image_path(value, path.parent, where)
-                    patches, grid = image_patches(load_image(image_path), settings)
+                    patches, grid = image_patches(load_image(image_path, links=False), settings)
                     pixels.append(patches)
                     grids.append(grid)
                     count = image_token_count(grid, settings)

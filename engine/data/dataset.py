@@ -704,7 +704,7 @@ def _read_image_again(ref: ImageRef, settings: ImageSettings) -> tuple[torch.Ten
     record = f"{ref.where}: " if ref.where else ""
     retry = "restore it and resume with --resume (the checkpoints written so far are kept)"
     try:
-        patches, grid = image_patches(load_image(ref.path), settings)
+        patches, grid = image_patches(load_image(ref.path, links=False), settings)
     except ImageError as err:
         raise ProfileError([f"{record}{err}, after the dataset was read; {retry}"]) from None
     if grid != ref.grid:

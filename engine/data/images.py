@@ -132,11 +132,15 @@ def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, 
     return max(factor, h_bar), max(factor, w_bar)
 
 
-def load_image(path: Path):
+def load_image(path: Path, links: bool = True):
     """An RGB PIL image; ImageError naming the file when it is missing, not a regular file (a FIFO, device or
     directory is never opened), larger than MAX_IMAGE_PIXELS (checked on the header, before decoding), of a format
     whose decoder runs another program (EPS), or not a (whole) image. Animated and multi-page files give their first
-    frame, as in transformers."""
+    frame, as in transformers.
+
+    links=False: `path` is a real path (resolve_image_path's, checked inside its data folder) and is opened one
+    folder at a time following no symbolic link, so a folder or file swapped for a link since the check (a data
+    folder changed while a run reads its images again) is refused, not followed out of the folder."""
     try:
         from PIL import Image, ImageOps, UnidentifiedImageError
     except ImportError:
@@ -144,8 +148,7 @@ def load_image(path: Path):
     try:
         # Stat first: opening some devices acts on them. Then open without blocking (a FIFO swapped in meanwhile
         # would wait for a writer) and check what was opened.
-        _check_regular(os.stat(path).st_mode, path)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = _open_regular(path) if links or not LINK_FREE_OPEN else _open_regular_without_links(path)
     except ImageError:
         raise
     except FileNotFoundError:
@@ -213,6 +216,37 @@ def _check_depth(img, path: Path) -> None:
     if low < 0 or high > 255:
         raise ImageError(f"{path}: mode {img.mode} pixels range over {low:.6g}..{high:.6g}; 8-bit RGB keeps 0..255 and "
                          "clips the rest (a 16-bit image turns white): save it as an 8-bit image")
+
+
+# Opening relative to a folder's descriptor with O_NOFOLLOW (POSIX); elsewhere links=False opens as links=True does.
+LINK_FREE_OPEN = os.open in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW") and hasattr(os, "O_DIRECTORY")
+
+
+def _open_regular(path: Path) -> int:
+    _check_regular(os.stat(path).st_mode, path)
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+
+
+def _open_regular_without_links(path: Path) -> int:
+    parts = Path(path).parts
+    if parts[0] != os.sep or ".." in parts:
+        raise ImageError(f"{path}: not a real path (absolute, no '..'), which an image read without links needs")
+    folder = os.open(os.sep, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for depth, name in enumerate(parts[1:], start=1):
+            mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                raise ImageError(f"{path}: {Path(*parts[: depth + 1])} is now a symbolic link, not there when the "
+                                 "path was resolved: not followed")
+            if depth == len(parts) - 1:
+                _check_regular(mode, path)
+                return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=folder)
+            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+    finally:
+        os.close(folder)
+    raise ImageError(f"{path}: names a folder, not an image file")
 
 
 def _check_regular(mode: int, path: Path) -> None:

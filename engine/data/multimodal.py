@@ -44,7 +44,7 @@ class VisionTokens:
 def image_ref(path: Path, settings: ImageSettings, where: str = "") -> ImageRef:
     """Open and fully decode the image once (a broken file fails here, at load time, not mid-epoch); its grid is
     the one image_patches cuts."""
-    image = load_image(path)
+    image = load_image(path, links=False)
     try:
         height, width = target_size(image.height, image.width, settings)
     except ImageError as err:

@@ -13,6 +13,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from moe_tune.engine.data.dataset import (
     SKIP_BLOCK_BYTES,
@@ -468,6 +469,35 @@ class TestConfinement:
             load_documents(DataProfile(path="d.jsonl", seq_len=512), TOK, VISION)
         assert err.value.problems == [f"d.jsonl:2: image '../secret.png' resolves outside the data folder {data} "
                                       "(set data.allow_paths_outside: true to allow)"]
+
+    @pytest.mark.parametrize("level", ["file", "folder", "data-folder"])
+    @pytest.mark.parametrize("allow_outside", [False, True], ids=["confined", "allow-outside"])
+    @pytest.mark.parametrize("name", INSIDE)
+    def test_a_link_swapped_in_after_the_check_is_not_followed(self, tree, name, level, allow_outside):
+        """Images are read again for every batch: the image, its folder or the data folder replaced by a link to a
+        copy outside (the same pixels, so that nothing else tells) stops the run, naming the link, where following
+        it would read outside the folder checked (or, allowed outside, other files than those measured)."""
+        import shutil
+
+        root, data = tree
+        path = write_records(data / "d.jsonl", [image_record(name)])
+        docs = load_documents(DataProfile(path=path, seq_len=128, allow_paths_outside=allow_outside), TOK, VISION)
+        dataset = PackedDataset(docs, 128, TOK.pad_id, seed=0, image_settings=SETTINGS)
+        first = dataset.micro_batch(0, 1).pixel_values
+        real = docs[0].images[0].path
+        swapped = {"file": real, "folder": real.parent, "data-folder": data}[level]
+        moved, copy = root / "moved", root / "copy"
+        shutil.copytree(swapped, copy, symlinks=True) if swapped.is_dir() else shutil.copy(swapped, copy)
+        swapped.rename(moved)
+        os.symlink(copy, swapped)
+        with pytest.raises(ProfileError) as err:
+            dataset.micro_batch(1, 1)
+        (line,) = err.value.problems
+        assert line.startswith(f"{path}:1: {real}: {swapped} is now a symbolic link, not there when the path was "
+                               "resolved: not followed, after the dataset was read; ")
+        os.unlink(swapped)
+        moved.rename(swapped)
+        assert torch.equal(dataset.micro_batch(1, 1).pixel_values, first)
 
     def test_a_nul_character_is_refused(self, tree):
         root, data = tree
