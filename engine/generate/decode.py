@@ -132,10 +132,12 @@ def sampling_probs(logits_V: torch.Tensor, temperature: float, top_k: int = 0, t
     the k-th kept, as TopKLogitsWarper keeps them), then to the nucleus: the tokens left once the least likely ones
     whose probabilities sum to at most 1 - top_p are removed (TopPLogitsWarper's rule: the smallest set holding at
     least top_p, never empty; among tokens of equal probability the lower ids leave first), renormalised."""
-    # (logits - max) / temperature in fp64: the largest is 0 and the others <= 0, so a tiny temperature (down to
+    # (logits - max) / temperature in fp64: the largest is 0 and the others < 0, so a tiny temperature (down to
     # fp64's smallest, 5e-324; fp32 holds none below 1.4e-45) sends them to -inf (probability 0), never inf - inf.
-    logits_V = logits_V.double()
-    scaled_V = (logits_V - logits_V.max()) / temperature
+    # The zeros stay 0 by `where`: CUDA divides by a Python number as a product with its reciprocal, inf below
+    # 5.6e-309, and 0 x inf is nan.
+    shifted_V = logits_V.double() - logits_V.double().max()
+    scaled_V = torch.where(shifted_V < 0, shifted_V / temperature, 0.0)
     if 0 < top_k < scaled_V.numel():
         scaled_V = scaled_V.masked_fill(scaled_V < scaled_V.topk(top_k).values[-1], -math.inf)
     probs_V = torch.softmax(scaled_V, dim=-1)
