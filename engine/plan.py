@@ -19,6 +19,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from moe_tune.engine.lora import (
+    VISION_PREFIX,
+    is_vision_module,
+    target_module_problems,
+    vision_choice,
+    vision_module_parts,
+)
 from moe_tune.engine.memory.policy import MemoryPolicy, resolve_policy
 from moe_tune.engine.memory.store import HOST_CHUNK_BYTES
 from moe_tune.ops.cross_entropy.autograd import default_chunk_size
@@ -37,6 +44,7 @@ __all__ = [
     "WeightBytes",
     "weight_bytes",
     "lora_parameters",
+    "trainable_parameters",
     "count_parameters",
     "activation_bytes",
     "ContextExchange",
@@ -169,42 +177,48 @@ def _module_paths(params: list[Param]) -> list[str]:
     return list(paths)
 
 
-def _saved_modules(params: list[Param], lora: LoraProfile) -> list[str]:
-    """The modules PEFT wraps for `modules_to_save`: its rule is a plain suffix match on the module path (so `gate`
-    also matches `shared_expert_gate`); a module inside a wrapped one is not wrapped again."""
+def _saved_modules(params: list[Param], to_save: list[str]) -> list[str]:
+    """The modules PEFT wraps for `modules_to_save` (to_save): its rule is a plain suffix match on the module path
+    (so `gate` also matches `shared_expert_gate`); a module inside a wrapped one is not wrapped again."""
     saved: list[str] = []
     for path in _module_paths(params):
         inside = any(path.startswith(f"{outer}.") for outer in saved)
-        if not inside and any(path.endswith(name) for name in lora.modules_to_save):
+        if not inside and any(path.endswith(name) for name in to_save):
             saved.append(path)
     return saved
 
 
-def _is_target(module: str, target: str) -> bool:
-    # PEFT's target_modules rule: the whole path, or its last dotted components.
-    return module == target or module.endswith(f".{target}")
+def _vision_parts(params: list[Param]) -> list[tuple[str, bool]]:
+    """The vision tower's modules as engine.lora.vision_module_parts takes them: (name inside the tower, whether it is
+    an nn.Linear)."""
+    linears = {p.module for p in params if p.is_linear}
+    return [(path.removeprefix(VISION_PREFIX), path in linears) for path in _module_paths(params)
+            if path.startswith(VISION_PREFIX)]  # fmt: skip
 
 
 def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
-    """The parameters LoRA adds to `params`: A [r, in] and B [out, r] per targeted linear; per-expert A and B of both
-    expert projections; a trainable copy of each module in modules_to_save. Raises ProfileError when a target names
-    no linear layer (the check engine.lora.inject_lora makes)."""
+    """The parameters engine.lora.inject_lora adds to `params`: A [r, in] and B [out, r] per targeted linear (named
+    by lora.target_modules, and the vision tower's linears of the parts lora.vision_tower / lora.vision_merger set
+    to lora); per-expert A and B of both expert projections; a trainable copy of each module in modules_to_save and
+    of each vision part set to trained (engine.lora.vision_module_parts). Raises ProfileError with inject_lora's
+    lines for what it refuses (engine.lora.target_module_problems)."""
+    from moe_tune.engine.model.fp8 import matches_module_name
+
     if not lora.enabled:
         return []
-    linear_names = sorted({p.module.rsplit(".", 1)[-1] for p in params if p.is_linear})
-    problems = [
-        f"lora.target_modules ('{t}') must name a linear layer of the model, or a dotted suffix of its name as PEFT "
-        f"matches it (known: {', '.join(linear_names)})"
-        for t in lora.target_modules
-        if not any(p.is_linear and _is_target(p.module, t) for p in params)
-    ]
+    problems = target_module_problems(
+        lora.target_modules, [p.module for p in params if p.is_linear],
+        [path for path in _module_paths(params) if is_vision_module(path)],
+    )  # fmt: skip
+    vision_targets, vision_saved = vision_module_parts(_vision_parts(params), lora)
+    targets = list(lora.target_modules) + vision_targets
     if lora.experts and not any(p.is_expert for p in params):
         problems.append("lora.experts (true) needs a layer with mlp: moe")
-    if not lora.target_modules and not lora.experts:
+    if not targets and not lora.experts:
         problems.append("lora.target_modules ([]) must name at least one module when lora.experts is false")
     if problems:
         raise ProfileError(problems)
-    saved = _saved_modules(params, lora)
+    saved = _saved_modules(params, list(lora.modules_to_save) + vision_saved)
     r = lora.r
     added: list[Param] = []
     for path in saved:
@@ -215,7 +229,7 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
     for p in params:
         if any(p.module == path or p.module.startswith(f"{path}.") for path in saved):
             continue
-        if p.is_linear and any(_is_target(p.module, t) for t in lora.target_modules):
+        if p.is_linear and matches_module_name(p.module, targets):
             out_features, in_features = p.shape
             added.append(Param(f"{p.module}.lora_A.{ADAPTER_NAME}.weight", (r, in_features)))
             added.append(Param(f"{p.module}.lora_B.{ADAPTER_NAME}.weight", (out_features, r)))
@@ -229,6 +243,16 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
                 Param(f"{p.module}.lora_B.{ADAPTER_NAME}.w_down", (e, d, r), is_expert=True),
             ]
     return added
+
+
+def trainable_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
+    """The parameters the optimizer updates: with LoRA those inject_lora adds (lora_parameters); in full fine-tuning
+    every one of `params` but those of the vision parts lora.vision_tower / lora.vision_merger keep frozen (the rule
+    of engine.lora.freeze_vision_parts, which the trainer applies)."""
+    if lora.enabled:
+        return lora_parameters(params, lora)
+    return [p for p in params if not p.name.startswith(VISION_PREFIX)
+            or vision_choice(p.name.removeprefix(VISION_PREFIX), lora) != "frozen"]  # fmt: skip
 
 
 def fp8_parameters(params: list[Param], cfg: ModelProfile, lora: LoraProfile) -> list[Param]:
@@ -285,15 +309,17 @@ class ParameterCounts:
     experts: int  # routed experts, all layers
     total: int  # dense + experts
     active_per_token: int  # dense + top_k of E routed experts in each MoE layer
-    lora_dense: int  # adapters on linear layers, plus trainable copies of modules_to_save
+    lora_dense: int  # adapters on linear layers, plus trainable copies of modules_to_save and trained vision parts
     lora_experts: int  # per-expert adapters (and full copies of saved modules that hold routed experts)
-    trainable: int  # lora_dense + lora_experts with LoRA, else total
+    trainable: int  # lora_dense + lora_experts with LoRA, else total less the vision parts kept frozen
     trainable_dense: int  # sharded over all devices
     trainable_experts: int  # sharded over the expert-data-parallel group
 
 
 def count_parameters(cfg: ModelProfile, lora: LoraProfile, base: list[Param] | None = None) -> ParameterCounts:
-    """Exact parameter counts of the model and its adapters (what sum(p.numel()) gives after inject_lora).
+    """Exact parameter counts of the model and its adapters (what sum(p.numel()) gives after inject_lora), and the
+    trainable ones: with LoRA what inject_lora adds (lora_parameters), else every parameter but those of the vision
+    parts lora.vision_tower / lora.vision_merger keep frozen (engine.lora.freeze_vision_parts).
     `base`: model_parameters(cfg) when the caller has it (the model is built once)."""
     base = model_parameters(cfg) if base is None else base
     added = lora_parameters(base, lora)
@@ -305,7 +331,9 @@ def count_parameters(cfg: ModelProfile, lora: LoraProfile, base: list[Param] | N
     active_experts = 0
     if cfg.moe is not None and num_moe_layers:
         active_experts = experts // cfg.moe.num_experts * cfg.moe.top_k
-    trainable_dense, trainable_experts = (lora_dense, lora_experts) if lora.enabled else (dense, experts)
+    trainable = added if lora.enabled else trainable_parameters(base, lora)
+    trainable_experts = sum(p.numel for p in trainable if p.is_expert)
+    trainable_dense = sum(p.numel for p in trainable) - trainable_experts
     return ParameterCounts(
         dense=dense,
         experts=experts,

@@ -16,8 +16,10 @@ EXPERTS_MODULE = "experts"
 def inject_lora(model: nn.Module, profile: LoraProfile):
     """Wrap `model` in a PeftModel with adapters on profile.target_modules (and the routed experts).
 
-    Raises ProfileError when a target names no module of the model (target_problems). Only adapter parameters stay
-    trainable. PEFT's linear LoRA layers take the fast path of fused.py.
+    The vision tower's parts get adapters or train in full as lora.vision_tower / lora.vision_merger say
+    (vision_parts). Raises ProfileError when a target names no linear layer of the model or a part of the vision
+    tower (target_problems). Only adapter parameters stay trainable. PEFT's linear LoRA layers take the fast path of
+    fused.py.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -37,7 +39,7 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
     # Trained in full, so never FP8: an FP8 module named here is dequantized before PEFT copies it.
     dequantize_modules(model, to_save)
     vision_targets, vision_saved = vision_parts(model, profile)
-    targets, to_save = [t for t in targets if t not in VISION_NAMES] + vision_targets, to_save + vision_saved
+    targets, to_save = targets + vision_targets, to_save + vision_saved
     if not targets:
         raise ProfileError(["lora.target_modules ([]) must name at least one module when lora.experts is false"])
     config = LoraConfig(
@@ -54,31 +56,15 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
 
 
 def target_problems(model: nn.Module, profile: LoraProfile) -> list[str]:
-    """What inject_lora refuses in profile.target_modules and modules_to_save, one line each: an entry that names no
-    linear layer (modules_to_save: no module) of the model by PEFT's rule (the name, or a dotted suffix of it:
-    `q_proj`, `self_attn.q_proj`, `layers.0.self_attn.q_proj`), and a dotted target that reaches into the vision
-    tower, whose parts are adapted as lora.vision_tower / lora.vision_merger say (its layer names alone, VISION_NAMES,
-    are left to those fields)."""
+    """What inject_lora refuses in profile.target_modules and modules_to_save, one line each (target_module_problems
+    for the targets; a modules_to_save entry that names no module of the model, or a dotted suffix of its name)."""
     from moe_tune.engine.model.fp8 import matches_module_name
 
     names = [name for name, _ in model.named_modules() if name]
     linears = [name for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
-    leaf_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
-    problems = []
-    for key in profile.target_modules:
-        found = [name for name in linears if matches_module_name(name, [key])]
-        if not found:
-            problems.append(
-                f"lora.target_modules ('{key}') must name a linear layer of the model, or a dotted suffix of its name "
-                f"as PEFT matches it (known: {', '.join(leaf_names)})"
-            )
-        vision = [name for name in found if name.startswith(VISION_PREFIX)]
-        if vision and key not in VISION_NAMES:
-            problems.append(
-                f"lora.target_modules ('{key}') names layers of the vision tower ({', '.join(vision[:3])}"
-                f"{', ...' if len(vision) > 3 else ''}): their adapters are chosen by lora.vision_tower and "
-                "lora.vision_merger ('lora')"
-            )
+    vision = [name for name, m in model.named_modules()
+              if is_vision_module(name) and next(m.parameters(), None) is not None]  # fmt: skip
+    problems = target_module_problems(profile.target_modules, linears, vision)
     problems += [
         f"lora.modules_to_save ('{key}') must name a module of the model, or a dotted suffix of its name"
         for key in profile.modules_to_save
@@ -87,41 +73,81 @@ def target_problems(model: nn.Module, profile: LoraProfile) -> list[str]:
     return problems
 
 
-# The vision tower's linear layers and merger (engine/model/vision.py): adapted or trained only as
-# lora.vision_tower / lora.vision_merger say, never through target_modules' name suffixes.
-VISION_NAMES = {"patch_embed", "qkv", "proj", "linear_fc1", "linear_fc2", "merger_norm", "merger_fc1", "merger_fc2"}
+def target_module_problems(keys: list[str], linears: list[str], vision: list[str]) -> list[str]:
+    """The lines for lora.target_modules entries `keys` that inject_lora refuses, matched by PEFT's rule (the full
+    name, or a dotted suffix of it: `q_proj`, `self_attn.q_proj`, `layers.0.self_attn.q_proj`) against `linears`,
+    the full names of the model's linear layers, and `vision`, those of the vision tower's modules that hold
+    parameters: an entry that matches a module of the tower (its layer names alone, `qkv`, or dotted, `blocks.0.qkv`),
+    whose parts are adapted or trained as lora.vision_tower / lora.vision_merger say; else an entry that names no
+    linear layer. plan.py checks profiles with it too, from the parameter names of the model on the meta device."""
+    from moe_tune.engine.model.fp8 import matches_module_name
+
+    known = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in linears if not is_vision_module(name)}))
+    problems = []
+    for key in keys:
+        reached = [name for name in vision if matches_module_name(name, [key])]
+        if reached:
+            problems.append(
+                f"lora.target_modules ('{key}') names layers of the vision tower ({', '.join(reached[:3])}"
+                f"{', ...' if len(reached) > 3 else ''}): their adapters are chosen by lora.vision_tower and "
+                "lora.vision_merger ('lora')"
+            )
+        elif not any(matches_module_name(name, [key]) for name in linears):
+            problems.append(
+                f"lora.target_modules ('{key}') must name a linear layer of the model, or a dotted suffix of its name "
+                f"as PEFT matches it (known: {known})"
+            )
+    return problems
+
+
+# The vision tower's module (engine/model/vision.py), and its merger's parts: adapted or trained only as
+# lora.vision_tower / lora.vision_merger say, never through target_modules.
+VISION_MODULE = "vision"
+VISION_PREFIX = f"{VISION_MODULE}."
 MERGER = ("merger_norm", "merger_fc1", "merger_fc2")
-VISION_PREFIX = "vision."
+
+
+def is_vision_module(name: str) -> bool:
+    """Whether a module or parameter, by its full name in the model, is the vision tower or part of it."""
+    return name == VISION_MODULE or name.startswith(VISION_PREFIX)
+
+
+def vision_choice(name: str, profile: LoraProfile) -> str:
+    """'frozen', 'lora' or 'trained' for a module or parameter of the vision tower, by its name inside the tower:
+    lora.vision_merger for the merger's parts, lora.vision_tower for the rest."""
+    return profile.vision_merger if name.startswith(MERGER) else profile.vision_tower
 
 
 def vision_parts(model: nn.Module, profile: LoraProfile) -> tuple[list[str], list[str]]:
     """(full names of vision linears that get adapters, full names of vision modules trained in full)."""
-    tower = getattr(model, "vision", None)
+    tower = getattr(model, VISION_MODULE, None)
     if tower is None:
         return [], []
+    return vision_module_parts([(name, isinstance(m, nn.Linear)) for name, m in tower.named_modules() if name],
+                               profile)  # fmt: skip
+
+
+def vision_module_parts(modules: list[tuple[str, bool]], profile: LoraProfile) -> tuple[list[str], list[str]]:
+    """vision_parts from the tower's modules as (name inside the tower, whether it is an nn.Linear): LoRA on the ViT
+    blocks' (and the merger's) linear layers, the patch embedding (a Conv3d in the checkpoints) left as it is; in
+    full the merger's parts, the patch and position embeddings and whole blocks."""
     targets, saved = [], []
-    for name, module in tower.named_modules():
-        if not name:
-            continue
-        is_merger = name in MERGER
-        choice = profile.vision_merger if is_merger else profile.vision_tower
-        # LoRA on the ViT blocks' (and the merger's) linear layers; the patch embedding (a Conv3d in the checkpoints)
-        # stays as it is.
-        if choice == "lora" and isinstance(module, nn.Linear) and name != "patch_embed":
-            targets.append(f"vision.{name}")
-        elif choice == "trained" and (is_merger or name in ("patch_embed", "pos_embed") or name.count(".") == 1):
-            saved.append(f"vision.{name}")  # the merger parts, patch/pos embeddings and whole blocks
+    for name, is_linear in modules:
+        choice = vision_choice(name, profile)
+        if choice == "lora" and is_linear and name != "patch_embed":
+            targets.append(f"{VISION_PREFIX}{name}")
+        elif choice == "trained" and (name in MERGER or name in ("patch_embed", "pos_embed") or name.count(".") == 1):
+            saved.append(f"{VISION_PREFIX}{name}")
     return targets, saved
 
 
 def freeze_vision_parts(model: nn.Module, profile: LoraProfile) -> None:
     """Full fine-tuning: freeze the vision parts the profile keeps frozen (LoRA runs freeze through PEFT)."""
-    tower = getattr(model, "vision", None)
+    tower = getattr(model, VISION_MODULE, None)
     if tower is None:
         return
     for name, param in tower.named_parameters():
-        choice = profile.vision_merger if name.startswith(MERGER) else profile.vision_tower
-        if choice == "frozen":
+        if vision_choice(name, profile) == "frozen":
             param.requires_grad_(False)
 
 

@@ -20,6 +20,7 @@ from moe_tune.engine.lora import inject_lora
 from moe_tune.engine.lora.experts import GroupedExpertsLoRA
 from moe_tune.engine.lora.fused import FusedLoraLinear
 from moe_tune.engine.model.model import build_model
+from moe_tune.engine.plan import lora_parameters, model_parameters
 from moe_tune.profiles import ProfileError, load_profile
 from moe_tune.profiles.schema import LoraProfile
 
@@ -109,14 +110,69 @@ def test_a_target_peft_would_not_match_is_refused(target):
     ]
 
 
+def refusals(cfg, profile: LoraProfile) -> list[str]:
+    """The lines inject_lora refuses `profile` with on the model of `cfg`, checked equal to the plan's."""
+    with pytest.raises(ProfileError) as injected:
+        inject_lora(built(cfg), profile)
+    with pytest.raises(ProfileError) as planned:
+        lora_parameters(model_parameters(cfg), profile)
+    assert planned.value.problems == injected.value.problems
+    return injected.value.problems
+
+
+VISION_LINE_END = "their adapters are chosen by lora.vision_tower and lora.vision_merger ('lora')"
+# The vision tower's layer names (engine/model/vision.py): its linears, norms and embeddings.
+VISION_LAYERS = ["patch_embed", "pos_embed", "qkv", "proj", "linear_fc1", "linear_fc2", "norm1", "norm2",
+                 "merger_norm", "merger_fc1", "merger_fc2"]  # fmt: skip
+
+
 @pytest.mark.parametrize("target", ["blocks.0.qkv", "vision.blocks.1.proj", "0.linear_fc1"])
 def test_a_dotted_target_into_the_vision_tower_is_refused(target):
     """The vision tower is adapted as lora.vision_tower says; a dotted suffix would reach its layers past it."""
-    with pytest.raises(ProfileError) as err:
-        inject_lora(built(tiny_cfg("tiny-vl")), LoraProfile(target_modules=["q_proj", target], vision_tower="frozen"))
-    [line] = err.value.problems
+    profile = LoraProfile(target_modules=["q_proj", target], vision_tower="frozen")
+    [line] = refusals(tiny_cfg("tiny-vl"), profile)
     assert line.startswith(f"lora.target_modules ('{target}') names layers of the vision tower (vision.blocks.")
-    assert line.endswith("their adapters are chosen by lora.vision_tower and lora.vision_merger ('lora')")
+    assert line.endswith(VISION_LINE_END)
+
+
+@pytest.mark.parametrize("vision_tower", ["frozen", "lora", "trained"])
+@pytest.mark.parametrize("target", VISION_LAYERS)
+def test_a_vision_layer_name_alone_is_refused_as_a_dotted_one(target, vision_tower):
+    """A vision layer's name alone reaches the tower as much as a dotted one does: refused in the same line, by
+    finetune and plan alike, whatever lora.vision_tower says."""
+    profile = LoraProfile(target_modules=["q_proj", target, "o_proj"], vision_tower=vision_tower)
+    [line] = refusals(tiny_cfg("tiny-vl"), profile)
+    assert line.startswith(f"lora.target_modules ('{target}') names layers of the vision tower (vision.")
+    assert line.endswith(VISION_LINE_END)
+
+
+def test_vision_targets_mixed_with_valid_ones_are_each_refused():
+    targets = ["q_proj", "proj", "gate_proj", "blocks.1.linear_fc2", "merger_fc1", "qq_proj"]
+    profile = LoraProfile(target_modules=targets)
+    assert refusals(tiny_cfg("tiny-vl"), profile) == [
+        f"lora.target_modules ('proj') names layers of the vision tower (vision.blocks.0.proj, vision.blocks.1.proj): "
+        f"{VISION_LINE_END}",
+        f"lora.target_modules ('blocks.1.linear_fc2') names layers of the vision tower (vision.blocks.1.linear_fc2): "
+        f"{VISION_LINE_END}",
+        f"lora.target_modules ('merger_fc1') names layers of the vision tower (vision.merger_fc1): {VISION_LINE_END}",
+        # The known names are the text model's: the tower's are not targets.
+        "lora.target_modules ('qq_proj') must name a linear layer of the model, or a dotted suffix of its name as "
+        "PEFT matches it (known: a_proj, b_proj, down_proj, gate, gate_proj, index_k_proj, index_q_proj, "
+        "index_weights_proj, k_proj, lm_head, o_proj, q_proj, shared_expert_gate, up_proj, v_proj, z_proj)",
+    ]
+
+
+@pytest.mark.parametrize("target", VISION_LAYERS)
+def test_a_vision_layer_name_names_a_layer_only_of_a_model_with_a_tower(target):
+    """On a text-only model a vision layer's name is one more name of no linear layer."""
+    profile = LoraProfile(target_modules=["q_proj", target])
+    assert refusals(tiny_cfg(), profile) == [
+        f"lora.target_modules ('{target}') must name a linear layer of the model, or a dotted suffix of its name as "
+        "PEFT matches it (known: a_proj, b_proj, down_proj, gate, gate_proj, index_k_proj, index_q_proj, "
+        "index_weights_proj, k_proj, lm_head, o_proj, q_proj, shared_expert_gate, up_proj, v_proj, z_proj)"
+    ]
+    [line] = refusals(tiny_cfg("tiny-vl"), profile)
+    assert line.startswith(f"lora.target_modules ('{target}') names layers of the vision tower (vision.")
 
 
 @pytest.mark.parametrize("r, alpha", [(1, 1.0), (4, 8.0), (16, 2.5), (8, 64.0)])

@@ -12,6 +12,7 @@ from moe_tune.engine.plan import (
     lora_parameters,
     model_parameters,
     plan_layouts,
+    trainable_parameters,
 )
 from moe_tune.profiles import ProfileError, apply_overrides, load_profile, validate_profile
 
@@ -106,6 +107,59 @@ def _numel_of_shape(shape) -> int:
     for dim in shape:
         size *= dim
     return size
+
+
+# lora.vision_tower x lora.vision_merger: every way tiny-vl's tower and merger can train.
+VISION_CHOICES = [(tower, merger) for tower in ("frozen", "lora", "trained")
+                  for merger in ("frozen", "lora", "trained")]  # fmt: skip
+
+
+def _trainable_shapes(model) -> dict[str, tuple[int, ...]]:
+    return {name.removeprefix("base_model.model."): tuple(p.shape) for name, p in model.named_parameters()
+            if p.requires_grad}  # fmt: skip
+
+
+def _assert_state_bytes_follow(job, trainable: dict[str, tuple[int, ...]]):
+    """Every layout's gradients and AdamW state are the trainable parameters' (fp32: 4 and 8 bytes each) / N."""
+    numel = sum(map(_numel_of_shape, trainable.values()))
+    for lay in plan_layouts(job, 2, 80 * GB).layouts:
+        assert (lay.gradients, lay.optimizer) == (-(-numel * 4 // 2), -(-numel * 8 // 2))
+
+
+@pytest.mark.parametrize("tower, merger", VISION_CHOICES)
+def test_vision_lora_counts_match_the_peft_model(tower, merger):
+    # Adapters on the tower's or merger's linears (lora), trainable copies of its parts (trained), or neither.
+    from moe_tune.engine.lora import inject_lora
+    from moe_tune.engine.model.model import build_model
+
+    job = load_profile("tiny-vl", [f"lora.vision_tower={tower}", f"lora.vision_merger={merger}"])
+    model = inject_lora(build_model(job.model), job.lora)
+    trainable = _trainable_shapes(model)
+    added = lora_parameters(model_parameters(job.model), job.lora)
+    assert {p.name: p.shape for p in added} == trainable
+    assert {p.name: p.shape for p in trainable_parameters(model_parameters(job.model), job.lora)} == trainable
+    counts = count_parameters(job.model, job.lora)
+    assert counts.total + counts.lora_dense + counts.lora_experts == _numel(model.parameters())
+    assert counts.trainable == sum(map(_numel_of_shape, trainable.values()))
+    assert counts.trainable_dense == sum(_numel_of_shape(s) for name, s in trainable.items() if ".experts." not in name)
+    _assert_state_bytes_follow(job, trainable)
+
+
+@pytest.mark.parametrize("tower, merger", VISION_CHOICES)
+def test_full_fine_tuning_counts_leave_out_the_frozen_vision_parts(tower, merger):
+    from moe_tune.engine.lora import freeze_vision_parts
+    from moe_tune.engine.model.model import build_model
+
+    job = load_profile("tiny-vl", ["lora.enabled=false", f"lora.vision_tower={tower}", f"lora.vision_merger={merger}"])
+    model = build_model(job.model)
+    freeze_vision_parts(model, job.lora)
+    trainable = _trainable_shapes(model)
+    assert {p.name: p.shape for p in trainable_parameters(model_parameters(job.model), job.lora)} == trainable
+    counts = count_parameters(job.model, job.lora)
+    assert (counts.lora_dense, counts.lora_experts) == (0, 0)
+    assert counts.trainable == sum(map(_numel_of_shape, trainable.values())) <= counts.total
+    assert counts.trainable_experts == counts.experts
+    _assert_state_bytes_follow(job, trainable)
 
 
 def test_active_parameters_count_top_k_experts_per_moe_layer():
