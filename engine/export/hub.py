@@ -41,12 +41,24 @@ DEFAULT_SHARD_SIZE = "5GB"
 # The folders an export writes in its run's folder by default (--out unset): of the names a run keeps there
 # (run_dir.is_owned_name), the only ones --out may name.
 EXPORT_NAMES = ("export", "export-merged")
-# The files of a checkpoint folder besides its weights that a loader reads: copied as they are.
-COPIED_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+# The files of a checkpoint folder besides its weights that a loader reads (the checkpoint's LOADER_FILES but the
+# index, which the export writes): the model's settings, then the tokenizer's and processor's, copied as they are.
+MODEL_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )  # fmt: skip
+COPIED_FILES = MODEL_FILES + TOKENIZER_FILES
+# Folders of loader files: transformers 5 reads the named chat templates of additional_chat_templates/*.jinja.
+COPIED_FOLDERS = ("additional_chat_templates",)
+# A copied JSON file's `auto_map` names the checkpoint's own code ("module.Class", or a list of them for a tokenizer's
+# slow and fast classes) that AutoConfig / AutoModel / AutoTokenizer run with trust_remote_code: `module.py` is copied
+# with the modules it imports relatively, found as transformers finds them (dynamic_module_utils.get_relative_imports).
+# A reference to another repository ("org/repo--module.Class") names no file of the checkpoint.
+_RELATIVE_IMPORTS = (re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE),
+                     re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE))
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
@@ -423,21 +435,61 @@ def write_hub_checkpoint(
 
 
 def copy_loader_files(base: Path, dest: Path, names: tuple[str, ...] = COPIED_FILES) -> list[str]:
-    """Copy `names` that exist in `base` into `dest`: regular files inside `base` only (a hub cache snapshot's
-    links into its blobs folder count as inside). Returns the names copied."""
-    from moe_tune.engine.families.checkpoint import confined_file, weight_roots
+    """Copy `names` that exist in `base` into `dest`, the files of its COPIED_FOLDERS, and the code modules the
+    copied JSON files' `auto_map` names (with their relative imports): regular files inside `base` only (a hub cache
+    snapshot's links into its blobs folder count as inside). Returns the names copied (folder/file for a folder's)."""
+    from moe_tune.engine.families.checkpoint import CHECKPOINT_FILES, confined_file, outside_line, weight_roots
 
     roots = weight_roots(base)
     copied = []
-    for name in names:
+
+    def copy(name: str) -> bool:
         if not (base / name).exists() and not (base / name).is_symlink():
-            continue
-        path, why = confined_file(base, name, roots)
+            return False
+        path, _ = confined_file(base, name, roots)
         if path is None or not stat.S_ISREG(path.stat().st_mode):
-            continue
+            return False
+        (dest / name).parent.mkdir(exist_ok=True)
         shutil.copyfile(path, dest / name)
         copied.append(name)
+        return True
+
+    for name in names:
+        copy(name)
+    for folder in COPIED_FOLDERS:
+        if (base / folder).is_dir() and outside_line(base, folder, roots, CHECKPOINT_FILES) is None:
+            for entry in sorted((base / folder).iterdir()):
+                copy(f"{folder}/{entry.name}")
+    modules = [module for name in copied if name.endswith(".json") for module in _auto_map_modules(dest / name)]
+    while modules:
+        module = modules.pop(0)
+        name = f"{module}.py"
+        if name not in copied and copy(name):
+            text = (dest / name).read_text(encoding="utf-8", errors="replace")
+            modules += [m for pattern in _RELATIVE_IMPORTS for m in pattern.findall(text) if _MODULE_NAME.match(m)]
     return copied
+
+
+def _auto_map_modules(path: Path) -> list[str]:
+    """The module names of the code that the JSON file `path`'s `auto_map` names in this folder ("module.Class"
+    entries; lists of them, None for a class the folder has not), in order; none when the file is no JSON object."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not isinstance(auto_map, dict):
+        return []
+    references = []
+    for value in auto_map.values():
+        references += value if isinstance(value, (list, tuple)) else [value]
+    modules = []
+    for reference in references:
+        if isinstance(reference, str) and "--" not in reference and reference.count(".") == 1:
+            module = reference.partition(".")[0]
+            if _MODULE_NAME.match(module) and module not in modules:
+                modules.append(module)
+    return modules
 
 
 def write_chat_template(folder: Path, template: str) -> None:
@@ -584,7 +636,10 @@ def _write_export(run, merge: bool, out: Path | None, max_shard_bytes: int, step
             problems.append(f"--out ({str(out)!r}) {where} {owned.name!r}, a name the run keeps in its folder (a later "
                             "finetune --resume or --overwrite reads or replaces it); write into a new folder such as "
                             f"{str(run_dir / 'export')!r} or one outside the run")
-        if out.is_symlink() or (out.exists() and not out.is_dir()):
+        if out.is_symlink():
+            problems.append(f"--out ({str(out)!r}) is a symbolic link (to {os.readlink(out)!r}); export writes a new "
+                            "or empty folder under its own name, not through a link: name the folder itself")
+        elif out.exists() and not out.is_dir():
             problems.append(f"--out ({str(out)!r}) exists and is not a folder")
         elif out.is_dir() and any(out.iterdir()):
             problems.append(f"--out ({str(out)!r}) exists and is not empty; export writes into a new or empty folder")
@@ -649,8 +704,10 @@ def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_templat
 
     def add_loader_files(folder: Path) -> None:
         # The tokenizer and processor files, not the model's config: the folder is an adapter, not a model.
-        copy_loader_files(Path(cfg.checkpoint), folder, COPIED_FILES[2:])
+        copy_loader_files(Path(cfg.checkpoint), folder, TOKENIZER_FILES)
         if chat_template is not None:
             write_chat_template(folder, chat_template)
 
-    return write_reference_adapter(meta_model(cfg), adapter, cfg, family, run.profile.lora, out, add_loader_files)
+    # `out` was checked empty: files found there when the adapter is renamed into place are someone else's, kept.
+    return write_reference_adapter(meta_model(cfg), adapter, cfg, family, run.profile.lora, out, add_loader_files,
+                                   replace=False)

@@ -240,15 +240,19 @@ def read_selection_biases(run: RunInfo, shapes: dict[str, tuple[int, ...]]) -> d
 
 
 def weights_problems(path: Path, handle, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """The first tensor of a full fine-tune's model.safetensors (`handle`, open on `path`) whose stored shape is not
-    our tensor's (read from the header only), with how many more, as one line; none when all fit."""
-    problems = []
-    for key in handle.keys():
+    """A full fine-tune's model.safetensors (`handle`, open on `path`) against our tensors' `shapes`, read from the
+    header only: the first tensor whose stored shape is not ours, and the first whose name is none of ours (the file
+    of another model), each with how many more, one line each; none when all fit."""
+    problems: dict[str, list[str]] = {"shape": [], "unknown": []}
+    for key in sorted(handle.keys()):
         expected = shapes.get(key)
         stored = tuple(handle.get_slice(key).get_shape())
-        if expected is not None and stored != expected:
-            problems.append(f"{path}: tensor {key} has shape {stored}, expected {expected} (the run's model)")
-    return [problems[0] + more_alike(len(problems) - 1)] if problems else []
+        if expected is None:
+            problems["unknown"].append(f"{path}: tensor {key} matches no tensor of the run's model (a full "
+                                       "fine-tune's weights are the model's tensors under its names)")
+        elif stored != expected:
+            problems["shape"].append(f"{path}: tensor {key} has shape {stored}, expected {expected} (the run's model)")
+    return [lines[0] + more_alike(len(lines) - 1) for lines in problems.values() if lines]
 
 
 def meta_model(cfg: ModelProfile) -> nn.Module:

@@ -93,7 +93,7 @@ def reference_adapter(
     fused: dict[str, list] = {}
     for our_name, factors in sorted(linear.items()):
         base = modules.get(our_name)
-        recipe = family.recipe(f"{our_name}.weight", getattr(base, "base_layer", base), cfg) if base is not None else None
+        recipe = None if base is None else family.recipe(f"{our_name}.weight", getattr(base, "base_layer", base), cfg)
         if hasattr(recipe, "row_indices") and recipe.key.endswith(".weight"):
             fused.setdefault(recipe.key, []).append((recipe, factors))
             continue
@@ -170,11 +170,13 @@ def _reference_experts(family: Family, our_name: str, experts: nn.Module, cfg: M
 
 def write_reference_adapter(
     module: nn.Module, state: dict[str, torch.Tensor], cfg: ModelProfile, family: Family, lora, directory: Path,
-    add_files: Callable[[Path], None] | None = None,
+    add_files: Callable[[Path], None] | None = None, replace: bool = True,
 ) -> Path:
     """Write the adapter for transformers + PEFT into `directory` (adapter_model.safetensors + adapter_config.json,
     base_model_name_or_path the checkpoint) with what `add_files(folder)` writes beside them, atomically: a temporary
-    folder renamed to `directory` (replacing it) at the end, removed on any failure (export.staged_folder)."""
+    folder renamed to `directory` at the end, removed on any failure (export.staged_folder). With `replace` the
+    folder's files go first (a run's earlier adapter); without, a `directory` holding files when the rename comes
+    is kept and this adapter's files are removed (a ProfileError, as staged_folder says)."""
     from safetensors.torch import save_file
 
     tensors, targets, parameters, multiples, saved_modules = reference_adapter(module, state, cfg, family)
@@ -203,7 +205,7 @@ def write_reference_adapter(
         if add_files is not None:
             add_files(tmp)
         # The rename replaces an empty folder itself: one holding files (a finished run's earlier adapter) goes
-        # first, and an empty one stays if the rename fails.
-        if directory.is_dir() and any(directory.iterdir()):
+        # first with `replace`, and an empty one stays if the rename fails.
+        if replace and directory.is_dir() and any(directory.iterdir()):
             shutil.rmtree(directory)
     return directory

@@ -326,6 +326,18 @@ def test_full_finetune_weights_of_the_wrong_shape_are_named(run_dir, tmp_path):
                                f"{(expected[0] + 1, *expected[1:])}, expected {expected} (")
 
 
+@pytest.mark.parametrize("extra", [["model.layers.1.self_attn.q_proj.weight"], ["mtp.0.proj.weight", "unknown.bias"]],
+                         ids=["hub-name", "two-unknown"])
+def test_full_finetune_weights_holding_tensors_of_no_model_tensor_are_named(run_dir, tmp_path, extra):
+    """A model.safetensors tensor named as none of the model's (a hub checkpoint's key, another model's tensor):
+    the file is not this run's weights, refused with the first such tensor and how many more."""
+    run = damaged_copy(run_dir, tmp_path, rewrite(lambda t: t.update({key: torch.zeros(2, 3) for key in extra})))
+    more = " (and 1 more tensor alike)" if len(extra) > 1 else ""
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run}/model.safetensors: tensor {sorted(extra)[0]} "
+                               "matches no tensor of the run's model (a full fine-tune's weights are the model's "
+                               f"tensors under its names){more}")
+
+
 # The run kinds whose export goes through each writer: the hub checkpoint (full fine-tune, LoRA merged) and the PEFT
 # adapter (LoRA).
 EXPORT_KINDS = {"full": ("run_dir", []), "merged": ("lora_run_dir", ["--merge"]), "adapter": ("lora_run_dir", [])}
@@ -540,6 +552,49 @@ def test_an_out_filled_while_the_export_ran_is_kept(request, tmp_path, monkeypat
                                           "hand); it is kept as it is, and this export's files are removed"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in out.iterdir()] == ["theirs.safetensors"]
+
+
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_an_out_filled_while_the_export_writes_is_kept(request, tmp_path, monkeypatch, kind):
+    """Files put into OUT while the export writes its own (after OUT was checked empty, before the rename) are
+    someone else's: kept, and this export's files removed, whatever the export writes."""
+    import moe_tune.engine.export.hub as hub
+
+    fixture, flags = EXPORT_KINDS[kind]
+    out = tmp_path / "out"
+    copy_loader_files = hub.copy_loader_files
+
+    def filled_meanwhile(*args, **kwargs):
+        out.mkdir(exist_ok=True)
+        (out / "theirs.safetensors").write_text("theirs")
+        return copy_loader_files(*args, **kwargs)
+
+    monkeypatch.setattr(hub, "copy_loader_files", filled_meanwhile)
+    result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {out}: filled while this export ran (by another export, or by "
+                                          "hand); it is kept as it is, and this export's files are removed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["theirs.safetensors"]
+    assert (out / "theirs.safetensors").read_text() == "theirs"
+
+
+@pytest.mark.parametrize("target", ["empty-folder", "nothing"])
+def test_an_out_that_is_a_symbolic_link_is_refused_as_one(lora_run_dir, tmp_path, target):
+    """A link is not written through (the export renames its folder into OUT's own name): the line says it is a
+    link and where it leads; the link and what it leads to stay."""
+    out, where = tmp_path / "out", tmp_path / "elsewhere"
+    if target == "empty-folder":
+        where.mkdir()
+    out.symlink_to(where)
+    result = runner.invoke(app, ["export", str(lora_run_dir), "--merge", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: --out ({str(out)!r}) is a symbolic link (to {str(where)!r}); "
+                                          "export writes a new or empty folder under its own name, not through a "
+                                          "link: name the folder itself"]  # fmt: skip
+    assert out.is_symlink() and os.readlink(out) == str(where)
+    assert (list(where.iterdir()) == [] if target == "empty-folder" else not os.path.lexists(where))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *(["elsewhere"] if where.exists() else [])])
 
 
 @pytest.mark.parametrize("out", [".", "../here"])
