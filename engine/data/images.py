@@ -220,6 +220,9 @@ def _check_depth(img, path: Path) -> None:
 
 # Opening relative to a folder's descriptor with O_NOFOLLOW (POSIX); elsewhere links=False opens as links=True does.
 LINK_FREE_OPEN = os.open in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW") and hasattr(os, "O_DIRECTORY")
+# The folders on the way are opened to look up names in (Linux's O_PATH needs no read permission on them, as a plain
+# open through a folder of mode 711 needs none).
+_SEARCH = getattr(os, "O_PATH", os.O_RDONLY)
 
 
 def _open_regular(path: Path) -> int:
@@ -231,7 +234,7 @@ def _open_regular_without_links(path: Path) -> int:
     parts = Path(path).parts
     if parts[0] != os.sep or ".." in parts:
         raise ImageError(f"{path}: not a real path (absolute, no '..'), which an image read without links needs")
-    folder = os.open(os.sep, os.O_RDONLY | os.O_DIRECTORY)
+    folder = os.open(os.sep, _SEARCH | os.O_DIRECTORY)
     try:
         for depth, name in enumerate(parts[1:], start=1):
             mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
@@ -241,7 +244,7 @@ def _open_regular_without_links(path: Path) -> int:
             if depth == len(parts) - 1:
                 _check_regular(mode, path)
                 return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=folder)
-            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            inner = os.open(name, _SEARCH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
             os.close(folder)
             folder = inner
     finally:
