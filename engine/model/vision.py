@@ -50,8 +50,11 @@ class VisionBlock(nn.Module):
         outs = []
         with without_cudnn_sdpa():
             for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
-                o = F.scaled_dot_product_attention(q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1))
-                outs.append(o.transpose(0, 1).reshape(len(q_i), -1))
+                # [1, hv, L, hd]: SDPA's flash and memory-efficient kernels take 4D inputs only (3D ones run its math
+                # path, which keeps the [hv, L, L] probabilities of each image for backward).
+                q_i, k_i, v_i = (t.transpose(0, 1)[None] for t in (q_i, k_i, v_i))
+                o = F.scaled_dot_product_attention(q_i, k_i, v_i)[0]
+                outs.append(o.transpose(0, 1).reshape(o.shape[1], -1))
         x_PD = x_PD + self.proj(torch.cat(outs))
         return x_PD + self.linear_fc2(self.act(self.linear_fc1(self.norm2(x_PD))))
 

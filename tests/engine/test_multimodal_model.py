@@ -89,3 +89,21 @@ def test_full_finetune_freezes_the_frozen_parts():
     assert not any(p.requires_grad for p in model.vision.blocks.parameters())
     assert all(p.requires_grad for p in model.vision.merger_fc1.parameters())
     assert model.embed_tokens.weight.requires_grad
+
+
+@pytest.mark.parametrize("side", [16, 9], ids=["square", "odd"])
+def test_the_towers_attention_keeps_no_probability_matrix(side):
+    """The tower's attention runs on SDPA's fused kernels (4D inputs): what backward keeps of it is per patch, never
+    the [heads, L, L] probabilities of an image of L patches (the math path that 3D inputs take keeps them)."""
+    from moe_tune.engine.model.vision import VisionTower
+
+    cfg = load_profile("tiny-vl").model
+    spec = cfg.vision
+    tower = VisionTower(spec, cfg.hidden_size)
+    m = spec.spatial_merge_size
+    grid = torch.tensor([[1, side * m, 16 * m]])
+    patches = int(grid.prod())
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        tower(torch.randn(patches, tower.patch_embed.in_features, requires_grad=True), grid).sum().backward()
+    assert max(saved) < patches * patches
