@@ -85,14 +85,19 @@ def _summary(result: Plan) -> list[str]:
             f"{format_count(counts.total - stored.fp8_parameters)} in {result.precision}"
         )
         weights = ""
+    parts = dict(zip(("vision tower", "vision merger"), result.vision_training or ()))
     if result.lora_enabled:
         frozen = "backbone frozen"
-        if result.modules_to_save:
-            frozen += f" but for full copies of {', '.join(result.modules_to_save)}"
+        copies = result.modules_to_save + [f"the {part}" for part, how in parts.items() if how == "trained"]
+        if copies:
+            frozen += f" but for full copies of {', '.join(copies)}"
         lines.append(
             f"{weights + '; ' if weights else ''}LoRA: {format_count(counts.trainable)} trainable parameters (dense "
             f"{format_count(counts.lora_dense)}, experts {format_count(counts.lora_experts)}), {frozen}"
         )
+    elif frozen_parts := [part for part, how in parts.items() if how == "frozen"]:
+        lines.append(f"{weights}; full fine-tuning: {format_count(counts.trainable)} trainable parameters, all but "
+                     f"the {' and '.join(frozen_parts)} (frozen)")
     else:
         lines.append(f"{weights}; full fine-tuning: every parameter trainable")
     steps = result.gradient_accumulation_steps
@@ -114,10 +119,18 @@ def _summary(result: Plan) -> list[str]:
             f"the row, every key selectable), {format_bytes(lay.context_mean_per_step)} on average over its devices"
         )
     context = f" + gathered or fetched by the token mixers {format_bytes(acts.context)}" if acts.context else ""
+    vision = f" + vision tower {format_bytes(acts.vision)}" if acts.vision else ""
     lines.append(
         f"activations {format_bytes(acts.total)} = layers {format_bytes(acts.layers)} + head "
-        f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}{context}"
+        f"{format_bytes(acts.head)} + linear-attention backward {format_bytes(acts.transient)}{context}{vision}"
     )
+    if acts.vision:
+        tokens = result.tokens_per_micro_batch
+        lines.append(
+            f"vision tower {format_bytes(acts.vision)}: what backward keeps of it over {result.vision_patches} image "
+            f"patches, the most a micro-batch holds (all {tokens} tokens image tokens, "
+            f"{result.vision_patches // tokens} patches each)"
+        )
     if acts.host:
         lines += _host_lines(result)
     return lines

@@ -47,6 +47,9 @@ __all__ = [
     "trainable_parameters",
     "count_parameters",
     "activation_bytes",
+    "vision_activation_bytes",
+    "vision_patches",
+    "vision_training",
     "ContextExchange",
     "ContextTraffic",
     "context_exchange",
@@ -365,10 +368,13 @@ class ActivationBytes:
     # sequence chunk backward recomputes.
     prefetch: int = 0
     recompute: int = 0
+    # The vision tower's saved tensors over the most image patches a micro-batch can hold (vision_activation_bytes);
+    # 0 without a tower, or with its blocks and merger frozen.
+    vision: int = 0
 
     @property
     def total(self) -> int:
-        return self.layers + self.head + self.transient + self.context
+        return self.layers + self.head + self.transient + self.context + self.vision
 
 
 class ContextExchange(NamedTuple):
@@ -927,6 +933,69 @@ def device_tokens(job: JobProfile) -> int:
     return row_tokens(job) // job.parallel.context_parallel
 
 
+def vision_patches(job: JobProfile) -> int:
+    """P: the most image patches the vision tower sees in one micro-batch, 0 without a tower: every one of the
+    device's T tokens an image token (no text, and no vision_start / vision_end framing counted), m x m patches each.
+    T is the whole row (micro_batch_size x seq_len): the profile refuses context parallelism with a vision tower."""
+    spec = job.model.vision
+    return 0 if spec is None else device_tokens(job) * spec.spatial_merge_size**2
+
+
+def vision_training(lora: LoraProfile) -> tuple[str, str]:
+    """How the tower's blocks and its merger train: 'frozen', 'lora' or 'trained' (lora.vision_tower,
+    lora.vision_merger); in full fine-tuning (lora.enabled false) a part set to lora trains in full."""
+    def part(choice: str) -> str:
+        return "trained" if choice == "lora" and not lora.enabled else choice
+
+    return part(lora.vision_tower), part(lora.vision_merger)
+
+
+def vision_activation_bytes(job: JobProfile) -> int:
+    """What backward keeps of the vision tower (engine/model/vision.py) over P = vision_patches(job) patches, each
+    distinct saved tensor once. The tower runs once per micro-batch on all the rows' images, never under activation
+    checkpointing or the memory policy. Its attention counts as SDPA's flash / memory-efficient kernels keep it:
+    their inputs, their output and the log-sum-exp per head, no [L, L] probabilities.
+
+    A block whose linears train (tower trained, or lora: x A [P, r] more for each of its 4 linears), per patch in the
+    training dtype: its input (norm1's), norm1's output (qkv's input), the qkv output 3 Dv (v is a view of it), q and
+    k after rotary, the attention's output, their concatenation (proj's input), norm2's input and output, fc1's
+    output (the GELU's input) and the GELU's output (fc2's input): 11 Dv + 2 I; in fp32 both norms' mean and rstd and
+    the log-sum-exp, 4 + hv. Under lora, block 0 keeps no input and no norm1 statistics (nothing before it needs a
+    gradient: the patch embedding and the positions stay frozen); trained, the patch embedding keeps its input
+    (C Tp p^2 a patch). The rotary cos and sin [P, 1, hd] fp32 are kept once for all blocks.
+    The merger, per patch: trained, its norm's input and output, fc1's output and the GELU's output (4 Dv) and the
+    norm's statistics (2 fp32); lora, the norm's output, fc1's output and the GELU's output (3 Dv) and x A [P / m^2, r]
+    of fc1 and fc2, plus the norm's input and statistics when the tower trains; frozen, when the tower trains, the
+    norm's input and statistics and fc1's output (the GELU's input). A frozen tower with a frozen merger keeps nothing.
+    """
+    spec = job.model.vision
+    if spec is None:
+        return 0
+    b, r = DTYPE_BYTES[job.train.precision], job.lora.r
+    tower, merger = vision_training(job.lora)
+    p, m2, dv, heads = vision_patches(job), spec.spatial_merge_size**2, spec.hidden_size, spec.num_heads
+    low = wide = 0
+    if tower != "frozen":
+        low += spec.depth * (11 * dv + 2 * spec.intermediate_size + (4 * r if tower == "lora" else 0)) * p
+        # Per block the norms' statistics and the log-sum-exp; cos and sin once.
+        wide += spec.depth * (4 + heads) * p + 2 * (dv // heads) * p
+        if tower == "lora":
+            # Block 0's input and norm1 statistics: nothing before it needs a gradient.
+            low, wide = low - dv * p, wide - 2 * p
+        else:
+            low += spec.in_channels * spec.temporal_patch_size * spec.patch_size**2 * p
+    # The merger's norm keeps its input and statistics when its weights train or the tower behind it does.
+    if tower != "frozen" or merger == "trained":
+        low, wide = low + dv * p, wide + 2 * p
+    if merger == "trained":
+        low += 3 * dv * p
+    elif merger == "lora":
+        low += 3 * dv * p + 2 * r * (p // m2)
+    elif tower != "frozen":
+        low += dv * p
+    return low * b + wide * FP32_BYTES
+
+
 def _head_has_lora(lora: LoraProfile) -> bool:
     """Whether a LoRA adapter sits on the LM head (PEFT matches target_modules as module-name suffixes)."""
     return lora.enabled and "lm_head" in lora.target_modules
@@ -934,7 +1003,8 @@ def _head_has_lora(lora: LoraProfile) -> bool:
 
 def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> ActivationBytes:
     """What backward keeps per device for one micro-batch: its T = micro_batch_size x seq_len / context_parallel
-    tokens, plus under context parallelism what its token mixers gather or fetch (context_exchange; docs/plan.md).
+    tokens, plus under context parallelism what its token mixers gather or fetch (context_exchange; docs/plan.md), and
+    with a vision tower what it keeps over the most image patches those tokens can hold (vision_activation_bytes).
     `base`: model_parameters(job.model) when the caller has it."""
     cfg = job.model
     b = DTYPE_BYTES[job.train.precision]
@@ -1005,7 +1075,7 @@ def activation_bytes(job: JobProfile, base: list[Param] | None = None) -> Activa
     context = max(kept) if job.memory.activation_checkpointing or is_share_recomputed else sum(kept)
     return ActivationBytes(layers=layers, head=head, transient=transient, context=context, host=tiers.host,
                            host_by_class=tiers.host_by_class, prefetch=tiers.prefetch,
-                           recompute=recompute if is_managed else 0)
+                           recompute=recompute if is_managed else 0, vision=vision_activation_bytes(job))
 
 
 class PolicyTiers(NamedTuple):
@@ -1121,6 +1191,9 @@ class Plan:
     layouts: list[Layout] = field(default_factory=list)  # best first
     context_parallel: int = 1  # parallel.context_parallel: devices that share each row
     row_tokens: int = 0  # T_row: tokens of a micro-batch's row, on context_parallel devices
+    vision_patches: int = 0  # P: the most image patches the vision tower sees in a micro-batch (0 without a tower)
+    # How the vision tower's blocks and merger train ('frozen', 'lora' or 'trained'; vision_training); None without one.
+    vision_training: tuple[str, str] | None = None
 
     def as_dict(self) -> dict:
         """The plan as JSON-ready data (every size in bytes), what `moe-tune plan --json` writes."""
@@ -1261,4 +1334,6 @@ def plan_layouts(job: JobProfile, num_devices: int, device_memory: int) -> Plan:
         layouts=layouts,
         context_parallel=c,
         row_tokens=row_tokens(job),
+        vision_patches=vision_patches(job),
+        vision_training=vision_training(job.lora) if cfg.vision is not None else None,
     )

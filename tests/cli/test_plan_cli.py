@@ -201,3 +201,48 @@ def test_a_plan_json_write_cut_short_keeps_the_old_file(tmp_path, monkeypatch):
     assert result.stderr.splitlines() == [f"error: --json ({str(old)!r}): cannot write the plan (No space left on "
                                           "device); the file is as it was"]
     assert old.read_bytes() == b'{"kept": true}\n' and [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_plan_shows_the_vision_towers_activations(tmp_path):
+    # tiny-vl: its LoRA'd tower and trained merger keep 10.1 MB over the 2048 patches of a micro-batch of 512 image
+    # tokens (tests/engine/test_plan.py counts them); a text model's line has no such term.
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "tiny-vl", "--devices", "2", "--device-memory", "80GB", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert ("activations 29.9 MB = layers 18.4 MB + head 1.47 MB + linear-attention backward 65.5 KB + vision tower "
+            "10.1 MB") in lines, result.output
+    assert ("vision tower 10.1 MB: what backward keeps of it over 2048 image patches, the most a micro-batch holds "
+            "(all 512 tokens image tokens, 4 patches each)") in lines, result.output
+    plan = json.loads(out.read_text())
+    acts = plan["activations"]
+    assert acts["vision"] == 10_059_776 and plan["vision_patches"] == 2048
+    assert acts["total"] == acts["layers"] + acts["head"] + acts["transient"] + acts["context"] + acts["vision"]
+    assert {lay["activations"] for lay in plan["layouts"]} == {acts["total"]}
+    frozen = runner.invoke(app, ["plan", "tiny-vl", "--devices", "2", "--set", "lora.vision_tower=frozen", "--set",
+                                 "lora.vision_merger=frozen"]).stdout  # fmt: skip
+    assert "vision tower" not in frozen
+    assert "vision tower" not in runner.invoke(app, ["plan", "tiny", "--devices", "2"]).stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        ([], "LoRA: 229K trainable parameters (dense 114K, experts 115K), backbone frozen but for full copies of "
+             "lm_head, the vision merger"),
+        (["lora.vision_tower=trained", "lora.vision_merger=lora"], "LoRA: 221K trainable parameters (dense 107K, "
+         "experts 115K), backbone frozen but for full copies of lm_head, the vision tower"),
+        (["lora.enabled=false", "lora.vision_tower=frozen"], "full fine-tuning: 379K trainable parameters, all but "
+         "the vision tower (frozen)"),
+        (["lora.enabled=false", "lora.vision_tower=frozen", "lora.vision_merger=frozen"], "full fine-tuning: 354K "
+         "trainable parameters, all but the vision tower and vision merger (frozen)"),
+        (["lora.enabled=false"], "full fine-tuning: every parameter trainable"),
+    ],
+    ids=["lora-merger-trained", "lora-tower-trained", "full-tower-frozen", "full-both-frozen", "full-all"],
+)
+def test_plan_names_what_trains_of_the_vision_tower(overrides, line):
+    # The trainable counts are the built model's (tests/engine/test_plan.py checks them against PEFT and the trainer).
+    args = ["plan", "tiny-vl", "--devices", "2"] + [arg for o in overrides for arg in ("--set", o)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[1].endswith(line), result.stdout.splitlines()[1]

@@ -813,3 +813,51 @@ def test_plan_host_bytes_are_what_engine_memory_moves_in_sequence_chunks(bounds)
     model.train()(input_ids=ids, cu_seqlens=cu_seqlens, labels=ids).loss.backward()
     moved = find_activation_memory(model).step_metrics()["memory_host_saved_bytes"]
     assert planned <= moved < 1.02 * planned
+
+
+# Every way tiny-vl's vision parts train: LoRA on (VISION_CHOICES), and in full fine-tuning, where a part set to lora
+# trains in full.
+VISION_TRAINING = [(tower, merger, True) for tower, merger in VISION_CHOICES] + [
+    ("lora", "lora", False), ("frozen", "lora", False), ("trained", "frozen", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tower, merger, lora", VISION_TRAINING)
+def test_vision_activations_are_what_the_tower_saves(tower, merger, lora):
+    """The plan's vision term against the distinct storages the tiny-vl tower saves in a real forward (fp32, a
+    micro-batch of 2 rows of 80 tokens, all image tokens: 640 patches in 3 images), the model built as the trainer
+    builds it; its attention on SDPA's fused CPU kernel, which keeps what CUDA's flash kernel keeps (q, k, v, the
+    output, the log-sum-exp per head). Equal to the byte."""
+    import torch
+    from vision_saved import image_grids, image_row, measure_saved_vision_bytes
+
+    from moe_tune.engine.plan import vision_patches
+    from moe_tune.engine.train.trainer import build_trainable_model
+
+    job = load_profile("tiny-vl", [f"lora.vision_tower={tower}", f"lora.vision_merger={merger}",
+                                   f"lora.enabled={str(lora).lower()}", "data.seq_len=80", "train.micro_batch_size=2"])
+    assert vision_patches(job) == 640 and image_grids(160, 2).tolist() == [[1, 16, 16], [1, 16, 16], [1, 2, 64]]
+    torch.manual_seed(0)
+    model, _ = build_trainable_model(job)
+    measured = measure_saved_vision_bytes(model, image_row(job))
+    planned = activation_bytes(job).vision
+    assert planned == measured
+    assert (planned == 0) == (tower == merger == "frozen")
+
+
+def test_vision_activations_follow_a_hand_count():
+    # tiny-vl: T = 4 x 128 tokens, m 2: P = 2048 patches; Dv 32, I 64, 2 heads of hd 16, r 16, fp32. A lora block keeps
+    # 11 Dv + 2 I + 4 r = 544 numbers and 4 + 2 fp32 a patch, block 0 Dv and 2 fp32 less; cos and sin 2 hd fp32; the
+    # trained merger 4 Dv and 2 fp32.
+    job = load_profile("tiny-vl")
+    per_patch = 2 * (544 * 4 + 6 * 4) - (32 * 4 + 2 * 4) + 2 * 16 * 4 + 4 * 32 * 4 + 2 * 4
+    acts = activation_bytes(job)
+    assert acts.vision == 2048 * per_patch == 10_059_776
+    text_only = activation_bytes(load_profile("tiny-vl", ["lora.vision_tower=frozen", "lora.vision_merger=frozen"]))
+    assert text_only.vision == 0 and acts.total == text_only.total + acts.vision
+    # Linear in the tokens of a micro-batch, and in the dtype's bytes but for the fp32 statistics and rotary tables.
+    double = activation_bytes(load_profile("tiny-vl", ["train.micro_batch_size=8"]))
+    assert double.vision == 2 * acts.vision
+    bf16 = activation_bytes(load_profile("tiny-vl", ["train.precision=bf16"]))
+    wide = 2 * 6 * 4 - 2 * 4 + 2 * 16 * 4 + 2 * 4
+    assert bf16.vision == 2048 * ((per_patch - wide) // 2 + wide)
+    assert plan_layouts(job, 2, 80 * GB).layouts[0].activations == acts.total
