@@ -85,7 +85,8 @@ def reference_adapter(
         recipe = family.recipe(name, target, cfg) if target is not None else None
         if not isinstance(recipe, take):
             problems.append(f"adapter tensor {name}: trained in full but not one checkpoint tensor taken as is, so "
-                            "transformers has no module to carry it")
+                            "a transformers adapter has no module to carry it; `moe-tune export --merge` writes it "
+                            "into the model's weights")
             continue
         ref_key = family.reference_name(recipe.key)
         out[f"{prefix}{ref_key}"] = tensor

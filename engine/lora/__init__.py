@@ -5,6 +5,8 @@ whenever the fast path does not apply)."""
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 from moe_tune.profiles import ProfileError
@@ -17,9 +19,11 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
     """Wrap `model` in a PeftModel with adapters on profile.target_modules (and the routed experts).
 
     The vision tower's parts get adapters or train in full as lora.vision_tower / lora.vision_merger say
-    (vision_parts). Raises ProfileError when a target names no linear layer of the model or a part of the vision
-    tower (target_problems). Only adapter parameters stay trainable. PEFT's linear LoRA layers take the fast path of
-    fused.py.
+    (vision_parts). modules_to_save trains in full the outermost of the modules PEFT's rule matches (saved_modules;
+    peft_saved_names says what PEFT is given for them). Raises ProfileError when a target names no linear layer of the
+    model or a part of the vision tower (target_problems), and for what PEFT cannot train in full or would leave no
+    adapter (saved_module_problems). Only adapter parameters and the modules trained in full stay trainable. PEFT's
+    linear LoRA layers take the fast path of fused.py.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -34,14 +38,18 @@ def inject_lora(model: nn.Module, profile: LoraProfile):
         problems.append("lora.experts (true) needs a layer with mlp: moe")
     if problems:
         raise ProfileError(problems)
-    targets = list(profile.target_modules) + ([EXPERTS_MODULE] if profile.experts else [])
-    to_save = list(profile.modules_to_save)
-    # Trained in full, so never FP8: an FP8 module named here is dequantized before PEFT copies it.
-    dequantize_modules(model, to_save)
     vision_targets, vision_saved = vision_parts(model, profile)
-    targets, to_save = targets + vision_targets, to_save + vision_saved
+    targets = list(profile.target_modules) + ([EXPERTS_MODULE] if profile.experts else []) + vision_targets
     if not targets:
         raise ProfileError(["lora.target_modules ([]) must name at least one module when lora.experts is false"])
+    to_save = list(profile.modules_to_save) + vision_saved
+    saved = saved_modules(model, to_save)
+    problems = saved_module_problems(model, profile, targets, saved)
+    if problems:
+        raise ProfileError(problems)
+    to_save = peft_saved_names(model, targets, to_save)
+    # Trained in full, so never FP8: an FP8 module PEFT copies is dequantized before it does.
+    dequantize_modules(model, saved)
     config = LoraConfig(
         r=profile.r,
         lora_alpha=profile.alpha,
@@ -71,6 +79,102 @@ def target_problems(model: nn.Module, profile: LoraProfile) -> list[str]:
         if not any(matches_module_name(name, [key]) for name in names)
     ]
     return problems
+
+
+def saved_modules(model: nn.Module, keys) -> list[str]:
+    """Full names of the modules trained in full for modules_to_save `keys`, by PEFT's rule: a plain suffix of the
+    module's full name (`gate` also matches `shared_expert_gate`), and of matches inside one another the outermost
+    alone, which trains the inner ones with it."""
+    saved: list[str] = []
+    for name, _ in model.named_modules():
+        if name and not _inside(name, saved) and name.endswith(tuple(keys)):
+            saved.append(name)
+    return saved
+
+
+def _inside(name: str, outer: list[str]) -> bool:
+    """Whether the module `name` is one of `outer` or inside one."""
+    return any(name == o or name.startswith(f"{o}.") for o in outer)
+
+
+def saved_module_problems(model: nn.Module, profile: LoraProfile, targets: list[str], saved: list[str]) -> list[str]:
+    """What inject_lora refuses once the modules trained in full are known (`saved`: saved_modules of
+    lora.modules_to_save and the vision parts trained in full): a list of modules among them (PEFT wraps modules, not
+    lists); `targets` (target_modules with the experts' and the vision tower's) reaching only modules inside them,
+    which take no adapter, so none would be left; a module PEFT cannot be told to wrap alone (peft_saved_names)."""
+    from moe_tune.engine.model.fp8 import matches_module_name
+
+    modules = dict(model.named_modules())
+    problems = [
+        f"lora.modules_to_save ('{key}') names a list of modules ({name}), which PEFT cannot train in full as one "
+        f"module: name the modules in it ({name}.0, ...)"
+        for key in profile.modules_to_save
+        for name in saved
+        if name.endswith(key) and isinstance(modules[name], (nn.ModuleList, nn.ModuleDict))
+    ]
+    reached = [name for name in modules if name and matches_module_name(name, targets)]
+    if reached and all(_inside(name, saved) for name in reached):
+        experts = " and lora.experts (true)" if profile.experts else ""
+        problems.append(
+            f"lora.target_modules ({list(profile.target_modules)}){experts} must reach a layer outside the modules "
+            f"lora.modules_to_save ({list(profile.modules_to_save)}) trains in full ({', '.join(saved[:3])}"
+            f"{', ...' if len(saved) > 3 else ''}): a module inside one takes no adapter, so none would be left"
+        )
+    _, unnamed = _wrapped_units(model, saved)
+    problems += [
+        f"lora.modules_to_save ({list(profile.modules_to_save)}) trains {name} in full, and {inner} inside "
+        f"{outer}: PEFT's rule (a plain suffix of the full name) cannot name {name} without {inner}, and a module "
+        "wrapped inside a wrapped one trains a copy the model never runs; leave out the entry that names one of them"
+        for name, (inner, outer) in unnamed.items()
+    ]
+    return problems
+
+
+def _wrapped_units(model: nn.Module, saved: list[str]) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """(the modules to wrap so that `saved` trains in full, each named alone by its full name; {a module of `saved`
+    that cannot be: (the module inside another one of them whose name ends with its name, that other one)}). PEFT
+    wraps every module whose name ends with a modules_to_save entry, so a module's full name names it alone unless a
+    module inside one wrapped ends with it too (`norm` and `norm.norm`): such a module is wrapped as its children
+    instead, which hold the same parameters, unless it holds parameters of its own."""
+    names = [name for name, _ in model.named_modules() if name]
+    units, unnamed = list(saved), {}
+    while True:
+        clash = next(((unit, name, outer) for outer in units for name in names if name.startswith(f"{outer}.")
+                      for unit in units if name.endswith(unit)), None)  # fmt: skip
+        if clash is None:
+            return units, unnamed
+        unit, name, outer = clash
+        module = model.get_submodule(unit)
+        at = units.index(unit)
+        if next(module.parameters(recurse=False), None) is not None:
+            unnamed[unit] = (name, outer)
+            units[at : at + 1] = []
+        else:
+            units[at : at + 1] = [f"{unit}.{child}" for child, m in module.named_children()
+                                  if next(m.parameters(), None) is not None]  # fmt: skip
+
+
+def peft_saved_names(model: nn.Module, targets, keys) -> list[str]:
+    """modules_to_save for the LoraConfig on `model` with `targets` that makes PEFT train in full exactly
+    saved_modules(model, keys) and adapt nothing inside them: `keys` as they are where PEFT's own rules do that; else
+    the full names of the modules that hold those parameters (_wrapped_units).
+
+    PEFT's own rules fall short where matches of `keys` nest (it wraps the outer module, then the inner one again
+    inside the outer one's copy, which leaves the copy's inner module frozen, and cannot load the adapter it saves: a
+    KeyError on the inner module's tensors), and where a targeted module inside one is not excluded by PEFT's rule
+    for that (a key as whole dotted parts of the name: `gate` keeps the adapter of `shared_expert_gate`, which PEFT
+    then refuses to wrap)."""
+    from moe_tune.engine.model.fp8 import matches_module_name
+
+    keys = list(keys)
+    saved = saved_modules(model, keys)
+    names = [name for name, _ in model.named_modules() if name]
+    matched = [name for name in names if name.endswith(tuple(keys))]
+    excluded = {name for name in names if any(re.match(rf"(^|.*\.){re.escape(key)}($|\..*)", name) for key in keys)}
+    adapted_inside = {name for name in names if matches_module_name(name, targets) and _inside(name, saved)}
+    if matched == saved and adapted_inside <= excluded:
+        return keys
+    return _wrapped_units(model, saved)[0]
 
 
 def target_module_problems(keys: list[str], linears: list[str], vision: list[str]) -> list[str]:
@@ -162,7 +266,8 @@ def with_expert_lora(config):
 
 
 def load_adapter(model: nn.Module, directory, is_trainable: bool = False):
-    """Load a saved moe-tune adapter (PEFT files) onto `model` in one process; linear adapters take fused.py's path."""
+    """Load a saved moe-tune adapter (PEFT files) onto `model` in one process, its modules_to_save given to PEFT as
+    inject_lora gives them (peft_saved_names); linear adapters take fused.py's path."""
     from peft import LoraConfig, PeftModel
 
     from moe_tune.engine.model.fp8 import dequantize_modules
@@ -170,7 +275,8 @@ def load_adapter(model: nn.Module, directory, is_trainable: bool = False):
     from .fused import use_fused_lora
 
     config = with_expert_lora(LoraConfig.from_pretrained(str(directory)))
-    dequantize_modules(model, sorted(config.modules_to_save or ()))
+    config.modules_to_save = peft_saved_names(model, config.target_modules, config.modules_to_save or ()) or None
+    dequantize_modules(model, saved_modules(model, config.modules_to_save or ()))
     peft_model = PeftModel.from_pretrained(model, str(directory), config=config, is_trainable=is_trainable)
     use_fused_lora(peft_model)
     return peft_model
