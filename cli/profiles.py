@@ -26,12 +26,13 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
     report it on stderr (records, tokens, trained tokens per source, the optimizer steps); exit 2 listing every
     problem."""
     job = read_profile(profile, overrides)
-    from moe_tune.engine.plan import lora_parameters, model_parameters
+    from moe_tune.engine.plan import count_parameters
     from moe_tune.engine.train.run_dir import check_reads_apart, run_reads
 
     with user_errors():
-        # What finetune refuses once the model is built: adapters on layers the model does not have.
-        lora_parameters(model_parameters(job.model), job.lora)
+        # What finetune refuses once the model is built: adapters on layers the model does not have, modules PEFT
+        # cannot train in full.
+        count_parameters(job.model, job.lora)
         check_reads_apart(job.output.dir, {"PROFILE": resolve_profile_path(profile), **run_reads(job)})
     # Written as it is: a console would wrap lines longer than the terminal (a long path) and break the YAML.
     typer.echo(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), nl=False)

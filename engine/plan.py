@@ -248,6 +248,25 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
     return added
 
 
+def saved_module_problems(cfg: ModelProfile, lora: LoraProfile) -> list[str]:
+    """What engine.lora.inject_lora refuses in the modules LoRA trains in full (lora.modules_to_save and the vision
+    parts set to trained: engine.lora.saved_module_problems), checked on the model built on the meta device; none
+    without LoRA or such modules."""
+    import torch
+
+    from moe_tune.engine import lora as peft_lora
+    from moe_tune.engine.model.model import MoECausalLM
+
+    if not lora.enabled or (not lora.modules_to_save and cfg.vision is None):
+        return []
+    with torch.device("meta"):
+        model = MoECausalLM(cfg.model_copy(update={"base_precision": "bf16"}))
+    vision_targets, vision_saved = peft_lora.vision_parts(model, lora)
+    targets = list(lora.target_modules) + ([EXPERTS_MODULE] if lora.experts else []) + vision_targets
+    saved = peft_lora.saved_modules(model, list(lora.modules_to_save) + vision_saved)
+    return peft_lora.saved_module_problems(model, lora, targets, saved)
+
+
 def trainable_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
     """The parameters the optimizer updates: with LoRA those inject_lora adds (lora_parameters); in full fine-tuning
     every one of `params` but those of the vision parts lora.vision_tower / lora.vision_merger keep frozen (the rule
@@ -326,6 +345,8 @@ def count_parameters(cfg: ModelProfile, lora: LoraProfile, base: list[Param] | N
     `base`: model_parameters(cfg) when the caller has it (the model is built once)."""
     base = model_parameters(cfg) if base is None else base
     added = lora_parameters(base, lora)
+    if problems := saved_module_problems(cfg, lora):
+        raise ProfileError(problems)
     experts = sum(p.numel for p in base if p.is_expert)
     dense = sum(p.numel for p in base) - experts
     lora_experts = sum(p.numel for p in added if p.is_expert)

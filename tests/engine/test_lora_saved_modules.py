@@ -121,6 +121,20 @@ def test_what_peft_cannot_wrap_is_refused_in_one_line(fields, line):
     assert err.value.problems == [line]
 
 
+@pytest.mark.parametrize("fields, line", REFUSED.values(), ids=REFUSED.keys())
+def test_plan_and_validate_refuse_it_with_finetunes_line(fields, line):
+    # Before any model is loaded: plan counts on the meta device, validate checks what finetune would refuse.
+    from moe_tune.engine.plan import plan_layouts
+
+    sets = ["lora.experts=false"] + [f"lora.{key}=[{', '.join(value)}]" for key, value in fields.items()]
+    with pytest.raises(ProfileError) as err:
+        plan_layouts(load_profile("tiny", sets), 2, 80 * 10**9)
+    assert err.value.problems == [line]
+    result = CliRunner().invoke(app, ["validate", "tiny", "--no-data"] + [a for o in sets for a in ("--set", o)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {line}"]
+
+
 def test_finetune_refuses_before_training_with_exit_2(tmp_path):
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["finetune", "tiny", "--set", f"output.dir={out}", "--set", "train.steps=2",
