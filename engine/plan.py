@@ -22,6 +22,7 @@ from typing import NamedTuple
 from moe_tune.engine.lora import (
     VISION_PREFIX,
     is_vision_module,
+    saved_names,
     target_module_problems,
     vision_choice,
     vision_module_parts,
@@ -180,17 +181,6 @@ def _module_paths(params: list[Param]) -> list[str]:
     return list(paths)
 
 
-def _saved_modules(params: list[Param], to_save: list[str]) -> list[str]:
-    """The modules PEFT wraps for `modules_to_save` (to_save): its rule is a plain suffix match on the module path
-    (so `gate` also matches `shared_expert_gate`); a module inside a wrapped one is not wrapped again."""
-    saved: list[str] = []
-    for path in _module_paths(params):
-        inside = any(path.startswith(f"{outer}.") for outer in saved)
-        if not inside and any(path.endswith(name) for name in to_save):
-            saved.append(path)
-    return saved
-
-
 def _vision_parts(params: list[Param]) -> list[tuple[str, bool]]:
     """The vision tower's modules as engine.lora.vision_module_parts takes them: (name inside the tower, whether it is
     an nn.Linear)."""
@@ -221,7 +211,7 @@ def lora_parameters(params: list[Param], lora: LoraProfile) -> list[Param]:
         problems.append("lora.target_modules ([]) must name at least one module when lora.experts is false")
     if problems:
         raise ProfileError(problems)
-    saved = _saved_modules(params, list(lora.modules_to_save) + vision_saved)
+    saved = saved_names(_module_paths(params), list(lora.modules_to_save) + vision_saved)
     r = lora.r
     added: list[Param] = []
     for path in saved:

@@ -82,11 +82,17 @@ def target_problems(model: nn.Module, profile: LoraProfile) -> list[str]:
 
 
 def saved_modules(model: nn.Module, keys) -> list[str]:
-    """Full names of the modules trained in full for modules_to_save `keys`, by PEFT's rule: a plain suffix of the
-    module's full name (`gate` also matches `shared_expert_gate`), and of matches inside one another the outermost
-    alone, which trains the inner ones with it."""
+    """Full names of the modules trained in full for modules_to_save `keys` (saved_names over the model's modules)."""
+    return saved_names([name for name, _ in model.named_modules()], keys)
+
+
+def saved_names(names, keys) -> list[str]:
+    """Of module full `names` (outermost first, as named_modules gives them), those trained in full for
+    modules_to_save `keys`, by PEFT's rule: a plain suffix of the module's full name (`gate` also matches
+    `shared_expert_gate`), and of matches inside one another the outermost alone, which trains the inner ones with
+    it. engine/plan.py counts with it from parameter names."""
     saved: list[str] = []
-    for name, _ in model.named_modules():
+    for name in names:
         if name and not _inside(name, saved) and name.endswith(tuple(keys)):
             saved.append(name)
     return saved
