@@ -79,13 +79,13 @@ class SavedStorages:
         return sum(self.by_storage.values())
 
 
-def measure_saved_vision_bytes(model, inputs: dict) -> int:
-    """Bytes of the distinct storages the vision tower saves for backward in one forward of `inputs`; the backward
-    then runs, so the saved tensors are the ones a training step uses."""
+def measure_saved_vision(model, inputs: dict) -> SavedStorages:
+    """The distinct storages the vision tower saves for backward in one forward of `inputs` (.total: their bytes);
+    the backward then runs, so the saved tensors are the ones a training step uses."""
     saved = SavedStorages(model)
     with saved.hooks():
         out = model(**inputs)
     for handle in saved.handles:
         handle.remove()
     out.loss.backward()
-    return saved.total
+    return saved

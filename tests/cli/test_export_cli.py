@@ -527,6 +527,16 @@ def test_a_second_export_into_one_folder_is_refused_while_the_first_writes(reque
     assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name]
 
 
+def assert_theirs_kept(result, out, tmp_path):
+    """The export refused in one line, OUT left holding only the file put there while it wrote, as it was."""
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {out}: filled while this export ran (by another export, or by "
+                                          "hand); it is kept as it is, and this export's files are removed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["theirs.safetensors"]
+    assert (out / "theirs.safetensors").read_text() == "theirs"
+
+
 @pytest.mark.parametrize("kind", list(EXPORT_KINDS))
 def test_an_out_filled_while_the_export_ran_is_kept(request, tmp_path, monkeypatch, kind):
     """Another export (on another host, whose writer cannot be seen from here) that renamed its folder into place
@@ -547,11 +557,7 @@ def test_an_out_filled_while_the_export_ran_is_kept(request, tmp_path, monkeypat
 
     monkeypatch.setattr(pathlib.Path, "replace", filled_first)
     result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
-    assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines() == [f"error: {out}: filled while this export ran (by another export, or by "
-                                          "hand); it is kept as it is, and this export's files are removed"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert [p.name for p in out.iterdir()] == ["theirs.safetensors"]
+    assert_theirs_kept(result, out, tmp_path)
 
 
 @pytest.mark.parametrize("kind", list(EXPORT_KINDS))
@@ -571,12 +577,7 @@ def test_an_out_filled_while_the_export_writes_is_kept(request, tmp_path, monkey
 
     monkeypatch.setattr(hub, "copy_loader_files", filled_meanwhile)
     result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
-    assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines() == [f"error: {out}: filled while this export ran (by another export, or by "
-                                          "hand); it is kept as it is, and this export's files are removed"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert [p.name for p in out.iterdir()] == ["theirs.safetensors"]
-    assert (out / "theirs.safetensors").read_text() == "theirs"
+    assert_theirs_kept(result, out, tmp_path)
 
 
 @pytest.mark.parametrize("target", ["empty-folder", "nothing"])

@@ -828,7 +828,7 @@ def test_vision_activations_are_what_the_tower_saves(tower, merger, lora):
     builds it; its attention on SDPA's fused CPU kernel, which keeps what CUDA's flash kernel keeps (q, k, v, the
     output, the log-sum-exp per head). Equal to the byte."""
     import torch
-    from vision_saved import image_grids, image_row, measure_saved_vision_bytes
+    from vision_saved import image_grids, image_row, measure_saved_vision
 
     from moe_tune.engine.plan import vision_patches
     from moe_tune.engine.train.trainer import build_trainable_model
@@ -838,7 +838,7 @@ def test_vision_activations_are_what_the_tower_saves(tower, merger, lora):
     assert vision_patches(job) == 640 and image_grids(160, 2).tolist() == [[1, 16, 16], [1, 16, 16], [1, 2, 64]]
     torch.manual_seed(0)
     model, _ = build_trainable_model(job)
-    measured = measure_saved_vision_bytes(model, image_row(job))
+    measured = measure_saved_vision(model, image_row(job)).total
     planned = activation_bytes(job).vision
     assert planned == measured
     assert (planned == 0) == (tower == merger == "frozen")

@@ -6,7 +6,7 @@ pytest -m gpu tests/gpu/test_plan_vision_gpu.py
 
 import pytest
 import torch
-from vision_saved import SavedStorages, image_row, vision_tower
+from vision_saved import image_row, measure_saved_vision, vision_tower
 
 from moe_tune.engine.plan import activation_bytes, vision_patches
 from moe_tune.engine.train.trainer import build_trainable_model
@@ -37,12 +37,7 @@ def test_planned_vision_activations_are_what_the_tower_keeps_on_the_gpu(tower, m
     model, _ = build_trainable_model(job, init_device=DEVICE)
     inputs = image_row(job, DEVICE)
     planned = activation_bytes(job).vision
-    saved = SavedStorages(model)
-    with saved.hooks():
-        out = model(**inputs)
-    for handle in saved.handles:
-        handle.remove()
-    out.loss.backward()
+    saved = measure_saved_vision(model, inputs)
     assert saved.total == planned
 
     # Memory: what the tower's forward leaves allocated once it returns, less its output [P / m^2, D].
