@@ -16,7 +16,19 @@ from . import onboard
 from . import generate
 from ._common import USER_ERROR_EXIT, fail, print_error
 
+class _Commands(typer.core.TyperGroup):
+    """The root group: each command listed by the first paragraph of its help as one text, so that the listing wraps
+    it to the terminal (Typer's rich listing keeps the docstring's own line breaks)."""
+
+    def format_help(self, ctx, formatter):
+        for command in self.commands.values():
+            if command.short_help is None and command.help:
+                command.short_help = " ".join(command.help.split("\n\n")[0].split())
+        super().format_help(ctx, formatter)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="moe-tune",
     help="Fine-tune huge sparse Mixture-of-Experts models (ZeRO-3 + expert parallelism, LoRA, fused kernels).",
     no_args_is_help=True,

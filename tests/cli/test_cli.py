@@ -246,3 +246,16 @@ def test_ctrl_c_while_the_commands_import_exits_130_without_a_traceback(trigger,
                           text=True, timeout=120)  # fmt: skip
     assert (done.returncode, done.stderr) == (code, ""), done.stderr
     assert done.stdout.startswith(stdout) and (stdout or done.stdout == "")
+
+
+def test_the_command_listing_wraps_each_commands_summary_as_one_text():
+    """`moe-tune --help` lists each command by the first paragraph of its help: on a terminal wide enough, one line
+    each, not broken where the docstring's lines end."""
+    from typer.main import get_command
+
+    result = runner.invoke(app, ["--help"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    lines = [" ".join(line.strip("│ ").split()) for line in result.output.splitlines()]
+    for name, command in get_command(app).commands.items():
+        summary = " ".join(command.help.split("\n\n")[0].split())
+        assert f"{name} {summary}" in lines, name
