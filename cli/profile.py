@@ -27,7 +27,7 @@ def profile(
     profile_arg: Annotated[
         str | None,
         typer.Argument(
-            metavar="[PROFILE]", help="profile YAML path or shipped name: run a few of its training steps"
+            metavar="PROFILE", help="profile YAML path or shipped name: run a few of its training steps"
         ),
     ] = None,
     overrides: SetOption = None,
