@@ -106,8 +106,8 @@ def _inside(name: str, outer: list[str]) -> bool:
 def saved_module_problems(model: nn.Module, profile: LoraProfile, targets: list[str], saved: list[str]) -> list[str]:
     """What inject_lora refuses once the modules trained in full are known (`saved`: saved_modules of
     lora.modules_to_save and the vision parts trained in full): a list of modules among them (PEFT wraps modules, not
-    lists); `targets` (target_modules with the experts' and the vision tower's) reaching only modules inside them,
-    which take no adapter, so none would be left; a module PEFT cannot be told to wrap alone (peft_saved_names)."""
+    lists); a lora.target_modules entry, lora.experts or the vision tower's adapters (among `targets`) reaching only
+    modules inside them, which take no adapter; a module PEFT cannot be told to wrap alone (peft_saved_names)."""
     from moe_tune.engine.model.fp8 import matches_module_name
 
     modules = dict(model.named_modules())
@@ -118,14 +118,17 @@ def saved_module_problems(model: nn.Module, profile: LoraProfile, targets: list[
         for name in saved
         if name.endswith(key) and isinstance(modules[name], (nn.ModuleList, nn.ModuleDict))
     ]
-    reached = [name for name in modules if name and matches_module_name(name, targets)]
-    if reached and all(_inside(name, saved) for name in reached):
-        experts = " and lora.experts (true)" if profile.experts else ""
-        problems.append(
-            f"lora.target_modules ({list(profile.target_modules)}){experts} must reach a layer outside the modules "
-            f"lora.modules_to_save ({list(profile.modules_to_save)}) trains in full ({', '.join(saved[:3])}"
-            f"{', ...' if len(saved) > 3 else ''}): a module inside one takes no adapter, so none would be left"
-        )
+    entries = [(f"lora.target_modules ('{key}')", [key]) for key in profile.target_modules]
+    entries += [("lora.experts (true)", [EXPERTS_MODULE])] if profile.experts else []
+    vision_targets = [target for target in targets if is_vision_module(target)]
+    entries += [("lora.vision_tower / lora.vision_merger ('lora')", vision_targets)] if vision_targets else []
+    held = (f"lora.modules_to_save ({list(profile.modules_to_save)}) trains in full ({', '.join(saved[:3])}"
+            f"{', ...' if len(saved) > 3 else ''})")
+    for field, keys in entries:
+        reached = [name for name in modules if name and matches_module_name(name, keys)]
+        if reached and all(_inside(name, saved) for name in reached):
+            problems.append(f"{field} adapts nothing: every layer it reaches lies inside the modules {held}, and a "
+                            "module trained in full takes no adapter")
     _, unnamed = _wrapped_units(model, saved)
     problems += [
         f"lora.modules_to_save ({list(profile.modules_to_save)}) trains {name} in full, and {inner} inside "

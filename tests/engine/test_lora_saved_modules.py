@@ -23,10 +23,8 @@ from moe_tune.profiles.schema import LoraProfile
 
 CASES = {
     "qwen4-norm": ("qwen4_exp_text", dict(target_modules=["q_proj", "mix_down"], modules_to_save=["norm"])),
-    "mlp-and-gate": ("tiny", dict(target_modules=["q_proj", "gate_proj"], modules_to_save=["mlp", "gate"],
-                                  experts=True)),
-    "gate-and-an-adapted-suffix": ("tiny", dict(target_modules=["q_proj", "shared_expert_gate"],
-                                                modules_to_save=["gate"])),
+    "mlp-and-gate": ("tiny", dict(target_modules=["q_proj"], modules_to_save=["mlp", "gate"])),
+    "gate-and-shared-expert-gate": ("tiny", dict(target_modules=["q_proj"], modules_to_save=["gate"])),
     "vision-block-and-norm1": ("tiny-vl", dict(target_modules=["q_proj"], modules_to_save=["norm1"],
                                                vision_tower="trained")),
 }
@@ -99,17 +97,32 @@ def test_the_outermost_match_trains_in_full_and_reloads_with_equal_logits(case, 
 
 LIST_LINE = ("lora.modules_to_save ('layers') names a list of modules (layers), which PEFT cannot train in full as one "
              "module: name the modules in it (layers.0, ...)")
-NONE_LEFT_LINE = ("lora.target_modules (['q_proj']) must reach a layer outside the modules lora.modules_to_save "
-                  "(['self_attn']) trains in full (layers.0.self_attn, layers.1.self_attn, layers.2.self_attn, ...): "
-                  "a module inside one takes no adapter, so none would be left")
+NONE_LEFT_LINE = ("lora.target_modules ('q_proj') adapts nothing: every layer it reaches lies inside the modules "
+                  "lora.modules_to_save (['self_attn']) trains in full (layers.0.self_attn, layers.1.self_attn, "
+                  "layers.2.self_attn, ...), and a module trained in full takes no adapter")
+EXPERTS_LINE = ("lora.experts (true) adapts nothing: every layer it reaches lies inside the modules "
+                "lora.modules_to_save (['mlp']) trains in full (layers.0.mlp, layers.1.mlp, layers.2.mlp, ...), and a "
+                "module trained in full takes no adapter")
+ONE_OF_TWO_LINE = ("lora.target_modules ('gate_proj') adapts nothing: every layer it reaches lies inside the modules "
+                   "lora.modules_to_save (['mlp']) trains in full (layers.0.mlp, layers.1.mlp, layers.2.mlp, ...), and "
+                   "a module trained in full takes no adapter")
 UNNAMED_LINE = ("lora.modules_to_save (['self_attn', 'norm']) trains norm in full, and layers.0.self_attn.norm inside "
                 "layers.0.self_attn: PEFT's rule (a plain suffix of the full name) cannot name norm without "
                 "layers.0.self_attn.norm, and a module wrapped inside a wrapped one trains a copy the model never "
                 "runs; leave out the entry that names one of them")
+SUFFIX_LINE = ("lora.target_modules ('shared_expert_gate') adapts nothing: every layer it reaches lies inside the "
+               "modules lora.modules_to_save (['gate']) trains in full (layers.0.mlp.gate, "
+               "layers.0.mlp.shared_expert_gate, layers.1.mlp.gate, ...), and a module trained in full takes no "
+               "adapter")
 REFUSED = {
-    "a-list": (dict(target_modules=["q_proj", "lm_head"], modules_to_save=["layers"]), LIST_LINE),
+    "a-list": (dict(target_modules=["lm_head"], modules_to_save=["layers"]), LIST_LINE),
     "no-adapter-left": (dict(target_modules=["q_proj"], modules_to_save=["self_attn"]), NONE_LEFT_LINE),
-    "a-name-peft-cannot-single-out": (dict(target_modules=["q_proj", "gate_proj"],
+    "one-target-of-two-inside": (dict(target_modules=["q_proj", "gate_proj"], modules_to_save=["mlp"]),
+                                 ONE_OF_TWO_LINE),
+    "the-experts-inside": (dict(target_modules=["q_proj"], modules_to_save=["mlp"], experts=True), EXPERTS_LINE),
+    "a-target-a-plain-suffix-saves": (dict(target_modules=["q_proj", "shared_expert_gate"], modules_to_save=["gate"]),
+                                      SUFFIX_LINE),
+    "a-name-peft-cannot-single-out": (dict(target_modules=["gate_proj"],
                                            modules_to_save=["self_attn", "norm"]), UNNAMED_LINE),
 }
 
@@ -117,7 +130,7 @@ REFUSED = {
 @pytest.mark.parametrize("fields, line", REFUSED.values(), ids=REFUSED.keys())
 def test_what_peft_cannot_wrap_is_refused_in_one_line(fields, line):
     with pytest.raises(ProfileError) as err:
-        inject_lora(built(load_profile("tiny").model), LoraProfile(r=4, alpha=8, experts=False, **fields))
+        inject_lora(built(load_profile("tiny").model), LoraProfile(r=4, alpha=8, **{"experts": False, **fields}))
     assert err.value.problems == [line]
 
 
@@ -126,7 +139,8 @@ def test_plan_and_validate_refuse_it_with_finetunes_line(fields, line):
     # Before any model is loaded: plan counts on the meta device, validate checks what finetune would refuse.
     from moe_tune.engine.plan import plan_layouts
 
-    sets = ["lora.experts=false"] + [f"lora.{key}=[{', '.join(value)}]" for key, value in fields.items()]
+    sets = ["lora.experts=false"] + [f"lora.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                                     for key, value in fields.items()]  # fmt: skip
     with pytest.raises(ProfileError) as err:
         plan_layouts(load_profile("tiny", sets), 2, 80 * 10**9)
     assert err.value.problems == [line]

@@ -46,8 +46,8 @@ LORA_VARIANTS = {
     "no-expert-adapters": ["lora.experts=false", "lora.modules_to_save=[]"],
     # PEFT matches modules_to_save by plain suffix: `gate` also wraps every shared_expert_gate.
     "save-routers": ["lora.modules_to_save=[gate]", "lora.r=4"],
-    # A saved module's linears get no adapter (PEFT excludes them from target_modules).
-    "save-mlp": ["lora.modules_to_save=[mlp]"],
+    # The MLPs (routed experts included) trained in full, the attention adapted.
+    "save-mlp": ["lora.modules_to_save=[mlp]", "lora.experts=false", "lora.target_modules=[q_proj, o_proj, z_proj]"],
     "odd-targets": [
         "lora.target_modules=[gate, lm_head, index_q_proj, a_proj, shared_expert_gate]",
         "lora.modules_to_save=[norm]",
