@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_tune.engine.families.checkpoint import CONFIG_NAME, INDEX_NAME, LOADER_FILES, LOADER_FOLDERS
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import ModelProfile
 
@@ -41,17 +42,13 @@ DEFAULT_SHARD_SIZE = "5GB"
 # The folders an export writes in its run's folder by default (--out unset): of the names a run keeps there
 # (run_dir.is_owned_name), the only ones --out may name.
 EXPORT_NAMES = ("export", "export-merged")
-# The files of a checkpoint folder besides its weights that a loader reads (the checkpoint's LOADER_FILES but the
-# index, which the export writes): the model's settings, then the tokenizer's and processor's, copied as they are.
-MODEL_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "tiktoken.model", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-)  # fmt: skip
+# The files of a checkpoint folder besides its weights that a loader reads (the checkpoint reader's LOADER_FILES but
+# the index, which the export writes): the model's settings, then the tokenizer's and processor's, copied as they are;
+# and its folders of them (transformers 5 reads the named chat templates of additional_chat_templates/*.jinja).
+MODEL_FILES = (CONFIG_NAME, "generation_config.json")
+TOKENIZER_FILES = tuple(name for name in LOADER_FILES if name not in (*MODEL_FILES, INDEX_NAME, *LOADER_FOLDERS))
 COPIED_FILES = MODEL_FILES + TOKENIZER_FILES
-# Folders of loader files: transformers 5 reads the named chat templates of additional_chat_templates/*.jinja.
-COPIED_FOLDERS = ("additional_chat_templates",)
+COPIED_FOLDERS = LOADER_FOLDERS
 # A copied JSON file's `auto_map` names the checkpoint's own code ("module.Class", or a list of them for a tokenizer's
 # slow and fast classes) that AutoConfig / AutoModel / AutoTokenizer run with trust_remote_code: `module.py` is copied
 # with the modules it imports relatively, found as transformers finds them (dynamic_module_utils.get_relative_imports).
