@@ -11,7 +11,11 @@ and its text for the JSON array's fast path) is held at a time, never the file. 
 read TABLE_BATCH_ROWS rows at a time (pyarrow decodes one row group's pages of the columns at once; a saved dataset's
 Arrow files are memory-mapped); each row is held to the same data.max_record_bytes, counted as the bytes of its JSON
 form, and a row far over it is refused from its Arrow bytes, before it becomes Python objects. A Parquet column chunk
-that would decompress past MAX_PARQUET_RATIO times its stored bytes is refused from the file's metadata, unread.
+that would decompress past MAX_PARQUET_RATIO times its stored bytes is refused unread, its size taken from its pages'
+headers (which pyarrow holds each page to) as well as from the file's metadata (which a writer may state small). A
+row group with dictionary pages is read in batches of fewer rows, so that rows all taking one large dictionary value
+decode to at most what one row may take in Arrow memory (see _batch_rows). A nested column's row may repeat a
+dictionary value without bound: that row is decoded whole before it is measured.
 """
 
 from __future__ import annotations
@@ -494,7 +498,8 @@ def _parquet(path: Path, field_name: str, max_record_bytes: int) -> Records:
     try:
         table = parquet.ParquetFile(f)
         columns = column_kinds(table.schema_arrow)
-        problems = _duplicate_column_problems(table.schema_arrow, path) + _bomb_problems(table.metadata, path,
+        chunks = _chunk_pages(f, table.metadata)
+        problems = _duplicate_column_problems(table.schema_arrow, path) + _bomb_problems(chunks, path,
                                                                                          max_record_bytes)
     except Exception as err:  # pyarrow's ArrowInvalid and friends for a file that is not Parquet
         f.close()
@@ -503,26 +508,191 @@ def _parquet(path: Path, field_name: str, max_record_bytes: int) -> Records:
         f.close()
         raise ProfileError(problems)
 
+    dictionaries = [0] * table.metadata.num_row_groups
+    for chunk in chunks:
+        dictionaries[chunk.group] += chunk.dictionary
+
     def rows():
         with f:
-            yield from _table_rows(table.iter_batches(batch_size=TABLE_BATCH_ROWS), path, max_record_bytes)
+            batches = (batch for group, dictionary in enumerate(dictionaries)
+                       for batch in table.iter_batches(row_groups=[group],
+                                                       batch_size=_batch_rows(dictionary, max_record_bytes)))
+            yield from _table_rows(batches, path, max_record_bytes)
 
     return Records(path, "Parquet", columns, rows())
 
 
-def _bomb_problems(metadata, path: Path, max_record_bytes: int) -> list[str]:
-    """The first column chunk whose pages decompress to more than MAX_PARQUET_RATIO times their stored bytes and
-    more than max_record_bytes, as the file's metadata says: read, it would fill memory from a small file."""
+@dataclass
+class _Chunk:
+    """One Parquet column chunk: `size` and `dictionary` are the bytes its pages' headers say they decompress to (all
+    pages, headers included; its dictionary page), the larger of that and the file's metadata for `size`. pyarrow
+    decompresses a page into a buffer of its header's size and refuses a page that does not fill it exactly, so a
+    page header cannot understate what its page decodes to; the file's metadata can."""
+
+    group: int
+    name: str
+    stored: int
+    size: int
+    dictionary: int
+
+
+def _chunk_pages(f, metadata) -> list[_Chunk]:
+    """Every column chunk of the file, its sizes read from its pages' headers as pyarrow walks them: from its first
+    page, through the chunk's stored bytes, until its data pages hold the chunk's number of values."""
+    chunks = []
     for group in range(metadata.num_row_groups):
-        chunks = metadata.row_group(group)
-        for index in range(chunks.num_columns):
-            chunk = chunks.column(index)
-            stored, size = chunk.total_compressed_size, chunk.total_uncompressed_size
-            if size > max_record_bytes and size > MAX_PARQUET_RATIO * max(stored, 1):
-                return [f"{path}: column {chunk.path_in_schema!r:.60} of row group {group} decompresses from {stored} "
-                        f"to {size} bytes, more than {MAX_PARQUET_RATIO} times (a decompression bomb?) and more than "
-                        f"data.max_record_bytes ({max_record_bytes})"]
+        row_group = metadata.row_group(group)
+        for index in range(row_group.num_columns):
+            chunk = row_group.column(index)
+            start = chunk.data_page_offset
+            if chunk.has_dictionary_page and 0 < chunk.dictionary_page_offset < start:
+                start = chunk.dictionary_page_offset
+            size, dictionary = _page_sizes(f, start, chunk.total_compressed_size, chunk.num_values)
+            chunks.append(_Chunk(group, chunk.path_in_schema, chunk.total_compressed_size,
+                                 max(size, chunk.total_uncompressed_size), dictionary))
+    return chunks
+
+
+# A Parquet page header is a few dozen bytes, a few KiB with statistics; pyarrow reads none past 16 MiB.
+_PAGE_HEADER_BLOCK = 1 << 12
+_MAX_PAGE_HEADER_BYTES = 16 << 20
+_DICTIONARY_PAGE = 2
+# PageHeader's fields: type, uncompressed_page_size, compressed_page_size, data_page_header and
+# data_page_header_v2 (field 1 of each: num_values).
+_PAGE_TYPE, _PAGE_SIZE, _PAGE_STORED, _DATA_PAGE, _DATA_PAGE_V2 = 1, 2, 3, 5, 8
+
+
+def _page_sizes(f, start: int, stored: int, num_values: int) -> tuple[int, int]:
+    """(bytes all pages decompress to, headers included; bytes the dictionary page decompresses to) of the column
+    chunk whose pages start at byte `start` and take `stored` bytes. The walk stops at a header that cannot be read:
+    pyarrow refuses that page when it reaches it."""
+    size = dictionary = seen = 0
+    pos, end = start, start + stored
+    block, block_at = b"", start
+    while pos < end and seen < num_values:
+        want = _PAGE_HEADER_BLOCK
+        while True:
+            if not block_at <= pos < block_at + len(block) or want > _PAGE_HEADER_BLOCK:
+                f.seek(pos)
+                block, block_at = f.read(min(want, end - pos)), pos
+            try:
+                header, used = _thrift_struct(block, pos - block_at, 0)
+                break
+            except IndexError:
+                if want >= _MAX_PAGE_HEADER_BYTES or block_at + len(block) >= end:
+                    return size, dictionary
+                want *= 2
+            except ValueError:
+                return size, dictionary
+        page_size, page_stored = header.get(_PAGE_SIZE), header.get(_PAGE_STORED)
+        if not isinstance(page_size, int) or not isinstance(page_stored, int) or page_stored < 0:
+            return size, dictionary
+        header_bytes = block_at + used - pos
+        size += header_bytes + max(page_size, 0)
+        if header.get(_PAGE_TYPE) == _DICTIONARY_PAGE:
+            dictionary += max(page_size, 0)
+        data = header.get(_DATA_PAGE) or header.get(_DATA_PAGE_V2)
+        if isinstance(data, dict) and isinstance(data.get(1), int):
+            seen += max(data[1], 0)
+        pos += header_bytes + page_stored
+    return size, dictionary
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _thrift_value(buf: bytes, pos: int, kind: int, depth: int) -> tuple[object, int]:
+    """One value of Thrift's compact protocol (the encoding of Parquet's headers) of type `kind`. IndexError: the
+    value runs past `buf`; ValueError: it is not the compact protocol."""
+    if kind in (1, 2):  # a struct field's boolean is its type
+        return kind == 1, pos
+    if kind == 3:
+        return buf[pos], pos + 1
+    if kind in (4, 5, 6):
+        value, pos = _varint(buf, pos)
+        return (value >> 1) ^ -(value & 1), pos
+    if kind == 7:
+        if pos + 8 > len(buf):
+            raise IndexError(pos)
+        return None, pos + 8
+    if kind == 8:
+        length, pos = _varint(buf, pos)
+        if pos + length > len(buf):
+            raise IndexError(pos)
+        return None, pos + length
+    if depth > 32:
+        raise ValueError("nested more than 32 levels")
+    if kind in (9, 10):
+        head = buf[pos]
+        count, item, pos = head >> 4, head & 0x0F, pos + 1
+        if count == 15:
+            count, pos = _varint(buf, pos)
+        if count > len(buf) - pos:  # each item takes a byte at least
+            raise IndexError(pos)
+        for _ in range(count):
+            _, pos = _thrift_value(buf, pos, 3 if item in (1, 2) else item, depth + 1)
+        return None, pos
+    if kind == 11:
+        count, pos = _varint(buf, pos)
+        if count:
+            if count > len(buf) - pos:
+                raise IndexError(pos)
+            types, pos = buf[pos], pos + 1
+            for _ in range(count):
+                _, pos = _thrift_value(buf, pos, types >> 4, depth + 1)
+                _, pos = _thrift_value(buf, pos, types & 0x0F, depth + 1)
+        return None, pos
+    if kind == 12:
+        return _thrift_struct(buf, pos, depth + 1)
+    raise ValueError(f"no Thrift type {kind}")
+
+
+def _thrift_struct(buf: bytes, pos: int, depth: int) -> tuple[dict[int, object], int]:
+    """A compact-protocol struct at buf[pos:] as {field id: value} (integers, booleans and structs; other values as
+    None), and the position after it."""
+    fields: dict[int, object] = {}
+    field_id = 0
+    while True:
+        head = buf[pos]
+        pos += 1
+        if head == 0:
+            return fields, pos
+        if head >> 4:
+            field_id += head >> 4
+        else:
+            raw, pos = _varint(buf, pos)
+            field_id = (raw >> 1) ^ -(raw & 1)
+        fields[field_id], pos = _thrift_value(buf, pos, head & 0x0F, depth)
+
+
+def _bomb_problems(chunks: list[_Chunk], path: Path, max_record_bytes: int) -> list[str]:
+    """The first column chunk whose pages decompress to more than MAX_PARQUET_RATIO times their stored bytes and
+    more than max_record_bytes, as its pages' headers or the file's metadata say: read, it would fill memory from a
+    small file."""
+    for chunk in chunks:
+        if chunk.size > max_record_bytes and chunk.size > MAX_PARQUET_RATIO * max(chunk.stored, 1):
+            return [f"{path}: column {chunk.name!r:.60} of row group {chunk.group} decompresses from {chunk.stored} "
+                    f"to {chunk.size} bytes, more than {MAX_PARQUET_RATIO} times (a decompression bomb?) and more "
+                    f"than data.max_record_bytes ({max_record_bytes})"]
     return []
+
+
+def _batch_rows(dictionary: int, max_record_bytes: int) -> int:
+    """Rows of a row group read at once, its dictionary pages decompressing to `dictionary` bytes. Each row may take
+    a dictionary's largest value, which the page bounds: so many rows that their dictionary values come to at most
+    what one row may take in Arrow memory (ARROW_BYTES_PER_JSON_BYTE x data.max_record_bytes), or one row, up to
+    TABLE_BATCH_ROWS."""
+    return max(1, min(TABLE_BATCH_ROWS, ARROW_BYTES_PER_JSON_BYTE * max_record_bytes // max(dictionary, 1)))
 
 
 def _saved_dataset(path: Path, max_record_bytes: int, allow_outside: bool) -> Records:
