@@ -24,8 +24,8 @@ def align(
     ] = None,
     batch: Annotated[
         Path | None,
-        typer.Option("--batch", help='JSONL of documents, {"input_ids": [...]} or {"text": ...} per line '
-                     "(default: three random documents)"),
+        typer.Option("--batch", help='JSONL of documents, {"input_ids": [...]} or {"text": ...} per line; a text\'s '
+                     '"<image>" placeholders take the files of its "images" list (default: three random documents)'),
     ] = None,
     pin_routing: Annotated[
         bool, typer.Option("--pin-routing", help="feed the reference's expert choice to moe-tune's routers and its "

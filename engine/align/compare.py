@@ -5,8 +5,9 @@ cu_seqlens, the reference on each document alone (so packing is checked too). An
 its dequantized weights and ours with its FP8 base (model.base_precision fp8), compared with FP8_TOLERANCES.
 Compared: the hidden state after every decoder layer, the logits (max abs, cosine, KL), the loss, and the gradients
 of LoRA adapters put on the projections the two models share, with identical adapter weights on both sides; for
-top-k sparse attention, the keys each query's indexer chose. The reference always runs transformers' own PyTorch
-paths (reference.py), whatever kernel packages are importable.
+top-k sparse attention, the keys each query's indexer chose. Images read from files (a --batch's) reach the
+reference through transformers' own image processor, and our pixel values and grids are compared with its. The
+reference always runs transformers' own PyTorch paths (reference.py), whatever kernel packages are importable.
 
 Shapes: T packed tokens, L tokens of one document, D model dim, V vocabulary, k experts per token.
 """
@@ -130,10 +131,12 @@ class AlignReport:
     pinned_selection: bool = False  # our indexers took the reference's selection
     reference_paths: str = ""  # which implementation the reference ran (reference.describe)
     routing: list[Routing] = field(default_factory=list)  # one per MoE layer
+    # A --batch image whose grid (so its token count) is not the one transformers' image processor gives it
+    image_grids: list[str] = field(default_factory=list)
 
     @property
     def failures(self) -> list[str]:
-        tol, out = self.tolerances, []
+        tol, out = self.tolerances, list(self.image_grids)
         if not self.logits.max_abs <= tol.logits_max_abs:
             out.append(f"logits max abs {self.logits.max_abs:.3g} > {tol.logits_max_abs:g}")
         if not self.kl <= tol.kl:
@@ -195,11 +198,14 @@ class AlignReport:
 
 @dataclass
 class Document:
-    """One document to compare: token ids [L], and its images' patches [P, C*Tp*p*p] and grids [I, 3] if any."""
+    """One document to compare: token ids [L], and its images' patches [P, C*Tp*p*p] and grids [I, 3] if any;
+    `image_files` the files they were read from (a --batch record's), which the reference reads with transformers'
+    own image processor (reference_images)."""
 
     input_ids: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    image_files: list[Path] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -249,12 +255,12 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
     checkpoint's tokenizer); a text may hold "<image>" placeholders filled from an "images" list of files (models
     with a vision tower: each becomes <vision_start> <image> x n <vision_end>, n from the checkpoint's image
     processor settings)."""
-    from moe_tune.engine.data.images import ImageError, ImageSettings, image_patches, image_token_count, load_image
-    from moe_tune.engine.data.multimodal import message_parts, resolve_image_path
+    from moe_tune.engine.data.images import ImageError, image_patches, image_token_count, load_image
+    from moe_tune.engine.data.multimodal import IMAGE_PLACEHOLDER, message_parts, resolve_image_path
     from moe_tune.profiles import ProfileError
 
     docs, problems = [], []
-    tokenizer = None
+    tokenizer = vision = None
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
@@ -284,6 +290,14 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
         if is_text and not isinstance(record["text"], str):
             problems.append(f"{where}: text ({_excerpt(record['text'])}) must be a string")
             continue
+        if not is_text and "images" in record:
+            problems.append(f"{where}: images fill a text record's {IMAGE_PLACEHOLDER} placeholders: an input_ids "
+                            "record takes none")
+            continue
+        images = record.get("images", [])
+        if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
+            problems.append(f"{where}: images ({_excerpt(images)}) must be a list of image paths")
+            continue
         ids = record.get("input_ids")
         if is_text:
             if tokenizer is None and tokenizer_dir is not None:
@@ -293,24 +307,35 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
             if tokenizer is None:
                 problems.append(f"{where}: text records need the checkpoint's tokenizer")
                 continue
-            images = record.get("images", [])
             if images and cfg.vision is None:
                 problems.append(f"{where}: has images but the model has no vision tower")
                 continue
+            if images and vision is None:
+                vision = _batch_vision(cfg)
             ids, pixels, grids = [], [], []
+            unplaced = list(images)
             try:
-                for kind, value in message_parts(record["text"], list(images), where):
+                for kind, value in message_parts(record["text"], unplaced, where):
                     if kind == "text":
                         ids += tokenizer.encode(value)
                         continue
-                    spec = cfg.vision
-                    settings = ImageSettings.from_checkpoint(tokenizer_dir)
+                    if isinstance(vision, str):
+                        raise ProfileError([f"{where}: {vision}"])
                     image_path = resolve_image_path(value, path.parent, where)
-                    patches, grid = image_patches(load_image(image_path, links=False), settings)
+                    image = load_image(image_path, links=False)
+                    try:
+                        patches, grid = image_patches(image, vision.settings)
+                    except ImageError as err:  # its line names the rule, not the file
+                        raise ImageError(f"{image_path}: {err}") from None
                     pixels.append(patches)
                     grids.append(grid)
-                    count = image_token_count(grid, settings)
-                    ids += [spec.vision_start_token_id] + [spec.image_token_id] * count + [spec.vision_end_token_id]
+                    tokens = vision.tokens
+                    ids += [tokens.start] + [tokens.image] * image_token_count(grid, vision.settings) + [tokens.end]
+                if unplaced:
+                    raise ProfileError([f"{where}: {len(unplaced)} entries of 'images' have no {IMAGE_PLACEHOLDER} "
+                                        "placeholder"])
+                # The reference's images: the record's, in its order (the n-th placeholder takes the n-th image).
+                doc.image_files = [resolve_image_path(value, path.parent, where) for value in images]
             except ProfileError as err:
                 problems += err.problems
                 continue
@@ -334,6 +359,13 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
                 f"{where}: input_ids must be >= 2 ints in [0, {cfg.vocab_size})" + (f" (got {bad[0]!r})" if bad else "")
             )
             continue
+        if cfg.vision is not None and (stray := _stray_image_tokens(ids, doc, cfg)):
+            if is_text:
+                problems.append(f"{where}: text ({_excerpt(record['text'])}) gives {stray}; remove them from the text")
+            else:
+                problems.append(f"{where}: input_ids hold {stray}; a record of input_ids carries no images (give "
+                                "them to a text record)")
+            continue
         doc.input_ids = torch.tensor(ids, dtype=torch.long)
         docs.append(doc)
     if not docs and not problems:
@@ -341,6 +373,39 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
     if problems:
         raise UnsupportedModel(problems)
     return docs
+
+
+def _batch_vision(cfg: ModelProfile):
+    """The image settings and token ids image records of a --batch are read with, as a fine-tune reads them
+    (engine/data/dataset.vision_input: the checkpoint's preprocessor_config.json, whose patch sizes must be the
+    vision tower's; a --batch sets no pixel bounds of its own), or the line saying why images cannot be read."""
+    from types import SimpleNamespace
+
+    from moe_tune.engine.data.dataset import vision_input
+    from moe_tune.profiles import ProfileError
+
+    try:
+        vision = vision_input(cfg, SimpleNamespace(image_min_pixels=None, image_max_pixels=None))
+    except ProfileError as err:
+        return err.problems[0]
+    return vision if vision.settings is not None else vision.problem
+
+
+def _stray_image_tokens(ids: list[int], doc: Document, cfg: ModelProfile) -> str | None:
+    """What is wrong where `ids` hold the image, vision-start or vision-end token ids elsewhere than the images of
+    `doc` put them (each image: start, its image tokens, end), else None. A stray image token would meet no image's
+    features, or another image's."""
+    spec = cfg.vision
+    special = (spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
+    images = 0 if doc.image_grid_thw is None else len(doc.image_grid_thw)
+    merge = spec.spatial_merge_size
+    expected = 0 if doc.image_grid_thw is None else int(doc.image_grid_thw.prod(-1).sum()) // merge**2
+    counts = [ids.count(token) for token in special]
+    if counts == [expected, images, images]:
+        return None
+    return (f"the image token ids ({special[0]}, {special[1]} or {special[2]}) outside {'its ' if images else ''}"
+            f"images ({counts[0]} image, {counts[1]} start and {counts[2]} end tokens for {images} images, which put "
+            f"{expected}, {images} and {images})")
 
 
 # Characters of a record's value quoted in a message: enough to find the record, never a whole document.
@@ -521,12 +586,67 @@ def _towards(ids_Nk: torch.Tensor, shape: torch.Size, n_group: int) -> torch.Ten
     return torch.where(is_chosen_NE, 1.0, torch.where(in_group_NE, 0.0, -1.0))
 
 
-def _reference_inputs(doc: "Document", cfg: ModelProfile) -> dict[str, torch.Tensor]:
+def _reference_inputs(doc: Document, cfg: ModelProfile,
+                      pixel_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The reference's inputs for one document: its tokens, and its images as `pixel_values` (default: the
+    document's own patches) with the document's grids."""
     inputs = {"input_ids": doc.input_ids[None]}
     if doc.pixel_values is not None:
-        inputs.update(pixel_values=doc.pixel_values, image_grid_thw=doc.image_grid_thw,
+        pixels = doc.pixel_values if pixel_values is None else pixel_values
+        inputs.update(pixel_values=pixels, image_grid_thw=doc.image_grid_thw,
                       mm_token_type_ids=(doc.input_ids[None] == cfg.vision.image_token_id).int())
     return inputs
+
+
+def reference_images(directory: Path, files: list[Path]) -> list[tuple[torch.Tensor, list[int]]]:
+    """transformers' pixel values [P, C*Tp*p*p] and grid [t, h, w] of each image file: opened with Pillow and turned
+    upright by its EXIF orientation (as transformers' load_image), then through transformers' Qwen2-VL image
+    processor (its Pillow backend, whose resize ours is) with the checkpoint's preprocessor_config.json: converted
+    to RGB (transparency over white), resized to the patch grid, rescaled, normalised, cut into patches."""
+    from PIL import Image, ImageOps
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from moe_tune.engine.data.images import ImageError
+
+    processor = Qwen2VLImageProcessorPil.from_pretrained(str(directory), local_files_only=True)
+    out = []
+    for file in files:
+        with Image.open(file) as image:
+            if image.format == "EPS":  # decoding PostScript runs Ghostscript (load_image has refused it already)
+                raise ImageError(f"{file}: an EPS file: not read")
+            image.load()
+            upright = ImageOps.exif_transpose(image)
+        processed = processor(images=[upright], return_tensors="pt")
+        out.append((processed["pixel_values"].float(), processed["image_grid_thw"][0].tolist()))
+    return out
+
+
+def reference_pixels(directory: Path,
+                     docs: list[Document]) -> tuple[list[torch.Tensor | None], Row | None, list[str]]:  # fmt: skip
+    """The pixel values the reference runs each document on: transformers' (reference_images) for a document read
+    from image files, where every grid transformers gives equals ours (its image tokens are ours); else our own
+    (random patches, or a grid transformers gives otherwise: the reference would not run on our tokens). Also the
+    `pixel values` row, ours against transformers' over the images whose grids agree (None without image files),
+    and a line for each image whose grid differs."""
+    per_doc, ours, theirs, lines = [], [], [], []
+    for number, doc in enumerate(docs):
+        if not doc.image_files:
+            per_doc.append(doc.pixel_values)
+            continue
+        images = reference_images(directory, doc.image_files)
+        our_grids = doc.image_grid_thw.tolist()
+        first = [0] + doc.image_grid_thw.prod(-1).cumsum(0).tolist()
+        for i, ((pixels, grid), our_grid, file) in enumerate(zip(images, our_grids, doc.image_files)):
+            if grid == our_grid:
+                ours.append(doc.pixel_values[first[i] : first[i + 1]])
+                theirs.append(pixels)
+            else:
+                lines.append(f"document {number} image {i} ({file}): grid {our_grid}, transformers' image processor "
+                             f"gives {grid}")
+        agree = all(grid == our_grid for (_, grid), our_grid in zip(images, our_grids))
+        per_doc.append(torch.cat([pixels for pixels, _ in images]) if agree else doc.pixel_values)
+    row = diff_row("pixel values", torch.cat(ours), torch.cat(theirs)) if ours else None
+    return per_doc, row, lines
 
 
 def _sum_loss(logits_LV: torch.Tensor, ids_L: torch.Tensor) -> torch.Tensor:
@@ -899,6 +1019,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     ours = load_ours(cfg)
     docs = documents if documents is not None else default_documents(cfg)
     docs = [d if isinstance(d, Document) else Document(d) for d in docs]
+    ref_pixels, pixel_row, image_grids = reference_pixels(directory, docs)
 
     # LoRA on the projections and experts both models share, with the same random A and B on both sides.
     linear_pairs = _lora_pairs(ours, cfg, family, lora_targets)
@@ -931,8 +1052,8 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
                                               lambda out: out.pooler_output)
     ref_logits, ref_loss = [], 0.0
     try:
-        for doc in docs:
-            logits = reference(**_reference_inputs(doc, cfg)).logits[0]
+        for doc, pixels in zip(docs, ref_pixels):
+            logits = reference(**_reference_inputs(doc, cfg, pixels)).logits[0]
             loss = _sum_loss(logits, doc.input_ids) / labelled
             loss.backward()
             ref_loss += loss.item()
@@ -989,7 +1110,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         for block, inputs, routes in zip(moe_blocks, router_inputs, ref_routes)
     ]
 
-    rows = []
+    rows = [] if pixel_row is None else [pixel_row]
     if with_images:
         ref_features = torch.cat([f for f in ref_vision[0]])
         rows.append(diff_row("vision features", our_vision[0][0], ref_features))
@@ -1024,6 +1145,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         selections=selections,
         reference_paths=reference_paths(ref_root),
         routing=routing,
+        image_grids=image_grids,
     )
 
 
