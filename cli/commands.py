@@ -16,6 +16,7 @@ from . import onboard
 from . import generate
 from ._common import USER_ERROR_EXIT, fail, print_error
 
+
 class _Commands(typer.core.TyperGroup):
     """The root group: each command listed by the first paragraph of its help as one text, so that the listing wraps
     it to the terminal (Typer's rich listing keeps the docstring's own line breaks)."""
