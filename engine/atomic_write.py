@@ -61,14 +61,27 @@ def write_atomically(path: Path, data: str | bytes) -> None:
 
 
 def _mode_for(target: Path) -> int:
-    """The permission bits the file gets: `target`'s own, or for a new file what open() would give it (0o666 less
-    the umask; mkstemp creates 0o600)."""
+    """The permission bits the file gets: `target`'s own, or for a new file new_file_mode()."""
     try:
         return stat.S_IMODE(target.stat().st_mode)
     except OSError:
-        umask = os.umask(0o022)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return new_file_mode()
+
+
+def new_file_mode() -> int:
+    """The permission bits open() gives a new file: 0o666 less the umask (mkstemp and safetensors' save_file create
+    0o600 files, which another user, a serving process or a shared folder's, cannot read)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def save_tensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file of `tensors` into `path`, the file given new_file_mode() as the run's other files."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, new_file_mode())
 
 
 def _sync_folder(folder: Path) -> None:

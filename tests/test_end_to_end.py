@@ -47,6 +47,10 @@ def test_tiny_profile_learns_and_writes_everything(tmp_path, child_env):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_loss"] == losses[-1] and summary["last_step"] == TINY_STEPS
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    # The adapter's weights readable as the run's other files (safetensors' save_file alone creates 0o600).
+    mode = (out / "summary.json").stat().st_mode & 0o777
+    assert {path.name: path.stat().st_mode & 0o777 for path in (out / "adapter").iterdir()} == dict.fromkeys(
+        [path.name for path in (out / "adapter").iterdir()], mode)
     assert (out / "checkpoints" / f"step-{TINY_STEPS:07d}" / "trainer_state.json").is_file()
     # The command tells the user where everything went.
     for label in ("metrics:", "checkpoint:", "adapter:", "ds config:"):

@@ -347,8 +347,7 @@ def write_hub_checkpoint(
     the keys of `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own),
     the index, config.json (`config`, or copied), the loader files of `copy_from`, `chat_template`
     (write_chat_template) and `readme` as README.md (the model card)."""
-    from safetensors.torch import save_file
-
+    from moe_tune.engine.atomic_write import save_tensors
     from moe_tune.engine.families.base import take
 
     from .sources import meta_model
@@ -416,7 +415,7 @@ def write_hub_checkpoint(
                 tensors[key] = value.contiguous()
                 weight_map[key] = file_name
                 total += info.nbytes
-            save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+            save_tensors(tensors, tmp / file_name, metadata={"format": "pt"})
             del tensors
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -178,7 +178,7 @@ def write_reference_adapter(
     folder renamed to `directory` at the end, removed on any failure (export.staged_folder). With `replace` the
     folder's files go first (a run's earlier adapter); without, a `directory` holding files when the rename comes
     is kept and this adapter's files are removed (a ProfileError, as staged_folder says)."""
-    from safetensors.torch import save_file
+    from moe_tune.engine.atomic_write import save_tensors
 
     tensors, targets, parameters, multiples, saved_modules = reference_adapter(module, state, cfg, family)
     config = {
@@ -200,8 +200,8 @@ def write_reference_adapter(
     }
     directory = Path(directory)
     with staged_folder(directory) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_tensors({k: v.contiguous() for k, v in tensors.items()}, tmp / "adapter_model.safetensors",
+                     metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         if add_files is not None:
             add_files(tmp)

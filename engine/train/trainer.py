@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import signal
 import time
@@ -284,8 +285,7 @@ def export_weights(
     single-process layout; for a checkpoint model also the adapter as transformers + PEFT load it on the
     checkpoint (result.transformers_adapter). Returns (adapter, weights)."""
     module = engine.module
-    from safetensors.torch import save_file
-
+    from moe_tune.engine.atomic_write import new_file_mode, save_tensors
     from moe_tune.engine.export.sources import ROUTING_BIASES_IN_NO_ADAPTER, SELECTION_BIASES_FILE
 
     from .model_card import write_model_card
@@ -296,8 +296,9 @@ def export_weights(
         adapter_dir = out / "adapter"
         if is_main:
             module.save_pretrained(str(adapter_dir), state_dict=state, safe_serialization=True)
+            os.chmod(adapter_dir / "adapter_model.safetensors", new_file_mode())  # PEFT's save_file creates 0o600
             if biases:
-                save_file(biases, str(out / SELECTION_BIASES_FILE), metadata={"format": "pt"})
+                save_tensors(biases, out / SELECTION_BIASES_FILE, metadata={"format": "pt"})
             # Over PEFT's generic card: what was trained on what (engine/train/model_card.py).
             write_model_card(adapter_dir, profile, result, data_summary)
             if profile.model.checkpoint is not None and biases:
@@ -316,7 +317,7 @@ def export_weights(
     state = _gathered_state(module, only_trainable=False, layout=layout) | biases
     path = out / "model.safetensors"
     if is_main:
-        _save_atomic(save_file, state, path, profile)
+        _save_atomic(state, path, profile)
     return None, path
 
 
@@ -353,9 +354,11 @@ def _export_for_transformers(module, state: dict[str, torch.Tensor], profile: Jo
         )
 
 
-def _save_atomic(save_file, state: dict[str, torch.Tensor], path: Path, profile: JobProfile) -> None:
+def _save_atomic(state: dict[str, torch.Tensor], path: Path, profile: JobProfile) -> None:
+    from moe_tune.engine.atomic_write import save_tensors
+
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", "moe_tune_profile": profile.name})
+    save_tensors(state, tmp, metadata={"format": "pt", "moe_tune_profile": profile.name})
     tmp.replace(path)
 
 

@@ -341,6 +341,27 @@ def test_full_finetune_weights_holding_tensors_of_no_model_tensor_are_named(run_
 # The run kinds whose export goes through each writer: the hub checkpoint (full fine-tune, LoRA merged) and the PEFT
 # adapter (LoRA).
 EXPORT_KINDS = {"full": ("run_dir", []), "merged": ("lora_run_dir", ["--merge"]), "adapter": ("lora_run_dir", [])}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+@pytest.mark.parametrize("kind", list(EXPORT_KINDS))
+def test_every_exported_file_is_readable_as_the_umask_says(request, tmp_path, kind, umask):
+    """safetensors' save_file creates 0o600 files; the shards and the adapter get what open() gives a new file
+    (0o666 less the umask), as the config and tokenizer files beside them, so a serving process of another user or
+    group reads them."""
+    fixture, flags = EXPORT_KINDS[kind]
+    out = tmp_path / "out"
+    previous = os.umask(umask)
+    try:
+        result = runner.invoke(app, ["export", str(request.getfixturevalue(fixture)), *flags, "--out", str(out)])
+    finally:
+        os.umask(previous)
+    assert result.exit_code == 0, result.output
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in out.rglob("*") if path.is_file()}
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
 def delivered_sigterm() -> BaseException:
     """What SIGTERM does to the export at this point: its handler called as the signal would call it (sending the
     signal itself would stop the test process where the export left it to the default action)."""
