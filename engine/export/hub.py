@@ -342,10 +342,11 @@ def write_hub_checkpoint(
     copy_from: Path | None = None,
     chat_template: str | None = None,
     readme: str | None = None,
+    copy_names: tuple[str, ...] = COPIED_FILES,
 ) -> Path:
     """Write `source` into the folder `out` (through a temporary sibling, removed on any failure: staged_folder):
     the keys of `layout` in shards of at most `max_shard_bytes` (a tensor larger than that gets a shard of its own),
-    the index, config.json (`config`, or copied), the loader files of `copy_from`, `chat_template`
+    the index, config.json (`config`, or copied), the loader files of `copy_from` (`copy_names`), `chat_template`
     (write_chat_template) and `readme` as README.md (the model card)."""
     from moe_tune.engine.atomic_write import save_tensors
     from moe_tune.engine.families.base import take
@@ -420,7 +421,7 @@ def write_hub_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         if copy_from is not None:
-            copy_loader_files(Path(copy_from), tmp)
+            copy_loader_files(Path(copy_from), tmp, copy_names)
         if chat_template is not None:
             write_chat_template(tmp, chat_template)
         if config is not None:
@@ -517,12 +518,15 @@ def run_chat_template(profile) -> str | None:
 
 
 def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_bytes: int, precision: str = "fp32",
-               chat_template: str | None = None, notes: list[str] | None = None) -> Path:
+               chat_template: str | None = None, notes: list[str] | None = None, tokenizer: str | None = None) -> Path:
     """The checkpoint folder of `source` (a model read from a checkpoint, or built from a profile that a
     transformers model type expresses, its tensors in `precision`) in `out`, with `chat_template` (the run's
-    data.chat_template) in place of the checkpoint's. An FP8-base run's source reads as its bf16-base model
+    data.chat_template) in place of the checkpoint's. A profile-built model's folder carries the run's tokenizer
+    (`tokenizer`, its data.tokenizer: a folder's files copied; the built-in byte tokenizer has none) and its bos and
+    eos ids in config.json, so that transformers' generate stops where moe-tune's does. An FP8-base run's source reads as its bf16-base model
     (engine/export/fp8.py): it is written unquantized, and `notes` gets the line saying so (also the folder's
     README.md)."""
+    from moe_tune.engine.data.tokenizer import load_tokenizer
     from moe_tune.engine.families import UnsupportedModel, family_for
     from moe_tune.engine.families.checkpoint import CheckpointReader, read_config
 
@@ -567,7 +571,12 @@ def export_hub(source: StateSource, cfg: ModelProfile, out: Path, max_shard_byte
         lines = [f"model: not exportable as a transformers model: {line}" for line in err.problems]
         raise ProfileError(lines) from None
     layout = Layout({k: KeyInfo(tuple(shape), dtype) for k, (shape, dtype) in keys.items()})
+    spec = tokenizer or "byte"
+    tok = load_tokenizer(spec)
+    config.update({key: value for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id))
+                   if value is not None})
     return write_hub_checkpoint(source, cfg, family, layout, out, max_shard_bytes, config=config,
+                                copy_from=None if spec == "byte" else Path(spec), copy_names=TOKENIZER_FILES,
                                 chat_template=chat_template, readme=card(float_dtype(layout)))
 
 
@@ -670,7 +679,8 @@ def _write_export(run, merge: bool, out: Path | None, max_shard_bytes: int, step
         with source:
             if lora and not merge:
                 return write_adapter(run, source.adapter_state(), out, chat_template)
-            return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template, notes)
+            return export_hub(source, run.cfg, out, max_shard_bytes, run.profile.train.precision, chat_template, notes,
+                              run.profile.data.tokenizer)
 
 
 def _creatable_problems(out: Path) -> list[str]:

@@ -374,7 +374,8 @@ def _export_merged(profile: JobProfile, merged, directory: Path, result) -> None
         shutil.rmtree(directory)
     try:
         result.merged = export_hub(merged, profile.model, directory, parse_size(DEFAULT_SHARD_SIZE),
-                                   profile.train.precision, run_chat_template(profile))
+                                   profile.train.precision, run_chat_template(profile),
+                                   tokenizer=profile.data.tokenizer)
     except (ProfileError, UnsupportedModel) as err:
         result.merged_problem = err.problems[0] + (f" (and {len(err.problems) - 1} more)" if len(err.problems) > 1 else "")
 

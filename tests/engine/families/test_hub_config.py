@@ -307,3 +307,37 @@ def test_exported_model_gives_our_logits(name, tmp_path):
         ours = model(input_ids, torch.tensor([0, 24], dtype=torch.int32)).logits
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert (ours - theirs).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("tokenizer", [None, "byte", "folder"])
+def test_a_profile_built_export_carries_the_runs_tokenizer_and_its_ids(tokenizer, tmp_path):
+    """transformers' generate stops where moe-tune's does: config.json holds the run's tokenizer's bos and eos ids
+    (the built-in byte tokenizer's 256 and 257, which has no files; a data.tokenizer folder's own, its files copied
+    as they are)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+
+    from moe_tune.engine.export.hub import TOKENIZER_FILES, export_hub
+    from moe_tune.engine.model.model import build_model
+
+    spec_arg = tokenizer
+    if tokenizer == "folder":
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chr(c): c - 29 for c in range(32, 127)}
+        core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>",
+                                eos_token="</s>").save_pretrained(tmp_path / "tok")  # fmt: skip
+        spec_arg = str(tmp_path / "tok")
+    cfg = spec("qwen3_moe")
+    out = tmp_path / "export"
+    export_hub(_ModelState(build_model(cfg)), cfg, out, 10**10, "fp32", tokenizer=spec_arg)
+    config = AutoConfig.from_pretrained(str(out))
+    eos = GenerationConfig.from_model_config(config).eos_token_id
+    copied = sorted(path.name for path in out.iterdir() if path.name in TOKENIZER_FILES)
+    if tokenizer == "folder":
+        assert (config.bos_token_id, config.eos_token_id, eos) == (1, 2, 2)
+        assert copied and all((out / name).read_bytes() == (tmp_path / "tok" / name).read_bytes() for name in copied)
+        assert AutoTokenizer.from_pretrained(str(out)).eos_token_id == 2
+    else:
+        assert (config.bos_token_id, config.eos_token_id, eos) == (256, 257, 257)
+        assert copied == []
