@@ -148,6 +148,9 @@ class ProgressReporter:
         self.enabled = enabled
         self.log_every = log_every
         self.total = total_steps
+        # The time of the steps this process ran, the first (compilation, warm-up) apart: the ETA's mean step time.
+        self._first_step_time: float | None = None
+        self._later_step_time, self._later_steps = 0.0, 0
         self._live = enabled and self.console.is_terminal
         self._progress = Progress(
             TextColumn("[bold]step"),
@@ -178,12 +181,17 @@ class ProgressReporter:
         if not self.enabled:
             return
         step = record["step"]
+        if self._first_step_time is None:
+            self._first_step_time = record["step_time_s"]
+        else:
+            self._later_step_time += record["step_time_s"]
+            self._later_steps += 1
         self._progress.update(
             self._task, completed=step, loss=f"{record['loss']:.4f}", tps=token_rates(record),
             epoch=f"{record['epoch']:.2f}" if "epoch" in record else "-",
         )
         if not self._live and (step % self.log_every == 0 or step == self.total or step == 1):
-            remaining = (self.total - step) * record["step_time_s"]
+            remaining = (self.total - step) * self.mean_step_time
             epoch = f"  epoch {record['epoch']:.2f}" if "epoch" in record else ""
             self.console.print(
                 f"step {step}/{self.total}{epoch}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
@@ -191,6 +199,14 @@ class ProgressReporter:
                 highlight=False,
                 soft_wrap=True,
             )
+
+    @property
+    def mean_step_time(self) -> float:
+        """Seconds a step takes, as the ETA counts them: the mean over the steps after the first this process ran (one
+        slow step moves it by its share, not to its own time), or the first step's time while it is the only one."""
+        if self._later_steps:
+            return self._later_step_time / self._later_steps
+        return self._first_step_time or 0.0
 
     def report_eval(self, record: dict[str, Any]) -> None:
         """An evaluation (a metrics record with eval_loss): one log line, and its loss beside the bar."""
