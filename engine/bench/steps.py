@@ -51,6 +51,9 @@ class StepRunner:
     `prepare_model(model)` sees the built model (LoRA injected) before DeepSpeed takes it."""
 
     def __init__(self, profile: JobProfile, prepare_model: Callable[[torch.nn.Module], None] | None = None):
+        from moe_tune.engine.train.distributed import prepare_environment
+
+        prepare_environment()  # before deepspeed's import, which picks its accelerator (and says so on a CPU)
         import deepspeed
 
         import tempfile
