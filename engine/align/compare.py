@@ -256,7 +256,12 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
     with a vision tower: each becomes <vision_start> <image> x n <vision_end>, n from the checkpoint's image
     processor settings)."""
     from moe_tune.engine.data.images import ImageError, image_patches, image_token_count, load_image
-    from moe_tune.engine.data.multimodal import IMAGE_PLACEHOLDER, message_parts, resolve_image_path
+    from moe_tune.engine.data.multimodal import (
+        IMAGE_PLACEHOLDER,
+        message_parts,
+        refuse_unplaced_images,
+        resolve_image_path,
+    )
     from moe_tune.profiles import ProfileError
 
     docs, problems = [], []
@@ -331,10 +336,9 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
                     grids.append(grid)
                     tokens = vision.tokens
                     ids += [tokens.start] + [tokens.image] * image_token_count(grid, vision.settings) + [tokens.end]
-                if unplaced:
-                    raise ProfileError([f"{where}: {len(unplaced)} entries of 'images' have no {IMAGE_PLACEHOLDER} "
-                                        "placeholder"])
-                # The reference's images: the record's, in its order (the n-th placeholder takes the n-th image).
+                refuse_unplaced_images(unplaced, where)
+                # The reference's images: the record's list read again, in its own order (the n-th placeholder takes
+                # the n-th image), not the order our placement took them in.
                 doc.image_files = [resolve_image_path(value, path.parent, where) for value in images]
             except ProfileError as err:
                 problems += err.problems

@@ -70,6 +70,12 @@ def resolve_image_path(value: str, base_dir: Path, where: str, allow_outside: bo
     return resolved
 
 
+def refuse_unplaced_images(left: list, where: str) -> None:
+    """ProfileError when entries of a record's 'images' are `left` once its placeholders took theirs."""
+    if left:
+        raise ProfileError([f"{where}: {len(left)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
+
+
 def message_parts(content, images: list, where: str) -> list[tuple[str, object]]:
     """A message's content as [("text", str) | ("image", path-like)], images taken in order from `images` for
     "<image>" placeholders in string content."""
@@ -141,8 +147,7 @@ def render_multimodal_chat(
             count = image_token_count(ref.grid, settings)
             pieces.append(([tokens.start] + [tokens.image] * count + [tokens.end], False))
         pieces.append((encode(suffix.format(role=message["role"])), trained))
-    if queue:
-        raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
+    refuse_unplaced_images(queue, where)
     return pieces, refs
 
 
@@ -181,8 +186,7 @@ def render_templated_multimodal_chat(
             content.append({"type": "image"})
         # The message's other fields (reasoning_content, tool_calls, name) reach the template as in a text record.
         templated.append({**message, "content": content})
-    if queue:
-        raise ProfileError([f"{where}: {len(queue)} entries of 'images' have no {IMAGE_PLACEHOLDER} placeholder"])
+    refuse_unplaced_images(queue, where)
     pieces = render_chat(templated, where, options, tools)
     placed = sum(piece.count(tokens.image) for piece, _ in pieces)
     if placed != len(refs):
