@@ -1,6 +1,7 @@
 """engine/plan.py's vision-tower activations against what the tower keeps on a CUDA device, where SDPA's flash
 kernel runs its attention (no [heads, L, L] probabilities kept): tiny-vl in bf16, a micro-batch of 2 rows of 80
-tokens, all image tokens (640 patches in 3 images), the model built as the trainer builds it. Run on the GPU machine:
+tokens, all image tokens (640 patches in 3 images), the model built as the trainer builds it and cast as DeepSpeed
+casts it. Run on the GPU machine:
 pytest -m gpu tests/gpu/test_plan_vision_gpu.py
 """
 
@@ -35,6 +36,9 @@ def test_planned_vision_activations_are_what_the_tower_keeps_on_the_gpu(tower, m
     assert vision_patches(job) == 640
     torch.manual_seed(0)
     model, _ = build_trainable_model(job, init_device=DEVICE)
+    # As DeepSpeed's engine does under bf16: every parameter in the training dtype, the adapters PEFT made fp32 too
+    # (fp32 adapters would keep an fp32 copy of each adapted linear's input).
+    model.to(torch.bfloat16)
     inputs = image_row(job, DEVICE)
     planned = activation_bytes(job).vision
     saved = measure_saved_vision(model, inputs)
