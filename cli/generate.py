@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, NamedTuple
 
 import typer
 
@@ -45,6 +46,9 @@ def generate(
     system: Annotated[str | None, typer.Option("--system", help="a system message before the conversation")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="the prompt as it is after <bos>, no chat template (for models "
                                       "trained on plain text)")] = False,
+    image: Annotated[list[Path] | None, typer.Option(
+        "--image", help="an image file the model sees before the text of the (first) user message; repeat for "
+        "several. For models with a vision tower")] = None,
 ) -> None:
     """Generate from a run's final weights (LoRA adapters merged) with the chat template applied; cached decoding
     (key/value caches, recurrent states). Tokens are chosen as transformers' generate chooses them: the checkpoint's
@@ -58,39 +62,65 @@ def generate(
         problems.append("--raw sends one prompt as it is; --chat renders turns through the chat template: give one")
     if raw and system is not None:
         problems.append("--system needs the chat template; --raw sends the prompt as it is: give one")
+    if raw and image:
+        problems.append("--image places images in a user message of the chat template; --raw sends the prompt as it "
+                        "is: give one")
     problems += option_problems(max_new_tokens, temperature, top_p, seed, top_k, repetition_penalty)
     problems += [f"{name}: not UTF-8 text ({what})" for name, text in (("--prompt", prompt), ("--system", system))
                  if text is not None and (what := not_utf8(text)) is not None]  # fmt: skip
     if problems:
         fail(problems)
 
-    from moe_tune.engine.generate.session import load_session
+    from moe_tune.engine.generate.session import load_session, read_prompt_images
 
     with user_errors():
         session = load_session(target)
+        images = Images(*read_prompt_images(image, session.profile)) if image else None
     options = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     sampling = session.sampling(**options)
     given = tuple(name for name, value in options.items() if value is not None)
-    for line in (session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, given)):
+    lines = [session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, given)]
+    if images is not None:
+        lines.append(f"images: {len(images.counts)} ({', '.join(map(str, images.counts))} image tokens)")
+    for line in lines:
         err_console.print(escape_controls(line), markup=False, highlight=False)
     base = [{"role": "system", "content": system}] if system is not None else []
     options = dict(max_new_tokens=max_new_tokens, seed=seed, **vars(sampling))
     try:
         if chat:
-            converse(session, base, options)
+            converse(session, base, options, images)
         else:
             with user_errors():
-                messages = base + [{"role": "user", "content": prompt}]
-                ids = session.prompt(text=prompt) if raw else session.prompt(messages=messages)
-            reply(session, ids, stop=True, **options)
+                messages = base + [user_message(prompt, images)]
+                ids = session.prompt(text=prompt) if raw else prompt_ids(session, messages, images)
+            reply(session, ids, stop=True, images=images, **options)
     except KeyboardInterrupt:
         # Ctrl-C stops the reply or the chat: no traceback, the shell's code for SIGINT.
         write("\n")
         raise typer.Exit(code=INTERRUPTED_EXIT) from None
 
 
-def converse(session, history: list[dict], options: dict) -> None:
-    """The --chat loop: each line from stdin is a user turn answered with the whole conversation as the prompt."""
+class Images(NamedTuple):
+    """The --image files read for the prompt (read_prompt_images): their PromptImages and each one's token count."""
+
+    pixels: object
+    counts: list[int]
+
+
+def user_message(text: str, images: Images | None) -> dict:
+    """A user turn; with images, their parts before the text (as transformers' chat examples place them)."""
+    if images is None:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image"}] * len(images.counts) + [{"type": "text", "text": text}]}
+
+
+def prompt_ids(session, messages: list[dict], images: Images | None) -> list[int]:
+    return session.prompt(messages=messages, image_counts=None if images is None else images.counts)
+
+
+def converse(session, history: list[dict], options: dict, images: Images | None = None) -> None:
+    """The --chat loop: each line from stdin is a user turn answered with the whole conversation as the prompt;
+    the images join the first turn."""
     err_console.print("chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends",
                       markup=False, highlight=False)
     history = list(history)
@@ -102,10 +132,10 @@ def converse(session, history: list[dict], options: dict) -> None:
         line = read_line(number)
         if not line.strip():
             return
-        history.append({"role": "user", "content": line.rstrip("\n")})
+        history.append(user_message(line.rstrip("\n"), images if number == 1 else None))
         with user_errors():
-            ids = session.prompt(messages=history)
-        text = reply(session, ids, stop=True, **options)
+            ids = prompt_ids(session, history, images)
+        text = reply(session, ids, stop=True, images=images, **options)
         history.append({"role": "assistant", "content": text})
 
 
@@ -121,13 +151,14 @@ def read_line(number: int) -> str:
         fail([f"stdin line {number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1})"])
 
 
-def reply(session, ids: list[int], stop: bool, **options) -> str:
-    """Generate after `ids`, streaming the text to stdout; the speed line on stderr (and before the reply a line when
-    it may pass the checkpoint's max_position_embeddings). Returns the text."""
+def reply(session, ids: list[int], stop: bool, images: Images | None = None, **options) -> str:
+    """Generate after `ids` (holding the tokens of `images`), streaming the text to stdout; the speed line on stderr
+    (and before the reply a line when it may pass the checkpoint's max_position_embeddings). Returns the text."""
     if (note := session.context_note(len(ids), options["max_new_tokens"])) is not None:
         err_console.print(note, markup=False, highlight=False)
     with user_errors():
-        result = session.generate(ids, stop=stop, on_text=write, **options)
+        result = session.generate(ids, stop=stop, on_text=write, images=None if images is None else images.pixels,
+                                  **options)
     write("\n")
     ended = "a stop token" if result.stopped else f"--max-new-tokens ({options['max_new_tokens']})"
     err_console.print(

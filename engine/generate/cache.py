@@ -21,6 +21,9 @@ class DecodeCache:
 
     num_tokens: int = 0
     states: dict[int, dict] = field(default_factory=dict)
+    # Multimodal RoPE after a prompt with images: the tokens past the prompt rotate by their position plus this on
+    # all three (t, h, w) streams (an image's tokens take fewer positions than tokens); None: by their position.
+    rotary_offset: int | None = None
     # The modules the states belong to: keys are id(module), kept alive (and checked) so an id is never reused.
     owners: dict[int, nn.Module] = field(default_factory=dict)
 
@@ -35,6 +38,7 @@ class DecodeCache:
     def reset(self) -> None:
         """Forget every state: the next call is a prefill again."""
         self.num_tokens = 0
+        self.rotary_offset = None
         self.states.clear()
         self.owners.clear()
 
@@ -46,6 +50,9 @@ class DecodeStep:
     positions: torch.Tensor  # [T] int64, start .. start + T - 1
     token_ids: torch.Tensor  # [T] int64
     cache: DecodeCache
+    # [3, T] (t, h, w) rotary positions of a multimodal-RoPE model's tokens (engine/model/vision.py
+    # mrope_positions); None: each stream is the token's position.
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def start(self) -> int:
@@ -62,7 +69,11 @@ class DecodeStep:
         return self.cache.state(module)
 
     @classmethod
-    def next(cls, cache: DecodeCache, token_ids: torch.Tensor) -> DecodeStep:
-        """The step running token_ids [T] after the cache's tokens (positions cache.num_tokens ...)."""
+    def next(cls, cache: DecodeCache, token_ids: torch.Tensor,
+             mrope_positions: torch.Tensor | None = None) -> DecodeStep:
+        """The step running token_ids [T] after the cache's tokens (positions cache.num_tokens ...); its rotary
+        positions `mrope_positions` [3, T] when given, else its positions plus cache.rotary_offset when set."""
         positions = torch.arange(cache.num_tokens, cache.num_tokens + token_ids.numel(), device=token_ids.device)
-        return cls(positions, token_ids.reshape(-1).long(), cache)
+        if mrope_positions is None and cache.rotary_offset is not None:
+            mrope_positions = (positions + cache.rotary_offset).expand(3, -1)
+        return cls(positions, token_ids.reshape(-1).long(), cache, mrope_positions)

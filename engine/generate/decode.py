@@ -14,6 +14,11 @@ states:
 Each row of the logits equals the row the full forward (`model(input_ids, cu_seqlens)` over the whole sequence as one
 document) gives, up to rounding.
 
+A prompt with images (PromptImages, a model with a vision tower): the tower runs once on all of them before the
+prefill, and each call replaces its image tokens' embeddings with their rows (an image's tokens may span two calls).
+Multimodal RoPE rotates the prompt's tokens by their (t, h, w) positions (vision.mrope_positions, as the forward does)
+and every later token by its position plus the offset the images left (DecodeCache.rotary_offset).
+
 Shapes: T tokens of this call, V vocabulary.
 """
 
@@ -21,11 +26,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from moe_tune.engine.model.model import MoECausalLM
+from moe_tune.engine.model.vision import mrope_positions
 from moe_tune.profiles import ProfileError
 
 from .cache import DecodeCache, DecodeStep
@@ -50,27 +57,65 @@ def find_causal_lm(model: nn.Module) -> MoECausalLM:
     raise TypeError(f"{type(model).__name__} holds no MoECausalLM to decode with")
 
 
-def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images, in the order of their runs of image tokens: pixel_values [P, C Tp p^2] and their (t, h, w)
+    patch grids [I, 3] (engine/data/images.py image_patches), each image's run t h w / merge^2 tokens long."""
+
+    pixel_values: torch.Tensor
+    grids: torch.Tensor
+
+
+def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache,
+                   image_features: torch.Tensor | None = None,
+                   mrope_positions: torch.Tensor | None = None) -> torch.Tensor:
     """input_ids [1, T] int64, the next T tokens of the sequence whose states `cache` holds (empty: the prefill) ->
-    logits [1, T, V] fp32. Advances cache.num_tokens by T. Runs without autograd; text only (ProfileError naming
-    the image token when one is in input_ids)."""
+    logits [1, T, V] fp32. Advances cache.num_tokens by T. Runs without autograd. image_features [n, D]: the rows of
+    the n image tokens among input_ids (ProfileError naming the first image token when there are none for it), and
+    mrope_positions [3, T] their tokens' rotary positions (prompt_images gives both)."""
     lm = find_causal_lm(model)
     if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} must be [1, T] with T >= 1")
     vision = lm.cfg.vision
     if vision is not None:
         image_at = (input_ids[0] == vision.image_token_id).nonzero().flatten().tolist()
-        if image_at:
-            position = cache.num_tokens + image_at[0]
+        given = 0 if image_features is None else image_features.shape[0]
+        if len(image_at) != given:
+            position = cache.num_tokens + image_at[0] if image_at else None
             raise ProfileError([
-                f"prompt: token {position} is the image token ({vision.image_token_id}): generate decodes text "
-                "prompts only (images in prompts are not supported)"
+                f"prompt: token {position} is the image token ({vision.image_token_id}) but no image is given for it"
+                if given == 0 else f"prompt: {len(image_at)} image tokens ({vision.image_token_id}) in the call, "
+                f"{given} image rows given for them"
             ])
-    step = DecodeStep.next(cache, input_ids[0])
+    step = DecodeStep.next(cache, input_ids[0], mrope_positions)
     with torch.no_grad():
-        logits = lm.forward_cached(input_ids, step).float()
+        logits = lm.forward_cached(input_ids, step, image_features).float()
     cache.num_tokens += input_ids.shape[1]
     return logits
+
+
+def prompt_images(lm: MoECausalLM, prompt: torch.Tensor, images: PromptImages) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        int]:
+    """For a prompt [1, T] holding `images`' runs of image tokens: the vision tower's rows for them [n, D] (run once,
+    without autograd), the prompt's (t, h, w) rotary positions [3, T] and the offset that the tokens after it add to
+    their position (DecodeCache.rotary_offset). ProfileError when the model has no vision tower or the prompt's image
+    tokens are not the images' count."""
+    spec = lm.cfg.vision
+    if spec is None:
+        raise ProfileError(["images: the model has no vision tower (model.vision) to read them"])
+    grids = images.grids.to(prompt.device)
+    num_tokens = int(grids.prod(-1).sum()) // spec.spatial_merge_size**2
+    num_placed = int((prompt[0] == spec.image_token_id).sum())
+    if num_placed != num_tokens:
+        raise ProfileError([f"prompt: {num_placed} image tokens ({spec.image_token_id}), the images need "
+                            f"{num_tokens} ({len(grids)} images)"])
+    with torch.no_grad():
+        features = lm.vision(images.pixel_values.to(prompt.device), grids)
+    # One text token past the prompt: its positions are where the tokens after the prompt continue from.
+    ids = torch.cat([prompt[0], prompt.new_tensor([-1])])[None]
+    cu_seqlens = torch.tensor([0, ids.shape[1]], dtype=torch.int32, device=prompt.device)
+    positions = mrope_positions(ids, cu_seqlens, grids, spec.image_token_id, spec.spatial_merge_size)
+    return features, positions[:, :-1], int(positions[0, -1]) - prompt.shape[1]
 
 
 def _is_number(value) -> bool:
@@ -173,8 +218,10 @@ def generate_ids(
     on_token: Callable[[int], None] | None = None,
     top_k: int = 0,
     repetition_penalty: float = 1.0,
+    images: PromptImages | None = None,
 ) -> list[int]:
-    """The tokens generated after prompt_ids (the prompt not included), at most max_new_tokens of them.
+    """The tokens generated after prompt_ids (the prompt not included), at most max_new_tokens of them; `images`:
+    the prompt's images (prompt_images), one run of image tokens each in prompt_ids.
 
     Each step's logits pass through transformers' processors in its order: the repetition penalty (every token of
     the prompt and of the reply so far; greedy decoding too), then at temperature > 0 the temperature, top_k and
@@ -185,7 +232,7 @@ def generate_ids(
     PREFILL_CHUNK_TOKENS tokens a call; each new token is one cached step (no re-run of the sequence). Raises
     ProfileError with one line per refused option (empty prompt, ids outside the vocabulary, negative
     max_new_tokens, temperature or top_k, top_p outside (0, 1], a repetition_penalty <= 0, a seed outside
-    [0, 2**64), the image token in a prompt).
+    [0, 2**64), image tokens in a prompt other than the images' own).
     """
     lm = find_causal_lm(model)
     problems = check_generate_options(list(prompt_ids), lm.cfg.vocab_size, max_new_tokens, temperature, top_p, seed,
@@ -200,12 +247,22 @@ def generate_ids(
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     is_seen_V = torch.zeros(lm.cfg.vocab_size, dtype=torch.bool, device=device)
     is_seen_V[prompt[0]] = True
+    features = positions = None
+    if images is not None:
+        features, positions, cache.rotary_offset = prompt_images(lm, prompt, images)
+        # Each call's image rows start after those of the image tokens before it.
+        first_row = torch.cumsum(prompt[0] == lm.cfg.vision.image_token_id, 0).tolist()
     while len(generated) < max_new_tokens:
         if generated:
             logits_V = forward_cached(model, torch.tensor([[token]], dtype=torch.long, device=device), cache)[0, -1]
         else:
             for start in range(0, prompt.shape[1], PREFILL_CHUNK_TOKENS):
-                logits_V = forward_cached(model, prompt[:, start : start + PREFILL_CHUNK_TOKENS], cache)[0, -1]
+                end = min(start + PREFILL_CHUNK_TOKENS, prompt.shape[1])
+                rows = cols = None
+                if images is not None:
+                    rows = features[(first_row[start - 1] if start else 0) : first_row[end - 1]]
+                    cols = positions[:, start:end]
+                logits_V = forward_cached(model, prompt[:, start:end], cache, rows, cols)[0, -1]
         logits_V = penalize_repetition(logits_V, is_seen_V, repetition_penalty)
         token = choose_token(logits_V, temperature, top_p, generator, top_k)
         generated.append(token)

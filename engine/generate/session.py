@@ -16,6 +16,10 @@ CPU in fp32.
 How tokens are chosen: as transformers' generate chooses them on the checkpoint, whose generation_config.json gives
 the defaults (do_sample, temperature, top_p, top_k, repetition_penalty; read_generation_config) that each option given
 replaces; without one, greedy decoding.
+
+Images (a model with a vision tower): read and cut into patches as training reads them (the checkpoint's
+preprocessor_config.json, data.image_min/max_pixels; read_prompt_images), placed in the first user message as image
+parts before its text and rendered as training renders image records (image_prompt_ids).
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ import torch
 from torch import nn
 
 from moe_tune.engine.data.chat import DEFAULT_CHAT_OPTIONS, ChatOptions, closing_token
+from moe_tune.engine.data.multimodal import VisionTokens
 from moe_tune.engine.data.tokenizer import CHAT_TEMPLATE, Tokenizer
 from moe_tune.engine.export.fp8 import is_fp8_base
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
-from .decode import SAMPLING_RULES, SEED_LIMIT, generate_ids, sampling_rule_broken
+from .decode import SAMPLING_RULES, SEED_LIMIT, PromptImages, generate_ids, sampling_rule_broken
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -404,6 +409,71 @@ def prompt_ids(tok: Tokenizer, messages: list[dict] | None = None, text: str | N
     return tok.document_start(options) + ids
 
 
+def read_prompt_images(paths: list[Path], profile: JobProfile) -> tuple[PromptImages, list[int]]:
+    """The images given for a prompt (files named on the command line, any folder), read and cut into patches as
+    training reads a record's images (engine/data/images.py, with the profile's image settings), and each one's
+    token count. ProfileError naming the option and the file: a model without a vision tower, image settings it
+    lacks, a file that is not a readable image."""
+    from moe_tune.engine.data.dataset import vision_input
+    from moe_tune.engine.data.images import ImageError, image_patches, image_token_count, load_image
+
+    vision = vision_input(profile.model, profile.data)
+    if vision is None:
+        raise ProfileError(["--image: the model has no vision tower (model.vision) to read images with"])
+    if vision.settings is None:
+        raise ProfileError([f"--image: {vision.problem}"])
+    patches, grids = [], []
+    for path in paths:
+        try:
+            image = load_image(path)  # its errors name the file
+            try:
+                pixels, grid = image_patches(image, vision.settings)
+            except ImageError as err:
+                raise ImageError(f"{path}: {err}") from None
+        except ImageError as err:
+            raise ProfileError([f"--image: {err}"]) from None
+        patches.append(pixels)
+        grids.append(grid)
+    return PromptImages(torch.cat(patches), torch.tensor(grids)), [image_token_count(g, vision.settings) for g in grids]
+
+
+def image_prompt_ids(tok: Tokenizer, messages: list[dict], counts: list[int], tokens: VisionTokens,
+                     options: ChatOptions = DEFAULT_CHAT_OPTIONS) -> list[int]:
+    """prompt_ids of `messages` whose content may be a list of parts ({"type": "image"}, {"type": "text", "text":
+    str}), the images `counts` tokens long, as training renders image records (engine/data/multimodal.py): the chat
+    template writes each image part as one image token, widened to its count; the built-in format writes
+    vision-start, the image's tokens and vision-end, each piece encoded alone. ProfileError when the text holds the
+    image token or the template does not render one per image."""
+    ids = render_template(tok, options, messages, add_generation_prompt=True)
+    if ids is None:
+        prefix, suffix = CHAT_TEMPLATE.split("{content}")
+        widths = iter(counts)
+        ids = []
+        for m in messages:
+            ids += tok.encode(prefix.format(role=m["role"]))
+            for part in m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]:
+                ids += (tok.encode(part["text"]) if part["type"] == "text"
+                        else [tokens.start] + [tokens.image] * next(widths) + [tokens.end])  # fmt: skip
+            ids += tok.encode(suffix.format(role=m["role"]))
+        ids += tok.encode(prefix.format(role="assistant"))
+        if ids.count(tokens.image) != sum(counts):
+            raise ProfileError([f"--prompt: the text holds the image token id ({tokens.image}) outside the images; "
+                                "remove it from the text"])
+        return tok.document_start(options) + ids
+    if ids.count(tokens.image) != len(counts):
+        text_only = [{**m, "content": [p for p in m["content"] if p["type"] == "text"]}
+                     if isinstance(m["content"], list) else m for m in messages]  # fmt: skip
+        if (render_template(tok, options, text_only, add_generation_prompt=True) or []).count(tokens.image):
+            raise ProfileError([f"--prompt: the text holds the image token id ({tokens.image}) outside the images; "
+                                "remove it from the text"])
+        source = "data.chat_template" if options.template is not None else "the tokenizer's chat template"
+        raise ProfileError([f"--image: {source} renders {ids.count(tokens.image)} image tokens ({tokens.image}) for "
+                            f"{len(counts)} images: it must render each image part as one"])
+    widths = iter(counts)
+    widened = [token for t in ids for token in ([t] * next(widths) if t == tokens.image else [t])]
+    return tok.document_start(options) + widened
+
+
 def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT_CHAT_OPTIONS,
              generation: GenerationSettings | None = None) -> tuple[int, ...]:
     """Tokens that end a reply: the tokenizer's <eos>, the special token the chat template closes an assistant turn
@@ -455,8 +525,14 @@ class Session:
     # config.json's max_position_embeddings (None: not known).
     max_positions: int | None = None
 
-    def prompt(self, messages: list[dict] | None = None, text: str | None = None) -> list[int]:
-        """prompt_ids for this tokenizer; ProfileError when it renders to no token."""
+    def prompt(self, messages: list[dict] | None = None, text: str | None = None,
+               image_counts: list[int] | None = None) -> list[int]:
+        """prompt_ids for this tokenizer, or with `image_counts` (the token counts read_prompt_images gives) the
+        image_prompt_ids of `messages` holding that many image parts; ProfileError when it renders to no token."""
+        if image_counts is not None:
+            spec = self.profile.model.vision
+            tokens = VisionTokens(spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
+            return image_prompt_ids(self.tok, messages, image_counts, tokens, self.options)
         ids = prompt_ids(self.tok, messages, text, self.options)
         if not ids:
             raise ProfileError(["--prompt: the text encodes to no token (and the tokenizer puts none before a text); "
@@ -513,9 +589,11 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         top_k: int | None = None,
         repetition_penalty: float | None = None,
+        images: PromptImages | None = None,
     ) -> Generated:
         """Up to `max_new_tokens` tokens after `ids` (a stop token ends early when `stop`); `on_text(piece)` as the
-        text grows. Options left None take the checkpoint's defaults (Session.sampling)."""
+        text grows; `images`: those whose tokens `ids` holds (read_prompt_images). Options left None take the
+        checkpoint's defaults (Session.sampling)."""
         sampling = self.sampling(temperature, top_p, top_k, repetition_penalty)
         stream = TextStream(self.tok.decode)
         stops = self.stop_ids if stop else ()
@@ -531,7 +609,7 @@ class Session:
         with torch.inference_mode():
             out = generate_ids(self.model, ids, max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                                stop_ids=stops, seed=seed, on_token=on_token, top_k=sampling.top_k,
-                               repetition_penalty=sampling.repetition_penalty)
+                               repetition_penalty=sampling.repetition_penalty, images=images)
         elapsed = time.perf_counter() - started
         stopped = bool(out) and out[-1] in stops
         out = out[:-1] if stopped else out

@@ -164,7 +164,7 @@ class GatedAttention(nn.Module):
         whole sequence as one document. The prefill (empty state) runs forward()'s attention; later calls project
         only their own tokens and attend over the cache (engine/model/kv_cache.py). State: "k", "v" [M, G, hd]
         (a sliding window keeps its last window - 1 keys between calls) and the position of the first kept key."""
-        batch = one_document_batch(step.positions)
+        batch = one_document_batch(step.positions, step.mrope_positions)
         q, k, v, gate = self.project(x, batch)
         o = self.attend_cached(x, q, k, v, gate, batch, step.state(self))
         return self.o_proj(o.reshape(1, x.shape[1], -1))
@@ -326,26 +326,32 @@ class QSAIndexer(PinnableSelection, nn.Module):
 
     def select_cached(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: PackedBatch, state: dict) -> torch.Tensor:
         """forward() for the tokens of one cached call: block ids [T, S]. State: "block_k" [J, DI], the normed and
-        rotated key of each complete block, and "tail_k" [< block_size, DI], the raw keys of the incomplete one."""
+        rotated key of each complete block, and "tail_k" [< block_size, DI], "tail_positions" [< block_size] (or
+        [< block_size, 3] under multimodal RoPE), the raw keys and rotary positions of the incomplete one: a block is
+        rotated at its first row's rotary position, as forward() rotates it."""
+        # Rows first: [T] token positions, or [T, 3] (t, h, w) ones.
+        rotary_rows = batch.rotary_positions if batch.rotary_positions.dim() == 1 else batch.rotary_positions.T
         if not state:
             q_idx, k_idx, block_k = self.project(x, rotary, batch)
             num_complete = x.shape[1] // self.block_size
-            state.update(block_k=GrowingCache(), tail_k=GrowingCache())
+            state.update(block_k=GrowingCache(), tail_k=GrowingCache(), tail_positions=GrowingCache())
             state["block_k"].append(block_k[0, : num_complete * self.block_size : self.block_size])
             state["tail_k"].append(k_idx[0, num_complete * self.block_size :])
+            state["tail_positions"].append(rotary_rows[num_complete * self.block_size :])
             return self.choose(q_idx, block_k, batch)[0]
         q_idx, k_idx, _ = self.project_queries(x, rotary, batch)
         raw_k = state["tail_k"].append(k_idx[0])
+        tail_positions = state["tail_positions"].append(rotary_rows)
         num_new = len(raw_k) // self.block_size
         if num_new:
             # Pooled as forward() pools its windows: [J, DI, block_size] means.
             pooled_JD = raw_k[: num_new * self.block_size].unfold(0, self.block_size, self.block_size).mean(-1)
-            first = state["block_k"].length
-            starts = (first + torch.arange(num_new, device=x.device)) * self.block_size
-            block_cos, block_sin = rotary.cos_sin(starts)
+            starts = tail_positions[: num_new * self.block_size : self.block_size]
+            block_cos, block_sin = rotary.cos_sin(starts if starts.dim() == 1 else starts.T)
             block_k = rotary.rotate(self.k_layernorm(pooled_JD)[None, :, None, :], block_cos, block_sin)[0, :, 0]
             state["block_k"].append(block_k)
             state["tail_k"].keep_last(len(raw_k) - num_new * self.block_size)
+            state["tail_positions"].keep_last(len(raw_k) - num_new * self.block_size)
         return select_cached_blocks(
             q_idx[0], None, state["block_k"].rows, batch.positions, self.num_selected, self.block_size,
             always_keep_own_block=False,

@@ -58,11 +58,12 @@ class GrowingCache:
         return None if self.buffer is None else self.buffer[: self.length]
 
 
-def one_document_batch(positions: torch.Tensor) -> PackedBatch:
-    """The PackedBatch of T tokens forming one document at `positions` [T] (the prefill's: 0 .. T - 1)."""
+def one_document_batch(positions: torch.Tensor, mrope_positions: torch.Tensor | None = None) -> PackedBatch:
+    """The PackedBatch of T tokens forming one document at `positions` [T] (the prefill's: 0 .. T - 1), rotated
+    by `mrope_positions` [3, T] when given (a multimodal-RoPE model's tokens after or among images)."""
     num_tokens = positions.numel()
     cu_seqlens = torch.tensor([0, num_tokens], dtype=torch.int32, device=positions.device)
-    return PackedBatch(cu_seqlens, positions, torch.zeros_like(positions))
+    return PackedBatch(cu_seqlens, positions, torch.zeros_like(positions), mrope_positions=mrope_positions)
 
 
 def causal_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:

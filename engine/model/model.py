@@ -313,11 +313,16 @@ class MoECausalLM(nn.Module):
         return (context.local(document_positions(row_cu, row_tokens)),
                 context.local(document_ids(row_cu, row_tokens)))  # fmt: skip
 
-    def forward_cached(self, input_ids: torch.Tensor, step: DecodeStep) -> torch.Tensor:
-        """input_ids [1, T] continuing one text sequence (step's tokens) -> logits [1, T, V], the rows `forward` gives
-        over the whole sequence; engine/generate/decode.py runs it. No images: rotary positions are token positions
-        (and a text row never uses the vision tower's output)."""
+    def forward_cached(self, input_ids: torch.Tensor, step: DecodeStep,
+                       image_features: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [1, T] continuing one sequence (step's tokens) -> logits [1, T, V], the rows `forward` gives over
+        the whole sequence; engine/generate/decode.py runs it. image_features [n, D]: the vision tower's output rows
+        for the n image tokens among input_ids, in order (the whole prompt's run once by the caller: an image's
+        tokens may span two calls); step.mrope_positions then rotates the tokens as `forward` does."""
         x = self.embed_tokens(input_ids)
+        if image_features is not None:
+            x = x.clone()
+            x[0, input_ids[0] == self.cfg.vision.image_token_id] = image_features.to(x.dtype)
         if self.cfg.hyper_connections is not None:
             x = x.repeat(1, 1, self.cfg.hyper_connections.num_streams)
         for layer in self.layers:

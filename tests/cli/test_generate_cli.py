@@ -120,8 +120,8 @@ def test_chat_keeps_the_history_and_ends_on_an_empty_line(lora_run, monkeypatch)
     run, _ = lora_run
     asked = []
     original = Session.prompt
-    monkeypatch.setattr(Session, "prompt", lambda self, messages=None, text=None: asked.append(
-        [dict(m) for m in messages]) or original(self, messages, text))
+    monkeypatch.setattr(Session, "prompt", lambda self, messages=None, text=None, **images: asked.append(
+        [dict(m) for m in messages]) or original(self, messages, text, **images))
     result = runner.invoke(app, ["generate", str(run), "--chat", "--max-new-tokens", "3", "--system", "Be brief."],
                            input="first\nsecond\n\nnever read\n")
     assert result.exit_code == 0, result.output

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_tune.engine.generate import DecodeCache, DecodeStep, forward_cached, generate_ids
+from moe_tune.engine.generate.decode import PromptImages
 from moe_tune.engine.lora import inject_lora
 from moe_tune.engine.model.attention import GatedDeltaNet, PackedBatch
 from moe_tune.engine.model.blocks import ShortConv, document_ids, document_positions
@@ -257,8 +258,8 @@ def test_a_long_prompt_runs_in_bounded_calls_and_decodes_the_same(models, monkey
     monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", 4)
     calls = []
     run_call = decode.forward_cached
-    monkeypatch.setattr(decode, "forward_cached", lambda m, ids, cache: calls.append(ids.shape[1]) or run_call(
-        m, ids, cache))
+    monkeypatch.setattr(decode, "forward_cached", lambda m, ids, cache, *images: calls.append(ids.shape[1]) or run_call(
+        m, ids, cache, *images))
     prompt = PROMPT * 2  # 10 tokens: calls of 4, 4 and 2
     got = generate_ids(models["tiny"], prompt, 3)
     assert calls == [4, 4, 2, 1, 1]
@@ -299,14 +300,92 @@ def test_bad_options_are_reported_together(models):
     assert len(error.value.problems) == 4
 
 
-def test_vision_model_decodes_text_and_refuses_image_tokens():
-    cfg = load_profile("tiny-vl").model
-    model = perturbed(build_model(cfg))
+@pytest.fixture(scope="module")
+def vision_model():
+    return perturbed(build_model(load_profile("tiny-vl").model))
+
+
+def image_prompt(cfg, layout: list) -> tuple[list[int], PromptImages]:
+    """A prompt of text runs (an int: that many text tokens) and images (a (h, w) patch grid: its start token, its
+    h w / merge^2 image tokens and its end token), with random pixels."""
+    spec, generator = cfg.vision, torch.Generator().manual_seed(len(layout))
+    ids, grids = [], []
+    for piece in layout:
+        if isinstance(piece, int):
+            ids += torch.randint(0, 259, (piece,), generator=generator).tolist()
+            continue
+        grids.append([1, *piece])
+        tokens = [spec.image_token_id] * (piece[0] * piece[1] // spec.spatial_merge_size**2)
+        ids += [spec.vision_start_token_id, *tokens, spec.vision_end_token_id]
+    grids = torch.tensor(grids)
+    channels = 3 * spec.temporal_patch_size * spec.patch_size**2
+    return ids, PromptImages(torch.randn(int(grids.prod(-1).sum()), channels, generator=generator), grids)
+
+
+def full_logits_with_images(model, ids: list[int], images: PromptImages) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), torch.tensor([0, len(ids)], dtype=torch.int32),
+                     pixel_values=images.pixel_values, image_grid_thw=images.grids).logits.float()
+
+
+def cached_logits_with_images(model, ids: list[int], num_prompt: int, images: PromptImages, chunk: int):
+    """The logits of `ids` decoded as generate_ids runs them: the first num_prompt tokens (holding the images) in
+    calls of `chunk`, then one token a call."""
+    import moe_tune.engine.generate.decode as decode
+
+    cache, rows = DecodeCache(), []
+    prompt = torch.tensor([ids[:num_prompt]])
+    features, positions, cache.rotary_offset = decode.prompt_images(model, prompt, images)
+    first_row = [0, *torch.cumsum(prompt[0] == model.cfg.vision.image_token_id, 0).tolist()]
+    for start in range(0, num_prompt, chunk):
+        end = min(start + chunk, num_prompt)
+        rows.append(forward_cached(model, prompt[:, start:end], cache, features[first_row[start] : first_row[end]],
+                                   positions[:, start:end]))  # fmt: skip
+    rows += [forward_cached(model, torch.tensor([[token]]), cache) for token in ids[num_prompt:]]
+    return torch.cat(rows, 1)
+
+
+# Images first, between texts, two of other shapes side by side, and last (the generation follows an image).
+IMAGE_PROMPTS = {"first": [(4, 6), 5], "between": [3, (6, 4), 4], "two": [2, (4, 4), (2, 8), 3], "last": [4, (4, 8)]}
+
+
+@pytest.mark.parametrize("layout", list(IMAGE_PROMPTS))
+@pytest.mark.parametrize("chunk", [1024, 5], ids=["one-call", "calls-of-5"])
+def test_a_prompt_with_images_decodes_as_the_full_forward(vision_model, monkeypatch, layout, chunk):
+    """Greedy generation after a prompt with images is the full forward's argmax chain (the sequence so far with its
+    images, re-run for every token), and each row of the cached logits the full forward's: the prompt in one call
+    and in calls of 5 tokens (an image's tokens across calls), the tokens after it on the images' rotary offset. The
+    images matter: other pixels change the logits."""
+    import moe_tune.engine.generate.decode as decode
+
+    monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", chunk)
+    prompt, images = image_prompt(vision_model.cfg, IMAGE_PROMPTS[layout])
+    got = generate_ids(vision_model, prompt, 6, images=images)
+    expected = list(prompt)
+    for _ in range(6):
+        expected.append(int(full_logits_with_images(vision_model, expected, images)[0, -1].argmax()))
+    assert got == expected[len(prompt) :]
+    full = full_logits_with_images(vision_model, expected, images)
+    cached = cached_logits_with_images(vision_model, expected, len(prompt), images, chunk)
+    torch.testing.assert_close(cached, full, **MODEL_TOLERANCE)
+    other = PromptImages(images.pixel_values.flip(0), images.grids)
+    assert (full_logits_with_images(vision_model, expected, other) - full).abs().max() > 1e-3
+
+
+def test_image_tokens_without_their_images_are_refused(vision_model):
+    cfg = vision_model.cfg
     ids = torch.randint(0, 259, (1, 7))
-    torch.testing.assert_close(cached_logits(model, ids, [5]), full_logits(model, ids), **MODEL_TOLERANCE)
+    torch.testing.assert_close(cached_logits(vision_model, ids, [5]), full_logits(vision_model, ids), **MODEL_TOLERANCE)
     image = cfg.vision.image_token_id
-    with pytest.raises(ProfileError, match=rf"prompt: token 2 is the image token \({image}\): generate decodes text"):
-        generate_ids(model, [4, 5, image, 6], 2)
+    with pytest.raises(ProfileError, match=rf"^prompt: token 2 is the image token \({image}\) but no image is given"):
+        generate_ids(vision_model, [4, 5, image, 6], 2)
+    prompt, images = image_prompt(cfg, [2, (4, 4), 3])
+    for ids in (prompt + [image], [t for t in prompt if t != image][:-1] + [image] * 3):
+        needed = rf"^prompt: \d+ image tokens \({image}\), the images need 4 \(1 images\)$"
+        with pytest.raises(ProfileError, match=needed):
+            generate_ids(vision_model, ids, 2, images=images)
+    with pytest.raises(ProfileError, match=r"^images: the model has no vision tower"):
+        generate_ids(perturbed(build_model(load_profile("tiny").model)), prompt[:2], 2, images=images)
 
 
 def transformers_distribution(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

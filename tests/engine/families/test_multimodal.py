@@ -163,9 +163,14 @@ def test_finetune_on_images_starts_at_the_reference_loss(checkpoint, tmp_path):
     ],
 )
 def test_align_batch_images_stay_in_the_batch_folder(checkpoint, tmp_path, image):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     from moe_tune.engine.align.compare import read_batch
     from moe_tune.engine.families import UnsupportedModel
 
+    # The image processor settings images are read with (whichever of the module's tests ran before).
+    Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                             max_pixels=32 * 32).save_pretrained(checkpoint)  # fmt: skip
     folder = tmp_path / "batch"
     folder.mkdir()
     outside = tmp_path / "outside.png"
