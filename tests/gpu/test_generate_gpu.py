@@ -2,7 +2,7 @@
 the rows equal the full forward's and greedy generation is the argmax chain of full re-runs (a prompt longer than
 one prefill call too); in bf16 the cached rows are as close to the fp32 forward as the bf16 full forward is; sampling
 draws from the CPU's fp64 distribution with a generator on the GPU; `moe-tune generate` runs a LoRA run on the GPU in
-its train.precision.
+its train.precision; a prompt with images decodes as the full forward with them.
 
 Run on the H200 on its own: pytest -m gpu tests/gpu
 """
@@ -171,3 +171,61 @@ def test_cli_generates_from_a_bf16_lora_run_on_the_gpu(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"model: the run in {run} (LoRA adapters merged, step 2); on cuda, bfloat16" in result.stderr
     assert re.search(r"^\d+ tokens in \d+\.\d\d s .*; ended by ", result.stderr, re.MULTILINE), result.stderr
+
+
+def vision_model_of(name: str) -> torch.nn.Module:
+    """tiny-vl's model (its layers: tiny's), or qwen4_exp's layer mix with tiny-vl's vision tower."""
+    base = load_profile("tiny-vl").model.model_dump()
+    if name == "qwen4_exp":
+        layers, extra = MODELS[name]
+        base.update(extra, layers=layers)
+    model = build_model(ModelProfile.model_validate(base))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(DEVICE).eval()
+
+
+@pytest.mark.parametrize("name", ["tiny-vl", "qwen4_exp"])
+def test_a_prompt_with_images_decodes_as_the_full_forward(name):
+    """On CUDA (the prefill on the training forward's kernels), in fp32: text, an image of 8 x 12 patches, text, an
+    image of 16 x 8, text, in prefill calls of 64 tokens (both images across calls); the cached rows of the prompt
+    and of 24 decoded tokens equal the full forward's with the images, and greedy generation is its argmax chain."""
+    import moe_tune.engine.generate.decode as decode
+
+    model = vision_model_of(name)
+    spec = model.cfg.vision
+    generator = torch.Generator().manual_seed(4)
+    grids = torch.tensor([[1, 8, 12], [1, 16, 8]])
+    text = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (40, 30, 20)]
+    prompt = text[0]
+    for grid, after in zip(grids.tolist(), text[1:]):
+        prompt += [spec.vision_start_token_id, *[spec.image_token_id] * (grid[1] * grid[2] // 4),
+                   spec.vision_end_token_id, *after]  # fmt: skip
+    pixels = torch.randn(int(grids.prod(-1).sum()), 3 * spec.temporal_patch_size * spec.patch_size**2,
+                         generator=generator)  # fmt: skip
+    images = decode.PromptImages(pixels.to(DEVICE), grids.to(DEVICE))
+
+    @torch.no_grad()
+    def full(ids: list[int]) -> torch.Tensor:
+        cu = torch.tensor([0, len(ids)], dtype=torch.int32, device=DEVICE)
+        return model(torch.tensor([ids], device=DEVICE), cu, pixel_values=images.pixel_values,
+                     image_grid_thw=images.grids).logits[0].float()
+
+    chain = list(prompt)
+    for _ in range(24):
+        chain.append(int(full(chain)[-1].argmax()))
+    original = decode.PREFILL_CHUNK_TOKENS
+    decode.PREFILL_CHUNK_TOKENS = 64
+    try:
+        assert generate_ids(model, prompt, 24, images=images) == chain[len(prompt) :]
+    finally:
+        decode.PREFILL_CHUNK_TOKENS = original
+    cache, ids = DecodeCache(), torch.tensor([chain], device=DEVICE)
+    features, positions, cache.rotary_offset = decode.prompt_images(model, ids[:, : len(prompt)], images)
+    with torch.no_grad():
+        rows = [forward_cached(model, ids[:, : len(prompt)], cache, features, positions)[0]]
+        rows += [forward_cached(model, ids[:, t : t + 1], cache)[0] for t in range(len(prompt), len(chain))]
+    expected = full(chain)
+    torch.testing.assert_close(torch.cat(rows).float(), expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
