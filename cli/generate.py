@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import typer
 
@@ -14,6 +14,9 @@ from moe_tune.profiles import escape_controls, not_utf8
 
 from . import INTERRUPTED_EXIT
 from ._common import err_console, fail, user_errors
+
+if TYPE_CHECKING:
+    from moe_tune.engine.generate.decode import PromptImages
 
 app = typer.Typer()
 
@@ -103,7 +106,7 @@ def generate(
 class Images(NamedTuple):
     """The --image files read for the prompt (read_prompt_images): their PromptImages and each one's token count."""
 
-    pixels: object
+    pixels: PromptImages
     counts: list[int]
 
 

@@ -425,13 +425,13 @@ def read_prompt_images(paths: list[Path], profile: JobProfile) -> tuple[PromptIm
     patches, grids = [], []
     for path in paths:
         try:
-            image = load_image(path)  # its errors name the file
-            try:
-                pixels, grid = image_patches(image, vision.settings)
-            except ImageError as err:
-                raise ImageError(f"{path}: {err}") from None
-        except ImageError as err:
+            image = load_image(path)
+        except ImageError as err:  # its line names the file
             raise ProfileError([f"--image: {err}"]) from None
+        try:
+            pixels, grid = image_patches(image, vision.settings)
+        except ImageError as err:
+            raise ProfileError([f"--image: {path}: {err}"]) from None
         patches.append(pixels)
         grids.append(grid)
     return PromptImages(torch.cat(patches), torch.tensor(grids)), [image_token_count(g, vision.settings) for g in grids]
@@ -442,8 +442,12 @@ def image_prompt_ids(tok: Tokenizer, messages: list[dict], counts: list[int], to
     """prompt_ids of `messages` whose content may be a list of parts ({"type": "image"}, {"type": "text", "text":
     str}), the images `counts` tokens long, as training renders image records (engine/data/multimodal.py): the chat
     template writes each image part as one image token, widened to its count; the built-in format writes
-    vision-start, the image's tokens and vision-end, each piece encoded alone. ProfileError when the text holds the
-    image token or the template does not render one per image."""
+    vision-start, the image's tokens and vision-end, each piece encoded alone. ProfileError when a text encodes to
+    the image token or the template does not render one per image."""
+    parts = [part for m in messages for part in _content_parts(m["content"])]
+    if any(tokens.image in tok.encode(part["text"]) for part in parts if part["type"] == "text"):
+        raise ProfileError([f"prompt: the text holds the image token id ({tokens.image}) outside the images; remove "
+                            "it from the text"])
     ids = render_template(tok, options, messages, add_generation_prompt=True)
     if ids is None:
         prefix, suffix = CHAT_TEMPLATE.split("{content}")
@@ -451,27 +455,23 @@ def image_prompt_ids(tok: Tokenizer, messages: list[dict], counts: list[int], to
         ids = []
         for m in messages:
             ids += tok.encode(prefix.format(role=m["role"]))
-            for part in m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]:
+            for part in _content_parts(m["content"]):
                 ids += (tok.encode(part["text"]) if part["type"] == "text"
                         else [tokens.start] + [tokens.image] * next(widths) + [tokens.end])  # fmt: skip
             ids += tok.encode(suffix.format(role=m["role"]))
-        ids += tok.encode(prefix.format(role="assistant"))
-        if ids.count(tokens.image) != sum(counts):
-            raise ProfileError([f"--prompt: the text holds the image token id ({tokens.image}) outside the images; "
-                                "remove it from the text"])
-        return tok.document_start(options) + ids
+        return tok.document_start(options) + ids + tok.encode(prefix.format(role="assistant"))
     if ids.count(tokens.image) != len(counts):
-        text_only = [{**m, "content": [p for p in m["content"] if p["type"] == "text"]}
-                     if isinstance(m["content"], list) else m for m in messages]  # fmt: skip
-        if (render_template(tok, options, text_only, add_generation_prompt=True) or []).count(tokens.image):
-            raise ProfileError([f"--prompt: the text holds the image token id ({tokens.image}) outside the images; "
-                                "remove it from the text"])
         source = "data.chat_template" if options.template is not None else "the tokenizer's chat template"
         raise ProfileError([f"--image: {source} renders {ids.count(tokens.image)} image tokens ({tokens.image}) for "
                             f"{len(counts)} images: it must render each image part as one"])
     widths = iter(counts)
     widened = [token for t in ids for token in ([t] * next(widths) if t == tokens.image else [t])]
     return tok.document_start(options) + widened
+
+
+def _content_parts(content: str | list[dict]) -> list[dict]:
+    """A message's content as parts: a string is one text part."""
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
 
 
 def stop_ids(tok: Tokenizer, profile: JobProfile, options: ChatOptions = DEFAULT_CHAT_OPTIONS,

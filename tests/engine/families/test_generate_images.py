@@ -17,6 +17,7 @@ import yaml
 
 from hf_tiny import image_token_ids, save_tiny_checkpoint, tiny_qwen3_5_moe, tiny_qwen4_exp
 from moe_tune.engine.align.reference import pure_torch_paths
+from moe_tune.engine.data.multimodal import VisionTokens
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -153,3 +154,29 @@ def last_logits(session, ids: list[int], images) -> torch.Tensor:
     cache, prompt = DecodeCache(), torch.tensor([ids])
     features, positions, cache.rotary_offset = prompt_images(session.model, prompt, images)
     return forward_cached(session.model, prompt, cache, features, positions)[0, -1]
+
+
+def test_a_prompt_the_images_cannot_be_placed_in_is_one_line(vl):
+    from moe_tune.engine.data.chat import ChatOptions
+    from moe_tune.engine.generate.session import image_prompt_ids
+    from moe_tune.profiles import ProfileError
+
+    session, _, _, files = vl
+    spec = session.profile.model.vision
+    tokens = VisionTokens(spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
+    image_part = [{"type": "image"}]
+    # The image token written in the text, with the images or alone.
+    for parts in (image_part + [{"type": "text", "text": "a <|image_pad|> here"}],
+                  [{"type": "text", "text": "<|image_pad|>"}]):
+        with pytest.raises(ProfileError) as err:
+            image_prompt_ids(session.tok, [{"role": "user", "content": parts}], [12], tokens, session.options)
+        assert err.value.problems == [f"prompt: the text holds the image token id ({spec.image_token_id}) outside the "
+                                      "images; remove it from the text"]
+    # A template that writes no image part, or one too many.
+    for template, placed in (("{% for m in messages %}{{ m.role }}{% endfor %}", 0),
+                             ("{% for m in messages %}<|image_pad|><|image_pad|>{% endfor %}", 2)):
+        with pytest.raises(ProfileError) as err:
+            image_prompt_ids(session.tok, [{"role": "user", "content": image_part}], [12], tokens,
+                             ChatOptions(template=template))
+        assert err.value.problems == [f"--image: data.chat_template renders {placed} image tokens "
+                                      f"({spec.image_token_id}) for 1 images: it must render each image part as one"]
