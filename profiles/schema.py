@@ -497,6 +497,11 @@ class ModelProfile(Strict):
                 f"@partial_rotary_factor ({self.partial_rotary_factor}) must give an even rotary dim "
                 f"(head_dim {self.head_dim} x factor = {rotary_dim})"
             )
+        elif rotary_dim == 0 and {layer.attention for layer in self.layers} & {"full", "sparse", "qsa"}:
+            problems.append(
+                f"@partial_rotary_factor ({self.partial_rotary_factor}) must give a rotary dim of at least 2 "
+                f"(head_dim {self.head_dim} x factor = {rotary_dim}): full, sparse and qsa attention rotate by it"
+            )
         _raise_if(problems)
         return self
 

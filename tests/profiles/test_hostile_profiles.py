@@ -627,3 +627,23 @@ def test_text_and_messages_fields_must_differ():
     assert problems_of(TINY, ["data.messages_field=text"]) == [
         "data.text_field and data.messages_field both name the key 'text': a record's key says whether it is text or "
         "a chat, so they must differ"]
+
+
+ROTATED = ": full, sparse and qsa attention rotate by it"
+
+
+@pytest.mark.parametrize("factor, expected", [
+    (0.05, f"must give a rotary dim of at least 2 (head_dim 16 x factor = 0){ROTATED}"),
+    (1e-300, f"must give a rotary dim of at least 2 (head_dim 16 x factor = 0){ROTATED}"),
+    (0.0625, "must give an even rotary dim (head_dim 16 x factor = 1)"),
+])  # fmt: skip
+def test_a_partial_rotary_factor_leaving_no_even_rotary_dim_is_one_line(factor, expected):
+    # The tiny profile's heads are 16 wide and its last layer is sparse attention (rotated by the rotary dims).
+    assert problems_of(TINY, [f"model.partial_rotary_factor={factor}"]) == [
+        f"model.partial_rotary_factor ({factor}) {expected}"]
+
+
+def test_a_rotary_dim_of_0_is_accepted_without_rotated_attention():
+    load_profile(TINY, ["model.partial_rotary_factor=0.05", "model.layers=[{attention: linear}, {attention: kda}]",
+                        "model.kda_attention={num_heads: 2, head_dim: 16}"])
+    load_profile(TINY, ["model.partial_rotary_factor=0.125"])  # 16 x 0.125 = 2
