@@ -279,15 +279,17 @@ def stray_settings(out: Path) -> list[str]:
     wrote (a resolved profile: every top-level section of the schema present), as a user's own deepspeed_config.json;
     a fresh run would replace them."""
     present = [name for name in RUN_SETTINGS if os.path.lexists(out / name)]
-    if not present:
-        return []
+    return [] if not present or holds_run_profile(out) else present
+
+
+def holds_run_profile(folder: Path) -> bool:
+    """Whether `folder` holds a profile.yaml a run wrote (a resolved profile: every top-level section of the schema
+    present), as every run writes before its first step."""
     try:
-        written = yaml.safe_load((out / "profile.yaml").read_text(encoding="utf-8"))
+        written = yaml.safe_load((folder / "profile.yaml").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        written = None
-    if isinstance(written, dict) and set(JobProfile.model_fields) <= set(written):
-        return []
-    return present
+        return False
+    return isinstance(written, dict) and set(JobProfile.model_fields) <= set(written)
 
 
 def kept_after_interrupt(out: Path) -> str:
@@ -351,6 +353,22 @@ def owned_place(path: Path, out: Path) -> Path | None:
         return None
     first = out / path.relative_to(out).parts[0]
     return first if is_owned_name(first.name) else None
+
+
+def enclosing_run_problem(out: Path) -> str | None:
+    """The line refusing output.dir `out` when it is, or lies inside, a name that a run in a folder above it owns
+    (`run/checkpoints/step-N`, `run/adapter`, `run/export`): that run's pruning, --resume or --overwrite would delete
+    or read what this run writes. A folder above is a run's when it holds the profile.yaml a run writes
+    (holds_run_profile; a user's own profile and folders named `checkpoints` beside it are no run). None elsewhere.
+    Paths compare resolved (symlinks followed)."""
+    resolved = out.expanduser().resolve()
+    for folder in resolved.parents:
+        place = owned_place(resolved, folder)
+        if place is not None and holds_run_profile(folder):
+            where = "is" if place == resolved else "lies inside"
+            return (f"output.dir ({out}) {where} {place.name!r}, a name the run in {folder} keeps in its folder (its "
+                    "pruning, --resume or --overwrite would delete or read this run's files); choose another folder")
+    return None
 
 
 def _written_place(read: Path, out: Path) -> str | None:
@@ -430,6 +448,8 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
         raise ProfileError(["--resume and --overwrite contradict each other: --resume continues the run in "
                             f"{out}, --overwrite deletes it; give one"])  # fmt: skip
     check_reads_apart(out, reads or {})
+    if (enclosed := enclosing_run_problem(out)) is not None:
+        raise ProfileError([enclosed])
     if os.path.lexists(out) and not out.is_dir():
         kind = "a file" if out.is_file() else "not a directory"
         raise ProfileError([f"{where} is {kind}: output.dir must be a directory (or a path to create)"])

@@ -534,3 +534,51 @@ def test_a_lock_that_is_no_regular_file_is_not_waited_on(tmp_path, kind):
 ])  # fmt: skip
 def test_the_names_a_run_keeps_in_its_folder(name, owned):
     assert run_dir.is_owned_name(name) is owned
+
+
+def write_run_profile(folder) -> None:
+    """The resolved profile.yaml every run writes into its output.dir before its first step."""
+    import yaml
+
+    from moe_tune.profiles import load_profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "profile.yaml").write_text(yaml.safe_dump(load_profile("tiny").model_dump(mode="json")))
+
+
+@pytest.mark.parametrize("inside, place, where", [
+    ("checkpoints/step-0000001", "checkpoints", "lies inside"),
+    ("checkpoints/step-0000001/deeper/run", "checkpoints", "lies inside"),
+    ("checkpoints", "checkpoints", "is"),
+    ("adapter", "adapter", "is"),
+    ("export/mine", "export", "lies inside"),
+    ("generated-data/x", "generated-data", "lies inside"),
+])  # fmt: skip
+@pytest.mark.parametrize("through_link", [False, True], ids=["path", "link"])
+def test_an_output_dir_inside_a_name_another_run_keeps_is_refused(tmp_path, inside, place, where, through_link):
+    # The other run's pruning (checkpoints), --resume or --overwrite would delete or read the new run's files.
+    run = tmp_path / "run"
+    write_run_profile(run)
+    (run / place).mkdir()
+    out = run / inside
+    if through_link:
+        (tmp_path / "link").symlink_to(run / place)
+        out = tmp_path / "link" / os.path.relpath(run / inside, run / place)
+    with pytest.raises(ProfileError) as err:
+        check_output_dir(out, resume=False, overwrite=False)
+    assert err.value.problems == [f"output.dir ({out}) {where} {place!r}, a name the run in {run} keeps in its folder "
+                                  "(its pruning, --resume or --overwrite would delete or read this run's files); "
+                                  "choose another folder"]  # fmt: skip
+    assert sorted(p.name for p in run.iterdir()) == sorted(["profile.yaml", place])  # nothing created
+    assert [p.name for p in (run / place).iterdir()] == []
+
+
+@pytest.mark.parametrize("inside", ["notes/run", "checkpoints/run"])
+def test_an_output_dir_below_other_folders_is_accepted(tmp_path, inside):
+    # A run's own subfolder it does not keep, and a user's folder with their own (hand-written) profile beside a
+    # folder named checkpoints, are no run's names.
+    write_run_profile(tmp_path / "run")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "profile.yaml").write_text("name: mine\ntrain: {steps: 3}\n")
+    for root in ("run", "project") if inside == "notes/run" else ("project",):
+        check_output_dir(tmp_path / root / inside, resume=False, overwrite=False)[0].release()
