@@ -88,9 +88,6 @@ def finetune(
         raise typer.Exit(code=SIGNAL_EXIT["SIGINT"]) from None
     if not result.is_main:
         return
-    if not result.losses:
-        fail([f"--resume: the newest checkpoint is already at the run's last step ({result.total_steps}); nothing to "
-              "train"])
     console.print(
         f"trained steps {result.start_step + 1}-{result.last_step} in {result.elapsed_s:.1f}s: "
         f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"

@@ -25,6 +25,7 @@ import socket
 import stat
 import uuid
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -53,6 +54,9 @@ RUN_SETTINGS = ("profile.yaml", "deepspeed_config.json", "generated-data")
 TRACKER_STORES = (WANDB_STORE, MLFLOW_STORE)
 # Files written atomically through `.NAME.tmp` (checkpoint.write_text_atomic, trainer._save_atomic).
 TMP_FORMAT = ".{}.tmp"
+# The previous run's outputs while an --overwrite run sets up (reads its data, builds its model): removed once it is
+# set up, moved back when it is refused or stopped before.
+OVERWRITTEN = f"{LOCK_NAME}.overwritten"
 # Every name a run writes (or --overwrite deletes) in its output.dir, the temporaries of its atomic writes included.
 OWNED_NAMES = (*RUN_RESULTS, *RUN_SETTINGS, *(TMP_FORMAT.format(n) for n in (*RUN_RESULTS, *RUN_SETTINGS)),
                *TRACKER_STORES, LOCK_NAME)
@@ -305,22 +309,60 @@ def kept_after_interrupt(out: Path) -> str:
     return f"no checkpoint was written in {out}, so the next run starts over"
 
 
-def remove_run_outputs(out: Path) -> list[str]:
-    """Delete what moe-tune writes into `out` (results, settings and their temporaries); other files, and the
-    tracker stores (TRACKER_STORES), stay. A symlink is removed, never followed. Returns the names removed."""
-    removed = []
+def run_output_entries(out: Path) -> list[Path]:
+    """What moe-tune writes into `out` and finds there (results, settings and their temporaries, in a stable order);
+    not the tracker stores (TRACKER_STORES) or other files."""
+    entries = []
     for name in (*RUN_RESULTS, *RUN_SETTINGS):
         # Folders written through a writer's own temporary sibling (export.staging_folder: `.NAME.tmp-HOST-PID`).
         staged = sorted(out.glob(glob.escape(TMP_FORMAT.format(name)) + "-*"))
-        for entry in (out / name, out / TMP_FORMAT.format(name), *staged):
-            if entry.is_symlink() or entry.is_file():
-                entry.unlink()
-            elif entry.is_dir():
-                shutil.rmtree(entry)
-            else:
-                continue
-            removed.append(entry.name)
+        entries += [entry for entry in (out / name, out / TMP_FORMAT.format(name), *staged) if os.path.lexists(entry)]
+    return entries
+
+
+def remove_run_outputs(out: Path) -> list[str]:
+    """Delete what moe-tune writes into `out` (run_output_entries); other files, and the tracker stores, stay. A
+    symlink is removed, never followed. Returns the names removed."""
+    removed = []
+    for entry in run_output_entries(out):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry.name)
     return removed
+
+
+def set_aside_run_outputs(out: Path) -> list[str]:
+    """Move what moe-tune wrote into `out` (run_output_entries) into out/OVERWRITTEN, where an --overwrite run keeps
+    the previous run until it is set up (drop_set_aside) or refused (restore_set_aside). Returns the names moved."""
+    aside = out / OVERWRITTEN
+    aside.mkdir()
+    moved = []
+    for entry in run_output_entries(out):
+        entry.rename(aside / entry.name)
+        moved.append(entry.name)
+    return moved
+
+
+def restore_set_aside(out: Path) -> bool:
+    """The previous run set aside in out/OVERWRITTEN back in place, what the new run wrote before it was removed;
+    whether there was one."""
+    aside = out / OVERWRITTEN
+    if not aside.is_dir() or aside.is_symlink():
+        return False
+    remove_run_outputs(out)
+    for entry in sorted(aside.iterdir()):
+        entry.rename(out / entry.name)
+    aside.rmdir()
+    return True
+
+
+def drop_set_aside(out: Path) -> None:
+    """Remove the previous run an --overwrite run set aside, once that run is set up."""
+    aside = out / OVERWRITTEN
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside)
 
 
 def links_out_of(run_dir: Path, names: tuple[str, ...]) -> list[str]:
@@ -441,8 +483,10 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
     """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, one where
     the run would write over what it reads (`reads`, check_reads_apart), a directory in use by another run, one
     holding a previous run's results without resume or overwrite, one whose tracker stores (or, on resume, results
-    and settings) lead outside it. Returns the held lock and notes to print (a lock taken over, the outputs
-    --overwrite removed and the tracker stores it kept)."""
+    and settings) lead outside it. With overwrite, the previous run's outputs are set aside (set_aside_run_outputs)
+    for claim_output_dir to remove once the run is set up; a previous run an --overwrite run killed during its set-up
+    had set aside is put back first. Returns the held lock and notes to print (a lock taken over, the outputs
+    --overwrite replaces and the tracker stores it keeps)."""
     where = f"output.dir ({out})"
     if resume and overwrite:
         raise ProfileError(["--resume and --overwrite contradict each other: --resume continues the run in "
@@ -470,6 +514,9 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
         readers = reader_problems(out)
         if readers:
             raise ProfileError(readers)
+        if restore_set_aside(out):
+            notes.append(f"note: the previous run's outputs that an --overwrite run killed while it set up had set "
+                         f"aside are back in {out}")
         if resume:
             # --resume reads the run's checkpoints and appends to its metrics: through a link, another folder's.
             escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS, *TRACKER_STORES))
@@ -491,8 +538,9 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
             if problems:
                 raise ProfileError(problems)
             if found:
-                removed = remove_run_outputs(out)
-                notes.append(f"note: --overwrite removed the previous run's {', '.join(removed)} from {out}")
+                moved = set_aside_run_outputs(out)
+                notes.append(f"note: --overwrite replaces the previous run's {', '.join(moved)} in {out}: removed once "
+                             "this run has read its data and built its model, left in place if it is refused before")
             kept = [name for name in TRACKER_STORES if os.path.lexists(out / name)]
             if overwrite and kept:
                 notes.append(f"note: --overwrite kept {', '.join(kept)} in {out}: tracker stores that may hold other "
@@ -502,15 +550,30 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
         raise
     except OSError as err:
         lock.release()
-        raise ProfileError([f"{where}: cannot remove the previous run's outputs ({_reason(err)})"]) from None
+        raise ProfileError([f"{where}: cannot set the previous run's outputs aside ({_reason(err)})"]) from None
     return lock, notes
+
+
+@dataclass
+class OutputClaim:
+    """output.dir held for a run (claim_output_dir): the notes to print, and the lock the main rank holds."""
+
+    notes: list[str]
+    lock: RunDirLock | None
+
+    def set_up(self) -> None:
+        """The run has read its data and built its model: the previous run an --overwrite set aside is removed."""
+        if self.lock is not None:
+            drop_set_aside(self.lock.out)
 
 
 @contextmanager
 def claim_output_dir(out: Path, dist: DistInfo, resume: bool, overwrite: bool,
-                     reads: dict[str, Path | None] | None = None) -> Iterator[list[str]]:  # fmt: skip
+                     reads: dict[str, Path | None] | None = None) -> Iterator[OutputClaim]:  # fmt: skip
     """check_output_dir on the main rank, which alone holds the lock until the block exits (however it exits);
-    every rank raises the same ProfileError when the main rank refuses. Yields the notes to print."""
+    every rank raises the same ProfileError when the main rank refuses. Yields the claim; a block left by an error
+    or a signal before OutputClaim.set_up puts back the previous run an --overwrite set aside (what the run wrote
+    removed)."""
     lock, notes, problems = None, [], []
     if dist.is_main:
         try:
@@ -526,7 +589,12 @@ def claim_output_dir(out: Path, dist: DistInfo, resume: bool, overwrite: bool,
             lock.release()
         raise ProfileError(problems)
     try:
-        yield notes
+        yield OutputClaim(notes, lock)
+    except BaseException:
+        if lock is not None:
+            with suppress(OSError):  # left set aside, it is put back by the next run's claim
+                restore_set_aside(out)
+        raise
     finally:
         if lock is not None:
             lock.release()

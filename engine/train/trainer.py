@@ -421,13 +421,13 @@ def finetune(
     dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
     try:
         # Locked and checked before anything is read or written; released however the run ends.
-        with claim_output_dir(profile.output.dir, dist, resume, overwrite, run_reads(profile)) as notes:
+        with claim_output_dir(profile.output.dir, dist, resume, overwrite, run_reads(profile)) as claim:
             if show_progress and dist.is_main:
                 from rich.console import Console
 
-                for note in notes:
+                for note in claim.notes:
                     (console or Console()).print(note, markup=False, highlight=False)
-            return _finetune(profile, dist, resume, show_progress, stop_after, console)
+            return _finetune(profile, dist, resume, show_progress, stop_after, console, claim)
     finally:
         torch.nn.functional.linear = functional_linear
         shutdown_distributed()
@@ -444,9 +444,11 @@ def quiet_third_party_noise() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console) -> RunResult:
+def _finetune(profile, dist: DistInfo, resume, show_progress, stop_after, console, claim) -> RunResult:
     run = _set_up(profile, dist, resume, stop_after)
     try:
+        # Only now is a previous run that --overwrite replaces removed: a refusal before leaves it in place.
+        claim.set_up()
         _train(run, show_progress, console)
         return _finish(run)
     finally:
@@ -555,9 +557,11 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     run.batches = MicroBatchesAhead(dataset, train.micro_batch_size, dist.data_rank, dist.data_size,
                                     run.end_step * train.gradient_accumulation_steps)  # fmt: skip
     try:
-        # A refused --resume leaves the run's settings as its checkpoints were trained with.
+        # A refused --resume leaves the run's settings as its checkpoints were trained with, and its summary.
         if resume:
             run.resumed_from = _resume(run)
+            if result.start_step >= run.end_step:
+                raise ProfileError([nothing_to_resume(result.start_step, run.end_step, total_steps)])
         if dist.is_main:
             _write_run_config(run, ds_config)
         # After loading: a graph replays the weights' addresses as captured.
@@ -569,6 +573,14 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         release_engine(engine)
         raise
     return run
+
+
+def nothing_to_resume(start_step: int, end_step: int, total_steps: int) -> str:
+    """The line refusing a --resume whose newest checkpoint is at or past the step the run would stop at."""
+    if start_step == end_step == total_steps:
+        return f"--resume: the newest checkpoint is already at the run's last step ({total_steps}); nothing to train"
+    stop = "the run's last step" if end_step == total_steps else "the step to stop at"
+    return f"--resume: the newest checkpoint is at step {start_step}, past {stop} ({end_step}); nothing to train"
 
 
 def _write_run_config(run: TrainingRun, ds_config: dict) -> None:

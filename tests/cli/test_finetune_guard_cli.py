@@ -38,6 +38,25 @@ def test_resume_with_overwrite_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("data", ['{"text": "a"}\n{"text": "b"\n', '{"text": ""}\n'], ids=["broken", "no-token"])
+def test_overwrite_refused_for_its_data_leaves_the_previous_run(tmp_path, data):
+    """--overwrite removes the previous run only once the new one has read its data and built its model: a data
+    file refused (a broken line, nothing to train on) is one line, exit 2, and the previous run is left byte for byte."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-0000002" / "model_states.pt").write_bytes(b"weights")
+    for name in ("metrics.jsonl", "summary.json", "profile.yaml", "deepspeed_config.json"):
+        (out / name).write_text(f"old {name}")
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    (tmp_path / "data.jsonl").write_text(data)
+    result = runner.invoke(app, [*finetune_args(out, f"data.path={tmp_path / 'data.jsonl'}"), "--overwrite"])
+    assert result.exit_code == 2, result.output
+    assert len(errors(result)) == 1
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoints", "metrics.jsonl", "summary.json",
+                                                            "profile.yaml", "deepspeed_config.json"])
+
+
 @pytest.mark.parametrize("name", ["profile.yaml", "deepspeed_config.json", "checkpoints/p.yaml", "adapter/p.yaml"])
 def test_a_profile_kept_where_a_fresh_run_writes_is_refused_and_kept(tmp_path, name):
     # The run writes its resolved profile.yaml and its settings into output.dir: a PROFILE there would be replaced.

@@ -11,7 +11,9 @@ import torch
 from moe_tune.engine.train import run_dir
 from processes import dead_pid
 from moe_tune.engine.train.distributed import DistInfo
-from moe_tune.engine.train.run_dir import LOCK_NAME, RUN_RESULTS, RUN_SETTINGS, check_output_dir, claim_output_dir
+from moe_tune.engine.train.run_dir import (
+    LOCK_NAME, OVERWRITTEN, RUN_RESULTS, RUN_SETTINGS, check_output_dir, claim_output_dir,
+)
 from moe_tune.profiles import ProfileError
 
 HOST = socket.gethostname()
@@ -205,6 +207,9 @@ def test_settings_no_run_wrote_are_refused_and_kept(tmp_path, profile):
     check_output_dir(tmp_path, resume=False, overwrite=True)[0].release()
 
 
+REPLACED = "removed once this run has read its data and built its model, left in place if it is refused before"
+
+
 def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -219,10 +224,13 @@ def test_overwrite_removes_the_previous_run_and_nothing_else(tmp_path):
     (out / "notes").mkdir()
     lock, notes = check_output_dir(out, resume=False, overwrite=True)
     lock.release()
+    # Set aside until the run is set up, then removed.
+    assert sorted(p.name for p in out.iterdir()) == [OVERWRITTEN, "data.jsonl", "notes"]
+    run_dir.drop_set_aside(out)
     assert sorted(p.name for p in out.iterdir()) == ["data.jsonl", "notes"]
     assert (outside / "precious.txt").read_text() == "keep"
-    assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, summary.json, .summary.json.tmp, "
-                     f"checkpoints, adapter, model.safetensors, profile.yaml from {out}"]  # fmt: skip
+    assert notes == [f"note: --overwrite replaces the previous run's metrics.jsonl, summary.json, .summary.json.tmp, "
+                     f"checkpoints, adapter, model.safetensors, profile.yaml in {out}: {REPLACED}"]  # fmt: skip
 
 
 def test_overwrite_removes_what_a_killed_writer_staged(tmp_path):
@@ -236,8 +244,10 @@ def test_overwrite_removes_what_a_killed_writer_staged(tmp_path):
     (staged / "model-00001-of-00002.safetensors").write_text("half")
     lock, notes = check_output_dir(tmp_path, resume=False, overwrite=True)
     lock.release()
+    run_dir.drop_set_aside(tmp_path)
     assert list(tmp_path.iterdir()) == []
-    assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, {staged.name} from {tmp_path}"]
+    assert notes == [f"note: --overwrite replaces the previous run's metrics.jsonl, {staged.name} in {tmp_path}: "
+                     f"{REPLACED}"]
 
 
 def test_overwrite_keeps_the_tracker_stores_and_says_so(tmp_path):
@@ -251,9 +261,10 @@ def test_overwrite_keeps_the_tracker_stores_and_says_so(tmp_path):
         (out / name).write_text("old")
     lock, notes = check_output_dir(out, resume=False, overwrite=True)
     lock.release()
+    run_dir.drop_set_aside(out)
     assert sorted(p.name for p in out.iterdir()) == ["mlruns", "wandb"]
     assert (out / "mlruns" / "0" / "meta.yaml").read_text() == "name: Default"
-    assert notes == [f"note: --overwrite removed the previous run's metrics.jsonl, loggers.json from {out}",
+    assert notes == [f"note: --overwrite replaces the previous run's metrics.jsonl, loggers.json in {out}: {REPLACED}",
                      f"note: --overwrite kept wandb, mlruns in {out}: tracker stores that may hold other runs; the new "
                      "run is logged beside the earlier ones"]  # fmt: skip
 
@@ -393,8 +404,8 @@ def test_other_ranks_take_no_lock_and_share_the_main_ranks_verdict(tmp_path, mon
                 pass
         assert err.value.problems == main_says
     else:
-        with claim_output_dir(tmp_path, dist_info(1, 2), resume=False, overwrite=False) as notes:
-            assert notes == []
+        with claim_output_dir(tmp_path, dist_info(1, 2), resume=False, overwrite=False) as claim:
+            assert claim.notes == [] and claim.lock is None
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
@@ -582,3 +593,70 @@ def test_an_output_dir_below_other_folders_is_accepted(tmp_path, inside):
     (tmp_path / "project" / "profile.yaml").write_text("name: mine\ntrain: {steps: 3}\n")
     for root in ("run", "project") if inside == "notes/run" else ("project",):
         check_output_dir(tmp_path / root / inside, resume=False, overwrite=False)[0].release()
+
+
+def previous_run(out) -> dict:
+    """A finished run's files in `out` (a checkpoint folder, a link among them), by path, with their bytes."""
+    (out / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-0000002" / "model_states.pt").write_bytes(b"weights")
+    for name in ("metrics.jsonl", "summary.json", "profile.yaml", "deepspeed_config.json"):
+        (out / name).write_text(f"old {name}")
+    (out / "notes.txt").write_text("the user's")
+    return snapshot(out)
+
+
+def snapshot(out) -> dict:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("ending", [ProfileError(["data.path: bad"]), KeyboardInterrupt(), RuntimeError("crash")],
+                         ids=["refused", "interrupted", "crashed"])  # fmt: skip
+def test_overwrite_leaves_the_previous_run_when_the_set_up_ends(tmp_path, ending):
+    """--overwrite sets the previous run aside and removes it only once the new run is set up (its data read, its
+    model built): a refusal, a signal or an error before puts it back, byte for byte, and removes what the new run
+    wrote meanwhile (its generated corpus, its settings)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    before = previous_run(out)
+    with pytest.raises(type(ending)):
+        with claim_output_dir(out, dist_info(0, 1), False, True) as claim:
+            assert claim.notes[0].startswith("note: --overwrite replaces the previous run's metrics.jsonl")
+            assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME, OVERWRITTEN, "notes.txt"]
+            (out / "generated-data").mkdir()
+            (out / "generated-data" / "corpus.jsonl").write_text("new")
+            (out / "profile.yaml").write_text("new")
+            raise ending
+    assert snapshot(out) == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoints", "metrics.jsonl", "summary.json",
+                                                            "profile.yaml", "deepspeed_config.json", "notes.txt"])
+
+
+def test_overwrite_removes_the_previous_run_once_the_run_is_set_up(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    previous_run(out)
+    with pytest.raises(RuntimeError):
+        with claim_output_dir(out, dist_info(0, 1), False, True) as claim:
+            (out / "profile.yaml").write_text("new")
+            claim.set_up()
+            (out / "metrics.jsonl").write_text("step 1")
+            raise RuntimeError("a later step failed")
+    # The new run's files are its own now; the previous run is gone.
+    assert snapshot(out) == {"metrics.jsonl": b"step 1", "notes.txt": b"the user's", "profile.yaml": b"new"}
+
+
+def test_a_previous_run_set_aside_by_a_killed_run_is_put_back(tmp_path):
+    # An --overwrite run killed (SIGKILL) while it set up left the previous run set aside and its own settings.
+    out = tmp_path / "out"
+    out.mkdir()
+    before = previous_run(out)
+    run_dir.set_aside_run_outputs(out)
+    (out / "profile.yaml").write_text("the killed run's")
+    with pytest.raises(ProfileError) as err:
+        check_output_dir(out, resume=False, overwrite=False)
+    assert err.value.problems[0].startswith(f"output.dir ({out}) holds a previous run (metrics.jsonl, summary.json, "
+                                            "checkpoints)")  # fmt: skip
+    assert snapshot(out) == before
+    lock, notes = check_output_dir(out, resume=True, overwrite=False)
+    lock.release()
+    assert notes == []

@@ -144,13 +144,24 @@ def test_resume_continues_with_identical_losses(tmp_path, zero_stage):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("refused", ["lora.r=8", "model.hidden_size=32", "damaged"])
+@pytest.mark.parametrize("refused", ["lora.r=8", "model.hidden_size=32", "damaged", "finished"])
 def test_a_refused_resume_leaves_the_run_settings_as_trained(tmp_path, refused):
     """profile.yaml and deepspeed_config.json describe the checkpoints beside them (generate and export read the
-    model from profile.yaml): a --resume refused for its profile or its checkpoints must not rewrite them."""
+    model from profile.yaml): a --resume refused for its profile or its checkpoints must not rewrite them. A finished
+    run resumed has nothing to train: its folder stays byte for byte (its summary, adapter and model card were
+    rewritten without losses)."""
     profile = small_profile(tmp_path, "train.steps=2", "output.save_every=1")
     finetune(profile, show_progress=False)
     written = {name: (tmp_path / name).read_bytes() for name in ("profile.yaml", "deepspeed_config.json")}
+    if refused == "finished":
+        files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+        changed = small_profile(tmp_path, "train.steps=2", "output.save_every=1", "train.lr=0.001")
+        with pytest.raises(ProfileError) as err:
+            finetune(changed, show_progress=False, resume=True)
+        assert err.value.problems == ["--resume: the newest checkpoint is already at the run's last step (2); nothing "
+                                      "to train"]
+        assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files
+        return
     if refused == "damaged":
         for folder in complete_checkpoints(tmp_path / "checkpoints"):
             (folder / "trainer_state.json").write_text("{")
