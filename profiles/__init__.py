@@ -109,12 +109,17 @@ def shipped_profiles() -> list[str]:
 
 
 def resolve_profile_path(name_or_path: str | Path) -> Path:
-    """A path as given, or the name of a shipped profile (`tiny` -> the installed tiny.yaml)."""
+    """A path as given, or the name of a shipped profile: `tiny`, `tiny.yaml` or the repository's relative
+    `profiles/tiny.yaml` (the README's commands, run from any folder) -> the installed tiny.yaml. A missing path of
+    any other form (another suffix, another folder, a trailing slash) is no shipped profile: a user's own file that is
+    missing must not be replaced by the installed one of the same name."""
     path = Path(name_or_path)
     if path.exists():
         return path
-    shipped = SHIPPED_DIR / f"{path.stem}.yaml"
-    if path.parent == Path(".") or path.parent.name == "profiles":
+    text = str(name_or_path)
+    is_name = "/" not in text and path.suffix in ("", ".yaml")
+    if is_name or (text == f"profiles/{path.name}" and path.suffix == ".yaml"):
+        shipped = SHIPPED_DIR / f"{path.stem}.yaml"
         if shipped.is_file():
             return shipped
     raise ProfileError(

@@ -43,6 +43,18 @@ def test_shipped_name_resolves_from_any_directory(tmp_path, monkeypatch):
     assert load_profile("tiny").name == "tiny"
 
 
+@pytest.mark.parametrize("given", ["tiny.yml", "tiny.json", "tiny/", "./tiny.yaml", "profiles/tiny", "/nowhere/tiny",
+                                   "/nonexistent/profiles/tiny.yaml", "x/profiles/tiny.yaml", "x/profiles/tiny.txt"])
+def test_a_missing_path_is_no_shipped_profile(tmp_path, monkeypatch, given):
+    """Only a name (`tiny`, `tiny.yaml`) or the repository's `profiles/NAME.yaml` means a shipped profile: a user's
+    own file that is missing (another suffix, another folder) is refused, never replaced by the installed one."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProfileError) as err:
+        resolve_profile_path(given)
+    assert err.value.problems[0].startswith(f"{given}: no such file, nor a shipped profile (shipped: ")
+    assert resolve_profile_path("tiny.yaml") == resolve_profile_path("tiny") == TINY
+
+
 def test_unreadable_file():
     (line,) = problems_of("/nonexistent/dir/p.yaml")
     assert line.startswith("/nonexistent/dir/p.yaml: no such file")
