@@ -1,6 +1,8 @@
 """`moe-tune plan`: the table of layouts, the JSON it writes, and one-line errors for bad arguments."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -179,6 +181,50 @@ def test_plan_json_over_what_the_profile_reads_or_its_run_keeps_is_refused(tmp_p
     result = runner.invoke(app, ["plan", "tiny", "--devices", "2", *[a for s in sets for a in ("--set", s)],
                                  "--json", str(tmp_path / "run" / "plan.json")])  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+def test_plan_json_into_a_fifo_needs_a_reader(tmp_path, child_env):
+    """A FIFO no process reads would hold the plan's write for ever (after the table is printed): refused up front.
+    One a process reads (a shell's `>(jq .)`) takes the plan."""
+    import os
+    import threading
+
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    # In a process of its own: a write that waits for ever fails the test at the timeout instead of holding it.
+    refused = subprocess.run([sys.executable, "-m", "moe_tune", "plan", "tiny", "--devices", "1", "--json", str(fifo)],
+                             capture_output=True, text=True, timeout=120, env=child_env)  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (f"error: --json ({str(fifo)!r}): a FIFO that no process reads: writing it "
+                                      "would wait for a reader for ever")  # fmt: skip
+    read = []
+    reader_open = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    reader = threading.Thread(target=lambda: read.append(_read_all(reader_open)))
+    reader.start()
+    result = runner.invoke(app, ["plan", "tiny", "--devices", "1", "--json", str(fifo)])
+    reader.join(timeout=60)
+    assert result.exit_code == 0, result.output
+    assert json.loads(read[0])["layouts"]
+
+
+def _read_all(fd: int) -> bytes:
+    """Everything written into the FIFO open (without blocking) for reading at `fd`, until its writer closes it: the
+    end of file it reads before a writer has written is no end."""
+    import os
+    import select
+    import time
+
+    chunks = []
+    while True:
+        select.select([fd], [], [], 60)
+        chunk = os.read(fd, 1 << 16)
+        if chunk:
+            chunks.append(chunk)
+        elif chunks:
+            os.close(fd)
+            return b"".join(chunks)
+        else:
+            time.sleep(0.01)
 
 
 def test_a_plan_json_write_cut_short_keeps_the_old_file(tmp_path, monkeypatch):
