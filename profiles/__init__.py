@@ -224,6 +224,7 @@ class _ProfileLoader(yaml.composer.Composer, _EventParser, yaml.constructor.Safe
 
     def construct_yaml_int(self, node):
         number = super().construct_yaml_int(node)
+        _refuse_binary(node, number)
         text = node.value.replace("_", "")
         if ":" in text:
             raise _YamlVersionError(None, None, f"{node.value:.60} is {number} in YAML 1.1 (base 60) but text in YAML "
@@ -240,6 +241,15 @@ class _ProfileLoader(yaml.composer.Composer, _EventParser, yaml.constructor.Safe
             raise _YamlVersionError(None, None, f"{node.value:.60} is {number} in YAML 1.1 (base 60) but text in YAML "
                                     "1.2: write the number, or quote it for text", node.start_mark)
         return number
+
+
+def _refuse_binary(node, number) -> None:
+    """_YamlVersionError for a binary number (`0b10`): YAML 1.1 reads 2, YAML 1.2 the text `0b10`, which no number
+    field takes. (Digits grouped by `_`, `1_000`, are the same number read either way: YAML 1.2's text `1_000` is
+    read as 1000 by the schema, as by Python.)"""
+    if node.value.lstrip("+-").startswith("0b"):
+        raise _YamlVersionError(None, None, f"{node.value:.60} is {number} in YAML 1.1 (binary) but text in YAML 1.2 "
+                                "and JSON: write the number in decimal, or quote it for text", node.start_mark)
 
 
 _ProfileLoader.add_constructor("tag:yaml.org,2002:int", _ProfileLoader.construct_yaml_int)

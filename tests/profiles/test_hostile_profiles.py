@@ -509,7 +509,11 @@ def test_duplicates_through_merge_keys_are_refused(tmp_path, case):
               "quote it for text"),
     ("5:00", "5:00 is 300 in YAML 1.1 (base 60) but text in YAML 1.2: write the number, or quote it for text"),
     ("1:30.5", "1:30.5 is 90.5 in YAML 1.1 (base 60) but text in YAML 1.2: write the number, or quote it for text"),
-], ids=["octal", "negative-octal", "base-60", "base-60-float"])  # fmt: skip
+    ("0b100101100", "0b100101100 is 300 in YAML 1.1 (binary) but text in YAML 1.2 and JSON: write the number in "
+                    "decimal, or quote it for text"),
+    ("+0b1_0", "+0b1_0 is 2 in YAML 1.1 (binary) but text in YAML 1.2 and JSON: write the number in decimal, or quote "
+               "it for text"),
+], ids=["octal", "negative-octal", "base-60", "base-60-float", "binary", "signed-binary"])  # fmt: skip
 def test_numbers_yaml_1_1_and_1_2_read_differently_are_refused(tmp_path, value, problem):
     """PyYAML reads YAML 1.1: `steps: 0300` trained 192 steps, `steps: 5:00` 300. JSON and YAML 1.2 read 300 and
     text: neither is guessed."""
