@@ -9,6 +9,7 @@ import typer
 import yaml
 
 from moe_tune.profiles import bounded_line, resolve_profile_path
+from moe_tune.profiles.schema import ignored_setting_notes
 
 from ._common import ProfileArg, SetOption, err_console, read_profile, user_errors
 
@@ -36,6 +37,8 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
         check_reads_apart(job.output.dir, {"PROFILE": resolve_profile_path(profile), **run_reads(job)})
     # Written as it is: a console would wrap lines longer than the terminal (a long path) and break the YAML.
     typer.echo(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), nl=False)
+    for note in ignored_setting_notes(job):
+        err_console.print(bounded_line(note), markup=False, emoji=False)
     if no_data:
         err_console.print(f"{profile}: valid (data not read: --no-data)", markup=False)
         return

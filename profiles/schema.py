@@ -1280,3 +1280,32 @@ class JobProfile(Strict):
                             "row's aux loss is combined over the ranks in the plain decoder layer only")  # fmt: skip
         _raise_if(problems)
         return self
+
+
+# Settings that act only on a model with a vision tower, and those of LoRA that full fine-tuning does not read (the
+# vision choices it does: the parts set frozen stay frozen).
+_VISION_ONLY = {"data": ("image_min_pixels", "image_max_pixels", "bad_images"), "lora": ("vision_tower",
+                                                                                          "vision_merger")}
+_LORA_ONLY = ("r", "alpha", "dropout", "target_modules", "experts", "modules_to_save")
+
+
+def ignored_setting_notes(profile: JobProfile) -> list[str]:
+    """One `note:` line per reason settings the profile gives (its YAML or a --set names them) do nothing in this
+    run: the built-in corpus's beside data.path or data.sources, the image settings and vision choices of a model
+    without a vision tower, LoRA's settings under full fine-tuning. (`profile`: resolved, a checkpoint's architecture
+    read.)"""
+    data, lora = profile.data, profile.lora
+    ignored: list[tuple[list[str], str]] = []
+    if data.path is not None or data.sources:
+        given = "data.path" if data.path is not None else "data.sources"
+        ignored.append(([f"data.{n}" for n in ("corpus", "corpus_documents") if n in data.model_fields_set],
+                        f"{given} is set (the built-in corpus is made only without it)"))
+    if profile.model.vision is None:
+        ignored.append(([f"{section}.{n}" for section, names in _VISION_ONLY.items() for n in names
+                         if n in getattr(profile, section).model_fields_set],
+                        "the model has no vision tower (model.vision)"))  # fmt: skip
+    if not lora.enabled:
+        ignored.append(([f"lora.{n}" for n in _LORA_ONLY if n in lora.model_fields_set],
+                        "lora.enabled is false (full fine-tuning)"))
+    return [f"note: {', '.join(names)} {'is' if len(names) == 1 else 'are'} ignored: {why}"
+            for names, why in ignored if names]

@@ -164,7 +164,8 @@ def resolve_job(job: JobProfile) -> JobProfile:
         raise ProfileError([f"{where}: {line}" for line in err.problems]) from None
     from moe_tune.profiles import validate_profile
 
-    raw = job.model_dump(mode="json")
+    # The sections as the profile gave them (exclude_unset): the resolved job knows which settings the profile named.
+    raw = job.model_dump(mode="json", exclude_unset=True)
     raw["model"] = cfg.model_dump(mode="json")
     # The profile's own base_precision wins over the checkpoint's (a bf16 run from an FP8 checkpoint dequantizes).
     if "base_precision" in job.model.model_fields_set:

@@ -36,7 +36,7 @@ from moe_tune.engine.parallel.expert_parallel import (
 )
 from moe_tune.engine.train.expert_tags import tag_expert_parameters
 from moe_tune.profiles import ProfileError
-from moe_tune.profiles.schema import JobProfile, TrainProfile
+from moe_tune.profiles.schema import JobProfile, TrainProfile, ignored_setting_notes
 
 from .checkpoint import (
     best_checkpoint,
@@ -731,6 +731,7 @@ def _start_lines(run: TrainingRun, writer) -> Iterator[str]:
     if run.graphs is not None and dist.is_main:
         yield run.graphs.note()
     yield from eval_notes(profile, run.eval_data)
+    yield from ignored_setting_notes(profile)
     trackers = [t.where for t in writer.trackers] if writer is not None else ()
     yield from start_banner(profile, run.out, dist.device, dist.world_size, run.total_steps, result.start_step,
                             run.data_summary, len(run.dataset.documents), profile.train.epochs, result.eval_rows,

@@ -259,3 +259,10 @@ def test_the_command_listing_wraps_each_commands_summary_as_one_text():
     for name, command in get_command(app).commands.items():
         summary = " ".join(command.help.split("\n\n")[0].split())
         assert f"{name} {summary}" in lines, name
+
+
+def test_validate_notes_the_settings_that_do_nothing():
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--set", "lora.vision_tower=lora"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["note: lora.vision_tower is ignored: the model has no vision tower "
+                                          "(model.vision)", "tiny: valid (data not read: --no-data)"]

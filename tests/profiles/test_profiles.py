@@ -286,3 +286,49 @@ def test_a_checkpoint_that_ties_its_head_is_refused_with_lm_head_trained_apart(t
     with pytest.raises(ProfileError) as err:
         resolve_job(validate_profile(raw))
     assert err.value.problems[0].startswith("lora.modules_to_save (['lm_head']): lm_head shares its weight with")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-vl", "bench-qwen3-next", "bench-qwen3-moe", "seed-2p8t"])
+def test_shipped_profiles_name_no_ignored_setting(name):
+    from moe_tune.profiles.schema import ignored_setting_notes
+
+    assert ignored_setting_notes(load_profile(name)) == []
+
+
+NO_VISION = "the model has no vision tower (model.vision)"
+
+
+@pytest.mark.parametrize("profile, overrides, expected", [
+    ("tiny", ["data.corpus_documents=50"], []),
+    ("tiny", ["data.path={data}", "data.corpus_documents=50"],
+     ["note: data.corpus_documents is ignored: data.path is set (the built-in corpus is made only without it)"]),
+    ("tiny-vl", ["data.sources=[{{path: {data}}}]"],
+     ["note: data.corpus, data.corpus_documents are ignored: data.sources is set (the built-in corpus is made only "
+      "without it)"]),
+    ("tiny", ["data.image_min_pixels=64", "data.image_max_pixels=4096", "data.bad_images=skip"],
+     [f"note: data.image_min_pixels, data.image_max_pixels, data.bad_images are ignored: {NO_VISION}"]),
+    ("tiny", ["lora.vision_tower=lora"], [f"note: lora.vision_tower is ignored: {NO_VISION}"]),
+    ("tiny", ["lora.vision_merger=frozen", "lora.enabled=false"],
+     [f"note: lora.vision_merger is ignored: {NO_VISION}",
+      "note: lora.r, lora.alpha, lora.target_modules, lora.experts, lora.modules_to_save are ignored: lora.enabled is "
+      "false (full fine-tuning)"]),
+    ("tiny-vl", ["lora.vision_tower=trained", "data.image_max_pixels=4096", "lora.enabled=false"],
+     ["note: lora.r, lora.alpha, lora.target_modules, lora.experts, lora.modules_to_save are ignored: lora.enabled is "
+      "false (full fine-tuning)"]),
+])  # fmt: skip
+def test_settings_that_do_nothing_in_the_run_are_noted(tmp_path, profile, overrides, expected):
+    from moe_tune.profiles.schema import ignored_setting_notes
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "one document"}\n')
+    job = load_profile(profile, [o.format(data=data) for o in overrides])
+    assert ignored_setting_notes(job) == expected
+
+
+def test_full_fine_tuning_of_a_profile_naming_no_lora_setting_notes_nothing(tmp_path):
+    from moe_tune.profiles import validate_profile
+    from moe_tune.profiles.schema import ignored_setting_notes
+
+    raw = yaml.safe_load(TINY.read_text())
+    raw["lora"] = {"enabled": False}
+    assert ignored_setting_notes(validate_profile(raw)) == []
