@@ -31,7 +31,7 @@ from .chat import (
 )
 from .corpus import generate_corpus
 from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
-from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image
+from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image, settings_problem
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat, render_templated_multimodal_chat
 from .readers import SKIP_BLOCK_BYTES, UTF8_BOM, Refused, jsonl_lines, open_records, too_deep  # noqa: F401
 from .shapes import write_shapes_corpus
@@ -125,7 +125,13 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
         updates["min_pixels"] = data.image_min_pixels
     if data.image_max_pixels is not None:
         updates["max_pixels"] = data.image_max_pixels
-    return VisionInput(dataclasses.replace(settings, **updates), tokens)
+    settings = dataclasses.replace(settings, **updates)
+    if updates and (problem := settings_problem(settings)) is not None:
+        # The profile's bounds with the checkpoint's (or the defaults): named as the profile's fields.
+        named = problem.replace("min_pixels (", "data.image_min_pixels (" if "min_pixels" in updates else "min_pixels (")
+        named = named.replace("max_pixels (", "data.image_max_pixels (" if "max_pixels" in updates else "max_pixels (")
+        raise ProfileError([named])
+    return VisionInput(settings, tokens)
 
 
 def _check_parts_without_vision(record: dict, where: str, profile: DataProfile) -> None:

@@ -94,7 +94,7 @@ class ImageSettings:
         if raw.get("do_normalize") is False:
             mean, std = (0.0,) * 3, (1.0,) * 3
         rescale = 1.0 if raw.get("do_rescale") is False else pick(raw.get("rescale_factor"), fallback=1 / 255)
-        return cls(
+        settings = cls(
             patch_size=int(raw.get("patch_size", default.patch_size)),
             temporal_patch_size=int(raw.get("temporal_patch_size", default.temporal_patch_size)),
             merge_size=int(raw.get("merge_size", default.merge_size)),
@@ -108,6 +108,33 @@ class ImageSettings:
             rescale_factor=float(rescale),
             resample=int(pick(raw.get("resample"), fallback=BICUBIC)),
         )
+        if problem := settings_problem(settings):
+            raise ImageError(f"{path}: {problem}")
+        return settings
+
+
+# PIL.Image.Resampling: NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING.
+RESAMPLING = range(6)
+
+
+def settings_problem(settings: ImageSettings) -> str | None:
+    """The first setting images cannot be read with (its name, value and rule), or None: patch and merge sizes of
+    at least 1, pixel bounds with 0 <= min_pixels <= max_pixels <= MAX_IMAGE_PIXELS (past it a 1-pixel image could be
+    resized to gigabytes), a nonzero finite std per channel, a finite rescale factor, a resampling filter Pillow has."""
+    for name in ("patch_size", "temporal_patch_size", "merge_size"):
+        if getattr(settings, name) < 1:
+            return f"{name} ({getattr(settings, name)}) must be >= 1"
+    if not 0 <= settings.min_pixels <= settings.max_pixels:
+        return f"min_pixels ({settings.min_pixels}) must be >= 0 and <= max_pixels ({settings.max_pixels})"
+    if not 1 <= settings.max_pixels <= MAX_IMAGE_PIXELS:
+        return f"max_pixels ({settings.max_pixels}) must be in [1, {MAX_IMAGE_PIXELS}] (Pillow's bound on an image)"
+    if not all(math.isfinite(s) and s != 0 for s in settings.image_std):
+        return f"image_std ({list(settings.image_std)}) must be finite and nonzero for each channel"
+    if not all(math.isfinite(v) for v in (*settings.image_mean, settings.rescale_factor)):
+        return f"image_mean ({list(settings.image_mean)}) and rescale_factor ({settings.rescale_factor}) must be finite"
+    if settings.resample not in RESAMPLING:
+        return f"resample ({settings.resample}) must be one of Pillow's filters, 0 to 5"
+    return None
 
 
 def target_size(height: int, width: int, settings: ImageSettings) -> tuple[int, int]:

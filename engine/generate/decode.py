@@ -71,22 +71,16 @@ def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache
                    mrope_positions: torch.Tensor | None = None) -> torch.Tensor:
     """input_ids [1, T] int64, the next T tokens of the sequence whose states `cache` holds (empty: the prefill) ->
     logits [1, T, V] fp32. Advances cache.num_tokens by T. Runs without autograd. image_features [n, D]: the rows of
-    the n image tokens among input_ids (ProfileError naming the first image token when there are none for it), and
-    mrope_positions [3, T] their tokens' rotary positions (prompt_images gives both)."""
+    the n image tokens among input_ids (ValueError when they are not n), and mrope_positions [3, T] their tokens'
+    rotary positions (prompt_images gives both); without them an image token is embedded as any token is (a
+    generated one, as transformers' generate feeds it back)."""
     lm = find_causal_lm(model)
     if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} must be [1, T] with T >= 1")
-    vision = lm.cfg.vision
-    if vision is not None:
-        image_at = (input_ids[0] == vision.image_token_id).nonzero().flatten().tolist()
-        given = 0 if image_features is None else image_features.shape[0]
-        if len(image_at) != given:
-            position = cache.num_tokens + image_at[0] if image_at else None
-            raise ProfileError([
-                f"prompt: token {position} is the image token ({vision.image_token_id}) but no image is given for it"
-                if given == 0 else f"prompt: {len(image_at)} image tokens ({vision.image_token_id}) in the call, "
-                f"{given} image rows given for them"
-            ])
+    if image_features is not None:
+        placed = int((input_ids[0] == lm.cfg.vision.image_token_id).sum())
+        if placed != image_features.shape[0]:
+            raise ValueError(f"{placed} image tokens in the call, {image_features.shape[0]} image rows given")
     step = DecodeStep.next(cache, input_ids[0], mrope_positions)
     with torch.no_grad():
         logits = lm.forward_cached(input_ids, step, image_features).float()
@@ -248,6 +242,11 @@ def generate_ids(
     is_seen_V = torch.zeros(lm.cfg.vocab_size, dtype=torch.bool, device=device)
     is_seen_V[prompt[0]] = True
     features = positions = None
+    vision = lm.cfg.vision
+    if images is None and vision is not None and (prompt[0] == vision.image_token_id).any():
+        position = int((prompt[0] == vision.image_token_id).nonzero()[0])
+        raise ProfileError([f"prompt: token {position} is the image token ({vision.image_token_id}) but no image is "
+                            "given for it"])
     if images is not None:
         features, positions, cache.rotary_offset = prompt_images(lm, prompt, images)
         # Each call's image rows start after those of the image tokens before it.

@@ -55,8 +55,11 @@ TRACKER_STORES = (WANDB_STORE, MLFLOW_STORE)
 # Files written atomically through `.NAME.tmp` (checkpoint.write_text_atomic, trainer._save_atomic).
 TMP_FORMAT = ".{}.tmp"
 # The previous run's outputs while an --overwrite run sets up (reads its data, builds its model): removed once it is
-# set up, moved back when it is refused or stopped before.
+# set up, moved back when it is refused or stopped before. SET_ASIDE_DONE, a file inside, says every output was moved;
+# DROPPED is the folder renamed for its removal (a removal cut short leaves it, removed by the next claim).
 OVERWRITTEN = f"{LOCK_NAME}.overwritten"
+SET_ASIDE_DONE = ".done"
+DROPPED = f"{LOCK_NAME}.dropped"
 # Every name a run writes (or --overwrite deletes) in its output.dir, the temporaries of its atomic writes included.
 OWNED_NAMES = (*RUN_RESULTS, *RUN_SETTINGS, *(TMP_FORMAT.format(n) for n in (*RUN_RESULTS, *RUN_SETTINGS)),
                *TRACKER_STORES, LOCK_NAME)
@@ -120,6 +123,8 @@ class RunDirLock:
         self.path = out / LOCK_NAME
         self.holder = holder_of_this_process()
         self.note: str | None = None
+        # The run outputs the claim found in the folder once any previous run was set aside (check_output_dir).
+        self.found_outputs: frozenset[str] = frozenset()
 
     def _create(self) -> bool:
         """Create the lock file with our holder; False when one exists."""
@@ -320,49 +325,75 @@ def run_output_entries(out: Path) -> list[Path]:
     return entries
 
 
-def remove_run_outputs(out: Path) -> list[str]:
-    """Delete what moe-tune writes into `out` (run_output_entries); other files, and the tracker stores, stay. A
-    symlink is removed, never followed. Returns the names removed."""
+def remove_run_outputs(out: Path, keep: frozenset[str] = frozenset()) -> list[str]:
+    """Delete what moe-tune writes into `out` (run_output_entries) but the names in `keep`; other files, and the
+    tracker stores, stay. A symlink is removed, never followed. Returns the names removed."""
     removed = []
     for entry in run_output_entries(out):
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-        removed.append(entry.name)
+        if entry.name not in keep:
+            _remove(entry)
+            removed.append(entry.name)
     return removed
+
+
+def _remove(entry: Path) -> None:
+    """A file, a link (never followed) or a folder with what it holds."""
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
 
 
 def set_aside_run_outputs(out: Path) -> list[str]:
     """Move what moe-tune wrote into `out` (run_output_entries) into out/OVERWRITTEN, where an --overwrite run keeps
-    the previous run until it is set up (drop_set_aside) or refused (restore_set_aside). Returns the names moved."""
+    the previous run until it is set up (drop_set_aside) or refused (restore_set_aside); SET_ASIDE_DONE marks the
+    move complete. Returns the names moved."""
     aside = out / OVERWRITTEN
     aside.mkdir()
     moved = []
     for entry in run_output_entries(out):
         entry.rename(aside / entry.name)
         moved.append(entry.name)
+    (aside / SET_ASIDE_DONE).touch()
     return moved
 
 
 def restore_set_aside(out: Path) -> bool:
-    """The previous run set aside in out/OVERWRITTEN back in place, what the new run wrote before it was removed;
-    whether there was one."""
+    """The previous run set aside in out/OVERWRITTEN back in place; whether there was one. Once the move was complete
+    (SET_ASIDE_DONE) the run outputs in `out` are the new run's and are removed; a move cut short (a signal, a kill)
+    left the rest of the previous run in place, and only what was moved comes back."""
     aside = out / OVERWRITTEN
     if not aside.is_dir() or aside.is_symlink():
         return False
-    remove_run_outputs(out)
-    for entry in sorted(aside.iterdir()):
-        entry.rename(out / entry.name)
+    names = sorted(entry.name for entry in aside.iterdir() if entry.name != SET_ASIDE_DONE)
+    if (aside / SET_ASIDE_DONE).exists():
+        for entry in run_output_entries(out):
+            _remove(entry)
+    for name in names:
+        (aside / name).rename(out / name)
+    (aside / SET_ASIDE_DONE).unlink(missing_ok=True)
     aside.rmdir()
     return True
 
 
 def drop_set_aside(out: Path) -> None:
-    """Remove the previous run an --overwrite run set aside, once that run is set up."""
+    """Remove the previous run an --overwrite run set aside, once that run is set up: renamed first (DROPPED), so
+    a removal cut short is never taken for a previous run to put back."""
     aside = out / OVERWRITTEN
     if aside.is_dir() and not aside.is_symlink():
-        shutil.rmtree(aside)
+        aside.rename(out / DROPPED)
+        shutil.rmtree(out / DROPPED)
+
+
+def runs_inside(out: Path) -> list[Path]:
+    """Run folders (holds_run_profile) at or below the names a run keeps in `out` (`out/adapter` used as another
+    run's output.dir): a previous run's outputs they are not, and --overwrite must not remove them."""
+    found = []
+    for entry in run_output_entries(out):
+        if entry.is_dir() and not entry.is_symlink():
+            inner = (p for p in (entry, *entry.rglob("*")) if p.is_dir() and (p / "profile.yaml").is_file())
+            found += [p for p in inner if holds_run_profile(p)][:1]
+    return found
 
 
 def links_out_of(run_dir: Path, names: tuple[str, ...]) -> list[str]:
@@ -514,9 +545,15 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
         readers = reader_problems(out)
         if readers:
             raise ProfileError(readers)
+        if os.path.lexists(out / DROPPED) and not os.path.islink(out / DROPPED):
+            shutil.rmtree(out / DROPPED)  # a removal a killed run began
         if restore_set_aside(out):
             notes.append(f"note: the previous run's outputs that an --overwrite run killed while it set up had set "
                          f"aside are back in {out}")
+        if inner := runs_inside(out):
+            raise ProfileError([f"{where} holds another run in {', '.join(str(p) for p in inner)}: a run's output.dir "
+                                "inside a name this folder's runs keep; a run here would replace or remove it: move it, "
+                                "or choose another output.dir"])  # fmt: skip
         if resume:
             # --resume reads the run's checkpoints and appends to its metrics: through a link, another folder's.
             escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS, *TRACKER_STORES))
@@ -545,12 +582,23 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
             if overwrite and kept:
                 notes.append(f"note: --overwrite kept {', '.join(kept)} in {out}: tracker stores that may hold other "
                              "runs; the new run is logged beside the earlier ones")
+        # What the run finds of its own names (a user's settings --overwrite may replace): a run refused before its
+        # set-up removes only what it wrote itself.
+        lock.found_outputs = frozenset(entry.name for entry in run_output_entries(out))
     except ProfileError:
         lock.release()
         raise
     except OSError as err:
+        with suppress(OSError):  # a move cut short: what was moved comes back
+            restore_set_aside(out)
         lock.release()
         raise ProfileError([f"{where}: cannot set the previous run's outputs aside ({_reason(err)})"]) from None
+    except BaseException:
+        # A signal while the previous run was being set aside: what was moved comes back before the lock goes.
+        with suppress(OSError):
+            restore_set_aside(out)
+        lock.release()
+        raise
     return lock, notes
 
 
@@ -560,11 +608,13 @@ class OutputClaim:
 
     notes: list[str]
     lock: RunDirLock | None
+    is_set_up: bool = False
 
     def set_up(self) -> None:
         """The run has read its data and built its model: the previous run an --overwrite set aside is removed."""
         if self.lock is not None:
             drop_set_aside(self.lock.out)
+        self.is_set_up = True
 
 
 @contextmanager
@@ -588,12 +638,16 @@ def claim_output_dir(out: Path, dist: DistInfo, resume: bool, overwrite: bool,
         if lock is not None:
             lock.release()
         raise ProfileError(problems)
+    claim = OutputClaim(notes, lock)
     try:
-        yield OutputClaim(notes, lock)
+        yield claim
     except BaseException:
-        if lock is not None:
-            with suppress(OSError):  # left set aside, it is put back by the next run's claim
-                restore_set_aside(out)
+        if lock is not None and not claim.is_set_up:
+            # Refused or stopped in its set-up: the previous run an --overwrite set aside comes back, what the run
+            # wrote (its settings, its generated corpus) goes; left set aside, the next run's claim puts it back.
+            with suppress(OSError):
+                if not restore_set_aside(out):
+                    remove_run_outputs(out, keep=lock.found_outputs)
         raise
     finally:
         if lock is not None:

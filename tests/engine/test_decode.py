@@ -483,3 +483,25 @@ def test_greedy_generation_with_a_repetition_penalty_is_the_penalized_argmax_cha
 def test_bad_top_k_and_repetition_penalty_are_refused(models, options, message):
     with pytest.raises(ProfileError, match=message):
         generate_ids(models["tiny"], PROMPT, 3, **options)
+
+
+@pytest.mark.parametrize("with_images", [False, True])
+def test_a_generated_image_token_is_fed_back_as_a_token(vision_model, with_images):
+    """A model may choose the image token (sampled, or as here its likeliest): as transformers' generate, the next
+    step embeds it as any token (no image rows); generation goes on as the full forward's argmax chain."""
+    import copy
+
+    model = copy.deepcopy(vision_model)
+    image = model.cfg.vision.image_token_id
+    with torch.no_grad():
+        model.lm_head.weight[image] = model.lm_head.weight[image] * 0 + 5 * model.norm(
+            model.embed_tokens.weight[:1]).sign()[0]  # the image token's logit far above the rest
+    prompt, images = image_prompt(model.cfg, [3, (4, 4), 2]) if with_images else ([5, 17, 200], None)
+    got = generate_ids(model, prompt, 3, images=images)
+    assert image in got
+    if with_images:
+        return  # the training forward takes a row's image tokens for its images' only: no full-forward chain here
+    expected = list(prompt)
+    for _ in range(3):
+        expected.append(int(full_logits(model, torch.tensor([expected]))[0, -1].argmax()))
+    assert got == expected[len(prompt) :]

@@ -221,6 +221,50 @@ def test_unreadable_preprocessor_config(tmp_path):
         ImageSettings.from_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("settings, problem", [
+    ({"resample": 99}, "resample (99) must be one of Pillow's filters, 0 to 5"),
+    ({"resample": -1}, "resample (-1) must be one of Pillow's filters, 0 to 5"),
+    ({"size": {"shortest_edge": 0, "longest_edge": 0}}, "max_pixels (0) must be in [1, 89478485] (Pillow's bound on "
+                                                        "an image)"),
+    ({"max_pixels": 89478486}, "max_pixels (89478486) must be in [1, 89478485] (Pillow's bound on an image)"),
+    ({"min_pixels": 5000, "max_pixels": 2304}, "min_pixels (5000) must be >= 0 and <= max_pixels (2304)"),
+    ({"min_pixels": -5}, "min_pixels (-5) must be >= 0 and <= max_pixels (1003520)"),
+    ({"image_std": [0, 0, 0]}, "image_std ([0.0, 0.0, 0.0]) must be finite and nonzero for each channel"),
+    ({"image_std": 0.5, "image_mean": [0.5, "Infinity", 0.5]}, None),
+    ({"patch_size": 0}, "patch_size (0) must be >= 1"),
+    ({"merge_size": -2}, "merge_size (-2) must be >= 1"),
+])  # fmt: skip
+def test_preprocessor_settings_images_cannot_be_read_with_are_one_line(tmp_path, settings, problem):
+    """Each was a traceback (resample 99: ValueError; a longest edge of 0: ZeroDivisionError) or silently broken
+    pixels (a std of 0: inf and nan fed to the model); the bound on max_pixels keeps a resize from making gigabytes."""
+    text = json.dumps(settings).replace('"Infinity"', "Infinity")
+    (tmp_path / "preprocessor_config.json").write_text(text)
+    if problem is None:
+        problem = "image_mean ([0.5, inf, 0.5]) and rescale_factor (0.00392156862745098) must be finite"
+    with pytest.raises(ImageError) as err:
+        ImageSettings.from_checkpoint(tmp_path)
+    assert str(err.value) == f"{tmp_path / 'preprocessor_config.json'}: {problem}"
+
+
+def test_the_profiles_pixel_bounds_are_checked_with_the_checkpoints(tmp_path):
+    from moe_tune.engine.data.dataset import vision_input
+    from moe_tune.profiles import load_profile
+
+    job = load_profile("tiny-vl", ["data.image_min_pixels=5000"])  # tiny-vl's image_max_pixels: 2304
+    with pytest.raises(ProfileError) as err:
+        vision_input(job.model, job.data)
+    assert err.value.problems == ["data.image_min_pixels (5000) must be >= 0 and <= data.image_max_pixels (2304)"]
+    job = load_profile("tiny-vl", ["data.image_max_pixels=100000000"])
+    with pytest.raises(ProfileError) as err:
+        vision_input(job.model, job.data)
+    assert err.value.problems == ["data.image_max_pixels (100000000) must be in [1, 89478485] (Pillow's bound on an "
+                                  "image)"]
+    job = load_profile("tiny-vl", ["data.image_max_pixels=200"])  # below tiny-vl's image_min_pixels (256)
+    with pytest.raises(ProfileError) as err:
+        vision_input(job.model, job.data)
+    assert err.value.problems == ["data.image_min_pixels (256) must be >= 0 and <= data.image_max_pixels (200)"]
+
+
 def test_transparent_images_are_composited_on_white_like_the_reference(tmp_path, reference_processor):
     rng = np.random.default_rng(3)
     rgba = rng.integers(0, 255, (40, 56, 4), dtype=np.uint8)

@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -660,3 +661,89 @@ def test_a_previous_run_set_aside_by_a_killed_run_is_put_back(tmp_path):
     lock, notes = check_output_dir(out, resume=True, overwrite=False)
     lock.release()
     assert notes == []
+
+
+@pytest.mark.parametrize("moved", [0, 1, 3], ids=["none-moved", "one-moved", "three-moved"])
+def test_a_set_aside_cut_short_puts_back_what_was_moved_and_deletes_nothing(tmp_path, moved):
+    """A kill while --overwrite moved the previous run aside leaves some of it moved (no SET_ASIDE_DONE): the next
+    claim moves those back and removes none of the rest, which is the previous run's too."""
+    out = tmp_path / "out"
+    out.mkdir()
+    before = previous_run(out)
+    (out / OVERWRITTEN).mkdir()
+    for entry in run_dir.run_output_entries(out)[:moved]:
+        entry.rename(out / OVERWRITTEN / entry.name)
+    lock, notes = check_output_dir(out, resume=True, overwrite=False)
+    lock.release()
+    assert snapshot(out) == before and not (out / OVERWRITTEN).exists()
+    assert notes == [f"note: the previous run's outputs that an --overwrite run killed while it set up had set aside "
+                     f"are back in {out}"]
+
+
+def test_a_signal_while_the_previous_run_is_set_aside_puts_it_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    before = previous_run(out)
+    rename, calls = Path.rename, []
+
+    def interrupted(self, target):
+        calls.append(self.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        check_output_dir(out, resume=False, overwrite=True)
+    monkeypatch.undo()
+    assert snapshot(out) == before
+    assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoints", "metrics.jsonl", "summary.json",
+                                                            "profile.yaml", "deepspeed_config.json", "notes.txt"])
+
+
+def test_a_removal_of_the_set_aside_run_cut_short_is_finished_not_put_back(tmp_path):
+    # The new run was set up; a kill in the middle of removing the previous run left part of it renamed DROPPED.
+    out = tmp_path / "out"
+    out.mkdir()
+    previous_run(out)
+    run_dir.set_aside_run_outputs(out)
+    (out / OVERWRITTEN).rename(out / run_dir.DROPPED)
+    (out / "metrics.jsonl").write_text("the new run's step 1")
+    with pytest.raises(ProfileError):  # the new run's metrics: a previous run now
+        check_output_dir(out, resume=False, overwrite=False)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
+    assert (out / "metrics.jsonl").read_text() == "the new run's step 1"
+
+
+@pytest.mark.parametrize("inside", ["adapter", "checkpoints/step-0000003", "export/merged"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_another_run_inside_a_name_this_folder_keeps_is_never_removed(tmp_path, inside, overwrite):
+    """A run whose output.dir was `P/adapter` (made before such folders were refused, or by hand): a run in P would
+    replace or, with --overwrite, remove it."""
+    parent = tmp_path / "P"
+    write_run_profile(parent / inside)
+    (parent / inside / "metrics.jsonl").write_text("its steps")
+    before = snapshot(parent)
+    with pytest.raises(ProfileError) as err:
+        check_output_dir(parent, resume=False, overwrite=overwrite)
+    assert err.value.problems == [f"output.dir ({parent}) holds another run in {parent / inside}: a run's output.dir "
+                                  "inside a name this folder's runs keep; a run here would replace or remove it: move "
+                                  "it, or choose another output.dir"]  # fmt: skip
+    assert snapshot(parent) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_fresh_run_refused_in_its_set_up_removes_only_what_it_wrote(tmp_path, overwrite):
+    """Its generated corpus and settings would otherwise be refused by the next run as settings no run wrote; a
+    user's file it found (a deepspeed_config.json --overwrite may replace) stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if overwrite:
+        (out / "deepspeed_config.json").write_text('{"mine": true}')
+    with pytest.raises(ProfileError):
+        with claim_output_dir(out, dist_info(0, 1), False, overwrite):
+            (out / "generated-data").mkdir()
+            (out / "generated-data" / "corpus.jsonl").write_text("made")
+            raise ProfileError(["data: refused"])
+    assert snapshot(out) == ({"deepspeed_config.json": b'{"mine": true}'} if overwrite else {})
+    check_output_dir(out, resume=False, overwrite=overwrite)[0].release()
