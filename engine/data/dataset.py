@@ -128,9 +128,9 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
     settings = dataclasses.replace(settings, **updates)
     if updates and (problem := settings_problem(settings)) is not None:
         # The profile's bounds with the checkpoint's (or the defaults): named as the profile's fields.
-        named = problem.replace("min_pixels (", "data.image_min_pixels (" if "min_pixels" in updates else "min_pixels (")
-        named = named.replace("max_pixels (", "data.image_max_pixels (" if "max_pixels" in updates else "max_pixels (")
-        raise ProfileError([named])
+        for bound in updates:
+            problem = problem.replace(f"{bound} (", f"data.image_{bound} (")
+        raise ProfileError([problem])
     return VisionInput(settings, tokens)
 
 

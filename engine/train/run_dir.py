@@ -552,8 +552,8 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
                          f"aside are back in {out}")
         if inner := runs_inside(out):
             raise ProfileError([f"{where} holds another run in {', '.join(str(p) for p in inner)}: a run's output.dir "
-                                "inside a name this folder's runs keep; a run here would replace or remove it: move it, "
-                                "or choose another output.dir"])  # fmt: skip
+                                "inside a name this folder's runs keep; a run here would replace or remove it: move "
+                                "it, or choose another output.dir"])  # fmt: skip
         if resume:
             # --resume reads the run's checkpoints and appends to its metrics: through a link, another folder's.
             escaping = links_out_of(out, (*RUN_RESULTS, *RUN_SETTINGS, *TRACKER_STORES))

@@ -580,7 +580,7 @@ def nothing_to_resume(start_step: int, end_step: int, total_steps: int) -> str:
     if start_step == end_step == total_steps:
         return f"--resume: the newest checkpoint is already at the run's last step ({total_steps}); nothing to train"
     stop = "the run's last step" if end_step == total_steps else "the step to stop at"
-    return f"--resume: the newest checkpoint is at step {start_step}, past {stop} ({end_step}); nothing to train"
+    return f"--resume: the newest checkpoint is at step {start_step}, at or past {stop} ({end_step}); nothing to train"
 
 
 def _write_run_config(run: TrainingRun, ds_config: dict) -> None:

@@ -479,3 +479,14 @@ def test_resume_trains_with_the_profiles_changed_optimizer_settings(tmp_path, mo
         assert groups == [(lr, (0.8, 0.95), 0.1), (lr, (0.8, 0.95), 0.0)], step
     logged = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged[2:] == [groups[0][0] for groups in applied[2:]]
+
+
+def test_a_resume_with_nothing_to_train_says_where_it_stands():
+    from moe_tune.engine.train.trainer import nothing_to_resume
+
+    assert nothing_to_resume(6, 6, 6) == ("--resume: the newest checkpoint is already at the run's last step (6); "
+                                          "nothing to train")
+    assert nothing_to_resume(8, 6, 6) == ("--resume: the newest checkpoint is at step 8, at or past the run's last "
+                                          "step (6); nothing to train")
+    assert nothing_to_resume(3, 3, 6) == ("--resume: the newest checkpoint is at step 3, at or past the step to stop "
+                                          "at (3); nothing to train")
