@@ -66,6 +66,11 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
         what = "not a folder" if run_dir.exists() else "no such folder"
         raise ProfileError([f"{run_dir}: {what} (RUN_DIR must be a finetune output.dir)"])
     if not profile_file.is_file():
+        from moe_tune.engine.train.run_dir import OVERWRITTEN
+
+        if (run_dir / OVERWRITTEN / "profile.yaml").is_file():
+            raise ProfileError([f"{run_dir}: its run is set aside in {OVERWRITTEN} by a finetune --overwrite that "
+                                "stopped while it set up (killed?); a finetune --resume into the folder puts it back"])
         raise ProfileError([f"{run_dir}: no run here (no profile.yaml; RUN_DIR must be a finetune output.dir)"])
     escaping = links_out_of(run_dir, ("profile.yaml", "summary.json", "adapter", ADAPTER_FILE, ADAPTER_CONFIG_FILE,
                                       SELECTION_BIASES_FILE, WEIGHTS_FILE))  # fmt: skip

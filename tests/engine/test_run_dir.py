@@ -747,3 +747,20 @@ def test_a_fresh_run_refused_in_its_set_up_removes_only_what_it_wrote(tmp_path, 
             raise ProfileError(["data: refused"])
     assert snapshot(out) == ({"deepspeed_config.json": b'{"mine": true}'} if overwrite else {})
     check_output_dir(out, resume=False, overwrite=overwrite)[0].release()
+
+
+def test_a_run_set_aside_by_a_killed_overwrite_is_named_to_its_readers(tmp_path):
+    # export and generate read the run folder: "no run here" would send the user looking elsewhere.
+    from moe_tune.engine.export.sources import read_run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    previous_run(out)
+    run_dir.set_aside_run_outputs(out)
+    with pytest.raises(ProfileError) as err:
+        read_run(out)
+    assert err.value.problems == [f"{out}: its run is set aside in {OVERWRITTEN} by a finetune --overwrite that "
+                                  "stopped while it set up (killed?); a finetune --resume into the folder puts it back"]
+    lock, _ = check_output_dir(out, resume=True, overwrite=False)
+    lock.release()
+    assert (out / "profile.yaml").read_text() == "old profile.yaml"
