@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NamedTuple
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -78,13 +78,13 @@ def generate(
 
     with user_errors():
         session = load_session(target)
-        images = Images(*read_prompt_images(image, session.profile)) if image else None
+        images = read_prompt_images(image, session.profile) if image else None
     options = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     sampling = session.sampling(**options)
     given = tuple(name for name, value in options.items() if value is not None)
     lines = [session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, given)]
     if images is not None:
-        lines.append(f"images: {len(images.counts)} ({', '.join(map(str, images.counts))} image tokens)")
+        lines.append(session.images_note(images))
     for line in lines:
         err_console.print(escape_controls(line), markup=False, highlight=False)
     base = [{"role": "system", "content": system}] if system is not None else []
@@ -95,7 +95,7 @@ def generate(
         else:
             with user_errors():
                 messages = base + [user_message(prompt, images)]
-                ids = session.prompt(text=prompt) if raw else prompt_ids(session, messages, images)
+                ids = session.prompt(text=prompt) if raw else session.prompt(messages=messages, images=images)
             reply(session, ids, stop=True, images=images, **options)
     except KeyboardInterrupt:
         # Ctrl-C stops the reply or the chat: no traceback, the shell's code for SIGINT.
@@ -103,25 +103,14 @@ def generate(
         raise typer.Exit(code=INTERRUPTED_EXIT) from None
 
 
-class Images(NamedTuple):
-    """The --image files read for the prompt (read_prompt_images): their PromptImages and each one's token count."""
-
-    pixels: PromptImages
-    counts: list[int]
-
-
-def user_message(text: str, images: Images | None) -> dict:
+def user_message(text: str, images: PromptImages | None) -> dict:
     """A user turn; with images, their parts before the text (as transformers' chat examples place them)."""
     if images is None:
         return {"role": "user", "content": text}
-    return {"role": "user", "content": [{"type": "image"}] * len(images.counts) + [{"type": "text", "text": text}]}
+    return {"role": "user", "content": [{"type": "image"}] * len(images.grids) + [{"type": "text", "text": text}]}
 
 
-def prompt_ids(session, messages: list[dict], images: Images | None) -> list[int]:
-    return session.prompt(messages=messages, image_counts=None if images is None else images.counts)
-
-
-def converse(session, history: list[dict], options: dict, images: Images | None = None) -> None:
+def converse(session, history: list[dict], options: dict, images: PromptImages | None = None) -> None:
     """The --chat loop: each line from stdin is a user turn answered with the whole conversation as the prompt;
     the images join the first turn."""
     err_console.print("chat: type a message and press Enter; an empty line or end of input (Ctrl-D) ends",
@@ -137,7 +126,7 @@ def converse(session, history: list[dict], options: dict, images: Images | None 
             return
         history.append(user_message(line.rstrip("\n"), images if number == 1 else None))
         with user_errors():
-            ids = prompt_ids(session, history, images)
+            ids = session.prompt(messages=history, images=images)
         text = reply(session, ids, stop=True, images=images, **options)
         history.append({"role": "assistant", "content": text})
 
@@ -154,14 +143,13 @@ def read_line(number: int) -> str:
         fail([f"stdin line {number}: not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1})"])
 
 
-def reply(session, ids: list[int], stop: bool, images: Images | None = None, **options) -> str:
+def reply(session, ids: list[int], stop: bool, images: PromptImages | None = None, **options) -> str:
     """Generate after `ids` (holding the tokens of `images`), streaming the text to stdout; the speed line on stderr
     (and before the reply a line when it may pass the checkpoint's max_position_embeddings). Returns the text."""
     if (note := session.context_note(len(ids), options["max_new_tokens"])) is not None:
         err_console.print(note, markup=False, highlight=False)
     with user_errors():
-        result = session.generate(ids, stop=stop, on_text=write, images=None if images is None else images.pixels,
-                                  **options)
+        result = session.generate(ids, stop=stop, on_text=write, images=images, **options)
     write("\n")
     ended = "a stop token" if result.stopped else f"--max-new-tokens ({options['max_new_tokens']})"
     err_console.print(

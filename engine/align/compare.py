@@ -255,7 +255,7 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
     checkpoint's tokenizer); a text may hold "<image>" placeholders filled from an "images" list of files (models
     with a vision tower: each becomes <vision_start> <image> x n <vision_end>, n from the checkpoint's image
     processor settings)."""
-    from moe_tune.engine.data.images import ImageError, image_patches, image_token_count, load_image
+    from moe_tune.engine.data.images import ImageError, image_token_count, read_image_patches
     from moe_tune.engine.data.multimodal import (
         IMAGE_PLACEHOLDER,
         message_parts,
@@ -327,11 +327,7 @@ def read_batch(path: Path, cfg: ModelProfile, tokenizer_dir: Path | None = None)
                     if isinstance(vision, str):
                         raise ProfileError([f"{where}: {vision}"])
                     image_path = resolve_image_path(value, path.parent, where)
-                    image = load_image(image_path, links=False)
-                    try:
-                        patches, grid = image_patches(image, vision.settings)
-                    except ImageError as err:  # its line names the rule, not the file
-                        raise ImageError(f"{image_path}: {err}") from None
+                    patches, grid = read_image_patches(image_path, vision.settings, links=False)
                     pixels.append(patches)
                     grids.append(grid)
                     tokens = vision.tokens

@@ -31,7 +31,7 @@ from .chat import (
 )
 from .corpus import generate_corpus
 from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
-from .images import ImageError, ImageSettings, image_patches, image_token_count, load_image, settings_problem
+from .images import ImageError, ImageSettings, image_token_count, read_image_patches, settings_problem
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat, render_templated_multimodal_chat
 from .readers import SKIP_BLOCK_BYTES, UTF8_BOM, Refused, jsonl_lines, open_records, too_deep  # noqa: F401
 from .shapes import write_shapes_corpus
@@ -126,10 +126,8 @@ def vision_input(model: ModelProfile, data: DataProfile) -> VisionInput | None:
     if data.image_max_pixels is not None:
         updates["max_pixels"] = data.image_max_pixels
     settings = dataclasses.replace(settings, **updates)
-    if updates and (problem := settings_problem(settings)) is not None:
-        # The profile's bounds with the checkpoint's (or the defaults): named as the profile's fields.
-        for bound in updates:
-            problem = problem.replace(f"{bound} (", f"data.image_{bound} (")
+    # The profile's bounds with the checkpoint's (or the defaults), named as the profile's fields.
+    if updates and (problem := settings_problem(settings, {key: f"data.image_{key}" for key in updates})) is not None:
         raise ProfileError([problem])
     return VisionInput(settings, tokens)
 
@@ -710,7 +708,7 @@ def _read_image_again(ref: ImageRef, settings: ImageSettings) -> tuple[torch.Ten
     record = f"{ref.where}: " if ref.where else ""
     retry = "restore it and resume with --resume (the checkpoints written so far are kept)"
     try:
-        patches, grid = image_patches(load_image(ref.path, links=False), settings)
+        patches, grid = read_image_patches(ref.path, settings, links=False)
     except ImageError as err:
         raise ProfileError([f"{record}{err}, after the dataset was read; {retry}"]) from None
     if grid != ref.grid:

@@ -117,17 +117,19 @@ class ImageSettings:
 RESAMPLING = range(6)
 
 
-def settings_problem(settings: ImageSettings) -> str | None:
+def settings_problem(settings: ImageSettings, names: dict[str, str] | None = None) -> str | None:
     """The first setting images cannot be read with (its name, value and rule), or None: patch and merge sizes of
     at least 1, pixel bounds with 0 <= min_pixels <= max_pixels <= MAX_IMAGE_PIXELS (past it a 1-pixel image could be
-    resized to gigabytes), a nonzero finite std per channel, a finite rescale factor, a resampling filter Pillow has."""
+    resized to gigabytes), a nonzero finite std per channel, a finite rescale factor, a resampling filter Pillow has.
+    `names`: how to name a setting that came from elsewhere (`{"min_pixels": "data.image_min_pixels"}`)."""
+    low, high = (f"{(names or {}).get(key, key)} ({getattr(settings, key)})" for key in ("min_pixels", "max_pixels"))
     for name in ("patch_size", "temporal_patch_size", "merge_size"):
         if getattr(settings, name) < 1:
             return f"{name} ({getattr(settings, name)}) must be >= 1"
     if not 0 <= settings.min_pixels <= settings.max_pixels:
-        return f"min_pixels ({settings.min_pixels}) must be >= 0 and <= max_pixels ({settings.max_pixels})"
+        return f"{low} must be >= 0 and <= {high}"
     if not 1 <= settings.max_pixels <= MAX_IMAGE_PIXELS:
-        return f"max_pixels ({settings.max_pixels}) must be in [1, {MAX_IMAGE_PIXELS}] (Pillow's bound on an image)"
+        return f"{high} must be in [1, {MAX_IMAGE_PIXELS}] (Pillow's bound on an image)"
     if not all(math.isfinite(s) and s != 0 for s in settings.image_std):
         return f"image_std ({list(settings.image_std)}) must be finite and nonzero for each channel"
     if not all(math.isfinite(v) for v in (*settings.image_mean, settings.rescale_factor)):
@@ -302,6 +304,17 @@ def image_patches(image, settings: ImageSettings) -> tuple[torch.Tensor, tuple[i
     blocks = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))
     patches = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, channels * tp * p * p)
     return torch.from_numpy(patches.copy()), (1, grid_h, grid_w)
+
+
+def read_image_patches(path: Path, settings: ImageSettings, links: bool = True) -> tuple[torch.Tensor,
+                                                                                        tuple[int, int, int]]:
+    """load_image then image_patches of the file at `path`; ImageError naming the file (a size image_patches cannot
+    cut, as an aspect ratio above 200, included)."""
+    image = load_image(path, links=links)
+    try:
+        return image_patches(image, settings)
+    except ImageError as err:  # its line names the rule, not the file
+        raise ImageError(f"{path}: {err}") from None
 
 
 def image_token_count(grid: tuple[int, int, int], settings: ImageSettings) -> int:

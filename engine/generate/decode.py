@@ -65,6 +65,10 @@ class PromptImages:
     pixel_values: torch.Tensor
     grids: torch.Tensor
 
+    def token_counts(self, merge_size: int) -> list[int]:
+        """Each image's run of image tokens: its t h w patches folded merge_size x merge_size."""
+        return [int(t * h * w) // merge_size**2 for t, h, w in self.grids.tolist()]
+
 
 def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache,
                    image_features: torch.Tensor | None = None,
@@ -77,10 +81,6 @@ def forward_cached(model: nn.Module, input_ids: torch.Tensor, cache: DecodeCache
     lm = find_causal_lm(model)
     if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids: shape {tuple(input_ids.shape)} must be [1, T] with T >= 1")
-    if image_features is not None:
-        placed = int((input_ids[0] == lm.cfg.vision.image_token_id).sum())
-        if placed != image_features.shape[0]:
-            raise ValueError(f"{placed} image tokens in the call, {image_features.shape[0]} image rows given")
     step = DecodeStep.next(cache, input_ids[0], mrope_positions)
     with torch.no_grad():
         logits = lm.forward_cached(input_ids, step, image_features).float()
@@ -98,7 +98,7 @@ def prompt_images(lm: MoECausalLM, prompt: torch.Tensor, images: PromptImages) -
     if spec is None:
         raise ProfileError(["images: the model has no vision tower (model.vision) to read them"])
     grids = images.grids.to(prompt.device)
-    num_tokens = int(grids.prod(-1).sum()) // spec.spatial_merge_size**2
+    num_tokens = sum(images.token_counts(spec.spatial_merge_size))
     num_placed = int((prompt[0] == spec.image_token_id).sum())
     if num_placed != num_tokens:
         raise ProfileError([f"prompt: {num_placed} image tokens ({spec.image_token_id}), the images need "

@@ -409,13 +409,13 @@ def prompt_ids(tok: Tokenizer, messages: list[dict] | None = None, text: str | N
     return tok.document_start(options) + ids
 
 
-def read_prompt_images(paths: list[Path], profile: JobProfile) -> tuple[PromptImages, list[int]]:
+def read_prompt_images(paths: list[Path], profile: JobProfile) -> PromptImages:
     """The images given for a prompt (files named on the command line, any folder), read and cut into patches as
-    training reads a record's images (engine/data/images.py, with the profile's image settings), and each one's
-    token count. ProfileError naming the option and the file: a model without a vision tower, image settings it
-    lacks, a file that is not a readable image."""
+    training reads a record's images (engine/data/images.py, with the profile's image settings). ProfileError naming
+    the option and the file: a model without a vision tower, image settings it lacks, a file that is not a readable
+    image."""
     from moe_tune.engine.data.dataset import vision_input
-    from moe_tune.engine.data.images import ImageError, image_patches, image_token_count, load_image
+    from moe_tune.engine.data.images import ImageError, read_image_patches
 
     vision = vision_input(profile.model, profile.data)
     if vision is None:
@@ -425,16 +425,12 @@ def read_prompt_images(paths: list[Path], profile: JobProfile) -> tuple[PromptIm
     patches, grids = [], []
     for path in paths:
         try:
-            image = load_image(path)
+            pixels, grid = read_image_patches(path, vision.settings)
         except ImageError as err:  # its line names the file
             raise ProfileError([f"--image: {err}"]) from None
-        try:
-            pixels, grid = image_patches(image, vision.settings)
-        except ImageError as err:
-            raise ProfileError([f"--image: {path}: {err}"]) from None
         patches.append(pixels)
         grids.append(grid)
-    return PromptImages(torch.cat(patches), torch.tensor(grids)), [image_token_count(g, vision.settings) for g in grids]
+    return PromptImages(torch.cat(patches), torch.tensor(grids))
 
 
 def image_prompt_ids(tok: Tokenizer, messages: list[dict], counts: list[int], tokens: VisionTokens,
@@ -526,18 +522,24 @@ class Session:
     max_positions: int | None = None
 
     def prompt(self, messages: list[dict] | None = None, text: str | None = None,
-               image_counts: list[int] | None = None) -> list[int]:
-        """prompt_ids for this tokenizer, or with `image_counts` (the token counts read_prompt_images gives) the
-        image_prompt_ids of `messages` holding that many image parts; ProfileError when it renders to no token."""
-        if image_counts is not None:
+               images: PromptImages | None = None) -> list[int]:
+        """prompt_ids for this tokenizer, or with `images` (read_prompt_images) the image_prompt_ids of `messages`
+        holding one image part each; ProfileError when it renders to no token."""
+        if images is not None:
             spec = self.profile.model.vision
             tokens = VisionTokens(spec.image_token_id, spec.vision_start_token_id, spec.vision_end_token_id)
-            return image_prompt_ids(self.tok, messages, image_counts, tokens, self.options)
+            counts = images.token_counts(spec.spatial_merge_size)
+            return image_prompt_ids(self.tok, messages, counts, tokens, self.options)
         ids = prompt_ids(self.tok, messages, text, self.options)
         if not ids:
             raise ProfileError(["--prompt: the text encodes to no token (and the tokenizer puts none before a text); "
                                 "give some text"])
         return ids
+
+    def images_note(self, images: PromptImages) -> str:
+        """The line saying how many images the prompt holds and the image tokens each becomes."""
+        counts = images.token_counts(self.profile.model.vision.spatial_merge_size)
+        return f"images: {len(counts)} ({', '.join(map(str, counts))} image tokens)"
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  repetition_penalty: float | None = None) -> Sampling:

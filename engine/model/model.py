@@ -321,8 +321,7 @@ class MoECausalLM(nn.Module):
         tokens may span two calls); step.mrope_positions then rotates the tokens as `forward` does."""
         x = self.embed_tokens(input_ids)
         if image_features is not None:
-            x = x.clone()
-            x[0, input_ids[0] == self.cfg.vision.image_token_id] = image_features.to(x.dtype)
+            x = self._place_images(x, input_ids, image_features)
         if self.cfg.hyper_connections is not None:
             x = x.repeat(1, 1, self.cfg.hyper_connections.num_streams)
         for layer in self.layers:
@@ -334,19 +333,22 @@ class MoECausalLM(nn.Module):
         still runs the tower once on one blank image whose output is added times zero: under ZeRO-3 every rank
         must run the same modules (their parameter gathers are collectives), and the tower's gradients exist."""
         spec = self.cfg.vision
-        is_image = input_ids[0] == spec.image_token_id
         if pixel_values is None:
             m = spec.spatial_merge_size
             grid = torch.tensor([[1, m, m]], device=x.device)
             blank = torch.zeros(m * m, self.vision.patch_embed.in_features, device=x.device, dtype=x.dtype)
             return x + 0.0 * self.vision(blank, grid).sum().to(x.dtype)
-        features = self.vision(pixel_values, image_grid_thw).to(x.dtype)  # [image tokens, D]
+        return self._place_images(x, input_ids, self.vision(pixel_values, image_grid_thw))
+
+    def _place_images(self, x: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """x [1, T, D] with the image tokens' rows replaced by the vision tower's `features` [n, D], in order."""
+        is_image = input_ids[0] == self.cfg.vision.image_token_id
         if features.shape[0] != int(is_image.sum()):
             raise ValueError(
                 f"{int(is_image.sum())} image tokens in the row but the images give {features.shape[0]} embeddings"
             )
         x = x.clone()
-        x[0, is_image] = features
+        x[0, is_image] = features.to(x.dtype)
         return x
 
 

@@ -596,6 +596,11 @@ def test_an_output_dir_below_other_folders_is_accepted(tmp_path, inside):
         check_output_dir(tmp_path / root / inside, resume=False, overwrite=False)[0].release()
 
 
+# What previous_run writes at the top of the folder.
+PREVIOUS_RUN_NAMES = sorted(["checkpoints", "metrics.jsonl", "summary.json", "profile.yaml", "deepspeed_config.json",
+                             "notes.txt"])
+
+
 def previous_run(out) -> dict:
     """A finished run's files in `out` (a checkpoint folder, a link among them), by path, with their bytes."""
     (out / "checkpoints" / "step-0000002").mkdir(parents=True)
@@ -628,8 +633,7 @@ def test_overwrite_leaves_the_previous_run_when_the_set_up_ends(tmp_path, ending
             (out / "profile.yaml").write_text("new")
             raise ending
     assert snapshot(out) == before
-    assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoints", "metrics.jsonl", "summary.json",
-                                                            "profile.yaml", "deepspeed_config.json", "notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == PREVIOUS_RUN_NAMES
 
 
 def test_overwrite_removes_the_previous_run_once_the_run_is_set_up(tmp_path):
@@ -697,8 +701,7 @@ def test_a_signal_while_the_previous_run_is_set_aside_puts_it_back(tmp_path, mon
         check_output_dir(out, resume=False, overwrite=True)
     monkeypatch.undo()
     assert snapshot(out) == before
-    assert sorted(p.name for p in out.iterdir()) == sorted(["checkpoints", "metrics.jsonl", "summary.json",
-                                                            "profile.yaml", "deepspeed_config.json", "notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == PREVIOUS_RUN_NAMES
 
 
 def test_a_removal_of_the_set_aside_run_cut_short_is_finished_not_put_back(tmp_path):

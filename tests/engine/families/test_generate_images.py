@@ -118,8 +118,8 @@ def test_greedy_generate_with_images_equals_transformers(vl, layout, chunk, monk
 
     session, reference, processor, files = vl
     monkeypatch.setattr(decode, "PREFILL_CHUNK_TOKENS", chunk)
-    images, counts = read_prompt_images(files, session.profile)
-    ids = session.prompt(messages=conversation(LAYOUTS[layout], files, False), image_counts=counts)
+    images = read_prompt_images(files, session.profile)
+    ids = session.prompt(messages=conversation(LAYOUTS[layout], files, False), images=images)
     expected = processor.apply_chat_template(conversation(LAYOUTS[layout], files, True), add_generation_prompt=True,
                                              tokenize=True, return_dict=True, return_tensors="pt")
     assert ids == expected["input_ids"][0].tolist()
