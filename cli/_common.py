@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import tempfile
@@ -137,14 +136,16 @@ def report_file_problems(name: str, path: Path) -> list[str]:
 def _write_refused(path: Path) -> str | None:
     """Why the OS refuses to write `path` (a read-only mount, /proc, where permissions say yes to root), tried
     without changing anything: an existing file opened for writing and closed untouched, or a new file created beside
-    it and removed; a FIFO no process reads (writing it would wait for a reader for ever, after the run); None when
-    it can be written (or is another kind of file: a device, /dev/stdout, is written as it comes)."""
+    it and removed; a FIFO no process reads (writing it would wait for a reader for ever, after the run; one that a
+    process reads is held open for writing until the report is written); None when it can be written (or is another
+    kind of file: a device, /dev/stdout, is written as it comes)."""
     if path.is_fifo():
+        from moe_tune.engine.atomic_write import fifo_has_reader
+
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError as err:
-            if err.errno == errno.ENXIO:
+            if not fifo_has_reader(path):
                 return "a FIFO that no process reads: writing it would wait for a reader for ever"
+        except OSError as err:
             return f"it cannot be opened for writing ({err.strerror or err})"
     elif path.is_file():
         try:

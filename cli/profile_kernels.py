@@ -197,6 +197,7 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
     measured, each op's wall seconds after its rows, then the table; exit 1 when a row is slower than --baseline.
     The caller has refused what input_problems finds."""
     from moe_tune.engine.bench import OPS, REGRESSION_TOLERANCE, find_regressions, is_partial, run_kernels, write_rows
+    from moe_tune.engine.atomic_write import writes_in_place
     from moe_tune.engine.bench.kernels import MATCH_KEYS, read_baseline
 
     op_names = parse_ops(ops, list(OPS))
@@ -216,20 +217,23 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         say(f"--baseline {baseline} holds a run stopped before its end ({len(saved)} rows, complete: false): only "
             "those rows are compared")
     names = list(OPS) if op_names is None else op_names
+    # A file written in place (a FIFO, /dev/stdout) is written once, at the end of the run or where it stops: its
+    # reader would see each write after the last.
+    json_once, plot_once = (path is not None and writes_in_place(path) for path in (json_out, plot))
     # The rows of the ops measured, and those the running op has reported so far (printed already).
     measured: list[dict] = []
     done: list[str] = []
     running: list[dict] = []
 
-    def save(is_complete: bool) -> None:
+    def save(is_complete: bool, is_last: bool = False) -> None:
         rows = measured + running
-        if json_out is not None:
+        if json_out is not None and (is_last or not json_once):
             try:
                 write_rows(json_out, rows, is_complete)
             except OSError as err:
                 fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror or err}); the file is as "
                       "it was"])
-        if plot is not None and rows:
+        if plot is not None and rows and (is_last or not plot_once):
             try:
                 plot_rows(rows, plot, None if is_complete else f"partial: {len(done)} of {len(names)} ops")
             except (OSError, ValueError, RuntimeError) as err:
@@ -261,13 +265,15 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         held = [*done, f"{len(running)} of {names[len(done)]}"] if running else done
         kept = [f"{json_out} keeps the rows of {', '.join(held) or 'no op'} (complete: false)"] if json_out else []
         kept += [f"{plot} their plot"] if plot and (measured or running) else []
+        if json_once or plot_once:
+            save(is_complete=False, is_last=True)
         say(f"stopped ({type(err).__name__}) {where}" + "".join(f"; {line}" for line in kept))
         raise
     table, footnotes = kernels_table(rows, wide, console.width)
     console.print(table)
     for line in footnotes:
         console.print(line, markup=False)
-    save(is_complete=True)
+    save(is_complete=True, is_last=True)
     if json_out is not None:
         say(f"rows written to {json_out}")
     if plot is not None:

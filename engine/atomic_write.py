@@ -8,6 +8,7 @@ the format from the suffix, as matplotlib does, see the file's own), and it is r
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -20,21 +21,57 @@ from typing import Iterator
 SPECIAL_FOLDERS = ("/dev/", "/proc/")
 
 
+# Write ends of FIFOs that fifo_has_reader opened, by absolute path, held until atomic_path writes the FIFO: a reader
+# that opened it meanwhile (`cat`, `jq . <`) would read end of file at the probe's close, and the report's own open
+# would then wait for a reader for ever.
+_HELD_WRITERS: dict[str, int] = {}
+
+
+def fifo_has_reader(path: Path) -> bool:
+    """Whether a process has the FIFO `path` open for reading, tried with a write end opened without waiting; when one
+    has, that write end stays open until atomic_path has written `path` (or the process ends). OSError other than
+    "no reader" (ENXIO) as the OS raised it."""
+    try:
+        handle = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno == errno.ENXIO:
+            return False
+        raise
+    key = os.path.abspath(path)
+    if key in _HELD_WRITERS:
+        os.close(_HELD_WRITERS.pop(key))
+    _HELD_WRITERS[key] = handle
+    return True
+
+
+def writes_in_place(path: Path) -> bool:
+    """Whether atomic_path writes `path` itself rather than a file renamed over it: a device, a FIFO, a path in
+    SPECIAL_FOLDERS. Such a path takes one write: a reader of a FIFO or of /dev/stdout sees each write after the
+    last."""
+    try:
+        is_special = not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        is_special = False
+    return is_special or os.path.abspath(path).startswith(SPECIAL_FOLDERS)
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` for the block to write; when the block ends normally, the file is flushed to
     disk, given the mode `path` has (a new file: the mode the umask gives) and renamed over `path`. On any exception
     (KeyboardInterrupt too) it is removed and `path` is as it was. A symlink named as `path` is written through: the
     file it leads to is replaced, the link kept. A `path` that is no regular file (a device, a FIFO) or lies in
-    SPECIAL_FOLDERS is itself the path the block writes."""
-    try:
-        is_special = not stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        is_special = False
-    if is_special or os.path.abspath(path).startswith(SPECIAL_FOLDERS):
+    SPECIAL_FOLDERS is itself the path the block writes (a FIFO's write end that fifo_has_reader holds is
+    closed after it)."""
+    if writes_in_place(path):
         # Written as it comes, through the path as named: renaming over a device or FIFO would replace the node, and
         # over the file /dev/stdout leads to (a shell's `> file`) would leave the shell's output in the unlinked one.
-        yield Path(path)
+        held = _HELD_WRITERS.pop(os.path.abspath(path), None)
+        try:
+            yield Path(path)
+        finally:
+            if held is not None:
+                os.close(held)
         return
     target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
     handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent)

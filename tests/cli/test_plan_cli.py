@@ -183,48 +183,51 @@ def test_plan_json_over_what_the_profile_reads_or_its_run_keeps_is_refused(tmp_p
     assert result.exit_code == 0, result.output
 
 
-def test_plan_json_into_a_fifo_needs_a_reader(tmp_path, child_env):
+# Readers of a FIFO given as its last argument, printing what they read: one that waits in its open for a writer,
+# and one that opens without waiting (says "open" once it has) and reads until a writer has written and closed.
+FIFO_READERS = {
+    "blocking": ["cat"],
+    "non-blocking": [sys.executable, "-c", """
+import os, select, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)
+print("open", flush=True)
+data = b""
+while True:
+    select.select([fd], [], [], 1)
+    try:
+        chunk = os.read(fd, 1 << 16)
+    except BlockingIOError:
+        continue
+    if not chunk and data:
+        break
+    data += chunk
+sys.stdout.write(data.decode())
+"""],
+}
+
+
+@pytest.mark.parametrize("reader", list(FIFO_READERS))
+def test_plan_json_into_a_fifo_needs_a_reader(tmp_path, child_env, reader):
     """A FIFO no process reads would hold the plan's write for ever (after the table is printed): refused up front.
-    One a process reads (a shell's `>(jq .)`) takes the plan."""
+    One a process reads takes the plan whole: a reader that waits in its open (`cat`, `jq . <`) is not handed end of
+    file by the check, and one that opened without waiting (a shell's `>(jq .)`) reads it too."""
     import os
-    import threading
 
     fifo = tmp_path / "plan.json"
     os.mkfifo(fifo)
     # In a process of its own: a write that waits for ever fails the test at the timeout instead of holding it.
-    refused = subprocess.run([sys.executable, "-m", "moe_tune", "plan", "tiny", "--devices", "1", "--json", str(fifo)],
-                             capture_output=True, text=True, timeout=120, env=child_env)  # fmt: skip
+    plan = [sys.executable, "-m", "moe_tune", "plan", "tiny", "--devices", "1", "--json", str(fifo)]
+    refused = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=child_env)
     assert refused.returncode == 2
     assert refused.stderr.strip() == (f"error: --json ({str(fifo)!r}): a FIFO that no process reads: writing it "
                                       "would wait for a reader for ever")  # fmt: skip
-    read = []
-    reader_open = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    reader = threading.Thread(target=lambda: read.append(_read_all(reader_open)))
-    reader.start()
-    result = runner.invoke(app, ["plan", "tiny", "--devices", "1", "--json", str(fifo)])
-    reader.join(timeout=60)
-    assert result.exit_code == 0, result.output
-    assert json.loads(read[0])["layouts"]
-
-
-def _read_all(fd: int) -> bytes:
-    """Everything written into the FIFO open (without blocking) for reading at `fd`, until its writer closes it: the
-    end of file it reads before a writer has written is no end."""
-    import os
-    import select
-    import time
-
-    chunks = []
-    while True:
-        select.select([fd], [], [], 60)
-        chunk = os.read(fd, 1 << 16)
-        if chunk:
-            chunks.append(chunk)
-        elif chunks:
-            os.close(fd)
-            return b"".join(chunks)
-        else:
-            time.sleep(0.01)
+    with subprocess.Popen([*FIFO_READERS[reader], str(fifo)], stdout=subprocess.PIPE, text=True) as taker:
+        if reader == "non-blocking":
+            assert taker.stdout.readline() == "open\n"
+        written = subprocess.run(plan, capture_output=True, text=True, timeout=120, env=child_env)
+        out, _ = taker.communicate(timeout=60)
+    assert written.returncode == 0, written.stderr
+    assert json.loads(out)["layouts"]
 
 
 def test_a_plan_json_write_cut_short_keeps_the_old_file(tmp_path, monkeypatch):

@@ -548,3 +548,24 @@ def test_a_median_without_a_ratio_is_no_regression_on_either_side(median):
     # The other pass still compares.
     (line,) = find_regressions([dict(row, fwd_ms=median, fwd_bwd_ms=9.0)], [row])
     assert line.startswith("moe / uniform / reference / N128: fwd_bwd_ms 9.000 > 3.000")
+
+
+def test_kernels_json_into_a_fifo_is_written_once_whole(tmp_path, child_env):
+    """A FIFO that `cat` reads takes the rows once, at the end (each op's rows rewrite a regular file as they come:
+    a FIFO's reader would read one array after another, and end at the first)."""
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "rows.json"
+    os.mkfifo(fifo)
+    command = [sys.executable, "-m", "moe_tune", "profile", "--kernels", "--ops", "moe,rotary", "--shapes", "small",
+               "--json", str(fifo)]  # fmt: skip
+    with subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True) as taker:
+        # In a process of its own: a write that waits for ever fails the test at the timeout instead of holding it.
+        written = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                                 env=dict(child_env, CUDA_VISIBLE_DEVICES=""))  # fmt: skip
+        out, _ = taker.communicate(timeout=60)
+    assert written.returncode == 0, written.stderr
+    rows = json.loads(out)
+    assert {row["op"] for row in rows} == {"moe", "rotary"} and all(row["complete"] for row in rows)
