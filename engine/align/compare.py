@@ -1122,7 +1122,6 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     ref_all = torch.cat(ref_logits).float()
     our_all = out.logits[0].detach().float()
     logits_row = diff_row("logits", our_all, ref_all)
-    cosine = F.cosine_similarity(our_all.flatten(), ref_all.flatten(), dim=0).item()
     ref_logp, our_logp = ref_all.log_softmax(-1), our_all.log_softmax(-1)
     kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
 
@@ -1136,7 +1135,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         pinned_selection=pin_selection and bool(indexers),
         layers=rows,
         logits=logits_row,
-        logits_cosine=cosine,
+        logits_cosine=logits_cosine(our_all, ref_all),
         kl=max(kl, 0.0),
         loss_reference=ref_loss,
         loss_ours=out.lm_loss.item(),
@@ -1147,6 +1146,13 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         routing=routing,
         image_grids=image_grids,
     )
+
+
+def logits_cosine(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """The cosine of the two logits tensors, flattened, summed in float64 and clamped to [-1, 1]: float32 sums put
+    two equal tensors of 300,000 logits at 1.0000027, wrong in the sixth of the eight digits align prints."""
+    value = F.cosine_similarity(ours.double().flatten(), reference.double().flatten(), dim=0).item()
+    return min(1.0, max(-1.0, value))
 
 
 def diff_row(name: str, ours: torch.Tensor | None, ref: torch.Tensor | None, zero_scale: float = 0.0,

@@ -16,7 +16,7 @@ from torch import nn
 
 from moe_tune.engine.families import UnsupportedModel
 
-from .compare import AlignReport, Document, Row, Tolerances, diff_row, pack_documents
+from .compare import AlignReport, Document, Row, Tolerances, diff_row, logits_cosine, pack_documents
 
 
 def trace(model: nn.Module, docs: list[Document]) -> dict[str, torch.Tensor]:
@@ -122,9 +122,7 @@ def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Toleranc
         pinned_routing=False,
         layers=rows,
         logits=diff_row("logits", now["logits"], golden["logits"]),
-        logits_cosine=torch.nn.functional.cosine_similarity(
-            now["logits"].flatten(), golden["logits"].flatten(), dim=0
-        ).item(),
+        logits_cosine=logits_cosine(now["logits"], golden["logits"]),
         kl=max(kl, 0.0),
         loss_reference=golden["loss"].item(),
         loss_ours=now["loss"].item(),

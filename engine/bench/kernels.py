@@ -475,14 +475,21 @@ def bench_cross_entropy_op(shapes: str | dict[str, int], run: RunContext) -> lis
     return rows
 
 
+def _gb_per_s(moved: int, ms: float) -> str:
+    """`moved` bytes in `ms` milliseconds as GB/s: whole GB/s from 100 up, three significant digits below (the CPU's
+    small shapes move a few MB/s, which whole GB/s print as 0)."""
+    rate = moved / ms * 1e-6
+    return f"{rate:,.0f} GB/s" if rate >= 100 else f"{rate:.3g} GB/s"
+
+
 def _add_bytes_note(timed: dict, fwd_bytes: int, bwd_bytes: int) -> None:
     """Append to a memory-bound row's note the bytes a forward + backward must move at the least, and the rates
     the timed passes make of them."""
     rates = []
     if timed.get("fwd_ms"):
-        rates.append(f"fwd {fwd_bytes / timed['fwd_ms'] * 1e-6:,.0f} GB/s")
+        rates.append(f"fwd {_gb_per_s(fwd_bytes, timed['fwd_ms'])}")
     if timed.get("fwd_bwd_ms"):
-        rates.append(f"fwd+bwd {(fwd_bytes + bwd_bytes) / timed['fwd_bwd_ms'] * 1e-6:,.0f} GB/s")
+        rates.append(f"fwd+bwd {_gb_per_s(fwd_bytes + bwd_bytes, timed['fwd_bwd_ms'])}")
     note = f"moves at least {(fwd_bytes + bwd_bytes) / 1e6:,.3f} MB fwd+bwd"
     if rates:
         note += f" ({', '.join(rates)})"

@@ -760,3 +760,18 @@ def test_flips_between_tied_keys_align_with_the_selection_pinned(tied_selection_
     assert report.selections[0].differed > 0 and all(s.left_out > 0 for s in report.selections)
     # The largest shift a flip needs is about the tip (rounding where there is none), far below the tolerance.
     assert all(s.beyond_tie == 0 and s.tie_shift <= HIDDEN_TOLERANCE / 10 for s in report.selections)
+
+
+@pytest.mark.parametrize("n", [7, 50_000, 300_000])
+def test_logits_cosine_of_equal_and_opposite_logits_is_one_and_minus_one_as_printed(n):
+    """Equal logits are within 1e-12 of 1.0 and never above, opposite ones of -1.0, at every size: align prints
+    1.00000000 (float32 sums put 300,000 equal logits at 1.0000027); others are float64's cosine."""
+    from moe_tune.engine.align.compare import logits_cosine
+
+    logits = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 30
+    same, opposite = logits_cosine(logits, logits.clone()), logits_cosine(logits, -logits)
+    assert 1.0 - 1e-12 <= same <= 1.0 and -1.0 <= opposite <= -1.0 + 1e-12
+    assert (f"{same:.8f}", f"{opposite:.8f}") == ("1.00000000", "-1.00000000")
+    other = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
+    expected = (logits.double() @ other.double()) / (logits.double().norm() * other.double().norm())
+    assert logits_cosine(logits, other) == pytest.approx(expected.item(), abs=1e-12)

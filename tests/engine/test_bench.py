@@ -132,6 +132,17 @@ def test_causal_conv_entry_times_the_reference_on_cpu_with_its_bytes(no_cuda):
     assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
     # fp32: x and y forward, x, dy and dx backward: 5 x 300 x 16 x 4 bytes.
     assert row["note"].startswith("moves at least 0.096 MB fwd+bwd (fwd ")
+    assert " 0 GB/s" not in row["note"]
+
+
+@pytest.mark.parametrize(("moved", "ms", "shown"), [(10**6, 1.0, "1 GB/s"), (2_500, 1.0, "0.0025 GB/s"),
+                                                     (99_940_000, 1.0, "99.9 GB/s"), (3_352_100_000, 1.0, "3,352 GB/s"),
+                                                     (123_456, 0.5, "0.247 GB/s")])  # fmt: skip
+def test_bytes_notes_give_small_rates_three_digits_and_large_ones_whole(moved, ms, shown):
+    """The CPU's small shapes move MB/s: whole GB/s printed them all as 0."""
+    from moe_tune.engine.bench.kernels import _gb_per_s
+
+    assert _gb_per_s(moved, ms) == shown
 
 
 def test_every_result_row_ends_with_the_machine_facts():
