@@ -82,7 +82,7 @@ def generate(
     options = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "repetition_penalty": repetition_penalty}
     sampling = session.sampling(**options)
     given = tuple(name for name, value in options.items() if value is not None)
-    lines = [session.note, *session.generation.unapplied, session.decoding_note(sampling, seed, given)]
+    lines = [session.note, *session.notes, *session.generation.unapplied, session.decoding_note(sampling, seed, given)]
     if images is not None:
         lines.append(session.images_note(images))
     for line in lines:

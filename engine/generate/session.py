@@ -45,16 +45,19 @@ from moe_tune.profiles.schema import JobProfile
 from .decode import SAMPLING_RULES, SEED_LIMIT, PromptImages, generate_ids, sampling_rule_broken
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The settings a PROFILE that differs from its run's profile.yaml names (settings_differences), then how many more.
+SHOWN_DIFFERENCES = 4
 
 
 @dataclass
 class Loaded:
     """What `load_session` resolved: the profile the model is built from, the run whose weights it takes (None:
-    the base model) and a one-line note saying which."""
+    the base model), a one-line note saying which, and the lines after it (a PROFILE that differs from its run's)."""
 
     profile: JobProfile
     run_dir: Path | None
     note: str
+    notes: tuple[str, ...] = ()
 
 
 @dataclass
@@ -221,13 +224,30 @@ def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
     if (out / "profile.yaml").is_file():
         try:
             run_profile, note = read_marked(out)
-            return Loaded(run_profile, out, f"model: the run in output.dir {out} ({note})")
+            differences = settings_differences(target, profile, run_profile)
+            return Loaded(run_profile, out, f"model: the run in output.dir {out} ({note})", differences)
         except ProfileError as err:
             why = err.problems[0]
             return Loaded(profile, None, f"model: the base model of {target} ({base_kind(profile)}), not the run in "
                                          f"output.dir: {why}")
     return Loaded(profile, None, f"model: the base model of {target} ({base_kind(profile)}); output.dir {out} holds "
                                  "no run")
+
+
+def settings_differences(target: str, given: JobProfile, run: JobProfile) -> tuple[str, ...]:
+    """A line naming the settings in which the PROFILE `target` (`given`) differs from the profile.yaml of the run in
+    its output.dir (`run`), which the model is built from; none when they agree."""
+    from moe_tune.engine.train.checkpoint import signature_differences
+
+    differences = signature_differences(run.model_dump(mode="json"), given.model_dump(mode="json"))
+    if not differences:
+        return ()
+    shown = differences[:SHOWN_DIFFERENCES]
+    more = len(differences) - len(shown)
+    was = ", ".join(f"{key} {value}" for key, value, _ in shown) + (f" and {more} more" if more else "")
+    says = ", ".join(value for _, _, value in shown)
+    return (f"note: the run was trained with {was} ({target} says {says}); generate builds the model as the run "
+            "did",)
 
 
 def base_kind(profile: JobProfile) -> str:
@@ -520,6 +540,8 @@ class Session:
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     # config.json's max_position_embeddings (None: not known).
     max_positions: int | None = None
+    # Lines printed after `note` (Loaded.notes).
+    notes: tuple[str, ...] = ()
 
     def prompt(self, messages: list[dict] | None = None, text: str | None = None,
                images: PromptImages | None = None) -> list[int]:
@@ -639,4 +661,4 @@ def load_session(target: str, device: torch.device | None = None) -> Session:
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     return Session(model, tok, loaded.profile, device, f"{loaded.note}; on {device.type}, {dtype}",
                    stop_ids(tok, loaded.profile, options, generation), options, generation,
-                   max_positions(loaded.profile))
+                   max_positions(loaded.profile), loaded.notes)

@@ -265,6 +265,34 @@ def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path
         assert loaded.run_dir == (run if out == run else None)
 
 
+@pytest.mark.parametrize(("changes", "shown"), [
+    ({}, None),
+    ({"train.lr": 0.001}, "train.lr 0.005 ({profile} says 0.001)"),
+    ({"lora.r": 8, "data.seq_len": 64}, "data.seq_len 32, lora.r 16 ({profile} says 64, 8)"),
+    ({"lora.r": 8, "lora.alpha": 4, "model.seed": 3, "data.seq_len": 64, "train.steps": 5, "train.lr": 0.001},
+     "model.seed 0, data.seq_len 32, lora.r 16, lora.alpha 32.0 and 2 more ({profile} says 3, 64, 8, 4.0)"),
+])  # fmt: skip
+def test_a_profile_that_differs_from_its_run_names_the_settings_and_builds_the_runs(lora_run, tmp_path, changes,
+                                                                                      shown):  # fmt: skip
+    """generate PROFILE takes the run in output.dir as it was trained: a line names the settings (the first four and
+    how many more) the PROFILE now gives otherwise, none when it gives the run's."""
+    run, _ = lora_run
+    settings = tiny_job(run).model_dump(mode="json")
+    for key, value in changes.items():
+        section, name = key.split(".")
+        settings[section][name] = value
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(settings))
+    loaded = resolve_target(str(profile))
+    expected = f"note: the run was trained with {(shown or '').format(profile=profile)}; generate builds the model as "
+    expected += "the run did"
+    assert loaded.notes == (() if shown is None else (expected,))
+    assert loaded.profile.lora.r == 16 and loaded.profile.data.seq_len == 32 and loaded.run_dir == run
+    result = runner.invoke(app, ["generate", str(profile), "--prompt", "hi", "--max-new-tokens", "1"])
+    assert result.exit_code == 0, result.output
+    assert (expected in result.stderr.splitlines()) == (shown is not None)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
