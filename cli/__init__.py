@@ -35,7 +35,32 @@ def main() -> None:
             raise KeyboardInterrupt
         run_command_line()
     except KeyboardInterrupt:
+        _end_at_interrupt(INTERRUPTED_EXIT, is_default)
         raise SystemExit(INTERRUPTED_EXIT) from None
+    except SystemExit as done:
+        _end_at_interrupt(done.code if isinstance(done.code, int) else 0 if done.code is None else 1, is_default)
+        raise
+
+
+def _end_at_interrupt(code: int, is_default: bool) -> None:
+    """From the command's end to the process's (atexit handlers, libraries' __del__ at shutdown: a tracker's upload, a
+    process group's teardown), a Ctrl-C ends the process at once with the command's exit `code`, its output flushed,
+    where Python would print a KeyboardInterrupt traceback from the teardown and go on with it. A SIGINT the shell
+    made this process ignore (`is_default` False) stays ignored."""
+    import os
+    import signal
+    import sys
+
+    def end(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    if is_default:
+        signal.signal(signal.SIGINT, end)
 
 
 def __getattr__(name: str):

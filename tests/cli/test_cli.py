@@ -163,12 +163,19 @@ def test_finetune_with_ranks_exits_as_the_failed_rank(monkeypatch):
 
 
 def run_main(monkeypatch, capsys, args):
-    """The installed command's entry point (moe_tune.cli.main) on `args`: (exit code, stdout, stderr)."""
+    """The installed command's entry point (moe_tune.cli.main) on `args`: (exit code, stdout, stderr). The SIGINT
+    handler main leaves for the process's end is this test's only."""
+    import signal
+
     from moe_tune.cli import main
 
     monkeypatch.setattr(sys, "argv", ["moe-tune", *args])
+    handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as exited:
-        main()
+        try:
+            main()
+        finally:
+            signal.signal(signal.SIGINT, handler)
     captured = capsys.readouterr()
     return exited.value.code, captured.out, captured.err
 
@@ -246,6 +253,35 @@ def test_ctrl_c_while_the_commands_import_exits_130_without_a_traceback(trigger,
                           text=True, timeout=120)  # fmt: skip
     assert (done.returncode, done.stderr) == (code, ""), done.stderr
     assert done.stdout.startswith(stdout) and (stdout or done.stdout == "")
+
+
+# A library's teardown at the process's end (an atexit handler) that a Ctrl-C meets, after the command's arguments.
+TEARDOWN_SCRIPT = """
+import atexit, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+def teardown():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    print("teardown finished", flush=True)
+
+atexit.register(teardown)
+from moe_tune.cli import main
+sys.argv = ["moe-tune", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("args, code", [(["--version"], 0), (["validate", "none.yaml"], 2)])
+def test_ctrl_c_in_the_teardown_after_a_command_ends_the_process_with_its_code(tmp_path, args, code):
+    """A Ctrl-C while the process ends (a tracker's upload, a process group's teardown) ends it at once with the
+    command's exit code, its output kept, no KeyboardInterrupt traceback from the teardown."""
+    done = subprocess.run([sys.executable, "-c", TEARDOWN_SCRIPT, *args], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr
+    assert "teardown finished" not in done.stdout
+    assert done.stdout.startswith("moe-tune ") if code == 0 else done.stderr.startswith("error: none.yaml")
 
 
 def test_the_command_listing_wraps_each_commands_summary_as_one_text():
