@@ -16,7 +16,7 @@ import hashlib
 import math
 import random
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from .chat import (
 )
 from .corpus import generate_corpus
 from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
+from .formats import unread_keys
 from .images import ImageError, ImageSettings, image_token_count, read_image_patches, settings_problem
 from .multimodal import ImageRef, VisionTokens, render_multimodal_chat, render_templated_multimodal_chat
 from .readers import SKIP_BLOCK_BYTES, UTF8_BOM, Refused, jsonl_lines, open_records, too_deep  # noqa: F401
@@ -298,6 +299,7 @@ class SourceSummary:
     eval: SplitCounts  # held out (data.eval_fraction) or read (data.eval_path)
     held_out: int = 0  # distinct documents held out by data.eval_fraction
     dropped: int = 0  # documents left out of training: equal to an evaluation document
+    unread: tuple[tuple[str, int], ...] = ()  # (key, records holding it) of another format's keys left unread
 
     def line(self) -> str:
         what = f"{self.kind}, {self.format}" if self.format else self.kind
@@ -305,6 +307,7 @@ class SourceSummary:
         notes += [f"{len(self.refused)} refused"] if self.refused else []
         notes += [f"{self.held_out} held out"] if self.held_out else []
         notes += [f"{self.dropped} left out as equal to an eval document"] if self.dropped else []
+        notes += [f"{count} also hold{'s' if count == 1 else ''} '{key}', unread" for key, count in self.unread]
         counts = self.eval if self.role == "eval" else self.train
         extra = f" ({', '.join(notes)})" if notes else ""
         return f"{self.role} {self.path}: {what}: {self.records} records{extra} -> {counts}"
@@ -365,6 +368,8 @@ class _Read:
     format: FormatChoice | None
     documents: list[Document]
     refused: list[str]
+    # Keys of another format than the record was read as (formats.unread_keys): how many records held each.
+    unread: dict[str, int] = field(default_factory=dict)
 
 
 def load_documents(
@@ -502,6 +507,8 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
                             f"{read.format.name} records (as {first_where}); a source holds one format: put each "
                             "format in its own data.sources entry"
                         ])
+                    for key in unread_keys(record, detected, profile):
+                        read.unread[key] = read.unread.get(key, 0) + 1
                 record = to_record(record, detected if is_auto else read.format.name, profile, where)
                 read.documents.append(_checked_document(record, where, source_profile, tok, vision))
             except ProfileError as err:
@@ -606,7 +613,8 @@ def _summary(read: _Read, train: list[Document], held_out: list[Document], disti
     path = str(source.path) if source.path is not None else "built-in corpus (stories)"
     return SourceSummary(path, source.role, read.kind, read.format, source.weight,
                          len(read.documents) + len(read.refused), tuple(read.refused),
-                         SplitCounts.of(train), SplitCounts.of(held_out), distinct_held, dropped)  # fmt: skip
+                         SplitCounts.of(train), SplitCounts.of(held_out), distinct_held, dropped,
+                         tuple(read.unread.items()))  # fmt: skip
 
 
 def _check_image_count(messages: list[dict], images: list, where: str, seq_len: int) -> None:

@@ -11,7 +11,8 @@ every chat goes through one path (chat.canonical_messages, the tokenizer's chat 
 
 auto picks the format of a source from its first record (the first key found of: messages, conversations,
 instruction + output, text); every later record of the source must have the same format, except that text and
-messages records may share a source (each read by its own keys, as JSONL data always was).
+messages records may share a source (each read by its own keys, as JSONL data always was). A record that holds the keys
+of two formats is read as the first, and the source's summary line counts the records whose other keys went unread.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def detect_format(record: object, profile: DataProfile) -> str | None:
     if profile.text_field in record:
         return "text"
     return None
+
+
+def unread_keys(record: dict, name: str, profile: DataProfile) -> tuple[str, ...]:
+    """The keys (format_keys) by which `record` is also a record of another format than `name`, which reading it as
+    `name` leaves unread (tatsu-lab/alpaca's rendered 'text' beside its 'instruction' and 'output')."""
+    return tuple(format_keys(other, profile) for other in FORMATS
+                 if other != name and all(key in record for key in format_keys(other, profile).split("/")))  # fmt: skip
 
 
 def same_family(a: str, b: str) -> bool:

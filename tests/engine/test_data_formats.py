@@ -129,6 +129,32 @@ class TestFormats:
         assert line.startswith(f"{path}:3: a {second} record (has ")
         assert f"in a source of {first} records (as {path}:1); a source holds one format" in line
 
+    @pytest.mark.parametrize("name, others", [
+        ("messages", ("text",)), ("messages", ("alpaca",)), ("messages", ("sharegpt", "alpaca", "text")),
+        ("sharegpt", ("alpaca",)), ("sharegpt", ("text",)), ("alpaca", ("text",)),
+    ])  # fmt: skip
+    def test_a_record_with_another_formats_keys_counts_them_unread(self, tmp_path, name, others):
+        """A record that holds the keys of two formats is read as the first (tatsu-lab/alpaca renders each record
+        into 'text' too): the summary counts, per format's keys, the records whose other keys went unread; a
+        data.format given says which is read, and nothing is counted."""
+        record, meaning = RECORDS[name]
+        both = dict(record)
+        for other in others:
+            both.update({key: value for key, value in RECORDS[other][0].items() if key not in record})
+        path = write_jsonl(tmp_path / "d.jsonl", [both, record, both])
+        result = splits(path=path)
+        (source,) = result.summary.sources
+        keys = {"text": "text", "alpaca": "instruction/output", "sharegpt": "conversations"}
+        assert source.format.name == name and dict(source.unread) == {keys[o]: 2 for o in others}
+        assert result.train == documents_of(tmp_path, [meaning] * 3)
+        shown = ", ".join(f"2 also hold '{keys[o]}', unread" for o in others) if len(others) == 1 else None
+        assert shown is None or f": 3 records ({shown}) -> " in source.line()
+        assert splits(path=path, format=name).summary.sources[0].unread == ()
+
+    def test_one_record_with_other_keys_is_said_in_the_singular(self, tmp_path):
+        path = write_jsonl(tmp_path / "d.jsonl", [dict(ALPACA, text="### Instruction: ...")])
+        assert "1 records (1 also holds 'text', unread) -> " in splits(path=path).summary.sources[0].line()
+
     def test_text_and_messages_may_share_a_source(self, tmp_path):
         # JSONL data always mixed them, each record read by its keys.
         result = splits(path=write_jsonl(tmp_path / "d.jsonl", [TEXT, MESSAGES]))
