@@ -87,7 +87,8 @@ def _template_text(value: str, *stamp) -> str:
 
 def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: str) -> list[dict]:
     """The messages with their roles mapped through `roles` (data.roles); ProfileError naming the record and every
-    role that is not system, user, assistant or tool after the mapping."""
+    role that is not system, user, assistant or tool after the mapping, or a `weight` (turn_trains) other than 0 or 1
+    or on a message other than the assistant's."""
     mapped = [m if m["role"] not in roles else {**m, "role": roles[m["role"]]} for m in messages]
     unknown = list(dict.fromkeys(m["role"] for m in mapped if m["role"] not in CANONICAL_ROLES))
     if unknown:
@@ -96,7 +97,24 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
         noun = "role" if len(unknown) == 1 else "roles"
         raise ProfileError([f"{where}: message {noun} {named} must be one of {', '.join(CANONICAL_ROLES)}; map record "
                             f"roles onto them with data.roles, e.g. --set 'data.roles={{{example}}}'"])
+    for turn, message in enumerate(mapped, 1):
+        if message.get("weight") is None:  # a table's messages without one hold null
+            continue
+        weight, role = message["weight"], message["role"]
+        shown = json.dumps(weight, default=str)[:40]
+        if role != "assistant":
+            raise ProfileError([f"{where}: turn {turn} ({role}) has a weight ({shown}): only an assistant turn's "
+                                "weight says whether it is trained (0: not, 1: as any)"])
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in (0, 1):
+            raise ProfileError([f"{where}: turn {turn} (assistant): weight ({shown}) must be 0 (the turn is not "
+                                "trained) or 1 (it is)"])
     return mapped
+
+
+def turn_trains(message: dict) -> bool:
+    """Whether an assistant message is trained with train_on: assistant: all but those whose `weight` is 0 (OpenAI's
+    chat fine-tuning format, axolotl's ShareGPT), which stay in the conversation as context."""
+    return message.get("weight") != 0
 
 
 def _likely_role(role: str) -> str:
@@ -218,8 +236,30 @@ def render_conversation(
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
             mask = mark_headers(render, messages, ids, mask, where, prompt)
+        for turn, message in enumerate(messages, 1):
+            if message["role"] == "assistant" and not turn_trains(message):
+                start, end = _turn_span(prefix_render, messages, turn, ids, where)
+                mask[start:end] = [0] * (end - start)
         return pieces_from_mask(ids, mask)
     return render_by_prefixes(prefix_render, messages, where, closes_turn, is_blank, options.train_header, prompt)
+
+
+def _turn_span(render: Callable[[list[dict], bool], list[int]], messages: list[dict], turn: int, ids: list[int],
+               where: str) -> tuple[int, int]:
+    """The tokens of `ids` (the whole conversation's rendering) that turn `turn` adds: from the end of the rendering
+    of the turns before it to the end of the rendering that ends with it (its header, content and closing tokens).
+    ProfileError naming the turn when either is not a prefix of `ids` (a template that renders a turn differently
+    once later turns follow)."""
+    before, through = render(messages[: turn - 1], False), render(messages[:turn], False)
+    for prefix, last in ((before, turn - 1), (through, turn)):
+        if prefix != ids[: len(prefix)]:
+            at = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+            raise ProfileError([
+                f"{where}: turn {turn} (assistant) has weight 0, but the chat template renders the turns up to turn "
+                f"{last} differently once later turns follow (token {at} changes): the turn's tokens cannot be told "
+                "apart to leave them untrained; drop its weight, or the turns after it"
+            ])  # fmt: skip
+    return len(before), len(through)
 
 
 # An assistant message with content of which the chat template renders no trained token: the record would train its
@@ -390,9 +430,9 @@ def render_by_prefixes(
         return ids
 
     for turn, message in enumerate(messages, 1):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or not turn_trains(message):
             # Untrained, up to the next prefix rendered: the one before an assistant turn, or the whole.
-            if turn == len(messages) or messages[turn]["role"] == "assistant":
+            if turn == len(messages) or messages[turn]["role"] == "assistant" or message["role"] == "assistant":
                 ids = prefix(turn)
                 pieces.append((ids[len(previous) :], False))
                 previous = ids
@@ -468,6 +508,12 @@ def opening_turn(render: Callable[[list[dict], bool], list[int]], message: dict,
 
 def _common_prefix_length(*sequences: list[int]) -> int:
     return next((i for i, column in enumerate(zip(*sequences)) if len(set(column)) > 1), min(map(len, sequences)))
+
+
+def ends_trained(messages: list[dict], options: ChatOptions) -> bool:
+    """Whether a conversation ends with a trained assistant turn (chat_tokens' `ends_with_assistant`): the last
+    message is the assistant's, trained by train_on: all or by its weight (turn_trains)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and (options.trains_all or turn_trains(messages[-1]))
 
 
 def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool, options: ChatOptions) -> tuple[list[int], list[bool]]:

@@ -27,7 +27,8 @@ from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import DataProfile, ModelProfile
 
 from .chat import (
-    canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written, refuse_tools_without_template,
+    canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written, ends_trained,
+    refuse_tools_without_template,
 )
 from .corpus import generate_corpus
 from .formats import FormatChoice, column_problems, detect_format, format_keys, no_format, same_family, to_record
@@ -193,7 +194,7 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
             allow_outside=profile.allow_paths_outside, options=options,
         )
-    ids, trained = chat_tokens(pieces, tok, bool(messages) and messages[-1]["role"] == "assistant", options)
+    ids, trained = chat_tokens(pieces, tok, ends_trained(messages, options), options)
     check_tools_written(messages, ids, trained, tok.decode, where)
     if len(ids) - 1 > profile.seq_len:
         raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
@@ -233,10 +234,9 @@ def _record_document(
                                 "str} (content null or left out only beside tool_calls)"])
         messages = canonical_messages(messages, profile.roles, where)
         check_tool_calls(messages, where)
-        ends_with_assistant = bool(messages) and messages[-1]["role"] == "assistant"
         options = chat_options(profile)
         pieces = tok.render_chat(messages, where, options, _record_tools(record, where))
-        ids, trained = chat_tokens(pieces, tok, ends_with_assistant, options)
+        ids, trained = chat_tokens(pieces, tok, ends_trained(messages, options), options)
         check_tools_written(messages, ids, trained, tok.decode, where)
         return _chat_document(ids, trained)
     if profile.text_field in record:

@@ -161,9 +161,10 @@ def _sharegpt_messages(record: dict, profile: DataProfile, where: str) -> list[d
         raise ProfileError([f"{where}: sharegpt 'system' must be a string or null, got {type(system).__name__}"])
     # data.roles maps a name itself (in chat.canonical_messages); ShareGPT's own names map here.
     messages = [{"role": "system", "content": system}] if system else []
+    # A turn's `weight` (axolotl's ShareGPT, as OpenAI's messages) goes with it: chat.turn_trains reads it.
     return messages + [
         {"role": t["from"] if t["from"] in profile.roles else SHAREGPT_ROLES.get(t["from"], t["from"]),
-         "content": t["value"]}
+         "content": t["value"], **({"weight": t["weight"]} if "weight" in t else {})}
         for t in turns
     ]
 

@@ -19,6 +19,7 @@ from .chat import (
     TemplateProbes,
     refuse_tools_without_template,
     render_conversation,
+    turn_trains,
 )
 
 CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
@@ -70,7 +71,8 @@ class Tokenizer(Protocol):
 def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAULT_CHAT_OPTIONS,
                       where: str = "", tools: list[dict] | None = None) -> Pieces:
     """Messages in CHAT_TEMPLATE, for tokenizers without a chat template: the assistant's content and the newline
-    closing it trained, its header '<|assistant|>\\n' only with options.train_header (every token with train_on all).
+    closing it trained (a turn of weight 0 not: chat.turn_trains), its header '<|assistant|>\\n' only with
+    options.train_header (every token with train_on all).
     Each message is encoded whole; where its header's tokens do not open it, the header is trained with the turn.
     ProfileError naming the record (`where`) for tool calls or tool definitions, which the format has no way to
     write."""
@@ -78,7 +80,7 @@ def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAU
     header_format = CHAT_TEMPLATE.split("{content}")[0]
     pieces: Pieces = []
     for m in messages:
-        is_trained = options.trains_all or m["role"] == "assistant"
+        is_trained = options.trains_all or (m["role"] == "assistant" and turn_trains(m))
         ids = encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"]))
         header = encode(header_format.format(role=m["role"]))
         cut = len(header) if ids[: len(header)] == header else 0

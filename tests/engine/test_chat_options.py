@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from moe_tune.engine.data.chat import ChatOptions, chat_options, chat_tokens
+from moe_tune.engine.data.chat import ChatOptions, chat_options, chat_tokens, ends_trained
 from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents
 from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
 from moe_tune.profiles import ProfileError, load_profile
@@ -53,7 +53,7 @@ def rendered(tok, messages, **options) -> tuple[list[int], list[bool]]:
     """(token ids, trained?) of a conversation as a document holds them: the tokenizer's document start (the byte
     tokenizer's <bos>; nothing before a template's rendering), <eos> where appended."""
     pieces = tok.render_chat(messages, "f.jsonl:1", ChatOptions(**options))
-    return chat_tokens(pieces, tok, messages[-1]["role"] == "assistant", ChatOptions(**options))
+    return chat_tokens(pieces, tok, ends_trained(messages, ChatOptions(**options)), ChatOptions(**options))
 
 
 def by_hand(raw, messages, header: str | None = None, train_all: bool = False) -> tuple[list[int], list[bool]]:
@@ -158,6 +158,106 @@ def test_prefix_rendering_trains_what_the_generation_blocks_mark(tokenizers, fam
     tok = tokenizers[family, False][0]
     raw = tokenizers[family, True][1]
     assert rendered(tok, messages, train_header=header) == by_hand(raw, messages, HEADERS[family] if header else None)
+
+
+# A turn's weight (OpenAI's chat fine-tuning format): 0 leaves an assistant turn untrained, as context
+
+
+def weighted(messages: list[dict], *turns: int) -> list[dict]:
+    """The messages with weight 0 on `turns` (1-based) and weight 1 on the other assistant turns."""
+    return [dict(m, weight=0 if i in turns else 1) if m["role"] == "assistant" else m
+            for i, m in enumerate(messages, 1)]  # fmt: skip
+
+
+def without_turns(raw, messages, turns, expected):
+    """`expected` (ids, trained) with the tokens transformers' rendering of each turn in `turns` adds to the
+    rendering of the turns before it untrained (a trained <eos> our documents append after a last turn goes too)."""
+    ids, mask = list(expected[0]), list(expected[1])
+    for turn in turns:
+        before, through = (list(raw.apply_chat_template(messages[:n], return_dict=True)["input_ids"])
+                           for n in (turn - 1, turn))  # fmt: skip
+        assert ids[: len(through)] == through and ids[: len(before)] == before
+        mask[len(before) : len(through)] = [False] * (len(through) - len(before))
+        if turn == len(messages) and len(ids) > len(through):
+            ids, mask = ids[: len(through)], mask[: len(through)]
+    return ids, mask
+
+
+@pytest.mark.parametrize("turns", [(3,), (5,), (3, 5)])
+@pytest.mark.parametrize("header", [False, True])
+@pytest.mark.parametrize("is_marked", [True, False])
+def test_a_turn_of_weight_0_trains_nothing_of_its_own(tokenizers, turns, header, is_marked):
+    """With {% generation %} blocks or by prefixes: the tokens the turn adds (header, content, closing token) are
+    untrained, every other token as without weights."""
+    tok, raw = tokenizers["kimi", is_marked][0], tokenizers["kimi", True][1]
+    expected = by_hand(raw, MULTI_TURN, HEADERS["kimi"] if header else None)
+    got = rendered(tok, weighted(MULTI_TURN, *turns), train_header=header)
+    assert got == without_turns(raw, MULTI_TURN, turns, expected)
+    assert rendered(tok, weighted(MULTI_TURN), train_header=header) == rendered(tok, MULTI_TURN, train_header=header)
+    # train_on: all trains every token: weights change nothing.
+    assert rendered(tok, weighted(MULTI_TURN, *turns), train_on="all") == rendered(tok, MULTI_TURN, train_on="all")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_a_weight_0_turn_a_template_rewrites_later_is_refused_the_last_one_is_untrained(tokenizers, family):
+    """qwen3 and deepseek drop an answer's thinking once a later question follows: turn 3's tokens are not those of
+    the conversation up to it, so they cannot be found; the last answer's can."""
+    tok, raw = tokenizers[family, True]
+    with pytest.raises(ProfileError) as err:
+        rendered(tok, weighted(MULTI_TURN, 3))
+    (line,) = err.value.problems
+    assert re.fullmatch(r"f\.jsonl:1: turn 3 \(assistant\) has weight 0, but the chat template renders the turns up to "
+                        r"turn 3 differently once later turns follow \(token \d+ changes\): the turn's tokens cannot "
+                        r"be told apart to leave them untrained; drop its weight, or the turns after it", line)
+    assert rendered(tok, weighted(MULTI_TURN, 5)) == without_turns(raw, MULTI_TURN, (5,), by_hand(raw, MULTI_TURN))
+
+
+@pytest.mark.parametrize("turns", [(3,), (5,)])
+def test_the_built_in_format_leaves_a_weight_0_turn_untrained(turns):
+    parts = []
+    for turn, m in enumerate(CAFE, 1):
+        parts += [(f"<|{m['role']}|>\n", False), (m["content"] + "\n", m["role"] == "assistant" and turn not in turns)]
+    assert rendered(BYTE, weighted(CAFE, *turns)) == segments(*parts, eos=5 not in turns)
+
+
+def test_sharegpt_and_table_weights_train_as_message_weights(tmp_path):
+    """axolotl's ShareGPT turns carry a weight too; a table's messages without one hold null: trained."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sharegpt = tmp_path / "s.jsonl"
+    sharegpt.write_text(json.dumps({"conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "bad", "weight": 0},
+        {"from": "human", "value": "q2"}, {"from": "gpt", "value": "good"}]}) + "\n")  # fmt: skip
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "bad", "weight": 0},
+                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "good", "weight": None}]
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}]), table)
+    reference = tmp_path / "m.jsonl"
+    reference.write_text(json.dumps({"messages": weighted(messages[:2] + [dict(messages[2]), dict(messages[3])], 2)})
+                         + "\n")  # fmt: skip
+    (expected,) = load_documents(DataProfile(path=reference, seq_len=64), BYTE)
+    assert bytes(t for t in expected.labels if 0 <= t < 256) == b"good\n"
+    for path in (sharegpt, table):
+        assert load_documents(DataProfile(path=path, seq_len=64), BYTE) == [expected]
+
+
+@pytest.mark.parametrize("message, rule", [
+    ({"role": "user", "content": "q", "weight": 0}, "turn 1 (user) has a weight (0): only an assistant turn's weight "
+                                                     "says whether it is trained (0: not, 1: as any)"),
+    ({"role": "assistant", "content": "a", "weight": 0.5}, "turn 1 (assistant): weight (0.5) must be 0 (the turn is "
+                                                            "not trained) or 1 (it is)"),
+    ({"role": "assistant", "content": "a", "weight": "0"}, "turn 1 (assistant): weight (\"0\") must be 0"),
+    ({"role": "assistant", "content": "a", "weight": True}, "turn 1 (assistant): weight (true) must be 0"),
+    ({"role": "assistant", "content": "a", "weight": [0]}, "turn 1 (assistant): weight ([0]) must be 0"),
+])  # fmt: skip
+def test_a_weight_other_than_0_or_1_or_off_the_assistant_is_one_line(tmp_path, message, rule):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [message]}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64), BYTE)
+    (line,) = err.value.problems
+    assert line.startswith(f"{path}:1: {rule}")
 
 
 # The profile's chat template
