@@ -286,3 +286,27 @@ def test_a_normal_file_of_several_row_groups_reads_whole(tmp_path):
     assert [where for where, _ in read] == [f"{path}:row {i}" for i in range(3000)]
     assert [record for _, record in read] == [{"text": t, "role": r, "n": n} for t, r, n in zip(texts, roles,
                                                                                              range(3000))]
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_page_whose_checksum_no_longer_matches_is_refused(tmp_path, compression, checksums):
+    """Bytes changed inside a page (bit rot, a torn copy) that the writer stored a checksum of: the row is refused,
+    not trained as altered text; a file written without checksums, untouched, reads as written."""
+    path = tmp_path / "d.parquet"
+    rows = [f"row {i} hello world" for i in range(100)]
+    pq.write_table(pa.table({"text": rows}), path, compression=compression, use_dictionary=False,
+                   write_page_checksum=checksums, write_statistics=False)  # fmt: skip
+    documents = load_documents(DataProfile(path=path, seq_len=64), TOK)
+    assert [bytes(d.input_ids[1:]).decode() for d in documents] == rows
+    if not checksums:
+        return
+    data = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    # The page's last stored byte (a value's byte, or zstd's frame checksum): what the page checksum covers.
+    end = start + pq.ParquetFile(path).metadata.row_group(0).column(0).total_compressed_size
+    data[end - 1] ^= 0x20
+    path.write_bytes(bytes(data))
+    (line,) = problems(path)
+    assert line == (f"{path}:row 0: unreadable (OSError: could not verify page integrity, CRC checksum verification "
+                    "failed for page_ordinal 0)")
