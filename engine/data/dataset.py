@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import random
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +49,12 @@ class Document:
     input_ids: list[int]
     labels: list[int]
     images: tuple[ImageRef, ...] = ()  # in the order of their placeholders; such a document is never cut
+    # Packed into one row when it fits one (pack_rows): a chat, whose answers are trained on their question.
+    whole: bool = False
+
+    @property
+    def keeps_whole(self) -> bool:
+        return self.whole or bool(self.images)
 
 
 @dataclass(frozen=True)
@@ -166,12 +174,8 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
         raise ProfileError([f"{where}: {vision.problem}"])
     messages = record.get(profile.messages_field)
     images = record.get("images", [])
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and ("content" in m or m.get("tool_calls"))
-        for m in messages
-    ):
-        raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": "
-                            "...} (content left out only beside tool_calls)"])
+    if (problem := message_shape_problem(messages, profile.messages_field, parts=True)) is not None:
+        raise ProfileError([f"{where}: {problem}"])
     if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
         raise ProfileError([f"{where}: 'images' must be a list of image paths"])
     _check_image_count(messages, images, where, profile.seq_len)
@@ -202,6 +206,36 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
     return _chat_document(ids, trained, tuple(refs))
 
 
+def message_shape_problem(messages: object, field_name: str, parts: bool) -> str | None:
+    """What is wrong with a record's messages, naming the turn and the value (None when every message is an object
+    with a string role and content: a string, or with `parts` a list of text and image parts, read further on; null or
+    left out only beside tool_calls)."""
+    rule = '{"role": str, "content": str}'
+    if not isinstance(messages, list):
+        return f"'{field_name}' ({_shown(messages)}) must be a list of messages {rule}"
+    for turn, message in enumerate(messages, 1):
+        if not isinstance(message, dict):
+            return f"'{field_name}' turn {turn} ({_shown(message)}) must be a message {rule}"
+        role = message.get("role")
+        if not isinstance(role, str):
+            return f"turn {turn}: 'role' ({_shown(role) if 'role' in message else 'left out'}) must be a string"
+        content = message.get("content")
+        is_text = isinstance(content, str) or (parts and isinstance(content, list))
+        if is_text or (content is None and message.get("tool_calls")):
+            continue
+        shown = _shown(content) if "content" in message else "left out"
+        kinds = "a string or a list of text and image parts" if parts else "a string"
+        return (f"turn {turn} ({_shown(role)[1:-1]}): 'content' ({shown}) must be {kinds} (null or left out only "
+                "beside tool_calls)")
+    return None
+
+
+def _shown(value: object) -> str:
+    """A record's value as JSON in a message line, at most 40 characters."""
+    text = json.dumps(value, ensure_ascii=True, default=repr)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _record_tools(record: dict, where: str) -> list[dict] | None:
     """A chat record's `tools` (the function definitions a chat template writes, as transformers takes them)."""
     tools = record.get("tools")
@@ -213,7 +247,8 @@ def _record_tools(record: dict, where: str) -> list[dict] | None:
 
 def _chat_document(ids: list[int], trained: list[bool], images: tuple[ImageRef, ...] = ()) -> Document:
     """Label t is token t + 1 where that token is trained."""
-    return Document(ids[:-1], [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])], images)
+    return Document(ids[:-1], [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:])], images,
+                    whole=True)
 
 
 def _record_document(
@@ -225,13 +260,8 @@ def _record_document(
         return _image_document(record, where, profile, tok, vision)  # ImageError: the caller skips or reports
     if profile.messages_field in record:
         messages = record[profile.messages_field]
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and (
-                isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
-            for m in messages
-        ):  # fmt: skip
-            raise ProfileError([f"{where}: '{profile.messages_field}' must be a list of {{\"role\": str, \"content\": "
-                                "str} (content null or left out only beside tool_calls)"])
+        if (problem := message_shape_problem(messages, profile.messages_field, parts=False)) is not None:
+            raise ProfileError([f"{where}: {problem}"])
         messages = canonical_messages(messages, profile.roles, where)
         check_tool_calls(messages, where)
         options = chat_options(profile)
@@ -266,22 +296,30 @@ class SplitCounts:
     trained_tokens: int = 0  # of them labelled: trained on (train) or scored (eval)
     # Documents with no labelled token (a chat without an assistant turn, a blank text): rows spent on nothing.
     untrained_documents: int = 0
+    # Chats longer than data.seq_len, cut across rows (pack_rows): later turns trained without the conversation's
+    # start.
+    cut_chats: int = 0
 
     def __add__(self, other: SplitCounts) -> SplitCounts:
         return SplitCounts(self.documents + other.documents, self.tokens + other.tokens,
                            self.trained_tokens + other.trained_tokens,
-                           self.untrained_documents + other.untrained_documents)  # fmt: skip
+                           self.untrained_documents + other.untrained_documents,
+                           self.cut_chats + other.cut_chats)  # fmt: skip
 
     @staticmethod
-    def of(documents: list[Document]) -> SplitCounts:
+    def of(documents: list[Document], seq_len: int) -> SplitCounts:
         trained = [sum(label != IGNORE_INDEX for label in d.labels) for d in documents]
+        cut = sum(d.keeps_whole and len(d.input_ids) > seq_len for d in documents)
         return SplitCounts(len(documents), sum(len(d.input_ids) for d in documents), sum(trained),
-                           trained.count(0))  # fmt: skip
+                           trained.count(0), cut)  # fmt: skip
 
     def __str__(self) -> str:
         share = f" ({100 * self.trained_tokens / self.tokens:.0f}%)" if self.tokens else ""
-        none = f" ({self.untrained_documents} with no trained token)" if self.untrained_documents else ""
-        return f"{self.documents} documents{none}, {self.tokens} tokens, {self.trained_tokens} trained{share}"
+        notes = [f"{self.untrained_documents} with no trained token"] if self.untrained_documents else []
+        if self.cut_chats:
+            notes.append(f"{self.cut_chats} chat{'' if self.cut_chats == 1 else 's'} longer than data.seq_len, cut")
+        shown = f" ({', '.join(notes)})" if notes else ""
+        return f"{self.documents} documents{shown}, {self.tokens} tokens, {self.trained_tokens} trained{share}"
 
 
 @dataclass(frozen=True)
@@ -317,6 +355,8 @@ class SourceSummary:
 class DataSummary:
     sources: tuple[SourceSummary, ...]
     eval_from: str | None  # "data.eval_path ('...')", "data.eval_fraction (0.1)" or None
+    # What a checkpoint records of the documents it trained on (data_fingerprint), which --resume compares.
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def train(self) -> SplitCounts:
@@ -423,7 +463,7 @@ def load_splits(
     for read, (kept, held_out, dropped) in zip(reads, split):
         if read.source.role == "eval":
             evaluation += read.documents
-            summaries.append(_summary(read, [], read.documents))
+            summaries.append(_summary(read, [], read.documents, profile.seq_len))
             continue
         documents = _weighted(kept, read.source, profile.seed, len(summaries))
         if kept and not documents:
@@ -431,11 +471,24 @@ def load_splits(
                             f"documents of {read.source.path}: raise it (round((weight - floor(weight)) * n) are kept)")
         train += documents
         evaluation += held_out
-        summaries.append(_summary(read, documents, held_out, len(held_out), dropped))
+        summaries.append(_summary(read, documents, held_out, profile.seq_len, len(held_out), dropped))
     problems += _split_problems(profile, split, train, evaluation)
     if problems:
         raise ProfileError(problems)
-    return DataSplits(train, evaluation, DataSummary(tuple(summaries), _eval_from(profile)))
+    summary = DataSummary(tuple(summaries), _eval_from(profile), data_fingerprint(train, evaluation))
+    return DataSplits(train, evaluation, summary)
+
+
+def data_fingerprint(train: list[Document], evaluation: list[Document]) -> dict[str, Any]:
+    """The training and evaluation documents' counts, tokens and a digest of their tokens, labels and images in
+    order: a regenerated data file, an edited tokenizer or chat template changes it."""
+    digest = hashlib.blake2b(digest_size=8)
+    for documents in (train, evaluation):
+        digest.update(len(documents).to_bytes(8, "little"))
+        for doc in documents:
+            digest.update(_document_key(doc))
+    return {"documents": len(train), "tokens": sum(len(d.input_ids) for d in train),
+            "eval_documents": len(evaluation), "digest": digest.hexdigest()}  # fmt: skip
 
 
 def _sources(profile: DataProfile, generated_dir: Path | None) -> list[_Source]:
@@ -607,13 +660,13 @@ def _eval_from(profile: DataProfile) -> str | None:
     return None
 
 
-def _summary(read: _Read, train: list[Document], held_out: list[Document], distinct_held: int = 0,
+def _summary(read: _Read, train: list[Document], held_out: list[Document], seq_len: int, distinct_held: int = 0,
              dropped: int = 0) -> SourceSummary:  # fmt: skip
     source = read.source
     path = str(source.path) if source.path is not None else "built-in corpus (stories)"
     return SourceSummary(path, source.role, read.kind, read.format, source.weight,
                          len(read.documents) + len(read.refused), tuple(read.refused),
-                         SplitCounts.of(train), SplitCounts.of(held_out), distinct_held, dropped,
+                         SplitCounts.of(train, seq_len), SplitCounts.of(held_out, seq_len), distinct_held, dropped,
                          tuple(read.unread.items()))  # fmt: skip
 
 
@@ -658,37 +711,73 @@ def _check_vision_tokens(doc: Document, vision: VisionInput, where: str) -> None
 
 
 def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]:
-    """Greedy packing in the given order; the last row is padded with an unlabelled piece. A document with images
-    is never cut: when it does not fit the room left, the row is padded and it starts the next one."""
-    rows: list[Row] = []
-    ids: list[int] = []
-    labels: list[int] = []
-    starts: list[int] = []
-    images: list[ImageRef] = []
+    """Rows of `seq_len` tokens holding the documents in the given order, first fit over the last OPEN_ROWS rows
+    opened and not yet full. A document kept whole (Document.keeps_whole: a chat, whose answers are trained on their
+    question; one with images) that fits a row goes into the first open row with room for it, else opens a row. Any
+    other document (a text; a chat longer than a row, which opens one) fills the open rows' room from the first, cut
+    where a row is full, then new rows. A row is closed when full or when an OPEN_ROWS-th newer one opens; one closed
+    with room is padded with an unlabelled piece. Rows come in the order they were opened. A text-only dataset packs
+    as greedy packing does: one open row, each document cut where it is full."""
+    rows: list[_RowBuilder] = []
+    open_rows: list[_RowBuilder] = []
 
-    def pad_row():
-        starts.append(len(ids))
-        room = seq_len - len(ids)
-        rows.append(Row(ids + [pad_id] * room, labels + [IGNORE_INDEX] * room, list(starts), tuple(images)))
+    def open_row() -> _RowBuilder:
+        if len(open_rows) == OPEN_ROWS:
+            open_rows.pop(0)
+        row = _RowBuilder()
+        rows.append(row)
+        open_rows.append(row)
+        return row
+
+    def place(row: _RowBuilder, doc: Document, start: int, end: int) -> None:
+        row.add(doc, start, end)
+        if len(row.ids) == seq_len:
+            open_rows.remove(row)
 
     for doc in documents:
-        if doc.images and len(doc.input_ids) > seq_len - len(ids) and ids:
-            pad_row()
-            ids, labels, starts, images = [], [], [], []
-        images += doc.images
+        length = len(doc.input_ids)
+        if doc.keeps_whole and length <= seq_len:
+            row = next((r for r in open_rows if seq_len - len(r.ids) >= length), None) or open_row()
+            place(row, doc, 0, length)
+            continue
         pos = 0
-        while pos < len(doc.input_ids):
-            take = min(seq_len - len(ids), len(doc.input_ids) - pos)
-            starts.append(len(ids))
-            ids += doc.input_ids[pos : pos + take]
-            labels += doc.labels[pos : pos + take]
+        if doc.keeps_whole:  # a chat longer than a row: its start gets a row of its own
+            place(open_row(), doc, 0, seq_len)
+            pos = seq_len
+        while pos < length:
+            row = open_rows[0] if open_rows else open_row()
+            take = min(seq_len - len(row.ids), length - pos)
+            place(row, doc, pos, pos + take)
             pos += take
-            if len(ids) == seq_len:
-                rows.append(Row(ids, labels, starts, tuple(images)))
-                ids, labels, starts, images = [], [], [], []
-    if ids:
-        pad_row()
-    return rows
+    return [row.padded(seq_len, pad_id) for row in rows]
+
+
+# The rows pack_rows keeps open for a document kept whole that does not fit the newest: few enough that documents stay
+# near their order, enough that rows close nearly full.
+OPEN_ROWS = 32
+
+
+@dataclass
+class _RowBuilder:
+    ids: list[int] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    images: list[ImageRef] = field(default_factory=list)
+
+    def add(self, doc: Document, start: int, end: int) -> None:
+        """Tokens [start, end) of `doc` as a piece of their own; its images with its first piece."""
+        self.starts.append(len(self.ids))
+        self.ids += doc.input_ids[start:end]
+        self.labels += doc.labels[start:end]
+        if start == 0:
+            self.images += doc.images
+
+    def padded(self, seq_len: int, pad_id: int) -> Row:
+        room = seq_len - len(self.ids)
+        if not room:
+            return Row(self.ids, self.labels, self.starts, tuple(self.images))
+        return Row(self.ids + [pad_id] * room, self.labels + [IGNORE_INDEX] * room, [*self.starts, len(self.ids)],
+                   tuple(self.images))
 
 
 def collate(rows: list[Row], settings: ImageSettings | None = None) -> Batch:

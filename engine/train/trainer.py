@@ -601,6 +601,8 @@ def _resume(run: TrainingRun) -> Path:
         engine, run.checkpoint_root, signature, dist.device, bias_sizes
     )
     start_step = state["step"]
+    if (changed := data_change_note(resumed_from, state.get("data"), run.data_summary.fingerprint, start_step)):
+        result.resume_notes.append(changed)
     torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
     for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
         block.selection_bias.copy_(torch.tensor(bias))
@@ -936,7 +938,8 @@ def _evaluate_and_save(run: TrainingRun, step: int, is_stopping: bool, writer, r
     if not is_stopping and _evaluates_after(run, step):
         step_eval = _run_eval(run.engine, run.eval_data, profile.train, dist, step, result, writer, reporter)
     if is_stopping or _saves_after(run, step):
-        result.checkpoint = _save(run.engine, profile, run.checkpoint_root, step, dist, step_eval, result)
+        result.checkpoint = _save(run.engine, profile, run.checkpoint_root, step, dist, step_eval, result,
+                                  run.data_summary.fingerprint)  # fmt: skip
         if step_eval is not None and dist.is_main:
             best = best_checkpoint(run.checkpoint_root, step)
             result.best_checkpoint = best[0] if best is not None else None
@@ -1297,6 +1300,23 @@ def _run_eval(engine, eval_data, train: TrainProfile, dist: DistInfo, step: int,
     return loss
 
 
+def data_change_note(checkpoint: Path, saved: Any, current: dict[str, Any], step: int) -> str | None:
+    """A line when the documents read now (data_fingerprint) are not those the checkpoint trained on (its saved
+    fingerprint; a checkpoint written before it was saved has none): the data file regenerated or edited, another
+    tokenizer or chat template. The run goes on, on the documents it has."""
+    if not isinstance(saved, dict) or saved == current:
+        return None
+    counts = "{documents} documents, {tokens} tokens, {eval_documents} evaluation documents"
+    try:
+        was = counts.format(**saved)
+    except (KeyError, IndexError):
+        was = "a fingerprint this version does not read"
+    now = counts.format(**current)
+    same = " (the same counts, other tokens)" if was == now else ""
+    return (f"note: {checkpoint} was trained on other documents than the data gives now ({was} then; {now} now"
+            f"{same}): the rows from step {step} on are not those of an uninterrupted run")
+
+
 def _restore_eval_state(result: RunResult, state: dict, root: Path) -> None:
     """A resumed run's last and best eval and its best checkpoint, as the checkpoint it resumed from knew them."""
     for key, loss_field, step_field in (("last_eval", "eval_loss", "eval_step"),
@@ -1310,7 +1330,7 @@ def _restore_eval_state(result: RunResult, state: dict, root: Path) -> None:
 
 
 def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo, eval_loss: float | None = None,
-          result: RunResult | None = None) -> Path:  # fmt: skip
+          result: RunResult | None = None, data: dict[str, Any] | None = None) -> Path:  # fmt: skip
     evals = {}
     if result is not None:
         evals = {
@@ -1328,5 +1348,7 @@ def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo, ev
         **evals,
         # Compared on --resume: a checkpoint of another architecture or layout is refused naming the fields.
         "signature": run_signature(profile, dist.world_size),
+        # Compared on --resume too (data_change_note): the documents it trained on.
+        "data": data,
     }
     return save_checkpoint(engine, root, step, state, profile.output.keep_last, dist.is_main)

@@ -489,14 +489,37 @@ def test_a_tool_call_without_a_chat_template_is_refused(tmp_path):
                                   "(data.chat_template, or the tokenizer's); the built-in <|role|> format has none"]
 
 
-@pytest.mark.parametrize("message", [{"role": "assistant", "content": None}, {"role": "user"},
-                                     {"role": "assistant", "content": None, "tool_calls": []}])
-def test_content_may_be_missing_only_beside_tool_calls(tmp_path, message):
+@pytest.mark.parametrize("message, shown", [
+    ({"role": "assistant", "content": None}, "turn 2 (assistant): 'content' (null)"),
+    ({"role": "user"}, "turn 2 (user): 'content' (left out)"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "turn 2 (assistant): 'content' (null)"),
+    ({"role": "assistant", "content": 42}, "turn 2 (assistant): 'content' (42)"),
+    ({"role": "assistant", "content": True}, "turn 2 (assistant): 'content' (true)"),
+    ({"role": "assistant", "content": {"text": "a" * 50}},
+     "turn 2 (assistant): 'content' ({\"text\": \"aaaaaaaaaaaaaaaaaaaaaaaaaaa...)"),
+])  # fmt: skip
+def test_content_may_be_missing_only_beside_tool_calls(tmp_path, message, shown):
+    """The line names the turn, its role and the value (shortened), as the rule for it."""
     path = write_records(tmp_path / "d.jsonl", [{"role": "user", "content": "hi"}, message])
     with pytest.raises(ProfileError) as err:
         load_documents(DataProfile(path=path, seq_len=256), ByteTokenizer())
-    assert err.value.problems == [f"{path}:1: 'messages' must be a list of {{\"role\": str, \"content\": str}} "
-                                  "(content null or left out only beside tool_calls)"]
+    assert err.value.problems == [f"{path}:1: {shown} must be a string (null or left out only beside tool_calls)"]
+
+
+@pytest.mark.parametrize("messages, line", [
+    ("hi", "'messages' (\"hi\") must be a list of messages {\"role\": str, \"content\": str}"),
+    ({"role": "user"}, "'messages' ({\"role\": \"user\"}) must be a list of messages {\"role\": str, \"content\": str}"),
+    ([{"role": "user", "content": "q"}, 7], "'messages' turn 2 (7) must be a message {\"role\": str, \"content\": str}"),
+    ([{"content": "q"}], "turn 1: 'role' (left out) must be a string"),
+    ([{"role": None, "content": "q"}], "turn 1: 'role' (null) must be a string"),
+    ([{"role": ["user"], "content": "q"}], "turn 1: 'role' ([\"user\"]) must be a string"),
+])  # fmt: skip
+def test_a_malformed_message_list_names_the_turn_and_the_value(tmp_path, messages, line):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=256), ByteTokenizer())
+    assert err.value.problems == [f"{path}:1: {line}"]
 
 
 # Double end of turn

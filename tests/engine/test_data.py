@@ -49,6 +49,99 @@ def test_packing_splits_long_documents_and_pads_the_last_row():
     assert rows[1].labels == [9, 10, 21, 22, 23, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
 
 
+def _greedy(docs: list[Document], seq_len: int, pad_id: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """(ids, labels, starts) of each row as greedy packing cuts the documents' stream, every row full but the last."""
+    ids, labels, starts = [], [], []
+    for doc in docs:
+        starts.append(len(ids))
+        ids += doc.input_ids
+        labels += doc.labels
+    rows = []
+    for at in range(0, len(ids), seq_len):
+        room = max(0, at + seq_len - len(ids))
+        inside = sorted({0, *(s - at for s in starts if at < s < at + seq_len)} | ({seq_len - room} if room else set()))
+        rows.append((ids[at : at + seq_len] + [pad_id] * room, labels[at : at + seq_len] + [IGNORE_INDEX] * room,
+                     inside))  # fmt: skip
+    return rows
+
+
+def _documents(lengths: list[int], whole: bool, first: int = 0) -> list[Document]:
+    """Documents of the given lengths, their tokens numbered apart (first, first + 1, ...) and labelled +1000."""
+    docs, token = [], first
+    for n in lengths:
+        ids = list(range(token, token + n))
+        docs.append(Document(ids, [t + 1000 for t in ids], whole=whole))
+        token += n
+    return docs
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 16, 64])
+def test_text_documents_pack_as_greedy_packing_cuts_them(seq_len):
+    import random
+
+    lengths = [random.Random(seq_len).randint(1, 40) for _ in range(60)]
+    rows = pack_rows(_documents(lengths, whole=False), seq_len, pad_id=-1)
+    assert [(r.input_ids, r.labels, r.starts) for r in rows] == _greedy(_documents(lengths, False), seq_len, -1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seq_len", [48, 128])
+def test_a_chat_that_fits_a_row_is_never_cut_and_rows_close_nearly_full(seq_len, seed):
+    """Chats (and texts between them) of random lengths: every chat lies whole in one row as one piece, the chats of a
+    row in their order; every token is packed once; rows hold few padding tokens (first fit over pack_rows'
+    open rows)."""
+    import random
+
+    rng = random.Random(seed)
+    docs, token = [], 0
+    for _ in range(300):
+        whole = rng.random() < 0.8
+        (doc,) = _documents([rng.randint(1, seq_len if whole else 3 * seq_len)], whole, token)
+        docs.append(doc)
+        token += len(doc.input_ids)
+    rows = pack_rows(docs, seq_len, pad_id=-1)
+    assert all(len(r.input_ids) == len(r.labels) == seq_len for r in rows)
+    pieces = [(r.input_ids[a:b], r.labels[a:b]) for r in rows for a, b in zip(r.starts, [*r.starts[1:], seq_len])]
+    real = [(ids, labels) for ids, labels in pieces if ids[0] != -1]
+    assert all(ids == [-1] * len(ids) and labels == [IGNORE_INDEX] * len(ids) for ids, labels in pieces if ids[0] == -1)
+    assert sorted(t for ids, _ in real for t in ids) == list(range(token))
+    starts = {doc.input_ids[0]: doc for doc in docs}
+    for ids, labels in real:
+        assert labels == [t + 1000 for t in ids] and ids == list(range(ids[0], ids[-1] + 1))
+        if ids[0] in starts and starts[ids[0]].whole:
+            assert ids == starts[ids[0]].input_ids
+    for row in rows:
+        firsts = [row.input_ids[a] for a in row.starts if row.input_ids[a] in starts and starts[row.input_ids[a]].whole]
+        assert firsts == sorted(firsts)
+    assert len(rows) <= -(-token // seq_len) * 1.03 + 1
+
+
+def test_a_chat_longer_than_a_row_starts_a_row_then_fills_the_open_rows_room():
+    docs = _documents([5], True) + _documents([20], True, first=5)
+    rows = pack_rows(docs, seq_len=8, pad_id=-1)
+    assert [r.input_ids for r in rows] == [[0, 1, 2, 3, 4, 13, 14, 15], list(range(5, 13)),
+                                           [16, 17, 18, 19, 20, 21, 22, 23], [24, -1, -1, -1, -1, -1, -1, -1]]
+    assert [r.starts for r in rows] == [[0, 5], [0], [0], [0, 1]]
+
+
+@pytest.mark.parametrize("seq_len, cut", [(8, 2), (30, 1), (200, 0)])
+def test_the_summary_counts_the_chats_longer_than_a_row(tmp_path, seq_len, cut):
+    """Chats (a messages record of 37 tokens, an alpaca one of 28) longer than data.seq_len are counted; a text
+    of 31 tokens is not."""
+    from moe_tune.engine.data.dataset import load_splits
+
+    path, alpaca = tmp_path / "d.jsonl", tmp_path / "a.jsonl"
+    chat = {"messages": [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": "b"}]}
+    path.write_text(json.dumps(chat) + "\n" + json.dumps({"text": "e" * 30}) + "\n")
+    alpaca.write_text(json.dumps({"instruction": "c", "output": "d"}) + "\n")
+    profile = DataProfile(sources=[{"path": path}, {"path": alpaca}], seq_len=seq_len)
+    assert [len(d.input_ids) for d in load_documents(profile, TOK)] == [37, 31, 28]
+    train = load_splits(profile, TOK).summary.train
+    assert train.cut_chats == cut
+    shown = f"({cut} chat{'s' if cut > 1 else ''} longer than data.seq_len, cut)"
+    assert (shown in str(train)) == bool(cut)
+
+
 def test_collate_offsets_pieces_by_row():
     docs = [Document(list(range(10)), list(range(1, 11))), Document([20, 21, 22], [21, 22, 23])]
     batch = collate(pack_rows(docs, seq_len=8, pad_id=99))
@@ -121,8 +214,7 @@ def test_bad_records_name_file_and_line(tmp_path):
     assert info.value.problems == [
         f"{path}:1: 'text' must be a string, got int",
         f"{path}:2: a record must be a JSON object, got list",
-        f"{path}:3: 'messages' must be a list of {{\"role\": str, \"content\": str}} (content null or left out "
-        "only beside tool_calls)",
+        f"{path}:3: turn 1 (user): 'content' (left out) must be a string (null or left out only beside tool_calls)",
     ]
 
 

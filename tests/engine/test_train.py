@@ -136,12 +136,33 @@ def test_resume_continues_with_identical_losses(tmp_path, zero_stage):
     (tmp_path / "b" / "checkpoints" / ".incomplete-step-0000004").mkdir()
     (tmp_path / "b" / "checkpoints" / "step-0000005").mkdir()
     second = finetune(split_profile, show_progress=False, resume=True)
-    assert second.start_step == 3
+    assert second.start_step == 3 and not any("other documents" in note for note in second.resume_notes)
     assert first.losses + second.losses == straight.losses
     assert not (tmp_path / "b" / "checkpoints" / ".incomplete-step-0000004").exists()
     # The metrics file reads as one uninterrupted run.
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("change", ["fewer records", "same counts"])
+def test_a_resume_on_other_documents_says_so(tmp_path, change):
+    """A data file regenerated between a run and its --resume: a note names what the checkpoint trained on and what
+    the data gives now (the same counts with other tokens said so); the run goes on."""
+    data = tmp_path / "d.jsonl"
+    texts = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota", "kappa lambda"]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    profile = small_profile(tmp_path / "run", "train.steps=3", "output.save_every=1", f"data.path={data}")
+    finetune(profile, show_progress=False, stop_after=1)
+    now = texts[:2] if change == "fewer records" else [t.upper() for t in texts]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in now))
+    result = finetune(profile, show_progress=False, resume=True)
+    tokens = {t: len(t) + 1 for t in texts}  # the byte tokenizer: <bos> and each byte
+    was = f"4 documents, {sum(tokens.values())} tokens, 0 evaluation documents"
+    is_now = f"{len(now)} documents, {sum(len(t) + 1 for t in now)} tokens, 0 evaluation documents"
+    same = " (the same counts, other tokens)" if change == "same counts" else ""
+    assert result.start_step == 1 and result.resume_notes == [
+        f"note: {tmp_path / 'run' / 'checkpoints' / 'step-0000001'} was trained on other documents than the data "
+        f"gives now ({was} then; {is_now} now{same}): the rows from step 1 on are not those of an uninterrupted run"]
 
 
 @pytest.mark.parametrize("refused", ["lora.r=8", "model.hidden_size=32", "damaged", "finished"])
