@@ -113,8 +113,11 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
 
 def turn_trains(message: dict) -> bool:
     """Whether an assistant message is trained with train_on: assistant: all but those whose `weight` is 0 (OpenAI's
-    chat fine-tuning format, axolotl's ShareGPT), which stay in the conversation as context."""
-    return message.get("weight") != 0
+    chat fine-tuning format, axolotl's ShareGPT) and those that say nothing (blank content, no tool call, no
+    reasoning: its closing token alone would teach the model to stop at once, as a blank text would), which stay in
+    the conversation as context."""
+    says = _has_content(message) or message.get("tool_calls") or message.get("reasoning_content")
+    return message.get("weight") != 0 and bool(says)
 
 
 def _likely_role(role: str) -> str:
@@ -254,10 +257,12 @@ def _turn_span(render: Callable[[list[dict], bool], list[int]], messages: list[d
     for prefix, last in ((before, turn - 1), (through, turn)):
         if prefix != ids[: len(prefix)]:
             at = next((i for i, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+            why, fix = ("has weight 0", "drop its weight") if messages[turn - 1].get("weight") == 0 else (
+                "says nothing (blank content)", "give it content")
             raise ProfileError([
-                f"{where}: turn {turn} (assistant) has weight 0, but the chat template renders the turns up to turn "
-                f"{last} differently once later turns follow (token {at} changes): the turn's tokens cannot be told "
-                "apart to leave them untrained; drop its weight, or the turns after it"
+                f"{where}: turn {turn} (assistant) {why}, but the chat template renders the turns up to turn {last} "
+                f"differently once later turns follow (token {at} changes): the turn's tokens cannot be told apart to "
+                f"leave them untrained; {fix}, or drop the turns after it"
             ])  # fmt: skip
     return len(before), len(through)
 

@@ -208,8 +208,47 @@ def test_a_weight_0_turn_a_template_rewrites_later_is_refused_the_last_one_is_un
     (line,) = err.value.problems
     assert re.fullmatch(r"f\.jsonl:1: turn 3 \(assistant\) has weight 0, but the chat template renders the turns up to "
                         r"turn 3 differently once later turns follow \(token \d+ changes\): the turn's tokens cannot "
-                        r"be told apart to leave them untrained; drop its weight, or the turns after it", line)
+                        r"be told apart to leave them untrained; drop its weight, or drop the turns after it", line)
     assert rendered(tok, weighted(MULTI_TURN, 5)) == without_turns(raw, MULTI_TURN, (5,), by_hand(raw, MULTI_TURN))
+
+
+@pytest.mark.parametrize("content", ["", "  \n "])
+@pytest.mark.parametrize("is_marked", [True, False])
+def test_an_assistant_turn_that_says_nothing_trains_nothing_of_its_own(tokenizers, content, is_marked):
+    """Blank content, no tool call, no reasoning: its closing token alone would teach the model to stop at once (a
+    blank text trains nothing either); trained as a turn of weight 0, in the middle or last."""
+    tok, raw = tokenizers["kimi", is_marked][0], tokenizers["kimi", True][1]
+    for turn in (3, 5):
+        messages = [dict(m, content=content) if i == turn else m for i, m in enumerate(MULTI_TURN, 1)]
+        expected = without_turns(raw, messages, (turn,), by_hand(raw, messages))
+        assert rendered(tok, messages) == expected
+        assert rendered(tok, weighted(messages, turn)) == expected
+    # The built-in format: a last turn that says nothing leaves the document untrained (the summary counts it).
+    silent = [*CAFE[:4], {"role": "assistant", "content": content}]
+    parts = [(f"<|{m['role']}|>\n", False) for m in silent]
+    parts = [part for m, header in zip(silent, parts) for part in (header, (m["content"] + "\n", m is CAFE[2]))]
+    assert rendered(BYTE, silent) == segments(*parts, eos=False)
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "", "reasoning_content": "think first"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]},
+])  # fmt: skip
+def test_a_turn_with_only_reasoning_or_a_tool_call_is_trained(tokenizers, message):
+    tok, raw = tokenizers["qwen3", True]
+    messages = [*MULTI_TURN[:4], message]
+    assert rendered(tok, messages) == by_hand(raw, messages)
+
+
+def test_a_blank_turn_a_template_rewrites_later_is_refused(tokenizers):
+    tok, _ = tokenizers["qwen3", True]
+    messages = [dict(m, content="") if i == 3 else m for i, m in enumerate(MULTI_TURN, 1)]
+    with pytest.raises(ProfileError) as err:
+        rendered(tok, messages)
+    assert re.fullmatch(r"f\.jsonl:1: turn 3 \(assistant\) says nothing \(blank content\), but the chat template renders "
+                        r"the turns up to turn 3 differently once later turns follow \(token \d+ changes\): the turn's "
+                        r"tokens cannot be told apart to leave them untrained; give it content, or drop the turns "
+                        r"after it", err.value.problems[0])
 
 
 @pytest.mark.parametrize("turns", [(3,), (5,)])
