@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 import yaml
 
-from moe_tune.profiles import bounded_line, resolve_profile_path
+from moe_tune.profiles import bounded_line, escape_controls, resolve_profile_path
 from moe_tune.profiles.schema import ignored_setting_notes
 
-from ._common import ProfileArg, SetOption, err_console, read_profile, user_errors
+from ._common import ProfileArg, SetOption, err_console, fail, read_profile, user_errors
 
 app = typer.Typer()
 
@@ -21,11 +21,20 @@ NoDataOption = Annotated[
 ]
 
 
+ShowOption = Annotated[int, typer.Option(
+    "--show", min=0, metavar="N",
+    help="also print the first N training documents as the model reads them, the trained tokens between \u27e6 \u27e7",
+)]  # fmt: skip
+
+
 @app.command()
-def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOption = False) -> None:
+def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOption = False,
+             show: ShowOption = 0) -> None:  # fmt: skip
     """Check a profile and print it resolved (defaults filled in) on stdout; then read its data as finetune would and
-    report it on stderr (records, tokens, trained tokens per source, the optimizer steps); exit 2 listing every
-    problem."""
+    report it on stderr (records, tokens, trained tokens per source, the optimizer steps, with --show the first
+    documents and what they train); exit 2 listing every problem."""
+    if no_data and show:
+        fail([f"--show ({show}) reads the data, which --no-data skips: give one"])
     job = read_profile(profile, overrides)
     from moe_tune.engine.plan import count_parameters
     from moe_tune.engine.train.run_dir import check_reads_apart, run_reads
@@ -42,14 +51,21 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
     if no_data:
         err_console.print(f"{profile}: valid (data not read: --no-data)", markup=False)
         return
-    from moe_tune.engine.data.survey import survey_data
+    from moe_tune.engine.data.survey import TRAINED_CLOSE, TRAINED_OPEN, survey_data
 
     with user_errors():
-        survey = survey_data(job)
+        survey = survey_data(job, show=show)
     for line in survey.lines():
         err_console.print(f"data: {bounded_line(line)}", markup=False, emoji=False)
     if survey.schedule is not None:
         err_console.print(survey.schedule.line(), markup=False)
+    for index, text in enumerate(survey.shown, 1):
+        total = survey.summary.train.documents
+        err_console.print(f"document {index} of {total} (trained tokens between {TRAINED_OPEN} {TRAINED_CLOSE}):",
+                          markup=False, emoji=False, highlight=False)  # fmt: skip
+        # Line ends kept, other controls and bidirectional characters escaped: a record cannot rewrite the terminal.
+        err_console.print("\n".join(escape_controls(line) for line in text.split("\n")), markup=False, emoji=False,
+                          highlight=False, soft_wrap=True)  # fmt: skip
     err_console.print(f"{profile}: valid", markup=False)
 
 

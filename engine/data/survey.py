@@ -52,6 +52,8 @@ class DataSurvey:
     summary: DataSummary
     skipped: list[str] = field(default_factory=list)  # records left out under data.bad_images: skip
     schedule: Schedule | None = None  # the run's steps (None: not counted)
+    # The first training documents (validate --show), each its text with the trained runs marked (shown_document).
+    shown: list[str] = field(default_factory=list)
 
     def lines(self, max_refused: int = 20) -> list[str]:
         """The report for a terminal: the tokenizer and chat options, a line per source and the totals (from
@@ -84,10 +86,11 @@ def describe_chat(options: ChatOptions, has_own_template: bool) -> str:
     return f"{template}, assistant turns trained {header} their header (data.train_on: assistant)"
 
 
-def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS) -> DataSurvey:
-    """Read the profile's data as finetune does (profile resolved by engine.families.resolve_job) and count it.
-    ProfileError lists every problem finetune would refuse the data for: a tokenizer larger than the model's
-    vocabulary, each bad record (file:line and why, up to `max_problems`), nothing to train on."""
+def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS, show: int = 0) -> DataSurvey:
+    """Read the profile's data as finetune does (profile resolved by engine.families.resolve_job) and count it, and
+    show the first `show` training documents (shown_document). ProfileError lists every problem finetune would refuse
+    the data for: a tokenizer larger than the model's vocabulary, each bad record (file:line and why, up to
+    `max_problems`), nothing to train on."""
     tok = load_tokenizer(profile.tokenizer)
     problems = []
     if tok.vocab_size > profile.model.vocab_size:
@@ -104,8 +107,63 @@ def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS) -> DataSu
     if problems:
         raise ProfileError(problems)
     has_own_template = bool(getattr(tok, "has_chat_template", False))
+    shown = [shown_document(doc, tok) for doc in splits.train[:show]]
     return DataSurvey(profile.tokenizer, tok.vocab_size, profile.model.vocab_size, options, has_own_template,
-                      splits.summary, skipped, schedule_of(profile, splits.train, tok.pad_id, vision))
+                      splits.summary, skipped, schedule_of(profile, splits.train, tok.pad_id, vision), shown)
+
+
+# What encloses each run of trained tokens in a shown document.
+TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧
+
+
+def shown_document(doc, tok) -> str:
+    """A document as the model reads it, its tokens decoded, each run of trained tokens (the ones the loss is taken
+    on: every label that is not ignored) between TRAINED_OPEN and TRAINED_CLOSE; special tokens by name, a run of
+    one repeated (an image's placeholders) as `<|image_pad|>x256`."""
+    from .dataset import IGNORE_INDEX
+
+    tokens = list(doc.input_ids)
+    trained = [False] + [label != IGNORE_INDEX for label in doc.labels]
+    if doc.labels and doc.labels[-1] != IGNORE_INDEX:
+        tokens.append(doc.labels[-1])
+    else:
+        trained.pop()
+    parts = []
+    start = 0
+    while start < len(tokens):
+        end = start
+        while end < len(tokens) and trained[end] == trained[start]:
+            end += 1
+        text = _tokens_text(tokens[start:end], tok)
+        parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained[start] else text)
+        start = end
+    return "".join(parts)
+
+
+def _tokens_text(ids: list[int], tok) -> str:
+    """The tokens decoded, special tokens by name (the byte tokenizer's <bos>, <eos>, <pad>) and a run of 3 or more of
+    one special token as NAMExCOUNT."""
+    from .tokenizer import ByteTokenizer
+
+    special = tok.special_ids
+    names = {tok.bos_id: "<bos>", tok.eos_id: "<eos>", tok.pad_id: "<pad>"} if isinstance(tok, ByteTokenizer) else {}
+    out, plain, at = [], [], 0
+    while at < len(ids):
+        token = ids[at]
+        if token not in special:
+            plain.append(token)
+            at += 1
+            continue
+        out.append(tok.decode(plain))
+        plain = []
+        run = 1
+        while at + run < len(ids) and ids[at + run] == token:
+            run += 1
+        name = names.get(token) or tok.decode([token])
+        out.append(f"{name}x{run}" if run >= 3 else name * run)
+        at += run
+    out.append(tok.decode(plain))
+    return "".join(out)
 
 
 def schedule_of(profile: JobProfile, documents: list, pad_id: int, vision) -> Schedule:

@@ -340,3 +340,39 @@ def test_validate_refuses_the_adapters_finetune_refuses(tmp_path, overrides):
     assert checked.exit_code == trained.exit_code == 2, (checked.output, trained.output)
     refused = [line for line in trained.stderr.splitlines() if line.startswith("error: ")]
     assert refused and [line for line in checked.stderr.splitlines() if line.startswith("error: ")] == refused
+
+
+@pytest.mark.parametrize("show", [1, 2, 5])
+def test_show_prints_the_first_documents_with_their_trained_tokens_marked(tmp_path, show):
+    """--show N: after the report, the first N training documents (all when fewer) as the model reads them, special
+    tokens by name, each run of trained tokens between ⟦ ⟧; stdout keeps the YAML alone."""
+    data = write(tmp_path / "d.jsonl", {"messages": CHATS[0]}, {"text": "plain"}, {"messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "no", "weight": 0},
+        {"role": "user", "content": "\x1b[31mred"}, {"role": "assistant", "content": "ok"}]})  # fmt: skip
+    result = runner.invoke(app, ["validate", "tiny", "--set", f"data.path={data}", "--show", str(show)])
+    assert result.exit_code == 0, result.output
+    yaml.safe_load(result.stdout)
+    documents = [
+        "<bos><|user|>\nhi\n<|assistant|>\n\u27e6yo\n<eos>\u27e7",
+        "<bos>\u27e6plain<eos>\u27e7",
+        "<bos><|user|>\nq\n<|assistant|>\nno\n<|user|>\n\\x1b[31mred\n<|assistant|>\n\u27e6ok\n<eos>\u27e7",
+    ]
+    shown = result.stderr.split("steps: ")[1].split("\n", 1)[1]
+    expected = "".join(f"document {i} of 3 (trained tokens between \u27e6 \u27e7):\n{text}\n"
+                       for i, text in enumerate(documents[:show], 1))  # fmt: skip
+    assert shown == expected + "tiny: valid\n"
+
+
+def test_show_with_no_data_is_one_line():
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--show", "3"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == "error: --show (3) reads the data, which --no-data skips: give one\n"
+
+
+def test_a_run_of_one_special_token_is_shown_with_its_count():
+    from moe_tune.engine.data.dataset import IGNORE_INDEX, Document
+    from moe_tune.engine.data.survey import shown_document
+
+    pad, eos = BYTE.pad_id, BYTE.eos_id
+    doc = Document([BYTE.bos_id, 97, pad, pad, 98, pad, pad, pad, pad], [IGNORE_INDEX] * 4 + [pad] * 4 + [eos])
+    assert shown_document(doc, BYTE) == "<bos>a<pad><pad>b\u27e6<pad>x4<eos>\u27e7"
