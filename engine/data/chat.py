@@ -124,8 +124,19 @@ def _likely_role(role: str) -> str:
     lowered = role.strip().lower()
     if lowered in CANONICAL_ROLES:
         return lowered
-    return {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "function": "tool",
-            "ipython": "tool", "observation": "tool", "function_call": "assistant"}.get(lowered, "user")  # fmt: skip
+    return _LIKELY_ROLES.get(lowered, "user")
+
+
+# Roles other tools' records use, and the canonical role each means: OpenAI's `developer` instructions are a system
+# prompt; assistants by the names datasets give them; tool calls and their results.
+_LIKELY_ROLES = {
+    "human": "user", "person": "user", "customer": "user", "question": "user", "prompt": "user", "instruction": "user",
+    "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant", "chatgpt": "assistant",
+    "bing": "assistant", "claude": "assistant", "gemini": "assistant", "llm": "assistant", "agent": "assistant",
+    "response": "assistant", "answer": "assistant", "output": "assistant", "function_call": "assistant",
+    "developer": "system", "context": "system",
+    "function": "tool", "ipython": "tool", "observation": "tool", "tool_result": "tool", "function_response": "tool",
+}  # fmt: skip
 
 
 def check_tool_calls(messages: list[dict], where: str) -> None:

@@ -751,3 +751,16 @@ def test_a_records_reasoning_and_text_parts_count_as_its_text_against_the_render
                 "{% else %}{% for p in m.content %}{{ p.text or '<image>' }}{% endfor %}{% endif %}{% endfor %}")
     text, _ = render_template_text(template + "{{ 'y' * 2**20 }}", [message], False, False, "d.jsonl:1")
     assert len(text) > 2 * RENDERED_EXTRA_CHARS
+
+
+@pytest.mark.parametrize("role, likely", [
+    ("developer", "system"), ("AI", "assistant"), ("chatgpt", "assistant"), ("Bing", "assistant"),
+    ("model", "assistant"), ("observation", "tool"), ("Human", "user"), ("narrator", "user"),
+])  # fmt: skip
+def test_the_roles_hint_maps_each_unknown_role_onto_the_role_it_likely_means(tmp_path, role, likely):
+    """OpenAI's developer instructions are a system prompt, assistants go by many names; a role no tool names is
+    hinted as the user's."""
+    path = write_records(tmp_path / "d.jsonl", [{"role": role, "content": "x"}])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64), ByteTokenizer())
+    assert err.value.problems[0].endswith(f"e.g. --set 'data.roles={{{role}: {likely}}}'")
