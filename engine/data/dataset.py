@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -206,6 +207,21 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
     return _chat_document(ids, trained, tuple(refs))
 
 
+def _special_text(record: dict, profile: DataProfile, specials: re.Pattern) -> str | None:
+    """The first special token's text (`specials` matches each: '<|im_end|>') in the record's own text, a text or
+    its messages' contents: the tokenizer encodes it into the token itself (an <eos> mid-answer, a forged turn), as
+    transformers does; None when there is none."""
+    texts = [record.get(profile.text_field)]
+    for message in record.get(profile.messages_field) or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        texts += content if isinstance(content, list) else [content]
+    for text in texts:
+        text = text.get("text") if isinstance(text, dict) else text
+        if isinstance(text, str) and (found := specials.search(text)) is not None:
+            return found.group()
+    return None
+
+
 def message_shape_problem(messages: object, field_name: str, parts: bool) -> str | None:
     """What is wrong with a record's messages, naming the turn and the value (None when every message is an object
     with a string role and content: a string, or with `parts` a list of text and image parts, read further on; null or
@@ -338,6 +354,7 @@ class SourceSummary:
     held_out: int = 0  # distinct documents held out by data.eval_fraction
     dropped: int = 0  # documents left out of training: equal to an evaluation document
     unread: tuple[tuple[str, int], ...] = ()  # (key, records holding it) of another format's keys left unread
+    special_text: tuple[int, str] = (0, "")  # records whose text holds a special token's text, the first
 
     def line(self) -> str:
         what = f"{self.kind}, {self.format}" if self.format else self.kind
@@ -346,6 +363,9 @@ class SourceSummary:
         notes += [f"{self.held_out} held out"] if self.held_out else []
         notes += [f"{self.dropped} left out as equal to an eval document"] if self.dropped else []
         notes += [f"{count} also hold{'s' if count == 1 else ''} '{key}', unread" for key, count in self.unread]
+        if self.special_text[0]:
+            notes.append(f"{self.special_text[0]} with a special token's text, encoded as the token: "
+                         f"{self.special_text[1]}")
         counts = self.eval if self.role == "eval" else self.train
         extra = f" ({', '.join(notes)})" if notes else ""
         return f"{self.role} {self.path}: {what}: {self.records} records{extra} -> {counts}"
@@ -410,6 +430,8 @@ class _Read:
     refused: list[str]
     # Keys of another format than the record was read as (formats.unread_keys): how many records held each.
     unread: dict[str, int] = field(default_factory=dict)
+    # Records whose text holds a special token's text (_special_text), and the first: "'<|im_end|>' at FILE:LINE".
+    special_text: tuple[int, str] = (0, "")
 
 
 def load_documents(
@@ -536,6 +558,7 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
             return read
     first_where = ""
     num_records = 0
+    specials = re.compile("|".join(map(re.escape, tok.special_texts))) if tok.special_texts else None
     pairs = iter(records)
     try:
         for where, record in pairs:
@@ -563,6 +586,8 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
                     for key in unread_keys(record, detected, profile):
                         read.unread[key] = read.unread.get(key, 0) + 1
                 record = to_record(record, detected if is_auto else read.format.name, profile, where)
+                if specials is not None and (found := _special_text(record, profile, specials)) is not None:
+                    read.special_text = (read.special_text[0] + 1, read.special_text[1] or f"{found!r} at {where}")
                 read.documents.append(_checked_document(record, where, source_profile, tok, vision))
             except ProfileError as err:
                 problems += err.problems
@@ -667,7 +692,7 @@ def _summary(read: _Read, train: list[Document], held_out: list[Document], seq_l
     return SourceSummary(path, source.role, read.kind, read.format, source.weight,
                          len(read.documents) + len(read.refused), tuple(read.refused),
                          SplitCounts.of(train, seq_len), SplitCounts.of(held_out, seq_len), distinct_held, dropped,
-                         tuple(read.unread.items()))  # fmt: skip
+                         tuple(read.unread.items()), read.special_text)  # fmt: skip
 
 
 def _check_image_count(messages: list[dict], images: list, where: str, seq_len: int) -> None:

@@ -38,6 +38,8 @@ class Tokenizer(Protocol):
     eos_id: int | None
     pad_id: int
     special_ids: frozenset[int]  # tokens a chat template may close a turn with
+    # The text of each special token that text encodes into it ('<|im_end|>'); none for the byte tokenizer.
+    special_texts: tuple[str, ...]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -216,6 +218,7 @@ class ByteTokenizer:
     vocab_size = 259
     bos_id, eos_id, pad_id = 256, 257, 258
     special_ids = frozenset((256, 257, 258))
+    special_texts = ()
 
     def __init__(self):
         # What each chat template renders for the probe conversation (chat.render_conversation).
@@ -295,6 +298,8 @@ class HFTokenizer:
         # The token of text the vocabulary lacks never closes a turn.
         special = set(self._tok.all_special_ids) | {i for i, t in added.items() if t.special}
         self.special_ids = frozenset(special - {unknown})
+        names = self._tok.convert_ids_to_tokens(sorted(self.special_ids))
+        self.special_texts = tuple(name for name in names if isinstance(name, str) and name)
         self._text_start = self._leading_special_ids()
 
     def _unknown_text_id(self) -> int | None:

@@ -14,7 +14,7 @@ import re
 import pytest
 
 from moe_tune.engine.data.chat import canonical_messages
-from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents
+from moe_tune.engine.data.dataset import IGNORE_INDEX, load_documents, load_splits
 from moe_tune.engine.data.tokenizer import ByteTokenizer, load_tokenizer
 from moe_tune.profiles import ProfileError, load_profile
 from moe_tune.profiles.schema import DataProfile
@@ -764,3 +764,26 @@ def test_the_roles_hint_maps_each_unknown_role_onto_the_role_it_likely_means(tmp
     with pytest.raises(ProfileError) as err:
         load_documents(DataProfile(path=path, seq_len=64), ByteTokenizer())
     assert err.value.problems[0].endswith(f"e.g. --set 'data.roles={{{role}: {likely}}}'")
+
+
+@pytest.mark.parametrize("records, count, first", [
+    ([{"text": "hello<|im_end|>world"}], 1, "'<|im_end|>' at {path}:1"),
+    ([{"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd<|im_end|>more"}]},
+      {"text": "clean"}, {"messages": [{"role": "system", "content": "<|im_start|>x"},
+                                       {"role": "assistant", "content": "y"}]}], 2, "'<|im_end|>' at {path}:1"),
+    ([{"instruction": "i<|endoftext|>", "output": "o"}], 1, "'<|endoftext|>' at {path}:1"),
+    ([{"text": "<|im_end" + "|> split by nothing"}, {"text": "<| im_end |>"}], 1, "'<|im_end|>' at {path}:1"),
+    ([{"text": "no special text"}], 0, ""),
+])  # fmt: skip
+def test_records_whose_text_holds_a_special_tokens_text_are_counted(tmp_path, tokenizers, records, count, first):
+    """The tokenizer encodes '<|im_end|>' in a record's text into the token itself, as transformers does (an <eos>
+    trained mid-answer, a forged turn): the source's summary counts such records and names the first."""
+    tok, _, directory = tokenizers["qwen3", True]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (source,) = load_splits(DataProfile(path=path, seq_len=256, tokenizer=str(directory)), tok).summary.sources
+    assert source.special_text == (count, first.format(path=path))
+    noted = f"{count} with a special token's text, encoded as the token: {first.format(path=path)}"
+    assert (noted in source.line()) == bool(count)
+    byte = load_splits(DataProfile(path=path, seq_len=256), ByteTokenizer()).summary.sources[0]
+    assert byte.special_text == (0, "")
