@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -250,12 +251,36 @@ def render_conversation(
             mask = _with_closing_tokens(ids, mask, close, is_blank)
         if options.train_header:
             mask = mark_headers(render, messages, ids, mask, where, prompt)
+        bounded = _within_budget(prefix_render, messages, where)
         for turn, message in enumerate(messages, 1):
             if message["role"] == "assistant" and not turn_trains(message):
-                start, end = _turn_span(prefix_render, messages, turn, ids, where)
+                start, end = _turn_span(bounded, messages, turn, ids, where)
                 mask[start:end] = [0] * (end - start)
         return pieces_from_mask(ids, mask)
     return render_by_prefixes(prefix_render, messages, where, closes_turn, is_blank, options.train_header, prompt)
+
+
+# The longest the renderings of one record by growing prefixes (render_by_prefixes, _turn_span) may take in all:
+# each is bounded by the tokenizer's own limit, but a conversation of thousands of turns is rendered once per turn.
+PREFIX_RENDER_LIMIT_S = 60.0
+
+
+def _within_budget(render: Callable[[list[dict], bool], list[int]], messages: list[dict],
+                   where: str) -> Callable[[list[dict], bool], list[int]]:  # fmt: skip
+    """`render`, refusing the record (ProfileError) once its renderings have taken PREFIX_RENDER_LIMIT_S in all."""
+    started = time.monotonic()
+
+    def bounded(prefix: list[dict], add_generation_prompt: bool) -> list[int]:
+        if time.monotonic() - started > PREFIX_RENDER_LIMIT_S:
+            raise ProfileError([
+                f"{where}: rendering the conversation ({len(messages)} messages) turn by turn took more than "
+                f"{PREFIX_RENDER_LIMIT_S:g} s: a chat template without {{% generation %}} markers is rendered once per "
+                "assistant turn; split the record, or give data.chat_template a template that marks the assistant's "
+                "tokens"
+            ])  # fmt: skip
+        return render(prefix, add_generation_prompt)
+
+    return bounded
 
 
 def _turn_span(render: Callable[[list[dict], bool], list[int]], messages: list[dict], turn: int, ids: list[int],
@@ -430,6 +455,7 @@ def render_by_prefixes(
     that end at an assistant turn or right before one must render as prefixes of the whole conversation, else
     ProfileError naming the turn; other turns are not rendered alone (Qwen's templates write consecutive tool results
     into one block, closed after the last)."""
+    render = _within_budget(render, messages, where)
     full = render(messages, False)
     pieces: Pieces = []
     previous: list[int] = []

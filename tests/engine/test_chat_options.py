@@ -609,3 +609,24 @@ def test_image_chats_through_a_template_train_every_token_but_the_images_with_tr
         trained = [label for label in doc.labels if label != IGNORE_INDEX]
         assert trained == expected[name], name
         assert not image & set(trained)
+
+
+@pytest.mark.parametrize("is_marked, weighted_turn", [(False, None), (True, 3)])
+def test_a_record_whose_turn_by_turn_renderings_run_past_the_budget_is_refused(tokenizers, monkeypatch, is_marked,
+                                                                             weighted_turn):  # fmt: skip
+    """Rendering by growing prefixes is quadratic in turns (a record of 3,200 turns took 92 s): the renderings of one
+    record stop at PREFIX_RENDER_LIMIT_S in all (here spent at once); a marked template renders by prefixes only to
+    find a weight-0 turn, and otherwise renders once."""
+    from moe_tune.engine.data import chat
+
+    tok = tokenizers["kimi", is_marked][0]
+    monkeypatch.setattr(chat, "PREFIX_RENDER_LIMIT_S", -1.0)
+    messages = weighted(MULTI_TURN, weighted_turn) if weighted_turn else MULTI_TURN
+    with pytest.raises(ProfileError) as err:
+        rendered(tok, messages)
+    assert err.value.problems == [
+        "f.jsonl:1: rendering the conversation (5 messages) turn by turn took more than -1 s: a chat template without "
+        "{% generation %} markers is rendered once per assistant turn; split the record, or give data.chat_template a "
+        "template that marks the assistant's tokens"]
+    if is_marked:
+        assert sum(rendered(tok, MULTI_TURN)[1]) > 0
