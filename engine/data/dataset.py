@@ -355,10 +355,15 @@ class SourceSummary:
     dropped: int = 0  # documents left out of training: equal to an evaluation document
     unread: tuple[tuple[str, int], ...] = ()  # (key, records holding it) of another format's keys left unread
     special_text: tuple[int, str] = (0, "")  # records whose text holds a special token's text, the first
+    chats: int = 0  # records read as chats; the others of the source are texts
 
     def line(self) -> str:
         what = f"{self.kind}, {self.format}" if self.format else self.kind
         notes = [f"weight {self.weight:g}"] if self.weight != 1 else []
+        # Text and messages records may share a source (the format names its first record's): both counted.
+        texts = self.records - len(self.refused) - self.chats
+        if self.chats and texts:
+            notes.append(f"{texts} text, {self.chats} chat")
         notes += [f"{len(self.refused)} refused"] if self.refused else []
         notes += [f"{self.held_out} held out"] if self.held_out else []
         notes += [f"{self.dropped} left out as equal to an eval document"] if self.dropped else []
@@ -432,6 +437,7 @@ class _Read:
     unread: dict[str, int] = field(default_factory=dict)
     # Records whose text holds a special token's text (_special_text), and the first: "'<|im_end|>' at FILE:LINE".
     special_text: tuple[int, str] = (0, "")
+    chats: int = 0  # records read as chats (messages, alpaca, sharegpt), the rest texts
 
 
 def load_documents(
@@ -589,6 +595,7 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
                 if specials is not None and (found := _special_text(record, profile, specials)) is not None:
                     read.special_text = (read.special_text[0] + 1, read.special_text[1] or f"{found!r} at {where}")
                 read.documents.append(_checked_document(record, where, source_profile, tok, vision))
+                read.chats += profile.messages_field in record
             except ProfileError as err:
                 problems += err.problems
             except ImageError as err:
@@ -692,7 +699,7 @@ def _summary(read: _Read, train: list[Document], held_out: list[Document], seq_l
     return SourceSummary(path, source.role, read.kind, read.format, source.weight,
                          len(read.documents) + len(read.refused), tuple(read.refused),
                          SplitCounts.of(train, seq_len), SplitCounts.of(held_out, seq_len), distinct_held, dropped,
-                         tuple(read.unread.items()), read.special_text)  # fmt: skip
+                         tuple(read.unread.items()), read.special_text, read.chats)  # fmt: skip
 
 
 def _check_image_count(messages: list[dict], images: list, where: str, seq_len: int) -> None:

@@ -60,7 +60,7 @@ class DataSurvey:
         DataSummary.lines), then the records left out (up to `max_refused`, then a count of the rest)."""
         lines = [f"tokenizer {self.tokenizer}: {self.vocab_size} tokens (model.vocab_size {self.model_vocab_size})"]
         # A text record is trained in full whatever the chat options say.
-        if any(s.format is not None and s.format.name != "text" for s in self.summary.sources):
+        if any(s.chats for s in self.summary.sources):
             lines.append(f"chat records: {describe_chat(self.chat, self.has_own_template)}")
         lines += self.summary.lines()
         refused = list(self.summary.refused) or self.skipped

@@ -376,3 +376,19 @@ def test_a_run_of_one_special_token_is_shown_with_its_count():
     pad, eos = BYTE.pad_id, BYTE.eos_id
     doc = Document([BYTE.bos_id, 97, pad, pad, 98, pad, pad, pad, pad], [IGNORE_INDEX] * 4 + [pad] * 4 + [eos])
     assert shown_document(doc, BYTE) == "<bos>a<pad><pad>b\u27e6<pad>x4<eos>\u27e7"
+
+
+@pytest.mark.parametrize("order", ["text first", "chat first"])
+def test_a_source_of_texts_and_chats_counts_both_and_says_how_chats_train(tmp_path, order):
+    """Text and messages records may share a source: whichever comes first, the line counts both kinds and the chat
+    settings are said (they were hidden when a text came first)."""
+    records = [{"text": "plain"}, {"text": "more"}, {"messages": CHATS[0]}]
+    data = write(tmp_path / "d.jsonl", *(records if order == "text first" else records[::-1]))
+    result = validate(data)
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("data: chat records: rendered in the built-in format") for line in lines)
+    (source,) = [line for line in lines if line.startswith(f"data: train {data}:")]
+    assert ": 3 records (2 text, 1 chat) -> 3 documents" in source
+    only_texts = validate(write(tmp_path / "t.jsonl", *records[:2]))
+    assert "chat records" not in only_texts.stderr and "(2 text" not in only_texts.stderr
