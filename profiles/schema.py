@@ -830,7 +830,8 @@ def _data_file_problems(path: Path, field: str = "@path") -> list[str]:
         return [f"{field} ('{path}') must be a regular file, not {file_kind(mode)}"]
     try:
         if not _has_content(path):
-            return [f"{field} ('{path}') must hold at least one record (the file is empty)"]
+            what = "the file is empty" if path.stat().st_size == 0 else "the file holds only whitespace"
+            return [f"{field} ('{path}') must hold at least one record ({what})"]
     except OSError as err:
         return [f"{field} ('{path}') cannot be read ({err.strerror or err})"]
     return []

@@ -585,7 +585,8 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
                             return read
                     elif not same_family(detected, read.format.name):
                         raise ProfileError([
-                            f"{where}: a {detected} record (has {format_keys(detected, profile)}) in a source of "
+                            f"{where}: {'an' if detected == 'alpaca' else 'a'} {detected} record (has "
+                            f"{format_keys(detected, profile)}) in a source of "
                             f"{read.format.name} records (as {first_where}); a source holds one format: put each "
                             "format in its own data.sources entry"
                         ])

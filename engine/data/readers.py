@@ -239,8 +239,11 @@ def json_record(text: str) -> object:
     except RecursionError:
         return Refused(too_deep())
     except ValueError as err:
-        # An integer literal longer than Python converts (sys.set_int_max_str_digits).
-        return Refused(f"invalid JSON ({err})")
+        # An integer literal longer than Python converts (sys.set_int_max_str_digits): no number a record holds.
+        digits = re.search(r"value has (\d+) digits", str(err))
+        shown = f"{digits.group(1)} digits" if digits else str(err)
+        return Refused(f"a number of {shown}, longer than JSON numbers are read ({sys.get_int_max_str_digits()} "
+                       "digits at most)")
 
 
 def too_deep() -> str:

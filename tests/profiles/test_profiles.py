@@ -88,11 +88,13 @@ def test_every_error_listed_at_once(tmp_path):
     ]
 
 
-def test_empty_dataset(tmp_path):
+@pytest.mark.parametrize("content, what", [("", "the file is empty"), ("\n  \n", "the file holds only whitespace"),
+                                           ("\ufeff\r\n", "the file holds only whitespace")])  # fmt: skip
+def test_empty_dataset(tmp_path, content, what):
     data = tmp_path / "empty.jsonl"
-    data.write_text("\n  \n")
+    data.write_text(content)
     (line,) = problems_of(TINY, [f"data.path={data}"])
-    assert line == f"data.path ('{data}') must hold at least one record (the file is empty)"
+    assert line == f"data.path ('{data}') must hold at least one record ({what})"
 
 
 def test_missing_required_field(tmp_path):
