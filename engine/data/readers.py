@@ -131,12 +131,26 @@ def open_records(path: Path, field_name: str, max_record_bytes: int, allow_outsi
     return Records(path, "JSONL", None, _jsonl_records(f, path, max_record_bytes))
 
 
+def _utf16_without_mark(head: bytes) -> str | None:
+    """'little-endian' or 'big-endian' when `head` (an even number of bytes) reads as UTF-16 of ASCII text: every
+    odd (or even) byte zero, the others not; None otherwise (UTF-8 JSON never holds a zero byte)."""
+    head = head[: len(head) // 2 * 2]
+    even, odd = head[0::2], head[1::2]
+    if not odd.strip(b"\0") and even.strip(b"\0"):
+        return "little-endian"
+    if not even.strip(b"\0") and odd.strip(b"\0"):
+        return "big-endian"
+    return None
+
+
 def _not_text(head: bytes) -> str | None:
     """What a data file opening with `head` is when it cannot be JSON in UTF-8 (compressed, an archive, Parquet
     without its suffix, UTF-16 or UTF-32 text): the end of the line refusing it; None otherwise."""
     encoding = foreign_encoding(head)
     if encoding is not None:
         return f"{encoding} text (it opens with that byte-order mark): save it as UTF-8"
+    if len(head) >= 4 and (order := _utf16_without_mark(head[:64])) is not None:
+        return f"UTF-16 ({order}) text without a byte-order mark (a zero byte beside each ASCII one): save it as UTF-8"
     kind = next((name for magic, name in _MAGIC if head.startswith(magic)), None)
     if kind == "a Parquet file":
         return "a Parquet file (it opens with PAR1): name it with the .parquet suffix"

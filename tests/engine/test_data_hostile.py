@@ -218,7 +218,7 @@ class TestMalformedJson:
         path = tmp_path / "d.jsonl"
         path.write_text('{"text": "x", "n": %s}\n' % ("9" * 5000))
         (line,) = problems(path)
-        assert line.startswith(f"{path}:1: invalid JSON (Exceeds the limit")
+        assert line == f"{path}:1: a number of 5000 digits, longer than JSON numbers are read (4300 digits at most)"
 
 
 def special_files(tmp_path):
@@ -567,6 +567,16 @@ class TestNotText:
         path = tmp_path / "d.jsonl"
         path.write_bytes(head + b"\x00\xff" * 100)
         assert problems(path) == [f"data.path ('{path}') {what}"]
+
+    @pytest.mark.parametrize("order", ["little", "big"])
+    @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+    def test_utf16_without_a_byte_order_mark_is_named(self, tmp_path, order, suffix):
+        """A zero byte beside each ASCII one (UTF-8 JSON holds none): read as UTF-8 it was 'invalid JSON'."""
+        path = tmp_path / f"d{suffix}"
+        text = '[{"text": "a"}]' if suffix == ".json" else '{"text": "a"}\n{"text": "b"}\n'
+        path.write_bytes(text.encode(f"utf-16-{order[0]}e"))
+        assert problems(path) == [f"data.path ('{path}') is UTF-16 ({order}-endian) text without a byte-order mark (a "
+                                  "zero byte beside each ASCII one): save it as UTF-8"]  # fmt: skip
 
 
 class TestTables:
