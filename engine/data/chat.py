@@ -554,7 +554,7 @@ def _common_prefix_length(*sequences: list[int]) -> int:
 
 def ends_trained(messages: list[dict], options: ChatOptions) -> bool:
     """Whether a conversation ends with a trained assistant turn (chat_tokens' `ends_with_assistant`): the last
-    message is the assistant's, trained by train_on: all or by its weight (turn_trains)."""
+    message is the assistant's, trained by train_on: all or by turn_trains (its weight, its content)."""
     return bool(messages) and messages[-1]["role"] == "assistant" and (options.trains_all or turn_trains(messages[-1]))
 
 

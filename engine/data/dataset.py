@@ -212,7 +212,8 @@ def _special_text(record: dict, profile: DataProfile, specials: re.Pattern) -> s
     its messages' contents: the tokenizer encodes it into the token itself (an <eos> mid-answer, a forged turn), as
     transformers does; None when there is none."""
     texts = [record.get(profile.text_field)]
-    for message in record.get(profile.messages_field) or []:
+    messages = record.get(profile.messages_field)
+    for message in messages if isinstance(messages, list) else []:
         content = message.get("content") if isinstance(message, dict) else None
         texts += content if isinstance(content, list) else [content]
     for text in texts:

@@ -787,3 +787,15 @@ def test_records_whose_text_holds_a_special_tokens_text_are_counted(tmp_path, to
     assert (noted in source.line()) == bool(count)
     byte = load_splits(DataProfile(path=path, seq_len=256), ByteTokenizer()).summary.sources[0]
     assert byte.special_text == (0, "")
+
+
+@pytest.mark.parametrize("messages", [5, "<|im_end|>", {"content": "<|im_end|>"}, [5, None]])
+def test_malformed_messages_are_one_line_with_a_tokenizer_of_special_texts(tmp_path, tokenizers, messages):
+    """The special-text count reads a record before its messages are checked: whatever they are, the record's
+    refusal is the message check's one line."""
+    tok, _, directory = tokenizers["qwen3", True]
+    path = write_records(tmp_path / "d.jsonl", messages)
+    with pytest.raises(ProfileError) as err:
+        load_splits(DataProfile(path=path, seq_len=256, tokenizer=str(directory)), tok)
+    (line,) = err.value.problems
+    assert line.startswith(f"{path}:1: ") and "must be a" in line
