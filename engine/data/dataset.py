@@ -770,6 +770,8 @@ def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]
 
     for doc in documents:
         length = len(doc.input_ids)
+        if not length:  # an empty text of a tokenizer that puts nothing before it: no piece, no empty segment
+            continue
         if doc.keeps_whole and length <= seq_len:
             row = next((r for r in open_rows if seq_len - len(r.ids) >= length), None) or open_row()
             place(row, doc, 0, length)

@@ -116,6 +116,13 @@ def test_a_chat_that_fits_a_row_is_never_cut_and_rows_close_nearly_full(seq_len,
     assert len(rows) <= -(-token // seq_len) * 1.03 + 1
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_an_empty_document_makes_no_piece(whole):
+    docs = _documents([3], whole) + [Document([], [], whole=whole)] + _documents([2], whole, first=3)
+    (row,) = pack_rows(docs, seq_len=8, pad_id=-1)
+    assert row.input_ids == [0, 1, 2, 3, 4, -1, -1, -1] and row.starts == [0, 3, 5]
+
+
 def test_a_chat_longer_than_a_row_starts_a_row_then_fills_the_open_rows_room():
     docs = _documents([5], True) + _documents([20], True, first=5)
     rows = pack_rows(docs, seq_len=8, pad_id=-1)
