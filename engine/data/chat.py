@@ -93,8 +93,10 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
     mapped = [m if m["role"] not in roles else {**m, "role": roles[m["role"]]} for m in messages]
     unknown = list(dict.fromkeys(m["role"] for m in mapped if m["role"] not in CANONICAL_ROLES))
     if unknown:
-        named = ", ".join(repr(role) for role in unknown)
-        example = ", ".join(f"{_yaml_key(role)}: {_likely_role(role)}" for role in unknown)
+        # Each role shown in at most ROLE_CHARS characters: a long one (a record's text put in its role) would push
+        # the rule past the line's end.
+        named = ", ".join(_short(repr(role)) for role in unknown)
+        example = ", ".join(f"{_short(_yaml_key(role))}: {_likely_role(role)}" for role in unknown)
         noun = "role" if len(unknown) == 1 else "roles"
         raise ProfileError([f"{where}: message {noun} {named} must be one of {', '.join(CANONICAL_ROLES)}; map record "
                             f"roles onto them with data.roles, e.g. --set 'data.roles={{{example}}}'"])
@@ -191,6 +193,13 @@ def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool
         if "".join(result.split()) not in text:
             raise ProfileError([f"{where}: the chat template does not write turn {turn} (tool)'s result: a template "
                                 "must write tool messages (data.chat_template, or the tokenizer's)"])
+
+
+ROLE_CHARS = 60
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= ROLE_CHARS else text[: ROLE_CHARS - 3] + "..."
 
 
 def _yaml_key(role: str) -> str:

@@ -799,3 +799,14 @@ def test_malformed_messages_are_one_line_with_a_tokenizer_of_special_texts(tmp_p
         load_splits(DataProfile(path=path, seq_len=256, tokenizer=str(directory)), tok)
     (line,) = err.value.problems
     assert line.startswith(f"{path}:1: ") and "must be a" in line
+
+
+def test_a_long_unknown_role_is_shown_short_and_the_rule_whole(tmp_path):
+    role = "speaker " + "x" * 5000
+    path = write_records(tmp_path / "d.jsonl", [{"role": role, "content": "x"}])
+    with pytest.raises(ProfileError) as err:
+        load_documents(DataProfile(path=path, seq_len=64), ByteTokenizer())
+    (line,) = err.value.problems
+    shown = repr(role)[:57] + "..."
+    assert line == (f"{path}:1: message role {shown} must be one of system, user, assistant, tool; map record roles "
+                    f"onto them with data.roles, e.g. --set 'data.roles={{{json.dumps(role)[:57]}...: user}}'")
