@@ -383,6 +383,8 @@ class DataSummary:
     eval_from: str | None  # "data.eval_path ('...')", "data.eval_fraction (0.1)" or None
     # What a checkpoint records of the documents it trained on (data_fingerprint), which --resume compares.
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # data.roles' keys that no chat's role is (a misspelt 'humna'): the mapping does nothing for them.
+    unused_roles: tuple[str, ...] = ()
 
     @property
     def train(self) -> SplitCounts:
@@ -406,6 +408,9 @@ class DataSummary:
         lines.append(f"train: {self.train}")
         if self.eval_from is not None:
             lines.append(f"eval: {self.eval} ({self.eval_from})")
+        if self.unused_roles:
+            names = ", ".join(repr(role)[:60] for role in self.unused_roles)
+            lines.append(f"note: data.roles maps {names}, which no record's role is")
         return lines
 
 
@@ -439,6 +444,7 @@ class _Read:
     # Records whose text holds a special token's text (_special_text), and the first: "'<|im_end|>' at FILE:LINE".
     special_text: tuple[int, str] = (0, "")
     chats: int = 0  # records read as chats (messages, alpaca, sharegpt), the rest texts
+    roles: set[str] = field(default_factory=set)  # the roles its chats give, before data.roles (when it maps any)
 
 
 def load_documents(
@@ -504,7 +510,9 @@ def load_splits(
     problems += _split_problems(profile, split, train, evaluation)
     if problems:
         raise ProfileError(problems)
-    summary = DataSummary(tuple(summaries), _eval_from(profile), data_fingerprint(train, evaluation))
+    seen = set().union(*(read.roles for read in reads))
+    unused = tuple(role for role in profile.roles if role not in seen) if any(read.chats for read in reads) else ()
+    summary = DataSummary(tuple(summaries), _eval_from(profile), data_fingerprint(train, evaluation), unused)
     return DataSplits(train, evaluation, summary)
 
 
@@ -598,6 +606,8 @@ def _read_source(source: _Source, profile: DataProfile, tok: Tokenizer, vision: 
                     read.special_text = (read.special_text[0] + 1, read.special_text[1] or f"{found!r} at {where}")
                 read.documents.append(_checked_document(record, where, source_profile, tok, vision))
                 read.chats += profile.messages_field in record
+                if profile.roles and profile.messages_field in record:
+                    read.roles.update(m["role"] for m in record[profile.messages_field])
             except ProfileError as err:
                 problems += err.problems
             except ImageError as err:

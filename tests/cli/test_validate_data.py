@@ -392,3 +392,17 @@ def test_a_source_of_texts_and_chats_counts_both_and_says_how_chats_train(tmp_pa
     assert ": 3 records (2 text, 1 chat) -> 3 documents" in source
     only_texts = validate(write(tmp_path / "t.jsonl", *records[:2]))
     assert "chat records" not in only_texts.stderr and "(2 text" not in only_texts.stderr
+
+
+@pytest.mark.parametrize("roles, unused", [
+    ("{humna: user, gpt: assistant}", "'humna'"),
+    ("{human: user, gpt: assistant}", None),
+    ("{humna: user, bot: assistant}", "'humna', 'bot'"),
+])  # fmt: skip
+def test_a_data_roles_key_no_record_has_is_noted(tmp_path, roles, unused):
+    """A misspelt data.roles key maps nothing: the report says which (ShareGPT's human is mapped without it)."""
+    data = write(tmp_path / "d.jsonl", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]})
+    result = validate(data, f"data.roles={roles}")
+    assert result.exit_code == 0, result.output
+    noted = [line for line in result.stderr.splitlines() if "data.roles maps" in line]
+    assert noted == ([f"data: note: data.roles maps {unused}, which no record's role is"] if unused else [])
