@@ -514,7 +514,7 @@ def _parquet(path: Path, field_name: str, max_record_bytes: int) -> Records:
     f = open_data_file(path, field_name)
     try:
         # A page whose checksum the writer stored and its bytes no longer match (bit rot, a torn copy) is refused;
-        # a file written without checksums reads as before.
+        # a file written without checksums is read unchecked.
         table = parquet.ParquetFile(f, page_checksum_verification=True)
         columns = column_kinds(table.schema_arrow)
         chunks = _chunk_pages(f, table.metadata)
