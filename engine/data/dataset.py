@@ -757,11 +757,11 @@ def _check_vision_tokens(doc: Document, vision: VisionInput, where: str) -> None
 def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]:
     """Rows of `seq_len` tokens holding the documents in the given order, first fit over the last OPEN_ROWS rows
     opened and not yet full. A document kept whole (Document.keeps_whole: a chat, whose answers are trained on their
-    question; one with images) that fits a row goes into the first open row with room for it, else opens a row. Any
-    other document (a text; a chat longer than a row, which opens one) fills the open rows' room from the first, cut
-    where a row is full, then new rows. A row is closed when full or when an OPEN_ROWS-th newer one opens; one closed
-    with room is padded with an unlabelled piece. Rows come in the order they were opened. A text-only dataset packs
-    as greedy packing does: one open row, each document cut where it is full."""
+    question; one with images) that fits a row goes into the first open row with room for it, else opens a row. A text
+    fills the newest open row's room, then new rows, cut where each is full; a chat longer than a row does the same
+    from a row of its own: a document is cut only where rows end. A row is closed when full or when an OPEN_ROWS-th
+    newer one opens; one closed with room is padded with an unlabelled piece. Rows come in the order they were opened.
+    A text-only dataset packs as greedy packing does: one open row, each document cut where it is full."""
     rows: list[_RowBuilder] = []
     open_rows: list[_RowBuilder] = []
 
@@ -786,15 +786,17 @@ def pack_rows(documents: list[Document], seq_len: int, pad_id: int) -> list[Row]
             row = next((r for r in open_rows if seq_len - len(r.ids) >= length), None) or open_row()
             place(row, doc, 0, length)
             continue
+        # Cut only where rows end: a text goes on from the newest row's room into new rows (the room of older rows
+        # is left to chats that fit it), a chat longer than a row starts one of its own.
         pos = 0
-        if doc.keeps_whole:  # a chat longer than a row: its start gets a row of its own
-            place(open_row(), doc, 0, seq_len)
-            pos = seq_len
-        while pos < length:
-            row = open_rows[0] if open_rows else open_row()
+        row = open_rows[-1] if open_rows and not doc.keeps_whole else open_row()
+        while True:
             take = min(seq_len - len(row.ids), length - pos)
             place(row, doc, pos, pos + take)
             pos += take
+            if pos == length:
+                break
+            row = open_row()
     return [row.padded(seq_len, pad_id) for row in rows]
 
 

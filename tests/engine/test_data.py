@@ -113,7 +113,16 @@ def test_a_chat_that_fits_a_row_is_never_cut_and_rows_close_nearly_full(seq_len,
     for row in rows:
         firsts = [row.input_ids[a] for a in row.starts if row.input_ids[a] in starts and starts[row.input_ids[a]].whole]
         assert firsts == sorted(firsts)
-    assert len(rows) <= -(-token // seq_len) * 1.03 + 1
+    # A document is cut only where rows end: a piece that is not its document's last fills its row to the end, one
+    # that is not its first opens its row.
+    for row in rows:
+        for a, b in zip(row.starts, [*row.starts[1:], seq_len]):
+            first, last = row.input_ids[a], row.input_ids[b - 1]
+            if first != -1 and first not in starts:
+                assert a == 0
+            if last != -1 and last + 1 not in starts and last + 1 < token:
+                assert b == seq_len
+    assert len(rows) <= -(-token // seq_len) * 1.1 + 1
 
 
 @pytest.mark.parametrize("whole", [True, False])
@@ -123,12 +132,23 @@ def test_an_empty_document_makes_no_piece(whole):
     assert row.input_ids == [0, 1, 2, 3, 4, -1, -1, -1] and row.starts == [0, 3, 5]
 
 
-def test_a_chat_longer_than_a_row_starts_a_row_then_fills_the_open_rows_room():
-    docs = _documents([5], True) + _documents([20], True, first=5)
+def test_a_chat_longer_than_a_row_starts_a_row_and_goes_on_in_new_rows():
+    """Its tail is cut only where rows end (it filled the older rows' room in slivers); a chat that fits then takes
+    the room left."""
+    docs = _documents([5], True) + _documents([20], True, first=5) + _documents([3], True, first=25)
     rows = pack_rows(docs, seq_len=8, pad_id=-1)
-    assert [r.input_ids for r in rows] == [[0, 1, 2, 3, 4, 13, 14, 15], list(range(5, 13)),
-                                           [16, 17, 18, 19, 20, 21, 22, 23], [24, -1, -1, -1, -1, -1, -1, -1]]
-    assert [r.starts for r in rows] == [[0, 5], [0], [0], [0, 1]]
+    assert [r.input_ids for r in rows] == [[0, 1, 2, 3, 4, 25, 26, 27], list(range(5, 13)), list(range(13, 21)),
+                                           [21, 22, 23, 24, -1, -1, -1, -1]]
+    assert [r.starts for r in rows] == [[0, 5], [0], [0], [0, 4]]
+
+
+def test_a_text_goes_on_from_the_newest_rows_room_into_new_rows():
+    """The room of older rows is left to chats that fit it: a text in a source of chats is not cut into slivers."""
+    chats = _documents([6, 6], True)
+    text = _documents([12], False, first=12)
+    rows = pack_rows(chats + text + _documents([2], True, first=24), seq_len=8, pad_id=-1)
+    assert [r.input_ids for r in rows] == [[0, 1, 2, 3, 4, 5, 24, 25], [6, 7, 8, 9, 10, 11, 12, 13],
+                                           list(range(14, 22)), [22, 23, -1, -1, -1, -1, -1, -1]]
 
 
 @pytest.mark.parametrize("seq_len, cut", [(8, 2), (30, 1), (200, 0)])
