@@ -25,6 +25,7 @@ parts before its text and rendered as training renders image records (image_prom
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -235,11 +236,12 @@ def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
 
 
 def settings_differences(target: str, given: JobProfile, run: JobProfile) -> tuple[str, ...]:
-    """A line naming the settings in which the PROFILE `target` (`given`) differs from the profile.yaml of the run in
-    its output.dir (`run`), which the model is built from; none when they agree."""
+    """A line naming the settings that build the model or render the prompt (generation_settings) in which the
+    PROFILE `target` (`given`) differs from the profile.yaml of the run in its output.dir (`run`), which the model is
+    built from; none when they agree."""
     from moe_tune.engine.train.checkpoint import signature_differences
 
-    differences = signature_differences(run.model_dump(mode="json"), given.model_dump(mode="json"))
+    differences = signature_differences(generation_settings(run), generation_settings(given))
     if not differences:
         return ()
     shown = differences[:SHOWN_DIFFERENCES]
@@ -248,6 +250,23 @@ def settings_differences(target: str, given: JobProfile, run: JobProfile) -> tup
     says = ", ".join(value for _, _, value in shown)
     return (f"note: the run was trained with {was} ({target} says {says}); generate builds the model as the run "
             "did",)
+
+
+def generation_settings(profile: JobProfile) -> dict:
+    """The settings of a profile that generate reads: the model (its checkpoint named by what it holds, not by its
+    path), the adapters, the tokenizer (its folder resolved: another spelling of one folder is the same), the chat
+    template's text and train.precision (the parameters' dtype on a GPU)."""
+    from moe_tune.engine.data.chat import chat_options
+
+    model = profile.model.model_dump(mode="json", exclude={"checkpoint"})
+    tokenizer = profile.data.tokenizer
+    if tokenizer not in (None, "byte"):
+        tokenizer = os.path.realpath(tokenizer)
+    # The template's text: profile.yaml holds the text of a .jinja file the run's profile named.
+    template = chat_options(profile.data).template if profile.data.chat_template is not None else None
+    return {"model": model, "lora": profile.lora.model_dump(mode="json"),
+            "data": {"tokenizer": tokenizer, "chat_template": template},
+            "train": {"precision": profile.train.precision}}  # fmt: skip
 
 
 def base_kind(profile: JobProfile) -> str:

@@ -267,10 +267,12 @@ def test_a_profile_means_its_finished_run_else_its_base_model(lora_run, tmp_path
 
 @pytest.mark.parametrize(("changes", "shown"), [
     ({}, None),
-    ({"train.lr": 0.001}, "train.lr 0.005 ({profile} says 0.001)"),
-    ({"lora.r": 8, "data.seq_len": 64}, "data.seq_len 32, lora.r 16 ({profile} says 64, 8)"),
-    ({"lora.r": 8, "lora.alpha": 4, "model.seed": 3, "data.seq_len": 64, "train.steps": 5, "train.lr": 0.001},
-     "model.seed 0, data.seq_len 32, lora.r 16, lora.alpha 32.0 and 2 more ({profile} says 3, 64, 8, 4.0)"),
+    # What generate does not read: the training, the data, the outputs (output.dir spelled otherwise found the run).
+    ({"train.lr": 0.001, "data.seq_len": 64, "output.save_every": 1, "output.dir": "ABSOLUTE", "name": "other"}, None),
+    ({"lora.r": 8, "data.seq_len": 64}, "lora.r 16 ({profile} says 8)"),
+    ({"train.precision": "bf16"}, 'train.precision "fp32" ({profile} says "bf16")'),
+    ({"lora.r": 8, "lora.alpha": 4, "model.seed": 3, "lora.experts": False, "train.precision": "bf16", "train.lr": 0.1},
+     "model.seed 0, lora.r 16, lora.alpha 32.0, lora.experts true and 1 more ({profile} says 3, 8, 4.0, false)"),
 ])  # fmt: skip
 def test_a_profile_that_differs_from_its_run_names_the_settings_and_builds_the_runs(lora_run, tmp_path, changes,
                                                                                       shown):  # fmt: skip
@@ -279,8 +281,12 @@ def test_a_profile_that_differs_from_its_run_names_the_settings_and_builds_the_r
     run, _ = lora_run
     settings = tiny_job(run).model_dump(mode="json")
     for key, value in changes.items():
-        section, name = key.split(".")
-        settings[section][name] = value
+        value = str(run.resolve()) if value == "ABSOLUTE" else value
+        if "." in key:
+            section, name = key.split(".")
+            settings[section][name] = value
+        else:
+            settings[key] = value
     profile = tmp_path / "p.yaml"
     profile.write_text(yaml.safe_dump(settings))
     loaded = resolve_target(str(profile))
