@@ -107,7 +107,11 @@ def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS, show: int
     if problems:
         raise ProfileError(problems)
     has_own_template = bool(getattr(tok, "has_chat_template", False))
-    shown = [shown_document(doc, tok) for doc in splits.train[:show]]
+    names = {}
+    if vision is not None:
+        t = vision.tokens
+        names = {t.start: "<|vision_start|>", t.image: "<|image_pad|>", t.end: "<|vision_end|>"}
+    shown = [shown_document(doc, tok, names) for doc in splits.train[:show]]
     return DataSurvey(profile.tokenizer, tok.vocab_size, profile.model.vocab_size, options, has_own_template,
                       splits.summary, skipped, schedule_of(profile, splits.train, tok.pad_id, vision), shown)
 
@@ -116,10 +120,11 @@ def survey_data(profile: JobProfile, max_problems: int = MAX_PROBLEMS, show: int
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧
 
 
-def shown_document(doc, tok) -> str:
+def shown_document(doc, tok, names: dict[int, str] | None = None) -> str:
     """A document as the model reads it, its tokens decoded, each run of trained tokens (the ones the loss is taken
-    on: every label that is not ignored) between TRAINED_OPEN and TRAINED_CLOSE; special tokens by name, a run of
-    one repeated (an image's placeholders) as `<|image_pad|>x256`."""
+    on: every label that is not ignored) between TRAINED_OPEN and TRAINED_CLOSE; special tokens by name (`names`
+    those the tokenizer cannot decode: the image tokens of the byte tokenizer), a run of one repeated (an image's
+    placeholders) as `<|image_pad|>x256`."""
     from .dataset import IGNORE_INDEX
 
     tokens = list(doc.input_ids)
@@ -134,23 +139,24 @@ def shown_document(doc, tok) -> str:
         end = start
         while end < len(tokens) and trained[end] == trained[start]:
             end += 1
-        text = _tokens_text(tokens[start:end], tok)
+        text = _tokens_text(tokens[start:end], tok, names or {})
         parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained[start] else text)
         start = end
     return "".join(parts)
 
 
-def _tokens_text(ids: list[int], tok) -> str:
-    """The tokens decoded, special tokens by name (the byte tokenizer's <bos>, <eos>, <pad>) and a run of 3 or more of
-    one special token as NAMExCOUNT."""
+def _tokens_text(ids: list[int], tok, names: dict[int, str]) -> str:
+    """The tokens decoded, special tokens by name (the tokenizer's; the byte tokenizer's <bos>, <eos>, <pad>, and
+    `names` for ids it cannot decode, else <ID>) and a run of 3 or more of one special token as NAMExCOUNT."""
     from .tokenizer import ByteTokenizer
 
-    special = tok.special_ids
-    names = {tok.bos_id: "<bos>", tok.eos_id: "<eos>", tok.pad_id: "<pad>"} if isinstance(tok, ByteTokenizer) else {}
+    is_byte = isinstance(tok, ByteTokenizer)
+    if is_byte:
+        names = {tok.bos_id: "<bos>", tok.eos_id: "<eos>", tok.pad_id: "<pad>", **names}
     out, plain, at = [], [], 0
     while at < len(ids):
         token = ids[at]
-        if token not in special:
+        if not (token in tok.special_ids or token in names or (is_byte and token >= 256)):
             plain.append(token)
             at += 1
             continue
@@ -159,7 +165,7 @@ def _tokens_text(ids: list[int], tok) -> str:
         run = 1
         while at + run < len(ids) and ids[at + run] == token:
             run += 1
-        name = names.get(token) or tok.decode([token])
+        name = (None if is_byte else tok.decode([token])) or names.get(token) or f"<{token}>"
         out.append(f"{name}x{run}" if run >= 3 else name * run)
         at += run
     out.append(tok.decode(plain))

@@ -406,3 +406,16 @@ def test_a_data_roles_key_no_record_has_is_noted(tmp_path, roles, unused):
     assert result.exit_code == 0, result.output
     noted = [line for line in result.stderr.splitlines() if "data.roles maps" in line]
     assert noted == ([f"data: note: data.roles maps {unused}, which no record's role is"] if unused else [])
+
+
+def test_an_images_tokens_are_shown_by_name_and_count():
+    """The byte tokenizer decodes no id past its bytes and <bos>, <eos>, <pad>: an image's tokens were left out of
+    the shown document; they are named as the model's vision tokens (an id no name covers as <ID>)."""
+    from moe_tune.engine.data.dataset import IGNORE_INDEX, Document
+    from moe_tune.engine.data.survey import shown_document
+
+    ids = [BYTE.bos_id, 97, 260, *[259] * 16, 261, 98, 300]
+    doc = Document(ids, [IGNORE_INDEX] * (len(ids) - 1) + [BYTE.eos_id])
+    names = {260: "<|vision_start|>", 259: "<|image_pad|>", 261: "<|vision_end|>"}
+    assert shown_document(doc, BYTE, names) == (
+        "<bos>a<|vision_start|><|image_pad|>x16<|vision_end|>b<300>\u27e6<eos>\u27e7")
