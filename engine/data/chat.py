@@ -119,7 +119,8 @@ def turn_trains(message: dict) -> bool:
     chat fine-tuning format, axolotl's ShareGPT) and those that say nothing (blank content, no tool call, no
     reasoning: its closing token alone would teach the model to stop at once, as a blank text would), which stay in
     the conversation as context."""
-    says = _has_content(message) or message.get("tool_calls") or message.get("reasoning_content")
+    reasoning = message.get("reasoning_content")
+    says = _has_content(message) or message.get("tool_calls") or (isinstance(reasoning, str) and reasoning.strip())
     return message.get("weight") != 0 and bool(says)
 
 
@@ -561,10 +562,14 @@ def _common_prefix_length(*sequences: list[int]) -> int:
     return next((i for i, column in enumerate(zip(*sequences)) if len(set(column)) > 1), min(map(len, sequences)))
 
 
-def ends_trained(messages: list[dict], options: ChatOptions) -> bool:
+def ends_trained(messages: list[dict], options: ChatOptions, writes_reasoning: bool = True) -> bool:
     """Whether a conversation ends with a trained assistant turn (chat_tokens' `ends_with_assistant`): the last
-    message is the assistant's, trained by train_on: all or by turn_trains (its weight, its content)."""
-    return bool(messages) and messages[-1]["role"] == "assistant" and (options.trains_all or turn_trains(messages[-1]))
+    message is the assistant's, trained by train_on: all or by turn_trains (its weight, its content; its reasoning
+    only where the rendering writes reasoning: a chat template, not the built-in format)."""
+    if not messages or messages[-1]["role"] != "assistant":
+        return False
+    last = messages[-1] if writes_reasoning else {**messages[-1], "reasoning_content": None}
+    return options.trains_all or turn_trains(last)
 
 
 def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool, options: ChatOptions) -> tuple[list[int], list[bool]]:

@@ -199,12 +199,17 @@ def _image_document(record: dict, where: str, profile: DataProfile, tok: Tokeniz
             messages, images, tok.encode, CHAT_TEMPLATE, vision.settings, vision.tokens, profile.path.parent, where,
             allow_outside=profile.allow_paths_outside, options=options,
         )
-    ids, trained = chat_tokens(pieces, tok, ends_trained(messages, options), options)
+    ids, trained = chat_tokens(pieces, tok, ends_trained(messages, options, _has_template(tok, options)), options)
     check_tools_written(messages, ids, trained, tok.decode, where)
     if len(ids) - 1 > profile.seq_len:
         raise ProfileError([f"{where}: needs {len(ids) - 1} tokens with its images, more than data.seq_len "
                             f"({profile.seq_len}); a document with images is never cut"])
     return _chat_document(ids, trained, tuple(refs))
+
+
+def _has_template(tok: Tokenizer, options) -> bool:
+    """Whether chats are rendered by a chat template (the profile's or the tokenizer's), not the built-in format."""
+    return options.template is not None or bool(getattr(tok, "has_chat_template", False))
 
 
 def _special_text(record: dict, profile: DataProfile, specials: re.Pattern) -> str | None:
@@ -283,7 +288,7 @@ def _record_document(
         check_tool_calls(messages, where)
         options = chat_options(profile)
         pieces = tok.render_chat(messages, where, options, _record_tools(record, where))
-        ids, trained = chat_tokens(pieces, tok, ends_trained(messages, options), options)
+        ids, trained = chat_tokens(pieces, tok, ends_trained(messages, options, _has_template(tok, options)), options)
         check_tools_written(messages, ids, trained, tok.decode, where)
         return _chat_document(ids, trained)
     if profile.text_field in record:

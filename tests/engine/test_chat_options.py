@@ -240,6 +240,25 @@ def test_a_turn_with_only_reasoning_or_a_tool_call_is_trained(tokenizers, messag
     assert rendered(tok, messages) == by_hand(raw, messages)
 
 
+@pytest.mark.parametrize("reasoning", ["  \n", "think first"])
+def test_reasoning_the_format_does_not_write_or_that_is_blank_says_nothing(reasoning):
+    """The built-in format writes no reasoning; blank reasoning is no reasoning anywhere: the turn trains nothing."""
+    silent = [*CAFE[:4], {"role": "assistant", "content": "", "reasoning_content": reasoning}]
+    pieces = BYTE.render_chat(silent, "f.jsonl:1", ChatOptions())
+    ids, trained = chat_tokens(pieces, BYTE, ends_trained(silent, ChatOptions(), writes_reasoning=False), ChatOptions())
+    assert sum(trained) == len((CAFE[2]["content"] + "\n").encode())
+    assert ends_trained(silent, ChatOptions()) == (reasoning == "think first")
+
+
+def test_a_record_of_reasoning_alone_in_the_built_in_format_trains_nothing(tmp_path):
+    path = tmp_path / "d.jsonl"
+    silent = {"messages": [{"role": "user", "content": "q"},
+                           {"role": "assistant", "content": "", "reasoning_content": "hm"}]}  # fmt: skip
+    path.write_text(json.dumps(silent) + "\n" + json.dumps({"text": "t"}) + "\n")
+    doc, _ = load_documents(DataProfile(path=path, seq_len=64), BYTE)
+    assert set(doc.labels) == {IGNORE_INDEX}
+
+
 def test_a_blank_turn_a_template_rewrites_later_is_refused(tokenizers):
     tok, _ = tokenizers["qwen3", True]
     messages = [dict(m, content="") if i == 3 else m for i, m in enumerate(MULTI_TURN, 1)]
