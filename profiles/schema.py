@@ -12,6 +12,9 @@ import os
 import stat
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -713,16 +716,18 @@ class DataProfile(Strict):
         problems = _role_problems(self.roles)
         if self.path is not None and self.sources is not None:
             problems.append("@path and @sources are two ways to name the data: give one of them")
-        if self.path is not None:
+        reads = DATA_FILES_CHECKED.get()
+        if self.path is not None and reads:
             problems += _data_file_problems(self.path)
-        for i, source in enumerate(self.sources or []):
+        for i, source in enumerate((self.sources or []) if reads else []):
             problems += _data_file_problems(source.path, f"@sources.{i}.path")
         if self.eval_path is not None and self.eval_fraction is not None:
             problems.append(f"@eval_path and @eval_fraction ({self.eval_fraction}) are two ways to choose the "
                             "evaluation records: give at most one of them")
-        if self.eval_path is not None:
+        if self.eval_path is not None and reads:
             problems += _data_file_problems(self.eval_path, "@eval_path")
-        problems += _same_file_problems(self)
+        if reads:
+            problems += _same_file_problems(self)
         if self.text_field == self.messages_field:
             problems.append(f"@text_field and @messages_field both name the key {self.text_field!r}: a record's key "
                             "says whether it is text or a chat, so they must differ")
@@ -807,6 +812,20 @@ _FILE_KINDS = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCH
 def file_kind(mode: int) -> str:
     """What a stat mode that is not a regular file's is, for messages: 'a FIFO', 'a directory', ..."""
     return next((name for test, name in _FILE_KINDS.items() if test(mode)), "a special file")
+
+
+# Whether a profile's data files are checked as it is validated (they exist, are regular, hold a record): not when a
+# finished run's profile.yaml is read to export or generate from it, which read no data (data_files_unchecked).
+DATA_FILES_CHECKED: ContextVar[bool] = ContextVar("DATA_FILES_CHECKED", default=True)
+
+
+@contextmanager
+def data_files_unchecked() -> Iterator[None]:
+    token = DATA_FILES_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        DATA_FILES_CHECKED.reset(token)
 
 
 def _data_file_problems(path: Path, field: str = "@path") -> list[str]:

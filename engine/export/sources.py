@@ -59,6 +59,7 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     from moe_tune.engine.families import resolve_job
     from moe_tune.engine.train.run_dir import links_out_of
     from moe_tune.profiles import validate_profile
+    from moe_tune.profiles.schema import data_files_unchecked
 
     run_dir = Path(run_dir)
     profile_file = run_dir / "profile.yaml"
@@ -82,7 +83,9 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
         reason = str(err).splitlines()[0]
         raise ProfileError([f"{profile_file}: not readable as the run's profile ({reason})"]) from None
     try:
-        profile = resolve_job(validate_profile(raw))
+        # Its data files are not read (they may have moved since, or been named relative to another folder).
+        with data_files_unchecked():
+            profile = resolve_job(validate_profile(raw))
     except ProfileError as err:
         raise ProfileError([f"{profile_file}: {line}" for line in err.problems]) from None
     run = RunInfo(run_dir, profile)

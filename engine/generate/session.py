@@ -194,10 +194,11 @@ def read_generation_config(checkpoint: Path | None, vocab_size: int) -> Generati
 
 
 def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
-    """RUN_DIR (an existing folder) or PROFILE (a YAML path or a shipped profile's name); ProfileError one line per
-    problem when it is neither, the profile is invalid, a run holds the run folder, or it has no final weights. The
-    run folder whose weights are taken is marked as read (run_dir.reading_run) while it is read, and with `marks`
-    until that stack closes: a finetune into it (--overwrite, --resume) is refused while the model loads."""
+    """RUN_DIR (an existing folder) or PROFILE (a YAML path or a shipped profile's name: the run in its output.dir, or
+    its base model when output.dir holds no run); ProfileError one line per problem when it is neither, the profile
+    is invalid, a run holds the run folder, or it has no final weights. The run folder whose weights are taken is
+    marked as read (run_dir.reading_run) while it is read, and with `marks` until that stack closes: a finetune into
+    it (--overwrite, --resume) is refused while the model loads."""
     from moe_tune.engine.families import resolve_job
     from moe_tune.engine.train.run_dir import reading_run
     from moe_tune.profiles import load_profile, resolve_profile_path, shipped_profiles
@@ -223,14 +224,10 @@ def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
     profile = resolve_job(load_profile(target))
     out = profile.output.dir
     if (out / "profile.yaml").is_file():
-        try:
-            run_profile, note = read_marked(out)
-            differences = settings_differences(target, profile, run_profile)
-            return Loaded(run_profile, out, f"model: the run in output.dir {out} ({note})", differences)
-        except ProfileError as err:
-            why = err.problems[0]
-            return Loaded(profile, None, f"model: the base model of {target} ({base_kind(profile)}), not the run in "
-                                         f"output.dir: {why}")
+        # A run it cannot take (unfinished, held, damaged) is refused as RUN_DIR is: never the base model instead.
+        run_profile, note = read_marked(out)
+        differences = settings_differences(target, profile, run_profile)
+        return Loaded(run_profile, out, f"model: the run in output.dir {out} ({note})", differences)
     return Loaded(profile, None, f"model: the base model of {target} ({base_kind(profile)}); output.dir {out} holds "
                                  "no run")
 

@@ -583,3 +583,39 @@ def test_a_run_file_leading_out_of_the_run_folder_is_refused(lora_run, tmp_path,
     assert result.stderr.strip().splitlines() == [
         f"error: {run / linked}: leads to {str(elsewhere)!r}, outside the run folder; a run's files are read and "
         "written only inside it"]
+
+
+def test_a_run_whose_data_file_is_gone_or_named_from_elsewhere_still_generates(lora_run, tmp_path):
+    """generate and export read no data: a run's profile.yaml naming a data file since moved, or named relative to
+    the folder it trained from, is taken as it is (it refused, and generate PROFILE fell back to the base model)."""
+    import shutil
+
+    run, _ = lora_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    settings = yaml.safe_load((copy / "profile.yaml").read_text())
+    settings["data"]["path"] = "gone/d.jsonl"
+    settings["output"]["dir"] = str(copy)
+    (copy / "profile.yaml").write_text(yaml.safe_dump(settings))
+    loaded = resolve_target(str(copy))
+    assert loaded.run_dir == copy and str(loaded.profile.data.path) == "gone/d.jsonl"
+    from moe_tune.engine.export.sources import read_run
+
+    assert read_run(copy, need_final=False).profile == loaded.profile
+
+
+def test_a_profile_whose_output_dir_holds_an_unfinished_run_is_refused(lora_run, tmp_path):
+    """Not the base model in its place: the run is what the profile names."""
+    import shutil
+
+    run, _ = lora_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "adapter" / "adapter_model.safetensors").unlink()
+    profile = tmp_path / "p.yaml"
+    profile.write_text(yaml.safe_dump(tiny_job(copy).model_dump(mode="json")))
+    result = runner.invoke(app, ["generate", str(profile), "--prompt", "hi", "--max-new-tokens", "1"])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: {copy}: no final weights (no adapter/adapter_model.safetensors): the run did not "
+                           "finish")
