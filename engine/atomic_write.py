@@ -44,6 +44,13 @@ def fifo_has_reader(path: Path) -> bool:
     return True
 
 
+def _is_fifo(path: Path) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def writes_in_place(path: Path) -> bool:
     """Whether atomic_path writes `path` itself rather than a file renamed over it: a device, a FIFO, a path in
     SPECIAL_FOLDERS. Such a path takes one write: a reader of a FIFO or of /dev/stdout sees each write after the
@@ -66,8 +73,18 @@ def atomic_path(path: Path) -> Iterator[Path]:
     if writes_in_place(path):
         # Written as it comes, through the path as named: renaming over a device or FIFO would replace the node, and
         # over the file /dev/stdout leads to (a shell's `> file`) would leave the shell's output in the unlinked one.
-        held = _HELD_WRITERS.pop(os.path.abspath(path), None)
+        key = os.path.abspath(path)
+        held = _HELD_WRITERS.pop(key, None)
         try:
+            if _is_fifo(path):
+                # The block's own open would wait for ever once its reader has gone (killed, a `head` that exited):
+                # a FIFO no process reads now is an OSError; the write end held through the block (opened before
+                # the one held since the check is closed) keeps the reader from an end of file between opens.
+                if not fifo_has_reader(path):
+                    raise OSError(errno.ENXIO, "no process reads the FIFO (its reader went away)")
+                if held is not None:
+                    os.close(held)
+                held = _HELD_WRITERS.pop(key)
             yield Path(path)
         finally:
             if held is not None:

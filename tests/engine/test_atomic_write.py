@@ -71,8 +71,12 @@ def test_a_fifo_is_written_in_place_never_replaced(tmp_path):
     replace the node (as root, /dev/null itself)."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    with atomic_path(fifo) as path:
-        assert path == fifo
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with atomic_path(fifo) as path:
+            assert path == fifo
+    finally:
+        os.close(reader)
     assert stat.S_ISFIFO(fifo.stat().st_mode) and [p.name for p in tmp_path.iterdir()] == ["pipe"]
 
 
@@ -168,3 +172,25 @@ def test_a_plot_cut_short_keeps_the_old_one(tmp_path, monkeypatch, plot):
             plot_rows([{"op": "moe", "case": "a", "impl": "ours", "shape": "1", "fwd_ms": 1.0, "fwd_bwd_ms": 2.0,
                         "machine": "cpu", "commit": "abc", "date": "2026"}], path)
     assert path.read_bytes() == OLD and [p.name for p in tmp_path.iterdir()] == ["old.png"]
+
+
+def test_a_fifo_whose_reader_went_away_is_an_error_not_a_wait(tmp_path):
+    """A reader found when the command started and gone by the write (killed, a `head` that exited): the write's
+    open would wait for a reader for ever; it is an OSError at once. One still there reads the report whole."""
+    from moe_tune.engine.atomic_write import fifo_has_reader
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    assert fifo_has_reader(fifo)
+    os.close(reader)
+    with pytest.raises(OSError) as err:
+        write_atomically(fifo, "report")
+    assert err.value.errno == errno.ENXIO
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert fifo_has_reader(fifo)
+        write_atomically(fifo, "report")
+        assert os.read(reader, 100) == b"report"
+    finally:
+        os.close(reader)
