@@ -61,10 +61,7 @@ def chat_data(tmp_path_factory):
 
 
 def run(child_env, out, world, overrides, extra=()):
-    from test_distributed import Forks
-
-    from moe_tune.engine.parallel.launch import rank_env
-    from moe_tune.engine.parallel.launch import free_port
+    from test_distributed import Forks, run_on_a_free_port
 
     global forks
     if forks is None or forks.proc.poll() is not None:
@@ -72,9 +69,7 @@ def run(child_env, out, world, overrides, extra=()):
     out.parent.mkdir(parents=True, exist_ok=True)
     result, logs = out / "result.json", [out.with_name(f"{out.name}-rank{r}.log") for r in range(world)]
     settings = [a for o in [*BASE, f"output.dir={out}", *overrides] for a in ("--set", o)]
-    port = free_port()
-    codes = forks.run([rank_env(r, world, port, child_env) for r in range(world)],
-                      ["--result", str(result), *extra, *settings], logs)  # fmt: skip
+    codes = run_on_a_free_port(forks, world, child_env, ["--result", str(result), *extra, *settings], logs)
     texts = [log.read_text() for log in logs]
     return codes, texts, (json.loads(result.read_text()) if result.exists() else None)
 
