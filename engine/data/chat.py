@@ -397,9 +397,14 @@ def _with_closing_tokens(ids: list[int], mask: list[int], close: int, is_blank: 
 
 
 def _has_content(message: dict) -> bool:
+    """Whether a message's content says something: a string that is not blank, or parts of which one is an image
+    or a text that is not blank."""
     content = message.get("content")
     if isinstance(content, str):
         return bool(content.strip())
+    if isinstance(content, list):
+        return any(not isinstance(part, dict) or part.get("type") != "text" or str(part.get("text", "")).strip()
+                   for part in content)  # fmt: skip
     return bool(content)
 
 

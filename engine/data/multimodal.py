@@ -20,7 +20,7 @@ from pathlib import Path
 
 from moe_tune.profiles import ProfileError
 
-from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions
+from .chat import DEFAULT_CHAT_OPTIONS, ChatOptions, turn_trains
 from .images import ImageError, ImageSettings, image_token_count, load_image, target_size
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -130,7 +130,9 @@ def render_multimodal_chat(
     refs: list[ImageRef] = []
     queue = list(record_images)
     for message in messages:
-        trained = options.trains_all or message["role"] == "assistant"
+        # The format writes no reasoning: reasoning alone says nothing (turn_trains).
+        says = turn_trains({**message, "reasoning_content": None})
+        trained = options.trains_all or (message["role"] == "assistant" and says)
         prefix, suffix = chat_format.split("{content}")
         pieces.append((encode(prefix.format(role=message["role"])), trained and (options.trains_all or
                                                                                options.train_header)))

@@ -519,6 +519,24 @@ def test_image_chats_in_the_built_in_format_train_as_text_chats(tmp_path, option
     assert BYTE.decode(trained) == expected and trained[-1] == BYTE.eos_id
 
 
+@pytest.mark.parametrize("silent", [
+    {"content": "bad answer", "weight": 0}, {"content": " "}, {"content": "", "reasoning_content": "hm"},
+    {"content": [{"type": "text", "text": "  "}]},
+])  # fmt: skip
+def test_image_chats_leave_weight_0_and_silent_turns_untrained(tmp_path, silent):
+    """As text chats do: the first answer is context, the last trained."""
+    from test_images import data_profile, vision, write_image
+
+    write_image(tmp_path / "a.png", 16, 16)
+    path = tmp_path / "d.jsonl"
+    messages = [{"role": "user", "content": "<image>what?"}, {"role": "assistant", **silent},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "a square"}]
+    path.write_text(json.dumps({"messages": messages, "images": ["a.png"]}) + "\n")
+    (doc,) = load_documents(data_profile(path), BYTE, vision())
+    trained = [t for t, label in zip(doc.input_ids[1:] + [BYTE.eos_id], doc.labels) if label != IGNORE_INDEX]
+    assert BYTE.decode(trained) == "a square\n" and trained[-1] == BYTE.eos_id
+
+
 def test_image_chats_with_the_byte_tokenizer_and_a_profile_template_are_refused(tmp_path):
     from test_images import data_profile, vision, write_image
 
