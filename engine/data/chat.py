@@ -176,7 +176,7 @@ def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool
     """ProfileError naming the record when the chat template left out a tool call (its function's name in no
     trained token) or a tool result (its text nowhere in the rendering): a template without a branch for them
     would train an empty turn, or an answer to a result the model never saw."""
-    calls = [(turn, call["function"]["name"])
+    calls = [(turn, call["function"]["name"], turn_trains(m))
              for turn, m in enumerate(messages, 1) for call in m.get("tool_calls") or []]  # fmt: skip
     results = [(turn, m["content"].strip()) for turn, m in enumerate(messages, 1)
                if m["role"] == "tool" and isinstance(m.get("content"), str) and m["content"].strip()]  # fmt: skip
@@ -184,12 +184,14 @@ def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool
         return
     # Compared without whitespace: a tokenizer's decoding may clean the spaces around punctuation.
     trained_text = "".join(decode([t for t, keep in zip(ids, trained) if keep]).split())
-    for turn, name in calls:
-        if "".join(name.split()) not in trained_text:
-            raise ProfileError([f"{where}: the chat template writes no trained token of turn {turn}'s call of "
-                                f"{name!r}: a template must write an assistant's tool_calls (data.chat_template, or "
-                                "the tokenizer's)"])
     text = "".join(decode(ids).split())
+    for turn, name, is_trained in calls:
+        # A turn of weight 0 is context: its call must be written, not trained.
+        if "".join(name.split()) not in (trained_text if is_trained else text):
+            written = "no trained token of" if is_trained else "nothing of"
+            raise ProfileError([f"{where}: the chat template writes {written} turn {turn}'s call of {name!r}: a "
+                                "template must write an assistant's tool_calls (data.chat_template, or the "
+                                "tokenizer's)"])
     for turn, result in results:
         if "".join(result.split()) not in text:
             raise ProfileError([f"{where}: the chat template does not write turn {turn} (tool)'s result: a template "

@@ -441,6 +441,18 @@ def test_tool_calls_and_results_train_as_the_templates_mask(tmp_path, tool_token
     assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in trained and "23 C" not in trained
 
 
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_tool_call_turn_of_weight_0_is_context_not_refused(tmp_path, tool_tokenizers, marked):
+    """Its call is written and untrained (it was refused as a call the template does not write); the answer after
+    the result is trained."""
+    messages = [dict(m, weight=0) if i == 1 else m for i, m in enumerate(TOOL_CHATS["call_then_answer"])]
+    tok, _, directory = tool_tokenizers["separate", marked]
+    doc = document(tmp_path, tok, messages, str(directory))
+    trained = "".join(trained_runs(doc, tok))
+    assert "get_weather" not in trained and "It is sunny." in trained
+    assert "get_weather" in tok.decode(doc.input_ids)
+
+
 TOOL_DEFS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
              {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 
