@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 import yaml
 
-from moe_tune.profiles import bounded_line, escape_controls, resolve_profile_path
+from moe_tune.profiles import bounded_line, escape_unprintable, resolve_profile_path
 from moe_tune.profiles.schema import ignored_setting_notes
 
 from ._common import ProfileArg, SetOption, err_console, fail, read_profile, user_errors
@@ -63,9 +63,10 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
         total = survey.summary.train.documents
         err_console.print(f"document {index} of {total} (trained tokens between {TRAINED_OPEN} {TRAINED_CLOSE}):",
                           markup=False, emoji=False, highlight=False)  # fmt: skip
-        # Line ends kept, other controls and bidirectional characters escaped: a record cannot rewrite the terminal.
-        err_console.print("\n".join(escape_controls(line) for line in text.split("\n")), markup=False, emoji=False,
-                          highlight=False, soft_wrap=True)  # fmt: skip
+        # Line ends kept, other controls, bidirectional and zero-width characters escaped: a record cannot rewrite
+        # the terminal or hide a character.
+        err_console.print("\n".join(escape_unprintable(line) for line in text.split("\n")), markup=False,
+                          emoji=False, highlight=False, soft_wrap=True)  # fmt: skip
     err_console.print(f"{profile}: valid", markup=False)
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "bounded_line",
     "error_line",
     "escape_controls",
+    "escape_unprintable",
     "foreign_encoding",
     "format_errors",
     "load_profile",
@@ -61,10 +62,15 @@ def escape_controls(text: str) -> str:
     return _CONTROLS.sub(_escape, text)
 
 
+def escape_unprintable(text: str) -> str:
+    """`text` with control, bidirectional and invisible (zero-width) characters written as escapes."""
+    return _INVISIBLE.sub(_escape, escape_controls(text))
+
+
 def bounded_line(line: str) -> str:
     """`line` as it may be printed: controls and invisible characters escaped, at most MAX_PROBLEM_CHARS characters
     and a count of the rest."""
-    line = _INVISIBLE.sub(_escape, escape_controls(line))
+    line = escape_unprintable(line)
     if len(line) <= MAX_PROBLEM_CHARS:
         return line
     return f"{line[:MAX_PROBLEM_CHARS]}... ({len(line) - MAX_PROBLEM_CHARS} more characters)"

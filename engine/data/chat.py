@@ -104,7 +104,8 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
         if message.get("weight") is None:  # a table's messages without one hold null
             continue
         weight, role = message["weight"], message["role"]
-        shown = json.dumps(weight, default=str)[:40]
+        shown = json.dumps(weight, default=str)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
         if role != "assistant":
             raise ProfileError([f"{where}: turn {turn} ({role}) has a weight ({shown}): only an assistant turn's "
                                 "weight says whether it is trained (0: not, 1: as any)"])

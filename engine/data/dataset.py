@@ -692,7 +692,8 @@ def _split_problems(profile: DataProfile, split: list[tuple[list[Document], list
         named = f"data.path ('{profile.path}')" if profile.path is not None else "data.sources"
         dropped = sum(count for _, _, count in split)
         why = (f" (its {dropped} documents equal to evaluation documents are left out of training)" if dropped else
-               "")
+               f" (its {len(train)} documents train nothing: a chat trains its assistant turns but those of weight 0 "
+               "or that say nothing, a text all but a blank one)" if train else "")
         problems.append(f"{named} must hold at least one token to train on{why}")
     if evaluation and not has_label(evaluation):
         named = f"data.eval_path ('{profile.eval_path}')" if profile.eval_path is not None else \

@@ -52,9 +52,11 @@ def detect_format(record: object, profile: DataProfile) -> str | None:
 
 def unread_keys(record: dict, name: str, profile: DataProfile) -> tuple[str, ...]:
     """The keys (format_keys) by which `record` is also a record of another format than `name`, which reading it as
-    `name` leaves unread (tatsu-lab/alpaca's rendered 'text' beside its 'instruction' and 'output')."""
+    `name` leaves unread (tatsu-lab/alpaca's rendered 'text' beside its 'instruction' and 'output'); keys holding
+    null, "" or [] say nothing."""
     return tuple(format_keys(other, profile) for other in FORMATS
-                 if other != name and all(key in record for key in format_keys(other, profile).split("/")))  # fmt: skip
+                 if other != name and all(record.get(key) not in (None, "", [])
+                                          for key in format_keys(other, profile).split("/")))  # fmt: skip
 
 
 def same_family(a: str, b: str) -> bool:

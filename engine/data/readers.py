@@ -132,9 +132,11 @@ def open_records(path: Path, field_name: str, max_record_bytes: int, allow_outsi
 
 
 def _utf16_without_mark(head: bytes) -> str | None:
-    """'little-endian' or 'big-endian' when `head` (an even number of bytes) reads as UTF-16 of ASCII text: every
-    odd (or even) byte zero, the others not; None otherwise (UTF-8 JSON never holds a zero byte)."""
-    head = head[: len(head) // 2 * 2]
+    """'little-endian' or 'big-endian' when `head` reads as UTF-16 of ASCII text: every odd (or even) byte zero, the
+    others not; None otherwise (UTF-8 JSON never holds a zero byte; UTF-32 holds three beside each ASCII one)."""
+    head = head[: len(head) // 4 * 4]
+    if not head[1::4].strip(b"\0") and not head[2::4].strip(b"\0"):
+        return None  # UTF-32 of ASCII text: three zero bytes beside each ASCII one, not UTF-16
     even, odd = head[0::2], head[1::2]
     if not odd.strip(b"\0") and even.strip(b"\0"):
         return "little-endian"

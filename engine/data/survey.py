@@ -139,7 +139,9 @@ def shown_document(doc, tok, names: dict[int, str] | None = None) -> str:
         end = start
         while end < len(tokens) and trained[end] == trained[start]:
             end += 1
+        # The marks written in a record's own text are escaped: only trained runs are between them.
         text = _tokens_text(tokens[start:end], tok, names or {})
+        text = text.replace(TRAINED_OPEN, "\\u27e6").replace(TRAINED_CLOSE, "\\u27e7")
         parts.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if trained[start] else text)
         start = end
     return "".join(parts)

@@ -1312,7 +1312,7 @@ def data_change_note(checkpoint: Path, saved: Any, current: dict[str, Any], step
     except (KeyError, IndexError):
         was = "a fingerprint this version does not read"
     now = counts.format(**current)
-    same = " (the same counts, other tokens)" if was == now else ""
+    same = " (the same counts, other tokens or another order)" if was == now else ""
     return (f"note: {checkpoint} was trained on other documents than the data gives now ({was} then; {now} now"
             f"{same}): the rows from step {step} on are not those of an uninterrupted run")
 

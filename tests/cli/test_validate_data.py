@@ -107,12 +107,18 @@ def test_every_bad_record_is_counted_past_the_ones_printed(tmp_path):
     assert len(lines) == 201 and lines[-1] == "error: ... and 50 more problems"
 
 
+# Why two documents train nothing, as the refusal says.
+NOTHING = (" (its 2 documents train nothing: a chat trains its assistant turns but those of weight 0 or that say "
+           "nothing, a text all but a blank one)")
+
+
 def test_data_with_nothing_to_train_on_exits_2(tmp_path):
     data = write(tmp_path / "d.jsonl", {"messages": [{"role": "user", "content": "hi"}]},
                  {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]})
     result = validate(data)
     assert result.exit_code == 2
-    assert result.stderr.splitlines() == [f"error: data.path ('{data}') must hold at least one token to train on"]
+    refused = f"error: data.path ('{data}') must hold at least one token to train on{NOTHING}"
+    assert result.stderr.splitlines() == [refused]
     # The user turns are trained with data.train_on: all.
     assert validate(data, "data.train_on=all").exit_code == 0
     # Beside a chat that trains, each is counted as a document with no trained token.
@@ -131,7 +137,8 @@ def test_blank_texts_train_nothing(tmp_path, blank):
     data = write(tmp_path / "d.jsonl", {"text": blank}, {"text": ""})
     result = validate(data)
     assert result.exit_code == 2
-    assert result.stderr.splitlines() == [f"error: data.path ('{data}') must hold at least one token to train on"]
+    refused = f"error: data.path ('{data}') must hold at least one token to train on{NOTHING}"
+    assert result.stderr.splitlines() == [refused]
     data = write(tmp_path / "mixed.jsonl", {"text": blank}, {"text": "hello"})
     result = validate(data)
     assert result.exit_code == 0, result.output
@@ -419,3 +426,18 @@ def test_an_images_tokens_are_shown_by_name_and_count():
     names = {260: "<|vision_start|>", 259: "<|image_pad|>", 261: "<|vision_end|>"}
     assert shown_document(doc, BYTE, names) == (
         "<bos>a<|vision_start|><|image_pad|>x16<|vision_end|>b<300>\u27e6<eos>\u27e7")
+
+
+def test_show_escapes_the_marks_and_the_invisible_characters_a_record_writes(tmp_path):
+    """A record's own \u27e6 ... \u27e7 cannot pass an untrained turn off as trained, nor a zero-width space hide."""
+    from moe_tune.engine.data.dataset import IGNORE_INDEX, Document
+    from moe_tune.engine.data.survey import shown_document
+
+    ids = [BYTE.bos_id, *BYTE.encode("\u27e6x\u27e7")]
+    doc = Document(ids, [IGNORE_INDEX] * (len(ids) - 1) + [BYTE.eos_id])
+    assert shown_document(doc, BYTE) == "<bos>\\u27e6x\\u27e7\u27e6<eos>\u27e7"
+    data_chat = [{"role": "user", "content": "a\u200bb"}, {"role": "assistant", "content": "ok"}]
+    data = write(tmp_path / "d.jsonl", {"messages": data_chat})
+    result = runner.invoke(app, ["validate", "tiny", "--set", f"data.path={data}", "--show", "1"])
+    assert result.exit_code == 0, result.output
+    assert "a\\u200bb" in result.stderr and "\u200b" not in result.stderr

@@ -621,7 +621,9 @@ def test_a_dataset_without_a_token_to_train_on_is_refused(tmp_path, tokenizers, 
     path = write_records(tmp_path / "d.jsonl", *records)
     with pytest.raises(ProfileError) as err:
         load_documents(DataProfile(path=path, seq_len=64, tokenizer=name, roles=roles), tok)
-    assert err.value.problems == [f"data.path ('{path}') must hold at least one token to train on"]
+    assert err.value.problems == [f"data.path ('{path}') must hold at least one token to train on (its {len(records)} "
+                                  "documents train nothing: a chat trains its assistant turns but those of weight 0 or "
+                                  "that say nothing, a text all but a blank one)"]
 
 
 def test_a_step_without_a_token_to_train_on_stops_the_run(tmp_path):

@@ -308,6 +308,8 @@ def test_sharegpt_and_table_weights_train_as_message_weights(tmp_path):
     ({"role": "assistant", "content": "a", "weight": "0"}, "turn 1 (assistant): weight (\"0\") must be 0"),
     ({"role": "assistant", "content": "a", "weight": True}, "turn 1 (assistant): weight (true) must be 0"),
     ({"role": "assistant", "content": "a", "weight": [0]}, "turn 1 (assistant): weight ([0]) must be 0"),
+    ({"role": "assistant", "content": "a", "weight": 10**60}, f"turn 1 (assistant): weight ({str(10**60)[:37]}...) must "
+                                                              "be 0"),
 ])  # fmt: skip
 def test_a_weight_other_than_0_or_1_or_off_the_assistant_is_one_line(tmp_path, message, rule):
     path = tmp_path / "d.jsonl"

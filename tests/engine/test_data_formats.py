@@ -152,6 +152,12 @@ class TestFormats:
         assert shown is None or f": 3 records ({shown}) -> " in source.line()
         assert splits(path=path, format=name).summary.sources[0].unread == ()
 
+    @pytest.mark.parametrize("empty", [None, "", []])
+    def test_another_formats_key_holding_nothing_is_not_counted(self, tmp_path, empty):
+        for name, record in (("messages", MESSAGES), ("alpaca", ALPACA)):
+            (source,) = splits(path=write_jsonl(tmp_path / f"{name}.jsonl", [dict(record, text=empty)])).summary.sources
+            assert source.format.name == name and source.unread == ()
+
     def test_one_record_with_other_keys_is_said_in_the_singular(self, tmp_path):
         path = write_jsonl(tmp_path / "d.jsonl", [dict(ALPACA, text="### Instruction: ...")])
         assert "1 records (1 also holds 'text', unread) -> " in splits(path=path).summary.sources[0].line()

@@ -568,6 +568,12 @@ class TestNotText:
         path.write_bytes(head + b"\x00\xff" * 100)
         assert problems(path) == [f"data.path ('{path}') {what}"]
 
+    def test_utf32_without_a_byte_order_mark_is_not_called_utf16(self, tmp_path):
+        path = tmp_path / "d.jsonl"
+        path.write_bytes('{"text": "a"}\n'.encode("utf-32-le"))
+        (line,) = problems(path)
+        assert "UTF-16" not in line
+
     @pytest.mark.parametrize("order", ["little", "big"])
     @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
     def test_utf16_without_a_byte_order_mark_is_named(self, tmp_path, order, suffix):

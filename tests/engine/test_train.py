@@ -159,7 +159,7 @@ def test_a_resume_on_other_documents_says_so(tmp_path, change):
     tokens = {t: len(t) + 1 for t in texts}  # the byte tokenizer: <bos> and each byte
     was = f"4 documents, {sum(tokens.values())} tokens, 0 evaluation documents"
     is_now = f"{len(now)} documents, {sum(len(t) + 1 for t in now)} tokens, 0 evaluation documents"
-    same = " (the same counts, other tokens)" if change == "same counts" else ""
+    same = " (the same counts, other tokens or another order)" if change == "same counts" else ""
     assert result.start_step == 1 and result.resume_notes == [
         f"note: {tmp_path / 'run' / 'checkpoints' / 'step-0000001'} was trained on other documents than the data "
         f"gives now ({was} then; {is_now} now{same}): the rows from step 1 on are not those of an uninterrupted run"]
