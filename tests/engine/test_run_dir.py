@@ -602,13 +602,20 @@ PREVIOUS_RUN_NAMES = sorted(["checkpoints", "metrics.jsonl", "summary.json", "pr
 
 
 def previous_run(out) -> dict:
-    """A finished run's files in `out` (a checkpoint folder, a link among them), by path, with their bytes."""
+    """A finished run's files in `out` (made if missing: a checkpoint folder, a link among them), by path, with their
+    bytes."""
     (out / "checkpoints" / "step-0000002").mkdir(parents=True)
     (out / "checkpoints" / "step-0000002" / "model_states.pt").write_bytes(b"weights")
     for name in ("metrics.jsonl", "summary.json", "profile.yaml", "deepspeed_config.json"):
         (out / name).write_text(f"old {name}")
     (out / "notes.txt").write_text("the user's")
     return snapshot(out)
+
+
+def assert_put_back(out, before: dict) -> None:
+    """`out` holds the previous run byte for byte, and nothing the new run wrote."""
+    assert snapshot(out) == before
+    assert sorted(p.name for p in out.iterdir()) == PREVIOUS_RUN_NAMES
 
 
 def snapshot(out) -> dict:
@@ -622,7 +629,6 @@ def test_overwrite_leaves_the_previous_run_when_the_set_up_ends(tmp_path, ending
     model built): a refusal, a signal or an error before puts it back, byte for byte, and removes what the new run
     wrote meanwhile (its generated corpus, its settings)."""
     out = tmp_path / "out"
-    out.mkdir()
     before = previous_run(out)
     with pytest.raises(type(ending)):
         with claim_output_dir(out, dist_info(0, 1), False, True) as claim:
@@ -632,13 +638,11 @@ def test_overwrite_leaves_the_previous_run_when_the_set_up_ends(tmp_path, ending
             (out / "generated-data" / "corpus.jsonl").write_text("new")
             (out / "profile.yaml").write_text("new")
             raise ending
-    assert snapshot(out) == before
-    assert sorted(p.name for p in out.iterdir()) == PREVIOUS_RUN_NAMES
+    assert_put_back(out, before)
 
 
 def test_overwrite_removes_the_previous_run_once_the_run_is_set_up(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
     previous_run(out)
     with pytest.raises(RuntimeError):
         with claim_output_dir(out, dist_info(0, 1), False, True) as claim:
@@ -653,7 +657,6 @@ def test_overwrite_removes_the_previous_run_once_the_run_is_set_up(tmp_path):
 def test_a_previous_run_set_aside_by_a_killed_run_is_put_back(tmp_path):
     # An --overwrite run killed (SIGKILL) while it set up left the previous run set aside and its own settings.
     out = tmp_path / "out"
-    out.mkdir()
     before = previous_run(out)
     run_dir.set_aside_run_outputs(out)
     (out / "profile.yaml").write_text("the killed run's")
@@ -672,7 +675,6 @@ def test_a_set_aside_cut_short_puts_back_what_was_moved_and_deletes_nothing(tmp_
     """A kill while --overwrite moved the previous run aside leaves some of it moved (no SET_ASIDE_DONE): the next
     claim moves those back and removes none of the rest, which is the previous run's too."""
     out = tmp_path / "out"
-    out.mkdir()
     before = previous_run(out)
     (out / OVERWRITTEN).mkdir()
     for entry in run_dir.run_output_entries(out)[:moved]:
@@ -686,7 +688,6 @@ def test_a_set_aside_cut_short_puts_back_what_was_moved_and_deletes_nothing(tmp_
 
 def test_a_signal_while_the_previous_run_is_set_aside_puts_it_back(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
     before = previous_run(out)
     rename, calls = Path.rename, []
 
@@ -700,14 +701,12 @@ def test_a_signal_while_the_previous_run_is_set_aside_puts_it_back(tmp_path, mon
     with pytest.raises(KeyboardInterrupt):
         check_output_dir(out, resume=False, overwrite=True)
     monkeypatch.undo()
-    assert snapshot(out) == before
-    assert sorted(p.name for p in out.iterdir()) == PREVIOUS_RUN_NAMES
+    assert_put_back(out, before)
 
 
 def test_a_removal_of_the_set_aside_run_cut_short_is_finished_not_put_back(tmp_path):
     # The new run was set up; a kill in the middle of removing the previous run left part of it renamed DROPPED.
     out = tmp_path / "out"
-    out.mkdir()
     previous_run(out)
     run_dir.set_aside_run_outputs(out)
     (out / OVERWRITTEN).rename(out / run_dir.DROPPED)
@@ -757,7 +756,6 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_named_to_its_readers(tmp_path)
     from moe_tune.engine.export.sources import read_run
 
     out = tmp_path / "out"
-    out.mkdir()
     previous_run(out)
     run_dir.set_aside_run_outputs(out)
     with pytest.raises(ProfileError) as err:
