@@ -21,6 +21,8 @@ __all__ = [
     "error_line",
     "escape_controls",
     "escape_unprintable",
+    "json_shown",
+    "shortened",
     "foreign_encoding",
     "format_errors",
     "load_profile",
@@ -60,6 +62,17 @@ def _escape(match: re.Match) -> str:
 def escape_controls(text: str) -> str:
     """`text` with control and bidirectional characters written as escapes (`\\x1b`, `\\u202e`); idempotent."""
     return _CONTROLS.sub(_escape, text)
+
+
+def shortened(text: str, most: int) -> str:
+    """`text` in at most `most` characters, the last three '...' when it is cut."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
+def json_shown(value: Any, most: int = 80) -> str:
+    """A value as a message line echoes it: JSON with ASCII escapes (control and bidirectional characters cannot
+    rewrite the line; what JSON cannot write, as its repr), shortened to `most` characters."""
+    return shortened(json.dumps(value, ensure_ascii=True, default=repr), most)
 
 
 def escape_unprintable(text: str) -> str:

@@ -26,7 +26,7 @@ from enum import Enum
 from functools import lru_cache
 from itertools import groupby
 
-from moe_tune.profiles import ProfileError
+from moe_tune.profiles import ProfileError, json_shown, shortened
 from moe_tune.profiles.schema import DataProfile, is_chat_template_path, read_chat_template
 
 # A tool's result (OpenAI's and transformers' "tool" role) goes to the template as it is, never trained.
@@ -86,6 +86,11 @@ def _template_text(value: str, *stamp) -> str:
     return text
 
 
+# The most characters of a record's role a message line shows: a long one (a record's text put in its role) would push
+# the rule past the line's end.
+ROLE_CHARS = 60
+
+
 def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: str) -> list[dict]:
     """The messages with their roles mapped through `roles` (data.roles); ProfileError naming the record and every
     role that is not system, user, assistant or tool after the mapping, or a `weight` (turn_trains) other than 0 or 1
@@ -93,10 +98,8 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
     mapped = [m if m["role"] not in roles else {**m, "role": roles[m["role"]]} for m in messages]
     unknown = list(dict.fromkeys(m["role"] for m in mapped if m["role"] not in CANONICAL_ROLES))
     if unknown:
-        # Each role shown in at most ROLE_CHARS characters: a long one (a record's text put in its role) would push
-        # the rule past the line's end.
-        named = ", ".join(_short(repr(role)) for role in unknown)
-        example = ", ".join(f"{_short(_yaml_key(role))}: {_likely_role(role)}" for role in unknown)
+        named = ", ".join(shortened(repr(role), ROLE_CHARS) for role in unknown)
+        example = ", ".join(f"{shortened(_yaml_key(role), ROLE_CHARS)}: {_likely_role(role)}" for role in unknown)
         noun = "role" if len(unknown) == 1 else "roles"
         raise ProfileError([f"{where}: message {noun} {named} must be one of {', '.join(CANONICAL_ROLES)}; map record "
                             f"roles onto them with data.roles, e.g. --set 'data.roles={{{example}}}'"])
@@ -104,8 +107,7 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
         if message.get("weight") is None:  # a table's messages without one hold null
             continue
         weight, role = message["weight"], message["role"]
-        shown = json.dumps(weight, default=str)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        shown = json_shown(weight, 40)
         if role != "assistant":
             raise ProfileError([f"{where}: turn {turn} ({role}) has a weight ({shown}): only an assistant turn's "
                                 "weight says whether it is trained (0: not, 1: as any)"])
@@ -115,12 +117,12 @@ def canonical_messages(messages: list[dict], roles: Mapping[str, str], where: st
     return mapped
 
 
-def turn_trains(message: dict) -> bool:
+def turn_trains(message: dict, writes_reasoning: bool = True) -> bool:
     """Whether an assistant message is trained with train_on: assistant: all but those whose `weight` is 0 (OpenAI's
     chat fine-tuning format, axolotl's ShareGPT) and those that say nothing (blank content, no tool call, no
-    reasoning: its closing token alone would teach the model to stop at once, as a blank text would), which stay in
-    the conversation as context."""
-    reasoning = message.get("reasoning_content")
+    reasoning that is not blank, none at all where the rendering writes none: the built-in format; its closing token
+    alone would teach the model to stop at once, as a blank text would), which stay in the conversation as context."""
+    reasoning = message.get("reasoning_content") if writes_reasoning else None
     says = _has_content(message) or message.get("tool_calls") or (isinstance(reasoning, str) and reasoning.strip())
     return message.get("weight") != 0 and bool(says)
 
@@ -198,12 +200,6 @@ def check_tools_written(messages: list[dict], ids: list[int], trained: list[bool
             raise ProfileError([f"{where}: the chat template does not write turn {turn} (tool)'s result: a template "
                                 "must write tool messages (data.chat_template, or the tokenizer's)"])
 
-
-ROLE_CHARS = 60
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= ROLE_CHARS else text[: ROLE_CHARS - 3] + "..."
 
 
 def _yaml_key(role: str) -> str:
@@ -576,8 +572,7 @@ def ends_trained(messages: list[dict], options: ChatOptions, writes_reasoning: b
     only where the rendering writes reasoning: a chat template, not the built-in format)."""
     if not messages or messages[-1]["role"] != "assistant":
         return False
-    last = messages[-1] if writes_reasoning else {**messages[-1], "reasoning_content": None}
-    return options.trains_all or turn_trains(last)
+    return options.trains_all or turn_trains(messages[-1], writes_reasoning)
 
 
 def chat_tokens(pieces: Pieces, tok, ends_with_assistant: bool, options: ChatOptions) -> tuple[list[int], list[bool]]:

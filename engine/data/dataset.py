@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import random
 import re
@@ -26,11 +25,11 @@ from typing import Any
 import torch
 
 from moe_tune.ops.common.host_copy import remember, to_device
-from moe_tune.profiles import ProfileError
+from moe_tune.profiles import ProfileError, json_shown, shortened
 from moe_tune.profiles.schema import DataProfile, ModelProfile
 
 from .chat import (
-    canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written, ends_trained,
+    ROLE_CHARS, canonical_messages, chat_options, chat_tokens, check_tool_calls, check_tools_written, ends_trained,
     refuse_tools_without_template,
 )
 from .corpus import generate_corpus
@@ -234,28 +233,22 @@ def message_shape_problem(messages: object, field_name: str, parts: bool) -> str
     left out only beside tool_calls)."""
     rule = '{"role": str, "content": str}'
     if not isinstance(messages, list):
-        return f"'{field_name}' ({_shown(messages)}) must be a list of messages {rule}"
+        return f"'{field_name}' ({json_shown(messages, 40)}) must be a list of messages {rule}"
     for turn, message in enumerate(messages, 1):
         if not isinstance(message, dict):
-            return f"'{field_name}' turn {turn} ({_shown(message)}) must be a message {rule}"
+            return f"'{field_name}' turn {turn} ({json_shown(message, 40)}) must be a message {rule}"
         role = message.get("role")
         if not isinstance(role, str):
-            return f"turn {turn}: 'role' ({_shown(role) if 'role' in message else 'left out'}) must be a string"
+            return f"turn {turn}: 'role' ({json_shown(role, 40) if 'role' in message else 'left out'}) must be a string"
         content = message.get("content")
         is_text = isinstance(content, str) or (parts and isinstance(content, list))
         if is_text or (content is None and message.get("tool_calls")):
             continue
-        shown = _shown(content) if "content" in message else "left out"
+        shown = json_shown(content, 40) if "content" in message else "left out"
         kinds = "a string or a list of text and image parts" if parts else "a string"
-        return (f"turn {turn} ({_shown(role)[1:-1]}): 'content' ({shown}) must be {kinds} (null or left out only "
+        return (f"turn {turn} ({shortened(role, 40)}): 'content' ({shown}) must be {kinds} (null or left out only "
                 "beside tool_calls)")
     return None
-
-
-def _shown(value: object) -> str:
-    """A record's value as JSON in a message line, at most 40 characters."""
-    text = json.dumps(value, ensure_ascii=True, default=repr)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _record_tools(record: dict, where: str) -> list[dict] | None:
@@ -414,7 +407,7 @@ class DataSummary:
         if self.eval_from is not None:
             lines.append(f"eval: {self.eval} ({self.eval_from})")
         if self.unused_roles:
-            names = ", ".join(repr(role)[:60] for role in self.unused_roles)
+            names = ", ".join(shortened(repr(role), ROLE_CHARS) for role in self.unused_roles)
             lines.append(f"note: data.roles maps {names}, which no record's role is")
         return lines
 

@@ -130,9 +130,8 @@ def render_multimodal_chat(
     refs: list[ImageRef] = []
     queue = list(record_images)
     for message in messages:
-        # The format writes no reasoning: reasoning alone says nothing (turn_trains).
-        says = turn_trains({**message, "reasoning_content": None})
-        trained = options.trains_all or (message["role"] == "assistant" and says)
+        # The format writes no reasoning: a turn of reasoning alone says nothing here.
+        trained = options.trains_all or (message["role"] == "assistant" and turn_trains(message, False))
         prefix, suffix = chat_format.split("{content}")
         pieces.append((encode(prefix.format(role=message["role"])), trained and (options.trains_all or
                                                                                options.train_header)))

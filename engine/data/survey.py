@@ -123,8 +123,8 @@ TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧
 def shown_document(doc, tok, names: dict[int, str] | None = None) -> str:
     """A document as the model reads it, its tokens decoded, each run of trained tokens (the ones the loss is taken
     on: every label that is not ignored) between TRAINED_OPEN and TRAINED_CLOSE; special tokens by name (`names`
-    those the tokenizer cannot decode: the image tokens of the byte tokenizer), a run of one repeated (an image's
-    placeholders) as `<|image_pad|>x256`."""
+    those the tokenizer cannot decode: the image tokens of the byte tokenizer), a run of one special token repeated
+    (an image's image tokens) as NAMExCOUNT (_tokens_text)."""
     from .dataset import IGNORE_INDEX
 
     tokens = list(doc.input_ids)

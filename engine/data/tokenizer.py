@@ -79,12 +79,11 @@ def render_plain_chat(encode, messages: list[dict], options: ChatOptions = DEFAU
     ProfileError naming the record (`where`) for tool calls or tool definitions, which the format has no way to
     write."""
     refuse_tools_without_template(messages, tools, where)
-    # The format writes no reasoning: a turn of reasoning alone says nothing here (turn_trains).
-    messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
     header_format = CHAT_TEMPLATE.split("{content}")[0]
     pieces: Pieces = []
     for m in messages:
-        is_trained = options.trains_all or (m["role"] == "assistant" and turn_trains(m))
+        # The format writes no reasoning: a turn of reasoning alone says nothing here.
+        is_trained = options.trains_all or (m["role"] == "assistant" and turn_trains(m, writes_reasoning=False))
         ids = encode(CHAT_TEMPLATE.format(role=m["role"], content=m["content"]))
         header = encode(header_format.format(role=m["role"]))
         cut = len(header) if ids[: len(header)] == header else 0

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from moe_tune.profiles import json_shown
+
 from .distributed import any_rank
 
 STATE_FILE = "trainer_state.json"
@@ -424,20 +426,14 @@ def _leaves(value: Any, prefix: str) -> dict[str, Any]:
     return {prefix: value}
 
 
-def _shown(value: Any) -> str:
-    # JSON with ASCII escapes: control and bidirectional characters cannot rewrite the line.
-    text = json.dumps(value, ensure_ascii=True)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def signature_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(field, saved value, current value) for every field that differs, in a stable order."""
     old, new = _leaves(saved, ""), _leaves(current, "")
     missing = object()
     keys = list(old) + [k for k in new if k not in old]
     return [
-        (key.replace("world_size", "the world size"), _shown(old.get(key)) if key in old else "(not set)",
-         _shown(new.get(key)) if key in new else "(not set)")
+        (key.replace("world_size", "the world size"), json_shown(old.get(key)) if key in old else "(not set)",
+         json_shown(new.get(key)) if key in new else "(not set)")
         for key in keys
         if old.get(key, missing) != new.get(key, missing)
     ]  # fmt: skip
