@@ -2,7 +2,9 @@
 
 Each rank is the same command with the standard rendezvous variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT), exactly what torchrun or the deepspeed launcher would set, so a profile runs the same under any of
-them. When a rank exits non-zero, the others get SIGTERM (then SIGKILL after a grace period) and the launcher
+them. As torchrun's agent does, the launcher hosts the rendezvous store itself, on a port the system gave it while
+binding, and every rank joins it as a client: no other process can take the port between its choice and its use.
+When a rank exits non-zero, the others get SIGTERM (then SIGKILL after a grace period) and the launcher
 returns that rank's code with a line naming it: no job waits forever on a dead peer.
 """
 
@@ -10,10 +12,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # Seconds the surviving ranks get to write their checkpoint and exit after a peer failed or a signal came.
@@ -21,11 +24,17 @@ GRACE_S = 30.0
 POLL_S = 0.2
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now, for a rendezvous on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def rendezvous() -> Iterator[int]:
+    """The port of a rendezvous store this process hosts on this machine until the block ends: ranks started with
+    rank_env(..., port) join it."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,8 @@ class LaunchResult:
 
 
 def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of rank `rank`, which joins the store rendezvous() hosts on `port` as a client (torch's
+    agent store, as under torchrun)."""
     env = dict(os.environ if base is None else base)
     env.update(
         RANK=str(rank),
@@ -44,6 +55,7 @@ def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None 
         LOCAL_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     return env
 
@@ -75,12 +87,18 @@ def host_memory_bytes() -> int | None:
 
 def launch_local(nproc: int, argv: list[str], env: dict[str, str] | None = None) -> LaunchResult:
     """Run `python -m moe_tune *argv` as ranks 0..nproc-1 on this machine; return when all ended."""
-    port = free_port()
-    procs = [
-        # -P: every rank imports the moe_tune this process runs, never a checkout in the working directory.
-        subprocess.Popen([sys.executable, "-P", "-m", "moe_tune", *argv], env=rank_env(rank, nproc, port, env))
-        for rank in range(nproc)
-    ]
+    with rendezvous() as port:
+        procs = [
+            # -P: every rank imports the moe_tune this process runs, never a checkout in the working directory.
+            subprocess.Popen([sys.executable, "-P", "-m", "moe_tune", *argv], env=rank_env(rank, nproc, port, env))
+            for rank in range(nproc)
+        ]
+        return _watch(procs)
+
+
+def _watch(procs: list[subprocess.Popen]) -> LaunchResult:
+    """Wait for the ranks; the first that exits non-zero stops the others."""
+    nproc = len(procs)
 
     def forward_signal(signum, frame):
         for p in procs:

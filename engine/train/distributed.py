@@ -1,7 +1,8 @@
 """Process-group set-up for DeepSpeed, on a GPU cluster or one CPU process alike.
 
 The rendezvous follows the standard variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) that
-torchrun and the deepspeed launcher set; a bare `moe-tune finetune` becomes a world of one.
+torchrun and the deepspeed launcher set; a bare `moe-tune finetune` becomes a world of one, whose store lives in
+its own process (no port).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_tune.engine.parallel.context import ContextShard
-from moe_tune.engine.parallel.launch import free_port
 from moe_tune.engine.train import ds_sync_free
 from moe_tune.profiles import ProfileError
 
@@ -79,24 +79,13 @@ def create_context_layout(context_parallel: int, rank: int, world_size: int, tim
                          world_size // context_parallel, group)  # fmt: skip
 
 
-# The MASTER_PORT this process chose for its own single-process rendezvous (no launcher set RANK), if any.
-_own_master_port: str | None = None
-
-
 def prepare_environment() -> None:
     """Must run before deepspeed is imported: DeepSpeed picks its accelerator at import time. Without a launcher's
-    rendezvous variables, a single-process one on this machine, with a port of its own for each run: a finished
-    run's TCP store keeps listening on its port until the garbage collector frees it."""
-    global _own_master_port
+    rank variables, those of a world of one."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    is_own = _own_master_port is not None and os.environ.get("MASTER_PORT") == _own_master_port
-    if "RANK" in os.environ and not is_own:
-        return
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if is_own or "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = _own_master_port = str(free_port())
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"})
 
 
 def resolve_backend(backend: str, on_gpu: bool, has_nccl: bool) -> str:
@@ -129,10 +118,14 @@ def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> DistInf
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu:
         torch.cuda.set_device(local_rank)
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=backend, auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not torch.distributed.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
+        # A world of one joins no peer: its store is a table in this process, where a TCP store would need a port
+        # that another process could take between its choice and its binding.
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                             timeout=timeout)  # fmt: skip
+    # On a process group already there (the world of one's), DeepSpeed's communication wraps it.
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     return DistInfo(
         rank=torch.distributed.get_rank(),

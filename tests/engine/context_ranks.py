@@ -15,23 +15,18 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from moe_tune.engine.parallel.launch import rank_env, rendezvous
 
 
 def _child(fn, rank: int, size: int, port: int, args, queue) -> None:
     try:
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(rank_env(rank, size, port))
         dist.init_process_group("gloo", rank=rank, world_size=size)
         try:
             # Plain pickle bytes: the queue's own pickler would send tensors as shared memory that dies with this
@@ -48,20 +43,20 @@ def run_ranks(fn, size: int, *args, timeout: float = 120.0) -> list:
     # Imported once by the server, not by every child.
     ctx.set_forkserver_preload(["torch", "torch.distributed", "moe_tune.engine.model.model"])
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, size, port, args, queue)) for r in range(size)]
-    for proc in procs:
-        proc.start()
     results: dict[int, object] = {}
-    try:
-        for _ in range(size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                raise AssertionError(f"context rank {rank} of {size} failed:\n{value}")
-            results[rank] = pickle.loads(value)  # written by our own child above
-    finally:
+    with rendezvous() as port:
+        procs = [ctx.Process(target=_child, args=(fn, r, size, port, args, queue)) for r in range(size)]
         for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
+            proc.start()
+        try:
+            for _ in range(size):
+                rank, ok, value = queue.get(timeout=timeout)
+                if not ok:
+                    raise AssertionError(f"context rank {rank} of {size} failed:\n{value}")
+                results[rank] = pickle.loads(value)  # written by our own child above
+        finally:
+            for proc in procs:
+                proc.join(timeout=5)
+                if proc.is_alive():
+                    proc.kill()
     return [results[r] for r in range(size)]

@@ -61,7 +61,7 @@ def chat_data(tmp_path_factory):
 
 
 def run(child_env, out, world, overrides, extra=()):
-    from test_distributed import Forks, run_on_a_free_port
+    from test_distributed import Forks, run_in_a_rendezvous
 
     global forks
     if forks is None or forks.proc.poll() is not None:
@@ -69,7 +69,7 @@ def run(child_env, out, world, overrides, extra=()):
     out.parent.mkdir(parents=True, exist_ok=True)
     result, logs = out / "result.json", [out.with_name(f"{out.name}-rank{r}.log") for r in range(world)]
     settings = [a for o in [*BASE, f"output.dir={out}", *overrides] for a in ("--set", o)]
-    codes = run_on_a_free_port(forks, world, child_env, ["--result", str(result), *extra, *settings], logs)
+    codes = run_in_a_rendezvous(forks, world, child_env, ["--result", str(result), *extra, *settings], logs)
     texts = [log.read_text() for log in logs]
     return codes, texts, (json.loads(result.read_text()) if result.exists() else None)
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_tune.engine.parallel.launch import rank_env
-from moe_tune.engine.parallel.launch import free_port
+from moe_tune.engine.parallel.launch import rank_env, rendezvous
 from moe_tune.engine.train.trainer import check_world
 from moe_tune.profiles import ProfileError, load_profile
 
@@ -70,19 +69,14 @@ def run_ranks(world, out, overrides, child_env, extra=(), base=BASE):
     result, logs = out / "result.json", [out.with_name(f"{out.name}-rank{r}.log") for r in range(world)]
     settings = [a for o in [*base, f"output.dir={out}", *overrides] for a in ("--set", o)]
     args = ["--result", str(result), *extra, *settings]
-    codes = run_on_a_free_port(forks, world, child_env, args, logs)
+    codes = run_in_a_rendezvous(forks, world, child_env, args, logs)
     return codes, [log.read_text() for log in logs], (json.loads(result.read_text()) if result.exists() else None)
 
 
-def run_on_a_free_port(forks, world, child_env, args, logs) -> list[int]:
-    """The ranks' exit codes, their rendezvous on a port free_port found; again on another one (up to 3 tries) when
-    a process of the other test worker took it in between (EADDRINUSE, before the run wrote anything)."""
-    for _ in range(3):
-        port = free_port()
-        codes = forks.run([rank_env(r, world, port, child_env) for r in range(world)], args, logs)
-        if not any("EADDRINUSE" in log.read_text() for log in logs if log.exists()):
-            break
-    return codes
+def run_in_a_rendezvous(forks, world, child_env, args, logs) -> list[int]:
+    """The ranks' exit codes, their rendezvous in a store this process hosts (as launch_local's)."""
+    with rendezvous() as port:
+        return forks.run([rank_env(r, world, port, child_env) for r in range(world)], args, logs)
 
 
 # Runs that several tests compare against, made once per module: (world, overrides) -> (codes, logs, result, out).

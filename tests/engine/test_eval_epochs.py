@@ -319,8 +319,7 @@ def test_eval_on_two_ranks_equals_one_process(tmp_path, child_env):
     the same eval loss as one process on the same rows."""
     from test_distributed import Forks
 
-    from moe_tune.engine.parallel.launch import rank_env
-    from moe_tune.engine.parallel.launch import free_port
+    from moe_tune.engine.parallel.launch import rank_env, rendezvous
 
     assert len(pack_rows(eval_documents(), 56, TOK.pad_id)) % 2 == 1
     base = [*SMALL, "train.steps=1", "train.epochs=null", "train.warmup_steps=0", "model.moe.aux_loss_coef=0",
@@ -334,8 +333,8 @@ def test_eval_on_two_ranks_equals_one_process(tmp_path, child_env):
             logs = [tmp_path / f"world{world}-rank{r}.log" for r in range(world)]
             args = ["--result", str(tmp_path / f"world{world}.json"),
                     *[a for o in [*base, *overrides, f"output.dir={out}"] for a in ("--set", o)]]
-            port = free_port()
-            codes = forks.run([rank_env(r, world, port, child_env) for r in range(world)], args, logs)
+            with rendezvous() as port:
+                codes = forks.run([rank_env(r, world, port, child_env) for r in range(world)], args, logs)
             assert codes == [0] * world, logs[0].read_text()[-3000:]
             summaries.append(json.loads((out / "summary.json").read_text()))
     finally:

@@ -16,9 +16,8 @@ from safetensors.torch import load_file
 
 from moe_tune.engine.export.sources import FinalState, read_run
 from moe_tune.engine.export.zero import open_step
-from moe_tune.engine.parallel.launch import rank_env
+from moe_tune.engine.parallel.launch import rank_env, rendezvous
 from moe_tune.engine.train.checkpoint import MANIFEST_FILE, STATE_FILE, write_manifest
-from moe_tune.engine.parallel.launch import free_port
 from moe_tune.engine.train.trainer import finetune
 from moe_tune.profiles import ProfileError, load_profile
 
@@ -190,13 +189,13 @@ def test_expert_parallel_checkpoint_reads_and_exports_as_the_final_state(tmp_pat
         "train": {"steps": 2, "lr": 0.002, "micro_batch_size": 2, "grad_clip": 0.5},
         "output": {"dir": str(out), "save_every": 1},
     }))  # fmt: skip
-    port = free_port()
     cmd = [sys.executable, str(WORKER), "--result", str(tmp_path / "result.json"), "--profile", str(profile)]
     # One intra-op thread a rank: CI runs the suite on two workers on two cores.
     env = {**child_env, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port, env), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
-    logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
+    with rendezvous() as port:
+        procs = [subprocess.Popen(cmd, env=rank_env(r, 2, port, env), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+        logs = [p.communicate(timeout=HARD_TIMEOUT_S)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:]
     step = out / "checkpoints" / "step-0000002"
     assert sorted(p.name for p in step.glob("*optim_states.pt")) == [

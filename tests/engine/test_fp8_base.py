@@ -534,12 +534,13 @@ def zero3_rank(result: str) -> None:
 
 
 def test_zero3_two_ranks_keep_the_bits_and_equal_one_process(tmp_path):
-    from moe_tune.engine.parallel.launch import free_port
+    from moe_tune.engine.parallel.launch import rendezvous
 
     result = tmp_path / "rank0.pt"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(result), str(free_port())], env=env, capture_output=True,
-                          text=True, timeout=240)  # fmt: skip
+    with rendezvous() as port:
+        proc = subprocess.run([sys.executable, __file__, str(result), str(port)], env=env, capture_output=True,
+                              text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     both = torch.load(result, weights_only=True)
     got = both["fp32"]

@@ -108,30 +108,34 @@ def test_run_refused_after_its_engine_is_built_releases_it(tmp_path, monkeypatch
     assert run_threads() <= run_threads_before, native_threads()
 
 
-def test_a_run_after_another_takes_a_fresh_port_while_the_old_one_is_held(tmp_path):
-    # The previous run's TCP store may still listen on its port (until the collector frees it): the next run in the
-    # process picks a port of its own instead of failing with EADDRINUSE.
+@pytest.mark.parametrize("launcher", [False, True], ids=["bare", "launcher-of-one"])
+def test_a_world_of_one_takes_no_port(tmp_path, monkeypatch, launcher):
+    # Its store lives in the process: a port another process listens on (here, a stale MASTER_PORT), or one it takes
+    # between a choice and its binding, cannot fail the run with EADDRINUSE.
     import socket
 
-    finetune(tiny_profile(tmp_path / "first"), show_progress=False)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        port = int(os.environ["MASTER_PORT"])
-        try:
-            held.bind(("127.0.0.1", port))
-            held.listen()
-        except OSError:  # the first run's store still listens there: held as well
-            pass
-        assert finetune(tiny_profile(tmp_path / "second"), show_progress=False).last_step == 2
-        assert int(os.environ["MASTER_PORT"]) != port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1])}
+        rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"} if launcher else {}
+        for name, value in {**taken, **rank}.items():
+            monkeypatch.setenv(name, value)
+        if not launcher:
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE"):
+                monkeypatch.delenv(name, raising=False)
+        for run in ("first", "second"):
+            assert finetune(tiny_profile(tmp_path / run), show_progress=False).last_step == 2
+    assert os.environ["MASTER_PORT"] == taken["MASTER_PORT"]
 
 
-def test_a_launchers_port_is_kept(monkeypatch):
-    # Rendezvous variables a launcher set are the launcher's: the same port on every run.
+def test_a_launchers_variables_are_kept(monkeypatch):
+    # Rendezvous variables a launcher set are the launcher's: left as they are.
     from moe_tune.engine.train import distributed
 
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}.items():
+    launcher = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29511"}  # fmt: skip
+    for name, value in launcher.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(distributed, "_own_master_port", None)
     distributed.prepare_environment()
-    distributed.prepare_environment()
-    assert os.environ["MASTER_PORT"] == "29511"
+    assert {name: os.environ[name] for name in launcher} == launcher

@@ -390,7 +390,7 @@ def test_plan_counts_the_recomputed_all_to_alls(checkpointing, all_to_alls):
 EP_TOKENS, EP_CHUNK = 64, 24
 
 
-def expert_parallel_rank(result: str, port: str) -> None:
+def expert_parallel_rank(result: str) -> None:
     """One of two ranks: the model with experts split over both (LoRA on them), on this rank's own row, unchunked
     and chunked; each rank saves its losses and gradients to result.RANK."""
     import torch.distributed as dist
@@ -398,8 +398,7 @@ def expert_parallel_rank(result: str, port: str) -> None:
     from moe_tune.engine.parallel.expert_parallel import ExpertLayout
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(os.environ["RANK"]),
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo")
     rank = dist.get_rank()
     layout = ExpertLayout(expert_parallel=2, expert_parallel_rank=rank, group=dist.group.WORLD)
     ids = torch.randint(0, 259, (1, EP_TOKENS), generator=torch.Generator().manual_seed(10 + rank))
@@ -419,14 +418,15 @@ def expert_parallel_rank(result: str, port: str) -> None:
 
 @pytest.mark.dist
 def test_expert_parallel_chunks_equal_whole_rows(tmp_path):
-    from moe_tune.engine.parallel.launch import free_port
+    from moe_tune.engine.parallel.launch import rank_env, rendezvous
 
-    result, port = tmp_path / "rank.pt", str(free_port())
-    procs = [subprocess.Popen([sys.executable, __file__, str(result), port],
-                              env={**os.environ, "RANK": str(rank), "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]  # fmt: skip
-    logs = [proc.communicate(timeout=180)[0] for proc in procs]
+    result = tmp_path / "rank.pt"
+    with rendezvous() as port:
+        procs = [subprocess.Popen([sys.executable, __file__, str(result)],
+                                  env=rank_env(rank, 2, port, {**os.environ, "OMP_NUM_THREADS": "1"}),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(2)]  # fmt: skip
+        logs = [proc.communicate(timeout=180)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), "\n".join(log[-3000:] for log in logs)
     for rank in range(2):
         results = torch.load(f"{result}.{rank}", weights_only=True)
@@ -435,4 +435,4 @@ def test_expert_parallel_chunks_equal_whole_rows(tmp_path):
 
 
 if __name__ == "__main__":
-    expert_parallel_rank(sys.argv[1], sys.argv[2])
+    expert_parallel_rank(sys.argv[1])
