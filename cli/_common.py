@@ -13,6 +13,7 @@ from typing import Annotated, Iterator
 import typer
 from rich.console import Console
 
+from moe_tune.engine.atomic_write import folder_refused
 from moe_tune.profiles import JobProfile, ProfileError, bounded_line, load_profile
 
 USER_ERROR_EXIT = 2
@@ -120,17 +121,13 @@ def report_file_problems(name: str, path: Path) -> list[str]:
     read-only mount, /proc), tried with an empty one created and removed at once."""
     where = f"{name} ({str(path)!r})"
     parent = path.absolute().parent
-    existing = next(folder for folder in (parent, *parent.parents) if os.path.lexists(folder))
-    if not existing.is_dir():
-        return [f"{where}: {str(existing)!r} is not a folder"]
-    if existing == parent:
+    if not os.path.lexists(parent):
+        refused = folder_refused(parent)
+    elif not parent.is_dir():
+        refused = f"{str(parent)!r} is not a folder"
+    else:
         refused = _write_refused(path)
-        return [f"{where}: {refused}"] if refused is not None else []
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".moe-tune-probe-", dir=existing))
-    except OSError as err:
-        return [f"{where}: no folder can be created in {str(existing)!r} ({err.strerror or err})"]
-    return []
+    return [f"{where}: {refused}"] if refused is not None else []
 
 
 def _write_refused(path: Path) -> str | None:

@@ -37,16 +37,22 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
         fail([f"--show ({show}) reads the data, which --no-data skips: give one"])
     job = read_profile(profile, overrides)
     from moe_tune.engine.plan import count_parameters
-    from moe_tune.engine.train.run_dir import check_reads_apart, run_reads
+    from moe_tune.engine.train.run_dir import check_reads_apart, output_dir_problems, previous_run_outputs, run_reads
 
     with user_errors():
         # What finetune refuses once the model is built: adapters on layers the model does not have, modules PEFT
-        # cannot train in full.
+        # cannot train in full; an output.dir it cannot write.
         count_parameters(job.model, job.lora)
         check_reads_apart(job.output.dir, {"PROFILE": resolve_profile_path(profile), **run_reads(job)})
+        if problems := output_dir_problems(job.output.dir):
+            fail(problems)
     # Written as it is: a console would wrap lines longer than the terminal (a long path) and break the YAML.
     typer.echo(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), nl=False)
-    for note in ignored_setting_notes(job):
+    notes = ignored_setting_notes(job)
+    if job.output.dir.is_dir() and (found := previous_run_outputs(job.output.dir)):
+        notes.append(f"note: output.dir ({job.output.dir}) holds a previous run ({', '.join(found)}): finetune "
+                     "continues it with --resume or replaces its outputs with --overwrite")
+    for note in notes:
         err_console.print(bounded_line(note), markup=False, emoji=False)
     if no_data:
         err_console.print(f"{profile}: valid (data not read: --no-data)", markup=False)

@@ -44,6 +44,20 @@ def fifo_has_reader(path: Path) -> bool:
     return True
 
 
+def folder_refused(folder: Path) -> str | None:
+    """Why the OS refuses a new folder at `folder` (not there yet), found without changing anything: its nearest
+    existing ancestor is not a folder, or a folder made in it (and removed at once) is refused (a read-only mount,
+    /proc, permissions); None when it can be made."""
+    existing = next(parent for parent in folder.absolute().parents if os.path.lexists(parent))
+    if not existing.is_dir():
+        return f"{str(existing)!r} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moe-tune-probe-", dir=existing))
+    except OSError as err:
+        return f"no folder can be created in {str(existing)!r} ({err.strerror or err})"
+    return None
+
+
 def _is_fifo(path: Path) -> bool:
     try:
         return stat.S_ISFIFO(os.stat(path).st_mode)

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe_tune.engine.atomic_write import folder_refused
 from moe_tune.engine.families.checkpoint import CONFIG_NAME, INDEX_NAME, LOADER_FILES, LOADER_FOLDERS
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import ModelProfile
@@ -684,16 +684,9 @@ def _write_export(run, merge: bool, out: Path | None, max_shard_bytes: int, step
 
 
 def _creatable_problems(out: Path) -> list[str]:
-    """A line when the folder `out` (not there yet) cannot be created: its nearest existing ancestor is not a folder,
-    or the OS refuses a folder in it (a read-only mount, /proc), found by creating and removing an empty one."""
-    existing = next(parent for parent in out.absolute().parents if os.path.lexists(parent))
-    if not existing.is_dir():
-        return [f"--out ({str(out)!r}): {str(existing)!r} is not a folder"]
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".moe-tune-probe-", dir=existing))
-    except OSError as err:
-        return [f"--out ({str(out)!r}): no folder can be created in {str(existing)!r} ({err.strerror or err})"]
-    return []
+    """A line when the folder `out` (not there yet) cannot be created (folder_refused)."""
+    refused = folder_refused(out)
+    return [f"--out ({str(out)!r}): {refused}"] if refused is not None else []
 
 
 def write_adapter(run, adapter: dict[str, torch.Tensor], out: Path, chat_template: str | None = None) -> Path:

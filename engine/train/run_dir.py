@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 import stat
+import tempfile
 import uuid
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Iterator
 import torch
 import yaml
 
+from moe_tune.engine.atomic_write import folder_refused
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
@@ -509,6 +511,29 @@ def outputs_over_run(outputs: dict[str, Path | None], profile: JobProfile,
     return problems
 
 
+def output_dir_problems(out: Path) -> list[str]:
+    """What check_output_dir refuses of the path itself, found without changing anything (for validate): not a
+    directory, a directory that cannot be created, or one in which no file can be."""
+    where = f"output.dir ({out})"
+    if os.path.lexists(out) and not out.is_dir():
+        return [_not_a_directory(out)]
+    if not out.exists():
+        refused = folder_refused(out)
+        return [f"{where} cannot be created: {refused}"] if refused is not None else []
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".moe-tune-probe-", dir=out)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        return [f"{where} is not writable: no file can be created in it ({_reason(err)})"]
+    return []
+
+
+def _not_a_directory(out: Path) -> str:
+    kind = "a file" if out.is_file() else "not a directory"
+    return f"output.dir ({out}) is {kind}: output.dir must be a directory (or a path to create)"
+
+
 def check_output_dir(out: Path, resume: bool, overwrite: bool,
                      reads: dict[str, Path | None] | None = None) -> tuple[RunDirLock, list[str]]:  # fmt: skip
     """Create `out` if needed and lock it; refuse (ProfileError) a path that is not a writable directory, one where
@@ -526,8 +551,7 @@ def check_output_dir(out: Path, resume: bool, overwrite: bool,
     if (enclosed := enclosing_run_problem(out)) is not None:
         raise ProfileError([enclosed])
     if os.path.lexists(out) and not out.is_dir():
-        kind = "a file" if out.is_file() else "not a directory"
-        raise ProfileError([f"{where} is {kind}: output.dir must be a directory (or a path to create)"])
+        raise ProfileError([_not_a_directory(out)])
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)

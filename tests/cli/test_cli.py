@@ -302,3 +302,41 @@ def test_validate_notes_the_settings_that_do_nothing():
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == ["note: lora.vision_tower is ignored: the model has no vision tower "
                                           "(model.vision)", "tiny: valid (data not read: --no-data)"]
+
+
+@pytest.mark.parametrize("case", ["file", "under-a-file", "link-to-a-file", "fifo", "in-proc"])
+def test_validate_refuses_an_output_dir_finetune_refuses(tmp_path, case):
+    import os
+
+    (tmp_path / "afile").write_text("kept\n")
+    out = {"file": tmp_path / "afile", "under-a-file": tmp_path / "afile" / "run", "link-to-a-file": tmp_path / "link",
+           "fifo": tmp_path / "fifo", "in-proc": "/proc/moe-tune-run"}[case]  # fmt: skip
+    if case == "link-to-a-file":
+        out.symlink_to(tmp_path / "afile")
+    if case == "fifo":
+        os.mkfifo(out)
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--set", f"output.dir={out}"])
+    assert result.exit_code == 2, result.output
+    expected = {
+        "file": f"output.dir ({out}) is a file: output.dir must be a directory (or a path to create)",
+        "under-a-file": f"output.dir ({out}) cannot be created: '{tmp_path / 'afile'}' is not a folder",
+        "link-to-a-file": f"output.dir ({out}) is a file: output.dir must be a directory (or a path to create)",
+        "fifo": f"output.dir ({out}) is not a directory: output.dir must be a directory (or a path to create)",
+        "in-proc": f"output.dir ({out}) cannot be created: no folder can be created in '/proc' (",
+    }[case]
+    assert result.stderr.startswith(f"error: {expected}") and len(result.stderr.splitlines()) == 1, result.stderr
+    assert (tmp_path / "afile").read_text() == "kept\n" and not os.path.lexists(tmp_path / "afile" / "run")
+
+
+def test_validate_names_a_previous_run_in_output_dir(tmp_path):
+    from moe_tune.engine.train.run_dir import RUN_RESULTS
+
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--set", f"output.dir={out}"])
+    assert result.exit_code == 0 and "previous run" not in result.stderr and not out.exists(), result.output
+    out.mkdir()
+    (out / RUN_RESULTS[0]).mkdir()
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", "--set", f"output.dir={out}"])
+    assert result.exit_code == 0, result.output
+    assert (f"note: output.dir ({out}) holds a previous run ({RUN_RESULTS[0]}): finetune continues it with --resume or "
+            "replaces its outputs with --overwrite") in result.stderr.splitlines()
