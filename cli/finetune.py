@@ -41,6 +41,12 @@ def finetune(
         fail(["--resume and --overwrite contradict each other: --resume continues the run in output.dir, "
               "--overwrite deletes it; give one"])  # fmt: skip
     job = read_profile(profile, overrides)
+    if not any(o.partition("=")[0].strip() == "output.dir" for o in overrides or []):
+        from moe_tune.engine.train.run_dir import moved_run_profile_problem
+
+        remedy = "give --set output.dir={folder} to use this run, or another output.dir with --set"
+        if (moved := moved_run_profile_problem(resolve_profile_path(profile), job.output.dir, remedy)) is not None:
+            fail([moved])
     if not resume:
         # A fresh run writes its resolved profile.yaml (and its other settings) into output.dir: the PROFILE kept there
         # would be replaced.

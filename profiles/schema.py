@@ -1309,6 +1309,27 @@ _VISION_ONLY = {"data": ("image_min_pixels", "image_max_pixels", "bad_images"), 
 _LORA_ONLY = ("r", "alpha", "dropout", "target_modules", "experts", "modules_to_save")
 
 
+def dump_with_absolute_paths(profile: JobProfile) -> dict[str, Any]:
+    """The profile as JSON values with the files and folders it names absolute (relative ones are read from the
+    working directory): what a run keeps of it names the same files from any folder."""
+    dumped = profile.model_dump(mode="json")
+    model, data = dumped["model"], dumped["data"]
+
+    def absolute(value: Any) -> Any:
+        return os.path.abspath(value) if isinstance(value, str) else value
+
+    model["checkpoint"] = absolute(model.get("checkpoint"))
+    data["path"], data["eval_path"] = absolute(data["path"]), absolute(data["eval_path"])
+    for source in data["sources"] or []:
+        source["path"] = absolute(source["path"])
+    if data["tokenizer"] not in (None, "byte"):
+        data["tokenizer"] = absolute(data["tokenizer"])
+    if data["chat_template"] is not None and is_chat_template_path(data["chat_template"]):
+        data["chat_template"] = absolute(data["chat_template"])
+    dumped["output"]["dir"] = absolute(dumped["output"]["dir"])
+    return dumped
+
+
 def ignored_setting_notes(profile: JobProfile) -> list[str]:
     """One `note:` line per reason settings the profile gives (its YAML or a --set names them) do nothing in this
     run: the built-in corpus's beside data.path or data.sources, the image settings and vision choices of a model

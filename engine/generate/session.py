@@ -200,7 +200,7 @@ def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
     marked as read (run_dir.reading_run) while it is read, and with `marks` until that stack closes: a finetune into
     it (--overwrite, --resume) is refused while the model loads."""
     from moe_tune.engine.families import resolve_job
-    from moe_tune.engine.train.run_dir import reading_run
+    from moe_tune.engine.train.run_dir import moved_run_profile_problem, reading_run
     from moe_tune.profiles import load_profile, resolve_profile_path, shipped_profiles
 
     def read_marked(run_dir: Path) -> tuple[JobProfile, str]:
@@ -223,6 +223,8 @@ def resolve_target(target: str, marks: ExitStack | None = None) -> Loaded:
                             ]) from None
     profile = resolve_job(load_profile(target))
     out = profile.output.dir
+    if (moved := moved_run_profile_problem(resolve_profile_path(target), out, "give the run's folder ({folder})")):
+        raise ProfileError([moved])
     if (out / "profile.yaml").is_file():
         # A run it cannot take (unfinished, held, damaged) is refused as RUN_DIR is: never the base model instead.
         run_profile, note = read_marked(out)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moe_tune.profiles import json_shown
+from moe_tune.profiles.schema import dump_with_absolute_paths
 
 from .distributed import any_rank
 
@@ -407,7 +408,8 @@ def run_signature(profile, world_size: int) -> dict[str, dict[str, Any]]:
     return {
         "fixed": {"model": model, "lora": profile.lora.model_dump(mode="json"), "parallel": layout,
                   "world_size": world_size},
-        "noted": {"train": train, "data": profile.data.model_dump(mode="json")},
+        # Data paths absolute: one file named relative and absolute is one file.
+        "noted": {"train": train, "data": dump_with_absolute_paths(profile)["data"]},
     }  # fmt: skip
 
 

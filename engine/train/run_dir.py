@@ -293,6 +293,20 @@ def stray_settings(out: Path) -> list[str]:
     return [] if not present or holds_run_profile(out) else present
 
 
+def moved_run_profile_problem(profile_path: Path, out: Path, remedy: str) -> str | None:
+    """A line when `profile_path` is the profile.yaml a run wrote into its folder (beside the run's results) and its
+    output.dir `out` names another folder: the run folder was copied or moved (or the file's output.dir is relative
+    to another working directory), and a command reading output.dir would continue, replace or read that other
+    folder's run. `remedy` ends the line, `{folder}` in it the run's folder."""
+    folder = profile_path.parent.absolute()
+    if profile_path.name != "profile.yaml" or not (holds_run_profile(folder) and previous_run_outputs(folder)):
+        return None
+    if out.expanduser().resolve() == folder.resolve():
+        return None
+    return (f"PROFILE ({profile_path}) is the profile.yaml of the run in {folder}, but its output.dir is {out}: the "
+            f"run was copied or moved, so output.dir names another folder; {remedy.format(folder=folder)}")
+
+
 def holds_run_profile(folder: Path) -> bool:
     """Whether `folder` holds a profile.yaml a run wrote (a resolved profile: every top-level section of the schema
     present), as every run writes before its first step."""

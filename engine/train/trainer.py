@@ -969,12 +969,13 @@ def _finish(run: TrainingRun) -> RunResult:
 
 
 def resolved_profile_dump(profile: JobProfile) -> dict:
-    """The profile as the run uses it, for profile.yaml: a data.chat_template .jinja file is replaced by its text, so
-    that export and generate render prompts as training did, whatever becomes of the file."""
+    """The profile as the run uses it, for profile.yaml: its paths absolute (export, generate and --resume find the
+    same files from any folder), a data.chat_template .jinja file replaced by its text, so that export and generate
+    render prompts as training did, whatever becomes of the file."""
     from moe_tune.engine.data.chat import chat_options
-    from moe_tune.profiles.schema import is_chat_template_path
+    from moe_tune.profiles.schema import dump_with_absolute_paths, is_chat_template_path
 
-    dumped = profile.model_dump(mode="json")
+    dumped = dump_with_absolute_paths(profile)
     if profile.data.chat_template is not None and is_chat_template_path(profile.data.chat_template):
         dumped["data"]["chat_template"] = chat_options(profile.data).template
     return dumped

@@ -765,3 +765,82 @@ def test_a_run_set_aside_by_a_killed_overwrite_is_named_to_its_readers(tmp_path)
     lock, _ = check_output_dir(out, resume=True, overwrite=False)
     lock.release()
     assert (out / "profile.yaml").read_text() == "old profile.yaml"
+
+
+def test_a_runs_profile_names_its_files_absolute(tmp_path, monkeypatch):
+    # Relative paths are read from the working directory: the run's profile.yaml (and its checkpoints' signature)
+    # names them absolute, so export, generate and --resume find them from any folder.
+    from moe_tune.engine.train.checkpoint import run_signature
+    from moe_tune.engine.train.trainer import resolved_profile_dump
+    from moe_tune.profiles import load_profile
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok").mkdir()
+    for name in ("a.jsonl", "b.jsonl", "e.jsonl"):
+        (tmp_path / name).write_text('{"text": "Ada has three red cats."}\n')
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    relative = ["data.path=null", "data.sources=[{path: a.jsonl}, {path: b.jsonl, weight: 2}]",
+                "data.eval_path=e.jsonl", "data.tokenizer=tok", "data.chat_template=t.jinja", "output.dir=runs/x"]
+    dumped = resolved_profile_dump(load_profile("tiny", relative))
+    assert [s["path"] for s in dumped["data"]["sources"]] == [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]
+    assert dumped["data"]["eval_path"] == str(tmp_path / "e.jsonl")
+    assert dumped["data"]["tokenizer"] == str(tmp_path / "tok")
+    assert dumped["data"]["chat_template"] == "{{ messages[0]['content'] }}"
+    assert dumped["output"]["dir"] == str(tmp_path / "runs" / "x")
+    absolute = [o.replace("a.jsonl", str(tmp_path / "a.jsonl")).replace("=e.jsonl", f"={tmp_path / 'e.jsonl'}")
+                for o in relative]  # fmt: skip
+    assert absolute != relative
+    assert run_signature(load_profile("tiny", absolute), 1) == run_signature(load_profile("tiny", relative), 1)
+    (tmp_path / "f.jsonl").write_text((tmp_path / "e.jsonl").read_text())
+    assert run_signature(load_profile("tiny", ["data.eval_path=f.jsonl", *relative[:2]]), 1) != run_signature(
+        load_profile("tiny", ["data.eval_path=e.jsonl", *relative[:2]]), 1)
+
+
+@pytest.mark.parametrize("case", ["copied", "moved", "relative-elsewhere"])
+def test_a_run_folders_profile_naming_another_folder_is_refused(tmp_path, monkeypatch, case):
+    # finetune (--resume or --overwrite would continue or replace the other folder's run) and generate PROFILE (it
+    # would read the other folder's weights) refuse it, naming the folder the profile.yaml lies in.
+    import yaml
+    from typer.testing import CliRunner
+
+    from moe_tune.cli import app
+    from moe_tune.engine.train.run_dir import moved_run_profile_problem
+    from moe_tune.engine.train.trainer import resolved_profile_dump
+    from moe_tune.profiles import load_profile
+
+    original, here = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    original.mkdir(parents=True)
+    dumped = resolved_profile_dump(load_profile("tiny", [f"output.dir={original}"]))
+    if case == "relative-elsewhere":
+        dumped["output"]["dir"] = "runs/b"  # as a run of an earlier version wrote it, read from another folder
+        (tmp_path / "elsewhere").mkdir()
+        monkeypatch.chdir(tmp_path / "elsewhere")
+    (original / "profile.yaml").write_text(yaml.safe_dump(dumped, sort_keys=False))
+    (original / "checkpoints").mkdir()
+    if case == "moved":
+        original.rename(here)
+    else:
+        (here / "checkpoints").mkdir(parents=True)
+        (here / "profile.yaml").write_text((original / "profile.yaml").read_text())
+    given = here / "profile.yaml"
+    out = Path(dumped["output"]["dir"])
+    line = (f"PROFILE ({given}) is the profile.yaml of the run in {here}, but its output.dir is {out}: the run was "
+            "copied or moved, so output.dir names another folder; ")
+    runner = CliRunner()
+    for resume in (["--resume"], ["--overwrite"], []):
+        result = runner.invoke(app, ["finetune", str(given), *resume])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.splitlines() == [f"error: {line}give --set output.dir={here} to use this run, or "
+                                              "another output.dir with --set"]  # fmt: skip
+    result = runner.invoke(app, ["generate", str(given), "--prompt", "Ada"])
+    assert result.exit_code == 2 and result.stderr.splitlines() == [f"error: {line}give the run's folder ({here})"]
+    assert sorted(p.name for p in here.iterdir()) == ["checkpoints", "profile.yaml"]
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+    # Its own folder as output.dir, or a profile that is no run's profile.yaml, is no such case.
+    assert moved_run_profile_problem(given, here, "") is None
+    (here / "job.yaml").write_text((here / "profile.yaml").read_text())
+    assert moved_run_profile_problem(here / "job.yaml", out, "") is None
+    assert moved_run_profile_problem(tmp_path / "profile.yaml", out, "") is None
+    # A whole profile named profile.yaml in a folder without a run's results is a user's profile, not a run's.
+    (here / "checkpoints").rmdir()
+    assert moved_run_profile_problem(given, out, "") is None
