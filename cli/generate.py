@@ -61,6 +61,9 @@ def generate(
     problems = []
     if (prompt is None) == (not chat):
         problems.append("give --prompt TEXT or --chat (one of them)")
+    if prompt is not None and not prompt.strip():
+        problems.append(f"--prompt ({prompt!r}) is empty or only whitespace (an unset shell variable?): give the text "
+                        "to answer or, with --raw, to continue")
     if chat and raw:
         problems.append("--raw sends one prompt as it is; --chat renders turns through the chat template: give one")
     if raw and system is not None:

@@ -328,11 +328,13 @@ def test_a_profile_that_differs_from_its_run_names_the_settings_and_builds_the_r
         (["{run}", "--prompt", "caf\udce9"], "--prompt: not UTF-8 text (the command line's byte 0xe9 at character 4)"),
         (["{run}", "--prompt", "\udcff", "--raw"], "--prompt: not UTF-8 text (the command line's byte 0xff at "),
         (["{run}", "--chat", "--system", "\udc80 be brief"], "--system: not UTF-8 text (the command line's byte 0x80"),
+        (["{run}", "--prompt", ""], "--prompt ('') is empty or only whitespace (an unset shell variable?)"),
+        (["{run}", "--prompt", " \n\t", "--raw"], "--prompt (' \\n\\t') is empty or only whitespace"),
     ],
     ids=["no-folder", "no-run", "unfinished", "locked", "bad-profile", "prompt-and-chat", "neither", "max-new-0",
          "max-new-negative", "temperature-negative", "temperature-nan", "temperature-inf", "top-p-0", "top-p-above-1",
          "top-p-nan", "seed-negative", "seed-2**64", "seed-huge", "raw-chat", "raw-system", "prompt-not-utf8",
-         "raw-prompt-not-utf8", "system-not-utf8"],
+         "raw-prompt-not-utf8", "system-not-utf8", "prompt-empty", "raw-prompt-blank"],
 )
 def test_bad_input_exits_2_in_one_line(lora_run, tmp_path, args, message):
     run, _ = lora_run
