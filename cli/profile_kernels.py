@@ -224,12 +224,14 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
     measured: list[dict] = []
     done: list[str] = []
     running: list[dict] = []
+    written: list[Path] = []
 
     def save(is_complete: bool, is_last: bool = False) -> None:
         rows = measured + running
         if json_out is not None and (is_last or not json_once):
             try:
                 write_rows(json_out, rows, is_complete)
+                written.append(json_out)
             except OSError as err:
                 fail([f"--json ({str(json_out)!r}): cannot write the rows ({err.strerror or err}); the file is as "
                       "it was"])
@@ -254,8 +256,6 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
         done.append(name)
         save(is_complete=False)
 
-    # An empty list first: a --json path that cannot be written is refused before anything is timed.
-    save(is_complete=False)
     try:
         rows, _, _ = run_kernels(op_names, shapes, on_start=say, on_op=on_op, on_progress=on_progress)
     except typer.Exit:
@@ -263,10 +263,11 @@ def run(ops: str | None, shapes: str, json_out: Path | None, baseline: Path | No
     except (Exception, KeyboardInterrupt) as err:
         where = f"before {names[len(done)]} was measured" if len(done) < len(names) else "after the last op"
         held = [*done, f"{len(running)} of {names[len(done)]}"] if running else done
-        kept = [f"{json_out} keeps the rows of {', '.join(held) or 'no op'} (complete: false)"] if json_out else []
-        kept += [f"{plot} their plot"] if plot and (measured or running) else []
         if json_once or plot_once:
             save(is_complete=False, is_last=True)
+        kept = [f"{json_out} keeps the rows of {', '.join(held)} (complete: false)" if written else
+                f"{json_out} is as it was (no row measured)"] if json_out else []  # fmt: skip
+        kept += [f"{plot} their plot"] if plot and (measured or running) else []
         say(f"stopped ({type(err).__name__}) {where}" + "".join(f"; {line}" for line in kept))
         raise
     table, footnotes = kernels_table(rows, wide, console.width)

@@ -159,7 +159,7 @@ def test_each_op_is_printed_and_saved_as_soon_as_it_is_measured(monkeypatch, tmp
     expected = _rows_of(_fake_op("rotary", 2, [])) + _rows_of(_fake_op("rms_norm", 1, []))
     # While rms_norm ran, the file held rotary's rows, marked incomplete; at the end every row, marked complete.
     assert [name for name, _ in calls] == ["rotary", "rms_norm"]
-    assert calls[0][1] == []
+    assert calls[0][1] is None  # nothing written before the first row
     assert _without_date(calls[1][1]) == _without_date([dict(row, complete=False) for row in expected[:2]])
     assert _without_date(json.loads(out.read_text())) == _without_date([dict(row, complete=True) for row in expected])
     lines = result.stdout.splitlines()
@@ -194,6 +194,21 @@ def test_a_run_stopped_in_its_second_op_keeps_the_first_ops_rows(monkeypatch, tm
     if has_matplotlib:
         # The plot of the rows measured so far.
         assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("error", [RuntimeError("kernel failed"), KeyboardInterrupt()], ids=["raises", "interrupted"])
+@pytest.mark.parametrize("before", [None, b'[{"op": "rotary", "earlier": true}]\n'], ids=["no-file", "a-previous-run"])
+def test_a_run_stopped_before_its_first_row_leaves_the_json_as_it_was(monkeypatch, tmp_path, error, before):
+    out = tmp_path / "run.json"
+    if before is not None:
+        out.write_bytes(before)
+    monkeypatch.setitem(OPS, "rotary", _fake_op("rotary", 0, [], error=error))
+    result = runner.invoke(app, ["--kernels", "--ops", "rotary", "--json", str(out)])
+    assert result.exit_code != 0
+    assert (f"stopped ({type(error).__name__}) before rotary was measured; {out} is as it was (no row measured)"
+            in result.stdout.splitlines())  # fmt: skip
+    assert (out.read_bytes() if out.exists() else None) == before
+    assert [p.name for p in tmp_path.iterdir()] == ([out.name] if before is not None else [])
 
 
 def test_an_op_stopped_after_its_first_case_keeps_that_case(monkeypatch, tmp_path):
