@@ -617,7 +617,7 @@ def _write_export(run, merge: bool, out: Path | None, max_shard_bytes: int, step
                   notes: list[str] | None, problems: list[str]) -> Path:
     """export_run's work once the run is read (and marked as read): `out` checked (ProfileError with `problems` and
     its own lines), then written."""
-    from moe_tune.engine.train.run_dir import owned_place
+    from moe_tune.engine.train.run_dir import enclosing_run_problem, owned_place
 
     from .sources import ROUTING_BIASES_IN_NO_ADAPTER, FinalState
 
@@ -641,6 +641,8 @@ def _write_export(run, merge: bool, out: Path | None, max_shard_bytes: int, step
             problems.append(f"--out ({str(out)!r}) {where} {owned.name!r}, a name the run keeps in its folder (a later "
                             "finetune --resume or --overwrite reads or replaces it); write into a new folder such as "
                             f"{str(run_dir / 'export')!r} or one outside the run")
+        elif (other := enclosing_run_problem(out, f"--out ({str(out)!r})", "the export", run_dir)) is not None:
+            problems.append(other)
         if out.is_symlink():
             problems.append(f"--out ({str(out)!r}) is a symbolic link (to {os.readlink(out)!r}); export writes a new "
                             "or empty folder under its own name, not through a link: name the folder itself")

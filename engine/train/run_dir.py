@@ -444,19 +444,23 @@ def owned_place(path: Path, out: Path) -> Path | None:
     return first if is_owned_name(first.name) else None
 
 
-def enclosing_run_problem(out: Path) -> str | None:
-    """The line refusing output.dir `out` when it is, or lies inside, a name that a run in a folder above it owns
-    (`run/checkpoints/step-N`, `run/adapter`, `run/export`): that run's pruning, --resume or --overwrite would delete
-    or read what this run writes. A folder above is a run's when it holds the profile.yaml a run writes
-    (holds_run_profile; a user's own profile and folders named `checkpoints` beside it are no run). None elsewhere.
-    Paths compare resolved (symlinks followed)."""
+def enclosing_run_problem(out: Path, subject: str | None = None, written: str = "this run's files",
+                          own_run: Path | None = None) -> str | None:  # fmt: skip
+    """The line refusing output.dir `out` (or the folder `subject` names, holding what `written` says) when it is, or
+    lies inside, a name that a run in a folder above it owns (`run/checkpoints/step-N`, `run/adapter`, `run/export`):
+    that run's pruning, --resume or --overwrite would delete or read it. A folder above is a run's when it holds the
+    profile.yaml a run writes (holds_run_profile; a user's own profile and folders named `checkpoints` beside it are
+    no run); `own_run`, the run a command writes for, is left to its own rules. None elsewhere. Paths compare
+    resolved (symlinks followed)."""
     resolved = out.expanduser().resolve()
+    skipped = own_run.expanduser().resolve() if own_run is not None else None
     for folder in resolved.parents:
         place = owned_place(resolved, folder)
-        if place is not None and holds_run_profile(folder):
+        if place is not None and folder != skipped and holds_run_profile(folder):
             where = "is" if place == resolved else "lies inside"
-            return (f"output.dir ({out}) {where} {place.name!r}, a name the run in {folder} keeps in its folder (its "
-                    "pruning, --resume or --overwrite would delete or read this run's files); choose another folder")
+            return (f"{subject or f'output.dir ({out})'} {where} {place.name!r}, a name the run in {folder} keeps in "
+                    f"its folder (its pruning, --resume or --overwrite would delete or read {written}); choose another "
+                    "folder")
     return None
 
 

@@ -764,6 +764,29 @@ def test_an_out_the_run_keeps_in_its_folder_is_refused(run_dir, tmp_path, name, 
     assert files_of(run) == before and sorted(p.name for p in run.iterdir()) == sorted(before)
 
 
+OTHER_RUN_OUT = [("checkpoints/step-0000099", "lies inside 'checkpoints'"), ("merged", "is 'merged'"),
+                 ("adapter-transformers", "is 'adapter-transformers'"), ("tensorboard", "is 'tensorboard'"),
+                 ("export", "is 'export'"), ("export-merged/x", "lies inside 'export-merged'")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, where", OTHER_RUN_OUT, ids=[name for name, _ in OTHER_RUN_OUT])
+def test_an_out_another_run_keeps_in_its_folder_is_refused(run_dir, tmp_path, name, where):
+    """Another run's --overwrite, pruning or --resume would delete or read the export, as for finetune's
+    output.dir; a folder of that other run that it keeps no name of is written."""
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    before = files_of(other)
+    out = other / name
+    result = runner.invoke(app, ["export", str(run_dir), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: --out ({str(out)!r}) {where}, a name the run in {other} keeps in its folder (its pruning, --resume or "
+        "--overwrite would delete or read the export); choose another folder"]
+    assert files_of(other) == before
+    result = runner.invoke(app, ["export", str(run_dir), "--out", str(other / "my-export")])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("name", ["export", "my-export"])
 def test_an_out_of_the_run_folder_that_no_run_keeps_is_written(run_dir, tmp_path, name):
     run = tmp_path / "run"
