@@ -35,6 +35,8 @@ ROUTING_BIASES_IN_NO_ADAPTER = ("the run trained its routing biases (model.moe.b
                                 "--merge, which writes them into the model")
 # The dtypes the trainer saves trained tensors in (and fp16 / fp64, which a merge reads as well).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Their names in a safetensors header.
+STORED_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 # An adapter factor's name after the prefix: `<module>.lora_A.<param>` (linear: param `weight`; grouped experts:
 # `w_gate_up` / `w_down`), the factor of our tensor `<module>.<param>`.
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?P<side>lora_A|lora_B)\.(?P<param>[^.]+)$")
@@ -249,15 +251,20 @@ def read_selection_biases(run: RunInfo, shapes: dict[str, tuple[int, ...]]) -> d
 
 def weights_problems(path: Path, handle, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     """A full fine-tune's model.safetensors (`handle`, open on `path`) against our tensors' `shapes`, read from the
-    header only: the first tensor whose stored shape is not ours, and the first whose name is none of ours (the file
-    of another model), each with how many more, one line each; none when all fit."""
-    problems: dict[str, list[str]] = {"shape": [], "unknown": []}
+    header only: the first tensor whose stored shape is not ours, the first whose name is none of ours (the file of
+    another model) and the first of a dtype other than a floating-point one, each with how many more, one line each;
+    none when all fit."""
+    problems: dict[str, list[str]] = {"shape": [], "unknown": [], "dtype": []}
     for key in sorted(handle.keys()):
         expected = shapes.get(key)
         stored = tuple(handle.get_slice(key).get_shape())
+        dtype = handle.get_slice(key).get_dtype()
         if expected is None:
             problems["unknown"].append(f"{path}: tensor {key} matches no tensor of the run's model (a full "
                                        "fine-tune's weights are the model's tensors under its names)")
+        elif dtype not in STORED_FLOAT_DTYPES:
+            problems["dtype"].append(f"{path}: tensor {key} has dtype {dtype}, must be a floating-point dtype (F32, "
+                                     "BF16, F16, F64)")
         elif stored != expected:
             problems["shape"].append(f"{path}: tensor {key} has shape {stored}, expected {expected} (the run's model)")
     return [lines[0] + more_alike(len(lines) - 1) for lines in problems.values() if lines]

@@ -326,6 +326,16 @@ def test_full_finetune_weights_of_the_wrong_shape_are_named(run_dir, tmp_path):
                                f"{(expected[0] + 1, *expected[1:])}, expected {expected} (")
 
 
+@pytest.mark.parametrize("dtype, stored", [(torch.int32, "I32"), (torch.bool, "BOOL"), (torch.uint8, "U8"),
+                                           (torch.float8_e4m3fn, "F8_E4M3")])  # fmt: skip
+def test_full_finetune_weights_of_a_dtype_not_floating_point_are_named(run_dir, tmp_path, dtype, stored):
+    """A weight stored as integers (or FP8 bits a full fine-tune never writes) was read as zeros into the export."""
+    key = "layers.1.self_attn.q_proj.weight"
+    run = damaged_copy(run_dir, tmp_path, rewrite(lambda t: t.update({key: t[key].to(dtype)})))
+    assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run}/model.safetensors: tensor {key} has dtype "
+                               f"{stored}, must be a floating-point dtype (F32, BF16, F16, F64)")
+
+
 @pytest.mark.parametrize("extra", [["model.layers.1.self_attn.q_proj.weight"], ["mtp.0.proj.weight", "unknown.bias"]],
                          ids=["hub-name", "two-unknown"])
 def test_full_finetune_weights_holding_tensors_of_no_model_tensor_are_named(run_dir, tmp_path, extra):
