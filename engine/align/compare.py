@@ -1122,8 +1122,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
     ref_all = torch.cat(ref_logits).float()
     our_all = out.logits[0].detach().float()
     logits_row = diff_row("logits", our_all, ref_all)
-    ref_logp, our_logp = ref_all.log_softmax(-1), our_all.log_softmax(-1)
-    kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
+    kl = logits_kl(our_all, ref_all)
 
     grads = adapters.gradient_rows() if adapters else []
     return AlignReport(
@@ -1136,7 +1135,7 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         layers=rows,
         logits=logits_row,
         logits_cosine=logits_cosine(our_all, ref_all),
-        kl=max(kl, 0.0),
+        kl=kl,
         loss_reference=ref_loss,
         loss_ours=out.lm_loss.item(),
         lora_grads=grads,
@@ -1146,6 +1145,13 @@ def _align_checkpoint(directory, documents, pin_routing, pin_selection, toleranc
         routing=routing,
         image_grids=image_grids,
     )
+
+
+def logits_kl(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """KL(reference || ours) of the next-token distributions, the mean over positions, in float64 (float32's
+    log-probabilities near -5 cancel to rounding: 1.2e-8 apart read as 0, or below it), clamped at 0."""
+    ref_logp, our_logp = reference.double().log_softmax(-1), ours.double().log_softmax(-1)
+    return max(0.0, (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item())
 
 
 def logits_cosine(ours: torch.Tensor, reference: torch.Tensor) -> float:

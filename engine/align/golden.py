@@ -16,7 +16,7 @@ from torch import nn
 
 from moe_tune.engine.families import UnsupportedModel
 
-from .compare import AlignReport, Document, Row, Tolerances, diff_row, logits_cosine, pack_documents
+from .compare import AlignReport, Document, Row, Tolerances, diff_row, logits_cosine, logits_kl, pack_documents
 
 
 def trace(model: nn.Module, docs: list[Document]) -> dict[str, torch.Tensor]:
@@ -113,8 +113,7 @@ def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Toleranc
     if now["logits"].shape != golden["logits"].shape:
         raise UnsupportedModel([f"--golden {path}: logits have shape {tuple(golden['logits'].shape)}, "
                                 f"the model gives {tuple(now['logits'].shape)}"])
-    ref_logp, our_logp = golden["logits"].log_softmax(-1), now["logits"].log_softmax(-1)
-    kl = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
+    kl = logits_kl(now["logits"], golden["logits"])
     return AlignReport(
         checkpoint=str(path),
         model_type=f"golden trace of {description.get('model', '?')}",
@@ -123,7 +122,7 @@ def check_golden(model: nn.Module, path: Path, tolerances: Tolerances = Toleranc
         layers=rows,
         logits=diff_row("logits", now["logits"], golden["logits"]),
         logits_cosine=logits_cosine(now["logits"], golden["logits"]),
-        kl=max(kl, 0.0),
+        kl=kl,
         loss_reference=golden["loss"].item(),
         loss_ours=now["loss"].item(),
         tolerances=tolerances,

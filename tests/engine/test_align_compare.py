@@ -775,3 +775,19 @@ def test_logits_cosine_of_equal_and_opposite_logits_is_one_and_minus_one_as_prin
     other = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
     expected = (logits.double() @ other.double()) / (logits.double().norm() * other.double().norm())
     assert logits_cosine(logits, other) == pytest.approx(expected.item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e-3, 1e-2])
+def test_logits_kl_of_close_logits_is_the_float64_value_not_zero(scale):
+    # Logits 1e-4..1e-2 apart over 1,000 tokens: the float32 difference of log-softmaxes near -7 cancelled to
+    # rounding and was clamped to 0.
+    from moe_tune.engine.align.compare import logits_kl
+
+    generator = torch.Generator().manual_seed(3)
+    reference = torch.randn(64, 1000, generator=generator) * 3
+    ours = reference + scale * torch.randn(64, 1000, generator=generator)
+    ref_logp, our_logp = reference.double().log_softmax(-1), ours.double().log_softmax(-1)
+    expected = (ref_logp.exp() * (ref_logp - our_logp)).sum(-1).mean().item()
+    assert expected > 0
+    assert logits_kl(ours, reference) == pytest.approx(expected, rel=1e-9)
+    assert logits_kl(reference, reference.clone()) == 0.0
