@@ -267,6 +267,10 @@ class ByteTokenizer:
         return [self.bos_id]
 
 
+# A text every tokenizer of a language model encodes to some tokens.
+PROBE_TEXT = "Ada has three red cats."
+
+
 class HFTokenizer:
     """A tokenizer directory read by transformers (local files only, no remote code)."""
 
@@ -281,6 +285,13 @@ class HFTokenizer:
             reason = error_line(err, (OSError, ValueError))
             raise ProfileError([f"data.tokenizer ('{directory}') cannot be loaded: {reason}"]) from None
         self.vocab_size = len(self._tok)
+        if not self._tok.encode(PROBE_TEXT, add_special_tokens=False):
+            # transformers builds a tokenizer of its model type's class with an empty vocabulary for a folder without
+            # tokenizer files (a checkpoint exported without them).
+            raise ProfileError([f"data.tokenizer ('{directory}') encodes no text (a vocabulary of {self.vocab_size} "
+                                f"token{'s' if self.vocab_size != 1 else ''}: no tokenizer files there, "
+                                "tokenizer.json or tokenizer_config.json with its vocabulary): name the folder of "
+                                "the model's tokenizer in data.tokenizer, or copy its files there"])
         # What each chat template renders for the probe conversation (chat.render_conversation).
         self._probes = TemplateProbes()
         self.bos_id = self._tok.bos_token_id

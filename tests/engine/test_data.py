@@ -340,6 +340,23 @@ def test_unreadable_tokenizer_directory_is_a_profile_error(tmp_path):
         load_tokenizer(str(tmp_path / "empty"))
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next", "llama", "deepseek_v3"])
+def test_a_checkpoint_folder_without_tokenizer_files_is_refused_in_one_line(tmp_path, model_type):
+    # transformers builds an empty tokenizer of the model type's class from config.json alone: every text then gave
+    # 0 tokens, and the data "trained nothing".
+    from moe_tune.engine.data.tokenizer import load_tokenizer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    try:
+        tokenizer = load_tokenizer(str(tmp_path))
+    except ProfileError as err:
+        (line,) = err.problems
+        assert line.startswith(f"data.tokenizer ('{tmp_path}') ")
+        assert "cannot be loaded" in line or " encodes no text (a vocabulary of " in line, line
+    else:
+        pytest.fail(f"a tokenizer of {tokenizer.vocab_size} tokens was read from config.json alone")
+
+
 @pytest.mark.parametrize("tokenizer_json", [
     {"version": "1.0", "model": {"type": "Nope"}},  # no added_tokens: a KeyError inside the loader
     {"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": [1, 2]}},
