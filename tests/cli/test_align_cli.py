@@ -271,24 +271,48 @@ def test_golden_records_then_checks_then_catches_a_change(tmp_path):
     again = runner.invoke(app, ["align", "--golden", str(golden)])
     assert again.exit_code == 0, again.output
     assert "max abs" in again.stdout
-    # A different model (another init seed) against the recorded trace must fail.
-    other_profile = tmp_path / "other.yaml"
+    # A different model (another init seed, another attention kind) is refused naming the field: a mix-up is no
+    # regression of the code.
     import yaml
 
     from moe_tune.profiles import load_profile
 
-    raw = load_profile("tiny").model_dump(mode="json")
-    raw["model"]["seed"] = 1
-    other_profile.write_text(yaml.safe_dump(raw))
-    changed = runner.invoke(app, ["align", "--golden", str(golden), "--profile", str(other_profile)])
-    assert changed.exit_code == 1
-    assert "NOT aligned" in changed.stdout
+    for index, (edit, field) in enumerate([(lambda m: m.update(seed=1), "model.seed 0 there, 1 here"),
+                                           (lambda m: m["layers"][0].update(attention="full"),
+                                            "model.layers[0].attention \"linear\" there, \"full\" here")]):
+        raw = load_profile("tiny").model_dump(mode="json")
+        edit(raw["model"])
+        other_profile = tmp_path / f"other{index}.yaml"
+        other_profile.write_text(yaml.safe_dump(raw))
+        changed = runner.invoke(app, ["align", "--golden", str(golden), "--profile", str(other_profile)])
+        assert changed.exit_code == 2, changed.output
+        assert changed.stderr.splitlines()[0].startswith(f"error: --golden ({str(golden)!r}) was recorded from another "
+                                                         f"model: {field}"), changed.stderr
     # A trace whose logits were altered is caught too.
     tensors = load_file(str(golden))
     meta = {"moe_tune_golden": json.dumps({"model": "profile"})}
     tensors["logits"] = tensors["logits"] + 1e-3
     save_file(tensors, str(golden), metadata=meta)
     assert runner.invoke(app, ["align", "--golden", str(golden)]).exit_code == 1
+
+
+@pytest.mark.parametrize("update", [[], ["--update-golden"]], ids=["record", "update"])
+def test_a_model_the_host_memory_cannot_hold_is_refused_before_it_is_built(tmp_path, monkeypatch, update):
+    from moe_tune.engine.model import model as model_module
+    from moe_tune.engine.plan import model_parameters
+    from moe_tune.engine.train import resources
+    from moe_tune.profiles import load_profile
+
+    total = sum(p.numel for p in model_parameters(load_profile("tiny").model))
+    monkeypatch.setattr(resources, "host_available_memory", lambda: total * 4 - 1)
+    monkeypatch.setattr(model_module, "build_model", lambda cfg: pytest.fail("the model was built"))
+    golden = tmp_path / "g.safetensors"
+    result = runner.invoke(app, ["align", "--golden", str(golden), *update])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: the model ({total / 1e9:.2f}B parameters) needs ~"
+                                          f"{total * 4 / 1e9:.1f} GB of host memory in fp32 for align, more than the "
+                                          f"{(total * 4 - 1) / 1e9:.1f} GB available"]  # fmt: skip
+    assert not golden.exists()
 
 
 def test_a_golden_trace_the_disk_cannot_hold_is_one_line_and_the_old_one_kept(tmp_path, monkeypatch):
