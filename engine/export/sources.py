@@ -108,14 +108,7 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
 def _summary_steps(summary: Path) -> tuple[int | None, int | None]:
     """summary.json's last_step and total_steps (the run's steps, train.epochs' included); None where it does not
     say."""
-    import json
-
-    try:
-        data = json.loads(summary.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None, None
-    if not isinstance(data, dict):
-        return None, None
+    data = read_summary(summary)
     last, total = (data.get(key) for key in ("last_step", "total_steps"))
     last = last if isinstance(last, int) and not isinstance(last, bool) and last >= 0 else None
     total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
@@ -314,6 +307,17 @@ class DictSource:
         self.close()
 
 
+def read_summary(summary: Path) -> dict:
+    """A run's summary.json; empty where it cannot be read as an object."""
+    import json
+
+    try:
+        data = json.loads(summary.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 class FinalState:
     """A finished run's final state. LoRA: base weights from the checkpoint (or, for a profile-built model, our
     seeded init) and, with `merged`, adapter/ merged in per tensor. Full fine-tuning: model.safetensors. An FP8-base
@@ -345,6 +349,9 @@ class FinalState:
             self._reader = CheckpointReader(self.cfg.checkpoint)
             # The loader's getter: FP8 keys dequantized for recipes, or as stored for the FP8 weights it copies.
             self._getter = WeightGetter(self._reader)
+            if merged and run.profile.lora.enabled and (changed := self._base_changes()) is not None:
+                self.close()
+                raise ProfileError([changed])
         if not run.profile.lora.enabled:
             path = run.run_dir / WEIGHTS_FILE
             self._weights = open_safetensors(path)
@@ -454,6 +461,22 @@ class FinalState:
 
     def adapter_state(self) -> dict[str, torch.Tensor] | None:
         return self._adapter
+
+    def _base_changes(self) -> str | None:
+        """The line refusing a merge into base weights other than those the run trained on (summary.json's
+        base_checkpoint; a run of an earlier version has none, and is not checked)."""
+        from moe_tune.engine.families.checkpoint import changes_phrase, fingerprint_changes
+
+        saved = read_summary(self.run.run_dir / "summary.json").get("base_checkpoint")
+        if not isinstance(saved, dict):
+            return None
+        changes = fingerprint_changes(saved.get("files"), self._reader.fingerprint())
+        if not changes:
+            return None
+        return (f"model.checkpoint ({self.cfg.checkpoint}) has changed since the run trained on it "
+                f"({changes_phrase(changes)}): the adapter merged into these weights is not the model the run "
+                "trained; put back the weights it trained on, or export a checkpoint of the run with --step N (it "
+                "holds them)")
 
     def close(self) -> None:
         if self._reader is not None:

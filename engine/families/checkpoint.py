@@ -375,11 +375,62 @@ class CheckpointReader:
         while self._handles:
             self._handles.popitem()[1].__exit__(None, None, None)
 
+    def fingerprint(self) -> dict[str, dict[str, Any]]:
+        """{weight file name: its bytes and the sha256 of its header and FINGERPRINT_SAMPLES spread samples of its
+        data}: what tells a checkpoint's weights from others of the same layout (another training step, a revision
+        of the hub's) reading about 1 MiB of each file; a change between the samples goes unseen."""
+        return {name: _file_fingerprint(path) for name, path in sorted(self._paths.items())}
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+# Samples of a weight file's data its fingerprint reads (each FINGERPRINT_SAMPLE_BYTES), the last at its end.
+FINGERPRINT_SAMPLES = 16
+FINGERPRINT_SAMPLE_BYTES = 64 * 1024
+
+
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    import hashlib
+
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        header = f.read(8)
+        digest.update(header)
+        start = 8 + (int.from_bytes(header, "little") if len(header) == 8 else 0)
+        digest.update(f.read(start - 8))
+        span = max(size - start - FINGERPRINT_SAMPLE_BYTES, 0)
+        for i in range(FINGERPRINT_SAMPLES):
+            f.seek(start + span * i // (FINGERPRINT_SAMPLES - 1))
+            digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def changes_phrase(changes: list[str]) -> str:
+    """The first of fingerprint_changes' phrases, and how many more files changed."""
+    more = len(changes) - 1
+    return changes[0] + (f" (and {more} more file{'s' if more > 1 else ''})" if more else "")
+
+
+def fingerprint_changes(saved: Any, now: dict[str, dict[str, Any]]) -> list[str]:
+    """What differs between a checkpoint's weights fingerprinted earlier (`saved`, CheckpointReader.fingerprint) and
+    now, one phrase per file ('model-00001.safetensors: other contents'); none when they agree, or when `saved` is no
+    fingerprint (a run of an earlier version)."""
+    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+        return []
+    changes = [f"{name}: no longer there" for name in saved if name not in now]
+    changes += [f"{name}: new" for name in now if name not in saved]
+    for name in (n for n in saved if n in now):
+        was, is_now = saved[name], now[name]
+        if was.get("bytes") != is_now["bytes"]:
+            changes.append(f"{name}: {was.get('bytes')} bytes then, {is_now['bytes']} now")
+        elif was.get("sha256") != is_now["sha256"]:
+            changes.append(f"{name}: other contents")
+    return changes
 
 
 def is_floating_dtype(dtype: str) -> bool:

@@ -92,6 +92,10 @@ class RunResult:
     best_eval_step: int | None = None
     best_checkpoint: Path | None = None
     eval_rows: int | None = None
+    # A checkpoint model's base weights as the run trained on them (checkpoint folder and fingerprint of each weight
+    # file, CheckpointReader.fingerprint; carried over --resume): export and generate merge the adapter into the
+    # folder's weights only while they are these.
+    base_checkpoint: dict | None = None
 
     def summary(self) -> dict[str, Any]:
         data = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items() if k != "losses"}
@@ -548,6 +552,8 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
                        total_steps=total_steps, epochs=train.epochs)  # fmt: skip
     if eval_data is not None:
         result.eval_rows = eval_data.epoch_length(0)
+    if profile.model.checkpoint is not None and dist.is_main:
+        result.base_checkpoint = base_fingerprint(profile.model.checkpoint)
     run = TrainingRun(
         profile=profile, dist=dist, engine=engine, layout=layout, dataset=dataset, eval_data=eval_data,
         data_summary=data_summary, total_steps=total_steps,
@@ -603,6 +609,16 @@ def _resume(run: TrainingRun) -> Path:
     start_step = state["step"]
     if (changed := data_change_note(resumed_from, state.get("data"), run.data_summary.fingerprint, start_step)):
         result.resume_notes.append(changed)
+    saved_base = state.get("base")
+    if isinstance(saved_base, dict) and result.base_checkpoint is not None:
+        from moe_tune.engine.families.checkpoint import changes_phrase, fingerprint_changes
+
+        if changes := fingerprint_changes(saved_base.get("files"), result.base_checkpoint["files"]):
+            result.resume_notes.append(
+                f"note: model.checkpoint ({run.profile.model.checkpoint}) has changed since {resumed_from} was "
+                f"trained ({changes_phrase(changes)}): the run goes on from the weights the checkpoint holds; export "
+                "and generate of its final state refuse to merge into the folder's")
+        result.base_checkpoint = saved_base
     torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
     for block, bias in zip(_moe_blocks(engine), state.get("selection_bias", [])):
         block.selection_bias.copy_(torch.tensor(bias))
@@ -1301,6 +1317,14 @@ def _run_eval(engine, eval_data, train: TrainProfile, dist: DistInfo, step: int,
     return loss
 
 
+def base_fingerprint(checkpoint: Path) -> dict:
+    """The base checkpoint's folder and the fingerprint of its weight files (RunResult.base_checkpoint)."""
+    from moe_tune.engine.families.checkpoint import CheckpointReader
+
+    with CheckpointReader(checkpoint) as reader:
+        return {"path": str(Path(checkpoint).absolute()), "files": reader.fingerprint()}
+
+
 def data_change_note(checkpoint: Path, saved: Any, current: dict[str, Any], step: int) -> str | None:
     """A line when the documents read now (data_fingerprint) are not those the checkpoint trained on (its saved
     fingerprint; a checkpoint written before it was saved has none): the data file regenerated or edited, another
@@ -1351,5 +1375,7 @@ def _save(engine, profile: JobProfile, root: Path, step: int, dist: DistInfo, ev
         "signature": run_signature(profile, dist.world_size),
         # Compared on --resume too (data_change_note): the documents it trained on.
         "data": data,
+        # The base weights the run trained on (RunResult.base_checkpoint), carried over --resume.
+        "base": result.base_checkpoint if result is not None else None,
     }
     return save_checkpoint(engine, root, step, state, profile.output.keep_last, dist.is_main)

@@ -576,3 +576,72 @@ def test_generate_on_an_fp8_base_lora_run_routes_with_the_trained_biases(tmp_pat
     assert len(biases) == len(state["selection_bias"]) == 1
     assert biases[0].abs().max() > 0
     torch.testing.assert_close(biases[0], torch.tensor(state["selection_bias"][0]), rtol=0, atol=0)
+
+
+def test_a_merge_into_base_weights_other_than_the_trained_ones_is_refused(tmp_path):
+    """The run keeps a fingerprint of the checkpoint's weight files (summary.json, each checkpoint's state): a merge
+    of the final adapter into a base changed since (another revision, an export written again) is refused in one
+    line, where it wrote a model the run never trained; the adapter alone, and a checkpoint of the run (which holds
+    the weights it trained on), still export. --resume says so and carries the trained-on fingerprint."""
+    from moe_tune.engine.families.checkpoint import CheckpointReader
+    from moe_tune.engine.train.checkpoint import STATE_FILE
+    from moe_tune.engine.train.trainer import base_fingerprint, finetune
+
+    builder, targets = FAMILIES["qwen3_moe"]
+    run = finetune_run(tmp_path, builder, {"target_modules": targets})
+    checkpoint = tmp_path / "checkpoint"
+    trained_on = base_fingerprint(checkpoint)
+    with CheckpointReader(checkpoint) as reader:
+        assert set(trained_on["files"]) == set(reader._paths)
+    assert json.loads((run / "summary.json").read_text())["base_checkpoint"] == trained_on
+    state = json.loads((run / "checkpoints" / "step-0000002" / STATE_FILE).read_text())
+    assert state["base"] == trained_on
+    before = export_run(run, merge=True, out=tmp_path / "before")
+
+    weights = sorted(checkpoint.glob("*.safetensors"))[-1]
+    original = weights.read_bytes()
+    changed = bytearray(original)
+    changed[-3] ^= 0x01  # one bit of the last tensor: its data's end is always read
+    weights.write_bytes(bytes(changed))
+    line = (f"model.checkpoint ({checkpoint}) has changed since the run trained on it ({weights.name}: other contents): "
+            "the adapter merged into these weights is not the model the run trained; put back the weights it trained "
+            "on, or export a checkpoint of the run with --step N (it holds them)")
+    with pytest.raises(ProfileError) as err:
+        export_run(run, merge=True, out=tmp_path / "after")
+    assert err.value.problems == [line] and not (tmp_path / "after").exists()
+    with pytest.raises(ProfileError) as err:
+        FinalState(read_run(run), merged=True)
+    assert err.value.problems == [line]
+    export_run(run, merge=False, out=tmp_path / "adapter")
+    from_step = export_run(run, merge=True, out=tmp_path / "step", step=2)
+    assert_same_tensors(from_step, before)
+
+    job = job_for(tmp_path, builder, {"target_modules": targets}, checkpoint)
+    result = finetune(job.model_copy(update={"train": job.train.model_copy(update={"steps": 3})}), resume=True,
+                      show_progress=False)  # fmt: skip
+    assert any(note.startswith(f"note: model.checkpoint ({checkpoint}) has changed since ") and
+               f"({weights.name}: other contents)" in note for note in result.resume_notes), result.resume_notes
+    assert json.loads((run / "summary.json").read_text())["base_checkpoint"] == trained_on
+    weights.write_bytes(original)
+    export_run(run, merge=True, out=tmp_path / "restored")
+
+
+A = {"bytes": 10, "sha256": "z"}
+
+
+@pytest.mark.parametrize("now, expected", [
+    ({"a.safetensors": A}, []),
+    ({"a.safetensors": {"bytes": 10, "sha256": "x"}}, ["a.safetensors: other contents"]),
+    ({"a.safetensors": {"bytes": 11, "sha256": "x"}, "b.safetensors": A},
+     ["b.safetensors: new", "a.safetensors: 10 bytes then, 11 now"]),
+    ({"b.safetensors": A}, ["a.safetensors: no longer there", "b.safetensors: new"]),
+], ids=["same", "other-contents", "other-size-and-new", "gone"])  # fmt: skip
+def test_fingerprint_changes_name_each_file(now, expected):
+    from moe_tune.engine.families.checkpoint import changes_phrase, fingerprint_changes
+
+    changes = fingerprint_changes({"a.safetensors": A}, now)
+    assert changes == expected
+    if len(changes) > 1:
+        assert changes_phrase(changes) == f"{changes[0]} (and 1 more file)"
+    # A run of an earlier version (no fingerprint, or another shape of it) is not compared.
+    assert fingerprint_changes(None, now) == fingerprint_changes({"a": "not a record"}, now) == []
