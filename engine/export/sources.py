@@ -93,11 +93,12 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     run = RunInfo(run_dir, profile)
     if need_final:
         final = run_dir / (ADAPTER_FILE if profile.lora.enabled else WEIGHTS_FILE)
-        if not (run_dir / "summary.json").is_file() or not final.is_file():
+        summary = read_summary(run_dir / "summary.json")
+        if summary is None or not final.is_file():
             missing = final.relative_to(run_dir)
             raise ProfileError([f"{run_dir}: the run has not finished (no summary.json or no {missing}); "
                                 "export a checkpoint with --step N, or finish it with finetune --resume"])
-        last, total = _summary_steps(run_dir / "summary.json")
+        last, total = _summary_steps(summary)
         total = total if total is not None else profile.train.steps
         if last is not None and total is not None and last < total:
             raise ProfileError([f"{run_dir}: the run stopped at step {last} of its {total} steps; "
@@ -105,11 +106,10 @@ def read_run(run_dir: Path, need_final: bool = True) -> RunInfo:
     return run
 
 
-def _summary_steps(summary: Path) -> tuple[int | None, int | None]:
+def _summary_steps(summary: dict) -> tuple[int | None, int | None]:
     """summary.json's last_step and total_steps (the run's steps, train.epochs' included); None where it does not
     say."""
-    data = read_summary(summary)
-    last, total = (data.get(key) for key in ("last_step", "total_steps"))
+    last, total = (summary.get(key) for key in ("last_step", "total_steps"))
     last = last if isinstance(last, int) and not isinstance(last, bool) and last >= 0 else None
     total = total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
     return last, total
@@ -307,15 +307,21 @@ class DictSource:
         self.close()
 
 
-def read_summary(summary: Path) -> dict:
-    """A run's summary.json; empty where it cannot be read as an object."""
+def read_summary(summary: Path) -> dict | None:
+    """A run's summary.json, None where there is none; ProfileError naming it where it is not a JSON object (cut
+    short, edited)."""
     import json
 
+    if not summary.is_file():
+        return None
     try:
         data = json.loads(summary.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ProfileError([f"{summary}: not readable as the run's summary ({error_line(err)})"]) from None
+    if not isinstance(data, dict):
+        raise ProfileError([f"{summary}: not readable as the run's summary (a JSON {type(data).__name__}, not an "
+                            "object)"])
+    return data
 
 
 class FinalState:
@@ -467,7 +473,7 @@ class FinalState:
         base_checkpoint; a run of an earlier version has none, and is not checked)."""
         from moe_tune.engine.families.checkpoint import changes_phrase, fingerprint_changes
 
-        saved = read_summary(self.run.run_dir / "summary.json").get("base_checkpoint")
+        saved = (read_summary(self.run.run_dir / "summary.json") or {}).get("base_checkpoint")
         if not isinstance(saved, dict):
             return None
         changes = fingerprint_changes(saved.get("files"), self._reader.fingerprint())

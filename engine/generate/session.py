@@ -277,7 +277,7 @@ def base_kind(profile: JobProfile) -> str:
 def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
     """The resolved profile of the run in `run_dir` and a note on its weights; ProfileError when it has no final
     weights (naming the file, and how to get them). Read inside run_dir.reading_run (resolve_target)."""
-    from moe_tune.engine.export.sources import ADAPTER_FILE, WEIGHTS_FILE, read_run
+    from moe_tune.engine.export.sources import ADAPTER_FILE, WEIGHTS_FILE, read_run, read_summary
 
     run = read_run(run_dir, need_final=False)
     profile = run.profile
@@ -289,6 +289,9 @@ def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
             hint += f", or write checkpoint step {step} for transformers with `moe-tune export {run_dir} --step {step}`"
         raise ProfileError([f"{run_dir}: no final weights (no {final}): the run did not finish; {hint}"])
     summary = read_summary(run_dir / "summary.json")
+    if summary is None:
+        raise ProfileError([f"{run_dir}: no summary.json: the run did not finish (killed before it wrote one?); "
+                            "finish it with `moe-tune finetune PROFILE --resume`"])
     last, stopped_by = summary.get("last_step"), summary.get("interrupted_by")
     kind = "LoRA adapters merged" if profile.lora.enabled else "full fine-tune"
     if profile.lora.enabled and is_fp8_base(profile.model):
@@ -302,15 +305,6 @@ def read_finished_run(run_dir: Path) -> tuple[JobProfile, str]:
 def newest_checkpoint_step(run_dir: Path) -> int | None:
     steps = [int(m[1]) for p in (run_dir / "checkpoints").glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
     return max(steps, default=None)
-
-
-def read_summary(path: Path) -> dict:
-    """summary.json's fields ({} when it is missing or unreadable: the weights decide what loads)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 @contextmanager

@@ -824,3 +824,29 @@ def test_a_base_checkpoint_file_linked_outside_its_folder_is_not_exported(run_di
     assert_refused_in_one_line([str(run)], tmp_path / "out", f"{run / 'profile.yaml'}: model.checkpoint "
                                f"({str(base)!r}): {base / name}: leads outside the checkpoint folder {base} (a "
                                f"symlink to {secret}); a checkpoint's files must lie inside it")
+
+
+@pytest.mark.parametrize("summary, line", [
+    (None, "{run}: the run has not finished (no summary.json or no adapter/adapter_model.safetensors)"),
+    ("{", "{run}/summary.json: not readable as the run's summary ("),
+    ("[1, 2]", "{run}/summary.json: not readable as the run's summary (a JSON list, not an object)"),
+    ("\udcff", "{run}/summary.json: not readable as the run's summary ("),
+], ids=["missing", "cut-short", "a-list", "not-utf8"])  # fmt: skip
+@pytest.mark.parametrize("command", ["export", "generate"])
+def test_export_and_generate_take_one_rule_for_summary_json(lora_run_dir, tmp_path, summary, line, command):
+    """A run without summary.json did not finish (it is written last, also when a signal stops a run); a damaged one
+    is named, where it was read as empty (export went on; generate said 'its final step')."""
+    run = tmp_path / "run"
+    shutil.copytree(lora_run_dir, run)
+    (run / "summary.json").unlink()
+    if summary is not None:
+        (run / "summary.json").write_bytes(summary.encode("utf-8", "surrogateescape"))
+    args = ["--merge", "--out", str(tmp_path / "out")] if command == "export" else ["--prompt", "x"]
+    result = runner.invoke(app, [command, str(run), *args])
+    assert result.exit_code == 2, result.output
+    expected = line.format(run=run)
+    if summary is None and command == "generate":
+        expected = f"{run}: no summary.json: the run did not finish"
+    (got,) = result.stderr.splitlines()
+    assert got.startswith(f"error: {expected}"), got
+    assert not (tmp_path / "out").exists()
