@@ -37,12 +37,14 @@ def validate(profile: ProfileArg, overrides: SetOption = None, no_data: NoDataOp
         fail([f"--show ({show}) reads the data, which --no-data skips: give one"])
     job = read_profile(profile, overrides)
     from moe_tune.engine.plan import count_parameters
+    from moe_tune.engine.train.trainer import check_chunked_expert_adapters
     from moe_tune.engine.train.run_dir import check_reads_apart, output_dir_problems, previous_run_outputs, run_reads
 
     with user_errors():
         # What finetune refuses once the model is built: adapters on layers the model does not have, modules PEFT
         # cannot train in full; an output.dir it cannot write.
         count_parameters(job.model, job.lora)
+        check_chunked_expert_adapters(job)
         check_reads_apart(job.output.dir, {"PROFILE": resolve_profile_path(profile), **run_reads(job)})
         if problems := output_dir_problems(job.output.dir):
             fail(problems)

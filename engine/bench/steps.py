@@ -69,6 +69,7 @@ class StepRunner:
             build_dataset,
             build_optimizer,
             build_trainable_model,
+            check_chunked_expert_adapters,
             check_world,
             lr_factor,
             optimizer_groups,
@@ -85,6 +86,7 @@ class StepRunner:
         train = profile.train
         self.dist = init_distributed(profile.parallel.backend, profile.parallel.timeout_s)
         check_world(profile, self.dist.world_size)
+        check_chunked_expert_adapters(profile)
         check_memory_fits(profile, self.dist.world_size, self.dist.device)
         torch.manual_seed(train.seed)
         tokenizer = load_tokenizer(profile.tokenizer)

@@ -518,6 +518,7 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
     # Refused before anything is read or written.
     check_world(profile, dist.world_size)
     check_cuda_graphs(profile, dist.device.type, profile.parallel.expert_parallel)
+    check_chunked_expert_adapters(profile)
     check_memory_fits(profile, dist.world_size, dist.device)
     torch.manual_seed(train.seed)
     tokenizer = load_tokenizer(profile.tokenizer)
@@ -579,6 +580,22 @@ def _set_up(profile: JobProfile, dist: DistInfo, resume: bool, stop_after: int |
         release_engine(engine)
         raise
     return run
+
+
+def check_chunked_expert_adapters(profile: JobProfile) -> None:
+    """ProfileError for expert adapters run in memory.sequence_chunk_tokens chunks under ZeRO-3: the expert adapter
+    layer is a ZeRO-3 leaf module, whose gradients deepspeed 0.19.8 reduces at each of its runs, the same parameters
+    twice in one bucket (it asserts at the first step)."""
+    # A micro-batch's rows run as one packed row of micro_batch_size x seq_len tokens.
+    chunk, row = profile.memory.sequence_chunk_tokens, profile.train.micro_batch_size * profile.data.seq_len
+    lora = profile.lora
+    experts = lora.enabled and lora.experts and any(layer.mlp == "moe" for layer in profile.model.layers)
+    if chunk is not None and chunk < row and experts and profile.parallel.zero_stage == 3:
+        raise ProfileError([
+            f"memory.sequence_chunk_tokens ({chunk}) below a micro-batch's {row} tokens (train.micro_batch_size x "
+            "data.seq_len) runs the expert adapters (lora.experts) once a chunk, whose gradients ZeRO-3 reduces at "
+            "each run (deepspeed 0.19.8 refuses the parameters twice): use parallel.zero_stage 1 or 2 "
+            "(bench-hybrid-1m does), or lora.experts false"])
 
 
 def nothing_to_resume(start_step: int, end_step: int, total_steps: int) -> str:

@@ -340,3 +340,30 @@ def test_validate_names_a_previous_run_in_output_dir(tmp_path):
     assert result.exit_code == 0, result.output
     assert (f"note: output.dir ({out}) holds a previous run ({RUN_RESULTS[0]}): finetune continues it with --resume or "
             "replaces its outputs with --overwrite") in result.stderr.splitlines()
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    ([], True),
+    (["train.micro_batch_size=1", "memory.sequence_chunk_tokens=100"], True),
+    (["parallel.zero_stage=2"], False),
+    (["parallel.zero_stage=1"], False),
+    (["lora.experts=false"], False),
+    (["lora.enabled=false"], False),
+    (["memory.sequence_chunk_tokens=512"], False),
+    (["train.micro_batch_size=1"], False),
+], ids=["zero3", "below-one-row", "zero2", "zero1", "no-expert-adapters", "full", "chunk-is-the-row", "row-fits"])  # fmt: skip
+def test_chunked_expert_adapters_under_zero3_are_refused_in_one_line(overrides, refused):
+    # ZeRO-3 reduces a leaf module's gradients at each of its runs: deepspeed asserted at the first step of finetune
+    # and profile (tiny: 4 rows of 128 tokens, one packed row of 512). validate refuses what finetune refuses.
+    from moe_tune.engine.train.trainer import check_chunked_expert_adapters
+    from moe_tune.profiles import load_profile
+
+    settings = ["memory.sequence_chunk_tokens=128", *overrides]
+    result = runner.invoke(app, ["validate", "tiny", "--no-data", *[a for o in settings for a in ("--set", o)]])
+    if not refused:
+        assert result.exit_code == 0, result.output
+        check_chunked_expert_adapters(load_profile("tiny", settings))
+        return
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: memory.sequence_chunk_tokens (") and "use parallel.zero_stage 1 or 2" in line, line
