@@ -334,4 +334,3 @@ def test_full_fine_tuning_of_a_profile_naming_no_lora_setting_notes_nothing(tmp_
     raw = yaml.safe_load(TINY.read_text())
     raw["lora"] = {"enabled": False}
     assert ignored_setting_notes(validate_profile(raw)) == []
-
