@@ -165,10 +165,23 @@ def test_finetune_on_images_starts_at_the_reference_loss(checkpoint, tmp_path):
 def test_align_batch_images_stay_in_the_batch_folder(checkpoint, tmp_path, image):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    import shutil
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     from moe_tune.engine.align.compare import read_batch
     from moe_tune.engine.families import UnsupportedModel
 
-    # The image processor settings images are read with (whichever of the module's tests ran before).
+    # Text records need the checkpoint's tokenizer (a folder without one is refused): one token a character.
+    checkpoint = shutil.copytree(checkpoint, tmp_path / "checkpoint")
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {"<unk>": 0, "</s>": 1} | {c: i + 2 for i, c in enumerate(chars)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>").save_pretrained(checkpoint)
+    # The image processor settings images are read with.
     Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
                              max_pixels=32 * 32).save_pretrained(checkpoint)  # fmt: skip
     folder = tmp_path / "batch"
