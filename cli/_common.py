@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Annotated, Iterator
 import typer
 from rich.console import Console
 
-from moe_tune.engine.atomic_write import folder_refused
+from moe_tune.engine.atomic_write import file_refused, folder_refused
 from moe_tune.profiles import JobProfile, ProfileError, bounded_line, load_profile
 
 USER_ERROR_EXIT = 2
@@ -151,12 +150,7 @@ def _write_refused(path: Path) -> str | None:
         except OSError as err:
             return f"it cannot be opened for writing ({err.strerror or err})"
     elif not path.exists():
-        try:
-            handle, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
-            os.close(handle)
-            os.unlink(probe)
-        except OSError as err:
-            return f"no file can be created in {str(path.parent)!r} ({err.strerror or err})"
+        return file_refused(path.parent)
     return None
 
 

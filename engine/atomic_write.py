@@ -58,6 +58,18 @@ def folder_refused(folder: Path) -> str | None:
     return None
 
 
+def file_refused(folder: Path) -> str | None:
+    """Why the OS refuses a new file in the existing `folder` (a read-only mount, /proc, permissions), found by
+    creating an empty one and removing it at once; None when it can be made."""
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".moe-tune-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        return f"no file can be created in {str(folder)!r} ({err.strerror or err})"
+    return None
+
+
 def _is_fifo(path: Path) -> bool:
     try:
         return stat.S_ISFIFO(os.stat(path).st_mode)

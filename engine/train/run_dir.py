@@ -23,7 +23,6 @@ import os
 import shutil
 import socket
 import stat
-import tempfile
 import uuid
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Iterator
 import torch
 import yaml
 
-from moe_tune.engine.atomic_write import folder_refused
+from moe_tune.engine.atomic_write import file_refused, folder_refused
 from moe_tune.profiles import ProfileError
 from moe_tune.profiles.schema import JobProfile
 
@@ -538,13 +537,8 @@ def output_dir_problems(out: Path) -> list[str]:
     if not out.exists():
         refused = folder_refused(out)
         return [f"{where} cannot be created: {refused}"] if refused is not None else []
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".moe-tune-probe-", dir=out)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as err:
-        return [f"{where} is not writable: no file can be created in it ({_reason(err)})"]
-    return []
+    refused = file_refused(out)
+    return [f"{where} is not writable: {refused}"] if refused is not None else []
 
 
 def _not_a_directory(out: Path) -> str:
